@@ -1,0 +1,1 @@
+"""Compiling flash4's CuTe DSL kernels: fake tensors, the compile cache, the CPU compile check."""

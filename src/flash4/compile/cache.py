@@ -1,0 +1,62 @@
+"""One cached entry point per kernel kind: config (host scalars only) -> compiled launcher.
+
+The in-memory cache is keyed by the frozen config; a second call with an equal config compiles
+nothing. Compiled kernels take torch tensors directly (TVM-FFI) and launch on the current stream.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import os
+
+from flash4.config import FwdConfig
+
+# Without a GPU the DSL would default to sm_100a: flash4 compiles for Hopper unless told otherwise.
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+
+import cutlass  # noqa: E402
+import cutlass.cute as cute  # noqa: E402
+
+from flash4.compile.fake import fwd_fake_args  # noqa: E402
+
+COMPILE_OPTIONS = "--enable-tvm-ffi"
+
+
+def _arch_option(arch: int) -> str:
+    return f" --gpu-arch sm_{arch}a"
+
+
+def compile_fwd(cfg: FwdConfig, options: str = ""):
+    """Compile one forward config (no GPU needed). Returns the compiled callable
+    f(q, k, v, out, lse, softmax_scale_log2: float) that launches on the current CUDA stream."""
+    from flash4.kernels.fwd_sm90 import FlashAttentionForwardSm90
+
+    if cfg.arch != 90:
+        raise ValueError(f"no forward kernel for sm_{cfg.arch}")
+    kernel = FlashAttentionForwardSm90(cfg)
+    q, k, v, o, lse = fwd_fake_args(cfg.headdim, cfg.dtype)
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    return cute.compile(
+        kernel, q, k, v, o, lse, cutlass.Float32(1.0), stream,
+        options=COMPILE_OPTIONS + _arch_option(cfg.arch) + options,
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def get_fwd_runner(cfg: FwdConfig):
+    """Cached: compiled forward for `cfg`, as run(q, k, v, out, lse, softmax_scale).
+
+    q: (B, Sq, H, D), k/v: (B, Sk, Hk, D), out like q, lse fp32 (B, H, Sq); all CUDA, last dim
+    contiguous, 16-byte aligned. Launches on torch.cuda.current_stream(); returns None.
+    """
+    t0 = time.perf_counter()
+    compiled = compile_fwd(cfg)
+    get_fwd_runner.last_compile_s = time.perf_counter() - t0
+    log2e = 1.4426950408889634
+
+    def run(q, k, v, out, lse, softmax_scale: float):
+        compiled(q, k, v, out, lse, softmax_scale * log2e)
+
+    return run

@@ -1,0 +1,146 @@
+"""CPU-only compile check: build kernels for sm_90a from fake tensors and report what the
+hardware would get (registers, spills, shared memory, HGMMA/TMA presence) and how long it took.
+
+The cubin is read out of the compiled module (the DSL embeds it as `@kernels_binary`), then
+`cuobjdump` (PyPI: nvidia-cuda-cuobjdump) reports resource usage and SASS. Without cuobjdump
+the compile itself is still checked and the resource columns are None.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import time
+import traceback
+
+from flash4.config import FwdConfig, shipped_fwd_configs
+
+
+def _cuobjdump() -> str | None:
+    path = shutil.which("cuobjdump")
+    if path:
+        return path
+    try:
+        import nvidia  # namespace package of the nvidia-* wheels
+
+        for base in nvidia.__path__:
+            for sub in ("cu13", "cuda_cuobjdump", "cu12"):
+                cand = os.path.join(base, sub, "bin", "cuobjdump")
+                if os.path.exists(cand):
+                    return cand
+    except ImportError:
+        pass
+    return None
+
+
+def _decode_mlir_string(body: str) -> bytes:
+    out = bytearray()
+    i = 0
+    while i < len(body):
+        ch = body[i]
+        if ch == "\\":
+            nxt = body[i + 1]
+            if nxt in "0123456789abcdefABCDEF":
+                out.append(int(body[i + 1 : i + 3], 16))
+                i += 3
+                continue
+            out.append(ord(nxt))
+            i += 2
+            continue
+        out.append(ord(ch))
+        i += 1
+    return bytes(out)
+
+
+def extract_cubin(compiled) -> bytes | None:
+    """The ELF cubin embedded in a compiled function's host module, or None."""
+    text = str(compiled.ir_module)
+    m = re.search(r'@kernels_binary\("((?:[^"\\]|\\.)*)"', text)
+    if not m:
+        return None
+    blob = _decode_mlir_string(m.group(1))
+    start = blob.find(b"\x7fELF")
+    return blob[start:] if start >= 0 else None
+
+
+def resource_usage(cubin: bytes) -> dict:
+    """{registers, spills (bytes stored+loaded), smem_static, hgmma, utmaldg, utmastg} via cuobjdump."""
+    tool = _cuobjdump()
+    if tool is None:
+        return {}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        env = dict(os.environ, PATH=os.path.dirname(tool) + os.pathsep + os.environ.get("PATH", ""))
+        run = partial(subprocess.run, capture_output=True, text=True, env=env)
+        res = run([tool, "--dump-resource-usage", path]).stdout
+        sass = run([tool, "--dump-sass", path]).stdout
+    regs = re.search(r"REG:(\d+)", res)
+    stack = re.search(r"STACK:(\d+)", res)
+    smem = re.search(r"SHARED:(\d+)", res)
+    spill_st = sum(int(x) for x in re.findall(r"(\d+) bytes spill stores", res))
+    local = len(re.findall(r"\b(LDL|STL)\b", sass))
+    return {
+        "registers": int(regs.group(1)) if regs else None,
+        "stack_bytes": int(stack.group(1)) if stack else None,
+        "smem_static": int(smem.group(1)) if smem else None,
+        "spills": local + spill_st,
+        "hgmma": len(re.findall(r"\bHGMMA\b", sass)),
+        "utmaldg": len(re.findall(r"\bUTMALDG\b", sass)),
+        "utmastg": len(re.findall(r"\bUTMASTG\b", sass)),
+        "mufu_ex2": len(re.findall(r"MUFU\.EX2", sass)),
+    }
+
+
+def compile_check(configs: list[FwdConfig] | None = None) -> list[dict]:
+    """Compile each config (default: every shipped forward config) for its arch on this machine.
+
+    Returns one dict per config: config, ok, error, compile_s, registers, spills (count of local
+    memory instructions in SASS), smem_bytes (dynamic, from the config), hgmma/utmaldg counts.
+    """
+    from flash4.compile.cache import compile_fwd
+
+    rows = []
+    for cfg in configs if configs is not None else shipped_fwd_configs():
+        row = {"config": _short(cfg), "ok": False, "error": None, "compile_s": None,
+               "registers": None, "spills": None, "smem_bytes": cfg.smem_bytes()}
+        t0 = time.perf_counter()
+        try:
+            compiled = compile_fwd(cfg)
+            row["compile_s"] = round(time.perf_counter() - t0, 2)
+            cubin = extract_cubin(compiled)
+            if cubin is not None:
+                row.update(resource_usage(cubin))
+            row["ok"] = True
+        except Exception as e:  # a compile failure is a result here, not a crash
+            row["compile_s"] = round(time.perf_counter() - t0, 2)
+            row["error"] = f"{type(e).__name__}: {e}"[:2000]
+            row["traceback"] = traceback.format_exc()[-4000:]
+        rows.append(row)
+    return rows
+
+
+def _short(cfg: FwdConfig) -> str:
+    d = dataclasses.asdict(cfg)
+    return (f"fwd_sm{d['arch']} d{d['headdim']} {d['dtype']} {'causal' if d['causal'] else 'full'} "
+            f"{d['tile_m']}x{d['tile_n']}x{d['kv_stages']}st")
+
+
+def format_table(rows: list[dict]) -> str:
+    head = f"{'config':42s} {'ok':>3s} {'sec':>5s} {'regs':>4s} {'spill':>5s} {'smem KiB':>8s} {'HGMMA':>5s} {'TMA':>4s}"
+    lines = [head]
+    for r in rows:
+        lines.append(
+            f"{r['config']:42s} {'yes' if r['ok'] else 'NO':>3s} {r['compile_s'] or 0:5.2f} "
+            f"{r.get('registers') or '-':>4} {r.get('spills') if r.get('spills') is not None else '-':>5} "
+            f"{r['smem_bytes'] / 1024:8.1f} {r.get('hgmma', '-'):>5} {r.get('utmaldg', '-'):>4}"
+        )
+        if r["error"]:
+            lines.append("    error: " + r["error"].splitlines()[0][:200])
+    return "\n".join(lines)

@@ -1,0 +1,29 @@
+"""Fake (shape-only) tensors for compiling without a GPU or real data.
+
+Every extent is a runtime symbol, strides are runtime symbols except the contiguous head dim; one
+compiled kernel then serves every batch, seqlen, head count and (last-dim-contiguous) stride.
+"""
+
+import cutlass
+import cutlass.cute as cute
+
+DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
+# 16-byte alignment (TMA) for 16-bit elements: strides divisible by 8 elements.
+DIV_16B = 8
+
+
+def _fake(dtype, shape, leading_dim: int, divisibility: int):
+    stride = tuple(1 if i == leading_dim else cute.sym_int64(divisibility=divisibility) for i in range(len(shape)))
+    return cute.runtime.make_fake_tensor(dtype, shape, stride=stride, assumed_align=divisibility * dtype.width // 8)
+
+
+def fwd_fake_args(headdim: int, dtype: str):
+    """(q, k, v, out, lse) fake tensors: q/out (b, sq, h, d), k/v (b, sk, hk, d), lse (b, h, sq) fp32."""
+    dt = DTYPES[dtype]
+    b, sq, sk, h, hk = (cute.sym_int32() for _ in range(5))
+    q = _fake(dt, (b, sq, h, headdim), 3, DIV_16B)
+    k = _fake(dt, (b, sk, hk, headdim), 3, DIV_16B)
+    v = _fake(dt, (b, sk, hk, headdim), 3, DIV_16B)
+    o = _fake(dt, (b, sq, h, headdim), 3, DIV_16B)
+    lse = _fake(cutlass.Float32, (b, h, sq), 2, 1)
+    return q, k, v, o, lse

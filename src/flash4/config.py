@@ -1,0 +1,113 @@
+"""Kernel configurations and the pure per-arch functions that choose them.
+
+A config is a frozen dataclass of host scalars only: it is the compile-cache key (with the
+source hash of the kernel files), so two calls that pick equal configs share one compiled kernel.
+Everything here is pure Python and tested on the CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+# Head dims the sm90 forward supports (the public API rejects others; see validate.py).
+SUPPORTED_HEADDIMS = (64, 96, 128, 192, 256)
+# dtype names used in configs (kept as strings so configs stay torch-free and hashable).
+DTYPES = ("bf16", "fp16")
+# Rows of the query tile handled by one consumer warpgroup (one wgmma M).
+ROWS_PER_WARPGROUP = 64
+# Lazy-rescale threshold tau in the log2 domain: rescale only when the row max grew by more
+# than 2**tau (FlashAttention-4 paper, section on conditional rescaling). 8 -> factor 256.
+RESCALE_THRESHOLD_LOG2 = 8.0
+
+
+@dataclasses.dataclass(frozen=True)
+class FwdConfig:
+    """One compiled forward kernel.
+
+    headdim:      D of Q/K/V (elements).
+    dtype:        "bf16" or "fp16" (Q, K, V and O).
+    causal:       bottom-right aligned causal mask.
+    tile_m:       query rows per CTA (ROWS_PER_WARPGROUP x consumer warpgroups).
+    tile_n:       key rows per K/V pipeline stage.
+    kv_stages:    depth of the K/V TMA pipeline.
+    persistent:   grid = number of SMs, each CTA loops over tiles (else one CTA per tile).
+    lpt:          longest-processing-time-first tile order (causal); only with persistent.
+    exp2_emu_frac: share of each row's exp2 done by the FMA polynomial (0 = all MUFU).
+    rescale_threshold: lazy-rescale tau in log2 units (0 = rescale whenever the max grows).
+    arch:         SM version the kernel is built for (90 = sm_90a).
+    """
+
+    headdim: int
+    dtype: str = "bf16"
+    causal: bool = False
+    tile_m: int = 128
+    tile_n: int = 128
+    kv_stages: int = 2
+    persistent: bool = False
+    lpt: bool = False
+    exp2_emu_frac: float = 0.0
+    rescale_threshold: float = RESCALE_THRESHOLD_LOG2
+    arch: int = 90
+
+    def __post_init__(self):
+        assert self.headdim in SUPPORTED_HEADDIMS, self.headdim
+        assert self.dtype in DTYPES, self.dtype
+        assert self.tile_m % ROWS_PER_WARPGROUP == 0, self.tile_m
+        assert self.tile_n % 16 == 0, self.tile_n
+
+    @property
+    def num_consumer_warpgroups(self) -> int:
+        return self.tile_m // ROWS_PER_WARPGROUP
+
+    @property
+    def num_threads(self) -> int:
+        # one producer warpgroup + the consumer warpgroups
+        return 128 * (1 + self.num_consumer_warpgroups)
+
+    def smem_bytes(self) -> int:
+        """Shared memory for Q, the K/V stages and the O staging tile (bytes, no barriers)."""
+        elt = 2
+        q = self.tile_m * self.headdim * elt
+        kv = 2 * self.kv_stages * self.tile_n * self.headdim * elt
+        return q + kv  # O reuses Q's buffer in the epilogue
+
+
+def select_fwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, arch: int = 90) -> FwdConfig:
+    """Pick the forward config for one problem class (pure; CPU-tested).
+
+    Raises ValueError for an unsupported arch or head dim (the API validates earlier, with the
+    user-facing message; this is the second line).
+    """
+    if arch != 90:
+        raise ValueError(f"flash4 forward: arch sm_{arch} has no kernel yet (supported: sm_90a)")
+    if headdim not in SUPPORTED_HEADDIMS:
+        raise ValueError(f"headdim={headdim} not supported; allowed: {SUPPORTED_HEADDIMS}")
+    if headdim <= 128:
+        tile_n, stages = 128, 2
+    elif headdim <= 192:
+        tile_n, stages = 96, 2
+    else:
+        tile_n, stages = 80, 2
+    return FwdConfig(headdim=headdim, dtype=dtype, causal=causal, tile_n=tile_n, kv_stages=stages, arch=arch)
+
+
+def shipped_fwd_configs() -> list[FwdConfig]:
+    """Every config the API can select: what `python -m flash4 compile-check` builds."""
+    return [
+        select_fwd_config(d, dt, c)
+        for d in SUPPORTED_HEADDIMS
+        for dt in DTYPES
+        for c in (False, True)
+    ]
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def num_m_blocks(seqlen_q: int, cfg: FwdConfig) -> int:
+    return ceil_div(seqlen_q, cfg.tile_m)
+
+
+LOG2E = math.log2(math.e)

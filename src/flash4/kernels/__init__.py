@@ -1,0 +1,1 @@
+"""CuTe DSL kernels. Import of this package needs nvidia-cutlass-dsl, not a GPU."""

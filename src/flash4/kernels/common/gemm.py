@@ -1,0 +1,30 @@
+"""Warpgroup MMA (wgmma) issue helpers for sm90."""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass.cute.nvgpu import warpgroup
+
+
+@cute.jit
+def wgmma(
+    tiled_mma: cute.TiledMma,
+    acc: cute.Tensor,
+    tCrA: cute.Tensor,
+    tCrB: cute.Tensor,
+    zero_init: cutlass.Constexpr[bool] = False,
+    wg_wait: cutlass.Constexpr[int] = 0,
+):
+    """acc (+)= A @ B over all k16 blocks: fence, issue, commit; then wait until at most
+    `wg_wait` wgmma groups are in flight (wg_wait < 0: don't wait).
+
+    tCrA: (MMA, MMA_M, MMA_K) smem descriptors or registers; tCrB: (MMA, MMA_N, MMA_K).
+    """
+    warpgroup.fence()
+    atom = cute.make_mma_atom(tiled_mma.op)  # a fresh atom: we toggle its ACCUMULATE field
+    atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
+    for k in cutlass.range_constexpr(cute.size(tCrA.shape[2])):
+        cute.gemm(atom, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
+        atom.set(warpgroup.Field.ACCUMULATE, True)
+    warpgroup.commit_group()
+    if cutlass.const_expr(wg_wait >= 0):
+        warpgroup.wait_group(wg_wait)

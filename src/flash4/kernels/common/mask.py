@@ -1,0 +1,41 @@
+"""Masks applied to raw score tiles: keys past seqlen_k, and the causal (bottom-right aligned) limit.
+
+Causal follows FlashAttention-2/3: query row i (0-based) sees key j iff j <= i + seqlen_k - seqlen_q.
+Only the tiles that cross the diagonal or the seqlen_k edge are masked; `block_info` says which.
+"""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+
+from flash4.kernels.common.layout import acc_mn_view
+
+
+@cute.jit
+def apply_mask(
+    acc_S: cute.Tensor,
+    tScS: cute.Tensor,
+    m_block: Int32,
+    n_block: Int32,
+    seqlen_q: Int32,
+    seqlen_k: Int32,
+    tile_m: cutlass.Constexpr[int],
+    tile_n: cutlass.Constexpr[int],
+    causal: cutlass.Constexpr[bool],
+):
+    """Sets masked scores to -inf in place.
+
+    acc_S: the thread's score fragment; tScS: identity tensor (tile_m, tile_n) partitioned the same way
+    (its values are (row, col) coordinates inside the tile).
+    """
+    s = acc_mn_view(acc_S)
+    c = acc_mn_view(tScS)
+    col_limit_k = seqlen_k - n_block * tile_n
+    for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+        col_limit = col_limit_k
+        if cutlass.const_expr(causal):
+            row = m_block * tile_m + c[r, 0][0]
+            col_limit = cutlass.min(col_limit, row + 1 + seqlen_k - seqlen_q - n_block * tile_n)
+        for j in cutlass.range_constexpr(cute.size(s, mode=[1])):
+            if c[0, j][1] >= col_limit:
+                s[r, j] = -Float32.inf

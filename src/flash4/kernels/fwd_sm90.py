@@ -1,0 +1,396 @@
+"""FlashAttention forward for Hopper (sm_90a) in CuTe DSL.
+
+O = softmax(scale * Q K^T) V and LSE, exact, O(N) memory. Design after FlashAttention-3
+(Shah et al. 2024, sections 3.1-3.2) with FlashAttention-4's softmax tricks (lazy rescaling,
+optional FMA-emulated exp2; Zadouri et al. 2025).
+"""
+
+from functools import partial
+
+import cuda.bindings.driver as cuda
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, const_expr, pipeline
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.utils import LayoutEnum
+
+from flash4.config import FwdConfig
+from flash4.kernels.common import block_info
+from flash4.kernels.common.barriers import NamedBarrierFwd
+from flash4.kernels.common.gemm import wgmma
+from flash4.kernels.common.layout import acc_mn_view, acc_to_frgA_layout, select_modes, transpose_view
+from flash4.kernels.common.mask import apply_mask
+from flash4.kernels.common.softmax import OnlineSoftmax
+
+_DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
+THREADS_PER_WG = 128
+# setmaxnreg budgets (producer, consumer) by consumer warpgroup count: 64K registers / CTA.
+_REGS = {1: (56, 256), 2: (24, 240), 3: (32, 160)}
+
+
+def next_state(state: pipeline.PipelineState) -> pipeline.PipelineState:
+    """The following pipeline state, as a new object (so loops rebind it and the DSL carries it)."""
+    nxt = state.clone()
+    nxt.advance()
+    return nxt
+
+
+class FlashAttentionForwardSm90:
+    """Warp-specialized forward kernel, one CTA per (m_block, head, batch) tile.
+
+    Warp roles (threads 0-127 = producer warpgroup, then one consumer warpgroup per 64 query rows):
+      * producer warp 0: TMA loads. Q once per tile; then K[n_max-1]; then for each next block
+        K[n] followed by V[n+1] (the order the consumers use them); last V[n_min].
+      * consumer warpgroups 1..W: wgmma S = Q K^T (SS), online softmax on S in registers,
+        P converted to 16-bit in registers, wgmma O += P V (RS), epilogue.
+    Pipelines (producer -> consumer; consumers release with one arrive per warp):
+      * pipeline_q (1 stage, TMA tx-count): Q tile.
+      * pipeline_k, pipeline_v (kv_stages each, TMA tx-count): K and V blocks, sharing one state.
+    Consumer steady state per key block n (intra-warpgroup overlap, FA3 section 3.2):
+      issue S_n = Q K_n ; issue O += P_{n+1} V_{n+1} ; wait S_n ; release K_n ; mask + softmax(S_n) ;
+      wait O ; release V_{n+1} ; P_n = cvt(S_n) ; rescale O if some row max moved past tau.
+    Inter-warpgroup ping-pong (FA3 section 3.1): warpgroup w issues its GEMMs only after the other
+    warpgroup has issued its own, so one warpgroup's softmax overlaps the other's GEMMs.
+    Epilogue: O / rowsum -> 16-bit -> smem (reusing Q's buffer) via stmatrix -> one TMA store;
+    LSE straight from registers.
+    """
+
+    def __init__(self, cfg: FwdConfig):
+        self.cfg = cfg
+        self.dtype = _DTYPES[cfg.dtype]
+        self.tile_m, self.tile_n, self.hdim = cfg.tile_m, cfg.tile_n, cfg.headdim
+        self.num_stages = cfg.kv_stages
+        self.causal = cfg.causal
+        self.num_wg_mma = cfg.num_consumer_warpgroups
+        self.num_mma_threads = THREADS_PER_WG * self.num_wg_mma
+        self.num_threads = cfg.num_threads
+        self.num_producer_regs, self.num_mma_regs = _REGS[self.num_wg_mma]
+        self.use_scheduler_barrier = self.num_wg_mma == 2 and self.hdim <= 128
+        self.buffer_align_bytes = 1024
+
+    # ------------------------------------------------------------------ host side (trace time)
+    def _smem_layout(self, rows: int, stages=None):
+        atom = warpgroup.make_smem_layout_atom(
+            sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype, self.hdim), self.dtype
+        )
+        shape = (rows, self.hdim) if stages is None else (rows, self.hdim, stages)
+        return cute.tile_to_shape(atom, shape, order=(0, 1) if stages is None else (0, 1, 2))
+
+    def _tiled_mmas(self):
+        atom_layout = (self.num_wg_mma, 1, 1)
+        tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
+            Float32, atom_layout, (64, self.tile_n),
+        )
+        tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN,
+            Float32, atom_layout, (64, self.hdim), a_source=warpgroup.OperandSource.RMEM,
+        )
+        return tiled_mma_qk, tiled_mma_pv
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # (batch, seqlen_q, nheads, headdim), headdim contiguous
+        mK: cute.Tensor,  # (batch, seqlen_k, nheads_k, headdim)
+        mV: cute.Tensor,  # (batch, seqlen_k, nheads_k, headdim)
+        mO: cute.Tensor,  # (batch, seqlen_q, nheads, headdim)
+        mLSE: cute.Tensor,  # (batch, nheads, seqlen_q) float32
+        softmax_scale_log2: Float32,
+        stream: cuda.CUstream,
+    ):
+        if const_expr(not (mQ.element_type == mK.element_type == mV.element_type == mO.element_type == self.dtype)):
+            raise TypeError(f"flash4 fwd_sm90: tensors must all be {self.dtype}")
+        # Kernel-side views: (seqlen, headdim, nheads, batch) and LSE (seqlen_q, nheads, batch).
+        mQ, mK, mV, mO = [select_modes(t, [1, 3, 2, 0]) for t in (mQ, mK, mV, mO)]
+        mLSE = select_modes(mLSE, [2, 1, 0])
+
+        tiled_mma_qk, tiled_mma_pv = self._tiled_mmas()
+        sQ_layout = self._smem_layout(self.tile_m)
+        sK_layout = self._smem_layout(self.tile_n, self.num_stages)
+        sV_layout = sK_layout
+        sO_layout = sQ_layout  # O is staged in Q's buffer once Q is no longer read
+
+        load_op = cpasync.CopyBulkTensorTileG2SOp()
+        tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(load_op, mQ, sQ_layout, (self.tile_m, self.hdim))
+        kv_stage_layout = cute.select(sK_layout, mode=[0, 1])
+        tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(load_op, mK, kv_stage_layout, (self.tile_n, self.hdim), 1)
+        tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(load_op, mV, kv_stage_layout, (self.tile_n, self.hdim), 1)
+        tma_atom_O, tma_O = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileS2GOp(), mO, sO_layout, (self.tile_m, self.hdim)
+        )
+        self.tma_bytes_q = cute.size_in_bytes(self.dtype, sQ_layout)
+        self.tma_bytes_kv = cute.size_in_bytes(self.dtype, kv_stage_layout)
+
+        @cute.struct
+        class SharedStorage:
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
+            mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], self.buffer_align_bytes]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], self.buffer_align_bytes]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], self.buffer_align_bytes]
+
+        num_m_blocks = cute.ceil_div(cute.size(mQ.shape[0]), self.tile_m)
+        grid = (num_m_blocks, cute.size(mQ.shape[2]), cute.size(mQ.shape[3]))
+        self.kernel(
+            tma_Q, tma_K, tma_V, tma_O, mLSE,
+            tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O,
+            softmax_scale_log2,
+            sQ_layout, sK_layout, sV_layout, sO_layout,
+            tiled_mma_qk, tiled_mma_pv, SharedStorage,
+        ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+
+    # ------------------------------------------------------------------ device side
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
+        tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom, tma_atom_O: cute.CopyAtom,
+        softmax_scale_log2: Float32,
+        sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
+        sV_layout: cute.ComposedLayout, sO_layout: cute.ComposedLayout,
+        tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == 0:
+            for atom in (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O):
+                cpasync.prefetch_descriptor(atom)
+
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads // 32)
+        make_pipe = partial(
+            pipeline.PipelineTmaAsync.create, producer_group=producer, consumer_group=consumers, defer_sync=True
+        )
+        pipeline_q = make_pipe(barrier_storage=storage.mbar_q.data_ptr(), num_stages=1, tx_count=self.tma_bytes_q)
+        pipeline_k = make_pipe(
+            barrier_storage=storage.mbar_k.data_ptr(), num_stages=self.num_stages, tx_count=self.tma_bytes_kv
+        )
+        pipeline_v = make_pipe(
+            barrier_storage=storage.mbar_v.data_ptr(), num_stages=self.num_stages, tx_count=self.tma_bytes_kv
+        )
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
+
+        m_block, head, batch = cute.arch.block_idx()
+        if const_expr(self.causal):
+            m_block = cute.arch.grid_dim()[0] - 1 - m_block  # longest tiles first
+        seqlen_q = mQ.shape[0]
+        seqlen_k = mK.shape[0]
+        n_block_max = block_info.n_block_max(m_block, seqlen_q, seqlen_k, self.tile_m, self.tile_n, self.causal)
+
+        if warp_idx < 4:
+            cute.arch.setmaxregister_decrease(self.num_producer_regs)
+            if warp_idx == 0:
+                self.load(mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
+                          pipeline_q, pipeline_k, pipeline_v, m_block, head, batch, n_block_max)
+        else:
+            cute.arch.setmaxregister_increase(self.num_mma_regs)
+            tidx = cute.arch.thread_idx()[0] - THREADS_PER_WG
+            self.mma(mO, mLSE, sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk, tiled_mma_pv,
+                     pipeline_q, pipeline_k, pipeline_v, softmax_scale_log2, tidx,
+                     m_block, head, batch, seqlen_q, seqlen_k, n_block_max)
+
+    @cute.jit
+    def load(self, mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
+             pipeline_q, pipeline_k, pipeline_v, m_block, head, batch, n_block_max):
+        """Producer warp: TMA loads of Q, then K/V blocks from the last (diagonal) one down to 0."""
+        head_kv = head // (mQ.shape[2] // mK.shape[2])
+        gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.hdim), (m_block, 0))
+        gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.hdim), (None, 0))
+        gV = cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, self.hdim), (None, 0))
+        one_cta = cute.make_layout(1)
+        # ((atom_v, rest_v)) / ((atom_v, rest_v), STAGE) / ((atom_v, rest_v), n_block)
+        tQsQ, tQgQ = cpasync.tma_partition(tma_atom_Q, 0, one_cta, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
+        tKsK, tKgK = cpasync.tma_partition(tma_atom_K, 0, one_cta, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
+        tVsV, tVgV = cpasync.tma_partition(tma_atom_V, 0, one_cta, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
+
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        if n_block_max > 0:
+            n_block = n_block_max - 1
+            pipeline_k.producer_acquire(state)
+            cute.copy(tma_atom_K, tKgK[None, n_block], tKsK[None, state.index],
+                      tma_bar_ptr=pipeline_k.producer_get_barrier(state))
+            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+            pipeline_q.producer_acquire(q_state)
+            cute.copy(tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
+            for i in cutlass.range(n_block_max - 1, unroll=1):
+                n_prev = n_block_max - 1 - i
+                state_prev = state
+                state = next_state(state)
+                pipeline_k.producer_acquire(state)
+                cute.copy(tma_atom_K, tKgK[None, n_prev - 1], tKsK[None, state.index],
+                          tma_bar_ptr=pipeline_k.producer_get_barrier(state))
+                pipeline_v.producer_acquire(state_prev)
+                cute.copy(tma_atom_V, tVgV[None, n_prev], tVsV[None, state_prev.index],
+                          tma_bar_ptr=pipeline_v.producer_get_barrier(state_prev))
+            pipeline_v.producer_acquire(state)
+            cute.copy(tma_atom_V, tVgV[None, 0], tVsV[None, state.index],
+                      tma_bar_ptr=pipeline_v.producer_get_barrier(state))
+
+    @cute.jit
+    def mma(self, mO, mLSE, sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk, tiled_mma_pv,
+            pipeline_q, pipeline_k, pipeline_v, softmax_scale_log2, tidx,
+            m_block, head, batch, seqlen_q, seqlen_k, n_block_max):
+        """Consumer warpgroups: the attention main loop and the epilogue."""
+        wg_idx = cute.arch.make_warp_uniform(tidx // THREADS_PER_WG)
+        wg_slice = cute.make_layout(self.num_wg_mma, stride=THREADS_PER_WG)(wg_idx)
+        wg_mma_qk = tiled_mma_qk.get_slice(wg_slice)
+        wg_mma_pv = tiled_mma_pv.get_slice(wg_slice)
+        thr_mma_qk = tiled_mma_qk.get_slice(tidx)
+        # (MMA, MMA_M, MMA_K) and (MMA, MMA_N, MMA_K, STAGE) smem descriptors
+        tSrQ = wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(sQ))
+        tSrK = wg_mma_qk.make_fragment_B(wg_mma_qk.partition_B(sK))
+        tOrVt = wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(transpose_view(sV)))
+        acc_shape_S = tiled_mma_qk.partition_shape_C((self.tile_m, self.tile_n))
+        acc_O = cute.make_rmem_tensor(tiled_mma_pv.partition_shape_C((self.tile_m, self.hdim)), Float32)
+        acc_O.fill(0.0)
+        # P: the S accumulator viewed as the A operand of P @ V, in 16 bits
+        tOrP = cute.make_rmem_tensor(acc_to_frgA_layout(cute.make_layout(acc_shape_S)).shape, self.dtype)
+        tScS = thr_mma_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
+
+        softmax = OnlineSoftmax(
+            softmax_scale_log2, cute.size(acc_mn_view(tScS), mode=[0]),
+            self.cfg.rescale_threshold, self.cfg.exp2_emu_frac,
+        )
+        softmax.reset()
+        mask = partial(apply_mask, tScS=tScS, m_block=m_block, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+                       tile_m=self.tile_m, tile_n=self.tile_n)
+        self.scheduler_barrier_init(wg_idx)
+
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        if n_block_max > 0:
+            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+            pipeline_q.consumer_wait(q_state)
+            # First block (the diagonal / seqlen_k edge): S only; its P V is issued next iteration.
+            n_block = n_block_max - 1
+            pipeline_k.consumer_wait(state)
+            acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
+            wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, state.index], zero_init=True, wg_wait=0)
+            pipeline_k.consumer_release(state)
+            mask(acc_S, n_block=n_block, causal=self.causal)
+            softmax.online(acc_S, is_first=True)
+            self.convert_P(acc_S, tOrP)
+            # Blocks that cross the causal diagonal, then unmasked blocks.
+            n_block_unmasked = n_block_max - 1
+            if const_expr(self.causal):
+                n_causal = block_info.n_block_min_causal_mask(m_block, seqlen_q, seqlen_k, self.tile_m, self.tile_n)
+                n_causal = cutlass.min(n_causal, n_block_max - 1)
+                for i in cutlass.range(n_block_max - 1 - n_causal, unroll=1):
+                    state = self.mma_one_n_block(
+                        n_block_max - 2 - i, state, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP,
+                        acc_O, acc_shape_S, softmax, pipeline_k, pipeline_v, mask, True, wg_idx)
+                n_block_unmasked = n_causal
+            for i in cutlass.range(n_block_unmasked, unroll=1):
+                state = self.mma_one_n_block(
+                    n_block_unmasked - 1 - i, state, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP,
+                    acc_O, acc_shape_S, softmax, pipeline_k, pipeline_v, mask, False, wg_idx)
+            # Last P V.
+            pipeline_v.consumer_wait(state)
+            wgmma(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, state.index], wg_wait=0)
+            pipeline_v.consumer_release(state)
+            pipeline_q.consumer_release(q_state)
+
+        inv_row_sum, lse = softmax.finalize()
+        self.normalize_O(acc_O, inv_row_sum)
+        self.epilogue(acc_O, lse, mO, mLSE, sO, tma_atom_O, tiled_mma_pv, tidx, m_block, head, batch, seqlen_q)
+
+    @cute.jit
+    def mma_one_n_block(self, n_block, state, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP,
+                        acc_O, acc_shape_S, softmax, pipeline_k, pipeline_v, mask,
+                        masked: cutlass.Constexpr[bool], wg_idx):
+        """One key block with intra-warpgroup overlap: S_n = Q K_n runs while O += P_{n+1} V_{n+1}."""
+        state_v = state
+        state = next_state(state)
+        pipeline_k.consumer_wait(state)
+        self.scheduler_barrier_sync(wg_idx)
+        acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
+        wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, state.index], zero_init=True, wg_wait=-1)
+        pipeline_v.consumer_wait(state_v)
+        wgmma(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, state_v.index], wg_wait=-1)
+        self.scheduler_barrier_arrive(wg_idx)
+        warpgroup.wait_group(1)
+        pipeline_k.consumer_release(state)
+        if const_expr(masked):
+            mask(acc_S, n_block=n_block, causal=self.causal)
+        row_scale = softmax.online(acc_S, is_first=False)
+        warpgroup.wait_group(0)
+        pipeline_v.consumer_release(state_v)
+        self.convert_P(acc_S, tOrP)
+        softmax.rescale_O(acc_O, row_scale)
+        return state
+
+    @cute.jit
+    def convert_P(self, acc_S: cute.Tensor, tOrP: cute.Tensor):
+        """fp32 P (accumulator layout) -> 16-bit A-operand fragment, two values per cvt."""
+        src = cute.make_tensor(acc_S.iterator, acc_to_frgA_layout(acc_S.layout))
+        tOrP.store(src.load().to(self.dtype))
+
+    @cute.jit
+    def normalize_O(self, acc_O: cute.Tensor, inv_row_sum: cute.Tensor):
+        o = acc_mn_view(acc_O)
+        for r in cutlass.range_constexpr(cute.size(o, mode=[0])):
+            for c in cutlass.range_constexpr(cute.size(o, mode=[1])):
+                o[r, c] = o[r, c] * inv_row_sum[r]
+
+    @cute.jit
+    def epilogue(self, acc_O, lse, mO, mLSE, sO, tma_atom_O, tiled_mma_pv, tidx, m_block, head, batch, seqlen_q):
+        """O: registers -> 16-bit -> smem (stmatrix) -> TMA store (rows past seqlen_q are clipped by
+        the TMA unit). LSE: the threads owning column 0 write their rows."""
+        rO = cute.make_rmem_tensor(acc_O.shape, self.dtype)
+        rO.store(acc_O.load().to(self.dtype))
+        # All consumer warpgroups must be done reading Q (their last QK^T) before O overwrites it.
+        cute.arch.barrier(barrier_id=int(NamedBarrierFwd.Epilogue), number_of_threads=self.num_mma_threads)
+        smem_copy_atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
+        smem_thr_copy = cute.make_tiled_copy_C(smem_copy_atom, tiled_mma_pv).get_slice(tidx)
+        cute.copy(smem_copy_atom, smem_thr_copy.retile(rO), smem_thr_copy.partition_D(sO))
+
+        thr_mma = tiled_mma_pv.get_slice(tidx)
+        tOcO = acc_mn_view(thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.hdim))))
+        if tOcO[0, 0][1] == 0:
+            for r in cutlass.range_constexpr(cute.size(tOcO, mode=[0])):
+                row = m_block * self.tile_m + tOcO[r, 0][0]
+                if row < seqlen_q:
+                    mLSE[row, head, batch] = lse[r]
+
+        cute.arch.fence_view_async_shared()  # smem writes -> visible to the TMA (async proxy)
+        cute.arch.barrier(barrier_id=int(NamedBarrierFwd.Epilogue), number_of_threads=self.num_mma_threads)
+        if tidx < 32:
+            gO = cute.local_tile(mO[None, None, head, batch], (self.tile_m, self.hdim), (m_block, 0))
+            tOsO, tOgO = cpasync.tma_partition(
+                tma_atom_O, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2), cute.group_modes(gO, 0, 2)
+            )
+            cute.copy(tma_atom_O, tOsO, tOgO)
+            cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    # Inter-warpgroup ping-pong (FA3 section 3.1).
+    @cute.jit
+    def scheduler_barrier_init(self, wg_idx):
+        if const_expr(self.use_scheduler_barrier):
+            if wg_idx == 0:
+                cute.arch.barrier_arrive(barrier_id=int(NamedBarrierFwd.WarpSchedulerWG1),
+                                         number_of_threads=2 * THREADS_PER_WG)
+
+    @cute.jit
+    def scheduler_barrier_sync(self, wg_idx):
+        if const_expr(self.use_scheduler_barrier):
+            cute.arch.barrier(barrier_id=int(NamedBarrierFwd.WarpSchedulerWG1) + wg_idx,
+                              number_of_threads=2 * THREADS_PER_WG)
+
+    @cute.jit
+    def scheduler_barrier_arrive(self, wg_idx):
+        if const_expr(self.use_scheduler_barrier):
+            next_wg = (wg_idx + 1) % self.num_wg_mma
+            cute.arch.barrier_arrive(barrier_id=int(NamedBarrierFwd.WarpSchedulerWG1) + next_wg,
+                                     number_of_threads=2 * THREADS_PER_WG)
