@@ -6,6 +6,7 @@ Not a test (tests/gpu is); prints one line per check so a hang or a wrong answer
 """
 
 import argparse
+import dataclasses
 import math
 import sys
 import time
@@ -38,7 +39,7 @@ def ref_attention(q, k, v, scale, causal, dtype=torch.float32):
     return out, lse
 
 
-def check(b, sq, sk, h, hk, d, causal, dtype=torch.bfloat16):
+def check(b, sq, sk, h, hk, d, causal, dtype=torch.bfloat16, **variant):
     torch.manual_seed(0)
     q = torch.randn(b, sq, h, d, device="cuda", dtype=dtype)
     k = torch.randn(b, sk, hk, d, device="cuda", dtype=dtype)
@@ -46,7 +47,8 @@ def check(b, sq, sk, h, hk, d, causal, dtype=torch.bfloat16):
     scale = 1 / math.sqrt(d)
     out = torch.full_like(q, float("nan"))
     lse = torch.full((b, h, sq), float("nan"), device="cuda", dtype=torch.float32)
-    run = get_fwd_runner(select_fwd_config(d, "bf16" if dtype == torch.bfloat16 else "fp16", causal))
+    cfg = dataclasses.replace(select_fwd_config(d, "bf16" if dtype == torch.bfloat16 else "fp16", causal), **variant)
+    run = get_fwd_runner(cfg)
     run(q, k, v, out, lse, scale)
     torch.cuda.synchronize()
     ref_o, ref_lse = ref_attention(q, k, v, scale, causal, torch.float32)
@@ -58,7 +60,7 @@ def check(b, sq, sk, h, hk, d, causal, dtype=torch.bfloat16):
     lse_inf_ok = bool((lse[~finite] == float("-inf")).all())
     nan = bool(out.isnan().any() or lse[finite].isnan().any())
     ok = (not nan) and err <= 2 * pt_err + 1e-4 and lse_err < 1e-3 and lse_inf_ok
-    print(f"{'ok ' if ok else 'BAD'} b={b} sq={sq} sk={sk} h={h} hk={hk} d={d} causal={int(causal)} "
+    print(f"{'ok ' if ok else 'BAD'} {variant} b={b} sq={sq} sk={sk} h={h} hk={hk} d={d} causal={int(causal)} "
           f"err={err:.2e} pt_err={pt_err:.2e} lse_err={lse_err:.2e} nan={nan} inf_ok={lse_inf_ok}", flush=True)
     return ok
 
@@ -68,14 +70,28 @@ def bench(fn, iters=20):
     return triton.testing.do_bench(fn, warmup=50, rep=200, return_mode="median")
 
 
-def timing(d, s, causal):
+VARIANTS = {
+    "default": {},
+    "persist_lpt": dict(persistent=True, lpt=True),
+    "lpt": dict(lpt=True),
+    "emu25": dict(exp2_emu_frac=0.25),
+    "tau0": dict(rescale_threshold=0.0),
+}
+
+
+def timing(d, s, causal, variants=VARIANTS, competitors=True):
     b, h = 32768 // s, 2048 // d
     q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     out = torch.empty_like(q)
     lse = torch.empty(b, h, s, device="cuda", dtype=torch.float32)
-    run = get_fwd_runner(select_fwd_config(d, "bf16", causal))
     flops = 4 * b * h * s * s * d / (2 if causal else 1)
-    res = {"flash4": bench(lambda: run(q, k, v, out, lse, d ** -0.5))}
+    res = {}
+    for name, var in variants.items():
+        run = get_fwd_runner(dataclasses.replace(select_fwd_config(d, "bf16", causal), **var))
+        res[name] = bench(lambda: run(q, k, v, out, lse, d ** -0.5))
+    if not competitors:
+        print(f"TFLOPs d={d} s={s} causal={int(causal)}: " + " ".join(f"{n}={flops / t / 1e9:6.1f}" for n, t in res.items()), flush=True)
+        return
     from torch.nn.attention import SDPBackend, sdpa_kernel
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
@@ -107,15 +123,24 @@ def main():
     if args.quick:
         cases = cases[:3]
     bad = 0
-    for c in cases:
+    checks = [(c, {}) for c in cases]
+    for var in (dict(persistent=True, lpt=True), dict(exp2_emu_frac=0.25), dict(rescale_threshold=0.0)):
+        checks += [(c, var) for c in cases[1:4] + cases[6:9] + cases[11:]]
+    checks += [((1, 300, 300, 2, 2, 64, True), dict(tile_m=128)), ((1, 300, 300, 2, 2, 64, False), dict(tile_m=128))]
+    cases = checks
+    for c, var in checks:
         try:
-            bad += not check(*c)
+            bad += not check(*c, **var)
         except Exception:  # noqa: BLE001
             bad += 1
-            print("ERROR", c, traceback.format_exc()[-2000:], flush=True)
+            print("ERROR", c, var, traceback.format_exc()[-2000:], flush=True)
     print(f"{len(cases) - bad} passed, {bad} failed", flush=True)
     if not args.no_bench:
-        for d, s, causal in [(128, 4096, False), (128, 16384, False), (128, 16384, True), (64, 4096, False), (256, 4096, False)]:
+        for d, s, causal in [(64, 4096, False), (64, 16384, True), (64, 1024, False)]:
+            timing(d, s, causal, {"m128": dict(tile_m=128), "m128_persist": dict(tile_m=128, persistent=True, lpt=True),
+                                  "m192_persist": dict(persistent=True, lpt=True)}, competitors=False)
+        for d, s, causal in [(128, 4096, False), (128, 16384, False), (128, 16384, True), (128, 4096, True),
+                             (64, 4096, False), (64, 4096, True), (256, 4096, False), (256, 16384, True), (128, 1024, False)]:
             try:
                 timing(d, s, causal)
             except Exception:  # noqa: BLE001

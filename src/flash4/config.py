@@ -83,13 +83,17 @@ def select_fwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, a
         raise ValueError(f"flash4 forward: arch sm_{arch} has no kernel yet (supported: sm_90a)")
     if headdim not in SUPPORTED_HEADDIMS:
         raise ValueError(f"headdim={headdim} not supported; allowed: {SUPPORTED_HEADDIMS}")
-    if headdim <= 128:
-        tile_n, stages = 128, 2
+    # (tile_m, tile_n): the largest tiles whose accumulators fit the consumer register budget and
+    # whose Q + 2 K/V stages fit 227 KiB of smem (FA3's Hopper table, hopper/tile_size.h).
+    if headdim <= 64:
+        tile_m, tile_n = 192, 128  # 3 consumer warpgroups (160 regs each)
+    elif headdim <= 128:
+        tile_m, tile_n = 128, 128
     elif headdim <= 192:
-        tile_n, stages = 96, 2
+        tile_m, tile_n = 128, 112
     else:
-        tile_n, stages = 80, 2
-    return FwdConfig(headdim=headdim, dtype=dtype, causal=causal, tile_n=tile_n, kv_stages=stages, arch=arch)
+        tile_m, tile_n = 128, 80
+    return FwdConfig(headdim=headdim, dtype=dtype, causal=causal, tile_m=tile_m, tile_n=tile_n, kv_stages=2, arch=arch)
 
 
 def shipped_fwd_configs() -> list[FwdConfig]:

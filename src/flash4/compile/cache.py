@@ -11,7 +11,9 @@ import time
 
 import os
 
-from flash4.config import FwdConfig
+from flash4 import arch
+from flash4.config import LOG2E, FwdConfig, ceil_div
+from flash4.schedule import l2_section_heads
 
 # Without a GPU the DSL would default to sm_100a: flash4 compiles for Hopper unless told otherwise.
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
@@ -39,7 +41,7 @@ def compile_fwd(cfg: FwdConfig, options: str = ""):
     q, k, v, o, lse = fwd_fake_args(cfg.headdim, cfg.dtype)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     return cute.compile(
-        kernel, q, k, v, o, lse, cutlass.Float32(1.0), stream,
+        kernel, q, k, v, o, lse, cutlass.Float32(1.0), cutlass.Int32(1), cutlass.Int32(1), stream,
         options=COMPILE_OPTIONS + _arch_option(cfg.arch) + options,
     )
 
@@ -54,9 +56,13 @@ def get_fwd_runner(cfg: FwdConfig):
     t0 = time.perf_counter()
     compiled = compile_fwd(cfg)
     get_fwd_runner.last_compile_s = time.perf_counter() - t0
-    log2e = 1.4426950408889634
 
     def run(q, k, v, out, lse, softmax_scale: float):
-        compiled(q, k, v, out, lse, softmax_scale * log2e)
+        batch, seqlen_q, nheads, _ = q.shape
+        num_tiles = ceil_div(seqlen_q, cfg.tile_m) * nheads * batch
+        # Tile order: L2 sections of (head, batch) pairs whose K/V fit in L2 (schedule.py).
+        l2_group = l2_section_heads(k.shape[1], cfg.headdim) if cfg.lpt else 1
+        num_ctas = min(num_tiles, arch.num_sms(q.device)) if cfg.persistent else num_tiles
+        compiled(q, k, v, out, lse, softmax_scale * LOG2E, l2_group, num_ctas)
 
     return run

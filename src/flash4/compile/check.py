@@ -128,16 +128,19 @@ def compile_check(configs: list[FwdConfig] | None = None) -> list[dict]:
 
 def _short(cfg: FwdConfig) -> str:
     d = dataclasses.asdict(cfg)
+    extras = "".join([" persist" if d["persistent"] else "", " lpt" if d["lpt"] else "",
+                      f" emu{d['exp2_emu_frac']:g}" if d["exp2_emu_frac"] else "",
+                      f" tau{d['rescale_threshold']:g}" if d["rescale_threshold"] != 8.0 else ""])
     return (f"fwd_sm{d['arch']} d{d['headdim']} {d['dtype']} {'causal' if d['causal'] else 'full'} "
-            f"{d['tile_m']}x{d['tile_n']}x{d['kv_stages']}st")
+            f"{d['tile_m']}x{d['tile_n']}x{d['kv_stages']}st{extras}")
 
 
 def format_table(rows: list[dict]) -> str:
-    head = f"{'config':42s} {'ok':>3s} {'sec':>5s} {'regs':>4s} {'spill':>5s} {'smem KiB':>8s} {'HGMMA':>5s} {'TMA':>4s}"
+    head = f"{'config':56s} {'ok':>3s} {'sec':>5s} {'regs':>4s} {'spill':>5s} {'smem KiB':>8s} {'HGMMA':>5s} {'TMA':>4s}"
     lines = [head]
     for r in rows:
         lines.append(
-            f"{r['config']:42s} {'yes' if r['ok'] else 'NO':>3s} {r['compile_s'] or 0:5.2f} "
+            f"{r['config']:56s} {'yes' if r['ok'] else 'NO':>3s} {r['compile_s'] or 0:5.2f} "
             f"{r.get('registers') or '-':>4} {r.get('spills') if r.get('spills') is not None else '-':>5} "
             f"{r['smem_bytes'] / 1024:8.1f} {r.get('hgmma', '-'):>5} {r.get('utmaldg', '-'):>4}"
         )

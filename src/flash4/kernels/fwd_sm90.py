@@ -22,12 +22,14 @@ from flash4.kernels.common.barriers import NamedBarrierFwd
 from flash4.kernels.common.gemm import wgmma
 from flash4.kernels.common.layout import acc_mn_view, acc_to_frgA_layout, select_modes, transpose_view
 from flash4.kernels.common.mask import apply_mask
+from flash4.kernels.common.scheduler import TileSchedule
 from flash4.kernels.common.softmax import OnlineSoftmax
 
 _DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
 THREADS_PER_WG = 128
 # setmaxnreg budgets (producer, consumer) by consumer warpgroup count: 64K registers / CTA.
 _REGS = {1: (56, 256), 2: (24, 240), 3: (32, 160)}
+SMEM_CAPACITY = 227 * 1024 - 1024  # sm90 opt-in max per CTA, less barriers and alignment
 
 
 def next_state(state: pipeline.PipelineState) -> pipeline.PipelineState:
@@ -67,8 +69,11 @@ class FlashAttentionForwardSm90:
         self.num_mma_threads = THREADS_PER_WG * self.num_wg_mma
         self.num_threads = cfg.num_threads
         self.num_producer_regs, self.num_mma_regs = _REGS[self.num_wg_mma]
-        self.use_scheduler_barrier = self.num_wg_mma == 2 and self.hdim <= 128
+        self.use_scheduler_barrier = self.num_wg_mma >= 2 and self.hdim <= 128
         self.buffer_align_bytes = 1024
+        # Persistent CTAs stage O in its own buffer when smem allows, so the next tile's Q can
+        # load during this tile's epilogue; otherwise O reuses Q's buffer.
+        self.separate_o = cfg.persistent and cfg.smem_bytes() + cfg.tile_m * cfg.headdim * 2 <= SMEM_CAPACITY
 
     # ------------------------------------------------------------------ host side (trace time)
     def _smem_layout(self, rows: int, stages=None):
@@ -99,6 +104,8 @@ class FlashAttentionForwardSm90:
         mO: cute.Tensor,  # (batch, seqlen_q, nheads, headdim)
         mLSE: cute.Tensor,  # (batch, nheads, seqlen_q) float32
         softmax_scale_log2: Float32,
+        l2_group: Int32,  # (head, batch) pairs per L2 section of the tile order (>= 1)
+        num_ctas: Int32,  # grid size: number of tiles, or number of SMs when persistent
         stream: cuda.CUstream,
     ):
         if const_expr(not (mQ.element_type == mK.element_type == mV.element_type == mO.element_type == self.dtype)):
@@ -124,6 +131,8 @@ class FlashAttentionForwardSm90:
         self.tma_bytes_q = cute.size_in_bytes(self.dtype, sQ_layout)
         self.tma_bytes_kv = cute.size_in_bytes(self.dtype, kv_stage_layout)
 
+        o_elems = cute.cosize(sO_layout) if const_expr(self.separate_o) else 0
+
         @cute.struct
         class SharedStorage:
             mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
@@ -132,16 +141,15 @@ class FlashAttentionForwardSm90:
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], self.buffer_align_bytes]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], self.buffer_align_bytes]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], self.buffer_align_bytes]
+            sO: cute.struct.Align[cute.struct.MemRange[self.dtype, o_elems], self.buffer_align_bytes]
 
-        num_m_blocks = cute.ceil_div(cute.size(mQ.shape[0]), self.tile_m)
-        grid = (num_m_blocks, cute.size(mQ.shape[2]), cute.size(mQ.shape[3]))
         self.kernel(
             tma_Q, tma_K, tma_V, tma_O, mLSE,
             tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O,
-            softmax_scale_log2,
+            softmax_scale_log2, l2_group,
             sQ_layout, sK_layout, sV_layout, sO_layout,
             tiled_mma_qk, tiled_mma_pv, SharedStorage,
-        ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+        ).launch(grid=(num_ctas, 1, 1), block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     # ------------------------------------------------------------------ device side
     @cute.kernel
@@ -149,7 +157,7 @@ class FlashAttentionForwardSm90:
         self,
         mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
         tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom, tma_atom_O: cute.CopyAtom,
-        softmax_scale_log2: Float32,
+        softmax_scale_log2: Float32, l2_group: Int32,
         sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout, sO_layout: cute.ComposedLayout,
         tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
@@ -180,69 +188,77 @@ class FlashAttentionForwardSm90:
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
-        sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
+        sO_storage = storage.sO if const_expr(self.separate_o) else storage.sQ
+        sO = sO_storage.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
 
-        m_block, head, batch = cute.arch.block_idx()
-        if const_expr(self.causal):
-            m_block = cute.arch.grid_dim()[0] - 1 - m_block  # longest tiles first
-        seqlen_q = mQ.shape[0]
-        seqlen_k = mK.shape[0]
-        n_block_max = block_info.n_block_max(m_block, seqlen_q, seqlen_k, self.tile_m, self.tile_n, self.causal)
+        # Tile order (see common/scheduler.py): this CTA takes tiles blockIdx.x, + gridDim.x, ...
+        num_m_blocks = cute.ceil_div(mQ.shape[0], self.tile_m)
+        num_hb = mQ.shape[2] * mQ.shape[3]
+        sched = TileSchedule(num_m_blocks, mQ.shape[2], num_hb, l2_group, self.causal and self.cfg.lpt)
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.num_producer_regs)
             if warp_idx == 0:
                 self.load(mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
-                          pipeline_q, pipeline_k, pipeline_v, m_block, head, batch, n_block_max)
+                          pipeline_q, pipeline_k, pipeline_v, sched)
         else:
             cute.arch.setmaxregister_increase(self.num_mma_regs)
             tidx = cute.arch.thread_idx()[0] - THREADS_PER_WG
-            self.mma(mO, mLSE, sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk, tiled_mma_pv,
-                     pipeline_q, pipeline_k, pipeline_v, softmax_scale_log2, tidx,
-                     m_block, head, batch, seqlen_q, seqlen_k, n_block_max)
+            self.mma(mQ, mK, mO, mLSE, sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk, tiled_mma_pv,
+                     pipeline_q, pipeline_k, pipeline_v, softmax_scale_log2, tidx, sched)
 
     @cute.jit
     def load(self, mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
-             pipeline_q, pipeline_k, pipeline_v, m_block, head, batch, n_block_max):
-        """Producer warp: TMA loads of Q, then K/V blocks from the last (diagonal) one down to 0."""
-        head_kv = head // (mQ.shape[2] // mK.shape[2])
-        gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.hdim), (m_block, 0))
-        gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.hdim), (None, 0))
-        gV = cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, self.hdim), (None, 0))
+             pipeline_q, pipeline_k, pipeline_v, sched):
+        """Producer warp: per tile, TMA loads of K[n_max-1], Q, then K[n] / V[n+1] pairs down to 0,
+        then V[0]. K/V of the next tile stream in while the consumers finish this one."""
+        qhead_per_kvhead = mQ.shape[2] // mK.shape[2]
+        seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
         one_cta = cute.make_layout(1)
-        # ((atom_v, rest_v)) / ((atom_v, rest_v), STAGE) / ((atom_v, rest_v), n_block)
-        tQsQ, tQgQ = cpasync.tma_partition(tma_atom_Q, 0, one_cta, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
-        tKsK, tKgK = cpasync.tma_partition(tma_atom_K, 0, one_cta, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
-        tVsV, tVgV = cpasync.tma_partition(tma_atom_V, 0, one_cta, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
-
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
-        if n_block_max > 0:
-            n_block = n_block_max - 1
-            pipeline_k.producer_acquire(state)
-            cute.copy(tma_atom_K, tKgK[None, n_block], tKsK[None, state.index],
-                      tma_bar_ptr=pipeline_k.producer_get_barrier(state))
-            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        tile_idx = cute.arch.block_idx()[0]
+        while tile_idx < sched.num_tiles():
+            m_block, head, batch = sched.coords(tile_idx)
+            head_kv = head // qhead_per_kvhead
+            gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.hdim), (m_block, 0))
+            gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.hdim), (None, 0))
+            gV = cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, self.hdim), (None, 0))
+            # ((atom_v, rest_v)) / ((atom_v, rest_v), STAGE) / ((atom_v, rest_v), n_block)
+            tQsQ, tQgQ = cpasync.tma_partition(tma_atom_Q, 0, one_cta, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
+            tKsK, tKgK = cpasync.tma_partition(tma_atom_K, 0, one_cta, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
+            tVsV, tVgV = cpasync.tma_partition(tma_atom_V, 0, one_cta, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
+            n_block_max = block_info.n_block_max(m_block, seqlen_q, seqlen_k, self.tile_m, self.tile_n, self.causal)
+            if n_block_max > 0:
+                pipeline_k.producer_acquire(state)
+                cute.copy(tma_atom_K, tKgK[None, n_block_max - 1], tKsK[None, state.index],
+                          tma_bar_ptr=pipeline_k.producer_get_barrier(state))
+            # Q always goes through its pipeline (also for a tile that sees no key): its buffer
+            # may hold this tile's O, so the consumers' release orders the reuse.
             pipeline_q.producer_acquire(q_state)
             cute.copy(tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
-            for i in cutlass.range(n_block_max - 1, unroll=1):
-                n_prev = n_block_max - 1 - i
-                state_prev = state
+            q_state = next_state(q_state)
+            if n_block_max > 0:
+                for i in cutlass.range(n_block_max - 1, unroll=1):
+                    n_prev = n_block_max - 1 - i
+                    state_prev = state
+                    state = next_state(state)
+                    pipeline_k.producer_acquire(state)
+                    cute.copy(tma_atom_K, tKgK[None, n_prev - 1], tKsK[None, state.index],
+                              tma_bar_ptr=pipeline_k.producer_get_barrier(state))
+                    pipeline_v.producer_acquire(state_prev)
+                    cute.copy(tma_atom_V, tVgV[None, n_prev], tVsV[None, state_prev.index],
+                              tma_bar_ptr=pipeline_v.producer_get_barrier(state_prev))
+                pipeline_v.producer_acquire(state)
+                cute.copy(tma_atom_V, tVgV[None, 0], tVsV[None, state.index],
+                          tma_bar_ptr=pipeline_v.producer_get_barrier(state))
                 state = next_state(state)
-                pipeline_k.producer_acquire(state)
-                cute.copy(tma_atom_K, tKgK[None, n_prev - 1], tKsK[None, state.index],
-                          tma_bar_ptr=pipeline_k.producer_get_barrier(state))
-                pipeline_v.producer_acquire(state_prev)
-                cute.copy(tma_atom_V, tVgV[None, n_prev], tVsV[None, state_prev.index],
-                          tma_bar_ptr=pipeline_v.producer_get_barrier(state_prev))
-            pipeline_v.producer_acquire(state)
-            cute.copy(tma_atom_V, tVgV[None, 0], tVsV[None, state.index],
-                      tma_bar_ptr=pipeline_v.producer_get_barrier(state))
+            tile_idx += cute.arch.grid_dim()[0]
 
     @cute.jit
-    def mma(self, mO, mLSE, sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk, tiled_mma_pv,
-            pipeline_q, pipeline_k, pipeline_v, softmax_scale_log2, tidx,
-            m_block, head, batch, seqlen_q, seqlen_k, n_block_max):
-        """Consumer warpgroups: the attention main loop and the epilogue."""
+    def mma(self, mQ, mK, mO, mLSE, sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk, tiled_mma_pv,
+            pipeline_q, pipeline_k, pipeline_v, softmax_scale_log2, tidx, sched):
+        """Consumer warpgroups: per tile, the attention main loop and the epilogue."""
         wg_idx = cute.arch.make_warp_uniform(tidx // THREADS_PER_WG)
         wg_slice = cute.make_layout(self.num_wg_mma, stride=THREADS_PER_WG)(wg_idx)
         wg_mma_qk = tiled_mma_qk.get_slice(wg_slice)
@@ -254,56 +270,68 @@ class FlashAttentionForwardSm90:
         tOrVt = wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(transpose_view(sV)))
         acc_shape_S = tiled_mma_qk.partition_shape_C((self.tile_m, self.tile_n))
         acc_O = cute.make_rmem_tensor(tiled_mma_pv.partition_shape_C((self.tile_m, self.hdim)), Float32)
-        acc_O.fill(0.0)
         # P: the S accumulator viewed as the A operand of P @ V, in 16 bits
         tOrP = cute.make_rmem_tensor(acc_to_frgA_layout(cute.make_layout(acc_shape_S)).shape, self.dtype)
-        tScS = thr_mma_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
-
+        cS = cute.make_identity_tensor((self.tile_m, self.tile_n))
+        tScS = thr_mma_qk.partition_C(cS)
+        t0ScS = tiled_mma_qk.get_slice(0).partition_C(cS)
         softmax = OnlineSoftmax(
             softmax_scale_log2, cute.size(acc_mn_view(tScS), mode=[0]),
             self.cfg.rescale_threshold, self.cfg.exp2_emu_frac,
         )
-        softmax.reset()
-        mask = partial(apply_mask, tScS=tScS, m_block=m_block, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
-                       tile_m=self.tile_m, tile_n=self.tile_n)
+        seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
         self.scheduler_barrier_init(wg_idx)
 
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
-        if n_block_max > 0:
-            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        tile_idx = cute.arch.block_idx()[0]
+        while tile_idx < sched.num_tiles():
+            m_block, head, batch = sched.coords(tile_idx)
+            n_block_max = block_info.n_block_max(m_block, seqlen_q, seqlen_k, self.tile_m, self.tile_n, self.causal)
+            mask = partial(apply_mask, tScS=tScS, t0ScS=t0ScS, m_block=m_block, seqlen_q=seqlen_q,
+                           seqlen_k=seqlen_k, tile_m=self.tile_m, tile_n=self.tile_n)
+            softmax.reset()
+            acc_O.fill(0.0)
             pipeline_q.consumer_wait(q_state)
-            # First block (the diagonal / seqlen_k edge): S only; its P V is issued next iteration.
-            n_block = n_block_max - 1
-            pipeline_k.consumer_wait(state)
-            acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
-            wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, state.index], zero_init=True, wg_wait=0)
-            pipeline_k.consumer_release(state)
-            mask(acc_S, n_block=n_block, causal=self.causal)
-            softmax.online(acc_S, is_first=True)
-            self.convert_P(acc_S, tOrP)
-            # Blocks that cross the causal diagonal, then unmasked blocks.
-            n_block_unmasked = n_block_max - 1
-            if const_expr(self.causal):
-                n_causal = block_info.n_block_min_causal_mask(m_block, seqlen_q, seqlen_k, self.tile_m, self.tile_n)
-                n_causal = cutlass.min(n_causal, n_block_max - 1)
-                for i in cutlass.range(n_block_max - 1 - n_causal, unroll=1):
+            if n_block_max > 0:
+                # First block (the diagonal / seqlen_k edge): S only; its P V is issued next iteration.
+                pipeline_k.consumer_wait(state)
+                acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
+                wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, state.index], zero_init=True, wg_wait=0)
+                pipeline_k.consumer_release(state)
+                mask(acc_S, n_block=n_block_max - 1, causal=self.causal)
+                softmax.online(acc_S, is_first=True)
+                self.convert_P(acc_S, tOrP)
+                # Blocks that cross the causal diagonal, then unmasked blocks.
+                n_block_unmasked = n_block_max - 1
+                if const_expr(self.causal):
+                    n_causal = block_info.n_block_min_causal_mask(m_block, seqlen_q, seqlen_k, self.tile_m, self.tile_n)
+                    n_causal = cutlass.min(n_causal, n_block_max - 1)
+                    for i in cutlass.range(n_block_max - 1 - n_causal, unroll=1):
+                        state = self.mma_one_n_block(
+                            n_block_max - 2 - i, state, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP,
+                            acc_O, acc_shape_S, softmax, pipeline_k, pipeline_v, mask, True, wg_idx)
+                    n_block_unmasked = n_causal
+                for i in cutlass.range(n_block_unmasked, unroll=1):
                     state = self.mma_one_n_block(
-                        n_block_max - 2 - i, state, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP,
-                        acc_O, acc_shape_S, softmax, pipeline_k, pipeline_v, mask, True, wg_idx)
-                n_block_unmasked = n_causal
-            for i in cutlass.range(n_block_unmasked, unroll=1):
-                state = self.mma_one_n_block(
-                    n_block_unmasked - 1 - i, state, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP,
-                    acc_O, acc_shape_S, softmax, pipeline_k, pipeline_v, mask, False, wg_idx)
-            # Last P V.
-            pipeline_v.consumer_wait(state)
-            wgmma(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, state.index], wg_wait=0)
-            pipeline_v.consumer_release(state)
-            pipeline_q.consumer_release(q_state)
-
-        inv_row_sum, lse = softmax.finalize()
-        self.normalize_O(acc_O, inv_row_sum)
-        self.epilogue(acc_O, lse, mO, mLSE, sO, tma_atom_O, tiled_mma_pv, tidx, m_block, head, batch, seqlen_q)
+                        n_block_unmasked - 1 - i, state, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP,
+                        acc_O, acc_shape_S, softmax, pipeline_k, pipeline_v, mask, False, wg_idx)
+                # Last P V.
+                pipeline_v.consumer_wait(state)
+                wgmma(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, state.index], wg_wait=0)
+                pipeline_v.consumer_release(state)
+                state = next_state(state)
+            if const_expr(self.separate_o):
+                pipeline_q.consumer_release(q_state)  # Q no longer read: next tile's Q may load
+            inv_row_sum, lse = softmax.finalize()
+            self.normalize_O(acc_O, inv_row_sum)
+            self.epilogue(acc_O, lse, mO, mLSE, sO, tma_atom_O, tiled_mma_pv, tidx, m_block, head, batch, seqlen_q)
+            if const_expr(not self.separate_o):
+                # O was staged in Q's buffer: free it once the TMA store has read it.
+                cute.arch.barrier(barrier_id=int(NamedBarrierFwd.Epilogue), number_of_threads=self.num_mma_threads)
+                pipeline_q.consumer_release(q_state)
+            q_state = next_state(q_state)
+            tile_idx += cute.arch.grid_dim()[0]
 
     @cute.jit
     def mma_one_n_block(self, n_block, state, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP,
@@ -349,7 +377,10 @@ class FlashAttentionForwardSm90:
         the TMA unit). LSE: the threads owning column 0 write their rows."""
         rO = cute.make_rmem_tensor(acc_O.shape, self.dtype)
         rO.store(acc_O.load().to(self.dtype))
-        # All consumer warpgroups must be done reading Q (their last QK^T) before O overwrites it.
+        if const_expr(self.separate_o):
+            if tidx < 32:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)  # previous tile's O store has read sO
+        # sO is free: all warpgroups done with their last QK^T (Q's buffer) / the previous store.
         cute.arch.barrier(barrier_id=int(NamedBarrierFwd.Epilogue), number_of_threads=self.num_mma_threads)
         smem_copy_atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
         smem_thr_copy = cute.make_tiled_copy_C(smem_copy_atom, tiled_mma_pv).get_slice(tidx)
@@ -372,7 +403,8 @@ class FlashAttentionForwardSm90:
             )
             cute.copy(tma_atom_O, tOsO, tOgO)
             cute.arch.cp_async_bulk_commit_group()
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
+            if const_expr(not self.separate_o):
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     # Inter-warpgroup ping-pong (FA3 section 3.1).
     @cute.jit

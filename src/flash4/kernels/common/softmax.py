@@ -15,18 +15,18 @@ import cutlass.cute as cute
 from cutlass import Float32
 
 from flash4.kernels.common.exp2 import exp2_emulated, exp2_hw
+from flash4.kernels.common.exp2_poly import mixed_pattern
 from flash4.kernels.common.dsl import DynamicState
 from flash4.kernels.common.layout import acc_mn_view
 
 LN2 = math.log(2.0)
-# Emulated-exp2 columns are spread evenly: of every EXP2_PERIOD columns, the first
-# round(frac * EXP2_PERIOD) use the FMA polynomial, the rest MUFU.EX2.
-EXP2_PERIOD = 8
 
 
 def uses_emulated_exp2(col: int, frac: float) -> bool:
-    """Static choice (per register column) of the exp2 unit: True = FMA polynomial."""
-    return (col % EXP2_PERIOD) < round(frac * EXP2_PERIOD)
+    """Static choice (per register column) of the exp2 unit: True = FMA polynomial. Of every
+    `period` columns the first k are emulated, where k / period == frac (exp2_poly.mixed_pattern)."""
+    k, period = mixed_pattern(frac)
+    return (col % period) < k
 
 
 @cute.jit

@@ -1,0 +1,46 @@
+"""Command line: `python -m flash4 bench [...]` and `python -m flash4 compile-check [...]`.
+
+Argument parsing and dispatch only; the work lives in flash4.bench.run and flash4.bench.report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from flash4.bench import run as bench_run
+
+    parser = argparse.ArgumentParser(prog="python -m flash4", description="flash4 attention kernels")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    bench = sub.add_parser(
+        "bench", help="check correctness, then time the forward sweep against cuDNN / FA2 / flash-attn-4",
+        description=bench_run.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    bench_run.add_arguments(bench)
+    check = sub.add_parser(
+        "compile-check", help="compile the shipped forward configs without a GPU; report registers/spills/smem",
+    )
+    check.add_argument("--headdims", type=int, nargs="+", metavar="D", help="only these head dims")
+    check.add_argument("--dtypes", nargs="+", choices=("bf16", "fp16"), help="only these dtypes")
+    check.add_argument("--causal", choices=("0", "1", "both"), default="both")
+    check.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "bench":
+        from flash4.bench.run import main as bench_main
+
+        return bench_main(args)
+    from flash4.bench.report import compile_check_main, select_configs
+
+    causals = {"0": (False,), "1": (True,), "both": None}[args.causal]
+    configs = select_configs(headdims=args.headdims, dtypes=args.dtypes, causals=causals)
+    return compile_check_main(configs, json_path=args.json)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""Public entry points: validate -> config -> compile (cached) -> launch.
+
+flash4 is CUDA-only and forward-only for now (see autograd.py for what happens under autograd).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flash4.arch import device_arch
+from flash4.autograd import FlashAttnFunc
+from flash4.config import select_fwd_config
+from flash4.validate import DTYPE_NAMES, layout_problem, check_inputs, resolve_softmax_scale
+
+
+def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False):
+    """Exact attention softmax(softmax_scale * Q K^T) V, FlashAttention conventions.
+
+    Args:
+        q: (batch, seqlen_q, nheads, headdim) torch.bfloat16 or torch.float16, on a CUDA device.
+        k: (batch, seqlen_k, nheads_k, headdim), same dtype and device; nheads_k divides nheads
+           (MQA/GQA: query head h reads key head h // (nheads // nheads_k)).
+        v: same shape as k.
+           q, k, v: last dim contiguous (stride 1), other strides and the base address 16-byte
+           aligned (true of any tensor made by torch and of slices along batch/seqlen/heads).
+           headdim one of flash4.config.SUPPORTED_HEADDIMS (64, 96, 128, 192, 256).
+           seqlen_q may differ from seqlen_k; batch, seqlen_q and seqlen_k may be 0.
+        softmax_scale: float > 0 applied to Q K^T; None means 1 / sqrt(headdim).
+        causal: bool; the mask is aligned to the bottom-right corner (as FlashAttention 2/3):
+           query row i sees key j iff j <= i + seqlen_k - seqlen_q. Rows that see no key
+           (i < seqlen_q - seqlen_k) give out = 0 and lse = -inf; so does seqlen_k == 0.
+        return_lse: bool; also return the log-sum-exp of each row.
+
+    Returns:
+        out: (batch, seqlen_q, nheads, headdim), dtype of q, contiguous; or
+        (out, lse) when return_lse, lse: (batch, nheads, seqlen_q) torch.float32, natural log.
+
+    Raises:
+        TypeError: a non-tensor argument, a dtype other than bf16/fp16, q/k/v dtypes differing,
+            softmax_scale not a real number, causal or return_lse not a bool.
+        ValueError: a rank other than 4, batch/headdim/k-v shape mismatch, nheads_k not dividing
+            nheads, an unsupported headdim, a non-contiguous last dim or misaligned stride,
+            softmax_scale not finite and > 0, tensors not on one CUDA device, a GPU without a
+            flash4 kernel (sm_90 only for now).
+            flash4.validate.support_error(q, k, v, softmax_scale, causal) gives the same message
+            without raising.
+        NotImplementedError: from `.backward()` through the result (no backward yet).
+    """
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    check_inputs(q, k, v, softmax_scale, causal)
+    scale = resolve_softmax_scale(softmax_scale, q.shape[3])
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        out, lse = FlashAttnFunc.apply(q, k, v, scale, causal)
+    else:
+        out, lse = _flash_attn_forward(q, k, v, scale, causal)
+    return (out, lse) if return_lse else out
+
+
+def _flash_attn_forward(q, k, v, softmax_scale=None, causal=False, out=None, lse=None):
+    """Forward on validated inputs (flash4.validate.check_inputs); returns (out, lse).
+
+    out: None or a preallocated (batch, seqlen_q, nheads, headdim) tensor of q's dtype and device
+        (last dim contiguous, 16-byte aligned) that the kernel overwrites;
+    lse: None or a preallocated contiguous float32 (batch, nheads, seqlen_q) tensor.
+    Tests pass NaN-filled out/lse to catch unwritten elements. Empty problems never launch:
+    batch == 0 or seqlen_q == 0 give empty out/lse; seqlen_k == 0 gives out = 0, lse = -inf.
+    Raises ValueError for a preallocated out/lse of the wrong shape, dtype, device or layout.
+    """
+    batch, seqlen_q, nheads, headdim = q.shape
+    seqlen_k = k.shape[1]
+    scale = resolve_softmax_scale(softmax_scale, headdim)
+    out_shape, lse_shape = (batch, seqlen_q, nheads, headdim), (batch, nheads, seqlen_q)
+    if out is None:
+        out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
+    else:
+        _check_buffer("out", out, out_shape, q.dtype, q.device)
+        problem = layout_problem("out", out)
+        if problem is not None:
+            raise ValueError(problem)
+    if lse is None:
+        lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+    else:
+        _check_buffer("lse", lse, lse_shape, torch.float32, q.device)
+        if not lse.is_contiguous():
+            raise ValueError(f"lse must be contiguous; got strides {lse.stride()}")
+    if out.numel() == 0:
+        return out, lse
+    if seqlen_k == 0:
+        out.zero_()
+        lse.fill_(float("-inf"))
+        return out, lse
+
+    from flash4.compile.cache import get_fwd_runner  # late: compiling pulls in the CuTe DSL
+
+    cfg = select_fwd_config(headdim, DTYPE_NAMES[q.dtype], causal, arch=device_arch(q.device))
+    run = get_fwd_runner(cfg)
+    if q.device.index == torch.cuda.current_device():
+        run(q, k, v, out, lse, scale)
+    else:
+        with torch.cuda.device(q.device):
+            run(q, k, v, out, lse, scale)
+    return out, lse
+
+
+def _check_buffer(name, t, shape, dtype, device) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if tuple(t.shape) != shape or t.dtype != dtype or t.device != device:
+        raise ValueError(
+            f"{name} must be {dtype} of shape {shape} on {device}; got {t.dtype} of shape {tuple(t.shape)} on {t.device}"
+        )

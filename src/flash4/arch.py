@@ -1,0 +1,95 @@
+"""GPU architecture: SM version and SM count of a device (overridable), and per-arch capacities.
+
+The device is asked through torch.cuda once per device index; FLASH4_ARCH / FLASH4_NUM_SMS
+(read through env.py on every call) take precedence, so a CPU-only machine can name the target.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+
+from flash4 import env
+
+
+@dataclasses.dataclass(frozen=True)
+class ArchCaps:
+    """Hardware limits of one SM version that kernel configs must fit.
+
+    smem_per_block: largest dynamic shared memory one CTA may opt into (bytes).
+    regs_per_sm:    32-bit registers per SM.
+    max_regs_per_thread: register cap of one thread.
+    tmem_bytes:     tensor memory per SM (0 where the arch has none).
+    """
+
+    arch: int
+    name: str
+    smem_per_block: int
+    regs_per_sm: int
+    max_regs_per_thread: int
+    tmem_bytes: int
+
+
+# CUDA programming guide, "Technical specifications per compute capability" (227 KB opt-in smem).
+CAPS = {
+    90: ArchCaps(90, "Hopper", smem_per_block=227 * 1024, regs_per_sm=65536, max_regs_per_thread=255, tmem_bytes=0),
+    # 128 lanes x 512 columns x 4 bytes of tensor memory.
+    100: ArchCaps(100, "Blackwell", smem_per_block=227 * 1024, regs_per_sm=65536, max_regs_per_thread=255,
+                  tmem_bytes=128 * 512 * 4),
+}
+
+
+def capacity(arch: int) -> ArchCaps:
+    """Limits of SM version `arch`. Raises ValueError for an arch not in CAPS."""
+    try:
+        return CAPS[arch]
+    except KeyError:
+        raise ValueError(f"no capacity table for sm_{arch}; known: {sorted(CAPS)}") from None
+
+
+def _device_index(device: torch.device | int | None) -> int:
+    if device is None:
+        return torch.cuda.current_device()
+    if isinstance(device, int):
+        return device
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"device {device} is not a CUDA device")
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+@functools.lru_cache(maxsize=None)
+def _queried(index: int) -> tuple[int, int]:
+    props = torch.cuda.get_device_properties(index)
+    return props.major * 10 + props.minor, props.multi_processor_count
+
+
+def _require_cuda(what: str, variable: str) -> None:
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"no CUDA device to read the {what} from; set {variable} to name it")
+
+
+def device_arch(device: torch.device | int | None = None) -> int:
+    """SM version (e.g. 90 for H100/H200) of `device` (default: current); FLASH4_ARCH overrides.
+
+    Raises RuntimeError without CUDA and without the override.
+    """
+    override = env.arch_override()
+    if override is not None:
+        return override
+    _require_cuda("SM version", "FLASH4_ARCH")
+    return _queried(_device_index(device))[0]
+
+
+def num_sms(device: torch.device | int | None = None) -> int:
+    """Number of SMs of `device` (default: current); FLASH4_NUM_SMS overrides.
+
+    Raises RuntimeError without CUDA and without the override.
+    """
+    override = env.num_sms_override()
+    if override is not None:
+        return override
+    _require_cuda("SM count", "FLASH4_NUM_SMS")
+    return _queried(_device_index(device))[1]

@@ -1,0 +1,87 @@
+"""Plain-text tables, and the compile-check report behind `python -m flash4 compile-check`."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+
+def format_table(headers: list[str], rows: list[list]) -> str:
+    """Fixed-width text table; floats with 2 decimals (NaN as "-"), None as "", numbers right-aligned."""
+
+    def cell(x) -> str:
+        if x is None:
+            return ""
+        if isinstance(x, bool):
+            return "yes" if x else "no"
+        if isinstance(x, float):
+            return "-" if math.isnan(x) else f"{x:.2f}"
+        return str(x)
+
+    texts = [[cell(x) for x in row] for row in rows]
+    widths = [max([len(h)] + [len(r[i]) for r in texts]) for i, h in enumerate(headers)]
+    numeric = [all(isinstance(row[i], (int, float)) or row[i] is None for row in rows) for i in range(len(headers))]
+
+    def line(items) -> str:
+        return "  ".join(s.rjust(w) if num else s.ljust(w) for s, w, num in zip(items, widths, numeric)).rstrip()
+
+    sep = "  ".join("-" * w for w in widths)
+    return "\n".join([line(headers), sep] + [line(r) for r in texts])
+
+
+def _summary(text: str | None, width: int = 100) -> str | None:
+    """First lines of an error message, ANSI colors removed, on one line of at most `width` chars."""
+    if not text:
+        return None
+    lines = [ln.strip() for ln in re.sub(r"\x1b\[[0-9;]*m", "", text).splitlines() if ln.strip()]
+    joined = " | ".join(lines)
+    return joined if len(joined) <= width else joined[: width - 3] + "..."
+
+
+def select_configs(headdims=None, dtypes=None, causals=None) -> list:
+    """Shipped forward configs filtered by head dim, dtype name and causal (None = all)."""
+    from flash4.config import shipped_fwd_configs
+
+    return [
+        c for c in shipped_fwd_configs()
+        if (headdims is None or c.headdim in headdims)
+        and (dtypes is None or c.dtype in dtypes)
+        and (causals is None or c.causal in causals)
+    ]
+
+
+def compile_check_main(configs: list | None = None, json_path: str | Path | None = None) -> int:
+    """Compile `configs` (None: every shipped forward config) without a GPU and print a table of
+    registers, spills, shared memory and compile time. Returns 1 on any compile error or spill, else 0."""
+    from tqdm import tqdm
+
+    from flash4.compile.check import compile_check  # late: pulls in the CuTe DSL
+
+    configs = select_configs() if configs is None else list(configs)
+    if not configs:
+        print("compile check: no config matches the filters")
+        return 1
+    print(f"compile check: {len(configs)} forward config(s), no GPU needed")
+    results = []
+    for cfg in tqdm(configs, desc="compile", unit="cfg"):
+        results.extend(compile_check([cfg]))
+    # hgmma / utmaldg: SASS instruction counts, when the check reports them
+    rows = [
+        [r["config"], r["ok"], r["compile_s"], r["registers"], r["spills"], r["smem_bytes"],
+         r.get("hgmma"), r.get("utmaldg"), _summary(r["error"])]
+        for r in results
+    ]
+    headers = ["config", "ok", "compile_s", "registers", "spills", "smem_bytes", "HGMMA", "UTMALDG", "error"]
+    print(format_table(headers, rows))
+    bad = [r for r in results if not r["ok"] or (r["spills"] or 0) > 0]
+    if json_path is not None:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps(results, indent=2))
+        print(f"wrote {json_path}")
+    slowest = max((r["compile_s"] for r in results), default=0.0)
+    print(f"{len(results) - len(bad)}/{len(results)} ok (no compile error, no spill); slowest compile {slowest:.2f} s")
+    for r in bad:
+        print(f"FAILED {r['config']}: " + (r["error"] or f"{r['spills']} spill(s)"))
+    return 1 if bad else 0

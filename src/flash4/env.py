@@ -1,0 +1,83 @@
+"""The only reader of FLASH4_* environment settings.
+
+| variable           | meaning                                              | default                    |
+| ------------------ | ---------------------------------------------------- | -------------------------- |
+| FLASH4_CACHE_DIR   | directory of the on-disk compile cache               | $XDG_CACHE_HOME/flash4 or ~/.cache/flash4 |
+| FLASH4_DISK_CACHE  | "0" turns the on-disk compile cache off              | "1"                        |
+| FLASH4_ARCH        | SM version to use instead of the device's, e.g. 90   | the device's (arch.py)     |
+| FLASH4_NUM_SMS     | SM count to use instead of the device's              | the device's (arch.py)     |
+
+Each function reads the environment when called (no caching), so a test can set a variable with
+monkeypatch. A malformed value raises ValueError naming the variable, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def _get(name: str) -> str | None:
+    value = os.environ.get(name)
+    if value is None or value.strip() == "":
+        return None
+    return value.strip()
+
+
+def cache_dir() -> Path:
+    """Directory of the on-disk compile cache (not created here)."""
+    value = _get("FLASH4_CACHE_DIR")
+    if value is not None:
+        return Path(value).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "flash4"
+
+
+def disk_cache_enabled() -> bool:
+    """False when FLASH4_DISK_CACHE is "0" (also "false", "off", "no")."""
+    value = _get("FLASH4_DISK_CACHE")
+    if value is None:
+        return True
+    lowered = value.lower()
+    if lowered in ("1", "true", "on", "yes"):
+        return True
+    if lowered in ("0", "false", "off", "no"):
+        return False
+    raise ValueError(f"FLASH4_DISK_CACHE={value!r} is not understood; allowed: 0/1 (or false/true, off/on, no/yes)")
+
+
+def arch_override() -> int | None:
+    """SM version from FLASH4_ARCH, or None when unset.
+
+    Accepts "90", "sm_90", "sm_90a", "sm90" and "9.0"; returns e.g. 90.
+    """
+    value = _get("FLASH4_ARCH")
+    if value is None:
+        return None
+    text = value.lower().removeprefix("sm_").removeprefix("sm").rstrip("a")
+    try:
+        if "." in text:
+            major, minor = text.split(".")
+            arch = int(major) * 10 + int(minor)
+        else:
+            arch = int(text)
+    except ValueError:
+        arch = -1
+    if arch < 10:
+        raise ValueError(f"FLASH4_ARCH={value!r} is not an SM version; allowed forms: 90, sm_90, sm_90a, 9.0")
+    return arch
+
+
+def num_sms_override() -> int | None:
+    """SM count from FLASH4_NUM_SMS (a positive integer), or None when unset."""
+    value = _get("FLASH4_NUM_SMS")
+    if value is None:
+        return None
+    try:
+        count = int(value)
+    except ValueError:
+        count = 0
+    if count < 1:
+        raise ValueError(f"FLASH4_NUM_SMS={value!r} must be a positive integer, e.g. 132")
+    return count

@@ -1,0 +1,109 @@
+"""Pure-Python model of the forward tile schedulers (mirrored by the in-kernel scheduler).
+
+A tile is (m_block, head, batch): one CTA's tile_m query rows of one head. A persistent kernel
+launches one CTA per SM; each CTA repeatedly takes the next tile index t and maps it to a tile
+with `tile_coords` (divmods only, what the kernel computes). `tile_order` is the same order
+written as plain loops, the reference the closed form is tested against.
+
+Order (FlashAttention-3/4 "L2 swizzle" + LPT, cf. flash_attn/cute/tile_scheduler.py):
+  * (head, batch) pairs, hb = batch * num_heads + head, are cut into sections of
+    `heads_per_l2_group` consecutive pairs, sized so the section's K/V fits in L2
+    (`l2_section_heads`); sections are handed out one after another.
+  * inside a section, m_block is the outer loop and hb the inner one, so the CTAs working at one
+    time read the K/V of the same few heads.
+  * causal + lpt: m_block descends (longest-processing-time first: with the bottom-right causal
+    mask the last query block sees the most keys), so each section's short tiles fill the tail.
+  * not lpt, no sections (heads_per_l2_group=None = 1): m_block fastest, ascending, then head,
+    then batch: the plain non-persistent grid order (blockIdx.x = m_block).
+
+`work` counts the K/V blocks a tile visits (its cost); `makespan` simulates the CTAs.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from typing import Callable, Sequence
+
+Tile = tuple[int, int, int]  # (m_block, head, batch)
+
+L2_BYTES = 50 * 1024 * 1024  # H100 / H200 L2 (FA3/FA4 budget K/V to this size)
+
+
+def l2_section_heads(seqlen_k: int, headdim: int, headdim_v: int | None = None, elem_bytes: int = 2,
+                     l2_bytes: int = L2_BYTES) -> int:
+    """(head, batch) pairs per section: the largest power of two whose K + V (seqlen_k rows of
+    headdim + headdim_v elements, elem_bytes each) fits in l2_bytes; at least 1."""
+    one_head = seqlen_k * (headdim + (headdim if headdim_v is None else headdim_v)) * elem_bytes
+    fit = l2_bytes // one_head if one_head > 0 else 1
+    return 1 << (fit.bit_length() - 1) if fit >= 1 else 1
+
+
+def tile_order(num_m_blocks: int, num_heads: int, batch: int, *, causal: bool, lpt: bool,
+               heads_per_l2_group: int | None = None) -> list[Tile]:
+    """All tiles in the order a persistent scheduler hands them out (tile index t -> list[t])."""
+    num_hb = num_heads * batch
+    group = heads_per_l2_group or 1
+    descending = lpt and causal  # without causal every tile costs the same
+    m_blocks = list(range(num_m_blocks))[::-1] if descending else list(range(num_m_blocks))
+    order = []
+    for start in range(0, num_hb, group):
+        for m in m_blocks:
+            for hb in range(start, min(start + group, num_hb)):
+                order.append((m, hb % num_heads, hb // num_heads))
+    return order
+
+
+def tile_coords(t: int, num_m_blocks: int, num_heads: int, batch: int, *, causal: bool, lpt: bool,
+                heads_per_l2_group: int | None = None) -> Tile:
+    """Closed form of tile_order(...)[t] with integer divmods only (the kernel's arithmetic).
+
+    The last section may be short (num_hb % group pairs): its tiles divide by that residual.
+    """
+    num_hb = num_heads * batch
+    group = min(heads_per_l2_group or 1, num_hb)
+    section, r = divmod(t, group * num_m_blocks)
+    full_sections = num_hb // group
+    size = group if section < full_sections else num_hb - full_sections * group
+    m_idx, hb_in = divmod(r, size)
+    batch_idx, head = divmod(section * group + hb_in, num_heads)
+    m_block = num_m_blocks - 1 - m_idx if (lpt and causal) else m_idx
+    return m_block, head, batch_idx
+
+
+def work(m_block: int, seqlen_q: int, seqlen_k: int, tile_m: int, tile_n: int, causal: bool) -> int:
+    """K/V blocks of tile_n keys visited by query block m_block (0 if all its rows are masked).
+
+    causal is bottom-right aligned: query row i sees keys j <= i + seqlen_k - seqlen_q.
+    """
+    if not causal:
+        return math.ceil(seqlen_k / tile_n)
+    row_end = min((m_block + 1) * tile_m, seqlen_q)  # exclusive
+    key_end = min(seqlen_k, row_end + seqlen_k - seqlen_q)
+    return max(0, math.ceil(key_end / tile_n))
+
+
+def makespan(order: Sequence[Tile], num_workers: int, work_fn: Callable[[Tile], float], *,
+             dynamic: bool = True) -> float:
+    """Finish time of the last CTA (units of work_fn, e.g. K/V blocks).
+
+    dynamic=True: greedy list scheduling, each CTA takes the next tile in `order` when it becomes
+    free (an atomic tile counter). dynamic=False: CTA w takes tiles w, w + num_workers, ...
+    (a static persistent loop `t += gridDim.x`).
+    """
+    if not dynamic:
+        loads = [0.0] * num_workers
+        for t, tile in enumerate(order):
+            loads[t % num_workers] += work_fn(tile)
+        return max(loads)
+    free = [(0.0, w) for w in range(num_workers)]  # (time the CTA is free, CTA id)
+    for tile in order:
+        at, w = heapq.heappop(free)
+        heapq.heappush(free, (at + work_fn(tile), w))
+    return max(at for at, _ in free)
+
+
+def lower_bound(order: Sequence[Tile], num_workers: int, work_fn: Callable[[Tile], float]) -> float:
+    """No schedule beats max(total work / workers, longest tile)."""
+    costs = [work_fn(tile) for tile in order]
+    return max(sum(costs) / num_workers, max(costs))

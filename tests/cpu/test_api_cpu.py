@@ -1,0 +1,134 @@
+"""The public API without a GPU: errors before any device use, public names, import hygiene,
+the empty-input fast paths of the internal forward and the autograd plumbing."""
+
+import math
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+import torch
+
+import flash4
+from flash4 import api, flash_attn_func
+from flash4.autograd import BACKWARD_MISSING, FlashAttnFunc
+
+SRC = Path(flash4.__file__).parent
+
+
+def qkv(b=2, sq=16, sk=24, h=4, hk=2, d=64, dtype=torch.bfloat16):
+    return (torch.randn(b, sq, h, d, dtype=dtype), torch.randn(b, sk, hk, d, dtype=dtype),
+            torch.randn(b, sk, hk, d, dtype=dtype))
+
+
+def test_public_names():
+    assert flash4.__all__ == ["flash_attn_func", "__version__"]
+    assert flash4.flash_attn_func is api.flash_attn_func
+
+
+def test_version_matches_installed_metadata():
+    try:
+        installed = metadata.version("flash4")
+    except metadata.PackageNotFoundError:
+        pytest.skip("flash4 is not pip-installed here")
+    assert installed == flash4.__version__
+
+
+@pytest.mark.parametrize("shape", [(2, 16, 24), (0, 16, 24), (2, 0, 24), (2, 16, 0)])
+def test_cpu_tensors_rejected_naming_the_device(shape):
+    b, sq, sk = shape
+    with pytest.raises(ValueError, match=r"q is on cpu; flash4 runs on CUDA tensors only"):
+        flash_attn_func(*qkv(b=b, sq=sq, sk=sk))
+
+
+def test_type_errors_come_first():
+    q, k, v = qkv(dtype=torch.float32)
+    with pytest.raises(TypeError, match="q.dtype is torch.float32"):
+        flash_attn_func(q, k, v)
+    with pytest.raises(TypeError, match="return_lse must be a bool"):
+        flash_attn_func(*qkv(), return_lse="yes")
+    with pytest.raises(TypeError, match="k must be a torch.Tensor, got NoneType"):
+        flash_attn_func(qkv()[0], None, qkv()[2])
+
+
+def test_shape_errors_on_cpu_tensors():
+    q, k, v = qkv(h=6, hk=4)
+    with pytest.raises(ValueError, match="nheads_k=4 .* must divide nheads=6"):
+        flash_attn_func(q, k, v)
+    with pytest.raises(ValueError, match="headdim 80 .* not supported"):
+        flash_attn_func(*qkv(d=80))
+
+
+@pytest.mark.parametrize("b, sq", [(0, 16), (2, 0)])
+def test_forward_hook_empty_outputs(b, sq):
+    q, k, v = qkv(b=b, sq=sq)
+    out, lse = api._flash_attn_forward(q, k, v, None, True)
+    assert out.shape == (b, sq, 4, 64) and out.dtype == torch.bfloat16
+    assert lse.shape == (b, 4, sq) and lse.dtype == torch.float32
+
+
+def test_forward_hook_no_keys_gives_zero_and_neg_inf():
+    q, k, v = qkv(sk=0)
+    out = torch.full((2, 16, 4, 64), math.nan, dtype=torch.bfloat16)
+    lse = torch.full((2, 4, 16), math.nan)
+    res = api._flash_attn_forward(q, k, v, 0.1, False, out=out, lse=lse)
+    assert res[0] is out and res[1] is lse
+    assert (out == 0).all() and torch.isneginf(lse).all()
+
+
+def test_forward_hook_rejects_bad_buffers():
+    q, k, v = qkv(sk=0)
+    with pytest.raises(ValueError, match="out must be torch.bfloat16 of shape"):
+        api._flash_attn_forward(q, k, v, None, False, out=torch.empty(2, 16, 4, 63, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="lse must be torch.float32 of shape"):
+        api._flash_attn_forward(q, k, v, None, False, lse=torch.empty(2, 4, 16, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="lse must be contiguous"):
+        api._flash_attn_forward(q, k, v, None, False, lse=torch.empty(2, 16, 4).transpose(1, 2))
+    with pytest.raises(ValueError, match="out has stride"):
+        api._flash_attn_forward(q, k, v, None, False, out=torch.empty(2, 16, 64, 4, dtype=torch.bfloat16).transpose(2, 3))
+
+
+def test_forward_hook_accepts_odd_seqlen_lse():
+    q, k, v = qkv(sq=17, sk=0)  # lse rows of 17 floats: contiguous is all lse needs
+    out, lse = api._flash_attn_forward(q, k, v, None, False, lse=torch.empty(2, 4, 17))
+    assert torch.isneginf(lse).all()
+
+
+def test_autograd_backward_raises(monkeypatch):
+    def fake_forward(q, k, v, softmax_scale, causal):
+        return q * 1.0, torch.zeros(q.shape[0], q.shape[2], q.shape[1])
+
+    monkeypatch.setattr(api, "_flash_attn_forward", fake_forward)
+    q, k, v = (t.float().requires_grad_() for t in qkv())
+    out, lse = FlashAttnFunc.apply(q, k, v, 0.125, False)
+    assert out.requires_grad and not lse.requires_grad
+    with pytest.raises(NotImplementedError, match="not implemented yet"):
+        out.sum().backward()
+    assert "backward pass is not implemented yet" in BACKWARD_MISSING
+
+
+def test_import_is_light():
+    """`import flash4` pulls in neither the CuTe DSL nor flash_attn (both load only when needed)."""
+    code = "import sys, flash4; print(sorted(m for m in ('cutlass', 'flash_attn') if m in sys.modules))"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert res.stdout.strip() == "[]"
+
+
+def test_flash_attn_is_imported_only_in_baselines():
+    offenders = [
+        str(p.relative_to(SRC)) for p in SRC.rglob("*.py")
+        if p.name != "baselines.py" and any(
+            line.lstrip().startswith(("import flash_attn", "from flash_attn")) for line in p.read_text().splitlines()
+        )
+    ]
+    assert offenders == []
+
+
+def test_env_is_the_only_reader_of_flash4_variables():
+    offenders = [
+        str(p.relative_to(SRC)) for p in SRC.rglob("*.py")
+        if p.name != "env.py" and "FLASH4_" in p.read_text()
+        and ("environ" in p.read_text() or "getenv" in p.read_text())
+    ]
+    assert offenders == []

@@ -1,0 +1,155 @@
+"""The benchmark harness without a GPU: sweep shapes, FLOPs, tables, targets, CSV/JSON/PNG, CLI."""
+
+import csv
+import json
+import math
+import sys
+import types
+
+import pytest
+import torch
+
+from flash4.__main__ import main as cli_main
+from flash4.bench import run
+from flash4.bench.report import format_table, select_configs
+from flash4.config import shipped_fwd_configs
+
+
+def test_parse_seqlen():
+    assert [run.parse_seqlen(s) for s in ("1k", "4K", "32k", "1000")] == [1024, 4096, 32768, 1000]
+    for bad in ("0", "k", "x1", "-4"):
+        with pytest.raises(Exception, match="not a positive integer"):
+            run.parse_seqlen(bad)
+    assert run.seqlen_label(16384) == "16k" and run.seqlen_label(1000) == "1000"
+
+
+def test_sweep_cells_follow_the_issue():
+    cells = run.sweep_cells(run.DEFAULT_HEADDIMS, run.DEFAULT_SEQLENS, (False, True))
+    assert len(cells) == 3 * 4 * 2
+    for c in cells:
+        assert c.batch * c.seqlen == 32768 and c.nheads * c.headdim == 2048
+    assert cells[0] == run.Cell(headdim=64, causal=False, seqlen=1024, batch=32, nheads=32)
+
+
+def test_flops():
+    full = run.Cell(headdim=128, causal=False, seqlen=4096, batch=8, nheads=16)
+    causal = run.Cell(headdim=128, causal=True, seqlen=4096, batch=8, nheads=16)
+    assert run.fwd_flops(full) == 4 * 8 * 16 * 4096 * 4096 * 128
+    assert run.fwd_flops(causal) == run.fwd_flops(full) / 2
+    assert math.isclose(run.tflops(1e12, 1000.0), 1.0)
+
+
+def fake_rows():
+    rows = []
+    values = {"flash4": (650.0, 400.0), "flash_attn_4": (660.0, 420.0), "sdpa_cudnn": (600.0, 410.0),
+              "sdpa_flash": (math.nan, 300.0)}
+    for cell in run.sweep_cells((128,), (1024, 4096), (False, True)):
+        for impl, (full, causal) in values.items():
+            rows.append({"impl": impl, "headdim": cell.headdim, "causal": int(cell.causal), "seqlen": cell.seqlen,
+                         "batch": cell.batch, "nheads": cell.nheads, "fwd_tflops": causal if cell.causal else full,
+                         "bwd_tflops": None})
+    return rows
+
+
+def test_result_table_ratios():
+    headers, table = run.result_table(fake_rows())
+    assert headers[5:] == ["flash4", "flash_attn_4", "sdpa_cudnn", "sdpa_flash",
+                           "flash4/flash_attn_4", "flash4/sdpa_cudnn", "flash4/sdpa_flash"]
+    first = table[0]  # hdim 128 full 1k
+    assert first[:5] == [128, 0, 1024, 32, 16]
+    assert math.isclose(first[9], 650 / 660) and math.isclose(first[10], 650 / 600) and math.isnan(first[11])
+    text = format_table(headers, table)
+    assert "flash4/sdpa_cudnn" in text and "1.08" in text
+    assert text.splitlines()[2].split()[8] == "-"  # NaN (sdpa_flash raised) shows as "-"
+
+
+def test_targets_summary():
+    lines = run.targets_summary(fake_rows())
+    assert lines[0].startswith("flash4 >= 1.00x sdpa_cudnn (every cell): MISSED on 2/4 cells")
+    assert "worst 0.976x at hdim 128 causal" in lines[0]
+    assert lines[1].startswith("flash4 >= 0.85x flash_attn_4 (hdim 128, S >= 4k): MET")
+    only_flash4 = [r for r in fake_rows() if r["impl"] == "flash4"]
+    assert all(line.endswith("not measured") for line in run.targets_summary(only_flash4))
+
+
+def test_csv_json_png(tmp_path):
+    rows = fake_rows()
+    run.write_csv(rows, tmp_path / "sweep.csv")
+    with open(tmp_path / "sweep.csv") as f:
+        records = list(csv.reader(f))
+    assert records[0] == ["impl", "headdim", "causal", "seqlen", "batch", "nheads", "fwd_tflops", "bwd_tflops"]
+    assert records[1] == ["flash4", "128", "0", "1024", "32", "16", "650.0", ""]
+    assert {r[0] for r in records[1:]} == {"flash4", "flash_attn_4", "sdpa_cudnn", "sdpa_flash"}
+    assert {r[2] for r in records[1:]} == {"0", "1"}
+    assert ["sdpa_flash", "128", "0", "1024", "32", "16", "nan", ""] in records
+
+    run.write_json(tmp_path / "sweep.json", {"gpu": "test"}, rows, [], ["t"])
+    doc = json.loads((tmp_path / "sweep.json").read_text())
+    assert doc["meta"] == {"gpu": "test"} and doc["rows"][3]["fwd_tflops"] is None and doc["targets"] == ["t"]
+
+    run.plot(rows, tmp_path / "sweep.png", "test plot")
+    assert (tmp_path / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_impl_names_match_baselines():
+    from flash4.bench.baselines import all_impls
+
+    impls = all_impls()
+    assert tuple(i.name for i in impls) == run.IMPL_NAMES
+    assert [i.name for i in impls if i.unavailable] in ([], ["flash_attn_4"])
+
+
+def test_check_cases():
+    assert len(run.check_cases("flash4", (64, 128), (False, True))) == 4 + 3
+    assert all(c[1] == c[2] for c in run.check_cases("sdpa_cudnn", (128,), (False, True)))
+
+
+def test_select_configs():
+    assert select_configs() == shipped_fwd_configs()
+    some = select_configs(headdims=(128,), dtypes=("bf16",))
+    assert [(c.headdim, c.dtype, c.causal) for c in some] == [(128, "bf16", False), (128, "bf16", True)]
+
+
+@pytest.fixture
+def fake_compile_check(monkeypatch):
+    """Stands in for flash4.compile.check (the CuTe DSL compile) and records what it was asked."""
+    calls, result = [], {"spills": 0}
+
+    def compile_check(configs):
+        calls.extend(configs)
+        return [{"config": f"d{c.headdim} {c.dtype} {int(c.causal)}", "ok": True, "error": None, "compile_s": 1.5,
+                 "registers": 168, "spills": result["spills"], "smem_bytes": c.smem_bytes()} for c in configs]
+
+    module = types.ModuleType("flash4.compile.check")
+    module.compile_check = compile_check
+    monkeypatch.setitem(sys.modules, "flash4.compile.check", module)
+    return calls, result
+
+
+def test_cli_compile_check(fake_compile_check, capsys, tmp_path):
+    calls, result = fake_compile_check
+    assert cli_main(["compile-check", "--headdims", "128", "--dtypes", "bf16", "--json", str(tmp_path / "c.json")]) == 0
+    assert [(c.headdim, c.dtype) for c in calls] == [(128, "bf16")] * 2
+    out = capsys.readouterr().out
+    assert "2/2 ok" in out and "registers" in out
+    assert len(json.loads((tmp_path / "c.json").read_text())) == 2
+    result["spills"] = 4
+    assert cli_main(["compile-check", "--headdims", "64", "--causal", "1"]) == 1
+    assert "FAILED d64 bf16 1: 4 spill(s)" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
+def test_bench_without_gpu_runs_the_compile_check(fake_compile_check, capsys):
+    calls, _ = fake_compile_check
+    assert cli_main(["bench"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("No CUDA GPU found") and "compile check" in out
+    assert calls == shipped_fwd_configs()
+    calls.clear()
+    assert cli_main(["bench", "--quick"]) == 0
+    assert [(c.headdim, c.dtype) for c in calls] == [(128, "bf16")] * 2
+
+
+def test_bench_bwd_is_refused(capsys):
+    assert cli_main(["bench", "--bwd"]) == 2
+    assert "no backward" in capsys.readouterr().err

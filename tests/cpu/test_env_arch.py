@@ -1,0 +1,78 @@
+"""env.py (the FLASH4_* settings) and arch.py (SM version / count, overrides, capacities)."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from flash4 import arch, env
+
+
+def test_cache_dir(monkeypatch, tmp_path):
+    monkeypatch.delenv("FLASH4_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert env.cache_dir() == tmp_path / "flash4"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert env.cache_dir() == Path.home() / ".cache" / "flash4"
+    monkeypatch.setenv("FLASH4_CACHE_DIR", str(tmp_path / "c"))
+    assert env.cache_dir() == tmp_path / "c"
+
+
+@pytest.mark.parametrize("value, expected", [(None, True), ("", True), ("1", True), ("on", True),
+                                             ("0", False), ("false", False), ("OFF", False)])
+def test_disk_cache_enabled(monkeypatch, value, expected):
+    if value is None:
+        monkeypatch.delenv("FLASH4_DISK_CACHE", raising=False)
+    else:
+        monkeypatch.setenv("FLASH4_DISK_CACHE", value)
+    assert env.disk_cache_enabled() is expected
+
+
+def test_disk_cache_bad_value(monkeypatch):
+    monkeypatch.setenv("FLASH4_DISK_CACHE", "maybe")
+    with pytest.raises(ValueError, match="FLASH4_DISK_CACHE='maybe'"):
+        env.disk_cache_enabled()
+
+
+@pytest.mark.parametrize("value, expected", [("90", 90), ("sm_90", 90), ("sm_90a", 90), ("SM90A", 90),
+                                             ("9.0", 90), ("100", 100), ("sm_100a", 100), ("10.0", 100)])
+def test_arch_override_forms(monkeypatch, value, expected):
+    monkeypatch.setenv("FLASH4_ARCH", value)
+    assert env.arch_override() == expected
+    assert arch.device_arch() == expected  # the override wins, GPU or not
+
+
+@pytest.mark.parametrize("value", ["hopper", "sm_", "9", "-90"])
+def test_arch_override_bad(monkeypatch, value):
+    monkeypatch.setenv("FLASH4_ARCH", value)
+    with pytest.raises(ValueError, match="FLASH4_ARCH"):
+        env.arch_override()
+
+
+def test_num_sms_override(monkeypatch):
+    monkeypatch.setenv("FLASH4_NUM_SMS", "132")
+    assert env.num_sms_override() == 132 and arch.num_sms() == 132
+    for bad in ("0", "many", "-3"):
+        monkeypatch.setenv("FLASH4_NUM_SMS", bad)
+        with pytest.raises(ValueError, match="FLASH4_NUM_SMS"):
+            env.num_sms_override()
+    monkeypatch.delenv("FLASH4_NUM_SMS")
+    assert env.num_sms_override() is None
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU behaviour")
+def test_no_gpu_without_override_is_a_clear_error(monkeypatch):
+    monkeypatch.delenv("FLASH4_ARCH", raising=False)
+    monkeypatch.delenv("FLASH4_NUM_SMS", raising=False)
+    with pytest.raises(RuntimeError, match="FLASH4_ARCH"):
+        arch.device_arch()
+    with pytest.raises(RuntimeError, match="FLASH4_NUM_SMS"):
+        arch.num_sms()
+
+
+def test_capacity():
+    hopper = arch.capacity(90)
+    assert hopper.smem_per_block == 232448 and hopper.tmem_bytes == 0 and hopper.regs_per_sm == 65536
+    assert arch.capacity(100).tmem_bytes == 256 * 1024
+    with pytest.raises(ValueError, match="sm_80"):
+        arch.capacity(80)
