@@ -93,7 +93,11 @@ def select_fwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, a
         tile_m, tile_n = 128, 112
     else:
         tile_m, tile_n = 128, 80
-    return FwdConfig(headdim=headdim, dtype=dtype, causal=causal, tile_m=tile_m, tile_n=tile_n, kv_stages=2, arch=arch)
+    # Causal: LPT tile order (longest m_blocks first, L2 sections of heads); H200, d128/d256 S=16k:
+    # +3% / +6% over the plain grid order. Persistent CTAs measured slower (O shares Q's smem, and the
+    # static round-robin is coarser than the hardware's block dispatch): off by default.
+    return FwdConfig(headdim=headdim, dtype=dtype, causal=causal, tile_m=tile_m, tile_n=tile_n, kv_stages=2,
+                     lpt=causal, arch=arch)
 
 
 def shipped_fwd_configs() -> list[FwdConfig]:

@@ -42,5 +42,5 @@ def apply_mask(
             row = m_block * tile_m + c[r, 0][0]
             col_limit = cutlass.min(col_limit, row + 1 + seqlen_k - seqlen_q - n_block * tile_n - thread_col0)
         for j in cutlass.range_constexpr(cute.size(s, mode=[1])):
-            if c0[0, j][1] >= col_limit:
-                s[r, j] = -Float32.inf
+            # a select, not an `if`: a dynamic `if` would carry the whole fragment through it
+            s[r, j] = Float32(cutlass.select_(c0[0, j][1] >= col_limit, -Float32.inf, s[r, j]))
