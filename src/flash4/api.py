@@ -1,6 +1,6 @@
 """Public entry points: validate -> config -> compile (cached) -> launch.
 
-flash4 is CUDA-only and forward-only for now (see autograd.py for what happens under autograd).
+flash4 is CUDA-only; gradients flow through flash4.autograd.FlashAttnFunc (backward: flash4.backward).
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch
 
 from flash4.arch import device_arch
 from flash4.autograd import FlashAttnFunc
-from flash4.config import select_fwd_config
+from flash4.config import BWD_SUPPORTED_HEADDIMS, select_fwd_config
 from flash4.validate import DTYPE_NAMES, layout_problem, check_inputs, resolve_softmax_scale
 
 
@@ -44,13 +44,21 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False)
             flash4 kernel (sm_90 only for now).
             flash4.validate.support_error(q, k, v, softmax_scale, causal) gives the same message
             without raising.
-        NotImplementedError: from `.backward()` through the result (no backward yet).
+            With autograd recording (an input requires grad), also a headdim the backward kernel
+            lacks (flash4.config.BWD_SUPPORTED_HEADDIMS: 64, 96, 128), before anything runs.
+
+    Gradients: `.backward()` through `out` gives dq, dk, dv (flash4.backward); lse carries no gradient.
     """
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
     check_inputs(q, k, v, softmax_scale, causal)
     scale = resolve_softmax_scale(softmax_scale, q.shape[3])
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        if q.shape[3] not in BWD_SUPPORTED_HEADDIMS:
+            raise ValueError(
+                f"q has headdim {q.shape[3]} and requires grad, but the flash4 backward supports headdim in "
+                f"{BWD_SUPPORTED_HEADDIMS}; call under torch.no_grad() for the forward only"
+            )
         out, lse = FlashAttnFunc.apply(q, k, v, scale, causal)
     else:
         out, lse = _flash_attn_forward(q, k, v, scale, causal)

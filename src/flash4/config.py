@@ -119,3 +119,55 @@ def num_m_blocks(seqlen_q: int, cfg: FwdConfig) -> int:
 
 
 LOG2E = math.log2(math.e)
+
+
+# Head dims the sm90 backward supports: dK and dV accumulate in registers (2 x tile_n/2 x headdim
+# fp32 per warpgroup), which fits the 240-register consumer budget up to 128.
+BWD_SUPPORTED_HEADDIMS = (64, 96, 128)
+
+
+@dataclasses.dataclass(frozen=True)
+class BwdConfig:
+    """One compiled backward kernel.
+
+    headdim, dtype, causal: as FwdConfig.
+    tile_n:   keys per CTA (2 consumer warpgroups x 64).
+    tile_m:   queries per step of the CTA's loop.
+    q_stages: depth of the Q / dO TMA pipelines.
+    """
+
+    headdim: int
+    dtype: str = "bf16"
+    causal: bool = False
+    tile_m: int = 64
+    tile_n: int = 128
+    q_stages: int = 2
+    arch: int = 90
+
+    def __post_init__(self):
+        assert self.headdim in BWD_SUPPORTED_HEADDIMS, self.headdim
+        assert self.dtype in DTYPES, self.dtype
+        assert self.tile_n == 128 and self.tile_m % 64 == 0
+
+    def smem_bytes(self) -> int:
+        """K, V, the Q/dO stages, two dS^T buffers, the fp32 dQ tile (bytes, no barriers)."""
+        elt = 2
+        kv = 2 * self.tile_n * self.headdim * elt
+        q_do = 2 * self.q_stages * self.tile_m * self.headdim * elt
+        ds = 2 * self.tile_n * self.tile_m * elt
+        dq = self.tile_m * (self.headdim + 4) * 4
+        stats = 2 * self.q_stages * self.tile_m * 4
+        return kv + q_do + ds + dq + stats
+
+
+def select_bwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, arch: int = 90) -> BwdConfig:
+    """Pick the backward config (pure; CPU-tested). Raises ValueError for what has no kernel."""
+    if arch != 90:
+        raise ValueError(f"flash4 backward: arch sm_{arch} has no kernel yet (supported: sm_90a)")
+    if headdim not in BWD_SUPPORTED_HEADDIMS:
+        raise ValueError(f"flash4 backward: headdim={headdim} not supported yet; allowed: {BWD_SUPPORTED_HEADDIMS}")
+    return BwdConfig(headdim=headdim, dtype=dtype, causal=causal, arch=arch)
+
+
+def shipped_bwd_configs() -> list[BwdConfig]:
+    return [select_bwd_config(d, dt, c) for d in BWD_SUPPORTED_HEADDIMS for dt in DTYPES for c in (False, True)]

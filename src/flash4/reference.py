@@ -83,9 +83,11 @@ def _attention(q, k, v, scale, causal, upcast):
         scores = scores.masked_fill(~causal_mask(seqlen_q, seqlen_k, q.device), float("-inf"))
     lse_dtype = scores.dtype if upcast else torch.float32
     lse = torch.logsumexp(scores.to(lse_dtype), dim=-1)
-    probs = torch.softmax(scores, dim=-1)
-    # rows without a visible key: softmax gives NaN there; their output is 0 by convention
-    probs = probs.masked_fill(torch.isneginf(lse).unsqueeze(-1), 0.0).to(v.dtype)
+    # Rows without a visible key have output 0 by convention. A softmax over all -inf would be NaN
+    # (in autograd too), so such rows get finite scores and are zeroed afterwards.
+    has_key = ~torch.isneginf(lse).unsqueeze(-1)
+    probs = torch.softmax(scores.masked_fill(~has_key, 0.0), dim=-1) * has_key
+    probs = probs.to(v.dtype)
     out = torch.einsum("bhqk,bkhd->bqhd", probs, v)
     return out, lse
 

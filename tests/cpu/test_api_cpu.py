@@ -12,7 +12,7 @@ import torch
 
 import flash4
 from flash4 import api, flash_attn_func
-from flash4.autograd import BACKWARD_MISSING, FlashAttnFunc
+from flash4.autograd import FlashAttnFunc
 
 SRC = Path(flash4.__file__).parent
 
@@ -95,17 +95,30 @@ def test_forward_hook_accepts_odd_seqlen_lse():
     assert torch.isneginf(lse).all()
 
 
-def test_autograd_backward_raises(monkeypatch):
+def test_autograd_routes_backward(monkeypatch):
+    """The Function saves what the backward needs and returns grads only where asked."""
+    import flash4.backward as bwd
+
     def fake_forward(q, k, v, softmax_scale, causal):
         return q * 1.0, torch.zeros(q.shape[0], q.shape[2], q.shape[1])
 
+    seen = {}
+
+    def fake_backward(dout, q, k, v, out, lse, softmax_scale, causal):
+        seen.update(scale=softmax_scale, causal=causal, lse_shape=tuple(lse.shape))
+        return torch.ones_like(q), 2 * torch.ones_like(k), 3 * torch.ones_like(v)
+
     monkeypatch.setattr(api, "_flash_attn_forward", fake_forward)
-    q, k, v = (t.float().requires_grad_() for t in qkv())
-    out, lse = FlashAttnFunc.apply(q, k, v, 0.125, False)
+    monkeypatch.setattr(bwd, "flash_attn_backward", fake_backward)
+    q, k, v = (t.float() for t in qkv())
+    q.requires_grad_()
+    v.requires_grad_()
+    out, lse = FlashAttnFunc.apply(q, k, v, 0.125, True)
     assert out.requires_grad and not lse.requires_grad
-    with pytest.raises(NotImplementedError, match="not implemented yet"):
-        out.sum().backward()
-    assert "backward pass is not implemented yet" in BACKWARD_MISSING
+    out.sum().backward()
+    assert seen == {"scale": 0.125, "causal": True, "lse_shape": (q.shape[0], q.shape[2], q.shape[1])}
+    assert torch.equal(q.grad, torch.ones_like(q)) and torch.equal(v.grad, 3 * torch.ones_like(v))
+    assert k.grad is None
 
 
 def test_import_is_light():

@@ -12,7 +12,7 @@ import torch
 from flash4.__main__ import main as cli_main
 from flash4.bench import run
 from flash4.bench.report import format_table, select_configs
-from flash4.config import shipped_fwd_configs
+from flash4.config import shipped_bwd_configs, shipped_fwd_configs
 
 
 def test_parse_seqlen():
@@ -65,9 +65,9 @@ def test_result_table_ratios():
 
 def test_targets_summary():
     lines = run.targets_summary(fake_rows())
-    assert lines[0].startswith("flash4 >= 1.00x sdpa_cudnn (every cell): MISSED on 2/4 cells")
+    assert lines[0].startswith("fwd: flash4 >= 1.00x sdpa_cudnn (every cell): MISSED on 2/4 cells")
     assert "worst 0.976x at hdim 128 causal" in lines[0]
-    assert lines[1].startswith("flash4 >= 0.85x flash_attn_4 (hdim 128, S >= 4k): MET")
+    assert lines[1].startswith("fwd: flash4 >= 0.85x flash_attn_4 (hdim 128, S >= 4k): MET")
     only_flash4 = [r for r in fake_rows() if r["impl"] == "flash4"]
     assert all(line.endswith("not measured") for line in run.targets_summary(only_flash4))
 
@@ -105,9 +105,9 @@ def test_check_cases():
 
 
 def test_select_configs():
-    assert select_configs() == shipped_fwd_configs()
+    assert select_configs() == shipped_fwd_configs() + shipped_bwd_configs()
     some = select_configs(headdims=(128,), dtypes=("bf16",))
-    assert [(c.headdim, c.dtype, c.causal) for c in some] == [(128, "bf16", False), (128, "bf16", True)]
+    assert [(c.headdim, c.dtype, c.causal) for c in some] == [(128, "bf16", False), (128, "bf16", True)] * 2
 
 
 @pytest.fixture
@@ -129,10 +129,10 @@ def fake_compile_check(monkeypatch):
 def test_cli_compile_check(fake_compile_check, capsys, tmp_path):
     calls, result = fake_compile_check
     assert cli_main(["compile-check", "--headdims", "128", "--dtypes", "bf16", "--json", str(tmp_path / "c.json")]) == 0
-    assert [(c.headdim, c.dtype) for c in calls] == [(128, "bf16")] * 2
+    assert [(c.headdim, c.dtype) for c in calls] == [(128, "bf16")] * 4  # fwd + bwd, causal and not
     out = capsys.readouterr().out
-    assert "2/2 ok" in out and "registers" in out
-    assert len(json.loads((tmp_path / "c.json").read_text())) == 2
+    assert "4/4 ok" in out and "registers" in out
+    assert len(json.loads((tmp_path / "c.json").read_text())) == 4
     result["spills"] = 4
     assert cli_main(["compile-check", "--headdims", "64", "--causal", "1"]) == 1
     assert "FAILED d64 bf16 1: 4 spill(s)" in capsys.readouterr().out
@@ -144,12 +144,15 @@ def test_bench_without_gpu_runs_the_compile_check(fake_compile_check, capsys):
     assert cli_main(["bench"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("No CUDA GPU found") and "compile check" in out
-    assert calls == shipped_fwd_configs()
+    assert calls == shipped_fwd_configs() + shipped_bwd_configs()
     calls.clear()
     assert cli_main(["bench", "--quick"]) == 0
-    assert [(c.headdim, c.dtype) for c in calls] == [(128, "bf16")] * 2
+    assert [(c.headdim, c.dtype) for c in calls] == [(128, "bf16")] * 4  # fwd + bwd, causal and not
 
 
-def test_bench_bwd_is_refused(capsys):
-    assert cli_main(["bench", "--bwd"]) == 2
-    assert "no backward" in capsys.readouterr().err
+def test_bench_times_backward_unless_told_not_to():
+    from flash4.__main__ import build_parser
+
+    assert build_parser().parse_args(["bench"]).bwd is True
+    assert build_parser().parse_args(["bench", "--no-bwd"]).bwd is False
+

@@ -190,11 +190,10 @@ def test_mixed_devices_rejected():
         flash_attn_func(q, k.cpu(), v)
 
 
-def test_autograd_forward_works_backward_raises():
+def test_autograd_forward_matches_no_grad():
     q, k, v = (t.requires_grad_() for t in make_inputs(1, 128, 128, 2, 2, 64))
     out, lse = flash_attn_func(q, k, v, causal=True, return_lse=True)
     assert out.requires_grad and not lse.requires_grad
     with torch.no_grad():
         assert torch.equal(flash_attn_func(q, k, v, causal=True), out.detach())
-    with pytest.raises(NotImplementedError, match="backward pass is not implemented yet"):
-        out.float().sum().backward()
+

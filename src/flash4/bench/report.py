@@ -41,11 +41,11 @@ def _summary(text: str | None, width: int = 100) -> str | None:
 
 
 def select_configs(headdims=None, dtypes=None, causals=None) -> list:
-    """Shipped forward configs filtered by head dim, dtype name and causal (None = all)."""
-    from flash4.config import shipped_fwd_configs
+    """Shipped forward and backward configs filtered by head dim, dtype name and causal (None = all)."""
+    from flash4.config import shipped_bwd_configs, shipped_fwd_configs
 
     return [
-        c for c in shipped_fwd_configs()
+        c for c in shipped_fwd_configs() + shipped_bwd_configs()
         if (headdims is None or c.headdim in headdims)
         and (dtypes is None or c.dtype in dtypes)
         and (causals is None or c.causal in causals)
@@ -53,7 +53,7 @@ def select_configs(headdims=None, dtypes=None, causals=None) -> list:
 
 
 def compile_check_main(configs: list | None = None, json_path: str | Path | None = None) -> int:
-    """Compile `configs` (None: every shipped forward config) without a GPU and print a table of
+    """Compile `configs` (None: every shipped forward and backward config) without a GPU and print a table of
     registers, spills, shared memory and compile time. Returns 1 on any compile error or spill, else 0."""
     from tqdm import tqdm
 
@@ -63,7 +63,7 @@ def compile_check_main(configs: list | None = None, json_path: str | Path | None
     if not configs:
         print("compile check: no config matches the filters")
         return 1
-    print(f"compile check: {len(configs)} forward config(s), no GPU needed")
+    print(f"compile check: {len(configs)} config(s) (forward and backward), no GPU needed")
     results = []
     for cfg in tqdm(configs, desc="compile", unit="cfg"):
         results.extend(compile_check([cfg]))

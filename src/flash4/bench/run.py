@@ -8,7 +8,9 @@ Times are medians, flushing L2 between calls: triton.testing.do_bench when trito
 CUDA events. An implementation that raises on a cell gets NaN there; its error is printed once.
 Writes into --out (default bench_out/): sweep.csv (CSV_COLUMNS), sweep.json (metadata, rows,
 correctness, targets), sweep.png. Without a GPU it says so and runs the compile check instead.
-Backward: rows carry bwd_tflops, empty until a backward exists; --bwd is refused for now.
+Backward (unless --no-bwd): the time of torch.autograd.grad(out, (q, k, v), dout) on a graph built
+once per cell (the backward kernels with their pre/postprocess), FLOPs 2.5x the forward's; NaN where
+an implementation has no backward for the cell (flash4 above headdim 128).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # headdim 128, seqlen >= 4k.
 TARGET_VS_CUDNN = 1.0
 TARGET_VS_FA4 = 0.85
+BWD_FLOPS_FACTOR = 2.5  # backward FLOPs = 2.5 x forward (2 GEMMs forward, 5 backward)
 
 
 def parse_seqlen(text: str) -> int:
@@ -73,7 +76,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "without a GPU, a small compile check")
     parser.add_argument("--rep-ms", type=float, default=100.0, help="timing budget per measurement (ms)")
     parser.add_argument("--out", default="bench_out", help="output directory (default bench_out/)")
-    parser.add_argument("--bwd", action="store_true", help="time the backward too (not implemented yet)")
+    parser.add_argument("--no-bwd", dest="bwd", action="store_false",
+                        help="time the forward only (default: forward and backward)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,8 +198,18 @@ def check_correctness(impls, headdims, causals, dtype) -> list[dict]:
     return results
 
 
-def measure(impls, cells, dtype, rep_ms: float = 100.0) -> list[dict]:
-    """Forward TFLOPs of every impl on every cell; rows with CSV_COLUMNS keys (NaN where it raised)."""
+def _time_bwd(impl, q, k, v, causal, rep_ms) -> float:
+    """Milliseconds of one backward pass of impl (autograd.grad on a graph built once)."""
+    qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+    with impl.context():
+        out = impl.make(qg, kg, vg, causal)()
+        dout = torch.randn_like(out)
+        return time_ms(lambda: torch.autograd.grad(out, (qg, kg, vg), dout, retain_graph=True), rep_ms=rep_ms)
+
+
+def measure(impls, cells, dtype, rep_ms: float = 100.0, bwd: bool = False) -> list[dict]:
+    """Forward (and backward) TFLOPs of every impl on every cell; rows with CSV_COLUMNS keys
+    (NaN where it raised)."""
     from tqdm import tqdm
 
     rows, seen = [], set()
@@ -204,32 +218,42 @@ def measure(impls, cells, dtype, rep_ms: float = 100.0) -> list[dict]:
         q, k, v = _inputs(cell.batch, cell.seqlen, cell.seqlen, cell.nheads, cell.nheads, cell.headdim, dtype)
         for impl in impls:
             bar.set_postfix_str(f"{impl.name} {cell.label()}")
+            def report(err, what):
+                message = f"{what}: {type(err).__name__}: {err}".splitlines()[0][:300]
+                if (impl.name, message) not in seen:
+                    seen.add((impl.name, message))
+                    bar.write(f"{impl.name} failed at {cell.label()}: {message} (NaN; repeats not shown)")
+                if isinstance(err, torch.cuda.OutOfMemoryError):
+                    torch.cuda.empty_cache()
+
             try:
                 fn = impl.make(q, k, v, cell.causal)
                 with impl.context():
                     fwd = tflops(fwd_flops(cell), time_ms(fn, rep_ms=rep_ms))
             except Exception as err:
                 fwd = math.nan
-                message = f"{type(err).__name__}: {err}".splitlines()[0][:300]
-                if (impl.name, message) not in seen:
-                    seen.add((impl.name, message))
-                    bar.write(f"{impl.name} failed at {cell.label()}: {message} (NaN; repeats not shown)")
-                if isinstance(err, torch.cuda.OutOfMemoryError):
-                    torch.cuda.empty_cache()
+                report(err, "fwd")
+            bwd_tf = None
+            if bwd:
+                try:
+                    bwd_tf = tflops(BWD_FLOPS_FACTOR * fwd_flops(cell), _time_bwd(impl, q, k, v, cell.causal, rep_ms))
+                except Exception as err:
+                    bwd_tf = math.nan
+                    report(err, "bwd")
             rows.append({"impl": impl.name, "headdim": cell.headdim, "causal": int(cell.causal),
                          "seqlen": cell.seqlen, "batch": cell.batch, "nheads": cell.nheads,
-                         "fwd_tflops": fwd, "bwd_tflops": None})
+                         "fwd_tflops": fwd, "bwd_tflops": bwd_tf})
             bar.update()
         del q, k, v
     bar.close()
     return rows
 
 
-def _by_cell(rows) -> dict:
+def _by_cell(rows, metric: str = "fwd_tflops") -> dict:
     cells: dict = {}
     for r in rows:
         key = (r["headdim"], r["causal"], r["seqlen"], r["batch"], r["nheads"])
-        cells.setdefault(key, {})[r["impl"]] = r["fwd_tflops"]
+        cells.setdefault(key, {})[r["impl"]] = r.get(metric)
     return cells
 
 
@@ -239,21 +263,23 @@ def _ratio(a, b) -> float:
     return a / b
 
 
-def result_table(rows) -> tuple[list[str], list[list]]:
-    """Headers and rows: one line per cell, TFLOPs per impl, then flash4's ratio to each other impl."""
+def result_table(rows, metric: str = "fwd_tflops") -> tuple[list[str], list[list]]:
+    """Headers and rows: one line per cell, TFLOPs (`metric`) per impl, then flash4's ratio to each
+    other impl."""
     impls = list(dict.fromkeys(r["impl"] for r in rows))
     others = [i for i in impls if i != "flash4"] if "flash4" in impls else []
     headers = ["hdim", "causal", "seqlen", "batch", "nheads"] + impls + [f"flash4/{i}" for i in others]
     table = []
-    for (d, c, s, b, h), vals in _by_cell(rows).items():
+    for (d, c, s, b, h), vals in _by_cell(rows, metric).items():
         table.append([d, c, s, b, h] + [vals.get(i, math.nan) for i in impls]
                      + [_ratio(vals.get("flash4"), vals.get(i)) for i in others])
     return headers, table
 
 
-def targets_summary(rows) -> list[str]:
-    """One line per issue-2 target: met, missed (with the cells), or not measured."""
-    cells = _by_cell(rows)
+def targets_summary(rows, metric: str = "fwd_tflops") -> list[str]:
+    """One line per target (issue 2 forward, issue 3 backward: the same two): met, missed (with the
+    cells), or not measured."""
+    cells = _by_cell(rows, metric)
     specs = [
         ("sdpa_cudnn", TARGET_VS_CUDNN, "every cell", lambda d, s: True),
         ("flash_attn_4", TARGET_VS_FA4, "hdim 128, S >= 4k", lambda d, s: d == 128 and s >= 4096),
@@ -262,7 +288,7 @@ def targets_summary(rows) -> list[str]:
     for other, target, where, applies in specs:
         ratios = {key: _ratio(v.get("flash4"), v.get(other)) for key, v in cells.items() if applies(key[0], key[2])}
         ratios = {key: r for key, r in ratios.items() if not math.isnan(r)}
-        name = f"flash4 >= {target:.2f}x {other} ({where})"
+        name = f"{metric.split('_')[0]}: flash4 >= {target:.2f}x {other} ({where})"
         if not ratios:
             lines.append(f"{name}: not measured")
             continue
@@ -401,9 +427,6 @@ def main(args: argparse.Namespace) -> int:
     """Run the benchmark; returns the exit code (1 when flash4 fails its correctness check)."""
     from flash4.bench.report import format_table
 
-    if args.bwd:
-        print("--bwd: flash4 has no backward pass yet, so there is nothing to time.", file=sys.stderr)
-        return 2
     if not torch.cuda.is_available():
         return _no_gpu(args)
 
@@ -438,11 +461,15 @@ def main(args: argparse.Namespace) -> int:
 
     cells = sweep_cells(headdims, seqlens, causals)
     print(f"\nSweep: {len(cells)} cells x {len(impls)} impls, {args.dtype}, batch*seqlen={TOKENS}, "
-          f"hidden={HIDDEN}; forward TFLOPs ({meta['timing']})")
-    rows = measure(impls, cells, dtype, rep_ms=args.rep_ms)
+          f"hidden={HIDDEN}; {'forward and backward' if args.bwd else 'forward'} TFLOPs ({meta['timing']})")
+    rows = measure(impls, cells, dtype, rep_ms=args.rep_ms, bwd=args.bwd)
     headers, table = result_table(rows)
-    print(format_table(headers, table))
+    print("forward TFLOPs\n" + format_table(headers, table))
     targets = targets_summary(rows)
+    if args.bwd:
+        headers, table = result_table(rows, "bwd_tflops")
+        print("\nbackward TFLOPs\n" + format_table(headers, table))
+        targets += targets_summary(rows, "bwd_tflops")
     print("\n".join(targets))
 
     out_dir = Path(args.out)

@@ -12,7 +12,7 @@ import time
 import os
 
 from flash4 import arch
-from flash4.config import LOG2E, FwdConfig, ceil_div
+from flash4.config import LOG2E, BwdConfig, FwdConfig, ceil_div
 from flash4.schedule import l2_section_heads
 
 # Without a GPU the DSL would default to sm_100a: flash4 compiles for Hopper unless told otherwise.
@@ -21,7 +21,7 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 import cutlass  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
 
-from flash4.compile.fake import fwd_fake_args  # noqa: E402
+from flash4.compile.fake import bwd_fake_args, fwd_fake_args  # noqa: E402
 
 COMPILE_OPTIONS = "--enable-tvm-ffi"
 
@@ -64,5 +64,33 @@ def get_fwd_runner(cfg: FwdConfig):
         l2_group = l2_section_heads(k.shape[1], cfg.headdim) if cfg.lpt else 1
         num_ctas = min(num_tiles, arch.num_sms(q.device)) if cfg.persistent else num_tiles
         compiled(q, k, v, out, lse, softmax_scale * LOG2E, l2_group, num_ctas)
+
+    return run
+
+
+def compile_bwd(cfg: BwdConfig, options: str = ""):
+    """Compile one backward config (no GPU needed). Returns the compiled callable
+    f(q, k, v, dout, lse_log2, dpsum, dq_accum, dk, dv, softmax_scale: float)."""
+    from flash4.kernels.bwd_sm90 import FlashAttentionBackwardSm90
+
+    if cfg.arch != 90:
+        raise ValueError(f"no backward kernel for sm_{cfg.arch}")
+    args = bwd_fake_args(cfg.headdim, cfg.dtype)
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    return cute.compile(
+        FlashAttentionBackwardSm90(cfg), *args, cutlass.Float32(1.0), stream,
+        options=COMPILE_OPTIONS + _arch_option(cfg.arch) + options,
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def get_bwd_runner(cfg: BwdConfig):
+    """Cached: compiled backward main kernel for `cfg`, as
+    run(q, k, v, dout, lse_log2, dpsum, dq_accum, dk, dv, softmax_scale) on the current stream.
+    The pre/postprocess (lse_log2, dpsum, dq_accum zeroing, dq conversion) is flash4.backward's."""
+    compiled = compile_bwd(cfg)
+
+    def run(q, k, v, dout, lse_log2, dpsum, dq_accum, dk, dv, softmax_scale: float):
+        compiled(q, k, v, dout, lse_log2, dpsum, dq_accum, dk, dv, softmax_scale)
 
     return run

@@ -18,7 +18,7 @@ import tempfile
 import time
 import traceback
 
-from flash4.config import FwdConfig, shipped_fwd_configs
+from flash4.config import BwdConfig, FwdConfig, shipped_bwd_configs, shipped_fwd_configs
 
 
 def _cuobjdump() -> str | None:
@@ -98,21 +98,21 @@ def resource_usage(cubin: bytes) -> dict:
     }
 
 
-def compile_check(configs: list[FwdConfig] | None = None) -> list[dict]:
-    """Compile each config (default: every shipped forward config) for its arch on this machine.
+def compile_check(configs: list | None = None) -> list[dict]:
+    """Compile each config (default: every shipped forward and backward config) on this machine.
 
     Returns one dict per config: config, ok, error, compile_s, registers, spills (count of local
     memory instructions in SASS), smem_bytes (dynamic, from the config), hgmma/utmaldg counts.
     """
-    from flash4.compile.cache import compile_fwd
+    from flash4.compile.cache import compile_bwd, compile_fwd
 
     rows = []
-    for cfg in configs if configs is not None else shipped_fwd_configs():
+    for cfg in configs if configs is not None else shipped_fwd_configs() + shipped_bwd_configs():
         row = {"config": _short(cfg), "ok": False, "error": None, "compile_s": None,
                "registers": None, "spills": None, "smem_bytes": cfg.smem_bytes()}
         t0 = time.perf_counter()
         try:
-            compiled = compile_fwd(cfg)
+            compiled = compile_bwd(cfg) if isinstance(cfg, BwdConfig) else compile_fwd(cfg)
             row["compile_s"] = round(time.perf_counter() - t0, 2)
             cubin = extract_cubin(compiled)
             if cubin is not None:
@@ -126,8 +126,11 @@ def compile_check(configs: list[FwdConfig] | None = None) -> list[dict]:
     return rows
 
 
-def _short(cfg: FwdConfig) -> str:
+def _short(cfg) -> str:
     d = dataclasses.asdict(cfg)
+    if isinstance(cfg, BwdConfig):
+        return (f"bwd_sm{d['arch']} d{d['headdim']} {d['dtype']} {'causal' if d['causal'] else 'full'} "
+                f"{d['tile_m']}x{d['tile_n']}x{d['q_stages']}st")
     extras = "".join([" persist" if d["persistent"] else "", " lpt" if d["lpt"] else "",
                       f" emu{d['exp2_emu_frac']:g}" if d["exp2_emu_frac"] else "",
                       f" tau{d['rescale_threshold']:g}" if d["rescale_threshold"] != 8.0 else ""])

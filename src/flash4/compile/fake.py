@@ -27,3 +27,23 @@ def fwd_fake_args(headdim: int, dtype: str):
     o = _fake(dt, (b, sq, h, headdim), 3, DIV_16B)
     lse = _fake(cutlass.Float32, (b, h, sq), 2, 1)
     return q, k, v, o, lse
+
+
+def bwd_fake_args(headdim: int, dtype: str):
+    """(q, k, v, dout, lse_log2, dpsum, dq_accum, dk, dv) fake tensors for the backward.
+
+    q/dout (b, sq, h, d); k/v/dk/dv (b, sk, hk, d); lse_log2/dpsum fp32 (b, h, sq_pad);
+    dq_accum fp32 (b, h, sq_pad, d), sq_pad a multiple of the backward tile_m.
+    """
+    dt = DTYPES[dtype]
+    b, sq, sk, h, hk, sq_pad = (cute.sym_int32() for _ in range(6))
+    q = _fake(dt, (b, sq, h, headdim), 3, DIV_16B)
+    k = _fake(dt, (b, sk, hk, headdim), 3, DIV_16B)
+    v = _fake(dt, (b, sk, hk, headdim), 3, DIV_16B)
+    do = _fake(dt, (b, sq, h, headdim), 3, DIV_16B)
+    lse = _fake(cutlass.Float32, (b, h, sq_pad), 2, 4)
+    dpsum = _fake(cutlass.Float32, (b, h, sq_pad), 2, 4)
+    dq_acc = _fake(cutlass.Float32, (b, h, sq_pad, headdim), 3, 4)
+    dk = _fake(dt, (b, sk, hk, headdim), 3, DIV_16B)
+    dv = _fake(dt, (b, sk, hk, headdim), 3, DIV_16B)
+    return q, k, v, do, lse, dpsum, dq_acc, dk, dv

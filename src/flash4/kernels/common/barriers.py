@@ -11,3 +11,12 @@ class NamedBarrierFwd(enum.IntEnum):
     WarpSchedulerWG1 = 2
     WarpSchedulerWG2 = 3
     WarpSchedulerWG3 = 4
+
+
+class NamedBarrierBwd(enum.IntEnum):
+    # Consumers -> dQ store warp: the dQ tile is staged in smem (consumer threads arrive, warp syncs).
+    dQFull = 1
+    # dQ store warp -> consumers: the bulk reduce has read the staged tile (warp arrives, consumers sync).
+    dQEmpty = 2
+    # Both consumer warpgroups: dS^T is staged in smem before either dQ GEMM reads it.
+    dS = 3

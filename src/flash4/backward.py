@@ -1,0 +1,61 @@
+"""Backward pass host side: preprocess -> main kernel (CuTe DSL, sm_90a) -> postprocess.
+
+The preprocess and postprocess are a few fused elementwise PyTorch ops (memory-bound, O(N)):
+    dpsum    = rowsum(dO * O)                      fp32 (B, H, Sq_pad), 0 on padding rows
+    lse_log2 = LSE * log2(e)                       fp32 (B, H, Sq_pad), +inf where LSE = -inf or padding
+                                                   (so P = 2^(S*c - lse_log2) = 0 there)
+    dq_accum = 0                                   fp32 (B, H, Sq_pad, D), the kernel reduce-adds dQ
+    dq       = softmax_scale * dq_accum            converted to the input dtype, (B, Sq, H, D)
+Sq_pad rounds seqlen_q up to the kernel's query tile so every TMA box stays in bounds.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flash4.arch import device_arch
+from flash4.config import LOG2E, ceil_div, select_bwd_config
+from flash4.validate import DTYPE_NAMES
+
+
+def _kernel_ready(t: torch.Tensor) -> torch.Tensor:
+    """Last dim contiguous, other strides multiples of 8 elements, 16-byte aligned base (TMA)."""
+    ok = t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in t.stride()[:-1])
+    return t if ok else t.contiguous()
+
+
+def flash_attn_backward(dout, q, k, v, out, lse, softmax_scale: float, causal: bool, dq=None, dk=None, dv=None):
+    """Gradients of out = attention(q, k, v) for the upstream gradient dout.
+
+    q, out, dout: (B, Sq, H, D); k, v: (B, Sk, Hk, D); lse: fp32 (B, H, Sq) from the forward.
+    dq, dk, dv: None, or preallocated contiguous tensors like q, k, v that are overwritten (tests
+    pass NaN-filled ones to catch unwritten elements).
+    Returns (dq, dk, dv) shaped like q, k, v in their dtype. Raises ValueError for a head dim the
+    backward kernel does not support (flash4.config.BWD_SUPPORTED_HEADDIMS).
+    """
+    batch, seqlen_q, nheads, headdim = q.shape
+    dq = torch.empty_like(q, memory_format=torch.contiguous_format) if dq is None else dq
+    dk = torch.empty_like(k, memory_format=torch.contiguous_format) if dk is None else dk
+    dv = torch.empty_like(v, memory_format=torch.contiguous_format) if dv is None else dv
+    if dq.numel() == 0 or dk.numel() == 0:
+        for g in (dq, dk, dv):
+            g.zero_()
+        return dq, dk, dv  # no query or no key: every gradient is 0 (or empty)
+    cfg = select_bwd_config(headdim, DTYPE_NAMES[q.dtype], causal, arch=device_arch(q.device))
+    seqlen_q_pad = ceil_div(seqlen_q, cfg.tile_m) * cfg.tile_m
+    dout = _kernel_ready(dout)
+    f32 = dict(dtype=torch.float32, device=q.device)
+    dpsum = torch.zeros(batch, nheads, seqlen_q_pad, **f32)
+    dpsum[:, :, :seqlen_q] = (dout.float() * out.float()).sum(-1).transpose(1, 2)
+    lse_log2 = torch.full((batch, nheads, seqlen_q_pad), float("inf"), **f32)
+    lse_log2[:, :, :seqlen_q] = torch.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+    dq_accum = torch.zeros(batch, nheads, seqlen_q_pad, headdim, **f32)
+
+    from flash4.compile.cache import get_bwd_runner  # late: compiling pulls in the CuTe DSL
+
+    run = get_bwd_runner(cfg)
+    with torch.cuda.device(q.device):
+        run(_kernel_ready(q), _kernel_ready(k), _kernel_ready(v), dout, lse_log2, dpsum, dq_accum, dk, dv,
+            softmax_scale)
+    dq.copy_((dq_accum[:, :, :seqlen_q] * softmax_scale).transpose(1, 2))
+    return dq, dk, dv

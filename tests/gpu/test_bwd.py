@@ -1,0 +1,131 @@
+"""Backward kernel vs float32 autograd of the reference on the GPU (marker gpu; skipped without CUDA).
+
+Criterion, per gradient: max |g - g_ref| <= 2 * max |g_pt - g_ref| + atol, where g_ref is the
+float32 gradient of flash4.reference.attention_ref and g_pt the same computation in the input
+dtype (what PyTorch itself would give). dq, dk, dv are preallocated NaN-filled, so an element the
+kernels do not write fails. Shapes: head dims 64/96/128, causal and not, seqlens 1, 17, 128, 129,
+1000, 4096, seqlen_q != seqlen_k both ways, GQA 8:1 and MQA, bf16 and a few fp16.
+"""
+
+import math
+
+import pytest
+import torch
+
+from flash4 import flash_attn_func
+from flash4.api import _flash_attn_forward
+from flash4.backward import flash_attn_backward
+from flash4.config import BWD_SUPPORTED_HEADDIMS
+from flash4.reference import attention_ref
+
+pytestmark = pytest.mark.gpu
+
+GRAD_ATOL = 1e-3
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _sm90_only():
+    from flash4.arch import device_arch
+
+    if torch.cuda.is_available() and device_arch() != 90:
+        pytest.skip(f"flash4 has kernels for sm_90 only; this GPU is sm_{device_arch()}")
+
+
+def ref_grads(q, k, v, dout, causal, upcast):
+    leaves = [t.detach().float().requires_grad_() if upcast else t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out, _ = attention_ref(*leaves, causal=causal, upcast=upcast)
+    out.backward(dout.float() if upcast else dout)
+    return [t.grad for t in leaves]
+
+
+def check_bwd(b, sq, sk, h, hk, d, causal, dtype=torch.bfloat16, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v = (torch.randn(s, generator=gen, device="cuda", dtype=dtype)
+               for s in ((b, sq, h, d), (b, sk, hk, d), (b, sk, hk, d)))
+    dout = torch.randn(b, sq, h, d, generator=gen, device="cuda", dtype=dtype)
+    scale = 1 / math.sqrt(d)
+    out, lse = _flash_attn_forward(q, k, v, scale, causal)
+    dq, dk, dv = (torch.full_like(t, math.nan) for t in (q, k, v))
+    flash_attn_backward(dout, q, k, v, out, lse, scale, causal, dq=dq, dk=dk, dv=dv)
+    torch.cuda.synchronize()
+    g_ref = ref_grads(q, k, v, dout, causal, upcast=True)
+    g_pt = ref_grads(q, k, v, dout, causal, upcast=False)
+    for name, g, gr, gp in zip(("dq", "dk", "dv"), (dq, dk, dv), g_ref, g_pt):
+        assert not g.isnan().any(), f"{name} has NaN at {g.isnan().nonzero()[:4].tolist()}"
+        err = (g.float() - gr).abs().max().item()
+        pt_err = (gp.float() - gr).abs().max().item()
+        assert err <= 2 * pt_err + GRAD_ATOL, f"{name}: err {err:.3e} > 2 * pt_err {pt_err:.3e} + {GRAD_ATOL}"
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", BWD_SUPPORTED_HEADDIMS)
+@pytest.mark.parametrize("s", [1, 17, 128, 129, 1000])
+def test_square(s, d, causal):
+    check_bwd(2, s, s, 2, 2, d, causal)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("sq,sk", [(17, 1000), (1000, 17), (128, 4096), (4096, 1000), (129, 1), (1, 129)])
+def test_rect(sq, sk, causal):
+    check_bwd(1, sq, sk, 2, 2, 128, causal)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_long(causal):
+    check_bwd(1, 4096, 4096, 2, 1, 128, causal)
+
+
+@pytest.mark.parametrize("hk", [1, 2])  # MQA and GQA 8:1 (nheads 16)
+@pytest.mark.parametrize("causal", [False, True])
+def test_gqa(hk, causal):
+    check_bwd(2, 1000, 1000, 8 * hk if hk == 2 else 16, hk, 64, causal)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_fp16(d):
+    check_bwd(2, 333, 555, 4, 2, d, True, dtype=torch.float16)
+
+
+def test_autograd_end_to_end():
+    """flash_attn_func trains: grads only for inputs that require them, equal to the direct call."""
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    q, k, v = (torch.randn(2, 300, 4, 64, generator=gen, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    q.requires_grad_()
+    v.requires_grad_()
+    out = flash_attn_func(q, k, v, causal=True)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    assert k.grad is None and q.grad is not None and v.grad is not None
+    o2, lse = _flash_attn_forward(q.detach(), k, v.detach(), 1 / 8, True)
+    dq, dk, dv = flash_attn_backward(dout, q.detach(), k, v.detach(), o2, lse, 1 / 8, True)
+    assert torch.equal(q.grad, dq) or (q.grad - dq).abs().max() < 1e-2  # dq accumulation order may differ
+    assert torch.equal(v.grad, dv)
+
+
+def test_autocast():
+    q, k, v = (torch.randn(1, 128, 2, 64, device="cuda", requires_grad=True) for _ in range(3))  # fp32 leaves
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = flash_attn_func(q.to(torch.bfloat16), k.to(torch.bfloat16), v.to(torch.bfloat16))
+    out.float().sum().backward()
+    assert q.grad.dtype == torch.float32 and torch.isfinite(q.grad).all()
+
+
+def test_unsupported_headdim_with_grad_is_a_clear_error():
+    q = torch.randn(1, 64, 2, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    with pytest.raises(ValueError, match="backward supports headdim"):
+        flash_attn_func(q, q, q)
+
+
+def test_memory_is_linear():
+    """fwd + bwd at S = 16k, hdim 128, causal: extra memory O(N) (PyTorch's math path needs ~66 GB)."""
+    b, s, h, d = 1, 16384, 16, 128
+    q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    dout = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    flash_attn_func(q, k, v, causal=True).backward(dout)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    # out, lse, dq/dk/dv, fp32 dq accumulator and dpsum/lse_log2: ~ 10 x one input (64 MiB) < 1 GiB
+    assert extra < 1 << 30, f"{extra / 2**20:.0f} MiB extra"
