@@ -1,6 +1,8 @@
-"""Command line: `python -m flash4 bench [...]` and `python -m flash4 compile-check [...]`.
+"""Command line: `python -m flash4 bench [...]`, `python -m flash4 bench --ablate [...]` and
+`python -m flash4 compile-check [...]`.
 
-Argument parsing and dispatch only; the work lives in flash4.bench.run and flash4.bench.report.
+Argument parsing and dispatch only; the work lives in flash4.bench.run, flash4.bench.ablate and
+flash4.bench.report.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import sys
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from flash4.bench import ablate as bench_ablate
     from flash4.bench import run as bench_run
 
     parser = argparse.ArgumentParser(prog="python -m flash4", description="flash4 attention kernels")
@@ -19,6 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
         description=bench_run.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     bench_run.add_arguments(bench)
+    bench_ablate.add_arguments(bench)
     check = sub.add_parser(
         "compile-check", help="compile the shipped forward configs without a GPU; report registers/spills/smem",
     )
@@ -30,8 +34,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.command == "bench":
+        from flash4.bench import ablate
+
+        problem = ablate.argument_error(args)
+        if problem:
+            parser.error(problem)  # exits with status 2
+        if args.ablate:
+            return ablate.main(args)
         from flash4.bench.run import main as bench_main
 
         return bench_main(args)
