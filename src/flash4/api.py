@@ -13,7 +13,7 @@ from flash4.config import BWD_SUPPORTED_HEADDIMS, select_fwd_config
 from flash4.validate import DTYPE_NAMES, layout_problem, check_inputs, resolve_softmax_scale
 
 
-def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False):
+def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False, deterministic=False):
     """Exact attention softmax(softmax_scale * Q K^T) V, FlashAttention conventions.
 
     Args:
@@ -30,6 +30,8 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False)
            query row i sees key j iff j <= i + seqlen_k - seqlen_q. Rows that see no key
            (i < seqlen_q - seqlen_k) give out = 0 and lse = -inf; so does seqlen_k == 0.
         return_lse: bool; also return the log-sum-exp of each row.
+        deterministic: bool; the backward adds the dQ contributions of the key blocks in a fixed
+           order, so gradients are bitwise reproducible (slower). The forward is always deterministic.
 
     Returns:
         out: (batch, seqlen_q, nheads, headdim), dtype of q, contiguous; or
@@ -51,6 +53,8 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False)
     """
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
     check_inputs(q, k, v, softmax_scale, causal)
     scale = resolve_softmax_scale(softmax_scale, q.shape[3])
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
@@ -59,7 +63,7 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False)
                 f"q has headdim {q.shape[3]} and requires grad, but the flash4 backward supports headdim in "
                 f"{BWD_SUPPORTED_HEADDIMS}; call under torch.no_grad() for the forward only"
             )
-        out, lse = FlashAttnFunc.apply(q, k, v, scale, causal)
+        out, lse = FlashAttnFunc.apply(q, k, v, scale, causal, deterministic)
     else:
         out, lse = _flash_attn_forward(q, k, v, scale, causal)
     return (out, lse) if return_lse else out

@@ -24,12 +24,15 @@ def _kernel_ready(t: torch.Tensor) -> torch.Tensor:
     return t if ok else t.contiguous()
 
 
-def flash_attn_backward(dout, q, k, v, out, lse, softmax_scale: float, causal: bool, dq=None, dk=None, dv=None):
+def flash_attn_backward(dout, q, k, v, out, lse, softmax_scale: float, causal: bool, dq=None, dk=None, dv=None,
+                        deterministic: bool = False):
     """Gradients of out = attention(q, k, v) for the upstream gradient dout.
 
     q, out, dout: (B, Sq, H, D); k, v: (B, Sk, Hk, D); lse: fp32 (B, H, Sq) from the forward.
     dq, dk, dv: None, or preallocated contiguous tensors like q, k, v that are overwritten (tests
     pass NaN-filled ones to catch unwritten elements).
+    deterministic: add the dQ partial sums of the key blocks in a fixed order (bitwise-identical
+    results across calls); dK and dV are always deterministic (reduced in registers).
     Returns (dq, dk, dv) shaped like q, k, v in their dtype. Raises ValueError for a head dim the
     backward kernel does not support (flash4.config.BWD_SUPPORTED_HEADDIMS).
     """
@@ -41,7 +44,8 @@ def flash_attn_backward(dout, q, k, v, out, lse, softmax_scale: float, causal: b
         for g in (dq, dk, dv):
             g.zero_()
         return dq, dk, dv  # no query or no key: every gradient is 0 (or empty)
-    cfg = select_bwd_config(headdim, DTYPE_NAMES[q.dtype], causal, arch=device_arch(q.device))
+    cfg = select_bwd_config(headdim, DTYPE_NAMES[q.dtype], causal, arch=device_arch(q.device),
+                            deterministic=deterministic)
     seqlen_q_pad = ceil_div(seqlen_q, cfg.tile_m) * cfg.tile_m
     dout = _kernel_ready(dout)
     f32 = dict(dtype=torch.float32, device=q.device)
@@ -50,12 +54,13 @@ def flash_attn_backward(dout, q, k, v, out, lse, softmax_scale: float, causal: b
     lse_log2 = torch.full((batch, nheads, seqlen_q_pad), float("inf"), **f32)
     lse_log2[:, :, :seqlen_q] = torch.where(lse == float("-inf"), float("inf"), lse * LOG2E)
     dq_accum = torch.zeros(batch, nheads, seqlen_q_pad, headdim, **f32)
+    dq_semaphore = torch.zeros(batch, nheads, seqlen_q_pad // cfg.tile_m, dtype=torch.int32, device=q.device)
 
     from flash4.compile.cache import get_bwd_runner  # late: compiling pulls in the CuTe DSL
 
     run = get_bwd_runner(cfg)
     with torch.cuda.device(q.device):
         run(_kernel_ready(q), _kernel_ready(k), _kernel_ready(v), dout, lse_log2, dpsum, dq_accum, dk, dv,
-            softmax_scale)
+            dq_semaphore, softmax_scale)
     dq.copy_((dq_accum[:, :, :seqlen_q] * softmax_scale).transpose(1, 2))
     return dq, dk, dv

@@ -123,7 +123,7 @@ LOG2E = math.log2(math.e)
 
 # Head dims the sm90 backward supports: dK and dV accumulate in registers (2 x tile_n/2 x headdim
 # fp32 per warpgroup), which fits the 240-register consumer budget up to 128.
-BWD_SUPPORTED_HEADDIMS = (64, 96, 128)
+BWD_SUPPORTED_HEADDIMS = (64, 128)  # 96: the dQ GEMM's headdim/2 = 48 split does not tile the K smem swizzle
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,6 +134,7 @@ class BwdConfig:
     tile_n:   keys per CTA (2 consumer warpgroups x 64).
     tile_m:   queries per step of the CTA's loop.
     q_stages: depth of the Q / dO TMA pipelines.
+    deterministic: dQ partial sums added in n_block order (bitwise reproducible), at some speed.
     """
 
     headdim: int
@@ -142,6 +143,7 @@ class BwdConfig:
     tile_m: int = 64
     tile_n: int = 128
     q_stages: int = 2
+    deterministic: bool = False
     arch: int = 90
 
     def __post_init__(self):
@@ -160,14 +162,16 @@ class BwdConfig:
         return kv + q_do + ds + dq + stats
 
 
-def select_bwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, arch: int = 90) -> BwdConfig:
+def select_bwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, arch: int = 90,
+                      deterministic: bool = False) -> BwdConfig:
     """Pick the backward config (pure; CPU-tested). Raises ValueError for what has no kernel."""
     if arch != 90:
         raise ValueError(f"flash4 backward: arch sm_{arch} has no kernel yet (supported: sm_90a)")
     if headdim not in BWD_SUPPORTED_HEADDIMS:
         raise ValueError(f"flash4 backward: headdim={headdim} not supported yet; allowed: {BWD_SUPPORTED_HEADDIMS}")
-    return BwdConfig(headdim=headdim, dtype=dtype, causal=causal, arch=arch)
+    return BwdConfig(headdim=headdim, dtype=dtype, causal=causal, deterministic=deterministic, arch=arch)
 
 
 def shipped_bwd_configs() -> list[BwdConfig]:
-    return [select_bwd_config(d, dt, c) for d in BWD_SUPPORTED_HEADDIMS for dt in DTYPES for c in (False, True)]
+    configs = [select_bwd_config(d, dt, c) for d in BWD_SUPPORTED_HEADDIMS for dt in DTYPES for c in (False, True)]
+    return configs + [select_bwd_config(d, "bf16", c, deterministic=True) for d in BWD_SUPPORTED_HEADDIMS for c in (False, True)]

@@ -104,8 +104,8 @@ def test_autograd_routes_backward(monkeypatch):
 
     seen = {}
 
-    def fake_backward(dout, q, k, v, out, lse, softmax_scale, causal):
-        seen.update(scale=softmax_scale, causal=causal, lse_shape=tuple(lse.shape))
+    def fake_backward(dout, q, k, v, out, lse, softmax_scale, causal, deterministic=False):
+        seen.update(scale=softmax_scale, causal=causal, lse_shape=tuple(lse.shape), det=deterministic)
         return torch.ones_like(q), 2 * torch.ones_like(k), 3 * torch.ones_like(v)
 
     monkeypatch.setattr(api, "_flash_attn_forward", fake_forward)
@@ -116,7 +116,7 @@ def test_autograd_routes_backward(monkeypatch):
     out, lse = FlashAttnFunc.apply(q, k, v, 0.125, True)
     assert out.requires_grad and not lse.requires_grad
     out.sum().backward()
-    assert seen == {"scale": 0.125, "causal": True, "lse_shape": (q.shape[0], q.shape[2], q.shape[1])}
+    assert seen == {"scale": 0.125, "causal": True, "lse_shape": (q.shape[0], q.shape[2], q.shape[1]), "det": False}
     assert torch.equal(q.grad, torch.ones_like(q)) and torch.equal(v.grad, 3 * torch.ones_like(v))
     assert k.grad is None
 

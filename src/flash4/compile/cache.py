@@ -70,7 +70,7 @@ def get_fwd_runner(cfg: FwdConfig):
 
 def compile_bwd(cfg: BwdConfig, options: str = ""):
     """Compile one backward config (no GPU needed). Returns the compiled callable
-    f(q, k, v, dout, lse_log2, dpsum, dq_accum, dk, dv, softmax_scale: float)."""
+    f(q, k, v, dout, lse_log2, dpsum, dq_accum, dk, dv, dq_semaphore, softmax_scale: float)."""
     from flash4.kernels.bwd_sm90 import FlashAttentionBackwardSm90
 
     if cfg.arch != 90:
@@ -86,11 +86,11 @@ def compile_bwd(cfg: BwdConfig, options: str = ""):
 @functools.lru_cache(maxsize=None)
 def get_bwd_runner(cfg: BwdConfig):
     """Cached: compiled backward main kernel for `cfg`, as
-    run(q, k, v, dout, lse_log2, dpsum, dq_accum, dk, dv, softmax_scale) on the current stream.
+    run(q, k, v, dout, lse_log2, dpsum, dq_accum, dk, dv, dq_semaphore, softmax_scale) on the current stream.
     The pre/postprocess (lse_log2, dpsum, dq_accum zeroing, dq conversion) is flash4.backward's."""
     compiled = compile_bwd(cfg)
 
-    def run(q, k, v, dout, lse_log2, dpsum, dq_accum, dk, dv, softmax_scale: float):
-        compiled(q, k, v, dout, lse_log2, dpsum, dq_accum, dk, dv, softmax_scale)
+    def run(q, k, v, dout, lse_log2, dpsum, dq_accum, dk, dv, dq_semaphore, softmax_scale: float):
+        compiled(q, k, v, dout, lse_log2, dpsum, dq_accum, dk, dv, dq_semaphore, softmax_scale)
 
     return run

@@ -130,7 +130,7 @@ def _short(cfg) -> str:
     d = dataclasses.asdict(cfg)
     if isinstance(cfg, BwdConfig):
         return (f"bwd_sm{d['arch']} d{d['headdim']} {d['dtype']} {'causal' if d['causal'] else 'full'} "
-                f"{d['tile_m']}x{d['tile_n']}x{d['q_stages']}st")
+                f"{d['tile_m']}x{d['tile_n']}x{d['q_stages']}st{' det' if d['deterministic'] else ''}")
     extras = "".join([" persist" if d["persistent"] else "", " lpt" if d["lpt"] else "",
                       f" emu{d['exp2_emu_frac']:g}" if d["exp2_emu_frac"] else "",
                       f" tau{d['rescale_threshold']:g}" if d["rescale_threshold"] != 8.0 else ""])

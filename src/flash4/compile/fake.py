@@ -30,10 +30,11 @@ def fwd_fake_args(headdim: int, dtype: str):
 
 
 def bwd_fake_args(headdim: int, dtype: str):
-    """(q, k, v, dout, lse_log2, dpsum, dq_accum, dk, dv) fake tensors for the backward.
+    """(q, k, v, dout, lse_log2, dpsum, dq_accum, dk, dv, dq_semaphore) fake tensors for the backward.
 
     q/dout (b, sq, h, d); k/v/dk/dv (b, sk, hk, d); lse_log2/dpsum fp32 (b, h, sq_pad);
-    dq_accum fp32 (b, h, sq_pad, d), sq_pad a multiple of the backward tile_m.
+    dq_accum fp32 (b, h, sq_pad, d), sq_pad a multiple of the backward tile_m; dq_semaphore int32
+    (b, h, num_m_blocks).
     """
     dt = DTYPES[dtype]
     b, sq, sk, h, hk, sq_pad = (cute.sym_int32() for _ in range(6))
@@ -46,4 +47,5 @@ def bwd_fake_args(headdim: int, dtype: str):
     dq_acc = _fake(cutlass.Float32, (b, h, sq_pad, headdim), 3, 4)
     dk = _fake(dt, (b, sk, hk, headdim), 3, DIV_16B)
     dv = _fake(dt, (b, sk, hk, headdim), 3, DIV_16B)
-    return q, k, v, do, lse, dpsum, dq_acc, dk, dv
+    dq_sem = _fake(cutlass.Int32, (b, h, cute.sym_int32()), 2, 1)
+    return q, k, v, do, lse, dpsum, dq_acc, dk, dv, dq_sem

@@ -111,12 +111,14 @@ class FlashAttentionBackwardSm90:
         mdQacc: cute.Tensor,  # (batch, nheads, seqlen_q_pad, headdim) fp32, zeroed
         mdK: cute.Tensor,  # (batch, seqlen_k, nheads_k, headdim)
         mdV: cute.Tensor,
+        mdQsem: cute.Tensor,  # (batch, nheads, num_m_blocks) int32, zeroed; used when deterministic
         softmax_scale: Float32,
         stream: cuda.CUstream,
     ):
         mQ, mK, mV, mdO, mdK, mdV = [select_modes(t, [1, 3, 2, 0]) for t in (mQ, mK, mV, mdO, mdK, mdV)]
         mLSE2, mD = [select_modes(t, [2, 1, 0]) for t in (mLSE2, mD)]  # (seqlen_q_pad, nheads, batch)
         mdQacc = select_modes(mdQacc, [2, 3, 1, 0])  # (seqlen_q_pad, headdim, nheads, batch)
+        mdQsem = select_modes(mdQsem, [2, 1, 0])  # (num_m_blocks, nheads, batch)
 
         mma_sdp, mma_dkv, mma_dq = self._tiled_mmas()
         sQ_layout = self._smem_layout(self.tile_m, self.hdim, self.q_stages)
@@ -153,7 +155,7 @@ class FlashAttentionBackwardSm90:
 
         grid = (cute.ceil_div(mK.shape[0], self.tile_n), cute.size(mK.shape[2]), cute.size(mK.shape[3]))
         self.kernel(
-            tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_D, mdQacc, mdK, mdV,
+            tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_D, mdQacc, mdK, mdV, mdQsem,
             tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO, tma_atom_LSE, tma_atom_D,
             softmax_scale, sQ_layout, sKV_layout, sdS_layout, sStat_layout, sdQ_layout,
             mma_sdp, mma_dkv, mma_dq, SharedStorage,
@@ -164,6 +166,7 @@ class FlashAttentionBackwardSm90:
         self,
         mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
         mLSE2: cute.Tensor, mD: cute.Tensor, mdQacc: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
+        mdQsem: cute.Tensor,
         tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom,
         tma_atom_dO: cute.CopyAtom, tma_atom_LSE: cute.CopyAtom, tma_atom_D: cute.CopyAtom,
         softmax_scale: Float32,
@@ -212,7 +215,8 @@ class FlashAttentionBackwardSm90:
                           pipeline_kv, pipeline_q, pipeline_do, n_block, head_kv, batch,
                           qhead_per_kvhead, m_block_min, m_block_max, num_steps)
             if warp_idx == 1:
-                self.store_dQ(mdQacc, sdQ, head_kv, batch, qhead_per_kvhead, m_block_min, m_block_max, num_steps)
+                self.store_dQ(mdQacc, mdQsem, sdQ, n_block, head_kv, batch, qhead_per_kvhead,
+                              m_block_min, m_block_max, num_steps)
         else:
             cute.arch.setmaxregister_increase(_CONSUMER_REGS)
             tidx = cute.arch.thread_idx()[0] - THREADS_PER_WG
@@ -270,8 +274,16 @@ class FlashAttentionBackwardSm90:
             state = next_state(state)
 
     @cute.jit
-    def store_dQ(self, mdQacc, sdQ, head_kv, batch, qhead_per_kvhead, m_block_min, m_block_max, num_steps):
-        """Warp 1: per step, bulk fp32 reduce-add of the staged dQ tile into the accumulator."""
+    def store_dQ(self, mdQacc, mdQsem, sdQ, n_block, head_kv, batch, qhead_per_kvhead,
+                 m_block_min, m_block_max, num_steps):
+        """Warp 1: per step, bulk fp32 reduce-add of the staged dQ tile into the accumulator.
+
+        Deterministic mode orders the adds of one dQ tile by n_block: the CTA of key block n waits
+        until the tile's semaphore reads n (every key block below n has added), adds, waits for
+        its add to complete, then releases n + 1. The key blocks that touch a query block are
+        0, 1, ..., so the chain has no gap; lower n_block CTAs launch first (n_block is the fastest
+        grid dimension), so it cannot deadlock.
+        """
         lane = cute.arch.lane_idx()
         num_m = m_block_max - m_block_min
         row_bytes = self.hdim * 4
@@ -281,11 +293,24 @@ class FlashAttentionBackwardSm90:
             head = head_kv * qhead_per_kvhead + h_in_group
             cute.arch.barrier(barrier_id=int(NamedBarrierBwd.dQFull), number_of_threads=self.num_mma_threads + 32)
             gdQ = cute.local_tile(mdQacc[None, None, head, batch], (self.tile_m, self.hdim), (m_block, 0))
+            sem_ptr = mdQsem[None, head, batch].iterator + m_block
+            if const_expr(self.cfg.deterministic):
+                if lane == 0:
+                    seen = cute.arch.load(sem_ptr, Int32, sem="acquire", scope="gpu")
+                    while seen != n_block:
+                        seen = cute.arch.load(sem_ptr, Int32, sem="acquire", scope="gpu")
+                cute.arch.sync_warp()
             for r in cutlass.range_constexpr(self.tile_m // 32):
                 row = r * 32 + lane
                 bulk_reduce_add_f32(gdQ[row, None].iterator, sdQ[row, None].iterator, row_bytes)
             cute.arch.cp_async_bulk_commit_group()
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
+            if const_expr(self.cfg.deterministic):
+                cute.arch.cp_async_bulk_wait_group(0, read=False)  # the adds are done in global memory
+                cute.arch.sync_warp()
+                if lane == 0:
+                    cute.arch.atomic_add(sem_ptr, Int32(1), sem="release", scope="gpu")
+            else:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
             cute.arch.barrier_arrive(barrier_id=int(NamedBarrierBwd.dQEmpty), number_of_threads=self.num_mma_threads + 32)
         cute.arch.cp_async_bulk_wait_group(0, read=False)
 
