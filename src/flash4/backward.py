@@ -1,11 +1,11 @@
-"""Backward pass host side: preprocess -> main kernel (CuTe DSL, sm_90a) -> postprocess.
+"""Backward pass host side: preprocess -> main kernel -> postprocess.
 
-The preprocess and postprocess are a few fused elementwise PyTorch ops (memory-bound, O(N)):
-    dpsum    = rowsum(dO * O)                      fp32 (B, H, Sq_pad), 0 on padding rows
-    lse_log2 = LSE * log2(e)                       fp32 (B, H, Sq_pad), +inf where LSE = -inf or padding
-                                                   (so P = 2^(S*c - lse_log2) = 0 there)
+    dpsum    = rowsum(dO * O)                      fp32 (B, H, Sq_pad), 0 on padding rows  \ CuTe DSL
+    lse_log2 = LSE * log2(e)                       fp32 (B, H, Sq_pad), +inf where LSE = -inf / kernels/
+               or padding (so P = 2^(S*c - lse_log2) = 0 there)                          / bwd_preprocess.py
     dq_accum = 0                                   fp32 (B, H, Sq_pad, D), the kernel reduce-adds dQ
-    dq       = softmax_scale * dq_accum            converted to the input dtype, (B, Sq, H, D)
+    dq       = dq_accum                            converted to the input dtype, (B, Sq, H, D) (the
+                                                   kernel's dS already carries softmax_scale)
 Sq_pad rounds seqlen_q up to the kernel's query tile so every TMA box stays in bounds.
 """
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from flash4.arch import device_arch
-from flash4.config import LOG2E, ceil_div, select_bwd_config
+from flash4.config import ceil_div, select_bwd_config
 from flash4.validate import DTYPE_NAMES
 
 
@@ -50,17 +50,17 @@ def flash_attn_backward(dout, q, k, v, out, lse, softmax_scale: float, causal: b
     dout = _kernel_ready(dout)
     f32 = dict(dtype=torch.float32, device=q.device)
     dpsum = torch.zeros(batch, nheads, seqlen_q_pad, **f32)
-    dpsum[:, :, :seqlen_q] = (dout.float() * out.float()).sum(-1).transpose(1, 2)
     lse_log2 = torch.full((batch, nheads, seqlen_q_pad), float("inf"), **f32)
-    lse_log2[:, :, :seqlen_q] = torch.where(lse == float("-inf"), float("inf"), lse * LOG2E)
     dq_accum = torch.zeros(batch, nheads, seqlen_q_pad, headdim, **f32)
     dq_semaphore = torch.zeros(batch, nheads, seqlen_q_pad // cfg.tile_m, dtype=torch.int32, device=q.device)
 
-    from flash4.compile.cache import get_bwd_runner  # late: compiling pulls in the CuTe DSL
+    from flash4.compile.cache import get_bwd_preprocess_runner, get_bwd_runner  # late: CuTe DSL
 
+    preprocess = get_bwd_preprocess_runner(headdim, cfg.dtype, cfg.arch)
     run = get_bwd_runner(cfg)
     with torch.cuda.device(q.device):
+        preprocess(_kernel_ready(out), dout, lse, dpsum, lse_log2)
         run(_kernel_ready(q), _kernel_ready(k), _kernel_ready(v), dout, lse_log2, dpsum, dq_accum, dk, dv,
             dq_semaphore, softmax_scale)
-    dq.copy_((dq_accum[:, :, :seqlen_q] * softmax_scale).transpose(1, 2))
+    dq.copy_(dq_accum[:, :, :seqlen_q].transpose(1, 2))
     return dq, dk, dv

@@ -94,3 +94,18 @@ def get_bwd_runner(cfg: BwdConfig):
         compiled(q, k, v, dout, lse_log2, dpsum, dq_accum, dk, dv, dq_semaphore, softmax_scale)
 
     return run
+
+
+@functools.lru_cache(maxsize=None)
+def get_bwd_preprocess_runner(headdim: int, dtype: str, arch: int = 90):
+    """Cached: compiled backward preprocess, run(out, dout, lse, dpsum, lse_log2) (see
+    kernels/bwd_preprocess.py) on the current stream."""
+    from flash4.compile.fake import bwd_preprocess_fake_args
+    from flash4.kernels.bwd_preprocess import BackwardPreprocess
+
+    args = bwd_preprocess_fake_args(headdim, dtype)
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    return cute.compile(
+        BackwardPreprocess(headdim, args[0].element_type), *args, stream,
+        options=COMPILE_OPTIONS + _arch_option(arch),
+    )

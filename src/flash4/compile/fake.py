@@ -49,3 +49,16 @@ def bwd_fake_args(headdim: int, dtype: str):
     dv = _fake(dt, (b, sk, hk, headdim), 3, DIV_16B)
     dq_sem = _fake(cutlass.Int32, (b, h, cute.sym_int32()), 2, 1)
     return q, k, v, do, lse, dpsum, dq_acc, dk, dv, dq_sem
+
+
+def bwd_preprocess_fake_args(headdim: int, dtype: str):
+    """(out, dout, lse, dpsum, lse_log2): out/dout (b, sq, h, d); lse fp32 (b, h, sq);
+    dpsum/lse_log2 fp32 (b, h, sq_pad)."""
+    dt = DTYPES[dtype]
+    b, sq, h, sq_pad = (cute.sym_int32() for _ in range(4))
+    o = _fake(dt, (b, sq, h, headdim), 3, DIV_16B)
+    do = _fake(dt, (b, sq, h, headdim), 3, DIV_16B)
+    lse = _fake(cutlass.Float32, (b, h, sq), 2, 1)
+    dpsum = _fake(cutlass.Float32, (b, h, sq_pad), 2, 4)
+    lse2 = _fake(cutlass.Float32, (b, h, sq_pad), 2, 4)
+    return o, do, lse, dpsum, lse2

@@ -8,12 +8,12 @@ no atomics). Per query block m (FlashAttention-2 backward, Dao 2023, algorithm 2
     S^T  = K Q^T                 (wgmma SS, keys are the M dimension)
     dP^T = V dO^T                (wgmma SS)
     P^T  = 2^(S^T * scale*log2e - LSE*log2e)      (LSE from the forward; masked entries 0)
-    dS^T = P^T * (dP^T - D),  D = rowsum(dO * O)  (from the preprocess)
+    dS^T = scale * P^T * (dP^T - D),  D = rowsum(dO * O)  (from the preprocess)
     dV  += P^T dO                (wgmma RS: P^T stays in registers)
     dK  += dS^T Q                (wgmma RS)
     dQ_m = dS K                  (wgmma SS from dS^T staged in smem) -> fp32 bulk reduce-add to
                                  the dQ accumulator in global memory (cp.reduce.async.bulk)
-    dK *= scale at the end; dQ is scaled and converted by the postprocess.
+    dS carries the softmax scale, so dK, dV and dQ need no rescaling; the postprocess converts dQ.
 """
 
 from functools import partial
@@ -29,7 +29,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cutlass_dsl import dsl_user_op
 from cutlass.utils import LayoutEnum
 
-from flash4.config import BwdConfig
+from flash4.config import LOG2E, BwdConfig
 from flash4.kernels.common.barriers import NamedBarrierBwd
 from flash4.kernels.common.exp2 import exp2_hw
 from flash4.kernels.common.gemm import wgmma
@@ -358,7 +358,7 @@ class FlashAttentionBackwardSm90:
         pipeline_kv.consumer_wait(kv_state)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
         num_m = m_block_max - m_block_min
-        scale_log2 = softmax_scale * Float32(1.4426950408889634)
+        scale_log2 = softmax_scale * Float32(LOG2E)
         thread_col0 = tScS[0, 0][1]
         for step in cutlass.range(num_steps, unroll=1):
             h_in_group = step // num_m
@@ -383,12 +383,13 @@ class FlashAttentionBackwardSm90:
                         p = Float32(cutlass.select_(col < first_col, Float32(0.0), p))
                     s[r, c] = p
             warpgroup.wait_group(0)
-            # dS^T = P^T * (dP^T - D[query])
+            # dS^T = scale * P^T * (dP^T - D[query]): the softmax scale is applied here, once, so
+            # dK = dS^T Q and dQ = dS K need no rescaling afterwards.
             dp = acc_mn_view(acc_dP)
             for r in cutlass.range_constexpr(cute.size(dp, mode=[0])):
                 for c in cutlass.range_constexpr(cute.size(dp, mode=[1])):
                     col = t0ScS[0, c][1]
-                    dp[r, c] = s[r, c] * (dp[r, c] - sD[thread_col0 + col, state.index])
+                    dp[r, c] = (s[r, c] * softmax_scale) * (dp[r, c] - sD[thread_col0 + col, state.index])
             tdVrP = cute.make_rmem_tensor(frgA_layout.shape, self.dtype)
             tdVrP.store(cute.make_tensor(acc_S.iterator, frgA_layout).load().to(self.dtype))
             tdKrdS = cute.make_rmem_tensor(frgA_layout.shape, self.dtype)
@@ -413,6 +414,8 @@ class FlashAttentionBackwardSm90:
             for r in cutlass.range_constexpr(cute.size(dq, mode=[0])):
                 for c in cutlass.range_constexpr(cute.size(dq, mode=[1])):
                     tdQsdQ[r, c] = dq[r, c]
+            # The bulk reduce reads sdQ through the async proxy: order our generic-proxy stores first.
+            cute.arch.fence_view_async_shared()
             cute.arch.barrier_arrive(barrier_id=int(NamedBarrierBwd.dQFull), number_of_threads=self.num_mma_threads + 32)
             state = next_state(state)
         if num_steps > 0:
@@ -421,15 +424,15 @@ class FlashAttentionBackwardSm90:
 
     @cute.jit
     def epilogue_dKV(self, acc_dK, acc_dV, mdK, mdV, mma_dkv, tidx, n_block, head_kv, batch, seqlen_k, softmax_scale):
-        """dK * scale and dV, 16-bit, straight from registers to global (rows < seqlen_k)."""
+        """dK and dV (16-bit) straight from registers to global (rows < seqlen_k)."""
         thr = mma_dkv.get_slice(tidx)
         cKV = cute.make_identity_tensor((self.tile_n, self.hdim))
         tc = acc_mn_view(thr.partition_C(cKV))
-        for acc, mX, scale in ((acc_dK, mdK, softmax_scale), (acc_dV, mdV, Float32(1.0))):
+        for acc, mX in ((acc_dK, mdK), (acc_dV, mdV)):
             a = acc_mn_view(acc)
             gX = cute.local_tile(mX[None, None, head_kv, batch], (self.tile_n, self.hdim), (n_block, 0))
             tg = acc_mn_view(thr.partition_C(gX))
             for r in cutlass.range_constexpr(cute.size(a, mode=[0])):
                 if n_block * self.tile_n + tc[r, 0][0] < seqlen_k:
                     for c in cutlass.range_constexpr(cute.size(a, mode=[1])):
-                        tg[r, c] = self.dtype(a[r, c] * scale)
+                        tg[r, c] = self.dtype(a[r, c])
