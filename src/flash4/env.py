@@ -2,8 +2,6 @@
 
 | variable           | meaning                                              | default                    |
 | ------------------ | ---------------------------------------------------- | -------------------------- |
-| FLASH4_CACHE_DIR   | directory of the on-disk compile cache               | $XDG_CACHE_HOME/flash4 or ~/.cache/flash4 |
-| FLASH4_DISK_CACHE  | "0" turns the on-disk compile cache off              | "1"                        |
 | FLASH4_ARCH        | SM version to use instead of the device's, e.g. 90   | the device's (arch.py)     |
 | FLASH4_NUM_SMS     | SM count to use instead of the device's              | the device's (arch.py)     |
 
@@ -14,7 +12,6 @@ monkeypatch. A malformed value raises ValueError naming the variable, the value 
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 
 def _get(name: str) -> str | None:
@@ -22,29 +19,6 @@ def _get(name: str) -> str | None:
     if value is None or value.strip() == "":
         return None
     return value.strip()
-
-
-def cache_dir() -> Path:
-    """Directory of the on-disk compile cache (not created here)."""
-    value = _get("FLASH4_CACHE_DIR")
-    if value is not None:
-        return Path(value).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "flash4"
-
-
-def disk_cache_enabled() -> bool:
-    """False when FLASH4_DISK_CACHE is "0" (also "false", "off", "no")."""
-    value = _get("FLASH4_DISK_CACHE")
-    if value is None:
-        return True
-    lowered = value.lower()
-    if lowered in ("1", "true", "on", "yes"):
-        return True
-    if lowered in ("0", "false", "off", "no"):
-        return False
-    raise ValueError(f"FLASH4_DISK_CACHE={value!r} is not understood; allowed: 0/1 (or false/true, off/on, no/yes)")
 
 
 def arch_override() -> int | None:

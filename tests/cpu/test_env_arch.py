@@ -1,37 +1,9 @@
 """env.py (the FLASH4_* settings) and arch.py (SM version / count, overrides, capacities)."""
 
-from pathlib import Path
-
 import pytest
 import torch
 
 from flash4 import arch, env
-
-
-def test_cache_dir(monkeypatch, tmp_path):
-    monkeypatch.delenv("FLASH4_CACHE_DIR", raising=False)
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    assert env.cache_dir() == tmp_path / "flash4"
-    monkeypatch.delenv("XDG_CACHE_HOME")
-    assert env.cache_dir() == Path.home() / ".cache" / "flash4"
-    monkeypatch.setenv("FLASH4_CACHE_DIR", str(tmp_path / "c"))
-    assert env.cache_dir() == tmp_path / "c"
-
-
-@pytest.mark.parametrize("value, expected", [(None, True), ("", True), ("1", True), ("on", True),
-                                             ("0", False), ("false", False), ("OFF", False)])
-def test_disk_cache_enabled(monkeypatch, value, expected):
-    if value is None:
-        monkeypatch.delenv("FLASH4_DISK_CACHE", raising=False)
-    else:
-        monkeypatch.setenv("FLASH4_DISK_CACHE", value)
-    assert env.disk_cache_enabled() is expected
-
-
-def test_disk_cache_bad_value(monkeypatch):
-    monkeypatch.setenv("FLASH4_DISK_CACHE", "maybe")
-    with pytest.raises(ValueError, match="FLASH4_DISK_CACHE='maybe'"):
-        env.disk_cache_enabled()
 
 
 @pytest.mark.parametrize("value, expected", [("90", 90), ("sm_90", 90), ("sm_90a", 90), ("SM90A", 90),
