@@ -85,3 +85,8 @@ def all_impls() -> list[Impl]:
         Impl("sdpa_flash", _make_sdpa, context=_sdpa_backend("FLASH_ATTENTION")),
     ]
 
+
+def math_impl() -> Impl:
+    """PyTorch's math attention (materializes the scores): the memory yardstick, not timed."""
+    return Impl("sdpa_math", _make_sdpa, context=_sdpa_backend("MATH"))
+

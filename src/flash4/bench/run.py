@@ -326,8 +326,38 @@ def _json_safe(x):
     return x
 
 
-def write_json(path: Path, meta: dict, rows, checks, targets) -> None:
-    doc = {"meta": meta, "rows": rows, "correctness": checks, "targets": targets}
+# Memory yardstick of issue 3: fwd + bwd at B=1, H=16, S=16k, hdim 128, causal.
+MEMORY_SHAPE = dict(batch=1, seqlen=16384, nheads=16, headdim=128, causal=True)
+
+
+def measure_memory(impls, dtype) -> dict:
+    """Peak device memory (MiB) that one forward + backward adds on top of q, k, v and dout, per
+    impl, at MEMORY_SHAPE; NaN where an impl raises (e.g. out of memory)."""
+    shape = MEMORY_SHAPE
+    result = {}
+    for impl in impls:
+        q, k, v = _inputs(shape["batch"], shape["seqlen"], shape["seqlen"], shape["nheads"], shape["nheads"],
+                          shape["headdim"], dtype)
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        dout = torch.randn_like(q)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        try:
+            with impl.context():
+                impl.make(q, k, v, shape["causal"])().backward(dout)
+            torch.cuda.synchronize()
+            result[impl.name] = (torch.cuda.max_memory_allocated() - base) / 2**20
+        except Exception as err:
+            print(f"memory: {impl.name} failed: {type(err).__name__}: {str(err).splitlines()[0][:200]}")
+            result[impl.name] = math.nan
+        del q, k, v, dout
+        torch.cuda.empty_cache()
+    return result
+
+
+def write_json(path: Path, meta: dict, rows, checks, targets, memory=None) -> None:
+    doc = {"meta": meta, "rows": rows, "correctness": checks, "targets": targets, "memory_mib": memory}
     path.write_text(json.dumps(_json_safe(doc), indent=2) + "\n")
 
 
@@ -472,10 +502,21 @@ def main(args: argparse.Namespace) -> int:
         targets += targets_summary(rows, "bwd_tflops")
     print("\n".join(targets))
 
+    memory = None
+    if args.bwd:
+        from flash4.bench.baselines import math_impl
+
+        memory = measure_memory(impls + [math_impl()], dtype)
+        print(f"\nExtra device memory of forward + backward, {MEMORY_SHAPE}:")
+        print("  ".join(f"{name}={mib:.0f} MiB" for name, mib in memory.items()))
+        if "flash_attn_4" in memory and memory.get("flash4", math.nan) == memory.get("flash4"):
+            print(f"flash4 / flash_attn_4 = {_ratio(memory['flash4'], memory['flash_attn_4']):.2f} (target <= 1.5); "
+                  f"sdpa_math / flash4 = {_ratio(memory.get('sdpa_math'), memory['flash4']):.0f} (target >= 50)")
+
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     write_csv(rows, out_dir / "sweep.csv")
-    write_json(out_dir / "sweep.json", meta, rows, checks, targets)
+    write_json(out_dir / "sweep.json", meta, rows, checks, targets, memory)
     plot(rows, out_dir / "sweep.png", f"{meta['gpu']}, {args.dtype} forward, {meta['date'][:10]}")
     print(f"\nwrote {out_dir / 'sweep.csv'}, {out_dir / 'sweep.json'}, {out_dir / 'sweep.png'}")
     if flash4_failed:
