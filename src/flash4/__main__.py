@@ -24,7 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_run.add_arguments(bench)
     bench_ablate.add_arguments(bench)
     check = sub.add_parser(
-        "compile-check", help="compile the shipped forward configs without a GPU; report registers/spills/smem",
+        "compile-check", help="compile the shipped forward and backward configs without a GPU; report registers/spills/smem",
     )
     check.add_argument("--headdims", type=int, nargs="+", metavar="D", help="only these head dims")
     check.add_argument("--dtypes", nargs="+", choices=("bf16", "fp16"), help="only these dtypes")

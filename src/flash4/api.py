@@ -47,7 +47,7 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False,
             flash4.validate.support_error(q, k, v, softmax_scale, causal) gives the same message
             without raising.
             With autograd recording (an input requires grad), also a headdim the backward kernel
-            lacks (flash4.config.BWD_SUPPORTED_HEADDIMS: 64, 96, 128), before anything runs.
+            lacks (flash4.config.BWD_SUPPORTED_HEADDIMS: 64, 128), before anything runs.
 
     Gradients: `.backward()` through `out` gives dq, dk, dv (flash4.backward); lse carries no gradient.
     """
