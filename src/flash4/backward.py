@@ -1,4 +1,4 @@
-"""Backward pass host side: preprocess -> main kernel -> postprocess.
+r"""Backward pass host side: preprocess -> main kernel -> postprocess.
 
     dpsum    = rowsum(dO * O)                      fp32 (B, H, Sq_pad), 0 on padding rows  \ CuTe DSL
     lse_log2 = LSE * log2(e)                       fp32 (B, H, Sq_pad), +inf where LSE = -inf / kernels/

@@ -25,9 +25,10 @@ import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr, pipeline
 from cutlass._mlir.dialects import llvm
-from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
+from cutlass.memory import SmemAllocator
 from cutlass.cutlass_dsl import dsl_user_op
-from cutlass.utils import LayoutEnum
+from cutlass.tensor_utils import LayoutEnum
 
 from flash4.config import LOG2E, BwdConfig
 from flash4.kernels.common.barriers import NamedBarrierBwd
@@ -88,7 +89,7 @@ class FlashAttentionBackwardSm90:
         return cute.tile_to_shape(atom, shape, order=(0, 1) if stages is None else (0, 1, 2))
 
     def _tiled_mmas(self):
-        K, MN = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
+        K, MN = OperandMajorMode.K, OperandMajorMode.MN
         make = partial(sm90_utils.make_trivial_tiled_mma, self.dtype, self.dtype)
         # S^T, dP^T: (tile_n keys) x (tile_m queries), keys split over the 2 warpgroups.
         mma_sdp = make(K, K, Float32, (2, 1, 1), (64, self.tile_m))
@@ -179,7 +180,7 @@ class FlashAttentionBackwardSm90:
         if warp_idx == 0:
             for atom in (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO, tma_atom_LSE, tma_atom_D):
                 cpasync.prefetch_descriptor(atom)
-        smem = cutlass.utils.SmemAllocator()
+        smem = SmemAllocator()
         storage = smem.allocate(SharedStorage)
         producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
         consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads // 32)

@@ -13,8 +13,9 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr, pipeline
-from cutlass.cute.nvgpu import cpasync, warpgroup
-from cutlass.utils import LayoutEnum
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
+from cutlass.memory import SmemAllocator
+from cutlass.tensor_utils import LayoutEnum
 
 from flash4.config import FwdConfig
 from flash4.kernels.common import block_info
@@ -86,11 +87,11 @@ class FlashAttentionForwardSm90:
     def _tiled_mmas(self):
         atom_layout = (self.num_wg_mma, 1, 1)
         tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
+            self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.K,
             Float32, atom_layout, (64, self.tile_n),
         )
         tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN,
+            self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.MN,
             Float32, atom_layout, (64, self.hdim), a_source=warpgroup.OperandSource.RMEM,
         )
         return tiled_mma_qk, tiled_mma_pv
@@ -168,7 +169,7 @@ class FlashAttentionForwardSm90:
             for atom in (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O):
                 cpasync.prefetch_descriptor(atom)
 
-        smem = cutlass.utils.SmemAllocator()
+        smem = SmemAllocator()
         storage = smem.allocate(SharedStorage)
         producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
         consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads // 32)
