@@ -34,6 +34,7 @@ from flash4.config import LOG2E, BwdConfig
 from flash4.kernels.common.barriers import NamedBarrierBwd
 from flash4.kernels.common.exp2 import exp2_hw
 from flash4.kernels.common.gemm import wgmma
+from flash4.kernels.common.pipeline import tma_pipeline_factory
 from flash4.kernels.common.layout import acc_mn_view, acc_to_frgA_layout, select_modes, transpose_view
 from flash4.kernels.fwd_sm90 import THREADS_PER_WG, _DTYPES, next_state
 
@@ -182,11 +183,7 @@ class FlashAttentionBackwardSm90:
                 cpasync.prefetch_descriptor(atom)
         smem = SmemAllocator()
         storage = smem.allocate(SharedStorage)
-        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
-        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads // 32)
-        make_pipe = partial(
-            pipeline.PipelineTmaAsync.create, producer_group=producer, consumer_group=consumers, defer_sync=True
-        )
+        make_pipe = tma_pipeline_factory(self.num_mma_threads)
         pipeline_kv = make_pipe(barrier_storage=storage.mbar_kv.data_ptr(), num_stages=1, tx_count=self.tma_bytes_kv)
         pipeline_q = make_pipe(barrier_storage=storage.mbar_q.data_ptr(), num_stages=self.q_stages, tx_count=self.tma_bytes_q)
         pipeline_do = make_pipe(barrier_storage=storage.mbar_do.data_ptr(), num_stages=self.q_stages, tx_count=self.tma_bytes_q)

@@ -21,6 +21,7 @@ from flash4.config import FwdConfig
 from flash4.kernels.common import block_info
 from flash4.kernels.common.barriers import NamedBarrierFwd
 from flash4.kernels.common.gemm import wgmma
+from flash4.kernels.common.pipeline import tma_pipeline_factory
 from flash4.kernels.common.layout import acc_mn_view, acc_to_frgA_layout, select_modes, transpose_view
 from flash4.kernels.common.mask import apply_mask
 from flash4.kernels.common.scheduler import TileSchedule
@@ -171,11 +172,7 @@ class FlashAttentionForwardSm90:
 
         smem = SmemAllocator()
         storage = smem.allocate(SharedStorage)
-        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
-        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads // 32)
-        make_pipe = partial(
-            pipeline.PipelineTmaAsync.create, producer_group=producer, consumer_group=consumers, defer_sync=True
-        )
+        make_pipe = tma_pipeline_factory(self.num_mma_threads)
         pipeline_q = make_pipe(barrier_storage=storage.mbar_q.data_ptr(), num_stages=1, tx_count=self.tma_bytes_q)
         pipeline_k = make_pipe(
             barrier_storage=storage.mbar_k.data_ptr(), num_stages=self.num_stages, tx_count=self.tma_bytes_kv
