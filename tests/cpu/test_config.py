@@ -1,0 +1,77 @@
+"""Config selection and block ranges: pure functions, checked on the CPU.
+
+block_info's formulas run on device Int32 values in the kernel; here they run on Python ints and
+are compared with a brute-force walk of the (bottom-right aligned) causal mask.
+"""
+
+import pytest
+
+pytest.importorskip("cutlass")
+
+from flash4.config import (  # noqa: E402
+    BWD_SUPPORTED_HEADDIMS,
+    SUPPORTED_HEADDIMS,
+    select_bwd_config,
+    select_fwd_config,
+    shipped_bwd_configs,
+    shipped_fwd_configs,
+)
+from flash4.kernels.common import block_info  # noqa: E402
+
+SMEM_LIMIT = 227 * 1024
+
+
+def test_shipped_configs_fit_and_cover_the_api():
+    fwd = shipped_fwd_configs()
+    assert {c.headdim for c in fwd} == set(SUPPORTED_HEADDIMS)
+    for c in fwd:
+        assert c.smem_bytes() <= SMEM_LIMIT and c.tile_m % 64 == 0 and c.tile_n % 16 == 0
+        assert c.lpt == c.causal and not c.persistent and c.exp2_emu_frac == 0.0  # ablation-chosen defaults
+    bwd = shipped_bwd_configs()
+    assert {c.headdim for c in bwd} == set(BWD_SUPPORTED_HEADDIMS)
+    assert all(c.smem_bytes() <= SMEM_LIMIT for c in bwd)
+    assert {c.deterministic for c in bwd} == {False, True}
+
+
+@pytest.mark.parametrize("select", [select_fwd_config, select_bwd_config])
+def test_unsupported_arch_and_headdim_raise(select):
+    with pytest.raises(ValueError, match="sm_100"):
+        select(128, "bf16", False, arch=100)
+    with pytest.raises(ValueError, match="headdim=80"):
+        select(80, "bf16", False)
+
+
+def test_bwd_rejects_headdims_without_a_kernel():
+    for d in set(SUPPORTED_HEADDIMS) - set(BWD_SUPPORTED_HEADDIMS):
+        with pytest.raises(ValueError, match="not supported yet"):
+            select_bwd_config(d)
+
+
+def visible(i, j, sq, sk):
+    return j <= i + sk - sq
+
+
+@pytest.mark.parametrize("sq,sk", [(1000, 1000), (129, 1000), (1000, 129), (4096, 1000), (1, 128), (333, 777)])
+@pytest.mark.parametrize("tile_m,tile_n", [(128, 128), (192, 128), (128, 80)])
+def test_causal_block_ranges_match_brute_force(sq, sk, tile_m, tile_n):
+    """Blocks >= n_block_max are fully masked; blocks < n_block_min_causal_mask need no causal mask;
+    only the blocks in between (the diagonal) are masked."""
+    for m in range(-(-sq // tile_m)):
+        rows = range(m * tile_m, min((m + 1) * tile_m, sq))
+        n_max = block_info.n_block_max(m, sq, sk, tile_m, tile_n, True)
+        n_mask = min(block_info.n_block_min_causal_mask(m, sq, sk, tile_m, tile_n), max(n_max - 1, 0))
+        for n in range(-(-sk // tile_n)):
+            cols = range(n * tile_n, min((n + 1) * tile_n, sk))
+            any_visible = any(visible(i, j, sq, sk) for i in rows for j in cols)
+            all_visible = all(visible(i, j, sq, sk) for i in rows for j in cols)
+            if n >= n_max:
+                assert not any_visible, (m, n)
+            else:
+                assert any_visible or n == n_max - 1 and not any(
+                    visible(i, j, sq, sk) for i in rows for j in range(sk)), (m, n)
+            if n < n_mask:
+                assert all_visible, (m, n)
+
+
+def test_non_causal_visits_every_key_block():
+    assert block_info.n_block_max(5, 1000, 1000, 128, 128, False) == 8
