@@ -9,7 +9,7 @@ import torch
 
 from flash4.arch import device_arch
 from flash4.autograd import FlashAttnFunc
-from flash4.config import BWD_SUPPORTED_HEADDIMS, select_fwd_config
+from flash4.config import select_fwd_config
 from flash4.validate import DTYPE_NAMES, layout_problem, check_inputs, resolve_softmax_scale
 
 
@@ -46,8 +46,6 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False,
             flash4 kernel (sm_90 only for now).
             flash4.validate.support_error(q, k, v, softmax_scale, causal) gives the same message
             without raising.
-            With autograd recording (an input requires grad), also a headdim the backward kernel
-            lacks (flash4.config.BWD_SUPPORTED_HEADDIMS: 64, 128), before anything runs.
 
     Gradients: `.backward()` through `out` gives dq, dk, dv (flash4.backward); lse carries no gradient.
     """
@@ -58,11 +56,6 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False,
     check_inputs(q, k, v, softmax_scale, causal)
     scale = resolve_softmax_scale(softmax_scale, q.shape[3])
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        if q.shape[3] not in BWD_SUPPORTED_HEADDIMS:
-            raise ValueError(
-                f"q has headdim {q.shape[3]} and requires grad, but the flash4 backward supports headdim in "
-                f"{BWD_SUPPORTED_HEADDIMS}; call under torch.no_grad() for the forward only"
-            )
         out, lse = FlashAttnFunc.apply(q, k, v, scale, causal, deterministic)
     else:
         out, lse = _flash_attn_forward(q, k, v, scale, causal)

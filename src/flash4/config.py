@@ -121,9 +121,17 @@ def num_m_blocks(seqlen_q: int, cfg: FwdConfig) -> int:
 LOG2E = math.log2(math.e)
 
 
-# Head dims the sm90 backward supports: dK and dV accumulate in registers (2 x tile_n/2 x headdim
-# fp32 per warpgroup), which fits the 240-register consumer budget up to 128.
-BWD_SUPPORTED_HEADDIMS = (64, 128)  # 96: the dQ GEMM's headdim/2 = 48 split does not tile the K smem swizzle
+# Head dims the sm90 backward supports: every head dim of the forward. Up to 128 each consumer
+# warpgroup owns 64 keys and accumulates their dK, dV over the full headdim in registers; above
+# 128 that would not fit the 240-register budget, so both warpgroups share 64 keys and split dK, dV
+# over headdim (P^T and dS^T go through shared memory): `BwdConfig.split_headdim`.
+BWD_SUPPORTED_HEADDIMS = SUPPORTED_HEADDIMS
+# Pad of each fp32 row of the backward's dQ staging tile (floats): 32 B, so the 8 rows of one
+# 64-bit accumulator store (4 lanes x 8 B each) fall on disjoint banks in pairs (no conflicts).
+# The split-headdim configs are short of smem and take 16 B (2-way conflicts).
+DQ_ROW_PAD, DQ_ROW_PAD_SPLIT = 8, 4
+# Largest dynamic shared memory of one sm90 CTA (227 KiB).
+SM90_MAX_SMEM_BYTES = 227 * 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,9 +139,11 @@ class BwdConfig:
     """One compiled backward kernel.
 
     headdim, dtype, causal: as FwdConfig.
-    tile_n:   keys per CTA (2 consumer warpgroups x 64).
+    tile_n:   keys per CTA: 128 (2 consumer warpgroups x 64 keys), or 64 when split_headdim.
     tile_m:   queries per step of the CTA's loop.
     q_stages: depth of the Q / dO TMA pipelines.
+    split_headdim: the 2 consumer warpgroups share the CTA's 64 keys; each computes S^T/dP^T for
+              half of the queries and dK/dV/dQ for half of headdim (P^T, dS^T staged in smem).
     deterministic: dQ partial sums added in n_block order (bitwise reproducible), at some speed.
     """
 
@@ -143,21 +153,27 @@ class BwdConfig:
     tile_m: int = 64
     tile_n: int = 128
     q_stages: int = 2
+    split_headdim: bool = False
     deterministic: bool = False
     arch: int = 90
 
     def __post_init__(self):
         assert self.headdim in BWD_SUPPORTED_HEADDIMS, self.headdim
         assert self.dtype in DTYPES, self.dtype
-        assert self.tile_n == 128 and self.tile_m % 64 == 0
+        assert self.tile_n == (64 if self.split_headdim else 128) and self.tile_m % 64 == 0
+        assert self.smem_bytes() <= SM90_MAX_SMEM_BYTES - 1024, self.smem_bytes()
+
+    @property
+    def dq_row_pad(self) -> int:
+        return DQ_ROW_PAD_SPLIT if self.split_headdim else DQ_ROW_PAD
 
     def smem_bytes(self) -> int:
-        """K, V, the Q/dO stages, two dS^T buffers, the fp32 dQ tile (bytes, no barriers)."""
+        """K, V, the Q/dO stages, two dS^T (and P^T) buffers, the fp32 dQ tile (bytes, no barriers)."""
         elt = 2
         kv = 2 * self.tile_n * self.headdim * elt
         q_do = 2 * self.q_stages * self.tile_m * self.headdim * elt
-        ds = 2 * self.tile_n * self.tile_m * elt
-        dq = self.tile_m * (self.headdim + 4) * 4
+        ds = (2 if self.split_headdim else 1) * 2 * self.tile_n * self.tile_m * elt
+        dq = self.tile_m * (self.headdim + self.dq_row_pad) * 4
         stats = 2 * self.q_stages * self.tile_m * 4
         return kv + q_do + ds + dq + stats
 
@@ -168,8 +184,37 @@ def select_bwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, a
     if arch != 90:
         raise ValueError(f"flash4 backward: arch sm_{arch} has no kernel yet (supported: sm_90a)")
     if headdim not in BWD_SUPPORTED_HEADDIMS:
-        raise ValueError(f"flash4 backward: headdim={headdim} not supported yet; allowed: {BWD_SUPPORTED_HEADDIMS}")
-    return BwdConfig(headdim=headdim, dtype=dtype, causal=causal, deterministic=deterministic, arch=arch)
+        raise ValueError(f"flash4 backward: headdim={headdim} not supported; allowed: {BWD_SUPPORTED_HEADDIMS}")
+    split = headdim > 128
+    # d64 bf16: 128 queries per step (S^T, dP^T 64x128 per warpgroup) halves the per-step overhead
+    # (barriers, dQ hand-off); H200: +4-7% over 64. It fits 240 registers without spills in bf16
+    # only (fp16 spills 12-24 registers: the compile check rejects it), so fp16 keeps 64.
+    tile_m = 128 if headdim <= 64 and dtype == "bf16" else 64
+    base = dict(headdim=headdim, dtype=dtype, causal=causal, tile_m=tile_m, tile_n=64 if split else 128,
+                split_headdim=split, deterministic=deterministic, arch=arch)
+    # Two Q/dO stages where they fit in shared memory (d256 needs one).
+    for q_stages in (2, 1):
+        probe = _SmemProbe(q_stages=q_stages, **base)
+        cfg_bytes = BwdConfig.smem_bytes(probe)
+        if cfg_bytes <= SM90_MAX_SMEM_BYTES - 1024:
+            return BwdConfig(q_stages=q_stages, **base)
+    raise AssertionError(f"no backward config fits shared memory for headdim={headdim}")
+
+
+@dataclasses.dataclass(frozen=True)
+class _SmemProbe:
+    """BwdConfig's fields without its checks: lets select_bwd_config size candidates."""
+
+    headdim: int
+    dtype: str
+    causal: bool
+    tile_m: int
+    tile_n: int
+    q_stages: int
+    split_headdim: bool
+    deterministic: bool
+    arch: int
+    dq_row_pad = BwdConfig.dq_row_pad
 
 
 def shipped_bwd_configs() -> list[BwdConfig]:

@@ -41,10 +41,13 @@ def test_unsupported_arch_and_headdim_raise(select):
         select(80, "bf16", False)
 
 
-def test_bwd_rejects_headdims_without_a_kernel():
-    for d in set(SUPPORTED_HEADDIMS) - set(BWD_SUPPORTED_HEADDIMS):
-        with pytest.raises(ValueError, match="not supported yet"):
-            select_bwd_config(d)
+def test_bwd_covers_every_forward_headdim():
+    """Every head dim the forward takes trains: > 128 uses the split-headdim kernel (64 keys per CTA)."""
+    assert set(BWD_SUPPORTED_HEADDIMS) == set(SUPPORTED_HEADDIMS)
+    for d in BWD_SUPPORTED_HEADDIMS:
+        cfg = select_bwd_config(d)
+        assert cfg.split_headdim == (d > 128) and cfg.tile_n == (64 if d > 128 else 128)
+        assert cfg.smem_bytes() <= SMEM_LIMIT - 1024 and cfg.q_stages >= 1
 
 
 def visible(i, j, sq, sk):

@@ -3,8 +3,9 @@
 Criterion, per gradient: max |g - g_ref| <= 2 * max |g_pt - g_ref| + atol, where g_ref is the
 float32 gradient of flash4.reference.attention_ref and g_pt the same computation in the input
 dtype (what PyTorch itself would give). dq, dk, dv are preallocated NaN-filled, so an element the
-kernels do not write fails. Shapes: head dims 64/96/128, causal and not, seqlens 1, 17, 128, 129,
-1000, 4096, seqlen_q != seqlen_k both ways, GQA 8:1 and MQA, bf16 and a few fp16.
+kernels do not write fails. Shapes: every head dim (64/96/128/192/256: per-warpgroup keys and the
+split-headdim kernel), causal and not, seqlens 1, 17, 128, 129, 1000, 4096, seqlen_q != seqlen_k
+both ways, GQA 8:1 and MQA, bf16 and fp16.
 """
 
 import math
@@ -64,24 +65,27 @@ def test_square(s, d, causal):
     check_bwd(2, s, s, 2, 2, d, causal)
 
 
+@pytest.mark.parametrize("d", [128, 256])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("sq,sk", [(17, 1000), (1000, 17), (128, 4096), (4096, 1000), (129, 1), (1, 129)])
-def test_rect(sq, sk, causal):
-    check_bwd(1, sq, sk, 2, 2, 128, causal)
+def test_rect(sq, sk, causal, d):
+    check_bwd(1, sq, sk, 2, 2, d, causal)
 
 
+@pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
-def test_long(causal):
-    check_bwd(1, 4096, 4096, 2, 1, 128, causal)
+def test_long(causal, d):
+    check_bwd(1, 4096, 4096, 2, 1, d, causal)
 
 
+@pytest.mark.parametrize("d", [64, 256])
 @pytest.mark.parametrize("hk", [1, 2])  # MQA and GQA 8:1 (nheads 16)
 @pytest.mark.parametrize("causal", [False, True])
-def test_gqa(hk, causal):
-    check_bwd(2, 1000, 1000, 8 * hk if hk == 2 else 16, hk, 64, causal)
+def test_gqa(hk, causal, d):
+    check_bwd(2, 1000, 1000, 8 * hk if hk == 2 else 16, hk, d, causal)
 
 
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", BWD_SUPPORTED_HEADDIMS)
 def test_fp16(d):
     check_bwd(2, 333, 555, 4, 2, d, True, dtype=torch.float16)
 
@@ -110,10 +114,19 @@ def test_autocast():
     assert q.grad.dtype == torch.float32 and torch.isfinite(q.grad).all()
 
 
-def test_unsupported_headdim_with_grad_is_a_clear_error():
-    q = torch.randn(1, 64, 2, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    with pytest.raises(ValueError, match="backward supports headdim"):
-        flash_attn_func(q, q, q)
+@pytest.mark.parametrize("d", [96, 192, 256])
+def test_autograd_every_headdim(d):
+    """flash_attn_func trains at the head dims of the split-headdim / 32-byte-swizzle kernels."""
+    gen = torch.Generator(device="cuda").manual_seed(d)
+    q, k, v = (torch.randn(2, 257, 4, d, generator=gen, device="cuda", dtype=torch.bfloat16).requires_grad_()
+               for _ in range(3))
+    out = flash_attn_func(q, k, v, causal=True)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    g_ref = ref_grads(q, k, v, dout, True, upcast=True)
+    g_pt = ref_grads(q, k, v, dout, True, upcast=False)
+    for g, gr, gp in zip((q.grad, k.grad, v.grad), g_ref, g_pt):
+        assert (g.float() - gr).abs().max() <= 2 * (gp.float() - gr).abs().max() + GRAD_ATOL
 
 
 def test_memory_is_linear():
@@ -131,20 +144,22 @@ def test_memory_is_linear():
     assert extra < 1 << 30, f"{extra / 2**20:.0f} MiB extra"
 
 
+@pytest.mark.parametrize("d", [128, 256])
 @pytest.mark.parametrize("causal", [False, True])
-def test_deterministic_is_bitwise_reproducible(causal):
+def test_deterministic_is_bitwise_reproducible(causal, d):
     """deterministic=True: 100 backward passes give bitwise-identical dq, dk, dv (and they are right)."""
-    check_bwd(2, 1000, 1000, 4, 2, 128, causal)  # correctness of the default path on the same shape
+    check_bwd(2, 1000, 1000, 4, 2, d, causal)  # correctness of the default path on the same shape
     gen = torch.Generator(device="cuda").manual_seed(3)
-    q, k, v, dout = (torch.randn(2, 1000, h, 128, generator=gen, device="cuda", dtype=torch.bfloat16)
+    q, k, v, dout = (torch.randn(2, 1000, h, d, generator=gen, device="cuda", dtype=torch.bfloat16)
                      for h in (4, 2, 2, 4))
-    out, lse = _flash_attn_forward(q, k, v, 1 / math.sqrt(128), causal)
-    first = flash_attn_backward(dout, q, k, v, out, lse, 1 / math.sqrt(128), causal, deterministic=True)
+    scale = 1 / math.sqrt(d)
+    out, lse = _flash_attn_forward(q, k, v, scale, causal)
+    first = flash_attn_backward(dout, q, k, v, out, lse, scale, causal, deterministic=True)
     g_ref = ref_grads(q, k, v, dout, causal, upcast=True)
     g_pt = ref_grads(q, k, v, dout, causal, upcast=False)
     for g, gr, gp in zip(first, g_ref, g_pt):
         assert (g.float() - gr).abs().max() <= 2 * (gp.float() - gr).abs().max() + GRAD_ATOL
     for _ in range(100):
-        again = flash_attn_backward(dout, q, k, v, out, lse, 1 / math.sqrt(128), causal, deterministic=True)
+        again = flash_attn_backward(dout, q, k, v, out, lse, scale, causal, deterministic=True)
         for g0, g1 in zip(first, again):
             assert torch.equal(g0, g1)

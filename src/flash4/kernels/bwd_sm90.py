@@ -30,7 +30,7 @@ from cutlass.memory import SmemAllocator
 from cutlass.cutlass_dsl import dsl_user_op
 from cutlass.tensor_utils import LayoutEnum
 
-from flash4.config import LOG2E, BwdConfig
+from flash4.config import LOG2E, SM90_MAX_SMEM_BYTES, BwdConfig
 from flash4.kernels.common.barriers import NamedBarrierBwd
 from flash4.kernels.common.exp2 import exp2_hw
 from flash4.kernels.common.gemm import wgmma
@@ -40,8 +40,6 @@ from flash4.kernels.fwd_sm90 import THREADS_PER_WG, _DTYPES, next_state
 
 # setmaxnreg budgets: producer warpgroup, 2 consumer warpgroups (64K registers per CTA).
 _PRODUCER_REGS, _CONSUMER_REGS = 24, 240
-# Pad of each fp32 row of the dQ staging tile (floats): spreads a warp's rows over the banks.
-DQ_ROW_PAD = 4
 
 
 @dsl_user_op
@@ -56,6 +54,15 @@ def bulk_reduce_add_f32(gmem_ptr: cute.Pointer, smem_ptr: cute.Pointer, num_byte
         is_align_stack=False,
         asm_dialect=llvm.AsmDialect.AD_ATT,
     )
+
+
+def _half_split_atom_cols(cols: int):
+    """None if the widest swizzle atom for `cols` 16-bit columns also tiles each half (cols/2);
+    else cols/2, so the atom is chosen for the half (e.g. 96 -> 64 B atom of 32 columns does not
+    tile 48 -> choose for 48: 32 B atom of 16 columns)."""
+    width = next(w for w in (64, 32, 16, 8) if cols % w == 0)  # 128/64/32/16 B swizzle, 16-bit elements
+    half = cols // 2
+    return None if half % width == 0 or width % half == 0 else half
 
 
 class FlashAttentionBackwardSm90:
@@ -76,15 +83,20 @@ class FlashAttentionBackwardSm90:
         self.tile_m, self.tile_n, self.hdim = cfg.tile_m, cfg.tile_n, cfg.headdim
         self.q_stages = cfg.q_stages
         self.causal = cfg.causal
+        self.mask_phases = (True, False) if cfg.causal else (False,)  # per m_block loop: causal mask on?
+        self.split_hd = cfg.split_headdim
         self.num_wg_mma = 2
         self.num_mma_threads = 2 * THREADS_PER_WG
         self.num_threads = 3 * THREADS_PER_WG
-        assert self.tile_n == 64 * self.num_wg_mma
-        assert self.hdim % 16 == 0 and (self.hdim // 2) % 8 == 0
+        assert self.tile_n == (64 if self.split_hd else 64 * self.num_wg_mma)
+        assert self.hdim % 16 == 0 and (self.hdim // 2) % 16 == 0
 
-    def _smem_layout(self, rows: int, cols: int, stages=None):
+    def _smem_layout(self, rows: int, cols: int, stages=None, atom_cols=None):
+        """Row-major (cols contiguous) swizzled smem tile. atom_cols: pick the swizzle as if the
+        rows had this many columns (a GEMM that splits the columns in halves needs an atom that
+        divides the half: headdim 96 -> 48 -> 32-byte swizzle)."""
         atom = warpgroup.make_smem_layout_atom(
-            sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype, cols), self.dtype
+            sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype, atom_cols or cols), self.dtype
         )
         shape = (rows, cols) if stages is None else (rows, cols, stages)
         return cute.tile_to_shape(atom, shape, order=(0, 1) if stages is None else (0, 1, 2))
@@ -92,13 +104,23 @@ class FlashAttentionBackwardSm90:
     def _tiled_mmas(self):
         K, MN = OperandMajorMode.K, OperandMajorMode.MN
         make = partial(sm90_utils.make_trivial_tiled_mma, self.dtype, self.dtype)
-        # S^T, dP^T: (tile_n keys) x (tile_m queries), keys split over the 2 warpgroups.
-        mma_sdp = make(K, K, Float32, (2, 1, 1), (64, self.tile_m))
-        # dV, dK: (tile_n keys) x headdim, A = P^T / dS^T from registers; B = dO^T / Q^T (MN-major).
-        mma_dkv = make(K, MN, Float32, (2, 1, 1), (64, self.hdim), a_source=warpgroup.OperandSource.RMEM)
-        # dQ: (tile_m queries) x headdim, headdim split over the 2 warpgroups; A = dS (from the
+        if const_expr(not self.split_hd):
+            # S^T, dP^T: (tile_n keys) x (tile_m queries), keys split over the 2 warpgroups.
+            mma_sdp = make(K, K, Float32, (2, 1, 1), (64, self.tile_m))
+            # dV, dK: (tile_n keys) x headdim, A = P^T / dS^T from registers; B = dO^T / Q^T (MN-major).
+            mma_dkv = make(K, MN, Float32, (2, 1, 1), (64, self.hdim), a_source=warpgroup.OperandSource.RMEM)
+        else:
+            # split_headdim: S^T, dP^T split over queries; dV, dK over headdim, A = P^T / dS^T from smem.
+            mma_sdp = make(K, K, Float32, (1, 2, 1), (64, self.tile_m // 2))
+            mma_dkv = make(K, MN, Float32, (1, 2, 1), (64, self.hdim // 2))
+        # dQ: (tile_m queries) x headdim, queries or headdim split over the 2 warpgroups; A = dS (from the
         # staged dS^T: M-major), B = K^T (MN-major).
-        mma_dq = make(MN, MN, Float32, (1, 2, 1), (64, self.hdim // 2))
+        if const_expr(self.tile_m == 64 * self.num_wg_mma):
+            # 128 queries: split them (64 each, N = headdim). Halving headdim instead (N = 32 at
+            # d64) would make the SS wgmma read more smem per FLOP than the tensor cores use.
+            mma_dq = make(MN, MN, Float32, (2, 1, 1), (64, self.hdim))
+        else:
+            mma_dq = make(MN, MN, Float32, (1, 2, 1), (64, self.hdim // 2))
         return mma_sdp, mma_dkv, mma_dq
 
     @cute.jit
@@ -124,10 +146,16 @@ class FlashAttentionBackwardSm90:
 
         mma_sdp, mma_dkv, mma_dq = self._tiled_mmas()
         sQ_layout = self._smem_layout(self.tile_m, self.hdim, self.q_stages)
-        sKV_layout = self._smem_layout(self.tile_n, self.hdim)
+        # K is also the B operand of the dQ GEMM, whose warpgroups split headdim in halves.
+        half_cols = _half_split_atom_cols(self.hdim)
+        sKV_layout = self._smem_layout(self.tile_n, self.hdim, atom_cols=half_cols)
+        # Q, dO are the B operands of dK, dV: split in headdim halves when split_headdim.
+        if const_expr(self.split_hd):
+            sQ_layout = self._smem_layout(self.tile_m, self.hdim, self.q_stages, atom_cols=half_cols)
         sdS_layout = self._smem_layout(self.tile_n, self.tile_m, 2)  # dS^T: keys x queries, 2 buffers
         sStat_layout = cute.make_layout((self.tile_m, self.q_stages))
-        sdQ_layout = cute.make_layout((self.tile_m, self.hdim), stride=(self.hdim + DQ_ROW_PAD, 1))
+        # dQ staging tile (fp32), rows padded against bank conflicts (one bulk reduce-add per row).
+        sdQ_layout = cute.make_layout((self.tile_m, self.hdim), stride=(self.hdim + self.cfg.dq_row_pad, 1))
 
         load_op = cpasync.CopyBulkTensorTileG2SOp()
         q_stage_layout = cute.select(sQ_layout, mode=[0, 1])
@@ -138,6 +166,10 @@ class FlashAttentionBackwardSm90:
         stat_stage = cute.make_layout((self.tile_m,))
         tma_atom_LSE, tma_LSE = cpasync.make_tiled_tma_atom(load_op, mLSE2, stat_stage, (self.tile_m,))
         tma_atom_D, tma_D = cpasync.make_tiled_tma_atom(load_op, mD, stat_stage, (self.tile_m,))
+        # dK, dV leave through K's and V's smem (free after the main loop) and a TMA store.
+        store_op = cpasync.CopyBulkTensorTileS2GOp()
+        tma_atom_dK, tma_dK = cpasync.make_tiled_tma_atom(store_op, mdK, sKV_layout, (self.tile_n, self.hdim))
+        tma_atom_dV, tma_dV = cpasync.make_tiled_tma_atom(store_op, mdV, sKV_layout, (self.tile_n, self.hdim))
         self.tma_bytes_q = cute.size_in_bytes(self.dtype, q_stage_layout) + self.tile_m * 4
         self.tma_bytes_kv = 2 * cute.size_in_bytes(self.dtype, sKV_layout)
 
@@ -154,11 +186,17 @@ class FlashAttentionBackwardSm90:
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], 1024]
+            # P^T (split_headdim only; otherwise a token 128 B): both warpgroups read all of it.
+            sPt: cute.struct.Align[
+                cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout) if self.split_hd else 64], 1024
+            ]
+
+        assert SharedStorage.size_in_bytes() <= SM90_MAX_SMEM_BYTES, SharedStorage.size_in_bytes()
 
         grid = (cute.ceil_div(mK.shape[0], self.tile_n), cute.size(mK.shape[2]), cute.size(mK.shape[3]))
         self.kernel(
-            tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_D, mdQacc, mdK, mdV, mdQsem,
-            tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO, tma_atom_LSE, tma_atom_D,
+            tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_D, mdQacc, tma_dK, tma_dV, mdQsem,
+            tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO, tma_atom_LSE, tma_atom_D, tma_atom_dK, tma_atom_dV,
             softmax_scale, sQ_layout, sKV_layout, sdS_layout, sStat_layout, sdQ_layout,
             mma_sdp, mma_dkv, mma_dq, SharedStorage,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
@@ -171,6 +209,7 @@ class FlashAttentionBackwardSm90:
         mdQsem: cute.Tensor,
         tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom,
         tma_atom_dO: cute.CopyAtom, tma_atom_LSE: cute.CopyAtom, tma_atom_D: cute.CopyAtom,
+        tma_atom_dK: cute.CopyAtom, tma_atom_dV: cute.CopyAtom,
         softmax_scale: Float32,
         sQ_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout, sdS_layout: cute.ComposedLayout,
         sStat_layout: cute.Layout, sdQ_layout: cute.Layout,
@@ -195,6 +234,7 @@ class FlashAttentionBackwardSm90:
         sK = storage.sK.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
         sV = storage.sV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
         sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
+        sPt = storage.sPt.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner) if const_expr(self.split_hd) else None
         sLSE = storage.sLSE.get_tensor(sStat_layout)
         sD = storage.sD.get_tensor(sStat_layout)
         sdQ = storage.sdQ.get_tensor(sdQ_layout)
@@ -218,9 +258,9 @@ class FlashAttentionBackwardSm90:
         else:
             cute.arch.setmaxregister_increase(_CONSUMER_REGS)
             tidx = cute.arch.thread_idx()[0] - THREADS_PER_WG
-            self.mma(mdK, mdV, sQ, sK, sV, sdO, sdS, sLSE, sD, sdQ, mma_sdp, mma_dkv, mma_dq,
+            self.mma(mdK, mdV, tma_atom_dK, tma_atom_dV, sQ, sK, sV, sdO, sdS, sPt, sLSE, sD, sdQ, mma_sdp, mma_dkv, mma_dq,
                      pipeline_kv, pipeline_q, pipeline_do, softmax_scale, tidx,
-                     n_block, head_kv, batch, seqlen_q, seqlen_k, m_block_min, num_steps, m_block_max)
+                     n_block, head_kv, batch, seqlen_q, seqlen_k, m_block_min, num_steps, m_block_max, qhead_per_kvhead)
 
     def m_block_range(self, n_block, seqlen_q, seqlen_k):
         """Query blocks that see at least one key of this tile (bottom-right causal: query row i
@@ -313,9 +353,9 @@ class FlashAttentionBackwardSm90:
         cute.arch.cp_async_bulk_wait_group(0, read=False)
 
     @cute.jit
-    def mma(self, mdK, mdV, sQ, sK, sV, sdO, sdS, sLSE, sD, sdQ, mma_sdp, mma_dkv, mma_dq,
+    def mma(self, mdK, mdV, tma_atom_dK, tma_atom_dV, sQ, sK, sV, sdO, sdS, sPt, sLSE, sD, sdQ, mma_sdp, mma_dkv, mma_dq,
             pipeline_kv, pipeline_q, pipeline_do, softmax_scale, tidx,
-            n_block, head_kv, batch, seqlen_q, seqlen_k, m_block_min, num_steps, m_block_max):
+            n_block, head_kv, batch, seqlen_q, seqlen_k, m_block_min, num_steps, m_block_max, qhead_per_kvhead):
         wg_idx = cute.arch.make_warp_uniform(tidx // THREADS_PER_WG)
         wg_slice = cute.make_layout(self.num_wg_mma, stride=THREADS_PER_WG)(wg_idx)
         wg_sdp = mma_sdp.get_slice(wg_slice)
@@ -348,89 +388,140 @@ class FlashAttentionBackwardSm90:
             cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype), mma_sdp
         ).get_slice(tidx)
         tdSsdS = r2s_dS.partition_D(sdS)  # (CPY, CPY_M, CPY_N, 2)
-        # dQ accumulator -> padded fp32 smem tile (queries x d).
-        thr_dq = mma_dq.get_slice(tidx)
-        tdQsdQ = acc_mn_view(thr_dq.partition_C(sdQ))
+        if const_expr(self.split_hd):
+            # dV += P^T dO, dK += dS^T Q with A from smem: every warpgroup needs all 64 keys x tile_m.
+            tdVrPt = wg_dkv.make_fragment_A(wg_dkv.partition_A(sPt))
+            tdKrdSt = wg_dkv.make_fragment_A(wg_dkv.partition_A(sdS))
+            tPsPt = r2s_dS.partition_D(sPt)
+        # dQ accumulator -> fp32 smem tile (queries x d).
+        # 64-bit stores (2 adjacent columns of the accumulator stay adjacent in either layout).
+        r2s_dQ = cute.make_tiled_copy_C(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=64), mma_dq
+        ).get_slice(tidx)
+        tdQsdQ = r2s_dQ.partition_D(sdQ)
 
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         pipeline_kv.consumer_wait(kv_state)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
-        num_m = m_block_max - m_block_min
         scale_log2 = softmax_scale * Float32(LOG2E)
         thread_col0 = tScS[0, 0][1]
-        for step in cutlass.range(num_steps, unroll=1):
-            h_in_group = step // num_m
-            m_block = m_block_min + (step - h_in_group * num_m)
-            pipeline_q.consumer_wait(state)
-            acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
-            wgmma(mma_sdp, acc_S, tSrK, tSrQ[None, None, None, state.index], zero_init=True, wg_wait=-1)
-            pipeline_do.consumer_wait(state)
-            acc_dP = cute.make_rmem_tensor(acc_shape_S, Float32)
-            wgmma(mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, state.index], zero_init=True, wg_wait=1)
-            # P^T = 2^(S^T * scale_log2 - LSE_log2[query]), masked entries 0.
-            s = acc_mn_view(acc_S)
-            col_limit = seqlen_q - m_block * self.tile_m - thread_col0  # padded query columns
-            for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
-                key = n_block * self.tile_n + tScS[r, 0][0]
-                # causal: query i sees key j iff i >= j - (seqlen_k - seqlen_q)
-                first_col = key - (seqlen_k - seqlen_q) - m_block * self.tile_m - thread_col0
-                for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
-                    col = t0ScS[0, c][1]
-                    p = exp2_hw(s[r, c] * scale_log2 - sLSE[thread_col0 + col, state.index])
-                    if const_expr(self.causal):
-                        p = Float32(cutlass.select_(col < first_col, Float32(0.0), p))
-                    s[r, c] = p
-            warpgroup.wait_group(0)
-            # dS^T = scale * P^T * (dP^T - D[query]): the softmax scale is applied here, once, so
-            # dK = dS^T Q and dQ = dS K need no rescaling afterwards.
-            dp = acc_mn_view(acc_dP)
-            for r in cutlass.range_constexpr(cute.size(dp, mode=[0])):
-                for c in cutlass.range_constexpr(cute.size(dp, mode=[1])):
-                    col = t0ScS[0, c][1]
-                    dp[r, c] = (s[r, c] * softmax_scale) * (dp[r, c] - sD[thread_col0 + col, state.index])
-            tdVrP = cute.make_rmem_tensor(frgA_layout.shape, self.dtype)
-            tdVrP.store(cute.make_tensor(acc_S.iterator, frgA_layout).load().to(self.dtype))
-            tdKrdS = cute.make_rmem_tensor(frgA_layout.shape, self.dtype)
-            tdKrdS.store(cute.make_tensor(acc_dP.iterator, frgA_layout).load().to(self.dtype))
-            wgmma(mma_dkv, acc_dV, tdVrP, tdVrdOt[None, None, None, state.index], wg_wait=-1)
-            wgmma(mma_dkv, acc_dK, tdKrdS, tdKrQt[None, None, None, state.index], wg_wait=-1)
-            # Stage dS^T for the dQ GEMM (both warpgroups' keys are needed by each).
-            rdS = cute.make_rmem_tensor(acc_dP.shape, self.dtype)
-            rdS.store(acc_dP.load().to(self.dtype))
-            # Two dS^T buffers: the other warpgroup may still be reading the previous step's.
-            cute.copy(r2s_dS, r2s_dS.retile(rdS), tdSsdS[None, None, None, step % 2])
-            cute.arch.fence_view_async_shared()
-            cute.arch.barrier(barrier_id=int(NamedBarrierBwd.dS), number_of_threads=self.num_mma_threads)
-            acc_dQ = cute.make_rmem_tensor(mma_dq.partition_shape_C((self.tile_m, self.hdim)), Float32)
-            wgmma(mma_dq, acc_dQ, tdQrdS[None, None, None, step % 2], tdQrKt, zero_init=True, wg_wait=0)
-            pipeline_q.consumer_release(state)
-            pipeline_do.consumer_release(state)
-            # Hand the dQ tile to warp 1 once it has finished reading the previous one.
-            if step > 0:
-                cute.arch.barrier(barrier_id=int(NamedBarrierBwd.dQEmpty), number_of_threads=self.num_mma_threads + 32)
-            dq = acc_mn_view(acc_dQ)
-            for r in cutlass.range_constexpr(cute.size(dq, mode=[0])):
-                for c in cutlass.range_constexpr(cute.size(dq, mode=[1])):
-                    tdQsdQ[r, c] = dq[r, c]
-            # The bulk reduce reads sdQ through the async proxy: order our generic-proxy stores first.
-            cute.arch.fence_view_async_shared()
-            cute.arch.barrier_arrive(barrier_id=int(NamedBarrierBwd.dQFull), number_of_threads=self.num_mma_threads + 32)
-            state = next_state(state)
+        # Causal: only the first m_blocks of each head (those crossing the diagonal) need the mask;
+        # the loop runs them and the rest as two loops with the mask compiled in / out.
+        m_mask_end = m_block_min
+        if const_expr(self.causal):
+            # first m_block whose every row sees every key of this tile: m * tile_m >= last_key - offset
+            last_key_row = (n_block + 1) * self.tile_n - 1 - (seqlen_k - seqlen_q)
+            m_mask_end = (cutlass.max(last_key_row, 0) + self.tile_m - 1) // self.tile_m
+            m_mask_end = cutlass.min(cutlass.max(m_mask_end, m_block_min), m_block_max)
+        step = Int32(0)
+        for h_in_group in cutlass.range(qhead_per_kvhead, unroll=1):
+            for phase in cutlass.range_constexpr(len(self.mask_phases)):
+                mask = self.mask_phases[phase]  # causal: (True, False), else (False,)
+                lo, hi = m_block_min, m_block_max
+                if const_expr(self.causal):
+                    if const_expr(phase == 0):
+                        hi = m_mask_end
+                    else:
+                        lo = m_mask_end
+                for m_block in cutlass.range(lo, hi, unroll=1):
+                    pipeline_q.consumer_wait(state)
+                    acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
+                    wgmma(mma_sdp, acc_S, tSrK, tSrQ[None, None, None, state.index], zero_init=True, wg_wait=-1)
+                    pipeline_do.consumer_wait(state)
+                    acc_dP = cute.make_rmem_tensor(acc_shape_S, Float32)
+                    wgmma(mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, state.index], zero_init=True, wg_wait=1)
+                    # P^T = 2^(S^T * scale_log2 - LSE_log2[query]), masked entries 0 (overlaps the dP^T GEMM).
+                    # Column (query) outer: each LSE value is read from smem once and used at once.
+                    s = acc_mn_view(acc_S)
+                    for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
+                        col = t0ScS[0, c][1]
+                        lse_log2 = sLSE[thread_col0 + col, state.index]
+                        for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+                            p = exp2_hw(s[r, c] * scale_log2 - lse_log2)
+                            if const_expr(mask):
+                                # query i sees key j iff i >= j - (seqlen_k - seqlen_q)
+                                key = n_block * self.tile_n + tScS[r, 0][0]
+                                first_col = key - (seqlen_k - seqlen_q) - m_block * self.tile_m - thread_col0
+                                p = Float32(cutlass.select_(col < first_col, Float32(0.0), p))
+                            s[r, c] = p
+                    buf = step % 2  # two dS^T (P^T) buffers: the other warpgroup may still read the previous step's
+                    if const_expr(not self.split_hd):
+                        # dV += P^T dO from registers, issued before waiting for dP^T: the exponentials must
+                        # finish first (so they overlap the dP^T GEMM) and the dS^T math overlaps dV.
+                        tdVrP = cute.make_rmem_tensor(frgA_layout.shape, self.dtype)
+                        tdVrP.store(cute.make_tensor(acc_S.iterator, frgA_layout).load().to(self.dtype))
+                        wgmma(mma_dkv, acc_dV, tdVrP, tdVrdOt[None, None, None, state.index], wg_wait=1)
+                    else:
+                        warpgroup.wait_group(0)
+                    # dS^T = scale * P^T * (dP^T - D[query]): the softmax scale is applied here, once, so
+                    # dK = dS^T Q and dQ = dS K need no rescaling afterwards.
+                    dp = acc_mn_view(acc_dP)
+                    for c in cutlass.range_constexpr(cute.size(dp, mode=[1])):
+                        col = t0ScS[0, c][1]
+                        dpsum = sD[thread_col0 + col, state.index]
+                        for r in cutlass.range_constexpr(cute.size(dp, mode=[0])):
+                            dp[r, c] = (s[r, c] * softmax_scale) * (dp[r, c] - dpsum)
+                    if const_expr(not self.split_hd):
+                        tdKrdS = cute.make_rmem_tensor(frgA_layout.shape, self.dtype)
+                        tdKrdS.store(cute.make_tensor(acc_dP.iterator, frgA_layout).load().to(self.dtype))
+                    else:
+                        rP = cute.make_rmem_tensor(acc_S.shape, self.dtype)
+                        rP.store(acc_S.load().to(self.dtype))
+                        cute.copy(r2s_dS, r2s_dS.retile(rP), tPsPt[None, None, None, buf])
+                    # Stage dS^T for the dQ GEMM (both warpgroups' keys are needed by each).
+                    rdS = cute.make_rmem_tensor(acc_dP.shape, self.dtype)
+                    rdS.store(acc_dP.load().to(self.dtype))
+                    cute.copy(r2s_dS, r2s_dS.retile(rdS), tdSsdS[None, None, None, buf])
+                    cute.arch.fence_view_async_shared()
+                    cute.arch.barrier(barrier_id=int(NamedBarrierBwd.dS), number_of_threads=self.num_mma_threads)
+                    if const_expr(self.split_hd):
+                        wgmma(mma_dkv, acc_dV, tdVrPt[None, None, None, buf], tdVrdOt[None, None, None, state.index], wg_wait=-1)
+                    acc_dQ = cute.make_rmem_tensor(mma_dq.partition_shape_C((self.tile_m, self.hdim)), Float32)
+                    wgmma(mma_dq, acc_dQ, tdQrdS[None, None, None, buf], tdQrKt, zero_init=True, wg_wait=1)
+                    pipeline_do.consumer_release(state)  # dV (the last reader of dO) is done
+                    # dK runs on the tensor cores while the dQ tile goes to smem.
+                    if const_expr(not self.split_hd):
+                        wgmma(mma_dkv, acc_dK, tdKrdS, tdKrQt[None, None, None, state.index], wg_wait=1)
+                    else:
+                        wgmma(mma_dkv, acc_dK, tdKrdSt[None, None, None, buf], tdKrQt[None, None, None, state.index], wg_wait=1)
+                    # Hand the dQ tile to warp 1 once it has finished reading the previous one.
+                    if step > 0:
+                        cute.arch.barrier(barrier_id=int(NamedBarrierBwd.dQEmpty), number_of_threads=self.num_mma_threads + 32)
+                    cute.copy(r2s_dQ, r2s_dQ.retile(acc_dQ), tdQsdQ)
+                    # The bulk reduce reads sdQ through the async proxy: order our generic-proxy stores first.
+                    cute.arch.fence_view_async_shared()
+                    cute.arch.barrier_arrive(barrier_id=int(NamedBarrierBwd.dQFull), number_of_threads=self.num_mma_threads + 32)
+                    warpgroup.wait_group(0)
+                    pipeline_q.consumer_release(state)  # dK (the last reader of Q) is done
+                    state = next_state(state)
+                    step += 1
         if num_steps > 0:
             cute.arch.barrier(barrier_id=int(NamedBarrierBwd.dQEmpty), number_of_threads=self.num_mma_threads + 32)
-        self.epilogue_dKV(acc_dK, acc_dV, mdK, mdV, mma_dkv, tidx, n_block, head_kv, batch, seqlen_k, softmax_scale)
+        self.epilogue_dKV(acc_dK, acc_dV, mdK, mdV, tma_atom_dK, tma_atom_dV, sK, sV, mma_dkv, tidx, n_block,
+                          head_kv, batch)
 
     @cute.jit
-    def epilogue_dKV(self, acc_dK, acc_dV, mdK, mdV, mma_dkv, tidx, n_block, head_kv, batch, seqlen_k, softmax_scale):
-        """dK and dV (16-bit) straight from registers to global (rows < seqlen_k)."""
-        thr = mma_dkv.get_slice(tidx)
-        cKV = cute.make_identity_tensor((self.tile_n, self.hdim))
-        tc = acc_mn_view(thr.partition_C(cKV))
-        for acc, mX in ((acc_dK, mdK), (acc_dV, mdV)):
-            a = acc_mn_view(acc)
-            gX = cute.local_tile(mX[None, None, head_kv, batch], (self.tile_n, self.hdim), (n_block, 0))
-            tg = acc_mn_view(thr.partition_C(gX))
-            for r in cutlass.range_constexpr(cute.size(a, mode=[0])):
-                if n_block * self.tile_n + tc[r, 0][0] < seqlen_k:
-                    for c in cutlass.range_constexpr(cute.size(a, mode=[1])):
-                        tg[r, c] = self.dtype(a[r, c])
+    def epilogue_dKV(self, acc_dK, acc_dV, mdK, mdV, tma_atom_dK, tma_atom_dV, sK, sV, mma_dkv, tidx, n_block,
+                     head_kv, batch):
+        """dK, dV: registers -> 16-bit -> K's / V's smem (stmatrix) -> TMA store; rows past seqlen_k
+        are clipped by the TMA unit. mdK, mdV: the TMA views of dK, dV (seqlen_k, headdim, nheads_k, batch)."""
+        # Every consumer warpgroup has finished its GEMMs (wait_group(0) ends each step): K, V are free.
+        cute.arch.barrier(barrier_id=int(NamedBarrierBwd.Epilogue), number_of_threads=self.num_mma_threads)
+        r2s = cute.make_tiled_copy_C(
+            cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype), mma_dkv
+        ).get_slice(tidx)
+        for acc, sX in ((acc_dK, sK), (acc_dV, sV)):
+            rX = cute.make_rmem_tensor(acc.shape, self.dtype)
+            rX.store(acc.load().to(self.dtype))
+            cute.copy(r2s, r2s.retile(rX), r2s.partition_D(sX))
+        cute.arch.fence_view_async_shared()  # smem writes -> visible to the TMA (async proxy)
+        cute.arch.barrier(barrier_id=int(NamedBarrierBwd.Epilogue), number_of_threads=self.num_mma_threads)
+        if tidx < 32:
+            for atom, mX, sX in ((tma_atom_dK, mdK, sK), (tma_atom_dV, mdV, sV)):
+                gX = cute.local_tile(mX[None, None, head_kv, batch], (self.tile_n, self.hdim), (n_block, 0))
+                tXsX, tXgX = cpasync.tma_partition(
+                    atom, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2)
+                )
+                cute.copy(atom, tXsX, tXgX)
+            cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(0, read=True)

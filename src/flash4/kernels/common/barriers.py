@@ -20,3 +20,5 @@ class NamedBarrierBwd(enum.IntEnum):
     dQEmpty = 2
     # Both consumer warpgroups: dS^T is staged in smem before either dQ GEMM reads it.
     dS = 3
+    # Both consumer warpgroups: K, V smem free (epilogue) / dK, dV staged before the TMA store.
+    Epilogue = 4

@@ -1,0 +1,29 @@
+"""Compile check on the CPU (no GPU) of every shipped backward config (issue 3): each must build
+for sm_90a with HGMMA and TMA in the SASS, fit shared memory and spill no register."""
+
+import pytest
+
+pytest.importorskip("cutlass")
+
+from flash4.compile.check import compile_check  # noqa: E402
+from flash4.config import SM90_MAX_SMEM_BYTES, shipped_bwd_configs  # noqa: E402
+
+CONFIGS = shipped_bwd_configs()
+
+
+@pytest.fixture(scope="module")
+def rows():
+    return compile_check(CONFIGS)
+
+
+@pytest.mark.parametrize("i", range(len(CONFIGS)), ids=[
+    f"d{c.headdim}-{c.dtype}{'-causal' if c.causal else ''}{'-det' if c.deterministic else ''}" for c in CONFIGS])
+def test_bwd_compiles_without_spills(rows, i):
+    row = rows[i]
+    assert row["ok"], row["error"]
+    assert row["smem_bytes"] <= SM90_MAX_SMEM_BYTES
+    if row.get("registers") is None:
+        pytest.skip("cuobjdump not installed: resource usage not checked")
+    assert row["spills"] == 0, f"{row['config']}: {row['spills']} local-memory instructions (register spill)"
+    assert row["hgmma"] > 0, "no HGMMA in SASS: wgmma was not used"
+    assert row["utmaldg"] > 0, "no UTMALDG in SASS: TMA loads were not used"
