@@ -14,6 +14,19 @@ no atomics). Per query block m (FlashAttention-2 backward, Dao 2023, algorithm 2
     dQ_m = dS K                  (wgmma SS from dS^T staged in smem) -> fp32 bulk reduce-add to
                                  the dQ accumulator in global memory (cp.reduce.async.bulk)
     dS carries the softmax scale, so dK, dV and dQ need no rescaling; the postprocess converts dQ.
+
+Order within a step (per consumer warpgroup): issue S^T, dP^T; exponentials (under dP^T); issue
+dV (so the exponentials cannot sink behind the dP^T wait); dS^T (under dV); stage dS^T; barrier;
+dQ; dK; stage dQ for the store warp (under dK). Causal: the mask is compiled only into the loop
+over the m_blocks that cross the diagonal.
+
+Two work splits between the consumer warpgroups (config.BwdConfig.split_headdim):
+  * headdim <= 128: each warpgroup owns 64 keys (tile_n = 128) and accumulates their dK, dV over
+    the full headdim in registers; P^T, dS^T feed dV, dK from registers (RS).
+  * headdim > 128: dK, dV over the full headdim would not fit 240 registers. Both warpgroups share
+    64 keys (tile_n = 64); each computes S^T, dP^T for half of the queries, stages P^T and dS^T in
+    smem, and accumulates dK, dV, dQ for half of headdim (SS wgmmas).
+dK, dV leave through K's and V's smem and a TMA store.
 """
 
 from functools import partial
@@ -70,11 +83,13 @@ class FlashAttentionBackwardSm90:
       * warp 0: TMA loads: K and V of the tile once; then per step Q (+ LSE*log2e) and dO (+ D).
       * warp 1: per step, waits for the consumers' dQ tile in smem and issues one bulk fp32
         reduce-add per row into the global dQ accumulator; frees the tile once it has been read.
-      * consumer warpgroup w (64 keys each): the five GEMMs above and the softmax gradient.
+      * consumer warpgroup w (64 keys each, or half of headdim): the five GEMMs above and the
+        softmax gradient.
     Pipelines (producer -> consumers, one arrive per consumer warp on release):
       pipeline_kv (1 stage): K, V.  pipeline_q / pipeline_do (q_stages): Q + LSE, dO + D.
     Named barriers: dQFull (consumers -> warp 1: tile staged), dQEmpty (warp 1 -> consumers:
-    tile read), dS (both consumer warpgroups: dS^T staged before the dQ GEMM reads it).
+    tile read), dS (both consumer warpgroups: dS^T (and P^T) staged before the GEMMs read them),
+    Epilogue (both consumer warpgroups: K/V smem free, then dK/dV staged for the TMA store).
     """
 
     def __init__(self, cfg: BwdConfig):
