@@ -78,3 +78,25 @@ def test_causal_block_ranges_match_brute_force(sq, sk, tile_m, tile_n):
 
 def test_non_causal_visits_every_key_block():
     assert block_info.n_block_max(5, 1000, 1000, 128, 128, False) == 8
+
+
+def test_bwd_query_step_and_stages():
+    """d64 bf16 takes 128-query steps (fp16 spills there: 64); d256 fits one Q/dO stage only."""
+    assert select_bwd_config(64, "bf16").tile_m == 128
+    assert select_bwd_config(64, "fp16").tile_m == 64
+    assert all(select_bwd_config(d, dt).tile_m == 64 for d in (96, 128, 192, 256) for dt in ("bf16", "fp16"))
+    assert select_bwd_config(256).q_stages == 1
+    assert all(select_bwd_config(d).q_stages == 2 for d in (64, 96, 128, 192))
+
+
+@pytest.mark.parametrize("d", BWD_SUPPORTED_HEADDIMS)
+def test_bwd_swizzle_atom_tiles_headdim_halves(d):
+    """The K (and split-headdim Q/dO) smem atom must tile headdim/2: the dQ (dK, dV) wgmma of each
+    warpgroup reads one half. 96 and 192 need the atom chosen for the half."""
+    from flash4.kernels.bwd_sm90 import _half_split_atom_cols
+
+    cols = _half_split_atom_cols(d) or d
+    width = next(w for w in (64, 32, 16, 8) if cols % w == 0)  # 16-bit columns per swizzle row
+    half = d // 2
+    assert d % width == 0 and (half % width == 0 or width % half == 0)  # the half is whole atoms or a divisor of one
+    assert _half_split_atom_cols(d) is None or d in (96, 192)
