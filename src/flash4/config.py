@@ -132,6 +132,8 @@ BWD_SUPPORTED_HEADDIMS = SUPPORTED_HEADDIMS
 DQ_ROW_PAD, DQ_ROW_PAD_SPLIT = 8, 4
 # Largest dynamic shared memory of one sm90 CTA (227 KiB).
 SM90_MAX_SMEM_BYTES = 227 * 1024
+# What the backward's tiles may take of it: 1 KiB stays for mbarriers and struct alignment.
+BWD_SMEM_BUDGET = SM90_MAX_SMEM_BYTES - 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,21 +163,30 @@ class BwdConfig:
         assert self.headdim in BWD_SUPPORTED_HEADDIMS, self.headdim
         assert self.dtype in DTYPES, self.dtype
         assert self.tile_n == (64 if self.split_headdim else 128) and self.tile_m % 64 == 0
-        assert self.smem_bytes() <= SM90_MAX_SMEM_BYTES - 1024, self.smem_bytes()
+        assert self.smem_bytes() <= BWD_SMEM_BUDGET, self.smem_bytes()
 
     @property
     def dq_row_pad(self) -> int:
-        return DQ_ROW_PAD_SPLIT if self.split_headdim else DQ_ROW_PAD
+        return _dq_row_pad(self.split_headdim)
 
     def smem_bytes(self) -> int:
-        """K, V, the Q/dO stages, two dS^T (and P^T) buffers, the fp32 dQ tile (bytes, no barriers)."""
-        elt = 2
-        kv = 2 * self.tile_n * self.headdim * elt
-        q_do = 2 * self.q_stages * self.tile_m * self.headdim * elt
-        ds = (2 if self.split_headdim else 1) * 2 * self.tile_n * self.tile_m * elt
-        dq = self.tile_m * (self.headdim + self.dq_row_pad) * 4
-        stats = 2 * self.q_stages * self.tile_m * 4
-        return kv + q_do + ds + dq + stats
+        return bwd_smem_bytes(self.headdim, self.tile_m, self.tile_n, self.q_stages, self.split_headdim)
+
+
+def _dq_row_pad(split_headdim: bool) -> int:
+    return DQ_ROW_PAD_SPLIT if split_headdim else DQ_ROW_PAD
+
+
+def bwd_smem_bytes(headdim: int, tile_m: int, tile_n: int, q_stages: int, split_headdim: bool) -> int:
+    """Backward smem: K, V, the Q/dO stages, two dS^T (and P^T) buffers, the fp32 dQ tile and the
+    LSE/D stages (bytes, no barriers)."""
+    elt = 2
+    kv = 2 * tile_n * headdim * elt
+    q_do = 2 * q_stages * tile_m * headdim * elt
+    ds = (2 if split_headdim else 1) * 2 * tile_n * tile_m * elt
+    dq = tile_m * (headdim + _dq_row_pad(split_headdim)) * 4
+    stats = 2 * q_stages * tile_m * 4
+    return kv + q_do + ds + dq + stats
 
 
 def select_bwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, arch: int = 90,
@@ -190,31 +201,13 @@ def select_bwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, a
     # (barriers, dQ hand-off); H200: +4-7% over 64. It fits 240 registers without spills in bf16
     # only (fp16 spills 12-24 registers: the compile check rejects it), so fp16 keeps 64.
     tile_m = 128 if headdim <= 64 and dtype == "bf16" else 64
-    base = dict(headdim=headdim, dtype=dtype, causal=causal, tile_m=tile_m, tile_n=64 if split else 128,
-                split_headdim=split, deterministic=deterministic, arch=arch)
+    tile_n = 64 if split else 128
     # Two Q/dO stages where they fit in shared memory (d256 needs one).
-    for q_stages in (2, 1):
-        probe = _SmemProbe(q_stages=q_stages, **base)
-        cfg_bytes = BwdConfig.smem_bytes(probe)
-        if cfg_bytes <= SM90_MAX_SMEM_BYTES - 1024:
-            return BwdConfig(q_stages=q_stages, **base)
-    raise AssertionError(f"no backward config fits shared memory for headdim={headdim}")
-
-
-@dataclasses.dataclass(frozen=True)
-class _SmemProbe:
-    """BwdConfig's fields without its checks: lets select_bwd_config size candidates."""
-
-    headdim: int
-    dtype: str
-    causal: bool
-    tile_m: int
-    tile_n: int
-    q_stages: int
-    split_headdim: bool
-    deterministic: bool
-    arch: int
-    dq_row_pad = BwdConfig.dq_row_pad
+    q_stages = next((n for n in (2, 1) if bwd_smem_bytes(headdim, tile_m, tile_n, n, split) <= BWD_SMEM_BUDGET), None)
+    if q_stages is None:
+        raise AssertionError(f"no backward config fits shared memory for headdim={headdim}")
+    return BwdConfig(headdim=headdim, dtype=dtype, causal=causal, tile_m=tile_m, tile_n=tile_n, q_stages=q_stages,
+                     split_headdim=split, deterministic=deterministic, arch=arch)
 
 
 def shipped_bwd_configs() -> list[BwdConfig]:
