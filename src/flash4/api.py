@@ -48,6 +48,8 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False,
             without raising.
 
     Gradients: `.backward()` through `out` gives dq, dk, dv (flash4.backward); lse carries no gradient.
+        Double backward (differentiating dq, dk or dv again, e.g. a gradient penalty with
+        create_graph=True) is not supported: it raises a RuntimeError saying so.
     """
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
@@ -62,12 +64,15 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False,
     return (out, lse) if return_lse else out
 
 
-def _flash_attn_forward(q, k, v, softmax_scale=None, causal=False, out=None, lse=None):
+def _flash_attn_forward(q, k, v, softmax_scale=None, causal=False, out=None, lse=None, lse_split=None):
     """Forward on validated inputs (flash4.validate.check_inputs); returns (out, lse).
 
     out: None or a preallocated (batch, seqlen_q, nheads, headdim) tensor of q's dtype and device
         (last dim contiguous, 16-byte aligned) that the kernel overwrites;
     lse: None or a preallocated contiguous float32 (batch, nheads, seqlen_q) tensor.
+    lse_split: None or a preallocated contiguous float32 (2, batch, nheads, seqlen_q) tensor that
+        receives the log2-domain LSE unrounded, lse * log2(e) = lse_split[0] + lse_split[1] (+inf
+        and 0 for rows that see no key); flash4.backward takes it for an exact P at any magnitude.
     Tests pass NaN-filled out/lse to catch unwritten elements. Empty problems never launch:
     batch == 0 or seqlen_q == 0 give empty out/lse; seqlen_k == 0 gives out = 0, lse = -inf.
     Raises ValueError for a preallocated out/lse of the wrong shape, dtype, device or layout.
@@ -94,6 +99,9 @@ def _flash_attn_forward(q, k, v, softmax_scale=None, causal=False, out=None, lse
     if seqlen_k == 0:
         out.zero_()
         lse.fill_(float("-inf"))
+        if lse_split is not None:
+            lse_split[0].fill_(float("inf"))
+            lse_split[1].zero_()
         return out, lse
 
     from flash4.compile.cache import get_fwd_runner  # late: compiling pulls in the CuTe DSL
@@ -101,10 +109,10 @@ def _flash_attn_forward(q, k, v, softmax_scale=None, causal=False, out=None, lse
     cfg = select_fwd_config(headdim, DTYPE_NAMES[q.dtype], causal, arch=device_arch(q.device))
     run = get_fwd_runner(cfg)
     if q.device.index == torch.cuda.current_device():
-        run(q, k, v, out, lse, scale)
+        run(q, k, v, out, lse, scale, lse_split)
     else:
         with torch.cuda.device(q.device):
-            run(q, k, v, out, lse, scale)
+            run(q, k, v, out, lse, scale, lse_split)
     return out, lse
 
 

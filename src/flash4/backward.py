@@ -1,8 +1,10 @@
 r"""Backward pass host side: preprocess -> main kernel -> postprocess.
 
     dpsum    = rowsum(dO * O)                      fp32 (B, H, Sq_pad), 0 on padding rows  \ CuTe DSL
-    lse_log2 = LSE * log2(e)                       fp32 (B, H, Sq_pad), +inf where LSE = -inf / kernels/
-               or padding (so P = 2^(S*c - lse_log2) = 0 there)                          / bwd_preprocess.py
+    lse_log2 = LSE * log2(e) = fp32(hi + lo)       fp32 (B, H, Sq_pad), +inf where LSE = -inf  | kernels/
+               or padding (so P = 2^(S*c - lse_log2) = 0 there)                            | bwd_preprocess.py
+    exact    = 1 for query tiles with |lse_log2| >= BWD_EXACT_LSE_LOG2: the main kernel     /
+               computes P there from hi, lo unrounded (exact at any magnitude, issue 8)
     dq_accum = 0                                   fp32 (B, H, Sq_pad, D), the kernel reduce-adds dQ
     dq       = dq_accum                            converted to the input dtype, (B, Sq, H, D) (the
                                                    kernel's dS already carries softmax_scale)
@@ -14,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from flash4.arch import device_arch
-from flash4.config import ceil_div, select_bwd_config
+from flash4.config import LOG2E, ceil_div, select_bwd_config
 from flash4.validate import DTYPE_NAMES
 
 
@@ -25,16 +27,21 @@ def _kernel_ready(t: torch.Tensor) -> torch.Tensor:
 
 
 def flash_attn_backward(dout, q, k, v, out, lse, softmax_scale: float, causal: bool, dq=None, dk=None, dv=None,
-                        deterministic: bool = False):
+                        deterministic: bool = False, lse_split=None):
     """Gradients of out = attention(q, k, v) for the upstream gradient dout.
 
     q, out, dout: (B, Sq, H, D); k, v: (B, Sk, Hk, D); lse: fp32 (B, H, Sq) from the forward.
+    lse_split: None, or the forward's fp32 (2, B, H, Sq) log2-domain LSE split (lse * log2 e =
+    lse_split[0] + lse_split[1], flash4.api._flash_attn_forward): with it P is exact at the row max
+    for any finite score magnitude; without it the split is taken from the rounded lse (exact
+    while |lse| stays below ~2^9, where an ulp of lse is below 2^-14).
     dq, dk, dv: None, or preallocated contiguous tensors like q, k, v that are overwritten (tests
     pass NaN-filled ones to catch unwritten elements).
     deterministic: add the dQ partial sums of the key blocks in a fixed order (bitwise-identical
     results across calls); dK and dV are always deterministic (reduced in registers).
     Returns (dq, dk, dv) shaped like q, k, v in their dtype. Raises ValueError for a head dim the
-    backward kernel does not support (flash4.config.BWD_SUPPORTED_HEADDIMS).
+    backward kernel does not support (flash4.config.BWD_SUPPORTED_HEADDIMS) or a problem beyond the
+    kernels' grid/int32 limits (flash4.launch).
     """
     batch, seqlen_q, nheads, headdim = q.shape
     dq = torch.empty_like(q, memory_format=torch.contiguous_format) if dq is None else dq
@@ -46,21 +53,25 @@ def flash_attn_backward(dout, q, k, v, out, lse, softmax_scale: float, causal: b
         return dq, dk, dv  # no query or no key: every gradient is 0 (or empty)
     cfg = select_bwd_config(headdim, DTYPE_NAMES[q.dtype], causal, arch=device_arch(q.device),
                             deterministic=deterministic)
-    seqlen_q_pad = ceil_div(seqlen_q, cfg.tile_m) * cfg.tile_m
+    num_m_blocks = ceil_div(seqlen_q, cfg.tile_m)
+    seqlen_q_pad = num_m_blocks * cfg.tile_m
     dout = _kernel_ready(dout)
+    if lse_split is None:
+        lse_split = torch.stack([torch.where(lse == float("-inf"), float("inf"), lse * LOG2E), torch.zeros_like(lse)])
     f32 = dict(dtype=torch.float32, device=q.device)
     dpsum = torch.zeros(batch, nheads, seqlen_q_pad, **f32)
     lse_log2 = torch.full((batch, nheads, seqlen_q_pad), float("inf"), **f32)
     dq_accum = torch.zeros(batch, nheads, seqlen_q_pad, headdim, **f32)
-    dq_semaphore = torch.zeros(batch, nheads, seqlen_q_pad // cfg.tile_m, dtype=torch.int32, device=q.device)
+    # [0]: dQ semaphores (deterministic), [1]: exact-path flags of the query tiles; one memset.
+    tile_flags = torch.zeros(2, batch, nheads, num_m_blocks, dtype=torch.int32, device=q.device)
 
     from flash4.compile.cache import get_bwd_preprocess_runner, get_bwd_runner  # late: CuTe DSL
 
     preprocess = get_bwd_preprocess_runner(headdim, cfg.dtype, cfg.arch)
     run = get_bwd_runner(cfg)
     with torch.cuda.device(q.device):
-        preprocess(_kernel_ready(out), dout, lse, dpsum, lse_log2)
+        preprocess(_kernel_ready(out), dout, lse_split[0], lse_split[1], dpsum, lse_log2, tile_flags[1], cfg.tile_m)
         run(_kernel_ready(q), _kernel_ready(k), _kernel_ready(v), dout, lse_log2, dpsum, dq_accum, dk, dv,
-            dq_semaphore, softmax_scale)
+            tile_flags[0], tile_flags[1], lse_split[0], lse_split[1], softmax_scale)
     dq.copy_(dq_accum[:, :, :seqlen_q].transpose(1, 2))
     return dq, dk, dv

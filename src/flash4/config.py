@@ -19,6 +19,18 @@ ROWS_PER_WARPGROUP = 64
 # Lazy-rescale threshold tau in the log2 domain: rescale only when the row max grew by more
 # than 2**tau (FlashAttention-4 paper, section on conditional rescaling). 8 -> factor 256.
 RESCALE_THRESHOLD_LOG2 = 8.0
+# Exact max subtraction (issue 8, huge-magnitude inputs). The forward's exponent is
+# fma(s, c, -R) with R = fp32(m * c) (c = softmax_scale * log2 e, m the row's reference max): at
+# s = m it is m*c - R, up to half an ulp of R, which leaves exp2's range once |R| is ~2^31 (and
+# bf16/fp16 P's headroom well before). A warp whose reference |R| reaches FWD_EXACT_REF_LOG2
+# switches to (s - m) * c, exact at the max at any finite magnitude; below it the FMA path's
+# residual is at most 2^-4 (log2 units), which O and the row sum share, so the result is exact.
+FWD_EXACT_REF_LOG2 = 2.0**20
+# The backward's exponent is fma(s, c, -L) with L = fp32(LSE * log2 e); its rounding (half an
+# ulp of L) moves P by that much in log2 units. Query tiles with some |L| at or above
+# BWD_EXACT_LSE_LOG2 (2^10: the error would exceed 2^-14) use fma(s, c, -L_hi) - L_lo instead,
+# with L = L_hi + L_lo kept unrounded from the forward.
+BWD_EXACT_LSE_LOG2 = 2.0**10
 
 
 @dataclasses.dataclass(frozen=True)

@@ -95,30 +95,60 @@ def test_forward_hook_accepts_odd_seqlen_lse():
     assert torch.isneginf(lse).all()
 
 
-def test_autograd_routes_backward(monkeypatch):
-    """The Function saves what the backward needs and returns grads only where asked."""
+def _fake_kernels(monkeypatch, seen):
+    """Replace the forward/backward kernels by torch stand-ins (CPU): out = q, grads 1, 2, 3."""
     import flash4.backward as bwd
 
-    def fake_forward(q, k, v, softmax_scale, causal):
-        return q * 1.0, torch.zeros(q.shape[0], q.shape[2], q.shape[1])
+    def fake_forward(q, k, v, softmax_scale, causal, lse_split=None):
+        lse = torch.zeros(q.shape[0], q.shape[2], q.shape[1])
+        if lse_split is not None:
+            lse_split[0].fill_(7.0)
+            lse_split[1].fill_(0.5)
+        return q * 1.0, lse
 
-    seen = {}
-
-    def fake_backward(dout, q, k, v, out, lse, softmax_scale, causal, deterministic=False):
-        seen.update(scale=softmax_scale, causal=causal, lse_shape=tuple(lse.shape), det=deterministic)
+    def fake_backward(dout, q, k, v, out, lse, softmax_scale, causal, deterministic=False, lse_split=None):
+        seen.update(scale=softmax_scale, causal=causal, lse_shape=tuple(lse.shape), det=deterministic,
+                    split=None if lse_split is None else (lse_split[0].unique().tolist(), lse_split[1].unique().tolist()))
         return torch.ones_like(q), 2 * torch.ones_like(k), 3 * torch.ones_like(v)
 
     monkeypatch.setattr(api, "_flash_attn_forward", fake_forward)
     monkeypatch.setattr(bwd, "flash_attn_backward", fake_backward)
+
+
+def test_autograd_routes_backward(monkeypatch):
+    """The Function saves what the backward needs (the log2 LSE split too) and returns grads only where asked."""
+    seen = {}
+    _fake_kernels(monkeypatch, seen)
     q, k, v = (t.float() for t in qkv())
     q.requires_grad_()
     v.requires_grad_()
     out, lse = FlashAttnFunc.apply(q, k, v, 0.125, True)
     assert out.requires_grad and not lse.requires_grad
     out.sum().backward()
-    assert seen == {"scale": 0.125, "causal": True, "lse_shape": (q.shape[0], q.shape[2], q.shape[1]), "det": False}
+    assert seen == {"scale": 0.125, "causal": True, "lse_shape": (q.shape[0], q.shape[2], q.shape[1]), "det": False,
+                    "split": ([7.0], [0.5])}
     assert torch.equal(q.grad, torch.ones_like(q)) and torch.equal(v.grad, 3 * torch.ones_like(v))
     assert k.grad is None
+
+
+def test_double_backward_raises(monkeypatch):
+    """A gradient penalty through flash4's dq (create_graph=True, then a backward through dq) raises
+    flash4's error instead of silently treating dq as a constant; first-order grads are unchanged."""
+    from flash4.autograd import DOUBLE_BACKWARD_ERROR
+
+    _fake_kernels(monkeypatch, {})
+    q, k, v = (t.float().requires_grad_() for t in qkv())
+    out, _ = FlashAttnFunc.apply(q, k, v, 0.125, False)
+    dq, dk = torch.autograd.grad(out.sum(), (q, k), create_graph=True)
+    assert torch.equal(dq, torch.ones_like(q)) and torch.equal(dk, 2 * torch.ones_like(k))
+    assert dq.requires_grad and dk.requires_grad
+    with pytest.raises(RuntimeError, match="double backward is not supported") as err:
+        ((dq ** 2).sum() + (v ** 2).sum()).backward()
+    assert str(err.value) == DOUBLE_BACKWARD_ERROR
+    # Without create_graph the gradients carry no graph (nothing to guard).
+    out, _ = FlashAttnFunc.apply(q, k, v, 0.125, False)
+    dq, = torch.autograd.grad(out.sum(), q)
+    assert not dq.requires_grad
 
 
 def test_import_is_light():

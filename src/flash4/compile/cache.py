@@ -12,7 +12,8 @@ import time
 import os
 
 from flash4 import arch
-from flash4.config import LOG2E, BwdConfig, FwdConfig, ceil_div
+from flash4.config import LOG2E, BwdConfig, FwdConfig
+from flash4.launch import bwd_grid, bwd_preprocess_grid, fwd_grid
 from flash4.schedule import l2_section_heads
 
 # Without a GPU the DSL would default to sm_100a: flash4 compiles for Hopper unless told otherwise.
@@ -32,45 +33,52 @@ def _arch_option(arch: int) -> str:
 
 def compile_fwd(cfg: FwdConfig, options: str = ""):
     """Compile one forward config (no GPU needed). Returns the compiled callable
-    f(q, k, v, out, lse, softmax_scale_log2: float) that launches on the current CUDA stream."""
+    f(q, k, v, out, lse, lse_hi, lse_lo, softmax_scale_log2: float, l2_group: int, num_ctas: int)
+    that launches on the current CUDA stream."""
     from flash4.kernels.fwd_sm90 import FlashAttentionForwardSm90
 
     if cfg.arch != 90:
         raise ValueError(f"no forward kernel for sm_{cfg.arch}")
     kernel = FlashAttentionForwardSm90(cfg)
-    q, k, v, o, lse = fwd_fake_args(cfg.headdim, cfg.dtype)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     return cute.compile(
-        kernel, q, k, v, o, lse, cutlass.Float32(1.0), cutlass.Int32(1), cutlass.Int32(1), stream,
+        kernel, *fwd_fake_args(cfg.headdim, cfg.dtype), cutlass.Float32(1.0), cutlass.Int32(1), cutlass.Int32(1), stream,
         options=COMPILE_OPTIONS + _arch_option(cfg.arch) + options,
     )
 
 
 @functools.lru_cache(maxsize=None)
 def get_fwd_runner(cfg: FwdConfig):
-    """Cached: compiled forward for `cfg`, as run(q, k, v, out, lse, softmax_scale).
+    """Cached: compiled forward for `cfg`, as run(q, k, v, out, lse, softmax_scale, lse_split=None).
 
     q: (B, Sq, H, D), k/v: (B, Sk, Hk, D), out like q, lse fp32 (B, H, Sq); all CUDA, last dim
-    contiguous, 16-byte aligned. Launches on torch.cuda.current_stream(); returns None.
+    contiguous, 16-byte aligned. lse_split: None or a contiguous fp32 (2, B, H, Sq) tensor that
+    receives the log2-domain LSE unrounded, as hi (lse_split[0]) + lo (lse_split[1]) (+inf, 0 for
+    rows that see no key): the backward's exact path (flash4.backward). Launches on
+    torch.cuda.current_stream(); returns None.
     """
+    import torch  # late: keeps the compile path torch-free
+
     t0 = time.perf_counter()
     compiled = compile_fwd(cfg)
     get_fwd_runner.last_compile_s = time.perf_counter() - t0
 
-    def run(q, k, v, out, lse, softmax_scale: float):
+    def run(q, k, v, out, lse, softmax_scale: float, lse_split=None):
         batch, seqlen_q, nheads, _ = q.shape
-        num_tiles = ceil_div(seqlen_q, cfg.tile_m) * nheads * batch
         # Tile order: L2 sections of (head, batch) pairs whose K/V fit in L2 (schedule.py).
         l2_group = l2_section_heads(k.shape[1], cfg.headdim) if cfg.lpt else 1
-        num_ctas = min(num_tiles, arch.num_sms(q.device)) if cfg.persistent else num_tiles
-        compiled(q, k, v, out, lse, softmax_scale * LOG2E, l2_group, num_ctas)
+        grid = fwd_grid(cfg, batch, seqlen_q, nheads, arch.num_sms(q.device) if cfg.persistent else 0)
+        if lse_split is None:
+            lse_split = torch.empty((2,) + tuple(lse.shape), dtype=torch.float32, device=lse.device)
+        compiled(q, k, v, out, lse, lse_split[0], lse_split[1], softmax_scale * LOG2E, l2_group, grid[0])
 
     return run
 
 
 def compile_bwd(cfg: BwdConfig, options: str = ""):
     """Compile one backward config (no GPU needed). Returns the compiled callable
-    f(q, k, v, dout, lse_log2, dpsum, dq_accum, dk, dv, dq_semaphore, softmax_scale: float)."""
+    f(q, k, v, dout, lse_log2, dpsum, dq_accum, dk, dv, dq_semaphore, exact, lse_hi, lse_lo,
+    softmax_scale: float, num_ctas: int)."""
     from flash4.kernels.bwd_sm90 import FlashAttentionBackwardSm90
 
     if cfg.arch != 90:
@@ -78,7 +86,7 @@ def compile_bwd(cfg: BwdConfig, options: str = ""):
     args = bwd_fake_args(cfg.headdim, cfg.dtype)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     return cute.compile(
-        FlashAttentionBackwardSm90(cfg), *args, cutlass.Float32(1.0), stream,
+        FlashAttentionBackwardSm90(cfg), *args, cutlass.Float32(1.0), cutlass.Int32(1), stream,
         options=COMPILE_OPTIONS + _arch_option(cfg.arch) + options,
     )
 
@@ -86,26 +94,36 @@ def compile_bwd(cfg: BwdConfig, options: str = ""):
 @functools.lru_cache(maxsize=None)
 def get_bwd_runner(cfg: BwdConfig):
     """Cached: compiled backward main kernel for `cfg`, as
-    run(q, k, v, dout, lse_log2, dpsum, dq_accum, dk, dv, dq_semaphore, softmax_scale) on the current stream.
-    The pre/postprocess (lse_log2, dpsum, dq_accum zeroing, dq conversion) is flash4.backward's."""
+    run(q, k, v, dout, lse_log2, dpsum, dq_accum, dk, dv, dq_semaphore, exact, lse_hi, lse_lo, softmax_scale)
+    on the current stream (grid: flash4.launch.bwd_grid). The pre/postprocess (lse_log2, dpsum,
+    exact flags, dq_accum zeroing, dq conversion) is flash4.backward's."""
     compiled = compile_bwd(cfg)
 
-    def run(q, k, v, dout, lse_log2, dpsum, dq_accum, dk, dv, dq_semaphore, softmax_scale: float):
-        compiled(q, k, v, dout, lse_log2, dpsum, dq_accum, dk, dv, dq_semaphore, softmax_scale)
+    def run(q, k, v, dout, lse_log2, dpsum, dq_accum, dk, dv, dq_semaphore, exact, lse_hi, lse_lo,
+            softmax_scale: float):
+        grid = bwd_grid(cfg, k.shape[0], k.shape[1], k.shape[2])
+        compiled(q, k, v, dout, lse_log2, dpsum, dq_accum, dk, dv, dq_semaphore, exact, lse_hi, lse_lo,
+                 softmax_scale, grid[0])
 
     return run
 
 
 @functools.lru_cache(maxsize=None)
 def get_bwd_preprocess_runner(headdim: int, dtype: str, arch: int = 90):
-    """Cached: compiled backward preprocess, run(out, dout, lse, dpsum, lse_log2) (see
-    kernels/bwd_preprocess.py) on the current stream."""
+    """Cached: compiled backward preprocess, run(out, dout, lse_hi, lse_lo, dpsum, lse_log2, exact,
+    tile_m) (see kernels/bwd_preprocess.py) on the current stream (grid: flash4.launch)."""
     from flash4.compile.fake import bwd_preprocess_fake_args
     from flash4.kernels.bwd_preprocess import BackwardPreprocess
 
     args = bwd_preprocess_fake_args(headdim, dtype)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    return cute.compile(
-        BackwardPreprocess(headdim, args[0].element_type), *args, stream,
+    compiled = cute.compile(
+        BackwardPreprocess(headdim, args[0].element_type), *args, cutlass.Int32(64), cutlass.Int32(1), stream,
         options=COMPILE_OPTIONS + _arch_option(arch),
     )
+
+    def run(out, dout, lse_hi, lse_lo, dpsum, lse_log2, exact, tile_m: int):
+        grid = bwd_preprocess_grid(out.shape[0], out.shape[1], out.shape[2])
+        compiled(out, dout, lse_hi, lse_lo, dpsum, lse_log2, exact, tile_m, grid[0])
+
+    return run

@@ -1,22 +1,26 @@
-"""Backward preprocess (CuTe DSL): D = rowsum(dO * O) in fp32, and LSE in the log2 domain.
+"""Backward preprocess (CuTe DSL): D = rowsum(dO * O) in fp32, the LSE in the log2 domain, and the
+query tiles that need the backward's exact P path.
 
 One warp per (batch, seqlen_q, head) row: each lane multiplies headdim/32 element pairs in fp32
 (products of 16-bit values are exact in fp32), the warp sums them with shuffles, lane 0 writes
     dpsum[b, h, s]    = sum_d dO[b, s, h, d] * O[b, s, h, d]
-    lse_log2[b, h, s] = LSE[b, h, s] * log2(e), or +inf where LSE = -inf (a row that saw no key:
-                        the backward's P = 2^(S*c - lse_log2) is then 0, not inf).
-Padding rows (s >= seqlen_q) are initialized by the caller (dpsum 0, lse_log2 +inf).
+    lse_log2[b, h, s] = fp32(lse_hi + lse_lo) (the forward's unrounded LSE * log2(e), rounded;
+                        +inf for a row that saw no key, so the backward's P = 2^(S*c - lse_log2)
+                        is 0 there)
+    exact[b, h, s // tile_m] = 1 if |lse_log2| >= BWD_EXACT_LSE_LOG2 (finite): that query tile
+                        computes P from lse_hi, lse_lo unrounded (kernels/bwd_sm90.py, issue 8)
+Padding rows (s >= seqlen_q) are initialized by the caller (dpsum 0, lse_log2 +inf); `exact` is
+zeroed by the caller. The grid comes from flash4.launch.bwd_preprocess_grid.
 """
 
 import cuda.bindings.driver as cuda
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, const_expr
+from cutlass import Float32, Int32
 
-from flash4.config import LOG2E
-
-WARPS_PER_CTA = 4
+from flash4.config import BWD_EXACT_LSE_LOG2
+from flash4.launch import PREPROCESS_WARPS_PER_CTA
 
 
 class BackwardPreprocess:
@@ -30,20 +34,24 @@ class BackwardPreprocess:
         self,
         mO: cute.Tensor,  # (batch, seqlen_q, nheads, headdim)
         mdO: cute.Tensor,  # (batch, seqlen_q, nheads, headdim)
-        mLSE: cute.Tensor,  # (batch, nheads, seqlen_q) fp32
+        mLSEhi: cute.Tensor,  # (batch, nheads, seqlen_q) fp32
+        mLSElo: cute.Tensor,  # (batch, nheads, seqlen_q) fp32
         mdPsum: cute.Tensor,  # (batch, nheads, seqlen_q_pad) fp32
         mLSE2: cute.Tensor,  # (batch, nheads, seqlen_q_pad) fp32
+        mExact: cute.Tensor,  # (batch, nheads, num_m_blocks) int32, zeroed
+        tile_m: Int32,  # the backward's query tile
+        num_ctas: Int32,
         stream: cuda.CUstream,
     ):
-        num_rows = mO.shape[0] * mO.shape[1] * mO.shape[2]
-        grid = (cute.ceil_div(num_rows, WARPS_PER_CTA), 1, 1)
-        self.kernel(mO, mdO, mLSE, mdPsum, mLSE2).launch(grid=grid, block=[32 * WARPS_PER_CTA, 1, 1], stream=stream)
+        self.kernel(mO, mdO, mLSEhi, mLSElo, mdPsum, mLSE2, mExact, tile_m).launch(
+            grid=(num_ctas, 1, 1), block=[32 * PREPROCESS_WARPS_PER_CTA, 1, 1], stream=stream)
 
     @cute.kernel
-    def kernel(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mdPsum: cute.Tensor, mLSE2: cute.Tensor):
+    def kernel(self, mO: cute.Tensor, mdO: cute.Tensor, mLSEhi: cute.Tensor, mLSElo: cute.Tensor,
+               mdPsum: cute.Tensor, mLSE2: cute.Tensor, mExact: cute.Tensor, tile_m: Int32):
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = cute.arch.lane_idx()
-        row = cute.arch.block_idx()[0] * WARPS_PER_CTA + warp
+        row = cute.arch.block_idx()[0] * PREPROCESS_WARPS_PER_CTA + warp
         seqlen_q, nheads = mO.shape[1], mO.shape[2]
         if row < mO.shape[0] * seqlen_q * nheads:
             head = row % nheads
@@ -58,5 +66,8 @@ class BackwardPreprocess:
             acc = cute.arch.warp_reduction_sum(acc)
             if lane == 0:
                 mdPsum[b, head, s] = acc
-                lse = mLSE[b, head, s]
-                mLSE2[b, head, s] = Float32(cutlass.select_(lse == -Float32.inf, Float32.inf, lse * Float32(LOG2E)))
+                lse_log2 = mLSEhi[b, head, s] + mLSElo[b, head, s]
+                mLSE2[b, head, s] = lse_log2
+                magnitude = cute.arch.fmax(lse_log2, -lse_log2)
+                if (magnitude >= Float32(BWD_EXACT_LSE_LOG2)) & (magnitude != Float32.inf):
+                    mExact[b, head, s // tile_m] = Int32(1)

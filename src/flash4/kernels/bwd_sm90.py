@@ -45,7 +45,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from flash4.config import LOG2E, SM90_MAX_SMEM_BYTES, BwdConfig
 from flash4.kernels.common.barriers import NamedBarrierBwd
-from flash4.kernels.common.exp2 import exp2_hw
+from flash4.kernels.common.exp2 import exp2_hw, fma_rn
 from flash4.kernels.common.gemm import wgmma
 from flash4.kernels.common.pipeline import tma_pipeline_factory
 from flash4.kernels.common.layout import acc_mn_view, acc_to_frgA_layout, select_modes, transpose_view
@@ -98,7 +98,6 @@ class FlashAttentionBackwardSm90:
         self.tile_m, self.tile_n, self.hdim = cfg.tile_m, cfg.tile_n, cfg.headdim
         self.q_stages = cfg.q_stages
         self.causal = cfg.causal
-        self.mask_phases = (True, False) if cfg.causal else (False,)  # per m_block loop: causal mask on?
         self.split_hd = cfg.split_headdim
         self.num_wg_mma = 2
         self.num_mma_threads = 2 * THREADS_PER_WG
@@ -151,13 +150,18 @@ class FlashAttentionBackwardSm90:
         mdK: cute.Tensor,  # (batch, seqlen_k, nheads_k, headdim)
         mdV: cute.Tensor,
         mdQsem: cute.Tensor,  # (batch, nheads, num_m_blocks) int32, zeroed; used when deterministic
+        mExact: cute.Tensor,  # (batch, nheads, num_m_blocks) int32: 1 where the query tile takes the exact P path
+        mLSEhi: cute.Tensor,  # (batch, nheads, seqlen_q) fp32: LSE * log2(e) = hi + lo, unrounded (exact path)
+        mLSElo: cute.Tensor,
         softmax_scale: Float32,
+        num_ctas: Int32,  # grid size: n_blocks * nheads_k * batch (flash4.launch.bwd_grid)
         stream: cuda.CUstream,
     ):
         mQ, mK, mV, mdO, mdK, mdV = [select_modes(t, [1, 3, 2, 0]) for t in (mQ, mK, mV, mdO, mdK, mdV)]
         mLSE2, mD = [select_modes(t, [2, 1, 0]) for t in (mLSE2, mD)]  # (seqlen_q_pad, nheads, batch)
         mdQacc = select_modes(mdQacc, [2, 3, 1, 0])  # (seqlen_q_pad, headdim, nheads, batch)
-        mdQsem = select_modes(mdQsem, [2, 1, 0])  # (num_m_blocks, nheads, batch)
+        mdQsem, mExact = [select_modes(t, [2, 1, 0]) for t in (mdQsem, mExact)]  # (num_m_blocks, nheads, batch)
+        mLSEhi, mLSElo = [select_modes(t, [2, 1, 0]) for t in (mLSEhi, mLSElo)]  # (seqlen_q, nheads, batch)
 
         mma_sdp, mma_dkv, mma_dq = self._tiled_mmas()
         sQ_layout = self._smem_layout(self.tile_m, self.hdim, self.q_stages)
@@ -208,20 +212,20 @@ class FlashAttentionBackwardSm90:
 
         assert SharedStorage.size_in_bytes() <= SM90_MAX_SMEM_BYTES, SharedStorage.size_in_bytes()
 
-        grid = (cute.ceil_div(mK.shape[0], self.tile_n), cute.size(mK.shape[2]), cute.size(mK.shape[3]))
+        # All CTAs in gridDim.x (batch x heads may exceed gridDim.y/z's 65535): flash4.launch.bwd_grid.
         self.kernel(
-            tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_D, mdQacc, tma_dK, tma_dV, mdQsem,
+            tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_D, mdQacc, tma_dK, tma_dV, mdQsem, mExact, mLSEhi, mLSElo,
             tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO, tma_atom_LSE, tma_atom_D, tma_atom_dK, tma_atom_dV,
             softmax_scale, sQ_layout, sKV_layout, sdS_layout, sStat_layout, sdQ_layout,
             mma_sdp, mma_dkv, mma_dq, SharedStorage,
-        ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+        ).launch(grid=(num_ctas, 1, 1), block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     @cute.kernel
     def kernel(
         self,
         mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
         mLSE2: cute.Tensor, mD: cute.Tensor, mdQacc: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
-        mdQsem: cute.Tensor,
+        mdQsem: cute.Tensor, mExact: cute.Tensor, mLSEhi: cute.Tensor, mLSElo: cute.Tensor,
         tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom,
         tma_atom_dO: cute.CopyAtom, tma_atom_LSE: cute.CopyAtom, tma_atom_D: cute.CopyAtom,
         tma_atom_dK: cute.CopyAtom, tma_atom_dV: cute.CopyAtom,
@@ -254,7 +258,13 @@ class FlashAttentionBackwardSm90:
         sD = storage.sD.get_tensor(sStat_layout)
         sdQ = storage.sdQ.get_tensor(sdQ_layout)
 
-        n_block, head_kv, batch = cute.arch.block_idx()
+        # blockIdx.x -> (n_block, head_kv, batch), n_block fastest (the deterministic dQ order
+        # needs lower n_blocks to launch first).
+        num_n_blocks = cute.ceil_div(mK.shape[0], self.tile_n)
+        bid = cute.arch.block_idx()[0]
+        n_block = bid % num_n_blocks
+        head_kv = (bid // num_n_blocks) % mK.shape[2]
+        batch = bid // num_n_blocks // mK.shape[2]
         qhead_per_kvhead = mQ.shape[2] // mK.shape[2]
         seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
         m_block_min, m_block_max = self.m_block_range(n_block, seqlen_q, seqlen_k)
@@ -273,7 +283,7 @@ class FlashAttentionBackwardSm90:
         else:
             cute.arch.setmaxregister_increase(_CONSUMER_REGS)
             tidx = cute.arch.thread_idx()[0] - THREADS_PER_WG
-            self.mma(mdK, mdV, tma_atom_dK, tma_atom_dV, sQ, sK, sV, sdO, sdS, sPt, sLSE, sD, sdQ, mma_sdp, mma_dkv, mma_dq,
+            self.mma(mdK, mdV, mExact, mLSEhi, mLSElo, tma_atom_dK, tma_atom_dV, sQ, sK, sV, sdO, sdS, sPt, sLSE, sD, sdQ, mma_sdp, mma_dkv, mma_dq,
                      pipeline_kv, pipeline_q, pipeline_do, softmax_scale, tidx,
                      n_block, head_kv, batch, seqlen_q, seqlen_k, m_block_min, num_steps, m_block_max, qhead_per_kvhead)
 
@@ -368,7 +378,7 @@ class FlashAttentionBackwardSm90:
         cute.arch.cp_async_bulk_wait_group(0, read=False)
 
     @cute.jit
-    def mma(self, mdK, mdV, tma_atom_dK, tma_atom_dV, sQ, sK, sV, sdO, sdS, sPt, sLSE, sD, sdQ, mma_sdp, mma_dkv, mma_dq,
+    def mma(self, mdK, mdV, mExact, mLSEhi, mLSElo, tma_atom_dK, tma_atom_dV, sQ, sK, sV, sdO, sdS, sPt, sLSE, sD, sdQ, mma_sdp, mma_dkv, mma_dq,
             pipeline_kv, pipeline_q, pipeline_do, softmax_scale, tidx,
             n_block, head_kv, batch, seqlen_q, seqlen_k, m_block_min, num_steps, m_block_max, qhead_per_kvhead):
         wg_idx = cute.arch.make_warp_uniform(tidx // THREADS_PER_WG)
@@ -420,25 +430,30 @@ class FlashAttentionBackwardSm90:
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
         scale_log2 = softmax_scale * Float32(LOG2E)
         thread_col0 = tScS[0, 0][1]
-        # Causal: only the first m_blocks of each head (those crossing the diagonal) need the mask;
-        # the loop runs them and the rest as two loops with the mask compiled in / out.
+        # The m_blocks [m_block_min, m_mask_end) run with the element mask compiled in, the rest
+        # without: causal, the first m_blocks of each head (those crossing the diagonal); and every
+        # m_block of the CTA whose key tile crosses seqlen_k. Keys past seqlen_k are masked
+        # explicitly, never left to TMA's zero fill (a zero K row scores 0, and 2^(0 - LSE)
+        # overflows when every real score of the row is very negative). Queries past seqlen_q need
+        # no mask: their LSE is +inf (flash4.backward pads it), so P = 0 there.
         m_mask_end = m_block_min
         if const_expr(self.causal):
             # first m_block whose every row sees every key of this tile: m * tile_m >= last_key - offset
             last_key_row = (n_block + 1) * self.tile_n - 1 - (seqlen_k - seqlen_q)
             m_mask_end = (cutlass.max(last_key_row, 0) + self.tile_m - 1) // self.tile_m
             m_mask_end = cutlass.min(cutlass.max(m_mask_end, m_block_min), m_block_max)
+        if (n_block + 1) * self.tile_n > seqlen_k:
+            m_mask_end = m_block_max
         step = Int32(0)
         for h_in_group in cutlass.range(qhead_per_kvhead, unroll=1):
-            for phase in cutlass.range_constexpr(len(self.mask_phases)):
-                mask = self.mask_phases[phase]  # causal: (True, False), else (False,)
-                lo, hi = m_block_min, m_block_max
-                if const_expr(self.causal):
-                    if const_expr(phase == 0):
-                        hi = m_mask_end
-                    else:
-                        lo = m_mask_end
+            head = head_kv * qhead_per_kvhead + h_in_group
+            for phase in cutlass.range_constexpr(2):
+                mask = phase == 0
+                lo, hi = m_block_min, m_mask_end
+                if const_expr(not mask):
+                    lo, hi = m_mask_end, m_block_max
                 for m_block in cutlass.range(lo, hi, unroll=1):
+                    exact = mExact[m_block, head, batch] != 0
                     pipeline_q.consumer_wait(state)
                     acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
                     wgmma(mma_sdp, acc_S, tSrK, tSrQ[None, None, None, state.index], zero_init=True, wg_wait=-1)
@@ -448,16 +463,28 @@ class FlashAttentionBackwardSm90:
                     # P^T = 2^(S^T * scale_log2 - LSE_log2[query]), masked entries 0 (overlaps the dP^T GEMM).
                     # Column (query) outer: each LSE value is read from smem once and used at once.
                     s = acc_mn_view(acc_S)
+                    if exact:
+                        self.exponent_exact(s, t0ScS, mLSEhi, mLSElo, scale_log2, m_block, thread_col0, head,
+                                            batch, seqlen_q)
+                    else:
+                        for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
+                            lse_log2 = sLSE[thread_col0 + t0ScS[0, c][1], state.index]
+                            for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+                                s[r, c] = s[r, c] * scale_log2 - lse_log2
                     for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
                         col = t0ScS[0, c][1]
-                        lse_log2 = sLSE[thread_col0 + col, state.index]
                         for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
-                            p = exp2_hw(s[r, c] * scale_log2 - lse_log2)
+                            p = exp2_hw(s[r, c])
                             if const_expr(mask):
-                                # query i sees key j iff i >= j - (seqlen_k - seqlen_q)
+                                # The first visible query column of this row (a key), relative to the
+                                # thread's first column: causal, query i sees key j iff
+                                # i >= j - (seqlen_k - seqlen_q); a key >= seqlen_k is seen by none.
                                 key = n_block * self.tile_n + tScS[r, 0][0]
-                                first_col = key - (seqlen_k - seqlen_q) - m_block * self.tile_m - thread_col0
-                                p = Float32(cutlass.select_(col < first_col, Float32(0.0), p))
+                                fc = Int32(-(1 << 30))
+                                if const_expr(self.causal):
+                                    fc = key - (seqlen_k - seqlen_q) - m_block * self.tile_m - thread_col0
+                                fc = cutlass.select_(key >= seqlen_k, Int32(1 << 30), fc)
+                                p = Float32(cutlass.select_(col < fc, Float32(0.0), p))
                             s[r, c] = p
                     buf = step % 2  # two dS^T (P^T) buffers: the other warpgroup may still read the previous step's
                     if const_expr(not self.split_hd):
@@ -514,6 +541,24 @@ class FlashAttentionBackwardSm90:
             cute.arch.barrier(barrier_id=int(NamedBarrierBwd.dQEmpty), number_of_threads=self.num_mma_threads + 32)
         self.epilogue_dKV(acc_dK, acc_dV, mdK, mdV, tma_atom_dK, tma_atom_dV, sK, sV, mma_dkv, tidx, n_block,
                           head_kv, batch)
+
+    @cute.jit
+    def exponent_exact(self, s, t0ScS, mLSEhi, mLSElo, scale_log2, m_block, thread_col0, head, batch, seqlen_q):
+        """s[r, c] = S^T * scale_log2 - (hi + lo)[query] with the forward's unrounded log2 LSE
+        (lse_split): fma(S^T, scale_log2, -hi) is exact-then-rounded, so at the row's max it is the
+        rounding error of m * scale_log2 exactly, and P is exact there at any finite magnitude
+        (issue 8). Taken only for query tiles the preprocess flagged (|LSE * log2 e| >=
+        BWD_EXACT_LSE_LOG2), so hi, lo come straight from global memory. Queries past seqlen_q get
+        hi = +inf (P = 0), as the padded LSE of the fast path."""
+        for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
+            query = m_block * self.tile_m + thread_col0 + t0ScS[0, c][1]
+            hi = Float32.inf
+            lo = Float32(0.0)
+            if query < seqlen_q:
+                hi = mLSEhi[query, head, batch]
+                lo = mLSElo[query, head, batch]
+            for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+                s[r, c] = fma_rn(s[r, c], scale_log2, -hi) - lo
 
     @cute.jit
     def epilogue_dKV(self, acc_dK, acc_dV, mdK, mdV, tma_atom_dK, tma_atom_dV, sK, sV, mma_dkv, tidx, n_block,

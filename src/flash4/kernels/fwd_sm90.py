@@ -105,6 +105,8 @@ class FlashAttentionForwardSm90:
         mV: cute.Tensor,  # (batch, seqlen_k, nheads_k, headdim)
         mO: cute.Tensor,  # (batch, seqlen_q, nheads, headdim)
         mLSE: cute.Tensor,  # (batch, nheads, seqlen_q) float32
+        mLSEhi: cute.Tensor,  # (batch, nheads, seqlen_q) float32: log2-domain LSE = hi + lo, unrounded
+        mLSElo: cute.Tensor,  # (batch, nheads, seqlen_q) float32
         softmax_scale_log2: Float32,
         l2_group: Int32,  # (head, batch) pairs per L2 section of the tile order (>= 1)
         num_ctas: Int32,  # grid size: number of tiles, or number of SMs when persistent
@@ -114,7 +116,7 @@ class FlashAttentionForwardSm90:
             raise TypeError(f"flash4 fwd_sm90: tensors must all be {self.dtype}")
         # Kernel-side views: (seqlen, headdim, nheads, batch) and LSE (seqlen_q, nheads, batch).
         mQ, mK, mV, mO = [select_modes(t, [1, 3, 2, 0]) for t in (mQ, mK, mV, mO)]
-        mLSE = select_modes(mLSE, [2, 1, 0])
+        mLSE, mLSEhi, mLSElo = [select_modes(t, [2, 1, 0]) for t in (mLSE, mLSEhi, mLSElo)]
 
         tiled_mma_qk, tiled_mma_pv = self._tiled_mmas()
         sQ_layout = self._smem_layout(self.tile_m)
@@ -146,7 +148,7 @@ class FlashAttentionForwardSm90:
             sO: cute.struct.Align[cute.struct.MemRange[self.dtype, o_elems], self.buffer_align_bytes]
 
         self.kernel(
-            tma_Q, tma_K, tma_V, tma_O, mLSE,
+            tma_Q, tma_K, tma_V, tma_O, mLSE, mLSEhi, mLSElo,
             tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O,
             softmax_scale_log2, l2_group,
             sQ_layout, sK_layout, sV_layout, sO_layout,
@@ -158,6 +160,7 @@ class FlashAttentionForwardSm90:
     def kernel(
         self,
         mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
+        mLSEhi: cute.Tensor, mLSElo: cute.Tensor,
         tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom, tma_atom_O: cute.CopyAtom,
         softmax_scale_log2: Float32, l2_group: Int32,
         sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
@@ -202,7 +205,7 @@ class FlashAttentionForwardSm90:
         else:
             cute.arch.setmaxregister_increase(self.num_mma_regs)
             tidx = cute.arch.thread_idx()[0] - THREADS_PER_WG
-            self.mma(mQ, mK, mO, mLSE, sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk, tiled_mma_pv,
+            self.mma(mQ, mK, mO, (mLSE, mLSEhi, mLSElo), sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk, tiled_mma_pv,
                      pipeline_q, pipeline_k, pipeline_v, softmax_scale_log2, tidx, sched)
 
     @cute.jit
@@ -254,7 +257,7 @@ class FlashAttentionForwardSm90:
             tile_idx += cute.arch.grid_dim()[0]
 
     @cute.jit
-    def mma(self, mQ, mK, mO, mLSE, sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk, tiled_mma_pv,
+    def mma(self, mQ, mK, mO, mLSEs, sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk, tiled_mma_pv,
             pipeline_q, pipeline_k, pipeline_v, softmax_scale_log2, tidx, sched):
         """Consumer warpgroups: per tile, the attention main loop and the epilogue."""
         wg_idx = cute.arch.make_warp_uniform(tidx // THREADS_PER_WG)
@@ -321,9 +324,9 @@ class FlashAttentionForwardSm90:
                 state = next_state(state)
             if const_expr(self.separate_o):
                 pipeline_q.consumer_release(q_state)  # Q no longer read: next tile's Q may load
-            inv_row_sum, lse = softmax.finalize()
+            inv_row_sum, lse, lse_hi, lse_lo = softmax.finalize()
             self.normalize_O(acc_O, inv_row_sum)
-            self.epilogue(acc_O, lse, mO, mLSE, sO, tma_atom_O, tiled_mma_pv, tidx, m_block, head, batch, seqlen_q)
+            self.epilogue(acc_O, (lse, lse_hi, lse_lo), mO, mLSEs, sO, tma_atom_O, tiled_mma_pv, tidx, m_block, head, batch, seqlen_q)
             if const_expr(not self.separate_o):
                 # O was staged in Q's buffer: free it once the TMA store has read it.
                 cute.arch.barrier(barrier_id=int(NamedBarrierFwd.Epilogue), number_of_threads=self.num_mma_threads)
@@ -370,9 +373,10 @@ class FlashAttentionForwardSm90:
                 o[r, c] = o[r, c] * inv_row_sum[r]
 
     @cute.jit
-    def epilogue(self, acc_O, lse, mO, mLSE, sO, tma_atom_O, tiled_mma_pv, tidx, m_block, head, batch, seqlen_q):
+    def epilogue(self, acc_O, lses, mO, mLSEs, sO, tma_atom_O, tiled_mma_pv, tidx, m_block, head, batch, seqlen_q):
         """O: registers -> 16-bit -> smem (stmatrix) -> TMA store (rows past seqlen_q are clipped by
-        the TMA unit). LSE: the threads owning column 0 write their rows."""
+        the TMA unit). LSE (natural log, and the log2 split hi + lo for the backward): the threads
+        owning column 0 write their rows."""
         rO = cute.make_rmem_tensor(acc_O.shape, self.dtype)
         rO.store(acc_O.load().to(self.dtype))
         if const_expr(self.separate_o):
@@ -390,7 +394,8 @@ class FlashAttentionForwardSm90:
             for r in cutlass.range_constexpr(cute.size(tOcO, mode=[0])):
                 row = m_block * self.tile_m + tOcO[r, 0][0]
                 if row < seqlen_q:
-                    mLSE[row, head, batch] = lse[r]
+                    for mX, x in zip(mLSEs, lses):
+                        mX[row, head, batch] = x[r]
 
         cute.arch.fence_view_async_shared()  # smem writes -> visible to the TMA (async proxy)
         cute.arch.barrier(barrier_id=int(NamedBarrierFwd.Epilogue), number_of_threads=self.num_mma_threads)

@@ -34,7 +34,7 @@ def _add(a: Float32, b: Float32, rnd, *, loc=None, ip=None) -> Float32:
     return Float32(nvvm.addf(a.ir_value(loc=loc, ip=ip), b.ir_value(loc=loc, ip=ip), rnd=rnd, loc=loc, ip=ip))
 
 
-def _fma(a: Float32, b: Float32, c: Float32, *, loc=None, ip=None) -> Float32:
+def fma_rn(a: Float32, b: Float32, c: Float32, *, loc=None, ip=None) -> Float32:
     """fp32 a * b + c, one round-to-nearest (llvm.fma -> fma.rn.f32 -> FFMA)."""
     a, b, c = (v.ir_value(loc=loc, ip=ip) for v in (a, b, c))
     return Float32(llvm.intr_fma(a, b, c, loc=loc, ip=ip))
@@ -61,7 +61,7 @@ def exp2_emulated(x: Float32, *, loc=None, ip=None) -> Float32:
     f = _add(xc, -n, rn, loc=loc, ip=ip)  # in [0, 1], exact
     p = Float32(EXP2_POLY_COEFFS[-1])
     for c in reversed(EXP2_POLY_COEFFS[:-1]):  # Horner, unrolled at trace time
-        p = _fma(p, f, Float32(c), loc=loc, ip=ip)
+        p = fma_rn(p, f, Float32(c), loc=loc, ip=ip)
     bits = _f32_bits(p, loc=loc, ip=ip) + (_f32_bits(r, loc=loc, ip=ip) << 23)
     return _bits_f32(bits, loc=loc, ip=ip)
 

@@ -12,9 +12,10 @@ import math
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32
+from cutlass import Float32, Int32
 
-from flash4.kernels.common.exp2 import exp2_emulated, exp2_hw
+from flash4.config import FWD_EXACT_REF_LOG2
+from flash4.kernels.common.exp2 import fma_rn, exp2_emulated, exp2_hw
 from flash4.kernels.common.exp2_poly import mixed_pattern
 from flash4.kernels.common.dsl import DynamicState
 from flash4.kernels.common.layout import acc_mn_view
@@ -42,9 +43,28 @@ def quad_allreduce_sum(x: Float32) -> Float32:
     return x + cute.arch.shuffle_sync_bfly(x, offset=1)
 
 
+@cute.jit
+def _ref_step_scale(step: Float32) -> Float32:
+    """2^step, the factor that moves O and the row sum from the old reference to the new one
+    (step = old ref - new ref, log2 units); exactly 1 where the reference did not move. A row that
+    was empty (O, row sum 0, reference 0) may give a large step: min(step, 64) keeps the factor
+    finite (and maps a NaN step, both references empty, to a finite one) so 0 * factor = 0."""
+    return Float32(cutlass.select_(step == Float32(0.0), Float32(1.0), exp2_hw(cute.arch.fmin(step, Float32(64.0)))))
+
+
 class OnlineSoftmax(DynamicState):
-    """Per-thread softmax state for the rows it owns: row_max (raw score units) and a partial
-    row_sum (this thread's columns only; reduced across the quad in `finalize`).
+    """Per-thread softmax state for the rows it owns: the reference max m (raw score units), the
+    reference in log2 units actually subtracted, ref = ref_hi + ref_lo, and a partial row_sum
+    (this thread's columns only; reduced across the quad in `finalize`).
+
+    The reference is exact (issue 8: huge-magnitude inputs). ref_hi = fp32(m * c) and every
+    exponent is first fma(s, c, -ref_hi): one FFMA, exact-then-rounded, so at s = m it equals the
+    rounding error of m * c exactly. While every row of the warp has |ref_hi| < FWD_EXACT_REF_LOG2
+    that error is at most 2^-4 and is simply part of the reference (ref_lo = 0): O, the row sum and
+    the LSE all use ref_hi, so the result is exact. Once some row reaches it (a warp-uniform branch
+    over rare work; sticky for the rest of the tile), ref_lo = m*c - ref_hi (one FFMA, exact) is
+    subtracted from every exponent as well, so the row max gives 2^0 at any finite magnitude; the
+    rescale factors and the LSE use ref_hi + ref_lo.
 
     scale_log2:   softmax_scale * log2(e) (runtime Float32).
     num_rows:     rows per thread (static).
@@ -52,7 +72,7 @@ class OnlineSoftmax(DynamicState):
     exp2_emu_frac: static share of exp2 evaluated by the FMA polynomial (0 = all MUFU.EX2).
     """
 
-    _dynamic_fields = ("scale_log2", "row_max", "row_sum")
+    _dynamic_fields = ("scale_log2", "row_max", "ref_hi", "ref_lo", "row_sum", "exact")
 
     def __init__(self, scale_log2: Float32, num_rows: int, rescale_threshold: float, exp2_emu_frac: float):
         self.scale_log2 = scale_log2
@@ -60,20 +80,28 @@ class OnlineSoftmax(DynamicState):
         self.rescale_threshold = rescale_threshold
         self.exp2_emu_frac = exp2_emu_frac
         self.row_max = cute.make_rmem_tensor((num_rows,), Float32)
+        self.ref_hi = cute.make_rmem_tensor((num_rows,), Float32)
+        self.ref_lo = cute.make_rmem_tensor((num_rows,), Float32)
         self.row_sum = cute.make_rmem_tensor((num_rows,), Float32)
+        self.exact = cute.make_rmem_tensor((1,), Int32)  # warp-uniform: 1 once the tile took the exact path
 
     @cute.jit
     def reset(self):
         self.row_max.fill(-Float32.inf)
+        self.ref_hi.fill(0.0)
+        self.ref_lo.fill(0.0)
         self.row_sum.fill(0.0)
+        self.exact.fill(0)
 
     @cute.jit
     def online(self, acc_S: cute.Tensor, is_first: cutlass.Constexpr[bool]) -> cute.Tensor:
         """Turns acc_S (raw scores) into unnormalized P in place; returns the per-row factor that
-        O must be multiplied by (1.0 where the reference max did not move)."""
+        O must be multiplied by (1.0 where the reference did not move)."""
         s = acc_mn_view(acc_S)
         n_cols = cute.size(s, mode=[1])
         row_scale = cute.make_rmem_tensor((self.num_rows,), Float32)
+        hi_new = cute.make_rmem_tensor((self.num_rows,), Float32)
+        huge = self.exact[0] != 0
         for r in cutlass.range_constexpr(self.num_rows):
             m_tile = s[r, 0]
             for c in cutlass.range_constexpr(1, n_cols):
@@ -81,29 +109,54 @@ class OnlineSoftmax(DynamicState):
             m_tile = quad_allreduce_max(m_tile)
             if cutlass.const_expr(is_first):
                 self.row_max[r] = m_tile
-                row_scale[r] = Float32(1.0)
             else:
                 m_old = self.row_max[r]
                 m_new = cute.arch.fmax(m_old, m_tile)
-                # NaN (both -inf) compares false: the row stays empty, nothing to rescale.
+                # NaN (both -inf) compares false: the row stays empty.
                 grow = (m_new - m_old) * self.scale_log2
-                move = grow > Float32(self.rescale_threshold)
-                self.row_max[r] = Float32(cutlass.select_(move, m_new, m_old))
-                row_scale[r] = Float32(cutlass.select_(move, exp2_hw((m_old - m_new) * self.scale_log2), Float32(1.0)))
+                self.row_max[r] = Float32(cutlass.select_(grow > Float32(self.rescale_threshold), m_new, m_old))
             m_ref = self.row_max[r]
-            # fully masked so far: use 0 so that exp2(-inf - 0) = 0, not NaN
-            neg_max_scaled = Float32(cutlass.select_(m_ref == -Float32.inf, Float32(0.0), -(m_ref * self.scale_log2)))
+            # A row that saw no key yet keeps reference 0 (exp2(-inf - 0) = 0, not NaN).
+            hi = Float32(cutlass.select_(m_ref == -Float32.inf, Float32(0.0), m_ref * self.scale_log2))
+            hi_new[r] = hi
+            huge = huge | (cute.arch.fmax(hi, -hi) >= Float32(FWD_EXACT_REF_LOG2))
+            if cutlass.const_expr(not is_first):
+                row_scale[r] = _ref_step_scale(self.ref_hi[r] - hi)
+            for c in cutlass.range_constexpr(n_cols):
+                s[r, c] = fma_rn(s[r, c], self.scale_log2, -hi)
+        if cute.arch.vote_any_sync(huge):
+            self._exact_fixup(s, row_scale, hi_new, is_first)
+        for r in cutlass.range_constexpr(self.num_rows):
+            self.ref_hi[r] = hi_new[r]
             row_sum = Float32(0.0)
             for c in cutlass.range_constexpr(n_cols):
-                x = s[r, c] * self.scale_log2 + neg_max_scaled
+                x = s[r, c]
                 p = exp2_emulated(x) if cutlass.const_expr(uses_emulated_exp2(c, self.exp2_emu_frac)) else exp2_hw(x)
                 s[r, c] = p
                 row_sum = row_sum + p
             if cutlass.const_expr(is_first):
                 self.row_sum[r] = row_sum
+                row_scale[r] = Float32(1.0)
             else:
                 self.row_sum[r] = self.row_sum[r] * row_scale[r] + row_sum
         return row_scale
+
+    @cute.jit
+    def _exact_fixup(self, s: cute.Tensor, row_scale: cute.Tensor, hi_new: cute.Tensor,
+                     is_first: cutlass.Constexpr[bool]):
+        """Rare (|m * c| >= FWD_EXACT_REF_LOG2 somewhere in the warp): subtract the rounding error of
+        m * c from the exponents too, and take it into the rescale factor (ref_lo is 0 before the
+        first time here). Only memory (register tensor) writes: nothing escapes the branch."""
+        self.exact[0] = Int32(1)
+        for r in cutlass.range_constexpr(self.num_rows):
+            m_ref = self.row_max[r]
+            hi = hi_new[r]
+            lo = Float32(cutlass.select_(m_ref == -Float32.inf, Float32(0.0), fma_rn(m_ref, self.scale_log2, -hi)))
+            if cutlass.const_expr(not is_first):
+                row_scale[r] = _ref_step_scale((self.ref_hi[r] - hi) + (self.ref_lo[r] - lo))
+            self.ref_lo[r] = lo
+            for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
+                s[r, c] = s[r, c] - lo
 
     @cute.jit
     def rescale_O(self, acc_O: cute.Tensor, row_scale: cute.Tensor):
@@ -124,18 +177,28 @@ class OnlineSoftmax(DynamicState):
 
     @cute.jit
     def finalize(self) -> tuple:
-        """Returns (inv_row_sum, lse): the factor that normalizes O (0 for rows that saw no key)
-        and the natural-log LSE (-inf for rows that saw no key)."""
+        """Returns (inv_row_sum, lse, lse_hi, lse_lo): the factor that normalizes O (0 for rows that
+        saw no key), the natural-log LSE (-inf for rows that saw no key), and the log2-domain LSE
+        unrounded as lse_hi + lse_lo (lse_hi = ref_hi, lse_lo = ref_lo + log2(row sum); +inf and 0
+        for rows that saw no key) for the backward's exact path."""
         inv = cute.make_rmem_tensor((self.num_rows,), Float32)
         lse = cute.make_rmem_tensor((self.num_rows,), Float32)
+        lse_hi = cute.make_rmem_tensor((self.num_rows,), Float32)
+        lse_lo = cute.make_rmem_tensor((self.num_rows,), Float32)
         for r in cutlass.range_constexpr(self.num_rows):
             total = quad_allreduce_sum(self.row_sum[r])
             empty = (total == Float32(0.0)) | (total != total)
             inv_r = cute.arch.rcp_approx(total)
-            lse_r = (self.row_max[r] * self.scale_log2 + cute.math.log2(total, fastmath=True)) * Float32(LN2)
+            hi = self.ref_hi[r]
+            lo = self.ref_lo[r] + cute.math.log2(total, fastmath=True)
+            lse_r = (hi + lo) * Float32(LN2)
             if empty:
                 inv_r = Float32(0.0)
                 lse_r = -Float32.inf
+                hi = Float32.inf
+                lo = Float32(0.0)
             inv[r] = inv_r
             lse[r] = lse_r
-        return inv, lse
+            lse_hi[r] = hi
+            lse_lo[r] = lo
+        return inv, lse, lse_hi, lse_lo

@@ -1,0 +1,79 @@
+"""Launch plans: the grid of every kernel launch, as pure host functions (CPU-tested).
+
+Each kernel takes its grid from here, so the grid a test checks is the grid that launches. CUDA
+limits a grid to (2^31 - 1, 65535, 65535) blocks; every flash4 kernel puts all of its work in
+gridDim.x and decodes (block, head, batch) from blockIdx.x inside the kernel, so batch and heads
+are never a grid dimension of their own (a batch of 65536 once overflowed gridDim.z). The
+forward's tile loop also lets a grid smaller than its tile count cover every tile (persistent
+CTAs step by gridDim.x), so its grid is capped instead of rejected. A problem whose work items
+do not fit the kernels' 32-bit indices raises a ValueError naming the shape.
+"""
+
+from __future__ import annotations
+
+from flash4.config import BwdConfig, FwdConfig, ceil_div
+
+# CUDA's grid limits (blocks per dimension) on every GPU flash4 targets (sm_90, sm_100).
+MAX_GRID = (2**31 - 1, 65535, 65535)
+# Kernels index tiles, rows and blocks with Int32.
+MAX_INT32 = 2**31 - 1
+# Rows (one warp each) per CTA of the backward preprocess.
+PREPROCESS_WARPS_PER_CTA = 4
+
+
+def _check_count(kernel: str, what: str, count: int, shape: str) -> None:
+    if count > MAX_INT32:
+        raise ValueError(
+            f"flash4 {kernel}: {what} = {count} exceeds 2^31 - 1 (the kernels index it with int32); "
+            f"problem {shape}: split the batch into smaller calls"
+        )
+
+
+def check_grid(kernel: str, grid: tuple[int, int, int]) -> None:
+    """Raise ValueError if `grid` is outside CUDA's limits or empty."""
+    for axis, (g, limit) in enumerate(zip(grid, MAX_GRID)):
+        if not 1 <= g <= limit:
+            raise ValueError(f"flash4 {kernel}: grid {grid} has dimension {axis} = {g}, allowed 1..{limit}")
+
+
+def fwd_num_tiles(cfg: FwdConfig, batch: int, seqlen_q: int, nheads: int) -> int:
+    """(m_block, head, batch) tiles of the forward."""
+    num_tiles = ceil_div(seqlen_q, cfg.tile_m) * nheads * batch
+    _check_count("forward", "tiles (m_blocks x nheads x batch)", num_tiles,
+                 f"batch={batch}, seqlen_q={seqlen_q}, nheads={nheads}, tile_m={cfg.tile_m}")
+    return num_tiles
+
+
+def fwd_grid(cfg: FwdConfig, batch: int, seqlen_q: int, nheads: int, num_sms: int) -> tuple[int, int, int]:
+    """Forward grid: one CTA per tile (capped at gridDim.x's limit), or one per SM when persistent.
+    The kernel's tile loop (tile = blockIdx.x, += gridDim.x) covers every tile either way."""
+    num_tiles = fwd_num_tiles(cfg, batch, seqlen_q, nheads)
+    ctas = min(num_tiles, num_sms) if cfg.persistent else num_tiles
+    # A CTA's Int32 tile index ends at (its last tile) + gridDim.x <= num_tiles - 1 + gridDim.x:
+    # keep that within int32 (only binds above 2^30 tiles, beyond any GPU's memory today).
+    grid = (min(ctas, MAX_GRID[0], MAX_INT32 + 1 - num_tiles), 1, 1)
+    check_grid("forward", grid)
+    return grid
+
+
+def bwd_grid(cfg: BwdConfig, batch: int, seqlen_k: int, nheads_k: int) -> tuple[int, int, int]:
+    """Backward grid: one CTA per (n_block, kv_head, batch), n_block fastest (the deterministic dQ
+    order relies on lower n_blocks launching first), flattened into gridDim.x."""
+    num_n_blocks = ceil_div(seqlen_k, cfg.tile_n)
+    ctas = num_n_blocks * nheads_k * batch
+    _check_count("backward", "CTAs (n_blocks x nheads_k x batch)", ctas,
+                 f"batch={batch}, seqlen_k={seqlen_k}, nheads_k={nheads_k}, tile_n={cfg.tile_n}")
+    grid = (ctas, 1, 1)
+    check_grid("backward", grid)
+    return grid
+
+
+def bwd_preprocess_grid(batch: int, seqlen_q: int, nheads: int) -> tuple[int, int, int]:
+    """Backward preprocess grid: one warp per (batch, seqlen_q, head) row, 4 rows per CTA."""
+    rows = batch * seqlen_q * nheads
+    # + one CTA's rows: the kernel forms blockIdx.x * 4 + warp before comparing with rows
+    _check_count("backward preprocess", "rows (batch x seqlen_q x nheads) + 4", rows + PREPROCESS_WARPS_PER_CTA,
+                 f"batch={batch}, seqlen_q={seqlen_q}, nheads={nheads}")
+    grid = (ceil_div(rows, PREPROCESS_WARPS_PER_CTA), 1, 1)
+    check_grid("backward preprocess", grid)
+    return grid
