@@ -17,8 +17,11 @@ no atomics). Per query block m (FlashAttention-2 backward, Dao 2023, algorithm 2
 
 Order within a step (per consumer warpgroup): issue S^T, dP^T; exponentials (under dP^T); issue
 dV (so the exponentials cannot sink behind the dP^T wait); dS^T (under dV); stage dS^T; barrier;
-dQ; dK; stage dQ for the store warp (under dK). Causal: the mask is compiled only into the loop
-over the m_blocks that cross the diagonal.
+dQ; dK; stage dQ for the store warp (under dK). The element mask is compiled only into the loop
+over the m_blocks that need it: causal, those that cross the diagonal; every m_block of the CTA
+whose key tile crosses seqlen_k (keys past it are masked explicitly, never left to TMA's zero fill).
+P uses the padded log2 LSE; query tiles whose |LSE * log2 e| is huge take an exact exponent from
+the forward's unrounded LSE split (issue 8). One CTA per (n_block, kv_head, batch), all in gridDim.x.
 
 Two work splits between the consumer warpgroups (config.BwdConfig.split_headdim):
   * headdim <= 128: each warpgroup owns 64 keys (tile_n = 128) and accumulates their dK, dV over
