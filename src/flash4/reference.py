@@ -13,6 +13,8 @@ import math
 
 import torch
 
+from flash4 import geometry
+
 # Accuracy criterion (tests and bench): err(flash4) <= 2 * err(PyTorch same dtype) + atol, errors
 # as max |x - ref| against the float32 reference.
 # out: 1e-4 is ~1/80 of a bf16 ulp at 1.0; it only matters where PyTorch's same-dtype result is
@@ -25,10 +27,16 @@ LSE_ATOL = 1e-3
 
 
 def causal_mask(seqlen_q: int, seqlen_k: int, device=None) -> torch.Tensor:
-    """Bool (seqlen_q, seqlen_k), True where query row i may see key j (bottom-right aligned)."""
+    """Bool (seqlen_q, seqlen_k), True where query row i may see key j (bottom-right aligned):
+    j < flash4.geometry.key_limit(i), the kernels' own rule, evaluated on index tensors."""
     row = torch.arange(seqlen_q, device=device).unsqueeze(1)
     col = torch.arange(seqlen_k, device=device).unsqueeze(0)
-    return col <= row + (seqlen_k - seqlen_q)
+    return col < geometry.key_limit(row, seqlen_q, seqlen_k, True, _TORCH_OPS)
+
+
+_TORCH_OPS = geometry.Ops(min=lambda a, b: torch.minimum(torch.as_tensor(a), torch.as_tensor(b)),
+                          max=lambda a, b: torch.maximum(torch.as_tensor(a), torch.as_tensor(b)),
+                          select=lambda cond, a, b: torch.where(cond, a, b))
 
 
 def attention_ref(

@@ -22,8 +22,21 @@ Order (FlashAttention-3/4 "L2 swizzle" + LPT, cf. flash_attn/cute/tile_scheduler
 from __future__ import annotations
 
 import heapq
-import math
 from typing import Callable, Sequence
+
+try:  # the package import; tests also load this file alone, next to geometry.py
+    from flash4.geometry import n_block_max
+except ImportError:  # pragma: no cover
+    import importlib.util as _util
+    import pathlib as _pathlib
+
+    import sys as _sys
+
+    _spec = _util.spec_from_file_location("geometry", _pathlib.Path(__file__).with_name("geometry.py"))
+    _geometry = _util.module_from_spec(_spec)
+    _sys.modules.setdefault("geometry", _geometry)  # dataclasses look their module up
+    _spec.loader.exec_module(_geometry)
+    n_block_max = _geometry.n_block_max
 
 Tile = tuple[int, int, int]  # (m_block, head, batch)
 
@@ -72,15 +85,9 @@ def tile_coords(t: int, num_m_blocks: int, num_heads: int, batch: int, *, causal
 
 
 def work(m_block: int, seqlen_q: int, seqlen_k: int, tile_m: int, tile_n: int, causal: bool) -> int:
-    """K/V blocks of tile_n keys visited by query block m_block (0 if all its rows are masked).
-
-    causal is bottom-right aligned: query row i sees keys j <= i + seqlen_k - seqlen_q.
-    """
-    if not causal:
-        return math.ceil(seqlen_k / tile_n)
-    row_end = min((m_block + 1) * tile_m, seqlen_q)  # exclusive
-    key_end = min(seqlen_k, row_end + seqlen_k - seqlen_q)
-    return max(0, math.ceil(key_end / tile_n))
+    """K/V blocks of tile_n keys visited by query block m_block (0 if all its rows are masked):
+    flash4.geometry.n_block_max, the kernels' own formula."""
+    return n_block_max(m_block, seqlen_q, seqlen_k, tile_m, tile_n, causal)
 
 
 def makespan(order: Sequence[Tile], num_workers: int, work_fn: Callable[[Tile], float], *,

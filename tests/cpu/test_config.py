@@ -1,7 +1,8 @@
 """Config selection and block ranges: pure functions, checked on the CPU.
 
-block_info's formulas run on device Int32 values in the kernel; here they run on Python ints and
-are compared with a brute-force walk of the (bottom-right aligned) causal mask.
+flash4.geometry's formulas run on device Int32 values in the kernel; here they run on Python ints
+and are compared with a brute-force walk of the (bottom-right aligned) causal mask (more in
+tests/cpu/test_geometry.py).
 """
 
 import pytest
@@ -16,7 +17,7 @@ from flash4.config import (  # noqa: E402
     shipped_bwd_configs,
     shipped_fwd_configs,
 )
-from flash4.kernels.common import block_info  # noqa: E402
+from flash4 import geometry as block_info  # noqa: E402
 
 SMEM_LIMIT = 227 * 1024
 

@@ -49,6 +49,7 @@ from cutlass.tensor_utils import LayoutEnum
 from flash4.config import LOG2E, SM90_MAX_SMEM_BYTES, BwdConfig
 from flash4.kernels.common.barriers import NamedBarrierBwd
 from flash4.kernels.common.exp2 import exp2_hw, fma_rn
+from flash4.kernels.common import geometry
 from flash4.kernels.common.gemm import wgmma
 from flash4.kernels.common.pipeline import tma_pipeline_factory
 from flash4.kernels.common.layout import acc_mn_view, acc_to_frgA_layout, select_modes, transpose_view
@@ -270,7 +271,8 @@ class FlashAttentionBackwardSm90:
         batch = bid // num_n_blocks // mK.shape[2]
         qhead_per_kvhead = mQ.shape[2] // mK.shape[2]
         seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
-        m_block_min, m_block_max = self.m_block_range(n_block, seqlen_q, seqlen_k)
+        m_block_min, m_block_max = geometry.m_block_range(n_block, seqlen_q, seqlen_k, self.tile_m, self.tile_n,
+                                                          self.causal)
         num_steps = (m_block_max - m_block_min) * qhead_per_kvhead  # (query head, m_block) pairs
 
         if warp_idx < 4:
@@ -289,16 +291,6 @@ class FlashAttentionBackwardSm90:
             self.mma(mdK, mdV, mExact, mLSEhi, mLSElo, tma_atom_dK, tma_atom_dV, sQ, sK, sV, sdO, sdS, sPt, sLSE, sD, sdQ, mma_sdp, mma_dkv, mma_dq,
                      pipeline_kv, pipeline_q, pipeline_do, softmax_scale, tidx,
                      n_block, head_kv, batch, seqlen_q, seqlen_k, m_block_min, num_steps, m_block_max, qhead_per_kvhead)
-
-    def m_block_range(self, n_block, seqlen_q, seqlen_k):
-        """Query blocks that see at least one key of this tile (bottom-right causal: query row i
-        sees key j iff j <= i + seqlen_k - seqlen_q)."""
-        m_block_max = (seqlen_q + self.tile_m - 1) // self.tile_m
-        m_block_min = 0
-        if const_expr(self.causal):
-            first_row = n_block * self.tile_n - (seqlen_k - seqlen_q)  # first row that sees key n*tile_n
-            m_block_min = cutlass.max(first_row, 0) // self.tile_m
-        return m_block_min, m_block_max
 
     @cute.jit
     def load(self, mQ, mK, mV, mdO, mLSE2, mD, sQ, sK, sV, sdO, sLSE, sD,
@@ -439,14 +431,7 @@ class FlashAttentionBackwardSm90:
         # explicitly, never left to TMA's zero fill (a zero K row scores 0, and 2^(0 - LSE)
         # overflows when every real score of the row is very negative). Queries past seqlen_q need
         # no mask: their LSE is +inf (flash4.backward pads it), so P = 0 there.
-        m_mask_end = m_block_min
-        if const_expr(self.causal):
-            # first m_block whose every row sees every key of this tile: m * tile_m >= last_key - offset
-            last_key_row = (n_block + 1) * self.tile_n - 1 - (seqlen_k - seqlen_q)
-            m_mask_end = (cutlass.max(last_key_row, 0) + self.tile_m - 1) // self.tile_m
-            m_mask_end = cutlass.min(cutlass.max(m_mask_end, m_block_min), m_block_max)
-        if (n_block + 1) * self.tile_n > seqlen_k:
-            m_mask_end = m_block_max
+        m_mask_end = geometry.m_block_mask_end(n_block, seqlen_q, seqlen_k, self.tile_m, self.tile_n, self.causal)
         step = Int32(0)
         for h_in_group in cutlass.range(qhead_per_kvhead, unroll=1):
             head = head_kv * qhead_per_kvhead + h_in_group
@@ -479,15 +464,8 @@ class FlashAttentionBackwardSm90:
                         for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
                             p = exp2_hw(s[r, c])
                             if const_expr(mask):
-                                # The first visible query column of this row (a key), relative to the
-                                # thread's first column: causal, query i sees key j iff
-                                # i >= j - (seqlen_k - seqlen_q); a key >= seqlen_k is seen by none.
-                                key = n_block * self.tile_n + tScS[r, 0][0]
-                                fc = Int32(-(1 << 30))
-                                if const_expr(self.causal):
-                                    fc = key - (seqlen_k - seqlen_q) - m_block * self.tile_m - thread_col0
-                                fc = cutlass.select_(key >= seqlen_k, Int32(1 << 30), fc)
-                                p = Float32(cutlass.select_(col < fc, Float32(0.0), p))
+                                p = geometry.mask_probs_t(tScS, r, col, p, m_block, n_block, seqlen_q, seqlen_k,
+                                                          self.tile_m, self.tile_n, self.causal)
                             s[r, c] = p
                     buf = step % 2  # two dS^T (P^T) buffers: the other warpgroup may still read the previous step's
                     if const_expr(not self.split_hd):

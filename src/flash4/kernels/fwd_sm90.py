@@ -18,12 +18,11 @@ from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
 from flash4.config import FwdConfig
-from flash4.kernels.common import block_info
+from flash4.kernels.common import geometry
 from flash4.kernels.common.barriers import NamedBarrierFwd
 from flash4.kernels.common.gemm import wgmma
 from flash4.kernels.common.pipeline import tma_pipeline_factory
 from flash4.kernels.common.layout import acc_mn_view, acc_to_frgA_layout, select_modes, transpose_view
-from flash4.kernels.common.mask import apply_mask
 from flash4.kernels.common.scheduler import TileSchedule
 from flash4.kernels.common.softmax import OnlineSoftmax
 
@@ -229,7 +228,7 @@ class FlashAttentionForwardSm90:
             tQsQ, tQgQ = cpasync.tma_partition(tma_atom_Q, 0, one_cta, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
             tKsK, tKgK = cpasync.tma_partition(tma_atom_K, 0, one_cta, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
             tVsV, tVgV = cpasync.tma_partition(tma_atom_V, 0, one_cta, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
-            n_block_max = block_info.n_block_max(m_block, seqlen_q, seqlen_k, self.tile_m, self.tile_n, self.causal)
+            n_block_max = geometry.n_block_max(m_block, seqlen_q, seqlen_k, self.tile_m, self.tile_n, self.causal)
             if n_block_max > 0:
                 pipeline_k.producer_acquire(state)
                 cute.copy(tma_atom_K, tKgK[None, n_block_max - 1], tKsK[None, state.index],
@@ -288,8 +287,8 @@ class FlashAttentionForwardSm90:
         tile_idx = cute.arch.block_idx()[0]
         while tile_idx < sched.num_tiles():
             m_block, head, batch = sched.coords(tile_idx)
-            n_block_max = block_info.n_block_max(m_block, seqlen_q, seqlen_k, self.tile_m, self.tile_n, self.causal)
-            mask = partial(apply_mask, tScS=tScS, t0ScS=t0ScS, m_block=m_block, seqlen_q=seqlen_q,
+            n_block_max = geometry.n_block_max(m_block, seqlen_q, seqlen_k, self.tile_m, self.tile_n, self.causal)
+            mask = partial(geometry.mask_scores, tScS=tScS, t0ScS=t0ScS, m_block=m_block, seqlen_q=seqlen_q,
                            seqlen_k=seqlen_k, tile_m=self.tile_m, tile_n=self.tile_n)
             softmax.reset()
             acc_O.fill(0.0)
@@ -306,7 +305,7 @@ class FlashAttentionForwardSm90:
                 # Blocks that cross the causal diagonal, then unmasked blocks.
                 n_block_unmasked = n_block_max - 1
                 if const_expr(self.causal):
-                    n_causal = block_info.n_block_min_causal_mask(m_block, seqlen_q, seqlen_k, self.tile_m, self.tile_n)
+                    n_causal = geometry.n_block_min_causal_mask(m_block, seqlen_q, seqlen_k, self.tile_m, self.tile_n)
                     n_causal = cutlass.min(n_causal, n_block_max - 1)
                     for i in cutlass.range(n_block_max - 1 - n_causal, unroll=1):
                         state = self.mma_one_n_block(

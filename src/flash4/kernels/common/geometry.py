@@ -1,0 +1,88 @@
+"""Device side of flash4.geometry: the same formulas on Int32 values, and the element masks.
+
+flash4.geometry holds the rule (which key a query row sees) and the block ranges, written once for
+Python ints and device Int32 alike; this module binds them to the DSL's min/max/select
+(`DEVICE_OPS`) and applies the rule to score fragments:
+  * `mask_scores` (forward): S (queries x keys) -> -inf where a key is not visible;
+  * `mask_probs_t` (backward): P^T (keys x queries) -> 0 where a key is not visible.
+Only the tiles the block ranges mark as crossing the diagonal or seqlen_k are masked.
+"""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+
+from flash4 import geometry as g
+from flash4.kernels.common.layout import acc_mn_view
+
+DEVICE_OPS = g.Ops(min=cutlass.min, max=cutlass.max, select=lambda cond, a, b: cutlass.select_(cond, a, b))
+
+
+def n_block_max(m_block, seqlen_q, seqlen_k, tile_m: int, tile_n: int, causal: bool):
+    return g.n_block_max(m_block, seqlen_q, seqlen_k, tile_m, tile_n, causal, DEVICE_OPS)
+
+
+def n_block_min_causal_mask(m_block, seqlen_q, seqlen_k, tile_m: int, tile_n: int):
+    return g.n_block_min_causal_mask(m_block, seqlen_q, seqlen_k, tile_m, tile_n, DEVICE_OPS)
+
+
+def m_block_range(n_block, seqlen_q, seqlen_k, tile_m: int, tile_n: int, causal: bool):
+    return g.m_block_range(n_block, seqlen_q, seqlen_k, tile_m, tile_n, causal, DEVICE_OPS)
+
+
+def m_block_mask_end(n_block, seqlen_q, seqlen_k, tile_m: int, tile_n: int, causal: bool):
+    return g.m_block_mask_end(n_block, seqlen_q, seqlen_k, tile_m, tile_n, causal, DEVICE_OPS)
+
+
+@cute.jit
+def mask_scores(
+    acc_S: cute.Tensor,
+    tScS: cute.Tensor,
+    t0ScS: cute.Tensor,
+    m_block: Int32,
+    n_block: Int32,
+    seqlen_q: Int32,
+    seqlen_k: Int32,
+    tile_m: cutlass.Constexpr[int],
+    tile_n: cutlass.Constexpr[int],
+    causal: cutlass.Constexpr[bool],
+):
+    """Forward: sets the scores of keys a row does not see to -inf, in place.
+
+    acc_S: the thread's score fragment; tScS: identity tensor (tile_m, tile_n) partitioned the same
+    way for this thread (values are (row, col) inside the tile); t0ScS: the same for thread 0, whose
+    coordinates are compile-time constants. Columns are compared as (col - this thread's first col)
+    against those constants, so no per-column coordinate lives in a register.
+    """
+    s = acc_mn_view(acc_S)
+    c = acc_mn_view(tScS)
+    c0 = acc_mn_view(t0ScS)
+    col_base = n_block * tile_n + c[0, 0][1]
+    for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+        row = m_block * tile_m + c[r, 0][0]
+        col_limit = g.key_limit(row, seqlen_q, seqlen_k, causal, DEVICE_OPS) - col_base
+        for j in cutlass.range_constexpr(cute.size(s, mode=[1])):
+            # a select, not an `if`: a dynamic `if` would carry the whole fragment through it
+            s[r, j] = Float32(cutlass.select_(c0[0, j][1] >= col_limit, -Float32.inf, s[r, j]))
+
+
+@cute.jit
+def mask_probs_t(
+    tScS: cute.Tensor,
+    r: cutlass.Constexpr[int],
+    col: cutlass.Constexpr[int],
+    p: Float32,
+    m_block: Int32,
+    n_block: Int32,
+    seqlen_q: Int32,
+    seqlen_k: Int32,
+    tile_m: cutlass.Constexpr[int],
+    tile_n: cutlass.Constexpr[int],
+    causal: cutlass.Constexpr[bool],
+) -> Float32:
+    """Backward, one element of P^T (row r = a key, static column `col` relative to the thread's
+    first column): p, or 0 if the query of that column does not see the key (keys past seqlen_k:
+    none does). tScS: the (row, col) coordinates of this thread's P^T elements, (rows, cols) view."""
+    key = n_block * tile_n + tScS[r, 0][0]
+    first = g.first_query(key, seqlen_q, seqlen_k, causal, DEVICE_OPS) - m_block * tile_m - tScS[0, 0][1]
+    return Float32(cutlass.select_(col < first, Float32(0.0), p))

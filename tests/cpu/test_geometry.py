@@ -1,0 +1,143 @@
+"""The geometry twin (flash4.geometry on Python ints: the very functions the kernels trace on Int32)
+against a brute-force walk of the mask, for every tile shape the kernels use, causal and not,
+seqlen_q vs seqlen_k both ways, and sequences placed dense, packed (varlen) and with seqused.
+
+flash4.geometry is pure Python (no CuTe DSL needed).
+"""
+
+import itertools
+import random
+
+import pytest
+
+from flash4 import geometry as geo
+
+# (tile_m, tile_n) of the shipped kernels: forward 192x128 (d64), 128x128, 128x112, 128x80;
+# backward queries x keys 64x128, 128x128, 64x64; plus odd ones.
+TILES = [(192, 128), (128, 128), (128, 112), (128, 80), (64, 128), (64, 64), (16, 48)]
+SEQLENS = [(1, 1), (1, 100), (100, 1), (17, 300), (300, 17), (128, 128), (129, 257), (257, 129), (1000, 777),
+           (777, 1000), (0, 5), (5, 0)]
+
+
+def brute_mask(sq, sk, causal):
+    """visible[i][j] from the rule as stated (bottom-right causal), not from geometry's helpers."""
+    return [[j < sk and (not causal or j <= i + sk - sq) for j in range(sk)] for i in range(sq)]
+
+
+def block_has(mask, rows, cols):
+    return any(mask[i][j] for i in rows for j in cols)
+
+
+def block_full(mask, rows, cols):
+    return all(mask[i][j] for i in rows for j in cols)
+
+
+@pytest.mark.parametrize("sq, sk", SEQLENS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_rule_matches_brute_force(sq, sk, causal):
+    mask = brute_mask(sq, sk, causal)
+    for i in range(sq):
+        for j in range(sk + 3):  # keys past seqlen_k too
+            want = j < sk and mask[i][j]
+            assert geo.visible(i, j, sq, sk, causal) == want
+            assert (j < geo.key_limit(i, sq, sk, causal)) == want
+            # the transpose, as the backward uses it: column i of key row j
+            assert (i >= geo.first_query(j, sq, sk, causal)) == want
+
+
+@pytest.mark.parametrize("tile_m, tile_n", TILES)
+@pytest.mark.parametrize("sq, sk", SEQLENS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_forward_block_ranges(tile_m, tile_n, sq, sk, causal):
+    """Query tile m visits exactly the key blocks [0, n_block_max) that hold a visible key (the last
+    one included), and the blocks below the mask bounds are fully visible to every row."""
+    mask = brute_mask(sq, sk, causal)
+    n_blocks = -(-sk // tile_n)
+    for m in range(-(-sq // tile_m)):
+        rows = range(m * tile_m, min((m + 1) * tile_m, sq))
+        n_max = geo.n_block_max(m, sq, sk, tile_m, tile_n, causal)
+        visited = [n for n in range(n_blocks) if block_has(mask, rows, range(n * tile_n, min((n + 1) * tile_n, sk)))]
+        assert n_max == (visited[-1] + 1 if visited else 0), (m, visited)
+        assert visited == list(range(n_max))  # no hole: every block below n_max is visited
+        unmasked_end = geo.n_block_seqlen_mask(sk, tile_n)
+        if causal:
+            unmasked_end = min(unmasked_end, geo.n_block_min_causal_mask(m, sq, sk, tile_m, tile_n))
+        for n in range(min(unmasked_end, n_max)):
+            cols = range(n * tile_n, (n + 1) * tile_n)  # the whole tile, keys past seqlen_k included
+            assert block_full(mask, rows, [j for j in cols if j < sk]) and max(cols) < sk, (m, n)
+
+
+@pytest.mark.parametrize("tile_m, tile_n", TILES)
+@pytest.mark.parametrize("sq, sk", SEQLENS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_backward_block_ranges(tile_m, tile_n, sq, sk, causal):
+    """Key tile n visits exactly the query blocks [m_min, m_max) that see one of its keys, and the
+    blocks at or past m_block_mask_end see every key of the whole tile (no key past seqlen_k)."""
+    mask = brute_mask(sq, sk, causal)
+    m_blocks = -(-sq // tile_m)
+    for n in range(-(-sk // tile_n)):
+        keys = range(n * tile_n, (n + 1) * tile_n)
+        m_min, m_max = geo.m_block_range(n, sq, sk, tile_m, tile_n, causal)
+        seen = [m for m in range(m_blocks)
+                if block_has(mask, range(m * tile_m, min((m + 1) * tile_m, sq)), [j for j in keys if j < sk])]
+        if seen:
+            assert seen == list(range(seen[0], seen[-1] + 1))
+            assert m_min <= seen[0] and seen[-1] < m_max, (n, seen, m_min, m_max)
+            # m_min is tight (causal skips only blocks that see nothing); m_max is the last query block
+            assert m_min == seen[0] and m_max == m_blocks
+        end = geo.m_block_mask_end(n, sq, sk, tile_m, tile_n, causal)
+        assert m_min <= end <= m_max
+        for m in range(end, m_max):
+            rows = range(m * tile_m, min((m + 1) * tile_m, sq))
+            assert max(keys) < sk and block_full(mask, rows, keys), (n, m)
+
+
+def test_division_operands_never_negative():
+    """Every floor division in geometry sees a non-negative numerator, so the device's truncating
+    division gives the same result: probe the formulas with an Ops that records min/max inputs."""
+    seen = []
+
+    def rec_max(a, b):
+        seen.append(max(a, b))
+        return max(a, b)
+
+    ops = geo.Ops(min=min, max=rec_max, select=lambda c, a, b: a if c else b)
+    for (tm, tn), (sq, sk), causal in itertools.product(TILES, SEQLENS, (False, True)):
+        for m in range(-(-max(sq, 1) // tm)):
+            geo.n_block_max(m, sq, sk, tm, tn, causal, ops)
+            geo.n_block_min_causal_mask(m, sq, sk, tm, tn, ops)
+        for n in range(-(-max(sk, 1) // tn)):
+            geo.m_block_mask_end(n, sq, sk, tm, tn, causal, ops)
+    assert seen and min(seen) >= 0
+
+
+def _random_layout(rng, batch):
+    lens_q = [rng.choice([0, 1, rng.randint(1, 300)]) for _ in range(batch)]
+    lens_k = [rng.choice([0, 1, rng.randint(1, 300)]) for _ in range(batch)]
+    cu_q = list(itertools.accumulate([0] + lens_q))
+    cu_k = list(itertools.accumulate([0] + lens_k))
+    return lens_q, lens_k, cu_q, cu_k
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_seqlens_layouts(seed):
+    """Dense, varlen (cu_seqlens) and seqused place every sequence where the packed tensors hold
+    it, with the lengths the mask walk uses; sequences of length 0 anywhere are fine."""
+    rng = random.Random(seed)
+    batch = rng.randint(1, 8)
+    lens_q, lens_k, cu_q, cu_k = _random_layout(rng, batch)
+    varlen = geo.SeqLens(batch, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    # packed "tensors": element = (batch, position) so a wrong offset is visible
+    packed_q = [(b, i) for b in range(batch) for i in range(lens_q[b])]
+    packed_k = [(b, j) for b in range(batch) for j in range(lens_k[b])]
+    for b in range(batch):
+        assert varlen.len_q(b) == lens_q[b] and varlen.len_k(b) == lens_k[b]
+        assert packed_q[varlen.offset_q(b):varlen.offset_q(b) + varlen.len_q(b)] == [(b, i) for i in range(lens_q[b])]
+        assert packed_k[varlen.offset_k(b):varlen.offset_k(b) + varlen.len_k(b)] == [(b, j) for j in range(lens_k[b])]
+    used_k = [rng.randint(0, n) for n in lens_k]
+    seqused = geo.SeqLens(batch, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_k=used_k)
+    for b in range(batch):
+        assert seqused.offset_k(b) == cu_k[b] and seqused.len_k(b) == used_k[b]
+    dense = geo.SeqLens(batch, seqlen_q=7, seqlen_k=9)
+    assert [(dense.offset_q(b), dense.len_q(b), dense.offset_k(b), dense.len_k(b)) for b in range(batch)] == [
+        (7 * b, 7, 9 * b, 9) for b in range(batch)]
