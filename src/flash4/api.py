@@ -47,7 +47,8 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False,
             flash4.validate.support_error(q, k, v, softmax_scale, causal) gives the same message
             without raising.
 
-    Gradients: `.backward()` through `out` gives dq, dk, dv (flash4.backward); lse carries no gradient.
+    Gradients: `.backward()` through `out` gives dq, dk, dv (flash4.backward); a loss that uses lse
+        (return_lse=True) adds its gradient too (dS gains P * dLSE), at no cost when lse is unused.
         Double backward (differentiating dq, dk or dv again, e.g. a gradient penalty with
         create_graph=True) is not supported: it raises a RuntimeError saying so.
     """

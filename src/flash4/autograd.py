@@ -1,8 +1,10 @@
 """torch.autograd.Function for flash4 attention: forward and backward kernels.
 
 The public function only goes through this Function when autograd is recording (grad mode on and
-an input requiring grad); inference calls skip its overhead. lse is returned but not
-differentiable (its gradient is ignored: marked non-differentiable).
+an input requiring grad); inference calls skip its overhead. lse is differentiable: a loss that
+uses it (ring-attention merges, z-loss) adds dLSE to the backward, where dS = P * (dP - D) gains
+P * dLSE, i.e. D becomes D - dLSE (flash4.backward). Gradients are not materialized, so an unused
+lse (or out) costs nothing.
 
 Double backward is not supported: the gradients the backward returns carry a node that raises a
 RuntimeError saying so when something differentiates through them (`create_graph=True` followed
@@ -50,7 +52,7 @@ def no_double_backward(grads, inputs):
 
 class FlashAttnFunc(torch.autograd.Function):
     """apply(q, k, v, softmax_scale: float, causal: bool, deterministic: bool = False) -> (out, lse);
-    lse is not differentiable.
+    both differentiable.
 
     Shapes and dtypes as in flash4.api._flash_attn_forward. Saves q, k, v, out, lse and the
     log2-domain LSE split (O(N) memory); the backward recomputes P from it (FlashAttention-2,
@@ -66,7 +68,7 @@ class FlashAttnFunc(torch.autograd.Function):
         out, lse = _flash_attn_forward(q, k, v, softmax_scale, causal, lse_split=lse_split)
         ctx.save_for_backward(q, k, v, out, lse, lse_split)
         ctx.softmax_scale, ctx.causal, ctx.deterministic = softmax_scale, causal, deterministic
-        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # dout / dlse arrive as None when unused
         return out, lse
 
     @staticmethod
@@ -74,9 +76,11 @@ class FlashAttnFunc(torch.autograd.Function):
         from flash4.backward import flash_attn_backward
 
         q, k, v, out, lse, lse_split = ctx.saved_tensors
+        if dout is None:  # only lse is used by the loss
+            dout = torch.zeros_like(out)
         dq, dk, dv = flash_attn_backward(dout, q, k, v, out, lse, ctx.softmax_scale, ctx.causal,
-                                         deterministic=ctx.deterministic, lse_split=lse_split)
+                                         deterministic=ctx.deterministic, lse_split=lse_split, dlse=dlse)
         needs = ctx.needs_input_grad
         grads = no_double_backward((dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None),
-                                   (q, k, v, dout))
+                                   (q, k, v, dout, dlse))
         return grads + (None, None, None)

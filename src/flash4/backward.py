@@ -27,7 +27,7 @@ def _kernel_ready(t: torch.Tensor) -> torch.Tensor:
 
 
 def flash_attn_backward(dout, q, k, v, out, lse, softmax_scale: float, causal: bool, dq=None, dk=None, dv=None,
-                        deterministic: bool = False, lse_split=None):
+                        deterministic: bool = False, lse_split=None, dlse=None):
     """Gradients of out = attention(q, k, v) for the upstream gradient dout.
 
     q, out, dout: (B, Sq, H, D); k, v: (B, Sk, Hk, D); lse: fp32 (B, H, Sq) from the forward.
@@ -37,6 +37,8 @@ def flash_attn_backward(dout, q, k, v, out, lse, softmax_scale: float, causal: b
     while |lse| stays below ~2^9, where an ulp of lse is below 2^-14).
     dq, dk, dv: None, or preallocated contiguous tensors like q, k, v that are overwritten (tests
     pass NaN-filled ones to catch unwritten elements).
+    dlse: None, or the gradient of the loss w.r.t. lse, (B, H, Sq): dS = P * (dP - D) gains
+    P * dLSE (d LSE_i / d S_ij = P_ij), applied as D - dLSE (rows with LSE = -inf have P = 0).
     deterministic: add the dQ partial sums of the key blocks in a fixed order (bitwise-identical
     results across calls); dK and dV are always deterministic (reduced in registers).
     Returns (dq, dk, dv) shaped like q, k, v in their dtype. Raises ValueError for a head dim the
@@ -71,6 +73,8 @@ def flash_attn_backward(dout, q, k, v, out, lse, softmax_scale: float, causal: b
     run = get_bwd_runner(cfg)
     with torch.cuda.device(q.device):
         preprocess(_kernel_ready(out), dout, lse_split[0], lse_split[1], dpsum, lse_log2, tile_flags[1], cfg.tile_m)
+        if dlse is not None:
+            dpsum[:, :, :seqlen_q] -= dlse
         run(_kernel_ready(q), _kernel_ready(k), _kernel_ready(v), dout, lse_log2, dpsum, dq_accum, dk, dv,
             tile_flags[0], tile_flags[1], lse_split[0], lse_split[1], softmax_scale)
     dq.copy_(dq_accum[:, :, :seqlen_q].transpose(1, 2))

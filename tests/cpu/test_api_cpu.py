@@ -106,9 +106,10 @@ def _fake_kernels(monkeypatch, seen):
             lse_split[1].fill_(0.5)
         return q * 1.0, lse
 
-    def fake_backward(dout, q, k, v, out, lse, softmax_scale, causal, deterministic=False, lse_split=None):
+    def fake_backward(dout, q, k, v, out, lse, softmax_scale, causal, deterministic=False, lse_split=None, dlse=None):
         seen.update(scale=softmax_scale, causal=causal, lse_shape=tuple(lse.shape), det=deterministic,
-                    split=None if lse_split is None else (lse_split[0].unique().tolist(), lse_split[1].unique().tolist()))
+                    split=None if lse_split is None else (lse_split[0].unique().tolist(), lse_split[1].unique().tolist()),
+                    dlse=None if dlse is None else dlse.unique().tolist(), dout=dout.unique().tolist())
         return torch.ones_like(q), 2 * torch.ones_like(k), 3 * torch.ones_like(v)
 
     monkeypatch.setattr(api, "_flash_attn_forward", fake_forward)
@@ -123,12 +124,26 @@ def test_autograd_routes_backward(monkeypatch):
     q.requires_grad_()
     v.requires_grad_()
     out, lse = FlashAttnFunc.apply(q, k, v, 0.125, True)
-    assert out.requires_grad and not lse.requires_grad
+    assert out.requires_grad and lse.requires_grad
     out.sum().backward()
     assert seen == {"scale": 0.125, "causal": True, "lse_shape": (q.shape[0], q.shape[2], q.shape[1]), "det": False,
-                    "split": ([7.0], [0.5])}
+                    "split": ([7.0], [0.5]), "dlse": None, "dout": [1.0]}
     assert torch.equal(q.grad, torch.ones_like(q)) and torch.equal(v.grad, 3 * torch.ones_like(v))
     assert k.grad is None
+
+
+def test_lse_gradient_is_routed(monkeypatch):
+    """A loss on lse reaches the backward as dlse (None when lse is unused); a loss on lse alone
+    gives a zero dout."""
+    seen = {}
+    _fake_kernels(monkeypatch, seen)
+    q, k, v = (t.float().requires_grad_() for t in qkv())
+    out, lse = FlashAttnFunc.apply(q, k, v, 0.125, False)
+    (3.0 * lse).sum().backward()
+    assert seen["dlse"] == [3.0] and seen["dout"] == [0.0]
+    out, lse = FlashAttnFunc.apply(q, k, v, 0.125, False)
+    (out.sum() + 2.0 * lse.sum()).backward()
+    assert seen["dlse"] == [2.0] and seen["dout"] == [1.0]
 
 
 def test_double_backward_raises(monkeypatch):

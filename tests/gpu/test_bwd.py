@@ -129,6 +129,46 @@ def test_autograd_every_headdim(d):
         assert (g.float() - gr).abs().max() <= 2 * (gp.float() - gr).abs().max() + GRAD_ATOL
 
 
+def lse_loss_grads(q, k, v, dout, dlse, causal, fn):
+    """dq, dk, dv of sum(out * dout) + sum(lse * dlse), out and lse from fn(q, k, v)."""
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out, lse = fn(*leaves)
+    (out.float() * dout.float()).sum().add((lse.float() * dlse).sum()).backward()
+    return [t.grad for t in leaves]
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_lse_gradient(d, causal):
+    """A loss that uses the LSE (return_lse=True) carries dLSE into dq and dk (issue 13): flash4
+    against autograd through the float32 reference's logsumexp, the usual 2x-PyTorch rule; and a
+    loss on lse alone."""
+    gen = torch.Generator(device="cuda").manual_seed(d)
+    q, k, v, dout = (torch.randn(2, 300, 4, d, generator=gen, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    dlse = torch.randn(2, 4, 300, generator=gen, device="cuda")
+    scale = 1 / math.sqrt(d)
+    got = lse_loss_grads(q, k, v, dout, dlse, causal,
+                         lambda a, b, c: flash_attn_func(a, b, c, causal=causal, return_lse=True))
+    g_ref = lse_loss_grads(q.float(), k.float(), v.float(), dout, dlse, causal,
+                           lambda a, b, c: attention_ref(a, b, c, scale, causal, upcast=True))
+    g_pt = lse_loss_grads(q, k, v, dout, dlse, causal,
+                          lambda a, b, c: attention_ref(a, b, c, scale, causal, upcast=False))
+    for name, g, gr, gp in zip(("dq", "dk", "dv"), got, g_ref, g_pt):
+        assert torch.isfinite(g).all(), name
+        err, pt_err = (g.float() - gr).abs().max().item(), (gp.float() - gr).abs().max().item()
+        assert err <= 2 * pt_err + GRAD_ATOL, f"{name}: err {err:.3e} > 2 * {pt_err:.3e} + {GRAD_ATOL}"
+    # lse alone: dv = 0, dq and dk from dLSE only
+    got = lse_loss_grads(q, k, v, torch.zeros_like(dout), dlse, causal,
+                         lambda a, b, c: flash_attn_func(a, b, c, causal=causal, return_lse=True))
+    g_ref = lse_loss_grads(q.float(), k.float(), v.float(), torch.zeros_like(dout), dlse, causal,
+                           lambda a, b, c: attention_ref(a, b, c, scale, causal, upcast=True))
+    g_pt = lse_loss_grads(q, k, v, torch.zeros_like(dout), dlse, causal,
+                          lambda a, b, c: attention_ref(a, b, c, scale, causal, upcast=False))
+    assert torch.count_nonzero(got[2]) == 0
+    for g, gr, gp in zip(got[:2], g_ref[:2], g_pt[:2]):
+        assert (g.float() - gr).abs().max() <= 2 * (gp.float() - gr).abs().max() + GRAD_ATOL
+
+
 def test_memory_is_linear():
     """fwd + bwd at S = 16k, hdim 128, causal: extra memory O(N) (PyTorch's math path needs ~66 GB)."""
     b, s, h, d = 1, 16384, 16, 128
