@@ -156,3 +156,60 @@ def test_bench_times_backward_unless_told_not_to():
     assert build_parser().parse_args(["bench"]).bwd is True
     assert build_parser().parse_args(["bench", "--no-bwd"]).bwd is False
 
+
+
+def test_progress_is_one_line_per_item_when_not_a_terminal():
+    """Written to a file or a pipe, progress is one plain line per finished item (no carriage
+    returns piling up into one line); on a terminal it is a tqdm bar."""
+    import io
+
+    from flash4.bench.report import LineProgress, progress
+
+    out = io.StringIO()
+    bar = progress(3, "sweep", "run", file=out)
+    assert isinstance(bar, LineProgress)
+    for i in range(3):
+        bar.set_postfix_str(f"cell {i}: fwd 1.0 TFLOPs")
+        bar.update()
+    bar.write("a note")
+    bar.close()
+    text = out.getvalue()
+    assert "\r" not in text
+    assert text.splitlines() == ["sweep 1/3 cell 0: fwd 1.0 TFLOPs", "sweep 2/3 cell 1: fwd 1.0 TFLOPs",
+                                 "sweep 3/3 cell 2: fwd 1.0 TFLOPs", "a note"]
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    assert not isinstance(progress(3, "sweep", "run", file=Tty()), LineProgress)
+
+
+def test_plot_has_backward_panels_and_own_scales(tmp_path):
+    """Forward and backward panels, each y-axis scaled to its own data (no panel flattened by a
+    larger head dim's numbers)."""
+    from matplotlib.figure import Figure
+
+    rows = [{"impl": impl, "headdim": d, "causal": c, "seqlen": s, "batch": 1, "nheads": 1,
+             "fwd_tflops": d * 2.0 * f, "bwd_tflops": d * 1.0 * f}
+            for impl, f in (("flash4", 1.0), ("sdpa_cudnn", 0.9)) for d in (64, 256) for c in (0, 1)
+            for s in (1024, 4096)]
+    saved = {}
+    orig = Figure.savefig
+
+    def capture(self, *a, **k):
+        saved["fig"] = self
+        return orig(self, *a, **k)
+
+    Figure.savefig = capture
+    try:
+        run.plot(rows, tmp_path / "p.png", "t")
+    finally:
+        Figure.savefig = orig
+    axes = saved["fig"].axes
+    assert len(axes) == 2 * 2 * 2  # (fwd, bwd) x causal x headdim
+    titles = [ax.get_title() for ax in axes]
+    assert sum(t.startswith("backward") for t in titles) == 4
+    for ax in axes:
+        top = max(max(line.get_ydata()) for line in ax.get_lines())
+        assert ax.get_ylim()[1] <= 1.2 * top  # own scale: the data fills the panel

@@ -209,13 +209,13 @@ def measure(variants, cells, dtype, rounds: int = ROUNDS, rep_ms: float = 100.0)
     """Forward TFLOPs of every variant on every cell (median of `rounds` interleaved rounds);
     rows with CSV_COLUMNS keys plus batch, nheads and times_ms (NaN where a variant raised)."""
     import torch
-    from tqdm import tqdm
 
+    from flash4.bench.report import progress
     from flash4.compile.cache import get_fwd_runner
 
     torch_dtype = run.DTYPES[dtype]
     rows, seen = [], set()
-    bar = tqdm(total=len(cells) * len(variants) * rounds, desc="ablate", unit="run")
+    bar = progress(len(cells) * len(variants) * rounds, "ablate", "run")
 
     def report(name, cell, err):
         message = _error_text(err)

@@ -5,7 +5,41 @@ from __future__ import annotations
 import json
 import math
 import re
+import sys
 from pathlib import Path
+
+
+class LineProgress:
+    """Progress for output that is not a terminal (a file, a pipe, CI): one plain line per finished
+    item, "desc i/total postfix", instead of a bar whose carriage returns pile up into one giant
+    line. The subset of tqdm's interface the benchmark uses."""
+
+    def __init__(self, total: int, desc: str, file=None):
+        self.total, self.desc, self.n, self.postfix = total, desc, 0, ""
+        self.file = sys.stderr if file is None else file
+
+    def set_postfix_str(self, text: str) -> None:
+        self.postfix = text
+
+    def write(self, text: str) -> None:
+        print(text, file=self.file, flush=True)
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        self.write(f"{self.desc} {self.n}/{self.total} {self.postfix}".rstrip())
+
+    def close(self) -> None:
+        pass
+
+
+def progress(total: int, desc: str, unit: str = "it", file=None):
+    """A tqdm bar on a terminal, a LineProgress otherwise (stderr unless `file` is given)."""
+    stream = sys.stderr if file is None else file
+    if getattr(stream, "isatty", lambda: False)():
+        from tqdm import tqdm
+
+        return tqdm(total=total, desc=desc, unit=unit, file=stream)
+    return LineProgress(total, desc, stream)
 
 
 def format_table(headers: list[str], rows: list[list]) -> str:
@@ -55,8 +89,6 @@ def select_configs(headdims=None, dtypes=None, causals=None) -> list:
 def compile_check_main(configs: list | None = None, json_path: str | Path | None = None) -> int:
     """Compile `configs` (None: every shipped forward and backward config) without a GPU and print a table of
     registers, spills, shared memory and compile time. Returns 1 on any compile error or spill, else 0."""
-    from tqdm import tqdm
-
     from flash4.compile.check import compile_check  # late: pulls in the CuTe DSL
 
     configs = select_configs() if configs is None else list(configs)
@@ -65,8 +97,13 @@ def compile_check_main(configs: list | None = None, json_path: str | Path | None
         return 1
     print(f"compile check: {len(configs)} config(s) (forward and backward), no GPU needed")
     results = []
-    for cfg in tqdm(configs, desc="compile", unit="cfg"):
+    bar = progress(len(configs), "compile", "cfg")
+    for cfg in configs:
         results.extend(compile_check([cfg]))
+        bar.set_postfix_str(f"{results[-1]['config']}: {'ok' if results[-1]['ok'] else 'FAILED'} "
+                            f"{results[-1]['compile_s']} s")
+        bar.update()
+    bar.close()
     # hgmma / utmaldg: SASS instruction counts, when the check reports them
     rows = [
         [r["config"], r["ok"], r["compile_s"], r["registers"], r["spills"], r["smem_bytes"],

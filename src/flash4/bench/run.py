@@ -210,10 +210,10 @@ def _time_bwd(impl, q, k, v, causal, rep_ms) -> float:
 def measure(impls, cells, dtype, rep_ms: float = 100.0, bwd: bool = False) -> list[dict]:
     """Forward (and backward) TFLOPs of every impl on every cell; rows with CSV_COLUMNS keys
     (NaN where it raised)."""
-    from tqdm import tqdm
+    from flash4.bench.report import progress
 
     rows, seen = [], set()
-    bar = tqdm(total=len(cells) * len(impls), desc="sweep", unit="run")
+    bar = progress(len(cells) * len(impls), "sweep", "run")
     for cell in cells:
         q, k, v = _inputs(cell.batch, cell.seqlen, cell.seqlen, cell.nheads, cell.nheads, cell.headdim, dtype)
         for impl in impls:
@@ -243,6 +243,8 @@ def measure(impls, cells, dtype, rep_ms: float = 100.0, bwd: bool = False) -> li
             rows.append({"impl": impl.name, "headdim": cell.headdim, "causal": int(cell.causal),
                          "seqlen": cell.seqlen, "batch": cell.batch, "nheads": cell.nheads,
                          "fwd_tflops": fwd, "bwd_tflops": bwd_tf})
+            bar.set_postfix_str(f"{impl.name} {cell.label()}: fwd {fwd:.1f}"
+                                + ("" if bwd_tf is None else f", bwd {bwd_tf:.1f}") + " TFLOPs")
             bar.update()
         del q, k, v
     bar.close()
@@ -362,32 +364,46 @@ def write_json(path: Path, meta: dict, rows, checks, targets, memory=None) -> No
 
 
 def plot(rows, path: Path, title: str) -> None:
-    """TFLOPs vs seqlen, one panel per (causal, headdim), one line per impl (PNG, no display)."""
+    """TFLOPs vs seqlen (PNG, no display): one panel per (pass, causal, headdim), forward rows first,
+    then backward rows when any backward was timed; one line per impl. Each panel has its own
+    y-axis from 0 to just above its largest value (head dims differ by ~2x in TFLOPs: a shared
+    axis flattens the small ones)."""
     from matplotlib.figure import Figure
 
     headdims = sorted({r["headdim"] for r in rows})
     causals = sorted({r["causal"] for r in rows})
     seqlens = sorted({r["seqlen"] for r in rows})
     impls = list(dict.fromkeys(r["impl"] for r in rows))
-    fig = Figure(figsize=(4.5 * len(headdims), 3.6 * len(causals)))
-    axes = fig.subplots(len(causals), len(headdims), squeeze=False, sharey=True)
-    for i, c in enumerate(causals):
+
+    def finite(x):
+        return x is not None and not math.isnan(x)
+
+    metrics = [("fwd_tflops", "forward")]
+    if any(finite(r.get("bwd_tflops")) for r in rows):
+        metrics.append(("bwd_tflops", "backward"))
+    panels = [(m, name, c) for m, name in metrics for c in causals]
+    fig = Figure(figsize=(4.5 * len(headdims), 3.6 * len(panels)))
+    axes = fig.subplots(len(panels), len(headdims), squeeze=False)
+    for i, (metric, name, c) in enumerate(panels):
         for j, d in enumerate(headdims):
             ax = axes[i][j]
+            top = 0.0
             for impl in impls:
-                pts = sorted((r["seqlen"], r["fwd_tflops"]) for r in rows
-                             if r["impl"] == impl and r["headdim"] == d and r["causal"] == c)
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=impl)
+                pts = sorted((r["seqlen"], r.get(metric)) for r in rows
+                             if r["impl"] == impl and r["headdim"] == d and r["causal"] == c and finite(r.get(metric)))
+                if pts:
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=impl)
+                    top = max(top, max(p[1] for p in pts))
             ax.set_xscale("log", base=2)
             ax.set_xticks(seqlens, [seqlen_label(s) for s in seqlens])
-            ax.set_title(f"hdim {d}, {'causal' if c else 'non-causal'}")
+            ax.set_title(f"{name}, hdim {d}, {'causal' if c else 'non-causal'}")
             ax.set_xlabel("seqlen")
-            ax.set_ylabel("forward TFLOPs")
-            ax.set_ylim(bottom=0)
+            ax.set_ylabel(f"{name} TFLOPs")
+            ax.set_ylim(0, top * 1.1 if top > 0 else 1.0)
             ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize="small")
     fig.suptitle(title)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.3 / fig.get_figheight()))  # room for the title
     fig.savefig(path, dpi=120)
 
 
@@ -517,7 +533,7 @@ def main(args: argparse.Namespace) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     write_csv(rows, out_dir / "sweep.csv")
     write_json(out_dir / "sweep.json", meta, rows, checks, targets, memory)
-    plot(rows, out_dir / "sweep.png", f"{meta['gpu']}, {args.dtype} forward, {meta['date'][:10]}")
+    plot(rows, out_dir / "sweep.png", f"{meta['gpu']}, {args.dtype}, {meta['date'][:10]}")
     print(f"\nwrote {out_dir / 'sweep.csv'}, {out_dir / 'sweep.json'}, {out_dir / 'sweep.png'}")
     if flash4_failed:
         print("FAILED: flash4 is not correct on some shapes (see the correctness table).")
