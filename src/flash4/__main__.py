@@ -1,5 +1,5 @@
-"""Command line: `python -m flash4 bench [...]`, `python -m flash4 bench --ablate [...]` and
-`python -m flash4 compile-check [...]`.
+"""Command line: `python -m flash4 bench [...]`, `python -m flash4 bench --ablate [...]`,
+`python -m flash4 compile-check [...]` and `python -m flash4 warmup [...]`.
 
 Argument parsing and dispatch only; the work lives in flash4.bench.run, flash4.bench.ablate and
 flash4.bench.report.
@@ -30,6 +30,14 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--dtypes", nargs="+", choices=("bf16", "fp16"), help="only these dtypes")
     check.add_argument("--causal", choices=("0", "1", "both"), default="both")
     check.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    warm = sub.add_parser(
+        "warmup", help="compile the shipped configs into the on-disk compile cache (FLASH4_CACHE_DIR) so later "
+                       "processes load them in milliseconds",
+    )
+    for p in (warm,):
+        p.add_argument("--headdims", type=int, nargs="+", metavar="D", help="only these head dims")
+        p.add_argument("--dtypes", nargs="+", choices=("bf16", "fp16"), help="only these dtypes")
+        p.add_argument("--causal", choices=("0", "1", "both"), default="both")
     return parser
 
 
@@ -47,10 +55,12 @@ def main(argv: list[str] | None = None) -> int:
         from flash4.bench.run import main as bench_main
 
         return bench_main(args)
-    from flash4.bench.report import compile_check_main, select_configs
+    from flash4.bench.report import compile_check_main, select_configs, warmup_main
 
     causals = {"0": (False,), "1": (True,), "both": None}[args.causal]
     configs = select_configs(headdims=args.headdims, dtypes=args.dtypes, causals=causals)
+    if args.command == "warmup":
+        return warmup_main(configs)
     return compile_check_main(configs, json_path=args.json)
 
 

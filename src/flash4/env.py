@@ -4,6 +4,8 @@
 | ------------------ | ---------------------------------------------------- | -------------------------- |
 | FLASH4_ARCH        | SM version to use instead of the device's, e.g. 90   | the device's (arch.py)     |
 | FLASH4_NUM_SMS     | SM count to use instead of the device's              | the device's (arch.py)     |
+| FLASH4_CACHE       | 0 disables the on-disk compile cache                 | on                         |
+| FLASH4_CACHE_DIR   | directory of the on-disk compile cache               | $XDG_CACHE_HOME/flash4 or ~/.cache/flash4 |
 
 Each function reads the environment when called (no caching), so a test can set a variable with
 monkeypatch. A malformed value raises ValueError naming the variable, the value and what is allowed.
@@ -55,3 +57,25 @@ def num_sms_override() -> int | None:
     if count < 1:
         raise ValueError(f"FLASH4_NUM_SMS={value!r} must be a positive integer, e.g. 132")
     return count
+
+
+def disk_cache_enabled() -> bool:
+    """False when FLASH4_CACHE is 0/false/off/no; True when unset or 1/true/on/yes."""
+    value = _get("FLASH4_CACHE")
+    if value is None:
+        return True
+    text = value.lower()
+    if text in ("0", "false", "off", "no"):
+        return False
+    if text in ("1", "true", "on", "yes"):
+        return True
+    raise ValueError(f"FLASH4_CACHE={value!r}: allowed 0/1, true/false, on/off, yes/no")
+
+
+def disk_cache_dir() -> str:
+    """FLASH4_CACHE_DIR, else $XDG_CACHE_HOME/flash4, else ~/.cache/flash4 (not created here)."""
+    value = _get("FLASH4_CACHE_DIR")
+    if value is not None:
+        return os.path.expanduser(value)
+    base = _get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "flash4")

@@ -1,7 +1,9 @@
 """One cached entry point per kernel kind: config (host scalars only) -> compiled launcher.
 
 The in-memory cache is keyed by the frozen config; a second call with an equal config compiles
-nothing. Compiled kernels take torch tensors directly (TVM-FFI) and launch on the current stream.
+nothing; a new process loads what an earlier one compiled from the on-disk cache
+(flash4.compile.disk_cache). Compiled kernels take torch tensors directly (TVM-FFI) and launch on
+the current stream.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 import cutlass  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
 
+from flash4.compile.disk_cache import load_or_compile  # noqa: E402
 from flash4.compile.fake import bwd_fake_args, fwd_fake_args  # noqa: E402
 
 COMPILE_OPTIONS = "--enable-tvm-ffi"
@@ -60,7 +63,7 @@ def get_fwd_runner(cfg: FwdConfig):
     import torch  # late: keeps the compile path torch-free
 
     t0 = time.perf_counter()
-    compiled = compile_fwd(cfg)
+    compiled = load_or_compile("fwd", cfg, COMPILE_OPTIONS + _arch_option(cfg.arch), lambda: compile_fwd(cfg))
     get_fwd_runner.last_compile_s = time.perf_counter() - t0
 
     def run(q, k, v, out, lse, softmax_scale: float, lse_split=None):
@@ -97,7 +100,7 @@ def get_bwd_runner(cfg: BwdConfig):
     run(q, k, v, dout, lse_log2, dpsum, dq_accum, dk, dv, dq_semaphore, exact, lse_hi, lse_lo, softmax_scale)
     on the current stream (grid: flash4.launch.bwd_grid). The pre/postprocess (lse_log2, dpsum,
     exact flags, dq_accum zeroing, dq conversion) is flash4.backward's."""
-    compiled = compile_bwd(cfg)
+    compiled = load_or_compile("bwd", cfg, COMPILE_OPTIONS + _arch_option(cfg.arch), lambda: compile_bwd(cfg))
 
     def run(q, k, v, dout, lse_log2, dpsum, dq_accum, dk, dv, dq_semaphore, exact, lse_hi, lse_lo,
             softmax_scale: float):
@@ -115,12 +118,16 @@ def get_bwd_preprocess_runner(headdim: int, dtype: str, arch: int = 90):
     from flash4.compile.fake import bwd_preprocess_fake_args
     from flash4.kernels.bwd_preprocess import BackwardPreprocess
 
-    args = bwd_preprocess_fake_args(headdim, dtype)
-    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    compiled = cute.compile(
-        BackwardPreprocess(headdim, args[0].element_type), *args, cutlass.Int32(64), cutlass.Int32(1), stream,
-        options=COMPILE_OPTIONS + _arch_option(arch),
-    )
+    def compile_preprocess():
+        args = bwd_preprocess_fake_args(headdim, dtype)
+        stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+        return cute.compile(
+            BackwardPreprocess(headdim, args[0].element_type), *args, cutlass.Int32(64), cutlass.Int32(1), stream,
+            options=COMPILE_OPTIONS + _arch_option(arch),
+        )
+
+    compiled = load_or_compile("bwd_preprocess", (headdim, dtype, arch), COMPILE_OPTIONS + _arch_option(arch),
+                               compile_preprocess)
 
     def run(out, dout, lse_hi, lse_lo, dpsum, lse_log2, exact, tile_m: int):
         grid = bwd_preprocess_grid(out.shape[0], out.shape[1], out.shape[2])
