@@ -18,7 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m flash4", description="flash4 attention kernels")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     bench = sub.add_parser(
-        "bench", help="check correctness, then time the forward sweep against cuDNN / FA2 / flash-attn-4",
+        "bench", help="check correctness, then time the forward and backward sweep against cuDNN / FA2 / flash-attn-4",
         description=bench_run.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     bench_run.add_arguments(bench)
@@ -28,16 +28,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     check.add_argument("--headdims", type=int, nargs="+", metavar="D", help="only these head dims")
     check.add_argument("--dtypes", nargs="+", choices=("bf16", "fp16"), help="only these dtypes")
-    check.add_argument("--causal", choices=("0", "1", "both"), default="both")
+    check.add_argument("--causal", choices=("0", "1", "both"), default="both",
+                       help="only non-causal (0), only causal (1) or both (default)")
     check.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     warm = sub.add_parser(
         "warmup", help="compile the shipped configs into the on-disk compile cache (FLASH4_CACHE_DIR) so later "
                        "processes load them in milliseconds",
+        description="Compile the shipped configs into the on-disk compile cache. It lives in FLASH4_CACHE_DIR "
+                    "(default $XDG_CACHE_HOME/flash4, else ~/.cache/flash4); FLASH4_CACHE=0 turns it off.",
     )
     for p in (warm,):
         p.add_argument("--headdims", type=int, nargs="+", metavar="D", help="only these head dims")
         p.add_argument("--dtypes", nargs="+", choices=("bf16", "fp16"), help="only these dtypes")
-        p.add_argument("--causal", choices=("0", "1", "both"), default="both")
+        p.add_argument("--causal", choices=("0", "1", "both"), default="both",
+                       help="only non-causal (0), only causal (1) or both (default)")
     return parser
 
 

@@ -1,4 +1,4 @@
-"""`python -m flash4 bench`: correctness on a few shapes, then the forward TFLOPs sweep.
+"""`python -m flash4 bench`: correctness on a few shapes, then the forward and backward TFLOPs sweep.
 
 Sweep (issue 2): batch * seqlen = 32768 tokens, hidden 2048 (nheads = 2048 // headdim),
 seqlen_q == seqlen_k, bf16 (--dtype), causal and not; implementations named as in the CSV: flash4,
@@ -10,7 +10,7 @@ Writes into --out (default bench_out/): sweep.csv (CSV_COLUMNS), sweep.json (met
 correctness, targets), sweep.png. Without a GPU it says so and runs the compile check instead.
 Backward (unless --no-bwd): the time of torch.autograd.grad(out, (q, k, v), dout) on a graph built
 once per cell (the backward kernels with their pre/postprocess), FLOPs 2.5x the forward's; NaN where
-an implementation has no backward for the cell (flash4 above headdim 128).
+an implementation has no backward for the cell or raised there.
 """
 
 from __future__ import annotations
