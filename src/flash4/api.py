@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+import flash4.ops  # noqa: F401  (registers the flash4:: custom ops torch.compile traces)
 from flash4.arch import device_arch
 from flash4.autograd import FlashAttnFunc
 from flash4.config import select_fwd_config
@@ -56,6 +57,12 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False,
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+    if torch.compiler.is_compiling():
+        # torch.compile: one custom op per call (flash4.ops); its real implementation checks the
+        # arguments when the compiled graph runs (pointers and the device are not known here).
+        out, lse, _ = torch.ops.flash4.fwd(q, k, v, resolve_softmax_scale(softmax_scale, q.shape[3]), causal,
+                                           deterministic)
+        return (out, lse) if return_lse else out
     check_inputs(q, k, v, softmax_scale, causal)
     scale = resolve_softmax_scale(softmax_scale, q.shape[3])
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
