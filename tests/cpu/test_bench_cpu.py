@@ -213,3 +213,29 @@ def test_plot_has_backward_panels_and_own_scales(tmp_path):
     for ax in axes:
         top = max(max(line.get_ydata()) for line in ax.get_lines())
         assert ax.get_ylim()[1] <= 1.2 * top  # own scale: the data fills the panel
+
+
+def test_cases_flops_selection_and_csv(tmp_path):
+    """Named cells: FLOPs of the unmasked work (geometry's rule), selection by name / prefix,
+    SDPA skipped where its top-left causal mask differs, and the cases.csv layout."""
+    from flash4.bench import cases
+
+    assert cases.visible_pairs(4, 4, True) == 10 and cases.visible_pairs(4, 4, False) == 16
+    assert cases.visible_pairs(2, 5, True) == 4 + 5 and cases.visible_pairs(5, 2, True) == 0 + 0 + 0 + 1 + 2
+    c = cases.Case("x", 128, True, 4096, 4096, 8, 16, 16)
+    assert cases.case_fwd_flops(c) == 4.0 * 8 * 16 * 128 * (4096 * 4097 // 2)
+    assert [c.name for c in cases.select_cases(["gqa"])] == ["gqa_64q8kv_d128_causal_4k"]
+    assert cases.select_cases(["none"]) == [] and len(cases.select_cases(None)) == len(cases.CASES)
+    with pytest.raises(ValueError, match="--cases: unknown"):
+        cases.select_cases(["nope"])
+    assert not cases.impl_applies("sdpa_cudnn", cases.Case("r", 64, True, 10, 20, 1, 1, 1))
+    assert cases.impl_applies("flash4", cases.Case("r", 64, True, 10, 20, 1, 1, 1))
+    rows = [{"impl": i, "case": "d96_causal_4k", "headdim": 96, "causal": 1, "seqlen_q": 4096, "seqlen_k": 4096,
+             "batch": 8, "nheads": 21, "nheads_k": 21, "fwd_tflops": t, "bwd_tflops": t / 2}
+            for i, t in (("flash4", 400.0), ("flash_attn_4", 500.0))]
+    cases.write_cases_csv(rows, tmp_path / "cases.csv")
+    lines = (tmp_path / "cases.csv").read_text().splitlines()
+    assert lines[0] == ",".join(cases.CASE_COLUMNS)
+    assert lines[1] == "flash4,d96_causal_4k,96,1,4096,4096,8,21,21,400.0,200.0"
+    headers, table = cases.cases_table(rows)
+    assert headers == ["case", "flash4", "flash_attn_4", "flash4/flash_attn_4"] and table[0][-1] == 0.8

@@ -78,6 +78,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="bench_out", help="output directory (default bench_out/)")
     parser.add_argument("--no-bwd", dest="bwd", action="store_false",
                         help="time the forward only (default: forward and backward)")
+    parser.add_argument("--cases", nargs="+", metavar="NAME",
+                        help="named cells beyond the sweep to time after it (flash4.bench.cases: d96, d192, gqa, "
+                             "mqa; a name or prefix, 'all' (default) or 'none'); written to cases.csv")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -473,6 +476,13 @@ def main(args: argparse.Namespace) -> int:
     """Run the benchmark; returns the exit code (1 when flash4 fails its correctness check)."""
     from flash4.bench.report import format_table
 
+    from flash4.bench import cases as bench_cases
+
+    try:
+        cases = bench_cases.select_cases(getattr(args, "cases", None))
+    except ValueError as err:
+        print(err)
+        return 2
     if not torch.cuda.is_available():
         return _no_gpu(args)
 
@@ -529,8 +539,19 @@ def main(args: argparse.Namespace) -> int:
             print(f"flash4 / flash_attn_4 = {_ratio(memory['flash4'], memory['flash_attn_4']):.2f} (target <= 1.5); "
                   f"sdpa_math / flash4 = {_ratio(memory.get('sdpa_math'), memory['flash4']):.0f} (target >= 50)")
 
+    case_rows = []
+    if cases:
+        print(f"\nCases beyond the sweep ({len(cases)}): TFLOPs of the unmasked work ({args.dtype})")
+        case_rows = bench_cases.measure_cases(impls, cases, dtype, rep_ms=args.rep_ms, bwd=args.bwd)
+        for metric in ("fwd_tflops",) + (("bwd_tflops",) if args.bwd else ()):
+            headers, table = bench_cases.cases_table(case_rows, metric)
+            print(f"{metric.split('_')[0]}ward TFLOPs\n" + format_table(headers, table))
+
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
+    if case_rows:
+        bench_cases.write_cases_csv(case_rows, out_dir / "cases.csv")
+        print(f"wrote {out_dir / 'cases.csv'}")
     write_csv(rows, out_dir / "sweep.csv")
     write_json(out_dir / "sweep.json", meta, rows, checks, targets, memory)
     plot(rows, out_dir / "sweep.png", f"{meta['gpu']}, {args.dtype}, {meta['date'][:10]}")

@@ -1,0 +1,143 @@
+"""Named benchmark cells outside the standard sweep (issues 10, 11, 13): other head dims, GQA/MQA,
+seqlen_q != seqlen_k, timed side by side like the sweep and written to `cases.csv` with columns
+CASE_COLUMNS (the layout of docs/perf/h200-cases.csv).
+
+TFLOPs count only the unmasked work: 4 * batch * nheads * headdim * (visible (query, key) pairs),
+the pairs counted with flash4.geometry's rule (for seqlen_q == seqlen_k causal that is the usual
+half of the square, plus the diagonal). Backward FLOPs are 2.5x forward, as in the sweep.
+SDPA's `is_causal` is top-left aligned, so it is timed only where that equals flash4's
+bottom-right mask (not causal, or seqlen_q == seqlen_k).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from flash4 import geometry
+
+CASE_COLUMNS = ("impl", "case", "headdim", "causal", "seqlen_q", "seqlen_k", "batch", "nheads", "nheads_k",
+                "fwd_tflops", "bwd_tflops")
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str  # prefix = the family (d96, d192, gqa, mqa, ...), as the issues name them
+    headdim: int
+    causal: bool
+    seqlen_q: int
+    seqlen_k: int
+    batch: int
+    nheads: int
+    nheads_k: int
+
+    def label(self) -> str:
+        return self.name
+
+
+# Issue 11's cells that the standard sweep lacks (bf16; 32k tokens like the sweep).
+CASES = (
+    Case("d96_causal_4k", 96, True, 4096, 4096, 8, 21, 21),
+    Case("d192_full_4k", 192, False, 4096, 4096, 8, 10, 10),
+    Case("gqa_64q8kv_d128_causal_4k", 128, True, 4096, 4096, 8, 64, 8),
+    Case("mqa_32q1kv_d64_causal_8k", 64, True, 8192, 8192, 4, 32, 1),
+)
+
+
+def visible_pairs(seqlen_q: int, seqlen_k: int, causal: bool) -> int:
+    """(query, key) pairs the mask lets through, for one (batch, head)."""
+    return sum(max(0, geometry.key_limit(i, seqlen_q, seqlen_k, causal)) for i in range(seqlen_q))
+
+
+def case_fwd_flops(case: Case) -> float:
+    return 4.0 * case.batch * case.nheads * case.headdim * visible_pairs(case.seqlen_q, case.seqlen_k, case.causal)
+
+
+def impl_applies(impl_name: str, case: Case) -> bool:
+    """SDPA's causal mask is top-left aligned: skip it where that differs from flash4's."""
+    return not (impl_name.startswith("sdpa") and case.causal and case.seqlen_q != case.seqlen_k)
+
+
+def select_cases(names) -> list[Case]:
+    """CASES filtered by name or name prefix (None or ["all"]: all; ["none"]: none). Raises
+    ValueError naming the unknown ones and listing the known names."""
+    if names is None or list(names) == ["all"]:
+        return list(CASES)
+    if list(names) == ["none"]:
+        return []
+    picked, unknown = [], []
+    for name in names:
+        hits = [c for c in CASES if c.name == name or c.name.startswith(name)]
+        (picked.extend(h for h in hits if h not in picked) if hits else unknown.append(name))
+    if unknown:
+        raise ValueError(f"--cases: unknown {unknown}; known: {[c.name for c in CASES]} (or a prefix, all, none)")
+    return picked
+
+
+def measure_cases(impls, cases, dtype, rep_ms: float = 100.0, bwd: bool = True) -> list[dict]:
+    """TFLOPs of every impl on every case (NaN where it raised or does not apply); CASE_COLUMNS rows."""
+    import torch
+
+    from flash4.bench import run
+    from flash4.bench.report import progress
+
+    rows = []
+    bar = progress(len(cases) * len(impls), "cases", "run")
+    for case in cases:
+        q, k, v = run._inputs(case.batch, case.seqlen_q, case.seqlen_k, case.nheads, case.nheads_k, case.headdim,
+                              dtype)
+        flops = case_fwd_flops(case)
+        for impl in impls:
+            fwd_tf = bwd_tf = math.nan
+            if impl_applies(impl.name, case):
+                try:
+                    fn = impl.make(q, k, v, case.causal)
+                    with impl.context():
+                        fwd_tf = run.tflops(flops, run.time_ms(fn, rep_ms=rep_ms))
+                    if bwd:
+                        bwd_tf = run.tflops(run.BWD_FLOPS_FACTOR * flops,
+                                            run._time_bwd(impl, q, k, v, case.causal, rep_ms))
+                except Exception as err:  # a failing impl is a NaN cell, reported once per line
+                    bar.write(f"{impl.name} failed at {case.name}: {type(err).__name__}: "
+                              f"{str(err).splitlines()[0][:200] if str(err) else ''}")
+                    if isinstance(err, torch.cuda.OutOfMemoryError):
+                        torch.cuda.empty_cache()
+            rows.append({"impl": impl.name, "case": case.name, "headdim": case.headdim, "causal": int(case.causal),
+                         "seqlen_q": case.seqlen_q, "seqlen_k": case.seqlen_k, "batch": case.batch,
+                         "nheads": case.nheads, "nheads_k": case.nheads_k, "fwd_tflops": fwd_tf,
+                         "bwd_tflops": bwd_tf if bwd else None})
+            bar.set_postfix_str(f"{impl.name} {case.name}: fwd {fwd_tf:.1f}" + (f", bwd {bwd_tf:.1f}" if bwd else ""))
+            bar.update()
+        del q, k, v
+    bar.close()
+    return rows
+
+
+def write_cases_csv(rows, path) -> None:
+    import csv
+
+    from flash4.bench.run import _csv_value
+
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(CASE_COLUMNS)
+        for r in rows:
+            writer.writerow([_csv_value(r[c]) for c in CASE_COLUMNS])
+
+
+def cases_table(rows, metric: str = "fwd_tflops"):
+    """(headers, rows) for report.format_table: one line per case, TFLOPs per impl and flash4's ratios."""
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    by_case: dict = {}
+    for r in rows:
+        by_case.setdefault(r["case"], {})[r["impl"]] = r[metric]
+    others = [i for i in impls if i != "flash4"]
+    headers = ["case"] + impls + [f"flash4/{o}" for o in others if "flash4" in impls]
+    table = []
+    for name, vals in by_case.items():
+        line = [name] + [vals.get(i, math.nan) for i in impls]
+        if "flash4" in impls:
+            f4 = vals.get("flash4", math.nan)
+            line += [f4 / vals[o] if vals.get(o) and not math.isnan(vals[o]) else math.nan for o in others]
+        table.append(line)
+    return headers, table
