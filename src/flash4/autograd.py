@@ -1,4 +1,5 @@
-"""torch.autograd.Function for flash4 attention: forward and backward kernels.
+"""torch.autograd.Functions for flash4 attention: FlashAttnFunc (dense batches, flash4.backward)
+and FlashAttnVarlenFunc (packed variable-length batches, flash4.varlen; paged K/V forward only).
 
 The public function only goes through this Function when autograd is recording (grad mode on and
 an input requiring grad); inference calls skip its overhead. lse is differentiable: a loss that
@@ -84,3 +85,57 @@ class FlashAttnFunc(torch.autograd.Function):
         grads = no_double_backward((dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None),
                                    (q, k, v, dout, dlse))
         return grads + (None, None, None)
+
+
+PAGED_BACKWARD_ERROR = (
+    "flash4: flash_attn_varlen_func has no backward for a paged K/V cache (page_table given); run paged "
+    "attention under torch.no_grad() / torch.inference_mode(), or train with packed k/v and cu_seqlens_k"
+)
+
+
+class FlashAttnVarlenFunc(torch.autograd.Function):
+    """apply(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table, max_seqlen_q: int,
+    max_seqlen_k: int | 0-d Tensor | None, softmax_scale: float, causal: bool, deterministic: bool)
+    -> (out, lse); both differentiable (lse as FlashAttnFunc's).
+
+    Varlen layouts as flash4.varlen: q/out (total_q, H, D), k/v (total_k, Hk, D), lse (H, total_q).
+    Saves q, k, v, out, lse, the log2 LSE split and the sequence metadata (O(N) memory).
+    max_seqlen_k is only needed by the backward: a tensor or None is resolved there (a host sync
+    then, not in the forward). Paged K/V (page_table) run the forward; their backward raises
+    PAGED_BACKWARD_ERROR (the varlen backward reads packed K/V only).
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table, max_seqlen_q,
+                max_seqlen_k, softmax_scale, causal, deterministic=False):
+        from flash4.api import _flash_attn_varlen_forward  # late: api imports this module
+
+        ctx.paged = page_table is not None
+        lse_split = None if ctx.paged else torch.empty(2, q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
+        out, lse = _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale, causal,
+                                              seqused_q, seqused_k, page_table, lse_split=lse_split)
+        if not ctx.paged:
+            ctx.save_for_backward(q, k, v, out, lse, lse_split, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
+        ctx.max_seqlen_q, ctx.max_seqlen_k = max_seqlen_q, max_seqlen_k
+        ctx.softmax_scale, ctx.causal, ctx.deterministic = softmax_scale, causal, deterministic
+        ctx.set_materialize_grads(False)  # dout / dlse arrive as None when unused
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        if ctx.paged:
+            raise RuntimeError(PAGED_BACKWARD_ERROR)
+        from flash4.api import _flash_attn_varlen_backward
+        from flash4.validate import resolve_max_seqlen
+
+        q, k, v, out, lse, lse_split, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k = ctx.saved_tensors
+        if dout is None:  # only lse is used by the loss
+            dout = torch.zeros_like(out)
+        max_seqlen_k = resolve_max_seqlen("max_seqlen_k", ctx.max_seqlen_k, cu_seqlens_k, seqused_k)
+        dq, dk, dv = _flash_attn_varlen_backward(
+            dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, ctx.max_seqlen_q, max_seqlen_k, ctx.softmax_scale,
+            ctx.causal, seqused_q, seqused_k, deterministic=ctx.deterministic, lse_split=lse_split, dlse=dlse)
+        needs = ctx.needs_input_grad
+        grads = no_double_backward((dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None),
+                                   (q, k, v, dout, dlse))
+        return grads + (None,) * 10

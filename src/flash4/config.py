@@ -48,6 +48,16 @@ class FwdConfig:
     exp2_emu_frac: share of each row's exp2 done by the FMA polynomial (0 = all MUFU).
     rescale_threshold: lazy-rescale tau in log2 units (0 = rescale whenever the max grows).
     arch:         SM version the kernel is built for (90 = sm_90a).
+    Sequence layout (flash4.geometry.SeqLens; the kernel reads offsets and lengths per batch):
+    varlen_q:     Q/O/LSE packed (total_q, ...), sequence b at cu_seqlens_q[b] (else dense batches).
+    varlen_k:     K/V packed (total_k, ...), sequence b at cu_seqlens_k[b].
+    seqused_q:    a seqused_q tensor gives sequence b's query count (else cu_seqlens / the shape).
+    seqused_k:    a seqused_k tensor gives sequence b's key count (paged KV always has one).
+    page_rows:    0: K/V not paged; else K/V are (num_pages, page_size, nheads_k, headdim) with a
+                  page_table, and each key block is loaded page piece by page piece, page_rows rows
+                  per TMA copy (gcd(page_size, tile_n), a multiple of 8 rows; paged_page_rows()).
+    split_kv:     the key blocks of each query tile are split into num_splits runs (a runtime
+                  count) whose partial O / LSE go to fp32 buffers for the combine kernel (decode).
     """
 
     headdim: int
@@ -61,9 +71,17 @@ class FwdConfig:
     exp2_emu_frac: float = 0.0
     rescale_threshold: float = RESCALE_THRESHOLD_LOG2
     arch: int = 90
+    varlen_q: bool = False
+    varlen_k: bool = False
+    seqused_q: bool = False
+    seqused_k: bool = False
+    page_rows: int = 0
+    split_kv: bool = False
 
     def __post_init__(self):
         assert self.headdim in SUPPORTED_HEADDIMS, self.headdim
+        assert self.page_rows == 0 or (self.page_rows % 8 == 0 and self.tile_n % self.page_rows == 0
+                                       and self.seqused_k and not self.varlen_k), self
         assert self.dtype in DTYPES, self.dtype
         assert self.tile_m % ROWS_PER_WARPGROUP == 0, self.tile_m
         assert self.tile_n % 16 == 0, self.tile_n
@@ -110,6 +128,26 @@ def select_fwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, a
     # static round-robin is coarser than the hardware's block dispatch): off by default.
     return FwdConfig(headdim=headdim, dtype=dtype, causal=causal, tile_m=tile_m, tile_n=tile_n, kv_stages=2,
                      lpt=causal, arch=arch)
+
+
+# Smallest page piece one TMA copy may load: the swizzle atom of the K/V smem tile is 8 rows.
+MIN_PAGE_ROWS = 8
+
+
+def paged_page_rows(page_size: int, tile_n: int) -> int:
+    """Rows per TMA copy of a paged key block: gcd(page_size, tile_n) (a page piece never crosses
+    a page or a key block). Raises ValueError when that is not a multiple of MIN_PAGE_ROWS."""
+    rows = math.gcd(page_size, tile_n)
+    if page_size < 1 or rows % MIN_PAGE_ROWS != 0:
+        raise ValueError(
+            f"page_size={page_size} is not supported: paged K/V needs page_size to be a multiple of "
+            f"{MIN_PAGE_ROWS} (e.g. 16, 32, 64, 128, 256)")
+    return rows
+
+
+def with_seq_layout(cfg, **flags):
+    """cfg with the sequence-layout fields (varlen_q, varlen_k, seqused_q, seqused_k, page_rows) set."""
+    return dataclasses.replace(cfg, **flags)
 
 
 def shipped_fwd_configs() -> list[FwdConfig]:
@@ -159,6 +197,7 @@ class BwdConfig:
     split_headdim: the 2 consumer warpgroups share the CTA's 64 keys; each computes S^T/dP^T for
               half of the queries and dK/dV/dQ for half of headdim (P^T, dS^T staged in smem).
     deterministic: dQ partial sums added in n_block order (bitwise reproducible), at some speed.
+    varlen_q, varlen_k, seqused_q, seqused_k: the sequence layout, as FwdConfig (no paged KV).
     """
 
     headdim: int
@@ -170,6 +209,10 @@ class BwdConfig:
     split_headdim: bool = False
     deterministic: bool = False
     arch: int = 90
+    varlen_q: bool = False
+    varlen_k: bool = False
+    seqused_q: bool = False
+    seqused_k: bool = False
 
     def __post_init__(self):
         assert self.headdim in BWD_SUPPORTED_HEADDIMS, self.headdim

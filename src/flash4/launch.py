@@ -56,9 +56,17 @@ def fwd_grid(cfg: FwdConfig, batch: int, seqlen_q: int, nheads: int, num_sms: in
     return grid
 
 
+def bwd_dynamic_seqlen_k(cfg: BwdConfig) -> bool:
+    """The backward's key count differs per sequence (cu_seqlens_k or seqused_k): its grid is sized
+    by max_seqlen_k (a host int) and CTAs past their sequence's keys exit at once."""
+    return cfg.varlen_k or cfg.seqused_k
+
+
 def bwd_grid(cfg: BwdConfig, batch: int, seqlen_k: int, nheads_k: int) -> tuple[int, int, int]:
     """Backward grid: one CTA per (n_block, kv_head, batch), n_block fastest (the deterministic dQ
-    order relies on lower n_blocks launching first), flattened into gridDim.x."""
+    order relies on lower n_blocks launching first), flattened into gridDim.x. Varlen: batch =
+    the number of sequences, seqlen_k = max_seqlen_k when bwd_dynamic_seqlen_k(cfg) (the kernel
+    decodes blockIdx.x with the same n_block count)."""
     num_n_blocks = ceil_div(seqlen_k, cfg.tile_n)
     ctas = num_n_blocks * nheads_k * batch
     _check_count("backward", "CTAs (n_blocks x nheads_k x batch)", ctas,

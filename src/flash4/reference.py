@@ -133,3 +133,222 @@ def fwd_errors(q, k, v, out, lse=None, softmax_scale=None, causal=False) -> dict
         ok = ok and math.isfinite(errs["lse_pt_err"]) and errs["lse_err"] <= 2 * errs["lse_pt_err"] + LSE_ATOL
     errs["ok"] = ok
     return errs
+
+
+# ================================================================ varlen / paged / kvcache
+# flash4.flash_attn_varlen_func's conventions: q (total_q, H, D), k/v (total_k, Hk, D) packed by
+# cu_seqlens, or paged (num_pages, page_size, Hk, D) with page_table; lse (H, total_q). Sequence b's
+# offsets and lengths are flash4.geometry.SeqLens's: offset cu_seqlens[b], length seqused[b] if
+# given else cu_seqlens[b + 1] - cu_seqlens[b] (so with seqused_k the offsets need not increase).
+
+
+def _host_ints(t) -> list[int] | None:
+    if t is None:
+        return None
+    return [int(x) for x in (t.tolist() if isinstance(t, torch.Tensor) else t)]
+
+
+def varlen_seqlens(cu_seqlens_q, cu_seqlens_k=None, seqused_q=None, seqused_k=None) -> geometry.SeqLens:
+    """The host SeqLens of a varlen / paged batch (reads the tensors: a host sync on a GPU)."""
+    cu_q = _host_ints(cu_seqlens_q)
+    return geometry.SeqLens(batch=len(cu_q) - 1, cu_seqlens_q=cu_q, cu_seqlens_k=_host_ints(cu_seqlens_k),
+                            seqused_q=_host_ints(seqused_q), seqused_k=_host_ints(seqused_k))
+
+
+def gather_paged(cache: torch.Tensor, page_table_row, length: int) -> torch.Tensor:
+    """The first `length` rows (length, Hk, D) of one sequence of a paged cache (num_pages,
+    page_size, Hk, D): key j is cache[page_table_row[j // page_size], j % page_size]."""
+    page_size = cache.shape[1]
+    pages = _host_ints(page_table_row)[: (length + page_size - 1) // page_size]
+    if not pages:
+        return cache.new_zeros((0,) + tuple(cache.shape[2:]))
+    return cache[torch.tensor(pages, device=cache.device)].reshape((-1,) + tuple(cache.shape[2:]))[:length]
+
+
+def varlen_row_mask(cu_seqlens_q, total_q: int, seqused_q=None) -> torch.Tensor:
+    """Bool (total_q,) on cu_seqlens_q's device: True for the query rows inside some sequence (the
+    rows the kernel computes; the others are left unwritten)."""
+    seqs = varlen_seqlens(cu_seqlens_q, seqused_q=seqused_q)
+    mask = torch.zeros(total_q, dtype=torch.bool)
+    for b in range(seqs.batch):
+        mask[seqs.offset_q(b): seqs.offset_q(b) + seqs.len_q(b)] = True
+    return mask.to(cu_seqlens_q.device if isinstance(cu_seqlens_q, torch.Tensor) else "cpu")
+
+
+def attention_varlen_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q,
+    cu_seqlens_k=None,
+    seqused_q=None,
+    seqused_k=None,
+    page_table=None,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    upcast: bool = True,
+    compute_dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Varlen / paged attention, each sequence attended densely by `attention_ref`.
+
+    q: (total_q, H, D); k, v: (total_k, Hk, D) with cu_seqlens_k, or paged (num_pages, page_size,
+    Hk, D) with page_table (batch, max_pages) and seqused_k. cu_seqlens_*: (batch + 1,), seqused_*:
+    (batch,) (tensors on any device, or lists). Causal is bottom-right per sequence. upcast and
+    compute_dtype as attention_ref. Returns (out (total_q, H, D), lse (H, total_q)); query rows
+    outside every sequence get out = 0 and lse = -inf. Differentiable (dq/dk/dv of the reference).
+    """
+    seqs = varlen_seqlens(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
+    total_q, nheads, headdim = q.shape
+    out_dtype = compute_dtype if upcast else q.dtype
+    out = torch.zeros(total_q, nheads, headdim, dtype=out_dtype, device=q.device)
+    lse = torch.full((nheads, total_q), float("-inf"), dtype=compute_dtype if upcast else torch.float32,
+                     device=q.device)
+    for b in range(seqs.batch):
+        start, len_q, len_k = seqs.offset_q(b), seqs.len_q(b), seqs.len_k(b)
+        if len_q == 0:
+            continue
+        if page_table is not None:
+            k_b, v_b = gather_paged(k, page_table[b], len_k), gather_paged(v, page_table[b], len_k)
+        else:
+            k_start = seqs.offset_k(b)
+            k_b, v_b = k[k_start: k_start + len_k], v[k_start: k_start + len_k]
+        o_b, l_b = attention_ref(q[start: start + len_q][None], k_b[None], v_b[None], softmax_scale, causal, upcast,
+                                 compute_dtype)
+        out[start: start + len_q] = o_b[0].to(out_dtype)
+        lse[:, start: start + len_q] = l_b[0].to(lse.dtype)
+    return out, lse
+
+
+def varlen_fwd_errors(q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse=None, seqused_q=None, seqused_k=None,
+                      page_table=None, softmax_scale=None, causal=False) -> dict:
+    """fwd_errors for varlen / paged results: out (total_q, H, D), lse (H, total_q) or None, judged
+    on the rows inside some sequence only (the others are not written by the kernel). Returns
+    fwd_errors' dict."""
+    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table, softmax_scale, causal)
+    out_ref, lse_ref = attention_varlen_ref(*args)
+    out_pt, lse_pt = attention_varlen_ref(*args, upcast=False)
+    rows = varlen_row_mask(cu_seqlens_q, q.shape[0], seqused_q).to(q.device)
+    errs = {"out_err": max_abs_err(out[rows], out_ref[rows]), "out_pt_err": max_abs_err(out_pt[rows], out_ref[rows]),
+            "lse_err": None, "lse_pt_err": None}
+    ok = math.isfinite(errs["out_pt_err"]) and errs["out_err"] <= 2 * errs["out_pt_err"] + OUT_ATOL
+    if lse is not None:
+        errs["lse_err"] = max_abs_err(lse[:, rows], lse_ref[:, rows])
+        errs["lse_pt_err"] = max_abs_err(lse_pt[:, rows], lse_ref[:, rows])
+        ok = ok and math.isfinite(errs["lse_pt_err"]) and errs["lse_err"] <= 2 * errs["lse_pt_err"] + LSE_ATOL
+    errs["ok"] = ok
+    return errs
+
+
+# Paged cache layouts paged_kv_cache builds: K and V as separate tensors, or as two views of one
+# interleaved tensor (their page/token strides then are not their own sizes).
+PAGED_LAYOUTS = ("separate", "interleaved", "vllm")
+
+
+def paged_kv_cache(k, v, cu_seqlens_k, page_size: int, seqused_k=None, *, layout: str = "separate",
+                   spare_pages: int = 3, extra_pages_per_seq: int = 1, generator: torch.Generator | None = None,
+                   fill: float | None = None):
+    """Lay packed varlen K/V (total_k, Hk, D) out in a paged cache whose pages are randomly permuted.
+
+    Sequence b's keys k[cu_seqlens_k[b] : cu_seqlens_k[b] + len_b] (len_b = seqused_k[b] if given,
+    else the cu_seqlens difference) fill ceil(len_b / page_size) pages. Every other slot (the tail
+    of a last page, spare pages) holds random data (or `fill`), and the page_table columns past a
+    sequence's pages (extra_pages_per_seq of them at least) point at random real pages, so a kernel
+    that reads past seqused_k sees real-looking data.
+    layout: "separate" (two (num_pages, page_size, Hk, D) tensors), "interleaved" (K, V =
+    kv[:, :, 0], kv[:, :, 1] of one (num_pages, page_size, 2, Hk, D) tensor) or "vllm" (K, V = the
+    two halves of the last dim of one (num_pages, page_size, Hk, 2 * D) tensor: token stride Hk*2*D).
+    Returns (k_cache, v_cache, page_table (batch, max_pages) int32, seqused_k (batch,) int32), on
+    k's device. `generator`: a CPU torch.Generator (the permutation and the filler data).
+    """
+    if layout not in PAGED_LAYOUTS:
+        raise ValueError(f"layout must be one of {PAGED_LAYOUTS}; got {layout!r}")
+    gen = generator if generator is not None else torch.Generator().manual_seed(0)
+    offsets = _host_ints(cu_seqlens_k)
+    lengths = _host_ints(seqused_k) if seqused_k is not None else [b - a for a, b in zip(offsets[:-1], offsets[1:])]
+    batch, (_, nheads_k, headdim) = len(lengths), k.shape
+    pages_per_seq = [(n + page_size - 1) // page_size for n in lengths]
+    max_pages = max(pages_per_seq + [0]) + extra_pages_per_seq
+    max_pages = max(max_pages, 1)
+    num_pages = max(sum(pages_per_seq) + spare_pages, 1)
+
+    # the page permutation and table first: the same generator seed gives the same pages in every layout
+    perm = torch.randperm(num_pages, generator=gen).tolist()
+    page_table = torch.randint(0, num_pages, (batch, max_pages), generator=gen, dtype=torch.int32)
+    shapes = {"separate": (num_pages, page_size, nheads_k, headdim),
+              "interleaved": (num_pages, page_size, 2, nheads_k, headdim),
+              "vllm": (num_pages, page_size, nheads_k, 2 * headdim)}
+    n_tensors = 2 if layout == "separate" else 1
+    storage = []
+    for _ in range(n_tensors):
+        if fill is None:
+            t = torch.randn(shapes[layout], generator=gen, dtype=torch.float32)
+        else:
+            t = torch.full(shapes[layout], fill, dtype=torch.float32)
+        storage.append(t.to(dtype=k.dtype, device=k.device))
+    if layout == "separate":
+        k_cache, v_cache = storage
+    elif layout == "interleaved":
+        k_cache, v_cache = storage[0][:, :, 0], storage[0][:, :, 1]
+    else:
+        k_cache, v_cache = storage[0].split(headdim, dim=-1)
+
+    src, dst_page, dst_slot, next_page = [], [], [], 0
+    for b in range(batch):
+        page_table[b, : pages_per_seq[b]] = torch.tensor(perm[next_page: next_page + pages_per_seq[b]],
+                                                          dtype=torch.int32)
+        for j in range(lengths[b]):
+            src.append(offsets[b] + j)
+            dst_page.append(perm[next_page + j // page_size])
+            dst_slot.append(j % page_size)
+        next_page += pages_per_seq[b]
+    if src:
+        index = [torch.tensor(x, device=k.device) for x in (src, dst_page, dst_slot)]
+        with torch.no_grad():
+            k_cache[index[1], index[2]] = k[index[0]].to(k_cache.dtype)
+            v_cache[index[1], index[2]] = v[index[0]].to(v_cache.dtype)
+    seqused = torch.tensor(lengths, dtype=torch.int32)
+    return k_cache, v_cache, page_table.to(k.device), seqused.to(k.device)
+
+
+def paged_kv_to_varlen(k_cache, v_cache, page_table, seqused_k):
+    """The inverse of paged_kv_cache: packed (total_k, Hk, D) K and V of every sequence's first
+    seqused_k[b] keys, and their cu_seqlens_k (batch + 1,) int32."""
+    lengths = _host_ints(seqused_k)
+    ks = [gather_paged(k_cache, page_table[b], n) for b, n in enumerate(lengths)]
+    vs = [gather_paged(v_cache, page_table[b], n) for b, n in enumerate(lengths)]
+    empty = k_cache.new_zeros((0,) + tuple(k_cache.shape[2:]))
+    cu = torch.tensor([0] + list(_cumsum(lengths)), dtype=torch.int32, device=k_cache.device)
+    return torch.cat(ks or [empty]), torch.cat(vs or [empty]), cu
+
+
+def _cumsum(values):
+    total = 0
+    for x in values:
+        total += x
+        yield total
+
+
+def kvcache_ref(q, k_cache, v_cache, seqlens_k, page_table=None, cache_batch_idx=None, softmax_scale=None,
+                causal=False, upcast=True, compute_dtype=torch.float32):
+    """flash_attn_with_kvcache's attention (after the append) by attention_ref, sequence by sequence.
+
+    q: (B, Sq, H, D); k_cache/v_cache: dense (B_cache, S_cache, Hk, D) (row cache_batch_idx[b], or b)
+    or paged (num_pages, page_size, Hk, D) with page_table; seqlens_k: the key count of each sequence
+    (cache_seqlens + seqlen_new). Returns (out (B, Sq, H, D), lse (B, H, Sq)).
+    """
+    lengths = _host_ints(seqlens_k)
+    rows = _host_ints(cache_batch_idx) if cache_batch_idx is not None else list(range(q.shape[0]))
+    outs, lses = [], []
+    for b, n in enumerate(lengths):
+        if page_table is not None:
+            k_b, v_b = gather_paged(k_cache, page_table[b], n), gather_paged(v_cache, page_table[b], n)
+        else:
+            k_b, v_b = k_cache[rows[b], :n], v_cache[rows[b], :n]
+        o_b, l_b = attention_ref(q[b: b + 1], k_b[None], v_b[None], softmax_scale, causal, upcast, compute_dtype)
+        outs.append(o_b)
+        lses.append(l_b)
+    if not outs:
+        dtype = compute_dtype if upcast else q.dtype
+        return (q.new_zeros(q.shape, dtype=dtype),
+                q.new_zeros((0, q.shape[2], q.shape[1]), dtype=compute_dtype if upcast else torch.float32))
+    return torch.cat(outs), torch.cat(lses)

@@ -18,7 +18,9 @@ import numbers
 
 import torch
 
-from flash4.config import SUPPORTED_HEADDIMS, select_fwd_config
+# MIN_PAGE_ROWS: paged K/V are loaded page piece by page piece (flash4.config.paged_page_rows), at
+# least that many rows each (the swizzle atom of the K/V smem tile).
+from flash4.config import MIN_PAGE_ROWS, SUPPORTED_HEADDIMS, select_fwd_config
 
 # torch dtype -> the dtype name used in FwdConfig.
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -86,6 +88,20 @@ def _problem(q, k, v, softmax_scale=None, causal=False) -> tuple[type, str] | No
         if problem is not None:
             return ValueError, problem
 
+    problem = _scale_causal_problem(softmax_scale, causal)
+    if problem is not None:
+        return problem
+
+    for name, t in named:
+        if t.device.type != "cuda":
+            return ValueError, f"{name} is on {t.device}; flash4 runs on CUDA tensors only (move it with {name}.cuda())"
+    for name, t in named[1:]:
+        if t.device != q.device:
+            return ValueError, f"{name} is on {t.device} but q is on {q.device}; q, k and v must be on one device"
+    return _arch_problem(q, causal)
+
+
+def _scale_causal_problem(softmax_scale, causal) -> tuple[type, str] | None:
     if softmax_scale is not None:
         if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
             return TypeError, f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}"
@@ -95,19 +111,16 @@ def _problem(q, k, v, softmax_scale=None, causal=False) -> tuple[type, str] | No
             return ValueError, f"softmax_scale must be finite and > 0 (or None for 1/sqrt(headdim)); got {softmax_scale}"
     if not isinstance(causal, bool):
         return TypeError, f"causal must be a bool, got {type(causal).__name__}"
+    return None
 
-    for name, t in named:
-        if t.device.type != "cuda":
-            return ValueError, f"{name} is on {t.device}; flash4 runs on CUDA tensors only (move it with {name}.cuda())"
-    for name, t in named[1:]:
-        if t.device != q.device:
-            return ValueError, f"{name} is on {t.device} but q is on {q.device}; q, k and v must be on one device"
 
+def _arch_problem(q, causal) -> tuple[type, str] | None:
+    """The SM version of q's (CUDA) device has no forward kernel for q's head dim and dtype."""
     from flash4.arch import device_arch  # late: keeps `import flash4.validate` free of device queries
 
     arch = device_arch(q.device)
     try:
-        select_fwd_config(headdim, DTYPE_NAMES[q.dtype], causal, arch=arch)
+        select_fwd_config(q.shape[-1], DTYPE_NAMES[q.dtype], causal, arch=arch)
     except ValueError as err:
         return ValueError, f"{err} (q is on {q.device})"
     return None
@@ -168,3 +181,572 @@ def check_inputs(q, k, v, softmax_scale=None, causal=False) -> None:
 def resolve_softmax_scale(softmax_scale: float | None, headdim: int) -> float:
     """The scale applied to QK^T: softmax_scale, or 1/sqrt(headdim) when None."""
     return 1.0 / math.sqrt(headdim) if softmax_scale is None else float(softmax_scale)
+
+
+# ================================================================ varlen / paged / kvcache
+# Layouts of flash4.flash_attn_varlen_func and flash4.flash_attn_with_kvcache (flash-attn's).
+_VARLEN_LAYOUTS = {
+    "q": "(total_q, nheads, headdim)",
+    "k": "(total_k, nheads_k, headdim)",
+    "v": "(total_k, nheads_k, headdim)",
+    "paged k": "(num_pages, page_size, nheads_k, headdim)",
+    "paged v": "(num_pages, page_size, nheads_k, headdim)",
+}
+
+
+def _tensor_or_none_problem(name: str, t, what: str, required: bool = False) -> tuple[type, str] | None:
+    if t is None and not required:
+        return None
+    if not isinstance(t, torch.Tensor):
+        return TypeError, f"{name} must be {what}, got {type(t).__name__}"
+    return None
+
+
+def _int32_problem(name: str, t: torch.Tensor | None, layout: str) -> tuple[type, str] | None:
+    """dtype (TypeError) of an int32 metadata tensor; None passes."""
+    if t is not None and t.dtype != torch.int32:
+        return TypeError, (
+            f"{name}.dtype is {t.dtype}; {name} {layout} must be torch.int32 (convert with {name}.to(torch.int32))"
+        )
+    return None
+
+
+def _max_seqlen_type_problem(name: str, value) -> tuple[type, str] | None:
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        if value.dtype == torch.bool or value.is_floating_point() or value.is_complex():
+            return TypeError, (
+                f"{name} is a {value.dtype} tensor; it must be an integer (a Python int or an integer 0-d tensor)")
+        if value.dim() != 0:
+            return ValueError, f"{name} must be a 0-d tensor (or a Python int); got shape {_shape(value)}"
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        return TypeError, f"{name} must be a Python int, a 0-d integer tensor or None; got {type(value).__name__}"
+    if value < 0:
+        return ValueError, f"{name} must be >= 0; got {value}"
+    return None
+
+
+def _heads_problem(q, k, v, k_desc: str, k_name: str = "k", v_name: str = "v") -> tuple[type, str] | None:
+    """headdim equality, v shaped like k, nheads_k dividing nheads, supported headdim; the heads are
+    dim -2 of q and of k in every varlen / paged / kvcache layout. k_name / v_name: the arguments'
+    names (k_cache / v_cache for flash_attn_with_kvcache)."""
+    qd, kd = q.dim() - 1, k.dim() - 1
+    if k.shape[-1] != q.shape[-1]:
+        return ValueError, (
+            f"{k_name}.shape[{kd}] (headdim) is {k.shape[-1]} but q.shape[{qd}] is {q.shape[-1]}; q, {k_name} and "
+            f"{v_name} need the same headdim; q.shape={_shape(q)}, {k_name}.shape={_shape(k)}"
+        )
+    if v.shape != k.shape:
+        return ValueError, (
+            f"{v_name} must have the shape of {k_name} {k_desc}; got {v_name}.shape={_shape(v)}, "
+            f"{k_name}.shape={_shape(k)}")
+    nheads, nheads_k = q.shape[-2], k.shape[-2]
+    if nheads < 1 or nheads_k < 1:
+        return ValueError, (
+            f"nheads (q.shape[{qd - 1}]={nheads}) and nheads_k ({k_name}.shape[{kd - 1}]={nheads_k}) must be >= 1"
+        )
+    if nheads % nheads_k != 0:
+        return ValueError, (
+            f"nheads_k={nheads_k} ({k_name}.shape[{kd - 1}]) must divide nheads={nheads} (q.shape[{qd - 1}]) for "
+            f"MQA/GQA; q.shape={_shape(q)}, {k_name}.shape={_shape(k)}"
+        )
+    headdim = q.shape[-1]
+    if headdim not in SUPPORTED_HEADDIMS:
+        allowed = ", ".join(str(d) for d in SUPPORTED_HEADDIMS)
+        return ValueError, f"headdim {headdim} (q.shape[{qd}]) is not supported; allowed: {allowed}"
+    return None
+
+
+def _page_size_problem(k: torch.Tensor, k_name: str = "k") -> tuple[type, str] | None:
+    page_size = k.shape[1]
+    if page_size < MIN_PAGE_ROWS or page_size % MIN_PAGE_ROWS != 0:
+        return ValueError, (
+            f"page_size={page_size} ({k_name}.shape[1] of the paged cache {_shape(k)}) is not supported: paged K/V "
+            f"needs page_size to be a multiple of {MIN_PAGE_ROWS} (e.g. 16, 32, 64, 128, 256)"
+        )
+    return None
+
+
+def _device_problem(q, others) -> tuple[type, str] | None:
+    """Every tensor of `others` ((name, tensor or None) pairs) on q's device, then q on CUDA. The
+    relative check comes first so that it is CPU-testable (meta tensors)."""
+    for name, t in others:
+        if t is not None and t.device != q.device:
+            return ValueError, f"{name} is on {t.device} but q is on {q.device}; pass {name}.to(q.device)"
+    if q.device.type != "cuda":
+        return ValueError, f"q is on {q.device}; flash4 runs on CUDA tensors only (move it with q.cuda())"
+    return None
+
+
+def _varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, seqused_q=None,
+                    seqused_k=None, page_table=None, softmax_scale=None, causal=False) -> tuple[type, str] | None:
+    """(exception type, message) of the first problem with varlen / paged arguments, or None.
+    Order as `_problem`: Python types, dtypes, ranks, shapes, head dims, strides, scale, causal,
+    devices (other tensors on q's device first, then CUDA), SM version."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            return TypeError, f"{name} must be a torch.Tensor, got {type(t).__name__}"
+    metadata = (
+        ("cu_seqlens_q", cu_seqlens_q, "an int32 torch.Tensor of shape (batch + 1,)", True),
+        ("cu_seqlens_k", cu_seqlens_k, "an int32 torch.Tensor of shape (batch + 1,) or None", False),
+        ("seqused_q", seqused_q, "an int32 torch.Tensor of shape (batch,) or None", False),
+        ("seqused_k", seqused_k, "an int32 torch.Tensor of shape (batch,) or None", False),
+        ("page_table", page_table, "an int32 torch.Tensor of shape (batch, max_pages_per_seq) or None", False),
+    )
+    for name, t, what, required in metadata:
+        problem = _tensor_or_none_problem(name, t, what, required)
+        if problem is not None:
+            return problem
+    for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        problem = _max_seqlen_type_problem(name, value)
+        if problem is not None:
+            return problem
+
+    if q.dtype not in DTYPE_NAMES:
+        return TypeError, (
+            f"q.dtype is {q.dtype}; flash4 supports torch.bfloat16 and torch.float16 (convert with q.to(torch.bfloat16))"
+        )
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            return TypeError, f"{name}.dtype is {t.dtype} but q.dtype is {q.dtype}; q, k and v must share one dtype"
+    layouts = {"cu_seqlens_q": "(batch + 1,)", "cu_seqlens_k": "(batch + 1,)", "seqused_q": "(batch,)",
+               "seqused_k": "(batch,)", "page_table": "(batch, max_pages_per_seq)"}
+    for name, t, _, _ in metadata:
+        problem = _int32_problem(name, t, layouts[name])
+        if problem is not None:
+            return problem
+
+    paged = page_table is not None
+    if q.dim() != 3:
+        return ValueError, f"q must be 3-D {_VARLEN_LAYOUTS['q']} (packed sequences); got shape {_shape(q)}"
+    for name, t in (("k", k), ("v", v)):
+        if paged and t.dim() != 4:
+            return ValueError, (
+                f"{name} must be 4-D {_VARLEN_LAYOUTS['paged ' + name]} when page_table is given (paged K/V); "
+                f"got shape {_shape(t)}"
+            )
+        if not paged and t.dim() != 3:
+            hint = " (a 4-D paged cache needs page_table and seqused_k)" if t.dim() == 4 else ""
+            return ValueError, f"{name} must be 3-D {_VARLEN_LAYOUTS[name]}{hint}; got shape {_shape(t)}"
+    ranks = {"cu_seqlens_q": 1, "cu_seqlens_k": 1, "seqused_q": 1, "seqused_k": 1, "page_table": 2}
+    for name, t, _, _ in metadata:
+        if t is not None and t.dim() != ranks[name]:
+            return ValueError, f"{name} must be {ranks[name]}-D {layouts[name]}; got shape {_shape(t)}"
+
+    if cu_seqlens_q.numel() < 1:
+        return ValueError, "cu_seqlens_q must have batch + 1 >= 1 entries (prefix sums starting at 0); got 0 entries"
+    batch = cu_seqlens_q.numel() - 1
+    if paged:
+        if cu_seqlens_k is not None:
+            return ValueError, (
+                "cu_seqlens_k must be None when page_table is given: the keys of sequence b are "
+                "k[page_table[b, j // page_size], j % page_size] for j < seqused_k[b]"
+            )
+        if seqused_k is None:
+            return ValueError, "seqused_k (batch,) int32 is required with page_table: it gives each sequence's key count"
+    elif cu_seqlens_k is None:
+        return ValueError, "cu_seqlens_k is None; it is required unless K/V are paged (page_table and seqused_k given)"
+    if cu_seqlens_k is not None and cu_seqlens_k.numel() != batch + 1:
+        return ValueError, (
+            f"cu_seqlens_k has {cu_seqlens_k.numel()} entries but cu_seqlens_q has {batch + 1}; both are (batch + 1,) "
+            f"prefix sums over the same batch"
+        )
+    for name, t in (("seqused_q", seqused_q), ("seqused_k", seqused_k)):
+        if t is not None and t.shape[0] != batch:
+            return ValueError, (
+                f"{name} must have shape (batch,) = ({batch},) (batch = cu_seqlens_q.numel() - 1); got {_shape(t)}"
+            )
+    if paged and page_table.shape[0] != batch:
+        return ValueError, (
+            f"page_table must have shape (batch, max_pages_per_seq) with batch = {batch} (cu_seqlens_q.numel() - 1); "
+            f"got {_shape(page_table)}"
+        )
+    k_desc = _VARLEN_LAYOUTS["paged k" if paged else "k"]
+    problem = _heads_problem(q, k, v, k_desc)
+    if problem is not None:
+        return problem
+    if paged:
+        problem = _page_size_problem(k)
+        if problem is not None:
+            return problem
+
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        problem = layout_problem(name, t)
+        if problem is not None:
+            return ValueError, problem
+    problem = _scale_causal_problem(softmax_scale, causal)
+    if problem is not None:
+        return problem
+    problem = _device_problem(q, [("k", k), ("v", v)] + [(name, t) for name, t, _, _ in metadata])
+    if problem is not None:
+        return problem
+    return _arch_problem(q, causal)
+
+
+def varlen_support_error(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, seqused_q=None,
+                         seqused_k=None, page_table=None, softmax_scale=None, causal=False) -> str | None:
+    """Why flash4 cannot run these varlen / paged arguments (as flash4.flash_attn_varlen_func takes
+    them), or None when it can. Metadata only: the values inside cu_seqlens / seqused / page_table
+    are not read (check_varlen_seqlens does that, at the cost of a host sync)."""
+    problem = _varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
+                              page_table, softmax_scale, causal)
+    return None if problem is None else problem[1]
+
+
+def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, seqused_q=None,
+                        seqused_k=None, page_table=None, softmax_scale=None, causal=False) -> None:
+    """Raise the message of `varlen_support_error` as TypeError (a non-tensor where a tensor is
+    needed, q/k/v dtype, a metadata tensor not int32, a max_seqlen of the wrong type) or ValueError
+    (ranks, batch mismatches, a missing or extra cu_seqlens_k / seqused_k, head rules, page size,
+    strides, softmax_scale, devices, SM version)."""
+    problem = _varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
+                              page_table, softmax_scale, causal)
+    if problem is not None:
+        exc_type, message = problem
+        raise exc_type(message)
+
+
+def resolve_max_seqlen(name: str, value, cu_seqlens: torch.Tensor | None, seqused: torch.Tensor | None) -> int:
+    """max_seqlen as a host int: a Python int as is; a 0-d tensor through .item() (a host sync for a
+    CUDA tensor); None computed as max(seqused) or max(cu_seqlens[b+1] - cu_seqlens[b]) (a host sync
+    for CUDA tensors). Raises ValueError for a negative value."""
+    if isinstance(value, torch.Tensor):
+        value = int(value.item())
+    elif value is None:
+        lengths = seqused if seqused is not None else cu_seqlens[1:] - cu_seqlens[:-1]
+        value = max(int(lengths.max().item()), 0) if lengths.numel() > 0 else 0
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0; got {value}")
+    return int(value)
+
+
+class _DeviceChecks:
+    """Conditions evaluated on the tensors' device and read back in one host sync. add(flag, message)
+    takes a 0-d bool tensor that is True where something is wrong and a callable giving the message."""
+
+    def __init__(self):
+        self.flags, self.messages = [], []
+
+    def add(self, flag: torch.Tensor, message) -> None:
+        self.flags.append(flag.reshape(()))
+        self.messages.append(message)
+
+    def raise_first(self) -> None:
+        if not self.flags:
+            return
+        device = self.flags[0].device
+        bad = torch.stack([f.to(device) for f in self.flags]).tolist()  # the one host sync
+        for is_bad, message in zip(bad, self.messages):
+            if is_bad:
+                raise ValueError(message())
+
+
+def _first_index(mask: torch.Tensor) -> tuple:
+    return tuple(mask.nonzero()[0].tolist())
+
+
+def _cu_seqlens_checks(checks: _DeviceChecks, name: str, cu: torch.Tensor, total: int, tensor: str) -> None:
+    checks.add(cu[0] != 0, lambda: f"{name}[0] is {cu[0].item()}; cu_seqlens are prefix sums starting at 0")
+    if cu.numel() > 1:
+        steps = cu[1:] < cu[:-1]
+
+        def decreasing():
+            i = _first_index(steps)[0]
+            return (f"{name} is not non-decreasing: {name}[{i}]={cu[i].item()} > {name}[{i + 1}]={cu[i + 1].item()} "
+                    f"(sequence {i} would have a negative length)")
+
+        checks.add(steps.any(), decreasing)
+    checks.add(cu[-1] > total, lambda: (
+        f"{name}[-1]={cu[-1].item()} is past the end of {tensor} ({tensor}.shape[0]={total} rows)"))
+
+
+def _lengths(cu: torch.Tensor) -> torch.Tensor:
+    return cu[1:] - cu[:-1]
+
+
+def check_varlen_seqlens(cu_seqlens_q, cu_seqlens_k, total_q: int, total_k: int, *, seqused_q=None, seqused_k=None,
+                         page_table=None, num_pages: int = 0, page_size: int = 0, max_seqlen_q=None,
+                         max_seqlen_k=None) -> None:
+    """The value checks of flash4.flash_attn_varlen_func(..., check_seqlens=True), on the tensors'
+    device with one host sync (that is their cost; the call itself never syncs otherwise). Raises
+    ValueError, naming the argument and the first bad entry, when:
+    cu_seqlens_q / cu_seqlens_k does not start at 0, decreases, or ends past total_q / total_k rows;
+    seqused_q[b] / seqused_k[b] is negative or above the sequence's stored length (paged: above
+    page_table.shape[1] * page_size); a page_table entry that sequence b uses (pages
+    0 .. ceil(seqused_k[b] / page_size) - 1) is outside [0, num_pages); a max_seqlen given as an int
+    (or a CPU 0-d tensor) is below the longest sequence (rows past it would be left uncomputed).
+    Arguments: validated metadata (check_varlen_inputs); cu_seqlens_k None when paged."""
+    checks = _DeviceChecks()
+    _cu_seqlens_checks(checks, "cu_seqlens_q", cu_seqlens_q, total_q, "q")
+    if cu_seqlens_k is not None:
+        _cu_seqlens_checks(checks, "cu_seqlens_k", cu_seqlens_k, total_k, "k")
+    len_q = _lengths(cu_seqlens_q)
+    if seqused_q is not None:
+        _seqused_checks(checks, "seqused_q", seqused_q, len_q, "cu_seqlens_q[b + 1] - cu_seqlens_q[b]")
+        len_q = seqused_q
+    if page_table is not None:
+        capacity = page_table.shape[1] * page_size
+        cap = torch.full_like(seqused_k, capacity)
+        _seqused_checks(checks, "seqused_k", seqused_k, cap, f"page_table.shape[1] * page_size = {capacity}")
+        _page_table_checks(checks, page_table, seqused_k, num_pages, page_size, "seqused_k")
+        len_k = seqused_k
+    else:
+        len_k = _lengths(cu_seqlens_k)
+        if seqused_k is not None:
+            _seqused_checks(checks, "seqused_k", seqused_k, len_k, "cu_seqlens_k[b + 1] - cu_seqlens_k[b]")
+            len_k = seqused_k
+    for name, value, lengths in (("max_seqlen_q", max_seqlen_q, len_q), ("max_seqlen_k", max_seqlen_k, len_k)):
+        if value is None or lengths.numel() == 0:
+            continue
+        if isinstance(value, torch.Tensor):
+            value = value.to(lengths.device)
+        longest = lengths.max()
+        checks.add(longest > value, lambda name=name, value=value, longest=longest: (
+            f"{name}={int(value)} is below the longest sequence ({int(longest.item())}); rows past it would be left "
+            f"uncomputed: pass max_seqlen >= every length, or None to compute it"))
+    checks.raise_first()
+
+
+def _seqused_checks(checks: _DeviceChecks, name: str, seqused: torch.Tensor, stored: torch.Tensor, what: str) -> None:
+    if seqused.numel() == 0:
+        return
+    bad = (seqused < 0) | (seqused > stored)
+
+    def message():
+        b = _first_index(bad)[0]
+        return f"{name}[{b}]={seqused[b].item()} is outside [0, {what}] = [0, {stored[b].item()}] (sequence {b})"
+
+    checks.add(bad.any(), message)
+
+
+def _page_table_checks(checks: _DeviceChecks, page_table: torch.Tensor, used: torch.Tensor, num_pages: int,
+                       page_size: int, used_name: str) -> None:
+    """Entries page_table[b, :ceil(used[b] / page_size)] in [0, num_pages)."""
+    if page_table.numel() == 0:
+        return
+    pages_used = (used.long().clamp(min=0) + page_size - 1) // page_size
+    column = torch.arange(page_table.shape[1], device=page_table.device)
+    bad = (column < pages_used[:, None]) & ((page_table < 0) | (page_table >= num_pages))
+
+    def message():
+        b, j = _first_index(bad)
+        return (f"page_table[{b}, {j}]={page_table[b, j].item()} is not a page of the cache (num_pages = {num_pages}, "
+                f"the cache's shape[0]); sequence {b} uses pages 0..{pages_used[b].item() - 1} of its row "
+                f"({used[b].item()} keys ({used_name}), page_size {page_size})")
+
+    checks.add(bad.any(), message)
+
+
+_KVCACHE_LAYOUTS = {
+    "q": "(batch, seqlen_q, nheads, headdim)",
+    "k_cache": "(batch_cache, seqlen_cache, nheads_k, headdim)",
+    "paged k_cache": "(num_pages, page_size, nheads_k, headdim)",
+    "k": "(batch, seqlen_new, nheads_k, headdim)",
+}
+
+
+def packed_rows_per_batch(cache: torch.Tensor) -> int | None:
+    """Rows between consecutive batch entries of a dense cache (batch_cache, seqlen_cache, nheads_k,
+    headdim) seen as packed rows of stride cache.stride(1): stride(0) / stride(1), or None when the
+    batch stride is not a whole number of rows (or smaller than seqlen_cache rows)."""
+    row = cache.stride(1)
+    if cache.shape[0] <= 1:
+        return cache.shape[1]
+    if row <= 0 or cache.stride(0) % row != 0 or cache.stride(0) // row < cache.shape[1]:
+        return None
+    return cache.stride(0) // row
+
+
+def _kvcache_problem(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, page_table=None, cache_batch_idx=None,
+                     softmax_scale=None, causal=False, num_splits=0, out=None) -> tuple[type, str] | None:
+    """(exception type, message) of the first problem with flash_attn_with_kvcache's arguments."""
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(t, torch.Tensor):
+            return TypeError, f"{name} must be a torch.Tensor, got {type(t).__name__}"
+    optional = (("k", k, "a torch.Tensor or None"), ("v", v, "a torch.Tensor or None"),
+                ("page_table", page_table, "an int32 torch.Tensor of shape (batch, max_pages_per_seq) or None"),
+                ("cache_batch_idx", cache_batch_idx, "an int32 torch.Tensor of shape (batch,) or None"),
+                ("out", out, "a torch.Tensor or None"))
+    for name, t, what in optional:
+        problem = _tensor_or_none_problem(name, t, what)
+        if problem is not None:
+            return problem
+    seqlens_tensor = isinstance(cache_seqlens, torch.Tensor)
+    if cache_seqlens is not None and not seqlens_tensor and (
+            isinstance(cache_seqlens, bool) or not isinstance(cache_seqlens, numbers.Integral)):
+        return TypeError, (
+            f"cache_seqlens must be a Python int, an int32 torch.Tensor of shape (batch,) or None; "
+            f"got {type(cache_seqlens).__name__}")
+    if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral):
+        return TypeError, f"num_splits must be an int (0 = auto, 1 = no split), got {type(num_splits).__name__}"
+
+    if q.dtype not in DTYPE_NAMES:
+        return TypeError, (
+            f"q.dtype is {q.dtype}; flash4 supports torch.bfloat16 and torch.float16 (convert with q.to(torch.bfloat16))"
+        )
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v), ("out", out)):
+        if t is not None and t.dtype != q.dtype:
+            return TypeError, (
+                f"{name}.dtype is {t.dtype} but q.dtype is {q.dtype}; q, the caches, k, v and out share one dtype")
+    int_layouts = (("cache_seqlens", cache_seqlens if seqlens_tensor else None, "(batch,)", 1),
+                   ("page_table", page_table, "(batch, max_pages_per_seq)", 2),
+                   ("cache_batch_idx", cache_batch_idx, "(batch,)", 1))
+    for name, t, layout, _ in int_layouts:
+        problem = _int32_problem(name, t, layout)
+        if problem is not None:
+            return problem
+
+    paged = page_table is not None
+    cache_layout = _KVCACHE_LAYOUTS["paged k_cache" if paged else "k_cache"]
+    ranked = (("q", q, _KVCACHE_LAYOUTS["q"]), ("k_cache", k_cache, cache_layout), ("v_cache", v_cache, cache_layout),
+              ("k", k, _KVCACHE_LAYOUTS["k"]), ("v", v, _KVCACHE_LAYOUTS["k"]), ("out", out, _KVCACHE_LAYOUTS["q"]))
+    for name, t, layout in ranked:
+        if t is not None and t.dim() != 4:
+            return ValueError, f"{name} must be 4-D {layout}; got shape {_shape(t)}"
+    for name, t, layout, rank in int_layouts:
+        if t is not None and t.dim() != rank:
+            return ValueError, f"{name} must be {rank}-D {layout}; got shape {_shape(t)}"
+
+    batch, seqlen_q = q.shape[0], q.shape[1]
+    problem = _heads_problem(q, k_cache, v_cache, cache_layout, "k_cache", "v_cache")
+    if problem is not None:
+        return problem
+    problem = _page_size_problem(k_cache, "k_cache") if paged else None
+    if problem is not None:
+        return problem
+    if (k is None) != (v is None):
+        return ValueError, "k and v (the new keys and values to append) must be given together or both be None"
+    seqlen_new = 0
+    if k is not None:
+        expected = (batch, k.shape[1], k_cache.shape[2], k_cache.shape[3])
+        if _shape(k) != expected or _shape(v) != expected:
+            return ValueError, (
+                f"k and v must be {_KVCACHE_LAYOUTS['k']} = {expected} (batch of q, nheads_k and headdim of k_cache); "
+                f"got k.shape={_shape(k)}, v.shape={_shape(v)}")
+        seqlen_new = k.shape[1]
+    if seqlens_tensor and _shape(cache_seqlens) != (batch,):
+        return ValueError, f"cache_seqlens must have shape (batch,) = ({batch},); got {_shape(cache_seqlens)}"
+    if not seqlens_tensor and cache_seqlens is not None and cache_seqlens < 0:
+        return ValueError, f"cache_seqlens must be >= 0; got {cache_seqlens}"
+    if paged:
+        if page_table.shape[0] != batch:
+            return ValueError, (
+                f"page_table must have shape (batch, max_pages_per_seq) with batch = {batch} (q.shape[0]); "
+                f"got {_shape(page_table)}")
+        if cache_batch_idx is not None:
+            return ValueError, (
+                "cache_batch_idx is not supported with page_table (a paged cache is indexed through page_table: "
+                "pass page_table[cache_batch_idx] instead)")
+        capacity, capacity_desc = page_table.shape[1] * k_cache.shape[1], "page_table.shape[1] * page_size"
+    else:
+        if cache_batch_idx is not None:
+            if _shape(cache_batch_idx) != (batch,):
+                return ValueError, (
+                    f"cache_batch_idx must have shape (batch,) = ({batch},); got {_shape(cache_batch_idx)}")
+        elif k_cache.shape[0] != batch:
+            return ValueError, (
+                f"k_cache.shape[0] (batch_cache) is {k_cache.shape[0]} but q.shape[0] (batch) is {batch}; without "
+                f"cache_batch_idx the cache holds one row per sequence")
+        capacity, capacity_desc = k_cache.shape[1], "seqlen_cache = k_cache.shape[1]"
+    if seqlen_new > 0:
+        if cache_seqlens is None:
+            return ValueError, "appending k/v needs cache_seqlens (where each sequence's new keys go); got None"
+        if seqlen_new > capacity:
+            return ValueError, (
+                f"the cache is too small for the appended k/v: seqlen_new={seqlen_new} (k.shape[1]) > {capacity_desc} "
+                f"= {capacity}")
+        if not seqlens_tensor and cache_seqlens + seqlen_new > capacity:
+            return ValueError, (
+                f"the cache is too small for the appended k/v: cache_seqlens + seqlen_new = {cache_seqlens} + "
+                f"{seqlen_new} > {capacity_desc} = {capacity}")
+    elif not seqlens_tensor and cache_seqlens is not None and cache_seqlens > capacity:
+        return ValueError, f"cache_seqlens={cache_seqlens} is above the cache's {capacity_desc} = {capacity}"
+    if out is not None and _shape(out) != _shape(q):
+        return ValueError, f"out must have the shape of q {_KVCACHE_LAYOUTS['q']} = {_shape(q)}; got {_shape(out)}"
+    if num_splits < 0:
+        return ValueError, f"num_splits must be >= 0 (0 = auto, 1 = no split); got {num_splits}"
+    if num_splits > 1 and cache_batch_idx is not None:
+        return ValueError, (
+            f"num_splits={num_splits}: splitting the keys is not supported with cache_batch_idx; pass 0 or 1 (or "
+            f"index the cache rows yourself)")
+
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
+        problem = layout_problem(name, t) if t is not None else None
+        if problem is not None:
+            return ValueError, problem
+    if cache_batch_idx is not None and k_cache.numel() > 0:  # read as packed rows (api._dense_cache_rows)
+        rows = [packed_rows_per_batch(c) for c in (k_cache, v_cache)]
+        if rows[0] is None or rows[0] != rows[1]:
+            return ValueError, (
+                f"k_cache / v_cache strides {k_cache.stride()} / {v_cache.stride()}: with cache_batch_idx flash4 reads "
+                f"a dense cache as rows of stride stride(1), so stride(0) must be the same whole number "
+                f"(>= seqlen_cache) of rows in both; pass k_cache.contiguous() / v_cache.contiguous() (and write the "
+                f"cache back)")
+    if out is not None and batch > 1 and seqlen_q > 1 and out.numel() > 0 and out.stride(0) != seqlen_q * out.stride(1):
+        return ValueError, (
+            f"out strides {out.stride()}: flash4 writes out as packed (batch * seqlen_q, nheads, headdim) rows, so "
+            f"out.stride(0) must be seqlen_q * out.stride(1); pass a contiguous out")
+    problem = _scale_causal_problem(softmax_scale, causal)
+    if problem is not None:
+        return problem
+    others = [("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v), ("out", out),
+              ("page_table", page_table), ("cache_batch_idx", cache_batch_idx),
+              ("cache_seqlens", cache_seqlens if seqlens_tensor else None)]
+    problem = _device_problem(q, others)
+    if problem is not None:
+        return problem
+    return _arch_problem(q, causal)
+
+
+def kvcache_support_error(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, page_table=None,
+                          cache_batch_idx=None, softmax_scale=None, causal=False, num_splits=0, out=None) -> str | None:
+    """Why flash4.flash_attn_with_kvcache cannot take these arguments, or None. Metadata only."""
+    problem = _kvcache_problem(q, k_cache, v_cache, k, v, cache_seqlens, page_table, cache_batch_idx, softmax_scale,
+                               causal, num_splits, out)
+    return None if problem is None else problem[1]
+
+
+def check_kvcache_inputs(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, page_table=None,
+                         cache_batch_idx=None, softmax_scale=None, causal=False, num_splits=0, out=None) -> None:
+    """Raise the message of `kvcache_support_error` as TypeError (non-tensors, dtypes, int32
+    metadata, cache_seqlens / num_splits types) or ValueError (everything else, e.g. a cache too
+    small for the appended k/v, num_splits > 1 with cache_batch_idx)."""
+    problem = _kvcache_problem(q, k_cache, v_cache, k, v, cache_seqlens, page_table, cache_batch_idx, softmax_scale,
+                               causal, num_splits, out)
+    if problem is not None:
+        exc_type, message = problem
+        raise exc_type(message)
+
+
+def check_kvcache_seqlens(cache_seqlens, seqlen_new: int, capacity: int, *, batch_cache: int = 0,
+                          cache_batch_idx=None, page_table=None, num_pages: int = 0, page_size: int = 0) -> None:
+    """The value checks of flash_attn_with_kvcache(..., check_seqlens=True), one host sync, before
+    anything is written: cache_seqlens[b] >= 0 and cache_seqlens[b] + seqlen_new <= capacity
+    (seqlen_cache, or page_table.shape[1] * page_size); cache_batch_idx in [0, batch_cache); the
+    page_table entries of the pages each sequence uses (after the append) in [0, num_pages).
+    cache_seqlens: the int32 (batch,) tensor. Raises ValueError."""
+    checks = _DeviceChecks()
+    if cache_seqlens.numel() > 0:
+        bad = (cache_seqlens < 0) | (cache_seqlens + seqlen_new > capacity)
+
+        def message():
+            b = _first_index(bad)[0]
+            return (f"cache_seqlens[{b}]={cache_seqlens[b].item()}: the cache is too small for the appended k/v or the "
+                    f"length is negative (cache_seqlens + seqlen_new = {cache_seqlens[b].item()} + {seqlen_new} must be "
+                    f"in [0, {capacity}])")
+
+        checks.add(bad.any(), message)
+    if cache_batch_idx is not None and cache_batch_idx.numel() > 0:
+        bad_idx = (cache_batch_idx < 0) | (cache_batch_idx >= batch_cache)
+
+        def idx_message():
+            b = _first_index(bad_idx)[0]
+            return f"cache_batch_idx[{b}]={cache_batch_idx[b].item()} is outside [0, batch_cache = {batch_cache})"
+
+        checks.add(bad_idx.any(), idx_message)
+    if page_table is not None:
+        _page_table_checks(checks, page_table, cache_seqlens.clamp(min=0) + seqlen_new, num_pages, page_size,
+                           "cache_seqlens + seqlen_new")
+    checks.raise_first()

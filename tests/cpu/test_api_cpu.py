@@ -23,8 +23,10 @@ def qkv(b=2, sq=16, sk=24, h=4, hk=2, d=64, dtype=torch.bfloat16):
 
 
 def test_public_names():
-    assert flash4.__all__ == ["flash_attn_func", "__version__"]
+    assert flash4.__all__ == ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "__version__"]
     assert flash4.flash_attn_func is api.flash_attn_func
+    assert flash4.flash_attn_varlen_func is api.flash_attn_varlen_func
+    assert flash4.flash_attn_with_kvcache is api.flash_attn_with_kvcache
 
 
 def test_version_matches_installed_metadata():

@@ -28,6 +28,15 @@ except Exception as err:  # ImportError, or a broken install failing inside its 
     FA4_IMPORT_ERROR = f"{type(err).__name__}: {err}"
 
 
+def fa4_varlen_func():
+    """flash-attn-4's flash_attn_varlen_func (packed, paged and decode cells), or None."""
+    try:
+        from flash_attn.cute import flash_attn_varlen_func
+    except Exception:  # noqa: BLE001 - not installed, or a broken install
+        return None
+    return flash_attn_varlen_func
+
+
 @dataclasses.dataclass(frozen=True)
 class Impl:
     """name: the CSV name; make(q, k, v, causal) -> fn; context() -> context manager;

@@ -81,6 +81,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cases", nargs="+", metavar="NAME",
                         help="named cells beyond the sweep to time after it (flash4.bench.cases: d96, d192, gqa, "
                              "mqa; a name or prefix, 'all' (default) or 'none'); written to cases.csv")
+    parser.add_argument("--varlen", choices=("all", "none", "only"), default="all",
+                        help="packed-varlen, paged-KV and decode cells (flash4.bench.varlen) after the sweep: "
+                             "'all' (default), 'none', or 'only' (skip the sweep and cases); written to varlen.csv")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -503,6 +506,8 @@ def main(args: argparse.Namespace) -> int:
             impls.append(impl)
     meta = collect_metadata(args.dtype)
     print("  ".join(f"{k}={v}" for k, v in meta.items()))
+    if getattr(args, "varlen", "all") == "only":
+        return _run_varlen(impls, dtype, args)
 
     print("\nCorrectness vs float32 reference (ok: err <= 2 x PyTorch same-dtype err + atol):")
     checks = check_correctness(impls, headdims, causals, dtype)
@@ -556,6 +561,26 @@ def main(args: argparse.Namespace) -> int:
     write_json(out_dir / "sweep.json", meta, rows, checks, targets, memory)
     plot(rows, out_dir / "sweep.png", f"{meta['gpu']}, {args.dtype}, {meta['date'][:10]}")
     print(f"\nwrote {out_dir / 'sweep.csv'}, {out_dir / 'sweep.json'}, {out_dir / 'sweep.png'}")
+    if getattr(args, "varlen", "all") == "all":
+        _run_varlen(impls, dtype, args)
     if flash4_failed:
         print("FAILED: flash4 is not correct on some shapes (see the correctness table).")
     return 1 if flash4_failed else 0
+
+
+def _run_varlen(impls, dtype, args) -> int:
+    """The varlen / paged / decode cells (flash4.bench.varlen): table and varlen.csv."""
+    from flash4.bench import varlen as bench_varlen
+    from flash4.bench.report import format_table
+
+    names = [i.name for i in impls if i.name in ("flash4", "flash_attn_4", "sdpa_cudnn")]
+    print(f"\nVarlen, paged and decode cells ({args.dtype}): TFLOPs of the unmasked work; decode as the share "
+          "of the device-to-device copy bandwidth that the K/V reads reach")
+    rows = bench_varlen.measure_varlen(names, dtype, rep_ms=args.rep_ms, bwd=args.bwd)
+    headers, table = bench_varlen.varlen_table(rows)
+    print(format_table(headers, table))
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    bench_varlen.write_varlen_csv(rows, out_dir / "varlen.csv")
+    print(f"wrote {out_dir / 'varlen.csv'}")
+    return 0

@@ -15,7 +15,7 @@ import os
 
 from flash4 import arch
 from flash4.config import LOG2E, BwdConfig, FwdConfig
-from flash4.launch import bwd_grid, bwd_preprocess_grid, fwd_grid
+from flash4.launch import bwd_dynamic_seqlen_k, bwd_grid, bwd_preprocess_grid, fwd_grid
 from flash4.schedule import l2_section_heads
 
 # Without a GPU the DSL would default to sm_100a: flash4 compiles for Hopper unless told otherwise.
@@ -36,8 +36,12 @@ def _arch_option(arch: int) -> str:
 
 def compile_fwd(cfg: FwdConfig, options: str = ""):
     """Compile one forward config (no GPU needed). Returns the compiled callable
-    f(q, k, v, out, lse, lse_hi, lse_lo, softmax_scale_log2: float, l2_group: int, num_ctas: int)
-    that launches on the current CUDA stream."""
+    f(q, k, v, out, lse, lse_hi, lse_lo, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table,
+    o_accum, lse_accum, softmax_scale_log2: float, batch: int, max_seqlen_q: int, num_splits: int,
+    l2_group: int, num_ctas: int) that
+    launches on the current CUDA stream; the sequence-layout tensors are passed only where the
+    config's flag is on (None otherwise)."""
+    from flash4.compile.fake import seq_fake_args, split_fake_args
     from flash4.kernels.fwd_sm90 import FlashAttentionForwardSm90
 
     if cfg.arch != 90:
@@ -45,20 +49,28 @@ def compile_fwd(cfg: FwdConfig, options: str = ""):
     kernel = FlashAttentionForwardSm90(cfg)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     return cute.compile(
-        kernel, *fwd_fake_args(cfg.headdim, cfg.dtype), cutlass.Float32(1.0), cutlass.Int32(1), cutlass.Int32(1), stream,
+        kernel, *fwd_fake_args(cfg.headdim, cfg.dtype, paged=cfg.page_rows > 0), *seq_fake_args(cfg), *split_fake_args(cfg),
+        cutlass.Float32(1.0), cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1),
+        stream,
         options=COMPILE_OPTIONS + _arch_option(cfg.arch) + options,
     )
 
 
 @functools.lru_cache(maxsize=None)
 def get_fwd_runner(cfg: FwdConfig):
-    """Cached: compiled forward for `cfg`, as run(q, k, v, out, lse, softmax_scale, lse_split=None).
+    """Cached: compiled forward for `cfg`, as run(q, k, v, out, lse, softmax_scale, lse_split=None,
+    seqs=None, batch=None, max_seqlen_q=None).
 
-    q: (B, Sq, H, D), k/v: (B, Sk, Hk, D), out like q, lse fp32 (B, H, Sq); all CUDA, last dim
+    Dense: q (B, Sq, H, D), k/v (B, Sk, Hk, D), out like q, lse fp32 (B, H, Sq); all CUDA, last dim
     contiguous, 16-byte aligned. lse_split: None or a contiguous fp32 (2, B, H, Sq) tensor that
     receives the log2-domain LSE unrounded, as hi (lse_split[0]) + lo (lse_split[1]) (+inf, 0 for
-    rows that see no key): the backward's exact path (flash4.backward). Launches on
-    torch.cuda.current_stream(); returns None.
+    rows that see no key): the backward's exact path (flash4.backward).
+    Varlen / paged (flash4.varlen): the same tensors as 4-D/3-D views with batch 1 where packed,
+    seqs = (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table) (None where the
+    config's flag is off), batch = number of sequences, max_seqlen_q = host int bounding every
+    sequence's query count. split_kv configs: accs = (o_accum fp32 (num_splits, B, Sq, H, D),
+    lse_accum fp32 (num_splits, B, H, Sq)) receive the partial results (out/lse untouched).
+    Launches on torch.cuda.current_stream(); returns None.
     """
     import torch  # late: keeps the compile path torch-free
 
@@ -66,14 +78,28 @@ def get_fwd_runner(cfg: FwdConfig):
     compiled = load_or_compile("fwd", cfg, COMPILE_OPTIONS + _arch_option(cfg.arch), lambda: compile_fwd(cfg))
     get_fwd_runner.last_compile_s = time.perf_counter() - t0
 
-    def run(q, k, v, out, lse, softmax_scale: float, lse_split=None):
-        batch, seqlen_q, nheads, _ = q.shape
+    @functools.lru_cache(maxsize=256)
+    def launch_plan(batch: int, max_seqlen_q: int, nheads: int, seqlen_k_hint: int, num_splits: int, num_sms: int):
+        """(l2_group, grid size) of one problem class: a lookup on every later call."""
         # Tile order: L2 sections of (head, batch) pairs whose K/V fit in L2 (schedule.py).
-        l2_group = l2_section_heads(k.shape[1], cfg.headdim) if cfg.lpt else 1
-        grid = fwd_grid(cfg, batch, seqlen_q, nheads, arch.num_sms(q.device) if cfg.persistent else 0)
+        l2_group = l2_section_heads(seqlen_k_hint, cfg.headdim) if cfg.lpt else 1
+        return l2_group, fwd_grid(cfg, batch * num_splits, max_seqlen_q, nheads, num_sms)[0]
+
+    def run(q, k, v, out, lse, softmax_scale: float, lse_split=None, seqs=None, batch=None, max_seqlen_q=None,
+            accs=(None, None), num_splits: int = 1):
+        if batch is None:
+            batch, max_seqlen_q = q.shape[0], q.shape[1]
+        seqs = seqs if seqs is not None else (None,) * 5
+        if seqs[4] is not None:  # paged: page_size x pages per sequence
+            seqlen_k_hint = k.shape[1] * seqs[4].shape[1]
+        else:  # packed K: the mean sequence
+            seqlen_k_hint = k.shape[1] // max(batch, 1) if cfg.varlen_k else k.shape[1]
+        l2_group, num_ctas = launch_plan(batch, max_seqlen_q, q.shape[2], seqlen_k_hint if cfg.lpt else 0, num_splits,
+                                         arch.num_sms(q.device) if cfg.persistent else 0)
         if lse_split is None:
             lse_split = torch.empty((2,) + tuple(lse.shape), dtype=torch.float32, device=lse.device)
-        compiled(q, k, v, out, lse, lse_split[0], lse_split[1], softmax_scale * LOG2E, l2_group, grid[0])
+        compiled(q, k, v, out, lse, lse_split[0], lse_split[1], *seqs, *accs, softmax_scale * LOG2E, batch,
+                 max_seqlen_q, num_splits, l2_group, num_ctas)
 
     return run
 
@@ -81,15 +107,19 @@ def get_fwd_runner(cfg: FwdConfig):
 def compile_bwd(cfg: BwdConfig, options: str = ""):
     """Compile one backward config (no GPU needed). Returns the compiled callable
     f(q, k, v, dout, lse_log2, dpsum, dq_accum, dk, dv, dq_semaphore, exact, lse_hi, lse_lo,
-    softmax_scale: float, num_ctas: int)."""
+      cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, softmax_scale: float, max_seqlen_k, num_ctas: int)
+    where each of cu_seqlens_q / cu_seqlens_k / seqused_q / seqused_k is an int32 tensor when its
+    config flag is on and None otherwise, and max_seqlen_k an int when cfg.varlen_k or
+    cfg.seqused_k, else None (compile/fake.bwd_fake_args gives the layouts)."""
     from flash4.kernels.bwd_sm90 import FlashAttentionBackwardSm90
 
     if cfg.arch != 90:
         raise ValueError(f"no backward kernel for sm_{cfg.arch}")
-    args = bwd_fake_args(cfg.headdim, cfg.dtype)
+    args = bwd_fake_args(cfg.headdim, cfg.dtype, cfg.varlen_q, cfg.varlen_k, cfg.seqused_q, cfg.seqused_k)
+    max_seqlen_k = cutlass.Int32(1) if bwd_dynamic_seqlen_k(cfg) else None
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     return cute.compile(
-        FlashAttentionBackwardSm90(cfg), *args, cutlass.Float32(1.0), cutlass.Int32(1), stream,
+        FlashAttentionBackwardSm90(cfg), *args, cutlass.Float32(1.0), max_seqlen_k, cutlass.Int32(1), stream,
         options=COMPILE_OPTIONS + _arch_option(cfg.arch) + options,
     )
 
@@ -97,40 +127,97 @@ def compile_bwd(cfg: BwdConfig, options: str = ""):
 @functools.lru_cache(maxsize=None)
 def get_bwd_runner(cfg: BwdConfig):
     """Cached: compiled backward main kernel for `cfg`, as
-    run(q, k, v, dout, lse_log2, dpsum, dq_accum, dk, dv, dq_semaphore, exact, lse_hi, lse_lo, softmax_scale)
+    run(q, k, v, dout, lse_log2, dpsum, dq_accum, dk, dv, dq_semaphore, exact, lse_hi, lse_lo, softmax_scale,
+        cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None, max_seqlen_k=None)
     on the current stream (grid: flash4.launch.bwd_grid). The pre/postprocess (lse_log2, dpsum,
-    exact flags, dq_accum zeroing, dq conversion) is flash4.backward's."""
+    exact flags, dq_accum zeroing, dq conversion) is flash4.backward's (dense) or flash4.varlen's.
+
+    Dense configs take the dense layouts and no sequence tensors. Sequence-layout configs take
+    the tensors of their flags (kernels/bwd_sm90.py gives the packed layouts, with a batch mode of
+    size 1); max_seqlen_k (host int, >= every sequence's key count) is required with cfg.varlen_k
+    and defaults to k.shape[1] with cfg.seqused_k alone. The batch count is cu_seqlens_q's length
+    - 1 with cfg.varlen_q, else q.shape[0]."""
     compiled = load_or_compile("bwd", cfg, COMPILE_OPTIONS + _arch_option(cfg.arch), lambda: compile_bwd(cfg))
+    dynamic_k = bwd_dynamic_seqlen_k(cfg)
 
     def run(q, k, v, dout, lse_log2, dpsum, dq_accum, dk, dv, dq_semaphore, exact, lse_hi, lse_lo,
-            softmax_scale: float):
-        grid = bwd_grid(cfg, k.shape[0], k.shape[1], k.shape[2])
+            softmax_scale: float, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None,
+            max_seqlen_k=None):
+        given = (cu_seqlens_q is not None, cu_seqlens_k is not None, seqused_q is not None, seqused_k is not None)
+        if given != (cfg.varlen_q, cfg.varlen_k, cfg.seqused_q, cfg.seqused_k):
+            raise ValueError(f"flash4 backward: sequence tensors given {given} do not match the config {cfg}")
+        batch = cu_seqlens_q.shape[0] - 1 if cfg.varlen_q else q.shape[0]
+        if dynamic_k:
+            if max_seqlen_k is None:
+                if cfg.varlen_k:
+                    raise ValueError("flash4 backward: max_seqlen_k is required with cu_seqlens_k")
+                max_seqlen_k = k.shape[1]
+            seqlen_k = int(max_seqlen_k)
+        else:
+            seqlen_k, max_seqlen_k = k.shape[1], None
+        grid = bwd_grid(cfg, batch, seqlen_k, k.shape[2])
         compiled(q, k, v, dout, lse_log2, dpsum, dq_accum, dk, dv, dq_semaphore, exact, lse_hi, lse_lo,
-                 softmax_scale, grid[0])
+                 cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, softmax_scale, max_seqlen_k, grid[0])
 
     return run
 
 
 @functools.lru_cache(maxsize=None)
-def get_bwd_preprocess_runner(headdim: int, dtype: str, arch: int = 90):
+def get_bwd_preprocess_runner(headdim: int, dtype: str, arch: int = 90, varlen: bool = False):
     """Cached: compiled backward preprocess, run(out, dout, lse_hi, lse_lo, dpsum, lse_log2, exact,
-    tile_m) (see kernels/bwd_preprocess.py) on the current stream (grid: flash4.launch)."""
+    tile_m, row_index=None) (see kernels/bwd_preprocess.py) on the current stream (grid:
+    flash4.launch). varlen: packed layouts with a batch mode of size 1 and row_index, int32
+    (total_q,), the padded row of each packed row (flash4.varlen.padded_row_index), required."""
     from flash4.compile.fake import bwd_preprocess_fake_args
     from flash4.kernels.bwd_preprocess import BackwardPreprocess
 
     def compile_preprocess():
-        args = bwd_preprocess_fake_args(headdim, dtype)
+        args = bwd_preprocess_fake_args(headdim, dtype, varlen)
         stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
         return cute.compile(
-            BackwardPreprocess(headdim, args[0].element_type), *args, cutlass.Int32(64), cutlass.Int32(1), stream,
-            options=COMPILE_OPTIONS + _arch_option(arch),
+            BackwardPreprocess(headdim, args[0].element_type), *args[:7], cutlass.Int32(64), cutlass.Int32(1), stream,
+            *args[7:], options=COMPILE_OPTIONS + _arch_option(arch),
         )
 
-    compiled = load_or_compile("bwd_preprocess", (headdim, dtype, arch), COMPILE_OPTIONS + _arch_option(arch),
-                               compile_preprocess)
+    # The dense key is the one it always had (a warm disk cache stays warm).
+    key = (headdim, dtype, arch, "varlen") if varlen else (headdim, dtype, arch)
+    compiled = load_or_compile("bwd_preprocess", key, COMPILE_OPTIONS + _arch_option(arch), compile_preprocess)
 
-    def run(out, dout, lse_hi, lse_lo, dpsum, lse_log2, exact, tile_m: int):
+    def run(out, dout, lse_hi, lse_lo, dpsum, lse_log2, exact, tile_m: int, row_index=None):
+        if (row_index is not None) != varlen:
+            raise ValueError(f"flash4 backward preprocess: row_index must be given iff varlen (varlen={varlen})")
         grid = bwd_preprocess_grid(out.shape[0], out.shape[1], out.shape[2])
-        compiled(out, dout, lse_hi, lse_lo, dpsum, lse_log2, exact, tile_m, grid[0])
+        # row_index is a parameter of the compiled function either way (None: dense).
+        compiled(out, dout, lse_hi, lse_lo, dpsum, lse_log2, exact, tile_m, grid[0], row_index)
+
+    return run
+
+
+@functools.lru_cache(maxsize=None)
+def get_combine_runner(headdim: int, dtype: str, arch: int = 90):
+    """Cached: compiled split-KV combine (kernels/fwd_combine.py), as run(o_accum, lse_accum, out,
+    lse, pack) on the current stream: o_accum fp32 (splits, B, Sp, Hk, D), lse_accum fp32
+    (splits, B, Hk, Sp), out (B, Sp // pack, Hk * pack, D), lse fp32 (B, Hk * pack, Sp // pack)."""
+    from flash4.compile.fake import DTYPES, _fake
+    from flash4.kernels.fwd_combine import COMBINE_WARPS_PER_CTA, SplitKVCombine
+
+    def compile_combine():
+        ns, b, sp, hk, sq, h = (cute.sym_int32() for _ in range(6))
+        o_acc = _fake(cutlass.Float32, (ns, b, sp, hk, headdim), 4, 4)
+        lse_acc = _fake(cutlass.Float32, (ns, b, hk, sp), 3, 1)
+        out = _fake(DTYPES[dtype], (b, sq, h, headdim), 3, 8)
+        lse = _fake(cutlass.Float32, (b, h, sq), 2, 1)
+        stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+        return cute.compile(SplitKVCombine(headdim, DTYPES[dtype]), o_acc, lse_acc, out, lse, cutlass.Int32(1),
+                            cutlass.Int32(1), stream, options=COMPILE_OPTIONS + _arch_option(arch))
+
+    compiled = load_or_compile("fwd_combine", (headdim, dtype, arch), COMPILE_OPTIONS + _arch_option(arch),
+                               compile_combine)
+
+    def run(o_accum, lse_accum, out, lse, pack: int):
+        _, batch, seqlen_p, nheads_k, _ = o_accum.shape
+        rows = batch * seqlen_p * nheads_k
+        num_ctas = -(-rows // COMBINE_WARPS_PER_CTA)
+        compiled(o_accum, lse_accum, out, lse, pack, num_ctas)
 
     return run

@@ -11,13 +11,21 @@ One warp per (batch, seqlen_q, head) row: each lane multiplies headdim/32 elemen
                         computes P from lse_hi, lse_lo unrounded (kernels/bwd_sm90.py, issue 8)
 Padding rows (s >= seqlen_q) are initialized by the caller (dpsum 0, lse_log2 +inf); `exact` is
 zeroed by the caller. The grid comes from flash4.launch.bwd_preprocess_grid.
+
+Varlen (packed) mode, when a row index is given (flash4.varlen): out/dout (1, total_q, H, D),
+lse_hi/lo (1, H, total_q), and the outputs in the padded per-sequence layout: dpsum/lse_log2
+(1, H, padded_rows), exact (1, H, padded_rows / tile_m). Packed row s goes to padded row
+row_index[s] (flash4.varlen.padded_row_index; rows outside every sequence map to a scratch tile
+that the backward never reads), so each sequence starts on a query-tile boundary.
 """
+
+from typing import Optional
 
 import cuda.bindings.driver as cuda
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32
+from cutlass import Float32, Int32, const_expr
 
 from flash4.config import BWD_EXACT_LSE_LOG2
 from flash4.launch import PREPROCESS_WARPS_PER_CTA
@@ -42,22 +50,26 @@ class BackwardPreprocess:
         tile_m: Int32,  # the backward's query tile
         num_ctas: Int32,
         stream: cuda.CUstream,
+        mRowIdx: Optional[cute.Tensor] = None,  # varlen: (total_q,) int32 padded row of each packed row
     ):
-        self.kernel(mO, mdO, mLSEhi, mLSElo, mdPsum, mLSE2, mExact, tile_m).launch(
+        self.kernel(mO, mdO, mLSEhi, mLSElo, mdPsum, mLSE2, mExact, tile_m, mRowIdx).launch(
             grid=(num_ctas, 1, 1), block=[32 * PREPROCESS_WARPS_PER_CTA, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mO: cute.Tensor, mdO: cute.Tensor, mLSEhi: cute.Tensor, mLSElo: cute.Tensor,
-               mdPsum: cute.Tensor, mLSE2: cute.Tensor, mExact: cute.Tensor, tile_m: Int32):
+               mdPsum: cute.Tensor, mLSE2: cute.Tensor, mExact: cute.Tensor, tile_m: Int32,
+               mRowIdx: Optional[cute.Tensor]):
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = cute.arch.lane_idx()
         row = cute.arch.block_idx()[0] * PREPROCESS_WARPS_PER_CTA + warp
-        seqlen_q, nheads = mO.shape[1], mO.shape[2]
+        seqlen_q, nheads = mO.shape[1], mO.shape[2]  # varlen: seqlen_q = total_q, batch = 1
         if row < mO.shape[0] * seqlen_q * nheads:
             head = row % nheads
             bs = row // nheads
             s = bs % seqlen_q
             b = bs // seqlen_q
+            if const_expr(mRowIdx is not None):
+                s, b = bs, 0
             per_lane = self.hdim // 32
             acc = Float32(0.0)
             for i in cutlass.range_constexpr(per_lane):
@@ -65,9 +77,10 @@ class BackwardPreprocess:
                 acc += Float32(mO[b, s, head, d]) * Float32(mdO[b, s, head, d])
             acc = cute.arch.warp_reduction_sum(acc)
             if lane == 0:
-                mdPsum[b, head, s] = acc
+                p = s if const_expr(mRowIdx is None) else mRowIdx[s]  # row in the (padded) statistics
+                mdPsum[b, head, p] = acc
                 lse_log2 = mLSEhi[b, head, s] + mLSElo[b, head, s]
-                mLSE2[b, head, s] = lse_log2
+                mLSE2[b, head, p] = lse_log2
                 magnitude = cute.arch.fmax(lse_log2, -lse_log2)
                 if (magnitude >= Float32(BWD_EXACT_LSE_LOG2)) & (magnitude != Float32.inf):
-                    mExact[b, head, s // tile_m] = Int32(1)
+                    mExact[b, head, p // tile_m] = Int32(1)

@@ -30,9 +30,25 @@ Two work splits between the consumer warpgroups (config.BwdConfig.split_headdim)
     64 keys (tile_n = 64); each computes S^T, dP^T for half of the queries, stages P^T and dS^T in
     smem, and accumulates dK, dV, dQ for half of headdim (SS wgmmas).
 dK, dV leave through K's and V's smem and a TMA store.
+
+Variable-length (packed) batches (config.BwdConfig.varlen_q / varlen_k / seqused_q / seqused_k;
+host side flash4.varlen): Q, dO (1, total_q, H, D) and K, V, dK, dV (1, total_k, Hk, D) have a
+batch mode of size 1 and the CTA reads its sequence's offsets and lengths from cu_seqlens /
+seqused (kernels/common/seqinfo.py); every block range and mask takes that sequence's seqlen_q /
+seqlen_k. The per-row statistics (LSE * log2 e, D), the dQ accumulator and the per-tile flags
+(dQ semaphores, exact-path flags) live in the padded layout: sequence b starts at row
+padded_offset(b), a multiple of tile_m, so its query tile m is padded tile padded_offset / tile_m
++ m (the deterministic semaphore chain runs per padded tile as in the dense case). The grid is
+sized by max_seqlen_k (a host int): CTAs whose key tile starts past their sequence's seqlen_k exit
+at once. Queries past seqlen_q need no mask (their padded LSE is +inf: P = 0, D = 0); keys past
+seqlen_k are masked in the key-edge CTA as in the dense case. Packed dK, dV rows past seqlen_k
+belong to the next sequence: with varlen_k the staged tiles are written by predicated 16-byte
+stores of the rows < seqlen_k instead of the TMA store. Every varlen change is a const_expr: the
+dense kernel (all flags off) is unchanged.
 """
 
 from functools import partial
+from typing import Optional
 
 import cuda.bindings.driver as cuda
 
@@ -53,7 +69,9 @@ from flash4.kernels.common import geometry
 from flash4.kernels.common.gemm import wgmma
 from flash4.kernels.common.pipeline import tma_pipeline_factory
 from flash4.kernels.common.layout import acc_mn_view, acc_to_frgA_layout, select_modes, transpose_view
+from flash4.kernels.common.seqinfo import SeqInfo, store_rows_predicated
 from flash4.kernels.fwd_sm90 import THREADS_PER_WG, _DTYPES, next_state
+from flash4.launch import bwd_dynamic_seqlen_k
 
 # setmaxnreg budgets: producer warpgroup, 2 consumer warpgroups (64K registers per CTA).
 _PRODUCER_REGS, _CONSUMER_REGS = 24, 240
@@ -108,6 +126,10 @@ class FlashAttentionBackwardSm90:
         self.num_threads = 3 * THREADS_PER_WG
         assert self.tile_n == (64 if self.split_hd else 64 * self.num_wg_mma)
         assert self.hdim % 16 == 0 and (self.hdim // 2) % 16 == 0
+        # Sequence layout (all static): packed Q-side / K-side tensors, per-sequence lengths.
+        self.varlen_q, self.varlen_k = cfg.varlen_q, cfg.varlen_k
+        # seqlen_k differs per sequence: the grid is sized by max_seqlen_k, CTAs past it exit.
+        self.dynamic_seqlen_k = bwd_dynamic_seqlen_k(cfg)
 
     def _smem_layout(self, rows: int, cols: int, stages=None, atom_cols=None):
         """Row-major (cols contiguous) swizzled smem tile. atom_cols: pick the swizzle as if the
@@ -157,10 +179,24 @@ class FlashAttentionBackwardSm90:
         mExact: cute.Tensor,  # (batch, nheads, num_m_blocks) int32: 1 where the query tile takes the exact P path
         mLSEhi: cute.Tensor,  # (batch, nheads, seqlen_q) fp32: LSE * log2(e) = hi + lo, unrounded (exact path)
         mLSElo: cute.Tensor,
+        # Sequence layout: each None unless its config flag is on (the compile specializes on None).
+        mCuSeqlensQ: Optional[cute.Tensor],  # (batch + 1,) int32 (varlen_q)
+        mCuSeqlensK: Optional[cute.Tensor],  # (batch + 1,) int32 (varlen_k)
+        mSeqUsedQ: Optional[cute.Tensor],  # (batch,) int32 (seqused_q)
+        mSeqUsedK: Optional[cute.Tensor],  # (batch,) int32 (seqused_k)
         softmax_scale: Float32,
+        max_seqlen_k: Optional[Int32],  # varlen_k or seqused_k: >= every seqlen_k (sizes the grid); else None
         num_ctas: Int32,  # grid size: n_blocks * nheads_k * batch (flash4.launch.bwd_grid)
         stream: cuda.CUstream,
     ):
+        """Dense: the shapes above. varlen_q: Q, dO (1, total_q, H, D), LSE2, D (1, H, padded_rows),
+        dQacc (1, H, padded_rows, D), dQsem, exact (1, H, padded_rows / tile_m), LSEhi/lo
+        (1, H, total_q), padded_rows >= flash4.varlen.padded_total (the kernel touches only the
+        tiles of each sequence). varlen_k: K, V, dK, dV (1, total_k, Hk, D)."""
+        cfg = self.cfg
+        assert (mCuSeqlensQ is not None) == cfg.varlen_q and (mCuSeqlensK is not None) == cfg.varlen_k
+        assert (mSeqUsedQ is not None) == cfg.seqused_q and (mSeqUsedK is not None) == cfg.seqused_k
+        assert (max_seqlen_k is not None) == self.dynamic_seqlen_k
         mQ, mK, mV, mdO, mdK, mdV = [select_modes(t, [1, 3, 2, 0]) for t in (mQ, mK, mV, mdO, mdK, mdV)]
         mLSE2, mD = [select_modes(t, [2, 1, 0]) for t in (mLSE2, mD)]  # (seqlen_q_pad, nheads, batch)
         mdQacc = select_modes(mdQacc, [2, 3, 1, 0])  # (seqlen_q_pad, headdim, nheads, batch)
@@ -189,10 +225,13 @@ class FlashAttentionBackwardSm90:
         stat_stage = cute.make_layout((self.tile_m,))
         tma_atom_LSE, tma_LSE = cpasync.make_tiled_tma_atom(load_op, mLSE2, stat_stage, (self.tile_m,))
         tma_atom_D, tma_D = cpasync.make_tiled_tma_atom(load_op, mD, stat_stage, (self.tile_m,))
-        # dK, dV leave through K's and V's smem (free after the main loop) and a TMA store.
-        store_op = cpasync.CopyBulkTensorTileS2GOp()
-        tma_atom_dK, tma_dK = cpasync.make_tiled_tma_atom(store_op, mdK, sKV_layout, (self.tile_n, self.hdim))
-        tma_atom_dV, tma_dV = cpasync.make_tiled_tma_atom(store_op, mdV, sKV_layout, (self.tile_n, self.hdim))
+        # dK, dV leave through K's and V's smem (free after the main loop) and a TMA store; packed
+        # (varlen_k): by predicated stores of the sequence's rows from there (no TMA atom).
+        tma_atom_dK, tma_dK, tma_atom_dV, tma_dV = None, mdK, None, mdV
+        if const_expr(not self.varlen_k):
+            store_op = cpasync.CopyBulkTensorTileS2GOp()
+            tma_atom_dK, tma_dK = cpasync.make_tiled_tma_atom(store_op, mdK, sKV_layout, (self.tile_n, self.hdim))
+            tma_atom_dV, tma_dV = cpasync.make_tiled_tma_atom(store_op, mdV, sKV_layout, (self.tile_n, self.hdim))
         self.tma_bytes_q = cute.size_in_bytes(self.dtype, q_stage_layout) + self.tile_m * 4
         self.tma_bytes_kv = 2 * cute.size_in_bytes(self.dtype, sKV_layout)
 
@@ -219,8 +258,9 @@ class FlashAttentionBackwardSm90:
         # All CTAs in gridDim.x (batch x heads may exceed gridDim.y/z's 65535): flash4.launch.bwd_grid.
         self.kernel(
             tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_D, mdQacc, tma_dK, tma_dV, mdQsem, mExact, mLSEhi, mLSElo,
+            mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
             tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO, tma_atom_LSE, tma_atom_D, tma_atom_dK, tma_atom_dV,
-            softmax_scale, sQ_layout, sKV_layout, sdS_layout, sStat_layout, sdQ_layout,
+            softmax_scale, max_seqlen_k, sQ_layout, sKV_layout, sdS_layout, sStat_layout, sdQ_layout,
             mma_sdp, mma_dkv, mma_dq, SharedStorage,
         ).launch(grid=(num_ctas, 1, 1), block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
@@ -230,10 +270,12 @@ class FlashAttentionBackwardSm90:
         mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
         mLSE2: cute.Tensor, mD: cute.Tensor, mdQacc: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
         mdQsem: cute.Tensor, mExact: cute.Tensor, mLSEhi: cute.Tensor, mLSElo: cute.Tensor,
+        mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
+        mSeqUsedQ: Optional[cute.Tensor], mSeqUsedK: Optional[cute.Tensor],
         tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom,
         tma_atom_dO: cute.CopyAtom, tma_atom_LSE: cute.CopyAtom, tma_atom_D: cute.CopyAtom,
-        tma_atom_dK: cute.CopyAtom, tma_atom_dV: cute.CopyAtom,
-        softmax_scale: Float32,
+        tma_atom_dK: Optional[cute.CopyAtom], tma_atom_dV: Optional[cute.CopyAtom],
+        softmax_scale: Float32, max_seqlen_k: Optional[Int32],
         sQ_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout, sdS_layout: cute.ComposedLayout,
         sStat_layout: cute.Layout, sdQ_layout: cute.Layout,
         mma_sdp: cute.TiledMma, mma_dkv: cute.TiledMma, mma_dq: cute.TiledMma,
@@ -263,43 +305,77 @@ class FlashAttentionBackwardSm90:
         sdQ = storage.sdQ.get_tensor(sdQ_layout)
 
         # blockIdx.x -> (n_block, head_kv, batch), n_block fastest (the deterministic dQ order
-        # needs lower n_blocks to launch first).
-        num_n_blocks = cute.ceil_div(mK.shape[0], self.tile_n)
+        # needs lower n_blocks to launch first). Per-sequence seqlen_k: n_blocks of max_seqlen_k.
+        if const_expr(self.dynamic_seqlen_k):
+            num_n_blocks = (max_seqlen_k + (self.tile_n - 1)) // self.tile_n
+        else:
+            num_n_blocks = cute.ceil_div(mK.shape[0], self.tile_n)
         bid = cute.arch.block_idx()[0]
         n_block = bid % num_n_blocks
         head_kv = (bid // num_n_blocks) % mK.shape[2]
         batch = bid // num_n_blocks // mK.shape[2]
         qhead_per_kvhead = mQ.shape[2] // mK.shape[2]
-        seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
+        # This sequence's offsets and lengths (dense: batch index and the tensors' seqlens).
+        seq = SeqInfo(batch, mQ.shape[0], mK.shape[0], mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
+                      tile_m_pad=self.tile_m)
+        seqlen_q, seqlen_k = seq.seqlen_q, seq.seqlen_k
         m_block_min, m_block_max = geometry.m_block_range(n_block, seqlen_q, seqlen_k, self.tile_m, self.tile_n,
                                                           self.causal)
         num_steps = (m_block_max - m_block_min) * qhead_per_kvhead  # (query head, m_block) pairs
 
+        roles = partial(
+            self.warp_roles, mQ, mK, mV, mdO, mLSE2, mD, mdQacc, mdK, mdV, mdQsem, mExact, mLSEhi, mLSElo,
+            tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO, tma_atom_LSE, tma_atom_D, tma_atom_dK, tma_atom_dV,
+            softmax_scale, sQ, sK, sV, sdO, sdS, sPt, sLSE, sD, sdQ, mma_sdp, mma_dkv, mma_dq,
+            pipeline_kv, pipeline_q, pipeline_do, warp_idx, seq, n_block, head_kv, qhead_per_kvhead,
+            m_block_min, m_block_max, num_steps)
+        if const_expr(self.dynamic_seqlen_k):
+            # Key tiles past this sequence's keys: nothing to compute, nothing to store (the rows
+            # there are the next sequence's, or outside every sequence and zeroed by the host).
+            if n_block * self.tile_n < seqlen_k:
+                roles()
+        else:
+            roles()
+
+    @cute.jit
+    def warp_roles(self, mQ, mK, mV, mdO, mLSE2, mD, mdQacc, mdK, mdV, mdQsem, mExact, mLSEhi, mLSElo,
+                   tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO, tma_atom_LSE, tma_atom_D, tma_atom_dK, tma_atom_dV,
+                   softmax_scale, sQ, sK, sV, sdO, sdS, sPt, sLSE, sD, sdQ, mma_sdp, mma_dkv, mma_dq,
+                   pipeline_kv, pipeline_q, pipeline_do, warp_idx, seq, n_block, head_kv, qhead_per_kvhead,
+                   m_block_min, m_block_max, num_steps):
+        """The warp-specialized work of one CTA (the class docstring's roles)."""
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(_PRODUCER_REGS)
             if warp_idx == 0:
                 self.load(mQ, mK, mV, mdO, mLSE2, mD, sQ, sK, sV, sdO, sLSE, sD,
                           tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO, tma_atom_LSE, tma_atom_D,
-                          pipeline_kv, pipeline_q, pipeline_do, n_block, head_kv, batch,
+                          pipeline_kv, pipeline_q, pipeline_do, n_block, head_kv, seq,
                           qhead_per_kvhead, m_block_min, m_block_max, num_steps)
             if warp_idx == 1:
-                self.store_dQ(mdQacc, mdQsem, sdQ, n_block, head_kv, batch, qhead_per_kvhead,
+                self.store_dQ(mdQacc, mdQsem, sdQ, n_block, head_kv, seq, qhead_per_kvhead,
                               m_block_min, m_block_max, num_steps)
         else:
             cute.arch.setmaxregister_increase(_CONSUMER_REGS)
             tidx = cute.arch.thread_idx()[0] - THREADS_PER_WG
             self.mma(mdK, mdV, mExact, mLSEhi, mLSElo, tma_atom_dK, tma_atom_dV, sQ, sK, sV, sdO, sdS, sPt, sLSE, sD, sdQ, mma_sdp, mma_dkv, mma_dq,
                      pipeline_kv, pipeline_q, pipeline_do, softmax_scale, tidx,
-                     n_block, head_kv, batch, seqlen_q, seqlen_k, m_block_min, num_steps, m_block_max, qhead_per_kvhead)
+                     n_block, head_kv, seq, m_block_min, num_steps, m_block_max, qhead_per_kvhead)
+
+    def tile_index(self, seq, m_block):
+        """(tile, batch) indices of query tile m_block of the sequence in the per-tile flag tensors
+        (dQ semaphores, exact flags: (num_tiles, nheads, batch) views); packed: its padded tile."""
+        if const_expr(self.varlen_q):
+            return seq.padded_offset_q // self.tile_m + m_block, 0
+        return m_block, seq.batch
 
     @cute.jit
     def load(self, mQ, mK, mV, mdO, mLSE2, mD, sQ, sK, sV, sdO, sLSE, sD,
              tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO, tma_atom_LSE, tma_atom_D,
-             pipeline_kv, pipeline_q, pipeline_do, n_block, head_kv, batch,
+             pipeline_kv, pipeline_q, pipeline_do, n_block, head_kv, seq,
              qhead_per_kvhead, m_block_min, m_block_max, num_steps):
         one = cute.make_layout(1)
-        gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.hdim), (n_block, 0))
-        gV = cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, self.hdim), (n_block, 0))
+        gK = cute.local_tile(seq.k_view(mK, head_kv), (self.tile_n, self.hdim), (n_block, 0))
+        gV = cute.local_tile(seq.k_view(mV, head_kv), (self.tile_n, self.hdim), (n_block, 0))
         tKsK, tKgK = cpasync.tma_partition(tma_atom_K, 0, one, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
         tVsV, tVgV = cpasync.tma_partition(tma_atom_V, 0, one, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
@@ -313,10 +389,10 @@ class FlashAttentionBackwardSm90:
             h_in_group = step // num_m
             m_block = m_block_min + (step - h_in_group * num_m)
             head = head_kv * qhead_per_kvhead + h_in_group
-            gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.hdim), (m_block, 0))
-            gdO = cute.local_tile(mdO[None, None, head, batch], (self.tile_m, self.hdim), (m_block, 0))
-            gLSE = cute.local_tile(mLSE2[None, head, batch], (self.tile_m,), (m_block,))
-            gD = cute.local_tile(mD[None, head, batch], (self.tile_m,), (m_block,))
+            gQ = cute.local_tile(seq.q_view(mQ, head), (self.tile_m, self.hdim), (m_block, 0))
+            gdO = cute.local_tile(seq.q_view(mdO, head), (self.tile_m, self.hdim), (m_block, 0))
+            gLSE = cute.local_tile(seq.q_padded_view(mLSE2, head), (self.tile_m,), (m_block,))
+            gD = cute.local_tile(seq.q_padded_view(mD, head), (self.tile_m,), (m_block,))
             tQsQ, tQgQ = cpasync.tma_partition(tma_atom_Q, 0, one, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
             tdOsdO, tdOgdO = cpasync.tma_partition(tma_atom_dO, 0, one, cute.group_modes(sdO, 0, 2), cute.group_modes(gdO, 0, 2))
             tLsL, tLgL = cpasync.tma_partition(tma_atom_LSE, 0, one, cute.group_modes(sLSE, 0, 1), cute.group_modes(gLSE, 0, 1))
@@ -332,7 +408,7 @@ class FlashAttentionBackwardSm90:
             state = next_state(state)
 
     @cute.jit
-    def store_dQ(self, mdQacc, mdQsem, sdQ, n_block, head_kv, batch, qhead_per_kvhead,
+    def store_dQ(self, mdQacc, mdQsem, sdQ, n_block, head_kv, seq, qhead_per_kvhead,
                  m_block_min, m_block_max, num_steps):
         """Warp 1: per step, bulk fp32 reduce-add of the staged dQ tile into the accumulator.
 
@@ -340,7 +416,8 @@ class FlashAttentionBackwardSm90:
         until the tile's semaphore reads n (every key block below n has added), adds, waits for
         its add to complete, then releases n + 1. The key blocks that touch a query block are
         0, 1, ..., so the chain has no gap; lower n_block CTAs launch first (n_block is the fastest
-        grid dimension), so it cannot deadlock.
+        grid dimension), so it cannot deadlock. Packed batches: the chain of a sequence's query
+        tile m runs on its padded tile (tile_index), its key blocks 0, 1, ... of that sequence.
         """
         lane = cute.arch.lane_idx()
         num_m = m_block_max - m_block_min
@@ -350,8 +427,9 @@ class FlashAttentionBackwardSm90:
             m_block = m_block_min + (step - h_in_group * num_m)
             head = head_kv * qhead_per_kvhead + h_in_group
             cute.arch.barrier(barrier_id=int(NamedBarrierBwd.dQFull), number_of_threads=self.num_mma_threads + 32)
-            gdQ = cute.local_tile(mdQacc[None, None, head, batch], (self.tile_m, self.hdim), (m_block, 0))
-            sem_ptr = mdQsem[None, head, batch].iterator + m_block
+            gdQ = cute.local_tile(seq.q_padded_view(mdQacc, head), (self.tile_m, self.hdim), (m_block, 0))
+            tile, tile_batch = self.tile_index(seq, m_block)
+            sem_ptr = mdQsem[None, head, tile_batch].iterator + tile
             if const_expr(self.cfg.deterministic):
                 if lane == 0:
                     seen = cute.arch.load(sem_ptr, Int32, sem="acquire", scope="gpu")
@@ -375,7 +453,8 @@ class FlashAttentionBackwardSm90:
     @cute.jit
     def mma(self, mdK, mdV, mExact, mLSEhi, mLSElo, tma_atom_dK, tma_atom_dV, sQ, sK, sV, sdO, sdS, sPt, sLSE, sD, sdQ, mma_sdp, mma_dkv, mma_dq,
             pipeline_kv, pipeline_q, pipeline_do, softmax_scale, tidx,
-            n_block, head_kv, batch, seqlen_q, seqlen_k, m_block_min, num_steps, m_block_max, qhead_per_kvhead):
+            n_block, head_kv, seq, m_block_min, num_steps, m_block_max, qhead_per_kvhead):
+        seqlen_q, seqlen_k = seq.seqlen_q, seq.seqlen_k
         wg_idx = cute.arch.make_warp_uniform(tidx // THREADS_PER_WG)
         wg_slice = cute.make_layout(self.num_wg_mma, stride=THREADS_PER_WG)(wg_idx)
         wg_sdp = mma_sdp.get_slice(wg_slice)
@@ -427,7 +506,7 @@ class FlashAttentionBackwardSm90:
         thread_col0 = tScS[0, 0][1]
         # The m_blocks [m_block_min, m_mask_end) run with the element mask compiled in, the rest
         # without: causal, the first m_blocks of each head (those crossing the diagonal); and every
-        # m_block of the CTA whose key tile crosses seqlen_k. Keys past seqlen_k are masked
+        # m_block of the CTA whose key tile crosses seqlen_k (the sequence's). Keys past seqlen_k are masked
         # explicitly, never left to TMA's zero fill (a zero K row scores 0, and 2^(0 - LSE)
         # overflows when every real score of the row is very negative). Queries past seqlen_q need
         # no mask: their LSE is +inf (flash4.backward pads it), so P = 0 there.
@@ -441,7 +520,8 @@ class FlashAttentionBackwardSm90:
                 if const_expr(not mask):
                     lo, hi = m_mask_end, m_block_max
                 for m_block in cutlass.range(lo, hi, unroll=1):
-                    exact = mExact[m_block, head, batch] != 0
+                    tile, tile_batch = self.tile_index(seq, m_block)
+                    exact = mExact[tile, head, tile_batch] != 0
                     pipeline_q.consumer_wait(state)
                     acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
                     wgmma(mma_sdp, acc_S, tSrK, tSrQ[None, None, None, state.index], zero_init=True, wg_wait=-1)
@@ -452,8 +532,7 @@ class FlashAttentionBackwardSm90:
                     # Column (query) outer: each LSE value is read from smem once and used at once.
                     s = acc_mn_view(acc_S)
                     if exact:
-                        self.exponent_exact(s, t0ScS, mLSEhi, mLSElo, scale_log2, m_block, thread_col0, head,
-                                            batch, seqlen_q)
+                        self.exponent_exact(s, t0ScS, mLSEhi, mLSElo, scale_log2, m_block, thread_col0, head, seq)
                     else:
                         for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
                             lse_log2 = sLSE[thread_col0 + t0ScS[0, c][1], state.index]
@@ -521,31 +600,35 @@ class FlashAttentionBackwardSm90:
         if num_steps > 0:
             cute.arch.barrier(barrier_id=int(NamedBarrierBwd.dQEmpty), number_of_threads=self.num_mma_threads + 32)
         self.epilogue_dKV(acc_dK, acc_dV, mdK, mdV, tma_atom_dK, tma_atom_dV, sK, sV, mma_dkv, tidx, n_block,
-                          head_kv, batch)
+                          head_kv, seq)
 
     @cute.jit
-    def exponent_exact(self, s, t0ScS, mLSEhi, mLSElo, scale_log2, m_block, thread_col0, head, batch, seqlen_q):
+    def exponent_exact(self, s, t0ScS, mLSEhi, mLSElo, scale_log2, m_block, thread_col0, head, seq):
         """s[r, c] = S^T * scale_log2 - (hi + lo)[query] with the forward's unrounded log2 LSE
         (lse_split): fma(S^T, scale_log2, -hi) is exact-then-rounded, so at the row's max it is the
         rounding error of m * scale_log2 exactly, and P is exact there at any finite magnitude
         (issue 8). Taken only for query tiles the preprocess flagged (|LSE * log2 e| >=
         BWD_EXACT_LSE_LOG2), so hi, lo come straight from global memory. Queries past seqlen_q get
-        hi = +inf (P = 0), as the padded LSE of the fast path."""
+        hi = +inf (P = 0), as the padded LSE of the fast path. mLSEhi, mLSElo: (seqlen_q, nheads,
+        batch) views, packed (total_q, nheads, 1) with varlen_q (seq.q_index places the row)."""
         for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
             query = m_block * self.tile_m + thread_col0 + t0ScS[0, c][1]
             hi = Float32.inf
             lo = Float32(0.0)
-            if query < seqlen_q:
-                hi = mLSEhi[query, head, batch]
-                lo = mLSElo[query, head, batch]
+            if query < seq.seqlen_q:
+                row, batch = seq.q_index(query)
+                hi = mLSEhi[row, head, batch]
+                lo = mLSElo[row, head, batch]
             for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
                 s[r, c] = fma_rn(s[r, c], scale_log2, -hi) - lo
 
     @cute.jit
     def epilogue_dKV(self, acc_dK, acc_dV, mdK, mdV, tma_atom_dK, tma_atom_dV, sK, sV, mma_dkv, tidx, n_block,
-                     head_kv, batch):
+                     head_kv, seq):
         """dK, dV: registers -> 16-bit -> K's / V's smem (stmatrix) -> TMA store; rows past seqlen_k
-        are clipped by the TMA unit. mdK, mdV: the TMA views of dK, dV (seqlen_k, headdim, nheads_k, batch)."""
+        are clipped by the TMA unit. mdK, mdV: the TMA views of dK, dV (seqlen_k, headdim, nheads_k, batch).
+        varlen_k: mdK, mdV are the packed tensors (total_k, headdim, nheads_k, 1) and all consumer
+        threads store the rows < seqlen_k - n_block * tile_n (the rest belong to the next sequence)."""
         # Every consumer warpgroup has finished its GEMMs (wait_group(0) ends each step): K, V are free.
         cute.arch.barrier(barrier_id=int(NamedBarrierBwd.Epilogue), number_of_threads=self.num_mma_threads)
         r2s = cute.make_tiled_copy_C(
@@ -555,14 +638,22 @@ class FlashAttentionBackwardSm90:
             rX = cute.make_rmem_tensor(acc.shape, self.dtype)
             rX.store(acc.load().to(self.dtype))
             cute.copy(r2s, r2s.retile(rX), r2s.partition_D(sX))
-        cute.arch.fence_view_async_shared()  # smem writes -> visible to the TMA (async proxy)
-        cute.arch.barrier(barrier_id=int(NamedBarrierBwd.Epilogue), number_of_threads=self.num_mma_threads)
-        if tidx < 32:
-            for atom, mX, sX in ((tma_atom_dK, mdK, sK), (tma_atom_dV, mdV, sV)):
-                gX = cute.local_tile(mX[None, None, head_kv, batch], (self.tile_n, self.hdim), (n_block, 0))
-                tXsX, tXgX = cpasync.tma_partition(
-                    atom, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2)
-                )
-                cute.copy(atom, tXsX, tXgX)
-            cute.arch.cp_async_bulk_commit_group()
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
+        if const_expr(self.varlen_k):
+            # Generic-proxy reads of the staged tiles: the barrier alone orders them.
+            cute.arch.barrier(barrier_id=int(NamedBarrierBwd.Epilogue), number_of_threads=self.num_mma_threads)
+            valid_rows = seq.seqlen_k - n_block * self.tile_n
+            for mX, sX in ((mdK, sK), (mdV, sV)):
+                gX = cute.local_tile(seq.k_view(mX, head_kv), (self.tile_n, self.hdim), (n_block, 0))
+                store_rows_predicated(sX, gX, valid_rows, tidx, self.num_mma_threads)
+        else:
+            cute.arch.fence_view_async_shared()  # smem writes -> visible to the TMA (async proxy)
+            cute.arch.barrier(barrier_id=int(NamedBarrierBwd.Epilogue), number_of_threads=self.num_mma_threads)
+            if tidx < 32:
+                for atom, mX, sX in ((tma_atom_dK, mdK, sK), (tma_atom_dV, mdV, sV)):
+                    gX = cute.local_tile(seq.k_view(mX, head_kv), (self.tile_n, self.hdim), (n_block, 0))
+                    tXsX, tXgX = cpasync.tma_partition(
+                        atom, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2)
+                    )
+                    cute.copy(atom, tXsX, tXgX)
+                cute.arch.cp_async_bulk_commit_group()
+                cute.arch.cp_async_bulk_wait_group(0, read=True)

@@ -6,6 +6,7 @@ optional FMA-emulated exp2; Zadouri et al. 2025).
 """
 
 from functools import partial
+from typing import Optional
 
 import cuda.bindings.driver as cuda
 
@@ -24,6 +25,7 @@ from flash4.kernels.common.gemm import wgmma
 from flash4.kernels.common.pipeline import tma_pipeline_factory
 from flash4.kernels.common.layout import acc_mn_view, acc_to_frgA_layout, select_modes, transpose_view
 from flash4.kernels.common.scheduler import TileSchedule
+from flash4.kernels.common.seqinfo import SeqInfo, store_rows_predicated
 from flash4.kernels.common.softmax import OnlineSoftmax
 
 _DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
@@ -58,6 +60,11 @@ class FlashAttentionForwardSm90:
     warpgroup has issued its own, so one warpgroup's softmax overlaps the other's GEMMs.
     Epilogue: O / rowsum -> 16-bit -> smem (reusing Q's buffer) via stmatrix -> one TMA store;
     LSE straight from registers.
+    Sequence layouts (FwdConfig varlen_q / varlen_k / seqused_* / page_rows, kernels/common/seqinfo.py):
+    each tile reads its sequence's offsets and lengths; a query tile past its sequence's length is
+    skipped; packed Q/K/V are addressed through domain offsets of the TMA views; a packed O is
+    stored row-predicated from smem (rows past the sequence belong to the next one); paged K/V
+    are loaded page piece by page piece (page_rows rows per TMA copy, page index from page_table).
     """
 
     def __init__(self, cfg: FwdConfig):
@@ -75,13 +82,20 @@ class FlashAttentionForwardSm90:
         # Persistent CTAs stage O in its own buffer when smem allows, so the next tile's Q can
         # load during this tile's epilogue; otherwise O reuses Q's buffer.
         self.separate_o = cfg.persistent and cfg.smem_bytes() + cfg.tile_m * cfg.headdim * 2 <= SMEM_CAPACITY
+        self.page_rows = cfg.page_rows
+        # Query tiles may lie past their sequence (varlen: the grid covers max_seqlen_q).
+        self.ragged_q = cfg.varlen_q or cfg.seqused_q
 
     # ------------------------------------------------------------------ host side (trace time)
-    def _smem_layout(self, rows: int, stages=None):
+    def _smem_layout(self, rows: int, stages=None, rows_outer: bool = False):
+        """Swizzled (rows, headdim[, stages]) tile. rows_outer: swizzle atoms tile headdim first,
+        so every 8-row slab is contiguous (a paged key block's page pieces are TMA boxes)."""
         atom = warpgroup.make_smem_layout_atom(
             sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype, self.hdim), self.dtype
         )
         shape = (rows, self.hdim) if stages is None else (rows, self.hdim, stages)
+        if rows_outer:
+            return cute.tile_to_shape(atom, shape, order=(1, 0) if stages is None else (1, 0, 2))
         return cute.tile_to_shape(atom, shape, order=(0, 1) if stages is None else (0, 1, 2))
 
     def _tiled_mmas(self):
@@ -106,7 +120,17 @@ class FlashAttentionForwardSm90:
         mLSE: cute.Tensor,  # (batch, nheads, seqlen_q) float32
         mLSEhi: cute.Tensor,  # (batch, nheads, seqlen_q) float32: log2-domain LSE = hi + lo, unrounded
         mLSElo: cute.Tensor,  # (batch, nheads, seqlen_q) float32
+        mCuSeqlensQ: Optional[cute.Tensor],  # (batch + 1,) int32 when varlen_q (then Q/O/LSE have batch 1)
+        mCuSeqlensK: Optional[cute.Tensor],  # (batch + 1,) int32 when varlen_k (then K/V have batch 1)
+        mSeqUsedQ: Optional[cute.Tensor],  # (batch,) int32 when seqused_q
+        mSeqUsedK: Optional[cute.Tensor],  # (batch,) int32 when seqused_k
+        mPageTable: Optional[cute.Tensor],  # (batch, max_pages) int32 when paged: K/V (num_pages, page_size, nheads_k, d)
+        mOacc: Optional[cute.Tensor],  # split_kv: (num_splits, batch, seqlen_q, nheads, d) fp32 partial O
+        mLSEacc: Optional[cute.Tensor],  # split_kv: (num_splits, batch, nheads, seqlen_q) fp32 partial LSE
         softmax_scale_log2: Float32,
+        batch_size: Int32,  # number of sequences
+        max_seqlen_q: Int32,  # >= every sequence's query count: sizes the tile space
+        num_splits: Int32,  # split_kv: key-block ranges per (m_block, head, batch) (1 otherwise)
         l2_group: Int32,  # (head, batch) pairs per L2 section of the tile order (>= 1)
         num_ctas: Int32,  # grid size: number of tiles, or number of SMs when persistent
         stream: cuda.CUstream,
@@ -115,6 +139,9 @@ class FlashAttentionForwardSm90:
             raise TypeError(f"flash4 fwd_sm90: tensors must all be {self.dtype}")
         # Kernel-side views: (seqlen, headdim, nheads, batch) and LSE (seqlen_q, nheads, batch).
         mQ, mK, mV, mO = [select_modes(t, [1, 3, 2, 0]) for t in (mQ, mK, mV, mO)]
+        if const_expr(self.cfg.split_kv):
+            mOacc = select_modes(mOacc, [2, 4, 3, 1, 0])  # (seqlen_q, d, nheads, batch, split)
+            mLSEacc = select_modes(mLSEacc, [3, 2, 1, 0])  # (seqlen_q, nheads, batch, split)
         mLSE, mLSEhi, mLSElo = [select_modes(t, [2, 1, 0]) for t in (mLSE, mLSEhi, mLSElo)]
 
         tiled_mma_qk, tiled_mma_pv = self._tiled_mmas()
@@ -126,8 +153,16 @@ class FlashAttentionForwardSm90:
         load_op = cpasync.CopyBulkTensorTileG2SOp()
         tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(load_op, mQ, sQ_layout, (self.tile_m, self.hdim))
         kv_stage_layout = cute.select(sK_layout, mode=[0, 1])
-        tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(load_op, mK, kv_stage_layout, (self.tile_n, self.hdim), 1)
-        tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(load_op, mV, kv_stage_layout, (self.tile_n, self.hdim), 1)
+        # Paged: TMA boxes of page pieces (page_rows x headdim).
+        kv_box_rows = self.page_rows if const_expr(self.page_rows > 0) else self.tile_n
+        # A page piece is rows [i * page_rows, (i + 1) * page_rows) of the stage tile: the stage
+        # layout composed with that row range (its 64-column chunks are contiguous boxes).
+        kv_box_layout = kv_stage_layout
+        if const_expr(self.page_rows > 0):
+            kv_box_layout = cute.composition(
+                kv_stage_layout, cute.make_layout((self.page_rows, self.hdim), stride=(1, self.tile_n)))
+        tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(load_op, mK, kv_box_layout, (kv_box_rows, self.hdim), 1)
+        tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(load_op, mV, kv_box_layout, (kv_box_rows, self.hdim), 1)
         tma_atom_O, tma_O = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileS2GOp(), mO, sO_layout, (self.tile_m, self.hdim)
         )
@@ -146,10 +181,13 @@ class FlashAttentionForwardSm90:
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], self.buffer_align_bytes]
             sO: cute.struct.Align[cute.struct.MemRange[self.dtype, o_elems], self.buffer_align_bytes]
 
+        # A packed O is stored row-predicated (plain stores): the kernel needs O itself.
+        mO_out = mO if const_expr(self.ragged_q) else tma_O
         self.kernel(
-            tma_Q, tma_K, tma_V, tma_O, mLSE, mLSEhi, mLSElo,
+            tma_Q, tma_K, tma_V, mO_out, mLSE, mLSEhi, mLSElo,
+            mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, mPageTable, mOacc, mLSEacc,
             tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O,
-            softmax_scale_log2, l2_group,
+            softmax_scale_log2, batch_size, max_seqlen_q, num_splits, l2_group,
             sQ_layout, sK_layout, sV_layout, sO_layout,
             tiled_mma_qk, tiled_mma_pv, SharedStorage,
         ).launch(grid=(num_ctas, 1, 1), block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
@@ -160,8 +198,11 @@ class FlashAttentionForwardSm90:
         self,
         mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
         mLSEhi: cute.Tensor, mLSElo: cute.Tensor,
+        mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
+        mSeqUsedQ: Optional[cute.Tensor], mSeqUsedK: Optional[cute.Tensor], mPageTable: Optional[cute.Tensor],
+        mOacc: Optional[cute.Tensor], mLSEacc: Optional[cute.Tensor],
         tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom, tma_atom_O: cute.CopyAtom,
-        softmax_scale_log2: Float32, l2_group: Int32,
+        softmax_scale_log2: Float32, batch_size: Int32, max_seqlen_q: Int32, num_splits: Int32, l2_group: Int32,
         sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout, sO_layout: cute.ComposedLayout,
         tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
@@ -192,72 +233,112 @@ class FlashAttentionForwardSm90:
         sO = sO_storage.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
 
         # Tile order (see common/scheduler.py): this CTA takes tiles blockIdx.x, + gridDim.x, ...
-        num_m_blocks = cute.ceil_div(mQ.shape[0], self.tile_m)
-        num_hb = mQ.shape[2] * mQ.shape[3]
+        num_m_blocks = cute.ceil_div(max_seqlen_q, self.tile_m)
+        # split_kv: the "batch" of the tile order runs over (batch, split) pairs, split fastest.
+        num_hb = mQ.shape[2] * batch_size * (num_splits if const_expr(self.cfg.split_kv) else 1)
         sched = TileSchedule(num_m_blocks, mQ.shape[2], num_hb, l2_group, self.causal and self.cfg.lpt)
+        seqs = (mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK)
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.num_producer_regs)
             if warp_idx == 0:
                 self.load(mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
-                          pipeline_q, pipeline_k, pipeline_v, sched)
+                          pipeline_q, pipeline_k, pipeline_v, sched, seqs, mPageTable, num_splits)
         else:
             cute.arch.setmaxregister_increase(self.num_mma_regs)
             tidx = cute.arch.thread_idx()[0] - THREADS_PER_WG
             self.mma(mQ, mK, mO, (mLSE, mLSEhi, mLSElo), sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk, tiled_mma_pv,
-                     pipeline_q, pipeline_k, pipeline_v, softmax_scale_log2, tidx, sched)
+                     pipeline_q, pipeline_k, pipeline_v, softmax_scale_log2, tidx, sched, seqs,
+                     (mOacc, mLSEacc), num_splits)
 
     @cute.jit
     def load(self, mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
-             pipeline_q, pipeline_k, pipeline_v, sched):
+             pipeline_q, pipeline_k, pipeline_v, sched, seqs, mPageTable, num_splits):
         """Producer warp: per tile, TMA loads of K[n_max-1], Q, then K[n] / V[n+1] pairs down to 0,
         then V[0]. K/V of the next tile stream in while the consumers finish this one."""
         qhead_per_kvhead = mQ.shape[2] // mK.shape[2]
-        seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
         one_cta = cute.make_layout(1)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         tile_idx = cute.arch.block_idx()[0]
         while tile_idx < sched.num_tiles():
             m_block, head, batch = sched.coords(tile_idx)
-            head_kv = head // qhead_per_kvhead
-            gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.hdim), (m_block, 0))
-            gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.hdim), (None, 0))
-            gV = cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, self.hdim), (None, 0))
-            # ((atom_v, rest_v)) / ((atom_v, rest_v), STAGE) / ((atom_v, rest_v), n_block)
-            tQsQ, tQgQ = cpasync.tma_partition(tma_atom_Q, 0, one_cta, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
-            tKsK, tKgK = cpasync.tma_partition(tma_atom_K, 0, one_cta, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
-            tVsV, tVgV = cpasync.tma_partition(tma_atom_V, 0, one_cta, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
-            n_block_max = geometry.n_block_max(m_block, seqlen_q, seqlen_k, self.tile_m, self.tile_n, self.causal)
-            if n_block_max > 0:
-                pipeline_k.producer_acquire(state)
-                cute.copy(tma_atom_K, tKgK[None, n_block_max - 1], tKsK[None, state.index],
-                          tma_bar_ptr=pipeline_k.producer_get_barrier(state))
-            # Q always goes through its pipeline (also for a tile that sees no key): its buffer
-            # may hold this tile's O, so the consumers' release orders the reuse.
-            pipeline_q.producer_acquire(q_state)
-            cute.copy(tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
-            q_state = next_state(q_state)
-            if n_block_max > 0:
-                for i in cutlass.range(n_block_max - 1, unroll=1):
-                    n_prev = n_block_max - 1 - i
-                    state_prev = state
-                    state = next_state(state)
+            batch, split = self.split_coords(batch, num_splits)
+            seq = SeqInfo(batch, mQ.shape[0], mK.shape[0], *seqs)
+            in_range = True
+            if const_expr(self.ragged_q):
+                in_range = m_block * self.tile_m < seq.seqlen_q
+            if in_range:
+                head_kv = head // qhead_per_kvhead
+                gQ = cute.local_tile(seq.q_view(mQ, head), (self.tile_m, self.hdim), (m_block, 0))
+                # ((atom_v, rest_v)) / ((atom_v, rest_v), STAGE)
+                tQsQ, tQgQ = cpasync.tma_partition(tma_atom_Q, 0, one_cta, cute.group_modes(sQ, 0, 2),
+                                                   cute.group_modes(gQ, 0, 2))
+                load_K = partial(self.load_kv, tma_atom_K, mK, sK, pipeline_k, head_kv, seq, mPageTable)
+                load_V = partial(self.load_kv, tma_atom_V, mV, sV, pipeline_v, head_kv, seq, mPageTable)
+                n_block_min, n_block_max = self.n_block_range(m_block, seq, split, num_splits)
+                if n_block_max > n_block_min:
                     pipeline_k.producer_acquire(state)
-                    cute.copy(tma_atom_K, tKgK[None, n_prev - 1], tKsK[None, state.index],
-                              tma_bar_ptr=pipeline_k.producer_get_barrier(state))
-                    pipeline_v.producer_acquire(state_prev)
-                    cute.copy(tma_atom_V, tVgV[None, n_prev], tVsV[None, state_prev.index],
-                              tma_bar_ptr=pipeline_v.producer_get_barrier(state_prev))
-                pipeline_v.producer_acquire(state)
-                cute.copy(tma_atom_V, tVgV[None, 0], tVsV[None, state.index],
-                          tma_bar_ptr=pipeline_v.producer_get_barrier(state))
-                state = next_state(state)
+                    load_K(n_block_max - 1, state)
+                # Q always goes through its pipeline (also for a tile that sees no key): its buffer
+                # may hold this tile's O, so the consumers' release orders the reuse.
+                pipeline_q.producer_acquire(q_state)
+                cute.copy(tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
+                q_state = next_state(q_state)
+                if n_block_max > n_block_min:
+                    for i in cutlass.range(n_block_max - 1 - n_block_min, unroll=1):
+                        n_prev = n_block_max - 1 - i
+                        state_prev = state
+                        state = next_state(state)
+                        pipeline_k.producer_acquire(state)
+                        load_K(n_prev - 1, state)
+                        pipeline_v.producer_acquire(state_prev)
+                        load_V(n_prev, state_prev)
+                    pipeline_v.producer_acquire(state)
+                    load_V(n_block_min, state)
+                    state = next_state(state)
             tile_idx += cute.arch.grid_dim()[0]
 
     @cute.jit
+    def load_kv(self, tma_atom, mX, sX, pipe, head_kv, seq, mPageTable, n_block, state):
+        """TMA load of key block n_block of K or V (kernel view (seqlen, d, heads_k, batch), or paged
+        (page_size, d, heads_k, num_pages)) into stage state.index, completing on its barrier."""
+        one_cta = cute.make_layout(1)
+        bar = pipe.producer_get_barrier(state)
+        if const_expr(self.page_rows == 0):
+            gX = cute.local_tile(seq.k_view(mX, head_kv), (self.tile_n, self.hdim), (n_block, 0))
+            tXsX, tXgX = cpasync.tma_partition(tma_atom, 0, one_cta, cute.group_modes(sX, 0, 2),
+                                               cute.group_modes(gX, 0, 2))
+            cute.copy(tma_atom, tXgX, tXsX[None, state.index], tma_bar_ptr=bar)
+        else:
+            # Page pieces of page_rows keys: key j of the sequence is row j % page_size of page
+            # page_table[batch, j // page_size]. A piece past seqlen_k reads page num_pages (out of
+            # bounds: the TMA unit fills zeros and still counts the bytes), so neither the page
+            # table nor K/V is read past the sequence.
+            # The block's page-table entries are read at once, lane i taking piece i (one global
+            # load latency per block instead of one per piece), then broadcast by shuffles.
+            page_size, num_pages = mX.shape[0], mX.shape[3]
+            max_pages = mPageTable.shape[1]
+            num_pieces = self.tile_n // self.page_rows
+            lane = cute.arch.lane_idx()
+            lane_key = n_block * self.tile_n + lane * self.page_rows
+            lane_page = num_pages
+            if (lane < num_pieces) & (lane_key < seq.seqlen_k):
+                lane_page = mPageTable[seq.batch, cutlass.min(lane_key // page_size, max_pages - 1)]
+            for i in cutlass.range(num_pieces, unroll=1):
+                key0 = n_block * self.tile_n + i * self.page_rows
+                page_col = key0 // page_size
+                page = cute.arch.shuffle_sync(lane_page, i)
+                row_block = (key0 - page_col * page_size) // self.page_rows
+                gX = cute.local_tile(mX[None, None, head_kv, page], (self.page_rows, self.hdim), (row_block, 0))
+                sPiece = cute.local_tile(sX[None, None, state.index], (self.page_rows, self.hdim), (i, 0))
+                tXsX, tXgX = cpasync.tma_partition(tma_atom, 0, one_cta, cute.group_modes(sPiece, 0, 2),
+                                                   cute.group_modes(gX, 0, 2))
+                cute.copy(tma_atom, tXgX, tXsX, tma_bar_ptr=bar)
+
+    @cute.jit
     def mma(self, mQ, mK, mO, mLSEs, sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk, tiled_mma_pv,
-            pipeline_q, pipeline_k, pipeline_v, softmax_scale_log2, tidx, sched):
+            pipeline_q, pipeline_k, pipeline_v, softmax_scale_log2, tidx, sched, seqs, mAccs, num_splits):
         """Consumer warpgroups: per tile, the attention main loop and the epilogue."""
         wg_idx = cute.arch.make_warp_uniform(tidx // THREADS_PER_WG)
         wg_slice = cute.make_layout(self.num_wg_mma, stride=THREADS_PER_WG)(wg_idx)
@@ -279,7 +360,6 @@ class FlashAttentionForwardSm90:
             softmax_scale_log2, cute.size(acc_mn_view(tScS), mode=[0]),
             self.cfg.rescale_threshold, self.cfg.exp2_emu_frac,
         )
-        seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
         self.scheduler_barrier_init(wg_idx)
 
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
@@ -287,51 +367,104 @@ class FlashAttentionForwardSm90:
         tile_idx = cute.arch.block_idx()[0]
         while tile_idx < sched.num_tiles():
             m_block, head, batch = sched.coords(tile_idx)
-            n_block_max = geometry.n_block_max(m_block, seqlen_q, seqlen_k, self.tile_m, self.tile_n, self.causal)
-            mask = partial(geometry.mask_scores, tScS=tScS, t0ScS=t0ScS, m_block=m_block, seqlen_q=seqlen_q,
-                           seqlen_k=seqlen_k, tile_m=self.tile_m, tile_n=self.tile_n)
-            softmax.reset()
-            acc_O.fill(0.0)
-            pipeline_q.consumer_wait(q_state)
-            if n_block_max > 0:
-                # First block (the diagonal / seqlen_k edge): S only; its P V is issued next iteration.
-                pipeline_k.consumer_wait(state)
-                acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
-                wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, state.index], zero_init=True, wg_wait=0)
-                pipeline_k.consumer_release(state)
-                mask(acc_S, n_block=n_block_max - 1, causal=self.causal)
-                softmax.online(acc_S, is_first=True)
-                self.convert_P(acc_S, tOrP)
-                # Blocks that cross the causal diagonal, then unmasked blocks.
-                n_block_unmasked = n_block_max - 1
-                if const_expr(self.causal):
-                    n_causal = geometry.n_block_min_causal_mask(m_block, seqlen_q, seqlen_k, self.tile_m, self.tile_n)
-                    n_causal = cutlass.min(n_causal, n_block_max - 1)
-                    for i in cutlass.range(n_block_max - 1 - n_causal, unroll=1):
+            batch, split = self.split_coords(batch, num_splits)
+            seq = SeqInfo(batch, mQ.shape[0], mK.shape[0], *seqs)
+            seqlen_q, seqlen_k = seq.seqlen_q, seq.seqlen_k
+            in_range = True
+            if const_expr(self.ragged_q):
+                in_range = m_block * self.tile_m < seqlen_q
+            if in_range:
+                n_block_min, n_block_max = self.n_block_range(m_block, seq, split, num_splits)
+                mask = partial(geometry.mask_scores, tScS=tScS, t0ScS=t0ScS, m_block=m_block, seqlen_q=seqlen_q,
+                               seqlen_k=seqlen_k, tile_m=self.tile_m, tile_n=self.tile_n)
+                softmax.reset()
+                acc_O.fill(0.0)
+                pipeline_q.consumer_wait(q_state)
+                if n_block_max > n_block_min:
+                    # First block (the diagonal / seqlen_k edge): S only; its P V is issued next iteration.
+                    pipeline_k.consumer_wait(state)
+                    acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
+                    wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, state.index], zero_init=True, wg_wait=0)
+                    pipeline_k.consumer_release(state)
+                    mask(acc_S, n_block=n_block_max - 1, causal=self.causal)
+                    softmax.online(acc_S, is_first=True)
+                    self.convert_P(acc_S, tOrP)
+                    # Blocks that cross the causal diagonal, then unmasked blocks.
+                    n_block_unmasked = n_block_max - 1
+                    if const_expr(self.causal):
+                        n_causal = geometry.n_block_min_causal_mask(m_block, seqlen_q, seqlen_k, self.tile_m, self.tile_n)
+                        n_causal = cutlass.max(cutlass.min(n_causal, n_block_max - 1), n_block_min)
+                        for i in cutlass.range(n_block_max - 1 - n_causal, unroll=1):
+                            state = self.mma_one_n_block(
+                                n_block_max - 2 - i, state, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP,
+                                acc_O, acc_shape_S, softmax, pipeline_k, pipeline_v, mask, True, wg_idx)
+                        n_block_unmasked = n_causal
+                    for i in cutlass.range(n_block_unmasked - n_block_min, unroll=1):
                         state = self.mma_one_n_block(
-                            n_block_max - 2 - i, state, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP,
-                            acc_O, acc_shape_S, softmax, pipeline_k, pipeline_v, mask, True, wg_idx)
-                    n_block_unmasked = n_causal
-                for i in cutlass.range(n_block_unmasked, unroll=1):
-                    state = self.mma_one_n_block(
-                        n_block_unmasked - 1 - i, state, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP,
-                        acc_O, acc_shape_S, softmax, pipeline_k, pipeline_v, mask, False, wg_idx)
-                # Last P V.
-                pipeline_v.consumer_wait(state)
-                wgmma(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, state.index], wg_wait=0)
-                pipeline_v.consumer_release(state)
-                state = next_state(state)
-            if const_expr(self.separate_o):
-                pipeline_q.consumer_release(q_state)  # Q no longer read: next tile's Q may load
-            inv_row_sum, lse, lse_hi, lse_lo = softmax.finalize()
-            self.normalize_O(acc_O, inv_row_sum)
-            self.epilogue(acc_O, (lse, lse_hi, lse_lo), mO, mLSEs, sO, tma_atom_O, tiled_mma_pv, tidx, m_block, head, batch, seqlen_q)
-            if const_expr(not self.separate_o):
-                # O was staged in Q's buffer: free it once the TMA store has read it.
-                cute.arch.barrier(barrier_id=int(NamedBarrierFwd.Epilogue), number_of_threads=self.num_mma_threads)
-                pipeline_q.consumer_release(q_state)
-            q_state = next_state(q_state)
+                            n_block_unmasked - 1 - i, state, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP,
+                            acc_O, acc_shape_S, softmax, pipeline_k, pipeline_v, mask, False, wg_idx)
+                    # Last P V.
+                    pipeline_v.consumer_wait(state)
+                    wgmma(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, state.index], wg_wait=0)
+                    pipeline_v.consumer_release(state)
+                    state = next_state(state)
+                if const_expr(self.separate_o):
+                    pipeline_q.consumer_release(q_state)  # Q no longer read: next tile's Q may load
+                inv_row_sum, lse, lse_hi, lse_lo = softmax.finalize()
+                self.normalize_O(acc_O, inv_row_sum)
+                if const_expr(self.cfg.split_kv):
+                    self.epilogue_split(acc_O, lse, mAccs, tiled_mma_pv, tidx, m_block, head, seq, split)
+                else:
+                    self.epilogue(acc_O, (lse, lse_hi, lse_lo), mO, mLSEs, sO, tma_atom_O, tiled_mma_pv, tidx, m_block,
+                                  head, seq)
+                if const_expr(not self.separate_o):
+                    # O was staged in Q's buffer: free it once the TMA store has read it.
+                    cute.arch.barrier(barrier_id=int(NamedBarrierFwd.Epilogue), number_of_threads=self.num_mma_threads)
+                    pipeline_q.consumer_release(q_state)
+                q_state = next_state(q_state)
             tile_idx += cute.arch.grid_dim()[0]
+
+    def split_coords(self, batch_split, num_splits):
+        """(batch, split) of the tile order's pair index (split fastest); split 0 without split_kv."""
+        if const_expr(self.cfg.split_kv):
+            return batch_split // num_splits, batch_split % num_splits
+        return batch_split, Int32(0)
+
+    def n_block_range(self, m_block, seq, split, num_splits):
+        """[n_block_min, n_block_max): the key blocks this tile visits. Without split_kv all that
+        the query tile sees (flash4.geometry); with it, split `split` of num_splits equal runs."""
+        n_block_max = geometry.n_block_max(m_block, seq.seqlen_q, seq.seqlen_k, self.tile_m, self.tile_n, self.causal)
+        n_block_min = Int32(0)
+        if const_expr(self.cfg.split_kv):
+            per_split = (n_block_max + num_splits - 1) // num_splits
+            n_block_min = cutlass.min(split * per_split, n_block_max)
+            n_block_max = cutlass.min(n_block_min + per_split, n_block_max)
+        return n_block_min, n_block_max
+
+    @cute.jit
+    def epilogue_split(self, acc_O, lse, mAccs, tiled_mma_pv, tidx, m_block, head, seq, split):
+        """split_kv: this split's O (normalized by its own row sum) in fp32 and its natural-log LSE
+        (-inf, O = 0 for a split without keys) go to the partial buffers, straight from registers,
+        rows < seqlen_q only; flash4's combine kernel merges the splits."""
+        mOacc, mLSEacc = mAccs
+        seqlen_q = seq.seqlen_q
+        thr_mma = tiled_mma_pv.get_slice(tidx)
+        tOcO = acc_mn_view(thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.hdim))))
+        gO = cute.local_tile(seq.q_view(mOacc[None, None, None, None, split], head), (self.tile_m, self.hdim),
+                             (m_block, 0))
+        tOgO = acc_mn_view(thr_mma.partition_C(gO))
+        o = acc_mn_view(acc_O)
+        for r in cutlass.range_constexpr(cute.size(o, mode=[0])):
+            if m_block * self.tile_m + tOcO[r, 0][0] < seqlen_q:
+                for c in cutlass.range_constexpr(cute.size(o, mode=[1])):
+                    tOgO[r, c] = o[r, c]
+        if tOcO[0, 0][1] == 0:
+            mL = mLSEacc[None, None, None, split]
+            for r in cutlass.range_constexpr(cute.size(tOcO, mode=[0])):
+                row = m_block * self.tile_m + tOcO[r, 0][0]
+                if row < seqlen_q:
+                    row_idx, batch_idx = seq.q_index(row)
+                    mL[row_idx, head, batch_idx] = lse[r]
 
     @cute.jit
     def mma_one_n_block(self, n_block, state, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP,
@@ -372,10 +505,12 @@ class FlashAttentionForwardSm90:
                 o[r, c] = o[r, c] * inv_row_sum[r]
 
     @cute.jit
-    def epilogue(self, acc_O, lses, mO, mLSEs, sO, tma_atom_O, tiled_mma_pv, tidx, m_block, head, batch, seqlen_q):
+    def epilogue(self, acc_O, lses, mO, mLSEs, sO, tma_atom_O, tiled_mma_pv, tidx, m_block, head, seq):
         """O: registers -> 16-bit -> smem (stmatrix) -> TMA store (rows past seqlen_q are clipped by
-        the TMA unit). LSE (natural log, and the log2 split hi + lo for the backward): the threads
-        owning column 0 write their rows."""
+        the TMA unit), or for ragged queries (varlen / seqused) row-predicated 16-byte stores by all
+        consumer threads. LSE (natural log, and the log2 split hi + lo for the backward): the
+        threads owning column 0 write their rows."""
+        seqlen_q = seq.seqlen_q
         rO = cute.make_rmem_tensor(acc_O.shape, self.dtype)
         rO.store(acc_O.load().to(self.dtype))
         if const_expr(self.separate_o):
@@ -393,13 +528,17 @@ class FlashAttentionForwardSm90:
             for r in cutlass.range_constexpr(cute.size(tOcO, mode=[0])):
                 row = m_block * self.tile_m + tOcO[r, 0][0]
                 if row < seqlen_q:
+                    row_idx, batch_idx = seq.q_index(row)
                     for mX, x in zip(mLSEs, lses):
-                        mX[row, head, batch] = x[r]
+                        mX[row_idx, head, batch_idx] = x[r]
 
         cute.arch.fence_view_async_shared()  # smem writes -> visible to the TMA (async proxy)
         cute.arch.barrier(barrier_id=int(NamedBarrierFwd.Epilogue), number_of_threads=self.num_mma_threads)
-        if tidx < 32:
-            gO = cute.local_tile(mO[None, None, head, batch], (self.tile_m, self.hdim), (m_block, 0))
+        if const_expr(self.ragged_q):
+            gO = cute.local_tile(seq.q_view(mO, head), (self.tile_m, self.hdim), (m_block, 0))
+            store_rows_predicated(sO, gO, seqlen_q - m_block * self.tile_m, tidx, self.num_mma_threads)
+        elif tidx < 32:
+            gO = cute.local_tile(seq.q_view(mO, head), (self.tile_m, self.hdim), (m_block, 0))
             tOsO, tOgO = cpasync.tma_partition(
                 tma_atom_O, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2), cute.group_modes(gO, 0, 2)
             )

@@ -1,0 +1,84 @@
+"""Split-KV combine (CuTe DSL): merge the partial results of the key splits of a decode forward.
+
+The forward with FwdConfig.split_kv writes, for every query row and split s, O_s (normalized by
+the split's own row sum, fp32) and LSE_s (natural log; -inf for a split that saw no key). The
+exact result is the softmax-weighted merge (FlashDecoding, Dao et al. 2023; FlashAttention-2's
+split-KV path):
+    LSE = log(sum_s exp(LSE_s)),   O = sum_s exp(LSE_s - LSE) * O_s,
+with LSE = -inf and O = 0 for a row whose splits all saw no key.
+
+Rows may be packed GQA rows (the decode path packs the `pack` query heads of one KV head into
+the query dimension): packed row r of KV head hk is query r // pack of head hk * pack + r % pack.
+One warp per packed row: lanes reduce LSE_s over the splits, then each lane merges headdim / 32
+contiguous columns (so the warp reads each split's row once, coalesced).
+"""
+
+import cuda.bindings.driver as cuda
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+
+from flash4.config import LOG2E
+
+COMBINE_WARPS_PER_CTA = 4
+
+
+class SplitKVCombine:
+    def __init__(self, headdim: int, dtype):
+        assert headdim % 32 == 0
+        self.hdim = headdim
+        self.dtype = dtype
+
+    @cute.jit
+    def __call__(
+        self,
+        mOacc: cute.Tensor,  # (num_splits, batch, seqlen_packed, nheads_k, headdim) fp32
+        mLSEacc: cute.Tensor,  # (num_splits, batch, nheads_k, seqlen_packed) fp32
+        mO: cute.Tensor,  # (batch, seqlen_q, nheads, headdim) 16-bit
+        mLSE: cute.Tensor,  # (batch, nheads, seqlen_q) fp32
+        pack: Int32,  # query heads per packed KV head (1: no packing)
+        num_ctas: Int32,
+        stream: cuda.CUstream,
+    ):
+        self.kernel(mOacc, mLSEacc, mO, mLSE, pack).launch(
+            grid=(num_ctas, 1, 1), block=[32 * COMBINE_WARPS_PER_CTA, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mOacc: cute.Tensor, mLSEacc: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor, pack: Int32):
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        lane = cute.arch.lane_idx()
+        num_splits, batch, seqlen_p, nheads_k = mOacc.shape[0], mOacc.shape[1], mOacc.shape[2], mOacc.shape[3]
+        row = cute.arch.block_idx()[0] * COMBINE_WARPS_PER_CTA + warp
+        if row < batch * seqlen_p * nheads_k:
+            hk = row % nheads_k
+            bs = row // nheads_k
+            sp = bs % seqlen_p
+            b = bs // seqlen_p
+            # LSE over the splits: lanes take splits lane, lane + 32, ...
+            m = -Float32.inf
+            for s in cutlass.range((num_splits - lane + 31) // 32, unroll=1):
+                m = cute.arch.fmax(m, mLSEacc[lane + s * 32, b, hk, sp])
+            m = cute.arch.warp_reduction_max(m)
+            total = Float32(0.0)
+            if m != -Float32.inf:
+                for s in cutlass.range((num_splits - lane + 31) // 32, unroll=1):
+                    total += cute.math.exp2((mLSEacc[lane + s * 32, b, hk, sp] - m) * Float32(LOG2E), fastmath=True)
+            total = cute.arch.warp_reduction_sum(total)
+            lse = -Float32.inf
+            if m != -Float32.inf:
+                lse = m + cute.math.log(total, fastmath=True)
+            per_lane = self.hdim // 32
+            acc = cute.make_rmem_tensor((per_lane,), Float32)
+            acc.fill(0.0)
+            if m != -Float32.inf:
+                for s in cutlass.range(num_splits, unroll=1):
+                    w = cute.math.exp2((mLSEacc[s, b, hk, sp] - lse) * Float32(LOG2E), fastmath=True)
+                    for i in cutlass.range_constexpr(per_lane):
+                        acc[i] += w * mOacc[s, b, sp, hk, lane * per_lane + i]
+            query = sp // pack
+            head = hk * pack + (sp - query * pack)
+            for i in cutlass.range_constexpr(per_lane):
+                mO[b, query, head, lane * per_lane + i] = acc[i].to(self.dtype)
+            if lane == 0:
+                mLSE[b, head, query] = lse
