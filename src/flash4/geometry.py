@@ -113,6 +113,8 @@ class SeqLens:
     dense:   every sequence has seqlen_q / seqlen_k, batch b at offset b * seqlen (of its own tensor).
     varlen:  cu_seqlens_q / cu_seqlens_k (batch + 1 prefix sums) into packed (total, ...) tensors.
     seqused: seqused_q / seqused_k override the lengths (only the first seqused entries are used).
+    paged:   page_table (batch, pages) and page_size: key j of sequence b is row j % page_size of
+             page page_table[b][j // page_size] (seqused_k gives the lengths).
     """
 
     batch: int
@@ -122,6 +124,8 @@ class SeqLens:
     cu_seqlens_k: Sequence[int] | None = None
     seqused_q: Sequence[int] | None = None
     seqused_k: Sequence[int] | None = None
+    page_table: Sequence[Sequence[int]] | None = None
+    page_size: int = 0
 
     def offset_q(self, b: int) -> int:
         return self.cu_seqlens_q[b] if self.cu_seqlens_q is not None else b * self.seqlen_q
@@ -142,3 +146,31 @@ class SeqLens:
         if self.cu_seqlens_k is not None:
             return self.cu_seqlens_k[b + 1] - self.cu_seqlens_k[b]
         return self.seqlen_k
+
+    def key_location(self, b: int, j: int) -> tuple[int, int]:
+        """(index of the first mode, row) of key j of sequence b in K's storage: (b, j) dense,
+        (0, cu_seqlens_k[b] + j) packed, (page, j % page_size) paged."""
+        if self.page_table is not None:
+            return self.page_table[b][j // self.page_size], j % self.page_size
+        if self.cu_seqlens_k is not None:
+            return 0, self.cu_seqlens_k[b] + j
+        return b, j
+
+    def padded_offset_q(self, b: int, tile: int) -> int:
+        """First row of sequence b in the backward's padded statistics layout (tile-aligned; the
+        device twin is kernels/common/seqinfo.padded_offset)."""
+        return (self.offset_q(b) + b * tile) // tile * tile
+
+
+def paged_piece(n_block, i, tile_n: int, page_rows: int, page_size):
+    """Piece i (page_rows keys, one TMA box) of key block n_block of a paged K/V: (first key,
+    page-table column, row block of page_rows rows inside that page). page_rows divides tile_n and
+    page_size (flash4.config.paged_page_rows), so a piece never crosses a page."""
+    key0 = n_block * tile_n + i * page_rows
+    col = key0 // page_size
+    return key0, col, (key0 - col * page_size) // page_rows
+
+
+def paged_pieces(n_block: int, tile_n: int, page_rows: int, page_size: int):
+    """Every piece of key block n_block (the forward's load_kv issues one TMA box per piece)."""
+    return [paged_piece(n_block, i, tile_n, page_rows, page_size) for i in range(tile_n // page_rows)]

@@ -94,3 +94,37 @@ def test_combine_compiles():
 
     get_combine_runner.cache_clear()
     assert callable(get_combine_runner(128, "bf16"))
+
+
+def test_compile_counts_count_new_kernels_only():
+    from flash4.compile import cache as compile_cache
+    from flash4.compile.cache import compile_counts
+
+    before = compile_counts()
+    compile_cache.get_combine_runner.cache_clear()
+    compile_cache.get_combine_runner(64, "bf16")  # a new kernel in this process: compiled or loaded
+    mid = compile_counts()
+    assert sum(mid.values()) == sum(before.values()) + 1
+    compile_cache.get_combine_runner(64, "bf16")  # cached: nothing new
+    assert compile_counts() == mid
+
+
+def test_varlen_bench_cells():
+    from flash4.bench.varlen import VARLEN_COLUMNS, varlen_fwd_flops, varlen_lengths, varlen_table
+
+    lengths = varlen_lengths()
+    assert sum(lengths) == 65536 and all(1 <= n <= 16384 for n in lengths)
+    assert varlen_lengths() == lengths  # fixed seed
+    assert varlen_fwd_flops([4], 2, 8, causal=True) == 4.0 * 2 * 8 * 10
+    assert varlen_fwd_flops([4], 2, 8, causal=False) == 4.0 * 2 * 8 * 16
+    rows = [dict(zip(VARLEN_COLUMNS, r)) for r in (
+        ("flash4", "varlen_x", 128, 1, 10, 500.0, 400.0, None, 4000.0),
+        ("flash_attn_4", "varlen_x", 128, 1, 10, 600.0, 500.0, None, 4000.0),
+        ("flash4", "decode_b1_4k", 128, 1, 1, None, None, 2000.0, 4000.0),
+        ("flash_attn_4", "decode_b1_4k", 128, 1, 1, None, None, 1000.0, 4000.0),
+    )]
+    headers, table = varlen_table(rows)
+    assert headers[-1] == "flash4/flash_attn_4"
+    by = {(r[0], r[1]): r for r in table}
+    assert by[("decode_b1_4k", "% copy bw")][2] == 50.0 and by[("decode_b1_4k", "% copy bw")][-1] == 2.0
+    assert abs(by[("varlen_x", "fwd TFLOPs")][-1] - 500 / 600) < 1e-12

@@ -141,3 +141,55 @@ def test_seqlens_layouts(seed):
     dense = geo.SeqLens(batch, seqlen_q=7, seqlen_k=9)
     assert [(dense.offset_q(b), dense.len_q(b), dense.offset_k(b), dense.len_k(b)) for b in range(batch)] == [
         (7 * b, 7, 9 * b, 9) for b in range(batch)]
+
+
+@pytest.mark.parametrize("page_size,tile_n", [(16, 128), (64, 128), (128, 128), (256, 128), (64, 80), (256, 112)])
+def test_paged_layout_and_pieces(page_size, tile_n):
+    """Paged K: every key of every sequence is found through the page table, and the forward's
+    page pieces (gcd(page_size, tile_n) rows each) cover each key block exactly, never crossing a page."""
+    import math
+
+    from flash4.config import paged_page_rows
+
+    rng = random.Random(page_size + tile_n)
+    batch = 4
+    lens = [rng.randint(0, 700) for _ in range(batch)]
+    pages = [-(-n // page_size) for n in lens]
+    perm = list(range(sum(pages)))
+    rng.shuffle(perm)
+    table, it = [], iter(perm)
+    for n in pages:
+        table.append([next(it) for _ in range(n)] + [0] * (max(pages) - n))
+    layout = geo.SeqLens(batch, cu_seqlens_q=[0] * (batch + 1), seqused_k=lens, page_table=table, page_size=page_size)
+    storage = {}
+    for b in range(batch):
+        for j in range(lens[b]):
+            storage[table[b][j // page_size], j % page_size] = (b, j)
+    for b in range(batch):
+        assert [storage[layout.key_location(b, j)] for j in range(lens[b])] == [(b, j) for j in range(lens[b])]
+    rows = paged_page_rows(page_size, tile_n)
+    assert rows == math.gcd(page_size, tile_n) and rows % 8 == 0
+    for n_block in range(6):
+        keys = []
+        for key0, col, row_block in geo.paged_pieces(n_block, tile_n, rows, page_size):
+            first = col * page_size + row_block * rows
+            assert first == key0 and row_block * rows + rows <= page_size  # inside one page
+            keys += list(range(first, first + rows))
+        assert keys == list(range(n_block * tile_n, (n_block + 1) * tile_n))
+
+
+def test_padded_offsets_are_tile_aligned_and_disjoint():
+    from flash4.varlen import padded_total
+
+    rng = random.Random(7)
+    for _ in range(50):
+        batch = rng.randint(1, 9)
+        lens = [rng.choice([0, 1, 63, 64, 65, rng.randint(0, 500)]) for _ in range(batch)]
+        cu = list(itertools.accumulate([0] + lens))
+        layout = geo.SeqLens(batch, cu_seqlens_q=cu, cu_seqlens_k=cu)
+        for tile in (64, 128):
+            offs = [layout.padded_offset_q(b, tile) for b in range(batch)]
+            assert all(o % tile == 0 for o in offs)
+            ends = [o + -(-n // tile) * tile for o, n in zip(offs, lens)]
+            assert all(ends[b] <= offs[b + 1] for b in range(batch - 1))
+            assert max(ends) <= padded_total(cu[-1], batch, tile)

@@ -30,6 +30,15 @@ from flash4.compile.fake import bwd_fake_args, fwd_fake_args  # noqa: E402
 COMPILE_OPTIONS = "--enable-tvm-ffi"
 
 
+def compile_counts() -> dict:
+    """Kernels this process has brought in so far: {"compiled": n, "loaded": n} (loaded = from the
+    on-disk cache). A call that needs no new kernel leaves both unchanged; a test of "no recompiles"
+    compares them before and after (flash4.compile.disk_cache.counts)."""
+    from flash4.compile import disk_cache
+
+    return dict(disk_cache.counts)
+
+
 def _arch_option(arch: int) -> str:
     return f" --gpu-arch sm_{arch}a"
 

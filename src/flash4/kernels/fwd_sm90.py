@@ -321,15 +321,13 @@ class FlashAttentionForwardSm90:
             max_pages = mPageTable.shape[1]
             num_pieces = self.tile_n // self.page_rows
             lane = cute.arch.lane_idx()
-            lane_key = n_block * self.tile_n + lane * self.page_rows
+            lane_key, lane_col, _ = geometry.paged_piece(n_block, lane, self.tile_n, self.page_rows, page_size)
             lane_page = num_pages
             if (lane < num_pieces) & (lane_key < seq.seqlen_k):
-                lane_page = mPageTable[seq.batch, cutlass.min(lane_key // page_size, max_pages - 1)]
+                lane_page = mPageTable[seq.batch, cutlass.min(lane_col, max_pages - 1)]
             for i in cutlass.range(num_pieces, unroll=1):
-                key0 = n_block * self.tile_n + i * self.page_rows
-                page_col = key0 // page_size
+                _, _, row_block = geometry.paged_piece(n_block, i, self.tile_n, self.page_rows, page_size)
                 page = cute.arch.shuffle_sync(lane_page, i)
-                row_block = (key0 - page_col * page_size) // self.page_rows
                 gX = cute.local_tile(mX[None, None, head_kv, page], (self.page_rows, self.hdim), (row_block, 0))
                 sPiece = cute.local_tile(sX[None, None, state.index], (self.page_rows, self.hdim), (i, 0))
                 tXsX, tXgX = cpasync.tma_partition(tma_atom, 0, one_cta, cute.group_modes(sPiece, 0, 2),

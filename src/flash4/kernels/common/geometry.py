@@ -34,6 +34,10 @@ def m_block_mask_end(n_block, seqlen_q, seqlen_k, tile_m: int, tile_n: int, caus
     return g.m_block_mask_end(n_block, seqlen_q, seqlen_k, tile_m, tile_n, causal, DEVICE_OPS)
 
 
+def paged_piece(n_block, i, tile_n: int, page_rows: int, page_size):
+    return g.paged_piece(n_block, i, tile_n, page_rows, page_size)
+
+
 @cute.jit
 def mask_scores(
     acc_S: cute.Tensor,
