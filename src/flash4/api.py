@@ -18,12 +18,14 @@ import flash4.ops  # noqa: F401  (registers the flash4:: custom ops torch.compil
 from flash4.arch import device_arch
 from flash4.autograd import FlashAttnFunc, FlashAttnVarlenFunc
 from flash4.config import select_fwd_config
+from flash4.geometry import canonical_mask, window_sides
 from flash4.validate import (DTYPE_NAMES, check_inputs, check_kvcache_inputs, check_kvcache_seqlens,
-                             check_varlen_inputs, check_varlen_seqlens, layout_problem, packed_rows_per_batch,
-                             resolve_max_seqlen, resolve_softmax_scale)
+                             check_varlen_inputs, check_varlen_seqlens, check_window_size, layout_problem,
+                             packed_rows_per_batch, resolve_max_seqlen, resolve_softmax_scale)
 
 
-def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False, deterministic=False):
+def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False, deterministic=False, *,
+                    window_size=(-1, -1)):
     """Exact attention softmax(softmax_scale * Q K^T) V, FlashAttention conventions.
 
     Args:
@@ -42,6 +44,16 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False,
         return_lse: bool; also return the log-sum-exp of each row.
         deterministic: bool; the backward adds the dQ contributions of the key blocks in a fixed
            order, so gradients are bitwise reproducible (slower). The forward is always deterministic.
+        window_size: (left, right), two ints: sliding-window (local) attention, flash-attn's rule,
+           aligned bottom-right like causal: query i sees key j iff
+               i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right.
+           -1 makes that side unbounded on its own: (-1, -1) (the default) is full attention,
+           (-1, 0) exactly causal, (left, -1) bounds the left side only. causal=True sets
+           right = 0 whatever is passed. Rows whose window holds no key (e.g. (0, 0) with
+           i < seqlen_q - seqlen_k) give out = 0, lse = -inf and zero gradients. Cost: only the key
+           blocks that meet the band run (with both sides bounded, about seqlen_q * (left + right
+           + 1) scores rounded up to tiles, instead of seqlen_q * seqlen_k); the sides are runtime
+           values (changing them never recompiles).
 
     Returns:
         out: (batch, seqlen_q, nheads, headdim), dtype of q, contiguous; or
@@ -49,13 +61,14 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False,
 
     Raises:
         TypeError: a non-tensor argument, a dtype other than bf16/fp16, q/k/v dtypes differing,
-            softmax_scale not a real number, causal or return_lse not a bool.
+            softmax_scale not a real number, causal or return_lse not a bool, window_size not a
+            tuple/list of two ints.
         ValueError: a rank other than 4, batch/headdim/k-v shape mismatch, nheads_k not dividing
             nheads, an unsupported headdim, a non-contiguous last dim or misaligned stride,
-            softmax_scale not finite and > 0, tensors not on one CUDA device, a GPU without a
-            flash4 kernel (sm_90 only for now).
-            flash4.validate.support_error(q, k, v, softmax_scale, causal) gives the same message
-            without raising.
+            softmax_scale not finite and > 0, a window side below -1, tensors not on one CUDA
+            device, a GPU without a flash4 kernel (sm_90 only for now).
+            flash4.validate.support_error(q, k, v, softmax_scale, causal, window_size) gives the
+            same message without raising.
 
     Gradients: `.backward()` through `out` gives dq, dk, dv (flash4.backward); a loss that uses lse
         (return_lse=True) adds its gradient too (dS gains P * dLSE), at no cost when lse is unused.
@@ -66,22 +79,25 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False,
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+    window_size = check_window_size(window_size)
+    causal, window_size = canonical_mask(causal, window_size)  # (-1, 0) runs the causal kernel
     if torch.compiler.is_compiling():
         # torch.compile: one custom op per call (flash4.ops); its real implementation checks the
         # arguments when the compiled graph runs (pointers and the device are not known here).
         out, lse, _ = torch.ops.flash4.fwd(q, k, v, resolve_softmax_scale(softmax_scale, q.shape[3]), causal,
-                                           deterministic)
+                                           deterministic, *window_size)
         return (out, lse) if return_lse else out
-    check_inputs(q, k, v, softmax_scale, causal)
+    check_inputs(q, k, v, softmax_scale, causal, window_size)
     scale = resolve_softmax_scale(softmax_scale, q.shape[3])
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        out, lse = FlashAttnFunc.apply(q, k, v, scale, causal, deterministic)
+        out, lse = FlashAttnFunc.apply(q, k, v, scale, causal, deterministic, window_size)
     else:
-        out, lse = _flash_attn_forward(q, k, v, scale, causal)
+        out, lse = _flash_attn_forward(q, k, v, scale, causal, window_size=window_size)
     return (out, lse) if return_lse else out
 
 
-def _flash_attn_forward(q, k, v, softmax_scale=None, causal=False, out=None, lse=None, lse_split=None):
+def _flash_attn_forward(q, k, v, softmax_scale=None, causal=False, out=None, lse=None, lse_split=None,
+                        window_size=None):
     """Forward on validated inputs (flash4.validate.check_inputs); returns (out, lse).
 
     out: None or a preallocated (batch, seqlen_q, nheads, headdim) tensor of q's dtype and device
@@ -90,6 +106,9 @@ def _flash_attn_forward(q, k, v, softmax_scale=None, causal=False, out=None, lse
     lse_split: None or a preallocated contiguous float32 (2, batch, nheads, seqlen_q) tensor that
         receives the log2-domain LSE unrounded, lse * log2(e) = lse_split[0] + lse_split[1] (+inf
         and 0 for rows that see no key); flash4.backward takes it for an exact P at any magnitude.
+    window_size: None or flash-attn's (left, right) sliding window (flash_attn_func's rule; -1 per
+        side is unbounded); flash4.geometry.window_sides turns it into the local config's runtime
+        sides, or None for plain full / causal attention.
     Tests pass NaN-filled out/lse to catch unwritten elements. Empty problems never launch:
     batch == 0 or seqlen_q == 0 give empty out/lse; seqlen_k == 0 gives out = 0, lse = -inf.
     Raises ValueError for a preallocated out/lse of the wrong shape, dtype, device or layout.
@@ -123,13 +142,14 @@ def _flash_attn_forward(q, k, v, softmax_scale=None, causal=False, out=None, lse
 
     from flash4.compile.cache import get_fwd_runner  # late: compiling pulls in the CuTe DSL
 
-    cfg = select_fwd_config(headdim, DTYPE_NAMES[q.dtype], causal, arch=device_arch(q.device))
+    window = window_sides(window_size, causal)
+    cfg = select_fwd_config(headdim, DTYPE_NAMES[q.dtype], causal, arch=device_arch(q.device), local=window is not None)
     run = get_fwd_runner(cfg)
     if q.device.index == torch.cuda.current_device():
-        run(q, k, v, out, lse, scale, lse_split)
+        run(q, k, v, out, lse, scale, lse_split, window=window)
     else:
         with torch.cuda.device(q.device):
-            run(q, k, v, out, lse, scale, lse_split)
+            run(q, k, v, out, lse, scale, lse_split, window=window)
     return out, lse
 
 
@@ -145,7 +165,7 @@ def _check_buffer(name, t, shape, dtype, device) -> None:
 # ================================================================ varlen / paged
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, *,
                            seqused_q=None, seqused_k=None, page_table=None, softmax_scale=None, causal=False,
-                           return_lse=False, deterministic=False, check_seqlens=False):
+                           window_size=(-1, -1), return_lse=False, deterministic=False, check_seqlens=False):
     """Exact attention over a batch of variable-length sequences packed along one dim (flash-attn's
     `flash_attn_varlen_func` conventions; flash-attn-4's for paged K/V).
 
@@ -167,7 +187,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
            integer tensor (CPU or CUDA: read with .item(), a host sync for a CUDA tensor); or None:
            computed as max(seqused_q) or max(cu_seqlens_q[b + 1] - cu_seqlens_q[b]) (a host sync).
            A value below the longest sequence leaves its later rows uncomputed (check_seqlens=True
-           catches it). Changing it never recompiles.
+           catches it). Changing it never recompiles (under torch.compile an int may specialize
+           once before it is made dynamic; a tensor or None is computed from the metadata when the
+           compiled graph runs, a host sync: flash4.ops).
         max_seqlen_k: the same for the keys; only the backward reads it (when None or a CUDA tensor,
            it is resolved, with a host sync, when the backward runs); ignored without autograd.
         seqused_q: None or (batch,) int32: only the first seqused_q[b] queries of sequence b are
@@ -183,6 +205,15 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
            and len_k keys sees key j iff j <= i + len_k - len_q. Rows that see no key (len_k == 0,
            or causal with i < len_q - len_k) give out = 0 and lse = -inf. Sequences of length 0
            (queries or keys) are valid anywhere in the batch.
+        window_size: (left, right), two ints: sliding-window (local) attention per sequence,
+           flash-attn's rule aligned bottom-right: query i of a sequence sees key j iff
+               i + len_k - len_q - left <= j <= i + len_k - len_q + right
+           (len_q / len_k: that sequence's counts, seqused_* when given). -1 makes that side
+           unbounded on its own ((-1, -1), the default: full attention; (-1, 0): exactly causal);
+           causal=True sets right = 0. Rows whose window holds no key give out = 0, lse = -inf and
+           zero gradients; a sequence shorter than the window simply sees all of its keys the rule
+           allows. Cost: only the key blocks that meet each sequence's band run; the sides are
+           runtime values (changing them never recompiles). Paged K/V included.
         return_lse: bool; also return the log-sum-exp of each row.
         deterministic: bool; bitwise reproducible backward (dQ summed in a fixed order), slower.
         check_seqlens: bool; also check the values of the metadata on the device before launching
@@ -202,12 +233,14 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
         TypeError: a non-tensor q/k/v/cu_seqlens_q; a dtype other than bf16/fp16 or q/k/v dtypes
             differing; cu_seqlens_*, seqused_* or page_table not torch.int32 (e.g. int64, float);
             max_seqlen_* neither an int, an integer 0-d tensor nor None; softmax_scale, causal,
-            return_lse, deterministic or check_seqlens of the wrong type.
+            return_lse, deterministic or check_seqlens of the wrong type; window_size not a
+            tuple/list of two ints.
         ValueError: ranks (q 3-D; k/v 3-D, or 4-D with page_table), cu_seqlens_k / seqused_q /
             seqused_k / page_table not matching batch = cu_seqlens_q.numel() - 1, cu_seqlens_k given
             with page_table or missing without it, seqused_k missing with page_table, page_size not a
-            multiple of 8 (e.g. 1), headdim / heads rules as flash_attn_func, strides, devices (every
-            tensor on q's CUDA device), the GPU's SM version; with check_seqlens, bad metadata values.
+            multiple of 8 (e.g. 1), headdim / heads rules as flash_attn_func, strides, a window side
+            below -1, devices (every tensor on q's CUDA device), the GPU's SM version; with
+            check_seqlens, bad metadata values.
             flash4.validate.varlen_support_error(...) gives the metadata message without raising.
 
     Gradients: `.backward()` through out (and lse) gives dq, dk, dv (flash4.varlen.varlen_backward),
@@ -218,8 +251,18 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
     for name, value in (("return_lse", return_lse), ("deterministic", deterministic), ("check_seqlens", check_seqlens)):
         if not isinstance(value, bool):
             raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    window_size = check_window_size(window_size)
+    causal, window_size = canonical_mask(causal, window_size)  # (-1, 0) runs the causal kernel
+    if torch.compiler.is_compiling():
+        # torch.compile: one flash4::varlen_fwd per call (flash4.ops), checked when the graph runs. A
+        # max_seqlen given as a tensor (or None) is not read while tracing: the op computes it.
+        out, lse, _ = torch.ops.flash4.varlen_fwd(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table, _host_int_or_none(max_seqlen_q),
+            _host_int_or_none(max_seqlen_k), resolve_softmax_scale(softmax_scale, q.shape[2]), causal, deterministic,
+            check_seqlens, *window_size)
+        return (out, lse) if return_lse else out
     check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
-                        page_table, softmax_scale, causal)
+                        page_table, softmax_scale, causal, window_size)
     cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table = (
         _contiguous(t) for t in (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table))
     paged = page_table is not None
@@ -231,15 +274,21 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
     scale = resolve_softmax_scale(softmax_scale, q.shape[2])
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         out, lse = FlashAttnVarlenFunc.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table,
-                                             max_q, max_seqlen_k, scale, causal, deterministic)
+                                             max_q, max_seqlen_k, scale, causal, deterministic, window_size)
     else:
         out, lse = _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, scale, causal, seqused_q,
-                                              seqused_k, page_table)
+                                              seqused_k, page_table, window_size=window_size)
     return (out, lse) if return_lse else out
 
 
 def _contiguous(t):
     return t if t is None or t.is_contiguous() else t.contiguous()
+
+
+def _host_int_or_none(value):
+    """A max_seqlen for flash4::varlen_fwd under torch.compile: a tensor (or None) becomes None (the op
+    computes the maximum from the metadata when it runs), anything else (an int, a SymInt) passes."""
+    return None if value is None or isinstance(value, torch.Tensor) else value
 
 
 def _device_guard(device: torch.device):
@@ -251,15 +300,17 @@ def _device_guard(device: torch.device):
 
 def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, softmax_scale: float,
                                causal: bool, seqused_q=None, seqused_k=None, page_table=None, out=None, lse=None,
-                               lse_split=None):
+                               lse_split=None, window_size=None):
     """Forward on validated varlen / paged inputs (check_varlen_inputs; metadata contiguous);
     returns (out, lse) from flash4.varlen.varlen_forward.
 
     out: None or a preallocated (total_q, nheads, headdim) tensor of q's dtype and device (last dim
     contiguous, 16-byte aligned); lse: None or a contiguous float32 (nheads, total_q) tensor;
     lse_split: None or a contiguous float32 (2, nheads, total_q) tensor (the log2-domain LSE
-    unrounded, for the backward). Query rows outside every sequence are left as they were (tests
-    pass NaN-filled buffers; out/lse allocated here start as 0 / -inf when seqused_q is given).
+    unrounded, for the backward). window_size: None or flash-attn's (left, right) sliding window,
+    per sequence (flash_attn_varlen_func's rule). Query rows outside every sequence are left as
+    they were (tests pass NaN-filled buffers; out/lse allocated here start as 0 / -inf when
+    seqused_q is given).
     Nothing launches when there is no query row (total_q, batch or max_seqlen_q 0); without any key
     storage (total_k == 0, or no pages) every row gets out = 0, lse = -inf. Raises ValueError for a
     preallocated buffer of the wrong shape, dtype, device or layout.
@@ -281,7 +332,7 @@ def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
     with _device_guard(q.device):
         varlen.varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale, causal,
                               seqused_q=seqused_q, seqused_k=seqused_k, page_table=page_table, out=out, lse=lse,
-                              lse_split=lse_split)
+                              lse_split=lse_split, window_size=window_size)
     return out, lse
 
 
@@ -310,9 +361,11 @@ def _varlen_buffers(q, out, lse, lse_split, seqused_q=None):
 
 def _flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
                                 max_seqlen_k: int, softmax_scale: float, causal: bool, seqused_q=None, seqused_k=None,
-                                deterministic=False, lse_split=None, dlse=None, dq=None, dk=None, dv=None):
+                                deterministic=False, lse_split=None, dlse=None, dq=None, dk=None, dv=None,
+                                window_size=None):
     """Gradients (dq, dk, dv) through flash4.varlen.varlen_backward (packed K/V only); every
-    gradient is 0 when no query row or no key exists (nothing launches then)."""
+    gradient is 0 when no query row or no key exists (nothing launches then). window_size: the
+    forward's (None or flash-attn's (left, right))."""
     batch = cu_seqlens_q.numel() - 1
     if (q.shape[0] == 0 or k.shape[0] == 0 or batch == 0 or max_seqlen_q == 0 or max_seqlen_k == 0):
         grads = []
@@ -326,13 +379,13 @@ def _flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlen
         return varlen.varlen_backward(
             dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
             seqused_q=seqused_q, seqused_k=seqused_k, deterministic=deterministic, lse_split=lse_split, dlse=dlse,
-            dq=dq, dk=dk, dv=dv)
+            dq=dq, dk=dk, dv=dv, window_size=window_size)
 
 
 # ================================================================ KV cache (decode)
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, page_table=None, *,
-                            cache_batch_idx=None, softmax_scale=None, causal=False, num_splits=0, return_lse=False,
-                            out=None, check_seqlens=False):
+                            cache_batch_idx=None, softmax_scale=None, causal=False, window_size=(-1, -1), num_splits=0,
+                            return_lse=False, out=None, check_seqlens=False):
     """Attention of new queries against a KV cache, appending new keys/values to the cache in place
     first (flash-attn 2/3's `flash_attn_with_kvcache`: decode, speculative decode, chunked prefill).
 
@@ -360,6 +413,16 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         causal: bool; aligned bottom-right: query i (of seqlen_q) of sequence b sees key j iff
            j <= i + n_b - seqlen_q, n_b = cache_seqlens[b] + seqlen_new (decode with seqlen_q 1
            sees every key either way). Rows that see no key give out = 0, lse = -inf.
+        window_size: (left, right), two ints: sliding-window (local) attention, flash-attn's rule
+           aligned bottom-right: query i of sequence b sees key j iff
+               i + n_b - seqlen_q - left <= j <= i + n_b - seqlen_q + right
+           (n_b = cache_seqlens[b] + seqlen_new, as for causal). -1 makes that side unbounded on its
+           own ((-1, -1), the default: the whole cache; (-1, 0): exactly causal); causal=True sets
+           right = 0. A decode step with window (W - 1, 0) attends the last W keys of each cache.
+           Rows whose window holds no key give out = 0, lse = -inf. Cost: only the key blocks that
+           meet the band are read (a window over a long cache reads about left + right + 1 keys
+           per query, not the whole cache); a real window turns off the GQA packing of decode steps
+           (flash4.decode). The sides are runtime values (changing them never recompiles).
         num_splits: how many CTAs share the keys of one (sequence, KV head) tile (split-KV; their
            partial results are merged by a combine kernel): 0 = auto (flash4.decode.choose_num_splits:
            split only when batch x KV-head tiles fill less than 80% of the SMs, from host-known sizes
@@ -381,12 +444,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     Raises:
         TypeError: non-tensors, dtypes (q bf16/fp16; caches, k, v and out of q's dtype;
             cache_seqlens, page_table and cache_batch_idx torch.int32), num_splits, softmax_scale,
-            causal, return_lse or check_seqlens of the wrong type.
+            causal, return_lse or check_seqlens of the wrong type, window_size not a tuple/list of
+            two ints.
         ValueError: ranks and shapes (batch, heads, headdim, page size), k without v, a cache too
             small for the appended k/v (seqlen_new above the capacity, or cache_seqlens +
             seqlen_new above it for an int cache_seqlens; per sequence with check_seqlens),
-            cache_batch_idx with page_table, num_splits > 1 with cache_batch_idx, strides, devices,
-            the SM version.
+            cache_batch_idx with page_table, num_splits > 1 with cache_batch_idx, a window side below
+            -1, strides, devices, the SM version.
             flash4.validate.kvcache_support_error(...) gives the message without raising.
 
     No autograd (the result carries no gradient), as flash-attn's. The attention runs in
@@ -400,20 +464,38 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     for name, value in (("return_lse", return_lse), ("check_seqlens", check_seqlens)):
         if not isinstance(value, bool):
             raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    window_size = check_window_size(window_size)
+    causal, window_size = canonical_mask(causal, window_size)  # (-1, 0) runs the causal kernel
+    if torch.compiler.is_compiling():
+        # torch.compile: one flash4::kvcache per call (it mutates k_cache / v_cache; flash4.ops);
+        # an out= buffer receives a copy of the op's result (an op output may not alias an input).
+        tensor_seqlens = isinstance(cache_seqlens, torch.Tensor)
+        with torch.no_grad():
+            result, lse = torch.ops.flash4.kvcache(
+                q, k_cache, v_cache, k, v, cache_seqlens if tensor_seqlens else None,
+                None if tensor_seqlens else cache_seqlens, page_table, cache_batch_idx,
+                resolve_softmax_scale(softmax_scale, q.shape[3]), causal, num_splits, check_seqlens, *window_size)
+            if out is not None:
+                out.copy_(result)
+                result = out
+        return (result, lse) if return_lse else result
     check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, page_table, cache_batch_idx, softmax_scale, causal,
-                         num_splits, out)
+                         num_splits, out, window_size)
     scale = resolve_softmax_scale(softmax_scale, q.shape[3])
     with torch.no_grad():
         out, lse = _flash_attn_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, page_table, cache_batch_idx, scale,
-                                       causal, num_splits, out=out, check_seqlens=check_seqlens)
+                                       causal, num_splits, out=out, check_seqlens=check_seqlens,
+                                       window_size=window_size)
     return (out, lse) if return_lse else out
 
 
 def _flash_attn_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, page_table, cache_batch_idx, softmax_scale: float,
-                        causal: bool, num_splits: int = 0, out=None, lse=None, check_seqlens=False):
+                        causal: bool, num_splits: int = 0, out=None, lse=None, check_seqlens=False,
+                        window_size=None):
     """flash_attn_with_kvcache on validated inputs (check_kvcache_inputs): append, then attend.
     out: None or (batch, seqlen_q, nheads, headdim); lse: None or a contiguous float32
-    (batch, nheads, seqlen_q). Returns (out, lse).
+    (batch, nheads, seqlen_q); window_size: None or flash-attn's (left, right) (both paths).
+    Returns (out, lse).
 
     The attention runs in flash4.decode.decode_forward (GQA packing, split-KV) over the cache
     rows 0..batch-1 or the page_table; with cache_batch_idx it runs in flash4.varlen.varlen_forward
@@ -452,7 +534,7 @@ def _flash_attn_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, page_table, ca
 
         with _device_guard(device):
             decode.decode_forward(q, k_cache, v_cache, seqused_k, softmax_scale, causal, page_table=page_table,
-                                  num_splits=num_splits, out=out, lse=lse)
+                                  num_splits=num_splits, out=out, lse=lse, window_size=window_size)
         return out, lse
     total_q = batch * seqlen_q
     k_rows, v_rows, cu_seqlens_k = _dense_cache_rows(k_cache, v_cache, batch, cache_batch_idx)
@@ -460,7 +542,7 @@ def _flash_attn_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, page_table, ca
     lse_packed = torch.empty(nheads, total_q, dtype=torch.float32, device=device)
     _flash_attn_varlen_forward(q.reshape(total_q, nheads, headdim), k_rows, v_rows, cu_seqlens_q, cu_seqlens_k,
                                seqlen_q, softmax_scale, causal, seqused_k=seqused_k,
-                               out=out.view(total_q, nheads, headdim), lse=lse_packed)
+                               out=out.view(total_q, nheads, headdim), lse=lse_packed, window_size=window_size)
     lse.copy_(lse_packed.view(nheads, batch, seqlen_q).transpose(0, 1))
     return out, lse
 

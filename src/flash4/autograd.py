@@ -52,23 +52,25 @@ def no_double_backward(grads, inputs):
 
 
 class FlashAttnFunc(torch.autograd.Function):
-    """apply(q, k, v, softmax_scale: float, causal: bool, deterministic: bool = False) -> (out, lse);
-    both differentiable.
+    """apply(q, k, v, softmax_scale: float, causal: bool, deterministic: bool = False,
+    window_size: (left, right) | None = None) -> (out, lse); both differentiable.
 
-    Shapes and dtypes as in flash4.api._flash_attn_forward. Saves q, k, v, out, lse and the
-    log2-domain LSE split (O(N) memory); the backward recomputes P from it (FlashAttention-2,
-    section 3.1.2).
+    Shapes and dtypes as in flash4.api._flash_attn_forward; window_size is flash-attn's sliding
+    window (flash4.api.flash_attn_func), passed to the forward and the backward alike. Saves q, k,
+    v, out, lse and the log2-domain LSE split (O(N) memory); the backward recomputes P from it
+    (FlashAttention-2, section 3.1.2).
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, softmax_scale, causal, deterministic=False):
+    def forward(ctx, q, k, v, softmax_scale, causal, deterministic=False, window_size=None):
         from flash4.api import _flash_attn_forward  # late: api imports this module
 
         batch, seqlen_q, nheads, _ = q.shape
         lse_split = torch.empty(2, batch, nheads, seqlen_q, dtype=torch.float32, device=q.device)
-        out, lse = _flash_attn_forward(q, k, v, softmax_scale, causal, lse_split=lse_split)
+        out, lse = _flash_attn_forward(q, k, v, softmax_scale, causal, lse_split=lse_split, window_size=window_size)
         ctx.save_for_backward(q, k, v, out, lse, lse_split)
         ctx.softmax_scale, ctx.causal, ctx.deterministic = softmax_scale, causal, deterministic
+        ctx.window_size = window_size
         ctx.set_materialize_grads(False)  # dout / dlse arrive as None when unused
         return out, lse
 
@@ -80,11 +82,12 @@ class FlashAttnFunc(torch.autograd.Function):
         if dout is None:  # only lse is used by the loss
             dout = torch.zeros_like(out)
         dq, dk, dv = flash_attn_backward(dout, q, k, v, out, lse, ctx.softmax_scale, ctx.causal,
-                                         deterministic=ctx.deterministic, lse_split=lse_split, dlse=dlse)
+                                         deterministic=ctx.deterministic, lse_split=lse_split, dlse=dlse,
+                                         window_size=ctx.window_size)
         needs = ctx.needs_input_grad
         grads = no_double_backward((dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None),
                                    (q, k, v, dout, dlse))
-        return grads + (None, None, None)
+        return grads + (None,) * 4
 
 
 PAGED_BACKWARD_ERROR = (
@@ -95,8 +98,9 @@ PAGED_BACKWARD_ERROR = (
 
 class FlashAttnVarlenFunc(torch.autograd.Function):
     """apply(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table, max_seqlen_q: int,
-    max_seqlen_k: int | 0-d Tensor | None, softmax_scale: float, causal: bool, deterministic: bool)
-    -> (out, lse); both differentiable (lse as FlashAttnFunc's).
+    max_seqlen_k: int | 0-d Tensor | None, softmax_scale: float, causal: bool, deterministic: bool,
+    window_size: (left, right) | None = None) -> (out, lse); both differentiable (lse as
+    FlashAttnFunc's; window_size as flash4.api.flash_attn_varlen_func's, forward and backward).
 
     Varlen layouts as flash4.varlen: q/out (total_q, H, D), k/v (total_k, Hk, D), lse (H, total_q).
     Saves q, k, v, out, lse, the log2 LSE split and the sequence metadata (O(N) memory).
@@ -107,17 +111,19 @@ class FlashAttnVarlenFunc(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table, max_seqlen_q,
-                max_seqlen_k, softmax_scale, causal, deterministic=False):
+                max_seqlen_k, softmax_scale, causal, deterministic=False, window_size=None):
         from flash4.api import _flash_attn_varlen_forward  # late: api imports this module
 
         ctx.paged = page_table is not None
         lse_split = None if ctx.paged else torch.empty(2, q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
         out, lse = _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale, causal,
-                                              seqused_q, seqused_k, page_table, lse_split=lse_split)
+                                              seqused_q, seqused_k, page_table, lse_split=lse_split,
+                                              window_size=window_size)
         if not ctx.paged:
             ctx.save_for_backward(q, k, v, out, lse, lse_split, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
         ctx.max_seqlen_q, ctx.max_seqlen_k = max_seqlen_q, max_seqlen_k
         ctx.softmax_scale, ctx.causal, ctx.deterministic = softmax_scale, causal, deterministic
+        ctx.window_size = window_size
         ctx.set_materialize_grads(False)  # dout / dlse arrive as None when unused
         return out, lse
 
@@ -134,8 +140,9 @@ class FlashAttnVarlenFunc(torch.autograd.Function):
         max_seqlen_k = resolve_max_seqlen("max_seqlen_k", ctx.max_seqlen_k, cu_seqlens_k, seqused_k)
         dq, dk, dv = _flash_attn_varlen_backward(
             dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, ctx.max_seqlen_q, max_seqlen_k, ctx.softmax_scale,
-            ctx.causal, seqused_q, seqused_k, deterministic=ctx.deterministic, lse_split=lse_split, dlse=dlse)
+            ctx.causal, seqused_q, seqused_k, deterministic=ctx.deterministic, lse_split=lse_split, dlse=dlse,
+            window_size=ctx.window_size)
         needs = ctx.needs_input_grad
         grads = no_double_backward((dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None),
                                    (q, k, v, dout, dlse))
-        return grads + (None,) * 10
+        return grads + (None,) * 11

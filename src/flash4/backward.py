@@ -17,6 +17,7 @@ import torch
 
 from flash4.arch import device_arch
 from flash4.config import LOG2E, ceil_div, select_bwd_config
+from flash4.geometry import window_sides
 from flash4.validate import DTYPE_NAMES
 
 
@@ -27,7 +28,7 @@ def _kernel_ready(t: torch.Tensor) -> torch.Tensor:
 
 
 def flash_attn_backward(dout, q, k, v, out, lse, softmax_scale: float, causal: bool, dq=None, dk=None, dv=None,
-                        deterministic: bool = False, lse_split=None, dlse=None):
+                        deterministic: bool = False, lse_split=None, dlse=None, window_size=None):
     """Gradients of out = attention(q, k, v) for the upstream gradient dout.
 
     q, out, dout: (B, Sq, H, D); k, v: (B, Sk, Hk, D); lse: fp32 (B, H, Sq) from the forward.
@@ -53,8 +54,9 @@ def flash_attn_backward(dout, q, k, v, out, lse, softmax_scale: float, causal: b
         for g in (dq, dk, dv):
             g.zero_()
         return dq, dk, dv  # no query or no key: every gradient is 0 (or empty)
+    window = window_sides(window_size, causal)
     cfg = select_bwd_config(headdim, DTYPE_NAMES[q.dtype], causal, arch=device_arch(q.device),
-                            deterministic=deterministic)
+                            deterministic=deterministic, local=window is not None)
     num_m_blocks = ceil_div(seqlen_q, cfg.tile_m)
     seqlen_q_pad = num_m_blocks * cfg.tile_m
     dout = _kernel_ready(dout)
@@ -76,6 +78,6 @@ def flash_attn_backward(dout, q, k, v, out, lse, softmax_scale: float, causal: b
         if dlse is not None:
             dpsum[:, :, :seqlen_q] -= dlse
         run(_kernel_ready(q), _kernel_ready(k), _kernel_ready(v), dout, lse_log2, dpsum, dq_accum, dk, dv,
-            tile_flags[0], tile_flags[1], lse_split[0], lse_split[1], softmax_scale)
+            tile_flags[0], tile_flags[1], lse_split[0], lse_split[1], softmax_scale, window=window)
     dq.copy_(dq_accum[:, :, :seqlen_q].transpose(1, 2))
     return dq, dk, dv

@@ -58,6 +58,9 @@ class FwdConfig:
                   per TMA copy (gcd(page_size, tile_n), a multiple of 8 rows; paged_page_rows()).
     split_kv:     the key blocks of each query tile are split into num_splits runs (a runtime
                   count) whose partial O / LSE go to fp32 buffers for the combine kernel (decode).
+    local:        sliding window (flash4.geometry.window_sides): the (left, right) sides are runtime
+                  Int32 arguments (any window, one compile); `causal` is then False (folded into
+                  right = 0). Only the band's key blocks are visited; its edge blocks are masked.
     """
 
     headdim: int
@@ -77,6 +80,7 @@ class FwdConfig:
     seqused_k: bool = False
     page_rows: int = 0
     split_kv: bool = False
+    local: bool = False
 
     def __post_init__(self):
         assert self.headdim in SUPPORTED_HEADDIMS, self.headdim
@@ -103,8 +107,10 @@ class FwdConfig:
         return q + kv  # O reuses Q's buffer in the epilogue
 
 
-def select_fwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, arch: int = 90) -> FwdConfig:
-    """Pick the forward config for one problem class (pure; CPU-tested).
+def select_fwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, arch: int = 90,
+                      local: bool = False) -> FwdConfig:
+    """Pick the forward config for one problem class (pure; CPU-tested). local: a sliding window
+    (flash4.geometry.window_sides; causal is folded into it, so the config has causal False).
 
     Raises ValueError for an unsupported arch or head dim (the API validates earlier, with the
     user-facing message; this is the second line).
@@ -126,8 +132,9 @@ def select_fwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, a
     # Causal: LPT tile order (longest m_blocks first, L2 sections of heads); H200, d128/d256 S=16k:
     # +3% / +6% over the plain grid order. Persistent CTAs measured slower (O shares Q's smem, and the
     # static round-robin is coarser than the hardware's block dispatch): off by default.
-    return FwdConfig(headdim=headdim, dtype=dtype, causal=causal, tile_m=tile_m, tile_n=tile_n, kv_stages=2,
-                     lpt=causal, arch=arch)
+    # A window's tiles cost about the same (a band): no LPT order.
+    return FwdConfig(headdim=headdim, dtype=dtype, causal=causal and not local, tile_m=tile_m, tile_n=tile_n,
+                     kv_stages=2, lpt=causal and not local, arch=arch, local=local)
 
 
 # Smallest page piece one TMA copy may load: the swizzle atom of the K/V smem tile is 8 rows.
@@ -198,6 +205,7 @@ class BwdConfig:
               half of the queries and dK/dV/dQ for half of headdim (P^T, dS^T staged in smem).
     deterministic: dQ partial sums added in n_block order (bitwise reproducible), at some speed.
     varlen_q, varlen_k, seqused_q, seqused_k: the sequence layout, as FwdConfig (no paged KV).
+    local:    sliding window, as FwdConfig (runtime sides; causal False).
     """
 
     headdim: int
@@ -213,6 +221,7 @@ class BwdConfig:
     varlen_k: bool = False
     seqused_q: bool = False
     seqused_k: bool = False
+    local: bool = False
 
     def __post_init__(self):
         assert self.headdim in BWD_SUPPORTED_HEADDIMS, self.headdim
@@ -245,8 +254,9 @@ def bwd_smem_bytes(headdim: int, tile_m: int, tile_n: int, q_stages: int, split_
 
 
 def select_bwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, arch: int = 90,
-                      deterministic: bool = False) -> BwdConfig:
-    """Pick the backward config (pure; CPU-tested). Raises ValueError for what has no kernel."""
+                      deterministic: bool = False, local: bool = False) -> BwdConfig:
+    """Pick the backward config (pure; CPU-tested). Raises ValueError for what has no kernel.
+    local: a sliding window (causal folded into it: the config has causal False)."""
     if arch != 90:
         raise ValueError(f"flash4 backward: arch sm_{arch} has no kernel yet (supported: sm_90a)")
     if headdim not in BWD_SUPPORTED_HEADDIMS:
@@ -255,14 +265,15 @@ def select_bwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, a
     # d64 bf16: 128 queries per step (S^T, dP^T 64x128 per warpgroup) halves the per-step overhead
     # (barriers, dQ hand-off); H200: +4-7% over 64. It fits 240 registers without spills in bf16
     # only (fp16 spills 12-24 registers: the compile check rejects it), so fp16 keeps 64.
-    tile_m = 128 if headdim <= 64 and dtype == "bf16" else 64
+    # A window's third (left-edge) masked loop spills at 128 (compile check: 11 spill instructions).
+    tile_m = 128 if headdim <= 64 and dtype == "bf16" and not local else 64
     tile_n = 64 if split else 128
     # Two Q/dO stages where they fit in shared memory (d256 needs one).
     q_stages = next((n for n in (2, 1) if bwd_smem_bytes(headdim, tile_m, tile_n, n, split) <= BWD_SMEM_BUDGET), None)
     if q_stages is None:
         raise AssertionError(f"no backward config fits shared memory for headdim={headdim}")
-    return BwdConfig(headdim=headdim, dtype=dtype, causal=causal, tile_m=tile_m, tile_n=tile_n, q_stages=q_stages,
-                     split_headdim=split, deterministic=deterministic, arch=arch)
+    return BwdConfig(headdim=headdim, dtype=dtype, causal=causal and not local, tile_m=tile_m, tile_n=tile_n,
+                     q_stages=q_stages, split_headdim=split, deterministic=deterministic, arch=arch, local=local)
 
 
 def shipped_bwd_configs() -> list[BwdConfig]:

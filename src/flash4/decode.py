@@ -24,6 +24,7 @@ import functools
 import torch
 
 from flash4.config import ceil_div
+from flash4.geometry import window_sides
 
 # Split-KV heuristic: split only when the tiles fill less than this share of the SMs; then take the
 # fewest splits whose wave efficiency is within SPLIT_EFFICIENCY of the best, each split keeping at
@@ -68,10 +69,11 @@ def decode_tiles(cfg, seqlen_p: int):
     return dataclasses.replace(cfg, kv_stages=max(2, min(MAX_DECODE_KV_STAGES, stages)))
 
 
-def pack_factor(nheads: int, nheads_k: int, seqlen_q: int, causal: bool) -> int:
-    """Query heads packed per KV head (1: no packing); see the module docstring."""
+def pack_factor(nheads: int, nheads_k: int, seqlen_q: int, causal: bool, window=None) -> int:
+    """Query heads packed per KV head (1: no packing); see the module docstring. Not with a
+    sliding window (its band follows the query index, which packing would change)."""
     group = nheads // nheads_k
-    return group if group > 1 and (seqlen_q == 1 or not causal) else 1
+    return group if group > 1 and window is None and (seqlen_q == 1 or not causal) else 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,15 +89,16 @@ class DecodePlan:
 
 @functools.lru_cache(maxsize=1024)
 def decode_plan(batch: int, seqlen_q: int, nheads: int, nheads_k: int, headdim: int, dtype: str, causal: bool,
-                page_size: int, capacity: int, num_splits: int, arch: int, num_sms: int) -> DecodePlan:
+                page_size: int, capacity: int, num_splits: int, arch: int, num_sms: int,
+                window=None) -> DecodePlan:
     """The plan of a decode step (pure; CPU-tested): packing, config and split count.
     page_size: 0 for a contiguous cache; capacity: keys the cache can hold per sequence."""
     from flash4.config import paged_page_rows, select_fwd_config, with_seq_layout
 
-    pack = pack_factor(nheads, nheads_k, seqlen_q, causal)
+    pack = pack_factor(nheads, nheads_k, seqlen_q, causal, window)
     kernel_causal = causal and pack == 1  # packed steps have Sq == 1 or are non-causal
     seqlen_p, heads_p = seqlen_q * pack, nheads // pack
-    cfg = decode_tiles(select_fwd_config(headdim, dtype, kernel_causal, arch=arch), seqlen_p)
+    cfg = decode_tiles(select_fwd_config(headdim, dtype, kernel_causal, arch=arch, local=window is not None), seqlen_p)
     n_blocks = max(1, ceil_div(capacity, cfg.tile_n))
     if num_splits == 0:
         num_splits = choose_num_splits(batch * heads_p * ceil_div(seqlen_p, cfg.tile_m), n_blocks, num_sms)
@@ -115,7 +118,7 @@ def _runners(plan: DecodePlan):
 
 
 def decode_forward(q, k_cache, v_cache, seqused_k, softmax_scale: float, causal: bool, page_table=None,
-                   num_splits: int = 0, out=None, lse=None):
+                   num_splits: int = 0, out=None, lse=None, window_size=None):
     """Attention of q over the first seqused_k[b] keys of each cache row; returns (out, lse).
 
     q: (B, Sq, H, D) 16-bit CUDA; k_cache, v_cache: (B, S_cache, Hk, D), or paged
@@ -123,6 +126,7 @@ def decode_forward(q, k_cache, v_cache, seqused_k, softmax_scale: float, causal:
     keys per sequence (<= the cache's capacity). Causal aligns query i with key
     seqused_k[b] - Sq + i (bottom-right). num_splits: 0 = choose_num_splits, 1 = no split, n = n.
     out: None or a (B, Sq, H, D) tensor of q's dtype to write; lse: None or fp32 (B, H, Sq).
+    window_size: None or flash-attn's (left, right) sliding window (then no GQA packing).
     Validated inputs only (flash4.api.flash_attn_with_kvcache checks them).
     """
     from flash4 import arch
@@ -138,9 +142,10 @@ def decode_forward(q, k_cache, v_cache, seqused_k, softmax_scale: float, causal:
     if out.numel() == 0:
         return out, lse
     capacity = k_cache.shape[1] * (page_table.shape[1] if paged else 1)
+    window = window_sides(window_size, causal)
     plan = decode_plan(batch, seqlen_q, nheads, nheads_k, headdim, DTYPE_NAMES[q.dtype], causal,
                        k_cache.shape[1] if paged else 0, capacity, num_splits, arch.device_arch(q.device),
-                       arch.num_sms(q.device))
+                       arch.num_sms(q.device), window)
     run, combine = _runners(plan)
     pack, seqlen_p, heads_p = plan.pack, plan.seqlen_p, plan.heads_p
     if pack > 1:
@@ -156,7 +161,7 @@ def decode_forward(q, k_cache, v_cache, seqused_k, softmax_scale: float, causal:
             # it gets them only as well-formed arguments (packed shapes) for the kernel's views.
             o_arg = q_run if pack > 1 else out
             run(q_run, k_cache, v_cache, o_arg, lse_acc[0], softmax_scale, lse_split=lse_acc[:2], seqs=seqs,
-                batch=batch, max_seqlen_q=seqlen_p, accs=(o_acc, lse_acc), num_splits=plan.num_splits)
+                batch=batch, max_seqlen_q=seqlen_p, accs=(o_acc, lse_acc), num_splits=plan.num_splits, window=window)
             combine(o_acc, lse_acc, out, lse, pack)
         elif pack > 1:
             out_p = torch.empty(batch, seqlen_p, heads_p, headdim, dtype=q.dtype, device=q.device)
@@ -165,5 +170,6 @@ def decode_forward(q, k_cache, v_cache, seqused_k, softmax_scale: float, causal:
             out.copy_(out_p.view(batch, seqlen_q, pack, nheads_k, headdim).transpose(2, 3).reshape(q.shape))
             lse.copy_(lse_p.view(batch, nheads_k, seqlen_q, pack).transpose(2, 3).reshape(batch, nheads, seqlen_q))
         else:
-            run(q, k_cache, v_cache, out, lse, softmax_scale, seqs=seqs, batch=batch, max_seqlen_q=seqlen_q)
+            run(q, k_cache, v_cache, out, lse, softmax_scale, seqs=seqs, batch=batch, max_seqlen_q=seqlen_q,
+                window=window)
     return out, lse

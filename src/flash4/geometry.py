@@ -9,6 +9,8 @@ the CPU tests call them on Python ints with `PY_OPS`. Every division has a non-n
 The rule (FlashAttention 2/3 conventions), for one (batch, head) with seqlen_q queries and
 seqlen_k keys: query row i (0 <= i < seqlen_q) sees key j iff
     0 <= j < seqlen_k  and  (not causal or j <= i + seqlen_k - seqlen_q)     (bottom-right causal)
+and, with a sliding window (left, right) (flash-attn's window_size; -1 = unbounded per side):
+    i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right
 A row that sees no key has out = 0 and LSE = -inf. Keys past seqlen_k and queries past seqlen_q
 inside a tile are masked explicitly (in a packed varlen batch they hold the next sequence's data).
 
@@ -38,42 +40,115 @@ NO_COLUMN = 1 << 30
 
 
 # ---------------------------------------------------------------- the element rule
-def key_limit(row, seqlen_q, seqlen_k, causal: bool, ops: Ops = PY_OPS):
-    """One past the last key that query `row` sees (row < seqlen_q); <= 0: it sees none."""
+# A window side larger than any sequence: "unbounded" (flash-attn's -1, per side).
+UNBOUNDED = 1 << 30
+
+
+def window_sides(window_size, causal: bool):
+    """flash-attn's window_size (left, right) and causal -> the (left, right) the formulas take, or
+    None for no window (Python ints; host side). -1 means unbounded on that side alone ((-1, 0) is
+    exactly causal, (-1, -1) full attention); causal=True sets right = 0. Returns None when there
+    is no window beyond what `causal` says (no window, or causal with an unbounded left side): the
+    kernels' cheaper paths. (-1, 0) with causal=False returns (UNBOUNDED, 0): the local kernel,
+    whose result equals causal's (pass causal=True to get the causal kernel itself)."""
+    left, right = (-1, -1) if window_size is None else window_size
     if causal:
-        return ops.min(seqlen_k, row + 1 + seqlen_k - seqlen_q)
-    return seqlen_k
+        right = 0
+    if left < 0 and (right < 0 or (right == 0 and causal)):
+        return None
+    return (UNBOUNDED if left < 0 else left, UNBOUNDED if right < 0 else right)
 
 
-def first_query(key, seqlen_q, seqlen_k, causal: bool, ops: Ops = PY_OPS):
+def canonical_mask(causal: bool, window_size):
+    """(causal, window_size) with a window that is exactly causal ((-1, 0), -1 per side) turned into
+    causal=True and no window, so it runs the causal kernel; anything else unchanged."""
+    if isinstance(causal, bool) and window_size is not None and window_size[0] < 0 and window_size[1] == 0:
+        return True, (-1, -1)
+    return causal, window_size
+
+
+def _right_reach(causal: bool, window):
+    """How far right of the diagonal a row sees: None (unbounded), 0 (causal) or window[1]."""
+    if window is not None:
+        return window[1]
+    return 0 if causal else None
+
+
+def key_limit(row, seqlen_q, seqlen_k, causal: bool, ops: Ops = PY_OPS, window=None):
+    """One past the last key that query `row` sees (row < seqlen_q); <= key_start: it sees none.
+    window: None, or (left, right) from window_sides (then `causal` is ignored)."""
+    right = _right_reach(causal, window)
+    if right is None:
+        return seqlen_k
+    return ops.min(seqlen_k, row + 1 + seqlen_k - seqlen_q + right)
+
+
+def key_start(row, seqlen_q, seqlen_k, ops: Ops = PY_OPS, window=None):
+    """The first key that query `row` sees (0 without a window)."""
+    if window is None:
+        return 0
+    return ops.max(row + seqlen_k - seqlen_q - window[0], 0)
+
+
+def first_query(key, seqlen_q, seqlen_k, causal: bool, ops: Ops = PY_OPS, window=None):
     """The first query row that sees `key`, NO_COLUMN for a key past seqlen_k (seen by none).
     The transpose of key_limit: row >= first_query(key) iff key < key_limit(row), for key >= 0."""
-    first = key - (seqlen_k - seqlen_q) if causal else 0
+    right = _right_reach(causal, window)
+    first = 0 if right is None else key - (seqlen_k - seqlen_q) - right
     return ops.select(key >= seqlen_k, NO_COLUMN, first)
 
 
-def visible(row, key, seqlen_q, seqlen_k, causal: bool) -> bool:
+def query_end(key, seqlen_q, seqlen_k, ops: Ops = PY_OPS, window=None):
+    """One past the last query row that sees `key` on the left side of the window (the transpose
+    of key_start: row < query_end(key) iff key_start(row) <= key); seqlen_q without a window."""
+    if window is None:
+        return seqlen_q
+    return ops.min(key - (seqlen_k - seqlen_q) + window[0] + 1, seqlen_q)
+
+
+def visible(row, key, seqlen_q, seqlen_k, causal: bool, window=None) -> bool:
     """The rule itself (Python ints): does query `row` see `key`?"""
-    return 0 <= row < seqlen_q and 0 <= key < key_limit(row, seqlen_q, seqlen_k, causal)
+    return (0 <= row < seqlen_q and key_start(row, seqlen_q, seqlen_k, window=window) <= key
+            and 0 <= key < key_limit(row, seqlen_q, seqlen_k, causal, window=window))
 
 
 # ---------------------------------------------------------------- forward: key blocks of a query tile
-def n_block_max(m_block, seqlen_q, seqlen_k, tile_m: int, tile_n: int, causal: bool, ops: Ops = PY_OPS):
+def n_block_max(m_block, seqlen_q, seqlen_k, tile_m: int, tile_n: int, causal: bool, ops: Ops = PY_OPS,
+                window=None):
     """One past the last key block that query tile m_block visits; 0 if it sees no key."""
     n_max = (ops.max(seqlen_k, 0) + tile_n - 1) // tile_n
-    if causal:
+    if _right_reach(causal, window) is not None:
         # the tile's last row (or seqlen_q - 1) sees the most keys
         last_row = ops.min((m_block + 1) * tile_m, seqlen_q) - 1
-        limit = ops.max(key_limit(last_row, seqlen_q, seqlen_k, causal, ops), 0)
+        limit = ops.max(key_limit(last_row, seqlen_q, seqlen_k, causal, ops, window), 0)
         n_max = ops.min(n_max, (limit + tile_n - 1) // tile_n)
     return n_max
 
 
-def n_block_min_causal_mask(m_block, seqlen_q, seqlen_k, tile_m: int, tile_n: int, ops: Ops = PY_OPS):
-    """Causal: key blocks >= this may hide keys from some row of the tile (they cross the diagonal);
-    blocks below it are fully visible to every row of the tile."""
-    first_limit = ops.max(key_limit(m_block * tile_m, seqlen_q, seqlen_k, True, ops), 0)
+def n_block_min(m_block, seqlen_q, seqlen_k, tile_m: int, tile_n: int, ops: Ops = PY_OPS, window=None):
+    """The first key block that query tile m_block visits (0 without a window: the tile's first
+    row starts the earliest)."""
+    if window is None:
+        return 0
+    return key_start(m_block * tile_m, seqlen_q, seqlen_k, ops, window) // tile_n
+
+
+def n_block_min_causal_mask(m_block, seqlen_q, seqlen_k, tile_m: int, tile_n: int, ops: Ops = PY_OPS,
+                            window=None):
+    """Causal or a window's right side: key blocks >= this may hide keys from some row of the
+    tile (they cross the diagonal / the right edge); blocks below it are fully visible on the
+    right to every row of the tile."""
+    first_limit = ops.max(key_limit(m_block * tile_m, seqlen_q, seqlen_k, True, ops, window), 0)
     return first_limit // tile_n
+
+
+def n_block_left_mask_end(m_block, seqlen_q, seqlen_k, tile_m: int, tile_n: int, ops: Ops = PY_OPS, window=None):
+    """A window's left side: key blocks below this may hide keys from some row of the tile (they
+    start before the last row's first key); blocks at or above it are fully visible on the left."""
+    if window is None:
+        return 0
+    last_row = ops.min((m_block + 1) * tile_m, seqlen_q) - 1
+    return (key_start(last_row, seqlen_q, seqlen_k, ops, window) + tile_n - 1) // tile_n
 
 
 def n_block_seqlen_mask(seqlen_k, tile_n: int):
@@ -82,27 +157,49 @@ def n_block_seqlen_mask(seqlen_k, tile_n: int):
 
 
 # ---------------------------------------------------------------- backward: query blocks of a key tile
-def m_block_range(n_block, seqlen_q, seqlen_k, tile_m: int, tile_n: int, causal: bool, ops: Ops = PY_OPS):
-    """(m_block_min, m_block_max): the query blocks that see some key of key tile n_block."""
+def m_block_range(n_block, seqlen_q, seqlen_k, tile_m: int, tile_n: int, causal: bool, ops: Ops = PY_OPS,
+                  window=None):
+    """(m_block_min, m_block_max): the query blocks that see some key of key tile n_block
+    (m_block_min >= m_block_max: none)."""
     m_max = (ops.max(seqlen_q, 0) + tile_m - 1) // tile_m
     m_min = 0
-    if causal:
-        first = ops.max(first_query(n_block * tile_n, seqlen_q, seqlen_k, causal, ops), 0)
+    if _right_reach(causal, window) is not None:
+        first = ops.max(first_query(n_block * tile_n, seqlen_q, seqlen_k, causal, ops, window), 0)
         m_min = ops.min(first // tile_m, m_max)
+    if window is not None:
+        # the tile's last key (or seqlen_k - 1) is seen by the latest rows
+        last_key = ops.min((n_block + 1) * tile_n, seqlen_k) - 1
+        end = ops.max(query_end(last_key, seqlen_q, seqlen_k, ops, window), 0)
+        m_max = ops.min(m_max, (end + tile_m - 1) // tile_m)
     return m_min, m_max
 
 
-def m_block_mask_end(n_block, seqlen_q, seqlen_k, tile_m: int, tile_n: int, causal: bool, ops: Ops = PY_OPS):
-    """The query blocks [m_block_min, end) of key tile n_block need the element mask; the rest see
-    every key of the tile. All of them when the tile crosses seqlen_k; causal, those that cross the
-    diagonal (below the first block whose every row sees the tile's last key)."""
-    m_min, m_max = m_block_range(n_block, seqlen_q, seqlen_k, tile_m, tile_n, causal, ops)
+def m_block_mask_end(n_block, seqlen_q, seqlen_k, tile_m: int, tile_n: int, causal: bool, ops: Ops = PY_OPS,
+                     window=None):
+    """The query blocks [m_block_min, end) of key tile n_block need the element mask for the right
+    side; the rest see every key of the tile on that side. All of them when the tile crosses
+    seqlen_k; causal / a window, those that cross the diagonal (below the first block whose every
+    row sees the tile's last key)."""
+    m_min, m_max = m_block_range(n_block, seqlen_q, seqlen_k, tile_m, tile_n, causal, ops, window)
     end = m_min
-    if causal:
+    if _right_reach(causal, window) is not None:
         last_key = (n_block + 1) * tile_n - 1
-        first_full = ops.max(first_query(last_key, seqlen_q, seqlen_k, causal, ops), 0)
+        first_full = ops.max(first_query(last_key, seqlen_q, seqlen_k, causal, ops, window), 0)
         end = ops.min(ops.max((first_full + tile_m - 1) // tile_m, m_min), m_max)
     return ops.select((n_block + 1) * tile_n > seqlen_k, m_max, end)
+
+
+def m_block_left_mask_start(n_block, seqlen_q, seqlen_k, tile_m: int, tile_n: int, ops: Ops = PY_OPS,
+                            window=None):
+    """A window's left side: the query blocks [start, m_block_max) of key tile n_block need the
+    element mask (some row's first key lies past the tile's first key); m_block_max without a
+    window."""
+    m_min, m_max = m_block_range(n_block, seqlen_q, seqlen_k, tile_m, tile_n, False, ops, window)
+    if window is None:
+        return m_max
+    # rows < query_end(first key) see the tile's first key on the left side
+    full_end = ops.max(query_end(n_block * tile_n, seqlen_q, seqlen_k, ops, window), 0)
+    return ops.max(ops.min(full_end // tile_m, m_max), m_min)
 
 
 # ---------------------------------------------------------------- where a sequence lives

@@ -101,15 +101,18 @@ def _fake_kernels(monkeypatch, seen):
     """Replace the forward/backward kernels by torch stand-ins (CPU): out = q, grads 1, 2, 3."""
     import flash4.backward as bwd
 
-    def fake_forward(q, k, v, softmax_scale, causal, lse_split=None):
+    def fake_forward(q, k, v, softmax_scale, causal, lse_split=None, window_size=None):
+        seen.update(fwd_window=window_size)
         lse = torch.zeros(q.shape[0], q.shape[2], q.shape[1])
         if lse_split is not None:
             lse_split[0].fill_(7.0)
             lse_split[1].fill_(0.5)
         return q * 1.0, lse
 
-    def fake_backward(dout, q, k, v, out, lse, softmax_scale, causal, deterministic=False, lse_split=None, dlse=None):
+    def fake_backward(dout, q, k, v, out, lse, softmax_scale, causal, deterministic=False, lse_split=None, dlse=None,
+                      window_size=None):
         seen.update(scale=softmax_scale, causal=causal, lse_shape=tuple(lse.shape), det=deterministic,
+                    window=window_size,
                     split=None if lse_split is None else (lse_split[0].unique().tolist(), lse_split[1].unique().tolist()),
                     dlse=None if dlse is None else dlse.unique().tolist(), dout=dout.unique().tolist())
         return torch.ones_like(q), 2 * torch.ones_like(k), 3 * torch.ones_like(v)
@@ -129,7 +132,7 @@ def test_autograd_routes_backward(monkeypatch):
     assert out.requires_grad and lse.requires_grad
     out.sum().backward()
     assert seen == {"scale": 0.125, "causal": True, "lse_shape": (q.shape[0], q.shape[2], q.shape[1]), "det": False,
-                    "split": ([7.0], [0.5]), "dlse": None, "dout": [1.0]}
+                    "split": ([7.0], [0.5]), "dlse": None, "dout": [1.0], "window": None, "fwd_window": None}
     assert torch.equal(q.grad, torch.ones_like(q)) and torch.equal(v.grad, 3 * torch.ones_like(v))
     assert k.grad is None
 

@@ -193,3 +193,96 @@ def test_padded_offsets_are_tile_aligned_and_disjoint():
             ends = [o + -(-n // tile) * tile for o, n in zip(offs, lens)]
             assert all(ends[b] <= offs[b + 1] for b in range(batch - 1))
             assert max(ends) <= padded_total(cu[-1], batch, tile)
+
+
+# ---------------------------------------------------------------- sliding windows (issue 10)
+WINDOWS = [(0, 0), (3, 0), (0, 5), (17, 9), (100, -1), (-1, 31), (1000, 1000), (64, 64), (129, 0)]
+WIN_TILES = [(128, 128), (128, 80), (64, 128), (16, 48)]
+WIN_SEQLENS = [(1, 1), (1, 100), (100, 1), (17, 300), (300, 17), (129, 257), (257, 129), (600, 555), (0, 5), (5, 0)]
+
+
+def brute_window(sq, sk, left, right):
+    """visible[i][j] from flash-attn's window rule as stated: i + sk - sq - left <= j <= i + sk - sq + right,
+    -1 = unbounded on that side alone."""
+    off = sk - sq
+    return [[(left < 0 or j >= i + off - left) and (right < 0 or j <= i + off + right) for j in range(sk)]
+            for i in range(sq)]
+
+
+def test_window_sides():
+    U = geo.UNBOUNDED
+    assert geo.window_sides(None, False) is None and geo.window_sides((-1, -1), False) is None
+    assert geo.window_sides((-1, 0), False) == (U, 0)  # -1 is per side: (-1, 0) is a causal window
+    assert geo.window_sides((-1, -1), True) is None  # plain causal
+    assert geo.window_sides((-1, 5), True) is None  # causal sets right = 0
+    assert geo.window_sides((4, -1), False) == (4, U)
+    assert geo.window_sides((4, 7), True) == (4, 0)
+
+
+@pytest.mark.parametrize("sq, sk", WIN_SEQLENS)
+@pytest.mark.parametrize("left, right", WINDOWS)
+def test_window_rule_matches_brute_force(sq, sk, left, right):
+    window = geo.window_sides((left, right), False)
+    mask = brute_window(sq, sk, left, right)
+    for i in range(sq):
+        for j in range(sk + 3):
+            want = j < sk and mask[i][j]
+            assert geo.visible(i, j, sq, sk, False, window=window) == want
+            in_rows = geo.key_start(i, sq, sk, window=window) <= j < geo.key_limit(i, sq, sk, False, window=window)
+            assert in_rows == want
+            # the transposes, as the backward uses them
+            in_cols = (geo.first_query(j, sq, sk, False, window=window) <= i < geo.query_end(j, sq, sk, window=window))
+            assert in_cols == want
+
+
+@pytest.mark.parametrize("tile_m, tile_n", WIN_TILES)
+@pytest.mark.parametrize("sq, sk", WIN_SEQLENS)
+@pytest.mark.parametrize("left, right", WINDOWS)
+def test_window_forward_block_ranges(tile_m, tile_n, sq, sk, left, right):
+    """Query tile m visits the key blocks [n_block_min, n_block_max) (every block holding a visible
+    key is inside; blocks outside the band are never visited), and the blocks in
+    [n_block_left_mask_end, min(n_block_min_causal_mask, seqlen mask)) are fully visible."""
+    window = geo.window_sides((left, right), False)
+    mask = brute_window(sq, sk, left, right)
+    n_blocks = -(-sk // tile_n)
+    for m in range(-(-sq // tile_m)):
+        rows = range(m * tile_m, min((m + 1) * tile_m, sq))
+        n_min = geo.n_block_min(m, sq, sk, tile_m, tile_n, window=window)
+        n_max = geo.n_block_max(m, sq, sk, tile_m, tile_n, False, window=window)
+        visited = [n for n in range(n_blocks) if block_has(mask, rows, range(n * tile_n, min((n + 1) * tile_n, sk)))]
+        if visited:
+            assert n_min <= visited[0] and visited[-1] < n_max, (m, visited, n_min, n_max)
+            assert n_max == visited[-1] + 1  # the right end is tight
+        # no visited block is skipped, and the band costs about a window's worth of blocks
+        assert n_max - n_min <= len(visited) + 1 or not visited
+        lo = max(n_min, geo.n_block_left_mask_end(m, sq, sk, tile_m, tile_n, window=window))
+        hi = min(n_max, geo.n_block_seqlen_mask(sk, tile_n),
+                 geo.n_block_min_causal_mask(m, sq, sk, tile_m, tile_n, window=window))
+        for n in range(lo, hi):
+            cols = range(n * tile_n, (n + 1) * tile_n)
+            assert max(cols) < sk and block_full(mask, rows, cols), (m, n, lo, hi)
+
+
+@pytest.mark.parametrize("tile_m, tile_n", WIN_TILES)
+@pytest.mark.parametrize("sq, sk", WIN_SEQLENS)
+@pytest.mark.parametrize("left, right", WINDOWS)
+def test_window_backward_block_ranges(tile_m, tile_n, sq, sk, left, right):
+    """Key tile n visits the query blocks [m_min, m_max) that see one of its keys, and the blocks
+    in [m_block_mask_end, m_block_left_mask_start) see every key of the whole tile."""
+    window = geo.window_sides((left, right), False)
+    mask = brute_window(sq, sk, left, right)
+    m_blocks = -(-sq // tile_m)
+    for n in range(-(-sk // tile_n)):
+        keys = range(n * tile_n, (n + 1) * tile_n)
+        m_min, m_max = geo.m_block_range(n, sq, sk, tile_m, tile_n, False, window=window)
+        seen = [m for m in range(m_blocks)
+                if block_has(mask, range(m * tile_m, min((m + 1) * tile_m, sq)), [j for j in keys if j < sk])]
+        if seen:
+            assert m_min <= seen[0] and seen[-1] < m_max, (n, seen, m_min, m_max)
+            assert m_min == seen[0]
+        end = geo.m_block_mask_end(n, sq, sk, tile_m, tile_n, False, window=window)
+        start = geo.m_block_left_mask_start(n, sq, sk, tile_m, tile_n, window=window)
+        assert m_min <= end and start <= max(m_max, m_min)
+        for m in range(end, start):
+            rows = range(m * tile_m, min((m + 1) * tile_m, sq))
+            assert max(keys) < sk and block_full(mask, rows, keys), (n, m, end, start)

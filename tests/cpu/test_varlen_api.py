@@ -606,15 +606,17 @@ def _contract_forward(calls):
     """A stand-in for flash4.varlen.varlen_forward honouring its documented contract (checked)."""
 
     def fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale, causal, seqused_q=None, seqused_k=None,
-             page_table=None, out=None, lse=None, lse_split=None):
+             page_table=None, out=None, lse=None, lse_split=None, window_size=None):
         assert isinstance(max_seqlen_q, int) and isinstance(softmax_scale, float) and isinstance(causal, bool)
+        assert window_size is None or (isinstance(window_size, tuple) and len(window_size) == 2
+                                       and all(type(side) is int for side in window_size))
         for t in (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table):
             assert t is None or (t.dtype == I32 and t.is_contiguous() and t.device == q.device)
         assert (cu_seqlens_k is None) == (page_table is not None)
         assert page_table is None or seqused_k is not None
         assert out is not None and lse is not None and lse.shape == (q.shape[1], q.shape[0])
         o, l = attention_varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table,
-                                    softmax_scale, causal)
+                                    softmax_scale, causal, window_size=window_size)
         rows = varlen_row_mask(cu_seqlens_q, q.shape[0], seqused_q)
         lengths = (seqused_q if seqused_q is not None else cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist()
         assert max_seqlen_q >= max(lengths + [0])
@@ -624,7 +626,7 @@ def _contract_forward(calls):
             lse_split[0][:, rows] = l[:, rows] * LOG2E
             lse_split[1][:, rows] = 0.0
         calls.append(dict(cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k, max_seqlen_q=max_seqlen_q,
-                          page_table=page_table, k=k))
+                          page_table=page_table, k=k, window_size=window_size))
         return out, lse
 
     return fake
@@ -633,13 +635,16 @@ def _contract_forward(calls):
 def _contract_decode(calls):
     """A stand-in for flash4.decode.decode_forward (the kvcache path without cache_batch_idx)."""
 
-    def fake(q, k_cache, v_cache, seqused_k, softmax_scale, causal, page_table=None, num_splits=0, out=None, lse=None):
+    def fake(q, k_cache, v_cache, seqused_k, softmax_scale, causal, page_table=None, num_splits=0, out=None, lse=None,
+             window_size=None):
         assert seqused_k.dtype == I32 and seqused_k.shape == (q.shape[0],) and isinstance(num_splits, int)
         assert out.shape == q.shape and lse.shape == (q.shape[0], q.shape[2], q.shape[1]) and lse.is_contiguous()
-        o, l = kvcache_ref(q, k_cache, v_cache, seqused_k, page_table, softmax_scale=softmax_scale, causal=causal)
+        o, l = kvcache_ref(q, k_cache, v_cache, seqused_k, page_table, softmax_scale=softmax_scale, causal=causal,
+                           window_size=window_size)
         out.copy_(o)
         lse.copy_(l)
-        calls.append(dict(seqused_k=seqused_k.clone(), page_table=page_table, num_splits=num_splits, decode=True))
+        calls.append(dict(seqused_k=seqused_k.clone(), page_table=page_table, num_splits=num_splits, decode=True,
+                          window_size=window_size))
         return out, lse
 
     return fake
@@ -658,6 +663,8 @@ def cpu_kernels(monkeypatch):
         inspect.signature(_contract_decode([])).parameters)
     assert list(inspect.signature(varlen.varlen_forward).parameters) == list(
         inspect.signature(_contract_forward([])).parameters)
+    assert list(inspect.signature(varlen.varlen_backward).parameters) == list(
+        inspect.signature(_fake_backward({})).parameters)
 
     device_problem = validate._device_problem
 
@@ -739,11 +746,11 @@ def test_varlen_empty_fast_paths(monkeypatch):
 def _fake_backward(seen):
     def fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
              seqused_q=None, seqused_k=None, deterministic=False, lse_split=None, dlse=None, dq=None, dk=None,
-             dv=None):
+             dv=None, window_size=None):
         seen.update(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, scale=softmax_scale, causal=causal,
                     det=deterministic, split=None if lse_split is None else lse_split.shape,
                     dlse=None if dlse is None else dlse.unique().tolist(), dout=dout.unique().tolist(),
-                    seqused_k=seqused_k)
+                    seqused_k=seqused_k, window_size=window_size)
         return torch.ones_like(q), 2 * torch.ones_like(k), 3 * torch.ones_like(v)
 
     return fake
@@ -762,7 +769,8 @@ def test_varlen_autograd_routes_backward(cpu_kernels, monkeypatch):
     assert out.requires_grad and lse.requires_grad
     (out.float().sum() + 2 * lse.sum()).backward()
     assert seen == {"max_seqlen_q": 5, "max_seqlen_k": 6, "scale": 0.125, "causal": True, "det": True,
-                    "split": (2, 4, 8), "dlse": [2.0], "dout": [1.0], "seqused_k": seqused_k}
+                    "split": (2, 4, 8), "dlse": [2.0], "dout": [1.0], "seqused_k": seqused_k,
+                    "window_size": (-1, -1)}
     assert (q.grad == 1).all() and (k.grad == 2).all() and (v.grad == 3).all()
 
     q.grad = None
@@ -927,3 +935,68 @@ def test_kvcache_empty_cache_gives_zero_and_neg_inf(cpu_kernels):
     args = kv_args(b=2, sq=3, s_cache=0, s_new=0)
     out, lse = flash4.flash_attn_with_kvcache(**dict(args, cache_seqlens=0), causal=True, return_lse=True)
     assert (out == 0).all() and torch.isneginf(lse).all() and cpu_kernels == []
+
+
+# ---------------------------------------------------------------- sliding windows (window_size)
+@pytest.mark.parametrize("window, causal", [((2, 1), False), ((2, 1), True), ((-1, 0), False), ((0, 0), False),
+                                            ([4, -1], True)])
+def test_varlen_func_routes_the_window(cpu_kernels, monkeypatch, window, causal):
+    """flash_attn_varlen_func hands window_size (a tuple of ints) to varlen_forward and, through
+    FlashAttnVarlenFunc, to varlen_backward; the result is the reference's with that window."""
+    import flash4.varlen as varlen
+
+    seen = {}
+    monkeypatch.setattr(varlen, "varlen_backward", _fake_backward(seen))
+    args = varlen_args((3, 0, 5, 7), (4, 2, 0, 3))
+    out, lse = flash4.flash_attn_varlen_func(**args, causal=causal, window_size=window, return_lse=True)
+    ref_out, ref_lse = attention_varlen_ref(args["q"], args["k"], args["v"], args["cu_seqlens_q"],
+                                            args["cu_seqlens_k"], causal=causal, window_size=window)
+    assert torch.equal(out, ref_out.to(BF16)) and torch.equal(lse, ref_lse)
+    # (-1, 0) is exactly causal: it reaches the kernels as causal=True without a window
+    expected = (-1, -1) if tuple(window) == (-1, 0) else tuple(window)
+    assert cpu_kernels[-1]["window_size"] == expected
+    if tuple(window) == (0, 0):  # sequence 3: 7 queries, 3 keys: rows 0..3 see no key
+        assert (out[8:12] == 0).all() and torch.isneginf(lse[:, 8:12]).all()
+    q = args["q"].requires_grad_()
+    flash4.flash_attn_varlen_func(**args, causal=causal, window_size=window).float().sum().backward()
+    assert cpu_kernels[-1]["window_size"] == seen["window_size"] == expected and q.grad is not None
+
+
+def test_paged_varlen_routes_the_window(cpu_kernels):
+    paged = paged_args(len_q=(3, 0, 5), len_k=(20, 0, 33))
+    out = flash4.flash_attn_varlen_func(**paged, causal=True, window_size=(6, -1))
+    ref, _ = attention_varlen_ref(paged["q"], paged["k"], paged["v"], paged["cu_seqlens_q"], None, None,
+                                  paged["seqused_k"], paged["page_table"], causal=True, window_size=(6, -1))
+    assert torch.equal(out, ref.to(BF16)) and cpu_kernels[0]["window_size"] == (6, -1)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("sq, s_new", [(1, 1), (3, 2)])
+@pytest.mark.parametrize("window", [(7, 0), (2, 3), (-1, -1)])
+def test_kvcache_routes_the_window(cpu_kernels, paged, sq, s_new, window):
+    """flash_attn_with_kvcache hands window_size to decode_forward (after the append); the result is
+    kvcache_ref's with that window (n_b = cache_seqlens[b] + seqlen_new keys per sequence)."""
+    args = kv_args(b=3, sq=sq, s_new=s_new, paged=paged)
+    seqlens = args["cache_seqlens"].tolist()
+    table = args.get("page_table")
+    k_exp, v_exp = _expected_cache(args, seqlens, table=table)
+    out, lse = flash4.flash_attn_with_kvcache(**args, causal=True, window_size=window, return_lse=True)
+    ref_out, ref_lse = kvcache_ref(args["q"], k_exp, v_exp, [n + s_new for n in seqlens], page_table=table,
+                                   causal=True, window_size=window)
+    assert torch.equal(out, ref_out.to(BF16)) and torch.equal(lse, ref_lse)
+    assert cpu_kernels[0]["decode"] and cpu_kernels[0]["window_size"] == window
+
+
+def test_kvcache_batch_idx_routes_the_window(cpu_kernels):
+    """The cache_batch_idx path (varlen_forward over the dense cache's rows) gets the window too."""
+    args = kv_args(b=3, sq=2, s_new=2)
+    k_storage, v_storage = torch.randn(5, 40, 2, 64, dtype=BF16), torch.randn(5, 40, 2, 64, dtype=BF16)
+    args["k_cache"], args["v_cache"] = k_storage, v_storage
+    idx = torch.tensor([4, 0, 2], dtype=I32)
+    seqlens = args["cache_seqlens"].tolist()
+    k_exp, v_exp = _expected_cache(args, seqlens, rows=idx.tolist())
+    out, lse = flash4.flash_attn_with_kvcache(**args, cache_batch_idx=idx, window_size=(3, 1), return_lse=True)
+    ref, ref_lse = kvcache_ref(args["q"], k_exp, v_exp, [n + 2 for n in seqlens], cache_batch_idx=idx,
+                               window_size=(3, 1))
+    assert torch.equal(out, ref.to(BF16)) and torch.equal(lse, ref_lse)
+    assert "decode" not in cpu_kernels[0] and cpu_kernels[0]["window_size"] == (3, 1)

@@ -48,9 +48,11 @@ class Impl:
     unavailable: str | None = None
 
 
-def _make_flash4(q, k, v, causal):
+def _make_flash4(q, k, v, causal, window=None):
     from flash4 import flash_attn_func
 
+    if window is not None:
+        return lambda: flash_attn_func(q, k, v, causal=causal, window_size=window)
     return lambda: flash_attn_func(q, k, v, causal=causal)
 
 
@@ -67,9 +69,13 @@ def _sdpa_backend(name: str):
     return lambda: sdpa_kernel(backend)
 
 
-def _make_fa4(q, k, v, causal):
+def _make_fa4(q, k, v, causal, window=None):
+    # flash-attn-4 4.0.0b36 reads -1 as unbounded only when both sides are negative: pass the
+    # windows the bench uses (both sides >= 0) as they are.
+    extra = {} if window is None else {"window_size": tuple(window)}
+
     def fn():
-        res = _fa4_func(q, k, v, causal=causal)
+        res = _fa4_func(q, k, v, causal=causal, **extra)
         return res[0] if isinstance(res, tuple) else res  # some versions return (out, lse)
 
     return fn

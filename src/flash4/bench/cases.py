@@ -30,6 +30,7 @@ class Case:
     batch: int
     nheads: int
     nheads_k: int
+    window: tuple | None = None  # flash-attn's window_size (left, right); None: none
 
     def label(self) -> str:
         return self.name
@@ -41,20 +42,30 @@ CASES = (
     Case("d192_full_4k", 192, False, 4096, 4096, 8, 10, 10),
     Case("gqa_64q8kv_d128_causal_4k", 128, True, 4096, 4096, 8, 64, 8),
     Case("mqa_32q1kv_d64_causal_8k", 64, True, 8192, 8192, 4, 32, 1),
+    # Issue 10: a 4096-key sliding window (Mistral-style: left 4095, right 0) at S = 32k, next to
+    # full causal on the same shape (the band is ~25% of the causal work).
+    Case("window4096_causal_32k_d128", 128, True, 32768, 32768, 1, 16, 16, window=(4095, 0)),
+    Case("window_ref_causal_32k_d128", 128, True, 32768, 32768, 1, 16, 16),
 )
 
 
-def visible_pairs(seqlen_q: int, seqlen_k: int, causal: bool) -> int:
-    """(query, key) pairs the mask lets through, for one (batch, head)."""
-    return sum(max(0, geometry.key_limit(i, seqlen_q, seqlen_k, causal)) for i in range(seqlen_q))
+def visible_pairs(seqlen_q: int, seqlen_k: int, causal: bool, window_size=None) -> int:
+    """(query, key) pairs the mask lets through, for one (batch, head) (window_size: flash-attn's)."""
+    window = geometry.window_sides(window_size, causal)
+    return sum(max(0, geometry.key_limit(i, seqlen_q, seqlen_k, causal, window=window)
+                   - geometry.key_start(i, seqlen_q, seqlen_k, window=window)) for i in range(seqlen_q))
 
 
 def case_fwd_flops(case: Case) -> float:
-    return 4.0 * case.batch * case.nheads * case.headdim * visible_pairs(case.seqlen_q, case.seqlen_k, case.causal)
+    return 4.0 * case.batch * case.nheads * case.headdim * visible_pairs(case.seqlen_q, case.seqlen_k, case.causal,
+                                                                         case.window)
 
 
 def impl_applies(impl_name: str, case: Case) -> bool:
-    """SDPA's causal mask is top-left aligned: skip it where that differs from flash4's."""
+    """SDPA's causal mask is top-left aligned: skip it where that differs from flash4's; SDPA has
+    no sliding window."""
+    if impl_name.startswith("sdpa") and case.window is not None:
+        return False
     return not (impl_name.startswith("sdpa") and case.causal and case.seqlen_q != case.seqlen_k)
 
 
@@ -91,12 +102,12 @@ def measure_cases(impls, cases, dtype, rep_ms: float = 100.0, bwd: bool = True) 
             fwd_tf = bwd_tf = math.nan
             if impl_applies(impl.name, case):
                 try:
-                    fn = impl.make(q, k, v, case.causal)
+                    fn = impl.make(q, k, v, case.causal, **({"window": case.window} if case.window else {}))
                     with impl.context():
                         fwd_tf = run.tflops(flops, run.time_ms(fn, rep_ms=rep_ms))
                     if bwd:
                         bwd_tf = run.tflops(run.BWD_FLOPS_FACTOR * flops,
-                                            run._time_bwd(impl, q, k, v, case.causal, rep_ms))
+                                            run._time_bwd(impl, q, k, v, case.causal, rep_ms, window=case.window))
                 except Exception as err:  # a failing impl is a NaN cell, reported once per line
                     bar.write(f"{impl.name} failed at {case.name}: {type(err).__name__}: "
                               f"{str(err).splitlines()[0][:200] if str(err) else ''}")

@@ -15,6 +15,7 @@ import os
 
 from flash4 import arch
 from flash4.config import LOG2E, BwdConfig, FwdConfig
+from flash4.geometry import UNBOUNDED
 from flash4.launch import bwd_dynamic_seqlen_k, bwd_grid, bwd_preprocess_grid, fwd_grid
 from flash4.schedule import l2_section_heads
 
@@ -47,7 +48,7 @@ def compile_fwd(cfg: FwdConfig, options: str = ""):
     """Compile one forward config (no GPU needed). Returns the compiled callable
     f(q, k, v, out, lse, lse_hi, lse_lo, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table,
     o_accum, lse_accum, softmax_scale_log2: float, batch: int, max_seqlen_q: int, num_splits: int,
-    l2_group: int, num_ctas: int) that
+    window_left: int, window_right: int, l2_group: int, num_ctas: int) that
     launches on the current CUDA stream; the sequence-layout tensors are passed only where the
     config's flag is on (None otherwise)."""
     from flash4.compile.fake import seq_fake_args, split_fake_args
@@ -59,8 +60,8 @@ def compile_fwd(cfg: FwdConfig, options: str = ""):
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     return cute.compile(
         kernel, *fwd_fake_args(cfg.headdim, cfg.dtype, paged=cfg.page_rows > 0), *seq_fake_args(cfg), *split_fake_args(cfg),
-        cutlass.Float32(1.0), cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1),
-        stream,
+        cutlass.Float32(1.0), cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(0), cutlass.Int32(0),
+        cutlass.Int32(1), cutlass.Int32(1), stream,
         options=COMPILE_OPTIONS + _arch_option(cfg.arch) + options,
     )
 
@@ -79,6 +80,8 @@ def get_fwd_runner(cfg: FwdConfig):
     config's flag is off), batch = number of sequences, max_seqlen_q = host int bounding every
     sequence's query count. split_kv configs: accs = (o_accum fp32 (num_splits, B, Sq, H, D),
     lse_accum fp32 (num_splits, B, H, Sq)) receive the partial results (out/lse untouched).
+    local configs: window = (left, right) from flash4.geometry.window_sides (runtime values: any
+    window runs on one compiled kernel).
     Launches on torch.cuda.current_stream(); returns None.
     """
     import torch  # late: keeps the compile path torch-free
@@ -95,7 +98,7 @@ def get_fwd_runner(cfg: FwdConfig):
         return l2_group, fwd_grid(cfg, batch * num_splits, max_seqlen_q, nheads, num_sms)[0]
 
     def run(q, k, v, out, lse, softmax_scale: float, lse_split=None, seqs=None, batch=None, max_seqlen_q=None,
-            accs=(None, None), num_splits: int = 1):
+            accs=(None, None), num_splits: int = 1, window=None):
         if batch is None:
             batch, max_seqlen_q = q.shape[0], q.shape[1]
         seqs = seqs if seqs is not None else (None,) * 5
@@ -107,8 +110,9 @@ def get_fwd_runner(cfg: FwdConfig):
                                          arch.num_sms(q.device) if cfg.persistent else 0)
         if lse_split is None:
             lse_split = torch.empty((2,) + tuple(lse.shape), dtype=torch.float32, device=lse.device)
+        left, right = window if window is not None else (UNBOUNDED, UNBOUNDED)
         compiled(q, k, v, out, lse, lse_split[0], lse_split[1], *seqs, *accs, softmax_scale * LOG2E, batch,
-                 max_seqlen_q, num_splits, l2_group, num_ctas)
+                 max_seqlen_q, num_splits, left, right, l2_group, num_ctas)
 
     return run
 
@@ -116,7 +120,8 @@ def get_fwd_runner(cfg: FwdConfig):
 def compile_bwd(cfg: BwdConfig, options: str = ""):
     """Compile one backward config (no GPU needed). Returns the compiled callable
     f(q, k, v, dout, lse_log2, dpsum, dq_accum, dk, dv, dq_semaphore, exact, lse_hi, lse_lo,
-      cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, softmax_scale: float, max_seqlen_k, num_ctas: int)
+      cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, softmax_scale: float, max_seqlen_k, window_left: int,
+      window_right: int, num_ctas: int)
     where each of cu_seqlens_q / cu_seqlens_k / seqused_q / seqused_k is an int32 tensor when its
     config flag is on and None otherwise, and max_seqlen_k an int when cfg.varlen_k or
     cfg.seqused_k, else None (compile/fake.bwd_fake_args gives the layouts)."""
@@ -128,7 +133,8 @@ def compile_bwd(cfg: BwdConfig, options: str = ""):
     max_seqlen_k = cutlass.Int32(1) if bwd_dynamic_seqlen_k(cfg) else None
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     return cute.compile(
-        FlashAttentionBackwardSm90(cfg), *args, cutlass.Float32(1.0), max_seqlen_k, cutlass.Int32(1), stream,
+        FlashAttentionBackwardSm90(cfg), *args, cutlass.Float32(1.0), max_seqlen_k, cutlass.Int32(0), cutlass.Int32(0),
+        cutlass.Int32(1), stream,
         options=COMPILE_OPTIONS + _arch_option(cfg.arch) + options,
     )
 
@@ -137,7 +143,7 @@ def compile_bwd(cfg: BwdConfig, options: str = ""):
 def get_bwd_runner(cfg: BwdConfig):
     """Cached: compiled backward main kernel for `cfg`, as
     run(q, k, v, dout, lse_log2, dpsum, dq_accum, dk, dv, dq_semaphore, exact, lse_hi, lse_lo, softmax_scale,
-        cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None, max_seqlen_k=None)
+        cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None, max_seqlen_k=None, window=None)
     on the current stream (grid: flash4.launch.bwd_grid). The pre/postprocess (lse_log2, dpsum,
     exact flags, dq_accum zeroing, dq conversion) is flash4.backward's (dense) or flash4.varlen's.
 
@@ -145,13 +151,14 @@ def get_bwd_runner(cfg: BwdConfig):
     the tensors of their flags (kernels/bwd_sm90.py gives the packed layouts, with a batch mode of
     size 1); max_seqlen_k (host int, >= every sequence's key count) is required with cfg.varlen_k
     and defaults to k.shape[1] with cfg.seqused_k alone. The batch count is cu_seqlens_q's length
-    - 1 with cfg.varlen_q, else q.shape[0]."""
+    - 1 with cfg.varlen_q, else q.shape[0]. window: (left, right) for local configs
+    (flash4.geometry.window_sides), None otherwise."""
     compiled = load_or_compile("bwd", cfg, COMPILE_OPTIONS + _arch_option(cfg.arch), lambda: compile_bwd(cfg))
     dynamic_k = bwd_dynamic_seqlen_k(cfg)
 
     def run(q, k, v, dout, lse_log2, dpsum, dq_accum, dk, dv, dq_semaphore, exact, lse_hi, lse_lo,
             softmax_scale: float, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None,
-            max_seqlen_k=None):
+            max_seqlen_k=None, window=None):
         given = (cu_seqlens_q is not None, cu_seqlens_k is not None, seqused_q is not None, seqused_k is not None)
         if given != (cfg.varlen_q, cfg.varlen_k, cfg.seqused_q, cfg.seqused_k):
             raise ValueError(f"flash4 backward: sequence tensors given {given} do not match the config {cfg}")
@@ -166,7 +173,8 @@ def get_bwd_runner(cfg: BwdConfig):
             seqlen_k, max_seqlen_k = k.shape[1], None
         grid = bwd_grid(cfg, batch, seqlen_k, k.shape[2])
         compiled(q, k, v, dout, lse_log2, dpsum, dq_accum, dk, dv, dq_semaphore, exact, lse_hi, lse_lo,
-                 cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, softmax_scale, max_seqlen_k, grid[0])
+                 cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, softmax_scale, max_seqlen_k,
+                 *(window if window is not None else (UNBOUNDED, UNBOUNDED)), grid[0])
 
     return run
 

@@ -186,6 +186,8 @@ class FlashAttentionBackwardSm90:
         mSeqUsedK: Optional[cute.Tensor],  # (batch,) int32 (seqused_k)
         softmax_scale: Float32,
         max_seqlen_k: Optional[Int32],  # varlen_k or seqused_k: >= every seqlen_k (sizes the grid); else None
+        window_left: Int32,  # local: the window's sides (flash4.geometry.window_sides); ignored otherwise
+        window_right: Int32,
         num_ctas: Int32,  # grid size: n_blocks * nheads_k * batch (flash4.launch.bwd_grid)
         stream: cuda.CUstream,
     ):
@@ -260,8 +262,8 @@ class FlashAttentionBackwardSm90:
             tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_D, mdQacc, tma_dK, tma_dV, mdQsem, mExact, mLSEhi, mLSElo,
             mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
             tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO, tma_atom_LSE, tma_atom_D, tma_atom_dK, tma_atom_dV,
-            softmax_scale, max_seqlen_k, sQ_layout, sKV_layout, sdS_layout, sStat_layout, sdQ_layout,
-            mma_sdp, mma_dkv, mma_dq, SharedStorage,
+            softmax_scale, max_seqlen_k, window_left, window_right, sQ_layout, sKV_layout, sdS_layout, sStat_layout,
+            sdQ_layout, mma_sdp, mma_dkv, mma_dq, SharedStorage,
         ).launch(grid=(num_ctas, 1, 1), block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     @cute.kernel
@@ -275,7 +277,7 @@ class FlashAttentionBackwardSm90:
         tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom,
         tma_atom_dO: cute.CopyAtom, tma_atom_LSE: cute.CopyAtom, tma_atom_D: cute.CopyAtom,
         tma_atom_dK: Optional[cute.CopyAtom], tma_atom_dV: Optional[cute.CopyAtom],
-        softmax_scale: Float32, max_seqlen_k: Optional[Int32],
+        softmax_scale: Float32, max_seqlen_k: Optional[Int32], window_left: Int32, window_right: Int32,
         sQ_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout, sdS_layout: cute.ComposedLayout,
         sStat_layout: cute.Layout, sdQ_layout: cute.Layout,
         mma_sdp: cute.TiledMma, mma_dkv: cute.TiledMma, mma_dq: cute.TiledMma,
@@ -319,8 +321,11 @@ class FlashAttentionBackwardSm90:
         seq = SeqInfo(batch, mQ.shape[0], mK.shape[0], mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
                       tile_m_pad=self.tile_m)
         seqlen_q, seqlen_k = seq.seqlen_q, seq.seqlen_k
+        self.window = (window_left, window_right) if const_expr(self.cfg.local) else None
         m_block_min, m_block_max = geometry.m_block_range(n_block, seqlen_q, seqlen_k, self.tile_m, self.tile_n,
-                                                          self.causal)
+                                                          self.causal, self.window)
+        if const_expr(self.cfg.local):
+            m_block_max = cutlass.max(m_block_max, m_block_min)  # a window's key tile may see no query
         num_steps = (m_block_max - m_block_min) * qhead_per_kvhead  # (query head, m_block) pairs
 
         roles = partial(
@@ -431,9 +436,16 @@ class FlashAttentionBackwardSm90:
             tile, tile_batch = self.tile_index(seq, m_block)
             sem_ptr = mdQsem[None, head, tile_batch].iterator + tile
             if const_expr(self.cfg.deterministic):
+                # The key blocks that add to query block m are n_first(m), n_first(m) + 1, ...: 0 without
+                # a window, the first block of its band with one (flash4.geometry.n_block_min, the
+                # first n whose m_block_range holds m).
+                turn = n_block
+                if const_expr(self.cfg.local):
+                    turn = n_block - geometry.n_block_min(m_block, seq.seqlen_q, seq.seqlen_k, self.tile_m, self.tile_n,
+                                                          self.window)
                 if lane == 0:
                     seen = cute.arch.load(sem_ptr, Int32, sem="acquire", scope="gpu")
-                    while seen != n_block:
+                    while seen != turn:
                         seen = cute.arch.load(sem_ptr, Int32, sem="acquire", scope="gpu")
                 cute.arch.sync_warp()
             for r in cutlass.range_constexpr(self.tile_m // 32):
@@ -510,15 +522,26 @@ class FlashAttentionBackwardSm90:
         # explicitly, never left to TMA's zero fill (a zero K row scores 0, and 2^(0 - LSE)
         # overflows when every real score of the row is very negative). Queries past seqlen_q need
         # no mask: their LSE is +inf (flash4.backward pads it), so P = 0 there.
-        m_mask_end = geometry.m_block_mask_end(n_block, seqlen_q, seqlen_k, self.tile_m, self.tile_n, self.causal)
+        # A window adds a third run: the m_blocks [m_left, m_block_max) that cross its left edge.
+        m_mask_end = geometry.m_block_mask_end(n_block, seqlen_q, seqlen_k, self.tile_m, self.tile_n, self.causal,
+                                               self.window)
+        m_left = m_block_max
+        if const_expr(self.cfg.local):
+            # m_block_min <= m_mask_end <= m_left <= m_block_max (all equal for a tile without queries)
+            m_mask_end = cutlass.min(cutlass.max(m_mask_end, m_block_min), m_block_max)
+            m_left = geometry.m_block_left_mask_start(n_block, seqlen_q, seqlen_k, self.tile_m, self.tile_n,
+                                                      self.window)
+            m_left = cutlass.min(cutlass.max(m_left, m_mask_end), m_block_max)
         step = Int32(0)
         for h_in_group in cutlass.range(qhead_per_kvhead, unroll=1):
             head = head_kv * qhead_per_kvhead + h_in_group
-            for phase in cutlass.range_constexpr(2):
-                mask = phase == 0
+            for phase in cutlass.range_constexpr(3 if self.cfg.local else 2):
+                mask = phase != 1
                 lo, hi = m_block_min, m_mask_end
-                if const_expr(not mask):
-                    lo, hi = m_mask_end, m_block_max
+                if const_expr(phase == 1):
+                    lo, hi = m_mask_end, m_left
+                if const_expr(phase == 2):
+                    lo, hi = m_left, m_block_max
                 for m_block in cutlass.range(lo, hi, unroll=1):
                     tile, tile_batch = self.tile_index(seq, m_block)
                     exact = mExact[tile, head, tile_batch] != 0
@@ -544,7 +567,7 @@ class FlashAttentionBackwardSm90:
                             p = exp2_hw(s[r, c])
                             if const_expr(mask):
                                 p = geometry.mask_probs_t(tScS, r, col, p, m_block, n_block, seqlen_q, seqlen_k,
-                                                          self.tile_m, self.tile_n, self.causal)
+                                                          self.tile_m, self.tile_n, self.causal, self.window)
                             s[r, c] = p
                     buf = step % 2  # two dS^T (P^T) buffers: the other warpgroup may still read the previous step's
                     if const_expr(not self.split_hd):

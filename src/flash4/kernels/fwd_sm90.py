@@ -131,6 +131,8 @@ class FlashAttentionForwardSm90:
         batch_size: Int32,  # number of sequences
         max_seqlen_q: Int32,  # >= every sequence's query count: sizes the tile space
         num_splits: Int32,  # split_kv: key-block ranges per (m_block, head, batch) (1 otherwise)
+        window_left: Int32,  # local: the window's sides (flash4.geometry.window_sides); ignored otherwise
+        window_right: Int32,
         l2_group: Int32,  # (head, batch) pairs per L2 section of the tile order (>= 1)
         num_ctas: Int32,  # grid size: number of tiles, or number of SMs when persistent
         stream: cuda.CUstream,
@@ -187,7 +189,7 @@ class FlashAttentionForwardSm90:
             tma_Q, tma_K, tma_V, mO_out, mLSE, mLSEhi, mLSElo,
             mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, mPageTable, mOacc, mLSEacc,
             tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O,
-            softmax_scale_log2, batch_size, max_seqlen_q, num_splits, l2_group,
+            softmax_scale_log2, batch_size, max_seqlen_q, num_splits, window_left, window_right, l2_group,
             sQ_layout, sK_layout, sV_layout, sO_layout,
             tiled_mma_qk, tiled_mma_pv, SharedStorage,
         ).launch(grid=(num_ctas, 1, 1), block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
@@ -202,7 +204,8 @@ class FlashAttentionForwardSm90:
         mSeqUsedQ: Optional[cute.Tensor], mSeqUsedK: Optional[cute.Tensor], mPageTable: Optional[cute.Tensor],
         mOacc: Optional[cute.Tensor], mLSEacc: Optional[cute.Tensor],
         tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom, tma_atom_O: cute.CopyAtom,
-        softmax_scale_log2: Float32, batch_size: Int32, max_seqlen_q: Int32, num_splits: Int32, l2_group: Int32,
+        softmax_scale_log2: Float32, batch_size: Int32, max_seqlen_q: Int32, num_splits: Int32,
+        window_left: Int32, window_right: Int32, l2_group: Int32,
         sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout, sO_layout: cute.ComposedLayout,
         tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
@@ -238,6 +241,7 @@ class FlashAttentionForwardSm90:
         num_hb = mQ.shape[2] * batch_size * (num_splits if const_expr(self.cfg.split_kv) else 1)
         sched = TileSchedule(num_m_blocks, mQ.shape[2], num_hb, l2_group, self.causal and self.cfg.lpt)
         seqs = (mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK)
+        self.window = (window_left, window_right) if const_expr(self.cfg.local) else None
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.num_producer_regs)
@@ -374,7 +378,7 @@ class FlashAttentionForwardSm90:
             if in_range:
                 n_block_min, n_block_max = self.n_block_range(m_block, seq, split, num_splits)
                 mask = partial(geometry.mask_scores, tScS=tScS, t0ScS=t0ScS, m_block=m_block, seqlen_q=seqlen_q,
-                               seqlen_k=seqlen_k, tile_m=self.tile_m, tile_n=self.tile_n)
+                               seqlen_k=seqlen_k, tile_m=self.tile_m, tile_n=self.tile_n, window=self.window)
                 softmax.reset()
                 acc_O.fill(0.0)
                 pipeline_q.consumer_wait(q_state)
@@ -387,20 +391,32 @@ class FlashAttentionForwardSm90:
                     mask(acc_S, n_block=n_block_max - 1, causal=self.causal)
                     softmax.online(acc_S, is_first=True)
                     self.convert_P(acc_S, tOrP)
-                    # Blocks that cross the causal diagonal, then unmasked blocks.
+                    # Blocks that cross the causal diagonal (a window's right edge), then unmasked
+                    # blocks, then (window) blocks that cross its left edge.
                     n_block_unmasked = n_block_max - 1
-                    if const_expr(self.causal):
-                        n_causal = geometry.n_block_min_causal_mask(m_block, seqlen_q, seqlen_k, self.tile_m, self.tile_n)
+                    n_block_left = n_block_min
+                    if const_expr(self.causal or self.cfg.local):
+                        n_causal = geometry.n_block_min_causal_mask(m_block, seqlen_q, seqlen_k, self.tile_m, self.tile_n,
+                                                                    self.window)
                         n_causal = cutlass.max(cutlass.min(n_causal, n_block_max - 1), n_block_min)
                         for i in cutlass.range(n_block_max - 1 - n_causal, unroll=1):
                             state = self.mma_one_n_block(
                                 n_block_max - 2 - i, state, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP,
                                 acc_O, acc_shape_S, softmax, pipeline_k, pipeline_v, mask, True, wg_idx)
                         n_block_unmasked = n_causal
-                    for i in cutlass.range(n_block_unmasked - n_block_min, unroll=1):
+                    if const_expr(self.cfg.local):
+                        n_left = geometry.n_block_left_mask_end(m_block, seqlen_q, seqlen_k, self.tile_m, self.tile_n,
+                                                                self.window)
+                        n_block_left = cutlass.max(cutlass.min(n_left, n_block_unmasked), n_block_min)
+                    for i in cutlass.range(n_block_unmasked - n_block_left, unroll=1):
                         state = self.mma_one_n_block(
                             n_block_unmasked - 1 - i, state, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP,
                             acc_O, acc_shape_S, softmax, pipeline_k, pipeline_v, mask, False, wg_idx)
+                    if const_expr(self.cfg.local):
+                        for i in cutlass.range(n_block_left - n_block_min, unroll=1):
+                            state = self.mma_one_n_block(
+                                n_block_left - 1 - i, state, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP,
+                                acc_O, acc_shape_S, softmax, pipeline_k, pipeline_v, mask, True, wg_idx)
                     # Last P V.
                     pipeline_v.consumer_wait(state)
                     wgmma(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, state.index], wg_wait=0)
@@ -431,11 +447,15 @@ class FlashAttentionForwardSm90:
     def n_block_range(self, m_block, seq, split, num_splits):
         """[n_block_min, n_block_max): the key blocks this tile visits. Without split_kv all that
         the query tile sees (flash4.geometry); with it, split `split` of num_splits equal runs."""
-        n_block_max = geometry.n_block_max(m_block, seq.seqlen_q, seq.seqlen_k, self.tile_m, self.tile_n, self.causal)
+        n_block_max = geometry.n_block_max(m_block, seq.seqlen_q, seq.seqlen_k, self.tile_m, self.tile_n, self.causal,
+                                           self.window)
         n_block_min = Int32(0)
+        if const_expr(self.cfg.local):
+            n_block_min = geometry.n_block_min(m_block, seq.seqlen_q, seq.seqlen_k, self.tile_m, self.tile_n,
+                                               self.window)
         if const_expr(self.cfg.split_kv):
-            per_split = (n_block_max + num_splits - 1) // num_splits
-            n_block_min = cutlass.min(split * per_split, n_block_max)
+            per_split = (cutlass.max(n_block_max - n_block_min, 0) + num_splits - 1) // num_splits
+            n_block_min = cutlass.min(n_block_min + split * per_split, n_block_max)
             n_block_max = cutlass.min(n_block_min + per_split, n_block_max)
         return n_block_min, n_block_max
 

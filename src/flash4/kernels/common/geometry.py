@@ -18,20 +18,34 @@ from flash4.kernels.common.layout import acc_mn_view
 DEVICE_OPS = g.Ops(min=cutlass.min, max=cutlass.max, select=lambda cond, a, b: cutlass.select_(cond, a, b))
 
 
-def n_block_max(m_block, seqlen_q, seqlen_k, tile_m: int, tile_n: int, causal: bool):
-    return g.n_block_max(m_block, seqlen_q, seqlen_k, tile_m, tile_n, causal, DEVICE_OPS)
+# window: None, or (left, right) device Int32 values (flash4.geometry.window_sides: unbounded
+# sides are geometry.UNBOUNDED); with a window `causal` is ignored.
+def n_block_max(m_block, seqlen_q, seqlen_k, tile_m: int, tile_n: int, causal: bool, window=None):
+    return g.n_block_max(m_block, seqlen_q, seqlen_k, tile_m, tile_n, causal, DEVICE_OPS, window)
 
 
-def n_block_min_causal_mask(m_block, seqlen_q, seqlen_k, tile_m: int, tile_n: int):
-    return g.n_block_min_causal_mask(m_block, seqlen_q, seqlen_k, tile_m, tile_n, DEVICE_OPS)
+def n_block_min(m_block, seqlen_q, seqlen_k, tile_m: int, tile_n: int, window=None):
+    return g.n_block_min(m_block, seqlen_q, seqlen_k, tile_m, tile_n, DEVICE_OPS, window)
 
 
-def m_block_range(n_block, seqlen_q, seqlen_k, tile_m: int, tile_n: int, causal: bool):
-    return g.m_block_range(n_block, seqlen_q, seqlen_k, tile_m, tile_n, causal, DEVICE_OPS)
+def n_block_min_causal_mask(m_block, seqlen_q, seqlen_k, tile_m: int, tile_n: int, window=None):
+    return g.n_block_min_causal_mask(m_block, seqlen_q, seqlen_k, tile_m, tile_n, DEVICE_OPS, window)
 
 
-def m_block_mask_end(n_block, seqlen_q, seqlen_k, tile_m: int, tile_n: int, causal: bool):
-    return g.m_block_mask_end(n_block, seqlen_q, seqlen_k, tile_m, tile_n, causal, DEVICE_OPS)
+def n_block_left_mask_end(m_block, seqlen_q, seqlen_k, tile_m: int, tile_n: int, window=None):
+    return g.n_block_left_mask_end(m_block, seqlen_q, seqlen_k, tile_m, tile_n, DEVICE_OPS, window)
+
+
+def m_block_range(n_block, seqlen_q, seqlen_k, tile_m: int, tile_n: int, causal: bool, window=None):
+    return g.m_block_range(n_block, seqlen_q, seqlen_k, tile_m, tile_n, causal, DEVICE_OPS, window)
+
+
+def m_block_mask_end(n_block, seqlen_q, seqlen_k, tile_m: int, tile_n: int, causal: bool, window=None):
+    return g.m_block_mask_end(n_block, seqlen_q, seqlen_k, tile_m, tile_n, causal, DEVICE_OPS, window)
+
+
+def m_block_left_mask_start(n_block, seqlen_q, seqlen_k, tile_m: int, tile_n: int, window=None):
+    return g.m_block_left_mask_start(n_block, seqlen_q, seqlen_k, tile_m, tile_n, DEVICE_OPS, window)
 
 
 def paged_piece(n_block, i, tile_n: int, page_rows: int, page_size):
@@ -50,8 +64,10 @@ def mask_scores(
     tile_m: cutlass.Constexpr[int],
     tile_n: cutlass.Constexpr[int],
     causal: cutlass.Constexpr[bool],
+    window=None,
 ):
-    """Forward: sets the scores of keys a row does not see to -inf, in place.
+    """Forward: sets the scores of keys a row does not see to -inf, in place (window: None or the
+    (left, right) Int32 pair; then both edges of the band are applied and `causal` is ignored).
 
     acc_S: the thread's score fragment; tScS: identity tensor (tile_m, tile_n) partitioned the same
     way for this thread (values are (row, col) inside the tile); t0ScS: the same for thread 0, whose
@@ -64,10 +80,16 @@ def mask_scores(
     col_base = n_block * tile_n + c[0, 0][1]
     for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
         row = m_block * tile_m + c[r, 0][0]
-        col_limit = g.key_limit(row, seqlen_q, seqlen_k, causal, DEVICE_OPS) - col_base
-        for j in cutlass.range_constexpr(cute.size(s, mode=[1])):
-            # a select, not an `if`: a dynamic `if` would carry the whole fragment through it
-            s[r, j] = Float32(cutlass.select_(c0[0, j][1] >= col_limit, -Float32.inf, s[r, j]))
+        col_limit = g.key_limit(row, seqlen_q, seqlen_k, causal, DEVICE_OPS, window) - col_base
+        if cutlass.const_expr(window is None):
+            for j in cutlass.range_constexpr(cute.size(s, mode=[1])):
+                # a select, not an `if`: a dynamic `if` would carry the whole fragment through it
+                s[r, j] = Float32(cutlass.select_(c0[0, j][1] >= col_limit, -Float32.inf, s[r, j]))
+        else:
+            col_start = g.key_start(row, seqlen_q, seqlen_k, DEVICE_OPS, window) - col_base
+            for j in cutlass.range_constexpr(cute.size(s, mode=[1])):
+                hidden = (c0[0, j][1] >= col_limit) | (c0[0, j][1] < col_start)
+                s[r, j] = Float32(cutlass.select_(hidden, -Float32.inf, s[r, j]))
 
 
 @cute.jit
@@ -83,10 +105,15 @@ def mask_probs_t(
     tile_m: cutlass.Constexpr[int],
     tile_n: cutlass.Constexpr[int],
     causal: cutlass.Constexpr[bool],
+    window=None,
 ) -> Float32:
     """Backward, one element of P^T (row r = a key, static column `col` relative to the thread's
     first column): p, or 0 if the query of that column does not see the key (keys past seqlen_k:
     none does). tScS: the (row, col) coordinates of this thread's P^T elements, (rows, cols) view."""
     key = n_block * tile_n + tScS[r, 0][0]
-    first = g.first_query(key, seqlen_q, seqlen_k, causal, DEVICE_OPS) - m_block * tile_m - tScS[0, 0][1]
-    return Float32(cutlass.select_(col < first, Float32(0.0), p))
+    col0 = m_block * tile_m + tScS[0, 0][1]
+    first = g.first_query(key, seqlen_q, seqlen_k, causal, DEVICE_OPS, window) - col0
+    hidden = col < first
+    if cutlass.const_expr(window is not None):
+        hidden = hidden | (col >= g.query_end(key, seqlen_q, seqlen_k, DEVICE_OPS, window) - col0)
+    return Float32(cutlass.select_(hidden, Float32(0.0), p))
