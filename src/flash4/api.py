@@ -19,13 +19,13 @@ from flash4.arch import device_arch
 from flash4.autograd import FlashAttnFunc, FlashAttnVarlenFunc
 from flash4.config import select_fwd_config
 from flash4.geometry import canonical_mask, window_sides
-from flash4.validate import (DTYPE_NAMES, check_inputs, check_kvcache_inputs, check_kvcache_seqlens,
+from flash4.validate import (DTYPE_NAMES, check_inputs, check_kvcache_inputs, check_kvcache_seqlens, check_softcap,
                              check_varlen_inputs, check_varlen_seqlens, check_window_size, layout_problem,
                              packed_rows_per_batch, resolve_max_seqlen, resolve_softmax_scale)
 
 
 def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False, deterministic=False, *,
-                    window_size=(-1, -1)):
+                    window_size=(-1, -1), softcap=0.0):
     """Exact attention softmax(softmax_scale * Q K^T) V, FlashAttention conventions.
 
     Args:
@@ -54,6 +54,15 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False,
            blocks that meet the band run (with both sides bounded, about seqlen_q * (left + right
            + 1) scores rounded up to tiles, instead of seqlen_q * seqlen_k); the sides are runtime
            values (changing them never recompiles).
+        softcap: float >= 0, logit soft-capping (Gemma 2; 0, the default, is off): the scaled scores
+           become softcap * tanh(softmax_scale * q.k / softcap) before the mask and the softmax, so
+           no score exceeds softcap in magnitude (Gemma 2 uses 50 for attention); lse is the
+           log-sum-exp of the capped scores and the backward uses the exact derivative
+           (1 - tanh**2). tanh is the GPU's tanh.approx.f32 (relative error about 2**-11, below bf16
+           rounding). Cost: one tanh per score (on the MUFU unit the exponentials also use), plus
+           its derivative in the backward; the value is a runtime argument (changing it never
+           recompiles; 0 and > 0 are two compiled variants).
+           Not yet run on a GPU (compile-checked only).
 
     Returns:
         out: (batch, seqlen_q, nheads, headdim), dtype of q, contiguous; or
@@ -62,13 +71,13 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False,
     Raises:
         TypeError: a non-tensor argument, a dtype other than bf16/fp16, q/k/v dtypes differing,
             softmax_scale not a real number, causal or return_lse not a bool, window_size not a
-            tuple/list of two ints.
+            tuple/list of two ints, softcap not a real number (a bool included).
         ValueError: a rank other than 4, batch/headdim/k-v shape mismatch, nheads_k not dividing
             nheads, an unsupported headdim, a non-contiguous last dim or misaligned stride,
-            softmax_scale not finite and > 0, a window side below -1, tensors not on one CUDA
-            device, a GPU without a flash4 kernel (sm_90 only for now).
-            flash4.validate.support_error(q, k, v, softmax_scale, causal, window_size) gives the
-            same message without raising.
+            softmax_scale not finite and > 0, a window side below -1, softcap NaN, infinite or
+            negative, tensors not on one CUDA device, a GPU without a flash4 kernel (sm_90 only for
+            now). flash4.validate.support_error(q, k, v, softmax_scale, causal, window_size, softcap)
+            gives the same message without raising.
 
     Gradients: `.backward()` through `out` gives dq, dk, dv (flash4.backward); a loss that uses lse
         (return_lse=True) adds its gradient too (dS gains P * dLSE), at no cost when lse is unused.
@@ -80,24 +89,25 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False,
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
     window_size = check_window_size(window_size)
+    softcap = check_softcap(softcap)
     causal, window_size = canonical_mask(causal, window_size)  # (-1, 0) runs the causal kernel
     if torch.compiler.is_compiling():
         # torch.compile: one custom op per call (flash4.ops); its real implementation checks the
         # arguments when the compiled graph runs (pointers and the device are not known here).
         out, lse, _ = torch.ops.flash4.fwd(q, k, v, resolve_softmax_scale(softmax_scale, q.shape[3]), causal,
-                                           deterministic, *window_size)
+                                           deterministic, *window_size, softcap)
         return (out, lse) if return_lse else out
-    check_inputs(q, k, v, softmax_scale, causal, window_size)
+    check_inputs(q, k, v, softmax_scale, causal, window_size, softcap)
     scale = resolve_softmax_scale(softmax_scale, q.shape[3])
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        out, lse = FlashAttnFunc.apply(q, k, v, scale, causal, deterministic, window_size)
+        out, lse = FlashAttnFunc.apply(q, k, v, scale, causal, deterministic, window_size, softcap)
     else:
-        out, lse = _flash_attn_forward(q, k, v, scale, causal, window_size=window_size)
+        out, lse = _flash_attn_forward(q, k, v, scale, causal, window_size=window_size, softcap=softcap)
     return (out, lse) if return_lse else out
 
 
 def _flash_attn_forward(q, k, v, softmax_scale=None, causal=False, out=None, lse=None, lse_split=None,
-                        window_size=None):
+                        window_size=None, softcap: float = 0.0):
     """Forward on validated inputs (flash4.validate.check_inputs); returns (out, lse).
 
     out: None or a preallocated (batch, seqlen_q, nheads, headdim) tensor of q's dtype and device
@@ -109,6 +119,8 @@ def _flash_attn_forward(q, k, v, softmax_scale=None, causal=False, out=None, lse
     window_size: None or flash-attn's (left, right) sliding window (flash_attn_func's rule; -1 per
         side is unbounded); flash4.geometry.window_sides turns it into the local config's runtime
         sides, or None for plain full / causal attention.
+    softcap: float >= 0, logit soft-capping (flash_attn_func's; 0 = off): selects the softcap config
+        variant (select_fwd_config(softcap=softcap > 0)) and is passed to the kernel as a runtime value.
     Tests pass NaN-filled out/lse to catch unwritten elements. Empty problems never launch:
     batch == 0 or seqlen_q == 0 give empty out/lse; seqlen_k == 0 gives out = 0, lse = -inf.
     Raises ValueError for a preallocated out/lse of the wrong shape, dtype, device or layout.
@@ -143,13 +155,14 @@ def _flash_attn_forward(q, k, v, softmax_scale=None, causal=False, out=None, lse
     from flash4.compile.cache import get_fwd_runner  # late: compiling pulls in the CuTe DSL
 
     window = window_sides(window_size, causal)
-    cfg = select_fwd_config(headdim, DTYPE_NAMES[q.dtype], causal, arch=device_arch(q.device), local=window is not None)
+    cfg = select_fwd_config(headdim, DTYPE_NAMES[q.dtype], causal, arch=device_arch(q.device), local=window is not None,
+                            softcap=softcap > 0)
     run = get_fwd_runner(cfg)
     if q.device.index == torch.cuda.current_device():
-        run(q, k, v, out, lse, scale, lse_split, window=window)
+        run(q, k, v, out, lse, scale, lse_split, window=window, softcap=softcap)
     else:
         with torch.cuda.device(q.device):
-            run(q, k, v, out, lse, scale, lse_split, window=window)
+            run(q, k, v, out, lse, scale, lse_split, window=window, softcap=softcap)
     return out, lse
 
 
@@ -165,7 +178,8 @@ def _check_buffer(name, t, shape, dtype, device) -> None:
 # ================================================================ varlen / paged
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, *,
                            seqused_q=None, seqused_k=None, page_table=None, softmax_scale=None, causal=False,
-                           window_size=(-1, -1), return_lse=False, deterministic=False, check_seqlens=False):
+                           window_size=(-1, -1), softcap=0.0, return_lse=False, deterministic=False,
+                           check_seqlens=False):
     """Exact attention over a batch of variable-length sequences packed along one dim (flash-attn's
     `flash_attn_varlen_func` conventions; flash-attn-4's for paged K/V).
 
@@ -214,6 +228,15 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
            zero gradients; a sequence shorter than the window simply sees all of its keys the rule
            allows. Cost: only the key blocks that meet each sequence's band run; the sides are
            runtime values (changing them never recompiles). Paged K/V included.
+        softcap: float >= 0, logit soft-capping (Gemma 2; 0, the default, is off): the scaled scores
+           become softcap * tanh(softmax_scale * q.k / softcap) before the mask and the softmax, so
+           no score exceeds softcap in magnitude (Gemma 2 uses 50 for attention); per sequence,
+           paged K/V included; the backward uses the exact derivative (1 - tanh**2). tanh is the
+           GPU's tanh.approx.f32 (relative error about 2**-11, below bf16 rounding). Cost: one tanh
+           per score (on the MUFU unit the exponentials also use), plus its derivative in the
+           backward; the value is a runtime argument (changing it never recompiles; 0 and > 0 are
+           two compiled variants).
+           Not yet run on a GPU (compile-checked only).
         return_lse: bool; also return the log-sum-exp of each row.
         deterministic: bool; bitwise reproducible backward (dQ summed in a fixed order), slower.
         check_seqlens: bool; also check the values of the metadata on the device before launching
@@ -234,12 +257,13 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
             differing; cu_seqlens_*, seqused_* or page_table not torch.int32 (e.g. int64, float);
             max_seqlen_* neither an int, an integer 0-d tensor nor None; softmax_scale, causal,
             return_lse, deterministic or check_seqlens of the wrong type; window_size not a
-            tuple/list of two ints.
+            tuple/list of two ints; softcap not a real number (a bool included).
         ValueError: ranks (q 3-D; k/v 3-D, or 4-D with page_table), cu_seqlens_k / seqused_q /
             seqused_k / page_table not matching batch = cu_seqlens_q.numel() - 1, cu_seqlens_k given
             with page_table or missing without it, seqused_k missing with page_table, page_size not a
             multiple of 8 (e.g. 1), headdim / heads rules as flash_attn_func, strides, a window side
-            below -1, devices (every tensor on q's CUDA device), the GPU's SM version; with
+            below -1, softcap NaN, infinite or negative, devices (every tensor on q's CUDA device),
+            the GPU's SM version; with
             check_seqlens, bad metadata values.
             flash4.validate.varlen_support_error(...) gives the metadata message without raising.
 
@@ -252,6 +276,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
         if not isinstance(value, bool):
             raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
     window_size = check_window_size(window_size)
+    softcap = check_softcap(softcap)
     causal, window_size = canonical_mask(causal, window_size)  # (-1, 0) runs the causal kernel
     if torch.compiler.is_compiling():
         # torch.compile: one flash4::varlen_fwd per call (flash4.ops), checked when the graph runs. A
@@ -259,10 +284,10 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
         out, lse, _ = torch.ops.flash4.varlen_fwd(
             q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table, _host_int_or_none(max_seqlen_q),
             _host_int_or_none(max_seqlen_k), resolve_softmax_scale(softmax_scale, q.shape[2]), causal, deterministic,
-            check_seqlens, *window_size)
+            check_seqlens, *window_size, softcap)
         return (out, lse) if return_lse else out
     check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
-                        page_table, softmax_scale, causal, window_size)
+                        page_table, softmax_scale, causal, window_size, softcap)
     cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table = (
         _contiguous(t) for t in (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table))
     paged = page_table is not None
@@ -274,10 +299,10 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
     scale = resolve_softmax_scale(softmax_scale, q.shape[2])
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         out, lse = FlashAttnVarlenFunc.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table,
-                                             max_q, max_seqlen_k, scale, causal, deterministic, window_size)
+                                             max_q, max_seqlen_k, scale, causal, deterministic, window_size, softcap)
     else:
         out, lse = _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, scale, causal, seqused_q,
-                                              seqused_k, page_table, window_size=window_size)
+                                              seqused_k, page_table, window_size=window_size, softcap=softcap)
     return (out, lse) if return_lse else out
 
 
@@ -300,7 +325,7 @@ def _device_guard(device: torch.device):
 
 def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, softmax_scale: float,
                                causal: bool, seqused_q=None, seqused_k=None, page_table=None, out=None, lse=None,
-                               lse_split=None, window_size=None):
+                               lse_split=None, window_size=None, softcap: float = 0.0):
     """Forward on validated varlen / paged inputs (check_varlen_inputs; metadata contiguous);
     returns (out, lse) from flash4.varlen.varlen_forward.
 
@@ -308,7 +333,8 @@ def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
     contiguous, 16-byte aligned); lse: None or a contiguous float32 (nheads, total_q) tensor;
     lse_split: None or a contiguous float32 (2, nheads, total_q) tensor (the log2-domain LSE
     unrounded, for the backward). window_size: None or flash-attn's (left, right) sliding window,
-    per sequence (flash_attn_varlen_func's rule). Query rows outside every sequence are left as
+    per sequence (flash_attn_varlen_func's rule). softcap: float >= 0 logit soft-capping (0 = off).
+    Query rows outside every sequence are left as
     they were (tests pass NaN-filled buffers; out/lse allocated here start as 0 / -inf when
     seqused_q is given).
     Nothing launches when there is no query row (total_q, batch or max_seqlen_q 0); without any key
@@ -332,7 +358,7 @@ def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
     with _device_guard(q.device):
         varlen.varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale, causal,
                               seqused_q=seqused_q, seqused_k=seqused_k, page_table=page_table, out=out, lse=lse,
-                              lse_split=lse_split, window_size=window_size)
+                              lse_split=lse_split, window_size=window_size, softcap=softcap)
     return out, lse
 
 
@@ -362,10 +388,10 @@ def _varlen_buffers(q, out, lse, lse_split, seqused_q=None):
 def _flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
                                 max_seqlen_k: int, softmax_scale: float, causal: bool, seqused_q=None, seqused_k=None,
                                 deterministic=False, lse_split=None, dlse=None, dq=None, dk=None, dv=None,
-                                window_size=None):
+                                window_size=None, softcap: float = 0.0):
     """Gradients (dq, dk, dv) through flash4.varlen.varlen_backward (packed K/V only); every
-    gradient is 0 when no query row or no key exists (nothing launches then). window_size: the
-    forward's (None or flash-attn's (left, right))."""
+    gradient is 0 when no query row or no key exists (nothing launches then). window_size and
+    softcap: the forward's (None or flash-attn's (left, right); 0 = no soft-capping)."""
     batch = cu_seqlens_q.numel() - 1
     if (q.shape[0] == 0 or k.shape[0] == 0 or batch == 0 or max_seqlen_q == 0 or max_seqlen_k == 0):
         grads = []
@@ -379,13 +405,13 @@ def _flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlen
         return varlen.varlen_backward(
             dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
             seqused_q=seqused_q, seqused_k=seqused_k, deterministic=deterministic, lse_split=lse_split, dlse=dlse,
-            dq=dq, dk=dk, dv=dv, window_size=window_size)
+            dq=dq, dk=dk, dv=dv, window_size=window_size, softcap=softcap)
 
 
 # ================================================================ KV cache (decode)
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, page_table=None, *,
-                            cache_batch_idx=None, softmax_scale=None, causal=False, window_size=(-1, -1), num_splits=0,
-                            return_lse=False, out=None, check_seqlens=False):
+                            cache_batch_idx=None, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                            num_splits=0, return_lse=False, out=None, check_seqlens=False):
     """Attention of new queries against a KV cache, appending new keys/values to the cache in place
     first (flash-attn 2/3's `flash_attn_with_kvcache`: decode, speculative decode, chunked prefill).
 
@@ -423,6 +449,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
            meet the band are read (a window over a long cache reads about left + right + 1 keys
            per query, not the whole cache); a real window turns off the GQA packing of decode steps
            (flash4.decode). The sides are runtime values (changing them never recompiles).
+        softcap: float >= 0, logit soft-capping (Gemma 2; 0, the default, is off): the scaled scores
+           become softcap * tanh(softmax_scale * q.k / softcap) before the mask and the softmax, so
+           no score exceeds softcap in magnitude (Gemma 2 uses 50 for attention); both paths (decode
+           and cache_batch_idx). tanh is the GPU's tanh.approx.f32 (relative error about 2**-11,
+           below bf16 rounding). Cost: one tanh per score (on the MUFU unit the exponentials also
+           use); the value is a runtime argument (changing it never recompiles; 0 and > 0 are two
+           compiled variants).
+           Not yet run on a GPU (compile-checked only).
         num_splits: how many CTAs share the keys of one (sequence, KV head) tile (split-KV; their
            partial results are merged by a combine kernel): 0 = auto (flash4.decode.choose_num_splits:
            split only when batch x KV-head tiles fill less than 80% of the SMs, from host-known sizes
@@ -445,12 +479,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         TypeError: non-tensors, dtypes (q bf16/fp16; caches, k, v and out of q's dtype;
             cache_seqlens, page_table and cache_batch_idx torch.int32), num_splits, softmax_scale,
             causal, return_lse or check_seqlens of the wrong type, window_size not a tuple/list of
-            two ints.
+            two ints, softcap not a real number (a bool included).
         ValueError: ranks and shapes (batch, heads, headdim, page size), k without v, a cache too
             small for the appended k/v (seqlen_new above the capacity, or cache_seqlens +
             seqlen_new above it for an int cache_seqlens; per sequence with check_seqlens),
             cache_batch_idx with page_table, num_splits > 1 with cache_batch_idx, a window side below
-            -1, strides, devices, the SM version.
+            -1, softcap NaN, infinite or negative, strides, devices, the SM version.
             flash4.validate.kvcache_support_error(...) gives the message without raising.
 
     No autograd (the result carries no gradient), as flash-attn's. The attention runs in
@@ -465,6 +499,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         if not isinstance(value, bool):
             raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
     window_size = check_window_size(window_size)
+    softcap = check_softcap(softcap)
     causal, window_size = canonical_mask(causal, window_size)  # (-1, 0) runs the causal kernel
     if torch.compiler.is_compiling():
         # torch.compile: one flash4::kvcache per call (it mutates k_cache / v_cache; flash4.ops);
@@ -474,27 +509,29 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
             result, lse = torch.ops.flash4.kvcache(
                 q, k_cache, v_cache, k, v, cache_seqlens if tensor_seqlens else None,
                 None if tensor_seqlens else cache_seqlens, page_table, cache_batch_idx,
-                resolve_softmax_scale(softmax_scale, q.shape[3]), causal, num_splits, check_seqlens, *window_size)
+                resolve_softmax_scale(softmax_scale, q.shape[3]), causal, num_splits, check_seqlens, *window_size,
+                softcap)
             if out is not None:
                 out.copy_(result)
                 result = out
         return (result, lse) if return_lse else result
     check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, page_table, cache_batch_idx, softmax_scale, causal,
-                         num_splits, out, window_size)
+                         num_splits, out, window_size, softcap)
     scale = resolve_softmax_scale(softmax_scale, q.shape[3])
     with torch.no_grad():
         out, lse = _flash_attn_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, page_table, cache_batch_idx, scale,
                                        causal, num_splits, out=out, check_seqlens=check_seqlens,
-                                       window_size=window_size)
+                                       window_size=window_size, softcap=softcap)
     return (out, lse) if return_lse else out
 
 
 def _flash_attn_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, page_table, cache_batch_idx, softmax_scale: float,
                         causal: bool, num_splits: int = 0, out=None, lse=None, check_seqlens=False,
-                        window_size=None):
+                        window_size=None, softcap: float = 0.0):
     """flash_attn_with_kvcache on validated inputs (check_kvcache_inputs): append, then attend.
     out: None or (batch, seqlen_q, nheads, headdim); lse: None or a contiguous float32
-    (batch, nheads, seqlen_q); window_size: None or flash-attn's (left, right) (both paths).
+    (batch, nheads, seqlen_q); window_size: None or flash-attn's (left, right); softcap: float >= 0
+    (0 = off) (both paths).
     Returns (out, lse).
 
     The attention runs in flash4.decode.decode_forward (GQA packing, split-KV) over the cache
@@ -534,7 +571,7 @@ def _flash_attn_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, page_table, ca
 
         with _device_guard(device):
             decode.decode_forward(q, k_cache, v_cache, seqused_k, softmax_scale, causal, page_table=page_table,
-                                  num_splits=num_splits, out=out, lse=lse, window_size=window_size)
+                                  num_splits=num_splits, out=out, lse=lse, window_size=window_size, softcap=softcap)
         return out, lse
     total_q = batch * seqlen_q
     k_rows, v_rows, cu_seqlens_k = _dense_cache_rows(k_cache, v_cache, batch, cache_batch_idx)
@@ -542,7 +579,8 @@ def _flash_attn_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, page_table, ca
     lse_packed = torch.empty(nheads, total_q, dtype=torch.float32, device=device)
     _flash_attn_varlen_forward(q.reshape(total_q, nheads, headdim), k_rows, v_rows, cu_seqlens_q, cu_seqlens_k,
                                seqlen_q, softmax_scale, causal, seqused_k=seqused_k,
-                               out=out.view(total_q, nheads, headdim), lse=lse_packed, window_size=window_size)
+                               out=out.view(total_q, nheads, headdim), lse=lse_packed, window_size=window_size,
+                               softcap=softcap)
     lse.copy_(lse_packed.view(nheads, batch, seqlen_q).transpose(0, 1))
     return out, lse
 

@@ -53,24 +53,26 @@ def no_double_backward(grads, inputs):
 
 class FlashAttnFunc(torch.autograd.Function):
     """apply(q, k, v, softmax_scale: float, causal: bool, deterministic: bool = False,
-    window_size: (left, right) | None = None) -> (out, lse); both differentiable.
+    window_size: (left, right) | None = None, softcap: float = 0.0) -> (out, lse); both differentiable.
 
     Shapes and dtypes as in flash4.api._flash_attn_forward; window_size is flash-attn's sliding
-    window (flash4.api.flash_attn_func), passed to the forward and the backward alike. Saves q, k,
+    window and softcap the logit soft-cap (flash4.api.flash_attn_func; 0 = off), passed to the
+    forward and the backward alike (the backward applies the cap's exact derivative). Saves q, k,
     v, out, lse and the log2-domain LSE split (O(N) memory); the backward recomputes P from it
     (FlashAttention-2, section 3.1.2).
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, softmax_scale, causal, deterministic=False, window_size=None):
+    def forward(ctx, q, k, v, softmax_scale, causal, deterministic=False, window_size=None, softcap=0.0):
         from flash4.api import _flash_attn_forward  # late: api imports this module
 
         batch, seqlen_q, nheads, _ = q.shape
         lse_split = torch.empty(2, batch, nheads, seqlen_q, dtype=torch.float32, device=q.device)
-        out, lse = _flash_attn_forward(q, k, v, softmax_scale, causal, lse_split=lse_split, window_size=window_size)
+        out, lse = _flash_attn_forward(q, k, v, softmax_scale, causal, lse_split=lse_split, window_size=window_size,
+                                       softcap=softcap)
         ctx.save_for_backward(q, k, v, out, lse, lse_split)
         ctx.softmax_scale, ctx.causal, ctx.deterministic = softmax_scale, causal, deterministic
-        ctx.window_size = window_size
+        ctx.window_size, ctx.softcap = window_size, softcap
         ctx.set_materialize_grads(False)  # dout / dlse arrive as None when unused
         return out, lse
 
@@ -83,11 +85,11 @@ class FlashAttnFunc(torch.autograd.Function):
             dout = torch.zeros_like(out)
         dq, dk, dv = flash_attn_backward(dout, q, k, v, out, lse, ctx.softmax_scale, ctx.causal,
                                          deterministic=ctx.deterministic, lse_split=lse_split, dlse=dlse,
-                                         window_size=ctx.window_size)
+                                         window_size=ctx.window_size, softcap=ctx.softcap)
         needs = ctx.needs_input_grad
         grads = no_double_backward((dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None),
                                    (q, k, v, dout, dlse))
-        return grads + (None,) * 4
+        return grads + (None,) * 5
 
 
 PAGED_BACKWARD_ERROR = (
@@ -99,8 +101,9 @@ PAGED_BACKWARD_ERROR = (
 class FlashAttnVarlenFunc(torch.autograd.Function):
     """apply(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table, max_seqlen_q: int,
     max_seqlen_k: int | 0-d Tensor | None, softmax_scale: float, causal: bool, deterministic: bool,
-    window_size: (left, right) | None = None) -> (out, lse); both differentiable (lse as
-    FlashAttnFunc's; window_size as flash4.api.flash_attn_varlen_func's, forward and backward).
+    window_size: (left, right) | None = None, softcap: float = 0.0) -> (out, lse); both
+    differentiable (lse as FlashAttnFunc's; window_size and softcap as
+    flash4.api.flash_attn_varlen_func's, forward and backward).
 
     Varlen layouts as flash4.varlen: q/out (total_q, H, D), k/v (total_k, Hk, D), lse (H, total_q).
     Saves q, k, v, out, lse, the log2 LSE split and the sequence metadata (O(N) memory).
@@ -111,19 +114,19 @@ class FlashAttnVarlenFunc(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table, max_seqlen_q,
-                max_seqlen_k, softmax_scale, causal, deterministic=False, window_size=None):
+                max_seqlen_k, softmax_scale, causal, deterministic=False, window_size=None, softcap=0.0):
         from flash4.api import _flash_attn_varlen_forward  # late: api imports this module
 
         ctx.paged = page_table is not None
         lse_split = None if ctx.paged else torch.empty(2, q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
         out, lse = _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale, causal,
                                               seqused_q, seqused_k, page_table, lse_split=lse_split,
-                                              window_size=window_size)
+                                              window_size=window_size, softcap=softcap)
         if not ctx.paged:
             ctx.save_for_backward(q, k, v, out, lse, lse_split, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
         ctx.max_seqlen_q, ctx.max_seqlen_k = max_seqlen_q, max_seqlen_k
         ctx.softmax_scale, ctx.causal, ctx.deterministic = softmax_scale, causal, deterministic
-        ctx.window_size = window_size
+        ctx.window_size, ctx.softcap = window_size, softcap
         ctx.set_materialize_grads(False)  # dout / dlse arrive as None when unused
         return out, lse
 
@@ -141,8 +144,8 @@ class FlashAttnVarlenFunc(torch.autograd.Function):
         dq, dk, dv = _flash_attn_varlen_backward(
             dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, ctx.max_seqlen_q, max_seqlen_k, ctx.softmax_scale,
             ctx.causal, seqused_q, seqused_k, deterministic=ctx.deterministic, lse_split=lse_split, dlse=dlse,
-            window_size=ctx.window_size)
+            window_size=ctx.window_size, softcap=ctx.softcap)
         needs = ctx.needs_input_grad
         grads = no_double_backward((dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None),
                                    (q, k, v, dout, dlse))
-        return grads + (None,) * 11
+        return grads + (None,) * 12

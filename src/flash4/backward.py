@@ -28,7 +28,7 @@ def _kernel_ready(t: torch.Tensor) -> torch.Tensor:
 
 
 def flash_attn_backward(dout, q, k, v, out, lse, softmax_scale: float, causal: bool, dq=None, dk=None, dv=None,
-                        deterministic: bool = False, lse_split=None, dlse=None, window_size=None):
+                        deterministic: bool = False, lse_split=None, dlse=None, window_size=None, softcap: float = 0.0):
     """Gradients of out = attention(q, k, v) for the upstream gradient dout.
 
     q, out, dout: (B, Sq, H, D); k, v: (B, Sk, Hk, D); lse: fp32 (B, H, Sq) from the forward.
@@ -56,7 +56,7 @@ def flash_attn_backward(dout, q, k, v, out, lse, softmax_scale: float, causal: b
         return dq, dk, dv  # no query or no key: every gradient is 0 (or empty)
     window = window_sides(window_size, causal)
     cfg = select_bwd_config(headdim, DTYPE_NAMES[q.dtype], causal, arch=device_arch(q.device),
-                            deterministic=deterministic, local=window is not None)
+                            deterministic=deterministic, local=window is not None, softcap=softcap > 0)
     num_m_blocks = ceil_div(seqlen_q, cfg.tile_m)
     seqlen_q_pad = num_m_blocks * cfg.tile_m
     dout = _kernel_ready(dout)
@@ -78,6 +78,7 @@ def flash_attn_backward(dout, q, k, v, out, lse, softmax_scale: float, causal: b
         if dlse is not None:
             dpsum[:, :, :seqlen_q] -= dlse
         run(_kernel_ready(q), _kernel_ready(k), _kernel_ready(v), dout, lse_log2, dpsum, dq_accum, dk, dv,
-            tile_flags[0], tile_flags[1], lse_split[0], lse_split[1], softmax_scale, window=window)
+            tile_flags[0], tile_flags[1], lse_split[0], lse_split[1], softmax_scale, window=window,
+            softcap=softcap)
     dq.copy_(dq_accum[:, :, :seqlen_q].transpose(1, 2))
     return dq, dk, dv

@@ -61,6 +61,8 @@ class FwdConfig:
     local:        sliding window (flash4.geometry.window_sides): the (left, right) sides are runtime
                   Int32 arguments (any window, one compile); `causal` is then False (folded into
                   right = 0). Only the band's key blocks are visited; its edge blocks are masked.
+    softcap:      scores -> softcap * tanh(scores * softmax_scale / softcap) (Gemma 2), the value a
+                  runtime argument; tanh is the hardware tanh.approx.f32 (MUFU).
     """
 
     headdim: int
@@ -81,6 +83,7 @@ class FwdConfig:
     page_rows: int = 0
     split_kv: bool = False
     local: bool = False
+    softcap: bool = False
 
     def __post_init__(self):
         assert self.headdim in SUPPORTED_HEADDIMS, self.headdim
@@ -108,7 +111,7 @@ class FwdConfig:
 
 
 def select_fwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, arch: int = 90,
-                      local: bool = False) -> FwdConfig:
+                      local: bool = False, softcap: bool = False) -> FwdConfig:
     """Pick the forward config for one problem class (pure; CPU-tested). local: a sliding window
     (flash4.geometry.window_sides; causal is folded into it, so the config has causal False).
 
@@ -121,8 +124,10 @@ def select_fwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, a
         raise ValueError(f"headdim={headdim} not supported; allowed: {SUPPORTED_HEADDIMS}")
     # (tile_m, tile_n): the largest tiles whose accumulators fit the consumer register budget and
     # whose Q + 2 K/V stages fit 227 KiB of smem (FA3's Hopper table, hopper/tile_size.h).
-    if headdim <= 64:
+    if headdim <= 64 and not (local and softcap):
         tile_m, tile_n = 192, 128  # 3 consumer warpgroups (160 regs each)
+    elif headdim <= 64:
+        tile_m, tile_n = 128, 128  # a window's third loop + softcap spill at 160 regs (compile check: 4-6)
     elif headdim <= 128:
         tile_m, tile_n = 128, 128
     elif headdim <= 192:
@@ -134,7 +139,7 @@ def select_fwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, a
     # static round-robin is coarser than the hardware's block dispatch): off by default.
     # A window's tiles cost about the same (a band): no LPT order.
     return FwdConfig(headdim=headdim, dtype=dtype, causal=causal and not local, tile_m=tile_m, tile_n=tile_n,
-                     kv_stages=2, lpt=causal and not local, arch=arch, local=local)
+                     kv_stages=2, lpt=causal and not local, arch=arch, local=local, softcap=softcap)
 
 
 # Smallest page piece one TMA copy may load: the swizzle atom of the K/V smem tile is 8 rows.
@@ -222,6 +227,7 @@ class BwdConfig:
     seqused_q: bool = False
     seqused_k: bool = False
     local: bool = False
+    softcap: bool = False
 
     def __post_init__(self):
         assert self.headdim in BWD_SUPPORTED_HEADDIMS, self.headdim
@@ -254,7 +260,7 @@ def bwd_smem_bytes(headdim: int, tile_m: int, tile_n: int, q_stages: int, split_
 
 
 def select_bwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, arch: int = 90,
-                      deterministic: bool = False, local: bool = False) -> BwdConfig:
+                      deterministic: bool = False, local: bool = False, softcap: bool = False) -> BwdConfig:
     """Pick the backward config (pure; CPU-tested). Raises ValueError for what has no kernel.
     local: a sliding window (causal folded into it: the config has causal False)."""
     if arch != 90:
@@ -266,14 +272,16 @@ def select_bwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, a
     # (barriers, dQ hand-off); H200: +4-7% over 64. It fits 240 registers without spills in bf16
     # only (fp16 spills 12-24 registers: the compile check rejects it), so fp16 keeps 64.
     # A window's third (left-edge) masked loop spills at 128 (compile check: 11 spill instructions).
-    tile_m = 128 if headdim <= 64 and dtype == "bf16" and not local else 64
+    # softcap's derivative (a log2 per element) spills there too (18).
+    tile_m = 128 if headdim <= 64 and dtype == "bf16" and not local and not softcap else 64
     tile_n = 64 if split else 128
     # Two Q/dO stages where they fit in shared memory (d256 needs one).
     q_stages = next((n for n in (2, 1) if bwd_smem_bytes(headdim, tile_m, tile_n, n, split) <= BWD_SMEM_BUDGET), None)
     if q_stages is None:
         raise AssertionError(f"no backward config fits shared memory for headdim={headdim}")
     return BwdConfig(headdim=headdim, dtype=dtype, causal=causal and not local, tile_m=tile_m, tile_n=tile_n,
-                     q_stages=q_stages, split_headdim=split, deterministic=deterministic, arch=arch, local=local)
+                     q_stages=q_stages, split_headdim=split, deterministic=deterministic, arch=arch, local=local,
+                     softcap=softcap)
 
 
 def shipped_bwd_configs() -> list[BwdConfig]:

@@ -90,7 +90,7 @@ class DecodePlan:
 @functools.lru_cache(maxsize=1024)
 def decode_plan(batch: int, seqlen_q: int, nheads: int, nheads_k: int, headdim: int, dtype: str, causal: bool,
                 page_size: int, capacity: int, num_splits: int, arch: int, num_sms: int,
-                window=None) -> DecodePlan:
+                window=None, softcap: bool = False) -> DecodePlan:
     """The plan of a decode step (pure; CPU-tested): packing, config and split count.
     page_size: 0 for a contiguous cache; capacity: keys the cache can hold per sequence."""
     from flash4.config import paged_page_rows, select_fwd_config, with_seq_layout
@@ -98,7 +98,8 @@ def decode_plan(batch: int, seqlen_q: int, nheads: int, nheads_k: int, headdim: 
     pack = pack_factor(nheads, nheads_k, seqlen_q, causal, window)
     kernel_causal = causal and pack == 1  # packed steps have Sq == 1 or are non-causal
     seqlen_p, heads_p = seqlen_q * pack, nheads // pack
-    cfg = decode_tiles(select_fwd_config(headdim, dtype, kernel_causal, arch=arch, local=window is not None), seqlen_p)
+    cfg = decode_tiles(select_fwd_config(headdim, dtype, kernel_causal, arch=arch, local=window is not None,
+                                         softcap=softcap), seqlen_p)
     n_blocks = max(1, ceil_div(capacity, cfg.tile_n))
     if num_splits == 0:
         num_splits = choose_num_splits(batch * heads_p * ceil_div(seqlen_p, cfg.tile_m), n_blocks, num_sms)
@@ -118,7 +119,7 @@ def _runners(plan: DecodePlan):
 
 
 def decode_forward(q, k_cache, v_cache, seqused_k, softmax_scale: float, causal: bool, page_table=None,
-                   num_splits: int = 0, out=None, lse=None, window_size=None):
+                   num_splits: int = 0, out=None, lse=None, window_size=None, softcap: float = 0.0):
     """Attention of q over the first seqused_k[b] keys of each cache row; returns (out, lse).
 
     q: (B, Sq, H, D) 16-bit CUDA; k_cache, v_cache: (B, S_cache, Hk, D), or paged
@@ -145,7 +146,7 @@ def decode_forward(q, k_cache, v_cache, seqused_k, softmax_scale: float, causal:
     window = window_sides(window_size, causal)
     plan = decode_plan(batch, seqlen_q, nheads, nheads_k, headdim, DTYPE_NAMES[q.dtype], causal,
                        k_cache.shape[1] if paged else 0, capacity, num_splits, arch.device_arch(q.device),
-                       arch.num_sms(q.device), window)
+                       arch.num_sms(q.device), window, softcap > 0)
     run, combine = _runners(plan)
     pack, seqlen_p, heads_p = plan.pack, plan.seqlen_p, plan.heads_p
     if pack > 1:
@@ -161,15 +162,17 @@ def decode_forward(q, k_cache, v_cache, seqused_k, softmax_scale: float, causal:
             # it gets them only as well-formed arguments (packed shapes) for the kernel's views.
             o_arg = q_run if pack > 1 else out
             run(q_run, k_cache, v_cache, o_arg, lse_acc[0], softmax_scale, lse_split=lse_acc[:2], seqs=seqs,
-                batch=batch, max_seqlen_q=seqlen_p, accs=(o_acc, lse_acc), num_splits=plan.num_splits, window=window)
+                batch=batch, max_seqlen_q=seqlen_p, accs=(o_acc, lse_acc), num_splits=plan.num_splits, window=window,
+                softcap=softcap)
             combine(o_acc, lse_acc, out, lse, pack)
         elif pack > 1:
             out_p = torch.empty(batch, seqlen_p, heads_p, headdim, dtype=q.dtype, device=q.device)
             lse_p = torch.empty(batch, heads_p, seqlen_p, dtype=torch.float32, device=q.device)
-            run(q_run, k_cache, v_cache, out_p, lse_p, softmax_scale, seqs=seqs, batch=batch, max_seqlen_q=seqlen_p)
+            run(q_run, k_cache, v_cache, out_p, lse_p, softmax_scale, seqs=seqs, batch=batch, max_seqlen_q=seqlen_p,
+                softcap=softcap)
             out.copy_(out_p.view(batch, seqlen_q, pack, nheads_k, headdim).transpose(2, 3).reshape(q.shape))
             lse.copy_(lse_p.view(batch, nheads_k, seqlen_q, pack).transpose(2, 3).reshape(batch, nheads, seqlen_q))
         else:
             run(q, k_cache, v_cache, out, lse, softmax_scale, seqs=seqs, batch=batch, max_seqlen_q=seqlen_q,
-                window=window)
+                window=window, softcap=softcap)
     return out, lse

@@ -2,24 +2,25 @@
 `torch.compile` sees one opaque op per kernel call (with fake implementations that give the
 output sizes, strides and dtypes) instead of a graph break at a foreign TVM-FFI call.
 
-    flash4::fwd(q, k, v, softmax_scale, causal, deterministic, window_left=-1, window_right=-1)
-        -> (out, lse, lse_split)
+    flash4::fwd(q, k, v, softmax_scale, causal, deterministic, window_left=-1, window_right=-1,
+        softcap=0.0) -> (out, lse, lse_split)
     flash4::bwd(dout, q, k, v, out, lse, lse_split, dlse?, softmax_scale, causal, deterministic,
-        window_left=-1, window_right=-1) -> (dq, dk, dv)
+        window_left=-1, window_right=-1, softcap=0.0) -> (dq, dk, dv)
     flash4::varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k?, seqused_q?, seqused_k?, page_table?,
         max_seqlen_q: int?, max_seqlen_k: int?, softmax_scale, causal, deterministic, check_seqlens,
-        window_left=-1, window_right=-1) -> (out, lse, lse_split)
+        window_left=-1, window_right=-1, softcap=0.0) -> (out, lse, lse_split)
     flash4::varlen_bwd(dout, q, k, v, out, lse, lse_split, dlse?, cu_seqlens_q, cu_seqlens_k,
         seqused_q?, seqused_k?, max_seqlen_q: int?, max_seqlen_k: int?, softmax_scale, causal,
-        deterministic, window_left=-1, window_right=-1) -> (dq, dk, dv)
+        deterministic, window_left=-1, window_right=-1, softcap=0.0) -> (dq, dk, dv)
     flash4::kvcache(q, k_cache!, v_cache!, k?, v?, cache_seqlens?, cache_seqlens_int: int?,
         page_table?, cache_batch_idx?, softmax_scale, causal, num_splits, check_seqlens,
-        window_left=-1, window_right=-1) -> (out, lse)
+        window_left=-1, window_right=-1, softcap=0.0) -> (out, lse)
 
 window_left / window_right: flash-attn's sliding window (flash4.api.flash_attn_func's window_size,
-one int per side, -1 unbounded on that side; the defaults are no window). The forward ops validate
-them with the other arguments when they run; the autograd formulas pass the forward's window to
-the backward op.
+one int per side, -1 unbounded on that side; the defaults are no window). softcap: the logit
+soft-cap (flash4.api.flash_attn_func's; 0.0 = off). The forward ops validate them with the other
+arguments when they run; the autograd formulas pass the forward's window and softcap to the
+backward op.
 
 Shapes and dtypes as in flash4.api: dense q, out (B, Sq, H, D); k, v (B, Sk, Hk, D); lse (B, H, Sq)
 float32; lse_split (2, B, H, Sq) float32 (the unrounded log2 LSE the backward's exact path uses).
@@ -70,20 +71,21 @@ def _fwd_shapes(q: Tensor):
 # ================================================================ dense
 @torch.library.custom_op("flash4::fwd", mutates_args=(), device_types="cuda")
 def fwd(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool, deterministic: bool,
-        window_left: int = -1, window_right: int = -1) -> tuple[Tensor, Tensor, Tensor]:
+        window_left: int = -1, window_right: int = -1, softcap: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
     from flash4.api import _flash_attn_forward
     from flash4.validate import check_inputs
 
     window_size = (window_left, window_right)
-    check_inputs(q, k, v, softmax_scale, causal, window_size)  # real tensors here: pointers and the device too
+    check_inputs(q, k, v, softmax_scale, causal, window_size, softcap)  # real tensors: pointers and the device too
     _, split_shape = _fwd_shapes(q)
     lse_split = torch.empty(split_shape, dtype=F32, device=q.device)
-    out, lse = _flash_attn_forward(q, k, v, softmax_scale, causal, lse_split=lse_split, window_size=window_size)
+    out, lse = _flash_attn_forward(q, k, v, softmax_scale, causal, lse_split=lse_split, window_size=window_size,
+                                   softcap=softcap)
     return out, lse, lse_split
 
 
 @fwd.register_fake
-def _fwd_fake(q, k, v, softmax_scale, causal, deterministic, window_left=-1, window_right=-1):
+def _fwd_fake(q, k, v, softmax_scale, causal, deterministic, window_left=-1, window_right=-1, softcap=0.0):
     lse_shape, split_shape = _fwd_shapes(q)
     return (torch.empty(q.shape, dtype=q.dtype, device=q.device),
             torch.empty(lse_shape, dtype=F32, device=q.device),
@@ -93,16 +95,17 @@ def _fwd_fake(q, k, v, softmax_scale, causal, deterministic, window_left=-1, win
 @torch.library.custom_op("flash4::bwd", mutates_args=(), device_types="cuda")
 def bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, lse_split: Tensor,
         dlse: Optional[Tensor], softmax_scale: float, causal: bool, deterministic: bool, window_left: int = -1,
-        window_right: int = -1) -> tuple[Tensor, Tensor, Tensor]:
+        window_right: int = -1, softcap: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
     from flash4.backward import flash_attn_backward
 
     return flash_attn_backward(dout, q, k, v, out, lse, softmax_scale, causal, deterministic=deterministic,
-                               lse_split=lse_split, dlse=dlse, window_size=(window_left, window_right))
+                               lse_split=lse_split, dlse=dlse, window_size=(window_left, window_right),
+                               softcap=softcap)
 
 
 @bwd.register_fake
 def _bwd_fake(dout, q, k, v, out, lse, lse_split, dlse, softmax_scale, causal, deterministic, window_left=-1,
-              window_right=-1):
+              window_right=-1, softcap=0.0):
     return _grads_fake(q, k, v)
 
 
@@ -111,11 +114,11 @@ def _grads_fake(q, k, v):
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, softmax_scale, causal, deterministic, window_left, window_right = inputs
+    q, k, v, softmax_scale, causal, deterministic, window_left, window_right, softcap = inputs
     out, lse, lse_split = output
     ctx.save_for_backward(q, k, v, out, lse, lse_split)
     ctx.softmax_scale, ctx.causal, ctx.deterministic = softmax_scale, causal, deterministic
-    ctx.window = (window_left, window_right)
+    ctx.window, ctx.softcap = (window_left, window_right), softcap
     ctx.mark_non_differentiable(lse_split)
 
 
@@ -124,8 +127,8 @@ def _backward(ctx, dout, dlse, dlse_split):
     if dout is None:
         dout = torch.zeros_like(out)
     dq, dk, dv = torch.ops.flash4.bwd(dout, q, k, v, out, lse, lse_split, dlse, ctx.softmax_scale, ctx.causal,
-                                      ctx.deterministic, *ctx.window)
-    return (dq, dk, dv) + (None,) * 5
+                                      ctx.deterministic, *ctx.window, ctx.softcap)
+    return (dq, dk, dv) + (None,) * 6
 
 
 torch.library.register_autograd("flash4::fwd", _backward, setup_context=_setup_context)
@@ -148,13 +151,13 @@ def varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens
                seqused_q: Optional[Tensor], seqused_k: Optional[Tensor], page_table: Optional[Tensor],
                max_seqlen_q: Optional[int], max_seqlen_k: Optional[int], softmax_scale: float, causal: bool,
                deterministic: bool, check_seqlens: bool, window_left: int = -1,
-               window_right: int = -1) -> tuple[Tensor, Tensor, Tensor]:
+               window_right: int = -1, softcap: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
     from flash4.api import _contiguous, _flash_attn_varlen_forward
     from flash4.validate import check_varlen_inputs, check_varlen_seqlens
 
     window_size = (window_left, window_right)
     check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
-                        page_table, softmax_scale, causal, window_size)
+                        page_table, softmax_scale, causal, window_size, softcap)
     cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table = (
         _contiguous(t) for t in (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table))
     paged = page_table is not None
@@ -167,14 +170,14 @@ def varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens
     lse_split = torch.empty(split_shape, dtype=F32, device=q.device)
     out, lse = _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, softmax_scale, causal,
                                           seqused_q, seqused_k, page_table, lse_split=lse_split,
-                                          window_size=window_size)
+                                          window_size=window_size, softcap=softcap)
     return out, lse, lse_split
 
 
 @varlen_fwd.register_fake
 def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table, max_seqlen_q,
                      max_seqlen_k, softmax_scale, causal, deterministic, check_seqlens, window_left=-1,
-                     window_right=-1):
+                     window_right=-1, softcap=0.0):
     lse_shape, split_shape = _varlen_shapes(q)
     return (torch.empty(q.shape, dtype=q.dtype, device=q.device),
             torch.empty(lse_shape, dtype=F32, device=q.device),
@@ -186,7 +189,7 @@ def varlen_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: 
                dlse: Optional[Tensor], cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, seqused_q: Optional[Tensor],
                seqused_k: Optional[Tensor], max_seqlen_q: Optional[int], max_seqlen_k: Optional[int],
                softmax_scale: float, causal: bool, deterministic: bool, window_left: int = -1,
-               window_right: int = -1) -> tuple[Tensor, Tensor, Tensor]:
+               window_right: int = -1, softcap: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
     from flash4.api import _contiguous, _flash_attn_varlen_backward
 
     cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k = (
@@ -195,26 +198,27 @@ def varlen_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: 
     max_k = _max_seqlen("max_seqlen_k", max_seqlen_k, cu_seqlens_k, seqused_k)
     return _flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_q, max_k,
                                        softmax_scale, causal, seqused_q, seqused_k, deterministic=deterministic,
-                                       lse_split=lse_split, dlse=dlse, window_size=(window_left, window_right))
+                                       lse_split=lse_split, dlse=dlse, window_size=(window_left, window_right),
+                                       softcap=softcap)
 
 
 @varlen_bwd.register_fake
 def _varlen_bwd_fake(dout, q, k, v, out, lse, lse_split, dlse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
                      max_seqlen_q, max_seqlen_k, softmax_scale, causal, deterministic, window_left=-1,
-                     window_right=-1):
+                     window_right=-1, softcap=0.0):
     return _grads_fake(q, k, v)
 
 
 def _varlen_setup_context(ctx, inputs, output):
     (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table, max_seqlen_q, max_seqlen_k,
-     softmax_scale, causal, deterministic, _check_seqlens, window_left, window_right) = inputs
+     softmax_scale, causal, deterministic, _check_seqlens, window_left, window_right, softcap) = inputs
     out, lse, lse_split = output
     ctx.paged = page_table is not None
     if not ctx.paged:
         ctx.save_for_backward(q, k, v, out, lse, lse_split, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
     ctx.max_seqlen_q, ctx.max_seqlen_k = max_seqlen_q, max_seqlen_k
     ctx.softmax_scale, ctx.causal, ctx.deterministic = softmax_scale, causal, deterministic
-    ctx.window = (window_left, window_right)
+    ctx.window, ctx.softcap = (window_left, window_right), softcap
     ctx.mark_non_differentiable(lse_split)
 
 
@@ -228,8 +232,9 @@ def _varlen_backward(ctx, dout, dlse, dlse_split):
         dout = torch.zeros_like(out)
     dq, dk, dv = torch.ops.flash4.varlen_bwd(dout, q, k, v, out, lse, lse_split, dlse, cu_seqlens_q, cu_seqlens_k,
                                              seqused_q, seqused_k, ctx.max_seqlen_q, ctx.max_seqlen_k,
-                                             ctx.softmax_scale, ctx.causal, ctx.deterministic, *ctx.window)
-    return (dq, dk, dv) + (None,) * 13
+                                             ctx.softmax_scale, ctx.causal, ctx.deterministic, *ctx.window,
+                                             ctx.softcap)
+    return (dq, dk, dv) + (None,) * 14
 
 
 torch.library.register_autograd("flash4::varlen_fwd", _varlen_backward, setup_context=_varlen_setup_context)
@@ -240,7 +245,8 @@ torch.library.register_autograd("flash4::varlen_fwd", _varlen_backward, setup_co
 def kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor], v: Optional[Tensor],
             cache_seqlens: Optional[Tensor], cache_seqlens_int: Optional[int], page_table: Optional[Tensor],
             cache_batch_idx: Optional[Tensor], softmax_scale: float, causal: bool, num_splits: int,
-            check_seqlens: bool, window_left: int = -1, window_right: int = -1) -> tuple[Tensor, Tensor]:
+            check_seqlens: bool, window_left: int = -1, window_right: int = -1,
+            softcap: float = 0.0) -> tuple[Tensor, Tensor]:
     """flash_attn_with_kvcache as an op: cache_seqlens is the (batch,) int32 tensor, or None with
     cache_seqlens_int the Python int (or None too: the whole cache). Appends k / v to the caches
     in place, then attends; returns new (out, lse)."""
@@ -250,14 +256,15 @@ def kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor], v:
     seqlens = cache_seqlens if cache_seqlens is not None else cache_seqlens_int
     window_size = (window_left, window_right)
     check_kvcache_inputs(q, k_cache, v_cache, k, v, seqlens, page_table, cache_batch_idx, softmax_scale, causal,
-                         num_splits, window_size=window_size)
+                         num_splits, window_size=window_size, softcap=softcap)
     return _flash_attn_kvcache(q, k_cache, v_cache, k, v, seqlens, page_table, cache_batch_idx, softmax_scale,
-                               causal, num_splits, check_seqlens=check_seqlens, window_size=window_size)
+                               causal, num_splits, check_seqlens=check_seqlens, window_size=window_size,
+                               softcap=softcap)
 
 
 @kvcache.register_fake
 def _kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, cache_seqlens_int, page_table, cache_batch_idx,
-                  softmax_scale, causal, num_splits, check_seqlens, window_left=-1, window_right=-1):
+                  softmax_scale, causal, num_splits, check_seqlens, window_left=-1, window_right=-1, softcap=0.0):
     lse_shape, _ = _fwd_shapes(q)
     return (torch.empty(q.shape, dtype=q.dtype, device=q.device),
             torch.empty(lse_shape, dtype=F32, device=q.device))

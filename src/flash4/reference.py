@@ -63,9 +63,11 @@ def attention_ref(
     upcast: bool = True,
     compute_dtype: torch.dtype = torch.float32,
     window_size=None,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact softmax(scale * QK^T) V, materializing the (batch, nheads, seqlen_q, seqlen_k) scores.
     window_size: None or flash-attn's (left, right) sliding window (window_mask).
+    softcap: > 0 caps the scaled scores as softcap * tanh(scores / softcap) (Gemma 2); 0 = off.
 
     q: (B, Sq, H, D); k, v: (B, Sk, Hk, D) with Hk dividing H; any float dtype, one device.
     upcast=True: computed in `compute_dtype` (float32 or float64); out is returned in it.
@@ -80,7 +82,7 @@ def attention_ref(
     if upcast:
         q, k, v = (t.to(compute_dtype) for t in (q, k, v))
     with _full_precision_matmul(enabled=upcast):
-        return _attention(q, k, v, scale, causal, upcast, window_size)
+        return _attention(q, k, v, scale, causal, upcast, window_size, softcap)
 
 
 @contextlib.contextmanager
@@ -97,13 +99,15 @@ def _full_precision_matmul(enabled: bool):
         torch.backends.cuda.matmul.allow_tf32 = saved
 
 
-def _attention(q, k, v, scale, causal, upcast, window_size=None):
+def _attention(q, k, v, scale, causal, upcast, window_size=None, softcap=0.0):
     seqlen_q, nheads = q.shape[1], q.shape[2]
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
     if nheads != nheads_k:
         k = k.repeat_interleave(nheads // nheads_k, dim=2)
         v = v.repeat_interleave(nheads // nheads_k, dim=2)
     scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
     if geometry.window_sides(window_size, causal) is not None:
         scores = scores.masked_fill(~window_mask(seqlen_q, seqlen_k, window_size, causal, q.device), float("-inf"))
     elif causal:
@@ -134,15 +138,16 @@ def max_abs_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     return diff.max().item()
 
 
-def fwd_errors(q, k, v, out, lse=None, softmax_scale=None, causal=False, window_size=None) -> dict:
+def fwd_errors(q, k, v, out, lse=None, softmax_scale=None, causal=False, window_size=None, softcap=0.0) -> dict:
     """Errors of a forward result against the float32 reference, next to PyTorch's same-dtype errors.
 
     q, k, v: the inputs; out: (B, Sq, H, D); lse: (B, H, Sq) or None (then only out is judged).
     Returns {"out_err", "out_pt_err", "lse_err", "lse_pt_err", "ok"} (lse entries None without
     lse); ok applies err <= 2 * pt_err + atol (OUT_ATOL, LSE_ATOL) and needs finite PyTorch errors.
     """
-    out_ref, lse_ref = attention_ref(q, k, v, softmax_scale, causal, window_size=window_size)
-    out_pt, lse_pt = attention_ref(q, k, v, softmax_scale, causal, upcast=False, window_size=window_size)
+    out_ref, lse_ref = attention_ref(q, k, v, softmax_scale, causal, window_size=window_size, softcap=softcap)
+    out_pt, lse_pt = attention_ref(q, k, v, softmax_scale, causal, upcast=False, window_size=window_size,
+                                   softcap=softcap)
     errs = {"out_err": max_abs_err(out, out_ref), "out_pt_err": max_abs_err(out_pt, out_ref),
             "lse_err": None, "lse_pt_err": None}
     ok = math.isfinite(errs["out_pt_err"]) and errs["out_err"] <= 2 * errs["out_pt_err"] + OUT_ATOL
@@ -208,6 +213,7 @@ def attention_varlen_ref(
     upcast: bool = True,
     compute_dtype: torch.dtype = torch.float32,
     window_size=None,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Varlen / paged attention, each sequence attended densely by `attention_ref` (window_size
     per sequence, as causal).
@@ -234,20 +240,20 @@ def attention_varlen_ref(
             k_start = seqs.offset_k(b)
             k_b, v_b = k[k_start: k_start + len_k], v[k_start: k_start + len_k]
         o_b, l_b = attention_ref(q[start: start + len_q][None], k_b[None], v_b[None], softmax_scale, causal, upcast,
-                                 compute_dtype, window_size)
+                                 compute_dtype, window_size, softcap)
         out[start: start + len_q] = o_b[0].to(out_dtype)
         lse[:, start: start + len_q] = l_b[0].to(lse.dtype)
     return out, lse
 
 
 def varlen_fwd_errors(q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse=None, seqused_q=None, seqused_k=None,
-                      page_table=None, softmax_scale=None, causal=False, window_size=None) -> dict:
+                      page_table=None, softmax_scale=None, causal=False, window_size=None, softcap=0.0) -> dict:
     """fwd_errors for varlen / paged results: out (total_q, H, D), lse (H, total_q) or None, judged
     on the rows inside some sequence only (the others are not written by the kernel). Returns
     fwd_errors' dict."""
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table, softmax_scale, causal)
-    out_ref, lse_ref = attention_varlen_ref(*args, window_size=window_size)
-    out_pt, lse_pt = attention_varlen_ref(*args, upcast=False, window_size=window_size)
+    out_ref, lse_ref = attention_varlen_ref(*args, window_size=window_size, softcap=softcap)
+    out_pt, lse_pt = attention_varlen_ref(*args, upcast=False, window_size=window_size, softcap=softcap)
     rows = varlen_row_mask(cu_seqlens_q, q.shape[0], seqused_q).to(q.device)
     errs = {"out_err": max_abs_err(out[rows], out_ref[rows]), "out_pt_err": max_abs_err(out_pt[rows], out_ref[rows]),
             "lse_err": None, "lse_pt_err": None}
@@ -350,7 +356,7 @@ def _cumsum(values):
 
 
 def kvcache_ref(q, k_cache, v_cache, seqlens_k, page_table=None, cache_batch_idx=None, softmax_scale=None,
-                causal=False, upcast=True, compute_dtype=torch.float32, window_size=None):
+                causal=False, upcast=True, compute_dtype=torch.float32, window_size=None, softcap=0.0):
     """flash_attn_with_kvcache's attention (after the append) by attention_ref, sequence by sequence.
 
     q: (B, Sq, H, D); k_cache/v_cache: dense (B_cache, S_cache, Hk, D) (row cache_batch_idx[b], or b)
@@ -366,7 +372,7 @@ def kvcache_ref(q, k_cache, v_cache, seqlens_k, page_table=None, cache_batch_idx
         else:
             k_b, v_b = k_cache[rows[b], :n], v_cache[rows[b], :n]
         o_b, l_b = attention_ref(q[b: b + 1], k_b[None], v_b[None], softmax_scale, causal, upcast, compute_dtype,
-                                 window_size)
+                                 window_size, softcap)
         outs.append(o_b)
         lses.append(l_b)
     if not outs:

@@ -6,9 +6,11 @@ message of the first problem or None, so a caller can ask "would flash4 take the
 ValueError (everything else).
 
 Order of checks: Python types, dtypes, ranks, shapes, head dim, strides/alignment, softmax_scale,
-causal, window_size (window_problem), then device and SM version. Metadata checks come before the
-device check, so every shape error is raised (and CPU-tested) for CPU tensors too; an input that is
-only wrong by being on the CPU (empty or not) gets the device error.
+causal, window_size (window_problem), softcap (softcap_problem), then device and SM version.
+Metadata checks come before the device check, so every shape error is raised (and CPU-tested) for
+CPU tensors too; an input that is only wrong by being on the CPU (empty or not) gets the device
+error. The public functions also check window_size and softcap first of all (before tracing under
+torch.compile), with the same messages.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ def _shape(t: torch.Tensor) -> tuple:
     return tuple(t.shape)
 
 
-def _problem(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1)) -> tuple[type, str] | None:
+def _problem(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1),
+             softcap=0.0) -> tuple[type, str] | None:
     """(exception type, message) of the first problem with the arguments, or None."""
     named = (("q", q), ("k", k), ("v", v))
     for name, t in named:
@@ -88,7 +91,7 @@ def _problem(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1)) ->
         if problem is not None:
             return ValueError, problem
 
-    problem = _scale_causal_problem(softmax_scale, causal, window_size)
+    problem = _scale_causal_problem(softmax_scale, causal, window_size, softcap)
     if problem is not None:
         return problem
 
@@ -101,7 +104,7 @@ def _problem(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1)) ->
     return _arch_problem(q, causal)
 
 
-def _scale_causal_problem(softmax_scale, causal, window_size=(-1, -1)) -> tuple[type, str] | None:
+def _scale_causal_problem(softmax_scale, causal, window_size=(-1, -1), softcap=0.0) -> tuple[type, str] | None:
     if softmax_scale is not None:
         if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
             return TypeError, f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}"
@@ -111,7 +114,29 @@ def _scale_causal_problem(softmax_scale, causal, window_size=(-1, -1)) -> tuple[
             return ValueError, f"softmax_scale must be finite and > 0 (or None for 1/sqrt(headdim)); got {softmax_scale}"
     if not isinstance(causal, bool):
         return TypeError, f"causal must be a bool, got {type(causal).__name__}"
-    return window_problem(window_size)
+    problem = window_problem(window_size)
+    if problem is not None:
+        return problem
+    return softcap_problem(softcap)
+
+
+def softcap_problem(softcap) -> tuple[type, str] | None:
+    """(exception type, message) when softcap is not a finite real number >= 0 (0 = off), or None.
+    TypeError for a non-real (bool included); ValueError for NaN, an infinity or a negative value."""
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+        return TypeError, f"softcap must be a float (>= 0; 0 = no soft-capping), got {type(softcap).__name__}"
+    if not (0 <= softcap < math.inf):  # NaN compares False (plain comparisons: traceable by torch.compile)
+        return ValueError, f"softcap must be finite and >= 0 (0 = no soft-capping); got softcap={softcap}"
+    return None
+
+
+def check_softcap(softcap) -> float:
+    """softcap as a Python float; raises softcap_problem's TypeError / ValueError."""
+    problem = softcap_problem(softcap)
+    if problem is not None:
+        exc_type, message = problem
+        raise exc_type(message)
+    return float(softcap)
 
 
 def window_problem(window_size) -> tuple[type, str] | None:
@@ -187,22 +212,23 @@ def layout_problem(name: str, t: torch.Tensor) -> str | None:
     return None
 
 
-def support_error(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1)) -> str | None:
+def support_error(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0) -> str | None:
     """Why flash4 cannot run these arguments, or None when it can.
 
     Arguments as in `flash4.flash_attn_func`. Never raises for bad arguments (only the device
     query of a CUDA tensor can raise, as torch.cuda does).
     """
-    problem = _problem(q, k, v, softmax_scale, causal, window_size)
+    problem = _problem(q, k, v, softmax_scale, causal, window_size, softcap)
     return None if problem is None else problem[1]
 
 
-def check_inputs(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1)) -> None:
+def check_inputs(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0) -> None:
     """Raise TypeError (non-tensor, dtype, mixed dtypes, softmax_scale/causal/window_size type) or
     ValueError (rank, batch/head/headdim mismatch, nheads_k not dividing nheads, unsupported headdim,
-    non-contiguous last dim or misaligned stride, bad softmax_scale, a window side below -1, non-CUDA
-    or mixed devices, unsupported SM version) with the message of `support_error`."""
-    problem = _problem(q, k, v, softmax_scale, causal, window_size)
+    non-contiguous last dim or misaligned stride, bad softmax_scale, a window side below -1, softcap
+    not finite and >= 0, non-CUDA or mixed devices, unsupported SM version) with the message of
+    `support_error`. softcap: a real number (TypeError otherwise, bool included)."""
+    problem = _problem(q, k, v, softmax_scale, causal, window_size, softcap)
     if problem is not None:
         exc_type, message = problem
         raise exc_type(message)
@@ -312,7 +338,7 @@ def _device_problem(q, others) -> tuple[type, str] | None:
 
 def _varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, seqused_q=None,
                     seqused_k=None, page_table=None, softmax_scale=None, causal=False,
-                    window_size=(-1, -1)) -> tuple[type, str] | None:
+                    window_size=(-1, -1), softcap=0.0) -> tuple[type, str] | None:
     """(exception type, message) of the first problem with varlen / paged arguments, or None.
     Order as `_problem`: Python types, dtypes, ranks, shapes, head dims, strides, scale, causal,
     devices (other tensors on q's device first, then CUDA), SM version."""
@@ -407,7 +433,7 @@ def _varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_
         problem = layout_problem(name, t)
         if problem is not None:
             return ValueError, problem
-    problem = _scale_causal_problem(softmax_scale, causal, window_size)
+    problem = _scale_causal_problem(softmax_scale, causal, window_size, softcap)
     if problem is not None:
         return problem
     problem = _device_problem(q, [("k", k), ("v", v)] + [(name, t) for name, t, _, _ in metadata])
@@ -418,24 +444,25 @@ def _varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_
 
 def varlen_support_error(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, seqused_q=None,
                          seqused_k=None, page_table=None, softmax_scale=None, causal=False,
-                         window_size=(-1, -1)) -> str | None:
+                         window_size=(-1, -1), softcap=0.0) -> str | None:
     """Why flash4 cannot run these varlen / paged arguments (as flash4.flash_attn_varlen_func takes
     them), or None when it can. Metadata only: the values inside cu_seqlens / seqused / page_table
     are not read (check_varlen_seqlens does that, at the cost of a host sync)."""
     problem = _varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
-                              page_table, softmax_scale, causal, window_size)
+                              page_table, softmax_scale, causal, window_size, softcap)
     return None if problem is None else problem[1]
 
 
 def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, seqused_q=None,
                         seqused_k=None, page_table=None, softmax_scale=None, causal=False,
-                        window_size=(-1, -1)) -> None:
+                        window_size=(-1, -1), softcap=0.0) -> None:
     """Raise the message of `varlen_support_error` as TypeError (a non-tensor where a tensor is
     needed, q/k/v dtype, a metadata tensor not int32, a max_seqlen or window_size of the wrong type)
     or ValueError (ranks, batch mismatches, a missing or extra cu_seqlens_k / seqused_k, head rules,
-    page size, strides, softmax_scale, a window side below -1, devices, SM version)."""
+    page size, strides, softmax_scale, a window side below -1, softcap not finite and >= 0 (TypeError
+    when not a real number), devices, SM version)."""
     problem = _varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
-                              page_table, softmax_scale, causal, window_size)
+                              page_table, softmax_scale, causal, window_size, softcap)
     if problem is not None:
         exc_type, message = problem
         raise exc_type(message)
@@ -594,7 +621,7 @@ def packed_rows_per_batch(cache: torch.Tensor) -> int | None:
 
 def _kvcache_problem(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, page_table=None, cache_batch_idx=None,
                      softmax_scale=None, causal=False, num_splits=0, out=None,
-                     window_size=(-1, -1)) -> tuple[type, str] | None:
+                     window_size=(-1, -1), softcap=0.0) -> tuple[type, str] | None:
     """(exception type, message) of the first problem with flash_attn_with_kvcache's arguments."""
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if not isinstance(t, torch.Tensor):
@@ -722,7 +749,7 @@ def _kvcache_problem(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, pa
         return ValueError, (
             f"out strides {out.stride()}: flash4 writes out as packed (batch * seqlen_q, nheads, headdim) rows, so "
             f"out.stride(0) must be seqlen_q * out.stride(1); pass a contiguous out")
-    problem = _scale_causal_problem(softmax_scale, causal, window_size)
+    problem = _scale_causal_problem(softmax_scale, causal, window_size, softcap)
     if problem is not None:
         return problem
     others = [("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v), ("out", out),
@@ -736,22 +763,22 @@ def _kvcache_problem(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, pa
 
 def kvcache_support_error(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, page_table=None,
                           cache_batch_idx=None, softmax_scale=None, causal=False, num_splits=0, out=None,
-                          window_size=(-1, -1)) -> str | None:
+                          window_size=(-1, -1), softcap=0.0) -> str | None:
     """Why flash4.flash_attn_with_kvcache cannot take these arguments, or None. Metadata only."""
     problem = _kvcache_problem(q, k_cache, v_cache, k, v, cache_seqlens, page_table, cache_batch_idx, softmax_scale,
-                               causal, num_splits, out, window_size)
+                               causal, num_splits, out, window_size, softcap)
     return None if problem is None else problem[1]
 
 
 def check_kvcache_inputs(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, page_table=None,
                          cache_batch_idx=None, softmax_scale=None, causal=False, num_splits=0, out=None,
-                         window_size=(-1, -1)) -> None:
+                         window_size=(-1, -1), softcap=0.0) -> None:
     """Raise the message of `kvcache_support_error` as TypeError (non-tensors, dtypes, int32
     metadata, cache_seqlens / num_splits / window_size types) or ValueError (everything else, e.g. a
     cache too small for the appended k/v, num_splits > 1 with cache_batch_idx, a window side below
-    -1)."""
+    -1, softcap not finite and >= 0; a softcap that is not a real number is a TypeError)."""
     problem = _kvcache_problem(q, k_cache, v_cache, k, v, cache_seqlens, page_table, cache_batch_idx, softmax_scale,
-                               causal, num_splits, out, window_size)
+                               causal, num_splits, out, window_size, softcap)
     if problem is not None:
         exc_type, message = problem
         raise exc_type(message)

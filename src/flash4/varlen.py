@@ -78,7 +78,7 @@ def padded_row_index(cu_seqlens_q: torch.Tensor, total_q: int, tile_m: int,
 
 def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, softmax_scale: float, causal: bool,
                    seqused_q=None, seqused_k=None, page_table=None, out=None, lse=None, lse_split=None,
-                   window_size=None):
+                   window_size=None, softcap: float = 0.0):
     """Forward on validated varlen/paged inputs; returns (out, lse). Layouts: module docstring.
 
     cu_seqlens_k is None when paged (page_table given; seqused_k then required). max_seqlen_q: a
@@ -107,7 +107,8 @@ def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, softm
     if batch <= 0 or total_q == 0 or max_seqlen_q <= 0:
         return out, lse
     window = window_sides(window_size, causal)
-    cfg = select_fwd_config(headdim, DTYPE_NAMES[q.dtype], causal, arch=device_arch(q.device), local=window is not None)
+    cfg = select_fwd_config(headdim, DTYPE_NAMES[q.dtype], causal, arch=device_arch(q.device), local=window is not None,
+                            softcap=softcap > 0)
     page_rows = paged_page_rows(k.shape[1], cfg.tile_n) if paged else 0
     cfg = with_seq_layout(cfg, varlen_q=True, varlen_k=not paged, seqused_q=seqused_q is not None,
                           seqused_k=seqused_k is not None, page_rows=page_rows)
@@ -125,13 +126,14 @@ def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, softm
                  for t in (cu_seqlens_q, cu_seqlens_k if not paged else None, seqused_q, seqused_k)) + (page_table,)
     with torch.cuda.device(q.device):
         run(q.unsqueeze(0), k4, v4, out.unsqueeze(0), lse.unsqueeze(0), softmax_scale, lse_split.unsqueeze(1),
-            seqs=seqs, batch=batch, max_seqlen_q=int(max_seqlen_q), window=window)
+            seqs=seqs, batch=batch, max_seqlen_q=int(max_seqlen_q), window=window, softcap=softcap)
     return out, lse
 
 
 def varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
                     softmax_scale: float, causal: bool, seqused_q=None, seqused_k=None, deterministic: bool = False,
-                    lse_split=None, dlse=None, dq=None, dk=None, dv=None, window_size=None):
+                    lse_split=None, dlse=None, dq=None, dk=None, dv=None, window_size=None,
+                    softcap: float = 0.0):
     """Gradients (dq, dk, dv) of varlen_forward for the upstream gradient dout (not paged).
 
     Shapes as the module docstring; dlse: None or (nheads, total_q) (the LSE's gradient, as
@@ -162,7 +164,7 @@ def varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seq
         return dq, dk, dv  # no query or no key in any sequence: every gradient is 0
     window = window_sides(window_size, causal)
     cfg = select_bwd_config(headdim, DTYPE_NAMES[q.dtype], causal, arch=device_arch(q.device),
-                            deterministic=deterministic, local=window is not None)
+                            deterministic=deterministic, local=window is not None, softcap=softcap > 0)
     cfg = with_seq_layout(cfg, varlen_q=True, varlen_k=True, seqused_q=seqused_q is not None,
                           seqused_k=seqused_k is not None)
     tile_m = cfg.tile_m
@@ -197,7 +199,7 @@ def varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seq
         run(_kernel_ready(q)[None], _kernel_ready(k)[None], _kernel_ready(v)[None], dout[None], lse_log2, dpsum,
             dq_accum, dk[None], dv[None], tile_flags[0], tile_flags[1], lse_split[0][None], lse_split[1][None],
             softmax_scale, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_q=used_q, seqused_k=used_k,
-            max_seqlen_k=max_seqlen_k, window=window)
+            max_seqlen_k=max_seqlen_k, window=window, softcap=softcap)
         # packed row r <- padded row row_index[r]; rows outside every sequence read the scratch tile's zeros
         dq.copy_(dq_accum[0].transpose(0, 1).index_select(0, row_index))
     return dq, dk, dv

@@ -101,8 +101,10 @@ def _fake_kernels(monkeypatch, seen):
     """Replace the forward/backward kernels by torch stand-ins (CPU): out = q, grads 1, 2, 3."""
     import flash4.backward as bwd
 
-    def fake_forward(q, k, v, softmax_scale, causal, lse_split=None, window_size=None):
+    def fake_forward(q, k, v, softmax_scale, causal, lse_split=None, window_size=None, softcap=0.0):
         seen.update(fwd_window=window_size)
+        if softcap:
+            seen.update(fwd_softcap=softcap)
         lse = torch.zeros(q.shape[0], q.shape[2], q.shape[1])
         if lse_split is not None:
             lse_split[0].fill_(7.0)
@@ -110,7 +112,9 @@ def _fake_kernels(monkeypatch, seen):
         return q * 1.0, lse
 
     def fake_backward(dout, q, k, v, out, lse, softmax_scale, causal, deterministic=False, lse_split=None, dlse=None,
-                      window_size=None):
+                      window_size=None, softcap=0.0):
+        if softcap:
+            seen.update(softcap=softcap)
         seen.update(scale=softmax_scale, causal=causal, lse_shape=tuple(lse.shape), det=deterministic,
                     window=window_size,
                     split=None if lse_split is None else (lse_split[0].unique().tolist(), lse_split[1].unique().tolist()),

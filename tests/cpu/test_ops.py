@@ -314,11 +314,13 @@ def _window_of(node):
 
 
 def test_window_arguments_in_every_schema():
-    """Every op ends with `SymInt window_left=-1, SymInt window_right=-1` (callers without a window
-    keep working)."""
+    """Every op ends with `SymInt window_left=-1, SymInt window_right=-1, float softcap=0.0` (callers
+    without a window or a softcap keep working)."""
     for name in ("fwd", "bwd", "varlen_fwd", "varlen_bwd", "kvcache"):
         args = getattr(torch.ops.flash4, name).default._schema.arguments
-        assert [(a.name, a.default_value) for a in args[-2:]] == [("window_left", -1), ("window_right", -1)], name
+        assert [(a.name, a.default_value) for a in args[-3:]] == [("window_left", -1), ("window_right", -1),
+                                                                  ("softcap", 0.0)], name
+        assert str(args[-1].type) == "float", name
 
 
 @pytest.mark.parametrize("test", ["test_schema", "test_autograd_registration", "test_faketensor",

@@ -606,8 +606,9 @@ def _contract_forward(calls):
     """A stand-in for flash4.varlen.varlen_forward honouring its documented contract (checked)."""
 
     def fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale, causal, seqused_q=None, seqused_k=None,
-             page_table=None, out=None, lse=None, lse_split=None, window_size=None):
+             page_table=None, out=None, lse=None, lse_split=None, window_size=None, softcap=0.0):
         assert isinstance(max_seqlen_q, int) and isinstance(softmax_scale, float) and isinstance(causal, bool)
+        assert type(softcap) is float and softcap >= 0
         assert window_size is None or (isinstance(window_size, tuple) and len(window_size) == 2
                                        and all(type(side) is int for side in window_size))
         for t in (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table):
@@ -616,7 +617,7 @@ def _contract_forward(calls):
         assert page_table is None or seqused_k is not None
         assert out is not None and lse is not None and lse.shape == (q.shape[1], q.shape[0])
         o, l = attention_varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table,
-                                    softmax_scale, causal, window_size=window_size)
+                                    softmax_scale, causal, window_size=window_size, softcap=softcap)
         rows = varlen_row_mask(cu_seqlens_q, q.shape[0], seqused_q)
         lengths = (seqused_q if seqused_q is not None else cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist()
         assert max_seqlen_q >= max(lengths + [0])
@@ -626,7 +627,7 @@ def _contract_forward(calls):
             lse_split[0][:, rows] = l[:, rows] * LOG2E
             lse_split[1][:, rows] = 0.0
         calls.append(dict(cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k, max_seqlen_q=max_seqlen_q,
-                          page_table=page_table, k=k, window_size=window_size))
+                          page_table=page_table, k=k, window_size=window_size, softcap=softcap))
         return out, lse
 
     return fake
@@ -636,15 +637,16 @@ def _contract_decode(calls):
     """A stand-in for flash4.decode.decode_forward (the kvcache path without cache_batch_idx)."""
 
     def fake(q, k_cache, v_cache, seqused_k, softmax_scale, causal, page_table=None, num_splits=0, out=None, lse=None,
-             window_size=None):
+             window_size=None, softcap=0.0):
+        assert type(softcap) is float and softcap >= 0
         assert seqused_k.dtype == I32 and seqused_k.shape == (q.shape[0],) and isinstance(num_splits, int)
         assert out.shape == q.shape and lse.shape == (q.shape[0], q.shape[2], q.shape[1]) and lse.is_contiguous()
         o, l = kvcache_ref(q, k_cache, v_cache, seqused_k, page_table, softmax_scale=softmax_scale, causal=causal,
-                           window_size=window_size)
+                           window_size=window_size, softcap=softcap)
         out.copy_(o)
         lse.copy_(l)
         calls.append(dict(seqused_k=seqused_k.clone(), page_table=page_table, num_splits=num_splits, decode=True,
-                          window_size=window_size))
+                          window_size=window_size, softcap=softcap))
         return out, lse
 
     return fake
@@ -746,11 +748,13 @@ def test_varlen_empty_fast_paths(monkeypatch):
 def _fake_backward(seen):
     def fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
              seqused_q=None, seqused_k=None, deterministic=False, lse_split=None, dlse=None, dq=None, dk=None,
-             dv=None, window_size=None):
+             dv=None, window_size=None, softcap=0.0):
         seen.update(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, scale=softmax_scale, causal=causal,
                     det=deterministic, split=None if lse_split is None else lse_split.shape,
                     dlse=None if dlse is None else dlse.unique().tolist(), dout=dout.unique().tolist(),
                     seqused_k=seqused_k, window_size=window_size)
+        if softcap:
+            seen.update(softcap=softcap)
         return torch.ones_like(q), 2 * torch.ones_like(k), 3 * torch.ones_like(v)
 
     return fake

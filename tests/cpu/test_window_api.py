@@ -138,17 +138,19 @@ def _cpu_fake_kernels(monkeypatch, seen):
     what they received."""
     import flash4.backward as bwd
 
-    def fake_forward(q, k, v, softmax_scale, causal, lse_split=None, window_size=None):
+    def fake_forward(q, k, v, softmax_scale, causal, lse_split=None, window_size=None, softcap=0.0):
         seen.setdefault("forward", []).append(dict(causal=causal, window_size=window_size))
-        out, lse = attention_ref(q, k, v, softmax_scale, causal, window_size=window_size)
+        seen.setdefault("fwd_softcap", []).append(softcap)
+        out, lse = attention_ref(q, k, v, softmax_scale, causal, window_size=window_size, softcap=softcap)
         return out.to(q.dtype), lse
 
     def fake_backward(dout, q, k, v, out, lse, softmax_scale, causal, deterministic=False, lse_split=None, dlse=None,
-                      window_size=None):
+                      window_size=None, softcap=0.0):
         seen.setdefault("backward", []).append(dict(causal=causal, window_size=window_size))
+        seen.setdefault("bwd_softcap", []).append(softcap)
         leaves = [t.detach().float().requires_grad_() for t in (q, k, v)]
         with torch.enable_grad():
-            ref, _ = attention_ref(*leaves, softmax_scale, causal, window_size=window_size)
+            ref, _ = attention_ref(*leaves, softmax_scale, causal, window_size=window_size, softcap=softcap)
             grads = torch.autograd.grad(ref, leaves, dout.float())
         return tuple(g.to(t.dtype) for g, t in zip(grads, (q, k, v)))
 
@@ -205,8 +207,8 @@ def test_forward_hook_passes_window_sides_to_config_and_runner(monkeypatch, wind
     def fake_runner(cfg):
         seen["cfg"] = cfg
 
-        def run(q, k, v, out, lse, scale, lse_split=None, window=None):
-            seen["window"] = window
+        def run(q, k, v, out, lse, scale, lse_split=None, window=None, softcap=0.0):
+            seen["window"], seen["softcap"] = window, softcap
             out.zero_()
             lse.zero_()
 

@@ -48,15 +48,18 @@ class Impl:
     unavailable: str | None = None
 
 
-def _make_flash4(q, k, v, causal, window=None):
+def _make_flash4(q, k, v, causal, window=None, softcap=0.0):
     from flash4 import flash_attn_func
 
-    if window is not None:
-        return lambda: flash_attn_func(q, k, v, causal=causal, window_size=window)
-    return lambda: flash_attn_func(q, k, v, causal=causal)
+    extra = {} if window is None else {"window_size": window}
+    if softcap:
+        extra["softcap"] = softcap
+    return lambda: flash_attn_func(q, k, v, causal=causal, **extra)
 
 
-def _make_sdpa(q, k, v, causal):
+def _make_sdpa(q, k, v, causal, **unsupported):
+    if unsupported:
+        raise ValueError(f"SDPA has no {sorted(unsupported)}")
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
     gqa = {"enable_gqa": True} if q.shape[2] != k.shape[2] else {}
     return lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, **gqa).transpose(1, 2)
@@ -69,10 +72,12 @@ def _sdpa_backend(name: str):
     return lambda: sdpa_kernel(backend)
 
 
-def _make_fa4(q, k, v, causal, window=None):
+def _make_fa4(q, k, v, causal, window=None, softcap=0.0):
     # flash-attn-4 4.0.0b36 reads -1 as unbounded only when both sides are negative: pass the
     # windows the bench uses (both sides >= 0) as they are.
     extra = {} if window is None else {"window_size": tuple(window)}
+    if softcap:
+        extra["softcap"] = softcap
 
     def fn():
         res = _fa4_func(q, k, v, causal=causal, **extra)

@@ -31,9 +31,19 @@ class Case:
     nheads: int
     nheads_k: int
     window: tuple | None = None  # flash-attn's window_size (left, right); None: none
+    softcap: float = 0.0  # logit soft-cap (0: off)
 
     def label(self) -> str:
         return self.name
+
+    def options(self) -> dict:
+        """The keyword arguments an Impl.make takes for this case's mask / score options."""
+        opts = {}
+        if self.window is not None:
+            opts["window"] = self.window
+        if self.softcap:
+            opts["softcap"] = self.softcap
+        return opts
 
 
 # Issue 11's cells that the standard sweep lacks (bf16; 32k tokens like the sweep).
@@ -46,6 +56,9 @@ CASES = (
     # full causal on the same shape (the band is ~25% of the causal work).
     Case("window4096_causal_32k_d128", 128, True, 32768, 32768, 1, 16, 16, window=(4095, 0)),
     Case("window_ref_causal_32k_d128", 128, True, 32768, 32768, 1, 16, 16),
+    # Gemma-2 shape: softcap 50, d256, 16 query / 8 KV heads, S = 8k; next to the same without it.
+    Case("softcap50_gemma2_d256_causal_8k", 256, True, 8192, 8192, 1, 16, 8, softcap=50.0),
+    Case("softcap_ref_gemma2_d256_causal_8k", 256, True, 8192, 8192, 1, 16, 8),
 )
 
 
@@ -64,7 +77,7 @@ def case_fwd_flops(case: Case) -> float:
 def impl_applies(impl_name: str, case: Case) -> bool:
     """SDPA's causal mask is top-left aligned: skip it where that differs from flash4's; SDPA has
     no sliding window."""
-    if impl_name.startswith("sdpa") and case.window is not None:
+    if impl_name.startswith("sdpa") and (case.window is not None or case.softcap):
         return False
     return not (impl_name.startswith("sdpa") and case.causal and case.seqlen_q != case.seqlen_k)
 
@@ -102,12 +115,12 @@ def measure_cases(impls, cases, dtype, rep_ms: float = 100.0, bwd: bool = True) 
             fwd_tf = bwd_tf = math.nan
             if impl_applies(impl.name, case):
                 try:
-                    fn = impl.make(q, k, v, case.causal, **({"window": case.window} if case.window else {}))
+                    fn = impl.make(q, k, v, case.causal, **case.options())
                     with impl.context():
                         fwd_tf = run.tflops(flops, run.time_ms(fn, rep_ms=rep_ms))
                     if bwd:
                         bwd_tf = run.tflops(run.BWD_FLOPS_FACTOR * flops,
-                                            run._time_bwd(impl, q, k, v, case.causal, rep_ms, window=case.window))
+                                            run._time_bwd(impl, q, k, v, case.causal, rep_ms, **case.options()))
                 except Exception as err:  # a failing impl is a NaN cell, reported once per line
                     bar.write(f"{impl.name} failed at {case.name}: {type(err).__name__}: "
                               f"{str(err).splitlines()[0][:200] if str(err) else ''}")

@@ -204,11 +204,11 @@ def check_correctness(impls, headdims, causals, dtype) -> list[dict]:
     return results
 
 
-def _time_bwd(impl, q, k, v, causal, rep_ms, window=None) -> float:
+def _time_bwd(impl, q, k, v, causal, rep_ms, **options) -> float:
     """Milliseconds of one backward pass of impl (autograd.grad on a graph built once)."""
     qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
     with impl.context():
-        out = impl.make(qg, kg, vg, causal, **({"window": window} if window else {}))()
+        out = impl.make(qg, kg, vg, causal, **options)()
         dout = torch.randn_like(out)
         return time_ms(lambda: torch.autograd.grad(out, (qg, kg, vg), dout, retain_graph=True), rep_ms=rep_ms)
 

@@ -47,7 +47,7 @@ def _arch_option(arch: int) -> str:
 def compile_fwd(cfg: FwdConfig, options: str = ""):
     """Compile one forward config (no GPU needed). Returns the compiled callable
     f(q, k, v, out, lse, lse_hi, lse_lo, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table,
-    o_accum, lse_accum, softmax_scale_log2: float, batch: int, max_seqlen_q: int, num_splits: int,
+    o_accum, lse_accum, softmax_scale_log2: float, softcap_scale: float, batch: int, max_seqlen_q: int, num_splits: int,
     window_left: int, window_right: int, l2_group: int, num_ctas: int) that
     launches on the current CUDA stream; the sequence-layout tensors are passed only where the
     config's flag is on (None otherwise)."""
@@ -60,8 +60,8 @@ def compile_fwd(cfg: FwdConfig, options: str = ""):
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     return cute.compile(
         kernel, *fwd_fake_args(cfg.headdim, cfg.dtype, paged=cfg.page_rows > 0), *seq_fake_args(cfg), *split_fake_args(cfg),
-        cutlass.Float32(1.0), cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(0), cutlass.Int32(0),
-        cutlass.Int32(1), cutlass.Int32(1), stream,
+        cutlass.Float32(1.0), cutlass.Float32(1.0), cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1),
+        cutlass.Int32(0), cutlass.Int32(0), cutlass.Int32(1), cutlass.Int32(1), stream,
         options=COMPILE_OPTIONS + _arch_option(cfg.arch) + options,
     )
 
@@ -98,7 +98,7 @@ def get_fwd_runner(cfg: FwdConfig):
         return l2_group, fwd_grid(cfg, batch * num_splits, max_seqlen_q, nheads, num_sms)[0]
 
     def run(q, k, v, out, lse, softmax_scale: float, lse_split=None, seqs=None, batch=None, max_seqlen_q=None,
-            accs=(None, None), num_splits: int = 1, window=None):
+            accs=(None, None), num_splits: int = 1, window=None, softcap: float = 0.0):
         if batch is None:
             batch, max_seqlen_q = q.shape[0], q.shape[1]
         seqs = seqs if seqs is not None else (None,) * 5
@@ -111,7 +111,10 @@ def get_fwd_runner(cfg: FwdConfig):
         if lse_split is None:
             lse_split = torch.empty((2,) + tuple(lse.shape), dtype=torch.float32, device=lse.device)
         left, right = window if window is not None else (UNBOUNDED, UNBOUNDED)
-        compiled(q, k, v, out, lse, lse_split[0], lse_split[1], *seqs, *accs, softmax_scale * LOG2E, batch,
+        # softcap: scores softcap * tanh(S * scale / softcap); the softmax scales by softcap * log2 e
+        scale_log2, softcap_scale = ((softcap * LOG2E, softmax_scale / softcap) if cfg.softcap
+                                     else (softmax_scale * LOG2E, 1.0))
+        compiled(q, k, v, out, lse, lse_split[0], lse_split[1], *seqs, *accs, scale_log2, softcap_scale, batch,
                  max_seqlen_q, num_splits, left, right, l2_group, num_ctas)
 
     return run
@@ -121,7 +124,7 @@ def compile_bwd(cfg: BwdConfig, options: str = ""):
     """Compile one backward config (no GPU needed). Returns the compiled callable
     f(q, k, v, dout, lse_log2, dpsum, dq_accum, dk, dv, dq_semaphore, exact, lse_hi, lse_lo,
       cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, softmax_scale: float, max_seqlen_k, window_left: int,
-      window_right: int, num_ctas: int)
+      window_right: int, softcap: float, num_ctas: int)
     where each of cu_seqlens_q / cu_seqlens_k / seqused_q / seqused_k is an int32 tensor when its
     config flag is on and None otherwise, and max_seqlen_k an int when cfg.varlen_k or
     cfg.seqused_k, else None (compile/fake.bwd_fake_args gives the layouts)."""
@@ -134,7 +137,7 @@ def compile_bwd(cfg: BwdConfig, options: str = ""):
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     return cute.compile(
         FlashAttentionBackwardSm90(cfg), *args, cutlass.Float32(1.0), max_seqlen_k, cutlass.Int32(0), cutlass.Int32(0),
-        cutlass.Int32(1), stream,
+        cutlass.Float32(0.0), cutlass.Int32(1), stream,
         options=COMPILE_OPTIONS + _arch_option(cfg.arch) + options,
     )
 
@@ -158,7 +161,7 @@ def get_bwd_runner(cfg: BwdConfig):
 
     def run(q, k, v, dout, lse_log2, dpsum, dq_accum, dk, dv, dq_semaphore, exact, lse_hi, lse_lo,
             softmax_scale: float, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None,
-            max_seqlen_k=None, window=None):
+            max_seqlen_k=None, window=None, softcap: float = 0.0):
         given = (cu_seqlens_q is not None, cu_seqlens_k is not None, seqused_q is not None, seqused_k is not None)
         if given != (cfg.varlen_q, cfg.varlen_k, cfg.seqused_q, cfg.seqused_k):
             raise ValueError(f"flash4 backward: sequence tensors given {given} do not match the config {cfg}")
@@ -174,7 +177,7 @@ def get_bwd_runner(cfg: BwdConfig):
         grid = bwd_grid(cfg, batch, seqlen_k, k.shape[2])
         compiled(q, k, v, dout, lse_log2, dpsum, dq_accum, dk, dv, dq_semaphore, exact, lse_hi, lse_lo,
                  cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, softmax_scale, max_seqlen_k,
-                 *(window if window is not None else (UNBOUNDED, UNBOUNDED)), grid[0])
+                 *(window if window is not None else (UNBOUNDED, UNBOUNDED)), float(softcap), grid[0])
 
     return run
 

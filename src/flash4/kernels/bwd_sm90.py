@@ -188,6 +188,7 @@ class FlashAttentionBackwardSm90:
         max_seqlen_k: Optional[Int32],  # varlen_k or seqused_k: >= every seqlen_k (sizes the grid); else None
         window_left: Int32,  # local: the window's sides (flash4.geometry.window_sides); ignored otherwise
         window_right: Int32,
+        softcap: Float32,  # cfg.softcap: the cap (scores softcap * tanh(S * scale / softcap)); else ignored
         num_ctas: Int32,  # grid size: n_blocks * nheads_k * batch (flash4.launch.bwd_grid)
         stream: cuda.CUstream,
     ):
@@ -262,7 +263,7 @@ class FlashAttentionBackwardSm90:
             tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_D, mdQacc, tma_dK, tma_dV, mdQsem, mExact, mLSEhi, mLSElo,
             mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
             tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO, tma_atom_LSE, tma_atom_D, tma_atom_dK, tma_atom_dV,
-            softmax_scale, max_seqlen_k, window_left, window_right, sQ_layout, sKV_layout, sdS_layout, sStat_layout,
+            softmax_scale, max_seqlen_k, window_left, window_right, softcap, sQ_layout, sKV_layout, sdS_layout, sStat_layout,
             sdQ_layout, mma_sdp, mma_dkv, mma_dq, SharedStorage,
         ).launch(grid=(num_ctas, 1, 1), block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
@@ -278,6 +279,7 @@ class FlashAttentionBackwardSm90:
         tma_atom_dO: cute.CopyAtom, tma_atom_LSE: cute.CopyAtom, tma_atom_D: cute.CopyAtom,
         tma_atom_dK: Optional[cute.CopyAtom], tma_atom_dV: Optional[cute.CopyAtom],
         softmax_scale: Float32, max_seqlen_k: Optional[Int32], window_left: Int32, window_right: Int32,
+        softcap: Float32,
         sQ_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout, sdS_layout: cute.ComposedLayout,
         sStat_layout: cute.Layout, sdQ_layout: cute.Layout,
         mma_sdp: cute.TiledMma, mma_dkv: cute.TiledMma, mma_dq: cute.TiledMma,
@@ -322,6 +324,7 @@ class FlashAttentionBackwardSm90:
                       tile_m_pad=self.tile_m)
         seqlen_q, seqlen_k = seq.seqlen_q, seq.seqlen_k
         self.window = (window_left, window_right) if const_expr(self.cfg.local) else None
+        self.softcap = softcap
         m_block_min, m_block_max = geometry.m_block_range(n_block, seqlen_q, seqlen_k, self.tile_m, self.tile_n,
                                                           self.causal, self.window)
         if const_expr(self.cfg.local):
@@ -515,6 +518,12 @@ class FlashAttentionBackwardSm90:
         pipeline_kv.consumer_wait(kv_state)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
         scale_log2 = softmax_scale * Float32(LOG2E)
+        if const_expr(self.cfg.softcap):
+            # scores softcap * tanh(S * scale / softcap): tanh's input scale, the softmax's log2 scale
+            # and its inverse (to recover tanh from P and the LSE for the derivative)
+            softcap_scale = softmax_scale / self.softcap
+            scale_log2 = self.softcap * Float32(LOG2E)
+            inv_scale_log2 = Float32(1.0) / scale_log2
         thread_col0 = tScS[0, 0][1]
         # The m_blocks [m_block_min, m_mask_end) run with the element mask compiled in, the rest
         # without: causal, the first m_blocks of each head (those crossing the diagonal); and every
@@ -554,6 +563,9 @@ class FlashAttentionBackwardSm90:
                     # P^T = 2^(S^T * scale_log2 - LSE_log2[query]), masked entries 0 (overlaps the dP^T GEMM).
                     # Column (query) outer: each LSE value is read from smem once and used at once.
                     s = acc_mn_view(acc_S)
+                    if const_expr(self.cfg.softcap):
+                        for i in cutlass.range_constexpr(cute.size(acc_S)):
+                            acc_S[i] = cute.math.tanh(acc_S[i] * softcap_scale, fastmath=True)
                     if exact:
                         self.exponent_exact(s, t0ScS, mLSEhi, mLSElo, scale_log2, m_block, thread_col0, head, seq)
                     else:
@@ -584,8 +596,19 @@ class FlashAttentionBackwardSm90:
                     for c in cutlass.range_constexpr(cute.size(dp, mode=[1])):
                         col = t0ScS[0, c][1]
                         dpsum = sD[thread_col0 + col, state.index]
-                        for r in cutlass.range_constexpr(cute.size(dp, mode=[0])):
-                            dp[r, c] = (s[r, c] * softmax_scale) * (dp[r, c] - dpsum)
+                        if const_expr(not self.cfg.softcap):
+                            for r in cutlass.range_constexpr(cute.size(dp, mode=[0])):
+                                dp[r, c] = (s[r, c] * softmax_scale) * (dp[r, c] - dpsum)
+                        else:
+                            # d(softcap * tanh(S * scale / softcap)) / dS = scale * (1 - t^2), with
+                            # t = (log2 P + LSE log2) / (softcap log2 e) recovered from P (no register
+                            # kept for t); P = 0 (masked, or underflowed) gives dS = 0 either way.
+                            lse_log2 = sLSE[thread_col0 + col, state.index]
+                            for r in cutlass.range_constexpr(cute.size(dp, mode=[0])):
+                                p = s[r, c]
+                                t = (cute.math.log2(p, fastmath=True) + lse_log2) * inv_scale_log2
+                                dtanh = Float32(cutlass.select_(p == Float32(0.0), Float32(0.0), Float32(1.0) - t * t))
+                                dp[r, c] = (p * softmax_scale) * (dp[r, c] - dpsum) * dtanh
                     if const_expr(not self.split_hd):
                         tdKrdS = cute.make_rmem_tensor(frgA_layout.shape, self.dtype)
                         tdKrdS.store(cute.make_tensor(acc_dP.iterator, frgA_layout).load().to(self.dtype))

@@ -127,7 +127,8 @@ class FlashAttentionForwardSm90:
         mPageTable: Optional[cute.Tensor],  # (batch, max_pages) int32 when paged: K/V (num_pages, page_size, nheads_k, d)
         mOacc: Optional[cute.Tensor],  # split_kv: (num_splits, batch, seqlen_q, nheads, d) fp32 partial O
         mLSEacc: Optional[cute.Tensor],  # split_kv: (num_splits, batch, nheads, seqlen_q) fp32 partial LSE
-        softmax_scale_log2: Float32,
+        softmax_scale_log2: Float32,  # softmax_scale * log2(e); softcap: softcap * log2(e)
+        softcap_scale: Float32,  # softcap: softmax_scale / softcap (the tanh's input scale); else ignored
         batch_size: Int32,  # number of sequences
         max_seqlen_q: Int32,  # >= every sequence's query count: sizes the tile space
         num_splits: Int32,  # split_kv: key-block ranges per (m_block, head, batch) (1 otherwise)
@@ -189,7 +190,7 @@ class FlashAttentionForwardSm90:
             tma_Q, tma_K, tma_V, mO_out, mLSE, mLSEhi, mLSElo,
             mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, mPageTable, mOacc, mLSEacc,
             tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O,
-            softmax_scale_log2, batch_size, max_seqlen_q, num_splits, window_left, window_right, l2_group,
+            softmax_scale_log2, softcap_scale, batch_size, max_seqlen_q, num_splits, window_left, window_right, l2_group,
             sQ_layout, sK_layout, sV_layout, sO_layout,
             tiled_mma_qk, tiled_mma_pv, SharedStorage,
         ).launch(grid=(num_ctas, 1, 1), block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
@@ -204,7 +205,7 @@ class FlashAttentionForwardSm90:
         mSeqUsedQ: Optional[cute.Tensor], mSeqUsedK: Optional[cute.Tensor], mPageTable: Optional[cute.Tensor],
         mOacc: Optional[cute.Tensor], mLSEacc: Optional[cute.Tensor],
         tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom, tma_atom_O: cute.CopyAtom,
-        softmax_scale_log2: Float32, batch_size: Int32, max_seqlen_q: Int32, num_splits: Int32,
+        softmax_scale_log2: Float32, softcap_scale: Float32, batch_size: Int32, max_seqlen_q: Int32, num_splits: Int32,
         window_left: Int32, window_right: Int32, l2_group: Int32,
         sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout, sO_layout: cute.ComposedLayout,
@@ -242,6 +243,7 @@ class FlashAttentionForwardSm90:
         sched = TileSchedule(num_m_blocks, mQ.shape[2], num_hb, l2_group, self.causal and self.cfg.lpt)
         seqs = (mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK)
         self.window = (window_left, window_right) if const_expr(self.cfg.local) else None
+        self.softcap_scale = softcap_scale
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.num_producer_regs)
@@ -388,6 +390,7 @@ class FlashAttentionForwardSm90:
                     acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
                     wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, state.index], zero_init=True, wg_wait=0)
                     pipeline_k.consumer_release(state)
+                    self.apply_softcap(acc_S)
                     mask(acc_S, n_block=n_block_max - 1, causal=self.causal)
                     softmax.online(acc_S, is_first=True)
                     self.convert_P(acc_S, tOrP)
@@ -500,6 +503,7 @@ class FlashAttentionForwardSm90:
         self.scheduler_barrier_arrive(wg_idx)
         warpgroup.wait_group(1)
         pipeline_k.consumer_release(state)
+        self.apply_softcap(acc_S)
         if const_expr(masked):
             mask(acc_S, n_block=n_block, causal=self.causal)
         row_scale = softmax.online(acc_S, is_first=False)
@@ -508,6 +512,15 @@ class FlashAttentionForwardSm90:
         self.convert_P(acc_S, tOrP)
         softmax.rescale_O(acc_O, row_scale)
         return state
+
+    @cute.jit
+    def apply_softcap(self, acc_S: cute.Tensor):
+        """softcap: raw scores -> tanh(S * softmax_scale / softcap) in place (the softmax then scales
+        by softcap * log2 e: scores softcap * tanh(S * scale / softcap), Gemma 2). Before the mask,
+        so masked keys still get -inf."""
+        if const_expr(self.cfg.softcap):
+            for i in cutlass.range_constexpr(cute.size(acc_S)):
+                acc_S[i] = cute.math.tanh(acc_S[i] * self.softcap_scale, fastmath=True)
 
     @cute.jit
     def convert_P(self, acc_S: cute.Tensor, tOrP: cute.Tensor):
