@@ -16,7 +16,7 @@ import torch
 
 import flash4.ops  # noqa: F401  (registers the flash4:: custom ops torch.compile traces)
 from flash4.arch import device_arch
-from flash4.autograd import FlashAttnFunc, FlashAttnVarlenFunc
+from flash4.autograd import FlashAttnFunc, FlashAttnVarlenFunc, sink_kwargs
 from flash4.config import select_fwd_config
 from flash4.geometry import canonical_mask, window_sides
 from flash4.validate import (DTYPE_NAMES, check_inputs, check_kvcache_inputs, check_kvcache_seqlens, check_softcap,
@@ -25,7 +25,7 @@ from flash4.validate import (DTYPE_NAMES, check_inputs, check_kvcache_inputs, ch
 
 
 def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False, deterministic=False, *,
-                    window_size=(-1, -1), softcap=0.0):
+                    window_size=(-1, -1), softcap=0.0, learnable_sink=None):
     """Exact attention softmax(softmax_scale * Q K^T) V, FlashAttention conventions.
 
     Args:
@@ -63,6 +63,12 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False,
            its derivative in the backward; the value is a runtime argument (changing it never
            recompiles; 0 and > 0 are two compiled variants).
            Not yet run on a GPU (compile-checked only).
+        learnable_sink: None or a (nheads,) tensor (float32, bfloat16 or float16, on q's device):
+           attention sinks (gpt-oss): one extra logit sink[h] per query head joins every row's softmax
+           denominator and contributes no value, out_i = sum_j p_ij v_j / (sum_j p_ij + exp(sink_h - m));
+           lse includes it (log(sum_j exp(s_ij) + exp(sink_h))); a row that sees no key gives out 0 and
+           lse = sink_h. Differentiable (dsink computed in torch from out, dout and lse).
+           Not yet run on a GPU (compile-checked only).
 
     Returns:
         out: (batch, seqlen_q, nheads, headdim), dtype of q, contiguous; or
@@ -95,19 +101,22 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False,
         # torch.compile: one custom op per call (flash4.ops); its real implementation checks the
         # arguments when the compiled graph runs (pointers and the device are not known here).
         out, lse, _ = torch.ops.flash4.fwd(q, k, v, resolve_softmax_scale(softmax_scale, q.shape[3]), causal,
-                                           deterministic, *window_size, softcap)
+                                           deterministic, *window_size, softcap, *_sink_arg(learnable_sink))
         return (out, lse) if return_lse else out
-    check_inputs(q, k, v, softmax_scale, causal, window_size, softcap)
+    check_inputs(q, k, v, softmax_scale, causal, window_size, softcap, learnable_sink)
     scale = resolve_softmax_scale(softmax_scale, q.shape[3])
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        out, lse = FlashAttnFunc.apply(q, k, v, scale, causal, deterministic, window_size, softcap)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                    or (learnable_sink is not None and learnable_sink.requires_grad)):
+        out, lse = FlashAttnFunc.apply(q, k, v, scale, causal, deterministic, window_size, softcap,
+                                       *_sink_arg(learnable_sink))
     else:
-        out, lse = _flash_attn_forward(q, k, v, scale, causal, window_size=window_size, softcap=softcap)
+        out, lse = _flash_attn_forward(q, k, v, scale, causal, window_size=window_size, softcap=softcap,
+                                       **sink_kwargs(learnable_sink))
     return (out, lse) if return_lse else out
 
 
 def _flash_attn_forward(q, k, v, softmax_scale=None, causal=False, out=None, lse=None, lse_split=None,
-                        window_size=None, softcap: float = 0.0):
+                        window_size=None, softcap: float = 0.0, learnable_sink=None):
     """Forward on validated inputs (flash4.validate.check_inputs); returns (out, lse).
 
     out: None or a preallocated (batch, seqlen_q, nheads, headdim) tensor of q's dtype and device
@@ -121,8 +130,11 @@ def _flash_attn_forward(q, k, v, softmax_scale=None, causal=False, out=None, lse
         sides, or None for plain full / causal attention.
     softcap: float >= 0, logit soft-capping (flash_attn_func's; 0 = off): selects the softcap config
         variant (select_fwd_config(softcap=softcap > 0)) and is passed to the kernel as a runtime value.
+    learnable_sink: None or a validated (nheads,) tensor (attention sinks): selects the sink config
+        variant and is passed to the runner as a contiguous float32 (nheads,) tensor.
     Tests pass NaN-filled out/lse to catch unwritten elements. Empty problems never launch:
-    batch == 0 or seqlen_q == 0 give empty out/lse; seqlen_k == 0 gives out = 0, lse = -inf.
+    batch == 0 or seqlen_q == 0 give empty out/lse; seqlen_k == 0 gives out = 0, lse = -inf (lse =
+    the sink with learnable_sink).
     Raises ValueError for a preallocated out/lse of the wrong shape, dtype, device or layout.
     """
     batch, seqlen_q, nheads, headdim = q.shape
@@ -144,9 +156,10 @@ def _flash_attn_forward(q, k, v, softmax_scale=None, causal=False, out=None, lse
             raise ValueError(f"lse must be contiguous; got strides {lse.stride()}")
     if out.numel() == 0:
         return out, lse
+    sink = None if learnable_sink is None else learnable_sink.detach().float().contiguous()
     if seqlen_k == 0:
         out.zero_()
-        lse.fill_(float("-inf"))
+        _fill_no_key_lse(lse, sink, 1)
         if lse_split is not None:
             lse_split[0].fill_(float("inf"))
             lse_split[1].zero_()
@@ -156,14 +169,33 @@ def _flash_attn_forward(q, k, v, softmax_scale=None, causal=False, out=None, lse
 
     window = window_sides(window_size, causal)
     cfg = select_fwd_config(headdim, DTYPE_NAMES[q.dtype], causal, arch=device_arch(q.device), local=window is not None,
-                            softcap=softcap > 0)
+                            softcap=softcap > 0, **({} if sink is None else {"sink": True}))
     run = get_fwd_runner(cfg)
+    kwargs = {"window": window, "softcap": softcap}
+    if sink is not None:
+        kwargs["sink"] = sink
     if q.device.index == torch.cuda.current_device():
-        run(q, k, v, out, lse, scale, lse_split, window=window, softcap=softcap)
+        run(q, k, v, out, lse, scale, lse_split, **kwargs)
     else:
         with torch.cuda.device(q.device):
-            run(q, k, v, out, lse, scale, lse_split, window=window, softcap=softcap)
+            run(q, k, v, out, lse, scale, lse_split, **kwargs)
     return out, lse
+
+
+def _sink_arg(learnable_sink) -> tuple:
+    """() or (learnable_sink,): the trailing positional sink of the ops / autograd Functions."""
+    return () if learnable_sink is None else (learnable_sink,)
+
+
+def _fill_no_key_lse(lse, sink, heads_dim: int) -> None:
+    """lse of rows that see no key: -inf, or the sink of the row's head (learnable_sink; sink a
+    float32 (nheads,) tensor, heads_dim the head axis of lse)."""
+    if sink is None:
+        lse.fill_(float("-inf"))
+    else:
+        shape = [1] * lse.dim()
+        shape[heads_dim] = -1
+        lse.copy_(sink.view(shape).expand_as(lse))
 
 
 def _check_buffer(name, t, shape, dtype, device) -> None:
@@ -179,7 +211,7 @@ def _check_buffer(name, t, shape, dtype, device) -> None:
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, *,
                            seqused_q=None, seqused_k=None, page_table=None, softmax_scale=None, causal=False,
                            window_size=(-1, -1), softcap=0.0, return_lse=False, deterministic=False,
-                           check_seqlens=False):
+                           check_seqlens=False, learnable_sink=None):
     """Exact attention over a batch of variable-length sequences packed along one dim (flash-attn's
     `flash_attn_varlen_func` conventions; flash-attn-4's for paged K/V).
 
@@ -237,6 +269,13 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
            backward; the value is a runtime argument (changing it never recompiles; 0 and > 0 are
            two compiled variants).
            Not yet run on a GPU (compile-checked only).
+        learnable_sink: None or a (nheads,) tensor (float32, bfloat16 or float16, on q's device):
+           attention sinks (gpt-oss): one extra logit sink[h] per query head joins every row's softmax
+           denominator and contributes no value, out_i = sum_j p_ij v_j / (sum_j p_ij + exp(sink_h - m));
+           lse includes it (log(sum_j exp(s_ij) + exp(sink_h))); a row that sees no key gives out 0 and
+           lse = sink_h. Differentiable (dsink computed in torch from out, dout and lse over
+           the rows inside a sequence).
+           Not yet run on a GPU (compile-checked only).
         return_lse: bool; also return the log-sum-exp of each row.
         deterministic: bool; bitwise reproducible backward (dQ summed in a fixed order), slower.
         check_seqlens: bool; also check the values of the metadata on the device before launching
@@ -284,10 +323,10 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
         out, lse, _ = torch.ops.flash4.varlen_fwd(
             q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table, _host_int_or_none(max_seqlen_q),
             _host_int_or_none(max_seqlen_k), resolve_softmax_scale(softmax_scale, q.shape[2]), causal, deterministic,
-            check_seqlens, *window_size, softcap)
+            check_seqlens, *window_size, softcap, *_sink_arg(learnable_sink))
         return (out, lse) if return_lse else out
     check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
-                        page_table, softmax_scale, causal, window_size, softcap)
+                        page_table, softmax_scale, causal, window_size, softcap, learnable_sink)
     cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table = (
         _contiguous(t) for t in (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table))
     paged = page_table is not None
@@ -297,12 +336,15 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
                              page_size=k.shape[1] if paged else 0, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
     max_q = resolve_max_seqlen("max_seqlen_q", max_seqlen_q, cu_seqlens_q, seqused_q)
     scale = resolve_softmax_scale(softmax_scale, q.shape[2])
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                    or (learnable_sink is not None and learnable_sink.requires_grad)):
         out, lse = FlashAttnVarlenFunc.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table,
-                                             max_q, max_seqlen_k, scale, causal, deterministic, window_size, softcap)
+                                             max_q, max_seqlen_k, scale, causal, deterministic, window_size, softcap,
+                                             *_sink_arg(learnable_sink))
     else:
         out, lse = _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, scale, causal, seqused_q,
-                                              seqused_k, page_table, window_size=window_size, softcap=softcap)
+                                              seqused_k, page_table, window_size=window_size, softcap=softcap,
+                                              **sink_kwargs(learnable_sink))
     return (out, lse) if return_lse else out
 
 
@@ -325,7 +367,7 @@ def _device_guard(device: torch.device):
 
 def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, softmax_scale: float,
                                causal: bool, seqused_q=None, seqused_k=None, page_table=None, out=None, lse=None,
-                               lse_split=None, window_size=None, softcap: float = 0.0):
+                               lse_split=None, window_size=None, softcap: float = 0.0, learnable_sink=None):
     """Forward on validated varlen / paged inputs (check_varlen_inputs; metadata contiguous);
     returns (out, lse) from flash4.varlen.varlen_forward.
 
@@ -345,9 +387,10 @@ def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
     out, lse = _varlen_buffers(q, out, lse, lse_split, seqused_q)
     if total_q == 0 or cu_seqlens_q.numel() <= 1 or max_seqlen_q == 0:
         return out, lse
+    sink = None if learnable_sink is None else learnable_sink.detach().float().contiguous()
     if k.numel() == 0:
         out.zero_()
-        lse.fill_(float("-inf"))
+        _fill_no_key_lse(lse, sink, 0)
         if lse_split is not None:
             lse_split[0].fill_(float("inf"))
             lse_split[1].zero_()
@@ -358,7 +401,8 @@ def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
     with _device_guard(q.device):
         varlen.varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale, causal,
                               seqused_q=seqused_q, seqused_k=seqused_k, page_table=page_table, out=out, lse=lse,
-                              lse_split=lse_split, window_size=window_size, softcap=softcap)
+                              lse_split=lse_split, window_size=window_size, softcap=softcap,
+                              **sink_kwargs(sink))
     return out, lse
 
 
@@ -411,7 +455,7 @@ def _flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlen
 # ================================================================ KV cache (decode)
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, page_table=None, *,
                             cache_batch_idx=None, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                            num_splits=0, return_lse=False, out=None, check_seqlens=False):
+                            num_splits=0, return_lse=False, out=None, check_seqlens=False, learnable_sink=None):
     """Attention of new queries against a KV cache, appending new keys/values to the cache in place
     first (flash-attn 2/3's `flash_attn_with_kvcache`: decode, speculative decode, chunked prefill).
 
@@ -456,6 +500,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
            below bf16 rounding). Cost: one tanh per score (on the MUFU unit the exponentials also
            use); the value is a runtime argument (changing it never recompiles; 0 and > 0 are two
            compiled variants).
+           Not yet run on a GPU (compile-checked only).
+        learnable_sink: None or a (nheads,) tensor (float32, bfloat16 or float16, on q's device):
+           attention sinks (gpt-oss): one extra logit sink[h] per query head joins every row's softmax
+           denominator and contributes no value, out_i = sum_j p_ij v_j / (sum_j p_ij + exp(sink_h - m));
+           lse includes it (log(sum_j exp(s_ij) + exp(sink_h))); a row that sees no key gives out 0 and
+           lse = sink_h. Both paths, split-KV
+           included (the combine kernel adds the sink).
            Not yet run on a GPU (compile-checked only).
         num_splits: how many CTAs share the keys of one (sequence, KV head) tile (split-KV; their
            partial results are merged by a combine kernel): 0 = auto (flash4.decode.choose_num_splits:
@@ -510,24 +561,24 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
                 q, k_cache, v_cache, k, v, cache_seqlens if tensor_seqlens else None,
                 None if tensor_seqlens else cache_seqlens, page_table, cache_batch_idx,
                 resolve_softmax_scale(softmax_scale, q.shape[3]), causal, num_splits, check_seqlens, *window_size,
-                softcap)
+                softcap, *_sink_arg(learnable_sink))
             if out is not None:
                 out.copy_(result)
                 result = out
         return (result, lse) if return_lse else result
     check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, page_table, cache_batch_idx, softmax_scale, causal,
-                         num_splits, out, window_size, softcap)
+                         num_splits, out, window_size, softcap, learnable_sink)
     scale = resolve_softmax_scale(softmax_scale, q.shape[3])
     with torch.no_grad():
         out, lse = _flash_attn_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, page_table, cache_batch_idx, scale,
                                        causal, num_splits, out=out, check_seqlens=check_seqlens,
-                                       window_size=window_size, softcap=softcap)
+                                       window_size=window_size, softcap=softcap, **sink_kwargs(learnable_sink))
     return (out, lse) if return_lse else out
 
 
 def _flash_attn_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, page_table, cache_batch_idx, softmax_scale: float,
                         causal: bool, num_splits: int = 0, out=None, lse=None, check_seqlens=False,
-                        window_size=None, softcap: float = 0.0):
+                        window_size=None, softcap: float = 0.0, learnable_sink=None):
     """flash_attn_with_kvcache on validated inputs (check_kvcache_inputs): append, then attend.
     out: None or (batch, seqlen_q, nheads, headdim); lse: None or a contiguous float32
     (batch, nheads, seqlen_q); window_size: None or flash-attn's (left, right); softcap: float >= 0
@@ -562,16 +613,18 @@ def _flash_attn_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, page_table, ca
 
     if out.numel() == 0:
         return out, lse
+    sink = None if learnable_sink is None else learnable_sink.detach().float().contiguous()
     if k_cache.numel() == 0:  # no key storage: every sequence has 0 keys
         out.zero_()
-        lse.fill_(float("-inf"))
+        _fill_no_key_lse(lse, sink, 1)
         return out, lse
     if cache_batch_idx is None:
         from flash4 import decode  # late: the kernels' host side
 
         with _device_guard(device):
             decode.decode_forward(q, k_cache, v_cache, seqused_k, softmax_scale, causal, page_table=page_table,
-                                  num_splits=num_splits, out=out, lse=lse, window_size=window_size, softcap=softcap)
+                                  num_splits=num_splits, out=out, lse=lse, window_size=window_size, softcap=softcap,
+                                  **sink_kwargs(sink))
         return out, lse
     total_q = batch * seqlen_q
     k_rows, v_rows, cu_seqlens_k = _dense_cache_rows(k_cache, v_cache, batch, cache_batch_idx)
@@ -580,7 +633,7 @@ def _flash_attn_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, page_table, ca
     _flash_attn_varlen_forward(q.reshape(total_q, nheads, headdim), k_rows, v_rows, cu_seqlens_q, cu_seqlens_k,
                                seqlen_q, softmax_scale, causal, seqused_k=seqused_k,
                                out=out.view(total_q, nheads, headdim), lse=lse_packed, window_size=window_size,
-                               softcap=softcap)
+                               softcap=softcap, **sink_kwargs(sink))
     lse.copy_(lse_packed.view(nheads, batch, seqlen_q).transpose(0, 1))
     return out, lse
 

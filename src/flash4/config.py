@@ -63,6 +63,8 @@ class FwdConfig:
                   right = 0). Only the band's key blocks are visited; its edge blocks are masked.
     softcap:      scores -> softcap * tanh(scores * softmax_scale / softcap) (Gemma 2), the value a
                   runtime argument; tanh is the hardware tanh.approx.f32 (MUFU).
+    sink:         a learnable sink logit per head (gpt-oss) joins every row's softmax denominator
+                  (fp32 (nheads,) tensor argument); with split_kv the combine kernel adds it once.
     """
 
     headdim: int
@@ -84,6 +86,7 @@ class FwdConfig:
     split_kv: bool = False
     local: bool = False
     softcap: bool = False
+    sink: bool = False
 
     def __post_init__(self):
         assert self.headdim in SUPPORTED_HEADDIMS, self.headdim
@@ -111,7 +114,7 @@ class FwdConfig:
 
 
 def select_fwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, arch: int = 90,
-                      local: bool = False, softcap: bool = False) -> FwdConfig:
+                      local: bool = False, softcap: bool = False, sink: bool = False) -> FwdConfig:
     """Pick the forward config for one problem class (pure; CPU-tested). local: a sliding window
     (flash4.geometry.window_sides; causal is folded into it, so the config has causal False).
 
@@ -139,7 +142,7 @@ def select_fwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, a
     # static round-robin is coarser than the hardware's block dispatch): off by default.
     # A window's tiles cost about the same (a band): no LPT order.
     return FwdConfig(headdim=headdim, dtype=dtype, causal=causal and not local, tile_m=tile_m, tile_n=tile_n,
-                     kv_stages=2, lpt=causal and not local, arch=arch, local=local, softcap=softcap)
+                     kv_stages=2, lpt=causal and not local, arch=arch, local=local, softcap=softcap, sink=sink)
 
 
 # Smallest page piece one TMA copy may load: the swizzle atom of the K/V smem tile is 8 rows.

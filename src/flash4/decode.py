@@ -90,20 +90,30 @@ class DecodePlan:
 @functools.lru_cache(maxsize=1024)
 def decode_plan(batch: int, seqlen_q: int, nheads: int, nheads_k: int, headdim: int, dtype: str, causal: bool,
                 page_size: int, capacity: int, num_splits: int, arch: int, num_sms: int,
-                window=None, softcap: bool = False) -> DecodePlan:
+                window=None, softcap: bool = False, sink: bool = False) -> DecodePlan:
     """The plan of a decode step (pure; CPU-tested): packing, config and split count.
     page_size: 0 for a contiguous cache; capacity: keys the cache can hold per sequence."""
     from flash4.config import paged_page_rows, select_fwd_config, with_seq_layout
 
     pack = pack_factor(nheads, nheads_k, seqlen_q, causal, window)
+    # A packed tile's rows belong to `pack` query heads, each with its own sink: the sink is then
+    # added by the combine kernel (which unpacks the rows), so a packed step with a sink always
+    # splits (at least 2 runs); with a single key block to split, it is not packed.
+    tile_n_hint = select_fwd_config(headdim, dtype, False, arch=arch).tile_n
+    if sink and pack > 1 and num_splits != 1 and ceil_div(capacity, tile_n_hint) < 2:
+        pack = 1
+    if sink and pack > 1 and num_splits == 1:
+        pack = 1  # splitting was refused: unpacked, the kernel adds each head's sink itself
     kernel_causal = causal and pack == 1  # packed steps have Sq == 1 or are non-causal
     seqlen_p, heads_p = seqlen_q * pack, nheads // pack
     cfg = decode_tiles(select_fwd_config(headdim, dtype, kernel_causal, arch=arch, local=window is not None,
-                                         softcap=softcap), seqlen_p)
+                                         softcap=softcap, sink=sink), seqlen_p)
     n_blocks = max(1, ceil_div(capacity, cfg.tile_n))
     if num_splits == 0:
         num_splits = choose_num_splits(batch * heads_p * ceil_div(seqlen_p, cfg.tile_m), n_blocks, num_sms)
     num_splits = max(1, min(num_splits, n_blocks))
+    if sink and pack > 1:
+        num_splits = max(num_splits, 2)
     cfg = with_seq_layout(cfg, seqused_k=True, page_rows=paged_page_rows(page_size, cfg.tile_n) if page_size else 0,
                           split_kv=num_splits > 1)
     return DecodePlan(cfg, pack, num_splits, seqlen_p, heads_p)
@@ -114,12 +124,23 @@ def _runners(plan: DecodePlan):
     """(forward runner, combine runner or None) of a plan (compiled once, then a lookup)."""
     from flash4.compile.cache import get_combine_runner, get_fwd_runner  # late: CuTe DSL
 
-    combine = get_combine_runner(plan.cfg.headdim, plan.cfg.dtype, plan.cfg.arch) if plan.num_splits > 1 else None
+    combine = (get_combine_runner(plan.cfg.headdim, plan.cfg.dtype, plan.cfg.arch, sink=plan.cfg.sink)
+               if plan.num_splits > 1 else None)
     return get_fwd_runner(plan.cfg), combine
 
 
+def _packed_sink(sink, nheads_k: int, pack: int):
+    """Packed GQA rows see kernel head hk for query heads hk * pack + r: one sink per kernel head
+    only when every query head of the group has the same sink -- not in general. So a packed,
+    unsplit step with a sink is not planned (decode_plan never packs with a sink); kept as a guard."""
+    if sink is None:
+        return None
+    raise AssertionError("a learnable sink with GQA packing needs the split-KV combine (decode_plan avoids it)")
+
+
 def decode_forward(q, k_cache, v_cache, seqused_k, softmax_scale: float, causal: bool, page_table=None,
-                   num_splits: int = 0, out=None, lse=None, window_size=None, softcap: float = 0.0):
+                   num_splits: int = 0, out=None, lse=None, window_size=None, softcap: float = 0.0,
+                   learnable_sink=None):
     """Attention of q over the first seqused_k[b] keys of each cache row; returns (out, lse).
 
     q: (B, Sq, H, D) 16-bit CUDA; k_cache, v_cache: (B, S_cache, Hk, D), or paged
@@ -146,7 +167,8 @@ def decode_forward(q, k_cache, v_cache, seqused_k, softmax_scale: float, causal:
     window = window_sides(window_size, causal)
     plan = decode_plan(batch, seqlen_q, nheads, nheads_k, headdim, DTYPE_NAMES[q.dtype], causal,
                        k_cache.shape[1] if paged else 0, capacity, num_splits, arch.device_arch(q.device),
-                       arch.num_sms(q.device), window, softcap > 0)
+                       arch.num_sms(q.device), window, softcap > 0, learnable_sink is not None)
+    sink = None if learnable_sink is None else learnable_sink.float().contiguous()
     run, combine = _runners(plan)
     pack, seqlen_p, heads_p = plan.pack, plan.seqlen_p, plan.heads_p
     if pack > 1:
@@ -163,16 +185,16 @@ def decode_forward(q, k_cache, v_cache, seqused_k, softmax_scale: float, causal:
             o_arg = q_run if pack > 1 else out
             run(q_run, k_cache, v_cache, o_arg, lse_acc[0], softmax_scale, lse_split=lse_acc[:2], seqs=seqs,
                 batch=batch, max_seqlen_q=seqlen_p, accs=(o_acc, lse_acc), num_splits=plan.num_splits, window=window,
-                softcap=softcap)
-            combine(o_acc, lse_acc, out, lse, pack)
+                softcap=softcap, sink=sink)
+            combine(o_acc, lse_acc, out, lse, pack, sink=sink)
         elif pack > 1:
             out_p = torch.empty(batch, seqlen_p, heads_p, headdim, dtype=q.dtype, device=q.device)
             lse_p = torch.empty(batch, heads_p, seqlen_p, dtype=torch.float32, device=q.device)
             run(q_run, k_cache, v_cache, out_p, lse_p, softmax_scale, seqs=seqs, batch=batch, max_seqlen_q=seqlen_p,
-                softcap=softcap)
+                softcap=softcap, sink=_packed_sink(sink, nheads_k, pack))
             out.copy_(out_p.view(batch, seqlen_q, pack, nheads_k, headdim).transpose(2, 3).reshape(q.shape))
             lse.copy_(lse_p.view(batch, nheads_k, seqlen_q, pack).transpose(2, 3).reshape(batch, nheads, seqlen_q))
         else:
             run(q, k_cache, v_cache, out, lse, softmax_scale, seqs=seqs, batch=batch, max_seqlen_q=seqlen_q,
-                window=window, softcap=softcap)
+                window=window, softcap=softcap, sink=sink)
     return out, lse

@@ -3,18 +3,22 @@
 output sizes, strides and dtypes) instead of a graph break at a foreign TVM-FFI call.
 
     flash4::fwd(q, k, v, softmax_scale, causal, deterministic, window_left=-1, window_right=-1,
-        softcap=0.0) -> (out, lse, lse_split)
+        softcap=0.0, learnable_sink?=None) -> (out, lse, lse_split)
     flash4::bwd(dout, q, k, v, out, lse, lse_split, dlse?, softmax_scale, causal, deterministic,
         window_left=-1, window_right=-1, softcap=0.0) -> (dq, dk, dv)
     flash4::varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k?, seqused_q?, seqused_k?, page_table?,
         max_seqlen_q: int?, max_seqlen_k: int?, softmax_scale, causal, deterministic, check_seqlens,
-        window_left=-1, window_right=-1, softcap=0.0) -> (out, lse, lse_split)
+        window_left=-1, window_right=-1, softcap=0.0, learnable_sink?=None) -> (out, lse, lse_split)
     flash4::varlen_bwd(dout, q, k, v, out, lse, lse_split, dlse?, cu_seqlens_q, cu_seqlens_k,
         seqused_q?, seqused_k?, max_seqlen_q: int?, max_seqlen_k: int?, softmax_scale, causal,
         deterministic, window_left=-1, window_right=-1, softcap=0.0) -> (dq, dk, dv)
     flash4::kvcache(q, k_cache!, v_cache!, k?, v?, cache_seqlens?, cache_seqlens_int: int?,
         page_table?, cache_batch_idx?, softmax_scale, causal, num_splits, check_seqlens,
-        window_left=-1, window_right=-1, softcap=0.0) -> (out, lse)
+        window_left=-1, window_right=-1, softcap=0.0, learnable_sink?=None) -> (out, lse)
+
+learnable_sink: None or the (nheads,) attention-sink logits (flash4.api.flash_attn_func's); the
+autograd of fwd / varlen_fwd returns its gradient (flash4.autograd.sink_grad, in torch; the
+backward ops need no sink).
 
 window_left / window_right: flash-attn's sliding window (flash4.api.flash_attn_func's window_size,
 one int per side, -1 unbounded on that side; the defaults are no window). softcap: the logit
@@ -63,6 +67,12 @@ from torch import Tensor
 F32 = torch.float32
 
 
+def sink_kwargs(learnable_sink) -> dict:
+    from flash4.autograd import sink_kwargs as kw
+
+    return kw(learnable_sink)
+
+
 def _fwd_shapes(q: Tensor):
     batch, seqlen_q, nheads, _ = q.shape
     return (batch, nheads, seqlen_q), (2, batch, nheads, seqlen_q)
@@ -71,21 +81,24 @@ def _fwd_shapes(q: Tensor):
 # ================================================================ dense
 @torch.library.custom_op("flash4::fwd", mutates_args=(), device_types="cuda")
 def fwd(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool, deterministic: bool,
-        window_left: int = -1, window_right: int = -1, softcap: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
+        window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
+        learnable_sink: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     from flash4.api import _flash_attn_forward
     from flash4.validate import check_inputs
 
     window_size = (window_left, window_right)
-    check_inputs(q, k, v, softmax_scale, causal, window_size, softcap)  # real tensors: pointers and the device too
+    # real tensors: pointers and the device too
+    check_inputs(q, k, v, softmax_scale, causal, window_size, softcap, learnable_sink)
     _, split_shape = _fwd_shapes(q)
     lse_split = torch.empty(split_shape, dtype=F32, device=q.device)
     out, lse = _flash_attn_forward(q, k, v, softmax_scale, causal, lse_split=lse_split, window_size=window_size,
-                                   softcap=softcap)
+                                   softcap=softcap, **sink_kwargs(learnable_sink))
     return out, lse, lse_split
 
 
 @fwd.register_fake
-def _fwd_fake(q, k, v, softmax_scale, causal, deterministic, window_left=-1, window_right=-1, softcap=0.0):
+def _fwd_fake(q, k, v, softmax_scale, causal, deterministic, window_left=-1, window_right=-1, softcap=0.0,
+              learnable_sink=None):
     lse_shape, split_shape = _fwd_shapes(q)
     return (torch.empty(q.shape, dtype=q.dtype, device=q.device),
             torch.empty(lse_shape, dtype=F32, device=q.device),
@@ -114,21 +127,24 @@ def _grads_fake(q, k, v):
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, softmax_scale, causal, deterministic, window_left, window_right, softcap = inputs
+    q, k, v, softmax_scale, causal, deterministic, window_left, window_right, softcap, learnable_sink = inputs
     out, lse, lse_split = output
-    ctx.save_for_backward(q, k, v, out, lse, lse_split)
+    ctx.save_for_backward(q, k, v, out, lse, lse_split, learnable_sink)
     ctx.softmax_scale, ctx.causal, ctx.deterministic = softmax_scale, causal, deterministic
     ctx.window, ctx.softcap = (window_left, window_right), softcap
     ctx.mark_non_differentiable(lse_split)
 
 
 def _backward(ctx, dout, dlse, dlse_split):
-    q, k, v, out, lse, lse_split = ctx.saved_tensors
+    from flash4.autograd import sink_grad
+
+    q, k, v, out, lse, lse_split, sink = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
+    dsink = sink_grad(sink, out, dout, lse, dlse, 2) if sink is not None and ctx.needs_input_grad[9] else None
     dq, dk, dv = torch.ops.flash4.bwd(dout, q, k, v, out, lse, lse_split, dlse, ctx.softmax_scale, ctx.causal,
                                       ctx.deterministic, *ctx.window, ctx.softcap)
-    return (dq, dk, dv) + (None,) * 6
+    return (dq, dk, dv) + (None,) * 6 + (dsink,)
 
 
 torch.library.register_autograd("flash4::fwd", _backward, setup_context=_setup_context)
@@ -151,13 +167,14 @@ def varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens
                seqused_q: Optional[Tensor], seqused_k: Optional[Tensor], page_table: Optional[Tensor],
                max_seqlen_q: Optional[int], max_seqlen_k: Optional[int], softmax_scale: float, causal: bool,
                deterministic: bool, check_seqlens: bool, window_left: int = -1,
-               window_right: int = -1, softcap: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
+               window_right: int = -1, softcap: float = 0.0,
+               learnable_sink: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     from flash4.api import _contiguous, _flash_attn_varlen_forward
     from flash4.validate import check_varlen_inputs, check_varlen_seqlens
 
     window_size = (window_left, window_right)
     check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
-                        page_table, softmax_scale, causal, window_size, softcap)
+                        page_table, softmax_scale, causal, window_size, softcap, learnable_sink)
     cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table = (
         _contiguous(t) for t in (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table))
     paged = page_table is not None
@@ -170,14 +187,14 @@ def varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens
     lse_split = torch.empty(split_shape, dtype=F32, device=q.device)
     out, lse = _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, softmax_scale, causal,
                                           seqused_q, seqused_k, page_table, lse_split=lse_split,
-                                          window_size=window_size, softcap=softcap)
+                                          window_size=window_size, softcap=softcap, **sink_kwargs(learnable_sink))
     return out, lse, lse_split
 
 
 @varlen_fwd.register_fake
 def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table, max_seqlen_q,
                      max_seqlen_k, softmax_scale, causal, deterministic, check_seqlens, window_left=-1,
-                     window_right=-1, softcap=0.0):
+                     window_right=-1, softcap=0.0, learnable_sink=None):
     lse_shape, split_shape = _varlen_shapes(q)
     return (torch.empty(q.shape, dtype=q.dtype, device=q.device),
             torch.empty(lse_shape, dtype=F32, device=q.device),
@@ -211,11 +228,12 @@ def _varlen_bwd_fake(dout, q, k, v, out, lse, lse_split, dlse, cu_seqlens_q, cu_
 
 def _varlen_setup_context(ctx, inputs, output):
     (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table, max_seqlen_q, max_seqlen_k,
-     softmax_scale, causal, deterministic, _check_seqlens, window_left, window_right, softcap) = inputs
+     softmax_scale, causal, deterministic, _check_seqlens, window_left, window_right, softcap, learnable_sink) = inputs
     out, lse, lse_split = output
     ctx.paged = page_table is not None
     if not ctx.paged:
-        ctx.save_for_backward(q, k, v, out, lse, lse_split, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
+        ctx.save_for_backward(q, k, v, out, lse, lse_split, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+                              learnable_sink)
     ctx.max_seqlen_q, ctx.max_seqlen_k = max_seqlen_q, max_seqlen_k
     ctx.softmax_scale, ctx.causal, ctx.deterministic = softmax_scale, causal, deterministic
     ctx.window, ctx.softcap = (window_left, window_right), softcap
@@ -227,14 +245,19 @@ def _varlen_backward(ctx, dout, dlse, dlse_split):
 
     if ctx.paged:
         raise RuntimeError(PAGED_BACKWARD_ERROR)
-    q, k, v, out, lse, lse_split, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k = ctx.saved_tensors
+    from flash4.autograd import sink_grad, varlen_row_mask
+
+    q, k, v, out, lse, lse_split, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, sink = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
+    dsink = None
+    if sink is not None and ctx.needs_input_grad[17]:
+        dsink = sink_grad(sink, out, dout, lse, dlse, 1, varlen_row_mask(cu_seqlens_q, seqused_q, q.shape[0]))
     dq, dk, dv = torch.ops.flash4.varlen_bwd(dout, q, k, v, out, lse, lse_split, dlse, cu_seqlens_q, cu_seqlens_k,
                                              seqused_q, seqused_k, ctx.max_seqlen_q, ctx.max_seqlen_k,
                                              ctx.softmax_scale, ctx.causal, ctx.deterministic, *ctx.window,
                                              ctx.softcap)
-    return (dq, dk, dv) + (None,) * 14
+    return (dq, dk, dv) + (None,) * 14 + (dsink,)
 
 
 torch.library.register_autograd("flash4::varlen_fwd", _varlen_backward, setup_context=_varlen_setup_context)
@@ -246,7 +269,7 @@ def kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor], v:
             cache_seqlens: Optional[Tensor], cache_seqlens_int: Optional[int], page_table: Optional[Tensor],
             cache_batch_idx: Optional[Tensor], softmax_scale: float, causal: bool, num_splits: int,
             check_seqlens: bool, window_left: int = -1, window_right: int = -1,
-            softcap: float = 0.0) -> tuple[Tensor, Tensor]:
+            softcap: float = 0.0, learnable_sink: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """flash_attn_with_kvcache as an op: cache_seqlens is the (batch,) int32 tensor, or None with
     cache_seqlens_int the Python int (or None too: the whole cache). Appends k / v to the caches
     in place, then attends; returns new (out, lse)."""
@@ -256,15 +279,16 @@ def kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor], v:
     seqlens = cache_seqlens if cache_seqlens is not None else cache_seqlens_int
     window_size = (window_left, window_right)
     check_kvcache_inputs(q, k_cache, v_cache, k, v, seqlens, page_table, cache_batch_idx, softmax_scale, causal,
-                         num_splits, window_size=window_size, softcap=softcap)
+                         num_splits, window_size=window_size, softcap=softcap, **sink_kwargs(learnable_sink))
     return _flash_attn_kvcache(q, k_cache, v_cache, k, v, seqlens, page_table, cache_batch_idx, softmax_scale,
                                causal, num_splits, check_seqlens=check_seqlens, window_size=window_size,
-                               softcap=softcap)
+                               softcap=softcap, **sink_kwargs(learnable_sink))
 
 
 @kvcache.register_fake
 def _kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, cache_seqlens_int, page_table, cache_batch_idx,
-                  softmax_scale, causal, num_splits, check_seqlens, window_left=-1, window_right=-1, softcap=0.0):
+                  softmax_scale, causal, num_splits, check_seqlens, window_left=-1, window_right=-1, softcap=0.0,
+                  learnable_sink=None):
     lse_shape, _ = _fwd_shapes(q)
     return (torch.empty(q.shape, dtype=q.dtype, device=q.device),
             torch.empty(lse_shape, dtype=F32, device=q.device))

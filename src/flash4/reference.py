@@ -64,8 +64,11 @@ def attention_ref(
     compute_dtype: torch.dtype = torch.float32,
     window_size=None,
     softcap: float = 0.0,
+    learnable_sink=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact softmax(scale * QK^T) V, materializing the (batch, nheads, seqlen_q, seqlen_k) scores.
+    learnable_sink: None or (nheads,) sink logits (gpt-oss): one more logit per row in the softmax
+      denominator with no value; the LSE includes it; rows without keys get out 0, LSE = sink.
     window_size: None or flash-attn's (left, right) sliding window (window_mask).
     softcap: > 0 caps the scaled scores as softcap * tanh(scores / softcap) (Gemma 2); 0 = off.
 
@@ -82,7 +85,10 @@ def attention_ref(
     if upcast:
         q, k, v = (t.to(compute_dtype) for t in (q, k, v))
     with _full_precision_matmul(enabled=upcast):
-        return _attention(q, k, v, scale, causal, upcast, window_size, softcap)
+        sink = None
+        if learnable_sink is not None:
+            sink = learnable_sink.to(compute_dtype if upcast else torch.float32)
+        return _attention(q, k, v, scale, causal, upcast, window_size, softcap, sink)
 
 
 @contextlib.contextmanager
@@ -99,7 +105,7 @@ def _full_precision_matmul(enabled: bool):
         torch.backends.cuda.matmul.allow_tf32 = saved
 
 
-def _attention(q, k, v, scale, causal, upcast, window_size=None, softcap=0.0):
+def _attention(q, k, v, scale, causal, upcast, window_size=None, softcap=0.0, sink=None):
     seqlen_q, nheads = q.shape[1], q.shape[2]
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
     if nheads != nheads_k:
@@ -113,6 +119,12 @@ def _attention(q, k, v, scale, causal, upcast, window_size=None, softcap=0.0):
     elif causal:
         scores = scores.masked_fill(~causal_mask(seqlen_q, seqlen_k, q.device), float("-inf"))
     lse_dtype = scores.dtype if upcast else torch.float32
+    if sink is not None:
+        # the sink joins the denominator: LSE over the scores and the sink; probabilities over the keys
+        sink_col = sink.to(lse_dtype).view(1, -1, 1, 1).expand(scores.shape[0], -1, scores.shape[2], 1)
+        lse = torch.logsumexp(torch.cat([scores.to(lse_dtype), sink_col], dim=-1), dim=-1)
+        probs = torch.exp(scores.to(lse_dtype) - lse.unsqueeze(-1)).to(v.dtype)
+        return torch.einsum("bhqk,bkhd->bqhd", probs, v), lse
     lse = torch.logsumexp(scores.to(lse_dtype), dim=-1)
     # Rows without a visible key have output 0 by convention. A softmax over all -inf would be NaN
     # (in autograd too), so such rows get finite scores and are zeroed afterwards.
@@ -138,16 +150,18 @@ def max_abs_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     return diff.max().item()
 
 
-def fwd_errors(q, k, v, out, lse=None, softmax_scale=None, causal=False, window_size=None, softcap=0.0) -> dict:
+def fwd_errors(q, k, v, out, lse=None, softmax_scale=None, causal=False, window_size=None, softcap=0.0,
+               learnable_sink=None) -> dict:
     """Errors of a forward result against the float32 reference, next to PyTorch's same-dtype errors.
 
     q, k, v: the inputs; out: (B, Sq, H, D); lse: (B, H, Sq) or None (then only out is judged).
     Returns {"out_err", "out_pt_err", "lse_err", "lse_pt_err", "ok"} (lse entries None without
     lse); ok applies err <= 2 * pt_err + atol (OUT_ATOL, LSE_ATOL) and needs finite PyTorch errors.
     """
-    out_ref, lse_ref = attention_ref(q, k, v, softmax_scale, causal, window_size=window_size, softcap=softcap)
+    out_ref, lse_ref = attention_ref(q, k, v, softmax_scale, causal, window_size=window_size, softcap=softcap,
+                                     learnable_sink=learnable_sink)
     out_pt, lse_pt = attention_ref(q, k, v, softmax_scale, causal, upcast=False, window_size=window_size,
-                                   softcap=softcap)
+                                   softcap=softcap, learnable_sink=learnable_sink)
     errs = {"out_err": max_abs_err(out, out_ref), "out_pt_err": max_abs_err(out_pt, out_ref),
             "lse_err": None, "lse_pt_err": None}
     ok = math.isfinite(errs["out_pt_err"]) and errs["out_err"] <= 2 * errs["out_pt_err"] + OUT_ATOL
@@ -214,6 +228,7 @@ def attention_varlen_ref(
     compute_dtype: torch.dtype = torch.float32,
     window_size=None,
     softcap: float = 0.0,
+    learnable_sink=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Varlen / paged attention, each sequence attended densely by `attention_ref` (window_size
     per sequence, as causal).
@@ -240,20 +255,23 @@ def attention_varlen_ref(
             k_start = seqs.offset_k(b)
             k_b, v_b = k[k_start: k_start + len_k], v[k_start: k_start + len_k]
         o_b, l_b = attention_ref(q[start: start + len_q][None], k_b[None], v_b[None], softmax_scale, causal, upcast,
-                                 compute_dtype, window_size, softcap)
+                                 compute_dtype, window_size, softcap, learnable_sink)
         out[start: start + len_q] = o_b[0].to(out_dtype)
         lse[:, start: start + len_q] = l_b[0].to(lse.dtype)
     return out, lse
 
 
 def varlen_fwd_errors(q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse=None, seqused_q=None, seqused_k=None,
-                      page_table=None, softmax_scale=None, causal=False, window_size=None, softcap=0.0) -> dict:
+                      page_table=None, softmax_scale=None, causal=False, window_size=None, softcap=0.0,
+                      learnable_sink=None) -> dict:
     """fwd_errors for varlen / paged results: out (total_q, H, D), lse (H, total_q) or None, judged
     on the rows inside some sequence only (the others are not written by the kernel). Returns
     fwd_errors' dict."""
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table, softmax_scale, causal)
-    out_ref, lse_ref = attention_varlen_ref(*args, window_size=window_size, softcap=softcap)
-    out_pt, lse_pt = attention_varlen_ref(*args, upcast=False, window_size=window_size, softcap=softcap)
+    out_ref, lse_ref = attention_varlen_ref(*args, window_size=window_size, softcap=softcap,
+                                            learnable_sink=learnable_sink)
+    out_pt, lse_pt = attention_varlen_ref(*args, upcast=False, window_size=window_size, softcap=softcap,
+                                          learnable_sink=learnable_sink)
     rows = varlen_row_mask(cu_seqlens_q, q.shape[0], seqused_q).to(q.device)
     errs = {"out_err": max_abs_err(out[rows], out_ref[rows]), "out_pt_err": max_abs_err(out_pt[rows], out_ref[rows]),
             "lse_err": None, "lse_pt_err": None}
@@ -356,7 +374,8 @@ def _cumsum(values):
 
 
 def kvcache_ref(q, k_cache, v_cache, seqlens_k, page_table=None, cache_batch_idx=None, softmax_scale=None,
-                causal=False, upcast=True, compute_dtype=torch.float32, window_size=None, softcap=0.0):
+                causal=False, upcast=True, compute_dtype=torch.float32, window_size=None, softcap=0.0,
+                learnable_sink=None):
     """flash_attn_with_kvcache's attention (after the append) by attention_ref, sequence by sequence.
 
     q: (B, Sq, H, D); k_cache/v_cache: dense (B_cache, S_cache, Hk, D) (row cache_batch_idx[b], or b)
@@ -372,7 +391,7 @@ def kvcache_ref(q, k_cache, v_cache, seqlens_k, page_table=None, cache_batch_idx
         else:
             k_b, v_b = k_cache[rows[b], :n], v_cache[rows[b], :n]
         o_b, l_b = attention_ref(q[b: b + 1], k_b[None], v_b[None], softmax_scale, causal, upcast, compute_dtype,
-                                 window_size, softcap)
+                                 window_size, softcap, learnable_sink)
         outs.append(o_b)
         lses.append(l_b)
     if not outs:

@@ -6,7 +6,8 @@ message of the first problem or None, so a caller can ask "would flash4 take the
 ValueError (everything else).
 
 Order of checks: Python types, dtypes, ranks, shapes, head dim, strides/alignment, softmax_scale,
-causal, window_size (window_problem), softcap (softcap_problem), then device and SM version.
+causal, window_size (window_problem), softcap (softcap_problem), learnable_sink (sink_problem: None or
+a (nheads,) fp32/bf16/fp16 tensor on q's device), then device and SM version.
 Metadata checks come before the device check, so every shape error is raised (and CPU-tested) for
 CPU tensors too; an input that is only wrong by being on the CPU (empty or not) gets the device
 error. The public functions also check window_size and softcap first of all (before tracing under
@@ -36,7 +37,7 @@ def _shape(t: torch.Tensor) -> tuple:
 
 
 def _problem(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1),
-             softcap=0.0) -> tuple[type, str] | None:
+             softcap=0.0, learnable_sink=None) -> tuple[type, str] | None:
     """(exception type, message) of the first problem with the arguments, or None."""
     named = (("q", q), ("k", k), ("v", v))
     for name, t in named:
@@ -94,6 +95,9 @@ def _problem(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1),
     problem = _scale_causal_problem(softmax_scale, causal, window_size, softcap)
     if problem is not None:
         return problem
+    problem = sink_problem(learnable_sink, q, q.shape[-2])
+    if problem is not None:
+        return problem
 
     for name, t in named:
         if t.device.type != "cuda":
@@ -137,6 +141,28 @@ def check_softcap(softcap) -> float:
         exc_type, message = problem
         raise exc_type(message)
     return float(softcap)
+
+
+SINK_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def sink_problem(learnable_sink, q, nheads: int) -> tuple[type, str] | None:
+    """(exception type, message) when learnable_sink (attention sinks, gpt-oss) is neither None nor a
+    (nheads,) float32 / bfloat16 / float16 tensor on q's device, or None. nheads: q's head count."""
+    if learnable_sink is None:
+        return None
+    if not isinstance(learnable_sink, torch.Tensor):
+        return TypeError, (f"learnable_sink must be None or a torch.Tensor of shape (nheads,), got "
+                           f"{type(learnable_sink).__name__}")
+    if learnable_sink.dtype not in SINK_DTYPES:
+        return TypeError, (f"learnable_sink must be torch.float32, torch.bfloat16 or torch.float16; got "
+                           f"{learnable_sink.dtype}")
+    if tuple(learnable_sink.shape) != (nheads,):
+        return ValueError, (f"learnable_sink must have shape (nheads,) = ({nheads},) (one sink logit per query "
+                            f"head); got shape {tuple(learnable_sink.shape)}")
+    if learnable_sink.device != q.device:
+        return ValueError, f"learnable_sink is on {learnable_sink.device} but q is on {q.device}; it must be on q's device"
+    return None
 
 
 def window_problem(window_size) -> tuple[type, str] | None:
@@ -212,23 +238,26 @@ def layout_problem(name: str, t: torch.Tensor) -> str | None:
     return None
 
 
-def support_error(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0) -> str | None:
+def support_error(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                  learnable_sink=None) -> str | None:
     """Why flash4 cannot run these arguments, or None when it can.
 
     Arguments as in `flash4.flash_attn_func`. Never raises for bad arguments (only the device
     query of a CUDA tensor can raise, as torch.cuda does).
     """
-    problem = _problem(q, k, v, softmax_scale, causal, window_size, softcap)
+    problem = _problem(q, k, v, softmax_scale, causal, window_size, softcap,
+                              learnable_sink)
     return None if problem is None else problem[1]
 
 
-def check_inputs(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0) -> None:
+def check_inputs(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                 learnable_sink=None) -> None:
     """Raise TypeError (non-tensor, dtype, mixed dtypes, softmax_scale/causal/window_size type) or
     ValueError (rank, batch/head/headdim mismatch, nheads_k not dividing nheads, unsupported headdim,
     non-contiguous last dim or misaligned stride, bad softmax_scale, a window side below -1, softcap
     not finite and >= 0, non-CUDA or mixed devices, unsupported SM version) with the message of
     `support_error`. softcap: a real number (TypeError otherwise, bool included)."""
-    problem = _problem(q, k, v, softmax_scale, causal, window_size, softcap)
+    problem = _problem(q, k, v, softmax_scale, causal, window_size, softcap, learnable_sink)
     if problem is not None:
         exc_type, message = problem
         raise exc_type(message)
@@ -338,7 +367,7 @@ def _device_problem(q, others) -> tuple[type, str] | None:
 
 def _varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, seqused_q=None,
                     seqused_k=None, page_table=None, softmax_scale=None, causal=False,
-                    window_size=(-1, -1), softcap=0.0) -> tuple[type, str] | None:
+                    window_size=(-1, -1), softcap=0.0, learnable_sink=None) -> tuple[type, str] | None:
     """(exception type, message) of the first problem with varlen / paged arguments, or None.
     Order as `_problem`: Python types, dtypes, ranks, shapes, head dims, strides, scale, causal,
     devices (other tensors on q's device first, then CUDA), SM version."""
@@ -436,6 +465,9 @@ def _varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_
     problem = _scale_causal_problem(softmax_scale, causal, window_size, softcap)
     if problem is not None:
         return problem
+    problem = sink_problem(learnable_sink, q, q.shape[-2])
+    if problem is not None:
+        return problem
     problem = _device_problem(q, [("k", k), ("v", v)] + [(name, t) for name, t, _, _ in metadata])
     if problem is not None:
         return problem
@@ -444,25 +476,26 @@ def _varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_
 
 def varlen_support_error(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, seqused_q=None,
                          seqused_k=None, page_table=None, softmax_scale=None, causal=False,
-                         window_size=(-1, -1), softcap=0.0) -> str | None:
+                         window_size=(-1, -1), softcap=0.0, learnable_sink=None) -> str | None:
     """Why flash4 cannot run these varlen / paged arguments (as flash4.flash_attn_varlen_func takes
     them), or None when it can. Metadata only: the values inside cu_seqlens / seqused / page_table
     are not read (check_varlen_seqlens does that, at the cost of a host sync)."""
     problem = _varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
-                              page_table, softmax_scale, causal, window_size, softcap)
+                              page_table, softmax_scale, causal, window_size, softcap,
+                              learnable_sink)
     return None if problem is None else problem[1]
 
 
 def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, seqused_q=None,
                         seqused_k=None, page_table=None, softmax_scale=None, causal=False,
-                        window_size=(-1, -1), softcap=0.0) -> None:
+                        window_size=(-1, -1), softcap=0.0, learnable_sink=None) -> None:
     """Raise the message of `varlen_support_error` as TypeError (a non-tensor where a tensor is
     needed, q/k/v dtype, a metadata tensor not int32, a max_seqlen or window_size of the wrong type)
     or ValueError (ranks, batch mismatches, a missing or extra cu_seqlens_k / seqused_k, head rules,
     page size, strides, softmax_scale, a window side below -1, softcap not finite and >= 0 (TypeError
     when not a real number), devices, SM version)."""
     problem = _varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
-                              page_table, softmax_scale, causal, window_size, softcap)
+                              page_table, softmax_scale, causal, window_size, softcap, learnable_sink)
     if problem is not None:
         exc_type, message = problem
         raise exc_type(message)
@@ -621,7 +654,7 @@ def packed_rows_per_batch(cache: torch.Tensor) -> int | None:
 
 def _kvcache_problem(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, page_table=None, cache_batch_idx=None,
                      softmax_scale=None, causal=False, num_splits=0, out=None,
-                     window_size=(-1, -1), softcap=0.0) -> tuple[type, str] | None:
+                     window_size=(-1, -1), softcap=0.0, learnable_sink=None) -> tuple[type, str] | None:
     """(exception type, message) of the first problem with flash_attn_with_kvcache's arguments."""
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if not isinstance(t, torch.Tensor):
@@ -752,6 +785,9 @@ def _kvcache_problem(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, pa
     problem = _scale_causal_problem(softmax_scale, causal, window_size, softcap)
     if problem is not None:
         return problem
+    problem = sink_problem(learnable_sink, q, q.shape[-2])
+    if problem is not None:
+        return problem
     others = [("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v), ("out", out),
               ("page_table", page_table), ("cache_batch_idx", cache_batch_idx),
               ("cache_seqlens", cache_seqlens if seqlens_tensor else None)]
@@ -763,22 +799,22 @@ def _kvcache_problem(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, pa
 
 def kvcache_support_error(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, page_table=None,
                           cache_batch_idx=None, softmax_scale=None, causal=False, num_splits=0, out=None,
-                          window_size=(-1, -1), softcap=0.0) -> str | None:
+                          window_size=(-1, -1), softcap=0.0, learnable_sink=None) -> str | None:
     """Why flash4.flash_attn_with_kvcache cannot take these arguments, or None. Metadata only."""
     problem = _kvcache_problem(q, k_cache, v_cache, k, v, cache_seqlens, page_table, cache_batch_idx, softmax_scale,
-                               causal, num_splits, out, window_size, softcap)
+                               causal, num_splits, out, window_size, softcap, learnable_sink)
     return None if problem is None else problem[1]
 
 
 def check_kvcache_inputs(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, page_table=None,
                          cache_batch_idx=None, softmax_scale=None, causal=False, num_splits=0, out=None,
-                         window_size=(-1, -1), softcap=0.0) -> None:
+                         window_size=(-1, -1), softcap=0.0, learnable_sink=None) -> None:
     """Raise the message of `kvcache_support_error` as TypeError (non-tensors, dtypes, int32
     metadata, cache_seqlens / num_splits / window_size types) or ValueError (everything else, e.g. a
     cache too small for the appended k/v, num_splits > 1 with cache_batch_idx, a window side below
     -1, softcap not finite and >= 0; a softcap that is not a real number is a TypeError)."""
     problem = _kvcache_problem(q, k_cache, v_cache, k, v, cache_seqlens, page_table, cache_batch_idx, softmax_scale,
-                               causal, num_splits, out, window_size, softcap)
+                               causal, num_splits, out, window_size, softcap, learnable_sink)
     if problem is not None:
         exc_type, message = problem
         raise exc_type(message)

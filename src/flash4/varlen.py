@@ -78,7 +78,7 @@ def padded_row_index(cu_seqlens_q: torch.Tensor, total_q: int, tile_m: int,
 
 def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, softmax_scale: float, causal: bool,
                    seqused_q=None, seqused_k=None, page_table=None, out=None, lse=None, lse_split=None,
-                   window_size=None, softcap: float = 0.0):
+                   window_size=None, softcap: float = 0.0, learnable_sink=None):
     """Forward on validated varlen/paged inputs; returns (out, lse). Layouts: module docstring.
 
     cu_seqlens_k is None when paged (page_table given; seqused_k then required). max_seqlen_q: a
@@ -108,7 +108,7 @@ def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, softm
         return out, lse
     window = window_sides(window_size, causal)
     cfg = select_fwd_config(headdim, DTYPE_NAMES[q.dtype], causal, arch=device_arch(q.device), local=window is not None,
-                            softcap=softcap > 0)
+                            softcap=softcap > 0, sink=learnable_sink is not None)
     page_rows = paged_page_rows(k.shape[1], cfg.tile_n) if paged else 0
     cfg = with_seq_layout(cfg, varlen_q=True, varlen_k=not paged, seqused_q=seqused_q is not None,
                           seqused_k=seqused_k is not None, page_rows=page_rows)
@@ -126,7 +126,8 @@ def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, softm
                  for t in (cu_seqlens_q, cu_seqlens_k if not paged else None, seqused_q, seqused_k)) + (page_table,)
     with torch.cuda.device(q.device):
         run(q.unsqueeze(0), k4, v4, out.unsqueeze(0), lse.unsqueeze(0), softmax_scale, lse_split.unsqueeze(1),
-            seqs=seqs, batch=batch, max_seqlen_q=int(max_seqlen_q), window=window, softcap=softcap)
+            seqs=seqs, batch=batch, max_seqlen_q=int(max_seqlen_q), window=window, softcap=softcap,
+            sink=None if learnable_sink is None else learnable_sink.float().contiguous())
     return out, lse
 
 

@@ -314,10 +314,15 @@ def _window_of(node):
 
 
 def test_window_arguments_in_every_schema():
-    """Every op ends with `SymInt window_left=-1, SymInt window_right=-1, float softcap=0.0` (callers
-    without a window or a softcap keep working)."""
+    """Every op has `SymInt window_left=-1, SymInt window_right=-1, float softcap=0.0` at its end (then,
+    on the forward ops, `Tensor? learnable_sink=None`) (callers without a window, a softcap or a sink
+    keep working)."""
     for name in ("fwd", "bwd", "varlen_fwd", "varlen_bwd", "kvcache"):
         args = getattr(torch.ops.flash4, name).default._schema.arguments
+        if name in ("fwd", "varlen_fwd", "kvcache"):
+            assert args[-1].name == "learnable_sink" and args[-1].default_value is None, name
+            assert str(args[-1].type) == "Optional[Tensor]", name
+            args = args[:-1]
         assert [(a.name, a.default_value) for a in args[-3:]] == [("window_left", -1), ("window_right", -1),
                                                                   ("softcap", 0.0)], name
         assert str(args[-1].type) == "float", name

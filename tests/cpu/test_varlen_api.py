@@ -606,7 +606,9 @@ def _contract_forward(calls):
     """A stand-in for flash4.varlen.varlen_forward honouring its documented contract (checked)."""
 
     def fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale, causal, seqused_q=None, seqused_k=None,
-             page_table=None, out=None, lse=None, lse_split=None, window_size=None, softcap=0.0):
+             page_table=None, out=None, lse=None, lse_split=None, window_size=None, softcap=0.0, learnable_sink=None):
+        assert learnable_sink is None or (learnable_sink.dtype == torch.float32 and learnable_sink.is_contiguous()
+                                          and learnable_sink.shape == (q.shape[1],))
         assert isinstance(max_seqlen_q, int) and isinstance(softmax_scale, float) and isinstance(causal, bool)
         assert type(softcap) is float and softcap >= 0
         assert window_size is None or (isinstance(window_size, tuple) and len(window_size) == 2
@@ -617,7 +619,8 @@ def _contract_forward(calls):
         assert page_table is None or seqused_k is not None
         assert out is not None and lse is not None and lse.shape == (q.shape[1], q.shape[0])
         o, l = attention_varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table,
-                                    softmax_scale, causal, window_size=window_size, softcap=softcap)
+                                    softmax_scale, causal, window_size=window_size, softcap=softcap,
+                                    learnable_sink=learnable_sink)
         rows = varlen_row_mask(cu_seqlens_q, q.shape[0], seqused_q)
         lengths = (seqused_q if seqused_q is not None else cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist()
         assert max_seqlen_q >= max(lengths + [0])
@@ -627,7 +630,8 @@ def _contract_forward(calls):
             lse_split[0][:, rows] = l[:, rows] * LOG2E
             lse_split[1][:, rows] = 0.0
         calls.append(dict(cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k, max_seqlen_q=max_seqlen_q,
-                          page_table=page_table, k=k, window_size=window_size, softcap=softcap))
+                          page_table=page_table, k=k, window_size=window_size, softcap=softcap,
+                          learnable_sink=learnable_sink))
         return out, lse
 
     return fake
@@ -637,16 +641,17 @@ def _contract_decode(calls):
     """A stand-in for flash4.decode.decode_forward (the kvcache path without cache_batch_idx)."""
 
     def fake(q, k_cache, v_cache, seqused_k, softmax_scale, causal, page_table=None, num_splits=0, out=None, lse=None,
-             window_size=None, softcap=0.0):
+             window_size=None, softcap=0.0, learnable_sink=None):
         assert type(softcap) is float and softcap >= 0
+        assert learnable_sink is None or (learnable_sink.dtype == torch.float32 and learnable_sink.is_contiguous())
         assert seqused_k.dtype == I32 and seqused_k.shape == (q.shape[0],) and isinstance(num_splits, int)
         assert out.shape == q.shape and lse.shape == (q.shape[0], q.shape[2], q.shape[1]) and lse.is_contiguous()
         o, l = kvcache_ref(q, k_cache, v_cache, seqused_k, page_table, softmax_scale=softmax_scale, causal=causal,
-                           window_size=window_size, softcap=softcap)
+                           window_size=window_size, softcap=softcap, learnable_sink=learnable_sink)
         out.copy_(o)
         lse.copy_(l)
         calls.append(dict(seqused_k=seqused_k.clone(), page_table=page_table, num_splits=num_splits, decode=True,
-                          window_size=window_size, softcap=softcap))
+                          window_size=window_size, softcap=softcap, learnable_sink=learnable_sink))
         return out, lse
 
     return fake

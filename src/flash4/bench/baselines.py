@@ -48,12 +48,20 @@ class Impl:
     unavailable: str | None = None
 
 
-def _make_flash4(q, k, v, causal, window=None, softcap=0.0):
+def _sink(q):
+    import torch
+
+    return torch.randn(q.shape[2], device=q.device, dtype=torch.float32)
+
+
+def _make_flash4(q, k, v, causal, window=None, softcap=0.0, sink=False):
     from flash4 import flash_attn_func
 
     extra = {} if window is None else {"window_size": window}
     if softcap:
         extra["softcap"] = softcap
+    if sink:
+        extra["learnable_sink"] = _sink(q)
     return lambda: flash_attn_func(q, k, v, causal=causal, **extra)
 
 
@@ -72,12 +80,14 @@ def _sdpa_backend(name: str):
     return lambda: sdpa_kernel(backend)
 
 
-def _make_fa4(q, k, v, causal, window=None, softcap=0.0):
+def _make_fa4(q, k, v, causal, window=None, softcap=0.0, sink=False):
     # flash-attn-4 4.0.0b36 reads -1 as unbounded only when both sides are negative: pass the
     # windows the bench uses (both sides >= 0) as they are.
     extra = {} if window is None else {"window_size": tuple(window)}
     if softcap:
         extra["softcap"] = softcap
+    if sink:
+        extra["learnable_sink"] = _sink(q)
 
     def fn():
         res = _fa4_func(q, k, v, causal=causal, **extra)

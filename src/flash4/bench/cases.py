@@ -32,6 +32,7 @@ class Case:
     nheads_k: int
     window: tuple | None = None  # flash-attn's window_size (left, right); None: none
     softcap: float = 0.0  # logit soft-cap (0: off)
+    sink: bool = False  # a learnable sink logit per head (gpt-oss)
 
     def label(self) -> str:
         return self.name
@@ -43,6 +44,8 @@ class Case:
             opts["window"] = self.window
         if self.softcap:
             opts["softcap"] = self.softcap
+        if self.sink:
+            opts["sink"] = True
         return opts
 
 
@@ -59,6 +62,11 @@ CASES = (
     # Gemma-2 shape: softcap 50, d256, 16 query / 8 KV heads, S = 8k; next to the same without it.
     Case("softcap50_gemma2_d256_causal_8k", 256, True, 8192, 8192, 1, 16, 8, softcap=50.0),
     Case("softcap_ref_gemma2_d256_causal_8k", 256, True, 8192, 8192, 1, 16, 8),
+    # gpt-oss shapes: 64 query / 8 KV heads, d64, sinks; a windowed (128) and a full layer at S = 8k,
+    # and the full layer without sinks (their cost).
+    Case("sink_gptoss_d64_window128_causal_8k", 64, True, 8192, 8192, 1, 64, 8, window=(127, 0), sink=True),
+    Case("sink_gptoss_d64_causal_8k", 64, True, 8192, 8192, 1, 64, 8, sink=True),
+    Case("sink_ref_gptoss_d64_causal_8k", 64, True, 8192, 8192, 1, 64, 8),
 )
 
 
@@ -77,7 +85,7 @@ def case_fwd_flops(case: Case) -> float:
 def impl_applies(impl_name: str, case: Case) -> bool:
     """SDPA's causal mask is top-left aligned: skip it where that differs from flash4's; SDPA has
     no sliding window."""
-    if impl_name.startswith("sdpa") and (case.window is not None or case.softcap):
+    if impl_name.startswith("sdpa") and (case.window is not None or case.softcap or case.sink):
         return False
     return not (impl_name.startswith("sdpa") and case.causal and case.seqlen_q != case.seqlen_k)
 

@@ -47,11 +47,12 @@ def _arch_option(arch: int) -> str:
 def compile_fwd(cfg: FwdConfig, options: str = ""):
     """Compile one forward config (no GPU needed). Returns the compiled callable
     f(q, k, v, out, lse, lse_hi, lse_lo, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table,
-    o_accum, lse_accum, softmax_scale_log2: float, softcap_scale: float, batch: int, max_seqlen_q: int, num_splits: int,
+    o_accum, lse_accum, sink, softmax_scale_log2: float, softcap_scale: float, batch: int, max_seqlen_q: int,
+    num_splits: int,
     window_left: int, window_right: int, l2_group: int, num_ctas: int) that
     launches on the current CUDA stream; the sequence-layout tensors are passed only where the
     config's flag is on (None otherwise)."""
-    from flash4.compile.fake import seq_fake_args, split_fake_args
+    from flash4.compile.fake import seq_fake_args, sink_fake_arg, split_fake_args
     from flash4.kernels.fwd_sm90 import FlashAttentionForwardSm90
 
     if cfg.arch != 90:
@@ -59,7 +60,7 @@ def compile_fwd(cfg: FwdConfig, options: str = ""):
     kernel = FlashAttentionForwardSm90(cfg)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     return cute.compile(
-        kernel, *fwd_fake_args(cfg.headdim, cfg.dtype, paged=cfg.page_rows > 0), *seq_fake_args(cfg), *split_fake_args(cfg),
+        kernel, *fwd_fake_args(cfg.headdim, cfg.dtype, paged=cfg.page_rows > 0), *seq_fake_args(cfg), *split_fake_args(cfg), sink_fake_arg(cfg),
         cutlass.Float32(1.0), cutlass.Float32(1.0), cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1),
         cutlass.Int32(0), cutlass.Int32(0), cutlass.Int32(1), cutlass.Int32(1), stream,
         options=COMPILE_OPTIONS + _arch_option(cfg.arch) + options,
@@ -98,7 +99,7 @@ def get_fwd_runner(cfg: FwdConfig):
         return l2_group, fwd_grid(cfg, batch * num_splits, max_seqlen_q, nheads, num_sms)[0]
 
     def run(q, k, v, out, lse, softmax_scale: float, lse_split=None, seqs=None, batch=None, max_seqlen_q=None,
-            accs=(None, None), num_splits: int = 1, window=None, softcap: float = 0.0):
+            accs=(None, None), num_splits: int = 1, window=None, softcap: float = 0.0, sink=None):
         if batch is None:
             batch, max_seqlen_q = q.shape[0], q.shape[1]
         seqs = seqs if seqs is not None else (None,) * 5
@@ -114,7 +115,7 @@ def get_fwd_runner(cfg: FwdConfig):
         # softcap: scores softcap * tanh(S * scale / softcap); the softmax scales by softcap * log2 e
         scale_log2, softcap_scale = ((softcap * LOG2E, softmax_scale / softcap) if cfg.softcap
                                      else (softmax_scale * LOG2E, 1.0))
-        compiled(q, k, v, out, lse, lse_split[0], lse_split[1], *seqs, *accs, scale_log2, softcap_scale, batch,
+        compiled(q, k, v, out, lse, lse_split[0], lse_split[1], *seqs, *accs, sink, scale_log2, softcap_scale, batch,
                  max_seqlen_q, num_splits, left, right, l2_group, num_ctas)
 
     return run
@@ -214,7 +215,7 @@ def get_bwd_preprocess_runner(headdim: int, dtype: str, arch: int = 90, varlen: 
 
 
 @functools.lru_cache(maxsize=None)
-def get_combine_runner(headdim: int, dtype: str, arch: int = 90):
+def get_combine_runner(headdim: int, dtype: str, arch: int = 90, sink: bool = False):
     """Cached: compiled split-KV combine (kernels/fwd_combine.py), as run(o_accum, lse_accum, out,
     lse, pack) on the current stream: o_accum fp32 (splits, B, Sp, Hk, D), lse_accum fp32
     (splits, B, Hk, Sp), out (B, Sp // pack, Hk * pack, D), lse fp32 (B, Hk * pack, Sp // pack)."""
@@ -228,16 +229,17 @@ def get_combine_runner(headdim: int, dtype: str, arch: int = 90):
         out = _fake(DTYPES[dtype], (b, sq, h, headdim), 3, 8)
         lse = _fake(cutlass.Float32, (b, h, sq), 2, 1)
         stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-        return cute.compile(SplitKVCombine(headdim, DTYPES[dtype]), o_acc, lse_acc, out, lse, cutlass.Int32(1),
+        sink_arg = _fake(cutlass.Float32, (cute.sym_int32(),), 0, 1) if sink else None
+        return cute.compile(SplitKVCombine(headdim, DTYPES[dtype]), o_acc, lse_acc, out, lse, sink_arg, cutlass.Int32(1),
                             cutlass.Int32(1), stream, options=COMPILE_OPTIONS + _arch_option(arch))
 
-    compiled = load_or_compile("fwd_combine", (headdim, dtype, arch), COMPILE_OPTIONS + _arch_option(arch),
-                               compile_combine)
+    key = (headdim, dtype, arch) + (("sink",) if sink else ())
+    compiled = load_or_compile("fwd_combine", key, COMPILE_OPTIONS + _arch_option(arch), compile_combine)
 
-    def run(o_accum, lse_accum, out, lse, pack: int):
+    def run(o_accum, lse_accum, out, lse, pack: int, sink=None):
         _, batch, seqlen_p, nheads_k, _ = o_accum.shape
         rows = batch * seqlen_p * nheads_k
         num_ctas = -(-rows // COMBINE_WARPS_PER_CTA)
-        compiled(o_accum, lse_accum, out, lse, pack, num_ctas)
+        compiled(o_accum, lse_accum, out, lse, sink, pack, num_ctas)
 
     return run

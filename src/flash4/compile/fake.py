@@ -107,6 +107,13 @@ def bwd_preprocess_fake_args(headdim: int, dtype: str, varlen: bool = False):
     return o, do, lse_hi, lse_lo, dpsum, lse2, exact
 
 
+def sink_fake_arg(cfg):
+    """The (nheads,) fp32 sink logits of a sink forward config, else None."""
+    if not getattr(cfg, "sink", False):
+        return None
+    return _fake(cutlass.Float32, (cute.sym_int32(),), 0, 1)
+
+
 def split_fake_args(cfg):
     """(o_accum, lse_accum) for a split_kv forward config: fp32 (splits, b, sq, h, d) and
     (splits, b, h, sq); (None, None) otherwise."""

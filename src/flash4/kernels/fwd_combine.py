@@ -5,13 +5,17 @@ the split's own row sum, fp32) and LSE_s (natural log; -inf for a split that saw
 exact result is the softmax-weighted merge (FlashDecoding, Dao et al. 2023; FlashAttention-2's
 split-KV path):
     LSE = log(sum_s exp(LSE_s)),   O = sum_s exp(LSE_s - LSE) * O_s,
-with LSE = -inf and O = 0 for a row whose splits all saw no key.
+with LSE = -inf and O = 0 for a row whose splits all saw no key. A learnable sink (gpt-oss) is one
+more term of the first sum, counted once here (the splits leave it out): LSE = log(sum_s exp(LSE_s)
++ exp(sink_h)); a row without keys then has LSE = sink_h.
 
 Rows may be packed GQA rows (the decode path packs the `pack` query heads of one KV head into
 the query dimension): packed row r of KV head hk is query r // pack of head hk * pack + r % pack.
 One warp per packed row: lanes reduce LSE_s over the splits, then each lane merges headdim / 32
 contiguous columns (so the warp reads each split's row once, coalesced).
 """
+
+from typing import Optional
 
 import cuda.bindings.driver as cuda
 
@@ -37,15 +41,17 @@ class SplitKVCombine:
         mLSEacc: cute.Tensor,  # (num_splits, batch, nheads_k, seqlen_packed) fp32
         mO: cute.Tensor,  # (batch, seqlen_q, nheads, headdim) 16-bit
         mLSE: cute.Tensor,  # (batch, nheads, seqlen_q) fp32
+        mSink: Optional[cute.Tensor],  # (nheads,) fp32 sink logits, or None
         pack: Int32,  # query heads per packed KV head (1: no packing)
         num_ctas: Int32,
         stream: cuda.CUstream,
     ):
-        self.kernel(mOacc, mLSEacc, mO, mLSE, pack).launch(
+        self.kernel(mOacc, mLSEacc, mO, mLSE, mSink, pack).launch(
             grid=(num_ctas, 1, 1), block=[32 * COMBINE_WARPS_PER_CTA, 1, 1], stream=stream)
 
     @cute.kernel
-    def kernel(self, mOacc: cute.Tensor, mLSEacc: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor, pack: Int32):
+    def kernel(self, mOacc: cute.Tensor, mLSEacc: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
+               mSink: Optional[cute.Tensor], pack: Int32):
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = cute.arch.lane_idx()
         num_splits, batch, seqlen_p, nheads_k = mOacc.shape[0], mOacc.shape[1], mOacc.shape[2], mOacc.shape[3]
@@ -60,11 +66,19 @@ class SplitKVCombine:
             for s in cutlass.range((num_splits - lane + 31) // 32, unroll=1):
                 m = cute.arch.fmax(m, mLSEacc[lane + s * 32, b, hk, sp])
             m = cute.arch.warp_reduction_max(m)
+            query = sp // pack
+            head = hk * pack + (sp - query * pack)
+            sink = -Float32.inf
+            if cutlass.const_expr(mSink is not None):
+                sink = Float32(mSink[head])
+                m = cute.arch.fmax(m, sink)
             total = Float32(0.0)
             if m != -Float32.inf:
                 for s in cutlass.range((num_splits - lane + 31) // 32, unroll=1):
                     total += cute.math.exp2((mLSEacc[lane + s * 32, b, hk, sp] - m) * Float32(LOG2E), fastmath=True)
             total = cute.arch.warp_reduction_sum(total)
+            if cutlass.const_expr(mSink is not None):
+                total += cute.math.exp2((sink - m) * Float32(LOG2E), fastmath=True)
             lse = -Float32.inf
             if m != -Float32.inf:
                 lse = m + cute.math.log(total, fastmath=True)
@@ -76,8 +90,6 @@ class SplitKVCombine:
                     w = cute.math.exp2((mLSEacc[s, b, hk, sp] - lse) * Float32(LOG2E), fastmath=True)
                     for i in cutlass.range_constexpr(per_lane):
                         acc[i] += w * mOacc[s, b, sp, hk, lane * per_lane + i]
-            query = sp // pack
-            head = hk * pack + (sp - query * pack)
             for i in cutlass.range_constexpr(per_lane):
                 mO[b, query, head, lane * per_lane + i] = acc[i].to(self.dtype)
             if lane == 0:

@@ -18,7 +18,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
-from flash4.config import FwdConfig
+from flash4.config import LOG2E as LOG2E_F, FwdConfig
 from flash4.kernels.common import geometry
 from flash4.kernels.common.barriers import NamedBarrierFwd
 from flash4.kernels.common.gemm import wgmma
@@ -127,6 +127,7 @@ class FlashAttentionForwardSm90:
         mPageTable: Optional[cute.Tensor],  # (batch, max_pages) int32 when paged: K/V (num_pages, page_size, nheads_k, d)
         mOacc: Optional[cute.Tensor],  # split_kv: (num_splits, batch, seqlen_q, nheads, d) fp32 partial O
         mLSEacc: Optional[cute.Tensor],  # split_kv: (num_splits, batch, nheads, seqlen_q) fp32 partial LSE
+        mSink: Optional[cute.Tensor],  # sink: (nheads,) fp32 sink logits (natural units)
         softmax_scale_log2: Float32,  # softmax_scale * log2(e); softcap: softcap * log2(e)
         softcap_scale: Float32,  # softcap: softmax_scale / softcap (the tanh's input scale); else ignored
         batch_size: Int32,  # number of sequences
@@ -188,7 +189,7 @@ class FlashAttentionForwardSm90:
         mO_out = mO if const_expr(self.ragged_q) else tma_O
         self.kernel(
             tma_Q, tma_K, tma_V, mO_out, mLSE, mLSEhi, mLSElo,
-            mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, mPageTable, mOacc, mLSEacc,
+            mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, mPageTable, mOacc, mLSEacc, mSink,
             tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O,
             softmax_scale_log2, softcap_scale, batch_size, max_seqlen_q, num_splits, window_left, window_right, l2_group,
             sQ_layout, sK_layout, sV_layout, sO_layout,
@@ -203,7 +204,7 @@ class FlashAttentionForwardSm90:
         mLSEhi: cute.Tensor, mLSElo: cute.Tensor,
         mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
         mSeqUsedQ: Optional[cute.Tensor], mSeqUsedK: Optional[cute.Tensor], mPageTable: Optional[cute.Tensor],
-        mOacc: Optional[cute.Tensor], mLSEacc: Optional[cute.Tensor],
+        mOacc: Optional[cute.Tensor], mLSEacc: Optional[cute.Tensor], mSink: Optional[cute.Tensor],
         tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom, tma_atom_O: cute.CopyAtom,
         softmax_scale_log2: Float32, softcap_scale: Float32, batch_size: Int32, max_seqlen_q: Int32, num_splits: Int32,
         window_left: Int32, window_right: Int32, l2_group: Int32,
@@ -244,6 +245,7 @@ class FlashAttentionForwardSm90:
         seqs = (mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK)
         self.window = (window_left, window_right) if const_expr(self.cfg.local) else None
         self.softcap_scale = softcap_scale
+        self.mSink = mSink
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.num_producer_regs)
@@ -427,7 +429,10 @@ class FlashAttentionForwardSm90:
                     state = next_state(state)
                 if const_expr(self.separate_o):
                     pipeline_q.consumer_release(q_state)  # Q no longer read: next tile's Q may load
-                inv_row_sum, lse, lse_hi, lse_lo = softmax.finalize()
+                sink_log2 = None
+                if const_expr(self.cfg.sink and not self.cfg.split_kv):  # split_kv: the combine adds it
+                    sink_log2 = Float32(self.mSink[head]) * Float32(LOG2E_F)
+                inv_row_sum, lse, lse_hi, lse_lo = softmax.finalize(sink_log2)
                 self.normalize_O(acc_O, inv_row_sum)
                 if const_expr(self.cfg.split_kv):
                     self.epilogue_split(acc_O, lse, mAccs, tiled_mma_pv, tidx, m_block, head, seq, split)

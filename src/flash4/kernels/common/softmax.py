@@ -176,11 +176,18 @@ class OnlineSoftmax(DynamicState):
                     o[r, c] = o[r, c] * row_scale[r]
 
     @cute.jit
-    def finalize(self) -> tuple:
+    def finalize(self, sink_log2=None) -> tuple:
         """Returns (inv_row_sum, lse, lse_hi, lse_lo): the factor that normalizes O (0 for rows that
         saw no key), the natural-log LSE (-inf for rows that saw no key), and the log2-domain LSE
         unrounded as lse_hi + lse_lo (lse_hi = ref_hi, lse_lo = ref_lo + log2(row sum); +inf and 0
-        for rows that saw no key) for the backward's exact path."""
+        for rows that saw no key) for the backward's exact path.
+
+        sink_log2: None, or the row's attention-sink logit in log2 units (learnable sink, gpt-oss):
+        one more term 2^sink in the denominator that contributes no value. It is added against its
+        own reference (the larger of the row's and the sink), so a sink far above or below the row
+        max neither overflows nor vanishes early; a row without keys then has O = 0 and LSE = sink."""
+        if cutlass.const_expr(sink_log2 is not None):
+            return self._finalize_sink(sink_log2)
         inv = cute.make_rmem_tensor((self.num_rows,), Float32)
         lse = cute.make_rmem_tensor((self.num_rows,), Float32)
         lse_hi = cute.make_rmem_tensor((self.num_rows,), Float32)
@@ -201,4 +208,27 @@ class OnlineSoftmax(DynamicState):
             lse[r] = lse_r
             lse_hi[r] = hi
             lse_lo[r] = lo
+        return inv, lse, lse_hi, lse_lo
+
+    @cute.jit
+    def _finalize_sink(self, sink_log2: Float32) -> tuple:
+        inv = cute.make_rmem_tensor((self.num_rows,), Float32)
+        lse = cute.make_rmem_tensor((self.num_rows,), Float32)
+        lse_hi = cute.make_rmem_tensor((self.num_rows,), Float32)
+        lse_lo = cute.make_rmem_tensor((self.num_rows,), Float32)
+        for r in cutlass.range_constexpr(self.num_rows):
+            total = quad_allreduce_sum(self.row_sum[r])
+            hi = self.ref_hi[r]
+            lo = self.ref_lo[r]
+            # the row's reference, or the sink when it is larger (or the row saw no key)
+            sink_above = (sink_log2 > hi + lo) | (total == Float32(0.0))
+            shift = Float32(cutlass.select_(sink_above, (hi - sink_log2) + lo, Float32(0.0)))
+            old = Float32(cutlass.select_(total == Float32(0.0), Float32(0.0), exp2_hw(shift)))
+            extra = exp2_hw(Float32(cutlass.select_(sink_above, Float32(0.0), (sink_log2 - hi) - lo)))
+            total_new = total * old + extra
+            log_total = cute.math.log2(total_new, fastmath=True)
+            inv[r] = old * cute.arch.rcp_approx(total_new)
+            lse_hi[r] = Float32(cutlass.select_(sink_above, sink_log2, hi))
+            lse_lo[r] = Float32(cutlass.select_(sink_above, log_total, lo + log_total))
+            lse[r] = (lse_hi[r] + lse_lo[r]) * Float32(LN2)
         return inv, lse, lse_hi, lse_lo
