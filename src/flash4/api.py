@@ -325,16 +325,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
             _host_int_or_none(max_seqlen_k), resolve_softmax_scale(softmax_scale, q.shape[2]), causal, deterministic,
             check_seqlens, *window_size, softcap, *_sink_arg(learnable_sink))
         return (out, lse) if return_lse else out
-    check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
-                        page_table, softmax_scale, causal, window_size, softcap, learnable_sink)
-    cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table = (
-        _contiguous(t) for t in (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table))
-    paged = page_table is not None
-    if check_seqlens:
-        check_varlen_seqlens(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], seqused_q=seqused_q,
-                             seqused_k=seqused_k, page_table=page_table, num_pages=k.shape[0] if paged else 0,
-                             page_size=k.shape[1] if paged else 0, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
-    max_q = resolve_max_seqlen("max_seqlen_q", max_seqlen_q, cu_seqlens_q, seqused_q)
+    cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table, max_q = _prepare_varlen(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, page_table,
+        softmax_scale, causal, window_size, softcap, learnable_sink, check_seqlens)
     scale = resolve_softmax_scale(softmax_scale, q.shape[2])
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                     or (learnable_sink is not None and learnable_sink.requires_grad)):
@@ -346,6 +339,24 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
                                               seqused_k, page_table, window_size=window_size, softcap=softcap,
                                               **sink_kwargs(learnable_sink))
     return (out, lse) if return_lse else out
+
+
+def _prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
+                    page_table, softmax_scale, causal, window_size, softcap, learnable_sink, check_seqlens):
+    """The varlen entry's checks and metadata preparation (eager path and flash4::varlen_fwd):
+    argument checks, contiguous metadata, the optional on-device value checks, max_seqlen_q.
+    Returns (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table, max_seqlen_q)."""
+    check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
+                        page_table, softmax_scale, causal, window_size, softcap, learnable_sink)
+    cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table = (
+        _contiguous(t) for t in (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table))
+    paged = page_table is not None
+    if check_seqlens:
+        check_varlen_seqlens(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], seqused_q=seqused_q,
+                             seqused_k=seqused_k, page_table=page_table, num_pages=k.shape[0] if paged else 0,
+                             page_size=k.shape[1] if paged else 0, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+    max_q = resolve_max_seqlen("max_seqlen_q", max_seqlen_q, cu_seqlens_q, seqused_q)
+    return cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table, max_q
 
 
 def _contiguous(t):

@@ -169,20 +169,12 @@ def varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens
                deterministic: bool, check_seqlens: bool, window_left: int = -1,
                window_right: int = -1, softcap: float = 0.0,
                learnable_sink: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
-    from flash4.api import _contiguous, _flash_attn_varlen_forward
-    from flash4.validate import check_varlen_inputs, check_varlen_seqlens
+    from flash4.api import _flash_attn_varlen_forward, _prepare_varlen
 
     window_size = (window_left, window_right)
-    check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
-                        page_table, softmax_scale, causal, window_size, softcap, learnable_sink)
-    cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table = (
-        _contiguous(t) for t in (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table))
-    paged = page_table is not None
-    if check_seqlens:
-        check_varlen_seqlens(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], seqused_q=seqused_q,
-                             seqused_k=seqused_k, page_table=page_table, num_pages=k.shape[0] if paged else 0,
-                             page_size=k.shape[1] if paged else 0, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
-    max_q = _max_seqlen("max_seqlen_q", max_seqlen_q, cu_seqlens_q, seqused_q)
+    cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table, max_q = _prepare_varlen(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, page_table,
+        softmax_scale, causal, window_size, softcap, learnable_sink, check_seqlens)
     _, split_shape = _varlen_shapes(q)
     lse_split = torch.empty(split_shape, dtype=F32, device=q.device)
     out, lse = _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, softmax_scale, causal,

@@ -1,6 +1,6 @@
 """Named benchmark cells outside the standard sweep (issues 10, 11, 13): other head dims, GQA/MQA,
 seqlen_q != seqlen_k, timed side by side like the sweep and written to `cases.csv` with columns
-CASE_COLUMNS (the layout of docs/perf/h200-cases.csv).
+CASE_COLUMNS (the layout the recorded docs/perf/h200-cases.csv will have; not measured yet).
 
 TFLOPs count only the unmasked work: 4 * batch * nheads * headdim * (visible (query, key) pairs),
 the pairs counted with flash4.geometry's rule (for seqlen_q == seqlen_k causal that is the usual
