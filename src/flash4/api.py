@@ -25,7 +25,7 @@ from flash4.validate import (DTYPE_NAMES, check_inputs, check_kvcache_inputs, ch
 
 
 def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False, deterministic=False, *,
-                    window_size=(-1, -1), softcap=0.0, learnable_sink=None):
+                    window_size=(-1, -1), softcap=0, learnable_sink=None):
     """Exact attention softmax(softmax_scale * Q K^T) V, FlashAttention conventions.
 
     Args:
@@ -54,7 +54,9 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False,
            blocks that meet the band run (with both sides bounded, about seqlen_q * (left + right
            + 1) scores rounded up to tiles, instead of seqlen_q * seqlen_k); the sides are runtime
            values (changing them never recompiles).
-        softcap: float >= 0, logit soft-capping (Gemma 2; 0, the default, is off): the scaled scores
+        softcap: float >= 0, logit soft-capping (Gemma 2; 0, the default, is off; the default is the
+           int 0 because torch.compile(dynamic=True) traces a float default as a symbolic float and
+           then restarts the trace): the scaled scores
            become softcap * tanh(softmax_scale * q.k / softcap) before the mask and the softmax, so
            no score exceeds softcap in magnitude (Gemma 2 uses 50 for attention); lse is the
            log-sum-exp of the capped scores and the backward uses the exact derivative
@@ -210,7 +212,7 @@ def _check_buffer(name, t, shape, dtype, device) -> None:
 # ================================================================ varlen / paged
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, *,
                            seqused_q=None, seqused_k=None, page_table=None, softmax_scale=None, causal=False,
-                           window_size=(-1, -1), softcap=0.0, return_lse=False, deterministic=False,
+                           window_size=(-1, -1), softcap=0, return_lse=False, deterministic=False,
                            check_seqlens=False, learnable_sink=None):
     """Exact attention over a batch of variable-length sequences packed along one dim (flash-attn's
     `flash_attn_varlen_func` conventions; flash-attn-4's for paged K/V).
@@ -465,7 +467,7 @@ def _flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlen
 
 # ================================================================ KV cache (decode)
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, page_table=None, *,
-                            cache_batch_idx=None, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                            cache_batch_idx=None, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0,
                             num_splits=0, return_lse=False, out=None, check_seqlens=False, learnable_sink=None):
     """Attention of new queries against a KV cache, appending new keys/values to the cache in place
     first (flash-attn 2/3's `flash_attn_with_kvcache`: decode, speculative decode, chunked prefill).

@@ -1,4 +1,4 @@
-"""Attention sinks (learnable_sink, gpt-oss; issue 10 item 3) on the GPU (marker gpu; not yet run).
+"""Attention sinks (learnable_sink, gpt-oss; issue 10 item 3) on the GPU (marker gpu).
 
 Forward (out, lse) and dq/dk/dv/dsink against autograd through flash4.reference with the same sink:
 error vs the fp32 reference at most 2x PyTorch's own bf16 error + atol; NaN-poisoned outputs
@@ -27,6 +27,12 @@ def _close(got, ref, low, atol, name):
     assert err <= bound, f"{name}: {err} > {bound}"
 
 
+def _lse_is_sink(lse, sink):
+    """A row without keys has LSE = sink; the kernel gets it through the log2 domain (sink * log2 e, then
+    * ln 2 in float32), so it may differ from sink in the last bits: a few float32 ulps, nothing more."""
+    torch.testing.assert_close(lse, sink.float(), rtol=4 * torch.finfo(torch.float32).eps, atol=1e-6)
+
+
 def _sinks(h, kind, device):
     gen = torch.Generator(device="cpu").manual_seed(7)
     base = {"normal": torch.randn(h, generator=gen), "high": torch.full((h,), 30.0),
@@ -51,7 +57,8 @@ def test_dense_forward_backward(kind, causal, sq, sk, extra):
     _close(out, ref, low, ATOL["out"], "out")
     _close(lse, ref_lse, low_lse, ATOL["lse"], "lse")
     if causal:  # rows 0..sq-sk-1 see no key
-        assert (out[:, : sq - sk] == 0).all() and torch.equal(lse[:, :, : sq - sk], sink.view(1, h, 1).expand(b, h, sq - sk))
+        assert (out[:, : sq - sk] == 0).all()
+        _lse_is_sink(lse[:, :, : sq - sk], sink.view(1, h, 1).expand(b, h, sq - sk))
 
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)] + [sink.clone().requires_grad_()]
     o, l = flash_attn_func(*leaves[:3], None, causal, return_lse=True, learnable_sink=leaves[3], **extra)
@@ -66,7 +73,7 @@ def test_dense_forward_backward(kind, causal, sq, sk, extra):
         else:
             low_grads = g
     for name, got, r, lo in zip(("dq", "dk", "dv", "dsink"), grads, ref_grads, low_grads):
-        _close(got, r, lo, ATOL["grad"] * (10 if name == "dsink" else 1), name)
+        _close(got, r, lo, ATOL["grad"], name)
 
 
 def test_varlen_forward_backward():
@@ -86,7 +93,7 @@ def test_varlen_forward_backward():
     grads = [torch.autograd.grad((x.float() * dout).sum() + y.float().sum(), (q, k, v, sink))
              for x, y in ((o, l), (ro, rl), (lo, ll))]
     for name, got, r, lw in zip(("dq", "dk", "dv", "dsink"), *grads):
-        _close(got, r, lw, ATOL["grad"] * (10 if name == "dsink" else 1), name)
+        _close(got, r, lw, ATOL["grad"], name)
 
 
 @pytest.mark.parametrize("num_splits", [1, 3])
@@ -104,4 +111,5 @@ def test_decode_split_kv(num_splits, kind):
     low, low_lse = kvcache_ref(q, k_cache, v_cache, seqlens, learnable_sink=sink, upcast=False, compute_dtype=BF16)
     _close(out, ref, low, ATOL["out"], "out")
     _close(lse, ref_lse, low_lse, ATOL["lse"], "lse")
-    assert (out[0] == 0).all() and torch.equal(lse[0, :, 0], sink)
+    assert (out[0] == 0).all()
+    _lse_is_sink(lse[0, :, 0], sink)
