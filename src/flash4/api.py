@@ -32,7 +32,10 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False,
         q: (batch, seqlen_q, nheads, headdim) torch.bfloat16 or torch.float16, on a CUDA device.
         k: (batch, seqlen_k, nheads_k, headdim), same dtype and device; nheads_k divides nheads
            (MQA/GQA: query head h reads key head h // (nheads // nheads_k)).
-        v: same shape as k.
+        v: same shape as k, except its head dim headdim_v, which may differ from q/k's for the pairs
+           (headdim, headdim_v) of flash4.config.HDIMV_PAIRS: (192, 128) (DeepSeek-V3/R1 MLA
+           prefill), (128, 64), (64, 128); out then has headdim_v (softmax_scale's default stays
+           1 / sqrt(headdim of q)).
            q, k, v: last dim contiguous (stride 1), other strides and the base address 16-byte
            aligned (true of any tensor made by torch and of slices along batch/seqlen/heads).
            headdim one of flash4.config.SUPPORTED_HEADDIMS (64, 96, 128, 192, 256).
@@ -73,7 +76,7 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False,
            Not yet run on a GPU (compile-checked only).
 
     Returns:
-        out: (batch, seqlen_q, nheads, headdim), dtype of q, contiguous; or
+        out: (batch, seqlen_q, nheads, headdim_v), dtype of q, contiguous; or
         (out, lse) when return_lse, lse: (batch, nheads, seqlen_q) torch.float32, natural log.
 
     Raises:
@@ -121,8 +124,8 @@ def _flash_attn_forward(q, k, v, softmax_scale=None, causal=False, out=None, lse
                         window_size=None, softcap: float = 0.0, learnable_sink=None):
     """Forward on validated inputs (flash4.validate.check_inputs); returns (out, lse).
 
-    out: None or a preallocated (batch, seqlen_q, nheads, headdim) tensor of q's dtype and device
-        (last dim contiguous, 16-byte aligned) that the kernel overwrites;
+    out: None or a preallocated (batch, seqlen_q, nheads, headdim_v) tensor of q's dtype and device
+        (last dim contiguous, 16-byte aligned; headdim_v = v.shape[-1]) that the kernel overwrites;
     lse: None or a preallocated contiguous float32 (batch, nheads, seqlen_q) tensor.
     lse_split: None or a preallocated contiguous float32 (2, batch, nheads, seqlen_q) tensor that
         receives the log2-domain LSE unrounded, lse * log2(e) = lse_split[0] + lse_split[1] (+inf
@@ -140,9 +143,9 @@ def _flash_attn_forward(q, k, v, softmax_scale=None, causal=False, out=None, lse
     Raises ValueError for a preallocated out/lse of the wrong shape, dtype, device or layout.
     """
     batch, seqlen_q, nheads, headdim = q.shape
-    seqlen_k = k.shape[1]
+    seqlen_k, headdim_v = k.shape[1], v.shape[-1]
     scale = resolve_softmax_scale(softmax_scale, headdim)
-    out_shape, lse_shape = (batch, seqlen_q, nheads, headdim), (batch, nheads, seqlen_q)
+    out_shape, lse_shape = (batch, seqlen_q, nheads, headdim_v), (batch, nheads, seqlen_q)
     if out is None:
         out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
     else:
@@ -171,7 +174,8 @@ def _flash_attn_forward(q, k, v, softmax_scale=None, causal=False, out=None, lse
 
     window = window_sides(window_size, causal)
     cfg = select_fwd_config(headdim, DTYPE_NAMES[q.dtype], causal, arch=device_arch(q.device), local=window is not None,
-                            softcap=softcap > 0, **({} if sink is None else {"sink": True}))
+                            softcap=softcap > 0, **({} if sink is None else {"sink": True}),
+                            **({} if headdim_v == headdim else {"headdim_v": headdim_v}))
     run = get_fwd_runner(cfg)
     kwargs = {"window": window, "softcap": softcap}
     if sink is not None:
@@ -223,6 +227,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
         k, v: (total_k, nheads_k, headdim), same dtype and device; sequence b's keys are rows
            cu_seqlens_k[b] : cu_seqlens_k[b + 1]. nheads_k divides nheads (MQA/GQA: query head h
            reads key head h // (nheads // nheads_k)). headdim one of flash4.config.SUPPORTED_HEADDIMS.
+           v's head dim may differ from q/k's for the pairs of flash4.config.HDIMV_PAIRS (as
+           flash_attn_func; out is then (total_q, nheads, headdim_v)).
            Paged K/V (with page_table): (num_pages, page_size, nheads_k, headdim), page_size a
            multiple of 8 (16, 32, 64, 128, 256, ...); key j of sequence b is
            k[page_table[b, j // page_size], j % page_size]. K and V may be two views of one
@@ -397,7 +403,7 @@ def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
     preallocated buffer of the wrong shape, dtype, device or layout.
     """
     total_q, nheads, headdim = q.shape
-    out, lse = _varlen_buffers(q, out, lse, lse_split, seqused_q)
+    out, lse = _varlen_buffers(q, out, lse, lse_split, seqused_q, headdim_v=v.shape[-1])
     if total_q == 0 or cu_seqlens_q.numel() <= 1 or max_seqlen_q == 0:
         return out, lse
     sink = None if learnable_sink is None else learnable_sink.detach().float().contiguous()
@@ -419,10 +425,11 @@ def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
     return out, lse
 
 
-def _varlen_buffers(q, out, lse, lse_split, seqused_q=None):
+def _varlen_buffers(q, out, lse, lse_split, seqused_q=None, headdim_v=None):
     """out / lse checked, or allocated: as torch.empty, or, with seqused_q (rows that will stay
     unwritten inside the sequences), as 0 / -inf (flash4.varlen.varlen_forward's own choice)."""
     total_q, nheads, headdim = q.shape
+    headdim = headdim if headdim_v is None else headdim_v  # out has v's head dim
     padded = seqused_q is not None
     if out is None:
         out = (torch.zeros if padded else torch.empty)(total_q, nheads, headdim, dtype=q.dtype, device=q.device)
@@ -477,6 +484,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         k_cache, v_cache: the cache, same dtype and device, either dense
            (batch_cache, seqlen_cache, nheads_k, headdim) (sequence b uses row cache_batch_idx[b],
            or row b; then batch_cache == batch), or paged (num_pages, page_size, nheads_k, headdim)
+           (v_cache, and the appended v, may have their own head dim for the pairs of
+           flash4.config.HDIMV_PAIRS; out is then (batch, seqlen_q, nheads, headdim_v))
            with page_table (page_size a multiple of 8). nheads_k divides nheads (MQA/GQA).
            K and V may be two views of one interleaved tensor; last dim contiguous, other strides
            16-byte aligned; with cache_batch_idx, a dense cache's batch stride must be the same
@@ -602,6 +611,7 @@ def _flash_attn_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, page_table, ca
     rows 0..batch-1 or the page_table; with cache_batch_idx it runs in flash4.varlen.varlen_forward
     over the dense cache seen as packed rows (_dense_cache_rows), without splitting."""
     batch, seqlen_q, nheads, headdim = q.shape
+    headdim_v = v_cache.shape[-1]
     paged = page_table is not None
     page_table, cache_batch_idx = _contiguous(page_table), _contiguous(cache_batch_idx)
     seqlen_new = 0 if k is None else k.shape[1]
@@ -617,7 +627,7 @@ def _flash_attn_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, page_table, ca
                               cache_batch_idx=cache_batch_idx, page_table=page_table, num_pages=k_cache.shape[0],
                               page_size=k_cache.shape[1])
     if out is None:
-        out = torch.empty(q.shape, dtype=q.dtype, device=device)
+        out = torch.empty(batch, seqlen_q, nheads, headdim_v, dtype=q.dtype, device=device)
     if lse is None:
         lse = torch.empty(batch, nheads, seqlen_q, dtype=torch.float32, device=device)
     if seqlen_new > 0 and batch > 0:
@@ -645,7 +655,7 @@ def _flash_attn_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, page_table, ca
     lse_packed = torch.empty(nheads, total_q, dtype=torch.float32, device=device)
     _flash_attn_varlen_forward(q.reshape(total_q, nheads, headdim), k_rows, v_rows, cu_seqlens_q, cu_seqlens_k,
                                seqlen_q, softmax_scale, causal, seqused_k=seqused_k,
-                               out=out.view(total_q, nheads, headdim), lse=lse_packed, window_size=window_size,
+                               out=out.view(total_q, nheads, headdim_v), lse=lse_packed, window_size=window_size,
                                softcap=softcap, **sink_kwargs(sink))
     lse.copy_(lse_packed.view(nheads, batch, seqlen_q).transpose(0, 1))
     return out, lse

@@ -31,7 +31,8 @@ def flash_attn_backward(dout, q, k, v, out, lse, softmax_scale: float, causal: b
                         deterministic: bool = False, lse_split=None, dlse=None, window_size=None, softcap: float = 0.0):
     """Gradients of out = attention(q, k, v) for the upstream gradient dout.
 
-    q, out, dout: (B, Sq, H, D); k, v: (B, Sk, Hk, D); lse: fp32 (B, H, Sq) from the forward.
+    q: (B, Sq, H, D); k: (B, Sk, Hk, D); v: (B, Sk, Hk, Dv); out, dout: (B, Sq, H, Dv) (Dv = D, or a
+    flash4.config.HDIMV_PAIRS head dim); lse: fp32 (B, H, Sq) from the forward.
     lse_split: None, or the forward's fp32 (2, B, H, Sq) log2-domain LSE split (lse * log2 e =
     lse_split[0] + lse_split[1], flash4.api._flash_attn_forward): with it P is exact at the row max
     for any finite score magnitude; without it the split is taken from the rounded lse (exact
@@ -47,6 +48,7 @@ def flash_attn_backward(dout, q, k, v, out, lse, softmax_scale: float, causal: b
     kernels' grid/int32 limits (flash4.launch).
     """
     batch, seqlen_q, nheads, headdim = q.shape
+    headdim_v = v.shape[-1]
     dq = torch.empty_like(q, memory_format=torch.contiguous_format) if dq is None else dq
     dk = torch.empty_like(k, memory_format=torch.contiguous_format) if dk is None else dk
     dv = torch.empty_like(v, memory_format=torch.contiguous_format) if dv is None else dv
@@ -56,7 +58,8 @@ def flash_attn_backward(dout, q, k, v, out, lse, softmax_scale: float, causal: b
         return dq, dk, dv  # no query or no key: every gradient is 0 (or empty)
     window = window_sides(window_size, causal)
     cfg = select_bwd_config(headdim, DTYPE_NAMES[q.dtype], causal, arch=device_arch(q.device),
-                            deterministic=deterministic, local=window is not None, softcap=softcap > 0)
+                            deterministic=deterministic, local=window is not None, softcap=softcap > 0,
+                            **({} if headdim_v == headdim else {"headdim_v": headdim_v}))
     num_m_blocks = ceil_div(seqlen_q, cfg.tile_m)
     seqlen_q_pad = num_m_blocks * cfg.tile_m
     dout = _kernel_ready(dout)
@@ -71,7 +74,7 @@ def flash_attn_backward(dout, q, k, v, out, lse, softmax_scale: float, causal: b
 
     from flash4.compile.cache import get_bwd_preprocess_runner, get_bwd_runner  # late: CuTe DSL
 
-    preprocess = get_bwd_preprocess_runner(headdim, cfg.dtype, cfg.arch)
+    preprocess = get_bwd_preprocess_runner(headdim_v, cfg.dtype, cfg.arch)  # rowsum(dO * O) over Dv
     run = get_bwd_runner(cfg)
     with torch.cuda.device(q.device):
         preprocess(_kernel_ready(out), dout, lse_split[0], lse_split[1], dpsum, lse_log2, tile_flags[1], cfg.tile_m)

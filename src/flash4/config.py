@@ -12,6 +12,9 @@ import math
 
 # Head dims the sm90 forward supports (the public API rejects others; see validate.py).
 SUPPORTED_HEADDIMS = (64, 96, 128, 192, 256)
+# (headdim, headdim_v) pairs with Dv != D that have kernels (forward and backward): DeepSeek-V3/R1
+# MLA prefill (192, 128) and 128/64, 64/128. Equal pairs are every SUPPORTED_HEADDIMS entry.
+HDIMV_PAIRS = ((192, 128), (128, 64), (64, 128))
 # dtype names used in configs (kept as strings so configs stay torch-free and hashable).
 DTYPES = ("bf16", "fp16")
 # Rows of the query tile handled by one consumer warpgroup (one wgmma M).
@@ -65,6 +68,9 @@ class FwdConfig:
                   runtime argument; tanh is the hardware tanh.approx.f32 (MUFU).
     sink:         a learnable sink logit per head (gpt-oss) joins every row's softmax denominator
                   (fp32 (nheads,) tensor argument); with split_kv the combine kernel adds it once.
+    headdim_v:    Dv of V and O when it differs from headdim (DeepSeek MLA prefill: 192/128); None =
+                  headdim. One of HDIMV_PAIRS with headdim. V tiles (tile_n, Dv), the P V MMA's N,
+                  acc_O, O and the split-KV partials take Dv; Q and K keep headdim.
     """
 
     headdim: int
@@ -87,9 +93,11 @@ class FwdConfig:
     local: bool = False
     softcap: bool = False
     sink: bool = False
+    headdim_v: int | None = None
 
     def __post_init__(self):
         assert self.headdim in SUPPORTED_HEADDIMS, self.headdim
+        assert self.headdim_v is None or (self.headdim, self.headdim_v) in HDIMV_PAIRS, (self.headdim, self.headdim_v)
         assert self.page_rows == 0 or (self.page_rows % 8 == 0 and self.tile_n % self.page_rows == 0
                                        and self.seqused_k and not self.varlen_k), self
         assert self.dtype in DTYPES, self.dtype
@@ -105,18 +113,46 @@ class FwdConfig:
         # one producer warpgroup + the consumer warpgroups
         return 128 * (1 + self.num_consumer_warpgroups)
 
+    @property
+    def hdim_v(self) -> int:
+        """Dv: the head dim of V and O."""
+        return self.headdim if self.headdim_v is None else self.headdim_v
+
     def smem_bytes(self) -> int:
         """Shared memory for Q, the K/V stages and the O staging tile (bytes, no barriers)."""
         elt = 2
-        q = self.tile_m * self.headdim * elt
-        kv = 2 * self.kv_stages * self.tile_n * self.headdim * elt
-        return q + kv  # O reuses Q's buffer in the epilogue
+        # O reuses Q's buffer in the epilogue (sized for the larger of the two when Dv > D)
+        q = self.tile_m * max(self.headdim, self.hdim_v) * elt
+        kv = self.kv_stages * self.tile_n * (self.headdim + self.hdim_v) * elt
+        return q + kv
+
+
+def hdimv_problem(headdim: int, headdim_v: int | None) -> str | None:
+    """Why (headdim, headdim_v) has no kernel, or None (headdim_v None or equal: the plain case)."""
+    if headdim_v is None or headdim_v == headdim:
+        return None
+    if (headdim, headdim_v) not in HDIMV_PAIRS:
+        allowed = ", ".join(f"({d}, {dv})" for d, dv in HDIMV_PAIRS)
+        return (f"v's headdim {headdim_v} differs from q/k's headdim {headdim}; the (q/k, v) head dim pairs "
+                f"supported are {allowed} and every equal pair")
+    return None
+
+
+def canonical_hdimv(headdim: int, headdim_v: int | None) -> int | None:
+    """headdim_v as a config field: None when it equals headdim (the plain configs' key); raises
+    ValueError for an unsupported pair."""
+    problem = hdimv_problem(headdim, headdim_v)
+    if problem is not None:
+        raise ValueError(problem)
+    return None if headdim_v is None or headdim_v == headdim else headdim_v
 
 
 def select_fwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, arch: int = 90,
-                      local: bool = False, softcap: bool = False, sink: bool = False) -> FwdConfig:
+                      local: bool = False, softcap: bool = False, sink: bool = False,
+                      headdim_v: int | None = None) -> FwdConfig:
     """Pick the forward config for one problem class (pure; CPU-tested). local: a sliding window
     (flash4.geometry.window_sides; causal is folded into it, so the config has causal False).
+    headdim_v: V's / O's head dim (None or headdim: the same as Q/K; else a HDIMV_PAIRS pair).
 
     Raises ValueError for an unsupported arch or head dim (the API validates earlier, with the
     user-facing message; this is the second line).
@@ -125,6 +161,9 @@ def select_fwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, a
         raise ValueError(f"flash4 forward: arch sm_{arch} has no kernel yet (supported: sm_90a)")
     if headdim not in SUPPORTED_HEADDIMS:
         raise ValueError(f"headdim={headdim} not supported; allowed: {SUPPORTED_HEADDIMS}")
+    headdim_v = canonical_hdimv(headdim, headdim_v)
+    if headdim_v is not None:
+        return _select_fwd_config_hdimv(headdim, headdim_v, dtype, causal, arch, local, softcap, sink)
     # (tile_m, tile_n): the largest tiles whose accumulators fit the consumer register budget and
     # whose Q + 2 K/V stages fit 227 KiB of smem (FA3's Hopper table, hopper/tile_size.h).
     if headdim <= 64 and not (local and softcap):
@@ -143,6 +182,24 @@ def select_fwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, a
     # A window's tiles cost about the same (a band): no LPT order.
     return FwdConfig(headdim=headdim, dtype=dtype, causal=causal and not local, tile_m=tile_m, tile_n=tile_n,
                      kv_stages=2, lpt=causal and not local, arch=arch, local=local, softcap=softcap, sink=sink)
+
+
+def _select_fwd_config_hdimv(headdim: int, headdim_v: int, dtype: str, causal: bool, arch: int, local: bool,
+                             softcap: bool, sink: bool) -> FwdConfig:
+    """Tiles of the Dv != D forward (HDIMV_PAIRS). Two consumer warpgroups (240 registers each):
+    acc_O is 64 x Dv and S 64 x tile_n per warpgroup.
+      (192, 128): 128 x 128 (FA3's hopper/tile_size.h for hdim 192, hdim_v <= 128): Q 48 KiB + 2 K
+                  stages 96 KiB + 2 V stages 64 KiB = 208 KiB; registers as d128. A window: 112.
+      (128, 64):  128 x 128, as d128 (V and O take half the smem; acc_O 32 registers).
+      (64, 128):  128 x 128: d64's 3 warpgroups (160 registers) would hold acc_O 64 + S 64 + P 32
+                  registers and spill; Q's buffer is sized for O (128 x 128).
+    """
+    tile_m, tile_n = 128, 128
+    if headdim == 192 and local:
+        tile_n = 112
+    return FwdConfig(headdim=headdim, dtype=dtype, causal=causal and not local, tile_m=tile_m, tile_n=tile_n,
+                     kv_stages=2, lpt=causal and not local, arch=arch, local=local, softcap=softcap, sink=sink,
+                     headdim_v=headdim_v)
 
 
 # Smallest page piece one TMA copy may load: the swizzle atom of the K/V smem tile is 8 rows.
@@ -170,6 +227,11 @@ def shipped_fwd_configs() -> list[FwdConfig]:
     return [
         select_fwd_config(d, dt, c)
         for d in SUPPORTED_HEADDIMS
+        for dt in DTYPES
+        for c in (False, True)
+    ] + [
+        select_fwd_config(d, dt, c, headdim_v=dv)
+        for d, dv in HDIMV_PAIRS
         for dt in DTYPES
         for c in (False, True)
     ]
@@ -214,6 +276,9 @@ class BwdConfig:
     deterministic: dQ partial sums added in n_block order (bitwise reproducible), at some speed.
     varlen_q, varlen_k, seqused_q, seqused_k: the sequence layout, as FwdConfig (no paged KV).
     local:    sliding window, as FwdConfig (runtime sides; causal False).
+    headdim_v: Dv of V, dO and dV when it differs from headdim (HDIMV_PAIRS); None = headdim. dP^T
+              = V dO^T reduces over Dv, dV is (tile_n, Dv); Q, K, dQ, dK keep headdim. split_headdim
+              when either head dim is above 128.
     """
 
     headdim: int
@@ -231,9 +296,11 @@ class BwdConfig:
     seqused_k: bool = False
     local: bool = False
     softcap: bool = False
+    headdim_v: int | None = None
 
     def __post_init__(self):
         assert self.headdim in BWD_SUPPORTED_HEADDIMS, self.headdim
+        assert self.headdim_v is None or (self.headdim, self.headdim_v) in HDIMV_PAIRS, (self.headdim, self.headdim_v)
         assert self.dtype in DTYPES, self.dtype
         assert self.tile_n == (64 if self.split_headdim else 128) and self.tile_m % 64 == 0
         assert self.smem_bytes() <= BWD_SMEM_BUDGET, self.smem_bytes()
@@ -242,20 +309,28 @@ class BwdConfig:
     def dq_row_pad(self) -> int:
         return _dq_row_pad(self.split_headdim)
 
+    @property
+    def hdim_v(self) -> int:
+        """Dv: the head dim of V, dO and dV."""
+        return self.headdim if self.headdim_v is None else self.headdim_v
+
     def smem_bytes(self) -> int:
-        return bwd_smem_bytes(self.headdim, self.tile_m, self.tile_n, self.q_stages, self.split_headdim)
+        return bwd_smem_bytes(self.headdim, self.tile_m, self.tile_n, self.q_stages, self.split_headdim,
+                              self.headdim_v)
 
 
 def _dq_row_pad(split_headdim: bool) -> int:
     return DQ_ROW_PAD_SPLIT if split_headdim else DQ_ROW_PAD
 
 
-def bwd_smem_bytes(headdim: int, tile_m: int, tile_n: int, q_stages: int, split_headdim: bool) -> int:
+def bwd_smem_bytes(headdim: int, tile_m: int, tile_n: int, q_stages: int, split_headdim: bool,
+                   headdim_v: int | None = None) -> int:
     """Backward smem: K, V, the Q/dO stages, two dS^T (and P^T) buffers, the fp32 dQ tile and the
-    LSE/D stages (bytes, no barriers)."""
+    LSE/D stages (bytes, no barriers). headdim_v: V's / dO's head dim (None: headdim)."""
     elt = 2
-    kv = 2 * tile_n * headdim * elt
-    q_do = 2 * q_stages * tile_m * headdim * elt
+    dv = headdim if headdim_v is None else headdim_v
+    kv = tile_n * (headdim + dv) * elt
+    q_do = q_stages * tile_m * (headdim + dv) * elt
     ds = (2 if split_headdim else 1) * 2 * tile_n * tile_m * elt
     dq = tile_m * (headdim + _dq_row_pad(split_headdim)) * 4
     stats = 2 * q_stages * tile_m * 4
@@ -263,13 +338,18 @@ def bwd_smem_bytes(headdim: int, tile_m: int, tile_n: int, q_stages: int, split_
 
 
 def select_bwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, arch: int = 90,
-                      deterministic: bool = False, local: bool = False, softcap: bool = False) -> BwdConfig:
+                      deterministic: bool = False, local: bool = False, softcap: bool = False,
+                      headdim_v: int | None = None) -> BwdConfig:
     """Pick the backward config (pure; CPU-tested). Raises ValueError for what has no kernel.
-    local: a sliding window (causal folded into it: the config has causal False)."""
+    local: a sliding window (causal folded into it: the config has causal False).
+    headdim_v: V's / dO's head dim (None or headdim: the same; else a HDIMV_PAIRS pair)."""
     if arch != 90:
         raise ValueError(f"flash4 backward: arch sm_{arch} has no kernel yet (supported: sm_90a)")
     if headdim not in BWD_SUPPORTED_HEADDIMS:
         raise ValueError(f"flash4 backward: headdim={headdim} not supported; allowed: {BWD_SUPPORTED_HEADDIMS}")
+    headdim_v = canonical_hdimv(headdim, headdim_v)
+    if headdim_v is not None:
+        return _select_bwd_config_hdimv(headdim, headdim_v, dtype, causal, arch, deterministic, local, softcap)
     split = headdim > 128
     # d64 bf16: 128 queries per step (S^T, dP^T 64x128 per warpgroup) halves the per-step overhead
     # (barriers, dQ hand-off); H200: +4-7% over 64. It fits 240 registers without spills in bf16
@@ -287,6 +367,29 @@ def select_bwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, a
                      softcap=softcap)
 
 
+def _select_bwd_config_hdimv(headdim: int, headdim_v: int, dtype: str, causal: bool, arch: int,
+                             deterministic: bool, local: bool, softcap: bool) -> BwdConfig:
+    """Tiles of the Dv != D backward (HDIMV_PAIRS), 240 registers per consumer warpgroup:
+      (192, 128): split_headdim (64 keys, 64 queries): dK over the full 192 in registers would
+                  take 96 + dV 64 + S^T/dP^T 64 + dQ 48 > 240; split, each warpgroup holds dK 48 +
+                  dV 32. K, V 40 KiB + 2 Q/dO stages 80 KiB + dS^T/P^T 32 KiB + dQ 49 KiB.
+      (128, 64):  as d128: 128 keys x 64 queries, dK 64 + dV 32 registers.
+      (64, 128):  128 keys x 64 queries (not d64's 128 queries: S^T, dP^T 64 each + dV 64 + dK 32
+                  + dQ 32 > 240).
+    """
+    split = max(headdim, headdim_v) > 128
+    tile_m, tile_n = 64, (64 if split else 128)
+    q_stages = next((n for n in (2, 1) if bwd_smem_bytes(headdim, tile_m, tile_n, n, split, headdim_v)
+                     <= BWD_SMEM_BUDGET), None)
+    if q_stages is None:
+        raise AssertionError(f"no backward config fits shared memory for headdim={headdim}, headdim_v={headdim_v}")
+    return BwdConfig(headdim=headdim, dtype=dtype, causal=causal and not local, tile_m=tile_m, tile_n=tile_n,
+                     q_stages=q_stages, split_headdim=split, deterministic=deterministic, arch=arch, local=local,
+                     softcap=softcap, headdim_v=headdim_v)
+
+
 def shipped_bwd_configs() -> list[BwdConfig]:
     configs = [select_bwd_config(d, dt, c) for d in BWD_SUPPORTED_HEADDIMS for dt in DTYPES for c in (False, True)]
-    return configs + [select_bwd_config(d, "bf16", c, deterministic=True) for d in BWD_SUPPORTED_HEADDIMS for c in (False, True)]
+    configs += [select_bwd_config(d, "bf16", c, deterministic=True) for d in BWD_SUPPORTED_HEADDIMS for c in (False, True)]
+    return configs + [select_bwd_config(d, dt, c, headdim_v=dv) for d, dv in HDIMV_PAIRS for dt in DTYPES
+                      for c in (False, True)]

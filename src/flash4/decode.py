@@ -64,7 +64,7 @@ def decode_tiles(cfg, seqlen_p: int):
     if seqlen_p > ROWS_PER_WARPGROUP:
         return cfg
     cfg = dataclasses.replace(cfg, tile_m=ROWS_PER_WARPGROUP, lpt=False, kv_stages=1)
-    per_stage = 2 * cfg.tile_n * cfg.headdim * 2
+    per_stage = cfg.tile_n * (cfg.headdim + cfg.hdim_v) * 2
     stages = (SM90_MAX_SMEM_BYTES - 1024 - cfg.smem_bytes() + per_stage) // per_stage
     return dataclasses.replace(cfg, kv_stages=max(2, min(MAX_DECODE_KV_STAGES, stages)))
 
@@ -90,16 +90,17 @@ class DecodePlan:
 @functools.lru_cache(maxsize=1024)
 def decode_plan(batch: int, seqlen_q: int, nheads: int, nheads_k: int, headdim: int, dtype: str, causal: bool,
                 page_size: int, capacity: int, num_splits: int, arch: int, num_sms: int,
-                window=None, softcap: bool = False, sink: bool = False) -> DecodePlan:
+                window=None, softcap: bool = False, sink: bool = False, headdim_v: int | None = None) -> DecodePlan:
     """The plan of a decode step (pure; CPU-tested): packing, config and split count.
-    page_size: 0 for a contiguous cache; capacity: keys the cache can hold per sequence."""
+    page_size: 0 for a contiguous cache; capacity: keys the cache can hold per sequence.
+    headdim_v: V's head dim (None: headdim)."""
     from flash4.config import paged_page_rows, select_fwd_config, with_seq_layout
 
     pack = pack_factor(nheads, nheads_k, seqlen_q, causal, window)
     # A packed tile's rows belong to `pack` query heads, each with its own sink: the sink is then
     # added by the combine kernel (which unpacks the rows), so a packed step with a sink always
     # splits (at least 2 runs); with a single key block to split, it is not packed.
-    tile_n_hint = select_fwd_config(headdim, dtype, False, arch=arch).tile_n
+    tile_n_hint = select_fwd_config(headdim, dtype, False, arch=arch, headdim_v=headdim_v).tile_n
     if sink and pack > 1 and num_splits != 1 and ceil_div(capacity, tile_n_hint) < 2:
         pack = 1
     if sink and pack > 1 and num_splits == 1:
@@ -107,7 +108,7 @@ def decode_plan(batch: int, seqlen_q: int, nheads: int, nheads_k: int, headdim: 
     kernel_causal = causal and pack == 1  # packed steps have Sq == 1 or are non-causal
     seqlen_p, heads_p = seqlen_q * pack, nheads // pack
     cfg = decode_tiles(select_fwd_config(headdim, dtype, kernel_causal, arch=arch, local=window is not None,
-                                         softcap=softcap, sink=sink), seqlen_p)
+                                         softcap=softcap, sink=sink, headdim_v=headdim_v), seqlen_p)
     n_blocks = max(1, ceil_div(capacity, cfg.tile_n))
     if num_splits == 0:
         num_splits = choose_num_splits(batch * heads_p * ceil_div(seqlen_p, cfg.tile_m), n_blocks, num_sms)
@@ -124,7 +125,7 @@ def _runners(plan: DecodePlan):
     """(forward runner, combine runner or None) of a plan (compiled once, then a lookup)."""
     from flash4.compile.cache import get_combine_runner, get_fwd_runner  # late: CuTe DSL
 
-    combine = (get_combine_runner(plan.cfg.headdim, plan.cfg.dtype, plan.cfg.arch, sink=plan.cfg.sink)
+    combine = (get_combine_runner(plan.cfg.hdim_v, plan.cfg.dtype, plan.cfg.arch, sink=plan.cfg.sink)
                if plan.num_splits > 1 else None)
     return get_fwd_runner(plan.cfg), combine
 
@@ -155,10 +156,10 @@ def decode_forward(q, k_cache, v_cache, seqused_k, softmax_scale: float, causal:
     from flash4.validate import DTYPE_NAMES
 
     batch, seqlen_q, nheads, headdim = q.shape
-    nheads_k = k_cache.shape[2]
+    nheads_k, headdim_v = k_cache.shape[2], v_cache.shape[-1]
     paged = page_table is not None
     if out is None:
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        out = torch.empty(batch, seqlen_q, nheads, headdim_v, dtype=q.dtype, device=q.device)
     if lse is None:
         lse = torch.empty(batch, nheads, seqlen_q, dtype=torch.float32, device=q.device)
     if out.numel() == 0:
@@ -167,7 +168,8 @@ def decode_forward(q, k_cache, v_cache, seqused_k, softmax_scale: float, causal:
     window = window_sides(window_size, causal)
     plan = decode_plan(batch, seqlen_q, nheads, nheads_k, headdim, DTYPE_NAMES[q.dtype], causal,
                        k_cache.shape[1] if paged else 0, capacity, num_splits, arch.device_arch(q.device),
-                       arch.num_sms(q.device), window, softcap > 0, learnable_sink is not None)
+                       arch.num_sms(q.device), window, softcap > 0, learnable_sink is not None,
+                       **({} if headdim_v == headdim else {"headdim_v": headdim_v}))
     sink = None if learnable_sink is None else learnable_sink.float().contiguous()
     run, combine = _runners(plan)
     pack, seqlen_p, heads_p = plan.pack, plan.seqlen_p, plan.heads_p
@@ -178,21 +180,23 @@ def decode_forward(q, k_cache, v_cache, seqused_k, softmax_scale: float, causal:
     seqs = (None, None, None, seqused_k if seqused_k.is_contiguous() else seqused_k.contiguous(), page_table)
     with contextlib.nullcontext() if q.device.index == torch.cuda.current_device() else torch.cuda.device(q.device):
         if plan.num_splits > 1:
-            o_acc = torch.empty(plan.num_splits, batch, seqlen_p, heads_p, headdim, dtype=torch.float32, device=q.device)
+            o_acc = torch.empty(plan.num_splits, batch, seqlen_p, heads_p, headdim_v, dtype=torch.float32,
+                                device=q.device)
             lse_acc = torch.empty(plan.num_splits, batch, heads_p, seqlen_p, dtype=torch.float32, device=q.device)
             # out / lse are not written by a split_kv launch (its partials go to o_acc / lse_acc);
             # it gets them only as well-formed arguments (packed shapes) for the kernel's views.
-            o_arg = q_run if pack > 1 else out
+            o_arg = out if pack == 1 else (q_run if headdim_v == headdim else torch.empty(
+                batch, seqlen_p, heads_p, headdim_v, dtype=q.dtype, device=q.device))
             run(q_run, k_cache, v_cache, o_arg, lse_acc[0], softmax_scale, lse_split=lse_acc[:2], seqs=seqs,
                 batch=batch, max_seqlen_q=seqlen_p, accs=(o_acc, lse_acc), num_splits=plan.num_splits, window=window,
                 softcap=softcap, sink=sink)
             combine(o_acc, lse_acc, out, lse, pack, sink=sink)
         elif pack > 1:
-            out_p = torch.empty(batch, seqlen_p, heads_p, headdim, dtype=q.dtype, device=q.device)
+            out_p = torch.empty(batch, seqlen_p, heads_p, headdim_v, dtype=q.dtype, device=q.device)
             lse_p = torch.empty(batch, heads_p, seqlen_p, dtype=torch.float32, device=q.device)
             run(q_run, k_cache, v_cache, out_p, lse_p, softmax_scale, seqs=seqs, batch=batch, max_seqlen_q=seqlen_p,
                 softcap=softcap, sink=_packed_sink(sink, nheads_k, pack))
-            out.copy_(out_p.view(batch, seqlen_q, pack, nheads_k, headdim).transpose(2, 3).reshape(q.shape))
+            out.copy_(out_p.view(batch, seqlen_q, pack, nheads_k, headdim_v).transpose(2, 3).reshape(out.shape))
             lse.copy_(lse_p.view(batch, nheads_k, seqlen_q, pack).transpose(2, 3).reshape(batch, nheads, seqlen_q))
         else:
             run(q, k_cache, v_cache, out, lse, softmax_scale, seqs=seqs, batch=batch, max_seqlen_q=seqlen_q,

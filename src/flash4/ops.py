@@ -73,6 +73,11 @@ def sink_kwargs(learnable_sink) -> dict:
     return kw(learnable_sink)
 
 
+def _out_shape(q: Tensor, v: Tensor) -> tuple:
+    """out: q's shape with v's head dim (headdim_v may differ from q/k's)."""
+    return tuple(q.shape[:-1]) + (v.shape[-1],)
+
+
 def _fwd_shapes(q: Tensor):
     batch, seqlen_q, nheads, _ = q.shape
     return (batch, nheads, seqlen_q), (2, batch, nheads, seqlen_q)
@@ -100,7 +105,7 @@ def fwd(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool, det
 def _fwd_fake(q, k, v, softmax_scale, causal, deterministic, window_left=-1, window_right=-1, softcap=0.0,
               learnable_sink=None):
     lse_shape, split_shape = _fwd_shapes(q)
-    return (torch.empty(q.shape, dtype=q.dtype, device=q.device),
+    return (torch.empty(_out_shape(q, v), dtype=q.dtype, device=q.device),  # out has v's head dim
             torch.empty(lse_shape, dtype=F32, device=q.device),
             torch.empty(split_shape, dtype=F32, device=q.device))
 
@@ -188,7 +193,7 @@ def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, 
                      max_seqlen_k, softmax_scale, causal, deterministic, check_seqlens, window_left=-1,
                      window_right=-1, softcap=0.0, learnable_sink=None):
     lse_shape, split_shape = _varlen_shapes(q)
-    return (torch.empty(q.shape, dtype=q.dtype, device=q.device),
+    return (torch.empty(_out_shape(q, v), dtype=q.dtype, device=q.device),
             torch.empty(lse_shape, dtype=F32, device=q.device),
             torch.empty(split_shape, dtype=F32, device=q.device))
 
@@ -282,5 +287,5 @@ def _kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, cache_seqlens_int, p
                   softmax_scale, causal, num_splits, check_seqlens, window_left=-1, window_right=-1, softcap=0.0,
                   learnable_sink=None):
     lse_shape, _ = _fwd_shapes(q)
-    return (torch.empty(q.shape, dtype=q.dtype, device=q.device),
+    return (torch.empty(_out_shape(q, v_cache), dtype=q.dtype, device=q.device),
             torch.empty(lse_shape, dtype=F32, device=q.device))

@@ -240,9 +240,10 @@ def attention_varlen_ref(
     outside every sequence get out = 0 and lse = -inf. Differentiable (dq/dk/dv of the reference).
     """
     seqs = varlen_seqlens(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
-    total_q, nheads, headdim = q.shape
+    total_q, nheads, _ = q.shape
+    headdim_v = v.shape[-1]  # out has v's head dim (it may differ from q/k's)
     out_dtype = compute_dtype if upcast else q.dtype
-    out = torch.zeros(total_q, nheads, headdim, dtype=out_dtype, device=q.device)
+    out = torch.zeros(total_q, nheads, headdim_v, dtype=out_dtype, device=q.device)
     lse = torch.full((nheads, total_q), float("-inf"), dtype=compute_dtype if upcast else torch.float32,
                      device=q.device)
     for b in range(seqs.batch):
@@ -396,6 +397,6 @@ def kvcache_ref(q, k_cache, v_cache, seqlens_k, page_table=None, cache_batch_idx
         lses.append(l_b)
     if not outs:
         dtype = compute_dtype if upcast else q.dtype
-        return (q.new_zeros(q.shape, dtype=dtype),
+        return (q.new_zeros(tuple(q.shape[:-1]) + (v_cache.shape[-1],), dtype=dtype),
                 q.new_zeros((0, q.shape[2], q.shape[1]), dtype=compute_dtype if upcast else torch.float32))
     return torch.cat(outs), torch.cat(lses)

@@ -23,7 +23,7 @@ import torch
 
 # MIN_PAGE_ROWS: paged K/V are loaded page piece by page piece (flash4.config.paged_page_rows), at
 # least that many rows each (the swizzle atom of the K/V smem tile).
-from flash4.config import MIN_PAGE_ROWS, SUPPORTED_HEADDIMS, select_fwd_config
+from flash4.config import MIN_PAGE_ROWS, SUPPORTED_HEADDIMS, hdimv_problem, select_fwd_config
 
 # torch dtype -> the dtype name used in FwdConfig.
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -67,11 +67,14 @@ def _problem(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1),
             f"k.shape[3] (headdim) is {k.shape[3]} but q.shape[3] is {q.shape[3]}; q, k and v need the same "
             f"headdim; q.shape={_shape(q)}, k.shape={_shape(k)}"
         )
-    if v.shape != k.shape:
+    if v.shape[:3] != k.shape[:3]:
         return ValueError, (
-            f"v must have the shape of k (batch, seqlen_k, nheads_k, headdim); got v.shape={_shape(v)}, "
-            f"k.shape={_shape(k)}"
+            f"v must have the shape of k (batch, seqlen_k, nheads_k, headdim; only its headdim may differ); got "
+            f"v.shape={_shape(v)}, k.shape={_shape(k)}"
         )
+    problem = hdimv_problem(q.shape[3], v.shape[3])
+    if problem is not None:
+        return ValueError, f"{problem}; q.shape={_shape(q)}, v.shape={_shape(v)}"
     nheads, nheads_k = q.shape[2], k.shape[2]
     if nheads < 1 or nheads_k < 1:
         return ValueError, (
@@ -323,10 +326,13 @@ def _heads_problem(q, k, v, k_desc: str, k_name: str = "k", v_name: str = "v") -
             f"{k_name}.shape[{kd}] (headdim) is {k.shape[-1]} but q.shape[{qd}] is {q.shape[-1]}; q, {k_name} and "
             f"{v_name} need the same headdim; q.shape={_shape(q)}, {k_name}.shape={_shape(k)}"
         )
-    if v.shape != k.shape:
+    if v.dim() != k.dim() or v.shape[:-1] != k.shape[:-1]:
         return ValueError, (
-            f"{v_name} must have the shape of {k_name} {k_desc}; got {v_name}.shape={_shape(v)}, "
-            f"{k_name}.shape={_shape(k)}")
+            f"{v_name} must have the shape of {k_name} {k_desc} (only its headdim may differ); got "
+            f"{v_name}.shape={_shape(v)}, {k_name}.shape={_shape(k)}")
+    problem = hdimv_problem(q.shape[-1], v.shape[-1])
+    if problem is not None:
+        return ValueError, f"{problem}; q.shape={_shape(q)}, {v_name}.shape={_shape(v)}"
     nheads, nheads_k = q.shape[-2], k.shape[-2]
     if nheads < 1 or nheads_k < 1:
         return ValueError, (
@@ -715,9 +721,12 @@ def _kvcache_problem(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, pa
     seqlen_new = 0
     if k is not None:
         expected = (batch, k.shape[1], k_cache.shape[2], k_cache.shape[3])
-        if _shape(k) != expected or _shape(v) != expected:
+        expected_v = expected[:3] + (v_cache.shape[3],)
+        if _shape(k) != expected or _shape(v) != expected_v:
+            what = (f"k and v must be {_KVCACHE_LAYOUTS['k']} = {expected}" if expected == expected_v else
+                    f"k and v must be {_KVCACHE_LAYOUTS['k']} = {expected} and {expected_v}")
             return ValueError, (
-                f"k and v must be {_KVCACHE_LAYOUTS['k']} = {expected} (batch of q, nheads_k and headdim of k_cache); "
+                f"{what} (batch of q, nheads_k and headdim of k_cache / v_cache); "
                 f"got k.shape={_shape(k)}, v.shape={_shape(v)}")
         seqlen_new = k.shape[1]
     if seqlens_tensor and _shape(cache_seqlens) != (batch,):
@@ -757,8 +766,11 @@ def _kvcache_problem(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, pa
                 f"{seqlen_new} > {capacity_desc} = {capacity}")
     elif not seqlens_tensor and cache_seqlens is not None and cache_seqlens > capacity:
         return ValueError, f"cache_seqlens={cache_seqlens} is above the cache's {capacity_desc} = {capacity}"
-    if out is not None and _shape(out) != _shape(q):
-        return ValueError, f"out must have the shape of q {_KVCACHE_LAYOUTS['q']} = {_shape(q)}; got {_shape(out)}"
+    out_shape = _shape(q)[:3] + (v_cache.shape[3],)
+    if out is not None and _shape(out) != out_shape:
+        with_v = "" if out_shape == _shape(q) else " with v_cache's headdim"
+        return ValueError, (f"out must have the shape of q{with_v} {_KVCACHE_LAYOUTS['q']} = {out_shape}; got "
+                            f"{_shape(out)}")
     if num_splits < 0:
         return ValueError, f"num_splits must be >= 0 (0 = auto, 1 = no split); got {num_splits}"
     if num_splits > 1 and cache_batch_idx is not None:

@@ -93,6 +93,7 @@ def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, softm
     from flash4.validate import DTYPE_NAMES
 
     total_q, nheads, headdim = q.shape
+    headdim_v = v.shape[-1]
     batch = cu_seqlens_q.numel() - 1
     paged = page_table is not None
     if paged and seqused_k is None:
@@ -100,7 +101,8 @@ def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, softm
     if not paged and cu_seqlens_k is None:
         raise ValueError("cu_seqlens_k is required unless page_table is given")
     if out is None:
-        out = (torch.zeros if seqused_q is not None else torch.empty)(q.shape, dtype=q.dtype, device=q.device)
+        out = (torch.zeros if seqused_q is not None else torch.empty)((total_q, nheads, headdim_v), dtype=q.dtype,
+                                                                      device=q.device)
     if lse is None:
         lse = (torch.full((nheads, total_q), float("-inf"), dtype=torch.float32, device=q.device)
                if seqused_q is not None else torch.empty(nheads, total_q, dtype=torch.float32, device=q.device))
@@ -108,7 +110,8 @@ def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, softm
         return out, lse
     window = window_sides(window_size, causal)
     cfg = select_fwd_config(headdim, DTYPE_NAMES[q.dtype], causal, arch=device_arch(q.device), local=window is not None,
-                            softcap=softcap > 0, sink=learnable_sink is not None)
+                            softcap=softcap > 0, sink=learnable_sink is not None,
+                            **({} if headdim_v == headdim else {"headdim_v": headdim_v}))
     page_rows = paged_page_rows(k.shape[1], cfg.tile_n) if paged else 0
     cfg = with_seq_layout(cfg, varlen_q=True, varlen_k=not paged, seqused_q=seqused_q is not None,
                           seqused_k=seqused_k is not None, page_rows=page_rows)
@@ -154,6 +157,7 @@ def varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seq
     from flash4.validate import DTYPE_NAMES
 
     total_q, nheads, headdim = q.shape
+    headdim_v = v.shape[-1]
     total_k = k.shape[0]
     batch = cu_seqlens_q.shape[0] - 1
     dq = torch.empty_like(q, memory_format=torch.contiguous_format) if dq is None else dq
@@ -165,7 +169,8 @@ def varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seq
         return dq, dk, dv  # no query or no key in any sequence: every gradient is 0
     window = window_sides(window_size, causal)
     cfg = select_bwd_config(headdim, DTYPE_NAMES[q.dtype], causal, arch=device_arch(q.device),
-                            deterministic=deterministic, local=window is not None, softcap=softcap > 0)
+                            deterministic=deterministic, local=window is not None, softcap=softcap > 0,
+                            **({} if headdim_v == headdim else {"headdim_v": headdim_v}))
     cfg = with_seq_layout(cfg, varlen_q=True, varlen_k=True, seqused_q=seqused_q is not None,
                           seqused_k=seqused_k is not None)
     tile_m = cfg.tile_m
@@ -186,7 +191,7 @@ def varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seq
 
     from flash4.compile.cache import get_bwd_preprocess_runner, get_bwd_runner  # late: CuTe DSL
 
-    preprocess = get_bwd_preprocess_runner(headdim, cfg.dtype, cfg.arch, varlen=True)
+    preprocess = get_bwd_preprocess_runner(headdim_v, cfg.dtype, cfg.arch, varlen=True)  # rowsum(dO * O) over Dv
     run = get_bwd_runner(cfg)
     with torch.cuda.device(q.device):
         preprocess(_kernel_ready(out)[None], dout[None], lse_split[0][None], lse_split[1][None], dpsum, lse_log2,

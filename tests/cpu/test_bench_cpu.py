@@ -107,7 +107,9 @@ def test_check_cases():
 def test_select_configs():
     assert select_configs() == shipped_fwd_configs() + shipped_bwd_configs()
     some = select_configs(headdims=(128,), dtypes=("bf16",))
-    assert [(c.headdim, c.dtype, c.causal) for c in some] == [(128, "bf16", False), (128, "bf16", True)] * 3  # fwd, bwd, bwd deterministic
+    plain = [c for c in some if c.headdim_v is None]  # (128, 64) head dim pairs match headdim 128 too
+    assert [(c.headdim, c.dtype, c.causal) for c in plain] == [(128, "bf16", False), (128, "bf16", True)] * 3  # fwd, bwd, bwd deterministic
+    assert [(c.headdim_v, c.causal) for c in some if c.headdim_v is not None] == [(64, False), (64, True)] * 2
 
 
 @pytest.fixture
@@ -129,10 +131,11 @@ def fake_compile_check(monkeypatch):
 def test_cli_compile_check(fake_compile_check, capsys, tmp_path):
     calls, result = fake_compile_check
     assert cli_main(["compile-check", "--headdims", "128", "--dtypes", "bf16", "--json", str(tmp_path / "c.json")]) == 0
-    assert [(c.headdim, c.dtype) for c in calls] == [(128, "bf16")] * 6  # fwd, bwd, bwd det; causal and not
+    # fwd, bwd, bwd det; causal and not; + the (128, 64) head dim pair's fwd and bwd
+    assert [(c.headdim, c.dtype) for c in calls] == [(128, "bf16")] * 10
     out = capsys.readouterr().out
-    assert "6/6 ok" in out and "registers" in out
-    assert len(json.loads((tmp_path / "c.json").read_text())) == 6
+    assert "10/10 ok" in out and "registers" in out
+    assert len(json.loads((tmp_path / "c.json").read_text())) == 10
     result["spills"] = 4
     assert cli_main(["compile-check", "--headdims", "64", "--causal", "1"]) == 1
     assert "FAILED d64 bf16 1: 4 spill(s)" in capsys.readouterr().out
@@ -147,7 +150,8 @@ def test_bench_without_gpu_runs_the_compile_check(fake_compile_check, capsys):
     assert calls == shipped_fwd_configs() + shipped_bwd_configs()
     calls.clear()
     assert cli_main(["bench", "--quick"]) == 0
-    assert [(c.headdim, c.dtype) for c in calls] == [(128, "bf16")] * 6  # fwd, bwd, bwd det; causal and not
+    # fwd, bwd, bwd det; causal and not; + the (128, 64) head dim pair's fwd and bwd
+    assert [(c.headdim, c.dtype) for c in calls] == [(128, "bf16")] * 10
 
 
 def test_bench_times_backward_unless_told_not_to():

@@ -8,6 +8,8 @@ SDPA gets transposed views of the same memory ((batch, nheads, seqlen, headdim),
 contiguous), as a model holding (batch, seqlen, nheads, headdim) activations would pass them.
 Its `is_causal` is top-left aligned: equal to flash4's bottom-right mask only when seqlen_q ==
 seqlen_k, which holds in the sweep and in the checks the benchmark runs on SDPA.
+v may have its own head dim (the hdimv_* cells): every impl gets it as it is (flash-attn-4 and
+cuDNN SDPA take Dv != D; an impl that refuses it raises, and the cell is NaN).
 """
 
 from __future__ import annotations

@@ -4,7 +4,9 @@ CASE_COLUMNS (the layout the recorded docs/perf/h200-cases.csv will have; not me
 
 TFLOPs count only the unmasked work: 4 * batch * nheads * headdim * (visible (query, key) pairs),
 the pairs counted with flash4.geometry's rule (for seqlen_q == seqlen_k causal that is the usual
-half of the square, plus the diagonal). Backward FLOPs are 2.5x forward, as in the sweep.
+half of the square, plus the diagonal). Backward FLOPs are 2.5x forward, as in the sweep. With a
+value head dim Dv != D (hdimv_* cells) the forward is 2 * (D + Dv) per pair (Q K^T and P V) and the
+backward 2 * (3 D + 2 Dv) (S, dP, dV, dK, dQ); the CSV's headdim column is D (the name gives Dv).
 SDPA's `is_causal` is top-left aligned, so it is timed only where that equals flash4's
 bottom-right mask (not causal, or seqlen_q == seqlen_k).
 """
@@ -33,6 +35,11 @@ class Case:
     window: tuple | None = None  # flash-attn's window_size (left, right); None: none
     softcap: float = 0.0  # logit soft-cap (0: off)
     sink: bool = False  # a learnable sink logit per head (gpt-oss)
+    headdim_v: int | None = None  # V's / O's head dim when it differs from headdim (None: headdim)
+
+    @property
+    def hdim_v(self) -> int:
+        return self.headdim if self.headdim_v is None else self.headdim_v
 
     def label(self) -> str:
         return self.name
@@ -67,6 +74,14 @@ CASES = (
     Case("sink_gptoss_d64_window128_causal_8k", 64, True, 8192, 8192, 1, 64, 8, window=(127, 0), sink=True),
     Case("sink_gptoss_d64_causal_8k", 64, True, 8192, 8192, 1, 64, 8, sink=True),
     Case("sink_ref_gptoss_d64_causal_8k", 64, True, 8192, 8192, 1, 64, 8),
+    # Issue 13: a value head dim different from Q/K's. DeepSeek-V3/R1 MLA prefill (q/k 192, v 128),
+    # 16 heads, 32k tokens; and 128/64, 64/128.
+    Case("hdimv_192_128_causal_4k", 192, True, 4096, 4096, 8, 16, 16, headdim_v=128),
+    Case("hdimv_192_128_full_4k", 192, False, 4096, 4096, 8, 16, 16, headdim_v=128),
+    Case("hdimv_192_128_causal_16k", 192, True, 16384, 16384, 2, 16, 16, headdim_v=128),
+    Case("hdimv_192_128_full_16k", 192, False, 16384, 16384, 2, 16, 16, headdim_v=128),
+    Case("hdimv_128_64_causal_4k", 128, True, 4096, 4096, 8, 16, 16, headdim_v=64),
+    Case("hdimv_64_128_causal_4k", 64, True, 4096, 4096, 8, 16, 16, headdim_v=128),
 )
 
 
@@ -78,8 +93,20 @@ def visible_pairs(seqlen_q: int, seqlen_k: int, causal: bool, window_size=None) 
 
 
 def case_fwd_flops(case: Case) -> float:
-    return 4.0 * case.batch * case.nheads * case.headdim * visible_pairs(case.seqlen_q, case.seqlen_k, case.causal,
-                                                                         case.window)
+    pairs = visible_pairs(case.seqlen_q, case.seqlen_k, case.causal, case.window)
+    if case.headdim_v is None:
+        return 4.0 * case.batch * case.nheads * case.headdim * pairs
+    return 2.0 * case.batch * case.nheads * (case.headdim + case.hdim_v) * pairs
+
+
+def case_bwd_flops(case: Case) -> float:
+    """2.5x the forward (the sweep's factor); with Dv != D, 2 * (3 D + 2 Dv) per visible pair."""
+    from flash4.bench.run import BWD_FLOPS_FACTOR
+
+    if case.headdim_v is None:
+        return BWD_FLOPS_FACTOR * case_fwd_flops(case)
+    pairs = visible_pairs(case.seqlen_q, case.seqlen_k, case.causal, case.window)
+    return 2.0 * case.batch * case.nheads * (3 * case.headdim + 2 * case.hdim_v) * pairs
 
 
 def impl_applies(impl_name: str, case: Case) -> bool:
@@ -117,7 +144,7 @@ def measure_cases(impls, cases, dtype, rep_ms: float = 100.0, bwd: bool = True) 
     bar = progress(len(cases) * len(impls), "cases", "run")
     for case in cases:
         q, k, v = run._inputs(case.batch, case.seqlen_q, case.seqlen_k, case.nheads, case.nheads_k, case.headdim,
-                              dtype)
+                              dtype, headdim_v=case.headdim_v)
         flops = case_fwd_flops(case)
         for impl in impls:
             fwd_tf = bwd_tf = math.nan
@@ -127,7 +154,7 @@ def measure_cases(impls, cases, dtype, rep_ms: float = 100.0, bwd: bool = True) 
                     with impl.context():
                         fwd_tf = run.tflops(flops, run.time_ms(fn, rep_ms=rep_ms))
                     if bwd:
-                        bwd_tf = run.tflops(run.BWD_FLOPS_FACTOR * flops,
+                        bwd_tf = run.tflops(case_bwd_flops(case),
                                             run._time_bwd(impl, q, k, v, case.causal, rep_ms, **case.options()))
                 except Exception as err:  # a failing impl is a NaN cell, reported once per line
                     bar.write(f"{impl.name} failed at {case.name}: {type(err).__name__}: "

@@ -157,7 +157,7 @@ def warmup_main(configs: list | None = None) -> int:
         t1 = time.perf_counter()
         try:
             if isinstance(cfg, BwdConfig):
-                cache.get_bwd_preprocess_runner(cfg.headdim, cfg.dtype, cfg.arch)
+                cache.get_bwd_preprocess_runner(cfg.hdim_v, cfg.dtype, cfg.arch)  # rowsum(dO * O) over Dv
                 cache.get_bwd_runner(cfg)
             else:
                 cache.get_fwd_runner(cfg)

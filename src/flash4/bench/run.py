@@ -161,11 +161,13 @@ def _time_events(fn, warmup_ms: float, rep_ms: float) -> float:
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
 
 
-def _inputs(batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, dtype, seed=0):
+def _inputs(batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, dtype, seed=0, headdim_v=None):
+    """q, k, v on the GPU (v with headdim_v when given: a value head dim different from Q/K's)."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     q = torch.randn(batch, seqlen_q, nheads, headdim, generator=gen, device="cuda", dtype=dtype)
     k = torch.randn(batch, seqlen_k, nheads_k, headdim, generator=gen, device="cuda", dtype=dtype)
-    v = torch.randn(batch, seqlen_k, nheads_k, headdim, generator=gen, device="cuda", dtype=dtype)
+    v = torch.randn(batch, seqlen_k, nheads_k, headdim if headdim_v is None else headdim_v, generator=gen,
+                    device="cuda", dtype=dtype)
     return q, k, v
 
 
@@ -489,6 +491,7 @@ def main(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         return _no_gpu(args)
 
+    import_s = _dsl_import_seconds()  # before the baselines: flash-attn-4 imports the CuTe DSL too
     from flash4.bench.baselines import all_impls
 
     headdims = args.headdims or (QUICK_HEADDIMS if args.quick else DEFAULT_HEADDIMS)
@@ -505,9 +508,12 @@ def main(args: argparse.Namespace) -> int:
         else:
             impls.append(impl)
     meta = collect_metadata(args.dtype)
+    meta["cute_dsl_import_s"] = round(import_s, 3)
     print("  ".join(f"{k}={v}" for k, v in meta.items()))
     if getattr(args, "varlen", "all") == "only":
-        return _run_varlen(impls, dtype, args)
+        code = _run_varlen(impls, dtype, args)
+        _print_compile_summary(import_s)
+        return code
 
     print("\nCorrectness vs float32 reference (ok: err <= 2 x PyTorch same-dtype err + atol):")
     checks = check_correctness(impls, headdims, causals, dtype)
@@ -563,9 +569,32 @@ def main(args: argparse.Namespace) -> int:
     print(f"\nwrote {out_dir / 'sweep.csv'}, {out_dir / 'sweep.json'}, {out_dir / 'sweep.png'}")
     if getattr(args, "varlen", "all") == "all":
         _run_varlen(impls, dtype, args)
+    _print_compile_summary(import_s)
     if flash4_failed:
         print("FAILED: flash4 is not correct on some shapes (see the correctness table).")
     return 1 if flash4_failed else 0
+
+
+def _dsl_import_seconds() -> float:
+    """Wall seconds of importing flash4's compile layer (the CuTe DSL runtime), once per process;
+    0.0 when something imported it already."""
+    import sys
+    import time
+
+    if "flash4.compile.cache" in sys.modules:
+        return 0.0
+    t0 = time.perf_counter()
+    import flash4.compile.cache  # noqa: F401
+
+    return time.perf_counter() - t0
+
+
+def _print_compile_summary(import_s: float) -> None:
+    """The one-time costs of this process: the CuTe DSL import and what the compile cache did
+    (kernels loaded from disk, mean ms; kernels compiled, mean s)."""
+    from flash4.compile import disk_cache
+
+    print(f"\nCuTe DSL import {import_s:.2f} s (once per process); {disk_cache.timing_summary()}")
 
 
 def _run_varlen(impls, dtype, args) -> int:

@@ -60,7 +60,8 @@ def compile_fwd(cfg: FwdConfig, options: str = ""):
     kernel = FlashAttentionForwardSm90(cfg)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     return cute.compile(
-        kernel, *fwd_fake_args(cfg.headdim, cfg.dtype, paged=cfg.page_rows > 0), *seq_fake_args(cfg), *split_fake_args(cfg), sink_fake_arg(cfg),
+        kernel, *fwd_fake_args(cfg.headdim, cfg.dtype, paged=cfg.page_rows > 0, headdim_v=cfg.headdim_v),
+        *seq_fake_args(cfg), *split_fake_args(cfg), sink_fake_arg(cfg),
         cutlass.Float32(1.0), cutlass.Float32(1.0), cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1),
         cutlass.Int32(0), cutlass.Int32(0), cutlass.Int32(1), cutlass.Int32(1), stream,
         options=COMPILE_OPTIONS + _arch_option(cfg.arch) + options,
@@ -72,15 +73,16 @@ def get_fwd_runner(cfg: FwdConfig):
     """Cached: compiled forward for `cfg`, as run(q, k, v, out, lse, softmax_scale, lse_split=None,
     seqs=None, batch=None, max_seqlen_q=None).
 
-    Dense: q (B, Sq, H, D), k/v (B, Sk, Hk, D), out like q, lse fp32 (B, H, Sq); all CUDA, last dim
-    contiguous, 16-byte aligned. lse_split: None or a contiguous fp32 (2, B, H, Sq) tensor that
+    Dense: q (B, Sq, H, D), k (B, Sk, Hk, D), v (B, Sk, Hk, Dv), out (B, Sq, H, Dv) (Dv =
+    cfg.hdim_v), lse fp32 (B, H, Sq); all CUDA, last dim contiguous, 16-byte aligned. lse_split: None or a contiguous fp32 (2, B, H, Sq) tensor that
     receives the log2-domain LSE unrounded, as hi (lse_split[0]) + lo (lse_split[1]) (+inf, 0 for
     rows that see no key): the backward's exact path (flash4.backward).
     Varlen / paged (flash4.varlen): the same tensors as 4-D/3-D views with batch 1 where packed,
     seqs = (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table) (None where the
     config's flag is off), batch = number of sequences, max_seqlen_q = host int bounding every
     sequence's query count. split_kv configs: accs = (o_accum fp32 (num_splits, B, Sq, H, D),
-    lse_accum fp32 (num_splits, B, H, Sq)) receive the partial results (out/lse untouched).
+    lse_accum fp32 (num_splits, B, H, Sq)) receive the partial results (out/lse untouched); o_accum's
+    last dim is Dv.
     local configs: window = (left, right) from flash4.geometry.window_sides (runtime values: any
     window runs on one compiled kernel).
     Launches on torch.cuda.current_stream(); returns None.
@@ -95,7 +97,7 @@ def get_fwd_runner(cfg: FwdConfig):
     def launch_plan(batch: int, max_seqlen_q: int, nheads: int, seqlen_k_hint: int, num_splits: int, num_sms: int):
         """(l2_group, grid size) of one problem class: a lookup on every later call."""
         # Tile order: L2 sections of (head, batch) pairs whose K/V fit in L2 (schedule.py).
-        l2_group = l2_section_heads(seqlen_k_hint, cfg.headdim) if cfg.lpt else 1
+        l2_group = l2_section_heads(seqlen_k_hint, cfg.headdim, cfg.headdim_v) if cfg.lpt else 1
         return l2_group, fwd_grid(cfg, batch * num_splits, max_seqlen_q, nheads, num_sms)[0]
 
     def run(q, k, v, out, lse, softmax_scale: float, lse_split=None, seqs=None, batch=None, max_seqlen_q=None,
@@ -133,7 +135,8 @@ def compile_bwd(cfg: BwdConfig, options: str = ""):
 
     if cfg.arch != 90:
         raise ValueError(f"no backward kernel for sm_{cfg.arch}")
-    args = bwd_fake_args(cfg.headdim, cfg.dtype, cfg.varlen_q, cfg.varlen_k, cfg.seqused_q, cfg.seqused_k)
+    args = bwd_fake_args(cfg.headdim, cfg.dtype, cfg.varlen_q, cfg.varlen_k, cfg.seqused_q, cfg.seqused_k,
+                         headdim_v=cfg.headdim_v)
     max_seqlen_k = cutlass.Int32(1) if bwd_dynamic_seqlen_k(cfg) else None
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     return cute.compile(

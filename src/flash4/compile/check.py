@@ -128,13 +128,14 @@ def compile_check(configs: list | None = None) -> list[dict]:
 
 def _short(cfg) -> str:
     d = dataclasses.asdict(cfg)
+    hd = f"{d['headdim']}" if d.get("headdim_v") is None else f"{d['headdim']}v{d['headdim_v']}"
     if isinstance(cfg, BwdConfig):
-        return (f"bwd_sm{d['arch']} d{d['headdim']} {d['dtype']} {'causal' if d['causal'] else 'full'} "
+        return (f"bwd_sm{d['arch']} d{hd} {d['dtype']} {'causal' if d['causal'] else 'full'} "
                 f"{d['tile_m']}x{d['tile_n']}x{d['q_stages']}st{' det' if d['deterministic'] else ''}")
     extras = "".join([" persist" if d["persistent"] else "", " lpt" if d["lpt"] else "",
                       f" emu{d['exp2_emu_frac']:g}" if d["exp2_emu_frac"] else "",
                       f" tau{d['rescale_threshold']:g}" if d["rescale_threshold"] != 8.0 else ""])
-    return (f"fwd_sm{d['arch']} d{d['headdim']} {d['dtype']} {'causal' if d['causal'] else 'full'} "
+    return (f"fwd_sm{d['arch']} d{hd} {d['dtype']} {'causal' if d['causal'] else 'full'} "
             f"{d['tile_m']}x{d['tile_n']}x{d['kv_stages']}st{extras}")
 
 

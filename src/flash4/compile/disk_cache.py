@@ -34,8 +34,22 @@ from flash4 import env
 
 EXPORT_NAME = "flash4_kernel"
 LOCK_TIMEOUT_S = 600.0
-# What load_or_compile did in this process: kernels loaded from disk, and compiled.
+# What load_or_compile did in this process: kernels loaded from disk, and compiled, and the wall
+# seconds each kind took in all (a load includes the lock and the file read; see timing_summary).
 counts = {"loaded": 0, "compiled": 0}
+seconds = {"loaded": 0.0, "compiled": 0.0}
+
+
+def timing_summary() -> str:
+    """One line: how many kernels this process loaded from the disk cache / compiled, and the mean
+    time of each (what `python -m flash4 bench` prints)."""
+    parts = []
+    for how, unit, scale in (("loaded", "ms", 1e3), ("compiled", "s", 1.0)):
+        n = counts[how]
+        mean = f" (mean {seconds[how] / n * scale:.{0 if unit == 'ms' else 2}f} {unit})" if n else ""
+        parts.append(f"{n} {how}{mean}")
+    where = env.disk_cache_dir() if env.disk_cache_enabled() else "off (FLASH4_CACHE=0)"
+    return f"compile cache {where}: kernels " + ", ".join(parts)
 
 
 @functools.lru_cache(maxsize=1)
@@ -141,7 +155,17 @@ class _FromDisk:
 
 def load_or_compile(kind: str, config, options: str, compile_fn: Callable[[], object]):
     """The compiled kernel for (kind, config, options): from the disk cache when it holds a good
-    entry, else compile_fn() (and store it). With the cache off (FLASH4_CACHE=0), compile_fn()."""
+    entry, else compile_fn() (and store it). With the cache off (FLASH4_CACHE=0), compile_fn().
+    Counts and times what it did in `counts` / `seconds`."""
+    t0 = time.perf_counter()
+    before = counts["compiled"]
+    try:
+        return _load_or_compile(kind, config, options, compile_fn)
+    finally:
+        seconds["compiled" if counts["compiled"] > before else "loaded"] += time.perf_counter() - t0
+
+
+def _load_or_compile(kind: str, config, options: str, compile_fn: Callable[[], object]):
     if not env.disk_cache_enabled():
         counts["compiled"] += 1
         return compile_fn()

@@ -19,16 +19,18 @@ def _fake(dtype, shape, leading_dim: int, divisibility: int):
     return cute.runtime.make_fake_tensor(dtype, shape, stride=stride, assumed_align=divisibility * dtype.width // 8)
 
 
-def fwd_fake_args(headdim: int, dtype: str, paged: bool = False):
-    """(q, k, v, out, lse, lse_hi, lse_lo) fake tensors: q/out (b, sq, h, d), k/v (b, sk, hk, d),
-    lse/lse_hi/lse_lo (b, h, sq) fp32. paged: k/v (num_pages, page_size, hk, d), their own extents."""
+def fwd_fake_args(headdim: int, dtype: str, paged: bool = False, headdim_v: int | None = None):
+    """(q, k, v, out, lse, lse_hi, lse_lo) fake tensors: q (b, sq, h, d), k (b, sk, hk, d), v
+    (b, sk, hk, dv), out (b, sq, h, dv) (dv = headdim_v, or headdim when None), lse/lse_hi/lse_lo
+    (b, h, sq) fp32. paged: k/v (num_pages, page_size, hk, d / dv), their own extents."""
     dt = DTYPES[dtype]
+    dv = headdim if headdim_v is None else headdim_v
     b, sq, sk, h, hk = (cute.sym_int32() for _ in range(5))
     bk = cute.sym_int32() if paged else b
     q = _fake(dt, (b, sq, h, headdim), 3, DIV_16B)
     k = _fake(dt, (bk, sk, hk, headdim), 3, DIV_16B)
-    v = _fake(dt, (bk, sk, hk, headdim), 3, DIV_16B)
-    o = _fake(dt, (b, sq, h, headdim), 3, DIV_16B)
+    v = _fake(dt, (bk, sk, hk, dv), 3, DIV_16B)
+    o = _fake(dt, (b, sq, h, dv), 3, DIV_16B)
     lse, lse_hi, lse_lo = (_fake(cutlass.Float32, (b, h, sq), 2, 1) for _ in range(3))
     return q, k, v, o, lse, lse_hi, lse_lo
 
@@ -51,7 +53,7 @@ def seq_fake_args(cfg):
 
 
 def bwd_fake_args(headdim: int, dtype: str, varlen_q: bool = False, varlen_k: bool = False,
-                  seqused_q: bool = False, seqused_k: bool = False):
+                  seqused_q: bool = False, seqused_k: bool = False, headdim_v: int | None = None):
     """(q, k, v, dout, lse_log2, dpsum, dq_accum, dk, dv, dq_semaphore, exact, lse_hi, lse_lo,
     cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k) fake tensors for the backward.
 
@@ -62,20 +64,22 @@ def bwd_fake_args(headdim: int, dtype: str, varlen_q: bool = False, varlen_k: bo
     (q/dout (1, total_q, h, d), stats (1, h, padded_rows), lse_hi/lo (1, h, total_q)); varlen_k: the
     K-side ones (1, total_k, hk, d). cu_seqlens_* (batch + 1,) and seqused_* (batch,) int32 are
     given only when their flag is on (else None: the kernel is compiled without them).
+    headdim_v: v / dout / dv have this head dim (None: headdim).
     """
     dt = DTYPES[dtype]
+    dv_ = headdim if headdim_v is None else headdim_v
     b, sq, sk, h, hk, sq_pad, nmb = (cute.sym_int32() for _ in range(7))
     bq = 1 if varlen_q else b
     bk = 1 if varlen_k else b
     q = _fake(dt, (bq, sq, h, headdim), 3, DIV_16B)
     k = _fake(dt, (bk, sk, hk, headdim), 3, DIV_16B)
-    v = _fake(dt, (bk, sk, hk, headdim), 3, DIV_16B)
-    do = _fake(dt, (bq, sq, h, headdim), 3, DIV_16B)
+    v = _fake(dt, (bk, sk, hk, dv_), 3, DIV_16B)
+    do = _fake(dt, (bq, sq, h, dv_), 3, DIV_16B)
     lse = _fake(cutlass.Float32, (bq, h, sq_pad), 2, 4)
     dpsum = _fake(cutlass.Float32, (bq, h, sq_pad), 2, 4)
     dq_acc = _fake(cutlass.Float32, (bq, h, sq_pad, headdim), 3, 4)
     dk = _fake(dt, (bk, sk, hk, headdim), 3, DIV_16B)
-    dv = _fake(dt, (bk, sk, hk, headdim), 3, DIV_16B)
+    dv = _fake(dt, (bk, sk, hk, dv_), 3, DIV_16B)
     dq_sem = _fake(cutlass.Int32, (bq, h, nmb), 2, 1)
     exact = _fake(cutlass.Int32, (bq, h, nmb), 2, 1)
     lse_hi = _fake(cutlass.Float32, (bq, h, sq), 2, 1)
@@ -115,11 +119,11 @@ def sink_fake_arg(cfg):
 
 
 def split_fake_args(cfg):
-    """(o_accum, lse_accum) for a split_kv forward config: fp32 (splits, b, sq, h, d) and
+    """(o_accum, lse_accum) for a split_kv forward config: fp32 (splits, b, sq, h, dv) and
     (splits, b, h, sq); (None, None) otherwise."""
     if not getattr(cfg, "split_kv", False):
         return None, None
     ns, b, sq, h = (cute.sym_int32() for _ in range(4))
-    o_acc = _fake(cutlass.Float32, (ns, b, sq, h, cfg.headdim), 4, 4)
+    o_acc = _fake(cutlass.Float32, (ns, b, sq, h, cfg.hdim_v), 4, 4)
     lse_acc = _fake(cutlass.Float32, (ns, b, h, sq), 3, 1)
     return o_acc, lse_acc

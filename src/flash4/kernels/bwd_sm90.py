@@ -118,6 +118,7 @@ class FlashAttentionBackwardSm90:
         self.cfg = cfg
         self.dtype = _DTYPES[cfg.dtype]
         self.tile_m, self.tile_n, self.hdim = cfg.tile_m, cfg.tile_n, cfg.headdim
+        self.hdim_v = cfg.hdim_v  # V / dO / dV head dim (Dv; = hdim unless cfg.headdim_v)
         self.q_stages = cfg.q_stages
         self.causal = cfg.causal
         self.split_hd = cfg.split_headdim
@@ -126,6 +127,7 @@ class FlashAttentionBackwardSm90:
         self.num_threads = 3 * THREADS_PER_WG
         assert self.tile_n == (64 if self.split_hd else 64 * self.num_wg_mma)
         assert self.hdim % 16 == 0 and (self.hdim // 2) % 16 == 0
+        assert self.hdim_v % 16 == 0 and (self.hdim_v // 2) % 16 == 0
         # Sequence layout (all static): packed Q-side / K-side tensors, per-sequence lengths.
         self.varlen_q, self.varlen_k = cfg.varlen_q, cfg.varlen_k
         # seqlen_k differs per sequence: the grid is sized by max_seqlen_k, CTAs past it exit.
@@ -162,6 +164,16 @@ class FlashAttentionBackwardSm90:
         else:
             mma_dq = make(MN, MN, Float32, (1, 2, 1), (64, self.hdim // 2))
         return mma_sdp, mma_dkv, mma_dq
+
+    def _tiled_mma_dv(self, mma_dkv):
+        """dV += P^T dO: mma_dkv with N = Dv (the same tiled MMA when Dv == headdim)."""
+        if const_expr(self.hdim_v == self.hdim):
+            return mma_dkv
+        K, MN = OperandMajorMode.K, OperandMajorMode.MN
+        make = partial(sm90_utils.make_trivial_tiled_mma, self.dtype, self.dtype)
+        if const_expr(not self.split_hd):
+            return make(K, MN, Float32, (2, 1, 1), (64, self.hdim_v), a_source=warpgroup.OperandSource.RMEM)
+        return make(K, MN, Float32, (1, 2, 1), (64, self.hdim_v // 2))
 
     @cute.jit
     def __call__(
@@ -207,6 +219,7 @@ class FlashAttentionBackwardSm90:
         mLSEhi, mLSElo = [select_modes(t, [2, 1, 0]) for t in (mLSEhi, mLSElo)]  # (seqlen_q, nheads, batch)
 
         mma_sdp, mma_dkv, mma_dq = self._tiled_mmas()
+        mma_dv = self._tiled_mma_dv(mma_dkv)
         sQ_layout = self._smem_layout(self.tile_m, self.hdim, self.q_stages)
         # K is also the B operand of the dQ GEMM, whose warpgroups split headdim in halves.
         half_cols = _half_split_atom_cols(self.hdim)
@@ -214,6 +227,13 @@ class FlashAttentionBackwardSm90:
         # Q, dO are the B operands of dK, dV: split in headdim halves when split_headdim.
         if const_expr(self.split_hd):
             sQ_layout = self._smem_layout(self.tile_m, self.hdim, self.q_stages, atom_cols=half_cols)
+        # V, dV (tile_n, Dv) and dO (tile_m, Dv): K's and Q's layouts when Dv == headdim.
+        sV_layout, sdO_layout = sKV_layout, sQ_layout
+        if const_expr(self.hdim_v != self.hdim):
+            half_cols_v = _half_split_atom_cols(self.hdim_v)
+            sV_layout = self._smem_layout(self.tile_n, self.hdim_v, atom_cols=half_cols_v)
+            sdO_layout = self._smem_layout(self.tile_m, self.hdim_v, self.q_stages,
+                                           atom_cols=half_cols_v if self.split_hd else None)
         sdS_layout = self._smem_layout(self.tile_n, self.tile_m, 2)  # dS^T: keys x queries, 2 buffers
         sStat_layout = cute.make_layout((self.tile_m, self.q_stages))
         # dQ staging tile (fp32), rows padded against bank conflicts (one bulk reduce-add per row).
@@ -222,9 +242,10 @@ class FlashAttentionBackwardSm90:
         load_op = cpasync.CopyBulkTensorTileG2SOp()
         q_stage_layout = cute.select(sQ_layout, mode=[0, 1])
         tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(load_op, mQ, q_stage_layout, (self.tile_m, self.hdim))
-        tma_atom_dO, tma_dO = cpasync.make_tiled_tma_atom(load_op, mdO, q_stage_layout, (self.tile_m, self.hdim))
+        do_stage_layout = cute.select(sdO_layout, mode=[0, 1])
+        tma_atom_dO, tma_dO = cpasync.make_tiled_tma_atom(load_op, mdO, do_stage_layout, (self.tile_m, self.hdim_v))
         tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(load_op, mK, sKV_layout, (self.tile_n, self.hdim))
-        tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(load_op, mV, sKV_layout, (self.tile_n, self.hdim))
+        tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(load_op, mV, sV_layout, (self.tile_n, self.hdim_v))
         stat_stage = cute.make_layout((self.tile_m,))
         tma_atom_LSE, tma_LSE = cpasync.make_tiled_tma_atom(load_op, mLSE2, stat_stage, (self.tile_m,))
         tma_atom_D, tma_D = cpasync.make_tiled_tma_atom(load_op, mD, stat_stage, (self.tile_m,))
@@ -234,9 +255,10 @@ class FlashAttentionBackwardSm90:
         if const_expr(not self.varlen_k):
             store_op = cpasync.CopyBulkTensorTileS2GOp()
             tma_atom_dK, tma_dK = cpasync.make_tiled_tma_atom(store_op, mdK, sKV_layout, (self.tile_n, self.hdim))
-            tma_atom_dV, tma_dV = cpasync.make_tiled_tma_atom(store_op, mdV, sKV_layout, (self.tile_n, self.hdim))
+            tma_atom_dV, tma_dV = cpasync.make_tiled_tma_atom(store_op, mdV, sV_layout, (self.tile_n, self.hdim_v))
         self.tma_bytes_q = cute.size_in_bytes(self.dtype, q_stage_layout) + self.tile_m * 4
-        self.tma_bytes_kv = 2 * cute.size_in_bytes(self.dtype, sKV_layout)
+        self.tma_bytes_do = cute.size_in_bytes(self.dtype, do_stage_layout) + self.tile_m * 4
+        self.tma_bytes_kv = cute.size_in_bytes(self.dtype, sKV_layout) + cute.size_in_bytes(self.dtype, sV_layout)
 
         @cute.struct
         class SharedStorage:
@@ -247,9 +269,9 @@ class FlashAttentionBackwardSm90:
             sD: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sStat_layout)], 128]
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], 128]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
-            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdO_layout)], 1024]
             sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], 1024]
             # P^T (split_headdim only; otherwise a token 128 B): both warpgroups read all of it.
             sPt: cute.struct.Align[
@@ -263,8 +285,8 @@ class FlashAttentionBackwardSm90:
             tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_D, mdQacc, tma_dK, tma_dV, mdQsem, mExact, mLSEhi, mLSElo,
             mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
             tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO, tma_atom_LSE, tma_atom_D, tma_atom_dK, tma_atom_dV,
-            softmax_scale, max_seqlen_k, window_left, window_right, softcap, sQ_layout, sKV_layout, sdS_layout, sStat_layout,
-            sdQ_layout, mma_sdp, mma_dkv, mma_dq, SharedStorage,
+            softmax_scale, max_seqlen_k, window_left, window_right, softcap, sQ_layout, sKV_layout, sV_layout, sdO_layout,
+            sdS_layout, sStat_layout, sdQ_layout, mma_sdp, mma_dkv, mma_dv, mma_dq, SharedStorage,
         ).launch(grid=(num_ctas, 1, 1), block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     @cute.kernel
@@ -280,9 +302,10 @@ class FlashAttentionBackwardSm90:
         tma_atom_dK: Optional[cute.CopyAtom], tma_atom_dV: Optional[cute.CopyAtom],
         softmax_scale: Float32, max_seqlen_k: Optional[Int32], window_left: Int32, window_right: Int32,
         softcap: Float32,
-        sQ_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout, sdS_layout: cute.ComposedLayout,
+        sQ_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
+        sdO_layout: cute.ComposedLayout, sdS_layout: cute.ComposedLayout,
         sStat_layout: cute.Layout, sdQ_layout: cute.Layout,
-        mma_sdp: cute.TiledMma, mma_dkv: cute.TiledMma, mma_dq: cute.TiledMma,
+        mma_sdp: cute.TiledMma, mma_dkv: cute.TiledMma, mma_dv: cute.TiledMma, mma_dq: cute.TiledMma,
         SharedStorage: cutlass.Constexpr,
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -294,14 +317,14 @@ class FlashAttentionBackwardSm90:
         make_pipe = tma_pipeline_factory(self.num_mma_threads)
         pipeline_kv = make_pipe(barrier_storage=storage.mbar_kv.data_ptr(), num_stages=1, tx_count=self.tma_bytes_kv)
         pipeline_q = make_pipe(barrier_storage=storage.mbar_q.data_ptr(), num_stages=self.q_stages, tx_count=self.tma_bytes_q)
-        pipeline_do = make_pipe(barrier_storage=storage.mbar_do.data_ptr(), num_stages=self.q_stages, tx_count=self.tma_bytes_q)
+        pipeline_do = make_pipe(barrier_storage=storage.mbar_do.data_ptr(), num_stages=self.q_stages, tx_count=self.tma_bytes_do)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
-        sdO = storage.sdO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sdO = storage.sdO.get_tensor(sdO_layout.outer, swizzle=sdO_layout.inner)
         sK = storage.sK.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
-        sV = storage.sV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
         sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
         sPt = storage.sPt.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner) if const_expr(self.split_hd) else None
         sLSE = storage.sLSE.get_tensor(sStat_layout)
@@ -334,7 +357,7 @@ class FlashAttentionBackwardSm90:
         roles = partial(
             self.warp_roles, mQ, mK, mV, mdO, mLSE2, mD, mdQacc, mdK, mdV, mdQsem, mExact, mLSEhi, mLSElo,
             tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO, tma_atom_LSE, tma_atom_D, tma_atom_dK, tma_atom_dV,
-            softmax_scale, sQ, sK, sV, sdO, sdS, sPt, sLSE, sD, sdQ, mma_sdp, mma_dkv, mma_dq,
+            softmax_scale, sQ, sK, sV, sdO, sdS, sPt, sLSE, sD, sdQ, mma_sdp, mma_dkv, mma_dv, mma_dq,
             pipeline_kv, pipeline_q, pipeline_do, warp_idx, seq, n_block, head_kv, qhead_per_kvhead,
             m_block_min, m_block_max, num_steps)
         if const_expr(self.dynamic_seqlen_k):
@@ -348,7 +371,7 @@ class FlashAttentionBackwardSm90:
     @cute.jit
     def warp_roles(self, mQ, mK, mV, mdO, mLSE2, mD, mdQacc, mdK, mdV, mdQsem, mExact, mLSEhi, mLSElo,
                    tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO, tma_atom_LSE, tma_atom_D, tma_atom_dK, tma_atom_dV,
-                   softmax_scale, sQ, sK, sV, sdO, sdS, sPt, sLSE, sD, sdQ, mma_sdp, mma_dkv, mma_dq,
+                   softmax_scale, sQ, sK, sV, sdO, sdS, sPt, sLSE, sD, sdQ, mma_sdp, mma_dkv, mma_dv, mma_dq,
                    pipeline_kv, pipeline_q, pipeline_do, warp_idx, seq, n_block, head_kv, qhead_per_kvhead,
                    m_block_min, m_block_max, num_steps):
         """The warp-specialized work of one CTA (the class docstring's roles)."""
@@ -365,7 +388,7 @@ class FlashAttentionBackwardSm90:
         else:
             cute.arch.setmaxregister_increase(_CONSUMER_REGS)
             tidx = cute.arch.thread_idx()[0] - THREADS_PER_WG
-            self.mma(mdK, mdV, mExact, mLSEhi, mLSElo, tma_atom_dK, tma_atom_dV, sQ, sK, sV, sdO, sdS, sPt, sLSE, sD, sdQ, mma_sdp, mma_dkv, mma_dq,
+            self.mma(mdK, mdV, mExact, mLSEhi, mLSElo, tma_atom_dK, tma_atom_dV, sQ, sK, sV, sdO, sdS, sPt, sLSE, sD, sdQ, mma_sdp, mma_dkv, mma_dv, mma_dq,
                      pipeline_kv, pipeline_q, pipeline_do, softmax_scale, tidx,
                      n_block, head_kv, seq, m_block_min, num_steps, m_block_max, qhead_per_kvhead)
 
@@ -383,7 +406,7 @@ class FlashAttentionBackwardSm90:
              qhead_per_kvhead, m_block_min, m_block_max, num_steps):
         one = cute.make_layout(1)
         gK = cute.local_tile(seq.k_view(mK, head_kv), (self.tile_n, self.hdim), (n_block, 0))
-        gV = cute.local_tile(seq.k_view(mV, head_kv), (self.tile_n, self.hdim), (n_block, 0))
+        gV = cute.local_tile(seq.k_view(mV, head_kv), (self.tile_n, self.hdim_v), (n_block, 0))
         tKsK, tKgK = cpasync.tma_partition(tma_atom_K, 0, one, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
         tVsV, tVgV = cpasync.tma_partition(tma_atom_V, 0, one, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
@@ -398,7 +421,7 @@ class FlashAttentionBackwardSm90:
             m_block = m_block_min + (step - h_in_group * num_m)
             head = head_kv * qhead_per_kvhead + h_in_group
             gQ = cute.local_tile(seq.q_view(mQ, head), (self.tile_m, self.hdim), (m_block, 0))
-            gdO = cute.local_tile(seq.q_view(mdO, head), (self.tile_m, self.hdim), (m_block, 0))
+            gdO = cute.local_tile(seq.q_view(mdO, head), (self.tile_m, self.hdim_v), (m_block, 0))
             gLSE = cute.local_tile(seq.q_padded_view(mLSE2, head), (self.tile_m,), (m_block,))
             gD = cute.local_tile(seq.q_padded_view(mD, head), (self.tile_m,), (m_block,))
             tQsQ, tQgQ = cpasync.tma_partition(tma_atom_Q, 0, one, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
@@ -466,7 +489,7 @@ class FlashAttentionBackwardSm90:
         cute.arch.cp_async_bulk_wait_group(0, read=False)
 
     @cute.jit
-    def mma(self, mdK, mdV, mExact, mLSEhi, mLSElo, tma_atom_dK, tma_atom_dV, sQ, sK, sV, sdO, sdS, sPt, sLSE, sD, sdQ, mma_sdp, mma_dkv, mma_dq,
+    def mma(self, mdK, mdV, mExact, mLSEhi, mLSElo, tma_atom_dK, tma_atom_dV, sQ, sK, sV, sdO, sdS, sPt, sLSE, sD, sdQ, mma_sdp, mma_dkv, mma_dv, mma_dq,
             pipeline_kv, pipeline_q, pipeline_do, softmax_scale, tidx,
             n_block, head_kv, seq, m_block_min, num_steps, m_block_max, qhead_per_kvhead):
         seqlen_q, seqlen_k = seq.seqlen_q, seq.seqlen_k
@@ -474,6 +497,7 @@ class FlashAttentionBackwardSm90:
         wg_slice = cute.make_layout(self.num_wg_mma, stride=THREADS_PER_WG)(wg_idx)
         wg_sdp = mma_sdp.get_slice(wg_slice)
         wg_dkv = mma_dkv.get_slice(wg_slice)
+        wg_dv = mma_dv.get_slice(wg_slice)
         wg_dq = mma_dq.get_slice(wg_slice)
         thr_sdp = mma_sdp.get_slice(tidx)
         # S^T = K Q^T: A = K (keys x d), B = Q (queries x d); dP^T = V dO^T likewise.
@@ -482,13 +506,13 @@ class FlashAttentionBackwardSm90:
         tdPrV = wg_sdp.make_fragment_A(wg_sdp.partition_A(sV))
         tdPrdO = wg_sdp.make_fragment_B(wg_sdp.partition_B(sdO))
         # dV += P^T dO: B = dO^T (d x queries); dK += dS^T Q: B = Q^T.
-        tdVrdOt = wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_view(sdO)))
+        tdVrdOt = wg_dv.make_fragment_B(wg_dv.partition_B(transpose_view(sdO)))
         tdKrQt = wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_view(sQ)))
         # dQ = dS K: A = dS (queries x keys) = transposed dS^T; B = K^T (d x keys).
         tdQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(transpose_view(sdS)))
         tdQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(transpose_view(sK)))
         acc_shape_S = mma_sdp.partition_shape_C((self.tile_n, self.tile_m))
-        acc_dV = cute.make_rmem_tensor(mma_dkv.partition_shape_C((self.tile_n, self.hdim)), Float32)
+        acc_dV = cute.make_rmem_tensor(mma_dv.partition_shape_C((self.tile_n, self.hdim_v)), Float32)
         acc_dK = cute.make_rmem_tensor(mma_dkv.partition_shape_C((self.tile_n, self.hdim)), Float32)
         acc_dV.fill(0.0)
         acc_dK.fill(0.0)
@@ -504,7 +528,7 @@ class FlashAttentionBackwardSm90:
         tdSsdS = r2s_dS.partition_D(sdS)  # (CPY, CPY_M, CPY_N, 2)
         if const_expr(self.split_hd):
             # dV += P^T dO, dK += dS^T Q with A from smem: every warpgroup needs all 64 keys x tile_m.
-            tdVrPt = wg_dkv.make_fragment_A(wg_dkv.partition_A(sPt))
+            tdVrPt = wg_dv.make_fragment_A(wg_dv.partition_A(sPt))
             tdKrdSt = wg_dkv.make_fragment_A(wg_dkv.partition_A(sdS))
             tPsPt = r2s_dS.partition_D(sPt)
         # dQ accumulator -> fp32 smem tile (queries x d).
@@ -587,7 +611,7 @@ class FlashAttentionBackwardSm90:
                         # finish first (so they overlap the dP^T GEMM) and the dS^T math overlaps dV.
                         tdVrP = cute.make_rmem_tensor(frgA_layout.shape, self.dtype)
                         tdVrP.store(cute.make_tensor(acc_S.iterator, frgA_layout).load().to(self.dtype))
-                        wgmma(mma_dkv, acc_dV, tdVrP, tdVrdOt[None, None, None, state.index], wg_wait=1)
+                        wgmma(mma_dv, acc_dV, tdVrP, tdVrdOt[None, None, None, state.index], wg_wait=1)
                     else:
                         warpgroup.wait_group(0)
                     # dS^T = scale * P^T * (dP^T - D[query]): the softmax scale is applied here, once, so
@@ -623,7 +647,7 @@ class FlashAttentionBackwardSm90:
                     cute.arch.fence_view_async_shared()
                     cute.arch.barrier(barrier_id=int(NamedBarrierBwd.dS), number_of_threads=self.num_mma_threads)
                     if const_expr(self.split_hd):
-                        wgmma(mma_dkv, acc_dV, tdVrPt[None, None, None, buf], tdVrdOt[None, None, None, state.index], wg_wait=-1)
+                        wgmma(mma_dv, acc_dV, tdVrPt[None, None, None, buf], tdVrdOt[None, None, None, state.index], wg_wait=-1)
                     acc_dQ = cute.make_rmem_tensor(mma_dq.partition_shape_C((self.tile_m, self.hdim)), Float32)
                     wgmma(mma_dq, acc_dQ, tdQrdS[None, None, None, buf], tdQrKt, zero_init=True, wg_wait=1)
                     pipeline_do.consumer_release(state)  # dV (the last reader of dO) is done
@@ -645,7 +669,7 @@ class FlashAttentionBackwardSm90:
                     step += 1
         if num_steps > 0:
             cute.arch.barrier(barrier_id=int(NamedBarrierBwd.dQEmpty), number_of_threads=self.num_mma_threads + 32)
-        self.epilogue_dKV(acc_dK, acc_dV, mdK, mdV, tma_atom_dK, tma_atom_dV, sK, sV, mma_dkv, tidx, n_block,
+        self.epilogue_dKV(acc_dK, acc_dV, mdK, mdV, tma_atom_dK, tma_atom_dV, sK, sV, mma_dkv, mma_dv, tidx, n_block,
                           head_kv, seq)
 
     @cute.jit
@@ -669,7 +693,7 @@ class FlashAttentionBackwardSm90:
                 s[r, c] = fma_rn(s[r, c], scale_log2, -hi) - lo
 
     @cute.jit
-    def epilogue_dKV(self, acc_dK, acc_dV, mdK, mdV, tma_atom_dK, tma_atom_dV, sK, sV, mma_dkv, tidx, n_block,
+    def epilogue_dKV(self, acc_dK, acc_dV, mdK, mdV, tma_atom_dK, tma_atom_dV, sK, sV, mma_dkv, mma_dv, tidx, n_block,
                      head_kv, seq):
         """dK, dV: registers -> 16-bit -> K's / V's smem (stmatrix) -> TMA store; rows past seqlen_k
         are clipped by the TMA unit. mdK, mdV: the TMA views of dK, dV (seqlen_k, headdim, nheads_k, batch).
@@ -677,10 +701,10 @@ class FlashAttentionBackwardSm90:
         threads store the rows < seqlen_k - n_block * tile_n (the rest belong to the next sequence)."""
         # Every consumer warpgroup has finished its GEMMs (wait_group(0) ends each step): K, V are free.
         cute.arch.barrier(barrier_id=int(NamedBarrierBwd.Epilogue), number_of_threads=self.num_mma_threads)
-        r2s = cute.make_tiled_copy_C(
-            cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype), mma_dkv
-        ).get_slice(tidx)
-        for acc, sX in ((acc_dK, sK), (acc_dV, sV)):
+        stmatrix = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
+        r2s = cute.make_tiled_copy_C(stmatrix, mma_dkv).get_slice(tidx)
+        r2s_v = r2s if const_expr(self.hdim_v == self.hdim) else cute.make_tiled_copy_C(stmatrix, mma_dv).get_slice(tidx)
+        for acc, sX, r2s in ((acc_dK, sK, r2s), (acc_dV, sV, r2s_v)):
             rX = cute.make_rmem_tensor(acc.shape, self.dtype)
             rX.store(acc.load().to(self.dtype))
             cute.copy(r2s, r2s.retile(rX), r2s.partition_D(sX))
@@ -688,15 +712,15 @@ class FlashAttentionBackwardSm90:
             # Generic-proxy reads of the staged tiles: the barrier alone orders them.
             cute.arch.barrier(barrier_id=int(NamedBarrierBwd.Epilogue), number_of_threads=self.num_mma_threads)
             valid_rows = seq.seqlen_k - n_block * self.tile_n
-            for mX, sX in ((mdK, sK), (mdV, sV)):
-                gX = cute.local_tile(seq.k_view(mX, head_kv), (self.tile_n, self.hdim), (n_block, 0))
+            for mX, sX, hdim in ((mdK, sK, self.hdim), (mdV, sV, self.hdim_v)):
+                gX = cute.local_tile(seq.k_view(mX, head_kv), (self.tile_n, hdim), (n_block, 0))
                 store_rows_predicated(sX, gX, valid_rows, tidx, self.num_mma_threads)
         else:
             cute.arch.fence_view_async_shared()  # smem writes -> visible to the TMA (async proxy)
             cute.arch.barrier(barrier_id=int(NamedBarrierBwd.Epilogue), number_of_threads=self.num_mma_threads)
             if tidx < 32:
-                for atom, mX, sX in ((tma_atom_dK, mdK, sK), (tma_atom_dV, mdV, sV)):
-                    gX = cute.local_tile(seq.k_view(mX, head_kv), (self.tile_n, self.hdim), (n_block, 0))
+                for atom, mX, sX, hdim in ((tma_atom_dK, mdK, sK, self.hdim), (tma_atom_dV, mdV, sV, self.hdim_v)):
+                    gX = cute.local_tile(seq.k_view(mX, head_kv), (self.tile_n, hdim), (n_block, 0))
                     tXsX, tXgX = cpasync.tma_partition(
                         atom, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2)
                     )

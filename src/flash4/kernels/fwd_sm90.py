@@ -71,6 +71,7 @@ class FlashAttentionForwardSm90:
         self.cfg = cfg
         self.dtype = _DTYPES[cfg.dtype]
         self.tile_m, self.tile_n, self.hdim = cfg.tile_m, cfg.tile_n, cfg.headdim
+        self.hdim_v = cfg.hdim_v  # V / O head dim (Dv; = hdim unless cfg.headdim_v)
         self.num_stages = cfg.kv_stages
         self.causal = cfg.causal
         self.num_wg_mma = cfg.num_consumer_warpgroups
@@ -81,19 +82,21 @@ class FlashAttentionForwardSm90:
         self.buffer_align_bytes = 1024
         # Persistent CTAs stage O in its own buffer when smem allows, so the next tile's Q can
         # load during this tile's epilogue; otherwise O reuses Q's buffer.
-        self.separate_o = cfg.persistent and cfg.smem_bytes() + cfg.tile_m * cfg.headdim * 2 <= SMEM_CAPACITY
+        self.separate_o = cfg.persistent and cfg.smem_bytes() + cfg.tile_m * cfg.hdim_v * 2 <= SMEM_CAPACITY
         self.page_rows = cfg.page_rows
         # Query tiles may lie past their sequence (varlen: the grid covers max_seqlen_q).
         self.ragged_q = cfg.varlen_q or cfg.seqused_q
 
     # ------------------------------------------------------------------ host side (trace time)
-    def _smem_layout(self, rows: int, stages=None, rows_outer: bool = False):
-        """Swizzled (rows, headdim[, stages]) tile. rows_outer: swizzle atoms tile headdim first,
-        so every 8-row slab is contiguous (a paged key block's page pieces are TMA boxes)."""
+    def _smem_layout(self, rows: int, stages=None, rows_outer: bool = False, hdim=None):
+        """Swizzled (rows, hdim[, stages]) tile (hdim: the Q/K head dim unless given, e.g. Dv).
+        rows_outer: swizzle atoms tile headdim first, so every 8-row slab is contiguous (a paged
+        key block's page pieces are TMA boxes)."""
+        hdim = self.hdim if hdim is None else hdim
         atom = warpgroup.make_smem_layout_atom(
-            sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype, self.hdim), self.dtype
+            sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype, hdim), self.dtype
         )
-        shape = (rows, self.hdim) if stages is None else (rows, self.hdim, stages)
+        shape = (rows, hdim) if stages is None else (rows, hdim, stages)
         if rows_outer:
             return cute.tile_to_shape(atom, shape, order=(1, 0) if stages is None else (1, 0, 2))
         return cute.tile_to_shape(atom, shape, order=(0, 1) if stages is None else (0, 1, 2))
@@ -106,7 +109,7 @@ class FlashAttentionForwardSm90:
         )
         tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.MN,
-            Float32, atom_layout, (64, self.hdim), a_source=warpgroup.OperandSource.RMEM,
+            Float32, atom_layout, (64, self.hdim_v), a_source=warpgroup.OperandSource.RMEM,
         )
         return tiled_mma_qk, tiled_mma_pv
 
@@ -115,8 +118,8 @@ class FlashAttentionForwardSm90:
         self,
         mQ: cute.Tensor,  # (batch, seqlen_q, nheads, headdim), headdim contiguous
         mK: cute.Tensor,  # (batch, seqlen_k, nheads_k, headdim)
-        mV: cute.Tensor,  # (batch, seqlen_k, nheads_k, headdim)
-        mO: cute.Tensor,  # (batch, seqlen_q, nheads, headdim)
+        mV: cute.Tensor,  # (batch, seqlen_k, nheads_k, headdim_v)
+        mO: cute.Tensor,  # (batch, seqlen_q, nheads, headdim_v)
         mLSE: cute.Tensor,  # (batch, nheads, seqlen_q) float32
         mLSEhi: cute.Tensor,  # (batch, nheads, seqlen_q) float32: log2-domain LSE = hi + lo, unrounded
         mLSElo: cute.Tensor,  # (batch, nheads, seqlen_q) float32
@@ -125,7 +128,7 @@ class FlashAttentionForwardSm90:
         mSeqUsedQ: Optional[cute.Tensor],  # (batch,) int32 when seqused_q
         mSeqUsedK: Optional[cute.Tensor],  # (batch,) int32 when seqused_k
         mPageTable: Optional[cute.Tensor],  # (batch, max_pages) int32 when paged: K/V (num_pages, page_size, nheads_k, d)
-        mOacc: Optional[cute.Tensor],  # split_kv: (num_splits, batch, seqlen_q, nheads, d) fp32 partial O
+        mOacc: Optional[cute.Tensor],  # split_kv: (num_splits, batch, seqlen_q, nheads, dv) fp32 partial O
         mLSEacc: Optional[cute.Tensor],  # split_kv: (num_splits, batch, nheads, seqlen_q) fp32 partial LSE
         mSink: Optional[cute.Tensor],  # sink: (nheads,) fp32 sink logits (natural units)
         softmax_scale_log2: Float32,  # softmax_scale * log2(e); softcap: softcap * log2(e)
@@ -153,34 +156,35 @@ class FlashAttentionForwardSm90:
         sK_layout = self._smem_layout(self.tile_n, self.num_stages)
         sV_layout = sK_layout
         sO_layout = sQ_layout  # O is staged in Q's buffer once Q is no longer read
+        if const_expr(self.hdim_v != self.hdim):
+            sV_layout = self._smem_layout(self.tile_n, self.num_stages, hdim=self.hdim_v)
+            sO_layout = self._smem_layout(self.tile_m, hdim=self.hdim_v)
 
         load_op = cpasync.CopyBulkTensorTileG2SOp()
         tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(load_op, mQ, sQ_layout, (self.tile_m, self.hdim))
-        kv_stage_layout = cute.select(sK_layout, mode=[0, 1])
         # Paged: TMA boxes of page pieces (page_rows x headdim).
         kv_box_rows = self.page_rows if const_expr(self.page_rows > 0) else self.tile_n
-        # A page piece is rows [i * page_rows, (i + 1) * page_rows) of the stage tile: the stage
-        # layout composed with that row range (its 64-column chunks are contiguous boxes).
-        kv_box_layout = kv_stage_layout
-        if const_expr(self.page_rows > 0):
-            kv_box_layout = cute.composition(
-                kv_stage_layout, cute.make_layout((self.page_rows, self.hdim), stride=(1, self.tile_n)))
-        tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(load_op, mK, kv_box_layout, (kv_box_rows, self.hdim), 1)
-        tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(load_op, mV, kv_box_layout, (kv_box_rows, self.hdim), 1)
+        tma_atom_K, tma_K, k_stage_layout = self._kv_tma(load_op, mK, sK_layout, self.hdim, kv_box_rows)
+        tma_atom_V, tma_V, v_stage_layout = self._kv_tma(load_op, mV, sV_layout, self.hdim_v, kv_box_rows)
         tma_atom_O, tma_O = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileS2GOp(), mO, sO_layout, (self.tile_m, self.hdim)
+            cpasync.CopyBulkTensorTileS2GOp(), mO, sO_layout, (self.tile_m, self.hdim_v)
         )
         self.tma_bytes_q = cute.size_in_bytes(self.dtype, sQ_layout)
-        self.tma_bytes_kv = cute.size_in_bytes(self.dtype, kv_stage_layout)
+        self.tma_bytes_kv = cute.size_in_bytes(self.dtype, k_stage_layout)
+        self.tma_bytes_v = cute.size_in_bytes(self.dtype, v_stage_layout)
 
         o_elems = cute.cosize(sO_layout) if const_expr(self.separate_o) else 0
+        # O staged in Q's buffer: sized for the larger of the two (Dv > D).
+        q_elems = cute.cosize(sQ_layout)
+        if const_expr(not self.separate_o):
+            q_elems = max(q_elems, cute.cosize(sO_layout))
 
         @cute.struct
         class SharedStorage:
             mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
             mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], self.buffer_align_bytes]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, q_elems], self.buffer_align_bytes]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], self.buffer_align_bytes]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], self.buffer_align_bytes]
             sO: cute.struct.Align[cute.struct.MemRange[self.dtype, o_elems], self.buffer_align_bytes]
@@ -195,6 +199,17 @@ class FlashAttentionForwardSm90:
             sQ_layout, sK_layout, sV_layout, sO_layout,
             tiled_mma_qk, tiled_mma_pv, SharedStorage,
         ).launch(grid=(num_ctas, 1, 1), block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+
+    def _kv_tma(self, load_op, mX, sX_layout, hdim: int, box_rows: int):
+        """(TMA atom, TMA tensor, stage layout) of K or V (hdim: its head dim). Paged: a page piece is
+        rows [i * page_rows, (i + 1) * page_rows) of the stage tile, the stage layout composed with
+        that row range (its 64-column chunks are contiguous boxes)."""
+        stage_layout = cute.select(sX_layout, mode=[0, 1])
+        box_layout = stage_layout
+        if const_expr(self.page_rows > 0):
+            box_layout = cute.composition(stage_layout, cute.make_layout((self.page_rows, hdim), stride=(1, self.tile_n)))
+        atom, tma = cpasync.make_tiled_tma_atom(load_op, mX, box_layout, (box_rows, hdim), 1)
+        return atom, tma, stage_layout
 
     # ------------------------------------------------------------------ device side
     @cute.kernel
@@ -226,7 +241,7 @@ class FlashAttentionForwardSm90:
             barrier_storage=storage.mbar_k.data_ptr(), num_stages=self.num_stages, tx_count=self.tma_bytes_kv
         )
         pipeline_v = make_pipe(
-            barrier_storage=storage.mbar_v.data_ptr(), num_stages=self.num_stages, tx_count=self.tma_bytes_kv
+            barrier_storage=storage.mbar_v.data_ptr(), num_stages=self.num_stages, tx_count=self.tma_bytes_v
         )
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
@@ -282,8 +297,8 @@ class FlashAttentionForwardSm90:
                 # ((atom_v, rest_v)) / ((atom_v, rest_v), STAGE)
                 tQsQ, tQgQ = cpasync.tma_partition(tma_atom_Q, 0, one_cta, cute.group_modes(sQ, 0, 2),
                                                    cute.group_modes(gQ, 0, 2))
-                load_K = partial(self.load_kv, tma_atom_K, mK, sK, pipeline_k, head_kv, seq, mPageTable)
-                load_V = partial(self.load_kv, tma_atom_V, mV, sV, pipeline_v, head_kv, seq, mPageTable)
+                load_K = partial(self.load_kv, tma_atom_K, mK, sK, pipeline_k, head_kv, seq, mPageTable, self.hdim)
+                load_V = partial(self.load_kv, tma_atom_V, mV, sV, pipeline_v, head_kv, seq, mPageTable, self.hdim_v)
                 n_block_min, n_block_max = self.n_block_range(m_block, seq, split, num_splits)
                 if n_block_max > n_block_min:
                     pipeline_k.producer_acquire(state)
@@ -308,13 +323,14 @@ class FlashAttentionForwardSm90:
             tile_idx += cute.arch.grid_dim()[0]
 
     @cute.jit
-    def load_kv(self, tma_atom, mX, sX, pipe, head_kv, seq, mPageTable, n_block, state):
+    def load_kv(self, tma_atom, mX, sX, pipe, head_kv, seq, mPageTable, hdim: cutlass.Constexpr[int], n_block, state):
         """TMA load of key block n_block of K or V (kernel view (seqlen, d, heads_k, batch), or paged
-        (page_size, d, heads_k, num_pages)) into stage state.index, completing on its barrier."""
+        (page_size, d, heads_k, num_pages); hdim: its head dim) into stage state.index, completing
+        on its barrier."""
         one_cta = cute.make_layout(1)
         bar = pipe.producer_get_barrier(state)
         if const_expr(self.page_rows == 0):
-            gX = cute.local_tile(seq.k_view(mX, head_kv), (self.tile_n, self.hdim), (n_block, 0))
+            gX = cute.local_tile(seq.k_view(mX, head_kv), (self.tile_n, hdim), (n_block, 0))
             tXsX, tXgX = cpasync.tma_partition(tma_atom, 0, one_cta, cute.group_modes(sX, 0, 2),
                                                cute.group_modes(gX, 0, 2))
             cute.copy(tma_atom, tXgX, tXsX[None, state.index], tma_bar_ptr=bar)
@@ -336,8 +352,8 @@ class FlashAttentionForwardSm90:
             for i in cutlass.range(num_pieces, unroll=1):
                 _, _, row_block = geometry.paged_piece(n_block, i, self.tile_n, self.page_rows, page_size)
                 page = cute.arch.shuffle_sync(lane_page, i)
-                gX = cute.local_tile(mX[None, None, head_kv, page], (self.page_rows, self.hdim), (row_block, 0))
-                sPiece = cute.local_tile(sX[None, None, state.index], (self.page_rows, self.hdim), (i, 0))
+                gX = cute.local_tile(mX[None, None, head_kv, page], (self.page_rows, hdim), (row_block, 0))
+                sPiece = cute.local_tile(sX[None, None, state.index], (self.page_rows, hdim), (i, 0))
                 tXsX, tXgX = cpasync.tma_partition(tma_atom, 0, one_cta, cute.group_modes(sPiece, 0, 2),
                                                    cute.group_modes(gX, 0, 2))
                 cute.copy(tma_atom, tXgX, tXsX, tma_bar_ptr=bar)
@@ -356,7 +372,7 @@ class FlashAttentionForwardSm90:
         tSrK = wg_mma_qk.make_fragment_B(wg_mma_qk.partition_B(sK))
         tOrVt = wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(transpose_view(sV)))
         acc_shape_S = tiled_mma_qk.partition_shape_C((self.tile_m, self.tile_n))
-        acc_O = cute.make_rmem_tensor(tiled_mma_pv.partition_shape_C((self.tile_m, self.hdim)), Float32)
+        acc_O = cute.make_rmem_tensor(tiled_mma_pv.partition_shape_C((self.tile_m, self.hdim_v)), Float32)
         # P: the S accumulator viewed as the A operand of P @ V, in 16 bits
         tOrP = cute.make_rmem_tensor(acc_to_frgA_layout(cute.make_layout(acc_shape_S)).shape, self.dtype)
         cS = cute.make_identity_tensor((self.tile_m, self.tile_n))
@@ -475,8 +491,8 @@ class FlashAttentionForwardSm90:
         mOacc, mLSEacc = mAccs
         seqlen_q = seq.seqlen_q
         thr_mma = tiled_mma_pv.get_slice(tidx)
-        tOcO = acc_mn_view(thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.hdim))))
-        gO = cute.local_tile(seq.q_view(mOacc[None, None, None, None, split], head), (self.tile_m, self.hdim),
+        tOcO = acc_mn_view(thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.hdim_v))))
+        gO = cute.local_tile(seq.q_view(mOacc[None, None, None, None, split], head), (self.tile_m, self.hdim_v),
                              (m_block, 0))
         tOgO = acc_mn_view(thr_mma.partition_C(gO))
         o = acc_mn_view(acc_O)
@@ -559,7 +575,7 @@ class FlashAttentionForwardSm90:
         cute.copy(smem_copy_atom, smem_thr_copy.retile(rO), smem_thr_copy.partition_D(sO))
 
         thr_mma = tiled_mma_pv.get_slice(tidx)
-        tOcO = acc_mn_view(thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.hdim))))
+        tOcO = acc_mn_view(thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.hdim_v))))
         if tOcO[0, 0][1] == 0:
             for r in cutlass.range_constexpr(cute.size(tOcO, mode=[0])):
                 row = m_block * self.tile_m + tOcO[r, 0][0]
@@ -571,10 +587,10 @@ class FlashAttentionForwardSm90:
         cute.arch.fence_view_async_shared()  # smem writes -> visible to the TMA (async proxy)
         cute.arch.barrier(barrier_id=int(NamedBarrierFwd.Epilogue), number_of_threads=self.num_mma_threads)
         if const_expr(self.ragged_q):
-            gO = cute.local_tile(seq.q_view(mO, head), (self.tile_m, self.hdim), (m_block, 0))
+            gO = cute.local_tile(seq.q_view(mO, head), (self.tile_m, self.hdim_v), (m_block, 0))
             store_rows_predicated(sO, gO, seqlen_q - m_block * self.tile_m, tidx, self.num_mma_threads)
         elif tidx < 32:
-            gO = cute.local_tile(seq.q_view(mO, head), (self.tile_m, self.hdim), (m_block, 0))
+            gO = cute.local_tile(seq.q_view(mO, head), (self.tile_m, self.hdim_v), (m_block, 0))
             tOsO, tOgO = cpasync.tma_partition(
                 tma_atom_O, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2), cute.group_modes(gO, 0, 2)
             )
