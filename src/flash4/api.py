@@ -17,7 +17,7 @@ import torch
 import flash4.ops  # noqa: F401  (registers the flash4:: custom ops torch.compile traces)
 from flash4.arch import device_arch
 from flash4.autograd import FlashAttnFunc, FlashAttnVarlenFunc, sink_kwargs
-from flash4.config import select_fwd_config
+from flash4.config import select_fwd_config, with_pack_gqa
 from flash4.geometry import canonical_mask, window_sides
 from flash4.validate import (DTYPE_NAMES, check_inputs, check_kvcache_inputs, check_kvcache_seqlens, check_softcap,
                              check_varlen_inputs, check_varlen_seqlens, check_window_size, layout_problem,
@@ -172,6 +172,7 @@ def _flash_attn_forward(q, k, v, softmax_scale=None, causal=False, out=None, lse
     window = window_sides(window_size, causal)
     cfg = select_fwd_config(headdim, DTYPE_NAMES[q.dtype], causal, arch=device_arch(q.device), local=window is not None,
                             softcap=softcap > 0, **({} if sink is None else {"sink": True}))
+    cfg = with_pack_gqa(cfg, q.shape[2], k.shape[2])
     run = get_fwd_runner(cfg)
     kwargs = {"window": window, "softcap": softcap}
     if sink is not None:

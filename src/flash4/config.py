@@ -65,6 +65,11 @@ class FwdConfig:
                   runtime argument; tanh is the hardware tanh.approx.f32 (MUFU).
     sink:         a learnable sink logit per head (gpt-oss) joins every row's softmax denominator
                   (fp32 (nheads,) tensor argument); with split_kv the combine kernel adds it once.
+    pack_gqa:     1, or the query heads per KV head packed into each query tile's rows (GQA packing,
+                  FlashAttention-3's PackGQA): row r of a tile is query r // pack_gqa of head
+                  head_kv * pack_gqa + r % pack_gqa, so each K/V block is loaded once for them all
+                  and a tile spans tile_m / pack_gqa queries (a small window then visits fewer key
+                  blocks). Dense Q only (not varlen_q / seqused_q / split_kv); tile_m % pack_gqa == 0.
     """
 
     headdim: int
@@ -87,6 +92,7 @@ class FwdConfig:
     local: bool = False
     softcap: bool = False
     sink: bool = False
+    pack_gqa: int = 1
 
     def __post_init__(self):
         assert self.headdim in SUPPORTED_HEADDIMS, self.headdim
@@ -95,6 +101,8 @@ class FwdConfig:
         assert self.dtype in DTYPES, self.dtype
         assert self.tile_m % ROWS_PER_WARPGROUP == 0, self.tile_m
         assert self.tile_n % 16 == 0, self.tile_n
+        assert self.pack_gqa == 1 or (self.pack_gqa > 1 and self.tile_m % self.pack_gqa == 0 and not self.varlen_q
+                                      and not self.seqused_q and not self.split_kv), self
 
     @property
     def num_consumer_warpgroups(self) -> int:
@@ -143,6 +151,24 @@ def select_fwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, a
     # A window's tiles cost about the same (a band): no LPT order.
     return FwdConfig(headdim=headdim, dtype=dtype, causal=causal and not local, tile_m=tile_m, tile_n=tile_n,
                      kv_stages=2, lpt=causal and not local, arch=arch, local=local, softcap=softcap, sink=sink)
+
+
+def pack_gqa_wanted(cfg: FwdConfig, nheads: int, nheads_k: int) -> bool:
+    """The GQA-packing policy of the dense forward (measured on the H200, docs/perf): pack when the
+    config has a sliding window (a tile of tile_m / pack queries visits fewer key blocks of a narrow
+    band, and each K/V block is loaded once for all pack heads)."""
+    return cfg.local
+
+
+def with_pack_gqa(cfg: FwdConfig, nheads: int, nheads_k: int, policy=None) -> FwdConfig:
+    """cfg with pack_gqa = nheads // nheads_k when GQA packing applies (dense Q, tile_m a multiple of
+    the pack, policy(cfg, nheads, nheads_k) true: pack_gqa_wanted by default), else cfg."""
+    pack = nheads // max(nheads_k, 1)
+    policy = pack_gqa_wanted if policy is None else policy
+    if (pack <= 1 or cfg.tile_m % pack or cfg.varlen_q or cfg.seqused_q or cfg.split_kv
+            or not policy(cfg, nheads, nheads_k)):
+        return cfg
+    return dataclasses.replace(cfg, pack_gqa=pack)
 
 
 # Smallest page piece one TMA copy may load: the swizzle atom of the K/V smem tile is 8 rows.
