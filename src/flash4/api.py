@@ -17,7 +17,7 @@ import torch
 import flash4.ops  # noqa: F401  (registers the flash4:: custom ops torch.compile traces)
 from flash4.arch import device_arch
 from flash4.autograd import FlashAttnFunc, FlashAttnVarlenFunc, sink_kwargs
-from flash4.config import select_fwd_config
+from flash4.config import select_fwd_config, with_pack_gqa
 from flash4.geometry import canonical_mask, window_sides
 from flash4.validate import (DTYPE_NAMES, check_inputs, check_kvcache_inputs, check_kvcache_seqlens, check_softcap,
                              check_varlen_inputs, check_varlen_seqlens, check_window_size, layout_problem,
@@ -102,6 +102,12 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False,
     window_size = check_window_size(window_size)
     softcap = check_softcap(softcap)
     causal, window_size = canonical_mask(causal, window_size)  # (-1, 0) runs the causal kernel
+    padded = _padded_headdims(q, k, v, q_dim=3)
+    if padded is not None:  # a head dim without a kernel: zero-padded to one (flash4.headdim, exact)
+        qp, kp, vp, dv = padded
+        res = flash_attn_func(qp, kp, vp, resolve_softmax_scale(softmax_scale, q.shape[3]), causal, return_lse,
+                              deterministic, window_size=window_size, softcap=softcap, learnable_sink=learnable_sink)
+        return (res[0][..., :dv].contiguous(), res[1]) if return_lse else res[..., :dv].contiguous()
     if torch.compiler.is_compiling():
         # torch.compile: one custom op per call (flash4.ops); its real implementation checks the
         # arguments when the compiled graph runs (pointers and the device are not known here).
@@ -176,6 +182,7 @@ def _flash_attn_forward(q, k, v, softmax_scale=None, causal=False, out=None, lse
     cfg = select_fwd_config(headdim, DTYPE_NAMES[q.dtype], causal, arch=device_arch(q.device), local=window is not None,
                             softcap=softcap > 0, **({} if sink is None else {"sink": True}),
                             **({} if headdim_v == headdim else {"headdim_v": headdim_v}))
+    cfg = with_pack_gqa(cfg, q.shape[2], k.shape[2])
     run = get_fwd_runner(cfg)
     kwargs = {"window": window, "softcap": softcap}
     if sink is not None:
@@ -186,6 +193,25 @@ def _flash_attn_forward(q, k, v, softmax_scale=None, causal=False, out=None, lse
         with torch.cuda.device(q.device):
             run(q, k, v, out, lse, scale, lse_split, **kwargs)
     return out, lse
+
+
+def _padded_headdims(q, k, v, q_dim: int):
+    """None when (q, k, v) need no padding (native head dims, or inputs the validation will reject
+    anyway); else (q, k, v) zero-padded on their last dim to the head dims flash4.headdim picks, and
+    v's own head dim (the output is sliced back to it). Raises ValueError with flash4.headdim.RULE
+    for a head dim that is not a multiple of 8 in [8, 256]. q_dim: q's head-dim axis (3 dense, 2 varlen)."""
+    from flash4 import headdim as hd
+
+    if not all(isinstance(t, torch.Tensor) and t.dim() == q_dim + 1 for t in (q, k, v)):
+        return None
+    d, dk, dv = q.shape[-1], k.shape[-1], v.shape[-1]
+    if dk != d or hd.is_native(d, dv):
+        return None
+    for name, value in (("q/k", d), ("v", dv)):
+        if not hd.servable(value):
+            raise ValueError(f"headdim {value} ({name}.shape[{q_dim}]) is not supported: {hd.RULE}")
+    d_p, dv_p = hd.padded_headdims(d, dv)
+    return hd.pad_last(q, d_p), hd.pad_last(k, d_p), hd.pad_last(v, dv_p), dv
 
 
 def _sink_arg(learnable_sink) -> tuple:
@@ -325,6 +351,15 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
     window_size = check_window_size(window_size)
     softcap = check_softcap(softcap)
     causal, window_size = canonical_mask(causal, window_size)  # (-1, 0) runs the causal kernel
+    padded = None if page_table is not None else _padded_headdims(q, k, v, q_dim=2)  # pools are not padded per call
+    if padded is not None:  # a head dim without a kernel: zero-padded to one (flash4.headdim, exact)
+        qp, kp, vp, dv = padded
+        res = flash_attn_varlen_func(
+            qp, kp, vp, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q=seqused_q,
+            seqused_k=seqused_k, softmax_scale=resolve_softmax_scale(softmax_scale, q.shape[2]), causal=causal,
+            window_size=window_size, softcap=softcap, return_lse=return_lse, deterministic=deterministic,
+            check_seqlens=check_seqlens, learnable_sink=learnable_sink)
+        return (res[0][..., :dv].contiguous(), res[1]) if return_lse else res[..., :dv].contiguous()
     if torch.compiler.is_compiling():
         # torch.compile: one flash4::varlen_fwd per call (flash4.ops), checked when the graph runs. A
         # max_seqlen given as a tensor (or None) is not read while tracing: the op computes it.

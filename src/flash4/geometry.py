@@ -113,41 +113,57 @@ def visible(row, key, seqlen_q, seqlen_k, causal: bool, window=None) -> bool:
 
 
 # ---------------------------------------------------------------- forward: key blocks of a query tile
+# pack (GQA packing, forward): the tile's rows are packed rows r = query * pack + (head offset), so
+# row r is query r // pack; pack = 1 is the plain layout. A Python int (a kernel's constant).
+def tile_first_query(m_block, tile_m: int, pack: int = 1):
+    """The first query of query tile m_block."""
+    return m_block * tile_m if pack == 1 else (m_block * tile_m) // pack
+
+
+def tile_last_query(m_block, seqlen_q, tile_m: int, ops: Ops = PY_OPS, pack: int = 1):
+    """The last query of query tile m_block (seqlen_q - 1 for the sequence's last tile)."""
+    if pack == 1:
+        return ops.min((m_block + 1) * tile_m, seqlen_q) - 1
+    return ops.min(((m_block + 1) * tile_m - 1) // pack, seqlen_q - 1)
+
+
 def n_block_max(m_block, seqlen_q, seqlen_k, tile_m: int, tile_n: int, causal: bool, ops: Ops = PY_OPS,
-                window=None):
+                window=None, pack: int = 1):
     """One past the last key block that query tile m_block visits; 0 if it sees no key."""
     n_max = (ops.max(seqlen_k, 0) + tile_n - 1) // tile_n
     if _right_reach(causal, window) is not None:
         # the tile's last row (or seqlen_q - 1) sees the most keys
-        last_row = ops.min((m_block + 1) * tile_m, seqlen_q) - 1
+        last_row = tile_last_query(m_block, seqlen_q, tile_m, ops, pack)
         limit = ops.max(key_limit(last_row, seqlen_q, seqlen_k, causal, ops, window), 0)
         n_max = ops.min(n_max, (limit + tile_n - 1) // tile_n)
     return n_max
 
 
-def n_block_min(m_block, seqlen_q, seqlen_k, tile_m: int, tile_n: int, ops: Ops = PY_OPS, window=None):
+def n_block_min(m_block, seqlen_q, seqlen_k, tile_m: int, tile_n: int, ops: Ops = PY_OPS, window=None,
+                pack: int = 1):
     """The first key block that query tile m_block visits (0 without a window: the tile's first
     row starts the earliest)."""
     if window is None:
         return 0
-    return key_start(m_block * tile_m, seqlen_q, seqlen_k, ops, window) // tile_n
+    return key_start(tile_first_query(m_block, tile_m, pack), seqlen_q, seqlen_k, ops, window) // tile_n
 
 
 def n_block_min_causal_mask(m_block, seqlen_q, seqlen_k, tile_m: int, tile_n: int, ops: Ops = PY_OPS,
-                            window=None):
+                            window=None, pack: int = 1):
     """Causal or a window's right side: key blocks >= this may hide keys from some row of the
     tile (they cross the diagonal / the right edge); blocks below it are fully visible on the
     right to every row of the tile."""
-    first_limit = ops.max(key_limit(m_block * tile_m, seqlen_q, seqlen_k, True, ops, window), 0)
+    first_limit = ops.max(key_limit(tile_first_query(m_block, tile_m, pack), seqlen_q, seqlen_k, True, ops, window), 0)
     return first_limit // tile_n
 
 
-def n_block_left_mask_end(m_block, seqlen_q, seqlen_k, tile_m: int, tile_n: int, ops: Ops = PY_OPS, window=None):
+def n_block_left_mask_end(m_block, seqlen_q, seqlen_k, tile_m: int, tile_n: int, ops: Ops = PY_OPS, window=None,
+                          pack: int = 1):
     """A window's left side: key blocks below this may hide keys from some row of the tile (they
     start before the last row's first key); blocks at or above it are fully visible on the left."""
     if window is None:
         return 0
-    last_row = ops.min((m_block + 1) * tile_m, seqlen_q) - 1
+    last_row = tile_last_query(m_block, seqlen_q, tile_m, ops, pack)
     return (key_start(last_row, seqlen_q, seqlen_k, ops, window) + tile_n - 1) // tile_n
 
 

@@ -88,7 +88,8 @@ def _problem(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1),
     headdim = q.shape[3]
     if headdim not in SUPPORTED_HEADDIMS:
         allowed = ", ".join(str(d) for d in SUPPORTED_HEADDIMS)
-        return ValueError, f"headdim {headdim} (q.shape[3]) is not supported; allowed: {allowed}"
+        return ValueError, (f"headdim {headdim} (q.shape[3]) is not supported by a kernel (kernels: {allowed}); "
+                            f"flash_attn_func zero-pads other multiples of 8 up to 256 to one (flash4.headdim)")
 
     for name, t in named:
         problem = layout_problem(name, t)
@@ -346,7 +347,9 @@ def _heads_problem(q, k, v, k_desc: str, k_name: str = "k", v_name: str = "v") -
     headdim = q.shape[-1]
     if headdim not in SUPPORTED_HEADDIMS:
         allowed = ", ".join(str(d) for d in SUPPORTED_HEADDIMS)
-        return ValueError, f"headdim {headdim} (q.shape[{qd}]) is not supported; allowed: {allowed}"
+        return ValueError, (f"headdim {headdim} (q.shape[{qd}]) is not supported here; allowed: {allowed} (a KV cache "
+                            f"or a paged pool is not zero-padded per call: allocate it with one of these head dims; "
+                            f"flash_attn_func / flash_attn_varlen_func pad other multiples of 8, flash4.headdim)")
     return None
 
 

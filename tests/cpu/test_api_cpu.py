@@ -58,7 +58,9 @@ def test_shape_errors_on_cpu_tensors():
     q, k, v = qkv(h=6, hk=4)
     with pytest.raises(ValueError, match="nheads_k=4 .* must divide nheads=6"):
         flash_attn_func(q, k, v)
-    with pytest.raises(ValueError, match="headdim 80 .* not supported"):
+    with pytest.raises(ValueError, match=r"headdim 100 \(q/k.shape\[3\]\) is not supported: .*multiple of 8"):
+        flash_attn_func(*qkv(d=100))
+    with pytest.raises(ValueError, match="CUDA"):  # 80 is served (zero-padded to 96): only the device is wrong
         flash_attn_func(*qkv(d=80))
 
 

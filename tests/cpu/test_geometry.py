@@ -286,3 +286,47 @@ def test_window_backward_block_ranges(tile_m, tile_n, sq, sk, left, right):
         for m in range(end, start):
             rows = range(m * tile_m, min((m + 1) * tile_m, sq))
             assert max(keys) < sk and block_full(mask, rows, keys), (n, m, end, start)
+
+
+# ---------------------------------------------------------------- GQA-packed query tiles (forward)
+PACKS = [2, 4, 8, 16]
+PACK_MASKS = [("full", None), ("causal", None), ("window", (37, 0)), ("window", (5, 9)), ("window", (0, 0)),
+              ("window", (-1, 3))]
+
+
+@pytest.mark.parametrize("pack", PACKS)
+@pytest.mark.parametrize("tile_m, tile_n", [(192, 128), (128, 128), (64, 128), (128, 80)])
+@pytest.mark.parametrize("sq, sk", [(1, 100), (17, 300), (300, 17), (129, 257), (257, 129), (1000, 777)])
+@pytest.mark.parametrize("kind, window_size", PACK_MASKS)
+def test_packed_forward_block_ranges(pack, tile_m, tile_n, sq, sk, kind, window_size):
+    """Packed rows r = query * pack + j (query r // pack): tile m's rows are the queries
+    [m * tile_m // pack, ((m + 1) * tile_m - 1) // pack]; the block range covers every key block a
+    packed row sees, its right end is tight, and the blocks between the mask bounds are fully
+    visible to every row of the tile."""
+    causal = kind == "causal"
+    window = geo.window_sides(window_size, False) if window_size is not None else None
+    if window_size is not None:
+        mask = brute_window(sq, sk, *window_size)
+    else:
+        mask = brute_mask(sq, sk, causal)
+    n_blocks = -(-sk // tile_n)
+    for m in range(-(-(sq * pack) // tile_m)):
+        queries = sorted({r // pack for r in range(m * tile_m, min((m + 1) * tile_m, sq * pack))})
+        assert queries[0] == geo.tile_first_query(m, tile_m, pack)
+        assert queries[-1] == geo.tile_last_query(m, sq, tile_m, pack=pack)
+        n_min = geo.n_block_min(m, sq, sk, tile_m, tile_n, window=window, pack=pack)
+        n_max = geo.n_block_max(m, sq, sk, tile_m, tile_n, causal, window=window, pack=pack)
+        visited = [n for n in range(n_blocks) if block_has(mask, queries, range(n * tile_n, min((n + 1) * tile_n, sk)))]
+        if visited:
+            assert n_min <= visited[0] and visited[-1] < n_max and n_max == visited[-1] + 1, (m, visited)
+        else:
+            assert n_max <= n_min or n_max == 0
+        lo = n_min
+        if window is not None:
+            lo = max(n_min, geo.n_block_left_mask_end(m, sq, sk, tile_m, tile_n, window=window, pack=pack))
+        hi = min(n_max, geo.n_block_seqlen_mask(sk, tile_n))
+        if causal or window is not None:
+            hi = min(hi, geo.n_block_min_causal_mask(m, sq, sk, tile_m, tile_n, window=window, pack=pack))
+        for n in range(lo, hi):
+            cols = range(n * tile_n, (n + 1) * tile_n)
+            assert max(cols) < sk and block_full(mask, queries, cols), (m, n, lo, hi)

@@ -109,8 +109,9 @@ def get_fwd_runner(cfg: FwdConfig):
             seqlen_k_hint = k.shape[1] * seqs[4].shape[1]
         else:  # packed K: the mean sequence
             seqlen_k_hint = k.shape[1] // max(batch, 1) if cfg.varlen_k else k.shape[1]
-        l2_group, num_ctas = launch_plan(batch, max_seqlen_q, q.shape[2], seqlen_k_hint if cfg.lpt else 0, num_splits,
-                                         arch.num_sms(q.device) if cfg.persistent else 0)
+        pack = cfg.pack_gqa  # GQA-packed: pack x the rows, 1 / pack the heads
+        l2_group, num_ctas = launch_plan(batch, max_seqlen_q * pack, q.shape[2] // pack, seqlen_k_hint if cfg.lpt else 0,
+                                         num_splits, arch.num_sms(q.device) if cfg.persistent else 0)
         if lse_split is None:
             lse_split = torch.empty((2,) + tuple(lse.shape), dtype=torch.float32, device=lse.device)
         left, right = window if window is not None else (UNBOUNDED, UNBOUNDED)

@@ -23,7 +23,8 @@ from flash4.kernels.common import geometry
 from flash4.kernels.common.barriers import NamedBarrierFwd
 from flash4.kernels.common.gemm import wgmma
 from flash4.kernels.common.pipeline import tma_pipeline_factory
-from flash4.kernels.common.layout import acc_mn_view, acc_to_frgA_layout, select_modes, transpose_view
+from flash4.kernels.common.layout import (acc_mn_view, acc_to_frgA_layout, make_packed_tma_atom, pack_gqa_view,
+                                          select_modes, transpose_view)
 from flash4.kernels.common.scheduler import TileSchedule
 from flash4.kernels.common.seqinfo import SeqInfo, store_rows_predicated
 from flash4.kernels.common.softmax import OnlineSoftmax
@@ -65,6 +66,10 @@ class FlashAttentionForwardSm90:
     skipped; packed Q/K/V are addressed through domain offsets of the TMA views; a packed O is
     stored row-predicated from smem (rows past the sequence belong to the next one); paged K/V
     are loaded page piece by page piece (page_rows rows per TMA copy, page index from page_table).
+    GQA packing (FwdConfig.pack_gqa = p > 1, dense Q): a tile's rows are packed rows r = query * p + j
+    of the p query heads of one KV head (layout.pack_gqa_view); Q and O move as TMA boxes
+    (p heads x tile_m / p queries x d), the tile order runs over KV heads, the masks and block ranges
+    take query r // p (flash4.geometry's pack argument), each row reads its own head's sink and LSE.
     """
 
     def __init__(self, cfg: FwdConfig):
@@ -86,6 +91,8 @@ class FlashAttentionForwardSm90:
         self.page_rows = cfg.page_rows
         # Query tiles may lie past their sequence (varlen: the grid covers max_seqlen_q).
         self.ragged_q = cfg.varlen_q or cfg.seqused_q
+        # GQA packing: the pack query heads of a KV head share each query tile (layout.pack_gqa_view).
+        self.pack = cfg.pack_gqa
 
     # ------------------------------------------------------------------ host side (trace time)
     def _smem_layout(self, rows: int, stages=None, rows_outer: bool = False, hdim=None):
@@ -150,6 +157,8 @@ class FlashAttentionForwardSm90:
             mOacc = select_modes(mOacc, [2, 4, 3, 1, 0])  # (seqlen_q, d, nheads, batch, split)
             mLSEacc = select_modes(mLSEacc, [3, 2, 1, 0])  # (seqlen_q, nheads, batch, split)
         mLSE, mLSEhi, mLSElo = [select_modes(t, [2, 1, 0]) for t in (mLSE, mLSEhi, mLSElo)]
+        if const_expr(self.pack > 1):  # ((pack, seqlen_q), nheads_k, batch): row r = query r // pack
+            mLSE, mLSEhi, mLSElo = [pack_gqa_view(t, self.pack, 1) for t in (mLSE, mLSEhi, mLSElo)]
 
         tiled_mma_qk, tiled_mma_pv = self._tiled_mmas()
         sQ_layout = self._smem_layout(self.tile_m)
@@ -161,14 +170,21 @@ class FlashAttentionForwardSm90:
             sO_layout = self._smem_layout(self.tile_m, hdim=self.hdim_v)
 
         load_op = cpasync.CopyBulkTensorTileG2SOp()
-        tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(load_op, mQ, sQ_layout, (self.tile_m, self.hdim))
+        if const_expr(self.pack > 1):
+            tma_atom_Q, tma_Q = make_packed_tma_atom(load_op, mQ, sQ_layout, (self.tile_m, self.hdim), self.pack)
+        else:
+            tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(load_op, mQ, sQ_layout, (self.tile_m, self.hdim))
         # Paged: TMA boxes of page pieces (page_rows x headdim).
         kv_box_rows = self.page_rows if const_expr(self.page_rows > 0) else self.tile_n
         tma_atom_K, tma_K, k_stage_layout = self._kv_tma(load_op, mK, sK_layout, self.hdim, kv_box_rows)
         tma_atom_V, tma_V, v_stage_layout = self._kv_tma(load_op, mV, sV_layout, self.hdim_v, kv_box_rows)
-        tma_atom_O, tma_O = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileS2GOp(), mO, sO_layout, (self.tile_m, self.hdim_v)
-        )
+        if const_expr(self.pack > 1):
+            tma_atom_O, tma_O = make_packed_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), mO, sO_layout,
+                                                     (self.tile_m, self.hdim_v), self.pack)
+        else:
+            tma_atom_O, tma_O = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileS2GOp(), mO, sO_layout, (self.tile_m, self.hdim_v)
+            )
         self.tma_bytes_q = cute.size_in_bytes(self.dtype, sQ_layout)
         self.tma_bytes_kv = cute.size_in_bytes(self.dtype, k_stage_layout)
         self.tma_bytes_v = cute.size_in_bytes(self.dtype, v_stage_layout)
@@ -253,7 +269,7 @@ class FlashAttentionForwardSm90:
         sO = sO_storage.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
 
         # Tile order (see common/scheduler.py): this CTA takes tiles blockIdx.x, + gridDim.x, ...
-        num_m_blocks = cute.ceil_div(max_seqlen_q, self.tile_m)
+        num_m_blocks = cute.ceil_div(max_seqlen_q * self.pack, self.tile_m)  # packed rows (pack = 1: queries)
         # split_kv: the "batch" of the tile order runs over (batch, split) pairs, split fastest.
         num_hb = mQ.shape[2] * batch_size * (num_splits if const_expr(self.cfg.split_kv) else 1)
         sched = TileSchedule(num_m_blocks, mQ.shape[2], num_hb, l2_group, self.causal and self.cfg.lpt)
@@ -287,7 +303,7 @@ class FlashAttentionForwardSm90:
         while tile_idx < sched.num_tiles():
             m_block, head, batch = sched.coords(tile_idx)
             batch, split = self.split_coords(batch, num_splits)
-            seq = SeqInfo(batch, mQ.shape[0], mK.shape[0], *seqs)
+            seq = SeqInfo(batch, self.seqlen_q_static(mQ), mK.shape[0], *seqs)
             in_range = True
             if const_expr(self.ragged_q):
                 in_range = m_block * self.tile_m < seq.seqlen_q
@@ -390,7 +406,7 @@ class FlashAttentionForwardSm90:
         while tile_idx < sched.num_tiles():
             m_block, head, batch = sched.coords(tile_idx)
             batch, split = self.split_coords(batch, num_splits)
-            seq = SeqInfo(batch, mQ.shape[0], mK.shape[0], *seqs)
+            seq = SeqInfo(batch, self.seqlen_q_static(mQ), mK.shape[0], *seqs)
             seqlen_q, seqlen_k = seq.seqlen_q, seq.seqlen_k
             in_range = True
             if const_expr(self.ragged_q):
@@ -398,7 +414,8 @@ class FlashAttentionForwardSm90:
             if in_range:
                 n_block_min, n_block_max = self.n_block_range(m_block, seq, split, num_splits)
                 mask = partial(geometry.mask_scores, tScS=tScS, t0ScS=t0ScS, m_block=m_block, seqlen_q=seqlen_q,
-                               seqlen_k=seqlen_k, tile_m=self.tile_m, tile_n=self.tile_n, window=self.window)
+                               seqlen_k=seqlen_k, tile_m=self.tile_m, tile_n=self.tile_n, window=self.window,
+                               pack=self.pack)
                 softmax.reset()
                 acc_O.fill(0.0)
                 pipeline_q.consumer_wait(q_state)
@@ -418,7 +435,7 @@ class FlashAttentionForwardSm90:
                     n_block_left = n_block_min
                     if const_expr(self.causal or self.cfg.local):
                         n_causal = geometry.n_block_min_causal_mask(m_block, seqlen_q, seqlen_k, self.tile_m, self.tile_n,
-                                                                    self.window)
+                                                                    self.window, self.pack)
                         n_causal = cutlass.max(cutlass.min(n_causal, n_block_max - 1), n_block_min)
                         for i in cutlass.range(n_block_max - 1 - n_causal, unroll=1):
                             state = self.mma_one_n_block(
@@ -427,7 +444,7 @@ class FlashAttentionForwardSm90:
                         n_block_unmasked = n_causal
                     if const_expr(self.cfg.local):
                         n_left = geometry.n_block_left_mask_end(m_block, seqlen_q, seqlen_k, self.tile_m, self.tile_n,
-                                                                self.window)
+                                                                self.window, self.pack)
                         n_block_left = cutlass.max(cutlass.min(n_left, n_block_unmasked), n_block_min)
                     for i in cutlass.range(n_block_unmasked - n_block_left, unroll=1):
                         state = self.mma_one_n_block(
@@ -447,7 +464,10 @@ class FlashAttentionForwardSm90:
                     pipeline_q.consumer_release(q_state)  # Q no longer read: next tile's Q may load
                 sink_log2 = None
                 if const_expr(self.cfg.sink and not self.cfg.split_kv):  # split_kv: the combine adds it
-                    sink_log2 = Float32(self.mSink[head]) * Float32(LOG2E_F)
+                    if const_expr(self.pack > 1):
+                        sink_log2 = self.packed_sinks_log2(tScS, m_block, head, softmax.num_rows)
+                    else:
+                        sink_log2 = Float32(self.mSink[head]) * Float32(LOG2E_F)
                 inv_row_sum, lse, lse_hi, lse_lo = softmax.finalize(sink_log2)
                 self.normalize_O(acc_O, inv_row_sum)
                 if const_expr(self.cfg.split_kv):
@@ -462,6 +482,10 @@ class FlashAttentionForwardSm90:
                 q_state = next_state(q_state)
             tile_idx += cute.arch.grid_dim()[0]
 
+    def seqlen_q_static(self, mQ):
+        """seqlen_q of the Q view (its mode 0 is (pack, seqlen_q) when GQA-packed)."""
+        return mQ.shape[0][1] if const_expr(self.pack > 1) else mQ.shape[0]
+
     def split_coords(self, batch_split, num_splits):
         """(batch, split) of the tile order's pair index (split fastest); split 0 without split_kv."""
         if const_expr(self.cfg.split_kv):
@@ -472,16 +496,27 @@ class FlashAttentionForwardSm90:
         """[n_block_min, n_block_max): the key blocks this tile visits. Without split_kv all that
         the query tile sees (flash4.geometry); with it, split `split` of num_splits equal runs."""
         n_block_max = geometry.n_block_max(m_block, seq.seqlen_q, seq.seqlen_k, self.tile_m, self.tile_n, self.causal,
-                                           self.window)
+                                           self.window, self.pack)
         n_block_min = Int32(0)
         if const_expr(self.cfg.local):
             n_block_min = geometry.n_block_min(m_block, seq.seqlen_q, seq.seqlen_k, self.tile_m, self.tile_n,
-                                               self.window)
+                                               self.window, self.pack)
         if const_expr(self.cfg.split_kv):
             per_split = (cutlass.max(n_block_max - n_block_min, 0) + num_splits - 1) // num_splits
             n_block_min = cutlass.min(n_block_min + split * per_split, n_block_max)
             n_block_max = cutlass.min(n_block_min + per_split, n_block_max)
         return n_block_min, n_block_max
+
+    @cute.jit
+    def packed_sinks_log2(self, tScS, m_block, head_kv, num_rows: cutlass.Constexpr[int]):
+        """GQA-packed rows: each of this thread's rows gets its own head's sink (log2 units); packed
+        row r is head head_kv * pack + r % pack."""
+        sinks = cute.make_rmem_tensor((num_rows,), Float32)
+        c = acc_mn_view(tScS)
+        for r in cutlass.range_constexpr(num_rows):
+            head = head_kv * self.pack + (m_block * self.tile_m + c[r, 0][0]) % self.pack
+            sinks[r] = Float32(self.mSink[head]) * Float32(LOG2E_F)
+        return sinks
 
     @cute.jit
     def epilogue_split(self, acc_O, lse, mAccs, tiled_mma_pv, tidx, m_block, head, seq, split):
@@ -579,7 +614,7 @@ class FlashAttentionForwardSm90:
         if tOcO[0, 0][1] == 0:
             for r in cutlass.range_constexpr(cute.size(tOcO, mode=[0])):
                 row = m_block * self.tile_m + tOcO[r, 0][0]
-                if row < seqlen_q:
+                if row < seqlen_q * self.pack:  # packed: row r of ((pack, seqlen_q), heads_k, batch)
                     row_idx, batch_idx = seq.q_index(row)
                     for mX, x in zip(mLSEs, lses):
                         mX[row_idx, head, batch_idx] = x[r]

@@ -20,20 +20,21 @@ DEVICE_OPS = g.Ops(min=cutlass.min, max=cutlass.max, select=lambda cond, a, b: c
 
 # window: None, or (left, right) device Int32 values (flash4.geometry.window_sides: unbounded
 # sides are geometry.UNBOUNDED); with a window `causal` is ignored.
-def n_block_max(m_block, seqlen_q, seqlen_k, tile_m: int, tile_n: int, causal: bool, window=None):
-    return g.n_block_max(m_block, seqlen_q, seqlen_k, tile_m, tile_n, causal, DEVICE_OPS, window)
+# pack: GQA packing (forward; flash4.geometry.tile_first_query): row r of a tile is query r // pack.
+def n_block_max(m_block, seqlen_q, seqlen_k, tile_m: int, tile_n: int, causal: bool, window=None, pack: int = 1):
+    return g.n_block_max(m_block, seqlen_q, seqlen_k, tile_m, tile_n, causal, DEVICE_OPS, window, pack)
 
 
-def n_block_min(m_block, seqlen_q, seqlen_k, tile_m: int, tile_n: int, window=None):
-    return g.n_block_min(m_block, seqlen_q, seqlen_k, tile_m, tile_n, DEVICE_OPS, window)
+def n_block_min(m_block, seqlen_q, seqlen_k, tile_m: int, tile_n: int, window=None, pack: int = 1):
+    return g.n_block_min(m_block, seqlen_q, seqlen_k, tile_m, tile_n, DEVICE_OPS, window, pack)
 
 
-def n_block_min_causal_mask(m_block, seqlen_q, seqlen_k, tile_m: int, tile_n: int, window=None):
-    return g.n_block_min_causal_mask(m_block, seqlen_q, seqlen_k, tile_m, tile_n, DEVICE_OPS, window)
+def n_block_min_causal_mask(m_block, seqlen_q, seqlen_k, tile_m: int, tile_n: int, window=None, pack: int = 1):
+    return g.n_block_min_causal_mask(m_block, seqlen_q, seqlen_k, tile_m, tile_n, DEVICE_OPS, window, pack)
 
 
-def n_block_left_mask_end(m_block, seqlen_q, seqlen_k, tile_m: int, tile_n: int, window=None):
-    return g.n_block_left_mask_end(m_block, seqlen_q, seqlen_k, tile_m, tile_n, DEVICE_OPS, window)
+def n_block_left_mask_end(m_block, seqlen_q, seqlen_k, tile_m: int, tile_n: int, window=None, pack: int = 1):
+    return g.n_block_left_mask_end(m_block, seqlen_q, seqlen_k, tile_m, tile_n, DEVICE_OPS, window, pack)
 
 
 def m_block_range(n_block, seqlen_q, seqlen_k, tile_m: int, tile_n: int, causal: bool, window=None):
@@ -65,13 +66,15 @@ def mask_scores(
     tile_n: cutlass.Constexpr[int],
     causal: cutlass.Constexpr[bool],
     window=None,
+    pack: cutlass.Constexpr[int] = 1,
 ):
     """Forward: sets the scores of keys a row does not see to -inf, in place (window: None or the
     (left, right) Int32 pair; then both edges of the band are applied and `causal` is ignored).
 
     acc_S: the thread's score fragment; tScS: identity tensor (tile_m, tile_n) partitioned the same
     way for this thread (values are (row, col) inside the tile); t0ScS: the same for thread 0, whose
-    coordinates are compile-time constants. Columns are compared as (col - this thread's first col)
+    coordinates are compile-time constants. pack > 1: GQA-packed rows (row r is query r // pack).
+    Columns are compared as (col - this thread's first col)
     against those constants, so no per-column coordinate lives in a register.
     """
     s = acc_mn_view(acc_S)
@@ -80,6 +83,8 @@ def mask_scores(
     col_base = n_block * tile_n + c[0, 0][1]
     for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
         row = m_block * tile_m + c[r, 0][0]
+        if cutlass.const_expr(pack > 1):
+            row = row // pack  # GQA-packed rows: the query of packed row r is r // pack
         col_limit = g.key_limit(row, seqlen_q, seqlen_k, causal, DEVICE_OPS, window) - col_base
         if cutlass.const_expr(window is None):
             for j in cutlass.range_constexpr(cute.size(s, mode=[1])):

@@ -182,7 +182,8 @@ class OnlineSoftmax(DynamicState):
         unrounded as lse_hi + lse_lo (lse_hi = ref_hi, lse_lo = ref_lo + log2(row sum); +inf and 0
         for rows that saw no key) for the backward's exact path.
 
-        sink_log2: None, or the row's attention-sink logit in log2 units (learnable sink, gpt-oss):
+        sink_log2: None, or the row's attention-sink logit in log2 units (learnable sink, gpt-oss;
+        a Float32 for every row, or a (num_rows,) register tensor, one per row of this thread):
         one more term 2^sink in the denominator that contributes no value. It is added against its
         own reference (the larger of the row's and the sink), so a sink far above or below the row
         max neither overflows nor vanishes early; a row without keys then has O = 0 and LSE = sink."""
@@ -211,12 +212,15 @@ class OnlineSoftmax(DynamicState):
         return inv, lse, lse_hi, lse_lo
 
     @cute.jit
-    def _finalize_sink(self, sink_log2: Float32) -> tuple:
+    def _finalize_sink(self, sinks_log2) -> tuple:
         inv = cute.make_rmem_tensor((self.num_rows,), Float32)
         lse = cute.make_rmem_tensor((self.num_rows,), Float32)
         lse_hi = cute.make_rmem_tensor((self.num_rows,), Float32)
         lse_lo = cute.make_rmem_tensor((self.num_rows,), Float32)
         for r in cutlass.range_constexpr(self.num_rows):
+            sink_log2 = sinks_log2
+            if cutlass.const_expr(isinstance(sinks_log2, cute.Tensor)):
+                sink_log2 = sinks_log2[r]  # GQA-packed rows: each row's own head's sink
             total = quad_allreduce_sum(self.row_sum[r])
             hi = self.ref_hi[r]
             lo = self.ref_lo[r]

@@ -1,0 +1,83 @@
+"""Which head dims flash4 serves, and how (issue 13 item 2).
+
+The kernels are compiled for the native head dims flash4.config.SUPPORTED_HEADDIMS (64, 96, 128,
+192, 256) and the (q/k, v) pairs flash4.config.HDIMV_PAIRS. Every other head dim that is a
+multiple of 8 from 8 to 256 (8, 16, 32 for small models and vision transformers, 72, 80, 112, 160,
+...) is served by zero-padding the last dim to a native one before the kernel and slicing the
+output after it:
+
+  * q and k padded with zeros to the same width D' >= D: q.k is unchanged (the padded products are
+    0), so scores, the softmax and the LSE are exactly those of the unpadded problem;
+    softmax_scale's default stays 1/sqrt(D) of the real head dim.
+  * v padded to Dv' >= Dv: the output's extra columns are sum_j p_ij * 0 = 0 and are dropped.
+  * the backward runs through autograd's F.pad / slice: the padded columns' gradients are dropped,
+    the real ones are the kernels' (exact, as above).
+
+Padding costs a copy of q, k, v (and of the output) per call and the FLOPs of the padded width
+(d8 runs as d64: 8x the work of an ideal d8 kernel); speed is reported against SDPA's best backend in
+docs/perf. A KV cache (flash_attn_with_kvcache, or a paged varlen call) is not padded per call: a
+cache is appended to in place and copying it every step would cost more than the attention; those
+entry points serve the native head dims only (allocate the cache with a native head dim).
+
+Rule (`padded_headdims`): D and Dv multiples of 8 in [8, 256]; D' = the smallest native head dim
+>= D, Dv' likewise; if (D', Dv') is neither equal nor a native pair, both become max(D', Dv') (a
+pair of equal width, always native). Anything else raises ValueError naming the rule.
+"""
+
+from __future__ import annotations
+
+from flash4.config import HDIMV_PAIRS, SUPPORTED_HEADDIMS
+
+HEADDIM_MULTIPLE = 8  # TMA rows and 16-byte vectors: the last dim in whole 16-byte chunks (bf16/fp16)
+MAX_HEADDIM = max(SUPPORTED_HEADDIMS)
+RULE = (f"head dims are served natively for {', '.join(map(str, SUPPORTED_HEADDIMS))} (and the (q/k, v) pairs "
+        f"{', '.join(f'({d}, {dv})' for d, dv in HDIMV_PAIRS)}), and by zero-padding to the next native one for "
+        f"every other multiple of {HEADDIM_MULTIPLE} from {HEADDIM_MULTIPLE} to {MAX_HEADDIM}")
+
+
+def is_native(headdim: int, headdim_v: int) -> bool:
+    """True when a kernel exists for (headdim, headdim_v) as is."""
+    if headdim not in SUPPORTED_HEADDIMS:
+        return False
+    return headdim_v == headdim or (headdim, headdim_v) in HDIMV_PAIRS
+
+
+def servable(headdim: int) -> bool:
+    """True for a multiple of 8 from 8 to 256 (native or padded)."""
+    return isinstance(headdim, int) and HEADDIM_MULTIPLE <= headdim <= MAX_HEADDIM and headdim % HEADDIM_MULTIPLE == 0
+
+
+def _next_native(headdim: int) -> int:
+    return min(d for d in SUPPORTED_HEADDIMS if d >= headdim)
+
+
+def padded_headdims(headdim: int, headdim_v: int) -> tuple[int, int]:
+    """(D', Dv') the kernels run for the caller's (D, Dv): (D, Dv) itself when native, else the
+    module docstring's rule. Raises ValueError (naming the rule) when D or Dv is not servable."""
+    for name, d in (("headdim", headdim), ("headdim_v", headdim_v)):
+        if not servable(d):
+            raise ValueError(f"{name}={d} is not served: {RULE}")
+    if is_native(headdim, headdim_v):
+        return headdim, headdim_v
+    d_p, dv_p = _next_native(headdim), _next_native(headdim_v)
+    if is_native(d_p, dv_p):
+        return d_p, dv_p
+    wide = max(d_p, dv_p)
+    return wide, wide
+
+
+def headdim_error(headdim: int, headdim_v: int, what: str = "q/k") -> str | None:
+    """The ValueError message for an unservable (headdim, headdim_v), or None."""
+    try:
+        padded_headdims(headdim, headdim_v)
+    except ValueError as err:
+        return f"{what}: {err}"
+    return None
+
+
+def pad_last(t, width: int):
+    """t with its last dim zero-padded to `width` (t itself when it has that width already)."""
+    import torch.nn.functional as F
+
+    extra = width - t.shape[-1]
+    return t if extra == 0 else F.pad(t, (0, extra))
