@@ -82,6 +82,11 @@ CASES = (
     Case("hdimv_192_128_full_16k", 192, False, 16384, 16384, 2, 16, 16, headdim_v=128),
     Case("hdimv_128_64_causal_4k", 128, True, 4096, 4096, 8, 16, 16, headdim_v=64),
     Case("hdimv_64_128_causal_4k", 64, True, 4096, 4096, 8, 16, 16, headdim_v=128),
+    # Issue 13: head dims without a kernel of their own (zero-padded by flash4.headdim; TFLOPs of the
+    # real head dim), against SDPA's backends (vision transformers: d32 / d80 / d112, not causal).
+    Case("smalld_32_full_4k", 32, False, 4096, 4096, 8, 16, 16),
+    Case("smalld_80_full_4k", 80, False, 4096, 4096, 8, 16, 16),
+    Case("smalld_112_causal_4k", 112, True, 4096, 4096, 8, 16, 16),
 )
 
 
