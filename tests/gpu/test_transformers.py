@@ -286,10 +286,10 @@ def test_continuous_batching(spy, kind):
 # ================================================================ refusals
 def test_refusals_on_gpu():
     cfg = LlamaConfig(hidden_size=256, intermediate_size=256, num_hidden_layers=1, num_attention_heads=8,
-                      num_key_value_heads=8, head_dim=32, vocab_size=VOCAB)
+                      num_key_value_heads=8, head_dim=36, vocab_size=VOCAB)  # not a multiple of 8
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation=NAME, dtype=BF16).to(DEV).eval()
     ids = torch.randint(1, VOCAB, (1, 8), device=DEV)
-    with pytest.raises(f4hf.UnsupportedAttention, match="head dim 32"):
+    with pytest.raises(f4hf.UnsupportedAttention, match="head dim 36"):
         model(ids)
     _, m16 = _models("llama64")
     m32 = m16.float()

@@ -31,8 +31,9 @@ attention_interface(module, query, key, value, attention_mask, dropout=, scaling
   - query (B, H, S, D), key/value (B, H_kv, S_k, D): `transpose(1, 2)` views in flash4's
     (B, S, H, D) layout (no copy for the usual BSHD memory; a cache's BHSD memory is read through
     its strides). GQA/MQA: K/V go unexpanded (H_kv heads). A tensor whose strides the kernels
-    cannot read is copied first. A value head dim below the query's (MLA) is zero-padded and the
-    output cropped, as transformers' flash backends do. Output (B, S, H, D), weights None.
+    cannot read is copied first. Head dims: any multiple of 8 from 8 to 256, the value's its own
+    (flash4's kernels for 64/96/128/192/256 and (192, 128), (128, 64), (64, 128); others zero-padded
+    by flash4.headdim inside flash4). Output (B, S, H, Dv), weights None.
   - is_causal: the keyword when given, else `module.is_causal` (default True). Causal masks are
     aligned bottom-right (query i of S sees key j <= i + S_k - S), which is how transformers lays
     out a query block after a KV cache (decode, chunked prefill).
@@ -126,9 +127,9 @@ class _Flash4Kernels:
 
     @staticmethod
     def headdims():
-        from flash4.config import SUPPORTED_HEADDIMS
+        from flash4.headdim import HEADDIM_MULTIPLE, MAX_HEADDIM
 
-        return SUPPORTED_HEADDIMS
+        return tuple(range(HEADDIM_MULTIPLE, MAX_HEADDIM + 1, HEADDIM_MULTIPLE))  # flash4.headdim's rule
 
     @staticmethod
     def dense(q, k, v, *, softmax_scale, causal, window_size, softcap, learnable_sink, deterministic):
@@ -449,11 +450,12 @@ def _prepare(module, query, key, value, dropout, softcap, s_aux, kwargs):
         _fail("position_bias (an additive attention bias) is not supported")
     headdims = _KERNELS.headdims()
     head_dim, v_head_dim = query.shape[-1], value.shape[-1]
-    if head_dim not in headdims:
-        _fail(f"head dim {head_dim}: flash4 has kernels for head dims {', '.join(map(str, headdims))}")
-    if key.shape[-1] != head_dim or v_head_dim > head_dim:
-        _fail(f"query/key/value head dims {head_dim}/{key.shape[-1]}/{v_head_dim}: flash4 needs key and value head "
-              f"dims equal to the query's (a smaller value head dim is padded)")
+    for what, dim in (("query", head_dim), ("value", v_head_dim)):
+        if dim not in headdims:
+            _fail(f"head dim {dim} ({what}): flash4 serves head dims {headdims[0]}..{headdims[-1]} in steps of "
+                  f"{headdims[1] - headdims[0]}" if len(headdims) > 1 else f"head dim {dim}")
+    if key.shape[-1] != head_dim:
+        _fail(f"query/key head dims {head_dim}/{key.shape[-1]}: flash4 needs the key head dim equal to the query's")
     if query.dtype not in _KERNELS.dtypes:
         target = _target_dtype(query, module) if query.dtype == torch.float32 else None
         if target is None:
@@ -461,8 +463,6 @@ def _prepare(module, query, key, value, dropout, softcap, s_aux, kwargs):
                   f"with dtype=torch.bfloat16, or run it under torch.autocast)")
         _warn_once(f"casting {query.dtype} query/key/value to {target} for flash4")
         query, key, value = query.to(target), key.to(target), value.to(target)
-    if v_head_dim != head_dim:
-        value = torch.nn.functional.pad(value, [0, head_dim - v_head_dim])
     softcap = 0.0 if softcap is None else float(softcap)
     sink = None
     if s_aux is not None:
@@ -507,8 +507,6 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     else:
         _fail(f"a 2D attention_mask of dtype {attention_mask.dtype}: flash4's mask function gives bool padding masks "
               f"(or int32 packed-sequence ids); pass attention_mask through the model, not to the attention directly")
-    if v_head_dim != head_dim:
-        out = out[..., :v_head_dim]
     return out, None
 
 
@@ -617,8 +615,6 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
                softmax_scale=None if scale is None else float(scale), causal=True,
                window_size=_window(sliding, True, max_k), softcap=softcap, learnable_sink=sink,
                deterministic=_deterministic(kwargs))
-    if v_head_dim != head_dim:
-        out = out[..., :v_head_dim]
     return out, None
 
 
