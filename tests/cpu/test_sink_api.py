@@ -120,6 +120,7 @@ def test_dense_forward_passes_sink_to_config_and_runner(monkeypatch):
         return run
 
     monkeypatch.setattr(api, "select_fwd_config", fake_select)
+    monkeypatch.setattr(api, "with_pack_gqa", lambda cfg, h, hk: cfg)
     monkeypatch.setattr(api, "device_arch", lambda device: "sm90")
     monkeypatch.setattr(cache, "get_fwd_runner", fake_runner)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: None)
