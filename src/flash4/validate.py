@@ -36,6 +36,20 @@ def _shape(t: torch.Tensor) -> tuple:
     return tuple(t.shape)
 
 
+def _headdim_rule_problem(headdim: int, headdim_v: int, axis: int) -> tuple[type, str] | None:
+    """flash4.headdim's rule for flash_attn_func / flash_attn_varlen_func: kernel head dims and pairs
+    as they are, other multiples of 8 up to 256 zero-padded by the API; anything else a ValueError
+    (the message the API raises)."""
+    from flash4 import headdim as hd
+
+    if hd.is_native(headdim, headdim_v):
+        return None
+    for name, value in (("q/k", headdim), ("v", headdim_v)):
+        if not hd.servable(value):
+            return ValueError, f"headdim {value} ({name}.shape[{axis}]) is not supported: {hd.RULE}"
+    return None
+
+
 def _problem(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1),
              softcap=0.0, learnable_sink=None) -> tuple[type, str] | None:
     """(exception type, message) of the first problem with the arguments, or None."""
@@ -72,9 +86,9 @@ def _problem(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1),
             f"v must have the shape of k (batch, seqlen_k, nheads_k, headdim; only its headdim may differ); got "
             f"v.shape={_shape(v)}, k.shape={_shape(k)}"
         )
-    problem = hdimv_problem(q.shape[3], v.shape[3])
+    problem = _headdim_rule_problem(q.shape[3], v.shape[3], 3)
     if problem is not None:
-        return ValueError, f"{problem}; q.shape={_shape(q)}, v.shape={_shape(v)}"
+        return problem
     nheads, nheads_k = q.shape[2], k.shape[2]
     if nheads < 1 or nheads_k < 1:
         return ValueError, (
@@ -85,11 +99,6 @@ def _problem(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1),
             f"nheads_k={nheads_k} (k.shape[2]) must divide nheads={nheads} (q.shape[2]) for MQA/GQA; "
             f"q.shape={_shape(q)}, k.shape={_shape(k)}"
         )
-    headdim = q.shape[3]
-    if headdim not in SUPPORTED_HEADDIMS:
-        allowed = ", ".join(str(d) for d in SUPPORTED_HEADDIMS)
-        return ValueError, (f"headdim {headdim} (q.shape[3]) is not supported by a kernel (kernels: {allowed}); "
-                            f"flash_attn_func zero-pads other multiples of 8 up to 256 to one (flash4.headdim)")
 
     for name, t in named:
         problem = layout_problem(name, t)
@@ -175,8 +184,8 @@ def window_problem(window_size) -> tuple[type, str] | None:
     TypeError for the container, its length or an element's type; ValueError for a side below -1."""
     allowed = "a tuple (left, right) of two ints, each >= 0, or -1 for unbounded on that side ((-1, -1): no window)"
     if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
-        what = (f"a {type(window_size).__name__} of length {len(window_size)}" if isinstance(window_size, (tuple, list))
-                else f"a {type(window_size).__name__}")
+        what = (f"{type(window_size).__name__} of length {len(window_size)}" if isinstance(window_size, (tuple, list))
+                else f"type {type(window_size).__name__}")
         return TypeError, f"window_size must be {allowed}; got window_size={window_size!r} ({what})"
     for side, value in zip(("left", "right"), window_size):
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):
@@ -317,10 +326,12 @@ def _max_seqlen_type_problem(name: str, value) -> tuple[type, str] | None:
     return None
 
 
-def _heads_problem(q, k, v, k_desc: str, k_name: str = "k", v_name: str = "v") -> tuple[type, str] | None:
+def _heads_problem(q, k, v, k_desc: str, k_name: str = "k", v_name: str = "v",
+                   padded_ok: bool = False) -> tuple[type, str] | None:
     """headdim equality, v shaped like k, nheads_k dividing nheads, supported headdim; the heads are
     dim -2 of q and of k in every varlen / paged / kvcache layout. k_name / v_name: the arguments'
-    names (k_cache / v_cache for flash_attn_with_kvcache)."""
+    names (k_cache / v_cache for flash_attn_with_kvcache). padded_ok: head dims flash4.headdim pads
+    are fine (packed varlen tensors; not a paged pool or a KV cache, which are never padded per call)."""
     qd, kd = q.dim() - 1, k.dim() - 1
     if k.shape[-1] != q.shape[-1]:
         return ValueError, (
@@ -331,9 +342,14 @@ def _heads_problem(q, k, v, k_desc: str, k_name: str = "k", v_name: str = "v") -
         return ValueError, (
             f"{v_name} must have the shape of {k_name} {k_desc} (only its headdim may differ); got "
             f"{v_name}.shape={_shape(v)}, {k_name}.shape={_shape(k)}")
-    problem = hdimv_problem(q.shape[-1], v.shape[-1])
-    if problem is not None:
-        return ValueError, f"{problem}; q.shape={_shape(q)}, {v_name}.shape={_shape(v)}"
+    if padded_ok:
+        problem = _headdim_rule_problem(q.shape[-1], v.shape[-1], qd)
+        if problem is not None:
+            return problem
+    else:
+        problem = hdimv_problem(q.shape[-1], v.shape[-1])
+        if problem is not None:
+            return ValueError, f"{problem}; q.shape={_shape(q)}, {v_name}.shape={_shape(v)}"
     nheads, nheads_k = q.shape[-2], k.shape[-2]
     if nheads < 1 or nheads_k < 1:
         return ValueError, (
@@ -345,7 +361,7 @@ def _heads_problem(q, k, v, k_desc: str, k_name: str = "k", v_name: str = "v") -
             f"MQA/GQA; q.shape={_shape(q)}, {k_name}.shape={_shape(k)}"
         )
     headdim = q.shape[-1]
-    if headdim not in SUPPORTED_HEADDIMS:
+    if headdim not in SUPPORTED_HEADDIMS and not padded_ok:
         allowed = ", ".join(str(d) for d in SUPPORTED_HEADDIMS)
         return ValueError, (f"headdim {headdim} (q.shape[{qd}]) is not supported here; allowed: {allowed} (a KV cache "
                             f"or a paged pool is not zero-padded per call: allocate it with one of these head dims; "
@@ -459,7 +475,7 @@ def _varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_
             f"got {_shape(page_table)}"
         )
     k_desc = _VARLEN_LAYOUTS["paged k" if paged else "k"]
-    problem = _heads_problem(q, k, v, k_desc)
+    problem = _heads_problem(q, k, v, k_desc, padded_ok=not paged)
     if problem is not None:
         return problem
     if paged:

@@ -106,10 +106,21 @@ def test_supported_pairs_pass_metadata_checks(d, dv):
 
 
 @pytest.mark.parametrize("d, dv", [(128, 96), (64, 256), (192, 64)])
-def test_unsupported_pair_message(d, dv):
+def test_other_pairs_are_padded_not_refused(d, dv):
+    """Pairs without a kernel are zero-padded to one by flash_attn_func (flash4.headdim): the rule
+    accepts them; the kernel-level check (config.hdimv_problem) still names the kernel pairs."""
+    from flash4.config import hdimv_problem
+
     message = support_error(*_qkv(d, dv))
-    assert f"v's headdim {dv}" in message and f"headdim {d}" in message
-    assert "(192, 128), (128, 64), (64, 128)" in message
+    assert message is None or "headdim" not in message
+    problem = hdimv_problem(d, dv)
+    assert f"v's headdim {dv}" in problem and "(192, 128), (128, 64), (64, 128)" in problem
+
+
+@pytest.mark.parametrize("d, dv", [(128, 100), (64, 4)])
+def test_unservable_v_headdim_message(d, dv):
+    message = support_error(*_qkv(d, dv))
+    assert f"headdim {dv} (v.shape[3]) is not supported" in message and "multiple of 8" in message
 
 
 def test_v_must_match_k_but_its_headdim():
@@ -130,8 +141,9 @@ def test_varlen_validation():
                torch.randn(12, 2, 128, dtype=BF16))
     cu_q, cu_k = torch.tensor([0, 4, 10], dtype=torch.int32), torch.tensor([0, 5, 12], dtype=torch.int32)
     assert "cpu" in varlen_support_error(q, k, v, cu_q, cu_k)
-    message = varlen_support_error(q, k, v[..., :96], cu_q, cu_k)
-    assert "(192, 128), (128, 64), (64, 128)" in message
+    # (192, 96) has no kernel: packed varlen tensors are zero-padded to (192, 128) (flash4.headdim)
+    assert "cpu" in varlen_support_error(q, k, v[..., :96], cu_q, cu_k)
+    assert "multiple of 8" in varlen_support_error(q, k, v[..., :100], cu_q, cu_k)
     assert "v must have the shape of k" in varlen_support_error(q, k, v[:6], cu_q, cu_k)
 
 

@@ -86,6 +86,9 @@ def select_configs(headdims=None, dtypes=None, causals=None) -> list:
     ]
 
 
+from flash4.config import SUPPORTED_HEADDIMS  # noqa: E402
+
+
 def compile_check_main(configs: list | None = None, json_path: str | Path | None = None) -> int:
     """Compile `configs` (None: every shipped forward and backward config) without a GPU and print a table of
     registers, spills, shared memory and compile time. Returns 1 on any compile error or spill, else 0."""
@@ -93,7 +96,9 @@ def compile_check_main(configs: list | None = None, json_path: str | Path | None
 
     configs = select_configs() if configs is None else list(configs)
     if not configs:
-        print("compile check: no config matches the filters")
+        print("compile check: no config matches the filters (kernel head dims: "
+              f"{', '.join(map(str, SUPPORTED_HEADDIMS))}; other multiples of 8 run zero-padded to the next one "
+              "of these, flash4.headdim)")
         return 1
     print(f"compile check: {len(configs)} config(s) (forward and backward), no GPU needed")
     results = []

@@ -80,7 +80,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="time the forward only (default: forward and backward)")
     parser.add_argument("--cases", nargs="+", metavar="NAME",
                         help="named cells beyond the sweep to time after it (flash4.bench.cases: d96, d192, gqa, "
-                             "mqa, window, softcap, sink; a name or prefix, 'all' (default) or 'none'); written to cases.csv")
+                             "mqa, window, softcap, sink, hdimv, smalld; a name or prefix, 'all' (default) or 'none'); written to cases.csv")
     parser.add_argument("--varlen", choices=("all", "none", "only"), default="all",
                         help="packed-varlen, paged-KV and decode cells (flash4.bench.varlen) after the sweep: "
                              "'all' (default), 'none', or 'only' (skip the sweep and cases); written to varlen.csv")

@@ -165,6 +165,20 @@ def _aux(query: torch.Tensor):
 
 
 # ================================================================ the flash4 calls (a seam for CPU tests)
+def _native_headdim_error(q, v):
+    """The plug-in runs flash4's kernels on the tensors as given (no zero-padding: it writes into
+    aten's preallocated layouts), so only the kernel head dims: a message for others, else None."""
+    from flash4.headdim import is_native
+
+    if not (isinstance(q, torch.Tensor) and isinstance(v, torch.Tensor)) or is_native(q.shape[-1], v.shape[-1]):
+        return None
+    from flash4.config import HDIMV_PAIRS, SUPPORTED_HEADDIMS
+
+    return (f"headdim {q.shape[-1]} (v: {v.shape[-1]}): the SDPA plug-in runs flash4's kernel head dims "
+            f"{', '.join(map(str, SUPPORTED_HEADDIMS))} and the pairs {HDIMV_PAIRS} (flash4.flash_attn_func "
+            f"zero-pads the other multiples of 8)")
+
+
 class _Flash4Kernels:
     """What the overrides run: flash4's validated private entry points. The CPU tests substitute a
     reference with the same methods (no GPU there); nothing else should."""
@@ -240,7 +254,7 @@ def _forward_into(out_view, q, k, v, cum_seq_q, cum_seq_k, max_q, max_k, is_caus
         out, lse = _KERNELS.varlen_forward(q, k, v, cum_seq_q, cum_seq_k, int(max_q), scale, causal, window,
                                            seqused_k, target)
     else:
-        _check(_KERNELS.dense_error(q, k, v, scale, causal, window))
+        _check(_native_headdim_error(q, v) or _KERNELS.dense_error(q, k, v, scale, causal, window))
         out, lse = _KERNELS.dense_forward(q, k, v, scale, causal, window, target)
     if target is None:
         out_view.copy_(out)
@@ -266,7 +280,7 @@ def _backward_into(grad_views, dout, q, k, v, out, lse, cum_seq_q, cum_seq_k, ma
         grads = _KERNELS.varlen_backward(dout, q, k, v, out, lse, cum_seq_q, cum_seq_k, int(max_q), int(max_k), scale,
                                          causal, window, deterministic, *targets)
     else:
-        _check(_KERNELS.dense_error(q, k, v, scale, causal, window))
+        _check(_native_headdim_error(q, v) or _KERNELS.dense_error(q, k, v, scale, causal, window))
         grads = _KERNELS.dense_backward(dout, q, k, v, out, lse, scale, causal, window, deterministic, *targets)
     for view, target, grad in zip(grad_views, targets, grads):
         if target is None:
