@@ -1,4 +1,5 @@
-"""Test-wide setup: the `gpu` marker, applied to everything under tests/gpu/ and skipped without CUDA."""
+"""Test-wide setup: the `gpu` marker, applied to everything under tests/gpu/ and skipped without CUDA;
+the `compiled_clean` fixture shared by the CPU compile-check tests."""
 
 from pathlib import Path
 
@@ -22,3 +23,19 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def _compiled_clean(row: dict) -> None:
+    """A flash4.compile.check.compile_check row compiled, without register spills and with HGMMA in its
+    SASS; skips the resource checks where cuobjdump is not installed (the row has no registers)."""
+    assert row["ok"], row["error"]
+    if row.get("registers") is None:
+        pytest.skip("cuobjdump not installed: resource usage not checked")
+    assert row["spills"] == 0, f"{row['config']}: {row['spills']} local-memory instructions (register spill)"
+    assert row["hgmma"] > 0, f"{row['config']}: no HGMMA in SASS (wgmma was not used)"
+
+
+@pytest.fixture
+def compiled_clean():
+    """The check every compile-check test applies to its rows (_compiled_clean)."""
+    return _compiled_clean

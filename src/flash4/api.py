@@ -32,13 +32,16 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False,
         q: (batch, seqlen_q, nheads, headdim) torch.bfloat16 or torch.float16, on a CUDA device.
         k: (batch, seqlen_k, nheads_k, headdim), same dtype and device; nheads_k divides nheads
            (MQA/GQA: query head h reads key head h // (nheads // nheads_k)).
-        v: same shape as k, except its head dim headdim_v, which may differ from q/k's for the pairs
-           (headdim, headdim_v) of flash4.config.HDIMV_PAIRS: (192, 128) (DeepSeek-V3/R1 MLA
-           prefill), (128, 64), (64, 128); out then has headdim_v (softmax_scale's default stays
+        v: same shape as k, except its head dim headdim_v, which may differ from q/k's: kernels for the
+           pairs (headdim, headdim_v) of flash4.config.HDIMV_PAIRS: (192, 128) (DeepSeek-V3/R1 MLA
+           prefill), (128, 64), (64, 128), other pairs of multiples of 8 zero-padded to one (or to an
+           equal pair); out then has headdim_v (softmax_scale's default stays
            1 / sqrt(headdim of q)).
            q, k, v: last dim contiguous (stride 1), other strides and the base address 16-byte
            aligned (true of any tensor made by torch and of slices along batch/seqlen/heads).
-           headdim one of flash4.config.SUPPORTED_HEADDIMS (64, 96, 128, 192, 256).
+           headdim: kernels for flash4.config.SUPPORTED_HEADDIMS (64, 96, 128, 192, 256); any other
+           multiple of 8 from 8 to 256 runs zero-padded to the next of those (flash4.headdim: exact,
+           costs the padded width).
            seqlen_q may differ from seqlen_k; batch, seqlen_q and seqlen_k may be 0.
         softmax_scale: float > 0 applied to Q K^T; None means 1 / sqrt(headdim).
         causal: bool; the mask is aligned to the bottom-right corner (as FlashAttention 2/3):
@@ -252,9 +255,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
            queries are rows cu_seqlens_q[b] : cu_seqlens_q[b + 1].
         k, v: (total_k, nheads_k, headdim), same dtype and device; sequence b's keys are rows
            cu_seqlens_k[b] : cu_seqlens_k[b + 1]. nheads_k divides nheads (MQA/GQA: query head h
-           reads key head h // (nheads // nheads_k)). headdim one of flash4.config.SUPPORTED_HEADDIMS.
-           v's head dim may differ from q/k's for the pairs of flash4.config.HDIMV_PAIRS (as
-           flash_attn_func; out is then (total_q, nheads, headdim_v)).
+           reads key head h // (nheads // nheads_k)). Head dims as flash_attn_func's (kernel head
+           dims and flash4.config.HDIMV_PAIRS as they are, other multiples of 8 zero-padded; not for a
+           paged pool, which keeps the kernel head dims); out is (total_q, nheads, headdim_v).
            Paged K/V (with page_table): (num_pages, page_size, nheads_k, headdim), page_size a
            multiple of 8 (16, 32, 64, 128, 256, ...); key j of sequence b is
            k[page_table[b, j // page_size], j % page_size]. K and V may be two views of one

@@ -79,13 +79,10 @@ def rows():
 
 
 @pytest.mark.parametrize("i", range(4), ids=["varlen", "paged16", "split_d64", "split_paged_d256"])
-def test_seq_layout_configs_compile(rows, i):
+def test_seq_layout_configs_compile(rows, i, compiled_clean):
     row = rows[i]
-    assert row["ok"], row["error"]
-    if row.get("registers") is None:
-        pytest.skip("cuobjdump not installed: resource usage not checked")
-    assert row["spills"] == 0, f"{row['config']}: {row['spills']} spill instructions"
-    assert row["hgmma"] > 0 and row["utmaldg"] > 0
+    compiled_clean(row)
+    assert row["utmaldg"] > 0
     assert row["compile_s"] < 10.0
 
 

@@ -136,13 +136,10 @@ def rows():
 @pytest.mark.parametrize("i", range(len(CONFIGS)), ids=[
     f"d{c.headdim}{'-causal' if c.causal else ''}{'-seqused' if c.seqused_q else ''}{'-det' if c.deterministic else ''}"
     for c in CONFIGS])
-def test_varlen_bwd_compiles_without_spills(rows, i):
+def test_varlen_bwd_compiles_without_spills(rows, i, compiled_clean):
     row = rows[i]
-    assert row["ok"], row["error"]
-    if row.get("registers") is None:
-        pytest.skip("cuobjdump not installed: resource usage not checked")
-    assert row["spills"] == 0, f"{row['config']}: {row['spills']} local-memory instructions (register spill)"
-    assert row["hgmma"] > 0 and row["utmaldg"] > 0
+    compiled_clean(row)
+    assert row["utmaldg"] > 0
     # packed dK / dV rows past a sequence belong to the next one: predicated stores, no TMA store
     assert row["utmastg"] == 0
 
