@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 
 from flash4.arch import device_arch
-from flash4.config import LOG2E, ceil_div, select_bwd_config
+from flash4 import env
+from flash4.config import LOG2E, bwd_heads_per_cta, ceil_div, select_bwd_config, with_dkv_accum
 from flash4.geometry import window_sides
 from flash4.validate import DTYPE_NAMES
 
@@ -25,6 +26,32 @@ def _kernel_ready(t: torch.Tensor) -> torch.Tensor:
     """Last dim contiguous, other strides multiples of 8 elements, 16-byte aligned base (TMA)."""
     ok = t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in t.stride()[:-1])
     return t if ok else t.contiguous()
+
+
+def head_split_config(cfg, nheads: int, nheads_k: int):
+    """(cfg, heads_per_cta) of the GQA/MQA head split (BwdConfig.dkv_accum, chosen by
+    flash4.config.bwd_heads_per_cta or FLASH4_BWD_HEADS_PER_CTA). Apply it before anything is
+    sized by cfg.tile_m: the split may change the query tile."""
+    heads_per_cta = bwd_heads_per_cta(nheads, nheads_k, env.bwd_heads_per_cta_override())
+    return with_dkv_accum(cfg, nheads, nheads_k, heads_per_cta), heads_per_cta
+
+
+def dkv_targets(cfg, dk: torch.Tensor, dv: torch.Tensor, num_kv_tiles: int):
+    """Where the backward kernel writes dK, dV: (dk_target, dv_target, semaphore, finish). Without
+    cfg.dkv_accum: dk, dv themselves, no semaphore. With it: zeroed fp32 accumulators shaped like
+    dk, dv, the deterministic chain's int32 counters (num_kv_tiles = key blocks x Hk x batch; None
+    unless cfg.deterministic), and finish() copies the accumulators into dk, dv."""
+    if not cfg.dkv_accum:
+        return dk, dv, None, lambda: None
+    dk_acc = torch.zeros(dk.shape, dtype=torch.float32, device=dk.device)
+    dv_acc = torch.zeros(dv.shape, dtype=torch.float32, device=dv.device)
+    sem = torch.zeros(num_kv_tiles, dtype=torch.int32, device=dk.device) if cfg.deterministic else None
+
+    def finish():
+        dk.copy_(dk_acc)
+        dv.copy_(dv_acc)
+
+    return dk_acc, dv_acc, sem, finish
 
 
 def flash_attn_backward(dout, q, k, v, out, lse, softmax_scale: float, causal: bool, dq=None, dk=None, dv=None,
@@ -42,7 +69,8 @@ def flash_attn_backward(dout, q, k, v, out, lse, softmax_scale: float, causal: b
     dlse: None, or the gradient of the loss w.r.t. lse, (B, H, Sq): dS = P * (dP - D) gains
     P * dLSE (d LSE_i / d S_ij = P_ij), applied as D - dLSE (rows with LSE = -inf have P = 0).
     deterministic: add the dQ partial sums of the key blocks in a fixed order (bitwise-identical
-    results across calls); dK and dV are always deterministic (reduced in registers).
+    results across calls); dK and dV are reduced in registers, or (GQA/MQA head split: several
+    CTAs per KV head) added in fp32 in head-split order.
     Returns (dq, dk, dv) shaped like q, k, v in their dtype. Raises ValueError for a head dim the
     backward kernel does not support (flash4.config.BWD_SUPPORTED_HEADDIMS) or a problem beyond the
     kernels' grid/int32 limits (flash4.launch).
@@ -60,6 +88,7 @@ def flash_attn_backward(dout, q, k, v, out, lse, softmax_scale: float, causal: b
     cfg = select_bwd_config(headdim, DTYPE_NAMES[q.dtype], causal, arch=device_arch(q.device),
                             deterministic=deterministic, local=window is not None, softcap=softcap > 0,
                             **({} if headdim_v == headdim else {"headdim_v": headdim_v}))
+    cfg, heads_per_cta = head_split_config(cfg, nheads, k.shape[2])
     num_m_blocks = ceil_div(seqlen_q, cfg.tile_m)
     seqlen_q_pad = num_m_blocks * cfg.tile_m
     dout = _kernel_ready(dout)
@@ -74,14 +103,17 @@ def flash_attn_backward(dout, q, k, v, out, lse, softmax_scale: float, causal: b
 
     from flash4.compile.cache import get_bwd_preprocess_runner, get_bwd_runner  # late: CuTe DSL
 
+    num_kv_tiles = ceil_div(k.shape[1], cfg.tile_n) * k.shape[2] * batch
+    dk_out, dv_out, dkv_sem, finish_dkv = dkv_targets(cfg, dk, dv, num_kv_tiles)
     preprocess = get_bwd_preprocess_runner(headdim_v, cfg.dtype, cfg.arch)  # rowsum(dO * O) over Dv
     run = get_bwd_runner(cfg)
     with torch.cuda.device(q.device):
         preprocess(_kernel_ready(out), dout, lse_split[0], lse_split[1], dpsum, lse_log2, tile_flags[1], cfg.tile_m)
         if dlse is not None:
             dpsum[:, :, :seqlen_q] -= dlse
-        run(_kernel_ready(q), _kernel_ready(k), _kernel_ready(v), dout, lse_log2, dpsum, dq_accum, dk, dv,
+        run(_kernel_ready(q), _kernel_ready(k), _kernel_ready(v), dout, lse_log2, dpsum, dq_accum, dk_out, dv_out,
             tile_flags[0], tile_flags[1], lse_split[0], lse_split[1], softmax_scale, window=window,
-            softcap=softcap)
+            softcap=softcap, heads_per_cta=heads_per_cta, dkv_semaphore=dkv_sem)
+        finish_dkv()
     dq.copy_(dq_accum[:, :, :seqlen_q].transpose(1, 2))
     return dq, dk, dv

@@ -308,6 +308,10 @@ class BwdConfig:
     headdim_v: Dv of V, dO and dV when it differs from headdim (HDIMV_PAIRS); None = headdim. dP^T
               = V dO^T reduces over Dv, dV is (tile_n, Dv); Q, K, dQ, dK keep headdim. split_headdim
               when either head dim is above 128.
+    dkv_accum: GQA/MQA head split: several CTAs share a KV head's key tile, each takes some of its
+              query heads (heads_per_cta, a launch argument: flash4.config.bwd_heads_per_cta) and adds
+              its fp32 dK, dV into zeroed fp32 accumulators (red.global); the host converts them. Off:
+              one CTA walks every query head of its KV head and stores dK, dV itself.
     """
 
     headdim: int
@@ -326,6 +330,7 @@ class BwdConfig:
     local: bool = False
     softcap: bool = False
     headdim_v: int | None = None
+    dkv_accum: bool = False
 
     def __post_init__(self):
         assert self.headdim in BWD_SUPPORTED_HEADDIMS, self.headdim
@@ -417,8 +422,44 @@ def _select_bwd_config_hdimv(headdim: int, headdim_v: int, dtype: str, causal: b
                      softcap=softcap, headdim_v=headdim_v)
 
 
+def bwd_heads_per_cta(nheads: int, nheads_k: int, override: int | None = None) -> int:
+    """Query heads per backward CTA (GQA/MQA head split, BwdConfig.dkv_accum): the whole group
+    (nheads // nheads_k; no split) for MHA; 1 for groups of 2 and 3; 2 for groups of 4 and more
+    (each CTA adds its fp32 dK, dV into accumulators). Measured on the H200 (docs/perf/README.md,
+    "GQA/MQA backward", bf16 backward TFLOPs, heads per CTA 1 / 2 / 4 / whole group): 64q/8kv
+    d128 causal 4k 420 / 427 / 427 / 398; 32q/1kv d64 causal 8k 301 / 306 / 300 / 231; 64q/8kv
+    d64 causal 8k 297 / 297 / 284 / 276; 32q/8kv d128 causal 1k 248 / 261 / 264 / -: splitting
+    gains up to 1.3x, 2 heads per CTA is as good as 1 or slightly better (half the fp32 adds).
+    override: a positive int (FLASH4_BWD_HEADS_PER_CTA, for measurements), clipped to the group."""
+    group = nheads // max(nheads_k, 1)
+    if override is not None:
+        return max(1, min(override, group))
+    if group <= 1:
+        return group
+    return 1 if group < 4 else 2
+
+
+def with_dkv_accum(cfg: BwdConfig, nheads: int, nheads_k: int, heads_per_cta: int) -> BwdConfig:
+    """cfg with dkv_accum on when heads_per_cta splits the query heads of a KV head (GQA/MQA).
+    d64's 128-query step takes 64 queries there: at 128 the accumulating epilogue's addresses
+    spill (compile check: 24 local-memory instructions, some in the main loop). Packed
+    (varlen) deterministic configs keep one CTA per KV head: split, they spill a register (one
+    value, reloaded outside the main loop, but the compile check admits no spill)."""
+    if heads_per_cta >= nheads // max(nheads_k, 1):
+        return cfg
+    if cfg.deterministic and (cfg.varlen_q or cfg.varlen_k):
+        return cfg
+    return dataclasses.replace(cfg, dkv_accum=True, tile_m=min(cfg.tile_m, 64))
+
+
 def shipped_bwd_configs() -> list[BwdConfig]:
     configs = [select_bwd_config(d, dt, c) for d in BWD_SUPPORTED_HEADDIMS for dt in DTYPES for c in (False, True)]
     configs += [select_bwd_config(d, "bf16", c, deterministic=True) for d in BWD_SUPPORTED_HEADDIMS for c in (False, True)]
-    return configs + [select_bwd_config(d, dt, c, headdim_v=dv) for d, dv in HDIMV_PAIRS for dt in DTYPES
-                      for c in (False, True)]
+    configs += [select_bwd_config(d, dt, c, headdim_v=dv) for d, dv in HDIMV_PAIRS for dt in DTYPES
+                for c in (False, True)]
+    # GQA/MQA head split (dkv_accum): every head dim in bf16, fp16 at d128, deterministic, a Dv pair.
+    accum = [select_bwd_config(d, "bf16", c) for d in BWD_SUPPORTED_HEADDIMS for c in (False, True)]
+    accum += [select_bwd_config(128, "fp16", c) for c in (False, True)]
+    accum += [select_bwd_config(d, "bf16", True, deterministic=True) for d in (64, 128)]
+    accum += [select_bwd_config(192, "bf16", True, headdim_v=128)]
+    return configs + [with_dkv_accum(cfg, 2, 1, 1) for cfg in accum]

@@ -6,6 +6,7 @@
 | FLASH4_NUM_SMS     | SM count to use instead of the device's              | the device's (arch.py)     |
 | FLASH4_CACHE       | 0 disables the on-disk compile cache                 | on                         |
 | FLASH4_CACHE_DIR   | directory of the on-disk compile cache               | $XDG_CACHE_HOME/flash4 or ~/.cache/flash4 |
+| FLASH4_BWD_HEADS_PER_CTA | query heads per backward CTA under GQA/MQA (tuning) | flash4.config.bwd_heads_per_cta |
 
 Each function reads the environment when called (no caching), so a test can set a variable with
 monkeypatch. A malformed value raises ValueError naming the variable, the value and what is allowed.
@@ -79,3 +80,18 @@ def disk_cache_dir() -> str:
         return os.path.expanduser(value)
     base = _get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "flash4")
+
+
+def bwd_heads_per_cta_override() -> int | None:
+    """FLASH4_BWD_HEADS_PER_CTA (a positive integer), or None when unset: the GQA/MQA backward's
+    query heads per CTA instead of flash4.config.bwd_heads_per_cta's choice (for measurements)."""
+    value = _get("FLASH4_BWD_HEADS_PER_CTA")
+    if value is None:
+        return None
+    try:
+        count = int(value)
+    except ValueError:
+        count = 0
+    if count < 1:
+        raise ValueError(f"FLASH4_BWD_HEADS_PER_CTA={value!r} must be a positive integer, e.g. 1 or 4")
+    return count

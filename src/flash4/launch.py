@@ -62,15 +62,22 @@ def bwd_dynamic_seqlen_k(cfg: BwdConfig) -> bool:
     return cfg.varlen_k or cfg.seqused_k
 
 
-def bwd_grid(cfg: BwdConfig, batch: int, seqlen_k: int, nheads_k: int) -> tuple[int, int, int]:
-    """Backward grid: one CTA per (n_block, kv_head, batch), n_block fastest (the deterministic dQ
-    order relies on lower n_blocks launching first), flattened into gridDim.x. Varlen: batch =
-    the number of sequences, seqlen_k = max_seqlen_k when bwd_dynamic_seqlen_k(cfg) (the kernel
-    decodes blockIdx.x with the same n_block count)."""
+def bwd_num_splits(cfg: BwdConfig, nheads: int, nheads_k: int, heads_per_cta: int) -> int:
+    """CTAs per (n_block, kv_head, batch): ceil(group / heads_per_cta) with cfg.dkv_accum, else 1."""
+    return ceil_div(nheads // nheads_k, heads_per_cta) if cfg.dkv_accum else 1
+
+
+def bwd_grid(cfg: BwdConfig, batch: int, seqlen_k: int, nheads_k: int, num_splits: int = 1) -> tuple[int, int, int]:
+    """Backward grid: one CTA per (n_block, head split, kv_head, batch), n_block fastest, then the
+    split (the deterministic dQ and dK/dV orders rely on lower n_blocks and lower splits launching
+    first), flattened into gridDim.x. num_splits: bwd_num_splits (1 without GQA head split). Varlen:
+    batch = the number of sequences, seqlen_k = max_seqlen_k when bwd_dynamic_seqlen_k(cfg) (the
+    kernel decodes blockIdx.x with the same n_block count)."""
     num_n_blocks = ceil_div(seqlen_k, cfg.tile_n)
-    ctas = num_n_blocks * nheads_k * batch
-    _check_count("backward", "CTAs (n_blocks x nheads_k x batch)", ctas,
-                 f"batch={batch}, seqlen_k={seqlen_k}, nheads_k={nheads_k}, tile_n={cfg.tile_n}")
+    ctas = num_n_blocks * num_splits * nheads_k * batch
+    _check_count("backward", "CTAs (n_blocks x head splits x nheads_k x batch)", ctas,
+                 f"batch={batch}, seqlen_k={seqlen_k}, nheads_k={nheads_k}, head splits={num_splits}, "
+                 f"tile_n={cfg.tile_n}")
     grid = (ctas, 1, 1)
     check_grid("backward", grid)
     return grid

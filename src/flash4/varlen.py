@@ -173,6 +173,9 @@ def varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seq
                             **({} if headdim_v == headdim else {"headdim_v": headdim_v}))
     cfg = with_seq_layout(cfg, varlen_q=True, varlen_k=True, seqused_q=seqused_q is not None,
                           seqused_k=seqused_k is not None)
+    from flash4.backward import dkv_targets, head_split_config
+
+    cfg, heads_per_cta = head_split_config(cfg, nheads, k.shape[1])
     tile_m = cfg.tile_m
     # the padded layout plus its scratch tile
     rows = padded_total(total_q, batch, tile_m) + tile_m
@@ -191,6 +194,8 @@ def varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seq
 
     from flash4.compile.cache import get_bwd_preprocess_runner, get_bwd_runner  # late: CuTe DSL
 
+    num_kv_tiles = -(-max_seqlen_k // cfg.tile_n) * k.shape[1] * batch
+    dk_out, dv_out, dkv_sem, finish_dkv = dkv_targets(cfg, dk, dv, num_kv_tiles)
     preprocess = get_bwd_preprocess_runner(headdim_v, cfg.dtype, cfg.arch, varlen=True)  # rowsum(dO * O) over Dv
     run = get_bwd_runner(cfg)
     with torch.cuda.device(q.device):
@@ -200,12 +205,15 @@ def varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seq
             # rows outside every sequence all land on the scratch row (never read)
             dpsum[0].index_add_(1, row_index, dlse.to(torch.float32), alpha=-1.0)
         # the kernel writes the rows of every sequence; the others (past cu_seqlens_k[-1] or seqused_k) stay 0
-        dk.zero_()
-        dv.zero_()
+        if not cfg.dkv_accum:
+            dk.zero_()
+            dv.zero_()
         run(_kernel_ready(q)[None], _kernel_ready(k)[None], _kernel_ready(v)[None], dout[None], lse_log2, dpsum,
-            dq_accum, dk[None], dv[None], tile_flags[0], tile_flags[1], lse_split[0][None], lse_split[1][None],
-            softmax_scale, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_q=used_q, seqused_k=used_k,
-            max_seqlen_k=max_seqlen_k, window=window, softcap=softcap)
+            dq_accum, dk_out[None], dv_out[None], tile_flags[0], tile_flags[1], lse_split[0][None],
+            lse_split[1][None], softmax_scale, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_q=used_q,
+            seqused_k=used_k, max_seqlen_k=max_seqlen_k, window=window, softcap=softcap,
+            heads_per_cta=heads_per_cta, dkv_semaphore=dkv_sem)
+        finish_dkv()
         # packed row r <- padded row row_index[r]; rows outside every sequence read the scratch tile's zeros
         dq.copy_(dq_accum[0].transpose(0, 1).index_select(0, row_index))
     return dq, dk, dv

@@ -17,7 +17,8 @@ def rows():
 
 
 @pytest.mark.parametrize("i", range(len(CONFIGS)), ids=[
-    f"d{c.headdim}-{c.dtype}{'-causal' if c.causal else ''}{'-det' if c.deterministic else ''}" for c in CONFIGS])
+    f"d{c.headdim}{'' if c.headdim_v is None else f'v{c.headdim_v}'}-{c.dtype}{'-causal' if c.causal else ''}"
+    f"{'-det' if c.deterministic else ''}{'-dkv-accum' if c.dkv_accum else ''}" for c in CONFIGS])
 def test_bwd_compiles_without_spills(rows, i, compiled_clean):
     row = rows[i]
     assert row["ok"], row["error"]

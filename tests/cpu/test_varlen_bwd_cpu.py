@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from flash4.config import select_bwd_config, with_seq_layout
+from flash4.config import select_bwd_config, with_dkv_accum, with_seq_layout
 from flash4.varlen import padded_row_index, padded_total, varlen_backward
 
 
@@ -105,9 +105,13 @@ def test_fake_args_follow_the_flags():
     from flash4.compile.fake import bwd_fake_args, bwd_preprocess_fake_args
 
     dense = bwd_fake_args(128, "bf16")
-    assert len(dense) == 17 and dense[13:] == (None, None, None, None)
+    assert len(dense) == 18 and dense[13:] == (None, None, None, None, None)
     packed = bwd_fake_args(128, "bf16", varlen_q=True, varlen_k=True, seqused_k=True)
-    assert [t is None for t in packed[13:]] == [False, False, True, False]
+    assert [t is None for t in packed[13:]] == [False, False, True, False, True]  # + dK/dV semaphores
+    import cutlass
+
+    accum = bwd_fake_args(128, "bf16", dkv_accum=True, deterministic=True)
+    assert accum[7].element_type == accum[8].element_type == cutlass.Float32 and accum[17] is not None
     assert packed[0].shape[0] == 1 and packed[1].shape[0] == 1  # batch mode of size 1
     assert len(bwd_preprocess_fake_args(64, "bf16")) == 7
     assert len(bwd_preprocess_fake_args(64, "bf16", varlen=True)) == 8
@@ -122,6 +126,8 @@ CONFIGS = [
     with_seq_layout(select_bwd_config(128, "bf16", causal=False), **SEQUSED),
     with_seq_layout(select_bwd_config(192, "bf16", causal=True, deterministic=True), **VARLEN),
     with_seq_layout(select_bwd_config(256, "bf16", causal=True), **SEQUSED),
+    # GQA head split (fp32 dK/dV adds, predicated per row)
+    with_dkv_accum(with_seq_layout(select_bwd_config(128, "bf16", causal=True), **VARLEN), 8, 2, 2),
 ]
 
 
@@ -135,7 +141,7 @@ def rows():
 
 @pytest.mark.parametrize("i", range(len(CONFIGS)), ids=[
     f"d{c.headdim}{'-causal' if c.causal else ''}{'-seqused' if c.seqused_q else ''}{'-det' if c.deterministic else ''}"
-    for c in CONFIGS])
+    f"{'-dkv-accum' if c.dkv_accum else ''}" for c in CONFIGS])
 def test_varlen_bwd_compiles_without_spills(rows, i, compiled_clean):
     row = rows[i]
     compiled_clean(row)

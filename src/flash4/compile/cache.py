@@ -16,7 +16,7 @@ import os
 from flash4 import arch
 from flash4.config import LOG2E, BwdConfig, FwdConfig
 from flash4.geometry import UNBOUNDED
-from flash4.launch import bwd_dynamic_seqlen_k, bwd_grid, bwd_preprocess_grid, fwd_grid
+from flash4.launch import bwd_dynamic_seqlen_k, bwd_grid, bwd_num_splits, bwd_preprocess_grid, fwd_grid
 from flash4.schedule import l2_section_heads
 
 # Without a GPU the DSL would default to sm_100a: flash4 compiles for Hopper unless told otherwise.
@@ -127,22 +127,23 @@ def get_fwd_runner(cfg: FwdConfig):
 def compile_bwd(cfg: BwdConfig, options: str = ""):
     """Compile one backward config (no GPU needed). Returns the compiled callable
     f(q, k, v, dout, lse_log2, dpsum, dq_accum, dk, dv, dq_semaphore, exact, lse_hi, lse_lo,
-      cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, softmax_scale: float, max_seqlen_k, window_left: int,
-      window_right: int, softcap: float, num_ctas: int)
+      cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, dkv_semaphore, softmax_scale: float, max_seqlen_k,
+      window_left: int, window_right: int, softcap: float, num_ctas: int, heads_per_cta: int)
     where each of cu_seqlens_q / cu_seqlens_k / seqused_q / seqused_k is an int32 tensor when its
     config flag is on and None otherwise, and max_seqlen_k an int when cfg.varlen_k or
-    cfg.seqused_k, else None (compile/fake.bwd_fake_args gives the layouts)."""
+    cfg.seqused_k, else None (compile/fake.bwd_fake_args gives the layouts); dkv_semaphore an int32
+    tensor with cfg.dkv_accum and cfg.deterministic, else None."""
     from flash4.kernels.bwd_sm90 import FlashAttentionBackwardSm90
 
     if cfg.arch != 90:
         raise ValueError(f"no backward kernel for sm_{cfg.arch}")
     args = bwd_fake_args(cfg.headdim, cfg.dtype, cfg.varlen_q, cfg.varlen_k, cfg.seqused_q, cfg.seqused_k,
-                         headdim_v=cfg.headdim_v)
+                         headdim_v=cfg.headdim_v, dkv_accum=cfg.dkv_accum, deterministic=cfg.deterministic)
     max_seqlen_k = cutlass.Int32(1) if bwd_dynamic_seqlen_k(cfg) else None
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     return cute.compile(
         FlashAttentionBackwardSm90(cfg), *args, cutlass.Float32(1.0), max_seqlen_k, cutlass.Int32(0), cutlass.Int32(0),
-        cutlass.Float32(0.0), cutlass.Int32(1), stream,
+        cutlass.Float32(0.0), cutlass.Int32(1), cutlass.Int32(1), stream,
         options=COMPILE_OPTIONS + _arch_option(cfg.arch) + options,
     )
 
@@ -151,7 +152,8 @@ def compile_bwd(cfg: BwdConfig, options: str = ""):
 def get_bwd_runner(cfg: BwdConfig):
     """Cached: compiled backward main kernel for `cfg`, as
     run(q, k, v, dout, lse_log2, dpsum, dq_accum, dk, dv, dq_semaphore, exact, lse_hi, lse_lo, softmax_scale,
-        cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None, max_seqlen_k=None, window=None)
+        cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None, max_seqlen_k=None, window=None,
+        softcap=0.0, heads_per_cta=None, dkv_semaphore=None)
     on the current stream (grid: flash4.launch.bwd_grid). The pre/postprocess (lse_log2, dpsum,
     exact flags, dq_accum zeroing, dq conversion) is flash4.backward's (dense) or flash4.varlen's.
 
@@ -160,13 +162,15 @@ def get_bwd_runner(cfg: BwdConfig):
     size 1); max_seqlen_k (host int, >= every sequence's key count) is required with cfg.varlen_k
     and defaults to k.shape[1] with cfg.seqused_k alone. The batch count is cu_seqlens_q's length
     - 1 with cfg.varlen_q, else q.shape[0]. window: (left, right) for local configs
-    (flash4.geometry.window_sides), None otherwise."""
+    (flash4.geometry.window_sides), None otherwise. cfg.dkv_accum: dk, dv are zeroed fp32 accumulators
+    shaped like k, v, heads_per_cta (required) the query heads per CTA, and with cfg.deterministic
+    dkv_semaphore a zeroed int32 tensor of (key blocks x nheads_k x batch) elements."""
     compiled = load_or_compile("bwd", cfg, COMPILE_OPTIONS + _arch_option(cfg.arch), lambda: compile_bwd(cfg))
     dynamic_k = bwd_dynamic_seqlen_k(cfg)
 
     def run(q, k, v, dout, lse_log2, dpsum, dq_accum, dk, dv, dq_semaphore, exact, lse_hi, lse_lo,
             softmax_scale: float, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None,
-            max_seqlen_k=None, window=None, softcap: float = 0.0):
+            max_seqlen_k=None, window=None, softcap: float = 0.0, heads_per_cta=None, dkv_semaphore=None):
         given = (cu_seqlens_q is not None, cu_seqlens_k is not None, seqused_q is not None, seqused_k is not None)
         if given != (cfg.varlen_q, cfg.varlen_k, cfg.seqused_q, cfg.seqused_k):
             raise ValueError(f"flash4 backward: sequence tensors given {given} do not match the config {cfg}")
@@ -179,10 +183,19 @@ def get_bwd_runner(cfg: BwdConfig):
             seqlen_k = int(max_seqlen_k)
         else:
             seqlen_k, max_seqlen_k = k.shape[1], None
-        grid = bwd_grid(cfg, batch, seqlen_k, k.shape[2])
+        group = q.shape[2] // k.shape[2]
+        if cfg.dkv_accum:
+            if heads_per_cta is None or not 1 <= heads_per_cta < group:
+                raise ValueError(f"flash4 backward: dkv_accum needs 1 <= heads_per_cta < {group}, got {heads_per_cta}")
+            if (dkv_semaphore is not None) != cfg.deterministic:
+                raise ValueError("flash4 backward: dkv_semaphore is required exactly with deterministic dkv_accum")
+        else:
+            heads_per_cta, dkv_semaphore = group, None
+        grid = bwd_grid(cfg, batch, seqlen_k, k.shape[2], bwd_num_splits(cfg, q.shape[2], k.shape[2], heads_per_cta))
         compiled(q, k, v, dout, lse_log2, dpsum, dq_accum, dk, dv, dq_semaphore, exact, lse_hi, lse_lo,
-                 cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, softmax_scale, max_seqlen_k,
-                 *(window if window is not None else (UNBOUNDED, UNBOUNDED)), float(softcap), grid[0])
+                 cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, dkv_semaphore, softmax_scale, max_seqlen_k,
+                 *(window if window is not None else (UNBOUNDED, UNBOUNDED)), float(softcap), grid[0],
+                 heads_per_cta)
 
     return run
 

@@ -131,7 +131,8 @@ def _short(cfg) -> str:
     hd = f"{d['headdim']}" if d.get("headdim_v") is None else f"{d['headdim']}v{d['headdim_v']}"
     if isinstance(cfg, BwdConfig):
         return (f"bwd_sm{d['arch']} d{hd} {d['dtype']} {'causal' if d['causal'] else 'full'} "
-                f"{d['tile_m']}x{d['tile_n']}x{d['q_stages']}st{' det' if d['deterministic'] else ''}")
+                f"{d['tile_m']}x{d['tile_n']}x{d['q_stages']}st{' det' if d['deterministic'] else ''}"
+                f"{' dkv-accum' if d['dkv_accum'] else ''}")
     extras = "".join([" persist" if d["persistent"] else "", " lpt" if d["lpt"] else "",
                       f" emu{d['exp2_emu_frac']:g}" if d["exp2_emu_frac"] else "",
                       f" tau{d['rescale_threshold']:g}" if d["rescale_threshold"] != 8.0 else ""])

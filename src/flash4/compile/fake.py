@@ -53,7 +53,8 @@ def seq_fake_args(cfg):
 
 
 def bwd_fake_args(headdim: int, dtype: str, varlen_q: bool = False, varlen_k: bool = False,
-                  seqused_q: bool = False, seqused_k: bool = False, headdim_v: int | None = None):
+                  seqused_q: bool = False, seqused_k: bool = False, headdim_v: int | None = None,
+                  dkv_accum: bool = False, deterministic: bool = False):
     """(q, k, v, dout, lse_log2, dpsum, dq_accum, dk, dv, dq_semaphore, exact, lse_hi, lse_lo,
     cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k) fake tensors for the backward.
 
@@ -65,6 +66,8 @@ def bwd_fake_args(headdim: int, dtype: str, varlen_q: bool = False, varlen_k: bo
     K-side ones (1, total_k, hk, d). cu_seqlens_* (batch + 1,) and seqused_* (batch,) int32 are
     given only when their flag is on (else None: the kernel is compiled without them).
     headdim_v: v / dout / dv have this head dim (None: headdim).
+    dkv_accum: dk / dv are fp32 accumulators (same shapes); with deterministic the dK/dV semaphores,
+    int32 (n_blocks * hk * b,), follow (else None).
     """
     dt = DTYPES[dtype]
     dv_ = headdim if headdim_v is None else headdim_v
@@ -78,15 +81,17 @@ def bwd_fake_args(headdim: int, dtype: str, varlen_q: bool = False, varlen_k: bo
     lse = _fake(cutlass.Float32, (bq, h, sq_pad), 2, 4)
     dpsum = _fake(cutlass.Float32, (bq, h, sq_pad), 2, 4)
     dq_acc = _fake(cutlass.Float32, (bq, h, sq_pad, headdim), 3, 4)
-    dk = _fake(dt, (bk, sk, hk, headdim), 3, DIV_16B)
-    dv = _fake(dt, (bk, sk, hk, dv_), 3, DIV_16B)
+    dkv_dt = cutlass.Float32 if dkv_accum else dt
+    dk = _fake(dkv_dt, (bk, sk, hk, headdim), 3, DIV_16B)
+    dv = _fake(dkv_dt, (bk, sk, hk, dv_), 3, DIV_16B)
     dq_sem = _fake(cutlass.Int32, (bq, h, nmb), 2, 1)
     exact = _fake(cutlass.Int32, (bq, h, nmb), 2, 1)
     lse_hi = _fake(cutlass.Float32, (bq, h, sq), 2, 1)
     lse_lo = _fake(cutlass.Float32, (bq, h, sq), 2, 1)
     flags = types.SimpleNamespace(varlen_q=varlen_q, varlen_k=varlen_k, seqused_q=seqused_q, seqused_k=seqused_k)
     seq = seq_fake_args(flags)[:4]  # no page table: the backward reads packed K/V only
-    return (q, k, v, do, lse, dpsum, dq_acc, dk, dv, dq_sem, exact, lse_hi, lse_lo) + seq
+    dkv_sem = _fake(cutlass.Int32, (cute.sym_int32(),), 0, 1) if dkv_accum and deterministic else None
+    return (q, k, v, do, lse, dpsum, dq_acc, dk, dv, dq_sem, exact, lse_hi, lse_lo) + seq + (dkv_sem,)
 
 
 def bwd_preprocess_fake_args(headdim: int, dtype: str, varlen: bool = False):

@@ -59,7 +59,7 @@ from cutlass import Float32, Int32, const_expr, pipeline
 from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.memory import SmemAllocator
-from cutlass.cutlass_dsl import dsl_user_op
+from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.tensor_utils import LayoutEnum
 
 from flash4.config import LOG2E, SM90_MAX_SMEM_BYTES, BwdConfig
@@ -89,6 +89,30 @@ def bulk_reduce_add_f32(gmem_ptr: cute.Pointer, smem_ptr: cute.Pointer, num_byte
         is_align_stack=False,
         asm_dialect=llvm.AsmDialect.AD_ATT,
     )
+
+
+@dsl_user_op
+def red_add_f32x2(gmem_ptr: cute.Pointer, a: Float32, b: Float32, *, loc=None, ip=None):
+    """gmem[0] += a, gmem[1] += b (fp32, one relaxed red.global, 8-byte aligned gmem_ptr)."""
+    llvm.inline_asm(
+        None,
+        [gmem_ptr.toint(loc=loc, ip=ip).ir_value(), Float32(a).ir_value(loc=loc, ip=ip),
+         Float32(b).ir_value(loc=loc, ip=ip)],
+        "red.global.add.v2.f32 [$0], {$1, $2};",
+        "l,f,f",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+
+
+@dsl_user_op
+def block_idx_x_fresh(*, loc=None, ip=None) -> Int32:
+    """blockIdx.x read by an opaque (side-effecting) instruction: the compiler cannot merge it with
+    an earlier read, so what is derived from it is recomputed where used instead of being held in
+    a register from the kernel's start."""
+    return Int32(llvm.inline_asm(T.i32(), [], "mov.u32 $0, %ctaid.x;", "=r", has_side_effects=True,
+                                 is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
 
 
 def _half_split_atom_cols(cols: int):
@@ -196,22 +220,26 @@ class FlashAttentionBackwardSm90:
         mCuSeqlensK: Optional[cute.Tensor],  # (batch + 1,) int32 (varlen_k)
         mSeqUsedQ: Optional[cute.Tensor],  # (batch,) int32 (seqused_q)
         mSeqUsedK: Optional[cute.Tensor],  # (batch,) int32 (seqused_k)
+        mdKVsem: Optional[cute.Tensor],  # (n_blocks * nheads_k * batch,) int32, zeroed: dkv_accum + deterministic
         softmax_scale: Float32,
         max_seqlen_k: Optional[Int32],  # varlen_k or seqused_k: >= every seqlen_k (sizes the grid); else None
         window_left: Int32,  # local: the window's sides (flash4.geometry.window_sides); ignored otherwise
         window_right: Int32,
         softcap: Float32,  # cfg.softcap: the cap (scores softcap * tanh(S * scale / softcap)); else ignored
-        num_ctas: Int32,  # grid size: n_blocks * nheads_k * batch (flash4.launch.bwd_grid)
+        num_ctas: Int32,  # grid size: n_blocks * head splits * nheads_k * batch (flash4.launch.bwd_grid)
+        heads_per_cta: Int32,  # dkv_accum: query heads per CTA (the rest of its KV head's go to others)
         stream: cuda.CUstream,
     ):
         """Dense: the shapes above. varlen_q: Q, dO (1, total_q, H, D), LSE2, D (1, H, padded_rows),
         dQacc (1, H, padded_rows, D), dQsem, exact (1, H, padded_rows / tile_m), LSEhi/lo
         (1, H, total_q), padded_rows >= flash4.varlen.padded_total (the kernel touches only the
-        tiles of each sequence). varlen_k: K, V, dK, dV (1, total_k, Hk, D)."""
+        tiles of each sequence). varlen_k: K, V, dK, dV (1, total_k, Hk, D). dkv_accum: dK, dV are
+        fp32 accumulators of the same shapes, zeroed; the kernel adds its dK, dV into them."""
         cfg = self.cfg
         assert (mCuSeqlensQ is not None) == cfg.varlen_q and (mCuSeqlensK is not None) == cfg.varlen_k
         assert (mSeqUsedQ is not None) == cfg.seqused_q and (mSeqUsedK is not None) == cfg.seqused_k
         assert (max_seqlen_k is not None) == self.dynamic_seqlen_k
+        assert (mdKVsem is not None) == (cfg.dkv_accum and cfg.deterministic)
         mQ, mK, mV, mdO, mdK, mdV = [select_modes(t, [1, 3, 2, 0]) for t in (mQ, mK, mV, mdO, mdK, mdV)]
         mLSE2, mD = [select_modes(t, [2, 1, 0]) for t in (mLSE2, mD)]  # (seqlen_q_pad, nheads, batch)
         mdQacc = select_modes(mdQacc, [2, 3, 1, 0])  # (seqlen_q_pad, headdim, nheads, batch)
@@ -252,7 +280,7 @@ class FlashAttentionBackwardSm90:
         # dK, dV leave through K's and V's smem (free after the main loop) and a TMA store; packed
         # (varlen_k): by predicated stores of the sequence's rows from there (no TMA atom).
         tma_atom_dK, tma_dK, tma_atom_dV, tma_dV = None, mdK, None, mdV
-        if const_expr(not self.varlen_k):
+        if const_expr(not self.varlen_k and not self.cfg.dkv_accum):
             store_op = cpasync.CopyBulkTensorTileS2GOp()
             tma_atom_dK, tma_dK = cpasync.make_tiled_tma_atom(store_op, mdK, sKV_layout, (self.tile_n, self.hdim))
             tma_atom_dV, tma_dV = cpasync.make_tiled_tma_atom(store_op, mdV, sV_layout, (self.tile_n, self.hdim_v))
@@ -283,7 +311,7 @@ class FlashAttentionBackwardSm90:
         # All CTAs in gridDim.x (batch x heads may exceed gridDim.y/z's 65535): flash4.launch.bwd_grid.
         self.kernel(
             tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_D, mdQacc, tma_dK, tma_dV, mdQsem, mExact, mLSEhi, mLSElo,
-            mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
+            mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, mdKVsem, heads_per_cta,
             tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO, tma_atom_LSE, tma_atom_D, tma_atom_dK, tma_atom_dV,
             softmax_scale, max_seqlen_k, window_left, window_right, softcap, sQ_layout, sKV_layout, sV_layout, sdO_layout,
             sdS_layout, sStat_layout, sdQ_layout, mma_sdp, mma_dkv, mma_dv, mma_dq, SharedStorage,
@@ -297,6 +325,7 @@ class FlashAttentionBackwardSm90:
         mdQsem: cute.Tensor, mExact: cute.Tensor, mLSEhi: cute.Tensor, mLSElo: cute.Tensor,
         mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
         mSeqUsedQ: Optional[cute.Tensor], mSeqUsedK: Optional[cute.Tensor],
+        mdKVsem: Optional[cute.Tensor], heads_per_cta: Int32,
         tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom,
         tma_atom_dO: cute.CopyAtom, tma_atom_LSE: cute.CopyAtom, tma_atom_D: cute.CopyAtom,
         tma_atom_dK: Optional[cute.CopyAtom], tma_atom_dV: Optional[cute.CopyAtom],
@@ -331,17 +360,9 @@ class FlashAttentionBackwardSm90:
         sD = storage.sD.get_tensor(sStat_layout)
         sdQ = storage.sdQ.get_tensor(sdQ_layout)
 
-        # blockIdx.x -> (n_block, head_kv, batch), n_block fastest (the deterministic dQ order
-        # needs lower n_blocks to launch first). Per-sequence seqlen_k: n_blocks of max_seqlen_k.
-        if const_expr(self.dynamic_seqlen_k):
-            num_n_blocks = (max_seqlen_k + (self.tile_n - 1)) // self.tile_n
-        else:
-            num_n_blocks = cute.ceil_div(mK.shape[0], self.tile_n)
-        bid = cute.arch.block_idx()[0]
-        n_block = bid % num_n_blocks
-        head_kv = (bid // num_n_blocks) % mK.shape[2]
-        batch = bid // num_n_blocks // mK.shape[2]
-        qhead_per_kvhead = mQ.shape[2] // mK.shape[2]
+        n_block, _, head_kv, batch, head0, num_heads, _ = self.block_coords(mQ, mK, max_seqlen_k, heads_per_cta)
+        # dkv_accum's epilogue decodes its split again (no register held across the main loop)
+        self.block_coords_again = partial(self.block_coords, mQ, mK, max_seqlen_k, heads_per_cta, fresh=True)
         # This sequence's offsets and lengths (dense: batch index and the tensors' seqlens).
         seq = SeqInfo(batch, mQ.shape[0], mK.shape[0], mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
                       tile_m_pad=self.tile_m)
@@ -352,13 +373,14 @@ class FlashAttentionBackwardSm90:
                                                           self.causal, self.window)
         if const_expr(self.cfg.local):
             m_block_max = cutlass.max(m_block_max, m_block_min)  # a window's key tile may see no query
-        num_steps = (m_block_max - m_block_min) * qhead_per_kvhead  # (query head, m_block) pairs
+        num_steps = (m_block_max - m_block_min) * num_heads  # (query head, m_block) pairs
+        self.mdKVsem = mdKVsem
 
         roles = partial(
             self.warp_roles, mQ, mK, mV, mdO, mLSE2, mD, mdQacc, mdK, mdV, mdQsem, mExact, mLSEhi, mLSElo,
             tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO, tma_atom_LSE, tma_atom_D, tma_atom_dK, tma_atom_dV,
             softmax_scale, sQ, sK, sV, sdO, sdS, sPt, sLSE, sD, sdQ, mma_sdp, mma_dkv, mma_dv, mma_dq,
-            pipeline_kv, pipeline_q, pipeline_do, warp_idx, seq, n_block, head_kv, qhead_per_kvhead,
+            pipeline_kv, pipeline_q, pipeline_do, warp_idx, seq, n_block, head_kv, head0, num_heads,
             m_block_min, m_block_max, num_steps)
         if const_expr(self.dynamic_seqlen_k):
             # Key tiles past this sequence's keys: nothing to compute, nothing to store (the rows
@@ -372,25 +394,61 @@ class FlashAttentionBackwardSm90:
     def warp_roles(self, mQ, mK, mV, mdO, mLSE2, mD, mdQacc, mdK, mdV, mdQsem, mExact, mLSEhi, mLSElo,
                    tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO, tma_atom_LSE, tma_atom_D, tma_atom_dK, tma_atom_dV,
                    softmax_scale, sQ, sK, sV, sdO, sdS, sPt, sLSE, sD, sdQ, mma_sdp, mma_dkv, mma_dv, mma_dq,
-                   pipeline_kv, pipeline_q, pipeline_do, warp_idx, seq, n_block, head_kv, qhead_per_kvhead,
+                   pipeline_kv, pipeline_q, pipeline_do, warp_idx, seq, n_block, head_kv, head0, num_heads,
                    m_block_min, m_block_max, num_steps):
         """The warp-specialized work of one CTA (the class docstring's roles)."""
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(_PRODUCER_REGS)
+            if const_expr(self.cfg.dkv_accum):
+                # 24 registers: re-derive the head split here rather than keep the prologue's
+                # (kept, they spill in these warps: compile check, varlen deterministic)
+                _, _, _, _, head0, num_heads, _ = self.block_coords_again()
+                num_steps = (m_block_max - m_block_min) * num_heads
             if warp_idx == 0:
                 self.load(mQ, mK, mV, mdO, mLSE2, mD, sQ, sK, sV, sdO, sLSE, sD,
                           tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO, tma_atom_LSE, tma_atom_D,
                           pipeline_kv, pipeline_q, pipeline_do, n_block, head_kv, seq,
-                          qhead_per_kvhead, m_block_min, m_block_max, num_steps)
+                          head0, num_heads, m_block_min, m_block_max, num_steps)
             if warp_idx == 1:
-                self.store_dQ(mdQacc, mdQsem, sdQ, n_block, head_kv, seq, qhead_per_kvhead,
+                self.store_dQ(mdQacc, mdQsem, sdQ, n_block, seq, head0, num_heads,
                               m_block_min, m_block_max, num_steps)
         else:
             cute.arch.setmaxregister_increase(_CONSUMER_REGS)
             tidx = cute.arch.thread_idx()[0] - THREADS_PER_WG
             self.mma(mdK, mdV, mExact, mLSEhi, mLSElo, tma_atom_dK, tma_atom_dV, sQ, sK, sV, sdO, sdS, sPt, sLSE, sD, sdQ, mma_sdp, mma_dkv, mma_dv, mma_dq,
                      pipeline_kv, pipeline_q, pipeline_do, softmax_scale, tidx,
-                     n_block, head_kv, seq, m_block_min, num_steps, m_block_max, qhead_per_kvhead)
+                     n_block, head_kv, seq, m_block_min, num_steps, m_block_max, head0, num_heads)
+
+    @cute.jit
+    def block_coords(self, mQ, mK, max_seqlen_k, heads_per_cta, fresh=False):
+        """blockIdx.x -> (n_block, split, head_kv, batch, head0, num_heads, kv_tile): n_block fastest,
+        then the head split (dkv_accum; else 0), head_kv, batch (flash4.launch.bwd_grid; the
+        deterministic dQ and dK/dV chains need lower n_blocks and splits to launch first). The CTA
+        takes query heads head0 .. head0 + num_heads - 1: all of its KV head's, or heads_per_cta of
+        them; kv_tile = its key tile's index among the n_blocks x nheads_k x batch tiles. Per-sequence
+        seqlen_k: n_blocks of max_seqlen_k. fresh: decode from an opaque read of blockIdx.x (for the
+        epilogue: nothing of the first decode stays live across the main loop)."""
+        if const_expr(self.dynamic_seqlen_k):
+            num_n_blocks = (max_seqlen_k + (self.tile_n - 1)) // self.tile_n
+        else:
+            num_n_blocks = cute.ceil_div(mK.shape[0], self.tile_n)
+        bid = block_idx_x_fresh() if const_expr(fresh) else cute.arch.block_idx()[0]
+        group = mQ.shape[2] // mK.shape[2]
+        n_block = bid % num_n_blocks
+        rest = bid // num_n_blocks
+        split = Int32(0)
+        head_first = Int32(0)
+        num_heads = group
+        if const_expr(self.cfg.dkv_accum):
+            num_splits = (group + heads_per_cta - 1) // heads_per_cta
+            split = rest % num_splits
+            rest = rest // num_splits
+            head_first = split * heads_per_cta
+            num_heads = cutlass.min(heads_per_cta, group - head_first)
+        head_kv = rest % mK.shape[2]
+        batch = rest // mK.shape[2]
+        kv_tile = (batch * mK.shape[2] + head_kv) * num_n_blocks + n_block
+        return n_block, split, head_kv, batch, head_kv * group + head_first, num_heads, kv_tile
 
     def tile_index(self, seq, m_block):
         """(tile, batch) indices of query tile m_block of the sequence in the per-tile flag tensors
@@ -403,7 +461,7 @@ class FlashAttentionBackwardSm90:
     def load(self, mQ, mK, mV, mdO, mLSE2, mD, sQ, sK, sV, sdO, sLSE, sD,
              tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO, tma_atom_LSE, tma_atom_D,
              pipeline_kv, pipeline_q, pipeline_do, n_block, head_kv, seq,
-             qhead_per_kvhead, m_block_min, m_block_max, num_steps):
+             head0, num_heads, m_block_min, m_block_max, num_steps):
         one = cute.make_layout(1)
         gK = cute.local_tile(seq.k_view(mK, head_kv), (self.tile_n, self.hdim), (n_block, 0))
         gV = cute.local_tile(seq.k_view(mV, head_kv), (self.tile_n, self.hdim_v), (n_block, 0))
@@ -419,7 +477,7 @@ class FlashAttentionBackwardSm90:
         for step in cutlass.range(num_steps, unroll=1):
             h_in_group = step // num_m
             m_block = m_block_min + (step - h_in_group * num_m)
-            head = head_kv * qhead_per_kvhead + h_in_group
+            head = head0 + h_in_group
             gQ = cute.local_tile(seq.q_view(mQ, head), (self.tile_m, self.hdim), (m_block, 0))
             gdO = cute.local_tile(seq.q_view(mdO, head), (self.tile_m, self.hdim_v), (m_block, 0))
             gLSE = cute.local_tile(seq.q_padded_view(mLSE2, head), (self.tile_m,), (m_block,))
@@ -439,7 +497,7 @@ class FlashAttentionBackwardSm90:
             state = next_state(state)
 
     @cute.jit
-    def store_dQ(self, mdQacc, mdQsem, sdQ, n_block, head_kv, seq, qhead_per_kvhead,
+    def store_dQ(self, mdQacc, mdQsem, sdQ, n_block, seq, head0, num_heads,
                  m_block_min, m_block_max, num_steps):
         """Warp 1: per step, bulk fp32 reduce-add of the staged dQ tile into the accumulator.
 
@@ -456,7 +514,7 @@ class FlashAttentionBackwardSm90:
         for step in cutlass.range(num_steps, unroll=1):
             h_in_group = step // num_m
             m_block = m_block_min + (step - h_in_group * num_m)
-            head = head_kv * qhead_per_kvhead + h_in_group
+            head = head0 + h_in_group
             cute.arch.barrier(barrier_id=int(NamedBarrierBwd.dQFull), number_of_threads=self.num_mma_threads + 32)
             gdQ = cute.local_tile(seq.q_padded_view(mdQacc, head), (self.tile_m, self.hdim), (m_block, 0))
             tile, tile_batch = self.tile_index(seq, m_block)
@@ -491,7 +549,7 @@ class FlashAttentionBackwardSm90:
     @cute.jit
     def mma(self, mdK, mdV, mExact, mLSEhi, mLSElo, tma_atom_dK, tma_atom_dV, sQ, sK, sV, sdO, sdS, sPt, sLSE, sD, sdQ, mma_sdp, mma_dkv, mma_dv, mma_dq,
             pipeline_kv, pipeline_q, pipeline_do, softmax_scale, tidx,
-            n_block, head_kv, seq, m_block_min, num_steps, m_block_max, qhead_per_kvhead):
+            n_block, head_kv, seq, m_block_min, num_steps, m_block_max, head0, num_heads):
         seqlen_q, seqlen_k = seq.seqlen_q, seq.seqlen_k
         wg_idx = cute.arch.make_warp_uniform(tidx // THREADS_PER_WG)
         wg_slice = cute.make_layout(self.num_wg_mma, stride=THREADS_PER_WG)(wg_idx)
@@ -566,8 +624,8 @@ class FlashAttentionBackwardSm90:
                                                       self.window)
             m_left = cutlass.min(cutlass.max(m_left, m_mask_end), m_block_max)
         step = Int32(0)
-        for h_in_group in cutlass.range(qhead_per_kvhead, unroll=1):
-            head = head_kv * qhead_per_kvhead + h_in_group
+        for h_in_group in cutlass.range(num_heads, unroll=1):
+            head = head0 + h_in_group
             for phase in cutlass.range_constexpr(3 if self.cfg.local else 2):
                 mask = phase != 1
                 lo, hi = m_block_min, m_mask_end
@@ -669,8 +727,11 @@ class FlashAttentionBackwardSm90:
                     step += 1
         if num_steps > 0:
             cute.arch.barrier(barrier_id=int(NamedBarrierBwd.dQEmpty), number_of_threads=self.num_mma_threads + 32)
-        self.epilogue_dKV(acc_dK, acc_dV, mdK, mdV, tma_atom_dK, tma_atom_dV, sK, sV, mma_dkv, mma_dv, tidx, n_block,
-                          head_kv, seq)
+        if const_expr(self.cfg.dkv_accum):
+            self.epilogue_dKV_accum(acc_dK, acc_dV, mdK, mdV, mma_dkv, mma_dv, tidx, n_block, head_kv, seq)
+        else:
+            self.epilogue_dKV(acc_dK, acc_dV, mdK, mdV, tma_atom_dK, tma_atom_dV, sK, sV, mma_dkv, mma_dv, tidx,
+                              n_block, head_kv, seq)
 
     @cute.jit
     def exponent_exact(self, s, t0ScS, mLSEhi, mLSElo, scale_log2, m_block, thread_col0, head, seq):
@@ -691,6 +752,37 @@ class FlashAttentionBackwardSm90:
                 lo = mLSElo[row, head, batch]
             for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
                 s[r, c] = fma_rn(s[r, c], scale_log2, -hi) - lo
+
+    @cute.jit
+    def epilogue_dKV_accum(self, acc_dK, acc_dV, mdKacc, mdVacc, mma_dkv, mma_dv, tidx, n_block, head_kv, seq):
+        """dkv_accum: add the fp32 dK, dV of this CTA's query heads into the accumulators (red.global
+        .add.v2.f32 straight from the registers: two adjacent columns per instruction), rows past
+        seqlen_k skipped. Deterministic: the CTAs of one key tile add in split order 0, 1, ...
+        (each waits until the tile's semaphore reads its split, adds, fences, releases split + 1);
+        lower splits have lower blockIdx.x (flash4.launch.bwd_grid), so the chain cannot deadlock and
+        every element's fp32 sum is taken in the same order on every call."""
+        valid_rows = seq.seqlen_k - n_block * self.tile_n
+        if const_expr(self.cfg.deterministic):
+            _, split, _, _, _, _, kv_tile = self.block_coords_again()
+            sem_ptr = self.mdKVsem.iterator + kv_tile
+            if tidx == 0:
+                seen = cute.arch.load(sem_ptr, Int32, sem="acquire", scope="gpu")
+                while seen != split:
+                    seen = cute.arch.load(sem_ptr, Int32, sem="acquire", scope="gpu")
+            cute.arch.barrier(barrier_id=int(NamedBarrierBwd.Epilogue), number_of_threads=self.num_mma_threads)
+        for acc, mX, mma, hdim in ((acc_dK, mdKacc, mma_dkv, self.hdim), (acc_dV, mdVacc, mma_dv, self.hdim_v)):
+            thr = mma.get_slice(tidx)
+            tXgX = thr.partition_C(cute.local_tile(seq.k_view(mX, head_kv), (self.tile_n, hdim), (n_block, 0)))
+            tXcX = thr.partition_C(cute.make_identity_tensor((self.tile_n, hdim)))
+            # element i, i + 1 (i even): the accumulator's two adjacent columns of one row
+            for i in cutlass.range_constexpr(0, cute.size(acc), 2):
+                if tXcX[i][0] < valid_rows:
+                    red_add_f32x2(tXgX.iterator + cute.crd2idx(i, tXgX.layout), acc[i], acc[i + 1])
+        if const_expr(self.cfg.deterministic):
+            cute.arch.fence_acq_rel_gpu()  # this thread's adds before the release below
+            cute.arch.barrier(barrier_id=int(NamedBarrierBwd.Epilogue), number_of_threads=self.num_mma_threads)
+            if tidx == 0:
+                cute.arch.atomic_add(sem_ptr, Int32(1), sem="release", scope="gpu")
 
     @cute.jit
     def epilogue_dKV(self, acc_dK, acc_dV, mdK, mdV, tma_atom_dK, tma_atom_dV, sK, sV, mma_dkv, mma_dv, tidx, n_block,
