@@ -26,13 +26,15 @@ def pytest_collection_modifyitems(config, items):
 
 
 def _compiled_clean(row: dict) -> None:
-    """A flash4.compile.check.compile_check row compiled, without register spills and with HGMMA in its
-    SASS; skips the resource checks where cuobjdump is not installed (the row has no registers)."""
+    """A flash4.compile.check.compile_check row compiled, without register spills, with HGMMA in its
+    SASS and without serialized wgmmas (ptxas C7512); skips the resource checks where cuobjdump is not installed (the row has no registers)."""
     assert row["ok"], row["error"]
     if row.get("registers") is None:
         pytest.skip("cuobjdump not installed: resource usage not checked")
     assert row["spills"] == 0, f"{row['config']}: {row['spills']} local-memory instructions (register spill)"
     assert row["hgmma"] > 0, f"{row['config']}: no HGMMA in SASS (wgmma was not used)"
+    assert not row.get("wgmma_serialized"), (
+        f"{row['config']}: ptxas serialized the wgmmas (C7512, one WARPGROUP.ARRIVE/DEPBAR per HGMMA)")
 
 
 @pytest.fixture

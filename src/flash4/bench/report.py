@@ -91,7 +91,8 @@ from flash4.config import SUPPORTED_HEADDIMS  # noqa: E402
 
 def compile_check_main(configs: list | None = None, json_path: str | Path | None = None) -> int:
     """Compile `configs` (None: every shipped forward and backward config) without a GPU and print a table of
-    registers, spills, shared memory and compile time. Returns 1 on any compile error or spill, else 0."""
+    registers, spills, shared memory and compile time. Returns 1 on any compile error, spill or serialized
+    wgmma (ptxas C7512), else 0."""
     from flash4.compile.check import compile_check  # late: pulls in the CuTe DSL
 
     configs = select_configs() if configs is None else list(configs)
@@ -112,12 +113,13 @@ def compile_check_main(configs: list | None = None, json_path: str | Path | None
     # hgmma / utmaldg: SASS instruction counts, when the check reports them
     rows = [
         [r["config"], r["ok"], r["compile_s"], r["registers"], r["spills"], r["smem_bytes"],
-         r.get("hgmma"), r.get("utmaldg"), _summary(r["error"])]
+         r.get("hgmma"), r.get("utmaldg"), r.get("wgmma_serialized"), _summary(r["error"])]
         for r in results
     ]
-    headers = ["config", "ok", "compile_s", "registers", "spills", "smem_bytes", "HGMMA", "UTMALDG", "error"]
+    headers = ["config", "ok", "compile_s", "registers", "spills", "smem_bytes", "HGMMA", "UTMALDG", "wgmma_serial",
+               "error"]
     print(format_table(headers, rows))
-    bad = [r for r in results if not r["ok"] or (r["spills"] or 0) > 0]
+    bad = [r for r in results if not r["ok"] or (r["spills"] or 0) > 0 or r.get("wgmma_serialized")]
     unchecked = [r for r in results if r["ok"] and r["registers"] is None]
     if json_path is not None:
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)
@@ -128,9 +130,10 @@ def compile_check_main(configs: list | None = None, json_path: str | Path | None
         print(f"note: registers/spills not read for {len(unchecked)} config(s): cuobjdump not found "
               "(pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
     print(f"{len(results) - len(bad)}/{len(results)} ok (no compile error"
-          f"{', no spill' if not unchecked else ''}); slowest compile {slowest:.2f} s")
+          f"{', no spill, no serialized wgmma' if not unchecked else ''}); slowest compile {slowest:.2f} s")
     for r in bad:
-        print(f"FAILED {r['config']}: " + (r["error"] or f"{r['spills']} spill(s)"))
+        print(f"FAILED {r['config']}: " + (r["error"] or (f"{r['spills']} spill(s)" if r["spills"]
+                                                          else "wgmma serialized by ptxas (C7512)")))
     return 1 if bad else 0
 
 

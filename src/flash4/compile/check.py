@@ -69,7 +69,8 @@ def extract_cubin(compiled) -> bytes | None:
 
 
 def resource_usage(cubin: bytes) -> dict:
-    """{registers, spills (bytes stored+loaded), smem_static, hgmma, utmaldg, utmastg} via cuobjdump."""
+    """{registers, spills (bytes stored+loaded), smem_static, hgmma, utmaldg, utmastg, mufu_ex2,
+    wgmma_serialized} via cuobjdump."""
     tool = _cuobjdump()
     if tool is None:
         return {}
@@ -95,7 +96,19 @@ def resource_usage(cubin: bytes) -> dict:
         "utmaldg": len(re.findall(r"\bUTMALDG\b", sass)),
         "utmastg": len(re.findall(r"\bUTMASTG\b", sass)),
         "mufu_ex2": len(re.findall(r"MUFU\.EX2", sass)),
+        # ptxas C7512 ("wgmma.mma_async instructions are serialized due to insufficient register
+        # resources"): it then fences every HGMMA on its own (WARPGROUP.ARRIVE before and
+        # WARPGROUP.DEPBAR after each), so no GEMM overlaps anything. Unserialized kernels have one
+        # arrive per GEMM (4-8 HGMMAs); serialized ones one per HGMMA.
+        "wgmma_serialized": _wgmma_serialized(sass),
     }
+
+
+def _wgmma_serialized(sass: str) -> bool:
+    """True when ptxas serialized the kernel's wgmmas (C7512): one WARPGROUP.ARRIVE per HGMMA."""
+    hgmma = len(re.findall(r"\bHGMMA\b", sass))
+    arrive = len(re.findall(r"WARPGROUP\.ARRIVE", sass))
+    return hgmma > 8 and arrive >= 0.9 * hgmma
 
 
 def compile_check(configs: list | None = None) -> list[dict]:

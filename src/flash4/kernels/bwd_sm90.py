@@ -150,6 +150,16 @@ class FlashAttentionBackwardSm90:
         self.num_mma_threads = 2 * THREADS_PER_WG
         self.num_threads = 3 * THREADS_PER_WG
         assert self.tile_n == (64 if self.split_hd else 64 * self.num_wg_mma)
+        # dV after the dS^T math (FA3's order): dS^T first (P^T fp32 dies), one bf16 copy of dS^T for
+        # both the smem stage and the dK A operand, then dV. Issuing dV before the dS^T math (P^T
+        # fp32, P^T bf16 in flight, dP^T, dV, dK all live at once) left ptxas short of registers at
+        # 128 queries per step (d64 bf16): it serialized every wgmma of the kernel (ptxas C7512,
+        # SASS: WARPGROUP.DEPBAR after each HGMMA). At 64 queries it did not, but dV after dS^T is
+        # faster there too (H200, same call: d128 +1-3.5%, d96 +1%, GQA 64/8 d128 +2%). Not for head
+        # dim 128 with a packed / seqused layout or a window: there it spills (compile check: 12-14
+        # local-memory instructions), so those keep dV before the dS^T math.
+        wide_layout = cfg.varlen_q or cfg.varlen_k or cfg.seqused_q or cfg.seqused_k or cfg.local
+        self.dv_after_ds = not self.split_hd and not (max(cfg.headdim, cfg.hdim_v) >= 128 and wide_layout)
         assert self.hdim % 16 == 0 and (self.hdim // 2) % 16 == 0
         assert self.hdim_v % 16 == 0 and (self.hdim_v // 2) % 16 == 0
         # Sequence layout (all static): packed Q-side / K-side tensors, per-sequence lengths.
@@ -499,7 +509,8 @@ class FlashAttentionBackwardSm90:
     @cute.jit
     def store_dQ(self, mdQacc, mdQsem, sdQ, n_block, seq, head0, num_heads,
                  m_block_min, m_block_max, num_steps):
-        """Warp 1: per step, bulk fp32 reduce-add of the staged dQ tile into the accumulator.
+        """Warp 1: per step, bulk fp32 reduce-add of the staged dQ tile into the accumulator (one per
+        row, or one for the whole tile: BwdConfig.dq_whole_tile).
 
         Deterministic mode orders the adds of one dQ tile by n_block: the CTA of key block n waits
         until the tile's semaphore reads n (every key block below n has added), adds, waits for
@@ -532,9 +543,14 @@ class FlashAttentionBackwardSm90:
                     while seen != turn:
                         seen = cute.arch.load(sem_ptr, Int32, sem="acquire", scope="gpu")
                 cute.arch.sync_warp()
-            for r in cutlass.range_constexpr(self.tile_m // 32):
-                row = r * 32 + lane
-                bulk_reduce_add_f32(gdQ[row, None].iterator, sdQ[row, None].iterator, row_bytes)
+            if const_expr(self.cfg.dq_whole_tile):
+                # unpadded staging tile = the accumulator's contiguous tile_m x headdim block
+                if lane == 0:
+                    bulk_reduce_add_f32(gdQ[0, None].iterator, sdQ[0, None].iterator, self.tile_m * row_bytes)
+            else:
+                for r in cutlass.range_constexpr(self.tile_m // 32):
+                    row = r * 32 + lane
+                    bulk_reduce_add_f32(gdQ[row, None].iterator, sdQ[row, None].iterator, row_bytes)
             cute.arch.cp_async_bulk_commit_group()
             if const_expr(self.cfg.deterministic):
                 cute.arch.cp_async_bulk_wait_group(0, read=False)  # the adds are done in global memory
@@ -669,7 +685,10 @@ class FlashAttentionBackwardSm90:
                         # finish first (so they overlap the dP^T GEMM) and the dS^T math overlaps dV.
                         tdVrP = cute.make_rmem_tensor(frgA_layout.shape, self.dtype)
                         tdVrP.store(cute.make_tensor(acc_S.iterator, frgA_layout).load().to(self.dtype))
-                        wgmma(mma_dv, acc_dV, tdVrP, tdVrdOt[None, None, None, state.index], wg_wait=1)
+                        if const_expr(self.dv_after_ds):
+                            warpgroup.wait_group(0)  # dP^T; dV is issued after the dS^T math
+                        else:
+                            wgmma(mma_dv, acc_dV, tdVrP, tdVrdOt[None, None, None, state.index], wg_wait=1)
                     else:
                         warpgroup.wait_group(0)
                     # dS^T = scale * P^T * (dP^T - D[query]): the softmax scale is applied here, once, so
@@ -678,7 +697,14 @@ class FlashAttentionBackwardSm90:
                     for c in cutlass.range_constexpr(cute.size(dp, mode=[1])):
                         col = t0ScS[0, c][1]
                         dpsum = sD[thread_col0 + col, state.index]
-                        if const_expr(not self.cfg.softcap):
+                        if const_expr(not self.cfg.softcap and self.dv_after_ds):
+                            # P * fma(dP, scale, -D * scale): 2 instructions per element, not 3 (the
+                            # rounding of D * scale is far below dP's own bf16-GEMM error)
+                            dpsum_scaled = dpsum * softmax_scale
+                            for r in cutlass.range_constexpr(cute.size(dp, mode=[0])):
+                                dp[r, c] = s[r, c] * fma_rn(dp[r, c], softmax_scale, -dpsum_scaled)
+                        elif const_expr(not self.cfg.softcap):
+                            # (with dV in flight here, the form above spills at d128 varlen / window)
                             for r in cutlass.range_constexpr(cute.size(dp, mode=[0])):
                                 dp[r, c] = (s[r, c] * softmax_scale) * (dp[r, c] - dpsum)
                         else:
@@ -691,17 +717,25 @@ class FlashAttentionBackwardSm90:
                                 t = (cute.math.log2(p, fastmath=True) + lse_log2) * inv_scale_log2
                                 dtanh = Float32(cutlass.select_(p == Float32(0.0), Float32(0.0), Float32(1.0) - t * t))
                                 dp[r, c] = (p * softmax_scale) * (dp[r, c] - dpsum) * dtanh
-                    if const_expr(not self.split_hd):
-                        tdKrdS = cute.make_rmem_tensor(frgA_layout.shape, self.dtype)
-                        tdKrdS.store(cute.make_tensor(acc_dP.iterator, frgA_layout).load().to(self.dtype))
+                    if const_expr(self.dv_after_ds):
+                        # One bf16 copy of dS^T: staged for dQ and, viewed as an A fragment, dK's operand.
+                        rdS = cute.make_rmem_tensor(acc_dP.shape, self.dtype)
+                        rdS.store(acc_dP.load().to(self.dtype))
+                        tdKrdS = cute.make_tensor(rdS.iterator, frgA_layout)
+                        cute.copy(r2s_dS, r2s_dS.retile(rdS), tdSsdS[None, None, None, buf])
+                        wgmma(mma_dv, acc_dV, tdVrP, tdVrdOt[None, None, None, state.index], wg_wait=-1)
                     else:
-                        rP = cute.make_rmem_tensor(acc_S.shape, self.dtype)
-                        rP.store(acc_S.load().to(self.dtype))
-                        cute.copy(r2s_dS, r2s_dS.retile(rP), tPsPt[None, None, None, buf])
-                    # Stage dS^T for the dQ GEMM (both warpgroups' keys are needed by each).
-                    rdS = cute.make_rmem_tensor(acc_dP.shape, self.dtype)
-                    rdS.store(acc_dP.load().to(self.dtype))
-                    cute.copy(r2s_dS, r2s_dS.retile(rdS), tdSsdS[None, None, None, buf])
+                        if const_expr(not self.split_hd):
+                            tdKrdS = cute.make_rmem_tensor(frgA_layout.shape, self.dtype)
+                            tdKrdS.store(cute.make_tensor(acc_dP.iterator, frgA_layout).load().to(self.dtype))
+                        else:
+                            rP = cute.make_rmem_tensor(acc_S.shape, self.dtype)
+                            rP.store(acc_S.load().to(self.dtype))
+                            cute.copy(r2s_dS, r2s_dS.retile(rP), tPsPt[None, None, None, buf])
+                        # Stage dS^T for the dQ GEMM (both warpgroups' keys are needed by each).
+                        rdS = cute.make_rmem_tensor(acc_dP.shape, self.dtype)
+                        rdS.store(acc_dP.load().to(self.dtype))
+                        cute.copy(r2s_dS, r2s_dS.retile(rdS), tdSsdS[None, None, None, buf])
                     cute.arch.fence_view_async_shared()
                     cute.arch.barrier(barrier_id=int(NamedBarrierBwd.dS), number_of_threads=self.num_mma_threads)
                     if const_expr(self.split_hd):
