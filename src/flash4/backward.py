@@ -17,7 +17,8 @@ import torch
 
 from flash4.arch import device_arch
 from flash4 import env
-from flash4.config import LOG2E, bwd_heads_per_cta, ceil_div, select_bwd_config, with_dkv_accum
+from flash4.config import (LOG2E, bwd_heads_per_cta, ceil_div, mean_queries_per_key, select_bwd_config,
+                           with_dkv_accum)
 from flash4.geometry import window_sides
 from flash4.validate import DTYPE_NAMES
 
@@ -28,11 +29,13 @@ def _kernel_ready(t: torch.Tensor) -> torch.Tensor:
     return t if ok else t.contiguous()
 
 
-def head_split_config(cfg, nheads: int, nheads_k: int):
+def head_split_config(cfg, nheads: int, nheads_k: int, seqlen_q: int, seqlen_k: int, causal: bool, window):
     """(cfg, heads_per_cta) of the GQA/MQA head split (BwdConfig.dkv_accum, chosen by
-    flash4.config.bwd_heads_per_cta or FLASH4_BWD_HEADS_PER_CTA). Apply it before anything is
-    sized by cfg.tile_m: the split may change the query tile."""
-    heads_per_cta = bwd_heads_per_cta(nheads, nheads_k, env.bwd_heads_per_cta_override())
+    flash4.config.bwd_heads_per_cta from the mean visible queries per key, or FLASH4_BWD_HEADS_PER_CTA).
+    seqlen_q, seqlen_k: the (max) sequence lengths; window: flash4.geometry.window_sides' or None.
+    Apply it before anything is sized by cfg.tile_m: the split may change the query tile."""
+    queries = mean_queries_per_key(seqlen_q, seqlen_k, causal, window)
+    heads_per_cta = bwd_heads_per_cta(nheads, nheads_k, env.bwd_heads_per_cta_override(), queries)
     return with_dkv_accum(cfg, nheads, nheads_k, heads_per_cta), heads_per_cta
 
 
@@ -88,7 +91,7 @@ def flash_attn_backward(dout, q, k, v, out, lse, softmax_scale: float, causal: b
     cfg = select_bwd_config(headdim, DTYPE_NAMES[q.dtype], causal, arch=device_arch(q.device),
                             deterministic=deterministic, local=window is not None, softcap=softcap > 0,
                             **({} if headdim_v == headdim else {"headdim_v": headdim_v}))
-    cfg, heads_per_cta = head_split_config(cfg, nheads, k.shape[2])
+    cfg, heads_per_cta = head_split_config(cfg, nheads, k.shape[2], seqlen_q, k.shape[1], causal, window)
     num_m_blocks = ceil_div(seqlen_q, cfg.tile_m)
     seqlen_q_pad = num_m_blocks * cfg.tile_m
     dout = _kernel_ready(dout)

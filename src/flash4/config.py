@@ -440,19 +440,43 @@ def _select_bwd_config_hdimv(headdim: int, headdim_v: int, dtype: str, causal: b
                      softcap=softcap, headdim_v=headdim_v)
 
 
-def bwd_heads_per_cta(nheads: int, nheads_k: int, override: int | None = None) -> int:
+# The GQA/MQA backward splits a KV head's query heads over CTAs only when each (key tile, query
+# head) pair has at least this many visible queries on average (mean_queries_per_key): below it a
+# CTA's work per head is short and the split's per-CTA costs (K/V load, fp32 adds) dominate.
+BWD_SPLIT_MIN_QUERIES = 1024
+
+
+def mean_queries_per_key(seqlen_q: int, seqlen_k: int, causal: bool, window=None) -> float:
+    """Mean number of queries that see a key (host estimate; flash4.geometry's bottom-right causal
+    alignment). window: flash4.geometry.window_sides' (left, right) or None."""
+    if seqlen_k <= 0 or seqlen_q <= 0:
+        return 0.0
+    if window is not None:
+        return float(min(seqlen_q, window[0] + window[1] + 1))
+    if causal:
+        # key k < seqlen_k - seqlen_q: every query; then the triangle
+        both = min(seqlen_q, seqlen_k)
+        return (max(0, seqlen_k - seqlen_q) * seqlen_q + both * both / 2) / seqlen_k
+    return float(seqlen_q)
+
+
+def bwd_heads_per_cta(nheads: int, nheads_k: int, override: int | None = None,
+                      queries_per_key: float | None = None) -> int:
     """Query heads per backward CTA (GQA/MQA head split, BwdConfig.dkv_accum): the whole group
-    (nheads // nheads_k; no split) for MHA; 1 for groups of 2 and 3; 2 for groups of 4 and more
-    (each CTA adds its fp32 dK, dV into accumulators). Measured on the H200 (docs/perf/README.md,
-    "GQA/MQA backward", bf16 backward TFLOPs, heads per CTA 1 / 2 / 4 / whole group): 64q/8kv
-    d128 causal 4k 420 / 427 / 427 / 398; 32q/1kv d64 causal 8k 301 / 306 / 300 / 231; 64q/8kv
-    d64 causal 8k 297 / 297 / 284 / 276; 32q/8kv d128 causal 1k 248 / 261 / 264 / -: splitting
-    gains up to 1.3x, 2 heads per CTA is as good as 1 or slightly better (half the fp32 adds).
+    (nheads // nheads_k; no split) for MHA and when queries_per_key (mean_queries_per_key, None =
+    unknown: split) is below BWD_SPLIT_MIN_QUERIES; else 1 for groups of 2 and 3, 2 for groups of 4
+    and more (each CTA adds its fp32 dK, dV into accumulators). Measured on the H200, bf16 backward
+    TFLOPs, heads per CTA 1 / 2 / whole group (docs/perf/README.md, "Backward work of 2026-12-01"):
+      split wins: 64q/8kv d128 causal 4k 420 / 427 / 398; 32q/1kv d64 causal 8k 301 / 306 / 231;
+                  64q/8kv d64 causal 8k 297 / 297 / 276;
+      split loses: 32q/8kv d128 causal 1k 253 / 273 / 300; 64q/8kv d64 causal 1k 194 / 209 / 231;
+                  window 512 d128 32q/8kv 8k 223 / 241 / 272; gpt-oss window 128 64 / 71 / 83;
+      even: window 4096 d128 32q/8kv 16k 437 / 450 / 459.
     override: a positive int (FLASH4_BWD_HEADS_PER_CTA, for measurements), clipped to the group."""
     group = nheads // max(nheads_k, 1)
     if override is not None:
         return max(1, min(override, group))
-    if group <= 1:
+    if group <= 1 or (queries_per_key is not None and queries_per_key < BWD_SPLIT_MIN_QUERIES):
         return group
     return 1 if group < 4 else 2
 

@@ -175,7 +175,7 @@ def varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seq
                           seqused_k=seqused_k is not None)
     from flash4.backward import dkv_targets, head_split_config
 
-    cfg, heads_per_cta = head_split_config(cfg, nheads, k.shape[1])
+    cfg, heads_per_cta = head_split_config(cfg, nheads, k.shape[1], max_seqlen_q, max_seqlen_k, causal, window)
     tile_m = cfg.tile_m
     # the padded layout plus its scratch tile
     rows = padded_total(total_q, batch, tile_m) + tile_m

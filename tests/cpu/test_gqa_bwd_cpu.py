@@ -6,7 +6,7 @@ import torch
 
 from flash4 import env
 from flash4.backward import dkv_targets, head_split_config
-from flash4.config import BwdConfig, bwd_heads_per_cta, select_bwd_config, with_dkv_accum
+from flash4.config import BwdConfig, bwd_heads_per_cta, mean_queries_per_key, select_bwd_config, with_dkv_accum
 from flash4.launch import bwd_grid, bwd_num_splits
 
 
@@ -14,6 +14,28 @@ from flash4.launch import bwd_grid, bwd_num_splits
     (16, 16, 1), (8, 4, 1), (6, 2, 1), (8, 2, 2), (64, 8, 2), (32, 1, 2), (0, 1, 0)])
 def test_heads_per_cta_rule(nheads, nheads_k, expected):
     assert bwd_heads_per_cta(nheads, nheads_k) == expected
+
+
+@pytest.mark.parametrize("queries, expected", [(None, 2), (1023.9, 8), (1024, 2), (4096, 2), (0, 8)])
+def test_split_only_long_work(queries, expected):
+    assert bwd_heads_per_cta(64, 8, None, queries) == expected
+
+
+@pytest.mark.parametrize("sq, sk, causal, window, expected", [
+    (1024, 1024, False, None, 1024), (1024, 1024, True, None, 512), (4096, 4096, True, None, 2048),
+    (100, 1000, True, None, (900 * 100 + 100 * 100 / 2) / 1000), (1000, 100, True, None, 50),
+    (8192, 8192, True, (127, 0), 128), (8192, 8192, False, (511, 511), 1023), (100, 8192, False, (4095, 0), 100),
+    (0, 10, False, None, 0), (10, 0, True, None, 0)])
+def test_mean_queries_per_key(sq, sk, causal, window, expected):
+    assert mean_queries_per_key(sq, sk, causal, window) == pytest.approx(expected)
+
+
+def test_mean_queries_per_key_matches_geometry():
+    from flash4 import geometry
+
+    for sq, sk in ((300, 300), (200, 700), (700, 200)):
+        exact = sum(max(0, geometry.key_limit(i, sq, sk, True) - geometry.key_start(i, sq, sk)) for i in range(sq))
+        assert mean_queries_per_key(sq, sk, True) == pytest.approx(exact / sk, rel=0.01)
 
 
 def test_override_is_clipped_to_the_group():
@@ -57,7 +79,8 @@ def test_env_override(monkeypatch):
     assert env.bwd_heads_per_cta_override() is None
     monkeypatch.setenv("FLASH4_BWD_HEADS_PER_CTA", "3")
     assert env.bwd_heads_per_cta_override() == 3
-    assert head_split_config(select_bwd_config(128), 32, 1) == (with_dkv_accum(select_bwd_config(128), 32, 1, 3), 3)
+    args = (32, 1, 100, 100, True, None)  # short: the default would not split; the override does
+    assert head_split_config(select_bwd_config(128), *args) == (with_dkv_accum(select_bwd_config(128), 32, 1, 3), 3)
     for bad in ("0", "-2", "two"):
         monkeypatch.setenv("FLASH4_BWD_HEADS_PER_CTA", bad)
         with pytest.raises(ValueError, match="FLASH4_BWD_HEADS_PER_CTA"):

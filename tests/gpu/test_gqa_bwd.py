@@ -39,17 +39,20 @@ def test_heads_per_cta(d, causal, heads_per_cta, monkeypatch):
 
 @pytest.mark.parametrize("sq,sk", [(17, 1000), (1000, 17), (129, 1), (1, 129), (4096, 333)])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_rect_mqa(sq, sk, causal):
+def test_rect_mqa(sq, sk, causal, monkeypatch):
+    monkeypatch.setenv("FLASH4_BWD_HEADS_PER_CTA", "1")  # split at every shape (the default keeps short ones whole)
     check_bwd(1, sq, sk, 8, 1, 128, causal)
 
 
 @pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
-def test_every_headdim_fp16(d):
+def test_every_headdim_fp16(d, monkeypatch):
+    monkeypatch.setenv("FLASH4_BWD_HEADS_PER_CTA", "2")
     check_bwd(2, 333, 555, 8, 2, d, True, dtype=torch.float16)
 
 
-def test_dv_pair():
+def test_dv_pair(monkeypatch):
     """(192, 128): the split-headdim kernel's accumulating epilogue with Dv != D."""
+    monkeypatch.setenv("FLASH4_BWD_HEADS_PER_CTA", "1")
     from test_hdimv import check_bwd as check_bwd_dv, inputs
 
     q, k, v, dout = inputs(2, 500, 700, 8, 2, 192, 128, seed=9)
@@ -100,8 +103,10 @@ def test_varlen_splits(heads_per_cta, monkeypatch):
     assert (got[1][-5:] == 0).all() and (got[2][-5:] == 0).all()
 
 
-def test_default_splits_gqa():
-    """The default heads-per-CTA choice splits GQA/MQA and leaves MHA alone."""
+def test_default_splits_long_gqa_only():
+    """The default heads-per-CTA choice splits long GQA/MQA work and leaves MHA and short work whole;
+    the whole-group path (one CTA per KV head, bf16 dK/dV stores) stays right for GQA too."""
     assert bwd_heads_per_cta(16, 16) == 1
-    assert bwd_heads_per_cta(32, 1) < 32
-    assert bwd_heads_per_cta(64, 8) < 8
+    assert bwd_heads_per_cta(32, 1, queries_per_key=2048) < 32
+    assert bwd_heads_per_cta(64, 8, queries_per_key=512) == 8
+    check_bwd(2, 1000, 1000, 16, 2, 128, True)  # 500 queries per key: not split
