@@ -48,7 +48,8 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False,
            query row i sees key j iff j <= i + seqlen_k - seqlen_q. Rows that see no key
            (i < seqlen_q - seqlen_k) give out = 0 and lse = -inf; so does seqlen_k == 0.
         return_lse: bool; also return the log-sum-exp of each row.
-        deterministic: bool; the backward adds the dQ contributions of the key blocks in a fixed
+        deterministic: bool; the backward adds the dQ contributions of the key blocks (and, when GQA/MQA
+           work is split over CTAs, the dK/dV contributions of the query-head groups) in a fixed
            order, so gradients are bitwise reproducible (slower). The forward is always deterministic.
         window_size: (left, right), two ints: sliding-window (local) attention, flash-attn's rule,
            aligned bottom-right like causal: query i sees key j iff
