@@ -66,6 +66,11 @@ def test_varlen_deterministic_keeps_one_cta_per_kv_head():
     assert with_dkv_accum(select_bwd_config(128, "bf16", True, deterministic=True), 8, 2, 1).dkv_accum
 
 
+def test_windows_keep_one_cta_per_kv_head():
+    local = select_bwd_config(128, "bf16", True, local=True)
+    assert with_dkv_accum(local, 8, 2, 1) is local
+
+
 def test_grid_has_a_cta_per_split():
     cfg = with_dkv_accum(select_bwd_config(128, "bf16", True), 32, 8, 1)
     assert bwd_num_splits(cfg, 32, 8, 1) == 4 and bwd_num_splits(cfg, 32, 8, 3) == 2
