@@ -147,11 +147,11 @@ def test_warmup_cli_fills_the_cache_and_loads_it_back(tmp_path):
     assert "CuTe DSL import" in first.stdout
     entries = list((tmp_path / "c").glob("*.o"))
     # forward, backward, deterministic backward, preprocess; the (64, 128) head dim pair's forward,
-    # backward and its preprocess (over Dv = 128)
-    assert len(entries) == 7
+    # backward and its preprocess (over Dv = 128); the GQA head-split (dkv_accum) backward
+    assert len(entries) == 8
     second = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert second.returncode == 0, second.stdout + second.stderr
     how = [line.split()[-2] for line in second.stdout.splitlines() if line.startswith(("fwd_sm90", "bwd_sm90"))]
-    assert how == ["loaded"] * 5, second.stdout
+    assert how == ["loaded"] * 6, second.stdout
     assert [line.split()[-2] for line in first.stdout.splitlines()
-            if line.startswith(("fwd_sm90", "bwd_sm90"))] == ["compiled"] * 5, first.stdout
+            if line.startswith(("fwd_sm90", "bwd_sm90"))] == ["compiled"] * 6, first.stdout
