@@ -20,6 +20,7 @@
     treats the name as a backend that needs no mask and passes None: padded batches would silently
     attend to their padding;
   - AttentionInterface["paged|" + name] = `paged_attention_forward`: continuous batching
+    (transformers <= 5.18: from 5.19 its continuous batching admits only names containing "flash")
     (model.generate_batch / `paged|` implementations) over transformers' PagedAttentionCache.
 The name must not contain "flash" (transformers routes such names to flash-attn packages and the
 kernels-hub loader, which fails offline), "sdpa", "flex_attention", "eager", "/" or ":"; the
@@ -231,6 +232,8 @@ def _mask_codes() -> dict:
             "causal": mu.causal_mask_function,
             "bidirectional": mu.bidirectional_mask_function,
         }
+        if hasattr(mu, "remap_positions_for_packed_sequence"):  # transformers >= 5.23
+            _MASK_CODES["remap"] = mu.remap_positions_for_packed_sequence(mu.causal_mask_function, dummy).__code__
     return _MASK_CODES
 
 
@@ -242,11 +245,20 @@ def _closure_vars(fn) -> dict:
 
 
 def _leaves(fn, codes) -> list:
-    """The functions an and_masks(...) tree intersects (fn itself when it is not one)."""
-    if getattr(fn, "__code__", None) is codes["and"]:
+    """The functions an and_masks(...) tree intersects (fn itself when it is not one). transformers
+    >= 5.23 wraps the base mask of packed sequences in remap_positions_for_packed_sequence (q/kv
+    indices -> positions within each sequence); the packed-sequence leaf it is and-ed with restricts
+    attention to one sequence, whose positions run consecutively, so causal / sliding-window masks on
+    positions equal the same masks on indices there: the wrapper is looked through."""
+    code = getattr(fn, "__code__", None)
+    if code is codes["and"]:
         parts = _closure_vars(fn).get("mask_functions")
         if isinstance(parts, (tuple, list)):
             return [leaf for part in parts for leaf in _leaves(part, codes)]
+    if codes.get("remap") is not None and code is codes["remap"]:
+        inner = _closure_vars(fn).get("mask_function")
+        if inner is not None:
+            return _leaves(inner, codes)
     return [fn]
 
 
