@@ -20,8 +20,8 @@
     treats the name as a backend that needs no mask and passes None: padded batches would silently
     attend to their padding;
   - AttentionInterface["paged|" + name] = `paged_attention_forward`: continuous batching
-    (transformers <= 5.18: from 5.19 its continuous batching admits only names containing "flash")
-    (model.generate_batch / `paged|` implementations) over transformers' PagedAttentionCache.
+    (model.generate_batch / `paged|` implementations) over transformers' PagedAttentionCache;
+    transformers <= 5.18 (from 5.19 its continuous batching admits only names containing "flash").
 The name must not contain "flash" (transformers routes such names to flash-attn packages and the
 kernels-hub loader, which fails offline), "sdpa", "flex_attention", "eager", "/" or ":"; the
 default is "f4attn" (DEFAULT_NAME). Importing this module imports neither transformers nor
