@@ -46,9 +46,9 @@ def arch_override() -> int | None:
     return arch
 
 
-def num_sms_override() -> int | None:
-    """SM count from FLASH4_NUM_SMS (a positive integer), or None when unset."""
-    value = _get("FLASH4_NUM_SMS")
+def _positive_int(name: str, example: str) -> int | None:
+    """The positive integer in variable `name`, None when unset; ValueError naming it otherwise."""
+    value = _get(name)
     if value is None:
         return None
     try:
@@ -56,8 +56,13 @@ def num_sms_override() -> int | None:
     except ValueError:
         count = 0
     if count < 1:
-        raise ValueError(f"FLASH4_NUM_SMS={value!r} must be a positive integer, e.g. 132")
+        raise ValueError(f"{name}={value!r} must be a positive integer, e.g. {example}")
     return count
+
+
+def num_sms_override() -> int | None:
+    """SM count from FLASH4_NUM_SMS (a positive integer), or None when unset."""
+    return _positive_int("FLASH4_NUM_SMS", "132")
 
 
 def disk_cache_enabled() -> bool:
@@ -85,13 +90,4 @@ def disk_cache_dir() -> str:
 def bwd_heads_per_cta_override() -> int | None:
     """FLASH4_BWD_HEADS_PER_CTA (a positive integer), or None when unset: the GQA/MQA backward's
     query heads per CTA instead of flash4.config.bwd_heads_per_cta's choice (for measurements)."""
-    value = _get("FLASH4_BWD_HEADS_PER_CTA")
-    if value is None:
-        return None
-    try:
-        count = int(value)
-    except ValueError:
-        count = 0
-    if count < 1:
-        raise ValueError(f"FLASH4_BWD_HEADS_PER_CTA={value!r} must be a positive integer, e.g. 1 or 4")
-    return count
+    return _positive_int("FLASH4_BWD_HEADS_PER_CTA", "1 or 4")

@@ -7,16 +7,12 @@ group: a short last split), the whole group = no split) against the float32 refe
 epilogue skips rows past seqlen_k); deterministic mode bitwise across calls with splits; varlen.
 """
 
-import math
-
 import pytest
 import torch
 
-from flash4.api import _flash_attn_forward
-from flash4.backward import flash_attn_backward
 from flash4.config import bwd_heads_per_cta
 
-from test_bwd import GRAD_ATOL, check_bwd, ref_grads
+from test_bwd import check_bwd, check_deterministic
 
 pytestmark = pytest.mark.gpu
 
@@ -70,21 +66,7 @@ def test_deterministic_bitwise_with_splits(causal, heads_per_cta, monkeypatch):
     bitwise equal (and right)."""
     monkeypatch.setenv("FLASH4_BWD_HEADS_PER_CTA", str(heads_per_cta))
     assert bwd_heads_per_cta(8, 1, heads_per_cta) == heads_per_cta
-    gen = torch.Generator(device="cuda").manual_seed(5)
-    d = 128
-    q, dout = (torch.randn(2, 1000, 8, d, generator=gen, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    k, v = (torch.randn(2, 1000, 1, d, generator=gen, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    scale = 1 / math.sqrt(d)
-    out, lse = _flash_attn_forward(q, k, v, scale, causal)
-    first = flash_attn_backward(dout, q, k, v, out, lse, scale, causal, deterministic=True)
-    g_ref = ref_grads(q, k, v, dout, causal, upcast=True)
-    g_pt = ref_grads(q, k, v, dout, causal, upcast=False)
-    for g, gr, gp in zip(first, g_ref, g_pt):
-        assert (g.float() - gr).abs().max() <= 2 * (gp.float() - gr).abs().max() + GRAD_ATOL
-    for _ in range(30):
-        again = flash_attn_backward(dout, q, k, v, out, lse, scale, causal, deterministic=True)
-        for g0, g1 in zip(first, again):
-            assert torch.equal(g0, g1)
+    check_deterministic(2, 1000, 8, 1, 128, causal, calls=30, seed=5)
 
 
 @pytest.mark.parametrize("heads_per_cta", [1, 2, 4])
