@@ -2,7 +2,9 @@
 
 One CTA per (n_block, kv_head, batch): it keeps a tile of K and V in shared memory and walks the
 query blocks of every query head that shares this K/V head (GQA/MQA reduce dK, dV in registers,
-no atomics). Per query block m (FlashAttention-2 backward, Dao 2023, algorithm 2; the transposed
+no atomics). GQA/MQA head split (config.BwdConfig.dkv_accum): one CTA per (n_block, head split,
+kv_head, batch) walks heads_per_cta of those query heads and adds its fp32 dK, dV into zeroed
+global accumulators (red.global.add.v2.f32; deterministic: in split order). Per query block m (FlashAttention-2 backward, Dao 2023, algorithm 2; the transposed
 "S^T" formulation of FlashAttention-3's Hopper backward):
 
     S^T  = K Q^T                 (wgmma SS, keys are the M dimension)
@@ -15,9 +17,13 @@ no atomics). Per query block m (FlashAttention-2 backward, Dao 2023, algorithm 2
                                  the dQ accumulator in global memory (cp.reduce.async.bulk)
     dS carries the softmax scale, so dK, dV and dQ need no rescaling; the postprocess converts dQ.
 
-Order within a step (per consumer warpgroup): issue S^T, dP^T; exponentials (under dP^T); issue
-dV (so the exponentials cannot sink behind the dP^T wait); dS^T (under dV); stage dS^T; barrier;
-dQ; dK; stage dQ for the store warp (under dK). The element mask is compiled only into the loop
+Order within a step (per consumer warpgroup, dv_after_ds: the non-split configs except d128
+varlen/seqused/window): issue S^T, dP^T; exponentials (under dP^T); wait; dS^T; one bf16 copy of
+dS^T, staged and kept as dK's A operand; issue dV; barrier; dQ; dK; stage dQ for the store warp
+(under dK). Otherwise dV is issued before the dS^T math (dS^T then overlaps dV); at 128 queries
+per step that order made ptxas serialize every wgmma (C7512). The store warp reduce-adds the dQ
+tile with one bulk op per row, or (head dim <= 96, config.DQ_WHOLE_TILE_MAX_HEADDIM) one for the
+whole unpadded tile. The element mask is compiled only into the loop
 over the m_blocks that need it: causal, those that cross the diagonal; every m_block of the CTA
 whose key tile crosses seqlen_k (keys past it are masked explicitly, never left to TMA's zero fill).
 P uses the padded log2 LSE; query tiles whose |LSE * log2 e| is huge take an exact exponent from
