@@ -280,7 +280,8 @@ LOG2E = math.log2(math.e)
 # Head dims the sm90 backward supports: every head dim of the forward. Up to 128 each consumer
 # warpgroup owns 64 keys and accumulates their dK, dV over the full headdim in registers; above
 # 128 that would not fit the 240-register budget, so both warpgroups share 64 keys and split dK, dV
-# over headdim (P^T and dS^T go through shared memory): `BwdConfig.split_headdim`.
+# over headdim (P^T and dS^T go through shared memory): `BwdConfig.split_headdim` (d256); head dim
+# 192 and (192, 128) compute dK^T, dV^T with the head dim on M instead: `BwdConfig.transposed_dkv`.
 BWD_SUPPORTED_HEADDIMS = SUPPORTED_HEADDIMS
 # Pad of each fp32 row of the backward's dQ staging tile (floats): 32 B, so the 8 rows of one
 # 64-bit accumulator store (4 lanes x 8 B each) fall on disjoint banks in pairs (no conflicts).
@@ -303,7 +304,8 @@ class BwdConfig:
     """One compiled backward kernel.
 
     headdim, dtype, causal: as FwdConfig.
-    tile_n:   keys per CTA: 128 (2 consumer warpgroups x 64 keys), or 64 when split_headdim.
+    tile_n:   keys per CTA: 128 (2 consumer warpgroups x 64 keys), 64 when split_headdim, 96 when
+              transposed_dkv.
     tile_m:   queries per step of the CTA's loop.
     q_stages: depth of the Q / dO TMA pipelines.
     split_headdim: the 2 consumer warpgroups share the CTA's 64 keys; each computes S^T/dP^T for
@@ -318,6 +320,11 @@ class BwdConfig:
               query heads (heads_per_cta, a launch argument: flash4.config.bwd_heads_per_cta) and adds
               its fp32 dK, dV into zeroed fp32 accumulators (red.global); the host converts them. Off:
               one CTA walks every query head of its KV head and stores dK, dV itself.
+    transposed_dkv: head dim 192 / (192, 128) (flash-attn-4's sm90 shape): 64 queries x 96 keys per
+              step; S = Q K^T and dP = dO V^T with each warpgroup owning a 48-key half; dV^T = dO^T P
+              and dK^T = Q^T dS with the head dim on the wgmma M axis (both operands from smem, P and
+              dS staged); dQ = dS K split over head-dim halves. tile_n 96, tile_m 64.
+    do_stages: depth of the dO pipeline (None: q_stages). transposed_dkv only.
     """
 
     headdim: int
@@ -337,56 +344,105 @@ class BwdConfig:
     softcap: bool = False
     headdim_v: int | None = None
     dkv_accum: bool = False
+    transposed_dkv: bool = False
+    do_stages: int | None = None
 
     def __post_init__(self):
         assert self.headdim in BWD_SUPPORTED_HEADDIMS, self.headdim
         assert self.headdim_v is None or (self.headdim, self.headdim_v) in HDIMV_PAIRS, (self.headdim, self.headdim_v)
         assert self.dtype in DTYPES, self.dtype
-        assert self.tile_n == (64 if self.split_headdim else 128) and self.tile_m % 64 == 0
+        if self.transposed_dkv:
+            assert not self.split_headdim and self.tile_n == 96 and self.tile_m == 64, self
+        else:
+            assert self.tile_n == (64 if self.split_headdim else 128) and self.tile_m % 64 == 0
+            assert self.do_stages is None, self
         assert self.smem_bytes() <= BWD_SMEM_BUDGET, self.smem_bytes()
 
     @property
     def dq_row_pad(self) -> int:
-        return _dq_row_pad(self.split_headdim, self.headdim)
+        return _dq_row_pad(self.split_headdim, self.headdim, self.transposed_dkv)
 
     @property
     def dq_whole_tile(self) -> bool:
         """One bulk reduce-add of the whole staged dQ tile per step (unpadded rows) instead of one per
         row (DQ_WHOLE_TILE_MAX_HEADDIM)."""
-        return dq_whole_tile(self.split_headdim, self.headdim)
+        return dq_whole_tile(self.split_headdim, self.headdim, self.transposed_dkv)
 
     @property
     def hdim_v(self) -> int:
         """Dv: the head dim of V, dO and dV."""
         return self.headdim if self.headdim_v is None else self.headdim_v
 
+    @property
+    def num_do_stages(self) -> int:
+        """Depth of the dO pipeline (do_stages, or q_stages when None)."""
+        return self.q_stages if self.do_stages is None else self.do_stages
+
     def smem_bytes(self) -> int:
         return bwd_smem_bytes(self.headdim, self.tile_m, self.tile_n, self.q_stages, self.split_headdim,
-                              self.headdim_v)
+                              self.headdim_v, self.transposed_dkv, self.do_stages)
 
 
-def dq_whole_tile(split_headdim: bool, headdim: int) -> bool:
-    return not split_headdim and headdim <= DQ_WHOLE_TILE_MAX_HEADDIM
+def dq_whole_tile(split_headdim: bool, headdim: int, transposed_dkv: bool = False) -> bool:
+    return not split_headdim and not transposed_dkv and headdim <= DQ_WHOLE_TILE_MAX_HEADDIM
 
 
-def _dq_row_pad(split_headdim: bool, headdim: int) -> int:
-    if dq_whole_tile(split_headdim, headdim):
+def _dq_row_pad(split_headdim: bool, headdim: int, transposed_dkv: bool = False) -> int:
+    if dq_whole_tile(split_headdim, headdim, transposed_dkv):
         return 0  # the tile is one contiguous block, as its rows are in the dQ accumulator
     return DQ_ROW_PAD_SPLIT if split_headdim else DQ_ROW_PAD
 
 
 def bwd_smem_bytes(headdim: int, tile_m: int, tile_n: int, q_stages: int, split_headdim: bool,
-                   headdim_v: int | None = None) -> int:
+                   headdim_v: int | None = None, transposed_dkv: bool = False, do_stages: int | None = None) -> int:
     """Backward smem: K, V, the Q/dO stages, two dS^T (and P^T) buffers, the fp32 dQ tile and the
-    LSE/D stages (bytes, no barriers). headdim_v: V's / dO's head dim (None: headdim)."""
+    LSE/D stages (bytes, no barriers). headdim_v: V's / dO's head dim (None: headdim).
+    transposed_dkv: one P and one dS tile (tile_m x tile_n each), do_stages dO / D stages (None:
+    q_stages)."""
     elt = 2
     dv = headdim if headdim_v is None else headdim_v
     kv = tile_n * (headdim + dv) * elt
-    q_do = q_stages * tile_m * (headdim + dv) * elt
-    ds = (2 if split_headdim else 1) * 2 * tile_n * tile_m * elt
-    dq = tile_m * (headdim + _dq_row_pad(split_headdim, headdim)) * 4
-    stats = 2 * q_stages * tile_m * 4
+    if transposed_dkv:
+        do_stages = q_stages if do_stages is None else do_stages
+        q_do = q_stages * tile_m * headdim * elt + do_stages * tile_m * dv * elt
+        ds = 2 * tile_n * tile_m * elt
+        stats = (q_stages + do_stages) * tile_m * 4
+    else:
+        q_do = q_stages * tile_m * (headdim + dv) * elt
+        ds = (2 if split_headdim else 1) * 2 * tile_n * tile_m * elt
+        stats = 2 * q_stages * tile_m * 4
+    dq = tile_m * (headdim + _dq_row_pad(split_headdim, headdim, transposed_dkv)) * 4
     return kv + q_do + ds + dq + stats
+
+
+def _transposed_dkv_config(headdim: int, headdim_v: int | None, dtype: str, causal: bool, arch: int,
+                           deterministic: bool, local: bool, softcap: bool) -> BwdConfig | None:
+    """The transposed_dkv config (64 queries x 96 keys, 2 Q stages, as many dO stages of (2, 1) as
+    fit the smem budget: 1 at d192, 2 at (192, 128)), or None where it does not apply (see
+    TRANSPOSED_DKV_HEADDIMS and transposed_dkv_ok)."""
+    if (headdim, headdim_v) not in TRANSPOSED_DKV_HEADDIMS:
+        return None
+    if not transposed_dkv_ok(deterministic=deterministic, local=local, softcap=softcap):
+        return None
+    do_stages = next((n for n in (2, 1) if bwd_smem_bytes(headdim, 64, 96, 2, False, headdim_v, True, n)
+                      <= BWD_SMEM_BUDGET), None)
+    if do_stages is None:
+        return None
+    return BwdConfig(headdim=headdim, dtype=dtype, causal=causal and not local, tile_m=64, tile_n=96, q_stages=2,
+                     deterministic=deterministic, arch=arch, local=local, softcap=softcap, headdim_v=headdim_v,
+                     transposed_dkv=True, do_stages=do_stages)
+
+
+# (headdim, headdim_v) pairs that take the transposed_dkv backward (headdim_v None: = headdim).
+TRANSPOSED_DKV_HEADDIMS = ((192, None), (192, 128))
+# Variants of the transposed_dkv path that compile without spills / serialized wgmma (compile
+# check); the others keep split_headdim.
+TRANSPOSED_DKV_VARIANTS = {"deterministic": True, "local": True, "softcap": True, "dkv_accum": True}
+
+
+def transposed_dkv_ok(deterministic: bool = False, local: bool = False, softcap: bool = False) -> bool:
+    flags = {"deterministic": deterministic, "local": local, "softcap": softcap}
+    return all(TRANSPOSED_DKV_VARIANTS[k] for k, on in flags.items() if on)
 
 
 def select_bwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, arch: int = 90,
@@ -402,6 +458,9 @@ def select_bwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, a
     headdim_v = canonical_hdimv(headdim, headdim_v)
     if headdim_v is not None:
         return _select_bwd_config_hdimv(headdim, headdim_v, dtype, causal, arch, deterministic, local, softcap)
+    cfg_t = _transposed_dkv_config(headdim, None, dtype, causal, arch, deterministic, local, softcap)
+    if cfg_t is not None:
+        return cfg_t
     split = headdim > 128
     # d64 bf16: 128 queries per step (S^T, dP^T 64x128 per warpgroup) halves the per-step overhead
     # (barriers, dQ hand-off); H200: +4-7% over 64. It fits 240 registers without spills in bf16
@@ -422,13 +481,17 @@ def select_bwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, a
 def _select_bwd_config_hdimv(headdim: int, headdim_v: int, dtype: str, causal: bool, arch: int,
                              deterministic: bool, local: bool, softcap: bool) -> BwdConfig:
     """Tiles of the Dv != D backward (HDIMV_PAIRS), 240 registers per consumer warpgroup:
-      (192, 128): split_headdim (64 keys, 64 queries): dK over the full 192 in registers would
+      (192, 128): transposed_dkv (_transposed_dkv_config: 64 queries x 96 keys, dK^T 72 + dV^T 48
+                  registers per thread). Where that path is off (TRANSPOSED_DKV_VARIANTS): split_headdim (64 keys, 64 queries): dK over the full 192 in registers would
                   take 96 + dV 64 + S^T/dP^T 64 + dQ 48 > 240; split, each warpgroup holds dK 48 +
                   dV 32. K, V 40 KiB + 2 Q/dO stages 80 KiB + dS^T/P^T 32 KiB + dQ 49 KiB.
       (128, 64):  as d128: 128 keys x 64 queries, dK 64 + dV 32 registers.
       (64, 128):  128 keys x 64 queries (not d64's 128 queries: S^T, dP^T 64 each + dV 64 + dK 32
                   + dQ 32 > 240).
     """
+    cfg_t = _transposed_dkv_config(headdim, headdim_v, dtype, causal, arch, deterministic, local, softcap)
+    if cfg_t is not None:
+        return cfg_t
     split = max(headdim, headdim_v) > 128
     tile_m, tile_n = 64, (64 if split else 128)
     q_stages = next((n for n in (2, 1) if bwd_smem_bytes(headdim, tile_m, tile_n, n, split, headdim_v)
@@ -495,6 +558,8 @@ def with_dkv_accum(cfg: BwdConfig, nheads: int, nheads_k: int, heads_per_cta: in
         return cfg
     if cfg.local:
         return cfg  # windows: the whole group measured as fast or faster (bwd_heads_per_cta), and d128 spills
+    if cfg.transposed_dkv and not TRANSPOSED_DKV_VARIANTS["dkv_accum"]:
+        cfg = dataclasses.replace(cfg, transposed_dkv=False, tile_n=64, do_stages=None, split_headdim=True)
     return dataclasses.replace(cfg, dkv_accum=True, tile_m=min(cfg.tile_m, 64))
 
 

@@ -13,7 +13,8 @@ def test_whole_tile_dq_up_to_d96(d):
     assert cfg.dq_whole_tile == (d <= DQ_WHOLE_TILE_MAX_HEADDIM)
     # one bulk op per step needs the staged tile to be the accumulator's contiguous block: no pad
     assert cfg.dq_row_pad == (0 if cfg.dq_whole_tile else (DQ_ROW_PAD_SPLIT if cfg.split_headdim else DQ_ROW_PAD))
-    assert cfg.smem_bytes() == bwd_smem_bytes(d, cfg.tile_m, cfg.tile_n, cfg.q_stages, cfg.split_headdim)
+    assert cfg.smem_bytes() == bwd_smem_bytes(d, cfg.tile_m, cfg.tile_n, cfg.q_stages, cfg.split_headdim,
+                                              None, cfg.transposed_dkv, cfg.do_stages)
 
 
 def test_every_shipped_config_follows_the_rule():

@@ -43,11 +43,16 @@ def test_unsupported_arch_and_headdim_raise(select):
 
 
 def test_bwd_covers_every_forward_headdim():
-    """Every head dim the forward takes trains: > 128 uses the split-headdim kernel (64 keys per CTA)."""
+    """Every head dim the forward takes trains: 192 uses the transposed-dK/dV kernel (96 keys per
+    CTA), other head dims > 128 the split-headdim kernel (64 keys per CTA)."""
     assert set(BWD_SUPPORTED_HEADDIMS) == set(SUPPORTED_HEADDIMS)
     for d in BWD_SUPPORTED_HEADDIMS:
         cfg = select_bwd_config(d)
-        assert cfg.split_headdim == (d > 128) and cfg.tile_n == (64 if d > 128 else 128)
+        assert cfg.transposed_dkv == (d == 192)
+        if d == 192:
+            assert not cfg.split_headdim and cfg.tile_n == 96
+        else:
+            assert cfg.split_headdim == (d > 128) and cfg.tile_n == (64 if d > 128 else 128)
         assert cfg.smem_bytes() <= SMEM_LIMIT - 1024 and cfg.q_stages >= 1
 
 

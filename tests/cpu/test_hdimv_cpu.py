@@ -71,7 +71,8 @@ def test_config_rejects_unsupported_field():
 def test_bwd_config(d, dv):
     cfg = select_bwd_config(d, "bf16", True, headdim_v=dv)
     assert (cfg.headdim_v, cfg.hdim_v, cfg.tile_m) == (dv, dv, 64)
-    assert cfg.split_headdim == (d == 192) and cfg.tile_n == (64 if d == 192 else 128)
+    # (192, 128): the transposed-dK/dV kernel (96 keys per CTA); the other pairs 128 keys
+    assert not cfg.split_headdim and cfg.transposed_dkv == (d == 192) and cfg.tile_n == (96 if d == 192 else 128)
     assert cfg.q_stages == 2 and cfg.smem_bytes() <= SM90_MAX_SMEM_BYTES - 1024
     assert select_bwd_config(d, "bf16", False, deterministic=True, headdim_v=dv).deterministic
 

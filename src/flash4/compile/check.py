@@ -145,7 +145,7 @@ def _short(cfg) -> str:
     if isinstance(cfg, BwdConfig):
         return (f"bwd_sm{d['arch']} d{hd} {d['dtype']} {'causal' if d['causal'] else 'full'} "
                 f"{d['tile_m']}x{d['tile_n']}x{d['q_stages']}st{' det' if d['deterministic'] else ''}"
-                f"{' dkv-accum' if d['dkv_accum'] else ''}")
+                f"{' dkv-accum' if d['dkv_accum'] else ''}{' dkvT' if d.get('transposed_dkv') else ''}")
     extras = "".join([" persist" if d["persistent"] else "", " lpt" if d["lpt"] else "",
                       f" emu{d['exp2_emu_frac']:g}" if d["exp2_emu_frac"] else "",
                       f" tau{d['rescale_threshold']:g}" if d["rescale_threshold"] != 8.0 else ""])

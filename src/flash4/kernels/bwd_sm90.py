@@ -29,12 +29,18 @@ whose key tile crosses seqlen_k (keys past it are masked explicitly, never left 
 P uses the padded log2 LSE; query tiles whose |LSE * log2 e| is huge take an exact exponent from
 the forward's unrounded LSE split (issue 8). One CTA per (n_block, kv_head, batch), all in gridDim.x.
 
-Two work splits between the consumer warpgroups (config.BwdConfig.split_headdim):
+Three work splits between the consumer warpgroups (config.BwdConfig.split_headdim, transposed_dkv):
   * headdim <= 128: each warpgroup owns 64 keys (tile_n = 128) and accumulates their dK, dV over
     the full headdim in registers; P^T, dS^T feed dV, dK from registers (RS).
-  * headdim > 128: dK, dV over the full headdim would not fit 240 registers. Both warpgroups share
+  * headdim > 128 (256): dK, dV over the full headdim would not fit 240 registers. Both warpgroups share
     64 keys (tile_n = 64); each computes S^T, dP^T for half of the queries, stages P^T and dS^T in
     smem, and accumulates dK, dV, dQ for half of headdim (SS wgmmas).
+  * headdim 192 and (192, 128) (transposed_dkv, flash-attn-4's sm90 shape; `mma_t`): 64 queries x
+    96 keys per step, query-major S = Q K^T and dP = dO V^T with each warpgroup owning a 48-key
+    half; dV^T = dO^T P and dK^T = Q^T dS put the head dim on the wgmma M axis (192 x 48 per
+    warpgroup fits the registers that 96 x 192 would not), both operands from smem (P, dS staged
+    in smem, one buffer each); dQ = dS K split over head-dim halves. dO may have fewer stages
+    than Q (d192: 1). The epilogue stores dK^T / dV^T with transposing stmatrix.
 dK, dV leave through K's and V's smem and a TMA store.
 
 Variable-length (packed) batches (config.BwdConfig.varlen_q / varlen_k / seqused_q / seqused_k;
@@ -113,6 +119,30 @@ def red_add_f32x2(gmem_ptr: cute.Pointer, a: Float32, b: Float32, *, loc=None, i
 
 
 @dsl_user_op
+def red_add_f32(gmem_ptr: cute.Pointer, a: Float32, *, loc=None, ip=None):
+    """gmem[0] += a (fp32, one relaxed red.global)."""
+    llvm.inline_asm(
+        None,
+        [gmem_ptr.toint(loc=loc, ip=ip).ir_value(), Float32(a).ir_value(loc=loc, ip=ip)],
+        "red.global.add.f32 [$0], $1;",
+        "l,f",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+
+
+def stage_state(step, stages: int, producer: bool):
+    """The pipeline state of a `stages`-deep pipeline at step `step` (every step takes one stage),
+    derived from the step count instead of carried through the loop (the dO pipeline of the
+    transposed_dkv path when its depth differs from Q's)."""
+    phase = (step // stages) % 2
+    if producer:
+        phase = phase ^ 1
+    return pipeline.PipelineState(stages, Int32(step), Int32(step % stages), Int32(phase))
+
+
+@dsl_user_op
 def block_idx_x_fresh(*, loc=None, ip=None) -> Int32:
     """blockIdx.x read by an opaque (side-effecting) instruction: the compiler cannot merge it with
     an earlier read, so what is derived from it is recomputed where used instead of being held in
@@ -152,10 +182,17 @@ class FlashAttentionBackwardSm90:
         self.q_stages = cfg.q_stages
         self.causal = cfg.causal
         self.split_hd = cfg.split_headdim
+        # transposed_dkv (config.BwdConfig): dK^T, dV^T with the head dim on M, 64 x 96 tiles.
+        self.dkv_t = cfg.transposed_dkv
+        self.do_stages = cfg.num_do_stages
         self.num_wg_mma = 2
         self.num_mma_threads = 2 * THREADS_PER_WG
         self.num_threads = 3 * THREADS_PER_WG
-        assert self.tile_n == (64 if self.split_hd else 64 * self.num_wg_mma)
+        if self.dkv_t:
+            assert self.tile_n == 96 and self.tile_m == 64 and not self.split_hd
+        else:
+            assert self.tile_n == (64 if self.split_hd else 64 * self.num_wg_mma)
+            assert self.do_stages == self.q_stages
         # dV after the dS^T math (FA3's order): dS^T first (P^T fp32 dies), one bf16 copy of dS^T for
         # both the smem stage and the dK A operand, then dV. Issuing dV before the dS^T math (P^T
         # fp32, P^T bf16 in flight, dP^T, dV, dK all live at once) left ptxas short of registers at
@@ -186,6 +223,13 @@ class FlashAttentionBackwardSm90:
     def _tiled_mmas(self):
         K, MN = OperandMajorMode.K, OperandMajorMode.MN
         make = partial(sm90_utils.make_trivial_tiled_mma, self.dtype, self.dtype)
+        if const_expr(self.dkv_t):
+            # Atom (1, 2, 1): warpgroup w owns keys [48w, 48w + 48) of S, dP, dV^T, dK^T and head
+            # dims [hdim/2 w, hdim/2 (w + 1)) of dQ.
+            mma_sdp = make(K, K, Float32, (1, 2, 1), (64, self.tile_n // 2))  # S = Q K^T, dP = dO V^T
+            mma_dkv = make(MN, MN, Float32, (1, 2, 1), (64, self.tile_n // 2))  # dK^T = Q^T dS, dV^T = dO^T P
+            mma_dq = make(K, MN, Float32, (1, 2, 1), (64, self.hdim // 2))  # dQ = dS K
+            return mma_sdp, mma_dkv, mma_dq
         if const_expr(not self.split_hd):
             # S^T, dP^T: (tile_n keys) x (tile_m queries), keys split over the 2 warpgroups.
             mma_sdp = make(K, K, Float32, (2, 1, 1), (64, self.tile_m))
@@ -207,8 +251,8 @@ class FlashAttentionBackwardSm90:
 
     def _tiled_mma_dv(self, mma_dkv):
         """dV += P^T dO: mma_dkv with N = Dv (the same tiled MMA when Dv == headdim)."""
-        if const_expr(self.hdim_v == self.hdim):
-            return mma_dkv
+        if const_expr(self.hdim_v == self.hdim or self.dkv_t):
+            return mma_dkv  # transposed_dkv: Dv is M, the tiled MMA does not depend on it
         K, MN = OperandMajorMode.K, OperandMajorMode.MN
         make = partial(sm90_utils.make_trivial_tiled_mma, self.dtype, self.dtype)
         if const_expr(not self.split_hd):
@@ -279,7 +323,14 @@ class FlashAttentionBackwardSm90:
             sdO_layout = self._smem_layout(self.tile_m, self.hdim_v, self.q_stages,
                                            atom_cols=half_cols_v if self.split_hd else None)
         sdS_layout = self._smem_layout(self.tile_n, self.tile_m, 2)  # dS^T: keys x queries, 2 buffers
+        if const_expr(self.dkv_t):
+            # V (B of dP, K-major) and dO (A of dP, A of dV^T MN-major): full-width swizzle;
+            # P, dS: queries x keys, one buffer each, the swizzle chosen for the 48-key halves.
+            sV_layout = self._smem_layout(self.tile_n, self.hdim_v)
+            sdO_layout = self._smem_layout(self.tile_m, self.hdim_v, self.do_stages)
+            sdS_layout = self._smem_layout(self.tile_m, self.tile_n, atom_cols=self.tile_n // 2)
         sStat_layout = cute.make_layout((self.tile_m, self.q_stages))
+        sStatD_layout = cute.make_layout((self.tile_m, self.do_stages))
         # dQ staging tile (fp32), rows padded against bank conflicts (one bulk reduce-add per row).
         sdQ_layout = cute.make_layout((self.tile_m, self.hdim), stride=(self.hdim + self.cfg.dq_row_pad, 1))
 
@@ -308,18 +359,18 @@ class FlashAttentionBackwardSm90:
         class SharedStorage:
             mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * self.q_stages]
-            mbar_do: cute.struct.MemRange[cutlass.Int64, 2 * self.q_stages]
+            mbar_do: cute.struct.MemRange[cutlass.Int64, 2 * self.do_stages]
             sLSE: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sStat_layout)], 128]
-            sD: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sStat_layout)], 128]
+            sD: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sStatD_layout)], 128]
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], 128]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdO_layout)], 1024]
             sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], 1024]
-            # P^T (split_headdim only; otherwise a token 128 B): both warpgroups read all of it.
+            # P^T (split_headdim; P with transposed_dkv; otherwise a token 128 B).
             sPt: cute.struct.Align[
-                cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout) if self.split_hd else 64], 1024
+                cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout) if self.split_hd or self.dkv_t else 64], 1024
             ]
 
         assert SharedStorage.size_in_bytes() <= SM90_MAX_SMEM_BYTES, SharedStorage.size_in_bytes()
@@ -362,7 +413,7 @@ class FlashAttentionBackwardSm90:
         make_pipe = tma_pipeline_factory(self.num_mma_threads)
         pipeline_kv = make_pipe(barrier_storage=storage.mbar_kv.data_ptr(), num_stages=1, tx_count=self.tma_bytes_kv)
         pipeline_q = make_pipe(barrier_storage=storage.mbar_q.data_ptr(), num_stages=self.q_stages, tx_count=self.tma_bytes_q)
-        pipeline_do = make_pipe(barrier_storage=storage.mbar_do.data_ptr(), num_stages=self.q_stages, tx_count=self.tma_bytes_do)
+        pipeline_do = make_pipe(barrier_storage=storage.mbar_do.data_ptr(), num_stages=self.do_stages, tx_count=self.tma_bytes_do)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
@@ -371,9 +422,10 @@ class FlashAttentionBackwardSm90:
         sK = storage.sK.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
         sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
-        sPt = storage.sPt.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner) if const_expr(self.split_hd) else None
+        sPt = (storage.sPt.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
+               if const_expr(self.split_hd or self.dkv_t) else None)
         sLSE = storage.sLSE.get_tensor(sStat_layout)
-        sD = storage.sD.get_tensor(sStat_layout)
+        sD = storage.sD.get_tensor(cute.make_layout((self.tile_m, self.do_stages)))
         sdQ = storage.sdQ.get_tensor(sdQ_layout)
 
         n_block, _, head_kv, batch, head0, num_heads, _ = self.block_coords(mQ, mK, max_seqlen_k, heads_per_cta)
@@ -431,7 +483,8 @@ class FlashAttentionBackwardSm90:
         else:
             cute.arch.setmaxregister_increase(_CONSUMER_REGS)
             tidx = cute.arch.thread_idx()[0] - THREADS_PER_WG
-            self.mma(mdK, mdV, mExact, mLSEhi, mLSElo, tma_atom_dK, tma_atom_dV, sQ, sK, sV, sdO, sdS, sPt, sLSE, sD, sdQ, mma_sdp, mma_dkv, mma_dv, mma_dq,
+            mma_fn = self.mma_t if const_expr(self.dkv_t) else self.mma
+            mma_fn(mdK, mdV, mExact, mLSEhi, mLSElo, tma_atom_dK, tma_atom_dV, sQ, sK, sV, sdO, sdS, sPt, sLSE, sD, sdQ, mma_sdp, mma_dkv, mma_dv, mma_dq,
                      pipeline_kv, pipeline_q, pipeline_do, softmax_scale, tidx,
                      n_block, head_kv, seq, m_block_min, num_steps, m_block_max, head0, num_heads)
 
@@ -506,10 +559,13 @@ class FlashAttentionBackwardSm90:
             bar_q = pipeline_q.producer_get_barrier(state)
             cute.copy(tma_atom_Q, tQgQ, tQsQ[None, state.index], tma_bar_ptr=bar_q)
             cute.copy(tma_atom_LSE, tLgL, tLsL[None, state.index], tma_bar_ptr=bar_q)
-            pipeline_do.producer_acquire(state)
-            bar_do = pipeline_do.producer_get_barrier(state)
-            cute.copy(tma_atom_dO, tdOgdO, tdOsdO[None, state.index], tma_bar_ptr=bar_do)
-            cute.copy(tma_atom_D, tDgD, tDsD[None, state.index], tma_bar_ptr=bar_do)
+            do_state = state
+            if const_expr(self.do_stages != self.q_stages):
+                do_state = stage_state(step, self.do_stages, producer=True)
+            pipeline_do.producer_acquire(do_state)
+            bar_do = pipeline_do.producer_get_barrier(do_state)
+            cute.copy(tma_atom_dO, tdOgdO, tdOsdO[None, do_state.index], tma_bar_ptr=bar_do)
+            cute.copy(tma_atom_D, tDgD, tDsD[None, do_state.index], tma_bar_ptr=bar_do)
             state = next_state(state)
 
     @cute.jit
@@ -774,6 +830,181 @@ class FlashAttentionBackwardSm90:
                               n_block, head_kv, seq)
 
     @cute.jit
+    def mma_t(self, mdK, mdV, mExact, mLSEhi, mLSElo, tma_atom_dK, tma_atom_dV, sQ, sK, sV, sdO, sdS, sP, sLSE, sD, sdQ,
+              mma_sdp, mma_dkv, mma_dv, mma_dq, pipeline_kv, pipeline_q, pipeline_do, softmax_scale, tidx,
+              n_block, head_kv, seq, m_block_min, num_steps, m_block_max, head0, num_heads):
+        """Consumer warpgroups, transposed_dkv (config.BwdConfig; flash-attn-4's sm90 shape for head
+        dim 192): 64 queries x 96 keys per step, warpgroup w owns keys [48w, 48w + 48).
+            S = Q K^T, dP = dO V^T      (query-major, wgmma SS, 64 x 48 per warpgroup)
+            P = 2^(S * scale_log2 - LSE_log2[query]) -> sP (this warpgroup's key half)
+            dV^T += dO^T P              (head dim on M, both operands from smem)
+            dS = P * (dP * scale - D[query] * scale) -> sdS (both halves read by both dQs)
+            dQ = dS K                   (warpgroup w: head dims [hdim/2 w, hdim/2 (w + 1)))
+            dK^T += Q^T dS
+        Order per step: S; dP; exponentials (under dP); stage P, warpgroup barrier, dV^T; dS math
+        (under dV^T); barrier (the other warpgroup's previous dQ has read sdS); stage dS; barrier;
+        dQ; release dO; dK^T; stage dQ for warp 1 (under dK^T); release Q. Masks, the exact-LSE
+        path and softcap as in `mma` (query-major: geometry.mask_scores, the forward's)."""
+        seqlen_q, seqlen_k = seq.seqlen_q, seq.seqlen_k
+        wg_idx = cute.arch.make_warp_uniform(tidx // THREADS_PER_WG)
+        wg_slice = cute.make_layout(self.num_wg_mma, stride=THREADS_PER_WG)(wg_idx)
+        wg_sdp = mma_sdp.get_slice(wg_slice)
+        wg_dkv = mma_dkv.get_slice(wg_slice)
+        wg_dq = mma_dq.get_slice(wg_slice)
+        thr_sdp = mma_sdp.get_slice(tidx)
+        # S = Q K^T: A = Q (queries x d), B = K (keys x d); dP = dO V^T likewise.
+        tSrQ = wg_sdp.make_fragment_A(wg_sdp.partition_A(sQ))
+        tSrK = wg_sdp.make_fragment_B(wg_sdp.partition_B(sK))
+        tdPrdO = wg_sdp.make_fragment_A(wg_sdp.partition_A(sdO))
+        tdPrV = wg_sdp.make_fragment_B(wg_sdp.partition_B(sV))
+        # dV^T = dO^T P: A = dO^T (Dv x queries), B = P viewed (keys x queries); dK^T = Q^T dS likewise.
+        tdVrdOt = wg_dkv.make_fragment_A(wg_dkv.partition_A(transpose_view(sdO)))
+        tdVrP = wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_view(sP)))
+        tdKrQt = wg_dkv.make_fragment_A(wg_dkv.partition_A(transpose_view(sQ)))
+        tdKrdS = wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_view(sdS)))
+        # dQ = dS K: A = dS (queries x keys, K-major), B = K^T (d x keys, MN-major).
+        tdQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))
+        tdQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(transpose_view(sK)))
+        acc_shape_S = mma_sdp.partition_shape_C((self.tile_m, self.tile_n))
+        acc_dK = cute.make_rmem_tensor(mma_dkv.partition_shape_C((self.hdim, self.tile_n)), Float32)
+        acc_dV = cute.make_rmem_tensor(mma_dkv.partition_shape_C((self.hdim_v, self.tile_n)), Float32)
+        acc_dK.fill(0.0)
+        acc_dV.fill(0.0)
+        # Coordinates (query row, key col) of this thread's S values, and thread 0's (static).
+        cS = cute.make_identity_tensor((self.tile_m, self.tile_n))
+        tScS_full = thr_sdp.partition_C(cS)
+        t0ScS_full = mma_sdp.get_slice(0).partition_C(cS)
+        tScS = acc_mn_view(tScS_full)
+        # P, dS registers -> smem (queries x keys), the accumulator's own element order.
+        r2s_PdS = cute.make_tiled_copy_C(
+            cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype), mma_sdp
+        ).get_slice(tidx)
+        tPsP = r2s_PdS.partition_D(sP)
+        tdSsdS = r2s_PdS.partition_D(sdS)
+        r2s_dQ = cute.make_tiled_copy_C(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=64), mma_dq
+        ).get_slice(tidx)
+        tdQsdQ = r2s_dQ.partition_D(sdQ)
+        # this warpgroup's named barrier (P staged before its dV^T reads it)
+        bar_pwg = int(NamedBarrierBwd.PWG0) + wg_idx
+
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        pipeline_kv.consumer_wait(kv_state)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
+        scale_log2 = softmax_scale * Float32(LOG2E)
+        if const_expr(self.cfg.softcap):
+            softcap_scale = softmax_scale / self.softcap
+            scale_log2 = self.softcap * Float32(LOG2E)
+            inv_scale_log2 = Float32(1.0) / scale_log2
+        m_mask_end = geometry.m_block_mask_end(n_block, seqlen_q, seqlen_k, self.tile_m, self.tile_n, self.causal,
+                                               self.window)
+        m_left = m_block_max
+        if const_expr(self.cfg.local):
+            m_mask_end = cutlass.min(cutlass.max(m_mask_end, m_block_min), m_block_max)
+            m_left = geometry.m_block_left_mask_start(n_block, seqlen_q, seqlen_k, self.tile_m, self.tile_n,
+                                                      self.window)
+            m_left = cutlass.min(cutlass.max(m_left, m_mask_end), m_block_max)
+        step = Int32(0)
+        for h_in_group in cutlass.range(num_heads, unroll=1):
+            head = head0 + h_in_group
+            for phase in cutlass.range_constexpr(3 if self.cfg.local else 2):
+                mask = phase != 1
+                lo, hi = m_block_min, m_mask_end
+                if const_expr(phase == 1):
+                    lo, hi = m_mask_end, m_left
+                if const_expr(phase == 2):
+                    lo, hi = m_left, m_block_max
+                for m_block in cutlass.range(lo, hi, unroll=1):
+                    tile, tile_batch = self.tile_index(seq, m_block)
+                    exact = mExact[tile, head, tile_batch] != 0
+                    do_state = state
+                    if const_expr(self.do_stages != self.q_stages):
+                        do_state = stage_state(step, self.do_stages, producer=False)
+                    pipeline_q.consumer_wait(state)
+                    acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
+                    wgmma(mma_sdp, acc_S, tSrQ[None, None, None, state.index], tSrK, zero_init=True, wg_wait=-1)
+                    pipeline_do.consumer_wait(do_state)
+                    acc_dP = cute.make_rmem_tensor(acc_shape_S, Float32)
+                    wgmma(mma_sdp, acc_dP, tdPrdO[None, None, None, do_state.index], tdPrV, zero_init=True, wg_wait=1)
+                    s = acc_mn_view(acc_S)
+                    if const_expr(self.cfg.softcap):
+                        for i in cutlass.range_constexpr(cute.size(acc_S)):
+                            acc_S[i] = cute.math.tanh(acc_S[i] * softcap_scale, fastmath=True)
+                    if const_expr(mask):
+                        geometry.mask_scores(acc_S, tScS_full, t0ScS_full, m_block, n_block, seqlen_q, seqlen_k,
+                                             self.tile_m, self.tile_n, self.causal, self.window)
+                    # P = 2^(S * scale_log2 - LSE_log2[query]); masked scores are -inf (P = 0).
+                    if exact:
+                        for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+                            query = m_block * self.tile_m + tScS[r, 0][0]
+                            hi_l = Float32.inf
+                            lo_l = Float32(0.0)
+                            if query < seqlen_q:
+                                row, batch = seq.q_index(query)
+                                hi_l = mLSEhi[row, head, batch]
+                                lo_l = mLSElo[row, head, batch]
+                            for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
+                                s[r, c] = fma_rn(s[r, c], scale_log2, -hi_l) - lo_l
+                    else:
+                        for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+                            lse_log2 = sLSE[tScS[r, 0][0], state.index]
+                            for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
+                                s[r, c] = s[r, c] * scale_log2 - lse_log2
+                    for i in cutlass.range_constexpr(cute.size(acc_S)):
+                        acc_S[i] = exp2_hw(acc_S[i])
+                    # Stage P (this warpgroup's key half; its previous dV^T finished at the last
+                    # wait_group(0)), then dV^T += dO^T P, which overlaps the dS math.
+                    rP = cute.make_rmem_tensor(acc_S.shape, self.dtype)
+                    rP.store(acc_S.load().to(self.dtype))
+                    cute.copy(r2s_PdS, r2s_PdS.retile(rP), tPsP)
+                    cute.arch.fence_view_async_shared()
+                    cute.arch.barrier(barrier_id=bar_pwg, number_of_threads=THREADS_PER_WG)
+                    wgmma(mma_dkv, acc_dV, tdVrdOt[None, None, None, do_state.index], tdVrP, wg_wait=1)  # dP done
+                    # dS = P * (dP * scale - D * scale): the softmax scale is applied here, once.
+                    dp = acc_mn_view(acc_dP)
+                    for r in cutlass.range_constexpr(cute.size(dp, mode=[0])):
+                        row_q = tScS[r, 0][0]
+                        dpsum = sD[row_q, do_state.index]
+                        if const_expr(not self.cfg.softcap):
+                            dpsum_scaled = dpsum * softmax_scale
+                            for c in cutlass.range_constexpr(cute.size(dp, mode=[1])):
+                                dp[r, c] = s[r, c] * fma_rn(dp[r, c], softmax_scale, -dpsum_scaled)
+                        else:
+                            lse_log2 = sLSE[row_q, state.index]
+                            for c in cutlass.range_constexpr(cute.size(dp, mode=[1])):
+                                p = s[r, c]
+                                t = (cute.math.log2(p, fastmath=True) + lse_log2) * inv_scale_log2
+                                dtanh = Float32(cutlass.select_(p == Float32(0.0), Float32(0.0), Float32(1.0) - t * t))
+                                dp[r, c] = (p * softmax_scale) * (dp[r, c] - dpsum) * dtanh
+                    rdS = cute.make_rmem_tensor(acc_dP.shape, self.dtype)
+                    rdS.store(acc_dP.load().to(self.dtype))
+                    # The other warpgroup's previous dQ has read sdS (it waited for it before this barrier).
+                    cute.arch.barrier(barrier_id=int(NamedBarrierBwd.dS), number_of_threads=self.num_mma_threads)
+                    cute.copy(r2s_PdS, r2s_PdS.retile(rdS), tdSsdS)
+                    cute.arch.fence_view_async_shared()
+                    cute.arch.barrier(barrier_id=int(NamedBarrierBwd.dS), number_of_threads=self.num_mma_threads)
+                    acc_dQ = cute.make_rmem_tensor(mma_dq.partition_shape_C((self.tile_m, self.hdim)), Float32)
+                    wgmma(mma_dq, acc_dQ, tdQrdS, tdQrKt, zero_init=True, wg_wait=1)
+                    pipeline_do.consumer_release(do_state)  # dV^T (the last reader of dO) is done
+                    wgmma(mma_dkv, acc_dK, tdKrQt[None, None, None, state.index], tdKrdS, wg_wait=1)  # dQ done
+                    if step > 0:
+                        cute.arch.barrier(barrier_id=int(NamedBarrierBwd.dQEmpty), number_of_threads=self.num_mma_threads + 32)
+                    cute.copy(r2s_dQ, r2s_dQ.retile(acc_dQ), tdQsdQ)
+                    cute.arch.fence_view_async_shared()
+                    cute.arch.barrier_arrive(barrier_id=int(NamedBarrierBwd.dQFull), number_of_threads=self.num_mma_threads + 32)
+                    warpgroup.wait_group(0)
+                    pipeline_q.consumer_release(state)  # dK^T (the last reader of Q) is done
+                    state = next_state(state)
+                    step += 1
+        if num_steps > 0:
+            cute.arch.barrier(barrier_id=int(NamedBarrierBwd.dQEmpty), number_of_threads=self.num_mma_threads + 32)
+        if const_expr(self.cfg.dkv_accum):
+            self.epilogue_dKV_accum(acc_dK, acc_dV, mdK, mdV, mma_dkv, mma_dv, tidx, n_block, head_kv, seq)
+        else:
+            self.epilogue_dKV(acc_dK, acc_dV, mdK, mdV, tma_atom_dK, tma_atom_dV, sK, sV, mma_dkv, mma_dv, tidx,
+                              n_block, head_kv, seq)
+
+    @cute.jit
     def exponent_exact(self, s, t0ScS, mLSEhi, mLSElo, scale_log2, m_block, thread_col0, head, seq):
         """s[r, c] = S^T * scale_log2 - (hi + lo)[query] with the forward's unrounded log2 LSE
         (lse_split): fma(S^T, scale_log2, -hi) is exact-then-rounded, so at the row's max it is the
@@ -812,12 +1043,24 @@ class FlashAttentionBackwardSm90:
             cute.arch.barrier(barrier_id=int(NamedBarrierBwd.Epilogue), number_of_threads=self.num_mma_threads)
         for acc, mX, mma, hdim in ((acc_dK, mdKacc, mma_dkv, self.hdim), (acc_dV, mdVacc, mma_dv, self.hdim_v)):
             thr = mma.get_slice(tidx)
-            tXgX = thr.partition_C(cute.local_tile(seq.k_view(mX, head_kv), (self.tile_n, hdim), (n_block, 0)))
-            tXcX = thr.partition_C(cute.make_identity_tensor((self.tile_n, hdim)))
-            # element i, i + 1 (i even): the accumulator's two adjacent columns of one row
-            for i in cutlass.range_constexpr(0, cute.size(acc), 2):
-                if tXcX[i][0] < valid_rows:
-                    red_add_f32x2(tXgX.iterator + cute.crd2idx(i, tXgX.layout), acc[i], acc[i + 1])
+            if const_expr(self.dkv_t):
+                # dK^T, dV^T (head dim x keys): no two gmem-adjacent elements in a thread's
+                # fragment, so one scalar red.global.add.f32 per element.
+                gX = cute.local_tile(seq.k_view(mX, head_kv), (self.tile_n, hdim), (n_block, 0))
+                tXgX = thr.partition_C(transpose_view(gX))
+                tXcX = thr.partition_C(cute.make_identity_tensor((hdim, self.tile_n)))
+                for i2 in cutlass.range_constexpr(cute.size(acc) // 2):  # (two loops: a flat one of 72 warns)
+                    for i1 in cutlass.range_constexpr(2):
+                        i = 2 * i2 + i1
+                        if tXcX[i][1] < valid_rows:
+                            red_add_f32(tXgX.iterator + cute.crd2idx(i, tXgX.layout), acc[i])
+            else:
+                tXgX = thr.partition_C(cute.local_tile(seq.k_view(mX, head_kv), (self.tile_n, hdim), (n_block, 0)))
+                tXcX = thr.partition_C(cute.make_identity_tensor((self.tile_n, hdim)))
+                # element i, i + 1 (i even): the accumulator's two adjacent columns of one row
+                for i in cutlass.range_constexpr(0, cute.size(acc), 2):
+                    if tXcX[i][0] < valid_rows:
+                        red_add_f32x2(tXgX.iterator + cute.crd2idx(i, tXgX.layout), acc[i], acc[i + 1])
         if const_expr(self.cfg.deterministic):
             cute.arch.fence_acq_rel_gpu()  # this thread's adds before the release below
             cute.arch.barrier(barrier_id=int(NamedBarrierBwd.Epilogue), number_of_threads=self.num_mma_threads)
@@ -833,13 +1076,15 @@ class FlashAttentionBackwardSm90:
         threads store the rows < seqlen_k - n_block * tile_n (the rest belong to the next sequence)."""
         # Every consumer warpgroup has finished its GEMMs (wait_group(0) ends each step): K, V are free.
         cute.arch.barrier(barrier_id=int(NamedBarrierBwd.Epilogue), number_of_threads=self.num_mma_threads)
-        stmatrix = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
+        stmatrix = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=self.dkv_t, num_matrices=4),
+                                       self.dtype)
         r2s = cute.make_tiled_copy_C(stmatrix, mma_dkv).get_slice(tidx)
         r2s_v = r2s if const_expr(self.hdim_v == self.hdim) else cute.make_tiled_copy_C(stmatrix, mma_dv).get_slice(tidx)
         for acc, sX, r2s in ((acc_dK, sK, r2s), (acc_dV, sV, r2s_v)):
             rX = cute.make_rmem_tensor(acc.shape, self.dtype)
             rX.store(acc.load().to(self.dtype))
-            cute.copy(r2s, r2s.retile(rX), r2s.partition_D(sX))
+            # transposed_dkv: dK^T / dV^T (d x keys) into the keys x d tile, transposing stmatrix
+            cute.copy(r2s, r2s.retile(rX), r2s.partition_D(transpose_view(sX) if const_expr(self.dkv_t) else sX))
         if const_expr(self.varlen_k):
             # Generic-proxy reads of the staged tiles: the barrier alone orders them.
             cute.arch.barrier(barrier_id=int(NamedBarrierBwd.Epilogue), number_of_threads=self.num_mma_threads)

@@ -22,3 +22,7 @@ class NamedBarrierBwd(enum.IntEnum):
     dS = 3
     # Both consumer warpgroups: K, V smem free (epilogue) / dK, dV staged before the TMA store.
     Epilogue = 4
+    # transposed_dkv: one consumer warpgroup (128 threads): its P half staged before its dV^T reads it
+    # (PWG0 + warpgroup index).
+    PWG0 = 5
+    PWG1 = 6
