@@ -47,7 +47,7 @@ def test_every_headdim_fp16(d, monkeypatch):
 
 
 def test_dv_pair(monkeypatch):
-    """(192, 128): the split-headdim kernel's accumulating epilogue with Dv != D."""
+    """(192, 128): the transposed-dK/dV kernel's accumulating epilogue with Dv != D."""
     monkeypatch.setenv("FLASH4_BWD_HEADS_PER_CTA", "1")
     from test_hdimv import check_bwd as check_bwd_dv, inputs
 
