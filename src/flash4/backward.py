@@ -6,8 +6,10 @@ r"""Backward pass host side: preprocess -> main kernel -> postprocess.
     exact    = 1 for query tiles with |lse_log2| >= BWD_EXACT_LSE_LOG2: the main kernel     /
                computes P there from hi, lo unrounded (exact at any magnitude, issue 8)
     dq_accum = 0                                   fp32 (B, H, Sq_pad, D), the kernel reduce-adds dQ
+                                                   (zeroed by the preprocess, every row)
     dq       = dq_accum                            converted to the input dtype, (B, Sq, H, D) (the
-                                                   kernel's dS already carries softmax_scale)
+                                                   kernel's dS already carries softmax_scale; the
+                                                   postprocess in kernels/bwd_preprocess.py)
 Sq_pad rounds seqlen_q up to the kernel's query tile so every TMA box stays in bounds.
 """
 
@@ -25,8 +27,17 @@ from flash4.validate import DTYPE_NAMES
 
 def _kernel_ready(t: torch.Tensor) -> torch.Tensor:
     """Last dim contiguous, other strides multiples of 8 elements, 16-byte aligned base (TMA)."""
-    ok = t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in t.stride()[:-1])
-    return t if ok else t.contiguous()
+    return t if _is_kernel_ready(t) else t.contiguous()
+
+
+def _is_kernel_ready(t: torch.Tensor) -> bool:
+    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in t.stride()[:-1])
+
+
+def dq_target(dq: torch.Tensor) -> torch.Tensor:
+    """Where the dQ postprocess writes: dq itself when a kernel may write it (_kernel_ready's rules),
+    else a contiguous temporary that the caller copies into dq."""
+    return dq if _is_kernel_ready(dq) else torch.empty(dq.shape, dtype=dq.dtype, device=dq.device)
 
 
 def head_split_config(cfg, nheads: int, nheads_k: int, seqlen_q: int, seqlen_k: int, causal: bool, window):
@@ -100,23 +111,29 @@ def flash_attn_backward(dout, q, k, v, out, lse, softmax_scale: float, causal: b
     f32 = dict(dtype=torch.float32, device=q.device)
     dpsum = torch.zeros(batch, nheads, seqlen_q_pad, **f32)
     lse_log2 = torch.full((batch, nheads, seqlen_q_pad), float("inf"), **f32)
-    dq_accum = torch.zeros(batch, nheads, seqlen_q_pad, headdim, **f32)
+    dq_accum = torch.empty(batch, nheads, seqlen_q_pad, headdim, **f32)  # zeroed by the preprocess
     # [0]: dQ semaphores (deterministic), [1]: exact-path flags of the query tiles; one memset.
     tile_flags = torch.zeros(2, batch, nheads, num_m_blocks, dtype=torch.int32, device=q.device)
 
-    from flash4.compile.cache import get_bwd_preprocess_runner, get_bwd_runner  # late: CuTe DSL
+    from flash4.compile.cache import get_bwd_postprocess_runner, get_bwd_preprocess_runner, get_bwd_runner  # late
 
     num_kv_tiles = ceil_div(k.shape[1], cfg.tile_n) * k.shape[2] * batch
     dk_out, dv_out, dkv_sem, finish_dkv = dkv_targets(cfg, dk, dv, num_kv_tiles)
-    preprocess = get_bwd_preprocess_runner(headdim_v, cfg.dtype, cfg.arch)  # rowsum(dO * O) over Dv
+    preprocess = get_bwd_preprocess_runner(headdim_v, cfg.dtype, cfg.arch, headdim_q=headdim)  # rowsum(dO * O) over Dv
+    postprocess = get_bwd_postprocess_runner(headdim, cfg.dtype, cfg.arch,
+                                             accum_tile_m=cfg.tile_m if cfg.dq_accum_order else None)
     run = get_bwd_runner(cfg)
     with torch.cuda.device(q.device):
-        preprocess(_kernel_ready(out), dout, lse_split[0], lse_split[1], dpsum, lse_log2, tile_flags[1], cfg.tile_m)
+        preprocess(_kernel_ready(out), dout, lse_split[0], lse_split[1], dpsum, lse_log2, tile_flags[1], dq_accum,
+                   cfg.tile_m)
         if dlse is not None:
             dpsum[:, :, :seqlen_q] -= dlse
         run(_kernel_ready(q), _kernel_ready(k), _kernel_ready(v), dout, lse_log2, dpsum, dq_accum, dk_out, dv_out,
             tile_flags[0], tile_flags[1], lse_split[0], lse_split[1], softmax_scale, window=window,
             softcap=softcap, heads_per_cta=heads_per_cta, dkv_semaphore=dkv_sem)
         finish_dkv()
-    dq.copy_(dq_accum[:, :, :seqlen_q].transpose(1, 2))
+        dq_out = dq_target(dq)
+        postprocess(dq_accum, dq_out)
+    if dq_out is not dq:
+        dq.copy_(dq_out)
     return dq, dk, dv

@@ -369,6 +369,15 @@ class BwdConfig:
         return dq_whole_tile(self.split_headdim, self.headdim, self.transposed_dkv)
 
     @property
+    def dq_accum_order(self) -> bool:
+        """dQ staged and accumulated in the dQ wgmma accumulator's element order (kernels/common/
+        dq_accum.py: 16-byte conflict-free smem stores, the postprocess un-permutes) instead of
+        row-major (8-way bank-conflicted 64-bit stores at a 256 B row pitch: H200 ncu, d64 16k, 805M
+        excess store wavefronts). Whole-tile configs with the dense layout (a packed layout's dQ
+        gather keeps rows)."""
+        return self.dq_whole_tile and not (self.varlen_q or self.seqused_q)
+
+    @property
     def hdim_v(self) -> int:
         """Dv: the head dim of V, dO and dV."""
         return self.headdim if self.headdim_v is None else self.headdim_v

@@ -17,8 +17,10 @@ from flash4.config import BwdConfig, FwdConfig, ceil_div
 MAX_GRID = (2**31 - 1, 65535, 65535)
 # Kernels index tiles, rows and blocks with Int32.
 MAX_INT32 = 2**31 - 1
-# Rows (one warp each) per CTA of the backward preprocess.
-PREPROCESS_WARPS_PER_CTA = 4
+# The backward's row-wise passes (preprocess, dQ postprocess; kernels/bwd_preprocess.py): threads
+# per CTA and consecutive rows of one (batch, head) per CTA.
+ROW_PASS_THREADS = 128
+ROW_TILE = 64
 
 
 def _check_count(kernel: str, what: str, count: int, shape: str) -> None:
@@ -83,12 +85,26 @@ def bwd_grid(cfg: BwdConfig, batch: int, seqlen_k: int, nheads_k: int, num_split
     return grid
 
 
-def bwd_preprocess_grid(batch: int, seqlen_q: int, nheads: int) -> tuple[int, int, int]:
-    """Backward preprocess grid: one warp per (batch, seqlen_q, head) row, 4 rows per CTA."""
-    rows = batch * seqlen_q * nheads
-    # + one CTA's rows: the kernel forms blockIdx.x * 4 + warp before comparing with rows
-    _check_count("backward preprocess", "rows (batch x seqlen_q x nheads) + 4", rows + PREPROCESS_WARPS_PER_CTA,
+def bwd_dq_tile_grid(batch: int, seqlen_q: int, nheads: int, tile_m: int) -> tuple[int, int, int]:
+    """Grid of the accumulator-order dQ postprocess (BwdConfig.dq_accum_order): one CTA per
+    (query tile, head, batch), blockIdx.x = (batch * nheads + head) * ceil(seqlen_q / tile_m) + tile."""
+    ctas = ceil_div(seqlen_q, tile_m) * nheads * batch
+    _check_count("dQ postprocess", "CTAs (m_blocks x nheads x batch)", ctas,
+                 f"batch={batch}, seqlen_q={seqlen_q}, nheads={nheads}, tile_m={tile_m}")
+    grid = (ctas, 1, 1)
+    check_grid("dQ postprocess", grid)
+    return grid
+
+
+def bwd_rowwise_grid(batch: int, seqlen_q: int, nheads: int) -> tuple[int, int, int]:
+    """Grid of the backward preprocess and dQ postprocess: one CTA per ROW_TILE rows of one
+    (batch, head), blockIdx.x = (batch * nheads + head) * ceil(seqlen_q / ROW_TILE) + row tile.
+    Varlen: batch 1, seqlen_q = total_q. The kernel forms row indices up to the last tile's end."""
+    _check_count("backward preprocess", "seqlen_q + ROW_TILE", seqlen_q + ROW_TILE,
                  f"batch={batch}, seqlen_q={seqlen_q}, nheads={nheads}")
-    grid = (ceil_div(rows, PREPROCESS_WARPS_PER_CTA), 1, 1)
+    ctas = ceil_div(seqlen_q, ROW_TILE) * nheads * batch
+    _check_count("backward preprocess", "CTAs (row tiles x nheads x batch)", ctas,
+                 f"batch={batch}, seqlen_q={seqlen_q}, nheads={nheads}")
+    grid = (ctas, 1, 1)
     check_grid("backward preprocess", grid)
     return grid

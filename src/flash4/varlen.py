@@ -24,16 +24,18 @@ so sequence b's query tile m is padded tile padded_offset(b) / tile_m + m (its d
 exact flag). The backward allocates one more tile, the scratch tile at row padded_total: packed
 rows outside every sequence (at or past cu_seqlens_q[-1], or past seqused_q[b]) map there
 (padded_row_index), so the preprocess and the dlse scatter need no branch and the gather of dQ
-reads zeros for them (no kernel adds to that tile).
+reads zeros for them (the preprocess zeroes that tile's rows; no kernel adds to it).
 
 varlen_backward (tile_m = the backward config's query tile, flash4.config.select_bwd_config):
     preprocess (kernels/bwd_preprocess.py, varlen mode): dpsum = rowsum(dO * O), lse_log2 and the
-        exact-path flags, scattered to the padded rows; padding stays dpsum 0, lse_log2 +inf
+        exact-path flags, scattered to the padded rows, and those rows of the fp32 dQ accumulator
+        zeroed (the scratch tile's too); padding stays dpsum 0, lse_log2 +inf
     dpsum -= dlse (scattered likewise), when the LSE has a gradient
     main kernel (kernels/bwd_sm90.py with cu_seqlens / seqused): grid (n_block, kv_head,
         sequence) with ceil(max_seqlen_k / tile_n) n_blocks; writes dK, dV rows < seqlen_k of each
         sequence, reduce-adds dQ into the padded fp32 accumulator
-    dq = the accumulator gathered back to packed rows (padded_row_index), in the input dtype
+    dq = the accumulator gathered back to packed rows (padded_row_index), in the input dtype (the
+        dQ postprocess, kernels/bwd_preprocess.py)
 dK, dV rows outside every sequence are zeroed before the launch (one memset: without a host sync
 the host cannot tell whether any exist).
 """
@@ -152,7 +154,7 @@ def varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seq
     No host sync. Raises ValueError as flash4.backward (head dim, grid limits).
     """
     from flash4.arch import device_arch
-    from flash4.backward import _kernel_ready
+    from flash4.backward import _kernel_ready, dq_target
     from flash4.config import LOG2E, select_bwd_config, with_seq_layout
     from flash4.validate import DTYPE_NAMES
 
@@ -188,19 +190,20 @@ def varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seq
     f32 = dict(dtype=torch.float32, device=q.device)
     dpsum = torch.zeros(1, nheads, rows, **f32)
     lse_log2 = torch.full((1, nheads, rows), float("inf"), **f32)
-    dq_accum = torch.zeros(1, nheads, rows, headdim, **f32)
+    dq_accum = torch.empty(1, nheads, rows, headdim, **f32)  # the rows of row_index zeroed by the preprocess
     # [0]: dQ semaphores (deterministic), [1]: exact-path flags of the padded query tiles; one memset.
     tile_flags = torch.zeros(2, 1, nheads, rows // tile_m, dtype=torch.int32, device=q.device)
 
-    from flash4.compile.cache import get_bwd_preprocess_runner, get_bwd_runner  # late: CuTe DSL
+    from flash4.compile.cache import get_bwd_postprocess_runner, get_bwd_preprocess_runner, get_bwd_runner  # late
 
     num_kv_tiles = -(-max_seqlen_k // cfg.tile_n) * k.shape[1] * batch
     dk_out, dv_out, dkv_sem, finish_dkv = dkv_targets(cfg, dk, dv, num_kv_tiles)
-    preprocess = get_bwd_preprocess_runner(headdim_v, cfg.dtype, cfg.arch, varlen=True)  # rowsum(dO * O) over Dv
+    preprocess = get_bwd_preprocess_runner(headdim_v, cfg.dtype, cfg.arch, varlen=True, headdim_q=headdim)
+    postprocess = get_bwd_postprocess_runner(headdim, cfg.dtype, cfg.arch, varlen=True)
     run = get_bwd_runner(cfg)
     with torch.cuda.device(q.device):
         preprocess(_kernel_ready(out)[None], dout[None], lse_split[0][None], lse_split[1][None], dpsum, lse_log2,
-                   tile_flags[1], tile_m, row_index)
+                   tile_flags[1], dq_accum, tile_m, row_index)
         if dlse is not None:
             # rows outside every sequence all land on the scratch row (never read)
             dpsum[0].index_add_(1, row_index, dlse.to(torch.float32), alpha=-1.0)
@@ -215,7 +218,10 @@ def varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seq
             heads_per_cta=heads_per_cta, dkv_semaphore=dkv_sem)
         finish_dkv()
         # packed row r <- padded row row_index[r]; rows outside every sequence read the scratch tile's zeros
-        dq.copy_(dq_accum[0].transpose(0, 1).index_select(0, row_index))
+        dq_out = dq_target(dq)
+        postprocess(dq_accum, dq_out[None], row_index)
+    if dq_out is not dq:
+        dq.copy_(dq_out)
     return dq, dk, dv
 
 

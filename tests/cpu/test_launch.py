@@ -9,7 +9,7 @@ tile shape and dtype), persistent or not, and are checked against the rules:
     (capped only where the kernel's Int32 tile index, tile = blockIdx.x, += gridDim.x, would
     pass 2^31 - 1), and that loop visits every tile exactly once (simulated for small tile
     counts); backward, grid x = ceil(seqlen_k / tile_n) * nheads_k * batch (one CTA per key
-    block); preprocess, grid x * 4 warps >= rows with no CTA left without a row;
+    block); preprocess / dQ postprocess, grid x = ceil(seqlen_q / ROW_TILE) * nheads * batch;
   * a problem whose counts do not fit the kernels' int32 indices raises ValueError naming the
     kernel and the shape (batch=, seqlen=, nheads=), instead of launching a wrapped-around grid.
 """
@@ -26,15 +26,15 @@ from flash4.config import (
     shipped_bwd_configs,
     shipped_fwd_configs,
 )
-from flash4.launch import MAX_GRID, MAX_INT32, bwd_grid, bwd_preprocess_grid, check_grid, fwd_grid
+from flash4.launch import MAX_GRID, MAX_INT32, bwd_grid, bwd_rowwise_grid, check_grid, fwd_grid
 
 BATCHES = (1, 65535, 65536, 2**20, 2**24)
 SEQLENS = (1, 32, 128 * 1024, 2**20)
 NHEADS = (1, 2, 3, 8, 32, 64, 128)
 # H100 SXM / H200: 132 SMs; 0: what the host passes for a non-persistent config (unused there).
 NUM_SMS = (0, 1, 132)
-# Rows (one warp each) per CTA of the backward preprocess.
-PREPROCESS_ROWS_PER_CTA = launch.PREPROCESS_WARPS_PER_CTA
+# Rows of one (batch, head) per CTA of the backward preprocess / dQ postprocess.
+ROW_TILE = launch.ROW_TILE
 
 FWD_CONFIGS = shipped_fwd_configs()
 # Persistent variants of every shipped forward config (the grid is the SM count, capped by tiles).
@@ -71,9 +71,12 @@ def test_limits_are_cudas():
     assert MAX_INT32 == 2**31 - 1
 
 
-def test_preprocess_rows_per_cta():
-    """The preprocess kernel takes its warps per CTA from flash4.launch (one row per warp)."""
-    assert PREPROCESS_ROWS_PER_CTA == 4
+def test_rowwise_tile():
+    """The preprocess / postprocess kernels take their row tile and CTA size from flash4.launch."""
+    from flash4.kernels import bwd_preprocess
+
+    assert ROW_TILE == 64 and launch.ROW_PASS_THREADS == 128
+    assert ROW_TILE % bwd_preprocess.ROWS_PER_PASS == 0
 
 
 @pytest.mark.parametrize("grid", [(1, 1, 1), (MAX_GRID[0], 1, 1), (1, 65535, 1), (1, 1, 65535), MAX_GRID])
@@ -198,25 +201,15 @@ def test_bwd_int32_boundary(cfg):
 
 
 def _check_preprocess(batch, seqlen_q, nheads):
-    rows = batch * seqlen_q * nheads
-    if rows > MAX_INT32:
+    ctas = ceil_div(seqlen_q, ROW_TILE) * nheads * batch
+    if ctas > MAX_INT32 or seqlen_q + ROW_TILE > MAX_INT32:
         with pytest.raises(ValueError) as err:
-            bwd_preprocess_grid(batch, seqlen_q, nheads)
+            bwd_rowwise_grid(batch, seqlen_q, nheads)
         assert_names_problem(err, "backward preprocess", batch=batch, seqlen_q=seqlen_q, nheads=nheads)
         return
-    try:
-        grid = bwd_preprocess_grid(batch, seqlen_q, nheads)
-    except ValueError:
-        # Rejecting is only allowed at the very edge (the row index blockIdx.x * 4 + warp of the
-        # last CTA must fit int32), never for problems comfortably inside it.
-        assert rows > MAX_INT32 - 2 * PREPROCESS_ROWS_PER_CTA, (batch, seqlen_q, nheads)
-        return
+    grid = bwd_rowwise_grid(batch, seqlen_q, nheads)
     assert_valid_grid(grid)
-    assert grid[1:] == (1, 1)
-    n = PREPROCESS_ROWS_PER_CTA
-    assert grid[0] * n >= rows, (batch, seqlen_q, nheads, grid)  # every row has a warp
-    assert (grid[0] - 1) * n < rows, (batch, seqlen_q, nheads, grid)  # no CTA without a row
-    assert grid[0] * n - 1 <= MAX_INT32, (batch, seqlen_q, nheads, grid)  # largest row index formed
+    assert grid == (ctas, 1, 1), (batch, seqlen_q, nheads, grid)  # one CTA per row tile of each (batch, head)
 
 
 def test_bwd_preprocess_grid_extreme_shapes():
@@ -224,12 +217,13 @@ def test_bwd_preprocess_grid_extreme_shapes():
         _check_preprocess(batch, seqlen_q, nheads)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 2**31 - 9, 2**31 - 8, 2**31 - 5, 2**31 - 4, 2**31 - 1, 2**31, 2**40])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 63, 64, 65, 2**31 - 65, 2**31 - 64, 2**31 - 1, 2**31, 2**37, 2**40])
 def test_bwd_preprocess_int32_boundary(rows):
     _check_preprocess(rows, 1, 1)
     if rows % 2 == 0:
         _check_preprocess(2, rows // 2, 1)
         _check_preprocess(1, 1, rows)
+        _check_preprocess(1, rows, 1)
 
 
 def test_issue_batch_65536_fits_every_kernel():
@@ -238,7 +232,7 @@ def test_issue_batch_65536_fits_every_kernel():
         assert fwd_grid(cfg, 65536, 32, 1, 132) == (65536, 1, 1)
     for cfg in BWD_CONFIGS:
         assert bwd_grid(cfg, 65536, 32, 1) == (65536, 1, 1)
-    assert bwd_preprocess_grid(65536, 32, 1) == (65536 * 32 // 4, 1, 1)
+    assert bwd_rowwise_grid(65536, 32, 1) == (65536, 1, 1)
 
 
 def test_every_headdim_has_configs():

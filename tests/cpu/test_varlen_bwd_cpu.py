@@ -113,8 +113,8 @@ def test_fake_args_follow_the_flags():
     accum = bwd_fake_args(128, "bf16", dkv_accum=True, deterministic=True)
     assert accum[7].element_type == accum[8].element_type == cutlass.Float32 and accum[17] is not None
     assert packed[0].shape[0] == 1 and packed[1].shape[0] == 1  # batch mode of size 1
-    assert len(bwd_preprocess_fake_args(64, "bf16")) == 7
-    assert len(bwd_preprocess_fake_args(64, "bf16", varlen=True)) == 8
+    assert len(bwd_preprocess_fake_args(64, "bf16")) == 8  # + the dQ accumulator it zeroes
+    assert len(bwd_preprocess_fake_args(64, "bf16", varlen=True)) == 9
 
 
 # Varlen backward configs: one per tile shape (d64: 128-query steps; d128; split headdim d192/d256),
@@ -162,6 +162,6 @@ def test_varlen_preprocess_compiles():
 
     args = bwd_preprocess_fake_args(128, "bf16", varlen=True)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    compiled = cute.compile(BackwardPreprocess(128, args[0].element_type), *args[:7], cutlass.Int32(64),
-                            cutlass.Int32(1), stream, args[7], options=COMPILE_OPTIONS + " --gpu-arch sm_90a")
+    compiled = cute.compile(BackwardPreprocess(128, args[0].element_type), *args[:8], cutlass.Int32(64),
+                            cutlass.Int32(1), stream, args[8], options=COMPILE_OPTIONS + " --gpu-arch sm_90a")
     assert extract_cubin(compiled) is not None

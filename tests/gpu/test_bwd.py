@@ -208,3 +208,29 @@ def check_deterministic(b, s, h, hk, d, causal, calls, seed):
         again = flash_attn_backward(dout, q, k, v, out, lse, scale, causal, deterministic=True)
         for g0, g1 in zip(first, again):
             assert torch.equal(g0, g1)
+
+
+@pytest.mark.parametrize("d", [64, 192])
+def test_dq_accumulator_zeroed_in_recycled_memory(d):
+    """The fp32 dQ accumulator is torch.empty memory that the preprocess zeroes (no memset): fill the
+    caching allocator's blocks with NaN first, so memory the preprocess failed to zero poisons dq."""
+    for _ in range(2):
+        poison = torch.full((64 << 20,), math.nan, device="cuda")  # 256 MiB, freed into the cache
+        del poison
+        check_bwd(2, 1000, 1000, 4, 4, d, causal=True)
+
+
+def test_dq_into_strided_tensor():
+    """A preallocated dq whose strides the postprocess cannot write (a slice of a wider tensor):
+    it goes through a temporary, every element still written."""
+    b, s, h, d = 2, 300, 4, 64
+    q, k, v, dout = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    scale = 1 / math.sqrt(d)
+    out, lse = _flash_attn_forward(q, k, v, scale, False)
+    wide = torch.full((b, s, h, d + 4), math.nan, device="cuda", dtype=torch.bfloat16)
+    dq = wide[..., :d]
+    dk, dv = (torch.full_like(t, math.nan) for t in (k, v))
+    # deterministic: the two calls' dQ sums are bitwise comparable
+    flash_attn_backward(dout, q, k, v, out, lse, scale, False, dq=dq, dk=dk, dv=dv, deterministic=True)
+    dq_ref, _, _ = flash_attn_backward(dout, q, k, v, out, lse, scale, False, deterministic=True)
+    assert torch.equal(dq, dq_ref) and wide[..., d:].isnan().all()

@@ -165,7 +165,9 @@ def warmup_main(configs: list | None = None) -> int:
         t1 = time.perf_counter()
         try:
             if isinstance(cfg, BwdConfig):
-                cache.get_bwd_preprocess_runner(cfg.hdim_v, cfg.dtype, cfg.arch)  # rowsum(dO * O) over Dv
+                cache.get_bwd_preprocess_runner(cfg.hdim_v, cfg.dtype, cfg.arch, headdim_q=cfg.headdim)
+                cache.get_bwd_postprocess_runner(cfg.headdim, cfg.dtype, cfg.arch,
+                                                 accum_tile_m=cfg.tile_m if cfg.dq_accum_order else None)
                 cache.get_bwd_runner(cfg)
             else:
                 cache.get_fwd_runner(cfg)

@@ -16,7 +16,7 @@ import os
 from flash4 import arch
 from flash4.config import LOG2E, BwdConfig, FwdConfig
 from flash4.geometry import UNBOUNDED
-from flash4.launch import bwd_dynamic_seqlen_k, bwd_grid, bwd_num_splits, bwd_preprocess_grid, fwd_grid
+from flash4.launch import bwd_dynamic_seqlen_k, bwd_grid, bwd_dq_tile_grid, bwd_num_splits, bwd_rowwise_grid, fwd_grid
 from flash4.schedule import l2_section_heads
 
 # Without a GPU the DSL would default to sm_100a: flash4 compiles for Hopper unless told otherwise.
@@ -201,32 +201,75 @@ def get_bwd_runner(cfg: BwdConfig):
 
 
 @functools.lru_cache(maxsize=None)
-def get_bwd_preprocess_runner(headdim: int, dtype: str, arch: int = 90, varlen: bool = False):
+def get_bwd_preprocess_runner(headdim: int, dtype: str, arch: int = 90, varlen: bool = False,
+                              headdim_q: int | None = None):
     """Cached: compiled backward preprocess, run(out, dout, lse_hi, lse_lo, dpsum, lse_log2, exact,
-    tile_m, row_index=None) (see kernels/bwd_preprocess.py) on the current stream (grid:
-    flash4.launch). varlen: packed layouts with a batch mode of size 1 and row_index, int32
-    (total_q,), the padded row of each packed row (flash4.varlen.padded_row_index), required."""
+    dq_accum, tile_m, row_index=None) (see kernels/bwd_preprocess.py) on the current stream (grid:
+    flash4.launch.bwd_rowwise_grid). headdim: O's head dim (Dv); headdim_q: dq_accum's (None: the
+    same). varlen: packed layouts with a batch mode of size 1 and row_index, int32 (total_q,), the
+    padded row of each packed row (flash4.varlen.padded_row_index), required."""
     from flash4.compile.fake import bwd_preprocess_fake_args
     from flash4.kernels.bwd_preprocess import BackwardPreprocess
 
+    headdim_q = headdim if headdim_q is None else headdim_q
+
     def compile_preprocess():
-        args = bwd_preprocess_fake_args(headdim, dtype, varlen)
+        args = bwd_preprocess_fake_args(headdim, dtype, varlen, headdim_q)
         stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
         return cute.compile(
-            BackwardPreprocess(headdim, args[0].element_type), *args[:7], cutlass.Int32(64), cutlass.Int32(1), stream,
-            *args[7:], options=COMPILE_OPTIONS + _arch_option(arch),
+            BackwardPreprocess(headdim, args[0].element_type, headdim_q), *args[:8], cutlass.Int32(64),
+            cutlass.Int32(1), stream, *args[8:], options=COMPILE_OPTIONS + _arch_option(arch),
         )
 
-    # The dense key is the one it always had (a warm disk cache stays warm).
-    key = (headdim, dtype, arch, "varlen") if varlen else (headdim, dtype, arch)
+    key = (headdim, dtype, arch) + (("varlen",) if varlen else ()) + ((headdim_q,) if headdim_q != headdim else ())
     compiled = load_or_compile("bwd_preprocess", key, COMPILE_OPTIONS + _arch_option(arch), compile_preprocess)
 
-    def run(out, dout, lse_hi, lse_lo, dpsum, lse_log2, exact, tile_m: int, row_index=None):
+    def run(out, dout, lse_hi, lse_lo, dpsum, lse_log2, exact, dq_accum, tile_m: int, row_index=None):
         if (row_index is not None) != varlen:
             raise ValueError(f"flash4 backward preprocess: row_index must be given iff varlen (varlen={varlen})")
-        grid = bwd_preprocess_grid(out.shape[0], out.shape[1], out.shape[2])
+        # dense: every accumulator row (whole tiles); varlen: the packed rows
+        grid = bwd_rowwise_grid(out.shape[0], out.shape[1] if varlen else dq_accum.shape[2], out.shape[2])
         # row_index is a parameter of the compiled function either way (None: dense).
-        compiled(out, dout, lse_hi, lse_lo, dpsum, lse_log2, exact, tile_m, grid[0], row_index)
+        compiled(out, dout, lse_hi, lse_lo, dpsum, lse_log2, exact, dq_accum, tile_m, grid[0], row_index)
+
+    return run
+
+
+@functools.lru_cache(maxsize=None)
+def get_bwd_postprocess_runner(headdim: int, dtype: str, arch: int = 90, varlen: bool = False,
+                               accum_tile_m: int | None = None):
+    """Cached: compiled dQ postprocess, run(dq_accum, dq, row_index=None): dq (B, Sq, H, D) in dtype
+    from the fp32 dq_accum (B, H, Sq_pad, D) (kernels/bwd_preprocess.py); varlen as the preprocess.
+    accum_tile_m: the backward's query tile when its dQ tiles are in accumulator order
+    (BwdConfig.dq_accum_order; dense only), else None (row-major)."""
+    from flash4.compile.fake import bwd_postprocess_fake_args
+    from flash4.kernels.bwd_preprocess import BackwardPostprocess, BackwardPostprocessAccumOrder
+
+    if accum_tile_m is not None and varlen:
+        raise ValueError("flash4 dQ postprocess: the accumulator order is for dense layouts only")
+
+    def compile_postprocess():
+        args = bwd_postprocess_fake_args(headdim, dtype, varlen)
+        stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+        if accum_tile_m is not None:
+            kernel = BackwardPostprocessAccumOrder(headdim, args[1].element_type, accum_tile_m)
+        else:
+            kernel = BackwardPostprocess(headdim, args[1].element_type)
+        return cute.compile(kernel, *args[:2], cutlass.Int32(1), stream, *args[2:],
+                            options=COMPILE_OPTIONS + _arch_option(arch))
+
+    key = (headdim, dtype, arch) + (("varlen",) if varlen else ()) + (("accum", accum_tile_m) if accum_tile_m else ())
+    compiled = load_or_compile("bwd_postprocess", key, COMPILE_OPTIONS + _arch_option(arch), compile_postprocess)
+
+    def run(dq_accum, dq, row_index=None):
+        if (row_index is not None) != varlen:
+            raise ValueError(f"flash4 dQ postprocess: row_index must be given iff varlen (varlen={varlen})")
+        if accum_tile_m is not None:
+            grid = bwd_dq_tile_grid(dq.shape[0], dq.shape[1], dq.shape[2], accum_tile_m)
+            compiled(dq_accum, dq, grid[0])
+        else:
+            grid = bwd_rowwise_grid(dq.shape[0], dq.shape[1], dq.shape[2])
+            compiled(dq_accum, dq, grid[0], row_index)
 
     return run
 

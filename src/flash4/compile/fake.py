@@ -94,13 +94,16 @@ def bwd_fake_args(headdim: int, dtype: str, varlen_q: bool = False, varlen_k: bo
     return (q, k, v, do, lse, dpsum, dq_acc, dk, dv, dq_sem, exact, lse_hi, lse_lo) + seq + (dkv_sem,)
 
 
-def bwd_preprocess_fake_args(headdim: int, dtype: str, varlen: bool = False):
-    """(out, dout, lse_hi, lse_lo, dpsum, lse_log2, exact) (+ row_index when varlen).
+def bwd_preprocess_fake_args(headdim: int, dtype: str, varlen: bool = False, headdim_q: int | None = None):
+    """(out, dout, lse_hi, lse_lo, dpsum, lse_log2, exact, dq_accum) (+ row_index when varlen).
 
-    Dense: out/dout (b, sq, h, d); lse_hi/lse_lo fp32 (b, h, sq); dpsum/lse_log2 fp32 (b, h, sq_pad);
-    exact int32 (b, h, num_m_blocks). varlen: b = 1, sq = total_q, sq_pad = the padded rows, and
-    row_index int32 (total_q,) (flash4.varlen.padded_row_index)."""
+    Dense: out/dout (b, sq, h, d) (d = headdim, O's head dim); lse_hi/lse_lo fp32 (b, h, sq);
+    dpsum/lse_log2 fp32 (b, h, sq_pad); exact int32 (b, h, num_m_blocks); dq_accum fp32
+    (b, h, sq_pad, dq) (dq = headdim_q, or headdim when None), rows contiguous. varlen: b = 1,
+    sq = total_q, sq_pad = the padded rows, and row_index int32 (total_q,)
+    (flash4.varlen.padded_row_index)."""
     dt = DTYPES[dtype]
+    dq = headdim if headdim_q is None else headdim_q
     b, sq, h, sq_pad, nmb = (cute.sym_int32() for _ in range(5))
     if varlen:
         b = 1
@@ -111,9 +114,23 @@ def bwd_preprocess_fake_args(headdim: int, dtype: str, varlen: bool = False):
     dpsum = _fake(cutlass.Float32, (b, h, sq_pad), 2, 4)
     lse2 = _fake(cutlass.Float32, (b, h, sq_pad), 2, 4)
     exact = _fake(cutlass.Int32, (b, h, nmb), 2, 1)
+    dq_accum = _fake(cutlass.Float32, (b, h, sq_pad, dq), 3, 4)
     if varlen:
-        return o, do, lse_hi, lse_lo, dpsum, lse2, exact, _fake(cutlass.Int32, (sq,), 0, 1)
-    return o, do, lse_hi, lse_lo, dpsum, lse2, exact
+        return o, do, lse_hi, lse_lo, dpsum, lse2, exact, dq_accum, _fake(cutlass.Int32, (sq,), 0, 1)
+    return o, do, lse_hi, lse_lo, dpsum, lse2, exact, dq_accum
+
+
+def bwd_postprocess_fake_args(headdim: int, dtype: str, varlen: bool = False):
+    """(dq_accum, dq) (+ row_index when varlen): dq_accum fp32 (b, h, sq_pad, headdim), rows
+    contiguous; dq (b, sq, h, headdim) 16-bit; varlen: b = 1, sq = total_q, row_index int32 (total_q,)."""
+    b, sq, h, sq_pad = (cute.sym_int32() for _ in range(4))
+    if varlen:
+        b = 1
+    dq_accum = _fake(cutlass.Float32, (b, h, sq_pad, headdim), 3, 4)
+    dq = _fake(DTYPES[dtype], (b, sq, h, headdim), 3, DIV_16B)
+    if varlen:
+        return dq_accum, dq, _fake(cutlass.Int32, (sq,), 0, 1)
+    return dq_accum, dq
 
 
 def sink_fake_arg(cfg):

@@ -23,7 +23,9 @@ dS^T, staged and kept as dK's A operand; issue dV; barrier; dQ; dK; stage dQ for
 (under dK). Otherwise dV is issued before the dS^T math (dS^T then overlaps dV); at 128 queries
 per step that order made ptxas serialize every wgmma (C7512). The store warp reduce-adds the dQ
 tile with one bulk op per row, or (head dim <= 96, config.DQ_WHOLE_TILE_MAX_HEADDIM) one for the
-whole unpadded tile. The element mask is compiled only into the loop
+whole unpadded tile, staged in the accumulator's own element order when the layout is dense
+(BwdConfig.dq_accum_order, kernels/common/dq_accum.py: 16-byte conflict-free stores; the dQ
+postprocess undoes the order). The element mask is compiled only into the loop
 over the m_blocks that need it: causal, those that cross the diagonal; every m_block of the CTA
 whose key tile crosses seqlen_k (keys past it are masked explicitly, never left to TMA's zero fill).
 P uses the padded log2 LSE; query tiles whose |LSE * log2 e| is huge take an exact exponent from
@@ -76,6 +78,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from flash4.config import LOG2E, SM90_MAX_SMEM_BYTES, BwdConfig
 from flash4.kernels.common.barriers import NamedBarrierBwd
+from flash4.kernels.common.dq_accum import make_dq_tiled_mma, store_accum_order
 from flash4.kernels.common.exp2 import exp2_hw, fma_rn
 from flash4.kernels.common import geometry
 from flash4.kernels.common.gemm import wgmma
@@ -240,13 +243,8 @@ class FlashAttentionBackwardSm90:
             mma_sdp = make(K, K, Float32, (1, 2, 1), (64, self.tile_m // 2))
             mma_dkv = make(K, MN, Float32, (1, 2, 1), (64, self.hdim // 2))
         # dQ: (tile_m queries) x headdim, queries or headdim split over the 2 warpgroups; A = dS (from the
-        # staged dS^T: M-major), B = K^T (MN-major).
-        if const_expr(self.tile_m == 64 * self.num_wg_mma):
-            # 128 queries: split them (64 each, N = headdim). Halving headdim instead (N = 32 at
-            # d64) would make the SS wgmma read more smem per FLOP than the tensor cores use.
-            mma_dq = make(MN, MN, Float32, (2, 1, 1), (64, self.hdim))
-        else:
-            mma_dq = make(MN, MN, Float32, (1, 2, 1), (64, self.hdim // 2))
+        # staged dS^T: M-major), B = K^T (MN-major). The dQ postprocess builds the same (accumulator order).
+        mma_dq = make_dq_tiled_mma(self.dtype, self.tile_m, self.hdim, self.num_wg_mma)
         return mma_sdp, mma_dkv, mma_dq
 
     def _tiled_mma_dv(self, mma_dkv):
@@ -813,7 +811,10 @@ class FlashAttentionBackwardSm90:
                     # Hand the dQ tile to warp 1 once it has finished reading the previous one.
                     if step > 0:
                         cute.arch.barrier(barrier_id=int(NamedBarrierBwd.dQEmpty), number_of_threads=self.num_mma_threads + 32)
-                    cute.copy(r2s_dQ, r2s_dQ.retile(acc_dQ), tdQsdQ)
+                    if const_expr(self.cfg.dq_accum_order):
+                        store_accum_order(acc_dQ, sdQ.iterator, tidx, self.num_mma_threads)  # 16-byte, conflict-free
+                    else:
+                        cute.copy(r2s_dQ, r2s_dQ.retile(acc_dQ), tdQsdQ)
                     # The bulk reduce reads sdQ through the async proxy: order our generic-proxy stores first.
                     cute.arch.fence_view_async_shared()
                     cute.arch.barrier_arrive(barrier_id=int(NamedBarrierBwd.dQFull), number_of_threads=self.num_mma_threads + 32)
