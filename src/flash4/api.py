@@ -71,13 +71,11 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False,
            rounding). Cost: one tanh per score (on the MUFU unit the exponentials also use), plus
            its derivative in the backward; the value is a runtime argument (changing it never
            recompiles; 0 and > 0 are two compiled variants).
-           Not yet run on a GPU (compile-checked only).
         learnable_sink: None or a (nheads,) tensor (float32, bfloat16 or float16, on q's device):
            attention sinks (gpt-oss): one extra logit sink[h] per query head joins every row's softmax
            denominator and contributes no value, out_i = sum_j p_ij v_j / (sum_j p_ij + exp(sink_h - m));
            lse includes it (log(sum_j exp(s_ij) + exp(sink_h))); a row that sees no key gives out 0 and
            lse = sink_h. Differentiable (dsink computed in torch from out, dout and lse).
-           Not yet run on a GPU (compile-checked only).
 
     Returns:
         out: (batch, seqlen_q, nheads, headdim_v), dtype of q, contiguous; or
@@ -91,8 +89,8 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False,
             nheads, an unsupported headdim, a non-contiguous last dim or misaligned stride,
             softmax_scale not finite and > 0, a window side below -1, softcap NaN, infinite or
             negative, tensors not on one CUDA device, a GPU without a flash4 kernel (sm_90 only for
-            now). flash4.validate.support_error(q, k, v, softmax_scale, causal, window_size, softcap)
-            gives the same message without raising.
+            now). flash4.validate.support_error(q, k, v, softmax_scale, causal, window_size, softcap,
+            learnable_sink) gives the same message without raising.
 
     Gradients: `.backward()` through `out` gives dq, dk, dv (flash4.backward); a loss that uses lse
         (return_lse=True) adds its gradient too (dS gains P * dLSE), at no cost when lse is unused.
@@ -306,14 +304,12 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
            per score (on the MUFU unit the exponentials also use), plus its derivative in the
            backward; the value is a runtime argument (changing it never recompiles; 0 and > 0 are
            two compiled variants).
-           Not yet run on a GPU (compile-checked only).
         learnable_sink: None or a (nheads,) tensor (float32, bfloat16 or float16, on q's device):
            attention sinks (gpt-oss): one extra logit sink[h] per query head joins every row's softmax
            denominator and contributes no value, out_i = sum_j p_ij v_j / (sum_j p_ij + exp(sink_h - m));
            lse includes it (log(sum_j exp(s_ij) + exp(sink_h))); a row that sees no key gives out 0 and
            lse = sink_h. Differentiable (dsink computed in torch from out, dout and lse over
            the rows inside a sequence).
-           Not yet run on a GPU (compile-checked only).
         return_lse: bool; also return the log-sum-exp of each row.
         deterministic: bool; bitwise reproducible backward (dQ summed in a fixed order), slower.
         check_seqlens: bool; also check the values of the metadata on the device before launching
@@ -561,14 +557,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
            below bf16 rounding). Cost: one tanh per score (on the MUFU unit the exponentials also
            use); the value is a runtime argument (changing it never recompiles; 0 and > 0 are two
            compiled variants).
-           Not yet run on a GPU (compile-checked only).
         learnable_sink: None or a (nheads,) tensor (float32, bfloat16 or float16, on q's device):
            attention sinks (gpt-oss): one extra logit sink[h] per query head joins every row's softmax
            denominator and contributes no value, out_i = sum_j p_ij v_j / (sum_j p_ij + exp(sink_h - m));
            lse includes it (log(sum_j exp(s_ij) + exp(sink_h))); a row that sees no key gives out 0 and
            lse = sink_h. Both paths, split-KV
            included (the combine kernel adds the sink).
-           Not yet run on a GPU (compile-checked only).
         num_splits: how many CTAs share the keys of one (sequence, KV head) tile (split-KV; their
            partial results are merged by a combine kernel): 0 = auto (flash4.decode.choose_num_splits:
            split only when batch x KV-head tiles fill less than 80% of the SMs, from host-known sizes

@@ -335,8 +335,8 @@ def _heads_problem(q, k, v, k_desc: str, k_name: str = "k", v_name: str = "v",
     qd, kd = q.dim() - 1, k.dim() - 1
     if k.shape[-1] != q.shape[-1]:
         return ValueError, (
-            f"{k_name}.shape[{kd}] (headdim) is {k.shape[-1]} but q.shape[{qd}] is {q.shape[-1]}; q, {k_name} and "
-            f"{v_name} need the same headdim; q.shape={_shape(q)}, {k_name}.shape={_shape(k)}"
+            f"{k_name}.shape[{kd}] (headdim) is {k.shape[-1]} but q.shape[{qd}] is {q.shape[-1]}; q and {k_name} "
+            f"need the same headdim (only {v_name}'s may differ); q.shape={_shape(q)}, {k_name}.shape={_shape(k)}"
         )
     if v.dim() != k.dim() or v.shape[:-1] != k.shape[:-1]:
         return ValueError, (
