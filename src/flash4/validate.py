@@ -78,8 +78,8 @@ def _problem(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1),
         )
     if k.shape[3] != q.shape[3]:
         return ValueError, (
-            f"k.shape[3] (headdim) is {k.shape[3]} but q.shape[3] is {q.shape[3]}; q, k and v need the same "
-            f"headdim; q.shape={_shape(q)}, k.shape={_shape(k)}"
+            f"k.shape[3] (headdim) is {k.shape[3]} but q.shape[3] is {q.shape[3]}; q and k need the same "
+            f"headdim (only v's may differ); q.shape={_shape(q)}, k.shape={_shape(k)}"
         )
     if v.shape[:3] != k.shape[:3]:
         return ValueError, (
