@@ -675,13 +675,7 @@ class FlashAttentionBackwardSm90:
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         pipeline_kv.consumer_wait(kv_state)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
-        scale_log2 = softmax_scale * Float32(LOG2E)
-        if const_expr(self.cfg.softcap):
-            # scores softcap * tanh(S * scale / softcap): tanh's input scale, the softmax's log2 scale
-            # and its inverse (to recover tanh from P and the LSE for the derivative)
-            softcap_scale = softmax_scale / self.softcap
-            scale_log2 = self.softcap * Float32(LOG2E)
-            inv_scale_log2 = Float32(1.0) / scale_log2
+        scale_log2, softcap_scale, inv_scale_log2 = self.score_scales(softmax_scale)
         thread_col0 = tScS[0, 0][1]
         # The m_blocks [m_block_min, m_mask_end) run with the element mask compiled in, the rest
         # without: causal, the first m_blocks of each head (those crossing the diagonal); and every
@@ -690,15 +684,7 @@ class FlashAttentionBackwardSm90:
         # overflows when every real score of the row is very negative). Queries past seqlen_q need
         # no mask: their LSE is +inf (flash4.backward pads it), so P = 0 there.
         # A window adds a third run: the m_blocks [m_left, m_block_max) that cross its left edge.
-        m_mask_end = geometry.m_block_mask_end(n_block, seqlen_q, seqlen_k, self.tile_m, self.tile_n, self.causal,
-                                               self.window)
-        m_left = m_block_max
-        if const_expr(self.cfg.local):
-            # m_block_min <= m_mask_end <= m_left <= m_block_max (all equal for a tile without queries)
-            m_mask_end = cutlass.min(cutlass.max(m_mask_end, m_block_min), m_block_max)
-            m_left = geometry.m_block_left_mask_start(n_block, seqlen_q, seqlen_k, self.tile_m, self.tile_n,
-                                                      self.window)
-            m_left = cutlass.min(cutlass.max(m_left, m_mask_end), m_block_max)
+        m_mask_end, m_left = self.mask_phase_bounds(n_block, seqlen_q, seqlen_k, m_block_min, m_block_max)
         step = Int32(0)
         for h_in_group in cutlass.range(num_heads, unroll=1):
             head = head0 + h_in_group
@@ -892,19 +878,8 @@ class FlashAttentionBackwardSm90:
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         pipeline_kv.consumer_wait(kv_state)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
-        scale_log2 = softmax_scale * Float32(LOG2E)
-        if const_expr(self.cfg.softcap):
-            softcap_scale = softmax_scale / self.softcap
-            scale_log2 = self.softcap * Float32(LOG2E)
-            inv_scale_log2 = Float32(1.0) / scale_log2
-        m_mask_end = geometry.m_block_mask_end(n_block, seqlen_q, seqlen_k, self.tile_m, self.tile_n, self.causal,
-                                               self.window)
-        m_left = m_block_max
-        if const_expr(self.cfg.local):
-            m_mask_end = cutlass.min(cutlass.max(m_mask_end, m_block_min), m_block_max)
-            m_left = geometry.m_block_left_mask_start(n_block, seqlen_q, seqlen_k, self.tile_m, self.tile_n,
-                                                      self.window)
-            m_left = cutlass.min(cutlass.max(m_left, m_mask_end), m_block_max)
+        scale_log2, softcap_scale, inv_scale_log2 = self.score_scales(softmax_scale)
+        m_mask_end, m_left = self.mask_phase_bounds(n_block, seqlen_q, seqlen_k, m_block_min, m_block_max)
         step = Int32(0)
         for h_in_group in cutlass.range(num_heads, unroll=1):
             head = head0 + h_in_group
@@ -1004,6 +979,34 @@ class FlashAttentionBackwardSm90:
         else:
             self.epilogue_dKV(acc_dK, acc_dV, mdK, mdV, tma_atom_dK, tma_atom_dV, sK, sV, mma_dkv, mma_dv, tidx,
                               n_block, head_kv, seq)
+
+
+    def score_scales(self, softmax_scale):
+        """(scale_log2, softcap_scale, inv_scale_log2): P = 2^(S * scale_log2 - LSE_log2). With softcap
+        the scores are softcap * tanh(S * scale / softcap): tanh's input scale softcap_scale, the
+        softmax's log2 scale softcap * log2 e and its inverse (to recover tanh from P and the LSE for
+        the derivative); without, the last two are None."""
+        scale_log2 = softmax_scale * Float32(LOG2E)
+        if const_expr(self.cfg.softcap):
+            softcap_scale = softmax_scale / self.softcap
+            scale_log2 = self.softcap * Float32(LOG2E)
+            return scale_log2, softcap_scale, Float32(1.0) / scale_log2
+        return scale_log2, None, None
+
+    def mask_phase_bounds(self, n_block, seqlen_q, seqlen_k, m_block_min, m_block_max):
+        """(m_mask_end, m_left): the step loop's m_blocks [m_block_min, m_mask_end) run with the element
+        mask, [m_mask_end, m_left) without, and (a window) [m_left, m_block_max) with it again (the
+        left edge); m_block_min <= m_mask_end <= m_left <= m_block_max, all equal for a tile without
+        queries."""
+        m_mask_end = geometry.m_block_mask_end(n_block, seqlen_q, seqlen_k, self.tile_m, self.tile_n, self.causal,
+                                               self.window)
+        m_left = m_block_max
+        if const_expr(self.cfg.local):
+            m_mask_end = cutlass.min(cutlass.max(m_mask_end, m_block_min), m_block_max)
+            m_left = geometry.m_block_left_mask_start(n_block, seqlen_q, seqlen_k, self.tile_m, self.tile_n,
+                                                      self.window)
+            m_left = cutlass.min(cutlass.max(m_left, m_mask_end), m_block_max)
+        return m_mask_end, m_left
 
     @cute.jit
     def exponent_exact(self, s, t0ScS, mLSEhi, mLSElo, scale_log2, m_block, thread_col0, head, seq):
