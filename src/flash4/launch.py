@@ -85,26 +85,27 @@ def bwd_grid(cfg: BwdConfig, batch: int, seqlen_k: int, nheads_k: int, num_split
     return grid
 
 
+def _row_tile_grid(kernel: str, batch: int, seqlen_q: int, nheads: int, tile: int) -> tuple[int, int, int]:
+    """One CTA per `tile` rows of one (batch, head): blockIdx.x = (batch * nheads + head) *
+    ceil(seqlen_q / tile) + row tile."""
+    ctas = ceil_div(seqlen_q, tile) * nheads * batch
+    _check_count(kernel, "CTAs (row tiles x nheads x batch)", ctas,
+                 f"batch={batch}, seqlen_q={seqlen_q}, nheads={nheads}, tile={tile}")
+    grid = (ctas, 1, 1)
+    check_grid(kernel, grid)
+    return grid
+
+
 def bwd_dq_tile_grid(batch: int, seqlen_q: int, nheads: int, tile_m: int) -> tuple[int, int, int]:
     """Grid of the accumulator-order dQ postprocess (BwdConfig.dq_accum_order): one CTA per
-    (query tile, head, batch), blockIdx.x = (batch * nheads + head) * ceil(seqlen_q / tile_m) + tile."""
-    ctas = ceil_div(seqlen_q, tile_m) * nheads * batch
-    _check_count("dQ postprocess", "CTAs (m_blocks x nheads x batch)", ctas,
-                 f"batch={batch}, seqlen_q={seqlen_q}, nheads={nheads}, tile_m={tile_m}")
-    grid = (ctas, 1, 1)
-    check_grid("dQ postprocess", grid)
-    return grid
+    (query tile, head, batch)."""
+    return _row_tile_grid("dQ postprocess", batch, seqlen_q, nheads, tile_m)
 
 
 def bwd_rowwise_grid(batch: int, seqlen_q: int, nheads: int) -> tuple[int, int, int]:
     """Grid of the backward preprocess and dQ postprocess: one CTA per ROW_TILE rows of one
-    (batch, head), blockIdx.x = (batch * nheads + head) * ceil(seqlen_q / ROW_TILE) + row tile.
-    Varlen: batch 1, seqlen_q = total_q. The kernel forms row indices up to the last tile's end."""
+    (batch, head). Varlen: batch 1, seqlen_q = total_q. The kernel forms row indices up to the last
+    tile's end."""
     _check_count("backward preprocess", "seqlen_q + ROW_TILE", seqlen_q + ROW_TILE,
                  f"batch={batch}, seqlen_q={seqlen_q}, nheads={nheads}")
-    ctas = ceil_div(seqlen_q, ROW_TILE) * nheads * batch
-    _check_count("backward preprocess", "CTAs (row tiles x nheads x batch)", ctas,
-                 f"batch={batch}, seqlen_q={seqlen_q}, nheads={nheads}")
-    grid = (ctas, 1, 1)
-    check_grid("backward preprocess", grid)
-    return grid
+    return _row_tile_grid("backward preprocess", batch, seqlen_q, nheads, ROW_TILE)
