@@ -183,7 +183,7 @@ def _flash_attn_forward(q, k, v, softmax_scale=None, causal=False, out=None, lse
     window = window_sides(window_size, causal)
     cfg = select_fwd_config(headdim, DTYPE_NAMES[q.dtype], causal, arch=device_arch(q.device), local=window is not None,
                             softcap=softcap > 0, **({} if sink is None else {"sink": True}),
-                            **({} if headdim_v == headdim else {"headdim_v": headdim_v}))
+                            **({} if headdim_v == headdim else {"headdim_v": headdim_v}), seqlen_k=seqlen_k)
     cfg = with_pack_gqa(cfg, q.shape[2], k.shape[2])
     run = get_fwd_runner(cfg)
     kwargs = {"window": window, "softcap": softcap}

@@ -5,6 +5,8 @@ and are compared with a brute-force walk of the (bottom-right aligned) causal ma
 tests/cpu/test_geometry.py).
 """
 
+import dataclasses
+
 import pytest
 
 pytest.importorskip("cutlass")
@@ -16,6 +18,8 @@ from flash4.config import (  # noqa: E402
     select_fwd_config,
     shipped_bwd_configs,
     shipped_fwd_configs,
+    short_seq_fwd_config,
+    SHORT_SEQLEN_K,
 )
 from flash4 import geometry as block_info  # noqa: E402
 
@@ -27,7 +31,11 @@ def test_shipped_configs_fit_and_cover_the_api():
     assert {c.headdim for c in fwd} == set(SUPPORTED_HEADDIMS)
     for c in fwd:
         assert c.smem_bytes() <= SMEM_LIMIT and c.tile_m % 64 == 0 and c.tile_n % 16 == 0
-        assert c.lpt == c.causal and not c.persistent and c.exp2_emu_frac == 0.0  # ablation-chosen defaults
+        assert c.exp2_emu_frac == 0.0  # ablation-chosen default
+        if c.persistent:  # the short-sequence configs (select_fwd_config(seqlen_k=...))
+            assert c.lpt and c == short_seq_fwd_config(select_fwd_config(c.headdim, c.dtype, c.causal))
+        else:
+            assert c.lpt == c.causal  # LPT tile order for causal on the plain grid
     bwd = shipped_bwd_configs()
     assert {c.headdim for c in bwd} == set(BWD_SUPPORTED_HEADDIMS)
     assert all(c.smem_bytes() <= SMEM_LIMIT for c in bwd)
@@ -106,3 +114,27 @@ def test_bwd_swizzle_atom_tiles_headdim_halves(d):
     half = d // 2
     assert d % width == 0 and (half % width == 0 or width % half == 0)  # the half is whole atoms or a divisor of one
     assert _half_split_atom_cols(d) is None or d in (96, 192)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_short_sequence_forward_configs(dtype):
+    """seqlen_k <= SHORT_SEQLEN_K: d64 (causal with 128-row tiles) and d128 causal run persistent;
+    other head dims, d128 non-causal, longer keys and window / softcap / sink / Dv != D keep the
+    long-sequence config."""
+    for d in SUPPORTED_HEADDIMS:
+        for causal in (False, True):
+            long = select_fwd_config(d, dtype, causal)
+            assert select_fwd_config(d, dtype, causal, seqlen_k=SHORT_SEQLEN_K + 1) == long
+            assert select_fwd_config(d, dtype, causal, seqlen_k=None) == long
+            for sk in (1, 129, SHORT_SEQLEN_K):
+                short = select_fwd_config(d, dtype, causal, seqlen_k=sk)
+                if d == 64 or (d == 128 and causal):
+                    assert short == dataclasses.replace(long, persistent=True, lpt=True,
+                                                        tile_m=128 if (d == 64 and causal) else long.tile_m)
+                else:
+                    assert short == long
+    for kw in ({"local": True}, {"softcap": True}, {"sink": True}, {"headdim_v": 128}):
+        assert not select_fwd_config(64, dtype, True, seqlen_k=512, **kw).persistent
+    shipped = shipped_fwd_configs()
+    for d, causal in ((64, False), (64, True), (128, True)):
+        assert select_fwd_config(d, dtype, causal, seqlen_k=SHORT_SEQLEN_K) in shipped

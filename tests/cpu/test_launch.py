@@ -36,9 +36,11 @@ NUM_SMS = (0, 1, 132)
 # Rows of one (batch, head) per CTA of the backward preprocess / dQ postprocess.
 ROW_TILE = launch.ROW_TILE
 
-FWD_CONFIGS = shipped_fwd_configs()
+# The one-CTA-per-tile shipped forward configs (the persistent short-sequence ones are in FWD_CONFIGS_ALL).
+FWD_CONFIGS = [c for c in shipped_fwd_configs() if not c.persistent]
 # Persistent variants of every shipped forward config (the grid is the SM count, capped by tiles).
-FWD_CONFIGS_ALL = FWD_CONFIGS + [dataclasses.replace(c, persistent=True) for c in FWD_CONFIGS]
+FWD_CONFIGS_ALL = (FWD_CONFIGS + [dataclasses.replace(c, persistent=True) for c in FWD_CONFIGS]
+                   + [c for c in shipped_fwd_configs() if c.persistent])
 BWD_CONFIGS = shipped_bwd_configs()
 
 
