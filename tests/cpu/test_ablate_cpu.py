@@ -185,13 +185,14 @@ def test_measure_interleaves_rounds(monkeypatch):
     def time_ms(fn, rep_ms=100.0):
         n = len(launched)
         fn()
-        name = next(v for v in ms_of if ablate.variant_config(v, 64, False) == launched[n])
+        name = next(v for v in ms_of if ablate.variant_config(v, 128, False, "bf16", 64) == launched[n])
         timed.append(name)
         return next(ms_of[name])
 
     monkeypatch.setattr(run, "time_ms", time_ms)
-    cell = run.Cell(headdim=64, causal=False, seqlen=64, batch=2, nheads=2)
-    # lpt's config differs from default's on non-causal cells, so the fake runner tells them apart
+    cell = run.Cell(headdim=128, causal=False, seqlen=64, batch=2, nheads=2)
+    # lpt's config differs from default's on non-causal cells (d128 full: no short-sequence config),
+    # so the fake runner tells them apart
     rows = ablate.measure(["default", "always_rescale", "lpt"], [cell], "bf16")
     assert timed == ["default", "always_rescale", "lpt", "always_rescale", "lpt", "default",
                      "lpt", "default", "always_rescale"]
@@ -227,15 +228,15 @@ def test_ablate_main_end_to_end_with_fakes(monkeypatch, tmp_path, capsys):
 
     def time_ms(fn, rep_ms=100.0):
         cfg = fn.__defaults__[0].cfg  # the runner bound into measure()'s lambda
-        return next(ms[v] for v in ms if ablate.variant_config(v, 64, cfg.causal) == cfg)
+        return next(ms[v] for v in ms if ablate.variant_config(v, 256, cfg.causal) == cfg)
 
     monkeypatch.setattr(run, "time_ms", time_ms)
-    argv = ["bench", "--ablate", "--headdims", "64", "--seqlens", "256", "--variants", "always_rescale", "lpt",
+    argv = ["bench", "--ablate", "--headdims", "256", "--seqlens", "256", "--variants", "always_rescale", "lpt",
             "--out", str(tmp_path)]
     assert cli_main(argv) == 0
     out = capsys.readouterr().out
     assert "9/9 ok" in out  # 3 variants x (square full, square causal, rectangular causal)
-    assert "always_rescale/default" in out and "lpt = default on hdim 64 causal" in out
+    assert "always_rescale/default" in out and "lpt = default on hdim 256 causal" in out
     with open(tmp_path / "ablation.csv") as f:
         records = list(csv.DictReader(f))
     assert [(r["variant"], r["causal"]) for r in records] == [
@@ -246,3 +247,21 @@ def test_ablate_main_end_to_end_with_fakes(monkeypatch, tmp_path, capsys):
     doc = json.loads((tmp_path / "ablation.json").read_text())
     assert doc["meta"]["ablation"]["rounds"] == 3 and len(doc["correctness"]) == 9
     assert all(len(r["times_ms"]) == 3 for r in doc["rows"])
+
+
+def test_variants_follow_the_short_sequence_config():
+    """At seqlen_k <= SHORT_SEQLEN_K the ablation's default is what flash_attn_func runs there
+    (the persistent short-sequence config), and variants replace fields on top of it."""
+    from flash4.config import SHORT_SEQLEN_K, select_fwd_config
+
+    for d, c in ((64, False), (64, True), (128, True), (128, False), (256, True)):
+        assert ablate.variant_config("default", d, c, "bf16", SHORT_SEQLEN_K) == select_fwd_config(
+            d, "bf16", c, seqlen_k=SHORT_SEQLEN_K)
+        assert ablate.variant_config("default", d, c, "bf16", 4096) == select_fwd_config(d, "bf16", c)
+    short = ablate.variant_config("no_lpt_persistent", 64, True, "bf16", 1024)
+    assert not short.persistent and not short.lpt and short.tile_m == 128
+    # lpt_persistent equals the default at 1k (d64) but not at 4k: not listed as the same config
+    assert (64, False) not in ablate.same_as_default(["default", "lpt_persistent"], (64,), (False,), "bf16",
+                                                     (1024, 4096)).get("lpt_persistent", [])
+    assert (64, False) in ablate.same_as_default(["default", "lpt_persistent"], (64,), (False,), "bf16",
+                                                 (1024,)).get("lpt_persistent", [])

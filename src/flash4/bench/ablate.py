@@ -1,6 +1,7 @@
 """`python -m flash4 bench --ablate`: the forward with each FlashAttention-4 trick off/on (issue 4).
 
-Every variant is `select_fwd_config(...)` with a few fields replaced (VARIANTS), timed on the
+Every variant is `select_fwd_config(..., seqlen_k=S)` (what flash_attn_func picks for the cell:
+at S <= config.SHORT_SEQLEN_K the short-sequence config) with a few fields replaced (VARIANTS), timed on the
 issue-2 sweep shapes (batch * seqlen = 32768 tokens, nheads = 2048 // headdim, seqlen_q ==
 seqlen_k), by default hdim 64/128/256, S = 4k and 16k, causal and not, bf16.
 The compiled runner (flash4.compile.cache.get_fwd_runner) is called directly with preallocated
@@ -83,20 +84,25 @@ def selected_variants(names=None) -> list[str]:
     return [v for v in VARIANT_NAMES if v in wanted]
 
 
-def variant_config(name: str, headdim: int, causal: bool, dtype: str = "bf16") -> FwdConfig:
-    """The forward config of variant `name` for one problem class."""
-    return dataclasses.replace(select_fwd_config(headdim, dtype, causal), **VARIANTS[name])
+def variant_config(name: str, headdim: int, causal: bool, dtype: str = "bf16",
+                   seqlen_k: int | None = None) -> FwdConfig:
+    """The forward config of variant `name` for one problem class: the config flash_attn_func
+    picks for it (select_fwd_config; with seqlen_k, the short-sequence choice where it applies)
+    with VARIANTS[name]'s fields replaced."""
+    return dataclasses.replace(select_fwd_config(headdim, dtype, causal, seqlen_k=seqlen_k), **VARIANTS[name])
 
 
-def same_as_default(variants, headdims, causals, dtype: str = "bf16") -> dict[str, list[tuple[int, bool]]]:
-    """variant -> the (headdim, causal) classes where its config equals the default's (only
-    variants with at least one such class)."""
+def same_as_default(variants, headdims, causals, dtype: str = "bf16",
+                    seqlens=(None,)) -> dict[str, list[tuple[int, bool]]]:
+    """variant -> the (headdim, causal) classes where its config equals the default's at every
+    seqlen in seqlens (variant_config's seqlen_k; only variants with at least one such class)."""
     same: dict[str, list[tuple[int, bool]]] = {}
     for v in variants:
         if v == "default":
             continue
         hits = [(d, c) for d in headdims for c in causals
-                if variant_config(v, d, c, dtype) == variant_config("default", d, c, dtype)]
+                if all(variant_config(v, d, c, dtype, s) == variant_config("default", d, c, dtype, s)
+                       for s in seqlens)]
         if hits:
             same[v] = hits
     return same
@@ -175,9 +181,11 @@ def _error_text(err: Exception) -> str:
     return f"{type(err).__name__}: {err}".splitlines()[0][:300]
 
 
-def check_variants(variants, headdims, causals, dtype) -> list[dict]:
+def check_variants(variants, headdims, causals, dtype, seqlens=(None,)) -> list[dict]:
     """Each variant vs the float32 reference (reference.fwd_errors) on CHECK_SHAPES, NaN-poisoned
-    out/lse. The rectangular shape is checked for causal only (bottom-right mask)."""
+    out/lse. The rectangular shape is checked for causal only (bottom-right mask). seqlens: the
+    timed sequence lengths; each distinct config they select (variant_config's seqlen_k) is
+    checked once."""
     import torch
 
     from flash4.compile.cache import get_fwd_runner
@@ -187,16 +195,19 @@ def check_variants(variants, headdims, causals, dtype) -> list[dict]:
     results = []
     for d in headdims:
         for c in causals:
+            runs = [(name, cfg) for name in variants
+                    for cfg in dict.fromkeys(variant_config(name, d, c, dtype, s) for s in seqlens)]
             for b, sq, sk, h in CHECK_SHAPES:
                 if sq != sk and not c:
                     continue
                 q, k, v = run._inputs(b, sq, sk, h, h, d, torch_dtype, seed=1)
-                for name in variants:
-                    entry = {"variant": name, "shape": f"b{b} sq{sq} sk{sk} h{h} d{d}", "causal": c}
+                for name, cfg in runs:
+                    shape = f"b{b} sq{sq} sk{sk} h{h} d{d}" + (" persistent" if cfg.persistent else "")
+                    entry = {"variant": name, "shape": shape, "causal": c}
                     try:
                         out = torch.full_like(q, math.nan)
                         lse = torch.full((b, h, sq), math.nan, device=q.device, dtype=torch.float32)
-                        get_fwd_runner(variant_config(name, d, c, dtype))(q, k, v, out, lse, d ** -0.5)
+                        get_fwd_runner(cfg)(q, k, v, out, lse, d ** -0.5)
                         torch.cuda.synchronize()
                         entry.update(fwd_errors(q, k, v, out, lse, None, c), error=None)
                     except Exception as err:
@@ -232,7 +243,7 @@ def measure(variants, cells, dtype, rounds: int = ROUNDS, rep_ms: float = 100.0)
         fns = {}
         for name in variants:  # compile everything first: no compile inside a timing round
             try:
-                runner = get_fwd_runner(variant_config(name, cell.headdim, cell.causal, dtype))
+                runner = get_fwd_runner(variant_config(name, cell.headdim, cell.causal, dtype, cell.seqlen))
                 fns[name] = lambda runner=runner: runner(q, k, v, out, lse, scale)
             except Exception as err:
                 report(name, cell, err)
@@ -278,7 +289,8 @@ def main(args: argparse.Namespace) -> int:
     causals = {"0": (False,), "1": (True,), "both": (False, True)}[args.causal]
     variants = selected_variants(args.variants)
     if not torch.cuda.is_available():
-        configs = [variant_config(v, d, c, args.dtype) for d in headdims for c in causals for v in variants]
+        configs = [variant_config(v, d, c, args.dtype, s) for d in headdims for c in causals for v in variants
+                   for s in seqlens]
         return _no_gpu(list(dict.fromkeys(configs)))
 
     meta = run.collect_metadata(args.dtype)
@@ -288,7 +300,7 @@ def main(args: argparse.Namespace) -> int:
     print("variants: " + "; ".join(f"{v} {VARIANTS[v] or '(select_fwd_config)'}" for v in variants))
 
     print("\nCorrectness of each variant vs float32 reference (ok: err <= 2 x PyTorch same-dtype err + atol):")
-    checks = check_variants(variants, headdims, causals, args.dtype)
+    checks = check_variants(variants, headdims, causals, args.dtype, seqlens)
     bad = [c for c in checks if not c["ok"]]
     print(f"{len(checks) - len(bad)}/{len(checks)} ok")
     if bad:
@@ -303,7 +315,7 @@ def main(args: argparse.Namespace) -> int:
     rows = measure(variants, cells, args.dtype, rep_ms=args.rep_ms)
     headers, table = ratio_table(rows)
     print(format_table(headers, table))
-    same = same_as_default(variants, headdims, causals, args.dtype)
+    same = same_as_default(variants, headdims, causals, args.dtype, seqlens)
     if same:
         print("Same config as default:")
         print("\n".join(describe_same(same, headdims, causals)))
