@@ -192,8 +192,9 @@ def select_fwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, a
     else:
         tile_m, tile_n = 128, 80
     # Causal: LPT tile order (longest m_blocks first, L2 sections of heads); H200, d128/d256 S=16k:
-    # +3% / +6% over the plain grid order. Persistent CTAs measured slower (O shares Q's smem, and the
-    # static round-robin is coarser than the hardware's block dispatch): off by default.
+    # +3% / +6% over the plain grid order. Persistent CTAs measured slower from 2k keys on (the static
+    # round-robin is coarser than the hardware's block dispatch): only short sequences use them
+    # (short_seq_fwd_config).
     # A window's tiles cost about the same (a band): no LPT order.
     cfg = FwdConfig(headdim=headdim, dtype=dtype, causal=causal and not local, tile_m=tile_m, tile_n=tile_n,
                     kv_stages=2, lpt=causal and not local, arch=arch, local=local, softcap=softcap, sink=sink)
