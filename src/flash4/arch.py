@@ -2,14 +2,14 @@
 
 The device is asked through torch.cuda once per device index; FLASH4_ARCH / FLASH4_NUM_SMS
 (read through env.py on every call) take precedence, so a CPU-only machine can name the target.
+Importing this module imports neither torch nor the CuTe DSL (device code reads CAPS): torch is
+imported by the device queries when they run.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-
-import torch
 
 from flash4 import env
 
@@ -32,7 +32,10 @@ class ArchCaps:
     tmem_bytes: int
 
 
-# CUDA programming guide, "Technical specifications per compute capability" (227 KB opt-in smem).
+# CUDA programming guide, "Technical specifications per compute capability". smem_per_block is
+# CUTLASS's own table (cutlass.memory.get_smem_capacity_in_bytes("sm_90") == 232448 == 227 KiB):
+# flash4 reads it here, without importing the CuTe DSL on the host path, and a CPU test
+# (tests/cpu/test_env_arch.py) checks every entry against CUTLASS's.
 CAPS = {
     90: ArchCaps(90, "Hopper", smem_per_block=227 * 1024, regs_per_sm=65536, max_regs_per_thread=255, tmem_bytes=0),
     # 128 lanes x 512 columns x 4 bytes of tensor memory.
@@ -49,7 +52,9 @@ def capacity(arch: int) -> ArchCaps:
         raise ValueError(f"no capacity table for sm_{arch}; known: {sorted(CAPS)}") from None
 
 
-def _device_index(device: torch.device | int | None) -> int:
+def _device_index(device) -> int:
+    import torch
+
     if device is None:
         return torch.cuda.current_device()
     if isinstance(device, int):
@@ -62,16 +67,20 @@ def _device_index(device: torch.device | int | None) -> int:
 
 @functools.lru_cache(maxsize=None)
 def _queried(index: int) -> tuple[int, int]:
+    import torch
+
     props = torch.cuda.get_device_properties(index)
     return props.major * 10 + props.minor, props.multi_processor_count
 
 
 def _require_cuda(what: str, variable: str) -> None:
+    import torch
+
     if not torch.cuda.is_available():
         raise RuntimeError(f"no CUDA device to read the {what} from; set {variable} to name it")
 
 
-def device_arch(device: torch.device | int | None = None) -> int:
+def device_arch(device=None) -> int:
     """SM version (e.g. 90 for H100/H200) of `device` (default: current); FLASH4_ARCH overrides.
 
     Raises RuntimeError without CUDA and without the override.
@@ -83,7 +92,7 @@ def device_arch(device: torch.device | int | None = None) -> int:
     return _queried(_device_index(device))[0]
 
 
-def num_sms(device: torch.device | int | None = None) -> int:
+def num_sms(device=None) -> int:
     """Number of SMs of `device` (default: current); FLASH4_NUM_SMS overrides.
 
     Raises RuntimeError without CUDA and without the override.

@@ -9,7 +9,7 @@ r"""Backward pass host side: preprocess -> main kernel -> postprocess.
                                                    (zeroed by the preprocess, every row)
     dq       = dq_accum                            converted to the input dtype, (B, Sq, H, D) (the
                                                    kernel's dS already carries softmax_scale; the
-                                                   postprocess in kernels/bwd_preprocess.py)
+                                                   postprocess in kernels/common/bwd_preprocess.py)
 Sq_pad rounds seqlen_q up to the kernel's query tile so every TMA box stays in bounds.
 """
 

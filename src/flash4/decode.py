@@ -10,7 +10,7 @@ FlashAttention-3's decode path):
     causal steps with Sq > 1 are not packed.
   * Split-KV: when batch x nheads_k tiles cannot fill the GPU, each tile's key blocks are split
     over `num_splits` CTAs (FwdConfig.split_kv); their partial O / LSE are merged by the combine
-    kernel (kernels/fwd_combine.py), which also unpacks the GQA rows.
+    kernel (kernels/common/fwd_combine.py), which also unpacks the GQA rows.
 num_splits is chosen from host-known sizes only (batch, heads, the cache's capacity), never from
 cache_seqlens' contents, so a step is CUDA-graph safe and changing lengths never recompiles.
 """

@@ -12,15 +12,12 @@ do not fit the kernels' 32-bit indices raises a ValueError naming the shape.
 from __future__ import annotations
 
 from flash4.config import BwdConfig, FwdConfig, ceil_div
+from flash4.constants import ROW_PASS_THREADS, ROW_TILE  # noqa: F401  (the row passes' grids below)
 
 # CUDA's grid limits (blocks per dimension) on every GPU flash4 targets (sm_90, sm_100).
 MAX_GRID = (2**31 - 1, 65535, 65535)
 # Kernels index tiles, rows and blocks with Int32.
 MAX_INT32 = 2**31 - 1
-# The backward's row-wise passes (preprocess, dQ postprocess; kernels/bwd_preprocess.py): threads
-# per CTA and consecutive rows of one (batch, head) per CTA.
-ROW_PASS_THREADS = 128
-ROW_TILE = 64
 
 
 def _check_count(kernel: str, what: str, count: int, shape: str) -> None:
@@ -59,9 +56,9 @@ def fwd_grid(cfg: FwdConfig, batch: int, seqlen_q: int, nheads: int, num_sms: in
 
 
 def bwd_dynamic_seqlen_k(cfg: BwdConfig) -> bool:
-    """The backward's key count differs per sequence (cu_seqlens_k or seqused_k): its grid is sized
-    by max_seqlen_k (a host int) and CTAs past their sequence's keys exit at once."""
-    return cfg.varlen_k or cfg.seqused_k
+    """The backward's key count differs per sequence (BwdConfig.dynamic_seqlen_k): its grid is
+    sized by max_seqlen_k (a host int) and CTAs past their sequence's keys exit at once."""
+    return cfg.dynamic_seqlen_k
 
 
 def bwd_num_splits(cfg: BwdConfig, nheads: int, nheads_k: int, heads_per_cta: int) -> int:

@@ -27,15 +27,15 @@ rows outside every sequence (at or past cu_seqlens_q[-1], or past seqused_q[b]) 
 reads zeros for them (the preprocess zeroes that tile's rows; no kernel adds to it).
 
 varlen_backward (tile_m = the backward config's query tile, flash4.config.select_bwd_config):
-    preprocess (kernels/bwd_preprocess.py, varlen mode): dpsum = rowsum(dO * O), lse_log2 and the
+    preprocess (kernels/common/bwd_preprocess.py, varlen mode): dpsum = rowsum(dO * O), lse_log2 and the
         exact-path flags, scattered to the padded rows, and those rows of the fp32 dQ accumulator
         zeroed (the scratch tile's too); padding stays dpsum 0, lse_log2 +inf
     dpsum -= dlse (scattered likewise), when the LSE has a gradient
-    main kernel (kernels/bwd_sm90.py with cu_seqlens / seqused): grid (n_block, kv_head,
+    main kernel (kernels/sm90/bwd.py with cu_seqlens / seqused): grid (n_block, kv_head,
         sequence) with ceil(max_seqlen_k / tile_n) n_blocks; writes dK, dV rows < seqlen_k of each
         sequence, reduce-adds dQ into the padded fp32 accumulator
     dq = the accumulator gathered back to packed rows (padded_row_index), in the input dtype (the
-        dQ postprocess, kernels/bwd_preprocess.py)
+        dQ postprocess, kernels/common/bwd_preprocess.py)
 dK, dV rows outside every sequence are zeroed before the launch (one memset: without a host sync
 the host cannot tell whether any exist).
 """

@@ -1,4 +1,4 @@
-"""The backward's row-wise passes (kernels/bwd_preprocess.py: preprocess with the dQ accumulator's
+"""The backward's row-wise passes (kernels/common/bwd_preprocess.py: preprocess with the dQ accumulator's
 zeroing, dQ postprocess) compile for sm_90a for every backward head dim and value head dim pair,
 dense and varlen, bf16 and fp16 (CPU only; the GPU tests check what they compute)."""
 
@@ -25,7 +25,7 @@ def test_rowwise_passes_compile(d, dv, dtype, varlen, monkeypatch, tmp_path):
 
 
 def test_preprocess_rejects_odd_headdim():
-    from flash4.kernels.bwd_preprocess import BackwardPostprocess, BackwardPreprocess
+    from flash4.kernels.common.bwd_preprocess import BackwardPostprocess, BackwardPreprocess
 
     with pytest.raises(AssertionError):
         BackwardPreprocess(80, None)

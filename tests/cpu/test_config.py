@@ -107,7 +107,7 @@ def test_bwd_query_step_and_stages():
 def test_bwd_swizzle_atom_tiles_headdim_halves(d):
     """The K (and split-headdim Q/dO) smem atom must tile headdim/2: the dQ (dK, dV) wgmma of each
     warpgroup reads one half. 96 and 192 need the atom chosen for the half."""
-    from flash4.kernels.bwd_sm90 import _half_split_atom_cols
+    from flash4.kernels.sm90.bwd import _half_split_atom_cols
 
     cols = _half_split_atom_cols(d) or d
     width = next(w for w in (64, 32, 16, 8) if cols % w == 0)  # 16-bit columns per swizzle row

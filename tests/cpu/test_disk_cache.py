@@ -25,7 +25,7 @@ def compile_preprocess(headdim=64, dtype="bf16"):
     import cutlass.cute as cute
 
     from flash4.compile.fake import bwd_preprocess_fake_args
-    from flash4.kernels.bwd_preprocess import BackwardPreprocess
+    from flash4.kernels.common.bwd_preprocess import BackwardPreprocess
 
     args = bwd_preprocess_fake_args(headdim, dtype)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)

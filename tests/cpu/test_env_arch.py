@@ -48,3 +48,27 @@ def test_capacity():
     assert arch.capacity(100).tmem_bytes == 256 * 1024
     with pytest.raises(ValueError, match="sm_80"):
         arch.capacity(80)
+
+
+def test_caps_smem_is_cutlass_table():
+    """flash4.arch.CAPS is the one smem table flash4 reads (without importing the DSL on the host
+    path); it must equal CUTLASS's own for every listed arch."""
+    from cutlass.memory import get_smem_capacity_in_bytes
+
+    from flash4.arch import CAPS
+
+    for arch, caps in CAPS.items():
+        assert caps.smem_per_block == get_smem_capacity_in_bytes(f"sm_{arch}"), arch
+
+
+def test_registry_dispatches_by_exact_arch():
+    from flash4.kernels import registry
+
+    assert registry.family(90).name == "sm90"
+    for arch in (80, 89, 100, 103, 110, 120):
+        with pytest.raises(ValueError, match=f"sm_{arch}"):
+            registry.family(arch)
+    assert registry.kernel_class("fwd", 90).__name__ == "FlashAttentionForwardSm90"
+    assert registry.kernel_class("bwd", 90).__name__ == "FlashAttentionBackwardSm90"
+    with pytest.raises(ValueError, match="no 'nope' kernel"):
+        registry.family(90).kernel_class("nope")

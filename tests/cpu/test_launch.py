@@ -74,8 +74,9 @@ def test_limits_are_cudas():
 
 
 def test_rowwise_tile():
-    """The preprocess / postprocess kernels take their row tile and CTA size from flash4.launch."""
-    from flash4.kernels import bwd_preprocess
+    """The preprocess / postprocess kernels take their row tile and CTA size from flash4.constants
+    (flash4.launch sizes their grids with the same)."""
+    from flash4.kernels.common import bwd_preprocess
 
     assert ROW_TILE == 64 and launch.ROW_PASS_THREADS == 128
     assert ROW_TILE % bwd_preprocess.ROWS_PER_PASS == 0

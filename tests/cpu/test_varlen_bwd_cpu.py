@@ -158,7 +158,7 @@ def test_varlen_preprocess_compiles():
     from flash4.compile.cache import COMPILE_OPTIONS
     from flash4.compile.check import extract_cubin
     from flash4.compile.fake import bwd_preprocess_fake_args
-    from flash4.kernels.bwd_preprocess import BackwardPreprocess
+    from flash4.kernels.common.bwd_preprocess import BackwardPreprocess
 
     args = bwd_preprocess_fake_args(128, "bf16", varlen=True)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)

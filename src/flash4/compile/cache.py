@@ -14,6 +14,7 @@ import time
 import os
 
 from flash4 import arch
+from flash4.kernels import registry
 from flash4.config import LOG2E, BwdConfig, FwdConfig
 from flash4.geometry import UNBOUNDED
 from flash4.launch import bwd_dynamic_seqlen_k, bwd_grid, bwd_dq_tile_grid, bwd_num_splits, bwd_rowwise_grid, fwd_grid
@@ -53,11 +54,8 @@ def compile_fwd(cfg: FwdConfig, options: str = ""):
     launches on the current CUDA stream; the sequence-layout tensors are passed only where the
     config's flag is on (None otherwise)."""
     from flash4.compile.fake import seq_fake_args, sink_fake_arg, split_fake_args
-    from flash4.kernels.fwd_sm90 import FlashAttentionForwardSm90
 
-    if cfg.arch != 90:
-        raise ValueError(f"no forward kernel for sm_{cfg.arch}")
-    kernel = FlashAttentionForwardSm90(cfg)
+    kernel = registry.kernel_class("fwd", cfg.arch)(cfg)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     return cute.compile(
         kernel, *fwd_fake_args(cfg.headdim, cfg.dtype, paged=cfg.page_rows > 0, headdim_v=cfg.headdim_v),
@@ -133,16 +131,12 @@ def compile_bwd(cfg: BwdConfig, options: str = ""):
     config flag is on and None otherwise, and max_seqlen_k an int when cfg.varlen_k or
     cfg.seqused_k, else None (compile/fake.bwd_fake_args gives the layouts); dkv_semaphore an int32
     tensor with cfg.dkv_accum and cfg.deterministic, else None."""
-    from flash4.kernels.bwd_sm90 import FlashAttentionBackwardSm90
-
-    if cfg.arch != 90:
-        raise ValueError(f"no backward kernel for sm_{cfg.arch}")
     args = bwd_fake_args(cfg.headdim, cfg.dtype, cfg.varlen_q, cfg.varlen_k, cfg.seqused_q, cfg.seqused_k,
                          headdim_v=cfg.headdim_v, dkv_accum=cfg.dkv_accum, deterministic=cfg.deterministic)
     max_seqlen_k = cutlass.Int32(1) if bwd_dynamic_seqlen_k(cfg) else None
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     return cute.compile(
-        FlashAttentionBackwardSm90(cfg), *args, cutlass.Float32(1.0), max_seqlen_k, cutlass.Int32(0), cutlass.Int32(0),
+        registry.kernel_class("bwd", cfg.arch)(cfg), *args, cutlass.Float32(1.0), max_seqlen_k, cutlass.Int32(0), cutlass.Int32(0),
         cutlass.Float32(0.0), cutlass.Int32(1), cutlass.Int32(1), stream,
         options=COMPILE_OPTIONS + _arch_option(cfg.arch) + options,
     )
@@ -158,7 +152,7 @@ def get_bwd_runner(cfg: BwdConfig):
     exact flags, dq_accum zeroing, dq conversion) is flash4.backward's (dense) or flash4.varlen's.
 
     Dense configs take the dense layouts and no sequence tensors. Sequence-layout configs take
-    the tensors of their flags (kernels/bwd_sm90.py gives the packed layouts, with a batch mode of
+    the tensors of their flags (kernels/sm90/bwd.py gives the packed layouts, with a batch mode of
     size 1); max_seqlen_k (host int, >= every sequence's key count) is required with cfg.varlen_k
     and defaults to k.shape[1] with cfg.seqused_k alone. The batch count is cu_seqlens_q's length
     - 1 with cfg.varlen_q, else q.shape[0]. window: (left, right) for local configs
@@ -200,29 +194,71 @@ def get_bwd_runner(cfg: BwdConfig):
     return run
 
 
+def compile_preprocess(headdim: int, dtype: str, varlen: bool = False, headdim_q: int | None = None, arch: int = 90,
+                       options: str = ""):
+    """Compile the backward preprocess (kernels/common/bwd_preprocess.py; no GPU needed): headdim is
+    O's head dim (Dv), headdim_q dq_accum's (None: the same); varlen: packed rows with a row_index."""
+    from flash4.compile.fake import bwd_preprocess_fake_args
+
+    headdim_q = headdim if headdim_q is None else headdim_q
+    args = bwd_preprocess_fake_args(headdim, dtype, varlen, headdim_q)
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    kernel = registry.row_pass_class("bwd_preprocess")(headdim, args[0].element_type, headdim_q)
+    return cute.compile(kernel, *args[:8], cutlass.Int32(64), cutlass.Int32(1), stream, *args[8:],
+                        options=COMPILE_OPTIONS + _arch_option(arch) + options)
+
+
+def compile_postprocess(headdim: int, dtype: str, varlen: bool = False, accum_tile_m: int | None = None,
+                        arch: int = 90, options: str = ""):
+    """Compile the dQ postprocess (row-major, or in the accumulator's order with accum_tile_m)."""
+    from flash4.compile.fake import bwd_postprocess_fake_args
+
+    args = bwd_postprocess_fake_args(headdim, dtype, varlen)
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    if accum_tile_m is not None:
+        kernel = registry.row_pass_class("bwd_postprocess_accum_order")(headdim, args[1].element_type, accum_tile_m)
+    else:
+        kernel = registry.row_pass_class("bwd_postprocess")(headdim, args[1].element_type)
+    return cute.compile(kernel, *args[:2], cutlass.Int32(1), stream, *args[2:],
+                        options=COMPILE_OPTIONS + _arch_option(arch) + options)
+
+
+def compile_combine(headdim: int, dtype: str, sink: bool = False, arch: int = 90, options: str = ""):
+    """Compile the split-KV combine (kernels/common/fwd_combine.py)."""
+    from flash4.compile.fake import DTYPES, _fake
+
+    ns, b, sp, hk, sq, h = (cute.sym_int32() for _ in range(6))
+    o_acc = _fake(cutlass.Float32, (ns, b, sp, hk, headdim), 4, 4)
+    lse_acc = _fake(cutlass.Float32, (ns, b, hk, sp), 3, 1)
+    out = _fake(DTYPES[dtype], (b, sq, h, headdim), 3, 8)
+    lse = _fake(cutlass.Float32, (b, h, sq), 2, 1)
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    sink_arg = _fake(cutlass.Float32, (cute.sym_int32(),), 0, 1) if sink else None
+    kernel = registry.row_pass_class("fwd_combine")(headdim, DTYPES[dtype])
+    return cute.compile(kernel, o_acc, lse_acc, out, lse, sink_arg, cutlass.Int32(1), cutlass.Int32(1), stream,
+                        options=COMPILE_OPTIONS + _arch_option(arch) + options)
+
+
+def compile_rowpass(kind: str, *key):
+    """Compile one row-wise pass by kind and key (tools/kernel_fingerprint.py): "bwd_preprocess"
+    (headdim, dtype, varlen, headdim_q), "bwd_postprocess" (headdim, dtype, varlen, accum_tile_m),
+    "fwd_combine" (headdim, dtype, sink)."""
+    return {"bwd_preprocess": compile_preprocess, "bwd_postprocess": compile_postprocess,
+            "fwd_combine": compile_combine}[kind](*key)
+
+
 @functools.lru_cache(maxsize=None)
 def get_bwd_preprocess_runner(headdim: int, dtype: str, arch: int = 90, varlen: bool = False,
                               headdim_q: int | None = None):
     """Cached: compiled backward preprocess, run(out, dout, lse_hi, lse_lo, dpsum, lse_log2, exact,
-    dq_accum, tile_m, row_index=None) (see kernels/bwd_preprocess.py) on the current stream (grid:
+    dq_accum, tile_m, row_index=None) (see kernels/common/bwd_preprocess.py) on the current stream (grid:
     flash4.launch.bwd_rowwise_grid). headdim: O's head dim (Dv); headdim_q: dq_accum's (None: the
     same). varlen: packed layouts with a batch mode of size 1 and row_index, int32 (total_q,), the
     padded row of each packed row (flash4.varlen.padded_row_index), required."""
-    from flash4.compile.fake import bwd_preprocess_fake_args
-    from flash4.kernels.bwd_preprocess import BackwardPreprocess
-
     headdim_q = headdim if headdim_q is None else headdim_q
-
-    def compile_preprocess():
-        args = bwd_preprocess_fake_args(headdim, dtype, varlen, headdim_q)
-        stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-        return cute.compile(
-            BackwardPreprocess(headdim, args[0].element_type, headdim_q), *args[:8], cutlass.Int32(64),
-            cutlass.Int32(1), stream, *args[8:], options=COMPILE_OPTIONS + _arch_option(arch),
-        )
-
     key = (headdim, dtype, arch) + (("varlen",) if varlen else ()) + ((headdim_q,) if headdim_q != headdim else ())
-    compiled = load_or_compile("bwd_preprocess", key, COMPILE_OPTIONS + _arch_option(arch), compile_preprocess)
+    compiled = load_or_compile("bwd_preprocess", key, COMPILE_OPTIONS + _arch_option(arch),
+                               lambda: compile_preprocess(headdim, dtype, varlen, headdim_q, arch))
 
     def run(out, dout, lse_hi, lse_lo, dpsum, lse_log2, exact, dq_accum, tile_m: int, row_index=None):
         if (row_index is not None) != varlen:
@@ -239,27 +275,14 @@ def get_bwd_preprocess_runner(headdim: int, dtype: str, arch: int = 90, varlen: 
 def get_bwd_postprocess_runner(headdim: int, dtype: str, arch: int = 90, varlen: bool = False,
                                accum_tile_m: int | None = None):
     """Cached: compiled dQ postprocess, run(dq_accum, dq, row_index=None): dq (B, Sq, H, D) in dtype
-    from the fp32 dq_accum (B, H, Sq_pad, D) (kernels/bwd_preprocess.py); varlen as the preprocess.
+    from the fp32 dq_accum (B, H, Sq_pad, D) (kernels/common/bwd_preprocess.py); varlen as the preprocess.
     accum_tile_m: the backward's query tile when its dQ tiles are in accumulator order
     (BwdConfig.dq_accum_order; dense only), else None (row-major)."""
-    from flash4.compile.fake import bwd_postprocess_fake_args
-    from flash4.kernels.bwd_preprocess import BackwardPostprocess, BackwardPostprocessAccumOrder
-
     if accum_tile_m is not None and varlen:
         raise ValueError("flash4 dQ postprocess: the accumulator order is for dense layouts only")
-
-    def compile_postprocess():
-        args = bwd_postprocess_fake_args(headdim, dtype, varlen)
-        stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-        if accum_tile_m is not None:
-            kernel = BackwardPostprocessAccumOrder(headdim, args[1].element_type, accum_tile_m)
-        else:
-            kernel = BackwardPostprocess(headdim, args[1].element_type)
-        return cute.compile(kernel, *args[:2], cutlass.Int32(1), stream, *args[2:],
-                            options=COMPILE_OPTIONS + _arch_option(arch))
-
     key = (headdim, dtype, arch) + (("varlen",) if varlen else ()) + (("accum", accum_tile_m) if accum_tile_m else ())
-    compiled = load_or_compile("bwd_postprocess", key, COMPILE_OPTIONS + _arch_option(arch), compile_postprocess)
+    compiled = load_or_compile("bwd_postprocess", key, COMPILE_OPTIONS + _arch_option(arch),
+                               lambda: compile_postprocess(headdim, dtype, varlen, accum_tile_m, arch))
 
     def run(dq_accum, dq, row_index=None):
         if (row_index is not None) != varlen:
@@ -276,25 +299,14 @@ def get_bwd_postprocess_runner(headdim: int, dtype: str, arch: int = 90, varlen:
 
 @functools.lru_cache(maxsize=None)
 def get_combine_runner(headdim: int, dtype: str, arch: int = 90, sink: bool = False):
-    """Cached: compiled split-KV combine (kernels/fwd_combine.py), as run(o_accum, lse_accum, out,
+    """Cached: compiled split-KV combine (kernels/common/fwd_combine.py), as run(o_accum, lse_accum, out,
     lse, pack) on the current stream: o_accum fp32 (splits, B, Sp, Hk, D), lse_accum fp32
     (splits, B, Hk, Sp), out (B, Sp // pack, Hk * pack, D), lse fp32 (B, Hk * pack, Sp // pack)."""
-    from flash4.compile.fake import DTYPES, _fake
-    from flash4.kernels.fwd_combine import COMBINE_WARPS_PER_CTA, SplitKVCombine
-
-    def compile_combine():
-        ns, b, sp, hk, sq, h = (cute.sym_int32() for _ in range(6))
-        o_acc = _fake(cutlass.Float32, (ns, b, sp, hk, headdim), 4, 4)
-        lse_acc = _fake(cutlass.Float32, (ns, b, hk, sp), 3, 1)
-        out = _fake(DTYPES[dtype], (b, sq, h, headdim), 3, 8)
-        lse = _fake(cutlass.Float32, (b, h, sq), 2, 1)
-        stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-        sink_arg = _fake(cutlass.Float32, (cute.sym_int32(),), 0, 1) if sink else None
-        return cute.compile(SplitKVCombine(headdim, DTYPES[dtype]), o_acc, lse_acc, out, lse, sink_arg, cutlass.Int32(1),
-                            cutlass.Int32(1), stream, options=COMPILE_OPTIONS + _arch_option(arch))
+    from flash4.kernels.common.fwd_combine import COMBINE_WARPS_PER_CTA
 
     key = (headdim, dtype, arch) + (("sink",) if sink else ())
-    compiled = load_or_compile("fwd_combine", key, COMPILE_OPTIONS + _arch_option(arch), compile_combine)
+    compiled = load_or_compile("fwd_combine", key, COMPILE_OPTIONS + _arch_option(arch),
+                               lambda: compile_combine(headdim, dtype, sink, arch))
 
     def run(o_accum, lse_accum, out, lse, pack: int, sink=None):
         _, batch, seqlen_p, nheads_k, _ = o_accum.shape

@@ -9,7 +9,7 @@ import types
 import cutlass
 import cutlass.cute as cute
 
-DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
+from flash4.kernels.common.dsl import DSL_DTYPES as DTYPES  # noqa: E402
 # 16-byte alignment (TMA) for 16-bit elements: strides divisible by 8 elements.
 DIV_16B = 8
 

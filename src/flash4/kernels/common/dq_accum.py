@@ -27,7 +27,7 @@ GROUP = 4  # fp32 values per 16-byte group
 
 
 def make_dq_tiled_mma(dtype, tile_m: int, headdim: int, num_wg: int = 2):
-    """The dQ = dS K tiled MMA of the backward's keys-major configs (kernels/bwd_sm90.py `mma`):
+    """The dQ = dS K tiled MMA of the backward's keys-major configs (kernels/sm90/bwd.py `mma`):
     (tile_m queries) x headdim, A = dS (from the staged dS^T), B = K^T, both MN-major. 128 queries
     (= 64 * num_wg): the queries split over the warpgroups (N = headdim); else head-dim halves
     (N = headdim / 2)."""

@@ -4,6 +4,9 @@ import copy
 
 import cutlass
 
+# Config dtype names (flash4.constants.DTYPES) -> DSL element types: the one map on the device side.
+DSL_DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
+
 
 class DynamicState:
     """Mixin for a plain class holding device values (registers tensors, scalars) that the DSL must

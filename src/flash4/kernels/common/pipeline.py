@@ -5,6 +5,13 @@ from functools import partial
 from cutlass import pipeline
 
 
+def next_state(state: pipeline.PipelineState) -> pipeline.PipelineState:
+    """The following pipeline state, as a new object (so loops rebind it and the DSL carries it)."""
+    nxt = state.clone()
+    nxt.advance()
+    return nxt
+
+
 def tma_pipeline_factory(num_consumer_threads: int):
     """PipelineTmaAsync.create with flash4's participants bound: one producer thread issues the
     TMA (tx-count barrier), and every consumer warp arrives once on release (so the empty barrier

@@ -14,7 +14,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from flash4.config import FWD_EXACT_REF_LOG2
+from flash4.constants import FWD_EXACT_REF_LOG2
 from flash4.kernels.common.exp2 import fma_rn, exp2_emulated, exp2_hw
 from flash4.kernels.common.exp2_poly import mixed_pattern
 from flash4.kernels.common.dsl import DynamicState

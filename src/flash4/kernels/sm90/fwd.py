@@ -18,29 +18,22 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
-from flash4.config import LOG2E as LOG2E_F, FwdConfig
+from flash4.arch import capacity
+from flash4.constants import LOG2E as LOG2E_F, THREADS_PER_WG
 from flash4.kernels.common import geometry
 from flash4.kernels.common.barriers import NamedBarrierFwd
 from flash4.kernels.common.gemm import wgmma
-from flash4.kernels.common.pipeline import tma_pipeline_factory
+from flash4.kernels.common.dsl import DSL_DTYPES
+from flash4.kernels.common.pipeline import next_state, tma_pipeline_factory
 from flash4.kernels.common.layout import (acc_mn_view, acc_to_frgA_layout, make_packed_tma_atom, pack_gqa_view,
                                           select_modes, transpose_view)
 from flash4.kernels.common.scheduler import TileSchedule
 from flash4.kernels.common.seqinfo import SeqInfo, store_rows_predicated
 from flash4.kernels.common.softmax import OnlineSoftmax
 
-_DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
-THREADS_PER_WG = 128
 # setmaxnreg budgets (producer, consumer) by consumer warpgroup count: 64K registers / CTA.
 _REGS = {1: (56, 256), 2: (24, 240), 3: (32, 160)}
-SMEM_CAPACITY = 227 * 1024 - 1024  # sm90 opt-in max per CTA, less barriers and alignment
-
-
-def next_state(state: pipeline.PipelineState) -> pipeline.PipelineState:
-    """The following pipeline state, as a new object (so loops rebind it and the DSL carries it)."""
-    nxt = state.clone()
-    nxt.advance()
-    return nxt
+SMEM_CAPACITY = capacity(90).smem_per_block - 1024  # sm90 opt-in max per CTA, less barriers and alignment
 
 
 class FlashAttentionForwardSm90:
@@ -72,9 +65,9 @@ class FlashAttentionForwardSm90:
     take query r // p (flash4.geometry's pack argument), each row reads its own head's sink and LSE.
     """
 
-    def __init__(self, cfg: FwdConfig):
+    def __init__(self, cfg):
         self.cfg = cfg
-        self.dtype = _DTYPES[cfg.dtype]
+        self.dtype = DSL_DTYPES[cfg.dtype]
         self.tile_m, self.tile_n, self.hdim = cfg.tile_m, cfg.tile_n, cfg.headdim
         self.hdim_v = cfg.hdim_v  # V / O head dim (Dv; = hdim unless cfg.headdim_v)
         self.num_stages = cfg.kv_stages

@@ -23,7 +23,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from flash4.config import LOG2E
+from flash4.constants import LOG2E
 
 COMBINE_WARPS_PER_CTA = 4
 

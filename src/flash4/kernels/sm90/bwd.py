@@ -76,17 +76,17 @@ from cutlass.memory import SmemAllocator
 from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.tensor_utils import LayoutEnum
 
-from flash4.config import LOG2E, SM90_MAX_SMEM_BYTES, BwdConfig
+from flash4.arch import capacity
+from flash4.constants import LOG2E, THREADS_PER_WG
 from flash4.kernels.common.barriers import NamedBarrierBwd
 from flash4.kernels.common.dq_accum import make_dq_tiled_mma, store_accum_order
 from flash4.kernels.common.exp2 import exp2_hw, fma_rn
 from flash4.kernels.common import geometry
 from flash4.kernels.common.gemm import wgmma
-from flash4.kernels.common.pipeline import tma_pipeline_factory
+from flash4.kernels.common.dsl import DSL_DTYPES
+from flash4.kernels.common.pipeline import next_state, tma_pipeline_factory
 from flash4.kernels.common.layout import acc_mn_view, acc_to_frgA_layout, select_modes, transpose_view
 from flash4.kernels.common.seqinfo import SeqInfo, store_rows_predicated
-from flash4.kernels.fwd_sm90 import THREADS_PER_WG, _DTYPES, next_state
-from flash4.launch import bwd_dynamic_seqlen_k
 
 # setmaxnreg budgets: producer warpgroup, 2 consumer warpgroups (64K registers per CTA).
 _PRODUCER_REGS, _CONSUMER_REGS = 24, 240
@@ -177,9 +177,9 @@ class FlashAttentionBackwardSm90:
     Epilogue (both consumer warpgroups: K/V smem free, then dK/dV staged for the TMA store).
     """
 
-    def __init__(self, cfg: BwdConfig):
+    def __init__(self, cfg):
         self.cfg = cfg
-        self.dtype = _DTYPES[cfg.dtype]
+        self.dtype = DSL_DTYPES[cfg.dtype]
         self.tile_m, self.tile_n, self.hdim = cfg.tile_m, cfg.tile_n, cfg.headdim
         self.hdim_v = cfg.hdim_v  # V / dO / dV head dim (Dv; = hdim unless cfg.headdim_v)
         self.q_stages = cfg.q_stages
@@ -211,7 +211,7 @@ class FlashAttentionBackwardSm90:
         # Sequence layout (all static): packed Q-side / K-side tensors, per-sequence lengths.
         self.varlen_q, self.varlen_k = cfg.varlen_q, cfg.varlen_k
         # seqlen_k differs per sequence: the grid is sized by max_seqlen_k, CTAs past it exit.
-        self.dynamic_seqlen_k = bwd_dynamic_seqlen_k(cfg)
+        self.dynamic_seqlen_k = cfg.dynamic_seqlen_k
 
     def _smem_layout(self, rows: int, cols: int, stages=None, atom_cols=None):
         """Row-major (cols contiguous) swizzled smem tile. atom_cols: pick the swizzle as if the
@@ -371,7 +371,7 @@ class FlashAttentionBackwardSm90:
                 cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout) if self.split_hd or self.dkv_t else 64], 1024
             ]
 
-        assert SharedStorage.size_in_bytes() <= SM90_MAX_SMEM_BYTES, SharedStorage.size_in_bytes()
+        assert SharedStorage.size_in_bytes() <= capacity(90).smem_per_block, SharedStorage.size_in_bytes()
 
         # All CTAs in gridDim.x (batch x heads may exceed gridDim.y/z's 65535): flash4.launch.bwd_grid.
         self.kernel(

@@ -7,7 +7,7 @@ Preprocess, per (batch, seqlen_q, head) row, before the main kernel:
                         +inf for a row that saw no key, so the backward's P = 2^(S*c - lse_log2)
                         is 0 there)
     exact[b, h, s // tile_m] = 1 if |lse_log2| >= BWD_EXACT_LSE_LOG2 (finite): that query tile
-                        computes P from lse_hi, lse_lo unrounded (kernels/bwd_sm90.py, issue 8)
+                        computes P from lse_hi, lse_lo unrounded (kernels/sm90/bwd.py, issue 8)
     dq_accum[b, h, s, :] = 0 (the main kernel reduce-adds dQ into it; one pass instead of a
                         separate memset of the largest buffer of the backward)
 Postprocess, after it: dq[b, s, h, :] = dq_accum[b, h, s, :] in the input dtype; with
@@ -41,9 +41,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
-from flash4.config import BWD_EXACT_LSE_LOG2
+from flash4.constants import BWD_EXACT_LSE_LOG2, ROW_PASS_THREADS, ROW_TILE
 from flash4.kernels.common.dq_accum import GROUP, accum_order_view, make_dq_tiled_mma
-from flash4.launch import ROW_PASS_THREADS, ROW_TILE
 
 LANES_PER_ROW = 8  # a row's lanes: a warp covers 4 rows per pass
 CHUNK = 4  # elements per lane access (8 bytes of 16-bit, 16 bytes of fp32)

@@ -1,39 +1,20 @@
-"""Kernel configurations and the pure per-arch functions that choose them.
+"""The sm90 (Hopper) family's kernel configurations and the pure functions that choose them.
 
 A config is a frozen dataclass of host scalars only: it is the compile-cache key (with the
 source hash of the kernel files), so two calls that pick equal configs share one compiled kernel.
-Everything here is pure Python and tested on the CPU.
+Everything here is pure Python and tested on the CPU. Family-neutral pieces (head dims, value
+head dim pairs, page pieces) are in flash4.config; this module is the sm90 entry of
+flash4.kernels.registry.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 
-# Head dims the sm90 forward supports (the public API rejects others; see validate.py).
-SUPPORTED_HEADDIMS = (64, 96, 128, 192, 256)
-# (headdim, headdim_v) pairs with Dv != D that have kernels (forward and backward): DeepSeek-V3/R1
-# MLA prefill (192, 128) and 128/64, 64/128. Equal pairs are every SUPPORTED_HEADDIMS entry.
-HDIMV_PAIRS = ((192, 128), (128, 64), (64, 128))
-# dtype names used in configs (kept as strings so configs stay torch-free and hashable).
-DTYPES = ("bf16", "fp16")
-# Rows of the query tile handled by one consumer warpgroup (one wgmma M).
-ROWS_PER_WARPGROUP = 64
-# Lazy-rescale threshold tau in the log2 domain: rescale only when the row max grew by more
-# than 2**tau (FlashAttention-4 paper, section on conditional rescaling). 8 -> factor 256.
-RESCALE_THRESHOLD_LOG2 = 8.0
-# Exact max subtraction (issue 8, huge-magnitude inputs). The forward's exponent is
-# fma(s, c, -R) with R = fp32(m * c) (c = softmax_scale * log2 e, m the row's reference max): at
-# s = m it is m*c - R, up to half an ulp of R, which leaves exp2's range once |R| is ~2^31 (and
-# bf16/fp16 P's headroom well before). A warp whose reference |R| reaches FWD_EXACT_REF_LOG2
-# switches to (s - m) * c, exact at the max at any finite magnitude; below it the FMA path's
-# residual is at most 2^-4 (log2 units), which O and the row sum share, so the result is exact.
-FWD_EXACT_REF_LOG2 = 2.0**20
-# The backward's exponent is fma(s, c, -L) with L = fp32(LSE * log2 e); its rounding (half an
-# ulp of L) moves P by that much in log2 units. Query tiles with some |L| at or above
-# BWD_EXACT_LSE_LOG2 (2^10: the error would exceed 2^-14) use fma(s, c, -L_hi) - L_lo instead,
-# with L = L_hi + L_lo kept unrounded from the forward.
-BWD_EXACT_LSE_LOG2 = 2.0**10
+from flash4.constants import DTYPES, RESCALE_THRESHOLD_LOG2, ROWS_PER_WARPGROUP
+from flash4.config import (HDIMV_PAIRS, SUPPORTED_HEADDIMS, canonical_hdimv, ceil_div, mean_queries_per_key)
+from flash4.arch import capacity
+
 # Short-sequence forward (select_fwd_config's seqlen_k): at seqlen_k <= this a query tile visits at
 # most 8 key blocks of 128, so its prologue (Q + first K load, first QK^T) and epilogue (O store)
 # are a large share of it; persistent CTAs overlap them with the neighbouring tiles' main loops.
@@ -139,26 +120,6 @@ class FwdConfig:
         return q + kv
 
 
-def hdimv_problem(headdim: int, headdim_v: int | None) -> str | None:
-    """Why (headdim, headdim_v) has no kernel, or None (headdim_v None or equal: the plain case)."""
-    if headdim_v is None or headdim_v == headdim:
-        return None
-    if (headdim, headdim_v) not in HDIMV_PAIRS:
-        allowed = ", ".join(f"({d}, {dv})" for d, dv in HDIMV_PAIRS)
-        return (f"v's headdim {headdim_v} differs from q/k's headdim {headdim}; the (q/k, v) head dim pairs "
-                f"supported are {allowed} and every equal pair")
-    return None
-
-
-def canonical_hdimv(headdim: int, headdim_v: int | None) -> int | None:
-    """headdim_v as a config field: None when it equals headdim (the plain configs' key); raises
-    ValueError for an unsupported pair."""
-    problem = hdimv_problem(headdim, headdim_v)
-    if problem is not None:
-        raise ValueError(problem)
-    return None if headdim_v is None or headdim_v == headdim else headdim_v
-
-
 def select_fwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, arch: int = 90,
                       local: bool = False, softcap: bool = False, sink: bool = False,
                       headdim_v: int | None = None, seqlen_k: int | None = None) -> FwdConfig:
@@ -169,11 +130,9 @@ def select_fwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, a
     seqlen_k <= SHORT_SEQLEN_K the plain (no window, softcap or sink) d64 and d128-causal forwards
     are persistent (short_seq_fwd_config).
 
-    Raises ValueError for an unsupported arch or head dim (the API validates earlier, with the
-    user-facing message; this is the second line).
+    Raises ValueError for an unsupported head dim (the API validates earlier, with the user-facing
+    message; this is the second line). The arch is chosen by flash4.kernels.registry.
     """
-    if arch != 90:
-        raise ValueError(f"flash4 forward: arch sm_{arch} has no kernel yet (supported: sm_90a)")
     if headdim not in SUPPORTED_HEADDIMS:
         raise ValueError(f"headdim={headdim} not supported; allowed: {SUPPORTED_HEADDIMS}")
     headdim_v = canonical_hdimv(headdim, headdim_v)
@@ -264,26 +223,6 @@ def with_pack_gqa(cfg: FwdConfig, nheads: int, nheads_k: int, policy=None) -> Fw
     return dataclasses.replace(cfg, pack_gqa=pack)
 
 
-# Smallest page piece one TMA copy may load: the swizzle atom of the K/V smem tile is 8 rows.
-MIN_PAGE_ROWS = 8
-
-
-def paged_page_rows(page_size: int, tile_n: int) -> int:
-    """Rows per TMA copy of a paged key block: gcd(page_size, tile_n) (a page piece never crosses
-    a page or a key block). Raises ValueError when that is not a multiple of MIN_PAGE_ROWS."""
-    rows = math.gcd(page_size, tile_n)
-    if page_size < 1 or rows % MIN_PAGE_ROWS != 0:
-        raise ValueError(
-            f"page_size={page_size} is not supported: paged K/V needs page_size to be a multiple of "
-            f"{MIN_PAGE_ROWS} (e.g. 16, 32, 64, 128, 256)")
-    return rows
-
-
-def with_seq_layout(cfg, **flags):
-    """cfg with the sequence-layout fields (varlen_q, varlen_k, seqused_q, seqused_k, page_rows) set."""
-    return dataclasses.replace(cfg, **flags)
-
-
 def shipped_fwd_configs() -> list[FwdConfig]:
     """Every config the API can select: what `python -m flash4 compile-check` builds."""
     return [
@@ -305,17 +244,6 @@ def shipped_fwd_configs() -> list[FwdConfig]:
     ]
 
 
-def ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def num_m_blocks(seqlen_q: int, cfg: FwdConfig) -> int:
-    return ceil_div(seqlen_q, cfg.tile_m)
-
-
-LOG2E = math.log2(math.e)
-
-
 # Head dims the sm90 backward supports: every head dim of the forward. Up to 128 each consumer
 # warpgroup owns 64 keys and accumulates their dK, dV over the full headdim in registers; above
 # 128 that would not fit the 240-register budget, so both warpgroups share 64 keys and split dK, dV
@@ -332,8 +260,8 @@ DQ_ROW_PAD, DQ_ROW_PAD_SPLIT = 8, 4
 # d96 causal 4k 351 / 376; d128 full 4k 490 / 461 and d256 causal 4k 335 / 271 lose (the rows'
 # bank conflicts cost more than the per-row issue saves there).
 DQ_WHOLE_TILE_MAX_HEADDIM = 96
-# Largest dynamic shared memory of one sm90 CTA (227 KiB).
-SM90_MAX_SMEM_BYTES = 227 * 1024
+# Largest dynamic shared memory of one sm90 CTA (227 KiB: flash4.arch.CAPS, CUTLASS's table).
+SM90_MAX_SMEM_BYTES = capacity(90).smem_per_block
 # What the backward's tiles may take of it: 1 KiB stays for mbarriers and struct alignment.
 BWD_SMEM_BUDGET = SM90_MAX_SMEM_BYTES - 1024
 
@@ -422,6 +350,12 @@ class BwdConfig:
         return self.headdim if self.headdim_v is None else self.headdim_v
 
     @property
+    def dynamic_seqlen_k(self) -> bool:
+        """The key count differs per sequence (cu_seqlens_k or seqused_k): the grid is sized by
+        max_seqlen_k (a host int) and CTAs past their sequence's keys exit at once."""
+        return self.varlen_k or self.seqused_k
+
+    @property
     def num_do_stages(self) -> int:
         """Depth of the dO pipeline (do_stages, or q_stages when None)."""
         return self.q_stages if self.do_stages is None else self.do_stages
@@ -499,8 +433,6 @@ def select_bwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, a
     """Pick the backward config (pure; CPU-tested). Raises ValueError for what has no kernel.
     local: a sliding window (causal folded into it: the config has causal False).
     headdim_v: V's / dO's head dim (None or headdim: the same; else a HDIMV_PAIRS pair)."""
-    if arch != 90:
-        raise ValueError(f"flash4 backward: arch sm_{arch} has no kernel yet (supported: sm_90a)")
     if headdim not in BWD_SUPPORTED_HEADDIMS:
         raise ValueError(f"flash4 backward: headdim={headdim} not supported; allowed: {BWD_SUPPORTED_HEADDIMS}")
     headdim_v = canonical_hdimv(headdim, headdim_v)
@@ -555,20 +487,6 @@ def _select_bwd_config_hdimv(headdim: int, headdim_v: int, dtype: str, causal: b
 # head) pair has at least this many visible queries on average (mean_queries_per_key): below it a
 # CTA's work per head is short and the split's per-CTA costs (K/V load, fp32 adds) dominate.
 BWD_SPLIT_MIN_QUERIES = 1024
-
-
-def mean_queries_per_key(seqlen_q: int, seqlen_k: int, causal: bool, window=None) -> float:
-    """Mean number of queries that see a key (host estimate; flash4.geometry's bottom-right causal
-    alignment). window: flash4.geometry.window_sides' (left, right) or None."""
-    if seqlen_k <= 0 or seqlen_q <= 0:
-        return 0.0
-    if window is not None:
-        return float(min(seqlen_q, window[0] + window[1] + 1))
-    if causal:
-        # key k < seqlen_k - seqlen_q: every query; then the triangle
-        both = min(seqlen_q, seqlen_k)
-        return (max(0, seqlen_k - seqlen_q) * seqlen_q + both * both / 2) / seqlen_k
-    return float(seqlen_q)
 
 
 def bwd_heads_per_cta(nheads: int, nheads_k: int, override: int | None = None,

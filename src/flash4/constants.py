@@ -1,0 +1,44 @@
+"""Constants shared by the host and the kernels: the one place each is written.
+
+Pure Python (no torch, no CuTe DSL): device code may import this module (and flash4.arch,
+flash4.geometry), nothing else on the host side. Per-arch hardware limits are in flash4.arch.CAPS;
+tuned tile sizes live with the family's config (flash4.config.sm90).
+"""
+
+from __future__ import annotations
+
+import math
+
+# log2(e): exp(x) = 2^(x * LOG2E); every kernel works in the log2 domain.
+LOG2E = math.log2(math.e)
+
+# dtype names used in configs and compile keys (strings, so configs stay torch-free and hashable).
+# The torch dtypes are mapped in flash4.validate.DTYPE_NAMES, the DSL types in
+# flash4.kernels.common.dsl.DSL_DTYPES.
+DTYPES = ("bf16", "fp16")
+
+# Threads of one warpgroup (4 warps): the unit of wgmma on sm90 and of the warp roles.
+THREADS_PER_WG = 128
+# Rows of the query tile handled by one consumer warpgroup (one wgmma M).
+ROWS_PER_WARPGROUP = 64
+
+# Lazy-rescale threshold tau in the log2 domain: rescale only when the row max grew by more
+# than 2**tau (FlashAttention-4 paper, section on conditional rescaling). 8 -> factor 256.
+RESCALE_THRESHOLD_LOG2 = 8.0
+# Exact max subtraction (issue 8, huge-magnitude inputs). The forward's exponent is
+# fma(s, c, -R) with R = fp32(m * c) (c = softmax_scale * log2 e, m the row's reference max): at
+# s = m it is m*c - R, up to half an ulp of R, which leaves exp2's range once |R| is ~2^31 (and
+# bf16/fp16 P's headroom well before). A warp whose reference |R| reaches FWD_EXACT_REF_LOG2
+# switches to (s - m) * c, exact at the max at any finite magnitude; below it the FMA path's
+# residual is at most 2^-4 (log2 units), which O and the row sum share, so the result is exact.
+FWD_EXACT_REF_LOG2 = 2.0**20
+# The backward's exponent is fma(s, c, -L) with L = fp32(LSE * log2 e); its rounding (half an
+# ulp of L) moves P by that much in log2 units. Query tiles with some |L| at or above
+# BWD_EXACT_LSE_LOG2 (2^10: the error would exceed 2^-14) use fma(s, c, -L_hi) - L_lo instead,
+# with L = L_hi + L_lo kept unrounded from the forward.
+BWD_EXACT_LSE_LOG2 = 2.0**10
+
+# The backward's row-wise passes (preprocess, dQ postprocess; kernels/common/bwd_preprocess.py):
+# threads per CTA and consecutive rows of one (batch, head) per CTA (flash4.launch sizes their grids).
+ROW_PASS_THREADS = 128
+ROW_TILE = 64

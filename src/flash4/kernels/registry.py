@@ -1,0 +1,96 @@
+"""Which kernels run on which GPU: (pass, SM version) -> kernel class, and the family's configs.
+
+A kernel family is a folder of kernels (flash4.kernels.sm90, ...) plus a config module
+(flash4.config.sm90, ...) with its config classes and pure selection functions. This table is the
+only place that maps SM versions to families: config selection (flash4.config.select_*), compiling
+(flash4.compile.cache) and the API's support check (flash4.validate) all ask it, so a new family
+adds a folder, a config module and an entry here, and touches no host module.
+
+Dispatch is by exact SM version, never `arch >= n`: sm_100 kernels do not run on sm_103, sm_110 or
+sm_120 (consumer Blackwell has no tensor memory), so each supported version is listed.
+
+Importing this module imports neither torch nor the CuTe DSL; kernel classes are imported when
+asked for. The row-wise passes (backward preprocess, dQ postprocess, split-KV combine) use no
+arch-specific instruction and serve every family (ROW_PASSES).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+
+# The passes a family provides: the attention forward and the backward main kernel.
+PASSES = ("fwd", "bwd")
+
+# Arch-neutral row-wise kernels (kernels/common): pass -> "module:Class".
+ROW_PASSES = {
+    "bwd_preprocess": "flash4.kernels.common.bwd_preprocess:BackwardPreprocess",
+    "bwd_postprocess": "flash4.kernels.common.bwd_preprocess:BackwardPostprocess",
+    "bwd_postprocess_accum_order": "flash4.kernels.common.bwd_preprocess:BackwardPostprocessAccumOrder",
+    "fwd_combine": "flash4.kernels.common.fwd_combine:SplitKVCombine",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """One kernel family.
+
+    name:    its folder under flash4/kernels and module under flash4/config ("sm90").
+    archs:   the SM versions it runs on (exact matches), e.g. (90,).
+    gpus:    what users know those as, for error messages.
+    kernels: pass ("fwd", "bwd") -> "module:Class" of the kernel.
+    """
+
+    name: str
+    archs: tuple
+    gpus: str
+    kernels: dict
+
+    def config_module(self):
+        """flash4.config.<name>: the family's config classes, select_fwd_config, select_bwd_config,
+        shipped_fwd_configs, shipped_bwd_configs."""
+        return importlib.import_module(f"flash4.config.{self.name}")
+
+    def kernel_class(self, pass_: str):
+        """The kernel class of `pass_` (imports the CuTe DSL). Raises ValueError for a pass the
+        family does not have."""
+        if pass_ not in self.kernels:
+            raise ValueError(f"flash4: the {self.name} family has no '{pass_}' kernel (it has {sorted(self.kernels)})")
+        return _load(self.kernels[pass_])
+
+
+FAMILIES = (
+    Family("sm90", (90,), "H100, H200, GH200", {
+        "fwd": "flash4.kernels.sm90.fwd:FlashAttentionForwardSm90",
+        "bwd": "flash4.kernels.sm90.bwd:FlashAttentionBackwardSm90",
+    }),
+)
+
+
+def supported_archs() -> tuple:
+    return tuple(a for f in FAMILIES for a in f.archs)
+
+
+def family(arch: int) -> Family:
+    """The family that runs on SM version `arch`. Raises ValueError naming the arch and the
+    supported ones."""
+    for fam in FAMILIES:
+        if arch in fam.archs:
+            return fam
+    known = ", ".join(f"sm_{a} ({f.gpus})" for f in FAMILIES for a in f.archs)
+    raise ValueError(f"flash4 has no kernels for sm_{arch} yet (GPUs with kernels: {known})")
+
+
+def kernel_class(pass_: str, arch: int):
+    """The kernel class of `pass_` on SM version `arch` (family(arch).kernel_class)."""
+    return family(arch).kernel_class(pass_)
+
+
+def row_pass_class(pass_: str):
+    """The kernel class of an arch-neutral row-wise pass (ROW_PASSES)."""
+    return _load(ROW_PASSES[pass_])
+
+
+def _load(path: str):
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
