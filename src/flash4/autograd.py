@@ -94,6 +94,12 @@ class FlashAttnFunction(torch.autograd.Function):
 
 
 # ================================================================ the formula
+# What the backward keeps of a forward call, by name: the backward op's arguments that the forward
+# op or its outputs provide, and the sink (its gradient is computed here), per `varlen`.
+_KEPT = tuple(tuple(n for n in ops.BACKWARD_ARGS[varlen] if n in ops.FORWARD_ARGS[varlen] + ("out", "lse", "lse_split"))
+              + ("learnable_sink",) for varlen in (False, True))
+
+
 def _save(ctx, varlen: bool, args, outputs, max_seqlen_q, use_ops: bool) -> None:
     """What the backward needs, by the backward op's argument names: the tensors through
     save_for_backward, the rest (scalars, None) on ctx. use_ops: the backward calls the ops (under
@@ -107,10 +113,14 @@ def _save(ctx, varlen: bool, args, outputs, max_seqlen_q, use_ops: bool) -> None
     if varlen:
         named["max_seqlen_q"] = max_seqlen_q
     named["out"], named["lse"], named["lse_split"] = outputs
-    keep = [n for n in ops.BACKWARD_ARGS[varlen] if n in named] + ["learnable_sink"]
-    ctx.tensor_names = tuple(n for n in keep if isinstance(named[n], torch.Tensor))
-    ctx.save_for_backward(*(named[n] for n in ctx.tensor_names))
-    ctx.values = {n: named[n] for n in keep if n not in ctx.tensor_names}
+    tensors, values = [], {}
+    for name in _KEPT[varlen]:
+        if isinstance(named[name], torch.Tensor):
+            tensors.append(name)
+        else:
+            values[name] = named[name]
+    ctx.tensor_names, ctx.values = tuple(tensors), values
+    ctx.save_for_backward(*(named[n] for n in tensors))
 
 
 def _grads(ctx, dout, dlse, needs) -> tuple:

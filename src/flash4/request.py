@@ -240,9 +240,11 @@ class Request:
         """Keys a KV cache row holds (KVCACHE / DECODE): seqlen_cache, or pages per sequence x page_size."""
         return self.k.shape[1] * (self.seq.page_table.shape[1] if self.seq.paged else 1)
 
-    def with_seq(self, seq: SeqSpec, **fields) -> Request:
-        """This request over another sequence layout (the KV cache path's DECODE / VARLEN steps)."""
-        return dataclasses.replace(self, seq=seq, **fields)
+    def with_seq(self, seq: SeqSpec) -> Request:
+        """This request over another sequence layout (the KV cache path's DECODE step, a resolved
+        max_seqlen); built directly, not by dataclasses.replace (a decode step's host time counts)."""
+        return Request(self.q, self.k, self.v, self.mask, self.score, seq, self.cache, self.deterministic,
+                       self.check_seqlens)
 
 
 def resolve_softmax_scale(softmax_scale: float | None, headdim: int) -> float:

@@ -655,19 +655,19 @@ def fwd_plan(request, arch: int, num_sms: int | None = None) -> FwdPlan:
     """The forward plan of a flash4.request.Request: dense (the short-sequence rule from seqlen_k,
     GQA packing of windows), packed / paged (the sequence-layout fields, page pieces), or a decode
     step (decode_plan: host GQA packing, split-KV from num_sms)."""
-    seq, mask, score = request.seq, request.mask, request.score
-    headdim_v = None if request.headdim_v == request.headdim else request.headdim_v
-    variant = dict(local=mask.local, softcap=score.softcap > 0, sink=score.sink is not None, headdim_v=headdim_v)
+    q, k, seq, mask, score = request.q, request.k, request.seq, request.mask, request.score
+    headdim, headdim_v, nheads, nheads_k = q.shape[-1], request.v.shape[-1], q.shape[-2], k.shape[-2]
+    headdim_v = None if headdim_v == headdim else headdim_v
+    dtype, local, softcap, sink = request.dtype, mask.window is not None, score.softcap > 0, score.sink is not None
     if seq.decode:
-        return decode_plan(request.batch, request.q.shape[1], request.nheads, request.nheads_k, request.headdim,
-                           request.dtype, mask.causal, request.page_size, request.capacity, request.cache.num_splits,
-                           arch, num_sms, mask.window, variant["softcap"], variant["sink"], headdim_v)
+        return decode_plan(q.shape[0], q.shape[1], nheads, nheads_k, headdim, dtype, mask.causal, request.page_size,
+                           request.capacity, request.cache.num_splits, arch, num_sms, mask.window, softcap, sink,
+                           headdim_v)
     if not seq.packed:
-        cfg = select_fwd_config(request.headdim, request.dtype, mask.causal, arch=arch, seqlen_k=request.k.shape[1],
-                                **variant)
-        return FwdPlan(with_pack_gqa(cfg, request.nheads, request.nheads_k))
-    cfg = select_fwd_config(request.headdim, request.dtype, mask.causal, arch=arch, **variant)
-    page_rows = paged_page_rows(request.page_size, cfg.tile_n) if seq.paged else 0
+        cfg = select_fwd_config(headdim, dtype, mask.causal, arch, local, softcap, sink, headdim_v, k.shape[1])
+        return FwdPlan(with_pack_gqa(cfg, nheads, nheads_k))
+    cfg = select_fwd_config(headdim, dtype, mask.causal, arch, local, softcap, sink, headdim_v)
+    page_rows = paged_page_rows(k.shape[1], cfg.tile_n) if seq.paged else 0
     return FwdPlan(with_seq_layout(cfg, varlen_q=True, varlen_k=not seq.paged, seqused_q=seq.seqused_q is not None,
                                    seqused_k=seq.seqused_k is not None, page_rows=page_rows))
 
