@@ -13,8 +13,8 @@ from flash4 import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvca
 from flash4.api import _flash_attn_forward
 from flash4.reference import attention_ref, attention_varlen_ref, kvcache_ref
 
-pytestmark = pytest.mark.gpu
-BF16 = torch.bfloat16
+from gpu_helpers import BF16
+
 ATOL = {"out": 2e-3, "lse": 1e-3, "grad": 2e-3}
 
 

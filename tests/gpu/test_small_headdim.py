@@ -17,17 +17,7 @@ from flash4.api import _flash_attn_forward
 from flash4.headdim import pad_last, padded_headdims
 from flash4.reference import attention_ref, attention_varlen_ref, fwd_errors
 
-pytestmark = pytest.mark.gpu
-BF16 = torch.bfloat16
-GRAD_ATOL = 1e-3
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _sm90_only():
-    from flash4.arch import device_arch
-
-    if torch.cuda.is_available() and device_arch() != 90:
-        pytest.skip(f"flash4 has kernels for sm_90 only; this GPU is sm_{device_arch()}")
+from gpu_helpers import BF16, GRAD_ATOL
 
 
 def _inputs(b, sq, sk, h, hk, d, dv, seed=0):
