@@ -13,7 +13,7 @@ families (sm90) are never gated; `check` still self-tests any family's config on
 
 The verdict of a config on a GPU is looked up, in order: in this process's memo; in
 <flash4.env.disk_cache_dir()>/selftest/<digest>.json; else the self-test runs in a child process
-(`python -m flash4.selftest --child`) with a timeout, under an exclusive flock on <digest>.lock
+(`python -m flash4.selftest --child`; child_command) with a timeout, under an exclusive flock on <digest>.lock
 so concurrent processes run it once, and its verdict (pass or fail) is written there atomically.
 The key (cache_key) is the flash4 version and a hash of its sources, the CuTe DSL, torch and
 driver versions, the GPU's name and SM version, the config's repr, and SELFTEST_VERSION. With
@@ -65,13 +65,17 @@ SELFTEST_VERSION = 1
 # SM versions whose kernels run only after their self-test passed (flash4.env.sm100_mode).
 GATED_ARCHS = (100,)
 # The child: start, imports (torch, the CuTe DSL) and compiling / loading the kernel, up to "ready".
-# A cold compile of one forward config takes ~4 s on a 2-core box (flash4.compile.disk_cache);
-# 600 s matches the compile cache's lock timeout (another process may be compiling it).
-STARTUP_TIMEOUT_S = 600.0
-# One case, from its start (each runs in milliseconds; a backward may compile a kernel variant).
+# Measured on the H200 machine (16 cores, 2026-12-02): import torch + flash4 3.8-4.7 s, then the
+# first d128 causal forward 7.4 s cold (CuTe DSL import + compile) or 3.4 s from the disk cache;
+# a 2-core box under load compiles a few times slower. 300 s: ~25x headroom over the whole start.
+STARTUP_TIMEOUT_S = 300.0
+# One case, from its start: the forward's cases run in milliseconds; a backward case may compile a
+# kernel variant (GQA head split; ~10-20 s). Longer than this without progress counts as a hang.
 RUN_TIMEOUT_S = 120.0
 # After SIGKILL: how long to wait for the child to exit before giving up on it (a process in the
-# driver's uninterruptible teardown is left to the OS; the caller goes on).
+# driver's uninterruptible teardown is left to the OS; the caller goes on). Measured on the H200: a
+# child spinning in a GPU kernel (torch.cuda._sleep) exited 0.11 s after SIGKILL, and the parent's
+# CUDA work ran meanwhile (27 ms for a small op while the child spun) and after (0.2 s matmul).
 KILL_WAIT_S = 30.0
 POLL_S = 0.05
 LOG_TAIL_CHARS = 6000
@@ -268,6 +272,7 @@ def _flock(path: Path, timeout_s: float):
 
 # ================================================================ the gate
 
+_IN_CHILD = False  # True in the self-test's child: the config under test runs ungated
 _MEMO: dict = {}  # key digest -> Verdict (this process)
 _GATE: dict = {}  # (cfg, device) -> support_problem's answer in mode "selftest"
 _LOCK = threading.Lock()
@@ -315,9 +320,8 @@ def check(cfg, device=None, *, runner: str | None = None, rerun: bool = False,
             if runner is None:
                 _MEMO[digest] = verdict
             return verdict
-        lock_timeout = startup_timeout_s + (len(_CASES) + 1) * run_timeout_s + KILL_WAIT_S + 60
         try:
-            with _flock(path.with_suffix(".lock"), lock_timeout):
+            with _flock(path.with_suffix(".lock"), _lock_timeout(startup_timeout_s, run_timeout_s)):
                 verdict = None if rerun else read_verdict(path)  # another process may have finished it
                 if verdict is None:
                     verdict = run_child(cfg, device, runner=None, startup_timeout_s=startup_timeout_s,
@@ -328,31 +332,36 @@ def check(cfg, device=None, *, runner: str | None = None, rerun: bool = False,
                     except OSError as err:
                         verdict.path = None
                         verdict.log += f"\n(flash4.selftest: could not write {path}: {err})"
-        except TimeoutError as err:  # not cached: the next call waits / tries again
+        except TimeoutError as err:  # not cached (created ""): the next call waits / tries again
             return Verdict(ok=False, status="timeout", config=repr(cfg), gpu=key["gpu"], sm=key["sm"],
                            gated=gated(cfg), failure=f"waiting for another process's self-test of this config: {err}",
-                           created=_now(), key=key)
+                           key=key)
         _MEMO[digest] = verdict
+        _GATE.clear()  # a new verdict (rerun): support_problem asks again
         return verdict
+
+
+def _lock_timeout(startup_timeout_s: float, run_timeout_s: float) -> float:
+    """How long to wait for another process's self-test of the same config: its longest run."""
+    return startup_timeout_s + (len(_CASES) + 1) * run_timeout_s + KILL_WAIT_S + 60
 
 
 def failure_message(verdict: Verdict) -> str:
     """The error text of a failed verdict: config, GPU, the failing check, where the verdict is, how
     to test again and to report it, and what to do meanwhile."""
-    kind = {"wrong": "wrong results", "error": "an error", "timeout": "a timeout (hang?)",
-            "crash": "the test process crashed", "untestable": "no self-test for this config"}.get(verdict.status,
-                                                                                                 verdict.status)
-    where = (f"The verdict is cached in {verdict.path} (with the test's log); " if verdict.path
-             else "")
-    text = (f"flash4: the {verdict.sm} kernel {verdict.config} is not used on this GPU ({verdict.gpu}): its first-use "
-            f"self-test failed with {kind}: {verdict.failure}. {where}"
-            f"to test again: python -m flash4.selftest --rerun --config \"{verdict.config}\". "
-            f"Please report it ({REPORT}) with this message and the log. Calls that need this kernel fall back "
-            f"(support_error returns this text)")
+    head = f"flash4: the {verdict.sm} kernel {verdict.config} is not used on this GPU ({verdict.gpu}): "
+    tail = "Calls that need this kernel fall back (support_error returns this text)"
     if verdict.gated:
-        text += ("; FLASH4_SM100=off never uses the sm_100 kernels, FLASH4_SM100=on runs them without the self-test "
+        tail += ("; FLASH4_SM100=off never uses the sm_100 kernels, FLASH4_SM100=on runs them without the self-test "
                  "(at your own risk)")
-    return text + "."
+    if verdict.status == "untestable":
+        return head + f"its first-use self-test cannot check it ({verdict.failure}). " + tail + "."
+    kind = {"wrong": "wrong results", "error": "an error", "timeout": "a timeout (hang?)",
+            "crash": "the test process crashed"}.get(verdict.status, verdict.status)
+    where = f"The verdict is cached in {verdict.path} (with the test's log); " if verdict.path else ""
+    return (head + f"its first-use self-test failed with {kind}: {verdict.failure}. {where}"
+            f"to test again: python -m flash4.selftest --rerun --config \"{verdict.config}\". "
+            f"Please report it ({REPORT}) with this message and the log. " + tail + ".")
 
 
 def support_problem(cfg, device=None) -> str | None:
@@ -360,7 +369,7 @@ def support_problem(cfg, device=None) -> str | None:
     to SDPA). Not gated (cfg.arch not in GATED_ARCHS): None. FLASH4_SM100=off: refused; =on: None;
     =selftest (default): the self-test's verdict, run in a child process on first use (seconds to
     a minute: compile and small cases), then cached on disk and in memory."""
-    if not gated(cfg):
+    if not gated(cfg) or _IN_CHILD:
         return None
     mode = env.sm100_mode()
     if mode == "off":
@@ -374,7 +383,7 @@ def support_problem(cfg, device=None) -> str | None:
         return _GATE[memo_key]
     verdict = check(cfg, dev)
     problem = None if verdict.ok else failure_message(verdict)
-    if verdict.status != "timeout" or verdict.path is not None:  # a lock wait is retried next call
+    if verdict.created:  # not a wait for another process's self-test (that one is asked again)
         _GATE[memo_key] = problem
     return problem
 
@@ -402,11 +411,29 @@ def _src_root() -> str:
     return str(Path(__file__).resolve().parents[1])
 
 
+def _child_root() -> str:
+    """This flash4's root for the child's sys.path; "" when it is a site-packages directory (the same
+    interpreter finds it there anyway, and putting it first could reorder other packages)."""
+    import site
+
+    root = _src_root()
+    sites = {str(Path(d).resolve()) for d in site.getsitepackages() + [site.getusersitepackages()]}
+    return "" if root in sites else root
+
+
+# The child's bootstrap: this flash4 first on sys.path, then flash4.selftest.main (the module itself,
+# not a __main__ copy, so child_main's _IN_CHILD is the flag flash4's own gate reads).
+_CHILD_BOOT = ("import sys; r = sys.argv[1]; r and sys.path.insert(0, r); "
+               "from flash4.selftest import main; sys.exit(main(sys.argv[2:]))")
+
+
 def child_command(cfg, device, runner: str | None, progress: Path, result: Path) -> list[str]:
-    """argv of the child: runner None = DEFAULT_RUNNERS[config_pass(cfg)] (resolved here, so a
-    test can point it at a broken kernel by patching DEFAULT_RUNNERS in this process)."""
-    return [sys.executable, "-m", "flash4.selftest", "--child", "--config", repr(cfg), "--device", str(_device(device)),
-            "--runner", runner or DEFAULT_RUNNERS[config_pass(cfg)], "--progress", str(progress), "--result", str(result)]
+    """argv of the child (the same as `python -m flash4.selftest --child ...`): runner None =
+    DEFAULT_RUNNERS[config_pass(cfg)] (resolved here, so a test can point it at a broken kernel by
+    patching DEFAULT_RUNNERS in this process)."""
+    return [sys.executable, "-c", _CHILD_BOOT, _child_root(), "--child", "--config", repr(cfg),
+            "--device", str(_device(device)), "--runner", runner or DEFAULT_RUNNERS[config_pass(cfg)],
+            "--progress", str(progress), "--result", str(result)]
 
 
 def _read_events(path: Path, offset: int) -> tuple[list, int]:
@@ -438,22 +465,20 @@ def _kill_group(proc: subprocess.Popen) -> str:
 def run_child(cfg, device=None, *, runner: str | None = None, startup_timeout_s: float = STARTUP_TIMEOUT_S,
               run_timeout_s: float = RUN_TIMEOUT_S, key: dict | None = None) -> Verdict:
     """Run the self-test of cfg in a child process and return its verdict (nothing cached). The
-    child gets FLASH4_SM100=on (it is the test), this flash4 on PYTHONPATH, and a session of its own;
-    this process only polls files and, on a timeout, kills the child's process group."""
+    child inherits the caller's variables, runs this flash4 (child_command), lets its own gated configs
+    run (it is the test: _IN_CHILD), and leads a session of its own; this process only polls files
+    and, on a timeout, kills the child's process group."""
     key = key if key is not None else cache_key(cfg, device)
     base = dict(config=repr(cfg), gpu=key["gpu"], sm=key["sm"], gated=gated(cfg), key=key, created=_now())
     workdir = Path(tempfile.mkdtemp(prefix="flash4-selftest-"))
     progress, result, log = workdir / "progress.jsonl", workdir / "result.json", workdir / "log.txt"
-    child_env = dict(os.environ)
-    child_env["FLASH4_SM100"] = "on"
-    child_env["PYTHONPATH"] = os.pathsep.join(p for p in (_src_root(), os.environ.get("PYTHONPATH")) if p)
     t0 = time.monotonic()
     checks, phase, current, note = [], "startup", None, ""
     proc = None
     try:
         with open(log, "wb") as log_file:
             proc = subprocess.Popen(child_command(cfg, device, runner, progress, result), stdin=subprocess.DEVNULL,
-                                    stdout=log_file, stderr=subprocess.STDOUT, env=child_env, start_new_session=True)
+                                    stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
         deadline, offset, timed_out = t0 + startup_timeout_s, 0, False
         while True:
             rc = proc.poll()
@@ -490,6 +515,9 @@ def run_child(cfg, device=None, *, runner: str | None = None, startup_timeout_s:
                        f"kernel){note}")
         elif current is not None:
             failure = f"case {current!r} did not finish within {run_timeout_s:.0f} s (a hang?){note}"
+        elif verdict_json is not None:
+            failure = (f"the test process did not exit within {run_timeout_s:.0f} s of writing its verdict "
+                       f"({json.loads(verdict_json)['status']}){note}")
         else:
             failure = f"no progress for {run_timeout_s:.0f} s after the kernel was ready{note}"
         return Verdict(ok=False, status="timeout", failure=failure, checks=checks, **base)
@@ -569,7 +597,8 @@ def untestable_reason(cfg) -> str | None:
     repr that does not round-trip; None when it can."""
     flags = [f for f in UNTESTABLE_FLAGS if getattr(cfg, f, False)]
     if flags:
-        return (f"the self-test drives dense batches only; this config has {', '.join(f'{f}={getattr(cfg, f)!r}' for f in flags)}")
+        listed = ", ".join(f"{f}={getattr(cfg, f)!r}" for f in flags)
+        return f"the self-test drives dense batches only; this config has {listed}"
     try:
         same = parse_config(repr(cfg)) == cfg
     except (ValueError, TypeError, AssertionError) as err:
@@ -736,7 +765,7 @@ def bwd_runner(cfg, device):
     """Factory of the backward runner: flash4.flash_attn_func and autograd for the config's problem
     class (headdim, dtype, causal, window, softcap, deterministic); run(inputs) -> {"dq", "dk", "dv"}.
     The backward config is the one the API selects for each case (GQA cases may take its head-split
-    variant); the forward kernel runs too (ungated: the child has FLASH4_SM100=on)."""
+    variant); the forward kernel runs too (ungated in the child: _IN_CHILD)."""
     import flash4
 
     def run(inputs):
@@ -786,6 +815,8 @@ class _Events:
 
 def child_main(args) -> int:
     """The self-test proper (in the child): events to args.progress, the verdict to args.result."""
+    global _IN_CHILD
+    _IN_CHILD = True  # the kernels under test run here whatever FLASH4_SM100 says
     emit = _Events(args.progress)
     checks = []
     status, failure = "pass", None
@@ -883,4 +914,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from flash4.selftest import main as _main  # the module proper, not this __main__ copy
+
+    sys.exit(_main())

@@ -17,7 +17,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from flash4 import env, selftest
 from flash4.config import BwdConfig, FwdConfig
@@ -364,6 +363,21 @@ def test_gate_passes_a_good_kernel(monkeypatch):
     selftest.require(GATED, CPU)
 
 
+def test_waiting_for_another_process(monkeypatch):
+    """Another process holds the config's lock (its self-test runs): past the wait, a timeout
+    verdict that is neither written nor remembered, so the next call asks again."""
+    monkeypatch.setattr(selftest, "_lock_timeout", lambda *a: 0.3)
+    _no_child(monkeypatch)
+    lock = selftest.verdict_path(selftest.cache_key(GATED, CPU)).with_suffix(".lock")
+    with selftest._flock(lock, 1.0):
+        result = []
+        t = threading.Thread(target=lambda: result.append(selftest.support_problem(GATED, CPU)))
+        t.start()
+        t.join()
+    assert "waiting for another process's self-test" in result[0] and "cached in" not in result[0]
+    assert selftest.cached_verdict(GATED, CPU) is None and not selftest._GATE
+
+
 def test_failure_message():
     text = selftest.failure_message(_verdict(path="/c/selftest/sm_100-x.json"))
     assert text.startswith(f"flash4: the sm_100 kernel {GATED!r} is not used on this GPU (NVIDIA B200)")
@@ -371,13 +385,31 @@ def test_failure_message():
     assert f'--config "{GATED!r}"' in text
     plain = selftest.failure_message(_verdict(gated=False, status="timeout", failure="case 'x' did not finish"))
     assert "FLASH4_SM100" not in plain and "a timeout (hang?)" in plain
+    untestable = selftest.failure_message(_verdict(status="untestable", failure="dense batches only; varlen_q=True"))
+    assert "cannot check it (dense batches only; varlen_q=True)" in untestable and "report" not in untestable
+    assert "FLASH4_SM100=on" in untestable
 
 
-def test_cli_with_an_explicit_runner(capsys):
-    """python -m flash4.selftest's parent side; a runner given explicitly is an experiment: its
-    verdict is printed, not cached."""
-    code = selftest.main(["--config", repr(CFG), "--device", "cpu", "--runner", runner("fake_wrong")])
-    out = capsys.readouterr().out
-    assert code == 1 and out.startswith("FAIL FwdConfig(") and "out error" in out and "cached in" not in out
+def test_cli_with_an_explicit_runner():
+    """`python -m flash4.selftest` (a process of its own, which starts the child): a runner given
+    explicitly is an experiment, its verdict printed, not cached."""
+    import subprocess
+    import sys
+
+    src = str(Path(selftest.__file__).resolve().parents[1])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, (src, os.environ.get("PYTHONPATH")))))
+    proc = subprocess.run([sys.executable, "-m", "flash4.selftest", "--config", repr(CFG), "--device", "cpu",
+                           "--runner", runner("fake_wrong")], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert proc.stdout.startswith("FAIL FwdConfig(") and "out error" in proc.stdout and "cached in" not in proc.stdout
+    assert "RuntimeWarning" not in proc.stderr, proc.stderr
     assert not (Path(os.environ["FLASH4_CACHE_DIR"]) / "selftest").exists()
     assert selftest.cached_verdict(CFG, CPU) is None
+
+
+def test_the_child_runs_gated_configs(monkeypatch):
+    """In the self-test's child the config under test runs whatever FLASH4_SM100 says (no recursion)."""
+    _no_child(monkeypatch)
+    monkeypatch.setattr(selftest, "_IN_CHILD", True)
+    monkeypatch.setenv("FLASH4_SM100", "off")
+    assert selftest.support_problem(GATED, CPU) is None
