@@ -362,7 +362,7 @@ def pipeline_specs(cfg: Sm100FwdConfig) -> dict:
         PipelineSpec("o_full", q, (P("mma", Signal.COMMIT),), (P("correction", Signal.ALL_THREADS),),
                      "back-pressure on O_i is s_p_o (the correction releases it after reading O_i)",
                      waited_empty=False, per_q_tile=True),
-        PipelineSpec("corr_epi", q, (P("correction", Signal.ALL_THREADS),), (P("epilogue", Signal.ALL_THREADS),),
+        PipelineSpec("corr_epi", q, (P("correction", Signal.ALL_THREADS),), (P("epilogue", Signal.ELECTED),),
                      "O_i staged in smem sO[i] -> TMA store; released once the store has read sO[i]",
                      per_q_tile=True),
     ]

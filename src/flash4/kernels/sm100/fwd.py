@@ -24,7 +24,7 @@ from cutlass.cutlass_dsl import dsl_user_op
 from cutlass.memory import SmemAllocator, TmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
-from flash4.config.sm100 import (LAUNCH_REGS, WARP_ROLES, WARP_SIZE, RegisterPlan, pipeline_specs, register_plan,
+from flash4.config.sm100 import (TMEM_COLUMNS, WARP_ROLES, WARP_SIZE, RegisterPlan, pipeline_specs, register_plan,
                                  tmem_alloc_cols, tmem_map)
 from flash4.constants import THREADS_PER_WG
 from flash4.kernels.common import geometry
@@ -312,6 +312,9 @@ class FlashAttentionForwardSm100:
         """The TMEM base address. The MMA warp allocates all TMEM_COLUMNS columns, so the allocation
         starts at lane 0, column 0: address 0 (FA4 relies on the same). A constant base makes every
         TMEM address an immediate (the MMA warp has 48-56 registers)."""
+        if const_expr(self.tmem_cols != TMEM_COLUMNS):
+            raise NotImplementedError(f"flash4 fwd_sm100: a {self.tmem_cols}-column TMEM allocation needs the "
+                                      "allocated address (tmem.retrieve_ptr), not the constant base 0")
         return cute.make_ptr(Float32, 0, cute.AddressSpace.tmem, assumed_align=16)
 
     def make_pipelines(self, mbar_ptr, ledger: ArrivalLedger) -> dict:
@@ -335,7 +338,8 @@ class FlashAttentionForwardSm100:
         add("s_p_o", pipeline.PipelineUmmaAsync, one, thread_group(softmax_wg + threads["correction"]))
         add("sm_stats", pipeline.PipelineAsync, thread_group(softmax_wg), thread_group(threads["correction"]))
         add("o_full", pipeline.PipelineUmmaAsync, one, thread_group(threads["correction"]))
-        add("corr_epi", pipeline.PipelineAsync, thread_group(threads["correction"]), thread_group(threads["epilogue"]))
+        add("corr_epi", pipeline.PipelineAsync, thread_group(threads["correction"]),
+            thread_group(len(self.roles["epilogue"])))  # the epilogue warp's elected lane
         return pipes
 
     # ---------------------------------------------------------------- tile geometry (all roles)
@@ -549,7 +553,7 @@ class FlashAttentionForwardSm100:
                 phases = (spo_phase, stats_phase)
                 # the first block (the seqlen_k edge, and the diagonal when causal) is masked
                 phases = self.softmax_step(stage, n_block_max - 1, True, True, row, seq, softmax, frags, sScale,
-                                           pipe_spo, pipe_stats, phases, tidx)
+                                           pipe_spo, pipe_stats, phases, lane_row)
                 n_unmasked = n_block_max - 1
                 if const_expr(self.causal):
                     # key blocks >= n_causal cross the diagonal of some row of the CTA tile
@@ -558,21 +562,21 @@ class FlashAttentionForwardSm100:
                     n_causal = cutlass.max(cutlass.min(n_causal, n_block_max - 1), 0)
                     for i in cutlass.range(n_block_max - 1 - n_causal, unroll=1):
                         phases = self.softmax_step(stage, n_block_max - 2 - i, False, True, row, seq, softmax, frags,
-                                                   sScale, pipe_spo, pipe_stats, phases, tidx)
+                                                   sScale, pipe_spo, pipe_stats, phases, lane_row)
                     n_unmasked = n_causal
                 for i in cutlass.range(n_unmasked, unroll=1):
                     phases = self.softmax_step(stage, n_unmasked - 1 - i, False, False, row, seq, softmax, frags,
-                                               sScale, pipe_spo, pipe_stats, phases, tidx)
+                                               sScale, pipe_spo, pipe_stats, phases, lane_row)
                 spo_phase, stats_phase = phases
                 inv_row_sum, lse_e, lse_hi, lse_lo = softmax.finalize()
-                stats_phase = self.send_stat(pipe_stats, stage, stats_phase, sScale, tidx, inv_row_sum)
+                stats_phase = self.send_stat(pipe_stats, stage, stats_phase, sScale, lane_row, inv_row_sum)
                 lse = (lse_e, lse_hi, lse_lo)
             self.store_lse(row, seq, head, lse, (mLSE, mLSEhi, mLSElo))
             tile_idx += cute.arch.grid_dim()[0]
 
     @cute.jit
     def softmax_step(self, stage, n_block, is_first: cutlass.Constexpr[bool], masked: cutlass.Constexpr[bool], row,
-                     seq, softmax, frags, sScale, pipe_spo, pipe_stats, phases, tidx):
+                     seq, softmax, frags, sScale, pipe_spo, pipe_stats, phases, lane_row):
         """One key block: wait S, (mask), row max and the O factor -> correction, P -> TMEM, release."""
         thr_load, tStS_t2r, tScS_t2r, t0ScS_t2r, thr_store, tStP_r2t, tSrP_shape = frags
         spo_phase, stats_phase = phases
@@ -585,7 +589,7 @@ class FlashAttentionForwardSm100:
             mask_row(tSrS, t0ScS_t2r, row, n_block, seq.seqlen_q, seq.seqlen_k, self.tile_n, self.causal)
         row_scale = softmax.update_max(tSrS, is_first)
         if const_expr(not is_first):
-            stats_phase = self.send_stat(pipe_stats, stage, stats_phase, sScale, tidx, row_scale)
+            stats_phase = self.send_stat(pipe_stats, stage, stats_phase, sScale, lane_row, row_scale)
         tSrP_f32 = cute.make_rmem_tensor(tSrP_shape, Float32)
         tSrP = cute.make_tensor(cute.recast_ptr(tSrP_f32.iterator, dtype=self.dtype), tSrS.layout)
         softmax.exp2_convert(tSrS, tSrP, row_scale, is_first)
@@ -596,11 +600,11 @@ class FlashAttentionForwardSm100:
         return spo_phase ^ 1, stats_phase
 
     @cute.jit
-    def send_stat(self, pipe_stats, stage, phase, sScale, tidx, value: Float32):
-        """softmax -> correction: this row's value in sScale[row, stage] (the slot is free once the
-        correction released the previous one)."""
+    def send_stat(self, pipe_stats, stage, phase, sScale, lane_row, value: Float32):
+        """softmax -> correction: this row's value in sScale[lane_row, stage] (the slot is free once
+        the correction released the previous one)."""
         pipe_stats.wait_empty(stage, phase)
-        sScale[tidx, stage] = value
+        sScale[lane_row, stage] = value
         pipe_stats.arrive_full(stage, "softmax")
         return phase ^ 1
 
@@ -620,6 +624,7 @@ class FlashAttentionForwardSm100:
         pipe_spo, pipe_stats, pipe_ofull, pipe_epi = pipes["s_p_o"], pipes["sm_stats"], pipes["o_full"], pipes["corr_epi"]
         tidx = cute.arch.thread_idx()[0] % THREADS_PER_WG
         base = self.tmem_base()
+        row = self.o_lane_row(thr_mma_pv, tidx)  # this thread's row of O_i: the sScale slot it reads
         # O_i is free for the first tile's first PV.
         tcgen05_fence_before()
         for stage in cutlass.range_constexpr(self.q_stage):
@@ -634,7 +639,7 @@ class FlashAttentionForwardSm100:
             for i in cutlass.range(cutlass.max(n_block_max - 1, 0), unroll=1):
                 for stage in cutlass.range(self.q_stage, unroll=1):
                     pipe_stats.wait_full(stage, stats_phase)
-                    scale = sScale[tidx, stage]
+                    scale = sScale[row, stage]
                     pipe_stats.arrive_empty(stage, "correction")
                     tcgen05_fence_after()
                     if cute.arch.vote_any_sync(scale != Float32(1.0)):
@@ -647,7 +652,7 @@ class FlashAttentionForwardSm100:
                 inv_row_sum = Float32(0.0)
                 if has_keys:
                     pipe_stats.wait_full(stage, stats_phase)
-                    inv_row_sum = sScale[tidx, stage]
+                    inv_row_sum = sScale[row, stage]
                     pipe_stats.arrive_empty(stage, "correction")
                     pipe_ofull.wait_full(stage, ofull_phase)  # the tile's last PV_stage is done
                     tcgen05_fence_after()
@@ -665,6 +670,15 @@ class FlashAttentionForwardSm100:
                 ofull_phase = ofull_phase ^ 1
             tile_idx += cute.arch.grid_dim()[0]
         pipe_epi.producer_tail(epi_state)
+
+    def o_lane_row(self, thr_mma_pv, tidx):
+        """The O row (TMEM lane) thread tidx of the correction warpgroup reads with tcgen05.ld 32x32b."""
+        tOcO = thr_mma_pv.partition_C(cute.make_identity_tensor(self.mma_tiler_pv[:2]))
+        tOcO_i = cute.composition(tOcO, cute.make_layout((self.tile_m, RESCALE_COLS)))
+        ld = cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(RESCALE_COLS)), Float32)
+        tOtO0 = self.tmem_tensor_O(self.tmem_base(), thr_mma_pv, 0)
+        thr_ld = tcgen05.make_tmem_copy(ld, cute.composition(tOtO0, cute.make_layout((self.tile_m, RESCALE_COLS))))
+        return thr_ld.get_slice(tidx).partition_D(tOcO_i)[0][0]
 
     @cute.jit
     def rescale_O(self, tOtO, thr_mma_pv, tidx, scale: Float32):
@@ -739,13 +753,18 @@ class FlashAttentionForwardSm100:
             first = epi_state
             for stage in cutlass.range_constexpr(self.q_stage):
                 pipe_epi.wait_full(epi_state.index, epi_state.phase)
-                cute.copy(tma_atom_O, tOsO[None, stage], tOgO[None, self.q_stage * m_block + stage])
-                cute.arch.cp_async_bulk_commit_group()
+                # One lane issues the store and owns its bulk group (the DSL elects for TMA loads,
+                # not for stores: a whole warp would store the tile 32 times).
+                with cute.arch.elect_one():
+                    cute.copy(tma_atom_O, tOsO[None, stage], tOgO[None, self.q_stage * m_block + stage])
+                    cute.arch.cp_async_bulk_commit_group()
                 epi_state = next_state(epi_state)
             rel = first
             for stage in cutlass.range_constexpr(self.q_stage):
-                cute.arch.cp_async_bulk_wait_group(self.q_stage - 1 - stage, read=True)  # sO[stage] read
-                pipe_epi.arrive_empty(rel.index, "epilogue")
+                with cute.arch.elect_one():
+                    cute.arch.cp_async_bulk_wait_group(self.q_stage - 1 - stage, read=True)  # sO[stage] read
+                    pipe_epi.arrive_empty(rel.index, "epilogue")
                 rel = next_state(rel)
             tile_idx += cute.arch.grid_dim()[0]
-        cute.arch.cp_async_bulk_wait_group(0, read=False)
+        with cute.arch.elect_one():
+            cute.arch.cp_async_bulk_wait_group(0, read=False)
