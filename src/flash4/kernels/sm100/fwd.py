@@ -80,15 +80,27 @@ class FlashAttentionForwardSm100:
         O_i += P_i V (P from TMEM) with tcgen05.mma, signals with tcgen05.commit; frees TMEM.
       * epilogue = warp 13: TMA store of sO[i]. load = warp 14: TMA loads of Q0, Q1, K, V.
       * idle = warp 15.
-    Pipelines (producer -> consumer, flash4.config.sm100.pipeline_specs has the arrive counts):
+    Pipelines (producer -> consumer, flash4.config.sm100.pipeline_specs has the arrive counts; the
+    per-Q-tile ones have one stage per Q tile, indexed by the tile, with a phase bit per round):
       * q (2 stages, TMA): load -> mma. Q0, Q1 of the tile; released after the tile's last QK^T.
       * kv (kv_stages, TMA): load -> mma, ring order K[n-1] V[n-1] K[n-2] V[n-2] ... (descending).
-      * s_p_o_i: mma commits "S_i ready"; softmax_i releases "P_i written", correction "O_i
+      * s_p_o: mma commits "S_i ready"; softmax_i arrives "P_i written", the correction "O_i
         rescaled / read out"; the mma waits for both before PV_i (FA4's pipeline_s_p_o).
-      * sm_stats_i: softmax_i -> correction, the row's O factor for blocks 1..n-1, then 1 / row_sum.
-      * o_full_i: mma -> correction, the tile's last PV_i is done.
-      * corr_epi (2 stages): correction -> epilogue, sO[i] written; released after the TMA store read it.
-    MMA steady state per key block j >= 1 (stages i = 0, 1):
+      * sm_stats: softmax_i -> correction, the row's O factor for blocks 1..n-1, then 1 / row_sum
+        (through smem sScale[row, i]).
+      * o_full: mma -> correction, the tile's last PV_i is done (never waited empty: s_p_o orders it).
+      * corr_epi: correction -> epilogue, sO[i] written; released after the TMA store read it.
+    Per tile with n key blocks and Q tile i, every role counts the same n (flash4.geometry's
+    n_block_max for the 256-row CTA tile); an empty tile (n = 0) touches only corr_epi (O = 0).
+      mma: S_i(0) ; n - 1 times [wait s_p_o_i ; PV_i(j-1) ; S_i(j)] ; wait s_p_o_i ; PV_i(n-1) ; o_full_i.
+      softmax_i: n times [wait S_i ; (j > 0: factor -> sm_stats) ; P_i -> TMEM ; arrive s_p_o_i] ;
+        1 / row_sum -> sm_stats ; LSE -> global.
+      correction: once at start [arrive s_p_o_i] ; n - 1 times [factor <- sm_stats ; rescale O_i if a
+        row of the warp moved ; arrive s_p_o_i] ; 1 / row_sum <- sm_stats ; wait o_full_i ; O_i -> sO[i]
+        -> corr_epi ; arrive s_p_o_i (O_i read: the next tile's first PV may overwrite it).
+      So each phase of s_p_o_i gets 128 softmax + 128 correction arrivals, in order, and the MMA
+      waits once per phase.
+    MMA steady state per key block j >= 1 (Q tiles i = 0, 1):
       wait V[j-1]; for i: wait s_p_o_i (P_i(j-1) written, O_i rescaled) ; O_i += P_i V[j-1] ;
       (i = 1: release V[j-1]) ; (i = 0: wait K[j]) ; S_i = Q_i K[j] ; commit s_p_o_i ; then release K[j].
       The commit of S_i(j) also covers PV_i(j-1) (tcgen05.commit tracks all earlier MMAs of the
@@ -400,20 +412,20 @@ class FlashAttentionForwardSm100:
     @cute.jit
     def mma(self, tiled_mma_qk, tiled_mma_pv, thr_mma_pv, sQ, sK, sV, tP_layout, mQ, mK, pipes, sched):
         """tcgen05.mma from this warp (one thread issues): per tile S_i = Q_i K[n-1]^T for both Q
-        tiles, then per block O_i += P_i V[j-1] and S_i = Q_i K[j]^T, finally O_i += P_i V[0]."""
+        tiles, then per block O_i += P_i V[j-1] and S_i = Q_i K[j]^T, finally O_i += P_i V[0].
+        The Q tile i is a runtime loop index: its descriptors and TMEM addresses are computed where
+        they are used, not hoisted out of the key-block loop (this warp has 48-56 registers)."""
         pipe_q, pipe_kv, pipe_spo, pipe_ofull = pipes["q"], pipes["kv"], pipes["s_p_o"], pipes["o_full"]
         tSrQ = tiled_mma_qk.make_fragment_A(sQ)  # (MMA, MMA_M, MMA_K, q_stage) smem descriptors
         tSrK = tiled_mma_qk.make_fragment_B(sK)  # (MMA, MMA_N, MMA_K, kv_stages)
         tOrV = tiled_mma_pv.make_fragment_B(sV)  # (MMA, MMA_N, MMA_K, kv_stages)
         base = self.tmem_base()
-        tStS = [self.tmem_tensor_S(base, tiled_mma_qk.get_slice(0), i) for i in range(self.q_stage)]
-        tOtO = [self.tmem_tensor_O(base, thr_mma_pv, i) for i in range(self.q_stage)]
-        # P_i as the PV MMA's A operand in TMEM: (MMA, MMA_M, MMA_K), 16-bit elements.
-        tOrP_base = thr_mma_pv.make_fragment_A(cute.make_tensor(tStS[0].iterator, tP_layout.outer))[None, None, None, 0]
-        tOrP = [cute.make_tensor(cute.recast_ptr(base + self.tmem[f"P{i}"][0], dtype=self.dtype), tOrP_base.layout)
-                for i in range(self.q_stage)]
+        thr_mma_qk = tiled_mma_qk.get_slice(0)
+        # P as the PV MMA's A operand in TMEM: (MMA, MMA_M, MMA_K), 16-bit elements.
+        tOrP_layout = thr_mma_pv.make_fragment_A(
+            cute.make_tensor(self.tmem_tensor_S(base, thr_mma_qk, 0).iterator, tP_layout.outer))[None, None, None, 0].layout
 
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stage)
+        q_phase = Int32(0)  # the Q ring's phase: both stages (Q tiles) once per tile
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
         # The MMA's waits on s_p_o (one per Q tile and key block; one phase bit for both Q tiles):
         # the first needs the softmax's first P and the correction's initial release: phase 0.
@@ -423,47 +435,46 @@ class FlashAttentionForwardSm100:
             m_block, head, batch = sched.coords(tile_idx)
             n_block_max = self.n_block_max(m_block, self.tile_seq(mQ, mK, batch))
             if n_block_max > 0:
-                q_first = q_state
-                for stage in cutlass.range_constexpr(self.q_stage):
-                    pipe_q.wait_full(q_state.index, q_state.phase)
-                    if const_expr(stage == 0):
-                        pipe_kv.wait_full(kv_state.index, kv_state.phase)
-                    self.gemm_qk(tiled_mma_qk, tStS[stage], tSrQ[None, None, None, q_state.index],
-                                 tSrK[None, None, None, kv_state.index])
+                # Q tile i sits in stage i of the Q ring (two Q tiles per CTA tile, in order).
+                pipe_kv.wait_full(kv_state.index, kv_state.phase)
+                for stage in cutlass.range(self.q_stage, unroll=1):
+                    pipe_q.wait_full(stage, q_phase)
+                    self.gemm_qk(tiled_mma_qk, self.tmem_tensor_S(base, thr_mma_qk, stage),
+                                 tSrQ[None, None, None, stage], tSrK[None, None, None, kv_state.index])
                     pipe_spo.arrive_full(stage, "mma")  # S_stage ready
-                    q_state = next_state(q_state)
                 pipe_kv.arrive_empty(kv_state.index, "mma")
                 kv_state = next_state(kv_state)
                 for i in cutlass.range(n_block_max - 1, unroll=1):
                     v_state = kv_state
                     k_state = next_state(kv_state)
                     pipe_kv.wait_full(v_state.index, v_state.phase)
-                    for stage in cutlass.range_constexpr(self.q_stage):
+                    for stage in cutlass.range(self.q_stage, unroll=1):
                         pipe_spo.wait_empty(stage, spo_phase)  # P_stage written, O_stage rescaled
                         tcgen05_fence_after()
-                        self.gemm_pv(tiled_mma_pv, tOtO[stage], tOrP[stage], tOrV[None, None, None, v_state.index],
-                                     i > 0)
-                        if const_expr(stage == self.q_stage - 1):
+                        self.gemm_pv(tiled_mma_pv, self.tmem_tensor_O(base, thr_mma_pv, stage),
+                                     self.tmem_tensor_P(base, tOrP_layout, stage),
+                                     tOrV[None, None, None, v_state.index], i > 0)
+                        if stage == self.q_stage - 1:
                             pipe_kv.arrive_empty(v_state.index, "mma")
-                        if const_expr(stage == 0):
+                        if stage == 0:
                             pipe_kv.wait_full(k_state.index, k_state.phase)
-                        self.gemm_qk(tiled_mma_qk, tStS[stage], tSrQ[None, None, None, stage],
-                                     tSrK[None, None, None, k_state.index])
+                        self.gemm_qk(tiled_mma_qk, self.tmem_tensor_S(base, thr_mma_qk, stage),
+                                     tSrQ[None, None, None, stage], tSrK[None, None, None, k_state.index])
                         pipe_spo.arrive_full(stage, "mma")
                     pipe_kv.arrive_empty(k_state.index, "mma")
                     kv_state = next_state(k_state)
                     spo_phase = spo_phase ^ 1
                 # Q is read by no later MMA of this tile.
-                q_rel = q_first
                 for stage in cutlass.range_constexpr(self.q_stage):
-                    pipe_q.arrive_empty(q_rel.index, "mma")
-                    q_rel = next_state(q_rel)
+                    pipe_q.arrive_empty(stage, "mma")
+                q_phase = q_phase ^ 1
                 pipe_kv.wait_full(kv_state.index, kv_state.phase)
-                for stage in cutlass.range_constexpr(self.q_stage):
+                for stage in cutlass.range(self.q_stage, unroll=1):
                     pipe_spo.wait_empty(stage, spo_phase)
                     tcgen05_fence_after()
-                    self.gemm_pv(tiled_mma_pv, tOtO[stage], tOrP[stage], tOrV[None, None, None, kv_state.index],
-                                 n_block_max > 1)
+                    self.gemm_pv(tiled_mma_pv, self.tmem_tensor_O(base, thr_mma_pv, stage),
+                                 self.tmem_tensor_P(base, tOrP_layout, stage),
+                                 tOrV[None, None, None, kv_state.index], n_block_max > 1)
                     pipe_ofull.arrive_full(stage, "mma")  # the tile's O_stage is final
                 pipe_kv.arrive_empty(kv_state.index, "mma")
                 kv_state = next_state(kv_state)
@@ -498,6 +509,10 @@ class FlashAttentionForwardSm100:
         """O_i: ((tile_m, dv), 1, 1) fp32 accumulator at tmem_map's O_i columns."""
         layout = thr_mma_pv.make_fragment_C(thr_mma_pv.partition_shape_C(self.mma_tiler_pv[:2])).layout
         return cute.make_tensor(base + self.tmem_offset("O", i), layout)
+
+    def tmem_tensor_P(self, base, tOrP_layout, i):
+        """P_i: 16-bit, packed two per column at tmem_map's P_i columns (inside S_i)."""
+        return cute.make_tensor(cute.recast_ptr(base + self.tmem_offset("P", i), dtype=self.dtype), tOrP_layout)
 
     def tmem_offset(self, name: str, i):
         """Column of buffer name_i (tmem_map); i a Python int or a runtime Int32 (the buffers of
