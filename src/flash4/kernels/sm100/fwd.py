@@ -711,6 +711,7 @@ class FlashAttentionForwardSm100:
         for c in cutlass.range(self.hdim_v // RESCALE_COLS, unroll_full=True):
             frg = cute.make_rmem_tensor(frg_shape, Float32)
             cute.copy(thr_ld, cute.make_tensor(tOtO_t2r.iterator + c * RESCALE_COLS, tOtO_t2r.layout), frg)
+            cute.arch.fence_view_async_tmem_load()  # tcgen05.wait::ld before the registers are read (PTX)
             for j in cutlass.range(0, cute.size(frg), 2, unroll_full=True):
                 frg[j], frg[j + 1] = cute.arch.mul_packed_f32x2((frg[j], frg[j + 1]), (scale, scale))
             cute.copy(thr_st, frg, cute.make_tensor(tOtO_r2t.iterator + c * RESCALE_COLS, tOtO_r2t.layout))
@@ -750,6 +751,7 @@ class FlashAttentionForwardSm100:
     def load_scaled(self, tiled_load, src, frg, scale: Float32):
         """frg = src (TMEM) * scale; register-tensor writes only (called under a runtime branch)."""
         cute.copy(tiled_load, src, frg)
+        cute.arch.fence_view_async_tmem_load()  # tcgen05.wait::ld before the registers are read (PTX)
         for j in cutlass.range(0, cute.size(frg), 2, unroll_full=True):
             frg[j], frg[j + 1] = cute.arch.mul_packed_f32x2((frg[j], frg[j + 1]), (scale, scale))
 
