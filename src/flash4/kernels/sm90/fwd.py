@@ -5,6 +5,7 @@ O = softmax(scale * Q K^T) V and LSE, exact, O(N) memory. Design after FlashAtte
 optional FMA-emulated exp2; Zadouri et al. 2025).
 """
 
+import math
 from functools import partial
 from typing import NamedTuple, Optional
 
@@ -168,6 +169,11 @@ class FlashAttentionForwardSm90:
     skipped; packed Q/K/V are addressed through domain offsets of the TMA views; a packed O is
     stored row-predicated from smem (rows past the sequence belong to the next one); paged K/V
     are loaded page piece by page piece (page_rows rows per TMA copy, page index from page_table).
+    Nothing past a sequence reaches a result: keys past seqlen_k get score -inf (mask_scores, before
+    the row max), and with a ragged K side (varlen_k / seqused_k / paged, where those rows hold other
+    data rather than TMA zeros) the V rows past seqlen_k of the key-edge block are zeroed in smem
+    before any P V reads them (`zero_v_tail`: 0 * NaN would be NaN); rows past seqlen_q are never
+    stored (TMA clipping, or row-predicated stores).
     GQA packing (FwdConfig.pack_gqa = p > 1, dense Q): a tile's rows are packed rows r = query * p + j
     of the p query heads of one KV head (layout.pack_gqa_view); Q and O move as TMA boxes
     (p heads x tile_m / p queries x d), the tile order runs over KV heads, the masks and block ranges
@@ -195,6 +201,9 @@ class FlashAttentionForwardSm90:
         self.ragged_q = cfg.varlen_q or cfg.seqused_q
         # GQA packing: the pack query heads of a KV head share each query tile (layout.pack_gqa_view).
         self.pack = cfg.pack_gqa
+        # Key blocks may hold rows past seqlen_k that are not TMA zeros (stale cache slots, the
+        # next packed sequence, a partial page piece): the key-edge block's V tail is zeroed.
+        self.ragged_k = cfg.varlen_k or cfg.seqused_k or cfg.page_rows > 0
 
     # ------------------------------------------------------------------ host side (trace time)
     def _smem_layout(self, rows: int, stages=None, rows_outer: bool = False, hdim=None):
@@ -549,6 +558,9 @@ class FlashAttentionForwardSm90:
                     mask(acc_S, n_block=n_block_max - 1, causal=self.causal)
                     softmax.online(acc_S, is_first=True)
                     self.convert_P(acc_S, tOrP)
+                    if const_expr(self.ragged_k):
+                        # Before any P V reads this block's V stage (next iteration, or the last P V).
+                        self.zero_v_tail(sV, pipeline_v, state, n_block_max - 1, seqlen_k, tidx)
                     # Blocks that cross the causal diagonal (a window's right edge), then unmasked
                     # blocks, then (window) blocks that cross its left edge.
                     n_block_unmasked = n_block_max - 1
@@ -690,6 +702,52 @@ class FlashAttentionForwardSm90:
         return state
 
     @cute.jit
+    def zero_v_tail(self, sV: cute.Tensor, pipeline_v, state, n_block, seqlen_k, tidx):
+        """Ragged-K configs (varlen_k / seqused_k / paged): V rows >= seqlen_k of key block n_block
+        (the tile's first block, the only one that can cross seqlen_k) -> exactly 0 in the V stage
+        `state`, so a stale or poisoned slot past the sequence (NaN, inf) cannot reach O through
+        0 * NaN in P V. K needs nothing: mask_scores selects -inf over any score of those keys.
+
+        Only tiles whose block is partial take the branch (valid < tile_n depends on the tile and
+        the sequence only: uniform over the CTA's consumer threads). Race-free: the TMA's writes
+        are visible once the V full barrier's phase completed (consumer_wait; the loop's own wait
+        on this stage later returns at once, the stage is released only after its P V); each
+        thread's generic-proxy zeros are ordered before the async proxy (wgmma reads, the
+        producer's later TMA refill) by fence_view_async_shared, and the VTail named barrier over
+        all consumer threads orders every warpgroup's zeros before any warpgroup's P V.
+        Deadlock-free: called after the first block's softmax, outside mma_one_n_block, so no
+        thread sits in a ping-pong barrier (WarpSchedulerWG*) meanwhile. Every consumer thread
+        runs the same sequence of all-consumer barriers (VTail, Epilogue) under CTA-uniform
+        conditions, and between two of them each warpgroup runs the same number of ping-pong
+        rounds, whose token ring (warpgroup w waits on the arrive of w - 1 of the same round, w = 0
+        on that of the last warpgroup's previous round or the init) is closed inside that segment.
+        """
+        valid = seqlen_k - n_block * self.tile_n
+        if valid < self.tile_n:
+            pipeline_v.consumer_wait(state)
+            zero_threads, tiled_zero = self._v_zero_copy()
+            sVs = sV[None, None, state.index]
+            if tidx < zero_threads:
+                thr = tiled_zero.get_slice(tidx)
+                tVsV = thr.partition_D(sVs)
+                tVcV = thr.partition_D(cute.make_identity_tensor((self.tile_n, self.hdim_v)))
+                zeros = cute.make_fragment_like(tVsV)
+                zeros.fill(0.0)
+                for m in cutlass.range_constexpr(cute.size(tVsV, mode=[1])):
+                    if tVcV[0, m, 0][0] >= valid:
+                        cute.copy(tiled_zero, zeros[None, m, None], tVsV[None, m, None])
+            cute.arch.fence_view_async_shared()  # generic-proxy zeros -> visible to wgmma / TMA
+            cute.arch.barrier(barrier_id=int(NamedBarrierFwd.VTail), number_of_threads=self.num_mma_threads)
+
+    def _v_zero_copy(self):
+        """(threads, tiled copy) that zero a (tile_n, Dv) V stage in 16-byte stores (v_zero_threads)."""
+        vec = 128 // self.dtype.width
+        threads, per_row = v_zero_threads(self.num_mma_threads, self.tile_n, self.hdim_v, vec)
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128)
+        thr_layout = cute.make_ordered_layout((threads // per_row, per_row), order=(1, 0))
+        return threads, cute.make_tiled_copy_tv(atom, thr_layout, cute.make_layout((1, vec)))
+
+    @cute.jit
     def convert_P(self, acc_S: cute.Tensor, tOrP: cute.Tensor):
         """fp32 P (accumulator layout) -> 16-bit A-operand fragment, two values per cvt."""
         src = cute.make_tensor(acc_S.iterator, acc_to_frgA_layout(acc_S.layout))
@@ -765,3 +823,15 @@ class FlashAttentionForwardSm90:
             next_wg = (wg_idx + 1) % self.num_wg_mma
             cute.arch.barrier_arrive(barrier_id=int(NamedBarrierFwd.WarpSchedulerWG1) + next_wg,
                                      number_of_threads=2 * THREADS_PER_WG)
+
+
+def v_zero_threads(num_mma_threads: int, tile_n: int, hdim_v: int, vec: int = 8) -> tuple[int, int]:
+    """(threads, threads per row) of zero_v_tail's copy: the most consumer threads, a multiple of
+    128, whose passes of 16-byte chunks (vec elements) tile the (tile_n, hdim_v) stage evenly
+    (threads per row = gcd(chunks per row, threads); rows per pass must divide tile_n)."""
+    chunks_per_row = hdim_v // vec
+    for threads in range(num_mma_threads, 0, -THREADS_PER_WG):
+        per_row = math.gcd(chunks_per_row, threads)
+        if tile_n % (threads // per_row) == 0:
+            return threads, per_row
+    raise ValueError(f"no even zero-fill layout of a ({tile_n}, {hdim_v}) V stage")
