@@ -798,8 +798,13 @@ class FlashAttentionForwardSm90:
             tOsO, tOgO = cpasync.tma_partition(
                 tma_atom_O, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2), cute.group_modes(gO, 0, 2)
             )
-            cute.copy(tma_atom_O, tOsO, tOgO)
-            cute.arch.cp_async_bulk_commit_group()
+            # One lane issues the store: a bulk tensor copy is issued by every thread that executes
+            # it (the DSL elects a lane for TMA loads, not for stores), so without the election each
+            # of the warp's 32 lanes stored the whole O tile (PTX: 32 threads reached the
+            # cp.async.bulk.tensor). Waits stay warp-wide: a lane without bulk groups returns at once.
+            with cute.arch.elect_one():
+                cute.copy(tma_atom_O, tOsO, tOgO)
+                cute.arch.cp_async_bulk_commit_group()
             if const_expr(not self.separate_o):
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
 
