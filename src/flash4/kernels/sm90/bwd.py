@@ -411,8 +411,8 @@ class FlashAttentionBackwardSm90:
         if warp_idx == 0:
             for atom in atoms.loads():
                 cpasync.prefetch_descriptor(atom)
-        smem = SmemAllocator()
-        storage = smem.allocate(SharedStorage)
+        allocator = SmemAllocator()
+        storage = allocator.allocate(SharedStorage)
         make_pipe = tma_pipeline_factory(self.num_mma_threads)
         pipes = BwdPipelines(
             kv=make_pipe(barrier_storage=storage.mbar_kv.data_ptr(), num_stages=1, tx_count=self.tma_bytes_kv),
@@ -433,10 +433,10 @@ class FlashAttentionBackwardSm90:
         sLSE = storage.sLSE.get_tensor(layouts.lse)
         sD = storage.sD.get_tensor(cute.make_layout((self.tile_m, self.do_stages)))
         sdQ = storage.sdQ.get_tensor(layouts.dq)
-        smem_t = BwdSmem(q=sQ, k=sK, v=sV, do=sdO, ds=sdS, p=sP, lse=sLSE, dpsum=sD, dq=sdQ)
+        smem = BwdSmem(q=sQ, k=sK, v=sV, do=sdO, ds=sdS, p=sP, lse=sLSE, dpsum=sD, dq=sdQ)
 
         sched = BwdSchedule.create(self.cfg, gmem.q, gmem.k, seq_params, max_seqlen_k, head_split.heads_per_cta, mask)
-        roles = partial(self.warp_roles, gmem, atoms, smem_t, mmas, pipes, sched, ScoreArgs(softmax_scale, softcap),
+        roles = partial(self.warp_roles, gmem, atoms, smem, mmas, pipes, sched, ScoreArgs(softmax_scale, softcap),
                         head_split.dkv_sem, warp_idx)
         if const_expr(self.dynamic_seqlen_k):
             # Key tiles past this sequence's keys: nothing to compute, nothing to store (the rows
@@ -533,7 +533,7 @@ class FlashAttentionBackwardSm90:
                 turn = sched.dq_turn(m_block)
                 if lane == 0:
                     seen = cute.arch.load(sem_ptr, Int32, sem="acquire", scope="gpu")
-                    while seen != turn:
+                    while turn != seen:
                         seen = cute.arch.load(sem_ptr, Int32, sem="acquire", scope="gpu")
                 cute.arch.sync_warp()
             if const_expr(self.cfg.dq_whole_tile):

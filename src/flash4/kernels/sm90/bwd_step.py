@@ -63,10 +63,12 @@ def step_class(cfg):
 class BwdStep(DynamicState):
     """A consumer warpgroup's per-thread operands and accumulators (built at construction, before the
     main loop) and the per-m_block step. Loop-invariant: the step loop carries nothing of it (no
-    dynamic fields; the accumulators are updated in place). kernel: the FlashAttentionBackwardSm90 (trace-time constants
-    only: tiles, flags, dtype); gmem: BwdTensors; smem: BwdSmem; mmas: BwdTiledMmas; pipes:
-    BwdPipelines; sched: BwdSchedule; tidx: the thread's index among the consumer threads.
-    acc_dK, acc_dV: the fp32 dK, dV accumulators the epilogue stores."""
+    dynamic fields; the accumulators are updated in place).
+
+    kernel: the FlashAttentionBackwardSm90 (read for trace-time constants only: tiles, stages,
+    flags, dtype); gmem: BwdTensors; smem: BwdSmem; mmas: BwdTiledMmas; pipes: BwdPipelines;
+    sched: BwdSchedule; tidx: the thread's index among the consumer threads. acc_dK, acc_dV: the
+    fp32 dK, dV accumulators (dK^T, dV^T with transposed_dkv) the epilogue stores."""
 
     def __init__(self, kernel, gmem, smem, mmas, pipes, sched, tidx):
         self.k, self.cfg = kernel, kernel.cfg
