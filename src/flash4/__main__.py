@@ -2,7 +2,7 @@
 `python -m flash4 compile-check [...]` and `python -m flash4 warmup [...]`.
 
 Argument parsing and dispatch only; the work lives in flash4.bench.run, flash4.bench.ablate and
-flash4.bench.report.
+flash4.bench.report. Help texts speak to users: what an option does, its units and default.
 """
 
 from __future__ import annotations
@@ -11,37 +11,51 @@ import argparse
 import sys
 
 
+CACHE_NOTE = ("The cache lives in FLASH4_CACHE_DIR (default: $XDG_CACHE_HOME/flash4, else ~/.cache/flash4); "
+              "FLASH4_CACHE=0 turns it off.")
+
+
+def _add_kernel_filters(parser: argparse.ArgumentParser) -> None:
+    """--headdims, --dtypes, --causal of compile-check and warmup."""
+    parser.add_argument("--headdims", type=int, nargs="+", metavar="D",
+                        help="only the kernels of these head dims (default: every head dim)")
+    parser.add_argument("--dtypes", nargs="+", choices=("bf16", "fp16"),
+                        help="only the kernels of these data types (default: bf16 and fp16)")
+    parser.add_argument("--causal", choices=("0", "1", "both"), default="both",
+                        help="0: only the kernels without a mask, 1: only those with the causal mask, "
+                             "both: each (default)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from flash4.bench import ablate as bench_ablate
     from flash4.bench import run as bench_run
 
-    parser = argparse.ArgumentParser(prog="python -m flash4", description="flash4 attention kernels")
+    parser = argparse.ArgumentParser(prog="python -m flash4", description="flash4: exact attention kernels for "
+                                     "NVIDIA Hopper GPUs. Benchmark them, or compile them ahead of time.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     bench = sub.add_parser(
-        "bench", help="check correctness, then time the forward and backward sweep against cuDNN / FA2 / flash-attn-4",
-        description=bench_run.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        "bench", help="check flash4's results, then time its forward and backward passes against cuDNN, "
+                      "FlashAttention-2 and flash-attn-4 (without a GPU: compile the kernels instead)",
+        description=bench_run.DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     bench_run.add_arguments(bench)
     bench_ablate.add_arguments(bench)
     check = sub.add_parser(
-        "compile-check", help="compile the shipped forward and backward configs without a GPU; report registers/spills/smem",
+        "compile-check", help="compile flash4's forward and backward kernels (no GPU needed) and report "
+                              "registers, spills, shared memory and compile time",
+        description="Compile flash4's shipped forward and backward kernels for sm_90a (no GPU needed) and print, "
+                    "per kernel, its registers, register spills, shared memory, instruction counts and compile "
+                    "time. Exits with 1 on a compile error, a spill or a serialized wgmma, else 0.",
     )
-    check.add_argument("--headdims", type=int, nargs="+", metavar="D", help="only these head dims")
-    check.add_argument("--dtypes", nargs="+", choices=("bf16", "fp16"), help="only these dtypes")
-    check.add_argument("--causal", choices=("0", "1", "both"), default="both",
-                       help="only non-causal (0), only causal (1) or both (default)")
-    check.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    _add_kernel_filters(check)
+    check.add_argument("--json", metavar="PATH", help="also write the results to this JSON file")
     warm = sub.add_parser(
-        "warmup", help="compile the shipped configs into the on-disk compile cache (FLASH4_CACHE_DIR) so later "
+        "warmup", help="compile flash4's kernels into the on-disk compile cache (no GPU needed), so later "
                        "processes load them in milliseconds",
-        description="Compile the shipped configs into the on-disk compile cache. It lives in FLASH4_CACHE_DIR "
-                    "(default $XDG_CACHE_HOME/flash4, else ~/.cache/flash4); FLASH4_CACHE=0 turns it off.",
+        description="Compile flash4's shipped kernels into the on-disk compile cache (no GPU needed), so later "
+                    "processes load each kernel in milliseconds instead of compiling it. " + CACHE_NOTE,
     )
-    for p in (warm,):
-        p.add_argument("--headdims", type=int, nargs="+", metavar="D", help="only these head dims")
-        p.add_argument("--dtypes", nargs="+", choices=("bf16", "fp16"), help="only these dtypes")
-        p.add_argument("--causal", choices=("0", "1", "both"), default="both",
-                       help="only non-causal (0), only causal (1) or both (default)")
+    _add_kernel_filters(warm)
     return parser
 
 

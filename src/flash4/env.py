@@ -7,6 +7,7 @@
 | FLASH4_CACHE       | 0 disables the on-disk compile cache                 | on                         |
 | FLASH4_CACHE_DIR   | directory of the on-disk compile cache               | $XDG_CACHE_HOME/flash4 or ~/.cache/flash4 |
 | FLASH4_BWD_HEADS_PER_CTA | query heads per backward CTA under GQA/MQA (tuning) | flash4.config.bwd_heads_per_cta |
+| FLASH4_SM100       | sm_100 kernels: off, selftest (run after passing flash4.selftest), on (unchecked) | selftest |
 
 Each function reads the environment when called (no caching), so a test can set a variable with
 monkeypatch. A malformed value raises ValueError naming the variable, the value and what is allowed.
@@ -91,3 +92,17 @@ def bwd_heads_per_cta_override() -> int | None:
     """FLASH4_BWD_HEADS_PER_CTA (a positive integer), or None when unset: the GQA/MQA backward's
     query heads per CTA instead of flash4.config.bwd_heads_per_cta's choice (for measurements)."""
     return _positive_int("FLASH4_BWD_HEADS_PER_CTA", "1 or 4")
+
+
+SM100_MODES = ("off", "selftest", "on")
+
+
+def sm100_mode() -> str:
+    """FLASH4_SM100: "off" (never run the sm_100 kernels), "selftest" (run each config only after its
+    first-use self-test passed, flash4.selftest; the default) or "on" (run them unchecked)."""
+    value = _get("FLASH4_SM100")
+    if value is None:
+        return "selftest"
+    if value.lower() not in SM100_MODES:
+        raise ValueError(f"FLASH4_SM100={value!r}: allowed {', '.join(SM100_MODES)} (default selftest)")
+    return value.lower()

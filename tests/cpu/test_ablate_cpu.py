@@ -12,7 +12,7 @@ import torch
 
 from flash4.__main__ import build_parser
 from flash4.__main__ import main as cli_main
-from flash4.bench import ablate, run
+from flash4.bench import ablate, common, run
 from flash4.bench.report import format_table
 from flash4.config import select_fwd_config
 
@@ -72,7 +72,7 @@ def test_median_of_rounds():
 
 
 def fake_rows():
-    cells = run.sweep_cells((128,), (4096,), (False, True))
+    cells = common.sweep_cells((128,), (4096,), (False, True))
     rows = []
     for cell in cells:
         times = {"default": [1.0, 1.1, 0.9], "always_rescale": [1.2, 1.2, 1.3], "lpt": [math.nan] * 3}
@@ -85,8 +85,8 @@ def fake_rows():
 def test_cell_rows_and_ratio_table():
     rows = fake_rows()
     assert [r["variant"] for r in rows[:3]] == ["default", "always_rescale", "lpt"]
-    full = run.Cell(headdim=128, causal=False, seqlen=4096, batch=8, nheads=16)
-    assert math.isclose(rows[0]["fwd_tflops"], run.tflops(run.fwd_flops(full), 1.0))
+    full = common.Cell(headdim=128, causal=False, seqlen=4096, batch=8, nheads=16)
+    assert math.isclose(rows[0]["fwd_tflops"], common.tflops(common.fwd_flops(full), 1.0))
     assert rows[0]["times_ms"] == [1.0, 1.1, 0.9] and math.isnan(rows[2]["fwd_tflops"])
     headers, table = ablate.ratio_table(rows)
     assert headers == ["hdim", "causal", "seqlen", "default TFLOPs", "always_rescale/default", "lpt/default"]
@@ -162,9 +162,17 @@ def fake_compile_check(monkeypatch):
 def test_ablate_without_gpu_compile_checks_the_variants(fake_compile_check, capsys):
     calls = fake_compile_check
     assert cli_main(["bench", "--ablate", "--headdims", "128", "--variants", "always_rescale", "lpt"]) == 0
-    assert "No CUDA GPU found" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "No CUDA GPU found" in out and "Ignored" not in out
     expected = {ablate.variant_config(v, 128, c) for v in ("default", "always_rescale", "lpt") for c in (False, True)}
     assert len(calls) == len(expected) and set(calls) == expected  # equal configs compiled once
+    calls.clear()
+    argv = ["bench", "--ablate", "--headdims", "64", "--dtype", "fp16", "--causal", "1", "--variants", "lpt",
+            "--rep-ms", "10", "--out", "x"]
+    assert cli_main(argv) == 0
+    assert "Ignored: --rep-ms, --out." in capsys.readouterr().out
+    assert set(calls) == {ablate.variant_config(v, 64, True, "fp16", s) for v in ("default", "lpt")
+                          for s in ablate.DEFAULT_SEQLENS}
 
 
 def test_measure_interleaves_rounds(monkeypatch):
@@ -178,7 +186,7 @@ def test_measure_interleaves_rounds(monkeypatch):
     fake_cache = types.ModuleType("flash4.compile.cache")
     fake_cache.get_fwd_runner = get_fwd_runner
     monkeypatch.setitem(sys.modules, "flash4.compile.cache", fake_cache)
-    monkeypatch.setattr(run, "_inputs", lambda b, sq, sk, h, hk, d, dtype, seed=0: tuple(
+    monkeypatch.setattr(common, "make_inputs", lambda b, sq, sk, h, hk, d, dtype, seed=0: tuple(
         torch.zeros(b, sq if i == 0 else sk, h, d, dtype=dtype) for i in range(3)))
     ms_of = {"default": iter([1.0, 3.0, 2.0]), "always_rescale": iter([4.0, 4.0, 4.0]), "lpt": iter([2.0, 2.0, 2.0])}
 
@@ -189,8 +197,8 @@ def test_measure_interleaves_rounds(monkeypatch):
         timed.append(name)
         return next(ms_of[name])
 
-    monkeypatch.setattr(run, "time_ms", time_ms)
-    cell = run.Cell(headdim=128, causal=False, seqlen=64, batch=2, nheads=2)
+    monkeypatch.setattr(common, "time_ms", time_ms)
+    cell = common.Cell(headdim=128, causal=False, seqlen=64, batch=2, nheads=2)
     # lpt's config differs from default's on non-causal cells (d128 full: no short-sequence config),
     # so the fake runner tells them apart
     rows = ablate.measure(["default", "always_rescale", "lpt"], [cell], "bf16")
@@ -198,8 +206,8 @@ def test_measure_interleaves_rounds(monkeypatch):
                      "lpt", "default", "always_rescale"]
     by = {r["variant"]: r for r in rows}
     assert by["default"]["times_ms"] == [1.0, 3.0, 2.0]
-    assert math.isclose(by["default"]["fwd_tflops"], run.tflops(run.fwd_flops(cell), 2.0))
-    assert math.isclose(by["always_rescale"]["fwd_tflops"], run.tflops(run.fwd_flops(cell), 4.0))
+    assert math.isclose(by["default"]["fwd_tflops"], common.tflops(common.fwd_flops(cell), 2.0))
+    assert math.isclose(by["always_rescale"]["fwd_tflops"], common.tflops(common.fwd_flops(cell), 4.0))
 
 
 def test_ablate_main_end_to_end_with_fakes(monkeypatch, tmp_path, capsys):
@@ -221,7 +229,7 @@ def test_ablate_main_end_to_end_with_fakes(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     monkeypatch.setattr(run, "collect_metadata", lambda dtype: {"gpu": "fake", "timing": "fake", "dtype": dtype})
-    monkeypatch.setattr(run, "_inputs", lambda b, sq, sk, h, hk, d, dtype, seed=0: tuple(
+    monkeypatch.setattr(common, "make_inputs", lambda b, sq, sk, h, hk, d, dtype, seed=0: tuple(
         torch.randn(b, sq if i == 0 else sk, h, d).to(dtype) for i in range(3)))
     monkeypatch.setattr(ablate, "CHECK_SHAPES", ((1, 40, 40, 2), (1, 30, 50, 2)))
     ms = {"default": 2.0, "always_rescale": 2.5, "lpt": 1.0}
@@ -230,7 +238,7 @@ def test_ablate_main_end_to_end_with_fakes(monkeypatch, tmp_path, capsys):
         cfg = fn.__defaults__[0].cfg  # the runner bound into measure()'s lambda
         return next(ms[v] for v in ms if ablate.variant_config(v, 256, cfg.causal) == cfg)
 
-    monkeypatch.setattr(run, "time_ms", time_ms)
+    monkeypatch.setattr(common, "time_ms", time_ms)
     argv = ["bench", "--ablate", "--headdims", "256", "--seqlens", "256", "--variants", "always_rescale", "lpt",
             "--out", str(tmp_path)]
     assert cli_main(argv) == 0

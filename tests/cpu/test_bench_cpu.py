@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from flash4.__main__ import main as cli_main
-from flash4.bench import run
+from flash4.bench import common, run
 from flash4.bench.report import format_table, select_configs
 from flash4.config import shipped_bwd_configs, shipped_fwd_configs
 
@@ -77,11 +77,13 @@ def test_csv_json_png(tmp_path):
     run.write_csv(rows, tmp_path / "sweep.csv")
     with open(tmp_path / "sweep.csv") as f:
         records = list(csv.reader(f))
-    assert records[0] == ["impl", "headdim", "causal", "seqlen", "batch", "nheads", "fwd_tflops", "bwd_tflops"]
-    assert records[1] == ["flash4", "128", "0", "1024", "32", "16", "650.0", ""]
+    # the recorded docs/perf/h200.csv's columns first, in their order; the GEMM ceiling's after them
+    assert records[0] == ["impl", "headdim", "causal", "seqlen", "batch", "nheads", "fwd_tflops", "bwd_tflops",
+                          "gemm_tflops", "fwd_gemm_ratio", "bwd_gemm_ratio"]
+    assert records[1] == ["flash4", "128", "0", "1024", "32", "16", "650.0", "", "", "", ""]  # no ceiling measured
     assert {r[0] for r in records[1:]} == {"flash4", "flash_attn_4", "sdpa_cudnn", "sdpa_flash"}
     assert {r[2] for r in records[1:]} == {"0", "1"}
-    assert ["sdpa_flash", "128", "0", "1024", "32", "16", "nan", ""] in records
+    assert ["sdpa_flash", "128", "0", "1024", "32", "16", "nan", "", "", "", ""] in records
 
     run.write_json(tmp_path / "sweep.json", {"gpu": "test"}, rows, [], ["t"])
     doc = json.loads((tmp_path / "sweep.json").read_text())
@@ -154,11 +156,80 @@ def test_bench_without_gpu_runs_the_compile_check(fake_compile_check, capsys):
     assert cli_main(["bench"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("No CUDA GPU found") and "compile check" in out
+    assert "every head dim; bf16 and fp16; with and without the causal mask; forward and backward" in out
+    assert "Ignored" not in out
     assert calls == shipped_fwd_configs() + shipped_bwd_configs()
     calls.clear()
     assert cli_main(["bench", "--quick"]) == 0
     # as compile-check --headdims 128 --dtypes bf16 above
     assert [(c.headdim, c.dtype) for c in calls] == [(128, "bf16")] * 14
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
+def test_bench_without_gpu_honours_the_kernel_filters_and_names_the_others(fake_compile_check, capsys):
+    """--dtype, --causal and --no-bwd choose the kernels compiled, as --headdims does; the options
+    that only choose what is timed are named as ignored."""
+    from flash4.config import BwdConfig, FwdConfig
+
+    calls, _ = fake_compile_check
+    argv = ["bench", "--no-bwd", "--dtype", "fp16", "--causal", "1", "--headdims", "64", "--seqlens", "4k",
+            "--cases", "gqa", "--rep-ms", "50"]
+    assert cli_main(argv) == 0
+    out = capsys.readouterr().out
+    assert calls and all(isinstance(c, FwdConfig) and (c.headdim, c.dtype, c.causal) == (64, "fp16", True)
+                         for c in calls)
+    assert calls == select_configs(headdims=(64,), dtypes=("fp16",), causals=(True,), passes=("fwd",))
+    assert "head dim 64; fp16; with the causal mask; forward only" in out
+    assert "Ignored without a GPU: --seqlens, --cases, --rep-ms (" in out
+    assert "compile check: 3 config(s) (3 forward, 0 backward)" in out
+    calls.clear()
+    assert cli_main(["bench", "--dtype", "bf16", "--causal", "0", "--headdims", "128", "--varlen", "only"]) == 0
+    out = capsys.readouterr().out
+    assert {(c.dtype, c.causal) for c in calls} == {("bf16", False)}
+    assert any(isinstance(c, BwdConfig) for c in calls) and any(isinstance(c, FwdConfig) for c in calls)
+    assert "Ignored without a GPU: --varlen (" in out
+
+
+def test_no_gpu_plan():
+    from flash4.__main__ import build_parser
+
+    def plan(*argv):
+        return run.no_gpu_plan(build_parser().parse_args(["bench", *argv]))
+
+    assert plan() == {"headdims": None, "dtypes": None, "causals": None, "passes": None, "ignored": [],
+                      "describe": "every head dim; bf16 and fp16; with and without the causal mask; "
+                                  "forward and backward"}
+    quick = plan("--quick")
+    assert (quick["headdims"], quick["dtypes"]) == ((128,), ("bf16",))
+    assert plan("--quick", "--headdims", "64", "--dtype", "fp16")["headdims"] == (64,)
+    assert plan("--headdims", "64", "128")["describe"].startswith("head dims 64 128; bf16 and fp16;")
+    assert plan("--quick", "--dtype", "fp16")["dtypes"] == ("fp16",)
+    p = plan("--causal", "0", "--no-bwd", "--impls", "flash4", "--out", "x", "--varlen", "none")
+    assert (p["causals"], p["passes"]) == ((False,), ("fwd",))
+    assert p["ignored"] == ["--impls", "--varlen", "--out"]
+
+
+def test_select_configs_by_pass():
+    fwd, bwd = shipped_fwd_configs(), shipped_bwd_configs()
+    assert select_configs(passes=("fwd",)) == fwd and select_configs(passes=("bwd",)) == bwd
+    assert select_configs(passes=("fwd", "bwd")) == fwd + bwd
+    assert select_configs(headdims=(128,), passes=("bwd",)) == [c for c in bwd if c.headdim == 128]
+
+
+def test_help_speaks_to_users():
+    """No issue numbers or internal identifiers in any help text; defaults and units stated."""
+    from flash4.__main__ import build_parser
+
+    parser = build_parser()
+    subparsers = next(a for a in parser._actions if a.choices and "bench" in a.choices).choices
+    texts = [parser.format_help()] + [p.format_help() for p in subparsers.values()]
+    for text in texts:
+        for word in ("issue", "CSV_COLUMNS", "baselines.py", "flash4.bench", "select_fwd_config", "FA4"):
+            assert word not in text
+    bench = subparsers["bench"].format_help()
+    for phrase in ("milliseconds", "default: 64 128 256", "default: 1k 4k 16k 32k", "default: bench_out",
+                   "default: bf16", "8192 x 8192 x 8192", "fwd_gemm_ratio", "Without a GPU"):
+        assert phrase in " ".join(bench.split()), phrase
 
 
 def test_bench_times_backward_unless_told_not_to():
@@ -250,3 +321,127 @@ def test_cases_flops_selection_and_csv(tmp_path):
     assert lines[1] == "flash4,d96_causal_4k,96,1,4096,4096,8,21,21,400.0,200.0"
     headers, table = cases.cases_table(rows)
     assert headers == ["case", "flash4", "flash_attn_4", "flash4/flash_attn_4"] and table[0][-1] == 0.8
+
+
+def gemm_rows(gemm=800.0):
+    rows = fake_rows()
+    for r in rows:
+        r["bwd_tflops"] = r["fwd_tflops"] / 2
+    return run.add_gemm_ratios(rows, gemm)
+
+
+def test_gemm_ratios_math_table_and_csv(tmp_path):
+    """Every row's TFLOPs as a fraction of the run's GEMM rate, forward and backward; the tables'
+    last column is flash4's; the CSV keeps its first columns and adds the ceiling after them."""
+    rows = gemm_rows(800.0)
+    first = rows[0]  # flash4, hdim 128 full 1k: 650 fwd, 325 bwd
+    assert first["gemm_tflops"] == 800.0
+    assert math.isclose(first["fwd_gemm_ratio"], 650 / 800) and math.isclose(first["bwd_gemm_ratio"], 325 / 800)
+    assert math.isnan(rows[3]["fwd_gemm_ratio"])  # sdpa_flash raised there
+    no_bwd = run.add_gemm_ratios(fake_rows(), 800.0)
+    assert no_bwd[0]["bwd_gemm_ratio"] is None and math.isclose(no_bwd[0]["fwd_gemm_ratio"], 650 / 800)
+    assert all(math.isnan(r["fwd_gemm_ratio"]) for r in run.add_gemm_ratios(fake_rows(), math.nan))
+
+    headers, table = run.result_table(rows)
+    assert headers[-1] == "flash4/gemm" and headers[5:9] == ["flash4", "flash_attn_4", "sdpa_cudnn", "sdpa_flash"]
+    assert math.isclose(table[0][-1], 650 / 800) and math.isnan(table[0][-2])  # before it: flash4/sdpa_flash
+    headers_b, table_b = run.result_table(rows, "bwd_tflops")
+    assert headers_b[-1] == "flash4/gemm" and math.isclose(table_b[0][-1], 325 / 800)
+    assert "flash4/gemm" in format_table(headers, table)
+    # without a ceiling (rows from measure() alone) or without flash4: no column
+    assert "flash4/gemm" not in run.result_table(fake_rows())[0]
+    assert "flash4/gemm" not in run.result_table([r for r in rows if r["impl"] != "flash4"])[0]
+
+    run.write_csv(rows, tmp_path / "sweep.csv")
+    with open(tmp_path / "sweep.csv") as f:
+        records = list(csv.DictReader(f))
+    assert records[0] == {"impl": "flash4", "headdim": "128", "causal": "0", "seqlen": "1024", "batch": "32",
+                          "nheads": "16", "fwd_tflops": "650.0", "bwd_tflops": "325.0", "gemm_tflops": "800.0",
+                          "fwd_gemm_ratio": "0.812", "bwd_gemm_ratio": "0.406"}
+    assert records[3]["fwd_gemm_ratio"] == "nan"
+
+
+def test_measure_gemm_with_a_fake_timer(monkeypatch):
+    """The ceiling: 2 * n^3 FLOPs over common.time_ms of torch.matmul (on the CPU here), recorded
+    with its shape and dtype; a failure is a NaN ceiling, said in its line."""
+    seen = []
+
+    def time_ms(fn, rep_ms=100.0):
+        out = fn()
+        seen.append((tuple(out.shape), out.dtype, rep_ms))
+        return 0.5
+
+    monkeypatch.setattr(common, "time_ms", time_ms)
+    gemm = run.measure_gemm("bf16", rep_ms=20.0, size=64, device="cpu")
+    assert seen == [((64, 64), torch.bfloat16, 20.0)]
+    assert gemm["m"] == gemm["n"] == gemm["k"] == 64 and gemm["dtype"] == "bf16" and gemm["error"] is None
+    assert math.isclose(gemm["tflops"], 2 * 64 ** 3 / 0.5e-3 / 1e12) and gemm["ms"] == 0.5
+    assert run.gemm_flops() == 2.0 * 8192 ** 3
+    line = run.describe_gemm(gemm)
+    assert line.startswith("GEMM ceiling: torch.matmul (cuBLAS) bf16 64 x 64 x 64:") and "flash4/gemm" in line
+
+    def broken(fn, rep_ms=100.0):
+        raise RuntimeError("no device")
+
+    monkeypatch.setattr(common, "time_ms", broken)
+    failed = run.measure_gemm("fp16", size=8, device="cpu")
+    assert math.isnan(failed["tflops"]) and failed["error"] == "RuntimeError: no device"
+    assert "failed, RuntimeError: no device" in run.describe_gemm(failed)
+
+
+def test_bench_main_end_to_end_with_fakes(monkeypatch, tmp_path, capsys):
+    """run.main as on a GPU, with CPU tensors, fake implementations and a fake timer: the GEMM
+    ceiling is measured once, printed, kept in sweep.json, and every table and CSV row has its
+    ratio to it."""
+    from flash4.bench import baselines
+
+    ms_of = {"gemm": 1.0, "flash4": 0.5, "sdpa_cudnn": 1.0}
+    bwd_ms_of = {"flash4": 2.0, "sdpa_cudnn": 2.5}
+    calls = []
+
+    def make(name):
+        def make_fn(q, k, v, causal, **options):
+            fn = lambda: q  # noqa: E731
+            fn.impl = name
+            return fn
+        return make_fn
+
+    def time_ms(fn, rep_ms=100.0):
+        calls.append(getattr(fn, "impl", "gemm"))
+        fn()
+        return ms_of[calls[-1]]
+
+    real_gemm = run.measure_gemm
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(run, "_dsl_import_seconds", lambda: 0.0)
+    monkeypatch.setattr(run, "_print_compile_summary", lambda import_s: None)
+    monkeypatch.setattr(run, "collect_metadata", lambda dtype: {"gpu": "fake", "timing": "fake", "dtype": dtype,
+                                                                "date": "2026-01-01T00:00:00"})
+    monkeypatch.setattr(run, "check_correctness", lambda impls, headdims, causals, dtype: [
+        {"impl": i.name, "shape": "s", "causal": c, "ok": True, "error": None} for i in impls for c in causals])
+    monkeypatch.setattr(run, "measure_gemm", lambda name, rep_ms: real_gemm(name, rep_ms, size=64, device="cpu"))
+    monkeypatch.setattr(run, "measure_memory", lambda impls, dtype: {i.name: 1.0 for i in impls})
+    monkeypatch.setattr(baselines, "all_impls", lambda: [baselines.Impl("flash4", make("flash4")),
+                                                         baselines.Impl("sdpa_cudnn", make("sdpa_cudnn"))])
+    monkeypatch.setattr(common, "make_inputs", lambda *a, **k: tuple(torch.zeros(1, 2, 1, 8) for _ in range(3)))
+    monkeypatch.setattr(common, "time_ms", time_ms)
+    monkeypatch.setattr(common, "time_bwd", lambda impl, q, k, v, causal, rep_ms, **o: bwd_ms_of[impl.name])
+    argv = ["bench", "--headdims", "128", "--seqlens", "1k", "--causal", "both", "--cases", "none",
+            "--varlen", "none", "--out", str(tmp_path)]
+    assert cli_main(argv) == 0
+    out = capsys.readouterr().out
+    assert calls.count("gemm") == 1 and calls[0] == "gemm"  # once per run, before the sweep
+    gemm = 2 * 64 ** 3 / 1e-3 / 1e12
+    assert f"GEMM ceiling: torch.matmul (cuBLAS) bf16 64 x 64 x 64: {gemm:.1f} TFLOPs" in out
+    assert out.count("flash4/gemm") >= 3  # the ceiling's line, the forward and the backward table
+    with open(tmp_path / "sweep.csv") as f:
+        records = list(csv.DictReader(f))
+    assert len(records) == 4 and list(records[0])[-3:] == ["gemm_tflops", "fwd_gemm_ratio", "bwd_gemm_ratio"]
+    full = run.Cell(headdim=128, causal=False, seqlen=1024, batch=32, nheads=16)
+    fwd = run.tflops(run.fwd_flops(full), 0.5)
+    assert math.isclose(float(records[0]["fwd_tflops"]), fwd, rel_tol=1e-3)
+    assert records[0]["fwd_gemm_ratio"] == f"{fwd / gemm:.3f}"
+    assert records[0]["bwd_gemm_ratio"] == f"{run.tflops(2.5 * run.fwd_flops(full), 2.0) / gemm:.3f}"
+    doc = json.loads((tmp_path / "sweep.json").read_text())
+    assert doc["meta"]["gemm"]["m"] == 64 and math.isclose(doc["meta"]["gemm"]["tflops"], gemm)
+    assert math.isclose(doc["rows"][0]["fwd_gemm_ratio"], fwd / gemm)

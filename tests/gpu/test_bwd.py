@@ -14,48 +14,13 @@ import pytest
 import torch
 
 from flash4 import flash_attn_func
-from flash4.api import _flash_attn_forward
+from flash4 import forward
+from flash4.request import Request
 from flash4.backward import flash_attn_backward
 from flash4.config import BWD_SUPPORTED_HEADDIMS
 from flash4.reference import attention_ref
 
-pytestmark = pytest.mark.gpu
-
-GRAD_ATOL = 1e-3
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _sm90_only():
-    from flash4.arch import device_arch
-
-    if torch.cuda.is_available() and device_arch() != 90:
-        pytest.skip(f"flash4 has kernels for sm_90 only; this GPU is sm_{device_arch()}")
-
-
-def ref_grads(q, k, v, dout, causal, upcast):
-    leaves = [t.detach().float().requires_grad_() if upcast else t.detach().clone().requires_grad_() for t in (q, k, v)]
-    out, _ = attention_ref(*leaves, causal=causal, upcast=upcast)
-    out.backward(dout.float() if upcast else dout)
-    return [t.grad for t in leaves]
-
-
-def check_bwd(b, sq, sk, h, hk, d, causal, dtype=torch.bfloat16, seed=0):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    q, k, v = (torch.randn(s, generator=gen, device="cuda", dtype=dtype)
-               for s in ((b, sq, h, d), (b, sk, hk, d), (b, sk, hk, d)))
-    dout = torch.randn(b, sq, h, d, generator=gen, device="cuda", dtype=dtype)
-    scale = 1 / math.sqrt(d)
-    out, lse = _flash_attn_forward(q, k, v, scale, causal)
-    dq, dk, dv = (torch.full_like(t, math.nan) for t in (q, k, v))
-    flash_attn_backward(dout, q, k, v, out, lse, scale, causal, dq=dq, dk=dk, dv=dv)
-    torch.cuda.synchronize()
-    g_ref = ref_grads(q, k, v, dout, causal, upcast=True)
-    g_pt = ref_grads(q, k, v, dout, causal, upcast=False)
-    for name, g, gr, gp in zip(("dq", "dk", "dv"), (dq, dk, dv), g_ref, g_pt):
-        assert not g.isnan().any(), f"{name} has NaN at {g.isnan().nonzero()[:4].tolist()}"
-        err = (g.float() - gr).abs().max().item()
-        pt_err = (gp.float() - gr).abs().max().item()
-        assert err <= 2 * pt_err + GRAD_ATOL, f"{name}: err {err:.3e} > 2 * pt_err {pt_err:.3e} + {GRAD_ATOL}"
+from gpu_helpers import GRAD_ATOL, check_bwd, check_deterministic, ref_grads
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -100,7 +65,7 @@ def test_autograd_end_to_end():
     dout = torch.randn_like(out)
     out.backward(dout)
     assert k.grad is None and q.grad is not None and v.grad is not None
-    o2, lse = _flash_attn_forward(q.detach(), k, v.detach(), 1 / 8, True)
+    o2, lse = forward.run(Request.dense(q.detach(), k, v.detach(), 1 / 8, True))
     dq, dk, dv = flash_attn_backward(dout, q.detach(), k, v.detach(), o2, lse, 1 / 8, True)
     assert torch.equal(q.grad, dq) or (q.grad - dq).abs().max() < 1e-2  # dq accumulation order may differ
     assert torch.equal(v.grad, dv)
@@ -192,24 +157,6 @@ def test_deterministic_is_bitwise_reproducible(causal, d):
     check_deterministic(2, 1000, 4, 2, d, causal, calls=100, seed=3)
 
 
-def check_deterministic(b, s, h, hk, d, causal, calls, seed):
-    """deterministic=True: right (2x-PyTorch rule) and bitwise equal over `calls` more calls."""
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    q, k, v, dout = (torch.randn(b, s, n, d, generator=gen, device="cuda", dtype=torch.bfloat16)
-                     for n in (h, hk, hk, h))
-    scale = 1 / math.sqrt(d)
-    out, lse = _flash_attn_forward(q, k, v, scale, causal)
-    first = flash_attn_backward(dout, q, k, v, out, lse, scale, causal, deterministic=True)
-    g_ref = ref_grads(q, k, v, dout, causal, upcast=True)
-    g_pt = ref_grads(q, k, v, dout, causal, upcast=False)
-    for g, gr, gp in zip(first, g_ref, g_pt):
-        assert (g.float() - gr).abs().max() <= 2 * (gp.float() - gr).abs().max() + GRAD_ATOL
-    for _ in range(calls):
-        again = flash_attn_backward(dout, q, k, v, out, lse, scale, causal, deterministic=True)
-        for g0, g1 in zip(first, again):
-            assert torch.equal(g0, g1)
-
-
 @pytest.mark.parametrize("d", [64, 192])
 def test_dq_accumulator_zeroed_in_recycled_memory(d):
     """The fp32 dQ accumulator is torch.empty memory that the preprocess zeroes (no memset): fill the
@@ -226,7 +173,7 @@ def test_dq_into_strided_tensor():
     b, s, h, d = 2, 300, 4, 64
     q, k, v, dout = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     scale = 1 / math.sqrt(d)
-    out, lse = _flash_attn_forward(q, k, v, scale, False)
+    out, lse = forward.run(Request.dense(q, k, v, scale, False))
     wide = torch.full((b, s, h, d + 4), math.nan, device="cuda", dtype=torch.bfloat16)
     dq = wide[..., :d]
     dk, dv = (torch.full_like(t, math.nan) for t in (k, v))

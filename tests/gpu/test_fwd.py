@@ -7,31 +7,23 @@ kernel does not write fails the test. Shapes: every head dim x causal x seqlens 
 and MQA with causal rows beyond the first tile, batch above the SM count, and the empty cases.
 """
 
-import math
 import time
 
 import pytest
 import torch
 
 from flash4 import flash_attn_func
-from flash4.api import _flash_attn_forward
+from flash4 import forward
+from flash4.request import Request
 from flash4.config import SUPPORTED_HEADDIMS
 from flash4.reference import LSE_ATOL, OUT_ATOL, fwd_errors
 
-pytestmark = pytest.mark.gpu
+from gpu_helpers import poisoned_fwd_buffers
 
 SEQLENS = (1, 17, 127, 128, 129, 1000, 4096)
 # (seqlen_q, seqlen_k) with seqlen_q != seqlen_k, both ways round, incl. seqlen_k == 1 and causal
 # rows without keys far past the first tile ((4096, 1000): rows 0..3095 see nothing).
 RECT = ((1, 128), (17, 1000), (127, 129), (128, 4096), (129, 17), (1000, 127), (4096, 1000), (129, 1))
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _sm90_only():
-    from flash4.arch import device_arch
-
-    if torch.cuda.is_available() and device_arch() != 90:
-        pytest.skip(f"flash4 has kernels for sm_90 only; this GPU is sm_{device_arch()}")
 
 
 def make_inputs(b, sq, sk, h, hk, d, dtype=torch.bfloat16, seed=0):
@@ -42,10 +34,8 @@ def make_inputs(b, sq, sk, h, hk, d, dtype=torch.bfloat16, seed=0):
 
 def run_poisoned(q, k, v, causal, softmax_scale=None):
     """The forward into NaN-filled out/lse (the hook flash_attn_func uses)."""
-    b, sq, h, d = q.shape
-    out = torch.full((b, sq, h, d), math.nan, dtype=q.dtype, device=q.device)
-    lse = torch.full((b, h, sq), math.nan, dtype=torch.float32, device=q.device)
-    res_out, res_lse = _flash_attn_forward(q, k, v, softmax_scale, causal, out=out, lse=lse)
+    out, lse = poisoned_fwd_buffers(q)
+    res_out, res_lse = forward.run(Request.dense(q, k, v, softmax_scale, causal), out=out, lse=lse)
     assert res_out is out and res_lse is lse
     torch.cuda.synchronize()
     return out, lse

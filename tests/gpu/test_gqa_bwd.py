@@ -12,17 +12,7 @@ import torch
 
 from flash4.config import bwd_heads_per_cta
 
-from test_bwd import check_bwd, check_deterministic
-
-pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _sm90_only():
-    from flash4.arch import device_arch
-
-    if torch.cuda.is_available() and device_arch() != 90:
-        pytest.skip(f"flash4 has kernels for sm_90 only; this GPU is sm_{device_arch()}")
+from gpu_helpers import check_bwd, check_deterministic
 
 
 @pytest.mark.parametrize("heads_per_cta", [1, 2, 3, 8])
@@ -49,7 +39,7 @@ def test_every_headdim_fp16(d, monkeypatch):
 def test_dv_pair(monkeypatch):
     """(192, 128): the transposed-dK/dV kernel's accumulating epilogue with Dv != D."""
     monkeypatch.setenv("FLASH4_BWD_HEADS_PER_CTA", "1")
-    from test_hdimv import check_bwd as check_bwd_dv, inputs
+    from gpu_helpers import check_bwd_dv, inputs
 
     q, k, v, dout = inputs(2, 500, 700, 8, 2, 192, 128, seed=9)
     check_bwd_dv(q, k, v, dout, True)
@@ -73,7 +63,7 @@ def test_deterministic_bitwise_with_splits(causal, heads_per_cta, monkeypatch):
 def test_varlen_splits(heads_per_cta, monkeypatch):
     """Packed sequences: the accumulating epilogue writes each sequence's rows only (rows outside
     every sequence stay 0)."""
-    from test_varlen import check_grads, make_varlen, rand_lengths, run_bwd
+    from gpu_helpers import check_grads_varlen as check_grads, make_varlen, rand_lengths, run_bwd_varlen as run_bwd
 
     monkeypatch.setenv("FLASH4_BWD_HEADS_PER_CTA", str(heads_per_cta))
     len_q = rand_lengths(5, 700, seed=41)

@@ -15,69 +15,24 @@ import pytest
 import torch
 
 from flash4 import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
-from flash4.api import _flash_attn_forward
-from flash4.backward import flash_attn_backward
-from flash4.reference import (LSE_ATOL, OUT_ATOL, attention_ref, attention_varlen_ref, fwd_errors, kvcache_ref,
-                              varlen_fwd_errors)
+from flash4 import forward
+from flash4.request import Request
+from flash4.reference import LSE_ATOL, OUT_ATOL, attention_varlen_ref, fwd_errors, kvcache_ref, varlen_fwd_errors
 
-pytestmark = pytest.mark.gpu
-GRAD_ATOL = 1e-3
-BF16 = torch.bfloat16
+from gpu_helpers import BF16, assert_grads, check_bwd_dv as check_bwd, inputs, poisoned_fwd_buffers, ref_grads
+
 PAIRS = [(192, 128), (128, 64), (64, 128)]
 IDS = [f"{d}v{dv}" for d, dv in PAIRS]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _sm90_only():
-    from flash4.arch import device_arch
-
-    if torch.cuda.is_available() and device_arch() != 90:
-        pytest.skip(f"flash4 has kernels for sm_90 only; this GPU is sm_{device_arch()}")
-
-
-def inputs(b, sq, sk, h, hk, d, dv, dtype=BF16, seed=0):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    return tuple(torch.randn(s, generator=gen, device="cuda", dtype=dtype)
-                 for s in ((b, sq, h, d), (b, sk, hk, d), (b, sk, hk, dv), (b, sq, h, dv)))
-
-
 def check_fwd(q, k, v, causal=False):
-    b, sq, h, d = q.shape
-    dv = v.shape[-1]
-    out = torch.full((b, sq, h, dv), math.nan, device="cuda", dtype=q.dtype)
-    lse = torch.full((b, h, sq), math.nan, device="cuda")
-    _flash_attn_forward(q, k, v, None, causal, out=out, lse=lse)  # None: 1/sqrt(d of q)
+    out, lse = poisoned_fwd_buffers(q, v.shape[-1])
+    forward.run(Request.dense(q, k, v, None, causal), out=out, lse=lse)  # None: 1/sqrt(d of q)
     torch.cuda.synchronize()
     assert not out.isnan().any() and not lse.isnan().any()
     errs = fwd_errors(q, k, v, out, lse, None, causal)
     assert errs["ok"], errs
     return out, lse
-
-
-def ref_grads(q, k, v, dout, causal, upcast):
-    leaves = [t.detach().float().requires_grad_() if upcast else t.detach().clone().requires_grad_() for t in (q, k, v)]
-    out, _ = attention_ref(*leaves, causal=causal, upcast=upcast)
-    out.backward(dout.float() if upcast else dout)
-    return [t.grad for t in leaves]
-
-
-def assert_grads(grads, g_ref, g_pt):
-    for name, g, gr, gp in zip(("dq", "dk", "dv"), grads, g_ref, g_pt):
-        assert g.shape == gr.shape, (name, g.shape, gr.shape)
-        assert not g.isnan().any(), f"{name} has NaN at {g.isnan().nonzero()[:4].tolist()}"
-        err = (g.float() - gr).abs().max().item()
-        pt_err = (gp.float() - gr).abs().max().item()
-        assert err <= 2 * pt_err + GRAD_ATOL, f"{name}: err {err:.3e} > 2 * pt_err {pt_err:.3e} + {GRAD_ATOL}"
-
-
-def check_bwd(q, k, v, dout, causal=False, deterministic=False):
-    scale = q.shape[-1] ** -0.5
-    out, lse = _flash_attn_forward(q, k, v, scale, causal)
-    grads = tuple(torch.full_like(t, math.nan) for t in (q, k, v))
-    flash_attn_backward(dout, q, k, v, out, lse, scale, causal, *grads, deterministic=deterministic)
-    torch.cuda.synchronize()
-    assert_grads(grads, ref_grads(q, k, v, dout, causal, True), ref_grads(q, k, v, dout, causal, False))
-    return grads
 
 
 # ================================================================ dense
@@ -132,7 +87,7 @@ def test_public_api_autograd(d, dv):
 def test_out_buffer_must_have_dv():
     q, k, v, _ = inputs(1, 64, 64, 2, 2, 192, 128)
     with pytest.raises(ValueError, match="out must be"):
-        _flash_attn_forward(q, k, v, None, False, out=torch.empty_like(q))
+        forward.run(Request.dense(q, k, v, None, False), out=torch.empty_like(q))
 
 
 # ================================================================ varlen

@@ -25,20 +25,9 @@ import torch.nn.functional as F
 from flash4 import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
 from flash4.reference import LSE_ATOL, OUT_ATOL, attention_ref, attention_varlen_ref, max_abs_err
 
-pytestmark = pytest.mark.gpu
+from gpu_helpers import BF16, DEV, GRAD_ATOL, I32, cu_seqlens as _cu
 
-DEV = "cuda"
-BF16, I32 = torch.bfloat16, torch.int32
-GRAD_ATOL = 1e-3
 D = 128
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _sm90_only():
-    from flash4.arch import device_arch
-
-    if torch.cuda.is_available() and device_arch() != 90:
-        pytest.skip(f"flash4 has kernels for sm_90 only; this GPU is sm_{device_arch()}")
 
 
 @pytest.fixture(autouse=True)
@@ -98,10 +87,6 @@ def _varlen_loss(q, k, v, cu_q, cu_k, max_q):
     out, lse = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, None, causal=True, return_lse=True,
                                       deterministic=True)
     return out.float().square().sum() + lse.sum(), out, lse
-
-
-def _cu(lengths):
-    return torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=I32, device=DEV)
 
 
 def test_compile_flash_attn_varlen_func_matches_eager():

@@ -9,25 +9,16 @@ sequence lengths that leave the last tile partly past the sequence, and a backwa
 packed forward's LSE.
 """
 
-import math
-
 import pytest
 import torch
 
 import flash4.config
 from flash4 import flash_attn_func
-from flash4.api import _flash_attn_forward
+from flash4 import forward
+from flash4.request import Request
 from flash4.reference import attention_ref, fwd_errors
 
-pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _sm90_only():
-    from flash4.arch import device_arch
-
-    if torch.cuda.is_available() and device_arch() != 90:
-        pytest.skip(f"flash4 has kernels for sm_90 only; this GPU is sm_{device_arch()}")
+from gpu_helpers import poisoned_fwd_buffers
 
 
 @pytest.fixture(autouse=True)
@@ -54,11 +45,9 @@ def _inputs(b, sq, sk, h, hk, d, seed=0):
 
 
 def _check(q, k, v, causal=False, window=(-1, -1), softcap=0.0, sink=None):
-    b, sq, h, d = q.shape
-    out = torch.full_like(q, math.nan)
-    lse = torch.full((b, h, sq), math.nan, device="cuda")
-    _flash_attn_forward(q, k, v, d ** -0.5, causal, out=out, lse=lse, window_size=window, softcap=softcap,
-                        learnable_sink=sink)
+    d = q.shape[-1]
+    out, lse = poisoned_fwd_buffers(q)
+    forward.run(Request.dense(q, k, v, d ** -0.5, causal, window, softcap, sink), out=out, lse=lse)
     torch.cuda.synchronize()
     assert not out.isnan().any() and not lse.isnan().any()
     errs = fwd_errors(q, k, v, out, lse, None, causal, window_size=window, softcap=softcap, learnable_sink=sink)

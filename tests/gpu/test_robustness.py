@@ -1,5 +1,5 @@
-"""Issue 8's four inputs that broke flash4, each tested as the whole class of fault it stands for
-(marker gpu via tests/conftest.py; skipped without CUDA).
+"""Extreme inputs: three of issue 8's four inputs that broke flash4, each tested as the whole class
+of fault it stands for (marker gpu via tests/conftest.py; skipped without CUDA).
 
 1. Very negative rows in the backward. Every score of a row about -120, so every LSE < -88:
    the backward recomputes P = 2^(S*c - LSE*log2 e); a key position past seqlen_k inside the last
@@ -22,10 +22,7 @@
 3. Batch beyond CUDA's gridDim.y/z limit (65535): batch 65536 (and 65537), seqlen 32, one head.
    Forward and backward write every element (NaN-poisoned outputs checked in full) and match the
    float32 reference on batch indices at the start, around 32768 / 65535, and at the end.
-4. Double backward. flash4's gradients cannot be differentiated again; with create_graph=True
-   a backward through dq/dk/dv must raise a RuntimeError that says "double backward" and names
-   flash4, not silently treat the gradients as constants. First-order gradients under
-   create_graph=True are bitwise those of an ordinary backward.
+(The fourth, double backward, is an autograd contract rather than an input class: test_double_backward.py.)
 """
 
 import dataclasses
@@ -35,26 +32,18 @@ import pytest
 import torch
 
 from flash4 import flash_attn_func
-from flash4.api import _flash_attn_forward
+from flash4 import forward
+from flash4.request import Request
 from flash4.backward import flash_attn_backward
 from flash4.config import BWD_SUPPORTED_HEADDIMS, select_fwd_config
 from flash4.reference import LSE_ATOL, OUT_ATOL, attention_ref, causal_mask, fwd_errors, max_abs_err
 
-pytestmark = pytest.mark.gpu
+from gpu_helpers import GRAD_ATOL, poisoned_fwd_buffers
 
-GRAD_ATOL = 1e-3  # as tests/gpu/test_bwd.py
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _sm90_only():
-    from flash4.arch import device_arch
-
-    if torch.cuda.is_available() and device_arch() != 90:
-        pytest.skip(f"flash4 has kernels for sm_90 only; this GPU is sm_{device_arch()}")
-
-
-# ---- shared helpers ----
+# ---- helpers of the sections below ----
 
 def ref_grads(q, k, v, dout, scale, causal, upcast, compute_dtype=torch.float64):
     """dq, dk, dv of attention_ref: in compute_dtype (upcast) or in the input dtype (PyTorch same dtype)."""
@@ -83,13 +72,6 @@ def assert_grads_ok(grads, g_ref, g_pt, where, scale_aware=False, names=("dq", "
         assert math.isfinite(pt_err), f"{where}: {name}: the case itself overflows PyTorch's same-dtype backward"
         atol = max(GRAD_ATOL, 1e-3 * gr.abs().max().item()) if scale_aware else GRAD_ATOL
         assert err <= 2 * pt_err + atol, f"{where}: {name}: err {err:.3e} > 2 * pt_err {pt_err:.3e} + {atol:.3e}"
-
-
-def poisoned_fwd_buffers(q):
-    b, sq, h, d = q.shape
-    out = torch.full((b, sq, h, d), math.nan, dtype=q.dtype, device=q.device)
-    lse = torch.full((b, h, sq), math.nan, dtype=torch.float32, device=q.device)
-    return out, lse
 
 
 # ---- 1. very negative rows in the backward ----
@@ -157,7 +139,7 @@ def check_very_negative(sq, sk, d, causal, dtype=torch.bfloat16, b=1, h=2, hk=2,
     assert lse_ref.max().item() < -88, f"{where}: construction: every LSE must be below -88, max {lse_ref.max()}"
 
     out, lse = poisoned_fwd_buffers(q)
-    _flash_attn_forward(q, k, v, scale, causal, out=out, lse=lse)
+    forward.run(Request.dense(q, k, v, scale, causal), out=out, lse=lse)
     torch.cuda.synchronize()
     assert not out.isnan().any() and not lse.isnan().any(), f"{where}: forward NaN"
     errs = fwd_errors(q, k, v, out, lse, scale, causal)
@@ -242,7 +224,7 @@ def run_fwd(q, k, v, scale, causal, variant):
     out, lse = poisoned_fwd_buffers(q)
     changes = VARIANTS[variant]
     if changes is None:
-        _flash_attn_forward(q, k, v, scale, causal, out=out, lse=lse)
+        forward.run(Request.dense(q, k, v, scale, causal), out=out, lse=lse)
     else:
         from flash4.compile.cache import get_fwd_runner
 
@@ -411,7 +393,7 @@ def test_batch_beyond_grid_limit(batch, causal):
     # The log2 LSE split the autograd path keeps for the backward (so the direct calls below
     # compute exactly what flash_attn_func's autograd path does).
     lse_split = torch.full((2,) + tuple(lse.shape), math.nan, device="cuda")
-    _flash_attn_forward(q, k, v, scale, causal, out=out, lse=lse, lse_split=lse_split)
+    forward.run(Request.dense(q, k, v, scale, causal), out=out, lse=lse, lse_split=lse_split)
     torch.cuda.synchronize()
     assert not out.isnan().any(), f"out unwritten/NaN at batch {out.isnan().nonzero()[:5, 0].tolist()}"
     assert not lse.isnan().any(), f"lse unwritten/NaN at batch {lse.isnan().nonzero()[:5, 0].tolist()}"
@@ -440,61 +422,3 @@ def test_batch_beyond_grid_limit(batch, causal):
     torch.cuda.synchronize()
     for name, leaf, g in zip(("dq", "dk", "dv"), leaves, (dq, dk, dv)):
         assert torch.equal(leaf.grad, g), f"autograd {name} differs from the direct call"
-
-
-# ---- 4. double backward raises ----
-
-def small_leaves(seed=0):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    return [torch.randn(1, 128, 2, 64, generator=gen, device="cuda", dtype=torch.bfloat16).requires_grad_()
-            for _ in range(3)]
-
-
-def assert_double_backward_error(err):
-    msg = str(err.value)
-    assert "double backward" in msg.lower() and "flash4" in msg.lower(), msg
-
-
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("return_lse", [False, True])
-def test_double_backward_raises(return_lse, causal):
-    q, k, v = small_leaves()
-    res = flash_attn_func(q, k, v, causal=causal, return_lse=return_lse)
-    out = res[0] if return_lse else res
-    dq, = torch.autograd.grad(out.sum(), q, create_graph=True)
-    with pytest.raises(RuntimeError) as err:
-        (dq ** 2).sum().backward()
-    assert_double_backward_error(err)
-
-
-@pytest.mark.parametrize("which", ["dq", "dk", "dv"])
-def test_double_backward_raises_through_every_gradient(which):
-    """A gradient penalty on any one of dq, dk, dv (inputs all requiring grad), mixed with a
-    first-order term: the backward through it raises."""
-    q, k, v = small_leaves()
-    out = flash_attn_func(q, k, v)
-    first = torch.autograd.grad(out.float().pow(2).sum(), (q, k, v), create_graph=True)
-    grads = dict(zip(("dq", "dk", "dv"), first))
-    loss = out.float().sum() + grads[which].float().pow(2).sum()
-    with pytest.raises(RuntimeError) as err:
-        loss.backward()
-    assert_double_backward_error(err)
-
-
-@pytest.mark.parametrize("return_lse", [False, True])
-def test_create_graph_first_order_matches(return_lse):
-    """create_graph=True still gives the first-order gradients, bitwise equal to an ordinary
-    backward (seqlen 128 is one key block at d 64: dq has one contribution per element)."""
-    q, k, v = small_leaves()
-    dout = torch.randn(q.shape, generator=torch.Generator(device="cuda").manual_seed(1), device="cuda").to(q.dtype)
-
-    def first(create_graph):
-        res = flash_attn_func(q, k, v, return_lse=return_lse)
-        out = res[0] if return_lse else res
-        return torch.autograd.grad(out, (q, k, v), dout, create_graph=create_graph)
-
-    with_graph = first(True)
-    plain = first(False)
-    for name, a, b in zip(("dq", "dk", "dv"), with_graph, plain):
-        assert torch.isfinite(a).all(), name
-        assert torch.equal(a.detach(), b), name

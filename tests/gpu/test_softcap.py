@@ -10,31 +10,23 @@ decode through flash_attn_with_kvcache (plain, paged and cache_batch_idx). softc
 value: 15 and 50 share one compiled kernel per configuration.
 """
 
-import itertools
 import math
 
 import pytest
 import torch
 
 from flash4 import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
-from flash4.api import _flash_attn_forward
+from flash4 import forward
+from flash4.request import Request
 from flash4.backward import flash_attn_backward
 from flash4.config import BWD_SUPPORTED_HEADDIMS, SUPPORTED_HEADDIMS
 from flash4.reference import (LSE_ATOL, OUT_ATOL, attention_ref, attention_varlen_ref, fwd_errors, kvcache_ref,
                               varlen_fwd_errors)
 
-pytestmark = pytest.mark.gpu
-GRAD_ATOL = 1e-3
+import gpu_helpers
+from gpu_helpers import BF16, assert_grads, cu_seqlens, poisoned_fwd_buffers
+
 SOFTCAPS = [15.0, 50.0]
-BF16 = torch.bfloat16
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _sm90_only():
-    from flash4.arch import device_arch
-
-    if torch.cuda.is_available() and device_arch() != 90:
-        pytest.skip(f"flash4 has kernels for sm_90 only; this GPU is sm_{device_arch()}")
 
 
 def inputs(b, sq, sk, h, hk, d, dtype=BF16, seed=0, gain=4.0):
@@ -46,10 +38,9 @@ def inputs(b, sq, sk, h, hk, d, dtype=BF16, seed=0, gain=4.0):
 
 
 def check_fwd(q, k, v, softcap, causal=False, window=None):
-    b, sq, h, d = q.shape
-    out = torch.full_like(q, math.nan)
-    lse = torch.full((b, h, sq), math.nan, device="cuda")
-    _flash_attn_forward(q, k, v, d ** -0.5, causal, out=out, lse=lse, window_size=window, softcap=softcap)
+    d = q.shape[-1]
+    out, lse = poisoned_fwd_buffers(q)
+    forward.run(Request.dense(q, k, v, d ** -0.5, causal, window, softcap), out=out, lse=lse)
     torch.cuda.synchronize()
     assert not out.isnan().any() and not lse.isnan().any()
     errs = fwd_errors(q, k, v, out, lse, None, causal, window_size=window, softcap=softcap)
@@ -58,23 +49,13 @@ def check_fwd(q, k, v, softcap, causal=False, window=None):
 
 
 def ref_grads(q, k, v, dout, causal, window, softcap, upcast):
-    leaves = [t.detach().float().requires_grad_() if upcast else t.detach().clone().requires_grad_() for t in (q, k, v)]
-    out, _ = attention_ref(*leaves, causal=causal, upcast=upcast, window_size=window, softcap=softcap)
-    out.backward(dout.float() if upcast else dout)
-    return [t.grad for t in leaves]
-
-
-def assert_grads(grads, g_ref, g_pt):
-    for name, g, gr, gp in zip(("dq", "dk", "dv"), grads, g_ref, g_pt):
-        assert not g.isnan().any(), f"{name} has NaN at {g.isnan().nonzero()[:4].tolist()}"
-        err = (g.float() - gr).abs().max().item()
-        pt_err = (gp.float() - gr).abs().max().item()
-        assert err <= 2 * pt_err + GRAD_ATOL, f"{name}: err {err:.3e} > 2 * pt_err {pt_err:.3e} + {GRAD_ATOL}"
+    """gpu_helpers.ref_grads with a window and a softcap."""
+    return gpu_helpers.ref_grads(q, k, v, dout, causal, upcast, window_size=window, softcap=softcap)
 
 
 def check_bwd(q, k, v, dout, softcap, causal=False, window=None):
     d = q.shape[-1]
-    out, lse = _flash_attn_forward(q, k, v, d ** -0.5, causal, window_size=window, softcap=softcap)
+    out, lse = forward.run(Request.dense(q, k, v, d ** -0.5, causal, window, softcap))
     grads = tuple(torch.full_like(t, math.nan) for t in (q, k, v))
     flash_attn_backward(dout, q, k, v, out, lse, d ** -0.5, causal, *grads, window_size=window, softcap=softcap)
     torch.cuda.synchronize()
@@ -136,7 +117,7 @@ def test_public_api_autograd():
 
 # ================================================================ varlen
 def _varlen(lengths, h, hk, d, seed=0, gain=4.0):
-    cu = torch.tensor([0] + list(itertools.accumulate(lengths)), dtype=torch.int32, device="cuda")
+    cu = cu_seqlens(lengths)
     total = int(cu[-1])
     gen = torch.Generator(device="cuda").manual_seed(seed)
     q, k, v, dout = (torch.randn(total, n, d, generator=gen, device="cuda", dtype=BF16) for n in (h, hk, hk, h))

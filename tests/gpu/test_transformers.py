@@ -31,10 +31,8 @@ import flash4.integrations.transformers as f4hf  # noqa: E402
 from transformers import (AutoModelForCausalLM, Gemma2Config, GptOssConfig, LlamaConfig,  # noqa: E402
                           MistralConfig)
 
-pytestmark = pytest.mark.gpu
+from gpu_helpers import BF16, DEV  # noqa: E402
 
-DEV = "cuda"
-BF16 = torch.bfloat16
 NAME = f4hf.DEFAULT_NAME
 VOCAB = 1000
 SLIDE = 16
@@ -43,11 +41,9 @@ GRAD_RTOL = 2e-3  # atol of a gradient: GRAD_RTOL * |reference gradient| (2-norm
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _sm90_registered():
-    from flash4.arch import device_arch
-
-    if torch.cuda.is_available() and device_arch() != 90:
-        pytest.skip(f"flash4 has kernels for sm_90 only; this GPU is sm_{device_arch()}")
+def _registered():
+    """f4attn registered and TF32 off for the module (after conftest's sm_90 gate, an autouse fixture of
+    the same scope from a conftest, which pytest sets up first)."""
     f4hf.register()
     saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # a float32 reference

@@ -16,35 +16,21 @@ import pytest
 import torch
 
 from flash4 import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
-from flash4.api import _flash_attn_forward
+from flash4 import forward
+from flash4.request import Request
 from flash4.backward import flash_attn_backward
 from flash4.config import SUPPORTED_HEADDIMS
 from flash4.reference import LSE_ATOL, OUT_ATOL, attention_ref, fwd_errors, kvcache_ref, varlen_fwd_errors
 
-pytestmark = pytest.mark.gpu
-GRAD_ATOL = 1e-3
+from gpu_helpers import assert_grads, inputs, poisoned_fwd_buffers, ref_grads
+
 WINDOWS = [(0, 0), (16, 0), (0, 16), (100, 37), (-1, 64), (64, -1), (5000, 5000), (-1, 0)]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _sm90_only():
-    from flash4.arch import device_arch
-
-    if torch.cuda.is_available() and device_arch() != 90:
-        pytest.skip(f"flash4 has kernels for sm_90 only; this GPU is sm_{device_arch()}")
-
-
-def inputs(b, sq, sk, h, hk, d, dtype=torch.bfloat16, seed=0):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    return tuple(torch.randn(s, generator=gen, device="cuda", dtype=dtype)
-                 for s in ((b, sq, h, d), (b, sk, hk, d), (b, sk, hk, d), (b, sq, h, d)))
-
-
 def check_fwd(q, k, v, window, causal=False):
-    b, sq, h, d = q.shape
-    out = torch.full_like(q, math.nan)
-    lse = torch.full((b, h, sq), math.nan, device="cuda")
-    _flash_attn_forward(q, k, v, d ** -0.5, causal, out=out, lse=lse, window_size=window)
+    d = q.shape[-1]
+    out, lse = poisoned_fwd_buffers(q)
+    forward.run(Request.dense(q, k, v, d ** -0.5, causal, window), out=out, lse=lse)
     torch.cuda.synchronize()
     assert not out.isnan().any() and not lse.isnan().any()
     errs = fwd_errors(q, k, v, out, lse, None, causal, window_size=window)
@@ -52,27 +38,16 @@ def check_fwd(q, k, v, window, causal=False):
     return out, lse
 
 
-def ref_grads(q, k, v, dout, causal, window, upcast):
-    leaves = [t.detach().float().requires_grad_() if upcast else t.detach().clone().requires_grad_() for t in (q, k, v)]
-    out, _ = attention_ref(*leaves, causal=causal, upcast=upcast, window_size=window)
-    out.backward(dout.float() if upcast else dout)
-    return [t.grad for t in leaves]
-
-
 def check_bwd(q, k, v, dout, window, causal=False, deterministic=False):
     d = q.shape[-1]
-    out, lse = _flash_attn_forward(q, k, v, d ** -0.5, causal, window_size=window)
+    out, lse = forward.run(Request.dense(q, k, v, d ** -0.5, causal, window))
     grads = tuple(torch.full_like(t, math.nan) for t in (q, k, v))
     flash_attn_backward(dout, q, k, v, out, lse, d ** -0.5, causal, *grads, deterministic=deterministic,
                         window_size=window)
     torch.cuda.synchronize()
-    g_ref = ref_grads(q, k, v, dout, causal, window, True)
-    g_pt = ref_grads(q, k, v, dout, causal, window, False)
-    for name, g, gr, gp in zip(("dq", "dk", "dv"), grads, g_ref, g_pt):
-        assert not g.isnan().any(), f"{name} has NaN at {g.isnan().nonzero()[:4].tolist()}"
-        err = (g.float() - gr).abs().max().item()
-        pt_err = (gp.float() - gr).abs().max().item()
-        assert err <= 2 * pt_err + GRAD_ATOL, f"{name}: err {err:.3e} > 2 * pt_err {pt_err:.3e} + {GRAD_ATOL}"
+    g_ref = ref_grads(q, k, v, dout, causal, True, window_size=window)
+    g_pt = ref_grads(q, k, v, dout, causal, False, window_size=window)
+    assert_grads(grads, g_ref, g_pt)
     return grads
 
 

@@ -1,8 +1,8 @@
-"""`python -m flash4 bench --ablate`: the forward with each FlashAttention-4 trick off/on (issue 4).
+"""`python -m flash4 bench --ablate`: the forward with each FlashAttention-4 trick off/on.
 
 Every variant is `select_fwd_config(..., seqlen_k=S)` (what flash_attn_func picks for the cell:
 at S <= config.SHORT_SEQLEN_K the short-sequence config) with a few fields replaced (VARIANTS), timed on the
-issue-2 sweep shapes (batch * seqlen = 32768 tokens, nheads = 2048 // headdim, seqlen_q ==
+sweep's shapes (common.sweep_cells: batch * seqlen = 32768 tokens, nheads = 2048 // headdim, seqlen_q ==
 seqlen_k), by default hdim 64/128/256, S = 4k and 16k, causal and not, bf16.
 The compiled runner (flash4.compile.cache.get_fwd_runner) is called directly with preallocated
 out/lse, so no variant pays the public API's checks and allocations (TFLOPs are a little higher
@@ -11,7 +11,7 @@ than the `flash4` column of the plain sweep for that reason).
 Noise: the same kernel moves by about +-3% between runs on an H200, so the variants of one cell
 are interleaved: ROUNDS rounds, each timing every variant once (the order rotated by one each
 round), and the median of a variant's rounds is what is reported. Each time is itself the median
-of many calls with L2 flushed (run.time_ms: triton.testing.do_bench when triton imports).
+of many calls with L2 flushed (common.time_ms: triton.testing.do_bench when triton imports).
 Variants whose config equals the default's on a cell (e.g. `lpt` on causal cells, where the
 default already orders tiles LPT) are listed: their difference to `default` is pure noise.
 
@@ -23,14 +23,13 @@ per-round times, checks). Without a GPU: says so and compile-checks the variant 
 from __future__ import annotations
 
 import argparse
-import csv
 import dataclasses
 import json
 import math
 import statistics
 from pathlib import Path
 
-from flash4.bench import run
+from flash4.bench import common, run
 from flash4.config import SUPPORTED_HEADDIMS, FwdConfig, select_fwd_config
 
 # name -> FwdConfig fields replaced in select_fwd_config(...)'s choice (names as in the CSV).
@@ -58,11 +57,16 @@ CHECK_SHAPES = ((2, 1000, 1000, 4), (2, 777, 1024, 4))
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """--ablate and --variants on the `bench` parser (the other options are run.add_arguments')."""
     parser.add_argument("--ablate", action="store_true",
-                        help="time flash4's forward variants (FA4 tricks off/on) instead of the impl sweep; "
-                             "defaults: headdims 64 128 256, seqlens 4k 16k; writes ablation.csv/.json")
+                        help="instead of the sweep, time flash4's forward with each of its optimizations "
+                             "switched off or on (emulated exp2, lazy rescaling, longest-first and persistent "
+                             "tile scheduling), forward only; defaults: head dims "
+                             f"{' '.join(map(str, DEFAULT_HEADDIMS))}, seqlens "
+                             f"{' '.join(map(common.seqlen_label, DEFAULT_SEQLENS))}; writes ablation.csv and "
+                             "ablation.json; without a GPU, compiles the variants' kernels instead")
     parser.add_argument("--variants", nargs="+", choices=VARIANT_NAMES, metavar="VARIANT",
-                        help=f"with --ablate: variants to time (default all: {' '.join(VARIANT_NAMES)}); "
-                             "`default` is always included")
+                        help=f"with --ablate: the variants to time, any of {', '.join(VARIANT_NAMES)} "
+                             "(default: all); 'default' (flash4 as shipped) is always timed, as the baseline "
+                             "the others are compared to")
 
 
 def argument_error(args: argparse.Namespace) -> str | None:
@@ -119,13 +123,13 @@ def median_or_nan(values) -> float:
     return statistics.median(vals) if len(vals) == len(values) and vals else math.nan
 
 
-def _cell_rows(cell: run.Cell, times_ms: dict[str, list[float]]) -> list[dict]:
+def _cell_rows(cell: common.Cell, times_ms: dict[str, list[float]]) -> list[dict]:
     rows = []
     for variant, times in times_ms.items():
         ms = median_or_nan(times)
         rows.append({"variant": variant, "headdim": cell.headdim, "causal": int(cell.causal),
                      "seqlen": cell.seqlen, "batch": cell.batch, "nheads": cell.nheads,
-                     "fwd_tflops": math.nan if math.isnan(ms) else run.tflops(run.fwd_flops(cell), ms),
+                     "fwd_tflops": math.nan if math.isnan(ms) else common.tflops(common.fwd_flops(cell), ms),
                      "times_ms": times})
     return rows
 
@@ -140,9 +144,9 @@ def ratio_table(rows) -> tuple[list[str], list[list]]:
         cells.setdefault((r["headdim"], r["causal"], r["seqlen"]), {})[r["variant"]] = r["fwd_tflops"]
     table, ratios = [], {v: [] for v in others}
     for (d, c, s), vals in cells.items():
-        line = [d, c, run.seqlen_label(s), vals.get("default", math.nan)]
+        line = [d, c, common.seqlen_label(s), vals.get("default", math.nan)]
         for v in others:
-            ratio = run._ratio(vals.get(v), vals.get("default"))
+            ratio = common.ratio(vals.get(v), vals.get("default"))
             line.append(ratio)
             if not math.isnan(ratio):
                 ratios[v].append(ratio)
@@ -153,17 +157,13 @@ def ratio_table(rows) -> tuple[list[str], list[list]]:
 
 
 def write_csv(rows, path: Path) -> None:
-    with open(path, "w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(CSV_COLUMNS)
-        for r in rows:
-            writer.writerow([run._csv_value(r[c]) for c in CSV_COLUMNS])
+    common.write_rows_csv(rows, CSV_COLUMNS, path)
 
 
 def write_json(path: Path, meta: dict, rows, checks, same: dict) -> None:
     doc = {"meta": meta, "rows": rows, "correctness": checks,
            "same_config_as_default": {v: [[d, int(c)] for d, c in hits] for v, hits in same.items()}}
-    path.write_text(json.dumps(run._json_safe(doc), indent=2) + "\n")
+    path.write_text(json.dumps(common.json_safe(doc), indent=2) + "\n")
 
 
 def describe_same(same: dict, headdims, causals) -> list[str]:
@@ -191,7 +191,7 @@ def check_variants(variants, headdims, causals, dtype, seqlens=(None,)) -> list[
     from flash4.compile.cache import get_fwd_runner
     from flash4.reference import fwd_errors
 
-    torch_dtype = run.DTYPES[dtype]
+    torch_dtype = common.torch_dtype(dtype)
     results = []
     for d in headdims:
         for c in causals:
@@ -200,7 +200,7 @@ def check_variants(variants, headdims, causals, dtype, seqlens=(None,)) -> list[
             for b, sq, sk, h in CHECK_SHAPES:
                 if sq != sk and not c:
                     continue
-                q, k, v = run._inputs(b, sq, sk, h, h, d, torch_dtype, seed=1)
+                q, k, v = common.make_inputs(b, sq, sk, h, h, d, torch_dtype, seed=1)
                 for name, cfg in runs:
                     shape = f"b{b} sq{sq} sk{sk} h{h} d{d}" + (" persistent" if cfg.persistent else "")
                     entry = {"variant": name, "shape": shape, "causal": c}
@@ -224,7 +224,7 @@ def measure(variants, cells, dtype, rounds: int = ROUNDS, rep_ms: float = 100.0)
     from flash4.bench.report import progress
     from flash4.compile.cache import get_fwd_runner
 
-    torch_dtype = run.DTYPES[dtype]
+    torch_dtype = common.torch_dtype(dtype)
     rows, seen = [], set()
     bar = progress(len(cells) * len(variants) * rounds, "ablate", "run")
 
@@ -235,8 +235,8 @@ def measure(variants, cells, dtype, rounds: int = ROUNDS, rep_ms: float = 100.0)
             bar.write(f"{name} failed at {cell.label()}: {message} (NaN; repeats not shown)")
 
     for cell in cells:
-        q, k, v = run._inputs(cell.batch, cell.seqlen, cell.seqlen, cell.nheads, cell.nheads, cell.headdim,
-                              torch_dtype)
+        q, k, v = common.make_inputs(cell.batch, cell.seqlen, cell.seqlen, cell.nheads, cell.nheads, cell.headdim,
+                                     torch_dtype)
         out = torch.empty_like(q)
         lse = torch.empty(cell.batch, cell.nheads, cell.seqlen, device=q.device, dtype=torch.float32)
         scale = cell.headdim ** -0.5
@@ -254,7 +254,7 @@ def measure(variants, cells, dtype, rounds: int = ROUNDS, rep_ms: float = 100.0)
                 ms = math.nan
                 if name in fns:
                     try:
-                        ms = run.time_ms(fns[name], rep_ms=rep_ms)
+                        ms = common.time_ms(fns[name], rep_ms=rep_ms)
                     except Exception as err:
                         report(name, cell, err)
                         fns.pop(name)
@@ -268,13 +268,21 @@ def measure(variants, cells, dtype, rounds: int = ROUNDS, rep_ms: float = 100.0)
     return rows
 
 
-def _no_gpu(configs) -> int:
+# Options the no-GPU ablation cannot honour (run.given_flags' form); --cases, --varlen and --no-bwd
+# belong to the sweep and are ignored by the ablation in any case.
+NO_GPU_IGNORED = (("--rep-ms", "rep_ms", run.DEFAULT_REP_MS), ("--out", "out", run.DEFAULT_OUT),
+                  ("--cases", "cases", None), ("--varlen", "varlen", "all"), ("--no-bwd", "bwd", True))
+
+
+def _no_gpu(configs, ignored=()) -> int:
     import torch
 
     from flash4.bench.report import compile_check_main
 
-    print(f"No CUDA GPU found (torch {torch.__version__}, CUDA build {torch.version.cuda}): "
-          "nothing to time. Compile-checking the variant configs instead.")
+    print(f"No CUDA GPU found (torch {torch.__version__}, CUDA build {torch.version.cuda}): nothing can be "
+          "timed. Compiling the variants' forward kernels instead (the compile check).")
+    if ignored:
+        print(f"Ignored: {', '.join(ignored)}.")
     return compile_check_main(configs)
 
 
@@ -288,19 +296,20 @@ def main(args: argparse.Namespace) -> int:
     seqlens = tuple(args.seqlens or (QUICK_SEQLENS if args.quick else DEFAULT_SEQLENS))
     causals = {"0": (False,), "1": (True,), "both": (False, True)}[args.causal]
     variants = selected_variants(args.variants)
+    dtype = args.dtype or common.DEFAULT_DTYPE
     if not torch.cuda.is_available():
-        configs = [variant_config(v, d, c, args.dtype, s) for d in headdims for c in causals for v in variants
+        configs = [variant_config(v, d, c, dtype, s) for d in headdims for c in causals for v in variants
                    for s in seqlens]
-        return _no_gpu(list(dict.fromkeys(configs)))
+        return _no_gpu(list(dict.fromkeys(configs)), run.given_flags(args, NO_GPU_IGNORED))
 
-    meta = run.collect_metadata(args.dtype)
+    meta = run.collect_metadata(dtype)
     meta.update(ablation={"rounds": ROUNDS, "rep_ms": args.rep_ms, "variants": {v: VARIANTS[v] for v in variants},
                           "call": "compiled runner, preallocated out/lse, softmax_scale = headdim**-0.5"})
     print("  ".join(f"{k}={v}" for k, v in meta.items() if k != "ablation"))
-    print("variants: " + "; ".join(f"{v} {VARIANTS[v] or '(select_fwd_config)'}" for v in variants))
+    print("variants: " + "; ".join(f"{v} {VARIANTS[v] or '(flash4 as shipped)'}" for v in variants))
 
     print("\nCorrectness of each variant vs float32 reference (ok: err <= 2 x PyTorch same-dtype err + atol):")
-    checks = check_variants(variants, headdims, causals, args.dtype, seqlens)
+    checks = check_variants(variants, headdims, causals, dtype, seqlens)
     bad = [c for c in checks if not c["ok"]]
     print(f"{len(checks) - len(bad)}/{len(checks)} ok")
     if bad:
@@ -309,13 +318,13 @@ def main(args: argparse.Namespace) -> int:
                              c.get("lse_err"), c.get("lse_pt_err"), c["error"]] for c in bad]))
         print("WARNING: some variants are wrong; their timings below mean little.")
 
-    cells = run.sweep_cells(headdims, seqlens, causals)
-    print(f"\nAblation: {len(cells)} cells x {len(variants)} variants x {ROUNDS} interleaved rounds, {args.dtype}, "
-          f"batch*seqlen={run.TOKENS}, hidden={run.HIDDEN}; forward TFLOPs, median of rounds ({meta['timing']})")
-    rows = measure(variants, cells, args.dtype, rep_ms=args.rep_ms)
+    cells = common.sweep_cells(headdims, seqlens, causals)
+    print(f"\nAblation: {len(cells)} cells x {len(variants)} variants x {ROUNDS} interleaved rounds, {dtype}, "
+          f"batch*seqlen={common.TOKENS}, hidden={common.HIDDEN}; forward TFLOPs, median of rounds ({meta['timing']})")
+    rows = measure(variants, cells, dtype, rep_ms=args.rep_ms)
     headers, table = ratio_table(rows)
     print(format_table(headers, table))
-    same = same_as_default(variants, headdims, causals, args.dtype, seqlens)
+    same = same_as_default(variants, headdims, causals, dtype, seqlens)
     if same:
         print("Same config as default:")
         print("\n".join(describe_same(same, headdims, causals)))

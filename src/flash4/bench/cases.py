@@ -17,6 +17,7 @@ import dataclasses
 import math
 
 from flash4 import geometry
+from flash4.bench import common
 
 CASE_COLUMNS = ("impl", "case", "headdim", "causal", "seqlen_q", "seqlen_k", "batch", "nheads", "nheads_k",
                 "fwd_tflops", "bwd_tflops")
@@ -106,10 +107,8 @@ def case_fwd_flops(case: Case) -> float:
 
 def case_bwd_flops(case: Case) -> float:
     """2.5x the forward (the sweep's factor); with Dv != D, 2 * (3 D + 2 Dv) per visible pair."""
-    from flash4.bench.run import BWD_FLOPS_FACTOR
-
     if case.headdim_v is None:
-        return BWD_FLOPS_FACTOR * case_fwd_flops(case)
+        return common.BWD_FLOPS_FACTOR * case_fwd_flops(case)
     pairs = visible_pairs(case.seqlen_q, case.seqlen_k, case.causal, case.window)
     return 2.0 * case.batch * case.nheads * (3 * case.headdim + 2 * case.hdim_v) * pairs
 
@@ -142,14 +141,13 @@ def measure_cases(impls, cases, dtype, rep_ms: float = 100.0, bwd: bool = True) 
     """TFLOPs of every impl on every case (NaN where it raised or does not apply); CASE_COLUMNS rows."""
     import torch
 
-    from flash4.bench import run
     from flash4.bench.report import progress
 
     rows = []
     bar = progress(len(cases) * len(impls), "cases", "run")
     for case in cases:
-        q, k, v = run._inputs(case.batch, case.seqlen_q, case.seqlen_k, case.nheads, case.nheads_k, case.headdim,
-                              dtype, headdim_v=case.headdim_v)
+        q, k, v = common.make_inputs(case.batch, case.seqlen_q, case.seqlen_k, case.nheads, case.nheads_k,
+                                     case.headdim, dtype, headdim_v=case.headdim_v)
         flops = case_fwd_flops(case)
         for impl in impls:
             fwd_tf = bwd_tf = math.nan
@@ -157,10 +155,10 @@ def measure_cases(impls, cases, dtype, rep_ms: float = 100.0, bwd: bool = True) 
                 try:
                     fn = impl.make(q, k, v, case.causal, **case.options())
                     with impl.context():
-                        fwd_tf = run.tflops(flops, run.time_ms(fn, rep_ms=rep_ms))
+                        fwd_tf = common.tflops(flops, common.time_ms(fn, rep_ms=rep_ms))
                     if bwd:
-                        bwd_tf = run.tflops(case_bwd_flops(case),
-                                            run._time_bwd(impl, q, k, v, case.causal, rep_ms, **case.options()))
+                        bwd_tf = common.tflops(case_bwd_flops(case),
+                                               common.time_bwd(impl, q, k, v, case.causal, rep_ms, **case.options()))
                 except Exception as err:  # a failing impl is a NaN cell, reported once per line
                     bar.write(f"{impl.name} failed at {case.name}: {type(err).__name__}: "
                               f"{str(err).splitlines()[0][:200] if str(err) else ''}")
@@ -178,15 +176,7 @@ def measure_cases(impls, cases, dtype, rep_ms: float = 100.0, bwd: bool = True) 
 
 
 def write_cases_csv(rows, path) -> None:
-    import csv
-
-    from flash4.bench.run import _csv_value
-
-    with open(path, "w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(CASE_COLUMNS)
-        for r in rows:
-            writer.writerow([_csv_value(r[c]) for c in CASE_COLUMNS])
+    common.write_rows_csv(rows, CASE_COLUMNS, path)
 
 
 def cases_table(rows, metric: str = "fwd_tflops"):

@@ -74,19 +74,23 @@ def _summary(text: str | None, width: int = 100) -> str | None:
     return joined if len(joined) <= width else joined[: width - 3] + "..."
 
 
-def select_configs(headdims=None, dtypes=None, causals=None) -> list:
-    """Shipped forward and backward configs filtered by head dim, dtype name and causal (None = all)."""
+def select_configs(headdims=None, dtypes=None, causals=None, passes=None) -> list:
+    """Shipped forward and backward configs filtered by head dim, dtype name, causal and pass
+    ("fwd" / "bwd"; None = all)."""
     from flash4.config import shipped_bwd_configs, shipped_fwd_configs
 
+    fwd, bwd = shipped_fwd_configs(), shipped_bwd_configs()
+    candidates = (fwd if passes is None or "fwd" in passes else []) + (bwd if passes is None or "bwd" in passes
+                                                                         else [])
     return [
-        c for c in shipped_fwd_configs() + shipped_bwd_configs()
+        c for c in candidates
         if (headdims is None or c.headdim in headdims)
         and (dtypes is None or c.dtype in dtypes)
         and (causals is None or c.causal in causals)
     ]
 
 
-from flash4.config import SUPPORTED_HEADDIMS  # noqa: E402
+from flash4.config import SUPPORTED_HEADDIMS, BwdConfig  # noqa: E402
 
 
 def compile_check_main(configs: list | None = None, json_path: str | Path | None = None) -> int:
@@ -97,11 +101,13 @@ def compile_check_main(configs: list | None = None, json_path: str | Path | None
 
     configs = select_configs() if configs is None else list(configs)
     if not configs:
-        print("compile check: no config matches the filters (kernel head dims: "
+        print("compile check: no kernel matches the filters (kernel head dims: "
               f"{', '.join(map(str, SUPPORTED_HEADDIMS))}; other multiples of 8 run zero-padded to the next one "
-              "of these, flash4.headdim)")
+              "of these, on those kernels)")
         return 1
-    print(f"compile check: {len(configs)} config(s) (forward and backward), no GPU needed")
+    n_bwd = sum(isinstance(c, BwdConfig) for c in configs)
+    print(f"compile check: {len(configs)} config(s) ({len(configs) - n_bwd} forward, {n_bwd} backward), "
+          "no GPU needed")
     results = []
     bar = progress(len(configs), "compile", "cfg")
     for cfg in configs:

@@ -1,176 +1,172 @@
-"""`python -m flash4 bench`: correctness on a few shapes, then the forward and backward TFLOPs sweep.
+"""`python -m flash4 bench`: correctness on a few shapes, then the forward and backward TFLOPs sweep;
+the orchestrator of the benchmark (the other bench modules never import it back).
 
-Sweep (issue 2): batch * seqlen = 32768 tokens, hidden 2048 (nheads = 2048 // headdim),
-seqlen_q == seqlen_k, bf16 (--dtype), causal and not; implementations named as in the CSV: flash4,
-flash_attn_4 (when importable), sdpa_cudnn, sdpa_flash (see baselines.py).
+Sweep: batch * seqlen = 32768 tokens, hidden 2048 (nheads = 2048 // headdim), seqlen_q ==
+seqlen_k, bf16 (--dtype), causal and not; implementations named as in the CSV: flash4,
+flash_attn_4 (when importable), sdpa_cudnn, sdpa_flash (baselines.py).
 FLOPs of the forward: 4 * batch * nheads * seqlen^2 * headdim, halved when causal.
-Times are medians, flushing L2 between calls: triton.testing.do_bench when triton imports, else
-CUDA events. An implementation that raises on a cell gets NaN there; its error is printed once.
-Writes into --out (default bench_out/): sweep.csv (CSV_COLUMNS), sweep.json (metadata, rows,
-correctness, targets), sweep.png. Without a GPU it says so and runs the compile check instead.
-Backward (unless --no-bwd): the time of torch.autograd.grad(out, (q, k, v), dout) on a graph built
-once per cell (the backward kernels with their pre/postprocess), FLOPs 2.5x the forward's; NaN where
-an implementation has no backward for the cell or raised there.
+Times are medians, flushing L2 between calls (common.time_ms: triton.testing.do_bench when triton
+imports, else CUDA events). An implementation that raises on a cell gets NaN there; its error is
+printed once. Backward (unless --no-bwd): the time of torch.autograd.grad(out, (q, k, v), dout) on
+a graph built once per cell (the backward kernels with their pre/postprocess), FLOPs 2.5x the
+forward's; NaN where an implementation has no backward for the cell or raised there.
+Ceiling: once per run, a GEMM_SIZE^3 torch.matmul (cuBLAS) in the sweep's dtype, timed like the
+cells; every row carries its TFLOPs as a fraction of that rate (fwd_gemm_ratio, bwd_gemm_ratio).
+Writes into --out (default bench_out/): sweep.csv (CSV_COLUMNS), sweep.json (metadata with the
+GEMM ceiling, rows, correctness, targets), sweep.png. Without a GPU it says so and runs the compile
+check of the configs the flags select instead (no_gpu_plan).
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
-import dataclasses
 import datetime
 import json
 import math
 import platform
-import statistics
 import subprocess
-import sys
 from importlib import metadata
 from pathlib import Path
 
 import torch
 
-TOKENS = 32768
-HIDDEN = 2048
+from flash4.bench import common
+from flash4.bench.common import (  # noqa: F401 - also this module's public names (tests, scripts)
+    BWD_FLOPS_FACTOR,
+    DEFAULT_DTYPE,
+    DTYPE_NAMES,
+    HIDDEN,
+    TOKENS,
+    Cell,
+    fwd_flops,
+    parse_seqlen,
+    ratio,
+    seqlen_label,
+    sweep_cells,
+    tflops,
+    timing_method,
+)
+
 DEFAULT_HEADDIMS = (64, 128, 256)
 DEFAULT_SEQLENS = (1024, 4096, 16384, 32768)
 QUICK_HEADDIMS = (128,)
 QUICK_SEQLENS = (1024, 4096)
+DEFAULT_REP_MS = 100.0
+DEFAULT_OUT = "bench_out"
 IMPL_NAMES = ("flash4", "flash_attn_4", "sdpa_cudnn", "sdpa_flash")  # order of baselines.all_impls()
-CSV_COLUMNS = ("impl", "headdim", "causal", "seqlen", "batch", "nheads", "fwd_tflops", "bwd_tflops")
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-# Targets of issue 2: flash4 / sdpa_cudnn >= 1.0 on every cell; flash4 / flash_attn_4 >= 0.85 at
-# headdim 128, seqlen >= 4k.
+# sweep.csv's columns (docs/perf/h200.csv is written by this code: new columns go at the end).
+CSV_COLUMNS = ("impl", "headdim", "causal", "seqlen", "batch", "nheads", "fwd_tflops", "bwd_tflops",
+               "gemm_tflops", "fwd_gemm_ratio", "bwd_gemm_ratio")
+CSV_DIGITS = {"fwd_gemm_ratio": 3, "bwd_gemm_ratio": 3}  # decimals; other floats 1
+DTYPES = {name: common.torch_dtype(name) for name in DTYPE_NAMES}
+# Targets: flash4 / sdpa_cudnn >= 1.0 on every cell; flash4 / flash_attn_4 >= 0.85 at headdim 128,
+# seqlen >= 4k (forward and backward alike).
 TARGET_VS_CUDNN = 1.0
 TARGET_VS_FA4 = 0.85
-BWD_FLOPS_FACTOR = 2.5  # backward FLOPs = 2.5 x forward (2 GEMMs forward, 5 backward)
+GEMM_SIZE = 8192  # the ceiling: an M = N = K = GEMM_SIZE matrix multiply
 
+DESCRIPTION = f"""\
+Check flash4's results against a float32 reference on a few shapes, then time flash4 and the other
+attention implementations installed here on the same problems, forward and backward, in TFLOPs.
 
-def parse_seqlen(text: str) -> int:
-    """"4096", "4k" or "4K" -> 4096."""
-    t = text.strip().lower()
-    try:
-        value = int(t[:-1]) * 1024 if t.endswith("k") else int(t)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"seqlen {text!r} is not a positive integer (e.g. 4096 or 4k)")
-    return value
+The sweep is every combination of head dim (--headdims), sequence length (--seqlens) and mask
+(--causal). In every cell batch * seqlen = {TOKENS} tokens and nheads * headdim = {HIDDEN}; queries and
+keys have the same length. Forward FLOPs: 4 * batch * nheads * seqlen^2 * headdim, half that with
+the causal mask; backward FLOPs: {BWD_FLOPS_FACTOR}x the forward's. Each time is the median of many
+calls, with the GPU's L2 cache flushed between calls.
 
+Ceiling: the same run times one {GEMM_SIZE} x {GEMM_SIZE} x {GEMM_SIZE} matrix multiply (torch.matmul, cuBLAS,
+in --dtype) the same way, and shows each cell also as a fraction of that rate ("flash4/gemm" in the
+tables; fwd_gemm_ratio and bwd_gemm_ratio in sweep.csv).
 
-def seqlen_label(seqlen: int) -> str:
-    return f"{seqlen // 1024}k" if seqlen % 1024 == 0 else str(seqlen)
+Implementations: flash4; flash_attn_4 (the flash-attn-4 package, when installed); sdpa_cudnn and
+sdpa_flash (PyTorch's scaled_dot_product_attention with its cuDNN or its FlashAttention-2 backend).
+An implementation that fails on a cell has no number there ("-" in the tables, nan in the CSV);
+its error is printed once.
+
+After the sweep come the named cases (--cases) and the variable-length, paged-KV and decode cells
+(--varlen). Files written to --out: sweep.csv (a line per implementation and cell), sweep.json
+(the same plus date, GPU, library versions, the correctness results and the GEMM ceiling),
+sweep.png (plots), cases.csv, varlen.csv.
+
+Without a GPU nothing can be timed: the command says so and compiles flash4's kernels instead
+(as `python -m flash4 compile-check`), for the head dims, dtype, mask and passes chosen with
+--headdims, --dtype, --causal and --no-bwd (default: every shipped kernel), and names the options
+it ignored.
+
+With --ablate it times flash4's forward with each of its optimizations switched off or on instead
+of the sweep (--variants)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--headdims", type=int, nargs="+", metavar="D",
-                        help=f"head dims (default {' '.join(map(str, DEFAULT_HEADDIMS))})")
+                        help=f"head dims to sweep (default: {' '.join(map(str, DEFAULT_HEADDIMS))}; "
+                             f"with --quick: {' '.join(map(str, QUICK_HEADDIMS))})")
     parser.add_argument("--seqlens", type=parse_seqlen, nargs="+", metavar="S",
-                        help="sequence lengths, e.g. 1k 4k (default 1k 4k 16k 32k)")
-    parser.add_argument("--causal", choices=("0", "1", "both"), default="both", help="causal, non-causal or both")
+                        help="sequence lengths to sweep, in tokens, e.g. 4096 or 4k "
+                             f"(default: {' '.join(map(seqlen_label, DEFAULT_SEQLENS))}; "
+                             f"with --quick: {' '.join(map(seqlen_label, QUICK_SEQLENS))})")
+    parser.add_argument("--causal", choices=("0", "1", "both"), default="both",
+                        help="0: without a mask only, 1: with the causal mask only, both: each (default)")
     parser.add_argument("--impls", nargs="+", choices=IMPL_NAMES, metavar="IMPL",
-                        help=f"implementations (default all available: {' '.join(IMPL_NAMES)})")
-    parser.add_argument("--dtype", choices=tuple(DTYPES), default="bf16")
+                        help=f"implementations to time: {', '.join(IMPL_NAMES)} "
+                             "(default: each of them that is installed)")
+    parser.add_argument("--dtype", choices=DTYPE_NAMES,
+                        help=f"data type of q, k and v: {' or '.join(DTYPE_NAMES)} (default: {DEFAULT_DTYPE}; "
+                             "without a GPU the compile check covers both unless --dtype is given)")
     parser.add_argument("--quick", action="store_true",
-                        help=f"small sweep: headdim {QUICK_HEADDIMS[0]}, seqlens 1k 4k (unless given); "
-                             "without a GPU, a small compile check")
-    parser.add_argument("--rep-ms", type=float, default=100.0, help="timing budget per measurement (ms)")
-    parser.add_argument("--out", default="bench_out", help="output directory (default bench_out/)")
+                        help="a short sweep: head dim 128, seqlens 1k 4k (unless --headdims / --seqlens say "
+                             f"otherwise); without a GPU, the compile check of those head dims only, in "
+                             f"{DEFAULT_DTYPE} unless --dtype is given")
+    parser.add_argument("--rep-ms", type=float, default=DEFAULT_REP_MS, metavar="MS",
+                        help=f"time spent timing each measurement, in milliseconds (default: {DEFAULT_REP_MS:g}); "
+                             "more gives steadier numbers and a longer run")
+    parser.add_argument("--out", default=DEFAULT_OUT, metavar="DIR",
+                        help=f"directory the result files are written to (default: {DEFAULT_OUT})")
     parser.add_argument("--no-bwd", dest="bwd", action="store_false",
-                        help="time the forward only (default: forward and backward)")
+                        help="time the forward pass only (default: forward and backward)")
     parser.add_argument("--cases", nargs="+", metavar="NAME",
-                        help="named cells beyond the sweep to time after it (flash4.bench.cases: d96, d192, gqa, "
-                             "mqa, window, softcap, sink, hdimv, smalld; a name or prefix, 'all' (default) or 'none'); written to cases.csv")
+                        help="named problems outside the sweep, timed after it: other head dims (d96, d192, "
+                             "smalld), grouped-query and multi-query attention (gqa, mqa), a sliding window "
+                             "(window), a logit soft-cap (softcap), attention sinks (sink), a value head dim "
+                             "other than the query's (hdimv). A full name or its beginning; 'all' (default) "
+                             "or 'none'. Written to cases.csv")
     parser.add_argument("--varlen", choices=("all", "none", "only"), default="all",
-                        help="packed-varlen, paged-KV and decode cells (flash4.bench.varlen) after the sweep: "
-                             "'all' (default), 'none', or 'only' (skip the sweep and cases); written to varlen.csv")
+                        help="batches of sequences of different lengths, a paged KV cache and single-token "
+                             "decode steps: 'all' times them after the sweep (default), 'none' skips them, "
+                             "'only' times them alone (no sweep, no cases). Written to varlen.csv")
 
 
-@dataclasses.dataclass(frozen=True)
-class Cell:
-    """One sweep point: seqlen_q == seqlen_k == seqlen, nheads_k == nheads."""
-
-    headdim: int
-    causal: bool
-    seqlen: int
-    batch: int
-    nheads: int
-
-    def label(self) -> str:
-        return f"hdim {self.headdim} {'causal' if self.causal else 'full'} S={seqlen_label(self.seqlen)}"
+# Options that only choose what to time or where results go: the no-GPU compile check cannot
+# honour them. (flag, args attribute, value when not given)
+TIMING_ONLY_FLAGS = (("--seqlens", "seqlens", None), ("--impls", "impls", None), ("--cases", "cases", None),
+                     ("--varlen", "varlen", "all"), ("--rep-ms", "rep_ms", DEFAULT_REP_MS),
+                     ("--out", "out", DEFAULT_OUT))
 
 
-def sweep_cells(headdims, seqlens, causals, tokens: int = TOKENS, hidden: int = HIDDEN) -> list[Cell]:
-    """Cells in (headdim, causal, seqlen) order; batch = tokens // seqlen, nheads = hidden // headdim
-    (each at least 1)."""
-    return [
-        Cell(d, c, s, batch=max(1, tokens // s), nheads=max(1, hidden // d))
-        for d in headdims for c in causals for s in seqlens
+def given_flags(args: argparse.Namespace, flags) -> list[str]:
+    """The flags among `flags` ((flag, attribute, value when not given)) that the command line set."""
+    return [flag for flag, attr, unset in flags if getattr(args, attr, unset) != unset]
+
+
+def no_gpu_plan(args: argparse.Namespace) -> dict:
+    """What `bench` without a GPU compiles (pure): select_configs' filters from the flags the
+    compile check can honour (--headdims, --dtype, --causal, --no-bwd, --quick), a sentence saying
+    so, and the flags it ignores."""
+    headdims = tuple(args.headdims) if args.headdims else (QUICK_HEADDIMS if args.quick else None)
+    dtypes = (args.dtype,) if args.dtype else ((DEFAULT_DTYPE,) if args.quick else None)
+    causals = {"0": (False,), "1": (True,), "both": None}[args.causal]
+    passes = None if args.bwd else ("fwd",)
+    what = [
+        (f"head dim{'s' if len(headdims) > 1 else ''} " + " ".join(map(str, headdims))) if headdims
+        else "every head dim",
+        " and ".join(dtypes) if dtypes else "bf16 and fp16",
+        {None: "with and without the causal mask", (False,): "without a mask", (True,): "with the causal mask"}[
+            causals],
+        "forward only" if passes else "forward and backward",
     ]
-
-
-def fwd_flops(cell: Cell) -> float:
-    flops = 4.0 * cell.batch * cell.nheads * cell.seqlen * cell.seqlen * cell.headdim
-    return flops / 2 if cell.causal else flops
-
-
-def tflops(flops: float, ms: float) -> float:
-    return flops / (ms * 1e-3) / 1e12
-
-
-def timing_method() -> str:
-    try:
-        import triton.testing  # noqa: F401
-    except ImportError:
-        return "cuda events (median, L2 flushed)"
-    return "triton.testing.do_bench (median, L2 flushed)"
-
-
-def time_ms(fn, warmup_ms: float = 25.0, rep_ms: float = 100.0) -> float:
-    """Median time of one fn() in milliseconds (GPU time, fn launched on the current stream)."""
-    try:
-        from triton.testing import do_bench
-    except ImportError:
-        return _time_events(fn, warmup_ms, rep_ms)
-    return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
-
-
-def _time_events(fn, warmup_ms: float, rep_ms: float) -> float:
-    flush = torch.empty(256 * 1024 * 1024 // 4, dtype=torch.int32, device="cuda")
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(5):
-        flush.zero_()
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    estimate = max(start.elapsed_time(end) / 5, 1e-3)
-    for _ in range(max(1, int(warmup_ms / estimate))):
-        fn()
-    n = max(5, int(rep_ms / estimate))
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
-    for s, e in zip(starts, ends):
-        flush.zero_()
-        s.record()
-        fn()
-        e.record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
-
-
-def _inputs(batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, dtype, seed=0, headdim_v=None):
-    """q, k, v on the GPU (v with headdim_v when given: a value head dim different from Q/K's)."""
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    q = torch.randn(batch, seqlen_q, nheads, headdim, generator=gen, device="cuda", dtype=dtype)
-    k = torch.randn(batch, seqlen_k, nheads_k, headdim, generator=gen, device="cuda", dtype=dtype)
-    v = torch.randn(batch, seqlen_k, nheads_k, headdim if headdim_v is None else headdim_v, generator=gen,
-                    device="cuda", dtype=dtype)
-    return q, k, v
-
-
+    return {"headdims": headdims, "dtypes": dtypes, "causals": causals, "passes": passes,
+            "describe": "; ".join(what), "ignored": given_flags(args, TIMING_ONLY_FLAGS)}
 def check_cases(impl_name: str, headdims, causals) -> list[tuple]:
     """(batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal) shapes checked before timing."""
     d0 = headdims[0]
@@ -192,7 +188,7 @@ def check_correctness(impls, headdims, causals, dtype) -> list[dict]:
             b, sq, sk, h, hk, d, causal = case
             entry = {"impl": impl.name, "shape": f"b{b} sq{sq} sk{sk} h{h}/{hk} d{d}", "causal": causal}
             try:
-                q, k, v = _inputs(b, sq, sk, h, hk, d, dtype, seed=1)
+                q, k, v = common.make_inputs(b, sq, sk, h, hk, d, dtype, seed=1)
                 lse = None
                 with impl.context():
                     if impl.name == "flash4":
@@ -206,24 +202,17 @@ def check_correctness(impls, headdims, causals, dtype) -> list[dict]:
     return results
 
 
-def _time_bwd(impl, q, k, v, causal, rep_ms, **options) -> float:
-    """Milliseconds of one backward pass of impl (autograd.grad on a graph built once)."""
-    qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
-    with impl.context():
-        out = impl.make(qg, kg, vg, causal, **options)()
-        dout = torch.randn_like(out)
-        return time_ms(lambda: torch.autograd.grad(out, (qg, kg, vg), dout, retain_graph=True), rep_ms=rep_ms)
-
-
 def measure(impls, cells, dtype, rep_ms: float = 100.0, bwd: bool = False) -> list[dict]:
-    """Forward (and backward) TFLOPs of every impl on every cell; rows with CSV_COLUMNS keys
-    (NaN where it raised)."""
+    """Forward (and backward) TFLOPs of every impl on every cell; rows with the first eight
+    CSV_COLUMNS keys (NaN where it raised; bwd_tflops None when not timed). add_gemm_ratios adds
+    the others."""
     from flash4.bench.report import progress
 
     rows, seen = [], set()
     bar = progress(len(cells) * len(impls), "sweep", "run")
     for cell in cells:
-        q, k, v = _inputs(cell.batch, cell.seqlen, cell.seqlen, cell.nheads, cell.nheads, cell.headdim, dtype)
+        q, k, v = common.make_inputs(cell.batch, cell.seqlen, cell.seqlen, cell.nheads, cell.nheads, cell.headdim,
+                                     dtype)
         for impl in impls:
             bar.set_postfix_str(f"{impl.name} {cell.label()}")
             def report(err, what):
@@ -237,14 +226,15 @@ def measure(impls, cells, dtype, rep_ms: float = 100.0, bwd: bool = False) -> li
             try:
                 fn = impl.make(q, k, v, cell.causal)
                 with impl.context():
-                    fwd = tflops(fwd_flops(cell), time_ms(fn, rep_ms=rep_ms))
+                    fwd = tflops(fwd_flops(cell), common.time_ms(fn, rep_ms=rep_ms))
             except Exception as err:
                 fwd = math.nan
                 report(err, "fwd")
             bwd_tf = None
             if bwd:
                 try:
-                    bwd_tf = tflops(BWD_FLOPS_FACTOR * fwd_flops(cell), _time_bwd(impl, q, k, v, cell.causal, rep_ms))
+                    bwd_tf = tflops(BWD_FLOPS_FACTOR * fwd_flops(cell),
+                                    common.time_bwd(impl, q, k, v, cell.causal, rep_ms))
                 except Exception as err:
                     bwd_tf = math.nan
                     report(err, "bwd")
@@ -259,6 +249,51 @@ def measure(impls, cells, dtype, rep_ms: float = 100.0, bwd: bool = False) -> li
     return rows
 
 
+def gemm_flops(size: int = GEMM_SIZE) -> float:
+    """2 * M * N * K of the square ceiling GEMM."""
+    return 2.0 * size ** 3
+
+
+def measure_gemm(dtype_name: str, rep_ms: float = DEFAULT_REP_MS, size: int = GEMM_SIZE,
+                 device: str = "cuda") -> dict:
+    """The run's ceiling: TFLOPs of torch.matmul (cuBLAS) of two size x size matrices in the
+    sweep's dtype, timed like the attention cells (common.time_ms, the same rep_ms). Returns the
+    record kept in sweep.json's meta["gemm"]; tflops NaN (and error set) when it raised."""
+    entry = {"op": "torch.matmul", "m": size, "n": size, "k": size, "dtype": dtype_name}
+    try:
+        dtype = common.torch_dtype(dtype_name)
+        a = torch.randn(size, size, device=device, dtype=dtype)
+        b = torch.randn(size, size, device=device, dtype=dtype)
+        ms = common.time_ms(lambda: torch.matmul(a, b), rep_ms=rep_ms)
+        entry.update(ms=ms, tflops=tflops(gemm_flops(size), ms), error=None)
+        del a, b
+    except Exception as err:  # no ceiling: the ratios are NaN, the sweep still runs
+        entry.update(ms=math.nan, tflops=math.nan, error=f"{type(err).__name__}: {err}".splitlines()[0][:300])
+        if isinstance(err, torch.cuda.OutOfMemoryError):
+            torch.cuda.empty_cache()
+    return entry
+
+
+def add_gemm_ratios(rows, gemm_tflops: float) -> list[dict]:
+    """Each row (in place, and returned) gets gemm_tflops and its forward and backward TFLOPs as
+    a fraction of it: fwd_gemm_ratio, bwd_gemm_ratio (None where the backward was not timed, NaN
+    where a number is missing)."""
+    for r in rows:
+        r["gemm_tflops"] = gemm_tflops
+        r["fwd_gemm_ratio"] = ratio(r.get("fwd_tflops"), gemm_tflops)
+        r["bwd_gemm_ratio"] = None if r.get("bwd_tflops") is None else ratio(r["bwd_tflops"], gemm_tflops)
+    return rows
+
+
+def describe_gemm(gemm: dict) -> str:
+    """The line printed about the ceiling."""
+    shape = f"{gemm['m']} x {gemm['n']} x {gemm['k']}"
+    if gemm.get("error"):
+        return f"GEMM ceiling ({gemm['op']} {gemm['dtype']} {shape}): failed, {gemm['error']}; no flash4/gemm ratios"
+    return (f"GEMM ceiling: {gemm['op']} (cuBLAS) {gemm['dtype']} {shape}: {gemm['tflops']:.1f} TFLOPs "
+            f"({gemm['ms']:.3f} ms); 'flash4/gemm' below is flash4's TFLOPs / this")
+
+
 def _by_cell(rows, metric: str = "fwd_tflops") -> dict:
     cells: dict = {}
     for r in rows:
@@ -267,27 +302,30 @@ def _by_cell(rows, metric: str = "fwd_tflops") -> dict:
     return cells
 
 
-def _ratio(a, b) -> float:
-    if a is None or b is None or math.isnan(a) or math.isnan(b) or b == 0:
-        return math.nan
-    return a / b
-
-
 def result_table(rows, metric: str = "fwd_tflops") -> tuple[list[str], list[list]]:
     """Headers and rows: one line per cell, TFLOPs (`metric`) per impl, then flash4's ratio to each
-    other impl."""
+    other impl, then (when the rows carry it, add_gemm_ratios) flash4's fraction of the GEMM
+    ceiling, "flash4/gemm"."""
     impls = list(dict.fromkeys(r["impl"] for r in rows))
     others = [i for i in impls if i != "flash4"] if "flash4" in impls else []
-    headers = ["hdim", "causal", "seqlen", "batch", "nheads"] + impls + [f"flash4/{i}" for i in others]
+    gemm_key = metric.replace("_tflops", "_gemm_ratio")
+    with_gemm = "flash4" in impls and any(gemm_key in r for r in rows)
+    headers = (["hdim", "causal", "seqlen", "batch", "nheads"] + impls + [f"flash4/{i}" for i in others]
+               + (["flash4/gemm"] if with_gemm else []))
+    gemm = _by_cell(rows, gemm_key)
     table = []
-    for (d, c, s, b, h), vals in _by_cell(rows, metric).items():
-        table.append([d, c, s, b, h] + [vals.get(i, math.nan) for i in impls]
-                     + [_ratio(vals.get("flash4"), vals.get(i)) for i in others])
+    for key, vals in _by_cell(rows, metric).items():
+        line = list(key) + [vals.get(i, math.nan) for i in impls] + [ratio(vals.get("flash4"), vals.get(i))
+                                                                      for i in others]
+        if with_gemm:
+            g = gemm[key].get("flash4")
+            line.append(math.nan if g is None else g)
+        table.append(line)
     return headers, table
 
 
 def targets_summary(rows, metric: str = "fwd_tflops") -> list[str]:
-    """One line per target (issue 2 forward, issue 3 backward: the same two): met, missed (with the
+    """One line per target (the same two for forward and backward): met, missed (with the
     cells), or not measured."""
     cells = _by_cell(rows, metric)
     specs = [
@@ -296,7 +334,7 @@ def targets_summary(rows, metric: str = "fwd_tflops") -> list[str]:
     ]
     lines = []
     for other, target, where, applies in specs:
-        ratios = {key: _ratio(v.get("flash4"), v.get(other)) for key, v in cells.items() if applies(key[0], key[2])}
+        ratios = {key: ratio(v.get("flash4"), v.get(other)) for key, v in cells.items() if applies(key[0], key[2])}
         ratios = {key: r for key, r in ratios.items() if not math.isnan(r)}
         name = f"{metric.split('_')[0]}: flash4 >= {target:.2f}x {other} ({where})"
         if not ratios:
@@ -311,32 +349,11 @@ def targets_summary(rows, metric: str = "fwd_tflops") -> list[str]:
 
 
 def write_csv(rows, path: Path) -> None:
-    with open(path, "w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(CSV_COLUMNS)
-        for r in rows:
-            writer.writerow([_csv_value(r[c]) for c in CSV_COLUMNS])
+    """sweep.csv: CSV_COLUMNS (a row without the GEMM keys leaves those fields empty)."""
+    common.write_rows_csv(rows, CSV_COLUMNS, path, CSV_DIGITS)
 
 
-def _csv_value(x):
-    if x is None:
-        return ""
-    if isinstance(x, float):
-        return "nan" if math.isnan(x) else f"{x:.1f}"
-    return x
-
-
-def _json_safe(x):
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    if isinstance(x, dict):
-        return {k: _json_safe(v) for k, v in x.items()}
-    if isinstance(x, list):
-        return [_json_safe(v) for v in x]
-    return x
-
-
-# Memory yardstick of issue 3: fwd + bwd at B=1, H=16, S=16k, hdim 128, causal.
+# Memory yardstick: fwd + bwd at B=1, H=16, S=16k, hdim 128, causal.
 MEMORY_SHAPE = dict(batch=1, seqlen=16384, nheads=16, headdim=128, causal=True)
 
 
@@ -346,8 +363,8 @@ def measure_memory(impls, dtype) -> dict:
     shape = MEMORY_SHAPE
     result = {}
     for impl in impls:
-        q, k, v = _inputs(shape["batch"], shape["seqlen"], shape["seqlen"], shape["nheads"], shape["nheads"],
-                          shape["headdim"], dtype)
+        q, k, v = common.make_inputs(shape["batch"], shape["seqlen"], shape["seqlen"], shape["nheads"],
+                                     shape["nheads"], shape["headdim"], dtype)
         q, k, v = (t.requires_grad_() for t in (q, k, v))
         dout = torch.randn_like(q)
         torch.cuda.synchronize()
@@ -368,7 +385,7 @@ def measure_memory(impls, dtype) -> dict:
 
 def write_json(path: Path, meta: dict, rows, checks, targets, memory=None) -> None:
     doc = {"meta": meta, "rows": rows, "correctness": checks, "targets": targets, "memory_mib": memory}
-    path.write_text(json.dumps(_json_safe(doc), indent=2) + "\n")
+    path.write_text(json.dumps(common.json_safe(doc), indent=2) + "\n")
 
 
 def plot(rows, path: Path, title: str) -> None:
@@ -466,14 +483,14 @@ def collect_metadata(dtype_name: str) -> dict:
 def _no_gpu(args) -> int:
     from flash4.bench.report import compile_check_main, select_configs
 
-    print(f"No CUDA GPU found (torch {torch.__version__}, CUDA build {torch.version.cuda}): "
-          "nothing to time. Running the compile check instead.")
-    if args.quick:
-        configs = select_configs(headdims=QUICK_HEADDIMS, dtypes=(args.dtype,))
-    elif args.headdims:
-        configs = select_configs(headdims=args.headdims)
-    else:
-        configs = None
+    plan = no_gpu_plan(args)
+    print(f"No CUDA GPU found (torch {torch.__version__}, CUDA build {torch.version.cuda}): nothing can be "
+          f"timed. Compiling flash4's kernels instead (the compile check): {plan['describe']}.")
+    if plan["ignored"]:
+        print(f"Ignored without a GPU: {', '.join(plan['ignored'])} (they choose what is timed, or where "
+              "its results go).")
+    configs = select_configs(headdims=plan["headdims"], dtypes=plan["dtypes"], causals=plan["causals"],
+                             passes=plan["passes"])
     return compile_check_main(configs)
 
 
@@ -497,7 +514,8 @@ def main(args: argparse.Namespace) -> int:
     headdims = args.headdims or (QUICK_HEADDIMS if args.quick else DEFAULT_HEADDIMS)
     seqlens = args.seqlens or (QUICK_SEQLENS if args.quick else DEFAULT_SEQLENS)
     causals = {"0": (False,), "1": (True,), "both": (False, True)}[args.causal]
-    dtype = DTYPES[args.dtype]
+    dtype_name = args.dtype or DEFAULT_DTYPE
+    dtype = DTYPES[dtype_name]
     wanted = args.impls or IMPL_NAMES
     impls = []
     for impl in all_impls():
@@ -507,7 +525,7 @@ def main(args: argparse.Namespace) -> int:
             print(f"{impl.name}: not available ({impl.unavailable}); skipped")
         else:
             impls.append(impl)
-    meta = collect_metadata(args.dtype)
+    meta = collect_metadata(dtype_name)
     meta["cute_dsl_import_s"] = round(import_s, 3)
     print("  ".join(f"{k}={v}" for k, v in meta.items()))
     if getattr(args, "varlen", "all") == "only":
@@ -526,10 +544,14 @@ def main(args: argparse.Namespace) -> int:
     if any(not c["ok"] for c in checks):
         print("WARNING: some results are wrong; their timings below mean little.")
 
+    gemm = measure_gemm(dtype_name, rep_ms=args.rep_ms)
+    meta["gemm"] = gemm
+    print("\n" + describe_gemm(gemm))
+
     cells = sweep_cells(headdims, seqlens, causals)
-    print(f"\nSweep: {len(cells)} cells x {len(impls)} impls, {args.dtype}, batch*seqlen={TOKENS}, "
+    print(f"\nSweep: {len(cells)} cells x {len(impls)} impls, {dtype_name}, batch*seqlen={TOKENS}, "
           f"hidden={HIDDEN}; {'forward and backward' if args.bwd else 'forward'} TFLOPs ({meta['timing']})")
-    rows = measure(impls, cells, dtype, rep_ms=args.rep_ms, bwd=args.bwd)
+    rows = add_gemm_ratios(measure(impls, cells, dtype, rep_ms=args.rep_ms, bwd=args.bwd), gemm["tflops"])
     headers, table = result_table(rows)
     print("forward TFLOPs\n" + format_table(headers, table))
     targets = targets_summary(rows)
@@ -544,15 +566,17 @@ def main(args: argparse.Namespace) -> int:
         from flash4.bench.baselines import math_impl
 
         memory = measure_memory(impls + [math_impl()], dtype)
-        print(f"\nExtra device memory of forward + backward, {MEMORY_SHAPE}:")
+        m = MEMORY_SHAPE
+        print(f"\nExtra device memory of forward + backward, batch {m['batch']}, {m['nheads']} heads, "
+              f"seqlen {seqlen_label(m['seqlen'])}, hdim {m['headdim']}{', causal' if m['causal'] else ''}:")
         print("  ".join(f"{name}={mib:.0f} MiB" for name, mib in memory.items()))
         if "flash_attn_4" in memory and memory.get("flash4", math.nan) == memory.get("flash4"):
-            print(f"flash4 / flash_attn_4 = {_ratio(memory['flash4'], memory['flash_attn_4']):.2f} (target <= 1.5); "
-                  f"sdpa_math / flash4 = {_ratio(memory.get('sdpa_math'), memory['flash4']):.0f} (target >= 50)")
+            print(f"flash4 / flash_attn_4 = {ratio(memory['flash4'], memory['flash_attn_4']):.2f} (target <= 1.5); "
+                  f"sdpa_math / flash4 = {ratio(memory.get('sdpa_math'), memory['flash4']):.0f} (target >= 50)")
 
     case_rows = []
     if cases:
-        print(f"\nCases beyond the sweep ({len(cases)}): TFLOPs of the unmasked work ({args.dtype})")
+        print(f"\nCases beyond the sweep ({len(cases)}): TFLOPs of the unmasked work ({dtype_name})")
         case_rows = bench_cases.measure_cases(impls, cases, dtype, rep_ms=args.rep_ms, bwd=args.bwd)
         for metric in ("fwd_tflops",) + (("bwd_tflops",) if args.bwd else ()):
             headers, table = bench_cases.cases_table(case_rows, metric)
@@ -565,7 +589,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"wrote {out_dir / 'cases.csv'}")
     write_csv(rows, out_dir / "sweep.csv")
     write_json(out_dir / "sweep.json", meta, rows, checks, targets, memory)
-    plot(rows, out_dir / "sweep.png", f"{meta['gpu']}, {args.dtype}, {meta['date'][:10]}")
+    plot(rows, out_dir / "sweep.png", f"{meta['gpu']}, {dtype_name}, {meta['date'][:10]}")
     print(f"\nwrote {out_dir / 'sweep.csv'}, {out_dir / 'sweep.json'}, {out_dir / 'sweep.png'}")
     if getattr(args, "varlen", "all") == "all":
         _run_varlen(impls, dtype, args)
@@ -598,13 +622,13 @@ def _print_compile_summary(import_s: float) -> None:
 
 
 def _run_varlen(impls, dtype, args) -> int:
-    """The varlen / paged / decode cells (flash4.bench.varlen): table and varlen.csv."""
+    """The varlen / paged / decode cells (varlen.py): table and varlen.csv."""
     from flash4.bench import varlen as bench_varlen
     from flash4.bench.report import format_table
 
     names = [i.name for i in impls if i.name in ("flash4", "flash_attn_4", "sdpa_cudnn")]
-    print(f"\nVarlen, paged and decode cells ({args.dtype}): TFLOPs of the unmasked work; decode as the share "
-          "of the device-to-device copy bandwidth that the K/V reads reach")
+    print(f"\nVarlen, paged and decode cells ({args.dtype or DEFAULT_DTYPE}): TFLOPs of the unmasked work; "
+          "decode as the share of the device-to-device copy bandwidth that the K/V reads reach")
     rows = bench_varlen.measure_varlen(names, dtype, rep_ms=args.rep_ms, bwd=args.bwd)
     headers, table = bench_varlen.varlen_table(rows)
     print(format_table(headers, table))

@@ -23,6 +23,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from flash4.bench import common
+
 VARLEN_COLUMNS = ("impl", "case", "headdim", "causal", "total_tokens", "fwd_tflops", "bwd_tflops", "kv_gbps",
                   "copy_gbps")
 TOKENS = 65536
@@ -70,11 +72,9 @@ VARLEN_CASES = (VarlenCase("varlen_mha16_d128_causal", 16, 16), VarlenCase("varl
 def _copy_gbps() -> float:
     import torch
 
-    from flash4.bench.run import time_ms
-
     x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     y = torch.empty_like(x)
-    ms = time_ms(lambda: y.copy_(x))
+    ms = common.time_ms(lambda: y.copy_(x))
     del x, y
     return 2 * (1 << 30) / (ms * 1e-3) / 1e9
 
@@ -113,7 +113,7 @@ def measure_varlen(impl_names, dtype, rep_ms: float = 100.0, bwd: bool = True, p
     import torch
 
     import flash4
-    from flash4.bench import baselines, run
+    from flash4.bench import baselines
     from flash4.bench.report import progress
 
     fa4_varlen = baselines.fa4_varlen_func() if "flash_attn_4" in impl_names else None
@@ -162,17 +162,17 @@ def measure_varlen(impl_names, dtype, rep_ms: float = 100.0, bwd: bool = True, p
                     bar.update()
                 continue
             fn = fns[name]
-            fwd = attempt(f"{name} {case.name} fwd", lambda: run.tflops(flops, run.time_ms(lambda: fn(q, k, v),
-                                                                                              rep_ms=rep_ms)))
+            fwd = attempt(f"{name} {case.name} fwd",
+                          lambda: common.tflops(flops, common.time_ms(lambda: fn(q, k, v), rep_ms=rep_ms)))
             bwd_tf = None
             if bwd:
                 def time_bwd():
                     qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
                     out = fn(qg, kg, vg)
                     dout = torch.randn_like(out)
-                    ms = run.time_ms(lambda: torch.autograd.grad(out, (qg, kg, vg), dout, retain_graph=True),
-                                     rep_ms=rep_ms)
-                    return run.tflops(run.BWD_FLOPS_FACTOR * flops, ms)
+                    ms = common.time_ms(lambda: torch.autograd.grad(out, (qg, kg, vg), dout, retain_graph=True),
+                                        rep_ms=rep_ms)
+                    return common.tflops(common.BWD_FLOPS_FACTOR * flops, ms)
 
                 bwd_tf = attempt(f"{name} {case.name} bwd", time_bwd)
             row(name, case.name, case.headdim, case.causal, total, fwd, bwd_tf)
@@ -182,11 +182,11 @@ def measure_varlen(impl_names, dtype, rep_ms: float = 100.0, bwd: bool = True, p
             kc, vc, table, used = _paged(k, v, cu, page, gen)
             for name in impl_names:
                 if name == "flash4":
-                    fwd = attempt(f"flash4 {pname}", lambda: run.tflops(flops, run.time_ms(
+                    fwd = attempt(f"flash4 {pname}", lambda: common.tflops(flops, common.time_ms(
                         lambda: flash4.flash_attn_varlen_func(q, kc, vc, cu, None, maxlen, maxlen, seqused_k=used,
                                                               page_table=table, causal=case.causal), rep_ms=rep_ms)))
                 elif name == "flash_attn_4" and fa4_varlen is not None:
-                    fwd = attempt(f"flash_attn_4 {pname}", lambda: run.tflops(flops, run.time_ms(
+                    fwd = attempt(f"flash_attn_4 {pname}", lambda: common.tflops(flops, common.time_ms(
                         lambda: fa4_varlen(q, kc, vc, cu_seqlens_q=cu, max_seqlen_q=maxlen, seqused_k=used,
                                            page_table=table, causal=case.causal), rep_ms=rep_ms)))
                 else:
@@ -242,8 +242,6 @@ def _graph_time_ms(fn, rep_ms: float, bar, label: str) -> float:
     if the capture fails."""
     import torch
 
-    from flash4.bench import run
-
     fn()  # compile / warm up outside the capture
     torch.cuda.synchronize()
     try:
@@ -258,8 +256,8 @@ def _graph_time_ms(fn, rep_ms: float, bar, label: str) -> float:
     except Exception as err:  # noqa: BLE001
         bar.write(f"{label}: CUDA graph capture failed ({type(err).__name__}); timed eagerly")
         torch.cuda.synchronize()
-        return run.time_ms(fn, rep_ms=rep_ms)
-    return run.time_ms(graph.replay, rep_ms=rep_ms)
+        return common.time_ms(fn, rep_ms=rep_ms)
+    return common.time_ms(graph.replay, rep_ms=rep_ms)
 
 
 def itertools_accumulate(xs):
@@ -274,15 +272,7 @@ def _first(res):
 
 
 def write_varlen_csv(rows, path) -> None:
-    import csv
-
-    from flash4.bench.run import _csv_value
-
-    with open(path, "w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(VARLEN_COLUMNS)
-        for r in rows:
-            writer.writerow([_csv_value(r[c]) for c in VARLEN_COLUMNS])
+    common.write_rows_csv(rows, VARLEN_COLUMNS, path)
 
 
 def varlen_table(rows):

@@ -70,7 +70,9 @@ def extract_cubin(compiled) -> bytes | None:
 
 def resource_usage(cubin: bytes) -> dict:
     """{registers, spills (bytes stored+loaded), smem_static, hgmma, utmaldg, utmastg, mufu_ex2,
-    wgmma_serialized} via cuobjdump."""
+    wgmma_serialized} via cuobjdump, and the sm_100a opcodes (sass_counts): utchmma (with .2CTA),
+    utchmma_2cta, utcbar, ldtm, sttm, utcatomsws, ffma2. On sm_100a `registers` is the launch cap
+    (65536 / threads); the setmaxnreg budgets are in the PTX."""
     tool = _cuobjdump()
     if tool is None:
         return {}
@@ -101,7 +103,20 @@ def resource_usage(cubin: bytes) -> dict:
         # WARPGROUP.DEPBAR after each), so no GEMM overlaps anything. Unserialized kernels have one
         # arrive per GEMM (4-8 HGMMAs); serialized ones one per HGMMA.
         "wgmma_serialized": _wgmma_serialized(sass),
+        **sass_counts(sass),
     }
+
+
+# sm_100a (tcgen05) opcodes: SASS name -> row key. UTCHMMA = tcgen05.mma kind::f16, UTCBAR =
+# tcgen05.commit, LDTM / STTM = tcgen05.ld / st, UTCATOMSWS = tcgen05.alloc / dealloc / relinquish.
+SM100_OPCODES = {"UTCHMMA": "utchmma", "UTCHMMA.2CTA": "utchmma_2cta", "UTCBAR": "utcbar", "LDTM": "ldtm",
+                 "STTM": "sttm", "UTCATOMSWS": "utcatomsws", "FFMA2": "ffma2"}
+
+
+def sass_counts(sass: str) -> dict:
+    """Counts of the sm_100a opcodes (SM100_OPCODES) in a SASS listing; an opcode counts with its
+    suffixes (UTCHMMA includes UTCHMMA.2CTA)."""
+    return {key: len(re.findall(rf"\b{re.escape(op)}\b", sass)) for op, key in SM100_OPCODES.items()}
 
 
 def _wgmma_serialized(sass: str) -> bool:

@@ -9,6 +9,11 @@ adds a folder, a config module and an entry here, and touches no host module.
 Dispatch is by exact SM version, never `arch >= n`: sm_100 kernels do not run on sm_103, sm_110 or
 sm_120 (consumer Blackwell has no tensor memory), so each supported version is listed.
 
+A family can be registered unverified (Family.verified False: compiled and checked on the CPU, never
+run on its GPU): `kernel_class` still returns its kernels, so flash4.compile builds them, but
+`family(arch)` refuses the arch unless asked with include_unverified=True, so config selection and
+the API's support check treat that GPU as unsupported until a hardware self-test gates the family.
+
 Importing this module imports neither torch nor the CuTe DSL; kernel classes are imported when
 asked for. The row-wise passes (backward preprocess, dQ postprocess, split-KV combine) use no
 arch-specific instruction and serve every family (ROW_PASSES).
@@ -39,16 +44,20 @@ class Family:
     archs:   the SM versions it runs on (exact matches), e.g. (90,).
     gpus:    what users know those as, for error messages.
     kernels: pass ("fwd", "bwd") -> "module:Class" of the kernel.
+    verified: False for a family that is compile-verified only (not run on its hardware yet):
+             family() refuses it unless include_unverified=True.
     """
 
     name: str
     archs: tuple
     gpus: str
     kernels: dict
+    verified: bool = True
 
     def config_module(self):
         """flash4.config.<name>: the family's config classes, select_fwd_config, select_bwd_config,
-        shipped_fwd_configs, shipped_bwd_configs."""
+        shipped_fwd_configs, shipped_bwd_configs, and fwd_plan / bwd_plan (a flash4.request.Request ->
+        flash4.config.FwdPlan / BwdPlan: what flash4.config.fwd_config / bwd_config ask)."""
         return importlib.import_module(f"flash4.config.{self.name}")
 
     def kernel_class(self, pass_: str):
@@ -64,26 +73,35 @@ FAMILIES = (
         "fwd": "flash4.kernels.sm90.fwd:FlashAttentionForwardSm90",
         "bwd": "flash4.kernels.sm90.bwd:FlashAttentionBackwardSm90",
     }),
+    # Compile-verified on the CPU only (tests/cpu/test_sm100_*.py), never run on a B200: unverified.
+    Family("sm100", (100,), "B200", {
+        "fwd": "flash4.kernels.sm100.fwd:FlashAttentionForwardSm100",
+    }, verified=False),
 )
 
 
 def supported_archs() -> tuple:
-    return tuple(a for f in FAMILIES for a in f.archs)
+    """SM versions with verified kernel families (what the API runs on)."""
+    return tuple(a for f in FAMILIES if f.verified for a in f.archs)
 
 
-def family(arch: int) -> Family:
+def family(arch: int, include_unverified: bool = False) -> Family:
     """The family that runs on SM version `arch`. Raises ValueError naming the arch and the
-    supported ones."""
+    supported ones, also for an unverified family unless include_unverified."""
+    known = ", ".join(f"sm_{a} ({f.gpus})" for f in FAMILIES if f.verified for a in f.archs)
     for fam in FAMILIES:
         if arch in fam.archs:
-            return fam
-    known = ", ".join(f"sm_{a} ({f.gpus})" for f in FAMILIES for a in f.archs)
+            if fam.verified or include_unverified:
+                return fam
+            raise ValueError(f"flash4's sm_{arch} ({fam.gpus}) kernels are compile-verified only, not yet run on "
+                             f"that GPU, and are not enabled (GPUs with kernels: {known})")
     raise ValueError(f"flash4 has no kernels for sm_{arch} yet (GPUs with kernels: {known})")
 
 
 def kernel_class(pass_: str, arch: int):
-    """The kernel class of `pass_` on SM version `arch` (family(arch).kernel_class)."""
-    return family(arch).kernel_class(pass_)
+    """The kernel class of `pass_` on SM version `arch` (family(arch).kernel_class), unverified
+    families included: compiling needs no GPU."""
+    return family(arch, include_unverified=True).kernel_class(pass_)
 
 
 def row_pass_class(pass_: str):

@@ -11,6 +11,9 @@ class NamedBarrierFwd(enum.IntEnum):
     WarpSchedulerWG1 = 2
     WarpSchedulerWG2 = 3
     WarpSchedulerWG3 = 4
+    # All consumer threads: the V rows past seqlen_k of the key-edge block are zeroed (ragged-K
+    # configs only) before any warpgroup's P V reads the stage.
+    VTail = 5
 
 
 class NamedBarrierBwd(enum.IntEnum):

@@ -5,8 +5,9 @@ O = softmax(scale * Q K^T) V and LSE, exact, O(N) memory. Design after FlashAtte
 optional FMA-emulated exp2; Zadouri et al. 2025).
 """
 
+import math
 from functools import partial
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import cuda.bindings.driver as cuda
 
@@ -20,10 +21,11 @@ from cutlass.tensor_utils import LayoutEnum
 
 from flash4.arch import capacity
 from flash4.constants import LOG2E as LOG2E_F, THREADS_PER_WG
-from flash4.kernels.common import geometry
+from flash4.kernels.common import geometry, score
 from flash4.kernels.common.barriers import NamedBarrierFwd
 from flash4.kernels.common.gemm import wgmma
 from flash4.kernels.common.dsl import DSL_DTYPES
+from flash4.kernels.common.params import MaskParams, SeqParams
 from flash4.kernels.common.pipeline import next_state, tma_pipeline_factory
 from flash4.kernels.common.layout import (acc_mn_view, acc_to_frgA_layout, make_packed_tma_atom, pack_gqa_view,
                                           select_modes, transpose_view)
@@ -36,29 +38,142 @@ _REGS = {1: (56, 256), 2: (24, 240), 3: (32, 160)}
 SMEM_CAPACITY = capacity(90).smem_per_block - 1024  # sm90 opt-in max per CTA, less barriers and alignment
 
 
-class FlashAttentionForwardSm90:
-    """Warp-specialized forward kernel, one CTA per (m_block, head, batch) tile.
+# ---------------------------------------------------------------------- parameter bundles
+# The kernel and its role methods take these NamedTuples instead of loose parameters; the shared
+# ones (SeqParams, MaskParams) are in kernels/common/params.py. The DSL passes a bundle's fields as
+# kernel parameters in field order (a None field specializes the kernel away), so the order of the
+# kernel's bundles fixes the parameter buffer's layout: it is kept as it was with loose parameters
+# (tensors, TMA descriptors, scalars), which keeps the SASS unchanged.
+class QKVO(NamedTuple):
+    """One value per operand Q, K, V, O: their TMA tensors, TMA atoms, smem layouts or smem tiles.
 
-    Warp roles (threads 0-127 = producer warpgroup, then one consumer warpgroup per 64 query rows):
-      * producer warp 0: TMA loads. Q once per tile; then K[n_max-1]; then for each next block
-        K[n] followed by V[n+1] (the order the consumers use them); last V[n_min].
-      * consumer warpgroups 1..W: wgmma S = Q K^T (SS), online softmax on S in registers,
-        P converted to 16-bit in registers, wgmma O += P V (RS), epilogue.
-    Pipelines (producer -> consumer; consumers release with one arrive per warp):
-      * pipeline_q (1 stage, TMA tx-count): Q tile.
-      * pipeline_k, pipeline_v (kv_stages each, TMA tx-count): K and V blocks, sharing one state.
-    Consumer steady state per key block n (intra-warpgroup overlap, FA3 section 3.2):
-      issue S_n = Q K_n ; issue O += P_{n+1} V_{n+1} ; wait S_n ; release K_n ; mask + softmax(S_n) ;
-      wait O ; release V_{n+1} ; P_n = cvt(S_n) ; rescale O if some row max moved past tau.
+    TMA tensors, kernel view: q (seqlen_q, d, nheads, batch), GQA-packed ((pack, seqlen_q), d,
+    nheads_k, batch); k, v (seqlen_k, d | dv, nheads_k, batch), paged (page_size, d | dv, nheads_k,
+    num_pages); o like q with dv, or O itself for ragged queries (stored row-predicated).
+    TMA atoms: q, k, v loads (paged K/V: one page piece per copy), o the store.
+    smem: q, o (tile_m, d | dv); k, v (tile_n, d | dv, STAGE) (O may live in Q's buffer).
+    """
+
+    q: object
+    k: object
+    v: object
+    o: object
+
+
+class LseParams(NamedTuple):
+    """Per-row outputs, fp32 (seqlen_q, nheads, batch) (GQA-packed: ((pack, seqlen_q), nheads_k,
+    batch)): the natural-log LSE, and the log2-domain LSE unrounded as hi + lo (the backward's
+    exact path); the order of OnlineSoftmax.finalize's (lse, lse_hi, lse_lo)."""
+
+    lse: cute.Tensor
+    lse_hi: cute.Tensor
+    lse_lo: cute.Tensor
+
+
+class SplitParams(NamedTuple):
+    """split_kv partial results, each split normalized by its own row sum (None otherwise);
+    flash4's combine kernel merges them.
+
+    o_acc: fp32 (seqlen_q, dv, nheads, batch, split).  lse_acc: fp32 (seqlen_q, nheads, batch, split).
+    """
+
+    o_acc: Optional[cute.Tensor]
+    lse_acc: Optional[cute.Tensor]
+
+
+class ScoreParams(NamedTuple):
+    """Scales of the scores, folded on the host (kernels/common/score.scales).
+
+    scale_log2: the softmax's log2 scale, softmax_scale * log2 e (softcap: softcap * log2 e).
+    softcap_scale: softcap: the tanh's input scale softmax_scale / softcap; else ignored.
+    """
+
+    scale_log2: Float32
+    softcap_scale: Float32
+
+
+class TileSpace(NamedTuple):
+    """The tile space of the grid (kernels/common/scheduler.py orders it).
+
+    batch_size: number of sequences.  max_seqlen_q: >= every sequence's query count.
+    num_splits: split_kv: key-block ranges per (m_block, head, batch) (1 otherwise).
+    """
+
+    batch_size: Int32
+    max_seqlen_q: Int32
+    num_splits: Int32
+
+
+class TiledMmas(NamedTuple):
+    """qk: S = Q K^T (SS, tile_m x tile_n); pv: O += P V (RS, tile_m x dv); one wgmma atom per
+    consumer warpgroup along M."""
+
+    qk: cute.TiledMma
+    pv: cute.TiledMma
+
+
+class Pipelines(NamedTuple):
+    """Device side: the producer -> consumer pipelines of Q (1 stage), K and V (kv_stages each)."""
+
+    q: pipeline.PipelineTmaAsync
+    k: pipeline.PipelineTmaAsync
+    v: pipeline.PipelineTmaAsync
+
+
+class MmaOperands(NamedTuple):
+    """Device side, per consumer thread: the main loop's wgmma operands.
+
+    q: (MMA, MMA_M, MMA_K) smem descriptors of Q; k, vt: (MMA, MMA_N, MMA_K, STAGE) of K and V^T;
+    p: 16-bit P in registers (the S accumulator as the A operand of P V); acc_shape_S: S's shape.
+    """
+
+    q: cute.Tensor
+    k: cute.Tensor
+    vt: cute.Tensor
+    p: cute.Tensor
+    acc_shape_S: tuple
+
+
+class FlashAttentionForwardSm90:
+    """Warp-specialized forward kernel, one CTA per (m_block, head, batch) tile (persistent: one
+    CTA per SM walking the tile order, kernels/common/scheduler.py).
+
+    Warp roles (threads 0-127 = producer warpgroup, then one consumer warpgroup per 64 query rows);
+    `kernel` sets up smem, pipelines and the tile order and hands off to one method per role:
+      * producer warp 0 (`load`): TMA loads. Per tile K[n_max-1], then Q, then for each next block
+        K[n] followed by V[n+1] (the order the consumers use them); last V[n_min] (`load_kv`: one
+        TMA copy per block, or per page piece when paged). Warps 1-3 only give up registers.
+      * consumer warpgroups 1..W (`mma`): wgmma S = Q K^T (SS), softcap (kernels/common/score.py),
+        mask and online softmax on S in registers, P converted to 16-bit in registers, wgmma
+        O += P V (RS), epilogue (`epilogue`, or `epilogue_split` for split_kv).
+    Pipelines (producer -> consumer; the producer thread's TMA completes the tx-count, consumers
+    release with one arrive per warp):
+      * pipeline_q (1 stage): Q tile; released once the epilogue's store has read O back out of
+        Q's buffer, or (O in its own buffer) right after the tile's last P V.
+      * pipeline_k, pipeline_v (kv_stages each): K and V blocks, sharing one state; K released
+        once S = Q K^T is done, V once O += P V is.
+    Consumer steady state per key block n (`mma_one_n_block`, intra-warpgroup overlap, FA3 section 3.2):
+      issue S_n = Q K_n ; issue O += P_{n+1} V_{n+1} ; wait S_n ; release K_n ; softcap + mask +
+      softmax(S_n) ; wait O ; release V_{n+1} ; P_n = cvt(S_n) ; rescale O if some row max moved past tau.
     Inter-warpgroup ping-pong (FA3 section 3.1): warpgroup w issues its GEMMs only after the other
     warpgroup has issued its own, so one warpgroup's softmax overlaps the other's GEMMs.
-    Epilogue: O / rowsum -> 16-bit -> smem (reusing Q's buffer) via stmatrix -> one TMA store;
-    LSE straight from registers.
+    Epilogue: O / rowsum -> 16-bit -> smem (Q's buffer, or its own when persistent and smem allows)
+    via stmatrix -> one TMA store; LSE straight from registers. split_kv: fp32 O and LSE of the
+    split straight from registers to the partial buffers.
+    Parameters: the kernel and the role methods take the bundles defined above (QKVO, LseParams,
+    SplitParams, ScoreParams, TileSpace, TiledMmas; SeqParams, MaskParams from
+    kernels/common/params.py); runtime values reach device code only as arguments, never as
+    attributes of `self` (those are trace-time constants from the config).
     Sequence layouts (FwdConfig varlen_q / varlen_k / seqused_* / page_rows, kernels/common/seqinfo.py):
     each tile reads its sequence's offsets and lengths; a query tile past its sequence's length is
     skipped; packed Q/K/V are addressed through domain offsets of the TMA views; a packed O is
     stored row-predicated from smem (rows past the sequence belong to the next one); paged K/V
     are loaded page piece by page piece (page_rows rows per TMA copy, page index from page_table).
+    Nothing past a sequence reaches a result: keys past seqlen_k get score -inf (mask_scores, before
+    the row max), and with a ragged K side (varlen_k / seqused_k / paged, where those rows hold other
+    data rather than TMA zeros) the V rows past seqlen_k of the key-edge block are zeroed in smem
+    before any P V reads them (`zero_v_tail`: 0 * NaN would be NaN); rows past seqlen_q are never
+    stored (TMA clipping, or row-predicated stores).
     GQA packing (FwdConfig.pack_gqa = p > 1, dense Q): a tile's rows are packed rows r = query * p + j
     of the p query heads of one KV head (layout.pack_gqa_view); Q and O move as TMA boxes
     (p heads x tile_m / p queries x d), the tile order runs over KV heads, the masks and block ranges
@@ -86,6 +201,9 @@ class FlashAttentionForwardSm90:
         self.ragged_q = cfg.varlen_q or cfg.seqused_q
         # GQA packing: the pack query heads of a KV head share each query tile (layout.pack_gqa_view).
         self.pack = cfg.pack_gqa
+        # Key blocks may hold rows past seqlen_k that are not TMA zeros (stale cache slots, the
+        # next packed sequence, a partial page piece): the key-edge block's V tail is zeroed.
+        self.ragged_k = cfg.varlen_k or cfg.seqused_k or cfg.page_rows > 0
 
     # ------------------------------------------------------------------ host side (trace time)
     def _smem_layout(self, rows: int, stages=None, rows_outer: bool = False, hdim=None):
@@ -201,12 +319,19 @@ class FlashAttentionForwardSm90:
         # A packed O is stored row-predicated (plain stores): the kernel needs O itself.
         mO_out = mO if const_expr(self.ragged_q) else tma_O
         self.kernel(
-            tma_Q, tma_K, tma_V, mO_out, mLSE, mLSEhi, mLSElo,
-            mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, mPageTable, mOacc, mLSEacc, mSink,
-            tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O,
-            softmax_scale_log2, softcap_scale, batch_size, max_seqlen_q, num_splits, window_left, window_right, l2_group,
-            sQ_layout, sK_layout, sV_layout, sO_layout,
-            tiled_mma_qk, tiled_mma_pv, SharedStorage,
+            QKVO(tma_Q, tma_K, tma_V, mO_out),
+            LseParams(mLSE, mLSEhi, mLSElo),
+            SeqParams(mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, mPageTable),
+            SplitParams(mOacc, mLSEacc),
+            mSink,
+            QKVO(tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O),
+            ScoreParams(softmax_scale_log2, softcap_scale),
+            TileSpace(batch_size, max_seqlen_q, num_splits),
+            MaskParams(window_left, window_right),
+            l2_group,
+            QKVO(sQ_layout, sK_layout, sV_layout, sO_layout),
+            TiledMmas(tiled_mma_qk, tiled_mma_pv),
+            SharedStorage,
         ).launch(grid=(num_ctas, 1, 1), block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     def _kv_tma(self, load_op, mX, sX_layout, hdim: int, box_rows: int):
@@ -224,22 +349,24 @@ class FlashAttentionForwardSm90:
     @cute.kernel
     def kernel(
         self,
-        mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
-        mLSEhi: cute.Tensor, mLSElo: cute.Tensor,
-        mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
-        mSeqUsedQ: Optional[cute.Tensor], mSeqUsedK: Optional[cute.Tensor], mPageTable: Optional[cute.Tensor],
-        mOacc: Optional[cute.Tensor], mLSEacc: Optional[cute.Tensor], mSink: Optional[cute.Tensor],
-        tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom, tma_atom_O: cute.CopyAtom,
-        softmax_scale_log2: Float32, softcap_scale: Float32, batch_size: Int32, max_seqlen_q: Int32, num_splits: Int32,
-        window_left: Int32, window_right: Int32, l2_group: Int32,
-        sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
-        sV_layout: cute.ComposedLayout, sO_layout: cute.ComposedLayout,
-        tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
+        # In the order of the kernel's parameter buffer: tensors, TMA descriptors, scalars (see the bundles).
+        tma: QKVO,  # TMA tensors of Q, K, V, O (O itself for ragged queries)
+        lse_out: LseParams,
+        seq_params: SeqParams,
+        split_params: SplitParams,
+        sink: Optional[cute.Tensor],  # sink: (nheads,) fp32 sink logits (natural units)
+        atoms: QKVO,  # TMA atoms of Q, K, V (loads) and O (store)
+        score_params: ScoreParams,
+        tiles: TileSpace,
+        mask_params: MaskParams,
+        l2_group: Int32,  # (head, batch) pairs per L2 section of the tile order (>= 1)
+        layouts: QKVO,  # smem layouts of Q, K, V, O
+        mmas: TiledMmas,
         SharedStorage: cutlass.Constexpr,
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
-            for atom in (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O):
+            for atom in atoms:
                 cpasync.prefetch_descriptor(atom)
 
         smem = SmemAllocator()
@@ -252,42 +379,43 @@ class FlashAttentionForwardSm90:
         pipeline_v = make_pipe(
             barrier_storage=storage.mbar_v.data_ptr(), num_stages=self.num_stages, tx_count=self.tma_bytes_v
         )
+        pipes = Pipelines(pipeline_q, pipeline_k, pipeline_v)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
-        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
-        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
-        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        # (tile_m, d) / (tile_n, d, STAGE) / (tile_n, dv, STAGE) / (tile_m, dv)
+        sQ = storage.sQ.get_tensor(layouts.q.outer, swizzle=layouts.q.inner)
+        sK = storage.sK.get_tensor(layouts.k.outer, swizzle=layouts.k.inner)
+        sV = storage.sV.get_tensor(layouts.v.outer, swizzle=layouts.v.inner)
         sO_storage = storage.sO if const_expr(self.separate_o) else storage.sQ
-        sO = sO_storage.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
+        sO = sO_storage.get_tensor(layouts.o.outer, swizzle=layouts.o.inner)
+        smem_tiles = QKVO(sQ, sK, sV, sO)
 
         # Tile order (see common/scheduler.py): this CTA takes tiles blockIdx.x, + gridDim.x, ...
-        num_m_blocks = cute.ceil_div(max_seqlen_q * self.pack, self.tile_m)  # packed rows (pack = 1: queries)
+        num_m_blocks = cute.ceil_div(tiles.max_seqlen_q * self.pack, self.tile_m)  # packed rows (pack = 1: queries)
         # split_kv: the "batch" of the tile order runs over (batch, split) pairs, split fastest.
-        num_hb = mQ.shape[2] * batch_size * (num_splits if const_expr(self.cfg.split_kv) else 1)
-        sched = TileSchedule(num_m_blocks, mQ.shape[2], num_hb, l2_group, self.causal and self.cfg.lpt)
-        seqs = (mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK)
-        self.window = (window_left, window_right) if const_expr(self.cfg.local) else None
-        self.softcap_scale = softcap_scale
-        self.mSink = mSink
+        num_hb = tma.q.shape[2] * tiles.batch_size * (tiles.num_splits if const_expr(self.cfg.split_kv) else 1)
+        sched = TileSchedule(num_m_blocks, tma.q.shape[2], num_hb, l2_group, self.causal and self.cfg.lpt)
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.num_producer_regs)
             if warp_idx == 0:
-                self.load(mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
-                          pipeline_q, pipeline_k, pipeline_v, sched, seqs, mPageTable, num_splits)
+                self.load(tma, atoms, seq_params, mask_params, smem_tiles, pipes, sched, tiles.num_splits)
         else:
             cute.arch.setmaxregister_increase(self.num_mma_regs)
             tidx = cute.arch.thread_idx()[0] - THREADS_PER_WG
-            self.mma(mQ, mK, mO, (mLSE, mLSEhi, mLSElo), sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk, tiled_mma_pv,
-                     pipeline_q, pipeline_k, pipeline_v, softmax_scale_log2, tidx, sched, seqs,
-                     (mOacc, mLSEacc), num_splits)
+            self.mma(tma, atoms, lse_out, split_params, sink, score_params, seq_params, mask_params, smem_tiles, mmas,
+                     pipes, sched, tiles.num_splits, tidx)
 
     @cute.jit
-    def load(self, mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
-             pipeline_q, pipeline_k, pipeline_v, sched, seqs, mPageTable, num_splits):
-        """Producer warp: per tile, TMA loads of K[n_max-1], Q, then K[n] / V[n+1] pairs down to 0,
-        then V[0]. K/V of the next tile stream in while the consumers finish this one."""
+    def load(self, tma: QKVO, atoms: QKVO, seq_params: SeqParams, mask_params: MaskParams, smem: QKVO,
+             pipes: Pipelines, sched: TileSchedule, num_splits: Int32):
+        """Producer warp: per tile, TMA loads of K[n_max-1], Q, then K[n] / V[n+1] pairs down to
+        n_min, then V[n_min]. K/V of the next tile stream in while the consumers finish this one."""
+        mQ, mK, mV = tma.q, tma.k, tma.v
+        sQ, sK, sV = smem.q, smem.k, smem.v
+        pipeline_q, pipeline_k, pipeline_v = pipes
+        window = mask_params.window(self.cfg.local)
         qhead_per_kvhead = mQ.shape[2] // mK.shape[2]
         one_cta = cute.make_layout(1)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
@@ -296,7 +424,7 @@ class FlashAttentionForwardSm90:
         while tile_idx < sched.num_tiles():
             m_block, head, batch = sched.coords(tile_idx)
             batch, split = self.split_coords(batch, num_splits)
-            seq = SeqInfo(batch, self.seqlen_q_static(mQ), mK.shape[0], *seqs)
+            seq = SeqInfo(batch, self.seqlen_q_static(mQ), mK.shape[0], *seq_params.lengths())
             in_range = True
             if const_expr(self.ragged_q):
                 in_range = m_block * self.tile_m < seq.seqlen_q
@@ -304,18 +432,19 @@ class FlashAttentionForwardSm90:
                 head_kv = head // qhead_per_kvhead
                 gQ = cute.local_tile(seq.q_view(mQ, head), (self.tile_m, self.hdim), (m_block, 0))
                 # ((atom_v, rest_v)) / ((atom_v, rest_v), STAGE)
-                tQsQ, tQgQ = cpasync.tma_partition(tma_atom_Q, 0, one_cta, cute.group_modes(sQ, 0, 2),
+                tQsQ, tQgQ = cpasync.tma_partition(atoms.q, 0, one_cta, cute.group_modes(sQ, 0, 2),
                                                    cute.group_modes(gQ, 0, 2))
-                load_K = partial(self.load_kv, tma_atom_K, mK, sK, pipeline_k, head_kv, seq, mPageTable, self.hdim)
-                load_V = partial(self.load_kv, tma_atom_V, mV, sV, pipeline_v, head_kv, seq, mPageTable, self.hdim_v)
-                n_block_min, n_block_max = self.n_block_range(m_block, seq, split, num_splits)
+                page_table = seq_params.page_table
+                load_K = partial(self.load_kv, atoms.k, mK, sK, pipeline_k, head_kv, seq, page_table, self.hdim)
+                load_V = partial(self.load_kv, atoms.v, mV, sV, pipeline_v, head_kv, seq, page_table, self.hdim_v)
+                n_block_min, n_block_max = self.n_block_range(m_block, seq, split, num_splits, window)
                 if n_block_max > n_block_min:
                     pipeline_k.producer_acquire(state)
                     load_K(n_block_max - 1, state)
                 # Q always goes through its pipeline (also for a tile that sees no key): its buffer
                 # may hold this tile's O, so the consumers' release orders the reuse.
                 pipeline_q.producer_acquire(q_state)
-                cute.copy(tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
+                cute.copy(atoms.q, tQgQ, tQsQ, tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
                 q_state = next_state(q_state)
                 if n_block_max > n_block_min:
                     for i in cutlass.range(n_block_max - 1 - n_block_min, unroll=1):
@@ -368,9 +497,15 @@ class FlashAttentionForwardSm90:
                 cute.copy(tma_atom, tXgX, tXsX, tma_bar_ptr=bar)
 
     @cute.jit
-    def mma(self, mQ, mK, mO, mLSEs, sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk, tiled_mma_pv,
-            pipeline_q, pipeline_k, pipeline_v, softmax_scale_log2, tidx, sched, seqs, mAccs, num_splits):
+    def mma(self, tma: QKVO, atoms: QKVO, lse_out: LseParams, split_params: SplitParams, sink: Optional[cute.Tensor],
+            score_params: ScoreParams, seq_params: SeqParams, mask_params: MaskParams, smem: QKVO, mmas: TiledMmas,
+            pipes: Pipelines, sched: TileSchedule, num_splits: Int32, tidx: Int32):
         """Consumer warpgroups: per tile, the attention main loop and the epilogue."""
+        mQ, mK = tma.q, tma.k
+        sQ, sK, sV = smem.q, smem.k, smem.v
+        tiled_mma_qk, tiled_mma_pv = mmas
+        pipeline_q, pipeline_k, pipeline_v = pipes
+        window = mask_params.window(self.cfg.local)
         wg_idx = cute.arch.make_warp_uniform(tidx // THREADS_PER_WG)
         wg_slice = cute.make_layout(self.num_wg_mma, stride=THREADS_PER_WG)(wg_idx)
         wg_mma_qk = tiled_mma_qk.get_slice(wg_slice)
@@ -384,11 +519,12 @@ class FlashAttentionForwardSm90:
         acc_O = cute.make_rmem_tensor(tiled_mma_pv.partition_shape_C((self.tile_m, self.hdim_v)), Float32)
         # P: the S accumulator viewed as the A operand of P @ V, in 16 bits
         tOrP = cute.make_rmem_tensor(acc_to_frgA_layout(cute.make_layout(acc_shape_S)).shape, self.dtype)
+        ops = MmaOperands(tSrQ, tSrK, tOrVt, tOrP, acc_shape_S)
         cS = cute.make_identity_tensor((self.tile_m, self.tile_n))
         tScS = thr_mma_qk.partition_C(cS)
         t0ScS = tiled_mma_qk.get_slice(0).partition_C(cS)
         softmax = OnlineSoftmax(
-            softmax_scale_log2, cute.size(acc_mn_view(tScS), mode=[0]),
+            score_params.scale_log2, cute.size(acc_mn_view(tScS), mode=[0]),
             self.cfg.rescale_threshold, self.cfg.exp2_emu_frac,
         )
         self.scheduler_barrier_init(wg_idx)
@@ -399,15 +535,15 @@ class FlashAttentionForwardSm90:
         while tile_idx < sched.num_tiles():
             m_block, head, batch = sched.coords(tile_idx)
             batch, split = self.split_coords(batch, num_splits)
-            seq = SeqInfo(batch, self.seqlen_q_static(mQ), mK.shape[0], *seqs)
+            seq = SeqInfo(batch, self.seqlen_q_static(mQ), mK.shape[0], *seq_params.lengths())
             seqlen_q, seqlen_k = seq.seqlen_q, seq.seqlen_k
             in_range = True
             if const_expr(self.ragged_q):
                 in_range = m_block * self.tile_m < seqlen_q
             if in_range:
-                n_block_min, n_block_max = self.n_block_range(m_block, seq, split, num_splits)
+                n_block_min, n_block_max = self.n_block_range(m_block, seq, split, num_splits, window)
                 mask = partial(geometry.mask_scores, tScS=tScS, t0ScS=t0ScS, m_block=m_block, seqlen_q=seqlen_q,
-                               seqlen_k=seqlen_k, tile_m=self.tile_m, tile_n=self.tile_n, window=self.window,
+                               seqlen_k=seqlen_k, tile_m=self.tile_m, tile_n=self.tile_n, window=window,
                                pack=self.pack)
                 softmax.reset()
                 acc_O.fill(0.0)
@@ -418,36 +554,36 @@ class FlashAttentionForwardSm90:
                     acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
                     wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, state.index], zero_init=True, wg_wait=0)
                     pipeline_k.consumer_release(state)
-                    self.apply_softcap(acc_S)
+                    score.apply(acc_S, score_params.softcap_scale, self.cfg.softcap)
                     mask(acc_S, n_block=n_block_max - 1, causal=self.causal)
                     softmax.online(acc_S, is_first=True)
                     self.convert_P(acc_S, tOrP)
+                    if const_expr(self.ragged_k):
+                        # Before any P V reads this block's V stage (next iteration, or the last P V).
+                        self.zero_v_tail(sV, pipeline_v, state, n_block_max - 1, seqlen_k, tidx)
                     # Blocks that cross the causal diagonal (a window's right edge), then unmasked
                     # blocks, then (window) blocks that cross its left edge.
                     n_block_unmasked = n_block_max - 1
                     n_block_left = n_block_min
                     if const_expr(self.causal or self.cfg.local):
                         n_causal = geometry.n_block_min_causal_mask(m_block, seqlen_q, seqlen_k, self.tile_m, self.tile_n,
-                                                                    self.window, self.pack)
+                                                                    window, self.pack)
                         n_causal = cutlass.max(cutlass.min(n_causal, n_block_max - 1), n_block_min)
                         for i in cutlass.range(n_block_max - 1 - n_causal, unroll=1):
-                            state = self.mma_one_n_block(
-                                n_block_max - 2 - i, state, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP,
-                                acc_O, acc_shape_S, softmax, pipeline_k, pipeline_v, mask, True, wg_idx)
+                            state = self.mma_one_n_block(n_block_max - 2 - i, state, mmas, ops, acc_O, softmax, pipes,
+                                                         score_params, mask, True, wg_idx)
                         n_block_unmasked = n_causal
                     if const_expr(self.cfg.local):
                         n_left = geometry.n_block_left_mask_end(m_block, seqlen_q, seqlen_k, self.tile_m, self.tile_n,
-                                                                self.window, self.pack)
+                                                                window, self.pack)
                         n_block_left = cutlass.max(cutlass.min(n_left, n_block_unmasked), n_block_min)
                     for i in cutlass.range(n_block_unmasked - n_block_left, unroll=1):
-                        state = self.mma_one_n_block(
-                            n_block_unmasked - 1 - i, state, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP,
-                            acc_O, acc_shape_S, softmax, pipeline_k, pipeline_v, mask, False, wg_idx)
+                        state = self.mma_one_n_block(n_block_unmasked - 1 - i, state, mmas, ops, acc_O, softmax, pipes,
+                                                     score_params, mask, False, wg_idx)
                     if const_expr(self.cfg.local):
                         for i in cutlass.range(n_block_left - n_block_min, unroll=1):
-                            state = self.mma_one_n_block(
-                                n_block_left - 1 - i, state, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP,
-                                acc_O, acc_shape_S, softmax, pipeline_k, pipeline_v, mask, True, wg_idx)
+                            state = self.mma_one_n_block(n_block_left - 1 - i, state, mmas, ops, acc_O, softmax, pipes,
+                                                         score_params, mask, True, wg_idx)
                     # Last P V.
                     pipeline_v.consumer_wait(state)
                     wgmma(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, state.index], wg_wait=0)
@@ -458,16 +594,16 @@ class FlashAttentionForwardSm90:
                 sink_log2 = None
                 if const_expr(self.cfg.sink and not self.cfg.split_kv):  # split_kv: the combine adds it
                     if const_expr(self.pack > 1):
-                        sink_log2 = self.packed_sinks_log2(tScS, m_block, head, softmax.num_rows)
+                        sink_log2 = self.packed_sinks_log2(sink, tScS, m_block, head, softmax.num_rows)
                     else:
-                        sink_log2 = Float32(self.mSink[head]) * Float32(LOG2E_F)
+                        sink_log2 = Float32(sink[head]) * Float32(LOG2E_F)
                 inv_row_sum, lse, lse_hi, lse_lo = softmax.finalize(sink_log2)
                 self.normalize_O(acc_O, inv_row_sum)
                 if const_expr(self.cfg.split_kv):
-                    self.epilogue_split(acc_O, lse, mAccs, tiled_mma_pv, tidx, m_block, head, seq, split)
+                    self.epilogue_split(acc_O, lse, split_params, tiled_mma_pv, tidx, m_block, head, seq, split)
                 else:
-                    self.epilogue(acc_O, (lse, lse_hi, lse_lo), mO, mLSEs, sO, tma_atom_O, tiled_mma_pv, tidx, m_block,
-                                  head, seq)
+                    self.epilogue(acc_O, (lse, lse_hi, lse_lo), tma.o, atoms.o, lse_out, smem.o, tiled_mma_pv, tidx,
+                                  m_block, head, seq)
                 if const_expr(not self.separate_o):
                     # O was staged in Q's buffer: free it once the TMA store has read it.
                     cute.arch.barrier(barrier_id=int(NamedBarrierFwd.Epilogue), number_of_threads=self.num_mma_threads)
@@ -485,15 +621,16 @@ class FlashAttentionForwardSm90:
             return batch_split // num_splits, batch_split % num_splits
         return batch_split, Int32(0)
 
-    def n_block_range(self, m_block, seq, split, num_splits):
+    def n_block_range(self, m_block, seq, split, num_splits, window):
         """[n_block_min, n_block_max): the key blocks this tile visits. Without split_kv all that
-        the query tile sees (flash4.geometry); with it, split `split` of num_splits equal runs."""
+        the query tile sees (flash4.geometry; window: MaskParams.window); with it, split `split` of
+        num_splits equal runs."""
         n_block_max = geometry.n_block_max(m_block, seq.seqlen_q, seq.seqlen_k, self.tile_m, self.tile_n, self.causal,
-                                           self.window, self.pack)
+                                           window, self.pack)
         n_block_min = Int32(0)
         if const_expr(self.cfg.local):
             n_block_min = geometry.n_block_min(m_block, seq.seqlen_q, seq.seqlen_k, self.tile_m, self.tile_n,
-                                               self.window, self.pack)
+                                               window, self.pack)
         if const_expr(self.cfg.split_kv):
             per_split = (cutlass.max(n_block_max - n_block_min, 0) + num_splits - 1) // num_splits
             n_block_min = cutlass.min(n_block_min + split * per_split, n_block_max)
@@ -501,22 +638,22 @@ class FlashAttentionForwardSm90:
         return n_block_min, n_block_max
 
     @cute.jit
-    def packed_sinks_log2(self, tScS, m_block, head_kv, num_rows: cutlass.Constexpr[int]):
-        """GQA-packed rows: each of this thread's rows gets its own head's sink (log2 units); packed
-        row r is head head_kv * pack + r % pack."""
+    def packed_sinks_log2(self, mSink, tScS, m_block, head_kv, num_rows: cutlass.Constexpr[int]):
+        """GQA-packed rows: each of this thread's rows gets its own head's sink (mSink (nheads,),
+        log2 units); packed row r is head head_kv * pack + r % pack."""
         sinks = cute.make_rmem_tensor((num_rows,), Float32)
         c = acc_mn_view(tScS)
         for r in cutlass.range_constexpr(num_rows):
             head = head_kv * self.pack + (m_block * self.tile_m + c[r, 0][0]) % self.pack
-            sinks[r] = Float32(self.mSink[head]) * Float32(LOG2E_F)
+            sinks[r] = Float32(mSink[head]) * Float32(LOG2E_F)
         return sinks
 
     @cute.jit
-    def epilogue_split(self, acc_O, lse, mAccs, tiled_mma_pv, tidx, m_block, head, seq, split):
+    def epilogue_split(self, acc_O, lse, split_params: SplitParams, tiled_mma_pv, tidx, m_block, head, seq, split):
         """split_kv: this split's O (normalized by its own row sum) in fp32 and its natural-log LSE
         (-inf, O = 0 for a split without keys) go to the partial buffers, straight from registers,
         rows < seqlen_q only; flash4's combine kernel merges the splits."""
-        mOacc, mLSEacc = mAccs
+        mOacc, mLSEacc = split_params
         seqlen_q = seq.seqlen_q
         thr_mma = tiled_mma_pv.get_slice(tidx)
         tOcO = acc_mn_view(thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.hdim_v))))
@@ -537,10 +674,12 @@ class FlashAttentionForwardSm90:
                     mL[row_idx, head, batch_idx] = lse[r]
 
     @cute.jit
-    def mma_one_n_block(self, n_block, state, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP,
-                        acc_O, acc_shape_S, softmax, pipeline_k, pipeline_v, mask,
-                        masked: cutlass.Constexpr[bool], wg_idx):
+    def mma_one_n_block(self, n_block, state, mmas: TiledMmas, ops: MmaOperands, acc_O, softmax, pipes: Pipelines,
+                        score_params: ScoreParams, mask, masked: cutlass.Constexpr[bool], wg_idx):
         """One key block with intra-warpgroup overlap: S_n = Q K_n runs while O += P_{n+1} V_{n+1}."""
+        tiled_mma_qk, tiled_mma_pv = mmas
+        tSrQ, tSrK, tOrVt, tOrP, acc_shape_S = ops
+        pipeline_k, pipeline_v = pipes.k, pipes.v
         state_v = state
         state = next_state(state)
         pipeline_k.consumer_wait(state)
@@ -552,7 +691,7 @@ class FlashAttentionForwardSm90:
         self.scheduler_barrier_arrive(wg_idx)
         warpgroup.wait_group(1)
         pipeline_k.consumer_release(state)
-        self.apply_softcap(acc_S)
+        score.apply(acc_S, score_params.softcap_scale, self.cfg.softcap)
         if const_expr(masked):
             mask(acc_S, n_block=n_block, causal=self.causal)
         row_scale = softmax.online(acc_S, is_first=False)
@@ -563,13 +702,50 @@ class FlashAttentionForwardSm90:
         return state
 
     @cute.jit
-    def apply_softcap(self, acc_S: cute.Tensor):
-        """softcap: raw scores -> tanh(S * softmax_scale / softcap) in place (the softmax then scales
-        by softcap * log2 e: scores softcap * tanh(S * scale / softcap), Gemma 2). Before the mask,
-        so masked keys still get -inf."""
-        if const_expr(self.cfg.softcap):
-            for i in cutlass.range_constexpr(cute.size(acc_S)):
-                acc_S[i] = cute.math.tanh(acc_S[i] * self.softcap_scale, fastmath=True)
+    def zero_v_tail(self, sV: cute.Tensor, pipeline_v, state, n_block, seqlen_k, tidx):
+        """Ragged-K configs (varlen_k / seqused_k / paged): V rows >= seqlen_k of key block n_block
+        (the tile's first block, the only one that can cross seqlen_k) -> exactly 0 in the V stage
+        `state`, so a stale or poisoned slot past the sequence (NaN, inf) cannot reach O through
+        0 * NaN in P V. K needs nothing: mask_scores selects -inf over any score of those keys.
+
+        Only tiles whose block is partial take the branch (valid < tile_n depends on the tile and
+        the sequence only: uniform over the CTA's consumer threads). Race-free: the TMA's writes
+        are visible once the V full barrier's phase completed (consumer_wait; the loop's own wait
+        on this stage later returns at once, the stage is released only after its P V); each
+        thread's generic-proxy zeros are ordered before the async proxy (wgmma reads, the
+        producer's later TMA refill) by fence_view_async_shared, and the VTail named barrier over
+        all consumer threads orders every warpgroup's zeros before any warpgroup's P V.
+        Deadlock-free: called after the first block's softmax, outside mma_one_n_block, so no
+        thread sits in a ping-pong barrier (WarpSchedulerWG*) meanwhile. Every consumer thread
+        runs the same sequence of all-consumer barriers (VTail, Epilogue) under CTA-uniform
+        conditions, and between two of them each warpgroup runs the same number of ping-pong
+        rounds, whose token ring (warpgroup w waits on the arrive of w - 1 of the same round, w = 0
+        on that of the last warpgroup's previous round or the init) is closed inside that segment.
+        """
+        valid = seqlen_k - n_block * self.tile_n
+        if valid < self.tile_n:
+            pipeline_v.consumer_wait(state)
+            zero_threads, tiled_zero = self._v_zero_copy()
+            sVs = sV[None, None, state.index]
+            if tidx < zero_threads:
+                thr = tiled_zero.get_slice(tidx)
+                tVsV = thr.partition_D(sVs)
+                tVcV = thr.partition_D(cute.make_identity_tensor((self.tile_n, self.hdim_v)))
+                zeros = cute.make_fragment_like(tVsV)
+                zeros.fill(0.0)
+                for m in cutlass.range_constexpr(cute.size(tVsV, mode=[1])):
+                    if tVcV[0, m, 0][0] >= valid:
+                        cute.copy(tiled_zero, zeros[None, m, None], tVsV[None, m, None])
+            cute.arch.fence_view_async_shared()  # generic-proxy zeros -> visible to wgmma / TMA
+            cute.arch.barrier(barrier_id=int(NamedBarrierFwd.VTail), number_of_threads=self.num_mma_threads)
+
+    def _v_zero_copy(self):
+        """(threads, tiled copy) that zero a (tile_n, Dv) V stage in 16-byte stores (v_zero_threads)."""
+        vec = 128 // self.dtype.width
+        threads, per_row = v_zero_threads(self.num_mma_threads, self.tile_n, self.hdim_v, vec)
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128)
+        thr_layout = cute.make_ordered_layout((threads // per_row, per_row), order=(1, 0))
+        return threads, cute.make_tiled_copy_tv(atom, thr_layout, cute.make_layout((1, vec)))
 
     @cute.jit
     def convert_P(self, acc_S: cute.Tensor, tOrP: cute.Tensor):
@@ -585,7 +761,7 @@ class FlashAttentionForwardSm90:
                 o[r, c] = o[r, c] * inv_row_sum[r]
 
     @cute.jit
-    def epilogue(self, acc_O, lses, mO, mLSEs, sO, tma_atom_O, tiled_mma_pv, tidx, m_block, head, seq):
+    def epilogue(self, acc_O, lses, mO, tma_atom_O, mLSEs: LseParams, sO, tiled_mma_pv, tidx, m_block, head, seq):
         """O: registers -> 16-bit -> smem (stmatrix) -> TMA store (rows past seqlen_q are clipped by
         the TMA unit), or for ragged queries (varlen / seqused) row-predicated 16-byte stores by all
         consumer threads. LSE (natural log, and the log2 split hi + lo for the backward): the
@@ -622,8 +798,13 @@ class FlashAttentionForwardSm90:
             tOsO, tOgO = cpasync.tma_partition(
                 tma_atom_O, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2), cute.group_modes(gO, 0, 2)
             )
-            cute.copy(tma_atom_O, tOsO, tOgO)
-            cute.arch.cp_async_bulk_commit_group()
+            # One lane issues the store: a bulk tensor copy is issued by every thread that executes
+            # it (the DSL elects a lane for TMA loads, not for stores), so without the election each
+            # of the warp's 32 lanes stored the whole O tile (PTX: 32 threads reached the
+            # cp.async.bulk.tensor). Waits stay warp-wide: a lane without bulk groups returns at once.
+            with cute.arch.elect_one():
+                cute.copy(tma_atom_O, tOsO, tOgO)
+                cute.arch.cp_async_bulk_commit_group()
             if const_expr(not self.separate_o):
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
 
@@ -647,3 +828,15 @@ class FlashAttentionForwardSm90:
             next_wg = (wg_idx + 1) % self.num_wg_mma
             cute.arch.barrier_arrive(barrier_id=int(NamedBarrierFwd.WarpSchedulerWG1) + next_wg,
                                      number_of_threads=2 * THREADS_PER_WG)
+
+
+def v_zero_threads(num_mma_threads: int, tile_n: int, hdim_v: int, vec: int = 8) -> tuple[int, int]:
+    """(threads, threads per row) of zero_v_tail's copy: the most consumer threads, a multiple of
+    128, whose passes of 16-byte chunks (vec elements) tile the (tile_n, hdim_v) stage evenly
+    (threads per row = gcd(chunks per row, threads); rows per pass must divide tile_n)."""
+    chunks_per_row = hdim_v // vec
+    for threads in range(num_mma_threads, 0, -THREADS_PER_WG):
+        per_row = math.gcd(chunks_per_row, threads)
+        if tile_n % (threads // per_row) == 0:
+            return threads, per_row
+    raise ValueError(f"no even zero-fill layout of a ({tile_n}, {hdim_v}) V stage")

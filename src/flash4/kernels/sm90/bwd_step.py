@@ -1,0 +1,475 @@
+"""The backward step of the Hopper kernel's consumer warpgroups (kernels/sm90/bwd.py), written once.
+
+`BwdStep.mma_one_m_block` is one query tile m_block against the CTA's key tile (FlashAttention-2
+backward, Dao 2023, algorithm 2), per consumer warpgroup:
+
+    wait Q; issue S; wait dO; issue dP; wait for S
+    score transform (kernels/common/score.apply), exponent and mask -> P   (under the dP GEMM)
+    stage_P: hand P on (dV issued from registers or from smem, or only wait for dP)
+    dS = P * (dP - D) * scale [* score.grad_factor]                        (under dV, when issued)
+    stage_dS: dS (and P) to registers / smem for dK and dQ, the dS barrier (dV issued here in some)
+    dQ = dS K; release dO; issue dK; dQ tile to smem for warp 1 (under dK); wait; release Q
+
+The three work splits (config.BwdConfig split_headdim, transposed_dkv) are subclasses that supply
+the operands (built once, before the loop), the orientation of the score tile, the GEMM calls and
+the hand-offs between the steps above; the order of the steps, the exponent (fast and exact
+paths), dS and the dQ hand-off are the base class's:
+
+  * StepRegs (headdim <= 128): the S^T formulation, keys on M; each warpgroup owns 64 keys and keeps
+    dK, dV over the full headdim in registers; P^T and dS^T are dV's and dK's A operands from
+    registers (RS); dS^T is staged in smem for dQ. dv_after_ds (FA3's order, BwdConfig docs in
+    bwd.py): dV is issued after the dS math from one bf16 copy of dS^T, else before it.
+  * StepSplitHd (headdim 256): S^T; both warpgroups share 64 keys, each computes S^T, dP^T for half
+    of the queries and accumulates dK, dV, dQ for half of headdim; P^T and dS^T go through smem (SS).
+  * StepDkvT (transposed_dkv, head dim 192 and (192, 128)): query-major S, dP (each warpgroup a 48-key
+    half); dV^T = dO^T P and dK^T = Q^T dS with the head dim on M, both operands from smem.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr, pipeline
+from cutlass.cute.nvgpu import warpgroup
+
+from flash4.constants import THREADS_PER_WG
+from flash4.kernels.common import geometry, score
+from flash4.kernels.common.barriers import NamedBarrierBwd
+from flash4.kernels.common.dq_accum import store_accum_order
+from flash4.kernels.common.dsl import DynamicState
+from flash4.kernels.common.exp2 import exp2_hw, fma_rn
+from flash4.kernels.common.gemm import wgmma
+from flash4.kernels.common.layout import acc_mn_view, acc_to_frgA_layout, transpose_view
+from flash4.kernels.common.pipeline import next_state
+
+
+def stage_state(step, stages: int, producer: bool):
+    """The pipeline state of a `stages`-deep pipeline at step `step` (every step takes one stage),
+    derived from the step count instead of carried through the loop (the dO pipeline of the
+    transposed_dkv path when its depth differs from Q's)."""
+    phase = (step // stages) % 2
+    if producer:
+        phase = phase ^ 1
+    return pipeline.PipelineState(stages, Int32(step), Int32(step % stages), Int32(phase))
+
+
+def step_class(cfg):
+    """The BwdStep subclass of a config (its work split)."""
+    if cfg.transposed_dkv:
+        return StepDkvT
+    return StepSplitHd if cfg.split_headdim else StepRegs
+
+
+class BwdStep(DynamicState):
+    """A consumer warpgroup's per-thread operands and accumulators (built at construction, before the
+    main loop) and the per-m_block step. Loop-invariant: the step loop carries nothing of it (no
+    dynamic fields; the accumulators are updated in place).
+
+    kernel: the FlashAttentionBackwardSm90 (read for trace-time constants only: tiles, stages,
+    flags, dtype); gmem: BwdTensors; smem: BwdSmem; mmas: BwdTiledMmas; pipes: BwdPipelines;
+    sched: BwdSchedule; tidx: the thread's index among the consumer threads. acc_dK, acc_dV: the
+    fp32 dK, dV accumulators (dK^T, dV^T with transposed_dkv) the epilogue stores."""
+
+    def __init__(self, kernel, gmem, smem, mmas, pipes, sched, tidx):
+        self.k, self.cfg = kernel, kernel.cfg
+        self.gmem, self.smem, self.mmas, self.pipes, self.sched, self.tidx = gmem, smem, mmas, pipes, sched, tidx
+        self.wg_idx = cute.arch.make_warp_uniform(tidx // THREADS_PER_WG)
+        wg_slice = cute.make_layout(kernel.num_wg_mma, stride=THREADS_PER_WG)(self.wg_idx)
+        wgs = [m.get_slice(wg_slice) for m in (mmas.sdp, mmas.dkv, mmas.dv, mmas.dq)]
+        self.make_operands(*wgs, mmas.sdp.get_slice(tidx))
+        # dQ accumulator -> fp32 smem tile (queries x d).
+        # 64-bit stores (2 adjacent columns of the accumulator stay adjacent in either layout).
+        self.r2s_dQ = cute.make_tiled_copy_C(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=64), mmas.dq
+        ).get_slice(tidx)
+        self.tdQsdQ = self.r2s_dQ.partition_D(smem.dq)
+
+    # ---- the step --------------------------------------------------------------------------------
+    @cute.jit
+    def mma_one_m_block(self, m_block, head, step, state, masked: cutlass.Constexpr[bool], scales):
+        """Query tile m_block of query head `head`: the module docstring's order. step: the step's
+        index (dQ/dS buffers, the dO stage); state: the Q (and dO) pipeline state; masked: the
+        element mask is applied (static); scales: StepScales. Returns the next pipeline state."""
+        k, pipes = self.k, self.pipes
+        tile, tile_batch = self.sched.tile_index(m_block)
+        exact = self.gmem.exact[tile, head, tile_batch] != 0
+        do_state = state
+        if const_expr(k.do_stages != k.q_stages):
+            do_state = stage_state(step, k.do_stages, producer=False)
+        pipes.q.consumer_wait(state)
+        acc_S = cute.make_rmem_tensor(self.acc_shape_S, Float32)
+        self.gemm_S(acc_S, state)
+        pipes.do.consumer_wait(do_state)
+        acc_dP = cute.make_rmem_tensor(self.acc_shape_S, Float32)
+        self.gemm_dP(acc_dP, do_state)
+        score.apply(acc_S, scales.softcap_scale, self.cfg.softcap)
+        self.probabilities(acc_S, exact, m_block, head, state, masked, scales.scale_log2)
+        staged = self.stage_P(acc_S, step, state, do_state)
+        self.grad_scores(acc_dP, acc_S, state, do_state, scales)
+        staged = self.stage_dS(acc_dP, acc_S, staged, state)
+        acc_dQ = cute.make_rmem_tensor(self.mmas.dq.partition_shape_C((k.tile_m, k.hdim)), Float32)
+        self.gemm_dQ(acc_dQ, staged)
+        pipes.do.consumer_release(do_state)  # dV (the last reader of dO) is done
+        # dK runs on the tensor cores while the dQ tile goes to smem.
+        self.gemm_dK(staged, state)
+        self.hand_off_dQ(acc_dQ, step)
+        warpgroup.wait_group(0)
+        pipes.q.consumer_release(state)  # dK (the last reader of Q) is done
+        return next_state(state)
+
+    # ---- shared pieces ---------------------------------------------------------------------------
+    @cute.jit
+    def exponent(self, acc_S, exact, m_block, head, state, scale_log2):
+        """s = score * scale_log2 - LSE_log2[query] in place, query by query (each LSE read once and
+        used at once). Fast path: the padded log2 LSE staged with Q. exact (the query tiles the
+        preprocess flagged, |LSE * log2 e| >= BWD_EXACT_LSE_LOG2): the forward's unrounded hi + lo
+        from global memory, fma(score, scale_log2, -hi) - lo, exact-then-rounded, so P is exact at
+        the row's max at any finite magnitude (issue 8); queries past seqlen_q get hi = +inf (P = 0),
+        as the padded LSE of the fast path."""
+        s = acc_mn_view(acc_S)
+        seq = self.sched.seq
+        if exact:
+            for q in cutlass.range_constexpr(self.num_queries(s)):
+                query = self.query(q, m_block)
+                hi = Float32.inf
+                lo = Float32(0.0)
+                if query < seq.seqlen_q:
+                    row, batch = seq.q_index(query)
+                    hi = self.gmem.lse_hi[row, head, batch]
+                    lo = self.gmem.lse_lo[row, head, batch]
+                for j in cutlass.range_constexpr(self.num_keys(s)):
+                    i = self.qk(q, j)
+                    s[i] = fma_rn(s[i], scale_log2, -hi) - lo
+        else:
+            for q in cutlass.range_constexpr(self.num_queries(s)):
+                lse_log2 = self.smem.lse[self.query(q), state.index]
+                for j in cutlass.range_constexpr(self.num_keys(s)):
+                    i = self.qk(q, j)
+                    s[i] = s[i] * scale_log2 - lse_log2
+
+    @cute.jit
+    def grad_scores(self, acc_dP, acc_S, state, do_state, scales):
+        """dP -> dS = scale * P * (dP - D[query]) in place (times score.grad_factor with softcap): the
+        softmax scale is applied here, once, so dK = dS^T Q and dQ = dS K need no rescaling."""
+        dp, s = acc_mn_view(acc_dP), acc_mn_view(acc_S)
+        softmax_scale = scales.softmax_scale
+        for q in cutlass.range_constexpr(self.num_queries(dp)):
+            query = self.query(q)
+            dpsum = self.smem.dpsum[query, do_state.index]
+            if const_expr(not self.cfg.softcap and self.fma_ds):
+                # P * fma(dP, scale, -D * scale): 2 instructions per element, not 3 (the rounding
+                # of D * scale is far below dP's own bf16-GEMM error)
+                dpsum_scaled = dpsum * softmax_scale
+                for j in cutlass.range_constexpr(self.num_keys(dp)):
+                    i = self.qk(q, j)
+                    dp[i] = s[i] * fma_rn(dp[i], softmax_scale, -dpsum_scaled)
+            elif const_expr(not self.cfg.softcap):
+                # (StepRegs with dV in flight here: the form above spills at d128 varlen / window)
+                for j in cutlass.range_constexpr(self.num_keys(dp)):
+                    i = self.qk(q, j)
+                    dp[i] = (s[i] * softmax_scale) * (dp[i] - dpsum)
+            else:
+                lse_log2 = self.smem.lse[query, state.index]
+                for j in cutlass.range_constexpr(self.num_keys(dp)):
+                    i = self.qk(q, j)
+                    p = s[i]
+                    factor = score.grad_factor(p, lse_log2, scales.inv_scale_log2)
+                    dp[i] = (p * softmax_scale) * (dp[i] - dpsum) * factor
+
+    @cute.jit
+    def hand_off_dQ(self, acc_dQ, step):
+        """Stage the dQ tile for warp 1 once it has finished reading the previous one (dQEmpty), then
+        signal it (dQFull)."""
+        k = self.k
+        if step > 0:
+            cute.arch.barrier(barrier_id=int(NamedBarrierBwd.dQEmpty), number_of_threads=k.num_mma_threads + 32)
+        if const_expr(self.cfg.dq_accum_order):
+            store_accum_order(acc_dQ, self.smem.dq.iterator, self.tidx, k.num_mma_threads)  # 16-byte, conflict-free
+        else:
+            cute.copy(self.r2s_dQ, self.r2s_dQ.retile(acc_dQ), self.tdQsdQ)
+        # The bulk reduce reads sdQ through the async proxy: order our generic-proxy stores first.
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier_arrive(barrier_id=int(NamedBarrierBwd.dQFull), number_of_threads=k.num_mma_threads + 32)
+
+    def stage_16bit(self, r2s, acc, dst):
+        """acc (fp32) -> 16-bit registers -> smem dst through r2s (stmatrix); returns the registers."""
+        r = cute.make_rmem_tensor(acc.shape, self.k.dtype)
+        r.store(acc.load().to(self.k.dtype))
+        cute.copy(r2s, r2s.retile(r), dst)
+        return r
+
+    # ---- what a work split supplies ---------------------------------------------------------------
+    # make_operands(wg_sdp, wg_dkv, wg_dv, wg_dq, thr_sdp): smem fragments, accumulators, coordinates
+    # num_queries(s), num_keys(s), qk(q, j), query(q, m_block=None): the score tile's orientation
+    # gemm_S, gemm_dP, probabilities, stage_P, stage_dS, gemm_dQ, gemm_dK: the step's pieces
+
+
+class _KeyMajor(BwdStep):
+    """The S^T formulation (StepRegs, StepSplitHd): S^T = K Q^T, dP^T = V dO^T with keys on M; each
+    thread's S^T fragment viewed (key rows, query columns). Per-query values (LSE, D) are read once
+    per column; a column's query is the thread's first column plus a static offset (thread 0's)."""
+
+    fma_ds = False  # dS by fma (StepRegs with dv_after_ds)
+
+    def make_operands(self, wg_sdp, wg_dkv, wg_dv, wg_dq, thr_sdp):
+        k, smem, mmas = self.k, self.smem, self.mmas
+        # S^T = K Q^T: A = K (keys x d), B = Q (queries x d); dP^T = V dO^T likewise.
+        self.tSrK = wg_sdp.make_fragment_A(wg_sdp.partition_A(smem.k))
+        self.tSrQ = wg_sdp.make_fragment_B(wg_sdp.partition_B(smem.q))
+        self.tdPrV = wg_sdp.make_fragment_A(wg_sdp.partition_A(smem.v))
+        self.tdPrdO = wg_sdp.make_fragment_B(wg_sdp.partition_B(smem.do))
+        # dV += P^T dO: B = dO^T (d x queries); dK += dS^T Q: B = Q^T.
+        self.tdVrdOt = wg_dv.make_fragment_B(wg_dv.partition_B(transpose_view(smem.do)))
+        self.tdKrQt = wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_view(smem.q)))
+        # dQ = dS K: A = dS (queries x keys) = transposed dS^T; B = K^T (d x keys).
+        self.tdQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(transpose_view(smem.ds)))
+        self.tdQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(transpose_view(smem.k)))
+        self.acc_shape_S = mmas.sdp.partition_shape_C((k.tile_n, k.tile_m))
+        self.acc_dV = cute.make_rmem_tensor(mmas.dv.partition_shape_C((k.tile_n, k.hdim_v)), Float32)
+        self.acc_dK = cute.make_rmem_tensor(mmas.dkv.partition_shape_C((k.tile_n, k.hdim)), Float32)
+        self.acc_dV.fill(0.0)
+        self.acc_dK.fill(0.0)
+        self.frgA_layout = acc_to_frgA_layout(cute.make_layout(self.acc_shape_S))
+        # Coordinates (key row, query col) of this thread's S^T values, and thread 0's (static).
+        cS = cute.make_identity_tensor((k.tile_n, k.tile_m))
+        self.tScS = acc_mn_view(thr_sdp.partition_C(cS))
+        self.t0ScS = acc_mn_view(mmas.sdp.get_slice(0).partition_C(cS))
+        # dS^T registers -> smem (keys x queries), the accumulator's own element order.
+        self.r2s_dS = cute.make_tiled_copy_C(
+            cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), k.dtype), mmas.sdp
+        ).get_slice(self.tidx)
+        self.tdSsdS = self.r2s_dS.partition_D(smem.ds)  # (CPY, CPY_M, CPY_N, 2)
+        self.make_p_operands(wg_dkv, wg_dv)
+        self.thread_col0 = self.tScS[0, 0][1]
+
+    def make_p_operands(self, wg_dkv, wg_dv):
+        pass
+
+    def num_queries(self, s):
+        return cute.size(s, mode=[1])
+
+    def num_keys(self, s):
+        return cute.size(s, mode=[0])
+
+    def qk(self, q, j):
+        return j, q
+
+    def query(self, q, m_block=None):
+        """This thread's q-th query: in the tile, or (m_block given) in the sequence."""
+        col = self.t0ScS[0, q][1]
+        if const_expr(m_block is None):
+            return self.thread_col0 + col
+        return m_block * self.k.tile_m + self.thread_col0 + col
+
+    def gemm_S(self, acc_S, state):
+        wgmma(self.mmas.sdp, acc_S, self.tSrK, self.tSrQ[None, None, None, state.index], zero_init=True, wg_wait=-1)
+
+    def gemm_dP(self, acc_dP, do_state):
+        wgmma(self.mmas.sdp, acc_dP, self.tdPrV, self.tdPrdO[None, None, None, do_state.index], zero_init=True, wg_wait=1)
+
+    @cute.jit
+    def probabilities(self, acc_S, exact, m_block, head, state, masked: cutlass.Constexpr[bool], scale_log2):
+        """P^T = 2^(S^T * scale_log2 - LSE_log2[query]), masked entries 0 (mask_probs_t after the
+        exponential), column (query) outer."""
+        k, sched = self.k, self.sched
+        self.exponent(acc_S, exact, m_block, head, state, scale_log2)
+        s = acc_mn_view(acc_S)
+        for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
+            col = self.t0ScS[0, c][1]
+            for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+                p = exp2_hw(s[r, c])
+                if const_expr(masked):
+                    p = geometry.mask_probs_t(self.tScS, r, col, p, m_block, sched.n_block, sched.seq.seqlen_q,
+                                              sched.seq.seqlen_k, k.tile_m, k.tile_n, k.causal, sched.window)
+                s[r, c] = p
+
+    def gemm_dQ(self, acc_dQ, staged):
+        buf = staged[0]
+        wgmma(self.mmas.dq, acc_dQ, self.tdQrdS[None, None, None, buf], self.tdQrKt, zero_init=True, wg_wait=1)
+
+
+class StepRegs(_KeyMajor):
+    """headdim <= 128: P^T and dS^T are dV's and dK's A operands from registers."""
+
+    def __init__(self, kernel, *args):
+        self.fma_ds = kernel.dv_after_ds
+        super().__init__(kernel, *args)
+
+    def stage_P(self, acc_S, step, state, do_state):
+        """P^T as dV's A fragment; without dv_after_ds dV is issued now, before waiting for dP^T (the
+        exponentials finish first, so they overlap the dP^T GEMM, and the dS^T math overlaps dV)."""
+        k = self.k
+        buf = step % 2  # two dS^T buffers: the other warpgroup may still read the previous step's
+        tdVrP = cute.make_rmem_tensor(self.frgA_layout.shape, k.dtype)
+        tdVrP.store(cute.make_tensor(acc_S.iterator, self.frgA_layout).load().to(k.dtype))
+        if const_expr(k.dv_after_ds):
+            warpgroup.wait_group(0)  # dP^T; dV is issued after the dS^T math
+        else:
+            wgmma(self.mmas.dv, self.acc_dV, tdVrP, self.tdVrdOt[None, None, None, state.index], wg_wait=1)
+        return buf, tdVrP
+
+    def stage_dS(self, acc_dP, acc_S, staged, state):
+        """dS^T in 16 bits: staged in smem for dQ and dK's A fragment; dv_after_ds: one copy for both
+        (viewed as an A fragment), then dV is issued. dS barrier: both warpgroups' keys are staged."""
+        k = self.k
+        buf, tdVrP = staged
+        if const_expr(k.dv_after_ds):
+            rdS = self.stage_16bit(self.r2s_dS, acc_dP, self.tdSsdS[None, None, None, buf])
+            tdKrdS = cute.make_tensor(rdS.iterator, self.frgA_layout)
+            wgmma(self.mmas.dv, self.acc_dV, tdVrP, self.tdVrdOt[None, None, None, state.index], wg_wait=-1)
+        else:
+            tdKrdS = cute.make_rmem_tensor(self.frgA_layout.shape, k.dtype)
+            tdKrdS.store(cute.make_tensor(acc_dP.iterator, self.frgA_layout).load().to(k.dtype))
+            self.stage_16bit(self.r2s_dS, acc_dP, self.tdSsdS[None, None, None, buf])
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=int(NamedBarrierBwd.dS), number_of_threads=k.num_mma_threads)
+        return buf, tdKrdS
+
+    def gemm_dK(self, staged, state):
+        wgmma(self.mmas.dkv, self.acc_dK, staged[1], self.tdKrQt[None, None, None, state.index], wg_wait=1)
+
+
+class StepSplitHd(_KeyMajor):
+    """headdim 256 (split_headdim): P^T and dS^T staged in smem, dV and dK read them from there (every
+    warpgroup needs all 64 keys x tile_m for its half of headdim)."""
+
+    def make_p_operands(self, wg_dkv, wg_dv):
+        smem = self.smem
+        self.tdVrPt = wg_dv.make_fragment_A(wg_dv.partition_A(smem.p))
+        self.tdKrdSt = wg_dkv.make_fragment_A(wg_dkv.partition_A(smem.ds))
+        self.tPsPt = self.r2s_dS.partition_D(smem.p)
+
+    def stage_P(self, acc_S, step, state, do_state):
+        buf = step % 2  # two dS^T (P^T) buffers: the other warpgroup may still read the previous step's
+        warpgroup.wait_group(0)
+        return (buf,)
+
+    def stage_dS(self, acc_dP, acc_S, staged, state):
+        """P^T and dS^T to smem; dS barrier; dV from smem."""
+        k = self.k
+        buf = staged[0]
+        self.stage_16bit(self.r2s_dS, acc_S, self.tPsPt[None, None, None, buf])
+        self.stage_16bit(self.r2s_dS, acc_dP, self.tdSsdS[None, None, None, buf])
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=int(NamedBarrierBwd.dS), number_of_threads=k.num_mma_threads)
+        wgmma(self.mmas.dv, self.acc_dV, self.tdVrPt[None, None, None, buf], self.tdVrdOt[None, None, None, state.index],
+              wg_wait=-1)
+        return staged
+
+    def gemm_dK(self, staged, state):
+        buf = staged[0]
+        wgmma(self.mmas.dkv, self.acc_dK, self.tdKrdSt[None, None, None, buf], self.tdKrQt[None, None, None, state.index],
+              wg_wait=1)
+
+
+class StepDkvT(BwdStep):
+    """transposed_dkv (flash-attn-4's sm90 shape for head dim 192): 64 queries x 96 keys per step,
+    warpgroup w owns keys [48w, 48w + 48).
+        S = Q K^T, dP = dO V^T      (query-major, wgmma SS, 64 x 48 per warpgroup)
+        P = 2^(S * scale_log2 - LSE_log2[query]) -> sP (this warpgroup's key half)
+        dV^T += dO^T P              (head dim on M, both operands from smem)
+        dS = P * (dP * scale - D[query] * scale) -> sdS (both halves read by both dQs)
+        dQ = dS K                   (warpgroup w: head dims [hdim/2 w, hdim/2 (w + 1)))
+        dK^T += Q^T dS
+    Order per step: S; dP; mask, exponentials (under dP); stage P, warpgroup barrier, dV^T; dS math
+    (under dV^T); barrier (the other warpgroup's previous dQ has read sdS); stage dS; barrier; dQ;
+    release dO; dK^T; stage dQ for warp 1 (under dK^T); release Q. The mask sets scores to -inf
+    before the exponential (geometry.mask_scores, the forward's). dO may have fewer stages than Q
+    (its state is derived from the step: stage_state)."""
+
+    fma_ds = True
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        # this warpgroup's named barrier (P staged before its dV^T reads it)
+        self.bar_pwg = int(NamedBarrierBwd.PWG0) + self.wg_idx
+
+    def make_operands(self, wg_sdp, wg_dkv, wg_dv, wg_dq, thr_sdp):
+        k, smem, mmas = self.k, self.smem, self.mmas
+        # S = Q K^T: A = Q (queries x d), B = K (keys x d); dP = dO V^T likewise.
+        self.tSrQ = wg_sdp.make_fragment_A(wg_sdp.partition_A(smem.q))
+        self.tSrK = wg_sdp.make_fragment_B(wg_sdp.partition_B(smem.k))
+        self.tdPrdO = wg_sdp.make_fragment_A(wg_sdp.partition_A(smem.do))
+        self.tdPrV = wg_sdp.make_fragment_B(wg_sdp.partition_B(smem.v))
+        # dV^T = dO^T P: A = dO^T (Dv x queries), B = P viewed (keys x queries); dK^T = Q^T dS likewise.
+        self.tdVrdOt = wg_dkv.make_fragment_A(wg_dkv.partition_A(transpose_view(smem.do)))
+        self.tdVrP = wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_view(smem.p)))
+        self.tdKrQt = wg_dkv.make_fragment_A(wg_dkv.partition_A(transpose_view(smem.q)))
+        self.tdKrdS = wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_view(smem.ds)))
+        # dQ = dS K: A = dS (queries x keys, K-major), B = K^T (d x keys, MN-major).
+        self.tdQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(smem.ds))
+        self.tdQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(transpose_view(smem.k)))
+        self.acc_shape_S = mmas.sdp.partition_shape_C((k.tile_m, k.tile_n))
+        self.acc_dK = cute.make_rmem_tensor(mmas.dkv.partition_shape_C((k.hdim, k.tile_n)), Float32)
+        self.acc_dV = cute.make_rmem_tensor(mmas.dkv.partition_shape_C((k.hdim_v, k.tile_n)), Float32)
+        self.acc_dK.fill(0.0)
+        self.acc_dV.fill(0.0)
+        # Coordinates (query row, key col) of this thread's S values, and thread 0's (static).
+        cS = cute.make_identity_tensor((k.tile_m, k.tile_n))
+        self.tScS_full = thr_sdp.partition_C(cS)
+        self.t0ScS_full = mmas.sdp.get_slice(0).partition_C(cS)
+        self.tScS = acc_mn_view(self.tScS_full)
+        # P, dS registers -> smem (queries x keys), the accumulator's own element order.
+        self.r2s_PdS = cute.make_tiled_copy_C(
+            cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), k.dtype), mmas.sdp
+        ).get_slice(self.tidx)
+        self.tPsP = self.r2s_PdS.partition_D(smem.p)
+        self.tdSsdS = self.r2s_PdS.partition_D(smem.ds)
+
+    def num_queries(self, s):
+        return cute.size(s, mode=[0])
+
+    def num_keys(self, s):
+        return cute.size(s, mode=[1])
+
+    def qk(self, q, j):
+        return q, j
+
+    def query(self, q, m_block=None):
+        """This thread's q-th query (row): in the tile, or (m_block given) in the sequence."""
+        if const_expr(m_block is None):
+            return self.tScS[q, 0][0]
+        return m_block * self.k.tile_m + self.tScS[q, 0][0]
+
+    def gemm_S(self, acc_S, state):
+        wgmma(self.mmas.sdp, acc_S, self.tSrQ[None, None, None, state.index], self.tSrK, zero_init=True, wg_wait=-1)
+
+    def gemm_dP(self, acc_dP, do_state):
+        wgmma(self.mmas.sdp, acc_dP, self.tdPrdO[None, None, None, do_state.index], self.tdPrV, zero_init=True, wg_wait=1)
+
+    @cute.jit
+    def probabilities(self, acc_S, exact, m_block, head, state, masked: cutlass.Constexpr[bool], scale_log2):
+        """P = 2^(S * scale_log2 - LSE_log2[query]); masked scores are -inf first (P = 0)."""
+        k, sched = self.k, self.sched
+        if const_expr(masked):
+            geometry.mask_scores(acc_S, self.tScS_full, self.t0ScS_full, m_block, sched.n_block, sched.seq.seqlen_q,
+                                 sched.seq.seqlen_k, k.tile_m, k.tile_n, k.causal, sched.window)
+        self.exponent(acc_S, exact, m_block, head, state, scale_log2)
+        for i in cutlass.range_constexpr(cute.size(acc_S)):
+            acc_S[i] = exp2_hw(acc_S[i])
+
+    def stage_P(self, acc_S, step, state, do_state):
+        """Stage P (this warpgroup's key half; its previous dV^T finished at the last wait_group(0)),
+        then dV^T += dO^T P, which overlaps the dS math."""
+        self.stage_16bit(self.r2s_PdS, acc_S, self.tPsP)
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=self.bar_pwg, number_of_threads=THREADS_PER_WG)
+        wgmma(self.mmas.dkv, self.acc_dV, self.tdVrdOt[None, None, None, do_state.index], self.tdVrP, wg_wait=1)  # dP done
+        return None
+
+    def stage_dS(self, acc_dP, acc_S, staged, state):
+        k = self.k
+        rdS = cute.make_rmem_tensor(acc_dP.shape, k.dtype)
+        rdS.store(acc_dP.load().to(k.dtype))
+        # The other warpgroup's previous dQ has read sdS (it waited for it before this barrier).
+        cute.arch.barrier(barrier_id=int(NamedBarrierBwd.dS), number_of_threads=k.num_mma_threads)
+        cute.copy(self.r2s_PdS, self.r2s_PdS.retile(rdS), self.tdSsdS)
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=int(NamedBarrierBwd.dS), number_of_threads=k.num_mma_threads)
+        return None
+
+    def gemm_dQ(self, acc_dQ, staged):
+        wgmma(self.mmas.dq, acc_dQ, self.tdQrdS, self.tdQrKt, zero_init=True, wg_wait=1)
+
+    def gemm_dK(self, staged, state):
+        wgmma(self.mmas.dkv, self.acc_dK, self.tdKrQt[None, None, None, state.index], self.tdKrdS, wg_wait=1)  # dQ done

@@ -1,0 +1,171 @@
+"""The sm100 forward's pure plans (flash4.config.sm100), checked on the CPU: the shipped configs,
+the TMEM map against flash-attn-4's, the setmaxnreg plan, the pipeline arrive counts, refusals of
+what the kernel does not build, and the registry entry (registered for compiling, unverified)."""
+
+import dataclasses
+import itertools
+
+import pytest
+
+from flash4.config import sm100
+from flash4.config.sm100 import (LAUNCH_REGS, TMEM_ALIASES, TMEM_COLUMNS, RegisterPlan, Signal, Sm100FwdConfig,
+                                 default_register_plan, pipeline_specs, register_plan, select_bwd_config,
+                                 select_fwd_config, shipped_bwd_configs, shipped_fwd_configs, tmem_alloc_cols,
+                                 tmem_map, tmem_used_cols)
+from flash4.kernels import registry
+
+CONFIGS = shipped_fwd_configs()
+IDS = [f"d{c.headdim}-{c.dtype}-{'causal' if c.causal else 'full'}" for c in CONFIGS]
+
+
+def test_shipped_configs_cover_the_grid():
+    assert len(CONFIGS) == 12
+    assert {(c.headdim, c.dtype, c.causal) for c in CONFIGS} == set(
+        itertools.product((64, 96, 128), ("bf16", "fp16"), (False, True)))
+    for c in CONFIGS:
+        assert (c.q_stage, c.tile_m, c.tile_n, c.cta_group, c.arch) == (2, 128, 128, 1, 100)
+        assert c.cta_tile_m == 256 and c.num_threads == 512
+        assert c.lpt == c.causal and not c.persistent and c.exp2_emu_frac == 0.0
+        assert c.rescale_threshold == 8.0
+        assert c.smem_bytes() <= sm100.SMEM_KV_BUDGET
+
+
+def test_kv_stages_are_fa4s_formula():
+    # min((224 KiB - Q - O) / stage, 32), Q and O two 128-row tiles each (FA4 flash_fwd_sm100.py:426)
+    assert {c.headdim: c.kv_stages for c in CONFIGS} == {64: 10, 96: 5, 128: 3}
+
+
+# ---------------------------------------------------------------- TMEM
+@pytest.mark.parametrize("cfg", CONFIGS, ids=IDS)
+def test_tmem_map_fits_and_only_declared_aliases_overlap(cfg):
+    m = tmem_map(cfg)
+    assert set(m) == {"S0", "S1", "O0", "O1", "P0", "P1"}
+    assert tmem_used_cols(cfg) <= TMEM_COLUMNS == 512
+    alloc = tmem_alloc_cols(cfg)
+    assert alloc >= 32 and alloc & (alloc - 1) == 0 and tmem_used_cols(cfg) <= alloc <= TMEM_COLUMNS
+    for (a, (sa, na)), (b, (sb, nb)) in itertools.combinations(m.items(), 2):
+        overlap = sa < sb + nb and sb < sa + na
+        declared = (a, b) in TMEM_ALIASES or (b, a) in TMEM_ALIASES
+        assert overlap == declared, (a, b, m)
+    for inner, outer in TMEM_ALIASES:  # P_i inside S_i
+        (si, ni), (so, no) = m[inner], m[outer]
+        assert so <= si and si + ni <= so + no
+
+
+@pytest.mark.parametrize("hd,used", [(64, 384), (96, 448), (128, 512)])
+def test_tmem_map_equals_flash_attn_4(hd, used):
+    """FA4 flash_fwd_sm100.py:360-374 (BLACKWELL.md section 1): S_i at 128 i, O_i at 256 + i dv,
+    P_i in the upper half of S_i; columns used hd64 384, hd96 448, hd128 512; 512 allocated."""
+    cfg = select_fwd_config(hd)
+    assert tmem_map(cfg) == {"S0": (0, 128), "S1": (128, 128), "O0": (256, hd), "O1": (256 + hd, hd),
+                             "P0": (64, 64), "P1": (192, 64)}
+    assert tmem_used_cols(cfg) == used
+    assert tmem_alloc_cols(cfg) == 512
+
+
+# ---------------------------------------------------------------- registers
+@pytest.mark.parametrize("cfg", CONFIGS, ids=IDS)
+def test_register_plan_is_valid(cfg):
+    plan = register_plan(cfg)
+    for regs in (plan.softmax, plan.correction, plan.other):
+        assert regs % 8 == 0 and 24 <= regs <= 256
+    assert sum(plan.per_warpgroup()) <= 512  # 64K registers / 128 threads per warpgroup
+    assert LAUNCH_REGS == 65536 // 512 == 128
+    # the softmax warpgroups grow (setmaxnreg.inc), the others shrink (.dec below the launch count)
+    assert RegisterPlan.is_increase(plan.softmax)
+    assert not RegisterPlan.is_increase(plan.correction) and not RegisterPlan.is_increase(plan.other)
+    assert set(plan.by_role()) == set(sm100.WARP_ROLES)
+
+
+@pytest.mark.parametrize("hd,causal,plan", [
+    (64, False, (200, 64, 48)), (64, True, (200, 64, 48)),  # hd < 96 (FA4 :380-403)
+    (96, False, (192, 80, 48)), (96, True, (192, 80, 48)),  # FA4 default
+    (128, False, (192, 80, 48)), (128, True, (192, 72, 56)),  # FA4 _TUNING_CONFIG (1-CTA, causal)
+])
+def test_register_plan_equals_flash_attn_4(hd, causal, plan):
+    assert dataclasses.astuple(default_register_plan(hd, causal)) == plan
+    assert dataclasses.astuple(register_plan(select_fwd_config(hd, causal=causal))) == plan
+
+
+def test_register_plan_problems_are_refused():
+    with pytest.raises(ValueError, match="sum to 520"):
+        Sm100FwdConfig(headdim=128, regs_softmax=200, regs_correction=72, regs_other=48)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        Sm100FwdConfig(headdim=128, regs_correction=70)
+
+
+# ---------------------------------------------------------------- pipelines
+def test_pipeline_arrive_counts():
+    specs = pipeline_specs(select_fwd_config(128))
+    counts = {name: (s.stages, s.full_arrivals(), s.empty_arrivals()) for name, s in specs.items()}
+    assert counts == {
+        "q": (2, 1, 1),  # TMA expect_tx / tcgen05.commit
+        "kv": (3, 1, 1),
+        "s_p_o": (2, 1, 256),  # commit; softmax warpgroup 128 + correction 128 threads
+        "sm_stats": (2, 128, 128),
+        "o_full": (2, 1, 128),
+        "corr_epi": (2, 128, 1),  # correction threads; the epilogue warp's elected lane
+    }
+    assert not specs["o_full"].waited_empty
+    # a 2-CTA pair doubles the TMA and commit arrivals (FA4: tx bytes x cta_group)
+    assert specs["q"].full_arrivals(cta_group=2) == 2 and specs["s_p_o"].full_arrivals(cta_group=2) == 2
+    assert specs["s_p_o"].empty_arrivals(cta_group=2) == 256
+    assert "softmax (all threads: 128) + correction (all threads: 128) = 256" in specs["s_p_o"].describe()
+
+
+def test_every_party_is_a_role():
+    for spec in pipeline_specs(select_fwd_config(64)).values():
+        for party in spec.producers + spec.consumers:
+            assert party.role in sm100.ROLE_WARPS and isinstance(party.signal, Signal)
+
+
+# ---------------------------------------------------------------- refusals
+@pytest.mark.parametrize("kwargs,match", [
+    ({"local": True}, "local"), ({"softcap": True}, "softcap"), ({"sink": True}, "sink"),
+    ({"headdim_v": 64}, "headdim_v"), ({"arch": 103}, "sm_100a"),
+])
+def test_unbuilt_features_raise_at_selection(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        select_fwd_config(128, "bf16", False, **kwargs)
+
+
+@pytest.mark.parametrize("hd", [32, 80, 192, 256])
+def test_unbuilt_headdims_raise(hd):
+    with pytest.raises(ValueError, match=f"headdim={hd}"):
+        select_fwd_config(hd)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("varlen_q", True), ("varlen_k", True), ("seqused_q", True), ("seqused_k", True), ("page_rows", 16),
+    ("split_kv", True), ("local", True), ("softcap", True), ("sink", True), ("headdim_v", 64), ("pack_gqa", 2),
+    ("exp2_emu_frac", 0.25), ("persistent", True), ("cta_group", 2), ("q_stage", 1), ("tile_n", 64),
+    ("arch", 110), ("kv_stages", 4),
+])
+def test_a_config_with_an_unbuilt_field_cannot_exist(field, value):
+    """The host sets sequence-layout fields with dataclasses.replace (flash4.config.with_seq_layout):
+    on sm100 that raises instead of compiling into something wrong."""
+    with pytest.raises(ValueError, match="sm100 forward config"):
+        dataclasses.replace(select_fwd_config(128), **{field: value})
+
+
+def test_no_backward_yet():
+    with pytest.raises(ValueError, match="no sm100 backward"):
+        select_bwd_config(128)
+    assert shipped_bwd_configs() == []
+
+
+# ---------------------------------------------------------------- registry
+def test_registry_compiles_sm100_but_the_api_refuses_it():
+    """sm100 is registered (compile_fwd dispatches on cfg.arch) but unverified: family(100), which
+    config selection and the API's support check use, refuses it until a hardware self-test."""
+    with pytest.raises(ValueError, match="sm_100 .*compile-verified only"):
+        registry.family(100)
+    fam = registry.family(100, include_unverified=True)
+    assert fam.name == "sm100" and fam.archs == (100,) and not fam.verified
+    assert fam.config_module() is sm100
+    assert registry.supported_archs() == (90,)
+    for arch in (103, 110, 120):  # other Blackwell parts are different GPUs
+        with pytest.raises(ValueError, match=f"no kernels for sm_{arch}"):
+            registry.family(arch, include_unverified=True)
+    with pytest.raises(ValueError, match="no 'bwd' kernel"):
+        fam.kernel_class("bwd")

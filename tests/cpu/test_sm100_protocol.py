@@ -1,0 +1,311 @@
+"""A model of the sm100 forward's warp-role protocol, run on the CPU: each role is a generator of
+mbarrier waits and arrivals written after its code in flash4/kernels/sm100/fwd.py (same order,
+same phase bits, same per-tile counts), the barriers take their arrive counts from
+flash4.config.sm100.pipeline_specs, and a scheduler runs the roles in many random interleavings.
+
+It checks intent, not the compiled code (BLACKWELL.md section 3, item 6): every interleaving
+terminates (no deadlock), every barrier ends on a completed phase (no stray or missing arrival),
+and no wait is satisfied by a later phase than the one it meant (no phase lapping: with parity
+waits, a barrier two phases ahead would look like the phase the waiter expects). MMAs, TMA copies
+and commits complete instantly here; the real kernel's extra latency only delays arrivals.
+"""
+
+import random
+
+import pytest
+
+from flash4.config.sm100 import pipeline_specs, select_fwd_config
+
+
+class Barrier:
+    def __init__(self, name, count):
+        self.name, self.count = name, count
+        self.pending = 0  # arrivals in the current (incomplete) phase
+        self.completed = 0  # phases completed so far
+
+    def arrive(self, n):
+        self.pending += n
+        assert self.pending <= self.count, f"{self.name}: {self.pending} arrivals > count {self.count}"
+        if self.pending == self.count:
+            self.pending = 0
+            self.completed += 1
+
+    def passes(self, parity):
+        # mbarrier.try_wait.parity(P): the phase of parity P has completed, i.e. the current phase's
+        # parity differs from P (a fresh barrier: waiting on parity 1 passes at once).
+        return self.completed % 2 != parity
+
+
+class Model:
+    """The barriers of one CTA: name.side.stage -> Barrier, plus each waiter's count of waits per
+    barrier (to detect lapping)."""
+
+    def __init__(self, cfg):
+        self.specs = pipeline_specs(cfg)
+        self.bars = {}
+        for spec in self.specs.values():
+            for s in range(spec.stages):
+                self.bars[(spec.name, "full", s)] = Barrier(f"{spec.name}.full[{s}]", spec.full_arrivals())
+                self.bars[(spec.name, "empty", s)] = Barrier(f"{spec.name}.empty[{s}]", spec.empty_arrivals())
+
+    def arrivals(self, name, side, role):
+        spec = self.specs[name]
+        parties = spec.producers if side == "full" else spec.consumers
+        return next(p for p in parties if p.role == role).arrivals()
+
+
+# Ops a role yields: ("wait", name, side, stage, parity, expected_phase) or ("arrive", name, side, stage, role).
+def W(name, side, stage, parity, k):
+    """Wait for the k-th completion (0-based) of a barrier, by parity as the kernel does."""
+    return ("wait", name, side, stage, parity, k)
+
+
+def A(name, side, stage, role):
+    return ("arrive", name, side, stage, role)
+
+
+class Ring:
+    """A PipelineState: index and phase of a ring of `stages`, advanced per use; counts uses per
+    stage for the expected completion index."""
+
+    def __init__(self, stages, phase):
+        self.stages, self.index, self.phase, self.uses = stages, 0, phase, [0] * stages
+
+    def advance(self):
+        self.uses[self.index] += 1
+        self.index += 1
+        if self.index == self.stages:
+            self.index, self.phase = 0, self.phase ^ 1
+
+
+def load(tiles, q_stage, kv_stages):
+    q, kv = Ring(q_stage, 1), Ring(kv_stages, 1)
+
+    def acquire(name, ring):
+        # producer_acquire: wait empty (the previous use's release), then arrive.expect_tx on full
+        yield W(name, "empty", ring.index, ring.phase, ring.uses[ring.index] - 1)
+        yield A(name, "full", ring.index, "load")  # the TMA bytes land at once in the model
+        ring.advance()
+
+    for n in tiles:
+        if n > 0:
+            yield from acquire("kv", kv)  # K[n-1]
+            for _ in range(q_stage):
+                yield from acquire("q", q)
+            yield from acquire("kv", kv)  # V[n-1]
+            for _ in range(n - 1):
+                yield from acquire("kv", kv)  # K
+                yield from acquire("kv", kv)  # V
+    for ring, name in ((kv, "kv"), (q, "q")):  # producer_tail
+        for _ in range(ring.stages):
+            yield W(name, "empty", ring.index, ring.phase, ring.uses[ring.index] - 1)
+            ring.advance()
+
+
+def mma(tiles, q_stage, kv_stages):
+    kv = Ring(kv_stages, 0)
+    q_phase, spo_phase, q_round, spo_round = 0, 0, 0, 0
+
+    def kv_wait():
+        return W("kv", "full", kv.index, kv.phase, kv.uses[kv.index])
+
+    for n in tiles:
+        if n == 0:
+            continue
+        yield kv_wait()
+        for stage in range(q_stage):
+            yield W("q", "full", stage, q_phase, q_round)
+            yield A("s_p_o", "full", stage, "mma")  # S_stage(0) ready
+        yield A("kv", "empty", kv.index, "mma")
+        kv.advance()
+        for i in range(n - 1):
+            v_index = kv.index
+            yield kv_wait()  # V[j-1]
+            kv.advance()
+            for stage in range(q_stage):
+                yield W("s_p_o", "empty", stage, spo_phase, spo_round)
+                if stage == q_stage - 1:
+                    yield A("kv", "empty", v_index, "mma")
+                if stage == 0:
+                    yield kv_wait()  # K[j]
+                yield A("s_p_o", "full", stage, "mma")
+            yield A("kv", "empty", kv.index, "mma")
+            kv.advance()
+            spo_phase ^= 1
+            spo_round += 1
+        for stage in range(q_stage):
+            yield A("q", "empty", stage, "mma")
+        q_phase ^= 1
+        q_round += 1
+        yield kv_wait()
+        for stage in range(q_stage):
+            yield W("s_p_o", "empty", stage, spo_phase, spo_round)
+            yield A("o_full", "full", stage, "mma")
+        yield A("kv", "empty", kv.index, "mma")
+        kv.advance()
+        spo_phase ^= 1
+        spo_round += 1
+
+
+def softmax(tiles, stage):
+    spo_phase, stats_phase, spo_round, stats_round = 0, 1, 0, 0
+
+    def send_stat():
+        nonlocal stats_phase, stats_round
+        yield W("sm_stats", "empty", stage, stats_phase, stats_round - 1)
+        yield A("sm_stats", "full", stage, "softmax")
+        stats_phase ^= 1
+        stats_round += 1
+
+    for n in tiles:
+        for j in range(n):
+            yield W("s_p_o", "full", stage, spo_phase, spo_round)
+            if j > 0:
+                yield from send_stat()  # the O factor of block j
+            yield A("s_p_o", "empty", stage, "softmax")  # P written
+            spo_phase ^= 1
+            spo_round += 1
+        if n > 0:
+            yield from send_stat()  # 1 / row_sum
+
+
+def correction(tiles, q_stage, release_on_empty=False):
+    """release_on_empty: a deliberate bug for the model's own test (the kernel arrives on s_p_o
+    only for tiles with keys)."""
+    stats_phase, ofull_phase, rounds, ofull_rounds = 0, 0, 0, 0
+    epi = Ring(q_stage, 1)
+    for stage in range(q_stage):
+        yield A("s_p_o", "empty", stage, "correction")
+    for n in tiles:
+        for _ in range(max(n - 1, 0)):
+            for stage in range(q_stage):
+                yield W("sm_stats", "full", stage, stats_phase, rounds)
+                yield A("sm_stats", "empty", stage, "correction")
+                yield A("s_p_o", "empty", stage, "correction")  # O rescaled
+            stats_phase ^= 1
+            rounds += 1
+        for stage in range(q_stage):
+            if n > 0:
+                yield W("sm_stats", "full", stage, stats_phase, rounds)
+                yield A("sm_stats", "empty", stage, "correction")
+                yield W("o_full", "full", stage, ofull_phase, ofull_rounds)
+            yield W("corr_epi", "empty", epi.index, epi.phase, epi.uses[epi.index] - 1)
+            yield A("corr_epi", "full", epi.index, "correction")
+            epi.advance()
+            if n > 0 or release_on_empty:
+                yield A("s_p_o", "empty", stage, "correction")  # O read out
+        if n > 0:
+            stats_phase ^= 1
+            ofull_phase ^= 1
+            rounds += 1
+            ofull_rounds += 1
+    for _ in range(q_stage):  # producer_tail
+        yield W("corr_epi", "empty", epi.index, epi.phase, epi.uses[epi.index] - 1)
+        epi.advance()
+
+
+def epilogue(tiles, q_stage):
+    epi = Ring(q_stage, 0)
+    for _ in tiles:
+        indices = []
+        for _ in range(q_stage):
+            yield W("corr_epi", "full", epi.index, epi.phase, epi.uses[epi.index])
+            indices.append(epi.index)
+            epi.advance()
+        for index in indices:
+            yield A("corr_epi", "empty", index, "epilogue")
+
+
+def run(cfg, tiles, seed, correction_role=None):
+    """Run every role of one CTA over `tiles` (key blocks per tile) in a random interleaving."""
+    model = Model(cfg)
+    q, kvs = cfg.q_stage, cfg.kv_stages
+    roles = {"load": load(tiles, q, kvs), "mma": mma(tiles, q, kvs), "epilogue": epilogue(tiles, q),
+             "correction": (correction_role or correction)(tiles, q)}
+    for s in range(q):
+        roles[f"softmax{s}"] = softmax(tiles, s)
+    current = {name: next(gen) for name, gen in roles.items()}
+    rng = random.Random(seed)
+    while current:
+        runnable = []
+        for name, op in current.items():
+            if op[0] == "arrive":
+                runnable.append(name)
+            else:
+                _, bname, side, stage, parity, k = op
+                bar = model.bars[(bname, side, stage)]
+                if k < 0 or bar.passes(parity):  # k < 0: a producer's first acquire (buffer empty)
+                    runnable.append(name)
+        assert runnable, f"deadlock: every role waits: {current}"
+        name = rng.choice(runnable)
+        op = current[name]
+        if op[0] == "arrive":
+            _, bname, side, stage, role = op
+            model.bars[(bname, side, stage)].arrive(model.arrivals(bname, side, role))
+        else:
+            _, bname, side, stage, parity, k = op
+            bar = model.bars[(bname, side, stage)]
+            if k >= 0:
+                # the wait means the k-th completion; a later one would be phase lapping
+                assert bar.completed == k + 1, f"{name} waited on {bar.name} for completion {k + 1}, found {bar.completed}"
+            else:
+                assert bar.passes(parity), f"{name}: first acquire of {bar.name} found it busy"
+        try:
+            current[name] = next(roles[name])
+        except StopIteration:
+            del current[name]
+    for key, bar in model.bars.items():
+        if key[1] == "empty" and not model.specs[key[0]].waited_empty:
+            assert bar.completed == 0 and bar.pending == 0, bar.name
+        elif key[:2] == ("s_p_o", "empty"):
+            # the correction's release after the last tile's O read is for a next tile that never
+            # comes: exactly its arrivals stay pending (harmless at exit: nobody waits)
+            assert bar.pending == model.arrivals("s_p_o", "empty", "correction"), (bar.name, bar.pending)
+        else:
+            assert bar.pending == 0, f"{bar.name}: {bar.pending} arrivals left in an incomplete phase"
+    return model
+
+
+TILE_SETS = [[1], [2], [5], [3, 0, 4], [0, 0, 2], [1, 1, 1, 1], [7, 2, 0, 1, 6]]
+
+
+@pytest.mark.parametrize("hd", [64, 128])
+@pytest.mark.parametrize("tiles", TILE_SETS, ids=[str(t) for t in TILE_SETS])
+def test_protocol_terminates_without_lapping(hd, tiles):
+    cfg = select_fwd_config(hd)
+    for seed in range(40):
+        model = run(cfg, tiles, seed)
+    blocks = sum(tiles)
+    for stage in range(cfg.q_stage):
+        # one S-ready commit and one "P written + O rescaled" phase per Q tile and key block
+        assert model.bars[("s_p_o", "full", stage)].completed == blocks
+        assert model.bars[("s_p_o", "empty", stage)].completed == blocks
+        # softmax -> correction: n messages per tile with keys (factors of blocks 1..n-1, 1 / row_sum)
+        assert model.bars[("sm_stats", "full", stage)].completed == blocks
+        assert model.bars[("o_full", "full", stage)].completed == sum(1 for n in tiles if n)
+        assert model.bars[("corr_epi", "full", stage)].completed == len(tiles)  # empty tiles store O = 0 too
+        assert model.bars[("q", "full", stage)].completed == sum(1 for n in tiles if n)
+    assert sum(model.bars[("kv", "full", s)].completed for s in range(cfg.kv_stages)) == 2 * blocks
+
+
+def test_the_model_finds_a_missing_release():
+    """Sanity of the model itself: drop the correction's initial release and it deadlocks."""
+    def broken(tiles, q_stage):
+        gen = correction(tiles, q_stage)
+        for _ in range(q_stage):
+            next(gen)  # skip the initial s_p_o releases
+        yield from gen
+
+    with pytest.raises(AssertionError, match="deadlock"):
+        run(select_fwd_config(128), [2], seed=0, correction_role=broken)
+
+
+def test_the_model_finds_an_extra_release():
+    """An s_p_o release on a tile without keys completes a phase with correction arrivals only: the
+    MMA would issue PV before P is written. The model sees the stray arrivals."""
+    def broken(tiles, q_stage):
+        return correction(tiles, q_stage, release_on_empty=True)
+
+    with pytest.raises(AssertionError):
+        for seed in range(20):
+            run(select_fwd_config(128), [0, 2, 1], seed=seed, correction_role=broken)

@@ -1,0 +1,236 @@
+"""Helpers shared by the GPU tests (tests/gpu/); the shared fixtures are in tests/gpu/conftest.py.
+
+Imported as a plain module (`from gpu_helpers import ...`): tests/gpu has no __init__.py, so
+pytest's default import mode (prepend) puts tests/gpu on sys.path, as it does for the test modules
+themselves. No test module imports another test module; what two of them need is here.
+
+The suite's criterion throughout (flash4.reference): against the float32 reference, a result's max
+error is at most 2 x PyTorch's own same-dtype error + atol, computed into NaN-poisoned outputs so an
+element the kernels do not write fails.
+
+Dense:  inputs, poisoned_fwd_buffers, ref_grads, assert_grads, check_bwd, check_deterministic,
+        check_bwd_dv.
+Varlen (packed sequences, seqused, paged K/V through flash_attn_varlen_func): rand_lengths,
+        cu_seqlens, make_varlen, max_seqlen, run_poisoned_varlen, check_fwd_varlen, ref_grads_varlen,
+        check_grads_varlen, run_bwd_varlen.
+Compiles: compile_count (the no-recompile checks of varlen and decode loops).
+"""
+
+import importlib
+import math
+import random
+
+import torch
+
+from flash4 import backward, forward
+from flash4.backward import flash_attn_backward
+from flash4.reference import attention_ref, attention_varlen_ref, max_abs_err, varlen_fwd_errors, varlen_row_mask
+from flash4.request import Request
+from flash4.validate import check_varlen_inputs
+
+DEV = "cuda"
+BF16, I32 = torch.bfloat16, torch.int32
+GRAD_ATOL = 1e-3  # the atol of the gradient rule: err <= 2 * pt_err + GRAD_ATOL
+
+
+# ================================================================ dense
+def inputs(b, sq, sk, h, hk, d, dv=None, dtype=BF16, seed=0):
+    """q (b, sq, h, d), k (b, sk, hk, d), v (b, sk, hk, dv), dout (b, sq, h, dv) ~ randn from one
+    seeded generator (dv None: dv = d)."""
+    dv = d if dv is None else dv
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    return tuple(torch.randn(s, generator=gen, device="cuda", dtype=dtype)
+                 for s in ((b, sq, h, d), (b, sk, hk, d), (b, sk, hk, dv), (b, sq, h, dv)))
+
+
+def poisoned_fwd_buffers(q, dv=None):
+    """NaN-filled out (b, sq, h, dv) of q's dtype and lse (b, h, sq) float32 for the forward to
+    overwrite (dv None: q's head dim)."""
+    b, sq, h, d = q.shape
+    out = torch.full((b, sq, h, d if dv is None else dv), math.nan, dtype=q.dtype, device=q.device)
+    lse = torch.full((b, h, sq), math.nan, dtype=torch.float32, device=q.device)
+    return out, lse
+
+
+def ref_grads(q, k, v, dout, causal, upcast, **ref_kw):
+    """dq, dk, dv of flash4.reference.attention_ref (default scale): float32 leaves (upcast) or the
+    input dtype's (PyTorch same dtype); ref_kw: window_size, softcap, ... as attention_ref takes them."""
+    leaves = [t.detach().float().requires_grad_() if upcast else t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out, _ = attention_ref(*leaves, causal=causal, upcast=upcast, **ref_kw)
+    out.backward(dout.float() if upcast else dout)
+    return [t.grad for t in leaves]
+
+
+def assert_grads(grads, g_ref, g_pt):
+    """dq, dk, dv: the reference's shapes, no NaN (no unwritten element), err <= 2 * pt_err + GRAD_ATOL."""
+    for name, g, gr, gp in zip(("dq", "dk", "dv"), grads, g_ref, g_pt):
+        assert g.shape == gr.shape, (name, g.shape, gr.shape)
+        assert not g.isnan().any(), f"{name} has NaN at {g.isnan().nonzero()[:4].tolist()}"
+        err = (g.float() - gr).abs().max().item()
+        pt_err = (gp.float() - gr).abs().max().item()
+        assert err <= 2 * pt_err + GRAD_ATOL, f"{name}: err {err:.3e} > 2 * pt_err {pt_err:.3e} + {GRAD_ATOL}"
+
+
+def check_bwd(b, sq, sk, h, hk, d, causal, dtype=torch.bfloat16, seed=0):
+    """Random (b, sq, h, d) / (b, sk, hk, d) inputs: the forward, then the backward into NaN-filled
+    dq/dk/dv, against the float32 reference (assert_grads)."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v = (torch.randn(s, generator=gen, device="cuda", dtype=dtype)
+               for s in ((b, sq, h, d), (b, sk, hk, d), (b, sk, hk, d)))
+    dout = torch.randn(b, sq, h, d, generator=gen, device="cuda", dtype=dtype)
+    scale = 1 / math.sqrt(d)
+    out, lse = forward.run(Request.dense(q, k, v, scale, causal))
+    dq, dk, dv = (torch.full_like(t, math.nan) for t in (q, k, v))
+    flash_attn_backward(dout, q, k, v, out, lse, scale, causal, dq=dq, dk=dk, dv=dv)
+    torch.cuda.synchronize()
+    g_ref = ref_grads(q, k, v, dout, causal, upcast=True)
+    g_pt = ref_grads(q, k, v, dout, causal, upcast=False)
+    assert_grads((dq, dk, dv), g_ref, g_pt)
+
+
+def check_deterministic(b, s, h, hk, d, causal, calls, seed):
+    """deterministic=True: right (2x-PyTorch rule) and bitwise equal over `calls` more calls."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v, dout = (torch.randn(b, s, n, d, generator=gen, device="cuda", dtype=torch.bfloat16)
+                     for n in (h, hk, hk, h))
+    scale = 1 / math.sqrt(d)
+    out, lse = forward.run(Request.dense(q, k, v, scale, causal))
+    first = flash_attn_backward(dout, q, k, v, out, lse, scale, causal, deterministic=True)
+    g_ref = ref_grads(q, k, v, dout, causal, upcast=True)
+    g_pt = ref_grads(q, k, v, dout, causal, upcast=False)
+    for g, gr, gp in zip(first, g_ref, g_pt):
+        assert (g.float() - gr).abs().max() <= 2 * (gp.float() - gr).abs().max() + GRAD_ATOL
+    for _ in range(calls):
+        again = flash_attn_backward(dout, q, k, v, out, lse, scale, causal, deterministic=True)
+        for g0, g1 in zip(first, again):
+            assert torch.equal(g0, g1)
+
+
+def check_bwd_dv(q, k, v, dout, causal=False, deterministic=False):
+    """The backward of given inputs (v and dout of any value head dim) into NaN-filled dq/dk/dv,
+    against the float32 reference (assert_grads); returns (dq, dk, dv)."""
+    scale = q.shape[-1] ** -0.5
+    out, lse = forward.run(Request.dense(q, k, v, scale, causal))
+    grads = tuple(torch.full_like(t, math.nan) for t in (q, k, v))
+    flash_attn_backward(dout, q, k, v, out, lse, scale, causal, *grads, deterministic=deterministic)
+    torch.cuda.synchronize()
+    assert_grads(grads, ref_grads(q, k, v, dout, causal, True), ref_grads(q, k, v, dout, causal, False))
+    return grads
+
+
+# ================================================================ varlen (packed sequences, seqused, paged K/V)
+def rand_lengths(batch: int, max_len: int, seed: int, must=(0, 1)) -> list[int]:
+    """batch lengths in [0, max_len], with each value of `must` at a random position (batch allowing)."""
+    rng = random.Random(seed)
+    lengths = [rng.randint(0, max_len) for _ in range(batch)]
+    slots = rng.sample(range(batch), min(batch, len(must)))
+    for slot, value in zip(slots, must):
+        lengths[slot] = value
+    return lengths
+
+
+def cu_seqlens(lengths) -> torch.Tensor:
+    """int32 CUDA cumulative lengths [0, l0, l0 + l1, ...]."""
+    out = [0]
+    for n in lengths:
+        out.append(out[-1] + n)
+    return torch.tensor(out, dtype=I32, device=DEV)
+
+
+def make_varlen(len_q, len_k, h, hk, d, dtype=BF16, seed=0, pad_q=0, pad_k=0):
+    """Packed q (sum(len_q) + pad_q, h, d), k/v (sum(len_k) + pad_k, hk, d) and cu_seqlens (the pad
+    rows lie past cu_seqlens[-1]: outside every sequence)."""
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    q = torch.randn(sum(len_q) + pad_q, h, d, generator=gen, device=DEV, dtype=dtype)
+    k = torch.randn(sum(len_k) + pad_k, hk, d, generator=gen, device=DEV, dtype=dtype)
+    v = torch.randn(sum(len_k) + pad_k, hk, d, generator=gen, device=DEV, dtype=dtype)
+    return q, k, v, cu_seqlens(len_q), cu_seqlens(len_k)
+
+
+def max_seqlen(cu, seqused):
+    """The longest sequence: of seqused where given, else of the cumulative lengths cu (0 for an empty batch)."""
+    lengths = seqused if seqused is not None else cu[1:] - cu[:-1]
+    return int(lengths.max().item()) if lengths.numel() else 0
+
+
+def run_poisoned_varlen(q, k, v, cu_q, cu_k, causal, seqused_q=None, seqused_k=None, page_table=None,
+                        softmax_scale=None):
+    """The varlen forward into NaN-filled out/lse (the hook flash_attn_varlen_func uses)."""
+    total_q, h, d = q.shape
+    check_varlen_inputs(q, k, v, cu_q, cu_k, None, None, seqused_q, seqused_k, page_table, softmax_scale, causal)
+    out = torch.full((total_q, h, d), math.nan, dtype=q.dtype, device=DEV)
+    lse = torch.full((h, total_q), math.nan, dtype=torch.float32, device=DEV)
+    scale = 1 / math.sqrt(d) if softmax_scale is None else softmax_scale
+    request = Request.varlen(q, k, v, cu_q, cu_k, max_seqlen(cu_q, seqused_q), None, seqused_q, seqused_k, page_table,
+                             scale, causal)
+    res = forward.run(request, out=out, lse=lse)
+    assert res[0] is out and res[1] is lse
+    torch.cuda.synchronize()
+    return out, lse
+
+
+def check_fwd_varlen(q, k, v, cu_q, cu_k, causal, seqused_q=None, seqused_k=None, page_table=None,
+                     softmax_scale=None):
+    """run_poisoned_varlen: every row of a sequence written, rows outside every sequence not, out and
+    lse within the rule (flash4.reference.varlen_fwd_errors); returns (out, lse)."""
+    out, lse = run_poisoned_varlen(q, k, v, cu_q, cu_k, causal, seqused_q, seqused_k, page_table, softmax_scale)
+    rows = varlen_row_mask(cu_q, q.shape[0], seqused_q)
+    assert not out[rows].isnan().any(), f"out has NaN at {out[rows].isnan().nonzero()[:5].tolist()} (unwritten?)"
+    assert not lse[:, rows].isnan().any(), f"lse has NaN at {lse[:, rows].isnan().nonzero()[:5].tolist()}"
+    if k.numel() > 0:  # rows outside every sequence are never written (they may belong to someone else)
+        assert out[~rows].isnan().all() and lse[:, ~rows].isnan().all(), "a row outside every sequence was written"
+    errs = varlen_fwd_errors(q, k, v, cu_q, cu_k, out, lse, seqused_q, seqused_k, page_table, softmax_scale, causal)
+    assert errs["ok"], errs
+    return out, lse
+
+
+def ref_grads_varlen(q, k, v, cu_q, cu_k, dout, causal, upcast, seqused_q=None, seqused_k=None, dlse=None):
+    """dq, dk, dv of flash4.reference.attention_varlen_ref (loss out . dout, + lse . dlse over the
+    sequences' rows where dlse is given); zeros where a leaf gets no gradient."""
+    leaves = [t.detach().float().requires_grad_() if upcast else t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out, lse = attention_varlen_ref(*leaves, cu_q, cu_k, seqused_q, seqused_k, causal=causal, upcast=upcast)
+    loss = (out.float() * dout.float()).sum()
+    if dlse is not None:
+        rows = varlen_row_mask(cu_q, q.shape[0], seqused_q)
+        loss = loss + (lse[:, rows].float() * dlse[:, rows]).sum()
+    loss.backward()
+    return [torch.zeros_like(t) if t.grad is None else t.grad for t in leaves]
+
+
+def check_grads_varlen(got, q, k, v, cu_q, cu_k, dout, causal, seqused_q=None, seqused_k=None, dlse=None):
+    """got = (dq, dk, dv): no NaN (no unwritten element), err <= 2 * pt_err + GRAD_ATOL."""
+    g_ref = ref_grads_varlen(q, k, v, cu_q, cu_k, dout, causal, True, seqused_q, seqused_k, dlse)
+    g_pt = ref_grads_varlen(q, k, v, cu_q, cu_k, dout, causal, False, seqused_q, seqused_k, dlse)
+    for name, g, gr, gp in zip(("dq", "dk", "dv"), got, g_ref, g_pt):
+        assert not g.isnan().any(), f"{name} has NaN at {g.isnan().nonzero()[:4].tolist()} (unwritten?)"
+        err, pt_err = max_abs_err(g.float(), gr), max_abs_err(gp.float(), gr)
+        assert err <= 2 * pt_err + GRAD_ATOL, f"{name}: err {err:.3e} > 2 * pt_err {pt_err:.3e} + {GRAD_ATOL}"
+
+
+def run_bwd_varlen(q, k, v, cu_q, cu_k, dout, causal, seqused_q=None, seqused_k=None, deterministic=False):
+    """Forward with the log2 LSE split, then the backward into NaN-filled dq/dk/dv."""
+    d = q.shape[2]
+    scale = 1 / math.sqrt(d)
+    split = torch.empty(2, q.shape[1], q.shape[0], dtype=torch.float32, device=DEV)
+    max_q, max_k = max_seqlen(cu_q, seqused_q), max_seqlen(cu_k, seqused_k)
+    request = Request.varlen(q, k, v, cu_q, cu_k, max_q, max_k, seqused_q, seqused_k, None, scale, causal,
+                             deterministic=deterministic)
+    out, lse = forward.run(request, lse_split=split)
+    dq, dk, dv = (torch.full_like(t, math.nan) for t in (q, k, v))
+    res = backward.run(request, dout, out, lse, lse_split=split, dq=dq, dk=dk, dv=dv)
+    assert all(r is g for r, g in zip(res, (dq, dk, dv)))
+    torch.cuda.synchronize()
+    return dq, dk, dv
+
+
+# ================================================================ compiles
+def compile_count() -> int:
+    """Misses of every functools cache of the modules that compile or hold compiled kernels (a miss
+    = a compile or an on-disk cache load)."""
+    from flash4.compile.cache import compile_counts
+
+    total = sum(compile_counts().values())  # kernels compiled or loaded from disk by this process
+    for name in ("flash4.compile.cache", "flash4.backward"):
+        module = importlib.import_module(name)
+        total += sum(f.cache_info().misses for f in vars(module).values() if callable(getattr(f, "cache_info", None)))
+    return total

@@ -1,0 +1,224 @@
+"""The first-use self-test gate on a real GPU (marker gpu via tests/conftest.py; skipped without CUDA).
+
+On the H200 with the sm90 kernels: the self-test of real forward configs (head dims 64, 128, 256;
+a window + softcap + sink config) and a backward config passes and is cached; a wrong kernel (the
+real one with out * 1.01) and hanging ones (a GPU kernel that never finishes; a child that sleeps
+after initializing CUDA) are refused, with the verdict cached, and this process (which holds a CUDA
+context throughout) keeps working: CUDA and flash4's forward run afterwards. The gate itself
+(support_problem / require) is driven with a gated sm_100 config whose runner maps it to the sm90
+kernel, as the lead will wire it for Blackwell. The runners below are loaded by the children from
+this file's path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from flash4 import selftest
+from flash4.config import select_bwd_config, select_fwd_config
+
+HERE = Path(__file__).resolve()
+RUN_TIMEOUT_S = 20.0
+
+
+def runner(name: str) -> str:
+    return f"{HERE}:{name}"
+
+
+# ---------------------------------------------------------------- runners (in the child)
+
+def _as_sm90(cfg):
+    return dataclasses.replace(cfg, arch=90) if cfg.arch != 90 else cfg
+
+
+def good_fwd(cfg, device):
+    """The real sm90 forward, for cfg or (a gated sm_100 config) its sm90 twin."""
+    return selftest.fwd_runner(_as_sm90(cfg), device)
+
+
+def wrong_fwd(cfg, device):
+    """The real sm90 forward with every output scaled by 1.01: a kernel with a small bug."""
+    run = selftest.fwd_runner(_as_sm90(cfg), device)
+
+    def wrong(inputs):
+        res = run(inputs)
+        res["out"].mul_(1.01)
+        return res
+    return wrong
+
+
+def gpu_hang_fwd(cfg, device):
+    """The real forward, but the third case launches a GPU kernel that spins for ~hours
+    (torch.cuda._sleep) and then synchronizes: a kernel that never finishes."""
+    run = selftest.fwd_runner(_as_sm90(cfg), device)
+
+    def hang(inputs):
+        if inputs["q"].shape[1] == 131:
+            torch.cuda._sleep(1 << 44)
+        return run(inputs)
+    return hang
+
+
+def sleep_after_cuda_init(cfg, device):
+    """Initializes CUDA (a context and a kernel on the device), then never gets ready."""
+    torch.ones(1, device=device).add_(1)
+    torch.cuda.synchronize(device)
+    time.sleep(3600)
+
+
+# ---------------------------------------------------------------- fixtures
+
+@pytest.fixture(autouse=True, scope="module")
+def _sm90_only():
+    from flash4.arch import device_arch
+
+    if torch.cuda.is_available() and device_arch() != 90:
+        pytest.skip(f"these tests run the sm_90 kernels; this GPU is sm_{device_arch()}")
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    """One compile cache for the module (children compile each config once), verdicts cleared per test."""
+    return tmp_path_factory.mktemp("flash4-cache")
+
+
+@pytest.fixture(autouse=True)
+def _isolated(cache_dir, monkeypatch):
+    monkeypatch.setenv("FLASH4_CACHE_DIR", str(cache_dir))
+    monkeypatch.delenv("FLASH4_CACHE", raising=False)
+    monkeypatch.delenv("FLASH4_SM100", raising=False)
+    for path in (cache_dir / "selftest").glob("*.json"):
+        path.unlink()
+    selftest._forget()
+    yield
+    selftest._forget()
+
+
+def _parent_still_works():
+    """This process's CUDA context and flash4 forward, after a child was refused or killed."""
+    import flash4
+    from flash4.reference import fwd_errors
+
+    x = torch.arange(4, device="cuda", dtype=torch.float32)
+    assert (x + 1).sum().item() == 10
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(1, 77, 2, 64, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+    out, lse = flash4.flash_attn_func(q, k, v, causal=True, return_lse=True)
+    torch.cuda.synchronize()
+    assert fwd_errors(q, k, v, out, lse, causal=True)["ok"]
+
+
+def _report(verdict):
+    ready = [json.loads(line.split("] ", 1)[1]) for line in verdict.log.splitlines() if '"event": "ready"' in line]
+    print(f"\n{verdict.status} {verdict.config[:60]}... {verdict.seconds:.1f} s"
+          + (f" (ready after {ready[0]['seconds']} s of compiling / loading)" if ready else ""))
+
+
+# ---------------------------------------------------------------- the real kernels pass
+
+FWD_CONFIGS = [
+    select_fwd_config(64, "bf16", False),
+    select_fwd_config(128, "bf16", True),
+    select_fwd_config(256, "fp16", True),
+    select_fwd_config(128, "bf16", False, local=True, softcap=True, sink=True),
+]
+
+
+@pytest.mark.parametrize("cfg", FWD_CONFIGS, ids=lambda c: f"d{c.headdim}-{c.dtype}-{'causal' if c.causal else 'full'}"
+                         + ("-local-softcap-sink" if c.local else ""))
+def test_real_forward_passes(cfg):
+    verdict = selftest.check(cfg, "cuda")
+    _report(verdict)
+    assert verdict.ok, (verdict.failure, verdict.log)
+    assert len(verdict.checks) == len(selftest.cases_for(cfg)) and all(c["repeats"] for c in verdict.checks)
+    assert Path(verdict.path).exists()
+    selftest._forget()
+    assert selftest.check(cfg, "cuda").created == verdict.created  # from the file
+
+
+def test_real_backward_passes():
+    cfg = select_bwd_config(128, "bf16", True)
+    verdict = selftest.check(cfg, "cuda")
+    _report(verdict)
+    assert verdict.ok, (verdict.failure, verdict.log)
+    assert {"dq_err", "dk_err", "dv_err"} <= set(verdict.checks[0])
+
+
+def test_cli():
+    cfg = FWD_CONFIGS[0]
+    proc = subprocess.run([sys.executable, "-m", "flash4.selftest", "--config", repr(cfg), "--device", "cuda:0"],
+                          capture_output=True, text=True, timeout=600, env=dict(os.environ))
+    assert proc.returncode == 0 and proc.stdout.startswith("PASS FwdConfig("), proc.stdout + proc.stderr
+
+
+# ---------------------------------------------------------------- broken kernels are refused
+
+def test_wrong_kernel_refused_and_cached(monkeypatch):
+    monkeypatch.setitem(selftest.DEFAULT_RUNNERS, "fwd", runner("wrong_fwd"))
+    cfg = FWD_CONFIGS[1]
+    verdict = selftest.check(cfg, "cuda")
+    _report(verdict)
+    assert verdict.status == "wrong" and "out error" in verdict.failure, (verdict.failure, verdict.log)
+    assert not selftest.read_verdict(Path(verdict.path)).ok
+    _parent_still_works()
+
+
+def test_gpu_hang_killed(monkeypatch):
+    monkeypatch.setitem(selftest.DEFAULT_RUNNERS, "fwd", runner("gpu_hang_fwd"))
+    cfg = FWD_CONFIGS[0]
+    t0 = time.monotonic()
+    verdict = selftest.check(cfg, "cuda", run_timeout_s=RUN_TIMEOUT_S)
+    _report(verdict)
+    assert verdict.status == "timeout" and "MQA 4:1" in verdict.failure, (verdict.failure, verdict.log)
+    assert "left to the OS" not in verdict.failure  # the child exited after SIGKILL
+    assert not selftest.read_verdict(Path(verdict.path)).ok
+    print(f"hang refused after {time.monotonic() - t0:.1f} s")
+    _parent_still_works()
+
+
+def test_sleep_after_cuda_init_killed(monkeypatch):
+    monkeypatch.setitem(selftest.DEFAULT_RUNNERS, "fwd", runner("sleep_after_cuda_init"))
+    verdict = selftest.check(FWD_CONFIGS[0], "cuda", startup_timeout_s=30.0)
+    _report(verdict)
+    assert verdict.status == "timeout" and "not ready after 30 s" in verdict.failure, (verdict.failure, verdict.log)
+    _parent_still_works()
+
+
+# ---------------------------------------------------------------- the gate, as for sm_100
+
+GATED = dataclasses.replace(FWD_CONFIGS[1], arch=100)
+
+
+def test_gate_refuses_then_allows(monkeypatch):
+    monkeypatch.setitem(selftest.DEFAULT_RUNNERS, "fwd", runner("wrong_fwd"))
+    problem = selftest.support_problem(GATED, "cuda")
+    assert problem is not None and repr(GATED) in problem and "out error" in problem
+    with pytest.raises(RuntimeError, match="first-use self-test failed with wrong results"):
+        selftest.require(GATED, "cuda")
+    monkeypatch.setenv("FLASH4_SM100", "on")
+    selftest.require(GATED, "cuda")  # unchecked
+    monkeypatch.setenv("FLASH4_SM100", "off")
+    assert "FLASH4_SM100=off" in selftest.support_problem(GATED, "cuda")
+    monkeypatch.delenv("FLASH4_SM100")
+    monkeypatch.setitem(selftest.DEFAULT_RUNNERS, "fwd", runner("good_fwd"))
+    assert selftest.check(GATED, "cuda", rerun=True).ok
+    selftest._forget()
+    t0 = time.perf_counter()
+    selftest.require(GATED, "cuda")  # from the file now
+    selftest.require(GATED, "cuda")  # from memory
+    t_memo = time.perf_counter()
+    for _ in range(1000):
+        selftest.require(GATED, "cuda")
+    per_call_us = (time.perf_counter() - t_memo) / 1000 * 1e6
+    print(f"require: first (file) + memo {1e3 * (t_memo - t0):.1f} ms, then {per_call_us:.1f} us per call")
+    assert per_call_us < 200
+    _parent_still_works()
