@@ -57,7 +57,8 @@ def attention(request: Request):
     compiling = torch.compiler.is_compiling()
     if needs_grad(request):
         varlen, args = ops.forward_args(request)
-        return FlashAttnFunction.apply(varlen, None if compiling else request, *args)
+        args, same = _unique_tensors(args)
+        return FlashAttnFunction.apply(varlen, None if compiling else request, same, *args)
     if compiling:
         varlen, args = ops.forward_args(request)
         out, lse, _ = (torch.ops.flash4.varlen_fwd if varlen else torch.ops.flash4.fwd)(*args)
@@ -71,13 +72,41 @@ def needs_grad(request: Request) -> bool:
     return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
 
 
+def _unique_tensors(args):
+    """(args, same): args with every tensor that is already an earlier argument (the same object:
+    flash_attn_func(x, x, x), or one cu_seqlens for q and k) replaced by None, and the (position,
+    earlier position) pairs of those (torch.compile's Dynamo refuses an autograd.Function that gets
+    one tensor as two inputs). FlashAttnFunction puts them back and adds their gradients together."""
+    same, seen = [], []
+    for i, arg in enumerate(args):
+        if isinstance(arg, torch.Tensor):
+            first = next((j for j in seen if args[j] is arg), None)
+            if first is None:
+                seen.append(i)
+            else:
+                same.append((i, first))
+    if not same:
+        return args, ()
+    args = list(args)
+    for i, _ in same:
+        args[i] = None
+    return tuple(args), tuple(same)
+
+
 class FlashAttnFunction(torch.autograd.Function):
-    """apply(varlen: bool, request: Request | None, *args) -> (out, lse): the one autograd path
-    (module docstring). args: flash4::fwd's or flash4::varlen_fwd's arguments; request: the
-    validated request (eager) or None (torch.compile: the ops run)."""
+    """apply(varlen: bool, request: Request | None, same, *args) -> (out, lse): the one autograd
+    path (module docstring). args: flash4::fwd's or flash4::varlen_fwd's arguments, with repeated
+    tensors as None and `same` the (position, earlier position) pairs to restore (_unique_tensors);
+    request: the validated request (eager) or None (torch.compile: the ops run)."""
 
     @staticmethod
-    def forward(ctx, varlen, request, *args):
+    def forward(ctx, varlen, request, same, *args):
+        if same:
+            args = list(args)
+            for i, first in same:
+                args[i] = args[first]
+            args = tuple(args)
+        ctx.same = same
         if request is None:
             out, lse, lse_split = (torch.ops.flash4.varlen_fwd if varlen else torch.ops.flash4.fwd)(*args)
             max_seqlen_q = args[_MAX_SEQLEN_Q] if varlen else None
@@ -90,7 +119,15 @@ class FlashAttnFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        return (None, None) + _grads(ctx, dout, dlse, ctx.needs_input_grad[2:])
+        needs = list(ctx.needs_input_grad[3:])
+        for i, first in ctx.same:  # a repeated tensor needs its gradient where its first occurrence does
+            needs[i] = needs[first]
+        grads = list(_grads(ctx, dout, dlse, needs))
+        for i, first in ctx.same:  # one input: the sum of its occurrences' gradients
+            if grads[i] is not None:
+                grads[first] = grads[i] if grads[first] is None else grads[first] + grads[i]
+            grads[i] = None
+        return (None, None, None) + tuple(grads)
 
 
 # ================================================================ the formula

@@ -161,6 +161,14 @@ def test_lse_gradient_is_routed(stub_forward, fake_backward):
     assert fake_backward["dlse"] == [2.0] and fake_backward["dout"] == [1.0]
 
 
+def test_one_tensor_as_q_k_and_v(stub_forward, fake_backward):
+    """flash_attn_func(x, x, x): the autograd path takes x once and hands it dq + dk + dv."""
+    x = qkv(hk=4)[0].float().requires_grad_()
+    out, _ = autograd.attention(Request.dense(x, x, x, 0.125, True))
+    out.sum().backward()
+    assert torch.equal(x.grad, torch.full_like(x, 6.0))  # 1 + 2 + 3 (fake_backward's dq, dk, dv)
+
+
 def test_double_backward_raises(stub_forward, fake_backward):
     """A gradient penalty through flash4's dq (create_graph=True, then a backward through dq) raises
     flash4's error instead of silently treating dq as a constant; first-order grads are unchanged."""

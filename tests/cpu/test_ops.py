@@ -385,3 +385,33 @@ def test_compiled_window_fullgraph():
     assert {str(c.target) for c in fwd_calls} == {"flash4.fwd.default"}
     assert {str(c.target) for c in bwd_calls} == {"flash4.bwd.default"}
     assert all(_window_of(c) == (256, -1) for c in fwd_calls + bwd_calls)
+
+
+# ================================================================ one tensor as two arguments
+def test_one_tensor_as_several_arguments_compiles_fullgraph():
+    """Self-attention (q, k and v one tensor) and one cu_seqlens for q and k: the autograd path takes
+    each tensor once (Dynamo refuses an autograd.Function with a repeated tensor input), the ops get
+    every argument, and the backward reaches every leaf."""
+    import torch._dynamo
+    from torch._dynamo.testing import AotEagerAndRecordGraphs
+
+    from flash4 import flash_attn_varlen_func
+
+    def self_attention(x):
+        return flash_attn_func(x, x, x, causal=True).float().sum()
+
+    def packed(q, k, v, cu):
+        out, lse = flash_attn_varlen_func(q, k, v, cu, cu, 128, None, causal=True, return_lse=True)
+        return out.float().sum() + lse.sum()
+
+    torch._dynamo.reset()
+    backend = AotEagerAndRecordGraphs()
+    x = torch.empty(2, 100, 4, 64, dtype=torch.bfloat16, device="meta", requires_grad=True)
+    torch.compile(self_attention, fullgraph=True, backend=backend)(x).backward()
+    assert x.grad.shape == x.shape
+    q, k, v, meta = varlen_meta()
+    torch.compile(packed, fullgraph=True, backend=backend, dynamic=True)(q, k, v, meta["cu_seqlens_q"]).backward()
+    assert [t.grad.shape for t in (q, k, v)] == [q.shape, k.shape, v.shape]
+    targets = [str(c.target) for g in backend.fw_graphs + backend.bw_graphs for c in flash4_calls(g)]
+    assert targets == ["flash4.fwd.default", "flash4.varlen_fwd.default", "flash4.bwd.default",
+                       "flash4.varlen_bwd.default"]
