@@ -10,6 +10,7 @@ alike. `fwd_runner` wraps it for torch tensors (TVM-FFI, current stream).
 from __future__ import annotations
 
 import functools
+import time
 
 import cutlass
 import cutlass.cute as cute
@@ -47,6 +48,32 @@ def num_tiles(cfg: Sm80FwdConfig, batch: int, max_seqlen_q: int, nheads: int) ->
     return -(-max_seqlen_q // cfg.tile_m) * nheads * batch
 
 
+def fwd_compiled(cfg: Sm80FwdConfig):
+    """compile_fwd(cfg) through the on-disk compile cache (flash4.compile.disk_cache)."""
+    from flash4.compile.disk_cache import load_or_compile
+
+    return load_or_compile("fwd_sm80", cfg, compile_options(cfg), lambda: compile_fwd(cfg))
+
+
+def _warm(cfg: Sm80FwdConfig) -> float:
+    t0 = time.perf_counter()
+    fwd_compiled(cfg)
+    return time.perf_counter() - t0
+
+
+def prewarm(configs, workers: int | None = None) -> list[float]:
+    """Compile `configs` into the on-disk cache in parallel processes (a GPU host's idle cores:
+    fwd_runner then only loads them). Returns each config's seconds (0-ish where it was cached)."""
+    import concurrent.futures
+    import multiprocessing
+    import os
+
+    configs = list(dict.fromkeys(configs))
+    workers = workers or max(1, min(len(configs), (os.cpu_count() or 2) - 1))
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return list(pool.map(_warm, configs))
+
+
 @functools.lru_cache(maxsize=None)
 def fwd_runner(cfg: Sm80FwdConfig):
     """Cached: run(q, k, v, out, lse, softmax_scale, lse_split=None, seqs=None, batch=None,
@@ -62,7 +89,7 @@ def fwd_runner(cfg: Sm80FwdConfig):
 
     from flash4.schedule import l2_section_heads
 
-    compiled = compile_fwd(cfg)
+    compiled = fwd_compiled(cfg)
 
     def run(q, k, v, out, lse, softmax_scale: float, lse_split=None, seqs=None, batch=None, max_seqlen_q=None,
             window=None, softcap: float = 0.0, sink=None, num_sms=None):
@@ -84,3 +111,35 @@ def fwd_runner(cfg: Sm80FwdConfig):
                  softcap_scale, batch, max_seqlen_q, 1, left, right, l2_group, num_ctas)
 
     return run
+
+
+def main(argv=None) -> int:
+    """`python -m flash4.kernels.sm80.driver [ARCH ...]`: compile every shipped forward config of the
+    given targets (default: all of TARGETS) on this machine and print registers, spills, SASS opcode
+    counts and compile seconds per config. Exit status 1 if any failed, spilled or lacks the
+    warp-level instructions / has arch-specific ones."""
+    import sys
+
+    from flash4.compile.check import compile_check
+    from flash4.config.sm80 import TARGETS, shipped_fwd_configs
+
+    args = sys.argv[1:] if argv is None else argv
+    archs = [int(a.removeprefix("sm_").rstrip("a")) for a in args] or sorted(TARGETS)
+    bad = 0
+    print(f"{'config':60s} {'s':>5s} {'regs':>4s} {'spill':>5s} {'HMMA':>5s} {'LDSM':>4s} {'LDGSTS':>6s} "
+          f"{'bad':>3s} {'smem':>5s}")
+    for arch in archs:
+        for cfg, row in zip(shipped_fwd_configs(arch), compile_check(shipped_fwd_configs(arch), compiler=compile_fwd)):
+            forbidden = sum(row.get(k) or 0 for k in ("hgmma", "utma", "stsm", "utchmma"))
+            ok = (row["ok"] and row.get("spills") == 0 and forbidden == 0 and (row.get("hmma_16816") or 0) > 0
+                  and (row.get("ldsm") or 0) > 0 and (row.get("ldgsts") or 0) > 0)
+            bad += not ok
+            print(f"{row['config']:60s} {row['compile_s']:5.1f} {row.get('registers') or '-':>4} "
+                  f"{row.get('spills', '-'):>5} {row.get('hmma_16816', '-'):>5} {row.get('ldsm', '-'):>4} "
+                  f"{row.get('ldgsts', '-'):>6} {forbidden:>3} {cfg.smem_bytes() // 1024:>4}K"
+                  + ("" if ok else "  FAIL " + (row["error"] or "")[:200]), flush=True)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
