@@ -133,7 +133,8 @@ class Sm80FwdConfig:
         return self.rows_per_warp * (self.hdim_v + self.tile_n) // 32
 
 
-# Tiles per (smem class, headdim): ((tile_m, tile_n, num_warps, kv_stages) non-causal, causal).
+# Tiles per (smem class, headdim): ((tile_m, tile_n, num_warps, kv_stages, q_in_regs) non-causal,
+# the same causal).
 # The three shared-memory classes (flash4.arch.CAPS, CUTLASS's table):
 #   "hopper": sm_90  227 KiB/CTA (228 KiB/SM);   "a100": sm_80 163 KiB/CTA (164 KiB/SM);
 #   "small":  sm_86, sm_89, sm_120  99 KiB/CTA (100 KiB/SM).
@@ -141,35 +142,38 @@ class Sm80FwdConfig:
 # RTX 3090 and H100): 4 warps with two CTAs per SM wherever registers and smem allow (8 warps per
 # SM; two CTAs drift apart, so one's softmax overlaps the other's MMAs), 8 warps at d192, and on the
 # 99 KiB parts the shapes FA2 measured fastest there ("square" 64 x 64 tiles for causal d96/d128).
-# Then every shape must compile without a register spill (the CPU compile check, CuTe DSL 4.8.1's
-# ptxas): 4 warps x 32 query rows hold O (32 x D) and S (32 x tile_n) in registers, and FA2's
-# 128 x 128 at d64 (O 64 + S 128 fp32 registers per thread) and 128 x 64 at d128 (O 128 + S 64)
-# spill 81 and 72-98 local-memory instructions (CUTLASS's own Ampere example spills 57 at 128 x 64
-# d128), so d64 takes 128 x 64 and d128 128 x 32 (FA2's sm86 choice) instead: the same 32 rows per
-# warp, so each ldmatrix'd K/V fragment still feeds two m16 MMAs. kv_stages takes what smem gives
-# while keeping those CTAs per SM: 2 stages where they fit, else FA2's single buffer.
+# Then every shape must compile without a register spill on every target (the CPU compile sweep,
+# CuTe DSL 4.8.1's ptxas): 4 warps x 32 query rows hold O (32 x D) and S (32 x tile_n) in
+# registers, and FA2's 128 x 128 at d64 (O 64 + S 128 fp32 registers per thread) and 128 x 64 at
+# d128 (O 128 + S 64) spill 81 and 72-98 local-memory instructions (CUTLASS's own Ampere example
+# spills 57 at 128 x 64 d128), so d64 takes 128 x 64 and d128 128 x 32 (FA2's sm86 choice): the
+# same 32 rows per warp, so each ldmatrix'd K/V fragment still feeds two m16 MMAs. d64 non-causal
+# keeps Q in registers: with Q from smem ptxas spills 41 on sm_80/86/89 (none on sm_90a/120a), with
+# Q in registers none anywhere (and 10% fewer LDSM); causal d64 is the other way round (2 spills
+# with Q in registers on sm_80/86). kv_stages takes what smem gives while keeping those CTAs per
+# SM: 2 stages where they fit, else FA2's single buffer.
 # Not yet timed on any GPU (docs/design/sm80_family.md says what ran where).
 _TILES = {
     "hopper": {
-        64: ((128, 64, 4, 2), (128, 64, 4, 2)),  # 48 KiB
-        96: ((128, 64, 4, 2), (128, 64, 4, 2)),  # 72 KiB
-        128: ((128, 32, 4, 2), (128, 32, 4, 2)),  # 64 KiB
-        192: ((128, 64, 8, 2), (128, 64, 8, 2)),  # 144 KiB: one CTA of 8 warps (O, S: 96 + 32 registers)
-        256: ((64, 64, 4, 1), (64, 64, 4, 1)),  # 96 KiB: FA2's H100 choice (2 CTAs) over 128 x 64 x 8 warps
+        64: ((128, 64, 4, 2, True), (128, 64, 4, 2, False)),  # 48 KiB
+        96: ((128, 64, 4, 2, False), (128, 64, 4, 2, False)),  # 72 KiB
+        128: ((128, 32, 4, 2, False), (128, 32, 4, 2, False)),  # 64 KiB
+        192: ((128, 64, 8, 2, False), (128, 64, 8, 2, False)),  # 144 KiB: one CTA of 8 warps (O, S: 96 + 32 registers)
+        256: ((64, 64, 4, 1, False), (64, 64, 4, 1, False)),  # 96 KiB: FA2's H100 choice (2 CTAs) over 128 x 64 x 8 warps
     },
     "a100": {
-        64: ((128, 64, 4, 2), (128, 64, 4, 2)),  # 48 KiB
-        96: ((128, 64, 4, 2), (128, 64, 4, 2)),  # 72 KiB
-        128: ((128, 32, 4, 2), (128, 32, 4, 2)),  # 64 KiB
-        192: ((128, 64, 8, 2), (128, 64, 8, 2)),  # 144 KiB: one CTA of 8 warps
-        256: ((128, 64, 8, 1), (128, 64, 8, 1)),  # 128 KiB: FA2's A100 choice
+        64: ((128, 64, 4, 2, True), (128, 64, 4, 2, False)),  # 48 KiB
+        96: ((128, 64, 4, 2, False), (128, 64, 4, 2, False)),  # 72 KiB
+        128: ((128, 32, 4, 2, False), (128, 32, 4, 2, False)),  # 64 KiB
+        192: ((128, 64, 8, 2, False), (128, 64, 8, 2, False)),  # 144 KiB: one CTA of 8 warps
+        256: ((128, 64, 8, 1, False), (128, 64, 8, 1, False)),  # 128 KiB: FA2's A100 choice
     },
     "small": {
-        64: ((128, 64, 4, 2), (128, 64, 4, 2)),  # 48 KiB: 2 CTAs
-        96: ((128, 64, 4, 1), (64, 64, 4, 1)),  # 48 / 36 KiB
-        128: ((128, 32, 4, 1), (64, 64, 4, 1)),  # 48 / 48 KiB
-        192: ((128, 64, 8, 1), (128, 64, 8, 1)),  # 96 KiB: one CTA of 8 warps
-        256: ((64, 64, 4, 1), (64, 64, 4, 1)),  # 96 KiB
+        64: ((128, 64, 4, 2, True), (128, 64, 4, 2, False)),  # 48 KiB: 2 CTAs
+        96: ((128, 64, 4, 1, False), (64, 64, 4, 1, False)),  # 48 / 36 KiB
+        128: ((128, 32, 4, 1, False), (64, 64, 4, 1, False)),  # 48 / 48 KiB
+        192: ((128, 64, 8, 1, False), (128, 64, 8, 1, False)),  # 96 KiB: one CTA of 8 warps
+        256: ((64, 64, 4, 1, False), (64, 64, 4, 1, False)),  # 96 KiB
     },
 }
 _SMEM_CLASS = {80: "a100", 86: "small", 89: "small", 90: "hopper", 120: "small"}
@@ -211,9 +215,10 @@ def select_fwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, a
     if problem is not None:
         raise ValueError(f"flash4: {problem} (sm_{arch})")
     causal = causal and not local
-    tile_m, tile_n, num_warps, stages = _TILES[_SMEM_CLASS[arch]][headdim][1 if causal else 0]
+    tile_m, tile_n, num_warps, stages, q_regs = _TILES[_SMEM_CLASS[arch]][headdim][1 if causal else 0]
+    q_regs = q_regs if q_in_regs is None else q_in_regs
     cfg = Sm80FwdConfig(headdim=headdim, dtype=dtype, causal=causal, tile_m=tile_m, tile_n=tile_n,
-                        num_warps=num_warps, kv_stages=stages, q_in_regs=bool(q_in_regs), arch=arch,
+                        num_warps=num_warps, kv_stages=stages, q_in_regs=q_regs, arch=arch,
                         lpt=causal, local=local, softcap=softcap, sink=sink, varlen_q=varlen_q,
                         varlen_k=varlen_k, seqused_q=seqused_q, seqused_k=seqused_k)
     assert cfg.smem_bytes() <= capacity(arch).smem_per_block, cfg
