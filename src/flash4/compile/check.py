@@ -104,7 +104,7 @@ def resource_usage(cubin: bytes) -> dict:
         "stsm": len(re.findall(r"\bSTSM\.", sass)),
         "utma": len(re.findall(r"\bUTMA\w*", sass)),
         "utchmma": len(re.findall(r"\bUTCHMMA\b", sass)),
-        "sass_arch": (re.search(r"arch = (sm_\w+)", sass) or [None, None])[1],
+        "sass_arch": (re.search(r"code for (sm_\w+)", sass) or [None, None])[1],
         # ptxas C7512 ("wgmma.mma_async instructions are serialized due to insufficient register
         # resources"): it then fences every HGMMA on its own (WARPGROUP.ARRIVE before and
         # WARPGROUP.DEPBAR after each), so no GEMM overlaps anything. Unserialized kernels have one

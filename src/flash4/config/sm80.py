@@ -216,7 +216,9 @@ def select_fwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, a
         raise ValueError(f"flash4: {problem} (sm_{arch})")
     causal = causal and not local
     tile_m, tile_n, num_warps, stages, q_regs = _TILES[_SMEM_CLASS[arch]][headdim][1 if causal else 0]
-    q_regs = q_regs if q_in_regs is None else q_in_regs
+    # Q in registers fits the two loop bodies of a non-causal kernel; a window adds a third (like
+    # causal) and then spills with it (d64 on sm_80: 2), without it not (compile sweep).
+    q_regs = (q_regs and not local) if q_in_regs is None else q_in_regs
     cfg = Sm80FwdConfig(headdim=headdim, dtype=dtype, causal=causal, tile_m=tile_m, tile_n=tile_n,
                         num_warps=num_warps, kv_stages=stages, q_in_regs=q_regs, arch=arch,
                         lpt=causal, local=local, softcap=softcap, sink=sink, varlen_q=varlen_q,
