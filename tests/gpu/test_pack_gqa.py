@@ -12,7 +12,7 @@ packed forward's LSE.
 import pytest
 import torch
 
-import flash4.config
+import flash4.config.sm90
 from flash4 import flash_attn_func
 from flash4.api import _flash_attn_forward
 from flash4.reference import attention_ref, fwd_errors
@@ -27,7 +27,8 @@ def _pack_always(monkeypatch):
 
     seen = []
     real = cache.get_fwd_runner
-    monkeypatch.setattr(flash4.config, "pack_gqa_wanted", lambda cfg, h, hk: True)
+    # the sm90 family's packing policy (flash4.config.sm90.with_pack_gqa reads it there)
+    monkeypatch.setattr(flash4.config.sm90, "pack_gqa_wanted", lambda cfg, h, hk: True)
 
     def spy(cfg):
         seen.append(cfg)
