@@ -12,7 +12,7 @@ packed forward's LSE.
 import pytest
 import torch
 
-import flash4.config
+import flash4.config.sm90
 from flash4 import flash_attn_func
 from flash4 import forward
 from flash4.request import Request
@@ -28,7 +28,8 @@ def _pack_always(monkeypatch):
 
     seen = []
     real = cache.get_fwd_runner
-    monkeypatch.setattr(flash4.config, "pack_gqa_wanted", lambda cfg, h, hk: True)
+    # the sm90 family's packing policy (flash4.config.sm90.with_pack_gqa reads it there)
+    monkeypatch.setattr(flash4.config.sm90, "pack_gqa_wanted", lambda cfg, h, hk: True)
 
     def spy(cfg):
         seen.append(cfg)

@@ -666,11 +666,19 @@ class FlashAttentionBackwardSm90:
             cute.arch.fence_view_async_shared()  # smem writes -> visible to the TMA (async proxy)
             cute.arch.barrier(barrier_id=int(NamedBarrierBwd.Epilogue), number_of_threads=self.num_mma_threads)
             if tidx < 32:
+                stores = []
                 for atom, mX, sX, hdim in ((atoms.dk, gmem.dk, sK, self.hdim), (atoms.dv, gmem.dv, sV, self.hdim_v)):
                     gX = cute.local_tile(seq.k_view(mX, head_kv), (self.tile_n, hdim), (n_block, 0))
                     tXsX, tXgX = cpasync.tma_partition(
                         atom, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2)
                     )
-                    cute.copy(atom, tXsX, tXgX)
-                cute.arch.cp_async_bulk_commit_group()
+                    stores.append((atom, tXsX, tXgX))
+                # One lane issues the stores and their commit: a bulk tensor copy is issued by every
+                # thread that executes it (the DSL elects a lane for TMA loads, not for stores), so
+                # without the election each of the warp's 32 lanes stored both whole tiles. The wait
+                # stays warp-wide: a lane without bulk groups returns at once.
+                with cute.arch.elect_one():
+                    for atom, tXsX, tXgX in stores:
+                        cute.copy(atom, tXsX, tXgX)
+                    cute.arch.cp_async_bulk_commit_group()
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
