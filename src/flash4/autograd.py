@@ -141,6 +141,7 @@ def _save(ctx, varlen: bool, args, outputs, max_seqlen_q, use_ops: bool) -> None
     """What the backward needs, by the backward op's argument names: the tensors through
     save_for_backward, the rest (scalars, None) on ctx. use_ops: the backward calls the ops (under
     torch.compile, and for the ops' own autograd) instead of their implementations."""
+    varlen = int(varlen)  # an index (torch 2.11's Dynamo refuses a bool as a tuple index)
     named = dict(zip(ops.FORWARD_ARGS[varlen], args))
     ctx.varlen, ctx.use_ops, ctx.num_args = varlen, use_ops, len(args)
     ctx.paged = named.get("page_table") is not None

@@ -415,3 +415,22 @@ def test_one_tensor_as_several_arguments_compiles_fullgraph():
     targets = [str(c.target) for g in backend.fw_graphs + backend.bw_graphs for c in flash4_calls(g)]
     assert targets == ["flash4.fwd.default", "flash4.varlen_fwd.default", "flash4.bwd.default",
                        "flash4.varlen_bwd.default"]
+
+
+def test_saved_varlen_flag_is_an_int_index():
+    """The autograd formula indexes per-door tuples with ctx.varlen; under torch.compile, torch 2.11's
+    Dynamo refuses a bool as a tuple index (H200 run of c206542: every compiled backward failed with
+    "indices must be integers or slices, not bool"), so the flag is kept as an int."""
+    from types import SimpleNamespace
+
+    from flash4 import autograd, ops
+
+    for varlen in (False, True):
+        ctx = SimpleNamespace(set_materialize_grads=lambda value: None)
+        args = [None] * len(ops.FORWARD_ARGS[varlen])
+        if varlen:
+            args[ops.FORWARD_ARGS[1].index("page_table")] = object()  # paged: _save stops after the flags
+        else:
+            ctx.save_for_backward = lambda *tensors: None
+        autograd._save(ctx, varlen, tuple(args), (None, None, None), None, use_ops=True)
+        assert type(ctx.varlen) is int and ctx.varlen == int(varlen)
