@@ -26,10 +26,10 @@ per-row cost is the memory traffic, not index arithmetic (the one-warp-per-row v
 spent ~190 instructions per row; H200 ncu, d64, 1M rows: 0.255 ms + a 0.058 ms memset, vs
 flash-attn-4's preprocess 0.136 ms; the torch strided copy of dQ 0.185 ms vs its 0.091 ms).
 
-Varlen (packed) mode, when a row index is given (flash4.varlen): out/dout/dq (1, total_q, H, D),
+Varlen (packed) mode, when a row index is given (flash4.backward): out/dout/dq (1, total_q, H, D),
 lse_hi/lo (1, H, total_q), and dpsum/lse_log2/dq_accum in the padded per-sequence layout
 (1, H, padded_rows[, D]), exact (1, H, padded_rows / tile_m). Packed row s lives at padded row
-row_index[s] (flash4.varlen.padded_row_index; rows outside every sequence map to a scratch tile
+row_index[s] (flash4.backward.padded_row_index; rows outside every sequence map to a scratch tile
 that the main kernel never reads, so their dq is the zero the preprocess wrote there).
 """
 
