@@ -4,9 +4,10 @@ without CUDA).
 Everything outside the valid region -- rows of q / k / v / dout past seqused_q / seqused_k, the
 rows past cu_seqlens[-1], the queries of a sequence without keys and the keys of a sequence
 without queries (their gradients are 0 by definition), storage past a dense view's extent -- is
-filled with a poison (NaN, +inf, -inf, then 6e4, a huge bf16-finite value), and the same forward +
-backward (autograd through flash_attn_varlen_func / flash_attn_func) is made on clean memory
-(those elements 0). Inside the valid region out, dq, dk, dv must be bitwise equal (torch.equal);
+filled with a poison (NaN, +inf, -inf, then 6e4 and 1e30, huge bf16-finite values), and the same
+forward + backward (autograd through flash_attn_varlen_func / flash_attn_func) is made on clean
+memory (those elements 0). Before each run the caching allocator's free memory is filled with the
+same value (gpu_helpers.poison_allocator): flash4's own torch.empty buffers start poisoned too. Inside the valid region out, dq, dk, dv must be bitwise equal (torch.equal);
 outside it dq, dk, dv must be exactly 0 in both runs.
 
 What makes it hold (kernels/sm90/bwd_step.py, docs/design/bwd_tail.md): the backward zeroes the K
@@ -29,10 +30,11 @@ import torch
 
 from flash4 import flash_attn_func, flash_attn_varlen_func
 from flash4.config import select_bwd_config
+from gpu_helpers import poison_allocator
 
 DEV = "cuda"
 BF16, I32 = torch.bfloat16, torch.int32
-POISONS = (math.nan, math.inf, -math.inf, 6e4)
+POISONS = (math.nan, math.inf, -math.inf, 6e4, 1e30)
 CLEAN = 0.0
 
 
@@ -79,8 +81,10 @@ def _assert_grads(clean, poisoned, valid, poison, what):
 
 def _check_poisons(run, valid, what):
     """run(value) -> (out, dq, dk, dv) with everything outside the valid region filled with value."""
+    poison_allocator(CLEAN)
     clean = run(CLEAN)
     for poison in POISONS:
+        poison_allocator(poison)
         _assert_grads(clean, run(poison), valid, poison, what)
     torch.cuda.synchronize()
 
