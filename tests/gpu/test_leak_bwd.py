@@ -97,6 +97,7 @@ def _key_lengths(n):
 # id, head dim, Dv, causal, window, heads, kv heads, seqused, heads per CTA (None: the whole group)
 VARLEN = [
     ("d64-seqused", 64, 64, False, None, 4, 2, True, None),
+    ("d96-causal-seqused", 96, 96, True, None, 4, 2, True, None),
     ("d128-causal-neighbours", 128, 128, True, None, 4, 4, False, None),
     ("d192-causal-seqused", 192, 192, True, None, 4, 2, True, None),
     ("d256-seqused", 256, 256, False, None, 2, 1, True, None),

@@ -114,7 +114,8 @@ def test_varlen_seqused_k(d, dv, causal):
     _check_poisons(run, f"varlen seqused_k d{d}/{dv}")
 
 
-@pytest.mark.parametrize("d, causal", [(64, False), (128, True), (256, False)], ids=["d64", "d128-causal", "d256"])
+@pytest.mark.parametrize("d, causal", [(64, False), (96, True), (128, True), (192, False), (256, False)],
+                         ids=["d64", "d96-causal", "d128-causal", "d192", "d256"])
 def test_varlen_seqused_q_rows_in_valid_warps(d, causal):
     """Packed Q with seqused_q: the query rows past seqused_q (and past cu_seqlens_q[-1]) share
     16-row warps with valid rows (lengths not multiples of 16). With 1e30 there the poisoned rows'
