@@ -14,6 +14,8 @@ Varlen (packed sequences, seqused, paged K/V through flash_attn_varlen_func): ra
         cu_seqlens, make_varlen, max_seqlen, run_poisoned_varlen, check_fwd_varlen, ref_grads_varlen,
         check_grads_varlen, run_bwd_varlen.
 Compiles: compile_count (the no-recompile checks of varlen and decode loops).
+Leaks (issue 25): poison_allocator (the caching allocator's free blocks filled with a value, so
+        flash4's internal torch.empty buffers start out poisoned).
 """
 
 import importlib
@@ -31,6 +33,19 @@ from flash4.validate import check_varlen_inputs
 DEV = "cuda"
 BF16, I32 = torch.bfloat16, torch.int32
 GRAD_ATOL = 1e-3  # the atol of the gradient rule: err <= 2 * pt_err + GRAD_ATOL
+
+
+# ================================================================ leaks
+def poison_allocator(value: float) -> None:
+    """Fill free memory of PyTorch's caching allocator with `value` (float32 words): blocks of the
+    small pool (< 1 MiB, 2 MiB segments) and of the large pool are allocated, filled and released
+    (kept cached), so torch.empty buffers allocated next -- flash4's split-KV partials, packed
+    outputs, padded LSE / dQ accumulators -- most likely start with those bits instead of zeros. A
+    result that depends on such a buffer's initial contents then differs between two values."""
+    blocks = [torch.full((n,), value, dtype=torch.float32, device=DEV)
+              for n in [1 << 10] * 64 + [1 << 14] * 64 + [1 << 17] * 16 + [1 << 22] * 8 + [1 << 24] * 4]
+    torch.cuda.synchronize()
+    del blocks
 
 
 # ================================================================ dense

@@ -5,7 +5,10 @@ Every element of K/V (and Q where the path has rows outside every sequence) that
 valid region -- key slots past seqused_k / cache_seqlens, the rows of neighbouring packed
 sequences, rows past cu_seqlens[-1], the unused slots of a sequence's last page, unused pages and
 cache rows, storage past a dense view's extent -- is filled with a poison (NaN, +inf, -inf, then
-6e4, a huge bf16-finite value), and the same call is made on clean memory (those elements 0).
+6e4 and 1e30, huge bf16-finite values), and the same call is made on clean memory (those elements
+0). The caching allocator's free memory is filled with the same value before each call
+(gpu_helpers.poison_allocator), so flash4's own torch.empty buffers (split-KV partials, packed
+outputs) start poisoned as well.
 out and lse of every query row inside a sequence must be bitwise equal (torch.equal) and free of
 NaN. The forward zeroes the V rows past seqlen_k of the key-edge block (P = 0 alone would give
 0 * NaN = NaN in P V) and masks the scores of those keys to -inf before the row max; query rows
@@ -16,7 +19,10 @@ whose neighbouring sequences and tail rows are poison, paged K/V through flash_a
 (page sizes 16, 64, 128, 256; d256's 80-key blocks of 16-row pieces), flash_attn_with_kvcache on a
 dense cache (num_splits 1, auto and 4, GQA-packed decode, a speculative causal step, every head
 dim), on a paged cache with an append across 16-key page boundaries, and with cache_batch_idx,
-and flash_attn_func on views into larger poisoned storage.
+and flash_attn_func on views into larger poisoned storage; more splits than key blocks (empty
+splits: partials O = 0, LSE = -inf, weight 0 in the combine); query rows past seqused_q in the
+warps of valid rows (1e30 there scores above 2^20 / scale_log2: OnlineSoftmax's exact-path vote
+must leave them out, or the valid rows of the warp change bits).
 """
 
 import math
@@ -25,10 +31,11 @@ import pytest
 import torch
 
 from flash4 import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
+from gpu_helpers import poison_allocator
 
 DEV = "cuda"
 BF16, I32 = torch.bfloat16, torch.int32
-POISONS = (math.nan, math.inf, -math.inf, 6e4)
+POISONS = (math.nan, math.inf, -math.inf, 6e4, 1e30)
 CLEAN = 0.0
 
 
@@ -71,8 +78,10 @@ def _assert_same(clean, poisoned, poison, what):
 
 def _check_poisons(run, what):
     """run(value) -> (out, lse) of the valid rows with everything outside filled with value."""
+    poison_allocator(CLEAN)
     clean = run(CLEAN)
     for poison in POISONS:
+        poison_allocator(poison)
         _assert_same(clean, run(poison), poison, what)
     torch.cuda.synchronize()
 
@@ -103,6 +112,31 @@ def test_varlen_seqused_k(d, dv, causal):
         return out[rows], lse[:, rows]
 
     _check_poisons(run, f"varlen seqused_k d{d}/{dv}")
+
+
+@pytest.mark.parametrize("d, causal", [(64, False), (96, True), (128, True), (192, False), (256, False)],
+                         ids=["d64", "d96-causal", "d128-causal", "d192", "d256"])
+def test_varlen_seqused_q_rows_in_valid_warps(d, causal):
+    """Packed Q with seqused_q: the query rows past seqused_q (and past cu_seqlens_q[-1]) share
+    16-row warps with valid rows (lengths not multiples of 16). With 1e30 there the poisoned rows'
+    scores are far above 2^20 / scale_log2; left in OnlineSoftmax's warp-wide exact-path vote they
+    would move the valid rows of the warp to the exact path (other bits)."""
+    len_q, used_q, len_k, h, hk, pad_q = [40, 77, 19, 130], [29, 70, 0, 121], [90, 300, 5, 257], 4, 2, 9
+    gen = torch.Generator(device=DEV).manual_seed(100 + d)
+    cu_q, cu_k = _cu(len_q), _cu(len_k)
+    total_q, total_k = sum(len_q) + pad_q, sum(len_k)
+    q, k, v = _randn((total_q, h, d), gen), _randn((total_k, hk, d), gen), _randn((total_k, hk, d), gen)
+    seqused_q = torch.tensor(used_q, dtype=I32, device=DEV)
+    rows = torch.zeros(total_q, dtype=torch.bool, device=DEV)
+    for b, n in enumerate(used_q):
+        rows[cu_q[b]: cu_q[b] + n] = True
+
+    def run(value):
+        out, lse = flash_attn_varlen_func(_fill(q, rows, value), k, v, cu_q, cu_k, max(used_q), max(len_k),
+                                          seqused_q=seqused_q, causal=causal, return_lse=True)
+        return out[rows], lse[:, rows]
+
+    _check_poisons(run, f"varlen seqused_q d{d}")
 
 
 def test_varlen_packed_neighbours():
@@ -179,6 +213,7 @@ KVCACHE_CASES = [  # d, dv, num_splits, seqlen_q, seqlen_new, causal
     (128, 128, 0, 1, 1, True),
     (128, 128, 4, 1, 1, True),
     (128, 128, 0, 4, 4, True),  # speculative causal step: not GQA-packed
+    (128, 128, 16, 1, 1, True),  # more splits than key blocks: empty splits in the combine
     (64, 64, 4, 1, 0, True),
     (256, 256, 4, 1, 1, False),
     (192, 128, 4, 1, 1, True),
@@ -186,7 +221,7 @@ KVCACHE_CASES = [  # d, dv, num_splits, seqlen_q, seqlen_new, causal
 
 
 @pytest.mark.parametrize("d, dv, num_splits, sq, s_new, causal", KVCACHE_CASES,
-                         ids=["d128-split1", "d128-auto", "d128-split4", "d128-spec4", "d64-split4-noappend",
+                         ids=["d128-split1", "d128-auto", "d128-split4", "d128-spec4", "d128-split16", "d64-split4-noappend",
                               "d256-split4", "d192v128-split4"])
 def test_kvcache_dense(d, dv, num_splits, sq, s_new, causal):
     """Dense cache (batch, 2048, Hk, D), 8 query / 2 KV heads (decode steps GQA-packed): the slots

@@ -29,3 +29,7 @@ class NamedBarrierBwd(enum.IntEnum):
     # (PWG0 + warpgroup index).
     PWG0 = 5
     PWG1 = 6
+    # Both consumer warpgroups (ragged layouts only): rows past the sequence zeroed in smem, the K/V
+    # rows >= seqlen_k of the key tile (once) or the Q/dO rows >= seqlen_q of the query-edge step's
+    # stages, before any warpgroup's wgmma reads them (bwd_step.BwdStep.zero_kv_tail / zero_q_tail).
+    Tail = 7

@@ -70,11 +70,20 @@ class OnlineSoftmax(DynamicState):
     num_rows:     rows per thread (static).
     rescale_threshold: tau in log2 units (static); 0 = always rescale.
     exp2_emu_frac: static share of exp2 evaluated by the FMA polynomial (0 = all MUFU.EX2).
+    row_coords:   None, or (ragged queries: packed varlen / seqused_q) the thread's accumulator
+                  coordinates in (row, col) view (acc_mn_view of the partitioned identity tensor):
+                  rows >= reset()'s row_limit (queries past the sequence: the next packed
+                  sequence's, or stale rows past seqused_q) are then left out of the exact-path
+                  vote, so whatever such a row holds (a score above 2^20 / scale_log2) cannot move
+                  the valid rows of its warp to the other path and change their bits (issue 25).
+                  None compiles none of it (dense and GQA-packed queries: rows past seqlen_q are
+                  TMA zeros).
     """
 
     _dynamic_fields = ("scale_log2", "row_max", "ref_hi", "ref_lo", "row_sum", "exact")
 
-    def __init__(self, scale_log2: Float32, num_rows: int, rescale_threshold: float, exp2_emu_frac: float):
+    def __init__(self, scale_log2: Float32, num_rows: int, rescale_threshold: float, exp2_emu_frac: float,
+                 row_coords=None):
         self.scale_log2 = scale_log2
         self.num_rows = num_rows
         self.rescale_threshold = rescale_threshold
@@ -84,9 +93,16 @@ class OnlineSoftmax(DynamicState):
         self.ref_lo = cute.make_rmem_tensor((num_rows,), Float32)
         self.row_sum = cute.make_rmem_tensor((num_rows,), Float32)
         self.exact = cute.make_rmem_tensor((1,), Int32)  # warp-uniform: 1 once the tile took the exact path
+        self.row_coords = row_coords
+        if row_coords is not None:  # the tile's valid row count, carried like the other fields
+            self._dynamic_fields = OnlineSoftmax._dynamic_fields + ("row_limit",)
+            self.row_limit = Int32(0)
 
     @cute.jit
-    def reset(self):
+    def reset(self, row_limit=None):
+        """A new tile. row_limit (with row_coords only): its rows < row_limit are inside the sequence."""
+        if cutlass.const_expr(self.row_coords is not None):
+            self.row_limit = Int32(row_limit)
         self.row_max.fill(-Float32.inf)
         self.ref_hi.fill(0.0)
         self.ref_lo.fill(0.0)
@@ -119,7 +135,10 @@ class OnlineSoftmax(DynamicState):
             # A row that saw no key yet keeps reference 0 (exp2(-inf - 0) = 0, not NaN).
             hi = Float32(cutlass.select_(m_ref == -Float32.inf, Float32(0.0), m_ref * self.scale_log2))
             hi_new[r] = hi
-            huge = huge | (cute.arch.fmax(hi, -hi) >= Float32(FWD_EXACT_REF_LOG2))
+            big = cute.arch.fmax(hi, -hi) >= Float32(FWD_EXACT_REF_LOG2)
+            if cutlass.const_expr(self.row_coords is not None):
+                big = big & (self.row_coords[r, 0][0] < self.row_limit)
+            huge = huge | big
             if cutlass.const_expr(not is_first):
                 row_scale[r] = _ref_step_scale(self.ref_hi[r] - hi)
             for c in cutlass.range_constexpr(n_cols):

@@ -61,7 +61,13 @@ padded_offset(b), a multiple of tile_m, so its query tile m is padded tile padde
 + m (the deterministic semaphore chain runs per padded tile as in the dense case). The grid is
 sized by max_seqlen_k (a host int): CTAs whose key tile starts past their sequence's seqlen_k exit
 at once. Queries past seqlen_q need no mask (their padded LSE is +inf: P = 0, D = 0); keys past
-seqlen_k are masked in the key-edge CTA as in the dense case. Packed dK, dV rows past seqlen_k
+seqlen_k are masked in the key-edge CTA as in the dense case. Rows past a sequence inside a tile
+are not TMA zeros there (the next packed sequence, rows past seqused: any bits, NaN and inf
+included), and the GEMMs multiply them even where P is 0 (0 * NaN = NaN): the consumers zero the K
+and V rows >= seqlen_k of the key-edge tile once, and the Q and dO rows >= seqlen_q of the
+query-edge step's stages, in shared memory before any wgmma reads them (BwdStep.zero_kv_tail /
+zero_q_tail, docs/design/bwd_tail.md), so every operand equals the dense layout's TMA-clipped
+tile. Packed dK, dV rows past seqlen_k
 belong to the next sequence: with varlen_k the staged tiles are written by predicated 16-byte
 stores of the rows < seqlen_k instead of the TMA store. Every varlen change is a const_expr: the
 dense kernel (all flags off) is unchanged.
@@ -175,7 +181,8 @@ class FlashAttentionBackwardSm90:
     staged before the GEMMs read them; transposed_dkv: also the other warpgroup's previous dQ has
     read sdS), PWG0/PWG1 (transposed_dkv: one warpgroup's P staged before its dV^T reads it),
     Epilogue (both consumer warpgroups: K/V smem free, then dK/dV staged for the TMA store; the
-    dkv_accum deterministic chain).
+    dkv_accum deterministic chain), Tail (both consumer warpgroups, packed / seqused layouts only:
+    the K/V rows past seqlen_k, or a query-edge step's Q/dO rows past seqlen_q, zeroed in smem).
     Parameters: __call__ keeps the host ABI (compile/cache.compile_bwd); the kernel takes the
     bundles of bwd_params.py and kernels/common/params.py, and the CTA's coordinates live in one
     BwdSchedule. Trace-time constants of the config (tiles, stages, flags, TMA byte counts) are
@@ -217,6 +224,11 @@ class FlashAttentionBackwardSm90:
         self.varlen_q, self.varlen_k = cfg.varlen_q, cfg.varlen_k
         # seqlen_k differs per sequence: the grid is sized by max_seqlen_k, CTAs past it exit.
         self.dynamic_seqlen_k = cfg.dynamic_seqlen_k
+        # Rows past a sequence inside a tile that are not TMA zeros (issue 25): packed queries / keys
+        # of the next sequence, rows past seqused. Zeroed in smem before any GEMM reads them
+        # (bwd_step.BwdStep.zero_kv_tail / zero_q_tail); dense configs compile none of it.
+        self.ragged_q = cfg.varlen_q or cfg.seqused_q
+        self.ragged_k = cfg.varlen_k or cfg.seqused_k
 
     def _smem_layout(self, rows: int, cols: int, stages=None, atom_cols=None):
         """Row-major (cols contiguous) swizzled smem tile. atom_cols: pick the swizzle as if the
@@ -562,6 +574,8 @@ class FlashAttentionBackwardSm90:
         step_fn = step_class(self.cfg)(self, gmem, smem, mmas, pipes, sched, tidx)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         pipes.kv.consumer_wait(kv_state)
+        if const_expr(self.ragged_k):
+            step_fn.zero_kv_tail()  # the key-edge tile: K, V rows >= seqlen_k -> 0
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
         scales = StepScales(score_args.softmax_scale,
                             *score.device_scales(score_args.softmax_scale, score_args.softcap, self.cfg.softcap))
@@ -570,7 +584,8 @@ class FlashAttentionBackwardSm90:
         # m_block of the CTA whose key tile crosses seqlen_k (the sequence's). Keys past seqlen_k are masked
         # explicitly, never left to TMA's zero fill (a zero K row scores 0, and 2^(0 - LSE)
         # overflows when every real score of the row is very negative). Queries past seqlen_q need
-        # no mask: their LSE is +inf (flash4.backward pads it), so P = 0 there.
+        # no mask: their LSE is +inf (flash4.backward pads it), so P = 0 there (their Q and dO rows
+        # are zeros: TMA clipping, or zero_q_tail with a packed / seqused layout).
         # A window adds a third run: the m_blocks [m_left, m_block_max) that cross its left edge.
         bounds = sched.mask_phase_bounds()
         step = Int32(0)

@@ -27,10 +27,14 @@ paths), dS and the dQ hand-off are the base class's:
 
 from __future__ import annotations
 
+import math
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr, pipeline
+from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import warpgroup
+from cutlass.cutlass_dsl import T, dsl_user_op
 
 from flash4.constants import THREADS_PER_WG
 from flash4.kernels.common import geometry, score
@@ -51,6 +55,27 @@ def stage_state(step, stages: int, producer: bool):
     if producer:
         phase = phase ^ 1
     return pipeline.PipelineState(stages, Int32(step), Int32(step % stages), Int32(phase))
+
+
+@dsl_user_op
+def thread_idx_fresh(*, loc=None, ip=None) -> Int32:
+    """threadIdx.x read by an opaque (side-effecting) instruction: what is derived from it (the
+    zero stores' addresses) is computed where it is used, not hoisted out of the main loop and
+    kept in registers across it."""
+    return Int32(llvm.inline_asm(T.i32(), [], "mov.u32 $0, %tid.x;", "=r", has_side_effects=True,
+                                 is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+def zero_threads(num_threads: int, rows: int, cols: int, vec: int) -> tuple[int, int]:
+    """(threads, threads per row) of BwdStep.zero_rows: the most of the num_threads consumer
+    threads, a multiple of 128, whose passes of 16-byte chunks (vec elements) tile a (rows, cols)
+    tile evenly (threads per row = gcd(chunks per row, threads); rows per pass must divide rows)."""
+    chunks_per_row = cols // vec
+    for threads in range(num_threads, 0, -THREADS_PER_WG):
+        per_row = math.gcd(chunks_per_row, threads)
+        if rows % (threads // per_row) == 0:
+            return threads, per_row
+    raise ValueError(f"no even zero-fill layout of a ({rows}, {cols}) tile")
 
 
 def step_class(cfg):
@@ -96,6 +121,8 @@ class BwdStep(DynamicState):
         do_state = state
         if const_expr(k.do_stages != k.q_stages):
             do_state = stage_state(step, k.do_stages, producer=False)
+        if const_expr(k.ragged_q):
+            self.zero_q_tail(m_block, state, do_state)  # the query-edge step: Q, dO rows >= seqlen_q -> 0
         pipes.q.consumer_wait(state)
         acc_S = cute.make_rmem_tensor(self.acc_shape_S, Float32)
         self.gemm_S(acc_S, state)
@@ -116,6 +143,74 @@ class BwdStep(DynamicState):
         warpgroup.wait_group(0)
         pipes.q.consumer_release(state)  # dK (the last reader of Q) is done
         return next_state(state)
+
+    # ---- rows past the sequence (ragged layouts) ----------------------------------------------------
+    @cute.jit
+    def zero_kv_tail(self):
+        """Ragged-K configs (varlen_k / seqused_k), once per CTA after the K/V full barrier: K and V
+        rows >= seqlen_k of the key tile -> 0 in smem. Those rows hold the next packed sequence or
+        stale slots past seqused_k (NaN, inf); the mask makes their P exactly 0, but a GEMM still
+        multiplies them: dP^T = V dO^T (dS = 0 * NaN) and dQ = dS K (0 * NaN). Zeroed, the smem
+        tiles equal the dense layout's TMA-clipped ones, bit for bit."""
+        k = self.k
+        valid = self.sched.seq.seqlen_k - self.sched.n_block * k.tile_n
+        if valid < k.tile_n:
+            self.zero_rows(self.smem.k, valid)
+            self.zero_rows(self.smem.v, valid)
+            self.tail_barrier()
+
+    @cute.jit
+    def zero_q_tail(self, m_block, state, do_state):
+        """Ragged-Q configs (varlen_q / seqused_q), the query-edge step only: Q and dO rows >=
+        seqlen_q of the step's stages -> 0 in smem (the next packed sequence or rows past
+        seqused_q: their P is 0 through the padded LSE only while S is finite, and dV += P^T dO,
+        dK += dS^T Q, dP^T = V dO^T multiply them). Waits on both stages' full barriers first
+        (the step's own waits then return at once; the stages are released only after the step's
+        last GEMM)."""
+        k = self.k
+        valid = self.sched.seq.seqlen_q - m_block * k.tile_m
+        if valid < k.tile_m:
+            self.pipes.q.consumer_wait(state)
+            self.pipes.do.consumer_wait(do_state)
+            self.zero_rows(self.smem.q[None, None, state.index], valid)
+            self.zero_rows(self.smem.do[None, None, do_state.index], valid)
+            self.tail_barrier()
+
+    def tail_barrier(self):
+        """After zero_rows: each thread's generic-proxy zeros ordered before the async proxy (the
+        wgmma reads, the stage's later TMA refill, the dK/dV TMA store), then every consumer thread
+        (both warpgroups read every row of K, V, Q and dO) past the Tail barrier."""
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=int(NamedBarrierBwd.Tail), number_of_threads=self.k.num_mma_threads)
+
+    @cute.jit
+    def zero_rows(self, sX: cute.Tensor, valid):
+        """Rows >= valid of a (rows, cols) 16-bit smem tile (any swizzle of 16-byte chunks) -> 0, in
+        16-byte stores by the first `threads` consumer threads (zero_threads)."""
+        k = self.k
+        rows, cols = cute.size(sX, mode=[0]), cute.size(sX, mode=[1])
+        vec = 128 // k.dtype.width
+        threads, per_row = zero_threads(k.num_mma_threads, rows, cols, vec)
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), k.dtype, num_bits_per_copy=128)
+        thr_layout = cute.make_ordered_layout((threads // per_row, per_row), order=(1, 0))
+        tiled = cute.make_tiled_copy_tv(atom, thr_layout, cute.make_layout((1, vec)))
+        if const_expr(threads == k.num_mma_threads):
+            self._zero_rows_thread(sX, tiled, atom, valid, rows, cols)
+        else:
+            if self.tidx < threads:
+                self._zero_rows_thread(sX, tiled, atom, valid, rows, cols)
+
+    @cute.jit
+    def _zero_rows_thread(self, sX, tiled, atom, valid, rows: cutlass.Constexpr[int], cols: cutlass.Constexpr[int]):
+        # the consumer thread index read afresh: the addresses are not kept live across the main loop
+        thr = tiled.get_slice(thread_idx_fresh() - THREADS_PER_WG)
+        tXsX = thr.partition_D(sX)
+        tXcX = thr.partition_D(cute.make_identity_tensor((rows, cols)))
+        zeros = cute.make_fragment_like(tXsX[None, 0, None])
+        zeros.fill(0.0)
+        for m in cutlass.range_constexpr(cute.size(tXsX, mode=[1])):
+            if tXcX[0, m, 0][0] >= valid:
+                cute.copy(atom, zeros, tXsX[None, m, None])
 
     # ---- shared pieces ---------------------------------------------------------------------------
     @cute.jit

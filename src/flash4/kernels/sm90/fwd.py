@@ -526,6 +526,8 @@ class FlashAttentionForwardSm90:
         softmax = OnlineSoftmax(
             score_params.scale_log2, cute.size(acc_mn_view(tScS), mode=[0]),
             self.cfg.rescale_threshold, self.cfg.exp2_emu_frac,
+            # ragged queries: rows past seqlen_q (another sequence's, stale) do not vote for the exact path
+            row_coords=acc_mn_view(tScS) if const_expr(self.ragged_q) else None,
         )
         self.scheduler_barrier_init(wg_idx)
 
@@ -545,7 +547,7 @@ class FlashAttentionForwardSm90:
                 mask = partial(geometry.mask_scores, tScS=tScS, t0ScS=t0ScS, m_block=m_block, seqlen_q=seqlen_q,
                                seqlen_k=seqlen_k, tile_m=self.tile_m, tile_n=self.tile_n, window=window,
                                pack=self.pack)
-                softmax.reset()
+                softmax.reset(seqlen_q - m_block * self.tile_m if const_expr(self.ragged_q) else None)
                 acc_O.fill(0.0)
                 pipeline_q.consumer_wait(q_state)
                 if n_block_max > n_block_min:
