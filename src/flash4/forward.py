@@ -311,28 +311,36 @@ def _packed_decode(request: Request, out, lse, given=(False, False)) -> None:
     slots hold other rows; their results are dropped: out row r of sequence b (the b with
     cu[b] <= r < cu[b+1], a searchsorted) is slot r - cu[b+1] + Sq of b. Rows past cu_seqlens_q[-1]
     (unspecified without seqused_q) get some slot's values in buffers allocated here and keep theirs
-    in a caller's (`given`: out, lse; one select each). Extra device work: index arithmetic on
-    (B, Sq) and (total_q,) ints, a gather of q, of out and of lse (the next step: the decode kernel
-    and the combine reading cu_seqlens_q themselves)."""
+    in a caller's (`given`: out, lse; one select each). Extra device work, vLLM's decode (Sq = 1,
+    total_q >= batch): a searchsorted and three gathers (q, out, lse); with Sq > 1 a few more
+    integer ops on (B, Sq) and (total_q,) indices. (The next step: the decode kernel and the combine
+    reading cu_seqlens_q themselves.)"""
     q, seq = request.q, request.seq
-    total_q, nheads, _ = q.shape
+    total_q, nheads, headdim = q.shape
     batch, seqlen_q, headdim_v, device = request.batch, seq.max_seqlen_q, request.headdim_v, q.device
-    cu_end = seq.cu_seqlens_q[1:]
+    cu = seq.cu_seqlens_q
     offsets, rows = _gather_ramps(seqlen_q, total_q, device)
-    src = torch.add(cu_end.unsqueeze(1), offsets).clamp_(min=0)  # (B, Sq) int64 rows of q
+    if seqlen_q == 1 and total_q >= batch:
+        # lengths <= 1, so cu[b] <= b < total_q: the row of sequence b (any row when it is empty)
+        src = cu[:-1]
+    else:
+        src = torch.add(cu[1:].unsqueeze(1), offsets).clamp_(min=0).view(-1)  # (B * Sq,) int64 rows of q
     out_step = torch.empty(batch, seqlen_q, nheads, headdim_v, dtype=q.dtype, device=device)
     lse_step = torch.empty(batch, nheads, seqlen_q, dtype=F32, device=device)
-    launch(_decode_step(request, q[src], seq.seqused_k, seq.page_table), out_step, lse_step)
-    owner = torch.searchsorted(cu_end, rows, right=True)  # (total_q,) the sequence of each row
+    q_step = q.index_select(0, src).view(batch, seqlen_q, nheads, headdim)
+    launch(_decode_step(request, q_step, seq.seqused_k, seq.page_table), out_step, lse_step)
+    # the sequence b of row r: #{b' < batch - 1 : cu[b' + 1] <= r}, in [0, batch - 1] (rows past the
+    # last sequence count as its rows)
+    owner = torch.searchsorted(cu[1:-1], rows, right=True)
     if seqlen_q == 1:
-        slot = owner.clamp_(max=batch - 1)  # a row inside sequence b is its only query
+        slot = owner  # a row inside sequence b is its only query
     else:
-        slot = torch.sub(rows, cu_end[owner.clamp_(max=batch - 1)]).add_(owner, alpha=seqlen_q)
+        slot = torch.sub(rows, cu[1:].index_select(0, owner)).add_(owner, alpha=seqlen_q)
         slot = slot.add_(seqlen_q).clamp_(0, batch * seqlen_q - 1)
     out_rows = out_step.view(batch * seqlen_q, nheads, headdim_v)
     lse_rows = lse_step.view(batch, nheads).t() if seqlen_q == 1 else \
         lse_step.permute(1, 0, 2).reshape(nheads, batch * seqlen_q)
-    inside = rows < cu_end[-1] if any(given) else None  # (total_q,) rows some sequence owns
+    inside = rows < cu[-1] if any(given) else None  # (total_q,) rows some sequence owns
     if given[0]:
         torch.where(inside[:, None, None], out_rows.index_select(0, slot), out, out=out)
     else:
@@ -368,7 +376,8 @@ def _full_seqused(batch: int, seqlen_k: int, device) -> torch.Tensor:
 
 
 def _gather_ramps(seqlen_q: int, total_q: int, device):
-    """(arange(Sq) - Sq as int64, arange(total_q) as int32) on `device` (cached)."""
+    """(arange(Sq) - Sq as int64, arange(total_q) as int32: searchsorted takes cu_seqlens' dtype)
+    on `device` (cached)."""
     return _cached(("ramps", device, seqlen_q, total_q), lambda: (
         torch.arange(-seqlen_q, 0, dtype=torch.int64, device=device),
         torch.arange(total_q, dtype=torch.int32, device=device)))
