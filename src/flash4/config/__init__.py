@@ -187,7 +187,10 @@ def bwd_config(request, arch: int, heads_per_cta: int | None = None) -> BwdPlan:
     return _family_config(arch).bwd_plan(request, arch, heads_per_cta)
 
 
+@functools.lru_cache(maxsize=None)
 def _family_config(arch: int):
+    """The config module of the (verified) family of SM version `arch` (cached: a lookup per call;
+    registry.family's ValueError is raised again on every call, as it is not cached)."""
     from flash4.kernels import registry  # late: registry names this package's family modules
 
     return registry.family(arch).config_module()
