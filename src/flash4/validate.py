@@ -84,7 +84,8 @@ def _signature(problem_fn, args) -> tuple | None:
         if isinstance(a, torch.Tensor):
             if not (a.is_cuda or _REMEMBER_CPU):
                 return None
-            parts.append((a.dtype, a.shape, a.stride(), a.device, a.data_ptr() % _ALIGN_BYTES))
+            # the device as its CUDA index (an int: cheaper than a.device)
+            parts.append((a.dtype, a.shape, a.stride(), a.get_device(), a.data_ptr() % _ALIGN_BYTES))
         else:
             parts.append((type(a), a))
     return tuple(parts)
