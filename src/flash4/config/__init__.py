@@ -151,7 +151,8 @@ def decode_door(request, arch: int | None, lse_split: bool = False) -> bool:
       * keys per sequence >= DECODE_MIN_SEQLEN_K: DENSE k.shape[1]; PAGED page_table.shape[1] x
         page_size (the capacity; the lengths in seqused_k stay on the device).
     VARLEN K/V (cu_seqlens_k, not paged) stays on the varlen kernels. Pure host arithmetic on the
-    request's shapes and ints (CPU-tested: tests/cpu/test_decode_doors_cpu.py)."""
+    request's shapes and ints (CPU-tested: tests/cpu/test_decode_doors_cpu.py). Under torch.compile
+    the forward ops always keep lse_split (flash4.ops), so compiled graphs keep the door's kernels."""
     seq = request.seq
     if lse_split or arch is None:
         return False
