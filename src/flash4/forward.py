@@ -328,7 +328,7 @@ def _packed_decode(request: Request, out, lse, given=(False, False)) -> None:
     out_step = torch.empty(batch, seqlen_q, nheads, headdim_v, dtype=q.dtype, device=device)
     lse_step = torch.empty(batch, nheads, seqlen_q, dtype=F32, device=device)
     q_step = q.index_select(0, src).view(batch, seqlen_q, nheads, headdim)
-    launch(_decode_step(request, q_step, seq.seqused_k, seq.page_table), out_step, lse_step)
+    launch(_decode_step(request, q_step, _contiguous(seq.seqused_k), _contiguous(seq.page_table)), out_step, lse_step)
     # the sequence b of row r: #{b' < batch - 1 : cu[b' + 1] <= r}, in [0, batch - 1] (rows past the
     # last sequence count as its rows)
     owner = torch.searchsorted(cu[1:-1], rows, right=True)
