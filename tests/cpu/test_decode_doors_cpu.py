@@ -145,6 +145,8 @@ def _paged_call(len_q, len_k, max_q, causal, page_size=16, h=8, hk=2, d=64, wind
     ((1, 1, 1, 1), 1),         # vLLM: cu_seqlens_q = arange(B + 1)
     ((1, 0, 1, 0), 1),         # padding sequences of length 0 between real ones
     ((0, 1, 0, 0, 0, 0), 1),   # fewer rows than sequences (total_q < batch)
+    ((1,), 1),                 # batch 1 (no sequence boundary to search)
+    ((3,), 4),
     ((2, 2, 2), 2),
     ((4, 1, 0, 3), 4),         # uneven speculative drafts (right-aligned: bottom-right causal holds)
     ((8, 5), 8),

@@ -121,11 +121,12 @@ def _paged_inputs(len_q, len_k, h, hk, page_size, d=128, seed=0, pad_q=0):
 
 @pytest.mark.parametrize("len_q,max_q", [
     ((1,) * 8, 1),           # vLLM decode: cu_seqlens_q = arange(B + 1)
+    ((1,), 1),               # batch 1 (the 128k decode cell's shape)
     ((1, 0, 1, 1, 0), 1),    # padding sequences of length 0 (CUDA-graph batch padding)
     ((2, 2, 2), 2),
     ((4, 1, 0, 3), 4),       # uneven speculative drafts
     ((8, 8), 8),
-], ids=["vllm", "padded", "q2", "uneven4", "q8"])
+], ids=["vllm", "b1", "padded", "q2", "uneven4", "q8"])
 @pytest.mark.parametrize("page_size", [16, 64])
 @pytest.mark.parametrize("causal", [False, True])
 def test_varlen_paged_door_decode(door_decodes, len_q, max_q, page_size, causal):
