@@ -202,7 +202,7 @@ def _link_shared(obj: Path) -> None:
             tmp = listing.with_name(f".{listing.name}.{os.getpid()}.tmp")
             tmp.write_text("\n".join(libs) + "\n")
             os.replace(tmp, listing)
-        cc = shutil.which(os.environ.get("CC") or "cc")
+        cc = shutil.which("cc")
         if cc is None:
             raise OSError("no C compiler driver (cc) to link the shared library with")
         tmp = shared.with_name(f".{shared.stem}.{os.getpid()}.tmp.so")
