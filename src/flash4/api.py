@@ -94,6 +94,10 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False,
         (return_lse=True) adds its gradient too (dS gains P * dLSE), at no cost when lse is unused.
         Double backward (differentiating dq, dk or dv again, e.g. a gradient penalty with
         create_graph=True) is not supported: it raises a RuntimeError saying so.
+
+    Decode: a call without autograd whose queries are few (seqlen_q <= 8) and keys many (seqlen_k >=
+        1024) runs as flash_attn_with_kvcache's decode step (GQA packing, split-KV and its combine),
+        chosen from the shapes alone (flash4.config.decode_door; no host sync, CUDA-graph safe).
     """
     _check_flags(return_lse=return_lse, deterministic=deterministic)
     window_size = check_window_size(window_size)
@@ -214,6 +218,10 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
 
     Gradients: `.backward()` through out (and lse) gives dq, dk, dv (flash4.backward),
         not for paged K/V; double backward raises a RuntimeError, as flash_attn_func.
+    Decode: paged K/V with an int max_seqlen_q <= 8, no seqused_q and page_table.shape[1] * page_size
+        >= 1024 (vLLM's decode and speculative steps) run as flash_attn_with_kvcache's decode step
+        (GQA packing, split-KV), chosen from host ints alone (flash4.config.decode_door; no host sync,
+        CUDA-graph safe); each sequence's queries are gathered on the device, any cu_seqlens_q.
     Source convention: flash-attn 2/3 `flash_attn_varlen_func` (argument order, layouts, LSE
     (nheads, total_q)); paged K/V as flash-attn-4's (page_table + seqused_k, cu_seqlens_k None).
     """

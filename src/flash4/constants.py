@@ -42,3 +42,7 @@ BWD_EXACT_LSE_LOG2 = 2.0**10
 # threads per CTA and consecutive rows of one (batch, head) per CTA (flash4.launch sizes their grids).
 ROW_PASS_THREADS = 128
 ROW_TILE = 64
+
+# The split-KV combine (kernels/common/fwd_combine.py): one warp per output row, this many warps per
+# CTA (flash4.compile.cache sizes its grid).
+COMBINE_WARPS_PER_CTA = 4

@@ -8,6 +8,7 @@
 | FLASH4_CACHE_DIR   | directory of the on-disk compile cache               | $XDG_CACHE_HOME/flash4 or ~/.cache/flash4 |
 | FLASH4_BWD_HEADS_PER_CTA | query heads per backward CTA under GQA/MQA (tuning) | flash4.config.bwd_heads_per_cta |
 | FLASH4_SM100       | sm_100 kernels: off, selftest (run after passing flash4.selftest), on (unchecked) | selftest |
+| FLASH4_RUNTIME_LOAD | 1 loads cached kernels as shared libraries through TVM-FFI alone (no CuTe DSL import; docs/design/warm_start.md) | off |
 
 Each function reads the environment when called (no caching), so a test can set a variable with
 monkeypatch. A malformed value raises ValueError naming the variable, the value and what is allowed.
@@ -77,6 +78,25 @@ def disk_cache_enabled() -> bool:
     if text in ("1", "true", "on", "yes"):
         return True
     raise ValueError(f"FLASH4_CACHE={value!r}: allowed 0/1, true/false, on/off, yes/no")
+
+
+def _flag(name: str, default: bool) -> bool:
+    value = _get(name)
+    if value is None:
+        return default
+    text = value.lower()
+    if text in ("0", "false", "off", "no"):
+        return False
+    if text in ("1", "true", "on", "yes"):
+        return True
+    raise ValueError(f"{name}={value!r}: allowed 0/1, true/false, on/off, yes/no")
+
+
+def runtime_load_enabled() -> bool:
+    """FLASH4_RUNTIME_LOAD: cached kernels are linked into shared libraries when stored and loaded
+    through TVM-FFI alone, without importing the CuTe DSL (flash4.compile.disk_cache). Off by
+    default until verified on the GPU (tools/warm_start.py)."""
+    return _flag("FLASH4_RUNTIME_LOAD", False)
 
 
 def disk_cache_dir() -> str:

@@ -38,8 +38,9 @@ import functools
 import torch
 
 from flash4.arch import device_arch, num_sms
-from flash4.config import fwd_config
-from flash4.request import DECODE, KVCACHE, VARLEN, Request, SeqSpec
+from flash4 import env
+from flash4.config import decode_door, fwd_config
+from flash4.request import DECODE, KVCACHE, VARLEN, CacheSpec, Request, SeqSpec
 from flash4.validate import layout_problem, packed_rows_per_batch, resolve_max_seqlen
 
 F32 = torch.float32
@@ -58,6 +59,7 @@ def run(request: Request, out=None, lse=None, lse_split=None):
         return _kvcache(request, out, lse)
     if seq.packed and not isinstance(seq.max_seqlen_q, int):
         request = request.with_seq(_with_max_q(seq))
+    given = (out is not None, lse is not None)
     out, lse = _buffers(request, out, lse, lse_split)
     if seq.packed:
         if request.q.shape[0] == 0 or request.batch <= 0 or request.seq.max_seqlen_q == 0:
@@ -71,7 +73,10 @@ def run(request: Request, out=None, lse=None, lse_split=None):
         _no_key(request, out, lse, lse_split, heads_dim)
         return out, lse
     with device_guard(request.q.device):
-        launch(request, out, lse, lse_split)
+        if decode_door(request, _door_arch(request.q.device), lse_split is not None):
+            _door_decode(request, out, lse, given)
+        else:
+            launch(request, out, lse, lse_split)
     return out, lse
 
 
@@ -256,6 +261,126 @@ def _dense_cache_rows(k_cache, v_cache, batch: int, cache_batch_idx):
     cu_seqlens_k = torch.full((batch + 1,), total_rows, dtype=torch.int32, device=device)
     torch.mul(cache_batch_idx, rows_per_batch, out=cu_seqlens_k[:batch])
     return rows(k_cache), rows(v_cache), cu_seqlens_k
+
+
+# ================================================================ decode steps from the other doors
+def _door_arch(device: torch.device) -> int | None:
+    """The SM version decode_door reads: the CUDA device's; for CPU tensors (the CPU tests) the
+    FLASH4_ARCH override, else None (no decode step)."""
+    return device_arch(device) if device.type == "cuda" else env.arch_override()
+
+
+def _door_decode(request: Request, out, lse, given=(False, False)) -> None:
+    """A DENSE or PAGED request that flash4.config.decode_door sends to the decode plan, as one
+    DECODE step: dense K/V are a cache whose every row holds seqlen_k keys (seqused_k = seqlen_k,
+    a cached device tensor); paged K/V keep their seqused_k and page table, and the packed queries
+    are gathered per sequence on the device (_packed_decode). given: whether out / lse are the
+    caller's buffers (their rows outside every sequence are then kept)."""
+    q, seq = request.q, request.seq
+    if not seq.packed:
+        seqused_k = _full_seqused(q.shape[0], request.k.shape[1], q.device)
+        batch, seqlen_q = q.shape[:2]
+        # the decode step writes out as packed (batch * seqlen_q) rows (flash4.validate's kvcache out rule)
+        rows_ok = batch == 1 or seqlen_q == 1 or out.stride(0) == seqlen_q * out.stride(1)
+        target = out if rows_ok else torch.empty(out.shape, dtype=out.dtype, device=out.device)
+        launch(_decode_step(request, q, seqused_k, None), target, lse)
+        if target is not out:
+            out.copy_(target)
+        return
+    _packed_decode(request, out, lse, given)
+
+
+def _decode_step(request: Request, q, seqused_k, page_table) -> Request:
+    """The DECODE request of a door's call: q (B, Sq, H, D) over the request's K/V, automatic splits."""
+    return Request(q, request.k, request.v, request.mask, request.score,
+                   SeqSpec(DECODE, seqused_k=seqused_k, page_table=page_table), _AUTO_SPLITS)
+
+
+_AUTO_SPLITS = CacheSpec()  # num_splits 0: the decode plan chooses
+
+
+def _packed_decode(request: Request, out, lse, given=(False, False)) -> None:
+    """A PAGED request with max_seqlen_q = Sq <= DECODE_MAX_SEQLEN_Q as a decode step, no host sync.
+
+    Sequence b's queries are rows cu_seqlens_q[b] .. cu_seqlens_q[b+1] - 1 (len_b <= Sq of them,
+    any layout: vLLM's arange, padding sequences of length 0 anywhere). The step's q (B, Sq, H, D)
+    takes, for sequence b, the Sq rows that END at cu_seqlens_q[b+1]: slot s <- row
+    cu_seqlens_q[b+1] - Sq + s (clamped at 0). Right-aligned, so query i of a sequence sits in slot
+    Sq - len_b + i, which the decode kernel aligns with key seqused_k[b] - Sq + (Sq - len_b + i) =
+    seqused_k[b] - len_b + i: the varlen bottom-right rule (causal, windows). The first Sq - len_b
+    slots hold other rows; their results are dropped: out row r of sequence b (the b with
+    cu[b] <= r < cu[b+1], a searchsorted) is slot r - cu[b+1] + Sq of b. Rows past cu_seqlens_q[-1]
+    (unspecified without seqused_q) get some slot's values in buffers allocated here and keep theirs
+    in a caller's (`given`: out, lse; one select each). Extra device work, vLLM's decode (Sq = 1,
+    total_q >= batch): a searchsorted and three gathers (q, out, lse); with Sq > 1 a few more
+    integer ops on (B, Sq) and (total_q,) indices. (The next step: the decode kernel and the combine
+    reading cu_seqlens_q themselves.)"""
+    q, seq = request.q, request.seq
+    total_q, nheads, headdim = q.shape
+    batch, seqlen_q, headdim_v, device = request.batch, seq.max_seqlen_q, request.headdim_v, q.device
+    cu = seq.cu_seqlens_q
+    offsets, rows = _gather_ramps(seqlen_q, total_q, device)
+    if seqlen_q == 1 and total_q >= batch:
+        # lengths <= 1, so cu[b] <= b < total_q: the row of sequence b (any row when it is empty)
+        src = cu[:-1]
+    else:
+        src = torch.add(cu[1:].unsqueeze(1), offsets).clamp_(min=0).view(-1)  # (B * Sq,) int64 rows of q
+    out_step = torch.empty(batch, seqlen_q, nheads, headdim_v, dtype=q.dtype, device=device)
+    lse_step = torch.empty(batch, nheads, seqlen_q, dtype=F32, device=device)
+    q_step = q.index_select(0, src).view(batch, seqlen_q, nheads, headdim)
+    launch(_decode_step(request, q_step, _contiguous(seq.seqused_k), _contiguous(seq.page_table)), out_step, lse_step)
+    # the sequence b of row r: #{b' < batch - 1 : cu[b' + 1] <= r}, in [0, batch - 1] (rows past the
+    # last sequence count as its rows)
+    owner = torch.searchsorted(cu[1:-1], rows, right=True)
+    if seqlen_q == 1:
+        slot = owner  # a row inside sequence b is its only query
+    else:
+        slot = torch.sub(rows, cu[1:].index_select(0, owner)).add_(owner, alpha=seqlen_q)
+        slot = slot.add_(seqlen_q).clamp_(0, batch * seqlen_q - 1)
+    out_rows = out_step.view(batch * seqlen_q, nheads, headdim_v)
+    lse_rows = lse_step.view(batch, nheads).t() if seqlen_q == 1 else \
+        lse_step.permute(1, 0, 2).reshape(nheads, batch * seqlen_q)
+    inside = rows < cu[-1] if any(given) else None  # (total_q,) rows some sequence owns
+    if given[0]:
+        torch.where(inside[:, None, None], out_rows.index_select(0, slot), out, out=out)
+    else:
+        torch.index_select(out_rows, 0, slot, out=out)
+    if given[1]:
+        torch.where(inside, lse_rows.index_select(1, slot), lse, out=lse)
+    else:
+        torch.index_select(lse_rows, 1, slot, out=lse)
+
+
+# Small device tensors the door decode steps reuse (read-only): (device, batch, seqlen_k) -> the
+# seqused_k of a dense cache; (device, Sq, total_q) -> (slot offsets - Sq, row indices). Not filled
+# while a CUDA graph is being captured (a tensor made then belongs to the graph's memory pool).
+_DEVICE_CONSTANTS: dict = {}
+_MAX_DEVICE_CONSTANTS = 256
+
+
+def _cached(key, make):
+    value = _DEVICE_CONSTANTS.get(key)
+    if value is None:
+        value = make()
+        if not (key[1].type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            if len(_DEVICE_CONSTANTS) >= _MAX_DEVICE_CONSTANTS:
+                _DEVICE_CONSTANTS.clear()
+            _DEVICE_CONSTANTS[key] = value
+    return value
+
+
+def _full_seqused(batch: int, seqlen_k: int, device) -> torch.Tensor:
+    """(batch,) int32 filled with seqlen_k on `device` (cached)."""
+    return _cached(("seqused", device, batch, seqlen_k),
+                   lambda: torch.full((batch,), seqlen_k, dtype=torch.int32, device=device))
+
+
+def _gather_ramps(seqlen_q: int, total_q: int, device):
+    """(arange(Sq) - Sq as int64, arange(total_q) as int32: searchsorted takes cu_seqlens' dtype)
+    on `device` (cached)."""
+    return _cached(("ramps", device, seqlen_q, total_q), lambda: (
+        torch.arange(-seqlen_q, 0, dtype=torch.int64, device=device),
+        torch.arange(total_q, dtype=torch.int32, device=device)))
 
 
 # ================================================================ decode steps (GQA packing, split-KV)

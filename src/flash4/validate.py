@@ -33,6 +33,7 @@ import torch
 # MIN_PAGE_ROWS: paged K/V are loaded page piece by page piece (flash4.config.paged_page_rows), at
 # least that many rows each (the swizzle atom of the K/V smem tile).
 from flash4.config import MIN_PAGE_ROWS, SUPPORTED_HEADDIMS, hdimv_problem, select_fwd_config
+from flash4 import env
 from flash4 import request as _request
 from flash4.request import Request
 
@@ -61,6 +62,49 @@ def _raise(problem) -> None:
 
 def _contiguous(t):
     return t if t is None or t.is_contiguous() else t.contiguous()
+
+
+# ================================================================ checks passed before (host overhead)
+# A serving loop calls a door with the same shapes, strides, dtypes and devices step after step: the
+# builders (dense_request, varlen_request, kvcache_request) remember the signatures of argument lists
+# that passed and skip the checks for them. A signature holds everything the checks read: per tensor
+# its dtype, shape, strides, device and base address modulo 16 (TMA alignment); every other argument
+# with its type (True and 1 differ); FLASH4_ARCH. Only CUDA tensors are remembered (the CPU tests
+# monkeypatch the device checks), never the on-device value checks of check_seqlens (they always run).
+_PASSED: set = set()
+_MAX_PASSED = 4096
+_REMEMBER_CPU = False  # tools/host_overhead.py --fake sets it (CPU tensors stand in for CUDA ones there)
+
+
+def _signature(problem_fn, args) -> tuple | None:
+    """The memo key of `args` for `problem_fn`, or None when they are not remembered (a tensor not
+    on CUDA)."""
+    parts = [problem_fn, env.arch_override()]
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            if not (a.is_cuda or _REMEMBER_CPU):
+                return None
+            # the device as its CUDA index (an int: cheaper than a.device)
+            parts.append((a.dtype, a.shape, a.stride(), a.get_device(), a.data_ptr() % _ALIGN_BYTES))
+        else:
+            parts.append((type(a), a))
+    return tuple(parts)
+
+
+def _checked(problem_fn, *args) -> None:
+    """_raise(problem_fn(*args)), skipped for an argument signature that passed before."""
+    key = _signature(problem_fn, args)
+    if key is not None:
+        try:
+            if key in _PASSED:
+                return
+        except TypeError:  # an unhashable argument (a list window_size): not remembered
+            key = None
+    _raise(problem_fn(*args))
+    if key is not None:
+        if len(_PASSED) >= _MAX_PASSED:
+            _PASSED.clear()
+        _PASSED.add(key)
 
 
 # ================================================================ the checks (each written once)
@@ -419,7 +463,7 @@ def check_inputs(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1)
 def dense_request(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, learnable_sink=None,
                   deterministic=False) -> Request:
     """flash_attn_func's checked request (check_inputs' errors; layout DENSE)."""
-    _raise(_problem(q, k, v, softmax_scale, causal, window_size, softcap, learnable_sink))
+    _checked(_problem, q, k, v, softmax_scale, causal, window_size, softcap, learnable_sink)
     return Request.dense(q, k, v, softmax_scale, causal, window_size, softcap, learnable_sink, deterministic)
 
 
@@ -553,8 +597,8 @@ def varlen_request(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_s
     check_varlen_inputs' errors, the metadata made contiguous, with check_seqlens the on-device
     value checks (check_varlen_seqlens, one host sync), max_seqlen_q resolved to a host int
     (resolve_max_seqlen: a host sync for a CUDA tensor or None). max_seqlen_k stays as given."""
-    _raise(_varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
-                           page_table, softmax_scale, causal, window_size, softcap, learnable_sink))
+    _checked(_varlen_problem, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
+             page_table, softmax_scale, causal, window_size, softcap, learnable_sink)
     cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table = (
         _contiguous(t) for t in (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table))
     paged = page_table is not None
@@ -752,8 +796,8 @@ def kvcache_request(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, pag
     cache_seqlens as a (batch,) int32 tensor on q's device (an int for every sequence, None for the
     whole cache), and with check_seqlens the on-device value checks (check_kvcache_seqlens, one host
     sync) before anything is written."""
-    _raise(_kvcache_problem(q, k_cache, v_cache, k, v, cache_seqlens, page_table, cache_batch_idx, softmax_scale,
-                            causal, num_splits, out, window_size, softcap, learnable_sink))
+    _checked(_kvcache_problem, q, k_cache, v_cache, k, v, cache_seqlens, page_table, cache_batch_idx, softmax_scale,
+             causal, num_splits, out, window_size, softcap, learnable_sink)
     page_table, cache_batch_idx = _contiguous(page_table), _contiguous(cache_batch_idx)
     paged = page_table is not None
     capacity = page_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]

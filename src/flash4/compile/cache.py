@@ -23,11 +23,17 @@ from flash4.schedule import l2_section_heads
 # Without a GPU the DSL would default to sm_100a: flash4 compiles for Hopper unless told otherwise.
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
-import cutlass  # noqa: E402
-import cutlass.cute as cute  # noqa: E402
-
 from flash4.compile.disk_cache import load_or_compile  # noqa: E402
-from flash4.compile.fake import bwd_fake_args, fwd_fake_args  # noqa: E402
+from flash4.constants import COMBINE_WARPS_PER_CTA  # noqa: E402
+
+
+def _dsl():
+    """(cutlass, cutlass.cute), imported when something is compiled: a process whose kernels all
+    come from the disk cache never imports the compiler here (docs/design/warm_start.md)."""
+    import cutlass
+    import cutlass.cute as cute
+
+    return cutlass, cute
 
 COMPILE_OPTIONS = "--enable-tvm-ffi"
 
@@ -53,8 +59,9 @@ def compile_fwd(cfg: FwdConfig, options: str = ""):
     window_left: int, window_right: int, l2_group: int, num_ctas: int) that
     launches on the current CUDA stream; the sequence-layout tensors are passed only where the
     config's flag is on (None otherwise)."""
-    from flash4.compile.fake import seq_fake_args, sink_fake_arg, split_fake_args
+    from flash4.compile.fake import fwd_fake_args, seq_fake_args, sink_fake_arg, split_fake_args
 
+    cutlass, cute = _dsl()
     kernel = registry.kernel_class("fwd", cfg.arch)(cfg)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     return cute.compile(
@@ -131,6 +138,9 @@ def compile_bwd(cfg: BwdConfig, options: str = ""):
     config flag is on and None otherwise, and max_seqlen_k an int when cfg.varlen_k or
     cfg.seqused_k, else None (compile/fake.bwd_fake_args gives the layouts); dkv_semaphore an int32
     tensor with cfg.dkv_accum and cfg.deterministic, else None."""
+    from flash4.compile.fake import bwd_fake_args
+
+    cutlass, cute = _dsl()
     args = bwd_fake_args(cfg.headdim, cfg.dtype, cfg.varlen_q, cfg.varlen_k, cfg.seqused_q, cfg.seqused_k,
                          headdim_v=cfg.headdim_v, dkv_accum=cfg.dkv_accum, deterministic=cfg.deterministic)
     max_seqlen_k = cutlass.Int32(1) if bwd_dynamic_seqlen_k(cfg) else None
@@ -200,6 +210,8 @@ def compile_preprocess(headdim: int, dtype: str, varlen: bool = False, headdim_q
     O's head dim (Dv), headdim_q dq_accum's (None: the same); varlen: packed rows with a row_index."""
     from flash4.compile.fake import bwd_preprocess_fake_args
 
+    cutlass, cute = _dsl()
+
     headdim_q = headdim if headdim_q is None else headdim_q
     args = bwd_preprocess_fake_args(headdim, dtype, varlen, headdim_q)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
@@ -212,6 +224,8 @@ def compile_postprocess(headdim: int, dtype: str, varlen: bool = False, accum_ti
                         arch: int = 90, options: str = ""):
     """Compile the dQ postprocess (row-major, or in the accumulator's order with accum_tile_m)."""
     from flash4.compile.fake import bwd_postprocess_fake_args
+
+    cutlass, cute = _dsl()
 
     args = bwd_postprocess_fake_args(headdim, dtype, varlen)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
@@ -226,6 +240,8 @@ def compile_postprocess(headdim: int, dtype: str, varlen: bool = False, accum_ti
 def compile_combine(headdim: int, dtype: str, sink: bool = False, arch: int = 90, options: str = ""):
     """Compile the split-KV combine (kernels/common/fwd_combine.py)."""
     from flash4.compile.fake import DTYPES, _fake
+
+    cutlass, cute = _dsl()
 
     ns, b, sp, hk, sq, h = (cute.sym_int32() for _ in range(6))
     o_acc = _fake(cutlass.Float32, (ns, b, sp, hk, headdim), 4, 4)
@@ -302,8 +318,6 @@ def get_combine_runner(headdim: int, dtype: str, arch: int = 90, sink: bool = Fa
     """Cached: compiled split-KV combine (kernels/common/fwd_combine.py), as run(o_accum, lse_accum, out,
     lse, pack) on the current stream: o_accum fp32 (splits, B, Sp, Hk, D), lse_accum fp32
     (splits, B, Hk, Sp), out (B, Sp // pack, Hk * pack, D), lse fp32 (B, Hk * pack, Sp // pack)."""
-    from flash4.kernels.common.fwd_combine import COMBINE_WARPS_PER_CTA
-
     key = (headdim, dtype, arch) + (("sink",) if sink else ())
     compiled = load_or_compile("fwd_combine", key, COMPILE_OPTIONS + _arch_option(arch),
                                lambda: compile_combine(headdim, dtype, sink, arch))

@@ -55,18 +55,57 @@ def timing_summary() -> str:
 @functools.lru_cache(maxsize=1)
 def source_fingerprint() -> str:
     """sha256 of every flash4 source file that can change a compiled kernel (all of the package
-    but the benchmark), with the CuTe DSL version."""
-    import cutlass
-
+    but the benchmark), with the CuTe DSL version. Computed once per install: the value is kept in
+    the cache directory under a key made of the files' paths, sizes and modification times (and the
+    CuTe DSL's package file's), so a later process stats the files instead of reading, hashing them
+    and importing the DSL for its version (docs/design/warm_start.md)."""
     root = Path(__file__).resolve().parents[1]
-    digest = hashlib.sha256()
-    for path in sorted(root.rglob("*.py")):
-        rel = path.relative_to(root).as_posix()
-        if rel.startswith("bench/"):
+    files = [(path.relative_to(root).as_posix(), path) for path in sorted(root.rglob("*.py"))]
+    files = [(rel, path) for rel, path in files if not rel.startswith("bench/")]
+    stat_key = hashlib.sha256()
+    for rel, path in files + [("<cutlass>", _dsl_origin())]:
+        if path is None:
             continue
+        st = path.stat()
+        stat_key.update(f"{rel}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
+    memo = Path(env.disk_cache_dir()) / "fingerprints" / stat_key.hexdigest()[:40]
+    if env.disk_cache_enabled():
+        with contextlib.suppress(OSError, UnicodeDecodeError):
+            text = memo.read_text().strip()
+            if len(text) == 64 and all(c in "0123456789abcdef" for c in text):
+                return text
+    digest = hashlib.sha256()
+    for rel, path in files:
         digest.update(rel.encode() + b"\0" + path.read_bytes() + b"\0")
-    digest.update(f"cutlass-dsl {getattr(cutlass, '__version__', '?')}".encode())
-    return digest.hexdigest()
+    digest.update(f"cutlass-dsl {_dsl_version()}".encode())
+    value = digest.hexdigest()
+    if env.disk_cache_enabled():
+        with contextlib.suppress(OSError):
+            memo.parent.mkdir(parents=True, exist_ok=True)
+            tmp = memo.with_name(f".{memo.name}.{os.getpid()}.tmp")
+            tmp.write_text(value)
+            os.replace(tmp, memo)
+    return value
+
+
+def _dsl_origin() -> Path | None:
+    """The CuTe DSL package's __init__.py, found without importing it (None when not installed)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("cutlass")
+    return Path(spec.origin) if spec is not None and spec.origin else None
+
+
+def _dsl_version() -> str:
+    """The CuTe DSL's version: the installed distribution's, else cutlass.__version__ (an import)."""
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("nvidia-cutlass-dsl")
+    except importlib.metadata.PackageNotFoundError:
+        import cutlass
+
+        return getattr(cutlass, "__version__", "?")
 
 
 def entry_key(kind: str, config, options: str) -> str:
@@ -111,11 +150,92 @@ def _preload_runtime() -> None:
 
 
 def _load(path: Path):
+    """The kernel of a cache entry: with FLASH4_RUNTIME_LOAD, from its shared library (<key>.so,
+    TVM-FFI alone, no CuTe DSL import) when there is one; else the object through the CuTe DSL's
+    loader (and, with FLASH4_RUNTIME_LOAD, the shared library linked for the next process)."""
+    runtime = env.runtime_load_enabled()
+    shared = path.with_suffix(".so")
+    if runtime and shared.exists():
+        try:
+            return _load_shared(shared)
+        except Exception as err:  # noqa: BLE001 - fall back to the object (and relink)
+            warnings.warn(f"flash4 compile cache: cannot load {shared.name} through TVM-FFI ({type(err).__name__}: "
+                          f"{err}); loading the object through the CuTe DSL", RuntimeWarning, stacklevel=3)
+            with contextlib.suppress(OSError):
+                shared.unlink()
     import cutlass.cute as cute
 
     _preload_runtime()
     module = cute.runtime.load_module(str(path), enable_tvm_ffi=True)
-    return getattr(module, EXPORT_NAME)
+    fn = getattr(module, EXPORT_NAME)
+    if runtime:
+        _link_shared(path)
+    return fn
+
+
+# ---------------------------------------------------------------- shared libraries (FLASH4_RUNTIME_LOAD)
+# The object an entry stores (export_to_c) holds the kernel's cubin and a host launcher whose only
+# undefined symbols are the CuTe DSL runtime library's (CUDA library loading, launches) and
+# TVM-FFI's. Linked into a shared library (`cc -shared`), it loads with dlopen through
+# tvm_ffi.load_module once those two libraries are loaded globally, without the DSL's compiler
+# (its MLIR bindings and execution engine are most of a warm process start). RUNTIME_LIBS, in the
+# cache directory, names the runtime libraries the DSL found when it linked (the DSL's choice of
+# CUDA 12 / 13 flavour is kept).
+RUNTIME_LIBS = "runtime_libs.txt"
+
+
+def _link_shared(obj: Path) -> None:
+    """Link the cached object `obj` into obj.with_suffix('.so') and record the runtime libraries
+    (best effort: a warning, never an error, without a C compiler driver)."""
+    import shutil
+    import subprocess
+
+    shared = obj.with_suffix(".so")
+    if shared.exists():
+        return
+    try:
+        import cutlass.cute as cute
+
+        libs = [lib for lib in cute.runtime.find_runtime_libraries(enable_tvm_ffi=True) if Path(lib).exists()]
+        listing = obj.parent / RUNTIME_LIBS
+        if not listing.exists() or listing.read_text().split() != libs:
+            tmp = listing.with_name(f".{listing.name}.{os.getpid()}.tmp")
+            tmp.write_text("\n".join(libs) + "\n")
+            os.replace(tmp, listing)
+        cc = shutil.which("cc")
+        if cc is None:
+            raise OSError("no C compiler driver (cc) to link the shared library with")
+        tmp = shared.with_name(f".{shared.stem}.{os.getpid()}.tmp.so")
+        try:
+            subprocess.run([cc, "-shared", "-o", str(tmp), str(obj)], check=True, capture_output=True, timeout=120)
+            os.replace(tmp, shared)
+        finally:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+    except Exception as err:  # noqa: BLE001 - the object entry still works
+        warnings.warn(f"flash4 compile cache: could not link {shared.name} ({type(err).__name__}: {err}); "
+                      f"this kernel will keep loading through the CuTe DSL", RuntimeWarning, stacklevel=3)
+
+
+@functools.lru_cache(maxsize=None)
+def _runtime_libs(directory: str) -> tuple:
+    """Load the runtime libraries named in directory/RUNTIME_LIBS with RTLD_GLOBAL (once); returns
+    their paths. Raises OSError when the listing is missing or a library cannot be loaded."""
+    libs = tuple((Path(directory) / RUNTIME_LIBS).read_text().split())
+    if not libs:
+        raise OSError(f"{RUNTIME_LIBS} lists no library")
+    for lib in libs:
+        ctypes.CDLL(lib, mode=ctypes.RTLD_GLOBAL)
+    return libs
+
+
+def _load_shared(shared: Path):
+    """The kernel function of a linked entry, through TVM-FFI alone."""
+    import tvm_ffi
+
+    _runtime_libs(str(shared.parent))
+    module = tvm_ffi.load_module(str(shared))
+    return module[EXPORT_NAME]
 
 
 def _export(compiled, path: Path) -> None:
@@ -128,6 +248,8 @@ def _export(compiled, path: Path) -> None:
     finally:
         with contextlib.suppress(OSError):
             tmp.unlink()
+    if env.runtime_load_enabled():
+        _link_shared(path)
 
 
 class _FromDisk:
@@ -145,8 +267,9 @@ class _FromDisk:
         except Exception as err:  # noqa: BLE001 - any failure of a cached object means: recompile
             warnings.warn(f"flash4 compile cache: the cached kernel {self.path.name} failed on its first call "
                           f"({type(err).__name__}: {err}); recompiling it", RuntimeWarning, stacklevel=2)
-            with contextlib.suppress(OSError):
-                self.path.unlink()
+            for stale in (self.path, self.path.with_suffix(".so")):
+                with contextlib.suppress(OSError):
+                    stale.unlink()
             self.fn = self.compile_fn()
             result = self.fn(*args)
         self.checked = True
@@ -189,8 +312,9 @@ def _load_or_compile(kind: str, config, options: str, compile_fn: Callable[[], o
             warnings.warn(f"flash4 compile cache: unreadable entry {path} ({type(err).__name__}: "
                           f"{str(err).splitlines()[0] if str(err) else ''}); recompiling", RuntimeWarning,
                           stacklevel=3)
-            with contextlib.suppress(OSError):
-                path.unlink()
+            for stale in (path, path.with_suffix(".so")):
+                with contextlib.suppress(OSError):
+                    stale.unlink()
             return None
 
     with _flock(lock, exclusive=False):

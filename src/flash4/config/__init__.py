@@ -15,6 +15,7 @@ the host names no family policy (tile rules, GQA packing, split-KV, the backward
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 from flash4.constants import DTYPES, LOG2E, RESCALE_THRESHOLD_LOG2, ROWS_PER_WARPGROUP  # noqa: F401
@@ -122,13 +123,75 @@ def fwd_config(request, arch: int, num_sms: int | None = None) -> FwdPlan:
     return _family_config(arch).fwd_plan(request, arch, num_sms)
 
 
+# ================================================================ decode steps behind every door
+# flash_attn_with_kvcache always runs its attention as a decode step: the family's decode_plan
+# (flash4.config.sm90: GQA packing of the query heads of a KV head into one tile, split-KV when the
+# (sequence, KV head) tiles cannot fill the GPU, a combine kernel). flash_attn_func, the SDPA plug-in
+# and flash_attn_varlen_func (vLLM's decode: q (B, H, D), cu_seqlens_q = arange(B + 1),
+# max_seqlen_q = 1, paged K/V with seqused_k and a page table) run the same plan when decode_door
+# says so. The rule reads host ints only (shapes, max_seqlen_q, the page table's width): no host
+# sync, CUDA-graph safe, and the plan never depends on the lengths stored on the device.
+#
+# Queries per sequence up to which a call is a decode step: 1 (decode) to 8 (speculative decoding
+# drafts); the packed rows of a step (seqlen_q x the GQA group) then fit one 64-row tile.
+DECODE_MAX_SEQLEN_Q = 8
+# Keys (dense: seqlen_k; paged: pages per sequence x page_size) from which a call is a decode step:
+# below 8 key blocks of 128 the split-KV rule (MIN_BLOCKS_PER_SPLIT = 4 blocks per split) cannot
+# split, and the door's own kernels (the dense path packs GQA in the kernel) serve short caches.
+DECODE_MIN_SEQLEN_K = 1024
+
+
+def decode_door(request, arch: int | None, lse_split: bool = False) -> bool:
+    """Whether a DENSE or PAGED request from a door runs as a decode step (the decode plan of
+    flash_attn_with_kvcache; the notes above). All of:
+      * the family of SM version `arch` plans decode steps (flash4.config.sm90; arch None: no);
+      * no lse_split is wanted (autograd's forward keeps one for the backward; a decode step has none);
+      * queries per sequence in 1..DECODE_MAX_SEQLEN_Q: DENSE q.shape[1]; PAGED the host int
+        max_seqlen_q, without seqused_q (packed rows are gathered per sequence on the device);
+      * keys per sequence >= DECODE_MIN_SEQLEN_K: DENSE k.shape[1]; PAGED page_table.shape[1] x
+        page_size (the capacity; the lengths in seqused_k stay on the device).
+    VARLEN K/V (cu_seqlens_k, not paged) stays on the varlen kernels. Pure host arithmetic on the
+    request's shapes and ints (CPU-tested: tests/cpu/test_decode_doors_cpu.py). Under torch.compile
+    the forward ops always keep lse_split (flash4.ops), so compiled graphs keep the door's kernels."""
+    seq = request.seq
+    if lse_split or arch is None:
+        return False
+    if seq.layout == "dense":
+        seqlen_q, seqlen_k = request.q.shape[1], request.k.shape[1]
+    elif seq.layout == "paged":
+        if seq.seqused_q is not None or not isinstance(seq.max_seqlen_q, int):
+            return False
+        seqlen_q, seqlen_k = seq.max_seqlen_q, request.k.shape[1] * seq.page_table.shape[1]
+    else:
+        return False
+    if not (1 <= seqlen_q <= DECODE_MAX_SEQLEN_Q and seqlen_k >= DECODE_MIN_SEQLEN_K):
+        return False
+    return _plans_decode(arch)
+
+
+@functools.lru_cache(maxsize=None)
+def _plans_decode(arch: int) -> bool:
+    """The family of SM version `arch` has a decode_plan (decode steps with packing and split-KV);
+    False for an arch without a family (the API refuses it before any rule)."""
+    from flash4.kernels import registry  # late: registry names this package's family modules
+
+    try:
+        module = registry.family(arch, include_unverified=True).config_module()
+    except ValueError:
+        return False
+    return hasattr(module, "decode_plan")
+
+
 def bwd_config(request, arch: int, heads_per_cta: int | None = None) -> BwdPlan:
     """The backward plan of `request` (DENSE or VARLEN; max_seqlen_q / max_seqlen_k resolved) on SM
     version `arch`; heads_per_cta: None, or the FLASH4_BWD_HEADS_PER_CTA override (flash4.env)."""
     return _family_config(arch).bwd_plan(request, arch, heads_per_cta)
 
 
+@functools.lru_cache(maxsize=None)
 def _family_config(arch: int):
+    """The config module of the (verified) family of SM version `arch` (cached: a lookup per call;
+    registry.family's ValueError is raised again on every call, as it is not cached)."""
     from flash4.kernels import registry  # late: registry names this package's family modules
 
     return registry.family(arch).config_module()

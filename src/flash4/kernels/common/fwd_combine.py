@@ -23,9 +23,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from flash4.constants import LOG2E
-
-COMBINE_WARPS_PER_CTA = 4
+from flash4.constants import COMBINE_WARPS_PER_CTA, LOG2E  # noqa: F401  (importers of this module read it here)
 
 
 class SplitKVCombine:

@@ -1,0 +1,194 @@
+"""Host (Python) time per call of each flash4 door, and eager vs CUDA-graph replay of a decode step.
+
+    python tools/host_overhead.py                  # on a GPU: real launches
+    python tools/host_overhead.py --fake           # no GPU needed: CPU tensors, every compiled kernel a no-op
+    python tools/host_overhead.py --fake --profile flash_attn_func   # cProfile of one door's host path
+
+Doors (decode cells: batch 1, one query, 32 query / 8 KV heads, head dim 128, bf16):
+    kvcache        flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=t)   dense cache
+    kvcache_paged  the same over a page-64 cache
+    func           flash_attn_func(q, k, v)                                        dense K/V
+    varlen_paged   flash_attn_varlen_func as vLLM calls it (q (1, H, D), cu_seqlens_q = arange(2),
+                   max_seqlen_q = 1, paged K/V, seqused_k, page_table)
+    func_prefill   flash_attn_func on a tiny prefill (1 x 128 x 8 heads x 64): the dense kernels' path
+
+Real mode prints per door: host us/call (time to issue N calls, no sync), eager us/call (N calls then
+a sync: whichever of host and GPU is slower), graph us/call (one call captured, replayed N times), and
+eager / graph. The decode cells use `--keys` keys (default 131072: the issue's batch 1 x 128k cell).
+Fake mode replaces flash4.compile.disk_cache.load_or_compile's kernels by no-ops (so the host path
+runs whole: plans, runner lookups, argument marshalling, buffer allocations, but no TVM-FFI call) and
+lets CPU tensors through the device checks (FLASH4_ARCH=90, FLASH4_NUM_SMS=132); the numbers
+measure flash4's Python (the thread's CPU time, best of 5, and Python calls per call), not the CUDA
+driver's launch cost nor the CUDA caching allocator's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# FLASH4_SRC: another checkout's src/ (the before / after numbers of docs/perf/host_overhead.md)
+sys.path.insert(0, os.environ.get("FLASH4_SRC") or os.path.join(ROOT, "src"))
+
+
+def _fake_kernels():
+    """CPU tensors through flash4's checks; every compiled kernel a no-op (nothing is compiled)."""
+    os.environ["FLASH4_ARCH"] = "90"
+    os.environ["FLASH4_NUM_SMS"] = "132"
+    from flash4 import validate
+    from flash4.compile import cache
+
+    device_problem = validate._device_problem
+
+    def relative_only(q, others, dense=False):
+        problem = device_problem(q, others, dense)
+        return None if problem is not None and problem[1].startswith("q is on cpu") else problem
+
+    validate._device_problem = relative_only
+    validate._arch_problem = lambda q, causal: None
+    if hasattr(validate, "_REMEMBER_CPU"):  # the memo of passed checks, as CUDA tensors get it
+        validate._REMEMBER_CPU = True
+
+    def no_kernel(*args, **kwargs):
+        return None
+
+    cache.load_or_compile = lambda kind, key, options, compile_fn: no_kernel
+
+
+def cells(device: str, keys: int):
+    """door name -> a no-argument callable making one call."""
+    import torch
+
+    import flash4
+
+    bf16, i32 = torch.bfloat16, torch.int32
+    b, h, hk, d, page = 1, 32, 8, 128, 64
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, device=device, dtype=bf16)
+
+    q = randn(b, 1, h, d)
+    k, v = randn(b, keys, hk, d), randn(b, keys, hk, d)
+    pages = keys // page
+    k_pool, v_pool = k.view(pages, page, hk, d), v.view(pages, page, hk, d)
+    table = torch.arange(pages, dtype=i32, device=device).view(1, pages)
+    seqlens = torch.full((b,), keys, dtype=i32, device=device)
+    cu_q = torch.arange(b + 1, dtype=i32, device=device)
+    q_packed = q.view(b, h, d)
+    qp, kp, vp = randn(1, 128, 8, 64), randn(1, 128, 8, 64), randn(1, 128, 8, 64)
+    return {
+        "kvcache": lambda: flash4.flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, causal=True),
+        "kvcache_paged": lambda: flash4.flash_attn_with_kvcache(q, k_pool, v_pool, cache_seqlens=seqlens,
+                                                                page_table=table, causal=True),
+        "func": lambda: flash4.flash_attn_func(q, k, v, causal=True),
+        "varlen_paged": lambda: flash4.flash_attn_varlen_func(q_packed, k_pool, v_pool, cu_q, None, 1, None,
+                                                              seqused_k=seqlens, page_table=table, causal=True),
+        "func_prefill": lambda: flash4.flash_attn_func(qp, kp, vp, causal=True),
+    }
+
+
+def host_us(fn, n: int, clock=time.perf_counter) -> float:
+    """Mean time of n calls (no sync) on `clock`, microseconds."""
+    t0 = clock()
+    for _ in range(n):
+        fn()
+    return (clock() - t0) / n * 1e6
+
+
+def python_calls(fn, n: int = 20) -> float:
+    """Python function calls (cProfile's count, C functions included) per call of fn: a measure of
+    the host path that a loaded machine does not blur."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(n):
+        fn()
+    prof.disable()
+    return pstats.Stats(prof).total_calls / n
+
+
+def measure(device: str, keys: int, n: int, only=None) -> list[dict]:
+    import torch
+
+    rows = []
+    for name, fn in cells(device, keys).items():
+        if only and name not in only:
+            continue
+        for _ in range(5):  # compile / load, caches
+            fn()
+        row = {"door": name}
+        if device == "cuda":
+            torch.cuda.synchronize()
+            row["host_us"] = host_us(fn, n)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            torch.cuda.synchronize()
+            row["eager_us"] = (time.perf_counter() - t0) / n * 1e6
+            graph = torch.cuda.CUDAGraph()
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                fn()
+            torch.cuda.current_stream().wait_stream(side)
+            with torch.cuda.graph(graph):
+                fn()
+            graph.replay()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(n):
+                graph.replay()
+            torch.cuda.synchronize()
+            row["graph_us"] = (time.perf_counter() - t0) / n * 1e6
+            row["eager/graph"] = row["eager_us"] / row["graph_us"]
+        else:  # the thread's CPU time: other processes on a shared box do not count
+            row["host_us"] = min(host_us(fn, n, time.thread_time) for _ in range(5))
+            row["py_calls"] = python_calls(fn)
+        rows.append(row)
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--fake", action="store_true", help="no GPU: CPU tensors, no-op kernels")
+    parser.add_argument("--keys", type=int, default=None, help="keys of the decode cells (default 131072; fake: 4096)")
+    parser.add_argument("-n", type=int, default=300, help="calls per measurement")
+    parser.add_argument("--profile", default=None, help="cProfile one door (fake or real) and print the top entries")
+    parser.add_argument("doors", nargs="*", help="doors to run (default: all)")
+    args = parser.parse_args(argv)
+    if args.fake:
+        _fake_kernels()
+    device = "cpu" if args.fake else "cuda"
+    keys = args.keys or (4096 if args.fake else 131072)
+    if args.profile:
+        import cProfile
+        import pstats
+
+        fn = cells(device, keys)[args.profile]
+        for _ in range(5):
+            fn()
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(args.n):
+            fn()
+        prof.disable()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+        return 0
+    rows = measure(device, keys, args.n, set(args.doors))
+    cols = ["door"] + [c for c in ("host_us", "py_calls", "eager_us", "graph_us", "eager/graph") if c in rows[0]]
+    print(("fake (no-op kernels, CPU tensors)" if args.fake else "cuda") + f", decode cells: 1 x {keys} keys")
+    print("  ".join(f"{c:>14}" for c in cols))
+    for row in rows:
+        print("  ".join(f"{row[c]:>14.1f}" if isinstance(row[c], float) else f"{row[c]:>14}" for c in cols))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""Warm process start: what `import flash4` plus the first forward and backward cost in a new process
+whose kernels are all in the on-disk compile cache (issue 25 item 5; docs/design/warm_start.md).
+
+    python tools/warm_start.py                 # GPU: both load paths, a private cache directory
+    python tools/warm_start.py --runtime-load 1 --cache-dir DIR
+
+Runs fresh Python processes: the first fills the cache (compiles or loads whatever the measured
+step needs), the next ones measure. A measured process times, in order: `import torch`; making the
+inputs on the GPU (CUDA context creation, not flash4's); `import flash4`; the first forward +
+backward (dense bf16, batch 2 x 1024, 16 heads, d128, causal) and a decode step
+(flash_attn_with_kvcache, 1 query over 8k keys), each with a synchronize. flash4's warm start is
+import flash4 + first step; the target is <= 0.3 s. It also prints how many kernels were loaded /
+compiled (a compile in a measured process means the cache missed) and whether the CuTe DSL
+(`cutlass`) was imported. --runtime-load picks FLASH4_RUNTIME_LOAD (0: the object files through the
+CuTe DSL's loader; 1: shared libraries through TVM-FFI alone); default: both, in that order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+CHILD = r"""
+import json, sys, time
+t0 = time.perf_counter()
+import torch
+t_torch = time.perf_counter() - t0
+
+t0 = time.perf_counter()
+gen = torch.Generator(device="cuda").manual_seed(0)
+q, k, v, dout = (torch.randn(2, 1024, 16, 128, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(4))
+for t in (q, k, v):
+    t.requires_grad_()
+qd = torch.randn(1, 1, 32, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+kc, vc = (torch.randn(1, 8192, 8, 128, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
+lens = torch.full((1,), 8000, dtype=torch.int32, device="cuda")
+torch.cuda.synchronize()
+t_inputs = time.perf_counter() - t0
+
+t0 = time.perf_counter()
+import flash4
+t_import = time.perf_counter() - t0
+
+t0 = time.perf_counter()
+out = flash4.flash_attn_func(q, k, v, causal=True)
+out.backward(dout)
+torch.cuda.synchronize()
+t_fwd_bwd = time.perf_counter() - t0
+
+t0 = time.perf_counter()
+flash4.flash_attn_with_kvcache(qd, kc, vc, cache_seqlens=lens)
+torch.cuda.synchronize()
+t_decode = time.perf_counter() - t0
+
+from flash4.compile import disk_cache
+print(json.dumps(dict(import_torch=t_torch, cuda_inputs=t_inputs, import_flash4=t_import, first_fwd_bwd=t_fwd_bwd,
+                      first_decode=t_decode, counts=dict(disk_cache.counts),
+                      cutlass_imported="cutlass" in sys.modules)))
+"""
+
+
+def run_child(env: dict) -> dict:
+    proc = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=1800)
+    if proc.returncode != 0:
+        raise RuntimeError(f"child failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cache-dir", default=None, help="compile cache directory (default: a fresh temporary one, "
+                                                           "so the fill step compiles everything: minutes)")
+    parser.add_argument("--runtime-load", choices=("0", "1"), default=None, help="FLASH4_RUNTIME_LOAD (default: both)")
+    parser.add_argument("--repeat", type=int, default=2, help="measured processes per setting")
+    args = parser.parse_args(argv)
+    cache_dir = args.cache_dir or tempfile.mkdtemp(prefix="flash4-warm-")
+    base = dict(os.environ, FLASH4_CACHE_DIR=cache_dir,
+                PYTHONPATH=os.path.join(ROOT, "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    settings = [args.runtime_load] if args.runtime_load else ["0", "1"]
+    print(f"cache: {cache_dir}")
+    for setting in settings:
+        env = dict(base, FLASH4_RUNTIME_LOAD=setting)
+        fill = run_child(env)  # compiles (or loads, and with 1 links the shared libraries)
+        print(f"FLASH4_RUNTIME_LOAD={setting}  fill: {fill['counts']}")
+        for _ in range(args.repeat):
+            r = run_child(env)
+            warm = r["import_flash4"] + r["first_fwd_bwd"]
+            print(f"  import torch {r['import_torch']:.2f} s | CUDA + inputs {r['cuda_inputs']:.2f} s | "
+                  f"import flash4 {r['import_flash4']:.3f} s | first fwd+bwd {r['first_fwd_bwd']:.3f} s | "
+                  f"first decode {r['first_decode']:.3f} s | warm start (import + fwd+bwd) {warm:.3f} s "
+                  f"(target 0.3) | kernels {r['counts']} | cutlass imported: {r['cutlass_imported']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
