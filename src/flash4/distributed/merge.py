@@ -1,0 +1,41 @@
+"""Exact merge of partial attention results by their log-sum-exp.
+
+Attention of a query row over the union of two disjoint key sets A and B, from each set's own
+(out, lse) with lse = log sum_j exp(s_j) over that set:
+
+    lse   = log(exp(lse_A) + exp(lse_B))                      (torch.logaddexp)
+    out   = exp(lse_A - lse) * out_A + exp(lse_B - lse) * out_B
+
+A set the row sees nothing of has out 0 and lse -inf (flash4's convention), so its weight is 0;
+a row that sees nothing in either set keeps out 0 and lse -inf (the weights are computed against
+0 there instead of -inf, which would give NaN). Computed in fp32 (or the inputs' wider dtype).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def merge(out, lse, block_out, block_lse):
+    """(out, lse) of the union of two disjoint key sets (module docstring).
+    out, block_out: (rows, nheads, headdim); lse, block_lse: (nheads, rows) (flash4's varlen
+    layout). out / lse are the running accumulators (fp32 or wider); block_* any float dtype.
+    Returns new tensors (out in out's dtype, lse in lse's)."""
+    new_lse = torch.logaddexp(lse, block_lse.to(lse.dtype))
+    base = torch.where(torch.isneginf(new_lse), torch.zeros_like(new_lse), new_lse)
+    w_old = torch.exp(lse - base).T.unsqueeze(-1)  # (rows, nheads, 1)
+    w_new = torch.exp(block_lse.to(lse.dtype) - base).T.unsqueeze(-1)
+    return w_old * out + w_new * block_out.to(out.dtype), new_lse
+
+
+def merge_rows(out, lse, rows, block_out, block_lse) -> None:
+    """merge() into the accumulators in place, for the query rows `rows` only: None (all rows) or
+    an int64 index tensor (rows,) that block_out / block_lse's rows correspond to."""
+    if rows is None:
+        new_out, new_lse = merge(out, lse, block_out, block_lse)
+        out.copy_(new_out)
+        lse.copy_(new_lse)
+        return
+    new_out, new_lse = merge(out.index_select(0, rows), lse.index_select(1, rows), block_out, block_lse)
+    out.index_copy_(0, rows, new_out)
+    lse.index_copy_(1, rows, new_lse)
