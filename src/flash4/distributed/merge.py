@@ -5,10 +5,14 @@ Attention of a query row over the union of two disjoint key sets A and B, from e
 
     lse   = log(exp(lse_A) + exp(lse_B))                      (torch.logaddexp)
     out   = exp(lse_A - lse) * out_A + exp(lse_B - lse) * out_B
+          = sigmoid(lse_A - lse_B) * out_A + sigmoid(lse_B - lse_A) * out_B
 
-A set the row sees nothing of has out 0 and lse -inf (flash4's convention), so its weight is 0;
-a row that sees nothing in either set keeps out 0 and lse -inf (the weights are computed against
-0 there instead of -inf, which would give NaN). Computed in fp32 (or the inputs' wider dtype).
+The weights are taken in the sigmoid form: lse_B - lse_A of two nearby fp32 numbers is exact,
+whereas lse_A - lse carries the rounding of lse (an ulp of lse = 1e4 is 1e-3: the exp form would
+be off by 1e-3 relative there). A set the row sees nothing of has out 0 and lse -inf (flash4's
+convention), so its weight is 0; a row that sees nothing in either set keeps out 0 and lse -inf
+(both weights 0 there, where -inf - -inf would give NaN). Computed in fp32 (or the inputs' wider
+dtype).
 """
 
 from __future__ import annotations
@@ -21,11 +25,13 @@ def merge(out, lse, block_out, block_lse):
     out, block_out: (rows, nheads, headdim); lse, block_lse: (nheads, rows) (flash4's varlen
     layout). out / lse are the running accumulators (fp32 or wider); block_* any float dtype.
     Returns new tensors (out in out's dtype, lse in lse's)."""
-    new_lse = torch.logaddexp(lse, block_lse.to(lse.dtype))
-    base = torch.where(torch.isneginf(new_lse), torch.zeros_like(new_lse), new_lse)
-    w_old = torch.exp(lse - base).T.unsqueeze(-1)  # (rows, nheads, 1)
-    w_new = torch.exp(block_lse.to(lse.dtype) - base).T.unsqueeze(-1)
-    return w_old * out + w_new * block_out.to(out.dtype), new_lse
+    block_lse = block_lse.to(lse.dtype)
+    empty = torch.isneginf(lse) & torch.isneginf(block_lse)
+    diff = torch.where(empty, torch.zeros_like(lse), block_lse - lse)  # +-inf when one side is empty
+    keep = (~empty).to(lse.dtype)
+    w_old = (torch.sigmoid(-diff) * keep).T.unsqueeze(-1)  # (rows, nheads, 1)
+    w_new = (torch.sigmoid(diff) * keep).T.unsqueeze(-1)
+    return w_old * out + w_new * block_out.to(out.dtype), torch.logaddexp(lse, block_lse)
 
 
 def merge_rows(out, lse, rows, block_out, block_lse) -> None:
