@@ -292,8 +292,11 @@ def _single_process(q, k, v, dout, dlse, cu, causal, dtype, upcast):
 
 def _ring_rank(case, q, k, v, dout, dlse, cu, rank, world, group):
     """This rank's (out, lse, dq, dk, dv) shards through the ring (ReferenceKernel in fp32)."""
+    return _ring_rank_kernel(case, q, k, v, dout, dlse, cu, rank, world, group, fd.ReferenceKernel(torch.float32))
+
+
+def _ring_rank_kernel(case, q, k, v, dout, dlse, cu, rank, world, group, kernel):
     dense, causal, dtype = case
-    kernel = fd.ReferenceKernel(torch.float32)
     shard = [fd.zigzag_shard(t, rank, world, cu) for t in (q, k, v, dout)]
     dlse_l = fd.zigzag_shard(dlse.T, rank, world, cu).T
     leaves = [t.to(dtype).requires_grad_() for t in shard[:3]]
@@ -401,3 +404,53 @@ def test_ring_gloo(gloo_results, world, case):
     processes, gathered, against single-process attention."""
     inputs = _inputs(case, world, seed=100 * world + CASES.index(case))
     _check_case(case, world, [r[_case_id(case)] for r in gloo_results[world]], inputs)
+
+
+# ---------------------------------------------------------------- the default kernel's plumbing
+@pytest.fixture
+def flash4_on_cpu(monkeypatch, cpu_kernels):
+    """flash4's host forward / backward on CPU tensors: the forward launch is the reference
+    (cpu_kernels); the backward launch applies the kernels' formula to the out / lse / dlse it is
+    given (the ring passes the merged ones, which cpu_kernels' recomputing stand-in would ignore)."""
+    from flash4 import backward
+
+    calls = []
+
+    def launch(request, dout, out, lse, lse_split, dlse, dq, dk, dv):
+        seq = request.seq
+        grads = fd.ReferenceKernel(torch.float32).backward(
+            dout, request.q, request.k, request.v, out, lse, dlse, seq.cu_seqlens_q, seq.cu_seqlens_k,
+            seq.max_seqlen_q, seq.max_seqlen_k, request.score.softmax_scale, request.mask.causal)
+        for g, buf in zip(grads, (dq, dk, dv)):
+            buf.copy_(g)
+        calls.append(dict(causal=request.mask.causal, dlse=dlse is not None, headdim=request.q.shape[-1]))
+
+    monkeypatch.setattr(backward, "launch", launch)
+    return calls
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dense", [False, True])
+def test_flash4_kernel_plumbing(flash4_on_cpu, cpu_kernels, dense, causal):
+    """The default Flash4Kernel (flash_attn_varlen_func with return_lse, flash4.backward.run with the
+    ring's out / lse / dlse) in a 3-rank thread ring, bf16 CPU tensors, the launches stood in for;
+    head dim 16 runs padded to 64 (flash4.headdim) in the backward as in the forward."""
+    world, case = 3, (dense, causal, torch.bfloat16)
+    inputs = _inputs(case, world, seed=11)
+    rings = fd.local_rings(world)
+    results = [None] * world
+
+    def rank_main(r):
+        results[r] = _ring_rank_kernel(case, *inputs, r, world, rings[r], fd.Flash4Kernel())
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert all(r is not None for r in results), "a rank failed (see the thread's traceback above)"
+    _check_case(case, world, results, inputs)
+    assert len(cpu_kernels) == world * world and len(flash4_on_cpu) == world * world
+    assert sum(c["causal"] for c in flash4_on_cpu) == (world if causal else 0)  # step 0 of each rank
+    assert all(c["dlse"] and c["headdim"] == 64 for c in flash4_on_cpu)
+    assert all(c["request"].q.shape[-1] == 64 for c in cpu_kernels)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from flash4 import backward, validate
+from flash4 import headdim as hd
 from flash4.api import flash_attn_varlen_func
 from flash4.reference import attention_bwd_ref, attention_varlen_ref
 
@@ -26,8 +27,8 @@ from flash4.reference import attention_bwd_ref, attention_varlen_ref
 class Flash4Kernel:
     """flash4's varlen forward (flash_attn_varlen_func with return_lse=True, no autograd) and its
     host backward (flash4.backward.run with the ring's out, lse and dlse). Inputs: bf16 / fp16 on
-    an sm_90 GPU; head dims those of the backward kernels (flash4.config.BWD_SUPPORTED_HEADDIMS).
-    deterministic: flash4's deterministic backward."""
+    an sm_90 GPU; head dims as flash_attn_varlen_func's (a head dim without a kernel is zero-padded
+    to one, flash4.headdim, in the backward too). deterministic: flash4's deterministic backward."""
 
     def __init__(self, deterministic: bool = False):
         self.deterministic = bool(deterministic)
@@ -39,10 +40,18 @@ class Flash4Kernel:
 
     def backward(self, dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                  softmax_scale, causal):
+        d, d_v = q.shape[-1], v.shape[-1]
+        if not hd.is_native(d, d_v):  # as the forward door does: zero columns change no score (flash4.headdim)
+            d_p, dv_p = hd.padded_headdims(d, d_v)
+            q, k = hd.pad_last(q, d_p), hd.pad_last(k, d_p)
+            v, out, dout = (hd.pad_last(t, dv_p) for t in (v, out, dout))
         request = validate.varlen_request(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                           softmax_scale=softmax_scale, causal=causal,
                                           deterministic=self.deterministic)
-        return backward.run(request, dout.contiguous(), out, lse, dlse=dlse)
+        dq, dk, dv = backward.run(request, dout.contiguous(), out.contiguous(), lse, dlse=dlse)
+        if dq.shape[-1] != d or dv.shape[-1] != d_v:
+            dq, dk, dv = dq[..., :d], dk[..., :d], dv[..., :d_v]
+        return dq, dk, dv
 
 
 class ReferenceKernel:
