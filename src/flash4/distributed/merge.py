@@ -20,26 +20,34 @@ from __future__ import annotations
 import torch
 
 
+def weights(lse, block_lse):
+    """(w_old, w_new, new_lse): the merge's weights of the accumulated and the block's out, each
+    (rows, nheads, 1), and the merged lse (nheads, rows), in lse's dtype (module docstring)."""
+    block_lse = block_lse.to(lse.dtype)
+    empty = torch.isneginf(lse) & torch.isneginf(block_lse)
+    diff = torch.where(empty, torch.zeros_like(lse), block_lse - lse)  # +-inf when one side is empty
+    keep = (~empty).to(lse.dtype)
+    w_old = (torch.sigmoid(-diff) * keep).T.unsqueeze(-1)
+    w_new = (torch.sigmoid(diff) * keep).T.unsqueeze(-1)
+    return w_old, w_new, torch.logaddexp(lse, block_lse)
+
+
 def merge(out, lse, block_out, block_lse):
     """(out, lse) of the union of two disjoint key sets (module docstring).
     out, block_out: (rows, nheads, headdim); lse, block_lse: (nheads, rows) (flash4's varlen
     layout). out / lse are the running accumulators (fp32 or wider); block_* any float dtype.
     Returns new tensors (out in out's dtype, lse in lse's)."""
-    block_lse = block_lse.to(lse.dtype)
-    empty = torch.isneginf(lse) & torch.isneginf(block_lse)
-    diff = torch.where(empty, torch.zeros_like(lse), block_lse - lse)  # +-inf when one side is empty
-    keep = (~empty).to(lse.dtype)
-    w_old = (torch.sigmoid(-diff) * keep).T.unsqueeze(-1)  # (rows, nheads, 1)
-    w_new = (torch.sigmoid(diff) * keep).T.unsqueeze(-1)
-    return w_old * out + w_new * block_out.to(out.dtype), torch.logaddexp(lse, block_lse)
+    w_old, w_new, new_lse = weights(lse, block_lse)
+    return w_old * out + w_new * block_out.to(out.dtype), new_lse
 
 
 def merge_rows(out, lse, rows, block_out, block_lse) -> None:
-    """merge() into the accumulators in place, for the query rows `rows` only: None (all rows) or
-    an int64 index tensor (rows,) that block_out / block_lse's rows correspond to."""
+    """merge() into the accumulators in place, for the query rows `rows` only: None (all rows:
+    no temporary the size of out but the block's cast) or an int64 index tensor (rows,) that
+    block_out / block_lse's rows correspond to."""
     if rows is None:
-        new_out, new_lse = merge(out, lse, block_out, block_lse)
-        out.copy_(new_out)
+        w_old, w_new, new_lse = weights(lse, block_lse)
+        out.mul_(w_old).addcmul_(block_out.to(out.dtype), w_new)
         lse.copy_(new_lse)
         return
     new_out, new_lse = merge(out.index_select(0, rows), lse.index_select(1, rows), block_out, block_lse)

@@ -107,6 +107,8 @@ def ring_forward(q, k, v, plan: Plan, ring, kernel):
         k_idx, cu_k, max_k = plan.k_rows(step)
         block_out, block_lse = kernel.forward(_rows(q, q_idx), _rows(k, k_idx), _rows(v, k_idx), cu_q, cu_k, max_q,
                                               max_k, plan.softmax_scale, step.causal)
+        if world == 1:  # one block: the kernel's result as it is (no fp32 copy of out)
+            return block_out.to(q.dtype), block_lse.to(acc)
         if out is None:  # step 0 covers every query row
             assert q_idx is None
             out, lse = block_out.to(acc), block_lse.to(acc)
@@ -121,7 +123,7 @@ def ring_backward(dout, q, k, v, out, lse, dlse, plan: Plan, ring, kernel):
     """(dq, dk, dv) of this rank's q, k, v (module docstring); out / lse: ring_forward's."""
     world = ring.world_size
     acc = accumulator_dtype(q.dtype)
-    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device) if world > 1 else None
     dkv = pending_dkv = None
     for step in zz.schedule(ring.rank, world, plan.causal):
         pending_kv = ring.exchange([k, v]) if step.step + 1 < world else None
@@ -131,6 +133,8 @@ def ring_backward(dout, q, k, v, out, lse, dlse, plan: Plan, ring, kernel):
             _rows(dout, q_idx), _rows(q, q_idx), _rows(k, k_idx), _rows(v, k_idx), _rows(out, q_idx),
             _rows(lse, q_idx, 1), None if dlse is None else _rows(dlse, q_idx, 1), cu_q, cu_k, max_q, max_k,
             plan.softmax_scale, step.causal)
+        if world == 1:  # one block: the kernel's gradients as they are
+            return dq_b.to(q.dtype), dk_b.to(k.dtype), dv_b.to(v.dtype)
         _add_rows(dq, q_idx, dq_b)
         if dkv is None:  # step 0: my own block, every key row
             assert k_idx is None
