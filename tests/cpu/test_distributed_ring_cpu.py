@@ -377,6 +377,20 @@ def _gloo_worker(rank, world, store_path, out_dir):
         dist.destroy_process_group()
 
 
+def join_or_kill(ctx, timeout: float) -> None:
+    """Wait for a torch.multiprocessing context's processes; a hang (a ring deadlock) fails after
+    `timeout` seconds with the processes killed instead of blocking the test run."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not ctx.join(timeout=max(0.0, deadline - time.monotonic())):  # re-raises a rank's exception
+        if time.monotonic() >= deadline:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+            pytest.fail(f"a ring of {len(ctx.processes)} processes did not finish within {timeout} s")
+
+
 @pytest.fixture(scope="module")
 def gloo_results(tmp_path_factory):
     """{world: [rank results]} for gloo rings of 2, 3 and 4 processes (forked: no re-import of torch;
@@ -386,8 +400,9 @@ def gloo_results(tmp_path_factory):
     found = {}
     for world in (2, 3, 4):
         d = tmp_path_factory.mktemp(f"gloo{world}")
-        mp.start_processes(_gloo_worker, args=(world, str(d / "store"), str(d)), nprocs=world, join=True,
-                           start_method="fork")
+        ctx = mp.start_processes(_gloo_worker, args=(world, str(d / "store"), str(d)), nprocs=world, join=False,
+                                 start_method="fork")
+        join_or_kill(ctx, timeout=120)
         found[world] = [torch.load(d / f"rank{r}.pt") for r in range(world)]
     return found
 

@@ -172,9 +172,23 @@ def test_ring_nccl_two_gpus(tmp_path):
     import torch.multiprocessing as mp
 
     os.environ.update(SAFE_ENV)  # inherited by the spawned ranks too
-    mp.spawn(_nccl_worker, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
+    ctx = mp.spawn(_nccl_worker, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=False)
+    _join_or_kill(ctx, timeout=300)
     for dense in (False, True):
         for causal in (False, True):
             inputs = _inputs(2, dense, seed=50 + 2 * dense + causal)
             shards = [torch.load(tmp_path / f"{int(dense)}{int(causal)}_rank{r}.pt") for r in range(2)]
             _check(inputs, shards, causal)
+
+
+def _join_or_kill(ctx, timeout: float) -> None:
+    """Wait for the spawned ranks; a hang fails after `timeout` seconds with them killed."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not ctx.join(timeout=max(0.0, deadline - time.monotonic())):  # re-raises a rank's exception
+        if time.monotonic() >= deadline:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+            pytest.fail(f"{len(ctx.processes)} ranks did not finish within {timeout} s")

@@ -94,4 +94,18 @@ def test_torch_context_parallel_with_flash4(tmp_path):
     import torch.multiprocessing as mp
 
     os.environ.update(SAFE_ENV)
-    mp.spawn(_worker, args=(2, str(tmp_path / "store")), nprocs=2, join=True)
+    ctx = mp.spawn(_worker, args=(2, str(tmp_path / "store")), nprocs=2, join=False)
+    _join_or_kill(ctx, timeout=300)
+
+
+def _join_or_kill(ctx, timeout: float) -> None:
+    """Wait for the spawned ranks; a hang fails after `timeout` seconds with them killed."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not ctx.join(timeout=max(0.0, deadline - time.monotonic())):  # re-raises a rank's exception
+        if time.monotonic() >= deadline:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+            pytest.fail(f"{len(ctx.processes)} ranks did not finish within {timeout} s")
