@@ -400,3 +400,39 @@ def kvcache_ref(q, k_cache, v_cache, seqlens_k, page_table=None, cache_batch_idx
         return (q.new_zeros(tuple(q.shape[:-1]) + (v_cache.shape[-1],), dtype=dtype),
                 q.new_zeros((0, q.shape[2], q.shape[1]), dtype=compute_dtype if upcast else torch.float32))
     return torch.cat(outs), torch.cat(lses)
+
+
+def attention_bwd_ref(dout, q, k, v, out, lse, dlse=None, softmax_scale: float | None = None, causal: bool = False,
+                      compute_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward kernels' formula, given the forward's out and lse instead of recomputing them:
+    P = exp(scale * S - lse) (0 where lse = -inf or masked), D = rowsum(dout * out) - dlse,
+    dS = P * (dP - D), dq = scale * dS K, dk = scale * dS^T Q, dv = P^T dout. Equal to autograd of
+    attention_ref when out / lse are this block's own; with out / lse of a larger key set (a ring
+    attention's merged result) it gives this block's exact share of the gradients.
+
+    q: (B, Sq, H, D); k: (B, Sk, Hk, D); v: (B, Sk, Hk, Dv); out, dout: (B, Sq, H, Dv);
+    lse, dlse: (B, H, Sq) (dlse None = 0). Causal bottom-right as attention_ref. Returns (dq, dk, dv)
+    in compute_dtype, shaped like q, k, v."""
+    scale = 1.0 / math.sqrt(q.shape[3]) if softmax_scale is None else float(softmax_scale)
+    q, k, v, out, dout, lse = (t.to(compute_dtype) for t in (q, k, v, out, dout, lse))
+    nheads, nheads_k = q.shape[2], k.shape[2]
+    group = nheads // nheads_k
+    kx, vx = (t.repeat_interleave(group, dim=2) for t in (k, v))
+    with _full_precision_matmul(enabled=True):
+        scores = torch.einsum("bqhd,bkhd->bhqk", q, kx) * scale
+        if causal:
+            scores = scores.masked_fill(~causal_mask(q.shape[1], k.shape[1], q.device), float("-inf"))
+        seen = torch.isfinite(lse).unsqueeze(-1)
+        p = torch.where(seen, torch.exp(scores - torch.where(seen, lse.unsqueeze(-1), 0.0)), 0.0)
+        d = torch.einsum("bqhd,bqhd->bhq", dout, out)
+        if dlse is not None:
+            d = d - dlse.to(compute_dtype)
+        dp = torch.einsum("bqhd,bkhd->bhqk", dout, vx)
+        ds = p * (dp - d.unsqueeze(-1))
+        dq = torch.einsum("bhqk,bkhd->bqhd", ds, kx) * scale
+        dk = torch.einsum("bhqk,bqhd->bkhd", ds, q) * scale
+        dv = torch.einsum("bhqk,bqhd->bkhd", p, dout)
+    b, sk = k.shape[:2]
+    dk = dk.reshape(b, sk, nheads_k, group, -1).sum(3)
+    dv = dv.reshape(b, sk, nheads_k, group, -1).sum(3)
+    return dq, dk, dv
