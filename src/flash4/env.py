@@ -7,6 +7,7 @@
 | FLASH4_CACHE       | 0 disables the on-disk compile cache                 | on                         |
 | FLASH4_CACHE_DIR   | directory of the on-disk compile cache               | $XDG_CACHE_HOME/flash4 or ~/.cache/flash4 |
 | FLASH4_BWD_HEADS_PER_CTA | query heads per backward CTA under GQA/MQA (tuning) | flash4.config.bwd_heads_per_cta |
+| FLASH4_PAGE_GATHER_MAX | paged K/V: gather pages of at most this many rows (0 = TMA pieces for every multiple of 8; A/B) | flash4.config.PAGE_GATHER_MAX |
 | FLASH4_SM100       | sm_100 kernels: off, selftest (run after passing flash4.selftest), on (unchecked) | selftest |
 
 Each function reads the environment when called (no caching), so a test can set a variable with
@@ -92,6 +93,22 @@ def bwd_heads_per_cta_override() -> int | None:
     """FLASH4_BWD_HEADS_PER_CTA (a positive integer), or None when unset: the GQA/MQA backward's
     query heads per CTA instead of flash4.config.bwd_heads_per_cta's choice (for measurements)."""
     return _positive_int("FLASH4_BWD_HEADS_PER_CTA", "1 or 4")
+
+
+def page_gather_max() -> int | None:
+    """FLASH4_PAGE_GATHER_MAX (an integer >= 0), or None when unset: paged K/V whose pages hold at most
+    this many rows are gathered row by row instead of loaded by TMA page pieces (flash4.config.
+    paged_layout; pages that are not multiples of 8 rows are always gathered). For A/B measurements."""
+    value = _get("FLASH4_PAGE_GATHER_MAX")
+    if value is None:
+        return None
+    try:
+        rows = int(value)
+    except ValueError:
+        rows = -1
+    if rows < 0:
+        raise ValueError(f"FLASH4_PAGE_GATHER_MAX={value!r} must be an integer >= 0, e.g. 0 (off) or 32")
+    return rows
 
 
 SM100_MODES = ("off", "selftest", "on")
