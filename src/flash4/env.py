@@ -8,6 +8,7 @@
 | FLASH4_CACHE_DIR   | directory of the on-disk compile cache               | $XDG_CACHE_HOME/flash4 or ~/.cache/flash4 |
 | FLASH4_BWD_HEADS_PER_CTA | query heads per backward CTA under GQA/MQA (tuning) | flash4.config.bwd_heads_per_cta |
 | FLASH4_PAGE_GATHER_MAX | paged K/V: gather pages of at most this many rows (0 = TMA pieces for every multiple of 8; A/B) | flash4.config.PAGE_GATHER_MAX |
+| FLASH4_PAGE_PREFETCH | paged K/V by TMA pieces: read page-table entries two blocks ahead (0/1; A/B) | flash4.config.PAGE_PREFETCH |
 | FLASH4_SM100       | sm_100 kernels: off, selftest (run after passing flash4.selftest), on (unchecked) | selftest |
 
 Each function reads the environment when called (no caching), so a test can set a variable with
@@ -67,17 +68,30 @@ def num_sms_override() -> int | None:
     return _positive_int("FLASH4_NUM_SMS", "132")
 
 
-def disk_cache_enabled() -> bool:
-    """False when FLASH4_CACHE is 0/false/off/no; True when unset or 1/true/on/yes."""
-    value = _get("FLASH4_CACHE")
+def _flag(name: str) -> bool | None:
+    """The boolean in variable `name` (0/1, true/false, on/off, yes/no), None when unset."""
+    value = _get(name)
     if value is None:
-        return True
+        return None
     text = value.lower()
     if text in ("0", "false", "off", "no"):
         return False
     if text in ("1", "true", "on", "yes"):
         return True
-    raise ValueError(f"FLASH4_CACHE={value!r}: allowed 0/1, true/false, on/off, yes/no")
+    raise ValueError(f"{name}={value!r}: allowed 0/1, true/false, on/off, yes/no")
+
+
+def disk_cache_enabled() -> bool:
+    """False when FLASH4_CACHE is 0/false/off/no; True when unset or 1/true/on/yes."""
+    value = _flag("FLASH4_CACHE")
+    return True if value is None else value
+
+
+def page_prefetch() -> bool | None:
+    """FLASH4_PAGE_PREFETCH (0/1, true/false, on/off, yes/no), or None when unset: paged K/V loaded by
+    TMA page pieces read each block's page-table entries two loads ahead (FwdConfig.page_prefetch).
+    For A/B measurements."""
+    return _flag("FLASH4_PAGE_PREFETCH")
 
 
 def disk_cache_dir() -> str:

@@ -8,7 +8,7 @@ import torch
 from cpu_helpers import kv_args, paged_args, varlen_raises
 
 from flash4 import env
-from flash4.config import (MIN_PAGE_ROWS, PAGE_GATHER_MAX, TMA_PAGE_ROWS, SUPPORTED_HEADDIMS, paged_layout,
+from flash4.config import (MIN_PAGE_ROWS, PAGE_GATHER_MAX, PAGE_PREFETCH, TMA_PAGE_ROWS, SUPPORTED_HEADDIMS, paged_layout,
                            paged_page_rows, select_fwd_config, with_seq_layout)
 from flash4.config.sm90 import FwdConfig, decode_plan
 from flash4.validate import kvcache_support_error, varlen_support_error
@@ -18,24 +18,33 @@ BF16 = torch.bfloat16
 
 def test_constants():
     assert MIN_PAGE_ROWS == 1 and TMA_PAGE_ROWS == 8
-    assert PAGE_GATHER_MAX == 0  # off until the H200 A/B decides (issue 25 item 3)
+    assert PAGE_GATHER_MAX == 0 and PAGE_PREFETCH is False  # off until the H200 A/B decides (issue 25 item 3)
 
 
 @pytest.mark.parametrize("page_size", range(1, 70))
 @pytest.mark.parametrize("tile_n", [128, 112, 80])
 def test_paged_layout_default(page_size, tile_n, monkeypatch):
     monkeypatch.delenv("FLASH4_PAGE_GATHER_MAX", raising=False)
+    monkeypatch.delenv("FLASH4_PAGE_PREFETCH", raising=False)
     got = paged_layout(page_size, tile_n)
     if page_size % 8:
         assert got == {"page_rows": 0, "page_gather": True}
     else:
-        assert got == {"page_rows": paged_page_rows(page_size, tile_n), "page_gather": False}
+        assert got == {"page_rows": paged_page_rows(page_size, tile_n), "page_gather": False, "page_prefetch": False}
         assert got["page_rows"] % TMA_PAGE_ROWS == 0 and tile_n % got["page_rows"] == 0
 
 
-def test_paged_layout_gather_switch(monkeypatch):
-    assert paged_layout(16, 128, gather_max=16) == {"page_rows": 0, "page_gather": True}
-    assert paged_layout(32, 128, gather_max=16) == {"page_rows": 32, "page_gather": False}
+def test_paged_layout_switches(monkeypatch):
+    assert paged_layout(16, 128, 16, False) == {"page_rows": 0, "page_gather": True}
+    assert paged_layout(32, 128, 16, False) == {"page_rows": 32, "page_gather": False, "page_prefetch": False}
+    assert paged_layout(32, 128, 16, True) == {"page_rows": 32, "page_gather": False, "page_prefetch": True}
+    assert paged_layout(5, 128, 0, True) == {"page_rows": 0, "page_gather": True}  # prefetch: TMA pieces only
+    monkeypatch.setenv("FLASH4_PAGE_PREFETCH", "1")
+    assert env.page_prefetch() is True and paged_layout(16, 128)["page_prefetch"]
+    monkeypatch.setenv("FLASH4_PAGE_PREFETCH", "maybe")
+    with pytest.raises(ValueError, match="FLASH4_PAGE_PREFETCH='maybe': allowed 0/1"):
+        env.page_prefetch()
+    monkeypatch.delenv("FLASH4_PAGE_PREFETCH")
     monkeypatch.setenv("FLASH4_PAGE_GATHER_MAX", "32")
     assert env.page_gather_max() == 32
     assert paged_layout(32, 128)["page_gather"] and not paged_layout(64, 128)["page_gather"]
@@ -43,7 +52,7 @@ def test_paged_layout_gather_switch(monkeypatch):
     with pytest.raises(ValueError, match="FLASH4_PAGE_GATHER_MAX='-1' must be an integer >= 0"):
         env.page_gather_max()
     with pytest.raises(ValueError, match="page_size=0 must be >= 1"):
-        paged_layout(0, 128, gather_max=0)
+        paged_layout(0, 128, 0, False)
 
 
 def test_config_paged_property_and_asserts():
@@ -55,6 +64,8 @@ def test_config_paged_property_and_asserts():
         with_seq_layout(base, varlen_q=True, seqused_k=True, page_gather=True, page_rows=16)
     with pytest.raises(AssertionError):
         FwdConfig(headdim=128, page_gather=True)  # paged K/V always come with seqused_k
+    with pytest.raises(AssertionError):
+        with_seq_layout(base, varlen_q=True, seqused_k=True, page_gather=True, page_prefetch=True)
     # repr round trip (the compile-cache key and the self-test's parser)
     assert "page_gather=True" in repr(gathered)
 
@@ -76,7 +87,9 @@ def test_decode_plan_small_pages(page_size):
     plan = decode_plan(64, 1, 32, 8, 128, "bf16", True, page_size, 8192, 0, 90, 132)
     assert plan.cfg.paged and plan.cfg.seqused_k
     assert plan.cfg.page_gather == (page_size % 8 != 0)
-    gathered = decode_plan(64, 1, 32, 8, 128, "bf16", True, 16, 8192, 0, 90, 132, gather_max=16)
+    prefetched = decode_plan(64, 1, 32, 8, 128, "bf16", True, 16, 8192, 0, 90, 132, page_policy=(0, True))
+    assert prefetched.cfg.page_prefetch and prefetched.cfg.page_rows == 16
+    gathered = decode_plan(64, 1, 32, 8, 128, "bf16", True, 16, 8192, 0, 90, 132, page_policy=(16, False))
     assert gathered.cfg.page_gather and gathered.cfg.page_rows == 0
 
 
@@ -93,7 +106,8 @@ def test_page_size_zero_refused():
     varlen_raises(ValueError, ("page_size=0", "at least 1 row"), **dict(paged, k=k, v=k.clone()))
 
 
-@pytest.mark.parametrize("spec", ["d128-causal-page4", "d64-decode-page1-split", "d256-page3"])
+@pytest.mark.parametrize("spec", ["d128-causal-page4", "d64-decode-page1-split", "d256-page3",
+                                  "d128-causal-page16-prefetch"])
 def test_gathered_configs_compile_without_spills(spec, compiled_clean):
     """The gathered path compiles for sm_90a: cp.async (LDGSTS) and no register spill."""
     pytest.importorskip("cutlass")
@@ -105,10 +119,13 @@ def test_gathered_configs_compile_without_spills(spec, compiled_clean):
     elif spec == "d64-decode-page1-split":
         cfg = decode_plan(8, 1, 32, 8, 64, "bf16", False, 1, 8192, 0, 90, 132).cfg
         assert cfg.split_kv and cfg.tile_m == 64
-    else:
+    elif spec == "d256-page3":
         base = select_fwd_config(256, "bf16", False)
         cfg = with_seq_layout(base, varlen_q=True, seqused_k=True, **paged_layout(3, base.tile_n, 0))
-    assert cfg.page_gather
+    else:
+        base = select_fwd_config(128, "bf16", True)
+        cfg = with_seq_layout(base, varlen_q=True, seqused_k=True, **paged_layout(16, base.tile_n, 0, True))
+        assert cfg.page_prefetch
+    assert cfg.page_gather or cfg.page_prefetch
     (row,) = compile_check([cfg])
     compiled_clean(row)
-    assert row["utmaldg"] == 1  # Q only: K/V are gathered

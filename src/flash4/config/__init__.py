@@ -56,6 +56,9 @@ TMA_PAGE_ROWS = 8
 # by TMA page pieces: 0 = never (the default until the H200 A/B of issue 25 item 3 decides it;
 # FLASH4_PAGE_GATHER_MAX overrides it, flash4.env.page_gather_max).
 PAGE_GATHER_MAX = 0
+# TMA page pieces with the page-table look-ahead (FwdConfig.page_prefetch): off until the same A/B
+# (FLASH4_PAGE_PREFETCH overrides it).
+PAGE_PREFETCH = False
 
 
 def paged_page_rows(page_size: int, tile_n: int) -> int:
@@ -70,28 +73,30 @@ def paged_page_rows(page_size: int, tile_n: int) -> int:
     return rows
 
 
-def paged_layout(page_size: int, tile_n: int, gather_max: int | None = None) -> dict:
-    """The paged fields of a forward config for pages of page_size rows (>= 1): {"page_rows": r,
-    "page_gather": False} (TMA page pieces of r = gcd(page_size, tile_n) rows) when page_size is a
-    multiple of TMA_PAGE_ROWS and above gather_max, else {"page_rows": 0, "page_gather": True}
-    (each key row gathered through its page-table entry by the producer warps' cp.async).
-    gather_max: None = FLASH4_PAGE_GATHER_MAX, else PAGE_GATHER_MAX. Raises ValueError for
+def paged_layout(page_size: int, tile_n: int, gather_max: int | None = None, prefetch: bool | None = None) -> dict:
+    """The paged fields of a forward config for pages of page_size rows (>= 1): TMA page pieces of
+    gcd(page_size, tile_n) rows ({"page_rows": r, "page_gather": False, "page_prefetch": prefetch})
+    when page_size is a multiple of TMA_PAGE_ROWS and above gather_max, else gathered rows
+    ({"page_rows": 0, "page_gather": True}: each key row through its own page-table entry, by the
+    producer warps' cp.async). gather_max / prefetch: None = FLASH4_PAGE_GATHER_MAX /
+    FLASH4_PAGE_PREFETCH, else PAGE_GATHER_MAX / PAGE_PREFETCH. Raises ValueError for
     page_size < 1."""
     if page_size < 1:
         raise ValueError(f"page_size={page_size} must be >= 1")
-    if gather_max is None:
-        from flash4 import env  # late: env is host-only and imports nothing of flash4
+    if gather_max is None or prefetch is None:
+        from flash4.config.sm90 import page_policy  # late: the env readers are host-only
 
-        gather_max = env.page_gather_max()
-        gather_max = PAGE_GATHER_MAX if gather_max is None else gather_max
+        env_max, env_prefetch = page_policy()
+        gather_max = env_max if gather_max is None else gather_max
+        prefetch = env_prefetch if prefetch is None else prefetch
     if page_size % TMA_PAGE_ROWS or page_size <= gather_max:
         return {"page_rows": 0, "page_gather": True}
-    return {"page_rows": paged_page_rows(page_size, tile_n), "page_gather": False}
+    return {"page_rows": paged_page_rows(page_size, tile_n), "page_gather": False, "page_prefetch": bool(prefetch)}
 
 
 def with_seq_layout(cfg, **flags):
     """cfg with the sequence-layout fields (varlen_q, varlen_k, seqused_q, seqused_k, page_rows,
-    page_gather) set."""
+    page_gather, page_prefetch) set."""
     return dataclasses.replace(cfg, **flags)
 
 

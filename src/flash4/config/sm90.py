@@ -14,7 +14,7 @@ import dataclasses
 import functools
 
 from flash4.constants import DTYPES, RESCALE_THRESHOLD_LOG2, ROWS_PER_WARPGROUP
-from flash4.config import (HDIMV_PAIRS, PAGE_GATHER_MAX, SUPPORTED_HEADDIMS, BwdPlan, FwdPlan, canonical_hdimv, ceil_div,
+from flash4.config import (HDIMV_PAIRS, PAGE_GATHER_MAX, PAGE_PREFETCH, SUPPORTED_HEADDIMS, BwdPlan, FwdPlan, canonical_hdimv, ceil_div,
                            mean_queries_per_key, paged_layout, with_seq_layout)
 from flash4.arch import capacity
 
@@ -50,6 +50,9 @@ class FwdConfig:
     page_gather:  K/V paged as with page_rows, but each key row is gathered through its own
                   page-table entry by the 128 producer threads' cp.async (16-byte chunks), for pages
                   of any size >= 1 (flash4.config.paged_layout picks it; page_rows is then 0).
+    page_prefetch: with page_rows: the producer reads each key block's page-table entries two K
+                  loads ahead and V reuses K's (kernels/sm90/fwd.py load_paged) instead of reading
+                  them right before each K and each V load (an A/B switch, FLASH4_PAGE_PREFETCH).
     split_kv:     the key blocks of each query tile are split into num_splits runs (a runtime
                   count) whose partial O / LSE go to fp32 buffers for the combine kernel (decode).
     local:        sliding window (flash4.geometry.window_sides): the (left, right) sides are runtime
@@ -86,6 +89,7 @@ class FwdConfig:
     seqused_k: bool = False
     page_rows: int = 0
     page_gather: bool = False
+    page_prefetch: bool = False
     split_kv: bool = False
     local: bool = False
     softcap: bool = False
@@ -100,6 +104,7 @@ class FwdConfig:
                                        and self.seqused_k and not self.varlen_k), self
         assert not self.page_gather or (self.page_rows == 0 and self.seqused_k and not self.varlen_k
                                         and self.tile_n <= 128), self
+        assert not self.page_prefetch or self.page_rows > 0, self
         assert self.dtype in DTYPES, self.dtype
         assert self.tile_m % ROWS_PER_WARPGROUP == 0, self.tile_m
         assert self.tile_n % 16 == 0, self.tile_n
@@ -634,10 +639,11 @@ def pack_factor(nheads: int, nheads_k: int, seqlen_q: int, causal: bool, window=
 def decode_plan(batch: int, seqlen_q: int, nheads: int, nheads_k: int, headdim: int, dtype: str, causal: bool,
                 page_size: int, capacity: int, num_splits: int, arch: int, num_sms: int,
                 window=None, softcap: bool = False, sink: bool = False, headdim_v: int | None = None,
-                gather_max: int = 0) -> FwdPlan:
+                page_policy: tuple = (0, False)) -> FwdPlan:
     """The plan of a decode step (pure; CPU-tested; cached: a step's host work is a lookup):
     packing, config and split count. page_size: 0 for a contiguous cache; capacity: keys the cache
-    can hold per sequence. headdim_v: V's head dim (None: headdim). gather_max: paged_layout's."""
+    can hold per sequence. headdim_v: V's head dim (None: headdim). page_policy: (gather_max,
+    prefetch) of paged_layout (page_policy())."""
     pack = pack_factor(nheads, nheads_k, seqlen_q, causal, window)
     # A packed tile's rows belong to `pack` query heads, each with its own sink: the sink is then
     # added by the combine kernel (which unpacks the rows), so a packed step with a sink always
@@ -657,7 +663,7 @@ def decode_plan(batch: int, seqlen_q: int, nheads: int, nheads_k: int, headdim: 
     num_splits = max(1, min(num_splits, n_blocks))
     if sink and pack > 1:
         num_splits = max(num_splits, 2)
-    paged = paged_layout(page_size, cfg.tile_n, gather_max) if page_size else {}
+    paged = paged_layout(page_size, cfg.tile_n, *page_policy) if page_size else {}
     cfg = with_seq_layout(cfg, seqused_k=True, split_kv=num_splits > 1, **paged)
     return FwdPlan(cfg, pack, num_splits, seqlen_p, heads_p)
 
@@ -674,22 +680,23 @@ def fwd_plan(request, arch: int, num_sms: int | None = None) -> FwdPlan:
     if seq.decode:
         return decode_plan(q.shape[0], q.shape[1], nheads, nheads_k, headdim, dtype, mask.causal, request.page_size,
                            request.capacity, request.cache.num_splits, arch, num_sms, mask.window, softcap, sink,
-                           headdim_v, page_gather_max())
+                           headdim_v, page_policy())
     if not seq.packed:
         cfg = select_fwd_config(headdim, dtype, mask.causal, arch, local, softcap, sink, headdim_v, k.shape[1])
         return FwdPlan(with_pack_gqa(cfg, nheads, nheads_k))
     cfg = select_fwd_config(headdim, dtype, mask.causal, arch, local, softcap, sink, headdim_v)
-    paged = paged_layout(k.shape[1], cfg.tile_n, page_gather_max()) if seq.paged else {}
+    paged = paged_layout(k.shape[1], cfg.tile_n, *page_policy()) if seq.paged else {}
     return FwdPlan(with_seq_layout(cfg, varlen_q=True, varlen_k=not seq.paged, seqused_q=seq.seqused_q is not None,
                                    seqused_k=seq.seqused_k is not None, **paged))
 
 
-def page_gather_max() -> int:
-    """The paged-gather threshold of this call: FLASH4_PAGE_GATHER_MAX, else PAGE_GATHER_MAX."""
+def page_policy() -> tuple[int, bool]:
+    """(gather_max, prefetch) of paged_layout for this call: FLASH4_PAGE_GATHER_MAX, else
+    PAGE_GATHER_MAX; FLASH4_PAGE_PREFETCH, else PAGE_PREFETCH."""
     from flash4 import env  # late: host-only
 
-    value = env.page_gather_max()
-    return PAGE_GATHER_MAX if value is None else value
+    gather_max, prefetch = env.page_gather_max(), env.page_prefetch()
+    return (PAGE_GATHER_MAX if gather_max is None else gather_max, PAGE_PREFETCH if prefetch is None else prefetch)
 
 
 def bwd_plan(request, arch: int, heads_per_cta: int | None = None) -> BwdPlan:

@@ -172,7 +172,10 @@ class FlashAttentionForwardSm90:
     each tile reads its sequence's offsets and lengths; a query tile past its sequence's length is
     skipped; packed Q/K/V are addressed through domain offsets of the TMA views; a packed O is
     stored row-predicated from smem (rows past the sequence belong to the next one); paged K/V
-    are loaded page piece by page piece (page_rows rows per TMA copy, page index from page_table).
+    are loaded page piece by page piece (page_rows rows per TMA copy, page index from page_table;
+    page_prefetch: `load_paged` reads the entries two K loads ahead), or with page_gather gathered
+    row by row by all four producer warps' cp.async (`load_paged`, paged_gather.py: pages of any
+    size; the K/V pipelines are then cp.async pipelines, the Q pipeline stays TMA).
     Nothing past a sequence reaches a result: keys past seqlen_k get score -inf (mask_scores, before
     the row max), and with a ragged K side (varlen_k / seqused_k / paged, where those rows hold other
     data rather than TMA zeros) the V rows past seqlen_k of the key-edge block are zeroed in smem
@@ -417,8 +420,12 @@ class FlashAttentionForwardSm90:
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.num_producer_regs)
             if const_expr(self.page_gather):  # the whole producer warpgroup gathers K/V
-                self.load_gathered(tma, atoms, seq_params, mask_params, smem_tiles, pipes, sched, tiles.num_splits,
-                                   warp_idx)
+                self.load_paged(tma, atoms, seq_params, mask_params, smem_tiles, pipes, sched, tiles.num_splits,
+                                warp_idx)
+            elif const_expr(self.cfg.page_prefetch):
+                if warp_idx == 0:
+                    self.load_paged(tma, atoms, seq_params, mask_params, smem_tiles, pipes, sched, tiles.num_splits,
+                                    warp_idx)
             elif warp_idx == 0:
                 self.load(tma, atoms, seq_params, mask_params, smem_tiles, pipes, sched, tiles.num_splits)
         else:
@@ -517,18 +524,19 @@ class FlashAttentionForwardSm90:
                 cute.copy(tma_atom, tXgX, tXsX, tma_bar_ptr=bar)
 
     @cute.jit
-    def load_gathered(self, tma: QKVO, atoms: QKVO, seq_params: SeqParams, mask_params: MaskParams, smem: QKVO,
-                      pipes: Pipelines, sched: TileSchedule, num_splits: Int32, warp_idx):
-        """Producer warpgroup of a gathered paged K/V (page_gather): `load`'s order (K[n_max-1], Q,
-        K[n] / V[n+1] pairs, V[n_min]), with every K/V block cp.async-gathered row by row by all
-        128 threads (paged_gather.py) and Q still one TMA copy of warp 0. Each block's page-table
-        entries are read before waiting for its stage; V reuses the entries of its K."""
+    def load_paged(self, tma: QKVO, atoms: QKVO, seq_params: SeqParams, mask_params: MaskParams, smem: QKVO,
+                   pipes: Pipelines, sched: TileSchedule, num_splits: Int32, warp_idx):
+        """Producer of a paged K/V with page-table look-ahead: gathered rows (page_gather; all four
+        producer warps, paged_gather.py) or TMA page pieces with page_prefetch (warp 0). `load`'s
+        order (K[n_max-1], Q, K[n] / V[n+1] pairs, V[n_min]); the page-table entries of a key block
+        are read two K loads before its own, so the producer never waits on them in the steady
+        state (one exposed read per tile), and V reuses the entries of its K. Q stays one TMA copy
+        of warp 0."""
         mQ, mK, mV = tma.q, tma.k, tma.v
         sQ, sK, sV = smem.q, smem.k, smem.v
         pipeline_q, pipeline_k, pipeline_v = pipes
         window = mask_params.window(self.cfg.local)
         qhead_per_kvhead = mQ.shape[2] // mK.shape[2]
-        page_size, num_pages = mK.shape[0], mK.shape[3]
         tidx = cute.arch.thread_idx()[0]
         one_cta = cute.make_layout(1)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
@@ -543,17 +551,15 @@ class FlashAttentionForwardSm90:
                 in_range = m_block * self.tile_m < seq.seqlen_q
             if in_range:
                 head_kv = head // qhead_per_kvhead
-                seqlen_k = seq.seqlen_k
-                page_table = seq_params.page_table
+                lookup = partial(self.page_lookup, seq_params.page_table, mK, seq, tidx)
+                load_K = partial(self.load_paged_block, atoms.k, mK, sK, pipeline_k, head_kv, seq, tidx, self.hdim)
+                load_V = partial(self.load_paged_block, atoms.v, mV, sV, pipeline_v, head_kv, seq, tidx, self.hdim_v)
                 n_block_min, n_block_max = self.n_block_range(m_block, seq, split, num_splits, window)
-                page_k, row_k = Int32(0), Int32(0)
+                entry_k = lookup(n_block_max - 1, n_block_min)
+                entry_next = lookup(n_block_max - 2, n_block_min)
                 if n_block_max > n_block_min:
-                    page_k, row_k = self.gather.lookup(page_table, seq.batch, n_block_max - 1, seqlen_k, page_size, num_pages,
-                                                       tidx)
                     pipeline_k.producer_acquire(state)
-                    self.gather.load(mK, sK[None, None, state.index], head_kv, page_k, row_k, n_block_max - 1, seqlen_k,
-                                tidx)
-                    pipeline_k.producer_commit(state)
+                    load_K(n_block_max - 1, state, entry_k)
                 # Q: warp 0's TMA copy, always through its pipeline (see `load`).
                 if warp_idx == 0:
                     gQ = cute.local_tile(seq.q_view(mQ, head), (self.tile_m, self.hdim), (m_block, 0))
@@ -565,24 +571,59 @@ class FlashAttentionForwardSm90:
                 if n_block_max > n_block_min:
                     for i in cutlass.range(n_block_max - 1 - n_block_min, unroll=1):
                         n_prev = n_block_max - 1 - i
-                        page_v, row_v = page_k, row_k
-                        page_k, row_k = self.gather.lookup(page_table, seq.batch, n_prev - 1, seqlen_k, page_size, num_pages,
-                                                           tidx)  # in flight during the acquire below
+                        entry_v = entry_k
+                        entry_k = entry_next
+                        entry_next = lookup(n_prev - 3, n_block_min)  # in flight over the next two loads
                         state_prev = state
                         state = next_state(state)
                         pipeline_k.producer_acquire(state)
-                        self.gather.load(mK, sK[None, None, state.index], head_kv, page_k, row_k, n_prev - 1, seqlen_k,
-                                    tidx)
-                        pipeline_k.producer_commit(state)
+                        load_K(n_prev - 1, state, entry_k)
                         pipeline_v.producer_acquire(state_prev)
-                        self.gather.load(mV, sV[None, None, state_prev.index], head_kv, page_v, row_v, n_prev, seqlen_k,
-                                    tidx)
-                        pipeline_v.producer_commit(state_prev)
+                        load_V(n_prev, state_prev, entry_v)
                     pipeline_v.producer_acquire(state)
-                    self.gather.load(mV, sV[None, None, state.index], head_kv, page_k, row_k, n_block_min, seqlen_k, tidx)
-                    pipeline_v.producer_commit(state)
+                    load_V(n_block_min, state, entry_k)
                     state = next_state(state)
             tile_idx += cute.arch.grid_dim()[0]
+
+    @cute.jit
+    def page_lookup(self, mPageTable, mK, seq, tidx, n_block, n_block_min):
+        """The page-table entries this thread holds for key block n_block (none are read when
+        n_block < n_block_min): gathered, (page, row in page) of its lookup row (paged_gather.py);
+        TMA pieces, lane i the page of piece i, num_pages (out of bounds: the TMA fills zeros) for a
+        piece past seqlen_k or the block's pieces."""
+        page_size, num_pages = mK.shape[0], mK.shape[3]
+        in_blocks = n_block >= n_block_min
+        if const_expr(self.page_gather):
+            return self.gather.lookup(mPageTable, seq.batch, n_block, seq.seqlen_k, page_size, num_pages, tidx,
+                                      in_blocks)
+        lane = cute.arch.lane_idx()
+        lane_key, lane_col, _ = geometry.paged_piece(n_block, lane, self.tile_n, self.page_rows, page_size)
+        lane_page = num_pages
+        if in_blocks & (lane < self.tile_n // self.page_rows) & (lane_key < seq.seqlen_k):
+            lane_page = mPageTable[seq.batch, cutlass.min(lane_col, mPageTable.shape[1] - 1)]
+        return lane_page
+
+    @cute.jit
+    def load_paged_block(self, tma_atom, mX, sX, pipe, head_kv, seq, tidx, hdim: cutlass.Constexpr[int], n_block,
+                         state, entry):
+        """Key block n_block of a paged K or V into stage state.index with the block's page-table
+        entries (page_lookup): gathered rows, committed by every producer thread's cp.async arrive;
+        or its page pieces' TMA copies (warp 0), completing on the stage's barrier."""
+        if const_expr(self.page_gather):
+            page, in_page = entry
+            self.gather.load(mX, sX[None, None, state.index], head_kv, page, in_page, n_block, seq.seqlen_k, tidx)
+            pipe.producer_commit(state)
+        else:
+            one_cta = cute.make_layout(1)
+            bar = pipe.producer_get_barrier(state)
+            for i in cutlass.range(self.tile_n // self.page_rows, unroll=1):
+                _, _, row_block = geometry.paged_piece(n_block, i, self.tile_n, self.page_rows, mX.shape[0])
+                page = cute.arch.shuffle_sync(entry, i)
+                gX = cute.local_tile(mX[None, None, head_kv, page], (self.page_rows, hdim), (row_block, 0))
+                sPiece = cute.local_tile(sX[None, None, state.index], (self.page_rows, hdim), (i, 0))
+                tXsX, tXgX = cpasync.tma_partition(tma_atom, 0, one_cta, cute.group_modes(sPiece, 0, 2),
+                                                   cute.group_modes(gX, 0, 2))
+                cute.copy(tma_atom, tXgX, tXsX, tma_bar_ptr=bar)
 
     @cute.jit
     def mma(self, tma: QKVO, atoms: QKVO, lse_out: LseParams, split_params: SplitParams, sink: Optional[cute.Tensor],

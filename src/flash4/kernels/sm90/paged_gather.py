@@ -15,9 +15,9 @@ Thread layout (one pass = rows_per_pass rows of the (tile_n, hdim) stage):
     (t % threads_per_row) * rows_per_pass + t // threads_per_row. That is row m * rows_per_pass + g
     for the thread of lane (g * threads_per_row + m) % 32 in the same group of threads_per_row
     lanes, so pass m takes its (page, row in page) by a shuffle from lane m of the group (passes
-    <= threads_per_row because tile_n <= 128). One global load per thread per block, issued before
-    the stage's producer_acquire wait (its latency overlaps the wait); V of a block reuses the
-    entry K of that block looked up one iteration earlier.
+    <= threads_per_row because tile_n <= 128). One global load per thread per block, issued two K loads
+    ahead of the block's own (fwd.py load_paged: its latency hides behind them); V of a block
+    reuses the entry of its K.
 Rows at or past seqlen_k are neither looked up nor copied: their smem keeps older data, which
 the consumers never let through (scores masked to -inf by select, V rows zeroed by zero_v_tail
 before any P V). A page index outside [0, num_pages) is clamped into it (garbage in, but no read
@@ -71,15 +71,16 @@ class PagedGather:
         return cute.make_tiled_copy_tv(atom, thr_layout, cute.make_layout((1, self.vec)))
 
     @cute.jit
-    def lookup(self, mPageTable: cute.Tensor, batch, n_block, seqlen_k, page_size, num_pages, tidx):
+    def lookup(self, mPageTable: cute.Tensor, batch, n_block, seqlen_k, page_size, num_pages, tidx, in_blocks):
         """(page, row in page) of this thread's lookup row of key block n_block; (0, 0) for a row
-        at or past seqlen_k (or past tile_n), whose page-table entry is not read."""
+        at or past seqlen_k (or past tile_n), or when in_blocks is false (a look-ahead past the
+        tile's blocks), whose page-table entry is not read."""
         tpr = self.threads_per_row
         row = (tidx % tpr) * self.rows_per_pass + tidx // tpr
         key = n_block * self.tile_n + row
         page = Int32(0)
         in_page = Int32(0)
-        valid = key < seqlen_k
+        valid = in_blocks & (key < seqlen_k)
         if const_expr(self.passes * self.rows_per_pass > self.tile_n):
             valid = valid & (row < self.tile_n)
         if valid:
