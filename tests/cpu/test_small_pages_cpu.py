@@ -129,3 +129,44 @@ def test_gathered_configs_compile_without_spills(spec, compiled_clean):
     assert cfg.page_gather or cfg.page_prefetch
     (row,) = compile_check([cfg])
     compiled_clean(row)
+
+
+# ================================================================ the doors, with reference kernels (conftest.py)
+@pytest.mark.parametrize("page_size", [1, 3, 5, 12])
+def test_varlen_door_small_pages(cpu_kernels, page_size):
+    import flash4
+    from flash4.config import fwd_config
+    from flash4.reference import attention_varlen_ref
+
+    paged = paged_args(len_q=(3, 0, 5), len_k=(20, 0, 33), page_size=page_size)
+    out = flash4.flash_attn_varlen_func(**paged, max_seqlen_q=5, causal=True, check_seqlens=True)
+    ref, _ = attention_varlen_ref(paged["q"], paged["k"], paged["v"], paged["cu_seqlens_q"], None, None,
+                                  paged["seqused_k"], paged["page_table"], causal=True)
+    assert torch.equal(out, ref.to(BF16))
+    cfg = fwd_config(cpu_kernels[0]["request"], 90).cfg
+    assert cfg.page_gather == (page_size % 8 != 0) and cfg.paged
+
+
+@pytest.mark.parametrize("page_size", [1, 3, 5])
+@pytest.mark.parametrize("sq, s_new", [(1, 1), (3, 3)])
+def test_kvcache_door_appends_across_small_pages(cpu_kernels, page_size, sq, s_new):
+    import flash4
+    from flash4.config import fwd_config
+    from flash4.reference import kvcache_ref
+
+    args = kv_args(b=3, sq=sq, s_new=s_new, paged=True, s_cache=40, page_size=page_size)
+    seqlens = [0, page_size - 1 if page_size > 1 else 2, 40 - s_new]  # the appends cross page boundaries
+    args["cache_seqlens"] = torch.tensor(seqlens, dtype=torch.int32)
+    table = args["page_table"]
+    k_exp, v_exp = args["k_cache"].clone(), args["v_cache"].clone()
+    for b, start in enumerate(seqlens):
+        for t in range(s_new):
+            pos = start + t
+            where = (int(table[b, pos // page_size]), pos % page_size)
+            k_exp[where], v_exp[where] = args["k"][b, t], args["v"][b, t]
+    out, lse = flash4.flash_attn_with_kvcache(**args, causal=True, return_lse=True, check_seqlens=True)
+    assert torch.equal(args["k_cache"], k_exp) and torch.equal(args["v_cache"], v_exp)
+    ref_out, ref_lse = kvcache_ref(args["q"], k_exp, v_exp, [n + s_new for n in seqlens], page_table=table, causal=True)
+    assert torch.equal(out, ref_out.to(BF16)) and torch.equal(lse, ref_lse)
+    plan = fwd_config(cpu_kernels[0]["request"], 90, num_sms=132)
+    assert plan.cfg.page_gather and plan.cfg.seqused_k
