@@ -81,7 +81,7 @@ class PagedGather:
         page = Int32(0)
         in_page = Int32(0)
         valid = in_blocks & (key < seqlen_k)
-        if const_expr(self.passes * self.rows_per_pass > self.tile_n):
+        if const_expr(self.tile_n < self.threads_per_row * self.rows_per_pass):  # lookup rows past the block
             valid = valid & (row < self.tile_n)
         if valid:
             col = key // page_size
