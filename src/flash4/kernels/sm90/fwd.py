@@ -616,7 +616,7 @@ class FlashAttentionForwardSm90:
         else:
             one_cta = cute.make_layout(1)
             bar = pipe.producer_get_barrier(state)
-            for i in cutlass.range_constexpr(self.tile_n // self.page_rows):  # unrolled: back-to-back TMA issue
+            for i in cutlass.range(self.tile_n // self.page_rows, unroll=1):  # unrolled, the producer spills
                 _, _, row_block = geometry.paged_piece(n_block, i, self.tile_n, self.page_rows, mX.shape[0])
                 page = cute.arch.shuffle_sync(entry, i)
                 gX = cute.local_tile(mX[None, None, head_kv, page], (self.page_rows, hdim), (row_block, 0))
