@@ -73,9 +73,9 @@ def prefill(pages, gather_maxes, rep_ms: float) -> list[list]:
         kc, vc, table, used = _paged(k, v, cu, page, cpu_gen)
         cells = []
         for gmax in gather_maxes:
-            ms = _with_gather_max(gmax, lambda: common.time_ms(
-                lambda: flash4.flash_attn_varlen_func(q, kc, vc, cu, None, max_s, seqused_k=used, page_table=table,
-                                                      causal=True), rep_ms=rep_ms))
+            step = lambda kc=kc, vc=vc, table=table, used=used: flash4.flash_attn_varlen_func(  # noqa: E731
+                q, kc, vc, cu, None, max_s, seqused_k=used, page_table=table, causal=True)
+            ms = _with_gather_max(gmax, lambda: common.time_ms(step, rep_ms=rep_ms))
             cells.append(f"{common.tflops(flops, ms) / base:.3f}")
         rows.append([f"prefill page {page}", f"{_gathered(page, gather_maxes)}"] + cells)
         del kc, vc
@@ -93,7 +93,8 @@ def decode(pages, gather_maxes, rep_ms: float, copy_gbps: float) -> list[list]:
     lens = torch.full((batch,), cache, dtype=torch.int32, device="cuda")
     kd = torch.randn(batch, cache, hk, d, device="cuda", dtype=torch.bfloat16)
     vd = torch.randn_like(kd)
-    ms = _graph_ms(lambda: flash4.flash_attn_with_kvcache(q, kd, vd, cache_seqlens=lens, causal=True), rep_ms)
+    ms = _graph_ms(lambda kd=kd, vd=vd: flash4.flash_attn_with_kvcache(q, kd, vd, cache_seqlens=lens, causal=True),
+                   rep_ms)
     rate = lambda t: kv_bytes / (t * 1e-3) / 1e9 / copy_gbps  # noqa: E731
     rows = [["decode contiguous", f"{rate(ms):.3f} of copy"] + [f"{rate(ms):.3f}"] * len(gather_maxes)]
     del kd, vd
@@ -105,9 +106,9 @@ def decode(pages, gather_maxes, rep_ms: float, copy_gbps: float) -> list[list]:
         table = torch.randperm(batch * npg, generator=gen).view(batch, npg).to(torch.int32).cuda()
         cells = []
         for gmax in gather_maxes:
-            t = _with_gather_max(gmax, lambda: _graph_ms(
-                lambda: flash4.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, page_table=table, causal=True),
-                rep_ms))
+            step = lambda kc=kc, vc=vc, table=table: flash4.flash_attn_with_kvcache(  # noqa: E731
+                q, kc, vc, cache_seqlens=lens, page_table=table, causal=True)
+            t = _with_gather_max(gmax, lambda: _graph_ms(step, rep_ms))
             cells.append(f"{rate(t):.3f}")
         rows.append([f"decode page {page}", f"{_gathered(page, gather_maxes)}"] + cells)
         del kc, vc
