@@ -52,6 +52,8 @@ def fwd_variants(config) -> list:
         page_rows = config.paged_page_rows(16, full.tile_n)
         out += [seq(full, varlen_q=True, seqused_k=True, page_rows=page_rows),
                 seq(full, seqused_k=True, page_rows=page_rows, split_kv=True),
+                seq(full, varlen_q=True, seqused_k=True, **config.paged_layout(5, full.tile_n, 0, False)),
+                seq(full, varlen_q=True, seqused_k=True, **config.paged_layout(16, full.tile_n, 0, True)),
                 seq(full, seqused_k=True, split_kv=True),
                 seq(sel(d, "bf16", False, sink=True), seqused_k=True, split_kv=True),
                 seq(sel(d, "bf16", True, local=True, softcap=True), varlen_q=True, varlen_k=True)]

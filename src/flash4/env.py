@@ -7,6 +7,8 @@
 | FLASH4_CACHE       | 0 disables the on-disk compile cache                 | on                         |
 | FLASH4_CACHE_DIR   | directory of the on-disk compile cache               | $XDG_CACHE_HOME/flash4 or ~/.cache/flash4 |
 | FLASH4_BWD_HEADS_PER_CTA | query heads per backward CTA under GQA/MQA (tuning) | flash4.config.bwd_heads_per_cta |
+| FLASH4_PAGE_GATHER_MAX | paged K/V: gather pages of at most this many rows (0 = TMA pieces for every multiple of 8; A/B) | flash4.config.PAGE_GATHER_MAX |
+| FLASH4_PAGE_PREFETCH | paged K/V by TMA pieces: read page-table entries two blocks ahead (0/1; A/B) | flash4.config.PAGE_PREFETCH |
 | FLASH4_SM100       | sm_100 kernels: off, selftest (run after passing flash4.selftest), on (unchecked) | selftest |
 | FLASH4_RUNTIME_LOAD | 1 loads cached kernels as shared libraries through TVM-FFI alone (no CuTe DSL import; docs/design/warm_start.md) | off |
 
@@ -67,17 +69,30 @@ def num_sms_override() -> int | None:
     return _positive_int("FLASH4_NUM_SMS", "132")
 
 
-def disk_cache_enabled() -> bool:
-    """False when FLASH4_CACHE is 0/false/off/no; True when unset or 1/true/on/yes."""
-    value = _get("FLASH4_CACHE")
+def _flag(name: str) -> bool | None:
+    """The boolean in variable `name` (0/1, true/false, on/off, yes/no), None when unset."""
+    value = _get(name)
     if value is None:
-        return True
+        return None
     text = value.lower()
     if text in ("0", "false", "off", "no"):
         return False
     if text in ("1", "true", "on", "yes"):
         return True
-    raise ValueError(f"FLASH4_CACHE={value!r}: allowed 0/1, true/false, on/off, yes/no")
+    raise ValueError(f"{name}={value!r}: allowed 0/1, true/false, on/off, yes/no")
+
+
+def disk_cache_enabled() -> bool:
+    """False when FLASH4_CACHE is 0/false/off/no; True when unset or 1/true/on/yes."""
+    value = _flag("FLASH4_CACHE")
+    return True if value is None else value
+
+
+def page_prefetch() -> bool | None:
+    """FLASH4_PAGE_PREFETCH (0/1, true/false, on/off, yes/no), or None when unset: paged K/V loaded by
+    TMA page pieces read each block's page-table entries two loads ahead (FwdConfig.page_prefetch).
+    For A/B measurements."""
+    return _flag("FLASH4_PAGE_PREFETCH")
 
 
 def _flag(name: str, default: bool) -> bool:
@@ -112,6 +127,22 @@ def bwd_heads_per_cta_override() -> int | None:
     """FLASH4_BWD_HEADS_PER_CTA (a positive integer), or None when unset: the GQA/MQA backward's
     query heads per CTA instead of flash4.config.bwd_heads_per_cta's choice (for measurements)."""
     return _positive_int("FLASH4_BWD_HEADS_PER_CTA", "1 or 4")
+
+
+def page_gather_max() -> int | None:
+    """FLASH4_PAGE_GATHER_MAX (an integer >= 0), or None when unset: paged K/V whose pages hold at most
+    this many rows are gathered row by row instead of loaded by TMA page pieces (flash4.config.
+    paged_layout; pages that are not multiples of 8 rows are always gathered). For A/B measurements."""
+    value = _get("FLASH4_PAGE_GATHER_MAX")
+    if value is None:
+        return None
+    try:
+        rows = int(value)
+    except ValueError:
+        rows = -1
+    if rows < 0:
+        raise ValueError(f"FLASH4_PAGE_GATHER_MAX={value!r} must be an integer >= 0, e.g. 0 (off) or 32")
+    return rows
 
 
 SM100_MODES = ("off", "selftest", "on")

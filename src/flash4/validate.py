@@ -30,8 +30,8 @@ import numbers
 
 import torch
 
-# MIN_PAGE_ROWS: paged K/V are loaded page piece by page piece (flash4.config.paged_page_rows), at
-# least that many rows each (the swizzle atom of the K/V smem tile).
+# MIN_PAGE_ROWS: the smallest page size (1: any page size is served, by TMA page pieces or gathered
+# rows, flash4.config.paged_layout).
 from flash4.config import MIN_PAGE_ROWS, SUPPORTED_HEADDIMS, hdimv_problem, select_fwd_config
 from flash4 import env
 from flash4 import request as _request
@@ -220,10 +220,10 @@ def _heads_problem(q, k, v, v_rule: str, k_name: str = "k", v_name: str = "v", p
 
 def _page_size_problem(k: torch.Tensor, k_name: str = "k") -> Problem:
     page_size = k.shape[1]
-    if page_size < MIN_PAGE_ROWS or page_size % MIN_PAGE_ROWS != 0:
+    if page_size < MIN_PAGE_ROWS:
         return ValueError, (
-            f"page_size={page_size} ({k_name}.shape[1] of the paged cache {_shape(k)}) is not supported: paged K/V "
-            f"needs page_size to be a multiple of {MIN_PAGE_ROWS} (e.g. 16, 32, 64, 128, 256)"
+            f"page_size={page_size} ({k_name}.shape[1] of the paged cache {_shape(k)}) is not supported: a page "
+            f"holds at least {MIN_PAGE_ROWS} row (any page size >= {MIN_PAGE_ROWS} is allowed)"
         )
     return None
 

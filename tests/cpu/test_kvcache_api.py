@@ -74,8 +74,8 @@ def test_kvcache_shapes():
               **dict(paged, page_table=paged["page_table"][:2]))
     kv_raises(ValueError, ("cache_batch_idx is not supported with page_table",),
               **dict(paged, cache_batch_idx=torch.arange(3, dtype=I32)))
-    kv_raises(ValueError, ("page_size=1 (k_cache.shape[1]", "multiple of 8"),
-              **dict(paged, k_cache=torch.zeros(9, 1, 2, 64, dtype=BF16), v_cache=torch.zeros(9, 1, 2, 64, dtype=BF16)))
+    kv_raises(ValueError, ("page_size=0 (k_cache.shape[1]", "at least 1 row"),
+              **dict(paged, k_cache=torch.zeros(9, 0, 2, 64, dtype=BF16), v_cache=torch.zeros(9, 0, 2, 64, dtype=BF16)))
 
 
 def test_kvcache_cache_too_small():

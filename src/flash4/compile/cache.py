@@ -65,7 +65,7 @@ def compile_fwd(cfg: FwdConfig, options: str = ""):
     kernel = registry.kernel_class("fwd", cfg.arch)(cfg)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     return cute.compile(
-        kernel, *fwd_fake_args(cfg.headdim, cfg.dtype, paged=cfg.page_rows > 0, headdim_v=cfg.headdim_v),
+        kernel, *fwd_fake_args(cfg.headdim, cfg.dtype, paged=cfg.paged, headdim_v=cfg.headdim_v),
         *seq_fake_args(cfg), *split_fake_args(cfg), sink_fake_arg(cfg),
         cutlass.Float32(1.0), cutlass.Float32(1.0), cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1),
         cutlass.Int32(0), cutlass.Int32(0), cutlass.Int32(1), cutlass.Int32(1), stream,

@@ -37,7 +37,7 @@ def fwd_fake_args(headdim: int, dtype: str, paged: bool = False, headdim_v: int 
 
 def seq_fake_args(cfg):
     """(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table) for a config's sequence
-    layout (FwdConfig/BwdConfig varlen_q, varlen_k, seqused_q, seqused_k, page_rows): int32 fake
+    layout (FwdConfig/BwdConfig varlen_q, varlen_k, seqused_q, seqused_k, paged): int32 fake
     tensors where the flag is on, None where it is off (the kernel specializes on None)."""
     nb1, nb, npages = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
 
@@ -45,7 +45,7 @@ def seq_fake_args(cfg):
         return _fake(cutlass.Int32, (n,), 0, 1)
 
     page_table = None
-    if getattr(cfg, "page_rows", 0):
+    if getattr(cfg, "paged", False):
         page_table = cute.runtime.make_fake_tensor(
             cutlass.Int32, (nb, npages), stride=(cute.sym_int64(), 1), assumed_align=4)
     return (vec(nb1) if cfg.varlen_q else None, vec(nb1) if cfg.varlen_k else None,

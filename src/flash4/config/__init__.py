@@ -47,23 +47,57 @@ def canonical_hdimv(headdim: int, headdim_v: int | None) -> int | None:
     return None if headdim_v is None or headdim_v == headdim else headdim_v
 
 
-# Smallest page piece one TMA copy may load: the swizzle atom of the K/V smem tile is 8 rows.
-MIN_PAGE_ROWS = 8
+# Smallest page size any door takes (the peer suite's shim reads it): pages of any size >= 1 are
+# served, by TMA page pieces or by the gathered path (paged_layout).
+MIN_PAGE_ROWS = 1
+# Smallest page piece one TMA copy may load: the swizzle atom of the K/V smem tile is 8 rows. Pages
+# whose size is not a multiple of it are gathered row by row (FwdConfig.page_gather).
+TMA_PAGE_ROWS = 8
+# Pages of at most this many rows (and multiples of TMA_PAGE_ROWS) are gathered instead of loaded
+# by TMA page pieces: 0 = never (the default until the H200 A/B of issue 25 item 3 decides it;
+# FLASH4_PAGE_GATHER_MAX overrides it, flash4.env.page_gather_max).
+PAGE_GATHER_MAX = 0
+# TMA page pieces with the page-table look-ahead (FwdConfig.page_prefetch): off until the same A/B
+# (FLASH4_PAGE_PREFETCH overrides it).
+PAGE_PREFETCH = False
 
 
 def paged_page_rows(page_size: int, tile_n: int) -> int:
     """Rows per TMA copy of a paged key block: gcd(page_size, tile_n) (a page piece never crosses
-    a page or a key block). Raises ValueError when that is not a multiple of MIN_PAGE_ROWS."""
+    a page or a key block). Raises ValueError when that is not a multiple of TMA_PAGE_ROWS (such
+    pages are gathered: paged_layout)."""
     rows = math.gcd(page_size, tile_n)
-    if page_size < 1 or rows % MIN_PAGE_ROWS != 0:
+    if page_size < 1 or rows % TMA_PAGE_ROWS != 0:
         raise ValueError(
-            f"page_size={page_size} is not supported: paged K/V needs page_size to be a multiple of "
-            f"{MIN_PAGE_ROWS} (e.g. 16, 32, 64, 128, 256)")
+            f"page_size={page_size} has no TMA page pieces: they need page_size to be a multiple of "
+            f"{TMA_PAGE_ROWS} (e.g. 16, 32, 64, 128, 256); other sizes are gathered (paged_layout)")
     return rows
 
 
+def paged_layout(page_size: int, tile_n: int, gather_max: int | None = None, prefetch: bool | None = None) -> dict:
+    """The paged fields of a forward config for pages of page_size rows (>= 1): TMA page pieces of
+    gcd(page_size, tile_n) rows ({"page_rows": r, "page_gather": False, "page_prefetch": prefetch})
+    when page_size is a multiple of TMA_PAGE_ROWS and above gather_max, else gathered rows
+    ({"page_rows": 0, "page_gather": True}: each key row through its own page-table entry, by the
+    producer warps' cp.async). gather_max / prefetch: None = FLASH4_PAGE_GATHER_MAX /
+    FLASH4_PAGE_PREFETCH, else PAGE_GATHER_MAX / PAGE_PREFETCH. Raises ValueError for
+    page_size < 1."""
+    if page_size < 1:
+        raise ValueError(f"page_size={page_size} must be >= 1")
+    if gather_max is None or prefetch is None:
+        from flash4.config.sm90 import page_policy  # late: the env readers are host-only
+
+        env_max, env_prefetch = page_policy()
+        gather_max = env_max if gather_max is None else gather_max
+        prefetch = env_prefetch if prefetch is None else prefetch
+    if page_size % TMA_PAGE_ROWS or page_size <= gather_max:
+        return {"page_rows": 0, "page_gather": True}
+    return {"page_rows": paged_page_rows(page_size, tile_n), "page_gather": False, "page_prefetch": bool(prefetch)}
+
+
 def with_seq_layout(cfg, **flags):
-    """cfg with the sequence-layout fields (varlen_q, varlen_k, seqused_q, seqused_k, page_rows) set."""
+    """cfg with the sequence-layout fields (varlen_q, varlen_k, seqused_q, seqused_k, page_rows,
+    page_gather, page_prefetch) set."""
     return dataclasses.replace(cfg, **flags)
 
 

@@ -14,8 +14,8 @@ import dataclasses
 import functools
 
 from flash4.constants import DTYPES, RESCALE_THRESHOLD_LOG2, ROWS_PER_WARPGROUP
-from flash4.config import (HDIMV_PAIRS, SUPPORTED_HEADDIMS, BwdPlan, FwdPlan, canonical_hdimv, ceil_div,
-                           mean_queries_per_key, paged_page_rows, with_seq_layout)
+from flash4.config import (HDIMV_PAIRS, PAGE_GATHER_MAX, PAGE_PREFETCH, SUPPORTED_HEADDIMS, BwdPlan, FwdPlan, canonical_hdimv, ceil_div,
+                           mean_queries_per_key, paged_layout, with_seq_layout)
 from flash4.arch import capacity
 
 # Short-sequence forward (select_fwd_config's seqlen_k): at seqlen_k <= this a query tile visits at
@@ -47,6 +47,12 @@ class FwdConfig:
     page_rows:    0: K/V not paged; else K/V are (num_pages, page_size, nheads_k, headdim) with a
                   page_table, and each key block is loaded page piece by page piece, page_rows rows
                   per TMA copy (gcd(page_size, tile_n), a multiple of 8 rows; paged_page_rows()).
+    page_gather:  K/V paged as with page_rows, but each key row is gathered through its own
+                  page-table entry by the 128 producer threads' cp.async (16-byte chunks), for pages
+                  of any size >= 1 (flash4.config.paged_layout picks it; page_rows is then 0).
+    page_prefetch: with page_rows: the producer reads each key block's page-table entries two K
+                  loads ahead and V reuses K's (kernels/sm90/fwd.py load_paged) instead of reading
+                  them right before each K and each V load (an A/B switch, FLASH4_PAGE_PREFETCH).
     split_kv:     the key blocks of each query tile are split into num_splits runs (a runtime
                   count) whose partial O / LSE go to fp32 buffers for the combine kernel (decode).
     local:        sliding window (flash4.geometry.window_sides): the (left, right) sides are runtime
@@ -82,6 +88,8 @@ class FwdConfig:
     seqused_q: bool = False
     seqused_k: bool = False
     page_rows: int = 0
+    page_gather: bool = False
+    page_prefetch: bool = False
     split_kv: bool = False
     local: bool = False
     softcap: bool = False
@@ -94,6 +102,9 @@ class FwdConfig:
         assert self.headdim_v is None or (self.headdim, self.headdim_v) in HDIMV_PAIRS, (self.headdim, self.headdim_v)
         assert self.page_rows == 0 or (self.page_rows % 8 == 0 and self.tile_n % self.page_rows == 0
                                        and self.seqused_k and not self.varlen_k), self
+        assert not self.page_gather or (self.page_rows == 0 and self.seqused_k and not self.varlen_k
+                                        and self.tile_n <= 128), self
+        assert not self.page_prefetch or self.page_rows > 0, self
         assert self.dtype in DTYPES, self.dtype
         assert self.tile_m % ROWS_PER_WARPGROUP == 0, self.tile_m
         assert self.tile_n % 16 == 0, self.tile_n
@@ -103,6 +114,11 @@ class FwdConfig:
     @property
     def num_consumer_warpgroups(self) -> int:
         return self.tile_m // ROWS_PER_WARPGROUP
+
+    @property
+    def paged(self) -> bool:
+        """K/V are pages read through a page table (TMA page pieces or gathered rows)."""
+        return self.page_rows > 0 or self.page_gather
 
     @property
     def num_threads(self) -> int:
@@ -622,10 +638,12 @@ def pack_factor(nheads: int, nheads_k: int, seqlen_q: int, causal: bool, window=
 @functools.lru_cache(maxsize=1024)
 def decode_plan(batch: int, seqlen_q: int, nheads: int, nheads_k: int, headdim: int, dtype: str, causal: bool,
                 page_size: int, capacity: int, num_splits: int, arch: int, num_sms: int,
-                window=None, softcap: bool = False, sink: bool = False, headdim_v: int | None = None) -> FwdPlan:
+                window=None, softcap: bool = False, sink: bool = False, headdim_v: int | None = None,
+                page_policy: tuple = (0, False)) -> FwdPlan:
     """The plan of a decode step (pure; CPU-tested; cached: a step's host work is a lookup):
     packing, config and split count. page_size: 0 for a contiguous cache; capacity: keys the cache
-    can hold per sequence. headdim_v: V's head dim (None: headdim)."""
+    can hold per sequence. headdim_v: V's head dim (None: headdim). page_policy: (gather_max,
+    prefetch) of paged_layout (page_policy())."""
     pack = pack_factor(nheads, nheads_k, seqlen_q, causal, window)
     # A packed tile's rows belong to `pack` query heads, each with its own sink: the sink is then
     # added by the combine kernel (which unpacks the rows), so a packed step with a sink always
@@ -645,8 +663,8 @@ def decode_plan(batch: int, seqlen_q: int, nheads: int, nheads_k: int, headdim: 
     num_splits = max(1, min(num_splits, n_blocks))
     if sink and pack > 1:
         num_splits = max(num_splits, 2)
-    cfg = with_seq_layout(cfg, seqused_k=True, page_rows=paged_page_rows(page_size, cfg.tile_n) if page_size else 0,
-                          split_kv=num_splits > 1)
+    paged = paged_layout(page_size, cfg.tile_n, *page_policy) if page_size else {}
+    cfg = with_seq_layout(cfg, seqused_k=True, split_kv=num_splits > 1, **paged)
     return FwdPlan(cfg, pack, num_splits, seqlen_p, heads_p)
 
 
@@ -662,14 +680,23 @@ def fwd_plan(request, arch: int, num_sms: int | None = None) -> FwdPlan:
     if seq.decode:
         return decode_plan(q.shape[0], q.shape[1], nheads, nheads_k, headdim, dtype, mask.causal, request.page_size,
                            request.capacity, request.cache.num_splits, arch, num_sms, mask.window, softcap, sink,
-                           headdim_v)
+                           headdim_v, page_policy())
     if not seq.packed:
         cfg = select_fwd_config(headdim, dtype, mask.causal, arch, local, softcap, sink, headdim_v, k.shape[1])
         return FwdPlan(with_pack_gqa(cfg, nheads, nheads_k))
     cfg = select_fwd_config(headdim, dtype, mask.causal, arch, local, softcap, sink, headdim_v)
-    page_rows = paged_page_rows(k.shape[1], cfg.tile_n) if seq.paged else 0
+    paged = paged_layout(k.shape[1], cfg.tile_n, *page_policy()) if seq.paged else {}
     return FwdPlan(with_seq_layout(cfg, varlen_q=True, varlen_k=not seq.paged, seqused_q=seq.seqused_q is not None,
-                                   seqused_k=seq.seqused_k is not None, page_rows=page_rows))
+                                   seqused_k=seq.seqused_k is not None, **paged))
+
+
+def page_policy() -> tuple[int, bool]:
+    """(gather_max, prefetch) of paged_layout for this call: FLASH4_PAGE_GATHER_MAX, else
+    PAGE_GATHER_MAX; FLASH4_PAGE_PREFETCH, else PAGE_PREFETCH."""
+    from flash4 import env  # late: host-only
+
+    gather_max, prefetch = env.page_gather_max(), env.page_prefetch()
+    return (PAGE_GATHER_MAX if gather_max is None else gather_max, PAGE_PREFETCH if prefetch is None else prefetch)
 
 
 def bwd_plan(request, arch: int, heads_per_cta: int | None = None) -> BwdPlan:

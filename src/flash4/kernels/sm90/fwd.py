@@ -26,15 +26,19 @@ from flash4.kernels.common.barriers import NamedBarrierFwd
 from flash4.kernels.common.gemm import wgmma
 from flash4.kernels.common.dsl import DSL_DTYPES
 from flash4.kernels.common.params import MaskParams, SeqParams
-from flash4.kernels.common.pipeline import next_state, tma_pipeline_factory
+from flash4.kernels.common.pipeline import cp_async_pipeline_factory, next_state, tma_pipeline_factory
 from flash4.kernels.common.layout import (acc_mn_view, acc_to_frgA_layout, make_packed_tma_atom, pack_gqa_view,
                                           select_modes, transpose_view)
 from flash4.kernels.common.scheduler import TileSchedule
 from flash4.kernels.common.seqinfo import SeqInfo, store_rows_predicated
 from flash4.kernels.common.softmax import OnlineSoftmax
+from flash4.kernels.sm90.paged_gather import PagedGather
 
 # setmaxnreg budgets (producer, consumer) by consumer warpgroup count: 64K registers / CTA.
 _REGS = {1: (56, 256), 2: (24, 240), 3: (32, 160)}
+# Gathered paged K/V (page_gather): the producer warpgroup computes addresses and issues cp.async
+# (FlashAttention-3 takes 40 / 232 for its non-TMA paged K/V with 2 consumer warpgroups).
+_REGS_GATHER = {1: (56, 256), 2: (40, 232), 3: (32, 160)}
 SMEM_CAPACITY = capacity(90).smem_per_block - 1024  # sm90 opt-in max per CTA, less barriers and alignment
 
 
@@ -168,7 +172,10 @@ class FlashAttentionForwardSm90:
     each tile reads its sequence's offsets and lengths; a query tile past its sequence's length is
     skipped; packed Q/K/V are addressed through domain offsets of the TMA views; a packed O is
     stored row-predicated from smem (rows past the sequence belong to the next one); paged K/V
-    are loaded page piece by page piece (page_rows rows per TMA copy, page index from page_table).
+    are loaded page piece by page piece (page_rows rows per TMA copy, page index from page_table;
+    page_prefetch: `load_paged` reads the entries two K loads ahead), or with page_gather gathered
+    row by row by all four producer warps' cp.async (`load_paged`, paged_gather.py: pages of any
+    size; the K/V pipelines are then cp.async pipelines, the Q pipeline stays TMA).
     Nothing past a sequence reaches a result: keys past seqlen_k get score -inf (mask_scores, before
     the row max), and with a ragged K side (varlen_k / seqused_k / paged, where those rows hold other
     data rather than TMA zeros) the V rows past seqlen_k of the key-edge block are zeroed in smem
@@ -190,20 +197,23 @@ class FlashAttentionForwardSm90:
         self.num_wg_mma = cfg.num_consumer_warpgroups
         self.num_mma_threads = THREADS_PER_WG * self.num_wg_mma
         self.num_threads = cfg.num_threads
-        self.num_producer_regs, self.num_mma_regs = _REGS[self.num_wg_mma]
+        self.num_producer_regs, self.num_mma_regs = (_REGS_GATHER if cfg.page_gather else _REGS)[self.num_wg_mma]
         self.use_scheduler_barrier = self.num_wg_mma >= 2 and self.hdim <= 128
         self.buffer_align_bytes = 1024
         # Persistent CTAs stage O in its own buffer when smem allows, so the next tile's Q can
         # load during this tile's epilogue; otherwise O reuses Q's buffer.
         self.separate_o = cfg.persistent and cfg.smem_bytes() + cfg.tile_m * cfg.hdim_v * 2 <= SMEM_CAPACITY
         self.page_rows = cfg.page_rows
+        # Paged K/V gathered row by row by the whole producer warpgroup (paged_gather.py).
+        self.page_gather = cfg.page_gather
+        self.gather = PagedGather(self.dtype, self.tile_n, self.hdim, self.hdim_v) if cfg.page_gather else None
         # Query tiles may lie past their sequence (varlen: the grid covers max_seqlen_q).
         self.ragged_q = cfg.varlen_q or cfg.seqused_q
         # GQA packing: the pack query heads of a KV head share each query tile (layout.pack_gqa_view).
         self.pack = cfg.pack_gqa
         # Key blocks may hold rows past seqlen_k that are not TMA zeros (stale cache slots, the
         # next packed sequence, a partial page piece): the key-edge block's V tail is zeroed.
-        self.ragged_k = cfg.varlen_k or cfg.seqused_k or cfg.page_rows > 0
+        self.ragged_k = cfg.varlen_k or cfg.seqused_k or cfg.page_rows > 0 or cfg.page_gather
 
     # ------------------------------------------------------------------ host side (trace time)
     def _smem_layout(self, rows: int, stages=None, rows_outer: bool = False, hdim=None):
@@ -287,8 +297,12 @@ class FlashAttentionForwardSm90:
             tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(load_op, mQ, sQ_layout, (self.tile_m, self.hdim))
         # Paged: TMA boxes of page pieces (page_rows x headdim).
         kv_box_rows = self.page_rows if const_expr(self.page_rows > 0) else self.tile_n
-        tma_atom_K, tma_K, k_stage_layout = self._kv_tma(load_op, mK, sK_layout, self.hdim, kv_box_rows)
-        tma_atom_V, tma_V, v_stage_layout = self._kv_tma(load_op, mV, sV_layout, self.hdim_v, kv_box_rows)
+        if const_expr(self.page_gather):  # K/V read through plain pointers (paged_gather.py)
+            tma_atom_K, tma_K, tma_atom_V, tma_V = None, mK, None, mV
+            k_stage_layout, v_stage_layout = cute.select(sK_layout, mode=[0, 1]), cute.select(sV_layout, mode=[0, 1])
+        else:
+            tma_atom_K, tma_K, k_stage_layout = self._kv_tma(load_op, mK, sK_layout, self.hdim, kv_box_rows)
+            tma_atom_V, tma_V, v_stage_layout = self._kv_tma(load_op, mV, sV_layout, self.hdim_v, kv_box_rows)
         if const_expr(self.pack > 1):
             tma_atom_O, tma_O = make_packed_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), mO, sO_layout,
                                                      (self.tile_m, self.hdim_v), self.pack)
@@ -367,18 +381,24 @@ class FlashAttentionForwardSm90:
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
             for atom in atoms:
-                cpasync.prefetch_descriptor(atom)
+                if const_expr(atom is not None):
+                    cpasync.prefetch_descriptor(atom)
 
         smem = SmemAllocator()
         storage = smem.allocate(SharedStorage)
         make_pipe = tma_pipeline_factory(self.num_mma_threads)
         pipeline_q = make_pipe(barrier_storage=storage.mbar_q.data_ptr(), num_stages=1, tx_count=self.tma_bytes_q)
-        pipeline_k = make_pipe(
-            barrier_storage=storage.mbar_k.data_ptr(), num_stages=self.num_stages, tx_count=self.tma_bytes_kv
-        )
-        pipeline_v = make_pipe(
-            barrier_storage=storage.mbar_v.data_ptr(), num_stages=self.num_stages, tx_count=self.tma_bytes_v
-        )
+        if const_expr(self.page_gather):
+            make_kv_pipe = cp_async_pipeline_factory(THREADS_PER_WG, self.num_mma_threads)
+            pipeline_k = make_kv_pipe(barrier_storage=storage.mbar_k.data_ptr(), num_stages=self.num_stages)
+            pipeline_v = make_kv_pipe(barrier_storage=storage.mbar_v.data_ptr(), num_stages=self.num_stages)
+        else:
+            pipeline_k = make_pipe(
+                barrier_storage=storage.mbar_k.data_ptr(), num_stages=self.num_stages, tx_count=self.tma_bytes_kv
+            )
+            pipeline_v = make_pipe(
+                barrier_storage=storage.mbar_v.data_ptr(), num_stages=self.num_stages, tx_count=self.tma_bytes_v
+            )
         pipes = Pipelines(pipeline_q, pipeline_k, pipeline_v)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
@@ -399,7 +419,14 @@ class FlashAttentionForwardSm90:
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.num_producer_regs)
-            if warp_idx == 0:
+            if const_expr(self.page_gather):  # the whole producer warpgroup gathers K/V
+                self.load_paged(tma, atoms, seq_params, mask_params, smem_tiles, pipes, sched, tiles.num_splits,
+                                warp_idx)
+            elif const_expr(self.cfg.page_prefetch):
+                if warp_idx == 0:
+                    self.load_paged(tma, atoms, seq_params, mask_params, smem_tiles, pipes, sched, tiles.num_splits,
+                                    warp_idx)
+            elif warp_idx == 0:
                 self.load(tma, atoms, seq_params, mask_params, smem_tiles, pipes, sched, tiles.num_splits)
         else:
             cute.arch.setmaxregister_increase(self.num_mma_regs)
@@ -490,6 +517,108 @@ class FlashAttentionForwardSm90:
             for i in cutlass.range(num_pieces, unroll=1):
                 _, _, row_block = geometry.paged_piece(n_block, i, self.tile_n, self.page_rows, page_size)
                 page = cute.arch.shuffle_sync(lane_page, i)
+                gX = cute.local_tile(mX[None, None, head_kv, page], (self.page_rows, hdim), (row_block, 0))
+                sPiece = cute.local_tile(sX[None, None, state.index], (self.page_rows, hdim), (i, 0))
+                tXsX, tXgX = cpasync.tma_partition(tma_atom, 0, one_cta, cute.group_modes(sPiece, 0, 2),
+                                                   cute.group_modes(gX, 0, 2))
+                cute.copy(tma_atom, tXgX, tXsX, tma_bar_ptr=bar)
+
+    @cute.jit
+    def load_paged(self, tma: QKVO, atoms: QKVO, seq_params: SeqParams, mask_params: MaskParams, smem: QKVO,
+                   pipes: Pipelines, sched: TileSchedule, num_splits: Int32, warp_idx):
+        """Producer of a paged K/V with page-table look-ahead: gathered rows (page_gather; all four
+        producer warps, paged_gather.py) or TMA page pieces with page_prefetch (warp 0). `load`'s
+        order (K[n_max-1], Q, K[n] / V[n+1] pairs, V[n_min]); the page-table entries of a key block
+        are read two K loads before its own, so the producer never waits on them in the steady
+        state (one exposed read per tile), and V reuses the entries of its K. Q stays one TMA copy
+        of warp 0."""
+        mQ, mK, mV = tma.q, tma.k, tma.v
+        sQ, sK, sV = smem.q, smem.k, smem.v
+        pipeline_q, pipeline_k, pipeline_v = pipes
+        window = mask_params.window(self.cfg.local)
+        qhead_per_kvhead = mQ.shape[2] // mK.shape[2]
+        tidx = cute.arch.thread_idx()[0]
+        one_cta = cute.make_layout(1)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        tile_idx = cute.arch.block_idx()[0]
+        while tile_idx < sched.num_tiles():
+            m_block, head, batch = sched.coords(tile_idx)
+            batch, split = self.split_coords(batch, num_splits)
+            seq = SeqInfo(batch, self.seqlen_q_static(mQ), mK.shape[0], *seq_params.lengths())
+            in_range = True
+            if const_expr(self.ragged_q):
+                in_range = m_block * self.tile_m < seq.seqlen_q
+            if in_range:
+                head_kv = head // qhead_per_kvhead
+                lookup = partial(self.page_lookup, seq_params.page_table, mK, seq, tidx)
+                load_K = partial(self.load_paged_block, atoms.k, mK, sK, pipeline_k, head_kv, seq, tidx, self.hdim)
+                load_V = partial(self.load_paged_block, atoms.v, mV, sV, pipeline_v, head_kv, seq, tidx, self.hdim_v)
+                n_block_min, n_block_max = self.n_block_range(m_block, seq, split, num_splits, window)
+                entry_k = lookup(n_block_max - 1, n_block_min)
+                entry_next = lookup(n_block_max - 2, n_block_min)
+                if n_block_max > n_block_min:
+                    pipeline_k.producer_acquire(state)
+                    load_K(n_block_max - 1, state, entry_k)
+                # Q: warp 0's TMA copy, always through its pipeline (see `load`).
+                if warp_idx == 0:
+                    gQ = cute.local_tile(seq.q_view(mQ, head), (self.tile_m, self.hdim), (m_block, 0))
+                    tQsQ, tQgQ = cpasync.tma_partition(atoms.q, 0, one_cta, cute.group_modes(sQ, 0, 2),
+                                                       cute.group_modes(gQ, 0, 2))
+                    pipeline_q.producer_acquire(q_state)
+                    cute.copy(atoms.q, tQgQ, tQsQ, tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
+                q_state = next_state(q_state)
+                if n_block_max > n_block_min:
+                    for i in cutlass.range(n_block_max - 1 - n_block_min, unroll=1):
+                        n_prev = n_block_max - 1 - i
+                        entry_v = entry_k
+                        entry_k = entry_next
+                        entry_next = lookup(n_prev - 3, n_block_min)  # in flight over the next two loads
+                        state_prev = state
+                        state = next_state(state)
+                        pipeline_k.producer_acquire(state)
+                        load_K(n_prev - 1, state, entry_k)
+                        pipeline_v.producer_acquire(state_prev)
+                        load_V(n_prev, state_prev, entry_v)
+                    pipeline_v.producer_acquire(state)
+                    load_V(n_block_min, state, entry_k)
+                    state = next_state(state)
+            tile_idx += cute.arch.grid_dim()[0]
+
+    @cute.jit
+    def page_lookup(self, mPageTable, mK, seq, tidx, n_block, n_block_min):
+        """The page-table entries this thread holds for key block n_block (none are read when
+        n_block < n_block_min): gathered, (page, row in page) of its lookup row (paged_gather.py);
+        TMA pieces, lane i the page of piece i, num_pages (out of bounds: the TMA fills zeros) for a
+        piece past seqlen_k or the block's pieces."""
+        page_size, num_pages = mK.shape[0], mK.shape[3]
+        in_blocks = n_block >= n_block_min
+        if const_expr(self.page_gather):
+            return self.gather.lookup(mPageTable, seq.batch, n_block, seq.seqlen_k, page_size, num_pages, tidx,
+                                      in_blocks)
+        lane = cute.arch.lane_idx()
+        lane_key, lane_col, _ = geometry.paged_piece(n_block, lane, self.tile_n, self.page_rows, page_size)
+        lane_page = num_pages
+        if in_blocks & (lane < self.tile_n // self.page_rows) & (lane_key < seq.seqlen_k):
+            lane_page = mPageTable[seq.batch, cutlass.min(lane_col, mPageTable.shape[1] - 1)]
+        return lane_page
+
+    @cute.jit
+    def load_paged_block(self, tma_atom, mX, sX, pipe, head_kv, seq, tidx, hdim: cutlass.Constexpr[int], n_block,
+                         state, entry):
+        """Key block n_block of a paged K or V into stage state.index with the block's page-table
+        entries (page_lookup): gathered rows, committed by every producer thread's cp.async arrive;
+        or its page pieces' TMA copies (warp 0), completing on the stage's barrier."""
+        if const_expr(self.page_gather):
+            page, in_page = entry
+            self.gather.load(mX, sX[None, None, state.index], head_kv, page, in_page, n_block, seq.seqlen_k, tidx)
+            pipe.producer_commit(state)
+        else:
+            one_cta = cute.make_layout(1)
+            bar = pipe.producer_get_barrier(state)
+            for i in cutlass.range(self.tile_n // self.page_rows, unroll=1):  # unrolled, the producer spills
+                _, _, row_block = geometry.paged_piece(n_block, i, self.tile_n, self.page_rows, mX.shape[0])
+                page = cute.arch.shuffle_sync(entry, i)
                 gX = cute.local_tile(mX[None, None, head_kv, page], (self.page_rows, hdim), (row_block, 0))
                 sPiece = cute.local_tile(sX[None, None, state.index], (self.page_rows, hdim), (i, 0))
                 tXsX, tXgX = cpasync.tma_partition(tma_atom, 0, one_cta, cute.group_modes(sPiece, 0, 2),

@@ -1,0 +1,115 @@
+"""Gathered paged K/V for the sm90 forward (FwdConfig.page_gather): pages of any size >= 1.
+
+A TMA copy needs a box of whole 8-row swizzle slabs, so pages that are not multiples of 8 rows
+(and, as an A/B option, small pages: flash4.config.paged_layout) are gathered row by row instead:
+the 128 threads of the producer warpgroup cp.async each key row of a block in 16-byte chunks from
+its own page, K[page_table[batch, key // page_size], key % page_size] (FlashAttention-3's
+non-TMA paged K/V).
+
+Thread layout (one pass = rows_per_pass rows of the (tile_n, hdim) stage):
+  * threads_per_row threads cover the chunk_cols = threads_per_row * 8 columns of a row (8 16-bit
+    elements per 16-byte chunk); rows_per_pass = 128 / threads_per_row rows per pass, so thread t
+    copies row m * rows_per_pass + t // threads_per_row of pass m, columns (k * threads_per_row +
+    t % threads_per_row) * 8 + [0, 8) for every k.
+  * Page lookup: each thread reads ONE page-table entry per key block, for its lookup row
+    (t % threads_per_row) * rows_per_pass + t // threads_per_row. That is row m * rows_per_pass + g
+    for the thread of lane (g * threads_per_row + m) % 32 in the same group of threads_per_row
+    lanes, so pass m takes its (page, row in page) by a shuffle from lane m of the group (passes
+    <= threads_per_row because tile_n <= 128). One global load per thread per block, issued two K loads
+    ahead of the block's own (fwd.py load_paged: its latency hides behind them); V of a block
+    reuses the entry of its K.
+Rows at or past seqlen_k are neither looked up nor copied: their smem keeps older data, which
+the consumers never let through (scores masked to -inf by select, V rows zeroed by zero_v_tail
+before any P V). A page index outside [0, num_pages) is clamped into it (garbage in, but no read
+outside K/V; check_seqlens=True rejects such tables on the host).
+Completion: every producer thread commits a stage with cp.async.mbarrier.arrive.noinc
+(kernels/common/pipeline.cp_async_pipeline_factory).
+"""
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32, const_expr
+from cutlass.cute.nvgpu import cpasync
+
+from flash4.constants import THREADS_PER_WG
+
+COPY_BITS = 128  # one cp.async: 16 bytes
+
+
+def gather_layout(hdim: int, hdim_v: int, tile_n: int, elem_bits: int = 16,
+                  num_threads: int = THREADS_PER_WG) -> tuple[int, int, int]:
+    """(threads_per_row, rows_per_pass, passes) of the gather of a (tile_n, hdim | hdim_v) stage by
+    num_threads threads: rows are split into chunks of the widest power-of-two column count that
+    divides both head dims, at most one 128-byte swizzle row (pure; CPU-tested)."""
+    vec = COPY_BITS // elem_bits
+    chunk_cols = math.gcd(hdim, hdim_v, 1024 // elem_bits)
+    threads_per_row = chunk_cols // vec
+    assert threads_per_row >= 1 and 32 % threads_per_row == 0, (hdim, hdim_v)
+    rows_per_pass = num_threads // threads_per_row
+    assert tile_n % rows_per_pass == 0 or tile_n < num_threads, (tile_n, rows_per_pass)
+    passes = -(-tile_n // rows_per_pass)
+    assert passes <= threads_per_row, (tile_n, threads_per_row)  # one lookup row per thread
+    return threads_per_row, rows_per_pass, passes
+
+
+class PagedGather:
+    """Trace-time description of the gather of one kernel config (dtype, tile_n, head dims)."""
+
+    def __init__(self, dtype, tile_n: int, hdim: int, hdim_v: int):
+        self.dtype = dtype
+        self.tile_n = tile_n
+        self.vec = COPY_BITS // dtype.width
+        self.threads_per_row, self.rows_per_pass, self.passes = gather_layout(hdim, hdim_v, tile_n, dtype.width)
+
+    def tiled_copy(self):
+        """cp.async (L2 only) of 16-byte chunks, threads row-major over (rows_per_pass, threads_per_row)."""
+        atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), self.dtype,
+                                   num_bits_per_copy=COPY_BITS)
+        thr_layout = cute.make_ordered_layout((self.rows_per_pass, self.threads_per_row), order=(1, 0))
+        return cute.make_tiled_copy_tv(atom, thr_layout, cute.make_layout((1, self.vec)))
+
+    @cute.jit
+    def lookup(self, mPageTable: cute.Tensor, batch, n_block, seqlen_k, page_size, num_pages, tidx, in_blocks):
+        """(page, row in page) of this thread's lookup row of key block n_block; (0, 0) for a row
+        at or past seqlen_k (or past tile_n), or when in_blocks is false (a look-ahead past the
+        tile's blocks), whose page-table entry is not read."""
+        tpr = self.threads_per_row
+        row = (tidx % tpr) * self.rows_per_pass + tidx // tpr
+        key = n_block * self.tile_n + row
+        page = Int32(0)
+        in_page = Int32(0)
+        valid = in_blocks & (key < seqlen_k)
+        if const_expr(self.tile_n < self.threads_per_row * self.rows_per_pass):  # lookup rows past the block
+            valid = valid & (row < self.tile_n)
+        if valid:
+            col = key // page_size
+            in_page = key - col * page_size
+            col = cutlass.min(col, mPageTable.shape[1] - 1)
+            page = cutlass.max(cutlass.min(mPageTable[batch, col], num_pages - 1), 0)
+        return page, in_page
+
+    @cute.jit
+    def load(self, mX: cute.Tensor, sX: cute.Tensor, head_kv, page: Int32, in_page: Int32, n_block, seqlen_k,
+             tidx):
+        """cp.async key block n_block of K or V (kernel view (page_size, d, heads_k, num_pages)) into
+        the (tile_n, d) smem stage sX; rows >= seqlen_k are skipped. (page, in_page): this thread's
+        lookup entry of the block (lookup)."""
+        tpr = self.threads_per_row
+        tiled_copy = self.tiled_copy()
+        thr = tiled_copy.get_slice(tidx)
+        tXsX = thr.partition_D(sX)  # (CPY, passes, chunks per row per thread)
+        group = cute.arch.lane_idx() // tpr * tpr
+        col0 = (tidx % tpr) * self.vec
+        limit = seqlen_k - n_block * self.tile_n - tidx // tpr  # rows of this thread < limit are keys
+        for m in cutlass.range_constexpr(cute.size(tXsX, mode=[1])):
+            src_page = cute.arch.shuffle_sync(page, group + m)
+            src_row = cute.arch.shuffle_sync(in_page, group + m)
+            if m * self.rows_per_pass < limit:
+                row_ptr = mX.iterator + cute.crd2idx((src_row, col0, head_kv, src_page), mX.layout)
+                for k in cutlass.range_constexpr(cute.size(tXsX, mode=[2])):
+                    dst = tXsX[None, m, k]
+                    src_ptr = cute.make_ptr(self.dtype, (row_ptr + k * tpr * self.vec).toint(),
+                                            cute.AddressSpace.gmem, assumed_align=16)
+                    cute.copy(tiled_copy, cute.make_tensor(src_ptr, dst.layout), dst)

@@ -1,0 +1,173 @@
+"""Paged K/V with pages of any size >= 1 on the GPU (marker gpu; skipped without CUDA).
+
+Pages that are not multiples of 8 rows are gathered row by row (FwdConfig.page_gather,
+kernels/sm90/paged_gather.py); multiples of 8 keep TMA page pieces unless FLASH4_PAGE_GATHER_MAX
+sends them to the gather too (the A/B switch of issue 25 item 3). Every call writes into NaN-poisoned
+out / lse and is checked against the float32 reference (err <= 2 x PyTorch same-dtype err + atol,
+LSE too), and a paged call equals the same keys laid out contiguously bit for bit.
+Doors: flash_attn_varlen_func (page_table + seqused_k; also vLLM's decode shape) and
+flash_attn_with_kvcache (decode and speculative steps, appends across page boundaries, split-KV
+automatic and off). Pages 1, 3, 4, 5, 12, 16, 24; causal and not; GQA; head dims 64 / 128 (every
+head dim and fp16 once); cache slots outside the sequences poisoned with NaN must not leak.
+"""
+
+import math
+
+import pytest
+import torch
+
+from flash4 import flash_attn_varlen_func, flash_attn_with_kvcache
+from flash4.config import SUPPORTED_HEADDIMS
+from flash4.reference import kvcache_ref, max_abs_err, paged_kv_cache, varlen_row_mask
+
+from gpu_helpers import BF16, DEV, I32, check_fwd_varlen as check_fwd, make_varlen
+from gpu_helpers import run_poisoned_varlen as run_poisoned
+
+PAGES = (1, 3, 4, 5, 12, 16, 24)
+LENS = ([5, 0, 300, 1, 129, 64, 33], [1000, 7, 300, 0, 129, 1, 190])  # (queries, keys) per sequence
+
+
+def paged(k, v, cu_k, page_size, seed=0, fill=None):
+    return paged_kv_cache(k, v, cu_k, page_size, generator=torch.Generator().manual_seed(seed), fill=fill)
+
+
+# ================================================================ flash_attn_varlen_func
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("page_size", PAGES)
+def test_varlen_small_pages(page_size, causal, d):
+    """GQA 8 / 2 heads: within the rule against the reference, and bit for bit the contiguous call."""
+    q, k, v, cu_q, cu_k = make_varlen(*LENS, 8, 2, d, seed=page_size)
+    k_cache, v_cache, table, seqused_k = paged(k, v, cu_k, page_size, seed=page_size)
+    out_p, lse_p = check_fwd(q, k_cache, v_cache, cu_q, None, causal, seqused_k=seqused_k, page_table=table)
+    out_c, lse_c = run_poisoned(q, k, v, cu_q, cu_k, causal)
+    rows = varlen_row_mask(cu_q, q.shape[0])
+    assert torch.equal(out_p[rows], out_c[rows]) and torch.equal(lse_p[:, rows], lse_c[:, rows])
+
+
+@pytest.mark.parametrize("page_size", [1, 5, 12])
+def test_varlen_small_pages_nan_slots_do_not_leak(page_size):
+    """Every cache slot outside the sequences (page tails, spare pages) holds NaN: the results are
+    bit for bit those over finite filler."""
+    q, k, v, cu_q, cu_k = make_varlen(*LENS, 8, 2, 128, seed=40 + page_size)
+    clean = paged(k, v, cu_k, page_size, seed=7)
+    poisoned = paged(k, v, cu_k, page_size, seed=7, fill=math.nan)
+    assert torch.equal(clean[2], poisoned[2])
+    out_c, lse_c = run_poisoned(q, clean[0], clean[1], cu_q, None, True, seqused_k=clean[3], page_table=clean[2])
+    out_n, lse_n = check_fwd(q, poisoned[0], poisoned[1], cu_q, None, True, seqused_k=poisoned[3],
+                             page_table=poisoned[2])
+    rows = varlen_row_mask(cu_q, q.shape[0])
+    assert torch.equal(out_c[rows], out_n[rows]) and torch.equal(lse_c[:, rows], lse_n[:, rows])
+
+
+@pytest.mark.parametrize("d", SUPPORTED_HEADDIMS)
+def test_gathered_pages_every_headdim(d):
+    """Every head dim through the gather (page 3): threads per row 8 (4 at d96), tile_n 112 / 80."""
+    q, k, v, cu_q, cu_k = make_varlen(*LENS, 4, 1, d, seed=d)
+    k_cache, v_cache, table, seqused_k = paged(k, v, cu_k, 3, seed=d)
+    out_p, _ = check_fwd(q, k_cache, v_cache, cu_q, None, True, seqused_k=seqused_k, page_table=table)
+    out_c, _ = run_poisoned(q, k, v, cu_q, cu_k, True)
+    rows = varlen_row_mask(cu_q, q.shape[0])
+    assert torch.equal(out_p[rows], out_c[rows])
+
+
+def test_gathered_pages_fp16_and_public_door():
+    """fp16, page 5, through the public function (check_seqlens on)."""
+    q, k, v, cu_q, cu_k = make_varlen(*LENS, 8, 2, 128, dtype=torch.float16, seed=3)
+    k_cache, v_cache, table, seqused_k = paged(k, v, cu_k, 5, seed=3)
+    ref, _ = check_fwd(q, k_cache, v_cache, cu_q, None, True, seqused_k=seqused_k, page_table=table)
+    out = flash_attn_varlen_func(q, k_cache, v_cache, cu_q, None, 300, seqused_k=seqused_k, page_table=table,
+                                 causal=True, check_seqlens=True)
+    assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_varlen_decode_shape_small_pages(page_size):
+    """vLLM's decode through the varlen door: q (B, H, D), cu_seqlens_q = arange(B + 1), max_seqlen_q 1."""
+    b, h, hk, d = 6, 32, 8, 128
+    lens_k = [1, 17, 300, 1000, 4, 2049]
+    q, k, v, cu_q, cu_k = make_varlen([1] * b, lens_k, h, hk, d, seed=page_size)
+    k_cache, v_cache, table, seqused_k = paged(k, v, cu_k, page_size, seed=page_size, fill=math.nan)
+    out_p, lse_p = check_fwd(q, k_cache, v_cache, cu_q, None, True, seqused_k=seqused_k, page_table=table)
+    out_c, lse_c = run_poisoned(q, k, v, cu_q, cu_k, True)
+    assert torch.equal(out_p, out_c) and torch.equal(lse_p, lse_c)
+
+
+@pytest.mark.parametrize("page_size", [16, 32])
+def test_page_gather_switch_is_bitwise_tma(page_size, monkeypatch):
+    """FLASH4_PAGE_GATHER_MAX sends pages of 16 / 32 rows to the gather (the A/B of issue 25 item 3):
+    the same bits as their TMA page pieces."""
+    from flash4.config.sm90 import decode_plan
+
+    q, k, v, cu_q, cu_k = make_varlen(*LENS, 8, 2, 128, seed=60 + page_size)
+    k_cache, v_cache, table, seqused_k = paged(k, v, cu_k, page_size, seed=page_size, fill=math.nan)
+    monkeypatch.setenv("FLASH4_PAGE_GATHER_MAX", "0")
+    out_t, lse_t = run_poisoned(q, k_cache, v_cache, cu_q, None, True, seqused_k=seqused_k, page_table=table)
+    monkeypatch.setenv("FLASH4_PAGE_GATHER_MAX", "32")
+    decode_plan.cache_clear()
+    out_g, lse_g = check_fwd(q, k_cache, v_cache, cu_q, None, True, seqused_k=seqused_k, page_table=table)
+    rows = varlen_row_mask(cu_q, q.shape[0])
+    assert torch.equal(out_t[rows], out_g[rows]) and torch.equal(lse_t[:, rows], lse_g[:, rows])
+
+
+# ================================================================ flash_attn_with_kvcache
+def kv_step(q, k_cache, v_cache, kn, vn, cache_seqlens, table, num_splits):
+    """flash_attn_with_kvcache into a NaN-filled out: the appended slots (plain indexing), out and
+    lse within the rule against the reference."""
+    page_size = k_cache.shape[1]
+    k_exp, v_exp = k_cache.clone(), v_cache.clone()
+    for b, start in enumerate(cache_seqlens.tolist()):
+        for t in range(kn.shape[1]):
+            pos = start + t
+            where = (int(table[b, pos // page_size]), pos % page_size)
+            k_exp[where], v_exp[where] = kn[b, t], vn[b, t]
+    out = torch.full_like(q, math.nan)
+    res, lse = flash_attn_with_kvcache(q, k_cache, v_cache, kn, vn, cache_seqlens, table, causal=True,
+                                       num_splits=num_splits, return_lse=True, out=out)
+    torch.cuda.synchronize()
+    assert res is out and not out.isnan().any() and not lse.isnan().any()
+    # NaN slots compare unequal: compare where the expected cache is a number, and NaN where it is NaN
+    for got, exp in ((k_cache, k_exp), (v_cache, v_exp)):
+        assert torch.equal(got.isnan(), exp.isnan()), "the append wrote the wrong cache slots"
+        assert torch.equal(got.nan_to_num(0.0), exp.nan_to_num(0.0)), "the append wrote the wrong cache slots"
+    lengths = [n + kn.shape[1] for n in cache_seqlens.tolist()]
+    ref_out, ref_lse = kvcache_ref(q, k_cache, v_cache, lengths, table, causal=True)
+    pt_out, pt_lse = kvcache_ref(q, k_cache, v_cache, lengths, table, causal=True, upcast=False)
+    assert max_abs_err(out, ref_out) <= 2 * max_abs_err(pt_out, ref_out) + 1e-4
+    assert max_abs_err(lse, ref_lse) <= 2 * max_abs_err(pt_lse, ref_lse) + 1e-3
+    return out, lse
+
+
+@pytest.mark.parametrize("num_splits", [0, 1], ids=["auto", "nosplit"])
+@pytest.mark.parametrize("sq", [1, 4], ids=["decode", "spec4"])
+@pytest.mark.parametrize("page_size, d", [(p, 128) for p in PAGES] + [(p, 64) for p in (1, 5, 24)])
+def test_kvcache_small_pages_append_across_pages(page_size, d, sq, num_splits):
+    """32 / 8 heads; sq new tokens appended at lengths that put them across page boundaries, into a
+    pool whose unused slots are NaN; the attention against the reference; the same step again
+    without the append gives the same bits."""
+    b, h, hk = 5, 32, 8
+    capacity = 2112  # keys per sequence: pages of the table
+    max_pages = -(-capacity // page_size)
+    num_pages = b * max_pages + 3
+    gen = torch.Generator(device=DEV).manual_seed(page_size * 10 + d)
+    k_cache = torch.full((num_pages, page_size, hk, d), math.nan, device=DEV, dtype=BF16)
+    v_cache = torch.full_like(k_cache, math.nan)
+    table = torch.randperm(num_pages, generator=gen, device=DEV)[: b * max_pages].view(b, max_pages).to(I32)
+    # lengths before the append: 0, a page end minus 1, a page end, and long ones crossing pages
+    starts = [0, max(page_size - 1, 0), page_size, 1000 + page_size // 2, capacity - sq]
+    cache_seqlens = torch.tensor(starts, dtype=I32, device=DEV)
+    for bi, n in enumerate(starts):  # the valid keys before the append
+        if n:
+            pages = table[bi, : -(-n // page_size)].long()
+            k_rows = torch.randn(len(pages) * page_size, hk, d, generator=gen, device=DEV, dtype=BF16)
+            v_rows = torch.randn_like(k_rows)
+            k_rows[n:], v_rows[n:] = math.nan, math.nan  # the last page's tail stays poisoned
+            k_cache[pages] = k_rows.view(len(pages), page_size, hk, d)
+            v_cache[pages] = v_rows.view(len(pages), page_size, hk, d)
+    q = torch.randn(b, sq, h, d, generator=gen, device=DEV, dtype=BF16)
+    kn = torch.randn(b, sq, hk, d, generator=gen, device=DEV, dtype=BF16)
+    vn = torch.randn(b, sq, hk, d, generator=gen, device=DEV, dtype=BF16)
+    out, lse = kv_step(q, k_cache, v_cache, kn, vn, cache_seqlens, table, num_splits)
+    again, lse2 = flash_attn_with_kvcache(q, k_cache, v_cache, None, None, cache_seqlens + sq, table, causal=True,
+                                          num_splits=num_splits, return_lse=True)
+    assert torch.equal(again, out) and torch.equal(lse2, lse)
