@@ -95,23 +95,11 @@ def page_prefetch() -> bool | None:
     return _flag("FLASH4_PAGE_PREFETCH")
 
 
-def _flag(name: str, default: bool) -> bool:
-    value = _get(name)
-    if value is None:
-        return default
-    text = value.lower()
-    if text in ("0", "false", "off", "no"):
-        return False
-    if text in ("1", "true", "on", "yes"):
-        return True
-    raise ValueError(f"{name}={value!r}: allowed 0/1, true/false, on/off, yes/no")
-
-
 def runtime_load_enabled() -> bool:
     """FLASH4_RUNTIME_LOAD: cached kernels are linked into shared libraries when stored and loaded
     through TVM-FFI alone, without importing the CuTe DSL (flash4.compile.disk_cache). Off by
     default until verified on the GPU (tools/warm_start.py)."""
-    return _flag("FLASH4_RUNTIME_LOAD", False)
+    return bool(_flag("FLASH4_RUNTIME_LOAD"))
 
 
 def disk_cache_dir() -> str:
