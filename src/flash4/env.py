@@ -8,6 +8,7 @@
 | FLASH4_CACHE_DIR   | directory of the on-disk compile cache               | $XDG_CACHE_HOME/flash4 or ~/.cache/flash4 |
 | FLASH4_BWD_HEADS_PER_CTA | query heads per backward CTA under GQA/MQA (tuning) | flash4.config.bwd_heads_per_cta |
 | FLASH4_SM100       | sm_100 kernels: off, selftest (run after passing flash4.selftest), on (unchecked) | selftest |
+| FLASH4_FAMILY      | kernel family to run instead of the GPU's own: portable (= sm80: mma.sync, runs on sm_80..sm_120 and sm_90), or a family name (sm90, sm80, sm100) | the GPU's (flash4.kernels.registry) |
 
 Each function reads the environment when called (no caching), so a test can set a variable with
 monkeypatch. A malformed value raises ValueError naming the variable, the value and what is allowed.
@@ -106,3 +107,17 @@ def sm100_mode() -> str:
     if value.lower() not in SM100_MODES:
         raise ValueError(f"FLASH4_SM100={value!r}: allowed {', '.join(SM100_MODES)} (default selftest)")
     return value.lower()
+
+
+# FLASH4_FAMILY aliases: what users call a family -> its registry name (flash4.kernels.registry).
+FAMILY_ALIASES = {"portable": "sm80"}
+
+
+def family_override() -> str | None:
+    """FLASH4_FAMILY as a family name (lowercase, aliases resolved: "portable" -> "sm80"), or None
+    when unset. flash4.kernels.registry.family checks the name and whether it runs on the GPU."""
+    value = _get("FLASH4_FAMILY")
+    if value is None:
+        return None
+    name = value.lower()
+    return FAMILY_ALIASES.get(name, name)

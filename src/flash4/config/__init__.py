@@ -129,9 +129,11 @@ def bwd_config(request, arch: int, heads_per_cta: int | None = None) -> BwdPlan:
 
 
 def _family_config(arch: int):
+    """The config module of the family the host runs on `arch` (registry.active: the arch's own, or
+    the one FLASH4_FAMILY forces)."""
     from flash4.kernels import registry  # late: registry names this package's family modules
 
-    return registry.family(arch).config_module()
+    return registry.active(arch).config_module()
 
 
 def select_fwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, arch: int = 90, **kwargs):
