@@ -104,7 +104,7 @@ def family(arch: int, prefer: str | None = None, include_unverified: bool = Fals
     where that family runs on `arch` (its archs or also_on; e.g. prefer="sm80" on sm_90). Raises
     ValueError naming the arch and the supported ones, or why `prefer` cannot run there, also for
     an unverified family unless include_unverified."""
-    known = ", ".join(f"sm_{a} ({f.gpus})" for f in FAMILIES if f.verified for a in f.archs)
+    known = "; ".join(f"{', '.join(f'sm_{a}' for a in f.archs)} ({f.gpus})" for f in FAMILIES if f.verified)
     if prefer is not None:
         prefer = ALIASES.get(prefer, prefer)
         for fam in FAMILIES:
@@ -122,21 +122,6 @@ def family(arch: int, prefer: str | None = None, include_unverified: bool = Fals
             raise ValueError(f"flash4's sm_{arch} ({fam.gpus}) kernels are compile-verified only, not yet run on "
                              f"that GPU, and are not enabled (GPUs with kernels: {known})")
     raise ValueError(f"flash4 has no kernels for sm_{arch} yet (GPUs with kernels: {known})")
-
-
-def active(arch: int) -> Family:
-    """The family the host runs on SM version `arch`: family(arch, prefer=FLASH4_FAMILY) (flash4.env:
-    unset = the arch's own family; "portable" forces the sm80 family, e.g. on the H200 for testing).
-    Raises ValueError as family()."""
-    from flash4 import env  # late: importing the registry reads no environment
-
-    prefer = env.family_override()
-    try:
-        return family(arch, prefer)
-    except ValueError as err:
-        if prefer is None:
-            raise
-        raise ValueError(f"{err} (FLASH4_FAMILY={prefer!r}; unset it to run the GPU's own family)") from None
 
 
 def by_name(name: str) -> Family:
