@@ -4,7 +4,7 @@ no HGMMA / UTMA* / STSM / UTCHMMA; the arch-neutral pre/postprocess compile for 
 
 Coverage (a backward config takes ~10-30 s to compile on the shared 2-core box): every distinct
 tile shape of the table (flash4.config.sm80._BWD_TILES) on at least one target, each target at
-least twice, and the feature variants (varlen + seqused, window + softcap). The whole table:
+least twice, and the feature variants (varlen + seqused, window + softcap, window + deterministic). The whole table:
 `python -m flash4.compile.sm80_driver --bwd`.
 """
 
@@ -29,11 +29,12 @@ CONFIGS = [
     select_bwd_config(192, "fp16", True, arch=120),
     select_bwd_config(64, "bf16", True, arch=90, varlen_q=True, varlen_k=True, seqused_q=True, seqused_k=True),
     select_bwd_config(128, "bf16", False, arch=86, local=True, softcap=True),
+    select_bwd_config(64, "bf16", False, arch=90, local=True, deterministic=True),  # the ordered dQ chain
 ]
 
 
 def _id(cfg):
-    flags = "".join(f"-{f}" for f in ("local", "softcap", "varlen_q", "seqused_k") if getattr(cfg, f))
+    flags = "".join(f"-{f}" for f in ("local", "softcap", "varlen_q", "seqused_k", "deterministic") if getattr(cfg, f))
     return f"{gpu_arch_name(cfg.arch)}-d{cfg.headdim}-{cfg.dtype}-{'causal' if cfg.causal else 'full'}{flags}"
 
 

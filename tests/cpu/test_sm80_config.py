@@ -117,13 +117,12 @@ def test_bwd_options():
     cfg = select_bwd_config(128, "fp16", True, arch=89, varlen_q=True, varlen_k=True, seqused_k=True, softcap=True)
     assert cfg.causal and cfg.varlen_q and cfg.varlen_k and cfg.seqused_k and cfg.softcap and cfg.dynamic_seqlen_k
     assert select_bwd_config(64, causal=True, local=True, arch=80).causal is False  # folded into the window
-    with pytest.raises(NotImplementedError, match="deterministic"):
-        select_bwd_config(64, arch=80, deterministic=True)
+    assert select_bwd_config(64, arch=80, deterministic=True).deterministic
     with pytest.raises(ValueError, match="headdim_v"):
         select_bwd_config(128, arch=80, headdim_v=64)
     with pytest.raises(ValueError, match="headdim=80"):
         select_bwd_config(80, arch=80)
-    assert sm80.unsupported(deterministic=True).startswith(sm80.UNSUPPORTED_PREFIX)
+    assert sm80.unsupported(paged=True).startswith(sm80.UNSUPPORTED_PREFIX)
     with pytest.raises(AssertionError):
         sm80.Sm80BwdConfig(headdim=64, tile_m=48)  # not whole 16-row slabs per warp
 

@@ -7,7 +7,7 @@ varlen checks, tolerances) are in tests/gpu/gpu_helpers.py.
 The portable family (flash4.config.sm80): on its own GPUs (sm_80 / 86 / 89 / 120), or forced on the
 H200 with `FLASH4_FAMILY=portable pytest tests/gpu ...`, the suite runs on it. A test that needs a
 feature the family lacks skips instead of failing: its error carries
-flash4.config.sm80.UNSUPPORTED_PREFIX (paged K/V, headdim_v != headdim, deterministic, ...;
+flash4.config.sm80.UNSUPPORTED_PREFIX (paged K/V, split-KV, headdim_v != headdim;
 pytest_runtest_makereport below), and the modules of PORTABLE_SKIP test the sm90 family's own
 machinery.
 """

@@ -23,8 +23,8 @@ from flash4.config import active_family, bwd_config
 from flash4.config import sm80 as sm80_config
 from flash4.request import Request
 
-from gpu_helpers import assert_grads, check_bwd, check_grads_varlen, make_varlen, rand_lengths, ref_grads, \
-    run_bwd_varlen
+from gpu_helpers import (assert_grads, check_bwd, check_deterministic, check_grads_varlen, make_varlen, rand_lengths,
+                         ref_grads, run_bwd_varlen)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -149,8 +149,21 @@ def test_large_scores_exact_path():
     assert_grads(grads, ref_grads(q, k, v, dout, True, True, **kw), ref_grads(q, k, v, dout, True, False, **kw))
 
 
-def test_deterministic_not_implemented():
-    q = torch.randn(1, 64, 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    out = flash_attn_func(q, q, q, deterministic=True)
-    with pytest.raises(NotImplementedError, match="deterministic"):
-        out.sum().backward()
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d,hk", [(64, 2), (128, 1)])
+def test_deterministic(d, hk, causal):
+    """deterministic=True: the dQ adds in n_block order: right, and bitwise equal over 3 more calls."""
+    check_deterministic(2, 1000, 4, hk, d, causal, calls=3, seed=d)
+
+
+def test_deterministic_window():
+    """With a window the chain of a query tile starts at its band's first key tile."""
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    q, k, v, dout = (torch.randn(1, 900, 2, 64, generator=gen, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    scale, window = 0.125, (200, 0)
+    out, lse = forward.run(Request.dense(q, k, v, scale, False, window))
+    first = flash_attn_backward(dout, q, k, v, out, lse, scale, False, deterministic=True, window_size=window)
+    again = flash_attn_backward(dout, q, k, v, out, lse, scale, False, deterministic=True, window_size=window)
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    kw = dict(window_size=window, softmax_scale=scale)
+    assert_grads(first, ref_grads(q, k, v, dout, False, True, **kw), ref_grads(q, k, v, dout, False, False, **kw))

@@ -184,15 +184,13 @@ _SMEM_CLASS = {80: "a100", 86: "small", 89: "small", 90: "hopper", 120: "small"}
 UNSUPPORTED_PREFIX = "flash4's portable kernel family (sm80) does not implement"
 
 
-def unsupported(headdim_v: int | None = None, paged: bool = False, split_kv: bool = False, pack_gqa: bool = False,
-                deterministic: bool = False) -> str | None:
+def unsupported(headdim_v: int | None = None, paged: bool = False, split_kv: bool = False,
+                pack_gqa: bool = False) -> str | None:
     """Why the sm80 family has no kernel for these options, or None (one text for the config
     selection's error and for a dispatcher's support check). headdim_v: canonical_hdimv's value
-    (None when it equals headdim); deterministic: a bitwise-reproducible backward."""
+    (None when it equals headdim)."""
     missing = [name for name, on in (("paged K/V", paged), ("split-KV decode", split_kv), ("GQA packing", pack_gqa),
-                                      ("headdim_v != headdim", headdim_v is not None),
-                                      ("a deterministic backward (dQ is summed with unordered atomics)",
-                                       deterministic)) if on]
+                                      ("headdim_v != headdim", headdim_v is not None)) if on]
     if missing:
         return f"{UNSUPPORTED_PREFIX} {', '.join(missing)} yet"
     return None
@@ -256,9 +254,11 @@ class Sm80BwdConfig:
     warps_m_sdp: warps along the queries of S = Q K^T and dP = dO V^T (the rest along the keys).
     warps_n_dkv: warps along the keys of dV = P^T dO and dK = dS^T Q (the rest along the head dim).
     warps_m_dq:  warps along the queries of dQ = dS K (the rest along the head dim).
+    deterministic: the key tiles of a query tile add their dQ in n_block order (a counter per query
+                  tile; bitwise-reproducible gradients), else unordered fp32 atomics.
     Host-shared fields with fixed values here (flash4.backward reads every family's config alike):
-    deterministic False (no ordered dQ yet), headdim_v None, dkv_accum False (dK / dV of every query
-    head of a KV head are summed in registers), dq_accum_order False (row-major fp32 dQ).
+    headdim_v None, dkv_accum False (dK / dV of every query head of a KV head are summed in
+    registers), dq_accum_order False (row-major fp32 dQ).
     """
 
     headdim: int
@@ -287,7 +287,7 @@ class Sm80BwdConfig:
         assert self.dtype in DTYPES, self.dtype
         assert self.arch in TARGETS, self.arch
         assert not (self.causal and self.local), "a window folds causal into its right side"
-        assert not self.deterministic and self.headdim_v is None and not self.dkv_accum, (
+        assert self.headdim_v is None and not self.dkv_accum, (
             f"not implemented in the sm80 family: {self}")
         w = self.num_warps
         for warps_a, extent_a, extent_b in ((self.warps_m_sdp, self.tile_m, self.tile_n),
@@ -365,15 +365,12 @@ def select_bwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, a
                       headdim_v: int | None = None, varlen_q: bool = False, varlen_k: bool = False,
                       seqused_q: bool = False, seqused_k: bool = False) -> Sm80BwdConfig:
     """The backward config for one problem class on target `arch` (pure; CPU-tested). Raises
-    ValueError for an unsupported head dim / dtype / target or headdim_v != headdim, and
-    NotImplementedError for deterministic=True (dQ is summed with unordered fp32 atomics here)."""
+    ValueError for an unsupported head dim / dtype / target or headdim_v != headdim."""
     if headdim not in SUPPORTED_HEADDIMS:
         raise ValueError(f"headdim={headdim} not supported; allowed: {SUPPORTED_HEADDIMS}")
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r} not supported; allowed: {DTYPES}")
     gpu_arch_name(arch)
-    if deterministic:
-        raise NotImplementedError(f"{unsupported(deterministic=True)} (sm_{arch}); pass deterministic=False")
     problem = unsupported(headdim_v=canonical_hdimv(headdim, headdim_v))
     if problem is not None:
         raise ValueError(f"{problem} (sm_{arch})")
@@ -385,7 +382,7 @@ def select_bwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, a
     cfg = Sm80BwdConfig(headdim=headdim, dtype=dtype, causal=causal and not local, tile_m=tile_m, tile_n=tile_n,
                         num_warps=num_warps, q_stages=q_stages, warps_m_sdp=wm_sdp, warps_n_dkv=wn_dkv,
                         warps_m_dq=wm_dq, arch=arch, varlen_q=varlen_q, varlen_k=varlen_k, seqused_q=seqused_q,
-                        seqused_k=seqused_k, local=local, softcap=softcap)
+                        seqused_k=seqused_k, local=local, softcap=softcap, deterministic=deterministic)
     assert cfg.smem_bytes() <= capacity(arch).smem_per_block, cfg
     return cfg
 

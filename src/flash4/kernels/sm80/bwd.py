@@ -6,8 +6,8 @@ One CTA per (key tile n_block, KV head, batch) keeps K, V in smem and dK, dV in 
 walks the query tiles of every query head of its KV head (GQA / MQA: dK, dV summed in registers).
 Per query tile it recomputes S = Q K^T and P = 2^(S scale_log2 - LSE_log2), computes dP = dO V^T,
 dS = P (dP - D) softmax_scale, adds dV += P^T dO and dK += dS^T Q, and reduce-adds dQ = dS K into
-the fp32 dq_accum with one relaxed red.global.add.f32 per element (unordered: no deterministic
-mode). The row statistics (LSE_log2, D = rowsum(dO O), the exact-path flags) and dq_accum come from
+the fp32 dq_accum with one relaxed red.global.add.f32 per element (deterministic: the key tiles of
+a query tile add in n_block order, each waiting on the tile's counter, as the sm90 backward). The row statistics (LSE_log2, D = rowsum(dO O), the exact-path flags) and dq_accum come from
 the arch-neutral preprocess (kernels/common/bwd_preprocess.py); its dQ postprocess converts dq_accum.
 Every code path is fixed by the family, never by the DSL's target arch: no TMA, wgmma, stmatrix
 (the CPU compile check gates the SASS).
@@ -69,7 +69,8 @@ class BwdStats(NamedTuple):
     """Per-row statistics (flash4.backward): lse2 (LSE log2, +inf on padding) and dpsum (D, 0 on
     padding), fp32 (rows_pad, heads, batch) in the padded layout; dq_accum fp32 (rows_pad, d, heads,
     batch), zeroed; exact int32 (tiles, heads, batch): 1 where the query tile takes P from the
-    unrounded lse_hi + lo (fp32 (seqlen_q, heads, batch))."""
+    unrounded lse_hi + lo (fp32 (seqlen_q, heads, batch)); dq_sem int32 (tiles, heads, batch),
+    zeroed: the deterministic dQ chain's counters."""
 
     lse2: cute.Tensor
     dpsum: cute.Tensor
@@ -77,6 +78,7 @@ class BwdStats(NamedTuple):
     exact: cute.Tensor
     lse_hi: cute.Tensor
     lse_lo: cute.Tensor
+    dq_sem: cute.Tensor
 
 
 class Scalars(NamedTuple):
@@ -152,7 +154,8 @@ class FlashAttentionBackwardSm80:
         scale_log2 - LSE_log2) (the exact tiles: fma(S, scale_log2, -hi) - lo); P -> smem;
         dS = P (dP - D) softmax_scale (softcap: times 1 - t^2) -> smem; barrier;
         dV += P^T dO, dK += dS^T Q (ldmatrix.trans from smem), dQ = dS K -> red.global.add.f32
-        into dq_accum (rows past seqlen_q add 0: their P is 0 and their padded rows exist);
+        into dq_accum (rows past seqlen_q add 0: their P is 0 and their padded rows exist;
+        deterministic: after the key tile below has added, `wait_dq_turn`, then release the next);
         q_stages 1: barrier, cp.async Q[m+1], dO[m+1].
       * epilogue: dK, dV -> 16-bit -> K's / V's smem -> row-predicated 16-byte stores (a key tile
         that no query sees writes zeros).
@@ -199,7 +202,7 @@ class FlashAttentionBackwardSm80:
         mdQacc: cute.Tensor,  # (batch, nheads, seqlen_q_pad, headdim) fp32, zeroed
         mdK: cute.Tensor,  # (batch, seqlen_k, nheads_k, headdim)
         mdV: cute.Tensor,
-        mdQsem: cute.Tensor,  # (batch, nheads, num_m_blocks) int32: unused (no deterministic mode here)
+        mdQsem: cute.Tensor,  # (batch, nheads, num_m_blocks) int32, zeroed; used when deterministic
         mExact: cute.Tensor,  # (batch, nheads, num_m_blocks) int32: 1 where the query tile takes the exact P path
         mLSEhi: cute.Tensor,  # (batch, nheads, seqlen_q) fp32: LSE * log2(e) = hi + lo, unrounded (exact path)
         mLSElo: cute.Tensor,
@@ -218,7 +221,7 @@ class FlashAttentionBackwardSm80:
         stream: cuda.CUstream,
     ):
         """The sm90 backward's parameter list (flash4.compile.cache.compile_bwd), so the host drives
-        either family with the same arguments; mdQsem, mdKVsem and heads_per_cta are unused."""
+        either family with the same arguments; mdKVsem and heads_per_cta are unused."""
         cfg = self.cfg
         if const_expr(not (mQ.element_type == mK.element_type == mV.element_type == mdO.element_type
                            == mdK.element_type == mdV.element_type == self.dtype)):
@@ -231,7 +234,7 @@ class FlashAttentionBackwardSm80:
         mQ, mK, mV, mdO, mdK, mdV = [select_modes(t, [1, 3, 2, 0]) for t in (mQ, mK, mV, mdO, mdK, mdV)]
         mLSE2, mD = [select_modes(t, [2, 1, 0]) for t in (mLSE2, mD)]  # (seqlen_q_pad, nheads, batch)
         mdQacc = select_modes(mdQacc, [2, 3, 1, 0])  # (seqlen_q_pad, headdim, nheads, batch)
-        mExact = select_modes(mExact, [2, 1, 0])  # (num_m_blocks, nheads, batch)
+        mExact, mdQsem = [select_modes(t, [2, 1, 0]) for t in (mExact, mdQsem)]  # (num_m_blocks, nheads, batch)
         mLSEhi, mLSElo = [select_modes(t, [2, 1, 0]) for t in (mLSEhi, mLSElo)]  # (seqlen_q, nheads, batch)
 
         layouts = Layouts(
@@ -260,7 +263,7 @@ class FlashAttentionBackwardSm80:
         seqlen_k_grid = max_seqlen_k if const_expr(cfg.dynamic_seqlen_k) else mK.shape[0]
         self.kernel(
             BwdTensors(mQ, mK, mV, mdO, mdK, mdV),
-            BwdStats(mLSE2, mD, mdQacc, mExact, mLSEhi, mLSElo),
+            BwdStats(mLSE2, mD, mdQacc, mExact, mLSEhi, mLSElo, mdQsem),
             SeqParams(mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK),
             Scalars(softmax_scale, softcap, Int32(seqlen_k_grid)),
             MaskParams(window_left, window_right),
@@ -367,7 +370,8 @@ class FlashAttentionBackwardSm80:
                                  *self.row_coords(copy_qk, thr_qk, self.tile_m, self.hdim), seqlen_q)
                 load_do = partial(self.load_q_tile, copy_vdo, thr_vdo.partition_S(gdO), thr_vdo.partition_D(smem.do),
                                   *self.row_coords(copy_vdo, thr_vdo, self.tile_m, self.hdim_v), seqlen_q)
-                step = partial(self.one_m_block, stats=stats, seq=seq, head=head, mmas=mmas, ops=ops, smem=smem,
+                step = partial(self.one_m_block, stats=stats, seq=seq, head=head, n_block=n_block, window=window,
+                               mmas=mmas, ops=ops, smem=smem,
                                acc_dK=acc_dK, acc_dV=acc_dV, load_q=load_q, load_do=load_do, m_block_max=m_block_max,
                                mask=mask, tScS=tScS, tidx=tidx, scales=(scalars.softmax_scale, scale_log2,
                                                                         softcap_scale, inv_scale_log2))
@@ -389,7 +393,8 @@ class FlashAttentionBackwardSm80:
         self.epilogue(acc_dK, acc_dV, gmem, smem, mmas, tidx, n_block, head_kv, seq)
 
     @cute.jit
-    def one_m_block(self, m_block: Int32, stage: Int32, stats: BwdStats, seq: SeqInfo, head: Int32, mmas: Mmas,
+    def one_m_block(self, m_block: Int32, stage: Int32, stats: BwdStats, seq: SeqInfo, head: Int32, n_block: Int32,
+                    window, mmas: Mmas,
                     ops: Operands, smem: Smem, acc_dK: cute.Tensor, acc_dV: cute.Tensor, load_q, load_do,
                     m_block_max: Int32, mask, tScS: cute.Tensor, tidx: Int32, scales,
                     masked: cutlass.Constexpr[bool]) -> Int32:
@@ -468,8 +473,16 @@ class FlashAttentionBackwardSm80:
         # seqlen_q (which add 0) need no predicate
         gdQ = cute.local_tile(seq.q_padded_view(stats.dq_accum, head), (self.tile_m, self.hdim), (m_block, 0))
         tdQgdQ = thr_dq.partition_C(gdQ)
+        sem_ptr = stats.dq_sem[None, head, tile_batch].iterator + tile
+        if const_expr(self.cfg.deterministic):
+            self.wait_dq_turn(sem_ptr, self.dq_turn(m_block, n_block, seq, window), tidx)
         for i in cutlass.range_constexpr(cute.size(acc_dQ)):
             red_add_f32(tdQgdQ.iterator + cute.crd2idx(i, tdQgdQ.layout), acc_dQ[i])
+        if const_expr(self.cfg.deterministic):
+            cute.arch.fence_acq_rel_gpu()  # this thread's adds before the release below
+            cute.arch.barrier()
+            if tidx == 0:
+                cute.arch.atomic_add(sem_ptr, Int32(1), sem="release", scope="gpu")
 
         if const_expr(self.q_stages == 1):
             cute.arch.barrier()  # every thread is past its reads of Q, dO
@@ -501,6 +514,26 @@ class FlashAttentionBackwardSm80:
             for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
                 for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
                     s[r, c] = exp2_hw(s[r, c] * scale_log2 - lse[r])
+
+    def dq_turn(self, m_block, n_block, seq: SeqInfo, window):
+        """This key tile's place in query tile m_block's deterministic chain of dQ adds: the key tiles
+        adding to it are n_first, n_first + 1, ... (0 without a window; the first of its band with
+        one: flash4.geometry.n_block_min), so each waits for the one below it, which has a lower
+        blockIdx.x (launched first: no deadlock)."""
+        turn = n_block
+        if const_expr(self.cfg.local):
+            turn = n_block - geometry.n_block_min(m_block, seq.seqlen_q, seq.seqlen_k, self.tile_m, self.tile_n,
+                                                  window)
+        return turn
+
+    @cute.jit
+    def wait_dq_turn(self, sem_ptr, turn: Int32, tidx: Int32):
+        """Thread 0 spins until the query tile's counter reads `turn` (acquire), then the CTA goes on."""
+        if tidx == 0:
+            seen = cute.arch.load(sem_ptr, Int32, sem="acquire", scope="gpu")
+            while turn != seen:
+                seen = cute.arch.load(sem_ptr, Int32, sem="acquire", scope="gpu")
+        cute.arch.barrier()
 
     def tile_index(self, seq: SeqInfo, m_block):
         """(tile, batch) of query tile m_block in the per-tile flag tensor (packed: its padded tile)."""
