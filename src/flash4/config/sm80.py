@@ -333,8 +333,8 @@ class Sm80BwdConfig:
 # warps_n_dkv, warps_m_dq), causal or not. Starting point FlashAttention-2's sm80 backward
 # (64 x 128 at d64, 8 warps); with CuTe DSL's ptxas the register bound is dK + dV (held across the
 # CTA's whole loop) + S + dP: 8 warps over 64 x 128 (d64) keep 32 + 32 + 32 + 32 fp32 registers per
-# thread; d96 / d128 take 64 x 64 (dK + dV 48 / 64, S + dP 32) and d192 64 x 64 (dK + dV 96) or
-# 32 x 64 on the 99 KiB parts. The Q / dO double buffer where smem allows it (sm_80, sm_90: 227 /
+# thread; d96 / d128 take 64 x 64 (dK + dV 48 / 64, S + dP 32), d192 64 x 64 (dK + dV 96) or
+# 32 x 64 on the 99 KiB parts, d256 64 x 32 (64 x 64: dK + dV 128, spills 2 on sm_80). The Q / dO double buffer where smem allows it (sm_80, sm_90: 227 /
 # 163 KiB), one buffer on the 99 KiB parts where two do not fit. No d256 backward on the 99 KiB
 # parts (K + V alone take 64 KiB of tile_n = 64). Not yet timed on any GPU.
 _BWD_TILES = {
@@ -343,7 +343,7 @@ _BWD_TILES = {
         96: (64, 64, 8, 2, 4, 4, 4),  # 88 KiB
         128: (64, 64, 8, 2, 4, 4, 4),  # 112 KiB
         192: (64, 64, 8, 1, 4, 4, 4),  # 112 KiB
-        256: (64, 64, 8, 1, 4, 4, 4),  # 144 KiB
+        256: (64, 32, 8, 1, 4, 2, 4),  # 104 KiB: 64 x 64 spills 2 on sm_80 (dK + dV alone 128 registers)
     },
     "small": {
         64: (64, 128, 8, 2, 4, 4, 4),  # 96 KiB
