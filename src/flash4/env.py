@@ -121,3 +121,9 @@ def family_override() -> str | None:
         return None
     name = value.lower()
     return FAMILY_ALIASES.get(name, name)
+
+
+def force_family(name: str) -> None:
+    """Set FLASH4_FAMILY for this process (e.g. "portable": `python -m flash4 bench --family portable`);
+    every later config selection reads it (family_override)."""
+    os.environ["FLASH4_FAMILY"] = name

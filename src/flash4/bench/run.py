@@ -543,9 +543,9 @@ def main(args: argparse.Namespace) -> int:
         return 2
     family = getattr(args, "family", "default")
     if family == "portable":
-        import os
+        from flash4 import env
 
-        os.environ["FLASH4_FAMILY"] = "portable"  # read by flash4.config on every selection (flash4.env)
+        env.force_family("portable")  # read by flash4.config on every selection
         print("flash4 runs its portable kernel family here (FLASH4_FAMILY=portable)")
     if not torch.cuda.is_available():
         return _no_gpu(args)
