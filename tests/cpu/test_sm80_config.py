@@ -3,6 +3,7 @@ memory (flash4.arch.CAPS, itself checked against CUTLASS's table), the tile rule
 family does not implement fail at selection, and the registry dispatches by exact arch."""
 
 import dataclasses
+import re
 
 import pytest
 
@@ -178,3 +179,48 @@ def test_config_dispatch_through_flash4_config():
     assert config.select_fwd_config(128, "bf16", False, arch=89) == select_fwd_config(128, arch=89)
     assert config.select_bwd_config(128, "bf16", True, arch=120) == select_bwd_config(128, causal=True, arch=120)
     assert config.shipped_bwd_configs(86) == shipped_bwd_configs(86)
+
+
+def test_host_plans_on_portable_archs():
+    """flash4.config.fwd_config / bwd_config (the host's questions) on sm_86, and on sm_90 forced:
+    the family's configs for dense, packed and decode requests; paged K/V a ValueError with the
+    family's prefix (what the GPU suite skips on)."""
+    import torch
+
+    from flash4.config import bwd_config, fwd_config
+    from flash4.request import DECODE, Request, SeqSpec
+
+    q = torch.zeros(2, 100, 8, 128, dtype=torch.bfloat16)
+    k = torch.zeros(2, 300, 2, 128, dtype=torch.bfloat16)
+    dense = Request.dense(q, k, k, 0.1, True)
+    plan = fwd_config(dense, 86)
+    assert isinstance(plan.cfg, Sm80FwdConfig) and plan.cfg.arch == 86 and plan.cfg.causal and plan.pack == 1
+    bplan = bwd_config(dense, 86)
+    assert isinstance(bplan.cfg, sm80.Sm80BwdConfig) and bplan.heads_per_cta == 4 and bplan.cfg.q_stages == 1
+    cu = torch.tensor([0, 40, 100], dtype=torch.int32)
+    packed = Request.varlen(q[0], k[0], k[0], cu, cu, 60, 60, None, None, None, 0.1, False)
+    cfg = fwd_config(packed, 80).cfg
+    assert cfg.varlen_q and cfg.varlen_k and not cfg.seqused_q
+    bcfg = bwd_config(packed, 80).cfg
+    assert bcfg.varlen_q and bcfg.varlen_k and bcfg.dynamic_seqlen_k
+    step = dense.with_seq(SeqSpec(DECODE, seqused_k=torch.full((2,), 300, dtype=torch.int32)))
+    plan = fwd_config(step, 120, 84)
+    assert plan.cfg.seqused_k and plan.num_splits == 1 and plan.pack == 1 and plan.heads_p == 8
+    paged = dense.with_seq(SeqSpec(DECODE, seqused_k=torch.full((2,), 300, dtype=torch.int32),
+                                   page_table=torch.zeros(2, 3, dtype=torch.int32)))
+    with pytest.raises(ValueError, match=re.escape(sm80.UNSUPPORTED_PREFIX)):
+        fwd_config(paged, 89, 84)
+    assert not isinstance(fwd_config(dense, 90).cfg, Sm80FwdConfig)  # Hopper's own family by default
+
+
+def test_host_plans_forced_on_sm90(monkeypatch):
+    import torch
+
+    from flash4.config import bwd_config, fwd_config
+    from flash4.request import Request
+
+    monkeypatch.setenv("FLASH4_FAMILY", "portable")
+    q = torch.zeros(1, 64, 2, 64, dtype=torch.float16)
+    req = Request.dense(q, q, q, 0.1, False, deterministic=True)
+    assert fwd_config(req, 90).cfg == select_fwd_config(64, "fp16", arch=90)
+    assert bwd_config(req, 90).cfg == select_bwd_config(64, "fp16", arch=90, deterministic=True)

@@ -82,7 +82,7 @@ def test_fp16(d):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("d", [64, 96, 128, 192])
+@pytest.mark.parametrize("d", [128, 192])  # the shapes that differ from this GPU's own (d64, d96: the same)
 def test_small_tiles(small_tiles, d, causal):
     """The sm_86 / 89 / 120 tiles (one Q / dO buffer at d128, 32 x 64 at d192) on this GPU."""
     check_bwd(2, 333, 555, 4, 2, d, causal)
@@ -149,8 +149,7 @@ def test_large_scores_exact_path():
     assert_grads(grads, ref_grads(q, k, v, dout, True, True, **kw), ref_grads(q, k, v, dout, True, False, **kw))
 
 
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("d,hk", [(64, 2), (128, 1)])
+@pytest.mark.parametrize("d,hk,causal", [(64, 2, False), (128, 1, True)])
 def test_deterministic(d, hk, causal):
     """deterministic=True: the dQ adds in n_block order: right, and bitwise equal over 3 more calls."""
     check_deterministic(2, 1000, 4, hk, d, causal, calls=3, seed=d)
