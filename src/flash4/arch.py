@@ -61,6 +61,13 @@ def capacity(arch: int) -> ArchCaps:
         raise ValueError(f"no capacity table for sm_{arch}; known: {sorted(CAPS)}") from None
 
 
+def gpu_arch_name(arch: int) -> str:
+    """The compiler's target name of SM version `arch`: the arch-specific ("a") target from sm_90 on
+    (sm_90a, sm_100a, sm_120a: wgmma / tcgen05 need it), the plain name before (sm_80, sm_86,
+    sm_89 have no "a" target)."""
+    return f"sm_{arch}a" if arch >= 90 else f"sm_{arch}"
+
+
 def _device_index(device) -> int:
     import torch
 

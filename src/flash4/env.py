@@ -11,6 +11,7 @@
 | FLASH4_PAGE_PREFETCH | paged K/V by TMA pieces: read page-table entries two blocks ahead (0/1; A/B) | flash4.config.PAGE_PREFETCH |
 | FLASH4_SM100       | sm_100 kernels: off, selftest (run after passing flash4.selftest), on (unchecked) | selftest |
 | FLASH4_RUNTIME_LOAD | 1 loads cached kernels as shared libraries through TVM-FFI alone (no CuTe DSL import; docs/design/warm_start.md) | off |
+| FLASH4_FAMILY      | kernel family to run instead of the GPU's own: portable (= sm80: mma.sync, runs on sm_80..sm_120 and sm_90), or a family name (sm90, sm80, sm100) | the GPU's (flash4.kernels.registry) |
 
 Each function reads the environment when called (no caching), so a test can set a variable with
 monkeypatch. A malformed value raises ValueError naming the variable, the value and what is allowed.
@@ -145,3 +146,23 @@ def sm100_mode() -> str:
     if value.lower() not in SM100_MODES:
         raise ValueError(f"FLASH4_SM100={value!r}: allowed {', '.join(SM100_MODES)} (default selftest)")
     return value.lower()
+
+
+# FLASH4_FAMILY aliases: what users call a family -> its registry name (flash4.kernels.registry).
+FAMILY_ALIASES = {"portable": "sm80"}
+
+
+def family_override() -> str | None:
+    """FLASH4_FAMILY as a family name (lowercase, aliases resolved: "portable" -> "sm80"), or None
+    when unset. flash4.kernels.registry.family checks the name and whether it runs on the GPU."""
+    value = _get("FLASH4_FAMILY")
+    if value is None:
+        return None
+    name = value.lower()
+    return FAMILY_ALIASES.get(name, name)
+
+
+def force_family(name: str) -> None:
+    """Set FLASH4_FAMILY for this process (e.g. "portable": `python -m flash4 bench --family portable`);
+    every later config selection reads it (family_override)."""
+    os.environ["FLASH4_FAMILY"] = name

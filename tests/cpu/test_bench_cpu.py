@@ -445,3 +445,22 @@ def test_bench_main_end_to_end_with_fakes(monkeypatch, tmp_path, capsys):
     doc = json.loads((tmp_path / "sweep.json").read_text())
     assert doc["meta"]["gemm"]["m"] == 64 and math.isclose(doc["meta"]["gemm"]["tflops"], gemm)
     assert math.isclose(doc["rows"][0]["fwd_gemm_ratio"], fwd / gemm)
+
+
+def test_portable_family_rows_and_target(tmp_path):
+    """--family portable: issue 24's CSV columns (impl flash4_portable) and the FA2 target."""
+    from flash4.__main__ import build_parser
+
+    assert build_parser().parse_args(["bench", "--family", "portable"]).family == "portable"
+    assert build_parser().parse_args(["bench"]).family == "default"
+    rows = [dict(impl="flash4", headdim=128, causal=False, seqlen=16384, batch=2, nheads=16, fwd_tflops=200.0,
+                 bwd_tflops=100.0),
+            dict(impl="sdpa_flash", headdim=128, causal=False, seqlen=16384, batch=2, nheads=16, fwd_tflops=150.0,
+                 bwd_tflops=120.0)]
+    run.write_portable_csv(rows, tmp_path / "portable.csv")
+    lines = (tmp_path / "portable.csv").read_text().splitlines()
+    assert lines[0] == ",".join(run.PORTABLE_COLUMNS)
+    assert lines[1].startswith("flash4_portable,d128_16k_full,128,0,16384,16384,2,16,16,200.0,100.0")
+    fwd, = run.targets_summary(rows, family="portable")
+    bwd, = run.targets_summary(rows, "bwd_tflops", family="portable")
+    assert "sdpa_flash" in fwd and "MET" in fwd and "MISSED" in bwd

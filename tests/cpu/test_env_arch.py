@@ -66,10 +66,8 @@ def test_registry_dispatches_by_exact_arch():
     from flash4.kernels import registry
 
     assert registry.family(90).name == "sm90"
-    for arch in (80, 86, 89, 120):  # the portable family: not enabled for users yet (forward only)
-        with pytest.raises(ValueError, match="compile-verified only"):
-            registry.family(arch)
-        assert registry.family(arch, include_unverified=True).name == "sm80"
+    for arch in (80, 86, 89, 120):  # the portable family (mma.sync), by exact arch
+        assert registry.family(arch).name == "sm80"
     assert registry.family(90, prefer="sm80").name == "sm80"  # the portable family, on Hopper for testing
     for arch in (75, 87, 100, 103, 110, 121):
         with pytest.raises(ValueError, match=f"sm_{arch}"):

@@ -163,7 +163,7 @@ def test_registry_compiles_sm100_but_the_api_refuses_it():
     fam = registry.family(100, include_unverified=True)
     assert fam.name == "sm100" and fam.archs == (100,) and not fam.verified
     assert fam.config_module() is sm100
-    assert registry.supported_archs() == (90,)
+    assert 100 not in registry.supported_archs() and 90 in registry.supported_archs()
     for arch in (103, 110):  # other Blackwell parts are different GPUs
         with pytest.raises(ValueError, match=f"no kernels for sm_{arch}"):
             registry.family(arch, include_unverified=True)

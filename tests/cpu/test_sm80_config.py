@@ -3,6 +3,7 @@ memory (flash4.arch.CAPS, itself checked against CUTLASS's table), the tile rule
 family does not implement fail at selection, and the registry dispatches by exact arch."""
 
 import dataclasses
+import re
 
 import pytest
 
@@ -89,23 +90,52 @@ def test_bad_inputs():
         select_fwd_config(64, "fp32", arch=80)
 
 
-def test_no_backward_yet():
-    with pytest.raises(ValueError, match="no sm80 backward yet"):
-        select_bwd_config(128, arch=80)
-    assert shipped_bwd_configs() == []
-    assert sm80.unsupported(backward=True) is not None
+BWD = shipped_bwd_configs()
+
+
+def test_bwd_shipped_per_target():
+    for arch in TARGETS:
+        keys = {(c.headdim, c.dtype, c.causal) for c in shipped_bwd_configs(arch)}
+        assert keys == {(d, dt, c) for d in sm80.bwd_headdims(arch) for dt in DTYPES for c in (False, True)}
+    # every head dim on the big-smem targets; d256 needs more than the 99 KiB parts have
+    assert sm80.bwd_headdims(80) == sm80.bwd_headdims(90) == SUPPORTED_HEADDIMS
+    for arch in (86, 89, 120):
+        assert sm80.bwd_headdims(arch) == (64, 96, 128, 192)
+        with pytest.raises(ValueError, match="does not implement a backward for headdim 256 on sm_%d" % arch):
+            select_bwd_config(256, arch=arch)
+
+
+@pytest.mark.parametrize("cfg", BWD, ids=lambda c: f"sm{c.arch}-d{c.headdim}-{c.dtype}-{'c' if c.causal else 'f'}")
+def test_bwd_smem_fits_target(cfg):
+    assert cfg.smem_bytes() <= capacity(cfg.arch).smem_per_block, (cfg, cfg.smem_bytes())
+    # the register bound's bulk (dK + dV held across the loop, S + dP of a step) stays well below 255
+    assert cfg.accumulator_regs() <= 160, cfg
+    # host-shared fields the backward reads alike for every family
+    assert not cfg.dkv_accum and not cfg.dq_accum_order and cfg.hdim_v == cfg.headdim
+
+
+def test_bwd_options():
+    cfg = select_bwd_config(128, "fp16", True, arch=89, varlen_q=True, varlen_k=True, seqused_k=True, softcap=True)
+    assert cfg.causal and cfg.varlen_q and cfg.varlen_k and cfg.seqused_k and cfg.softcap and cfg.dynamic_seqlen_k
+    assert select_bwd_config(64, causal=True, local=True, arch=80).causal is False  # folded into the window
+    assert select_bwd_config(64, arch=80, deterministic=True).deterministic
+    with pytest.raises(ValueError, match="headdim_v"):
+        select_bwd_config(128, arch=80, headdim_v=64)
+    with pytest.raises(ValueError, match="headdim=80"):
+        select_bwd_config(80, arch=80)
+    assert sm80.unsupported(paged=True).startswith(sm80.UNSUPPORTED_PREFIX)
+    with pytest.raises(AssertionError):
+        sm80.Sm80BwdConfig(headdim=64, tile_m=48)  # not whole 16-row slabs per warp
 
 
 def test_registry_dispatch():
     for arch in NATIVE_ARCHS:
-        # not yet enabled for users (forward only, GPU tests pending): refused by default
-        with pytest.raises(ValueError, match="compile-verified only"):
-            registry.family(arch)
-        fam = registry.family(arch, include_unverified=True)
+        fam = registry.family(arch)
         assert fam.name == "sm80" and fam.config_module() is sm80
+        assert registry.family(arch, prefer="portable") is fam
     assert registry.family(90).name == "sm90"  # Hopper's own family by default
     assert registry.family(90, prefer="sm80").name == "sm80"  # the portable one on request (testing)
-    assert registry.family(86, prefer="sm80").name == "sm80"
+    assert registry.family(90, prefer="portable").name == "sm80"
     with pytest.raises(ValueError, match="does not run on sm_86"):
         registry.family(86, prefer="sm90")
     with pytest.raises(ValueError, match="no kernel family named 'sm70'"):
@@ -113,17 +143,84 @@ def test_registry_dispatch():
     for arch in (75, 100, 121):
         with pytest.raises(ValueError, match=f"sm_{arch}"):
             registry.family(arch)
-    with pytest.raises(ValueError, match="no 'bwd' kernel"):
-        registry.family(86, include_unverified=True).kernel_class("bwd")
+    assert registry.family(86).kernels.keys() == {"fwd", "bwd"}
+    # a config's family decides its kernel class, whatever arch it targets
+    assert registry.config_family(select_fwd_config(64, arch=90)).name == "sm80"
+    assert registry.config_family(select_bwd_config(64, arch=90)).name == "sm80"
+    from flash4.config import sm90
+
+    assert registry.config_family(sm90.select_fwd_config(64)).name == "sm90"
+
+
+def test_env_override(monkeypatch):
+    from flash4 import config, env
+    from flash4.config import active_family
+
+    monkeypatch.delenv("FLASH4_FAMILY", raising=False)
+    assert env.family_override() is None
+    assert active_family(90).name == "sm90"
+    monkeypatch.setenv("FLASH4_FAMILY", "Portable")
+    assert env.family_override() == "sm80"
+    assert active_family(90).name == "sm80"
+    assert isinstance(config.select_fwd_config(128, arch=90), Sm80FwdConfig)
+    assert isinstance(config.select_bwd_config(128, arch=90), sm80.Sm80BwdConfig)
+    monkeypatch.setenv("FLASH4_FAMILY", "sm90")
+    with pytest.raises(ValueError, match="FLASH4_FAMILY"):
+        active_family(86)
+    monkeypatch.setenv("FLASH4_FAMILY", "sm70")
+    with pytest.raises(ValueError, match="no kernel family named 'sm70'"):
+        active_family(90)
 
 
 def test_config_dispatch_through_flash4_config():
     from flash4 import config
 
-    # the family is registered but not enabled for users yet: flash4.config's dispatch refuses it,
-    # the family's own module selects
-    with pytest.raises(ValueError, match="compile-verified only"):
-        config.select_fwd_config(128, "bf16", False, arch=89)
-    assert select_fwd_config(128, arch=89).arch == 89
-    with pytest.raises(ValueError, match="no sm80 backward yet"):
-        sm80.select_bwd_config(128, arch=120)
+    # sm_80 / 86 / 89 / 120 select the portable family through flash4.config's dispatch
+    assert config.select_fwd_config(128, "bf16", False, arch=89) == select_fwd_config(128, arch=89)
+    assert config.select_bwd_config(128, "bf16", True, arch=120) == select_bwd_config(128, causal=True, arch=120)
+    assert config.shipped_bwd_configs(86) == shipped_bwd_configs(86)
+
+
+def test_host_plans_on_portable_archs():
+    """flash4.config.fwd_config / bwd_config (the host's questions) on sm_86, and on sm_90 forced:
+    the family's configs for dense, packed and decode requests; paged K/V a ValueError with the
+    family's prefix (what the GPU suite skips on)."""
+    import torch
+
+    from flash4.config import bwd_config, fwd_config
+    from flash4.request import DECODE, Request, SeqSpec
+
+    q = torch.zeros(2, 100, 8, 128, dtype=torch.bfloat16)
+    k = torch.zeros(2, 300, 2, 128, dtype=torch.bfloat16)
+    dense = Request.dense(q, k, k, 0.1, True)
+    plan = fwd_config(dense, 86)
+    assert isinstance(plan.cfg, Sm80FwdConfig) and plan.cfg.arch == 86 and plan.cfg.causal and plan.pack == 1
+    bplan = bwd_config(dense, 86)
+    assert isinstance(bplan.cfg, sm80.Sm80BwdConfig) and bplan.heads_per_cta == 4 and bplan.cfg.q_stages == 1
+    cu = torch.tensor([0, 40, 100], dtype=torch.int32)
+    packed = Request.varlen(q[0], k[0], k[0], cu, cu, 60, 60, None, None, None, 0.1, False)
+    cfg = fwd_config(packed, 80).cfg
+    assert cfg.varlen_q and cfg.varlen_k and not cfg.seqused_q
+    bcfg = bwd_config(packed, 80).cfg
+    assert bcfg.varlen_q and bcfg.varlen_k and bcfg.dynamic_seqlen_k
+    step = dense.with_seq(SeqSpec(DECODE, seqused_k=torch.full((2,), 300, dtype=torch.int32)))
+    plan = fwd_config(step, 120, 84)
+    assert plan.cfg.seqused_k and plan.num_splits == 1 and plan.pack == 1 and plan.heads_p == 8
+    paged = dense.with_seq(SeqSpec(DECODE, seqused_k=torch.full((2,), 300, dtype=torch.int32),
+                                   page_table=torch.zeros(2, 3, dtype=torch.int32)))
+    with pytest.raises(ValueError, match=re.escape(sm80.UNSUPPORTED_PREFIX)):
+        fwd_config(paged, 89, 84)
+    assert not isinstance(fwd_config(dense, 90).cfg, Sm80FwdConfig)  # Hopper's own family by default
+
+
+def test_host_plans_forced_on_sm90(monkeypatch):
+    import torch
+
+    from flash4.config import bwd_config, fwd_config
+    from flash4.request import Request
+
+    monkeypatch.setenv("FLASH4_FAMILY", "portable")
+    q = torch.zeros(1, 64, 2, 64, dtype=torch.float16)
+    req = Request.dense(q, q, q, 0.1, False, deterministic=True)
+    assert fwd_config(req, 90).cfg == select_fwd_config(64, "fp16", arch=90)
+    assert bwd_config(req, 90).cfg == select_bwd_config(64, "fp16", arch=90, deterministic=True)

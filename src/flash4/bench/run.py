@@ -94,8 +94,20 @@ Without a GPU nothing can be timed: the command says so and compiles flash4's ke
 --headdims, --dtype, --causal and --no-bwd (default: every shipped kernel), and names the options
 it ignored.
 
+With --family portable, flash4 runs its portable kernel family (mma.sync, the kernels of sm_80 / 86 /
+89 / 120 GPUs) on this GPU instead of the GPU's own (FLASH4_FAMILY=portable), its target becomes
+sdpa_flash (FlashAttention-2, also an mma.sync kernel), and portable.csv gets one line per
+implementation and cell (impl flash4_portable for flash4; columns impl, case (d64_4k_causal, ...),
+headdim, causal, seqlen_q, seqlen_k, batch, nheads, nheads_k, fwd_tflops, bwd_tflops).
+
 With --ablate it times flash4's forward with each of its optimizations switched off or on instead
 of the sweep (--variants)."""
+
+# portable.csv (--family portable; docs/perf/h200-portable.csv is written from it): issue 24's columns.
+PORTABLE_COLUMNS = ("impl", "case", "headdim", "causal", "seqlen_q", "seqlen_k", "batch", "nheads", "nheads_k",
+                    "fwd_tflops", "bwd_tflops")
+FAMILIES = ("default", "portable")
+TARGET_VS_FA2 = 1.0  # --family portable: flash4 / sdpa_flash on every cell
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -131,6 +143,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(window), a logit soft-cap (softcap), attention sinks (sink), a value head dim "
                              "other than the query's (hdimv). A full name or its beginning; 'all' (default) "
                              "or 'none'. Written to cases.csv")
+    parser.add_argument("--family", choices=FAMILIES, default="default",
+                        help="kernel family flash4 runs: default (this GPU's own) or portable (the mma.sync "
+                             "kernels of A100 / RTX 30xx-50xx / L4 / L40 GPUs, run on this GPU: FLASH4_FAMILY="
+                             "portable); portable also writes portable.csv and compares against sdpa_flash")
     parser.add_argument("--varlen", choices=("all", "none", "only"), default="all",
                         help="batches of sequences of different lengths, a paged KV cache and single-token "
                              "decode steps: 'all' times them after the sweep (default), 'none' skips them, "
@@ -324,14 +340,16 @@ def result_table(rows, metric: str = "fwd_tflops") -> tuple[list[str], list[list
     return headers, table
 
 
-def targets_summary(rows, metric: str = "fwd_tflops") -> list[str]:
-    """One line per target (the same two for forward and backward): met, missed (with the
-    cells), or not measured."""
+def targets_summary(rows, metric: str = "fwd_tflops", family: str = "default") -> list[str]:
+    """One line per target (the same for forward and backward): met, missed (with the cells), or
+    not measured. family "portable": flash4 >= sdpa_flash (FlashAttention-2) on every cell."""
     cells = _by_cell(rows, metric)
     specs = [
         ("sdpa_cudnn", TARGET_VS_CUDNN, "every cell", lambda d, s: True),
         ("flash_attn_4", TARGET_VS_FA4, "hdim 128, S >= 4k", lambda d, s: d == 128 and s >= 4096),
     ]
+    if family == "portable":
+        specs = [("sdpa_flash", TARGET_VS_FA2, "every cell", lambda d, s: True)]
     lines = []
     for other, target, where, applies in specs:
         ratios = {key: ratio(v.get("flash4"), v.get(other)) for key, v in cells.items() if applies(key[0], key[2])}
@@ -351,6 +369,24 @@ def targets_summary(rows, metric: str = "fwd_tflops") -> list[str]:
 def write_csv(rows, path: Path) -> None:
     """sweep.csv: CSV_COLUMNS (a row without the GEMM keys leaves those fields empty)."""
     common.write_rows_csv(rows, CSV_COLUMNS, path, CSV_DIGITS)
+
+
+def portable_rows(rows) -> list[dict]:
+    """Sweep rows in PORTABLE_COLUMNS: impl flash4 -> flash4_portable, case d{D}_{S}_{causal|full}
+    (S as seqlen_label), seqlen_q = seqlen_k, nheads_k = nheads (the sweep has no GQA)."""
+    out = []
+    for r in rows:
+        out.append(dict(impl="flash4_portable" if r["impl"] == "flash4" else r["impl"],
+                        case=f"d{r['headdim']}_{seqlen_label(r['seqlen'])}_{'causal' if r['causal'] else 'full'}",
+                        headdim=r["headdim"], causal=int(bool(r["causal"])), seqlen_q=r["seqlen"], seqlen_k=r["seqlen"],
+                        batch=r["batch"], nheads=r["nheads"], nheads_k=r["nheads"], fwd_tflops=r.get("fwd_tflops"),
+                        bwd_tflops=r.get("bwd_tflops")))
+    return out
+
+
+def write_portable_csv(rows, path: Path) -> None:
+    """portable.csv: portable_rows(rows) in PORTABLE_COLUMNS."""
+    common.write_rows_csv(portable_rows(rows), PORTABLE_COLUMNS, path)
 
 
 # Memory yardstick: fwd + bwd at B=1, H=16, S=16k, hdim 128, causal.
@@ -505,6 +541,12 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as err:
         print(err)
         return 2
+    family = getattr(args, "family", "default")
+    if family == "portable":
+        from flash4 import env
+
+        env.force_family("portable")  # read by flash4.config on every selection
+        print("flash4 runs its portable kernel family here (FLASH4_FAMILY=portable)")
     if not torch.cuda.is_available():
         return _no_gpu(args)
 
@@ -554,11 +596,11 @@ def main(args: argparse.Namespace) -> int:
     rows = add_gemm_ratios(measure(impls, cells, dtype, rep_ms=args.rep_ms, bwd=args.bwd), gemm["tflops"])
     headers, table = result_table(rows)
     print("forward TFLOPs\n" + format_table(headers, table))
-    targets = targets_summary(rows)
+    targets = targets_summary(rows, family=family)
     if args.bwd:
         headers, table = result_table(rows, "bwd_tflops")
         print("\nbackward TFLOPs\n" + format_table(headers, table))
-        targets += targets_summary(rows, "bwd_tflops")
+        targets += targets_summary(rows, "bwd_tflops", family=family)
     print("\n".join(targets))
 
     memory = None
@@ -588,6 +630,9 @@ def main(args: argparse.Namespace) -> int:
         bench_cases.write_cases_csv(case_rows, out_dir / "cases.csv")
         print(f"wrote {out_dir / 'cases.csv'}")
     write_csv(rows, out_dir / "sweep.csv")
+    if family == "portable":
+        write_portable_csv(rows, out_dir / "portable.csv")
+        print(f"wrote {out_dir / 'portable.csv'}")
     write_json(out_dir / "sweep.json", meta, rows, checks, targets, memory)
     plot(rows, out_dir / "sweep.png", f"{meta['gpu']}, {dtype_name}, {meta['date'][:10]}")
     print(f"\nwrote {out_dir / 'sweep.csv'}, {out_dir / 'sweep.json'}, {out_dir / 'sweep.png'}")

@@ -14,6 +14,7 @@ import time
 import os
 
 from flash4 import arch
+from flash4.arch import gpu_arch_name
 from flash4.kernels import registry
 from flash4.config import LOG2E, BwdConfig, FwdConfig
 from flash4.geometry import UNBOUNDED
@@ -48,7 +49,7 @@ def compile_counts() -> dict:
 
 
 def _arch_option(arch: int) -> str:
-    return f" --gpu-arch sm_{arch}a"
+    return f" --gpu-arch {gpu_arch_name(arch)}"
 
 
 def compile_fwd(cfg: FwdConfig, options: str = ""):
@@ -62,7 +63,7 @@ def compile_fwd(cfg: FwdConfig, options: str = ""):
     from flash4.compile.fake import fwd_fake_args, seq_fake_args, sink_fake_arg, split_fake_args
 
     cutlass, cute = _dsl()
-    kernel = registry.kernel_class("fwd", cfg.arch)(cfg)
+    kernel = registry.config_family(cfg).kernel_class("fwd")(cfg)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     return cute.compile(
         kernel, *fwd_fake_args(cfg.headdim, cfg.dtype, paged=cfg.paged, headdim_v=cfg.headdim_v),
@@ -146,7 +147,7 @@ def compile_bwd(cfg: BwdConfig, options: str = ""):
     max_seqlen_k = cutlass.Int32(1) if bwd_dynamic_seqlen_k(cfg) else None
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     return cute.compile(
-        registry.kernel_class("bwd", cfg.arch)(cfg), *args, cutlass.Float32(1.0), max_seqlen_k, cutlass.Int32(0), cutlass.Int32(0),
+        registry.config_family(cfg).kernel_class("bwd")(cfg), *args, cutlass.Float32(1.0), max_seqlen_k, cutlass.Int32(0), cutlass.Int32(0),
         cutlass.Float32(0.0), cutlass.Int32(1), cutlass.Int32(1), stream,
         options=COMPILE_OPTIONS + _arch_option(cfg.arch) + options,
     )

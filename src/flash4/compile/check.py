@@ -148,7 +148,7 @@ def compile_check(configs: list | None = None, compiler=None) -> list[dict]:
         from flash4.compile.cache import compile_bwd, compile_fwd
 
         def compiler(cfg):
-            return compile_bwd(cfg) if isinstance(cfg, BwdConfig) else compile_fwd(cfg)
+            return compile_bwd(cfg) if _is_bwd(cfg) else compile_fwd(cfg)
 
     rows = []
     for cfg in configs if configs is not None else shipped_fwd_configs() + shipped_bwd_configs():
@@ -170,11 +170,17 @@ def compile_check(configs: list | None = None, compiler=None) -> list[dict]:
     return rows
 
 
+def _is_bwd(cfg) -> bool:
+    """A backward config of any family (flash4.config.BwdConfig, flash4.config.sm80.Sm80BwdConfig)."""
+    return type(cfg).__name__.endswith("BwdConfig")
+
+
 def _short(cfg) -> str:
     d = dataclasses.asdict(cfg)
     hd = f"{d['headdim']}" if d.get("headdim_v") is None else f"{d['headdim']}v{d['headdim_v']}"
-    if isinstance(cfg, BwdConfig):
-        return (f"bwd_sm{d['arch']} d{hd} {d['dtype']} {'causal' if d['causal'] else 'full'} "
+    if _is_bwd(cfg):
+        family = "bwd_portable" if "num_warps" in d else "bwd"  # the sm80 family's configs have num_warps
+        return (f"{family}_sm{d['arch']} d{hd} {d['dtype']} {'causal' if d['causal'] else 'full'} "
                 f"{d['tile_m']}x{d['tile_n']}x{d['q_stages']}st{' det' if d['deterministic'] else ''}"
                 f"{' dkv-accum' if d['dkv_accum'] else ''}{' dkvT' if d.get('transposed_dkv') else ''}")
     extras = "".join([f" w{d['num_warps']}" if "num_warps" in d else "", " qregs" if d.get("q_in_regs") else "",

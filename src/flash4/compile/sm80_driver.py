@@ -114,22 +114,29 @@ def fwd_runner(cfg: Sm80FwdConfig):
 
 
 def main(argv=None) -> int:
-    """`python -m flash4.compile.sm80_driver [ARCH ...]`: compile every shipped forward config of the
-    given targets (default: all of TARGETS) on this machine and print registers, spills, SASS opcode
-    counts and compile seconds per config. Exit status 1 if any failed, spilled or lacks the
-    warp-level instructions / has arch-specific ones."""
+    """`python -m flash4.compile.sm80_driver [--bwd] [ARCH ...]`: compile every shipped forward (with
+    --bwd: backward) config of the given targets (default: all of TARGETS) on this machine and print
+    registers, spills, SASS opcode counts and compile seconds per config. Exit status 1 if any
+    failed, spilled or lacks the warp-level instructions / has arch-specific ones."""
     import sys
 
     from flash4.compile.check import compile_check
-    from flash4.config.sm80 import TARGETS, shipped_fwd_configs
+    from flash4.config.sm80 import TARGETS, shipped_bwd_configs
+    from flash4.config.sm80 import shipped_fwd_configs as shipped
 
     args = sys.argv[1:] if argv is None else argv
+    compiler = compile_fwd
+    if "--bwd" in args:
+        from flash4.compile.cache import compile_bwd as compiler
+
+        shipped = shipped_bwd_configs
+        args = [a for a in args if a != "--bwd"]
     archs = [int(a.removeprefix("sm_").rstrip("a")) for a in args] or sorted(TARGETS)
     bad = 0
     print(f"{'config':60s} {'s':>5s} {'regs':>4s} {'spill':>5s} {'HMMA':>5s} {'LDSM':>4s} {'LDGSTS':>6s} "
           f"{'bad':>3s} {'smem':>5s}")
     for arch in archs:
-        for cfg, row in zip(shipped_fwd_configs(arch), compile_check(shipped_fwd_configs(arch), compiler=compile_fwd)):
+        for cfg, row in zip(shipped(arch), compile_check(shipped(arch), compiler=compiler)):
             forbidden = sum(row.get(k) or 0 for k in ("hgmma", "utma", "stsm", "utchmma"))
             ok = (row["ok"] and row.get("spills") == 0 and forbidden == 0 and (row.get("hmma_16816") or 0) > 0
                   and (row.get("ldsm") or 0) > 0 and (row.get("ldgsts") or 0) > 0)

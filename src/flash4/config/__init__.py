@@ -222,13 +222,35 @@ def bwd_config(request, arch: int, heads_per_cta: int | None = None) -> BwdPlan:
     return _family_config(arch).bwd_plan(request, arch, heads_per_cta)
 
 
-@functools.lru_cache(maxsize=None)
-def _family_config(arch: int):
-    """The config module of the (verified) family of SM version `arch` (cached: a lookup per call;
-    registry.family's ValueError is raised again on every call, as it is not cached)."""
+def active_family(arch: int):
+    """The kernel family (flash4.kernels.registry.Family) the host runs on SM version `arch`: the
+    arch's own, or the one FLASH4_FAMILY names (flash4.env; "portable" forces the sm80 family, e.g.
+    on the H200 for testing). Raises ValueError naming the arch, the supported ones, and the
+    variable when it is set."""
+    from flash4 import env
     from flash4.kernels import registry  # late: registry names this package's family modules
 
-    return registry.family(arch).config_module()
+    prefer = env.family_override()
+    try:
+        return registry.family(arch, prefer)
+    except ValueError as err:
+        if prefer is None:
+            raise
+        raise ValueError(f"{err} (FLASH4_FAMILY={prefer!r}; unset it to run the GPU's own family)") from None
+
+
+def _family_config(arch: int):
+    """The config module of the family the host runs on `arch` (active_family; a dict hit per call)."""
+    from flash4 import env
+
+    return _family_config_of(arch, env.family_override())
+
+
+@functools.lru_cache(maxsize=None)
+def _family_config_of(arch: int, prefer):
+    """active_family(arch)'s config module for one FLASH4_FAMILY value (cached; a ValueError is
+    not cached, so it is raised again on every call)."""
+    return active_family(arch).config_module()
 
 
 def select_fwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, arch: int = 90, **kwargs):
@@ -245,13 +267,13 @@ def select_bwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, a
 
 def shipped_fwd_configs(arch: int = 90) -> list:
     """Every forward config the API can select on `arch`: what `python -m flash4 compile-check` builds."""
-    return _family_config(arch).shipped_fwd_configs()
+    return [c for c in _family_config(arch).shipped_fwd_configs() if c.arch == arch]
 
 
 def shipped_bwd_configs(arch: int = 90) -> list:
     """Every backward config the API can select on `arch` (plain, deterministic, value head dims,
     the GQA head split)."""
-    return _family_config(arch).shipped_bwd_configs()
+    return [c for c in _family_config(arch).shipped_bwd_configs() if c.arch == arch]
 
 
 # The sm90 family's names, for callers that take its configs and policies directly.

@@ -15,11 +15,12 @@ from __future__ import annotations
 import dataclasses
 
 from flash4.arch import capacity
-from flash4.config import SUPPORTED_HEADDIMS, canonical_hdimv
+from flash4.arch import gpu_arch_name as _target_name
+from flash4.config import SUPPORTED_HEADDIMS, BwdPlan, FwdPlan, canonical_hdimv, with_seq_layout
 from flash4.constants import DTYPES, RESCALE_THRESHOLD_LOG2
 
-# The SM versions this family is compiled for, and the --gpu-arch name of each: the arch-specific
-# ("a") targets exist from sm_90 on; sm_80/86/89 take the plain names.
+# The SM versions this family is compiled for, and the --gpu-arch name of each (flash4.arch.
+# gpu_arch_name: the arch-specific ("a") targets exist from sm_90 on; sm_80/86/89 take the plain names).
 TARGETS = {80: "sm_80", 86: "sm_86", 89: "sm_89", 90: "sm_90a", 120: "sm_120a"}
 # The archs the registry dispatches to this family by default (sm_90 runs the sm90 family unless
 # the family is asked for explicitly: flash4.kernels.registry.family(90, prefer="sm80")).
@@ -32,10 +33,9 @@ MMA_M = 16
 def gpu_arch_name(arch: int) -> str:
     """The DSL's --gpu-arch name of target `arch` (sm_80, sm_86, sm_89, sm_90a, sm_120a). Raises
     ValueError for an arch this family is not compiled for."""
-    try:
-        return TARGETS[arch]
-    except KeyError:
-        raise ValueError(f"the sm80 family is not compiled for sm_{arch}; targets: {sorted(TARGETS)}") from None
+    if arch not in TARGETS:
+        raise ValueError(f"the sm80 family is not compiled for sm_{arch}; targets: {sorted(TARGETS)}")
+    return _target_name(arch)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,17 +179,20 @@ _TILES = {
 _SMEM_CLASS = {80: "a100", 86: "small", 89: "small", 90: "hopper", 120: "small"}
 
 
-def unsupported(headdim_v: int | None = None, paged: bool = False, split_kv: bool = False, pack_gqa: bool = False,
-                backward: bool = False) -> str | None:
+# The words every "not in this family" error starts with: the GPU tests, run with the family forced
+# (FLASH4_FAMILY=portable), skip a test whose error carries them (tests/gpu/conftest.py).
+UNSUPPORTED_PREFIX = "flash4's portable kernel family (sm80) does not implement"
+
+
+def unsupported(headdim_v: int | None = None, paged: bool = False, split_kv: bool = False,
+                pack_gqa: bool = False) -> str | None:
     """Why the sm80 family has no kernel for these options, or None (one text for the config
     selection's error and for a dispatcher's support check). headdim_v: canonical_hdimv's value
     (None when it equals headdim)."""
-    if backward:
-        return "the sm80 family has no backward kernel yet"
     missing = [name for name, on in (("paged K/V", paged), ("split-KV decode", split_kv), ("GQA packing", pack_gqa),
                                       ("headdim_v != headdim", headdim_v is not None)) if on]
     if missing:
-        return f"the sm80 family does not implement {', '.join(missing)} yet"
+        return f"{UNSUPPORTED_PREFIX} {', '.join(missing)} yet"
     return None
 
 
@@ -213,7 +216,7 @@ def select_fwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, a
     headdim_v = canonical_hdimv(headdim, headdim_v)
     problem = unsupported(headdim_v=headdim_v, paged=paged, split_kv=split_kv)
     if problem is not None:
-        raise ValueError(f"flash4: {problem} (sm_{arch})")
+        raise ValueError(f"{problem} (sm_{arch})")
     causal = causal and not local
     tile_m, tile_n, num_warps, stages, q_regs = _TILES[_SMEM_CLASS[arch]][headdim][1 if causal else 0]
     # Q in registers fits the two loop bodies of a non-causal kernel; a window adds a third (like
@@ -235,10 +238,192 @@ def shipped_fwd_configs(arch: int | None = None) -> list[Sm80FwdConfig]:
             for c in (False, True)]
 
 
-def select_bwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, arch: int = 80, **kwargs):
-    """No sm80 backward kernel yet: raises ValueError."""
-    raise ValueError("no sm80 backward yet")
+# ================================================================ backward
+@dataclasses.dataclass(frozen=True)
+class Sm80BwdConfig:
+    """One compiled sm80-family backward kernel (the compile-cache key): FlashAttention-2's
+    backward, one CTA per (key tile, KV head, batch) walking the query tiles of every query head of
+    its KV head (kernels/sm80/bwd.py).
+
+    headdim, dtype, causal, arch, local, softcap, varlen_q / varlen_k / seqused_q / seqused_k: as
+    Sm80FwdConfig (the sequence layouts as flash4.config.BwdConfig's).
+    tile_n:   keys per CTA (K, V, dK, dV stay in smem / registers for the whole CTA).
+    tile_m:   queries per step of the CTA's loop.
+    num_warps: warps per CTA (every warp loads, multiplies, and adds its dQ share).
+    q_stages: Q / dO smem buffers each (2: the next query tile loads during this one; 1: after it).
+    warps_m_sdp: warps along the queries of S = Q K^T and dP = dO V^T (the rest along the keys).
+    warps_n_dkv: warps along the keys of dV = P^T dO and dK = dS^T Q (the rest along the head dim).
+    warps_m_dq:  warps along the queries of dQ = dS K (the rest along the head dim).
+    deterministic: the key tiles of a query tile add their dQ in n_block order (a counter per query
+                  tile; bitwise-reproducible gradients), else unordered fp32 atomics.
+    Host-shared fields with fixed values here (flash4.backward reads every family's config alike):
+    headdim_v None, dkv_accum False (dK / dV of every query head of a KV head are summed in
+    registers), dq_accum_order False (row-major fp32 dQ).
+    """
+
+    headdim: int
+    dtype: str = "bf16"
+    causal: bool = False
+    tile_m: int = 64
+    tile_n: int = 128
+    num_warps: int = 8
+    q_stages: int = 2
+    warps_m_sdp: int = 4
+    warps_n_dkv: int = 4
+    warps_m_dq: int = 4
+    arch: int = 80
+    varlen_q: bool = False
+    varlen_k: bool = False
+    seqused_q: bool = False
+    seqused_k: bool = False
+    local: bool = False
+    softcap: bool = False
+    deterministic: bool = False
+    headdim_v: int | None = None
+    dkv_accum: bool = False
+
+    def __post_init__(self):
+        assert self.headdim in SUPPORTED_HEADDIMS, self.headdim
+        assert self.dtype in DTYPES, self.dtype
+        assert self.arch in TARGETS, self.arch
+        assert not (self.causal and self.local), "a window folds causal into its right side"
+        assert self.headdim_v is None and not self.dkv_accum, (
+            f"not implemented in the sm80 family: {self}")
+        w = self.num_warps
+        for warps_a, extent_a, extent_b in ((self.warps_m_sdp, self.tile_m, self.tile_n),
+                                             (self.warps_n_dkv, self.tile_n, self.headdim),
+                                             (self.warps_m_dq, self.tile_m, self.headdim)):
+            # each warp takes 16 x 16 blocks of the GEMM's (A rows x B rows) tile
+            assert w % warps_a == 0 and extent_a % (16 * warps_a) == 0 and extent_b % (16 * (w // warps_a)) == 0, (
+                self, warps_a, extent_a, extent_b)
+        assert self.q_stages in (1, 2), self.q_stages
+
+    @property
+    def hdim_v(self) -> int:
+        return self.headdim if self.headdim_v is None else self.headdim_v
+
+    @property
+    def num_threads(self) -> int:
+        return 32 * self.num_warps
+
+    @property
+    def dynamic_seqlen_k(self) -> bool:
+        """The key count differs per sequence (BwdConfig.dynamic_seqlen_k's meaning)."""
+        return self.varlen_k or self.seqused_k
+
+    @property
+    def dq_accum_order(self) -> bool:
+        """dq_accum is row-major (flash4.backward converts it with the plain postprocess)."""
+        return False
+
+    def smem_bytes(self) -> int:
+        """K, V (one tile each), q_stages Q and dO tiles, P and dS (tile_m x tile_n, 16-bit)."""
+        elt = 2
+        kv = self.tile_n * (self.headdim + self.hdim_v) * elt
+        q_do = self.q_stages * self.tile_m * (self.headdim + self.hdim_v) * elt
+        p_ds = 2 * self.tile_m * self.tile_n * elt
+        return kv + q_do + p_ds
+
+    def accumulator_regs(self) -> int:
+        """fp32 registers per thread held across the query loop (dK, dV) plus S and dP of a step."""
+        return (self.tile_n * (self.headdim + self.hdim_v) + 2 * self.tile_m * self.tile_n) // self.num_threads
 
 
-def shipped_bwd_configs(arch: int | None = None) -> list:
-    return []
+# Backward tiles per (smem class, headdim): (tile_m, tile_n, num_warps, q_stages, warps_m_sdp,
+# warps_n_dkv, warps_m_dq), causal or not. Starting point FlashAttention-2's sm80 backward
+# (64 x 128 at d64, 8 warps); with CuTe DSL's ptxas the register bound is dK + dV (held across the
+# CTA's whole loop) + S + dP: 8 warps over 64 x 128 (d64) keep 32 + 32 + 32 + 32 fp32 registers per
+# thread; d96 / d128 take 64 x 64 (dK + dV 48 / 64, S + dP 32), d192 64 x 64 (dK + dV 96) or
+# 32 x 64 on the 99 KiB parts, d256 64 x 32 (64 x 64: dK + dV 128, spills 2 on sm_80). The Q / dO double buffer where smem allows it (sm_80, sm_90: 227 /
+# 163 KiB), one buffer on the 99 KiB parts where two do not fit. No d256 backward on the 99 KiB
+# parts (K + V alone take 64 KiB of tile_n = 64). Not yet timed on any GPU.
+_BWD_TILES = {
+    "big": {
+        64: (64, 128, 8, 2, 4, 4, 4),  # 96 KiB
+        96: (64, 64, 8, 2, 4, 4, 4),  # 88 KiB
+        128: (64, 64, 8, 2, 4, 4, 4),  # 112 KiB
+        192: (64, 64, 8, 1, 4, 4, 4),  # 112 KiB
+        256: (64, 32, 8, 1, 4, 2, 4),  # 104 KiB: 64 x 64 spills 2 on sm_80 (dK + dV alone 128 registers)
+    },
+    "small": {
+        64: (64, 128, 8, 2, 4, 4, 4),  # 96 KiB
+        96: (64, 64, 8, 2, 4, 4, 4),  # 88 KiB
+        128: (64, 64, 8, 1, 4, 4, 4),  # 80 KiB
+        192: (32, 64, 8, 1, 2, 4, 2),  # 80 KiB
+    },
+}
+_BWD_SMEM_CLASS = {80: "big", 86: "small", 89: "small", 90: "big", 120: "small"}
+
+
+def bwd_headdims(arch: int) -> tuple:
+    """Head dims with a backward kernel on target `arch`."""
+    return tuple(sorted(_BWD_TILES[_BWD_SMEM_CLASS[arch]]))
+
+
+def select_bwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, arch: int = 80,
+                      deterministic: bool = False, local: bool = False, softcap: bool = False,
+                      headdim_v: int | None = None, varlen_q: bool = False, varlen_k: bool = False,
+                      seqused_q: bool = False, seqused_k: bool = False) -> Sm80BwdConfig:
+    """The backward config for one problem class on target `arch` (pure; CPU-tested). Raises
+    ValueError for an unsupported head dim / dtype / target or headdim_v != headdim."""
+    if headdim not in SUPPORTED_HEADDIMS:
+        raise ValueError(f"headdim={headdim} not supported; allowed: {SUPPORTED_HEADDIMS}")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r} not supported; allowed: {DTYPES}")
+    gpu_arch_name(arch)
+    problem = unsupported(headdim_v=canonical_hdimv(headdim, headdim_v))
+    if problem is not None:
+        raise ValueError(f"{problem} (sm_{arch})")
+    table = _BWD_TILES[_BWD_SMEM_CLASS[arch]]
+    if headdim not in table:
+        raise ValueError(f"{UNSUPPORTED_PREFIX} a backward for headdim {headdim} on sm_{arch} (its 99 KiB of shared "
+                         f"memory per CTA; head dims with a backward there: {bwd_headdims(arch)})")
+    tile_m, tile_n, num_warps, q_stages, wm_sdp, wn_dkv, wm_dq = table[headdim]
+    cfg = Sm80BwdConfig(headdim=headdim, dtype=dtype, causal=causal and not local, tile_m=tile_m, tile_n=tile_n,
+                        num_warps=num_warps, q_stages=q_stages, warps_m_sdp=wm_sdp, warps_n_dkv=wn_dkv,
+                        warps_m_dq=wm_dq, arch=arch, varlen_q=varlen_q, varlen_k=varlen_k, seqused_q=seqused_q,
+                        seqused_k=seqused_k, local=local, softcap=softcap, deterministic=deterministic)
+    assert cfg.smem_bytes() <= capacity(arch).smem_per_block, cfg
+    return cfg
+
+
+def shipped_bwd_configs(arch: int | None = None) -> list[Sm80BwdConfig]:
+    """Every plain backward config of target `arch` (every target when None): head dims x dtypes x
+    causal."""
+    archs = sorted(TARGETS) if arch is None else [arch]
+    return [select_bwd_config(d, dt, c, arch=a) for a in archs for d in bwd_headdims(a) for dt in DTYPES
+            for c in (False, True)]
+
+
+# ================================================================ the host's questions (flash4.config.fwd_config / bwd_config)
+def fwd_plan(request, arch: int, num_sms: int | None = None) -> FwdPlan:
+    """The forward plan of a flash4.request.Request: dense, packed (varlen / seqused) or a decode
+    step over a contiguous cache (seqused_k; no GQA packing, no split-KV: one kernel launch, which
+    reads each KV head's keys once per query head). Raises ValueError for paged K/V and
+    headdim_v != headdim (`unsupported`)."""
+    q, k, seq, mask, score = request.q, request.k, request.seq, request.mask, request.score
+    headdim, headdim_v = q.shape[-1], request.v.shape[-1]
+    cfg = select_fwd_config(headdim, request.dtype, mask.causal, arch, local=mask.window is not None,
+                            softcap=score.softcap > 0, sink=score.sink is not None,
+                            headdim_v=None if headdim_v == headdim else headdim_v, paged=seq.paged)
+    if seq.decode:
+        return FwdPlan(with_seq_layout(cfg, seqused_k=True), 1, 1, q.shape[1], q.shape[2])
+    if not seq.packed:
+        return FwdPlan(cfg)
+    return FwdPlan(with_seq_layout(cfg, varlen_q=True, varlen_k=True, seqused_q=seq.seqused_q is not None,
+                                   seqused_k=seq.seqused_k is not None))
+
+
+def bwd_plan(request, arch: int, heads_per_cta: int | None = None) -> BwdPlan:
+    """The backward plan of a dense or packed (not paged) flash4.request.Request: the config and
+    the query heads per CTA (every query head of the KV head: heads_per_cta, the sm90 family's
+    head-split override, is ignored here). Raises as select_bwd_config."""
+    seq, mask = request.seq, request.mask
+    packed = seq.packed
+    cfg = select_bwd_config(request.headdim, request.dtype, mask.causal, arch=arch,
+                            deterministic=request.deterministic, local=mask.local,
+                            softcap=request.score.softcap > 0,
+                            headdim_v=None if request.headdim_v == request.headdim else request.headdim_v,
+                            varlen_q=packed, varlen_k=packed, seqused_q=packed and seq.seqused_q is not None,
+                            seqused_k=packed and seq.seqused_k is not None)
+    return BwdPlan(cfg, request.nheads // request.nheads_k)

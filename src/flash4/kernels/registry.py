@@ -80,13 +80,18 @@ FAMILIES = (
     Family("sm100", (100,), "B200", {
         "fwd": "flash4.kernels.sm100.fwd:FlashAttentionForwardSm100",
     }, verified=False),
-    # The portable family (mma.sync, ldmatrix, cp.async): the same instructions run on sm_90, where
-    # family(90, prefer="sm80") selects it for testing. Unverified until its GPU tests have run (on
-    # the H200) and the host is wired for it (forward only so far).
+    # The portable family (mma.sync, ldmatrix, cp.async): the default on sm_80 / 86 / 89 / 120, and on
+    # sm_90 when asked for (prefer="sm80", or FLASH4_FAMILY=portable): the same instructions run
+    # there, which is how its GPU tests run on the H200. Compile-verified for every target on the
+    # CPU (tests/cpu/test_sm80_*.py); on hardware, run on sm_90a only (docs/design/sm80_family.md).
     Family("sm80", (80, 86, 89, 120), "A100, A10/A40/RTX 30xx, L4/L40/RTX 40xx, RTX 50xx/RTX PRO 6000", {
         "fwd": "flash4.kernels.sm80.fwd:FlashAttentionForwardSm80",
-    }, verified=False, also_on=(90,)),
+        "bwd": "flash4.kernels.sm80.bwd:FlashAttentionBackwardSm80",
+    }, also_on=(90,)),
 )
+
+# Other names of families (FLASH4_FAMILY, prefer=): what users call them -> the registry name.
+ALIASES = {"portable": "sm80"}
 
 
 def supported_archs() -> tuple:
@@ -99,8 +104,9 @@ def family(arch: int, prefer: str | None = None, include_unverified: bool = Fals
     where that family runs on `arch` (its archs or also_on; e.g. prefer="sm80" on sm_90). Raises
     ValueError naming the arch and the supported ones, or why `prefer` cannot run there, also for
     an unverified family unless include_unverified."""
-    known = ", ".join(f"sm_{a} ({f.gpus})" for f in FAMILIES if f.verified for a in f.archs)
+    known = "; ".join(f"{', '.join(f'sm_{a}' for a in f.archs)} ({f.gpus})" for f in FAMILIES if f.verified)
     if prefer is not None:
+        prefer = ALIASES.get(prefer, prefer)
         for fam in FAMILIES:
             if fam.name == prefer:
                 if arch in fam.archs or arch in fam.also_on:
@@ -116,6 +122,26 @@ def family(arch: int, prefer: str | None = None, include_unverified: bool = Fals
             raise ValueError(f"flash4's sm_{arch} ({fam.gpus}) kernels are compile-verified only, not yet run on "
                              f"that GPU, and are not enabled (GPUs with kernels: {known})")
     raise ValueError(f"flash4 has no kernels for sm_{arch} yet (GPUs with kernels: {known})")
+
+
+def by_name(name: str) -> Family:
+    """The family called `name` (a registry name or an ALIASES entry). Raises ValueError."""
+    name = ALIASES.get(name, name)
+    for fam in FAMILIES:
+        if fam.name == name:
+            return fam
+    raise ValueError(f"flash4: no kernel family named {name!r} (families: {', '.join(f.name for f in FAMILIES)})")
+
+
+def config_family(cfg) -> Family:
+    """The family whose config module defines cfg's class (flash4.config.<name>): which kernel
+    class compiles `cfg`, whatever arch it targets (an sm80 config for sm_90 runs the sm80 kernels)."""
+    module = type(cfg).__module__
+    for fam in FAMILIES:
+        if module == f"flash4.config.{fam.name}":
+            return fam
+    # the shared FwdConfig / BwdConfig names re-exported by flash4.config are the sm90 family's
+    raise ValueError(f"flash4: {type(cfg).__name__} ({module}) is no family's config class")
 
 
 def kernel_class(pass_: str, arch: int, prefer: str | None = None):

@@ -22,11 +22,14 @@ from cutlass.cute.nvgpu import warp
 MMA_SHAPE = (16, 8, 16)
 
 
-def make_tiled_mma(dtype, num_warps: int) -> cute.TiledMma:
-    """Warps stacked along M (each owns 16-row slabs of the query tile); the N and K permutation
-    of 16 lets one ldmatrix.x4 feed two n8 atoms of B."""
+def make_tiled_mma(dtype, num_warps: int, warps_n: int = 1) -> cute.TiledMma:
+    """num_warps // warps_n warps stacked along M (each owns 16-row slabs of A's rows) times warps_n
+    along N (the forward: all along M); the N and K permutation of 16 per warp lets one
+    ldmatrix.x4 feed two n8 atoms of B."""
+    warps_m = num_warps // warps_n
     return cute.make_tiled_mma(
-        warp.MmaF16BF16Op(dtype, Float32, MMA_SHAPE), (num_warps, 1, 1), permutation_mnk=(num_warps * 16, 16, 16),
+        warp.MmaF16BF16Op(dtype, Float32, MMA_SHAPE), (warps_m, warps_n, 1),
+        permutation_mnk=(warps_m * 16, warps_n * 16, 16),
     )
 
 

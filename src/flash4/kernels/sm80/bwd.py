@@ -1,0 +1,587 @@
+"""FlashAttention backward for the portable family (sm_80, sm_86, sm_89, sm_120; runs on sm_90 too)
+in CuTe DSL: FlashAttention-2's backward (Dao 2023, algorithm 2) on mma.sync m16n8k16, ldmatrix and
+cp.async.
+
+One CTA per (key tile n_block, KV head, batch) keeps K, V in smem and dK, dV in fp32 registers and
+walks the query tiles of every query head of its KV head (GQA / MQA: dK, dV summed in registers).
+Per query tile it recomputes S = Q K^T and P = 2^(S scale_log2 - LSE_log2), computes dP = dO V^T,
+dS = P (dP - D) softmax_scale, adds dV += P^T dO and dK += dS^T Q, and reduce-adds dQ = dS K into
+the fp32 dq_accum with one relaxed red.global.add.f32 per element (deterministic: the key tiles of
+a query tile add in n_block order, each waiting on the tile's counter, as the sm90 backward). The row statistics (LSE_log2, D = rowsum(dO O), the exact-path flags) and dq_accum come from
+the arch-neutral preprocess (kernels/common/bwd_preprocess.py); its dQ postprocess converts dq_accum.
+Every code path is fixed by the family, never by the DSL's target arch: no TMA, wgmma, stmatrix
+(the CPU compile check gates the SASS).
+"""
+
+from functools import partial
+from typing import NamedTuple, Optional
+
+import cuda.bindings.driver as cuda
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr
+from cutlass._mlir.dialects import llvm
+from cutlass.cute.nvgpu import cpasync, warp
+from cutlass.cutlass_dsl import dsl_user_op
+from cutlass.memory import SmemAllocator
+
+from flash4.kernels.common import geometry, score
+from flash4.kernels.common.dsl import DSL_DTYPES
+from flash4.kernels.common.exp2 import exp2_hw, fma_rn
+from flash4.kernels.common.layout import acc_mn_view, select_modes, transpose_view
+from flash4.kernels.common.params import MaskParams, SeqParams
+from flash4.kernels.common.seqinfo import SeqInfo, store_rows_predicated
+from flash4.kernels.sm80.mma import as_wgmma_acc, gemm_ss, make_tiled_mma, smem_layout_atom
+
+# 16-byte global accesses (cp.async.cg loads, the dK / dV stores): 8 elements of 16 bits.
+COPY_BITS = 128
+
+
+@dsl_user_op
+def red_add_f32(gmem_ptr: cute.Pointer, a: Float32, *, loc=None, ip=None):
+    """gmem[0] += a (fp32, one relaxed red.global: every target since sm_20 has it)."""
+    llvm.inline_asm(
+        None,
+        [gmem_ptr.toint(loc=loc, ip=ip).ir_value(), Float32(a).ir_value(loc=loc, ip=ip)],
+        "red.global.add.f32 [$0], $1;",
+        "l,f",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+
+
+# ---------------------------------------------------------------------- parameter bundles
+class BwdTensors(NamedTuple):
+    """Global tensors in the kernel view (seqlen, d, heads, batch): q, k, v, do (inputs), dk, dv
+    (outputs, 16-bit)."""
+
+    q: cute.Tensor
+    k: cute.Tensor
+    v: cute.Tensor
+    do: cute.Tensor
+    dk: cute.Tensor
+    dv: cute.Tensor
+
+
+class BwdStats(NamedTuple):
+    """Per-row statistics (flash4.backward): lse2 (LSE log2, +inf on padding) and dpsum (D, 0 on
+    padding), fp32 (rows_pad, heads, batch) in the padded layout; dq_accum fp32 (rows_pad, d, heads,
+    batch), zeroed; exact int32 (tiles, heads, batch): 1 where the query tile takes P from the
+    unrounded lse_hi + lo (fp32 (seqlen_q, heads, batch)); dq_sem int32 (tiles, heads, batch),
+    zeroed: the deterministic dQ chain's counters."""
+
+    lse2: cute.Tensor
+    dpsum: cute.Tensor
+    dq_accum: cute.Tensor
+    exact: cute.Tensor
+    lse_hi: cute.Tensor
+    lse_lo: cute.Tensor
+    dq_sem: cute.Tensor
+
+
+class Scalars(NamedTuple):
+    """softmax_scale; softcap (the cap, read with cfg.softcap only); seqlen_k_grid: the key count the
+    grid was sized by (max_seqlen_k, or K's seqlen)."""
+
+    softmax_scale: Float32
+    softcap: Float32
+    seqlen_k_grid: Int32
+
+
+class Smem(NamedTuple):
+    """Shared-memory tiles: q (tile_m, d, STAGE), do (tile_m, dv, STAGE), k (tile_n, d), v (tile_n,
+    dv) (dK, dV are staged there in the epilogue), p and ds (tile_m, tile_n)."""
+
+    q: cute.Tensor
+    do: cute.Tensor
+    k: cute.Tensor
+    v: cute.Tensor
+    p: cute.Tensor
+    ds: cute.Tensor
+
+
+class Layouts(NamedTuple):
+    q: object
+    do: object
+    k: object
+    v: object
+    pds: object
+
+
+class Mmas(NamedTuple):
+    """The three tiled MMAs: sdp (tile_m x tile_n: S, dP), dkv (tile_n x d: dV, dK), dq (tile_m x d)."""
+
+    sdp: cute.TiledMma
+    dkv: cute.TiledMma
+    dq: cute.TiledMma
+
+
+class Gemm(NamedTuple):
+    """One GEMM's per-thread operands: register fragments a, b, their ldmatrix partitions sa, sb (a
+    trailing STAGE mode where the operand is staged) and copies."""
+
+    a: cute.Tensor
+    b: cute.Tensor
+    sa: cute.Tensor
+    sb: cute.Tensor
+    copy_a: object
+    copy_b: object
+
+
+class Operands(NamedTuple):
+    s: Gemm  # S = Q K^T
+    dp: Gemm  # dP = dO V^T
+    dv: Gemm  # dV += P^T dO
+    dk: Gemm  # dK += dS^T Q
+    dq: Gemm  # dQ = dS K
+
+
+class FlashAttentionBackwardSm80:
+    """Backward main kernel, one CTA of num_warps warps per (n_block, kv_head, batch), n_block
+    fastest (flash4.launch.bwd_grid with one head split). No warp specialization: every thread
+    loads (cp.async), multiplies and adds.
+
+    Per CTA: cp.async K, V (rows past seqlen_k zero-filled); then for each query head of the KV
+    head, the query tiles m_block_min .. m_block_max - 1 that see the key tile
+    (flash4.geometry.m_block_range), Q / dO in q_stages smem buffers:
+      * step m (`one_m_block`), stage r: wait for Q[m], dO[m] (cp.async.wait_group 0), barrier
+        (they are visible; every thread is past step m - 1, so its stage and P / dS are free);
+        q_stages 2: cp.async Q[m+1], dO[m+1] into the other stage now;
+        S = Q K^T and dP = dO V^T (ldmatrix + mma.sync, warps_m_sdp x rest warps);
+        softcap; mask (the tiles m_block_mask_end / m_block_left_mask_start mark); P = 2^(S *
+        scale_log2 - LSE_log2) (the exact tiles: fma(S, scale_log2, -hi) - lo); P -> smem;
+        dS = P (dP - D) softmax_scale (softcap: times 1 - t^2) -> smem; barrier;
+        dV += P^T dO, dK += dS^T Q (ldmatrix.trans from smem), dQ = dS K -> red.global.add.f32
+        into dq_accum (rows past seqlen_q add 0: their P is 0 and their padded rows exist;
+        deterministic: after the key tile below has added, `wait_dq_turn`, then release the next);
+        q_stages 1: barrier, cp.async Q[m+1], dO[m+1].
+      * epilogue: dK, dV -> 16-bit -> K's / V's smem -> row-predicated 16-byte stores (a key tile
+        that no query sees writes zeros).
+    Rows past seqlen_q / keys past seqlen_k are never loaded: smem rows zero-filled, their P is 0
+    (LSE_log2 = +inf on padding rows; keys masked or multiplied by zero K / V rows).
+    """
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.dtype = DSL_DTYPES[cfg.dtype]
+        self.tile_m, self.tile_n, self.hdim, self.hdim_v = cfg.tile_m, cfg.tile_n, cfg.headdim, cfg.hdim_v
+        self.q_stages = cfg.q_stages
+        self.num_threads = cfg.num_threads
+        self.causal = cfg.causal
+
+    # ------------------------------------------------------------------ host side (trace time)
+    def _smem_layout(self, rows: int, cols: int, stages=None):
+        atom = smem_layout_atom(self.dtype, cols)
+        if stages is None:
+            return cute.tile_to_shape(atom, (rows, cols), (0, 1))
+        return cute.tile_to_shape(atom, (rows, cols, stages), (0, 1, 2))
+
+    def _gmem_copy(self, hdim: int, rows_list):
+        """cp.async tiled copy of 16-byte chunks, threads row-major over one smem atom's width;
+        every row count in rows_list must be a multiple of the rows one pass covers."""
+        vec = COPY_BITS // self.dtype.width
+        per_row = smem_layout_atom(self.dtype, hdim).outer.shape[1] // vec
+        thr_layout = cute.make_ordered_layout((self.num_threads // per_row, per_row), order=(1, 0))
+        for rows in rows_list:
+            assert rows % (self.num_threads // per_row) == 0, (rows, self.num_threads, per_row)
+        atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), self.dtype,
+                                   num_bits_per_copy=COPY_BITS)
+        return cute.make_tiled_copy_tv(atom, thr_layout, cute.make_layout((1, vec)))
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # (batch, seqlen_q, nheads, headdim)
+        mK: cute.Tensor,  # (batch, seqlen_k, nheads_k, headdim)
+        mV: cute.Tensor,
+        mdO: cute.Tensor,  # (batch, seqlen_q, nheads, headdim)
+        mLSE2: cute.Tensor,  # (batch, nheads, seqlen_q_pad) fp32: LSE * log2(e), +inf on padding
+        mD: cute.Tensor,  # (batch, nheads, seqlen_q_pad) fp32: rowsum(dO * O), 0 on padding
+        mdQacc: cute.Tensor,  # (batch, nheads, seqlen_q_pad, headdim) fp32, zeroed
+        mdK: cute.Tensor,  # (batch, seqlen_k, nheads_k, headdim)
+        mdV: cute.Tensor,
+        mdQsem: cute.Tensor,  # (batch, nheads, num_m_blocks) int32, zeroed; used when deterministic
+        mExact: cute.Tensor,  # (batch, nheads, num_m_blocks) int32: 1 where the query tile takes the exact P path
+        mLSEhi: cute.Tensor,  # (batch, nheads, seqlen_q) fp32: LSE * log2(e) = hi + lo, unrounded (exact path)
+        mLSElo: cute.Tensor,
+        mCuSeqlensQ: Optional[cute.Tensor],  # (batch + 1,) int32 (varlen_q)
+        mCuSeqlensK: Optional[cute.Tensor],  # (batch + 1,) int32 (varlen_k)
+        mSeqUsedQ: Optional[cute.Tensor],  # (batch,) int32 (seqused_q)
+        mSeqUsedK: Optional[cute.Tensor],  # (batch,) int32 (seqused_k)
+        mdKVsem: Optional[cute.Tensor],  # None (no GQA head split here)
+        softmax_scale: Float32,
+        max_seqlen_k: Optional[Int32],  # varlen_k or seqused_k: >= every seqlen_k (sizes the grid); else None
+        window_left: Int32,  # local: the window's sides (flash4.geometry.window_sides); ignored otherwise
+        window_right: Int32,
+        softcap: Float32,  # cfg.softcap: the cap; else ignored
+        num_ctas: Int32,  # grid size: n_blocks * nheads_k * batch (flash4.launch.bwd_grid)
+        heads_per_cta: Int32,  # every query head of the KV head (no head split here): unused
+        stream: cuda.CUstream,
+    ):
+        """The sm90 backward's parameter list (flash4.compile.cache.compile_bwd), so the host drives
+        either family with the same arguments; mdKVsem and heads_per_cta are unused."""
+        cfg = self.cfg
+        if const_expr(not (mQ.element_type == mK.element_type == mV.element_type == mdO.element_type
+                           == mdK.element_type == mdV.element_type == self.dtype)):
+            raise TypeError(f"flash4 bwd_sm80: q, k, v, dout, dk, dv must all be {self.dtype}")
+        given = (mCuSeqlensQ is not None, mCuSeqlensK is not None, mSeqUsedQ is not None, mSeqUsedK is not None,
+                 max_seqlen_k is not None, mdKVsem is not None)
+        if const_expr(given != (cfg.varlen_q, cfg.varlen_k, cfg.seqused_q, cfg.seqused_k, cfg.dynamic_seqlen_k,
+                                False)):
+            raise ValueError(f"flash4 bwd_sm80: sequence tensors given {given} do not match the config {cfg}")
+        mQ, mK, mV, mdO, mdK, mdV = [select_modes(t, [1, 3, 2, 0]) for t in (mQ, mK, mV, mdO, mdK, mdV)]
+        mLSE2, mD = [select_modes(t, [2, 1, 0]) for t in (mLSE2, mD)]  # (seqlen_q_pad, nheads, batch)
+        mdQacc = select_modes(mdQacc, [2, 3, 1, 0])  # (seqlen_q_pad, headdim, nheads, batch)
+        mExact, mdQsem = [select_modes(t, [2, 1, 0]) for t in (mExact, mdQsem)]  # (num_m_blocks, nheads, batch)
+        mLSEhi, mLSElo = [select_modes(t, [2, 1, 0]) for t in (mLSEhi, mLSElo)]  # (seqlen_q, nheads, batch)
+
+        layouts = Layouts(
+            self._smem_layout(self.tile_m, self.hdim, self.q_stages),
+            self._smem_layout(self.tile_m, self.hdim_v, self.q_stages),
+            self._smem_layout(self.tile_n, self.hdim),
+            self._smem_layout(self.tile_n, self.hdim_v),
+            self._smem_layout(self.tile_m, self.tile_n),
+        )
+        copy_qk = self._gmem_copy(self.hdim, (self.tile_m, self.tile_n))
+        copy_vdo = self._gmem_copy(self.hdim_v, (self.tile_m, self.tile_n))
+        w = cfg.num_warps
+        mmas = Mmas(make_tiled_mma(self.dtype, w, w // cfg.warps_m_sdp),
+                    make_tiled_mma(self.dtype, w, w // cfg.warps_n_dkv),
+                    make_tiled_mma(self.dtype, w, w // cfg.warps_m_dq))
+
+        @cute.struct
+        class SharedStorage:
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layouts.q)], 1024]
+            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layouts.do)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layouts.k)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layouts.v)], 1024]
+            sP: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layouts.pds)], 1024]
+            sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layouts.pds)], 1024]
+
+        seqlen_k_grid = max_seqlen_k if const_expr(cfg.dynamic_seqlen_k) else mK.shape[0]
+        self.kernel(
+            BwdTensors(mQ, mK, mV, mdO, mdK, mdV),
+            BwdStats(mLSE2, mD, mdQacc, mExact, mLSEhi, mLSElo, mdQsem),
+            SeqParams(mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK),
+            Scalars(softmax_scale, softcap, Int32(seqlen_k_grid)),
+            MaskParams(window_left, window_right),
+            layouts,
+            (copy_qk, copy_vdo),
+            mmas,
+            SharedStorage,
+        ).launch(grid=(num_ctas, 1, 1), block=[self.num_threads, 1, 1], stream=stream)
+
+    # ------------------------------------------------------------------ device side
+    @cute.kernel
+    def kernel(self, gmem: BwdTensors, stats: BwdStats, seq_params: SeqParams, scalars: Scalars,
+               mask_params: MaskParams, layouts: Layouts, copies: tuple, mmas: Mmas, SharedStorage: cutlass.Constexpr):
+        tidx = cute.arch.thread_idx()[0]
+        storage = SmemAllocator().allocate(SharedStorage)
+        smem = Smem(storage.sQ.get_tensor(layouts.q), storage.sdO.get_tensor(layouts.do),
+                    storage.sK.get_tensor(layouts.k), storage.sV.get_tensor(layouts.v),
+                    storage.sP.get_tensor(layouts.pds), storage.sdS.get_tensor(layouts.pds))
+        # blockIdx.x = (batch * nheads_k + head_kv) * n_blocks + n_block
+        num_n_blocks = cute.ceil_div(scalars.seqlen_k_grid, self.tile_n)
+        bid = cute.arch.block_idx()[0]
+        n_block = bid % num_n_blocks
+        rest = bid // num_n_blocks
+        nheads_k = gmem.k.shape[2]
+        head_kv = rest % nheads_k
+        batch = rest // nheads_k
+        seq = SeqInfo(batch, gmem.q.shape[0], gmem.k.shape[0], *seq_params.lengths(), tile_m_pad=self.tile_m)
+        if n_block * self.tile_n < seq.seqlen_k:  # (dynamic seqlen_k: CTAs past the sequence's keys exit)
+            ops = self.mma_operands(smem, mmas, tidx)
+            self.key_tile(gmem, stats, scalars, mask_params, smem, copies, mmas, ops, tidx, n_block, head_kv, seq)
+
+    def mma_operands(self, smem: Smem, mmas: Mmas, tidx) -> Operands:
+        """Every GEMM's fragments and ldmatrix partitions (built once per CTA)."""
+        ldsm = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
+        ldsm_t = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4), self.dtype)
+        sQt, sdOt, sKt, sPt, sdSt = (transpose_view(t) for t in (smem.q, smem.do, smem.k, smem.p, smem.ds))
+
+        def gemm(mma, sA, sB, trans_a: bool, trans_b: bool, staged_a: bool, staged_b: bool) -> Gemm:
+            thr = mma.get_slice(tidx)
+            a = thr.make_fragment_A(thr.partition_A(sA[None, None, 0] if staged_a else sA))
+            b = thr.make_fragment_B(thr.partition_B(sB[None, None, 0] if staged_b else sB))
+            copy_a = cute.make_tiled_copy_A(ldsm_t if trans_a else ldsm, mma).get_slice(tidx)
+            copy_b = cute.make_tiled_copy_B(ldsm_t if trans_b else ldsm, mma).get_slice(tidx)
+            return Gemm(a, b, copy_a.partition_S(sA), copy_b.partition_S(sB), copy_a, copy_b)
+
+        return Operands(
+            gemm(mmas.sdp, smem.q, smem.k, False, False, True, False),  # S = Q K^T
+            gemm(mmas.sdp, smem.do, smem.v, False, False, True, False),  # dP = dO V^T
+            gemm(mmas.dkv, sPt, sdOt, True, True, False, True),  # dV += P^T dO
+            gemm(mmas.dkv, sdSt, sQt, True, True, False, True),  # dK += dS^T Q
+            gemm(mmas.dq, smem.ds, sKt, False, True, False, False),  # dQ = dS K
+        )
+
+    @cute.jit
+    def key_tile(self, gmem: BwdTensors, stats: BwdStats, scalars: Scalars, mask_params: MaskParams, smem: Smem,
+                 copies: tuple, mmas: Mmas, ops: Operands, tidx: Int32, n_block: Int32, head_kv: Int32, seq: SeqInfo):
+        """K, V of key tile n_block in, dK, dV of it out, summed over every query head of head_kv."""
+        cfg = self.cfg
+        copy_qk, copy_vdo = copies
+        seqlen_q, seqlen_k = seq.seqlen_q, seq.seqlen_k
+        window = mask_params.window(cfg.local)
+        group = gmem.q.shape[2] // gmem.k.shape[2]
+
+        # K, V: one cp.async group, rows past seqlen_k zero-filled.
+        thr_qk, thr_vdo = copy_qk.get_slice(tidx), copy_vdo.get_slice(tidx)
+        gK = cute.local_tile(seq.k_view(gmem.k, head_kv), (self.tile_n, self.hdim), (n_block, 0))
+        gV = cute.local_tile(seq.k_view(gmem.v, head_kv), (self.tile_n, self.hdim_v), (n_block, 0))
+        self.load_rows(copy_qk, thr_qk.partition_S(gK), thr_qk.partition_D(smem.k),
+                       *self.row_coords(copy_qk, thr_qk, self.tile_n, self.hdim), seqlen_k - n_block * self.tile_n)
+        self.load_rows(copy_vdo, thr_vdo.partition_S(gV), thr_vdo.partition_D(smem.v),
+                       *self.row_coords(copy_vdo, thr_vdo, self.tile_n, self.hdim_v), seqlen_k - n_block * self.tile_n)
+        cute.arch.cp_async_commit_group()
+
+        thr_dkv = mmas.dkv.get_slice(tidx)
+        acc_dK = cute.make_rmem_tensor(thr_dkv.partition_shape_C((self.tile_n, self.hdim)), Float32)
+        acc_dV = cute.make_rmem_tensor(thr_dkv.partition_shape_C((self.tile_n, self.hdim_v)), Float32)
+        acc_dK.fill(0.0)
+        acc_dV.fill(0.0)
+
+        m_block_min, m_block_max = geometry.m_block_range(n_block, seqlen_q, seqlen_k, self.tile_m, self.tile_n,
+                                                          self.causal, window)
+        mask_end = geometry.m_block_mask_end(n_block, seqlen_q, seqlen_k, self.tile_m, self.tile_n, self.causal,
+                                             window)
+        left_start = m_block_max
+        if const_expr(cfg.local):
+            left_start = cutlass.max(geometry.m_block_left_mask_start(n_block, seqlen_q, seqlen_k, self.tile_m,
+                                                                      self.tile_n, window), mask_end)
+        scale_log2, softcap_scale, inv_scale_log2 = score.device_scales(scalars.softmax_scale, scalars.softcap,
+                                                                        cfg.softcap)
+        # (tile_m, tile_n) coordinates of this thread's / thread 0's S fragment
+        thr_sdp = mmas.sdp.get_slice(tidx)
+        cS = cute.make_identity_tensor((self.tile_m, self.tile_n))
+        tScS = as_wgmma_acc(thr_sdp.partition_C(cS))
+        t0ScS = as_wgmma_acc(mmas.sdp.get_slice(0).partition_C(cS))
+        mask = partial(geometry.mask_scores, tScS=tScS, t0ScS=t0ScS, n_block=n_block, seqlen_q=seqlen_q,
+                       seqlen_k=seqlen_k, tile_m=self.tile_m, tile_n=self.tile_n, causal=self.causal, window=window)
+
+        for h in cutlass.range(group, unroll=1):
+            head = head_kv * group + h
+            if m_block_max > m_block_min:
+                gQ = cute.local_tile(seq.q_view(gmem.q, head), (self.tile_m, self.hdim), (None, 0))
+                gdO = cute.local_tile(seq.q_view(gmem.do, head), (self.tile_m, self.hdim_v), (None, 0))
+                load_q = partial(self.load_q_tile, copy_qk, thr_qk.partition_S(gQ), thr_qk.partition_D(smem.q),
+                                 *self.row_coords(copy_qk, thr_qk, self.tile_m, self.hdim), seqlen_q)
+                load_do = partial(self.load_q_tile, copy_vdo, thr_vdo.partition_S(gdO), thr_vdo.partition_D(smem.do),
+                                  *self.row_coords(copy_vdo, thr_vdo, self.tile_m, self.hdim_v), seqlen_q)
+                step = partial(self.one_m_block, stats=stats, seq=seq, head=head, n_block=n_block, window=window,
+                               mmas=mmas, ops=ops, smem=smem,
+                               acc_dK=acc_dK, acc_dV=acc_dV, load_q=load_q, load_do=load_do, m_block_max=m_block_max,
+                               mask=mask, tScS=tScS, tidx=tidx, scales=(scalars.softmax_scale, scale_log2,
+                                                                        softcap_scale, inv_scale_log2))
+                # every thread is past the previous head's last step (its Q / dO stage is free)
+                cute.arch.barrier()
+                load_q(m_block_min, Int32(0))
+                load_do(m_block_min, Int32(0))
+                cute.arch.cp_async_commit_group()
+                stage = Int32(0)
+                # query tiles crossing the diagonal / seqlen_k, then full ones, then (window) the
+                # ones crossing its left edge
+                for m_block in cutlass.range(m_block_min, mask_end, unroll=1):
+                    stage = step(m_block, stage, masked=True)
+                for m_block in cutlass.range(mask_end, left_start, unroll=1):
+                    stage = step(m_block, stage, masked=False)
+                if const_expr(cfg.local):
+                    for m_block in cutlass.range(left_start, m_block_max, unroll=1):
+                        stage = step(m_block, stage, masked=True)
+        self.epilogue(acc_dK, acc_dV, gmem, smem, mmas, tidx, n_block, head_kv, seq)
+
+    @cute.jit
+    def one_m_block(self, m_block: Int32, stage: Int32, stats: BwdStats, seq: SeqInfo, head: Int32, n_block: Int32,
+                    window, mmas: Mmas,
+                    ops: Operands, smem: Smem, acc_dK: cute.Tensor, acc_dV: cute.Tensor, load_q, load_do,
+                    m_block_max: Int32, mask, tScS: cute.Tensor, tidx: Int32, scales,
+                    masked: cutlass.Constexpr[bool]) -> Int32:
+        """Query tile m_block from smem stage `stage` (the class docstring's order). Returns the next
+        tile's stage."""
+        softmax_scale, scale_log2, softcap_scale, inv_scale_log2 = scales
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.barrier()
+        next_stage = Int32(0)
+        if const_expr(self.q_stages == 2):
+            next_stage = 1 - stage
+            if m_block + 1 < m_block_max:
+                load_q(m_block + 1, next_stage)
+                load_do(m_block + 1, next_stage)
+            cute.arch.cp_async_commit_group()
+
+        # this thread's query rows: LSE_log2 and D (padded rows: +inf and 0)
+        lse_view = seq.q_padded_view(stats.lse2, head)
+        dpsum_view = seq.q_padded_view(stats.dpsum, head)
+        rows = acc_mn_view(tScS)
+        num_rows = cute.size(rows, mode=[0])
+        lse = cute.make_rmem_tensor(num_rows, Float32)
+        dpsum = cute.make_rmem_tensor(num_rows, Float32)
+        for r in cutlass.range_constexpr(num_rows):
+            row = m_block * self.tile_m + rows[r, 0][0]
+            lse[r] = lse_view[row]
+            dpsum[r] = dpsum_view[row]
+        tile, tile_batch = self.tile_index(seq, m_block)
+        exact = stats.exact[tile, head, tile_batch] != 0
+
+        acc_shape = mmas.sdp.partition_shape_C((self.tile_m, self.tile_n))
+        acc_S = cute.make_rmem_tensor(acc_shape, Float32)
+        acc_S.fill(0.0)
+        g = ops.s
+        gemm_ss(mmas.sdp, acc_S, g.a, g.b, g.sa[None, None, None, stage], g.sb, g.copy_a, g.copy_b)
+        acc_dP = cute.make_rmem_tensor(acc_shape, Float32)
+        acc_dP.fill(0.0)
+        g = ops.dp
+        gemm_ss(mmas.sdp, acc_dP, g.a, g.b, g.sa[None, None, None, stage], g.sb, g.copy_a, g.copy_b)
+
+        score.apply(acc_S, softcap_scale, self.cfg.softcap)
+        s_view = as_wgmma_acc(acc_S)
+        if const_expr(masked):
+            mask(s_view, m_block=m_block)
+        self.probabilities(acc_S, lse, exact, stats, seq, head, m_block, rows, scale_log2)
+        r2s = cute.make_tiled_copy_C(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=2 * self.dtype.width),
+            mmas.sdp).get_slice(tidx)
+        rP = cute.make_fragment_like(acc_S, self.dtype)
+        rP.store(acc_S.load().to(self.dtype))
+        cute.copy(r2s, r2s.retile(rP), r2s.partition_D(smem.p))
+        # dS = P (dP - D) softmax_scale (softcap: times 1 - t^2): the scale is applied here once,
+        # so dK = dS^T Q and dQ = dS K need none
+        p, dp = acc_mn_view(as_wgmma_acc(acc_S)), acc_mn_view(as_wgmma_acc(acc_dP))
+        for r in cutlass.range_constexpr(num_rows):
+            for c in cutlass.range_constexpr(cute.size(p, mode=[1])):
+                ds = (p[r, c] * softmax_scale) * (dp[r, c] - dpsum[r])
+                if const_expr(self.cfg.softcap):
+                    ds = ds * score.grad_factor(p[r, c], lse[r], inv_scale_log2)
+                dp[r, c] = ds
+        rdS = cute.make_fragment_like(acc_dP, self.dtype)
+        rdS.store(acc_dP.load().to(self.dtype))
+        cute.copy(r2s, r2s.retile(rdS), r2s.partition_D(smem.ds))
+        cute.arch.barrier()  # P, dS complete in smem
+
+        g = ops.dv
+        gemm_ss(mmas.dkv, acc_dV, g.a, g.b, g.sa, g.sb[None, None, None, stage], g.copy_a, g.copy_b)
+        g = ops.dk
+        gemm_ss(mmas.dkv, acc_dK, g.a, g.b, g.sa, g.sb[None, None, None, stage], g.copy_a, g.copy_b)
+        thr_dq = mmas.dq.get_slice(tidx)
+        acc_dQ = cute.make_rmem_tensor(thr_dq.partition_shape_C((self.tile_m, self.hdim)), Float32)
+        acc_dQ.fill(0.0)
+        g = ops.dq
+        gemm_ss(mmas.dq, acc_dQ, g.a, g.b, g.sa, g.sb, g.copy_a, g.copy_b)
+        # dQ -> dq_accum: the padded layout holds whole query tiles of each sequence, so rows past
+        # seqlen_q (which add 0) need no predicate
+        gdQ = cute.local_tile(seq.q_padded_view(stats.dq_accum, head), (self.tile_m, self.hdim), (m_block, 0))
+        tdQgdQ = thr_dq.partition_C(gdQ)
+        sem_ptr = stats.dq_sem[None, head, tile_batch].iterator + tile
+        if const_expr(self.cfg.deterministic):
+            self.wait_dq_turn(sem_ptr, self.dq_turn(m_block, n_block, seq, window), tidx)
+        for i in cutlass.range_constexpr(cute.size(acc_dQ)):
+            red_add_f32(tdQgdQ.iterator + cute.crd2idx(i, tdQgdQ.layout), acc_dQ[i])
+        if const_expr(self.cfg.deterministic):
+            cute.arch.fence_acq_rel_gpu()  # this thread's adds before the release below
+            cute.arch.barrier()
+            if tidx == 0:
+                cute.arch.atomic_add(sem_ptr, Int32(1), sem="release", scope="gpu")
+
+        if const_expr(self.q_stages == 1):
+            cute.arch.barrier()  # every thread is past its reads of Q, dO
+            if m_block + 1 < m_block_max:
+                load_q(m_block + 1, Int32(0))
+                load_do(m_block + 1, Int32(0))
+            cute.arch.cp_async_commit_group()
+        return next_stage
+
+    @cute.jit
+    def probabilities(self, acc_S: cute.Tensor, lse: cute.Tensor, exact, stats: BwdStats, seq: SeqInfo, head: Int32,
+                      m_block: Int32, rows: cute.Tensor, scale_log2: Float32):
+        """acc_S -> P = 2^(S * scale_log2 - LSE_log2[row]) in place. exact (the query tiles the
+        preprocess flagged, |LSE log2| >= BWD_EXACT_LSE_LOG2): fma(S, scale_log2, -hi) - lo from the
+        forward's unrounded hi + lo (rows past seqlen_q: hi = +inf, P = 0), as the sm90 backward."""
+        s = acc_mn_view(as_wgmma_acc(acc_S))
+        if exact:
+            for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+                query = m_block * self.tile_m + rows[r, 0][0]
+                hi = Float32.inf
+                lo = Float32(0.0)
+                if query < seq.seqlen_q:
+                    row_idx, batch_idx = seq.q_index(query)
+                    hi = stats.lse_hi[row_idx, head, batch_idx]
+                    lo = stats.lse_lo[row_idx, head, batch_idx]
+                for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
+                    s[r, c] = exp2_hw(fma_rn(s[r, c], scale_log2, -hi) - lo)
+        else:
+            for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+                for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
+                    s[r, c] = exp2_hw(s[r, c] * scale_log2 - lse[r])
+
+    def dq_turn(self, m_block, n_block, seq: SeqInfo, window):
+        """This key tile's place in query tile m_block's deterministic chain of dQ adds: the key tiles
+        adding to it are n_first, n_first + 1, ... (0 without a window; the first of its band with
+        one: flash4.geometry.n_block_min), so each waits for the one below it, which has a lower
+        blockIdx.x (launched first: no deadlock)."""
+        turn = n_block
+        if const_expr(self.cfg.local):
+            turn = n_block - geometry.n_block_min(m_block, seq.seqlen_q, seq.seqlen_k, self.tile_m, self.tile_n,
+                                                  window)
+        return turn
+
+    @cute.jit
+    def wait_dq_turn(self, sem_ptr, turn: Int32, tidx: Int32):
+        """Thread 0 spins until the query tile's counter reads `turn` (acquire), then the CTA goes on."""
+        if tidx == 0:
+            seen = cute.arch.load(sem_ptr, Int32, sem="acquire", scope="gpu")
+            while turn != seen:
+                seen = cute.arch.load(sem_ptr, Int32, sem="acquire", scope="gpu")
+        cute.arch.barrier()
+
+    def tile_index(self, seq: SeqInfo, m_block):
+        """(tile, batch) of query tile m_block in the per-tile flag tensor (packed: its padded tile)."""
+        if const_expr(self.cfg.varlen_q):
+            return seq.padded_offset_q // self.tile_m + m_block, Int32(0)
+        return m_block, seq.batch
+
+    def row_coords(self, tiled_copy, thr_copy, rows: int, cols: int):
+        """(this thread's, thread 0's) coordinate partitions of a (rows, cols) tile."""
+        c = cute.make_identity_tensor((rows, cols))
+        return thr_copy.partition_S(c), tiled_copy.get_slice(0).partition_S(c)
+
+    @cute.jit
+    def load_rows(self, tiled_copy, tXgX: cute.Tensor, tXsX: cute.Tensor, tXcX: cute.Tensor, t0XcX: cute.Tensor,
+                  valid_rows: Int32):
+        """cp.async the rows < valid_rows of a tile; zero the others in smem. tXgX, tXsX: (CPY,
+        CPY_ROWS, CPY_K) partitions; rows compared as thread 0's static row against (valid_rows -
+        this thread's first row)."""
+        limit = valid_rows - tXcX[0][0]
+        for m in cutlass.range_constexpr(cute.size(tXsX.shape[1])):
+            if t0XcX[0, m, 0][0] < limit:
+                cute.copy(tiled_copy, tXgX[None, m, None], tXsX[None, m, None])
+            else:
+                tXsX[None, m, None].fill(0)
+
+    @cute.jit
+    def load_q_tile(self, tiled_copy, tXgX: cute.Tensor, tXsX: cute.Tensor, tXcX: cute.Tensor, t0XcX: cute.Tensor,
+                    seqlen_q: Int32, m_block: Int32, stage: Int32):
+        """cp.async query tile m_block of Q or dO (tXgX: (CPY, CPY_M, CPY_K, m_block)) into smem
+        stage `stage` (tXsX: (CPY, CPY_M, CPY_K, STAGE)), rows past seqlen_q zero-filled."""
+        self.load_rows(tiled_copy, tXgX[None, None, None, m_block], tXsX[None, None, None, stage], tXcX, t0XcX,
+                       seqlen_q - m_block * self.tile_m)
+
+    @cute.jit
+    def epilogue(self, acc_dK: cute.Tensor, acc_dV: cute.Tensor, gmem: BwdTensors, smem: Smem, mmas: Mmas,
+                 tidx: Int32, n_block: Int32, head_kv: Int32, seq: SeqInfo):
+        """dK, dV -> 16-bit -> K's / V's smem (32-bit stores in the accumulator layout) -> 16-byte
+        stores of the rows < seqlen_k."""
+        cute.arch.cp_async_wait_group(0)  # (a tile no query sees never waited for K, V)
+        cute.arch.barrier()  # every thread is past its last read of K, V
+        store_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=2 * self.dtype.width)
+        r2s = cute.make_tiled_copy_C(store_atom, mmas.dkv).get_slice(tidx)
+        for acc, sX in ((acc_dK, smem.k), (acc_dV, smem.v)):
+            r = cute.make_fragment_like(acc, self.dtype)
+            r.store(acc.load().to(self.dtype))
+            cute.copy(r2s, r2s.retile(r), r2s.partition_D(sX))
+        cute.arch.barrier()
+        valid_rows = seq.seqlen_k - n_block * self.tile_n
+        for sX, mX, hdim in ((smem.k, gmem.dk, self.hdim), (smem.v, gmem.dv, self.hdim_v)):
+            gX = cute.local_tile(seq.k_view(mX, head_kv), (self.tile_n, hdim), (n_block, 0))
+            store_rows_predicated(sX, gX, valid_rows, tidx, self.num_threads)
