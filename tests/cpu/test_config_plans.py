@@ -113,8 +113,8 @@ def test_backward_plan_override_and_packed_layout():
 
 
 def test_sm100_plans_dense_only():
-    """The sm100 family (forward only, unverified: fwd_config refuses arch 100 until its self-test)
-    answers dense requests and refuses the rest."""
+    """The sm100 family (forward only, unverified, served behind the first-use self-test) answers
+    dense requests and refuses the rest."""
     from flash4.config import sm100
 
     q, k = meta(2, 300, 8, 128), meta(2, 300, 8, 128)
@@ -126,5 +126,4 @@ def test_sm100_plans_dense_only():
         sm100.fwd_plan(Request.dense(q, k, k, window_size=(3, 3)), 100)
     with pytest.raises(ValueError, match="no sm100 backward"):
         sm100.bwd_plan(Request.dense(q, k, k), 100)
-    with pytest.raises(ValueError, match="sm_100"):
-        fwd_config(Request.dense(q, k, k), 100)
+    assert fwd_config(Request.dense(q, k, k), 100) == FwdPlan(sm100.select_fwd_config(128))

@@ -1,6 +1,6 @@
 """The sm100 forward's pure plans (flash4.config.sm100), checked on the CPU: the shipped configs,
 the TMEM map against flash-attn-4's, the setmaxnreg plan, the pipeline arrive counts, refusals of
-what the kernel does not build, and the registry entry (registered for compiling, unverified)."""
+what the kernel does not build, and the registry entry (unverified, served behind the first-use self-test)."""
 
 import dataclasses
 import itertools
@@ -155,16 +155,15 @@ def test_no_backward_yet():
 
 
 # ---------------------------------------------------------------- registry
-def test_registry_compiles_sm100_but_the_api_refuses_it():
-    """sm100 is registered (compile_fwd dispatches on cfg.arch) but unverified: family(100), which
-    config selection and the API's support check use, refuses it until a hardware self-test."""
-    with pytest.raises(ValueError, match="sm_100 .*compile-verified only"):
-        registry.family(100)
-    fam = registry.family(100, include_unverified=True)
-    assert fam.name == "sm100" and fam.archs == (100,) and not fam.verified
+def test_registry_serves_sm100_behind_the_selftest():
+    """sm100 is registered (compile_fwd dispatches on cfg.arch), unverified but self-test-gated:
+    family(100) serves it (config selection, the API's support check), and the host runs each of its
+    configs only after flash4.selftest passed it (tests/cpu/test_sm100_host.py)."""
+    fam = registry.family(100)
+    assert fam.name == "sm100" and fam.archs == (100,) and not fam.verified and fam.selftest_gated
     assert fam.config_module() is sm100
-    assert registry.supported_archs() == (90,)
-    for arch in (103, 110):  # other Blackwell parts are different GPUs
+    assert registry.supported_archs() == (90,) and registry.gated_archs() == (100,)
+    for arch in (103, 110, 121):  # other Blackwell parts are different GPUs: refused by name
         with pytest.raises(ValueError, match=f"no kernels for sm_{arch}"):
             registry.family(arch, include_unverified=True)
     # consumer Blackwell (no tensor memory) belongs to the portable mma.sync family, never to sm100

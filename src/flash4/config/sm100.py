@@ -9,8 +9,8 @@ TMEM offsets, setmaxnreg budgets and mbarrier arrive counts only from the plan, 
 functions and the compiled PTX/SASS against each other (tests/cpu/test_sm100_*.py).
 
 Everything here is pure Python (no torch, no CuTe DSL). The family is registered in
-flash4.kernels.registry as "sm100" (arch 100 only), marked unverified: the API does not select it
-until a hardware self-test gates it.
+flash4.kernels.registry as "sm100" (arch 100 only), unverified and self-test-gated: the API selects
+it on sm_100, and each config runs only after flash4.selftest passed it on that GPU.
 """
 
 from __future__ import annotations
