@@ -19,13 +19,15 @@ IDS = [f"d{c.headdim}-{c.dtype}-{'causal' if c.causal else 'full'}" for c in CON
 
 
 def test_shipped_configs_cover_the_grid():
-    assert len(CONFIGS) == 12
-    assert {(c.headdim, c.dtype, c.causal) for c in CONFIGS} == set(
-        itertools.product((64, 96, 128), ("bf16", "fp16"), (False, True)))
+    assert len(CONFIGS) == 24
+    assert {(c.headdim, c.dtype, c.causal, c.softcap) for c in CONFIGS} == set(
+        itertools.product((64, 96, 128), ("bf16", "fp16"), (False, True), (False, True)))
+    assert shipped_fwd_configs(features=False) == [c for c in CONFIGS if not c.softcap]
     for c in CONFIGS:
         assert (c.q_stage, c.tile_m, c.tile_n, c.cta_group, c.arch) == (2, 128, 128, 1, 100)
         assert c.cta_tile_m == 256 and c.num_threads == 512
-        assert c.lpt == c.causal and not c.persistent and c.exp2_emu_frac == 0.0
+        assert c.lpt == c.causal and not c.persistent
+        assert c.exp2_emu_frac == (sm100.EXP2_EMU_FRAC_CAUSAL if c.causal else sm100.EXP2_EMU_FRAC) > 0
         assert c.rescale_threshold == 8.0
         assert c.smem_bytes() <= sm100.SMEM_KV_BUDGET
 
@@ -120,8 +122,13 @@ def test_every_party_is_a_role():
 
 
 # ---------------------------------------------------------------- refusals
+def test_softcap_is_built():
+    cfg = select_fwd_config(128, "bf16", True, softcap=True)
+    assert cfg.softcap and cfg.causal and cfg == dataclasses.replace(select_fwd_config(128, "bf16", True), softcap=True)
+
+
 @pytest.mark.parametrize("kwargs,match", [
-    ({"local": True}, "local"), ({"softcap": True}, "softcap"), ({"sink": True}, "sink"),
+    ({"local": True}, "local"), ({"sink": True}, "sink"),
     ({"headdim_v": 64}, "headdim_v"), ({"arch": 103}, "sm_100a"),
 ])
 def test_unbuilt_features_raise_at_selection(kwargs, match):
@@ -137,8 +144,8 @@ def test_unbuilt_headdims_raise(hd):
 
 @pytest.mark.parametrize("field,value", [
     ("varlen_q", True), ("varlen_k", True), ("seqused_q", True), ("seqused_k", True), ("page_rows", 16),
-    ("split_kv", True), ("local", True), ("softcap", True), ("sink", True), ("headdim_v", 64), ("pack_gqa", 2),
-    ("exp2_emu_frac", 0.25), ("persistent", True), ("cta_group", 2), ("q_stage", 1), ("tile_n", 64),
+    ("split_kv", True), ("local", True), ("sink", True), ("headdim_v", 64), ("pack_gqa", 2),
+    ("exp2_emu_frac", 0.33), ("exp2_emu_frac", 1.5), ("persistent", True), ("cta_group", 2), ("q_stage", 1), ("tile_n", 64),
     ("arch", 110), ("kv_stages", 4),
 ])
 def test_a_config_with_an_unbuilt_field_cannot_exist(field, value):

@@ -139,7 +139,6 @@ def test_modes_off_and_on(sm100_device, monkeypatch):
 
 
 @pytest.mark.parametrize("kwargs, what", [
-    (dict(softcap=5.0), "softcap not implemented by the sm100 forward"),
     (dict(window_size=(64, 0)), "local not implemented by the sm100 forward"),
     (dict(learnable_sink=torch.zeros(4)), "sink not implemented by the sm100 forward"),
 ])
@@ -151,6 +150,13 @@ def test_features_sm100_lacks_are_refused_before_the_selftest(sm100_device, monk
     assert asked == []
     with pytest.raises(ValueError, match=what):
         flash4.flash_attn_func(q, k, v, **kwargs)
+
+
+def test_softcap_selects_the_softcap_kernel(sm100_device, monkeypatch):
+    asked = verdicts(monkeypatch, ok=True)
+    q, k, v = qkv()
+    assert validate.support_error(q, k, v, causal=True, softcap=5.0) is None
+    assert asked == [sm100.select_fwd_config(128, "bf16", True, softcap=True)]
 
 
 def test_exactly_causal_window_is_causal(sm100_device, monkeypatch):

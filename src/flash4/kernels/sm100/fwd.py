@@ -147,7 +147,7 @@ class FlashAttentionForwardSm100:
         mLSEacc: Optional[cute.Tensor],
         mSink: Optional[cute.Tensor],
         softmax_scale_log2: Float32,  # softmax_scale * log2(e)
-        softcap_scale: Float32,  # ignored (softcap not implemented)
+        softcap_scale: Float32,  # softcap configs: tanh's input scale softmax_scale / softcap (score.scales)
         batch_size: Int32,
         max_seqlen_q: Int32,  # sizes the tile space (cta_tile_m rows per tile)
         num_splits: Int32,  # ignored (1)
@@ -224,7 +224,7 @@ class FlashAttentionForwardSm100:
 
         self.kernel(
             tma_Q, tma_K, tma_V, tma_O, mLSE, mLSEhi, mLSElo, tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O,
-            softmax_scale_log2, batch_size, max_seqlen_q, l2_group,
+            softmax_scale_log2, softcap_scale, batch_size, max_seqlen_q, l2_group,
             sQ_layout, sK_layout, tP_layout, sV_layout, sO_layout, tiled_mma_qk, tiled_mma_pv, SharedStorage,
         ).launch(grid=(num_ctas, 1, 1), block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
@@ -235,7 +235,7 @@ class FlashAttentionForwardSm100:
         mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
         mLSE: cute.Tensor, mLSEhi: cute.Tensor, mLSElo: cute.Tensor,
         tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom, tma_atom_O: cute.CopyAtom,
-        softmax_scale_log2: Float32, batch_size: Int32, max_seqlen_q: Int32, l2_group: Int32,
+        softmax_scale_log2: Float32, softcap_scale: Float32, batch_size: Int32, max_seqlen_q: Int32, l2_group: Int32,
         sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, tP_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout, sO_layout: cute.ComposedLayout,
         tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
@@ -277,7 +277,8 @@ class FlashAttentionForwardSm100:
             # softmax0 (warps 0-3) owns Q tile 0, softmax1 (4-7) Q tile 1: one code path, the
             # Q tile (pipeline stage, TMEM columns) a warp-uniform runtime value.
             stage = warp_idx // len(self.roles["softmax0"])
-            self.softmax(stage, thr_mma_qk, sScale, mQ, mK, mLSE, mLSEhi, mLSElo, pipes, softmax_scale_log2, sched)
+            self.softmax(stage, thr_mma_qk, sScale, mQ, mK, mLSE, mLSEhi, mLSElo, pipes, softmax_scale_log2,
+                         softcap_scale, sched)
             self.release_tmem()
         elif warp_idx < self.roles["mma"][0]:
             self.set_regs(self.regs.correction)
@@ -526,7 +527,8 @@ class FlashAttentionForwardSm100:
 
     # ---------------------------------------------------------------- softmax warpgroups
     @cute.jit
-    def softmax(self, stage, thr_mma_qk, sScale, mQ, mK, mLSE, mLSEhi, mLSElo, pipes, softmax_scale_log2, sched):
+    def softmax(self, stage, thr_mma_qk, sScale, mQ, mK, mLSE, mLSEhi, mLSElo, pipes, softmax_scale_log2, softcap_scale,
+                sched):
         """Softmax warpgroup of Q tile `stage` (runtime, warp-uniform): per key block S_stage (TMEM)
         -> P_stage (TMEM) and the O factor to the correction; per tile 1 / row_sum to the correction
         and the LSE to global memory. Thread t owns row t of the Q tile (TMEM lane t)."""
@@ -553,7 +555,8 @@ class FlashAttentionForwardSm100:
         lane_row = tScS_t2r[0][0]  # this thread's row in the Q tile (its TMEM lane)
         frags = (thr_load, tStS_t2r, tScS_t2r, t0ScS_t2r, thr_store, tStP_r2t, tSrP_shape)
 
-        softmax = RowSoftmax(softmax_scale_log2, self.cfg.rescale_threshold, self.cfg.exp2_emu_frac)
+        softmax = RowSoftmax(softmax_scale_log2, self.cfg.rescale_threshold, self.cfg.exp2_emu_frac,
+                             softcap_scale if const_expr(self.cfg.softcap) else None)
         spo_phase = Int32(0)  # S ready: waited once per key block
         stats_phase = Int32(1)  # sScale free: the producer's first wait passes
         tile_idx = cute.arch.block_idx()[0]
@@ -600,6 +603,7 @@ class FlashAttentionForwardSm100:
         tSrS = cute.make_rmem_tensor(tScS_t2r.shape, Float32)
         cute.copy(thr_load, tStS_t2r, tSrS)
         cute.arch.fence_view_async_tmem_load()
+        softmax.score_mod(tSrS)  # softcap: S -> tanh(S * softcap_scale), before the mask
         if const_expr(masked):
             mask_row(tSrS, t0ScS_t2r, row, n_block, seq.seqlen_q, seq.seqlen_k, self.tile_n, self.causal)
         row_scale = softmax.update_max(tSrS, is_first)
