@@ -140,7 +140,7 @@ def test_modes_off_and_on(sm100_device, monkeypatch):
 
 @pytest.mark.parametrize("kwargs, what", [
     (dict(window_size=(64, 0)), "local not implemented by the sm100 forward"),
-    (dict(learnable_sink=torch.zeros(4)), "sink not implemented by the sm100 forward"),
+    (dict(window_size=(100, 100)), "local not implemented by the sm100 forward"),
 ])
 def test_features_sm100_lacks_are_refused_before_the_selftest(sm100_device, monkeypatch, kwargs, what):
     asked = verdicts(monkeypatch, ok=True)
@@ -152,11 +152,13 @@ def test_features_sm100_lacks_are_refused_before_the_selftest(sm100_device, monk
         flash4.flash_attn_func(q, k, v, **kwargs)
 
 
-def test_softcap_selects_the_softcap_kernel(sm100_device, monkeypatch):
+def test_softcap_and_sink_select_their_kernels(sm100_device, monkeypatch):
     asked = verdicts(monkeypatch, ok=True)
     q, k, v = qkv()
     assert validate.support_error(q, k, v, causal=True, softcap=5.0) is None
-    assert asked == [sm100.select_fwd_config(128, "bf16", True, softcap=True)]
+    assert validate.support_error(q, k, v, learnable_sink=torch.zeros(4)) is None
+    assert asked == [sm100.select_fwd_config(128, "bf16", True, softcap=True),
+                     sm100.select_fwd_config(128, "bf16", False, sink=True)]
 
 
 def test_exactly_causal_window_is_causal(sm100_device, monkeypatch):
@@ -195,7 +197,7 @@ def test_training_refused_at_the_door(sm100_device, monkeypatch):
     sink = torch.zeros(4, requires_grad=True)
     with torch.no_grad():
         assert validate.support_error(q, k, v) is None  # inference: fine
-    assert "sink not implemented" in validate.support_error(q.detach(), k.detach(), v.detach(), learnable_sink=sink)
+    assert "no backward on sm_100" in validate.support_error(q.detach(), k.detach(), v.detach(), learnable_sink=sink)
     assert len(asked) == 1
 
 

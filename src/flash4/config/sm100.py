@@ -53,9 +53,10 @@ class Sm100FwdConfig:
     persistent, lpt: the tile order (flash4.kernels.common.scheduler.TileSchedule); lpt = causal.
     arch:          100 (sm_100a).
     The remaining fields mirror flash4.config.FwdConfig so the host can pass the same keys; the
-    sm100 kernel implements softcap (score.apply on the row before the mask: tanh on MUFU) and none
-    of the others yet; a config with any of them set cannot be built (ValueError in __post_init__):
-    varlen_q, varlen_k, seqused_q, seqused_k, page_rows, split_kv, local, sink, headdim_v, pack_gqa.
+    sm100 kernel implements softcap (score.apply on the row before the mask: tanh on MUFU) and sink
+    (the learnable sink in the softmax's finalize, sm90's rule) and none of the others yet; a config
+    with any of them set cannot be built (ValueError in __post_init__): varlen_q, varlen_k,
+    seqused_q, seqused_k, page_rows, split_kv, local, headdim_v, pack_gqa.
     (GQA / MQA runs without packing: each query head reads K/V head head // (H / Hk).)
     """
 
@@ -115,7 +116,7 @@ class Sm100FwdConfig:
 # Feature flags a config may carry and the sm100 kernel does not implement (field -> its "off" value).
 _UNBUILT_FLAGS = {
     "varlen_q": False, "varlen_k": False, "seqused_q": False, "seqused_k": False, "page_rows": 0,
-    "split_kv": False, "local": False, "sink": False, "headdim_v": None, "pack_gqa": 1,
+    "split_kv": False, "local": False, "headdim_v": None, "pack_gqa": 1,
 }
 
 
@@ -159,7 +160,7 @@ def select_fwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, a
     """The sm100 forward config for one problem class (pure; CPU-tested). Same arguments as
     flash4.config.sm90.select_fwd_config; seqlen_k is accepted and ignored (no short-sequence
     policy on sm100 yet). Raises ValueError for what the sm100 kernel does not build: another arch,
-    a head dim outside SM100_FWD_HEADDIMS, local, sink, Dv != D."""
+    a head dim outside SM100_FWD_HEADDIMS, local (a sliding window), Dv != D."""
     if arch != ARCH:
         raise ValueError(f"flash4.config.sm100 builds sm_100a kernels only, got arch={arch}")
     if headdim not in SUPPORTED_HEADDIMS or headdim not in SM100_FWD_HEADDIMS:
@@ -167,22 +168,22 @@ def select_fwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, a
     if headdim_v is not None and headdim_v != headdim:
         detail = "" if (headdim, headdim_v) in HDIMV_PAIRS else " (nor on sm90)"
         raise ValueError(f"headdim_v={headdim_v} != headdim={headdim} is not implemented by the sm100 forward{detail}")
-    unbuilt = [name for name, on in (("local", local), ("sink", sink)) if on]
+    unbuilt = [name for name, on in (("local", local),) if on]
     if unbuilt:
         raise ValueError(f"{', '.join(unbuilt)} not implemented by the sm100 forward yet")
     plan = default_register_plan(headdim, causal)
     return Sm100FwdConfig(
         headdim=headdim, dtype=dtype, causal=causal, kv_stages=kv_stages_for(headdim, headdim),
         regs_softmax=plan.softmax, regs_correction=plan.correction, regs_other=plan.other,
-        exp2_emu_frac=exp2_emu_frac_for(causal), lpt=causal, softcap=softcap)
+        exp2_emu_frac=exp2_emu_frac_for(causal), lpt=causal, softcap=softcap, sink=sink)
 
 
 def shipped_fwd_configs(features: bool = True) -> list:
     """Every sm100 forward config the API can select: hd64/96/128 x bf16/fp16 x causal/not, 1-CTA,
-    each without and (features) with softcap."""
-    flags = (False, True) if features else (False,)
-    return [select_fwd_config(d, dt, c, softcap=sc) for sc in flags for d in SM100_FWD_HEADDIMS for dt in DTYPES
-            for c in (False, True)]
+    each without and (features) with softcap and / or a learnable sink."""
+    flags = ((False, False), (True, False), (False, True), (True, True)) if features else ((False, False),)
+    return [select_fwd_config(d, dt, c, softcap=sc, sink=sk) for sc, sk in flags for d in SM100_FWD_HEADDIMS
+            for dt in DTYPES for c in (False, True)]
 
 
 def select_bwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, arch: int = ARCH, **kwargs):
@@ -196,7 +197,7 @@ def shipped_bwd_configs() -> list:
 # ---------------------------------------------------------------- the host's questions (flash4.config.fwd_config / bwd_config)
 def fwd_plan(request, arch: int = ARCH, num_sms: int | None = None) -> FwdPlan:
     """The forward plan of a flash4.request.Request on sm100: dense batches only (select_fwd_config's
-    checks apply: head dims, no window / sink / Dv != D yet). Raises ValueError for a packed,
+    checks apply: head dims, no window / Dv != D yet). Raises ValueError for a packed,
     paged or decode request (the sm100 kernel has no sequence layouts yet)."""
     q, seq, mask, score = request.q, request.seq, request.mask, request.score
     if seq.packed or seq.decode:

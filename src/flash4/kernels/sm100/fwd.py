@@ -26,7 +26,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from flash4.kernels.sm100.plan import (TMEM_COLUMNS, WARP_ROLES, WARP_SIZE, RegisterPlan, pipeline_specs, register_plan,
                                  tmem_alloc_cols, tmem_map)
-from flash4.constants import THREADS_PER_WG
+from flash4.constants import LOG2E, THREADS_PER_WG
 from flash4.kernels.common import geometry
 from flash4.kernels.common.dsl import DSL_DTYPES
 from flash4.kernels.common.layout import select_modes
@@ -145,7 +145,7 @@ class FlashAttentionForwardSm100:
         mPageTable: Optional[cute.Tensor],
         mOacc: Optional[cute.Tensor],
         mLSEacc: Optional[cute.Tensor],
-        mSink: Optional[cute.Tensor],
+        mSink: Optional[cute.Tensor],  # sink configs: (nheads,) fp32 sink logits (natural units)
         softmax_scale_log2: Float32,  # softmax_scale * log2(e)
         softcap_scale: Float32,  # softcap configs: tanh's input scale softmax_scale / softcap (score.scales)
         batch_size: Int32,
@@ -159,9 +159,12 @@ class FlashAttentionForwardSm100:
     ):
         for name, t in (("cu_seqlens_q", mCuSeqlensQ), ("cu_seqlens_k", mCuSeqlensK), ("seqused_q", mSeqUsedQ),
                         ("seqused_k", mSeqUsedK), ("page_table", mPageTable), ("o_accum", mOacc),
-                        ("lse_accum", mLSEacc), ("sink", mSink)):
+                        ("lse_accum", mLSEacc)):
             if const_expr(t is not None):
                 raise NotImplementedError(f"flash4 fwd_sm100: {name} is not implemented on sm100 yet")
+        if const_expr((mSink is not None) != self.cfg.sink):
+            raise ValueError(f"flash4 fwd_sm100: sink tensor {'missing' if self.cfg.sink else 'given'} for a config with "
+                             f"sink={self.cfg.sink}")
         if const_expr(not (mQ.element_type == mK.element_type == mV.element_type == mO.element_type == self.dtype)):
             raise TypeError(f"flash4 fwd_sm100: tensors must all be {self.dtype}")
         # Kernel views: Q, K, O (seqlen, d, heads, batch); V transposed (dv, seqlen_k, heads_k, batch)
@@ -223,7 +226,7 @@ class FlashAttentionForwardSm100:
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, kv_elems], self.buffer_align_bytes]
 
         self.kernel(
-            tma_Q, tma_K, tma_V, tma_O, mLSE, mLSEhi, mLSElo, tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O,
+            tma_Q, tma_K, tma_V, tma_O, mLSE, mLSEhi, mLSElo, mSink, tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O,
             softmax_scale_log2, softcap_scale, batch_size, max_seqlen_q, l2_group,
             sQ_layout, sK_layout, tP_layout, sV_layout, sO_layout, tiled_mma_qk, tiled_mma_pv, SharedStorage,
         ).launch(grid=(num_ctas, 1, 1), block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
@@ -233,7 +236,7 @@ class FlashAttentionForwardSm100:
     def kernel(
         self,
         mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
-        mLSE: cute.Tensor, mLSEhi: cute.Tensor, mLSElo: cute.Tensor,
+        mLSE: cute.Tensor, mLSEhi: cute.Tensor, mLSElo: cute.Tensor, mSink: Optional[cute.Tensor],
         tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom, tma_atom_O: cute.CopyAtom,
         softmax_scale_log2: Float32, softcap_scale: Float32, batch_size: Int32, max_seqlen_q: Int32, l2_group: Int32,
         sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, tP_layout: cute.ComposedLayout,
@@ -277,7 +280,7 @@ class FlashAttentionForwardSm100:
             # softmax0 (warps 0-3) owns Q tile 0, softmax1 (4-7) Q tile 1: one code path, the
             # Q tile (pipeline stage, TMEM columns) a warp-uniform runtime value.
             stage = warp_idx // len(self.roles["softmax0"])
-            self.softmax(stage, thr_mma_qk, sScale, mQ, mK, mLSE, mLSEhi, mLSElo, pipes, softmax_scale_log2,
+            self.softmax(stage, thr_mma_qk, sScale, mQ, mK, mLSE, mLSEhi, mLSElo, mSink, pipes, softmax_scale_log2,
                          softcap_scale, sched)
             self.release_tmem()
         elif warp_idx < self.roles["mma"][0]:
@@ -527,8 +530,8 @@ class FlashAttentionForwardSm100:
 
     # ---------------------------------------------------------------- softmax warpgroups
     @cute.jit
-    def softmax(self, stage, thr_mma_qk, sScale, mQ, mK, mLSE, mLSEhi, mLSElo, pipes, softmax_scale_log2, softcap_scale,
-                sched):
+    def softmax(self, stage, thr_mma_qk, sScale, mQ, mK, mLSE, mLSEhi, mLSElo, mSink, pipes, softmax_scale_log2,
+                softcap_scale, sched):
         """Softmax warpgroup of Q tile `stage` (runtime, warp-uniform): per key block S_stage (TMEM)
         -> P_stage (TMEM) and the O factor to the correction; per tile 1 / row_sum to the correction
         and the LSE to global memory. Thread t owns row t of the Q tile (TMEM lane t)."""
@@ -565,7 +568,13 @@ class FlashAttentionForwardSm100:
             seq = self.tile_seq(mQ, mK, batch)
             n_block_max = self.n_block_max(m_block, seq)
             row = (self.q_stage * m_block + stage) * self.tile_m + lane_row
-            lse = (-Float32.inf, Float32.inf, Float32(0.0))  # no key: LSE -inf, log2 split (+inf, 0)
+            sink_log2 = None
+            if const_expr(self.cfg.sink):
+                sink_log2 = Float32(mSink[head]) * Float32(LOG2E)
+            # no key: LSE -inf, log2 split (+inf, 0); with a sink: LSE = the sink, split (sink_log2, 0)
+            lse = (-Float32.inf, Float32.inf, Float32(0.0))
+            if const_expr(self.cfg.sink):
+                lse = (Float32(mSink[head]), sink_log2, Float32(0.0))
             if n_block_max > 0:
                 softmax.reset()
                 phases = (spo_phase, stats_phase)
@@ -586,7 +595,7 @@ class FlashAttentionForwardSm100:
                     phases = self.softmax_step(stage, n_unmasked - 1 - i, False, False, row, seq, softmax, frags,
                                                sScale, pipe_spo, pipe_stats, phases, lane_row)
                 spo_phase, stats_phase = phases
-                inv_row_sum, lse_e, lse_hi, lse_lo = softmax.finalize()
+                inv_row_sum, lse_e, lse_hi, lse_lo = softmax.finalize(sink_log2)
                 stats_phase = self.send_stat(pipe_stats, stage, stats_phase, sScale, lane_row, inv_row_sum)
                 lse = (lse_e, lse_hi, lse_lo)
             self.store_lse(row, seq, head, lse, (mLSE, mLSEhi, mLSElo))

@@ -165,14 +165,29 @@ class RowSoftmax(DynamicState):
         return exp2_hw(x0), exp2_hw(x1)
 
     @cute.jit
-    def finalize(self):
+    def finalize(self, sink_log2=None):
         """(inv_row_sum, lse, lse_hi, lse_lo) as flash4.kernels.common.softmax.OnlineSoftmax.finalize:
         1 / row_sum (0 for a row that saw no key), the natural-log LSE (-inf for such rows), and the
-        log2-domain LSE unrounded as hi + lo (+inf, 0 for such rows) for the backward's exact path."""
+        log2-domain LSE unrounded as hi + lo (+inf, 0 for such rows) for the backward's exact path.
+        sink_log2: None, or the row's learnable-sink logit in log2 units (Float32): one more term
+        2^sink in the denominator, against its own reference when it is above the row's (sm90's
+        rule, OnlineSoftmax._finalize_sink); a row without keys then has O = 0 and LSE = the sink."""
         total = self.state[3]
+        hi = self.state[1]
+        if const_expr(sink_log2 is not None):
+            lo = self.state[2]
+            sink_above = (sink_log2 > hi + lo) | (total == Float32(0.0))
+            shift = Float32(cutlass.select_(sink_above, (hi - sink_log2) + lo, Float32(0.0)))
+            old = Float32(cutlass.select_(total == Float32(0.0), Float32(0.0), exp2_hw(shift)))
+            extra = exp2_hw(Float32(cutlass.select_(sink_above, Float32(0.0), (sink_log2 - hi) - lo)))
+            total_new = total * old + extra
+            log_total = cute.math.log2(total_new, fastmath=True)
+            inv = old * cute.arch.rcp_approx(total_new)
+            hi = Float32(cutlass.select_(sink_above, sink_log2, hi))
+            lo = Float32(cutlass.select_(sink_above, log_total, lo + log_total))
+            return inv, (hi + lo) * Float32(LN2), hi, lo
         empty = (total == Float32(0.0)) | (total != total)
         inv = cute.arch.rcp_approx(total)
-        hi = self.state[1]
         lo = self.state[2] + cute.math.log2(total, fastmath=True)
         lse = (hi + lo) * Float32(LN2)
         if empty:
