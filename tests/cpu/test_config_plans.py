@@ -122,8 +122,9 @@ def test_sm100_plans_dense_only():
     assert plan == FwdPlan(sm100.select_fwd_config(128, "bf16", True))
     with pytest.raises(ValueError, match="no varlen layout"):
         sm100.fwd_plan(_packed(), 100)
-    with pytest.raises(ValueError, match="local not implemented"):
-        sm100.fwd_plan(Request.dense(q, k, k, window_size=(3, 3)), 100)
+    assert sm100.fwd_plan(Request.dense(q, k, k, window_size=(3, 3)), 100).cfg.local
+    with pytest.raises(ValueError, match="headdim_v=64 != headdim=128 is not implemented"):
+        sm100.fwd_plan(Request.dense(q, k, meta(2, 300, 8, 64)), 100)
     with pytest.raises(ValueError, match="no sm100 backward"):
         sm100.bwd_plan(Request.dense(q, k, k), 100)
     assert fwd_config(Request.dense(q, k, k), 100) == FwdPlan(sm100.select_fwd_config(128))

@@ -20,11 +20,11 @@ from flash4.kernels.sm100.pipes import ArrivalLedger, check_init_counts  # noqa:
 
 # The 12 base configs, and one or two of each feature's (bf16; the feature adds const_expr code only
 # where its flag is on, so the other dtype and head dims add nothing a compile gate would see).
-FEATURES = [dict(softcap=True), dict(sink=True)]
+FEATURES = [dict(softcap=True), dict(sink=True), dict(local=True)]
 CONFIGS = shipped_fwd_configs(features=False) + [
     select_fwd_config(hd, "bf16", causal, **feature) for feature in FEATURES for hd, causal in ((128, True), (64, False))]
 IDS = [f"d{c.headdim}-{c.dtype}-{'causal' if c.causal else 'full'}" + ("-softcap" if c.softcap else "")
-       + ("-sink" if c.sink else "") for c in CONFIGS]
+       + ("-sink" if c.sink else "") + ("-local" if c.local else "") for c in CONFIGS]
 # CPU seconds of one cold compile (trace + MLIR + ptxas, one core). Measured 3.5-4.9 s on the 2-core
 # CI box; the target is 5 s, the assert leaves room for a loaded machine.
 COMPILE_CPU_LIMIT_S = 10.0
@@ -103,7 +103,7 @@ def exp2_sites(cfg) -> dict:
     a row: per body 64 scale-subtract FFMA2, and per emulated pair (exp2_emu_frac of the 64 pairs) 3
     Horner FFMA2 and 1 FADD2.RM instead of 2 MUFU.EX2. Besides, one MUFU.EX2 per non-first body for
     the O factor, and two in the finalize of a sink config (the sink's term and the row's shift)."""
-    bodies = 3 if cfg.causal else 2
+    bodies = 3 if cfg.causal and not cfg.local else 2  # a window: the first block, then one masked loop
     pairs = round(cfg.tile_n // 2 * cfg.exp2_emu_frac)
     return {"mufu_ex2": bodies * (cfg.tile_n - 2 * pairs) + bodies - 1 + (2 if cfg.sink else 0),
             "ffma2": bodies * (cfg.tile_n // 2 + 3 * pairs), "fadd2_rm": bodies * pairs,
@@ -122,9 +122,10 @@ def test_exp2_mix_gate(built, name):
     want = exp2_sites(cfg)
     assert {k: row[k] for k in want} == want, (name, row)
     mufu_only = exp2_sites(dataclasses.replace(cfg, exp2_emu_frac=0.0))
-    assert mufu_only["mufu_ex2"] == (386 if cfg.causal else 257) + 2 * cfg.sink and mufu_only["fadd2_rm"] == 0
+    causal_loops = cfg.causal and not cfg.local
+    assert mufu_only["mufu_ex2"] == (386 if causal_loops else 257) + 2 * cfg.sink and mufu_only["fadd2_rm"] == 0
     saved = mufu_only["mufu_ex2"] - row["mufu_ex2"]
-    assert saved == (3 if cfg.causal else 2) * round(cfg.tile_n * cfg.exp2_emu_frac) > 0
+    assert saved == (3 if causal_loops else 2) * round(cfg.tile_n * cfg.exp2_emu_frac) > 0
 
 
 @pytest.mark.parametrize("name", IDS)

@@ -19,14 +19,14 @@ IDS = [f"d{c.headdim}-{c.dtype}-{'causal' if c.causal else 'full'}" for c in CON
 
 
 def test_shipped_configs_cover_the_grid():
-    assert len(CONFIGS) == 48
-    assert {(c.headdim, c.dtype, c.causal, c.softcap, c.sink) for c in CONFIGS} == set(
-        itertools.product((64, 96, 128), ("bf16", "fp16"), (False, True), (False, True), (False, True)))
-    assert shipped_fwd_configs(features=False) == [c for c in CONFIGS if not (c.softcap or c.sink)]
+    assert len(CONFIGS) == 96
+    assert {(c.headdim, c.dtype, c.causal, c.local, c.softcap, c.sink) for c in CONFIGS} == set(
+        itertools.product((64, 96, 128), ("bf16", "fp16"), *[(False, True)] * 4))
+    assert shipped_fwd_configs(features=False) == [c for c in CONFIGS if not (c.local or c.softcap or c.sink)]
     for c in CONFIGS:
         assert (c.q_stage, c.tile_m, c.tile_n, c.cta_group, c.arch) == (2, 128, 128, 1, 100)
         assert c.cta_tile_m == 256 and c.num_threads == 512
-        assert c.lpt == c.causal and not c.persistent
+        assert c.lpt == (c.causal and not c.local) and not c.persistent
         assert c.exp2_emu_frac == (sm100.EXP2_EMU_FRAC_CAUSAL if c.causal else sm100.EXP2_EMU_FRAC) > 0
         assert c.rescale_threshold == 8.0
         assert c.smem_bytes() <= sm100.SMEM_KV_BUDGET
@@ -122,15 +122,16 @@ def test_every_party_is_a_role():
 
 
 # ---------------------------------------------------------------- refusals
-def test_softcap_and_sink_are_built():
+def test_softcap_sink_and_window_are_built():
     cfg = select_fwd_config(128, "bf16", True, softcap=True)
     assert cfg.softcap and cfg.causal and cfg == dataclasses.replace(select_fwd_config(128, "bf16", True), softcap=True)
     cfg = select_fwd_config(64, "fp16", False, sink=True)
     assert cfg.sink and cfg == dataclasses.replace(select_fwd_config(64, "fp16", False), sink=True)
+    cfg = select_fwd_config(96, "bf16", True, local=True)
+    assert cfg.local and cfg.causal and not cfg.lpt  # a window's tiles: no LPT order
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    ({"local": True}, "local"),
     ({"headdim_v": 64}, "headdim_v"), ({"arch": 103}, "sm_100a"),
 ])
 def test_unbuilt_features_raise_at_selection(kwargs, match):
@@ -146,7 +147,7 @@ def test_unbuilt_headdims_raise(hd):
 
 @pytest.mark.parametrize("field,value", [
     ("varlen_q", True), ("varlen_k", True), ("seqused_q", True), ("seqused_k", True), ("page_rows", 16),
-    ("split_kv", True), ("local", True), ("headdim_v", 64), ("pack_gqa", 2),
+    ("split_kv", True), ("headdim_v", 64), ("pack_gqa", 2),
     ("exp2_emu_frac", 0.33), ("exp2_emu_frac", 1.5), ("persistent", True), ("cta_group", 2), ("q_stage", 1), ("tile_n", 64),
     ("arch", 110), ("kv_stages", 4),
 ])

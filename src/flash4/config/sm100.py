@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import itertools
 
 from flash4.config import HDIMV_PAIRS, SUPPORTED_HEADDIMS, FwdPlan
 from flash4.constants import DTYPES, RESCALE_THRESHOLD_LOG2
@@ -53,10 +54,11 @@ class Sm100FwdConfig:
     persistent, lpt: the tile order (flash4.kernels.common.scheduler.TileSchedule); lpt = causal.
     arch:          100 (sm_100a).
     The remaining fields mirror flash4.config.FwdConfig so the host can pass the same keys; the
-    sm100 kernel implements softcap (score.apply on the row before the mask: tanh on MUFU) and sink
-    (the learnable sink in the softmax's finalize, sm90's rule) and none of the others yet; a config
-    with any of them set cannot be built (ValueError in __post_init__): varlen_q, varlen_k,
-    seqused_q, seqused_k, page_rows, split_kv, local, headdim_v, pack_gqa.
+    sm100 kernel implements softcap (score.apply on the row before the mask: tanh on MUFU), sink
+    (the learnable sink in the softmax's finalize, sm90's rule) and local (a sliding window: the key
+    blocks of flash4.geometry's n_block_min .. n_block_max, every block masked on both sides) and
+    none of the others yet; a config with any of them set cannot be built (ValueError in
+    __post_init__): varlen_q, varlen_k, seqused_q, seqused_k, page_rows, split_kv, headdim_v, pack_gqa.
     (GQA / MQA runs without packing: each query head reads K/V head head // (H / Hk).)
     """
 
@@ -116,7 +118,7 @@ class Sm100FwdConfig:
 # Feature flags a config may carry and the sm100 kernel does not implement (field -> its "off" value).
 _UNBUILT_FLAGS = {
     "varlen_q": False, "varlen_k": False, "seqused_q": False, "seqused_k": False, "page_rows": 0,
-    "split_kv": False, "local": False, "headdim_v": None, "pack_gqa": 1,
+    "split_kv": False, "headdim_v": None, "pack_gqa": 1,
 }
 
 
@@ -143,8 +145,9 @@ def config_problem(cfg: Sm100FwdConfig) -> str | None:
         return f"exp2_emu_frac={cfg.exp2_emu_frac!r}: {err}"
     if cfg.persistent:
         return "persistent=True is not built (one CTA per tile)"
-    if cfg.lpt != cfg.causal:
-        return f"lpt={cfg.lpt} with causal={cfg.causal}; the sm100 forward orders causal tiles LPT (lpt == causal)"
+    if cfg.lpt != (cfg.causal and not cfg.local):
+        return (f"lpt={cfg.lpt} with causal={cfg.causal}, local={cfg.local}; the sm100 forward orders causal tiles "
+                "LPT (lpt == causal and not local: a window's tiles have about equal work)")
     if not 1 <= cfg.kv_stages <= MAX_KV_STAGES or cfg.smem_bytes() > SMEM_KV_BUDGET:
         return f"kv_stages={cfg.kv_stages}: {cfg.smem_bytes()} bytes of smem > {SMEM_KV_BUDGET}"
     plan_problem = register_plan_problem(RegisterPlan(cfg.regs_softmax, cfg.regs_correction, cfg.regs_other))
@@ -160,7 +163,7 @@ def select_fwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, a
     """The sm100 forward config for one problem class (pure; CPU-tested). Same arguments as
     flash4.config.sm90.select_fwd_config; seqlen_k is accepted and ignored (no short-sequence
     policy on sm100 yet). Raises ValueError for what the sm100 kernel does not build: another arch,
-    a head dim outside SM100_FWD_HEADDIMS, local (a sliding window), Dv != D."""
+    a head dim outside SM100_FWD_HEADDIMS, Dv != D."""
     if arch != ARCH:
         raise ValueError(f"flash4.config.sm100 builds sm_100a kernels only, got arch={arch}")
     if headdim not in SUPPORTED_HEADDIMS or headdim not in SM100_FWD_HEADDIMS:
@@ -168,22 +171,20 @@ def select_fwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, a
     if headdim_v is not None and headdim_v != headdim:
         detail = "" if (headdim, headdim_v) in HDIMV_PAIRS else " (nor on sm90)"
         raise ValueError(f"headdim_v={headdim_v} != headdim={headdim} is not implemented by the sm100 forward{detail}")
-    unbuilt = [name for name, on in (("local", local),) if on]
-    if unbuilt:
-        raise ValueError(f"{', '.join(unbuilt)} not implemented by the sm100 forward yet")
     plan = default_register_plan(headdim, causal)
     return Sm100FwdConfig(
         headdim=headdim, dtype=dtype, causal=causal, kv_stages=kv_stages_for(headdim, headdim),
         regs_softmax=plan.softmax, regs_correction=plan.correction, regs_other=plan.other,
-        exp2_emu_frac=exp2_emu_frac_for(causal), lpt=causal, softcap=softcap, sink=sink)
+        exp2_emu_frac=exp2_emu_frac_for(causal), lpt=causal and not local, softcap=softcap, sink=sink, local=local)
 
 
 def shipped_fwd_configs(features: bool = True) -> list:
     """Every sm100 forward config the API can select: hd64/96/128 x bf16/fp16 x causal/not, 1-CTA,
-    each without and (features) with softcap and / or a learnable sink."""
-    flags = ((False, False), (True, False), (False, True), (True, True)) if features else ((False, False),)
-    return [select_fwd_config(d, dt, c, softcap=sc, sink=sk) for sc, sk in flags for d in SM100_FWD_HEADDIMS
-            for dt in DTYPES for c in (False, True)]
+    each without and (features) with every combination of a sliding window (local), softcap and a
+    learnable sink (96 configs in all)."""
+    flags = itertools.product((False, True), repeat=3) if features else ((False, False, False),)
+    return [select_fwd_config(d, dt, c, local=lo, softcap=sc, sink=sk) for lo, sc, sk in flags
+            for d in SM100_FWD_HEADDIMS for dt in DTYPES for c in (False, True)]
 
 
 def select_bwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, arch: int = ARCH, **kwargs):
@@ -197,7 +198,7 @@ def shipped_bwd_configs() -> list:
 # ---------------------------------------------------------------- the host's questions (flash4.config.fwd_config / bwd_config)
 def fwd_plan(request, arch: int = ARCH, num_sms: int | None = None) -> FwdPlan:
     """The forward plan of a flash4.request.Request on sm100: dense batches only (select_fwd_config's
-    checks apply: head dims, no window / Dv != D yet). Raises ValueError for a packed,
+    checks apply: head dims, no Dv != D yet). Raises ValueError for a packed,
     paged or decode request (the sm100 kernel has no sequence layouts yet)."""
     q, seq, mask, score = request.q, request.seq, request.mask, request.score
     if seq.packed or seq.decode:

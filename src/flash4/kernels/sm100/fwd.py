@@ -151,8 +151,8 @@ class FlashAttentionForwardSm100:
         batch_size: Int32,
         max_seqlen_q: Int32,  # sizes the tile space (cta_tile_m rows per tile)
         num_splits: Int32,  # ignored (1)
-        window_left: Int32,  # ignored (no window)
-        window_right: Int32,
+        window_left: Int32,  # local configs: the window's sides (flash4.geometry.window_sides; UNBOUNDED
+        window_right: Int32,  # for an open side); ignored otherwise
         l2_group: Int32,  # (head, batch) pairs per L2 section of the tile order (>= 1)
         num_ctas: Int32,  # grid size: the number of CTA tiles (ceil(max_seqlen_q / cta_tile_m) * heads * batch)
         stream: cuda.CUstream,
@@ -227,7 +227,7 @@ class FlashAttentionForwardSm100:
 
         self.kernel(
             tma_Q, tma_K, tma_V, tma_O, mLSE, mLSEhi, mLSElo, mSink, tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O,
-            softmax_scale_log2, softcap_scale, batch_size, max_seqlen_q, l2_group,
+            softmax_scale_log2, softcap_scale, batch_size, max_seqlen_q, l2_group, window_left, window_right,
             sQ_layout, sK_layout, tP_layout, sV_layout, sO_layout, tiled_mma_qk, tiled_mma_pv, SharedStorage,
         ).launch(grid=(num_ctas, 1, 1), block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
@@ -239,6 +239,7 @@ class FlashAttentionForwardSm100:
         mLSE: cute.Tensor, mLSEhi: cute.Tensor, mLSElo: cute.Tensor, mSink: Optional[cute.Tensor],
         tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom, tma_atom_O: cute.CopyAtom,
         softmax_scale_log2: Float32, softcap_scale: Float32, batch_size: Int32, max_seqlen_q: Int32, l2_group: Int32,
+        window_left: Int32, window_right: Int32,
         sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, tP_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout, sO_layout: cute.ComposedLayout,
         tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
@@ -271,6 +272,8 @@ class FlashAttentionForwardSm100:
         thr_mma_pv = tiled_mma_pv.get_slice(0)
         num_m_blocks = cute.ceil_div(max_seqlen_q, self.cta_tile_m)
         sched = TileSchedule(num_m_blocks, mQ.shape[2], mQ.shape[2] * batch_size, l2_group, self.causal and self.cfg.lpt)
+        # the sliding window's (left, right) sides (local configs), read by every role's key-block range
+        window = (window_left, window_right) if const_expr(self.cfg.local) else None
 
         # setmaxnreg per warpgroup (register_plan), then each role. The fourth warpgroup (mma,
         # epilogue, load, idle) shares one budget.
@@ -281,19 +284,19 @@ class FlashAttentionForwardSm100:
             # Q tile (pipeline stage, TMEM columns) a warp-uniform runtime value.
             stage = warp_idx // len(self.roles["softmax0"])
             self.softmax(stage, thr_mma_qk, sScale, mQ, mK, mLSE, mLSEhi, mLSElo, mSink, pipes, softmax_scale_log2,
-                         softcap_scale, sched)
+                         softcap_scale, sched, window)
             self.release_tmem()
         elif warp_idx < self.roles["mma"][0]:
             self.set_regs(self.regs.correction)
             self.wait_tmem_alloc()
-            self.correction(thr_mma_pv, sScale, sO, mQ, mK, pipes, sched)
+            self.correction(thr_mma_pv, sScale, sO, mQ, mK, pipes, sched, window)
             self.release_tmem()
         else:
             self.set_regs(self.regs.other)
             if warp_idx == self.roles["mma"][0]:
                 tmem.allocate(self.tmem_cols)
                 self.wait_tmem_alloc()
-                self.mma(tiled_mma_qk, tiled_mma_pv, thr_mma_pv, sQ, sK, sV, tP_layout, mQ, mK, pipes, sched)
+                self.mma(tiled_mma_qk, tiled_mma_pv, thr_mma_pv, sQ, sK, sV, tP_layout, mQ, mK, pipes, sched, window)
                 # TMEM is free once every user arrived (the correction after its last O read). The
                 # allocated address is read back only now (no register holds it through the loop).
                 tmem.relinquish_alloc_permit()
@@ -304,7 +307,7 @@ class FlashAttentionForwardSm100:
                 self.epilogue(mO, sO, tma_atom_O, pipes, sched)
             elif warp_idx == self.roles["load"][0]:
                 self.load(mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V, thr_mma_qk, thr_mma_pv,
-                          pipes, sched)
+                          pipes, sched, window)
         ledger.check()
 
     def set_regs(self, regs: int):
@@ -359,17 +362,26 @@ class FlashAttentionForwardSm100:
         return pipes
 
     # ---------------------------------------------------------------- tile geometry (all roles)
-    def n_block_max(self, m_block, seq):
-        """One past the last key block the CTA tile (cta_tile_m rows) sees; 0: no key, empty tile."""
-        return geometry.n_block_max(m_block, seq.seqlen_q, seq.seqlen_k, self.cta_tile_m, self.tile_n, self.causal)
+    def key_blocks(self, m_block, seq, window):
+        """(n_min, n): the CTA tile (cta_tile_m rows) visits key blocks n_min .. n_min + n - 1, from the
+        last down (flash4.geometry's ranges; n <= 0: no key, an empty tile). n_min is the constant 0
+        without a window. Every role asks this, so all count the same n blocks per tile."""
+        n_max = geometry.n_block_max(m_block, seq.seqlen_q, seq.seqlen_k, self.cta_tile_m, self.tile_n, self.causal,
+                                     window)
+        if const_expr(window is None):
+            return 0, n_max
+        n_min = geometry.n_block_min(m_block, seq.seqlen_q, seq.seqlen_k, self.cta_tile_m, self.tile_n, window)
+        return n_min, n_max - n_min
 
     def tile_seq(self, mQ, mK, batch):
         return SeqInfo(batch, mQ.shape[0], mK.shape[0])
 
     # ---------------------------------------------------------------- load warp
     @cute.jit
-    def load(self, mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V, thr_mma_qk, thr_mma_pv, pipes, sched):
-        """TMA loads per tile: K[n-1], Q0, Q1, V[n-1], then K[j], V[j] for j = n-2 .. 0 (the MMA's order)."""
+    def load(self, mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V, thr_mma_qk, thr_mma_pv, pipes, sched,
+             window):
+        """TMA loads per tile with key blocks n_min .. n_min + n - 1: K[last], Q0, Q1, V[last], then
+        K[j], V[j] down to n_min (the MMA's order)."""
         pipe_q, pipe_kv = pipes["q"], pipes["kv"]
         qhead_per_kvhead = mQ.shape[2] // mK.shape[2]
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stage)
@@ -379,8 +391,8 @@ class FlashAttentionForwardSm100:
         while tile_idx < sched.num_tiles():
             m_block, head, batch = sched.coords(tile_idx)
             seq = self.tile_seq(mQ, mK, batch)
-            n_block_max = self.n_block_max(m_block, seq)
-            if n_block_max > 0:
+            n_min, n_blocks = self.key_blocks(m_block, seq, window)
+            if n_blocks > 0:
                 head_kv = head // qhead_per_kvhead
                 # (MMA, MMA_M, MMA_K, m_blocks of tile_m rows) / (MMA, MMA_N, MMA_K, n_blocks)
                 tSgQ = thr_mma_qk.partition_A(cute.local_tile(seq.q_view(mQ, head), (self.tile_m, self.hdim), (None, 0)))
@@ -393,13 +405,14 @@ class FlashAttentionForwardSm100:
                                                    cute.group_modes(tSgK, 0, 3))
                 tVsV, tVgV = cpasync.tma_partition(tma_atom_V, 0, one_cta, cute.group_modes(sV, 0, 3),
                                                    cute.group_modes(tOgV, 0, 3))
-                kv_state = self.load_block(tma_atom_K, tKgK, tKsK, n_block_max - 1, pipe_kv, kv_state)
+                last = n_min + n_blocks - 1
+                kv_state = self.load_block(tma_atom_K, tKgK, tKsK, last, pipe_kv, kv_state)
                 for stage in cutlass.range_constexpr(self.q_stage):
                     q_state = self.load_block(tma_atom_Q, tQgQ, tQsQ, self.q_stage * m_block + stage, pipe_q, q_state)
-                kv_state = self.load_block(tma_atom_V, tVgV, tVsV, n_block_max - 1, pipe_kv, kv_state)
-                for i in cutlass.range(n_block_max - 1, unroll=1):
-                    kv_state = self.load_block(tma_atom_K, tKgK, tKsK, n_block_max - 2 - i, pipe_kv, kv_state)
-                    kv_state = self.load_block(tma_atom_V, tVgV, tVsV, n_block_max - 2 - i, pipe_kv, kv_state)
+                kv_state = self.load_block(tma_atom_V, tVgV, tVsV, last, pipe_kv, kv_state)
+                for i in cutlass.range(n_blocks - 1, unroll=1):
+                    kv_state = self.load_block(tma_atom_K, tKgK, tKsK, last - 1 - i, pipe_kv, kv_state)
+                    kv_state = self.load_block(tma_atom_V, tVgV, tVsV, last - 1 - i, pipe_kv, kv_state)
             tile_idx += cute.arch.grid_dim()[0]
         # Wait for the MMA warp's last releases (no tcgen05.commit may land after exit).
         pipe_kv.producer_tail(kv_state)
@@ -414,7 +427,7 @@ class FlashAttentionForwardSm100:
 
     # ---------------------------------------------------------------- MMA warp
     @cute.jit
-    def mma(self, tiled_mma_qk, tiled_mma_pv, thr_mma_pv, sQ, sK, sV, tP_layout, mQ, mK, pipes, sched):
+    def mma(self, tiled_mma_qk, tiled_mma_pv, thr_mma_pv, sQ, sK, sV, tP_layout, mQ, mK, pipes, sched, window):
         """tcgen05.mma from this warp (one thread issues): per tile S_i = Q_i K[n-1]^T for both Q
         tiles, then per block O_i += P_i V[j-1] and S_i = Q_i K[j]^T, finally O_i += P_i V[0].
         The Q tile i is a runtime loop index: its descriptors and TMEM addresses are computed where
@@ -437,8 +450,8 @@ class FlashAttentionForwardSm100:
         tile_idx = cute.arch.block_idx()[0]
         while tile_idx < sched.num_tiles():
             m_block, head, batch = sched.coords(tile_idx)
-            n_block_max = self.n_block_max(m_block, self.tile_seq(mQ, mK, batch))
-            if n_block_max > 0:
+            _, n_blocks = self.key_blocks(m_block, self.tile_seq(mQ, mK, batch), window)
+            if n_blocks > 0:
                 # Q tile i sits in stage i of the Q ring (two Q tiles per CTA tile, in order).
                 pipe_kv.wait_full(kv_state.index, kv_state.phase)
                 for stage in cutlass.range(self.q_stage, unroll=1):
@@ -448,7 +461,7 @@ class FlashAttentionForwardSm100:
                     pipe_spo.arrive_full(stage, "mma")  # S_stage ready
                 pipe_kv.arrive_empty(kv_state.index, "mma")
                 kv_state = next_state(kv_state)
-                for i in cutlass.range(n_block_max - 1, unroll=1):
+                for i in cutlass.range(n_blocks - 1, unroll=1):
                     v_state = kv_state
                     k_state = next_state(kv_state)
                     pipe_kv.wait_full(v_state.index, v_state.phase)
@@ -478,7 +491,7 @@ class FlashAttentionForwardSm100:
                     tcgen05_fence_after()
                     self.gemm_pv(tiled_mma_pv, self.tmem_tensor_O(base, thr_mma_pv, stage),
                                  self.tmem_tensor_P(base, tOrP_layout, stage),
-                                 tOrV[None, None, None, kv_state.index], n_block_max > 1)
+                                 tOrV[None, None, None, kv_state.index], n_blocks > 1)
                     pipe_ofull.arrive_full(stage, "mma")  # the tile's O_stage is final
                 pipe_kv.arrive_empty(kv_state.index, "mma")
                 kv_state = next_state(kv_state)
@@ -531,7 +544,7 @@ class FlashAttentionForwardSm100:
     # ---------------------------------------------------------------- softmax warpgroups
     @cute.jit
     def softmax(self, stage, thr_mma_qk, sScale, mQ, mK, mLSE, mLSEhi, mLSElo, mSink, pipes, softmax_scale_log2,
-                softcap_scale, sched):
+                softcap_scale, sched, window):
         """Softmax warpgroup of Q tile `stage` (runtime, warp-uniform): per key block S_stage (TMEM)
         -> P_stage (TMEM) and the O factor to the correction; per tile 1 / row_sum to the correction
         and the LSE to global memory. Thread t owns row t of the Q tile (TMEM lane t)."""
@@ -566,7 +579,7 @@ class FlashAttentionForwardSm100:
         while tile_idx < sched.num_tiles():
             m_block, head, batch = sched.coords(tile_idx)
             seq = self.tile_seq(mQ, mK, batch)
-            n_block_max = self.n_block_max(m_block, seq)
+            n_min, n_blocks = self.key_blocks(m_block, seq, window)
             row = (self.q_stage * m_block + stage) * self.tile_m + lane_row
             sink_log2 = None
             if const_expr(self.cfg.sink):
@@ -575,25 +588,31 @@ class FlashAttentionForwardSm100:
             lse = (-Float32.inf, Float32.inf, Float32(0.0))
             if const_expr(self.cfg.sink):
                 lse = (Float32(mSink[head]), sink_log2, Float32(0.0))
-            if n_block_max > 0:
+            if n_blocks > 0:
                 softmax.reset()
                 phases = (spo_phase, stats_phase)
                 # the first block (the seqlen_k edge, and the diagonal when causal) is masked
-                phases = self.softmax_step(stage, n_block_max - 1, True, True, row, seq, softmax, frags, sScale,
-                                           pipe_spo, pipe_stats, phases, lane_row)
-                n_unmasked = n_block_max - 1
-                if const_expr(self.causal):
-                    # key blocks >= n_causal cross the diagonal of some row of the CTA tile
-                    n_causal = geometry.n_block_min_causal_mask(m_block, seq.seqlen_q, seq.seqlen_k, self.cta_tile_m,
-                                                                self.tile_n)
-                    n_causal = cutlass.max(cutlass.min(n_causal, n_block_max - 1), 0)
-                    for i in cutlass.range(n_block_max - 1 - n_causal, unroll=1):
-                        phases = self.softmax_step(stage, n_block_max - 2 - i, False, True, row, seq, softmax, frags,
-                                                   sScale, pipe_spo, pipe_stats, phases, lane_row)
-                    n_unmasked = n_causal
-                for i in cutlass.range(n_unmasked, unroll=1):
-                    phases = self.softmax_step(stage, n_unmasked - 1 - i, False, False, row, seq, softmax, frags,
-                                               sScale, pipe_spo, pipe_stats, phases, lane_row)
+                phases = self.softmax_step(stage, n_min + n_blocks - 1, True, True, row, seq, softmax, frags, sScale,
+                                           pipe_spo, pipe_stats, phases, lane_row, window)
+                if const_expr(window is not None):
+                    # a window: every block is masked (either side may cut any block for some row)
+                    for i in cutlass.range(n_blocks - 1, unroll=1):
+                        phases = self.softmax_step(stage, n_min + n_blocks - 2 - i, False, True, row, seq, softmax,
+                                                   frags, sScale, pipe_spo, pipe_stats, phases, lane_row, window)
+                else:
+                    n_unmasked = n_blocks - 1
+                    if const_expr(self.causal):
+                        # key blocks >= n_causal cross the diagonal of some row of the CTA tile
+                        n_causal = geometry.n_block_min_causal_mask(m_block, seq.seqlen_q, seq.seqlen_k,
+                                                                    self.cta_tile_m, self.tile_n)
+                        n_causal = cutlass.max(cutlass.min(n_causal, n_blocks - 1), 0)
+                        for i in cutlass.range(n_blocks - 1 - n_causal, unroll=1):
+                            phases = self.softmax_step(stage, n_blocks - 2 - i, False, True, row, seq, softmax, frags,
+                                                       sScale, pipe_spo, pipe_stats, phases, lane_row, window)
+                        n_unmasked = n_causal
+                    for i in cutlass.range(n_unmasked, unroll=1):
+                        phases = self.softmax_step(stage, n_unmasked - 1 - i, False, False, row, seq, softmax, frags,
+                                                   sScale, pipe_spo, pipe_stats, phases, lane_row, window)
                 spo_phase, stats_phase = phases
                 inv_row_sum, lse_e, lse_hi, lse_lo = softmax.finalize(sink_log2)
                 stats_phase = self.send_stat(pipe_stats, stage, stats_phase, sScale, lane_row, inv_row_sum)
@@ -603,7 +622,7 @@ class FlashAttentionForwardSm100:
 
     @cute.jit
     def softmax_step(self, stage, n_block, is_first: cutlass.Constexpr[bool], masked: cutlass.Constexpr[bool], row,
-                     seq, softmax, frags, sScale, pipe_spo, pipe_stats, phases, lane_row):
+                     seq, softmax, frags, sScale, pipe_spo, pipe_stats, phases, lane_row, window):
         """One key block: wait S, (mask), row max and the O factor -> correction, P -> TMEM, release."""
         thr_load, tStS_t2r, tScS_t2r, t0ScS_t2r, thr_store, tStP_r2t, tSrP_shape = frags
         spo_phase, stats_phase = phases
@@ -614,7 +633,7 @@ class FlashAttentionForwardSm100:
         cute.arch.fence_view_async_tmem_load()
         softmax.score_mod(tSrS)  # softcap: S -> tanh(S * softcap_scale), before the mask
         if const_expr(masked):
-            mask_row(tSrS, t0ScS_t2r, row, n_block, seq.seqlen_q, seq.seqlen_k, self.tile_n, self.causal)
+            mask_row(tSrS, t0ScS_t2r, row, n_block, seq.seqlen_q, seq.seqlen_k, self.tile_n, self.causal, window)
         row_scale = softmax.update_max(tSrS, is_first)
         if const_expr(not is_first):
             stats_phase = self.send_stat(pipe_stats, stage, stats_phase, sScale, lane_row, row_scale)
@@ -645,7 +664,7 @@ class FlashAttentionForwardSm100:
 
     # ---------------------------------------------------------------- correction warpgroup
     @cute.jit
-    def correction(self, thr_mma_pv, sScale, sO, mQ, mK, pipes, sched):
+    def correction(self, thr_mma_pv, sScale, sO, mQ, mK, pipes, sched, window):
         """Per block j >= 1 and Q tile i: read the O_i factor, rescale O_i in TMEM if some row of the
         warp moved its max, release s_p_o. Per tile: O_i / row_sum -> 16-bit -> sO[i] -> epilogue.
         An empty tile (no key) writes O = 0 without touching TMEM or the MMA's pipelines."""
@@ -663,8 +682,8 @@ class FlashAttentionForwardSm100:
         tile_idx = cute.arch.block_idx()[0]
         while tile_idx < sched.num_tiles():
             m_block, head, batch = sched.coords(tile_idx)
-            n_block_max = self.n_block_max(m_block, self.tile_seq(mQ, mK, batch))
-            for i in cutlass.range(cutlass.max(n_block_max - 1, 0), unroll=1):
+            _, n_blocks = self.key_blocks(m_block, self.tile_seq(mQ, mK, batch), window)
+            for i in cutlass.range(cutlass.max(n_blocks - 1, 0), unroll=1):
                 for stage in cutlass.range(self.q_stage, unroll=1):
                     pipe_stats.wait_full(stage, stats_phase)
                     scale = sScale[row, stage]
@@ -675,7 +694,7 @@ class FlashAttentionForwardSm100:
                     tcgen05_fence_before()
                     pipe_spo.arrive_empty(stage, "correction")  # O_stage rescaled
                 stats_phase = stats_phase ^ 1
-            has_keys = n_block_max > 0
+            has_keys = n_blocks > 0
             for stage in cutlass.range(self.q_stage, unroll=1):
                 inv_row_sum = Float32(0.0)
                 if has_keys:

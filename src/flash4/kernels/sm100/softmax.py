@@ -39,13 +39,20 @@ from flash4.kernels.sm100.plan import EXP2_EMU_GROUP
 
 @cute.jit
 def mask_row(s: cute.Tensor, col0: cute.Tensor, row: Int32, n_block: Int32, seqlen_q: Int32, seqlen_k: Int32,
-             tile_n: cutlass.Constexpr[int], causal: cutlass.Constexpr[bool]):
+             tile_n: cutlass.Constexpr[int], causal: cutlass.Constexpr[bool], window=None):
     """Scores of keys row `row` does not see -> -inf, in place (flash4.geometry.key_limit: keys past
-    seqlen_k, and right of the causal diagonal). s: the thread's row fragment; col0: the column of
-    each of its registers (static, from thread 0's partition of the identity tensor)."""
-    col_limit = g.key_limit(row, seqlen_q, seqlen_k, causal, DEVICE_OPS) - n_block * tile_n
-    for j in cutlass.range(cute.size(s), unroll_full=True):
-        s[j] = Float32(cutlass.select_(col0[j][1] >= col_limit, -Float32.inf, s[j]))
+    seqlen_k, and right of the causal diagonal or the window's right side; key_start: left of the
+    window's left side). s: the thread's row fragment; col0: the column of each of its registers
+    (static, from thread 0's partition of the identity tensor). window: None or (left, right)."""
+    col_limit = g.key_limit(row, seqlen_q, seqlen_k, causal, DEVICE_OPS, window) - n_block * tile_n
+    if const_expr(window is None):
+        for j in cutlass.range(cute.size(s), unroll_full=True):
+            s[j] = Float32(cutlass.select_(col0[j][1] >= col_limit, -Float32.inf, s[j]))
+    else:
+        col_start = g.key_start(row, seqlen_q, seqlen_k, DEVICE_OPS, window) - n_block * tile_n
+        for j in cutlass.range(cute.size(s), unroll_full=True):
+            hidden = (col0[j][1] >= col_limit) | (col0[j][1] < col_start)
+            s[j] = Float32(cutlass.select_(hidden, -Float32.inf, s[j]))
 
 
 class RowSoftmax(DynamicState):
