@@ -25,6 +25,7 @@ torch.compile), with the same messages.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 
@@ -362,13 +363,15 @@ def _arch_problem(q, causal, door=None) -> Problem:
 
 class _Door:
     """What `_gated_problem` reads of a door's arguments: layout ("dense", "varlen", "paged",
-    "kvcache"), k and v (or k_cache / v_cache), window_size, softcap, learnable_sink."""
+    "kvcache"), k and v (or k_cache / v_cache), window_size, softcap, learnable_sink, and the
+    varlen door's seqused_q / seqused_k (None elsewhere)."""
 
-    __slots__ = ("layout", "k", "v", "window_size", "softcap", "learnable_sink")
+    __slots__ = ("layout", "k", "v", "window_size", "softcap", "learnable_sink", "seqused_q", "seqused_k")
 
-    def __init__(self, layout, k, v, window_size, softcap, learnable_sink):
+    def __init__(self, layout, k, v, window_size, softcap, learnable_sink, seqused_q=None, seqused_k=None):
         self.layout, self.k, self.v = layout, k, v
         self.window_size, self.softcap, self.learnable_sink = window_size, softcap, learnable_sink
+        self.seqused_q, self.seqused_k = seqused_q, seqused_k
 
 
 def _gated_problem(q, causal, door: _Door, arch: int) -> Problem:
@@ -384,18 +387,23 @@ def _gated_problem(q, causal, door: _Door, arch: int) -> Problem:
 
     fam = registry.family(arch)
     where = f"(q is on {q.device}, sm_{arch}: flash4's {fam.name} kernels, compile-verified, not yet run on that GPU)"
-    if door.layout != "dense":
-        return ValueError, (f"flash4's sm_{arch} forward runs dense batches only (flash_attn_func); "
+    if door.layout not in ("dense", "varlen"):
+        return ValueError, (f"flash4's sm_{arch} forward runs dense and packed varlen batches only; "
                             f"the {door.layout} layout is not implemented there yet {where}")
+    if door.seqused_k is not None:
+        return ValueError, f"flash4's sm_{arch} forward has no seqused_k yet (packed varlen with cu_seqlens_k) {where}"
     headdim, headdim_v = q.shape[-1], door.v.shape[-1]
     causal, window_size = canonical_mask(causal, door.window_size)  # as the API runs it: (-1, 0) is causal
     try:
         cfg = select_fwd_config(headdim, DTYPE_NAMES[q.dtype], causal, arch=arch,
                                 local=window_sides(window_size, causal) is not None,
                                 softcap=door.softcap > 0, sink=door.learnable_sink is not None,
-                                headdim_v=None if headdim_v == headdim else headdim_v, seqlen_k=door.k.shape[1])
+                                headdim_v=None if headdim_v == headdim else headdim_v,
+                                seqlen_k=door.k.shape[1] if door.layout == "dense" else None)
     except ValueError as err:
         return ValueError, f"{err} {where}"
+    if door.layout == "varlen":  # as flash4.config.sm100.fwd_plan lays it out
+        cfg = dataclasses.replace(cfg, varlen_q=True, varlen_k=True, seqused_q=door.seqused_q is not None)
     if not fam.has_pass("bwd") and torch.is_grad_enabled() and any(
             isinstance(t, torch.Tensor) and t.requires_grad for t in (q, door.k, door.v, door.learnable_sink)):
         return NotImplementedError, (
@@ -416,7 +424,8 @@ def _common_tail_problem(q, softmax_scale, causal, window_size, softcap, learnab
             return problem
     named = dict(devices)
     k, v = (named["k"], named["v"]) if layout != "kvcache" else (named["k_cache"], named["v_cache"])
-    return _arch_problem(q, causal, _Door(layout, k, v, window_size, softcap, learnable_sink))
+    return _arch_problem(q, causal, _Door(layout, k, v, window_size, softcap, learnable_sink,
+                                          named.get("seqused_q"), named.get("seqused_k")))
 
 
 # ================================================================ flash_attn_func (dense)

@@ -27,7 +27,7 @@ def test_shipped_configs_cover_the_grid():
         assert (c.q_stage, c.tile_m, c.tile_n, c.cta_group, c.arch) == (2, 128, 128, 1, 100)
         assert c.cta_tile_m == 256 and c.num_threads == 512
         assert c.lpt == (c.causal and not c.local) and not c.persistent
-        assert c.exp2_emu_frac == (sm100.EXP2_EMU_FRAC_CAUSAL if c.causal else sm100.EXP2_EMU_FRAC) > 0
+        assert c.exp2_emu_frac == (sm100.EXP2_EMU_FRAC_CAUSAL if c.causal or c.local else sm100.EXP2_EMU_FRAC) > 0
         assert c.rescale_threshold == 8.0
         assert c.smem_bytes() <= sm100.SMEM_KV_BUDGET
 
@@ -129,6 +129,8 @@ def test_softcap_sink_and_window_are_built():
     assert cfg.sink and cfg == dataclasses.replace(select_fwd_config(64, "fp16", False), sink=True)
     cfg = select_fwd_config(96, "bf16", True, local=True)
     assert cfg.local and cfg.causal and not cfg.lpt  # a window's tiles: no LPT order
+    packed = dataclasses.replace(select_fwd_config(128), varlen_q=True, varlen_k=True, seqused_q=True)
+    assert packed.varlen_q and packed.varlen_k and packed.seqused_q
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -146,7 +148,7 @@ def test_unbuilt_headdims_raise(hd):
 
 
 @pytest.mark.parametrize("field,value", [
-    ("varlen_q", True), ("varlen_k", True), ("seqused_q", True), ("seqused_k", True), ("page_rows", 16),
+    ("seqused_k", True), ("page_rows", 16),
     ("split_kv", True), ("headdim_v", 64), ("pack_gqa", 2),
     ("exp2_emu_frac", 0.33), ("exp2_emu_frac", 1.5), ("persistent", True), ("cta_group", 2), ("q_stage", 1), ("tile_n", 64),
     ("arch", 110), ("kv_stages", 4),

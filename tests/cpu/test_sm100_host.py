@@ -10,6 +10,8 @@ test_selftest_cpu.py, tests/gpu/test_selftest.py); flash4.compile is replaced by
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -177,16 +179,34 @@ def test_headdim_without_sm100_kernel(sm100_device, monkeypatch):
     assert "headdim=256 not supported by the sm100 forward" in text and "cpu" in text
 
 
-def test_varlen_and_kvcache_doors_refused(sm100_device, monkeypatch):
+def test_varlen_door_and_the_refused_layouts(sm100_device, monkeypatch):
+    """Packed varlen (cu_seqlens, seqused_q) selects the sm100 varlen config (the real self-test calls
+    it untestable, so on a B200 it runs only with FLASH4_SM100=on); seqused_k, paged K/V and the KV
+    cache are refused by name, before any self-test."""
     asked = verdicts(monkeypatch, ok=True)
     q, k, v = (t[0] for t in qkv())
     cu = torch.tensor([0, 100, 300], dtype=torch.int32)
-    text = validate.varlen_support_error(q, k, v, cu, cu, 200, 200)
-    assert "dense batches only" in text and "varlen layout" in text
+    used = torch.tensor([50, 200], dtype=torch.int32)
+    assert validate.varlen_support_error(q, k, v, cu, cu, 200, 200, causal=True) is None
+    assert validate.varlen_support_error(q, k, v, cu, cu, 200, 200, seqused_q=used) is None
+    base = sm100.select_fwd_config(128, "bf16", True)
+    assert asked == [dataclasses.replace(base, varlen_q=True, varlen_k=True),
+                     dataclasses.replace(sm100.select_fwd_config(128), varlen_q=True, varlen_k=True, seqused_q=True)]
+    text = validate.varlen_support_error(q, k, v, cu, cu, 200, 200, seqused_k=used)
+    assert "no seqused_k yet" in text
     qd, kc, vc = qkv(sq=1)
     text = validate.kvcache_support_error(qd, kc, vc, cache_seqlens=100)
-    assert "dense batches only" in text and "kvcache layout" in text
-    assert asked == []
+    assert "dense and packed varlen batches only" in text and "kvcache layout" in text
+    assert len(asked) == 2
+
+
+def test_varlen_is_untestable_for_the_real_selftest(sm100_device):
+    """What a B200 user gets for packed varlen today: the dense self-test cannot drive the config, so
+    the gate refuses it (support_error says why) unless FLASH4_SM100=on."""
+    q, k, v = (t[0] for t in qkv())
+    cu = torch.tensor([0, 100, 300], dtype=torch.int32)
+    text = validate.varlen_support_error(q, k, v, cu, cu, 200, 200)
+    assert "self-test cannot check it" in text and "varlen_q=True" in text
 
 
 def test_training_refused_at_the_door(sm100_device, monkeypatch):

@@ -19,7 +19,7 @@ import dataclasses
 import enum
 import itertools
 
-from flash4.config import HDIMV_PAIRS, SUPPORTED_HEADDIMS, FwdPlan
+from flash4.config import HDIMV_PAIRS, SUPPORTED_HEADDIMS, FwdPlan, with_seq_layout
 from flash4.constants import DTYPES, RESCALE_THRESHOLD_LOG2
 from flash4.kernels.common.exp2_poly import mixed_pattern
 from flash4.kernels.sm100.plan import (  # noqa: F401  (the plan, re-exported for the config's users)
@@ -49,7 +49,7 @@ class Sm100FwdConfig:
     cta_group:     1 (tcgen05 .cta_group::1); 2-CTA is not built.
     regs_softmax / regs_correction / regs_other: setmaxnreg budgets per role (register_plan).
     exp2_emu_frac: share of exp2 done by the packed-f32x2 FMA polynomial, k / period (static per
-                   column pair; 0 = all MUFU.EX2); selection: exp2_emu_frac_for(causal).
+                   column pair; 0 = all MUFU.EX2); selection: exp2_emu_frac_for(causal, local).
     rescale_threshold: lazy-rescale tau in log2 units (flash4.constants).
     persistent, lpt: the tile order (flash4.kernels.common.scheduler.TileSchedule); lpt = causal.
     arch:          100 (sm_100a).
@@ -57,8 +57,10 @@ class Sm100FwdConfig:
     sm100 kernel implements softcap (score.apply on the row before the mask: tanh on MUFU), sink
     (the learnable sink in the softmax's finalize, sm90's rule) and local (a sliding window: the key
     blocks of flash4.geometry's n_block_min .. n_block_max, every block masked on both sides) and
-    none of the others yet; a config with any of them set cannot be built (ValueError in
-    __post_init__): varlen_q, varlen_k, seqused_q, seqused_k, page_rows, split_kv, headdim_v, pack_gqa.
+    packed sequences (varlen_q, varlen_k, seqused_q: flash4.kernels.common.seqinfo; O stored row by
+    row below seqlen_q) and none of the others yet; a config with any of them set cannot be built
+    (ValueError in __post_init__): seqused_k (needs the V-row zeroing of issue 25), page_rows,
+    split_kv, headdim_v, pack_gqa.
     (GQA / MQA runs without packing: each query head reads K/V head head // (H / Hk).)
     """
 
@@ -117,8 +119,7 @@ class Sm100FwdConfig:
 
 # Feature flags a config may carry and the sm100 kernel does not implement (field -> its "off" value).
 _UNBUILT_FLAGS = {
-    "varlen_q": False, "varlen_k": False, "seqused_q": False, "seqused_k": False, "page_rows": 0,
-    "split_kv": False, "headdim_v": None, "pack_gqa": 1,
+    "seqused_k": False, "page_rows": 0, "split_kv": False, "headdim_v": None, "pack_gqa": 1,
 }
 
 
@@ -175,7 +176,7 @@ def select_fwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, a
     return Sm100FwdConfig(
         headdim=headdim, dtype=dtype, causal=causal, kv_stages=kv_stages_for(headdim, headdim),
         regs_softmax=plan.softmax, regs_correction=plan.correction, regs_other=plan.other,
-        exp2_emu_frac=exp2_emu_frac_for(causal), lpt=causal and not local, softcap=softcap, sink=sink, local=local)
+        exp2_emu_frac=exp2_emu_frac_for(causal, local), lpt=causal and not local, softcap=softcap, sink=sink, local=local)
 
 
 def shipped_fwd_configs(features: bool = True) -> list:
@@ -197,16 +198,21 @@ def shipped_bwd_configs() -> list:
 
 # ---------------------------------------------------------------- the host's questions (flash4.config.fwd_config / bwd_config)
 def fwd_plan(request, arch: int = ARCH, num_sms: int | None = None) -> FwdPlan:
-    """The forward plan of a flash4.request.Request on sm100: dense batches only (select_fwd_config's
-    checks apply: head dims, no Dv != D yet). Raises ValueError for a packed,
-    paged or decode request (the sm100 kernel has no sequence layouts yet)."""
+    """The forward plan of a flash4.request.Request on sm100: dense batches, and packed sequences
+    (VARLEN: cu_seqlens_q / cu_seqlens_k, optionally seqused_q) (select_fwd_config's checks apply:
+    head dims, no Dv != D yet). Raises ValueError for paged K/V, seqused_k and decode requests."""
     q, seq, mask, score = request.q, request.seq, request.mask, request.score
-    if seq.packed or seq.decode:
-        raise ValueError(f"the sm100 forward has no {seq.layout} layout yet (dense batches only)")
+    if seq.paged or seq.decode:
+        raise ValueError(f"the sm100 forward has no {seq.layout} layout yet (dense and packed varlen batches only)")
+    if seq.packed and seq.seqused_k is not None:
+        raise ValueError("the sm100 forward has no seqused_k yet (packed varlen batches with cu_seqlens_k only)")
     headdim, headdim_v = q.shape[-1], request.v.shape[-1]
-    return FwdPlan(select_fwd_config(headdim, request.dtype, mask.causal, arch, mask.window is not None,
-                                     score.softcap > 0, score.sink is not None,
-                                     None if headdim_v == headdim else headdim_v, request.k.shape[1]))
+    cfg = select_fwd_config(headdim, request.dtype, mask.causal, arch, mask.window is not None, score.softcap > 0,
+                            score.sink is not None, None if headdim_v == headdim else headdim_v,
+                            None if seq.packed else request.k.shape[1])
+    if seq.packed:
+        cfg = with_seq_layout(cfg, varlen_q=True, varlen_k=True, seqused_q=seq.seqused_q is not None)
+    return FwdPlan(cfg)
 
 
 def bwd_plan(request, arch: int = ARCH, heads_per_cta: int | None = None):

@@ -32,7 +32,7 @@ from flash4.kernels.common.dsl import DSL_DTYPES
 from flash4.kernels.common.layout import select_modes
 from flash4.kernels.common.pipeline import next_state
 from flash4.kernels.common.scheduler import TileSchedule
-from flash4.kernels.common.seqinfo import SeqInfo
+from flash4.kernels.common.seqinfo import SeqInfo, store_rows_predicated
 from flash4.kernels.sm100.pipes import ArrivalLedger, Pipe, thread_group
 from flash4.kernels.sm100.softmax import RowSoftmax, mask_row
 
@@ -40,6 +40,9 @@ from flash4.kernels.sm100.softmax import RowSoftmax, mask_row
 TMEM_PTR_BARRIER = 1  # MMA + softmax + correction warps: TMEM allocated (ptr in smem) / done with TMEM
 # Columns of O per TMEM load/store in the correction rescale (FA4 corr_tile_size, tunable).
 RESCALE_COLS = 16
+# Rows of O per pass of the varlen epilogue's row-by-row store (8 x 128 bf16 columns: 4 registers a
+# lane; a whole 128-row tile at once spilled 301 LDL/STL at the epilogue warp's 56 registers).
+EPI_ROWS = 8
 
 
 @dsl_user_op
@@ -138,10 +141,10 @@ class FlashAttentionForwardSm100:
         mLSE: cute.Tensor,  # (batch, nheads, seqlen_q) float32, natural log
         mLSEhi: cute.Tensor,  # (batch, nheads, seqlen_q) float32: log2-domain LSE = hi + lo, unrounded
         mLSElo: cute.Tensor,
-        mCuSeqlensQ: Optional[cute.Tensor],  # the sequence-layout / split / sink arguments of the sm90
-        mCuSeqlensK: Optional[cute.Tensor],  # forward's ABI: all must be None (not implemented on sm100;
-        mSeqUsedQ: Optional[cute.Tensor],  # the config refuses the flags that would pass them)
-        mSeqUsedK: Optional[cute.Tensor],
+        mCuSeqlensQ: Optional[cute.Tensor],  # varlen_q / varlen_k / seqused_q configs: (batch + 1,) /
+        mCuSeqlensK: Optional[cute.Tensor],  # (batch + 1,) / (batch,) int32 (kernels/common/seqinfo.py);
+        mSeqUsedQ: Optional[cute.Tensor],  # the rest of the sm90 forward's ABI must be None (seqused_k,
+        mSeqUsedK: Optional[cute.Tensor],  # paged K/V and split-KV are not built on sm100)
         mPageTable: Optional[cute.Tensor],
         mOacc: Optional[cute.Tensor],
         mLSEacc: Optional[cute.Tensor],
@@ -157,11 +160,16 @@ class FlashAttentionForwardSm100:
         num_ctas: Int32,  # grid size: the number of CTA tiles (ceil(max_seqlen_q / cta_tile_m) * heads * batch)
         stream: cuda.CUstream,
     ):
-        for name, t in (("cu_seqlens_q", mCuSeqlensQ), ("cu_seqlens_k", mCuSeqlensK), ("seqused_q", mSeqUsedQ),
-                        ("seqused_k", mSeqUsedK), ("page_table", mPageTable), ("o_accum", mOacc),
+        for name, t in (("seqused_k", mSeqUsedK), ("page_table", mPageTable), ("o_accum", mOacc),
                         ("lse_accum", mLSEacc)):
             if const_expr(t is not None):
                 raise NotImplementedError(f"flash4 fwd_sm100: {name} is not implemented on sm100 yet")
+        for name, t, flag in (("cu_seqlens_q", mCuSeqlensQ, self.cfg.varlen_q),
+                              ("cu_seqlens_k", mCuSeqlensK, self.cfg.varlen_k),
+                              ("seqused_q", mSeqUsedQ, self.cfg.seqused_q)):
+            if const_expr((t is not None) != flag):
+                raise ValueError(f"flash4 fwd_sm100: {name} {'missing' if flag else 'given'} for a config with "
+                                 f"{name.replace('cu_seqlens', 'varlen')}={flag}")
         if const_expr((mSink is not None) != self.cfg.sink):
             raise ValueError(f"flash4 fwd_sm100: sink tensor {'missing' if self.cfg.sink else 'given'} for a config with "
                              f"sink={self.cfg.sink}")
@@ -226,7 +234,8 @@ class FlashAttentionForwardSm100:
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, kv_elems], self.buffer_align_bytes]
 
         self.kernel(
-            tma_Q, tma_K, tma_V, tma_O, mLSE, mLSEhi, mLSElo, mSink, tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O,
+            tma_Q, tma_K, tma_V, tma_O, mO if const_expr(self.cfg.varlen_q) else None, mLSE, mLSEhi, mLSElo, mSink,
+            (mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ), tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O,
             softmax_scale_log2, softcap_scale, batch_size, max_seqlen_q, l2_group, window_left, window_right,
             sQ_layout, sK_layout, tP_layout, sV_layout, sO_layout, tiled_mma_qk, tiled_mma_pv, SharedStorage,
         ).launch(grid=(num_ctas, 1, 1), block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
@@ -235,8 +244,9 @@ class FlashAttentionForwardSm100:
     @cute.kernel
     def kernel(
         self,
-        mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
+        mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mO_rows: Optional[cute.Tensor],
         mLSE: cute.Tensor, mLSEhi: cute.Tensor, mLSElo: cute.Tensor, mSink: Optional[cute.Tensor],
+        seqs: tuple,
         tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom, tma_atom_O: cute.CopyAtom,
         softmax_scale_log2: Float32, softcap_scale: Float32, batch_size: Int32, max_seqlen_q: Int32, l2_group: Int32,
         window_left: Int32, window_right: Int32,
@@ -284,19 +294,20 @@ class FlashAttentionForwardSm100:
             # Q tile (pipeline stage, TMEM columns) a warp-uniform runtime value.
             stage = warp_idx // len(self.roles["softmax0"])
             self.softmax(stage, thr_mma_qk, sScale, mQ, mK, mLSE, mLSEhi, mLSElo, mSink, pipes, softmax_scale_log2,
-                         softcap_scale, sched, window)
+                         softcap_scale, sched, window, seqs)
             self.release_tmem()
         elif warp_idx < self.roles["mma"][0]:
             self.set_regs(self.regs.correction)
             self.wait_tmem_alloc()
-            self.correction(thr_mma_pv, sScale, sO, mQ, mK, pipes, sched, window)
+            self.correction(thr_mma_pv, sScale, sO, mQ, mK, pipes, sched, window, seqs)
             self.release_tmem()
         else:
             self.set_regs(self.regs.other)
             if warp_idx == self.roles["mma"][0]:
                 tmem.allocate(self.tmem_cols)
                 self.wait_tmem_alloc()
-                self.mma(tiled_mma_qk, tiled_mma_pv, thr_mma_pv, sQ, sK, sV, tP_layout, mQ, mK, pipes, sched, window)
+                self.mma(tiled_mma_qk, tiled_mma_pv, thr_mma_pv, sQ, sK, sV, tP_layout, mQ, mK, pipes, sched, window,
+                         seqs)
                 # TMEM is free once every user arrived (the correction after its last O read). The
                 # allocated address is read back only now (no register holds it through the loop).
                 tmem.relinquish_alloc_permit()
@@ -304,10 +315,10 @@ class FlashAttentionForwardSm100:
                 tcgen05_fence_after()
                 tmem.free(tmem.retrieve_ptr(Float32), self.tmem_cols)
             elif warp_idx == self.roles["epilogue"][0]:
-                self.epilogue(mO, sO, tma_atom_O, pipes, sched)
+                self.epilogue(mO, mO_rows, mQ, mK, sO, tma_atom_O, pipes, sched, seqs)
             elif warp_idx == self.roles["load"][0]:
                 self.load(mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V, thr_mma_qk, thr_mma_pv,
-                          pipes, sched, window)
+                          pipes, sched, window, seqs)
         ledger.check()
 
     def set_regs(self, regs: int):
@@ -368,18 +379,29 @@ class FlashAttentionForwardSm100:
         without a window. Every role asks this, so all count the same n blocks per tile."""
         n_max = geometry.n_block_max(m_block, seq.seqlen_q, seq.seqlen_k, self.cta_tile_m, self.tile_n, self.causal,
                                      window)
+        if const_expr(self.cfg.varlen_q or self.cfg.seqused_q):
+            # a tile past its sequence's queries (the grid is sized by max_seqlen_q): empty
+            n_max = cutlass.select_(m_block * self.cta_tile_m < seq.seqlen_q, n_max, 0)
         if const_expr(window is None):
             return 0, n_max
         n_min = geometry.n_block_min(m_block, seq.seqlen_q, seq.seqlen_k, self.cta_tile_m, self.tile_n, window)
         return n_min, n_max - n_min
 
-    def tile_seq(self, mQ, mK, batch):
-        return SeqInfo(batch, mQ.shape[0], mK.shape[0])
+    def tile_seq(self, mQ, mK, batch, seqs):
+        """SeqInfo of sequence `batch`; seqs: (cu_seqlens_q, cu_seqlens_k, seqused_q), None where off."""
+        return SeqInfo(batch, mQ.shape[0], mK.shape[0], seqs[0], seqs[1], seqs[2])
+
+    def v_view(self, mV, seq, head_kv):
+        """V of the sequence in its transposed kernel view (dv, seqlen_k): packed K/V start at the
+        sequence's offset_k (a domain offset, so TMA coordinates shift with it)."""
+        if const_expr(self.cfg.varlen_k):
+            return cute.domain_offset((0, seq.offset_k), mV[None, None, head_kv, 0])
+        return mV[None, None, head_kv, seq.batch]
 
     # ---------------------------------------------------------------- load warp
     @cute.jit
     def load(self, mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V, thr_mma_qk, thr_mma_pv, pipes, sched,
-             window):
+             window, seqs):
         """TMA loads per tile with key blocks n_min .. n_min + n - 1: K[last], Q0, Q1, V[last], then
         K[j], V[j] down to n_min (the MMA's order)."""
         pipe_q, pipe_kv = pipes["q"], pipes["kv"]
@@ -390,7 +412,7 @@ class FlashAttentionForwardSm100:
         tile_idx = cute.arch.block_idx()[0]
         while tile_idx < sched.num_tiles():
             m_block, head, batch = sched.coords(tile_idx)
-            seq = self.tile_seq(mQ, mK, batch)
+            seq = self.tile_seq(mQ, mK, batch, seqs)
             n_min, n_blocks = self.key_blocks(m_block, seq, window)
             if n_blocks > 0:
                 head_kv = head // qhead_per_kvhead
@@ -398,7 +420,7 @@ class FlashAttentionForwardSm100:
                 tSgQ = thr_mma_qk.partition_A(cute.local_tile(seq.q_view(mQ, head), (self.tile_m, self.hdim), (None, 0)))
                 tSgK = thr_mma_qk.partition_B(cute.local_tile(seq.k_view(mK, head_kv), (self.tile_n, self.hdim), (None, 0)))
                 tOgV = thr_mma_pv.partition_B(
-                    cute.local_tile(mV[None, None, head_kv, batch], (self.hdim_v, self.tile_n), (0, None)))
+                    cute.local_tile(self.v_view(mV, seq, head_kv), (self.hdim_v, self.tile_n), (0, None)))
                 tQsQ, tQgQ = cpasync.tma_partition(tma_atom_Q, 0, one_cta, cute.group_modes(sQ, 0, 3),
                                                    cute.group_modes(tSgQ, 0, 3))
                 tKsK, tKgK = cpasync.tma_partition(tma_atom_K, 0, one_cta, cute.group_modes(sK, 0, 3),
@@ -427,7 +449,7 @@ class FlashAttentionForwardSm100:
 
     # ---------------------------------------------------------------- MMA warp
     @cute.jit
-    def mma(self, tiled_mma_qk, tiled_mma_pv, thr_mma_pv, sQ, sK, sV, tP_layout, mQ, mK, pipes, sched, window):
+    def mma(self, tiled_mma_qk, tiled_mma_pv, thr_mma_pv, sQ, sK, sV, tP_layout, mQ, mK, pipes, sched, window, seqs):
         """tcgen05.mma from this warp (one thread issues): per tile S_i = Q_i K[n-1]^T for both Q
         tiles, then per block O_i += P_i V[j-1] and S_i = Q_i K[j]^T, finally O_i += P_i V[0].
         The Q tile i is a runtime loop index: its descriptors and TMEM addresses are computed where
@@ -450,7 +472,7 @@ class FlashAttentionForwardSm100:
         tile_idx = cute.arch.block_idx()[0]
         while tile_idx < sched.num_tiles():
             m_block, head, batch = sched.coords(tile_idx)
-            _, n_blocks = self.key_blocks(m_block, self.tile_seq(mQ, mK, batch), window)
+            _, n_blocks = self.key_blocks(m_block, self.tile_seq(mQ, mK, batch, seqs), window)
             if n_blocks > 0:
                 # Q tile i sits in stage i of the Q ring (two Q tiles per CTA tile, in order).
                 pipe_kv.wait_full(kv_state.index, kv_state.phase)
@@ -544,7 +566,7 @@ class FlashAttentionForwardSm100:
     # ---------------------------------------------------------------- softmax warpgroups
     @cute.jit
     def softmax(self, stage, thr_mma_qk, sScale, mQ, mK, mLSE, mLSEhi, mLSElo, mSink, pipes, softmax_scale_log2,
-                softcap_scale, sched, window):
+                softcap_scale, sched, window, seqs):
         """Softmax warpgroup of Q tile `stage` (runtime, warp-uniform): per key block S_stage (TMEM)
         -> P_stage (TMEM) and the O factor to the correction; per tile 1 / row_sum to the correction
         and the LSE to global memory. Thread t owns row t of the Q tile (TMEM lane t)."""
@@ -578,7 +600,7 @@ class FlashAttentionForwardSm100:
         tile_idx = cute.arch.block_idx()[0]
         while tile_idx < sched.num_tiles():
             m_block, head, batch = sched.coords(tile_idx)
-            seq = self.tile_seq(mQ, mK, batch)
+            seq = self.tile_seq(mQ, mK, batch, seqs)
             n_min, n_blocks = self.key_blocks(m_block, seq, window)
             row = (self.q_stage * m_block + stage) * self.tile_m + lane_row
             sink_log2 = None
@@ -664,7 +686,7 @@ class FlashAttentionForwardSm100:
 
     # ---------------------------------------------------------------- correction warpgroup
     @cute.jit
-    def correction(self, thr_mma_pv, sScale, sO, mQ, mK, pipes, sched, window):
+    def correction(self, thr_mma_pv, sScale, sO, mQ, mK, pipes, sched, window, seqs):
         """Per block j >= 1 and Q tile i: read the O_i factor, rescale O_i in TMEM if some row of the
         warp moved its max, release s_p_o. Per tile: O_i / row_sum -> 16-bit -> sO[i] -> epilogue.
         An empty tile (no key) writes O = 0 without touching TMEM or the MMA's pipelines."""
@@ -682,7 +704,7 @@ class FlashAttentionForwardSm100:
         tile_idx = cute.arch.block_idx()[0]
         while tile_idx < sched.num_tiles():
             m_block, head, batch = sched.coords(tile_idx)
-            _, n_blocks = self.key_blocks(m_block, self.tile_seq(mQ, mK, batch), window)
+            _, n_blocks = self.key_blocks(m_block, self.tile_seq(mQ, mK, batch, seqs), window)
             for i in cutlass.range(cutlass.max(n_blocks - 1, 0), unroll=1):
                 for stage in cutlass.range(self.q_stage, unroll=1):
                     pipe_stats.wait_full(stage, stats_phase)
@@ -789,31 +811,52 @@ class FlashAttentionForwardSm100:
 
     # ---------------------------------------------------------------- epilogue warp
     @cute.jit
-    def epilogue(self, mO, sO, tma_atom_O, pipes, sched):
-        """TMA store of sO[i] to Q tile i's rows (rows past seqlen_q are clipped by the TMA unit)."""
+    def epilogue(self, mO, mO_rows, mQ, mK, sO, tma_atom_O, pipes, sched, seqs):
+        """Dense: TMA store of sO[i] to Q tile i's rows (rows past seqlen_q are clipped by the TMA unit).
+        varlen_q: the warp stores sO[i]'s rows below the sequence's seqlen_q with 16-byte stores
+        (mO_rows, the plain view of O: a packed O holds the next sequence right after)."""
         pipe_epi = pipes["corr_epi"]
         epi_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stage)
+        lane = cute.arch.lane_idx()
         tile_idx = cute.arch.block_idx()[0]
         while tile_idx < sched.num_tiles():
             m_block, head, batch = sched.coords(tile_idx)
-            gO = cute.local_tile(mO[None, None, head, batch], self.epi_tile, (None, 0))  # (tile_m, dv, m_blocks)
-            tOsO, tOgO = cpasync.tma_partition(tma_atom_O, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2),
-                                               cute.group_modes(gO, 0, 2))
-            first = epi_state
-            for stage in cutlass.range_constexpr(self.q_stage):
-                pipe_epi.wait_full(epi_state.index, epi_state.phase)
-                # One lane issues the store and owns its bulk group (the DSL elects for TMA loads,
-                # not for stores: a whole warp would store the tile 32 times).
-                with cute.arch.elect_one():
-                    cute.copy(tma_atom_O, tOsO[None, stage], tOgO[None, self.q_stage * m_block + stage])
-                    cute.arch.cp_async_bulk_commit_group()
-                epi_state = next_state(epi_state)
-            rel = first
-            for stage in cutlass.range_constexpr(self.q_stage):
-                with cute.arch.elect_one():
-                    cute.arch.cp_async_bulk_wait_group(self.q_stage - 1 - stage, read=True)  # sO[stage] read
-                    pipe_epi.arrive_empty(rel.index, "epilogue")
-                rel = next_state(rel)
+            if const_expr(self.cfg.varlen_q):
+                seq = self.tile_seq(mQ, mK, batch, seqs)
+                gO_rows = cute.local_tile(seq.q_view(mO_rows, head), self.epi_tile, (None, 0))
+                for stage in cutlass.range_constexpr(self.q_stage):
+                    pipe_epi.wait_full(epi_state.index, epi_state.phase)
+                    q_tile = self.q_stage * m_block + stage
+                    # EPI_ROWS rows per pass: the warp's registers hold one pass (this warp has 48-56)
+                    sO_rows = cute.local_tile(sO[None, None, stage], (EPI_ROWS, self.hdim_v), (None, 0))
+                    gO_pass = cute.local_tile(gO_rows[None, None, q_tile], (EPI_ROWS, self.hdim_v), (None, 0))
+                    valid = seq.seqlen_q - q_tile * self.tile_m
+                    for c in cutlass.range(self.tile_m // EPI_ROWS, unroll=1):
+                        store_rows_predicated(sO_rows[None, None, c], gO_pass[None, None, c], valid - c * EPI_ROWS,
+                                              lane, WARP_SIZE)
+                    cute.arch.sync_warp()  # every lane read its part of sO[stage]
+                    with cute.arch.elect_one():
+                        pipe_epi.arrive_empty(epi_state.index, "epilogue")
+                    epi_state = next_state(epi_state)
+            else:
+                gO = cute.local_tile(mO[None, None, head, batch], self.epi_tile, (None, 0))  # (tile_m, dv, m_blocks)
+                tOsO, tOgO = cpasync.tma_partition(tma_atom_O, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2),
+                                                   cute.group_modes(gO, 0, 2))
+                first = epi_state
+                for stage in cutlass.range_constexpr(self.q_stage):
+                    pipe_epi.wait_full(epi_state.index, epi_state.phase)
+                    # One lane issues the store and owns its bulk group (the DSL elects for TMA loads,
+                    # not for stores: a whole warp would store the tile 32 times).
+                    with cute.arch.elect_one():
+                        cute.copy(tma_atom_O, tOsO[None, stage], tOgO[None, self.q_stage * m_block + stage])
+                        cute.arch.cp_async_bulk_commit_group()
+                    epi_state = next_state(epi_state)
+                rel = first
+                for stage in cutlass.range_constexpr(self.q_stage):
+                    with cute.arch.elect_one():
+                        cute.arch.cp_async_bulk_wait_group(self.q_stage - 1 - stage, read=True)  # sO[stage] read
+                        pipe_epi.arrive_empty(rel.index, "epilogue")
+                    rel = next_state(rel)
             tile_idx += cute.arch.grid_dim()[0]
         with cute.arch.elect_one():
             cute.arch.cp_async_bulk_wait_group(0, read=False)

@@ -52,9 +52,10 @@ MAX_KV_STAGES = 32
 # softmax, not the tensor core; the share is FA4's tuning, not measured here (no Blackwell GPU).
 # The numerics model (flash4.models.sm100_fwd) defaults to it; its error bands were measured there.
 EXP2_EMU_FRAC = 0.25
-# Causal configs: 1 pair of every 8. At 1/4 the causal diagonal step (mask + rescale + polynomial in
-# one body) spilled at FA4's softmax budgets: hd128 causal (192 registers) 11 LDL/STL, stack 40 bytes;
-# hd64 causal (200) 3, stack 8. At 1/8 every causal config compiles with 0 (CuTe DSL 4.8.1, 2026-12-02).
+# Causal and windowed configs: 1 pair of every 8. At 1/4 the masked non-first step (mask + rescale +
+# polynomial in one body: the causal diagonal, every block of a window) spilled at FA4's softmax
+# budgets: hd128 causal (192 registers) 11 LDL/STL, stack 40 bytes; hd64 causal (200) 3, stack 8;
+# hd64 window 14. At 1/8 every such config compiles with 0 (CuTe DSL 4.8.1, 2026-12-02).
 EXP2_EMU_FRAC_CAUSAL = 0.125
 # Columns that share one choice: a packed f32x2 pair (exp2_emulated_pair works on two lanes).
 EXP2_EMU_GROUP = 2
@@ -68,9 +69,10 @@ def fwd_smem_bytes(headdim: int, hdim_v: int, q_stage: int, tile_m: int, tile_n:
     return q + o + kv_stages * kv_stage
 
 
-def exp2_emu_frac_for(causal: bool) -> float:
-    """The share of exp2 on the FMA polynomial a config gets (EXP2_EMU_FRAC, or _CAUSAL)."""
-    return EXP2_EMU_FRAC_CAUSAL if causal else EXP2_EMU_FRAC
+def exp2_emu_frac_for(causal: bool, local: bool = False) -> float:
+    """The share of exp2 on the FMA polynomial a config gets (EXP2_EMU_FRAC, or _CAUSAL for causal
+    and windowed configs, whose masked non-first step holds the most registers)."""
+    return EXP2_EMU_FRAC_CAUSAL if causal or local else EXP2_EMU_FRAC
 
 
 def kv_stages_for(headdim: int, hdim_v: int, q_stage: int = 2, tile_m: int = 128, tile_n: int = 128) -> int:
