@@ -20,11 +20,12 @@ from flash4.kernels.sm100.pipes import ArrivalLedger, check_init_counts  # noqa:
 
 # The 12 base configs, and one or two of each feature's (bf16; the feature adds const_expr code only
 # where its flag is on, so the other dtype and head dims add nothing a compile gate would see).
-FEATURES = [dict(softcap=True), dict(sink=True), dict(local=True),
-            dict(varlen_q=True, varlen_k=True, seqused_q=True)]
+# (select_fwd_config's keywords, then the sequence-layout fields the host sets with dataclasses.replace)
+FEATURES = [(dict(softcap=True), {}), (dict(sink=True), {}), (dict(local=True), {}),
+            ({}, dict(varlen_q=True, varlen_k=True, seqused_q=True))]
 CONFIGS = shipped_fwd_configs(features=False) + [
-    dataclasses.replace(select_fwd_config(hd, "bf16", causal), **feature)
-    for feature in FEATURES for hd, causal in ((128, True), (64, False))]
+    dataclasses.replace(select_fwd_config(hd, "bf16", causal, **selected), **layout)
+    for selected, layout in FEATURES for hd, causal in ((128, True), (64, False))]
 IDS = [f"d{c.headdim}-{c.dtype}-{'causal' if c.causal else 'full'}" + ("-softcap" if c.softcap else "")
        + ("-sink" if c.sink else "") + ("-local" if c.local else "") + ("-varlen" if c.varlen_q else "")
        for c in CONFIGS]
