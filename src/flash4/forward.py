@@ -40,7 +40,6 @@ import functools
 
 import torch
 
-from flash4 import selftest
 from flash4.arch import device_arch, num_sms
 from flash4.config import fwd_config
 from flash4.request import DECODE, KVCACHE, VARLEN, Request, SeqSpec
@@ -91,6 +90,7 @@ def launch(request: Request, out, lse, lse_split=None) -> None:
     device): a DENSE, VARLEN, PAGED or DECODE request, out / lse (and lse_split or None) of its
     layout. The request's mask, score and sequence parts are unpacked into kernel arguments here,
     once; the runners' argument lists are flash4.compile.cache's."""
+    from flash4 import selftest  # late: `python -m flash4.selftest` must not find it imported by `import flash4`
     from flash4.compile.cache import get_fwd_runner  # late: compiling pulls in the CuTe DSL
 
     q, k, v, seq = request.q, request.k, request.v, request.seq
