@@ -20,7 +20,10 @@ run() allocates (or checks) out / lse, answers the problems without work (no que
 runs; no key: out = 0, lse = -inf, or the sink with learnable_sink) and calls launch() on the
 tensors' device. launch() is the one place a request becomes kernel launches: the plan from
 flash4.config.fwd_config (the family's tiles, GQA packing, page pieces, split-KV), the compiled
-runners from flash4.compile.cache, the kernel arguments unpacked from the request. The packed
+runners from flash4.compile.cache, the kernel arguments unpacked from the request. A config of a
+self-test-gated family (sm_100) launches only once flash4.selftest passed it on this GPU
+(`selftest.require`: RuntimeError naming the config and how to report it otherwise; a no-op field
+compare for the other families). The packed
 layouts hand the kernels 4-D views with a batch mode of size 1; each sequence's offset and length
 are read on the device (kernels/common/seqinfo.py), so no call syncs with the host and changing
 lengths never recompiles (only max_seqlen_q, a host int, sizes the grid). A DECODE step packs the
@@ -92,6 +95,7 @@ def launch(request: Request, out, lse, lse_split=None) -> None:
     device): a DENSE, VARLEN, PAGED or DECODE request, out / lse (and lse_split or None) of its
     layout. The request's mask, score and sequence parts are unpacked into kernel arguments here,
     once; the runners' argument lists are flash4.compile.cache's."""
+    from flash4 import selftest  # late: `python -m flash4.selftest` must not find it imported by `import flash4`
     from flash4.compile.cache import get_fwd_runner  # late: compiling pulls in the CuTe DSL
 
     q, k, v, seq = request.q, request.k, request.v, request.seq
@@ -99,9 +103,13 @@ def launch(request: Request, out, lse, lse_split=None) -> None:
     sink = request.score.kernel_sink()
     arch = device_arch(q.device)
     if seq.decode:
-        _launch_decode(request, out, lse, fwd_config(request, arch, num_sms(q.device)), window, softcap, sink)
+        plan = fwd_config(request, arch, num_sms(q.device))
+        selftest.require(plan.cfg, q.device)
+        _launch_decode(request, out, lse, plan, window, softcap, sink)
         return
-    run_kernel = get_fwd_runner(fwd_config(request, arch).cfg)
+    cfg = fwd_config(request, arch).cfg
+    selftest.require(cfg, q.device)  # gated families (sm100): only after the first-use self-test passed
+    run_kernel = get_fwd_runner(cfg)
     if not seq.packed:
         extra = {} if sink is None else {"sink": sink}  # runners of sink-free configs take no sink
         run_kernel(q, k, v, out, lse, scale, lse_split, window=window, softcap=softcap, **extra)

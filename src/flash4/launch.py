@@ -36,10 +36,12 @@ def check_grid(kernel: str, grid: tuple[int, int, int]) -> None:
 
 
 def fwd_num_tiles(cfg: FwdConfig, batch: int, seqlen_q: int, nheads: int) -> int:
-    """(m_block, head, batch) tiles of the forward."""
-    num_tiles = ceil_div(seqlen_q, cfg.tile_m) * nheads * batch
+    """(m_block, head, batch) tiles of the forward; an m_block is the CTA's query rows: cfg.tile_m,
+    or cfg.cta_tile_m where a CTA covers several Q tiles (sm100: q_stage x tile_m = 256 rows)."""
+    rows = getattr(cfg, "cta_tile_m", cfg.tile_m)
+    num_tiles = ceil_div(seqlen_q, rows) * nheads * batch
     _check_count("forward", "tiles (m_blocks x nheads x batch)", num_tiles,
-                 f"batch={batch}, seqlen_q={seqlen_q}, nheads={nheads}, tile_m={cfg.tile_m}")
+                 f"batch={batch}, seqlen_q={seqlen_q}, nheads={nheads}, rows per tile={rows}")
     return num_tiles
 
 

@@ -25,6 +25,7 @@ torch.compile), with the same messages.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 
@@ -386,26 +387,89 @@ def _device_problem(q, others, dense: bool = False) -> Problem:
     return _cuda_problem("q", q)
 
 
-def _arch_problem(q, causal) -> Problem:
-    """The SM version of q's (CUDA) device has no forward kernel for q's head dim and dtype."""
+def _arch_problem(q, causal, door=None) -> Problem:
+    """The SM version of q's (CUDA) device has no forward kernel for q's head dim and dtype; for a
+    self-test-gated family (sm_100, flash4.kernels.registry) also `_gated_problem` of the door's
+    arguments (door: a _Door, or None to check the head dim and dtype only)."""
     from flash4.arch import device_arch  # late: keeps `import flash4.validate` free of device queries
 
     arch = device_arch(q.device)
     try:
-        select_fwd_config(q.shape[-1], DTYPE_NAMES[q.dtype], causal, arch=arch)
+        cfg = select_fwd_config(q.shape[-1], DTYPE_NAMES[q.dtype], causal, arch=arch)
     except ValueError as err:
         return ValueError, f"{err} (q is on {q.device})"
-    return None
+    from flash4 import selftest  # late: the gate pulls in its child-process machinery
+
+    if door is None or not selftest.gated(cfg):
+        return None
+    return _gated_problem(q, causal, door, arch)
+
+
+class _Door:
+    """What `_gated_problem` reads of a door's arguments: layout ("dense", "varlen", "paged",
+    "kvcache"), k and v (or k_cache / v_cache), window_size, softcap, learnable_sink, and the
+    varlen door's seqused_q / seqused_k (None elsewhere)."""
+
+    __slots__ = ("layout", "k", "v", "window_size", "softcap", "learnable_sink", "seqused_q", "seqused_k")
+
+    def __init__(self, layout, k, v, window_size, softcap, learnable_sink, seqused_q=None, seqused_k=None):
+        self.layout, self.k, self.v = layout, k, v
+        self.window_size, self.softcap, self.learnable_sink = window_size, softcap, learnable_sink
+        self.seqused_q, self.seqused_k = seqused_q, seqused_k
+
+
+def _gated_problem(q, causal, door: _Door, arch: int) -> Problem:
+    """A family served behind the first-use self-test (sm_100): the config the forward would select
+    for these arguments exists (layouts, window, softcap, sink, headdim_v: ValueError naming what
+    that family lacks), a backward exists when autograd will ask for one (NotImplementedError: the
+    sm_100 family has no backward yet), and flash4.selftest passed that config on q's device
+    (RuntimeError with the self-test's text: the config, the failing check, how to report it; on
+    the first call for a config this runs the self-test, seconds, in a child process)."""
+    from flash4 import selftest
+    from flash4.geometry import canonical_mask, window_sides
+    from flash4.kernels import registry
+
+    fam = registry.family(arch)
+    where = f"(q is on {q.device}, sm_{arch}: flash4's {fam.name} kernels, compile-verified, not yet run on that GPU)"
+    if door.layout not in ("dense", "varlen"):
+        return ValueError, (f"flash4's sm_{arch} forward runs dense and packed varlen batches only; "
+                            f"the {door.layout} layout is not implemented there yet {where}")
+    if door.seqused_k is not None:
+        return ValueError, f"flash4's sm_{arch} forward has no seqused_k yet (packed varlen with cu_seqlens_k) {where}"
+    headdim, headdim_v = q.shape[-1], door.v.shape[-1]
+    causal, window_size = canonical_mask(causal, door.window_size)  # as the API runs it: (-1, 0) is causal
+    try:
+        cfg = select_fwd_config(headdim, DTYPE_NAMES[q.dtype], causal, arch=arch,
+                                local=window_sides(window_size, causal) is not None,
+                                softcap=door.softcap > 0, sink=door.learnable_sink is not None,
+                                headdim_v=None if headdim_v == headdim else headdim_v,
+                                seqlen_k=door.k.shape[1] if door.layout == "dense" else None)
+    except ValueError as err:
+        return ValueError, f"{err} {where}"
+    if door.layout == "varlen":  # as flash4.config.sm100.fwd_plan lays it out
+        cfg = dataclasses.replace(cfg, varlen_q=True, varlen_k=True, seqused_q=door.seqused_q is not None)
+    if not fam.has_pass("bwd") and torch.is_grad_enabled() and any(
+            isinstance(t, torch.Tensor) and t.requires_grad for t in (q, door.k, door.v, door.learnable_sink)):
+        return NotImplementedError, (
+            f"flash4 has no backward on sm_{arch} yet (its {fam.name} family has a forward only), and an input "
+            f"requires grad: run the forward under torch.no_grad() / torch.inference_mode(), or use another "
+            f"attention implementation for training {where}")
+    problem = selftest.support_problem(cfg, q.device)
+    return None if problem is None else (RuntimeError, problem)
 
 
 def _common_tail_problem(q, softmax_scale, causal, window_size, softcap, learnable_sink, devices,
-                         dense: bool = False) -> Problem:
-    """The checks every door ends with: scale, causal, window, softcap, sink, devices, SM version."""
+                         dense: bool = False, layout: str = "dense") -> Problem:
+    """The checks every door ends with: scale, causal, window, softcap, sink, devices, SM version
+    (and, on a self-test-gated GPU, _gated_problem for the door's layout)."""
     for problem in (_scale_causal_problem(softmax_scale, causal, window_size, softcap),
                     sink_problem(learnable_sink, q, q.shape[-2]), _device_problem(q, devices, dense)):
         if problem is not None:
             return problem
-    return _arch_problem(q, causal)
+    named = dict(devices)
+    k, v = (named["k"], named["v"]) if layout != "kvcache" else (named["k_cache"], named["v_cache"])
+    return _arch_problem(q, causal, _Door(layout, k, v, window_size, softcap, learnable_sink,
+                                          named.get("seqused_q"), named.get("seqused_k")))
 
 
 # ================================================================ flash_attn_func (dense)
@@ -564,7 +628,8 @@ def _varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_
         if problem is not None:
             return problem
     devices = [("k", k), ("v", v)] + [(name, t) for name, t, _, _ in metadata]
-    return _common_tail_problem(q, softmax_scale, causal, window_size, softcap, learnable_sink, devices)
+    return _common_tail_problem(q, softmax_scale, causal, window_size, softcap, learnable_sink, devices,
+                                layout="paged" if paged else "varlen")
 
 
 def varlen_support_error(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, seqused_q=None,
@@ -765,7 +830,8 @@ def _kvcache_problem(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, pa
     devices = [("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v), ("out", out),
                ("page_table", page_table), ("cache_batch_idx", cache_batch_idx),
                ("cache_seqlens", cache_seqlens if seqlens_tensor else None)]
-    return _common_tail_problem(q, softmax_scale, causal, window_size, softcap, learnable_sink, devices)
+    return _common_tail_problem(q, softmax_scale, causal, window_size, softcap, learnable_sink, devices,
+                                layout="kvcache")
 
 
 def kvcache_support_error(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, page_table=None,

@@ -146,7 +146,7 @@ def cpu_device(monkeypatch):
         return None if problem is not None and problem[1].startswith("q is on cpu") else problem
 
     monkeypatch.setattr(validate, "_device_problem", relative_only)
-    monkeypatch.setattr(validate, "_arch_problem", lambda q, causal: None)
+    monkeypatch.setattr(validate, "_arch_problem", lambda q, causal, door=None: None)
 
 
 @pytest.fixture

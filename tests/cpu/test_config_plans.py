@@ -4,6 +4,8 @@ packing of windows; packed / paged: the sequence layout and page pieces; a decod
 decode_plan; backward: the sequence layout and the GQA head split). Shapes only: the tensors live on
 the meta device."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -112,19 +114,26 @@ def test_backward_plan_override_and_packed_layout():
     assert (plan.cfg, plan.heads_per_cta) == head_split_config(expected, 8, 2, 200, 3000, True, None)
 
 
-def test_sm100_plans_dense_only():
-    """The sm100 family (forward only, unverified: fwd_config refuses arch 100 until its self-test)
-    answers dense requests and refuses the rest."""
+def test_sm100_plans():
+    """The sm100 family (forward only, unverified, served behind the first-use self-test) answers
+    dense and packed varlen requests and refuses paged K/V, seqused_k and Dv != D."""
     from flash4.config import sm100
 
     q, k = meta(2, 300, 8, 128), meta(2, 300, 8, 128)
     plan = sm100.fwd_plan(Request.dense(q, k, k, causal=True), 100)
     assert plan == FwdPlan(sm100.select_fwd_config(128, "bf16", True))
-    with pytest.raises(ValueError, match="no varlen layout"):
-        sm100.fwd_plan(_packed(), 100)
-    with pytest.raises(ValueError, match="local not implemented"):
-        sm100.fwd_plan(Request.dense(q, k, k, window_size=(3, 3)), 100)
+    for seqused_q in (False, True):
+        assert sm100.fwd_plan(_packed(seqused_q=seqused_q), 100).cfg == dataclasses.replace(
+            sm100.select_fwd_config(64, "bf16", True), varlen_q=True, varlen_k=True, seqused_q=seqused_q)
+    with pytest.raises(ValueError, match="no paged layout"):
+        sm100.fwd_plan(_packed(paged=True), 100)
+    cu = meta(4, dtype=I32)
+    with pytest.raises(ValueError, match="no seqused_k"):
+        sm100.fwd_plan(Request.varlen(meta(500, 8, 64), meta(600, 2, 64), meta(600, 2, 64), cu, cu, 200, None, None,
+                                      meta(3, dtype=I32)), 100)
+    assert sm100.fwd_plan(Request.dense(q, k, k, window_size=(3, 3)), 100).cfg.local
+    with pytest.raises(ValueError, match="headdim_v=64 != headdim=128 is not implemented"):
+        sm100.fwd_plan(Request.dense(q, k, meta(2, 300, 8, 64)), 100)
     with pytest.raises(ValueError, match="no sm100 backward"):
         sm100.bwd_plan(Request.dense(q, k, k), 100)
-    with pytest.raises(ValueError, match="sm_100"):
-        fwd_config(Request.dense(q, k, k), 100)
+    assert fwd_config(Request.dense(q, k, k), 100) == FwdPlan(sm100.select_fwd_config(128))

@@ -69,9 +69,10 @@ def test_registry_dispatches_by_exact_arch():
     for arch in (80, 86, 89, 120):  # the portable family (mma.sync), by exact arch
         assert registry.family(arch).name == "sm80"
     assert registry.family(90, prefer="sm80").name == "sm80"  # the portable family, on Hopper for testing
-    for arch in (75, 87, 100, 103, 110, 121):
+    for arch in (75, 87, 101, 103, 110, 121):
         with pytest.raises(ValueError, match=f"sm_{arch}"):
             registry.family(arch)
+    assert registry.family(100).name == "sm100"  # behind the first-use self-test (flash4.selftest)
     assert registry.kernel_class("fwd", 90).__name__ == "FlashAttentionForwardSm90"
     assert registry.kernel_class("bwd", 90).__name__ == "FlashAttentionBackwardSm90"
     with pytest.raises(ValueError, match="no 'nope' kernel"):

@@ -80,3 +80,48 @@ def test_exp2_fragment_mixed_compiles_sm90(frag_shape, emu_frac, group, n_emu, p
     assert ptx.count("ex2.approx.ftz.f32") == n - n_emu
     assert ptx.count("add.rm.f32") == n_emu  # the Cody-Waite round-down, once per emulated element
     assert ptx.count("fma.rn.f32") == EXP2_POLY_DEGREE * n_emu
+
+
+def _compile_pair_ptx(n: int, emu_frac: float) -> str:
+    """sm_100a: n elements per thread, pairs (2j, 2j + 1) through exp2_emulated_pair where the sm100
+    rule (exp2_poly.emulated_column, groups of 2) picks them, else exp2_hw twice."""
+    from flash4.kernels.common.exp2 import exp2_emulated_pair, exp2_hw
+    from flash4.kernels.common.exp2_poly import emulated_column
+
+    @cute.kernel
+    def kernel(g_in: cute.Tensor, g_out: cute.Tensor):
+        tid, _, _ = cute.arch.thread_idx()
+        frag = cute.make_rmem_tensor((n,), Float32)
+        for i in cutlass.range_constexpr(n):
+            frag[i] = g_in[i, tid]
+        for j in cutlass.range_constexpr(0, n, 2):
+            if cutlass.const_expr(emulated_column(j, emu_frac, 2)):
+                frag[j], frag[j + 1] = exp2_emulated_pair(frag[j], frag[j + 1])
+            else:
+                frag[j], frag[j + 1] = exp2_hw(frag[j]), exp2_hw(frag[j + 1])
+        for i in cutlass.range_constexpr(n):
+            g_out[i, tid] = frag[i]
+
+    @cute.jit
+    def host(g_in: cute.Tensor, g_out: cute.Tensor):
+        kernel(g_in, g_out).launch(grid=(1, 1, 1), block=(THREADS, 1, 1))
+
+    g_in = make_fake_compact_tensor(Float32, (n, THREADS))
+    g_out = make_fake_compact_tensor(Float32, (n, THREADS))
+    compiled = cute.compile(host, g_in, g_out, options="--gpu-arch sm_100a --keep-ptx")
+    ptx = compiled.__ptx__
+    return Path(ptx).read_text() if os.path.isfile(ptx) else ptx
+
+
+@pytest.mark.parametrize("emu_frac, pairs_emu", [(0.25, 4), (0.125, 2), (1.0, 16), (0.0, 0)])
+def test_exp2_emulated_pair_compiles_sm100(emu_frac, pairs_emu, ptx_dump_dir):
+    """The sm100 softmax's packed polynomial: per emulated pair one add.rm.f32x2 (the round-down),
+    one add.rn and one sub.rn .f32x2, EXP2_POLY_DEGREE fma.rn.f32x2; MUFU for the other pairs."""
+    n = 32
+    ptx = _compile_pair_ptx(n, emu_frac)
+    assert ".target sm_100a" in ptx
+    assert ptx.count("ex2.approx.ftz.f32") == n - 2 * pairs_emu
+    assert ptx.count("add.rm.f32x2") == pairs_emu
+    assert ptx.count("sub.rn.f32x2") == pairs_emu
+    assert ptx.count("fma.rn.f32x2") == EXP2_POLY_DEGREE * pairs_emu
+    assert ptx.count("add.rm.f32 ") + ptx.count("fma.rn.f32 ") == 0  # nothing scalar on the FMA pipe

@@ -4,6 +4,7 @@ every shipped config builds for sm_100a, and its PTX and SASS show the design --
 register_plan -- with no Hopper opcodes, no local memory and a stack of 0. PTX and SASS counts of
 the tcgen05 instructions must agree (BLACKWELL.md section 3)."""
 
+import dataclasses
 import re
 import time
 import types
@@ -13,12 +14,21 @@ import pytest
 pytest.importorskip("cutlass")
 
 from flash4.compile.check import extract_cubin, resource_usage  # noqa: E402
-from flash4.config.sm100 import (pipeline_specs, register_plan, shipped_fwd_configs,  # noqa: E402
-                                 tmem_alloc_cols)
+from flash4.config.sm100 import (pipeline_specs, register_plan, select_fwd_config,  # noqa: E402
+                                 shipped_fwd_configs, tmem_alloc_cols)
 from flash4.kernels.sm100.pipes import ArrivalLedger, check_init_counts  # noqa: E402
 
-CONFIGS = shipped_fwd_configs()
-IDS = [f"d{c.headdim}-{c.dtype}-{'causal' if c.causal else 'full'}" for c in CONFIGS]
+# The 12 base configs, and one or two of each feature's (bf16; the feature adds const_expr code only
+# where its flag is on, so the other dtype and head dims add nothing a compile gate would see).
+# (select_fwd_config's keywords, then the sequence-layout fields the host sets with dataclasses.replace)
+FEATURES = [(dict(softcap=True), {}), (dict(sink=True), {}), (dict(local=True), {}),
+            ({}, dict(varlen_q=True, varlen_k=True, seqused_q=True))]
+CONFIGS = shipped_fwd_configs(features=False) + [
+    dataclasses.replace(select_fwd_config(hd, "bf16", causal, **selected), **layout)
+    for selected, layout in FEATURES for hd, causal in ((128, True), (64, False))]
+IDS = [f"d{c.headdim}-{c.dtype}-{'causal' if c.causal else 'full'}" + ("-softcap" if c.softcap else "")
+       + ("-sink" if c.sink else "") + ("-local" if c.local else "") + ("-varlen" if c.varlen_q else "")
+       for c in CONFIGS]
 # CPU seconds of one cold compile (trace + MLIR + ptxas, one core). Measured 3.5-4.9 s on the 2-core
 # CI box; the target is 5 s, the assert leaves room for a loaded machine.
 COMPILE_CPU_LIMIT_S = 10.0
@@ -82,13 +92,46 @@ def test_sass_gates(built, name):
     # commit sites: S ready x2, O final x1, Q releases x2 (unrolled), K/V releases x4
     assert row["utcbar"] == 9
     assert row["ldtm"] > 0 and row["sttm"] > 0
-    assert row["utmaldg"] > 0 and row["utmastg"] > 0
+    assert row["utmaldg"] > 0
+    # O: one TMA store per Q tile (dense), or row-by-row stores below seqlen_q (packed varlen)
+    assert (row["utmastg"] > 0) == (not cfg.varlen_q)
     assert row["utcatomsws"] == 3  # alloc, relinquish, dealloc
     assert row["hgmma"] == 0
     assert row["spills"] == 0, f"{name}: {row['spills']} LDL/STL"
     assert row["stack_bytes"] == 0
     assert row["registers"] == 128  # the launch cap 65536 / 512; the budgets are setmaxnreg's
     assert row["mufu_ex2"] > 0 and row["ffma2"] > 0  # exp2 on MUFU, the scale-subtract on packed FMAs
+
+
+def exp2_sites(cfg) -> dict:
+    """The static exp2 sites the plan predicts. The softmax step is traced once per block kind (the
+    first block, masked; the unmasked loop; causal: the diagonal loop), each over the 128 columns of
+    a row: per body 64 scale-subtract FFMA2, and per emulated pair (exp2_emu_frac of the 64 pairs) 3
+    Horner FFMA2 and 1 FADD2.RM instead of 2 MUFU.EX2. Besides, one MUFU.EX2 per non-first body for
+    the O factor, and two in the finalize of a sink config (the sink's term and the row's shift)."""
+    bodies = 3 if cfg.causal and not cfg.local else 2  # a window: the first block, then one masked loop
+    pairs = round(cfg.tile_n // 2 * cfg.exp2_emu_frac)
+    return {"mufu_ex2": bodies * (cfg.tile_n - 2 * pairs) + bodies - 1 + (2 if cfg.sink else 0),
+            "ffma2": bodies * (cfg.tile_n // 2 + 3 * pairs), "fadd2_rm": bodies * pairs,
+            "mufu_tanh": bodies * cfg.tile_n if cfg.softcap else 0}
+
+
+@pytest.mark.parametrize("name", IDS)
+def test_exp2_mix_gate(built, name):
+    """FA4's exp2 emulation is in the SASS: MUFU.EX2 reduced by the planned share (the static sites of
+    the MUFU-only kernel, 257 non-causal / 386 causal, minus the emulated pairs), the polynomial's
+    packed FMAs (FFMA2) and its round-down packed add (FADD2.RM) present in the planned numbers."""
+    cfg, _, _, row = built[name]
+    if not row:
+        pytest.skip("cuobjdump not installed: SASS not checked")
+    assert cfg.exp2_emu_frac > 0
+    want = exp2_sites(cfg)
+    assert {k: row[k] for k in want} == want, (name, row)
+    mufu_only = exp2_sites(dataclasses.replace(cfg, exp2_emu_frac=0.0))
+    causal_loops = cfg.causal and not cfg.local
+    assert mufu_only["mufu_ex2"] == (386 if causal_loops else 257) + 2 * cfg.sink and mufu_only["fadd2_rm"] == 0
+    saved = mufu_only["mufu_ex2"] - row["mufu_ex2"]
+    assert saved == (3 if causal_loops else 2) * round(cfg.tile_n * cfg.exp2_emu_frac) > 0
 
 
 @pytest.mark.parametrize("name", IDS)

@@ -1,6 +1,6 @@
 """The sm100 forward's pure plans (flash4.config.sm100), checked on the CPU: the shipped configs,
 the TMEM map against flash-attn-4's, the setmaxnreg plan, the pipeline arrive counts, refusals of
-what the kernel does not build, and the registry entry (registered for compiling, unverified)."""
+what the kernel does not build, and the registry entry (unverified, served behind the first-use self-test)."""
 
 import dataclasses
 import itertools
@@ -19,13 +19,15 @@ IDS = [f"d{c.headdim}-{c.dtype}-{'causal' if c.causal else 'full'}" for c in CON
 
 
 def test_shipped_configs_cover_the_grid():
-    assert len(CONFIGS) == 12
-    assert {(c.headdim, c.dtype, c.causal) for c in CONFIGS} == set(
-        itertools.product((64, 96, 128), ("bf16", "fp16"), (False, True)))
+    assert len(CONFIGS) == 96
+    assert {(c.headdim, c.dtype, c.causal, c.local, c.softcap, c.sink) for c in CONFIGS} == set(
+        itertools.product((64, 96, 128), ("bf16", "fp16"), *[(False, True)] * 4))
+    assert shipped_fwd_configs(features=False) == [c for c in CONFIGS if not (c.local or c.softcap or c.sink)]
     for c in CONFIGS:
         assert (c.q_stage, c.tile_m, c.tile_n, c.cta_group, c.arch) == (2, 128, 128, 1, 100)
         assert c.cta_tile_m == 256 and c.num_threads == 512
-        assert c.lpt == c.causal and not c.persistent and c.exp2_emu_frac == 0.0
+        assert c.lpt == (c.causal and not c.local) and not c.persistent
+        assert c.exp2_emu_frac == (sm100.EXP2_EMU_FRAC_CAUSAL if c.causal or c.local else sm100.EXP2_EMU_FRAC) > 0
         assert c.rescale_threshold == 8.0
         assert c.smem_bytes() <= sm100.SMEM_KV_BUDGET
 
@@ -120,8 +122,18 @@ def test_every_party_is_a_role():
 
 
 # ---------------------------------------------------------------- refusals
+def test_softcap_sink_and_window_are_built():
+    cfg = select_fwd_config(128, "bf16", True, softcap=True)
+    assert cfg.softcap and cfg.causal and cfg == dataclasses.replace(select_fwd_config(128, "bf16", True), softcap=True)
+    cfg = select_fwd_config(64, "fp16", False, sink=True)
+    assert cfg.sink and cfg == dataclasses.replace(select_fwd_config(64, "fp16", False), sink=True)
+    cfg = select_fwd_config(96, "bf16", True, local=True)
+    assert cfg.local and cfg.causal and not cfg.lpt  # a window's tiles: no LPT order
+    packed = dataclasses.replace(select_fwd_config(128), varlen_q=True, varlen_k=True, seqused_q=True)
+    assert packed.varlen_q and packed.varlen_k and packed.seqused_q
+
+
 @pytest.mark.parametrize("kwargs,match", [
-    ({"local": True}, "local"), ({"softcap": True}, "softcap"), ({"sink": True}, "sink"),
     ({"headdim_v": 64}, "headdim_v"), ({"arch": 103}, "sm_100a"),
 ])
 def test_unbuilt_features_raise_at_selection(kwargs, match):
@@ -136,9 +148,9 @@ def test_unbuilt_headdims_raise(hd):
 
 
 @pytest.mark.parametrize("field,value", [
-    ("varlen_q", True), ("varlen_k", True), ("seqused_q", True), ("seqused_k", True), ("page_rows", 16),
-    ("split_kv", True), ("local", True), ("softcap", True), ("sink", True), ("headdim_v", 64), ("pack_gqa", 2),
-    ("exp2_emu_frac", 0.25), ("persistent", True), ("cta_group", 2), ("q_stage", 1), ("tile_n", 64),
+    ("seqused_k", True), ("page_rows", 16),
+    ("split_kv", True), ("headdim_v", 64), ("pack_gqa", 2),
+    ("exp2_emu_frac", 0.33), ("exp2_emu_frac", 1.5), ("persistent", True), ("cta_group", 2), ("q_stage", 1), ("tile_n", 64),
     ("arch", 110), ("kv_stages", 4),
 ])
 def test_a_config_with_an_unbuilt_field_cannot_exist(field, value):
@@ -155,16 +167,16 @@ def test_no_backward_yet():
 
 
 # ---------------------------------------------------------------- registry
-def test_registry_compiles_sm100_but_the_api_refuses_it():
-    """sm100 is registered (compile_fwd dispatches on cfg.arch) but unverified: family(100), which
-    config selection and the API's support check use, refuses it until a hardware self-test."""
-    with pytest.raises(ValueError, match="sm_100 .*compile-verified only"):
-        registry.family(100)
-    fam = registry.family(100, include_unverified=True)
-    assert fam.name == "sm100" and fam.archs == (100,) and not fam.verified
+def test_registry_serves_sm100_behind_the_selftest():
+    """sm100 is registered (compile_fwd dispatches on cfg.arch), unverified but self-test-gated:
+    family(100) serves it (config selection, the API's support check), and the host runs each of its
+    configs only after flash4.selftest passed it (tests/cpu/test_sm100_host.py)."""
+    fam = registry.family(100)
+    assert fam.name == "sm100" and fam.archs == (100,) and not fam.verified and fam.selftest_gated
     assert fam.config_module() is sm100
     assert 100 not in registry.supported_archs() and 90 in registry.supported_archs()
-    for arch in (103, 110):  # other Blackwell parts are different GPUs
+    assert registry.gated_archs() == (100,)
+    for arch in (103, 110, 121):  # other Blackwell parts are different GPUs: refused by name
         with pytest.raises(ValueError, match=f"no kernels for sm_{arch}"):
             registry.family(arch, include_unverified=True)
     # consumer Blackwell (no tensor memory) belongs to the portable mma.sync family, never to sm100

@@ -109,7 +109,7 @@ def test_random_fp16(causal):
 
 
 @pytest.mark.parametrize("variant", [dict(rescale_step="fa4"), dict(key_order="forward"), dict(mma_k=None),
-                                     dict(exp2_emu_frac=0.0), dict(exp2_emu_frac=1.0),
+                                     dict(exp2_emu_frac=0.0), dict(exp2_emu_frac=0.125), dict(exp2_emu_frac=1.0),
                                      dict(exp2_emu_columns=M.fa4_emu_columns(128, 10)),
                                      dict(exact_ref=False), dict(tile_n=64)],
                          ids=lambda v: ",".join(f"{k}={'fa4:10' if torch.is_tensor(x) else x}" for k, x in v.items()))
@@ -271,11 +271,20 @@ def test_emulated_exp2_is_bit_exact(columns):
 
 
 def test_emu_columns_match_the_kernel_rule():
-    pytest.importorskip("cutlass")
-    from flash4.kernels.common.softmax import uses_emulated_exp2
+    """The model's columns are the sm100 kernel's: packed pairs (EXP2_EMU_GROUP), of every period
+    pairs the first k (RowSoftmax.exp2_pair asks exp2_poly.emulated_column, as the model does)."""
+    from flash4.kernels.common.exp2_poly import mixed_pattern
+    from flash4.kernels.sm100.plan import EXP2_EMU_FRAC, EXP2_EMU_FRAC_CAUSAL, EXP2_EMU_GROUP
 
-    for frac in (0.0, 0.25, 0.375, 0.5, 1.0):
-        assert M.emu_columns(128, frac).tolist() == [uses_emulated_exp2(c, frac) for c in range(128)]
+    assert EXP2_EMU_GROUP == 2 and M.DEFAULT_EXP2_EMU_FRAC == EXP2_EMU_FRAC
+    for frac in (0.0, 0.125, 0.25, 0.375, 0.5, 1.0):
+        k, period = mixed_pattern(frac)
+        cols = M.emu_columns(128, frac)
+        assert cols.tolist() == [(c // 2) % period < k for c in range(128)]
+        assert cols[0::2].tolist() == cols[1::2].tolist()  # a pair shares its unit
+        assert abs(cols.float().mean().item() - frac) < 1e-9
+    for frac in (EXP2_EMU_FRAC, EXP2_EMU_FRAC_CAUSAL):  # every shipped share is one the model runs
+        assert M.emu_columns(128, frac).any()
 
 
 def test_fa4_emu_columns():

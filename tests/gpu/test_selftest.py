@@ -222,3 +222,34 @@ def test_gate_refuses_then_allows(monkeypatch):
     print(f"require: first (file) + memo {1e3 * (t_memo - t0):.1f} ms, then {per_call_us:.1f} us per call")
     assert per_call_us < 200
     _parent_still_works()
+
+
+# ---------------------------------------------------------------- the host wiring, as on a B200
+
+def test_host_refuses_an_sm100_kernel_that_cannot_run_here(monkeypatch):
+    """flash4's host on a device that says sm_100 (FLASH4_ARCH=100 on the H200): the API selects the
+    sm100 config, its first-use self-test runs in a child, which compiles the kernel for sm_100a and
+    cannot launch it on this sm_90 GPU (an error or a crash: either is a refusal); support_error
+    returns the text, flash_attn_func raises RuntimeError naming the config before any launch in
+    this process, training is refused at the door, and this process keeps working."""
+    import flash4
+    from flash4 import validate
+    from flash4.config import sm100
+
+    monkeypatch.setenv("FLASH4_ARCH", "100")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(1, 77, 2, 64, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+    cfg = sm100.select_fwd_config(64, "bf16", True)
+    t0 = time.monotonic()
+    text = validate.support_error(q, k, v, causal=True)
+    print(f"\nsm100 gate on sm_90: refused after {time.monotonic() - t0:.1f} s: {text[:300]}")
+    assert text is not None and repr(cfg) in text and "first-use self-test failed with" in text, text
+    assert "Please report it" in text
+    verdict = selftest.cached_verdict(cfg, "cuda")
+    assert verdict is not None and verdict.status in ("error", "crash") and Path(verdict.path).exists()
+    with pytest.raises(RuntimeError, match="first-use self-test failed"):
+        flash4.flash_attn_func(q, k, v, causal=True)  # from the memo: no second child
+    with pytest.raises(NotImplementedError, match="no backward on sm_100"):
+        flash4.flash_attn_func(q.requires_grad_(), k, v, causal=True)
+    monkeypatch.delenv("FLASH4_ARCH")
+    _parent_still_works()

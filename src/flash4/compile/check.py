@@ -72,7 +72,7 @@ def extract_cubin(compiled) -> bytes | None:
 def resource_usage(cubin: bytes) -> dict:
     """{registers, spills (bytes stored+loaded), smem_static, hgmma, utmaldg, utmastg, mufu_ex2,
     wgmma_serialized} via cuobjdump, and the sm_100a opcodes (sass_counts): utchmma (with .2CTA),
-    utchmma_2cta, utcbar, ldtm, sttm, utcatomsws, ffma2. On sm_100a `registers` is the launch cap
+    utchmma_2cta, utcbar, ldtm, sttm, utcatomsws, ffma2, fadd2_rm. On sm_100a `registers` is the launch cap
     (65536 / threads); the setmaxnreg budgets are in the PTX."""
     tool = _cuobjdump()
     if tool is None:
@@ -99,6 +99,7 @@ def resource_usage(cubin: bytes) -> dict:
         "utmaldg": len(re.findall(r"\bUTMALDG\b", sass)),
         "utmastg": len(re.findall(r"\bUTMASTG\b", sass)),
         "mufu_ex2": len(re.findall(r"MUFU\.EX2", sass)),
+        "mufu_tanh": len(re.findall(r"MUFU\.TANH", sass)),
         # The portable (sm80) family's instructions, and the ones it must not contain.
         "hmma_16816": len(re.findall(r"\bHMMA\.16816\.", sass)),
         "ldsm": len(re.findall(r"\bLDSM\.", sass)),
@@ -117,9 +118,10 @@ def resource_usage(cubin: bytes) -> dict:
 
 
 # sm_100a (tcgen05) opcodes: SASS name -> row key. UTCHMMA = tcgen05.mma kind::f16, UTCBAR =
-# tcgen05.commit, LDTM / STTM = tcgen05.ld / st, UTCATOMSWS = tcgen05.alloc / dealloc / relinquish.
+# tcgen05.commit, LDTM / STTM = tcgen05.ld / st, UTCATOMSWS = tcgen05.alloc / dealloc / relinquish;
+# FFMA2 / FADD2.RM = fma / add.rm .f32x2 (FADD2.RM: one per pair of the exp2 polynomial's range reduction).
 SM100_OPCODES = {"UTCHMMA": "utchmma", "UTCHMMA.2CTA": "utchmma_2cta", "UTCBAR": "utcbar", "LDTM": "ldtm",
-                 "STTM": "sttm", "UTCATOMSWS": "utcatomsws", "FFMA2": "ffma2"}
+                 "STTM": "sttm", "UTCATOMSWS": "utcatomsws", "FFMA2": "ffma2", "FADD2.RM": "fadd2_rm"}
 
 
 def sass_counts(sass: str) -> dict:

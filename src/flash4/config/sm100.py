@@ -9,19 +9,21 @@ TMEM offsets, setmaxnreg budgets and mbarrier arrive counts only from the plan, 
 functions and the compiled PTX/SASS against each other (tests/cpu/test_sm100_*.py).
 
 Everything here is pure Python (no torch, no CuTe DSL). The family is registered in
-flash4.kernels.registry as "sm100" (arch 100 only), marked unverified: the API does not select it
-until a hardware self-test gates it.
+flash4.kernels.registry as "sm100" (arch 100 only), unverified and self-test-gated: the API selects
+it on sm_100, and each config runs only after flash4.selftest passed it on that GPU.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import itertools
 
-from flash4.config import HDIMV_PAIRS, SUPPORTED_HEADDIMS, FwdPlan
+from flash4.config import HDIMV_PAIRS, SUPPORTED_HEADDIMS, FwdPlan, with_seq_layout
 from flash4.constants import DTYPES, RESCALE_THRESHOLD_LOG2
+from flash4.kernels.common.exp2_poly import mixed_pattern
 from flash4.kernels.sm100.plan import (  # noqa: F401  (the plan, re-exported for the config's users)
-    ARCH, LAUNCH_REGS, MAX_KV_STAGES, NUM_THREADS, NUM_WARPS, Party, PipelineSpec,
+    ARCH, EXP2_EMU_FRAC, EXP2_EMU_FRAC_CAUSAL, EXP2_EMU_GROUP, exp2_emu_frac_for, LAUNCH_REGS, MAX_KV_STAGES, NUM_THREADS, NUM_WARPS, Party, PipelineSpec,
     ROLE_WARPS, RegisterPlan, SMEM_KV_BUDGET, Signal, TMEM_ALIASES, TMEM_COLUMNS,
     WARPGROUPS, WARP_ROLES, WARP_SIZE, default_register_plan, fwd_smem_bytes, kv_stages_for,
     pipeline_specs, register_plan, register_plan_problem, tmem_alloc_cols, tmem_map, tmem_used_cols,
@@ -46,14 +48,20 @@ class Sm100FwdConfig:
     tile_n:        key rows per K/V block = S columns in TMEM (128).
     cta_group:     1 (tcgen05 .cta_group::1); 2-CTA is not built.
     regs_softmax / regs_correction / regs_other: setmaxnreg budgets per role (register_plan).
-    exp2_emu_frac: share of exp2 done by the FMA polynomial; only 0 (all MUFU.EX2) is built.
+    exp2_emu_frac: share of exp2 done by the packed-f32x2 FMA polynomial, k / period (static per
+                   column pair; 0 = all MUFU.EX2); selection: exp2_emu_frac_for(causal, local).
     rescale_threshold: lazy-rescale tau in log2 units (flash4.constants).
     persistent, lpt: the tile order (flash4.kernels.common.scheduler.TileSchedule); lpt = causal.
     arch:          100 (sm_100a).
     The remaining fields mirror flash4.config.FwdConfig so the host can pass the same keys; the
-    sm100 kernel implements none of them yet and a config with any of them set cannot be built
-    (ValueError in __post_init__): varlen_q, varlen_k, seqused_q, seqused_k, page_rows, split_kv,
-    local, softcap, sink, headdim_v, pack_gqa.
+    sm100 kernel implements softcap (score.apply on the row before the mask: tanh on MUFU), sink
+    (the learnable sink in the softmax's finalize, sm90's rule) and local (a sliding window: the key
+    blocks of flash4.geometry's n_block_min .. n_block_max, every block masked on both sides) and
+    packed sequences (varlen_q, varlen_k, seqused_q: flash4.kernels.common.seqinfo; O stored row by
+    row below seqlen_q) and none of the others yet; a config with any of them set cannot be built
+    (ValueError in __post_init__): seqused_k (needs the V-row zeroing of issue 25), page_rows,
+    split_kv, headdim_v, pack_gqa.
+    (GQA / MQA runs without packing: each query head reads K/V head head // (H / Hk).)
     """
 
     headdim: int
@@ -67,7 +75,7 @@ class Sm100FwdConfig:
     regs_softmax: int = 192
     regs_correction: int = 80
     regs_other: int = 48
-    exp2_emu_frac: float = 0.0
+    exp2_emu_frac: float = EXP2_EMU_FRAC
     rescale_threshold: float = RESCALE_THRESHOLD_LOG2
     persistent: bool = False
     lpt: bool = False
@@ -111,8 +119,7 @@ class Sm100FwdConfig:
 
 # Feature flags a config may carry and the sm100 kernel does not implement (field -> its "off" value).
 _UNBUILT_FLAGS = {
-    "varlen_q": False, "varlen_k": False, "seqused_q": False, "seqused_k": False, "page_rows": 0,
-    "split_kv": False, "local": False, "softcap": False, "sink": False, "headdim_v": None, "pack_gqa": 1,
+    "seqused_k": False, "page_rows": 0, "split_kv": False, "headdim_v": None, "pack_gqa": 1,
 }
 
 
@@ -133,13 +140,15 @@ def config_problem(cfg: Sm100FwdConfig) -> str | None:
     if (cfg.q_stage, cfg.tile_m, cfg.tile_n, cfg.cta_group) != (2, 128, 128, 1):
         return (f"(q_stage, tile_m, tile_n, cta_group)=({cfg.q_stage}, {cfg.tile_m}, {cfg.tile_n}, {cfg.cta_group}); "
                 "only (2, 128, 128, 1) is built (1-CTA, two 128-row Q tiles, 128-key blocks)")
-    if cfg.exp2_emu_frac != 0.0:
-        return (f"exp2_emu_frac={cfg.exp2_emu_frac}; only 0 (MUFU.EX2) is built: the packed f32x2 polynomial is "
-                "a hook in kernels/sm100/softmax.py, not implemented")
+    try:
+        mixed_pattern(cfg.exp2_emu_frac)
+    except ValueError as err:
+        return f"exp2_emu_frac={cfg.exp2_emu_frac!r}: {err}"
     if cfg.persistent:
         return "persistent=True is not built (one CTA per tile)"
-    if cfg.lpt != cfg.causal:
-        return f"lpt={cfg.lpt} with causal={cfg.causal}; the sm100 forward orders causal tiles LPT (lpt == causal)"
+    if cfg.lpt != (cfg.causal and not cfg.local):
+        return (f"lpt={cfg.lpt} with causal={cfg.causal}, local={cfg.local}; the sm100 forward orders causal tiles "
+                "LPT (lpt == causal and not local: a window's tiles have about equal work)")
     if not 1 <= cfg.kv_stages <= MAX_KV_STAGES or cfg.smem_bytes() > SMEM_KV_BUDGET:
         return f"kv_stages={cfg.kv_stages}: {cfg.smem_bytes()} bytes of smem > {SMEM_KV_BUDGET}"
     plan_problem = register_plan_problem(RegisterPlan(cfg.regs_softmax, cfg.regs_correction, cfg.regs_other))
@@ -155,7 +164,7 @@ def select_fwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, a
     """The sm100 forward config for one problem class (pure; CPU-tested). Same arguments as
     flash4.config.sm90.select_fwd_config; seqlen_k is accepted and ignored (no short-sequence
     policy on sm100 yet). Raises ValueError for what the sm100 kernel does not build: another arch,
-    a head dim outside SM100_FWD_HEADDIMS, local, softcap, sink, Dv != D."""
+    a head dim outside SM100_FWD_HEADDIMS, Dv != D."""
     if arch != ARCH:
         raise ValueError(f"flash4.config.sm100 builds sm_100a kernels only, got arch={arch}")
     if headdim not in SUPPORTED_HEADDIMS or headdim not in SM100_FWD_HEADDIMS:
@@ -163,18 +172,20 @@ def select_fwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, a
     if headdim_v is not None and headdim_v != headdim:
         detail = "" if (headdim, headdim_v) in HDIMV_PAIRS else " (nor on sm90)"
         raise ValueError(f"headdim_v={headdim_v} != headdim={headdim} is not implemented by the sm100 forward{detail}")
-    unbuilt = [name for name, on in (("local", local), ("softcap", softcap), ("sink", sink)) if on]
-    if unbuilt:
-        raise ValueError(f"{', '.join(unbuilt)} not implemented by the sm100 forward yet")
     plan = default_register_plan(headdim, causal)
     return Sm100FwdConfig(
         headdim=headdim, dtype=dtype, causal=causal, kv_stages=kv_stages_for(headdim, headdim),
-        regs_softmax=plan.softmax, regs_correction=plan.correction, regs_other=plan.other, lpt=causal)
+        regs_softmax=plan.softmax, regs_correction=plan.correction, regs_other=plan.other,
+        exp2_emu_frac=exp2_emu_frac_for(causal, local), lpt=causal and not local, softcap=softcap, sink=sink, local=local)
 
 
-def shipped_fwd_configs() -> list:
-    """Every sm100 forward config: hd64/96/128 x bf16/fp16 x causal/not, 1-CTA."""
-    return [select_fwd_config(d, dt, c) for d in SM100_FWD_HEADDIMS for dt in DTYPES for c in (False, True)]
+def shipped_fwd_configs(features: bool = True) -> list:
+    """Every sm100 forward config the API can select: hd64/96/128 x bf16/fp16 x causal/not, 1-CTA,
+    each without and (features) with every combination of a sliding window (local), softcap and a
+    learnable sink (96 configs in all)."""
+    flags = itertools.product((False, True), repeat=3) if features else ((False, False, False),)
+    return [select_fwd_config(d, dt, c, local=lo, softcap=sc, sink=sk) for lo, sc, sk in flags
+            for d in SM100_FWD_HEADDIMS for dt in DTYPES for c in (False, True)]
 
 
 def select_bwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, arch: int = ARCH, **kwargs):
@@ -187,16 +198,21 @@ def shipped_bwd_configs() -> list:
 
 # ---------------------------------------------------------------- the host's questions (flash4.config.fwd_config / bwd_config)
 def fwd_plan(request, arch: int = ARCH, num_sms: int | None = None) -> FwdPlan:
-    """The forward plan of a flash4.request.Request on sm100: dense batches only (select_fwd_config's
-    checks apply: head dims, no window / softcap / sink / Dv != D yet). Raises ValueError for a packed,
-    paged or decode request (the sm100 kernel has no sequence layouts yet)."""
+    """The forward plan of a flash4.request.Request on sm100: dense batches, and packed sequences
+    (VARLEN: cu_seqlens_q / cu_seqlens_k, optionally seqused_q) (select_fwd_config's checks apply:
+    head dims, no Dv != D yet). Raises ValueError for paged K/V, seqused_k and decode requests."""
     q, seq, mask, score = request.q, request.seq, request.mask, request.score
-    if seq.packed or seq.decode:
-        raise ValueError(f"the sm100 forward has no {seq.layout} layout yet (dense batches only)")
+    if seq.paged or seq.decode:
+        raise ValueError(f"the sm100 forward has no {seq.layout} layout yet (dense and packed varlen batches only)")
+    if seq.packed and seq.seqused_k is not None:
+        raise ValueError("the sm100 forward has no seqused_k yet (packed varlen batches with cu_seqlens_k only)")
     headdim, headdim_v = q.shape[-1], request.v.shape[-1]
-    return FwdPlan(select_fwd_config(headdim, request.dtype, mask.causal, arch, mask.window is not None,
-                                     score.softcap > 0, score.sink is not None,
-                                     None if headdim_v == headdim else headdim_v, request.k.shape[1]))
+    cfg = select_fwd_config(headdim, request.dtype, mask.causal, arch, mask.window is not None, score.softcap > 0,
+                            score.sink is not None, None if headdim_v == headdim else headdim_v,
+                            None if seq.packed else request.k.shape[1])
+    if seq.packed:
+        cfg = with_seq_layout(cfg, varlen_q=True, varlen_k=True, seqused_q=seq.seqused_q is not None)
+    return FwdPlan(cfg)
 
 
 def bwd_plan(request, arch: int = ARCH, heads_per_cta: int | None = None):

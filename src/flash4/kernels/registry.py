@@ -12,7 +12,13 @@ sm_120 (consumer Blackwell has no tensor memory), so each supported version is l
 A family can be registered unverified (Family.verified False: compiled and checked on the CPU, never
 run on its GPU): `kernel_class` still returns its kernels, so flash4.compile builds them, but
 `family(arch)` refuses the arch unless asked with include_unverified=True, so config selection and
-the API's support check treat that GPU as unsupported until a hardware self-test gates the family.
+the API's support check treat that GPU as unsupported. An unverified family with `selftest_gated`
+(sm100) is served by `family(arch)` all the same, behind a gate instead: the host runs each of its
+configs only after flash4.selftest's first-use self-test passed on that GPU (flash4.forward.launch
+and flash4.validate ask `flash4.selftest.support_problem`; FLASH4_SM100=off|selftest|on).
+
+SM versions that are close relatives of a supported one but a different GPU (sm_103 B300, sm_110
+Thor, sm_121 GB10) are refused by name (REFUSED_ARCHS), never served by `arch >= n`.
 
 Importing this module imports neither torch nor the CuTe DSL; kernel classes are imported when
 asked for. The row-wise passes (backward preprocess, dQ postprocess, split-KV combine) use no
@@ -48,6 +54,9 @@ class Family:
              family() refuses it unless include_unverified=True.
     also_on: SM versions whose own family is the default but which run this one when asked for by
              name (family(arch, prefer=name)): the portable sm80 family on sm_90, for testing.
+    selftest_gated: an unverified family that family() serves anyway, each config behind
+             flash4.selftest's first-use self-test on the GPU (its configs' arch is in
+             flash4.selftest.GATED_ARCHS).
     """
 
     name: str
@@ -56,6 +65,16 @@ class Family:
     kernels: dict
     verified: bool = True
     also_on: tuple = ()
+    selftest_gated: bool = False
+
+    @property
+    def usable(self) -> bool:
+        """family() serves it: verified, or unverified behind the self-test gate."""
+        return self.verified or self.selftest_gated
+
+    def has_pass(self, pass_: str) -> bool:
+        """The family has a kernel for `pass_` ("fwd", "bwd")."""
+        return pass_ in self.kernels
 
     def config_module(self):
         """flash4.config.<name>: the family's config classes, select_fwd_config, select_bwd_config,
@@ -76,10 +95,11 @@ FAMILIES = (
         "fwd": "flash4.kernels.sm90.fwd:FlashAttentionForwardSm90",
         "bwd": "flash4.kernels.sm90.bwd:FlashAttentionBackwardSm90",
     }),
-    # Compile-verified on the CPU only (tests/cpu/test_sm100_*.py), never run on a B200: unverified.
-    Family("sm100", (100,), "B200", {
+    # Compile-verified on the CPU only (tests/cpu/test_sm100_*.py), never run on a B200: unverified,
+    # served behind the first-use self-test (flash4.selftest). Forward only: no sm100 backward yet.
+    Family("sm100", (100,), "B200, GB200", {
         "fwd": "flash4.kernels.sm100.fwd:FlashAttentionForwardSm100",
-    }, verified=False),
+    }, verified=False, selftest_gated=True),
     # The portable family (mma.sync, ldmatrix, cp.async): the default on sm_80 / 86 / 89 / 120, and on
     # sm_90 when asked for (prefer="sm80", or FLASH4_FAMILY=portable): the same instructions run
     # there, which is how its GPU tests run on the H200. Compile-verified for every target on the
@@ -94,17 +114,35 @@ FAMILIES = (
 ALIASES = {"portable": "sm80"}
 
 
+# Relatives of a supported SM version that are different GPUs: refused by name (never `arch >= n`).
+# sm_100a code (tcgen05, the arch-specific "a" target) loads only on sm_100.
+REFUSED_ARCHS = {
+    101: "Jetson Thor's former SM version (now sm_110); the sm_100a kernels do not run there",
+    103: "B300 / GB300 (Blackwell Ultra): a different GPU from sm_100; the sm_100a kernels are not built for it "
+         "(no sm_103a kernels yet)",
+    110: "Jetson Thor: the sm_100a kernels do not run there (no sm_110a kernels yet)",
+    121: "GB10 (DGX Spark): consumer Blackwell without tensor memory, not sm_100 (no sm_121 kernels yet)",
+}
+
+
 def supported_archs() -> tuple:
-    """SM versions with verified kernel families (what the API runs on)."""
+    """SM versions with verified kernel families (what the API runs without a gate)."""
     return tuple(a for f in FAMILIES if f.verified for a in f.archs)
+
+
+def gated_archs() -> tuple:
+    """SM versions served behind the first-use self-test (unverified, selftest_gated families)."""
+    return tuple(a for f in FAMILIES if f.selftest_gated and not f.verified for a in f.archs)
 
 
 def family(arch: int, prefer: str | None = None, include_unverified: bool = False) -> Family:
     """The family that runs on SM version `arch`: its default one, or the family named `prefer`
     where that family runs on `arch` (its archs or also_on; e.g. prefer="sm80" on sm_90). Raises
     ValueError naming the arch and the supported ones, or why `prefer` cannot run there, also for
-    an unverified family unless include_unverified."""
-    known = "; ".join(f"{', '.join(f'sm_{a}' for a in f.archs)} ({f.gpus})" for f in FAMILIES if f.verified)
+    an unverified family unless include_unverified or the family is selftest_gated (its configs
+    then run only once flash4.selftest passed them), and for REFUSED_ARCHS with their reason."""
+    known = ", ".join(f"sm_{a} ({f.gpus}{'' if f.verified else ', behind a first-use self-test'})"
+                      for f in FAMILIES if f.usable for a in f.archs)
     if prefer is not None:
         prefer = ALIASES.get(prefer, prefer)
         for fam in FAMILIES:
@@ -115,9 +153,11 @@ def family(arch: int, prefer: str | None = None, include_unverified: bool = Fals
                 raise ValueError(f"flash4: the {prefer} kernel family does not run on sm_{arch} (it runs on {runs_on})")
         names = ", ".join(f.name for f in FAMILIES)
         raise ValueError(f"flash4: no kernel family named {prefer!r} (families: {names})")
+    if arch in REFUSED_ARCHS:
+        raise ValueError(f"flash4 has no kernels for sm_{arch}: {REFUSED_ARCHS[arch]} (GPUs with kernels: {known})")
     for fam in FAMILIES:
         if arch in fam.archs:
-            if fam.verified or include_unverified:
+            if fam.usable or include_unverified:
                 return fam
             raise ValueError(f"flash4's sm_{arch} ({fam.gpus}) kernels are compile-verified only, not yet run on "
                              f"that GPU, and are not enabled (GPUs with kernels: {known})")

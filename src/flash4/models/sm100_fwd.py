@@ -19,9 +19,9 @@ last block down to block 0, as the kernel does), in this order:
  3. x = fma(S, c, -R), R = fp32(m * c) (FA4's fma_packed_f32x2; an FMA, one rounding; a row without a
     key yet has R = 0). exact_ref (flash4's sm90 rule, FWD_EXACT_REF_LOG2): from |R| >= 2^20 on, the
     row also subtracts R_lo = m*c - R (exact), so the row max gives 2^0 at any finite magnitude.
- 4. P = 2^x per column: the columns chosen by `exp2_emu_frac` (exp2_poly.mixed_pattern over the
-    block's column index: of every `period` columns the first k, = flash4's
-    softmax.uses_emulated_exp2) or by an explicit `exp2_emu_columns` mask (fa4_emu_columns: FA4's
+ 4. P = 2^x per column: the columns chosen by `exp2_emu_frac` (the kernel's rule,
+    exp2_poly.emulated_column(col, frac, EXP2_EMU_GROUP): by packed pairs of columns, of every
+    `period` pairs the first k) or by an explicit `exp2_emu_columns` mask (fa4_emu_columns: FA4's
     "last 4 of every freq in each 32-column fragment but the last") take the degree-3 polynomial,
     bit-exact through exp2_poly.exp2_emulated_np; the others MUFU.EX2, modelled as 2^x correctly
     rounded to fp32 and flushed to 0 below 2^-126 (ex2.approx.ftz: <= 2 ulp of fp32 off, 2^-14 of
@@ -54,11 +54,12 @@ import numpy as np
 import torch
 
 from flash4.constants import FWD_EXACT_REF_LOG2, LOG2E, RESCALE_THRESHOLD_LOG2
-from flash4.kernels.common.exp2_poly import _fma_f32, exp2_emulated_np, mixed_pattern
+from flash4.kernels.common.exp2_poly import _fma_f32, emulated_column, exp2_emulated_np
+from flash4.kernels.sm100.plan import EXP2_EMU_FRAC, EXP2_EMU_GROUP
 
-# Share of exp2 on the FMA polynomial by default: 1 column of every 4 (FA4's sm100 hd128 causal
-# tuning emulates 8 of 32 columns per fragment, freq 16: the same share).
-DEFAULT_EXP2_EMU_FRAC = 0.25
+# Share of exp2 on the FMA polynomial by default: the sm100 kernel's non-causal share (1 pair of
+# columns of every 4; causal configs use plan.EXP2_EMU_FRAC_CAUSAL, half of it).
+DEFAULT_EXP2_EMU_FRAC = EXP2_EMU_FRAC
 # Elements per k-step of one 16-bit UMMA (tcgen05.mma kind::f16: K = 16).
 UMMA_K = 16
 # Rows per warp of the correction warpgroup: its rescale vote covers 32 TMEM lanes.
@@ -71,11 +72,11 @@ _LN2_F32 = np.float32(math.log(2.0))
 _TINY_F32 = torch.finfo(torch.float32).tiny  # 2^-126
 
 
-def emu_columns(tile_n: int, exp2_emu_frac: float) -> torch.Tensor:
-    """Bool (tile_n,): True where the block's column uses the polynomial: (col % period) < k with
-    (k, period) = exp2_poly.mixed_pattern(exp2_emu_frac) (flash4.kernels.common.softmax's rule)."""
-    k, period = mixed_pattern(exp2_emu_frac)
-    return torch.arange(tile_n) % period < k
+def emu_columns(tile_n: int, exp2_emu_frac: float, group: int = EXP2_EMU_GROUP) -> torch.Tensor:
+    """Bool (tile_n,): True where the block's column uses the polynomial: the sm100 kernel's rule
+    exp2_poly.emulated_column(col, exp2_emu_frac, group) (groups of `group` columns share a choice:
+    2, a packed f32x2 pair; (col // group) % period < k, k / period = exp2_emu_frac)."""
+    return torch.tensor([emulated_column(col, exp2_emu_frac, group) for col in range(tile_n)], dtype=torch.bool)
 
 
 def fa4_emu_columns(tile_n: int, freq: int, start_frg: int = 1, res: int = 4) -> torch.Tensor:

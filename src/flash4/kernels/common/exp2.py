@@ -7,7 +7,9 @@ bit-exact NumPy model) in `flash4.kernels.common.exp2_poly`; see its docstring f
 
 Per element, `exp2_emulated` costs 1 FMNMX + 3 FADD + 3 FFMA (degree 3) + SHL + IADD, all on the
 FMA/ALU pipes, vs 1 MUFU.EX2 for `exp2_hw`. sm_90 has no packed f32x2 arithmetic, so this is
-scalar; on sm_100 a pair version with fma_packed_f32x2 would halve the FMA count.
+scalar; on sm_100 `exp2_emulated_pair` does two elements per instruction (FADD2.RM, FADD2, 3 FFMA2:
+half the FMA-pipe instructions), with the same per-lane arithmetic, so it is bit-exact to the
+same NumPy model.
 """
 
 from __future__ import annotations
@@ -64,6 +66,26 @@ def exp2_emulated(x: Float32, *, loc=None, ip=None) -> Float32:
         p = fma_rn(p, f, Float32(c), loc=loc, ip=ip)
     bits = _f32_bits(p, loc=loc, ip=ip) + (_f32_bits(r, loc=loc, ip=ip) << 23)
     return _bits_f32(bits, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def exp2_emulated_pair(x0: Float32, x1: Float32, *, loc=None, ip=None) -> tuple[Float32, Float32]:
+    """(2^x0, 2^x1) on the FMA units with packed f32x2 arithmetic (sm_100a and later only:
+    add/sub/fma .f32x2 do not exist on sm_90). Steps 1-5 of exp2_poly's docstring, each lane with
+    exactly the rounding of `exp2_emulated` (add.rm, add/sub.rn, fma.rn; no ftz), so every lane is
+    bit-exact to exp2_emulated_np. SASS: 2 FMNMX, FADD2.RM, FADD2, FADD2, 3 FFMA2, 2 x (SHL, IADD)."""
+    kw = dict(loc=loc, ip=ip)
+    low, magic = Float32(EXP2_INPUT_MIN), Float32(ROUND_MAGIC)
+    xc = (cute.arch.fmax(Float32(x0), low, **kw), cute.arch.fmax(Float32(x1), low, **kw))
+    r = cute.arch.add_packed_f32x2(xc, (magic, magic), rnd="rm", **kw)  # low mantissa bits = floor(xc)
+    n = cute.arch.add_packed_f32x2(r, (-magic, -magic), rnd="rn", **kw)  # floor(xc) as floats, exact
+    f = cute.arch.sub_packed_f32x2(xc, n, rnd="rn", **kw)  # in [0, 1], exact
+    top = Float32(EXP2_POLY_COEFFS[-1])
+    p = (top, top)
+    for c in reversed(EXP2_POLY_COEFFS[:-1]):  # Horner, unrolled at trace time
+        p = cute.arch.fma_packed_f32x2(p, f, (Float32(c), Float32(c)), rnd="rn", **kw)
+    out = tuple(_bits_f32(_f32_bits(p[i], **kw) + (_f32_bits(r[i], **kw) << 23), **kw) for i in (0, 1))
+    return out[0], out[1]
 
 
 @cute.jit

@@ -71,6 +71,14 @@ def mixed_pattern(emu_frac: float, max_period: int = 16) -> tuple[int, int]:
     return frac.numerator, frac.denominator
 
 
+def emulated_column(col: int, emu_frac: float, group: int = 1) -> bool:
+    """The static choice of the exp2 unit for column `col` of a score row: True = the polynomial.
+    Columns go in groups of `group` that share one choice (2 on sm_100: a packed f32x2 pair); of
+    every `period` groups the first k take the polynomial, k / period == emu_frac (mixed_pattern)."""
+    k, period = mixed_pattern(emu_frac)
+    return (col // group) % period < k
+
+
 def _fma_f32(a, b, c):
     """fp32 fma(a, b, c) with one round-to-nearest-even, like FFMA (NumPy arrays of float32).
 

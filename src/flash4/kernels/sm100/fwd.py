@@ -26,13 +26,13 @@ from cutlass.tensor_utils import LayoutEnum
 
 from flash4.kernels.sm100.plan import (TMEM_COLUMNS, WARP_ROLES, WARP_SIZE, RegisterPlan, pipeline_specs, register_plan,
                                  tmem_alloc_cols, tmem_map)
-from flash4.constants import THREADS_PER_WG
+from flash4.constants import LOG2E, THREADS_PER_WG
 from flash4.kernels.common import geometry
 from flash4.kernels.common.dsl import DSL_DTYPES
 from flash4.kernels.common.layout import select_modes
 from flash4.kernels.common.pipeline import next_state
 from flash4.kernels.common.scheduler import TileSchedule
-from flash4.kernels.common.seqinfo import SeqInfo
+from flash4.kernels.common.seqinfo import SeqInfo, store_rows_predicated
 from flash4.kernels.sm100.pipes import ArrivalLedger, Pipe, thread_group
 from flash4.kernels.sm100.softmax import RowSoftmax, mask_row
 
@@ -40,6 +40,9 @@ from flash4.kernels.sm100.softmax import RowSoftmax, mask_row
 TMEM_PTR_BARRIER = 1  # MMA + softmax + correction warps: TMEM allocated (ptr in smem) / done with TMEM
 # Columns of O per TMEM load/store in the correction rescale (FA4 corr_tile_size, tunable).
 RESCALE_COLS = 16
+# Rows of O per pass of the varlen epilogue's row-by-row store (8 x 128 bf16 columns: 4 registers a
+# lane; a whole 128-row tile at once spilled 301 LDL/STL at the epilogue warp's 56 registers).
+EPI_ROWS = 8
 
 
 @dsl_user_op
@@ -138,30 +141,38 @@ class FlashAttentionForwardSm100:
         mLSE: cute.Tensor,  # (batch, nheads, seqlen_q) float32, natural log
         mLSEhi: cute.Tensor,  # (batch, nheads, seqlen_q) float32: log2-domain LSE = hi + lo, unrounded
         mLSElo: cute.Tensor,
-        mCuSeqlensQ: Optional[cute.Tensor],  # the sequence-layout / split / sink arguments of the sm90
-        mCuSeqlensK: Optional[cute.Tensor],  # forward's ABI: all must be None (not implemented on sm100;
-        mSeqUsedQ: Optional[cute.Tensor],  # the config refuses the flags that would pass them)
-        mSeqUsedK: Optional[cute.Tensor],
+        mCuSeqlensQ: Optional[cute.Tensor],  # varlen_q / varlen_k / seqused_q configs: (batch + 1,) /
+        mCuSeqlensK: Optional[cute.Tensor],  # (batch + 1,) / (batch,) int32 (kernels/common/seqinfo.py);
+        mSeqUsedQ: Optional[cute.Tensor],  # the rest of the sm90 forward's ABI must be None (seqused_k,
+        mSeqUsedK: Optional[cute.Tensor],  # paged K/V and split-KV are not built on sm100)
         mPageTable: Optional[cute.Tensor],
         mOacc: Optional[cute.Tensor],
         mLSEacc: Optional[cute.Tensor],
-        mSink: Optional[cute.Tensor],
+        mSink: Optional[cute.Tensor],  # sink configs: (nheads,) fp32 sink logits (natural units)
         softmax_scale_log2: Float32,  # softmax_scale * log2(e)
-        softcap_scale: Float32,  # ignored (softcap not implemented)
+        softcap_scale: Float32,  # softcap configs: tanh's input scale softmax_scale / softcap (score.scales)
         batch_size: Int32,
         max_seqlen_q: Int32,  # sizes the tile space (cta_tile_m rows per tile)
         num_splits: Int32,  # ignored (1)
-        window_left: Int32,  # ignored (no window)
-        window_right: Int32,
+        window_left: Int32,  # local configs: the window's sides (flash4.geometry.window_sides; UNBOUNDED
+        window_right: Int32,  # for an open side); ignored otherwise
         l2_group: Int32,  # (head, batch) pairs per L2 section of the tile order (>= 1)
         num_ctas: Int32,  # grid size: the number of CTA tiles (ceil(max_seqlen_q / cta_tile_m) * heads * batch)
         stream: cuda.CUstream,
     ):
-        for name, t in (("cu_seqlens_q", mCuSeqlensQ), ("cu_seqlens_k", mCuSeqlensK), ("seqused_q", mSeqUsedQ),
-                        ("seqused_k", mSeqUsedK), ("page_table", mPageTable), ("o_accum", mOacc),
-                        ("lse_accum", mLSEacc), ("sink", mSink)):
+        for name, t in (("seqused_k", mSeqUsedK), ("page_table", mPageTable), ("o_accum", mOacc),
+                        ("lse_accum", mLSEacc)):
             if const_expr(t is not None):
                 raise NotImplementedError(f"flash4 fwd_sm100: {name} is not implemented on sm100 yet")
+        for name, t, flag in (("cu_seqlens_q", mCuSeqlensQ, self.cfg.varlen_q),
+                              ("cu_seqlens_k", mCuSeqlensK, self.cfg.varlen_k),
+                              ("seqused_q", mSeqUsedQ, self.cfg.seqused_q)):
+            if const_expr((t is not None) != flag):
+                raise ValueError(f"flash4 fwd_sm100: {name} {'missing' if flag else 'given'} for a config with "
+                                 f"{name.replace('cu_seqlens', 'varlen')}={flag}")
+        if const_expr((mSink is not None) != self.cfg.sink):
+            raise ValueError(f"flash4 fwd_sm100: sink tensor {'missing' if self.cfg.sink else 'given'} for a config with "
+                             f"sink={self.cfg.sink}")
         if const_expr(not (mQ.element_type == mK.element_type == mV.element_type == mO.element_type == self.dtype)):
             raise TypeError(f"flash4 fwd_sm100: tensors must all be {self.dtype}")
         # Kernel views: Q, K, O (seqlen, d, heads, batch); V transposed (dv, seqlen_k, heads_k, batch)
@@ -223,8 +234,9 @@ class FlashAttentionForwardSm100:
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, kv_elems], self.buffer_align_bytes]
 
         self.kernel(
-            tma_Q, tma_K, tma_V, tma_O, mLSE, mLSEhi, mLSElo, tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O,
-            softmax_scale_log2, batch_size, max_seqlen_q, l2_group,
+            tma_Q, tma_K, tma_V, tma_O, mO if const_expr(self.cfg.varlen_q) else None, mLSE, mLSEhi, mLSElo, mSink,
+            (mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ), tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O,
+            softmax_scale_log2, softcap_scale, batch_size, max_seqlen_q, l2_group, window_left, window_right,
             sQ_layout, sK_layout, tP_layout, sV_layout, sO_layout, tiled_mma_qk, tiled_mma_pv, SharedStorage,
         ).launch(grid=(num_ctas, 1, 1), block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
@@ -232,10 +244,12 @@ class FlashAttentionForwardSm100:
     @cute.kernel
     def kernel(
         self,
-        mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
-        mLSE: cute.Tensor, mLSEhi: cute.Tensor, mLSElo: cute.Tensor,
+        mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mO_rows: Optional[cute.Tensor],
+        mLSE: cute.Tensor, mLSEhi: cute.Tensor, mLSElo: cute.Tensor, mSink: Optional[cute.Tensor],
+        seqs: tuple,
         tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom, tma_atom_O: cute.CopyAtom,
-        softmax_scale_log2: Float32, batch_size: Int32, max_seqlen_q: Int32, l2_group: Int32,
+        softmax_scale_log2: Float32, softcap_scale: Float32, batch_size: Int32, max_seqlen_q: Int32, l2_group: Int32,
+        window_left: Int32, window_right: Int32,
         sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, tP_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout, sO_layout: cute.ComposedLayout,
         tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
@@ -268,6 +282,8 @@ class FlashAttentionForwardSm100:
         thr_mma_pv = tiled_mma_pv.get_slice(0)
         num_m_blocks = cute.ceil_div(max_seqlen_q, self.cta_tile_m)
         sched = TileSchedule(num_m_blocks, mQ.shape[2], mQ.shape[2] * batch_size, l2_group, self.causal and self.cfg.lpt)
+        # the sliding window's (left, right) sides (local configs), read by every role's key-block range
+        window = (window_left, window_right) if const_expr(self.cfg.local) else None
 
         # setmaxnreg per warpgroup (register_plan), then each role. The fourth warpgroup (mma,
         # epilogue, load, idle) shares one budget.
@@ -277,19 +293,21 @@ class FlashAttentionForwardSm100:
             # softmax0 (warps 0-3) owns Q tile 0, softmax1 (4-7) Q tile 1: one code path, the
             # Q tile (pipeline stage, TMEM columns) a warp-uniform runtime value.
             stage = warp_idx // len(self.roles["softmax0"])
-            self.softmax(stage, thr_mma_qk, sScale, mQ, mK, mLSE, mLSEhi, mLSElo, pipes, softmax_scale_log2, sched)
+            self.softmax(stage, thr_mma_qk, sScale, mQ, mK, mLSE, mLSEhi, mLSElo, mSink, pipes, softmax_scale_log2,
+                         softcap_scale, sched, window, seqs)
             self.release_tmem()
         elif warp_idx < self.roles["mma"][0]:
             self.set_regs(self.regs.correction)
             self.wait_tmem_alloc()
-            self.correction(thr_mma_pv, sScale, sO, mQ, mK, pipes, sched)
+            self.correction(thr_mma_pv, sScale, sO, mQ, mK, pipes, sched, window, seqs)
             self.release_tmem()
         else:
             self.set_regs(self.regs.other)
             if warp_idx == self.roles["mma"][0]:
                 tmem.allocate(self.tmem_cols)
                 self.wait_tmem_alloc()
-                self.mma(tiled_mma_qk, tiled_mma_pv, thr_mma_pv, sQ, sK, sV, tP_layout, mQ, mK, pipes, sched)
+                self.mma(tiled_mma_qk, tiled_mma_pv, thr_mma_pv, sQ, sK, sV, tP_layout, mQ, mK, pipes, sched, window,
+                         seqs)
                 # TMEM is free once every user arrived (the correction after its last O read). The
                 # allocated address is read back only now (no register holds it through the loop).
                 tmem.relinquish_alloc_permit()
@@ -297,10 +315,10 @@ class FlashAttentionForwardSm100:
                 tcgen05_fence_after()
                 tmem.free(tmem.retrieve_ptr(Float32), self.tmem_cols)
             elif warp_idx == self.roles["epilogue"][0]:
-                self.epilogue(mO, sO, tma_atom_O, pipes, sched)
+                self.epilogue(mO, mO_rows, mQ, mK, sO, tma_atom_O, pipes, sched, seqs)
             elif warp_idx == self.roles["load"][0]:
                 self.load(mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V, thr_mma_qk, thr_mma_pv,
-                          pipes, sched)
+                          pipes, sched, window, seqs)
         ledger.check()
 
     def set_regs(self, regs: int):
@@ -355,17 +373,37 @@ class FlashAttentionForwardSm100:
         return pipes
 
     # ---------------------------------------------------------------- tile geometry (all roles)
-    def n_block_max(self, m_block, seq):
-        """One past the last key block the CTA tile (cta_tile_m rows) sees; 0: no key, empty tile."""
-        return geometry.n_block_max(m_block, seq.seqlen_q, seq.seqlen_k, self.cta_tile_m, self.tile_n, self.causal)
+    def key_blocks(self, m_block, seq, window):
+        """(n_min, n): the CTA tile (cta_tile_m rows) visits key blocks n_min .. n_min + n - 1, from the
+        last down (flash4.geometry's ranges; n <= 0: no key, an empty tile). n_min is the constant 0
+        without a window. Every role asks this, so all count the same n blocks per tile."""
+        n_max = geometry.n_block_max(m_block, seq.seqlen_q, seq.seqlen_k, self.cta_tile_m, self.tile_n, self.causal,
+                                     window)
+        if const_expr(self.cfg.varlen_q or self.cfg.seqused_q):
+            # a tile past its sequence's queries (the grid is sized by max_seqlen_q): empty
+            n_max = cutlass.select_(m_block * self.cta_tile_m < seq.seqlen_q, n_max, 0)
+        if const_expr(window is None):
+            return 0, n_max
+        n_min = geometry.n_block_min(m_block, seq.seqlen_q, seq.seqlen_k, self.cta_tile_m, self.tile_n, window)
+        return n_min, n_max - n_min
 
-    def tile_seq(self, mQ, mK, batch):
-        return SeqInfo(batch, mQ.shape[0], mK.shape[0])
+    def tile_seq(self, mQ, mK, batch, seqs):
+        """SeqInfo of sequence `batch`; seqs: (cu_seqlens_q, cu_seqlens_k, seqused_q), None where off."""
+        return SeqInfo(batch, mQ.shape[0], mK.shape[0], seqs[0], seqs[1], seqs[2])
+
+    def v_view(self, mV, seq, head_kv):
+        """V of the sequence in its transposed kernel view (dv, seqlen_k): packed K/V start at the
+        sequence's offset_k (a domain offset, so TMA coordinates shift with it)."""
+        if const_expr(self.cfg.varlen_k):
+            return cute.domain_offset((0, seq.offset_k), mV[None, None, head_kv, 0])
+        return mV[None, None, head_kv, seq.batch]
 
     # ---------------------------------------------------------------- load warp
     @cute.jit
-    def load(self, mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V, thr_mma_qk, thr_mma_pv, pipes, sched):
-        """TMA loads per tile: K[n-1], Q0, Q1, V[n-1], then K[j], V[j] for j = n-2 .. 0 (the MMA's order)."""
+    def load(self, mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V, thr_mma_qk, thr_mma_pv, pipes, sched,
+             window, seqs):
+        """TMA loads per tile with key blocks n_min .. n_min + n - 1: K[last], Q0, Q1, V[last], then
+        K[j], V[j] down to n_min (the MMA's order)."""
         pipe_q, pipe_kv = pipes["q"], pipes["kv"]
         qhead_per_kvhead = mQ.shape[2] // mK.shape[2]
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stage)
@@ -374,28 +412,29 @@ class FlashAttentionForwardSm100:
         tile_idx = cute.arch.block_idx()[0]
         while tile_idx < sched.num_tiles():
             m_block, head, batch = sched.coords(tile_idx)
-            seq = self.tile_seq(mQ, mK, batch)
-            n_block_max = self.n_block_max(m_block, seq)
-            if n_block_max > 0:
+            seq = self.tile_seq(mQ, mK, batch, seqs)
+            n_min, n_blocks = self.key_blocks(m_block, seq, window)
+            if n_blocks > 0:
                 head_kv = head // qhead_per_kvhead
                 # (MMA, MMA_M, MMA_K, m_blocks of tile_m rows) / (MMA, MMA_N, MMA_K, n_blocks)
                 tSgQ = thr_mma_qk.partition_A(cute.local_tile(seq.q_view(mQ, head), (self.tile_m, self.hdim), (None, 0)))
                 tSgK = thr_mma_qk.partition_B(cute.local_tile(seq.k_view(mK, head_kv), (self.tile_n, self.hdim), (None, 0)))
                 tOgV = thr_mma_pv.partition_B(
-                    cute.local_tile(mV[None, None, head_kv, batch], (self.hdim_v, self.tile_n), (0, None)))
+                    cute.local_tile(self.v_view(mV, seq, head_kv), (self.hdim_v, self.tile_n), (0, None)))
                 tQsQ, tQgQ = cpasync.tma_partition(tma_atom_Q, 0, one_cta, cute.group_modes(sQ, 0, 3),
                                                    cute.group_modes(tSgQ, 0, 3))
                 tKsK, tKgK = cpasync.tma_partition(tma_atom_K, 0, one_cta, cute.group_modes(sK, 0, 3),
                                                    cute.group_modes(tSgK, 0, 3))
                 tVsV, tVgV = cpasync.tma_partition(tma_atom_V, 0, one_cta, cute.group_modes(sV, 0, 3),
                                                    cute.group_modes(tOgV, 0, 3))
-                kv_state = self.load_block(tma_atom_K, tKgK, tKsK, n_block_max - 1, pipe_kv, kv_state)
+                last = n_min + n_blocks - 1
+                kv_state = self.load_block(tma_atom_K, tKgK, tKsK, last, pipe_kv, kv_state)
                 for stage in cutlass.range_constexpr(self.q_stage):
                     q_state = self.load_block(tma_atom_Q, tQgQ, tQsQ, self.q_stage * m_block + stage, pipe_q, q_state)
-                kv_state = self.load_block(tma_atom_V, tVgV, tVsV, n_block_max - 1, pipe_kv, kv_state)
-                for i in cutlass.range(n_block_max - 1, unroll=1):
-                    kv_state = self.load_block(tma_atom_K, tKgK, tKsK, n_block_max - 2 - i, pipe_kv, kv_state)
-                    kv_state = self.load_block(tma_atom_V, tVgV, tVsV, n_block_max - 2 - i, pipe_kv, kv_state)
+                kv_state = self.load_block(tma_atom_V, tVgV, tVsV, last, pipe_kv, kv_state)
+                for i in cutlass.range(n_blocks - 1, unroll=1):
+                    kv_state = self.load_block(tma_atom_K, tKgK, tKsK, last - 1 - i, pipe_kv, kv_state)
+                    kv_state = self.load_block(tma_atom_V, tVgV, tVsV, last - 1 - i, pipe_kv, kv_state)
             tile_idx += cute.arch.grid_dim()[0]
         # Wait for the MMA warp's last releases (no tcgen05.commit may land after exit).
         pipe_kv.producer_tail(kv_state)
@@ -410,7 +449,7 @@ class FlashAttentionForwardSm100:
 
     # ---------------------------------------------------------------- MMA warp
     @cute.jit
-    def mma(self, tiled_mma_qk, tiled_mma_pv, thr_mma_pv, sQ, sK, sV, tP_layout, mQ, mK, pipes, sched):
+    def mma(self, tiled_mma_qk, tiled_mma_pv, thr_mma_pv, sQ, sK, sV, tP_layout, mQ, mK, pipes, sched, window, seqs):
         """tcgen05.mma from this warp (one thread issues): per tile S_i = Q_i K[n-1]^T for both Q
         tiles, then per block O_i += P_i V[j-1] and S_i = Q_i K[j]^T, finally O_i += P_i V[0].
         The Q tile i is a runtime loop index: its descriptors and TMEM addresses are computed where
@@ -433,8 +472,8 @@ class FlashAttentionForwardSm100:
         tile_idx = cute.arch.block_idx()[0]
         while tile_idx < sched.num_tiles():
             m_block, head, batch = sched.coords(tile_idx)
-            n_block_max = self.n_block_max(m_block, self.tile_seq(mQ, mK, batch))
-            if n_block_max > 0:
+            _, n_blocks = self.key_blocks(m_block, self.tile_seq(mQ, mK, batch, seqs), window)
+            if n_blocks > 0:
                 # Q tile i sits in stage i of the Q ring (two Q tiles per CTA tile, in order).
                 pipe_kv.wait_full(kv_state.index, kv_state.phase)
                 for stage in cutlass.range(self.q_stage, unroll=1):
@@ -444,7 +483,7 @@ class FlashAttentionForwardSm100:
                     pipe_spo.arrive_full(stage, "mma")  # S_stage ready
                 pipe_kv.arrive_empty(kv_state.index, "mma")
                 kv_state = next_state(kv_state)
-                for i in cutlass.range(n_block_max - 1, unroll=1):
+                for i in cutlass.range(n_blocks - 1, unroll=1):
                     v_state = kv_state
                     k_state = next_state(kv_state)
                     pipe_kv.wait_full(v_state.index, v_state.phase)
@@ -474,7 +513,7 @@ class FlashAttentionForwardSm100:
                     tcgen05_fence_after()
                     self.gemm_pv(tiled_mma_pv, self.tmem_tensor_O(base, thr_mma_pv, stage),
                                  self.tmem_tensor_P(base, tOrP_layout, stage),
-                                 tOrV[None, None, None, kv_state.index], n_block_max > 1)
+                                 tOrV[None, None, None, kv_state.index], n_blocks > 1)
                     pipe_ofull.arrive_full(stage, "mma")  # the tile's O_stage is final
                 pipe_kv.arrive_empty(kv_state.index, "mma")
                 kv_state = next_state(kv_state)
@@ -526,7 +565,8 @@ class FlashAttentionForwardSm100:
 
     # ---------------------------------------------------------------- softmax warpgroups
     @cute.jit
-    def softmax(self, stage, thr_mma_qk, sScale, mQ, mK, mLSE, mLSEhi, mLSElo, pipes, softmax_scale_log2, sched):
+    def softmax(self, stage, thr_mma_qk, sScale, mQ, mK, mLSE, mLSEhi, mLSElo, mSink, pipes, softmax_scale_log2,
+                softcap_scale, sched, window, seqs):
         """Softmax warpgroup of Q tile `stage` (runtime, warp-uniform): per key block S_stage (TMEM)
         -> P_stage (TMEM) and the O factor to the correction; per tile 1 / row_sum to the correction
         and the LSE to global memory. Thread t owns row t of the Q tile (TMEM lane t)."""
@@ -553,37 +593,50 @@ class FlashAttentionForwardSm100:
         lane_row = tScS_t2r[0][0]  # this thread's row in the Q tile (its TMEM lane)
         frags = (thr_load, tStS_t2r, tScS_t2r, t0ScS_t2r, thr_store, tStP_r2t, tSrP_shape)
 
-        softmax = RowSoftmax(softmax_scale_log2, self.cfg.rescale_threshold, self.cfg.exp2_emu_frac)
+        softmax = RowSoftmax(softmax_scale_log2, self.cfg.rescale_threshold, self.cfg.exp2_emu_frac,
+                             softcap_scale if const_expr(self.cfg.softcap) else None)
         spo_phase = Int32(0)  # S ready: waited once per key block
         stats_phase = Int32(1)  # sScale free: the producer's first wait passes
         tile_idx = cute.arch.block_idx()[0]
         while tile_idx < sched.num_tiles():
             m_block, head, batch = sched.coords(tile_idx)
-            seq = self.tile_seq(mQ, mK, batch)
-            n_block_max = self.n_block_max(m_block, seq)
+            seq = self.tile_seq(mQ, mK, batch, seqs)
+            n_min, n_blocks = self.key_blocks(m_block, seq, window)
             row = (self.q_stage * m_block + stage) * self.tile_m + lane_row
-            lse = (-Float32.inf, Float32.inf, Float32(0.0))  # no key: LSE -inf, log2 split (+inf, 0)
-            if n_block_max > 0:
+            sink_log2 = None
+            if const_expr(self.cfg.sink):
+                sink_log2 = Float32(mSink[head]) * Float32(LOG2E)
+            # no key: LSE -inf, log2 split (+inf, 0); with a sink: LSE = the sink, split (sink_log2, 0)
+            lse = (-Float32.inf, Float32.inf, Float32(0.0))
+            if const_expr(self.cfg.sink):
+                lse = (Float32(mSink[head]), sink_log2, Float32(0.0))
+            if n_blocks > 0:
                 softmax.reset()
                 phases = (spo_phase, stats_phase)
                 # the first block (the seqlen_k edge, and the diagonal when causal) is masked
-                phases = self.softmax_step(stage, n_block_max - 1, True, True, row, seq, softmax, frags, sScale,
-                                           pipe_spo, pipe_stats, phases, lane_row)
-                n_unmasked = n_block_max - 1
-                if const_expr(self.causal):
-                    # key blocks >= n_causal cross the diagonal of some row of the CTA tile
-                    n_causal = geometry.n_block_min_causal_mask(m_block, seq.seqlen_q, seq.seqlen_k, self.cta_tile_m,
-                                                                self.tile_n)
-                    n_causal = cutlass.max(cutlass.min(n_causal, n_block_max - 1), 0)
-                    for i in cutlass.range(n_block_max - 1 - n_causal, unroll=1):
-                        phases = self.softmax_step(stage, n_block_max - 2 - i, False, True, row, seq, softmax, frags,
-                                                   sScale, pipe_spo, pipe_stats, phases, lane_row)
-                    n_unmasked = n_causal
-                for i in cutlass.range(n_unmasked, unroll=1):
-                    phases = self.softmax_step(stage, n_unmasked - 1 - i, False, False, row, seq, softmax, frags,
-                                               sScale, pipe_spo, pipe_stats, phases, lane_row)
+                phases = self.softmax_step(stage, n_min + n_blocks - 1, True, True, row, seq, softmax, frags, sScale,
+                                           pipe_spo, pipe_stats, phases, lane_row, window)
+                if const_expr(window is not None):
+                    # a window: every block is masked (either side may cut any block for some row)
+                    for i in cutlass.range(n_blocks - 1, unroll=1):
+                        phases = self.softmax_step(stage, n_min + n_blocks - 2 - i, False, True, row, seq, softmax,
+                                                   frags, sScale, pipe_spo, pipe_stats, phases, lane_row, window)
+                else:
+                    n_unmasked = n_blocks - 1
+                    if const_expr(self.causal):
+                        # key blocks >= n_causal cross the diagonal of some row of the CTA tile
+                        n_causal = geometry.n_block_min_causal_mask(m_block, seq.seqlen_q, seq.seqlen_k,
+                                                                    self.cta_tile_m, self.tile_n)
+                        n_causal = cutlass.max(cutlass.min(n_causal, n_blocks - 1), 0)
+                        for i in cutlass.range(n_blocks - 1 - n_causal, unroll=1):
+                            phases = self.softmax_step(stage, n_blocks - 2 - i, False, True, row, seq, softmax, frags,
+                                                       sScale, pipe_spo, pipe_stats, phases, lane_row, window)
+                        n_unmasked = n_causal
+                    for i in cutlass.range(n_unmasked, unroll=1):
+                        phases = self.softmax_step(stage, n_unmasked - 1 - i, False, False, row, seq, softmax, frags,
+                                                   sScale, pipe_spo, pipe_stats, phases, lane_row, window)
                 spo_phase, stats_phase = phases
-                inv_row_sum, lse_e, lse_hi, lse_lo = softmax.finalize()
+                inv_row_sum, lse_e, lse_hi, lse_lo = softmax.finalize(sink_log2)
                 stats_phase = self.send_stat(pipe_stats, stage, stats_phase, sScale, lane_row, inv_row_sum)
                 lse = (lse_e, lse_hi, lse_lo)
             self.store_lse(row, seq, head, lse, (mLSE, mLSEhi, mLSElo))
@@ -591,7 +644,7 @@ class FlashAttentionForwardSm100:
 
     @cute.jit
     def softmax_step(self, stage, n_block, is_first: cutlass.Constexpr[bool], masked: cutlass.Constexpr[bool], row,
-                     seq, softmax, frags, sScale, pipe_spo, pipe_stats, phases, lane_row):
+                     seq, softmax, frags, sScale, pipe_spo, pipe_stats, phases, lane_row, window):
         """One key block: wait S, (mask), row max and the O factor -> correction, P -> TMEM, release."""
         thr_load, tStS_t2r, tScS_t2r, t0ScS_t2r, thr_store, tStP_r2t, tSrP_shape = frags
         spo_phase, stats_phase = phases
@@ -600,8 +653,9 @@ class FlashAttentionForwardSm100:
         tSrS = cute.make_rmem_tensor(tScS_t2r.shape, Float32)
         cute.copy(thr_load, tStS_t2r, tSrS)
         cute.arch.fence_view_async_tmem_load()
+        softmax.score_mod(tSrS)  # softcap: S -> tanh(S * softcap_scale), before the mask
         if const_expr(masked):
-            mask_row(tSrS, t0ScS_t2r, row, n_block, seq.seqlen_q, seq.seqlen_k, self.tile_n, self.causal)
+            mask_row(tSrS, t0ScS_t2r, row, n_block, seq.seqlen_q, seq.seqlen_k, self.tile_n, self.causal, window)
         row_scale = softmax.update_max(tSrS, is_first)
         if const_expr(not is_first):
             stats_phase = self.send_stat(pipe_stats, stage, stats_phase, sScale, lane_row, row_scale)
@@ -632,7 +686,7 @@ class FlashAttentionForwardSm100:
 
     # ---------------------------------------------------------------- correction warpgroup
     @cute.jit
-    def correction(self, thr_mma_pv, sScale, sO, mQ, mK, pipes, sched):
+    def correction(self, thr_mma_pv, sScale, sO, mQ, mK, pipes, sched, window, seqs):
         """Per block j >= 1 and Q tile i: read the O_i factor, rescale O_i in TMEM if some row of the
         warp moved its max, release s_p_o. Per tile: O_i / row_sum -> 16-bit -> sO[i] -> epilogue.
         An empty tile (no key) writes O = 0 without touching TMEM or the MMA's pipelines."""
@@ -650,8 +704,8 @@ class FlashAttentionForwardSm100:
         tile_idx = cute.arch.block_idx()[0]
         while tile_idx < sched.num_tiles():
             m_block, head, batch = sched.coords(tile_idx)
-            n_block_max = self.n_block_max(m_block, self.tile_seq(mQ, mK, batch))
-            for i in cutlass.range(cutlass.max(n_block_max - 1, 0), unroll=1):
+            _, n_blocks = self.key_blocks(m_block, self.tile_seq(mQ, mK, batch, seqs), window)
+            for i in cutlass.range(cutlass.max(n_blocks - 1, 0), unroll=1):
                 for stage in cutlass.range(self.q_stage, unroll=1):
                     pipe_stats.wait_full(stage, stats_phase)
                     scale = sScale[row, stage]
@@ -662,7 +716,7 @@ class FlashAttentionForwardSm100:
                     tcgen05_fence_before()
                     pipe_spo.arrive_empty(stage, "correction")  # O_stage rescaled
                 stats_phase = stats_phase ^ 1
-            has_keys = n_block_max > 0
+            has_keys = n_blocks > 0
             for stage in cutlass.range(self.q_stage, unroll=1):
                 inv_row_sum = Float32(0.0)
                 if has_keys:
@@ -757,31 +811,52 @@ class FlashAttentionForwardSm100:
 
     # ---------------------------------------------------------------- epilogue warp
     @cute.jit
-    def epilogue(self, mO, sO, tma_atom_O, pipes, sched):
-        """TMA store of sO[i] to Q tile i's rows (rows past seqlen_q are clipped by the TMA unit)."""
+    def epilogue(self, mO, mO_rows, mQ, mK, sO, tma_atom_O, pipes, sched, seqs):
+        """Dense: TMA store of sO[i] to Q tile i's rows (rows past seqlen_q are clipped by the TMA unit).
+        varlen_q: the warp stores sO[i]'s rows below the sequence's seqlen_q with 16-byte stores
+        (mO_rows, the plain view of O: a packed O holds the next sequence right after)."""
         pipe_epi = pipes["corr_epi"]
         epi_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stage)
+        lane = cute.arch.lane_idx()
         tile_idx = cute.arch.block_idx()[0]
         while tile_idx < sched.num_tiles():
             m_block, head, batch = sched.coords(tile_idx)
-            gO = cute.local_tile(mO[None, None, head, batch], self.epi_tile, (None, 0))  # (tile_m, dv, m_blocks)
-            tOsO, tOgO = cpasync.tma_partition(tma_atom_O, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2),
-                                               cute.group_modes(gO, 0, 2))
-            first = epi_state
-            for stage in cutlass.range_constexpr(self.q_stage):
-                pipe_epi.wait_full(epi_state.index, epi_state.phase)
-                # One lane issues the store and owns its bulk group (the DSL elects for TMA loads,
-                # not for stores: a whole warp would store the tile 32 times).
-                with cute.arch.elect_one():
-                    cute.copy(tma_atom_O, tOsO[None, stage], tOgO[None, self.q_stage * m_block + stage])
-                    cute.arch.cp_async_bulk_commit_group()
-                epi_state = next_state(epi_state)
-            rel = first
-            for stage in cutlass.range_constexpr(self.q_stage):
-                with cute.arch.elect_one():
-                    cute.arch.cp_async_bulk_wait_group(self.q_stage - 1 - stage, read=True)  # sO[stage] read
-                    pipe_epi.arrive_empty(rel.index, "epilogue")
-                rel = next_state(rel)
+            if const_expr(self.cfg.varlen_q):
+                seq = self.tile_seq(mQ, mK, batch, seqs)
+                gO_rows = cute.local_tile(seq.q_view(mO_rows, head), self.epi_tile, (None, 0))
+                for stage in cutlass.range_constexpr(self.q_stage):
+                    pipe_epi.wait_full(epi_state.index, epi_state.phase)
+                    q_tile = self.q_stage * m_block + stage
+                    # EPI_ROWS rows per pass: the warp's registers hold one pass (this warp has 48-56)
+                    sO_rows = cute.local_tile(sO[None, None, stage], (EPI_ROWS, self.hdim_v), (None, 0))
+                    gO_pass = cute.local_tile(gO_rows[None, None, q_tile], (EPI_ROWS, self.hdim_v), (None, 0))
+                    valid = seq.seqlen_q - q_tile * self.tile_m
+                    for c in cutlass.range(self.tile_m // EPI_ROWS, unroll=1):
+                        store_rows_predicated(sO_rows[None, None, c], gO_pass[None, None, c], valid - c * EPI_ROWS,
+                                              lane, WARP_SIZE)
+                    cute.arch.sync_warp()  # every lane read its part of sO[stage]
+                    with cute.arch.elect_one():
+                        pipe_epi.arrive_empty(epi_state.index, "epilogue")
+                    epi_state = next_state(epi_state)
+            else:
+                gO = cute.local_tile(mO[None, None, head, batch], self.epi_tile, (None, 0))  # (tile_m, dv, m_blocks)
+                tOsO, tOgO = cpasync.tma_partition(tma_atom_O, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2),
+                                                   cute.group_modes(gO, 0, 2))
+                first = epi_state
+                for stage in cutlass.range_constexpr(self.q_stage):
+                    pipe_epi.wait_full(epi_state.index, epi_state.phase)
+                    # One lane issues the store and owns its bulk group (the DSL elects for TMA loads,
+                    # not for stores: a whole warp would store the tile 32 times).
+                    with cute.arch.elect_one():
+                        cute.copy(tma_atom_O, tOsO[None, stage], tOgO[None, self.q_stage * m_block + stage])
+                        cute.arch.cp_async_bulk_commit_group()
+                    epi_state = next_state(epi_state)
+                rel = first
+                for stage in cutlass.range_constexpr(self.q_stage):
+                    with cute.arch.elect_one():
+                        cute.arch.cp_async_bulk_wait_group(self.q_stage - 1 - stage, read=True)  # sO[stage] read
+                        pipe_epi.arrive_empty(rel.index, "epilogue")
+                    rel = next_state(rel)
             tile_idx += cute.arch.grid_dim()[0]
         with cute.arch.elect_one():
             cute.arch.cp_async_bulk_wait_group(0, read=False)

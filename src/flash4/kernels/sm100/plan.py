@@ -45,6 +45,21 @@ TMEM_COLUMNS = capacity(ARCH).tmem_bytes // (128 * 4)
 SMEM_KV_BUDGET = 224 * 1024
 MAX_KV_STAGES = 32
 
+# ---------------------------------------------------------------- exp2: MUFU.EX2 and the FMA polynomial
+# Share of each score row's exp2 done by the packed-f32x2 polynomial (flash4.kernels.common.exp2_poly)
+# instead of MUFU.EX2, chosen statically per column pair: 1 pair of every 4 (FA4 emulates 8 of every
+# 32 columns where it emulates, its hd128 ex2_emu_freq 16). On a B200 MUFU (16 ex2/clk/SM) bounds the
+# softmax, not the tensor core; the share is FA4's tuning, not measured here (no Blackwell GPU).
+# The numerics model (flash4.models.sm100_fwd) defaults to it; its error bands were measured there.
+EXP2_EMU_FRAC = 0.25
+# Causal and windowed configs: 1 pair of every 8. At 1/4 the masked non-first step (mask + rescale +
+# polynomial in one body: the causal diagonal, every block of a window) spilled at FA4's softmax
+# budgets: hd128 causal (192 registers) 11 LDL/STL, stack 40 bytes; hd64 causal (200) 3, stack 8;
+# hd64 window 14. At 1/8 every such config compiles with 0 (CuTe DSL 4.8.1, 2026-12-02).
+EXP2_EMU_FRAC_CAUSAL = 0.125
+# Columns that share one choice: a packed f32x2 pair (exp2_emulated_pair works on two lanes).
+EXP2_EMU_GROUP = 2
+
 
 def fwd_smem_bytes(headdim: int, hdim_v: int, q_stage: int, tile_m: int, tile_n: int, kv_stages: int,
                    elt: int = 2) -> int:
@@ -52,6 +67,12 @@ def fwd_smem_bytes(headdim: int, hdim_v: int, q_stage: int, tile_m: int, tile_n:
     o = q_stage * tile_m * hdim_v * elt
     kv_stage = tile_n * max(headdim, hdim_v) * elt
     return q + o + kv_stages * kv_stage
+
+
+def exp2_emu_frac_for(causal: bool, local: bool = False) -> float:
+    """The share of exp2 on the FMA polynomial a config gets (EXP2_EMU_FRAC, or _CAUSAL for causal
+    and windowed configs, whose masked non-first step holds the most registers)."""
+    return EXP2_EMU_FRAC_CAUSAL if causal or local else EXP2_EMU_FRAC
 
 
 def kv_stages_for(headdim: int, hdim_v: int, q_stage: int = 2, tile_m: int = 128, tile_n: int = 128) -> int:

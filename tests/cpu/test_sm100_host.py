@@ -1,0 +1,276 @@
+"""The host wiring of the sm_100 (Blackwell) forward, on the CPU with a mocked device (FLASH4_ARCH=100).
+
+The sm100 family is compile-verified only (never run on a B200), so it is served behind the
+first-use self-test (flash4.selftest): the registry hands it out (Family.selftest_gated), config
+selection picks its configs, and both the API's support check (flash4.validate) and the one forward
+launch site (flash4.forward.launch) ask `selftest.support_problem` / `selftest.require` first.
+Here the self-test itself is replaced by fixed verdicts (its machinery has its own tests:
+test_selftest_cpu.py, tests/gpu/test_selftest.py); flash4.compile is replaced by a recorder.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import flash4
+from flash4 import forward, selftest, validate
+from flash4.config import fwd_config, sm100
+from flash4.kernels import registry
+from flash4.launch import fwd_grid, fwd_num_tiles
+from flash4.request import Request
+
+BF16 = torch.bfloat16
+
+
+@pytest.fixture
+def sm100_device(monkeypatch):
+    """CPU tensors through the device check, on a device that says sm_100; no verdict memo."""
+    device_problem = validate._device_problem
+
+    def relative_only(q, others, dense=False):
+        problem = device_problem(q, others, dense)
+        return None if problem is not None and problem[1].startswith("q is on cpu") else problem
+
+    monkeypatch.setattr(validate, "_device_problem", relative_only)
+    monkeypatch.setenv("FLASH4_ARCH", "100")
+    monkeypatch.delenv("FLASH4_SM100", raising=False)
+    selftest._forget()
+    yield
+    selftest._forget()
+
+
+def verdicts(monkeypatch, ok: bool):
+    """selftest.check replaced: every config gets a pass (ok) or a 'wrong' verdict; returns the
+    configs it was asked about."""
+    asked = []
+
+    def check(cfg, device=None, **kwargs):
+        asked.append(cfg)
+        return selftest.Verdict(ok=ok, status="pass" if ok else "wrong", config=repr(cfg), gpu="NVIDIA B200",
+                                sm="sm_100", gated=True, created="2026-12-02T00:00:00+00:00",
+                                failure=None if ok else "case 'odd lengths' (b2 sq17 sk17 h2/2): out error 0.5 > 0.01",
+                                path="/tmp/verdict.json")
+
+    monkeypatch.setattr(selftest, "check", check)
+    return asked
+
+
+def qkv(d=128, sq=300, sk=300, h=4, hk=4, dtype=BF16, requires_grad=False):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, sq, h, d, generator=g).to(dtype)
+    k = torch.randn(1, sk, hk, d, generator=g).to(dtype)
+    v = torch.randn(1, sk, hk, d, generator=g).to(dtype)
+    return tuple(t.requires_grad_(requires_grad) for t in (q, k, v))
+
+
+# ---------------------------------------------------------------- the registry
+def test_registry_serves_sm100_behind_the_gate():
+    fam = registry.family(100)
+    assert fam.name == "sm100" and not fam.verified and fam.selftest_gated and fam.usable
+    assert fam.has_pass("fwd") and not fam.has_pass("bwd")
+    assert registry.supported_archs() == (90,) and registry.gated_archs() == (100,) == selftest.GATED_ARCHS
+    assert registry.family(90).name == "sm90"
+
+
+@pytest.mark.parametrize("arch, gpu", [(101, "Thor"), (103, "B300"), (110, "Thor"), (121, "GB10")])
+def test_blackwell_relatives_refused_by_name(arch, gpu):
+    """sm_103 / 110 / 121 (and the old 101) are different GPUs: refused explicitly, never `arch >= 100`."""
+    for unverified in (False, True):
+        with pytest.raises(ValueError, match=f"no kernels for sm_{arch}: .*{gpu}"):
+            registry.family(arch, include_unverified=unverified)
+
+
+def test_consumer_blackwell_never_gets_sm100():
+    assert registry.family(120, include_unverified=True).name == "sm80"
+    with pytest.raises(ValueError, match="compile-verified only"):
+        registry.family(120)
+
+
+# ---------------------------------------------------------------- config selection and the grid
+def test_fwd_config_on_sm100():
+    q, k, v = qkv()
+    plan = fwd_config(Request.dense(q, k, v, causal=True), 100)
+    assert plan.cfg == sm100.select_fwd_config(128, "bf16", True) and selftest.gated(plan.cfg)
+
+
+def test_grid_counts_cta_tiles_of_256_rows():
+    cfg = sm100.select_fwd_config(128, "bf16", False)
+    assert cfg.cta_tile_m == 256
+    assert fwd_num_tiles(cfg, 2, 300, 4) == 2 * 4 * 2  # ceil(300 / 256) m_blocks
+    assert fwd_grid(cfg, 2, 257, 4, 132) == (16, 1, 1)
+    sm90 = flash4.config.select_fwd_config(128)
+    assert fwd_num_tiles(sm90, 2, 300, 4) == 3 * 4 * 2  # sm90 tiles of tile_m rows, unchanged
+
+
+# ---------------------------------------------------------------- the API's support check
+def test_support_error_passes_after_a_pass(sm100_device, monkeypatch):
+    asked = verdicts(monkeypatch, ok=True)
+    q, k, v = qkv(d=64, h=6, hk=2)
+    assert validate.support_error(q, k, v, causal=True) is None
+    assert asked == [sm100.select_fwd_config(64, "bf16", True)]
+    validate.check_inputs(q, k, v, causal=True)
+
+
+def test_support_error_returns_the_selftest_failure(sm100_device, monkeypatch):
+    verdicts(monkeypatch, ok=False)
+    q, k, v = qkv()
+    cfg = sm100.select_fwd_config(128, "bf16", False)
+    text = validate.support_error(q, k, v)
+    assert text is not None and repr(cfg) in text and "out error" in text
+    assert "Please report it" in text and "python -m flash4.selftest --rerun" in text and "FLASH4_SM100" in text
+    with pytest.raises(RuntimeError, match="first-use self-test failed with wrong results"):
+        validate.check_inputs(q, k, v)
+    with pytest.raises(RuntimeError, match="first-use self-test failed"):
+        flash4.flash_attn_func(q, k, v)
+
+
+def test_modes_off_and_on(sm100_device, monkeypatch):
+    asked = verdicts(monkeypatch, ok=False)
+    q, k, v = qkv()
+    monkeypatch.setenv("FLASH4_SM100", "off")
+    assert "FLASH4_SM100=off" in validate.support_error(q, k, v)
+    monkeypatch.setenv("FLASH4_SM100", "on")
+    assert validate.support_error(q, k, v) is None
+    assert asked == []  # neither mode runs the self-test
+    monkeypatch.setenv("FLASH4_SM100", "sometimes")
+    with pytest.raises(ValueError, match="FLASH4_SM100"):
+        validate.support_error(q, k, v)
+
+
+def test_what_sm100_lacks_is_refused_before_the_selftest(sm100_device, monkeypatch):
+    """Dv != D (a (128, 64) pair: sm90 has it, sm100 not yet) is refused by name, without a self-test."""
+    asked = verdicts(monkeypatch, ok=True)
+    q, k, _ = qkv()
+    v = torch.randn(1, 300, 4, 64).to(BF16)
+    what = "headdim_v=64 != headdim=128 is not implemented by the sm100 forward"
+    text = validate.support_error(q, k, v)
+    assert text is not None and what in text and "sm_100" in text
+    assert asked == []
+    with pytest.raises(ValueError, match=what):
+        flash4.flash_attn_func(q, k, v)
+
+
+def test_features_select_their_kernels(sm100_device, monkeypatch):
+    asked = verdicts(monkeypatch, ok=True)
+    q, k, v = qkv()
+    assert validate.support_error(q, k, v, causal=True, softcap=5.0) is None
+    assert validate.support_error(q, k, v, learnable_sink=torch.zeros(4)) is None
+    assert validate.support_error(q, k, v, window_size=(100, 7)) is None
+    assert validate.support_error(q, k, v, causal=True, window_size=(64, 0)) is None
+    assert asked == [sm100.select_fwd_config(128, "bf16", True, softcap=True),
+                     sm100.select_fwd_config(128, "bf16", False, sink=True),
+                     sm100.select_fwd_config(128, "bf16", False, local=True),
+                     sm100.select_fwd_config(128, "bf16", True, local=True)]
+
+
+def test_exactly_causal_window_is_causal(sm100_device, monkeypatch):
+    verdicts(monkeypatch, ok=True)
+    q, k, v = qkv()
+    assert validate.support_error(q, k, v, window_size=(-1, 0)) is None
+
+
+def test_headdim_without_sm100_kernel(sm100_device, monkeypatch):
+    verdicts(monkeypatch, ok=True)
+    q, k, v = qkv(d=256)
+    text = validate.support_error(q, k, v)
+    assert "headdim=256 not supported by the sm100 forward" in text and "cpu" in text
+
+
+def test_varlen_door_and_the_refused_layouts(sm100_device, monkeypatch):
+    """Packed varlen (cu_seqlens, seqused_q) selects the sm100 varlen config (the real self-test calls
+    it untestable, so on a B200 it runs only with FLASH4_SM100=on); seqused_k, paged K/V and the KV
+    cache are refused by name, before any self-test."""
+    asked = verdicts(monkeypatch, ok=True)
+    q, k, v = (t[0] for t in qkv())
+    cu = torch.tensor([0, 100, 300], dtype=torch.int32)
+    used = torch.tensor([50, 200], dtype=torch.int32)
+    assert validate.varlen_support_error(q, k, v, cu, cu, 200, 200, causal=True) is None
+    assert validate.varlen_support_error(q, k, v, cu, cu, 200, 200, seqused_q=used) is None
+    base = sm100.select_fwd_config(128, "bf16", True)
+    assert asked == [dataclasses.replace(base, varlen_q=True, varlen_k=True),
+                     dataclasses.replace(sm100.select_fwd_config(128), varlen_q=True, varlen_k=True, seqused_q=True)]
+    text = validate.varlen_support_error(q, k, v, cu, cu, 200, 200, seqused_k=used)
+    assert "no seqused_k yet" in text
+    qd, kc, vc = qkv(sq=1)
+    text = validate.kvcache_support_error(qd, kc, vc, cache_seqlens=100)
+    assert "dense and packed varlen batches only" in text and "kvcache layout" in text
+    assert len(asked) == 2
+
+
+def test_varlen_is_untestable_for_the_real_selftest(sm100_device):
+    """What a B200 user gets for packed varlen today: the dense self-test cannot drive the config, so
+    the gate refuses it (support_error says why) unless FLASH4_SM100=on."""
+    q, k, v = (t[0] for t in qkv())
+    cu = torch.tensor([0, 100, 300], dtype=torch.int32)
+    text = validate.varlen_support_error(q, k, v, cu, cu, 200, 200)
+    assert "self-test cannot check it" in text and "varlen_q=True" in text
+
+
+def test_training_refused_at_the_door(sm100_device, monkeypatch):
+    """No sm100 backward: inputs that require grad (in grad mode) are refused before any launch."""
+    asked = verdicts(monkeypatch, ok=True)
+    q, k, v = qkv(requires_grad=True)
+    text = validate.support_error(q, k, v)
+    assert "no backward on sm_100" in text and "torch.no_grad()" in text
+    with pytest.raises(NotImplementedError, match="no backward on sm_100"):
+        flash4.flash_attn_func(q, k, v)
+    sink = torch.zeros(4, requires_grad=True)
+    with torch.no_grad():
+        assert validate.support_error(q, k, v) is None  # inference: fine
+    assert "no backward on sm_100" in validate.support_error(q.detach(), k.detach(), v.detach(), learnable_sink=sink)
+    assert len(asked) == 1
+
+
+# ---------------------------------------------------------------- the launch site
+@pytest.fixture
+def compiled(monkeypatch):
+    """flash4.compile.cache.get_fwd_runner replaced by a recorder (no DSL compile, no launch)."""
+    import flash4.compile.cache as cache
+
+    got = []
+
+    def get_fwd_runner(cfg):
+        got.append(cfg)
+        return lambda *args, **kwargs: None
+
+    monkeypatch.setattr(cache, "get_fwd_runner", get_fwd_runner)
+    return got
+
+
+def _launch(causal=False):
+    q, k, v = qkv()
+    request = Request.dense(q, k, v, causal=causal)
+    out, lse = torch.empty(1, 300, 4, 128, dtype=BF16), torch.empty(1, 4, 300)
+    forward.launch(request, out, lse)
+
+
+def test_launch_requires_the_selftest(sm100_device, monkeypatch, compiled):
+    asked = verdicts(monkeypatch, ok=False)
+    with pytest.raises(RuntimeError, match=r"Sm100FwdConfig\(headdim=128.*Please report it"):
+        _launch(causal=True)
+    assert compiled == [] and asked == [sm100.select_fwd_config(128, "bf16", True)]
+
+
+def test_launch_after_a_pass_gets_the_sm100_kernel(sm100_device, monkeypatch, compiled):
+    asked = verdicts(monkeypatch, ok=True)
+    _launch()
+    _launch()
+    cfg = sm100.select_fwd_config(128, "bf16", False)
+    assert compiled == [cfg, cfg] and asked == [cfg]  # the verdict is asked once per process
+
+
+def test_launch_sm90_is_not_gated(monkeypatch, compiled):
+    monkeypatch.setenv("FLASH4_ARCH", "90")
+    monkeypatch.setenv("FLASH4_SM100", "off")
+    _launch()
+    assert compiled == [flash4.config.select_fwd_config(128)]
+
+
+def test_backward_on_sm100_has_no_plan():
+    """Past the door (torch.compile's trace skips it), the backward plan says so."""
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match="no sm100 backward"):
+        flash4.config.bwd_config(Request.dense(q, k, v), 100)
