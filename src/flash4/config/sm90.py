@@ -21,6 +21,11 @@ from flash4.arch import capacity
 SHORT_SEQLEN_K = 1024
 
 
+# FwdConfig fields left out of its repr while at their default (off): speed switches added after
+# the configs' reprs became cache and fingerprint keys.
+_QUIET_SWITCHES = ("early_q_release",)
+
+
 @dataclasses.dataclass(frozen=True)
 class FwdConfig:
     """One compiled forward kernel.
@@ -61,6 +66,13 @@ class FwdConfig:
                   head_kv * pack_gqa + r % pack_gqa, so each K/V block is loaded once for them all
                   and a tile spans tile_m / pack_gqa queries (a small window then visits fewer key
                   blocks). Dense Q only (not varlen_q / seqused_q / split_kv); tile_m % pack_gqa == 0.
+    early_q_release: speed switch, off by default (A/B: tools/ab_switch.py --switch early_q_release;
+                  docs/design/speed_candidates.md). Persistent configs with O staged in its own smem
+                  buffer release Q's buffer right after the tile's last Q K^T has completed (both
+                  consumer warpgroups' wgmma waits) instead of after the last P V, so the next tile's
+                  Q load overlaps this tile's last softmax, last P V and epilogue. persistent only;
+                  the kernel raises if O would share Q's buffer. Shown in repr only when on, so every
+                  other config keeps its repr (the compile-cache and kernel_fingerprint key).
     """
 
     headdim: int
@@ -85,9 +97,11 @@ class FwdConfig:
     sink: bool = False
     headdim_v: int | None = None
     pack_gqa: int = 1
+    early_q_release: bool = False
 
     def __post_init__(self):
         assert self.headdim in SUPPORTED_HEADDIMS, self.headdim
+        assert not self.early_q_release or self.persistent, self
         assert self.headdim_v is None or (self.headdim, self.headdim_v) in HDIMV_PAIRS, (self.headdim, self.headdim_v)
         assert self.page_rows == 0 or (self.page_rows % 8 == 0 and self.tile_n % self.page_rows == 0
                                        and self.seqused_k and not self.varlen_k), self
@@ -96,6 +110,12 @@ class FwdConfig:
         assert self.tile_n % 16 == 0, self.tile_n
         assert self.pack_gqa == 1 or (self.pack_gqa > 1 and self.tile_m % self.pack_gqa == 0 and not self.varlen_q
                                       and not self.seqused_q and not self.split_kv), self
+
+    def __repr__(self) -> str:
+        # The dataclass repr, less the speed switches while they are off (_QUIET_SWITCHES).
+        fields = (f for f in dataclasses.fields(self)
+                  if not (f.name in _QUIET_SWITCHES and getattr(self, f.name) == f.default))
+        return f"{type(self).__qualname__}({', '.join(f'{f.name}={getattr(self, f.name)!r}' for f in fields)})"
 
     @property
     def num_consumer_warpgroups(self) -> int:
