@@ -189,11 +189,11 @@ class BackwardPostprocess:
         sub_lane = tidx % LANES_PER_ROW
         seqlen_q, nheads = mdQ.shape[1], mdQ.shape[2]
         row0, head, b = _row_coords(cute.ceil_div(seqlen_q, ROW_TILE), nheads)
-        load_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=CHUNK * 32)
-        store_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=CHUNK * 16)
         if const_expr(self.wide_stores):
             self.rows_wide(mdQacc, mdQ, mRowIdx, row0, head, b, tidx, seqlen_q)
         else:
+            load_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=CHUNK * 32)
+            store_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=CHUNK * 16)
             racc = cute.make_rmem_tensor((CHUNK,), Float32)
             rdQ = cute.make_rmem_tensor((CHUNK,), self.dtype)
             for i in cutlass.range_constexpr(ROW_TILE // ROWS_PER_PASS):
