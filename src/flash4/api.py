@@ -1,27 +1,23 @@
-"""Public entry points: validate -> config -> compile (cached) -> launch.
+"""Public entry points (the doors): check the Python flags, zero-pad head dims without a kernel
+(flash4.headdim), build the request (flash4.validate; flash4.request), run it.
 
     flash_attn_func            dense (batch, seqlen, nheads, headdim) batches
     flash_attn_varlen_func     packed variable-length batches (cu_seqlens), seqused, paged K/V
     flash_attn_with_kvcache    decode / chunked prefill against a KV cache, appending new keys in place
 
-flash4 is CUDA-only; gradients flow through flash4.autograd.FlashAttnFunc (backward: flash4.backward)
-and FlashAttnVarlenFunc (flash4.varlen.varlen_backward).
+flash4 is CUDA-only. The host forward is flash4.forward, the backward flash4.backward; gradients
+flow through flash4.autograd (one path for eager mode and torch.compile, over the custom ops of
+flash4.ops); calls that need no gradient run flash4.forward directly.
 """
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
-import flash4.ops  # noqa: F401  (registers the flash4:: custom ops torch.compile traces)
-from flash4.arch import device_arch
-from flash4.autograd import FlashAttnFunc, FlashAttnVarlenFunc, sink_kwargs
-from flash4.config import select_fwd_config, with_pack_gqa
-from flash4.geometry import canonical_mask, window_sides
-from flash4.validate import (DTYPE_NAMES, check_inputs, check_kvcache_inputs, check_kvcache_seqlens, check_softcap,
-                             check_varlen_inputs, check_varlen_seqlens, check_window_size, layout_problem,
-                             packed_rows_per_batch, resolve_max_seqlen, resolve_softmax_scale)
+from flash4 import autograd, forward, ops, validate
+from flash4.geometry import canonical_mask
+from flash4.request import Request
+from flash4.validate import check_softcap, check_window_size, resolve_softmax_scale
 
 
 def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False, deterministic=False, *,
@@ -83,8 +79,10 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False,
 
     Raises:
         TypeError: a non-tensor argument, a dtype other than bf16/fp16, q/k/v dtypes differing,
-            softmax_scale not a real number, causal or return_lse not a bool, window_size not a
-            tuple/list of two ints, softcap not a real number (a bool included).
+            softmax_scale not a real number, causal or return_lse not a bool (a tuple or list where
+            return_lse goes is a window_size passed positionally: the message says it is
+            keyword-only), window_size not a tuple/list of two ints, softcap not a real number (a
+            bool included).
         ValueError: a rank other than 4, batch/headdim/k-v shape mismatch, nheads_k not dividing
             nheads, an unsupported headdim, a non-contiguous last dim or misaligned stride,
             softmax_scale not finite and > 0, a window side below -1, softcap NaN, infinite or
@@ -97,10 +95,7 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False,
         Double backward (differentiating dq, dk or dv again, e.g. a gradient penalty with
         create_graph=True) is not supported: it raises a RuntimeError saying so.
     """
-    if not isinstance(return_lse, bool):
-        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
-    if not isinstance(deterministic, bool):
-        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+    _check_flags(return_lse=return_lse, deterministic=deterministic)
     window_size = check_window_size(window_size)
     softcap = check_softcap(softcap)
     causal, window_size = canonical_mask(causal, window_size)  # (-1, 0) runs the causal kernel
@@ -110,135 +105,12 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False,
         res = flash_attn_func(qp, kp, vp, resolve_softmax_scale(softmax_scale, q.shape[3]), causal, return_lse,
                               deterministic, window_size=window_size, softcap=softcap, learnable_sink=learnable_sink)
         return (res[0][..., :dv].contiguous(), res[1]) if return_lse else res[..., :dv].contiguous()
-    if torch.compiler.is_compiling():
-        # torch.compile: one custom op per call (flash4.ops); its real implementation checks the
-        # arguments when the compiled graph runs (pointers and the device are not known here).
-        out, lse, _ = torch.ops.flash4.fwd(q, k, v, resolve_softmax_scale(softmax_scale, q.shape[3]), causal,
-                                           deterministic, *window_size, softcap, *_sink_arg(learnable_sink))
-        return (out, lse) if return_lse else out
-    check_inputs(q, k, v, softmax_scale, causal, window_size, softcap, learnable_sink)
-    scale = resolve_softmax_scale(softmax_scale, q.shape[3])
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
-                                    or (learnable_sink is not None and learnable_sink.requires_grad)):
-        out, lse = FlashAttnFunc.apply(q, k, v, scale, causal, deterministic, window_size, softcap,
-                                       *_sink_arg(learnable_sink))
-    else:
-        out, lse = _flash_attn_forward(q, k, v, scale, causal, window_size=window_size, softcap=softcap,
-                                       **sink_kwargs(learnable_sink))
+    args = (q, k, v, softmax_scale, causal, window_size, softcap, learnable_sink, deterministic)
+    # torch.compile: the request unchecked (pointers and the device are not known while tracing); the
+    # op checks it when the compiled graph runs (flash4.ops)
+    request = Request.dense(*args) if torch.compiler.is_compiling() else validate.dense_request(*args)
+    out, lse = autograd.attention(request)
     return (out, lse) if return_lse else out
-
-
-def _flash_attn_forward(q, k, v, softmax_scale=None, causal=False, out=None, lse=None, lse_split=None,
-                        window_size=None, softcap: float = 0.0, learnable_sink=None):
-    """Forward on validated inputs (flash4.validate.check_inputs); returns (out, lse).
-
-    out: None or a preallocated (batch, seqlen_q, nheads, headdim_v) tensor of q's dtype and device
-        (last dim contiguous, 16-byte aligned; headdim_v = v.shape[-1]) that the kernel overwrites;
-    lse: None or a preallocated contiguous float32 (batch, nheads, seqlen_q) tensor.
-    lse_split: None or a preallocated contiguous float32 (2, batch, nheads, seqlen_q) tensor that
-        receives the log2-domain LSE unrounded, lse * log2(e) = lse_split[0] + lse_split[1] (+inf
-        and 0 for rows that see no key); flash4.backward takes it for an exact P at any magnitude.
-    window_size: None or flash-attn's (left, right) sliding window (flash_attn_func's rule; -1 per
-        side is unbounded); flash4.geometry.window_sides turns it into the local config's runtime
-        sides, or None for plain full / causal attention.
-    softcap: float >= 0, logit soft-capping (flash_attn_func's; 0 = off): selects the softcap config
-        variant (select_fwd_config(softcap=softcap > 0)) and is passed to the kernel as a runtime value.
-    learnable_sink: None or a validated (nheads,) tensor (attention sinks): selects the sink config
-        variant and is passed to the runner as a contiguous float32 (nheads,) tensor.
-    Tests pass NaN-filled out/lse to catch unwritten elements. Empty problems never launch:
-    batch == 0 or seqlen_q == 0 give empty out/lse; seqlen_k == 0 gives out = 0, lse = -inf (lse =
-    the sink with learnable_sink).
-    Raises ValueError for a preallocated out/lse of the wrong shape, dtype, device or layout.
-    """
-    batch, seqlen_q, nheads, headdim = q.shape
-    seqlen_k, headdim_v = k.shape[1], v.shape[-1]
-    scale = resolve_softmax_scale(softmax_scale, headdim)
-    out_shape, lse_shape = (batch, seqlen_q, nheads, headdim_v), (batch, nheads, seqlen_q)
-    if out is None:
-        out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
-    else:
-        _check_buffer("out", out, out_shape, q.dtype, q.device)
-        problem = layout_problem("out", out)
-        if problem is not None:
-            raise ValueError(problem)
-    if lse is None:
-        lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
-    else:
-        _check_buffer("lse", lse, lse_shape, torch.float32, q.device)
-        if not lse.is_contiguous():
-            raise ValueError(f"lse must be contiguous; got strides {lse.stride()}")
-    if out.numel() == 0:
-        return out, lse
-    sink = None if learnable_sink is None else learnable_sink.detach().float().contiguous()
-    if seqlen_k == 0:
-        out.zero_()
-        _fill_no_key_lse(lse, sink, 1)
-        if lse_split is not None:
-            lse_split[0].fill_(float("inf"))
-            lse_split[1].zero_()
-        return out, lse
-
-    from flash4.compile.cache import get_fwd_runner  # late: compiling pulls in the CuTe DSL
-
-    window = window_sides(window_size, causal)
-    cfg = select_fwd_config(headdim, DTYPE_NAMES[q.dtype], causal, arch=device_arch(q.device), local=window is not None,
-                            softcap=softcap > 0, **({} if sink is None else {"sink": True}),
-                            **({} if headdim_v == headdim else {"headdim_v": headdim_v}), seqlen_k=seqlen_k)
-    cfg = with_pack_gqa(cfg, q.shape[2], k.shape[2])
-    run = get_fwd_runner(cfg)
-    kwargs = {"window": window, "softcap": softcap}
-    if sink is not None:
-        kwargs["sink"] = sink
-    if q.device.index == torch.cuda.current_device():
-        run(q, k, v, out, lse, scale, lse_split, **kwargs)
-    else:
-        with torch.cuda.device(q.device):
-            run(q, k, v, out, lse, scale, lse_split, **kwargs)
-    return out, lse
-
-
-def _padded_headdims(q, k, v, q_dim: int):
-    """None when (q, k, v) need no padding (native head dims, or inputs the validation will reject
-    anyway); else (q, k, v) zero-padded on their last dim to the head dims flash4.headdim picks, and
-    v's own head dim (the output is sliced back to it). Raises ValueError with flash4.headdim.RULE
-    for a head dim that is not a multiple of 8 in [8, 256]. q_dim: q's head-dim axis (3 dense, 2 varlen)."""
-    from flash4 import headdim as hd
-
-    if not all(isinstance(t, torch.Tensor) and t.dim() == q_dim + 1 for t in (q, k, v)):
-        return None
-    d, dk, dv = q.shape[-1], k.shape[-1], v.shape[-1]
-    if dk != d or hd.is_native(d, dv):
-        return None
-    for name, value in (("q/k", d), ("v", dv)):
-        if not hd.servable(value):
-            raise ValueError(f"headdim {value} ({name}.shape[{q_dim}]) is not supported: {hd.RULE}")
-    d_p, dv_p = hd.padded_headdims(d, dv)
-    return hd.pad_last(q, d_p), hd.pad_last(k, d_p), hd.pad_last(v, dv_p), dv
-
-
-def _sink_arg(learnable_sink) -> tuple:
-    """() or (learnable_sink,): the trailing positional sink of the ops / autograd Functions."""
-    return () if learnable_sink is None else (learnable_sink,)
-
-
-def _fill_no_key_lse(lse, sink, heads_dim: int) -> None:
-    """lse of rows that see no key: -inf, or the sink of the row's head (learnable_sink; sink a
-    float32 (nheads,) tensor, heads_dim the head axis of lse)."""
-    if sink is None:
-        lse.fill_(float("-inf"))
-    else:
-        shape = [1] * lse.dim()
-        shape[heads_dim] = -1
-        lse.copy_(sink.view(shape).expand_as(lse))
-
-
-def _check_buffer(name, t, shape, dtype, device) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if tuple(t.shape) != shape or t.dtype != dtype or t.device != device:
-        raise ValueError(
-            f"{name} must be {dtype} of shape {shape} on {device}; got {t.dtype} of shape {tuple(t.shape)} on {t.device}"
-        )
 
 
 # ================================================================ varlen / paged
@@ -340,14 +212,12 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
             check_seqlens, bad metadata values.
             flash4.validate.varlen_support_error(...) gives the metadata message without raising.
 
-    Gradients: `.backward()` through out (and lse) gives dq, dk, dv (flash4.varlen.varlen_backward),
+    Gradients: `.backward()` through out (and lse) gives dq, dk, dv (flash4.backward),
         not for paged K/V; double backward raises a RuntimeError, as flash_attn_func.
     Source convention: flash-attn 2/3 `flash_attn_varlen_func` (argument order, layouts, LSE
     (nheads, total_q)); paged K/V as flash-attn-4's (page_table + seqused_k, cu_seqlens_k None).
     """
-    for name, value in (("return_lse", return_lse), ("deterministic", deterministic), ("check_seqlens", check_seqlens)):
-        if not isinstance(value, bool):
-            raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    _check_flags(return_lse=return_lse, deterministic=deterministic, check_seqlens=check_seqlens)
     window_size = check_window_size(window_size)
     softcap = check_softcap(softcap)
     causal, window_size = canonical_mask(causal, window_size)  # (-1, 0) runs the causal kernel
@@ -360,151 +230,12 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
             window_size=window_size, softcap=softcap, return_lse=return_lse, deterministic=deterministic,
             check_seqlens=check_seqlens, learnable_sink=learnable_sink)
         return (res[0][..., :dv].contiguous(), res[1]) if return_lse else res[..., :dv].contiguous()
-    if torch.compiler.is_compiling():
-        # torch.compile: one flash4::varlen_fwd per call (flash4.ops), checked when the graph runs. A
-        # max_seqlen given as a tensor (or None) is not read while tracing: the op computes it.
-        out, lse, _ = torch.ops.flash4.varlen_fwd(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table, _host_int_or_none(max_seqlen_q),
-            _host_int_or_none(max_seqlen_k), resolve_softmax_scale(softmax_scale, q.shape[2]), causal, deterministic,
-            check_seqlens, *window_size, softcap, *_sink_arg(learnable_sink))
-        return (out, lse) if return_lse else out
-    cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table, max_q = _prepare_varlen(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, page_table,
-        softmax_scale, causal, window_size, softcap, learnable_sink, check_seqlens)
-    scale = resolve_softmax_scale(softmax_scale, q.shape[2])
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
-                                    or (learnable_sink is not None and learnable_sink.requires_grad)):
-        out, lse = FlashAttnVarlenFunc.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table,
-                                             max_q, max_seqlen_k, scale, causal, deterministic, window_size, softcap,
-                                             *_sink_arg(learnable_sink))
-    else:
-        out, lse = _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, scale, causal, seqused_q,
-                                              seqused_k, page_table, window_size=window_size, softcap=softcap,
-                                              **sink_kwargs(learnable_sink))
+    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, page_table,
+            softmax_scale, causal, window_size, softcap, learnable_sink, deterministic, check_seqlens)
+    # torch.compile: unchecked; flash4::varlen_fwd checks (and computes a max_seqlen given as a tensor)
+    request = Request.varlen(*args) if torch.compiler.is_compiling() else validate.varlen_request(*args)
+    out, lse = autograd.attention(request)
     return (out, lse) if return_lse else out
-
-
-def _prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
-                    page_table, softmax_scale, causal, window_size, softcap, learnable_sink, check_seqlens):
-    """The varlen entry's checks and metadata preparation (eager path and flash4::varlen_fwd):
-    argument checks, contiguous metadata, the optional on-device value checks, max_seqlen_q.
-    Returns (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table, max_seqlen_q)."""
-    check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
-                        page_table, softmax_scale, causal, window_size, softcap, learnable_sink)
-    cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table = (
-        _contiguous(t) for t in (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table))
-    paged = page_table is not None
-    if check_seqlens:
-        check_varlen_seqlens(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], seqused_q=seqused_q,
-                             seqused_k=seqused_k, page_table=page_table, num_pages=k.shape[0] if paged else 0,
-                             page_size=k.shape[1] if paged else 0, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
-    max_q = resolve_max_seqlen("max_seqlen_q", max_seqlen_q, cu_seqlens_q, seqused_q)
-    return cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table, max_q
-
-
-def _contiguous(t):
-    return t if t is None or t.is_contiguous() else t.contiguous()
-
-
-def _host_int_or_none(value):
-    """A max_seqlen for flash4::varlen_fwd under torch.compile: a tensor (or None) becomes None (the op
-    computes the maximum from the metadata when it runs), anything else (an int, a SymInt) passes."""
-    return None if value is None or isinstance(value, torch.Tensor) else value
-
-
-def _device_guard(device: torch.device):
-    """Launch on `device` when it is not the current CUDA device (a no-op for other devices)."""
-    if device.type != "cuda" or device.index is None or device.index == torch.cuda.current_device():
-        return contextlib.nullcontext()
-    return torch.cuda.device(device)
-
-
-def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, softmax_scale: float,
-                               causal: bool, seqused_q=None, seqused_k=None, page_table=None, out=None, lse=None,
-                               lse_split=None, window_size=None, softcap: float = 0.0, learnable_sink=None):
-    """Forward on validated varlen / paged inputs (check_varlen_inputs; metadata contiguous);
-    returns (out, lse) from flash4.varlen.varlen_forward.
-
-    out: None or a preallocated (total_q, nheads, headdim) tensor of q's dtype and device (last dim
-    contiguous, 16-byte aligned); lse: None or a contiguous float32 (nheads, total_q) tensor;
-    lse_split: None or a contiguous float32 (2, nheads, total_q) tensor (the log2-domain LSE
-    unrounded, for the backward). window_size: None or flash-attn's (left, right) sliding window,
-    per sequence (flash_attn_varlen_func's rule). softcap: float >= 0 logit soft-capping (0 = off).
-    Query rows outside every sequence are left as
-    they were (tests pass NaN-filled buffers; out/lse allocated here start as 0 / -inf when
-    seqused_q is given).
-    Nothing launches when there is no query row (total_q, batch or max_seqlen_q 0); without any key
-    storage (total_k == 0, or no pages) every row gets out = 0, lse = -inf. Raises ValueError for a
-    preallocated buffer of the wrong shape, dtype, device or layout.
-    """
-    total_q, nheads, headdim = q.shape
-    out, lse = _varlen_buffers(q, out, lse, lse_split, seqused_q, headdim_v=v.shape[-1])
-    if total_q == 0 or cu_seqlens_q.numel() <= 1 or max_seqlen_q == 0:
-        return out, lse
-    sink = None if learnable_sink is None else learnable_sink.detach().float().contiguous()
-    if k.numel() == 0:
-        out.zero_()
-        _fill_no_key_lse(lse, sink, 0)
-        if lse_split is not None:
-            lse_split[0].fill_(float("inf"))
-            lse_split[1].zero_()
-        return out, lse
-
-    from flash4 import varlen  # late: the kernels' host side pulls in the compile cache when run
-
-    with _device_guard(q.device):
-        varlen.varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale, causal,
-                              seqused_q=seqused_q, seqused_k=seqused_k, page_table=page_table, out=out, lse=lse,
-                              lse_split=lse_split, window_size=window_size, softcap=softcap,
-                              **sink_kwargs(sink))
-    return out, lse
-
-
-def _varlen_buffers(q, out, lse, lse_split, seqused_q=None, headdim_v=None):
-    """out / lse checked, or allocated: as torch.empty, or, with seqused_q (rows that will stay
-    unwritten inside the sequences), as 0 / -inf (flash4.varlen.varlen_forward's own choice)."""
-    total_q, nheads, headdim = q.shape
-    headdim = headdim if headdim_v is None else headdim_v  # out has v's head dim
-    padded = seqused_q is not None
-    if out is None:
-        out = (torch.zeros if padded else torch.empty)(total_q, nheads, headdim, dtype=q.dtype, device=q.device)
-    else:
-        _check_buffer("out", out, (total_q, nheads, headdim), q.dtype, q.device)
-        problem = layout_problem("out", out)
-        if problem is not None:
-            raise ValueError(problem)
-    for name, buf, shape in (("lse", lse, (nheads, total_q)), ("lse_split", lse_split, (2, nheads, total_q))):
-        if buf is not None:
-            _check_buffer(name, buf, shape, torch.float32, q.device)
-            if not buf.is_contiguous():
-                raise ValueError(f"{name} must be contiguous; got strides {buf.stride()}")
-    if lse is None:
-        lse = (torch.full((nheads, total_q), float("-inf"), dtype=torch.float32, device=q.device) if padded
-               else torch.empty(nheads, total_q, dtype=torch.float32, device=q.device))
-    return out, lse
-
-
-def _flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
-                                max_seqlen_k: int, softmax_scale: float, causal: bool, seqused_q=None, seqused_k=None,
-                                deterministic=False, lse_split=None, dlse=None, dq=None, dk=None, dv=None,
-                                window_size=None, softcap: float = 0.0):
-    """Gradients (dq, dk, dv) through flash4.varlen.varlen_backward (packed K/V only); every
-    gradient is 0 when no query row or no key exists (nothing launches then). window_size and
-    softcap: the forward's (None or flash-attn's (left, right); 0 = no soft-capping)."""
-    batch = cu_seqlens_q.numel() - 1
-    if (q.shape[0] == 0 or k.shape[0] == 0 or batch == 0 or max_seqlen_q == 0 or max_seqlen_k == 0):
-        grads = []
-        for g, like in ((dq, q), (dk, k), (dv, v)):
-            grads.append(torch.zeros_like(like, memory_format=torch.contiguous_format) if g is None else g.zero_())
-        return tuple(grads)
-
-    from flash4 import varlen
-
-    with _device_guard(q.device):
-        return varlen.varlen_backward(
-            dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-            seqused_q=seqused_q, seqused_k=seqused_k, deterministic=deterministic, lse_split=lse_split, dlse=dlse,
-            dq=dq, dk=dk, dv=dv, window_size=window_size, softcap=softcap)
 
 
 # ================================================================ KV cache (decode)
@@ -549,7 +280,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
            Rows whose window holds no key give out = 0, lse = -inf. Cost: only the key blocks that
            meet the band are read (a window over a long cache reads about left + right + 1 keys
            per query, not the whole cache); a real window turns off the GQA packing of decode steps
-           (flash4.decode). The sides are runtime values (changing them never recompiles).
+           (flash4.config.sm90.pack_factor). The sides are runtime values (changing them never recompiles).
         softcap: float >= 0, logit soft-capping (Gemma 2; 0, the default, is off): the scaled scores
            become softcap * tanh(softmax_scale * q.k / softcap) before the mask and the softmax, so
            no score exceeds softcap in magnitude (Gemma 2 uses 50 for attention); both paths (decode
@@ -564,7 +295,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
            lse = sink_h. Both paths, split-KV
            included (the combine kernel adds the sink).
         num_splits: how many CTAs share the keys of one (sequence, KV head) tile (split-KV; their
-           partial results are merged by a combine kernel): 0 = auto (flash4.decode.choose_num_splits:
+           partial results are merged by a combine kernel): 0 = auto (flash4.config.sm90.choose_num_splits:
            split only when batch x KV-head tiles fill less than 80% of the SMs, from host-known sizes
            only), 1 = no split, n > 1 = n (clamped to the cache's key blocks). Not with
            cache_batch_idx (0 and 1 only there).
@@ -594,138 +325,60 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
             flash4.validate.kvcache_support_error(...) gives the message without raising.
 
     No autograd (the result carries no gradient), as flash-attn's. The attention runs in
-    flash4.decode.decode_forward with seqused_k = cache_seqlens + seqlen_new: the query heads of one
-    KV head are packed into one tile (K/V read once per KV head) and the keys split as num_splits
-    says. With cache_batch_idx it runs in flash4.varlen.varlen_forward over the dense cache seen as
-    packed rows (row offsets cache_batch_idx[b] * rows per entry). Changing cache_seqlens,
+    flash4.forward as a decode step with seqused_k = cache_seqlens + seqlen_new: the query heads of
+    one KV head are packed into one tile (K/V read once per KV head) and the keys split as
+    num_splits says. With cache_batch_idx it runs as a packed (varlen) forward over the dense cache
+    seen as packed rows (row offsets cache_batch_idx[b] * rows per entry). Changing cache_seqlens,
     page_table or the batch contents never recompiles; the call has no host sync (with a tensor
     cache_seqlens and check_seqlens=False), so it can be captured in a CUDA graph.
     """
-    for name, value in (("return_lse", return_lse), ("check_seqlens", check_seqlens)):
-        if not isinstance(value, bool):
-            raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    _check_flags(return_lse=return_lse, check_seqlens=check_seqlens)
     window_size = check_window_size(window_size)
     softcap = check_softcap(softcap)
     causal, window_size = canonical_mask(causal, window_size)  # (-1, 0) runs the causal kernel
+    args = (q, k_cache, v_cache, k, v, cache_seqlens, page_table, cache_batch_idx, softmax_scale, causal, num_splits)
+    options = dict(window_size=window_size, softcap=softcap, learnable_sink=learnable_sink, check_seqlens=check_seqlens)
     if torch.compiler.is_compiling():
         # torch.compile: one flash4::kvcache per call (it mutates k_cache / v_cache; flash4.ops);
         # an out= buffer receives a copy of the op's result (an op output may not alias an input).
-        tensor_seqlens = isinstance(cache_seqlens, torch.Tensor)
         with torch.no_grad():
-            result, lse = torch.ops.flash4.kvcache(
-                q, k_cache, v_cache, k, v, cache_seqlens if tensor_seqlens else None,
-                None if tensor_seqlens else cache_seqlens, page_table, cache_batch_idx,
-                resolve_softmax_scale(softmax_scale, q.shape[3]), causal, num_splits, check_seqlens, *window_size,
-                softcap, *_sink_arg(learnable_sink))
+            result, lse = torch.ops.flash4.kvcache(*ops.kvcache_args(Request.kvcache(*args, **options)))
             if out is not None:
                 out.copy_(result)
                 result = out
         return (result, lse) if return_lse else result
-    check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, page_table, cache_batch_idx, softmax_scale, causal,
-                         num_splits, out, window_size, softcap, learnable_sink)
-    scale = resolve_softmax_scale(softmax_scale, q.shape[3])
+    request = validate.kvcache_request(*args, out=out, **options)
     with torch.no_grad():
-        out, lse = _flash_attn_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, page_table, cache_batch_idx, scale,
-                                       causal, num_splits, out=out, check_seqlens=check_seqlens,
-                                       window_size=window_size, softcap=softcap, **sink_kwargs(learnable_sink))
-    return (out, lse) if return_lse else out
+        result, lse = forward.run(request, out=out)
+    return (result, lse) if return_lse else result
 
 
-def _flash_attn_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, page_table, cache_batch_idx, softmax_scale: float,
-                        causal: bool, num_splits: int = 0, out=None, lse=None, check_seqlens=False,
-                        window_size=None, softcap: float = 0.0, learnable_sink=None):
-    """flash_attn_with_kvcache on validated inputs (check_kvcache_inputs): append, then attend.
-    out: None or (batch, seqlen_q, nheads, headdim); lse: None or a contiguous float32
-    (batch, nheads, seqlen_q); window_size: None or flash-attn's (left, right); softcap: float >= 0
-    (0 = off) (both paths).
-    Returns (out, lse).
-
-    The attention runs in flash4.decode.decode_forward (GQA packing, split-KV) over the cache
-    rows 0..batch-1 or the page_table; with cache_batch_idx it runs in flash4.varlen.varlen_forward
-    over the dense cache seen as packed rows (_dense_cache_rows), without splitting."""
-    batch, seqlen_q, nheads, headdim = q.shape
-    headdim_v = v_cache.shape[-1]
-    paged = page_table is not None
-    page_table, cache_batch_idx = _contiguous(page_table), _contiguous(cache_batch_idx)
-    seqlen_new = 0 if k is None else k.shape[1]
-    capacity = page_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
-    device = q.device
-    if isinstance(cache_seqlens, torch.Tensor):
-        seqlens = _contiguous(cache_seqlens)
-    else:
-        seqlens = torch.full((batch,), capacity if cache_seqlens is None else cache_seqlens, dtype=torch.int32,
-                             device=device)
-    if check_seqlens:
-        check_kvcache_seqlens(seqlens, seqlen_new, capacity, batch_cache=k_cache.shape[0],
-                              cache_batch_idx=cache_batch_idx, page_table=page_table, num_pages=k_cache.shape[0],
-                              page_size=k_cache.shape[1])
-    if out is None:
-        out = torch.empty(batch, seqlen_q, nheads, headdim_v, dtype=q.dtype, device=device)
-    if lse is None:
-        lse = torch.empty(batch, nheads, seqlen_q, dtype=torch.float32, device=device)
-    if seqlen_new > 0 and batch > 0:
-        _append_kv(k_cache, v_cache, k, v, seqlens, page_table, cache_batch_idx)
-    seqused_k = seqlens + seqlen_new if seqlen_new > 0 else seqlens
-
-    if out.numel() == 0:
-        return out, lse
-    sink = None if learnable_sink is None else learnable_sink.detach().float().contiguous()
-    if k_cache.numel() == 0:  # no key storage: every sequence has 0 keys
-        out.zero_()
-        _fill_no_key_lse(lse, sink, 1)
-        return out, lse
-    if cache_batch_idx is None:
-        from flash4 import decode  # late: the kernels' host side
-
-        with _device_guard(device):
-            decode.decode_forward(q, k_cache, v_cache, seqused_k, softmax_scale, causal, page_table=page_table,
-                                  num_splits=num_splits, out=out, lse=lse, window_size=window_size, softcap=softcap,
-                                  **sink_kwargs(sink))
-        return out, lse
-    total_q = batch * seqlen_q
-    k_rows, v_rows, cu_seqlens_k = _dense_cache_rows(k_cache, v_cache, batch, cache_batch_idx)
-    cu_seqlens_q = torch.arange(0, total_q + 1, seqlen_q, dtype=torch.int32, device=device)
-    lse_packed = torch.empty(nheads, total_q, dtype=torch.float32, device=device)
-    _flash_attn_varlen_forward(q.reshape(total_q, nheads, headdim), k_rows, v_rows, cu_seqlens_q, cu_seqlens_k,
-                               seqlen_q, softmax_scale, causal, seqused_k=seqused_k,
-                               out=out.view(total_q, nheads, headdim_v), lse=lse_packed, window_size=window_size,
-                               softcap=softcap, **sink_kwargs(sink))
-    lse.copy_(lse_packed.view(nheads, batch, seqlen_q).transpose(0, 1))
-    return out, lse
+def _check_flags(**flags) -> None:
+    """TypeError for a flag that is not a bool. return_lse getting a tuple or list is a window_size
+    passed positionally (flash-attn-4's sixth positional argument): the message says it is keyword-only."""
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            hint = ""
+            if name == "return_lse" and isinstance(value, (tuple, list)):
+                hint = (f" (was it a window_size? window_size is keyword-only in flash4: pass "
+                        f"window_size={tuple(value)!r})")
+            raise TypeError(f"{name} must be a bool, got {type(value).__name__}{hint}")
 
 
-def _append_kv(k_cache, v_cache, k, v, cache_seqlens, page_table, cache_batch_idx) -> None:
-    """k/v (batch, seqlen_new, Hk, D) -> cache positions cache_seqlens[b] + t, in place, on the
-    device (index_put_: no host sync; out-of-range positions trip a device-side assert)."""
-    batch, seqlen_new = k.shape[:2]
-    pos = cache_seqlens.long()[:, None] + torch.arange(seqlen_new, device=k.device)[None]  # (batch, seqlen_new)
-    if page_table is not None:
-        page_size = k_cache.shape[1]
-        index = (page_table.gather(1, pos // page_size).long(), pos % page_size)
-    else:
-        rows = cache_batch_idx.long() if cache_batch_idx is not None else torch.arange(batch, device=k.device)
-        index = (rows[:, None].expand(batch, seqlen_new), pos)
-    k_cache.index_put_(index, k)
-    v_cache.index_put_(index, v)
+def _padded_headdims(q, k, v, q_dim: int):
+    """None when (q, k, v) need no padding (native head dims, or inputs the validation will reject
+    anyway); else (q, k, v) zero-padded on their last dim to the head dims flash4.headdim picks, and
+    v's own head dim (the output is sliced back to it). Raises ValueError with flash4.headdim.RULE
+    for a head dim that is not a multiple of 8 in [8, 256]. q_dim: q's head-dim axis (3 dense, 2 varlen)."""
+    from flash4 import headdim as hd
 
-
-def _dense_cache_rows(k_cache, v_cache, batch: int, cache_batch_idx):
-    """A non-empty dense cache (batch_cache, seqlen_cache, Hk, D) as packed rows (total_rows, Hk, D)
-    of stride stride(1) (a view of the same memory) and the (batch + 1,) int32 row offsets of each
-    sequence's cache row, cache_batch_idx[b] times the rows per batch entry. The offsets need not
-    increase (cache_batch_idx is any selection): with seqused_k given the kernel reads
-    cu_seqlens_k[b] as sequence b's offset only (flash4.kernels.common.seqinfo); the last entry is
-    total_rows."""
-    device = k_cache.device
-    rows_per_batch = packed_rows_per_batch(k_cache)
-    total_rows = (k_cache.shape[0] - 1) * rows_per_batch + k_cache.shape[1]
-    if total_rows >= 2 ** 31:
-        raise ValueError(f"the dense cache spans {total_rows} token rows; flash4 addresses at most 2**31 - 1 "
-                         f"(use a paged cache)")
-
-    def rows(cache):
-        return cache.as_strided((total_rows,) + tuple(cache.shape[2:]), (cache.stride(1),) + cache.stride()[2:])
-
-    cu_seqlens_k = torch.full((batch + 1,), total_rows, dtype=torch.int32, device=device)
-    torch.mul(cache_batch_idx, rows_per_batch, out=cu_seqlens_k[:batch])
-    return rows(k_cache), rows(v_cache), cu_seqlens_k
+    if not all(isinstance(t, torch.Tensor) and t.dim() == q_dim + 1 for t in (q, k, v)):
+        return None
+    d, dk, dv = q.shape[-1], k.shape[-1], v.shape[-1]
+    if dk != d or hd.is_native(d, dv):
+        return None
+    for name, value in (("q/k", d), ("v", dv)):
+        if not hd.servable(value):
+            raise ValueError(f"headdim {value} ({name}.shape[{q_dim}]) is not supported: {hd.RULE}")
+    d_p, dv_p = hd.padded_headdims(d, dv)
+    return hd.pad_last(q, d_p), hd.pad_last(k, d_p), hd.pad_last(v, dv_p), dv

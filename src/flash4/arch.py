@@ -37,10 +37,19 @@ class ArchCaps:
 # flash4 reads it here, without importing the CuTe DSL on the host path, and a CPU test
 # (tests/cpu/test_env_arch.py) checks every entry against CUTLASS's.
 CAPS = {
+    # Ampere A100 / A30 (sm_80): 164 KiB of shared memory per SM, 163 KiB per CTA.
+    80: ArchCaps(80, "Ampere", smem_per_block=163 * 1024, regs_per_sm=65536, max_regs_per_thread=255, tmem_bytes=0),
+    # Ampere GA10x (RTX 30xx, A10, A40) and Ada (RTX 40xx, L4, L40): 100 KiB per SM, 99 KiB per CTA.
+    86: ArchCaps(86, "Ampere (GA10x)", smem_per_block=99 * 1024, regs_per_sm=65536, max_regs_per_thread=255,
+                 tmem_bytes=0),
+    89: ArchCaps(89, "Ada", smem_per_block=99 * 1024, regs_per_sm=65536, max_regs_per_thread=255, tmem_bytes=0),
     90: ArchCaps(90, "Hopper", smem_per_block=227 * 1024, regs_per_sm=65536, max_regs_per_thread=255, tmem_bytes=0),
     # 128 lanes x 512 columns x 4 bytes of tensor memory.
     100: ArchCaps(100, "Blackwell", smem_per_block=227 * 1024, regs_per_sm=65536, max_regs_per_thread=255,
                   tmem_bytes=128 * 512 * 4),
+    # Consumer Blackwell (RTX 50xx, RTX PRO 6000): no tensor memory, 100 KiB per SM, 99 KiB per CTA.
+    120: ArchCaps(120, "Blackwell (consumer)", smem_per_block=99 * 1024, regs_per_sm=65536, max_regs_per_thread=255,
+                  tmem_bytes=0),
 }
 
 

@@ -1,28 +1,227 @@
-r"""Backward pass host side: preprocess -> main kernel -> postprocess.
+r"""The host backward: dense and packed (varlen) requests, preprocess -> main kernel -> postprocess.
 
-    dpsum    = rowsum(dO * O)                      fp32 (B, H, Sq_pad), 0 on padding rows  \ CuTe DSL
-    lse_log2 = LSE * log2(e) = fp32(hi + lo)       fp32 (B, H, Sq_pad), +inf where LSE = -inf  | kernels/
-               or padding (so P = 2^(S*c - lse_log2) = 0 there)                            | bwd_preprocess.py
-    exact    = 1 for query tiles with |lse_log2| >= BWD_EXACT_LSE_LOG2: the main kernel     /
-               computes P there from hi, lo unrounded (exact at any magnitude, issue 8)
-    dq_accum = 0                                   fp32 (B, H, Sq_pad, D), the kernel reduce-adds dQ
-                                                   (zeroed by the preprocess, every row)
-    dq       = dq_accum                            converted to the input dtype, (B, Sq, H, D) (the
-                                                   kernel's dS already carries softmax_scale; the
-                                                   postprocess in kernels/common/bwd_preprocess.py)
-Sq_pad rounds seqlen_q up to the kernel's query tile so every TMA box stays in bounds.
+    run(request, dout, out, lse, lse_split=None, dlse=None, dq=None, dk=None, dv=None) -> (dq, dk, dv)
+    flash_attn_backward(dout, q, k, v, out, lse, softmax_scale, causal, ...)  (the dense call by name)
+
+    dpsum    = rowsum(dO * O)                      fp32, 0 on padding rows                      \ CuTe DSL
+    lse_log2 = LSE * log2(e) = fp32(hi + lo)       fp32, +inf where LSE = -inf or padding        | kernels/
+               (so P = 2^(S*c - lse_log2) = 0 there)                                          | common/
+    exact    = 1 for query tiles with |lse_log2| >= BWD_EXACT_LSE_LOG2: the main kernel      | bwd_pre-
+               computes P there from hi, lo unrounded (exact at any magnitude, issue 8)       | process.py
+    dq_accum = 0                                   fp32 (.., H, rows, D), the kernel reduce-adds dQ /
+                                                   (zeroed by the preprocess)
+    dpsum   -= dLSE                                when the LSE has a gradient (dS = P * (dP - D) gains P * dLSE)
+    main kernel (the family's, flash4.kernels.registry): dK, dV of its key tile, dQ reduce-added
+    dq       = dq_accum converted to the input dtype (the kernel's dS already carries softmax_scale; the
+               dQ postprocess)
+
+Dense (B, Sq, H, D): the statistics are (B, H, Sq_pad), Sq_pad = seqlen_q rounded up to the query tile
+so every TMA box stays in bounds. Packed (total_q, H, D) with cu_seqlens (the kernels take 4-D / 3-D
+views with a batch mode of size 1): the statistics live in a padded layout where each sequence
+starts on a query-tile boundary,
+    row of query i of sequence b = padded_offset(b) + i,
+    padded_offset(b) = (cu_seqlens_q[b] + b * tile_m) // tile_m * tile_m,
+    padded_total = (total_q + batch * tile_m) // tile_m * tile_m rows in all,
+so sequence b's query tile m is padded tile padded_offset(b) / tile_m + m (its dQ semaphore and exact
+flag). One more tile, the scratch tile at row padded_total, takes the packed rows outside every
+sequence (at or past cu_seqlens_q[-1], or past seqused_q[b]) (padded_row_index), so the preprocess
+and the dlse scatter need no branch and the gather of dQ reads zeros for them (the preprocess
+zeroes that tile's rows; no kernel adds to it). The main kernel's grid is (n_block, kv_head,
+sequence) with ceil(max_seqlen_k / tile_n) n_blocks; it writes dK, dV rows < seqlen_k of each
+sequence; the others (past cu_seqlens_k[-1] or seqused_k) are zeroed before the launch (one memset:
+without a host sync the host cannot tell whether any exist). No call syncs with the host, except
+resolving a max_seqlen given as None or a CUDA tensor.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-from flash4.arch import device_arch
 from flash4 import env
-from flash4.config import (LOG2E, bwd_heads_per_cta, ceil_div, mean_queries_per_key, select_bwd_config,
-                           with_dkv_accum)
-from flash4.geometry import window_sides
-from flash4.validate import DTYPE_NAMES
+from flash4.arch import device_arch
+from flash4.config import LOG2E, bwd_config, ceil_div
+from flash4.forward import device_guard
+from flash4.request import Request, SeqSpec
+from flash4.validate import resolve_max_seqlen
+
+F32 = torch.float32
+
+
+def flash_attn_backward(dout, q, k, v, out, lse, softmax_scale: float, causal: bool, dq=None, dk=None, dv=None,
+                        deterministic: bool = False, lse_split=None, dlse=None, window_size=None, softcap: float = 0.0):
+    """Gradients of out = attention(q, k, v) for the upstream gradient dout (dense batches).
+
+    q: (B, Sq, H, D); k: (B, Sk, Hk, D); v: (B, Sk, Hk, Dv); out, dout: (B, Sq, H, Dv) (Dv = D, or a
+    flash4.config.HDIMV_PAIRS head dim); lse: fp32 (B, H, Sq) from the forward.
+    lse_split: None, or the forward's fp32 (2, B, H, Sq) log2-domain LSE split (lse * log2 e =
+    lse_split[0] + lse_split[1], flash4.forward): with it P is exact at the row max for any finite
+    score magnitude; without it the split is taken from the rounded lse (exact while |lse| stays
+    below ~2^9, where an ulp of lse is below 2^-14).
+    dq, dk, dv: None, or preallocated contiguous tensors like q, k, v that are overwritten (tests
+    pass NaN-filled ones to catch unwritten elements).
+    dlse: None, or the gradient of the loss w.r.t. lse, (B, H, Sq): dS = P * (dP - D) gains
+    P * dLSE (d LSE_i / d S_ij = P_ij), applied as D - dLSE (rows with LSE = -inf have P = 0).
+    deterministic: add the dQ partial sums of the key blocks in a fixed order (bitwise-identical
+    results across calls); dK and dV are reduced in registers, or (GQA/MQA head split: several
+    CTAs per KV head) added in fp32 in head-split order. window_size: None or flash-attn's (left,
+    right); softcap: the forward's (0 = off).
+    Returns (dq, dk, dv) shaped like q, k, v in their dtype. Raises ValueError for a head dim the
+    backward kernel does not support (flash4.config.BWD_SUPPORTED_HEADDIMS) or a problem beyond the
+    kernels' grid/int32 limits (flash4.launch). The inputs are not validated (they come from a forward).
+    """
+    request = Request.dense(q, k, v, softmax_scale, causal, window_size, softcap, deterministic=deterministic)
+    return run(request, dout, out, lse, lse_split, dlse, dq, dk, dv)
+
+
+def run(request: Request, dout, out, lse, lse_split=None, dlse=None, dq=None, dk=None, dv=None):
+    """Gradients (dq, dk, dv) of flash4.forward.run(request) for the upstream gradient dout, for a
+    DENSE or VARLEN request (paged K/V have no backward). Shapes as the forward's (module docstrings);
+    dlse: None or lse's shape; lse_split: None or the forward's; dq / dk / dv: None or preallocated
+    tensors like q, k, v, overwritten (rows outside every sequence get 0). Packed: max_seqlen_k
+    (given as None or a 0-d tensor: resolved here, a host sync for a CUDA tensor or None) sizes the
+    grid; max_seqlen_q only detects the empty case (the kernel walks each sequence's own query
+    tiles). Rows of q / dout outside every sequence may hold any finite values (a key tile loads
+    query rows past a sequence's end; their P is 0, as in flash-attn); out / lse there are not read.
+    Every gradient is 0, and nothing launches, when there is no query row or no key."""
+    q, k, v, seq = request.q, request.k, request.v, request.seq
+    assert not seq.paged, "paged K/V have no backward (flash4.autograd.PAGED_BACKWARD_ERROR)"
+    dq = torch.empty_like(q, memory_format=torch.contiguous_format) if dq is None else dq
+    dk = torch.empty_like(k, memory_format=torch.contiguous_format) if dk is None else dk
+    dv = torch.empty_like(v, memory_format=torch.contiguous_format) if dv is None else dv
+    if seq.packed:
+        request = request.with_seq(_resolved(seq))
+        seq = request.seq
+        empty = (q.shape[0] == 0 or k.shape[0] == 0 or request.batch <= 0 or seq.max_seqlen_q <= 0
+                 or seq.max_seqlen_k <= 0)
+    else:
+        empty = dq.numel() == 0 or dk.numel() == 0
+    if empty:
+        for g in (dq, dk, dv):
+            g.zero_()
+        return dq, dk, dv  # no query or no key: every gradient is 0 (or empty)
+    with device_guard(q.device):
+        launch(request, dout, out, lse, lse_split, dlse, dq, dk, dv)
+    return dq, dk, dv
+
+
+def launch(request: Request, dout, out, lse, lse_split, dlse, dq, dk, dv) -> None:
+    """The kernels of one backward with work to do (run() answered the empty cases, allocated dq /
+    dk / dv and set the device): the plan from flash4.config.bwd_config, the statistics buffers,
+    the preprocess, the main kernel, the dQ postprocess. The request is unpacked here, once."""
+    from flash4.compile.cache import get_bwd_postprocess_runner, get_bwd_preprocess_runner, get_bwd_runner  # late
+
+    q, k, v, seq = request.q, request.k, request.v, request.seq
+    packed, nheads, headdim = seq.packed, request.nheads, request.headdim
+    plan = bwd_config(request, device_arch(q.device), env.bwd_heads_per_cta_override())
+    cfg, tile_m = plan.cfg, plan.cfg.tile_m
+    if packed:  # the padded per-sequence layout plus its scratch tile (module docstring)
+        total_q, batch = q.shape[0], request.batch
+        stats_batch, rows = 1, padded_total(total_q, batch, tile_m) + tile_m
+        row_index = padded_row_index(seq.cu_seqlens_q, total_q, tile_m, seq.seqused_q)
+        num_kv_tiles = ceil_div(seq.max_seqlen_k, cfg.tile_n) * request.nheads_k * batch
+        sequences = dict(cu_seqlens_q=_int32_vector(seq.cu_seqlens_q), cu_seqlens_k=_int32_vector(seq.cu_seqlens_k),
+                         seqused_q=_int32_vector(seq.seqused_q), seqused_k=_int32_vector(seq.seqused_k),
+                         max_seqlen_k=seq.max_seqlen_k)
+
+        def kernel_view(t):  # packed rows with a batch mode of size 1
+            return t[None]
+    else:
+        batch, seqlen_q = q.shape[:2]
+        stats_batch, rows = batch, ceil_div(seqlen_q, tile_m) * tile_m
+        row_index, sequences = None, {}
+        num_kv_tiles = ceil_div(k.shape[1], cfg.tile_n) * request.nheads_k * batch
+
+        def kernel_view(t):
+            return t
+    dout = _kernel_ready(dout)
+    if lse_split is None:
+        lse_split = torch.stack([torch.where(lse == float("-inf"), float("inf"), lse * LOG2E), torch.zeros_like(lse)])
+    f32 = dict(dtype=F32, device=q.device)
+    dpsum = torch.zeros(stats_batch, nheads, rows, **f32)
+    lse_log2 = torch.full((stats_batch, nheads, rows), float("inf"), **f32)
+    dq_accum = torch.empty(stats_batch, nheads, rows, headdim, **f32)  # zeroed by the preprocess
+    # [0]: dQ semaphores (deterministic), [1]: exact-path flags of the (padded) query tiles; one memset.
+    tile_flags = torch.zeros(2, stats_batch, nheads, rows // tile_m, dtype=torch.int32, device=q.device)
+    dk_out, dv_out, dkv_sem, finish_dkv = dkv_targets(cfg, dk, dv, num_kv_tiles)
+    # rowsum(dO * O) over Dv; dq_accum has q's head dim
+    preprocess = get_bwd_preprocess_runner(request.headdim_v, cfg.dtype, cfg.arch, varlen=packed, headdim_q=headdim)
+    postprocess = get_bwd_postprocess_runner(headdim, cfg.dtype, cfg.arch, varlen=packed,
+                                             accum_tile_m=tile_m if cfg.dq_accum_order else None)
+    run_kernel = get_bwd_runner(cfg)
+    hi, lo = kernel_view(lse_split[0]), kernel_view(lse_split[1])
+    preprocess(kernel_view(_kernel_ready(out)), kernel_view(dout), hi, lo, dpsum, lse_log2, tile_flags[1], dq_accum,
+               tile_m, row_index)
+    if dlse is not None:
+        if packed:  # rows outside every sequence all land on the scratch row (never read)
+            dpsum[0].index_add_(1, row_index, dlse.to(F32), alpha=-1.0)
+        else:
+            dpsum[:, :, :seqlen_q] -= dlse
+    if packed and not cfg.dkv_accum:
+        # the kernel writes the rows of every sequence; the others (past cu_seqlens_k[-1] or seqused_k) stay 0
+        dk.zero_()
+        dv.zero_()
+    run_kernel(kernel_view(_kernel_ready(q)), kernel_view(_kernel_ready(k)), kernel_view(_kernel_ready(v)),
+               kernel_view(dout), lse_log2, dpsum, dq_accum, kernel_view(dk_out), kernel_view(dv_out), tile_flags[0],
+               tile_flags[1], hi, lo, request.score.softmax_scale, window=request.mask.window,
+               softcap=request.score.softcap, heads_per_cta=plan.heads_per_cta, dkv_semaphore=dkv_sem, **sequences)
+    finish_dkv()
+    # packed row r <- padded row row_index[r]; rows outside every sequence read the scratch tile's zeros
+    dq_out = dq_target(dq)
+    postprocess(dq_accum, kernel_view(dq_out), row_index)
+    if dq_out is not dq:
+        dq.copy_(dq_out)
+
+
+# ================================================================ helpers (CPU-tested)
+def padded_total(total_q: int, batch: int, tile_m: int) -> int:
+    """Rows of the padded per-sequence statistics layout (see the module docstring)."""
+    return (total_q + batch * tile_m) // tile_m * tile_m
+
+
+def padded_row_index(cu_seqlens_q: torch.Tensor, total_q: int, tile_m: int,
+                     seqused_q: torch.Tensor | None = None) -> torch.Tensor:
+    """int32 (total_q,): the padded-layout row of every packed query row, on cu_seqlens_q's device,
+    without a host sync. Row r of sequence b (cu_seqlens_q[b] <= r < cu_seqlens_q[b + 1]) maps to
+    padded_offset(b) + r - cu_seqlens_q[b]; rows outside every sequence (before cu_seqlens_q[0], at
+    or past cu_seqlens_q[-1], or at or past seqused_q[b] in sequence b) map to
+    padded_total(total_q, batch, tile_m), the scratch tile after the layout (module docstring)."""
+    cu = cu_seqlens_q.long()
+    device = cu.device
+    batch = cu.numel() - 1
+    scratch = padded_total(total_q, batch, tile_m)
+    rows = torch.arange(total_q, device=device)
+    if batch <= 0:
+        return torch.full((total_q,), scratch, dtype=torch.int32, device=device)
+    # sequence of each row: the number of sequence ends <= row (batch for rows past the last end)
+    seq = torch.searchsorted(cu[1:].contiguous(), rows, right=True)
+    b = seq.clamp(max=batch - 1)
+    start = cu[b]
+    pos = rows - start
+    valid = (seq < batch) & (pos >= 0)
+    if seqused_q is not None:
+        valid &= pos < seqused_q.long()[b]
+    padded = (start + b * tile_m) // tile_m * tile_m + pos
+    return torch.where(valid, padded, torch.full_like(padded, scratch)).to(torch.int32)
+
+
+def dkv_targets(cfg, dk: torch.Tensor, dv: torch.Tensor, num_kv_tiles: int):
+    """Where the backward kernel writes dK, dV: (dk_target, dv_target, semaphore, finish). Without
+    cfg.dkv_accum: dk, dv themselves, no semaphore. With it: zeroed fp32 accumulators shaped like
+    dk, dv, the deterministic chain's int32 counters (num_kv_tiles = key blocks x Hk x batch; None
+    unless cfg.deterministic), and finish() copies the accumulators into dk, dv."""
+    if not cfg.dkv_accum:
+        return dk, dv, None, lambda: None
+    dk_acc = torch.zeros(dk.shape, dtype=F32, device=dk.device)
+    dv_acc = torch.zeros(dv.shape, dtype=F32, device=dv.device)
+    sem = torch.zeros(num_kv_tiles, dtype=torch.int32, device=dk.device) if cfg.deterministic else None
+
+    def finish():
+        dk.copy_(dk_acc)
+        dv.copy_(dv_acc)
+
+    return dk_acc, dv_acc, sem, finish
 
 
 def _kernel_ready(t: torch.Tensor) -> torch.Tensor:
@@ -40,100 +239,16 @@ def dq_target(dq: torch.Tensor) -> torch.Tensor:
     return dq if _is_kernel_ready(dq) else torch.empty(dq.shape, dtype=dq.dtype, device=dq.device)
 
 
-def head_split_config(cfg, nheads: int, nheads_k: int, seqlen_q: int, seqlen_k: int, causal: bool, window):
-    """(cfg, heads_per_cta) of the GQA/MQA head split (BwdConfig.dkv_accum, chosen by
-    flash4.config.bwd_heads_per_cta from the mean visible queries per key, or FLASH4_BWD_HEADS_PER_CTA).
-    seqlen_q, seqlen_k: the (max) sequence lengths; window: flash4.geometry.window_sides' or None.
-    Apply it before anything is sized by cfg.tile_m: the split may change the query tile."""
-    queries = mean_queries_per_key(seqlen_q, seqlen_k, causal, window)
-    heads_per_cta = bwd_heads_per_cta(nheads, nheads_k, env.bwd_heads_per_cta_override(), queries)
-    return with_dkv_accum(cfg, nheads, nheads_k, heads_per_cta), heads_per_cta
+def _int32_vector(t: torch.Tensor | None) -> torch.Tensor | None:
+    """The kernels read cu_seqlens / seqused as contiguous int32 vectors."""
+    if t is None:
+        return None
+    return t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
 
 
-def dkv_targets(cfg, dk: torch.Tensor, dv: torch.Tensor, num_kv_tiles: int):
-    """Where the backward kernel writes dK, dV: (dk_target, dv_target, semaphore, finish). Without
-    cfg.dkv_accum: dk, dv themselves, no semaphore. With it: zeroed fp32 accumulators shaped like
-    dk, dv, the deterministic chain's int32 counters (num_kv_tiles = key blocks x Hk x batch; None
-    unless cfg.deterministic), and finish() copies the accumulators into dk, dv."""
-    if not cfg.dkv_accum:
-        return dk, dv, None, lambda: None
-    dk_acc = torch.zeros(dk.shape, dtype=torch.float32, device=dk.device)
-    dv_acc = torch.zeros(dv.shape, dtype=torch.float32, device=dv.device)
-    sem = torch.zeros(num_kv_tiles, dtype=torch.int32, device=dk.device) if cfg.deterministic else None
+def _resolved(seq: SeqSpec) -> SeqSpec:
+    """seq with max_seqlen_q / max_seqlen_k as host ints (given as a 0-d tensor or None: a host sync)."""
+    return dataclasses.replace(
+        seq, max_seqlen_q=resolve_max_seqlen("max_seqlen_q", seq.max_seqlen_q, seq.cu_seqlens_q, seq.seqused_q),
+        max_seqlen_k=resolve_max_seqlen("max_seqlen_k", seq.max_seqlen_k, seq.cu_seqlens_k, seq.seqused_k))
 
-    def finish():
-        dk.copy_(dk_acc)
-        dv.copy_(dv_acc)
-
-    return dk_acc, dv_acc, sem, finish
-
-
-def flash_attn_backward(dout, q, k, v, out, lse, softmax_scale: float, causal: bool, dq=None, dk=None, dv=None,
-                        deterministic: bool = False, lse_split=None, dlse=None, window_size=None, softcap: float = 0.0):
-    """Gradients of out = attention(q, k, v) for the upstream gradient dout.
-
-    q: (B, Sq, H, D); k: (B, Sk, Hk, D); v: (B, Sk, Hk, Dv); out, dout: (B, Sq, H, Dv) (Dv = D, or a
-    flash4.config.HDIMV_PAIRS head dim); lse: fp32 (B, H, Sq) from the forward.
-    lse_split: None, or the forward's fp32 (2, B, H, Sq) log2-domain LSE split (lse * log2 e =
-    lse_split[0] + lse_split[1], flash4.api._flash_attn_forward): with it P is exact at the row max
-    for any finite score magnitude; without it the split is taken from the rounded lse (exact
-    while |lse| stays below ~2^9, where an ulp of lse is below 2^-14).
-    dq, dk, dv: None, or preallocated contiguous tensors like q, k, v that are overwritten (tests
-    pass NaN-filled ones to catch unwritten elements).
-    dlse: None, or the gradient of the loss w.r.t. lse, (B, H, Sq): dS = P * (dP - D) gains
-    P * dLSE (d LSE_i / d S_ij = P_ij), applied as D - dLSE (rows with LSE = -inf have P = 0).
-    deterministic: add the dQ partial sums of the key blocks in a fixed order (bitwise-identical
-    results across calls); dK and dV are reduced in registers, or (GQA/MQA head split: several
-    CTAs per KV head) added in fp32 in head-split order.
-    Returns (dq, dk, dv) shaped like q, k, v in their dtype. Raises ValueError for a head dim the
-    backward kernel does not support (flash4.config.BWD_SUPPORTED_HEADDIMS) or a problem beyond the
-    kernels' grid/int32 limits (flash4.launch).
-    """
-    batch, seqlen_q, nheads, headdim = q.shape
-    headdim_v = v.shape[-1]
-    dq = torch.empty_like(q, memory_format=torch.contiguous_format) if dq is None else dq
-    dk = torch.empty_like(k, memory_format=torch.contiguous_format) if dk is None else dk
-    dv = torch.empty_like(v, memory_format=torch.contiguous_format) if dv is None else dv
-    if dq.numel() == 0 or dk.numel() == 0:
-        for g in (dq, dk, dv):
-            g.zero_()
-        return dq, dk, dv  # no query or no key: every gradient is 0 (or empty)
-    window = window_sides(window_size, causal)
-    cfg = select_bwd_config(headdim, DTYPE_NAMES[q.dtype], causal, arch=device_arch(q.device),
-                            deterministic=deterministic, local=window is not None, softcap=softcap > 0,
-                            **({} if headdim_v == headdim else {"headdim_v": headdim_v}))
-    cfg, heads_per_cta = head_split_config(cfg, nheads, k.shape[2], seqlen_q, k.shape[1], causal, window)
-    num_m_blocks = ceil_div(seqlen_q, cfg.tile_m)
-    seqlen_q_pad = num_m_blocks * cfg.tile_m
-    dout = _kernel_ready(dout)
-    if lse_split is None:
-        lse_split = torch.stack([torch.where(lse == float("-inf"), float("inf"), lse * LOG2E), torch.zeros_like(lse)])
-    f32 = dict(dtype=torch.float32, device=q.device)
-    dpsum = torch.zeros(batch, nheads, seqlen_q_pad, **f32)
-    lse_log2 = torch.full((batch, nheads, seqlen_q_pad), float("inf"), **f32)
-    dq_accum = torch.empty(batch, nheads, seqlen_q_pad, headdim, **f32)  # zeroed by the preprocess
-    # [0]: dQ semaphores (deterministic), [1]: exact-path flags of the query tiles; one memset.
-    tile_flags = torch.zeros(2, batch, nheads, num_m_blocks, dtype=torch.int32, device=q.device)
-
-    from flash4.compile.cache import get_bwd_postprocess_runner, get_bwd_preprocess_runner, get_bwd_runner  # late
-
-    num_kv_tiles = ceil_div(k.shape[1], cfg.tile_n) * k.shape[2] * batch
-    dk_out, dv_out, dkv_sem, finish_dkv = dkv_targets(cfg, dk, dv, num_kv_tiles)
-    preprocess = get_bwd_preprocess_runner(headdim_v, cfg.dtype, cfg.arch, headdim_q=headdim)  # rowsum(dO * O) over Dv
-    postprocess = get_bwd_postprocess_runner(headdim, cfg.dtype, cfg.arch,
-                                             accum_tile_m=cfg.tile_m if cfg.dq_accum_order else None)
-    run = get_bwd_runner(cfg)
-    with torch.cuda.device(q.device):
-        preprocess(_kernel_ready(out), dout, lse_split[0], lse_split[1], dpsum, lse_log2, tile_flags[1], dq_accum,
-                   cfg.tile_m)
-        if dlse is not None:
-            dpsum[:, :, :seqlen_q] -= dlse
-        run(_kernel_ready(q), _kernel_ready(k), _kernel_ready(v), dout, lse_log2, dpsum, dq_accum, dk_out, dv_out,
-            tile_flags[0], tile_flags[1], lse_split[0], lse_split[1], softmax_scale, window=window,
-            softcap=softcap, heads_per_cta=heads_per_cta, dkv_semaphore=dkv_sem)
-        finish_dkv()
-        dq_out = dq_target(dq)
-        postprocess(dq_accum, dq_out)
-    if dq_out is not dq:
-        dq.copy_(dq_out)
-    return dq, dk, dv

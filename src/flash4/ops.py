@@ -16,45 +16,48 @@ output sizes, strides and dtypes) instead of a graph break at a foreign TVM-FFI 
         page_table?, cache_batch_idx?, softmax_scale, causal, num_splits, check_seqlens,
         window_left=-1, window_right=-1, softcap=0.0, learnable_sink?=None) -> (out, lse)
 
-learnable_sink: None or the (nheads,) attention-sink logits (flash4.api.flash_attn_func's); the
-autograd of fwd / varlen_fwd returns its gradient (flash4.autograd.sink_grad, in torch; the
-backward ops need no sink).
+An op's arguments are a flash4.request.Request laid flat: `forward_args(request)` / `kvcache_args(request)`
+lay a request out for its op, and each forward op's real implementation builds the request again
+through flash4.validate (its arguments are checked when the compiled graph runs: pointers and the
+device are not known while tracing) and runs flash4.forward.run; the backward ops build theirs
+unchecked (the forward ran) and run flash4.backward.run. The backward ops take the forward op's
+arguments by the same names (the autograd formula, flash4.autograd, passes them on by name).
 
+learnable_sink: None or the (nheads,) attention-sink logits (flash4.api.flash_attn_func's); its
+gradient comes from flash4.autograd.sink_grad (in torch; the backward ops need no sink).
 window_left / window_right: flash-attn's sliding window (flash4.api.flash_attn_func's window_size,
 one int per side, -1 unbounded on that side; the defaults are no window). softcap: the logit
-soft-cap (flash4.api.flash_attn_func's; 0.0 = off). The forward ops validate them with the other
-arguments when they run; the autograd formulas pass the forward's window and softcap to the
-backward op.
+soft-cap (0.0 = off).
 
-Shapes and dtypes as in flash4.api: dense q, out (B, Sq, H, D); k, v (B, Sk, Hk, D); lse (B, H, Sq)
+Shapes and dtypes as in flash4.forward: dense q, out (B, Sq, H, D); k, v (B, Sk, Hk, D); lse (B, H, Sq)
 float32; lse_split (2, B, H, Sq) float32 (the unrounded log2 LSE the backward's exact path uses).
 Varlen: q, out (total_q, H, D); k, v (total_k, Hk, D) or paged (num_pages, page_size, Hk, D); lse
 (H, total_q); lse_split (2, H, total_q). kvcache: out (B, Sq, H, D), lse (B, H, Sq). Every output
 is a new contiguous tensor.
 
-Autograd is registered on flash4::fwd and flash4::varlen_fwd (their backward calls flash4::bwd /
-flash4::varlen_bwd; dlse flows into dS as in flash4.autograd); the backward ops have none, so
-differentiating them again raises torch's "autograd not registered" error. A paged varlen_fwd
-(page_table given) raises flash4.autograd.PAGED_BACKWARD_ERROR when its backward is built (under
-torch.compile: while compiling a graph that needs it). flash4::kvcache has no autograd (as
-flash_attn_with_kvcache); it mutates k_cache / v_cache (the in-place append of k / v) and says so
-in its schema (mutates_args), so functionalization orders it correctly.
+Autograd: flash_attn_func / flash_attn_varlen_func reach these ops through flash4.autograd's
+FlashAttnFunction under torch.compile (the one autograd path, eager and compile alike); the same
+formula is registered on flash4::fwd and flash4::varlen_fwd themselves (flash4.autograd), for
+callers of the ops. The backward ops have no autograd, so differentiating them again raises
+torch's "autograd not registered" error. A paged varlen_fwd (page_table given) raises
+flash4.autograd.PAGED_BACKWARD_ERROR when its backward is built (under torch.compile: while
+compiling a graph that needs it). flash4::kvcache has no autograd (as flash_attn_with_kvcache); it
+mutates k_cache / v_cache (the in-place append of k / v) and says so in its schema (mutates_args),
+so functionalization orders it correctly.
 
-Constraints of torch 2.11's custom ops, kept here: ops return every output (lse always), take
-tensors positionally, never alias an input (flash_attn_with_kvcache's out= is a copy after the op
+Constraints of torch's custom ops (2.11 and later), kept here: ops return every output (lse always),
+take tensors positionally, never alias an input (flash_attn_with_kvcache's out= is a copy after the op
 under torch.compile), and register autograd only on functional ops.
 
 max_seqlen_q / max_seqlen_k are host ints (`int?` in the schema: SymInts under dynamic shapes).
 None means "compute it from the metadata when the op runs": max(seqused) or the largest
 cu_seqlens difference, read with one host sync inside the op's real implementation. Under
-torch.compile, flash_attn_varlen_func passes None for a max_seqlen given as a tensor (reading a
-tensor while tracing would break the graph), so a tensor max_seqlen is not used there: the op
-computes the exact maximum from the metadata instead (a host sync when the compiled graph runs).
+torch.compile, a max_seqlen given as a tensor reaches the op as None (reading a tensor while tracing
+would break the graph): the op computes the exact maximum from the metadata instead (a host sync
+when the compiled graph runs).
 
-The public functions call these ops while torch.compile traces them (`torch.compiler.is_compiling()`),
-and their autograd.Function / direct paths in eager mode; both run the same kernels
-(flash4.api's private helpers). The fake implementations are checked on the CPU
-(tests/cpu/test_ops.py); torch.compile on a GPU is covered by tests/gpu/test_integrations.py.
+The fake implementations are checked on the CPU (tests/cpu/test_ops.py); torch.compile on a GPU is
+covered by tests/gpu/test_integrations.py.
 """
 
 from __future__ import annotations
@@ -64,13 +67,10 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from flash4 import backward, forward, validate
+from flash4.request import Request
+
 F32 = torch.float32
-
-
-def sink_kwargs(learnable_sink) -> dict:
-    from flash4.autograd import sink_kwargs as kw
-
-    return kw(learnable_sink)
 
 
 def _out_shape(q: Tensor, v: Tensor) -> tuple:
@@ -83,22 +83,24 @@ def _fwd_shapes(q: Tensor):
     return (batch, nheads, seqlen_q), (2, batch, nheads, seqlen_q)
 
 
+def _outputs(request: Request):
+    """(out, lse, lse_split) of a forward op: flash4.forward.run with a new lse_split."""
+    lse_split = forward.new_lse_split(request)
+    out, lse = forward.run(request, lse_split=lse_split)
+    return out, lse, lse_split
+
+
+def _grads_fake(q, k, v):
+    return tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+
+
 # ================================================================ dense
 @torch.library.custom_op("flash4::fwd", mutates_args=(), device_types="cuda")
 def fwd(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool, deterministic: bool,
         window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
         learnable_sink: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
-    from flash4.api import _flash_attn_forward
-    from flash4.validate import check_inputs
-
-    window_size = (window_left, window_right)
-    # real tensors: pointers and the device too
-    check_inputs(q, k, v, softmax_scale, causal, window_size, softcap, learnable_sink)
-    _, split_shape = _fwd_shapes(q)
-    lse_split = torch.empty(split_shape, dtype=F32, device=q.device)
-    out, lse = _flash_attn_forward(q, k, v, softmax_scale, causal, lse_split=lse_split, window_size=window_size,
-                                   softcap=softcap, **sink_kwargs(learnable_sink))
-    return out, lse, lse_split
+    return _outputs(validate.dense_request(q, k, v, softmax_scale, causal, (window_left, window_right), softcap,
+                                           learnable_sink, deterministic))
 
 
 @fwd.register_fake
@@ -110,15 +112,16 @@ def _fwd_fake(q, k, v, softmax_scale, causal, deterministic, window_left=-1, win
             torch.empty(split_shape, dtype=F32, device=q.device))
 
 
-@torch.library.custom_op("flash4::bwd", mutates_args=(), device_types="cuda")
-def bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, lse_split: Tensor,
-        dlse: Optional[Tensor], softmax_scale: float, causal: bool, deterministic: bool, window_left: int = -1,
-        window_right: int = -1, softcap: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
-    from flash4.backward import flash_attn_backward
+def dense_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, lse_split: Tensor,
+                   dlse: Optional[Tensor], softmax_scale: float, causal: bool, deterministic: bool,
+                   window_left: int = -1, window_right: int = -1, softcap: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
+    """flash4::bwd's implementation (the eager autograd path calls it without the op's dispatch)."""
+    request = Request.dense(q, k, v, softmax_scale, causal, (window_left, window_right), softcap,
+                            deterministic=deterministic)
+    return backward.run(request, dout, out, lse, lse_split, dlse)
 
-    return flash_attn_backward(dout, q, k, v, out, lse, softmax_scale, causal, deterministic=deterministic,
-                               lse_split=lse_split, dlse=dlse, window_size=(window_left, window_right),
-                               softcap=softcap)
+
+bwd = torch.library.custom_op("flash4::bwd", dense_backward, mutates_args=(), device_types="cuda")
 
 
 @bwd.register_fake
@@ -127,44 +130,10 @@ def _bwd_fake(dout, q, k, v, out, lse, lse_split, dlse, softmax_scale, causal, d
     return _grads_fake(q, k, v)
 
 
-def _grads_fake(q, k, v):
-    return tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
-
-
-def _setup_context(ctx, inputs, output):
-    q, k, v, softmax_scale, causal, deterministic, window_left, window_right, softcap, learnable_sink = inputs
-    out, lse, lse_split = output
-    ctx.save_for_backward(q, k, v, out, lse, lse_split, learnable_sink)
-    ctx.softmax_scale, ctx.causal, ctx.deterministic = softmax_scale, causal, deterministic
-    ctx.window, ctx.softcap = (window_left, window_right), softcap
-    ctx.mark_non_differentiable(lse_split)
-
-
-def _backward(ctx, dout, dlse, dlse_split):
-    from flash4.autograd import sink_grad
-
-    q, k, v, out, lse, lse_split, sink = ctx.saved_tensors
-    if dout is None:
-        dout = torch.zeros_like(out)
-    dsink = sink_grad(sink, out, dout, lse, dlse, 2) if sink is not None and ctx.needs_input_grad[9] else None
-    dq, dk, dv = torch.ops.flash4.bwd(dout, q, k, v, out, lse, lse_split, dlse, ctx.softmax_scale, ctx.causal,
-                                      ctx.deterministic, *ctx.window, ctx.softcap)
-    return (dq, dk, dv) + (None,) * 6 + (dsink,)
-
-
-torch.library.register_autograd("flash4::fwd", _backward, setup_context=_setup_context)
-
-
 # ================================================================ varlen / paged
 def _varlen_shapes(q: Tensor):
     total_q, nheads, _ = q.shape
     return (nheads, total_q), (2, nheads, total_q)
-
-
-def _max_seqlen(name: str, value: Optional[int], cu_seqlens: Optional[Tensor], seqused: Optional[Tensor]) -> int:
-    from flash4.validate import resolve_max_seqlen
-
-    return resolve_max_seqlen(name, value, cu_seqlens, seqused)
 
 
 @torch.library.custom_op("flash4::varlen_fwd", mutates_args=(), device_types="cuda")
@@ -174,18 +143,9 @@ def varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens
                deterministic: bool, check_seqlens: bool, window_left: int = -1,
                window_right: int = -1, softcap: float = 0.0,
                learnable_sink: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
-    from flash4.api import _flash_attn_varlen_forward, _prepare_varlen
-
-    window_size = (window_left, window_right)
-    cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table, max_q = _prepare_varlen(
+    return _outputs(validate.varlen_request(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, page_table,
-        softmax_scale, causal, window_size, softcap, learnable_sink, check_seqlens)
-    _, split_shape = _varlen_shapes(q)
-    lse_split = torch.empty(split_shape, dtype=F32, device=q.device)
-    out, lse = _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, softmax_scale, causal,
-                                          seqused_q, seqused_k, page_table, lse_split=lse_split,
-                                          window_size=window_size, softcap=softcap, **sink_kwargs(learnable_sink))
-    return out, lse, lse_split
+        softmax_scale, causal, (window_left, window_right), softcap, learnable_sink, deterministic, check_seqlens))
 
 
 @varlen_fwd.register_fake
@@ -198,22 +158,20 @@ def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, 
             torch.empty(split_shape, dtype=F32, device=q.device))
 
 
-@torch.library.custom_op("flash4::varlen_bwd", mutates_args=(), device_types="cuda")
-def varlen_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, lse_split: Tensor,
-               dlse: Optional[Tensor], cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, seqused_q: Optional[Tensor],
-               seqused_k: Optional[Tensor], max_seqlen_q: Optional[int], max_seqlen_k: Optional[int],
-               softmax_scale: float, causal: bool, deterministic: bool, window_left: int = -1,
-               window_right: int = -1, softcap: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
-    from flash4.api import _contiguous, _flash_attn_varlen_backward
+def varlen_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, lse_split: Tensor,
+                    dlse: Optional[Tensor], cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, seqused_q: Optional[Tensor],
+                    seqused_k: Optional[Tensor], max_seqlen_q: Optional[int], max_seqlen_k: Optional[int],
+                    softmax_scale: float, causal: bool, deterministic: bool, window_left: int = -1,
+                    window_right: int = -1, softcap: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
+    """flash4::varlen_bwd's implementation (the eager autograd path calls it without the op's
+    dispatch, with max_seqlen_k possibly a 0-d tensor: flash4.backward.run resolves it)."""
+    request = Request.varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
+                             None, softmax_scale, causal, (window_left, window_right), softcap,
+                             deterministic=deterministic)
+    return backward.run(request, dout, out, lse, lse_split, dlse)
 
-    cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k = (
-        _contiguous(t) for t in (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k))
-    max_q = _max_seqlen("max_seqlen_q", max_seqlen_q, cu_seqlens_q, seqused_q)
-    max_k = _max_seqlen("max_seqlen_k", max_seqlen_k, cu_seqlens_k, seqused_k)
-    return _flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_q, max_k,
-                                       softmax_scale, causal, seqused_q, seqused_k, deterministic=deterministic,
-                                       lse_split=lse_split, dlse=dlse, window_size=(window_left, window_right),
-                                       softcap=softcap)
+
+varlen_bwd = torch.library.custom_op("flash4::varlen_bwd", varlen_backward, mutates_args=(), device_types="cuda")
 
 
 @varlen_bwd.register_fake
@@ -221,43 +179,6 @@ def _varlen_bwd_fake(dout, q, k, v, out, lse, lse_split, dlse, cu_seqlens_q, cu_
                      max_seqlen_q, max_seqlen_k, softmax_scale, causal, deterministic, window_left=-1,
                      window_right=-1, softcap=0.0):
     return _grads_fake(q, k, v)
-
-
-def _varlen_setup_context(ctx, inputs, output):
-    (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table, max_seqlen_q, max_seqlen_k,
-     softmax_scale, causal, deterministic, _check_seqlens, window_left, window_right, softcap, learnable_sink) = inputs
-    out, lse, lse_split = output
-    ctx.paged = page_table is not None
-    if not ctx.paged:
-        ctx.save_for_backward(q, k, v, out, lse, lse_split, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
-                              learnable_sink)
-    ctx.max_seqlen_q, ctx.max_seqlen_k = max_seqlen_q, max_seqlen_k
-    ctx.softmax_scale, ctx.causal, ctx.deterministic = softmax_scale, causal, deterministic
-    ctx.window, ctx.softcap = (window_left, window_right), softcap
-    ctx.mark_non_differentiable(lse_split)
-
-
-def _varlen_backward(ctx, dout, dlse, dlse_split):
-    from flash4.autograd import PAGED_BACKWARD_ERROR
-
-    if ctx.paged:
-        raise RuntimeError(PAGED_BACKWARD_ERROR)
-    from flash4.autograd import sink_grad, varlen_row_mask
-
-    q, k, v, out, lse, lse_split, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, sink = ctx.saved_tensors
-    if dout is None:
-        dout = torch.zeros_like(out)
-    dsink = None
-    if sink is not None and ctx.needs_input_grad[17]:
-        dsink = sink_grad(sink, out, dout, lse, dlse, 1, varlen_row_mask(cu_seqlens_q, seqused_q, q.shape[0]))
-    dq, dk, dv = torch.ops.flash4.varlen_bwd(dout, q, k, v, out, lse, lse_split, dlse, cu_seqlens_q, cu_seqlens_k,
-                                             seqused_q, seqused_k, ctx.max_seqlen_q, ctx.max_seqlen_k,
-                                             ctx.softmax_scale, ctx.causal, ctx.deterministic, *ctx.window,
-                                             ctx.softcap)
-    return (dq, dk, dv) + (None,) * 14 + (dsink,)
-
-
-torch.library.register_autograd("flash4::varlen_fwd", _varlen_backward, setup_context=_varlen_setup_context)
 
 
 # ================================================================ KV cache (decode)
@@ -270,16 +191,11 @@ def kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor], v:
     """flash_attn_with_kvcache as an op: cache_seqlens is the (batch,) int32 tensor, or None with
     cache_seqlens_int the Python int (or None too: the whole cache). Appends k / v to the caches
     in place, then attends; returns new (out, lse)."""
-    from flash4.api import _flash_attn_kvcache
-    from flash4.validate import check_kvcache_inputs
-
     seqlens = cache_seqlens if cache_seqlens is not None else cache_seqlens_int
-    window_size = (window_left, window_right)
-    check_kvcache_inputs(q, k_cache, v_cache, k, v, seqlens, page_table, cache_batch_idx, softmax_scale, causal,
-                         num_splits, window_size=window_size, softcap=softcap, **sink_kwargs(learnable_sink))
-    return _flash_attn_kvcache(q, k_cache, v_cache, k, v, seqlens, page_table, cache_batch_idx, softmax_scale,
-                               causal, num_splits, check_seqlens=check_seqlens, window_size=window_size,
-                               softcap=softcap, **sink_kwargs(learnable_sink))
+    return forward.run(validate.kvcache_request(
+        q, k_cache, v_cache, k, v, seqlens, page_table, cache_batch_idx, softmax_scale, causal, num_splits,
+        window_size=(window_left, window_right), softcap=softcap, learnable_sink=learnable_sink,
+        check_seqlens=check_seqlens))
 
 
 @kvcache.register_fake
@@ -289,3 +205,47 @@ def _kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, cache_seqlens_int, p
     lse_shape, _ = _fwd_shapes(q)
     return (torch.empty(_out_shape(q, v_cache), dtype=q.dtype, device=q.device),
             torch.empty(lse_shape, dtype=F32, device=q.device))
+
+
+# ================================================================ a request laid out for its op
+def _names(op) -> tuple:
+    return tuple(a.name for a in op.default._schema.arguments)
+
+
+# The argument names of the forward and backward ops, indexed by `varlen` (False: fwd / bwd).
+FORWARD_ARGS = (_names(torch.ops.flash4.fwd), _names(torch.ops.flash4.varlen_fwd))
+BACKWARD_ARGS = (_names(torch.ops.flash4.bwd), _names(torch.ops.flash4.varlen_bwd))
+# What computes the backward: the ops (torch.compile) and their implementations (eager, no dispatch).
+BACKWARD_OPS = (torch.ops.flash4.bwd, torch.ops.flash4.varlen_bwd)
+BACKWARD_IMPLS = (dense_backward, varlen_backward)
+
+
+def _op_int(value):
+    """A max_seqlen as an `int?` argument: while torch.compile traces, a tensor (or None) becomes None
+    (the op computes the maximum from the metadata when it runs); otherwise the value as given."""
+    if torch.compiler.is_compiling() and isinstance(value, torch.Tensor):
+        return None
+    return value
+
+
+def forward_args(request: Request) -> tuple[bool, tuple]:
+    """(varlen, args): a DENSE (varlen False) or VARLEN / PAGED request laid out as the arguments of
+    flash4::fwd or flash4::varlen_fwd. Outside torch.compile a max_seqlen_k given as a 0-d tensor
+    stays one (the eager backward reads it when it runs); the op itself takes ints or None."""
+    q, k, v, mask, score, seq = request.q, request.k, request.v, request.mask, request.score, request.seq
+    tail = (*mask.window_size, score.softcap, score.sink)
+    if not seq.packed:
+        return False, (q, k, v, score.softmax_scale, mask.causal, request.deterministic) + tail
+    return True, (q, k, v, seq.cu_seqlens_q, seq.cu_seqlens_k, seq.seqused_q, seq.seqused_k, seq.page_table,
+                  _op_int(seq.max_seqlen_q), _op_int(seq.max_seqlen_k), score.softmax_scale, mask.causal,
+                  request.deterministic, request.check_seqlens) + tail
+
+
+def kvcache_args(request: Request) -> tuple:
+    """A KVCACHE request laid out as flash4::kvcache's arguments (an int cache_seqlens as cache_seqlens_int)."""
+    cache, mask, score = request.cache, request.mask, request.score
+    seqlens = cache.cache_seqlens
+    tensor = isinstance(seqlens, torch.Tensor)
+    return (request.q, request.k, request.v, cache.k_new, cache.v_new, seqlens if tensor else None,
+            None if tensor else seqlens, request.seq.page_table, cache.cache_batch_idx, score.softmax_scale,
+            mask.causal, cache.num_splits, request.check_seqlens, *mask.window_size, score.softcap, score.sink)

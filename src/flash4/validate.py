@@ -1,13 +1,22 @@
-"""Argument checks for the public API: precise TypeError / ValueError before any launch.
+"""Argument checks for the public API (precise TypeError / ValueError before any launch), and the
+request builders: the one place a call's arguments become a flash4.request.Request.
 
-`support_error(...)` is pure (tensor metadata only, plus the device's SM version): it returns the
-message of the first problem or None, so a caller can ask "would flash4 take these?" and fall back.
-`check_inputs(...)` raises that same message as TypeError (wrong Python type or dtype) or
-ValueError (everything else).
+    dense_request(...)    flash_attn_func's arguments     -> Request (layout DENSE)
+    varlen_request(...)   flash_attn_varlen_func's        -> Request (VARLEN, or PAGED with page_table)
+    kvcache_request(...)  flash_attn_with_kvcache's       -> Request (KVCACHE)
 
-Order of checks: Python types, dtypes, ranks, shapes, head dim, strides/alignment, softmax_scale,
-causal, window_size (window_problem), softcap (softcap_problem), learnable_sink (sink_problem: None or
-a (nheads,) fp32/bf16/fp16 tensor on q's device), then device and SM version.
+Each builder raises the first problem of its door's argument list, then builds the request
+(metadata made contiguous, the optional on-device value checks run, max_seqlen_q and cache_seqlens
+resolved). `support_error(...)` / `varlen_support_error(...)` / `kvcache_support_error(...)` are
+pure (tensor metadata only, plus the device's SM version): they return the message of the first
+problem or None, so a caller can ask "would flash4 take these?" and fall back. `check_inputs(...)`
+and its varlen / kvcache siblings raise that same message as TypeError (wrong Python type or dtype)
+or ValueError (everything else).
+
+Every check is written once below and shared by the three doors; each door lists them in its
+order: Python types, dtypes, ranks, shapes, head dim, strides/alignment, softmax_scale, causal,
+window_size (window_problem), softcap (softcap_problem), learnable_sink (sink_problem: None or a
+(nheads,) fp32/bf16/fp16 tensor on q's device), then device and SM version.
 Metadata checks come before the device check, so every shape error is raised (and CPU-tested) for
 CPU tensors too; an input that is only wrong by being on the CPU (empty or not) gets the device
 error. The public functions also check window_size and softcap first of all (before tracing under
@@ -24,19 +33,91 @@ import torch
 # MIN_PAGE_ROWS: paged K/V are loaded page piece by page piece (flash4.config.paged_page_rows), at
 # least that many rows each (the swizzle atom of the K/V smem tile).
 from flash4.config import MIN_PAGE_ROWS, SUPPORTED_HEADDIMS, hdimv_problem, select_fwd_config
+from flash4 import request as _request
+from flash4.request import Request
 
-# torch dtype -> the dtype name used in FwdConfig.
-DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+# torch dtype -> the dtype name used in FwdConfig (flash4.request's; callers import it from here too).
+DTYPE_NAMES = _request.DTYPE_NAMES
+# The scale applied to QK^T: softmax_scale, or 1/sqrt(headdim) when None (flash4.request's).
+resolve_softmax_scale = _request.resolve_softmax_scale
+
 # TMA needs 16-byte aligned base addresses and strides (the compiled kernels assume it for every
 # stride but the contiguous last one: compile/fake.py).
 _ALIGN_BYTES = 16
+
+# (exception type, message) of a problem, or None.
+Problem = tuple[type, str] | None
 
 
 def _shape(t: torch.Tensor) -> tuple:
     return tuple(t.shape)
 
 
-def _headdim_rule_problem(headdim: int, headdim_v: int, axis: int) -> tuple[type, str] | None:
+def _raise(problem) -> None:
+    if problem is not None:
+        exc_type, message = problem
+        raise exc_type(message)
+
+
+def _contiguous(t):
+    return t if t is None or t.is_contiguous() else t.contiguous()
+
+
+# ================================================================ the checks (each written once)
+def _tensor_problem(name: str, t) -> Problem:
+    if not isinstance(t, torch.Tensor):
+        return TypeError, f"{name} must be a torch.Tensor, got {type(t).__name__}"
+    return None
+
+
+def _tensor_or_none_problem(name: str, t, what: str, required: bool = False) -> Problem:
+    if t is None and not required:
+        return None
+    if not isinstance(t, torch.Tensor):
+        return TypeError, f"{name} must be {what}, got {type(t).__name__}"
+    return None
+
+
+def _dtype_problem(q, others, together: str) -> Problem:
+    """q bf16 / fp16, and every tensor of `others` ((name, tensor or None) pairs) of q's dtype;
+    together: what the mismatch message says must share one dtype."""
+    if q.dtype not in DTYPE_NAMES:
+        return TypeError, (
+            f"q.dtype is {q.dtype}; flash4 supports torch.bfloat16 and torch.float16 (convert with q.to(torch.bfloat16))"
+        )
+    for name, t in others:
+        if t is not None and t.dtype != q.dtype:
+            return TypeError, f"{name}.dtype is {t.dtype} but q.dtype is {q.dtype}; {together}"
+    return None
+
+
+def _int32_problem(name: str, t: torch.Tensor | None, layout: str) -> Problem:
+    """dtype (TypeError) of an int32 metadata tensor; None passes."""
+    if t is not None and t.dtype != torch.int32:
+        return TypeError, (
+            f"{name}.dtype is {t.dtype}; {name} {layout} must be torch.int32 (convert with {name}.to(torch.int32))"
+        )
+    return None
+
+
+def _max_seqlen_type_problem(name: str, value) -> Problem:
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        if value.dtype == torch.bool or value.is_floating_point() or value.is_complex():
+            return TypeError, (
+                f"{name} is a {value.dtype} tensor; it must be an integer (a Python int or an integer 0-d tensor)")
+        if value.dim() != 0:
+            return ValueError, f"{name} must be a 0-d tensor (or a Python int); got shape {_shape(value)}"
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        return TypeError, f"{name} must be a Python int, a 0-d integer tensor or None; got {type(value).__name__}"
+    if value < 0:
+        return ValueError, f"{name} must be >= 0; got {value}"
+    return None
+
+
+def _headdim_rule_problem(headdim: int, headdim_v: int, axis: int) -> Problem:
     """flash4.headdim's rule for flash_attn_func / flash_attn_varlen_func: kernel head dims and pairs
     as they are, other multiples of 8 up to 256 zero-padded by the API; anything else a ValueError
     (the message the API raises)."""
@@ -50,75 +131,98 @@ def _headdim_rule_problem(headdim: int, headdim_v: int, axis: int) -> tuple[type
     return None
 
 
-def _problem(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1),
-             softcap=0.0, learnable_sink=None) -> tuple[type, str] | None:
-    """(exception type, message) of the first problem with the arguments, or None."""
-    named = (("q", q), ("k", k), ("v", v))
-    for name, t in named:
-        if not isinstance(t, torch.Tensor):
-            return TypeError, f"{name} must be a torch.Tensor, got {type(t).__name__}"
-    if q.dtype not in DTYPE_NAMES:
-        return TypeError, (
-            f"q.dtype is {q.dtype}; flash4 supports torch.bfloat16 and torch.float16 "
-            f"(convert with q.to(torch.bfloat16))"
-        )
-    for name, t in named[1:]:
-        if t.dtype != q.dtype:
-            return TypeError, f"{name}.dtype is {t.dtype} but q.dtype is {q.dtype}; q, k and v must share one dtype"
-
-    layouts = {"q": "(batch, seqlen_q, nheads, headdim)", "k": "(batch, seqlen_k, nheads_k, headdim)",
-               "v": "(batch, seqlen_k, nheads_k, headdim)"}
-    for name, t in named:
-        if t.dim() != 4:
-            return ValueError, f"{name} must be 4-D {layouts[name]}; got shape {_shape(t)}"
-    if k.shape[0] != q.shape[0]:
+def _heads_problem(q, k, v, v_rule: str, k_name: str = "k", v_name: str = "v", padded_ok: bool = False) -> Problem:
+    """headdim equality, v shaped like k, nheads_k dividing nheads, supported headdim; the heads are
+    dim -2 of q and of k in every layout. v_rule: the shape v must have, as the message says it.
+    k_name / v_name: the arguments' names (k_cache / v_cache for flash_attn_with_kvcache).
+    padded_ok: head dims flash4.headdim pads are fine (dense and packed varlen tensors; not a paged
+    pool or a KV cache, which are never padded per call)."""
+    qd, kd = q.dim() - 1, k.dim() - 1
+    if k.shape[-1] != q.shape[-1]:
         return ValueError, (
-            f"k.shape[0] (batch) is {k.shape[0]} but q.shape[0] is {q.shape[0]}; q, k and v need the same batch; "
-            f"q.shape={_shape(q)}, k.shape={_shape(k)}"
+            f"{k_name}.shape[{kd}] (headdim) is {k.shape[-1]} but q.shape[{qd}] is {q.shape[-1]}; q and {k_name} "
+            f"need the same headdim (only {v_name}'s may differ); q.shape={_shape(q)}, {k_name}.shape={_shape(k)}"
         )
-    if k.shape[3] != q.shape[3]:
+    if v.dim() != k.dim() or v.shape[:-1] != k.shape[:-1]:
         return ValueError, (
-            f"k.shape[3] (headdim) is {k.shape[3]} but q.shape[3] is {q.shape[3]}; q and k need the same "
-            f"headdim (only v's may differ); q.shape={_shape(q)}, k.shape={_shape(k)}"
-        )
-    if v.shape[:3] != k.shape[:3]:
-        return ValueError, (
-            f"v must have the shape of k (batch, seqlen_k, nheads_k, headdim; only its headdim may differ); got "
-            f"v.shape={_shape(v)}, k.shape={_shape(k)}"
-        )
-    problem = _headdim_rule_problem(q.shape[3], v.shape[3], 3)
-    if problem is not None:
-        return problem
-    nheads, nheads_k = q.shape[2], k.shape[2]
+            f"{v_name} must have the shape of {k_name} {v_rule}; got {v_name}.shape={_shape(v)}, "
+            f"{k_name}.shape={_shape(k)}")
+    if padded_ok:
+        problem = _headdim_rule_problem(q.shape[-1], v.shape[-1], qd)
+        if problem is not None:
+            return problem
+    else:
+        problem = hdimv_problem(q.shape[-1], v.shape[-1])
+        if problem is not None:
+            return ValueError, f"{problem}; q.shape={_shape(q)}, {v_name}.shape={_shape(v)}"
+    nheads, nheads_k = q.shape[-2], k.shape[-2]
     if nheads < 1 or nheads_k < 1:
         return ValueError, (
-            f"nheads (q.shape[2]={nheads}) and nheads_k (k.shape[2]={nheads_k}) must be >= 1"
+            f"nheads (q.shape[{qd - 1}]={nheads}) and nheads_k ({k_name}.shape[{kd - 1}]={nheads_k}) must be >= 1"
         )
     if nheads % nheads_k != 0:
         return ValueError, (
-            f"nheads_k={nheads_k} (k.shape[2]) must divide nheads={nheads} (q.shape[2]) for MQA/GQA; "
-            f"q.shape={_shape(q)}, k.shape={_shape(k)}"
+            f"nheads_k={nheads_k} ({k_name}.shape[{kd - 1}]) must divide nheads={nheads} (q.shape[{qd - 1}]) for "
+            f"MQA/GQA; q.shape={_shape(q)}, {k_name}.shape={_shape(k)}"
         )
+    headdim = q.shape[-1]
+    if headdim not in SUPPORTED_HEADDIMS and not padded_ok:
+        allowed = ", ".join(str(d) for d in SUPPORTED_HEADDIMS)
+        return ValueError, (f"headdim {headdim} (q.shape[{qd}]) is not supported here; allowed: {allowed} (a KV cache "
+                            f"or a paged pool is not zero-padded per call: allocate it with one of these head dims; "
+                            f"flash_attn_func / flash_attn_varlen_func pad other multiples of 8, flash4.headdim)")
+    return None
 
+
+def _page_size_problem(k: torch.Tensor, k_name: str = "k") -> Problem:
+    page_size = k.shape[1]
+    if page_size < MIN_PAGE_ROWS or page_size % MIN_PAGE_ROWS != 0:
+        return ValueError, (
+            f"page_size={page_size} ({k_name}.shape[1] of the paged cache {_shape(k)}) is not supported: paged K/V "
+            f"needs page_size to be a multiple of {MIN_PAGE_ROWS} (e.g. 16, 32, 64, 128, 256)"
+        )
+    return None
+
+
+def _layouts_problem(named) -> Problem:
+    """layout_problem of every (name, tensor or None) pair, as a ValueError."""
     for name, t in named:
-        problem = layout_problem(name, t)
+        problem = layout_problem(name, t) if t is not None else None
         if problem is not None:
             return ValueError, problem
+    return None
 
-    problem = _scale_causal_problem(softmax_scale, causal, window_size, softcap)
-    if problem is not None:
-        return problem
-    problem = sink_problem(learnable_sink, q, q.shape[-2])
-    if problem is not None:
-        return problem
 
-    for name, t in named:
-        if t.device.type != "cuda":
-            return ValueError, f"{name} is on {t.device}; flash4 runs on CUDA tensors only (move it with {name}.cuda())"
-    for name, t in named[1:]:
-        if t.device != q.device:
-            return ValueError, f"{name} is on {t.device} but q is on {q.device}; q, k and v must be on one device"
-    return _arch_problem(q, causal)
+def layout_problem(name: str, t: torch.Tensor) -> str | None:
+    """Stride/alignment problem of one input, or None. Empty tensors are not checked (never read)."""
+    if t.numel() == 0:
+        return None
+    if t.stride(-1) != 1:
+        return (
+            f"{name} has stride(-1)={t.stride(-1)} (shape {_shape(t)}, strides {t.stride()}); the last dim must be "
+            f"contiguous: pass {name}.contiguous()"
+        )
+    elt = t.element_size()
+    if t.data_ptr() % _ALIGN_BYTES != 0:
+        return (
+            f"{name}.data_ptr() is not {_ALIGN_BYTES}-byte aligned (offset {t.data_ptr() % _ALIGN_BYTES} bytes, "
+            f"e.g. a slice inside the last dim); pass {name}.contiguous()"
+        )
+    for dim in range(t.dim() - 1):
+        # every stride, also of size-1 dims: the compiled kernel assumes all of them divisible
+        if (t.stride(dim) * elt) % _ALIGN_BYTES != 0:
+            return (
+                f"{name}.stride({dim})={t.stride(dim)} elements is not a multiple of {_ALIGN_BYTES // elt} "
+                f"({_ALIGN_BYTES} bytes; strides {t.stride()}); pass {name}.contiguous()"
+            )
+        if t.stride(dim) == 0 and t.shape[dim] > 1:
+            hint = " (for MQA/GQA pass k/v with nheads_k heads instead of expanding them)" if dim == 2 else ""
+            return (
+                f"{name} is expanded along dim {dim} (stride 0, shape {_shape(t)}); TMA loads need real strides: "
+                f"pass {name}.contiguous(){hint}"
+            )
+    return None
+
 
 
 def _scale_causal_problem(softmax_scale, causal, window_size=(-1, -1), softcap=0.0) -> tuple[type, str] | None:
@@ -208,7 +312,37 @@ def check_window_size(window_size) -> tuple[int, int]:
     return int(window_size[0]), int(window_size[1])
 
 
-def _arch_problem(q, causal) -> tuple[type, str] | None:
+
+def _cuda_problem(name: str, t: torch.Tensor) -> Problem:
+    """t is not on a CUDA device: the message says how to move it, or that there is no CUDA device."""
+    if t.device.type == "cuda":
+        return None
+    if torch.cuda.is_available():
+        return ValueError, f"{name} is on {t.device}; flash4 runs on CUDA tensors only (move it with {name}.cuda())"
+    return ValueError, (f"{name} is on {t.device}; flash4 runs on CUDA tensors only, and no CUDA device is available "
+                        f"here (torch.cuda.is_available() is False)")
+
+
+def _device_problem(q, others, dense: bool = False) -> Problem:
+    """Every tensor of `others` ((name, tensor or None) pairs) on q's device, and q on CUDA.
+    Varlen / kvcache: the relative check first (CPU-testable with meta tensors), then q's device.
+    Dense (flash_attn_func): q, k, v each on CUDA first, then on one device (its order and words)."""
+    if dense:
+        for name, t in [("q", q)] + list(others):
+            problem = _cuda_problem(name, t)
+            if problem is not None:
+                return problem
+        for name, t in others:
+            if t.device != q.device:
+                return ValueError, f"{name} is on {t.device} but q is on {q.device}; q, k and v must be on one device"
+        return None
+    for name, t in others:
+        if t is not None and t.device != q.device:
+            return ValueError, f"{name} is on {t.device} but q is on {q.device}; pass {name}.to(q.device)"
+    return _cuda_problem("q", q)
+
+
+def _arch_problem(q, causal) -> Problem:
     """The SM version of q's (CUDA) device has no forward kernel for q's head dim and dtype."""
     from flash4.arch import device_arch  # late: keeps `import flash4.validate` free of device queries
 
@@ -220,35 +354,45 @@ def _arch_problem(q, causal) -> tuple[type, str] | None:
     return None
 
 
-def layout_problem(name: str, t: torch.Tensor) -> str | None:
-    """Stride/alignment problem of one input, or None. Empty tensors are not checked (never read)."""
-    if t.numel() == 0:
-        return None
-    if t.stride(-1) != 1:
-        return (
-            f"{name} has stride(-1)={t.stride(-1)} (shape {_shape(t)}, strides {t.stride()}); the last dim must be "
-            f"contiguous: pass {name}.contiguous()"
+def _common_tail_problem(q, softmax_scale, causal, window_size, softcap, learnable_sink, devices,
+                         dense: bool = False) -> Problem:
+    """The checks every door ends with: scale, causal, window, softcap, sink, devices, SM version."""
+    for problem in (_scale_causal_problem(softmax_scale, causal, window_size, softcap),
+                    sink_problem(learnable_sink, q, q.shape[-2]), _device_problem(q, devices, dense)):
+        if problem is not None:
+            return problem
+    return _arch_problem(q, causal)
+
+
+# ================================================================ flash_attn_func (dense)
+_DENSE_LAYOUTS = {"q": "(batch, seqlen_q, nheads, headdim)", "k": "(batch, seqlen_k, nheads_k, headdim)",
+                  "v": "(batch, seqlen_k, nheads_k, headdim)"}
+
+
+def _problem(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1),
+             softcap=0.0, learnable_sink=None) -> Problem:
+    """(exception type, message) of the first problem with flash_attn_func's arguments, or None."""
+    named = (("q", q), ("k", k), ("v", v))
+    for name, t in named:
+        problem = _tensor_problem(name, t)
+        if problem is not None:
+            return problem
+    problem = _dtype_problem(q, named[1:], "q, k and v must share one dtype")
+    if problem is not None:
+        return problem
+    for name, t in named:
+        if t.dim() != 4:
+            return ValueError, f"{name} must be 4-D {_DENSE_LAYOUTS[name]}; got shape {_shape(t)}"
+    if k.shape[0] != q.shape[0]:
+        return ValueError, (
+            f"k.shape[0] (batch) is {k.shape[0]} but q.shape[0] is {q.shape[0]}; q, k and v need the same batch; "
+            f"q.shape={_shape(q)}, k.shape={_shape(k)}"
         )
-    elt = t.element_size()
-    if t.data_ptr() % _ALIGN_BYTES != 0:
-        return (
-            f"{name}.data_ptr() is not {_ALIGN_BYTES}-byte aligned (offset {t.data_ptr() % _ALIGN_BYTES} bytes, "
-            f"e.g. a slice inside the last dim); pass {name}.contiguous()"
-        )
-    for dim in range(t.dim() - 1):
-        # every stride, also of size-1 dims: the compiled kernel assumes all of them divisible
-        if (t.stride(dim) * elt) % _ALIGN_BYTES != 0:
-            return (
-                f"{name}.stride({dim})={t.stride(dim)} elements is not a multiple of {_ALIGN_BYTES // elt} "
-                f"({_ALIGN_BYTES} bytes; strides {t.stride()}); pass {name}.contiguous()"
-            )
-        if t.stride(dim) == 0 and t.shape[dim] > 1:
-            hint = " (for MQA/GQA pass k/v with nheads_k heads instead of expanding them)" if dim == 2 else ""
-            return (
-                f"{name} is expanded along dim {dim} (stride 0, shape {_shape(t)}); TMA loads need real strides: "
-                f"pass {name}.contiguous(){hint}"
-            )
-    return None
+    for problem in (_heads_problem(q, k, v, "(batch, seqlen_k, nheads_k, headdim; only its headdim may differ)",
+                                   padded_ok=True), _layouts_problem(named)):
+        if problem is not None:
+            return problem
+    return _common_tail_problem(q, softmax_scale, causal, window_size, softcap, learnable_sink, named[1:], dense=True)
 
 
 def support_error(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
@@ -258,8 +402,7 @@ def support_error(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1
     Arguments as in `flash4.flash_attn_func`. Never raises for bad arguments (only the device
     query of a CUDA tensor can raise, as torch.cuda does).
     """
-    problem = _problem(q, k, v, softmax_scale, causal, window_size, softcap,
-                              learnable_sink)
+    problem = _problem(q, k, v, softmax_scale, causal, window_size, softcap, learnable_sink)
     return None if problem is None else problem[1]
 
 
@@ -270,19 +413,17 @@ def check_inputs(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1)
     non-contiguous last dim or misaligned stride, bad softmax_scale, a window side below -1, softcap
     not finite and >= 0, non-CUDA or mixed devices, unsupported SM version) with the message of
     `support_error`. softcap: a real number (TypeError otherwise, bool included)."""
-    problem = _problem(q, k, v, softmax_scale, causal, window_size, softcap, learnable_sink)
-    if problem is not None:
-        exc_type, message = problem
-        raise exc_type(message)
+    _raise(_problem(q, k, v, softmax_scale, causal, window_size, softcap, learnable_sink))
 
 
-def resolve_softmax_scale(softmax_scale: float | None, headdim: int) -> float:
-    """The scale applied to QK^T: softmax_scale, or 1/sqrt(headdim) when None."""
-    return 1.0 / math.sqrt(headdim) if softmax_scale is None else float(softmax_scale)
+def dense_request(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, learnable_sink=None,
+                  deterministic=False) -> Request:
+    """flash_attn_func's checked request (check_inputs' errors; layout DENSE)."""
+    _raise(_problem(q, k, v, softmax_scale, causal, window_size, softcap, learnable_sink))
+    return Request.dense(q, k, v, softmax_scale, causal, window_size, softcap, learnable_sink, deterministic)
 
 
-# ================================================================ varlen / paged / kvcache
-# Layouts of flash4.flash_attn_varlen_func and flash4.flash_attn_with_kvcache (flash-attn's).
+# ================================================================ flash_attn_varlen_func (varlen / paged)
 _VARLEN_LAYOUTS = {
     "q": "(total_q, nheads, headdim)",
     "k": "(total_k, nheads_k, headdim)",
@@ -292,113 +433,16 @@ _VARLEN_LAYOUTS = {
 }
 
 
-def _tensor_or_none_problem(name: str, t, what: str, required: bool = False) -> tuple[type, str] | None:
-    if t is None and not required:
-        return None
-    if not isinstance(t, torch.Tensor):
-        return TypeError, f"{name} must be {what}, got {type(t).__name__}"
-    return None
-
-
-def _int32_problem(name: str, t: torch.Tensor | None, layout: str) -> tuple[type, str] | None:
-    """dtype (TypeError) of an int32 metadata tensor; None passes."""
-    if t is not None and t.dtype != torch.int32:
-        return TypeError, (
-            f"{name}.dtype is {t.dtype}; {name} {layout} must be torch.int32 (convert with {name}.to(torch.int32))"
-        )
-    return None
-
-
-def _max_seqlen_type_problem(name: str, value) -> tuple[type, str] | None:
-    if value is None:
-        return None
-    if isinstance(value, torch.Tensor):
-        if value.dtype == torch.bool or value.is_floating_point() or value.is_complex():
-            return TypeError, (
-                f"{name} is a {value.dtype} tensor; it must be an integer (a Python int or an integer 0-d tensor)")
-        if value.dim() != 0:
-            return ValueError, f"{name} must be a 0-d tensor (or a Python int); got shape {_shape(value)}"
-        return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        return TypeError, f"{name} must be a Python int, a 0-d integer tensor or None; got {type(value).__name__}"
-    if value < 0:
-        return ValueError, f"{name} must be >= 0; got {value}"
-    return None
-
-
-def _heads_problem(q, k, v, k_desc: str, k_name: str = "k", v_name: str = "v",
-                   padded_ok: bool = False) -> tuple[type, str] | None:
-    """headdim equality, v shaped like k, nheads_k dividing nheads, supported headdim; the heads are
-    dim -2 of q and of k in every varlen / paged / kvcache layout. k_name / v_name: the arguments'
-    names (k_cache / v_cache for flash_attn_with_kvcache). padded_ok: head dims flash4.headdim pads
-    are fine (packed varlen tensors; not a paged pool or a KV cache, which are never padded per call)."""
-    qd, kd = q.dim() - 1, k.dim() - 1
-    if k.shape[-1] != q.shape[-1]:
-        return ValueError, (
-            f"{k_name}.shape[{kd}] (headdim) is {k.shape[-1]} but q.shape[{qd}] is {q.shape[-1]}; q and {k_name} "
-            f"need the same headdim (only {v_name}'s may differ); q.shape={_shape(q)}, {k_name}.shape={_shape(k)}"
-        )
-    if v.dim() != k.dim() or v.shape[:-1] != k.shape[:-1]:
-        return ValueError, (
-            f"{v_name} must have the shape of {k_name} {k_desc} (only its headdim may differ); got "
-            f"{v_name}.shape={_shape(v)}, {k_name}.shape={_shape(k)}")
-    if padded_ok:
-        problem = _headdim_rule_problem(q.shape[-1], v.shape[-1], qd)
-        if problem is not None:
-            return problem
-    else:
-        problem = hdimv_problem(q.shape[-1], v.shape[-1])
-        if problem is not None:
-            return ValueError, f"{problem}; q.shape={_shape(q)}, {v_name}.shape={_shape(v)}"
-    nheads, nheads_k = q.shape[-2], k.shape[-2]
-    if nheads < 1 or nheads_k < 1:
-        return ValueError, (
-            f"nheads (q.shape[{qd - 1}]={nheads}) and nheads_k ({k_name}.shape[{kd - 1}]={nheads_k}) must be >= 1"
-        )
-    if nheads % nheads_k != 0:
-        return ValueError, (
-            f"nheads_k={nheads_k} ({k_name}.shape[{kd - 1}]) must divide nheads={nheads} (q.shape[{qd - 1}]) for "
-            f"MQA/GQA; q.shape={_shape(q)}, {k_name}.shape={_shape(k)}"
-        )
-    headdim = q.shape[-1]
-    if headdim not in SUPPORTED_HEADDIMS and not padded_ok:
-        allowed = ", ".join(str(d) for d in SUPPORTED_HEADDIMS)
-        return ValueError, (f"headdim {headdim} (q.shape[{qd}]) is not supported here; allowed: {allowed} (a KV cache "
-                            f"or a paged pool is not zero-padded per call: allocate it with one of these head dims; "
-                            f"flash_attn_func / flash_attn_varlen_func pad other multiples of 8, flash4.headdim)")
-    return None
-
-
-def _page_size_problem(k: torch.Tensor, k_name: str = "k") -> tuple[type, str] | None:
-    page_size = k.shape[1]
-    if page_size < MIN_PAGE_ROWS or page_size % MIN_PAGE_ROWS != 0:
-        return ValueError, (
-            f"page_size={page_size} ({k_name}.shape[1] of the paged cache {_shape(k)}) is not supported: paged K/V "
-            f"needs page_size to be a multiple of {MIN_PAGE_ROWS} (e.g. 16, 32, 64, 128, 256)"
-        )
-    return None
-
-
-def _device_problem(q, others) -> tuple[type, str] | None:
-    """Every tensor of `others` ((name, tensor or None) pairs) on q's device, then q on CUDA. The
-    relative check comes first so that it is CPU-testable (meta tensors)."""
-    for name, t in others:
-        if t is not None and t.device != q.device:
-            return ValueError, f"{name} is on {t.device} but q is on {q.device}; pass {name}.to(q.device)"
-    if q.device.type != "cuda":
-        return ValueError, f"q is on {q.device}; flash4 runs on CUDA tensors only (move it with q.cuda())"
-    return None
-
-
 def _varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, seqused_q=None,
                     seqused_k=None, page_table=None, softmax_scale=None, causal=False,
-                    window_size=(-1, -1), softcap=0.0, learnable_sink=None) -> tuple[type, str] | None:
+                    window_size=(-1, -1), softcap=0.0, learnable_sink=None) -> Problem:
     """(exception type, message) of the first problem with varlen / paged arguments, or None.
     Order as `_problem`: Python types, dtypes, ranks, shapes, head dims, strides, scale, causal,
     devices (other tensors on q's device first, then CUDA), SM version."""
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            return TypeError, f"{name} must be a torch.Tensor, got {type(t).__name__}"
+        problem = _tensor_problem(name, t)
+        if problem is not None:
+            return problem
     metadata = (
         ("cu_seqlens_q", cu_seqlens_q, "an int32 torch.Tensor of shape (batch + 1,)", True),
         ("cu_seqlens_k", cu_seqlens_k, "an int32 torch.Tensor of shape (batch + 1,) or None", False),
@@ -415,13 +459,9 @@ def _varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_
         if problem is not None:
             return problem
 
-    if q.dtype not in DTYPE_NAMES:
-        return TypeError, (
-            f"q.dtype is {q.dtype}; flash4 supports torch.bfloat16 and torch.float16 (convert with q.to(torch.bfloat16))"
-        )
-    for name, t in (("k", k), ("v", v)):
-        if t.dtype != q.dtype:
-            return TypeError, f"{name}.dtype is {t.dtype} but q.dtype is {q.dtype}; q, k and v must share one dtype"
+    problem = _dtype_problem(q, (("k", k), ("v", v)), "q, k and v must share one dtype")
+    if problem is not None:
+        return problem
     layouts = {"cu_seqlens_q": "(batch + 1,)", "cu_seqlens_k": "(batch + 1,)", "seqused_q": "(batch,)",
                "seqused_k": "(batch,)", "page_table": "(batch, max_pages_per_seq)"}
     for name, t, _, _ in metadata:
@@ -475,28 +515,12 @@ def _varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_
             f"got {_shape(page_table)}"
         )
     k_desc = _VARLEN_LAYOUTS["paged k" if paged else "k"]
-    problem = _heads_problem(q, k, v, k_desc, padded_ok=not paged)
-    if problem is not None:
-        return problem
-    if paged:
-        problem = _page_size_problem(k)
+    for problem in (_heads_problem(q, k, v, f"{k_desc} (only its headdim may differ)", padded_ok=not paged),
+                    _page_size_problem(k) if paged else None, _layouts_problem((("q", q), ("k", k), ("v", v)))):
         if problem is not None:
             return problem
-
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        problem = layout_problem(name, t)
-        if problem is not None:
-            return ValueError, problem
-    problem = _scale_causal_problem(softmax_scale, causal, window_size, softcap)
-    if problem is not None:
-        return problem
-    problem = sink_problem(learnable_sink, q, q.shape[-2])
-    if problem is not None:
-        return problem
-    problem = _device_problem(q, [("k", k), ("v", v)] + [(name, t) for name, t, _, _ in metadata])
-    if problem is not None:
-        return problem
-    return _arch_problem(q, causal)
+    devices = [("k", k), ("v", v)] + [(name, t) for name, t, _, _ in metadata]
+    return _common_tail_problem(q, softmax_scale, causal, window_size, softcap, learnable_sink, devices)
 
 
 def varlen_support_error(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, seqused_q=None,
@@ -506,8 +530,7 @@ def varlen_support_error(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None,
     them), or None when it can. Metadata only: the values inside cu_seqlens / seqused / page_table
     are not read (check_varlen_seqlens does that, at the cost of a host sync)."""
     problem = _varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
-                              page_table, softmax_scale, causal, window_size, softcap,
-                              learnable_sink)
+                              page_table, softmax_scale, causal, window_size, softcap, learnable_sink)
     return None if problem is None else problem[1]
 
 
@@ -519,13 +542,235 @@ def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, 
     or ValueError (ranks, batch mismatches, a missing or extra cu_seqlens_k / seqused_k, head rules,
     page size, strides, softmax_scale, a window side below -1, softcap not finite and >= 0 (TypeError
     when not a real number), devices, SM version)."""
-    problem = _varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
-                              page_table, softmax_scale, causal, window_size, softcap, learnable_sink)
+    _raise(_varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
+                           page_table, softmax_scale, causal, window_size, softcap, learnable_sink))
+
+
+def varlen_request(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, seqused_q=None,
+                   seqused_k=None, page_table=None, softmax_scale=None, causal=False, window_size=(-1, -1),
+                   softcap=0.0, learnable_sink=None, deterministic=False, check_seqlens=False) -> Request:
+    """flash_attn_varlen_func's checked request (layout VARLEN, or PAGED with page_table):
+    check_varlen_inputs' errors, the metadata made contiguous, with check_seqlens the on-device
+    value checks (check_varlen_seqlens, one host sync), max_seqlen_q resolved to a host int
+    (resolve_max_seqlen: a host sync for a CUDA tensor or None). max_seqlen_k stays as given."""
+    _raise(_varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
+                           page_table, softmax_scale, causal, window_size, softcap, learnable_sink))
+    cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table = (
+        _contiguous(t) for t in (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table))
+    paged = page_table is not None
+    if check_seqlens:
+        check_varlen_seqlens(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], seqused_q=seqused_q,
+                             seqused_k=seqused_k, page_table=page_table, num_pages=k.shape[0] if paged else 0,
+                             page_size=k.shape[1] if paged else 0, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+    max_q = resolve_max_seqlen("max_seqlen_q", max_seqlen_q, cu_seqlens_q, seqused_q)
+    return Request.varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_seqlen_k, seqused_q, seqused_k, page_table,
+                          softmax_scale, causal, window_size, softcap, learnable_sink, deterministic, check_seqlens)
+
+
+# ================================================================ flash_attn_with_kvcache
+_KVCACHE_LAYOUTS = {
+    "q": "(batch, seqlen_q, nheads, headdim)",
+    "k_cache": "(batch_cache, seqlen_cache, nheads_k, headdim)",
+    "paged k_cache": "(num_pages, page_size, nheads_k, headdim)",
+    "k": "(batch, seqlen_new, nheads_k, headdim)",
+}
+
+
+def packed_rows_per_batch(cache: torch.Tensor) -> int | None:
+    """Rows between consecutive batch entries of a dense cache (batch_cache, seqlen_cache, nheads_k,
+    headdim) seen as packed rows of stride cache.stride(1): stride(0) / stride(1), or None when the
+    batch stride is not a whole number of rows (or smaller than seqlen_cache rows)."""
+    row = cache.stride(1)
+    if cache.shape[0] <= 1:
+        return cache.shape[1]
+    if row <= 0 or cache.stride(0) % row != 0 or cache.stride(0) // row < cache.shape[1]:
+        return None
+    return cache.stride(0) // row
+
+
+def _kvcache_problem(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, page_table=None, cache_batch_idx=None,
+                     softmax_scale=None, causal=False, num_splits=0, out=None,
+                     window_size=(-1, -1), softcap=0.0, learnable_sink=None) -> Problem:
+    """(exception type, message) of the first problem with flash_attn_with_kvcache's arguments."""
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        problem = _tensor_problem(name, t)
+        if problem is not None:
+            return problem
+    optional = (("k", k, "a torch.Tensor or None"), ("v", v, "a torch.Tensor or None"),
+                ("page_table", page_table, "an int32 torch.Tensor of shape (batch, max_pages_per_seq) or None"),
+                ("cache_batch_idx", cache_batch_idx, "an int32 torch.Tensor of shape (batch,) or None"),
+                ("out", out, "a torch.Tensor or None"))
+    for name, t, what in optional:
+        problem = _tensor_or_none_problem(name, t, what)
+        if problem is not None:
+            return problem
+    seqlens_tensor = isinstance(cache_seqlens, torch.Tensor)
+    if cache_seqlens is not None and not seqlens_tensor and (
+            isinstance(cache_seqlens, bool) or not isinstance(cache_seqlens, numbers.Integral)):
+        return TypeError, (
+            f"cache_seqlens must be a Python int, an int32 torch.Tensor of shape (batch,) or None; "
+            f"got {type(cache_seqlens).__name__}")
+    if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral):
+        return TypeError, f"num_splits must be an int (0 = auto, 1 = no split), got {type(num_splits).__name__}"
+
+    problem = _dtype_problem(q, (("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v), ("out", out)),
+                             "q, the caches, k, v and out share one dtype")
     if problem is not None:
-        exc_type, message = problem
-        raise exc_type(message)
+        return problem
+    int_layouts = (("cache_seqlens", cache_seqlens if seqlens_tensor else None, "(batch,)", 1),
+                   ("page_table", page_table, "(batch, max_pages_per_seq)", 2),
+                   ("cache_batch_idx", cache_batch_idx, "(batch,)", 1))
+    for name, t, layout, _ in int_layouts:
+        problem = _int32_problem(name, t, layout)
+        if problem is not None:
+            return problem
+
+    paged = page_table is not None
+    cache_layout = _KVCACHE_LAYOUTS["paged k_cache" if paged else "k_cache"]
+    ranked = (("q", q, _KVCACHE_LAYOUTS["q"]), ("k_cache", k_cache, cache_layout), ("v_cache", v_cache, cache_layout),
+              ("k", k, _KVCACHE_LAYOUTS["k"]), ("v", v, _KVCACHE_LAYOUTS["k"]), ("out", out, _KVCACHE_LAYOUTS["q"]))
+    for name, t, layout in ranked:
+        if t is not None and t.dim() != 4:
+            return ValueError, f"{name} must be 4-D {layout}; got shape {_shape(t)}"
+    for name, t, layout, rank in int_layouts:
+        if t is not None and t.dim() != rank:
+            return ValueError, f"{name} must be {rank}-D {layout}; got shape {_shape(t)}"
+
+    batch, seqlen_q = q.shape[0], q.shape[1]
+    for problem in (_heads_problem(q, k_cache, v_cache, f"{cache_layout} (only its headdim may differ)", "k_cache",
+                                   "v_cache"), _page_size_problem(k_cache, "k_cache") if paged else None):
+        if problem is not None:
+            return problem
+    if (k is None) != (v is None):
+        return ValueError, "k and v (the new keys and values to append) must be given together or both be None"
+    seqlen_new = 0
+    if k is not None:
+        expected = (batch, k.shape[1], k_cache.shape[2], k_cache.shape[3])
+        expected_v = expected[:3] + (v_cache.shape[3],)
+        if _shape(k) != expected or _shape(v) != expected_v:
+            what = (f"k and v must be {_KVCACHE_LAYOUTS['k']} = {expected}" if expected == expected_v else
+                    f"k and v must be {_KVCACHE_LAYOUTS['k']} = {expected} and {expected_v}")
+            return ValueError, (
+                f"{what} (batch of q, nheads_k and headdim of k_cache / v_cache); "
+                f"got k.shape={_shape(k)}, v.shape={_shape(v)}")
+        seqlen_new = k.shape[1]
+    if seqlens_tensor and _shape(cache_seqlens) != (batch,):
+        return ValueError, f"cache_seqlens must have shape (batch,) = ({batch},); got {_shape(cache_seqlens)}"
+    if not seqlens_tensor and cache_seqlens is not None and cache_seqlens < 0:
+        return ValueError, f"cache_seqlens must be >= 0; got {cache_seqlens}"
+    if paged:
+        if page_table.shape[0] != batch:
+            return ValueError, (
+                f"page_table must have shape (batch, max_pages_per_seq) with batch = {batch} (q.shape[0]); "
+                f"got {_shape(page_table)}")
+        if cache_batch_idx is not None:
+            return ValueError, (
+                "cache_batch_idx is not supported with page_table (a paged cache is indexed through page_table: "
+                "pass page_table[cache_batch_idx] instead)")
+        capacity, capacity_desc = page_table.shape[1] * k_cache.shape[1], "page_table.shape[1] * page_size"
+    else:
+        if cache_batch_idx is not None:
+            if _shape(cache_batch_idx) != (batch,):
+                return ValueError, (
+                    f"cache_batch_idx must have shape (batch,) = ({batch},); got {_shape(cache_batch_idx)}")
+        elif k_cache.shape[0] != batch:
+            return ValueError, (
+                f"k_cache.shape[0] (batch_cache) is {k_cache.shape[0]} but q.shape[0] (batch) is {batch}; without "
+                f"cache_batch_idx the cache holds one row per sequence")
+        capacity, capacity_desc = k_cache.shape[1], "seqlen_cache = k_cache.shape[1]"
+    if seqlen_new > 0:
+        if cache_seqlens is None:
+            return ValueError, "appending k/v needs cache_seqlens (where each sequence's new keys go); got None"
+        if seqlen_new > capacity:
+            return ValueError, (
+                f"the cache is too small for the appended k/v: seqlen_new={seqlen_new} (k.shape[1]) > {capacity_desc} "
+                f"= {capacity}")
+        if not seqlens_tensor and cache_seqlens + seqlen_new > capacity:
+            return ValueError, (
+                f"the cache is too small for the appended k/v: cache_seqlens + seqlen_new = {cache_seqlens} + "
+                f"{seqlen_new} > {capacity_desc} = {capacity}")
+    elif not seqlens_tensor and cache_seqlens is not None and cache_seqlens > capacity:
+        return ValueError, f"cache_seqlens={cache_seqlens} is above the cache's {capacity_desc} = {capacity}"
+    out_shape = _shape(q)[:3] + (v_cache.shape[3],)
+    if out is not None and _shape(out) != out_shape:
+        with_v = "" if out_shape == _shape(q) else " with v_cache's headdim"
+        return ValueError, (f"out must have the shape of q{with_v} {_KVCACHE_LAYOUTS['q']} = {out_shape}; got "
+                            f"{_shape(out)}")
+    if num_splits < 0:
+        return ValueError, f"num_splits must be >= 0 (0 = auto, 1 = no split); got {num_splits}"
+    if num_splits > 1 and cache_batch_idx is not None:
+        return ValueError, (
+            f"num_splits={num_splits}: splitting the keys is not supported with cache_batch_idx; pass 0 or 1 (or "
+            f"index the cache rows yourself)")
+
+    problem = _layouts_problem((("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out)))
+    if problem is not None:
+        return problem
+    if cache_batch_idx is not None and k_cache.numel() > 0:  # read as packed rows (flash4.forward's cache rows)
+        rows = [packed_rows_per_batch(c) for c in (k_cache, v_cache)]
+        if rows[0] is None or rows[0] != rows[1]:
+            return ValueError, (
+                f"k_cache / v_cache strides {k_cache.stride()} / {v_cache.stride()}: with cache_batch_idx flash4 reads "
+                f"a dense cache as rows of stride stride(1), so stride(0) must be the same whole number "
+                f"(>= seqlen_cache) of rows in both; pass k_cache.contiguous() / v_cache.contiguous() (and write the "
+                f"cache back)")
+    if out is not None and batch > 1 and seqlen_q > 1 and out.numel() > 0 and out.stride(0) != seqlen_q * out.stride(1):
+        return ValueError, (
+            f"out strides {out.stride()}: flash4 writes out as packed (batch * seqlen_q, nheads, headdim) rows, so "
+            f"out.stride(0) must be seqlen_q * out.stride(1); pass a contiguous out")
+    devices = [("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v), ("out", out),
+               ("page_table", page_table), ("cache_batch_idx", cache_batch_idx),
+               ("cache_seqlens", cache_seqlens if seqlens_tensor else None)]
+    return _common_tail_problem(q, softmax_scale, causal, window_size, softcap, learnable_sink, devices)
 
 
+def kvcache_support_error(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, page_table=None,
+                          cache_batch_idx=None, softmax_scale=None, causal=False, num_splits=0, out=None,
+                          window_size=(-1, -1), softcap=0.0, learnable_sink=None) -> str | None:
+    """Why flash4.flash_attn_with_kvcache cannot take these arguments, or None. Metadata only."""
+    problem = _kvcache_problem(q, k_cache, v_cache, k, v, cache_seqlens, page_table, cache_batch_idx, softmax_scale,
+                               causal, num_splits, out, window_size, softcap, learnable_sink)
+    return None if problem is None else problem[1]
+
+
+def check_kvcache_inputs(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, page_table=None,
+                         cache_batch_idx=None, softmax_scale=None, causal=False, num_splits=0, out=None,
+                         window_size=(-1, -1), softcap=0.0, learnable_sink=None) -> None:
+    """Raise the message of `kvcache_support_error` as TypeError (non-tensors, dtypes, int32
+    metadata, cache_seqlens / num_splits / window_size types) or ValueError (everything else, e.g. a
+    cache too small for the appended k/v, num_splits > 1 with cache_batch_idx, a window side below
+    -1, softcap not finite and >= 0; a softcap that is not a real number is a TypeError)."""
+    _raise(_kvcache_problem(q, k_cache, v_cache, k, v, cache_seqlens, page_table, cache_batch_idx, softmax_scale,
+                            causal, num_splits, out, window_size, softcap, learnable_sink))
+
+
+def kvcache_request(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, page_table=None, cache_batch_idx=None,
+                    softmax_scale=None, causal=False, num_splits=0, out=None, window_size=(-1, -1), softcap=0.0,
+                    learnable_sink=None, check_seqlens=False) -> Request:
+    """flash_attn_with_kvcache's checked request (layout KVCACHE): check_kvcache_inputs' errors (out
+    is checked, not kept: flash4.forward.run takes it), page_table / cache_batch_idx made contiguous,
+    cache_seqlens as a (batch,) int32 tensor on q's device (an int for every sequence, None for the
+    whole cache), and with check_seqlens the on-device value checks (check_kvcache_seqlens, one host
+    sync) before anything is written."""
+    _raise(_kvcache_problem(q, k_cache, v_cache, k, v, cache_seqlens, page_table, cache_batch_idx, softmax_scale,
+                            causal, num_splits, out, window_size, softcap, learnable_sink))
+    page_table, cache_batch_idx = _contiguous(page_table), _contiguous(cache_batch_idx)
+    paged = page_table is not None
+    capacity = page_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
+    if isinstance(cache_seqlens, torch.Tensor):
+        seqlens = _contiguous(cache_seqlens)
+    else:
+        seqlens = torch.full((q.shape[0],), capacity if cache_seqlens is None else cache_seqlens, dtype=torch.int32,
+                             device=q.device)
+    if check_seqlens:
+        check_kvcache_seqlens(seqlens, 0 if k is None else k.shape[1], capacity, batch_cache=k_cache.shape[0],
+                              cache_batch_idx=cache_batch_idx, page_table=page_table, num_pages=k_cache.shape[0],
+                              page_size=k_cache.shape[1])
+    return Request.kvcache(q, k_cache, v_cache, k, v, seqlens, page_table, cache_batch_idx, softmax_scale, causal,
+                           num_splits, window_size, softcap, learnable_sink, check_seqlens)
+
+
+# ================================================================ on-device value checks (check_seqlens)
 def resolve_max_seqlen(name: str, value, cu_seqlens: torch.Tensor | None, seqused: torch.Tensor | None) -> int:
     """max_seqlen as a host int: a Python int as is; a 0-d tensor through .item() (a host sync for a
     CUDA tensor); None computed as max(seqused) or max(cu_seqlens[b+1] - cu_seqlens[b]) (a host sync
@@ -656,199 +901,6 @@ def _page_table_checks(checks: _DeviceChecks, page_table: torch.Tensor, used: to
 
     checks.add(bad.any(), message)
 
-
-_KVCACHE_LAYOUTS = {
-    "q": "(batch, seqlen_q, nheads, headdim)",
-    "k_cache": "(batch_cache, seqlen_cache, nheads_k, headdim)",
-    "paged k_cache": "(num_pages, page_size, nheads_k, headdim)",
-    "k": "(batch, seqlen_new, nheads_k, headdim)",
-}
-
-
-def packed_rows_per_batch(cache: torch.Tensor) -> int | None:
-    """Rows between consecutive batch entries of a dense cache (batch_cache, seqlen_cache, nheads_k,
-    headdim) seen as packed rows of stride cache.stride(1): stride(0) / stride(1), or None when the
-    batch stride is not a whole number of rows (or smaller than seqlen_cache rows)."""
-    row = cache.stride(1)
-    if cache.shape[0] <= 1:
-        return cache.shape[1]
-    if row <= 0 or cache.stride(0) % row != 0 or cache.stride(0) // row < cache.shape[1]:
-        return None
-    return cache.stride(0) // row
-
-
-def _kvcache_problem(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, page_table=None, cache_batch_idx=None,
-                     softmax_scale=None, causal=False, num_splits=0, out=None,
-                     window_size=(-1, -1), softcap=0.0, learnable_sink=None) -> tuple[type, str] | None:
-    """(exception type, message) of the first problem with flash_attn_with_kvcache's arguments."""
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if not isinstance(t, torch.Tensor):
-            return TypeError, f"{name} must be a torch.Tensor, got {type(t).__name__}"
-    optional = (("k", k, "a torch.Tensor or None"), ("v", v, "a torch.Tensor or None"),
-                ("page_table", page_table, "an int32 torch.Tensor of shape (batch, max_pages_per_seq) or None"),
-                ("cache_batch_idx", cache_batch_idx, "an int32 torch.Tensor of shape (batch,) or None"),
-                ("out", out, "a torch.Tensor or None"))
-    for name, t, what in optional:
-        problem = _tensor_or_none_problem(name, t, what)
-        if problem is not None:
-            return problem
-    seqlens_tensor = isinstance(cache_seqlens, torch.Tensor)
-    if cache_seqlens is not None and not seqlens_tensor and (
-            isinstance(cache_seqlens, bool) or not isinstance(cache_seqlens, numbers.Integral)):
-        return TypeError, (
-            f"cache_seqlens must be a Python int, an int32 torch.Tensor of shape (batch,) or None; "
-            f"got {type(cache_seqlens).__name__}")
-    if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral):
-        return TypeError, f"num_splits must be an int (0 = auto, 1 = no split), got {type(num_splits).__name__}"
-
-    if q.dtype not in DTYPE_NAMES:
-        return TypeError, (
-            f"q.dtype is {q.dtype}; flash4 supports torch.bfloat16 and torch.float16 (convert with q.to(torch.bfloat16))"
-        )
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v), ("out", out)):
-        if t is not None and t.dtype != q.dtype:
-            return TypeError, (
-                f"{name}.dtype is {t.dtype} but q.dtype is {q.dtype}; q, the caches, k, v and out share one dtype")
-    int_layouts = (("cache_seqlens", cache_seqlens if seqlens_tensor else None, "(batch,)", 1),
-                   ("page_table", page_table, "(batch, max_pages_per_seq)", 2),
-                   ("cache_batch_idx", cache_batch_idx, "(batch,)", 1))
-    for name, t, layout, _ in int_layouts:
-        problem = _int32_problem(name, t, layout)
-        if problem is not None:
-            return problem
-
-    paged = page_table is not None
-    cache_layout = _KVCACHE_LAYOUTS["paged k_cache" if paged else "k_cache"]
-    ranked = (("q", q, _KVCACHE_LAYOUTS["q"]), ("k_cache", k_cache, cache_layout), ("v_cache", v_cache, cache_layout),
-              ("k", k, _KVCACHE_LAYOUTS["k"]), ("v", v, _KVCACHE_LAYOUTS["k"]), ("out", out, _KVCACHE_LAYOUTS["q"]))
-    for name, t, layout in ranked:
-        if t is not None and t.dim() != 4:
-            return ValueError, f"{name} must be 4-D {layout}; got shape {_shape(t)}"
-    for name, t, layout, rank in int_layouts:
-        if t is not None and t.dim() != rank:
-            return ValueError, f"{name} must be {rank}-D {layout}; got shape {_shape(t)}"
-
-    batch, seqlen_q = q.shape[0], q.shape[1]
-    problem = _heads_problem(q, k_cache, v_cache, cache_layout, "k_cache", "v_cache")
-    if problem is not None:
-        return problem
-    problem = _page_size_problem(k_cache, "k_cache") if paged else None
-    if problem is not None:
-        return problem
-    if (k is None) != (v is None):
-        return ValueError, "k and v (the new keys and values to append) must be given together or both be None"
-    seqlen_new = 0
-    if k is not None:
-        expected = (batch, k.shape[1], k_cache.shape[2], k_cache.shape[3])
-        expected_v = expected[:3] + (v_cache.shape[3],)
-        if _shape(k) != expected or _shape(v) != expected_v:
-            what = (f"k and v must be {_KVCACHE_LAYOUTS['k']} = {expected}" if expected == expected_v else
-                    f"k and v must be {_KVCACHE_LAYOUTS['k']} = {expected} and {expected_v}")
-            return ValueError, (
-                f"{what} (batch of q, nheads_k and headdim of k_cache / v_cache); "
-                f"got k.shape={_shape(k)}, v.shape={_shape(v)}")
-        seqlen_new = k.shape[1]
-    if seqlens_tensor and _shape(cache_seqlens) != (batch,):
-        return ValueError, f"cache_seqlens must have shape (batch,) = ({batch},); got {_shape(cache_seqlens)}"
-    if not seqlens_tensor and cache_seqlens is not None and cache_seqlens < 0:
-        return ValueError, f"cache_seqlens must be >= 0; got {cache_seqlens}"
-    if paged:
-        if page_table.shape[0] != batch:
-            return ValueError, (
-                f"page_table must have shape (batch, max_pages_per_seq) with batch = {batch} (q.shape[0]); "
-                f"got {_shape(page_table)}")
-        if cache_batch_idx is not None:
-            return ValueError, (
-                "cache_batch_idx is not supported with page_table (a paged cache is indexed through page_table: "
-                "pass page_table[cache_batch_idx] instead)")
-        capacity, capacity_desc = page_table.shape[1] * k_cache.shape[1], "page_table.shape[1] * page_size"
-    else:
-        if cache_batch_idx is not None:
-            if _shape(cache_batch_idx) != (batch,):
-                return ValueError, (
-                    f"cache_batch_idx must have shape (batch,) = ({batch},); got {_shape(cache_batch_idx)}")
-        elif k_cache.shape[0] != batch:
-            return ValueError, (
-                f"k_cache.shape[0] (batch_cache) is {k_cache.shape[0]} but q.shape[0] (batch) is {batch}; without "
-                f"cache_batch_idx the cache holds one row per sequence")
-        capacity, capacity_desc = k_cache.shape[1], "seqlen_cache = k_cache.shape[1]"
-    if seqlen_new > 0:
-        if cache_seqlens is None:
-            return ValueError, "appending k/v needs cache_seqlens (where each sequence's new keys go); got None"
-        if seqlen_new > capacity:
-            return ValueError, (
-                f"the cache is too small for the appended k/v: seqlen_new={seqlen_new} (k.shape[1]) > {capacity_desc} "
-                f"= {capacity}")
-        if not seqlens_tensor and cache_seqlens + seqlen_new > capacity:
-            return ValueError, (
-                f"the cache is too small for the appended k/v: cache_seqlens + seqlen_new = {cache_seqlens} + "
-                f"{seqlen_new} > {capacity_desc} = {capacity}")
-    elif not seqlens_tensor and cache_seqlens is not None and cache_seqlens > capacity:
-        return ValueError, f"cache_seqlens={cache_seqlens} is above the cache's {capacity_desc} = {capacity}"
-    out_shape = _shape(q)[:3] + (v_cache.shape[3],)
-    if out is not None and _shape(out) != out_shape:
-        with_v = "" if out_shape == _shape(q) else " with v_cache's headdim"
-        return ValueError, (f"out must have the shape of q{with_v} {_KVCACHE_LAYOUTS['q']} = {out_shape}; got "
-                            f"{_shape(out)}")
-    if num_splits < 0:
-        return ValueError, f"num_splits must be >= 0 (0 = auto, 1 = no split); got {num_splits}"
-    if num_splits > 1 and cache_batch_idx is not None:
-        return ValueError, (
-            f"num_splits={num_splits}: splitting the keys is not supported with cache_batch_idx; pass 0 or 1 (or "
-            f"index the cache rows yourself)")
-
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
-        problem = layout_problem(name, t) if t is not None else None
-        if problem is not None:
-            return ValueError, problem
-    if cache_batch_idx is not None and k_cache.numel() > 0:  # read as packed rows (api._dense_cache_rows)
-        rows = [packed_rows_per_batch(c) for c in (k_cache, v_cache)]
-        if rows[0] is None or rows[0] != rows[1]:
-            return ValueError, (
-                f"k_cache / v_cache strides {k_cache.stride()} / {v_cache.stride()}: with cache_batch_idx flash4 reads "
-                f"a dense cache as rows of stride stride(1), so stride(0) must be the same whole number "
-                f"(>= seqlen_cache) of rows in both; pass k_cache.contiguous() / v_cache.contiguous() (and write the "
-                f"cache back)")
-    if out is not None and batch > 1 and seqlen_q > 1 and out.numel() > 0 and out.stride(0) != seqlen_q * out.stride(1):
-        return ValueError, (
-            f"out strides {out.stride()}: flash4 writes out as packed (batch * seqlen_q, nheads, headdim) rows, so "
-            f"out.stride(0) must be seqlen_q * out.stride(1); pass a contiguous out")
-    problem = _scale_causal_problem(softmax_scale, causal, window_size, softcap)
-    if problem is not None:
-        return problem
-    problem = sink_problem(learnable_sink, q, q.shape[-2])
-    if problem is not None:
-        return problem
-    others = [("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v), ("out", out),
-              ("page_table", page_table), ("cache_batch_idx", cache_batch_idx),
-              ("cache_seqlens", cache_seqlens if seqlens_tensor else None)]
-    problem = _device_problem(q, others)
-    if problem is not None:
-        return problem
-    return _arch_problem(q, causal)
-
-
-def kvcache_support_error(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, page_table=None,
-                          cache_batch_idx=None, softmax_scale=None, causal=False, num_splits=0, out=None,
-                          window_size=(-1, -1), softcap=0.0, learnable_sink=None) -> str | None:
-    """Why flash4.flash_attn_with_kvcache cannot take these arguments, or None. Metadata only."""
-    problem = _kvcache_problem(q, k_cache, v_cache, k, v, cache_seqlens, page_table, cache_batch_idx, softmax_scale,
-                               causal, num_splits, out, window_size, softcap, learnable_sink)
-    return None if problem is None else problem[1]
-
-
-def check_kvcache_inputs(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, page_table=None,
-                         cache_batch_idx=None, softmax_scale=None, causal=False, num_splits=0, out=None,
-                         window_size=(-1, -1), softcap=0.0, learnable_sink=None) -> None:
-    """Raise the message of `kvcache_support_error` as TypeError (non-tensors, dtypes, int32
-    metadata, cache_seqlens / num_splits / window_size types) or ValueError (everything else, e.g. a
-    cache too small for the appended k/v, num_splits > 1 with cache_batch_idx, a window side below
-    -1, softcap not finite and >= 0; a softcap that is not a real number is a TypeError)."""
-    problem = _kvcache_problem(q, k_cache, v_cache, k, v, cache_seqlens, page_table, cache_batch_idx, softmax_scale,
-                               causal, num_splits, out, window_size, softcap, learnable_sink)
-    if problem is not None:
-        exc_type, message = problem
-        raise exc_type(message)
 
 
 def check_kvcache_seqlens(cache_seqlens, seqlen_new: int, capacity: int, *, batch_cache: int = 0,

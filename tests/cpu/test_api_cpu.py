@@ -1,5 +1,6 @@
 """The public API without a GPU: errors before any device use, public names, import hygiene,
-the empty-input fast paths of the internal forward and the autograd plumbing."""
+the empty-input fast paths of the host forward (flash4.forward.run) and the autograd plumbing
+(flash4.autograd: the one path, with the launches stubbed)."""
 
 import math
 import subprocess
@@ -11,8 +12,8 @@ import pytest
 import torch
 
 import flash4
-from flash4 import api, flash_attn_func
-from flash4.autograd import FlashAttnFunc
+from flash4 import api, autograd, flash_attn_func, forward
+from flash4.request import Request
 
 SRC = Path(flash4.__file__).parent
 
@@ -65,106 +66,116 @@ def test_shape_errors_on_cpu_tensors():
 
 
 @pytest.mark.parametrize("b, sq", [(0, 16), (2, 0)])
-def test_forward_hook_empty_outputs(b, sq):
+def test_forward_empty_outputs(b, sq):
     q, k, v = qkv(b=b, sq=sq)
-    out, lse = api._flash_attn_forward(q, k, v, None, True)
+    out, lse = forward.run(Request.dense(q, k, v, None, True))
     assert out.shape == (b, sq, 4, 64) and out.dtype == torch.bfloat16
     assert lse.shape == (b, 4, sq) and lse.dtype == torch.float32
 
 
-def test_forward_hook_no_keys_gives_zero_and_neg_inf():
+def test_forward_no_keys_gives_zero_and_neg_inf():
     q, k, v = qkv(sk=0)
     out = torch.full((2, 16, 4, 64), math.nan, dtype=torch.bfloat16)
     lse = torch.full((2, 4, 16), math.nan)
-    res = api._flash_attn_forward(q, k, v, 0.1, False, out=out, lse=lse)
+    res = forward.run(Request.dense(q, k, v, 0.1, False), out=out, lse=lse)
     assert res[0] is out and res[1] is lse
     assert (out == 0).all() and torch.isneginf(lse).all()
 
 
-def test_forward_hook_rejects_bad_buffers():
+def test_forward_rejects_bad_buffers():
     q, k, v = qkv(sk=0)
+    request = Request.dense(q, k, v, None, False)
     with pytest.raises(ValueError, match="out must be torch.bfloat16 of shape"):
-        api._flash_attn_forward(q, k, v, None, False, out=torch.empty(2, 16, 4, 63, dtype=torch.bfloat16))
+        forward.run(request, out=torch.empty(2, 16, 4, 63, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="lse must be torch.float32 of shape"):
-        api._flash_attn_forward(q, k, v, None, False, lse=torch.empty(2, 4, 16, dtype=torch.bfloat16))
+        forward.run(request, lse=torch.empty(2, 4, 16, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="lse must be contiguous"):
-        api._flash_attn_forward(q, k, v, None, False, lse=torch.empty(2, 16, 4).transpose(1, 2))
+        forward.run(request, lse=torch.empty(2, 16, 4).transpose(1, 2))
     with pytest.raises(ValueError, match="out has stride"):
-        api._flash_attn_forward(q, k, v, None, False, out=torch.empty(2, 16, 64, 4, dtype=torch.bfloat16).transpose(2, 3))
+        forward.run(request, out=torch.empty(2, 16, 64, 4, dtype=torch.bfloat16).transpose(2, 3))
+    with pytest.raises(ValueError, match=r"lse_split must be torch.float32 of shape \(2, 2, 4, 16\)"):
+        forward.run(request, lse_split=torch.empty(2, 4, 16))
 
 
-def test_forward_hook_accepts_odd_seqlen_lse():
+def test_forward_accepts_odd_seqlen_lse():
     q, k, v = qkv(sq=17, sk=0)  # lse rows of 17 floats: contiguous is all lse needs
-    out, lse = api._flash_attn_forward(q, k, v, None, False, lse=torch.empty(2, 4, 17))
+    out, lse = forward.run(Request.dense(q, k, v, None, False), lse=torch.empty(2, 4, 17))
     assert torch.isneginf(lse).all()
 
 
-def _fake_kernels(monkeypatch, seen):
-    """Replace the forward/backward kernels by torch stand-ins (CPU): out = q, grads 1, 2, 3."""
-    import flash4.backward as bwd
+@pytest.fixture
+def stub_forward(monkeypatch):
+    """flash4.forward.launch replaced by out = q, lse = 0, lse_split = (7, 0.5); returns what it saw."""
+    seen = {}
 
-    def fake_forward(q, k, v, softmax_scale, causal, lse_split=None, window_size=None, softcap=0.0):
-        seen.update(fwd_window=window_size)
-        if softcap:
-            seen.update(fwd_softcap=softcap)
-        lse = torch.zeros(q.shape[0], q.shape[2], q.shape[1])
+    def launch(request, out, lse, lse_split=None):
+        seen.update(fwd_window=request.mask.window, fwd_softcap=request.score.softcap)
+        out.copy_(request.q)
+        lse.zero_()
         if lse_split is not None:
             lse_split[0].fill_(7.0)
             lse_split[1].fill_(0.5)
-        return q * 1.0, lse
 
-    def fake_backward(dout, q, k, v, out, lse, softmax_scale, causal, deterministic=False, lse_split=None, dlse=None,
-                      window_size=None, softcap=0.0):
-        if softcap:
-            seen.update(softcap=softcap)
-        seen.update(scale=softmax_scale, causal=causal, lse_shape=tuple(lse.shape), det=deterministic,
-                    window=window_size,
-                    split=None if lse_split is None else (lse_split[0].unique().tolist(), lse_split[1].unique().tolist()),
-                    dlse=None if dlse is None else dlse.unique().tolist(), dout=dout.unique().tolist())
-        return torch.ones_like(q), 2 * torch.ones_like(k), 3 * torch.ones_like(v)
-
-    monkeypatch.setattr(api, "_flash_attn_forward", fake_forward)
-    monkeypatch.setattr(bwd, "flash_attn_backward", fake_backward)
+    monkeypatch.setattr(forward, "launch", launch)
+    return seen
 
 
-def test_autograd_routes_backward(monkeypatch):
-    """The Function saves what the backward needs (the log2 LSE split too) and returns grads only where asked."""
-    seen = {}
-    _fake_kernels(monkeypatch, seen)
+def _subset(seen, expected):
+    return {key: seen[key] for key in expected}
+
+
+def test_autograd_routes_backward(stub_forward, fake_backward):
+    """The autograd path saves what the backward needs (the log2 LSE split too) and returns grads only where asked."""
     q, k, v = (t.float() for t in qkv())
     q.requires_grad_()
     v.requires_grad_()
-    out, lse = FlashAttnFunc.apply(q, k, v, 0.125, True)
+    out, lse = autograd.attention(Request.dense(q, k, v, 0.125, True))
     assert out.requires_grad and lse.requires_grad
     out.sum().backward()
-    assert seen == {"scale": 0.125, "causal": True, "lse_shape": (q.shape[0], q.shape[2], q.shape[1]), "det": False,
-                    "split": ([7.0], [0.5]), "dlse": None, "dout": [1.0], "window": None, "fwd_window": None}
+    expected = {"scale": 0.125, "causal": True, "lse_shape": (q.shape[0], q.shape[2], q.shape[1]), "det": False,
+                "split_values": ([7.0], [0.5]), "dlse": None, "dout": [1.0], "window": None, "softcap": 0.0}
+    assert _subset(fake_backward, expected) == expected and stub_forward == {"fwd_window": None, "fwd_softcap": 0.0}
     assert torch.equal(q.grad, torch.ones_like(q)) and torch.equal(v.grad, 3 * torch.ones_like(v))
     assert k.grad is None
 
 
-def test_lse_gradient_is_routed(monkeypatch):
+def test_autograd_skipped_without_grad(stub_forward, fake_backward):
+    """No input requiring grad (or grad mode off): flash4.forward.run directly, outputs without autograd."""
+    q, k, v = (t.float() for t in qkv())
+    out, lse = autograd.attention(Request.dense(q, k, v, 0.125, True))
+    assert not out.requires_grad and not lse.requires_grad
+    with torch.no_grad():
+        out, _ = autograd.attention(Request.dense(q.requires_grad_(), k, v, 0.125, True))
+    assert not out.requires_grad
+
+
+def test_lse_gradient_is_routed(stub_forward, fake_backward):
     """A loss on lse reaches the backward as dlse (None when lse is unused); a loss on lse alone
     gives a zero dout."""
-    seen = {}
-    _fake_kernels(monkeypatch, seen)
     q, k, v = (t.float().requires_grad_() for t in qkv())
-    out, lse = FlashAttnFunc.apply(q, k, v, 0.125, False)
+    out, lse = autograd.attention(Request.dense(q, k, v, 0.125, False))
     (3.0 * lse).sum().backward()
-    assert seen["dlse"] == [3.0] and seen["dout"] == [0.0]
-    out, lse = FlashAttnFunc.apply(q, k, v, 0.125, False)
+    assert fake_backward["dlse"] == [3.0] and fake_backward["dout"] == [0.0]
+    out, lse = autograd.attention(Request.dense(q, k, v, 0.125, False))
     (out.sum() + 2.0 * lse.sum()).backward()
-    assert seen["dlse"] == [2.0] and seen["dout"] == [1.0]
+    assert fake_backward["dlse"] == [2.0] and fake_backward["dout"] == [1.0]
 
 
-def test_double_backward_raises(monkeypatch):
+def test_one_tensor_as_q_k_and_v(stub_forward, fake_backward):
+    """flash_attn_func(x, x, x): the autograd path takes x once and hands it dq + dk + dv."""
+    x = qkv(hk=4)[0].float().requires_grad_()
+    out, _ = autograd.attention(Request.dense(x, x, x, 0.125, True))
+    out.sum().backward()
+    assert torch.equal(x.grad, torch.full_like(x, 6.0))  # 1 + 2 + 3 (fake_backward's dq, dk, dv)
+
+
+def test_double_backward_raises(stub_forward, fake_backward):
     """A gradient penalty through flash4's dq (create_graph=True, then a backward through dq) raises
     flash4's error instead of silently treating dq as a constant; first-order grads are unchanged."""
     from flash4.autograd import DOUBLE_BACKWARD_ERROR
 
-    _fake_kernels(monkeypatch, {})
     q, k, v = (t.float().requires_grad_() for t in qkv())
-    out, _ = FlashAttnFunc.apply(q, k, v, 0.125, False)
+    out, _ = autograd.attention(Request.dense(q, k, v, 0.125, False))
     dq, dk = torch.autograd.grad(out.sum(), (q, k), create_graph=True)
     assert torch.equal(dq, torch.ones_like(q)) and torch.equal(dk, 2 * torch.ones_like(k))
     assert dq.requires_grad and dk.requires_grad
@@ -172,7 +183,7 @@ def test_double_backward_raises(monkeypatch):
         ((dq ** 2).sum() + (v ** 2).sum()).backward()
     assert str(err.value) == DOUBLE_BACKWARD_ERROR
     # Without create_graph the gradients carry no graph (nothing to guard).
-    out, _ = FlashAttnFunc.apply(q, k, v, 0.125, False)
+    out, _ = autograd.attention(Request.dense(q, k, v, 0.125, False))
     dq, = torch.autograd.grad(out.sum(), q)
     assert not dq.requires_grad
 

@@ -4,7 +4,7 @@ checks of the varlen / paged / split-KV forward configs and the combine kernel (
 import pytest
 
 from flash4.config import paged_page_rows, select_fwd_config, with_seq_layout
-from flash4.decode import MAX_SPLITS, MIN_BLOCKS_PER_SPLIT, choose_num_splits, decode_plan, pack_factor
+from flash4.config.sm90 import MAX_SPLITS, MIN_BLOCKS_PER_SPLIT, choose_num_splits, decode_plan, pack_factor
 
 
 @pytest.mark.parametrize("tiles,blocks,expected", [

@@ -179,7 +179,7 @@ def test_paged_layout_and_pieces(page_size, tile_n):
 
 
 def test_padded_offsets_are_tile_aligned_and_disjoint():
-    from flash4.varlen import padded_total
+    from flash4.backward import padded_total
 
     rng = random.Random(7)
     for _ in range(50):

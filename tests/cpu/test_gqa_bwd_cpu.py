@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from flash4 import env
-from flash4.backward import dkv_targets, head_split_config
+from flash4.backward import dkv_targets
 from flash4.config import BwdConfig, bwd_heads_per_cta, mean_queries_per_key, select_bwd_config, with_dkv_accum
+from flash4.config.sm90 import head_split_config
 from flash4.launch import bwd_grid, bwd_num_splits
 
 
@@ -85,7 +86,10 @@ def test_env_override(monkeypatch):
     monkeypatch.setenv("FLASH4_BWD_HEADS_PER_CTA", "3")
     assert env.bwd_heads_per_cta_override() == 3
     args = (32, 1, 100, 100, True, None)  # short: the default would not split; the override does
-    assert head_split_config(select_bwd_config(128), *args) == (with_dkv_accum(select_bwd_config(128), 32, 1, 3), 3)
+    override = env.bwd_heads_per_cta_override()  # what flash4.backward passes to the plan
+    split = (with_dkv_accum(select_bwd_config(128), 32, 1, 3), 3)
+    assert head_split_config(select_bwd_config(128), *args, override) == split
+    assert head_split_config(select_bwd_config(128), *args) == (select_bwd_config(128), 32)  # no override: no split
     for bad in ("0", "-2", "two"):
         monkeypatch.setenv("FLASH4_BWD_HEADS_PER_CTA", bad)
         with pytest.raises(ValueError, match="FLASH4_BWD_HEADS_PER_CTA"):

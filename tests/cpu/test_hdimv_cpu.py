@@ -87,7 +87,7 @@ def test_shipped_configs_cover_the_pairs():
 
 
 def test_decode_plan_with_headdim_v():
-    from flash4.decode import decode_plan
+    from flash4.config.sm90 import decode_plan
 
     plan = decode_plan(2, 1, 16, 2, 192, "bf16", False, 0, 4096, 0, 90, 132, headdim_v=128)
     assert plan.cfg.headdim_v == 128 and plan.cfg.smem_bytes() <= SM90_MAX_SMEM_BYTES - 1024
@@ -165,7 +165,7 @@ def test_kvcache_validation():
 
 
 def test_out_buffer_checked_with_dv():
-    from flash4.api import _check_buffer
+    from flash4.forward import _check_buffer
 
     _check_buffer("out", torch.empty(2, 16, 4, 128, dtype=BF16), (2, 16, 4, 128), BF16, torch.device("cpu"))
     with pytest.raises(ValueError, match=r"shape \(2, 16, 4, 128\)"):
@@ -242,7 +242,7 @@ def _configs():
         select_bwd_config(64, "fp16", True, deterministic=True, headdim_v=128),
     ]
     # decode steps (GQA-packed, one consumer warpgroup, the deepest K/V pipeline that fits, split-KV)
-    from flash4.decode import decode_plan
+    from flash4.config.sm90 import decode_plan
 
     for d, dv in PAIRS:
         configs.append(decode_plan(2, 1, 16, 2, d, "bf16", False, 64, 4096, 0, 90, 132, headdim_v=dv).cfg)

@@ -4,15 +4,11 @@ live on the meta device, where the ops run their fake implementations."""
 
 import pytest
 import torch
+from cpu_helpers import (I32, flash4_calls, kvcache_meta, meta_inputs, op_argument, varlen_fwd_args, varlen_meta)
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import flash4.ops  # noqa: F401
 from flash4 import flash_attn_func
-
-
-def meta_inputs(b=2, sq=100, sk=120, h=4, hk=2, d=64, dtype=torch.bfloat16, grad=True):
-    return [torch.empty(b, s, n, d, dtype=dtype, device="meta", requires_grad=grad)
-            for s, n in ((sq, h), (sk, hk), (sk, hk))]
 
 
 @pytest.mark.parametrize("shape", [(2, 100, 120, 4, 2, 64), (1, 1, 257, 8, 1, 128), (3, 300, 17, 2, 2, 256)])
@@ -20,7 +16,7 @@ def test_fake_outputs_match_the_real_contract(shape):
     b, sq, sk, h, hk, d = shape
     q, k, v = meta_inputs(b, sq, sk, h, hk, d)
     out, lse, split = torch.ops.flash4.fwd(q, k, v, 0.125, True, False)
-    # what api._flash_attn_forward returns: out contiguous like q, lse/split contiguous float32
+    # what flash4.forward.run returns: out contiguous like q, lse/split contiguous float32
     assert out.shape == q.shape and out.dtype == q.dtype and out.is_contiguous()
     assert lse.shape == (b, h, sq) and lse.dtype == torch.float32 and lse.is_contiguous()
     assert split.shape == (2, b, h, sq) and split.dtype == torch.float32
@@ -69,38 +65,13 @@ def test_flash_attn_func_uses_the_op_while_compiling(monkeypatch):
 
 
 # ================================================================ varlen / paged / kvcache ops
-I32 = torch.int32
-
-
-def varlen_meta(total_q=300, total_k=260, batch=3, h=4, hk=2, d=64, dtype=torch.bfloat16, grad=True, paged=False,
-                seqused=False):
-    """Meta varlen inputs: q (total_q, h, d); k/v packed (total_k, hk, d), or paged (pages, 16, hk, d)
-    with a page_table; int32 metadata (values never read on the meta device)."""
-    q = torch.empty(total_q, h, d, dtype=dtype, device="meta", requires_grad=grad)
-    kv_shape = (total_k // 16 + 1, 16, hk, d) if paged else (total_k, hk, d)
-    k, v = (torch.empty(kv_shape, dtype=dtype, device="meta", requires_grad=grad) for _ in range(2))
-    meta = dict(
-        cu_seqlens_q=torch.empty(batch + 1, dtype=I32, device="meta"),
-        cu_seqlens_k=None if paged else torch.empty(batch + 1, dtype=I32, device="meta"),
-        seqused_q=torch.empty(batch, dtype=I32, device="meta") if seqused else None,
-        seqused_k=torch.empty(batch, dtype=I32, device="meta") if (seqused or paged) else None,
-        page_table=torch.empty(batch, 8, dtype=I32, device="meta") if paged else None,
-    )
-    return q, k, v, meta
-
-
-def varlen_fwd_args(q, k, v, meta, max_q=128, max_k=None, scale=0.125, causal=True, deterministic=False):
-    return (q, k, v, meta["cu_seqlens_q"], meta["cu_seqlens_k"], meta["seqused_q"], meta["seqused_k"],
-            meta["page_table"], max_q, max_k, scale, causal, deterministic, False)
-
-
 @pytest.mark.parametrize("shape", [(300, 260, 3, 4, 2, 64), (1, 4096, 1, 8, 1, 128), (17, 0, 2, 2, 2, 256)])
 @pytest.mark.parametrize("seqused", [False, True])
 def test_varlen_fakes_match_the_real_contract(shape, seqused):
     total_q, total_k, batch, h, hk, d = shape
     q, k, v, meta = varlen_meta(total_q, total_k, batch, h, hk, d, seqused=seqused)
     out, lse, split = torch.ops.flash4.varlen_fwd(*varlen_fwd_args(q, k, v, meta))
-    # what api._flash_attn_varlen_forward returns: out (total_q, H, D) contiguous, lse (H, total_q)
+    # what flash4.forward.run returns (packed): out (total_q, H, D) contiguous, lse (H, total_q)
     assert out.shape == q.shape and out.dtype == q.dtype and out.is_contiguous()
     assert lse.shape == (h, total_q) and lse.dtype == torch.float32 and lse.is_contiguous()
     assert split.shape == (2, h, total_q) and split.dtype == torch.float32 and split.is_contiguous()
@@ -181,15 +152,6 @@ def test_varlen_func_uses_the_op_while_compiling(monkeypatch, max_seqlen):
     assert len(calls) == 1
     assert calls[0].args[8] == (256 if max_seqlen == 256 else None)
     assert calls[0].args[10] == pytest.approx(1 / 8)  # 1/sqrt(64)
-
-
-def kvcache_meta(batch=2, seqlen_q=1, cache=512, h=8, hk=2, d=128, new=1, paged=False):
-    q = torch.empty(batch, seqlen_q, h, d, dtype=torch.bfloat16, device="meta")
-    cache_shape = (batch * cache // 64, 64, hk, d) if paged else (batch, cache, hk, d)
-    k_cache, v_cache = (torch.empty(cache_shape, dtype=torch.bfloat16, device="meta") for _ in range(2))
-    k, v = (torch.empty(batch, new, hk, d, dtype=torch.bfloat16, device="meta") if new else None for _ in range(2))
-    page_table = torch.empty(batch, cache // 64, dtype=I32, device="meta") if paged else None
-    return q, k_cache, v_cache, k, v, page_table
 
 
 @pytest.mark.parametrize("paged", [False, True])
@@ -299,18 +261,9 @@ def test_flash_attn_with_kvcache_compiles_fullgraph():
 
 
 # ================================================================ sliding windows (window_left / window_right)
-def _flash4_calls(gm):
-    return [n for n in gm.graph.nodes if n.op == "call_function" and str(n.target).startswith("flash4.")]
-
-
 def _window_of(node):
-    """(window_left, window_right) a traced flash4 op call received (defaults filled in: tracing drops
-    trailing arguments equal to their defaults)."""
-    schema = node.target._schema.arguments
-    args = list(node.args) + [a.default_value for a in schema[len(node.args):]]
-    named = {a.name: value for a, value in zip(schema, args)}
-    named.update(node.kwargs)
-    return named["window_left"], named["window_right"]
+    """(window_left, window_right) a traced flash4 op call received."""
+    return op_argument(node, "window_left"), op_argument(node, "window_right")
 
 
 def test_window_arguments_in_every_schema():
@@ -360,7 +313,7 @@ def test_window_reaches_the_backward_op():
         out, lse, _ = torch.ops.flash4.fwd(q, k, v, 0.125, False, False, 32, 3)
         return torch.autograd.grad(out.float().sum() + lse.sum(), (q, k, v))
 
-    calls = _flash4_calls(make_fx(step)(*meta_inputs()))
+    calls = flash4_calls(make_fx(step)(*meta_inputs()))
     assert [str(n.target) for n in calls] == ["flash4.fwd.default", "flash4.bwd.default"]
     assert _window_of(calls[1]) == (32, 3)
 
@@ -371,7 +324,7 @@ def test_window_reaches_the_backward_op():
                                                   False, False, 9, 0)
         return torch.autograd.grad(out.float().sum() + lse.sum(), (q, k, v))
 
-    calls = _flash4_calls(make_fx(varlen_step)(q, k, v, meta["cu_seqlens_q"], meta["cu_seqlens_k"]))
+    calls = flash4_calls(make_fx(varlen_step)(q, k, v, meta["cu_seqlens_q"], meta["cu_seqlens_k"]))
     assert [str(n.target) for n in calls] == ["flash4.varlen_fwd.default", "flash4.varlen_bwd.default"]
     assert _window_of(calls[1]) == (9, 0)
 
@@ -384,13 +337,13 @@ def test_public_functions_pass_the_window_while_compiling(monkeypatch, window):
 
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     q, k, v = meta_inputs()
-    calls = _flash4_calls(make_fx(lambda a, b, c: flash_attn_func(a, b, c, window_size=window))(q, k, v))
+    calls = flash4_calls(make_fx(lambda a, b, c: flash_attn_func(a, b, c, window_size=window))(q, k, v))
     assert [str(n.target) for n in calls] == ["flash4.fwd.default"] and _window_of(calls[0]) == tuple(window)
 
     q, k, v, meta = varlen_meta()
     gm = make_fx(lambda a, b, c, cq, ck: flash_attn_varlen_func(a, b, c, cq, ck, 128, window_size=window))(
         q, k, v, meta["cu_seqlens_q"], meta["cu_seqlens_k"])
-    calls = _flash4_calls(gm)
+    calls = flash4_calls(gm)
     assert [str(n.target) for n in calls] == ["flash4.varlen_fwd.default"]
     assert _window_of(calls[0]) == tuple(window)
 
@@ -398,7 +351,7 @@ def test_public_functions_pass_the_window_while_compiling(monkeypatch, window):
     seqlens = torch.empty(2, dtype=I32, device="meta")
     gm = make_fx(lambda a, kc, vc: flash_attn_with_kvcache(a, kc, vc, k, v, seqlens, window_size=window))(
         q, k_cache, v_cache)
-    calls = _flash4_calls(gm)
+    calls = flash4_calls(gm)
     assert [str(n.target) for n in calls] == ["flash4.kvcache.default"] and _window_of(calls[0]) == tuple(window)
 
 
@@ -426,9 +379,39 @@ def test_compiled_window_fullgraph():
         q, k, v = meta_inputs(sq=sq)
         step(q, k, v).backward()
         assert [t.grad.shape for t in (q, k, v)] == [q.shape, k.shape, v.shape]
-    fwd_calls = [c for g in backend.fw_graphs for c in _flash4_calls(g)]
-    bwd_calls = [c for g in backend.bw_graphs for c in _flash4_calls(g)]
+    fwd_calls = [c for g in backend.fw_graphs for c in flash4_calls(g)]
+    bwd_calls = [c for g in backend.bw_graphs for c in flash4_calls(g)]
     assert fwd_calls and bwd_calls
     assert {str(c.target) for c in fwd_calls} == {"flash4.fwd.default"}
     assert {str(c.target) for c in bwd_calls} == {"flash4.bwd.default"}
     assert all(_window_of(c) == (256, -1) for c in fwd_calls + bwd_calls)
+
+
+# ================================================================ one tensor as two arguments
+def test_one_tensor_as_several_arguments_compiles_fullgraph():
+    """Self-attention (q, k and v one tensor) and one cu_seqlens for q and k: the autograd path takes
+    each tensor once (Dynamo refuses an autograd.Function with a repeated tensor input), the ops get
+    every argument, and the backward reaches every leaf."""
+    import torch._dynamo
+    from torch._dynamo.testing import AotEagerAndRecordGraphs
+
+    from flash4 import flash_attn_varlen_func
+
+    def self_attention(x):
+        return flash_attn_func(x, x, x, causal=True).float().sum()
+
+    def packed(q, k, v, cu):
+        out, lse = flash_attn_varlen_func(q, k, v, cu, cu, 128, None, causal=True, return_lse=True)
+        return out.float().sum() + lse.sum()
+
+    torch._dynamo.reset()
+    backend = AotEagerAndRecordGraphs()
+    x = torch.empty(2, 100, 4, 64, dtype=torch.bfloat16, device="meta", requires_grad=True)
+    torch.compile(self_attention, fullgraph=True, backend=backend)(x).backward()
+    assert x.grad.shape == x.shape
+    q, k, v, meta = varlen_meta()
+    torch.compile(packed, fullgraph=True, backend=backend, dynamic=True)(q, k, v, meta["cu_seqlens_q"]).backward()
+    assert [t.grad.shape for t in (q, k, v)] == [q.shape, k.shape, v.shape]
+    targets = [str(c.target) for g in backend.fw_graphs + backend.bw_graphs for c in flash4_calls(g)]
+    assert targets == ["flash4.fwd.default", "flash4.varlen_fwd.default", "flash4.bwd.default",
+                       "flash4.varlen_bwd.default"]

@@ -7,13 +7,13 @@ import inspect
 
 import pytest
 import torch
-from test_varlen_api import cpu_kernels, kv_args, varlen_args  # noqa: F401  (fixture)
-from test_window_api import ENTRY_POINTS, qkv
+from cpu_helpers import ENTRY_POINTS, kv_args, qkv, varlen_args
 
 import flash4
-from flash4 import api
+from flash4 import forward
 from flash4.autograd import sink_grad, varlen_row_mask
 from flash4.reference import attention_ref, attention_varlen_ref, kvcache_ref
+from flash4.request import Request
 
 BF16, I32 = torch.bfloat16, torch.int32
 
@@ -108,43 +108,35 @@ def test_dense_forward_passes_sink_to_config_and_runner(monkeypatch):
 
     seen = {}
 
-    def fake_select(*args, **kwargs):
-        seen["cfg_kwargs"] = kwargs
-        return "cfg"
-
     def fake_runner(cfg):
+        seen["cfg"] = cfg
+
         def run(q, k, v, out, lse, scale, lse_split, **kwargs):
             seen["run"] = kwargs
             out.zero_()
             lse.zero_()
         return run
 
-    monkeypatch.setattr(api, "select_fwd_config", fake_select)
-    monkeypatch.setattr(api, "with_pack_gqa", lambda cfg, h, hk: cfg)
-    monkeypatch.setattr(api, "device_arch", lambda device: "sm90")
     monkeypatch.setattr(cache, "get_fwd_runner", fake_runner)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: None)
+    monkeypatch.setenv("FLASH4_ARCH", "90")
     q, k, v = qkv()
     sink = torch.randn(4, dtype=BF16)
-    api._flash_attn_forward(q, k, v, 0.1, False, learnable_sink=sink)
-    assert seen["cfg_kwargs"]["sink"] is True
+    forward.run(Request.dense(q, k, v, 0.1, False, learnable_sink=sink))
+    assert seen["cfg"].sink is True
     passed = seen["run"]["sink"]
     assert passed.dtype == torch.float32 and passed.is_contiguous() and torch.equal(passed, sink.float())
-    api._flash_attn_forward(q, k, v, 0.1, False)
-    assert "sink" not in seen["cfg_kwargs"] and "sink" not in seen["run"]
+    forward.run(Request.dense(q, k, v, 0.1, False))
+    assert seen["cfg"].sink is False and "sink" not in seen["run"]
 
 
 def test_empty_keys_give_lse_equal_to_sink():
     q, k, v = qkv(sk=0)
     sink = torch.tensor([1.0, -2.0, 30.0, -30.0])
-    out, lse = api._flash_attn_forward(q, k, v, 0.1, False, learnable_sink=sink)
+    out, lse = forward.run(Request.dense(q, k, v, 0.1, False, learnable_sink=sink))
     assert torch.equal(out, torch.zeros_like(out)) and torch.equal(lse, sink.view(1, 4, 1).expand_as(lse))
 
 
-def test_varlen_routes_sink_and_dsink(cpu_kernels, monkeypatch):  # noqa: F811
-    import flash4.varlen as varlen
-    from test_varlen_api import _fake_backward
-
+def test_varlen_routes_sink_and_dsink(cpu_kernels, fake_backward):
     args = varlen_args((3, 0, 5), (4, 2, 6))
     sink = torch.tensor([0.5, -1.0, 3.0, 30.0])
     h = args["q"].shape[1]
@@ -155,7 +147,6 @@ def test_varlen_routes_sink_and_dsink(cpu_kernels, monkeypatch):  # noqa: F811
                                         causal=True, learnable_sink=sink)
     assert torch.equal(out, ref.to(BF16)) and torch.equal(lse, ref_lse)
 
-    monkeypatch.setattr(varlen, "varlen_backward", _fake_backward({}))
     s = sink.clone().requires_grad_()
     out, lse = flash4.flash_attn_varlen_func(**args, causal=True, learnable_sink=s, return_lse=True)
     (out.float().sum() + lse.sum()).backward()

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from flash4.config import select_fwd_config, with_seq_layout
-from flash4.decode import decode_plan
+from flash4.config.sm90 import decode_plan
 from flash4.reference import attention_ref
 
 

@@ -164,8 +164,10 @@ def test_registry_compiles_sm100_but_the_api_refuses_it():
     assert fam.name == "sm100" and fam.archs == (100,) and not fam.verified
     assert fam.config_module() is sm100
     assert registry.supported_archs() == (90,)
-    for arch in (103, 110, 120):  # other Blackwell parts are different GPUs
+    for arch in (103, 110):  # other Blackwell parts are different GPUs
         with pytest.raises(ValueError, match=f"no kernels for sm_{arch}"):
             registry.family(arch, include_unverified=True)
+    # consumer Blackwell (no tensor memory) belongs to the portable mma.sync family, never to sm100
+    assert registry.family(120, include_unverified=True).name == "sm80"
     with pytest.raises(ValueError, match="no 'bwd' kernel"):
         fam.kernel_class("bwd")

@@ -1,25 +1,24 @@
 """The public `softcap` keyword (logit soft-capping, Gemma 2; issue 10 item 2) without a GPU: its
 validation on every entry point and every flash4.validate function (TypeError for a non-real or a
 bool, ValueError naming softcap and the value for NaN / inf / negative values), and its plumbing:
-flash_attn_func -> FlashAttnFunc -> _flash_attn_forward (config variant and runner value) and
-flash4.backward.flash_attn_backward; flash_attn_varlen_func -> varlen_forward / varlen_backward;
-flash_attn_with_kvcache -> decode_forward and (cache_batch_idx) varlen_forward; the custom ops
-(schema, opcheck, autograd, tracing). The kernels themselves: tests/gpu/test_softcap.py."""
+flash_attn_func -> the request's ScoreSpec -> flash4.forward.launch (config variant and runner
+value) and flash4.backward.launch; flash_attn_varlen_func and flash_attn_with_kvcache (decode and
+cache_batch_idx) likewise (the reference stand-ins of conftest.py); the custom ops (schema,
+opcheck, autograd, tracing). The kernels themselves: tests/gpu/test_softcap.py."""
 
 import inspect
 import math
 
 import pytest
 import torch
-from test_ops import _flash4_calls, kvcache_meta, meta_inputs, varlen_fwd_args, varlen_meta
-from test_varlen_api import _fake_backward, cpu_kernels, kv_args, varlen_args  # noqa: F401  (fixture)
-from test_window_api import ENTRY_POINTS, _cpu_fake_kernels, qkv
+from cpu_helpers import (ENTRY_POINTS, flash4_calls, kv_args, kvcache_meta, meta_inputs, op_argument, qkv,
+                         varlen_args, varlen_fwd_args, varlen_meta)
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import flash4
-from flash4 import api
-from flash4.autograd import FlashAttnFunc
+from flash4 import autograd, backward, forward
 from flash4.reference import attention_ref, attention_varlen_ref, kvcache_ref
+from flash4.request import Request
 
 BF16, I32 = torch.bfloat16, torch.int32
 BAD_TYPES = [True, False, None, "1.0", (50.0,), [50.0], torch.tensor(50.0), 1j]
@@ -93,14 +92,12 @@ def test_softcap_checked_after_the_window():
 # ================================================================ dense plumbing
 @pytest.mark.parametrize("softcap", [0.0, 5, 30.0])
 @pytest.mark.parametrize("causal, window", [(False, (-1, -1)), (True, (-1, -1)), (False, (4, 2))])
-def test_flash_attn_func_routes_softcap(monkeypatch, softcap, causal, window):
+def test_flash_attn_func_routes_softcap(cpu_kernels, unchecked, softcap, causal, window):
     """The direct path and the autograd path hand softcap (a float) to the forward and the backward;
     results equal the reference with the same cap."""
-    seen = {}
-    _cpu_fake_kernels(monkeypatch, seen)
     q, k, v = (t.float() * 4 for t in qkv(sq=20, sk=12))
     out = flash4.flash_attn_func(q, k, v, causal=causal, window_size=window, softcap=softcap)
-    assert seen["fwd_softcap"] == [softcap] and type(seen["fwd_softcap"][0]) is float
+    assert [c["softcap"] for c in cpu_kernels] == [softcap] and type(cpu_kernels[0]["softcap"]) is float
     ref, _ = attention_ref(q, k, v, None, causal, window_size=window, softcap=softcap)
     assert torch.equal(out, ref)
 
@@ -108,7 +105,7 @@ def test_flash_attn_func_routes_softcap(monkeypatch, softcap, causal, window):
     out, lse = flash4.flash_attn_func(*leaves, causal=causal, window_size=window, softcap=softcap, return_lse=True)
     dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
     (out * dout).sum().backward()
-    assert seen["fwd_softcap"][-1] == seen["bwd_softcap"][-1] == softcap
+    assert cpu_kernels[-1]["softcap"] == cpu_kernels.backward[-1]["softcap"] == softcap
     ref_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     ref, ref_lse = attention_ref(*ref_leaves, None, causal, window_size=window, softcap=softcap)
     (ref * dout).sum().backward()
@@ -117,19 +114,17 @@ def test_flash_attn_func_routes_softcap(monkeypatch, softcap, causal, window):
         assert torch.allclose(leaf.grad, ref_leaf.grad, atol=1e-4)
 
 
-def test_flash_attn_function_softcap_default_and_positional(monkeypatch):
-    seen = {}
-    _cpu_fake_kernels(monkeypatch, seen)
+def test_autograd_path_softcap_default_and_positional(cpu_kernels):
     q, k, v = (t.float().requires_grad_() for t in qkv())
-    FlashAttnFunc.apply(q, k, v, 0.125, True)[0].sum().backward()
-    FlashAttnFunc.apply(q, k, v, 0.125, True, False, None, 20.0)[0].sum().backward()
-    assert seen["fwd_softcap"] == seen["bwd_softcap"] == [0.0, 20.0]
+    autograd.attention(Request.dense(q, k, v, 0.125, True))[0].sum().backward()
+    autograd.attention(Request.dense(q, k, v, 0.125, True, None, 20.0))[0].sum().backward()
+    assert [c["softcap"] for c in cpu_kernels] == [c["softcap"] for c in cpu_kernels.backward] == [0.0, 20.0]
 
 
 @pytest.mark.parametrize("softcap, window", [(0.0, None), (30.0, None), (30.0, (3, 0)), (0.0, (3, 0))])
-def test_forward_hook_passes_softcap_to_config_and_runner(monkeypatch, softcap, window):
-    """_flash_attn_forward selects the softcap config variant exactly when softcap > 0 and hands the
-    value to the runner."""
+def test_forward_launch_passes_softcap_to_config_and_runner(monkeypatch, softcap, window):
+    """flash4.forward's dense launch selects the softcap config variant exactly when softcap > 0 and
+    hands the value to the runner."""
     import flash4.compile.cache as cache
 
     seen = {}
@@ -145,18 +140,15 @@ def test_forward_hook_passes_softcap_to_config_and_runner(monkeypatch, softcap, 
         return run
 
     monkeypatch.setattr(cache, "get_fwd_runner", fake_runner)
-    monkeypatch.setattr(api, "device_arch", lambda device: 90)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: None)
-    api._flash_attn_forward(*qkv(), None, False, window_size=window, softcap=softcap)
+    monkeypatch.setenv("FLASH4_ARCH", "90")
+    forward.run(Request.dense(*qkv(), None, False, window, softcap))
     assert seen["cfg"].softcap is (softcap > 0) and seen["softcap"] == softcap
     assert seen["cfg"].local is (window is not None)
 
 
 # ================================================================ varlen / kvcache plumbing
 @pytest.mark.parametrize("softcap", [0.0, 7.5])
-def test_varlen_func_routes_softcap(cpu_kernels, monkeypatch, softcap):  # noqa: F811
-    import flash4.varlen as varlen
-
+def test_varlen_func_routes_softcap(cpu_kernels, fake_backward, softcap):
     args = varlen_args((3, 0, 5), (4, 2, 6))
     args.update(q=args["q"] * 4, k=args["k"] * 4)
     out, lse = flash4.flash_attn_varlen_func(**args, causal=True, softcap=softcap, return_lse=True)
@@ -164,24 +156,19 @@ def test_varlen_func_routes_softcap(cpu_kernels, monkeypatch, softcap):  # noqa:
                                         causal=True, softcap=softcap)
     assert cpu_kernels[-1]["softcap"] == softcap and torch.equal(out, ref.to(BF16)) and torch.equal(lse, ref_lse)
 
-    seen = {}
-    monkeypatch.setattr(varlen, "varlen_backward", _fake_backward(seen))
     q = args["q"].clone().requires_grad_()
     flash4.flash_attn_varlen_func(**dict(args, q=q), window_size=(2, 1), softcap=softcap).float().sum().backward()
-    assert cpu_kernels[-1]["softcap"] == softcap and seen.get("softcap", 0.0) == softcap
-    assert seen["window_size"] == (2, 1)
+    assert cpu_kernels[-1]["softcap"] == softcap and fake_backward["softcap"] == softcap
+    assert fake_backward["window_size"] == (2, 1)
 
 
-def test_varlen_backward_helper_passes_softcap(monkeypatch):
-    import flash4.varlen as varlen
-
-    seen = {}
-    monkeypatch.setattr(varlen, "varlen_backward", _fake_backward(seen))
+def test_varlen_backward_passes_softcap(fake_backward):
     args = varlen_args((3, 5), (4, 6))
     out = torch.zeros_like(args["q"])
-    api._flash_attn_varlen_backward(out, args["q"], args["k"], args["v"], out, None, args["cu_seqlens_q"],
-                                    args["cu_seqlens_k"], 5, 6, 0.1, False, softcap=12.0)
-    assert seen["softcap"] == 12.0
+    request = Request.varlen(args["q"], args["k"], args["v"], args["cu_seqlens_q"], args["cu_seqlens_k"], 5, 6,
+                             softmax_scale=0.1, softcap=12.0)
+    backward.run(request, out, out, None)
+    assert fake_backward["softcap"] == 12.0 and fake_backward["layout"] == "varlen"
 
 
 @pytest.mark.parametrize("paged", [False, True])
@@ -211,11 +198,7 @@ def test_kvcache_batch_idx_routes_softcap_to_varlen(cpu_kernels, softcap):  # no
 
 # ================================================================ custom ops
 def _softcap_of(node):
-    schema = node.target._schema.arguments
-    args = list(node.args) + [a.default_value for a in schema[len(node.args):]]
-    named = {a.name: value for a, value in zip(schema, args)}
-    named.update(node.kwargs)
-    return named["softcap"]
+    return op_argument(node, "softcap")
 
 
 @pytest.mark.parametrize("test", ["test_schema", "test_autograd_registration", "test_faketensor",
@@ -250,7 +233,7 @@ def test_softcap_reaches_the_backward_ops():
         out, lse, _ = torch.ops.flash4.fwd(q, k, v, 0.125, False, False, -1, -1, 30.0)
         return torch.autograd.grad(out.float().sum() + lse.sum(), (q, k, v))
 
-    calls = _flash4_calls(make_fx(step)(*meta_inputs()))
+    calls = flash4_calls(make_fx(step)(*meta_inputs()))
     assert [str(n.target) for n in calls] == ["flash4.fwd.default", "flash4.bwd.default"]
     assert _softcap_of(calls[0]) == _softcap_of(calls[1]) == 30.0
 
@@ -261,7 +244,7 @@ def test_softcap_reaches_the_backward_ops():
                                                   False, False, 9, 0, 20.0)
         return torch.autograd.grad(out.float().sum() + lse.sum(), (q, k, v))
 
-    calls = _flash4_calls(make_fx(varlen_step)(q, k, v, meta["cu_seqlens_q"], meta["cu_seqlens_k"]))
+    calls = flash4_calls(make_fx(varlen_step)(q, k, v, meta["cu_seqlens_q"], meta["cu_seqlens_k"]))
     assert [str(n.target) for n in calls] == ["flash4.varlen_fwd.default", "flash4.varlen_bwd.default"]
     assert _softcap_of(calls[1]) == 20.0
 
@@ -272,20 +255,20 @@ def test_public_functions_pass_softcap_while_compiling(monkeypatch, softcap):
 
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     q, k, v = meta_inputs()
-    calls = _flash4_calls(make_fx(lambda a, b, c: flash_attn_func(a, b, c, softcap=softcap))(q, k, v))
+    calls = flash4_calls(make_fx(lambda a, b, c: flash_attn_func(a, b, c, softcap=softcap))(q, k, v))
     assert [str(n.target) for n in calls] == ["flash4.fwd.default"] and _softcap_of(calls[0]) == softcap
 
     q, k, v, meta = varlen_meta()
     gm = make_fx(lambda a, b, c, cq, ck: flash_attn_varlen_func(a, b, c, cq, ck, 128, softcap=softcap))(
         q, k, v, meta["cu_seqlens_q"], meta["cu_seqlens_k"])
-    calls = _flash4_calls(gm)
+    calls = flash4_calls(gm)
     assert [str(n.target) for n in calls] == ["flash4.varlen_fwd.default"] and _softcap_of(calls[0]) == softcap
 
     q, k_cache, v_cache, k, v, _ = kvcache_meta(new=1)
     seqlens = torch.empty(2, dtype=I32, device="meta")
     gm = make_fx(lambda a, kc, vc: flash_attn_with_kvcache(a, kc, vc, k, v, seqlens, softcap=softcap))(
         q, k_cache, v_cache)
-    calls = _flash4_calls(gm)
+    calls = flash4_calls(gm)
     assert [str(n.target) for n in calls] == ["flash4.kvcache.default"] and _softcap_of(calls[0]) == softcap
 
 

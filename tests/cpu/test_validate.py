@@ -30,9 +30,25 @@ def raises(exc, *args, match=(), **kwargs):
     return message
 
 
-def test_valid_cpu_inputs_only_fail_on_device():
+def test_valid_cpu_inputs_only_fail_on_device(monkeypatch):
     q, k, v = qkv()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a machine with a GPU: move the tensor there
     raises(ValueError, q, k, v, match=("q is on cpu", "CUDA", "q.cuda()"))
+
+
+def test_no_cuda_device_says_so(monkeypatch):
+    """Without a CUDA device, 'move it with q.cuda()' would fail again: the message says there is none."""
+    q, k, v = qkv()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    message = raises(ValueError, q, k, v, match=("q is on cpu; flash4 runs on CUDA tensors only", "no CUDA device",
+                                                 "torch.cuda.is_available() is False"))
+    assert "q.cuda()" not in message
+    from flash4.validate import kvcache_support_error, varlen_support_error
+
+    cu = torch.tensor([0, 16], dtype=torch.int32)
+    for message in (varlen_support_error(q[0], k[0], v[0], cu, torch.tensor([0, 24], dtype=torch.int32)),
+                    kvcache_support_error(q, k, v, cache_seqlens=4)):
+        assert "no CUDA device" in message and "q.cuda()" not in message
 
 
 @pytest.mark.parametrize("which", ["q", "k", "v"])

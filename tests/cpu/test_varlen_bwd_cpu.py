@@ -1,14 +1,17 @@
-"""Varlen backward on the CPU: the padded statistics layout (flash4.varlen.padded_total /
-padded_row_index) against a Python loop, the empty cases of varlen_backward (zeros, no launch),
-the fake arguments, and compile checks of a few varlen backward configs (sm_90a, no spills)."""
+"""Varlen backward on the CPU: the padded statistics layout (flash4.backward.padded_total /
+padded_row_index) against a Python loop, the empty cases of flash4.backward.run on a packed
+request (zeros, no launch), the fake arguments, and compile checks of a few varlen backward configs
+(sm_90a, no spills)."""
 
 import random
 
 import pytest
 import torch
 
+from flash4 import backward
+from flash4.backward import padded_row_index, padded_total
 from flash4.config import select_bwd_config, with_dkv_accum, with_seq_layout
-from flash4.varlen import padded_row_index, padded_total, varlen_backward
+from flash4.request import Request
 
 
 def _padded_offset(cu, b, tile):
@@ -85,7 +88,7 @@ def _qkv(total_q, total_k, h=2, hk=1, d=64):
 
 
 @pytest.mark.parametrize("case", ["no_q", "no_k", "no_batch", "max_q_0", "max_k_0"])
-def test_varlen_backward_empty_returns_zeros_without_launch(case):
+def test_varlen_backward_empty_returns_zeros_without_launch(case, monkeypatch):
     """Empty problems return zeros before touching a device (these tensors live on the CPU)."""
     total_q, total_k = (0 if case == "no_q" else 5), (0 if case == "no_k" else 7)
     q, k, v, out, lse = _qkv(total_q, total_k)
@@ -94,8 +97,9 @@ def test_varlen_backward_empty_returns_zeros_without_launch(case):
     max_q = 0 if case == "max_q_0" else total_q
     max_k = 0 if case == "max_k_0" else total_k
     dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, k, v))
-    got = varlen_backward(torch.randn_like(out), q, k, v, out, lse, cu_q, cu_k, max_q, max_k, 0.125, True,
-                          dq=dq, dk=dk, dv=dv)
+    monkeypatch.setattr(backward, "launch", lambda *a: pytest.fail("launched"))
+    request = Request.varlen(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=0.125, causal=True)
+    got = backward.run(request, torch.randn_like(out), out, lse, dq=dq, dk=dk, dv=dv)
     for g, ref in zip(got, (dq, dk, dv)):
         assert g is ref and bool((g == 0).all())
 

@@ -1,56 +1,28 @@
 """The public `window_size` keyword (sliding-window attention, issue 10) without a GPU: its
 validation on every entry point and every flash4.validate function (TypeError for the container or
 an element's type, ValueError for a side below -1, messages naming the argument, the value and what
-is allowed), and its plumbing through the dense path: flash_attn_func -> FlashAttnFunc ->
-_flash_attn_forward (config and runner receive flash4.geometry.window_sides) and
-flash4.backward.flash_attn_backward. The varlen / kvcache plumbing is in test_varlen_api.py (contract
-stand-ins), the custom ops in test_ops.py, the SDPA plug-in in test_sdpa_plugin.py; the kernels
-themselves in tests/gpu/test_window.py."""
+is allowed), and its plumbing through the dense path: flash_attn_func -> the request's MaskSpec ->
+flash4.forward.launch (config and runner receive flash4.geometry.window_sides) and
+flash4.backward.launch. The varlen / paged / kvcache plumbing is in test_varlen_api.py,
+test_paged_api.py and test_kvcache_api.py (the reference stand-ins of conftest.py), the custom ops
+in test_ops.py, the SDPA plug-in in test_sdpa_plugin.py; the kernels themselves in
+tests/gpu/test_window.py."""
 
 import inspect
 
 import numpy as np
 import pytest
 import torch
+from cpu_helpers import ENTRY_POINTS, qkv
 
 import flash4
-from flash4 import api, validate
-from flash4.autograd import FlashAttnFunc
+from flash4 import autograd, forward, validate
 from flash4.geometry import UNBOUNDED, window_sides
 from flash4.reference import attention_ref
+from flash4.request import Request
 
 BF16, I32 = torch.bfloat16, torch.int32
 ALLOWED = "-1 for unbounded on that side"
-
-
-def qkv(b=2, sq=16, sk=24, h=4, hk=2, d=64):
-    gen = torch.Generator().manual_seed(0)
-    return tuple(torch.randn(b, s, n, d, generator=gen).to(BF16) for s, n in ((sq, h), (sk, hk), (sk, hk)))
-
-
-def varlen_kwargs():
-    gen = torch.Generator().manual_seed(1)
-    cu = torch.tensor([0, 3, 8], dtype=I32)
-    return dict(q=torch.randn(8, 4, 64, generator=gen).to(BF16), k=torch.randn(8, 2, 64, generator=gen).to(BF16),
-                v=torch.randn(8, 2, 64, generator=gen).to(BF16), cu_seqlens_q=cu, cu_seqlens_k=cu)
-
-
-def kvcache_kwargs():
-    gen = torch.Generator().manual_seed(2)
-    return dict(q=torch.randn(2, 1, 4, 64, generator=gen).to(BF16),
-                k_cache=torch.randn(2, 32, 2, 64, generator=gen).to(BF16),
-                v_cache=torch.randn(2, 32, 2, 64, generator=gen).to(BF16),
-                cache_seqlens=torch.tensor([5, 17], dtype=I32))
-
-
-# (public function, its validate pair (support_error-like, check_*), keyword arguments)
-ENTRY_POINTS = {
-    "dense": (flash4.flash_attn_func, validate.support_error, validate.check_inputs, lambda: dict(zip("qkv", qkv()))),
-    "varlen": (flash4.flash_attn_varlen_func, validate.varlen_support_error, validate.check_varlen_inputs,
-               varlen_kwargs),
-    "kvcache": (flash4.flash_attn_with_kvcache, validate.kvcache_support_error, validate.check_kvcache_inputs,
-                kvcache_kwargs),
-}
 
 BAD_TYPES = [None, 5, "(1, 1)", (1,), (1, 2, 3), [], (True, 0), (0, False), (1.0, 0), (0, 2.5), ("1", 0),
              (None, 0), (0, torch.tensor(3)), {1: 2}, torch.tensor([1, 2])]
@@ -106,9 +78,23 @@ def test_window_type_error_comes_before_tensor_checks():
     with pytest.raises(TypeError, match="window_size"):
         flash4.flash_attn_func(q.float(), k, v, window_size=(0.5, 0))
     with pytest.raises(ValueError, match="window_size"):
-        flash4.flash_attn_varlen_func(**dict(varlen_kwargs(), q=None), window_size=(-3, 0))
+        flash4.flash_attn_varlen_func(**dict(ENTRY_POINTS["varlen"][3](), q=None), window_size=(-3, 0))
     with pytest.raises(TypeError, match="window_size"):
-        flash4.flash_attn_with_kvcache(**dict(kvcache_kwargs(), k_cache=None), window_size=None)
+        flash4.flash_attn_with_kvcache(**dict(ENTRY_POINTS["kvcache"][3](), k_cache=None), window_size=None)
+
+
+def test_positional_window_size_says_keyword_only():
+    """flash-attn-4's flash_attn_func takes window_size sixth; in flash4 that slot is return_lse: a
+    tuple or list there is named as a keyword-only window_size (still a TypeError)."""
+    q, k, v = qkv()
+    for window in ((4, 0), [4, 0]):
+        with pytest.raises(TypeError) as info:
+            flash4.flash_attn_func(q, k, v, None, False, window)
+        message = str(info.value)
+        assert message.startswith(f"return_lse must be a bool, got {type(window).__name__}")
+        assert "window_size is keyword-only" in message and "window_size=(4, 0)" in message
+    with pytest.raises(TypeError, match=r"^return_lse must be a bool, got str$"):
+        flash4.flash_attn_func(q, k, v, return_lse="yes")
 
 
 def test_default_validate_arguments_are_no_window():
@@ -133,40 +119,14 @@ def test_public_signatures():
 
 
 # ================================================================ dense plumbing
-def _cpu_fake_kernels(monkeypatch, seen):
-    """The dense forward/backward kernels replaced by the float32 reference (same window), recording
-    what they received."""
-    import flash4.backward as bwd
-
-    def fake_forward(q, k, v, softmax_scale, causal, lse_split=None, window_size=None, softcap=0.0):
-        seen.setdefault("forward", []).append(dict(causal=causal, window_size=window_size))
-        seen.setdefault("fwd_softcap", []).append(softcap)
-        out, lse = attention_ref(q, k, v, softmax_scale, causal, window_size=window_size, softcap=softcap)
-        return out.to(q.dtype), lse
-
-    def fake_backward(dout, q, k, v, out, lse, softmax_scale, causal, deterministic=False, lse_split=None, dlse=None,
-                      window_size=None, softcap=0.0):
-        seen.setdefault("backward", []).append(dict(causal=causal, window_size=window_size))
-        seen.setdefault("bwd_softcap", []).append(softcap)
-        leaves = [t.detach().float().requires_grad_() for t in (q, k, v)]
-        with torch.enable_grad():
-            ref, _ = attention_ref(*leaves, softmax_scale, causal, window_size=window_size, softcap=softcap)
-            grads = torch.autograd.grad(ref, leaves, dout.float())
-        return tuple(g.to(t.dtype) for g, t in zip(grads, (q, k, v)))
-
-    monkeypatch.setattr(api, "_flash_attn_forward", fake_forward)
-    monkeypatch.setattr(bwd, "flash_attn_backward", fake_backward)
-    monkeypatch.setattr(validate, "_problem", lambda *args: None)  # CPU tensors through check_inputs
-
-
 @pytest.mark.parametrize("window, causal", [((4, 2), False), ((4, 2), True), ((-1, 3), False), ((0, 0), False),
                                             ([6, -1], True), ((-1, -1), False)])
-def test_flash_attn_func_routes_the_window(monkeypatch, window, causal):
-    seen = {}
-    _cpu_fake_kernels(monkeypatch, seen)
+def test_flash_attn_func_routes_the_window(cpu_kernels, unchecked, window, causal):
+    """flash_attn_func hands window_size to the forward and, through the autograd path, to the
+    backward launch (the reference stands in for both); results equal the reference's."""
     q, k, v = (t.float() for t in qkv(sq=20, sk=12))
     out = flash4.flash_attn_func(q, k, v, causal=causal, window_size=window)  # no grad: the direct path
-    assert seen["forward"] == [dict(causal=causal, window_size=tuple(window))]
+    assert [(c["causal"], c["window_size"]) for c in cpu_kernels] == [(causal, tuple(window))]
     ref, _ = attention_ref(q, k, v, None, causal, window_size=window)
     assert torch.equal(out, ref)
 
@@ -174,7 +134,8 @@ def test_flash_attn_func_routes_the_window(monkeypatch, window, causal):
     out, lse = flash4.flash_attn_func(*leaves, causal=causal, window_size=window, return_lse=True)
     dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
     out.backward(dout)
-    assert seen["forward"][-1] == seen["backward"][-1] == dict(causal=causal, window_size=tuple(window))
+    fwd, bwd = cpu_kernels[-1], cpu_kernels.backward[-1]
+    assert (fwd["causal"], fwd["window_size"]) == (bwd["causal"], bwd["window_size"]) == (causal, tuple(window))
     ref_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     ref, _ = attention_ref(*ref_leaves, None, causal, window_size=window)
     ref.backward(dout)
@@ -184,22 +145,23 @@ def test_flash_attn_func_routes_the_window(monkeypatch, window, causal):
         assert (out[:, :8] == 0).all() and torch.isneginf(lse[:, :, :8]).all() and (leaves[0].grad[:, :8] == 0).all()
 
 
-def test_flash_attn_function_default_is_no_window(monkeypatch):
-    seen = {}
-    _cpu_fake_kernels(monkeypatch, seen)
+def test_autograd_path_default_is_no_window(cpu_kernels):
+    """A request built without window_size has no window: the forward and backward launches see
+    window None (the kernels' plain / causal variants) and flash-attn's (-1, -1)."""
     q, k, v = (t.float().requires_grad_() for t in qkv())
-    out, _ = FlashAttnFunc.apply(q, k, v, 0.125, True)
+    out, _ = autograd.attention(Request.dense(q, k, v, 0.125, True))
     out.sum().backward()
-    assert seen["forward"] == seen["backward"] == [dict(causal=True, window_size=None)]
+    seen = [(c["causal"], c["window"], c["window_size"]) for c in cpu_kernels + cpu_kernels.backward]
+    assert seen == [(True, None, (-1, -1))] * 2
 
 
 @pytest.mark.parametrize("window, causal, local", [
     (None, False, False), ((-1, -1), False, False), ((-1, -1), True, False), ((-1, 5), True, False),
     ((-1, 0), False, True), ((3, 0), False, True), ((3, 9), True, True), ((-1, 4), False, True),
 ])
-def test_forward_hook_passes_window_sides_to_config_and_runner(monkeypatch, window, causal, local):
-    """_flash_attn_forward selects a local config exactly when window_sides gives sides, and hands
-    those sides to the runner (UNBOUNDED for a -1 side)."""
+def test_forward_launch_passes_window_sides_to_config_and_runner(monkeypatch, window, causal, local):
+    """flash4.forward's dense launch selects a local config exactly when window_sides gives sides,
+    and hands those sides to the runner (UNBOUNDED for a -1 side)."""
     import flash4.compile.cache as cache
 
     seen = {}
@@ -215,10 +177,9 @@ def test_forward_hook_passes_window_sides_to_config_and_runner(monkeypatch, wind
         return run
 
     monkeypatch.setattr(cache, "get_fwd_runner", fake_runner)
-    monkeypatch.setattr(api, "device_arch", lambda device: 90)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: None)  # CPU tensors: device.index is None
+    monkeypatch.setenv("FLASH4_ARCH", "90")
     q, k, v = qkv()
-    api._flash_attn_forward(q, k, v, None, causal, window_size=window)
+    forward.run(Request.dense(q, k, v, None, causal, window))
     assert seen["cfg"].local is local and seen["cfg"].causal is (causal and not local)
     assert seen["window"] == window_sides(window, causal)
     if window == (-1, 4):

@@ -22,9 +22,10 @@ import random
 
 import torch
 
-from flash4.api import _flash_attn_forward, _flash_attn_varlen_backward, _flash_attn_varlen_forward
+from flash4 import backward, forward
 from flash4.backward import flash_attn_backward
 from flash4.reference import attention_ref, attention_varlen_ref, max_abs_err, varlen_fwd_errors, varlen_row_mask
+from flash4.request import Request
 from flash4.validate import check_varlen_inputs
 
 DEV = "cuda"
@@ -78,7 +79,7 @@ def check_bwd(b, sq, sk, h, hk, d, causal, dtype=torch.bfloat16, seed=0):
                for s in ((b, sq, h, d), (b, sk, hk, d), (b, sk, hk, d)))
     dout = torch.randn(b, sq, h, d, generator=gen, device="cuda", dtype=dtype)
     scale = 1 / math.sqrt(d)
-    out, lse = _flash_attn_forward(q, k, v, scale, causal)
+    out, lse = forward.run(Request.dense(q, k, v, scale, causal))
     dq, dk, dv = (torch.full_like(t, math.nan) for t in (q, k, v))
     flash_attn_backward(dout, q, k, v, out, lse, scale, causal, dq=dq, dk=dk, dv=dv)
     torch.cuda.synchronize()
@@ -93,7 +94,7 @@ def check_deterministic(b, s, h, hk, d, causal, calls, seed):
     q, k, v, dout = (torch.randn(b, s, n, d, generator=gen, device="cuda", dtype=torch.bfloat16)
                      for n in (h, hk, hk, h))
     scale = 1 / math.sqrt(d)
-    out, lse = _flash_attn_forward(q, k, v, scale, causal)
+    out, lse = forward.run(Request.dense(q, k, v, scale, causal))
     first = flash_attn_backward(dout, q, k, v, out, lse, scale, causal, deterministic=True)
     g_ref = ref_grads(q, k, v, dout, causal, upcast=True)
     g_pt = ref_grads(q, k, v, dout, causal, upcast=False)
@@ -109,7 +110,7 @@ def check_bwd_dv(q, k, v, dout, causal=False, deterministic=False):
     """The backward of given inputs (v and dout of any value head dim) into NaN-filled dq/dk/dv,
     against the float32 reference (assert_grads); returns (dq, dk, dv)."""
     scale = q.shape[-1] ** -0.5
-    out, lse = _flash_attn_forward(q, k, v, scale, causal)
+    out, lse = forward.run(Request.dense(q, k, v, scale, causal))
     grads = tuple(torch.full_like(t, math.nan) for t in (q, k, v))
     flash_attn_backward(dout, q, k, v, out, lse, scale, causal, *grads, deterministic=deterministic)
     torch.cuda.synchronize()
@@ -160,8 +161,9 @@ def run_poisoned_varlen(q, k, v, cu_q, cu_k, causal, seqused_q=None, seqused_k=N
     out = torch.full((total_q, h, d), math.nan, dtype=q.dtype, device=DEV)
     lse = torch.full((h, total_q), math.nan, dtype=torch.float32, device=DEV)
     scale = 1 / math.sqrt(d) if softmax_scale is None else softmax_scale
-    res = _flash_attn_varlen_forward(q, k, v, cu_q, cu_k, max_seqlen(cu_q, seqused_q), scale, causal, seqused_q,
-                                     seqused_k, page_table, out=out, lse=lse)
+    request = Request.varlen(q, k, v, cu_q, cu_k, max_seqlen(cu_q, seqused_q), None, seqused_q, seqused_k, page_table,
+                             scale, causal)
+    res = forward.run(request, out=out, lse=lse)
     assert res[0] is out and res[1] is lse
     torch.cuda.synchronize()
     return out, lse
@@ -211,11 +213,11 @@ def run_bwd_varlen(q, k, v, cu_q, cu_k, dout, causal, seqused_q=None, seqused_k=
     scale = 1 / math.sqrt(d)
     split = torch.empty(2, q.shape[1], q.shape[0], dtype=torch.float32, device=DEV)
     max_q, max_k = max_seqlen(cu_q, seqused_q), max_seqlen(cu_k, seqused_k)
-    out, lse = _flash_attn_varlen_forward(q, k, v, cu_q, cu_k, max_q, scale, causal, seqused_q, seqused_k,
-                                          lse_split=split)
+    request = Request.varlen(q, k, v, cu_q, cu_k, max_q, max_k, seqused_q, seqused_k, None, scale, causal,
+                             deterministic=deterministic)
+    out, lse = forward.run(request, lse_split=split)
     dq, dk, dv = (torch.full_like(t, math.nan) for t in (q, k, v))
-    res = _flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal, seqused_q,
-                                      seqused_k, deterministic=deterministic, lse_split=split, dq=dq, dk=dk, dv=dv)
+    res = backward.run(request, dout, out, lse, lse_split=split, dq=dq, dk=dk, dv=dv)
     assert all(r is g for r, g in zip(res, (dq, dk, dv)))
     torch.cuda.synchronize()
     return dq, dk, dv
@@ -228,7 +230,7 @@ def compile_count() -> int:
     from flash4.compile.cache import compile_counts
 
     total = sum(compile_counts().values())  # kernels compiled or loaded from disk by this process
-    for name in ("flash4.compile.cache", "flash4.varlen", "flash4.backward", "flash4.api"):
+    for name in ("flash4.compile.cache", "flash4.backward"):
         module = importlib.import_module(name)
         total += sum(f.cache_info().misses for f in vars(module).values() if callable(getattr(f, "cache_info", None)))
     return total

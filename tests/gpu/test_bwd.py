@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from flash4 import flash_attn_func
-from flash4.api import _flash_attn_forward
+from flash4 import forward
+from flash4.request import Request
 from flash4.backward import flash_attn_backward
 from flash4.config import BWD_SUPPORTED_HEADDIMS
 from flash4.reference import attention_ref
@@ -64,7 +65,7 @@ def test_autograd_end_to_end():
     dout = torch.randn_like(out)
     out.backward(dout)
     assert k.grad is None and q.grad is not None and v.grad is not None
-    o2, lse = _flash_attn_forward(q.detach(), k, v.detach(), 1 / 8, True)
+    o2, lse = forward.run(Request.dense(q.detach(), k, v.detach(), 1 / 8, True))
     dq, dk, dv = flash_attn_backward(dout, q.detach(), k, v.detach(), o2, lse, 1 / 8, True)
     assert torch.equal(q.grad, dq) or (q.grad - dq).abs().max() < 1e-2  # dq accumulation order may differ
     assert torch.equal(v.grad, dv)
@@ -172,7 +173,7 @@ def test_dq_into_strided_tensor():
     b, s, h, d = 2, 300, 4, 64
     q, k, v, dout = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     scale = 1 / math.sqrt(d)
-    out, lse = _flash_attn_forward(q, k, v, scale, False)
+    out, lse = forward.run(Request.dense(q, k, v, scale, False))
     wide = torch.full((b, s, h, d + 4), math.nan, device="cuda", dtype=torch.bfloat16)
     dq = wide[..., :d]
     dk, dv = (torch.full_like(t, math.nan) for t in (k, v))

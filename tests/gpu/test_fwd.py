@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from flash4 import flash_attn_func
-from flash4.api import _flash_attn_forward
+from flash4 import forward
+from flash4.request import Request
 from flash4.config import SUPPORTED_HEADDIMS
 from flash4.reference import LSE_ATOL, OUT_ATOL, fwd_errors
 
@@ -34,7 +35,7 @@ def make_inputs(b, sq, sk, h, hk, d, dtype=torch.bfloat16, seed=0):
 def run_poisoned(q, k, v, causal, softmax_scale=None):
     """The forward into NaN-filled out/lse (the hook flash_attn_func uses)."""
     out, lse = poisoned_fwd_buffers(q)
-    res_out, res_lse = _flash_attn_forward(q, k, v, softmax_scale, causal, out=out, lse=lse)
+    res_out, res_lse = forward.run(Request.dense(q, k, v, softmax_scale, causal), out=out, lse=lse)
     assert res_out is out and res_lse is lse
     torch.cuda.synchronize()
     return out, lse

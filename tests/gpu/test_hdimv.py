@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from flash4 import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
-from flash4.api import _flash_attn_forward
+from flash4 import forward
+from flash4.request import Request
 from flash4.reference import LSE_ATOL, OUT_ATOL, attention_varlen_ref, fwd_errors, kvcache_ref, varlen_fwd_errors
 
 from gpu_helpers import BF16, assert_grads, check_bwd_dv as check_bwd, inputs, poisoned_fwd_buffers, ref_grads
@@ -26,7 +27,7 @@ IDS = [f"{d}v{dv}" for d, dv in PAIRS]
 
 def check_fwd(q, k, v, causal=False):
     out, lse = poisoned_fwd_buffers(q, v.shape[-1])
-    _flash_attn_forward(q, k, v, None, causal, out=out, lse=lse)  # None: 1/sqrt(d of q)
+    forward.run(Request.dense(q, k, v, None, causal), out=out, lse=lse)  # None: 1/sqrt(d of q)
     torch.cuda.synchronize()
     assert not out.isnan().any() and not lse.isnan().any()
     errs = fwd_errors(q, k, v, out, lse, None, causal)
@@ -86,7 +87,7 @@ def test_public_api_autograd(d, dv):
 def test_out_buffer_must_have_dv():
     q, k, v, _ = inputs(1, 64, 64, 2, 2, 192, 128)
     with pytest.raises(ValueError, match="out must be"):
-        _flash_attn_forward(q, k, v, None, False, out=torch.empty_like(q))
+        forward.run(Request.dense(q, k, v, None, False), out=torch.empty_like(q))
 
 
 # ================================================================ varlen

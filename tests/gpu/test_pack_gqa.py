@@ -12,9 +12,10 @@ packed forward's LSE.
 import pytest
 import torch
 
-import flash4.config
+import flash4.config.sm90
 from flash4 import flash_attn_func
-from flash4.api import _flash_attn_forward
+from flash4 import forward
+from flash4.request import Request
 from flash4.reference import attention_ref, fwd_errors
 
 from gpu_helpers import poisoned_fwd_buffers
@@ -27,7 +28,8 @@ def _pack_always(monkeypatch):
 
     seen = []
     real = cache.get_fwd_runner
-    monkeypatch.setattr(flash4.config, "pack_gqa_wanted", lambda cfg, h, hk: True)
+    # the sm90 family's packing policy (flash4.config.sm90.with_pack_gqa reads it there)
+    monkeypatch.setattr(flash4.config.sm90, "pack_gqa_wanted", lambda cfg, h, hk: True)
 
     def spy(cfg):
         seen.append(cfg)
@@ -46,8 +48,7 @@ def _inputs(b, sq, sk, h, hk, d, seed=0):
 def _check(q, k, v, causal=False, window=(-1, -1), softcap=0.0, sink=None):
     d = q.shape[-1]
     out, lse = poisoned_fwd_buffers(q)
-    _flash_attn_forward(q, k, v, d ** -0.5, causal, out=out, lse=lse, window_size=window, softcap=softcap,
-                        learnable_sink=sink)
+    forward.run(Request.dense(q, k, v, d ** -0.5, causal, window, softcap, sink), out=out, lse=lse)
     torch.cuda.synchronize()
     assert not out.isnan().any() and not lse.isnan().any()
     errs = fwd_errors(q, k, v, out, lse, None, causal, window_size=window, softcap=softcap, learnable_sink=sink)

@@ -32,7 +32,8 @@ import pytest
 import torch
 
 from flash4 import flash_attn_func
-from flash4.api import _flash_attn_forward
+from flash4 import forward
+from flash4.request import Request
 from flash4.backward import flash_attn_backward
 from flash4.config import BWD_SUPPORTED_HEADDIMS, select_fwd_config
 from flash4.reference import LSE_ATOL, OUT_ATOL, attention_ref, causal_mask, fwd_errors, max_abs_err
@@ -138,7 +139,7 @@ def check_very_negative(sq, sk, d, causal, dtype=torch.bfloat16, b=1, h=2, hk=2,
     assert lse_ref.max().item() < -88, f"{where}: construction: every LSE must be below -88, max {lse_ref.max()}"
 
     out, lse = poisoned_fwd_buffers(q)
-    _flash_attn_forward(q, k, v, scale, causal, out=out, lse=lse)
+    forward.run(Request.dense(q, k, v, scale, causal), out=out, lse=lse)
     torch.cuda.synchronize()
     assert not out.isnan().any() and not lse.isnan().any(), f"{where}: forward NaN"
     errs = fwd_errors(q, k, v, out, lse, scale, causal)
@@ -223,7 +224,7 @@ def run_fwd(q, k, v, scale, causal, variant):
     out, lse = poisoned_fwd_buffers(q)
     changes = VARIANTS[variant]
     if changes is None:
-        _flash_attn_forward(q, k, v, scale, causal, out=out, lse=lse)
+        forward.run(Request.dense(q, k, v, scale, causal), out=out, lse=lse)
     else:
         from flash4.compile.cache import get_fwd_runner
 
@@ -392,7 +393,7 @@ def test_batch_beyond_grid_limit(batch, causal):
     # The log2 LSE split the autograd path keeps for the backward (so the direct calls below
     # compute exactly what flash_attn_func's autograd path does).
     lse_split = torch.full((2,) + tuple(lse.shape), math.nan, device="cuda")
-    _flash_attn_forward(q, k, v, scale, causal, out=out, lse=lse, lse_split=lse_split)
+    forward.run(Request.dense(q, k, v, scale, causal), out=out, lse=lse, lse_split=lse_split)
     torch.cuda.synchronize()
     assert not out.isnan().any(), f"out unwritten/NaN at batch {out.isnan().nonzero()[:5, 0].tolist()}"
     assert not lse.isnan().any(), f"lse unwritten/NaN at batch {lse.isnan().nonzero()[:5, 0].tolist()}"

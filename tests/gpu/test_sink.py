@@ -2,7 +2,7 @@
 
 Forward (out, lse) and dq/dk/dv/dsink against autograd through flash4.reference with the same sink:
 error vs the fp32 reference at most 2x PyTorch's own bf16 error + atol; NaN-poisoned outputs
-(_flash_attn_forward). Sinks far above / below the row max (+-30 vs scores ~N(0,1)), rows without
+(flash4.forward.run). Sinks far above / below the row max (+-30 vs scores ~N(0,1)), rows without
 keys (causal, seqlen_q > seqlen_k: out 0, lse = sink), GQA, window + softcap, varlen, decode incl.
 split-KV (num_splits 3)."""
 
@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from flash4 import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
-from flash4.api import _flash_attn_forward
+from flash4 import forward
+from flash4.request import Request
 from flash4.reference import attention_ref, attention_varlen_ref, kvcache_ref
 
 from gpu_helpers import BF16
@@ -51,7 +52,7 @@ def test_dense_forward_backward(kind, causal, sq, sk, extra):
     sink = _sinks(h, kind, "cuda")
     out = torch.full((b, sq, h, d), float("nan"), device="cuda", dtype=BF16)
     lse = torch.full((b, h, sq), float("nan"), device="cuda")
-    _flash_attn_forward(q, k, v, None, causal, out=out, lse=lse, learnable_sink=sink, **extra)
+    forward.run(Request.dense(q, k, v, None, causal, learnable_sink=sink, **extra), out=out, lse=lse)
     ref, ref_lse = attention_ref(q, k, v, None, causal, learnable_sink=sink, **extra)
     low, low_lse = attention_ref(q, k, v, None, causal, learnable_sink=sink, upcast=False, **extra)
     _close(out, ref, low, ATOL["out"], "out")

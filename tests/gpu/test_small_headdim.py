@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from flash4 import flash_attn_func, flash_attn_varlen_func
-from flash4.api import _flash_attn_forward
+from flash4 import forward
+from flash4.request import Request
 from flash4.headdim import pad_last, padded_headdims
 from flash4.reference import attention_ref, attention_varlen_ref, fwd_errors
 
@@ -34,7 +35,8 @@ def test_padded_kernel_poisoned(d, causal):
     dp, dvp = padded_headdims(d, d)
     out = torch.full((2, 300, 4, dvp), math.nan, device="cuda", dtype=BF16)
     lse = torch.full((2, 4, 300), math.nan, device="cuda")
-    _flash_attn_forward(pad_last(q, dp), pad_last(k, dp), pad_last(v, dvp), d ** -0.5, causal, out=out, lse=lse)
+    forward.run(Request.dense(pad_last(q, dp), pad_last(k, dp), pad_last(v, dvp), d ** -0.5, causal), out=out,
+                lse=lse)
     torch.cuda.synchronize()
     assert not out.isnan().any() and not lse.isnan().any()
     assert (out[..., d:] == 0).all()

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from flash4 import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
-from flash4.api import _flash_attn_forward
+from flash4 import forward
+from flash4.request import Request
 from flash4.backward import flash_attn_backward
 from flash4.config import BWD_SUPPORTED_HEADDIMS, SUPPORTED_HEADDIMS
 from flash4.reference import (LSE_ATOL, OUT_ATOL, attention_ref, attention_varlen_ref, fwd_errors, kvcache_ref,
@@ -39,7 +40,7 @@ def inputs(b, sq, sk, h, hk, d, dtype=BF16, seed=0, gain=4.0):
 def check_fwd(q, k, v, softcap, causal=False, window=None):
     d = q.shape[-1]
     out, lse = poisoned_fwd_buffers(q)
-    _flash_attn_forward(q, k, v, d ** -0.5, causal, out=out, lse=lse, window_size=window, softcap=softcap)
+    forward.run(Request.dense(q, k, v, d ** -0.5, causal, window, softcap), out=out, lse=lse)
     torch.cuda.synchronize()
     assert not out.isnan().any() and not lse.isnan().any()
     errs = fwd_errors(q, k, v, out, lse, None, causal, window_size=window, softcap=softcap)
@@ -54,7 +55,7 @@ def ref_grads(q, k, v, dout, causal, window, softcap, upcast):
 
 def check_bwd(q, k, v, dout, softcap, causal=False, window=None):
     d = q.shape[-1]
-    out, lse = _flash_attn_forward(q, k, v, d ** -0.5, causal, window_size=window, softcap=softcap)
+    out, lse = forward.run(Request.dense(q, k, v, d ** -0.5, causal, window, softcap))
     grads = tuple(torch.full_like(t, math.nan) for t in (q, k, v))
     flash_attn_backward(dout, q, k, v, out, lse, d ** -0.5, causal, *grads, window_size=window, softcap=softcap)
     torch.cuda.synchronize()

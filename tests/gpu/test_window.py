@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from flash4 import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
-from flash4.api import _flash_attn_forward
+from flash4 import forward
+from flash4.request import Request
 from flash4.backward import flash_attn_backward
 from flash4.config import SUPPORTED_HEADDIMS
 from flash4.reference import LSE_ATOL, OUT_ATOL, attention_ref, fwd_errors, kvcache_ref, varlen_fwd_errors
@@ -29,7 +30,7 @@ WINDOWS = [(0, 0), (16, 0), (0, 16), (100, 37), (-1, 64), (64, -1), (5000, 5000)
 def check_fwd(q, k, v, window, causal=False):
     d = q.shape[-1]
     out, lse = poisoned_fwd_buffers(q)
-    _flash_attn_forward(q, k, v, d ** -0.5, causal, out=out, lse=lse, window_size=window)
+    forward.run(Request.dense(q, k, v, d ** -0.5, causal, window), out=out, lse=lse)
     torch.cuda.synchronize()
     assert not out.isnan().any() and not lse.isnan().any()
     errs = fwd_errors(q, k, v, out, lse, None, causal, window_size=window)
@@ -39,7 +40,7 @@ def check_fwd(q, k, v, window, causal=False):
 
 def check_bwd(q, k, v, dout, window, causal=False, deterministic=False):
     d = q.shape[-1]
-    out, lse = _flash_attn_forward(q, k, v, d ** -0.5, causal, window_size=window)
+    out, lse = forward.run(Request.dense(q, k, v, d ** -0.5, causal, window))
     grads = tuple(torch.full_like(t, math.nan) for t in (q, k, v))
     flash_attn_backward(dout, q, k, v, out, lse, d ** -0.5, causal, *grads, deterministic=deterministic,
                         window_size=window)

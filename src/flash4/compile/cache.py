@@ -75,7 +75,7 @@ def get_fwd_runner(cfg: FwdConfig):
     cfg.hdim_v), lse fp32 (B, H, Sq); all CUDA, last dim contiguous, 16-byte aligned. lse_split: None or a contiguous fp32 (2, B, H, Sq) tensor that
     receives the log2-domain LSE unrounded, as hi (lse_split[0]) + lo (lse_split[1]) (+inf, 0 for
     rows that see no key): the backward's exact path (flash4.backward).
-    Varlen / paged (flash4.varlen): the same tensors as 4-D/3-D views with batch 1 where packed,
+    Varlen / paged (flash4.forward's packed layouts): the same tensors as 4-D/3-D views with batch 1 where packed,
     seqs = (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table) (None where the
     config's flag is off), batch = number of sequences, max_seqlen_q = host int bounding every
     sequence's query count. split_kv configs: accs = (o_accum fp32 (num_splits, B, Sq, H, D),
@@ -149,7 +149,7 @@ def get_bwd_runner(cfg: BwdConfig):
         cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None, max_seqlen_k=None, window=None,
         softcap=0.0, heads_per_cta=None, dkv_semaphore=None)
     on the current stream (grid: flash4.launch.bwd_grid). The pre/postprocess (lse_log2, dpsum,
-    exact flags, dq_accum zeroing, dq conversion) is flash4.backward's (dense) or flash4.varlen's.
+    exact flags, dq_accum zeroing, dq conversion) is flash4.backward's (dense and packed).
 
     Dense configs take the dense layouts and no sequence tensors. Sequence-layout configs take
     the tensors of their flags (kernels/sm90/bwd.py gives the packed layouts, with a batch mode of
@@ -257,7 +257,7 @@ def get_bwd_preprocess_runner(headdim: int, dtype: str, arch: int = 90, varlen: 
     dq_accum, tile_m, row_index=None) (see kernels/common/bwd_preprocess.py) on the current stream (grid:
     flash4.launch.bwd_rowwise_grid). headdim: O's head dim (Dv); headdim_q: dq_accum's (None: the
     same). varlen: packed layouts with a batch mode of size 1 and row_index, int32 (total_q,), the
-    padded row of each packed row (flash4.varlen.padded_row_index), required."""
+    padded row of each packed row (flash4.backward.padded_row_index), required."""
     headdim_q = headdim if headdim_q is None else headdim_q
     key = (headdim, dtype, arch) + (("varlen",) if varlen else ()) + ((headdim_q,) if headdim_q != headdim else ())
     compiled = load_or_compile("bwd_preprocess", key, COMPILE_OPTIONS + _arch_option(arch),

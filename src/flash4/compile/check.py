@@ -1,5 +1,6 @@
-"""CPU-only compile check: build kernels for sm_90a from fake tensors and report what the
-hardware would get (registers, spills, shared memory, HGMMA/TMA presence) and how long it took.
+"""CPU-only compile check: build kernels for their target (sm_90a; the sm80 family's configs for
+theirs) from fake tensors and report what the hardware would get (registers, spills, shared
+memory, HGMMA/TMA or HMMA/LDSM/LDGSTS presence) and how long it took.
 
 The cubin is read out of the compiled module (the DSL embeds it as `@kernels_binary`), then
 `cuobjdump` (PyPI: nvidia-cuda-cuobjdump) reports resource usage and SASS. Without cuobjdump
@@ -98,6 +99,14 @@ def resource_usage(cubin: bytes) -> dict:
         "utmaldg": len(re.findall(r"\bUTMALDG\b", sass)),
         "utmastg": len(re.findall(r"\bUTMASTG\b", sass)),
         "mufu_ex2": len(re.findall(r"MUFU\.EX2", sass)),
+        # The portable (sm80) family's instructions, and the ones it must not contain.
+        "hmma_16816": len(re.findall(r"\bHMMA\.16816\.", sass)),
+        "ldsm": len(re.findall(r"\bLDSM\.", sass)),
+        "ldgsts": len(re.findall(r"\bLDGSTS\.", sass)),
+        "stsm": len(re.findall(r"\bSTSM\.", sass)),
+        "utma": len(re.findall(r"\bUTMA\w*", sass)),
+        "utchmma": len(re.findall(r"\bUTCHMMA\b", sass)),
+        "sass_arch": (re.search(r"code for (sm_\w+)", sass) or [None, None])[1],
         # ptxas C7512 ("wgmma.mma_async instructions are serialized due to insufficient register
         # resources"): it then fences every HGMMA on its own (WARPGROUP.ARRIVE before and
         # WARPGROUP.DEPBAR after each), so no GEMM overlaps anything. Unserialized kernels have one
@@ -126,13 +135,20 @@ def _wgmma_serialized(sass: str) -> bool:
     return hgmma > 8 and arrive >= 0.9 * hgmma
 
 
-def compile_check(configs: list | None = None) -> list[dict]:
+def compile_check(configs: list | None = None, compiler=None) -> list[dict]:
     """Compile each config (default: every shipped forward and backward config) on this machine.
 
+    compiler: config -> compiled function (default: flash4.compile.cache's compile_fwd /
+    compile_bwd by config type); e.g. flash4.compile.sm80_driver.compile_fwd for the sm80 family.
     Returns one dict per config: config, ok, error, compile_s, registers, spills (count of local
-    memory instructions in SASS), smem_bytes (dynamic, from the config), hgmma/utmaldg counts.
+    memory instructions in SASS), smem_bytes (dynamic, from the config), and the SASS opcode counts
+    of resource_usage.
     """
-    from flash4.compile.cache import compile_bwd, compile_fwd
+    if compiler is None:
+        from flash4.compile.cache import compile_bwd, compile_fwd
+
+        def compiler(cfg):
+            return compile_bwd(cfg) if isinstance(cfg, BwdConfig) else compile_fwd(cfg)
 
     rows = []
     for cfg in configs if configs is not None else shipped_fwd_configs() + shipped_bwd_configs():
@@ -140,7 +156,7 @@ def compile_check(configs: list | None = None) -> list[dict]:
                "registers": None, "spills": None, "smem_bytes": cfg.smem_bytes()}
         t0 = time.perf_counter()
         try:
-            compiled = compile_bwd(cfg) if isinstance(cfg, BwdConfig) else compile_fwd(cfg)
+            compiled = compiler(cfg)
             row["compile_s"] = round(time.perf_counter() - t0, 2)
             cubin = extract_cubin(compiled)
             if cubin is not None:
@@ -161,10 +177,12 @@ def _short(cfg) -> str:
         return (f"bwd_sm{d['arch']} d{hd} {d['dtype']} {'causal' if d['causal'] else 'full'} "
                 f"{d['tile_m']}x{d['tile_n']}x{d['q_stages']}st{' det' if d['deterministic'] else ''}"
                 f"{' dkv-accum' if d['dkv_accum'] else ''}{' dkvT' if d.get('transposed_dkv') else ''}")
-    extras = "".join([" persist" if d["persistent"] else "", " lpt" if d["lpt"] else "",
+    extras = "".join([f" w{d['num_warps']}" if "num_warps" in d else "", " qregs" if d.get("q_in_regs") else "",
+                      " persist" if d["persistent"] else "", " lpt" if d["lpt"] else "",
                       f" emu{d['exp2_emu_frac']:g}" if d["exp2_emu_frac"] else "",
                       f" tau{d['rescale_threshold']:g}" if d["rescale_threshold"] != 8.0 else ""])
-    return (f"fwd_sm{d['arch']} d{hd} {d['dtype']} {'causal' if d['causal'] else 'full'} "
+    family = "fwd_portable" if "num_warps" in d else "fwd"  # the sm80 family's configs have num_warps
+    return (f"{family}_sm{d['arch']} d{hd} {d['dtype']} {'causal' if d['causal'] else 'full'} "
             f"{d['tile_m']}x{d['tile_n']}x{d['kv_stages']}st{extras}")
 
 

@@ -101,7 +101,7 @@ def bwd_preprocess_fake_args(headdim: int, dtype: str, varlen: bool = False, hea
     dpsum/lse_log2 fp32 (b, h, sq_pad); exact int32 (b, h, num_m_blocks); dq_accum fp32
     (b, h, sq_pad, dq) (dq = headdim_q, or headdim when None), rows contiguous. varlen: b = 1,
     sq = total_q, sq_pad = the padded rows, and row_index int32 (total_q,)
-    (flash4.varlen.padded_row_index)."""
+    (flash4.backward.padded_row_index)."""
     dt = DTYPES[dtype]
     dq = headdim if headdim_q is None else headdim_q
     b, sq, h, sq_pad, nmb = (cute.sym_int32() for _ in range(5))

@@ -5,6 +5,11 @@ module here with its config classes and pure selection functions (flash4.config.
 registered in flash4.kernels.registry; select_fwd_config / select_bwd_config / shipped_*_configs
 dispatch on `arch` through that registry, so a new family adds a module and a registry entry and
 no host module changes. Everything here is pure Python and tested on the CPU.
+
+The host passes (flash4.forward, flash4.backward) ask one question per pass, with the request
+(flash4.request.Request) in hand: `fwd_config(request, arch)` -> FwdPlan, `bwd_config(request, arch)`
+-> BwdPlan. The family's module answers it (its fwd_plan / bwd_plan compose its pure selectors), so
+the host names no family policy (tile rules, GQA packing, split-KV, the backward head split).
 """
 
 from __future__ import annotations
@@ -84,6 +89,43 @@ def mean_queries_per_key(seqlen_q: int, seqlen_k: int, causal: bool, window=None
         return (max(0, seqlen_k - seqlen_q) * seqlen_q + both * both / 2) / seqlen_k
     return float(seqlen_q)
 
+
+
+@dataclasses.dataclass(frozen=True)
+class FwdPlan:
+    """What one forward call runs (a family's fwd_plan): the kernel config and the host steps
+    around it. pack: query heads the host packs into the rows of one KV head's tile (decode; q is
+    copied into (B, seqlen_p, heads_p, D) packed rows, 1 = none); num_splits: split-KV runs merged
+    by the combine kernel (1 = none); seqlen_p / heads_p: the packed query rows per sequence and
+    the heads the kernel sees (seqlen_q * pack, nheads // pack)."""
+
+    cfg: object
+    pack: int = 1
+    num_splits: int = 1
+    seqlen_p: int = 0
+    heads_p: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class BwdPlan:
+    """What one backward call runs (a family's bwd_plan): the main kernel's config and the query
+    heads per CTA of the GQA/MQA head split (the whole group when not split)."""
+
+    cfg: object
+    heads_per_cta: int
+
+
+def fwd_config(request, arch: int, num_sms: int | None = None) -> FwdPlan:
+    """The forward plan of `request` (flash4.request.Request; any layout) on SM version `arch`.
+    num_sms: the device's SM count (the split-KV choice of a DECODE request reads it; None elsewhere).
+    Raises ValueError for an arch without a kernel family or an unsupported head dim."""
+    return _family_config(arch).fwd_plan(request, arch, num_sms)
+
+
+def bwd_config(request, arch: int, heads_per_cta: int | None = None) -> BwdPlan:
+    """The backward plan of `request` (DENSE or VARLEN; max_seqlen_q / max_seqlen_k resolved) on SM
+    version `arch`; heads_per_cta: None, or the FLASH4_BWD_HEADS_PER_CTA override (flash4.env)."""
+    return _family_config(arch).bwd_plan(request, arch, heads_per_cta)
 
 
 def _family_config(arch: int):

@@ -3,16 +3,19 @@
 A config is a frozen dataclass of host scalars only: it is the compile-cache key (with the
 source hash of the kernel files), so two calls that pick equal configs share one compiled kernel.
 Everything here is pure Python and tested on the CPU. Family-neutral pieces (head dims, value
-head dim pairs, page pieces) are in flash4.config; this module is the sm90 entry of
-flash4.kernels.registry.
+head dim pairs, page pieces, the plan types) are in flash4.config; this module is the sm90 entry of
+flash4.kernels.registry. The host asks it through `fwd_plan(request, ...)` / `bwd_plan(request, ...)`
+(end of this module), which compose the selectors below from a flash4.request.Request.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from flash4.constants import DTYPES, RESCALE_THRESHOLD_LOG2, ROWS_PER_WARPGROUP
-from flash4.config import (HDIMV_PAIRS, SUPPORTED_HEADDIMS, canonical_hdimv, ceil_div, mean_queries_per_key)
+from flash4.config import (HDIMV_PAIRS, SUPPORTED_HEADDIMS, BwdPlan, FwdPlan, canonical_hdimv, ceil_div,
+                           mean_queries_per_key, paged_page_rows, with_seq_layout)
 from flash4.arch import capacity
 
 # Short-sequence forward (select_fwd_config's seqlen_k): at seqlen_k <= this a query tile visits at
@@ -560,3 +563,149 @@ def shipped_bwd_configs() -> list[BwdConfig]:
     accum += [select_bwd_config(d, "bf16", True, deterministic=True) for d in (64, 128)]
     accum += [select_bwd_config(192, "bf16", True, headdim_v=128)]
     return configs + [with_dkv_accum(cfg, 2, 1, 1) for cfg in accum]
+
+
+def head_split_config(cfg: BwdConfig, nheads: int, nheads_k: int, seqlen_q: int, seqlen_k: int, causal: bool, window,
+                      override: int | None = None) -> tuple[BwdConfig, int]:
+    """(cfg, heads_per_cta) of the GQA/MQA head split (BwdConfig.dkv_accum, chosen by
+    bwd_heads_per_cta from the mean visible queries per key, or `override`: FLASH4_BWD_HEADS_PER_CTA).
+    seqlen_q, seqlen_k: the (max) sequence lengths; window: flash4.geometry.window_sides' or None.
+    Apply it before anything is sized by cfg.tile_m: the split may change the query tile."""
+    queries = mean_queries_per_key(seqlen_q, seqlen_k, causal, window)
+    heads_per_cta = bwd_heads_per_cta(nheads, nheads_k, override, queries)
+    return with_dkv_accum(cfg, nheads, nheads_k, heads_per_cta), heads_per_cta
+
+
+# ================================================================ decode (flash_attn_with_kvcache)
+# Two measures make a decode step read the cache at memory speed (FlashDecoding, Dao et al. 2023;
+# FlashAttention-3's decode path):
+#   * GQA packing: the `pack = nheads // nheads_k` query heads that share a KV head become query
+#     rows of one tile, so K/V are read once per KV head instead of once per query head. The host
+#     packs q (a copy of the small query tensor: (B, Sq, H, D) -> (B, Sq * pack, Hk, D), packed row
+#     r = query r // pack of head hk * pack + r % pack). The kernel sees a non-causal problem with
+#     Sq * pack queries, which is exact when Sq == 1 (the one query sees every key, causal or not);
+#     causal steps with Sq > 1 are not packed.
+#   * Split-KV: when batch x nheads_k tiles cannot fill the GPU, each tile's key blocks are split
+#     over `num_splits` CTAs (FwdConfig.split_kv); their partial O / LSE are merged by the combine
+#     kernel (kernels/common/fwd_combine.py), which also unpacks the GQA rows.
+# num_splits is chosen from host-known sizes only (batch, heads, the cache's capacity), never from
+# cache_seqlens' contents, so a step is CUDA-graph safe and changing lengths never recompiles.
+
+# Split-KV heuristic: split only when the tiles fill less than this share of the SMs; then take the
+# fewest splits whose wave efficiency is within SPLIT_EFFICIENCY of the best, each split keeping at
+# least MIN_BLOCKS_PER_SPLIT key blocks, at most MAX_SPLITS splits.
+SPLIT_WHEN_TILES_BELOW = 0.8
+SPLIT_EFFICIENCY = 0.95
+MIN_BLOCKS_PER_SPLIT = 4
+MAX_SPLITS = 128
+
+
+def choose_num_splits(num_tiles: int, num_n_blocks: int, num_sms: int) -> int:
+    """Splits of the key blocks for `num_tiles` (m_block, head, batch) tiles of `num_n_blocks` key
+    blocks each on `num_sms` SMs (pure; CPU-tested). 1 when the tiles already fill the GPU."""
+    if num_tiles <= 0 or num_tiles >= SPLIT_WHEN_TILES_BELOW * num_sms:
+        return 1
+    max_splits = max(1, min(MAX_SPLITS, num_n_blocks // MIN_BLOCKS_PER_SPLIT))
+
+    def efficiency(s):
+        ctas = num_tiles * s
+        return ctas / (ceil_div(ctas, num_sms) * num_sms)
+
+    best = max(efficiency(s) for s in range(1, max_splits + 1))
+    return next(s for s in range(1, max_splits + 1) if efficiency(s) >= SPLIT_EFFICIENCY * best)
+
+
+# Deepest K/V pipeline a decode config takes (the step streams the cache: more loads in flight).
+MAX_DECODE_KV_STAGES = 4
+
+
+def decode_tiles(cfg: FwdConfig, seqlen_p: int) -> FwdConfig:
+    """The forward config with decode tiles: when the packed query rows fit one warpgroup (64),
+    one consumer warpgroup (tile_m 64: half the tensor-core work of a 128-row tile whose rows are
+    mostly empty) and the deepest K/V pipeline that fits shared memory (at most
+    MAX_DECODE_KV_STAGES)."""
+    if seqlen_p > ROWS_PER_WARPGROUP:
+        return cfg
+    cfg = dataclasses.replace(cfg, tile_m=ROWS_PER_WARPGROUP, lpt=False, kv_stages=1)
+    per_stage = cfg.tile_n * (cfg.headdim + cfg.hdim_v) * 2
+    stages = (SM90_MAX_SMEM_BYTES - 1024 - cfg.smem_bytes() + per_stage) // per_stage
+    return dataclasses.replace(cfg, kv_stages=max(2, min(MAX_DECODE_KV_STAGES, stages)))
+
+
+def pack_factor(nheads: int, nheads_k: int, seqlen_q: int, causal: bool, window=None) -> int:
+    """Query heads packed per KV head (1: no packing); see the decode notes above. Not with a
+    sliding window (its band follows the query index, which packing would change)."""
+    group = nheads // nheads_k
+    return group if group > 1 and window is None and (seqlen_q == 1 or not causal) else 1
+
+
+@functools.lru_cache(maxsize=1024)
+def decode_plan(batch: int, seqlen_q: int, nheads: int, nheads_k: int, headdim: int, dtype: str, causal: bool,
+                page_size: int, capacity: int, num_splits: int, arch: int, num_sms: int,
+                window=None, softcap: bool = False, sink: bool = False, headdim_v: int | None = None) -> FwdPlan:
+    """The plan of a decode step (pure; CPU-tested; cached: a step's host work is a lookup):
+    packing, config and split count. page_size: 0 for a contiguous cache; capacity: keys the cache
+    can hold per sequence. headdim_v: V's head dim (None: headdim)."""
+    pack = pack_factor(nheads, nheads_k, seqlen_q, causal, window)
+    # A packed tile's rows belong to `pack` query heads, each with its own sink: the sink is then
+    # added by the combine kernel (which unpacks the rows), so a packed step with a sink always
+    # splits (at least 2 runs); with a single key block to split, it is not packed.
+    tile_n_hint = select_fwd_config(headdim, dtype, False, arch=arch, headdim_v=headdim_v).tile_n
+    if sink and pack > 1 and num_splits != 1 and ceil_div(capacity, tile_n_hint) < 2:
+        pack = 1
+    if sink and pack > 1 and num_splits == 1:
+        pack = 1  # splitting was refused: unpacked, the kernel adds each head's sink itself
+    kernel_causal = causal and pack == 1  # packed steps have Sq == 1 or are non-causal
+    seqlen_p, heads_p = seqlen_q * pack, nheads // pack
+    cfg = decode_tiles(select_fwd_config(headdim, dtype, kernel_causal, arch=arch, local=window is not None,
+                                         softcap=softcap, sink=sink, headdim_v=headdim_v), seqlen_p)
+    n_blocks = max(1, ceil_div(capacity, cfg.tile_n))
+    if num_splits == 0:
+        num_splits = choose_num_splits(batch * heads_p * ceil_div(seqlen_p, cfg.tile_m), n_blocks, num_sms)
+    num_splits = max(1, min(num_splits, n_blocks))
+    if sink and pack > 1:
+        num_splits = max(num_splits, 2)
+    cfg = with_seq_layout(cfg, seqused_k=True, page_rows=paged_page_rows(page_size, cfg.tile_n) if page_size else 0,
+                          split_kv=num_splits > 1)
+    return FwdPlan(cfg, pack, num_splits, seqlen_p, heads_p)
+
+
+# ================================================================ the host's questions (flash4.config.fwd_config / bwd_config)
+def fwd_plan(request, arch: int, num_sms: int | None = None) -> FwdPlan:
+    """The forward plan of a flash4.request.Request: dense (the short-sequence rule from seqlen_k,
+    GQA packing of windows), packed / paged (the sequence-layout fields, page pieces), or a decode
+    step (decode_plan: host GQA packing, split-KV from num_sms)."""
+    q, k, seq, mask, score = request.q, request.k, request.seq, request.mask, request.score
+    headdim, headdim_v, nheads, nheads_k = q.shape[-1], request.v.shape[-1], q.shape[-2], k.shape[-2]
+    headdim_v = None if headdim_v == headdim else headdim_v
+    dtype, local, softcap, sink = request.dtype, mask.window is not None, score.softcap > 0, score.sink is not None
+    if seq.decode:
+        return decode_plan(q.shape[0], q.shape[1], nheads, nheads_k, headdim, dtype, mask.causal, request.page_size,
+                           request.capacity, request.cache.num_splits, arch, num_sms, mask.window, softcap, sink,
+                           headdim_v)
+    if not seq.packed:
+        cfg = select_fwd_config(headdim, dtype, mask.causal, arch, local, softcap, sink, headdim_v, k.shape[1])
+        return FwdPlan(with_pack_gqa(cfg, nheads, nheads_k))
+    cfg = select_fwd_config(headdim, dtype, mask.causal, arch, local, softcap, sink, headdim_v)
+    page_rows = paged_page_rows(k.shape[1], cfg.tile_n) if seq.paged else 0
+    return FwdPlan(with_seq_layout(cfg, varlen_q=True, varlen_k=not seq.paged, seqused_q=seq.seqused_q is not None,
+                                   seqused_k=seq.seqused_k is not None, page_rows=page_rows))
+
+
+def bwd_plan(request, arch: int, heads_per_cta: int | None = None) -> BwdPlan:
+    """The backward plan of a dense or packed (not paged) flash4.request.Request whose max_seqlen_q /
+    max_seqlen_k are host ints: the config (sequence layout for packed q) and the GQA head split
+    (head_split_config; heads_per_cta: an override of its choice, or None)."""
+    seq, mask = request.seq, request.mask
+    cfg = select_bwd_config(request.headdim, request.dtype, mask.causal, arch=arch,
+                            deterministic=request.deterministic, local=mask.local, softcap=request.score.softcap > 0,
+                            headdim_v=None if request.headdim_v == request.headdim else request.headdim_v)
+    if seq.packed:
+        cfg = with_seq_layout(cfg, varlen_q=True, varlen_k=True, seqused_q=seq.seqused_q is not None,
+                              seqused_k=seq.seqused_k is not None)
+        seqlen_q, seqlen_k = seq.max_seqlen_q, seq.max_seqlen_k
+    else:
+        seqlen_q, seqlen_k = request.q.shape[1], request.k.shape[1]
+    cfg, heads = head_split_config(cfg, request.nheads, request.nheads_k, seqlen_q, seqlen_k, mask.causal,
+                                   mask.window, heads_per_cta)
+    return BwdPlan(cfg, heads)

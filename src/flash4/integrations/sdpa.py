@@ -180,8 +180,9 @@ def _native_headdim_error(q, v):
 
 
 class _Flash4Kernels:
-    """What the overrides run: flash4's validated private entry points. The CPU tests substitute a
-    reference with the same methods (no GPU there); nothing else should."""
+    """What the overrides run: flash4's support checks and its host forward / backward on requests
+    built after those checks (flash4.request.Request's unchecked constructors). The CPU tests
+    substitute a reference with the same methods (no GPU there); nothing else should."""
 
     @staticmethod
     def dense_error(q, k, v, scale, causal, window_size):
@@ -198,32 +199,37 @@ class _Flash4Kernels:
 
     @staticmethod
     def dense_forward(q, k, v, scale, causal, window_size, out):
-        from flash4.api import _flash_attn_forward
+        from flash4 import forward
+        from flash4.request import Request
 
-        return _flash_attn_forward(q, k, v, scale, causal, out=out, window_size=window_size)
+        return forward.run(Request.dense(q, k, v, scale, causal, window_size), out=out)
 
     @staticmethod
     def dense_backward(dout, q, k, v, out, lse, scale, causal, window_size, deterministic, dq, dk, dv):
-        from flash4.backward import flash_attn_backward
+        from flash4 import backward
+        from flash4.request import Request
 
-        return flash_attn_backward(dout, q, k, v, out, lse, scale, causal, dq=dq, dk=dk, dv=dv,
-                                   deterministic=deterministic, window_size=window_size)
+        request = Request.dense(q, k, v, scale, causal, window_size, deterministic=deterministic)
+        return backward.run(request, dout, out, lse, dq=dq, dk=dk, dv=dv)
 
     @staticmethod
     def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, scale, causal, window_size, seqused_k, out):
-        from flash4.api import _flash_attn_varlen_forward
+        from flash4 import forward
+        from flash4.request import Request
 
-        return _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, scale, causal,
-                                          seqused_k=seqused_k, out=out, window_size=window_size)
+        request = Request.varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, seqused_k=seqused_k, softmax_scale=scale,
+                                 causal=causal, window_size=window_size)
+        return forward.run(request, out=out)
 
     @staticmethod
     def varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_q, max_k, scale, causal, window_size,
                         deterministic, dq, dk, dv):
-        from flash4.api import _flash_attn_varlen_backward
+        from flash4 import backward
+        from flash4.request import Request
 
-        return _flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_q, max_k, scale,
-                                           causal, deterministic=deterministic, dq=dq, dk=dk, dv=dv,
-                                           window_size=window_size)
+        request = Request.varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, softmax_scale=scale, causal=causal,
+                                 window_size=window_size, deterministic=deterministic)
+        return backward.run(request, dout, out, lse, dq=dq, dk=dk, dv=dv)
 
 
 _KERNELS = _Flash4Kernels()

@@ -41,11 +41,13 @@ class Family:
     """One kernel family.
 
     name:    its folder under flash4/kernels and module under flash4/config ("sm90").
-    archs:   the SM versions it runs on (exact matches), e.g. (90,).
+    archs:   the SM versions it runs on by default (exact matches), e.g. (90,).
     gpus:    what users know those as, for error messages.
     kernels: pass ("fwd", "bwd") -> "module:Class" of the kernel.
     verified: False for a family that is compile-verified only (not run on its hardware yet):
              family() refuses it unless include_unverified=True.
+    also_on: SM versions whose own family is the default but which run this one when asked for by
+             name (family(arch, prefer=name)): the portable sm80 family on sm_90, for testing.
     """
 
     name: str
@@ -53,10 +55,12 @@ class Family:
     gpus: str
     kernels: dict
     verified: bool = True
+    also_on: tuple = ()
 
     def config_module(self):
         """flash4.config.<name>: the family's config classes, select_fwd_config, select_bwd_config,
-        shipped_fwd_configs, shipped_bwd_configs."""
+        shipped_fwd_configs, shipped_bwd_configs, and fwd_plan / bwd_plan (a flash4.request.Request ->
+        flash4.config.FwdPlan / BwdPlan: what flash4.config.fwd_config / bwd_config ask)."""
         return importlib.import_module(f"flash4.config.{self.name}")
 
     def kernel_class(self, pass_: str):
@@ -76,6 +80,12 @@ FAMILIES = (
     Family("sm100", (100,), "B200", {
         "fwd": "flash4.kernels.sm100.fwd:FlashAttentionForwardSm100",
     }, verified=False),
+    # The portable family (mma.sync, ldmatrix, cp.async): the same instructions run on sm_90, where
+    # family(90, prefer="sm80") selects it for testing. Unverified until its GPU tests have run (on
+    # the H200) and the host is wired for it (forward only so far).
+    Family("sm80", (80, 86, 89, 120), "A100, A10/A40/RTX 30xx, L4/L40/RTX 40xx, RTX 50xx/RTX PRO 6000", {
+        "fwd": "flash4.kernels.sm80.fwd:FlashAttentionForwardSm80",
+    }, verified=False, also_on=(90,)),
 )
 
 
@@ -84,10 +94,21 @@ def supported_archs() -> tuple:
     return tuple(a for f in FAMILIES if f.verified for a in f.archs)
 
 
-def family(arch: int, include_unverified: bool = False) -> Family:
-    """The family that runs on SM version `arch`. Raises ValueError naming the arch and the
-    supported ones, also for an unverified family unless include_unverified."""
+def family(arch: int, prefer: str | None = None, include_unverified: bool = False) -> Family:
+    """The family that runs on SM version `arch`: its default one, or the family named `prefer`
+    where that family runs on `arch` (its archs or also_on; e.g. prefer="sm80" on sm_90). Raises
+    ValueError naming the arch and the supported ones, or why `prefer` cannot run there, also for
+    an unverified family unless include_unverified."""
     known = ", ".join(f"sm_{a} ({f.gpus})" for f in FAMILIES if f.verified for a in f.archs)
+    if prefer is not None:
+        for fam in FAMILIES:
+            if fam.name == prefer:
+                if arch in fam.archs or arch in fam.also_on:
+                    return fam
+                runs_on = ", ".join(f"sm_{a}" for a in fam.archs + fam.also_on)
+                raise ValueError(f"flash4: the {prefer} kernel family does not run on sm_{arch} (it runs on {runs_on})")
+        names = ", ".join(f.name for f in FAMILIES)
+        raise ValueError(f"flash4: no kernel family named {prefer!r} (families: {names})")
     for fam in FAMILIES:
         if arch in fam.archs:
             if fam.verified or include_unverified:
@@ -97,10 +118,10 @@ def family(arch: int, include_unverified: bool = False) -> Family:
     raise ValueError(f"flash4 has no kernels for sm_{arch} yet (GPUs with kernels: {known})")
 
 
-def kernel_class(pass_: str, arch: int):
-    """The kernel class of `pass_` on SM version `arch` (family(arch).kernel_class), unverified
-    families included: compiling needs no GPU."""
-    return family(arch, include_unverified=True).kernel_class(pass_)
+def kernel_class(pass_: str, arch: int, prefer: str | None = None):
+    """The kernel class of `pass_` on SM version `arch` (family(arch, prefer).kernel_class),
+    unverified families included: compiling needs no GPU."""
+    return family(arch, prefer, include_unverified=True).kernel_class(pass_)
 
 
 def row_pass_class(pass_: str):

@@ -35,10 +35,10 @@ stores of column pairs scattered over 8 rows per instruction (H200 ncu, d64 S 16
 per thread, half of each 32-byte sector written; 0.269 ms vs flash-attn-4's 0.091 ms,
 docs/perf/ncu_2026-12-01.md). Same values (one fp32 -> 16-bit conversion each), other stores.
 
-Varlen (packed) mode, when a row index is given (flash4.varlen): out/dout/dq (1, total_q, H, D),
+Varlen (packed) mode, when a row index is given (flash4.backward): out/dout/dq (1, total_q, H, D),
 lse_hi/lo (1, H, total_q), and dpsum/lse_log2/dq_accum in the padded per-sequence layout
 (1, H, padded_rows[, D]), exact (1, H, padded_rows / tile_m). Packed row s lives at padded row
-row_index[s] (flash4.varlen.padded_row_index; rows outside every sequence map to a scratch tile
+row_index[s] (flash4.backward.padded_row_index; rows outside every sequence map to a scratch tile
 that the main kernel never reads, so their dq is the zero the preprocess wrote there).
 """
 

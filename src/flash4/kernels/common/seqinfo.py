@@ -6,7 +6,7 @@ batch mode of size 1 and sequence b starts at row cu_seqlens[b] (a domain offset
 TMA coordinates and plain indexing shift alike). seqused overrides the length. Per-sequence
 statistics of the backward (LSE, D, dQ accumulator) live in a padded layout: sequence b starts at
 row padded_offset(b) = (cu_seqlens[b] + b * tile) // tile * tile, tile-aligned, with room for
-ceil(len / tile) tiles (FlashAttention-3's layout); flash4.varlen.padded_total gives its size.
+ceil(len / tile) tiles (FlashAttention-3's layout); flash4.backward.padded_total gives its size.
 
 Keys past seqlen_k and queries past seqlen_q inside a tile hold other sequences' data in a packed
 tensor: the kernels mask them explicitly (flash4.geometry) and never store rows past a length.

@@ -24,7 +24,7 @@ from cutlass.cutlass_dsl import dsl_user_op
 from cutlass.memory import SmemAllocator, TmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
-from flash4.config.sm100 import (TMEM_COLUMNS, WARP_ROLES, WARP_SIZE, RegisterPlan, pipeline_specs, register_plan,
+from flash4.kernels.sm100.plan import (TMEM_COLUMNS, WARP_ROLES, WARP_SIZE, RegisterPlan, pipeline_specs, register_plan,
                                  tmem_alloc_cols, tmem_map)
 from flash4.constants import THREADS_PER_WG
 from flash4.kernels.common import geometry

@@ -15,7 +15,7 @@ import collections
 
 from cutlass import pipeline
 
-from flash4.config.sm100 import PipelineSpec, Signal
+from flash4.kernels.sm100.plan import PipelineSpec, Signal
 from flash4.kernels.common.dsl import DynamicState
 
 

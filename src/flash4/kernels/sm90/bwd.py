@@ -52,7 +52,7 @@ step and its work splits), bwd_schedule.py (BwdSchedule: the CTA's coordinates a
 bwd_params.py (the parameter bundles the kernel, roles and step take).
 
 Variable-length (packed) batches (config.BwdConfig.varlen_q / varlen_k / seqused_q / seqused_k;
-host side flash4.varlen): Q, dO (1, total_q, H, D) and K, V, dK, dV (1, total_k, Hk, D) have a
+host side flash4.backward): Q, dO (1, total_q, H, D) and K, V, dK, dV (1, total_k, Hk, D) have a
 batch mode of size 1 and the CTA reads its sequence's offsets and lengths from cu_seqlens /
 seqused (kernels/common/seqinfo.py); every block range and mask takes that sequence's seqlen_q /
 seqlen_k. The per-row statistics (LSE * log2 e, D), the dQ accumulator and the per-tile flags
@@ -295,7 +295,7 @@ class FlashAttentionBackwardSm90:
     ):
         """Dense: the shapes above. varlen_q: Q, dO (1, total_q, H, D), LSE2, D (1, H, padded_rows),
         dQacc (1, H, padded_rows, D), dQsem, exact (1, H, padded_rows / tile_m), LSEhi/lo
-        (1, H, total_q), padded_rows >= flash4.varlen.padded_total (the kernel touches only the
+        (1, H, total_q), padded_rows >= flash4.backward.padded_total (the kernel touches only the
         tiles of each sequence). varlen_k: K, V, dK, dV (1, total_k, Hk, D). dkv_accum: dK, dV are
         fp32 accumulators of the same shapes, zeroed; the kernel adds its dK, dV into them."""
         cfg = self.cfg

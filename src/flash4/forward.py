@@ -1,0 +1,316 @@
+r"""The host forward: every layout, from a flash4.request.Request to out and lse.
+
+    run(request, out=None, lse=None, lse_split=None) -> (out, lse)
+
+Layouts (flash4.request; flash-attn's conventions):
+    DENSE    q (B, Sq, H, D), k (B, Sk, Hk, D), v (B, Sk, Hk, Dv)   out (B, Sq, H, Dv), lse (B, H, Sq)
+    VARLEN   q (total_q, H, D), k / v (total_k, Hk, D|Dv)         out (total_q, H, Dv), lse (H, total_q)
+             sequence b = rows cu_seqlens_q[b] : cu_seqlens_q[b+1] (and cu_seqlens_k); seqused_* (batch,)
+             int32: only the first seqused[b] queries / keys of sequence b are used
+    PAGED    as VARLEN with k / v (num_pages, page_size, Hk, D) and page_table (batch, max_pages) int32:
+             key j of sequence b is k[page_table[b, j // page_size], j % page_size], j < seqused_k[b]
+    KVCACHE  q (B, Sq, H, D) over a dense (B_cache, S_cache, Hk, D) or paged cache: k_new / v_new are
+             appended in place at cache_seqlens[b] (index_put_, no host sync), then the attention runs
+             as DECODE (seqused_k = cache_seqlens + seqlen_new keys of each cache row or page-table
+             row) or, with cache_batch_idx, as VARLEN over the dense cache seen as packed rows
+    lse_split  None or (2,) + lse's shape, fp32: the log2-domain LSE unrounded, lse * log2(e) =
+             lse_split[0] + lse_split[1] (+inf, 0 for rows that see no key); flash4.backward's exact path.
+
+run() allocates (or checks) out / lse, answers the problems without work (no query row: nothing
+runs; no key: out = 0, lse = -inf, or the sink with learnable_sink) and calls launch() on the
+tensors' device. launch() is the one place a request becomes kernel launches: the plan from
+flash4.config.fwd_config (the family's tiles, GQA packing, page pieces, split-KV), the compiled
+runners from flash4.compile.cache, the kernel arguments unpacked from the request. The packed
+layouts hand the kernels 4-D views with a batch mode of size 1; each sequence's offset and length
+are read on the device (kernels/common/seqinfo.py), so no call syncs with the host and changing
+lengths never recompiles (only max_seqlen_q, a host int, sizes the grid). A DECODE step packs the
+query heads of a KV head into one tile's rows (q copied into (B, Sq * pack, Hk, D)) and splits the
+keys over num_splits CTAs whose partial results the combine kernel merges (flash4.config.sm90's
+decode notes). The CPU tests replace launch() by the reference (tests/cpu/conftest.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+
+import torch
+
+from flash4.arch import device_arch, num_sms
+from flash4.config import fwd_config
+from flash4.request import DECODE, KVCACHE, VARLEN, Request, SeqSpec
+from flash4.validate import layout_problem, packed_rows_per_batch, resolve_max_seqlen
+
+F32 = torch.float32
+
+
+def run(request: Request, out=None, lse=None, lse_split=None):
+    """(out, lse) of `request` (any layout; the module docstring gives the shapes). out / lse /
+    lse_split: None, or preallocated tensors of those shapes (q's dtype for out, fp32 contiguous
+    for lse and lse_split; out's last dim contiguous and 16-byte aligned) that the kernels
+    overwrite (tests pass NaN-filled ones to catch unwritten elements). Packed layouts: query rows
+    outside every sequence are not written (out / lse allocated here start as 0 / -inf when
+    seqused_q is given). KVCACHE: out as flash_attn_with_kvcache's (no lse_split).
+    Raises ValueError for a preallocated buffer of the wrong shape, dtype, device or layout."""
+    seq = request.seq
+    if seq.layout == KVCACHE:
+        return _kvcache(request, out, lse)
+    if seq.packed and not isinstance(seq.max_seqlen_q, int):
+        request = request.with_seq(_with_max_q(seq))
+    out, lse = _buffers(request, out, lse, lse_split)
+    if seq.packed:
+        if request.q.shape[0] == 0 or request.batch <= 0 or request.seq.max_seqlen_q == 0:
+            return out, lse
+        no_key, heads_dim = request.k.numel() == 0, 0
+    else:
+        if out.numel() == 0:
+            return out, lse
+        no_key, heads_dim = request.k.shape[1] == 0, 1
+    if no_key:
+        _no_key(request, out, lse, lse_split, heads_dim)
+        return out, lse
+    with device_guard(request.q.device):
+        launch(request, out, lse, lse_split)
+    return out, lse
+
+
+def new_lse_split(request: Request) -> torch.Tensor:
+    """An empty fp32 lse_split for `request` (DENSE (2, B, H, Sq), packed (2, H, total_q))."""
+    q = request.q
+    shape = (q.shape[1], q.shape[0]) if request.seq.packed else (q.shape[0], q.shape[2], q.shape[1])
+    return torch.empty((2,) + shape, dtype=F32, device=q.device)
+
+
+def launch(request: Request, out, lse, lse_split=None) -> None:
+    """The kernels of one forward with work to do (run() answered the empty cases and set the
+    device): a DENSE, VARLEN, PAGED or DECODE request, out / lse (and lse_split or None) of its
+    layout. The request's mask, score and sequence parts are unpacked into kernel arguments here,
+    once; the runners' argument lists are flash4.compile.cache's."""
+    from flash4.compile.cache import get_fwd_runner  # late: compiling pulls in the CuTe DSL
+
+    q, k, v, seq = request.q, request.k, request.v, request.seq
+    scale, window, softcap = request.score.softmax_scale, request.mask.window, request.score.softcap
+    sink = request.score.kernel_sink()
+    arch = device_arch(q.device)
+    if seq.decode:
+        _launch_decode(request, out, lse, fwd_config(request, arch, num_sms(q.device)), window, softcap, sink)
+        return
+    run_kernel = get_fwd_runner(fwd_config(request, arch).cfg)
+    if not seq.packed:
+        extra = {} if sink is None else {"sink": sink}  # runners of sink-free configs take no sink
+        run_kernel(q, k, v, out, lse, scale, lse_split, window=window, softcap=softcap, **extra)
+        return
+    if lse_split is None:
+        lse_split = new_lse_split(request)
+    k4, v4 = (k, v) if seq.paged else (k.unsqueeze(0), v.unsqueeze(0))
+    seqs = tuple(_contiguous(t) for t in (seq.cu_seqlens_q, None if seq.paged else seq.cu_seqlens_k, seq.seqused_q,
+                                          seq.seqused_k, seq.page_table))
+    run_kernel(q.unsqueeze(0), k4, v4, out.unsqueeze(0), lse.unsqueeze(0), scale, lse_split.unsqueeze(1), seqs=seqs,
+               batch=request.batch, max_seqlen_q=int(seq.max_seqlen_q), window=window, softcap=softcap, sink=sink)
+
+
+# ================================================================ buffers and the cases without work
+def _buffers(request: Request, out, lse, lse_split):
+    """out / lse checked, or allocated: as torch.empty, or, for packed q with seqused_q (rows that
+    stay unwritten inside the sequences), as 0 / -inf. lse_split checked when given."""
+    q = request.q
+    if request.seq.packed:
+        out_shape, lse_shape = (q.shape[0], q.shape[1], request.headdim_v), (q.shape[1], q.shape[0])
+        fill = request.seq.seqused_q is not None
+    else:
+        batch, seqlen_q, nheads = q.shape[:3]
+        out_shape, lse_shape, fill = (batch, seqlen_q, nheads, request.headdim_v), (batch, nheads, seqlen_q), False
+    if out is None:
+        out = (torch.zeros if fill else torch.empty)(out_shape, dtype=q.dtype, device=q.device)
+    else:
+        _check_buffer("out", out, out_shape, q.dtype, q.device)
+        problem = layout_problem("out", out)
+        if problem is not None:
+            raise ValueError(problem)
+    for name, buf, shape in (("lse", lse, lse_shape), ("lse_split", lse_split, (2,) + lse_shape)):
+        if buf is not None:
+            _check_buffer(name, buf, shape, F32, q.device)
+            if not buf.is_contiguous():
+                raise ValueError(f"{name} must be contiguous; got strides {buf.stride()}")
+    if lse is None:
+        lse = (torch.full(lse_shape, float("-inf"), dtype=F32, device=q.device) if fill
+               else torch.empty(lse_shape, dtype=F32, device=q.device))
+    return out, lse
+
+
+def _check_buffer(name, t, shape, dtype, device) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if tuple(t.shape) != shape or t.dtype != dtype or t.device != device:
+        raise ValueError(
+            f"{name} must be {dtype} of shape {shape} on {device}; got {t.dtype} of shape {tuple(t.shape)} on {t.device}"
+        )
+
+
+def _no_key(request: Request, out, lse, lse_split, heads_dim: int) -> None:
+    """Rows that see no key: out = 0, lse = -inf (or the sink of the row's head; heads_dim: lse's
+    head axis), lse_split = (+inf, 0)."""
+    out.zero_()
+    sink = request.score.kernel_sink()
+    if sink is None:
+        lse.fill_(float("-inf"))
+    else:
+        shape = [1] * lse.dim()
+        shape[heads_dim] = -1
+        lse.copy_(sink.view(shape).expand_as(lse))
+    if lse_split is not None:
+        lse_split[0].fill_(float("inf"))
+        lse_split[1].zero_()
+
+
+def _with_max_q(seq: SeqSpec) -> SeqSpec:
+    """seq with max_seqlen_q as a host int (given as a 0-d tensor or None: a host sync)."""
+    return dataclasses.replace(seq, max_seqlen_q=resolve_max_seqlen("max_seqlen_q", seq.max_seqlen_q, seq.cu_seqlens_q,
+                                                                    seq.seqused_q))
+
+
+def _contiguous(t):
+    return t if t is None or t.is_contiguous() else t.contiguous()
+
+
+def device_guard(device: torch.device):
+    """Launch on `device` when it is not the current CUDA device (a no-op for other devices)."""
+    if device.type != "cuda" or device.index is None or device.index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)
+
+
+# ================================================================ KV cache: append, then attend
+def _kvcache(request: Request, out, lse):
+    """flash_attn_with_kvcache on a KVCACHE request: append k_new / v_new, then the attention as a
+    DECODE request (cache rows 0..batch-1 or the page_table), or, with cache_batch_idx, as a VARLEN
+    request over the dense cache's rows (_dense_cache_rows), without splitting."""
+    q, k_cache, v_cache, cache, page_table = request.q, request.k, request.v, request.cache, request.seq.page_table
+    batch, seqlen_q, nheads, headdim = q.shape
+    headdim_v, device, seqlen_new = request.headdim_v, q.device, cache.seqlen_new
+    seqlens = cache.cache_seqlens
+    if not isinstance(seqlens, torch.Tensor):  # validate's builder gives a tensor; an unchecked request may not
+        seqlens = torch.full((batch,), request.capacity if seqlens is None else seqlens, dtype=torch.int32,
+                             device=device)
+    if out is None:
+        out = torch.empty(batch, seqlen_q, nheads, headdim_v, dtype=q.dtype, device=device)
+    if lse is None:
+        lse = torch.empty(batch, nheads, seqlen_q, dtype=F32, device=device)
+    if seqlen_new > 0 and batch > 0:
+        _append_kv(k_cache, v_cache, cache.k_new, cache.v_new, seqlens, page_table, cache.cache_batch_idx)
+    seqused_k = seqlens + seqlen_new if seqlen_new > 0 else seqlens
+    if out.numel() == 0:
+        return out, lse
+    if k_cache.numel() == 0:  # no key storage: every sequence has 0 keys
+        _no_key(request, out, lse, None, 1)
+        return out, lse
+    if cache.cache_batch_idx is None:
+        step = request.with_seq(SeqSpec(DECODE, seqused_k=_contiguous(seqused_k), page_table=page_table))
+        with device_guard(device):
+            launch(step, out, lse)
+        return out, lse
+    total_q = batch * seqlen_q
+    k_rows, v_rows, cu_seqlens_k = _dense_cache_rows(k_cache, v_cache, batch, cache.cache_batch_idx)
+    cu_seqlens_q = torch.arange(0, total_q + 1, seqlen_q, dtype=torch.int32, device=device)
+    rows = Request(q.reshape(total_q, nheads, headdim), k_rows, v_rows, request.mask, request.score,
+                   SeqSpec(VARLEN, cu_seqlens_q, cu_seqlens_k, seqused_k=seqused_k, max_seqlen_q=seqlen_q))
+    lse_packed = torch.empty(nheads, total_q, dtype=F32, device=device)
+    run(rows, out=out.view(total_q, nheads, headdim_v), lse=lse_packed)
+    lse.copy_(lse_packed.view(nheads, batch, seqlen_q).transpose(0, 1))
+    return out, lse
+
+
+def _append_kv(k_cache, v_cache, k, v, cache_seqlens, page_table, cache_batch_idx) -> None:
+    """k/v (batch, seqlen_new, Hk, D) -> cache positions cache_seqlens[b] + t, in place, on the
+    device (index_put_: no host sync; out-of-range positions trip a device-side assert)."""
+    batch, seqlen_new = k.shape[:2]
+    pos = cache_seqlens.long()[:, None] + torch.arange(seqlen_new, device=k.device)[None]  # (batch, seqlen_new)
+    if page_table is not None:
+        page_size = k_cache.shape[1]
+        index = (page_table.gather(1, pos // page_size).long(), pos % page_size)
+    else:
+        rows = cache_batch_idx.long() if cache_batch_idx is not None else torch.arange(batch, device=k.device)
+        index = (rows[:, None].expand(batch, seqlen_new), pos)
+    k_cache.index_put_(index, k)
+    v_cache.index_put_(index, v)
+
+
+def _dense_cache_rows(k_cache, v_cache, batch: int, cache_batch_idx):
+    """A non-empty dense cache (batch_cache, seqlen_cache, Hk, D) as packed rows (total_rows, Hk, D)
+    of stride stride(1) (a view of the same memory) and the (batch + 1,) int32 row offsets of each
+    sequence's cache row, cache_batch_idx[b] times the rows per batch entry. The offsets need not
+    increase (cache_batch_idx is any selection): with seqused_k given the kernel reads
+    cu_seqlens_k[b] as sequence b's offset only (flash4.kernels.common.seqinfo); the last entry is
+    total_rows."""
+    device = k_cache.device
+    rows_per_batch = packed_rows_per_batch(k_cache)
+    total_rows = (k_cache.shape[0] - 1) * rows_per_batch + k_cache.shape[1]
+    if total_rows >= 2 ** 31:
+        raise ValueError(f"the dense cache spans {total_rows} token rows; flash4 addresses at most 2**31 - 1 "
+                         f"(use a paged cache)")
+
+    def rows(cache):
+        return cache.as_strided((total_rows,) + tuple(cache.shape[2:]), (cache.stride(1),) + cache.stride()[2:])
+
+    cu_seqlens_k = torch.full((batch + 1,), total_rows, dtype=torch.int32, device=device)
+    torch.mul(cache_batch_idx, rows_per_batch, out=cu_seqlens_k[:batch])
+    return rows(k_cache), rows(v_cache), cu_seqlens_k
+
+
+# ================================================================ decode steps (GQA packing, split-KV)
+@functools.lru_cache(maxsize=1024)
+def _runners(plan):
+    """(forward runner, combine runner or None) of a decode plan (compiled once, then a lookup)."""
+    from flash4.compile.cache import get_combine_runner, get_fwd_runner  # late: CuTe DSL
+
+    combine = (get_combine_runner(plan.cfg.hdim_v, plan.cfg.dtype, plan.cfg.arch, sink=plan.cfg.sink)
+               if plan.num_splits > 1 else None)
+    return get_fwd_runner(plan.cfg), combine
+
+
+def _packed_sink(sink):
+    """Packed GQA rows see kernel head hk for query heads hk * pack + r: one sink per kernel head
+    only when every query head of the group has the same sink -- not in general. So a packed,
+    unsplit step with a sink is not planned (decode_plan never packs with a sink); kept as a guard."""
+    if sink is None:
+        return None
+    raise AssertionError("a learnable sink with GQA packing needs the split-KV combine (decode_plan avoids it)")
+
+
+def _launch_decode(request: Request, out, lse, plan, window, softcap: float, sink) -> None:
+    """A DECODE request's kernels: q over the first seqused_k[b] keys of each cache row (or
+    page-table row); causal aligns query i with key seqused_k[b] - Sq + i (bottom-right). plan:
+    flash4.config.FwdPlan (pack, num_splits, seqlen_p, heads_p)."""
+    q, k_cache, v_cache, seq = request.q, request.k, request.v, request.seq
+    batch, seqlen_q, nheads, headdim = q.shape
+    nheads_k, headdim_v = request.nheads_k, request.headdim_v
+    scale = request.score.softmax_scale
+    run_kernel, combine = _runners(plan)
+    pack, seqlen_p, heads_p = plan.pack, plan.seqlen_p, plan.heads_p
+    if pack > 1:
+        q_run = q.view(batch, seqlen_q, nheads_k, pack, headdim).transpose(2, 3).reshape(batch, seqlen_p, heads_p, headdim)
+    else:
+        q_run = q
+    seqs = (None, None, None, seq.seqused_k, seq.page_table)
+    if plan.num_splits > 1:
+        o_acc = torch.empty(plan.num_splits, batch, seqlen_p, heads_p, headdim_v, dtype=F32, device=q.device)
+        lse_acc = torch.empty(plan.num_splits, batch, heads_p, seqlen_p, dtype=F32, device=q.device)
+        # out / lse are not written by a split_kv launch (its partials go to o_acc / lse_acc);
+        # it gets them only as well-formed arguments (packed shapes) for the kernel's views.
+        o_arg = out if pack == 1 else (q_run if headdim_v == headdim else torch.empty(
+            batch, seqlen_p, heads_p, headdim_v, dtype=q.dtype, device=q.device))
+        run_kernel(q_run, k_cache, v_cache, o_arg, lse_acc[0], scale, lse_split=lse_acc[:2], seqs=seqs, batch=batch,
+                   max_seqlen_q=seqlen_p, accs=(o_acc, lse_acc), num_splits=plan.num_splits, window=window,
+                   softcap=softcap, sink=sink)
+        combine(o_acc, lse_acc, out, lse, pack, sink=sink)
+    elif pack > 1:
+        out_p = torch.empty(batch, seqlen_p, heads_p, headdim_v, dtype=q.dtype, device=q.device)
+        lse_p = torch.empty(batch, heads_p, seqlen_p, dtype=F32, device=q.device)
+        run_kernel(q_run, k_cache, v_cache, out_p, lse_p, scale, seqs=seqs, batch=batch, max_seqlen_q=seqlen_p,
+                   softcap=softcap, sink=_packed_sink(sink))
+        out.copy_(out_p.view(batch, seqlen_q, pack, nheads_k, headdim_v).transpose(2, 3).reshape(out.shape))
+        lse.copy_(lse_p.view(batch, nheads_k, seqlen_q, pack).transpose(2, 3).reshape(batch, nheads, seqlen_q))
+    else:
+        run_kernel(q, k_cache, v_cache, out, lse, scale, seqs=seqs, batch=batch, max_seqlen_q=seqlen_q, window=window,
+                   softcap=softcap, sink=sink)

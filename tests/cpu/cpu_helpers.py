@@ -1,0 +1,228 @@
+"""Helpers shared by the CPU tests (inputs, brute-force references, traced-op lookups); the
+fixtures that stand in for the kernels are in conftest.py. Test files import from here, never
+from each other."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+import flash4
+from flash4 import validate
+
+BF16, F64, I32 = torch.bfloat16, torch.float64, torch.int32
+
+
+# ================================================================ dense / varlen / paged / kvcache inputs
+def qkv(b=2, sq=16, sk=24, h=4, hk=2, d=64):
+    """Seeded bf16 dense (q, k, v)."""
+    gen = torch.Generator().manual_seed(0)
+    return tuple(torch.randn(b, s, n, d, generator=gen).to(BF16) for s, n in ((sq, h), (sk, hk), (sk, hk)))
+
+
+def cu(lengths):
+    """int32 prefix sums (batch + 1,) of `lengths`."""
+    return torch.tensor([0] + [sum(lengths[: i + 1]) for i in range(len(lengths))], dtype=I32)
+
+
+def varlen_args(len_q=(3, 0, 5), len_k=(4, 2, 0), h=4, hk=2, d=64, dtype=BF16, seed=0):
+    """flash_attn_varlen_func keyword arguments of packed sequences with those lengths."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(sum(len_q), h, d, generator=gen).to(dtype)
+    k = torch.randn(sum(len_k), hk, d, generator=gen).to(dtype)
+    v = torch.randn(sum(len_k), hk, d, generator=gen).to(dtype)
+    return dict(q=q, k=k, v=v, cu_seqlens_q=cu(len_q), cu_seqlens_k=cu(len_k))
+
+
+def paged_args(len_q=(3, 0, 5), len_k=(20, 0, 33), h=4, hk=2, d=64, page_size=16, layout="separate"):
+    """flash_attn_varlen_func keyword arguments over a paged K/V cache (flash4.reference.paged_kv_cache)."""
+    from flash4.reference import paged_kv_cache
+
+    args = varlen_args(len_q, len_k, h, hk, d)
+    k_cache, v_cache, page_table, seqused_k = paged_kv_cache(args["k"], args["v"], args["cu_seqlens_k"], page_size,
+                                                             layout=layout)
+    return dict(q=args["q"], k=k_cache, v=v_cache, cu_seqlens_q=args["cu_seqlens_q"], cu_seqlens_k=None,
+                page_table=page_table, seqused_k=seqused_k)
+
+
+def kv_args(b=3, sq=1, s_cache=40, h=4, hk=2, d=64, s_new=1, paged=False, page_size=16, seed=0):
+    """flash_attn_with_kvcache keyword arguments: a dense or paged cache, s_new keys to append."""
+    gen = torch.Generator().manual_seed(seed)
+    args = dict(q=torch.randn(b, sq, h, d, generator=gen).to(BF16))
+    if paged:
+        pages_per_seq = -(-s_cache // page_size)
+        num_pages = b * pages_per_seq + 2
+        args["k_cache"] = torch.randn(num_pages, page_size, hk, d, generator=gen).to(BF16)
+        args["v_cache"] = torch.randn(num_pages, page_size, hk, d, generator=gen).to(BF16)
+        args["page_table"] = torch.randperm(num_pages, generator=gen)[: b * pages_per_seq].view(b, pages_per_seq).to(I32)
+    else:
+        args["k_cache"] = torch.randn(b, s_cache, hk, d, generator=gen).to(BF16)
+        args["v_cache"] = torch.randn(b, s_cache, hk, d, generator=gen).to(BF16)
+    if s_new:
+        args["k"] = torch.randn(b, s_new, hk, d, generator=gen).to(BF16)
+        args["v"] = torch.randn(b, s_new, hk, d, generator=gen).to(BF16)
+    args["cache_seqlens"] = torch.randint(0, s_cache - s_new + 1, (b,), generator=gen).to(I32)
+    return args
+
+
+def expected_cache(args, seqlens, rows=None, table=None):
+    """The caches after appending args' k/v at seqlens (python ints), by plain indexing."""
+    k_cache, v_cache = args["k_cache"].clone(), args["v_cache"].clone()
+    page_size = k_cache.shape[1]
+    for b in range(args["q"].shape[0]):
+        for t in range(args["k"].shape[1]):
+            pos = seqlens[b] + t
+            if table is not None:
+                where = (int(table[b, pos // page_size]), pos % page_size)
+            else:
+                where = (rows[b] if rows is not None else b, pos)
+            k_cache[where] = args["k"][b, t]
+            v_cache[where] = args["v"][b, t]
+    return k_cache, v_cache
+
+
+# ================================================================ the three doors and their validate pairs
+def varlen_kwargs():
+    gen = torch.Generator().manual_seed(1)
+    cu_seqlens = torch.tensor([0, 3, 8], dtype=I32)
+    return dict(q=torch.randn(8, 4, 64, generator=gen).to(BF16), k=torch.randn(8, 2, 64, generator=gen).to(BF16),
+                v=torch.randn(8, 2, 64, generator=gen).to(BF16), cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens)
+
+
+def kvcache_kwargs():
+    gen = torch.Generator().manual_seed(2)
+    return dict(q=torch.randn(2, 1, 4, 64, generator=gen).to(BF16),
+                k_cache=torch.randn(2, 32, 2, 64, generator=gen).to(BF16),
+                v_cache=torch.randn(2, 32, 2, 64, generator=gen).to(BF16),
+                cache_seqlens=torch.tensor([5, 17], dtype=I32))
+
+
+# (public function, its validate pair (support_error-like, check_*), keyword arguments)
+ENTRY_POINTS = {
+    "dense": (flash4.flash_attn_func, validate.support_error, validate.check_inputs, lambda: dict(zip("qkv", qkv()))),
+    "varlen": (flash4.flash_attn_varlen_func, validate.varlen_support_error, validate.check_varlen_inputs,
+               varlen_kwargs),
+    "kvcache": (flash4.flash_attn_with_kvcache, validate.kvcache_support_error, validate.check_kvcache_inputs,
+                kvcache_kwargs),
+}
+
+
+# ================================================================ brute force
+def naive_varlen(q, k, v, offs_q, lens_q, offs_k, lens_k, scale, causal, key_of=None):
+    """Row by row in float64 from the definition. key_of(b, j) -> (k row, v row) overrides packed K."""
+    total_q, h, d = q.shape
+    hk = k.shape[-2]
+    out = torch.zeros(total_q, h, d, dtype=F64)
+    lse = torch.full((h, total_q), -math.inf, dtype=F64)
+    for b in range(len(lens_q)):
+        lq, lk = lens_q[b], lens_k[b]
+        keys = [key_of(b, j) if key_of else (k[offs_k[b] + j], v[offs_k[b] + j]) for j in range(lk)]
+        for i in range(lq):
+            row = offs_q[b] + i
+            visible = [j for j in range(lk) if not causal or j <= i + lk - lq]
+            for hh in range(h):
+                kh = hh // (h // hk)
+                if not visible:
+                    continue
+                s = torch.stack([q[row, hh].double() @ keys[j][0][kh].double() * scale for j in visible])
+                p = torch.exp(s - s.max())
+                lse[hh, row] = s.max() + torch.log(p.sum())
+                out[row, hh] = (p / p.sum()) @ torch.stack([keys[j][1][kh].double() for j in visible])
+    return out, lse
+
+
+# ================================================================ the custom ops on the meta device
+def meta_inputs(b=2, sq=100, sk=120, h=4, hk=2, d=64, dtype=torch.bfloat16, grad=True):
+    return [torch.empty(b, s, n, d, dtype=dtype, device="meta", requires_grad=grad)
+            for s, n in ((sq, h), (sk, hk), (sk, hk))]
+
+
+def varlen_meta(total_q=300, total_k=260, batch=3, h=4, hk=2, d=64, dtype=torch.bfloat16, grad=True, paged=False,
+                seqused=False):
+    """Meta varlen inputs: q (total_q, h, d); k/v packed (total_k, hk, d), or paged (pages, 16, hk, d)
+    with a page_table; int32 metadata (values never read on the meta device)."""
+    q = torch.empty(total_q, h, d, dtype=dtype, device="meta", requires_grad=grad)
+    kv_shape = (total_k // 16 + 1, 16, hk, d) if paged else (total_k, hk, d)
+    k, v = (torch.empty(kv_shape, dtype=dtype, device="meta", requires_grad=grad) for _ in range(2))
+    meta = dict(
+        cu_seqlens_q=torch.empty(batch + 1, dtype=I32, device="meta"),
+        cu_seqlens_k=None if paged else torch.empty(batch + 1, dtype=I32, device="meta"),
+        seqused_q=torch.empty(batch, dtype=I32, device="meta") if seqused else None,
+        seqused_k=torch.empty(batch, dtype=I32, device="meta") if (seqused or paged) else None,
+        page_table=torch.empty(batch, 8, dtype=I32, device="meta") if paged else None,
+    )
+    return q, k, v, meta
+
+
+def varlen_fwd_args(q, k, v, meta, max_q=128, max_k=None, scale=0.125, causal=True, deterministic=False):
+    return (q, k, v, meta["cu_seqlens_q"], meta["cu_seqlens_k"], meta["seqused_q"], meta["seqused_k"],
+            meta["page_table"], max_q, max_k, scale, causal, deterministic, False)
+
+
+def kvcache_meta(batch=2, seqlen_q=1, cache=512, h=8, hk=2, d=128, new=1, paged=False):
+    q = torch.empty(batch, seqlen_q, h, d, dtype=torch.bfloat16, device="meta")
+    cache_shape = (batch * cache // 64, 64, hk, d) if paged else (batch, cache, hk, d)
+    k_cache, v_cache = (torch.empty(cache_shape, dtype=torch.bfloat16, device="meta") for _ in range(2))
+    k, v = (torch.empty(batch, new, hk, d, dtype=torch.bfloat16, device="meta") if new else None for _ in range(2))
+    page_table = torch.empty(batch, cache // 64, dtype=I32, device="meta") if paged else None
+    return q, k_cache, v_cache, k, v, page_table
+
+
+def flash4_calls(gm):
+    """The flash4 op calls of a traced graph module."""
+    return [n for n in gm.graph.nodes if n.op == "call_function" and str(n.target).startswith("flash4.")]
+
+
+def op_argument(node, name):
+    """The value a traced flash4 op call received for argument `name` (defaults filled in: tracing
+    drops trailing arguments equal to their defaults)."""
+    schema = node.target._schema.arguments
+    args = list(node.args) + [a.default_value for a in schema[len(node.args):]]
+    named = {a.name: value for a, value in zip(schema, args)}
+    named.update(node.kwargs)
+    return named[name]
+
+
+# ================================================================ one message from every validate function and the door
+def _raises_everywhere(exc, match, check, support, door, kwargs):
+    import pytest
+
+    with pytest.raises(exc) as info:
+        check(**kwargs)
+    message = str(info.value)
+    for fragment in match:
+        assert fragment in message, (fragment, message)
+    assert support(**kwargs) == message
+    with pytest.raises(exc) as info:
+        door(**kwargs)
+    assert str(info.value) == message
+    return message
+
+
+def varlen_raises(exc, match=(), **kwargs):
+    """check_varlen_inputs and the public function raise exc with every fragment of `match`;
+    varlen_support_error returns that message."""
+    return _raises_everywhere(exc, match, validate.check_varlen_inputs, validate.varlen_support_error,
+                              flash4.flash_attn_varlen_func, kwargs)
+
+
+def kv_raises(exc, match=(), **kwargs):
+    """check_kvcache_inputs and flash_attn_with_kvcache raise exc with every fragment of `match`;
+    kvcache_support_error returns that message."""
+    return _raises_everywhere(exc, match, validate.check_kvcache_inputs, validate.kvcache_support_error,
+                              flash4.flash_attn_with_kvcache, kwargs)
+
+
+def seqlens_ok(args, **kw):
+    validate.check_varlen_seqlens(args["cu_seqlens_q"], args.get("cu_seqlens_k"), args["q"].shape[0],
+                                  args["k"].shape[0], **kw)
+
+
+def seqlens_raises(match, args, **kw):
+    import pytest
+
+    with pytest.raises(ValueError) as info:
+        seqlens_ok(args, **kw)
+    for fragment in match:
+        assert fragment in str(info.value), (fragment, str(info.value))

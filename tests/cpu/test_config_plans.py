@@ -1,0 +1,130 @@
+"""flash4.config.fwd_config / bwd_config: a request (flash4.request.Request, any layout) -> the plan
+its family's module composes from the pure selectors (dense: the short-sequence rule and GQA
+packing of windows; packed / paged: the sequence layout and page pieces; a decode step:
+decode_plan; backward: the sequence layout and the GQA head split). Shapes only: the tensors live on
+the meta device."""
+
+import pytest
+import torch
+
+from flash4.config import (FwdPlan, bwd_config, fwd_config, paged_page_rows, select_bwd_config, select_fwd_config,
+                           with_dkv_accum, with_pack_gqa, with_seq_layout)
+from flash4.config.sm90 import decode_plan, head_split_config
+from flash4.geometry import window_sides
+from flash4.request import DECODE, CacheSpec, Request, SeqSpec
+
+BF16, I32 = torch.bfloat16, torch.int32
+
+
+def meta(*shape, dtype=BF16):
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
+def dense(sq=300, sk=300, h=8, hk=2, d=128, dv=None, **kw):
+    return Request.dense(meta(2, sq, h, d), meta(2, sk, hk, d), meta(2, sk, hk, dv or d), **kw)
+
+
+@pytest.mark.parametrize("sk", [300, 5000])
+@pytest.mark.parametrize("kw", [dict(), dict(causal=True), dict(window_size=(64, 0)), dict(softcap=30.0),
+                                dict(learnable_sink=meta(8, dtype=torch.float32)), dict(causal=True, window_size=(7, 3))])
+def test_dense_plan_is_the_selectors_composition(kw, sk):
+    request = dense(sk=sk, **kw)
+    plan = fwd_config(request, 90)
+    mask = request.mask
+    expected = with_pack_gqa(select_fwd_config(128, "bf16", mask.causal, arch=90, local=mask.window is not None,
+                                               softcap=request.score.softcap > 0, sink="learnable_sink" in kw,
+                                               seqlen_k=sk), 8, 2)
+    assert plan == FwdPlan(expected) and plan.pack == 1 and plan.num_splits == 1
+    assert plan.cfg.pack_gqa == (4 if "window_size" in kw else 1)  # only windows pack (pack_gqa_wanted)
+
+
+def test_dense_plan_with_value_headdim():
+    plan = fwd_config(dense(d=192, dv=128, causal=True), 90)
+    assert plan.cfg == select_fwd_config(192, "bf16", True, headdim_v=128, seqlen_k=300)
+
+
+def _packed(paged=False, seqused_q=False, page_size=16):
+    cu = meta(4, dtype=I32)
+    q = meta(500, 8, 64)
+    if paged:
+        k = v = meta(40, page_size, 2, 64)
+        return Request.varlen(q, k, v, cu, None, 200, None, None, meta(3, dtype=I32), meta(3, 10, dtype=I32))
+    return Request.varlen(q, meta(600, 2, 64), meta(600, 2, 64), cu, cu, 200, None,
+                          meta(3, dtype=I32) if seqused_q else None, causal=True)
+
+
+@pytest.mark.parametrize("seqused_q", [False, True])
+def test_varlen_plan(seqused_q):
+    plan = fwd_config(_packed(seqused_q=seqused_q), 90)
+    assert plan.cfg == with_seq_layout(select_fwd_config(64, "bf16", True), varlen_q=True, varlen_k=True,
+                                       seqused_q=seqused_q)
+    assert plan.cfg.pack_gqa == 1 and not plan.cfg.persistent  # no dense-only policies on packed q
+
+
+@pytest.mark.parametrize("page_size", [16, 64, 256])
+def test_paged_plan(page_size):
+    plan = fwd_config(_packed(paged=True, page_size=page_size), 90)
+    base = select_fwd_config(64, "bf16", False)
+    assert plan.cfg == with_seq_layout(base, varlen_q=True, seqused_k=True,
+                                       page_rows=paged_page_rows(page_size, base.tile_n))
+
+
+@pytest.mark.parametrize("paged, num_splits, window", [(False, 0, None), (True, 0, None), (False, 3, None),
+                                                       (True, 1, (127, 0))])
+def test_decode_plan_from_a_decode_request(paged, num_splits, window):
+    q = meta(4, 1, 32, 128)
+    if paged:
+        k = v = meta(64, 64, 8, 128)
+        seq = SeqSpec(DECODE, seqused_k=meta(4, dtype=I32), page_table=meta(4, 16, dtype=I32))
+    else:
+        k = v = meta(4, 4096, 8, 128)
+        seq = SeqSpec(DECODE, seqused_k=meta(4, dtype=I32))
+    base = Request.kvcache(q, k, v, causal=True, num_splits=num_splits, window_size=window)
+    step = base.with_seq(seq)
+    plan = fwd_config(step, 90, 132)
+    sides, capacity = window_sides(window, True), 16 * 64 if paged else 4096  # pages x page_size, or seqlen_cache
+    assert plan == decode_plan(4, 1, 32, 8, 128, "bf16", True, 64 if paged else 0, capacity, num_splits, 90, 132,
+                               sides)
+    assert step.cache == CacheSpec(None, None, None, None, num_splits) and step.capacity == capacity
+
+
+@pytest.mark.parametrize("kw, hk", [(dict(), 8), (dict(causal=True), 2), (dict(deterministic=True), 2),
+                                    (dict(window_size=(32, 0)), 2), (dict(softcap=5.0), 1)])
+def test_dense_backward_plan(kw, hk):
+    request = dense(sq=2048, sk=2048, hk=hk, **kw)
+    plan = bwd_config(request, 90)
+    mask = request.mask
+    cfg = select_bwd_config(128, "bf16", mask.causal, deterministic=kw.get("deterministic", False),
+                            local=mask.window is not None, softcap="softcap" in kw)
+    assert (plan.cfg, plan.heads_per_cta) == head_split_config(cfg, 8, hk, 2048, 2048, mask.causal, mask.window)
+
+
+def test_backward_plan_override_and_packed_layout():
+    request = dense(sq=100, sk=100, hk=1)
+    assert bwd_config(request, 90).heads_per_cta == 8  # short: the whole group per CTA
+    plan = bwd_config(request, 90, heads_per_cta=2)  # FLASH4_BWD_HEADS_PER_CTA
+    assert plan.heads_per_cta == 2 and plan == type(plan)(with_dkv_accum(select_bwd_config(128), 8, 1, 2), 2)
+    cu = meta(4, dtype=I32)
+    packed = Request.varlen(meta(500, 8, 64), meta(600, 2, 64), meta(600, 2, 64), cu, cu, 200, 3000,
+                            seqused_k=meta(3, dtype=I32), causal=True)
+    plan = bwd_config(packed, 90)
+    expected = with_seq_layout(select_bwd_config(64, "bf16", True), varlen_q=True, varlen_k=True, seqused_k=True)
+    assert (plan.cfg, plan.heads_per_cta) == head_split_config(expected, 8, 2, 200, 3000, True, None)
+
+
+def test_sm100_plans_dense_only():
+    """The sm100 family (forward only, unverified: fwd_config refuses arch 100 until its self-test)
+    answers dense requests and refuses the rest."""
+    from flash4.config import sm100
+
+    q, k = meta(2, 300, 8, 128), meta(2, 300, 8, 128)
+    plan = sm100.fwd_plan(Request.dense(q, k, k, causal=True), 100)
+    assert plan == FwdPlan(sm100.select_fwd_config(128, "bf16", True))
+    with pytest.raises(ValueError, match="no varlen layout"):
+        sm100.fwd_plan(_packed(), 100)
+    with pytest.raises(ValueError, match="local not implemented"):
+        sm100.fwd_plan(Request.dense(q, k, k, window_size=(3, 3)), 100)
+    with pytest.raises(ValueError, match="no sm100 backward"):
+        sm100.bwd_plan(Request.dense(q, k, k), 100)
+    with pytest.raises(ValueError, match="sm_100"):
+        fwd_config(Request.dense(q, k, k), 100)
