@@ -24,9 +24,16 @@ from flash4.arch import capacity
 SHORT_SEQLEN_K = 1024
 
 
-# FwdConfig fields left out of its repr while at their default (off): speed switches added after
-# the configs' reprs became cache and fingerprint keys.
-_QUIET_SWITCHES = ("early_q_release",)
+# FwdConfig / BwdConfig fields left out of their repr while at their default (off): speed switches
+# added after the configs' reprs became cache and fingerprint keys (docs/design/speed_candidates.md).
+_QUIET_SWITCHES = ("early_q_release", "exp_before_dp_wait")
+
+
+def _quiet_repr(cfg) -> str:
+    """The dataclass repr of cfg, less the speed switches while they are off (_QUIET_SWITCHES)."""
+    fields = (f for f in dataclasses.fields(cfg)
+              if not (f.name in _QUIET_SWITCHES and getattr(cfg, f.name) == f.default))
+    return f"{type(cfg).__qualname__}({', '.join(f'{f.name}={getattr(cfg, f.name)!r}' for f in fields)})"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,10 +122,7 @@ class FwdConfig:
                                       and not self.seqused_q and not self.split_kv), self
 
     def __repr__(self) -> str:
-        # The dataclass repr, less the speed switches while they are off (_QUIET_SWITCHES).
-        fields = (f for f in dataclasses.fields(self)
-                  if not (f.name in _QUIET_SWITCHES and getattr(self, f.name) == f.default))
-        return f"{type(self).__qualname__}({', '.join(f'{f.name}={getattr(self, f.name)!r}' for f in fields)})"
+        return _quiet_repr(self)
 
     @property
     def num_consumer_warpgroups(self) -> int:
@@ -315,6 +319,14 @@ class BwdConfig:
               and dK^T = Q^T dS with the head dim on the wgmma M axis (both operands from smem, P and
               dS staged); dQ = dS K split over head-dim halves. tile_n 96, tile_m 64.
     do_stages: depth of the dO pipeline (None: q_stages). transposed_dkv only.
+    exp_before_dp_wait: speed switch, off by default (A/B: tools/ab_switch.py --switch
+              exp_before_dp_wait; docs/design/speed_candidates.md). Where the step waits for dP^T
+              with nothing of its own issued before the wait (StepRegs with dv_after_ds, StepSplitHd),
+              predicated-off shared stores of P (never executed) are placed between P's
+              exponentials and that wait, so ptxas keeps them ahead of it and they run under the dP^T
+              GEMM (off, ptxas sinks every MUFU.EX2 below the wait). tile_m 64 or split_headdim only:
+              at 128 queries per step (d64 bf16) ptxas serializes the wgmmas with it (the kernel
+              raises ValueError). Same values.
     """
 
     headdim: int
@@ -336,6 +348,7 @@ class BwdConfig:
     dkv_accum: bool = False
     transposed_dkv: bool = False
     do_stages: int | None = None
+    exp_before_dp_wait: bool = False
 
     def __post_init__(self):
         assert self.headdim in BWD_SUPPORTED_HEADDIMS, self.headdim
@@ -347,6 +360,9 @@ class BwdConfig:
             assert self.tile_n == (64 if self.split_headdim else 128) and self.tile_m % 64 == 0
             assert self.do_stages is None, self
         assert self.smem_bytes() <= BWD_SMEM_BUDGET, self.smem_bytes()
+
+    def __repr__(self) -> str:
+        return _quiet_repr(self)
 
     @property
     def dq_row_pad(self) -> int:

@@ -211,6 +211,12 @@ class FlashAttentionBackwardSm90:
         # local-memory instructions), so those keep dV before the dS^T math.
         wide_layout = cfg.varlen_q or cfg.varlen_k or cfg.seqused_q or cfg.seqused_k or cfg.local
         self.dv_after_ds = not self.split_hd and not (max(cfg.headdim, cfg.hdim_v) >= 128 and wide_layout)
+        # BwdConfig.exp_before_dp_wait (bwd_step.BwdStep.wait_dP): at 128 queries per step, P^T, dP^T,
+        # dK and dV all live across the dP^T wait left ptxas short of registers: it serialized every
+        # wgmma (sm_90a, d64 bf16: 8 spill instructions); refused there.
+        if cfg.exp_before_dp_wait and not self.split_hd and not self.dkv_t and self.tile_m > 64:
+            raise ValueError(f"flash4 bwd_sm90: exp_before_dp_wait needs tile_m 64 (ptxas serializes the wgmmas "
+                             f"at {self.tile_m}): {cfg}")
         assert self.hdim % 16 == 0 and (self.hdim // 2) % 16 == 0
         assert self.hdim_v % 16 == 0 and (self.hdim_v // 2) % 16 == 0
         # Sequence layout (all static): packed Q-side / K-side tensors, per-sequence lengths.

@@ -40,6 +40,7 @@ from flash4.kernels.common.dsl import DynamicState
 from flash4.kernels.common.exp2 import exp2_hw, fma_rn
 from flash4.kernels.common.gemm import wgmma
 from flash4.kernels.common.layout import acc_mn_view, acc_to_frgA_layout, transpose_view
+from flash4.kernels.common.pin import pin_ahead
 from flash4.kernels.common.pipeline import next_state
 
 
@@ -191,6 +192,18 @@ class BwdStep(DynamicState):
         cute.arch.fence_view_async_shared()
         cute.arch.barrier_arrive(barrier_id=int(NamedBarrierBwd.dQFull), number_of_threads=k.num_mma_threads + 32)
 
+    def wait_dP(self, acc_S):
+        """Wait for dP^T (every wgmma group of this warpgroup) where nothing of the step is issued
+        before that wait. ptxas hoists the wait above P's exponentials, which it schedules next to
+        the dS math (H200 ncu, d64: all 64 MUFU.EX2 after the WARPGROUP.DEPBAR, none under the dP^T
+        GEMM); neither a wgmma fence nor a named barrier in between keeps them ahead (both tried).
+        BwdConfig.exp_before_dp_wait: predicated-off shared stores of P (kernels/common/pin.py,
+        never executed) before the wait, which ptxas keeps ahead of it, so every exponential is
+        computed while dP^T is in flight. Same values."""
+        if const_expr(self.cfg.exp_before_dp_wait):
+            pin_ahead(acc_S, self.sched.seq.seqlen_q, self.smem.ds.iterator)
+        warpgroup.wait_group(0)
+
     def stage_16bit(self, r2s, acc, dst):
         """acc (fp32) -> 16-bit registers -> smem dst through r2s (stmatrix); returns the registers."""
         r = cute.make_rmem_tensor(acc.shape, self.k.dtype)
@@ -303,7 +316,7 @@ class StepRegs(_KeyMajor):
         tdVrP = cute.make_rmem_tensor(self.frgA_layout.shape, k.dtype)
         tdVrP.store(cute.make_tensor(acc_S.iterator, self.frgA_layout).load().to(k.dtype))
         if const_expr(k.dv_after_ds):
-            warpgroup.wait_group(0)  # dP^T; dV is issued after the dS^T math
+            self.wait_dP(acc_S)  # dV is issued after the dS^T math
         else:
             wgmma(self.mmas.dv, self.acc_dV, tdVrP, self.tdVrdOt[None, None, None, state.index], wg_wait=1)
         return buf, tdVrP
@@ -341,7 +354,7 @@ class StepSplitHd(_KeyMajor):
 
     def stage_P(self, acc_S, step, state, do_state):
         buf = step % 2  # two dS^T (P^T) buffers: the other warpgroup may still read the previous step's
-        warpgroup.wait_group(0)
+        self.wait_dP(acc_S)
         return (buf,)
 
     def stage_dS(self, acc_dP, acc_S, staged, state):
