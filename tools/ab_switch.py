@@ -1,7 +1,7 @@
 """A/B flash4's speed switches on the GPU, all in one process (docs/design/speed_candidates.md).
 
     # CPU, same source tree as the device run (the disk cache key hashes flash4's sources):
-    python tools/ab_switch.py --precompile --cache-dir .ab_cache          # ~25 kernels, < 5 MB
+    python tools/ab_switch.py --precompile --cache-dir .ab_cache          # 27 kernels, < 5 MB
     # GPU (carry .device-deps and .ab_cache), every switch on the issue-26 cells, ~2-4 min:
     source .device-deps/activate.sh && python tools/ab_switch.py --cache-dir .ab_cache --out $OUT/ab.json
     python tools/ab_switch.py --dry-run          # no GPU: the cells, the configs of every variant
@@ -14,6 +14,9 @@ Switches (all off by default in flash4; only this tool's variants turn them on):
                       exponentials pinned ahead of the dP^T wait). tile_m 64 / split configs only, so
                       a 128-query config (d64 bf16) is timed as "m64" (tile_m 64, switch off) and
                       "m64_exp" (tile_m 64, switch on); other cells as "exp".
+  dq_handoff_per_wg   BwdConfig.dq_handoff_per_wg (per-warpgroup dQ hand-off to the store warp, its
+                      own barrier pair and bulk reduce-add per warpgroup half). Variant "wg" of the
+                      cells whose config stages dQ in accumulator order (d64, d96 dense).
   early_q_release     FwdConfig.early_q_release (forward: Q's buffer freed after the tile's last
                       Q K^T). Forward cells: "off" is the persistent config (the shipped one made
                       persistent when it is not: note "forced"), "on" the same with the switch,
@@ -27,7 +30,7 @@ d128 1k full. --bwd-cells / --fwd-cells replace them (e.g. 64:1k:causal 128:4k:f
 Timing: each cell times all its variants in ROUNDS interleaved rounds (order reversed every other
 round), each time the median of calls with L2 flushed (flash4.bench.common.time_ms); the table gives
 the median over rounds in TFLOPs (forward 4 B H S^2 D, halved when causal; backward 2.5x that) and
-each variant's ratio to its baseline (> 1: faster): wide, exp, m64 against off; m64_exp against m64.
+each variant's ratio to its baseline (> 1: faster): wide, exp, m64, wg against off; m64_exp against m64.
 The backward goes through flash4.backward.flash_attn_backward, its plan's config and postprocess
 routed to the variant (BwdRoute; no host code changed).
 Checks (exit code 1 when one fails; no assertion on speed): variants of the same tiling give dK, dV
@@ -53,7 +56,8 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 from flash4.bench import common  # noqa: E402  (torch is imported late there)
 from flash4.config import select_bwd_config, select_fwd_config  # noqa: E402
 
-SWITCHES = ("postprocess_wide", "exp_before_dp_wait", "early_q_release")
+SWITCHES = ("postprocess_wide", "exp_before_dp_wait", "dq_handoff_per_wg", "early_q_release")
+BWD_SWITCHES = ("postprocess_wide", "exp_before_dp_wait", "dq_handoff_per_wg")
 BWD_CELLS = ((64, 1024, True), (64, 1024, False), (128, 1024, True), (128, 4096, True), (128, 4096, False))
 FWD_CELLS = ((128, 1024, False),)
 ROUNDS, REP_MS = 5, 100.0
@@ -85,6 +89,8 @@ def bwd_variants(cell: common.Cell, dtype: str, switches) -> dict:
             m64 = dataclasses.replace(off, tile_m=64)
             out["m64"] = BwdVariant(m64, base="off", same_tiling=False)
             out["m64_exp"] = BwdVariant(dataclasses.replace(m64, exp_before_dp_wait=True), base="m64")
+    if "dq_handoff_per_wg" in switches and off.dq_accum_order and not off.deterministic:
+        out["wg"] = BwdVariant(dataclasses.replace(off, dq_handoff_per_wg=True), base="off")
     return out
 
 
@@ -130,7 +136,7 @@ def backward_fwd_config(cell: common.Cell, dtype: str):
 def short(cfg) -> str:
     """The fields of a config that tell the A/B's variants apart."""
     bits = [f"d{cfg.headdim}", f"m{cfg.tile_m}n{cfg.tile_n}", "causal" if cfg.causal else "full"]
-    bits += [name for name in ("persistent", "lpt", "early_q_release", "exp_before_dp_wait")
+    bits += [name for name in ("persistent", "lpt", "early_q_release", "exp_before_dp_wait", "dq_handoff_per_wg")
              if getattr(cfg, name, False)]
     return " ".join(bits)
 
@@ -138,8 +144,9 @@ def short(cfg) -> str:
 def print_plan(bwd_cells, fwd_cells, dtype: str, switches) -> None:
     print(f"switches {', '.join(switches)}; {dtype}; B * S = {common.TOKENS} tokens, H * D = {common.HIDDEN}")
     for cell in bwd_cells:
+        variants = bwd_variants(cell, dtype, switches).items()
         print(f"  bwd {cell.label():24s} B={cell.batch:<3d} H={cell.nheads:<3d} " + "; ".join(
-            f"{name}=[{short(v.cfg)}{' wide' if v.wide else ''}]" for name, v in bwd_variants(cell, dtype, switches).items()))
+            f"{name}=[{short(v.cfg)}{' wide' if v.wide else ''}]" for name, v in variants))
     for cell in fwd_cells:
         plan = fwd_plan(cell, dtype)
         shape = f"  fwd {cell.label():24s} B={cell.batch:<3d} H={cell.nheads:<3d}"
@@ -154,7 +161,7 @@ def plan_kernels(bwd_cells, fwd_cells, dtype: str, switches) -> list[tuple]:
         out.append(("fwd", backward_fwd_config(cell, dtype)))
         for v in bwd_variants(cell, dtype, switches).values():
             out += [("bwd", v.cfg), ("bwd_preprocess", cell.headdim, dtype),
-                    ("bwd_postprocess", cell.headdim, dtype, accum_tile_m(v.cfg), v.wide)]
+                    ("bwd_postprocess", cell.headdim, dtype, accum_tile_m(v.cfg), v.wide, v.cfg.dq_handoff_per_wg)]
     for cell in fwd_cells:
         out += [("fwd", cfg) for cfg in fwd_plan(cell, dtype).configs.values()]
     return list(dict.fromkeys(out))
@@ -171,7 +178,8 @@ def load_kernel(item: tuple):
         return cache.get_bwd_runner(item[1])
     if kind == "bwd_preprocess":
         return cache.get_bwd_preprocess_runner(item[1], item[2], 90)
-    return cache.get_bwd_postprocess_runner(item[1], item[2], 90, accum_tile_m=item[3], wide_stores=item[4])
+    halves = {"wg_halves": True} if item[5] else {}  # as flash4.backward asks for it
+    return cache.get_bwd_postprocess_runner(item[1], item[2], 90, accum_tile_m=item[3], wide_stores=item[4], **halves)
 
 
 def precompile(items) -> None:
@@ -278,7 +286,6 @@ def run_bwd_cell(cell: common.Cell, dtype: str, switches, rounds: int, rep_ms: f
             row["post_bitwise"] &= same(dqs["off"], acc[:, :, :S].permute(0, 2, 1, 3).to(torch_dtype))
         ms = interleaved(fns, rounds, rep_ms)
         row.update(post_off_us=ms["off"] * 1e3, post_wide_us=ms["on"] * 1e3, **{"post wide/off": ms["off"] / ms["on"]})
-        del acc, dqs, fns
     # The whole backward per variant.
     q, k, v = common.make_inputs(B, S, S, H, H, D, torch_dtype)
     scale = D ** -0.5
@@ -315,8 +322,6 @@ def run_bwd_cell(cell: common.Cell, dtype: str, switches, rounds: int, rep_ms: f
         row[f"{name}_tflops"] = common.tflops(flops, ms[name])
         if var.base is not None:
             row[f"{name}/{var.base}"] = ms[var.base] / ms[name]
-    del q, k, v, out, lse, lse_split, dout, grads
-    torch.cuda.empty_cache()
     return row
 
 
@@ -350,7 +355,6 @@ def run_fwd_cell(cell: common.Cell, dtype: str, rounds: int, rep_ms: float) -> d
     row["on/off"] = ms["off"] / ms["on"]
     if "shipped" in ms:
         row["on/shipped"] = ms["shipped"] / ms["on"]
-    del q, k, v, outs, fns
     return row
 
 
@@ -427,7 +431,7 @@ def main(argv=None) -> int:
     if args.cache_dir:
         os.environ["FLASH4_CACHE_DIR"] = os.path.abspath(args.cache_dir)
     switches = SWITCHES if args.switch == "all" else (args.switch,)
-    bwd_specs = parse_cells(args.bwd_cells, BWD_CELLS) if set(switches) & {"postprocess_wide", "exp_before_dp_wait"} else ()
+    bwd_specs = parse_cells(args.bwd_cells, BWD_CELLS) if set(switches) & set(BWD_SWITCHES) else ()
     fwd_specs = parse_cells(args.fwd_cells, FWD_CELLS) if "early_q_release" in switches else ()
     bwd_cells, fwd_cells = make_cells(bwd_specs), make_cells(fwd_specs)
     print_plan(bwd_cells, fwd_cells, args.dtype, switches)
@@ -456,6 +460,7 @@ def main(argv=None) -> int:
     for cell in bwd_cells:
         rows.append(run_bwd_cell(cell, args.dtype, switches, args.rounds, args.rep_ms, alone_done))
         print(format_row(rows[-1]), flush=True)
+        torch.cuda.empty_cache()
     for cell in fwd_cells:
         rows.append(run_fwd_cell(cell, args.dtype, args.rounds, args.rep_ms))
         print(format_row(rows[-1]), flush=True)

@@ -26,7 +26,7 @@ SHORT_SEQLEN_K = 1024
 
 # FwdConfig / BwdConfig fields left out of their repr while at their default (off): speed switches
 # added after the configs' reprs became cache and fingerprint keys (docs/design/speed_candidates.md).
-_QUIET_SWITCHES = ("early_q_release", "exp_before_dp_wait")
+_QUIET_SWITCHES = ("early_q_release", "exp_before_dp_wait", "dq_handoff_per_wg")
 
 
 def _quiet_repr(cfg) -> str:
@@ -327,6 +327,15 @@ class BwdConfig:
               GEMM (off, ptxas sinks every MUFU.EX2 below the wait). tile_m 64 or split_headdim only:
               at 128 queries per step (d64 bf16) ptxas serializes the wgmmas with it (the kernel
               raises ValueError). Same values.
+    dq_handoff_per_wg: speed switch, off by default (A/B: tools/ab_switch.py --switch
+              dq_handoff_per_wg). Each consumer warpgroup hands its own half of the staged dQ tile to
+              the store warp (its dQFullWG / dQEmptyWG barrier pair of 160 threads; the store warp
+              reduce-adds each half on its own and frees it as soon as that half is read) instead of
+              both warpgroups behind one 288-thread pair and one whole-tile reduce-add (flash-attn-4's
+              hand-off). The halves are the per-warpgroup accumulator order (kernels/common/
+              dq_accum.py), which the dQ postprocess reads back (get_bwd_postprocess_runner(...,
+              wg_halves=True)). dq_accum_order configs (dense, head dim <= 96), not deterministic.
+              Same values (each dQ element added once per step).
     """
 
     headdim: int
@@ -349,9 +358,11 @@ class BwdConfig:
     transposed_dkv: bool = False
     do_stages: int | None = None
     exp_before_dp_wait: bool = False
+    dq_handoff_per_wg: bool = False
 
     def __post_init__(self):
         assert self.headdim in BWD_SUPPORTED_HEADDIMS, self.headdim
+        assert not self.dq_handoff_per_wg or (self.dq_accum_order and not self.deterministic), self
         assert self.headdim_v is None or (self.headdim, self.headdim_v) in HDIMV_PAIRS, (self.headdim, self.headdim_v)
         assert self.dtype in DTYPES, self.dtype
         if self.transposed_dkv:

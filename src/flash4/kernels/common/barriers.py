@@ -29,3 +29,9 @@ class NamedBarrierBwd(enum.IntEnum):
     # (PWG0 + warpgroup index).
     PWG0 = 5
     PWG1 = 6
+    # BwdConfig.dq_handoff_per_wg: dQFull / dQEmpty per consumer warpgroup (its 128 threads and the
+    # store warp; dQFullWG0 + warpgroup index, dQEmptyWG0 + warpgroup index).
+    dQFullWG0 = 7
+    dQFullWG1 = 8
+    dQEmptyWG0 = 9
+    dQEmptyWG1 = 10

@@ -54,8 +54,8 @@ from cutlass.cute.nvgpu import warpgroup
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
-from flash4.constants import BWD_EXACT_LSE_LOG2, ROW_PASS_THREADS, ROW_TILE
-from flash4.kernels.common.dq_accum import GROUP, accum_order_view, make_dq_tiled_mma
+from flash4.constants import BWD_EXACT_LSE_LOG2, ROW_PASS_THREADS, ROW_TILE, THREADS_PER_WG
+from flash4.kernels.common.dq_accum import GROUP, accum_order_view, accum_order_wg_view, make_dq_tiled_mma
 from flash4.kernels.common.seqinfo import store_rows_predicated
 
 LANES_PER_ROW = 8  # a row's lanes: a warp covers 4 rows per pass
@@ -249,10 +249,13 @@ class BackwardPostprocessAccumOrder:
     across threads) and writes them at the coordinates the dQ tiled MMA gives them, two adjacent
     columns per 32-bit store. Dense layouts only (BwdConfig.dq_accum_order)."""
 
-    def __init__(self, headdim: int, dtype, tile_m: int, num_wg: int = 2, wide_stores: bool = False):
+    def __init__(self, headdim: int, dtype, tile_m: int, num_wg: int = 2, wide_stores: bool = False,
+                 wg_halves: bool = False):
         """wide_stores: the converted tile is staged in shared memory (stmatrix, in the dQ MMA's
         layout) and leaves in 16-byte row chunks (store_rows_predicated) instead of 32-bit column
-        pairs from registers."""
+        pairs from registers. wg_halves: the tiles are in per-warpgroup accumulator order
+        (BwdConfig.dq_handoff_per_wg; kernels/common/dq_accum.py accum_order_wg_view)."""
+        self.wg_halves = wg_halves
         self.hdim = headdim
         self.dtype = dtype
         self.tile_m = tile_m
@@ -295,11 +298,8 @@ class BackwardPostprocessAccumOrder:
         num_values = cute.size(acc)
         # register order v of the fragment = its flat (column-major) index, as tile_pairs' tCcC[v]
         flat = cute.make_tensor(acc.iterator, cute.make_layout(num_values))
-        view = accum_order_view(mdQacc[b, head, m_block * self.tile_m, None].iterator, num_values, self.num_threads)
         groups = cute.logical_divide(flat, cute.make_layout(GROUP))
-        load_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=128)
-        for g in cutlass.range_constexpr(num_values // GROUP):
-            cute.copy(load_atom, view[None, tidx, g], groups[None, g])
+        self.load_values(mdQacc[b, head, m_block * self.tile_m, None].iterator, groups, num_values, tidx)
         rdQ = cute.make_rmem_tensor(acc.shape, self.dtype)
         rdQ.store(acc.load().to(self.dtype))
 
@@ -312,6 +312,21 @@ class BackwardPostprocessAccumOrder:
         cute.arch.barrier()  # every thread's stmatrix before any row is read back
         gdQ = cute.local_tile(mdQ[b, None, head, None], (self.tile_m, self.hdim), (m_block, 0))
         store_rows_predicated(sdQ, gdQ, seqlen_q - m_block * self.tile_m, tidx, self.num_threads)
+
+    @cute.jit
+    def load_values(self, tile_ptr: cute.Pointer, groups: cute.Tensor, num_values: cutlass.Constexpr[int], tidx: Int32):
+        """This thread's accumulator values of the tile at tile_ptr into groups (GROUP, group): 16-byte
+        loads, coalesced across threads; the tile's order is the main kernel's (wg_halves or not)."""
+        load_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=128)
+        if const_expr(self.wg_halves):
+            view = accum_order_wg_view(tile_ptr, num_values, self.num_wg)
+            t, wg = tidx % THREADS_PER_WG, tidx // THREADS_PER_WG
+            for g in cutlass.range_constexpr(num_values // GROUP):
+                cute.copy(load_atom, view[None, t, g, wg], groups[None, g])
+        else:
+            view = accum_order_view(tile_ptr, num_values, self.num_threads)
+            for g in cutlass.range_constexpr(num_values // GROUP):
+                cute.copy(load_atom, view[None, tidx, g], groups[None, g])
 
     def _n_atom(self) -> int:
         """Columns of one warpgroup's dQ wgmma (make_dq_tiled_mma's N)."""
@@ -333,12 +348,9 @@ class BackwardPostprocessAccumOrder:
         thr_mma = make_dq_tiled_mma(self.dtype, self.tile_m, self.hdim, self.num_wg).get_slice(tidx)
         tCcC = thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.hdim)))
         num_values = cute.size(tCcC)
-        view = accum_order_view(mdQacc[b, head, m_block * self.tile_m, None].iterator, num_values, self.num_threads)
         acc = cute.make_rmem_tensor(num_values, Float32)
         groups = cute.logical_divide(acc, cute.make_layout(GROUP))
-        load_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=128)
-        for g in cutlass.range_constexpr(num_values // GROUP):
-            cute.copy(load_atom, view[None, tidx, g], groups[None, g])
+        self.load_values(mdQacc[b, head, m_block * self.tile_m, None].iterator, groups, num_values, tidx)
         pair = cute.make_rmem_tensor(2, self.dtype)
         store_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=32)
         for v in cutlass.range_constexpr(0, num_values, 2):

@@ -526,6 +526,9 @@ class FlashAttentionBackwardSm90:
         deadlock. Packed batches: the chain of a sequence's query tile m runs on its padded tile
         (BwdSchedule.tile_index), its key blocks 0, 1, ... of that sequence.
         """
+        if const_expr(self.cfg.dq_handoff_per_wg):
+            self.store_dQ_per_wg(mdQacc, sdQ, sched)
+            return
         lane = cute.arch.lane_idx()
         num_m = sched.m_block_max - sched.m_block_min
         row_bytes = self.hdim * 4
@@ -562,6 +565,30 @@ class FlashAttentionBackwardSm90:
         cute.arch.cp_async_bulk_wait_group(0, read=False)
 
     @cute.jit
+    def store_dQ_per_wg(self, mdQacc, sdQ, sched):
+        """Warp 1 with BwdConfig.dq_handoff_per_wg: per step and consumer warpgroup w, wait for w's
+        half of the staged tile (dQFullWG0 + w), reduce-add it onto its half of the accumulator tile
+        (the per-warpgroup accumulator order keeps each half contiguous in both), then free each
+        half as soon as the bulk copy has read it (dQEmptyWG0 + w; the bulk groups complete in
+        order). Not deterministic (BwdConfig asserts it)."""
+        lane = cute.arch.lane_idx()
+        num_m = sched.m_block_max - sched.m_block_min
+        half = self.tile_m * self.hdim // self.num_wg_mma  # fp32 elements per warpgroup
+        threads = THREADS_PER_WG + 32
+        for step in cutlass.range(sched.num_steps, unroll=1):
+            m_block, head = sched.step_coords(step, num_m)
+            gdQ = cute.local_tile(sched.seq.q_padded_view(mdQacc, head), (self.tile_m, self.hdim), (m_block, 0))
+            for wg in cutlass.range_constexpr(self.num_wg_mma):
+                cute.arch.barrier(barrier_id=int(NamedBarrierBwd.dQFullWG0) + wg, number_of_threads=threads)
+                if lane == 0:
+                    bulk_reduce_add_f32(gdQ[0, None].iterator + wg * half, sdQ[0, None].iterator + wg * half, half * 4)
+                cute.arch.cp_async_bulk_commit_group()
+            for wg in cutlass.range_constexpr(self.num_wg_mma):
+                cute.arch.cp_async_bulk_wait_group(self.num_wg_mma - 1 - wg, read=True)
+                cute.arch.barrier_arrive(barrier_id=int(NamedBarrierBwd.dQEmptyWG0) + wg, number_of_threads=threads)
+        cute.arch.cp_async_bulk_wait_group(0, read=False)
+
+    @cute.jit
     def mma(self, gmem, atoms, smem, mmas, pipes, sched, score_args, dkv_sem, tidx):
         """Consumer warpgroups: the config's BwdStep (bwd_step.py) for every (query head, m_block) of
         the schedule, then the dK, dV epilogue. tidx: the thread's index among the consumer threads."""
@@ -588,7 +615,7 @@ class FlashAttentionBackwardSm90:
                     state = step_fn.mma_one_m_block(m_block, head, step, state, masked, scales)
                     step += 1
         if sched.num_steps > 0:
-            cute.arch.barrier(barrier_id=int(NamedBarrierBwd.dQEmpty), number_of_threads=self.num_mma_threads + 32)
+            step_fn.wait_dq_drained()
         if const_expr(self.cfg.dkv_accum):
             self.epilogue_dKV_accum(step_fn.acc_dK, step_fn.acc_dV, gmem, mmas, tidx, sched, dkv_sem)
         else:

@@ -35,7 +35,7 @@ from cutlass.cute.nvgpu import warpgroup
 from flash4.constants import THREADS_PER_WG
 from flash4.kernels.common import geometry, score
 from flash4.kernels.common.barriers import NamedBarrierBwd
-from flash4.kernels.common.dq_accum import store_accum_order
+from flash4.kernels.common.dq_accum import store_accum_order, store_accum_order_wg
 from flash4.kernels.common.dsl import DynamicState
 from flash4.kernels.common.exp2 import exp2_hw, fma_rn
 from flash4.kernels.common.gemm import wgmma
@@ -180,8 +180,12 @@ class BwdStep(DynamicState):
     @cute.jit
     def hand_off_dQ(self, acc_dQ, step):
         """Stage the dQ tile for warp 1 once it has finished reading the previous one (dQEmpty), then
-        signal it (dQFull)."""
+        signal it (dQFull). BwdConfig.dq_handoff_per_wg: this warpgroup's half only, on its own
+        barrier pair (hand_off_dQ_wg)."""
         k = self.k
+        if const_expr(self.cfg.dq_handoff_per_wg):
+            self.hand_off_dQ_wg(acc_dQ, step)
+            return
         if step > 0:
             cute.arch.barrier(barrier_id=int(NamedBarrierBwd.dQEmpty), number_of_threads=k.num_mma_threads + 32)
         if const_expr(self.cfg.dq_accum_order):
@@ -191,6 +195,29 @@ class BwdStep(DynamicState):
         # The bulk reduce reads sdQ through the async proxy: order our generic-proxy stores first.
         cute.arch.fence_view_async_shared()
         cute.arch.barrier_arrive(barrier_id=int(NamedBarrierBwd.dQFull), number_of_threads=k.num_mma_threads + 32)
+
+    @cute.jit
+    def hand_off_dQ_wg(self, acc_dQ, step):
+        """dq_handoff_per_wg: stage this warpgroup's dQ values in its half of the tile (per-warpgroup
+        accumulator order) once warp 1 has read the previous step's half (dQEmptyWG), then signal
+        that half (dQFullWG); 128 consumer threads + warp 1 per barrier."""
+        k = self.k
+        threads = THREADS_PER_WG + 32
+        if step > 0:
+            cute.arch.barrier(barrier_id=int(NamedBarrierBwd.dQEmptyWG0) + self.wg_idx, number_of_threads=threads)
+        store_accum_order_wg(acc_dQ, self.smem.dq.iterator, self.tidx, k.num_wg_mma)
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier_arrive(barrier_id=int(NamedBarrierBwd.dQFullWG0) + self.wg_idx, number_of_threads=threads)
+
+    def wait_dq_drained(self):
+        """After the last step: wait until warp 1 has read this warpgroup's last staged dQ (matches
+        its last dQEmpty arrive; the smem is reused after)."""
+        k = self.k
+        if const_expr(self.cfg.dq_handoff_per_wg):
+            cute.arch.barrier(barrier_id=int(NamedBarrierBwd.dQEmptyWG0) + self.wg_idx,
+                              number_of_threads=THREADS_PER_WG + 32)
+        else:
+            cute.arch.barrier(barrier_id=int(NamedBarrierBwd.dQEmpty), number_of_threads=k.num_mma_threads + 32)
 
     def wait_dP(self, acc_S):
         """Wait for dP^T (every wgmma group of this warpgroup) where nothing of the step is issued
