@@ -147,8 +147,10 @@ def launch(request: Request, dout, out, lse, lse_split, dlse, dq, dk, dv) -> Non
     dk_out, dv_out, dkv_sem, finish_dkv = dkv_targets(cfg, dk, dv, num_kv_tiles)
     # rowsum(dO * O) over Dv; dq_accum has q's head dim
     preprocess = get_bwd_preprocess_runner(request.headdim_v, cfg.dtype, cfg.arch, varlen=packed, headdim_q=headdim)
+    # dq_handoff_per_wg (a speed switch): the dQ tiles are in per-warpgroup halves
+    halves = {"wg_halves": True} if getattr(cfg, "dq_handoff_per_wg", False) else {}
     postprocess = get_bwd_postprocess_runner(headdim, cfg.dtype, cfg.arch, varlen=packed,
-                                             accum_tile_m=tile_m if cfg.dq_accum_order else None)
+                                             accum_tile_m=tile_m if cfg.dq_accum_order else None, **halves)
     run_kernel = get_bwd_runner(cfg)
     hi, lo = kernel_view(lse_split[0]), kernel_view(lse_split[1])
     preprocess(kernel_view(_kernel_ready(out)), kernel_view(dout), hi, lo, dpsum, lse_log2, tile_flags[1], dq_accum,

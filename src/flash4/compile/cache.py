@@ -222,18 +222,24 @@ def compile_preprocess(headdim: int, dtype: str, varlen: bool = False, headdim_q
 
 
 def compile_postprocess(headdim: int, dtype: str, varlen: bool = False, accum_tile_m: int | None = None,
-                        arch: int = 90, options: str = ""):
-    """Compile the dQ postprocess (row-major, or in the accumulator's order with accum_tile_m)."""
+                        arch: int = 90, options: str = "", wide_stores: bool = False, wg_halves: bool = False):
+    """Compile the dQ postprocess (row-major, or in the accumulator's order with accum_tile_m);
+    wide_stores: the 16-byte-store variant (kernels/common/bwd_preprocess.py, a speed switch);
+    wg_halves: tiles in per-warpgroup accumulator order (BwdConfig.dq_handoff_per_wg)."""
     from flash4.compile.fake import bwd_postprocess_fake_args
 
     cutlass, cute = _dsl()
 
     args = bwd_postprocess_fake_args(headdim, dtype, varlen)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    wide = {"wide_stores": True} if wide_stores else {}
+    if wg_halves:
+        wide["wg_halves"] = True
     if accum_tile_m is not None:
-        kernel = registry.row_pass_class("bwd_postprocess_accum_order")(headdim, args[1].element_type, accum_tile_m)
+        kernel = registry.row_pass_class("bwd_postprocess_accum_order")(headdim, args[1].element_type, accum_tile_m,
+                                                                        **wide)
     else:
-        kernel = registry.row_pass_class("bwd_postprocess")(headdim, args[1].element_type)
+        kernel = registry.row_pass_class("bwd_postprocess")(headdim, args[1].element_type, **wide)
     return cute.compile(kernel, *args[:2], cutlass.Int32(1), stream, *args[2:],
                         options=COMPILE_OPTIONS + _arch_option(arch) + options)
 
@@ -290,16 +296,22 @@ def get_bwd_preprocess_runner(headdim: int, dtype: str, arch: int = 90, varlen: 
 
 @functools.lru_cache(maxsize=None)
 def get_bwd_postprocess_runner(headdim: int, dtype: str, arch: int = 90, varlen: bool = False,
-                               accum_tile_m: int | None = None):
+                               accum_tile_m: int | None = None, wide_stores: bool = False, wg_halves: bool = False):
     """Cached: compiled dQ postprocess, run(dq_accum, dq, row_index=None): dq (B, Sq, H, D) in dtype
     from the fp32 dq_accum (B, H, Sq_pad, D) (kernels/common/bwd_preprocess.py); varlen as the preprocess.
     accum_tile_m: the backward's query tile when its dQ tiles are in accumulator order
-    (BwdConfig.dq_accum_order; dense only), else None (row-major)."""
+    (BwdConfig.dq_accum_order; dense only), else None (row-major). wide_stores: 16-byte dQ stores
+    (a speed switch, off by default; tools/ab_switch.py --switch postprocess_wide). wg_halves: the
+    tiles are in per-warpgroup accumulator order (BwdConfig.dq_handoff_per_wg; accum_tile_m needed)."""
     if accum_tile_m is not None and varlen:
         raise ValueError("flash4 dQ postprocess: the accumulator order is for dense layouts only")
-    key = (headdim, dtype, arch) + (("varlen",) if varlen else ()) + (("accum", accum_tile_m) if accum_tile_m else ())
+    if wg_halves and accum_tile_m is None:
+        raise ValueError("flash4 dQ postprocess: wg_halves is an accumulator order (accum_tile_m required)")
+    key = ((headdim, dtype, arch) + (("varlen",) if varlen else ()) + (("accum", accum_tile_m) if accum_tile_m else ())
+           + (("wide",) if wide_stores else ()) + (("wghalves",) if wg_halves else ()))
     compiled = load_or_compile("bwd_postprocess", key, COMPILE_OPTIONS + _arch_option(arch),
-                               lambda: compile_postprocess(headdim, dtype, varlen, accum_tile_m, arch))
+                               lambda: compile_postprocess(headdim, dtype, varlen, accum_tile_m, arch,
+                                                           wide_stores=wide_stores, wg_halves=wg_halves))
 
     def run(dq_accum, dq, row_index=None):
         if (row_index is not None) != varlen:

@@ -24,6 +24,18 @@ from flash4.arch import capacity
 SHORT_SEQLEN_K = 1024
 
 
+# FwdConfig / BwdConfig fields left out of their repr while at their default (off): speed switches
+# added after the configs' reprs became cache and fingerprint keys (docs/design/speed_candidates.md).
+_QUIET_SWITCHES = ("early_q_release", "exp_before_dp_wait", "dq_handoff_per_wg")
+
+
+def _quiet_repr(cfg) -> str:
+    """The dataclass repr of cfg, less the speed switches while they are off (_QUIET_SWITCHES)."""
+    fields = (f for f in dataclasses.fields(cfg)
+              if not (f.name in _QUIET_SWITCHES and getattr(cfg, f.name) == f.default))
+    return f"{type(cfg).__qualname__}({', '.join(f'{f.name}={getattr(cfg, f.name)!r}' for f in fields)})"
+
+
 @dataclasses.dataclass(frozen=True)
 class FwdConfig:
     """One compiled forward kernel.
@@ -70,6 +82,13 @@ class FwdConfig:
                   head_kv * pack_gqa + r % pack_gqa, so each K/V block is loaded once for them all
                   and a tile spans tile_m / pack_gqa queries (a small window then visits fewer key
                   blocks). Dense Q only (not varlen_q / seqused_q / split_kv); tile_m % pack_gqa == 0.
+    early_q_release: speed switch, off by default (A/B: tools/ab_switch.py --switch early_q_release;
+                  docs/design/speed_candidates.md). Persistent configs with O staged in its own smem
+                  buffer release Q's buffer right after the tile's last Q K^T has completed (both
+                  consumer warpgroups' wgmma waits) instead of after the last P V, so the next tile's
+                  Q load overlaps this tile's last softmax, last P V and epilogue. persistent only;
+                  the kernel raises if O would share Q's buffer. Shown in repr only when on, so every
+                  other config keeps its repr (the compile-cache and kernel_fingerprint key).
     """
 
     headdim: int
@@ -96,9 +115,11 @@ class FwdConfig:
     sink: bool = False
     headdim_v: int | None = None
     pack_gqa: int = 1
+    early_q_release: bool = False
 
     def __post_init__(self):
         assert self.headdim in SUPPORTED_HEADDIMS, self.headdim
+        assert not self.early_q_release or self.persistent, self
         assert self.headdim_v is None or (self.headdim, self.headdim_v) in HDIMV_PAIRS, (self.headdim, self.headdim_v)
         assert self.page_rows == 0 or (self.page_rows % 8 == 0 and self.tile_n % self.page_rows == 0
                                        and self.seqused_k and not self.varlen_k), self
@@ -110,6 +131,9 @@ class FwdConfig:
         assert self.tile_n % 16 == 0, self.tile_n
         assert self.pack_gqa == 1 or (self.pack_gqa > 1 and self.tile_m % self.pack_gqa == 0 and not self.varlen_q
                                       and not self.seqused_q and not self.split_kv), self
+
+    def __repr__(self) -> str:
+        return _quiet_repr(self)
 
     @property
     def num_consumer_warpgroups(self) -> int:
@@ -311,6 +335,23 @@ class BwdConfig:
               and dK^T = Q^T dS with the head dim on the wgmma M axis (both operands from smem, P and
               dS staged); dQ = dS K split over head-dim halves. tile_n 96, tile_m 64.
     do_stages: depth of the dO pipeline (None: q_stages). transposed_dkv only.
+    exp_before_dp_wait: speed switch, off by default (A/B: tools/ab_switch.py --switch
+              exp_before_dp_wait; docs/design/speed_candidates.md). Where the step waits for dP^T
+              with nothing of its own issued before the wait (StepRegs with dv_after_ds, StepSplitHd),
+              predicated-off shared stores of P (never executed) are placed between P's
+              exponentials and that wait, so ptxas keeps them ahead of it and they run under the dP^T
+              GEMM (off, ptxas sinks every MUFU.EX2 below the wait). tile_m 64 or split_headdim only:
+              at 128 queries per step (d64 bf16) ptxas serializes the wgmmas with it (the kernel
+              raises ValueError). Same values.
+    dq_handoff_per_wg: speed switch, off by default (A/B: tools/ab_switch.py --switch
+              dq_handoff_per_wg). Each consumer warpgroup hands its own half of the staged dQ tile to
+              the store warp (its dQFullWG / dQEmptyWG barrier pair of 160 threads; the store warp
+              reduce-adds each half on its own and frees it as soon as that half is read) instead of
+              both warpgroups behind one 288-thread pair and one whole-tile reduce-add (flash-attn-4's
+              hand-off). The halves are the per-warpgroup accumulator order (kernels/common/
+              dq_accum.py), which the dQ postprocess reads back (get_bwd_postprocess_runner(...,
+              wg_halves=True)). dq_accum_order configs (dense, head dim <= 96), not deterministic.
+              Same values (each dQ element added once per step).
     """
 
     headdim: int
@@ -332,9 +373,12 @@ class BwdConfig:
     dkv_accum: bool = False
     transposed_dkv: bool = False
     do_stages: int | None = None
+    exp_before_dp_wait: bool = False
+    dq_handoff_per_wg: bool = False
 
     def __post_init__(self):
         assert self.headdim in BWD_SUPPORTED_HEADDIMS, self.headdim
+        assert not self.dq_handoff_per_wg or (self.dq_accum_order and not self.deterministic), self
         assert self.headdim_v is None or (self.headdim, self.headdim_v) in HDIMV_PAIRS, (self.headdim, self.headdim_v)
         assert self.dtype in DTYPES, self.dtype
         if self.transposed_dkv:
@@ -343,6 +387,9 @@ class BwdConfig:
             assert self.tile_n == (64 if self.split_headdim else 128) and self.tile_m % 64 == 0
             assert self.do_stages is None, self
         assert self.smem_bytes() <= BWD_SMEM_BUDGET, self.smem_bytes()
+
+    def __repr__(self) -> str:
+        return _quiet_repr(self)
 
     @property
     def dq_row_pad(self) -> int:

@@ -33,3 +33,9 @@ class NamedBarrierBwd(enum.IntEnum):
     # rows >= seqlen_k of the key tile (once) or the Q/dO rows >= seqlen_q of the query-edge step's
     # stages, before any warpgroup's wgmma reads them (bwd_step.BwdStep.zero_kv_tail / zero_q_tail).
     Tail = 7
+    # BwdConfig.dq_handoff_per_wg: dQFull / dQEmpty per consumer warpgroup (its 128 threads and the
+    # store warp; dQFullWG0 + warpgroup index, dQEmptyWG0 + warpgroup index).
+    dQFullWG0 = 8
+    dQFullWG1 = 9
+    dQEmptyWG0 = 10
+    dQEmptyWG1 = 11

@@ -26,6 +26,15 @@ per-row cost is the memory traffic, not index arithmetic (the one-warp-per-row v
 spent ~190 instructions per row; H200 ncu, d64, 1M rows: 0.255 ms + a 0.058 ms memset, vs
 flash-attn-4's preprocess 0.136 ms; the torch strided copy of dQ 0.185 ms vs its 0.091 ms).
 
+16-byte dQ stores (the `wide_stores` switch of both postprocesses, off by default; A/B:
+tools/ab_switch.py --switch postprocess_wide, docs/design/speed_candidates.md). Row-major: a lane
+moves WIDE_CHUNK = 8 elements (two 16-byte fp32 loads, one 16-byte store of 16-bit values) instead
+of 4 (one 8-byte store). Accumulator order: the converted tile goes through shared memory
+(stmatrix in the dQ MMA's layout, then 16-byte row chunks out, row-predicated), instead of 32-bit
+stores of column pairs scattered over 8 rows per instruction (H200 ncu, d64 S 16k: 16 32-bit STG
+per thread, half of each 32-byte sector written; 0.269 ms vs flash-attn-4's 0.091 ms,
+docs/perf/ncu_2026-12-01.md). Same values (one fp32 -> 16-bit conversion each), other stores.
+
 Varlen (packed) mode, when a row index is given (flash4.backward): out/dout/dq (1, total_q, H, D),
 lse_hi/lo (1, H, total_q), and dpsum/lse_log2/dq_accum in the padded per-sequence layout
 (1, H, padded_rows[, D]), exact (1, H, padded_rows / tile_m). Packed row s lives at padded row
@@ -39,14 +48,30 @@ import cuda.bindings.driver as cuda
 
 import cutlass
 import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import warpgroup
+from cutlass.memory import SmemAllocator
+from cutlass.tensor_utils import LayoutEnum
 
-from flash4.constants import BWD_EXACT_LSE_LOG2, ROW_PASS_THREADS, ROW_TILE
-from flash4.kernels.common.dq_accum import GROUP, accum_order_view, make_dq_tiled_mma
+from flash4.constants import BWD_EXACT_LSE_LOG2, ROW_PASS_THREADS, ROW_TILE, THREADS_PER_WG
+from flash4.kernels.common.dq_accum import GROUP, accum_order_view, accum_order_wg_view, make_dq_tiled_mma
+from flash4.kernels.common.seqinfo import store_rows_predicated
 
 LANES_PER_ROW = 8  # a row's lanes: a warp covers 4 rows per pass
 CHUNK = 4  # elements per lane access (8 bytes of 16-bit, 16 bytes of fp32)
 ROWS_PER_PASS = ROW_PASS_THREADS // LANES_PER_ROW
+WIDE_CHUNK = 8  # wide_stores: elements per lane access (16 bytes of 16-bit, two 16-byte fp32 loads)
+
+
+def wide_row_chunks(headdim: int) -> list[list[int]]:
+    """The row-major wide postprocess's lane -> chunk map (pure; tests/cpu/test_speed_switches_cpu.py):
+    [j][l] = the WIDE_CHUNK-element chunk that lane l of a row moves in pass j, or -1 (idle: the
+    head dim is not a multiple of LANES_PER_ROW chunks, d96 / d192)."""
+    chunks = headdim // WIDE_CHUNK
+    passes = -(-chunks // LANES_PER_ROW)
+    return [[l + LANES_PER_ROW * j if l + LANES_PER_ROW * j < chunks else -1 for l in range(LANES_PER_ROW)]
+            for j in range(passes)]
 
 
 def _row_coords(num_row_tiles: Int32, nheads: Int32):
@@ -138,12 +163,14 @@ class BackwardPreprocess:
 
 
 class BackwardPostprocess:
-    """dq[b, s, h, :] = dq_accum[b, h, row(s), :] converted to dtype (row(s) = s, or row_index[s])."""
+    """dq[b, s, h, :] = dq_accum[b, h, row(s), :] converted to dtype (row(s) = s, or row_index[s]).
+    wide_stores: WIDE_CHUNK-element lane accesses (16-byte stores; lane -> chunk map wide_row_chunks)."""
 
-    def __init__(self, headdim: int, dtype):
+    def __init__(self, headdim: int, dtype, wide_stores: bool = False):
         assert headdim % (CHUNK * LANES_PER_ROW) == 0
         self.hdim = headdim
         self.dtype = dtype
+        self.wide_stores = wide_stores
 
     @cute.jit
     def __call__(
@@ -162,20 +189,57 @@ class BackwardPostprocess:
         sub_lane = tidx % LANES_PER_ROW
         seqlen_q, nheads = mdQ.shape[1], mdQ.shape[2]
         row0, head, b = _row_coords(cute.ceil_div(seqlen_q, ROW_TILE), nheads)
-        load_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=CHUNK * 32)
-        store_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=CHUNK * 16)
-        racc = cute.make_rmem_tensor((CHUNK,), Float32)
-        rdQ = cute.make_rmem_tensor((CHUNK,), self.dtype)
+        if const_expr(self.wide_stores):
+            self.rows_wide(mdQacc, mdQ, mRowIdx, row0, head, b, tidx, seqlen_q)
+        else:
+            load_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=CHUNK * 32)
+            store_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=CHUNK * 16)
+            racc = cute.make_rmem_tensor((CHUNK,), Float32)
+            rdQ = cute.make_rmem_tensor((CHUNK,), self.dtype)
+            for i in cutlass.range_constexpr(ROW_TILE // ROWS_PER_PASS):
+                s = row0 + i * ROWS_PER_PASS + tidx // LANES_PER_ROW
+                if s < seqlen_q:
+                    p = s if const_expr(mRowIdx is None) else mRowIdx[s]
+                    gacc = mdQacc[b, head, p, None]
+                    gdQ = mdQ[b, s, head, None]
+                    for j in cutlass.range_constexpr(self.hdim // (CHUNK * LANES_PER_ROW)):
+                        cute.copy(load_atom, _chunk(gacc, j, sub_lane), racc)
+                        rdQ.store(racc.load().to(self.dtype))
+                        cute.copy(store_atom, rdQ, _chunk(gdQ, j, sub_lane))
+
+    @cute.jit
+    def rows_wide(self, mdQacc: cute.Tensor, mdQ: cute.Tensor, mRowIdx: Optional[cute.Tensor], row0: Int32,
+                  head: Int32, b: Int32, tidx: Int32, seqlen_q: Int32):
+        """wide_stores: lane l of a row converts chunk wide_row_chunks(hdim)[j][l] (WIDE_CHUNK
+        elements: two 16-byte fp32 loads, one 16-byte store) in pass j."""
+        sub_lane = tidx % LANES_PER_ROW
+        num_chunks = self.hdim // WIDE_CHUNK
+        racc = cute.make_rmem_tensor((WIDE_CHUNK,), Float32)
+        rdQ = cute.make_rmem_tensor((WIDE_CHUNK,), self.dtype)
         for i in cutlass.range_constexpr(ROW_TILE // ROWS_PER_PASS):
             s = row0 + i * ROWS_PER_PASS + tidx // LANES_PER_ROW
             if s < seqlen_q:
                 p = s if const_expr(mRowIdx is None) else mRowIdx[s]
                 gacc = mdQacc[b, head, p, None]
                 gdQ = mdQ[b, s, head, None]
-                for j in cutlass.range_constexpr(self.hdim // (CHUNK * LANES_PER_ROW)):
-                    cute.copy(load_atom, _chunk(gacc, j, sub_lane), racc)
-                    rdQ.store(racc.load().to(self.dtype))
-                    cute.copy(store_atom, rdQ, _chunk(gdQ, j, sub_lane))
+                for j in cutlass.range_constexpr(cute.ceil_div(num_chunks, LANES_PER_ROW)):
+                    c = sub_lane + LANES_PER_ROW * j
+                    if const_expr((j + 1) * LANES_PER_ROW <= num_chunks):
+                        self.convert_chunk(gacc, gdQ, c, racc, rdQ)
+                    else:  # the last pass of d96 / d192 leaves lanes idle (wide_row_chunks: -1)
+                        if c < num_chunks:
+                            self.convert_chunk(gacc, gdQ, c, racc, rdQ)
+
+    @cute.jit
+    def convert_chunk(self, gacc: cute.Tensor, gdQ: cute.Tensor, c: Int32, racc: cute.Tensor, rdQ: cute.Tensor):
+        """Chunk c (WIDE_CHUNK elements) of one row: two 16-byte fp32 loads, one 16-byte store."""
+        half = WIDE_CHUNK // 2
+        load_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=128)
+        store_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128)
+        for h in cutlass.range_constexpr(2):
+            cute.copy(load_atom, cute.local_tile(gacc, (half,), (2 * c + h,)), cute.local_tile(racc, (half,), (h,)))
+        rdQ.store(racc.load().to(self.dtype))
+        cute.copy(store_atom, rdQ, cute.local_tile(gdQ, (WIDE_CHUNK,), (c,)))
 
 
 class BackwardPostprocessAccumOrder:
@@ -185,12 +249,19 @@ class BackwardPostprocessAccumOrder:
     across threads) and writes them at the coordinates the dQ tiled MMA gives them, two adjacent
     columns per 32-bit store. Dense layouts only (BwdConfig.dq_accum_order)."""
 
-    def __init__(self, headdim: int, dtype, tile_m: int, num_wg: int = 2):
+    def __init__(self, headdim: int, dtype, tile_m: int, num_wg: int = 2, wide_stores: bool = False,
+                 wg_halves: bool = False):
+        """wide_stores: the converted tile is staged in shared memory (stmatrix, in the dQ MMA's
+        layout) and leaves in 16-byte row chunks (store_rows_predicated) instead of 32-bit column
+        pairs from registers. wg_halves: the tiles are in per-warpgroup accumulator order
+        (BwdConfig.dq_handoff_per_wg; kernels/common/dq_accum.py accum_order_wg_view)."""
+        self.wg_halves = wg_halves
         self.hdim = headdim
         self.dtype = dtype
         self.tile_m = tile_m
         self.num_wg = num_wg
         self.num_threads = 128 * num_wg
+        self.wide_stores = wide_stores
 
     @cute.jit
     def __call__(
@@ -211,15 +282,75 @@ class BackwardPostprocessAccumOrder:
         m_block = bid % num_m_blocks
         bh = bid // num_m_blocks
         head, b = bh % nheads, bh // nheads
+        if const_expr(self.wide_stores):
+            self.tile_wide(mdQacc, mdQ, m_block, head, b, tidx, seqlen_q)
+        else:
+            self.tile_pairs(mdQacc, mdQ, m_block, head, b, tidx, seqlen_q)
+
+    @cute.jit
+    def tile_wide(self, mdQacc: cute.Tensor, mdQ: cute.Tensor, m_block: Int32, head: Int32, b: Int32, tidx: Int32,
+                  seqlen_q: Int32):
+        """wide_stores: 16-byte loads of this thread's accumulator values (as tile_pairs), one
+        conversion each, stmatrix into a swizzled (tile_m, headdim) smem tile in the dQ MMA's
+        layout, then every thread stores 16-byte row chunks of rows < seqlen_q."""
+        tiled_mma = make_dq_tiled_mma(self.dtype, self.tile_m, self.hdim, self.num_wg)
+        acc = cute.make_rmem_tensor(tiled_mma.partition_shape_C((self.tile_m, self.hdim)), Float32)
+        num_values = cute.size(acc)
+        # register order v of the fragment = its flat (column-major) index, as tile_pairs' tCcC[v]
+        flat = cute.make_tensor(acc.iterator, cute.make_layout(num_values))
+        groups = cute.logical_divide(flat, cute.make_layout(GROUP))
+        self.load_values(mdQacc[b, head, m_block * self.tile_m, None].iterator, groups, num_values, tidx)
+        rdQ = cute.make_rmem_tensor(acc.shape, self.dtype)
+        rdQ.store(acc.load().to(self.dtype))
+
+        smem = SmemAllocator()
+        layout = self._smem_layout()
+        sdQ = smem.allocate_tensor(self.dtype, layout.outer, byte_alignment=1024, swizzle=layout.inner)
+        stmatrix = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
+        thr_copy = cute.make_tiled_copy_C(stmatrix, tiled_mma).get_slice(tidx)
+        cute.copy(stmatrix, thr_copy.retile(rdQ), thr_copy.partition_D(sdQ))
+        cute.arch.barrier()  # every thread's stmatrix before any row is read back
+        gdQ = cute.local_tile(mdQ[b, None, head, None], (self.tile_m, self.hdim), (m_block, 0))
+        store_rows_predicated(sdQ, gdQ, seqlen_q - m_block * self.tile_m, tidx, self.num_threads)
+
+    @cute.jit
+    def load_values(self, tile_ptr: cute.Pointer, groups: cute.Tensor, num_values: cutlass.Constexpr[int], tidx: Int32):
+        """This thread's accumulator values of the tile at tile_ptr into groups (GROUP, group): 16-byte
+        loads, coalesced across threads; the tile's order is the main kernel's (wg_halves or not)."""
+        load_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=128)
+        if const_expr(self.wg_halves):
+            view = accum_order_wg_view(tile_ptr, num_values, self.num_wg)
+            t, wg = tidx % THREADS_PER_WG, tidx // THREADS_PER_WG
+            for g in cutlass.range_constexpr(num_values // GROUP):
+                cute.copy(load_atom, view[None, t, g, wg], groups[None, g])
+        else:
+            view = accum_order_view(tile_ptr, num_values, self.num_threads)
+            for g in cutlass.range_constexpr(num_values // GROUP):
+                cute.copy(load_atom, view[None, tidx, g], groups[None, g])
+
+    def _n_atom(self) -> int:
+        """Columns of one warpgroup's dQ wgmma (make_dq_tiled_mma's N)."""
+        return self.hdim if self.tile_m == 64 * self.num_wg else self.hdim // 2
+
+    def _smem_layout(self):
+        """The (tile_m, headdim) 16-bit staging tile, swizzled as the kernels' row-major wgmma tiles
+        (conflict-free stmatrix and 16-byte row chunks); the swizzle atom's width divides one
+        warpgroup's columns (d96: 48, so 16 columns, 32-byte swizzle), which the stmatrix
+        partition of the second warpgroup's half needs."""
+        atom = warpgroup.make_smem_layout_atom(
+            sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype, self._n_atom()), self.dtype)
+        return cute.tile_to_shape(atom, (self.tile_m, self.hdim), order=(0, 1))
+
+    @cute.jit
+    def tile_pairs(self, mdQacc: cute.Tensor, mdQ: cute.Tensor, m_block: Int32, head: Int32, b: Int32, tidx: Int32,
+                   seqlen_q: Int32):
+        """Registers -> dq: two adjacent columns per 32-bit store."""
         thr_mma = make_dq_tiled_mma(self.dtype, self.tile_m, self.hdim, self.num_wg).get_slice(tidx)
         tCcC = thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.hdim)))
         num_values = cute.size(tCcC)
-        view = accum_order_view(mdQacc[b, head, m_block * self.tile_m, None].iterator, num_values, self.num_threads)
         acc = cute.make_rmem_tensor(num_values, Float32)
         groups = cute.logical_divide(acc, cute.make_layout(GROUP))
-        load_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=128)
-        for g in cutlass.range_constexpr(num_values // GROUP):
-            cute.copy(load_atom, view[None, tidx, g], groups[None, g])
+        self.load_values(mdQacc[b, head, m_block * self.tile_m, None].iterator, groups, num_values, tidx)
         pair = cute.make_rmem_tensor(2, self.dtype)
         store_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=32)
         for v in cutlass.range_constexpr(0, num_values, 2):

@@ -13,6 +13,14 @@ conflict). The staged tile is one contiguous block of tile_m * headdim floats, r
 whole onto the accumulator's tile (same order in global memory); the postprocess reads it back with
 the same tiled MMA's coordinates (flash-attn-4's sm90 backward does the same, "dQ_accum" + its
 postprocess).
+
+Per-warpgroup halves (BwdConfig.dq_handoff_per_wg, a speed switch): warpgroup w = t // 128 owns
+the contiguous block [w * 128 V, (w + 1) * 128 V) of the tile, in accumulator order among its own
+128 threads,
+
+    value v of thread t  ->  tile offset (t // 128) * 128 V + (v // 4) * 512 + 4 (t % 128) + v % 4
+
+so each warpgroup's half is handed to the store warp and reduce-added on its own.
 """
 
 from functools import partial
@@ -22,6 +30,8 @@ import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32
 from cutlass.cute.nvgpu import OperandMajorMode
+
+from flash4.constants import THREADS_PER_WG
 
 GROUP = 4  # fp32 values per 16-byte group
 
@@ -59,3 +69,31 @@ def store_accum_order(acc: cute.Tensor, tile_ptr: cute.Pointer, tidx: cutlass.In
     atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=128)
     for g in cutlass.range_constexpr(num_values // GROUP):
         cute.copy(atom, groups[None, g], view[None, tidx, g])
+
+
+def accum_order_wg_layout(num_values: int, num_wg: int) -> cute.Layout:
+    """(GROUP, thread in warpgroup, group, warpgroup) -> tile offset of the per-warpgroup accumulator
+    order (module docstring): [e, t % 128, g, t // 128] is thread t's value 4g + e; warpgroup w's
+    values fill the block [w * 128 * num_values, (w + 1) * 128 * num_values)."""
+    return cute.make_layout((GROUP, THREADS_PER_WG, num_values // GROUP, num_wg),
+                            stride=(1, GROUP, GROUP * THREADS_PER_WG, THREADS_PER_WG * num_values))
+
+
+def accum_order_wg_view(tile_ptr: cute.Pointer, num_values: int, num_wg: int) -> cute.Tensor:
+    """accum_order_wg_layout over a contiguous fp32 tile at tile_ptr (16-byte aligned): [None, t % 128,
+    g, t // 128] is thread t's 16-byte group g."""
+    return cute.make_tensor(tile_ptr, accum_order_wg_layout(num_values, num_wg))
+
+
+@cute.jit
+def store_accum_order_wg(acc: cute.Tensor, tile_ptr: cute.Pointer, tidx: cutlass.Int32, num_wg: cutlass.Constexpr[int]):
+    """store_accum_order in per-warpgroup halves (accum_order_wg_view): V / 4 conflict-free 16-byte
+    stores into this thread's warpgroup's block."""
+    num_values = cute.size(acc)
+    view = accum_order_wg_view(tile_ptr, num_values, num_wg)
+    groups = cute.logical_divide(cute.make_tensor(acc.iterator, cute.make_layout(num_values)),
+                                 cute.make_layout(GROUP))
+    atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=128)
+    t, wg = tidx % THREADS_PER_WG, tidx // THREADS_PER_WG
+    for g in cutlass.range_constexpr(num_values // GROUP):
+        cute.copy(atom, groups[None, g], view[None, t, g, wg])

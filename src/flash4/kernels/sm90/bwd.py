@@ -218,6 +218,12 @@ class FlashAttentionBackwardSm90:
         # local-memory instructions), so those keep dV before the dS^T math.
         wide_layout = cfg.varlen_q or cfg.varlen_k or cfg.seqused_q or cfg.seqused_k or cfg.local
         self.dv_after_ds = not self.split_hd and not (max(cfg.headdim, cfg.hdim_v) >= 128 and wide_layout)
+        # BwdConfig.exp_before_dp_wait (bwd_step.BwdStep.wait_dP): at 128 queries per step, P^T, dP^T,
+        # dK and dV all live across the dP^T wait left ptxas short of registers: it serialized every
+        # wgmma (sm_90a, d64 bf16: 8 spill instructions); refused there.
+        if cfg.exp_before_dp_wait and not self.split_hd and not self.dkv_t and self.tile_m > 64:
+            raise ValueError(f"flash4 bwd_sm90: exp_before_dp_wait needs tile_m 64 (ptxas serializes the wgmmas "
+                             f"at {self.tile_m}): {cfg}")
         assert self.hdim % 16 == 0 and (self.hdim // 2) % 16 == 0
         assert self.hdim_v % 16 == 0 and (self.hdim_v // 2) % 16 == 0
         # Sequence layout (all static): packed Q-side / K-side tensors, per-sequence lengths.
@@ -532,6 +538,9 @@ class FlashAttentionBackwardSm90:
         deadlock. Packed batches: the chain of a sequence's query tile m runs on its padded tile
         (BwdSchedule.tile_index), its key blocks 0, 1, ... of that sequence.
         """
+        if const_expr(self.cfg.dq_handoff_per_wg):
+            self.store_dQ_per_wg(mdQacc, sdQ, sched)
+            return
         lane = cute.arch.lane_idx()
         num_m = sched.m_block_max - sched.m_block_min
         row_bytes = self.hdim * 4
@@ -568,6 +577,30 @@ class FlashAttentionBackwardSm90:
         cute.arch.cp_async_bulk_wait_group(0, read=False)
 
     @cute.jit
+    def store_dQ_per_wg(self, mdQacc, sdQ, sched):
+        """Warp 1 with BwdConfig.dq_handoff_per_wg: per step and consumer warpgroup w, wait for w's
+        half of the staged tile (dQFullWG0 + w), reduce-add it onto its half of the accumulator tile
+        (the per-warpgroup accumulator order keeps each half contiguous in both), then free each
+        half as soon as the bulk copy has read it (dQEmptyWG0 + w; the bulk groups complete in
+        order). Not deterministic (BwdConfig asserts it)."""
+        lane = cute.arch.lane_idx()
+        num_m = sched.m_block_max - sched.m_block_min
+        half = self.tile_m * self.hdim // self.num_wg_mma  # fp32 elements per warpgroup
+        threads = THREADS_PER_WG + 32
+        for step in cutlass.range(sched.num_steps, unroll=1):
+            m_block, head = sched.step_coords(step, num_m)
+            gdQ = cute.local_tile(sched.seq.q_padded_view(mdQacc, head), (self.tile_m, self.hdim), (m_block, 0))
+            for wg in cutlass.range_constexpr(self.num_wg_mma):
+                cute.arch.barrier(barrier_id=int(NamedBarrierBwd.dQFullWG0) + wg, number_of_threads=threads)
+                if lane == 0:
+                    bulk_reduce_add_f32(gdQ[0, None].iterator + wg * half, sdQ[0, None].iterator + wg * half, half * 4)
+                cute.arch.cp_async_bulk_commit_group()
+            for wg in cutlass.range_constexpr(self.num_wg_mma):
+                cute.arch.cp_async_bulk_wait_group(self.num_wg_mma - 1 - wg, read=True)
+                cute.arch.barrier_arrive(barrier_id=int(NamedBarrierBwd.dQEmptyWG0) + wg, number_of_threads=threads)
+        cute.arch.cp_async_bulk_wait_group(0, read=False)
+
+    @cute.jit
     def mma(self, gmem, atoms, smem, mmas, pipes, sched, score_args, dkv_sem, tidx):
         """Consumer warpgroups: the config's BwdStep (bwd_step.py) for every (query head, m_block) of
         the schedule, then the dK, dV epilogue. tidx: the thread's index among the consumer threads."""
@@ -597,7 +630,7 @@ class FlashAttentionBackwardSm90:
                     state = step_fn.mma_one_m_block(m_block, head, step, state, masked, scales)
                     step += 1
         if sched.num_steps > 0:
-            cute.arch.barrier(barrier_id=int(NamedBarrierBwd.dQEmpty), number_of_threads=self.num_mma_threads + 32)
+            step_fn.wait_dq_drained()
         if const_expr(self.cfg.dkv_accum):
             self.epilogue_dKV_accum(step_fn.acc_dK, step_fn.acc_dV, gmem, mmas, tidx, sched, dkv_sem)
         else:

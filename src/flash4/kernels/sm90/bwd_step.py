@@ -39,11 +39,12 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 from flash4.constants import THREADS_PER_WG
 from flash4.kernels.common import geometry, score
 from flash4.kernels.common.barriers import NamedBarrierBwd
-from flash4.kernels.common.dq_accum import store_accum_order
+from flash4.kernels.common.dq_accum import store_accum_order, store_accum_order_wg
 from flash4.kernels.common.dsl import DynamicState
 from flash4.kernels.common.exp2 import exp2_hw, fma_rn
 from flash4.kernels.common.gemm import wgmma
 from flash4.kernels.common.layout import acc_mn_view, acc_to_frgA_layout, transpose_view
+from flash4.kernels.common.pin import pin_ahead
 from flash4.kernels.common.pipeline import next_state
 
 
@@ -274,8 +275,12 @@ class BwdStep(DynamicState):
     @cute.jit
     def hand_off_dQ(self, acc_dQ, step):
         """Stage the dQ tile for warp 1 once it has finished reading the previous one (dQEmpty), then
-        signal it (dQFull)."""
+        signal it (dQFull). BwdConfig.dq_handoff_per_wg: this warpgroup's half only, on its own
+        barrier pair (hand_off_dQ_wg)."""
         k = self.k
+        if const_expr(self.cfg.dq_handoff_per_wg):
+            self.hand_off_dQ_wg(acc_dQ, step)
+            return
         if step > 0:
             cute.arch.barrier(barrier_id=int(NamedBarrierBwd.dQEmpty), number_of_threads=k.num_mma_threads + 32)
         if const_expr(self.cfg.dq_accum_order):
@@ -285,6 +290,41 @@ class BwdStep(DynamicState):
         # The bulk reduce reads sdQ through the async proxy: order our generic-proxy stores first.
         cute.arch.fence_view_async_shared()
         cute.arch.barrier_arrive(barrier_id=int(NamedBarrierBwd.dQFull), number_of_threads=k.num_mma_threads + 32)
+
+    @cute.jit
+    def hand_off_dQ_wg(self, acc_dQ, step):
+        """dq_handoff_per_wg: stage this warpgroup's dQ values in its half of the tile (per-warpgroup
+        accumulator order) once warp 1 has read the previous step's half (dQEmptyWG), then signal
+        that half (dQFullWG); 128 consumer threads + warp 1 per barrier."""
+        k = self.k
+        threads = THREADS_PER_WG + 32
+        if step > 0:
+            cute.arch.barrier(barrier_id=int(NamedBarrierBwd.dQEmptyWG0) + self.wg_idx, number_of_threads=threads)
+        store_accum_order_wg(acc_dQ, self.smem.dq.iterator, self.tidx, k.num_wg_mma)
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier_arrive(barrier_id=int(NamedBarrierBwd.dQFullWG0) + self.wg_idx, number_of_threads=threads)
+
+    def wait_dq_drained(self):
+        """After the last step: wait until warp 1 has read this warpgroup's last staged dQ (matches
+        its last dQEmpty arrive; the smem is reused after)."""
+        k = self.k
+        if const_expr(self.cfg.dq_handoff_per_wg):
+            cute.arch.barrier(barrier_id=int(NamedBarrierBwd.dQEmptyWG0) + self.wg_idx,
+                              number_of_threads=THREADS_PER_WG + 32)
+        else:
+            cute.arch.barrier(barrier_id=int(NamedBarrierBwd.dQEmpty), number_of_threads=k.num_mma_threads + 32)
+
+    def wait_dP(self, acc_S):
+        """Wait for dP^T (every wgmma group of this warpgroup) where nothing of the step is issued
+        before that wait. ptxas hoists the wait above P's exponentials, which it schedules next to
+        the dS math (H200 ncu, d64: all 64 MUFU.EX2 after the WARPGROUP.DEPBAR, none under the dP^T
+        GEMM); neither a wgmma fence nor a named barrier in between keeps them ahead (both tried).
+        BwdConfig.exp_before_dp_wait: predicated-off shared stores of P (kernels/common/pin.py,
+        never executed) before the wait, which ptxas keeps ahead of it, so every exponential is
+        computed while dP^T is in flight. Same values."""
+        if const_expr(self.cfg.exp_before_dp_wait):
+            pin_ahead(acc_S, self.sched.seq.seqlen_q, self.smem.ds.iterator)
+        warpgroup.wait_group(0)
 
     def stage_16bit(self, r2s, acc, dst):
         """acc (fp32) -> 16-bit registers -> smem dst through r2s (stmatrix); returns the registers."""
@@ -398,7 +438,7 @@ class StepRegs(_KeyMajor):
         tdVrP = cute.make_rmem_tensor(self.frgA_layout.shape, k.dtype)
         tdVrP.store(cute.make_tensor(acc_S.iterator, self.frgA_layout).load().to(k.dtype))
         if const_expr(k.dv_after_ds):
-            warpgroup.wait_group(0)  # dP^T; dV is issued after the dS^T math
+            self.wait_dP(acc_S)  # dV is issued after the dS^T math
         else:
             wgmma(self.mmas.dv, self.acc_dV, tdVrP, self.tdVrdOt[None, None, None, state.index], wg_wait=1)
         return buf, tdVrP
@@ -436,7 +476,7 @@ class StepSplitHd(_KeyMajor):
 
     def stage_P(self, acc_S, step, state, do_state):
         buf = step % 2  # two dS^T (P^T) buffers: the other warpgroup may still read the previous step's
-        warpgroup.wait_group(0)
+        self.wait_dP(acc_S)
         return (buf,)
 
     def stage_dS(self, acc_dP, acc_S, staged, state):

@@ -153,7 +153,8 @@ class FlashAttentionForwardSm90:
     Pipelines (producer -> consumer; the producer thread's TMA completes the tx-count, consumers
     release with one arrive per warp):
       * pipeline_q (1 stage): Q tile; released once the epilogue's store has read O back out of
-        Q's buffer, or (O in its own buffer) right after the tile's last P V.
+        Q's buffer, or (O in its own buffer) right after the tile's last P V, or (FwdConfig.
+        early_q_release) right after the tile's last Q K^T has completed.
       * pipeline_k, pipeline_v (kv_stages each): K and V blocks, sharing one state; K released
         once S = Q K^T is done, V once O += P V is.
     Consumer steady state per key block n (`mma_one_n_block`, intra-warpgroup overlap, FA3 section 3.2):
@@ -203,6 +204,12 @@ class FlashAttentionForwardSm90:
         # Persistent CTAs stage O in its own buffer when smem allows, so the next tile's Q can
         # load during this tile's epilogue; otherwise O reuses Q's buffer.
         self.separate_o = cfg.persistent and cfg.smem_bytes() + cfg.tile_m * cfg.hdim_v * 2 <= SMEM_CAPACITY
+        # FwdConfig.early_q_release: Q's buffer is freed after the tile's last Q K^T (`mma`); only
+        # with O in its own buffer (Q's would still receive O).
+        self.early_q_release = cfg.early_q_release
+        if self.early_q_release and not self.separate_o:
+            raise ValueError(f"flash4 fwd_sm90: early_q_release needs O in its own smem buffer (persistent, "
+                             f"smem for it): {cfg}")
         self.page_rows = cfg.page_rows
         # Paged K/V gathered row by row by the whole producer warpgroup (paged_gather.py).
         self.page_gather = cfg.page_gather
@@ -685,6 +692,9 @@ class FlashAttentionForwardSm90:
                     acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
                     wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, state.index], zero_init=True, wg_wait=0)
                     pipeline_k.consumer_release(state)
+                    if const_expr(self.early_q_release):
+                        if n_block_max - 1 == n_block_min:  # the tile's only Q K^T has completed (wg_wait=0)
+                            pipeline_q.consumer_release(q_state)
                     score.apply(acc_S, score_params.softcap_scale, self.cfg.softcap)
                     mask(acc_S, n_block=n_block_max - 1, causal=self.causal)
                     softmax.online(acc_S, is_first=True)
@@ -693,7 +703,12 @@ class FlashAttentionForwardSm90:
                         # Before any P V reads this block's V stage (next iteration, or the last P V).
                         self.zero_v_tail(sV, pipeline_v, state, n_block_max - 1, seqlen_k, tidx)
                     # Blocks that cross the causal diagonal (a window's right edge), then unmasked
-                    # blocks, then (window) blocks that cross its left edge.
+                    # blocks, then (window) blocks that cross its left edge. Together they take
+                    # n_block_max - 2 down to n_block_min once each, n_block_min last (early_q_release
+                    # frees Q there: q_release).
+                    q_release = None
+                    if const_expr(self.early_q_release):
+                        q_release = (q_state, n_block_min)
                     n_block_unmasked = n_block_max - 1
                     n_block_left = n_block_min
                     if const_expr(self.causal or self.cfg.local):
@@ -702,7 +717,7 @@ class FlashAttentionForwardSm90:
                         n_causal = cutlass.max(cutlass.min(n_causal, n_block_max - 1), n_block_min)
                         for i in cutlass.range(n_block_max - 1 - n_causal, unroll=1):
                             state = self.mma_one_n_block(n_block_max - 2 - i, state, mmas, ops, acc_O, softmax, pipes,
-                                                         score_params, mask, True, wg_idx)
+                                                         score_params, mask, True, wg_idx, q_release)
                         n_block_unmasked = n_causal
                     if const_expr(self.cfg.local):
                         n_left = geometry.n_block_left_mask_end(m_block, seqlen_q, seqlen_k, self.tile_m, self.tile_n,
@@ -710,18 +725,21 @@ class FlashAttentionForwardSm90:
                         n_block_left = cutlass.max(cutlass.min(n_left, n_block_unmasked), n_block_min)
                     for i in cutlass.range(n_block_unmasked - n_block_left, unroll=1):
                         state = self.mma_one_n_block(n_block_unmasked - 1 - i, state, mmas, ops, acc_O, softmax, pipes,
-                                                     score_params, mask, False, wg_idx)
+                                                     score_params, mask, False, wg_idx, q_release)
                     if const_expr(self.cfg.local):
                         for i in cutlass.range(n_block_left - n_block_min, unroll=1):
                             state = self.mma_one_n_block(n_block_left - 1 - i, state, mmas, ops, acc_O, softmax, pipes,
-                                                         score_params, mask, True, wg_idx)
+                                                         score_params, mask, True, wg_idx, q_release)
                     # Last P V.
                     pipeline_v.consumer_wait(state)
                     wgmma(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, state.index], wg_wait=0)
                     pipeline_v.consumer_release(state)
                     state = next_state(state)
-                if const_expr(self.separate_o):
+                if const_expr(self.separate_o and not self.early_q_release):
                     pipeline_q.consumer_release(q_state)  # Q no longer read: next tile's Q may load
+                if const_expr(self.early_q_release):
+                    if n_block_max <= n_block_min:  # no key block: Q was never read (else freed above)
+                        pipeline_q.consumer_release(q_state)
                 sink_log2 = None
                 if const_expr(self.cfg.sink and not self.cfg.split_kv):  # split_kv: the combine adds it
                     if const_expr(self.pack > 1):
@@ -806,8 +824,14 @@ class FlashAttentionForwardSm90:
 
     @cute.jit
     def mma_one_n_block(self, n_block, state, mmas: TiledMmas, ops: MmaOperands, acc_O, softmax, pipes: Pipelines,
-                        score_params: ScoreParams, mask, masked: cutlass.Constexpr[bool], wg_idx):
-        """One key block with intra-warpgroup overlap: S_n = Q K_n runs while O += P_{n+1} V_{n+1}."""
+                        score_params: ScoreParams, mask, masked: cutlass.Constexpr[bool], wg_idx, q_release=None):
+        """One key block with intra-warpgroup overlap: S_n = Q K_n runs while O += P_{n+1} V_{n+1}.
+
+        q_release: None, or (q_state, n_block_last) with FwdConfig.early_q_release: at key block
+        n_block_last (the tile's last) Q's buffer is released as soon as S_n is complete. Every
+        consumer warp arrives after its own warpgroup's wait_group(1) (S_n done; its earlier Q K^T
+        were waited for in their own steps), and the producer's acquire of the Q stage waits for the
+        arrivals of all consumer warps, so sQ is overwritten only after every warpgroup's last Q K^T."""
         tiled_mma_qk, tiled_mma_pv = mmas
         tSrQ, tSrK, tOrVt, tOrP, acc_shape_S = ops
         pipeline_k, pipeline_v = pipes.k, pipes.v
@@ -822,6 +846,10 @@ class FlashAttentionForwardSm90:
         self.scheduler_barrier_arrive(wg_idx)
         warpgroup.wait_group(1)
         pipeline_k.consumer_release(state)
+        if const_expr(q_release is not None):
+            q_state, n_block_last = q_release
+            if n_block == n_block_last:  # S_n, the tile's last Q K^T, is complete
+                pipes.q.consumer_release(q_state)
         score.apply(acc_S, score_params.softcap_scale, self.cfg.softcap)
         if const_expr(masked):
             mask(acc_S, n_block=n_block, causal=self.causal)

@@ -1,0 +1,171 @@
+"""The backward kernel's speed switches (BwdConfig.exp_before_dp_wait, dq_handoff_per_wg; both off by
+default; docs/design/speed_candidates.md), on the CPU: the config fields (off everywhere, out of every
+shipped config's repr), the per-warpgroup dQ order (the real CuTe layout, read at trace time), and
+the SASS of the switched-on kernels (sm_90a). The GPU side is tests/gpu/test_speed_switches.py
+(results against the reference) and tools/ab_switch.py (speed); tools/kernel_fingerprint.py shows
+the switched-off kernels unchanged.
+"""
+
+import dataclasses
+import os
+import re
+import subprocess
+import tempfile
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+
+from flash4.config import BwdConfig, select_bwd_config, shipped_bwd_configs  # noqa: E402, F401 (eval)
+
+SWITCHES = ("exp_before_dp_wait", "dq_handoff_per_wg")
+
+
+# ---------------------------------------------------------------------------------------- config
+def test_switches_off_and_out_of_repr():
+    """Off in every shipped backward config and absent from its repr (the compile-cache and
+    fingerprint key); on, shown once; repr round-trips either way."""
+    for cfg in shipped_bwd_configs():
+        for name in SWITCHES:
+            assert not getattr(cfg, name) and name not in repr(cfg)
+        assert eval(repr(cfg)) == cfg
+    cfg = select_bwd_config(64, "bf16", True)
+    for name in SWITCHES:
+        on = dataclasses.replace(cfg, **{name: True})
+        assert repr(on).endswith(f", {name}=True)") and eval(repr(on)) == on
+
+
+def test_dq_handoff_per_wg_needs_the_accumulator_order():
+    """dq_handoff_per_wg: dq_accum_order configs (dense, head dim <= 96) that are not deterministic."""
+    dataclasses.replace(select_bwd_config(96, "bf16", False), dq_handoff_per_wg=True)
+    for cfg in (select_bwd_config(128, "bf16", True), select_bwd_config(64, "bf16", True, deterministic=True)):
+        with pytest.raises(AssertionError):
+            dataclasses.replace(cfg, dq_handoff_per_wg=True)
+
+
+def test_exp_before_dp_wait_refused_at_128_queries():
+    """At tile_m 128 (d64 bf16) ptxas serializes the wgmmas with the switch: the kernel refuses it."""
+    pytest.importorskip("cutlass")
+    from flash4.kernels.sm90.bwd import FlashAttentionBackwardSm90
+
+    cfg = select_bwd_config(64, "bf16", True)
+    assert cfg.tile_m == 128
+    with pytest.raises(ValueError, match="exp_before_dp_wait"):
+        FlashAttentionBackwardSm90(dataclasses.replace(cfg, exp_before_dp_wait=True))
+    FlashAttentionBackwardSm90(dataclasses.replace(cfg, tile_m=64, exp_before_dp_wait=True))
+
+
+def test_postprocess_runner_key_has_wg_halves(monkeypatch, tmp_path):
+    """get_bwd_postprocess_runner keys the kernel by wg_halves (off: the key as before); it needs the
+    accumulator order."""
+    pytest.importorskip("cutlass")
+    monkeypatch.setenv("FLASH4_CACHE_DIR", str(tmp_path))
+    from flash4.compile import cache
+
+    keys = []
+    monkeypatch.setattr(cache, "load_or_compile", lambda kind, key, options, fn: keys.append(key))
+    cache.get_bwd_postprocess_runner.__wrapped__(64, "bf16", 90, accum_tile_m=128)
+    cache.get_bwd_postprocess_runner.__wrapped__(64, "bf16", 90, accum_tile_m=128, wg_halves=True)
+    assert keys == [(64, "bf16", 90, "accum", 128), (64, "bf16", 90, "accum", 128, "wghalves")]
+    with pytest.raises(ValueError, match="wg_halves"):
+        cache.get_bwd_postprocess_runner.__wrapped__(128, "bf16", 90, wg_halves=True)
+
+
+# ------------------------------------------------------------------ per-warpgroup dQ element order
+def _flatten(shape, stride):
+    if isinstance(shape, int):
+        return [(shape, stride)]
+    return [m for s, d in zip(shape, stride) for m in _flatten(s, d)]
+
+
+@pytest.mark.parametrize("headdim, tile_m", [(64, 128), (96, 64), (64, 64)])
+def test_wg_order_is_a_permutation_in_halves(headdim, tile_m):
+    """accum_order_wg_layout (what the main kernel stores and the postprocess loads through): thread
+    t's value v lands at one offset of the tile, every offset once, warpgroup w's values exactly in
+    [w * half, (w + 1) * half), each thread's 4-value groups 16-byte aligned and contiguous."""
+    pytest.importorskip("cutlass")
+    import cutlass.cute as cute
+
+    from flash4.kernels.common.dq_accum import GROUP, accum_order_wg_layout
+
+    values = tile_m * headdim // 256  # per consumer thread (2 warpgroups)
+    got = {}
+
+    @cute.jit
+    def probe():
+        layout = accum_order_wg_layout(values, 2)
+        got["layout"] = (layout.shape, layout.stride)
+
+    cute.compile(probe)
+    modes = _flatten(*got["layout"])
+    assert [s for s, _ in modes] == [GROUP, 128, values // GROUP, 2]
+    e, t, g, w = np.meshgrid(*(np.arange(s) for s, _ in modes), indexing="ij")
+    offsets = sum(c * d for c, (_, d) in zip((e, t, g, w), modes))
+    tile = tile_m * headdim
+    assert np.array_equal(np.sort(offsets.ravel()), np.arange(tile))
+    half = tile // 2
+    assert (offsets[..., 0] < half).all() and (offsets[..., 1] >= half).all()
+    assert (offsets[0] % GROUP == 0).all() and np.array_equal(offsets[1:] - offsets[:1], e[1:])
+
+
+# ------------------------------------------------------------------------------------------ SASS
+def _sass_of(cfg):
+    from flash4.compile.cache import compile_bwd
+    from flash4.compile.check import _cuobjdump, extract_cubin, resource_usage
+
+    cubin = extract_cubin(compile_bwd(cfg))
+    tool = _cuobjdump()
+    if tool is None:
+        return resource_usage(cubin), None
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        return resource_usage(cubin), subprocess.run([tool, "--dump-sass", path], capture_output=True, text=True).stdout
+
+
+def _ex2_between_s_wait_and_dp_wait(sass: str) -> tuple[int, int]:
+    """(MUFU.EX2 between a `WARPGROUP.DEPBAR.LE gsb0, 0x1` and the next `gsb0, 0x0`, all MUFU.EX2):
+    the exponentials issued while dP^T (the last group of the pair S^T, dP^T) is still in flight."""
+    inside, total, open_ = 0, 0, False
+    for line in sass.splitlines():
+        if "MUFU.EX2" in line:
+            total += 1
+            inside += open_
+        elif re.search(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x1\b", line):
+            open_ = True
+        elif re.search(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x0\b", line):
+            open_ = False
+    return inside, total
+
+
+def test_exp_before_dp_wait_sass():
+    """d128 causal (tile_m 64): switched on, every MUFU.EX2 of P sits between the S^T wait and the dP^T
+    wait (off: none; ptxas sinks them below the dP^T wait); no spill, wgmmas not serialized."""
+    pytest.importorskip("cutlass")
+    cfg = select_bwd_config(128, "bf16", True)
+    res_on, on = _sass_of(dataclasses.replace(cfg, exp_before_dp_wait=True))
+    assert res_on["spills"] == 0 and not res_on["wgmma_serialized"]
+    if on is None:
+        pytest.skip("cuobjdump not installed: SASS not checked")
+    inside, total = _ex2_between_s_wait_and_dp_wait(on)
+    assert total > 0 and inside == total, (inside, total)
+    _, off = _sass_of(cfg)
+    assert _ex2_between_s_wait_and_dp_wait(off)[0] == 0
+
+
+def test_dq_handoff_per_wg_sass():
+    """d64 causal (tile_m 128): switched on, the dQ hand-off runs on the four per-warpgroup barriers
+    of 160 threads (ids 8-11), none of 288 threads is left, the store warp issues one bulk
+    reduce-add per half (2 UBLKRED); no spill, wgmmas not serialized."""
+    pytest.importorskip("cutlass")
+    res, sass = _sass_of(dataclasses.replace(select_bwd_config(64, "bf16", True), dq_handoff_per_wg=True))
+    assert res["spills"] == 0 and not res["wgmma_serialized"]
+    if sass is None:
+        pytest.skip("cuobjdump not installed: SASS not checked")
+    assert "0x120" not in " ".join(re.findall(r"BAR\.(?:SYNC\S*|ARV) [^;]*", sass))
+    assert len(re.findall(r"\bUBLKRED\b", sass)) == 2
+    named = set(re.findall(r"BAR\.(?:SYNC\S*|ARV) (0x[0-9a-f]+), 0xa0", sass))
+    assert {"0x8", "0x9", "0xa", "0xb"} <= named, named
+

@@ -1,0 +1,119 @@
+"""flash4's speed switches (all off by default; docs/design/speed_candidates.md) switched on, against
+the float32 reference on the GPU (marker gpu; skipped without CUDA). The CPU twin is
+tests/cpu/test_speed_switches_cpu.py (and tests/cpu/test_bwd_switches.py); the speed A/B is
+tools/ab_switch.py.
+
+Backward (BwdConfig.exp_before_dp_wait, dq_handoff_per_wg; the dQ postprocess's wide_stores): the
+backward's plan and postprocess are routed to the switched-on variant (monkeypatch on the module
+attributes flash4.backward reads at call time), then dq, dk, dv are computed into NaN-filled
+tensors and judged by the suite's rule (gpu_helpers.assert_grads: err <= 2 x PyTorch's same-dtype
+error + atol); each test also checks that the route reached the backward. Forward
+(FwdConfig.early_q_release): the persistent config with the switch, into NaN-filled out / lse,
+judged on out and lse (flash4.reference.fwd_errors), and bitwise equal to the switch-off kernel.
+Shapes: several m_blocks per key tile, a partial last query tile and causal rows past the first
+tile; batch x heads above the SM count for the persistent forward.
+"""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+import flash4.backward
+from flash4 import forward
+from flash4.backward import flash_attn_backward
+from flash4.compile import cache
+from flash4.config import select_fwd_config
+from flash4.kernels.sm90.fwd import FlashAttentionForwardSm90
+from flash4.reference import fwd_errors
+from flash4.request import Request
+
+from gpu_helpers import assert_grads, inputs, poisoned_fwd_buffers, ref_grads
+
+
+def routed_backward(monkeypatch, edit, wide=False):
+    """flash4.backward's plan takes edit(cfg) as its config, its postprocess wide_stores=wide; returns
+    a list that counts the routed plans."""
+    plan_fn, post_fn, calls = flash4.backward.bwd_config, cache.get_bwd_postprocess_runner, []
+
+    def plan(*args, **kwargs):
+        p = plan_fn(*args, **kwargs)
+        calls.append(1)
+        return dataclasses.replace(p, cfg=edit(p.cfg))
+
+    monkeypatch.setattr(flash4.backward, "bwd_config", plan)
+    if wide:
+        monkeypatch.setattr(cache, "get_bwd_postprocess_runner",
+                            lambda *a, **kw: post_fn(*a, **dict(kw, wide_stores=True)))
+    return calls
+
+
+def check_switched_bwd(monkeypatch, edit, b, s, h, d, causal, wide=False, seed=0):
+    q, k, v, dout = inputs(b, s, s, h, h, d, seed=seed)
+    scale = d ** -0.5
+    out, lse = forward.run(Request.dense(q, k, v, scale, causal))
+    calls = routed_backward(monkeypatch, edit, wide)
+    grads = tuple(torch.full_like(t, math.nan) for t in (q, k, v))
+    flash_attn_backward(dout, q, k, v, out, lse, scale, causal, *grads)
+    torch.cuda.synchronize()
+    assert calls, "the route did not reach flash4.backward (host code moved)"
+    assert_grads(grads, ref_grads(q, k, v, dout, causal, True), ref_grads(q, k, v, dout, causal, False))
+
+
+# (head dim, seqlen): seqlen 1000 leaves a partial last query tile; several m_blocks per key tile
+SHAPES = [(64, 1000), (96, 777), (128, 1000), (256, 517)]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d, s", SHAPES, ids=[f"d{d}-s{s}" for d, s in SHAPES])
+def test_exp_before_dp_wait(monkeypatch, d, s, causal):
+    """exp_before_dp_wait (d64 at tile_m 64: the switch needs it)."""
+    def edit(cfg):
+        return dataclasses.replace(cfg, tile_m=64 if cfg.tile_m == 128 else cfg.tile_m, exp_before_dp_wait=True)
+    check_switched_bwd(monkeypatch, edit, 2, s, 4, d, causal)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d, s", [(64, 1000), (96, 777)], ids=["d64-s1000", "d96-s777"])
+def test_dq_handoff_per_wg(monkeypatch, d, s, causal):
+    """dq_handoff_per_wg (the accumulator-order configs: d64 tile_m 128, d96 tile_m 64), and with the
+    postprocess's wide stores on top."""
+    check_switched_bwd(monkeypatch, lambda cfg: dataclasses.replace(cfg, dq_handoff_per_wg=True), 2, s, 4, d, causal)
+    check_switched_bwd(monkeypatch, lambda cfg: dataclasses.replace(cfg, dq_handoff_per_wg=True), 1, s, 2, d, causal,
+                       wide=True, seed=1)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d, s", [(64, 1000), (96, 777), (128, 1000)], ids=["d64-s1000", "d96-s777", "d128-s1000"])
+def test_postprocess_wide_stores(monkeypatch, d, s, causal):
+    """The dQ postprocess's 16-byte stores (accumulator order at d64 / d96, row-major at d128)."""
+    check_switched_bwd(monkeypatch, lambda cfg: cfg, 2, s, 4, d, causal, wide=True)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_early_q_release(d, causal):
+    """early_q_release on the persistent forward (with O in its own smem buffer): out and lse against
+    the reference, bitwise equal to the same config switched off; 1000 rows (a partial last tile),
+    batch x heads x tiles well above the SM count (several tiles per persistent CTA)."""
+    b, s, h = 4, 1000, 16
+    q, k, v, _ = inputs(b, s, s, h, h, d)
+    scale = d ** -0.5
+    base = select_fwd_config(d, "bf16", causal, seqlen_k=s)
+    off = base if base.persistent else dataclasses.replace(base, persistent=True, lpt=True)
+    if not FlashAttentionForwardSm90(off).separate_o:
+        pytest.skip(f"no smem for O's own buffer: early_q_release does not apply to {off}")
+    results = []
+    for cfg in (dataclasses.replace(off, early_q_release=True), off):
+        out, lse = poisoned_fwd_buffers(q)
+        lse_split = torch.full((2,) + tuple(lse.shape), math.nan, device="cuda", dtype=torch.float32)
+        cache.get_fwd_runner(cfg)(q, k, v, out, lse, scale, lse_split=lse_split)
+        torch.cuda.synchronize()
+        results.append((out, lse, lse_split))
+    out, lse, _ = results[0]
+    assert not out.isnan().any() and not lse.isnan().any()
+    errs = fwd_errors(q, k, v, out, lse, scale, causal)
+    assert errs["ok"], errs
+    for a, b_ in zip(results[0], results[1]):
+        assert torch.equal(a, b_)
