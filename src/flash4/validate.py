@@ -317,13 +317,16 @@ def band_problem(window) -> tuple[type, str] | None:
     return None
 
 
-def check_window_size(window_size) -> tuple[int, int]:
-    """window_size as a (left, right) tuple of Python ints; raises window_problem's TypeError /
-    ValueError."""
+def check_window_size(window_size):
+    """window_size as a (left, right) tuple of Python ints (flash-attn 2/3's spelling), or a
+    flash4.geometry.Band with Python-int / None sides (the literal spelling flash4.fa4 passes);
+    raises window_problem's TypeError / ValueError."""
     problem = window_problem(window_size)
     if problem is not None:
         exc_type, message = problem
         raise exc_type(message)
+    if isinstance(window_size, Band):
+        return Band(*(None if side is None else int(side) for side in window_size))
     return int(window_size[0]), int(window_size[1])
 
 
