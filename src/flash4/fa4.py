@@ -38,8 +38,9 @@ _flash_attn_bwd's tile and thread knobs.
 Arguments flash4 cannot serve raise NotImplementedError naming the argument: qv (MLA absorbed
 attention), gather_kv_indices (sparse MLA), score_mod / score_mod_bwd, mask_mod, aux_tensors /
 aux_scalars, block_sparse_tensors / block_sparse_tensors_bwd, fp8 inputs and q/k/v_descale,
-seqlen_k_per_split, and a paged pool or KV cache at a head dim without a kernel (flash4 pads only
-packed and dense inputs, flash4.headdim). Head dims outside flash-attn-4's sm_90 rule raise
+seqlen_k_per_split, a paged pool at a head dim without a kernel (flash4 pads only packed and dense
+inputs, flash4.headdim), and a page size flash4's paged kernels do not serve yet (not a multiple of
+flash4.config.MIN_PAGE_ROWS). Head dims outside flash-attn-4's sm_90 rule raise
 HeadDimError, both a ValueError and the AssertionError flash-attn-4 raises, with its message.
 Other bad input raises flash4's own TypeError / ValueError (flash4.validate), naming the argument.
 """
@@ -134,8 +135,31 @@ def _check_head_dims(q, v) -> None:
 
 
 def _maybe_contiguous(t):
-    """flash-attn-4's canonicalization of an input whose last dim is strided: a contiguous copy."""
-    return t.contiguous() if isinstance(t, torch.Tensor) and t.dim() > 0 and t.stride(-1) != 1 else t
+    """flash-attn-4's canonicalization of an input whose last dim is strided (a contiguous copy),
+    and of one whose other strides or base address are not 16-byte aligned as flash4's kernels need
+    (a contiguous, aligned copy: the door only reads q / k / v, it never appends to a cache)."""
+    if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.numel() == 0:
+        return t
+    if t.stride(-1) != 1:
+        t = t.contiguous()
+    size = t.element_size()
+    if t.device.type == "meta" or torch.compiler.is_compiling():
+        return t
+    if t.data_ptr() % 16 or any((s * size) % 16 for s in t.stride()[:-1]):
+        t = t.contiguous()
+        t = t if t.data_ptr() % 16 == 0 else t.clone()
+    return t
+
+
+def _check_page_size(k, page_table) -> None:
+    """Page sizes flash4's paged kernels serve (flash4.config.MIN_PAGE_ROWS); others are refused as
+    not implemented (flash-attn-4 takes any page size)."""
+    from flash4 import config
+
+    rows = getattr(config, "MIN_PAGE_ROWS", 1)
+    if page_table is not None and isinstance(k, torch.Tensor) and k.dim() == 4 and k.shape[1] % rows:
+        raise NotImplementedError(f"flash4.fa4: page_size={k.shape[1]} (k.shape[1]) is not supported by flash4 "
+                                  f"yet: paged K/V pages must be multiples of {rows} rows")
 
 
 def _needs_grad(*tensors) -> bool:
@@ -227,6 +251,7 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seq
             and seqused_k is None:
         return api.flash_attn_func(q, k, v, softmax_scale, causal, True, deterministic, window_size=band,
                                    softcap=softcap, learnable_sink=learnable_sink)
+    _check_page_size(k, page_table)
     native = hd.is_native(q.shape[-1], v.shape[-1]) if q4 or q.dim() == 3 else True
     if paged and not native:
         raise NotImplementedError(f"flash4.fa4: a paged K/V pool at (head_dim, head_dim_v)=({q.shape[-1]}, "

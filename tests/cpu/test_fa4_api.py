@@ -332,3 +332,56 @@ def test_compile_fullgraph_passes_the_band():
     calls = [c for g in backend.fw_graphs + backend.bw_graphs for c in flash4_calls(g)]
     assert [str(c.target) for c in calls] == ["flash4.fwd.default", "flash4.bwd.default"]
     assert all((op_argument(c, "window_left"), op_argument(c, "window_right")) == (None, -5) for c in calls)
+
+
+# ================================================================ page sizes, layouts
+def test_page_size_flash4_lacks_is_refused():
+    q = torch.zeros(5, 4, 64, dtype=BF16)
+    pool = torch.zeros(20, 4, 2, 64, dtype=BF16)  # pages of 4 rows
+    with pytest.raises(NotImplementedError, match="page_size=4"):
+        fa4.flash_attn_varlen_func(q, pool, pool, cu_seqlens_q=cu((5,)), seqused_k=torch.tensor([20], dtype=I32),
+                                   page_table=torch.zeros(1, 5, dtype=I32))
+
+
+def test_unaligned_inputs_are_copied(cpu_kernels):
+    """A q whose last dim is strided, or whose base address is not 16-byte aligned: contiguous copies
+    (flash-attn-4 canonicalizes such inputs too); the result equals the aligned call's."""
+    q, k, v = qkv()
+    base = torch.zeros(q.numel() + 1, dtype=BF16)
+    shifted = base[1:].view(q.shape)
+    shifted.copy_(q)
+    strided = torch.zeros(*q.shape[:-1], 2 * q.shape[-1], dtype=BF16)[..., ::2]
+    strided.copy_(q)
+    want, _ = fa4.flash_attn_func(q, k, v)
+    for odd in (shifted, strided):
+        got, _ = fa4.flash_attn_func(odd, k, v)
+        assert torch.equal(got, want)
+
+
+# ================================================================ bands run the window kernels
+def test_band_plans_are_the_window_plans():
+    """A band is a runtime value of the local kernels: its forward and backward plans (configs) equal
+    those of a non-negative window (no new kernels)."""
+    from flash4.config import bwd_config, fwd_config
+    from flash4.request import Request
+
+    q, k, v = qkv(sq=300, sk=300, d=128)
+    for hk_v in ((k, v),):
+        plans = {fwd_config(Request.dense(q, *hk_v, 0.1, False, window), 90).cfg
+                 for window in (Band(None, -5), Band(-5, None), Band(7, 9), (7, 9))}
+        assert len(plans) == 1 and next(iter(plans)).local
+        bplans = {bwd_config(Request.dense(q, *hk_v, 0.1, False, window), 90).cfg
+                  for window in (Band(None, -5), Band(-5, None), (7, 9))}
+        assert len(bplans) == 1 and next(iter(bplans)).local
+
+
+def test_band_forward_compiles_for_sm90(compiled_clean):
+    """The kernel a band request selects compiles for sm_90a without spills (CUTE_DSL_ARCH=sm_90a)."""
+    pytest.importorskip("cutlass")
+    from flash4.compile.check import compile_check
+    from flash4.config import fwd_config
+    from flash4.request import Request
+
+    q, k, v = qkv(sq=300, sk=300, d=128)
+    cfg = fwd_config(Request.dense(q, k, v, 0.1, False, Band(None, -5)), 90).cfg
+    compiled_clean(compile_check([cfg])[0])
