@@ -1,7 +1,7 @@
 """flash-attn-4's Python API on flash4: moving from flash-attn-4 changes one import,
 
-    from flash_attn.cute import flash_attn_func, flash_attn_varlen_func      # flash-attn-4
-    from flash4.fa4 import flash_attn_func, flash_attn_varlen_func            # flash4
+    flash-attn-4:  from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
+    flash4:        from flash4.fa4 import flash_attn_func, flash_attn_varlen_func
 
 with flash-attn-4's signatures, defaults, return values and semantics (`flash_attn.cute.interface`,
 4.0.0b27..b36): `(out, lse)` from both functions; window sides read literally with None for an
