@@ -301,7 +301,7 @@ class SchedulerMetadata:
         self.__dict__["arguments"] = dict(kwargs)
 
     def __getattr__(self, name):
-        if name.startswith("__"):
+        if name not in SCHEDULER_FIELDS:
             raise AttributeError(name)
         raise NotImplementedError(f"flash4.fa4: scheduler metadata field {name!r} (flash-attn-4's tile scheduler) "
                                   f"does not exist in flash4, which schedules its own tiles")
