@@ -9,9 +9,13 @@ the CPU tests call them on Python ints with `PY_OPS`. Every division has a non-n
 The rule (FlashAttention 2/3 conventions), for one (batch, head) with seqlen_q queries and
 seqlen_k keys: query row i (0 <= i < seqlen_q) sees key j iff
     0 <= j < seqlen_k  and  (not causal or j <= i + seqlen_k - seqlen_q)     (bottom-right causal)
-and, with a sliding window (left, right) (flash-attn's window_size; -1 = unbounded per side):
+and, with a sliding window (left, right):
     i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right
-A row that sees no key has out = 0 and LSE = -inf. Keys past seqlen_k and queries past seqlen_q
+Two spellings of the sides reach here: flash-attn 2/3's window_size (a plain tuple, -1 = unbounded
+per side, other negative values not allowed) and a `Band` (literal sides, None = unbounded, any
+int: `Band(None, -5)` ends 5 keys before the diagonal, `Band(-5, None)` starts 5 keys after it,
+flash-attn-4's convention). Negative sides are ordinary values of the same formulas. A row that
+sees no key has out = 0 and LSE = -inf. Keys past seqlen_k and queries past seqlen_q
 inside a tile are masked explicitly (in a packed varlen batch they hold the next sequence's data).
 
 `SeqLens` says where a sequence lives: dense (every batch entry has the tensors' seqlens),
@@ -21,7 +25,7 @@ varlen (cu_seqlens offsets into packed tensors) and seqused (fewer keys/queries 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,26 +48,50 @@ NO_COLUMN = 1 << 30
 UNBOUNDED = 1 << 30
 
 
+class Band(NamedTuple):
+    """A window with literal sides (flash-attn-4's convention): query row i sees keys
+    i + sk - sq - left <= j <= i + sk - sq + right; None = unbounded on that side; any int, so a band
+    may exclude the diagonal (Band(None, -5): ends 5 keys before it; Band(-5, None): starts 5 keys
+    after it). Band(None, None): no window. flash4.request.MaskSpec holds every window as a Band."""
+
+    left: Optional[int] = None
+    right: Optional[int] = None
+
+
+def band(window_size) -> Band:
+    """Any window spelling -> its Band: a Band unchanged; None -> Band(None, None); flash-attn 2/3's
+    (left, right) tuple with -1 (any negative) per unbounded side -> None there."""
+    if isinstance(window_size, Band):
+        return window_size
+    if window_size is None:
+        return Band(None, None)
+    left, right = window_size
+    return Band(None if left < 0 else left, None if right < 0 else right)
+
+
 def window_sides(window_size, causal: bool):
-    """flash-attn's window_size (left, right) and causal -> the (left, right) the formulas take, or
-    None for no window (Python ints; host side). -1 means unbounded on that side alone ((-1, 0) is
-    exactly causal, (-1, -1) full attention); causal=True sets right = 0. Returns None when there
-    is no window beyond what `causal` says (no window, or causal with an unbounded left side): the
-    kernels' cheaper paths. (-1, 0) with causal=False returns (UNBOUNDED, 0): the local kernel,
-    whose result equals causal's (pass causal=True to get the causal kernel itself)."""
-    left, right = (-1, -1) if window_size is None else window_size
+    """A window (flash-attn 2/3's window_size tuple, -1 per unbounded side, or a literal Band) and
+    causal -> the (left, right) the formulas take, or None for no window (Python ints; host side).
+    Unbounded sides become UNBOUNDED; causal=True sets right = 0. Returns None when there is no
+    window beyond what `causal` says (no window, or causal with an unbounded left side): the
+    kernels' cheaper paths. (-1, 0) / Band(None, 0) with causal=False returns (UNBOUNDED, 0): the
+    local kernel, whose result equals causal's (pass causal=True to get the causal kernel itself)."""
+    left, right = band(window_size)
     if causal:
         right = 0
-    if left < 0 and (right < 0 or (right == 0 and causal)):
+    if left is None and (right is None or (right == 0 and causal)):
         return None
-    return (UNBOUNDED if left < 0 else left, UNBOUNDED if right < 0 else right)
+    return (UNBOUNDED if left is None else left, UNBOUNDED if right is None else right)
 
 
 def canonical_mask(causal: bool, window_size):
-    """(causal, window_size) with a window that is exactly causal ((-1, 0), -1 per side) turned into
-    causal=True and no window, so it runs the causal kernel; anything else unchanged."""
-    if isinstance(causal, bool) and window_size is not None and window_size[0] < 0 and window_size[1] == 0:
-        return True, (-1, -1)
+    """(causal, window_size) with a window that is exactly causal (unbounded left, right 0: (-1, 0) or
+    Band(None, 0)) turned into causal=True and no window (of the same spelling), so it runs the
+    causal kernel; anything else unchanged."""
+    if isinstance(causal, bool) and window_size is not None:
+        left, right = band(window_size)
+        if left is None and right == 0:
+            return True, (Band(None, None) if isinstance(window_size, Band) else (-1, -1))
     return causal, window_size
 
 

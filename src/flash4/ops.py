@@ -2,19 +2,19 @@
 `torch.compile` sees one opaque op per kernel call (with fake implementations that give the
 output sizes, strides and dtypes) instead of a graph break at a foreign TVM-FFI call.
 
-    flash4::fwd(q, k, v, softmax_scale, causal, deterministic, window_left=-1, window_right=-1,
+    flash4::fwd(q, k, v, softmax_scale, causal, deterministic, window_left=None, window_right=None,
         softcap=0.0, learnable_sink?=None) -> (out, lse, lse_split)
     flash4::bwd(dout, q, k, v, out, lse, lse_split, dlse?, softmax_scale, causal, deterministic,
-        window_left=-1, window_right=-1, softcap=0.0) -> (dq, dk, dv)
+        window_left=None, window_right=None, softcap=0.0) -> (dq, dk, dv)
     flash4::varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k?, seqused_q?, seqused_k?, page_table?,
         max_seqlen_q: int?, max_seqlen_k: int?, softmax_scale, causal, deterministic, check_seqlens,
-        window_left=-1, window_right=-1, softcap=0.0, learnable_sink?=None) -> (out, lse, lse_split)
+        window_left=None, window_right=None, softcap=0.0, learnable_sink?=None) -> (out, lse, lse_split)
     flash4::varlen_bwd(dout, q, k, v, out, lse, lse_split, dlse?, cu_seqlens_q, cu_seqlens_k,
         seqused_q?, seqused_k?, max_seqlen_q: int?, max_seqlen_k: int?, softmax_scale, causal,
-        deterministic, window_left=-1, window_right=-1, softcap=0.0) -> (dq, dk, dv)
+        deterministic, window_left=None, window_right=None, softcap=0.0) -> (dq, dk, dv)
     flash4::kvcache(q, k_cache!, v_cache!, k?, v?, cache_seqlens?, cache_seqlens_int: int?,
         page_table?, cache_batch_idx?, softmax_scale, causal, num_splits, check_seqlens,
-        window_left=-1, window_right=-1, softcap=0.0, learnable_sink?=None) -> (out, lse)
+        window_left=None, window_right=None, softcap=0.0, learnable_sink?=None) -> (out, lse)
 
 An op's arguments are a flash4.request.Request laid flat: `forward_args(request)` / `kvcache_args(request)`
 lay a request out for its op, and each forward op's real implementation builds the request again
@@ -25,8 +25,9 @@ arguments by the same names (the autograd formula, flash4.autograd, passes them 
 
 learnable_sink: None or the (nheads,) attention-sink logits (flash4.api.flash_attn_func's); its
 gradient comes from flash4.autograd.sink_grad (in torch; the backward ops need no sink).
-window_left / window_right: flash-attn's sliding window (flash4.api.flash_attn_func's window_size,
-one int per side, -1 unbounded on that side; the defaults are no window). softcap: the logit
+window_left / window_right: the window's literal sides (flash4.request.MaskSpec.window_size, a
+flash4.geometry.Band: None unbounded on that side, any int, so bands that exclude the diagonal
+travel too; the defaults are no window). softcap: the logit
 soft-cap (0.0 = off).
 
 Shapes and dtypes as in flash4.forward: dense q, out (B, Sq, H, D); k, v (B, Sk, Hk, D); lse (B, H, Sq)
@@ -68,6 +69,7 @@ import torch
 from torch import Tensor
 
 from flash4 import backward, forward, validate
+from flash4.geometry import Band
 from flash4.request import Request
 
 F32 = torch.float32
@@ -97,14 +99,14 @@ def _grads_fake(q, k, v):
 # ================================================================ dense
 @torch.library.custom_op("flash4::fwd", mutates_args=(), device_types="cuda")
 def fwd(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool, deterministic: bool,
-        window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
+        window_left: Optional[int] = None, window_right: Optional[int] = None, softcap: float = 0.0,
         learnable_sink: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
-    return _outputs(validate.dense_request(q, k, v, softmax_scale, causal, (window_left, window_right), softcap,
+    return _outputs(validate.dense_request(q, k, v, softmax_scale, causal, Band(window_left, window_right), softcap,
                                            learnable_sink, deterministic))
 
 
 @fwd.register_fake
-def _fwd_fake(q, k, v, softmax_scale, causal, deterministic, window_left=-1, window_right=-1, softcap=0.0,
+def _fwd_fake(q, k, v, softmax_scale, causal, deterministic, window_left=None, window_right=None, softcap=0.0,
               learnable_sink=None):
     lse_shape, split_shape = _fwd_shapes(q)
     return (torch.empty(_out_shape(q, v), dtype=q.dtype, device=q.device),  # out has v's head dim
@@ -114,9 +116,10 @@ def _fwd_fake(q, k, v, softmax_scale, causal, deterministic, window_left=-1, win
 
 def dense_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, lse_split: Tensor,
                    dlse: Optional[Tensor], softmax_scale: float, causal: bool, deterministic: bool,
-                   window_left: int = -1, window_right: int = -1, softcap: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
+                   window_left: Optional[int] = None, window_right: Optional[int] = None,
+                   softcap: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
     """flash4::bwd's implementation (the eager autograd path calls it without the op's dispatch)."""
-    request = Request.dense(q, k, v, softmax_scale, causal, (window_left, window_right), softcap,
+    request = Request.dense(q, k, v, softmax_scale, causal, Band(window_left, window_right), softcap,
                             deterministic=deterministic)
     return backward.run(request, dout, out, lse, lse_split, dlse)
 
@@ -125,8 +128,8 @@ bwd = torch.library.custom_op("flash4::bwd", dense_backward, mutates_args=(), de
 
 
 @bwd.register_fake
-def _bwd_fake(dout, q, k, v, out, lse, lse_split, dlse, softmax_scale, causal, deterministic, window_left=-1,
-              window_right=-1, softcap=0.0):
+def _bwd_fake(dout, q, k, v, out, lse, lse_split, dlse, softmax_scale, causal, deterministic, window_left=None,
+              window_right=None, softcap=0.0):
     return _grads_fake(q, k, v)
 
 
@@ -140,18 +143,18 @@ def _varlen_shapes(q: Tensor):
 def varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Optional[Tensor],
                seqused_q: Optional[Tensor], seqused_k: Optional[Tensor], page_table: Optional[Tensor],
                max_seqlen_q: Optional[int], max_seqlen_k: Optional[int], softmax_scale: float, causal: bool,
-               deterministic: bool, check_seqlens: bool, window_left: int = -1,
-               window_right: int = -1, softcap: float = 0.0,
+               deterministic: bool, check_seqlens: bool, window_left: Optional[int] = None,
+               window_right: Optional[int] = None, softcap: float = 0.0,
                learnable_sink: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     return _outputs(validate.varlen_request(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, page_table,
-        softmax_scale, causal, (window_left, window_right), softcap, learnable_sink, deterministic, check_seqlens))
+        softmax_scale, causal, Band(window_left, window_right), softcap, learnable_sink, deterministic, check_seqlens))
 
 
 @varlen_fwd.register_fake
 def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table, max_seqlen_q,
-                     max_seqlen_k, softmax_scale, causal, deterministic, check_seqlens, window_left=-1,
-                     window_right=-1, softcap=0.0, learnable_sink=None):
+                     max_seqlen_k, softmax_scale, causal, deterministic, check_seqlens, window_left=None,
+                     window_right=None, softcap=0.0, learnable_sink=None):
     lse_shape, split_shape = _varlen_shapes(q)
     return (torch.empty(_out_shape(q, v), dtype=q.dtype, device=q.device),
             torch.empty(lse_shape, dtype=F32, device=q.device),
@@ -161,12 +164,12 @@ def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, 
 def varlen_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, lse_split: Tensor,
                     dlse: Optional[Tensor], cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, seqused_q: Optional[Tensor],
                     seqused_k: Optional[Tensor], max_seqlen_q: Optional[int], max_seqlen_k: Optional[int],
-                    softmax_scale: float, causal: bool, deterministic: bool, window_left: int = -1,
-                    window_right: int = -1, softcap: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
+                    softmax_scale: float, causal: bool, deterministic: bool, window_left: Optional[int] = None,
+                    window_right: Optional[int] = None, softcap: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
     """flash4::varlen_bwd's implementation (the eager autograd path calls it without the op's
     dispatch, with max_seqlen_k possibly a 0-d tensor: flash4.backward.run resolves it)."""
     request = Request.varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
-                             None, softmax_scale, causal, (window_left, window_right), softcap,
+                             None, softmax_scale, causal, Band(window_left, window_right), softcap,
                              deterministic=deterministic)
     return backward.run(request, dout, out, lse, lse_split, dlse)
 
@@ -176,8 +179,8 @@ varlen_bwd = torch.library.custom_op("flash4::varlen_bwd", varlen_backward, muta
 
 @varlen_bwd.register_fake
 def _varlen_bwd_fake(dout, q, k, v, out, lse, lse_split, dlse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
-                     max_seqlen_q, max_seqlen_k, softmax_scale, causal, deterministic, window_left=-1,
-                     window_right=-1, softcap=0.0):
+                     max_seqlen_q, max_seqlen_k, softmax_scale, causal, deterministic, window_left=None,
+                     window_right=None, softcap=0.0):
     return _grads_fake(q, k, v)
 
 
@@ -186,7 +189,7 @@ def _varlen_bwd_fake(dout, q, k, v, out, lse, lse_split, dlse, cu_seqlens_q, cu_
 def kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor], v: Optional[Tensor],
             cache_seqlens: Optional[Tensor], cache_seqlens_int: Optional[int], page_table: Optional[Tensor],
             cache_batch_idx: Optional[Tensor], softmax_scale: float, causal: bool, num_splits: int,
-            check_seqlens: bool, window_left: int = -1, window_right: int = -1,
+            check_seqlens: bool, window_left: Optional[int] = None, window_right: Optional[int] = None,
             softcap: float = 0.0, learnable_sink: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """flash_attn_with_kvcache as an op: cache_seqlens is the (batch,) int32 tensor, or None with
     cache_seqlens_int the Python int (or None too: the whole cache). Appends k / v to the caches
@@ -194,13 +197,13 @@ def kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor], v:
     seqlens = cache_seqlens if cache_seqlens is not None else cache_seqlens_int
     return forward.run(validate.kvcache_request(
         q, k_cache, v_cache, k, v, seqlens, page_table, cache_batch_idx, softmax_scale, causal, num_splits,
-        window_size=(window_left, window_right), softcap=softcap, learnable_sink=learnable_sink,
+        window_size=Band(window_left, window_right), softcap=softcap, learnable_sink=learnable_sink,
         check_seqlens=check_seqlens))
 
 
 @kvcache.register_fake
 def _kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, cache_seqlens_int, page_table, cache_batch_idx,
-                  softmax_scale, causal, num_splits, check_seqlens, window_left=-1, window_right=-1, softcap=0.0,
+                  softmax_scale, causal, num_splits, check_seqlens, window_left=None, window_right=None, softcap=0.0,
                   learnable_sink=None):
     lse_shape, _ = _fwd_shapes(q)
     return (torch.empty(_out_shape(q, v_cache), dtype=q.dtype, device=q.device),

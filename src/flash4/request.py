@@ -26,7 +26,7 @@ import math
 
 import torch
 
-from flash4.geometry import window_sides
+from flash4.geometry import Band, band, window_sides
 
 # torch dtype -> the dtype name used in the kernel configs (flash4.config).
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -46,18 +46,23 @@ class MaskSpec:
     causal:      bottom-right aligned causal mask (the kernels' causal flag; a window folds it in).
     window:      flash4.geometry.window_sides of (window_size, causal): the (left, right) sides the
                  kernels take, UNBOUNDED for an open side; None without a window (plain / causal).
-    window_size: flash-attn's (left, right) as the caller gave it (-1 per unbounded side; (-1, -1):
-                 none); what the custom ops' window_left / window_right and the reference take.
+    window_size: the window's literal sides, a flash4.geometry.Band (None = unbounded per side; any
+                 int, so a band may exclude the diagonal); Band(None, None): none. Each door
+                 translates its own spelling into it (flash-attn 2/3-style doors: -1 -> None;
+                 flash4.fa4: literal). What the custom ops' window_left / window_right and the
+                 reference take.
     """
 
     causal: bool = False
     window: tuple[int, int] | None = None
-    window_size: tuple[int, int] = (-1, -1)
+    window_size: Band = Band(None, None)
 
     @classmethod
     def create(cls, causal: bool, window_size=None) -> MaskSpec:
-        size = (-1, -1) if window_size is None else (int(window_size[0]), int(window_size[1]))
-        return cls(causal, window_sides(size, causal), size)
+        """window_size: flash-attn 2/3's (left, right) (-1 per unbounded side), a Band, or None."""
+        sides = band(window_size)
+        sides = Band(None if sides.left is None else int(sides.left), None if sides.right is None else int(sides.right))
+        return cls(causal, window_sides(sides, causal), sides)
 
     @property
     def local(self) -> bool:

@@ -36,6 +36,7 @@ import torch
 from flash4.config import MIN_PAGE_ROWS, SUPPORTED_HEADDIMS, hdimv_problem, select_fwd_config
 from flash4 import env
 from flash4 import request as _request
+from flash4.geometry import Band
 from flash4.request import Request
 
 # torch dtype -> the dtype name used in FwdConfig (flash4.request's; callers import it from here too).
@@ -331,6 +332,8 @@ def window_problem(window_size) -> tuple[type, str] | None:
     """(exception type, message) when window_size is not flash-attn's (left, right) sliding window,
     or None: a tuple or list of two Python ints (not bool), each >= -1 (-1: unbounded on that side).
     TypeError for the container, its length or an element's type; ValueError for a side below -1."""
+    if isinstance(window_size, Band):
+        return band_problem(window_size)
     allowed = "a tuple (left, right) of two ints, each >= 0, or -1 for unbounded on that side ((-1, -1): no window)"
     if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
         what = (f"{type(window_size).__name__} of length {len(window_size)}" if isinstance(window_size, (tuple, list))
@@ -347,13 +350,28 @@ def window_problem(window_size) -> tuple[type, str] | None:
     return None
 
 
-def check_window_size(window_size) -> tuple[int, int]:
-    """window_size as a (left, right) tuple of Python ints; raises window_problem's TypeError /
-    ValueError."""
+def band_problem(window) -> tuple[type, str] | None:
+    """(exception type, message) when a literal window (a flash4.geometry.Band, flash-attn-4's
+    convention) has a side that is neither None (unbounded) nor a Python int (not bool), or None.
+    Any int is allowed: a negative side is a band that excludes the diagonal."""
+    for side, value in zip(("left", "right"), window):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
+            return TypeError, (f"window_size must be (left, right), each None (unbounded) or an int; got "
+                               f"window_size=({window.left!r}, {window.right!r}) (its {side} side is a "
+                               f"{type(value).__name__})")
+    return None
+
+
+def check_window_size(window_size):
+    """window_size as a (left, right) tuple of Python ints (flash-attn 2/3's spelling), or a
+    flash4.geometry.Band with Python-int / None sides (the literal spelling flash4.fa4 passes);
+    raises window_problem's TypeError / ValueError."""
     problem = window_problem(window_size)
     if problem is not None:
         exc_type, message = problem
         raise exc_type(message)
+    if isinstance(window_size, Band):
+        return Band(*(None if side is None else int(side) for side in window_size))
     return int(window_size[0]), int(window_size[1])
 
 

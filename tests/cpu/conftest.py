@@ -20,7 +20,7 @@ import torch
 
 from flash4 import backward, forward, validate
 from flash4.config import LOG2E
-from flash4.geometry import window_sides
+from flash4.geometry import Band, window_sides
 from flash4.reference import attention_ref, attention_varlen_ref, kvcache_ref, varlen_row_mask
 
 I32 = torch.int32
@@ -40,8 +40,8 @@ def _check_launch_contract(request, out, lse, lse_split) -> None:
     assert seq.layout in ("dense", "varlen", "paged", "decode"), seq.layout
     assert type(score.softmax_scale) is float and type(score.softcap) is float and score.softcap >= 0
     assert isinstance(mask.causal, bool)
-    assert isinstance(mask.window_size, tuple) and len(mask.window_size) == 2
-    assert all(type(side) is int for side in mask.window_size)
+    assert isinstance(mask.window_size, Band)  # literal sides, None = unbounded
+    assert all(side is None or type(side) is int for side in mask.window_size)
     assert mask.window == window_sides(mask.window_size, mask.causal)
     assert score.sink is None or tuple(score.sink.shape) == (request.nheads,)
     sink = score.kernel_sink()

@@ -330,3 +330,112 @@ def test_packed_forward_block_ranges(pack, tile_m, tile_n, sq, sk, kind, window_
         for n in range(lo, hi):
             cols = range(n * tile_n, (n + 1) * tile_n)
             assert max(cols) < sk and block_full(mask, queries, cols), (m, n, lo, hi)
+
+
+# ---------------------------------------------------------------- bands that exclude the diagonal (issue 29)
+# Literal sides (geo.Band, flash-attn-4's convention): negative values are ordinary values of the
+# formulas. As flash-attn-4 resolves them, left + right >= 0 (its doors turn < 0 into no window), but
+# the geometry holds for any band; (-7, 2) (every row empty) checks that nothing is visited wrongly.
+BANDS = [(None, -5), (-5, None), (None, -1), (-1, None), (-3, 9), (9, -3), (4, -2), (-2, 2), (0, 0), (None, -200),
+         (-200, None), (-130, 140), (-7, 2)]
+
+
+def brute_band(sq, sk, left, right):
+    """visible[i][j] from the literal rule: i + sk - sq - left <= j <= i + sk - sq + right, None unbounded."""
+    off = sk - sq
+    return [[(left is None or j >= i + off - left) and (right is None or j <= i + off + right) for j in range(sk)]
+            for i in range(sq)]
+
+
+@pytest.mark.parametrize("sq, sk", WIN_SEQLENS)
+@pytest.mark.parametrize("left, right", BANDS)
+def test_band_rule_matches_brute_force(sq, sk, left, right):
+    window = geo.window_sides(geo.Band(left, right), False)
+    mask = brute_band(sq, sk, left, right)
+    for i in range(sq):
+        for j in range(sk + 3):
+            want = j < sk and mask[i][j]
+            assert geo.visible(i, j, sq, sk, False, window=window) == want
+            in_cols = (geo.first_query(j, sq, sk, False, window=window) <= i < geo.query_end(j, sq, sk, window=window))
+            assert in_cols == want
+
+
+@pytest.mark.parametrize("tile_m, tile_n", WIN_TILES)
+@pytest.mark.parametrize("sq, sk", WIN_SEQLENS)
+@pytest.mark.parametrize("left, right", BANDS)
+def test_band_forward_phases(tile_m, tile_n, sq, sk, left, right):
+    """The sm90 forward's loop for query tile m with a band: blocks [n_min, n_max) (skipped when
+    n_max <= n_min) contain every visible key block, and the blocks it runs unmasked (the kernel's
+    clamps: n_causal in [n_min, n_max - 1], n_left in [n_min, n_causal]) are fully visible."""
+    window = geo.window_sides(geo.Band(left, right), False)
+    mask = brute_band(sq, sk, left, right)
+    n_blocks = -(-sk // tile_n)
+    for m in range(-(-sq // tile_m)):
+        rows = range(m * tile_m, min((m + 1) * tile_m, sq))
+        n_min = geo.n_block_min(m, sq, sk, tile_m, tile_n, window=window)
+        n_max = geo.n_block_max(m, sq, sk, tile_m, tile_n, False, window=window)
+        visited = [n for n in range(n_blocks) if block_has(mask, rows, range(n * tile_n, min((n + 1) * tile_n, sk)))]
+        if visited:
+            assert n_min <= visited[0] and visited[-1] < n_max == visited[-1] + 1, (m, visited, n_min, n_max)
+        if n_max <= n_min:
+            continue
+        n_causal = max(min(geo.n_block_min_causal_mask(m, sq, sk, tile_m, tile_n, window=window), n_max - 1), n_min)
+        n_left = max(min(geo.n_block_left_mask_end(m, sq, sk, tile_m, tile_n, window=window), n_causal), n_min)
+        for n in range(n_left, n_causal):
+            cols = range(n * tile_n, (n + 1) * tile_n)
+            assert max(cols) < sk and block_full(mask, rows, cols), (m, n, n_left, n_causal)
+
+
+@pytest.mark.parametrize("tile_m, tile_n", WIN_TILES)
+@pytest.mark.parametrize("sq, sk", WIN_SEQLENS)
+@pytest.mark.parametrize("left, right", BANDS)
+def test_band_backward_phases(tile_m, tile_n, sq, sk, left, right):
+    """The sm90 backward for key tile n with a band (BwdSchedule's clamps): [m_min, max(m_max, m_min))
+    holds every query block that sees one of its keys; the unmasked phase [m_mask_end, m_left) sees
+    every key of the tile; and the deterministic dQ chain of query block m (turn n - n_block_min(m))
+    is 0, 1, 2, ... over the key tiles that visit it."""
+    window = geo.window_sides(geo.Band(left, right), False)
+    mask = brute_band(sq, sk, left, right)
+    m_blocks = -(-sq // tile_m)
+    visitors = {m: [] for m in range(m_blocks)}
+    for n in range(-(-sk // tile_n)):
+        keys = range(n * tile_n, (n + 1) * tile_n)
+        m_min, m_max = geo.m_block_range(n, sq, sk, tile_m, tile_n, False, window=window)
+        m_max = max(m_max, m_min)
+        seen = [m for m in range(m_blocks)
+                if block_has(mask, range(m * tile_m, min((m + 1) * tile_m, sq)), [j for j in keys if j < sk])]
+        if seen:
+            assert m_min <= seen[0] and seen[-1] < m_max, (n, seen, m_min, m_max)
+        end = min(max(geo.m_block_mask_end(n, sq, sk, tile_m, tile_n, False, window=window), m_min), m_max)
+        start = min(max(geo.m_block_left_mask_start(n, sq, sk, tile_m, tile_n, window=window), end), m_max)
+        for m in range(end, start):
+            rows = range(m * tile_m, min((m + 1) * tile_m, sq))
+            assert max(keys) < sk and block_full(mask, rows, keys), (n, m, end, start)
+        for m in range(m_min, m_max):
+            visitors[m].append(n)
+    for m, ns in visitors.items():
+        turns = [n - geo.n_block_min(m, sq, sk, tile_m, tile_n, window=window) for n in ns]
+        assert turns == list(range(len(ns))), (m, ns, turns)
+
+
+def test_band_division_operands_never_negative():
+    """As test_division_operands_never_negative, for bands: every clamped numerator stays >= 0."""
+    seen = []
+
+    def rec_max(a, b):
+        seen.append(max(a, b))
+        return max(a, b)
+
+    ops = geo.Ops(min=min, max=rec_max, select=lambda c, a, b: a if c else b)
+    for (tm, tn), (sq, sk), sides in itertools.product(WIN_TILES, WIN_SEQLENS, BANDS):
+        window = geo.window_sides(geo.Band(*sides), False)
+        for m in range(-(-max(sq, 1) // tm)):
+            geo.n_block_max(m, sq, sk, tm, tn, False, ops, window)
+            geo.n_block_min(m, sq, sk, tm, tn, ops, window)
+            geo.n_block_min_causal_mask(m, sq, sk, tm, tn, ops, window)
+            geo.n_block_left_mask_end(m, sq, sk, tm, tn, ops, window)
+        for n in range(-(-max(sk, 1) // tn)):
+            geo.m_block_range(n, sq, sk, tm, tn, False, ops, window)
+            geo.m_block_mask_end(n, sq, sk, tm, tn, False, ops, window)
+            geo.m_block_left_mask_start(n, sq, sk, tm, tn, ops, window)
+    assert seen and min(seen) >= 0

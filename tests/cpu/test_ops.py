@@ -9,6 +9,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import flash4.ops  # noqa: F401
 from flash4 import flash_attn_func
+from flash4.geometry import band
 
 
 @pytest.mark.parametrize("shape", [(2, 100, 120, 4, 2, 64), (1, 1, 257, 8, 1, 128), (3, 300, 17, 2, 2, 256)])
@@ -267,16 +268,16 @@ def _window_of(node):
 
 
 def test_window_arguments_in_every_schema():
-    """Every op has `SymInt window_left=-1, SymInt window_right=-1, float softcap=0.0` at its end (then,
-    on the forward ops, `Tensor? learnable_sink=None`) (callers without a window, a softcap or a sink
-    keep working)."""
+    """Every op has `SymInt? window_left=None, SymInt? window_right=None, float softcap=0.0` at its end
+    (literal sides, None unbounded; then, on the forward ops, `Tensor? learnable_sink=None`) (callers
+    without a window, a softcap or a sink keep working)."""
     for name in ("fwd", "bwd", "varlen_fwd", "varlen_bwd", "kvcache"):
         args = getattr(torch.ops.flash4, name).default._schema.arguments
         if name in ("fwd", "varlen_fwd", "kvcache"):
             assert args[-1].name == "learnable_sink" and args[-1].default_value is None, name
             assert str(args[-1].type) == "Optional[Tensor]", name
             args = args[:-1]
-        assert [(a.name, a.default_value) for a in args[-3:]] == [("window_left", -1), ("window_right", -1),
+        assert [(a.name, a.default_value) for a in args[-3:]] == [("window_left", None), ("window_right", None),
                                                                   ("softcap", 0.0)], name
         assert str(args[-1].type) == "float", name
 
@@ -293,12 +294,12 @@ def test_opcheck_with_window(test):
                            True, 16, 7), test_utils=(test,))
     vq, vk, vv, meta = varlen_meta()
     torch.library.opcheck(torch.ops.flash4.varlen_fwd.default,
-                          varlen_fwd_args(vq, vk, vv, meta, 128, 130) + (5, -1), test_utils=(test,))
+                          varlen_fwd_args(vq, vk, vv, meta, 128, 130) + (5, None), test_utils=(test,))
     vq, vk, vv = (t.detach() for t in (vq, vk, vv))
-    out, lse, split = torch.ops.flash4.varlen_fwd(*varlen_fwd_args(vq, vk, vv, meta, 128, 130), 5, -1)
+    out, lse, split = torch.ops.flash4.varlen_fwd(*varlen_fwd_args(vq, vk, vv, meta, 128, 130), 5, None)
     torch.library.opcheck(torch.ops.flash4.varlen_bwd.default,
                           (torch.empty_like(out), vq, vk, vv, out, lse, split, None, meta["cu_seqlens_q"],
-                           meta["cu_seqlens_k"], None, None, 128, 130, 0.125, True, False, 5, -1), test_utils=(test,))
+                           meta["cu_seqlens_k"], None, None, 128, 130, 0.125, True, False, 5, None), test_utils=(test,))
     if test != "test_autograd_registration":  # kvcache has no autograd (mutating op)
         q, k_cache, v_cache, k, v, _ = kvcache_meta(new=1)
         torch.library.opcheck(torch.ops.flash4.kvcache.default,
@@ -331,28 +332,28 @@ def test_window_reaches_the_backward_op():
 
 @pytest.mark.parametrize("window", [(-1, -1), (100, 0), (0, -1), [7, 7]])
 def test_public_functions_pass_the_window_while_compiling(monkeypatch, window):
-    """Under torch.compile's tracing each public function hands window_size to its op as two ints
-    (a list is accepted like a tuple)."""
+    """Under torch.compile's tracing each public function hands window_size to its op as its literal
+    sides (flash4.geometry.band: -1 -> None; a list is accepted like a tuple)."""
     from flash4 import flash_attn_varlen_func, flash_attn_with_kvcache
 
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     q, k, v = meta_inputs()
     calls = flash4_calls(make_fx(lambda a, b, c: flash_attn_func(a, b, c, window_size=window))(q, k, v))
-    assert [str(n.target) for n in calls] == ["flash4.fwd.default"] and _window_of(calls[0]) == tuple(window)
+    assert [str(n.target) for n in calls] == ["flash4.fwd.default"] and _window_of(calls[0]) == tuple(band(window))
 
     q, k, v, meta = varlen_meta()
     gm = make_fx(lambda a, b, c, cq, ck: flash_attn_varlen_func(a, b, c, cq, ck, 128, window_size=window))(
         q, k, v, meta["cu_seqlens_q"], meta["cu_seqlens_k"])
     calls = flash4_calls(gm)
     assert [str(n.target) for n in calls] == ["flash4.varlen_fwd.default"]
-    assert _window_of(calls[0]) == tuple(window)
+    assert _window_of(calls[0]) == tuple(band(window))
 
     q, k_cache, v_cache, k, v, _ = kvcache_meta(new=1)
     seqlens = torch.empty(2, dtype=I32, device="meta")
     gm = make_fx(lambda a, kc, vc: flash_attn_with_kvcache(a, kc, vc, k, v, seqlens, window_size=window))(
         q, k_cache, v_cache)
     calls = flash4_calls(gm)
-    assert [str(n.target) for n in calls] == ["flash4.kvcache.default"] and _window_of(calls[0]) == tuple(window)
+    assert [str(n.target) for n in calls] == ["flash4.kvcache.default"] and _window_of(calls[0]) == tuple(band(window))
 
 
 @pytest.mark.parametrize("window, exc", [((-2, 0), ValueError), ((1.5, 0), TypeError), (None, TypeError)])
@@ -384,7 +385,7 @@ def test_compiled_window_fullgraph():
     assert fwd_calls and bwd_calls
     assert {str(c.target) for c in fwd_calls} == {"flash4.fwd.default"}
     assert {str(c.target) for c in bwd_calls} == {"flash4.bwd.default"}
-    assert all(_window_of(c) == (256, -1) for c in fwd_calls + bwd_calls)
+    assert all(_window_of(c) == (256, None) for c in fwd_calls + bwd_calls)
 
 
 # ================================================================ one tensor as two arguments

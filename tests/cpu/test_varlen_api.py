@@ -12,6 +12,7 @@ import torch
 from cpu_helpers import (F64, I32, cu, naive_varlen, paged_args, seqlens_ok, seqlens_raises, varlen_args,
                          varlen_raises)
 
+from flash4.geometry import Band, band
 import flash4
 from flash4 import autograd, backward, forward
 from flash4.autograd import DOUBLE_BACKWARD_ERROR
@@ -314,7 +315,7 @@ def test_varlen_autograd_routes_backward(cpu_kernels, fake_backward):
     assert out.requires_grad and lse.requires_grad
     (out.float().sum() + 2 * lse.sum()).backward()
     expected = {"max_seqlen_q": 5, "max_seqlen_k": 6, "scale": 0.125, "causal": True, "det": True,
-                "split": (2, 4, 8), "dlse": [2.0], "dout": [1.0], "seqused_k": seqused_k, "window_size": (-1, -1)}
+                "split": (2, 4, 8), "dlse": [2.0], "dout": [1.0], "seqused_k": seqused_k, "window_size": Band(None, None)}
     assert {key: fake_backward[key] for key in expected} == expected
     assert (q.grad == 1).all() and (k.grad == 2).all() and (v.grad == 3).all()
 
@@ -358,7 +359,7 @@ def test_varlen_func_routes_the_window(cpu_kernels, fake_backward, window, causa
                                             args["cu_seqlens_k"], causal=causal, window_size=window)
     assert torch.equal(out, ref_out.to(BF16)) and torch.equal(lse, ref_lse)
     # (-1, 0) is exactly causal: it reaches the kernels as causal=True without a window
-    expected = (-1, -1) if tuple(window) == (-1, 0) else tuple(window)
+    expected = Band(None, None) if tuple(window) == (-1, 0) else band(window)
     assert cpu_kernels[-1]["window_size"] == expected
     if tuple(window) == (0, 0):  # sequence 3: 7 queries, 3 keys: rows 0..3 see no key
         assert (out[8:12] == 0).all() and torch.isneginf(lse[:, 8:12]).all()

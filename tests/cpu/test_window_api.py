@@ -17,7 +17,7 @@ from cpu_helpers import ENTRY_POINTS, qkv
 
 import flash4
 from flash4 import autograd, forward, validate
-from flash4.geometry import UNBOUNDED, window_sides
+from flash4.geometry import UNBOUNDED, Band, band, window_sides
 from flash4.reference import attention_ref
 from flash4.request import Request
 
@@ -126,7 +126,7 @@ def test_flash_attn_func_routes_the_window(cpu_kernels, unchecked, window, causa
     backward launch (the reference stands in for both); results equal the reference's."""
     q, k, v = (t.float() for t in qkv(sq=20, sk=12))
     out = flash4.flash_attn_func(q, k, v, causal=causal, window_size=window)  # no grad: the direct path
-    assert [(c["causal"], c["window_size"]) for c in cpu_kernels] == [(causal, tuple(window))]
+    assert [(c["causal"], c["window_size"]) for c in cpu_kernels] == [(causal, band(window))]
     ref, _ = attention_ref(q, k, v, None, causal, window_size=window)
     assert torch.equal(out, ref)
 
@@ -135,7 +135,7 @@ def test_flash_attn_func_routes_the_window(cpu_kernels, unchecked, window, causa
     dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
     out.backward(dout)
     fwd, bwd = cpu_kernels[-1], cpu_kernels.backward[-1]
-    assert (fwd["causal"], fwd["window_size"]) == (bwd["causal"], bwd["window_size"]) == (causal, tuple(window))
+    assert (fwd["causal"], fwd["window_size"]) == (bwd["causal"], bwd["window_size"]) == (causal, band(window))
     ref_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     ref, _ = attention_ref(*ref_leaves, None, causal, window_size=window)
     ref.backward(dout)
@@ -147,12 +147,12 @@ def test_flash_attn_func_routes_the_window(cpu_kernels, unchecked, window, causa
 
 def test_autograd_path_default_is_no_window(cpu_kernels):
     """A request built without window_size has no window: the forward and backward launches see
-    window None (the kernels' plain / causal variants) and flash-attn's (-1, -1)."""
+    window None (the kernels' plain / causal variants) and the literal Band(None, None)."""
     q, k, v = (t.float().requires_grad_() for t in qkv())
     out, _ = autograd.attention(Request.dense(q, k, v, 0.125, True))
     out.sum().backward()
     seen = [(c["causal"], c["window"], c["window_size"]) for c in cpu_kernels + cpu_kernels.backward]
-    assert seen == [(True, None, (-1, -1))] * 2
+    assert seen == [(True, None, Band(None, None))] * 2
 
 
 @pytest.mark.parametrize("window, causal, local", [

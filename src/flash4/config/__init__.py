@@ -113,11 +113,12 @@ def num_m_blocks(seqlen_q: int, cfg: FwdConfig) -> int:
 
 def mean_queries_per_key(seqlen_q: int, seqlen_k: int, causal: bool, window=None) -> float:
     """Mean number of queries that see a key (host estimate; flash4.geometry's bottom-right causal
-    alignment). window: flash4.geometry.window_sides' (left, right) or None."""
+    alignment). window: flash4.geometry.window_sides' (left, right) or None (a band that excludes the
+    diagonal has a negative side; its width left + right + 1 is what a key's column holds, 0 at least)."""
     if seqlen_k <= 0 or seqlen_q <= 0:
         return 0.0
     if window is not None:
-        return float(min(seqlen_q, window[0] + window[1] + 1))
+        return float(max(0, min(seqlen_q, window[0] + window[1] + 1)))
     if causal:
         # key k < seqlen_k - seqlen_q: every query; then the triangle
         both = min(seqlen_q, seqlen_k)
