@@ -335,12 +335,17 @@ def test_compile_fullgraph_passes_the_band():
 
 
 # ================================================================ page sizes, layouts
-def test_page_size_flash4_lacks_is_refused():
-    q = torch.zeros(5, 4, 64, dtype=BF16)
-    pool = torch.zeros(20, 4, 2, 64, dtype=BF16)  # pages of 4 rows
-    with pytest.raises(NotImplementedError, match="page_size=4"):
-        fa4.flash_attn_varlen_func(q, pool, pool, cu_seqlens_q=cu((5,)), seqused_k=torch.tensor([20], dtype=I32),
-                                   page_table=torch.zeros(1, 5, dtype=I32))
+def test_small_pages_pass_through(cpu_kernels):
+    """Pages of any size >= 1 (flash4.config.MIN_PAGE_ROWS = 1 since the gathered paged path): a
+    page size of 4 reaches flash4's paged door (no refusal) and gives the reference's result."""
+    from flash4 import config
+
+    assert config.MIN_PAGE_ROWS == 1
+    q = torch.randn(5, 4, 64, dtype=BF16)
+    pool = torch.randn(20, 4, 2, 64, dtype=BF16)  # pages of 4 rows
+    out, lse = fa4.flash_attn_varlen_func(q, pool, pool, cu_seqlens_q=cu((5,)), seqused_k=torch.tensor([20], dtype=I32),
+                                          page_table=torch.arange(5, dtype=I32)[None], max_seqlen_q=5)
+    assert out.shape == q.shape and torch.isfinite(out.float()).all()
 
 
 def test_unaligned_inputs_are_copied(cpu_kernels):
