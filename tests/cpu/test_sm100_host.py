@@ -86,7 +86,8 @@ def test_blackwell_relatives_refused_by_name(arch, gpu):
 
 def test_consumer_blackwell_never_gets_sm100():
     assert registry.family(120, include_unverified=True).name == "sm80"
-    assert registry.family(120).name == "sm80"  # the portable family, never sm100
+    with pytest.raises(ValueError, match="FLASH4_FAMILY=portable"):  # the portable family (opt-in), never sm100
+        registry.family(120)
 
 
 # ---------------------------------------------------------------- config selection and the grid

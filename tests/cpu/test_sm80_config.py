@@ -129,8 +129,10 @@ def test_bwd_options():
 
 
 def test_registry_dispatch():
-    for arch in NATIVE_ARCHS:
-        fam = registry.family(arch)
+    for arch in NATIVE_ARCHS:  # opt-in until the family's GPU suite is green (FLASH4_FAMILY=portable)
+        with pytest.raises(ValueError, match="FLASH4_FAMILY=portable"):
+            registry.family(arch)
+        fam = registry.family(arch, include_unverified=True)
         assert fam.name == "sm80" and fam.config_module() is sm80
         assert registry.family(arch, prefer="portable") is fam
     assert registry.family(90).name == "sm90"  # Hopper's own family by default
@@ -144,7 +146,7 @@ def test_registry_dispatch():
         with pytest.raises(ValueError, match=f"sm_{arch}"):
             registry.family(arch)
     assert registry.family(100).name == "sm100"  # Blackwell's own family (behind its self-test)
-    assert registry.family(86).kernels.keys() == {"fwd", "bwd"}
+    assert registry.family(86, "portable").kernels.keys() == {"fwd", "bwd"}
     # a config's family decides its kernel class, whatever arch it targets
     assert registry.config_family(select_fwd_config(64, arch=90)).name == "sm80"
     assert registry.config_family(select_bwd_config(64, arch=90)).name == "sm80"
@@ -173,16 +175,17 @@ def test_env_override(monkeypatch):
         active_family(90)
 
 
-def test_config_dispatch_through_flash4_config():
+def test_config_dispatch_through_flash4_config(monkeypatch):
     from flash4 import config
 
+    monkeypatch.setenv("FLASH4_FAMILY", "portable")  # the family is opt-in on its own archs for now
     # sm_80 / 86 / 89 / 120 select the portable family through flash4.config's dispatch
     assert config.select_fwd_config(128, "bf16", False, arch=89) == select_fwd_config(128, arch=89)
     assert config.select_bwd_config(128, "bf16", True, arch=120) == select_bwd_config(128, causal=True, arch=120)
     assert config.shipped_bwd_configs(86) == shipped_bwd_configs(86)
 
 
-def test_host_plans_on_portable_archs():
+def test_host_plans_on_portable_archs(monkeypatch):
     """flash4.config.fwd_config / bwd_config (the host's questions) on sm_86, and on sm_90 forced:
     the family's configs for dense, packed and decode requests; paged K/V a ValueError with the
     family's prefix (what the GPU suite skips on)."""
@@ -190,6 +193,8 @@ def test_host_plans_on_portable_archs():
 
     from flash4.config import bwd_config, fwd_config
     from flash4.request import DECODE, Request, SeqSpec
+
+    monkeypatch.setenv("FLASH4_FAMILY", "portable")  # the family is opt-in on its own archs for now
 
     q = torch.zeros(2, 100, 8, 128, dtype=torch.bfloat16)
     k = torch.zeros(2, 300, 2, 128, dtype=torch.bfloat16)
@@ -211,6 +216,7 @@ def test_host_plans_on_portable_archs():
                                    page_table=torch.zeros(2, 3, dtype=torch.int32)))
     with pytest.raises(ValueError, match=re.escape(sm80.UNSUPPORTED_PREFIX)):
         fwd_config(paged, 89, 84)
+    monkeypatch.delenv("FLASH4_FAMILY")
     assert not isinstance(fwd_config(dense, 90).cfg, Sm80FwdConfig)  # Hopper's own family by default
 
 
