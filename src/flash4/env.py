@@ -8,6 +8,7 @@
 | FLASH4_CACHE_DIR   | directory of the on-disk compile cache               | $XDG_CACHE_HOME/flash4 or ~/.cache/flash4 |
 | FLASH4_BWD_HEADS_PER_CTA | query heads per backward CTA under GQA/MQA (tuning) | flash4.config.bwd_heads_per_cta |
 | FLASH4_PAGE_GATHER_MAX | paged K/V: gather pages of at most this many rows (0 = TMA pieces for every multiple of 8; A/B) | flash4.config.PAGE_GATHER_MAX |
+| FLASH4_SMALL_PAGES | 1 serves paged K/V of any page size >= 1 (pages that are not multiples of 8 gathered row by row; not yet GPU-verified) | off |
 | FLASH4_PAGE_PREFETCH | paged K/V by TMA pieces: read page-table entries two blocks ahead (0/1; A/B) | flash4.config.PAGE_PREFETCH |
 | FLASH4_SM100       | sm_100 kernels: off, selftest (run after passing flash4.selftest), on (unchecked) | selftest |
 | FLASH4_RUNTIME_LOAD | 1 loads cached kernels as shared libraries through TVM-FFI alone (no CuTe DSL import; docs/design/warm_start.md) | off |
@@ -87,6 +88,14 @@ def disk_cache_enabled() -> bool:
     """False when FLASH4_CACHE is 0/false/off/no; True when unset or 1/true/on/yes."""
     value = _flag("FLASH4_CACHE")
     return True if value is None else value
+
+
+def small_pages() -> bool:
+    """FLASH4_SMALL_PAGES (0/1, true/false, on/off, yes/no; default off): paged K/V whose page size is
+    not a multiple of 8 (pages of 1-7 rows, 12, 20, ...) run on the gathered path
+    (FwdConfig.page_gather). Off, such page sizes are a ValueError: the gathered path is
+    compile-verified and CPU-tested but has not passed its GPU tests yet (tests/gpu/test_small_pages.py)."""
+    return bool(_flag("FLASH4_SMALL_PAGES"))
 
 
 def page_prefetch() -> bool | None:

@@ -156,10 +156,11 @@ def _check_page_size(k, page_table) -> None:
     not implemented (flash-attn-4 takes any page size)."""
     from flash4 import config
 
-    rows = getattr(config, "MIN_PAGE_ROWS", 1)
+    rows = config.served_page_rows()
     if page_table is not None and isinstance(k, torch.Tensor) and k.dim() == 4 and k.shape[1] % rows:
         raise NotImplementedError(f"flash4.fa4: page_size={k.shape[1]} (k.shape[1]) is not supported by flash4 "
-                                  f"yet: paged K/V pages must be multiples of {rows} rows")
+                                  f"yet: paged K/V pages must be multiples of {rows} rows (FLASH4_SMALL_PAGES=1: any page size, "
+                                  f"on a path that has not passed its GPU tests yet)")
 
 
 def _needs_grad(*tensors) -> bool:

@@ -31,9 +31,9 @@ import numbers
 
 import torch
 
-# MIN_PAGE_ROWS: the smallest page size (1: any page size is served, by TMA page pieces or gathered
-# rows, flash4.config.paged_layout).
-from flash4.config import MIN_PAGE_ROWS, SUPPORTED_HEADDIMS, hdimv_problem, select_fwd_config
+# served_page_rows(): page sizes must be multiples of it (8; 1 with FLASH4_SMALL_PAGES=1: gathered rows,
+# flash4.config.paged_layout).
+from flash4.config import SUPPORTED_HEADDIMS, hdimv_problem, select_fwd_config, served_page_rows
 from flash4 import env
 from flash4 import request as _request
 from flash4.geometry import Band
@@ -81,7 +81,7 @@ _REMEMBER_CPU = False  # tools/host_overhead.py --fake sets it (CPU tensors stan
 def _signature(problem_fn, args) -> tuple | None:
     """The memo key of `args` for `problem_fn`, or None when they are not remembered (a tensor not
     on CUDA)."""
-    parts = [problem_fn, env.arch_override()]
+    parts = [problem_fn, env.arch_override(), env.family_override(), env.small_pages()]
     for a in args:
         if isinstance(a, torch.Tensor):
             if not (a.is_cuda or _REMEMBER_CPU):
@@ -222,10 +222,17 @@ def _heads_problem(q, k, v, v_rule: str, k_name: str = "k", v_name: str = "v", p
 
 def _page_size_problem(k: torch.Tensor, k_name: str = "k") -> Problem:
     page_size = k.shape[1]
-    if page_size < MIN_PAGE_ROWS:
+    if page_size < 1:
         return ValueError, (
             f"page_size={page_size} ({k_name}.shape[1] of the paged cache {_shape(k)}) is not supported: a page "
-            f"holds at least {MIN_PAGE_ROWS} row (any page size >= {MIN_PAGE_ROWS} is allowed)"
+            f"holds at least 1 row"
+        )
+    rows = served_page_rows()
+    if page_size % rows:
+        return ValueError, (
+            f"page_size={page_size} ({k_name}.shape[1] of the paged cache {_shape(k)}) is not supported by default: "
+            f"page sizes must be multiples of {rows}; other page sizes (1-7, 12, ...) run on a gathered path that "
+            f"has not passed its GPU tests yet: set FLASH4_SMALL_PAGES=1 to use it"
         )
     return None
 

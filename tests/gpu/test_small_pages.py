@@ -23,6 +23,13 @@ from flash4.reference import kvcache_ref, max_abs_err, paged_kv_cache, varlen_ro
 from gpu_helpers import BF16, DEV, I32, check_fwd_varlen as check_fwd, make_varlen
 from gpu_helpers import run_poisoned_varlen as run_poisoned
 
+
+@pytest.fixture(autouse=True)
+def _small_pages_on(monkeypatch):
+    """Page sizes that are not multiples of 8 are opt-in (FLASH4_SMALL_PAGES=1, flash4.env) until
+    this file passes on the H200."""
+    monkeypatch.setenv("FLASH4_SMALL_PAGES", "1")
+
 PAGES = (1, 3, 4, 5, 12, 16, 24)
 LENS = ([5, 0, 300, 1, 129, 64, 33], [1000, 7, 300, 0, 129, 1, 190])  # (queries, keys) per sequence
 

@@ -47,9 +47,17 @@ def canonical_hdimv(headdim: int, headdim_v: int | None) -> int | None:
     return None if headdim_v is None or headdim_v == headdim else headdim_v
 
 
-# Smallest page size any door takes (the peer suite's shim reads it): pages of any size >= 1 are
-# served, by TMA page pieces or by the gathered path (paged_layout).
-MIN_PAGE_ROWS = 1
+# Page sizes the doors take by default (the peer suite's shim reads MIN_PAGE_ROWS): multiples of 8
+# (TMA page pieces). With FLASH4_SMALL_PAGES=1 any page size >= 1 is served, the others by the
+# gathered path (paged_layout), which has not passed its GPU tests yet (served_page_rows).
+MIN_PAGE_ROWS = 8
+
+
+def served_page_rows() -> int:
+    """Page sizes must be multiples of this: MIN_PAGE_ROWS, or 1 with FLASH4_SMALL_PAGES=1 (flash4.env)."""
+    from flash4 import env
+
+    return 1 if env.small_pages() else MIN_PAGE_ROWS
 # Smallest page piece one TMA copy may load: the swizzle atom of the K/V smem tile is 8 rows. Pages
 # whose size is not a multiple of it are gathered row by row (FwdConfig.page_gather).
 TMA_PAGE_ROWS = 8
