@@ -237,17 +237,19 @@ def test_varlen(headdim, causal):
 
 
 def test_seqused():
-    """Dense K/V with seqused_k and packed Q with seqused_q: rows past seqused_q stay unwritten."""
+    """Packed Q with seqused_q and packed K/V (sequences of sk rows) with seqused_k, the layout the
+    varlen door makes: rows past seqused_q stay unwritten. (Packed Q with dense, batched K is no
+    layout of the host: the H200 run of c206542 refused it at the call, K's batch against Q's.)"""
     b, sk, h, hk, d = 3, 400, 4, 2, 128
     lens_q, used_q, used_k = [100, 200, 50], [100, 150, 0], [400, 17, 300]
-    cfg = family_config(d, "bf16", True, varlen_q=True, seqused_q=True, seqused_k=True)
+    cfg = family_config(d, "bf16", True, varlen_q=True, varlen_k=True, seqused_q=True, seqused_k=True)
     cu_q = _cu(lens_q)
+    cu_k = _cu([sk] * b)
     q, _, _ = make_qkv(1, sum(lens_q), 1, h, hk, d)
-    _, k, v = make_qkv(b, 1, sk, h, hk, d, seed=1)
+    _, k, v = make_qkv(1, 1, b * sk, h, hk, d, seed=1)
     sq_t, sk_t = (torch.tensor(x, dtype=torch.int32, device="cuda") for x in (used_q, used_k))
-    out, lse, _ = run(cfg, q, k, v, seqs=(cu_q, None, sq_t, sk_t), batch=b, max_seqlen_q=max(lens_q))
-    cu_k = _cu([sk] * b)  # dense K as packed sequences of sk rows
-    errs = varlen_fwd_errors(q[0], k.reshape(-1, hk, d), v.reshape(-1, hk, d), cu_q, cu_k, out[0], lse[0],
+    out, lse, _ = run(cfg, q, k, v, seqs=(cu_q, cu_k, sq_t, sk_t), batch=b, max_seqlen_q=max(lens_q))
+    errs = varlen_fwd_errors(q[0], k[0], v[0], cu_q, cu_k, out[0], lse[0],
                              seqused_q=sq_t, seqused_k=sk_t, causal=True)
     assert errs["ok"], errs
 
