@@ -98,6 +98,11 @@ class Sm100FwdConfig:
             raise ValueError(f"sm100 forward config {self}: {problem}")
 
     @property
+    def paged(self) -> bool:
+        """K/V are pages read through a page table (the host's question; never in this family yet)."""
+        return self.page_rows > 0
+
+    @property
     def hdim_v(self) -> int:
         """Dv: the head dim of V and O (= headdim: Dv != D is not built)."""
         return self.headdim if self.headdim_v is None else self.headdim_v

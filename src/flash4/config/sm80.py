@@ -101,6 +101,11 @@ class Sm80FwdConfig:
             f"not implemented in the sm80 family: {self}")
 
     @property
+    def paged(self) -> bool:
+        """K/V are pages read through a page table (the host's question; never in this family yet)."""
+        return self.page_rows > 0
+
+    @property
     def hdim_v(self) -> int:
         """Dv: the head dim of V and O (= headdim in this family so far)."""
         return self.headdim if self.headdim_v is None else self.headdim_v
