@@ -226,3 +226,12 @@ def seqlens_raises(match, args, **kw):
         seqlens_ok(args, **kw)
     for fragment in match:
         assert fragment in str(info.value), (fragment, str(info.value))
+
+
+def compiled_row(compiled, cfg) -> dict:
+    """A compile_check-style row of a compiled kernel (resource usage via cuobjdump) plus its SASS text
+    (None without cuobjdump)."""
+    from flash4.compile.check import extract_cubin, resource_usage, sass_text
+
+    cubin = extract_cubin(compiled)
+    return {"config": repr(cfg), "ok": True, "error": None, **resource_usage(cubin), "sass": sass_text(cubin)}

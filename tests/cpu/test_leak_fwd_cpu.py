@@ -7,6 +7,7 @@ import dataclasses
 import re
 
 import pytest
+from cpu_helpers import compiled_row
 
 from flash4.config import HDIMV_PAIRS, SUPPORTED_HEADDIMS, paged_page_rows, select_fwd_config, with_seq_layout
 from flash4.constants import THREADS_PER_WG
@@ -46,24 +47,10 @@ PLAIN = select_fwd_config(128, "bf16", True)
 
 
 def _build(cfg) -> dict:
-    """A compile_check-style row of cfg (resource usage via cuobjdump) plus its SASS text."""
-    import os
-    import subprocess
-    import tempfile
-
+    """A compile_check-style row of cfg plus its SASS text (cpu_helpers.compiled_row)."""
     from flash4.compile.cache import compile_fwd
-    from flash4.compile.check import _cuobjdump, extract_cubin, resource_usage
 
-    cubin = extract_cubin(compile_fwd(cfg))
-    row = {"config": repr(cfg), "ok": True, "error": None, **resource_usage(cubin), "sass": None}
-    tool = _cuobjdump()
-    if tool is not None:
-        with tempfile.TemporaryDirectory() as tmp:
-            path = os.path.join(tmp, "k.cubin")
-            with open(path, "wb") as f:
-                f.write(cubin)
-            row["sass"] = subprocess.run([tool, "--dump-sass", path], capture_output=True, text=True).stdout
-    return row
+    return compiled_row(compile_fwd(cfg), cfg)
 
 
 @pytest.fixture(scope="module")

@@ -39,6 +39,18 @@ def _cuobjdump() -> str | None:
     return None
 
 
+def sass_text(cubin: bytes) -> str | None:
+    """cuobjdump --dump-sass of a cubin, or None without cuobjdump."""
+    tool = _cuobjdump()
+    if tool is None:
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        return subprocess.run([tool, "--dump-sass", path], capture_output=True, text=True).stdout
+
+
 def _decode_mlir_string(body: str) -> bytes:
     out = bytearray()
     i = 0
