@@ -184,3 +184,19 @@ def test_kvcache_door_appends_across_small_pages(cpu_kernels, page_size, sq, s_n
     assert torch.equal(out, ref_out.to(BF16)) and torch.equal(lse, ref_lse)
     plan = fwd_config(cpu_kernels[0]["request"], 90, num_sms=132)
     assert plan.cfg.page_gather and plan.cfg.seqused_k
+
+
+@pytest.mark.parametrize("n_block_min", [0, 1, 3])
+def test_paged_load_order_uses_each_blocks_own_entries(n_block_min):
+    """fwd.load_paged's look-ahead (paged_gather.load_order, ENTRY_AHEAD): every K and V load of a
+    tile uses the page-table entries of its own key block, for 1 to 9 blocks. The look-ahead once read
+    the entries of the block after next (wrong pages from the third block on: H200 run of 2026-12-02)."""
+    from flash4.kernels.sm90.paged_gather import load_order
+
+    for n in range(1, 10):
+        loads = load_order(n_block_min, n_block_min + n)
+        assert [(kind, block) for kind, block, _ in loads][:1] == [("K", n_block_min + n - 1)]
+        assert sorted(block for kind, block, _ in loads if kind == "K") == list(range(n_block_min, n_block_min + n))
+        assert sorted(block for kind, block, _ in loads if kind == "V") == list(range(n_block_min, n_block_min + n))
+        assert all(block == entry for _, block, entry in loads), loads
+    assert any(block != entry for _, block, entry in load_order(0, 3, ahead=2))  # the old look-ahead fails

@@ -32,7 +32,7 @@ from flash4.kernels.common.layout import (acc_mn_view, acc_to_frgA_layout, make_
 from flash4.kernels.common.scheduler import TileSchedule
 from flash4.kernels.common.seqinfo import SeqInfo, store_rows_predicated
 from flash4.kernels.common.softmax import OnlineSoftmax
-from flash4.kernels.sm90.paged_gather import PagedGather
+from flash4.kernels.sm90.paged_gather import ENTRY_AHEAD, PagedGather
 
 # setmaxnreg budgets (producer, consumer) by consumer warpgroup count: 64K registers / CTA.
 _REGS = {1: (56, 256), 2: (24, 240), 3: (32, 160)}
@@ -580,7 +580,9 @@ class FlashAttentionForwardSm90:
                         n_prev = n_block_max - 1 - i
                         entry_v = entry_k
                         entry_k = entry_next
-                        entry_next = lookup(n_prev - 3, n_block_min)  # in flight over the next two loads
+                        # The next iteration loads K[n_prev - 2]: its entries are in flight over the two
+                        # loads below (paged_gather.load_order models this loop; ENTRY_AHEAD blocks ahead).
+                        entry_next = lookup(n_prev - 1 - ENTRY_AHEAD, n_block_min)
                         state_prev = state
                         state = next_state(state)
                         pipeline_k.producer_acquire(state)

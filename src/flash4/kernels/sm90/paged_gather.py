@@ -36,6 +36,29 @@ from cutlass.cute.nvgpu import cpasync
 from flash4.constants import THREADS_PER_WG
 
 COPY_BITS = 128  # one cp.async: 16 bytes
+# fwd.load_paged's loop iteration that loads K[n - 1] and V[n] reads the page-table entries of key
+# block n - 1 - ENTRY_AHEAD: the K block of the next iteration (blocks are loaded from the last down).
+ENTRY_AHEAD = 1
+
+
+def load_order(n_block_min: int, n_block_max: int, ahead: int = ENTRY_AHEAD) -> list[tuple[str, int, int]]:
+    """The paged producer's loads of one tile as fwd.load_paged issues them: (K or V, key block,
+    key block whose page-table entries the load uses). Pure; the CPU test checks that every load
+    uses its own block's entries (a look-ahead off by one block read the entries of the block after
+    next: wrong pages from the third key block on, found on the H200)."""
+    loads = []
+    if n_block_max <= n_block_min:
+        return loads
+    entry_k, entry_next = n_block_max - 1, n_block_max - 2
+    loads.append(("K", n_block_max - 1, entry_k))
+    for i in range(n_block_max - 1 - n_block_min):
+        n_prev = n_block_max - 1 - i
+        entry_v, entry_k = entry_k, entry_next
+        entry_next = n_prev - 1 - ahead
+        loads.append(("K", n_prev - 1, entry_k))
+        loads.append(("V", n_prev, entry_v))
+    loads.append(("V", n_block_min, entry_k))
+    return loads
 
 
 def gather_layout(hdim: int, hdim_v: int, tile_n: int, elem_bits: int = 16,
