@@ -34,7 +34,9 @@ CHILD = """
 
 
 def _child(cache_dir):
-    env = dict(os.environ, PYTHONPATH=SRC, FLASH4_CACHE_DIR=str(cache_dir), FLASH4_RUNTIME_LOAD="1")
+    # SRC first, the caller's path after it (where the CuTe DSL may live, e.g. an unpacked wheel set).
+    path = os.pathsep.join(p for p in (SRC, os.environ.get("PYTHONPATH", "")) if p)
+    env = dict(os.environ, PYTHONPATH=path, FLASH4_CACHE_DIR=str(cache_dir), FLASH4_RUNTIME_LOAD="1")
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(CHILD)], env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
