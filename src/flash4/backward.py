@@ -41,7 +41,7 @@ import torch
 
 from flash4 import env
 from flash4.arch import device_arch
-from flash4.config import LOG2E, bwd_config, ceil_div
+from flash4.config import LOG2E, bwd_config, ceil_div, postprocess_wide_stores
 from flash4.forward import device_guard
 from flash4.request import Request, SeqSpec
 from flash4.validate import resolve_max_seqlen
@@ -150,7 +150,8 @@ def launch(request: Request, dout, out, lse, lse_split, dlse, dq, dk, dv) -> Non
     # dq_handoff_per_wg (a speed switch): the dQ tiles are in per-warpgroup halves
     halves = {"wg_halves": True} if getattr(cfg, "dq_handoff_per_wg", False) else {}
     postprocess = get_bwd_postprocess_runner(headdim, cfg.dtype, cfg.arch, varlen=packed,
-                                             accum_tile_m=tile_m if cfg.dq_accum_order else None, **halves)
+                                             accum_tile_m=tile_m if cfg.dq_accum_order else None,
+                                             wide_stores=postprocess_wide_stores(), **halves)
     run_kernel = get_bwd_runner(cfg)
     hi, lo = kernel_view(lse_split[0]), kernel_view(lse_split[1])
     preprocess(kernel_view(_kernel_ready(out)), kernel_view(dout), hi, lo, dpsum, lse_log2, tile_flags[1], dq_accum,

@@ -105,6 +105,13 @@ def page_prefetch() -> bool | None:
     return _flag("FLASH4_PAGE_PREFETCH")
 
 
+def postprocess_wide() -> bool | None:
+    """FLASH4_POSTPROCESS_WIDE (0/1, true/false, on/off, yes/no), or None when unset: the dQ
+    postprocess's 16-byte stores (flash4.config.POSTPROCESS_WIDE_STORES, on by default). For A/B
+    measurements."""
+    return _flag("FLASH4_POSTPROCESS_WIDE")
+
+
 def runtime_load_enabled() -> bool:
     """FLASH4_RUNTIME_LOAD: cached kernels are linked into shared libraries when stored and loaded
     through TVM-FFI alone, without importing the CuTe DSL (flash4.compile.disk_cache). Off by

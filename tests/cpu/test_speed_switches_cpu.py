@@ -341,3 +341,18 @@ def test_early_q_release_sass(name, cfg, loops):
         off_sites = [i for i, line in enumerate(off.splitlines()) if Q_RELEASE.search(line)]
         assert len(off_sites) == 1
         assert off_sites[0] > max(i for i, line in enumerate(off.splitlines()) if "HGMMA" in line)
+
+
+def test_postprocess_wide_stores_is_the_default(monkeypatch):
+    """The dQ postprocess's 16-byte stores are on by default since the H200 A/B of 2026-12-02
+    (flash4.config.POSTPROCESS_WIDE_STORES); FLASH4_POSTPROCESS_WIDE turns them off for an A/B, and a
+    value that is not a boolean is a ValueError naming the variable."""
+    from flash4.config import POSTPROCESS_WIDE_STORES, postprocess_wide_stores
+
+    monkeypatch.delenv("FLASH4_POSTPROCESS_WIDE", raising=False)
+    assert POSTPROCESS_WIDE_STORES is True and postprocess_wide_stores() is True
+    monkeypatch.setenv("FLASH4_POSTPROCESS_WIDE", "0")
+    assert postprocess_wide_stores() is False
+    monkeypatch.setenv("FLASH4_POSTPROCESS_WIDE", "maybe")
+    with pytest.raises(ValueError, match="FLASH4_POSTPROCESS_WIDE"):
+        postprocess_wide_stores()

@@ -90,7 +90,7 @@ def select_configs(headdims=None, dtypes=None, causals=None, passes=None) -> lis
     ]
 
 
-from flash4.config import SUPPORTED_HEADDIMS, BwdConfig  # noqa: E402
+from flash4.config import SUPPORTED_HEADDIMS, BwdConfig, postprocess_wide_stores  # noqa: E402
 
 
 def compile_check_main(configs: list | None = None, json_path: str | Path | None = None) -> int:
@@ -173,7 +173,9 @@ def warmup_main(configs: list | None = None) -> int:
             if isinstance(cfg, BwdConfig):
                 cache.get_bwd_preprocess_runner(cfg.hdim_v, cfg.dtype, cfg.arch, headdim_q=cfg.headdim)
                 cache.get_bwd_postprocess_runner(cfg.headdim, cfg.dtype, cfg.arch,
-                                                 accum_tile_m=cfg.tile_m if cfg.dq_accum_order else None)
+                                                 accum_tile_m=cfg.tile_m if cfg.dq_accum_order else None,
+                                                 wide_stores=postprocess_wide_stores(),
+                                                 **({"wg_halves": True} if cfg.dq_handoff_per_wg else {}))
                 cache.get_bwd_runner(cfg)
             else:
                 cache.get_fwd_runner(cfg)

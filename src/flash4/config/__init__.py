@@ -69,6 +69,21 @@ PAGE_GATHER_MAX = 0
 # (FLASH4_PAGE_PREFETCH overrides it).
 PAGE_PREFETCH = False
 
+# The dQ postprocess stores 16-byte chunks (kernels/common/bwd_preprocess.py wide_stores): on since
+# the H200 A/B of 2026-12-02 (tools/ab_switch.py, docs/design/speed_candidates.md: the postprocess
+# alone 2.25x faster at d64 in accumulator order, the whole backward 1.05-1.09x at d64 1k, neutral
+# elsewhere; dQ bitwise equal). FLASH4_POSTPROCESS_WIDE=0 turns it off (flash4.env).
+POSTPROCESS_WIDE_STORES = True
+
+
+def postprocess_wide_stores() -> bool:
+    """Whether the dQ postprocess uses 16-byte stores: FLASH4_POSTPROCESS_WIDE when set, else
+    POSTPROCESS_WIDE_STORES."""
+    from flash4 import env
+
+    value = env.postprocess_wide()
+    return POSTPROCESS_WIDE_STORES if value is None else value
+
 
 def paged_page_rows(page_size: int, tile_n: int) -> int:
     """Rows per TMA copy of a paged key block: gcd(page_size, tile_n) (a page piece never crosses
