@@ -27,7 +27,7 @@ from flash4.kernels.sm100.plan import (  # noqa: F401  (the plan, re-exported fo
     ARCH, EXP2_EMU_FRAC, EXP2_EMU_FRAC_CAUSAL, EXP2_EMU_GROUP, exp2_emu_frac_for, LAUNCH_REGS, MAX_KV_STAGES, NUM_THREADS, NUM_WARPS, Party, PipelineSpec,
     ROLE_WARPS, RegisterPlan, SMEM_KV_BUDGET, Signal, TMEM_ALIASES, TMEM_COLUMNS,
     WARPGROUPS, WARP_ROLES, WARP_SIZE, default_register_plan, fwd_smem_bytes, kv_stages_for,
-    pipeline_specs, register_plan, register_plan_problem, tmem_alloc_cols, tmem_map, tmem_used_cols,
+    pipeline_specs, register_plan, register_plan_problem, tma_tx_bytes, tmem_alloc_cols, tmem_map, tmem_used_cols,
 )
 
 # Head dims the sm100 forward has (FA4's 1-CTA forward runs these with q_stage 2; 192/256 need
