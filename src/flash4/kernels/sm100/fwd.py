@@ -1,11 +1,13 @@
-"""FlashAttention forward for Blackwell (sm_100a, B200) in CuTe DSL: 1-CTA, two Q tiles per CTA.
+"""FlashAttention forward for Blackwell (sm_100a, B200) in CuTe DSL: two Q tiles per CTA, 1-CTA, or a
+2-CTA pair (cfg.cta_group 2: a cluster of 2, .cta_group::2 MMAs of M = 256 issued by the leader CTA;
+hd128 non-causal dense; docs/design/sm100_forward.md section 9).
 
 O = softmax(scale * Q K^T) V and LSE, exact. Design after FlashAttention-4's sm100 forward (Zadouri
 et al. 2025; /work/shared/design/BLACKWELL.md section 1): tcgen05 MMAs from one thread into tensor
 memory (TMEM), softmax over TMEM rows, P written back to TMEM as 16-bit and read by the PV MMA from
 there, O rescaled in TMEM by a correction warpgroup only when a row max moved past tau.
 
-Status: compile-verified, not run on hardware. Every TMEM offset comes from
+Status: compile-verified, not run on hardware (the 2-CTA variant too). Every TMEM offset comes from
 flash4.config.sm100.tmem_map, every setmaxnreg budget from register_plan, every mbarrier arrive
 count from pipeline_specs (checked at trace time, kernels/sm100/pipes.py).
 """
@@ -163,7 +165,7 @@ class FlashAttentionForwardSm100:
         window_left: Int32,  # local configs: the window's sides (flash4.geometry.window_sides; UNBOUNDED
         window_right: Int32,  # for an open side); ignored otherwise
         l2_group: Int32,  # (head, batch) pairs per L2 section of the tile order (>= 1)
-        num_ctas: Int32,  # grid size: the number of CTA tiles (ceil(max_seqlen_q / cta_tile_m) * heads * batch)
+        num_ctas: Int32,  # grid size: cta_group CTAs per tile (ceil(max_seqlen_q / cta_tile_m) * heads * batch tiles)
         stream: cuda.CUstream,
     ):
         for name, t in (("seqused_k", mSeqUsedK), ("page_table", mPageTable), ("o_accum", mOacc),
