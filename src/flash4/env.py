@@ -11,6 +11,7 @@
 | FLASH4_SMALL_PAGES | 1 serves paged K/V of any page size >= 1 (pages that are not multiples of 8 gathered row by row; not yet GPU-verified) | off |
 | FLASH4_PAGE_PREFETCH | paged K/V by TMA pieces: read page-table entries two blocks ahead (0/1; A/B) | flash4.config.PAGE_PREFETCH |
 | FLASH4_SM100       | sm_100 kernels: off, selftest (run after passing flash4.selftest), on (unchecked) | selftest |
+| FLASH4_SM100_2CTA  | 1 selects the 2-CTA sm_100 forward (cluster of 2, M = 256 across the pair) where it is built: hd128 non-causal dense; compile-verified, not run on hardware | off |
 | FLASH4_RUNTIME_LOAD | 1 loads cached kernels as shared libraries through TVM-FFI alone (no CuTe DSL import; docs/design/warm_start.md) | off |
 | FLASH4_FAMILY      | kernel family to run instead of the GPU's own: portable (= sm80: mma.sync, runs on sm_80..sm_120 and sm_90), or a family name (sm90, sm80, sm100) | the GPU's (flash4.kernels.registry) |
 
@@ -151,6 +152,15 @@ def page_gather_max() -> int | None:
 
 
 SM100_MODES = ("off", "selftest", "on")
+
+
+def sm100_2cta() -> bool:
+    """FLASH4_SM100_2CTA (0/1, true/false, on/off, yes/no; default off): the sm_100 forward takes its
+    2-CTA variant (flash4.config.sm100: cta_group 2) for the problems it is built for (head dim 128,
+    non-causal, no window, dense batches). Off, every sm_100 forward is 1-CTA: the 2-CTA protocol
+    (cluster barriers, leader-only MMA, pair-wide TMEM dealloc) is compile-verified only
+    (BLACKWELL.md R3). Either way the self-test (FLASH4_SM100) gates the config it selects."""
+    return bool(_flag("FLASH4_SM100_2CTA"))
 
 
 def sm100_mode() -> str:

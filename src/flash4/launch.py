@@ -47,12 +47,16 @@ def fwd_num_tiles(cfg: FwdConfig, batch: int, seqlen_q: int, nheads: int) -> int
 
 def fwd_grid(cfg: FwdConfig, batch: int, seqlen_q: int, nheads: int, num_sms: int) -> tuple[int, int, int]:
     """Forward grid: one CTA per tile (capped at gridDim.x's limit), or one per SM when persistent.
-    The kernel's tile loop (tile = blockIdx.x, += gridDim.x) covers every tile either way."""
+    The kernel's tile loop (tile = blockIdx.x, += gridDim.x) covers every tile either way.
+    A 2-CTA config (sm100 cta_group 2, launched with cluster (2, 1, 1)): cta_group CTAs per tile,
+    gridDim.x a multiple of cta_group (tile = blockIdx.x / 2, += gridDim.x / 2)."""
+    group = getattr(cfg, "cta_group", 1)
     num_tiles = fwd_num_tiles(cfg, batch, seqlen_q, nheads)
-    ctas = min(num_tiles, num_sms) if cfg.persistent else num_tiles
+    ctas = min(num_tiles, num_sms // group) if cfg.persistent else num_tiles
     # A CTA's Int32 tile index ends at (its last tile) + gridDim.x <= num_tiles - 1 + gridDim.x:
     # keep that within int32 (only binds above 2^30 tiles, beyond any GPU's memory today).
-    grid = (min(ctas, MAX_GRID[0], MAX_INT32 + 1 - num_tiles), 1, 1)
+    tiles = min(ctas, MAX_GRID[0] // group, (MAX_INT32 + 1 - num_tiles) // group)
+    grid = (tiles * group, 1, 1)
     check_grid("forward", grid)
     return grid
 

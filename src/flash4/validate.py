@@ -468,7 +468,9 @@ def _gated_problem(q, causal, door: _Door, arch: int) -> Problem:
                                 local=window_sides(window_size, causal) is not None,
                                 softcap=door.softcap > 0, sink=door.learnable_sink is not None,
                                 headdim_v=None if headdim_v == headdim else headdim_v,
-                                seqlen_k=door.k.shape[1] if door.layout == "dense" else None)
+                                seqlen_k=door.k.shape[1] if door.layout == "dense" else None,
+                                # the 2-CTA opt-in, as flash4.config.sm100.fwd_plan asks it (dense only)
+                                **({"two_cta": True} if door.layout == "dense" and env.sm100_2cta() else {}))
     except ValueError as err:
         return ValueError, f"{err} {where}"
     if door.layout == "varlen":  # as flash4.config.sm100.fwd_plan lays it out

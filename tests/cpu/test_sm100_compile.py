@@ -1,6 +1,6 @@
 """Compile check of the sm100 forward on the CPU (no GPU; the kernel has never run on hardware):
 every shipped config builds for sm_100a, and its PTX and SASS show the design -- tcgen05 MMAs
-(1-CTA), commits, TMEM loads/stores, TMA, the TMEM allocation of tmem_map, the setmaxnreg budgets of
+(.2CTA exactly in the 2-CTA configs), commits, TMEM loads/stores, TMA, the TMEM allocation of tmem_map, the setmaxnreg budgets of
 register_plan -- with no Hopper opcodes, no local memory and a stack of 0. PTX and SASS counts of
 the tcgen05 instructions must agree (BLACKWELL.md section 3)."""
 
@@ -23,12 +23,15 @@ from flash4.kernels.sm100.pipes import ArrivalLedger, check_init_counts  # noqa:
 # (select_fwd_config's keywords, then the sequence-layout fields the host sets with dataclasses.replace)
 FEATURES = [(dict(softcap=True), {}), (dict(sink=True), {}), (dict(local=True), {}),
             ({}, dict(varlen_q=True, varlen_k=True, seqused_q=True))]
+# shipped_fwd_configs(features=False) ends with the 2-CTA configs (hd128 non-causal, bf16 / fp16); one
+# 2-CTA feature config (softcap + sink) follows.
 CONFIGS = shipped_fwd_configs(features=False) + [
     dataclasses.replace(select_fwd_config(hd, "bf16", causal, **selected), **layout)
-    for selected, layout in FEATURES for hd, causal in ((128, True), (64, False))]
-IDS = [f"d{c.headdim}-{c.dtype}-{'causal' if c.causal else 'full'}" + ("-softcap" if c.softcap else "")
-       + ("-sink" if c.sink else "") + ("-local" if c.local else "") + ("-varlen" if c.varlen_q else "")
-       for c in CONFIGS]
+    for selected, layout in FEATURES for hd, causal in ((128, True), (64, False))] + [
+    select_fwd_config(128, "bf16", False, softcap=True, sink=True, two_cta=True)]
+IDS = [f"d{c.headdim}-{c.dtype}-{'causal' if c.causal else 'full'}" + ("-2cta" if c.cta_group == 2 else "")
+       + ("-softcap" if c.softcap else "") + ("-sink" if c.sink else "") + ("-local" if c.local else "")
+       + ("-varlen" if c.varlen_q else "") for c in CONFIGS]
 # CPU seconds of one cold compile (trace + MLIR + ptxas, one core). Measured 3.5-4.9 s on the 2-core
 # CI box; the target is 5 s, the assert leaves room for a loaded machine.
 COMPILE_CPU_LIMIT_S = 10.0
@@ -41,6 +44,8 @@ def ptx_counts(ptx: str) -> dict:
         "ld": count(r"\btcgen05\.ld\b"), "st": count(r"\btcgen05\.st\b"),
         "alloc_dealloc_relinquish": count(r"\btcgen05\.(alloc|dealloc|relinquish_alloc_permit)\b"),
         "cta_group_2": count(r"cta_group::2"),
+        "mma_2cta": count(r"\btcgen05\.mma\.cta_group::2\b"),
+        "commit_2cta_multicast": count(r"\btcgen05\.commit\.cta_group::2\.[\w:.]*multicast"),
     }
 
 
@@ -88,7 +93,6 @@ def test_sass_gates(built, name):
     # one code site per MMA of the MMA warp (the Q tile is a loop index): QK^T in the prologue and the
     # key-block loop (hd / 16 MMAs each), PV in the loop and the tail (tile_n / 16 each)
     assert row["utchmma"] == 2 * hd // 16 + 2 * cfg.tile_n // 16, row
-    assert row["utchmma_2cta"] == 0  # 1-CTA
     # commit sites: S ready x2, O final x1, Q releases x2 (unrolled), K/V releases x4
     assert row["utcbar"] == 9
     assert row["ldtm"] > 0 and row["sttm"] > 0
@@ -96,6 +100,17 @@ def test_sass_gates(built, name):
     # O: one TMA store per Q tile (dense), or row-by-row stores below seqlen_q (packed varlen)
     assert (row["utmastg"] > 0) == (not cfg.varlen_q)
     assert row["utcatomsws"] == 3  # alloc, relinquish, dealloc
+    if cfg.cta_group == 2:
+        # every MMA .cta_group::2 (no plain UTCHMMA), every commit multicast to the pair, every TMA
+        # load .2CTA (completing on the leader's barrier), the TMEM allocation .2CTA: the alloc's
+        # two FIND_AND_SET sites (the dealloc's UTCATOMSWS.AND has no suffix, as in FA4's 2-CTA SASS)
+        assert row["utchmma_2cta"] == row["utchmma"], row
+        assert row["utcbar_2cta_multicast"] == row["utcbar"], row
+        assert row["utmaldg_2cta"] == row["utmaldg"], row
+        assert row["utcatomsws_2cta"] == 2, row
+    else:
+        assert row["utchmma_2cta"] == row["utcbar_2cta_multicast"] == row["utmaldg_2cta"] == 0
+        assert row["utcatomsws_2cta"] == 0
     assert row["hgmma"] == 0
     assert row["spills"] == 0, f"{name}: {row['spills']} LDL/STL"
     assert row["stack_bytes"] == 0
@@ -139,8 +154,12 @@ def test_ptx_counts_equal_sass_counts(built, name):
     _, _, ptx, row = built[name]
     if not row:
         pytest.skip("cuobjdump not installed: SASS not checked")
+    cfg = built[name][0]
     p = ptx_counts(ptx)
-    assert p["cta_group_2"] == 0
+    if cfg.cta_group == 2:
+        assert p["mma_2cta"] == p["mma"] and p["commit_2cta_multicast"] == p["commit"] > 0
+    else:
+        assert p["cta_group_2"] == 0
     assert (p["mma"], p["commit"], p["ld"], p["st"], p["alloc_dealloc_relinquish"]) == (
         row["utchmma"], row["utcbar"], row["ldtm"], row["sttm"], row["utcatomsws"])
 

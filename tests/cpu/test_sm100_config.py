@@ -15,15 +15,17 @@ from flash4.config.sm100 import (LAUNCH_REGS, TMEM_ALIASES, TMEM_COLUMNS, Regist
 from flash4.kernels import registry
 
 CONFIGS = shipped_fwd_configs()
-IDS = [f"d{c.headdim}-{c.dtype}-{'causal' if c.causal else 'full'}" for c in CONFIGS]
+IDS = [f"d{c.headdim}-{c.dtype}-{'causal' if c.causal else 'full'}-{c.cta_group}cta" for c in CONFIGS]
+ONE_CTA = [c for c in CONFIGS if c.cta_group == 1]
+TWO_CTA = [c for c in CONFIGS if c.cta_group == 2]
 
 
 def test_shipped_configs_cover_the_grid():
-    assert len(CONFIGS) == 96
-    assert {(c.headdim, c.dtype, c.causal, c.local, c.softcap, c.sink) for c in CONFIGS} == set(
+    assert len(CONFIGS) == 104 and len(ONE_CTA) == 96 and len(TWO_CTA) == 8
+    assert {(c.headdim, c.dtype, c.causal, c.local, c.softcap, c.sink) for c in ONE_CTA} == set(
         itertools.product((64, 96, 128), ("bf16", "fp16"), *[(False, True)] * 4))
     assert shipped_fwd_configs(features=False) == [c for c in CONFIGS if not (c.local or c.softcap or c.sink)]
-    for c in CONFIGS:
+    for c in ONE_CTA:
         assert (c.q_stage, c.tile_m, c.tile_n, c.cta_group, c.arch) == (2, 128, 128, 1, 100)
         assert c.cta_tile_m == 256 and c.num_threads == 512
         assert c.lpt == (c.causal and not c.local) and not c.persistent
@@ -33,8 +35,69 @@ def test_shipped_configs_cover_the_grid():
 
 
 def test_kv_stages_are_fa4s_formula():
-    # min((224 KiB - Q - O) / stage, 32), Q and O two 128-row tiles each (FA4 flash_fwd_sm100.py:426)
-    assert {c.headdim: c.kv_stages for c in CONFIGS} == {64: 10, 96: 5, 128: 3}
+    # min((224 KiB - Q - O) / stage, 32), Q and O two 128-row tiles each (FA4 flash_fwd_sm100.py:426);
+    # 2-CTA: a stage is half a K/V block per CTA (FA4 :397), so hd128 fits 6
+    assert {c.headdim: c.kv_stages for c in ONE_CTA} == {64: 10, 96: 5, 128: 3}
+    assert {c.kv_stages for c in TWO_CTA} == {6} and {c.smem_bytes() for c in TWO_CTA} == {sm100.SMEM_KV_BUDGET}
+
+
+# ---------------------------------------------------------------- 2-CTA
+def test_two_cta_configs():
+    """hd128 non-causal x bf16 / fp16 x softcap / sink, a cluster of 2 per tile of 512 query rows,
+    FA4's 2-CTA register plan (184/80/64), exp2 emulation 1/8 (1/4 spilled at 184 registers)."""
+    assert {(c.headdim, c.dtype, c.causal, c.local, c.softcap, c.sink) for c in TWO_CTA} == set(
+        itertools.product((128,), ("bf16", "fp16"), (False,), (False,), (False, True), (False, True)))
+    for c in TWO_CTA:
+        assert (c.q_stage, c.tile_m, c.tile_n, c.cta_tile_m) == (2, 128, 128, 512)
+        assert dataclasses.astuple(register_plan(c)) == (184, 80, 64)
+        assert c.exp2_emu_frac == sm100.EXP2_EMU_FRAC_CAUSAL and not c.lpt
+        assert tmem_map(c) == tmem_map(select_fwd_config(128))  # the TMEM map is per CTA, unchanged
+    assert dataclasses.astuple(default_register_plan(128, False, cta_group=2)) == (184, 80, 64)  # FA4 :380-403
+
+
+def test_two_cta_is_opt_in():
+    """select_fwd_config returns 1-CTA unless asked (two_cta; the host passes FLASH4_SM100_2CTA), and
+    asked, only where 2-CTA is built (otherwise the 1-CTA config)."""
+    assert select_fwd_config(128).cta_group == 1
+    assert select_fwd_config(128, two_cta=True).cta_group == 2
+    for kwargs in (dict(headdim=64), dict(headdim=96), dict(headdim=128, causal=True), dict(headdim=128, local=True)):
+        assert select_fwd_config(two_cta=True, **kwargs) == select_fwd_config(**kwargs)
+
+
+def test_two_cta_env_switch(monkeypatch):
+    from flash4 import env
+
+    monkeypatch.delenv("FLASH4_SM100_2CTA", raising=False)
+    assert env.sm100_2cta() is False
+    for value, want in (("1", True), ("on", True), ("0", False)):
+        monkeypatch.setenv("FLASH4_SM100_2CTA", value)
+        assert env.sm100_2cta() is want
+    monkeypatch.setenv("FLASH4_SM100_2CTA", "maybe")
+    with pytest.raises(ValueError, match="FLASH4_SM100_2CTA"):
+        env.sm100_2cta()
+
+
+@pytest.mark.parametrize("base,fields,match", [
+    (dict(headdim=64), {}, "headdim=64"), (dict(headdim=96), {}, "headdim=96"),
+    (dict(headdim=128, causal=True), {}, "causal"), (dict(headdim=128, local=True), {}, "windowed"),
+    (dict(headdim=128), dict(varlen_q=True, varlen_k=True), "packed"), (dict(headdim=128), dict(seqused_q=True), "packed"),
+])
+def test_two_cta_outside_its_problems_cannot_exist(base, fields, match):
+    with pytest.raises(ValueError, match=match):
+        dataclasses.replace(select_fwd_config(**base), cta_group=2, **fields)
+
+
+@pytest.mark.parametrize("seqlen_q,heads,batch,tiles", [(1, 1, 1, 1), (512, 1, 1, 1), (513, 3, 2, 12), (4096, 16, 4, 512)])
+def test_two_cta_grid_is_two_ctas_per_tile(seqlen_q, heads, batch, tiles):
+    """flash4.launch: a tile is 512 query rows (the pair's 2 x 2 Q tiles of 128), gridDim.x = 2 x tiles
+    (launched with cluster (2, 1, 1): a multiple of 2); the 1-CTA grid is unchanged."""
+    from flash4 import launch
+
+    cfg = select_fwd_config(128, two_cta=True)
+    assert launch.fwd_num_tiles(cfg, batch, seqlen_q, heads) == tiles
+    assert launch.fwd_grid(cfg, batch, seqlen_q, heads, 148) == (2 * tiles, 1, 1)
+    one = select_fwd_config(128)
+    assert launch.fwd_grid(one, batch, seqlen_q, heads, 148) == (-(-seqlen_q // 256) * heads * batch, 1, 1)
 
 
 # ---------------------------------------------------------------- TMEM
@@ -109,10 +172,30 @@ def test_pipeline_arrive_counts():
         "corr_epi": (2, 128, 1),  # correction threads; the epilogue warp's elected lane
     }
     assert not specs["o_full"].waited_empty
-    # a 2-CTA pair doubles the TMA and commit arrivals (FA4: tx bytes x cta_group)
-    assert specs["q"].full_arrivals(cta_group=2) == 2 and specs["s_p_o"].full_arrivals(cta_group=2) == 2
-    assert specs["s_p_o"].empty_arrivals(cta_group=2) == 256
     assert "softmax (all threads: 128) + correction (all threads: 128) = 256" in specs["s_p_o"].describe()
+
+
+def test_two_cta_pipeline_arrive_counts():
+    """Per CTA barrier, in a pair (the DSL's PipelineTmaUmma / PipelineUmmaAsync with the pair's
+    cluster layout, and FA4's *_cluster groups): the leader's load warp alone arrives with
+    expect_tx of both CTAs' bytes (1 arrival, tx x 2); a commit is multicast, one arrival on each
+    CTA's barrier; the softmax and correction threads of both CTAs release s_p_o / o_full on the
+    leader's barrier (x 2); sm_stats and corr_epi stay CTA-local."""
+    cfg = select_fwd_config(128, two_cta=True)
+    specs = pipeline_specs(cfg)
+    counts = {name: (s.stages, s.full_arrivals(), s.empty_arrivals()) for name, s in specs.items()}
+    assert counts == {
+        "q": (2, 1, 1), "kv": (6, 1, 1),
+        "s_p_o": (2, 1, 512),  # multicast commit; 2 x (softmax 128 + correction 128)
+        "sm_stats": (2, 128, 128),
+        "o_full": (2, 1, 256),
+        "corr_epi": (2, 128, 1),
+    }
+    assert "correction (all threads from both CTAs: 256) = 512" in specs["s_p_o"].describe()
+    assert sm100.tma_tx_bytes(cfg, 16384) == 32768 and sm100.tma_tx_bytes(select_fwd_config(128), 16384) == 16384
+    # the 1-CTA specs are the same parties, counted for one CTA
+    assert {n: (s.producers, s.consumers) for n, s in specs.items()} == {
+        n: (s.producers, s.consumers) for n, s in pipeline_specs(select_fwd_config(128)).items()}
 
 
 def test_every_party_is_a_role():
@@ -150,7 +233,7 @@ def test_unbuilt_headdims_raise(hd):
 @pytest.mark.parametrize("field,value", [
     ("seqused_k", True), ("page_rows", 16),
     ("split_kv", True), ("headdim_v", 64), ("pack_gqa", 2),
-    ("exp2_emu_frac", 0.33), ("exp2_emu_frac", 1.5), ("persistent", True), ("cta_group", 2), ("q_stage", 1), ("tile_n", 64),
+    ("exp2_emu_frac", 0.33), ("exp2_emu_frac", 1.5), ("persistent", True), ("cta_group", 3), ("q_stage", 1), ("tile_n", 64),
     ("arch", 110), ("kv_stages", 4),
 ])
 def test_a_config_with_an_unbuilt_field_cannot_exist(field, value):

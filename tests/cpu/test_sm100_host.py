@@ -97,6 +97,34 @@ def test_fwd_config_on_sm100():
     assert plan.cfg == sm100.select_fwd_config(128, "bf16", True) and selftest.gated(plan.cfg)
 
 
+def test_two_cta_is_selected_only_with_its_switch(monkeypatch):
+    """FLASH4_SM100_2CTA=1: hd128 non-causal dense batches get the 2-CTA config; causal, other head
+    dims and packed batches keep 1-CTA; unset: always 1-CTA."""
+    q, k, v = qkv()
+    monkeypatch.delenv("FLASH4_SM100_2CTA", raising=False)
+    assert fwd_config(Request.dense(q, k, v), 100).cfg.cta_group == 1
+    monkeypatch.setenv("FLASH4_SM100_2CTA", "1")
+    plan = fwd_config(Request.dense(q, k, v), 100)
+    assert plan.cfg == sm100.select_fwd_config(128, "bf16", False, two_cta=True) and plan.cfg.cta_group == 2
+    assert selftest.gated(plan.cfg)
+    assert fwd_config(Request.dense(q, k, v, causal=True), 100).cfg.cta_group == 1
+    q64, k64, v64 = qkv(d=64)
+    assert fwd_config(Request.dense(q64, k64, v64), 100).cfg.cta_group == 1
+
+
+def test_two_cta_launch_is_gated_by_its_own_selftest(sm100_device, monkeypatch, compiled):
+    """With the switch on, the support check and the launch ask the self-test about the 2-CTA config
+    (the one that runs), and the grid has 2 CTAs per 512-row tile."""
+    monkeypatch.setenv("FLASH4_SM100_2CTA", "1")
+    asked = verdicts(monkeypatch, ok=True)
+    q, k, v = qkv()
+    two = sm100.select_fwd_config(128, "bf16", False, two_cta=True)
+    assert validate.support_error(q, k, v) is None
+    _launch()
+    assert asked == [two] and compiled == [two]
+    assert fwd_grid(two, 1, 300, 4, 148) == (2 * 4, 1, 1)  # ceil(300 / 512) tiles x 4 heads, 2 CTAs each
+
+
 def test_grid_counts_cta_tiles_of_256_rows():
     cfg = sm100.select_fwd_config(128, "bf16", False)
     assert cfg.cta_tile_m == 256

@@ -8,13 +8,24 @@ terminates (no deadlock), every barrier ends on a completed phase (no stray or m
 and no wait is satisfied by a later phase than the one it meant (no phase lapping: with parity
 waits, a barrier two phases ahead would look like the phase the waiter expects). MMAs, TMA copies
 and commits complete instantly here; the real kernel's extra latency only delays arrivals.
+
+2-CTA configs (cta_group 2) run as a pair: each CTA has its own barriers and roles, the MMA role runs
+in the leader CTA only, and every arrival goes where the kernel's pipelines send it (the DSL's
+PipelineTmaUmma / PipelineUmmaAsync with the pair's cluster layout): a tcgen05.commit is multicast
+(one arrival on the barrier of each CTA), the leader's load warp alone arrives with expect_tx of
+both CTAs' bytes and each CTA's TMA completes its half on the leader's barrier (transaction bytes:
+a phase completes when its arrivals and its bytes are in), the softmax and correction threads of
+both CTAs release s_p_o (and would o_full) on the leader's barrier; sm_stats and corr_epi stay
+CTA-local. Waits are on the waiter's own CTA's barriers. Not modelled: the cluster launch and the
+init handshake (pipeline_init_arrive / wait), the TMEM dealloc handshake, remote-arrive latency
+beyond reordering.
 """
 
 import random
 
 import pytest
 
-from flash4.config.sm100 import pipeline_specs, select_fwd_config
+from flash4.config.sm100 import Signal, pipeline_specs, select_fwd_config
 
 
 class Barrier:
@@ -22,11 +33,20 @@ class Barrier:
         self.name, self.count = name, count
         self.pending = 0  # arrivals in the current (incomplete) phase
         self.completed = 0  # phases completed so far
+        self.tx = 0  # transaction balance of the current phase (expect_tx adds, complete_tx subtracts)
 
-    def arrive(self, n):
+    def arrive(self, n, expect_tx=0):
         self.pending += n
+        self.tx += expect_tx
         assert self.pending <= self.count, f"{self.name}: {self.pending} arrivals > count {self.count}"
-        if self.pending == self.count:
+        self._complete()
+
+    def complete_tx(self, n=1):
+        self.tx -= n
+        self._complete()
+
+    def _complete(self):
+        if self.pending == self.count and self.tx == 0:
             self.pending = 0
             self.completed += 1
 
@@ -36,22 +56,54 @@ class Barrier:
         return self.completed % 2 != parity
 
 
+LEADER = 0
+
+
 class Model:
-    """The barriers of one CTA: name.side.stage -> Barrier, plus each waiter's count of waits per
-    barrier (to detect lapping)."""
+    """The barriers of each CTA (one, or the pair of a 2-CTA config): (cta, name, side, stage) ->
+    Barrier, initialized with the spec's counts (count_group: the cta_group the counts are taken for,
+    the config's unless a test breaks it)."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, count_group=None):
         self.specs = pipeline_specs(cfg)
+        self.group = cfg.cta_group
+        g = self.group if count_group is None else count_group
         self.bars = {}
-        for spec in self.specs.values():
-            for s in range(spec.stages):
-                self.bars[(spec.name, "full", s)] = Barrier(f"{spec.name}.full[{s}]", spec.full_arrivals())
-                self.bars[(spec.name, "empty", s)] = Barrier(f"{spec.name}.empty[{s}]", spec.empty_arrivals())
+        for cta in range(self.group):
+            for spec in self.specs.values():
+                for s in range(spec.stages):
+                    self.bars[(cta, spec.name, "full", s)] = Barrier(f"cta{cta}.{spec.name}.full[{s}]",
+                                                                     spec.full_arrivals(g))
+                    self.bars[(cta, spec.name, "empty", s)] = Barrier(f"cta{cta}.{spec.name}.empty[{s}]",
+                                                                      spec.empty_arrivals(g))
 
-    def arrivals(self, name, side, role):
+    def party(self, name, side, role):
         spec = self.specs[name]
         parties = spec.producers if side == "full" else spec.consumers
-        return next(p for p in parties if p.role == role).arrivals()
+        return next(p for p in parties if p.role == role)
+
+    def arrivals(self, name, side, role):
+        """Arrivals one CTA's `role` adds in one arrive op (its own threads: a 1-CTA count)."""
+        return self.party(name, side, role).arrivals(1)
+
+    def apply_arrive(self, cta, op):
+        """One arrive op of `role` in CTA `cta`, routed as the kernel's pipelines route it."""
+        _, name, side, stage, role, k = op
+        party = self.party(name, side, role)
+        if party.signal is Signal.TMA:
+            # the leader's elected thread: arrive + expect_tx of the pair's bytes; each CTA's TMA
+            # completes its bytes on the leader's barrier (1-CTA: its own, the same thing)
+            bar = self.bars[(LEADER, name, side, stage)]
+            assert bar.completed == k, f"cta{cta} TMA into {bar.name} for completion {k + 1}, found {bar.completed}"
+            if cta == LEADER:
+                bar.arrive(1, expect_tx=self.group)
+            bar.complete_tx(1)
+        elif party.signal is Signal.COMMIT:
+            assert cta == LEADER, "only the leader CTA issues MMAs and commits"
+            for c in range(self.group):  # multicast to the pair
+                self.bars[(c, name, side, stage)].arrive(1)
+        else:
+            self.bars[(LEADER if party.to_leader else cta, name, side, stage)].arrive(party.arrivals(1))
 
 
 # Ops a role yields: ("wait", name, side, stage, parity, expected_phase) or ("arrive", name, side, stage, role).
@@ -60,8 +112,9 @@ def W(name, side, stage, parity, k):
     return ("wait", name, side, stage, parity, k)
 
 
-def A(name, side, stage, role):
-    return ("arrive", name, side, stage, role)
+def A(name, side, stage, role, k=None):
+    """An arrive; k: the completion (0-based) it is meant for (checked for TMA arrivals)."""
+    return ("arrive", name, side, stage, role, k)
 
 
 class Ring:
@@ -84,7 +137,7 @@ def load(tiles, q_stage, kv_stages):
     def acquire(name, ring):
         # producer_acquire: wait empty (the previous use's release), then arrive.expect_tx on full
         yield W(name, "empty", ring.index, ring.phase, ring.uses[ring.index] - 1)
-        yield A(name, "full", ring.index, "load")  # the TMA bytes land at once in the model
+        yield A(name, "full", ring.index, "load", ring.uses[ring.index])  # the TMA bytes land at once here
         ring.advance()
 
     for n in tiles:
@@ -216,53 +269,59 @@ def epilogue(tiles, q_stage):
             yield A("corr_epi", "empty", index, "epilogue")
 
 
-def run(cfg, tiles, seed, correction_role=None):
-    """Run every role of one CTA over `tiles` (key blocks per tile) in a random interleaving."""
-    model = Model(cfg)
+def run(cfg, tiles, seed, correction_role=None, count_group=None):
+    """Run every role of each CTA (the pair's for 2-CTA: the MMA role in the leader only) over `tiles`
+    (key blocks per tile; both CTAs of a pair walk the same tiles) in a random interleaving."""
+    model = Model(cfg, count_group)
     q, kvs = cfg.q_stage, cfg.kv_stages
-    roles = {"load": load(tiles, q, kvs), "mma": mma(tiles, q, kvs), "epilogue": epilogue(tiles, q),
-             "correction": (correction_role or correction)(tiles, q)}
-    for s in range(q):
-        roles[f"softmax{s}"] = softmax(tiles, s)
-    current = {name: next(gen) for name, gen in roles.items()}
+    roles = {}
+    for cta in range(cfg.cta_group):
+        roles[(cta, "load")] = load(tiles, q, kvs)
+        if cta == LEADER:
+            roles[(cta, "mma")] = mma(tiles, q, kvs)
+        roles[(cta, "epilogue")] = epilogue(tiles, q)
+        roles[(cta, "correction")] = (correction_role or correction)(tiles, q)
+        for s in range(q):
+            roles[(cta, f"softmax{s}")] = softmax(tiles, s)
+    current = {key: next(gen) for key, gen in roles.items()}
     rng = random.Random(seed)
     while current:
         runnable = []
-        for name, op in current.items():
+        for key, op in current.items():
             if op[0] == "arrive":
-                runnable.append(name)
+                runnable.append(key)
             else:
                 _, bname, side, stage, parity, k = op
-                bar = model.bars[(bname, side, stage)]
+                bar = model.bars[(key[0], bname, side, stage)]
                 if k < 0 or bar.passes(parity):  # k < 0: a producer's first acquire (buffer empty)
-                    runnable.append(name)
+                    runnable.append(key)
         assert runnable, f"deadlock: every role waits: {current}"
-        name = rng.choice(runnable)
-        op = current[name]
+        key = runnable[rng.randrange(len(runnable))]
+        op = current[key]
         if op[0] == "arrive":
-            _, bname, side, stage, role = op
-            model.bars[(bname, side, stage)].arrive(model.arrivals(bname, side, role))
+            model.apply_arrive(key[0], op)
         else:
             _, bname, side, stage, parity, k = op
-            bar = model.bars[(bname, side, stage)]
+            bar = model.bars[(key[0], bname, side, stage)]
             if k >= 0:
                 # the wait means the k-th completion; a later one would be phase lapping
-                assert bar.completed == k + 1, f"{name} waited on {bar.name} for completion {k + 1}, found {bar.completed}"
+                assert bar.completed == k + 1, f"{key} waited on {bar.name} for completion {k + 1}, found {bar.completed}"
             else:
-                assert bar.passes(parity), f"{name}: first acquire of {bar.name} found it busy"
+                assert bar.passes(parity), f"{key}: first acquire of {bar.name} found it busy"
         try:
-            current[name] = next(roles[name])
+            current[key] = next(roles[key])
         except StopIteration:
-            del current[name]
-    for key, bar in model.bars.items():
-        if key[1] == "empty" and not model.specs[key[0]].waited_empty:
+            del current[key]
+    for (cta, name, side, stage), bar in model.bars.items():
+        if side == "empty" and not model.specs[name].waited_empty:
             assert bar.completed == 0 and bar.pending == 0, bar.name
-        elif key[:2] == ("s_p_o", "empty"):
+        elif (name, side) == ("s_p_o", "empty") and cta == LEADER:
             # the correction's release after the last tile's O read is for a next tile that never
-            # comes: exactly its arrivals stay pending (harmless at exit: nobody waits)
-            assert bar.pending == model.arrivals("s_p_o", "empty", "correction"), (bar.name, bar.pending)
+            # comes: exactly its arrivals stay pending (harmless at exit: nobody waits); in a pair
+            # both CTAs' corrections release on the leader's barrier
+            assert bar.pending == cfg.cta_group * model.arrivals("s_p_o", "empty", "correction"), (bar.name, bar.pending)
         else:
-            assert bar.pending == 0, f"{bar.name}: {bar.pending} arrivals left in an incomplete phase"
+            assert bar.pending == 0 and bar.tx == 0, f"{bar.name}: {bar.pending} arrivals / {bar.tx} tx left in a phase"
     return model
 
 
@@ -275,17 +334,29 @@ def test_protocol_terminates_without_lapping(hd, tiles):
     cfg = select_fwd_config(hd)
     for seed in range(40):
         model = run(cfg, tiles, seed)
+    check_counts(cfg, model, tiles)
+
+
+def check_counts(cfg, model, tiles):
     blocks = sum(tiles)
-    for stage in range(cfg.q_stage):
-        # one S-ready commit and one "P written + O rescaled" phase per Q tile and key block
-        assert model.bars[("s_p_o", "full", stage)].completed == blocks
-        assert model.bars[("s_p_o", "empty", stage)].completed == blocks
-        # softmax -> correction: n messages per tile with keys (factors of blocks 1..n-1, 1 / row_sum)
-        assert model.bars[("sm_stats", "full", stage)].completed == blocks
-        assert model.bars[("o_full", "full", stage)].completed == sum(1 for n in tiles if n)
-        assert model.bars[("corr_epi", "full", stage)].completed == len(tiles)  # empty tiles store O = 0 too
-        assert model.bars[("q", "full", stage)].completed == sum(1 for n in tiles if n)
-    assert sum(model.bars[("kv", "full", s)].completed for s in range(cfg.kv_stages)) == 2 * blocks
+    with_keys = sum(1 for n in tiles if n)
+    for cta in range(cfg.cta_group):
+        leader = cta == LEADER
+        bars = {k[1:]: b for k, b in model.bars.items() if k[0] == cta}
+        for stage in range(cfg.q_stage):
+            # one S-ready commit and one "P written + O rescaled" phase per Q tile and key block
+            # (the MMA-side barriers of the pair live in the leader: the follower's are never used)
+            assert bars[("s_p_o", "full", stage)].completed == blocks
+            assert bars[("s_p_o", "empty", stage)].completed == (blocks if leader else 0)
+            # softmax -> correction: n messages per tile with keys (factors of blocks 1..n-1, 1 / row_sum)
+            assert bars[("sm_stats", "full", stage)].completed == blocks
+            assert bars[("o_full", "full", stage)].completed == with_keys
+            assert bars[("corr_epi", "full", stage)].completed == len(tiles)  # empty tiles store O = 0 too
+            assert bars[("q", "full", stage)].completed == (with_keys if leader else 0)
+            assert bars[("q", "empty", stage)].completed == with_keys  # the multicast release reaches both
+        kv_full = sum(bars[("kv", "full", s)].completed for s in range(cfg.kv_stages))
+        assert kv_full == (2 * blocks if leader else 0)
+        assert sum(bars[("kv", "empty", s)].completed for s in range(cfg.kv_stages)) == 2 * blocks
 
 
 def test_the_model_finds_a_missing_release():
@@ -309,3 +380,43 @@ def test_the_model_finds_an_extra_release():
     with pytest.raises(AssertionError):
         for seed in range(20):
             run(select_fwd_config(128), [0, 2, 1], seed=seed, correction_role=broken)
+
+
+# ---------------------------------------------------------------- the 2-CTA pair
+@pytest.mark.parametrize("tiles", TILE_SETS, ids=[str(t) for t in TILE_SETS])
+def test_two_cta_pair_terminates_without_lapping(tiles):
+    """The pair (hd128 non-causal, cta_group 2) with the spec's per-CTA counts: multicast commits,
+    leader-only expect_tx of both halves, both CTAs' releases on the leader's s_p_o (512 a phase)."""
+    cfg = select_fwd_config(128, two_cta=True)
+    assert cfg.cta_group == 2
+    for seed in range(40):
+        model = run(cfg, tiles, seed)
+    check_counts(cfg, model, tiles)
+
+
+def test_the_pair_model_finds_one_cta_counts():
+    """Sanity of the pair model: barriers initialized with 1-CTA counts (the leader's s_p_o empty at
+    256, the TMA full barriers expecting one half) complete phases early: PV before the peer's P is
+    written; the parity waits then lap (here: a deadlock, the hang it would be on hardware)."""
+    cfg = select_fwd_config(128, two_cta=True)
+    with pytest.raises(AssertionError):
+        for seed in range(20):
+            run(cfg, [3, 1], seed=seed, count_group=1)
+
+
+def test_the_pair_model_finds_a_follower_missing_release():
+    """Drop the follower's initial s_p_o releases (as if its correction arrived on its own barrier):
+    the leader's MMA waits forever for 512 arrivals."""
+    cfg = select_fwd_config(128, two_cta=True)
+    calls = []
+
+    def follower_broken(tiles, q_stage):
+        gen = correction(tiles, q_stage)
+        calls.append(1)
+        if len(calls) == 2:  # the second CTA's correction (roles are built leader first)
+            for _ in range(q_stage):
+                next(gen)
+        yield from gen
+
+    with pytest.raises(AssertionError, match="deadlock"):
+        run(cfg, [2], seed=0, correction_role=follower_broken)

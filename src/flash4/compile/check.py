@@ -84,7 +84,8 @@ def extract_cubin(compiled) -> bytes | None:
 def resource_usage(cubin: bytes) -> dict:
     """{registers, spills (bytes stored+loaded), smem_static, hgmma, utmaldg, utmastg, mufu_ex2,
     wgmma_serialized} via cuobjdump, and the sm_100a opcodes (sass_counts): utchmma (with .2CTA),
-    utchmma_2cta, utcbar, ldtm, sttm, utcatomsws, ffma2, fadd2_rm. On sm_100a `registers` is the launch cap
+    utchmma_2cta, utcbar (utcbar_2cta_multicast), ldtm, sttm, utcatomsws (utcatomsws_2cta), ffma2, fadd2_rm,
+    and utmaldg_2cta. On sm_100a `registers` is the launch cap
     (65536 / threads); the setmaxnreg budgets are in the PTX."""
     tool = _cuobjdump()
     if tool is None:
@@ -109,6 +110,7 @@ def resource_usage(cubin: bytes) -> dict:
         "spills": local + spill_st,
         "hgmma": len(re.findall(r"\bHGMMA\b", sass)),
         "utmaldg": len(re.findall(r"\bUTMALDG\b", sass)),
+        "utmaldg_2cta": len(re.findall(r"\bUTMALDG\.\w+\.2CTA\b", sass)),  # sm_100a .cta_group::2 TMA loads
         "utmastg": len(re.findall(r"\bUTMASTG\b", sass)),
         "mufu_ex2": len(re.findall(r"MUFU\.EX2", sass)),
         "mufu_tanh": len(re.findall(r"MUFU\.TANH", sass)),
@@ -132,8 +134,12 @@ def resource_usage(cubin: bytes) -> dict:
 # sm_100a (tcgen05) opcodes: SASS name -> row key. UTCHMMA = tcgen05.mma kind::f16, UTCBAR =
 # tcgen05.commit, LDTM / STTM = tcgen05.ld / st, UTCATOMSWS = tcgen05.alloc / dealloc / relinquish;
 # FFMA2 / FADD2.RM = fma / add.rm .f32x2 (FADD2.RM: one per pair of the exp2 polynomial's range reduction).
-SM100_OPCODES = {"UTCHMMA": "utchmma", "UTCHMMA.2CTA": "utchmma_2cta", "UTCBAR": "utcbar", "LDTM": "ldtm",
-                 "STTM": "sttm", "UTCATOMSWS": "utcatomsws", "FFMA2": "ffma2", "FADD2.RM": "fadd2_rm"}
+# The .2CTA forms are the .cta_group::2 instructions of a 2-CTA kernel (UTCBAR.2CTA.MULTICAST: a commit
+# multicast to the pair's barriers).
+SM100_OPCODES = {"UTCHMMA": "utchmma", "UTCHMMA.2CTA": "utchmma_2cta", "UTCBAR": "utcbar",
+                 "UTCBAR.2CTA.MULTICAST": "utcbar_2cta_multicast", "LDTM": "ldtm", "STTM": "sttm",
+                 "UTCATOMSWS": "utcatomsws", "UTCATOMSWS.2CTA": "utcatomsws_2cta", "FFMA2": "ffma2",
+                 "FADD2.RM": "fadd2_rm"}
 
 
 def sass_counts(sass: str) -> dict:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 LABEL = "compile-verified for sm_100a, not yet run on Blackwell hardware"
 # SASS opcode columns of the report: (header, resource_usage key).
-OPCODES = (("UTCHMMA", "utchmma"), ("UTCBAR", "utcbar"), ("LDTM", "ldtm"), ("STTM", "sttm"),
+OPCODES = (("UTCHMMA", "utchmma"), ("UTCHMMA.2CTA", "utchmma_2cta"), ("UTCBAR", "utcbar"), ("LDTM", "ldtm"), ("STTM", "sttm"),
            ("UTMALDG", "utmaldg"), ("UTMASTG", "utmastg"), ("MUFU.EX2", "mufu_ex2"), ("FFMA2", "ffma2"),
            ("FADD2.RM", "fadd2_rm"), ("MUFU.TANH", "mufu_tanh"))
 
@@ -62,7 +62,7 @@ def check_one(cfg) -> dict:
     from flash4.config.sm100 import register_plan, tmem_alloc_cols, tmem_used_cols
 
     plan = register_plan(cfg)
-    row = {"config": name(cfg), "ok": False, "error": None, "compile_s": None, "label": LABEL,
+    row = {"config": name(cfg), "ok": False, "error": None, "compile_s": None, "label": LABEL, "cta_group": cfg.cta_group,
            "regs_softmax": plan.softmax, "regs_correction": plan.correction, "regs_other": plan.other,
            "tmem_used": tmem_used_cols(cfg), "tmem_alloc": tmem_alloc_cols(cfg), "smem_bytes": cfg.smem_bytes()}
     t0, c0 = time.perf_counter(), time.process_time()
@@ -89,7 +89,8 @@ def check_one(cfg) -> dict:
 
 def problems(row: dict) -> list[str]:
     """What fails the check in one row: a compile error, local memory, a setmaxnreg / alloc operand
-    that differs from the plan, a Hopper opcode."""
+    that differs from the plan, a Hopper opcode, a tcgen05 MMA whose .2CTA form differs from the
+    config's cta_group."""
     if not row["ok"]:
         return [f"compile error: {row['error'].splitlines()[0][:200]}"]
     out = []
@@ -101,6 +102,11 @@ def problems(row: dict) -> list[str]:
         out.append("tcgen05.alloc columns differ from tmem_alloc_cols")
     if row.get("hgmma"):
         out.append(f"{row['hgmma']} HGMMA (a Hopper opcode) in an sm_100a kernel")
+    if row.get("utchmma") is not None:
+        two = row.get("cta_group", 1) == 2
+        if row.get("utchmma_2cta", 0) != (row["utchmma"] if two else 0):
+            out.append(f"{row.get('utchmma_2cta', 0)} of {row['utchmma']} UTCHMMA are .2CTA in a "
+                       f"{row.get('cta_group', 1)}-CTA config (.2CTA exactly where the config says 2-CTA)")
     return out
 
 

@@ -19,6 +19,7 @@ import dataclasses
 import enum
 import itertools
 
+from flash4 import env
 from flash4.config import HDIMV_PAIRS, SUPPORTED_HEADDIMS, FwdPlan, with_seq_layout
 from flash4.constants import DTYPES, RESCALE_THRESHOLD_LOG2
 from flash4.kernels.common.exp2_poly import mixed_pattern
@@ -26,7 +27,7 @@ from flash4.kernels.sm100.plan import (  # noqa: F401  (the plan, re-exported fo
     ARCH, EXP2_EMU_FRAC, EXP2_EMU_FRAC_CAUSAL, EXP2_EMU_GROUP, exp2_emu_frac_for, LAUNCH_REGS, MAX_KV_STAGES, NUM_THREADS, NUM_WARPS, Party, PipelineSpec,
     ROLE_WARPS, RegisterPlan, SMEM_KV_BUDGET, Signal, TMEM_ALIASES, TMEM_COLUMNS,
     WARPGROUPS, WARP_ROLES, WARP_SIZE, default_register_plan, fwd_smem_bytes, kv_stages_for,
-    pipeline_specs, register_plan, register_plan_problem, tmem_alloc_cols, tmem_map, tmem_used_cols,
+    pipeline_specs, register_plan, register_plan_problem, tma_tx_bytes, tmem_alloc_cols, tmem_map, tmem_used_cols,
 )
 
 # Head dims the sm100 forward has (FA4's 1-CTA forward runs these with q_stage 2; 192/256 need
@@ -43,13 +44,17 @@ class Sm100FwdConfig:
                    (and the seqlen_k edge) are masked; LPT tile order.
     q_stage:       Q tiles per CTA (2: softmax warpgroups 0 and 1 each own one 128-row tile).
     kv_stages:     depth of the K/V TMA ring (K and V blocks take alternate stages).
-    tile_m:        query rows per Q tile = TMEM lanes (128); a CTA covers q_stage * tile_m rows
-                   (cta_tile_m): the host's grid counts CTA tiles of cta_tile_m rows.
+    tile_m:        query rows per Q tile and CTA = TMEM lanes (128); a tile covers q_stage * tile_m *
+                   cta_group rows (cta_tile_m): the host's grid counts tiles of cta_tile_m rows.
     tile_n:        key rows per K/V block = S columns in TMEM (128).
-    cta_group:     1 (tcgen05 .cta_group::1); 2-CTA is not built.
+    cta_group:     1 (tcgen05 .cta_group::1, one CTA per tile) or 2 (a cluster of 2 CTAs per tile,
+                   .cta_group::2 MMAs of M = 256 issued by the leader CTA: each CTA holds 128 rows of
+                   each of its q_stage Q tiles and half of each K/V block; built for head dim 128,
+                   non-causal, no window, dense batches: TWO_CTA_HEADDIMS / two_cta_problem).
+                   Compile-verified, not run on hardware; selected only with FLASH4_SM100_2CTA=1.
     regs_softmax / regs_correction / regs_other: setmaxnreg budgets per role (register_plan).
     exp2_emu_frac: share of exp2 done by the packed-f32x2 FMA polynomial, k / period (static per
-                   column pair; 0 = all MUFU.EX2); selection: exp2_emu_frac_for(causal, local).
+                   column pair; 0 = all MUFU.EX2); selection: exp2_emu_frac_for(causal, local, cta_group).
     rescale_threshold: lazy-rescale tau in log2 units (flash4.constants).
     persistent, lpt: the tile order (flash4.kernels.common.scheduler.TileSchedule); lpt = causal.
     arch:          100 (sm_100a).
@@ -109,8 +114,9 @@ class Sm100FwdConfig:
 
     @property
     def cta_tile_m(self) -> int:
-        """Query rows per CTA tile (q_stage Q tiles of tile_m rows)."""
-        return self.q_stage * self.tile_m
+        """Query rows per tile: q_stage Q tiles of tile_m rows per CTA, times cta_group (a 2-CTA
+        pair covers 2 x 256 = 512 rows; the grid has cta_group CTAs per tile)."""
+        return self.q_stage * self.tile_m * self.cta_group
 
     @property
     def num_threads(self) -> int:
@@ -119,7 +125,8 @@ class Sm100FwdConfig:
     def smem_bytes(self) -> int:
         """Dynamic shared memory of Q (q_stage tiles), O staging (q_stage tiles) and the K/V ring
         (bytes, without mbarriers and the softmax stats)."""
-        return fwd_smem_bytes(self.headdim, self.hdim_v, self.q_stage, self.tile_m, self.tile_n, self.kv_stages)
+        return fwd_smem_bytes(self.headdim, self.hdim_v, self.q_stage, self.tile_m, self.tile_n, self.kv_stages,
+                              cta_group=self.cta_group)
 
 
 # Feature flags a config may carry and the sm100 kernel does not implement (field -> its "off" value).
@@ -142,9 +149,13 @@ def config_problem(cfg: Sm100FwdConfig) -> str | None:
         return f"{', '.join(on)} not implemented by the sm100 forward yet"
     if cfg.headdim_v is not None:
         return "headdim_v must be None (canonical) when it equals headdim"
-    if (cfg.q_stage, cfg.tile_m, cfg.tile_n, cfg.cta_group) != (2, 128, 128, 1):
+    if (cfg.q_stage, cfg.tile_m, cfg.tile_n) != (2, 128, 128) or cfg.cta_group not in (1, 2):
         return (f"(q_stage, tile_m, tile_n, cta_group)=({cfg.q_stage}, {cfg.tile_m}, {cfg.tile_n}, {cfg.cta_group}); "
-                "only (2, 128, 128, 1) is built (1-CTA, two 128-row Q tiles, 128-key blocks)")
+                "only (2, 128, 128, 1 or 2) is built (two 128-row Q tiles per CTA, 128-key blocks)")
+    if cfg.cta_group == 2:
+        problem = two_cta_problem(cfg.headdim, cfg.causal, cfg.local, cfg.varlen_q or cfg.varlen_k or cfg.seqused_q)
+        if problem is not None:
+            return problem
     try:
         mixed_pattern(cfg.exp2_emu_frac)
     except ValueError as err:
@@ -162,14 +173,34 @@ def config_problem(cfg: Sm100FwdConfig) -> str | None:
     return None
 
 
+# ---------------------------------------------------------------- 2-CTA
+# Head dims of the 2-CTA forward (FA4 runs 2-CTA for non-causal hd128, (192, 128) and 256; flash4
+# builds hd128 only). Compile-verified, not run on hardware (BLACKWELL.md R3: the riskiest protocol).
+TWO_CTA_HEADDIMS = (128,)
+
+
+def two_cta_problem(headdim: int, causal: bool, local: bool = False, packed: bool = False) -> str | None:
+    """Why the 2-CTA forward is not built for this problem class, or None."""
+    if headdim not in TWO_CTA_HEADDIMS:
+        return f"cta_group=2 with headdim={headdim}: the 2-CTA forward is built for {TWO_CTA_HEADDIMS} only"
+    if causal or local:
+        return "cta_group=2 with a causal or windowed mask: the 2-CTA forward is built non-causal only"
+    if packed:
+        return "cta_group=2 with packed sequences (varlen / seqused_q): the 2-CTA forward is built for dense batches only"
+    return None
+
+
 # ---------------------------------------------------------------- selection
 def select_fwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, arch: int = ARCH,
                       local: bool = False, softcap: bool = False, sink: bool = False,
-                      headdim_v: int | None = None, seqlen_k: int | None = None) -> Sm100FwdConfig:
+                      headdim_v: int | None = None, seqlen_k: int | None = None,
+                      two_cta: bool = False) -> Sm100FwdConfig:
     """The sm100 forward config for one problem class (pure; CPU-tested). Same arguments as
     flash4.config.sm90.select_fwd_config; seqlen_k is accepted and ignored (no short-sequence
-    policy on sm100 yet). Raises ValueError for what the sm100 kernel does not build: another arch,
-    a head dim outside SM100_FWD_HEADDIMS, Dv != D."""
+    policy on sm100 yet). two_cta: take the 2-CTA variant where it is built (two_cta_problem is
+    None; otherwise the 1-CTA config); the host passes env.sm100_2cta() (default off). Raises
+    ValueError for what the sm100 kernel does not build: another arch, a head dim outside
+    SM100_FWD_HEADDIMS, Dv != D."""
     if arch != ARCH:
         raise ValueError(f"flash4.config.sm100 builds sm_100a kernels only, got arch={arch}")
     if headdim not in SUPPORTED_HEADDIMS or headdim not in SM100_FWD_HEADDIMS:
@@ -177,20 +208,25 @@ def select_fwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, a
     if headdim_v is not None and headdim_v != headdim:
         detail = "" if (headdim, headdim_v) in HDIMV_PAIRS else " (nor on sm90)"
         raise ValueError(f"headdim_v={headdim_v} != headdim={headdim} is not implemented by the sm100 forward{detail}")
-    plan = default_register_plan(headdim, causal)
+    cta_group = 2 if two_cta and two_cta_problem(headdim, causal, local) is None else 1
+    plan = default_register_plan(headdim, causal, cta_group)
     return Sm100FwdConfig(
-        headdim=headdim, dtype=dtype, causal=causal, kv_stages=kv_stages_for(headdim, headdim),
-        regs_softmax=plan.softmax, regs_correction=plan.correction, regs_other=plan.other,
-        exp2_emu_frac=exp2_emu_frac_for(causal, local), lpt=causal and not local, softcap=softcap, sink=sink, local=local)
+        headdim=headdim, dtype=dtype, causal=causal, kv_stages=kv_stages_for(headdim, headdim, cta_group=cta_group),
+        cta_group=cta_group, regs_softmax=plan.softmax, regs_correction=plan.correction, regs_other=plan.other,
+        exp2_emu_frac=exp2_emu_frac_for(causal, local, cta_group), lpt=causal and not local, softcap=softcap, sink=sink, local=local)
 
 
 def shipped_fwd_configs(features: bool = True) -> list:
     """Every sm100 forward config the API can select: hd64/96/128 x bf16/fp16 x causal/not, 1-CTA,
     each without and (features) with every combination of a sliding window (local), softcap and a
-    learnable sink (96 configs in all)."""
-    flags = itertools.product((False, True), repeat=3) if features else ((False, False, False),)
-    return [select_fwd_config(d, dt, c, local=lo, softcap=sc, sink=sk) for lo, sc, sk in flags
-            for d in SM100_FWD_HEADDIMS for dt in DTYPES for c in (False, True)]
+    learnable sink (96 configs); then the 2-CTA configs (FLASH4_SM100_2CTA=1): hd128 non-causal x
+    bf16/fp16, without and (features) with softcap / sink (2, or 8 with features)."""
+    flags = list(itertools.product((False, True), repeat=3)) if features else [(False, False, False)]
+    one_cta = [select_fwd_config(d, dt, c, local=lo, softcap=sc, sink=sk) for lo, sc, sk in flags
+               for d in SM100_FWD_HEADDIMS for dt in DTYPES for c in (False, True)]
+    two_cta = [select_fwd_config(d, dt, False, softcap=sc, sink=sk, two_cta=True) for lo, sc, sk in flags if not lo
+               for d in TWO_CTA_HEADDIMS for dt in DTYPES]
+    return one_cta + two_cta
 
 
 def select_bwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, arch: int = ARCH, **kwargs):
@@ -214,7 +250,7 @@ def fwd_plan(request, arch: int = ARCH, num_sms: int | None = None) -> FwdPlan:
     headdim, headdim_v = q.shape[-1], request.v.shape[-1]
     cfg = select_fwd_config(headdim, request.dtype, mask.causal, arch, mask.window is not None, score.softcap > 0,
                             score.sink is not None, None if headdim_v == headdim else headdim_v,
-                            None if seq.packed else request.k.shape[1])
+                            None if seq.packed else request.k.shape[1], two_cta=env.sm100_2cta() and not seq.packed)
     if seq.packed:
         cfg = with_seq_layout(cfg, varlen_q=True, varlen_k=True, seqused_q=seq.seqused_q is not None)
     return FwdPlan(cfg)

@@ -1,11 +1,13 @@
-"""FlashAttention forward for Blackwell (sm_100a, B200) in CuTe DSL: 1-CTA, two Q tiles per CTA.
+"""FlashAttention forward for Blackwell (sm_100a, B200) in CuTe DSL: two Q tiles per CTA, 1-CTA, or a
+2-CTA pair (cfg.cta_group 2: a cluster of 2, .cta_group::2 MMAs of M = 256 issued by the leader CTA;
+hd128 non-causal dense; docs/design/sm100_forward.md section 9).
 
 O = softmax(scale * Q K^T) V and LSE, exact. Design after FlashAttention-4's sm100 forward (Zadouri
 et al. 2025; /work/shared/design/BLACKWELL.md section 1): tcgen05 MMAs from one thread into tensor
 memory (TMEM), softmax over TMEM rows, P written back to TMEM as 16-bit and read by the PV MMA from
 there, O rescaled in TMEM by a correction warpgroup only when a row max moved past tau.
 
-Status: compile-verified, not run on hardware. Every TMEM offset comes from
+Status: compile-verified, not run on hardware (the 2-CTA variant too). Every TMEM offset comes from
 flash4.config.sm100.tmem_map, every setmaxnreg budget from register_plan, every mbarrier arrive
 count from pipeline_specs (checked at trace time, kernels/sm100/pipes.py).
 """
@@ -18,6 +20,7 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.utils.blackwell_helpers as sm100_utils
 from cutlass import Float32, Int32, const_expr, pipeline
+from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 from cutlass._mlir.dialects import nvvm
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, tcgen05
 from cutlass.cutlass_dsl import dsl_user_op
@@ -25,7 +28,7 @@ from cutlass.memory import SmemAllocator, TmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
 from flash4.kernels.sm100.plan import (TMEM_COLUMNS, WARP_ROLES, WARP_SIZE, RegisterPlan, pipeline_specs, register_plan,
-                                 tmem_alloc_cols, tmem_map)
+                                 tma_tx_bytes, tmem_alloc_cols, tmem_map)
 from flash4.constants import LOG2E, THREADS_PER_WG
 from flash4.kernels.common import geometry
 from flash4.kernels.common.dsl import DSL_DTYPES
@@ -118,8 +121,13 @@ class FlashAttentionForwardSm100:
         self.q_stage, self.kv_stages = cfg.q_stage, cfg.kv_stages
         self.tile_m, self.tile_n, self.cta_tile_m = cfg.tile_m, cfg.tile_n, cfg.cta_tile_m
         self.causal = cfg.causal
-        self.mma_tiler_qk = (self.tile_m, self.tile_n, self.hdim)
-        self.mma_tiler_pv = (self.tile_m, self.hdim_v, self.tile_n)
+        # 2-CTA (cta_group 2): a cluster of 2 CTAs per tile; the leader CTA (rank 0) issues
+        # .cta_group::2 MMAs of M = 2 x tile_m, each CTA holding tile_m rows of the Q tile (and of
+        # S, P, O in its own TMEM) and half of each K/V block (the B operand split along N).
+        self.cta_group = cfg.cta_group
+        self.two_cta = cfg.cta_group == 2
+        self.mma_tiler_qk = (self.cta_group * self.tile_m, self.tile_n, self.hdim)
+        self.mma_tiler_pv = (self.cta_group * self.tile_m, self.hdim_v, self.tile_n)
         self.tmem = tmem_map(cfg)
         self.tmem_cols = tmem_alloc_cols(cfg)
         self.regs: RegisterPlan = register_plan(cfg)
@@ -157,7 +165,7 @@ class FlashAttentionForwardSm100:
         window_left: Int32,  # local configs: the window's sides (flash4.geometry.window_sides; UNBOUNDED
         window_right: Int32,  # for an open side); ignored otherwise
         l2_group: Int32,  # (head, batch) pairs per L2 section of the tile order (>= 1)
-        num_ctas: Int32,  # grid size: the number of CTA tiles (ceil(max_seqlen_q / cta_tile_m) * heads * batch)
+        num_ctas: Int32,  # grid size: cta_group CTAs per tile (ceil(max_seqlen_q / cta_tile_m) * heads * batch tiles)
         stream: cuda.CUstream,
     ):
         for name, t in (("seqused_k", mSeqUsedK), ("page_table", mPageTable), ("o_accum", mOacc),
@@ -181,14 +189,14 @@ class FlashAttentionForwardSm100:
         mV = select_modes(mV, [3, 1, 2, 0])
         mLSE, mLSEhi, mLSElo = [select_modes(t, [2, 1, 0]) for t in (mLSE, mLSEhi, mLSElo)]
 
-        cta_group = tcgen05.CtaGroup.ONE
+        cta_group = tcgen05.CtaGroup.TWO if const_expr(self.two_cta) else tcgen05.CtaGroup.ONE
         tiled_mma_qk = sm100_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.K, Float32, cta_group, self.mma_tiler_qk[:2])
         # P comes from TMEM (K-major), V from smem (MN-major).
         tiled_mma_pv = sm100_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.MN, Float32, cta_group,
             self.mma_tiler_pv[:2], tcgen05.OperandSource.TMEM)
-        cluster_layout_vmnk = cute.tiled_divide(cute.make_layout((1, 1, 1)), (tiled_mma_qk.thr_id.shape,))
+        cluster_layout_vmnk = cute.tiled_divide(cute.make_layout((self.cta_group, 1, 1)), (tiled_mma_qk.thr_id.shape,))
 
         # (MMA, MMA_M, MMA_K, STAGE) smem layouts; tP: P's layout as the PV MMA's A operand in TMEM.
         sQ_layout = sm100_utils.make_smem_layout_a(tiled_mma_qk, self.mma_tiler_qk, self.dtype, self.q_stage)
@@ -211,9 +219,10 @@ class FlashAttentionForwardSm100:
             cluster_layout_vmnk.shape)
         tma_atom_O, tma_O = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileS2GOp(), mO, cute.select(sO_layout, mode=[0, 1]), self.epi_tile)
-        self.tma_bytes_q = cute.size_in_bytes(self.dtype, cute.select(sQ_layout, mode=[0, 1, 2]))
-        self.tma_bytes_k = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1, 2]))
-        tma_bytes_v = cute.size_in_bytes(self.dtype, cute.select(sV_layout, mode=[0, 1, 2]))
+        # tx bytes per stage: one CTA's, times cta_group (a pair's leader barrier counts both halves)
+        self.tma_bytes_q = tma_tx_bytes(self.cfg, cute.size_in_bytes(self.dtype, cute.select(sQ_layout, mode=[0, 1, 2])))
+        self.tma_bytes_k = tma_tx_bytes(self.cfg, cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1, 2])))
+        tma_bytes_v = tma_tx_bytes(self.cfg, cute.size_in_bytes(self.dtype, cute.select(sV_layout, mode=[0, 1, 2])))
         if const_expr(tma_bytes_v != self.tma_bytes_k):
             raise NotImplementedError("flash4 fwd_sm100: K and V blocks share the ring's tx count (Dv == D only)")
 
@@ -223,22 +232,47 @@ class FlashAttentionForwardSm100:
             raise RuntimeError(f"flash4 fwd_sm100: smem tiles take {smem_tiles} bytes, the config says {self.smem_budget}")
         num_mbar = 2 * sum(s.stages for s in self.specs.values())
 
+        SharedStorage = self.shared_storage(num_mbar, cute.cosize(sO_layout), cute.cosize(sQ_layout), kv_elems)
+
+        kernel = self.kernel(
+            tma_Q, tma_K, tma_V, tma_O, mO if const_expr(self.cfg.varlen_q) else None, mLSE, mLSEhi, mLSElo, mSink,
+            (mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ), tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O,
+            softmax_scale_log2, softcap_scale, batch_size, max_seqlen_q, l2_group, window_left, window_right,
+            sQ_layout, sK_layout, tP_layout, sV_layout, sO_layout, tiled_mma_qk, tiled_mma_pv, SharedStorage,
+        )
+        if const_expr(self.two_cta):
+            # a cluster of 2 per tile: num_ctas (flash4.launch.fwd_grid) is a multiple of 2
+            kernel.launch(grid=(num_ctas, 1, 1), block=[self.num_threads, 1, 1], cluster=[self.cta_group, 1, 1],
+                          stream=stream, min_blocks_per_mp=1)
+        else:
+            kernel.launch(grid=(num_ctas, 1, 1), block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+
+    def shared_storage(self, num_mbar: int, o_elems: int, q_elems: int, kv_elems: int):
+        """The kernel's smem struct: mbarriers, the TMEM address, sScale, sO, sQ, the K/V ring; a
+        2-CTA config also the pair's TMEM dealloc mbarrier (TmemAllocator's handshake)."""
+        dtype, align = self.dtype, self.buffer_align_bytes
+        if self.two_cta:
+            @cute.struct
+            class SharedStorage2Cta:
+                mbar: cute.struct.MemRange[cutlass.Int64, num_mbar]
+                tmem_dealloc_mbar: cutlass.Int64
+                tmem_holding_buf: Int32
+                sScale: cute.struct.MemRange[Float32, self.q_stage * self.tile_m]
+                sO: cute.struct.Align[cute.struct.MemRange[dtype, o_elems], align]
+                sQ: cute.struct.Align[cute.struct.MemRange[dtype, q_elems], align]
+                sK: cute.struct.Align[cute.struct.MemRange[dtype, kv_elems], align]
+            return SharedStorage2Cta
+
         @cute.struct
         class SharedStorage:
             mbar: cute.struct.MemRange[cutlass.Int64, num_mbar]
             tmem_holding_buf: Int32
             # softmax -> correction: per row and Q tile, the O rescale factor or 1 / row_sum
             sScale: cute.struct.MemRange[Float32, self.q_stage * self.tile_m]
-            sO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sO_layout)], self.buffer_align_bytes]
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], self.buffer_align_bytes]
-            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, kv_elems], self.buffer_align_bytes]
-
-        self.kernel(
-            tma_Q, tma_K, tma_V, tma_O, mO if const_expr(self.cfg.varlen_q) else None, mLSE, mLSEhi, mLSElo, mSink,
-            (mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ), tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O,
-            softmax_scale_log2, softcap_scale, batch_size, max_seqlen_q, l2_group, window_left, window_right,
-            sQ_layout, sK_layout, tP_layout, sV_layout, sO_layout, tiled_mma_qk, tiled_mma_pv, SharedStorage,
-        ).launch(grid=(num_ctas, 1, 1), block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+            sO: cute.struct.Align[cute.struct.MemRange[dtype, o_elems], align]
+            sQ: cute.struct.Align[cute.struct.MemRange[dtype, q_elems], align]
+            sK: cute.struct.Align[cute.struct.MemRange[dtype, kv_elems], align]
+        return SharedStorage
 
     # ------------------------------------------------------------------ device side
     @cute.kernel
@@ -263,9 +297,25 @@ class FlashAttentionForwardSm100:
         smem = SmemAllocator()
         storage = smem.allocate(SharedStorage)
         ledger = ArrivalLedger(self.specs)
-        pipes = self.make_pipelines(storage.mbar.data_ptr(), ledger)
-        cute.arch.mbarrier_init_fence()
-        cute.arch.sync_threads()
+        cluster_vmnk = self.cluster_layout_vmnk(tiled_mma_qk)
+        pipes = self.make_pipelines(storage.mbar.data_ptr(), ledger, cluster_vmnk)
+        # cta_v: this CTA's rank in its pair (2-CTA; 0 = the leader, which issues the MMAs), else 0
+        cta_v = 0
+        is_leader = True
+        if const_expr(self.two_cta):
+            cta_v = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+            is_leader = cta_v == 0
+            # The dealloc handshake's mbarrier is initialized here (the allocator warp), before the
+            # cluster arrive that publishes every barrier init to the peer CTA.
+            tmem = TmemAllocator(storage.tmem_holding_buf.ptr,
+                                 barrier_for_retrieve=pipeline.NamedBarrier(barrier_id=TMEM_PTR_BARRIER,
+                                                                            num_threads=self.tmem_users),
+                                 allocator_warp_id=self.roles["mma"][0], is_two_cta=True,
+                                 two_cta_tmem_dealloc_mbar_ptr=storage.tmem_dealloc_mbar.ptr, arch="sm_100")
+            pipeline_init_arrive(cluster_shape_mn=cluster_vmnk, is_relaxed=True)
+        else:
+            cute.arch.mbarrier_init_fence()
+            cute.arch.sync_threads()
 
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)  # (MMA, MMA_M, MMA_K, q_stage)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)  # (MMA, MMA_N, MMA_K, kv_stages)
@@ -273,17 +323,28 @@ class FlashAttentionForwardSm100:
         sV = cute.make_tensor(cute.recast_ptr(sK.iterator, sV_layout.inner), sV_layout.outer)
         sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)  # (tile_m, dv, q_stage)
         sScale = storage.sScale.get_tensor(cute.make_layout((self.tile_m, self.q_stage)))
-        tmem = TmemAllocator(storage.tmem_holding_buf.ptr,
-                             barrier_for_retrieve=pipeline.NamedBarrier(barrier_id=TMEM_PTR_BARRIER,
-                                                                        num_threads=self.tmem_users),
-                             allocator_warp_id=self.roles["mma"][0], arch="sm_100")
+        if const_expr(not self.two_cta):
+            tmem = TmemAllocator(storage.tmem_holding_buf.ptr,
+                                 barrier_for_retrieve=pipeline.NamedBarrier(barrier_id=TMEM_PTR_BARRIER,
+                                                                            num_threads=self.tmem_users),
+                                 allocator_warp_id=self.roles["mma"][0], arch="sm_100")
 
+        # Slice 0 of each MMA: the CTA-local view (TMEM accumulators, smem operands, row coordinates:
+        # a 2-CTA CTA holds rows 0 .. tile_m - 1 of its half in its own TMEM lanes).
         thr_mma_qk = tiled_mma_qk.get_slice(0)
         thr_mma_pv = tiled_mma_pv.get_slice(0)
+        # The load warp's global partition: this CTA's half of each operand (slice cta_v).
+        load_mma_qk, load_mma_pv = thr_mma_qk, thr_mma_pv
+        if const_expr(self.two_cta):
+            load_mma_qk, load_mma_pv = tiled_mma_qk.get_slice(cta_v), tiled_mma_pv.get_slice(cta_v)
         num_m_blocks = cute.ceil_div(max_seqlen_q, self.cta_tile_m)
         sched = TileSchedule(num_m_blocks, mQ.shape[2], mQ.shape[2] * batch_size, l2_group, self.causal and self.cfg.lpt)
         # the sliding window's (left, right) sides (local configs), read by every role's key-block range
         window = (window_left, window_right) if const_expr(self.cfg.local) else None
+        if const_expr(self.two_cta):
+            # every barrier of both CTAs initialized (the cluster arrive above) before any remote
+            # arrive, TMA or the pair's TMEM allocation
+            pipeline_init_wait(cluster_shape_mn=cluster_vmnk)
 
         # setmaxnreg per warpgroup (register_plan), then each role. The fourth warpgroup (mma,
         # epilogue, load, idle) shares one budget.
@@ -294,30 +355,37 @@ class FlashAttentionForwardSm100:
             # Q tile (pipeline stage, TMEM columns) a warp-uniform runtime value.
             stage = warp_idx // len(self.roles["softmax0"])
             self.softmax(stage, thr_mma_qk, sScale, mQ, mK, mLSE, mLSEhi, mLSElo, mSink, pipes, softmax_scale_log2,
-                         softcap_scale, sched, window, seqs)
+                         softcap_scale, sched, window, seqs, cta_v)
             self.release_tmem()
         elif warp_idx < self.roles["mma"][0]:
             self.set_regs(self.regs.correction)
             self.wait_tmem_alloc()
-            self.correction(thr_mma_pv, sScale, sO, mQ, mK, pipes, sched, window, seqs)
+            self.correction(thr_mma_pv, sScale, sO, mQ, mK, pipes, sched, window, seqs, cta_v)
             self.release_tmem()
         else:
             self.set_regs(self.regs.other)
             if warp_idx == self.roles["mma"][0]:
-                tmem.allocate(self.tmem_cols)
+                tmem.allocate(self.tmem_cols)  # 2-CTA: .cta_group::2, both CTAs' allocator warps
                 self.wait_tmem_alloc()
-                self.mma(tiled_mma_qk, tiled_mma_pv, thr_mma_pv, sQ, sK, sV, tP_layout, mQ, mK, pipes, sched, window,
-                         seqs)
+                if const_expr(self.two_cta):
+                    if is_leader:  # the pair's MMAs (and their commits) come from the leader only
+                        self.mma(tiled_mma_qk, tiled_mma_pv, thr_mma_pv, sQ, sK, sV, tP_layout, mQ, mK, pipes, sched,
+                                 window, seqs)
+                else:
+                    self.mma(tiled_mma_qk, tiled_mma_pv, thr_mma_pv, sQ, sK, sV, tP_layout, mQ, mK, pipes, sched,
+                             window, seqs)
                 # TMEM is free once every user arrived (the correction after its last O read). The
                 # allocated address is read back only now (no register holds it through the loop).
+                # 2-CTA: free() first exchanges an arrive with the peer's allocator warp (each CTA's
+                # users are done), then deallocates .cta_group::2.
                 tmem.relinquish_alloc_permit()
                 named_barrier_sync(TMEM_PTR_BARRIER, self.tmem_users)
                 tcgen05_fence_after()
                 tmem.free(tmem.retrieve_ptr(Float32), self.tmem_cols)
             elif warp_idx == self.roles["epilogue"][0]:
-                self.epilogue(mO, mO_rows, mQ, mK, sO, tma_atom_O, pipes, sched, seqs)
+                self.epilogue(mO, mO_rows, mQ, mK, sO, tma_atom_O, pipes, sched, seqs, cta_v)
             elif warp_idx == self.roles["load"][0]:
-                self.load(mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V, thr_mma_qk, thr_mma_pv,
+                self.load(mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V, load_mma_qk, load_mma_pv,
                           pipes, sched, window, seqs)
         ledger.check()
 
@@ -347,13 +415,41 @@ class FlashAttentionForwardSm100:
                                       "allocated address (tmem.retrieve_ptr), not the constant base 0")
         return cute.make_ptr(Float32, 0, cute.AddressSpace.tmem, assumed_align=16)
 
-    def make_pipelines(self, mbar_ptr, ledger: ArrivalLedger) -> dict:
+    def cluster_layout_vmnk(self, tiled_mma_qk):
+        """(V, M, N, K) layout of the cluster: (1, 1, 1, 1), or a pair (2, 1, 1, 1) for 2-CTA."""
+        return cute.tiled_divide(cute.make_layout((self.cta_group, 1, 1)), (tiled_mma_qk.thr_id.shape,))
+
+    def first_tile(self):
+        """This CTA's first tile: blockIdx.x (2-CTA: the cluster's index, blockIdx.x / 2)."""
+        if const_expr(self.two_cta):
+            return cute.arch.block_idx()[0] // self.cta_group
+        return cute.arch.block_idx()[0]
+
+    def tile_stride(self):
+        """Tiles between a CTA's consecutive tiles: gridDim.x (2-CTA: the number of clusters)."""
+        if const_expr(self.two_cta):
+            return cute.arch.grid_dim()[0] // self.cta_group
+        return cute.arch.grid_dim()[0]
+
+    def q_tile(self, m_block, stage, cta_v):
+        """Index of this CTA's 128-row Q tile `stage` of tile m_block in units of tile_m rows: the
+        stage's Q tile, and in a pair this CTA's half of it (rows ((q_stage m_block + stage) 2 +
+        cta_v) x 128, as the .cta_group::2 MMA splits M)."""
+        if const_expr(self.two_cta):
+            return (self.q_stage * m_block + stage) * self.cta_group + cta_v
+        return self.q_stage * m_block + stage
+
+    def make_pipelines(self, mbar_ptr, ledger: ArrivalLedger, cluster_vmnk) -> dict:
         """Every pipeline of pipeline_specs, created from this kernel's own role table (which thread
-        groups arrive) and wrapped in a Pipe that checks the DSL's init counts against the spec."""
+        groups arrive) and wrapped in a Pipe that checks the DSL's init counts against the spec.
+        2-CTA: the TMA and MMA-bridging pipelines get the pair's cluster layout (leader-only
+        expect_tx, multicast commits, thread releases routed to the leader CTA's barrier), and the
+        thread side of s_p_o / o_full counts both CTAs' threads."""
         threads = {role: WARP_SIZE * len(w) for role, w in self.roles.items()}
         softmax_wg = threads["softmax0"]  # the softmax warpgroup of one Q tile
         one = thread_group(1)  # one elected thread: TMA expect_tx, tcgen05.commit
         pipes, offset = {}, 0
+        pair = {"cta_layout_vmnk": cluster_vmnk} if self.two_cta else {}
 
         def add(name, cls, producer, consumer, **kw):
             nonlocal offset
@@ -363,11 +459,12 @@ class FlashAttentionForwardSm100:
             offset += 2 * spec.stages
             pipes[name] = Pipe(spec, p, ledger)
 
-        add("q", pipeline.PipelineTmaUmma, one, one, tx_count=self.tma_bytes_q)
-        add("kv", pipeline.PipelineTmaUmma, one, one, tx_count=self.tma_bytes_k)
-        add("s_p_o", pipeline.PipelineUmmaAsync, one, thread_group(softmax_wg + threads["correction"]))
+        g = self.cta_group
+        add("q", pipeline.PipelineTmaUmma, one, one, tx_count=self.tma_bytes_q, **pair)
+        add("kv", pipeline.PipelineTmaUmma, one, one, tx_count=self.tma_bytes_k, **pair)
+        add("s_p_o", pipeline.PipelineUmmaAsync, one, thread_group(g * (softmax_wg + threads["correction"])), **pair)
         add("sm_stats", pipeline.PipelineAsync, thread_group(softmax_wg), thread_group(threads["correction"]))
-        add("o_full", pipeline.PipelineUmmaAsync, one, thread_group(threads["correction"]))
+        add("o_full", pipeline.PipelineUmmaAsync, one, thread_group(g * threads["correction"]), **pair)
         add("corr_epi", pipeline.PipelineAsync, thread_group(threads["correction"]),
             thread_group(len(self.roles["epilogue"])))  # the epilogue warp's elected lane
         return pipes
@@ -409,7 +506,7 @@ class FlashAttentionForwardSm100:
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stage)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.kv_stages)
         one_cta = cute.make_layout(1)
-        tile_idx = cute.arch.block_idx()[0]
+        tile_idx = self.first_tile()
         while tile_idx < sched.num_tiles():
             m_block, head, batch = sched.coords(tile_idx)
             seq = self.tile_seq(mQ, mK, batch, seqs)
@@ -417,7 +514,8 @@ class FlashAttentionForwardSm100:
             if n_blocks > 0:
                 head_kv = head // qhead_per_kvhead
                 # (MMA, MMA_M, MMA_K, m_blocks of tile_m rows) / (MMA, MMA_N, MMA_K, n_blocks)
-                tSgQ = thr_mma_qk.partition_A(cute.local_tile(seq.q_view(mQ, head), (self.tile_m, self.hdim), (None, 0)))
+                tSgQ = thr_mma_qk.partition_A(
+                    cute.local_tile(seq.q_view(mQ, head), (self.mma_tiler_qk[0], self.hdim), (None, 0)))
                 tSgK = thr_mma_qk.partition_B(cute.local_tile(seq.k_view(mK, head_kv), (self.tile_n, self.hdim), (None, 0)))
                 tOgV = thr_mma_pv.partition_B(
                     cute.local_tile(self.v_view(mV, seq, head_kv), (self.hdim_v, self.tile_n), (0, None)))
@@ -435,7 +533,7 @@ class FlashAttentionForwardSm100:
                 for i in cutlass.range(n_blocks - 1, unroll=1):
                     kv_state = self.load_block(tma_atom_K, tKgK, tKsK, last - 1 - i, pipe_kv, kv_state)
                     kv_state = self.load_block(tma_atom_V, tVgV, tVsV, last - 1 - i, pipe_kv, kv_state)
-            tile_idx += cute.arch.grid_dim()[0]
+            tile_idx += self.tile_stride()
         # Wait for the MMA warp's last releases (no tcgen05.commit may land after exit).
         pipe_kv.producer_tail(kv_state)
         pipe_q.producer_tail(q_state)
@@ -469,7 +567,7 @@ class FlashAttentionForwardSm100:
         # The MMA's waits on s_p_o (one per Q tile and key block; one phase bit for both Q tiles):
         # the first needs the softmax's first P and the correction's initial release: phase 0.
         spo_phase = Int32(0)
-        tile_idx = cute.arch.block_idx()[0]
+        tile_idx = self.first_tile()
         while tile_idx < sched.num_tiles():
             m_block, head, batch = sched.coords(tile_idx)
             _, n_blocks = self.key_blocks(m_block, self.tile_seq(mQ, mK, batch, seqs), window)
@@ -518,7 +616,7 @@ class FlashAttentionForwardSm100:
                 pipe_kv.arrive_empty(kv_state.index, "mma")
                 kv_state = next_state(kv_state)
                 spo_phase = spo_phase ^ 1
-            tile_idx += cute.arch.grid_dim()[0]
+            tile_idx += self.tile_stride()
 
     @cute.jit
     def gemm_qk(self, tiled_mma, tStS, tSrQ, tSrK):
@@ -566,7 +664,7 @@ class FlashAttentionForwardSm100:
     # ---------------------------------------------------------------- softmax warpgroups
     @cute.jit
     def softmax(self, stage, thr_mma_qk, sScale, mQ, mK, mLSE, mLSEhi, mLSElo, mSink, pipes, softmax_scale_log2,
-                softcap_scale, sched, window, seqs):
+                softcap_scale, sched, window, seqs, cta_v):
         """Softmax warpgroup of Q tile `stage` (runtime, warp-uniform): per key block S_stage (TMEM)
         -> P_stage (TMEM) and the O factor to the correction; per tile 1 / row_sum to the correction
         and the LSE to global memory. Thread t owns row t of the Q tile (TMEM lane t)."""
@@ -597,12 +695,12 @@ class FlashAttentionForwardSm100:
                              softcap_scale if const_expr(self.cfg.softcap) else None)
         spo_phase = Int32(0)  # S ready: waited once per key block
         stats_phase = Int32(1)  # sScale free: the producer's first wait passes
-        tile_idx = cute.arch.block_idx()[0]
+        tile_idx = self.first_tile()
         while tile_idx < sched.num_tiles():
             m_block, head, batch = sched.coords(tile_idx)
             seq = self.tile_seq(mQ, mK, batch, seqs)
             n_min, n_blocks = self.key_blocks(m_block, seq, window)
-            row = (self.q_stage * m_block + stage) * self.tile_m + lane_row
+            row = self.q_tile(m_block, stage, cta_v) * self.tile_m + lane_row
             sink_log2 = None
             if const_expr(self.cfg.sink):
                 sink_log2 = Float32(mSink[head]) * Float32(LOG2E)
@@ -640,7 +738,7 @@ class FlashAttentionForwardSm100:
                 stats_phase = self.send_stat(pipe_stats, stage, stats_phase, sScale, lane_row, inv_row_sum)
                 lse = (lse_e, lse_hi, lse_lo)
             self.store_lse(row, seq, head, lse, (mLSE, mLSEhi, mLSElo))
-            tile_idx += cute.arch.grid_dim()[0]
+            tile_idx += self.tile_stride()
 
     @cute.jit
     def softmax_step(self, stage, n_block, is_first: cutlass.Constexpr[bool], masked: cutlass.Constexpr[bool], row,
@@ -686,7 +784,7 @@ class FlashAttentionForwardSm100:
 
     # ---------------------------------------------------------------- correction warpgroup
     @cute.jit
-    def correction(self, thr_mma_pv, sScale, sO, mQ, mK, pipes, sched, window, seqs):
+    def correction(self, thr_mma_pv, sScale, sO, mQ, mK, pipes, sched, window, seqs, cta_v):
         """Per block j >= 1 and Q tile i: read the O_i factor, rescale O_i in TMEM if some row of the
         warp moved its max, release s_p_o. Per tile: O_i / row_sum -> 16-bit -> sO[i] -> epilogue.
         An empty tile (no key) writes O = 0 without touching TMEM or the MMA's pipelines."""
@@ -701,7 +799,7 @@ class FlashAttentionForwardSm100:
         stats_phase = Int32(0)
         ofull_phase = Int32(0)
         epi_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stage)
-        tile_idx = cute.arch.block_idx()[0]
+        tile_idx = self.first_tile()
         while tile_idx < sched.num_tiles():
             m_block, head, batch = sched.coords(tile_idx)
             _, n_blocks = self.key_blocks(m_block, self.tile_seq(mQ, mK, batch, seqs), window)
@@ -737,7 +835,7 @@ class FlashAttentionForwardSm100:
             if has_keys:
                 stats_phase = stats_phase ^ 1
                 ofull_phase = ofull_phase ^ 1
-            tile_idx += cute.arch.grid_dim()[0]
+            tile_idx += self.tile_stride()
         pipe_epi.producer_tail(epi_state)
 
     def o_lane_row(self, thr_mma_pv, tidx):
@@ -783,7 +881,7 @@ class FlashAttentionForwardSm100:
         tOcO_i = cute.logical_divide(tOcO, cute.make_layout((self.tile_m, corr_cols)))
         tOsO_i = cute.logical_divide(tOsO, cute.make_layout((self.tile_m, corr_cols)))
         load_atom = sm100_utils.get_tmem_load_op(self.mma_tiler_pv, self.o_layout, self.dtype, Float32,
-                                                 (self.tile_m, corr_cols), use_2cta_instrs=False)
+                                                 (self.tile_m, corr_cols), use_2cta_instrs=self.two_cta)
         tiled_load = tcgen05.make_tmem_copy(load_atom, tOtO_i[(None, None), 0])
         thr_load = tiled_load.get_slice(tidx)
         tTMEM_LOADtO = thr_load.partition_S(tOtO_i[(None, None), None])
@@ -811,14 +909,14 @@ class FlashAttentionForwardSm100:
 
     # ---------------------------------------------------------------- epilogue warp
     @cute.jit
-    def epilogue(self, mO, mO_rows, mQ, mK, sO, tma_atom_O, pipes, sched, seqs):
+    def epilogue(self, mO, mO_rows, mQ, mK, sO, tma_atom_O, pipes, sched, seqs, cta_v):
         """Dense: TMA store of sO[i] to Q tile i's rows (rows past seqlen_q are clipped by the TMA unit).
         varlen_q: the warp stores sO[i]'s rows below the sequence's seqlen_q with 16-byte stores
         (mO_rows, the plain view of O: a packed O holds the next sequence right after)."""
         pipe_epi = pipes["corr_epi"]
         epi_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stage)
         lane = cute.arch.lane_idx()
-        tile_idx = cute.arch.block_idx()[0]
+        tile_idx = self.first_tile()
         while tile_idx < sched.num_tiles():
             m_block, head, batch = sched.coords(tile_idx)
             if const_expr(self.cfg.varlen_q):
@@ -848,7 +946,7 @@ class FlashAttentionForwardSm100:
                     # One lane issues the store and owns its bulk group (the DSL elects for TMA loads,
                     # not for stores: a whole warp would store the tile 32 times).
                     with cute.arch.elect_one():
-                        cute.copy(tma_atom_O, tOsO[None, stage], tOgO[None, self.q_stage * m_block + stage])
+                        cute.copy(tma_atom_O, tOsO[None, stage], tOgO[None, self.q_tile(m_block, stage, cta_v)])
                         cute.arch.cp_async_bulk_commit_group()
                     epi_state = next_state(epi_state)
                 rel = first
@@ -857,6 +955,6 @@ class FlashAttentionForwardSm100:
                         cute.arch.cp_async_bulk_wait_group(self.q_stage - 1 - stage, read=True)  # sO[stage] read
                         pipe_epi.arrive_empty(rel.index, "epilogue")
                     rel = next_state(rel)
-            tile_idx += cute.arch.grid_dim()[0]
+            tile_idx += self.tile_stride()
         with cute.arch.elect_one():
             cute.arch.cp_async_bulk_wait_group(0, read=False)

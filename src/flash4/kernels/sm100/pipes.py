@@ -48,8 +48,9 @@ class ArrivalLedger:
                                + "\n  ".join(problems))
 
 
-def check_init_counts(spec: PipelineSpec, pipe, cta_group: int = 1):
-    """The DSL's mbarrier init counts of `pipe` must equal the spec's (trace time)."""
+def check_init_counts(spec: PipelineSpec, pipe, cta_group: int | None = None):
+    """The DSL's mbarrier init counts of `pipe` must equal the spec's (trace time; cta_group: the
+    spec's own unless given)."""
     full = pipe.sync_object_full.arrive_count
     empty = pipe.sync_object_empty.arrive_count
     if (full, empty) != (spec.full_arrivals(cta_group), spec.empty_arrivals(cta_group)):
@@ -72,8 +73,8 @@ class Pipe(DynamicState):
 
     _dynamic_fields = ("pipe",)
 
-    def __init__(self, spec: PipelineSpec, pipe, ledger: ArrivalLedger, cta_group: int = 1):
-        check_init_counts(spec, pipe, cta_group)
+    def __init__(self, spec: PipelineSpec, pipe, ledger: ArrivalLedger):
+        check_init_counts(spec, pipe)
         self.spec, self.pipe, self.ledger = spec, pipe, ledger
 
     def _party(self, parties, role: str):

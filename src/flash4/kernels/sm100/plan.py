@@ -62,24 +62,30 @@ EXP2_EMU_GROUP = 2
 
 
 def fwd_smem_bytes(headdim: int, hdim_v: int, q_stage: int, tile_m: int, tile_n: int, kv_stages: int,
-                   elt: int = 2) -> int:
+                   elt: int = 2, cta_group: int = 1) -> int:
+    """Shared memory of one CTA's tiles: q_stage Q tiles and q_stage O tiles of tile_m rows, and
+    kv_stages K/V blocks. In a 2-CTA pair (cta_group 2) each CTA holds half of every K/V block (the
+    MMA's B operand is split along N: K's tile_n / 2 keys, V's dv / 2 columns; FA4 :397)."""
     q = q_stage * tile_m * headdim * elt
     o = q_stage * tile_m * hdim_v * elt
-    kv_stage = tile_n * max(headdim, hdim_v) * elt
+    kv_stage = tile_n * max(headdim, hdim_v) * elt // cta_group
     return q + o + kv_stages * kv_stage
 
 
-def exp2_emu_frac_for(causal: bool, local: bool = False) -> float:
+def exp2_emu_frac_for(causal: bool, local: bool = False, cta_group: int = 1) -> float:
     """The share of exp2 on the FMA polynomial a config gets (EXP2_EMU_FRAC, or _CAUSAL for causal
-    and windowed configs, whose masked non-first step holds the most registers)."""
-    return EXP2_EMU_FRAC_CAUSAL if causal or local else EXP2_EMU_FRAC
+    and windowed configs, whose masked non-first step holds the most registers, and for 2-CTA
+    configs: at their 184 softmax registers, FA4's 2-CTA budget, 1/4 spilled 2 LDL + 2 STL in the
+    hd128 softmax; 1/8 compiles with 0, CuTe DSL 4.8.1)."""
+    return EXP2_EMU_FRAC_CAUSAL if causal or local or cta_group == 2 else EXP2_EMU_FRAC
 
 
-def kv_stages_for(headdim: int, hdim_v: int, q_stage: int = 2, tile_m: int = 128, tile_n: int = 128) -> int:
+def kv_stages_for(headdim: int, hdim_v: int, q_stage: int = 2, tile_m: int = 128, tile_n: int = 128,
+                  cta_group: int = 1) -> int:
     """FA4's K/V ring depth: as many K/V blocks as fit next to Q and O in 224 KiB, at most 32
-    (hd64: 10, hd96: 5, hd128: 3)."""
+    (hd64: 10, hd96: 5, hd128: 3; hd128 2-CTA: 6, each CTA holding half of a block)."""
     q_o = fwd_smem_bytes(headdim, hdim_v, q_stage, tile_m, tile_n, 0)
-    return min((SMEM_KV_BUDGET - q_o) // (tile_n * max(headdim, hdim_v) * 2), MAX_KV_STAGES)
+    return min((SMEM_KV_BUDGET - q_o) // (tile_n * max(headdim, hdim_v) * 2 // cta_group), MAX_KV_STAGES)
 
 
 # ---------------------------------------------------------------- registers (setmaxnreg)
@@ -123,11 +129,13 @@ def register_plan(cfg) -> RegisterPlan:
     return RegisterPlan(cfg.regs_softmax, cfg.regs_correction, cfg.regs_other)
 
 
-def default_register_plan(headdim: int, causal: bool) -> RegisterPlan:
-    """FA4's budgets for its 1-CTA forward (flash_fwd_sm100.py:380-403, _TUNING_CONFIG :103), tuned by
+def default_register_plan(headdim: int, causal: bool, cta_group: int = 1) -> RegisterPlan:
+    """FA4's budgets for its forward (flash_fwd_sm100.py:380-403, _TUNING_CONFIG :103), tuned by
     FA4 on B200 (not measured here): hd < 96: 200/64/48; hd128 causal: 192/72 (_TUNING_CONFIG);
-    otherwise 192/80. "other" takes what is left of 512 per 4 warpgroups, rounded down to 8 and
-    capped at LAUNCH_REGS (setmaxnreg.dec may not exceed the launch count)."""
+    hd128 2-CTA: 184/80/64; otherwise 192/80. "other" takes what is left of 512 per 4 warpgroups,
+    rounded down to 8 and capped at LAUNCH_REGS (setmaxnreg.dec may not exceed the launch count)."""
+    if cta_group == 2 and headdim == 128 and not causal:
+        return RegisterPlan(184, 80, 64)
     if headdim < 96:
         return RegisterPlan(200, 64, 48)
     softmax, correction = (192, 72) if (headdim == 128 and causal) else (192, 80)
@@ -190,20 +198,33 @@ ROLE_WARPS = {**{role: len(w) for role, w in WARP_ROLES.items()}, "softmax": len
 
 @dataclasses.dataclass(frozen=True)
 class Party:
-    """A role arriving on one side of a pipeline: its name (ROLE_WARPS) and how it signals."""
+    """A role arriving on one side of a pipeline: its name (ROLE_WARPS) and how it signals.
+
+    to_leader: in a 2-CTA pair, this party's threads in both CTAs arrive on the leader CTA's barrier
+    (the thread side of a pipeline bridging to the pair's one MMA thread: FA4's
+    softmax_correction_threads_cluster; the DSL's PipelineUmmaAsync routes consumer releases to the
+    leader, peer rank // 2 * 2). Other thread parties arrive on their own CTA's barrier."""
 
     role: str
     signal: Signal
+    to_leader: bool = False
 
     def arrivals(self, cta_group: int = 1) -> int:
-        """Arrivals this party adds to one phase of one barrier. TMA and tcgen05.commit: one per CTA
-        of the MMA group; elected lanes: one per warp; all threads: 32 per warp."""
+        """Arrivals this party adds to one phase of one CTA's barrier.
+
+        TMA: 1, the elected thread's mbarrier.arrive.expect_tx. In a pair only the leader's load warp
+        arrives (PipelineTmaUmma.producer_acquire), on the leader's barrier, expecting both CTAs'
+        bytes (tx x cta_group: the peer's .cta_group::2 TMA completes on the leader's barrier).
+        tcgen05.commit: 1 per barrier; in a pair the leader's commit is multicast (one arrival on the
+        barrier of each CTA of the mask). Elected lanes: one per warp; all threads: 32 per warp;
+        times cta_group where the party arrives to_leader."""
         warps = ROLE_WARPS[self.role]
         if self.signal in (Signal.TMA, Signal.COMMIT):
-            return cta_group
+            return 1
+        pair = cta_group if self.to_leader else 1
         if self.signal is Signal.ELECTED:
-            return warps
-        return WARP_SIZE * warps
+            return warps * pair
+        return WARP_SIZE * warps * pair
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,7 +232,9 @@ class PipelineSpec:
     """One mbarrier pipeline: `full` is arrived by the producers and waited on by the consumers,
     `empty` the other way round. stages: barriers per side (per_q_tile: stage i belongs to Q tile
     i, used once per key block or per tile). waited_empty False: the empty side is never waited on
-    (back-pressure comes from another pipeline, named in `note`), so its consumers do not arrive."""
+    (back-pressure comes from another pipeline, named in `note`), so its consumers do not arrive.
+    cta_group: the config's (2: a CTA pair; the counts are those of one CTA's barrier, the leader's
+    where only the leader's is used)."""
 
     name: str
     stages: int
@@ -220,18 +243,30 @@ class PipelineSpec:
     note: str = ""
     waited_empty: bool = True
     per_q_tile: bool = False
+    cta_group: int = 1
 
-    def full_arrivals(self, cta_group: int = 1) -> int:
-        return sum(p.arrivals(cta_group) for p in self.producers)
+    def full_arrivals(self, cta_group: int | None = None) -> int:
+        g = self.cta_group if cta_group is None else cta_group
+        return sum(p.arrivals(g) for p in self.producers)
 
-    def empty_arrivals(self, cta_group: int = 1) -> int:
-        return sum(p.arrivals(cta_group) for p in self.consumers)
+    def empty_arrivals(self, cta_group: int | None = None) -> int:
+        g = self.cta_group if cta_group is None else cta_group
+        return sum(p.arrivals(g) for p in self.consumers)
 
-    def describe(self, cta_group: int = 1) -> str:
+    def describe(self, cta_group: int | None = None) -> str:
+        g = self.cta_group if cta_group is None else cta_group
+
         def side(parties):
-            return " + ".join(f"{p.role} ({p.signal.value}: {p.arrivals(cta_group)})" for p in parties)
-        return (f"{self.name}: full = {side(self.producers)} = {self.full_arrivals(cta_group)}; "
-                f"empty = {side(self.consumers)} = {self.empty_arrivals(cta_group)}")
+            return " + ".join(f"{p.role} ({p.signal.value}{' from both CTAs' if p.to_leader and g > 1 else ''}: "
+                              f"{p.arrivals(g)})" for p in parties)
+        return (f"{self.name}: full = {side(self.producers)} = {self.full_arrivals(g)}; "
+                f"empty = {side(self.consumers)} = {self.empty_arrivals(g)}")
+
+
+def tma_tx_bytes(cfg, bytes_per_cta: int) -> int:
+    """The tx count a TMA pipeline's full barrier expects per stage: one CTA's bytes, times
+    cta_group (in a pair the leader's barrier counts both CTAs' halves; FA4 :627)."""
+    return bytes_per_cta * cfg.cta_group
 
 
 def pipeline_specs(cfg) -> dict:
@@ -241,25 +276,28 @@ def pipeline_specs(cfg) -> dict:
     a mismatch, a hang on hardware, is a compile error here."""
     P = Party
     q = cfg.q_stage
+    g = cfg.cta_group
     specs = [
         PipelineSpec("q", q, (P("load", Signal.TMA),), (P("mma", Signal.COMMIT),),
-                     "Q tiles 0 and 1 of a CTA tile; released by the MMA warp after the tile's last QK^T"),
+                     "Q tiles 0 and 1 of a CTA tile; released by the MMA warp after the tile's last QK^T",
+                     cta_group=g),
         PipelineSpec("kv", cfg.kv_stages, (P("load", Signal.TMA),), (P("mma", Signal.COMMIT),),
-                     "K and V blocks in one ring, in the MMA's order K[n-1] V[n-1] K[n-2] V[n-2] ..."),
+                     "K and V blocks in one ring, in the MMA's order K[n-1] V[n-1] K[n-2] V[n-2] ...",
+                     cta_group=g),
         # MMA commits "S_i ready" after QK^T; the softmax releases "P_i written" and the correction
         # "O_i rescaled (or read out)": the MMA waits for both before PV_i (FA4 pipeline_s_p_o).
         PipelineSpec("s_p_o", q, (P("mma", Signal.COMMIT),),
-                     (P("softmax", Signal.ALL_THREADS), P("correction", Signal.ALL_THREADS)),
-                     "S_i ready -> softmax_i; P_i written + O_i rescaled -> MMA (PV_i)", per_q_tile=True),
+                     (P("softmax", Signal.ALL_THREADS, True), P("correction", Signal.ALL_THREADS, True)),
+                     "S_i ready -> softmax_i; P_i written + O_i rescaled -> MMA (PV_i)", per_q_tile=True, cta_group=g),
         # softmax -> correction: the row's O rescale factor (blocks 1..n-1), then 1 / row_sum.
         PipelineSpec("sm_stats", q, (P("softmax", Signal.ALL_THREADS),), (P("correction", Signal.ALL_THREADS),),
-                     "per-row factor for O_i through smem sScale[:, i]", per_q_tile=True),
+                     "per-row factor for O_i through smem sScale[:, i] (CTA-local)", per_q_tile=True, cta_group=g),
         # MMA -> correction: the tile's last PV_i is complete.
-        PipelineSpec("o_full", q, (P("mma", Signal.COMMIT),), (P("correction", Signal.ALL_THREADS),),
+        PipelineSpec("o_full", q, (P("mma", Signal.COMMIT),), (P("correction", Signal.ALL_THREADS, True),),
                      "back-pressure on O_i is s_p_o (the correction releases it after reading O_i)",
-                     waited_empty=False, per_q_tile=True),
+                     waited_empty=False, per_q_tile=True, cta_group=g),
         PipelineSpec("corr_epi", q, (P("correction", Signal.ALL_THREADS),), (P("epilogue", Signal.ELECTED),),
-                     "O_i staged in smem sO[i] -> TMA store; released once the store has read sO[i]",
-                     per_q_tile=True),
+                     "O_i staged in smem sO[i] -> TMA store; released once the store has read sO[i] (CTA-local)",
+                     per_q_tile=True, cta_group=g),
     ]
     return {s.name: s for s in specs}
