@@ -114,9 +114,10 @@ def test_random_variants(variant):
 
 # ---------------------------------------------------------------- adversarial inputs
 
-def test_large_logits():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_large_logits(dtype):
     """Scores ~ +-300 (x8 inputs, d 64): P is a near one-hot per row; |L| < 2^10, no exact tile."""
-    q, k, v, do = make_case(1, 150, 260, 2, 1, 64, seed=4, magnitude=8.0)
+    q, k, v, do = make_case(1, 150, 260, 2, 1, 64, dtype=dtype, seed=4, magnitude=8.0)
     _, stats = check(q, k, v, do, False)
     assert stats["exact_tiles"] == 0
     check(q, k, v, do, True)
@@ -152,11 +153,12 @@ def test_exact_path_lowers_the_error_at_extreme_logits():
     assert e_exact["dk"][0] < 0.8 * e_rounded["dk"][0] and e_exact["dv"][0] < 0.9 * e_rounded["dv"][0], (e_exact, e_rounded)
 
 
-def test_one_visible_key_rows():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_one_visible_key_rows(dtype):
     """Causal, sq == sk: row 0 sees key 0 only (P = 1, dS = 0); and seqlen_k 1: every row sees
     one key, so dq = dk = 0 in exact arithmetic and dv = sum of dout."""
-    check(*make_case(1, 300, 300, 2, 1, 128, seed=9), True)
-    q, k, v, do = make_case(2, 65, 1, 2, 1, 64, seed=10)
+    check(*make_case(1, 300, 300, 2, 1, 128, dtype=dtype, seed=9), True)
+    q, k, v, do = make_case(2, 65, 1, 2, 1, 64, dtype=dtype, seed=10)
     e, _ = check(q, k, v, do, False)
     assert e["dq"][0] <= GRAD_ATOL and e["dk"][0] <= GRAD_ATOL
 

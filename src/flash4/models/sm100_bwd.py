@@ -40,8 +40,9 @@ keys, first to last, and per (query tile m, KV tile n), in this order:
     int seed: a random order, as atomics from concurrent CTAs may land).
  9. Epilogue: dV and dK of the KV tile (dK * scale in fp32 first with ds_scale "epilogue") rounded
     to the input dtype; with GQA (H > Hk) each query head's fp32 dK / dV tile is added into an fp32
-    accumulator (in head order), rounded at the end (FA4's dKV postprocess). Postprocess: dq =
-    dq_accum (* scale in fp32 with "epilogue") rounded to the input dtype.
+    accumulator (in head order), scaled (dK, "epilogue") and rounded at the end (FA4's dKV
+    postprocess). Postprocess: dq = dq_accum (* scale in fp32 with "epilogue") rounded to the input
+    dtype.
 
 Not modelled: the MMA's accumulation rounding inside one k-step (modelled exact), MUFU's last ulps
 (modelled correctly rounded), the 2-CTA split (it moves operands between the pair, not values:
@@ -236,10 +237,7 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
                 dq_accum[:, :, qsl] = dq_accum[:, :, qsl] + dq_parts[m][n]
                 stats["dq_adds"] += 1
 
-    # 9. epilogue / postprocess (GQA: the group's heads added in fp32, head order)
-    if ds_scale == "epilogue":
-        dk_acc = dk_acc * scale_f32
-        dq_accum = dq_accum * scale_f32
+    # 9. epilogue / postprocess (GQA: the group's heads added in fp32, head order, then scaled)
     if group > 1:
         dk_sum = torch.zeros(batch, nheads_k, rows_k, headdim)
         dv_sum = torch.zeros(batch, nheads_k, rows_k, headdim_v)
@@ -247,6 +245,9 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
             dk_sum = dk_sum + dk_acc[:, g::group]
             dv_sum = dv_sum + dv_acc[:, g::group]
         dk_acc, dv_acc = dk_sum, dv_sum
+    if ds_scale == "epilogue":
+        dk_acc = dk_acc * scale_f32
+        dq_accum = dq_accum * scale_f32
     dq = dq_accum[:, :, :seqlen_q].to(dtype).permute(0, 2, 1, 3).contiguous()
     dk = dk_acc[:, :, :seqlen_k].to(dtype).permute(0, 2, 1, 3).contiguous()
     dv = dv_acc[:, :, :seqlen_k].to(dtype).permute(0, 2, 1, 3).contiguous()
