@@ -1,0 +1,305 @@
+"""The sm100 backward's numerics model (flash4.models.sm100_bwd) against flash4.reference, on the CPU.
+
+Criterion (the backward's, flash4.selftest / tests/gpu/test_bwd.py): per gradient
+err <= 2 * err(PyTorch in the input dtype) + GRAD_ATOL, errors max |g - ref| against the float64
+autograd gradients of flash4.reference.attention_ref; PyTorch's are autograd of the same function
+computed in the input dtype. The model's inputs out / lse come from the sm100 forward's model
+(flash4.models.sm100_fwd), so each case runs the Blackwell dataflow end to end. Random inputs (head
+dims 64 and 128, causal and not, GQA / MQA, odd lengths, seqlen_q != seqlen_k both ways, bf16 and
+fp16) and adversarial ones (large logits, with and without the forward's exact LSE split; rows that
+see one key; rows that see none; a dominant key). Equivalences: mma_k None / ds_scale / dq order
+change only roundings; the preprocess's D and the dq_accum adds are the documented orders.
+
+    python tests/cpu/test_sm100_bwd_model.py    # prints the error bands per case
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from flash4.constants import LOG2E
+from flash4.models import sm100_bwd as B
+from flash4.models import sm100_fwd as F
+from flash4.reference import attention_ref, max_abs_err
+from flash4.selftest import GRAD_ATOL
+
+NAMES = ("dq", "dk", "dv")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Small float64 matmuls: one thread is much faster than two on the shared 2-core box
+    (tests/cpu/test_sm100_numerics.py)."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+def make_case(b, sq, sk, h, hk, d, dtype=torch.bfloat16, seed=0, magnitude=1.0):
+    """q, k, v, dout (q and k times magnitude)."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v, do = (torch.randn(s, generator=g) for s in ((b, sq, h, d), (b, sk, hk, d), (b, sk, hk, d), (b, sq, h, d)))
+    return (q * magnitude).to(dtype), (k * magnitude).to(dtype), v.to(dtype), do.to(dtype)
+
+
+def ref_grads(q, k, v, dout, causal, upcast):
+    """Autograd of attention_ref: float64 (upcast) or the input dtype (PyTorch same dtype)."""
+    leaves = [(t.double() if upcast else t.clone()).requires_grad_() for t in (q, k, v)]
+    out, _ = attention_ref(*leaves, None, causal, upcast=upcast, compute_dtype=torch.float64)
+    return torch.autograd.grad(out, leaves, dout.double() if upcast else dout)
+
+
+def exact_split(q, k, v, causal):
+    """The forward's unrounded log2-domain LSE split (hi, lo) from the float64 reference (what the
+    exact-reference forward produces, up to its own error)."""
+    _, lse = attention_ref(q, k, v, None, causal, compute_dtype=torch.float64)
+    l2 = lse * LOG2E
+    hi = torch.where(torch.isfinite(l2), l2, math.inf).float()
+    lo = torch.where(torch.isfinite(l2), l2 - hi.double(), 0.0).float()
+    return torch.stack([hi, lo])
+
+
+def errors(q, k, v, dout, causal, grads):
+    g_ref = ref_grads(q, k, v, dout, causal, upcast=True)
+    g_pt = ref_grads(q, k, v, dout, causal, upcast=False)
+    return {name: (max_abs_err(g, r), max_abs_err(p, r)) for name, g, r, p in zip(NAMES, grads, g_ref, g_pt)}
+
+
+def check(q, k, v, dout, causal, lse_split=None, **kw):
+    """Forward model -> backward model -> the 2x rule per gradient. Returns (errors, stats)."""
+    out, lse = F.forward(q, k, v, None, causal)
+    dq, dk, dv, stats = B.backward(dout, q, k, v, out, lse, None, causal, lse_split=lse_split, return_stats=True, **kw)
+    for name, g, t in zip(NAMES, (dq, dk, dv), (q, k, v)):
+        assert g.shape == t.shape and g.dtype == t.dtype, (name, g.shape, g.dtype)
+    e = errors(q, k, v, dout, causal, (dq, dk, dv))
+    for name, (err, pt) in e.items():
+        assert math.isfinite(pt), f"{name}: PyTorch's same-dtype error is {pt}"
+        assert err <= 2 * pt + GRAD_ATOL, f"{name}: err {err:.3e} > 2 x PyTorch {pt:.3e} + {GRAD_ATOL}"
+    return e, stats
+
+
+# ---------------------------------------------------------------- random inputs
+
+SHAPES = [  # (b, sq, sk, h, hk)
+    (1, 77, 77, 2, 2),  # odd, one partial tile
+    (1, 200, 333, 4, 1),  # MQA, sq < sk
+    (1, 333, 200, 2, 1),  # sq > sk: causal rows without keys
+]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_random(shape, d, causal):
+    b, sq, sk, h, hk = shape
+    _, stats = check(*make_case(b, sq, sk, h, hk, d, seed=sq + d), causal)
+    assert stats["kv_tiles"] == -(-sk // 128)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_random_fp16(causal):
+    check(*make_case(1, 257, 300, 2, 1, 128, dtype=torch.float16, seed=3), causal)
+
+
+@pytest.mark.parametrize("variant", [dict(ds_scale="epilogue"), dict(mma_k=None), dict(dq_order="reverse"),
+                                     dict(dq_order=7), dict(tile_m=64, tile_n=64)],
+                         ids=lambda v: ",".join(f"{k}={x}" for k, x in v.items()))
+def test_random_variants(variant):
+    check(*make_case(1, 190, 390, 2, 1, 64, seed=11), True, **variant)
+
+
+# ---------------------------------------------------------------- adversarial inputs
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_large_logits(dtype):
+    """Scores ~ +-300 (x8 inputs, d 64): P is a near one-hot per row; |L| < 2^10, no exact tile."""
+    q, k, v, do = make_case(1, 150, 260, 2, 1, 64, dtype=dtype, seed=4, magnitude=8.0)
+    _, stats = check(q, k, v, do, False)
+    assert stats["exact_tiles"] == 0
+    check(q, k, v, do, True)
+
+
+def test_huge_logits_exact_path():
+    """Scores ~ 1e4 (|L| >= 2^10): with the forward's split every tile takes the exact path;
+    from the rounded lse alone (no split) the criterion still holds at this magnitude."""
+    q, k, v, do = make_case(1, 130, 200, 2, 1, 64, seed=5, magnitude=40.0)
+    split = exact_split(q, k, v, False)
+    _, stats = check(q, k, v, do, False, lse_split=split)
+    assert stats["exact_tiles"] == 2 * 2, stats
+    check(q, k, v, do, False)
+
+
+def test_exact_path_lowers_the_error_at_extreme_logits():
+    """Scores ~2^20 / 8 with O(1) spread (q[..., 0] = 2^20, k[..., 0] = 1: P not one-hot): L ~ 2^17.5
+    has an fp32 ulp of 2^-6, and fp32(lse * log2 e) from the rounded lse moves every P by up to
+    ~1%; the forward's exact split lowers dk's and dv's errors (both within the rule)."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v, do = (torch.randn(1, s, 1, 64, generator=g) for s in (64, 128, 128, 64))
+    q[..., 0], k = 2.0**20, k * 0.3
+    k[..., 0] = 1.0
+    q, k, v, do = (t.to(torch.bfloat16) for t in (q, k, v, do))
+    out, lse = attention_ref(q, k, v, None, False, compute_dtype=torch.float64)
+    out, lse = out.to(q.dtype), lse.float()
+    exact = B.backward(do, q, k, v, out, lse, lse_split=exact_split(q, k, v, False), return_stats=True)
+    rounded = B.backward(do, q, k, v, out, lse, exact_lse=False)
+    assert exact[3]["exact_tiles"] == 1
+    e_exact, e_rounded = errors(q, k, v, do, False, exact[:3]), errors(q, k, v, do, False, rounded)
+    for e in (e_exact, e_rounded):
+        assert all(err <= 2 * pt + GRAD_ATOL for err, pt in e.values()), e
+    assert e_exact["dk"][0] < 0.8 * e_rounded["dk"][0] and e_exact["dv"][0] < 0.9 * e_rounded["dv"][0], (e_exact, e_rounded)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_one_visible_key_rows(dtype):
+    """Causal, sq == sk: row 0 sees key 0 only (P = 1, dS = 0); and seqlen_k 1: every row sees
+    one key, so dq = dk = 0 in exact arithmetic and dv = sum of dout."""
+    check(*make_case(1, 300, 300, 2, 1, 128, dtype=dtype, seed=9), True)
+    q, k, v, do = make_case(2, 65, 1, 2, 1, 64, dtype=dtype, seed=10)
+    e, _ = check(q, k, v, do, False)
+    assert e["dq"][0] <= GRAD_ATOL and e["dk"][0] <= GRAD_ATOL
+
+
+def test_rows_without_keys_get_zero_dq():
+    """Causal, sq > sk: rows 0..sq-sk-1 see no key (lse -inf): their dq is exactly 0."""
+    q, k, v, do = make_case(1, 200, 70, 2, 2, 64, seed=12)
+    out, lse = F.forward(q, k, v, None, True)
+    dq, dk, dv, stats = B.backward(do, q, k, v, out, lse, None, True, return_stats=True)
+    assert (dq[:, :130] == 0).all()
+    assert stats["skipped_pairs"] == 1 and stats["tile_pairs"] == 1  # query tile 0 (rows < 128 < 130) sees no key
+    check(q, k, v, do, True)
+
+
+def test_causal_skips_blocks_above_the_diagonal():
+    """sq == sk = 300 causal: KV tile n is seen by query tiles m >= n only: 3 + 2 + 1 pairs."""
+    q, k, v, do = make_case(1, 300, 300, 1, 1, 64, seed=13)
+    out, lse = F.forward(q, k, v, None, True)
+    *_, stats = B.backward(do, q, k, v, out, lse, None, True, return_stats=True)
+    assert stats["tile_pairs"] == 6 and stats["skipped_pairs"] == 3 and stats["dq_adds"] == 6
+    assert stats["p_max"] <= 1 + 2 ** -6
+
+
+def test_dominant_key():
+    """Key 5 scores 40 log2 units above the rest in every row (q[..., 0] = 4, k[5, 0] = 40 / (4 c)):
+    P ~ one-hot, dP - D cancels catastrophically."""
+    q, k, v, do = make_case(1, 129, 300, 2, 1, 128, seed=14)
+    c = LOG2E / math.sqrt(128)
+    q, k = q.clone(), k.clone()
+    q[..., 0], k[..., 0] = 4.0, 0.0
+    k[:, 5, :, 0] = 40.0 / (4.0 * c)
+    check(q, k, v, do, False)
+    check(q, k, v, do, True)
+
+
+def test_the_rule_has_teeth():
+    """A wrong LSE (off by 0.02 nats: every P 2% too large) or a D off by 0.2 (of |D| ~ 1) fails
+    the rule: the bands above are not loose enough to hide a dataflow bug of that size."""
+    q, k, v, do = make_case(1, 200, 333, 2, 1, 64, seed=19)
+    out, lse = F.forward(q, k, v)
+    for kw in (dict(lse=lse - 0.02), dict(dlse=torch.full_like(lse, 0.2))):
+        args = dict(lse=lse) | kw
+        grads = B.backward(do, q, k, v, out, args.pop("lse"), **args)
+        e = errors(q, k, v, do, False, grads)
+        assert any(err > 2 * pt + GRAD_ATOL for err, pt in e.values()), (kw.keys(), e)
+
+
+# ---------------------------------------------------------------- the dataflow's own pieces
+
+def test_preprocess_dpsum_order():
+    g = torch.Generator().manual_seed(15)
+    out, do = (torch.randn(2, 5, 3, 64, generator=g).to(torch.bfloat16) for _ in range(2))
+    d = B.preprocess_dpsum(out, do)
+    prod = (out.float() * do.float()).permute(0, 2, 1, 3)  # (B, H, S, 64)
+    lanes = []
+    for lane in range(8):  # chunks lane, lane + 8 of 4 elements
+        acc = torch.zeros(2, 3, 5)
+        for j in range(2):
+            for e in range(4):
+                acc = acc + prod[..., (j * 8 + lane) * 4 + e]
+        lanes.append(acc)
+    a = [lanes[i] + lanes[i + 4] for i in range(4)]
+    b = [a[0] + a[2], a[1] + a[3]]
+    assert torch.equal(d, b[0] + b[1])
+    assert torch.allclose(d.double(), prod.double().sum(-1), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        B.preprocess_dpsum(out[..., :48], do[..., :48])
+
+
+def test_lse_log2_parts():
+    lse = torch.tensor([[[0.5, -math.inf, 3.0]]])
+    big, hi, lo = B.lse_log2_parts(lse)
+    assert big[0, 0, 1] == math.inf and lo.eq(0).all()
+    assert big[0, 0, 0].item() == pytest.approx(0.5 * LOG2E, rel=1e-7)
+    split = torch.stack([torch.tensor([[[1.0, math.inf, 2.0]]]), torch.tensor([[[2 ** -30, 0.0, 0.0]]])])
+    big, hi, lo = B.lse_log2_parts(lse, split)
+    assert hi[0, 0, 0] == 1.0 and lo[0, 0, 0] == 2 ** -30 and big[0, 0, 0] == 1.0  # fp32(hi + lo)
+
+
+def test_dq_order_changes_only_roundings():
+    """dq_accum's add order (atomics) moves dq by roundings; dk, dv do not depend on it (bitwise)."""
+    q, k, v, do = make_case(1, 130, 520, 1, 1, 64, seed=16)
+    out, lse = F.forward(q, k, v)
+    fwd = B.backward(do, q, k, v, out, lse, dq_order="forward")
+    rev = B.backward(do, q, k, v, out, lse, dq_order="reverse")
+    assert torch.equal(fwd[1], rev[1]) and torch.equal(fwd[2], rev[2])
+    ulp = 2.0 ** (math.floor(math.log2(fwd[0].abs().max().item())) - 7)
+    assert max_abs_err(fwd[0], rev[0]) <= ulp
+
+
+def test_dlse_joins_d():
+    """dlse (the LSE's gradient) joins D: dq, dk follow the float64 formula with dlse
+    (attention_bwd_ref), far closer than to the one without it; dv does not depend on it."""
+    from flash4.reference import attention_bwd_ref
+
+    q, k, v, do = make_case(1, 100, 140, 2, 1, 64, seed=17)
+    out, lse = F.forward(q, k, v)
+    dlse = torch.randn(1, 2, 100, generator=torch.Generator().manual_seed(18))
+    got = B.backward(do, q, k, v, out, lse, dlse=dlse)
+    want = attention_bwd_ref(do, q, k, v, out, lse, dlse, compute_dtype=torch.float64)
+    base = attention_bwd_ref(do, q, k, v, out, lse, None, compute_dtype=torch.float64)
+    for g, w, b0 in zip(got[:2], want[:2], base[:2]):
+        assert max_abs_err(g, w) < 0.1 * max_abs_err(b0, w)  # the dlse term is there, and right
+    assert torch.equal(got[2], B.backward(do, q, k, v, out, lse)[2])
+
+
+def test_bad_arguments():
+    q, k, v, do = make_case(1, 4, 4, 1, 1, 64)
+    out, lse = F.forward(q, k, v)
+    with pytest.raises(ValueError, match="tile_n"):
+        B.backward(do, q, k, v, out, lse, tile_n=100)
+    with pytest.raises(ValueError, match="bfloat16 or all float16"):
+        B.backward(do.float(), q, k, v, out, lse)
+    with pytest.raises(ValueError, match="ds_scale"):
+        B.backward(do, q, k, v, out, lse, ds_scale="nowhere")
+    with pytest.raises(ValueError, match="lse"):
+        B.backward(do, q, k, v, out, lse[:, :, :2])
+
+
+# ---------------------------------------------------------------- the bands
+
+def bands():
+    """Per case: each gradient's error / (2 * PyTorch's + GRAD_ATOL) (<= 1 passes)."""
+    cases = [(f"random {'x'.join(map(str, s))} d{d}{' causal' if c else ''}", make_case(*s, d, seed=s[1] + d), c)
+             for s in SHAPES for d in (64, 128) for c in (False, True)]
+    cases.append(("fp16 1x257x300x2x1 d128 causal", make_case(1, 257, 300, 2, 1, 128, dtype=torch.float16, seed=3), True))
+    cases.append(("large logits x8 d64", make_case(1, 150, 260, 2, 1, 64, seed=4, magnitude=8.0), False))
+    print("case | dq err, pt, ratio | dk ... | dv ...")
+    worst = 0.0
+    for name, (q, k, v, do), causal in cases:
+        out, lse = F.forward(q, k, v, None, causal)
+        e = errors(q, k, v, do, causal, B.backward(do, q, k, v, out, lse, None, causal))
+        cells = []
+        for err, pt in e.values():
+            ratio = err / (2 * pt + GRAD_ATOL)
+            worst = max(worst, ratio)
+            cells.append(f"{err:.2e}, {pt:.2e}, {ratio:.3f}")
+        print(f"{name} | " + " | ".join(cells))
+    print(f"worst ratio {worst:.3f}")
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    bands()
