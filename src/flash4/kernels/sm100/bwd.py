@@ -106,6 +106,45 @@ def bulk_copy_g2s(smem_ptr: cute.Pointer, gmem_ptr: cute.Pointer, mbar_ptr: cute
         "r,l,r,r", has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
 
 
+def bwd_tiled_mmas(cfg):
+    """The five tcgen05 tiled MMAs (1-CTA, fp32 accumulators): S^T = K Q^T, dP^T = V dO^T (both
+    operands K-major), dV += P^T dO and dK += dS^T Q (A from TMEM, B MN-major), dQ = dS K (both
+    MN-major). Trace time (inside a cute.jit function)."""
+    dt = DSL_DTYPES[cfg.dtype]
+    K_, MN_ = OperandMajorMode.K, OperandMajorMode.MN
+    one = tcgen05.CtaGroup.ONE
+    tm, tn, d, dv = cfg.tile_m, cfg.tile_n, cfg.headdim, cfg.hdim_v
+    tmem = tcgen05.OperandSource.TMEM
+    return (sm100_utils.make_trivial_tiled_mma(dt, dt, K_, K_, Float32, one, (tn, tm)),
+            sm100_utils.make_trivial_tiled_mma(dt, dt, K_, K_, Float32, one, (tn, tm)),
+            sm100_utils.make_trivial_tiled_mma(dt, dt, K_, MN_, Float32, one, (tn, dv), tmem),
+            sm100_utils.make_trivial_tiled_mma(dt, dt, K_, MN_, Float32, one, (tn, d), tmem),
+            sm100_utils.make_trivial_tiled_mma(dt, dt, MN_, MN_, Float32, one, (tm, d)))
+
+
+def bwd_smem_layouts(cfg, mmas=None) -> dict:
+    """Shared-memory layouts (ComposedLayout: swizzle o offset o layout) of the operands, and the
+    TMEM layouts of P^T / dS^T as A operands. K, V (A of S^T, dP^T), the Q ring and the dO ring (B of
+    S^T, dP^T) are loaded K-major by TMA; dS^T is written row-major (keys x queries) by the compute
+    warps. The other MMAs read the same bytes through MN-major views: sQmn (B of dK), sdOmn (B of
+    dV), sKmn (B of dQ), sdS (A of dQ). A 128-byte-swizzled K-major atom of 8 rows x 64 elements is
+    the MN-major atom of 64 elements x 8, so each pair addresses every element at the same offset
+    (tests/cpu/test_sm100_bwd_plan.py checks it element by element). Trace time."""
+    dt = DSL_DTYPES[cfg.dtype]
+    mma_s, mma_dp, mma_dv, mma_dk, mma_dq = bwd_tiled_mmas(cfg) if mmas is None else mmas
+    tm, tn, d, dv = cfg.tile_m, cfg.tile_n, cfg.headdim, cfg.hdim_v
+    t_s, t_dp, t_dv, t_dk, t_dq = (tn, tm, d), (tn, tm, dv), (tn, dv, tm), (tn, d, tm), (tm, d, tn)
+    a, b = sm100_utils.make_smem_layout_a, sm100_utils.make_smem_layout_b
+    return {
+        "sK": a(mma_s, t_s, dt, 1), "sQ": b(mma_s, t_s, dt, cfg.q_stages),
+        "sV": a(mma_dp, t_dp, dt, 1), "sdO": b(mma_dp, t_dp, dt, cfg.do_stages),
+        "sdOmn": b(mma_dv, t_dv, dt, cfg.do_stages), "sQmn": b(mma_dk, t_dk, dt, cfg.q_stages),
+        "sdS": a(mma_dq, t_dq, dt, 1), "sKmn": b(mma_dq, t_dq, dt, 1),
+        "sdSt": sm100_utils.make_smem_layout_epi(dt, LayoutEnum.ROW_MAJOR, (tn, tm), 1),
+        "tP": a(mma_dv, t_dv, dt, 1), "tdS": a(mma_dk, t_dk, dt, 1),
+    }
+
+
 class FlashAttentionBackwardSm100:
     """Warp-specialized 1-CTA backward: one CTA per (key block, KV head, batch).
 
@@ -205,32 +244,13 @@ class FlashAttentionBackwardSm100:
         mdQacc = select_modes(mdQacc, [2, 3, 1, 0])  # (seqlen_pad, d, heads, batch)
 
         cta_group = tcgen05.CtaGroup.ONE
-        K_, MN_ = OperandMajorMode.K, OperandMajorMode.MN
+        mma_s, mma_dp, mma_dv, mma_dk, mma_dq = bwd_tiled_mmas(self.cfg)
+        lay = bwd_smem_layouts(self.cfg, (mma_s, mma_dp, mma_dv, mma_dk, mma_dq))
+        sK_layout, sQ_layout, sV_layout, sdO_layout = lay["sK"], lay["sQ"], lay["sV"], lay["sdO"]
+        sdOmn_layout, sQmn_layout, sdS_layout, sKmn_layout = lay["sdOmn"], lay["sQmn"], lay["sdS"], lay["sKmn"]
+        sdSt_layout, tP_layout, tdS_layout = lay["sdSt"], lay["tP"], lay["tdS"]
         dt = self.dtype
-        mma_s = sm100_utils.make_trivial_tiled_mma(dt, dt, K_, K_, Float32, cta_group, self.mma_tiler_s[:2])
-        mma_dp = sm100_utils.make_trivial_tiled_mma(dt, dt, K_, K_, Float32, cta_group, self.mma_tiler_dp[:2])
-        mma_dv = sm100_utils.make_trivial_tiled_mma(dt, dt, K_, MN_, Float32, cta_group, self.mma_tiler_dv[:2],
-                                                    tcgen05.OperandSource.TMEM)
-        mma_dk = sm100_utils.make_trivial_tiled_mma(dt, dt, K_, MN_, Float32, cta_group, self.mma_tiler_dk[:2],
-                                                    tcgen05.OperandSource.TMEM)
-        mma_dq = sm100_utils.make_trivial_tiled_mma(dt, dt, MN_, MN_, Float32, cta_group, self.mma_tiler_dq[:2])
         cluster_vmnk = cute.tiled_divide(cute.make_layout((1, 1, 1)), (mma_s.thr_id.shape,))
-
-        # smem: K, V (A of S^T, dP^T, K-major), Q ring, dO ring (B of S^T, dP^T, K-major), dS^T (row-major
-        # keys x queries). The other MMAs read the same bytes through MN-major views (a 128-byte-swizzled
-        # K-major atom of 8 rows x 64 elements is the MN-major atom of 64 elements x 8).
-        sK_layout = sm100_utils.make_smem_layout_a(mma_s, self.mma_tiler_s, dt, 1)
-        sQ_layout = sm100_utils.make_smem_layout_b(mma_s, self.mma_tiler_s, dt, self.q_stages)
-        sV_layout = sm100_utils.make_smem_layout_a(mma_dp, self.mma_tiler_dp, dt, 1)
-        sdO_layout = sm100_utils.make_smem_layout_b(mma_dp, self.mma_tiler_dp, dt, self.do_stages)
-        sdOmn_layout = sm100_utils.make_smem_layout_b(mma_dv, self.mma_tiler_dv, dt, self.do_stages)
-        sQmn_layout = sm100_utils.make_smem_layout_b(mma_dk, self.mma_tiler_dk, dt, self.q_stages)
-        sdS_layout = sm100_utils.make_smem_layout_a(mma_dq, self.mma_tiler_dq, dt, 1)
-        sKmn_layout = sm100_utils.make_smem_layout_b(mma_dq, self.mma_tiler_dq, dt, 1)
-        sdSt_layout = sm100_utils.make_smem_layout_epi(dt, LayoutEnum.ROW_MAJOR, (self.tile_n, self.tile_m), 1)
-        # P^T / dS^T as the A operands of dV / dK in TMEM (16-bit)
-        tP_layout = sm100_utils.make_smem_layout_a(mma_dv, self.mma_tiler_dv, dt, 1)
-        tdS_layout = sm100_utils.make_smem_layout_a(mma_dk, self.mma_tiler_dk, dt, 1)
         for name, a, b in (("Q", sQ_layout, sQmn_layout), ("dO", sdO_layout, sdOmn_layout),
                            ("K", sK_layout, sKmn_layout), ("dS", sdSt_layout, sdS_layout)):
             if const_expr(cute.cosize(a) != cute.cosize(b)):

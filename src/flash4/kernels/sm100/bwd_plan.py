@@ -146,16 +146,18 @@ def bwd_tmem_map(cfg) -> dict:
 
 def bwd_tmem_aliases(cfg) -> tuple:
     """The overlaps the map declares, (inner, outer) with inner inside outer: dQ over dP always
-    (D <= tile_m), the P halves inside S and the dS halves inside dP where they have no slot of their
-    own (hd128)."""
+    (D <= tile_m); where P^T / dS^T have no slot of their own (hd128) the P halves inside S and the
+    dS halves inside dP, and then inside dQ's columns too (dQ is written after dK read dS^T)."""
     m = bwd_tmem_map(cfg)
+
+    def inside(inner, outer):
+        (si, ni), (so, no) = m[inner], m[outer]
+        return so <= si and si + ni <= so + no
+
     pairs = [("dQ", "dP")]
     for w in range(2):
-        if m["S"][0] <= m[f"P{w}"][0] < m["S"][0] + m["S"][1]:
-            pairs.append((f"P{w}", "S"))
-        if m["dP"][0] <= m[f"dS{w}"][0] < m["dP"][0] + m["dP"][1]:
-            pairs.append((f"dS{w}", "dP"))
-            pairs.append((f"dS{w}", "dQ")) if m[f"dS{w}"][0] < m["dQ"][0] + m["dQ"][1] else None
+        pairs += [(inner, outer) for inner, outer in ((f"P{w}", "S"), (f"dS{w}", "dP"), (f"dS{w}", "dQ"))
+                  if inside(inner, outer)]
     return tuple(pairs)
 
 
