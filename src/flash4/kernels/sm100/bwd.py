@@ -561,6 +561,7 @@ class FlashAttentionBackwardSm100:
                 if i + 1 < n_steps:
                     pipe_do.wait_full(do_state.index, do_state.phase)
                     pipe_dq.wait_empty(0, dq_phase)  # dQ(i) read out: dP^T(i+1) overwrites its columns
+                    tcgen05_fence_after()
                     dq_phase = dq_phase ^ 1
                     self.gemm(mma_dp, tPtP, [tPrV], tPrdO[None, None, None, do_state.index], False)
                     pipe_dp.arrive_full(0, "mma")
