@@ -14,6 +14,7 @@ pytest.importorskip("cutlass")
 
 from flash4.compile.check import extract_cubin, resource_usage, sass_text  # noqa: E402
 from flash4.config.sm100 import bwd_register_plan, bwd_tmem_alloc_cols, shipped_bwd_configs  # noqa: E402
+from flash4.kernels.sm100.bwd_plan import DQ_GROUP_ROWS  # noqa: E402
 
 CONFIGS = shipped_bwd_configs()
 IDS = [f"d{c.headdim}-{c.dtype}-{'causal' if c.causal else 'full'}" for c in CONFIGS]
@@ -65,7 +66,9 @@ def test_sass_gates(built, name):
     # dQ read-out (32 columns each); tcgen05.st: P^T and dS^T (2 each)
     assert row["ldtm"] == 4 + dv // 32 + d // 32 + d // 32
     assert row["sttm"] == 4
-    assert sass_count(sass, "UBLKRED.G.S.ADD.F32") == d // 32  # dQ: one 128-byte reduce-add per 32 columns
+    # dQ: one reduce-add of DQ_GROUP_ROWS whole rows per group of a warp's 32 (uniform operands: no per-lane loop)
+    assert sass_count(sass, "UBLKRED.G.S.ADD.F32") == 32 // DQ_GROUP_ROWS
+    assert sass_count(sass, "BRA.U.ANY") == 0
     assert sass_count(sass, "UBLKCP.S.G") == 2  # LSE and dPsum rows (bulk copies)
     assert row["utmaldg"] > 0
     assert row["utcatomsws"] == 3  # alloc, relinquish, dealloc

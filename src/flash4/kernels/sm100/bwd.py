@@ -47,7 +47,7 @@ from flash4.kernels.common.exp2 import exp2_hw
 from flash4.kernels.common.geometry import DEVICE_OPS
 from flash4.kernels.common.layout import select_modes
 from flash4.kernels.common.pipeline import next_state
-from flash4.kernels.sm100.bwd_plan import (BWD_WARP_ROLES, DQ_STAGE_COLS, BwdRegisterPlan, bwd_pipeline_specs,
+from flash4.kernels.sm100.bwd_plan import (BWD_WARP_ROLES, DQ_GROUP_ROWS, DQ_LD_COLS, BwdRegisterPlan, bwd_pipeline_specs,
                                            bwd_register_plan, bwd_tmem_alloc_cols, bwd_tmem_map)
 from flash4.kernels.sm100.pipes import ArrivalLedger, Pipe, thread_group
 from flash4.kernels.sm100.plan import TMEM_COLUMNS, WARP_SIZE
@@ -275,7 +275,7 @@ class FlashAttentionBackwardSm100:
         }
         smem_tiles = ((cute.cosize(sK_layout) + cute.cosize(sV_layout) + cute.cosize(sQ_layout)
                        + cute.cosize(sdO_layout) + cute.cosize(sdSt_layout)) * (dt.width // 8)
-                      + 4 * 32 * DQ_STAGE_COLS * 4 + (self.q_stages + self.do_stages) * self.tile_m * 4)
+                      + 4 * DQ_GROUP_ROWS * self.hdim * 4 + (self.q_stages + self.do_stages) * self.tile_m * 4)
         if const_expr(smem_tiles != self.cfg.smem_bytes()):
             raise RuntimeError(f"flash4 bwd_sm100: smem tiles take {smem_tiles} bytes, the config says "
                                f"{self.cfg.smem_bytes()}")
@@ -287,7 +287,7 @@ class FlashAttentionBackwardSm100:
             tmem_holding_buf: Int32
             sLSE: cute.struct.Align[cute.struct.MemRange[Float32, self.q_stages * self.tile_m], 128]
             sD: cute.struct.Align[cute.struct.MemRange[Float32, self.do_stages * self.tile_m], 128]
-            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, 4 * 32 * DQ_STAGE_COLS], 128]
+            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, 4 * DQ_GROUP_ROWS * self.hdim], 128]
             sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], self.buffer_align_bytes]
             sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sV_layout)], self.buffer_align_bytes]
             sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], self.buffer_align_bytes]
@@ -338,7 +338,8 @@ class FlashAttentionBackwardSm100:
                       sdOmn=view(sdO, sdOmn_layout), sKmn=view(sK, sKmn_layout), sdS=view(sdSt, sdS_layout))
         sLSE = storage.sLSE.get_tensor(cute.make_layout((self.tile_m, self.q_stages)))
         sD = storage.sD.get_tensor(cute.make_layout((self.tile_m, self.do_stages)))
-        sdQ = storage.sdQ.get_tensor(cute.make_layout((DQ_STAGE_COLS, 32, 4)))  # (cols, row, reduce warp)
+        # (D, DQ_GROUP_ROWS, reduce warp): per warp a block of whole rows, row-major like the accumulator
+        sdQ = storage.sdQ.get_tensor(cute.make_layout((self.hdim, DQ_GROUP_ROWS, 4)))
         tmem = TmemAllocator(storage.tmem_holding_buf.ptr,
                              barrier_for_retrieve=pipeline.NamedBarrier(barrier_id=TMEM_PTR_BARRIER,
                                                                         num_threads=self.tmem_users),
@@ -766,9 +767,10 @@ class FlashAttentionBackwardSm100:
     # ---------------------------------------------------------------- dQ-reduce warps
     @cute.jit
     def reduce(self, mma_dq, mdQacc, sdQ, pipes, tile):
-        """Per step: dQ (TMEM, this thread's row) -> registers; free dQ's columns; per DQ_STAGE_COLS
-        columns: the row piece -> this warp's smem buffer -> cp.reduce.async.bulk.add.f32 into the
-        accumulator row (one 128-byte bulk op per lane, each lane its own bulk group)."""
+        """Per step: dQ (TMEM, this thread's row, all D columns) -> registers; free dQ's columns; then per
+        group of DQ_GROUP_ROWS rows of the warp: those lanes write their rows into the warp's smem
+        block (row-major, as the accumulator), and lane 0 reduce-adds the block into the accumulator's
+        rows with one cp.reduce.async.bulk.add.f32 (the rows of a query block are contiguous there)."""
         _, _, batch, _, _, _, _, _ = tile
         n_steps = tile[3] * tile[5]
         tidx = cute.arch.thread_idx()[0] % THREADS_PER_WG
@@ -776,16 +778,18 @@ class FlashAttentionBackwardSm100:
         lane = cute.arch.lane_idx()
         base = self.tmem_base()
         acc = self.tmem_acc(base, mma_dq, self.mma_tiler_dq, "dQ")[(None, None), 0, 0]  # (tile_m, d)
-        chunk = cute.make_layout((self.tile_m, DQ_STAGE_COLS))
-        ld_atom = cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(DQ_STAGE_COLS)), Float32)
+        chunk = cute.make_layout((self.tile_m, DQ_LD_COLS))
+        ld_atom = cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(DQ_LD_COLS)), Float32)
         tiled_ld = tcgen05.make_tmem_copy(ld_atom, cute.composition(acc, chunk))
         thr_ld = tiled_ld.get_slice(tidx)
         src = thr_ld.partition_S(cute.composition(acc, chunk))
-        cq = cute.make_identity_tensor((self.tile_m, DQ_STAGE_COLS))
+        cq = cute.make_identity_tensor((self.tile_m, DQ_LD_COLS))
         frag_shape = thr_ld.partition_D(cq).shape
-        row = thr_ld.partition_D(cq)[0][0]  # this thread's query row in the block
-        n_chunks = self.hdim // DQ_STAGE_COLS
-        my_stage = sdQ[None, lane, warp]  # (DQ_STAGE_COLS,) fp32: this lane's row piece
+        n_chunks = self.hdim // DQ_LD_COLS
+        groups = WARP_SIZE // DQ_GROUP_ROWS
+        block = sdQ[None, None, warp]  # (D, DQ_GROUP_ROWS) fp32, this warp's staging block
+        my_row = block[None, lane % DQ_GROUP_ROWS]  # (D,): where this lane's row goes in its group
+        block_bytes = DQ_GROUP_ROWS * self.hdim * 4
         phase = Int32(0)
         for i in cutlass.range(n_steps, unroll=1):
             head, m_block = self.step_coords(tile, i)
@@ -793,17 +797,24 @@ class FlashAttentionBackwardSm100:
             tcgen05_fence_after()
             frags = [cute.make_rmem_tensor(frag_shape, Float32) for _ in range(n_chunks)]
             for c in cutlass.range_constexpr(n_chunks):
-                cute.copy(thr_ld, cute.make_tensor(src.iterator + c * DQ_STAGE_COLS, src.layout), frags[c])
+                cute.copy(thr_ld, cute.make_tensor(src.iterator + c * DQ_LD_COLS, src.layout), frags[c])
             cute.arch.fence_view_async_tmem_load()
             tcgen05_fence_before()
             self.arrive_elected(pipes["dq"], 0, "reduce", True)  # dQ read out
-            gRow = mdQacc[m_block * self.tile_m + row, None, head, batch]  # (d,) fp32
-            for c in cutlass.range_constexpr(n_chunks):
-                cute.arch.cp_async_bulk_wait_group(0, read=True)  # my previous piece was read
-                cute.autovec_copy(cute.make_tensor(frags[c].iterator, cute.make_layout(DQ_STAGE_COLS)), my_stage)
-                cute.arch.fence_view_async_shared()
-                bulk_reduce_add_f32(cute.local_tile(gRow, (DQ_STAGE_COLS,), (c,)).iterator, my_stage.iterator,
-                                    DQ_STAGE_COLS * 4)
-                cute.arch.cp_async_bulk_commit_group()
+            for grp in cutlass.range_constexpr(groups):
+                if lane == 0:
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)  # the block's previous reduce-add read it
+                cute.arch.sync_warp()
+                if lane // DQ_GROUP_ROWS == grp:
+                    for c in cutlass.range_constexpr(n_chunks):
+                        cute.autovec_copy(cute.make_tensor(frags[c].iterator, cute.make_layout(DQ_LD_COLS)),
+                                          cute.local_tile(my_row, (DQ_LD_COLS,), (c,)))
+                    cute.arch.fence_view_async_shared()  # smem writes -> visible to the bulk copy (async proxy)
+                cute.arch.sync_warp()
+                if lane == 0:
+                    row0 = m_block * self.tile_m + warp * WARP_SIZE + grp * DQ_GROUP_ROWS
+                    bulk_reduce_add_f32(mdQacc[row0, None, head, batch].iterator, block.iterator, block_bytes)
+                    cute.arch.cp_async_bulk_commit_group()
             phase = phase ^ 1
-        cute.arch.cp_async_bulk_wait_group(0, read=True)
+        if lane == 0:
+            cute.arch.cp_async_bulk_wait_group(0, read=True)

@@ -41,10 +41,14 @@ BWD_TILE_N = 128
 # Q ring depth (FA4 Q_stage = 2 for 1-CTA), dO ring depth (FA4 dO_stage = 1).
 BWD_Q_STAGES = 2
 BWD_DO_STAGES = 1
-# dQ leaves through smem: each reduce warp stages its 32 rows x DQ_STAGE_COLS fp32 columns and every
-# lane reduce-adds its own row piece (cp.reduce.async.bulk .add.f32, DQ_STAGE_COLS * 4 = 128 bytes),
-# one buffer per warp reused per column chunk (FA4's 1-CTA dQ chunk is 32 columns too).
-DQ_STAGE_COLS = 32
+# dQ leaves through smem: each reduce warp stages DQ_GROUP_ROWS whole rows of its 32 (all D fp32
+# columns: one contiguous block of the row-major dQ accumulator) and one lane reduce-adds the block
+# with one cp.reduce.async.bulk .add.f32 (8 x D x 4 bytes: 4 KiB at hd128), 32 / DQ_GROUP_ROWS per
+# step. (A bulk op per lane per 32 columns, the first version, compiled to a 32-iteration
+# ELECT / R2UR / UBLKRED loop per warp: the instruction takes uniform operands.)
+DQ_GROUP_ROWS = 8
+# Columns per tcgen05.ld of dQ (32x32b.x32).
+DQ_LD_COLS = 32
 # smem budget of the tiles (the rest of 227 KiB: mbarriers, the TMEM pointer, LSE and dPsum).
 BWD_SMEM_BUDGET = 224 * 1024
 
@@ -52,14 +56,14 @@ BWD_SMEM_BUDGET = 224 * 1024
 def bwd_smem_bytes(headdim: int, hdim_v: int, tile_m: int = BWD_TILE_M, tile_n: int = BWD_TILE_N,
                    q_stages: int = BWD_Q_STAGES, do_stages: int = BWD_DO_STAGES, elt: int = 2) -> int:
     """Bytes of the tiles: K, V (one each), the Q ring, the dO ring, dS (16-bit, tile_n x tile_m),
-    the dQ staging (4 reduce warps x 32 rows x DQ_STAGE_COLS fp32) and LSE / dPsum (fp32 per Q / dO
-    stage). hd128: 32 + 32 + 64 + 32 + 32 + 16 + 1.5 = 209.5 KiB; hd64: 129.5 KiB."""
+    the dQ staging (4 reduce warps x DQ_GROUP_ROWS rows x D fp32) and LSE / dPsum (fp32 per Q / dO
+    stage). hd128: 32 + 32 + 64 + 32 + 32 + 16 + 1.5 = 209.5 KiB; hd64: 121.5 KiB."""
     k = tile_n * headdim * elt
     v = tile_n * hdim_v * elt
     q = q_stages * tile_m * headdim * elt
     do = do_stages * tile_m * hdim_v * elt
     ds = tile_n * tile_m * elt
-    dq = 4 * 32 * DQ_STAGE_COLS * 4
+    dq = 4 * DQ_GROUP_ROWS * headdim * 4
     stats = (q_stages + do_stages) * tile_m * 4
     return k + v + q + do + ds + dq + stats
 
