@@ -18,8 +18,11 @@ CONFIGS = sm100.shipped_bwd_configs()
 
 
 def test_shipped_configs():
-    assert [(c.headdim, c.dtype, c.causal) for c in CONFIGS] == [
-        (d, dt, c) for d in (64, 128) for dt in ("bf16", "fp16") for c in (False, True)]
+    assert [(c.headdim, c.dtype, c.causal, c.local) for c in CONFIGS] == [
+        (d, dt, c, lo) for d in (64, 128) for dt in ("bf16", "fp16") for c, lo in ((False, False), (True, False),
+                                                                                  (False, True))]
+    # a window folds causal in (as sm90's BwdConfig)
+    assert sm100.select_bwd_config(128, causal=True, local=True) == sm100.select_bwd_config(128, local=True)
 
 
 def test_warp_roles_cover_16_warps_in_whole_warpgroups():
@@ -60,7 +63,7 @@ def test_tmem_map_equals_the_reference(hd):
             assert (halves[0][0], halves[1][1]) == ref[name] and halves[0][1] == halves[1][0]
 
 
-@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"d{c.headdim}-{c.dtype}-{c.causal}")
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"d{c.headdim}-{c.dtype}-{c.causal}-{c.local}")
 def test_tmem_map_fits_and_only_declared_aliases_overlap(cfg):
     m = bwd_tmem_map(cfg)
     assert all(0 <= s and s + n <= TMEM_COLUMNS for s, n in m.values())
@@ -82,7 +85,7 @@ def test_tmem_budget_sums_within_512():
         assert sum(n for name, (_, n) in m.items() if name not in inner) <= TMEM_COLUMNS
 
 
-@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"d{c.headdim}-{c.dtype}-{c.causal}")
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"d{c.headdim}-{c.dtype}-{c.causal}-{c.local}")
 def test_register_plan(cfg):
     plan = bwd_register_plan(cfg)
     assert plan == BwdRegisterPlan(152, 136, 88)  # FA4's 1-CTA reduce / compute / load = mma
@@ -111,7 +114,7 @@ def test_smem_budget():
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(headdim=96), "head dims \\(64, 128\\)"), (dict(headdim=256), "hd96/192/256 and 2-CTA"),
-    (dict(headdim=128, deterministic=True), "deterministic"), (dict(headdim=64, local=True), "sliding window"),
+    (dict(headdim=128, deterministic=True), "deterministic"),
     (dict(headdim=128, softcap=True), "softcap"), (dict(headdim=128, headdim_v=64), "V head dim"),
     (dict(headdim=128, arch=90), "sm_100a kernels only"), (dict(headdim=128, dtype="fp8"), "dtype"),
 ])
@@ -121,7 +124,8 @@ def test_select_refuses_what_is_not_built(kwargs, match):
 
 
 def test_config_refuses_unbuilt_fields():
-    for field, value in (("varlen_q", True), ("seqused_k", True), ("dkv_accum", True), ("cta_group", 2)):
+    for field, value in (("varlen_q", True), ("seqused_k", True), ("dkv_accum", True), ("cta_group", 2),
+                         ("regs_compute", 132)):
         with pytest.raises(ValueError):
             sm100.Sm100BwdConfig(128, **{field: value})
     cfg = sm100.select_bwd_config(128, "fp16", True)

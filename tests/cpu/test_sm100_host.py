@@ -224,6 +224,10 @@ def test_training_asks_both_selftests(sm100_device, monkeypatch):
     sink = torch.zeros(4, requires_grad=True)  # the sink's gradient is torch's (flash4.autograd)
     assert validate.support_error(q, k, v, learnable_sink=sink) is None
     assert asked[3:] == [sm100.select_fwd_config(64, "bf16", False, sink=True), sm100.select_bwd_config(64)]
+    q, k, v = qkv(requires_grad=True)  # a window: the local backward config
+    assert validate.support_error(q, k, v, window_size=(45, 7)) is None
+    assert asked[5:] == [sm100.select_fwd_config(128, "bf16", False, local=True),
+                         sm100.select_bwd_config(128, "bf16", False, local=True)]
 
 
 def test_training_a_backward_failure_is_refused(sm100_device, monkeypatch):
@@ -239,11 +243,11 @@ def test_training_a_backward_failure_is_refused(sm100_device, monkeypatch):
 
 
 def test_training_what_the_backward_lacks_is_refused_at_the_door(sm100_device, monkeypatch):
-    """What the sm100 backward does not build (window, softcap, hd96, packed varlen) is refused by name
+    """What the sm100 backward does not build (softcap, hd96, packed varlen) is refused by name
     before any launch when an input requires grad; without grad the forward serves it."""
     asked = verdicts(monkeypatch, ok=True)
     q, k, v = qkv(requires_grad=True)
-    for kwargs, what in ((dict(softcap=5.0), "softcap"), (dict(window_size=(45, 7)), "sliding window")):
+    for kwargs, what in ((dict(softcap=5.0), "softcap"),):
         text = validate.support_error(q, k, v, **kwargs)
         assert "no backward for this call on sm_100" in text and what in text and "torch.no_grad()" in text
         with pytest.raises(NotImplementedError, match=what):

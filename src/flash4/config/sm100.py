@@ -231,11 +231,14 @@ class Sm100BwdConfig:
     cta_group:   1 (tcgen05 .cta_group::1); the 2-CTA backward is not built.
     regs_reduce / regs_compute / regs_other: setmaxnreg budgets (bwd_register_plan).
     arch:        100 (sm_100a).
+    local:       a sliding window (runtime sides; causal folded into it: the config has causal False),
+                 as flash4.config.BwdConfig: each key block walks the query blocks that see it
+                 (flash4.geometry.m_block_range) and masks both sides.
     The remaining fields mirror flash4.config.BwdConfig so the host passes the same keys; none of
     them is built on sm100 yet and a config with one set cannot be made (ValueError in __post_init__):
-    deterministic (the dQ semaphore chain), varlen_q / varlen_k / seqused_q / seqused_k, local
-    (window), softcap, headdim_v (Dv != D), dkv_accum (GQA head split: GQA runs with one CTA per KV
-    head walking every query head of its group).
+    deterministic (the dQ semaphore chain), varlen_q / varlen_k / seqused_q / seqused_k, softcap,
+    headdim_v (Dv != D), dkv_accum (GQA head split: GQA runs with one CTA per KV head walking every
+    query head of its group).
     """
 
     headdim: int
@@ -289,7 +292,7 @@ class Sm100BwdConfig:
 # Fields of flash4.config.BwdConfig the sm100 backward does not build yet (field -> its "off" value).
 _BWD_UNBUILT = {
     "deterministic": False, "varlen_q": False, "varlen_k": False, "seqused_q": False, "seqused_k": False,
-    "local": False, "softcap": False, "headdim_v": None, "dkv_accum": False,
+    "softcap": False, "headdim_v": None, "dkv_accum": False,
 }
 _BWD_UNBUILT_WHAT = {
     "deterministic": "deterministic=True (the dQ semaphore chain)",
@@ -310,6 +313,8 @@ def bwd_config_problem(cfg) -> str | None:
     on = [f for f, off in _BWD_UNBUILT.items() if getattr(cfg, f) != off]
     if on:
         return "the sm100 backward has no " + ", ".join(_BWD_UNBUILT_WHAT[f] for f in on) + " yet"
+    if cfg.local and cfg.causal:
+        return "local=True folds causal into the window: causal must be False"
     if (cfg.tile_m, cfg.tile_n, cfg.cta_group, cfg.q_stages, cfg.do_stages) != (
             BWD_TILE_M, BWD_TILE_N, 1, BWD_Q_STAGES, BWD_DO_STAGES):
         return (f"(tile_m, tile_n, cta_group, q_stages, do_stages)=({cfg.tile_m}, {cfg.tile_n}, {cfg.cta_group}, "
@@ -324,9 +329,10 @@ def select_bwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, a
                       deterministic: bool = False, local: bool = False, softcap: bool = False,
                       headdim_v: int | None = None, **kwargs) -> Sm100BwdConfig:
     """The sm100 backward config for one problem class (pure; CPU-tested): hd64 / hd128, bf16 / fp16,
-    causal or not, dense, MHA and GQA/MQA (one CTA per KV head walks its query heads). Raises
-    ValueError naming what is missing for everything else (another head dim, Dv != D, deterministic,
-    a window, softcap). Same arguments as flash4.config.sm90.select_bwd_config (the others ignored)."""
+    causal or not, a sliding window (local: causal folded in), dense, MHA and GQA/MQA (one CTA per KV
+    head walks its query heads). Raises ValueError naming what is missing for everything else
+    (another head dim, Dv != D, deterministic, softcap). Same arguments as
+    flash4.config.sm90.select_bwd_config (the others ignored)."""
     if arch != ARCH:
         raise ValueError(f"flash4.config.sm100 builds sm_100a kernels only, got arch={arch}")
     if headdim not in SM100_BWD_HEADDIMS:
@@ -336,19 +342,19 @@ def select_bwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, a
         raise ValueError(f"dtype={dtype!r}; allowed: {DTYPES}")
     missing = [what for flag, what in ((headdim_v is not None and headdim_v != headdim, _BWD_UNBUILT_WHAT["headdim_v"]),
                                        (deterministic, _BWD_UNBUILT_WHAT["deterministic"]),
-                                       (local, _BWD_UNBUILT_WHAT["local"]),
                                        (softcap, _BWD_UNBUILT_WHAT["softcap"])) if flag]
     if missing:
         raise ValueError("the sm100 backward has no " + ", ".join(missing) + " yet (compile-verified 1-CTA "
-                         "backward: dense hd64/hd128, causal or not, MHA/GQA)")
+                         "backward: dense hd64/hd128, causal, window or neither, MHA/GQA)")
     plan = default_bwd_register_plan(headdim, causal)
-    return Sm100BwdConfig(headdim=headdim, dtype=dtype, causal=causal, regs_reduce=plan.reduce,
-                          regs_compute=plan.compute, regs_other=plan.other)
+    return Sm100BwdConfig(headdim=headdim, dtype=dtype, causal=causal and not local, local=local,
+                          regs_reduce=plan.reduce, regs_compute=plan.compute, regs_other=plan.other)
 
 
 def shipped_bwd_configs() -> list:
-    """Every sm100 backward config the API can select: hd64/128 x bf16/fp16 x causal/not (8)."""
-    return [select_bwd_config(d, dt, c) for d in SM100_BWD_HEADDIMS for dt in DTYPES for c in (False, True)]
+    """Every sm100 backward config the API can select: hd64/128 x bf16/fp16 x (full, causal, window) (12)."""
+    return [select_bwd_config(d, dt, c, local=lo) for d in SM100_BWD_HEADDIMS for dt in DTYPES
+            for c, lo in ((False, False), (True, False), (False, True))]
 
 
 def bwd_plan(request, arch: int = ARCH, heads_per_cta: int | None = None):

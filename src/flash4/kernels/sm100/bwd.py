@@ -20,9 +20,10 @@ dS carries the softmax scale, so dK and dQ need no rescaling (flash4's conventio
 
 Every TMEM offset comes from flash4.kernels.sm100.bwd_plan.bwd_tmem_map, every setmaxnreg budget
 from bwd_register_plan, every mbarrier arrive count from bwd_pipeline_specs (checked at trace time by
-flash4.kernels.sm100.pipes). Not built (refused by flash4.config.sm100.select_bwd_config): 2-CTA,
-head dims other than 64 / 128, Dv != D, deterministic, window, softcap, varlen / seqused, the GQA head
-split, and the exact-LSE path of issue 8 (P uses the rounded padded log2 LSE the preprocess writes;
+flash4.kernels.sm100.pipes). Masks: causal, a sliding window (local configs; runtime sides), keys
+past seqlen_k, through flash4.geometry (m_block_range, first_query, query_end). Not built (refused by
+flash4.config.sm100.select_bwd_config): 2-CTA, head dims other than 64 / 128, Dv != D, deterministic,
+softcap, varlen / seqused, the GQA head split, and the exact-LSE path of issue 8 (P uses the rounded padded log2 LSE the preprocess writes;
 the per-tile exact flags are not read).
 """
 
@@ -224,7 +225,7 @@ class FlashAttentionBackwardSm100:
         mdKVsem: Optional[cute.Tensor],
         softmax_scale: Float32,
         max_seqlen_k: Optional[Int32],  # must be None
-        window_left: Int32,  # ignored (no window on sm100's backward)
+        window_left: Int32,  # local configs: the window's sides (flash4.geometry.window_sides); else ignored
         window_right: Int32,
         softcap: Float32,  # ignored (no softcap)
         num_ctas: Int32,  # grid size: n_blocks * nheads_k * batch (flash4.launch.bwd_grid)
@@ -298,7 +299,7 @@ class FlashAttentionBackwardSm100:
                    sdSt_layout, tP_layout, tdS_layout)
         self.kernel(
             tma_K, tma_Q, tma_V, tma_dO, mLSE2, mD, mdQacc, mdK, mdV, tma_atom_K, tma_atom_Q, tma_atom_V, tma_atom_dO,
-            softmax_scale, *layouts, mma_s, mma_dp, mma_dv, mma_dk, mma_dq, SharedStorage,
+            softmax_scale, window_left, window_right, *layouts, mma_s, mma_dp, mma_dv, mma_dk, mma_dq, SharedStorage,
         ).launch(grid=(num_ctas, 1, 1), block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     # ------------------------------------------------------------------ device side
@@ -306,7 +307,7 @@ class FlashAttentionBackwardSm100:
     def kernel(self, mK: cute.Tensor, mQ: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mLSE2: cute.Tensor,
                mD: cute.Tensor, mdQacc: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
                tma_atom_K: cute.CopyAtom, tma_atom_Q: cute.CopyAtom, tma_atom_V: cute.CopyAtom,
-               tma_atom_dO: cute.CopyAtom, softmax_scale: Float32,
+               tma_atom_dO: cute.CopyAtom, softmax_scale: Float32, window_left: Int32, window_right: Int32,
                sK_layout: cute.ComposedLayout, sQ_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
                sdO_layout: cute.ComposedLayout, sdOmn_layout: cute.ComposedLayout, sQmn_layout: cute.ComposedLayout,
                sdS_layout: cute.ComposedLayout, sKmn_layout: cute.ComposedLayout, sdSt_layout: cute.ComposedLayout,
@@ -345,7 +346,8 @@ class FlashAttentionBackwardSm100:
                                                                         num_threads=self.tmem_users),
                              allocator_warp_id=self.roles["mma"][0], arch="sm_100")
 
-        tile = self.tile_coords(mQ, mK)
+        window = (window_left, window_right) if const_expr(self.cfg.local) else None
+        tile = self.tile_coords(mQ, mK, window)
 
         if warp_idx < self.roles["compute"][0]:
             self.set_regs(self.regs.reduce)
@@ -355,7 +357,7 @@ class FlashAttentionBackwardSm100:
         elif warp_idx < self.roles["mma"][0]:
             self.set_regs(self.regs.compute)
             self.wait_tmem_alloc()
-            self.compute(mmas, sLSE, sD, sdSt, mdK, mdV, pipes, tile, softmax_scale)
+            self.compute(mmas, sLSE, sD, sdSt, mdK, mdV, pipes, tile, softmax_scale, window)
             self.release_tmem()
         else:
             self.set_regs(self.regs.other)
@@ -423,8 +425,9 @@ class FlashAttentionBackwardSm100:
         return pipes
 
     # ---------------------------------------------------------------- the CTA's work (all roles)
-    def tile_coords(self, mQ, mK):
-        """(n_block, head_kv, batch, group, m_min, num_m, seqlen_q, seqlen_k) of this CTA: blockIdx.x =
+    def tile_coords(self, mQ, mK, window):
+        """(n_block, head_kv, batch, group, m_min, num_m, seqlen_q, seqlen_k) of this CTA (window: None or
+        the local config's (left, right) sides, which narrow the query blocks): blockIdx.x =
         ((batch * nheads_k) + head_kv) * n_blocks + n_block (flash4.launch.bwd_grid's order). The CTA
         runs group * num_m steps: query head head_kv * group + i // num_m, query block m_min + i % num_m."""
         seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
@@ -435,7 +438,8 @@ class FlashAttentionBackwardSm100:
         rest = bid // n_blocks
         head_kv, batch = rest % nheads_k, rest // nheads_k
         group = mQ.shape[2] // nheads_k
-        m_min, m_max = g.m_block_range(n_block, seqlen_q, seqlen_k, self.tile_m, self.tile_n, self.causal, DEVICE_OPS)
+        m_min, m_max = g.m_block_range(n_block, seqlen_q, seqlen_k, self.tile_m, self.tile_n, self.causal, DEVICE_OPS,
+                                       window)
         num_m = cutlass.max(m_max - m_min, 0)
         return (n_block, head_kv, batch, group, m_min, num_m, seqlen_q, seqlen_k)
 
@@ -597,7 +601,7 @@ class FlashAttentionBackwardSm100:
 
     # ---------------------------------------------------------------- compute warpgroups
     @cute.jit
-    def compute(self, mmas, sLSE, sD, sdSt, mdK, mdV, pipes, tile, softmax_scale: Float32):
+    def compute(self, mmas, sLSE, sD, sdSt, mdK, mdV, pipes, tile, softmax_scale: Float32, window):
         mma_s, mma_dp, mma_dv, mma_dk = mmas[0], mmas[1], mmas[2], mmas[3]
         n_block, head_kv, batch, group, m_min, num_m, seqlen_q, seqlen_k = tile
         n_steps = group * num_m
@@ -642,9 +646,13 @@ class FlashAttentionBackwardSm100:
         d_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.do_stages)
         for i in cutlass.range(n_steps, unroll=1):
             _, m_block = self.step_coords(tile, i)
-            # query columns [first, ...) of this warpgroup's chunk 0 see this key (NO_COLUMN: none)
-            first = g.first_query(key, seqlen_q, seqlen_k, self.causal, DEVICE_OPS) - (m_block * self.tile_m
-                                                                                       + wg * self.wg_cols)
+            # query columns [first, end) of this warpgroup's chunk 0 see this key (first NO_COLUMN: none;
+            # end: the window's left side, else past every column)
+            col0 = m_block * self.tile_m + wg * self.wg_cols
+            first = g.first_query(key, seqlen_q, seqlen_k, self.causal, DEVICE_OPS, window) - col0
+            end = Int32(self.tile_m)
+            if const_expr(window is not None):
+                end = g.query_end(key, seqlen_q, seqlen_k, DEVICE_OPS, window) - col0
             pipes["lse"].wait_full(lse_state.index, lse_state.phase)
             pipes["s"].wait_full(0, s_phase)
             tcgen05_fence_after()
@@ -657,7 +665,8 @@ class FlashAttentionBackwardSm100:
             cute.arch.fence_view_async_tmem_load()
             for j in cutlass.range_constexpr(chunks_per_wg):
                 col = wg * self.wg_cols + j * LD_COLS
-                self.probs(ps[j], t0ScS, sLSE, lse_state.index, col, first - j * LD_COLS, scale_log2)
+                self.probs(ps[j], t0ScS, sLSE, lse_state.index, col, first - j * LD_COLS, end - j * LD_COLS,
+                           scale_log2)
                 self.store16(ps[j], thr_st, cute.make_tensor(p_dst.iterator + j * st_cols, p_dst.layout), st_shape)
             cute.arch.fence_view_async_tmem_store()
             tcgen05_fence_before()
@@ -714,15 +723,19 @@ class FlashAttentionBackwardSm100:
                 pipe.arrive_full(index, role)
 
     @cute.jit
-    def probs(self, s, t0ScS, sLSE, stage, col0, first, scale_log2: Float32):
+    def probs(self, s, t0ScS, sLSE, stage, col0, first, end, scale_log2: Float32):
         """s (one chunk of this thread's S^T row, queries col0 ..) -> P = exp2(s c - lse), 0 where the
-        query does not see the key (column < first). The LSE of padded rows is +inf: P = 0 there."""
+        query does not see the key (column < first, or >= end: a window's left side). The LSE of
+        padded rows is +inf: P = 0 there."""
         for j in cutlass.range(0, cute.size(s), 2, unroll_full=True):
             c0, c1 = t0ScS[j][1], t0ScS[j + 1][1]
             x0, x1 = cute.arch.fma_packed_f32x2((s[j], s[j + 1]), (scale_log2, scale_log2),
                                                 (-sLSE[col0 + c0, stage], -sLSE[col0 + c1, stage]))
-            s[j] = Float32(cutlass.select_(c0 < first, Float32(0.0), exp2_hw(x0)))
-            s[j + 1] = Float32(cutlass.select_(c1 < first, Float32(0.0), exp2_hw(x1)))
+            hidden0, hidden1 = c0 < first, c1 < first
+            if const_expr(self.cfg.local):
+                hidden0, hidden1 = hidden0 | (c0 >= end), hidden1 | (c1 >= end)
+            s[j] = Float32(cutlass.select_(hidden0, Float32(0.0), exp2_hw(x0)))
+            s[j + 1] = Float32(cutlass.select_(hidden1, Float32(0.0), exp2_hw(x1)))
 
     @cute.jit
     def dscores(self, p, dp, t0ScS, sD, stage, col0, scale: Float32):
