@@ -17,7 +17,8 @@ from flash4.config.sm100 import bwd_register_plan, bwd_tmem_alloc_cols, shipped_
 from flash4.kernels.sm100.bwd_plan import DQ_GROUP_ROWS  # noqa: E402
 
 CONFIGS = shipped_bwd_configs()
-IDS = [f"d{c.headdim}-{c.dtype}-{'causal' if c.causal else 'window' if c.local else 'full'}" for c in CONFIGS]
+IDS = [f"d{c.headdim}-{c.dtype}-{'causal' if c.causal else 'window' if c.local else 'full'}"
+       + ("-det" if c.deterministic else "") for c in CONFIGS]
 # CPU seconds of one cold compile (one core): measured 1.9-2.3 s on the 2-core box (2026-12-02); the
 # target is 5 s, the assert leaves room for a loaded machine.
 COMPILE_CPU_LIMIT_S = 10.0
@@ -69,6 +70,9 @@ def test_sass_gates(built, name):
     # dQ: one reduce-add of DQ_GROUP_ROWS whole rows per group of a warp's 32 (uniform operands: no per-lane loop)
     assert sass_count(sass, "UBLKRED.G.S.ADD.F32") == 32 // DQ_GROUP_ROWS
     assert sass_count(sass, "BRA.U.ANY") == 0
+    # deterministic: the dQ semaphore, acquired by a strong load, released by one strong reduction
+    assert sass_count(sass, "REDG.E.ADD.STRONG.GPU") == int(cfg.deterministic)
+    assert sass_count(sass, "LDG.E.STRONG.GPU") == 2 * int(cfg.deterministic)
     assert sass_count(sass, "UBLKCP.S.G") == 2  # LSE and dPsum rows (bulk copies)
     assert row["utmaldg"] > 0
     assert row["utcatomsws"] == 3  # alloc, relinquish, dealloc

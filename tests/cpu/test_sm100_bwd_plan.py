@@ -18,9 +18,9 @@ CONFIGS = sm100.shipped_bwd_configs()
 
 
 def test_shipped_configs():
-    assert [(c.headdim, c.dtype, c.causal, c.local) for c in CONFIGS] == [
-        (d, dt, c, lo) for d in (64, 128) for dt in ("bf16", "fp16") for c, lo in ((False, False), (True, False),
-                                                                                  (False, True))]
+    assert [(c.headdim, c.dtype, c.causal, c.local, c.deterministic) for c in CONFIGS] == [
+        (d, dt, c, lo, det) for det in (False, True) for d in (64, 128) for dt in ("bf16", "fp16")
+        for c, lo in ((False, False), (True, False), (False, True))]
     # a window folds causal in (as sm90's BwdConfig)
     assert sm100.select_bwd_config(128, causal=True, local=True) == sm100.select_bwd_config(128, local=True)
 
@@ -63,7 +63,7 @@ def test_tmem_map_equals_the_reference(hd):
             assert (halves[0][0], halves[1][1]) == ref[name] and halves[0][1] == halves[1][0]
 
 
-@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"d{c.headdim}-{c.dtype}-{c.causal}-{c.local}")
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"d{c.headdim}-{c.dtype}-{c.causal}-{c.local}-{c.deterministic}")
 def test_tmem_map_fits_and_only_declared_aliases_overlap(cfg):
     m = bwd_tmem_map(cfg)
     assert all(0 <= s and s + n <= TMEM_COLUMNS for s, n in m.values())
@@ -85,7 +85,7 @@ def test_tmem_budget_sums_within_512():
         assert sum(n for name, (_, n) in m.items() if name not in inner) <= TMEM_COLUMNS
 
 
-@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"d{c.headdim}-{c.dtype}-{c.causal}-{c.local}")
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"d{c.headdim}-{c.dtype}-{c.causal}-{c.local}-{c.deterministic}")
 def test_register_plan(cfg):
     plan = bwd_register_plan(cfg)
     assert plan == BwdRegisterPlan(152, 136, 88)  # FA4's 1-CTA reduce / compute / load = mma
@@ -114,7 +114,6 @@ def test_smem_budget():
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(headdim=96), "head dims \\(64, 128\\)"), (dict(headdim=256), "hd96/192/256 and 2-CTA"),
-    (dict(headdim=128, deterministic=True), "deterministic"),
     (dict(headdim=128, softcap=True), "softcap"), (dict(headdim=128, headdim_v=64), "V head dim"),
     (dict(headdim=128, arch=90), "sm_100a kernels only"), (dict(headdim=128, dtype="fp8"), "dtype"),
 ])

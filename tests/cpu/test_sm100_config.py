@@ -162,7 +162,7 @@ def test_a_config_with_an_unbuilt_field_cannot_exist(field, value):
 
 def test_backward_configs():
     """The 1-CTA backward (tests/cpu/test_sm100_bwd_plan.py has its plan): hd64 / hd128 only."""
-    assert len(shipped_bwd_configs()) == 12 and select_bwd_config(128).arch == 100
+    assert len(shipped_bwd_configs()) == 24 and select_bwd_config(128).arch == 100
     with pytest.raises(ValueError, match="sm100 backward is built for head dims"):
         select_bwd_config(96)
 

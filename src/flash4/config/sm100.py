@@ -234,10 +234,13 @@ class Sm100BwdConfig:
     local:       a sliding window (runtime sides; causal folded into it: the config has causal False),
                  as flash4.config.BwdConfig: each key block walks the query blocks that see it
                  (flash4.geometry.m_block_range) and masks both sides.
+    deterministic: the dQ adds of a query block in key-block order (sm90's semaphore chain: the
+                 reduce warps wait until the block's semaphore reads their turn, add, wait for the
+                 adds to land, release the next): bitwise-reproducible dQ; dK, dV are deterministic
+                 anyway (no head split).
     The remaining fields mirror flash4.config.BwdConfig so the host passes the same keys; none of
     them is built on sm100 yet and a config with one set cannot be made (ValueError in __post_init__):
-    deterministic (the dQ semaphore chain), varlen_q / varlen_k / seqused_q / seqused_k, softcap,
-    headdim_v (Dv != D), dkv_accum (GQA head split: GQA runs with one CTA per KV head walking every
+    varlen_q / varlen_k / seqused_q / seqused_k, softcap, headdim_v (Dv != D), dkv_accum (GQA head split: GQA runs with one CTA per KV head walking every
     query head of its group).
     """
 
@@ -291,11 +294,10 @@ class Sm100BwdConfig:
 
 # Fields of flash4.config.BwdConfig the sm100 backward does not build yet (field -> its "off" value).
 _BWD_UNBUILT = {
-    "deterministic": False, "varlen_q": False, "varlen_k": False, "seqused_q": False, "seqused_k": False,
+    "varlen_q": False, "varlen_k": False, "seqused_q": False, "seqused_k": False,
     "softcap": False, "headdim_v": None, "dkv_accum": False,
 }
 _BWD_UNBUILT_WHAT = {
-    "deterministic": "deterministic=True (the dQ semaphore chain)",
     "varlen_q": "packed varlen sequences (cu_seqlens_q)", "varlen_k": "packed varlen sequences (cu_seqlens_k)",
     "seqused_q": "seqused_q", "seqused_k": "seqused_k", "local": "a sliding window (window_size)",
     "softcap": "softcap", "headdim_v": "a V head dim different from Q/K's", "dkv_accum": "the GQA head split",
@@ -329,9 +331,9 @@ def select_bwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, a
                       deterministic: bool = False, local: bool = False, softcap: bool = False,
                       headdim_v: int | None = None, **kwargs) -> Sm100BwdConfig:
     """The sm100 backward config for one problem class (pure; CPU-tested): hd64 / hd128, bf16 / fp16,
-    causal or not, a sliding window (local: causal folded in), dense, MHA and GQA/MQA (one CTA per KV
-    head walks its query heads). Raises ValueError naming what is missing for everything else
-    (another head dim, Dv != D, deterministic, softcap). Same arguments as
+    causal or not, a sliding window (local: causal folded in), deterministic or not, dense, MHA and
+    GQA/MQA (one CTA per KV head walks its query heads). Raises ValueError naming what is missing for
+    everything else (another head dim, Dv != D, softcap). Same arguments as
     flash4.config.sm90.select_bwd_config (the others ignored)."""
     if arch != ARCH:
         raise ValueError(f"flash4.config.sm100 builds sm_100a kernels only, got arch={arch}")
@@ -341,20 +343,21 @@ def select_bwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, a
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r}; allowed: {DTYPES}")
     missing = [what for flag, what in ((headdim_v is not None and headdim_v != headdim, _BWD_UNBUILT_WHAT["headdim_v"]),
-                                       (deterministic, _BWD_UNBUILT_WHAT["deterministic"]),
                                        (softcap, _BWD_UNBUILT_WHAT["softcap"])) if flag]
     if missing:
         raise ValueError("the sm100 backward has no " + ", ".join(missing) + " yet (compile-verified 1-CTA "
-                         "backward: dense hd64/hd128, causal, window or neither, MHA/GQA)")
+                         "backward: dense hd64/hd128, causal, window or neither, deterministic or not, MHA/GQA)")
     plan = default_bwd_register_plan(headdim, causal)
     return Sm100BwdConfig(headdim=headdim, dtype=dtype, causal=causal and not local, local=local,
+                          deterministic=deterministic,
                           regs_reduce=plan.reduce, regs_compute=plan.compute, regs_other=plan.other)
 
 
 def shipped_bwd_configs() -> list:
-    """Every sm100 backward config the API can select: hd64/128 x bf16/fp16 x (full, causal, window) (12)."""
-    return [select_bwd_config(d, dt, c, local=lo) for d in SM100_BWD_HEADDIMS for dt in DTYPES
-            for c, lo in ((False, False), (True, False), (False, True))]
+    """Every sm100 backward config the API can select: hd64/128 x bf16/fp16 x (full, causal, window) x
+    deterministic or not (24)."""
+    return [select_bwd_config(d, dt, c, local=lo, deterministic=det) for det in (False, True)
+            for d in SM100_BWD_HEADDIMS for dt in DTYPES for c, lo in ((False, False), (True, False), (False, True))]
 
 
 def bwd_plan(request, arch: int = ARCH, heads_per_cta: int | None = None):

@@ -22,7 +22,7 @@ Every TMEM offset comes from flash4.kernels.sm100.bwd_plan.bwd_tmem_map, every s
 from bwd_register_plan, every mbarrier arrive count from bwd_pipeline_specs (checked at trace time by
 flash4.kernels.sm100.pipes). Masks: causal, a sliding window (local configs; runtime sides), keys
 past seqlen_k, through flash4.geometry (m_block_range, first_query, query_end). Not built (refused by
-flash4.config.sm100.select_bwd_config): 2-CTA, head dims other than 64 / 128, Dv != D, deterministic,
+flash4.config.sm100.select_bwd_config): 2-CTA, head dims other than 64 / 128, Dv != D,
 softcap, varlen / seqused, the GQA head split, and the exact-LSE path of issue 8 (P uses the rounded padded log2 LSE the preprocess writes;
 the per-tile exact flags are not read).
 """
@@ -55,6 +55,7 @@ from flash4.kernels.sm100.plan import TMEM_COLUMNS, WARP_SIZE
 
 # Named barrier ids of this kernel (0 is __syncthreads).
 TMEM_PTR_BARRIER = 1  # mma + compute + reduce warps: TMEM allocated / done with TMEM
+REDUCE_BARRIER = 2  # the 4 reduce warps (deterministic: around the dQ semaphore)
 # Columns per tcgen05.ld of S^T, dP^T (32x32b.x32: thread t gets 32 columns of lane t).
 LD_COLS = 32
 # Columns per tcgen05.ld of dK, dV in the epilogue and of dQ in the reduce warps.
@@ -214,7 +215,7 @@ class FlashAttentionBackwardSm100:
         mdQacc: cute.Tensor,  # (batch, nheads, seqlen_q_pad, headdim) fp32, zeroed, row-major
         mdK: cute.Tensor,  # (batch, seqlen_k, nheads_k, headdim)
         mdV: cute.Tensor,
-        mdQsem: cute.Tensor,  # unused (deterministic is not built on sm100)
+        mdQsem: cute.Tensor,  # (batch, nheads, num_m_blocks) int32, zeroed; used when deterministic
         mExact: cute.Tensor,  # unused (the exact-LSE path is not built on sm100)
         mLSEhi: cute.Tensor,  # unused
         mLSElo: cute.Tensor,  # unused
@@ -243,6 +244,7 @@ class FlashAttentionBackwardSm100:
         mQ, mK, mV, mdO, mdK, mdV = [select_modes(t, [1, 3, 2, 0]) for t in (mQ, mK, mV, mdO, mdK, mdV)]
         mLSE2, mD = [select_modes(t, [2, 1, 0]) for t in (mLSE2, mD)]
         mdQacc = select_modes(mdQacc, [2, 3, 1, 0])  # (seqlen_pad, d, heads, batch)
+        mdQsem = select_modes(mdQsem, [2, 1, 0])  # (num_m_blocks, heads, batch)
 
         cta_group = tcgen05.CtaGroup.ONE
         mma_s, mma_dp, mma_dv, mma_dk, mma_dq = bwd_tiled_mmas(self.cfg)
@@ -298,14 +300,14 @@ class FlashAttentionBackwardSm100:
         layouts = (sK_layout, sQ_layout, sV_layout, sdO_layout, sdOmn_layout, sQmn_layout, sdS_layout, sKmn_layout,
                    sdSt_layout, tP_layout, tdS_layout)
         self.kernel(
-            tma_K, tma_Q, tma_V, tma_dO, mLSE2, mD, mdQacc, mdK, mdV, tma_atom_K, tma_atom_Q, tma_atom_V, tma_atom_dO,
+            tma_K, tma_Q, tma_V, tma_dO, mLSE2, mD, mdQacc, mdQsem, mdK, mdV, tma_atom_K, tma_atom_Q, tma_atom_V, tma_atom_dO,
             softmax_scale, window_left, window_right, *layouts, mma_s, mma_dp, mma_dv, mma_dk, mma_dq, SharedStorage,
         ).launch(grid=(num_ctas, 1, 1), block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     # ------------------------------------------------------------------ device side
     @cute.kernel
     def kernel(self, mK: cute.Tensor, mQ: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mLSE2: cute.Tensor,
-               mD: cute.Tensor, mdQacc: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
+               mD: cute.Tensor, mdQacc: cute.Tensor, mdQsem: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
                tma_atom_K: cute.CopyAtom, tma_atom_Q: cute.CopyAtom, tma_atom_V: cute.CopyAtom,
                tma_atom_dO: cute.CopyAtom, softmax_scale: Float32, window_left: Int32, window_right: Int32,
                sK_layout: cute.ComposedLayout, sQ_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
@@ -352,7 +354,7 @@ class FlashAttentionBackwardSm100:
         if warp_idx < self.roles["compute"][0]:
             self.set_regs(self.regs.reduce)
             self.wait_tmem_alloc()
-            self.reduce(mmas[4], mdQacc, sdQ, pipes, tile)
+            self.reduce(mmas[4], mdQacc, mdQsem, sdQ, pipes, tile, window)
             self.release_tmem()
         elif warp_idx < self.roles["mma"][0]:
             self.set_regs(self.regs.compute)
@@ -779,12 +781,18 @@ class FlashAttentionBackwardSm100:
 
     # ---------------------------------------------------------------- dQ-reduce warps
     @cute.jit
-    def reduce(self, mma_dq, mdQacc, sdQ, pipes, tile):
+    def reduce(self, mma_dq, mdQacc, mdQsem, sdQ, pipes, tile, window):
         """Per step: dQ (TMEM, this thread's row, all D columns) -> registers; free dQ's columns; then per
         group of DQ_GROUP_ROWS rows of the warp: those lanes write their rows into the warp's smem
         block (row-major, as the accumulator), and lane 0 reduce-adds the block into the accumulator's
-        rows with one cp.reduce.async.bulk.add.f32 (the rows of a query block are contiguous there)."""
-        _, _, batch, _, _, _, _, _ = tile
+        rows with one cp.reduce.async.bulk.add.f32 (the rows of a query block are contiguous there).
+
+        Deterministic configs order the adds of one query block by key block (sm90's chain): thread 0
+        waits until the block's semaphore reads this key block's turn (n_block; with a window, counted
+        from the first key block of the query block's band), the four warps add, wait until their
+        adds landed in global memory, and thread 0 releases turn + 1. Lower key blocks launch first
+        (flash4.launch.bwd_grid), so the chain cannot deadlock."""
+        n_block, _, batch, _, _, _, seqlen_q, seqlen_k = tile
         n_steps = tile[3] * tile[5]
         tidx = cute.arch.thread_idx()[0] % THREADS_PER_WG
         warp = tidx // WARP_SIZE
@@ -814,6 +822,17 @@ class FlashAttentionBackwardSm100:
             cute.arch.fence_view_async_tmem_load()
             tcgen05_fence_before()
             self.arrive_elected(pipes["dq"], 0, "reduce", True)  # dQ read out
+            sem_ptr = mdQsem[None, head, batch].iterator + m_block
+            if const_expr(self.cfg.deterministic):
+                turn = n_block
+                if const_expr(window is not None):
+                    turn = n_block - g.n_block_min(m_block, seqlen_q, seqlen_k, self.tile_m, self.tile_n, DEVICE_OPS,
+                                                   window)
+                if tidx == 0:
+                    seen = cute.arch.load(sem_ptr, Int32, sem="acquire", scope="gpu")
+                    while turn != seen:
+                        seen = cute.arch.load(sem_ptr, Int32, sem="acquire", scope="gpu")
+                named_barrier_sync(REDUCE_BARRIER, THREADS_PER_WG)
             for grp in cutlass.range_constexpr(groups):
                 if lane == 0:
                     cute.arch.cp_async_bulk_wait_group(0, read=True)  # the block's previous reduce-add read it
@@ -828,6 +847,12 @@ class FlashAttentionBackwardSm100:
                     row0 = m_block * self.tile_m + warp * WARP_SIZE + grp * DQ_GROUP_ROWS
                     bulk_reduce_add_f32(mdQacc[row0, None, head, batch].iterator, block.iterator, block_bytes)
                     cute.arch.cp_async_bulk_commit_group()
+            if const_expr(self.cfg.deterministic):
+                if lane == 0:
+                    cute.arch.cp_async_bulk_wait_group(0, read=False)  # this warp's adds landed in global memory
+                named_barrier_sync(REDUCE_BARRIER, THREADS_PER_WG)
+                if tidx == 0:
+                    cute.arch.atomic_add(sem_ptr, Int32(1), sem="release", scope="gpu")
             phase = phase ^ 1
         if lane == 0:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
