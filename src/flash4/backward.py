@@ -114,8 +114,11 @@ def launch(request: Request, dout, out, lse, lse_split, dlse, dq, dk, dv) -> Non
 
     q, k, v, seq = request.q, request.k, request.v, request.seq
     packed, nheads, headdim = seq.packed, request.nheads, request.headdim
+    from flash4 import selftest  # late: the gate pulls in its child-process machinery
+
     plan = bwd_config(request, device_arch(q.device), env.bwd_heads_per_cta_override())
     cfg, tile_m = plan.cfg, plan.cfg.tile_m
+    selftest.require(cfg, q.device)  # gated families (sm100): only after the first-use self-test passed
     if packed:  # the padded per-sequence layout plus its scratch tile (module docstring)
         total_q, batch = q.shape[0], request.batch
         stats_batch, rows = 1, padded_total(total_q, batch, tile_m) + tile_m

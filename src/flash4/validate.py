@@ -446,8 +446,8 @@ class _Door:
 def _gated_problem(q, causal, door: _Door, arch: int) -> Problem:
     """A family served behind the first-use self-test (sm_100): the config the forward would select
     for these arguments exists (layouts, window, softcap, sink, headdim_v: ValueError naming what
-    that family lacks), a backward exists when autograd will ask for one (NotImplementedError: the
-    sm_100 family has no backward yet), and flash4.selftest passed that config on q's device
+    that family lacks), a backward config exists when autograd will ask for one (NotImplementedError
+    naming what the family's backward lacks: dense batches only on sm_100, hd64 / hd128, no softcap), and flash4.selftest passed those configs (forward, and backward when training) on q's device
     (RuntimeError with the self-test's text: the config, the failing check, how to report it; on
     the first call for a config this runs the self-test, seconds, in a child process)."""
     from flash4 import selftest
@@ -475,13 +475,27 @@ def _gated_problem(q, causal, door: _Door, arch: int) -> Problem:
         return ValueError, f"{err} {where}"
     if door.layout == "varlen":  # as flash4.config.sm100.fwd_plan lays it out
         cfg = dataclasses.replace(cfg, varlen_q=True, varlen_k=True, seqused_q=door.seqused_q is not None)
-    if not fam.has_pass("bwd") and torch.is_grad_enabled() and any(
-            isinstance(t, torch.Tensor) and t.requires_grad for t in (q, door.k, door.v, door.learnable_sink)):
-        return NotImplementedError, (
-            f"flash4 has no backward on sm_{arch} yet (its {fam.name} family has a forward only), and an input "
-            f"requires grad: run the forward under torch.no_grad() / torch.inference_mode(), or use another "
-            f"attention implementation for training {where}")
+    training = torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in (q, door.k, door.v, door.learnable_sink))
+    bwd_cfg = None
+    if training:
+        hint = ("an input requires grad: run the forward under torch.no_grad() / torch.inference_mode(), or use "
+                f"another attention implementation for training {where}")
+        if not fam.has_pass("bwd"):
+            return NotImplementedError, (f"flash4 has no backward on sm_{arch} yet (its {fam.name} family has a "
+                                         f"forward only), and {hint}")
+        if door.layout != "dense":
+            return NotImplementedError, (f"flash4's sm_{arch} backward runs dense batches only (no {door.layout} "
+                                         f"layout yet), and {hint}")
+        try:  # the backward config autograd will ask for (flash4.config.<family>.bwd_plan's selection)
+            bwd_cfg = fam.config_module().select_bwd_config(
+                headdim, DTYPE_NAMES[q.dtype], causal, arch=arch, local=window_sides(window_size, causal) is not None,
+                softcap=door.softcap > 0, headdim_v=None if headdim_v == headdim else headdim_v)
+        except ValueError as err:
+            return NotImplementedError, f"flash4 has no backward for this call on sm_{arch}: {err}; {hint}"
     problem = selftest.support_problem(cfg, q.device)
+    if problem is None and bwd_cfg is not None:
+        problem = selftest.support_problem(bwd_cfg, q.device)  # the backward runs behind its own self-test
     return None if problem is None else (RuntimeError, problem)
 
 

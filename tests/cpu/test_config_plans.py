@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from flash4.config import (FwdPlan, bwd_config, fwd_config, paged_page_rows, select_bwd_config, select_fwd_config,
+from flash4.config import (BwdPlan, FwdPlan, bwd_config, fwd_config, paged_page_rows, select_bwd_config, select_fwd_config,
                            with_dkv_accum, with_pack_gqa, with_seq_layout)
 from flash4.config.sm90 import decode_plan, head_split_config
 from flash4.geometry import window_sides
@@ -115,8 +115,9 @@ def test_backward_plan_override_and_packed_layout():
 
 
 def test_sm100_plans():
-    """The sm100 family (forward only, unverified, served behind the first-use self-test) answers
-    dense and packed varlen requests and refuses paged K/V, seqused_k and Dv != D."""
+    """The sm100 family (unverified, served behind the first-use self-test) answers dense and packed
+    varlen forward requests and refuses paged K/V, seqused_k and Dv != D; its backward plan answers
+    dense requests (every query head of a KV head in its CTA) and refuses packed ones."""
     from flash4.config import sm100
 
     q, k = meta(2, 300, 8, 128), meta(2, 300, 8, 128)
@@ -134,6 +135,7 @@ def test_sm100_plans():
     assert sm100.fwd_plan(Request.dense(q, k, k, window_size=(3, 3)), 100).cfg.local
     with pytest.raises(ValueError, match="headdim_v=64 != headdim=128 is not implemented"):
         sm100.fwd_plan(Request.dense(q, k, meta(2, 300, 8, 64)), 100)
-    with pytest.raises(ValueError, match="no sm100 backward"):
-        sm100.bwd_plan(Request.dense(q, k, k), 100)
+    assert sm100.bwd_plan(Request.dense(q, k, k), 100) == BwdPlan(sm100.select_bwd_config(128), 1)
+    with pytest.raises(ValueError, match="no packed varlen"):
+        sm100.bwd_plan(_packed(), 100)
     assert fwd_config(Request.dense(q, k, k), 100) == FwdPlan(sm100.select_fwd_config(128))

@@ -1,4 +1,4 @@
-"""The host wiring of the sm_100 (Blackwell) forward, on the CPU with a mocked device (FLASH4_ARCH=100).
+"""The host wiring of the sm_100 (Blackwell) forward and backward, on the CPU with a mocked device (FLASH4_ARCH=100).
 
 The sm100 family is compile-verified only (never run on a B200), so it is served behind the
 first-use self-test (flash4.selftest): the registry hands it out (Family.selftest_gated), config
@@ -70,7 +70,7 @@ def qkv(d=128, sq=300, sk=300, h=4, hk=4, dtype=BF16, requires_grad=False):
 def test_registry_serves_sm100_behind_the_gate():
     fam = registry.family(100)
     assert fam.name == "sm100" and not fam.verified and fam.selftest_gated and fam.usable
-    assert fam.has_pass("fwd") and not fam.has_pass("bwd")
+    assert fam.has_pass("fwd") and fam.has_pass("bwd")  # the 1-CTA backward (compile-verified, not run)
     assert 90 in registry.supported_archs() and 100 not in registry.supported_archs()
     assert registry.gated_archs() == (100,) == selftest.GATED_ARCHS
     assert registry.family(90).name == "sm90"
@@ -238,19 +238,56 @@ def test_varlen_is_untestable_for_the_real_selftest(sm100_device):
     assert "self-test cannot check it" in text and "varlen_q=True" in text
 
 
-def test_training_refused_at_the_door(sm100_device, monkeypatch):
-    """No sm100 backward: inputs that require grad (in grad mode) are refused before any launch."""
+def test_training_asks_both_selftests(sm100_device, monkeypatch):
+    """Inputs that require grad (in grad mode): the backward config autograd will run must exist and
+    pass its own self-test too; inference asks the forward's only."""
     asked = verdicts(monkeypatch, ok=True)
     q, k, v = qkv(requires_grad=True)
-    text = validate.support_error(q, k, v)
-    assert "no backward on sm_100" in text and "torch.no_grad()" in text
-    with pytest.raises(NotImplementedError, match="no backward on sm_100"):
-        flash4.flash_attn_func(q, k, v)
-    sink = torch.zeros(4, requires_grad=True)
+    assert validate.support_error(q, k, v, causal=True) is None
+    assert asked == [sm100.select_fwd_config(128, "bf16", True), sm100.select_bwd_config(128, "bf16", True)]
     with torch.no_grad():
-        assert validate.support_error(q, k, v) is None  # inference: fine
-    assert "no backward on sm_100" in validate.support_error(q.detach(), k.detach(), v.detach(), learnable_sink=sink)
-    assert len(asked) == 1
+        assert validate.support_error(q, k, v) is None
+    assert asked[2:] == [sm100.select_fwd_config(128, "bf16", False)]
+    q, k, v = qkv(d=64, h=4, hk=2)
+    sink = torch.zeros(4, requires_grad=True)  # the sink's gradient is torch's (flash4.autograd)
+    assert validate.support_error(q, k, v, learnable_sink=sink) is None
+    assert asked[3:] == [sm100.select_fwd_config(64, "bf16", False, sink=True), sm100.select_bwd_config(64)]
+    q, k, v = qkv(requires_grad=True)  # a window: the local backward config
+    assert validate.support_error(q, k, v, window_size=(45, 7)) is None
+    assert asked[5:] == [sm100.select_fwd_config(128, "bf16", False, local=True),
+                         sm100.select_bwd_config(128, "bf16", False, local=True)]
+
+
+def test_training_a_backward_failure_is_refused(sm100_device, monkeypatch):
+    """A backward config that failed its self-test refuses training (the forward passed)."""
+    monkeypatch.setattr(selftest, "check", lambda cfg, device=None, **kw: selftest.Verdict(
+        ok="Bwd" not in type(cfg).__name__, status="pass" if "Bwd" not in type(cfg).__name__ else "wrong",
+        config=repr(cfg), gpu="NVIDIA B200", sm="sm_100", gated=True, failure=None if "Bwd" not in
+        type(cfg).__name__ else "case 'odd lengths': dq error 0.5 > ...", path="/tmp/verdict.json"))
+    q, k, v = qkv(requires_grad=True)
+    assert "Sm100BwdConfig(headdim=128" in validate.support_error(q, k, v)
+    with torch.no_grad():
+        assert validate.support_error(q, k, v) is None
+
+
+def test_training_what_the_backward_lacks_is_refused_at_the_door(sm100_device, monkeypatch):
+    """What the sm100 backward does not build (softcap, hd96, packed varlen) is refused by name
+    before any launch when an input requires grad; without grad the forward serves it."""
+    asked = verdicts(monkeypatch, ok=True)
+    q, k, v = qkv(requires_grad=True)
+    for kwargs, what in ((dict(softcap=5.0), "softcap"),):
+        text = validate.support_error(q, k, v, **kwargs)
+        assert "no backward for this call on sm_100" in text and what in text and "torch.no_grad()" in text
+        with pytest.raises(NotImplementedError, match=what):
+            flash4.flash_attn_func(q, k, v, **kwargs)
+        with torch.no_grad():
+            assert validate.support_error(q, k, v, **kwargs) is None
+    q96, k96, v96 = qkv(d=96, requires_grad=True)
+    assert "head dims (64, 128) only" in validate.support_error(q96, k96, v96)
+    cu = torch.tensor([0, 100, 300], dtype=torch.int32)
+    text = validate.varlen_support_error(q[0], k[0], v[0], cu, cu, 200, 200)
+    assert "dense batches only (no varlen layout yet)" in text
+    assert all(type(c).__name__ == "Sm100FwdConfig" for c in asked)  # no backward self-test was run
 
 
 # ---------------------------------------------------------------- the launch site
@@ -298,8 +335,28 @@ def test_launch_sm90_is_not_gated(monkeypatch, compiled):
     assert compiled == [flash4.config.select_fwd_config(128)]
 
 
-def test_backward_on_sm100_has_no_plan():
-    """Past the door (torch.compile's trace skips it), the backward plan says so."""
+def test_backward_plan_on_sm100():
+    """Past the door (torch.compile's trace skips it), the backward plan: the 1-CTA config with every
+    query head of a KV head in its CTA, or ValueError naming what is missing."""
+    q, k, v = qkv(h=4, hk=2)
+    plan = flash4.config.bwd_config(Request.dense(q, k, v, causal=True), 100)
+    assert plan.cfg == sm100.select_bwd_config(128, "bf16", True) and plan.heads_per_cta == 2
+    assert flash4.config.bwd_config(Request.dense(q, k, v, deterministic=True), 100).cfg.deterministic
+    with pytest.raises(ValueError, match="softcap"):
+        flash4.config.bwd_config(Request.dense(q, k, v, softcap=5.0), 100)
+
+
+def test_backward_launch_requires_the_selftest(sm100_device, monkeypatch):
+    """flash4.backward.launch asks the gate for its config before anything compiles or launches."""
+    import flash4.compile.cache as cache
+    from flash4 import backward
+
+    got = []
+    monkeypatch.setattr(cache, "get_bwd_runner", lambda cfg: got.append(cfg))
+    asked = verdicts(monkeypatch, ok=False)
     q, k, v = qkv()
-    with pytest.raises(ValueError, match="no sm100 backward"):
-        flash4.config.bwd_config(Request.dense(q, k, v), 100)
+    request = Request.dense(q, k, v, causal=True)
+    out, dout, lse = torch.zeros_like(q), torch.randn_like(q), torch.zeros(1, 4, 300)
+    with pytest.raises(RuntimeError, match=r"Sm100BwdConfig\(headdim=128.*Please report it"):
+        backward.run(request, dout, out, lse)
+    assert got == [] and asked == [sm100.select_bwd_config(128, "bf16", True)]

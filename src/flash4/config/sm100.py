@@ -23,6 +23,12 @@ from flash4 import env
 from flash4.config import HDIMV_PAIRS, SUPPORTED_HEADDIMS, FwdPlan, with_seq_layout
 from flash4.constants import DTYPES, RESCALE_THRESHOLD_LOG2
 from flash4.kernels.common.exp2_poly import mixed_pattern
+from flash4.kernels.sm100.bwd_plan import (  # noqa: F401  (the backward's plan)
+    BWD_DO_STAGES, BWD_NUM_THREADS, BWD_Q_STAGES, BWD_SMEM_BUDGET, BWD_TILE_M, BWD_TILE_N, BWD_WARP_ROLES,
+    SM100_BWD_HEADDIMS, BwdRegisterPlan, bwd_pipeline_specs, bwd_register_plan, bwd_register_plan_problem,
+    bwd_smem_bytes, bwd_tmem_alloc_cols, bwd_tmem_aliases, bwd_tmem_map, bwd_tmem_used_cols,
+    default_bwd_register_plan,
+)
 from flash4.kernels.sm100.plan import (  # noqa: F401  (the plan, re-exported for the config's users)
     ARCH, EXP2_EMU_FRAC, EXP2_EMU_FRAC_CAUSAL, EXP2_EMU_GROUP, exp2_emu_frac_for, LAUNCH_REGS, MAX_KV_STAGES, NUM_THREADS, NUM_WARPS, Party, PipelineSpec,
     ROLE_WARPS, RegisterPlan, SMEM_KV_BUDGET, Signal, TMEM_ALIASES, TMEM_COLUMNS,
@@ -229,14 +235,6 @@ def shipped_fwd_configs(features: bool = True) -> list:
     return one_cta + two_cta
 
 
-def select_bwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, arch: int = ARCH, **kwargs):
-    raise ValueError("no sm100 backward yet (flash4's sm_100 family has a forward only)")
-
-
-def shipped_bwd_configs() -> list:
-    return []
-
-
 # ---------------------------------------------------------------- the host's questions (flash4.config.fwd_config / bwd_config)
 def fwd_plan(request, arch: int = ARCH, num_sms: int | None = None) -> FwdPlan:
     """The forward plan of a flash4.request.Request on sm100: dense batches, and packed sequences
@@ -256,5 +254,161 @@ def fwd_plan(request, arch: int = ARCH, num_sms: int | None = None) -> FwdPlan:
     return FwdPlan(cfg)
 
 
+# ================================================================ the backward (1-CTA)
+@dataclasses.dataclass(frozen=True)
+class Sm100BwdConfig:
+    """One compiled sm100 backward kernel (the compile-cache key). Compile-verified, not run on hardware.
+
+    headdim:     D of Q/K/V (64, 128: SM100_BWD_HEADDIMS).
+    dtype:       "bf16" or "fp16".
+    causal:      bottom-right aligned causal mask.
+    tile_m:      queries per step (S^T columns, 128); tile_n: keys per CTA (TMEM lanes, 128).
+    q_stages / do_stages: depth of the Q (and LSE) / dO (and dPsum) TMA rings (FA4: 2 / 1).
+    cta_group:   1 (tcgen05 .cta_group::1); the 2-CTA backward is not built.
+    regs_reduce / regs_compute / regs_other: setmaxnreg budgets (bwd_register_plan).
+    arch:        100 (sm_100a).
+    local:       a sliding window (runtime sides; causal folded into it: the config has causal False),
+                 as flash4.config.BwdConfig: each key block walks the query blocks that see it
+                 (flash4.geometry.m_block_range) and masks both sides.
+    deterministic: the dQ adds of a query block in key-block order (sm90's semaphore chain: the
+                 reduce warps wait until the block's semaphore reads their turn, add, wait for the
+                 adds to land, release the next): bitwise-reproducible dQ; dK, dV are deterministic
+                 anyway (no head split).
+    The remaining fields mirror flash4.config.BwdConfig so the host passes the same keys; none of
+    them is built on sm100 yet and a config with one set cannot be made (ValueError in __post_init__):
+    varlen_q / varlen_k / seqused_q / seqused_k, softcap, headdim_v (Dv != D), dkv_accum (GQA head split: GQA runs with one CTA per KV head walking every
+    query head of its group).
+    """
+
+    headdim: int
+    dtype: str = "bf16"
+    causal: bool = False
+    tile_m: int = BWD_TILE_M
+    tile_n: int = BWD_TILE_N
+    q_stages: int = BWD_Q_STAGES
+    do_stages: int = BWD_DO_STAGES
+    cta_group: int = 1
+    regs_reduce: int = 152
+    regs_compute: int = 136
+    regs_other: int = 88
+    arch: int = ARCH
+    deterministic: bool = False
+    varlen_q: bool = False
+    varlen_k: bool = False
+    seqused_q: bool = False
+    seqused_k: bool = False
+    local: bool = False
+    softcap: bool = False
+    headdim_v: int | None = None
+    dkv_accum: bool = False
+
+    def __post_init__(self):
+        problem = bwd_config_problem(self)
+        if problem is not None:
+            raise ValueError(f"sm100 backward config {self}: {problem}")
+
+    @property
+    def hdim_v(self) -> int:
+        return self.headdim if self.headdim_v is None else self.headdim_v
+
+    @property
+    def dq_accum_order(self) -> bool:
+        """The dQ accumulator is row-major (B, H, rows, D) (the sm90 permuted order is Hopper's)."""
+        return False
+
+    @property
+    def dynamic_seqlen_k(self) -> bool:
+        return self.varlen_k or self.seqused_k
+
+    @property
+    def num_threads(self) -> int:
+        return BWD_NUM_THREADS
+
+    def smem_bytes(self) -> int:
+        return bwd_smem_bytes(self.headdim, self.hdim_v, self.tile_m, self.tile_n, self.q_stages, self.do_stages)
+
+
+# Fields of flash4.config.BwdConfig the sm100 backward does not build yet (field -> its "off" value).
+_BWD_UNBUILT = {
+    "varlen_q": False, "varlen_k": False, "seqused_q": False, "seqused_k": False,
+    "softcap": False, "headdim_v": None, "dkv_accum": False,
+}
+_BWD_UNBUILT_WHAT = {
+    "varlen_q": "packed varlen sequences (cu_seqlens_q)", "varlen_k": "packed varlen sequences (cu_seqlens_k)",
+    "seqused_q": "seqused_q", "seqused_k": "seqused_k", "local": "a sliding window (window_size)",
+    "softcap": "softcap", "headdim_v": "a V head dim different from Q/K's", "dkv_accum": "the GQA head split",
+}
+
+
+def bwd_config_problem(cfg) -> str | None:
+    """Why `cfg` cannot be built by the sm100 backward, or None."""
+    if cfg.arch != ARCH:
+        return f"arch={cfg.arch}; the sm100 family is sm_100a only"
+    if cfg.headdim not in SM100_BWD_HEADDIMS:
+        return f"headdim={cfg.headdim} has no sm100 backward yet; built: {SM100_BWD_HEADDIMS}"
+    if cfg.dtype not in DTYPES:
+        return f"dtype={cfg.dtype!r}; allowed: {DTYPES}"
+    on = [f for f, off in _BWD_UNBUILT.items() if getattr(cfg, f) != off]
+    if on:
+        return "the sm100 backward has no " + ", ".join(_BWD_UNBUILT_WHAT[f] for f in on) + " yet"
+    if cfg.local and cfg.causal:
+        return "local=True folds causal into the window: causal must be False"
+    if (cfg.tile_m, cfg.tile_n, cfg.cta_group, cfg.q_stages, cfg.do_stages) != (
+            BWD_TILE_M, BWD_TILE_N, 1, BWD_Q_STAGES, BWD_DO_STAGES):
+        return (f"(tile_m, tile_n, cta_group, q_stages, do_stages)=({cfg.tile_m}, {cfg.tile_n}, {cfg.cta_group}, "
+                f"{cfg.q_stages}, {cfg.do_stages}); only ({BWD_TILE_M}, {BWD_TILE_N}, 1, {BWD_Q_STAGES}, "
+                f"{BWD_DO_STAGES}) is built (1-CTA)")
+    if cfg.smem_bytes() > BWD_SMEM_BUDGET:
+        return f"{cfg.smem_bytes()} bytes of smem tiles > {BWD_SMEM_BUDGET}"
+    return bwd_register_plan_problem(BwdRegisterPlan(cfg.regs_reduce, cfg.regs_compute, cfg.regs_other))
+
+
+def select_bwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, arch: int = ARCH,
+                      deterministic: bool = False, local: bool = False, softcap: bool = False,
+                      headdim_v: int | None = None, **kwargs) -> Sm100BwdConfig:
+    """The sm100 backward config for one problem class (pure; CPU-tested): hd64 / hd128, bf16 / fp16,
+    causal or not, a sliding window (local: causal folded in), deterministic or not, dense, MHA and
+    GQA/MQA (one CTA per KV head walks its query heads). Raises ValueError naming what is missing for
+    everything else (another head dim, Dv != D, softcap). Same arguments as
+    flash4.config.sm90.select_bwd_config (the others ignored)."""
+    if arch != ARCH:
+        raise ValueError(f"flash4.config.sm100 builds sm_100a kernels only, got arch={arch}")
+    if headdim not in SM100_BWD_HEADDIMS:
+        raise ValueError(f"headdim={headdim}: the sm100 backward is built for head dims {SM100_BWD_HEADDIMS} "
+                         "only (1-CTA; hd96/192/256 and 2-CTA are not built yet)")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r}; allowed: {DTYPES}")
+    missing = [what for flag, what in ((headdim_v is not None and headdim_v != headdim, _BWD_UNBUILT_WHAT["headdim_v"]),
+                                       (softcap, _BWD_UNBUILT_WHAT["softcap"])) if flag]
+    if missing:
+        raise ValueError("the sm100 backward has no " + ", ".join(missing) + " yet (compile-verified 1-CTA "
+                         "backward: dense hd64/hd128, causal, window or neither, deterministic or not, MHA/GQA)")
+    plan = default_bwd_register_plan(headdim, causal)
+    return Sm100BwdConfig(headdim=headdim, dtype=dtype, causal=causal and not local, local=local,
+                          deterministic=deterministic,
+                          regs_reduce=plan.reduce, regs_compute=plan.compute, regs_other=plan.other)
+
+
+def shipped_bwd_configs() -> list:
+    """Every sm100 backward config the API can select: hd64/128 x bf16/fp16 x (full, causal, window) x
+    deterministic or not (24)."""
+    return [select_bwd_config(d, dt, c, local=lo, deterministic=det) for det in (False, True)
+            for d in SM100_BWD_HEADDIMS for dt in DTYPES for c, lo in ((False, False), (True, False), (False, True))]
+
+
 def bwd_plan(request, arch: int = ARCH, heads_per_cta: int | None = None):
-    raise ValueError("no sm100 backward yet (flash4's sm_100 family has a forward only)")
+    """The backward plan of a dense flash4.request.Request on sm100: select_bwd_config's checks, and
+    packed (varlen) requests refused; the query heads of a KV head all run in its CTA (no head split).
+    Raises ValueError naming what is missing."""
+    from flash4.config import BwdPlan
+
+    seq, mask = request.seq, request.mask
+    if seq.packed:
+        raise ValueError("the sm100 backward has no packed varlen sequences (cu_seqlens) yet: dense batches only")
+    if seq.paged or seq.decode:
+        raise ValueError(f"the sm100 backward has no {seq.layout} layout")
+    cfg = select_bwd_config(request.headdim, request.dtype, mask.causal, arch=arch,
+                            deterministic=request.deterministic, local=mask.local,
+                            softcap=request.score.softcap > 0,
+                            headdim_v=None if request.headdim_v == request.headdim else request.headdim_v)
+    return BwdPlan(cfg, request.nheads // request.nheads_k)

@@ -96,9 +96,11 @@ FAMILIES = (
         "bwd": "flash4.kernels.sm90.bwd:FlashAttentionBackwardSm90",
     }),
     # Compile-verified on the CPU only (tests/cpu/test_sm100_*.py), never run on a B200: unverified,
-    # served behind the first-use self-test (flash4.selftest). Forward only: no sm100 backward yet.
+    # served behind the first-use self-test (flash4.selftest). The backward is 1-CTA hd64/hd128 dense
+    # (flash4.config.sm100.select_bwd_config names what it refuses).
     Family("sm100", (100,), "B200, GB200", {
         "fwd": "flash4.kernels.sm100.fwd:FlashAttentionForwardSm100",
+        "bwd": "flash4.kernels.sm100.bwd:FlashAttentionBackwardSm100",
     }, verified=False, selftest_gated=True),
     # The portable family (mma.sync, ldmatrix, cp.async): the default on sm_80 / 86 / 89 / 120, and on
     # sm_90 when asked for (prefer="sm80", or FLASH4_FAMILY=portable): the same instructions run

@@ -1,0 +1,858 @@
+"""FlashAttention backward for Blackwell (sm_100a, B200) in CuTe DSL: 1-CTA, dQ, dK, dV.
+
+Status: compile-verified, not run on hardware (no Blackwell GPU has executed it; no speed claim).
+
+One CTA per (key block n, KV head, batch), never persistent: it keeps K and V of its 128 keys in
+shared memory and walks the query blocks m of every query head of its KV head (GQA/MQA: dK, dV
+accumulate over the group in TMEM). Per step (FlashAttention-4's sm100 backward, BLACKWELL.md
+section 1, "Backward"), five tcgen05 MMAs, every accumulator in tensor memory (TMEM):
+
+    S^T  = K Q^T                     (SS; keys are the TMEM lanes)
+    dP^T = V dO^T                    (SS)
+    P^T  = 2^(S^T * scale*log2e - LSE*log2e)   (compute warps; masked 0) -> 16-bit, TMEM
+    dV  += P^T dO                    (TS: P^T read from TMEM)
+    dS^T = scale * P^T * (dP^T - D)  (compute warps) -> 16-bit, TMEM (for dK) and smem (for dQ)
+    dK  += dS^T Q                    (TS: dS^T read from TMEM)
+    dQ   = dS K                      (SS: dS from smem) -> the dQ-reduce warps: TMEM -> registers ->
+                                     smem -> cp.reduce.async.bulk .add.f32 into the fp32 dQ
+                                     accumulator of flash4.backward (shared pre/postprocess)
+dS carries the softmax scale, so dK and dQ need no rescaling (flash4's convention, as on sm90).
+
+Every TMEM offset comes from flash4.kernels.sm100.bwd_plan.bwd_tmem_map, every setmaxnreg budget
+from bwd_register_plan, every mbarrier arrive count from bwd_pipeline_specs (checked at trace time by
+flash4.kernels.sm100.pipes). Masks: causal, a sliding window (local configs; runtime sides), keys
+past seqlen_k, through flash4.geometry (m_block_range, first_query, query_end). Not built (refused by
+flash4.config.sm100.select_bwd_config): 2-CTA, head dims other than 64 / 128, Dv != D,
+softcap, varlen / seqused, the GQA head split, and the exact-LSE path of issue 8 (P uses the rounded padded log2 LSE the preprocess writes;
+the per-tile exact flags are not read).
+"""
+
+from typing import Optional
+
+import cuda.bindings.driver as cuda
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.blackwell_helpers as sm100_utils
+from cutlass import Float32, Int32, const_expr, pipeline
+from cutlass._mlir.dialects import llvm
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, tcgen05
+from cutlass.cutlass_dsl import dsl_user_op
+from cutlass.memory import SmemAllocator, TmemAllocator
+from cutlass.tensor_utils import LayoutEnum
+
+from flash4 import geometry as g
+from flash4.constants import LOG2E, THREADS_PER_WG
+from flash4.kernels.common.dsl import DSL_DTYPES
+from flash4.kernels.common.exp2 import exp2_hw
+from flash4.kernels.common.geometry import DEVICE_OPS
+from flash4.kernels.common.layout import select_modes
+from flash4.kernels.common.pipeline import next_state
+from flash4.kernels.sm100.bwd_plan import (BWD_WARP_ROLES, DQ_GROUP_ROWS, DQ_LD_COLS, BwdRegisterPlan, bwd_pipeline_specs,
+                                           bwd_register_plan, bwd_tmem_alloc_cols, bwd_tmem_map)
+from flash4.kernels.sm100.pipes import ArrivalLedger, Pipe, thread_group
+from flash4.kernels.sm100.plan import TMEM_COLUMNS, WARP_SIZE
+
+# Named barrier ids of this kernel (0 is __syncthreads).
+TMEM_PTR_BARRIER = 1  # mma + compute + reduce warps: TMEM allocated / done with TMEM
+REDUCE_BARRIER = 2  # the 4 reduce warps (deterministic: around the dQ semaphore)
+# Columns per tcgen05.ld of S^T, dP^T (32x32b.x32: thread t gets 32 columns of lane t).
+LD_COLS = 32
+# Columns per tcgen05.ld of dK, dV in the epilogue and of dQ in the reduce warps.
+EPI_COLS = 32
+
+
+@dsl_user_op
+def tcgen05_fence_before(*, loc=None, ip=None):
+    from cutlass._mlir.dialects import nvvm
+    nvvm.tcgen05_fence(nvvm.Tcgen05FenceKind.BEFORE_THREAD_SYNC, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def tcgen05_fence_after(*, loc=None, ip=None):
+    from cutlass._mlir.dialects import nvvm
+    nvvm.tcgen05_fence(nvvm.Tcgen05FenceKind.AFTER_THREAD_SYNC, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def named_barrier_sync(barrier_id: int, num_threads: int, *, loc=None, ip=None):
+    from cutlass._mlir.dialects import nvvm
+    nvvm.barrier_cta_sync(Int32(barrier_id).ir_value(loc=loc, ip=ip),
+                          thread_count=Int32(num_threads).ir_value(loc=loc, ip=ip), aligned=False, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def named_barrier_arrive(barrier_id: int, num_threads: int, *, loc=None, ip=None):
+    cute.arch.barrier_arrive(barrier_id=barrier_id, number_of_threads=num_threads, aligned=False, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def bulk_reduce_add_f32(gmem_ptr: cute.Pointer, smem_ptr: cute.Pointer, num_bytes: int, *, loc=None, ip=None):
+    """gmem[0:n] += smem[0:n] (fp32) on the bulk copy engine, in this thread's bulk group."""
+    llvm.inline_asm(
+        None,
+        [gmem_ptr.llvm_ptr, smem_ptr.toint(loc=loc, ip=ip).ir_value(), Int32(num_bytes).ir_value(loc=loc, ip=ip)],
+        "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [$0], [$1], $2;",
+        "l,r,r", has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+
+
+@dsl_user_op
+def bulk_copy_g2s(smem_ptr: cute.Pointer, gmem_ptr: cute.Pointer, mbar_ptr: cute.Pointer, num_bytes: int, *,
+                  loc=None, ip=None):
+    """smem[0:n] = gmem[0:n] on the bulk copy engine; completes num_bytes of mbar's transaction count."""
+    llvm.inline_asm(
+        None,
+        [smem_ptr.toint(loc=loc, ip=ip).ir_value(), gmem_ptr.llvm_ptr, mbar_ptr.toint(loc=loc, ip=ip).ir_value(),
+         Int32(num_bytes).ir_value(loc=loc, ip=ip)],
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$0], [$1], $3, [$2];",
+        "r,l,r,r", has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+
+
+def bwd_tiled_mmas(cfg):
+    """The five tcgen05 tiled MMAs (1-CTA, fp32 accumulators): S^T = K Q^T, dP^T = V dO^T (both
+    operands K-major), dV += P^T dO and dK += dS^T Q (A from TMEM, B MN-major), dQ = dS K (both
+    MN-major). Trace time (inside a cute.jit function)."""
+    dt = DSL_DTYPES[cfg.dtype]
+    K_, MN_ = OperandMajorMode.K, OperandMajorMode.MN
+    one = tcgen05.CtaGroup.ONE
+    tm, tn, d, dv = cfg.tile_m, cfg.tile_n, cfg.headdim, cfg.hdim_v
+    tmem = tcgen05.OperandSource.TMEM
+    return (sm100_utils.make_trivial_tiled_mma(dt, dt, K_, K_, Float32, one, (tn, tm)),
+            sm100_utils.make_trivial_tiled_mma(dt, dt, K_, K_, Float32, one, (tn, tm)),
+            sm100_utils.make_trivial_tiled_mma(dt, dt, K_, MN_, Float32, one, (tn, dv), tmem),
+            sm100_utils.make_trivial_tiled_mma(dt, dt, K_, MN_, Float32, one, (tn, d), tmem),
+            sm100_utils.make_trivial_tiled_mma(dt, dt, MN_, MN_, Float32, one, (tm, d)))
+
+
+def bwd_smem_layouts(cfg, mmas=None) -> dict:
+    """Shared-memory layouts (ComposedLayout: swizzle o offset o layout) of the operands, and the
+    TMEM layouts of P^T / dS^T as A operands. K, V (A of S^T, dP^T), the Q ring and the dO ring (B of
+    S^T, dP^T) are loaded K-major by TMA; dS^T is written row-major (keys x queries) by the compute
+    warps. The other MMAs read the same bytes through MN-major views: sQmn (B of dK), sdOmn (B of
+    dV), sKmn (B of dQ), sdS (A of dQ). A 128-byte-swizzled K-major atom of 8 rows x 64 elements is
+    the MN-major atom of 64 elements x 8, so each pair addresses every element at the same offset
+    (tests/cpu/test_sm100_bwd_plan.py checks it element by element). Trace time."""
+    dt = DSL_DTYPES[cfg.dtype]
+    mma_s, mma_dp, mma_dv, mma_dk, mma_dq = bwd_tiled_mmas(cfg) if mmas is None else mmas
+    tm, tn, d, dv = cfg.tile_m, cfg.tile_n, cfg.headdim, cfg.hdim_v
+    t_s, t_dp, t_dv, t_dk, t_dq = (tn, tm, d), (tn, tm, dv), (tn, dv, tm), (tn, d, tm), (tm, d, tn)
+    a, b = sm100_utils.make_smem_layout_a, sm100_utils.make_smem_layout_b
+    return {
+        "sK": a(mma_s, t_s, dt, 1), "sQ": b(mma_s, t_s, dt, cfg.q_stages),
+        "sV": a(mma_dp, t_dp, dt, 1), "sdO": b(mma_dp, t_dp, dt, cfg.do_stages),
+        "sdOmn": b(mma_dv, t_dv, dt, cfg.do_stages), "sQmn": b(mma_dk, t_dk, dt, cfg.q_stages),
+        "sdS": a(mma_dq, t_dq, dt, 1), "sKmn": b(mma_dq, t_dq, dt, 1),
+        "sdSt": sm100_utils.make_smem_layout_epi(dt, LayoutEnum.ROW_MAJOR, (tn, tm), 1),
+        "tP": a(mma_dv, t_dv, dt, 1), "tdS": a(mma_dk, t_dk, dt, 1),
+    }
+
+
+class FlashAttentionBackwardSm100:
+    """Warp-specialized 1-CTA backward: one CTA per (key block, KV head, batch).
+
+    Warp roles (flash4.kernels.sm100.bwd_plan.BWD_WARP_ROLES; 16 warps, 512 threads):
+      * reduce = warps 0-3: thread t owns dQ row t (TMEM lane t): loads the step's dQ (D columns),
+        frees dQ's columns, then per 32 columns stages its row piece in its warp's smem buffer and
+        reduce-adds it into the fp32 dQ accumulator with one 128-byte cp.reduce.async.bulk.
+      * compute = warps 4-11, two warpgroups; thread t of warpgroup w owns key row t and query
+        columns [64 w, 64 w + 64) of S^T and dP^T: P^T = exp2(S^T c - lse) (MUFU), masked; P^T (16-bit)
+        into the first half of its OWN S^T columns (P_w), dS^T into its own dP^T columns (dS_w) and
+        into smem: no warpgroup writes TMEM columns the other still reads, so no barrier between
+        them. At the end: dV (warpgroup 0) and dK (warpgroup 1) TMEM -> 16-bit -> global, rows < seqlen_k.
+      * mma = warp 12: allocates TMEM (512 columns), issues the five MMAs, frees TMEM.
+      * load = warp 13: TMA K, V once; per step Q, dO (TMA) and LSE, dPsum (bulk copies).
+      * idle = warps 14, 15 (FA4's 2-CTA relay warp and its empty warp).
+    Pipelines (bwd_pipeline_specs has the arrive counts):
+      kv (load -> mma), q (2 stages) and do (1 stage) (load -> mma, released by the MMA's commits),
+      lse (2) and dpsum (1) (load -> compute), s (mma: S^T ready; compute: P^T written), dp (mma:
+      dP^T ready), ds (compute: dS^T written; mma: dS consumed), dq (mma: dQ ready; reduce: dQ read
+      out), dkv (mma: dK, dV final).
+    MMA warp per CTA with steps i = 0 .. n-1 (n = query heads of the group x query blocks):
+      S(0) ; dP(0) ; per i: [wait s: P(i) written] dV += P^T dO(i) ; release dO(i) ;
+      (i+1 < n: S(i+1), which overwrites P(i)'s columns only after dV(i) read them: tcgen05 MMAs of one
+      thread run in order) ; [wait ds] dK += dS^T Q(i) ; release Q(i) ; dQ = dS K ; commit dq, ds ;
+      (i+1 < n: [wait dq empty: dQ(i) read out] dP(i+1), over dQ(i)'s and dS(i)'s columns) ; finally dkv.
+    Compute per step: wait lse, s ; S^T -> registers ; P (fp32, kept) ; P^T -> TMEM ; arrive s ;
+      release lse ; wait dpsum, dp, ds empty ; per 32 columns dP^T -> dS^T -> TMEM and smem ; arrive ds ;
+      release dpsum.
+    """
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.dtype = DSL_DTYPES[cfg.dtype]
+        self.hdim, self.hdim_v = cfg.headdim, cfg.hdim_v
+        self.tile_m, self.tile_n = cfg.tile_m, cfg.tile_n
+        self.q_stages, self.do_stages = cfg.q_stages, cfg.do_stages
+        self.causal = cfg.causal
+        self.mma_tiler_s = (self.tile_n, self.tile_m, self.hdim)  # S^T = K Q^T
+        self.mma_tiler_dp = (self.tile_n, self.tile_m, self.hdim_v)  # dP^T = V dO^T
+        self.mma_tiler_dv = (self.tile_n, self.hdim_v, self.tile_m)  # dV += P^T dO
+        self.mma_tiler_dk = (self.tile_n, self.hdim, self.tile_m)  # dK += dS^T Q
+        self.mma_tiler_dq = (self.tile_m, self.hdim, self.tile_n)  # dQ = dS K
+        self.tmem = bwd_tmem_map(cfg)
+        self.tmem_cols = bwd_tmem_alloc_cols(cfg)
+        self.regs: BwdRegisterPlan = bwd_register_plan(cfg)
+        self.specs = bwd_pipeline_specs(cfg)
+        self.roles = BWD_WARP_ROLES
+        self.num_threads = cfg.num_threads
+        self.tmem_users = WARP_SIZE * sum(len(BWD_WARP_ROLES[r]) for r in ("mma", "compute", "reduce"))
+        self.compute_wgs = len(BWD_WARP_ROLES["compute"]) // 4
+        # query columns of S^T / dP^T per compute warpgroup, and their 16-bit halves in TMEM columns
+        self.wg_cols = self.tile_m // self.compute_wgs
+        self.half_cols = self.wg_cols // 2
+        self.buffer_align_bytes = 1024
+
+    # ------------------------------------------------------------------ host side (trace time)
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # (batch, seqlen_q, nheads, headdim)
+        mK: cute.Tensor,  # (batch, seqlen_k, nheads_k, headdim)
+        mV: cute.Tensor,
+        mdO: cute.Tensor,  # (batch, seqlen_q, nheads, headdim)
+        mLSE2: cute.Tensor,  # (batch, nheads, seqlen_q_pad) fp32: LSE * log2(e), +inf on padding
+        mD: cute.Tensor,  # (batch, nheads, seqlen_q_pad) fp32: rowsum(dO * O), 0 on padding
+        mdQacc: cute.Tensor,  # (batch, nheads, seqlen_q_pad, headdim) fp32, zeroed, row-major
+        mdK: cute.Tensor,  # (batch, seqlen_k, nheads_k, headdim)
+        mdV: cute.Tensor,
+        mdQsem: cute.Tensor,  # (batch, nheads, num_m_blocks) int32, zeroed; used when deterministic
+        mExact: cute.Tensor,  # unused (the exact-LSE path is not built on sm100)
+        mLSEhi: cute.Tensor,  # unused
+        mLSElo: cute.Tensor,  # unused
+        mCuSeqlensQ: Optional[cute.Tensor],  # must be None (varlen is not built on sm100)
+        mCuSeqlensK: Optional[cute.Tensor],
+        mSeqUsedQ: Optional[cute.Tensor],
+        mSeqUsedK: Optional[cute.Tensor],
+        mdKVsem: Optional[cute.Tensor],
+        softmax_scale: Float32,
+        max_seqlen_k: Optional[Int32],  # must be None
+        window_left: Int32,  # local configs: the window's sides (flash4.geometry.window_sides); else ignored
+        window_right: Int32,
+        softcap: Float32,  # ignored (no softcap)
+        num_ctas: Int32,  # grid size: n_blocks * nheads_k * batch (flash4.launch.bwd_grid)
+        heads_per_cta: Int32,  # the query heads per KV head (no head split on sm100)
+        stream: cuda.CUstream,
+    ):
+        for name, t in (("cu_seqlens_q", mCuSeqlensQ), ("cu_seqlens_k", mCuSeqlensK), ("seqused_q", mSeqUsedQ),
+                        ("seqused_k", mSeqUsedK), ("dkv_semaphore", mdKVsem), ("max_seqlen_k", max_seqlen_k)):
+            if const_expr(t is not None):
+                raise NotImplementedError(f"flash4 bwd_sm100: {name} is not implemented on sm100 yet")
+        if const_expr(not (mQ.element_type == mK.element_type == mV.element_type == mdO.element_type
+                           == mdK.element_type == mdV.element_type == self.dtype)):
+            raise TypeError(f"flash4 bwd_sm100: q, k, v, dout, dk, dv must all be {self.dtype}")
+        # Kernel views: (seqlen, d, heads, batch); statistics (seqlen_pad, heads, batch).
+        mQ, mK, mV, mdO, mdK, mdV = [select_modes(t, [1, 3, 2, 0]) for t in (mQ, mK, mV, mdO, mdK, mdV)]
+        mLSE2, mD = [select_modes(t, [2, 1, 0]) for t in (mLSE2, mD)]
+        mdQacc = select_modes(mdQacc, [2, 3, 1, 0])  # (seqlen_pad, d, heads, batch)
+        mdQsem = select_modes(mdQsem, [2, 1, 0])  # (num_m_blocks, heads, batch)
+
+        cta_group = tcgen05.CtaGroup.ONE
+        mma_s, mma_dp, mma_dv, mma_dk, mma_dq = bwd_tiled_mmas(self.cfg)
+        lay = bwd_smem_layouts(self.cfg, (mma_s, mma_dp, mma_dv, mma_dk, mma_dq))
+        sK_layout, sQ_layout, sV_layout, sdO_layout = lay["sK"], lay["sQ"], lay["sV"], lay["sdO"]
+        sdOmn_layout, sQmn_layout, sdS_layout, sKmn_layout = lay["sdOmn"], lay["sQmn"], lay["sdS"], lay["sKmn"]
+        sdSt_layout, tP_layout, tdS_layout = lay["sdSt"], lay["tP"], lay["tdS"]
+        dt = self.dtype
+        cluster_vmnk = cute.tiled_divide(cute.make_layout((1, 1, 1)), (mma_s.thr_id.shape,))
+        for name, a, b in (("Q", sQ_layout, sQmn_layout), ("dO", sdO_layout, sdOmn_layout),
+                           ("K", sK_layout, sKmn_layout), ("dS", sdSt_layout, sdS_layout)):
+            if const_expr(cute.cosize(a) != cute.cosize(b)):
+                raise RuntimeError(f"flash4 bwd_sm100: the two views of {name} differ in size")
+
+        load_op = cpasync.CopyBulkTensorTileG2SOp(cta_group)
+        sel = lambda lay: cute.select(lay, mode=[0, 1, 2])  # noqa: E731
+        tma_atom_K, tma_K = cute.nvgpu.make_tiled_tma_atom_A(load_op, mK, sel(sK_layout), self.mma_tiler_s, mma_s,
+                                                             cluster_vmnk.shape)
+        tma_atom_Q, tma_Q = cute.nvgpu.make_tiled_tma_atom_B(load_op, mQ, sel(sQ_layout), self.mma_tiler_s, mma_s,
+                                                             cluster_vmnk.shape)
+        tma_atom_V, tma_V = cute.nvgpu.make_tiled_tma_atom_A(load_op, mV, sel(sV_layout), self.mma_tiler_dp, mma_dp,
+                                                             cluster_vmnk.shape)
+        tma_atom_dO, tma_dO = cute.nvgpu.make_tiled_tma_atom_B(load_op, mdO, sel(sdO_layout), self.mma_tiler_dp,
+                                                               mma_dp, cluster_vmnk.shape)
+        self.tma_bytes = {
+            "kv": cute.size_in_bytes(dt, sel(sK_layout)) + cute.size_in_bytes(dt, sel(sV_layout)),
+            "q": cute.size_in_bytes(dt, sel(sQ_layout)),
+            "do": cute.size_in_bytes(dt, sel(sdO_layout)),
+            "lse": self.tile_m * 4,
+            "dpsum": self.tile_m * 4,
+        }
+        smem_tiles = ((cute.cosize(sK_layout) + cute.cosize(sV_layout) + cute.cosize(sQ_layout)
+                       + cute.cosize(sdO_layout) + cute.cosize(sdSt_layout)) * (dt.width // 8)
+                      + 4 * DQ_GROUP_ROWS * self.hdim * 4 + (self.q_stages + self.do_stages) * self.tile_m * 4)
+        if const_expr(smem_tiles != self.cfg.smem_bytes()):
+            raise RuntimeError(f"flash4 bwd_sm100: smem tiles take {smem_tiles} bytes, the config says "
+                               f"{self.cfg.smem_bytes()}")
+        num_mbar = 2 * sum(s.stages for s in self.specs.values())
+
+        @cute.struct
+        class SharedStorage:
+            mbar: cute.struct.MemRange[cutlass.Int64, num_mbar]
+            tmem_holding_buf: Int32
+            sLSE: cute.struct.Align[cute.struct.MemRange[Float32, self.q_stages * self.tile_m], 128]
+            sD: cute.struct.Align[cute.struct.MemRange[Float32, self.do_stages * self.tile_m], 128]
+            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, 4 * DQ_GROUP_ROWS * self.hdim], 128]
+            sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], self.buffer_align_bytes]
+            sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sV_layout)], self.buffer_align_bytes]
+            sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], self.buffer_align_bytes]
+            sdO: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sdO_layout)], self.buffer_align_bytes]
+            sdS: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sdSt_layout)], self.buffer_align_bytes]
+
+        layouts = (sK_layout, sQ_layout, sV_layout, sdO_layout, sdOmn_layout, sQmn_layout, sdS_layout, sKmn_layout,
+                   sdSt_layout, tP_layout, tdS_layout)
+        self.kernel(
+            tma_K, tma_Q, tma_V, tma_dO, mLSE2, mD, mdQacc, mdQsem, mdK, mdV, tma_atom_K, tma_atom_Q, tma_atom_V, tma_atom_dO,
+            softmax_scale, window_left, window_right, *layouts, mma_s, mma_dp, mma_dv, mma_dk, mma_dq, SharedStorage,
+        ).launch(grid=(num_ctas, 1, 1), block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+
+    # ------------------------------------------------------------------ device side
+    @cute.kernel
+    def kernel(self, mK: cute.Tensor, mQ: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mLSE2: cute.Tensor,
+               mD: cute.Tensor, mdQacc: cute.Tensor, mdQsem: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
+               tma_atom_K: cute.CopyAtom, tma_atom_Q: cute.CopyAtom, tma_atom_V: cute.CopyAtom,
+               tma_atom_dO: cute.CopyAtom, softmax_scale: Float32, window_left: Int32, window_right: Int32,
+               sK_layout: cute.ComposedLayout, sQ_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
+               sdO_layout: cute.ComposedLayout, sdOmn_layout: cute.ComposedLayout, sQmn_layout: cute.ComposedLayout,
+               sdS_layout: cute.ComposedLayout, sKmn_layout: cute.ComposedLayout, sdSt_layout: cute.ComposedLayout,
+               tP_layout: cute.ComposedLayout, tdS_layout: cute.ComposedLayout,
+               mma_s: cute.TiledMma, mma_dp: cute.TiledMma, mma_dv: cute.TiledMma, mma_dk: cute.TiledMma,
+               mma_dq: cute.TiledMma, SharedStorage: cutlass.Constexpr):
+        mmas = (mma_s, mma_dp, mma_dv, mma_dk, mma_dq)
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == self.roles["load"][0]:
+            for atom in (tma_atom_K, tma_atom_Q, tma_atom_V, tma_atom_dO):
+                cpasync.prefetch_descriptor(atom)
+
+        smem = SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        ledger = ArrivalLedger(self.specs)
+        pipes = self.make_pipelines(storage.mbar.data_ptr(), ledger)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        def view(buf, lay):
+            return cute.make_tensor(cute.recast_ptr(buf.iterator, lay.inner, dtype=self.dtype), lay.outer)
+
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sdO = storage.sdO.get_tensor(sdO_layout.outer, swizzle=sdO_layout.inner)
+        sdSt = storage.sdS.get_tensor(sdSt_layout.outer, swizzle=sdSt_layout.inner)  # (tile_n, tile_m, 1)
+        smem_t = dict(sK=sK, sV=sV, sQ=sQ, sdO=sdO, sdSt=sdSt, sQmn=view(sQ, sQmn_layout),
+                      sdOmn=view(sdO, sdOmn_layout), sKmn=view(sK, sKmn_layout), sdS=view(sdSt, sdS_layout))
+        sLSE = storage.sLSE.get_tensor(cute.make_layout((self.tile_m, self.q_stages)))
+        sD = storage.sD.get_tensor(cute.make_layout((self.tile_m, self.do_stages)))
+        # (D, DQ_GROUP_ROWS, reduce warp): per warp a block of whole rows, row-major like the accumulator
+        sdQ = storage.sdQ.get_tensor(cute.make_layout((self.hdim, DQ_GROUP_ROWS, 4)))
+        tmem = TmemAllocator(storage.tmem_holding_buf.ptr,
+                             barrier_for_retrieve=pipeline.NamedBarrier(barrier_id=TMEM_PTR_BARRIER,
+                                                                        num_threads=self.tmem_users),
+                             allocator_warp_id=self.roles["mma"][0], arch="sm_100")
+
+        window = (window_left, window_right) if const_expr(self.cfg.local) else None
+        tile = self.tile_coords(mQ, mK, window)
+
+        if warp_idx < self.roles["compute"][0]:
+            self.set_regs(self.regs.reduce)
+            self.wait_tmem_alloc()
+            self.reduce(mmas[4], mdQacc, mdQsem, sdQ, pipes, tile, window)
+            self.release_tmem()
+        elif warp_idx < self.roles["mma"][0]:
+            self.set_regs(self.regs.compute)
+            self.wait_tmem_alloc()
+            self.compute(mmas, sLSE, sD, sdSt, mdK, mdV, pipes, tile, softmax_scale, window)
+            self.release_tmem()
+        else:
+            self.set_regs(self.regs.other)
+            if warp_idx == self.roles["mma"][0]:
+                tmem.allocate(self.tmem_cols)
+                self.wait_tmem_alloc()
+                self.mma(mmas, smem_t, tP_layout, tdS_layout, pipes, tile)
+                tmem.relinquish_alloc_permit()
+                named_barrier_sync(TMEM_PTR_BARRIER, self.tmem_users)
+                tcgen05_fence_after()
+                tmem.free(tmem.retrieve_ptr(Float32), self.tmem_cols)
+            elif warp_idx == self.roles["load"][0]:
+                self.load(mmas, mK, mQ, mV, mdO, mLSE2, mD, smem_t, sLSE, sD, tma_atom_K, tma_atom_Q, tma_atom_V,
+                          tma_atom_dO, pipes, tile)
+        ledger.check()
+
+    def set_regs(self, regs: int):
+        if const_expr(BwdRegisterPlan.is_increase(regs)):
+            cute.arch.setmaxregister_increase(regs)
+        else:
+            cute.arch.setmaxregister_decrease(regs)
+
+    def wait_tmem_alloc(self):
+        tcgen05_fence_before()
+        named_barrier_sync(TMEM_PTR_BARRIER, self.tmem_users)
+        tcgen05_fence_after()
+
+    def release_tmem(self):
+        tcgen05_fence_before()
+        named_barrier_arrive(TMEM_PTR_BARRIER, self.tmem_users)
+
+    def tmem_base(self):
+        """The TMEM base: the MMA warp allocates all TMEM_COLUMNS columns, so the allocation starts at
+        lane 0, column 0 (address 0), as in the forward."""
+        if const_expr(self.tmem_cols != TMEM_COLUMNS):
+            raise NotImplementedError("flash4 bwd_sm100: a partial TMEM allocation needs tmem.retrieve_ptr")
+        return cute.make_ptr(Float32, 0, cute.AddressSpace.tmem, assumed_align=16)
+
+    def make_pipelines(self, mbar_ptr, ledger: ArrivalLedger) -> dict:
+        """Every pipeline of bwd_pipeline_specs, from this kernel's role table (elected-lane parties
+        count one arrival per warp), wrapped in a Pipe that checks the init counts against the spec."""
+        warps = {role: len(w) for role, w in self.roles.items()}
+        one = thread_group(1)
+        pipes, offset = {}, 0
+
+        def add(name, cls, producer, consumer, **kw):
+            nonlocal offset
+            spec = self.specs[name]
+            p = cls.create(barrier_storage=mbar_ptr + offset, num_stages=spec.stages, producer_group=producer,
+                           consumer_group=consumer, defer_sync=True, **kw)
+            offset += 2 * spec.stages
+            pipes[name] = Pipe(spec, p, ledger)
+
+        compute, reduce = thread_group(warps["compute"]), thread_group(warps["reduce"])
+        add("kv", pipeline.PipelineTmaUmma, one, one, tx_count=self.tma_bytes["kv"])
+        add("q", pipeline.PipelineTmaUmma, one, one, tx_count=self.tma_bytes["q"])
+        add("lse", pipeline.PipelineTmaAsync, one, compute, tx_count=self.tma_bytes["lse"])
+        add("do", pipeline.PipelineTmaUmma, one, one, tx_count=self.tma_bytes["do"])
+        add("dpsum", pipeline.PipelineTmaAsync, one, compute, tx_count=self.tma_bytes["dpsum"])
+        add("s", pipeline.PipelineUmmaAsync, one, compute)
+        add("dp", pipeline.PipelineUmmaAsync, one, compute)
+        add("ds", pipeline.PipelineAsyncUmma, compute, one)
+        add("dq", pipeline.PipelineUmmaAsync, one, reduce)
+        add("dkv", pipeline.PipelineUmmaAsync, one, compute)
+        return pipes
+
+    # ---------------------------------------------------------------- the CTA's work (all roles)
+    def tile_coords(self, mQ, mK, window):
+        """(n_block, head_kv, batch, group, m_min, num_m, seqlen_q, seqlen_k) of this CTA (window: None or
+        the local config's (left, right) sides, which narrow the query blocks): blockIdx.x =
+        ((batch * nheads_k) + head_kv) * n_blocks + n_block (flash4.launch.bwd_grid's order). The CTA
+        runs group * num_m steps: query head head_kv * group + i // num_m, query block m_min + i % num_m."""
+        seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
+        n_blocks = cute.ceil_div(seqlen_k, self.tile_n)
+        nheads_k = mK.shape[2]
+        bid = cute.arch.block_idx()[0]
+        n_block = bid % n_blocks
+        rest = bid // n_blocks
+        head_kv, batch = rest % nheads_k, rest // nheads_k
+        group = mQ.shape[2] // nheads_k
+        m_min, m_max = g.m_block_range(n_block, seqlen_q, seqlen_k, self.tile_m, self.tile_n, self.causal, DEVICE_OPS,
+                                       window)
+        num_m = cutlass.max(m_max - m_min, 0)
+        return (n_block, head_kv, batch, group, m_min, num_m, seqlen_q, seqlen_k)
+
+    def step_coords(self, tile, i):
+        """(query head, query block) of step i."""
+        _, head_kv, _, group, m_min, num_m, _, _ = tile
+        return head_kv * group + i // num_m, m_min + i % num_m
+
+    # ---------------------------------------------------------------- load warp
+    @cute.jit
+    def load(self, mmas, mK, mQ, mV, mdO, mLSE2, mD, smem_t, sLSE, sD, tma_atom_K, tma_atom_Q, tma_atom_V,
+             tma_atom_dO, pipes, tile):
+        """K, V once; per step Q[m], LSE[m] (q ring), dO[m], D[m] (do ring), in the MMA's order."""
+        mma_s, mma_dp = mmas[0], mmas[1]
+        n_block, head_kv, batch, group, m_min, num_m, _, _ = tile
+        n_steps = group * num_m
+        thr_s, thr_dp = mma_s.get_slice(0), mma_dp.get_slice(0)
+        one_cta = cute.make_layout(1)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stages)
+        do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.do_stages)
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        if n_steps > 0:
+            # (MMA, MMA_M, MMA_K, n_blocks): K as S^T's A, V as dP^T's A
+            tSgK = thr_s.partition_A(cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.hdim), (None, 0)))
+            tPgV = thr_dp.partition_A(cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, self.hdim_v),
+                                                      (None, 0)))
+            tKsK, tKgK = cpasync.tma_partition(tma_atom_K, 0, one_cta, cute.group_modes(smem_t["sK"], 0, 3),
+                                               cute.group_modes(tSgK, 0, 3))
+            tVsV, tVgV = cpasync.tma_partition(tma_atom_V, 0, one_cta, cute.group_modes(smem_t["sV"], 0, 3),
+                                               cute.group_modes(tPgV, 0, 3))
+            pipe_kv = pipes["kv"]
+            pipe_kv.acquire(kv_state, "load")
+            cute.copy(tma_atom_K, tKgK[None, n_block], tKsK[None, 0], tma_bar_ptr=pipe_kv.barrier_full(0))
+            cute.copy(tma_atom_V, tVgV[None, n_block], tVsV[None, 0], tma_bar_ptr=pipe_kv.barrier_full(0))
+            for i in cutlass.range(n_steps, unroll=1):
+                head, m_block = self.step_coords(tile, i)
+                tSgQ = thr_s.partition_B(cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.hdim), (None, 0)))
+                tPgdO = thr_dp.partition_B(cute.local_tile(mdO[None, None, head, batch], (self.tile_m, self.hdim_v),
+                                                           (None, 0)))
+                tQsQ, tQgQ = cpasync.tma_partition(tma_atom_Q, 0, one_cta, cute.group_modes(smem_t["sQ"], 0, 3),
+                                                   cute.group_modes(tSgQ, 0, 3))
+                tOsO, tOgO = cpasync.tma_partition(tma_atom_dO, 0, one_cta, cute.group_modes(smem_t["sdO"], 0, 3),
+                                                   cute.group_modes(tPgdO, 0, 3))
+                pipes["q"].acquire(q_state, "load")
+                cute.copy(tma_atom_Q, tQgQ[None, m_block], tQsQ[None, q_state.index],
+                          tma_bar_ptr=pipes["q"].barrier_full(q_state.index))
+                self.load_row_stats(pipes["lse"], q_state, mLSE2, sLSE, head, batch, m_block)
+                q_state = next_state(q_state)
+                pipes["do"].acquire(do_state, "load")
+                cute.copy(tma_atom_dO, tOgO[None, m_block], tOsO[None, do_state.index],
+                          tma_bar_ptr=pipes["do"].barrier_full(do_state.index))
+                self.load_row_stats(pipes["dpsum"], do_state, mD, sD, head, batch, m_block)
+                do_state = next_state(do_state)
+        pipes["q"].producer_tail(q_state)
+        pipes["do"].producer_tail(do_state)
+
+    @cute.jit
+    def load_row_stats(self, pipe, state, mX, sX, head, batch, m_block):
+        """tile_m fp32 row statistics of query block m_block (the padded layout: always in bounds)
+        -> sX[:, state.index] with one bulk copy on the stage's barrier."""
+        pipe.acquire(state, "load")
+        gX = cute.local_tile(mX[None, head, batch], (self.tile_m,), (m_block,))
+        with cute.arch.elect_one():
+            bulk_copy_g2s(sX[None, state.index].iterator, gX.iterator, pipe.barrier_full(state.index),
+                          self.tile_m * 4)
+
+    # ---------------------------------------------------------------- MMA warp
+    @cute.jit
+    def mma(self, mmas, smem_t, tP_layout, tdS_layout, pipes, tile):
+        mma_s, mma_dp, mma_dv, mma_dk, mma_dq = mmas
+        _, _, _, group, _, num_m, _, _ = tile
+        n_steps = group * num_m
+        base = self.tmem_base()
+        # operand descriptors: (MMA, MMA_M/N, MMA_K, stage)
+        tSrK = mma_s.make_fragment_A(smem_t["sK"])[None, None, None, 0]
+        tSrQ = mma_s.make_fragment_B(smem_t["sQ"])
+        tPrV = mma_dp.make_fragment_A(smem_t["sV"])[None, None, None, 0]
+        tPrdO = mma_dp.make_fragment_B(smem_t["sdO"])
+        tVrdO = mma_dv.make_fragment_B(smem_t["sdOmn"])
+        tKrQ = mma_dk.make_fragment_B(smem_t["sQmn"])
+        tQrdS = mma_dq.make_fragment_A(smem_t["sdS"])[None, None, None, 0]
+        tQrK = mma_dq.make_fragment_B(smem_t["sKmn"])[None, None, None, 0]
+        tStS = self.tmem_acc(base, mma_s, self.mma_tiler_s, "S")
+        tPtP = self.tmem_acc(base, mma_dp, self.mma_tiler_dp, "dP")
+        tVtV = self.tmem_acc(base, mma_dv, self.mma_tiler_dv, "dV")
+        tKtK = self.tmem_acc(base, mma_dk, self.mma_tiler_dk, "dK")
+        tQtQ = self.tmem_acc(base, mma_dq, self.mma_tiler_dq, "dQ")
+        # P^T / dS^T halves (one per compute warpgroup) as TMEM A operands: (MMA, MMA_M, MMA_K)
+        tVrP = [self.tmem_operand(base, mma_dv, tP_layout, f"P{w}") for w in range(self.compute_wgs)]
+        tKrdS = [self.tmem_operand(base, mma_dk, tdS_layout, f"dS{w}") for w in range(self.compute_wgs)]
+
+        pipe_q, pipe_do, pipe_s, pipe_dp, pipe_ds, pipe_dq = (pipes[n] for n in ("q", "do", "s", "dp", "ds", "dq"))
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
+        do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.do_stages)
+        phase = Int32(0)  # s, ds: waited once per step
+        dq_phase = Int32(0)  # dq empty, waited before dP^T(i+1): the i-th wait needs dQ(i) read out
+        if n_steps > 0:
+            pipes["kv"].wait_full(0, 0)
+            pipe_q.wait_full(q_state.index, q_state.phase)
+            self.gemm(mma_s, tStS, [tSrK], tSrQ[None, None, None, q_state.index], False)
+            pipe_s.arrive_full(0, "mma")
+            pipe_do.wait_full(do_state.index, do_state.phase)
+            self.gemm(mma_dp, tPtP, [tPrV], tPrdO[None, None, None, do_state.index], False)
+            pipe_dp.arrive_full(0, "mma")
+            for i in cutlass.range(n_steps, unroll=1):
+                pipe_s.wait_empty(0, phase)  # P^T(i) written
+                tcgen05_fence_after()
+                self.gemm(mma_dv, tVtV, tVrP, tVrdO[None, None, None, do_state.index], i > 0)
+                pipe_do.arrive_empty(do_state.index, "mma")
+                do_state = next_state(do_state)
+                q_next = next_state(q_state)
+                if i + 1 < n_steps:
+                    pipe_q.wait_full(q_next.index, q_next.phase)
+                    self.gemm(mma_s, tStS, [tSrK], tSrQ[None, None, None, q_next.index], False)
+                    pipe_s.arrive_full(0, "mma")
+                pipe_ds.wait_full(0, phase)  # dS^T(i) in TMEM and smem
+                tcgen05_fence_after()
+                self.gemm(mma_dk, tKtK, tKrdS, tKrQ[None, None, None, q_state.index], i > 0)
+                pipe_q.arrive_empty(q_state.index, "mma")
+                q_state = q_next
+                self.gemm(mma_dq, tQtQ, [tQrdS], tQrK, False)
+                pipe_dq.arrive_full(0, "mma")
+                pipe_ds.arrive_empty(0, "mma")
+                if i + 1 < n_steps:
+                    pipe_do.wait_full(do_state.index, do_state.phase)
+                    pipe_dq.wait_empty(0, dq_phase)  # dQ(i) read out: dP^T(i+1) overwrites its columns
+                    tcgen05_fence_after()
+                    dq_phase = dq_phase ^ 1
+                    self.gemm(mma_dp, tPtP, [tPrV], tPrdO[None, None, None, do_state.index], False)
+                    pipe_dp.arrive_full(0, "mma")
+                phase = phase ^ 1
+            pipes["dkv"].arrive_full(0, "mma")  # commits cover every earlier MMA: dK, dV final
+
+    @cute.jit
+    def gemm(self, tiled_mma, acc, a_parts, b, accumulate):
+        """acc (+)= A B, one tcgen05.mma per 16 of K. a_parts: A as one fragment, or as K-halves (P^T,
+        dS^T: one per compute warpgroup, in different TMEM columns, each laid out as if it held all
+        of K) covering K in order: part p supplies k-blocks p * n/len .. (p+1) * n/len - 1 from its
+        own first ones."""
+        atom = cute.make_mma_atom(tiled_mma.op)
+        per_part = cute.size(b, mode=[2]) // len(a_parts)
+        for p in cutlass.range_constexpr(len(a_parts)):
+            for k in cutlass.range_constexpr(per_part):
+                atom.set(tcgen05.Field.ACCUMULATE, accumulate or p + k != 0)
+                cute.gemm(atom, acc, a_parts[p][None, None, k], b[None, None, p * per_part + k], acc)
+
+    def tmem_acc(self, base, tiled_mma, tiler, name):
+        """Accumulator `name` of bwd_tmem_map: ((M, N), 1, 1) fp32."""
+        thr = tiled_mma.get_slice(0)
+        layout = thr.make_fragment_C(thr.partition_shape_C(tiler[:2])).layout
+        return cute.make_tensor(base + self.tmem[name][0], layout)
+
+    def tmem_operand(self, base, tiled_mma, t_layout, name):
+        """16-bit A operand `name` (a P^T / dS^T half of bwd_tmem_map) in TMEM: (MMA, MMA_M, MMA_K),
+        laid out from the half's first column (gemm uses its first MMA_K / halves k-blocks)."""
+        thr = tiled_mma.get_slice(0)
+        frag = thr.make_fragment_A(cute.make_tensor(base, t_layout.outer))[None, None, None, 0]
+        return cute.make_tensor(cute.recast_ptr(base + self.tmem[name][0], dtype=self.dtype), frag.layout)
+
+    # ---------------------------------------------------------------- compute warpgroups
+    @cute.jit
+    def compute(self, mmas, sLSE, sD, sdSt, mdK, mdV, pipes, tile, softmax_scale: Float32, window):
+        mma_s, mma_dp, mma_dv, mma_dk = mmas[0], mmas[1], mmas[2], mmas[3]
+        n_block, head_kv, batch, group, m_min, num_m, seqlen_q, seqlen_k = tile
+        n_steps = group * num_m
+        tidx = cute.arch.thread_idx()[0] % THREADS_PER_WG
+        wg = (cute.arch.make_warp_uniform(cute.arch.warp_idx()) - self.roles["compute"][0]) // 4
+        base = self.tmem_base()
+        scale_log2 = softmax_scale * Float32(LOG2E)
+        tStS = self.tmem_acc(base, mma_s, self.mma_tiler_s, "S")[(None, None), 0, 0]  # (tile_n, tile_m)
+        tPtP = self.tmem_acc(base, mma_dp, self.mma_tiler_dp, "dP")[(None, None), 0, 0]
+        # S^T, dP^T: tcgen05.ld 32x32b.x32 per LD_COLS columns: thread t gets lane t (key t).
+        chunk = cute.make_layout((self.tile_n, LD_COLS))
+        ld_atom = cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(LD_COLS)), Float32)
+        tiled_ld = tcgen05.make_tmem_copy(ld_atom, cute.composition(tStS, chunk))
+        thr_ld = tiled_ld.get_slice(tidx)
+        tS_src = thr_ld.partition_S(cute.composition(tStS, chunk))
+        tP_src = thr_ld.partition_S(cute.composition(tPtP, chunk))
+        cS = cute.make_identity_tensor((self.tile_n, LD_COLS))
+        tScS = thr_ld.partition_D(cS)
+        t0ScS = tiled_ld.get_slice(0).partition_D(cS)  # static column of each register
+        frag_shape = tScS.shape
+        lane_row = tScS[0][0]  # this thread's key row (TMEM lane)
+        # P^T / dS^T (16-bit pairs in 32-bit columns): LD_COLS / 2 columns per chunk, into half P_wg / dS_wg.
+        st_cols = LD_COLS // 2
+        st_chunk = cute.composition(tStS.layout, cute.make_layout((self.tile_n, st_cols)))
+        st_atom = cute.make_copy_atom(tcgen05.copy.St32x32bOp(tcgen05.copy.Repetition(st_cols)), Float32)
+        thr_st = tcgen05.make_tmem_copy(st_atom, cute.make_tensor(base, st_chunk)).get_slice(tidx)
+        p_dst = thr_st.partition_D(cute.make_tensor(base + self.half_offset("P", wg), st_chunk))
+        ds_dst = thr_st.partition_D(cute.make_tensor(base + self.half_offset("dS", wg), st_chunk))
+        st_shape = thr_st.partition_S(cute.make_identity_tensor((self.tile_n, st_cols))).shape
+        # dS^T -> smem (tile_n x tile_m row-major, the MMA's swizzle): the same thread/element map as the load.
+        sdS2 = sdSt[None, None, 0]
+        tsdS = cute.logical_divide(sdS2, chunk)  # ((tile_n, LD_COLS), (1, chunks))
+        tsdS_part = thr_ld.partition_D(tsdS[(None, None), None])
+        r2s = cute.make_tiled_copy_D(sm100_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.dtype, Float32, tiled_ld),
+                                     tiled_ld)
+        chunks_per_wg = self.wg_cols // LD_COLS
+        key = n_block * self.tile_n + lane_row
+
+        s_phase = Int32(0)
+        ds_phase = Int32(1)  # dS smem free: the first wait passes
+        lse_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
+        d_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.do_stages)
+        for i in cutlass.range(n_steps, unroll=1):
+            _, m_block = self.step_coords(tile, i)
+            # query columns [first, end) of this warpgroup's chunk 0 see this key (first NO_COLUMN: none;
+            # end: the window's left side, else past every column)
+            col0 = m_block * self.tile_m + wg * self.wg_cols
+            first = g.first_query(key, seqlen_q, seqlen_k, self.causal, DEVICE_OPS, window) - col0
+            end = Int32(self.tile_m)
+            if const_expr(window is not None):
+                end = g.query_end(key, seqlen_q, seqlen_k, DEVICE_OPS, window) - col0
+            pipes["lse"].wait_full(lse_state.index, lse_state.phase)
+            pipes["s"].wait_full(0, s_phase)
+            tcgen05_fence_after()
+            p0 = cute.make_rmem_tensor(frag_shape, Float32)
+            p1 = cute.make_rmem_tensor(frag_shape, Float32)
+            ps = (p0, p1)
+            for j in cutlass.range_constexpr(chunks_per_wg):
+                col = wg * self.wg_cols + j * LD_COLS
+                cute.copy(thr_ld, cute.make_tensor(tS_src.iterator + col, tS_src.layout), ps[j])
+            cute.arch.fence_view_async_tmem_load()
+            for j in cutlass.range_constexpr(chunks_per_wg):
+                col = wg * self.wg_cols + j * LD_COLS
+                self.probs(ps[j], t0ScS, sLSE, lse_state.index, col, first - j * LD_COLS, end - j * LD_COLS,
+                           scale_log2)
+                self.store16(ps[j], thr_st, cute.make_tensor(p_dst.iterator + j * st_cols, p_dst.layout), st_shape)
+            cute.arch.fence_view_async_tmem_store()
+            tcgen05_fence_before()
+            self.arrive_elected(pipes["s"], 0, "compute", True)  # P^T written
+            self.arrive_elected(pipes["lse"], lse_state.index, "compute", True)
+            lse_state = next_state(lse_state)
+
+            pipes["dpsum"].wait_full(d_state.index, d_state.phase)
+            pipes["dp"].wait_full(0, s_phase)
+            pipes["ds"].wait_empty(0, ds_phase)  # dS smem (and TMEM half) free: dK, dQ of step i-1 done
+            tcgen05_fence_after()
+            for j in cutlass.range_constexpr(chunks_per_wg):
+                col = wg * self.wg_cols + j * LD_COLS
+                dp = cute.make_rmem_tensor(frag_shape, Float32)
+                cute.copy(thr_ld, cute.make_tensor(tP_src.iterator + col, tP_src.layout), dp)
+                cute.arch.fence_view_async_tmem_load()
+                self.dscores(ps[j], dp, t0ScS, sD, d_state.index, col, softmax_scale)
+                ds16 = self.store16(dp, thr_st, cute.make_tensor(ds_dst.iterator + j * st_cols, ds_dst.layout), st_shape)
+                cute.copy(r2s, ds16[None, 0, 0], tsdS_part[None, 0, 0, wg * chunks_per_wg + j])
+            cute.arch.fence_view_async_tmem_store()
+            cute.arch.fence_view_async_shared()  # dS smem writes -> visible to the MMA (async proxy)
+            tcgen05_fence_before()
+            self.arrive_elected(pipes["ds"], 0, "compute", False)  # dS^T written
+            self.arrive_elected(pipes["dpsum"], d_state.index, "compute", True)
+            d_state = next_state(d_state)
+            s_phase = s_phase ^ 1
+            ds_phase = ds_phase ^ 1
+
+        # epilogue: warpgroup 0 stores dV, warpgroup 1 dK (zeros when the tile saw no query)
+        if n_steps > 0:
+            pipes["dkv"].wait_full(0, 0)
+            tcgen05_fence_after()
+        if wg == 0:
+            self.store_dkv(base, mma_dv, self.mma_tiler_dv, "dV", mdV, tidx, key, seqlen_k, head_kv, batch,
+                           n_steps > 0)
+        else:
+            self.store_dkv(base, mma_dk, self.mma_tiler_dk, "dK", mdK, tidx, key, seqlen_k, head_kv, batch,
+                           n_steps > 0)
+
+    def half_offset(self, name: str, wg):
+        """Column of half `name`{wg} (bwd_tmem_map; the halves are evenly spaced, wg may be runtime)."""
+        starts = [self.tmem[f"{name}{w}"][0] for w in range(self.compute_wgs)]
+        stride = starts[1] - starts[0] if len(starts) > 1 else 0
+        return starts[0] + wg * stride
+
+    @cute.jit
+    def arrive_elected(self, pipe, index, role: str, empty: bool):
+        """One arrival per warp (ELECTED parties), after every lane of the warp got here."""
+        cute.arch.sync_warp()
+        with cute.arch.elect_one():
+            if const_expr(empty):
+                pipe.arrive_empty(index, role)
+            else:
+                pipe.arrive_full(index, role)
+
+    @cute.jit
+    def probs(self, s, t0ScS, sLSE, stage, col0, first, end, scale_log2: Float32):
+        """s (one chunk of this thread's S^T row, queries col0 ..) -> P = exp2(s c - lse), 0 where the
+        query does not see the key (column < first, or >= end: a window's left side). The LSE of
+        padded rows is +inf: P = 0 there."""
+        for j in cutlass.range(0, cute.size(s), 2, unroll_full=True):
+            c0, c1 = t0ScS[j][1], t0ScS[j + 1][1]
+            x0, x1 = cute.arch.fma_packed_f32x2((s[j], s[j + 1]), (scale_log2, scale_log2),
+                                                (-sLSE[col0 + c0, stage], -sLSE[col0 + c1, stage]))
+            hidden0, hidden1 = c0 < first, c1 < first
+            if const_expr(self.cfg.local):
+                hidden0, hidden1 = hidden0 | (c0 >= end), hidden1 | (c1 >= end)
+            s[j] = Float32(cutlass.select_(hidden0, Float32(0.0), exp2_hw(x0)))
+            s[j + 1] = Float32(cutlass.select_(hidden1, Float32(0.0), exp2_hw(x1)))
+
+    @cute.jit
+    def dscores(self, p, dp, t0ScS, sD, stage, col0, scale: Float32):
+        """dp <- scale * p * (dp - D), in place (D = rowsum(dO * O) of each query column)."""
+        for j in cutlass.range(0, cute.size(dp), 2, unroll_full=True):
+            c0, c1 = t0ScS[j][1], t0ScS[j + 1][1]
+            d0, d1 = cute.arch.sub_packed_f32x2((dp[j], dp[j + 1]), (sD[col0 + c0, stage], sD[col0 + c1, stage]))
+            d0, d1 = cute.arch.mul_packed_f32x2((d0, d1), (p[j], p[j + 1]))
+            dp[j], dp[j + 1] = cute.arch.mul_packed_f32x2((d0, d1), (scale, scale))
+
+    @cute.jit
+    def store16(self, x, thr_st, dst, st_shape):
+        """x (fp32) -> 16-bit pairs -> tcgen05.st into dst; returns the 16-bit fragment."""
+        packed = cute.make_rmem_tensor(st_shape, Float32)
+        x16 = cute.make_tensor(cute.recast_ptr(packed.iterator, dtype=self.dtype), x.layout)
+        x16.store(x.load().to(self.dtype))
+        cute.copy(thr_st, packed, dst)
+        return x16
+
+    @cute.jit
+    def store_dkv(self, base, tiled_mma, tiler, name, mX, tidx, key, seqlen_k, head_kv, batch, has_steps):
+        """Accumulator `name` (dK or dV; this thread's key row) -> 16-bit -> global row `key` (keys <
+        seqlen_k only), EPI_COLS columns per TMEM load; zeros when the tile saw no query."""
+        acc = self.tmem_acc(base, tiled_mma, tiler, name)[(None, None), 0, 0]
+        chunk = cute.make_layout((self.tile_n, EPI_COLS))
+        ld_atom = cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(EPI_COLS)), Float32)
+        thr_ld = tcgen05.make_tmem_copy(ld_atom, cute.composition(acc, chunk)).get_slice(tidx)
+        src = thr_ld.partition_S(cute.composition(acc, chunk))
+        frag_shape = thr_ld.partition_D(cute.make_identity_tensor((self.tile_n, EPI_COLS))).shape
+        if key < seqlen_k:
+            gRow = mX[key, None, head_kv, batch]
+            for c in cutlass.range_constexpr(tiler[1] // EPI_COLS):
+                frg = cute.make_rmem_tensor(frag_shape, Float32)
+                frg.fill(0.0)
+                if has_steps:
+                    cute.copy(thr_ld, cute.make_tensor(src.iterator + c * EPI_COLS, src.layout), frg)
+                    cute.arch.fence_view_async_tmem_load()
+                out = cute.make_rmem_tensor((EPI_COLS,), self.dtype)
+                out.store(cute.make_tensor(frg.iterator, cute.make_layout(EPI_COLS)).load().to(self.dtype))
+                cute.autovec_copy(out, cute.local_tile(gRow, (EPI_COLS,), (c,)))
+
+    # ---------------------------------------------------------------- dQ-reduce warps
+    @cute.jit
+    def reduce(self, mma_dq, mdQacc, mdQsem, sdQ, pipes, tile, window):
+        """Per step: dQ (TMEM, this thread's row, all D columns) -> registers; free dQ's columns; then per
+        group of DQ_GROUP_ROWS rows of the warp: those lanes write their rows into the warp's smem
+        block (row-major, as the accumulator), and lane 0 reduce-adds the block into the accumulator's
+        rows with one cp.reduce.async.bulk.add.f32 (the rows of a query block are contiguous there).
+
+        Deterministic configs order the adds of one query block by key block (sm90's chain): thread 0
+        waits until the block's semaphore reads this key block's turn (n_block; with a window, counted
+        from the first key block of the query block's band), the four warps add, wait until their
+        adds landed in global memory, and thread 0 releases turn + 1. Lower key blocks launch first
+        (flash4.launch.bwd_grid), so the chain cannot deadlock."""
+        n_block, _, batch, _, _, _, seqlen_q, seqlen_k = tile
+        n_steps = tile[3] * tile[5]
+        tidx = cute.arch.thread_idx()[0] % THREADS_PER_WG
+        warp = tidx // WARP_SIZE
+        lane = cute.arch.lane_idx()
+        base = self.tmem_base()
+        acc = self.tmem_acc(base, mma_dq, self.mma_tiler_dq, "dQ")[(None, None), 0, 0]  # (tile_m, d)
+        chunk = cute.make_layout((self.tile_m, DQ_LD_COLS))
+        ld_atom = cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(DQ_LD_COLS)), Float32)
+        tiled_ld = tcgen05.make_tmem_copy(ld_atom, cute.composition(acc, chunk))
+        thr_ld = tiled_ld.get_slice(tidx)
+        src = thr_ld.partition_S(cute.composition(acc, chunk))
+        cq = cute.make_identity_tensor((self.tile_m, DQ_LD_COLS))
+        frag_shape = thr_ld.partition_D(cq).shape
+        n_chunks = self.hdim // DQ_LD_COLS
+        groups = WARP_SIZE // DQ_GROUP_ROWS
+        block = sdQ[None, None, warp]  # (D, DQ_GROUP_ROWS) fp32, this warp's staging block
+        my_row = block[None, lane % DQ_GROUP_ROWS]  # (D,): where this lane's row goes in its group
+        block_bytes = DQ_GROUP_ROWS * self.hdim * 4
+        phase = Int32(0)
+        for i in cutlass.range(n_steps, unroll=1):
+            head, m_block = self.step_coords(tile, i)
+            pipes["dq"].wait_full(0, phase)
+            tcgen05_fence_after()
+            frags = [cute.make_rmem_tensor(frag_shape, Float32) for _ in range(n_chunks)]
+            for c in cutlass.range_constexpr(n_chunks):
+                cute.copy(thr_ld, cute.make_tensor(src.iterator + c * DQ_LD_COLS, src.layout), frags[c])
+            cute.arch.fence_view_async_tmem_load()
+            tcgen05_fence_before()
+            self.arrive_elected(pipes["dq"], 0, "reduce", True)  # dQ read out
+            sem_ptr = mdQsem[None, head, batch].iterator + m_block
+            if const_expr(self.cfg.deterministic):
+                turn = n_block
+                if const_expr(window is not None):
+                    turn = n_block - g.n_block_min(m_block, seqlen_q, seqlen_k, self.tile_m, self.tile_n, DEVICE_OPS,
+                                                   window)
+                if tidx == 0:
+                    seen = cute.arch.load(sem_ptr, Int32, sem="acquire", scope="gpu")
+                    while turn != seen:
+                        seen = cute.arch.load(sem_ptr, Int32, sem="acquire", scope="gpu")
+                named_barrier_sync(REDUCE_BARRIER, THREADS_PER_WG)
+            for grp in cutlass.range_constexpr(groups):
+                if lane == 0:
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)  # the block's previous reduce-add read it
+                cute.arch.sync_warp()
+                if lane // DQ_GROUP_ROWS == grp:
+                    for c in cutlass.range_constexpr(n_chunks):
+                        cute.autovec_copy(cute.make_tensor(frags[c].iterator, cute.make_layout(DQ_LD_COLS)),
+                                          cute.local_tile(my_row, (DQ_LD_COLS,), (c,)))
+                    cute.arch.fence_view_async_shared()  # smem writes -> visible to the bulk copy (async proxy)
+                cute.arch.sync_warp()
+                if lane == 0:
+                    row0 = m_block * self.tile_m + warp * WARP_SIZE + grp * DQ_GROUP_ROWS
+                    bulk_reduce_add_f32(mdQacc[row0, None, head, batch].iterator, block.iterator, block_bytes)
+                    cute.arch.cp_async_bulk_commit_group()
+            if const_expr(self.cfg.deterministic):
+                if lane == 0:
+                    cute.arch.cp_async_bulk_wait_group(0, read=False)  # this warp's adds landed in global memory
+                named_barrier_sync(REDUCE_BARRIER, THREADS_PER_WG)
+                if tidx == 0:
+                    cute.arch.atomic_add(sem_ptr, Int32(1), sem="release", scope="gpu")
+            phase = phase ^ 1
+        if lane == 0:
+            cute.arch.cp_async_bulk_wait_group(0, read=True)

@@ -1,0 +1,236 @@
+"""The sm100 backward's plan, as pure functions the kernel is built from and CPU tests check: warp
+roles, the register plan (setmaxnreg per warpgroup), the tensor-memory map and the pipeline specs
+(who produces, who consumes, how each signals: the mbarrier arrive counts).
+
+Pure Python (no torch, no CuTe DSL). The kernel (flash4.kernels.sm100.bwd) reads its TMEM offsets
+only from bwd_tmem_map, its setmaxnreg budgets only from bwd_register_plan and its arrive counts
+only from bwd_pipeline_specs (checked at trace time by flash4.kernels.sm100.pipes). The design is
+FlashAttention-4's 1-CTA sm100 backward (/work/shared/design/BLACKWELL.md section 1, "Backward");
+the numbers are read from it, none was measured on a B200. Compile-verified, not run on hardware.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from flash4.kernels.sm100.plan import (LAUNCH_REGS, TMEM_COLUMNS, WARP_SIZE, Party, PipelineSpec,
+                                       Signal)
+
+# ---------------------------------------------------------------- warp roles (16 warps, 512 threads)
+# FA4 flash_bwd_sm100.py: dQ-reduce 0-3, compute 4-11, MMA 12, load 13 (14: the 2-CTA relay warp,
+# 15 empty). A warp reaches only the 32 TMEM lanes of its index in its warpgroup (warp % 4), so
+# every TMEM-reading role is whole warpgroups: the reduce warpgroup reads dQ (all 128 lanes), the
+# two compute warpgroups read S^T, dP^T, dK, dV, each half of the columns.
+BWD_WARP_ROLES = {
+    "reduce": (0, 1, 2, 3),
+    "compute": (4, 5, 6, 7, 8, 9, 10, 11),
+    "mma": (12,),
+    "load": (13,),
+    "idle": (14, 15),
+}
+BWD_NUM_WARPS = 16
+BWD_NUM_THREADS = BWD_NUM_WARPS * WARP_SIZE
+# setmaxnreg works per warpgroup: reduce, compute (x2), and the warpgroup of mma, load and idle.
+BWD_WARPGROUPS = (("reduce",), ("compute",), ("compute",), ("mma", "load", "idle"))
+BWD_ROLE_WARPS = {role: len(w) for role, w in BWD_WARP_ROLES.items()}
+# Head dims the 1-CTA backward is built for (FA4's 1-CTA maps in BLACKWELL.md's table).
+SM100_BWD_HEADDIMS = (64, 128)
+# Queries per step (S^T columns) and keys per CTA (TMEM lanes): FA4's 1-CTA tile.
+BWD_TILE_M = 128
+BWD_TILE_N = 128
+# Q ring depth (FA4 Q_stage = 2 for 1-CTA), dO ring depth (FA4 dO_stage = 1).
+BWD_Q_STAGES = 2
+BWD_DO_STAGES = 1
+# dQ leaves through smem: each reduce warp stages DQ_GROUP_ROWS whole rows of its 32 (all D fp32
+# columns: one contiguous block of the row-major dQ accumulator) and one lane reduce-adds the block
+# with one cp.reduce.async.bulk .add.f32 (8 x D x 4 bytes: 4 KiB at hd128), 32 / DQ_GROUP_ROWS per
+# step. (A bulk op per lane per 32 columns, the first version, compiled to a 32-iteration
+# ELECT / R2UR / UBLKRED loop per warp: the instruction takes uniform operands.)
+DQ_GROUP_ROWS = 8
+# Columns per tcgen05.ld of dQ (32x32b.x32).
+DQ_LD_COLS = 32
+# smem budget of the tiles (the rest of 227 KiB: mbarriers, the TMEM pointer, LSE and dPsum).
+BWD_SMEM_BUDGET = 224 * 1024
+
+
+def bwd_smem_bytes(headdim: int, hdim_v: int, tile_m: int = BWD_TILE_M, tile_n: int = BWD_TILE_N,
+                   q_stages: int = BWD_Q_STAGES, do_stages: int = BWD_DO_STAGES, elt: int = 2) -> int:
+    """Bytes of the tiles: K, V (one each), the Q ring, the dO ring, dS (16-bit, tile_n x tile_m),
+    the dQ staging (4 reduce warps x DQ_GROUP_ROWS rows x D fp32) and LSE / dPsum (fp32 per Q / dO
+    stage). hd128: 32 + 32 + 64 + 32 + 32 + 16 + 1.5 = 209.5 KiB; hd64: 121.5 KiB."""
+    k = tile_n * headdim * elt
+    v = tile_n * hdim_v * elt
+    q = q_stages * tile_m * headdim * elt
+    do = do_stages * tile_m * hdim_v * elt
+    ds = tile_n * tile_m * elt
+    dq = 4 * DQ_GROUP_ROWS * headdim * 4
+    stats = (q_stages + do_stages) * tile_m * 4
+    return k + v + q + do + ds + dq + stats
+
+
+# ---------------------------------------------------------------- registers (setmaxnreg)
+@dataclasses.dataclass(frozen=True)
+class BwdRegisterPlan:
+    """setmaxnreg budget per role (registers per thread): reduce (warps 0-3), compute (each of the
+    two compute warpgroups), other (mma, load and idle share the fourth warpgroup)."""
+
+    reduce: int
+    compute: int
+    other: int
+
+    def per_warpgroup(self) -> tuple:
+        return (self.reduce, self.compute, self.compute, self.other)
+
+    @staticmethod
+    def is_increase(regs: int) -> bool:
+        return regs > LAUNCH_REGS
+
+
+def bwd_register_plan_problem(plan: BwdRegisterPlan) -> str | None:
+    for role, regs in (("reduce", plan.reduce), ("compute", plan.compute), ("other", plan.other)):
+        if regs % 8 or not 24 <= regs <= 256:
+            return f"regs_{role}={regs}: setmaxnreg takes a multiple of 8 in [24, 256]"
+    total = sum(plan.per_warpgroup())
+    if total > 512:
+        return f"register plan {plan}: warpgroup budgets sum to {total} > 512 (64K registers / 128 threads)"
+    return None
+
+
+def default_bwd_register_plan(headdim: int, causal: bool) -> BwdRegisterPlan:
+    """FA4's 1-CTA budgets (flash_bwd_sm100.py __init__): reduce / compute / load = mma 152 / 136 / 88,
+    summing to 512 (tuned by FA4 on B200, not here). FA4 moves 16 registers from the reduce to the
+    compute warpgroups for causal (136 / 144 / 88); flash4 keeps 152 / 136 / 88 for every 1-CTA
+    config until a compile shows a spill (the causal mask is one threshold per thread here)."""
+    del headdim, causal
+    return BwdRegisterPlan(152, 136, 88)
+
+
+def bwd_register_plan(cfg) -> BwdRegisterPlan:
+    return BwdRegisterPlan(cfg.regs_reduce, cfg.regs_compute, cfg.regs_other)
+
+
+# ---------------------------------------------------------------- tensor memory
+def bwd_tmem_map(cfg) -> dict:
+    """TMEM columns of every buffer of the 1-CTA backward: name -> (start_col, ncols) (32-bit
+    columns, all 128 lanes = the CTA's 128 keys). FA4's maps (BLACKWELL.md table), from one rule:
+
+      S   = S^T = K Q^T, fp32, tile_m columns at 0
+      dV  = sum P^T dO, fp32, Dv columns after S
+      dP  = dP^T = V dO^T, fp32, tile_m columns after dV
+      dK  = sum dS^T Q, fp32, D columns after dP
+      dQ  = dS K, fp32, D columns over dP (written after the compute warps turned dP into dS)
+      P0, P1 = P^T, 16-bit (two per column), one half per compute warpgroup (its 64 query columns:
+            32 columns): own slots after dK when they fit in 512 columns (hd64: P^T contiguous at
+            384-448), else inside S, each half at the start of ITS warpgroup's S columns (hd128: 0-32
+            and 64-96), so no warpgroup writes S columns the other still reads
+      dS0, dS1 = dS^T, likewise after P (hd64: 448-512) or inside dP (hd128: 256-288, 320-352)
+    hd128: S 0-128, dV 128-256, dP 256-384, dK 384-512, dQ 256-384, P inside S, dS inside dP.
+    hd64:  S 0-128, dV 128-192, dP 192-320, dK 320-384, dQ 192-256, P 384-448, dS 448-512.
+    (FA4 keeps P^T contiguous at S's start and syncs its two compute warpgroups before writing it;
+    the MMAs that read P^T / dS^T here take the halves as two runs of k-blocks.) This is the
+    kernel's only source of TMEM offsets."""
+    tm, d, dv = cfg.tile_m, cfg.headdim, cfg.hdim_v
+    wgs = 2  # compute warpgroups (BWD_WARP_ROLES)
+    wg_cols = tm // wgs  # fp32 columns of S^T / dP^T per compute warpgroup
+    half = wg_cols // 2  # its 16-bit P^T / dS^T columns
+    m = {"S": (0, tm), "dV": (tm, dv), "dP": (tm + dv, tm)}
+    m["dK"] = (m["dP"][0] + tm, d)
+    m["dQ"] = (m["dP"][0], d)
+    end = m["dK"][0] + d
+    own = end + 2 * wgs * half <= TMEM_COLUMNS
+    for w in range(wgs):
+        if own:
+            m[f"P{w}"] = (end + w * half, half)
+            m[f"dS{w}"] = (end + wgs * half + w * half, half)
+        else:
+            m[f"P{w}"] = (m["S"][0] + w * wg_cols, half)
+            m[f"dS{w}"] = (m["dP"][0] + w * wg_cols, half)
+    return m
+
+
+def bwd_tmem_aliases(cfg) -> tuple:
+    """The overlaps the map declares, (inner, outer) with inner inside outer: dQ over dP always
+    (D <= tile_m); where P^T / dS^T have no slot of their own (hd128) the P halves inside S and the
+    dS halves inside dP, and then inside dQ's columns too (dQ is written after dK read dS^T)."""
+    m = bwd_tmem_map(cfg)
+
+    def inside(inner, outer):
+        (si, ni), (so, no) = m[inner], m[outer]
+        return so <= si and si + ni <= so + no
+
+    pairs = [("dQ", "dP")]
+    for w in range(2):
+        pairs += [(inner, outer) for inner, outer in ((f"P{w}", "S"), (f"dS{w}", "dP"), (f"dS{w}", "dQ"))
+                  if inside(inner, outer)]
+    return tuple(pairs)
+
+
+def bwd_tmem_used_cols(cfg) -> int:
+    return max(start + n for start, n in bwd_tmem_map(cfg).values())
+
+
+def bwd_tmem_alloc_cols(cfg) -> int:
+    """Columns the MMA warp allocates: the used columns rounded up to a power of two >= 32 (512 for
+    hd64 and hd128)."""
+    cols = 32
+    while cols < bwd_tmem_used_cols(cfg):
+        cols *= 2
+    return cols
+
+
+# ---------------------------------------------------------------- pipelines and their arrive counts
+def _arrivals(party: Party, cta_group: int = 1) -> int:
+    warps = BWD_ROLE_WARPS[party.role]
+    if party.signal in (Signal.TMA, Signal.COMMIT):
+        return cta_group
+    if party.signal is Signal.ELECTED:
+        return warps
+    return WARP_SIZE * warps
+
+
+@dataclasses.dataclass(frozen=True)
+class BwdPipelineSpec(PipelineSpec):
+    """A PipelineSpec whose roles are the backward's (BWD_ROLE_WARPS)."""
+
+    def full_arrivals(self, cta_group: int = 1) -> int:
+        return sum(_arrivals(p, cta_group) for p in self.producers)
+
+    def empty_arrivals(self, cta_group: int = 1) -> int:
+        return sum(_arrivals(p, cta_group) for p in self.consumers)
+
+    def describe(self, cta_group: int = 1) -> str:
+        def side(parties):
+            return " + ".join(f"{p.role} ({p.signal.value}: {_arrivals(p, cta_group)})" for p in parties)
+        return (f"{self.name}: full = {side(self.producers)} = {self.full_arrivals(cta_group)}; "
+                f"empty = {side(self.consumers)} = {self.empty_arrivals(cta_group)}")
+
+
+def bwd_pipeline_specs(cfg) -> dict:
+    """Every mbarrier pipeline of the 1-CTA backward, name -> BwdPipelineSpec (one CTA per key tile,
+    never persistent: K, V and the dK / dV accumulators are used once per CTA)."""
+    P = Party
+    S = BwdPipelineSpec
+    specs = [
+        S("kv", 1, (P("load", Signal.TMA),), (P("mma", Signal.COMMIT),),
+          "K and V of the CTA's key tile, once; never released (one tile per CTA)", waited_empty=False),
+        S("q", cfg.q_stages, (P("load", Signal.TMA),), (P("mma", Signal.COMMIT),),
+          "Q[m]: read by S^T = K Q^T and dK += dS^T Q; released by the commit after dK"),
+        S("lse", cfg.q_stages, (P("load", Signal.TMA),), (P("compute", Signal.ELECTED),),
+          "LSE * log2 e of Q[m]'s rows (bulk copy) -> compute (P = exp2(S^T c - lse))"),
+        S("do", cfg.do_stages, (P("load", Signal.TMA),), (P("mma", Signal.COMMIT),),
+          "dO[m]: read by dP^T = V dO^T and dV += P^T dO; released by the commit after dV"),
+        S("dpsum", cfg.do_stages, (P("load", Signal.TMA),), (P("compute", Signal.ELECTED),),
+          "D = rowsum(dO * O) of dO[m]'s rows (bulk copy) -> compute (dS = P (dP - D))"),
+        S("s", 1, (P("mma", Signal.COMMIT),), (P("compute", Signal.ELECTED),),
+          "S^T ready -> compute; P^T written to TMEM -> mma (dV += P^T dO)"),
+        S("dp", 1, (P("mma", Signal.COMMIT),), (P("compute", Signal.ELECTED),),
+          "dP^T ready -> compute; back-pressure is ds (dS written means dP was read)", waited_empty=False),
+        S("ds", 1, (P("compute", Signal.ELECTED),), (P("mma", Signal.COMMIT),),
+          "dS^T written (TMEM and smem) -> mma (dK, dQ); released by the commit after dQ"),
+        S("dq", 1, (P("mma", Signal.COMMIT),), (P("reduce", Signal.ELECTED),),
+          "dQ ready in TMEM -> reduce; read out -> mma (the next dP^T overwrites dQ's columns)"),
+        S("dkv", 1, (P("mma", Signal.COMMIT),), (P("compute", Signal.ELECTED),),
+          "the tile's dV and dK are final -> compute epilogue (never released: one tile per CTA)",
+          waited_empty=False),
+    ]
+    return {s.name: s for s in specs}

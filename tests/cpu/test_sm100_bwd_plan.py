@@ -1,0 +1,183 @@
+"""The sm100 backward's pure plan (flash4.kernels.sm100.bwd_plan, flash4.config.sm100's backward):
+the TMEM map (fits 512 columns, only declared aliases overlap, FA4's 1-CTA maps of BLACKWELL.md's
+table), the register plan, the pipeline arrive counts, the config selection and its refusals, and
+(with the CuTe DSL) that the MN-major operand views address the same bytes as the K-major / row-major
+buffers they alias. No GPU; compile-verified, not run on hardware."""
+
+import itertools
+
+import pytest
+
+from flash4.config import sm100
+from flash4.kernels.sm100.bwd_plan import (BWD_NUM_THREADS, BWD_WARP_ROLES, BWD_WARPGROUPS, bwd_pipeline_specs,
+                                           bwd_register_plan, bwd_register_plan_problem, bwd_smem_bytes,
+                                           bwd_tmem_alloc_cols, bwd_tmem_aliases, bwd_tmem_map, BwdRegisterPlan)
+from flash4.kernels.sm100.plan import TMEM_COLUMNS
+
+CONFIGS = sm100.shipped_bwd_configs()
+
+
+def test_shipped_configs():
+    assert [(c.headdim, c.dtype, c.causal, c.local, c.deterministic) for c in CONFIGS] == [
+        (d, dt, c, lo, det) for det in (False, True) for d in (64, 128) for dt in ("bf16", "fp16")
+        for c, lo in ((False, False), (True, False), (False, True))]
+    # a window folds causal in (as sm90's BwdConfig)
+    assert sm100.select_bwd_config(128, causal=True, local=True) == sm100.select_bwd_config(128, local=True)
+
+
+def test_warp_roles_cover_16_warps_in_whole_warpgroups():
+    warps = sorted(w for ws in BWD_WARP_ROLES.values() for w in ws)
+    assert warps == list(range(16)) and BWD_NUM_THREADS == 512
+    # TMEM readers are whole warpgroups (a warp reaches the 32 lanes of its index in its warpgroup)
+    assert BWD_WARP_ROLES["reduce"] == (0, 1, 2, 3) and BWD_WARP_ROLES["compute"] == tuple(range(4, 12))
+    assert len(BWD_WARPGROUPS) == 4
+
+
+# FA4's 1-CTA maps (BLACKWELL.md section 1 table), columns [start, end).
+REFERENCE = {
+    64: {"S": (0, 128), "dV": (128, 192), "dP": (192, 320), "dK": (320, 384), "dQ": (192, 256),
+         "P": (384, 448), "dS": (448, 512)},
+    128: {"S": (0, 128), "dV": (128, 256), "dP": (256, 384), "dK": (384, 512), "dQ": (256, 384),
+          "P": "inside S", "dS": "inside dP"},
+}
+
+
+def _span(m, name):
+    start, n = m[name]
+    return start, start + n
+
+
+@pytest.mark.parametrize("hd", [64, 128])
+def test_tmem_map_equals_the_reference(hd):
+    cfg = sm100.select_bwd_config(hd)
+    m, ref = bwd_tmem_map(cfg), REFERENCE[hd]
+    for name in ("S", "dV", "dP", "dK", "dQ"):
+        assert _span(m, name) == ref[name], name
+    for name, outer in (("P", "S"), ("dS", "dP")):
+        halves = [_span(m, f"{name}{w}") for w in (0, 1)]
+        if ref[name] == f"inside {outer}":
+            lo, hi = _span(m, outer)
+            # each compute warpgroup's half at the start of its own 64 columns of the outer buffer
+            assert halves == [(lo, lo + 32), (lo + 64, lo + 96)] and hi == lo + 128
+        else:
+            assert (halves[0][0], halves[1][1]) == ref[name] and halves[0][1] == halves[1][0]
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"d{c.headdim}-{c.dtype}-{c.causal}-{c.local}-{c.deterministic}")
+def test_tmem_map_fits_and_only_declared_aliases_overlap(cfg):
+    m = bwd_tmem_map(cfg)
+    assert all(0 <= s and s + n <= TMEM_COLUMNS for s, n in m.values())
+    assert bwd_tmem_alloc_cols(cfg) == 512
+    declared = {frozenset(p) for p in bwd_tmem_aliases(cfg)}
+    for (a, (sa, na)), (b, (sb, nb)) in itertools.combinations(m.items(), 2):
+        overlap = sa < sb + nb and sb < sa + na
+        assert overlap == (frozenset((a, b)) in declared), (a, b)
+    for inner, outer in bwd_tmem_aliases(cfg):  # declared aliases are containment
+        (si, ni), (so, no) = m[inner], m[outer]
+        assert so <= si and si + ni <= so + no, (inner, outer)
+
+
+def test_tmem_budget_sums_within_512():
+    # the distinct (non-aliased) buffers: S, dV, dP, dK (+ P, dS own slots at hd64) use at most 512
+    for cfg in CONFIGS:
+        m = bwd_tmem_map(cfg)
+        inner = {i for i, _ in bwd_tmem_aliases(cfg)}
+        assert sum(n for name, (_, n) in m.items() if name not in inner) <= TMEM_COLUMNS
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"d{c.headdim}-{c.dtype}-{c.causal}-{c.local}-{c.deterministic}")
+def test_register_plan(cfg):
+    plan = bwd_register_plan(cfg)
+    assert plan == BwdRegisterPlan(152, 136, 88)  # FA4's 1-CTA reduce / compute / load = mma
+    assert bwd_register_plan_problem(plan) is None
+    assert sum(plan.per_warpgroup()) == 512
+    assert BwdRegisterPlan.is_increase(plan.reduce) and BwdRegisterPlan.is_increase(plan.compute)
+    assert not BwdRegisterPlan.is_increase(plan.other)
+    assert "sum to 520" in bwd_register_plan_problem(BwdRegisterPlan(160, 136, 88))
+    assert "multiple of 8" in bwd_register_plan_problem(BwdRegisterPlan(150, 136, 88))
+
+
+def test_pipeline_arrive_counts():
+    specs = bwd_pipeline_specs(CONFIGS[0])
+    counts = {n: (s.stages, s.full_arrivals(), s.empty_arrivals()) for n, s in specs.items()}
+    assert counts == {
+        "kv": (1, 1, 1), "q": (2, 1, 1), "lse": (2, 1, 8), "do": (1, 1, 1), "dpsum": (1, 1, 8),
+        "s": (1, 1, 8), "dp": (1, 1, 8), "ds": (1, 8, 1), "dq": (1, 1, 4), "dkv": (1, 1, 8)}
+    assert {n for n, s in specs.items() if not s.waited_empty} == {"kv", "dp", "dkv"}
+    assert "compute (elected lane: 8)" in specs["ds"].describe()
+
+
+def test_smem_budget():
+    assert bwd_smem_bytes(128, 128) == 214528 and bwd_smem_bytes(64, 64) == 124416
+    assert all(c.smem_bytes() <= sm100.BWD_SMEM_BUDGET for c in CONFIGS)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(headdim=96), "head dims \\(64, 128\\)"), (dict(headdim=256), "hd96/192/256 and 2-CTA"),
+    (dict(headdim=128, softcap=True), "softcap"), (dict(headdim=128, headdim_v=64), "V head dim"),
+    (dict(headdim=128, arch=90), "sm_100a kernels only"), (dict(headdim=128, dtype="fp8"), "dtype"),
+])
+def test_select_refuses_what_is_not_built(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        sm100.select_bwd_config(**kwargs)
+
+
+def test_config_refuses_unbuilt_fields():
+    for field, value in (("varlen_q", True), ("seqused_k", True), ("dkv_accum", True), ("cta_group", 2),
+                         ("regs_compute", 132)):
+        with pytest.raises(ValueError):
+            sm100.Sm100BwdConfig(128, **{field: value})
+    cfg = sm100.select_bwd_config(128, "fp16", True)
+    assert not cfg.dq_accum_order and not cfg.dynamic_seqlen_k and cfg.hdim_v == 128
+
+
+# ---------------------------------------------------------------- operand views (CuTe DSL, trace time only)
+def _size(s):
+    if isinstance(s, tuple):
+        out = 1
+        for x in s:
+            out *= _size(x)
+        return out
+    return s
+
+
+def _offset(crd, shape, stride):
+    """crd2idx of a static hierarchical layout (an int coordinate splits colexicographically)."""
+    if isinstance(shape, tuple):
+        if isinstance(crd, int):
+            out = 0
+            for s, d in zip(shape, stride):
+                out += _offset(crd % _size(s), s, d)
+                crd //= _size(s)
+            return out
+        return sum(_offset(c, s, d) for c, s, d in zip(crd, shape, stride))
+    return crd * stride
+
+
+@pytest.mark.parametrize("hd", [64, 128])
+def test_mn_major_views_alias_the_loaded_buffers(hd):
+    """Every element of Q, dO, K (TMA-loaded K-major) and dS^T (written row-major) sits at the same
+    swizzled offset in the MN-major view another MMA reads it through (same swizzle, equal offset
+    before it), for every (row, column) of one stage."""
+    cute = pytest.importorskip("cutlass.cute")
+    import cutlass
+
+    from flash4.kernels.sm100.bwd import bwd_smem_layouts
+
+    got = {}
+
+    @cute.jit
+    def grab(d: cutlass.Constexpr):
+        for k, v in bwd_smem_layouts(sm100.select_bwd_config(d)).items():
+            got[k] = (v.outer.shape, v.outer.stride, str(v.inner))
+
+    grab(hd)
+    off = {k: (lambda crd, s=v[0], t=v[1]: _offset(crd, s, t)) for k, v in got.items()}
+    assert len({v[2] for v in got.values()}) == 1  # one swizzle for all (S<3,4,3>: 128-byte)
+    rows = range(128)
+    for kmajor, mnmajor in (("sQ", "sQmn"), ("sdO", "sdOmn"), ("sK", "sKmn")):
+        for r, c in itertools.product(rows, range(hd)):  # r: query / key row, c: head-dim column
+            assert off[kmajor](((r, c % 16), 0, c // 16, 0)) == off[mnmajor](((c, r % 16), 0, r // 16, 0)), \
+                (kmajor, r, c)
+    for key, q in itertools.product(rows, rows):
+        assert off["sdSt"]((key, q, 0)) == off["sdS"](((q, key % 16), 0, key // 16, 0)), (key, q)
