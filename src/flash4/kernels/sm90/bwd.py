@@ -165,7 +165,8 @@ class FlashAttentionBackwardSm90:
       * warp 0 (`load`): TMA loads: K and V of the tile once; then per step Q (+ LSE*log2e) and dO (+ D).
       * warp 1 (`store_dQ`): per step, waits for the consumers' dQ tile in smem and issues the bulk
         fp32 reduce-adds into the global dQ accumulator (deterministic: in key-block order); frees
-        the tile once it has been read.
+        the tile once it has been read. sink_delta: also adds each query row's D = sum_j P dP (the
+        consumer warps' partials staged with the tile, `add_delta`) to a global fp32 buffer.
       * consumer warpgroups (`mma`; 64 keys each, half of the queries and of headdim, or a 48-key
         half): per (query head, m_block) the step bwd_step.BwdStep.mma_one_m_block, then the dK, dV
         epilogue (`epilogue_dKV`: TMA store; `epilogue_dKV_accum`: fp32 adds, dkv_accum).
@@ -381,6 +382,8 @@ class FlashAttentionBackwardSm90:
         self.tma_bytes_kv = cute.size_in_bytes(self.dtype, sKV_layout) + cute.size_in_bytes(self.dtype, sV_layout)
 
         delta_own = cfg.sink_delta and not cfg.sink_delta_in_row_pad
+        # sink_delta in the row pad: the last row's pad lies past the layout's cosize; allocate it too
+        dq_pad_tail = cfg.dq_row_pad if cfg.sink_delta and cfg.sink_delta_in_row_pad else 0
 
         @cute.struct
         class SharedStorage:
@@ -389,7 +392,7 @@ class FlashAttentionBackwardSm90:
             mbar_do: cute.struct.MemRange[cutlass.Int64, 2 * self.do_stages]
             sLSE: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sStat_layout)], 128]
             sD: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sStatD_layout)], 128]
-            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], 128]
+            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout) + dq_pad_tail], 128]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]

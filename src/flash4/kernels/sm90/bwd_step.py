@@ -6,6 +6,7 @@ backward, Dao 2023, algorithm 2), per consumer warpgroup:
     wait Q; issue S; wait dO; issue dP; wait for S
     score transform (kernels/common/score.apply), exponent and mask -> P   (under the dP GEMM)
     stage_P: hand P on (dV issued from registers or from smem, or only wait for dP)
+    sink_delta only: wait dQEmpty; the warp's partial sums of D = sum_j P dP to smem (stage_delta)
     dS = P * (dP - D) * scale [* score.grad_factor]                        (under dV, when issued)
     stage_dS: dS (and P) to registers / smem for dK and dQ, the dS barrier (dV issued here in some)
     dQ = dS K; release dO; issue dK; dQ tile to smem for warp 1 (under dK); wait; release Q
