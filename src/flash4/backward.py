@@ -53,7 +53,8 @@ F32 = torch.float32
 
 
 def flash_attn_backward(dout, q, k, v, out, lse, softmax_scale: float, causal: bool, dq=None, dk=None, dv=None,
-                        deterministic: bool = False, lse_split=None, dlse=None, window_size=None, softcap: float = 0.0):
+                        deterministic: bool = False, lse_split=None, dlse=None, window_size=None, softcap: float = 0.0,
+                        delta=None):
     """Gradients of out = attention(q, k, v) for the upstream gradient dout (dense batches).
 
     q: (B, Sq, H, D); k: (B, Sk, Hk, D); v: (B, Sk, Hk, Dv); out, dout: (B, Sq, H, Dv) (Dv = D, or a
@@ -69,13 +70,14 @@ def flash_attn_backward(dout, q, k, v, out, lse, softmax_scale: float, causal: b
     deterministic: add the dQ partial sums of the key blocks in a fixed order (bitwise-identical
     results across calls); dK and dV are reduced in registers, or (GQA/MQA head split: several
     CTAs per KV head) added in fp32 in head-split order. window_size: None or flash-attn's (left,
-    right); softcap: the forward's (0 = off).
+    right); softcap: the forward's (0 = off). delta: None, or an fp32 (B, H, Sq) tensor that receives
+    each row's D = rowsum(dO * O) of the float32 output (run's; for flash4.autograd.sink_grad).
     Returns (dq, dk, dv) shaped like q, k, v in their dtype. Raises ValueError for a head dim the
     backward kernel does not support (flash4.config.BWD_SUPPORTED_HEADDIMS) or a problem beyond the
     kernels' grid/int32 limits (flash4.launch). The inputs are not validated (they come from a forward).
     """
     request = Request.dense(q, k, v, softmax_scale, causal, window_size, softcap, deterministic=deterministic)
-    return run(request, dout, out, lse, lse_split, dlse, dq, dk, dv)
+    return run(request, dout, out, lse, lse_split, dlse, dq, dk, dv, delta)
 
 
 def run(request: Request, dout, out, lse, lse_split=None, dlse=None, dq=None, dk=None, dv=None, delta=None):

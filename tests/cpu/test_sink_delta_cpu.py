@@ -272,6 +272,32 @@ def test_autograd_passes_the_kernel_delta(cpu_kernels):
     assert (s.grad.float() - ref.float()).abs().max().item() <= 2 * (ref.float().abs().max().item() * 2 ** -7)
 
 
+def test_fill_delta_reads_the_padded_rows():
+    """flash4.backward._fill_delta: the kernel's padded-layout rows back to lse's layout (dense: the first
+    Sq rows; packed: padded_row_index's rows, rows outside every sequence the scratch tile's 0), and
+    without the kernel's (a family without sink_delta) rowsum(dout * out)."""
+    from flash4.backward import _fill_delta, padded_row_index, padded_total
+
+    b, h, sq, tile_m = 2, 3, 70, 64
+    rows_pad = 128
+    padded = torch.randn(b, h, rows_pad)
+    delta = torch.empty(b, h, sq)
+    _fill_delta(delta, padded, None, None, False, None)
+    assert torch.equal(delta, padded[:, :, :sq])
+    cu = torch.tensor([0, 5, 5, 80], dtype=torch.int32)
+    total = 83  # 3 rows past the last sequence
+    index = padded_row_index(cu, total, tile_m)
+    stats = torch.randn(1, h, padded_total(total, 3, tile_m) + tile_m)
+    stats[:, :, padded_total(total, 3, tile_m):] = 0  # the scratch tile (zeroed, never added to)
+    packed = torch.empty(h, total)
+    _fill_delta(packed, stats, None, None, True, index)
+    assert torch.equal(packed[:, :5], stats[0, :, :5]) and torch.equal(packed[:, 5:80], stats[0, :, 128:203])
+    assert (packed[:, 80:] == 0).all()
+    out, dout = torch.randn(b, sq, h, 8).to(BF16), torch.randn(b, sq, h, 8).to(BF16)
+    _fill_delta(delta, None, dout, out, False, None)
+    assert torch.equal(delta, (dout.float() * out.float()).sum(-1).transpose(1, 2))
+
+
 @pytest.mark.parametrize("sink_grad_on", [True, False])
 def test_compile_fullgraph_asks_the_op_for_delta(sink_grad_on):
     """torch.compile(fullgraph=True) (meta tensors): the backward op gets sink_delta=True exactly when the
