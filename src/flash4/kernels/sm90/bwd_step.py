@@ -339,9 +339,10 @@ class BwdStep(DynamicState):
     # comes from the rounded 16-bit O (off by a few 16-bit ulps of dSink, docs/conformance/fa4-suite.md).
     # Here D is summed from the step's own fp32 P and dP (sum_j P_ij dP_ij = dO_i . sum_j P_ij V_j):
     # per thread over its keys, then over the lanes that hold the same queries (a butterfly
-    # reduce-scatter: each lane keeps a share of the queries, at most 4 values live to the dQ
-    # hand-off), staged in smem per warp (one slot each, written right away: no value stays live
-    # across the step's GEMMs), summed by the store warp (bwd.add_delta) after dQFull.
+    # reduce-scatter of delta_chunk queries at a time), staged in smem per warp (one slot each,
+    # written as each chunk is reduced: no value stays live across the step's GEMMs), summed in slot
+    # order by the store warp (bwd.add_delta) after dQFull. Where the dQEmpty wait moves, and the
+    # shuffles, cost only sink_delta configs; the others compile to the same cubin.
     @cute.jit
     def stage_delta(self, acc_S, acc_dP, step):
         """The warp's partial D sums of this step into its slot of smem.delta, once the store warp has
@@ -358,8 +359,8 @@ class BwdStep(DynamicState):
             for row, value in zip(self.delta_rows(chunk, lane, base), self.delta_partials(s, dp, chunk, lane)):
                 self.smem.delta[row, slot] = value
 
-    # at most this many of a thread's queries are reduced together (4 partial sums live at once: 8 spilled
-    # 4-8 registers at head dim 128 with a window or softcap, compile check)
+    # at most this many of a thread's queries are reduced together (the partial sums live at once):
+    # 8 spilled 4-8 registers at head dim 128 with a window or softcap (compile check), 4 none
     delta_chunk = 4
 
     def delta_chunks(self, n: int) -> list:
