@@ -374,7 +374,8 @@ def _flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale=None, causal=False, s
                     aux_tensors=None, aux_scalars=None, block_sparse_tensors=None, dlse=None, learnable_sink=None):
     """flash-attn-4's raw backward -> (dq, dk, dv), plus dsink with learnable_sink: flash4.backward.run
     on the request of the forward that gave out and lse (dense, or packed with cu_seqlens / seqused),
-    dsink from flash4.autograd.sink_grad. Preallocated dq / dk / dv are written and returned."""
+    dsink from flash4.autograd.sink_grad with each row's D from the kernel (run's delta). Preallocated
+    dq / dk / dv are written and returned."""
     from flash4 import backward as bwd
     from flash4.autograd import sink_grad, varlen_row_mask
     from flash4.request import Request, resolve_softmax_scale
@@ -401,7 +402,10 @@ def _flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale=None, causal=False, s
         else:
             request = Request.dense(qp, kp, vp, scale, causal, band, softcap, deterministic=deterministic)
         same = (d_p, dv_p) == (d, d_v)
-        grads = bwd.run(request, doutp, outp, lse.contiguous(), None, dlse, *((dq, dk, dv) if same else ()))
+        # each row's D in fp32 from the kernel's P and dP when the sink needs a gradient (sink_grad)
+        delta = None if learnable_sink is None else torch.empty(lse.shape, dtype=torch.float32, device=lse.device)
+        grads = bwd.run(request, doutp, outp, lse.contiguous(), None, dlse, *((dq, dk, dv) if same else (None,) * 3),
+                        delta=delta)
         if not same:
             grads = tuple(g[..., :width] for g, width in zip(grads, (d, d, d_v)))
             for buf, g in zip((dq, dk, dv), grads):
@@ -412,9 +416,9 @@ def _flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale=None, causal=False, s
             return tuple(grads)
         if packed:
             rows = varlen_row_mask(cu_seqlens_q, seqused_q, q.shape[0])
-            dsink = sink_grad(learnable_sink, out, dout, lse, dlse, 1, rows)
+            dsink = sink_grad(learnable_sink, out, dout, lse, dlse, 1, rows, delta=delta)
         else:
-            dsink = sink_grad(learnable_sink, out, dout, lse, dlse, 2)
+            dsink = sink_grad(learnable_sink, out, dout, lse, dlse, 2, delta=delta)
     return (*grads, dsink)
 
 

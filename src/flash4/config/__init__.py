@@ -240,10 +240,15 @@ def _plans_decode(arch: int) -> bool:
     return hasattr(module, "decode_plan")
 
 
-def bwd_config(request, arch: int, heads_per_cta: int | None = None) -> BwdPlan:
+def bwd_config(request, arch: int, heads_per_cta: int | None = None, sink_delta: bool = False) -> BwdPlan:
     """The backward plan of `request` (DENSE or VARLEN; max_seqlen_q / max_seqlen_k resolved) on SM
-    version `arch`; heads_per_cta: None, or the FLASH4_BWD_HEADS_PER_CTA override (flash4.env)."""
-    return _family_config(arch).bwd_plan(request, arch, heads_per_cta)
+    version `arch`; heads_per_cta: None, or the FLASH4_BWD_HEADS_PER_CTA override (flash4.env).
+    sink_delta: the main kernel also sums D = sum_j P dP per query row where the family can (sm90's
+    BwdConfig.sink_delta; a learnable sink needs a gradient); plan.cfg.sink_delta says whether it does."""
+    module = _family_config(arch)
+    if sink_delta and hasattr(module, "with_sink_delta"):
+        return module.bwd_plan(request, arch, heads_per_cta, sink_delta=True)
+    return module.bwd_plan(request, arch, heads_per_cta)
 
 
 def active_family(arch: int):
@@ -305,5 +310,5 @@ from flash4.config.sm90 import (  # noqa: E402,F401
     BWD_SMEM_BUDGET, BWD_SPLIT_MIN_QUERIES, BWD_SUPPORTED_HEADDIMS, DQ_ROW_PAD, DQ_ROW_PAD_SPLIT,
     DQ_WHOLE_TILE_MAX_HEADDIM, SHORT_SEQLEN_K, SM90_MAX_SMEM_BYTES, TRANSPOSED_DKV_HEADDIMS, TRANSPOSED_DKV_VARIANTS,
     BwdConfig, FwdConfig, bwd_heads_per_cta, bwd_smem_bytes, dq_whole_tile, pack_gqa_wanted, short_seq_fwd_config,
-    transposed_dkv_ok, with_dkv_accum, with_pack_gqa,
+    transposed_dkv_ok, with_dkv_accum, with_pack_gqa, with_sink_delta,
 )
