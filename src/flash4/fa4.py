@@ -159,8 +159,8 @@ def _check_page_size(k, page_table) -> None:
     rows = config.served_page_rows()
     if page_table is not None and isinstance(k, torch.Tensor) and k.dim() == 4 and k.shape[1] % rows:
         raise NotImplementedError(f"flash4.fa4: page_size={k.shape[1]} (k.shape[1]) is not supported by flash4 "
-                                  f"yet: paged K/V pages must be multiples of {rows} rows (FLASH4_SMALL_PAGES=1: any page size, "
-                                  f"on a path that has not passed its GPU tests yet)")
+                                  f"with FLASH4_SMALL_PAGES=0: paged K/V pages must be multiples of {rows} rows (unset it: "
+                                  f"any page size)")
 
 
 def _needs_grad(*tensors) -> bool:

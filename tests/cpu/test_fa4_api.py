@@ -337,9 +337,10 @@ def test_compile_fullgraph_passes_the_band():
 
 
 # ================================================================ page sizes, layouts
-def test_page_size_flash4_lacks_is_refused():
-    """By default page sizes must be multiples of 8 (flash4.config.served_page_rows): others are
-    refused as not implemented, naming FLASH4_SMALL_PAGES."""
+def test_page_size_flash4_lacks_is_refused(monkeypatch):
+    """With FLASH4_SMALL_PAGES=0 page sizes must be multiples of 8 (flash4.config.served_page_rows):
+    others are refused as not implemented, naming FLASH4_SMALL_PAGES."""
+    monkeypatch.setenv("FLASH4_SMALL_PAGES", "0")
     q = torch.zeros(5, 4, 64, dtype=BF16)
     pool = torch.zeros(20, 4, 2, 64, dtype=BF16)  # pages of 4 rows
     with pytest.raises(NotImplementedError, match="page_size=4.*FLASH4_SMALL_PAGES"):
@@ -348,8 +349,8 @@ def test_page_size_flash4_lacks_is_refused():
 
 
 def test_small_pages_pass_through_when_enabled(cpu_kernels, monkeypatch):
-    """FLASH4_SMALL_PAGES=1: a page size of 4 reaches flash4's paged door and gives a result."""
-    monkeypatch.setenv("FLASH4_SMALL_PAGES", "1")
+    """By default (FLASH4_SMALL_PAGES unset) a page size of 4 reaches flash4's paged door and gives a result."""
+    monkeypatch.delenv("FLASH4_SMALL_PAGES", raising=False)
     q = torch.randn(5, 4, 64, dtype=BF16)
     pool = torch.randn(20, 4, 2, 64, dtype=BF16)  # pages of 4 rows
     out, lse = fa4.flash_attn_varlen_func(q, pool, pool, cu_seqlens_q=cu((5,)), seqused_k=torch.tensor([20], dtype=I32),

@@ -48,13 +48,13 @@ def canonical_hdimv(headdim: int, headdim_v: int | None) -> int | None:
 
 
 # Page sizes the doors take by default (the peer suite's shim reads MIN_PAGE_ROWS): multiples of 8
-# (TMA page pieces). With FLASH4_SMALL_PAGES=1 any page size >= 1 is served, the others by the
-# gathered path (paged_layout), which has not passed its GPU tests yet (served_page_rows).
+# (TMA page pieces). By default any page size >= 1 is served, the others by the gathered path
+# (paged_layout); FLASH4_SMALL_PAGES=0 refuses them (served_page_rows).
 MIN_PAGE_ROWS = 8
 
 
 def served_page_rows() -> int:
-    """Page sizes must be multiples of this: MIN_PAGE_ROWS, or 1 with FLASH4_SMALL_PAGES=1 (flash4.env)."""
+    """Page sizes must be multiples of this: 1, or MIN_PAGE_ROWS with FLASH4_SMALL_PAGES=0 (flash4.env)."""
     from flash4 import env
 
     return 1 if env.small_pages() else MIN_PAGE_ROWS
@@ -62,9 +62,11 @@ def served_page_rows() -> int:
 # whose size is not a multiple of it are gathered row by row (FwdConfig.page_gather).
 TMA_PAGE_ROWS = 8
 # Pages of at most this many rows (and multiples of TMA_PAGE_ROWS) are gathered instead of loaded
-# by TMA page pieces: 0 = never (the default until the H200 A/B of issue 25 item 3 decides it;
-# FLASH4_PAGE_GATHER_MAX overrides it, flash4.env.page_gather_max).
-PAGE_GATHER_MAX = 0
+# by TMA page pieces (FLASH4_PAGE_GATHER_MAX overrides it, flash4.env.page_gather_max). 16 since the
+# H200 A/B of 2026-12-02 (tools/bench_pages.py, docs/design/small_pages.md): page 16 prefill 0.787
+# of contiguous gathered vs 0.721 by TMA pieces, decode 0.965 of copy bandwidth vs 0.876. Page 32
+# was not measured, so it keeps TMA pieces.
+PAGE_GATHER_MAX = 16
 # TMA page pieces with the page-table look-ahead (FwdConfig.page_prefetch): off until the same A/B
 # (FLASH4_PAGE_PREFETCH overrides it).
 PAGE_PREFETCH = False
