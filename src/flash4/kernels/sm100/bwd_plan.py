@@ -192,13 +192,18 @@ def _arrivals(party: Party, cta_group: int = 1) -> int:
 class BwdPipelineSpec(PipelineSpec):
     """A PipelineSpec whose roles are the backward's (BWD_ROLE_WARPS)."""
 
-    def full_arrivals(self, cta_group: int = 1) -> int:
-        return sum(_arrivals(p, cta_group) for p in self.producers)
+    # cta_group None: the spec's own (as PipelineSpec; pipes.check_init_counts passes None)
+    def full_arrivals(self, cta_group: int | None = None) -> int:
+        g = self.cta_group if cta_group is None else cta_group
+        return sum(_arrivals(p, g) for p in self.producers)
 
-    def empty_arrivals(self, cta_group: int = 1) -> int:
-        return sum(_arrivals(p, cta_group) for p in self.consumers)
+    def empty_arrivals(self, cta_group: int | None = None) -> int:
+        g = self.cta_group if cta_group is None else cta_group
+        return sum(_arrivals(p, g) for p in self.consumers)
 
-    def describe(self, cta_group: int = 1) -> str:
+    def describe(self, cta_group: int | None = None) -> str:
+        cta_group = self.cta_group if cta_group is None else cta_group
+
         def side(parties):
             return " + ".join(f"{p.role} ({p.signal.value}: {_arrivals(p, cta_group)})" for p in parties)
         return (f"{self.name}: full = {side(self.producers)} = {self.full_arrivals(cta_group)}; "
