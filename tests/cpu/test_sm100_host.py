@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import re
+
 import pytest
 import torch
 
@@ -174,11 +176,11 @@ def test_what_sm100_lacks_is_refused_before_the_selftest(sm100_device, monkeypat
     asked = verdicts(monkeypatch, ok=True)
     q, k, _ = qkv()
     v = torch.randn(1, 300, 4, 64).to(BF16)
-    what = "headdim_v=64 != headdim=128 is not implemented by the sm100 forward"
+    what = "(headdim, headdim_v)=(128, 64) is not implemented by the sm100 forward"
     text = validate.support_error(q, k, v)
     assert text is not None and what in text and "sm_100" in text
     assert asked == []
-    with pytest.raises(ValueError, match=what):
+    with pytest.raises(ValueError, match=re.escape(what)):
         flash4.flash_attn_func(q, k, v)
 
 
@@ -202,10 +204,32 @@ def test_exactly_causal_window_is_causal(sm100_device, monkeypatch):
 
 
 def test_headdim_without_sm100_kernel(sm100_device, monkeypatch):
-    verdicts(monkeypatch, ok=True)
-    q, k, v = qkv(d=256)
+    """(192, 192) has no sm100 kernel (no FA4 design): refused by name, without a self-test."""
+    asked = verdicts(monkeypatch, ok=True)
+    q, k, v = qkv(d=192)
     text = validate.support_error(q, k, v)
-    assert "headdim=256 not supported by the sm100 forward" in text and "cpu" in text
+    assert "(headdim, headdim_v)=(192, 192) is not implemented by the sm100 forward" in text and "cpu" in text
+    assert asked == []
+
+
+def test_q_stage_1_headdims_are_served_behind_the_selftest(sm100_device, monkeypatch):
+    """hd256 and (192, 128) (one Q tile per CTA) pass the API door on sm100 and go to the self-test,
+    dense, causal or not; their features and packed sequences are refused by name first."""
+    asked = verdicts(monkeypatch, ok=True)
+    q, k, v = qkv(d=256)
+    assert validate.support_error(q, k, v) is None
+    assert validate.support_error(q, k, v, causal=True) is None
+    q, k, _ = qkv(d=192)
+    v = torch.randn(1, 300, 4, 128).to(BF16)
+    assert validate.support_error(q, k, v) is None
+    assert asked == [sm100.select_fwd_config(256), sm100.select_fwd_config(256, causal=True),
+                     sm100.select_fwd_config(192, headdim_v=128)]
+    assert [c.q_stage for c in asked] == [1, 1, 1]
+    assert "has no softcap" in validate.support_error(q, k, v, softcap=5.0)
+    cu = torch.tensor([0, 300], dtype=torch.int32)
+    text = validate.varlen_support_error(q[0], k[0], v[0], cu, cu, 300, 300)
+    assert text is not None and "packed varlen" in text
+    assert len(asked) == 3
 
 
 def test_varlen_door_and_the_refused_layouts(sm100_device, monkeypatch):

@@ -136,6 +136,13 @@ class RegisterPlan:
         """setmaxnreg.inc (True) or .dec (False) from LAUNCH_REGS; equal counts as .dec."""
         return regs > LAUNCH_REGS
 
+    def setmaxnreg_sites(self) -> list:
+        """The kernel's setmaxnreg instructions as sorted ("inc" | "dec", registers): one site per
+        budget (the softmax warpgroups share one code path; with one Q tile the idle softmax1
+        warpgroup has its own), as the compiled PTX must show them."""
+        budgets = [self.softmax, self.correction, self.other] + ([IDLE_REGS] if self.softmax_warpgroups == 1 else [])
+        return sorted(("inc" if self.is_increase(r) else "dec", r) for r in budgets)
+
 
 def register_plan_problem(plan: RegisterPlan) -> str | None:
     if plan.softmax_warpgroups not in (1, 2):
