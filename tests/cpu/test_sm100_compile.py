@@ -25,11 +25,14 @@ FEATURES = [(dict(softcap=True), {}), (dict(sink=True), {}), (dict(local=True), 
             ({}, dict(varlen_q=True, varlen_k=True, seqused_q=True))]
 # shipped_fwd_configs(features=False) ends with the 2-CTA configs (hd128 non-causal, bf16 / fp16) and the
 # q_stage 1 configs ((192, 128) and hd256 x bf16 / fp16 x causal / not); one 2-CTA feature config
-# (softcap + sink) follows.
+# (softcap + sink) and two q_stage 1 feature configs follow.
 CONFIGS = shipped_fwd_configs(features=False) + [
     dataclasses.replace(select_fwd_config(hd, "bf16", causal, **selected), **layout)
     for selected, layout in FEATURES for hd, causal in ((128, True), (64, False))] + [
-    select_fwd_config(128, "bf16", False, softcap=True, sink=True, two_cta=True)]
+    select_fwd_config(128, "bf16", False, softcap=True, sink=True, two_cta=True)] + [
+    # q_stage 1 with features: hd256 (Gemma's head dim) with every feature, (192, 128) with softcap
+    select_fwd_config(256, "bf16", True, local=True, softcap=True, sink=True),
+    select_fwd_config(192, "bf16", False, softcap=True, sink=True, headdim_v=128)]
 IDS = [f"d{c.headdim}" + (f"v{c.headdim_v}" if c.headdim_v else "") + f"-{c.dtype}-{'causal' if c.causal else 'full'}" + ("-2cta" if c.cta_group == 2 else "")
        + ("-softcap" if c.softcap else "") + ("-sink" if c.sink else "") + ("-local" if c.local else "")
        + ("-varlen" if c.varlen_q else "") for c in CONFIGS]

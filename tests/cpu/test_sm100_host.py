@@ -127,6 +127,14 @@ def test_two_cta_launch_is_gated_by_its_own_selftest(sm100_device, monkeypatch, 
     assert fwd_grid(two, 1, 300, 4, 148) == (2 * 4, 1, 1)  # ceil(300 / 512) tiles x 4 heads, 2 CTAs each
 
 
+@pytest.mark.parametrize("hd,dv", [(256, None), (192, 128)])
+def test_grid_counts_cta_tiles_of_128_rows_with_one_q_tile(hd, dv):
+    cfg = sm100.select_fwd_config(hd, "bf16", True, headdim_v=dv)
+    assert cfg.q_stage == 1 and cfg.cta_tile_m == 128
+    assert fwd_num_tiles(cfg, 2, 300, 4) == 2 * 4 * 3  # ceil(300 / 128) m_blocks
+    assert fwd_grid(cfg, 2, 257, 4, 132) == (24, 1, 1)
+
+
 def test_grid_counts_cta_tiles_of_256_rows():
     cfg = sm100.select_fwd_config(128, "bf16", False)
     assert cfg.cta_tile_m == 256
@@ -214,7 +222,7 @@ def test_headdim_without_sm100_kernel(sm100_device, monkeypatch):
 
 def test_q_stage_1_headdims_are_served_behind_the_selftest(sm100_device, monkeypatch):
     """hd256 and (192, 128) (one Q tile per CTA) pass the API door on sm100 and go to the self-test,
-    dense, causal or not; their features and packed sequences are refused by name first."""
+    dense, causal or not, with window / softcap / sink; packed sequences are refused by name first."""
     asked = verdicts(monkeypatch, ok=True)
     q, k, v = qkv(d=256)
     assert validate.support_error(q, k, v) is None
@@ -225,11 +233,12 @@ def test_q_stage_1_headdims_are_served_behind_the_selftest(sm100_device, monkeyp
     assert asked == [sm100.select_fwd_config(256), sm100.select_fwd_config(256, causal=True),
                      sm100.select_fwd_config(192, headdim_v=128)]
     assert [c.q_stage for c in asked] == [1, 1, 1]
-    assert "has no softcap" in validate.support_error(q, k, v, softcap=5.0)
+    assert validate.support_error(q, k, v, causal=True, softcap=5.0) is None
+    assert asked[-1] == sm100.select_fwd_config(192, "bf16", True, softcap=True, headdim_v=128)
     cu = torch.tensor([0, 300], dtype=torch.int32)
     text = validate.varlen_support_error(q[0], k[0], v[0], cu, cu, 300, 300)
     assert text is not None and "packed varlen" in text
-    assert len(asked) == 3
+    assert len(asked) == 4
 
 
 def test_varlen_door_and_the_refused_layouts(sm100_device, monkeypatch):

@@ -168,8 +168,7 @@ def config_problem(cfg: Sm100FwdConfig) -> str | None:
                 f"only ({q_stage}, 128, 128, 1{' or 2' if q_stage == 2 else ''}) is built for head dims "
                 f"({cfg.headdim}, {cfg.hdim_v}) ({q_stage} 128-row Q tile(s) per CTA, 128-key blocks)")
     if q_stage == 1:
-        problem = q_stage_1_problem(cfg.headdim, cfg.hdim_v, cfg.local, cfg.softcap, cfg.sink,
-                                    cfg.varlen_q or cfg.varlen_k or cfg.seqused_q)
+        problem = q_stage_1_problem(cfg.headdim, cfg.hdim_v, cfg.varlen_q or cfg.varlen_k or cfg.seqused_q)
         if problem is not None:
             return problem
     if cfg.cta_group == 2:
@@ -193,16 +192,13 @@ def config_problem(cfg: Sm100FwdConfig) -> str | None:
     return None
 
 
-def q_stage_1_problem(headdim: int, hdim_v: int, local: bool = False, softcap: bool = False, sink: bool = False,
-                      packed: bool = False) -> str | None:
+def q_stage_1_problem(headdim: int, hdim_v: int, packed: bool = False) -> str | None:
     """Why a (192, 128) / hd256 (q_stage 1) forward is not built for this problem class, or None:
-    dense batches, causal or not, bf16 / fp16 only (the window / softcap / sink / packed-sequence code
-    is the q_stage 2 kernel's, compiled and gated there only)."""
-    what = [name for name, on in (("a sliding window", local), ("softcap", softcap), ("a learnable sink", sink),
-                                  ("packed varlen sequences", packed)) if on]
-    if what:
-        return (f"the sm100 forward for head dims ({headdim}, {hdim_v}) (q_stage 1) has no {', '.join(what)} yet "
-                "(dense batches, causal or not)")
+    dense batches only (packed varlen at hd256 spilled 5 LDL/STL in its row-by-row O store, and the
+    self-test drives dense batches only)."""
+    if packed:
+        return (f"the sm100 forward for head dims ({headdim}, {hdim_v}) (q_stage 1) has no packed varlen "
+                "sequences yet (dense batches)")
     return None
 
 
@@ -233,7 +229,7 @@ def select_fwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, a
     policy on sm100 yet). two_cta: take the 2-CTA variant where it is built (two_cta_problem is
     None; otherwise the 1-CTA config); the host passes env.sm100_2cta() (default off). Raises
     ValueError for what the sm100 kernel does not build: another arch, a pair (headdim, headdim_v)
-    outside SM100_FWD_HDIM_PAIRS, a feature the q_stage 1 head dims lack (q_stage_1_problem)."""
+    outside SM100_FWD_HDIM_PAIRS."""
     if arch != ARCH:
         raise ValueError(f"flash4.config.sm100 builds sm_100a kernels only, got arch={arch}")
     dv = headdim if headdim_v is None else headdim_v
@@ -245,10 +241,6 @@ def select_fwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, a
         raise ValueError(f"(headdim, headdim_v)=({headdim}, {dv}) is not implemented by the sm100 forward{detail}; "
                          f"built: {built}")
     q_stage = q_stage_for(headdim, dv)
-    if q_stage == 1:
-        problem = q_stage_1_problem(headdim, dv, local, softcap, sink)
-        if problem is not None:
-            raise ValueError(problem)
     cta_group = 2 if two_cta and two_cta_problem(headdim, causal, local) is None else 1
     plan = default_register_plan(headdim, causal, cta_group, dv)
     return Sm100FwdConfig(
@@ -264,15 +256,17 @@ def shipped_fwd_configs(features: bool = True) -> list:
     each without and (features) with every combination of a sliding window (local), softcap and a
     learnable sink (96 configs); then the 2-CTA configs (FLASH4_SM100_2CTA=1): hd128 non-causal x
     bf16/fp16, without and (features) with softcap / sink (2, or 8 with features); then the q_stage 1
-    head dims (192, 128) and 256 x bf16/fp16 x causal/not, dense, no features (8)."""
+    head dims (192, 128) and 256 x bf16/fp16 x causal/not, without and (features) with every
+    combination of window / softcap / sink (8, or 64 with features)."""
     flags = list(itertools.product((False, True), repeat=3)) if features else [(False, False, False)]
     q2_pairs = [(d, dv) for d, dv in SM100_FWD_HDIM_PAIRS if q_stage_for(d, dv) == 2]
     one_cta = [select_fwd_config(d, dt, c, local=lo, softcap=sc, sink=sk) for lo, sc, sk in flags
                for d, _ in q2_pairs for dt in DTYPES for c in (False, True)]
     two_cta = [select_fwd_config(d, dt, False, softcap=sc, sink=sk, two_cta=True) for lo, sc, sk in flags if not lo
                for d in TWO_CTA_HEADDIMS for dt in DTYPES]
-    q_stage_1 = [select_fwd_config(d, dt, c, headdim_v=None if dv == d else dv)
-                 for d, dv in SM100_FWD_HDIM_PAIRS if q_stage_for(d, dv) == 1 for dt in DTYPES for c in (False, True)]
+    q_stage_1 = [select_fwd_config(d, dt, c, local=lo, softcap=sc, sink=sk, headdim_v=None if dv == d else dv)
+                 for lo, sc, sk in flags for d, dv in SM100_FWD_HDIM_PAIRS if q_stage_for(d, dv) == 1
+                 for dt in DTYPES for c in (False, True)]
     return one_cta + two_cta + q_stage_1
 
 

@@ -167,14 +167,15 @@ def default_register_plan(headdim: int, causal: bool, cta_group: int = 1, hdim_v
     FA4 on B200 (not measured here): hd < 96: 200/64/48; hd128 causal: 192/72 (_TUNING_CONFIG);
     hd128 2-CTA: 184/80/64; otherwise 192/80. "other" takes what is left of 512 per 4 warpgroups,
     rounded down to 8 and capped at LAUNCH_REGS (setmaxnreg.dec may not exceed the launch count).
-    q_stage 1 ((192, 128), hd256): FA4's hd256 softmax / correction budgets 256 / 160 (both
-    setmaxnreg.inc; BLACKWELL.md section 1, from FA4's 2-CTA hd256 tuning: FA4 has no 1-CTA one); the
-    idle softmax1 warpgroup drops to IDLE_REGS and the other warps get the rest, 72 (at FA4's 48 the
-    hd256 MMA warp spilled its 16 QK^T k-step descriptors: 19 LDL / 17 STL, CuTe DSL 4.8.1):
-    256 + 24 + 160 + 72 = 512."""
+    q_stage 1 ((192, 128), hd256): FA4's hd256 softmax budget 256 (BLACKWELL.md section 1, from FA4's
+    2-CTA hd256 tuning: FA4 has no 1-CTA one), the correction 152 (FA4's 160 less 8), the idle softmax1
+    warpgroup IDLE_REGS and the other warps the rest, 80: 256 + 24 + 152 + 80 = 512. Measured on the
+    CPU compile (CuTe DSL 4.8.1): at FA4's 48 the hd256 MMA warp spilled its 16 QK^T k-step descriptors
+    (19 LDL / 17 STL); at 256 / 160 / 72 hd256 with window + softcap + sink spilled 5 LDL/STL (stack 8);
+    at 256 / 152 / 80 every q_stage 1 config compiles with 0."""
     dv = headdim if hdim_v is None else hdim_v
     if q_stage_for(headdim, dv) == 1:
-        return RegisterPlan(256, 160, 72, softmax_warpgroups=1)
+        return RegisterPlan(256, 152, 80, softmax_warpgroups=1)
     if cta_group == 2 and headdim == 128 and not causal:
         return RegisterPlan(184, 80, 64)
     if headdim < 96:
@@ -325,7 +326,7 @@ def pipeline_specs(cfg) -> dict:
     g = cfg.cta_group
     specs = [
         PipelineSpec("q", q, (P("load", Signal.TMA),), (P("mma", Signal.COMMIT),),
-                     "Q tiles 0 and 1 of a CTA tile; released by the MMA warp after the tile's last QK^T",
+                     "the CTA tile's q_stage Q tiles; released by the MMA warp after the tile's last QK^T",
                      cta_group=g),
         PipelineSpec("kv", cfg.kv_stages, (P("load", Signal.TMA),), (P("mma", Signal.COMMIT),),
                      "K and V blocks in one ring, in the MMA's order K[n-1] V[n-1] K[n-2] V[n-2] ...",
