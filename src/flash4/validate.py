@@ -422,7 +422,14 @@ def _arch_problem(q, causal, door=None) -> Problem:
     try:
         cfg = select_fwd_config(q.shape[-1], DTYPE_NAMES[q.dtype], causal, arch=arch)
     except ValueError as err:
-        return ValueError, f"{err} (q is on {q.device})"
+        # a head dim built only with its own V head dim (sm100's 192: (192, 128)) asks with the door's
+        headdim_v = door.v.shape[-1] if door is not None else q.shape[-1]
+        if headdim_v == q.shape[-1]:
+            return ValueError, f"{err} (q is on {q.device})"
+        try:
+            cfg = select_fwd_config(q.shape[-1], DTYPE_NAMES[q.dtype], causal, arch=arch, headdim_v=headdim_v)
+        except ValueError as err_v:
+            return ValueError, f"{err_v} (q is on {q.device})"
     from flash4 import selftest  # late: the gate pulls in its child-process machinery
 
     if door is None or not selftest.gated(cfg):
@@ -474,7 +481,10 @@ def _gated_problem(q, causal, door: _Door, arch: int) -> Problem:
     except ValueError as err:
         return ValueError, f"{err} {where}"
     if door.layout == "varlen":  # as flash4.config.sm100.fwd_plan lays it out
-        cfg = dataclasses.replace(cfg, varlen_q=True, varlen_k=True, seqused_q=door.seqused_q is not None)
+        try:  # the config refuses a layout its kernel lacks (sm100's (192, 128) / hd256: dense only)
+            cfg = dataclasses.replace(cfg, varlen_q=True, varlen_k=True, seqused_q=door.seqused_q is not None)
+        except ValueError as err:
+            return ValueError, f"{err} {where}"
     training = torch.is_grad_enabled() and any(
         isinstance(t, torch.Tensor) and t.requires_grad for t in (q, door.k, door.v, door.learnable_sink))
     bwd_cfg = None

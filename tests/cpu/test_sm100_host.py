@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import re
+
 import pytest
 import torch
 
@@ -125,6 +127,14 @@ def test_two_cta_launch_is_gated_by_its_own_selftest(sm100_device, monkeypatch, 
     assert fwd_grid(two, 1, 300, 4, 148) == (2 * 4, 1, 1)  # ceil(300 / 512) tiles x 4 heads, 2 CTAs each
 
 
+@pytest.mark.parametrize("hd,dv", [(256, None), (192, 128)])
+def test_grid_counts_cta_tiles_of_128_rows_with_one_q_tile(hd, dv):
+    cfg = sm100.select_fwd_config(hd, "bf16", True, headdim_v=dv)
+    assert cfg.q_stage == 1 and cfg.cta_tile_m == 128
+    assert fwd_num_tiles(cfg, 2, 300, 4) == 2 * 4 * 3  # ceil(300 / 128) m_blocks
+    assert fwd_grid(cfg, 2, 257, 4, 132) == (24, 1, 1)
+
+
 def test_grid_counts_cta_tiles_of_256_rows():
     cfg = sm100.select_fwd_config(128, "bf16", False)
     assert cfg.cta_tile_m == 256
@@ -174,11 +184,11 @@ def test_what_sm100_lacks_is_refused_before_the_selftest(sm100_device, monkeypat
     asked = verdicts(monkeypatch, ok=True)
     q, k, _ = qkv()
     v = torch.randn(1, 300, 4, 64).to(BF16)
-    what = "headdim_v=64 != headdim=128 is not implemented by the sm100 forward"
+    what = "(headdim, headdim_v)=(128, 64) is not implemented by the sm100 forward"
     text = validate.support_error(q, k, v)
     assert text is not None and what in text and "sm_100" in text
     assert asked == []
-    with pytest.raises(ValueError, match=what):
+    with pytest.raises(ValueError, match=re.escape(what)):
         flash4.flash_attn_func(q, k, v)
 
 
@@ -202,10 +212,33 @@ def test_exactly_causal_window_is_causal(sm100_device, monkeypatch):
 
 
 def test_headdim_without_sm100_kernel(sm100_device, monkeypatch):
-    verdicts(monkeypatch, ok=True)
-    q, k, v = qkv(d=256)
+    """(192, 192) has no sm100 kernel (no FA4 design): refused by name, without a self-test."""
+    asked = verdicts(monkeypatch, ok=True)
+    q, k, v = qkv(d=192)
     text = validate.support_error(q, k, v)
-    assert "headdim=256 not supported by the sm100 forward" in text and "cpu" in text
+    assert "(headdim, headdim_v)=(192, 192) is not implemented by the sm100 forward" in text and "cpu" in text
+    assert asked == []
+
+
+def test_q_stage_1_headdims_are_served_behind_the_selftest(sm100_device, monkeypatch):
+    """hd256 and (192, 128) (one Q tile per CTA) pass the API door on sm100 and go to the self-test,
+    dense, causal or not, with window / softcap / sink; packed sequences are refused by name first."""
+    asked = verdicts(monkeypatch, ok=True)
+    q, k, v = qkv(d=256)
+    assert validate.support_error(q, k, v) is None
+    assert validate.support_error(q, k, v, causal=True) is None
+    q, k, _ = qkv(d=192)
+    v = torch.randn(1, 300, 4, 128).to(BF16)
+    assert validate.support_error(q, k, v) is None
+    assert asked == [sm100.select_fwd_config(256), sm100.select_fwd_config(256, causal=True),
+                     sm100.select_fwd_config(192, headdim_v=128)]
+    assert [c.q_stage for c in asked] == [1, 1, 1]
+    assert validate.support_error(q, k, v, causal=True, softcap=5.0) is None
+    assert asked[-1] == sm100.select_fwd_config(192, "bf16", True, softcap=True, headdim_v=128)
+    cu = torch.tensor([0, 300], dtype=torch.int32)
+    text = validate.varlen_support_error(q[0], k[0], v[0], cu, cu, 300, 300)
+    assert text is not None and "packed varlen" in text
+    assert len(asked) == 4
 
 
 def test_varlen_door_and_the_refused_layouts(sm100_device, monkeypatch):

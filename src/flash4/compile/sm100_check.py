@@ -106,7 +106,7 @@ def _plan_row(cfg) -> tuple[dict, list]:
     plan = sm100.register_plan(cfg)
     row = {"regs_softmax": plan.softmax, "regs_correction": plan.correction, "regs_other": plan.other,
            "tmem_used": sm100.tmem_used_cols(cfg), "tmem_alloc": sm100.tmem_alloc_cols(cfg)}
-    return row, sorted([("inc", plan.softmax), ("dec", plan.correction), ("dec", plan.other)])
+    return row, plan.setmaxnreg_sites()
 
 
 def check_one(cfg) -> dict:
@@ -204,7 +204,8 @@ def main(cfgs: list, json_path=None) -> int:
     n_bwd = sum(is_bwd(c) for c in cfgs)
     print(f"compile check, sm_100a: {len(cfgs) - n_bwd} forward config(s), {n_bwd} backward config(s), {LABEL}")
     if not cfgs:
-        print("no sm100 config matches the filters (forward head dims 64, 96, 128; backward 64, 128; bf16, fp16)")
+        print("no sm100 config matches the filters (forward head dims 64, 96, 128, 192 (Dv 128), 256; backward 64, 128; "
+              "bf16, fp16)")
         return 1
     rows = []
     bar = progress(len(cfgs), "compile", "cfg")

@@ -30,25 +30,31 @@ from flash4.kernels.sm100.bwd_plan import (  # noqa: F401  (the backward's plan)
     default_bwd_register_plan,
 )
 from flash4.kernels.sm100.plan import (  # noqa: F401  (the plan, re-exported for the config's users)
-    ARCH, EXP2_EMU_FRAC, EXP2_EMU_FRAC_CAUSAL, EXP2_EMU_GROUP, exp2_emu_frac_for, LAUNCH_REGS, MAX_KV_STAGES, NUM_THREADS, NUM_WARPS, Party, PipelineSpec,
+    ARCH, EXP2_EMU_FRAC, EXP2_EMU_FRAC_CAUSAL, EXP2_EMU_GROUP, exp2_emu_frac_for, IDLE_REGS, LAUNCH_REGS, MAX_KV_STAGES, NUM_THREADS, NUM_WARPS, Party, PipelineSpec,
     ROLE_WARPS, RegisterPlan, SMEM_KV_BUDGET, Signal, TMEM_ALIASES, TMEM_COLUMNS,
     WARPGROUPS, WARP_ROLES, WARP_SIZE, default_register_plan, fwd_smem_bytes, kv_stages_for,
-    pipeline_specs, register_plan, register_plan_problem, tma_tx_bytes, tmem_alloc_cols, tmem_map, tmem_used_cols,
+    pipeline_specs, q_stage_for, register_plan, register_plan_problem, tma_tx_bytes, tmem_alloc_cols, tmem_map,
+    tmem_used_cols,
 )
 
-# Head dims the sm100 forward has (FA4's 1-CTA forward runs these with q_stage 2; 192/256 need
-# q_stage 1 or 2-CTA, BLACKWELL.md R5: not built yet).
-SM100_FWD_HEADDIMS = (64, 96, 128)
+# Head dims the sm100 forward has: (D, Dv) pairs. 64 / 96 / 128 with q_stage 2 (FA4's 1-CTA forward);
+# (192, 128) (DeepSeek MLA prefill) and 256 with q_stage 1, 1-CTA only (FA4 runs both 2-CTA;
+# plan.q_stage_for). (192, 192) has no FA4 design on sm100 (BLACKWELL.md R5). Compile-verified, not
+# run on hardware.
+SM100_FWD_HDIM_PAIRS = ((64, 64), (96, 96), (128, 128), (192, 128), (256, 256))
+SM100_FWD_HEADDIMS = tuple(d for d, _ in SM100_FWD_HDIM_PAIRS)  # Q/K head dims: 64, 96, 128, 192, 256
 
 @dataclasses.dataclass(frozen=True)
 class Sm100FwdConfig:
     """One compiled sm100 forward kernel (the compile-cache key).
 
-    headdim:       D of Q/K/V (64, 96, 128).
+    headdim:       D of Q/K (64, 96, 128, 192, 256; with headdim_v: SM100_FWD_HDIM_PAIRS).
     dtype:         "bf16" or "fp16" (Q, K, V, O, and P in TMEM).
     causal:        bottom-right aligned causal mask; only the key blocks that cross the diagonal
                    (and the seqlen_k edge) are masked; LPT tile order.
-    q_stage:       Q tiles per CTA (2: softmax warpgroups 0 and 1 each own one 128-row tile).
+    q_stage:       Q tiles per CTA (2: softmax warpgroups 0 and 1 each own one 128-row tile; 1 for
+                   (192, 128) and hd256: softmax0 owns the one tile, softmax1's warpgroup idles;
+                   plan.q_stage_for).
     kv_stages:     depth of the K/V TMA ring (K and V blocks take alternate stages).
     tile_m:        query rows per Q tile and CTA = TMEM lanes (128); a tile covers q_stage * tile_m *
                    cta_group rows (cta_tile_m): the host's grid counts tiles of cta_tile_m rows.
@@ -71,7 +77,8 @@ class Sm100FwdConfig:
     packed sequences (varlen_q, varlen_k, seqused_q: flash4.kernels.common.seqinfo; O stored row by
     row below seqlen_q) and none of the others yet; a config with any of them set cannot be built
     (ValueError in __post_init__): seqused_k (needs the V-row zeroing of issue 25), page_rows,
-    split_kv, headdim_v, pack_gqa.
+    split_kv, pack_gqa; headdim_v other than None or 128 with headdim 192.
+    headdim_v:     Dv of V and O when it differs from headdim ((192, 128) only), else None.
     (GQA / MQA runs without packing: each query head reads K/V head head // (H / Hk).)
     """
 
@@ -115,7 +122,7 @@ class Sm100FwdConfig:
 
     @property
     def hdim_v(self) -> int:
-        """Dv: the head dim of V and O (= headdim: Dv != D is not built)."""
+        """Dv: the head dim of V and O (headdim_v, or headdim)."""
         return self.headdim if self.headdim_v is None else self.headdim_v
 
     @property
@@ -137,7 +144,7 @@ class Sm100FwdConfig:
 
 # Feature flags a config may carry and the sm100 kernel does not implement (field -> its "off" value).
 _UNBUILT_FLAGS = {
-    "seqused_k": False, "page_rows": 0, "split_kv": False, "headdim_v": None, "pack_gqa": 1,
+    "seqused_k": False, "page_rows": 0, "split_kv": False, "pack_gqa": 1,
 }
 
 
@@ -145,19 +152,25 @@ def config_problem(cfg: Sm100FwdConfig) -> str | None:
     """Why `cfg` cannot be built by the sm100 forward, or None."""
     if cfg.arch != ARCH:
         return f"arch={cfg.arch}; the sm100 family is sm_100a only (sm_103/110/120 are different GPUs)"
-    if cfg.headdim not in SM100_FWD_HEADDIMS:
-        return f"headdim={cfg.headdim} not built on sm100; built: {SM100_FWD_HEADDIMS}"
+    if cfg.headdim_v is not None and cfg.headdim_v == cfg.headdim:
+        return "headdim_v must be None (canonical) when it equals headdim"
+    if (cfg.headdim, cfg.hdim_v) not in SM100_FWD_HDIM_PAIRS:
+        return (f"(headdim, headdim_v)=({cfg.headdim}, {cfg.hdim_v}) not built on sm100; built: "
+                f"{', '.join(f'({d}, {dv})' for d, dv in SM100_FWD_HDIM_PAIRS)}")
     if cfg.dtype not in DTYPES:
         return f"dtype={cfg.dtype!r}; allowed: {DTYPES}"
-    on = [f for f, off in _UNBUILT_FLAGS.items() if getattr(cfg, f) != off and not
-          (f == "headdim_v" and cfg.headdim_v == cfg.headdim)]
+    on = [f for f, off in _UNBUILT_FLAGS.items() if getattr(cfg, f) != off]
     if on:
         return f"{', '.join(on)} not implemented by the sm100 forward yet"
-    if cfg.headdim_v is not None:
-        return "headdim_v must be None (canonical) when it equals headdim"
-    if (cfg.q_stage, cfg.tile_m, cfg.tile_n) != (2, 128, 128) or cfg.cta_group not in (1, 2):
+    q_stage = q_stage_for(cfg.headdim, cfg.hdim_v)
+    if (cfg.q_stage, cfg.tile_m, cfg.tile_n) != (q_stage, 128, 128) or cfg.cta_group not in (1, 2):
         return (f"(q_stage, tile_m, tile_n, cta_group)=({cfg.q_stage}, {cfg.tile_m}, {cfg.tile_n}, {cfg.cta_group}); "
-                "only (2, 128, 128, 1 or 2) is built (two 128-row Q tiles per CTA, 128-key blocks)")
+                f"only ({q_stage}, 128, 128, 1{' or 2' if q_stage == 2 else ''}) is built for head dims "
+                f"({cfg.headdim}, {cfg.hdim_v}) ({q_stage} 128-row Q tile(s) per CTA, 128-key blocks)")
+    if q_stage == 1:
+        problem = q_stage_1_problem(cfg.headdim, cfg.hdim_v, cfg.varlen_q or cfg.varlen_k or cfg.seqused_q)
+        if problem is not None:
+            return problem
     if cfg.cta_group == 2:
         problem = two_cta_problem(cfg.headdim, cfg.causal, cfg.local, cfg.varlen_q or cfg.varlen_k or cfg.seqused_q)
         if problem is not None:
@@ -173,9 +186,19 @@ def config_problem(cfg: Sm100FwdConfig) -> str | None:
                 "LPT (lpt == causal and not local: a window's tiles have about equal work)")
     if not 1 <= cfg.kv_stages <= MAX_KV_STAGES or cfg.smem_bytes() > SMEM_KV_BUDGET:
         return f"kv_stages={cfg.kv_stages}: {cfg.smem_bytes()} bytes of smem > {SMEM_KV_BUDGET}"
-    plan_problem = register_plan_problem(RegisterPlan(cfg.regs_softmax, cfg.regs_correction, cfg.regs_other))
+    plan_problem = register_plan_problem(register_plan(cfg))
     if plan_problem is not None:
         return plan_problem
+    return None
+
+
+def q_stage_1_problem(headdim: int, hdim_v: int, packed: bool = False) -> str | None:
+    """Why a (192, 128) / hd256 (q_stage 1) forward is not built for this problem class, or None:
+    dense batches only (packed varlen at hd256 spilled 5 LDL/STL in its row-by-row O store, and the
+    self-test drives dense batches only)."""
+    if packed:
+        return (f"the sm100 forward for head dims ({headdim}, {hdim_v}) (q_stage 1) has no packed varlen "
+                "sequences yet (dense batches)")
     return None
 
 
@@ -205,41 +228,53 @@ def select_fwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, a
     flash4.config.sm90.select_fwd_config; seqlen_k is accepted and ignored (no short-sequence
     policy on sm100 yet). two_cta: take the 2-CTA variant where it is built (two_cta_problem is
     None; otherwise the 1-CTA config); the host passes env.sm100_2cta() (default off). Raises
-    ValueError for what the sm100 kernel does not build: another arch, a head dim outside
-    SM100_FWD_HEADDIMS, Dv != D."""
+    ValueError for what the sm100 kernel does not build: another arch, a pair (headdim, headdim_v)
+    outside SM100_FWD_HDIM_PAIRS."""
     if arch != ARCH:
         raise ValueError(f"flash4.config.sm100 builds sm_100a kernels only, got arch={arch}")
+    dv = headdim if headdim_v is None else headdim_v
     if headdim not in SUPPORTED_HEADDIMS or headdim not in SM100_FWD_HEADDIMS:
         raise ValueError(f"headdim={headdim} not supported by the sm100 forward yet; built: {SM100_FWD_HEADDIMS}")
-    if headdim_v is not None and headdim_v != headdim:
-        detail = "" if (headdim, headdim_v) in HDIMV_PAIRS else " (nor on sm90)"
-        raise ValueError(f"headdim_v={headdim_v} != headdim={headdim} is not implemented by the sm100 forward{detail}")
+    if (headdim, dv) not in SM100_FWD_HDIM_PAIRS:
+        detail = "" if (headdim, dv) in HDIMV_PAIRS or dv == headdim else " (nor on sm90)"
+        built = ", ".join(f"({d}, {v})" for d, v in SM100_FWD_HDIM_PAIRS)
+        raise ValueError(f"(headdim, headdim_v)=({headdim}, {dv}) is not implemented by the sm100 forward{detail}; "
+                         f"built: {built}")
+    q_stage = q_stage_for(headdim, dv)
     cta_group = 2 if two_cta and two_cta_problem(headdim, causal, local) is None else 1
-    plan = default_register_plan(headdim, causal, cta_group)
+    plan = default_register_plan(headdim, causal, cta_group, dv)
     return Sm100FwdConfig(
-        headdim=headdim, dtype=dtype, causal=causal, kv_stages=kv_stages_for(headdim, headdim, cta_group=cta_group),
+        headdim=headdim, dtype=dtype, causal=causal, q_stage=q_stage,
+        kv_stages=kv_stages_for(headdim, dv, q_stage, cta_group=cta_group),
         cta_group=cta_group, regs_softmax=plan.softmax, regs_correction=plan.correction, regs_other=plan.other,
-        exp2_emu_frac=exp2_emu_frac_for(causal, local, cta_group), lpt=causal and not local, softcap=softcap, sink=sink, local=local)
+        exp2_emu_frac=exp2_emu_frac_for(causal, local, cta_group), lpt=causal and not local, softcap=softcap, sink=sink,
+        local=local, headdim_v=None if dv == headdim else dv)
 
 
 def shipped_fwd_configs(features: bool = True) -> list:
     """Every sm100 forward config the API can select: hd64/96/128 x bf16/fp16 x causal/not, 1-CTA,
     each without and (features) with every combination of a sliding window (local), softcap and a
     learnable sink (96 configs); then the 2-CTA configs (FLASH4_SM100_2CTA=1): hd128 non-causal x
-    bf16/fp16, without and (features) with softcap / sink (2, or 8 with features)."""
+    bf16/fp16, without and (features) with softcap / sink (2, or 8 with features); then the q_stage 1
+    head dims (192, 128) and 256 x bf16/fp16 x causal/not, without and (features) with every
+    combination of window / softcap / sink (8, or 64 with features)."""
     flags = list(itertools.product((False, True), repeat=3)) if features else [(False, False, False)]
+    q2_pairs = [(d, dv) for d, dv in SM100_FWD_HDIM_PAIRS if q_stage_for(d, dv) == 2]
     one_cta = [select_fwd_config(d, dt, c, local=lo, softcap=sc, sink=sk) for lo, sc, sk in flags
-               for d in SM100_FWD_HEADDIMS for dt in DTYPES for c in (False, True)]
+               for d, _ in q2_pairs for dt in DTYPES for c in (False, True)]
     two_cta = [select_fwd_config(d, dt, False, softcap=sc, sink=sk, two_cta=True) for lo, sc, sk in flags if not lo
                for d in TWO_CTA_HEADDIMS for dt in DTYPES]
-    return one_cta + two_cta
+    q_stage_1 = [select_fwd_config(d, dt, c, local=lo, softcap=sc, sink=sk, headdim_v=None if dv == d else dv)
+                 for lo, sc, sk in flags for d, dv in SM100_FWD_HDIM_PAIRS if q_stage_for(d, dv) == 1
+                 for dt in DTYPES for c in (False, True)]
+    return one_cta + two_cta + q_stage_1
 
 
 # ---------------------------------------------------------------- the host's questions (flash4.config.fwd_config / bwd_config)
 def fwd_plan(request, arch: int = ARCH, num_sms: int | None = None) -> FwdPlan:
     """The forward plan of a flash4.request.Request on sm100: dense batches, and packed sequences
     (VARLEN: cu_seqlens_q / cu_seqlens_k, optionally seqused_q) (select_fwd_config's checks apply:
-    head dims, no Dv != D yet). Raises ValueError for paged K/V, seqused_k and decode requests."""
+    head dims (SM100_FWD_HDIM_PAIRS), the q_stage 1 head dims dense only). Raises ValueError for paged K/V, seqused_k and decode requests."""
     q, seq, mask, score = request.q, request.seq, request.mask, request.score
     if seq.paged or seq.decode:
         raise ValueError(f"the sm100 forward has no {seq.layout} layout yet (dense and packed varlen batches only)")
@@ -250,6 +285,8 @@ def fwd_plan(request, arch: int = ARCH, num_sms: int | None = None) -> FwdPlan:
                             score.sink is not None, None if headdim_v == headdim else headdim_v,
                             None if seq.packed else request.k.shape[1], two_cta=env.sm100_2cta() and not seq.packed)
     if seq.packed:
+        if cfg.q_stage == 1:
+            raise ValueError(q_stage_1_problem(cfg.headdim, cfg.hdim_v, packed=True))
         cfg = with_seq_layout(cfg, varlen_q=True, varlen_k=True, seqused_q=seq.seqused_q is not None)
     return FwdPlan(cfg)
 
