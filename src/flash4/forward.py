@@ -108,7 +108,7 @@ def launch(request: Request, out, lse, lse_split=None) -> None:
         _launch_decode(request, out, lse, plan, window, softcap, sink)
         return
     cfg = fwd_config(request, arch).cfg
-    selftest.require(cfg, q.device)  # gated families (sm100): only after the first-use self-test passed
+    selftest.require(cfg, q.device)  # gated families (sm100; portable on its own GPUs): only after the self-test passed
     run_kernel = get_fwd_runner(cfg)
     if not seq.packed:
         extra = {} if sink is None else {"sink": sink}  # runners of sink-free configs take no sink
