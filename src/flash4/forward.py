@@ -21,7 +21,8 @@ runs; no key: out = 0, lse = -inf, or the sink with learnable_sink) and calls la
 tensors' device. launch() is the one place a request becomes kernel launches: the plan from
 flash4.config.fwd_config (the family's tiles, GQA packing, page pieces, split-KV), the compiled
 runners from flash4.compile.cache, the kernel arguments unpacked from the request. A config of a
-self-test-gated family (sm_100) launches only once flash4.selftest passed it on this GPU
+self-test-gated family (sm_100; the portable family on sm_80/86/89/120) launches only once
+flash4.selftest passed it on this GPU
 (`selftest.require`: RuntimeError naming the config and how to report it otherwise; a no-op field
 compare for the other families). The packed
 layouts hand the kernels 4-D views with a batch mode of size 1; each sequence's offset and length

@@ -376,7 +376,8 @@ def failure_message(verdict: Verdict) -> str:
     gate = gate_of_text(verdict.config) if verdict.gated else None
     if gate is not None:
         var = gate.selftest_var
-        tail += f"; {var}=off never uses {gate.selftest_what}, {var}=on runs them without the self-test (at your own risk)"
+        tail += (f"; {var}=off never uses {gate.selftest_what}, {var}=on runs them without the self-test "
+                 "(at your own risk)")
     if verdict.status == "untestable":
         return head + f"its first-use self-test cannot check it ({verdict.failure}). " + tail + "."
     kind = {"wrong": "wrong results", "error": "an error", "timeout": "a timeout (hang?)",
