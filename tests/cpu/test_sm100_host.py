@@ -74,7 +74,8 @@ def test_registry_serves_sm100_behind_the_gate():
     assert fam.name == "sm100" and not fam.verified and fam.selftest_gated and fam.usable
     assert fam.has_pass("fwd") and fam.has_pass("bwd")  # the 1-CTA backward (compile-verified, not run)
     assert 90 in registry.supported_archs() and 100 not in registry.supported_archs()
-    assert registry.gated_archs() == (100,) == selftest.GATED_ARCHS
+    assert registry.gated_archs() == (100, 80, 86, 89, 120) == selftest.GATED_ARCHS  # sm100, the portable family
+    assert registry.gate_family(100) is fam and fam.selftest_var == "FLASH4_SM100"
     assert registry.family(90).name == "sm90"
 
 
@@ -88,8 +89,8 @@ def test_blackwell_relatives_refused_by_name(arch, gpu):
 
 def test_consumer_blackwell_never_gets_sm100():
     assert registry.family(120, include_unverified=True).name == "sm80"
-    with pytest.raises(ValueError, match="FLASH4_FAMILY=portable"):  # the portable family (opt-in), never sm100
-        registry.family(120)
+    assert registry.family(120).name == "sm80"  # the portable family behind its own gate (FLASH4_PORTABLE), never sm100
+    assert registry.gate_family(120).selftest_var == "FLASH4_PORTABLE"
 
 
 # ---------------------------------------------------------------- config selection and the grid

@@ -291,6 +291,19 @@ def fwd_plan(request, arch: int = ARCH, num_sms: int | None = None) -> FwdPlan:
     return FwdPlan(cfg)
 
 
+# What flash4's API door serves of this family behind the first-use self-test
+# (flash4.validate._gated_problem; the rest is refused by name before any self-test): the door
+# layouts of the forward (fwd_plan) and of the backward, and whether the forward takes seqused_k
+# and paged K/V.
+GATE_DOOR = {"fwd_layouts": ("dense", "varlen"), "bwd_layouts": ("dense",), "seqused_k": False, "paged": False}
+
+
+def gate_fwd_options(layout: str) -> dict:
+    """select_fwd_config's extra arguments at the door for a `layout` batch: the 2-CTA switch as
+    fwd_plan asks it (FLASH4_SM100_2CTA, dense batches only)."""
+    return {"two_cta": True} if layout == "dense" and env.sm100_2cta() else {}
+
+
 # ================================================================ the backward (1-CTA)
 @dataclasses.dataclass(frozen=True)
 class Sm100BwdConfig:
