@@ -466,7 +466,7 @@ def _gated_problem(q, causal, door: _Door, arch: int) -> Problem:
     GPUs): the config the forward would select for these arguments exists (layouts, window,
     softcap, sink, headdim_v: ValueError naming what that family lacks), a backward config exists
     when autograd will ask for one (NotImplementedError naming what the family's backward lacks:
-    on sm_100 dense batches only, hd64 / hd128, no softcap), and flash4.selftest passed those
+    on sm_100 dense batches only, hd64 / hd128), and flash4.selftest passed those
     configs (forward, and backward when training) on q's device (RuntimeError with the self-test's
     text: the config, the failing check, how to report it; on the first call for a config this runs
     the self-test, seconds, in a child process).

@@ -18,9 +18,10 @@ CONFIGS = sm100.shipped_bwd_configs()
 
 
 def test_shipped_configs():
-    assert [(c.headdim, c.dtype, c.causal, c.local, c.deterministic) for c in CONFIGS] == [
-        (d, dt, c, lo, det) for det in (False, True) for d in (64, 128) for dt in ("bf16", "fp16")
-        for c, lo in ((False, False), (True, False), (False, True))]
+    assert [(c.headdim, c.dtype, c.causal, c.local, c.deterministic, c.softcap) for c in CONFIGS] == [
+        (d, dt, c, lo, det, False) for det in (False, True) for d in (64, 128) for dt in ("bf16", "fp16")
+        for c, lo in ((False, False), (True, False), (False, True))] + [
+        (d, "bf16", c, False, False, True) for d in (64, 128) for c in (False, True)]
     # a window folds causal in (as sm90's BwdConfig)
     assert sm100.select_bwd_config(128, causal=True, local=True) == sm100.select_bwd_config(128, local=True)
 
@@ -114,7 +115,7 @@ def test_smem_budget():
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(headdim=96), "head dims \\(64, 128\\)"), (dict(headdim=256), "hd96/192/256 and 2-CTA"),
-    (dict(headdim=128, softcap=True), "softcap"), (dict(headdim=128, headdim_v=64), "V head dim"),
+    (dict(headdim=128, headdim_v=64), "V head dim"),
     (dict(headdim=128, arch=90), "sm_100a kernels only"), (dict(headdim=128, dtype="fp8"), "dtype"),
 ])
 def test_select_refuses_what_is_not_built(kwargs, match):

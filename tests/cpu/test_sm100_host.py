@@ -290,6 +290,20 @@ def test_training_asks_both_selftests(sm100_device, monkeypatch):
     assert validate.support_error(q, k, v, window_size=(45, 7)) is None
     assert asked[5:] == [sm100.select_fwd_config(128, "bf16", False, local=True),
                          sm100.select_bwd_config(128, "bf16", False, local=True)]
+    assert validate.support_error(q, k, v, causal=True, softcap=5.0) is None  # softcap: the softcap backward
+    assert asked[7:] == [sm100.select_fwd_config(128, "bf16", True, softcap=True),
+                         sm100.select_bwd_config(128, "bf16", True, softcap=True)]
+    assert asked[8].softcap
+
+
+def test_the_softcap_backward_selftest_runs_with_softcap():
+    """The self-test of a softcap backward config can drive it (its repr parses back) and feeds every
+    case a softcap (selftest._SOFTCAP) through flash_attn_func's autograd (bwd_runner)."""
+    cfg = sm100.select_bwd_config(128, "bf16", True, softcap=True)
+    assert selftest.untestable_reason(cfg) is None and selftest.config_pass(cfg) == "bwd"
+    for case in selftest.cases_for(cfg)[:2]:
+        inputs = selftest.make_inputs(cfg, case, torch.device("cpu"))
+        assert inputs["softcap"] == selftest._SOFTCAP > 0 and inputs["causal"]
 
 
 def test_training_a_backward_failure_is_refused(sm100_device, monkeypatch):
@@ -305,19 +319,18 @@ def test_training_a_backward_failure_is_refused(sm100_device, monkeypatch):
 
 
 def test_training_what_the_backward_lacks_is_refused_at_the_door(sm100_device, monkeypatch):
-    """What the sm100 backward does not build (softcap, hd96, packed varlen) is refused by name
-    before any launch when an input requires grad; without grad the forward serves it."""
+    """What the sm100 backward does not build (hd96, packed varlen) is refused by name before any
+    launch when an input requires grad; without grad the forward serves it."""
     asked = verdicts(monkeypatch, ok=True)
     q, k, v = qkv(requires_grad=True)
-    for kwargs, what in ((dict(softcap=5.0), "softcap"),):
-        text = validate.support_error(q, k, v, **kwargs)
-        assert "no backward for this call on sm_100" in text and what in text and "torch.no_grad()" in text
-        with pytest.raises(NotImplementedError, match=what):
-            flash4.flash_attn_func(q, k, v, **kwargs)
-        with torch.no_grad():
-            assert validate.support_error(q, k, v, **kwargs) is None
     q96, k96, v96 = qkv(d=96, requires_grad=True)
-    assert "head dims (64, 128) only" in validate.support_error(q96, k96, v96)
+    text = validate.support_error(q96, k96, v96)
+    assert "no backward for this call on sm_100" in text and "head dims (64, 128) only" in text
+    assert "torch.no_grad()" in text
+    with pytest.raises(NotImplementedError, match="head dims"):
+        flash4.flash_attn_func(q96, k96, v96)
+    with torch.no_grad():
+        assert validate.support_error(q96, k96, v96) is None
     cu = torch.tensor([0, 100, 300], dtype=torch.int32)
     text = validate.varlen_support_error(q[0], k[0], v[0], cu, cu, 200, 200)
     assert "dense batches only (no varlen layout yet)" in text
@@ -376,8 +389,10 @@ def test_backward_plan_on_sm100():
     plan = flash4.config.bwd_config(Request.dense(q, k, v, causal=True), 100)
     assert plan.cfg == sm100.select_bwd_config(128, "bf16", True) and plan.heads_per_cta == 2
     assert flash4.config.bwd_config(Request.dense(q, k, v, deterministic=True), 100).cfg.deterministic
-    with pytest.raises(ValueError, match="softcap"):
-        flash4.config.bwd_config(Request.dense(q, k, v, softcap=5.0), 100)
+    assert flash4.config.bwd_config(Request.dense(q, k, v, softcap=5.0), 100).cfg == sm100.select_bwd_config(
+        128, "bf16", softcap=True)
+    with pytest.raises(ValueError, match="V head dim"):
+        flash4.config.bwd_config(Request.dense(q, k, v[..., :64]), 100)
 
 
 def test_backward_launch_requires_the_selftest(sm100_device, monkeypatch):

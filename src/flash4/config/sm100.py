@@ -324,9 +324,12 @@ class Sm100BwdConfig:
                  reduce warps wait until the block's semaphore reads their turn, add, wait for the
                  adds to land, release the next): bitwise-reproducible dQ; dK, dV are deterministic
                  anyway (no head split).
+    softcap:     scores softcap * tanh(S * scale / softcap) (runtime cap): the compute warps take
+                 tanh (flash4.kernels.common.score.apply, MUFU.TANH) before the exp2, and multiply dS
+                 by score.grad_factor (1 - t^2, t recovered from P and the LSE), as the sm90 backward.
     The remaining fields mirror flash4.config.BwdConfig so the host passes the same keys; none of
     them is built on sm100 yet and a config with one set cannot be made (ValueError in __post_init__):
-    varlen_q / varlen_k / seqused_q / seqused_k, softcap, headdim_v (Dv != D), dkv_accum (GQA head split: GQA runs with one CTA per KV head walking every
+    varlen_q / varlen_k / seqused_q / seqused_k, headdim_v (Dv != D), dkv_accum (GQA head split: GQA runs with one CTA per KV head walking every
     query head of its group).
     """
 
@@ -381,7 +384,7 @@ class Sm100BwdConfig:
 # Fields of flash4.config.BwdConfig the sm100 backward does not build yet (field -> its "off" value).
 _BWD_UNBUILT = {
     "varlen_q": False, "varlen_k": False, "seqused_q": False, "seqused_k": False,
-    "softcap": False, "headdim_v": None, "dkv_accum": False,
+    "headdim_v": None, "dkv_accum": False,
 }
 _BWD_UNBUILT_WHAT = {
     "varlen_q": "packed varlen sequences (cu_seqlens_q)", "varlen_k": "packed varlen sequences (cu_seqlens_k)",
@@ -417,9 +420,9 @@ def select_bwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, a
                       deterministic: bool = False, local: bool = False, softcap: bool = False,
                       headdim_v: int | None = None, **kwargs) -> Sm100BwdConfig:
     """The sm100 backward config for one problem class (pure; CPU-tested): hd64 / hd128, bf16 / fp16,
-    causal or not, a sliding window (local: causal folded in), deterministic or not, dense, MHA and
-    GQA/MQA (one CTA per KV head walks its query heads). Raises ValueError naming what is missing for
-    everything else (another head dim, Dv != D, softcap). Same arguments as
+    causal or not, a sliding window (local: causal folded in), deterministic or not, softcap or not,
+    dense, MHA and GQA/MQA (one CTA per KV head walks its query heads). Raises ValueError naming what
+    is missing for everything else (another head dim, Dv != D). Same arguments as
     flash4.config.sm90.select_bwd_config (the others ignored)."""
     if arch != ARCH:
         raise ValueError(f"flash4.config.sm100 builds sm_100a kernels only, got arch={arch}")
@@ -428,22 +431,28 @@ def select_bwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, a
                          "only (1-CTA; hd96/192/256 and 2-CTA are not built yet)")
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r}; allowed: {DTYPES}")
-    missing = [what for flag, what in ((headdim_v is not None and headdim_v != headdim, _BWD_UNBUILT_WHAT["headdim_v"]),
-                                       (softcap, _BWD_UNBUILT_WHAT["softcap"])) if flag]
+    missing = [_BWD_UNBUILT_WHAT["headdim_v"]] if headdim_v is not None and headdim_v != headdim else []
     if missing:
         raise ValueError("the sm100 backward has no " + ", ".join(missing) + " yet (compile-verified 1-CTA "
-                         "backward: dense hd64/hd128, causal, window or neither, deterministic or not, MHA/GQA)")
+                         "backward: dense hd64/hd128, causal, window or neither, deterministic or not, softcap "
+                         "or not, MHA/GQA)")
     plan = default_bwd_register_plan(headdim, causal)
     return Sm100BwdConfig(headdim=headdim, dtype=dtype, causal=causal and not local, local=local,
-                          deterministic=deterministic,
+                          deterministic=deterministic, softcap=softcap,
                           regs_reduce=plan.reduce, regs_compute=plan.compute, regs_other=plan.other)
 
 
 def shipped_bwd_configs() -> list:
-    """Every sm100 backward config the API can select: hd64/128 x bf16/fp16 x (full, causal, window) x
-    deterministic or not (24)."""
-    return [select_bwd_config(d, dt, c, local=lo, deterministic=det) for det in (False, True)
-            for d in SM100_BWD_HEADDIMS for dt in DTYPES for c, lo in ((False, False), (True, False), (False, True))]
+    """The sm100 backward configs compiled in CI: every one the API can select without softcap,
+    hd64/128 x bf16/fp16 x (full, causal, window) x deterministic or not (24), then one softcap
+    config per head dim and mask, bf16, hd64/128 x (full, causal) (4; the API selects the other
+    softcap combinations too: softcap only adds the compute warps' tanh and dS factor, independent of
+    the dtype, the window and the deterministic dQ chain)."""
+    no_softcap = [select_bwd_config(d, dt, c, local=lo, deterministic=det) for det in (False, True)
+                  for d in SM100_BWD_HEADDIMS for dt in DTYPES
+                  for c, lo in ((False, False), (True, False), (False, True))]
+    softcap = [select_bwd_config(d, "bf16", c, softcap=True) for d in SM100_BWD_HEADDIMS for c in (False, True)]
+    return no_softcap + softcap
 
 
 def bwd_plan(request, arch: int = ARCH, heads_per_cta: int | None = None):
