@@ -466,8 +466,6 @@ def _gated_problem(q, causal, door: _Door, arch: int) -> Problem:
     if door.layout not in ("dense", "varlen"):
         return ValueError, (f"flash4's sm_{arch} forward runs dense and packed varlen batches only; "
                             f"the {door.layout} layout is not implemented there yet {where}")
-    if door.seqused_k is not None:
-        return ValueError, f"flash4's sm_{arch} forward has no seqused_k yet (packed varlen with cu_seqlens_k) {where}"
     headdim, headdim_v = q.shape[-1], door.v.shape[-1]
     causal, window_size = canonical_mask(causal, door.window_size)  # as the API runs it: (-1, 0) is causal
     try:
@@ -482,7 +480,8 @@ def _gated_problem(q, causal, door: _Door, arch: int) -> Problem:
         return ValueError, f"{err} {where}"
     if door.layout == "varlen":  # as flash4.config.sm100.fwd_plan lays it out
         try:  # the config refuses a layout its kernel lacks (sm100's (192, 128) / hd256: dense only)
-            cfg = dataclasses.replace(cfg, varlen_q=True, varlen_k=True, seqused_q=door.seqused_q is not None)
+            cfg = dataclasses.replace(cfg, varlen_q=True, varlen_k=True, seqused_q=door.seqused_q is not None,
+                                      seqused_k=door.seqused_k is not None)
         except ValueError as err:
             return ValueError, f"{err} {where}"
     training = torch.is_grad_enabled() and any(
