@@ -270,6 +270,8 @@ def test_varlen_is_untestable_for_the_real_selftest(sm100_device):
     cu = torch.tensor([0, 100, 300], dtype=torch.int32)
     text = validate.varlen_support_error(q, k, v, cu, cu, 200, 200)
     assert "self-test cannot check it" in text and "varlen_q=True" in text
+    text = validate.varlen_support_error(q, k, v, cu, cu, 200, 200, seqused_k=torch.tensor([50, 200], dtype=torch.int32))
+    assert "self-test cannot check it" in text and "seqused_k=True" in text
 
 
 def test_training_asks_both_selftests(sm100_device, monkeypatch):

@@ -98,6 +98,9 @@ class FlashAttentionForwardSm100:
         (through smem sScale[row, i]).
       * o_full: mma -> correction, the tile's last PV_i is done (never waited empty: s_p_o orders it).
       * corr_epi: correction -> epilogue, sO[i] written; released after the TMA store read it.
+      * v_tail (ragged keys only: varlen_k / seqused_k): load -> mma, the key-edge block's V rows
+        past seqlen_k zeroed in smem (zero_v_tail, after fence.proxy.async) before the tile's first
+        PV; acknowledged by the MMA's elected lane (docs/design/sm100_forward.md section 11).
     Per tile with n key blocks and Q tile i, every role counts the same n (flash4.geometry's
     n_block_max for the 256-row CTA tile); an empty tile (n = 0) touches only corr_epi (O = 0).
       mma: S_i(0) ; n - 1 times [wait s_p_o_i ; PV_i(j-1) ; S_i(j)] ; wait s_p_o_i ; PV_i(n-1) ; o_full_i.
