@@ -634,6 +634,12 @@ class FlashAttentionForwardSm100:
         o = stage.layout
         d_shape, k16_shape = o.shape[0]
         d_stride, k16_stride = o.stride[0]
+        # the tcgen05 B-operand partition of a (dv, tile_n) tile is ((dv, 16), 1, tile_n / 16) with
+        # coordinates (d, k16 + 16 kb) (thr_mma_pv.partition_B of an identity tensor:
+        # ((dv,16),1,8):((1@0,1@1),0,16@1)): the regrouping relies on that shape
+        if const_expr(cute.size(d_shape) != self.hdim_v or k16_shape * cute.size(o.shape[2]) != self.tile_n
+                      or cute.size(o.shape[1]) != 1):
+            raise RuntimeError(f"flash4 fwd_sm100: V stage layout {o} is not ((dv, k), 1, tile_n / k)")
         layout = cute.make_layout(((k16_shape, o.shape[2]), d_shape), stride=((k16_stride, o.stride[2]), d_stride))
         return cute.make_tensor(stage.iterator, layout)
 
