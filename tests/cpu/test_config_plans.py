@@ -118,7 +118,7 @@ def test_backward_plan_override_and_packed_layout():
 
 def test_sm100_plans():
     """The sm100 family (unverified, served behind the first-use self-test) answers dense and packed
-    varlen forward requests and refuses paged K/V, seqused_k and Dv != D but (192, 128); its backward plan answers
+    varlen forward requests (seqused_k too) and refuses paged K/V and Dv != D but (192, 128); its backward plan answers
     dense requests (every query head of a KV head in its CTA) and refuses packed ones."""
     from flash4.config import sm100
 
@@ -131,9 +131,9 @@ def test_sm100_plans():
     with pytest.raises(ValueError, match="no paged layout"):
         sm100.fwd_plan(_packed(paged=True), 100)
     cu = meta(4, dtype=I32)
-    with pytest.raises(ValueError, match="no seqused_k"):
-        sm100.fwd_plan(Request.varlen(meta(500, 8, 64), meta(600, 2, 64), meta(600, 2, 64), cu, cu, 200, None, None,
-                                      meta(3, dtype=I32)), 100)
+    assert sm100.fwd_plan(Request.varlen(meta(500, 8, 64), meta(600, 2, 64), meta(600, 2, 64), cu, cu, 200, None, None,
+                                         meta(3, dtype=I32)), 100).cfg == dataclasses.replace(
+        sm100.select_fwd_config(64), varlen_q=True, varlen_k=True, seqused_k=True)
     assert sm100.fwd_plan(Request.dense(q, k, k, window_size=(3, 3)), 100).cfg.local
     with pytest.raises(ValueError, match=r"\(headdim, headdim_v\)=\(128, 64\) is not implemented"):
         sm100.fwd_plan(Request.dense(q, k, meta(2, 300, 8, 64)), 100)

@@ -22,7 +22,9 @@ from flash4.kernels.sm100.pipes import ArrivalLedger, check_init_counts  # noqa:
 # where its flag is on, so the other dtype and head dims add nothing a compile gate would see).
 # (select_fwd_config's keywords, then the sequence-layout fields the host sets with dataclasses.replace)
 FEATURES = [(dict(softcap=True), {}), (dict(sink=True), {}), (dict(local=True), {}),
-            ({}, dict(varlen_q=True, varlen_k=True, seqused_q=True))]
+            ({}, dict(varlen_q=True, varlen_k=True, seqused_q=True)),
+            # ragged keys with seqused_k: dense batches (the V-tail zeroing's own config class)
+            ({}, dict(seqused_k=True))]
 # shipped_fwd_configs(features=False) ends with the 2-CTA configs (hd128 non-causal, bf16 / fp16) and the
 # q_stage 1 configs ((192, 128) and hd256 x bf16 / fp16 x causal / not); one 2-CTA feature config
 # (softcap + sink) and two q_stage 1 feature configs follow.
@@ -32,10 +34,13 @@ CONFIGS = shipped_fwd_configs(features=False) + [
     select_fwd_config(128, "bf16", False, softcap=True, sink=True, two_cta=True)] + [
     # q_stage 1 with features: hd256 (Gemma's head dim) with every feature, (192, 128) with softcap
     select_fwd_config(256, "bf16", True, local=True, softcap=True, sink=True),
-    select_fwd_config(192, "bf16", False, softcap=True, sink=True, headdim_v=128)]
+    select_fwd_config(192, "bf16", False, softcap=True, sink=True, headdim_v=128)] + [
+    # packed varlen + seqused_k at hd96 fp16 with a window, softcap and sink (ragged keys, every feature)
+    dataclasses.replace(select_fwd_config(96, "fp16", True, local=True, softcap=True, sink=True),
+                        varlen_q=True, varlen_k=True, seqused_k=True)]
 IDS = [f"d{c.headdim}" + (f"v{c.headdim_v}" if c.headdim_v else "") + f"-{c.dtype}-{'causal' if c.causal else 'full'}" + ("-2cta" if c.cta_group == 2 else "")
        + ("-softcap" if c.softcap else "") + ("-sink" if c.sink else "") + ("-local" if c.local else "")
-       + ("-varlen" if c.varlen_q else "") for c in CONFIGS]
+       + ("-varlen" if c.varlen_q else "") + ("-seqused_k" if c.seqused_k else "") for c in CONFIGS]
 # CPU seconds of one cold compile (trace + MLIR + ptxas, one core). Measured 3.5-4.9 s on the 2-core
 # CI box; the target is 5 s, the assert leaves room for a loaded machine.
 COMPILE_CPU_LIMIT_S = 10.0
@@ -166,6 +171,23 @@ def test_ptx_counts_equal_sass_counts(built, name):
         assert p["cta_group_2"] == 0
     assert (p["mma"], p["commit"], p["ld"], p["st"], p["alloc_dealloc_relinquish"]) == (
         row["utchmma"], row["utcbar"], row["ldtm"], row["sttm"], row["utcatomsws"])
+
+
+@pytest.mark.parametrize("name", IDS)
+def test_v_tail_zeroing_in_ragged_configs(built, name):
+    """Ragged keys (varlen_k / seqused_k): the load warp's V-tail zeroing is compiled in: its
+    fence.proxy.async.shared::cta (the zeros before the MMA's async-proxy reads) next to the O
+    epilogue's one, and its 16-byte shared stores (a whole (tile_n, dv) V stage over the warp's 32
+    lanes, each predicated on its row); the other configs have the epilogue's fence only (their
+    SASS is byte-identical to the kernel before the zeroing: docs/design/sm100_forward.md section 11)."""
+    cfg, _, ptx, row = built[name]
+    ragged = cfg.varlen_k or cfg.seqused_k
+    assert len(re.findall(r"\bfence\.proxy\.async\.shared::cta\b", ptx)) == 1 + ragged
+    zero_stores = cfg.tile_n * cfg.hdim_v * 2 // 16 // 32
+    if ragged:
+        assert len(re.findall(r"\bst\.shared\.v4\.", ptx)) >= zero_stores
+        if row:
+            assert row["spills"] == 0 and row["stack_bytes"] == 0
 
 
 @pytest.mark.parametrize("name", IDS)

@@ -259,6 +259,38 @@ def test_two_cta_pipeline_arrive_counts():
         n: (s.producers, s.consumers) for n, s in pipeline_specs(select_fwd_config(128)).items()}
 
 
+@pytest.mark.parametrize("layout", [dict(varlen_q=True, varlen_k=True), dict(seqused_k=True),
+                                    dict(varlen_q=True, varlen_k=True, seqused_q=True, seqused_k=True)])
+def test_ragged_keys_add_the_v_tail_pipeline(layout):
+    """Ragged keys (varlen_k or seqused_k): one more pipeline, v_tail (issue 25's V-row zeroing): every
+    lane of the load warp arrives full (32, each after its fence.proxy.async), the MMA warp's elected
+    lane acknowledges (1); the other pipelines unchanged. Without ragged keys no v_tail."""
+    base = select_fwd_config(128, "bf16", True)
+    cfg = dataclasses.replace(base, **layout)
+    assert sm100.ragged_keys(cfg) and not sm100.ragged_keys(base)
+    assert not sm100.ragged_keys(dataclasses.replace(base, varlen_q=True, seqused_q=True))
+    specs = pipeline_specs(cfg)
+    plain = pipeline_specs(base)
+    assert "v_tail" not in plain and {n: s for n, s in specs.items() if n != "v_tail"} == plain
+    vt = specs["v_tail"]
+    assert (vt.stages, vt.full_arrivals(), vt.empty_arrivals(), vt.waited_empty) == (1, 32, 1, True)
+    assert [(p.role, p.signal) for p in vt.producers] == [("load", Signal.ALL_THREADS)]
+    assert [(p.role, p.signal) for p in vt.consumers] == [("mma", Signal.ELECTED)]
+
+
+@pytest.mark.parametrize("hd,dv", [(192, 128), (256, None)])
+def test_seqused_k_is_q_stage_2_only(hd, dv):
+    """seqused_k (dense or packed) is built for hd 64 / 96 / 128 (q_stage 2, 1-CTA); q_stage 1 and
+    2-CTA refuse it by name."""
+    for d in (64, 96, 128):
+        for causal in (False, True):
+            assert dataclasses.replace(select_fwd_config(d, "bf16", causal), seqused_k=True).seqused_k
+    with pytest.raises(ValueError, match="no seqused_k"):
+        dataclasses.replace(select_fwd_config(hd, headdim_v=dv), seqused_k=True)
+    with pytest.raises(ValueError, match="ragged keys"):
+        dataclasses.replace(select_fwd_config(128, two_cta=True), seqused_k=True)
+
+
 def test_every_party_is_a_role():
     for spec in pipeline_specs(select_fwd_config(64)).values():
         for party in spec.producers + spec.consumers:
@@ -299,7 +331,7 @@ def test_unbuilt_headdim_pairs_raise(hd, dv):
 
 
 @pytest.mark.parametrize("field,value", [
-    ("seqused_k", True), ("page_rows", 16),
+    ("page_rows", 16),
     ("split_kv", True), ("headdim_v", 64), ("pack_gqa", 2),
     ("exp2_emu_frac", 0.33), ("exp2_emu_frac", 1.5), ("persistent", True), ("cta_group", 3), ("q_stage", 1), ("tile_n", 64),
     ("arch", 110), ("kv_stages", 4),

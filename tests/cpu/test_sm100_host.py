@@ -243,9 +243,9 @@ def test_q_stage_1_headdims_are_served_behind_the_selftest(sm100_device, monkeyp
 
 
 def test_varlen_door_and_the_refused_layouts(sm100_device, monkeypatch):
-    """Packed varlen (cu_seqlens, seqused_q) selects the sm100 varlen config (the real self-test calls
-    it untestable, so on a B200 it runs only with FLASH4_SM100=on); seqused_k, paged K/V and the KV
-    cache are refused by name, before any self-test."""
+    """Packed varlen (cu_seqlens, seqused_q, seqused_k) selects the sm100 varlen config (the real
+    self-test calls it untestable, so on a B200 it runs only with FLASH4_SM100=on); paged K/V and the
+    KV cache are refused by name, before any self-test."""
     asked = verdicts(monkeypatch, ok=True)
     q, k, v = (t[0] for t in qkv())
     cu = torch.tensor([0, 100, 300], dtype=torch.int32)
@@ -255,12 +255,13 @@ def test_varlen_door_and_the_refused_layouts(sm100_device, monkeypatch):
     base = sm100.select_fwd_config(128, "bf16", True)
     assert asked == [dataclasses.replace(base, varlen_q=True, varlen_k=True),
                      dataclasses.replace(sm100.select_fwd_config(128), varlen_q=True, varlen_k=True, seqused_q=True)]
-    text = validate.varlen_support_error(q, k, v, cu, cu, 200, 200, seqused_k=used)
-    assert "no seqused_k yet" in text
+    assert validate.varlen_support_error(q, k, v, cu, cu, 200, 200, seqused_k=used) is None
+    assert asked[-1] == dataclasses.replace(sm100.select_fwd_config(128), varlen_q=True, varlen_k=True,
+                                            seqused_k=True)
     qd, kc, vc = qkv(sq=1)
     text = validate.kvcache_support_error(qd, kc, vc, cache_seqlens=100)
     assert "dense and packed varlen batches only" in text and "kvcache layout" in text
-    assert len(asked) == 2
+    assert len(asked) == 3
 
 
 def test_varlen_is_untestable_for_the_real_selftest(sm100_device):
@@ -270,6 +271,8 @@ def test_varlen_is_untestable_for_the_real_selftest(sm100_device):
     cu = torch.tensor([0, 100, 300], dtype=torch.int32)
     text = validate.varlen_support_error(q, k, v, cu, cu, 200, 200)
     assert "self-test cannot check it" in text and "varlen_q=True" in text
+    text = validate.varlen_support_error(q, k, v, cu, cu, 200, 200, seqused_k=torch.tensor([50, 200], dtype=torch.int32))
+    assert "self-test cannot check it" in text and "seqused_k=True" in text
 
 
 def test_training_asks_both_selftests(sm100_device, monkeypatch):

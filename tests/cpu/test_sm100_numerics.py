@@ -235,6 +235,83 @@ def test_no_keys():
     assert (out == 0).all() and torch.isneginf(lse).all()
 
 
+# ---------------------------------------------------------------- ragged keys: poison past seqused_k (issue 25)
+
+POISONS = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf, "huge": 3.0e38}
+
+
+def poisoned(k, v, used, value):
+    """k, v with every row at or past used[b] of batch row b set to `value` (memory past the
+    sequence's end: the next packed sequence, a stale or poisoned cache slot)."""
+    k, v = k.clone(), v.clone()
+    for b, n in enumerate(used):
+        k[b, n:] = value
+        v[b, n:] = value
+    return k, v
+
+
+@pytest.mark.parametrize("poison", list(POISONS))
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 128])
+def test_ragged_keys_poisoned_tail_is_excluded(d, causal, poison):
+    """seqused_k with the V-tail zeroing (the kernel's ragged configs): NaN / inf / huge values in the
+    key-edge block's rows past seqused_k change nothing: out and lse bitwise equal to the same
+    sequences with those rows cut off (the TMA's zero fill), finite, and within the 2x rule of the
+    float64 reference on the valid keys. used: a partial block (200), one key past a block edge
+    (129), a full block (256: no tail), a single key, none."""
+    used = [200, 129, 256, 1, 0]
+    q, k, v = random_case(len(used), 150, 300, 2, 1, d, seed=31)
+    kp, vp = poisoned(k, v, used, POISONS[poison])
+    out, lse = M.forward(q, kp, vp, None, causal, seqused_k=used)
+    for b, n in enumerate(used):
+        want_out, want_lse = M.forward(q[b:b + 1], k[b:b + 1, :n], v[b:b + 1, :n], None, causal)
+        assert torch.equal(out[b:b + 1], want_out), (b, n)
+        assert torch.equal(lse[b:b + 1], want_lse), (b, n)
+        assert torch.isfinite(out[b]).all()
+        if n:
+            check(q[b:b + 1], k[b:b + 1, :n], v[b:b + 1, :n], causal)
+
+
+@pytest.mark.parametrize("poison", ["nan", "inf"])
+def test_ragged_keys_without_the_zeroing_leak(poison):
+    """The negative: the same model without the V-tail zeroing (zero_v_tail=False, the kernel before
+    this change) lets a NaN / inf past seqused_k into every row that visits the key-edge block: the
+    masked P is exactly 0, but 0 x NaN = NaN (and 0 x inf = NaN) in P V. A block with no tail (used
+    a multiple of 128) and an empty sequence are unaffected."""
+    used = [200, 256, 0]
+    q, k, v = random_case(len(used), 64, 300, 2, 1, 64, seed=32)
+    kp, vp = poisoned(k, v, used, POISONS[poison])
+    out, _ = M.forward(q, kp, vp, None, False, seqused_k=used, zero_v_tail=False)
+    assert torch.isnan(out[0]).all()
+    assert torch.isfinite(out[1:]).all()
+    out_z, _ = M.forward(q, kp, vp, None, False, seqused_k=used)
+    assert torch.isfinite(out_z).all() and torch.equal(out_z[1:], out[1:])
+
+
+def test_ragged_keys_packed_neighbours():
+    """Packed varlen's case: the rows past a sequence's end are the next sequence's keys (finite, large
+    V). With the zeroing they change nothing (bitwise equal to the cut-off sequence); the scores of
+    those keys are masked either way, so without it the finite neighbours add 0 x V = 0 too: only a
+    non-finite neighbour leaks (the test above)."""
+    used = [77, 130]
+    q, k, v = random_case(2, 40, 260, 4, 2, 128, seed=33)
+    v = v * 1000
+    out, lse = M.forward(q, k, v, None, True, seqused_k=used)
+    for b, n in enumerate(used):
+        want_out, want_lse = M.forward(q[b:b + 1], k[b:b + 1, :n], v[b:b + 1, :n], None, True)
+        assert torch.equal(out[b:b + 1], want_out) and torch.equal(lse[b:b + 1], want_lse)
+    out_nz, _ = M.forward(q, k, v, None, True, seqused_k=used, zero_v_tail=False)
+    assert torch.equal(out_nz, out)
+
+
+def test_seqused_k_bad_arguments():
+    q, k, v = random_case(2, 8, 20, 1, 1, 64)
+    with pytest.raises(ValueError, match="one count per batch row"):
+        M.forward(q, k, v, seqused_k=[3])
+    with pytest.raises(ValueError, match=r"seqused_k=21 must be in"):
+        M.forward(q, k, v, seqused_k=21)
+
+
 # ---------------------------------------------------------------- equivalences
 
 def plain_online_softmax(q, k, v, scale, causal, tile_n=128):

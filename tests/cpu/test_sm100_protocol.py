@@ -19,6 +19,12 @@ both CTAs release s_p_o (and would o_full) on the leader's barrier; sm_stats and
 CTA-local. Waits are on the waiter's own CTA's barriers. Not modelled: the cluster launch and the
 init handshake (pipeline_init_arrive / wait), the TMEM dealloc handshake, remote-arrive latency
 beyond reordering.
+
+Ragged keys (varlen_k / seqused_k configs): a tile whose key-edge block is partial (`partial`) has the
+load warp wait for that V block to land, zero its rows past seqlen_k, wait v_tail's empty side and
+arrive on its full side; the MMA waits on v_tail before the tile's first PV and acknowledges at once.
+The model also records the zeroing ("do" ops): it must happen after that V landed and before it is
+released, and the tile's first PV must find this use of the stage zeroed.
 """
 
 import dataclasses
@@ -65,11 +71,17 @@ class Model:
     Barrier, initialized with the spec's counts (count_group: the cta_group the counts are taken for,
     the config's unless a test breaks it)."""
 
-    def __init__(self, cfg, count_group=None):
+    def __init__(self, cfg, count_group=None, delay_tma=False):
         self.specs = pipeline_specs(cfg)
+        # delay_tma (1-CTA): a TMA's bytes land later, at a random point (the scheduler's "tma" steps),
+        # not with the load warp's expect_tx arrive
+        self.delay_tma = delay_tma
+        self.inflight = []  # full barriers with a TMA's bytes still in flight
+        assert not delay_tma or cfg.cta_group == 1
         self.group = cfg.cta_group
         g = self.group if count_group is None else count_group
         self.bars = {}
+        self.zeroed = {}  # (cta, kv stage) -> the use whose V tail the load warp zeroed last
         for cta in range(self.group):
             for spec in self.specs.values():
                 for s in range(spec.stages):
@@ -98,7 +110,10 @@ class Model:
             assert bar.completed == k, f"cta{cta} TMA into {bar.name} for completion {k + 1}, found {bar.completed}"
             if cta == LEADER:
                 bar.arrive(1, expect_tx=self.group)
-            bar.complete_tx(1)
+            if self.delay_tma:
+                self.inflight.append(bar)
+            else:
+                bar.complete_tx(1)
         elif party.signal is Signal.COMMIT:
             assert cta == LEADER, "only the leader CTA issues MMAs and commits"
             for c in range(self.group):  # multicast to the pair
@@ -118,6 +133,31 @@ def A(name, side, stage, role, k=None):
     return ("arrive", name, side, stage, role, k)
 
 
+def D(fn):
+    """An instant action on the model (fn(model, cta)): the V-tail zeroing and its checks."""
+    return ("do", fn)
+
+
+def zero_v(stage, use, check_landed=True):
+    """The load warp zeroes the rows past seqlen_k of the `use`-th block in K/V stage `stage`."""
+    def fn(model, cta):
+        full = model.bars[(cta, "kv", "full", stage)]
+        empty = model.bars[(cta, "kv", "empty", stage)]
+        if check_landed:
+            assert full.completed == use + 1, f"V-tail zeroing of kv[{stage}] use {use} before its TMA landed"
+        assert empty.completed == use, f"V-tail zeroing of kv[{stage}] use {use} after the MMA released it"
+        model.zeroed[(cta, stage)] = use
+    return D(fn)
+
+
+def pv_reads_zeroed(stage, use):
+    """The MMA's first PV of a partial tile reads the `use`-th block of stage `stage`: zeroed."""
+    def fn(model, cta):
+        assert model.zeroed.get((cta, stage)) == use, (
+            f"first PV reads kv[{stage}] use {use} before its V tail was zeroed ({model.zeroed.get((cta, stage))})")
+    return D(fn)
+
+
 class Ring:
     """A PipelineState: index and phase of a ring of `stages`, advanced per use; counts uses per
     stage for the expected completion index."""
@@ -132,8 +172,13 @@ class Ring:
             self.index, self.phase = 0, self.phase ^ 1
 
 
-def load(tiles, q_stage, kv_stages):
+def load(tiles, q_stage, kv_stages, partial=None, bug=None):
+    """partial[t]: tile t's key-edge block crosses seqlen_k (ragged configs: zero_v_tail). bug: a
+    deliberate fault for the model's own tests: "no_landed_wait" (zero before the TMA landed),
+    "no_empty_wait" (signal v_tail without waiting for the MMA's acknowledgement)."""
     q, kv = Ring(q_stage, 1), Ring(kv_stages, 1)
+    partial = partial or [False] * len(tiles)
+    vt_phase, vt_round = 1, 0
 
     def acquire(name, ring):
         # producer_acquire: wait empty (the previous use's release), then arrive.expect_tx on full
@@ -141,12 +186,22 @@ def load(tiles, q_stage, kv_stages):
         yield A(name, "full", ring.index, "load", ring.uses[ring.index])  # the TMA bytes land at once here
         ring.advance()
 
-    for n in tiles:
+    for n, cut in zip(tiles, partial):
         if n > 0:
             yield from acquire("kv", kv)  # K[n-1]
             for _ in range(q_stage):
                 yield from acquire("q", q)
+            v_index, v_use = kv.index, kv.uses[kv.index]
             yield from acquire("kv", kv)  # V[n-1]
+            if cut:  # zero_v_tail
+                if bug != "no_landed_wait":
+                    yield W("kv", "full", v_index, kv_parity(v_use), v_use)
+                yield zero_v(v_index, v_use, check_landed=True)
+                if bug != "no_empty_wait":
+                    yield W("v_tail", "empty", 0, vt_phase, vt_round - 1)
+                yield A("v_tail", "full", 0, "load")
+                vt_phase ^= 1
+                vt_round += 1
             for _ in range(n - 1):
                 yield from acquire("kv", kv)  # K
                 yield from acquire("kv", kv)  # V
@@ -156,14 +211,22 @@ def load(tiles, q_stage, kv_stages):
             ring.advance()
 
 
-def mma(tiles, q_stage, kv_stages):
+def kv_parity(use):
+    """The consumer parity of the `use`-th completion of a ring stage's full barrier."""
+    return use % 2
+
+
+def mma(tiles, q_stage, kv_stages, partial=None, bug=None):
+    """bug "no_v_tail_wait": the MMA does not wait for the V-tail zeroing (the model's own test)."""
     kv = Ring(kv_stages, 0)
     q_phase, spo_phase, q_round, spo_round = 0, 0, 0, 0
+    partial = partial or [False] * len(tiles)
+    vt_phase, vt_round = 0, 0
 
     def kv_wait():
         return W("kv", "full", kv.index, kv.phase, kv.uses[kv.index])
 
-    for n in tiles:
+    for n, cut in zip(tiles, partial):
         if n == 0:
             continue
         yield kv_wait()
@@ -172,6 +235,14 @@ def mma(tiles, q_stage, kv_stages):
             yield A("s_p_o", "full", stage, "mma")  # S_stage(0) ready
         yield A("kv", "empty", kv.index, "mma")
         kv.advance()
+        if cut:
+            if bug != "no_v_tail_wait":
+                yield W("v_tail", "full", 0, vt_phase, vt_round)
+                yield A("v_tail", "empty", 0, "mma")
+                vt_phase ^= 1
+                vt_round += 1
+            # the tile's first PV (in the loop below, or the last one for n == 1) reads this V
+            yield pv_reads_zeroed(kv.index, kv.uses[kv.index])
         for i in range(n - 1):
             v_index = kv.index
             yield kv_wait()  # V[j-1]
@@ -270,26 +341,35 @@ def epilogue(tiles, q_stage):
             yield A("corr_epi", "empty", index, "epilogue")
 
 
-def run(cfg, tiles, seed, correction_role=None, count_group=None):
+TMA_LANDS = (0, "tma")  # the scheduler's pseudo role: a delayed TMA completes
+
+
+def run(cfg, tiles, seed, correction_role=None, count_group=None, partial=None, load_bug=None, mma_bug=None,
+        delay_tma=False):
     """Run every role of each CTA (the pair's for 2-CTA: the MMA role in the leader only) over `tiles`
-    (key blocks per tile; both CTAs of a pair walk the same tiles) in a random interleaving."""
-    model = Model(cfg, count_group)
+    (key blocks per tile; both CTAs of a pair walk the same tiles) in a random interleaving.
+    partial[t]: ragged configs, tile t's key-edge block crosses seqlen_k (the V-tail zeroing).
+    delay_tma: TMA bytes land at random later steps (1-CTA)."""
+    model = Model(cfg, count_group, delay_tma)
     q, kvs = cfg.q_stage, cfg.kv_stages
+    if partial is not None:
+        assert "v_tail" in model.specs, "partial key-edge blocks only in ragged configs"
+        partial = [bool(c) and n > 0 for n, c in zip(tiles, partial)]
     roles = {}
     for cta in range(cfg.cta_group):
-        roles[(cta, "load")] = load(tiles, q, kvs)
+        roles[(cta, "load")] = load(tiles, q, kvs, partial, load_bug)
         if cta == LEADER:
-            roles[(cta, "mma")] = mma(tiles, q, kvs)
+            roles[(cta, "mma")] = mma(tiles, q, kvs, partial, mma_bug)
         roles[(cta, "epilogue")] = epilogue(tiles, q)
         roles[(cta, "correction")] = (correction_role or correction)(tiles, q)
         for s in range(q):
             roles[(cta, f"softmax{s}")] = softmax(tiles, s)
     current = {key: next(gen) for key, gen in roles.items()}
     rng = random.Random(seed)
-    while current:
-        runnable = []
+    while current or model.inflight:
+        runnable = [TMA_LANDS] if model.inflight else []
         for key, op in current.items():
-            if op[0] == "arrive":
+            if op[0] in ("arrive", "do"):
                 runnable.append(key)
             else:
                 _, bname, side, stage, parity, k = op
@@ -298,8 +378,13 @@ def run(cfg, tiles, seed, correction_role=None, count_group=None):
                     runnable.append(key)
         assert runnable, f"deadlock: every role waits: {current}"
         key = runnable[rng.randrange(len(runnable))]
+        if key == TMA_LANDS:  # one TMA in flight lands (any of them: copies complete out of order)
+            model.inflight.pop(rng.randrange(len(model.inflight))).complete_tx(1)
+            continue
         op = current[key]
-        if op[0] == "arrive":
+        if op[0] == "do":
+            op[1](model, key[0])
+        elif op[0] == "arrive":
             model.apply_arrive(key[0], op)
         else:
             _, bname, side, stage, parity, k = op
@@ -436,3 +521,52 @@ def test_the_pair_model_finds_a_follower_missing_release():
 
     with pytest.raises(AssertionError, match="deadlock"):
         run(cfg, [2], seed=0, correction_role=follower_broken)
+
+
+# ---------------------------------------------------------------- ragged keys: the V-tail zeroing
+RAGGED = [(64, dict(varlen_q=True, varlen_k=True)), (128, dict(seqused_k=True)),
+          (96, dict(varlen_q=True, varlen_k=True, seqused_k=True))]
+PARTIAL_SETS = [([1], [1]), ([2], [1]), ([3, 0, 4], [1, 0, 1]), ([1, 1, 1, 1], [1, 1, 1, 1]),
+                ([1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1], [1] * 12), ([7, 2, 0, 1, 6], [1, 0, 0, 1, 1]),
+                ([2, 1, 3, 1], [0, 1, 0, 1])]
+
+
+@pytest.mark.parametrize("hd,layout", RAGGED, ids=["d64-varlen", "d128-seqused_k", "d96-varlen-seqused_k"])
+@pytest.mark.parametrize("tiles,partial", PARTIAL_SETS, ids=[f"{t}-{p}" for t, p in PARTIAL_SETS])
+def test_v_tail_zeroing_terminates_without_lapping(hd, layout, tiles, partial):
+    """Ragged configs (v_tail in pipeline_specs): with partial key-edge blocks (the load warp waits for
+    that V, zeroes it, signals v_tail; the MMA waits before the first PV and acknowledges), every
+    interleaving terminates, no wait laps, the zeroing happens after the V landed and before its
+    release, and every partial tile's first PV reads its zeroed V. v_tail completes once per partial
+    tile on each side."""
+    cfg = dataclasses.replace(select_fwd_config(hd, "bf16", hd == 64), **layout)
+    for seed in range(40):
+        model = run(cfg, tiles, seed, partial=partial, delay_tma=seed % 2 == 1)
+    check_counts(cfg, model, tiles)
+    cut = sum(1 for n, c in zip(tiles, partial) if n and c)
+    assert model.bars[(0, "v_tail", "full", 0)].completed == cut
+    assert model.bars[(0, "v_tail", "empty", 0)].completed == cut
+
+
+def test_v_tail_model_finds_its_faults():
+    """Sanity of the ragged model: zeroing before the V landed (with TMA bytes landing late) and an MMA
+    that does not wait for the zeroing are each caught in some interleaving."""
+    cfg64 = dataclasses.replace(select_fwd_config(64), varlen_q=True, varlen_k=True)
+    tiles, partial = [1] * 8, [1] * 8
+    with pytest.raises(AssertionError, match="before its TMA landed"):
+        for seed in range(40):
+            run(cfg64, tiles, seed, partial=partial, load_bug="no_landed_wait", delay_tma=True)
+    with pytest.raises(AssertionError):
+        for seed in range(40):
+            run(cfg64, tiles, seed, partial=partial, mma_bug="no_v_tail_wait")
+
+
+def test_v_tail_empty_wait_is_a_second_guard():
+    """The load warp's wait on v_tail's empty side (the MMA's acknowledgement of the previous signal)
+    is not what prevents lapping today: the load warp reaches the next tile's V only after acquiring
+    its Q stages, which the MMA releases after it passed this tile's v_tail wait. The model shows the
+    protocol holding without it (hd64, 10 K/V stages, one-block tiles: the loosest ring); the kernel
+    keeps the wait (one try_wait per partial tile) so a future Q-ring change cannot lap v_tail."""
+    cfg64 = dataclasses.replace(select_fwd_config(64), varlen_q=True, varlen_k=True)
+    for seed in range(40):
+        run(cfg64, [1] * 8, seed, partial=[1] * 8, load_bug="no_empty_wait", delay_tma=seed % 2 == 1)

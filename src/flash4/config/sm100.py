@@ -33,7 +33,7 @@ from flash4.kernels.sm100.plan import (  # noqa: F401  (the plan, re-exported fo
     ARCH, EXP2_EMU_FRAC, EXP2_EMU_FRAC_CAUSAL, EXP2_EMU_GROUP, exp2_emu_frac_for, IDLE_REGS, LAUNCH_REGS, MAX_KV_STAGES, NUM_THREADS, NUM_WARPS, Party, PipelineSpec,
     ROLE_WARPS, RegisterPlan, SMEM_KV_BUDGET, Signal, TMEM_ALIASES, TMEM_COLUMNS,
     WARPGROUPS, WARP_ROLES, WARP_SIZE, default_register_plan, fwd_smem_bytes, kv_stages_for,
-    pipeline_specs, q_stage_for, register_plan, register_plan_problem, tma_tx_bytes, tmem_alloc_cols, tmem_map,
+    pipeline_specs, q_stage_for, ragged_keys, register_plan, register_plan_problem, tma_tx_bytes, tmem_alloc_cols, tmem_map,
     tmem_used_cols,
 )
 
@@ -75,9 +75,11 @@ class Sm100FwdConfig:
     (the learnable sink in the softmax's finalize, sm90's rule) and local (a sliding window: the key
     blocks of flash4.geometry's n_block_min .. n_block_max, every block masked on both sides) and
     packed sequences (varlen_q, varlen_k, seqused_q: flash4.kernels.common.seqinfo; O stored row by
-    row below seqlen_q) and none of the others yet; a config with any of them set cannot be built
-    (ValueError in __post_init__): seqused_k (needs the V-row zeroing of issue 25), page_rows,
-    split_kv, pack_gqa; headdim_v other than None or 128 with headdim 192.
+    row below seqlen_q) and seqused_k (dense or packed: the key count of each sequence; with varlen_k
+    or seqused_k the load warp zeroes the V rows past seqlen_k of each tile's key-edge block, issue
+    25) and none of the others yet; a config with any of them set cannot be built (ValueError in
+    __post_init__): page_rows, split_kv, pack_gqa; headdim_v other than None or 128 with headdim 192;
+    seqused_k at (192, 128) / hd256.
     headdim_v:     Dv of V and O when it differs from headdim ((192, 128) only), else None.
     (GQA / MQA runs without packing: each query head reads K/V head head // (H / Hk).)
     """
@@ -144,7 +146,7 @@ class Sm100FwdConfig:
 
 # Feature flags a config may carry and the sm100 kernel does not implement (field -> its "off" value).
 _UNBUILT_FLAGS = {
-    "seqused_k": False, "page_rows": 0, "split_kv": False, "pack_gqa": 1,
+    "page_rows": 0, "split_kv": False, "pack_gqa": 1,
 }
 
 
@@ -168,11 +170,13 @@ def config_problem(cfg: Sm100FwdConfig) -> str | None:
                 f"only ({q_stage}, 128, 128, 1{' or 2' if q_stage == 2 else ''}) is built for head dims "
                 f"({cfg.headdim}, {cfg.hdim_v}) ({q_stage} 128-row Q tile(s) per CTA, 128-key blocks)")
     if q_stage == 1:
-        problem = q_stage_1_problem(cfg.headdim, cfg.hdim_v, cfg.varlen_q or cfg.varlen_k or cfg.seqused_q)
+        problem = q_stage_1_problem(cfg.headdim, cfg.hdim_v, cfg.varlen_q or cfg.varlen_k or cfg.seqused_q,
+                                    cfg.seqused_k)
         if problem is not None:
             return problem
     if cfg.cta_group == 2:
-        problem = two_cta_problem(cfg.headdim, cfg.causal, cfg.local, cfg.varlen_q or cfg.varlen_k or cfg.seqused_q)
+        problem = two_cta_problem(cfg.headdim, cfg.causal, cfg.local,
+                                  cfg.varlen_q or cfg.varlen_k or cfg.seqused_q or cfg.seqused_k)
         if problem is not None:
             return problem
     try:
@@ -192,13 +196,16 @@ def config_problem(cfg: Sm100FwdConfig) -> str | None:
     return None
 
 
-def q_stage_1_problem(headdim: int, hdim_v: int, packed: bool = False) -> str | None:
+def q_stage_1_problem(headdim: int, hdim_v: int, packed: bool = False, seqused_k: bool = False) -> str | None:
     """Why a (192, 128) / hd256 (q_stage 1) forward is not built for this problem class, or None:
     dense batches only (packed varlen at hd256 spilled 5 LDL/STL in its row-by-row O store, and the
-    self-test drives dense batches only)."""
+    self-test drives dense batches only), without seqused_k (the V-tail zeroing is built and
+    compile-checked for q_stage 2 only; hd256's one-stage K/V ring would serialize it further)."""
     if packed:
         return (f"the sm100 forward for head dims ({headdim}, {hdim_v}) (q_stage 1) has no packed varlen "
                 "sequences yet (dense batches)")
+    if seqused_k:
+        return f"the sm100 forward for head dims ({headdim}, {hdim_v}) (q_stage 1) has no seqused_k yet"
     return None
 
 
@@ -215,7 +222,8 @@ def two_cta_problem(headdim: int, causal: bool, local: bool = False, packed: boo
     if causal or local:
         return "cta_group=2 with a causal or windowed mask: the 2-CTA forward is built non-causal only"
     if packed:
-        return "cta_group=2 with packed sequences (varlen / seqused_q): the 2-CTA forward is built for dense batches only"
+        return ("cta_group=2 with packed sequences or ragged keys (varlen / seqused_q / seqused_k): the 2-CTA "
+                "forward is built for dense batches only")
     return None
 
 
@@ -273,13 +281,12 @@ def shipped_fwd_configs(features: bool = True) -> list:
 # ---------------------------------------------------------------- the host's questions (flash4.config.fwd_config / bwd_config)
 def fwd_plan(request, arch: int = ARCH, num_sms: int | None = None) -> FwdPlan:
     """The forward plan of a flash4.request.Request on sm100: dense batches, and packed sequences
-    (VARLEN: cu_seqlens_q / cu_seqlens_k, optionally seqused_q) (select_fwd_config's checks apply:
-    head dims (SM100_FWD_HDIM_PAIRS), the q_stage 1 head dims dense only). Raises ValueError for paged K/V, seqused_k and decode requests."""
+    (VARLEN: cu_seqlens_q / cu_seqlens_k, optionally seqused_q and seqused_k) (select_fwd_config's checks
+    apply: head dims (SM100_FWD_HDIM_PAIRS), the q_stage 1 head dims dense only). Raises ValueError for
+    paged K/V and decode requests."""
     q, seq, mask, score = request.q, request.seq, request.mask, request.score
     if seq.paged or seq.decode:
         raise ValueError(f"the sm100 forward has no {seq.layout} layout yet (dense and packed varlen batches only)")
-    if seq.packed and seq.seqused_k is not None:
-        raise ValueError("the sm100 forward has no seqused_k yet (packed varlen batches with cu_seqlens_k only)")
     headdim, headdim_v = q.shape[-1], request.v.shape[-1]
     cfg = select_fwd_config(headdim, request.dtype, mask.causal, arch, mask.window is not None, score.softcap > 0,
                             score.sink is not None, None if headdim_v == headdim else headdim_v,
@@ -287,15 +294,16 @@ def fwd_plan(request, arch: int = ARCH, num_sms: int | None = None) -> FwdPlan:
     if seq.packed:
         if cfg.q_stage == 1:
             raise ValueError(q_stage_1_problem(cfg.headdim, cfg.hdim_v, packed=True))
-        cfg = with_seq_layout(cfg, varlen_q=True, varlen_k=True, seqused_q=seq.seqused_q is not None)
+        cfg = with_seq_layout(cfg, varlen_q=True, varlen_k=True, seqused_q=seq.seqused_q is not None,
+                              seqused_k=seq.seqused_k is not None)
     return FwdPlan(cfg)
 
 
 # What flash4's API door serves of this family behind the first-use self-test
 # (flash4.validate._gated_problem; the rest is refused by name before any self-test): the door
 # layouts of the forward (fwd_plan) and of the backward, and whether the forward takes seqused_k
-# and paged K/V.
-GATE_DOOR = {"fwd_layouts": ("dense", "varlen"), "bwd_layouts": ("dense",), "seqused_k": False, "paged": False}
+# and paged K/V (seqused_k: the V-tail zeroing of docs/design/sm100_forward.md section 11).
+GATE_DOOR = {"fwd_layouts": ("dense", "varlen"), "bwd_layouts": ("dense",), "seqused_k": True, "paged": False}
 
 
 def gate_fwd_options(layout: str) -> dict:

@@ -40,6 +40,14 @@ last block down to block 0, as the kernel does), in this order:
  8. out = fp32(O * fp32(1 / row_sum)) rounded to the input dtype; lse = fp32(fp32(R + fp32(R_lo +
     log2 row_sum)) * fp32(ln 2)). Rows that saw no key: out 0, lse -inf.
 
+Ragged keys (seqused_k: the kernel's varlen_k / seqused_k configs): only the first seqused_k[b] of
+the tensor's keys belong to sequence b; the key-edge block is loaded from memory as the TMA loads it
+(the rows past seqused_k up to the tensor's end are whatever memory holds: the next packed sequence,
+a stale cache slot, NaN; past the tensor's end the TMA's zero fill), the softmax masks their scores
+to -inf (P = 0 exactly), and the load warp's V-tail zeroing sets those V rows to 0 before P V
+(zero_v_tail=True, the kernel). zero_v_tail=False models the kernel without it: a NaN or inf there
+reaches O through 0 x NaN = NaN in P V (issue 25).
+
 Not modelled: the MMA's own accumulation rounding inside one k-step (modelled exact), MUFU's last
 ulps, rcp.approx / lg2.approx's (modelled correctly rounded), and anything about timing (barriers,
 pipelines): a race or a wrong TMEM address has no analogue here.
@@ -163,7 +171,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: fl
             causal: bool = False, *, tile_n: int = 128, rescale_threshold: float = RESCALE_THRESHOLD_LOG2,
             exp2_emu_frac: float = DEFAULT_EXP2_EMU_FRAC, exp2_emu_columns: Sequence[bool] | torch.Tensor | None = None,
             p_dtype: torch.dtype | None = None, key_order: str = "reverse", mma_k: int | None = UMMA_K,
-            rescale_step: str = "ref", exact_ref: bool = True, return_stats: bool = False, trace: bool = False):
+            rescale_step: str = "ref", exact_ref: bool = True, return_stats: bool = False, trace: bool = False,
+            seqused_k: int | Sequence[int] | None = None, zero_v_tail: bool = True):
     """(out, lse) as the sm100 forward computes them (module docstring, steps 1-8).
 
     q: (B, Sq, H, D); k: (B, Sk, Hk, D); v: (B, Sk, Hk, Dv); all bfloat16 or all float16 (CPU);
@@ -176,6 +185,10 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: fl
       first) or "forward". mma_k: UMMA k-step (None: one rounding per block product).
     rescale_step: "ref" (2^(R_old - R_new)) or "fa4" (2^(fp32(m_old - m_new) * c)).
     exact_ref: subtract R_lo once |R| >= FWD_EXACT_REF_LOG2 (flash4's huge-magnitude path).
+    seqused_k: keys of each sequence (an int for all, or one per batch row), <= k.shape[1]: the rest
+      of k / v is memory past the sequence's end, loaded with the key-edge block (module docstring).
+    zero_v_tail: with seqused_k, zero the key-edge block's V rows past seqused_k before P V (the
+      kernel's V-tail zeroing); False models the kernel without it.
     Returns (out (B, Sq, H, Dv) in q's dtype, lse (B, H, Sq) float32), and with return_stats a dict:
       blocks: key blocks visited; stale_blocks: (row, block) pairs where the true running max was
       above the reference (a stale max was used); max_stale_log2: the largest such gap (log2
@@ -187,8 +200,21 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: fl
     """
     p_dtype = q.dtype if p_dtype is None else p_dtype
     _check_args(q, k, v, tile_n, key_order, rescale_step, p_dtype)
+    if seqused_k is not None and not isinstance(seqused_k, int):
+        used = [int(x) for x in seqused_k]
+        if len(used) != q.shape[0]:
+            raise ValueError(f"seqused_k must hold one count per batch row ({q.shape[0]}); got {len(used)}")
+        kw = dict(softmax_scale=softmax_scale, causal=causal, tile_n=tile_n, rescale_threshold=rescale_threshold,
+                  exp2_emu_frac=exp2_emu_frac, exp2_emu_columns=exp2_emu_columns, p_dtype=p_dtype,
+                  key_order=key_order, mma_k=mma_k, rescale_step=rescale_step, exact_ref=exact_ref,
+                  zero_v_tail=zero_v_tail)
+        rows = [forward(q[b:b + 1], k[b:b + 1], v[b:b + 1], seqused_k=used[b], **kw) for b in range(q.shape[0])]
+        return torch.cat([r[0] for r in rows]), torch.cat([r[1] for r in rows])
     batch, seqlen_q, nheads, headdim = q.shape
-    seqlen_k, nheads_k, headdim_v = k.shape[1], k.shape[2], v.shape[3]
+    keys_in_memory, nheads_k, headdim_v = k.shape[1], k.shape[2], v.shape[3]
+    seqlen_k = keys_in_memory if seqused_k is None else seqused_k
+    if not 0 <= seqlen_k <= keys_in_memory:
+        raise ValueError(f"seqused_k={seqused_k} must be in [0, k.shape[1]={keys_in_memory}]")
     scale = 1.0 / math.sqrt(headdim) if softmax_scale is None else float(softmax_scale)
     c = float(np.float32(scale * LOG2E))  # the kernel's Float32 scale_log2
     if exp2_emu_columns is None:
@@ -222,11 +248,15 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: fl
     for idx, nb in enumerate(order):
         first = idx == 0
         start = nb * tile_n
-        width = min(tile_n, seqlen_k - start)
+        # the block as the TMA loads it: memory up to the tensor's end (past seqlen_k: another sequence's
+        # or stale rows with ragged keys), its zero fill beyond
+        width = min(tile_n, keys_in_memory - start)
         k_blk = torch.zeros(batch, nheads, tile_n, headdim, dtype=torch.float64)
         v_blk = torch.zeros(batch, nheads, tile_n, headdim_v, dtype=torch.float64)
         k_blk[:, :, :width] = k64[:, :, start:start + width]
         v_blk[:, :, :width] = v64[:, :, start:start + width]
+        if zero_v_tail and seqlen_k - start < tile_n:
+            v_blk[:, :, seqlen_k - start:] = 0.0  # the load warp's V-tail zeroing (ragged keys)
         # 1. S in fp32, masked columns -inf
         s = mma_f32(None, q64, k_blk.transpose(-1, -2), mma_k)
         col = start + torch.arange(tile_n).unsqueeze(0)

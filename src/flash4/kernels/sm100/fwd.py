@@ -13,6 +13,7 @@ flash4.config.sm100.tmem_map, every setmaxnreg budget from register_plan, every 
 count from pipeline_specs (checked at trace time, kernels/sm100/pipes.py).
 """
 
+import math
 from typing import Optional
 
 import cuda.bindings.driver as cuda
@@ -28,8 +29,8 @@ from cutlass.cutlass_dsl import dsl_user_op
 from cutlass.memory import SmemAllocator, TmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
-from flash4.kernels.sm100.plan import (TMEM_COLUMNS, WARP_ROLES, WARP_SIZE, RegisterPlan, pipeline_specs, register_plan,
-                                 tma_tx_bytes, tmem_alloc_cols, tmem_map)
+from flash4.kernels.sm100.plan import (TMEM_COLUMNS, WARP_ROLES, WARP_SIZE, RegisterPlan, pipeline_specs, ragged_keys,
+                                 register_plan, tma_tx_bytes, tmem_alloc_cols, tmem_map)
 from flash4.constants import LOG2E, THREADS_PER_WG
 from flash4.kernels.common import geometry
 from flash4.kernels.common.dsl import DSL_DTYPES
@@ -97,6 +98,9 @@ class FlashAttentionForwardSm100:
         (through smem sScale[row, i]).
       * o_full: mma -> correction, the tile's last PV_i is done (never waited empty: s_p_o orders it).
       * corr_epi: correction -> epilogue, sO[i] written; released after the TMA store read it.
+      * v_tail (ragged keys only: varlen_k / seqused_k): load -> mma, the key-edge block's V rows
+        past seqlen_k zeroed in smem (zero_v_tail, after fence.proxy.async) before the tile's first
+        PV; acknowledged by the MMA's elected lane (docs/design/sm100_forward.md section 11).
     Per tile with n key blocks and Q tile i, every role counts the same n (flash4.geometry's
     n_block_max for the 256-row CTA tile); an empty tile (n = 0) touches only corr_epi (O = 0).
       mma: S_i(0) ; n - 1 times [wait s_p_o_i ; PV_i(j-1) ; S_i(j)] ; wait s_p_o_i ; PV_i(n-1) ; o_full_i.
@@ -138,6 +142,10 @@ class FlashAttentionForwardSm100:
         # q_stage 1 ((192, 128), hd256): softmax0 owns the one Q tile; softmax1's warpgroup is idle
         # (it only lowers its registers), so it takes no part in the TMEM named barrier.
         self.softmax_roles = ("softmax0", "softmax1")[:self.q_stage]
+        # Ragged keys (varlen_k, seqused_k): V rows past seqlen_k of a tile's key-edge block hold other
+        # data (the next packed sequence, stale cache rows); the load warp zeroes them before the
+        # first PV (zero_v_tail, pipeline v_tail; issue 25: 0 x NaN = NaN in P V).
+        self.ragged_k = ragged_keys(cfg)
         self.tmem_users = WARP_SIZE * sum(len(WARP_ROLES[r]) for r in ("mma", *self.softmax_roles, "correction"))
         self.buffer_align_bytes = 1024
         self.smem_budget = cfg.smem_bytes()
@@ -155,8 +163,8 @@ class FlashAttentionForwardSm100:
         mLSElo: cute.Tensor,
         mCuSeqlensQ: Optional[cute.Tensor],  # varlen_q / varlen_k / seqused_q configs: (batch + 1,) /
         mCuSeqlensK: Optional[cute.Tensor],  # (batch + 1,) / (batch,) int32 (kernels/common/seqinfo.py);
-        mSeqUsedQ: Optional[cute.Tensor],  # the rest of the sm90 forward's ABI must be None (seqused_k,
-        mSeqUsedK: Optional[cute.Tensor],  # paged K/V and split-KV are not built on sm100)
+        mSeqUsedQ: Optional[cute.Tensor],  # seqused_k configs: (batch,) int32 key counts; the rest of the
+        mSeqUsedK: Optional[cute.Tensor],  # sm90 forward's ABI must be None (paged K/V, split-KV: not built)
         mPageTable: Optional[cute.Tensor],
         mOacc: Optional[cute.Tensor],
         mLSEacc: Optional[cute.Tensor],
@@ -172,13 +180,13 @@ class FlashAttentionForwardSm100:
         num_ctas: Int32,  # grid size: cta_group CTAs per tile (ceil(max_seqlen_q / cta_tile_m) * heads * batch tiles)
         stream: cuda.CUstream,
     ):
-        for name, t in (("seqused_k", mSeqUsedK), ("page_table", mPageTable), ("o_accum", mOacc),
-                        ("lse_accum", mLSEacc)):
+        for name, t in (("page_table", mPageTable), ("o_accum", mOacc), ("lse_accum", mLSEacc)):
             if const_expr(t is not None):
                 raise NotImplementedError(f"flash4 fwd_sm100: {name} is not implemented on sm100 yet")
         for name, t, flag in (("cu_seqlens_q", mCuSeqlensQ, self.cfg.varlen_q),
                               ("cu_seqlens_k", mCuSeqlensK, self.cfg.varlen_k),
-                              ("seqused_q", mSeqUsedQ, self.cfg.seqused_q)):
+                              ("seqused_q", mSeqUsedQ, self.cfg.seqused_q),
+                              ("seqused_k", mSeqUsedK, self.cfg.seqused_k)):
             if const_expr((t is not None) != flag):
                 raise ValueError(f"flash4 fwd_sm100: {name} {'missing' if flag else 'given'} for a config with "
                                  f"{name.replace('cu_seqlens', 'varlen')}={flag}")
@@ -246,7 +254,7 @@ class FlashAttentionForwardSm100:
 
         kernel = self.kernel(
             tma_Q, tma_K, tma_V, tma_O, mO if const_expr(self.cfg.varlen_q) else None, mLSE, mLSEhi, mLSElo, mSink,
-            (mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ), tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O,
+            (mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK), tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O,
             softmax_scale_log2, softcap_scale, batch_size, max_seqlen_q, l2_group, window_left, window_right,
             sQ_layout, sK_layout, tP_layout, sV_layout, sO_layout, tiled_mma_qk, tiled_mma_pv, SharedStorage,
         )
@@ -502,6 +510,9 @@ class FlashAttentionForwardSm100:
         add("o_full", pipeline.PipelineUmmaAsync, one, thread_group(g * threads["correction"]), **pair)
         add("corr_epi", pipeline.PipelineAsync, thread_group(threads["correction"]),
             thread_group(len(self.roles["epilogue"])))  # the epilogue warp's elected lane
+        if const_expr(self.ragged_k):
+            # every lane of the load warp (each after its own fence.proxy.async) -> the MMA warp's elected lane
+            add("v_tail", pipeline.PipelineAsync, thread_group(threads["load"]), thread_group(len(self.roles["mma"])))
         return pipes
 
     # ---------------------------------------------------------------- tile geometry (all roles)
@@ -520,8 +531,15 @@ class FlashAttentionForwardSm100:
         return n_min, n_max - n_min
 
     def tile_seq(self, mQ, mK, batch, seqs):
-        """SeqInfo of sequence `batch`; seqs: (cu_seqlens_q, cu_seqlens_k, seqused_q), None where off."""
-        return SeqInfo(batch, mQ.shape[0], mK.shape[0], seqs[0], seqs[1], seqs[2])
+        """SeqInfo of sequence `batch`; seqs: (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k), None
+        where off."""
+        return SeqInfo(batch, mQ.shape[0], mK.shape[0], seqs[0], seqs[1], seqs[2], seqs[3])
+
+    def v_tail_rows(self, seq, n_min, n_blocks):
+        """Valid keys of the tile's key-edge block n_min + n_blocks - 1 (the first the MMA consumes, the
+        only one that can cross seqlen_k): the V rows at or past it are zeroed when it is < tile_n.
+        The load and MMA warps both ask this (ragged configs), so they agree on the tiles that signal."""
+        return seq.seqlen_k - (n_min + n_blocks - 1) * self.tile_n
 
     def v_view(self, mV, seq, head_kv):
         """V of the sequence in its transposed kernel view (dv, seqlen_k): packed K/V start at the
@@ -540,6 +558,7 @@ class FlashAttentionForwardSm100:
         qhead_per_kvhead = mQ.shape[2] // mK.shape[2]
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stage)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.kv_stages)
+        vt_phase = Int32(1)  # ragged keys: v_tail's producer phase (its first wait on empty passes)
         one_cta = cute.make_layout(1)
         tile_idx = self.first_tile()
         while tile_idx < sched.num_tiles():
@@ -564,7 +583,12 @@ class FlashAttentionForwardSm100:
                 kv_state = self.load_block(tma_atom_K, tKgK, tKsK, last, pipe_kv, kv_state)
                 for stage in cutlass.range_constexpr(self.q_stage):
                     q_state = self.load_block(tma_atom_Q, tQgQ, tQsQ, self.q_stage * m_block + stage, pipe_q, q_state)
+                v_state = kv_state
                 kv_state = self.load_block(tma_atom_V, tVgV, tVsV, last, pipe_kv, kv_state, self.v_tx())
+                if const_expr(self.ragged_k):
+                    valid = self.v_tail_rows(seq, n_min, n_blocks)
+                    if valid < self.tile_n:
+                        vt_phase = self.zero_v_tail(sV, pipe_kv, v_state, pipes["v_tail"], vt_phase, valid)
                 for i in cutlass.range(n_blocks - 1, unroll=1):
                     kv_state = self.load_block(tma_atom_K, tKgK, tKsK, last - 1 - i, pipe_kv, kv_state)
                     kv_state = self.load_block(tma_atom_V, tVgV, tVsV, last - 1 - i, pipe_kv, kv_state, self.v_tx())
@@ -572,6 +596,60 @@ class FlashAttentionForwardSm100:
         # Wait for the MMA warp's last releases (no tcgen05.commit may land after exit).
         pipe_kv.producer_tail(kv_state)
         pipe_q.producer_tail(q_state)
+
+    @cute.jit
+    def zero_v_tail(self, sV, pipe_kv, v_state, pipe_vt, vt_phase, valid):
+        """Ragged keys (load warp, right after issuing the key-edge block's V): wait until that V has
+        landed, zero its rows >= valid (the keys past seqlen_k: another sequence's or stale rows; a
+        NaN / inf there would reach O through 0 x NaN in P V), fence.proxy.async.shared::cta (these
+        generic-proxy stores before the MMA's async-proxy reads and the stage's later TMA refill),
+        then signal the MMA warp on v_tail, which it waits on before the tile's first PV.
+        Race-free: the stage is released (and refilled) only after that PV, so the wait on its full
+        barrier sees exactly this load's phase (the warp itself acquired the stage for it). No
+        deadlock: the wait is on this warp's own TMA; v_tail's empty side waits for the MMA's
+        acknowledgement of the previous tile's signal, which the MMA gives before any PV of that
+        tile, needing only loads this warp issued before it. Returns v_tail's next producer phase."""
+        pipe_kv.wait_full(v_state.index, v_state.phase ^ 1)  # a producer's phase is the consumer's ^ 1
+        lane = cute.arch.lane_idx()
+        tiled_zero = self.v_zero_copy()
+        thr = tiled_zero.get_slice(lane)
+        sVt = self.v_stage_rows(sV, v_state.index)  # (tile_n, dv) of the stage
+        tVsV = thr.partition_D(sVt)
+        tVcV = thr.partition_D(cute.make_identity_tensor((self.tile_n, self.hdim_v)))
+        zeros = cute.make_fragment_like(tVsV)
+        zeros.fill(0.0)
+        for m in cutlass.range_constexpr(cute.size(tVsV, mode=[1])):
+            if tVcV[0, m, 0][0] >= valid:
+                cute.copy(tiled_zero, zeros[None, m, None], tVsV[None, m, None])
+        cute.arch.fence_view_async_shared()  # fence.proxy.async.shared::cta: generic zeros -> async proxy
+        pipe_vt.wait_empty(0, vt_phase)  # the MMA took the previous tile's signal
+        pipe_vt.arrive_full(0, "load")
+        return vt_phase ^ 1
+
+    def v_stage_rows(self, sV, index):
+        """Stage `index` of the K/V ring as V's (tile_n keys, dv) view: sV's modes are (((dv...), 16
+        keys), 1, tile_n / 16, stage) (the PV MMA's MN-major B operand), regrouped into (keys, dv)
+        with the same swizzled pointer."""
+        stage = sV[None, None, None, index]
+        o = stage.layout
+        d_shape, k16_shape = o.shape[0]
+        d_stride, k16_stride = o.stride[0]
+        # the tcgen05 B-operand partition of a (dv, tile_n) tile is ((dv, 16), 1, tile_n / 16) with
+        # coordinates (d, k16 + 16 kb) (thr_mma_pv.partition_B of an identity tensor:
+        # ((dv,16),1,8):((1@0,1@1),0,16@1)): the regrouping relies on that shape
+        if const_expr(cute.size(d_shape) != self.hdim_v or k16_shape * cute.size(o.shape[2]) != self.tile_n
+                      or cute.size(o.shape[1]) != 1):
+            raise RuntimeError(f"flash4 fwd_sm100: V stage layout {o} is not ((dv, k), 1, tile_n / k)")
+        layout = cute.make_layout(((k16_shape, o.shape[2]), d_shape), stride=((k16_stride, o.stride[2]), d_stride))
+        return cute.make_tensor(stage.iterator, layout)
+
+    def v_zero_copy(self):
+        """The load warp's tiled copy over a (tile_n, dv) V stage: 16-byte stores, lanes along dv."""
+        vec = 128 // self.dtype.width
+        per_row = math.gcd(self.hdim_v // vec, WARP_SIZE)
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128)
+        thr_layout = cute.make_ordered_layout((WARP_SIZE // per_row, per_row), order=(1, 0))
+        return cute.make_tiled_copy_tv(atom, thr_layout, cute.make_layout((1, vec)))
 
     def v_tx(self):
         """A V block's tx bytes where they differ from the ring's (K's; Dv != D), else None."""
@@ -607,10 +685,12 @@ class FlashAttentionForwardSm100:
         # The MMA's waits on s_p_o (one per Q tile and key block; one phase bit for both Q tiles):
         # the first needs the softmax's first P and the correction's initial release: phase 0.
         spo_phase = Int32(0)
+        vt_phase = Int32(0)  # ragged keys: v_tail's consumer phase
         tile_idx = self.first_tile()
         while tile_idx < sched.num_tiles():
             m_block, head, batch = sched.coords(tile_idx)
-            _, n_blocks = self.key_blocks(m_block, self.tile_seq(mQ, mK, batch, seqs), window)
+            seq = self.tile_seq(mQ, mK, batch, seqs)
+            n_min, n_blocks = self.key_blocks(m_block, seq, window)
             if n_blocks > 0:
                 # Q tile i sits in stage i of the Q ring (two Q tiles per CTA tile, in order).
                 pipe_kv.wait_full(kv_state.index, kv_state.phase)
@@ -621,6 +701,14 @@ class FlashAttentionForwardSm100:
                     pipe_spo.arrive_full(stage, "mma")  # S_stage ready
                 pipe_kv.arrive_empty(kv_state.index, "mma")
                 kv_state = next_state(kv_state)
+                if const_expr(self.ragged_k):
+                    # the key-edge block's V rows past seqlen_k are zeroed (load warp) before any PV
+                    if self.v_tail_rows(seq, n_min, n_blocks) < self.tile_n:
+                        pipes["v_tail"].wait_full(0, vt_phase)
+                        with cute.arch.elect_one():
+                            pipes["v_tail"].arrive_empty(0, "mma")
+                        vt_phase = vt_phase ^ 1
+                        tcgen05_fence_after()
                 for i in cutlass.range(n_blocks - 1, unroll=1):
                     v_state = kv_state
                     k_state = next_state(kv_state)

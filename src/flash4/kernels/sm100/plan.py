@@ -347,4 +347,19 @@ def pipeline_specs(cfg) -> dict:
                      "O_i staged in smem sO[i] -> TMA store; released once the store has read sO[i] (CTA-local)",
                      per_q_tile=True, cta_group=g),
     ]
+    if ragged_keys(cfg):
+        # load -> MMA: V rows >= seqlen_k of the tile's key-edge block zeroed in smem (every lane of
+        # the load warp after its fence.proxy.async); the MMA waits before its first PV and
+        # acknowledges at once (one elected lane), so the next tile's arrival cannot lap it. Only
+        # for tiles whose key-edge block is partial (both sides decide alike: v_tail_rows).
+        specs.append(PipelineSpec("v_tail", 1, (P("load", Signal.ALL_THREADS),), (P("mma", Signal.ELECTED),),
+                                  "ragged keys: V rows past seqlen_k of the key-edge block zeroed -> first PV "
+                                  "(issue 25: 0 x NaN in P V); CTA-local", cta_group=g))
     return {s.name: s for s in specs}
+
+
+def ragged_keys(cfg) -> bool:
+    """Keys past seqlen_k of a tile's key-edge block are real memory the TMA loads (the next packed
+    sequence's rows: varlen_k; stale cache rows: seqused_k), not the TMA's zero fill: their V rows
+    must be zeroed before P V reads them (pipeline "v_tail"; scores are masked by the softmax)."""
+    return bool(getattr(cfg, "varlen_k", False) or getattr(cfg, "seqused_k", False))
