@@ -244,8 +244,10 @@ def test_a_config_with_an_unbuilt_field_cannot_exist(field, value):
 
 
 def test_backward_configs():
-    """The 1-CTA backward (tests/cpu/test_sm100_bwd_plan.py has its plan): hd64 / hd128 only."""
-    assert len(shipped_bwd_configs()) == 24 and select_bwd_config(128).arch == 100
+    """The 1-CTA backward (tests/cpu/test_sm100_bwd_plan.py has its plan): hd64 / hd128 only; then the
+    2-CTA hd128 ones (tests/cpu/test_sm100_bwd_2cta.py)."""
+    configs = shipped_bwd_configs()
+    assert [c.cta_group for c in configs] == [1] * 24 + [2] * 4 and select_bwd_config(128).arch == 100
     with pytest.raises(ValueError, match="sm100 backward is built for head dims"):
         select_bwd_config(96)
 

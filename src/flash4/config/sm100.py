@@ -379,7 +379,7 @@ def bwd_config_problem(cfg) -> str | None:
 
 
 # Problems the 2-CTA backward is built for (bwd_two_cta_problem).
-BWD_TWO_CTA_CAUSAL = False
+BWD_TWO_CTA_CAUSAL = True
 
 
 def bwd_two_cta_problem(headdim: int, causal: bool = False, local: bool = False,
@@ -413,14 +413,15 @@ def select_bwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, a
         raise ValueError(f"flash4.config.sm100 builds sm_100a kernels only, got arch={arch}")
     if headdim not in SM100_BWD_HEADDIMS:
         raise ValueError(f"headdim={headdim}: the sm100 backward is built for head dims {SM100_BWD_HEADDIMS} "
-                         "only (1-CTA; hd96/192/256 and 2-CTA are not built yet)")
+                         "only (hd96/192/256 are not built yet; the 2-CTA variant: hd128)")
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r}; allowed: {DTYPES}")
     missing = [what for flag, what in ((headdim_v is not None and headdim_v != headdim, _BWD_UNBUILT_WHAT["headdim_v"]),
                                        (softcap, _BWD_UNBUILT_WHAT["softcap"])) if flag]
     if missing:
         raise ValueError("the sm100 backward has no " + ", ".join(missing) + " yet (compile-verified 1-CTA "
-                         "backward: dense hd64/hd128, causal, window or neither, deterministic or not, MHA/GQA)")
+                         "backward: dense hd64/hd128, causal, window or neither, deterministic or not, MHA/GQA; "
+                         "2-CTA: hd128)")
     if two_cta and bwd_two_cta_problem(headdim, causal and not local, local, deterministic) is None:
         plan = default_bwd_register_plan_2cta(headdim, causal)
         return Sm100BwdConfig(headdim=headdim, dtype=dtype, causal=causal, cta_group=2, q_stages=BWD_Q_STAGES_2CTA,

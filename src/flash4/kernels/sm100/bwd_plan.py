@@ -150,7 +150,9 @@ def default_bwd_register_plan_2cta(headdim: int, causal: bool) -> BwdRegisterPla
     """FA4's 2-CTA budgets (flash_bwd_sm100.py __init__, hd128, causal or not): reduce / compute /
     load = mma 136 / 136 / 104: 136 + 2 x 136 + 104 = 512 (FA4's relay warp takes the MMA's 104, its
     empty warp 24; here the relay and idle warps share the fourth warpgroup's 104)."""
-    del headdim, causal
+    del headdim
+    if causal:
+        return BwdRegisterPlan(128, 144, 96)
     return BwdRegisterPlan(136, 136, 104)
 
 
