@@ -1,4 +1,4 @@
-"""FlashAttention backward for Blackwell (sm_100a, B200) in CuTe DSL: 1-CTA, dQ, dK, dV.
+"""FlashAttention backward for Blackwell (sm_100a, B200) in CuTe DSL: 1-CTA and (hd128) 2-CTA, dQ, dK, dV.
 
 Status: compile-verified, not run on hardware (no Blackwell GPU has executed it; no speed claim).
 
@@ -21,8 +21,16 @@ dS carries the softmax scale, so dK and dQ need no rescaling (flash4's conventio
 Every TMEM offset comes from flash4.kernels.sm100.bwd_plan.bwd_tmem_map, every setmaxnreg budget
 from bwd_register_plan, every mbarrier arrive count from bwd_pipeline_specs (checked at trace time by
 flash4.kernels.sm100.pipes). Masks: causal, a sliding window (local configs; runtime sides), keys
-past seqlen_k, through flash4.geometry (m_block_range, first_query, query_end). Not built (refused by
-flash4.config.sm100.select_bwd_config): 2-CTA, head dims other than 64 / 128, Dv != D,
+past seqlen_k, through flash4.geometry (m_block_range, first_query, query_end).
+
+2-CTA (cfg.cta_group 2: hd128, full or causal, not deterministic, no window; opt-in FLASH4_SM100_2CTA):
+a cluster of 2 CTAs per 2 x 128 keys, the leader issuing .cta_group::2 MMAs for both (each CTA's own
+keys are its M rows; Q, dO, Q^T, dO^T, K^T are loaded split along the MMA's N), dQ over S's tail in
+TMEM (each CTA: 64 query rows x D), half of dS^T swapped with the peer over DSMEM
+(cp.async.bulk.shared::cluster), a relay warp (14) forwarding "the peer's half arrived" to the
+leader's MMA warp, and the pair's TMEM dealloc handshake. docs/design/sm100_backward.md section 8.
+
+Not built (refused by flash4.config.sm100.select_bwd_config): head dims other than 64 / 128, Dv != D,
 softcap, varlen / seqused, the GQA head split, and the exact-LSE path of issue 8 (P uses the rounded padded log2 LSE the preprocess writes;
 the per-tile exact flags are not read).
 """
@@ -168,7 +176,9 @@ def bwd_smem_layouts(cfg, mmas=None) -> dict:
 
 
 class FlashAttentionBackwardSm100:
-    """Warp-specialized 1-CTA backward: one CTA per (key block, KV head, batch).
+    """Warp-specialized backward: one CTA per (key block, KV head, batch); 2-CTA (cfg.cta_group 2): one
+    cluster of 2 per (pair of key blocks, KV head, batch), see mma_2cta / load_2cta / reduce_2cta /
+    relay and compute's cta_v branches. The 1-CTA description:
 
     Warp roles (flash4.kernels.sm100.bwd_plan.BWD_WARP_ROLES; 16 warps, 512 threads):
       * reduce = warps 0-3: thread t owns dQ row t (TMEM lane t): loads the step's dQ (D columns),
