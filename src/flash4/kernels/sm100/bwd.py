@@ -1039,7 +1039,7 @@ class FlashAttentionBackwardSm100:
                                      tiled_ld)
         chunks_per_wg = self.wg_cols // LD_COLS
         key = n_block * self.tile_n + lane_row
-        ds_chunk0 = wg * chunks_per_wg  # this warpgroup's first LD_COLS-column chunk of dS^T in smem
+        ds_chunk0 = None  # 2-CTA: this warpgroup's first LD_COLS-column chunk of dS^T in smem
         if const_expr(self.two_cta):
             # dS^T and the exchange buffer after it as one (tile_n, 3 tile_m / 2) row-major tile whose
             # query halves are contiguous blocks: this warpgroup's half stays in place when it is this
@@ -1102,7 +1102,10 @@ class FlashAttentionBackwardSm100:
                 cute.arch.fence_view_async_tmem_load()
                 self.dscores(ps[j], dp, t0ScS, sD, d_state.index, col, softmax_scale)
                 ds16 = self.store16(dp, thr_st, cute.make_tensor(ds_dst.iterator + j * st_cols, ds_dst.layout), st_shape)
-                cute.copy(r2s, ds16[None, 0, 0], tsdS_part[None, 0, 0, ds_chunk0 + j])
+                if const_expr(self.two_cta):
+                    cute.copy(r2s, ds16[None, 0, 0], tsdS_part[None, 0, 0, ds_chunk0 + j])
+                else:
+                    cute.copy(r2s, ds16[None, 0, 0], tsdS_part[None, 0, 0, wg * chunks_per_wg + j])
             cute.arch.fence_view_async_tmem_store()
             if const_expr(self.two_cta):
                 tcgen05_fence_before()
