@@ -1,7 +1,7 @@
 """Side-by-side SASS instruction mix of flash4's sm100 (Blackwell) kernels and flash-attn-4's, per
 kernel and shape, compiled on the CPU (no GPU): forward hd64 / hd128, full and causal; backward hd64,
-hd128. A sanity reference for a human (issues 22 and 23), and the table of docs/design/
-sm100_forward.md section 6. Counts are static SASS instruction sites (cuobjdump), not executed
+hd128. A sanity reference for a human (issues 22 and 23), and the tables of docs/design/
+sm100_forward.md section 6 and sm100_backward.md section 5 ("Side by side with flash-attn-4"). Counts are static SASS instruction sites (cuobjdump), not executed
 instructions; an opcode counts with its suffixes (UTCHMMA includes UTCHMMA.2CTA).
 
     pip install --no-deps --target /tmp/fa4 flash-attn-4==4.0.0b36 quack-kernels==0.6.5 einops
@@ -20,8 +20,7 @@ catch what FA4 compiles, and the backward's main kernel is the largest of its co
 are its pre/postprocess). FA4 picks its own configs (2-CTA for the non-causal hd128 forward and
 the hd128 backward); flash4's are the ones its API selects (flash4.config.sm100.select_fwd_config /
 select_bwd_config), compiled as `python -m flash4 compile-check --arch sm_100a` compiles them
-(flash4.compile.cache). While select_bwd_config refuses (no sm100 backward yet) flash4's backward
-rows carry its message.
+(flash4.compile.cache); a config select_*_config refuses is a row carrying its message.
 """
 
 from __future__ import annotations
@@ -96,16 +95,11 @@ def flash4_mix(pass_: str, headdim: int, causal: bool) -> dict:
         cfg = (sm100.select_fwd_config if pass_ == "fwd" else sm100.select_bwd_config)(headdim, "bf16", causal)
     except ValueError as e:
         return {"absent": f"flash4: {e}"}
-    if pass_ == "fwd":
-        from flash4.compile.cache import compile_fwd as compile_
-        from flash4.compile.sm100_check import name as config_name
+    from flash4.compile.cache import compile_bwd, compile_fwd
+    from flash4.compile.sm100_check import name as config_name
 
-        name = config_name(cfg)
-    else:
-        from flash4.compile.cache import compile_bwd as compile_
-
-        name = (f"bwd_sm100 d{headdim} bf16 {'causal' if causal else 'full'} "
-                f"{getattr(cfg, 'tile_m', '?')}x{getattr(cfg, 'tile_n', '?')} {getattr(cfg, 'cta_group', 1)}cta")
+    compile_ = compile_fwd if pass_ == "fwd" else compile_bwd
+    name = config_name(cfg)
     cubin = extract_cubin(compile_(cfg))
     if cubin is None:
         return {"absent": f"{name}: no cubin in the compiled module"}

@@ -86,6 +86,12 @@ def bwd_variants(config) -> list:
     for d, dv in config.HDIMV_PAIRS:
         out += [sel(d, "bf16", True, local=True, headdim_v=dv),
                 seq(sel(d, "bf16", True, headdim_v=dv), varlen_q=True, varlen_k=True)]
+    # a learnable sink needing a gradient (BwdConfig.sink_delta): every head dim, dense and packed, deterministic
+    if hasattr(config, "with_sink_delta"):
+        sink = config.with_sink_delta
+        for d in config.BWD_SUPPORTED_HEADDIMS:
+            out += [sink(sel(d, "bf16", True)), sink(seq(sel(d, "bf16", True), varlen_q=True, varlen_k=True)),
+                    sink(sel(d, "bf16", False, deterministic=True))]
     return out
 
 

@@ -50,12 +50,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_kernel_filters(check)
     check.add_argument("--json", metavar="PATH", help="also write the results to this JSON file")
     check.add_argument("--arch", choices=("sm_90a", "sm_100a"), default="sm_90a",
-                       help="sm_90a (default): the Hopper kernels. sm_100a: the Blackwell (B200) forward, "
-                            "compile-verified for sm_100a, not yet run on Blackwell hardware; reports registers "
-                            "per warp role, TMEM columns, shared memory, SASS opcode counts and compile time")
+                       help="sm_90a (default): the Hopper kernels. sm_100a: the Blackwell (B200) forward and "
+                            "backward, compile-verified for sm_100a, not yet run on Blackwell hardware; reports "
+                            "registers per warp role, TMEM columns, shared memory, SASS opcode counts and compile time")
     check.add_argument("--features", action="store_true",
-                       help="with --arch sm_100a: also the sliding-window, softcap and sink variants (96 configs "
-                            "instead of 12)")
+                       help="with --arch sm_100a: also the forward's sliding-window, softcap and sink variants (96 "
+                            "configs instead of 12) and the backward's sliding-window ones (24 instead of 16)")
+    check.add_argument("--pass", dest="passes", choices=("fwd", "bwd", "both"), default="both",
+                       help="with --arch sm_100a: only the forward (fwd) or backward (bwd) kernels, or both (default)")
     warm = sub.add_parser(
         "warmup", help="compile flash4's kernels into the on-disk compile cache (no GPU needed), so later "
                        "processes load them in milliseconds",
@@ -86,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "compile-check" and args.arch == "sm_100a":
         from flash4.compile import sm100_check
 
-        return sm100_check.main(sm100_check.configs(args.headdims, args.dtypes, causals, args.features),
+        passes = ("fwd", "bwd") if args.passes == "both" else (args.passes,)
+        return sm100_check.main(sm100_check.configs(args.headdims, args.dtypes, causals, args.features, passes),
                                 json_path=args.json)
     configs = select_configs(headdims=args.headdims, dtypes=args.dtypes, causals=causals)
     if args.command == "warmup":

@@ -18,7 +18,9 @@ flash4::fwd / flash4::varlen_fwd (for callers of the ops themselves):
   * lse is differentiable: a loss that uses it (ring-attention merges, z-loss) adds dLSE to the
     backward, where dS = P * (dP - D) gains P * dLSE, i.e. D becomes D - dLSE (flash4.backward).
     Gradients are not materialized, so an unused lse (or out) costs nothing;
-  * learnable_sink's gradient is sink_grad's (in torch, from out, dout and lse);
+  * learnable_sink's gradient is sink_grad's (in torch, from lse, dlse and each row's D, which the
+    backward kernel sums in fp32 from P and dP when the sink needs a gradient: the backward op's
+    `sink_delta` and 4th output, flash4.backward.run's delta);
   * paged K/V (page_table) run the forward; their backward raises PAGED_BACKWARD_ERROR;
   * max_seqlen_k given as a tensor or None is resolved when the backward runs (eager: from the
     tensor; under torch.compile the op computes it from the metadata);
@@ -170,16 +172,18 @@ def _grads(ctx, dout, dlse, needs) -> tuple:
     q, k, v, out, lse, sink = (named[n] for n in ("q", "k", "v", "out", "lse", "learnable_sink"))
     if dout is None:  # only lse is used by the loss
         dout = torch.zeros_like(out)
+    sink_needed = sink is not None and needs[-1]
+    # sink_delta: the op also returns each row's D in fp32, from the kernel's P and dP
+    named["dout"], named["dlse"], named["sink_delta"] = dout, dlse, sink_needed
+    args = tuple(named[n] for n in ops.BACKWARD_ARGS[ctx.varlen])
+    dq, dk, dv, delta = (ops.BACKWARD_OPS if ctx.use_ops else ops.BACKWARD_IMPLS)[ctx.varlen](*args)
     dsink = None
-    if sink is not None and needs[-1]:
+    if sink_needed:
         if ctx.varlen:
             rows = varlen_row_mask(named["cu_seqlens_q"], named["seqused_q"], q.shape[0])
-            dsink = sink_grad(sink, out, dout, lse, dlse, 1, rows)
+            dsink = sink_grad(sink, out, dout, lse, dlse, 1, rows, delta=delta)
         else:
-            dsink = sink_grad(sink, out, dout, lse, dlse, 2)
-    named["dout"], named["dlse"] = dout, dlse
-    args = tuple(named[n] for n in ops.BACKWARD_ARGS[ctx.varlen])
-    dq, dk, dv = (ops.BACKWARD_OPS if ctx.use_ops else ops.BACKWARD_IMPLS)[ctx.varlen](*args)
+            dsink = sink_grad(sink, out, dout, lse, dlse, 2, delta=delta)
     grads = no_double_backward((dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None, dsink),
                                (q, k, v, dout, dlse))
     return grads[:3] + (None,) * (ctx.num_args - 4) + grads[3:]
@@ -230,7 +234,7 @@ def no_double_backward(grads, inputs):
     return tuple(None if g is None else next(wrapped) for g in grads)
 
 
-def sink_grad(learnable_sink, out, dout, lse, dlse, heads_dim: int, row_mask=None):
+def sink_grad(learnable_sink, out, dout, lse, dlse, heads_dim: int, row_mask=None, delta=None):
     """d loss / d learnable_sink (attention sinks, gpt-oss), in torch: the sink s_h is one more logit
     of every row's softmax with no value, so with P_sink = exp(s_h - LSE) (the LSE includes the sink)
         dsink_h = sum over rows of P_sink * (dLSE - D),   D = rowsum(dout * out) (fp32),
@@ -238,9 +242,14 @@ def sink_grad(learnable_sink, out, dout, lse, dlse, heads_dim: int, row_mask=Non
 
     Dense: out/dout (B, Sq, H, D), lse/dlse (B, H, Sq), heads_dim=2. Varlen: out/dout (T, H, D),
     lse/dlse (H, T), heads_dim=1, row_mask None or a (T,) bool of the rows inside a sequence (rows
-    outside are excluded whatever their lse). Returns a (H,) tensor of learnable_sink's dtype."""
-    delta = (dout.float() * out.float()).sum(-1)  # (B, Sq, H) or (T, H)
-    delta = delta.transpose(-1, -2)  # (B, H, Sq) or (H, T), as lse
+    outside are excluded whatever their lse). delta: None, or D itself in lse's shape (fp32): the
+    backward kernel's sum_j P_ij dP_ij (flash4.backward.run's delta), which is rowsum(dout * out) of
+    the float32 output; without it D comes from `out`, whose 16-bit rounding puts dsink a few ulps
+    of its dtype off the float32 reference (docs/conformance/fa4-suite.md, dSink). Returns a (H,)
+    tensor of learnable_sink's dtype."""
+    if delta is None:
+        delta = (dout.float() * out.float()).sum(-1)  # (B, Sq, H) or (T, H)
+        delta = delta.transpose(-1, -2)  # (B, H, Sq) or (H, T), as lse
     shape = [1] * lse.dim()
     shape[lse.dim() - 2] = -1
     p_sink = torch.exp(learnable_sink.float().view(shape) - lse)

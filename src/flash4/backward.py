@@ -11,6 +11,9 @@ r"""The host backward: dense and packed (varlen) requests, preprocess -> main ke
     dq_accum = 0                                   fp32 (.., H, rows, D), the kernel reduce-adds dQ /
                                                    (zeroed by the preprocess)
     dpsum   -= dLSE                                when the LSE has a gradient (dS = P * (dP - D) gains P * dLSE)
+    delta    = 0                                   fp32 (.., H, rows), only when a learnable sink needs a
+                                                   gradient (run's `delta`): the main kernel adds
+                                                   D = sum_j P dP of each row (BwdConfig.sink_delta)
     main kernel (the family's, flash4.kernels.registry): dK, dV of its key tile, dQ reduce-added
     dq       = dq_accum converted to the input dtype (the kernel's dS already carries softmax_scale; the
                dQ postprocess)
@@ -50,7 +53,8 @@ F32 = torch.float32
 
 
 def flash_attn_backward(dout, q, k, v, out, lse, softmax_scale: float, causal: bool, dq=None, dk=None, dv=None,
-                        deterministic: bool = False, lse_split=None, dlse=None, window_size=None, softcap: float = 0.0):
+                        deterministic: bool = False, lse_split=None, dlse=None, window_size=None, softcap: float = 0.0,
+                        delta=None):
     """Gradients of out = attention(q, k, v) for the upstream gradient dout (dense batches).
 
     q: (B, Sq, H, D); k: (B, Sk, Hk, D); v: (B, Sk, Hk, Dv); out, dout: (B, Sq, H, Dv) (Dv = D, or a
@@ -66,20 +70,25 @@ def flash_attn_backward(dout, q, k, v, out, lse, softmax_scale: float, causal: b
     deterministic: add the dQ partial sums of the key blocks in a fixed order (bitwise-identical
     results across calls); dK and dV are reduced in registers, or (GQA/MQA head split: several
     CTAs per KV head) added in fp32 in head-split order. window_size: None or flash-attn's (left,
-    right); softcap: the forward's (0 = off).
+    right); softcap: the forward's (0 = off). delta: None, or an fp32 (B, H, Sq) tensor that receives
+    each row's D = rowsum(dO * O) of the float32 output (run's; for flash4.autograd.sink_grad).
     Returns (dq, dk, dv) shaped like q, k, v in their dtype. Raises ValueError for a head dim the
     backward kernel does not support (flash4.config.BWD_SUPPORTED_HEADDIMS) or a problem beyond the
     kernels' grid/int32 limits (flash4.launch). The inputs are not validated (they come from a forward).
     """
     request = Request.dense(q, k, v, softmax_scale, causal, window_size, softcap, deterministic=deterministic)
-    return run(request, dout, out, lse, lse_split, dlse, dq, dk, dv)
+    return run(request, dout, out, lse, lse_split, dlse, dq, dk, dv, delta)
 
 
-def run(request: Request, dout, out, lse, lse_split=None, dlse=None, dq=None, dk=None, dv=None):
+def run(request: Request, dout, out, lse, lse_split=None, dlse=None, dq=None, dk=None, dv=None, delta=None):
     """Gradients (dq, dk, dv) of flash4.forward.run(request) for the upstream gradient dout, for a
     DENSE or VARLEN request (paged K/V have no backward). Shapes as the forward's (module docstrings);
     dlse: None or lse's shape; lse_split: None or the forward's; dq / dk / dv: None or preallocated
-    tensors like q, k, v, overwritten (rows outside every sequence get 0). Packed: max_seqlen_k
+    tensors like q, k, v, overwritten (rows outside every sequence get 0).
+    delta: None, or an fp32 tensor shaped like lse that receives D_i = rowsum(dO_i * O_i) of the
+    float32 output, summed by the main kernel as sum_j P_ij dP_ij (BwdConfig.sink_delta; the
+    learnable sink's gradient, flash4.autograd.sink_grad; 0 on rows outside every sequence); a family
+    without sink_delta fills it from the 16-bit out. Packed: max_seqlen_k
     (given as None or a 0-d tensor: resolved here, a host sync for a CUDA tensor or None) sizes the
     grid; max_seqlen_q only detects the empty case (the kernel walks each sequence's own query
     tiles). Rows of q / dout outside every sequence may hold any finite values (a key tile loads
@@ -98,27 +107,29 @@ def run(request: Request, dout, out, lse, lse_split=None, dlse=None, dq=None, dk
     else:
         empty = dq.numel() == 0 or dk.numel() == 0
     if empty:
-        for g in (dq, dk, dv):
+        for g in (dq, dk, dv) + (() if delta is None else (delta,)):
             g.zero_()
         return dq, dk, dv  # no query or no key: every gradient is 0 (or empty)
     with device_guard(q.device):
-        launch(request, dout, out, lse, lse_split, dlse, dq, dk, dv)
+        launch(request, dout, out, lse, lse_split, dlse, dq, dk, dv, delta)
     return dq, dk, dv
 
 
-def launch(request: Request, dout, out, lse, lse_split, dlse, dq, dk, dv) -> None:
+def launch(request: Request, dout, out, lse, lse_split, dlse, dq, dk, dv, delta=None) -> None:
     """The kernels of one backward with work to do (run() answered the empty cases, allocated dq /
     dk / dv and set the device): the plan from flash4.config.bwd_config, the statistics buffers,
-    the preprocess, the main kernel, the dQ postprocess. The request is unpacked here, once."""
+    the preprocess, the main kernel, the dQ postprocess. The request is unpacked here, once.
+    delta: run's (None, or filled with each row's D)."""
     from flash4.compile.cache import get_bwd_postprocess_runner, get_bwd_preprocess_runner, get_bwd_runner  # late
 
     q, k, v, seq = request.q, request.k, request.v, request.seq
     packed, nheads, headdim = seq.packed, request.nheads, request.headdim
     from flash4 import selftest  # late: the gate pulls in its child-process machinery
 
-    plan = bwd_config(request, device_arch(q.device), env.bwd_heads_per_cta_override())
+    plan = bwd_config(request, device_arch(q.device), env.bwd_heads_per_cta_override(), sink_delta=delta is not None)
     cfg, tile_m = plan.cfg, plan.cfg.tile_m
     selftest.require(cfg, q.device)  # gated families (sm100): only after the first-use self-test passed
+    in_kernel = delta is not None and getattr(cfg, "sink_delta", False)
     if packed:  # the padded per-sequence layout plus its scratch tile (module docstring)
         total_q, batch = q.shape[0], request.batch
         stats_batch, rows = 1, padded_total(total_q, batch, tile_m) + tile_m
@@ -145,6 +156,7 @@ def launch(request: Request, dout, out, lse, lse_split, dlse, dq, dk, dv) -> Non
     dpsum = torch.zeros(stats_batch, nheads, rows, **f32)
     lse_log2 = torch.full((stats_batch, nheads, rows), float("inf"), **f32)
     dq_accum = torch.empty(stats_batch, nheads, rows, headdim, **f32)  # zeroed by the preprocess
+    delta_rows = torch.zeros(stats_batch, nheads, rows, **f32) if in_kernel else None  # the kernel adds D
     # [0]: dQ semaphores (deterministic), [1]: exact-path flags of the (padded) query tiles; one memset.
     tile_flags = torch.zeros(2, stats_batch, nheads, rows // tile_m, dtype=torch.int32, device=q.device)
     dk_out, dv_out, dkv_sem, finish_dkv = dkv_targets(cfg, dk, dv, num_kv_tiles)
@@ -171,13 +183,29 @@ def launch(request: Request, dout, out, lse, lse_split, dlse, dq, dk, dv) -> Non
     run_kernel(kernel_view(_kernel_ready(q)), kernel_view(_kernel_ready(k)), kernel_view(_kernel_ready(v)),
                kernel_view(dout), lse_log2, dpsum, dq_accum, kernel_view(dk_out), kernel_view(dv_out), tile_flags[0],
                tile_flags[1], hi, lo, request.score.softmax_scale, window=request.mask.window,
-               softcap=request.score.softcap, heads_per_cta=plan.heads_per_cta, dkv_semaphore=dkv_sem, **sequences)
+               softcap=request.score.softcap, heads_per_cta=plan.heads_per_cta, dkv_semaphore=dkv_sem,
+               delta=delta_rows, **sequences)
     finish_dkv()
+    if delta is not None:
+        _fill_delta(delta, delta_rows, dout, out, packed, row_index)
     # packed row r <- padded row row_index[r]; rows outside every sequence read the scratch tile's zeros
     dq_out = dq_target(dq)
     postprocess(dq_accum, kernel_view(dq_out), row_index)
     if dq_out is not dq:
         dq.copy_(dq_out)
+
+
+def _fill_delta(delta, delta_rows, dout, out, packed: bool, row_index) -> None:
+    """delta (lse's shape: (B, H, Sq), packed (H, total_q)) <- the kernel's per-row D in the padded
+    statistics layout (delta_rows; packed rows outside every sequence read the scratch tile's 0), or,
+    for a family without sink_delta (delta_rows None), rowsum(dout * out) from the 16-bit out (packed
+    rows outside every sequence: whatever out holds there; sink_grad's row mask drops them)."""
+    if delta_rows is None:
+        delta.copy_((dout.float() * out.float()).sum(-1).transpose(-1, -2))
+    elif packed:
+        delta.copy_(delta_rows[0].index_select(1, row_index.long()))
+    else:
+        delta.copy_(delta_rows[:, :, :delta.shape[-1]])
 
 
 # ================================================================ helpers (CPU-tested)

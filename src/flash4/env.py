@@ -8,7 +8,7 @@
 | FLASH4_CACHE_DIR   | directory of the on-disk compile cache               | $XDG_CACHE_HOME/flash4 or ~/.cache/flash4 |
 | FLASH4_BWD_HEADS_PER_CTA | query heads per backward CTA under GQA/MQA (tuning) | flash4.config.bwd_heads_per_cta |
 | FLASH4_PAGE_GATHER_MAX | paged K/V: gather pages of at most this many rows (0 = TMA pieces for every multiple of 8; A/B) | flash4.config.PAGE_GATHER_MAX |
-| FLASH4_SMALL_PAGES | 1 serves paged K/V of any page size >= 1 (pages that are not multiples of 8 gathered row by row; not yet GPU-verified) | off |
+| FLASH4_SMALL_PAGES | 0 refuses paged K/V whose page size is not a multiple of 8 (by default any page size >= 1 is served; those pages are gathered row by row) | on |
 | FLASH4_PAGE_PREFETCH | paged K/V by TMA pieces: read page-table entries two blocks ahead (0/1; A/B) | flash4.config.PAGE_PREFETCH |
 | FLASH4_SM100       | sm_100 kernels: off, selftest (run after passing flash4.selftest), on (unchecked) | selftest |
 | FLASH4_SM100_2CTA  | 1 selects the 2-CTA sm_100 forward (cluster of 2, M = 256 across the pair) where it is built: hd128 non-causal dense; compile-verified, not run on hardware | off |
@@ -92,11 +92,12 @@ def disk_cache_enabled() -> bool:
 
 
 def small_pages() -> bool:
-    """FLASH4_SMALL_PAGES (0/1, true/false, on/off, yes/no; default off): paged K/V whose page size is
-    not a multiple of 8 (pages of 1-7 rows, 12, 20, ...) run on the gathered path
-    (FwdConfig.page_gather). Off, such page sizes are a ValueError: the gathered path is
-    compile-verified and CPU-tested but has not passed its GPU tests yet (tests/gpu/test_small_pages.py)."""
-    return bool(_flag("FLASH4_SMALL_PAGES"))
+    """FLASH4_SMALL_PAGES (0/1, true/false, on/off, yes/no; default on): paged K/V whose page size is not
+    a multiple of 8 (pages of 1-7 rows, 12, 20, ...) run on the gathered path (FwdConfig.page_gather).
+    Off, such page sizes are a ValueError. On by default since its GPU tests passed on the H200
+    (tests/gpu/test_small_pages.py, 2026-12-02)."""
+    value = _flag("FLASH4_SMALL_PAGES")
+    return True if value is None else value
 
 
 def page_prefetch() -> bool | None:

@@ -159,8 +159,8 @@ def _check_page_size(k, page_table) -> None:
     rows = config.served_page_rows()
     if page_table is not None and isinstance(k, torch.Tensor) and k.dim() == 4 and k.shape[1] % rows:
         raise NotImplementedError(f"flash4.fa4: page_size={k.shape[1]} (k.shape[1]) is not supported by flash4 "
-                                  f"yet: paged K/V pages must be multiples of {rows} rows (FLASH4_SMALL_PAGES=1: any page size, "
-                                  f"on a path that has not passed its GPU tests yet)")
+                                  f"with FLASH4_SMALL_PAGES=0: paged K/V pages must be multiples of {rows} rows (unset it: "
+                                  f"any page size)")
 
 
 def _needs_grad(*tensors) -> bool:
@@ -374,7 +374,8 @@ def _flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale=None, causal=False, s
                     aux_tensors=None, aux_scalars=None, block_sparse_tensors=None, dlse=None, learnable_sink=None):
     """flash-attn-4's raw backward -> (dq, dk, dv), plus dsink with learnable_sink: flash4.backward.run
     on the request of the forward that gave out and lse (dense, or packed with cu_seqlens / seqused),
-    dsink from flash4.autograd.sink_grad. Preallocated dq / dk / dv are written and returned."""
+    dsink from flash4.autograd.sink_grad with each row's D from the kernel (run's delta). Preallocated
+    dq / dk / dv are written and returned."""
     from flash4 import backward as bwd
     from flash4.autograd import sink_grad, varlen_row_mask
     from flash4.request import Request, resolve_softmax_scale
@@ -401,7 +402,10 @@ def _flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale=None, causal=False, s
         else:
             request = Request.dense(qp, kp, vp, scale, causal, band, softcap, deterministic=deterministic)
         same = (d_p, dv_p) == (d, d_v)
-        grads = bwd.run(request, doutp, outp, lse.contiguous(), None, dlse, *((dq, dk, dv) if same else ()))
+        # each row's D in fp32 from the kernel's P and dP when the sink needs a gradient (sink_grad)
+        delta = None if learnable_sink is None else torch.empty(lse.shape, dtype=torch.float32, device=lse.device)
+        grads = bwd.run(request, doutp, outp, lse.contiguous(), None, dlse, *((dq, dk, dv) if same else (None,) * 3),
+                        delta=delta)
         if not same:
             grads = tuple(g[..., :width] for g, width in zip(grads, (d, d, d_v)))
             for buf, g in zip((dq, dk, dv), grads):
@@ -412,9 +416,9 @@ def _flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale=None, causal=False, s
             return tuple(grads)
         if packed:
             rows = varlen_row_mask(cu_seqlens_q, seqused_q, q.shape[0])
-            dsink = sink_grad(learnable_sink, out, dout, lse, dlse, 1, rows)
+            dsink = sink_grad(learnable_sink, out, dout, lse, dlse, 1, rows, delta=delta)
         else:
-            dsink = sink_grad(learnable_sink, out, dout, lse, dlse, 2)
+            dsink = sink_grad(learnable_sink, out, dout, lse, dlse, 2, delta=delta)
     return (*grads, dsink)
 
 

@@ -117,11 +117,19 @@ def _fwd_fake(q, k, v, softmax_scale, causal, deterministic, window_left=None, w
 def dense_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, lse_split: Tensor,
                    dlse: Optional[Tensor], softmax_scale: float, causal: bool, deterministic: bool,
                    window_left: Optional[int] = None, window_right: Optional[int] = None,
-                   softcap: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
-    """flash4::bwd's implementation (the eager autograd path calls it without the op's dispatch)."""
+                   softcap: float = 0.0, sink_delta: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """flash4::bwd's implementation (the eager autograd path calls it without the op's dispatch):
+    (dq, dk, dv, delta). sink_delta (a learnable sink needs a gradient): delta is each row's D in fp32,
+    lse's shape (flash4.backward.run's delta); else an empty tensor."""
     request = Request.dense(q, k, v, softmax_scale, causal, Band(window_left, window_right), softcap,
                             deterministic=deterministic)
-    return backward.run(request, dout, out, lse, lse_split, dlse)
+    delta = _delta_buffer(lse, sink_delta)
+    return (*backward.run(request, dout, out, lse, lse_split, dlse, delta=delta if sink_delta else None), delta)
+
+
+def _delta_buffer(lse: Tensor, sink_delta: bool) -> Tensor:
+    """The backward ops' 4th output: lse-shaped fp32 for each row's D with sink_delta, else empty."""
+    return torch.empty(lse.shape if sink_delta else (0,), dtype=F32, device=lse.device)
 
 
 bwd = torch.library.custom_op("flash4::bwd", dense_backward, mutates_args=(), device_types="cuda")
@@ -129,8 +137,8 @@ bwd = torch.library.custom_op("flash4::bwd", dense_backward, mutates_args=(), de
 
 @bwd.register_fake
 def _bwd_fake(dout, q, k, v, out, lse, lse_split, dlse, softmax_scale, causal, deterministic, window_left=None,
-              window_right=None, softcap=0.0):
-    return _grads_fake(q, k, v)
+              window_right=None, softcap=0.0, sink_delta=False):
+    return (*_grads_fake(q, k, v), _delta_buffer(lse, sink_delta))
 
 
 # ================================================================ varlen / paged
@@ -165,13 +173,16 @@ def varlen_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, 
                     dlse: Optional[Tensor], cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, seqused_q: Optional[Tensor],
                     seqused_k: Optional[Tensor], max_seqlen_q: Optional[int], max_seqlen_k: Optional[int],
                     softmax_scale: float, causal: bool, deterministic: bool, window_left: Optional[int] = None,
-                    window_right: Optional[int] = None, softcap: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
+                    window_right: Optional[int] = None, softcap: float = 0.0,
+                    sink_delta: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """flash4::varlen_bwd's implementation (the eager autograd path calls it without the op's
-    dispatch, with max_seqlen_k possibly a 0-d tensor: flash4.backward.run resolves it)."""
+    dispatch, with max_seqlen_k possibly a 0-d tensor: flash4.backward.run resolves it):
+    (dq, dk, dv, delta), delta as dense_backward's ((H, total_q) with sink_delta)."""
     request = Request.varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
                              None, softmax_scale, causal, Band(window_left, window_right), softcap,
                              deterministic=deterministic)
-    return backward.run(request, dout, out, lse, lse_split, dlse)
+    delta = _delta_buffer(lse, sink_delta)
+    return (*backward.run(request, dout, out, lse, lse_split, dlse, delta=delta if sink_delta else None), delta)
 
 
 varlen_bwd = torch.library.custom_op("flash4::varlen_bwd", varlen_backward, mutates_args=(), device_types="cuda")
@@ -180,8 +191,8 @@ varlen_bwd = torch.library.custom_op("flash4::varlen_bwd", varlen_backward, muta
 @varlen_bwd.register_fake
 def _varlen_bwd_fake(dout, q, k, v, out, lse, lse_split, dlse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
                      max_seqlen_q, max_seqlen_k, softmax_scale, causal, deterministic, window_left=None,
-                     window_right=None, softcap=0.0):
-    return _grads_fake(q, k, v)
+                     window_right=None, softcap=0.0, sink_delta=False):
+    return (*_grads_fake(q, k, v), _delta_buffer(lse, sink_delta))
 
 
 # ================================================================ KV cache (decode)

@@ -31,7 +31,7 @@ import numbers
 
 import torch
 
-# served_page_rows(): page sizes must be multiples of it (8; 1 with FLASH4_SMALL_PAGES=1: gathered rows,
+# served_page_rows(): page sizes must be multiples of it (1: gathered rows; 8 with FLASH4_SMALL_PAGES=0,
 # flash4.config.paged_layout).
 from flash4.config import SUPPORTED_HEADDIMS, hdimv_problem, select_fwd_config, served_page_rows
 from flash4 import env
@@ -230,9 +230,9 @@ def _page_size_problem(k: torch.Tensor, k_name: str = "k") -> Problem:
     rows = served_page_rows()
     if page_size % rows:
         return ValueError, (
-            f"page_size={page_size} ({k_name}.shape[1] of the paged cache {_shape(k)}) is not supported by default: "
-            f"page sizes must be multiples of {rows}; other page sizes (1-7, 12, ...) run on a gathered path that "
-            f"has not passed its GPU tests yet: set FLASH4_SMALL_PAGES=1 to use it"
+            f"page_size={page_size} ({k_name}.shape[1] of the paged cache {_shape(k)}) is not supported with "
+            f"FLASH4_SMALL_PAGES=0: page sizes must be multiples of {rows}; unset FLASH4_SMALL_PAGES (or set it to 1) "
+            f"to serve other page sizes on the gathered path"
         )
     return None
 

@@ -106,9 +106,11 @@ def reference_forward(calls: Calls):
 
 def reference_backward(calls: Calls):
     """A stand-in for flash4.backward.launch: dq, dk, dv by autograd through the reference (dlse is
-    added to the loss where every lse is finite)."""
+    added to the loss where every lse is finite); delta (a sink needs a gradient) = rowsum(dout * O) of
+    the float32 output, as the kernel's sum_j P dP (P from the forward's lse, which holds the sink's
+    share; the backward request carries no sink), 0 outside every sequence."""
 
-    def launch(request, dout, out, lse, lse_split, dlse, dq, dk, dv):
+    def launch(request, dout, out, lse, lse_split, dlse, dq, dk, dv, delta=None):
         q, k, v, mask, score, seq = request.q, request.k, request.v, request.mask, request.score, request.seq
         assert not seq.paged and isinstance(dq, torch.Tensor) and dq.shape == q.shape
         sink = score.kernel_sink()
@@ -129,6 +131,13 @@ def reference_backward(calls: Calls):
             grads = torch.autograd.grad(loss, leaves, allow_unused=True)
         for g, buf in zip(grads, (dq, dk, dv)):
             buf.copy_(torch.zeros_like(buf) if g is None else g.to(buf.dtype))
+        if delta is not None:  # the kernel's sum_j P dP, P = exp(S - lse) with the forward's lse (sink included)
+            l = l.detach()
+            share = torch.exp(torch.where(torch.isfinite(l), l - lse.float(), torch.full_like(l, float("-inf"))))
+            d = (o.detach() * dout.float()).sum(-1).transpose(-1, -2) * share
+            if seq.packed:
+                d = torch.where(rows[None], d, torch.zeros((), dtype=d.dtype))
+            delta.copy_(d)
         calls.backward.append(dict(request=request, causal=mask.causal, window_size=mask.window_size,
                                    window=mask.window, softcap=score.softcap, deterministic=request.deterministic,
                                    dlse=dlse, max_seqlen_q=seq.max_seqlen_q, max_seqlen_k=seq.max_seqlen_k))
@@ -167,11 +176,11 @@ def cpu_kernels(monkeypatch, cpu_device):
 
 @pytest.fixture
 def fake_backward(monkeypatch):
-    """flash4.backward.launch replaced by dq = 1, dk = 2, dv = 3; returns a dict of what the last
+    """flash4.backward.launch replaced by dq = 1, dk = 2, dv = 3 (delta: rowsum(dout * out)); returns a dict of what the last
     call received (the request's parts, unique values of dout / dlse / lse_split)."""
     seen = {}
 
-    def fake(request, dout, out, lse, lse_split, dlse, dq, dk, dv):
+    def fake(request, dout, out, lse, lse_split, dlse, dq, dk, dv, delta=None):
         seq = request.seq
         seen.update(layout=seq.layout, max_seqlen_q=seq.max_seqlen_q, max_seqlen_k=seq.max_seqlen_k,
                     scale=request.score.softmax_scale, causal=request.mask.causal, det=request.deterministic,
@@ -184,6 +193,8 @@ def fake_backward(monkeypatch):
         dq.fill_(1)
         dk.fill_(2)
         dv.fill_(3)
+        if delta is not None:  # D from the 16-bit out (what the kernel's sum_j P dP approximates)
+            delta.copy_((dout.float() * out.float()).sum(-1).transpose(-1, -2))
 
     monkeypatch.setattr(backward, "launch", fake)
     return seen

@@ -21,9 +21,13 @@ def test_fake_outputs_match_the_real_contract(shape):
     assert out.shape == q.shape and out.dtype == q.dtype and out.is_contiguous()
     assert lse.shape == (b, h, sq) and lse.dtype == torch.float32 and lse.is_contiguous()
     assert split.shape == (2, b, h, sq) and split.dtype == torch.float32
-    dq, dk, dv = torch.ops.flash4.bwd(torch.empty_like(out), q, k, v, out, lse, split, None, 0.125, True, False)
+    dq, dk, dv, delta = torch.ops.flash4.bwd(torch.empty_like(out), q, k, v, out, lse, split, None, 0.125, True, False)
     for g, t in ((dq, q), (dk, k), (dv, v)):
         assert g.shape == t.shape and g.dtype == t.dtype and g.is_contiguous()
+    assert delta.shape == (0,)  # each row's D only with sink_delta (a learnable sink needs a gradient)
+    *_, delta = torch.ops.flash4.bwd(torch.empty_like(out), q, k, v, out, lse, split, None, 0.125, True, False,
+                                     sink_delta=True)
+    assert delta.shape == lse.shape and delta.dtype == torch.float32 and delta.is_contiguous()
 
 
 @pytest.mark.parametrize("test", ["test_schema", "test_autograd_registration", "test_faketensor",
@@ -269,13 +273,16 @@ def _window_of(node):
 
 def test_window_arguments_in_every_schema():
     """Every op has `SymInt? window_left=None, SymInt? window_right=None, float softcap=0.0` at its end
-    (literal sides, None unbounded; then, on the forward ops, `Tensor? learnable_sink=None`) (callers
-    without a window, a softcap or a sink keep working)."""
+    (literal sides, None unbounded; then, on the forward ops, `Tensor? learnable_sink=None`, on the
+    backward ops `bool sink_delta=False`) (callers without a window, a softcap or a sink keep working)."""
     for name in ("fwd", "bwd", "varlen_fwd", "varlen_bwd", "kvcache"):
         args = getattr(torch.ops.flash4, name).default._schema.arguments
         if name in ("fwd", "varlen_fwd", "kvcache"):
             assert args[-1].name == "learnable_sink" and args[-1].default_value is None, name
             assert str(args[-1].type) == "Optional[Tensor]", name
+            args = args[:-1]
+        else:
+            assert args[-1].name == "sink_delta" and args[-1].default_value is False, name
             args = args[:-1]
         assert [(a.name, a.default_value) for a in args[-3:]] == [("window_left", None), ("window_right", None),
                                                                   ("softcap", 0.0)], name

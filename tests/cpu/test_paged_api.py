@@ -35,14 +35,15 @@ def test_empty_pages_refused():
 @pytest.mark.parametrize("page_size", [1, 3, 4, 5, 7, 8, 12, 16, 20, 24, 32, 64, 128, 256])
 @pytest.mark.parametrize("layout", PAGED_LAYOUTS)
 def test_supported_page_sizes_and_interleaved_layouts(page_size, layout, monkeypatch):
-    """Multiples of 8 by default; any page size >= 1 with FLASH4_SMALL_PAGES=1 (the gathered path,
-    opt-in until its GPU tests pass)."""
+    """Any page size >= 1 by default (pages that are not multiples of 8: the gathered path); multiples
+    of 8 only with FLASH4_SMALL_PAGES=0."""
+    monkeypatch.setenv("FLASH4_SMALL_PAGES", "0")
     error = varlen_support_error(**paged_args(page_size=page_size, layout=layout))
     if page_size % 8:
-        assert "FLASH4_SMALL_PAGES=1" in error and f"page_size={page_size}" in error
+        assert "FLASH4_SMALL_PAGES=0" in error and f"page_size={page_size}" in error
     else:
         assert "q is on cpu" in error
-    monkeypatch.setenv("FLASH4_SMALL_PAGES", "1")
+    monkeypatch.delenv("FLASH4_SMALL_PAGES")
     assert "q is on cpu" in varlen_support_error(**paged_args(page_size=page_size, layout=layout))
 
 

@@ -3,12 +3,14 @@
 Criterion (the backward's, flash4.selftest / tests/gpu/test_bwd.py): per gradient
 err <= 2 * err(PyTorch in the input dtype) + GRAD_ATOL, errors max |g - ref| against the float64
 autograd gradients of flash4.reference.attention_ref; PyTorch's are autograd of the same function
-computed in the input dtype. The model's inputs out / lse come from the sm100 forward's model
-(flash4.models.sm100_fwd), so each case runs the Blackwell dataflow end to end. Random inputs (head
-dims 64 and 128, causal and not, GQA / MQA, odd lengths, seqlen_q != seqlen_k both ways, bf16 and
-fp16) and adversarial ones (large logits, with and without the forward's exact LSE split; rows that
-see one key; rows that see none; a dominant key). Equivalences: mma_k None / ds_scale / dq order
-change only roundings; the preprocess's D and the dq_accum adds are the documented orders.
+computed in the input dtype. Without a window the model's inputs out / lse come from the sm100
+forward's model (flash4.models.sm100_fwd), so each case runs the Blackwell dataflow end to end; with
+one (the forward model has none) from the float64 reference. Random inputs (head dims 64 and 128,
+causal, sliding windows and neither, GQA / MQA, odd lengths, seqlen_q != seqlen_k both ways, bf16
+and fp16) and adversarial ones (large and extreme logits, with and without the forward's LSE split;
+rows that see one key; rows that see none; a dominant key). Equivalences: mma_k None / tiles / dq
+order change only roundings; the preprocess's D and the dq_accum adds are the documented orders.
+It checks the algorithm, not the kernel (compile-verified, not run on hardware).
 
     python tests/cpu/test_sm100_bwd_model.py    # prints the error bands per case
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -46,36 +49,45 @@ def make_case(b, sq, sk, h, hk, d, dtype=torch.bfloat16, seed=0, magnitude=1.0):
     return (q * magnitude).to(dtype), (k * magnitude).to(dtype), v.to(dtype), do.to(dtype)
 
 
-def ref_grads(q, k, v, dout, causal, upcast):
+def ref_grads(q, k, v, dout, causal, upcast, window_size=None):
     """Autograd of attention_ref: float64 (upcast) or the input dtype (PyTorch same dtype)."""
     leaves = [(t.double() if upcast else t.clone()).requires_grad_() for t in (q, k, v)]
-    out, _ = attention_ref(*leaves, None, causal, upcast=upcast, compute_dtype=torch.float64)
+    out, _ = attention_ref(*leaves, None, causal, upcast=upcast, compute_dtype=torch.float64, window_size=window_size)
     return torch.autograd.grad(out, leaves, dout.double() if upcast else dout)
 
 
-def exact_split(q, k, v, causal):
+def exact_split(q, k, v, causal, window_size=None):
     """The forward's unrounded log2-domain LSE split (hi, lo) from the float64 reference (what the
     exact-reference forward produces, up to its own error)."""
-    _, lse = attention_ref(q, k, v, None, causal, compute_dtype=torch.float64)
+    _, lse = attention_ref(q, k, v, None, causal, compute_dtype=torch.float64, window_size=window_size)
     l2 = lse * LOG2E
     hi = torch.where(torch.isfinite(l2), l2, math.inf).float()
     lo = torch.where(torch.isfinite(l2), l2 - hi.double(), 0.0).float()
     return torch.stack([hi, lo])
 
 
-def errors(q, k, v, dout, causal, grads):
-    g_ref = ref_grads(q, k, v, dout, causal, upcast=True)
-    g_pt = ref_grads(q, k, v, dout, causal, upcast=False)
+def errors(q, k, v, dout, causal, grads, window_size=None):
+    g_ref = ref_grads(q, k, v, dout, causal, True, window_size)
+    g_pt = ref_grads(q, k, v, dout, causal, False, window_size)
     return {name: (max_abs_err(g, r), max_abs_err(p, r)) for name, g, r, p in zip(NAMES, grads, g_ref, g_pt)}
 
 
-def check(q, k, v, dout, causal, lse_split=None, **kw):
-    """Forward model -> backward model -> the 2x rule per gradient. Returns (errors, stats)."""
-    out, lse = F.forward(q, k, v, None, causal)
-    dq, dk, dv, stats = B.backward(dout, q, k, v, out, lse, None, causal, lse_split=lse_split, return_stats=True, **kw)
+def forward(q, k, v, causal, window_size=None):
+    """out, lse: the sm100 forward's model, or (with a window, which it lacks) the float64 reference."""
+    if window_size is None:
+        return F.forward(q, k, v, None, causal)
+    out, lse = attention_ref(q, k, v, None, causal, compute_dtype=torch.float64, window_size=window_size)
+    return out.to(q.dtype), lse.float()
+
+
+def check(q, k, v, dout, causal, lse_split=None, window_size=None, **kw):
+    """Forward (model) -> backward model -> the 2x rule per gradient. Returns (errors, stats)."""
+    out, lse = forward(q, k, v, causal, window_size)
+    dq, dk, dv, stats = B.backward(dout, q, k, v, out, lse, None, causal, window_size, lse_split=lse_split,
+                                   return_stats=True, **kw)
     for name, g, t in zip(NAMES, (dq, dk, dv), (q, k, v)):
         assert g.shape == t.shape and g.dtype == t.dtype, (name, g.shape, g.dtype)
-    e = errors(q, k, v, dout, causal, (dq, dk, dv))
+    e = errors(q, k, v, dout, causal, (dq, dk, dv), window_size)
     for name, (err, pt) in e.items():
         assert math.isfinite(pt), f"{name}: PyTorch's same-dtype error is {pt}"
         assert err <= 2 * pt + GRAD_ATOL, f"{name}: err {err:.3e} > 2 x PyTorch {pt:.3e} + {GRAD_ATOL}"
@@ -105,38 +117,93 @@ def test_random_fp16(causal):
     check(*make_case(1, 257, 300, 2, 1, 128, dtype=torch.float16, seed=3), causal)
 
 
-@pytest.mark.parametrize("variant", [dict(ds_scale="epilogue"), dict(mma_k=None), dict(dq_order="reverse"),
+@pytest.mark.parametrize("variant", [dict(mma_k=None), dict(dq_order="reverse"),
                                      dict(dq_order=7), dict(tile_m=64, tile_n=64)],
                          ids=lambda v: ",".join(f"{k}={x}" for k, x in v.items()))
 def test_random_variants(variant):
     check(*make_case(1, 190, 390, 2, 1, 64, seed=11), True, **variant)
 
 
+# The kernel author's cases (b, sq, sk, h, hk, d, causal, dtype, magnitude, window_size)
+KERNEL_CASES = [
+    (1, 200, 300, 2, 2, 128, False, torch.bfloat16, 1.0, None),
+    (1, 300, 131, 4, 1, 128, True, torch.bfloat16, 1.0, None),
+    (2, 131, 257, 4, 2, 64, True, torch.float16, 1.0, None),
+    (1, 257, 257, 3, 1, 64, False, torch.bfloat16, 3.0, None),
+    (1, 300, 200, 2, 1, 128, False, torch.bfloat16, 1.0, (45, 7)),
+]
+
+
+def _case_id(c):
+    return (f"b{c[0]}-sq{c[1]}-sk{c[2]}-h{c[3]}/{c[4]}-d{c[5]}-{'causal' if c[6] else 'full'}-{str(c[7])[6:]}-x{c[8]:g}"
+            + (f"-w{c[9][0]},{c[9][1]}" if c[9] else ""))
+
+
+@pytest.mark.parametrize("case", KERNEL_CASES, ids=_case_id)
+def test_kernel_cases(case):
+    b, sq, sk, h, hk, d, causal, dtype, mag, window = case
+    check(*make_case(b, sq, sk, h, hk, d, dtype=dtype, seed=sq * 7 + sk, magnitude=mag), causal, window_size=window)
+
+
+# ---------------------------------------------------------------- sliding windows
+
+WINDOW_CASES = [  # (b, sq, sk, h, hk, d, causal, dtype, window_size)
+    (1, 300, 300, 2, 1, 64, True, torch.bfloat16, (100, -1)),  # causal + left side (the local kernel)
+    (1, 200, 333, 4, 2, 128, False, torch.float16, (30, 60)),  # both sides, sq < sk, GQA
+    (2, 333, 140, 2, 2, 64, False, torch.bfloat16, (-1, 20)),  # right side only, sq > sk: rows without keys
+    (1, 150, 150, 3, 1, 64, False, torch.float16, (0, 0)),  # one key per row (the diagonal), MQA
+]
+
+
+@pytest.mark.parametrize("case", WINDOW_CASES, ids=lambda c: f"sq{c[1]}-sk{c[2]}-h{c[3]}/{c[4]}-d{c[5]}-"
+                         f"{'causal' if c[6] else 'full'}-{str(c[7])[6:]}-w{c[8][0]},{c[8][1]}")
+def test_window(case):
+    b, sq, sk, h, hk, d, causal, dtype, window = case
+    _, stats = check(*make_case(b, sq, sk, h, hk, d, dtype=dtype, seed=sq + sk + d), causal, window_size=window)
+    # the visited pairs are m_block_range's: exactly the (m, n) pairs with a visible (query, key)
+    from flash4.geometry import visible, window_sides
+    w = window_sides(window, causal)
+    want = {(i // 128, j // 128) for i in range(sq) for j in range(sk) if visible(i, j, sq, sk, causal, w)}
+    assert stats["tile_pairs"] == len(want) and stats["steps"] == h // hk * len(want), (stats, len(want))
+
+
+def test_window_rows_without_keys_get_zero_dq():
+    """A right-only window (-1, 20) with sq > sk: query row i sees keys <= i - (sq - sk) + 20, so the
+    first sq - sk - 20 rows see none: their dq is exactly 0; and a key block no query sees gets dk = dv = 0."""
+    q, k, v, do = make_case(1, 333, 140, 2, 2, 64, seed=20)
+    out, lse = forward(q, k, v, False, (-1, 20))
+    dq, dk, dv = B.backward(do, q, k, v, out, lse, None, False, (-1, 20))
+    assert (dq[:, :333 - 140 - 20] == 0).all() and dq[:, 333 - 140 - 20:].abs().amax() > 0
+    q, k, v, do = make_case(1, 100, 300, 1, 1, 64, seed=21)  # window (0, 0), sq < sk: keys 0..199 unseen
+    out, lse = forward(q, k, v, False, (0, 0))
+    dq, dk, dv = B.backward(do, q, k, v, out, lse, None, False, (0, 0))
+    assert (dk[:, :200] == 0).all() and (dv[:, :200] == 0).all() and dv[:, 200:].abs().amax() > 0
+
+
 # ---------------------------------------------------------------- adversarial inputs
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_large_logits(dtype):
-    """Scores ~ +-300 (x8 inputs, d 64): P is a near one-hot per row; |L| < 2^10, no exact tile."""
+    """Scores ~ +-300 (x8 inputs, d 64): P is a near one-hot per row; |L| < 2^10."""
     q, k, v, do = make_case(1, 150, 260, 2, 1, 64, dtype=dtype, seed=4, magnitude=8.0)
-    _, stats = check(q, k, v, do, False)
-    assert stats["exact_tiles"] == 0
+    check(q, k, v, do, False)
     check(q, k, v, do, True)
 
 
-def test_huge_logits_exact_path():
-    """Scores ~ 1e4 (|L| >= 2^10): with the forward's split every tile takes the exact path;
-    from the rounded lse alone (no split) the criterion still holds at this magnitude."""
+def test_huge_logits():
+    """Scores ~ 1e4 (|L| >= 2^10): the kernel has no exact path, P comes from the rounded
+    lse_log2 = fp32(hi + lo) with or without the forward's split; the rule holds both ways."""
     q, k, v, do = make_case(1, 130, 200, 2, 1, 64, seed=5, magnitude=40.0)
-    split = exact_split(q, k, v, False)
-    _, stats = check(q, k, v, do, False, lse_split=split)
-    assert stats["exact_tiles"] == 2 * 2, stats
+    check(q, k, v, do, False, lse_split=exact_split(q, k, v, False))
     check(q, k, v, do, False)
 
 
-def test_exact_path_lowers_the_error_at_extreme_logits():
+def test_extreme_logits_without_an_exact_path():
     """Scores ~2^20 / 8 with O(1) spread (q[..., 0] = 2^20, k[..., 0] = 1: P not one-hot): L ~ 2^17.5
-    has an fp32 ulp of 2^-6, and fp32(lse * log2 e) from the rounded lse moves every P by up to
-    ~1%; the forward's exact split lowers dk's and dv's errors (both within the rule)."""
+    has an fp32 ulp of 2^-6, so the rounded lse_log2 moves every P by up to ~1% (sm90's exact path
+    would not; the sm100 kernel lacks it). PyTorch's own bf16 errors are larger still: the rule holds
+    with and without the forward's split, and the split (one rounding of L instead of two) does not
+    change dq, which the O(1)-spread keys dominate."""
     g = torch.Generator().manual_seed(0)
     q, k, v, do = (torch.randn(1, s, 1, 64, generator=g) for s in (64, 128, 128, 64))
     q[..., 0], k = 2.0**20, k * 0.3
@@ -144,13 +211,12 @@ def test_exact_path_lowers_the_error_at_extreme_logits():
     q, k, v, do = (t.to(torch.bfloat16) for t in (q, k, v, do))
     out, lse = attention_ref(q, k, v, None, False, compute_dtype=torch.float64)
     out, lse = out.to(q.dtype), lse.float()
-    exact = B.backward(do, q, k, v, out, lse, lse_split=exact_split(q, k, v, False), return_stats=True)
-    rounded = B.backward(do, q, k, v, out, lse, exact_lse=False)
-    assert exact[3]["exact_tiles"] == 1
-    e_exact, e_rounded = errors(q, k, v, do, False, exact[:3]), errors(q, k, v, do, False, rounded)
-    for e in (e_exact, e_rounded):
+    split = B.backward(do, q, k, v, out, lse, lse_split=exact_split(q, k, v, False))
+    rounded = B.backward(do, q, k, v, out, lse)
+    for grads in (split, rounded):
+        e = errors(q, k, v, do, False, grads)
         assert all(err <= 2 * pt + GRAD_ATOL for err, pt in e.values()), e
-    assert e_exact["dk"][0] < 0.8 * e_rounded["dk"][0] and e_exact["dv"][0] < 0.9 * e_rounded["dv"][0], (e_exact, e_rounded)
+    assert B.lse_log2(lse).abs().min() > 2 ** 17
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
@@ -228,14 +294,51 @@ def test_preprocess_dpsum_order():
         B.preprocess_dpsum(out[..., :48], do[..., :48])
 
 
-def test_lse_log2_parts():
+def test_lse_log2():
+    """flash4.backward's host rounding fp32(lse * log2 e) (+inf for -inf), or the preprocess's
+    fp32(hi + lo) of the forward's split."""
     lse = torch.tensor([[[0.5, -math.inf, 3.0]]])
-    big, hi, lo = B.lse_log2_parts(lse)
-    assert big[0, 0, 1] == math.inf and lo.eq(0).all()
-    assert big[0, 0, 0].item() == pytest.approx(0.5 * LOG2E, rel=1e-7)
-    split = torch.stack([torch.tensor([[[1.0, math.inf, 2.0]]]), torch.tensor([[[2 ** -30, 0.0, 0.0]]])])
-    big, hi, lo = B.lse_log2_parts(lse, split)
-    assert hi[0, 0, 0] == 1.0 and lo[0, 0, 0] == 2 ** -30 and big[0, 0, 0] == 1.0  # fp32(hi + lo)
+    big = B.lse_log2(lse)
+    assert big[0, 0, 1] == math.inf
+    assert torch.equal(big[0, 0, ::2], torch.tensor([0.5, 3.0]) * LOG2E)  # one fp32 multiply
+    split = torch.stack([torch.tensor([[[1.0, math.inf, 2.0]]]), torch.tensor([[[2 ** -30, 0.0, 0.5]]])])
+    big = B.lse_log2(lse, split)
+    assert big[0, 0, 0] == 1.0 and big[0, 0, 1] == math.inf and big[0, 0, 2] == 2.5  # fp32(hi + lo)
+
+
+def test_ds_order_and_scale_constant():
+    """Step 5 and 2 spelled out on one block: dS = fp32(fp32(fp32(dP - D) * P) * fp32(scale)),
+    c = fp32(fp32(scale) * fp32(log2 e)), P from one fma; the model's dk equals the hand chain."""
+    q, k, v, do = make_case(1, 16, 16, 1, 1, 64, seed=22)
+    scale = 0.3
+    out, lse = F.forward(q, k, v, scale)
+    dq, dk, dv = B.backward(do, q, k, v, out, lse, scale, tile_m=16, tile_n=16)
+    c = float(np.float32(scale) * np.float32(LOG2E))
+    s_t = F.mma_f32(None, k[0, :, 0].double(), q[0, :, 0].double().T, 16)
+    dp_t = F.mma_f32(None, v[0, :, 0].double(), do[0, :, 0].double().T, 16)
+    neg_l = (-B.lse_log2(lse)[0, 0]).expand_as(s_t).contiguous()
+    p = F.exp2_hw(F.fma_f32(s_t, c, neg_l))
+    d = B.preprocess_dpsum(out, do)[0, 0]
+    ds = ((dp_t - d) * p) * float(np.float32(scale))
+    want_dk = F.mma_f32(None, ds.to(q.dtype).double(), q[0, :, 0].double(), 16).to(q.dtype)
+    want_dv = F.mma_f32(None, p.to(q.dtype).double(), do[0, :, 0].double(), 16).to(q.dtype)
+    assert torch.equal(dk[0, :, 0], want_dk) and torch.equal(dv[0, :, 0], want_dv)
+
+
+def test_gqa_accumulates_in_one_chain():
+    """MQA: dK of the KV head is one fp32 chain over (head 0's blocks, head 1's blocks), not the
+    fp32 sum of per-head tiles; both are within roundings of the MHA model's dK summed over heads."""
+    q, k, v, do = make_case(1, 130, 140, 2, 1, 64, seed=23)
+    out, lse = F.forward(q, k, v)
+    mqa = B.backward(do, q, k, v, out, lse)
+    kk, vv = k.repeat_interleave(2, dim=2), v.repeat_interleave(2, dim=2)
+    out2, lse2 = F.forward(q, kk, vv)
+    assert torch.equal(out2, out) and torch.equal(lse2, lse)
+    mha = B.backward(do, q, kk, vv, out, lse)
+    for got, per_head in zip(mqa[1:], mha[1:]):
+        summed = per_head.float().sum(2, keepdim=True)
+        assert max_abs_err(got, summed) <= 2 ** -7 * summed.abs().max().item()
+    assert torch.equal(mqa[0], mha[0])  # dq does not depend on the KV grouping
 
 
 def test_dq_order_changes_only_roundings():
@@ -272,8 +375,8 @@ def test_bad_arguments():
         B.backward(do, q, k, v, out, lse, tile_n=100)
     with pytest.raises(ValueError, match="bfloat16 or all float16"):
         B.backward(do.float(), q, k, v, out, lse)
-    with pytest.raises(ValueError, match="ds_scale"):
-        B.backward(do, q, k, v, out, lse, ds_scale="nowhere")
+    with pytest.raises(ValueError, match="dq_order"):
+        B.backward(do, q, k, v, out, lse, dq_order="sideways")
     with pytest.raises(ValueError, match="lse"):
         B.backward(do, q, k, v, out, lse[:, :, :2])
 
@@ -282,15 +385,18 @@ def test_bad_arguments():
 
 def bands():
     """Per case: each gradient's error / (2 * PyTorch's + GRAD_ATOL) (<= 1 passes)."""
-    cases = [(f"random {'x'.join(map(str, s))} d{d}{' causal' if c else ''}", make_case(*s, d, seed=s[1] + d), c)
+    cases = [(f"random {'x'.join(map(str, s))} d{d}{' causal' if c else ''}", make_case(*s, d, seed=s[1] + d), c, None)
              for s in SHAPES for d in (64, 128) for c in (False, True)]
-    cases.append(("fp16 1x257x300x2x1 d128 causal", make_case(1, 257, 300, 2, 1, 128, dtype=torch.float16, seed=3), True))
-    cases.append(("large logits x8 d64", make_case(1, 150, 260, 2, 1, 64, seed=4, magnitude=8.0), False))
+    cases.append(("fp16 1x257x300x2x1 d128 causal", make_case(1, 257, 300, 2, 1, 128, dtype=torch.float16, seed=3),
+                  True, None))
+    cases.append(("large logits x8 d64", make_case(1, 150, 260, 2, 1, 64, seed=4, magnitude=8.0), False, None))
+    cases += [(_case_id(c), make_case(*c[:6], dtype=c[7], seed=c[1] * 7 + c[2], magnitude=c[8]), c[6], c[9])
+              for c in KERNEL_CASES]
     print("case | dq err, pt, ratio | dk ... | dv ...")
     worst = 0.0
-    for name, (q, k, v, do), causal in cases:
-        out, lse = F.forward(q, k, v, None, causal)
-        e = errors(q, k, v, do, causal, B.backward(do, q, k, v, out, lse, None, causal))
+    for name, (q, k, v, do), causal, window in cases:
+        out, lse = forward(q, k, v, causal, window)
+        e = errors(q, k, v, do, causal, B.backward(do, q, k, v, out, lse, None, causal, window), window)
         cells = []
         for err, pt in e.values():
             ratio = err / (2 * pt + GRAD_ATOL)

@@ -1,10 +1,13 @@
-"""`python -m flash4 compile-check --arch sm_100a` (flash4.compile.sm100_check) without compiling: the
-PTX readers, the pass/fail rule, the report's label and columns, the CLI's dispatch and filters. The
-real compiles of the sm100 configs are tests/cpu/test_sm100_compile.py's."""
+"""`python -m flash4 compile-check --arch sm_100a` (flash4.compile.sm100_check), forward and backward:
+the PTX readers, the pass/fail rule, the report's label and columns, the CLI's dispatch and filters,
+without compiling; then one real backward row (one compile, a few seconds). The real compiles of
+every sm100 config are tests/cpu/test_sm100_compile.py's and test_sm100_bwd_compile.py's."""
 
 from __future__ import annotations
 
 import json
+
+import pytest
 
 from flash4 import __main__ as cli
 from flash4.compile import sm100_check
@@ -29,16 +32,36 @@ def test_configs_and_filters():
     assert len(sm100_check.configs(features=True)) == 104  # 96 1-CTA + 8 2-CTA (hd128 non-causal)
     picked = sm100_check.configs(headdims=[128], dtypes=["bf16"], causals=(True,))
     assert picked == [sm100.select_fwd_config(128, "bf16", True)]
+    # the backward: shipped_bwd_configs, the window ones with features
+    bwd = sm100_check.configs(passes=("bwd",))
+    assert len(bwd) == 16 and all(sm100_check.is_bwd(c) and not c.local for c in bwd)
+    assert sm100_check.configs(passes=("bwd",), features=True) == sm100.shipped_bwd_configs()
+    both = sm100_check.configs(headdims=[64], dtypes=["fp16"], causals=(True,), passes=("fwd", "bwd"))
+    assert both == [sm100.select_fwd_config(64, "fp16", True), sm100.select_bwd_config(64, "fp16", True),
+                    sm100.select_bwd_config(64, "fp16", True, deterministic=True)]
+    assert sm100_check.name(both[2]) == "bwd_sm100 d64 fp16 causal 128x128 1cta q2do1 det"
 
 
 def _row(cfg, **over):
     plan = sm100.register_plan(cfg)
-    row = {"config": sm100_check.name(cfg), "ok": True, "cta_group": cfg.cta_group, "error": None, "compile_s": 3.0, "compile_cpu_s": 2.9,
+    row = {"config": sm100_check.name(cfg), "pass": "fwd", "ok": True, "cta_group": cfg.cta_group, "error": None, "compile_s": 3.0, "compile_cpu_s": 2.9,
            "label": sm100_check.LABEL, "regs_softmax": plan.softmax, "regs_correction": plan.correction,
            "regs_other": plan.other, "tmem_used": sm100.tmem_used_cols(cfg), "tmem_alloc": 512,
            "smem_bytes": cfg.smem_bytes(), "setmaxnreg_ok": True, "tmem_alloc_ok": True, "spills": 0,
            "stack_bytes": 0, "hgmma": 0, "utchmma": 32, "utchmma_2cta": 32 if cfg.cta_group == 2 else 0, "utcbar": 9, "ldtm": 28, "sttm": 20, "utmaldg": 12,
            "utmastg": 4, "mufu_ex2": 338, "ffma2": 264, "fadd2_rm": 24, "mufu_tanh": 0}
+    row.update(over)
+    return row
+
+
+def _bwd_row(cfg, **over):
+    plan = sm100.bwd_register_plan(cfg)
+    row = {"config": sm100_check.name(cfg), "pass": "bwd", "ok": True, "cta_group": 1, "error": None, "compile_s": 2.5,
+           "compile_cpu_s": 2.3, "label": sm100_check.LABEL, "regs_reduce": plan.reduce, "regs_compute": plan.compute,
+           "regs_other": plan.other, "tmem_used": sm100.bwd_tmem_used_cols(cfg), "tmem_alloc": 512,
+           "smem_bytes": cfg.smem_bytes(), "setmaxnreg_ok": True, "tmem_alloc_ok": True, "spills": 0, "stack_bytes": 0,
+           "hgmma": 0, "utchmma": 40, "utchmma_2cta": 0, "utcbar": 9, "ldtm": 10, "sttm": 4, "utmaldg": 4,
+           "ublkred": 4, "ublkcp": 2, "mufu_ex2": 64, "strong_sem": 3 if cfg.deterministic else 0}
     row.update(over)
     return row
 
@@ -67,7 +90,7 @@ def test_cli_reports_with_the_label(monkeypatch, capsys, tmp_path):
 
     monkeypatch.setattr(sm100_check, "check_one", fake_check_one)
     out_json = tmp_path / "r.json"
-    rc = cli.main(["compile-check", "--arch", "sm_100a", "--headdims", "64", "128", "--dtypes", "bf16",
+    rc = cli.main(["compile-check", "--arch", "sm_100a", "--pass", "fwd", "--headdims", "64", "128", "--dtypes", "bf16",
                    "--causal", "0", "--json", str(out_json)])
     text = capsys.readouterr().out
     assert seen == [sm100.select_fwd_config(64), sm100.select_fwd_config(128), sm100.select_fwd_config(128, two_cta=True)]
@@ -81,4 +104,54 @@ def test_cli_reports_with_the_label(monkeypatch, capsys, tmp_path):
     assert [r["label"] for r in rows] == [sm100_check.LABEL] * 3
     monkeypatch.setattr(sm100_check, "check_one", lambda cfg: _row(cfg))
     assert cli.main(["compile-check", "--arch", "sm_100a", "--features", "--headdims", "96", "--dtypes", "fp16"]) == 0
-    assert "16 forward config(s)" in capsys.readouterr().out
+    assert "16 forward config(s), 0 backward config(s)" in capsys.readouterr().out
+
+
+def test_cli_reports_backward_rows(monkeypatch, capsys, tmp_path):
+    """The default report lists the backward's configs after the forward's, in their own table
+    (regs dQ-reduce / compute / other, UBLKRED, ...); --pass bwd alone; a bwd spill fails it."""
+    seen = []
+
+    def fake_check_one(cfg):
+        seen.append(cfg)
+        if sm100_check.is_bwd(cfg):
+            return _bwd_row(cfg, spills=4) if cfg.deterministic else _bwd_row(cfg)
+        return _row(cfg)
+
+    monkeypatch.setattr(sm100_check, "check_one", fake_check_one)
+    out_json = tmp_path / "r.json"
+    rc = cli.main(["compile-check", "--arch", "sm_100a", "--headdims", "128", "--dtypes", "bf16", "--causal", "1",
+                   "--json", str(out_json)])
+    text = capsys.readouterr().out
+    assert seen == [sm100.select_fwd_config(128, "bf16", True), sm100.select_bwd_config(128, "bf16", True),
+                    sm100.select_bwd_config(128, "bf16", True, deterministic=True)]
+    assert "1 forward config(s), 2 backward config(s)" in text
+    assert text.count(sm100_check.LABEL) == 2
+    fwd_at, bwd_at = text.index("forward (1):"), text.index("backward (2):")
+    assert fwd_at < bwd_at and text.index("fwd_sm100 d128") < bwd_at < text.index("bwd_sm100 d128 bf16 causal")
+    for header in ("regs red/comp/other", "TMEM used/alloc", "smem KiB", "LDL/STL", "stack", "UTCHMMA", "UBLKRED",
+                   "UBLKCP", "MUFU.EX2", "LDG/REDG.STRONG", "compile_s", "cpu_s"):
+        assert header in text[bwd_at:], header
+    assert "152/136/88" in text and "512/512" in text
+    assert rc == 1 and "FAIL bwd_sm100 d128 bf16 causal 128x128 1cta q2do1 det: local memory" in text
+    rows = json.loads(out_json.read_text())
+    assert [r["pass"] for r in rows] == ["fwd", "bwd", "bwd"] and rows[1]["ublkred"] == 4
+    assert cli.main(["compile-check", "--arch", "sm_100a", "--pass", "bwd", "--features", "--dtypes", "fp16",
+                     "--causal", "0"]) == 1
+    text = capsys.readouterr().out
+    assert "0 forward config(s), 8 backward config(s)" in text and "bwd_sm100 d64 fp16 window" in text
+
+
+def test_one_real_backward_row():
+    """check_one on one backward config (hd64 bf16, one compile): the PTX's setmaxnreg / alloc
+    operands equal the plan, the SASS has the dQ reduce-adds and the bulk loads, nothing fails."""
+    pytest.importorskip("cutlass")
+    row = sm100_check.check_one(sm100.select_bwd_config(64, "bf16", False))
+    assert row["ok"], row.get("traceback")
+    assert row["pass"] == "bwd" and row["setmaxnreg_ok"] and row["tmem_alloc_ok"], row
+    assert (row["regs_reduce"], row["regs_compute"], row["regs_other"]) == (152, 136, 88)
+    assert row["tmem_alloc"] == 512 and row["label"] == sm100_check.LABEL
+    if row.get("utchmma") is None:
+        pytest.skip("cuobjdump not installed: SASS not read")
+    assert (row["ublkred"], row["ublkcp"], row["strong_sem"], row["utchmma_2cta"]) == (4, 2, 0, 0), row
+    assert sm100_check.problems(row) == [], row

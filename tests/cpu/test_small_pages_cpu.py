@@ -18,21 +18,26 @@ BF16 = torch.bfloat16
 
 @pytest.fixture(autouse=True)
 def _small_pages_on(monkeypatch):
-    """The gathered path is opt-in (FLASH4_SMALL_PAGES=1) until its GPU tests pass; these tests use it."""
+    """The gathered path is on by default; these tests also pin FLASH4_SMALL_PAGES=1 explicitly."""
     monkeypatch.setenv("FLASH4_SMALL_PAGES", "1")
 
 
-def test_small_pages_are_opt_in(monkeypatch):
+def test_small_pages_are_on_by_default(monkeypatch):
+    """Any page size by default since the gathered path passed its GPU tests (H200, 2026-12-02);
+    FLASH4_SMALL_PAGES=0 goes back to multiples of 8."""
     from flash4.config import served_page_rows
 
     assert served_page_rows() == 1
     monkeypatch.delenv("FLASH4_SMALL_PAGES")
+    assert served_page_rows() == 1
+    monkeypatch.setenv("FLASH4_SMALL_PAGES", "0")
     assert served_page_rows() == 8
 
 
 def test_constants():
     assert MIN_PAGE_ROWS == 8 and TMA_PAGE_ROWS == 8
-    assert PAGE_GATHER_MAX == 0 and PAGE_PREFETCH is False  # off until the H200 A/B decides (issue 25 item 3)
+    # page 16 gathered since the H200 A/B of 2026-12-02 (issue 25 item 3); the prefetch stays off
+    assert PAGE_GATHER_MAX == 16 and PAGE_PREFETCH is False
 
 
 @pytest.mark.parametrize("page_size", range(1, 70))
@@ -41,7 +46,7 @@ def test_paged_layout_default(page_size, tile_n, monkeypatch):
     monkeypatch.delenv("FLASH4_PAGE_GATHER_MAX", raising=False)
     monkeypatch.delenv("FLASH4_PAGE_PREFETCH", raising=False)
     got = paged_layout(page_size, tile_n)
-    if page_size % 8:
+    if page_size % 8 or page_size <= PAGE_GATHER_MAX:
         assert got == {"page_rows": 0, "page_gather": True}
     else:
         assert got == {"page_rows": paged_page_rows(page_size, tile_n), "page_gather": False, "page_prefetch": False}
@@ -54,7 +59,7 @@ def test_paged_layout_switches(monkeypatch):
     assert paged_layout(32, 128, 16, True) == {"page_rows": 32, "page_gather": False, "page_prefetch": True}
     assert paged_layout(5, 128, 0, True) == {"page_rows": 0, "page_gather": True}  # prefetch: TMA pieces only
     monkeypatch.setenv("FLASH4_PAGE_PREFETCH", "1")
-    assert env.page_prefetch() is True and paged_layout(16, 128)["page_prefetch"]
+    assert env.page_prefetch() is True and paged_layout(32, 128)["page_prefetch"]
     monkeypatch.setenv("FLASH4_PAGE_PREFETCH", "maybe")
     with pytest.raises(ValueError, match="FLASH4_PAGE_PREFETCH='maybe': allowed 0/1"):
         env.page_prefetch()

@@ -109,9 +109,10 @@ def test_fake_args_follow_the_flags():
     from flash4.compile.fake import bwd_fake_args, bwd_preprocess_fake_args
 
     dense = bwd_fake_args(128, "bf16")
-    assert len(dense) == 18 and dense[13:] == (None, None, None, None, None)
+    assert len(dense) == 19 and dense[13:] == (None, None, None, None, None, None)
     packed = bwd_fake_args(128, "bf16", varlen_q=True, varlen_k=True, seqused_k=True)
-    assert [t is None for t in packed[13:]] == [False, False, True, False, True]  # + dK/dV semaphores
+    assert [t is None for t in packed[13:]] == [False, False, True, False, True, True]  # + dK/dV semaphores, delta
+    assert bwd_fake_args(128, "bf16", sink_delta=True)[18] is not None
     import cutlass
 
     accum = bwd_fake_args(128, "bf16", dkv_accum=True, deterministic=True)

@@ -133,17 +133,19 @@ def get_fwd_runner(cfg: FwdConfig):
 def compile_bwd(cfg: BwdConfig, options: str = ""):
     """Compile one backward config (no GPU needed). Returns the compiled callable
     f(q, k, v, dout, lse_log2, dpsum, dq_accum, dk, dv, dq_semaphore, exact, lse_hi, lse_lo,
-      cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, dkv_semaphore, softmax_scale: float, max_seqlen_k,
+      cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, dkv_semaphore, delta, softmax_scale: float, max_seqlen_k,
       window_left: int, window_right: int, softcap: float, num_ctas: int, heads_per_cta: int)
     where each of cu_seqlens_q / cu_seqlens_k / seqused_q / seqused_k is an int32 tensor when its
     config flag is on and None otherwise, and max_seqlen_k an int when cfg.varlen_k or
     cfg.seqused_k, else None (compile/fake.bwd_fake_args gives the layouts); dkv_semaphore an int32
-    tensor with cfg.dkv_accum and cfg.deterministic, else None."""
+    tensor with cfg.dkv_accum and cfg.deterministic, else None; delta a zeroed fp32 tensor shaped like
+    dpsum with cfg.sink_delta (the kernel adds D = sum_j P dP of every query row to it), else None."""
     from flash4.compile.fake import bwd_fake_args
 
     cutlass, cute = _dsl()
     args = bwd_fake_args(cfg.headdim, cfg.dtype, cfg.varlen_q, cfg.varlen_k, cfg.seqused_q, cfg.seqused_k,
-                         headdim_v=cfg.headdim_v, dkv_accum=cfg.dkv_accum, deterministic=cfg.deterministic)
+                         headdim_v=cfg.headdim_v, dkv_accum=cfg.dkv_accum, deterministic=cfg.deterministic,
+                         sink_delta=getattr(cfg, "sink_delta", False))
     max_seqlen_k = cutlass.Int32(1) if bwd_dynamic_seqlen_k(cfg) else None
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     return cute.compile(
@@ -158,7 +160,7 @@ def get_bwd_runner(cfg: BwdConfig):
     """Cached: compiled backward main kernel for `cfg`, as
     run(q, k, v, dout, lse_log2, dpsum, dq_accum, dk, dv, dq_semaphore, exact, lse_hi, lse_lo, softmax_scale,
         cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None, max_seqlen_k=None, window=None,
-        softcap=0.0, heads_per_cta=None, dkv_semaphore=None)
+        softcap=0.0, heads_per_cta=None, dkv_semaphore=None, delta=None)
     on the current stream (grid: flash4.launch.bwd_grid). The pre/postprocess (lse_log2, dpsum,
     exact flags, dq_accum zeroing, dq conversion) is flash4.backward's (dense and packed).
 
@@ -169,13 +171,17 @@ def get_bwd_runner(cfg: BwdConfig):
     - 1 with cfg.varlen_q, else q.shape[0]. window: (left, right) for local configs
     (flash4.geometry.window_sides), None otherwise. cfg.dkv_accum: dk, dv are zeroed fp32 accumulators
     shaped like k, v, heads_per_cta (required) the query heads per CTA, and with cfg.deterministic
-    dkv_semaphore a zeroed int32 tensor of (key blocks x nheads_k x batch) elements."""
+    dkv_semaphore a zeroed int32 tensor of (key blocks x nheads_k x batch) elements. cfg.sink_delta:
+    delta (required) a zeroed fp32 tensor shaped like dpsum; the kernel adds each row's D to it."""
     compiled = load_or_compile("bwd", cfg, COMPILE_OPTIONS + _arch_option(cfg.arch), lambda: compile_bwd(cfg))
     dynamic_k = bwd_dynamic_seqlen_k(cfg)
 
     def run(q, k, v, dout, lse_log2, dpsum, dq_accum, dk, dv, dq_semaphore, exact, lse_hi, lse_lo,
             softmax_scale: float, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None,
-            max_seqlen_k=None, window=None, softcap: float = 0.0, heads_per_cta=None, dkv_semaphore=None):
+            max_seqlen_k=None, window=None, softcap: float = 0.0, heads_per_cta=None, dkv_semaphore=None,
+            delta=None):
+        if (delta is not None) != getattr(cfg, "sink_delta", False):
+            raise ValueError(f"flash4 backward: delta is required exactly with sink_delta (config {cfg})")
         given = (cu_seqlens_q is not None, cu_seqlens_k is not None, seqused_q is not None, seqused_k is not None)
         if given != (cfg.varlen_q, cfg.varlen_k, cfg.seqused_q, cfg.seqused_k):
             raise ValueError(f"flash4 backward: sequence tensors given {given} do not match the config {cfg}")
@@ -198,7 +204,7 @@ def get_bwd_runner(cfg: BwdConfig):
             heads_per_cta, dkv_semaphore = group, None
         grid = bwd_grid(cfg, batch, seqlen_k, k.shape[2], bwd_num_splits(cfg, q.shape[2], k.shape[2], heads_per_cta))
         compiled(q, k, v, dout, lse_log2, dpsum, dq_accum, dk, dv, dq_semaphore, exact, lse_hi, lse_lo,
-                 cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, dkv_semaphore, softmax_scale, max_seqlen_k,
+                 cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, dkv_semaphore, delta, softmax_scale, max_seqlen_k,
                  *(window if window is not None else (UNBOUNDED, UNBOUNDED)), float(softcap), grid[0],
                  heads_per_cta)
 

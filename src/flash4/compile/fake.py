@@ -54,7 +54,7 @@ def seq_fake_args(cfg):
 
 def bwd_fake_args(headdim: int, dtype: str, varlen_q: bool = False, varlen_k: bool = False,
                   seqused_q: bool = False, seqused_k: bool = False, headdim_v: int | None = None,
-                  dkv_accum: bool = False, deterministic: bool = False):
+                  dkv_accum: bool = False, deterministic: bool = False, sink_delta: bool = False):
     """(q, k, v, dout, lse_log2, dpsum, dq_accum, dk, dv, dq_semaphore, exact, lse_hi, lse_lo,
     cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k) fake tensors for the backward.
 
@@ -67,7 +67,8 @@ def bwd_fake_args(headdim: int, dtype: str, varlen_q: bool = False, varlen_k: bo
     given only when their flag is on (else None: the kernel is compiled without them).
     headdim_v: v / dout / dv have this head dim (None: headdim).
     dkv_accum: dk / dv are fp32 accumulators (same shapes); with deterministic the dK/dV semaphores,
-    int32 (n_blocks * hk * b,), follow (else None).
+    int32 (n_blocks * hk * b,), follow (else None). sink_delta: then the fp32 D buffer, shaped like
+    dpsum (else None).
     """
     dt = DTYPES[dtype]
     dv_ = headdim if headdim_v is None else headdim_v
@@ -91,7 +92,8 @@ def bwd_fake_args(headdim: int, dtype: str, varlen_q: bool = False, varlen_k: bo
     flags = types.SimpleNamespace(varlen_q=varlen_q, varlen_k=varlen_k, seqused_q=seqused_q, seqused_k=seqused_k)
     seq = seq_fake_args(flags)[:4]  # no page table: the backward reads packed K/V only
     dkv_sem = _fake(cutlass.Int32, (cute.sym_int32(),), 0, 1) if dkv_accum and deterministic else None
-    return (q, k, v, do, lse, dpsum, dq_acc, dk, dv, dq_sem, exact, lse_hi, lse_lo) + seq + (dkv_sem,)
+    delta = _fake(cutlass.Float32, (bq, h, sq_pad), 2, 4) if sink_delta else None
+    return (q, k, v, do, lse, dpsum, dq_acc, dk, dv, dq_sem, exact, lse_hi, lse_lo) + seq + (dkv_sem, delta)
 
 
 def bwd_preprocess_fake_args(headdim: int, dtype: str, varlen: bool = False, headdim_q: int | None = None):

@@ -1,12 +1,17 @@
-"""`python -m flash4 compile-check --arch sm_100a`: the sm100 (Blackwell) forward's compile report.
+"""`python -m flash4 compile-check --arch sm_100a`: the sm100 (Blackwell) forward's and backward's compile report.
 
 No GPU is needed: CuTe DSL compiles sm_100a kernels on the CPU and cuobjdump reads their SASS. Per
-config it reports the setmaxnreg budget of each warp role (from the PTX, checked against
-flash4.config.sm100.register_plan), the tensor-memory columns (used by tmem_map / allocated by
-tcgen05.alloc, the PTX operand checked against tmem_alloc_cols), shared memory, the SASS opcode
-counts of the design (UTCHMMA, UTCBAR, LDTM, STTM, UTMALDG, UTMASTG, MUFU.EX2, FFMA2, FADD2.RM,
-MUFU.TANH), local memory (LDL/STL lines, stack) and the compile time. Every line of it is
-"compile-verified for sm_100a, not yet run on Blackwell hardware": nothing here executes a kernel.
+config it reports the setmaxnreg budget of each warp role (from the PTX, checked against the plan:
+flash4.config.sm100.register_plan for the forward's softmax / correction / other warps,
+bwd_register_plan for the backward's dQ-reduce / compute / other warps), the tensor-memory columns
+(used by the TMEM map / allocated by tcgen05.alloc, the PTX operand checked against the plan's
+allocation), shared memory, the SASS opcode counts of the design (forward: UTCHMMA, UTCBAR, LDTM,
+STTM, UTMALDG, UTMASTG, MUFU.EX2, FFMA2, FADD2.RM, MUFU.TANH; backward: UTCHMMA, UTCBAR, LDTM, STTM,
+UTMALDG, UBLKRED (the dQ bulk reduce-add), UBLKCP (the LSE / dPsum bulk loads), MUFU.EX2 and the
+deterministic dQ semaphore's strong LDG / REDG), local memory (LDL/STL lines, stack) and the compile
+time. The forward configs are shipped_fwd_configs', the backward's shipped_bwd_configs' (what
+select_bwd_config returns). Every line of it is "compile-verified for sm_100a, not yet run on
+Blackwell hardware": nothing here executes a kernel.
 """
 
 from __future__ import annotations
@@ -38,47 +43,99 @@ def tmem_alloc_operands(ptx: str) -> list[int]:
     return cols
 
 
-def configs(headdims=None, dtypes=None, causals=None, features: bool = False) -> list:
-    """The shipped sm100 forward configs (flash4.config.sm100.shipped_fwd_configs; with features
-    also the window / softcap / sink variants), filtered by head dim, dtype and causal."""
+# Backward SASS opcode columns: (header, row key); the keys resource_usage lacks are bwd_sass_counts'.
+BWD_OPCODES = (("UTCHMMA", "utchmma"), ("UTCHMMA.2CTA", "utchmma_2cta"), ("UTCBAR", "utcbar"), ("LDTM", "ldtm"),
+               ("STTM", "sttm"), ("UTMALDG", "utmaldg"), ("UBLKRED", "ublkred"), ("UBLKCP", "ublkcp"),
+               ("MUFU.EX2", "mufu_ex2"), ("LDG/REDG.STRONG", "strong_sem"))
+PASSES = ("fwd", "bwd")
+
+
+def configs(headdims=None, dtypes=None, causals=None, features: bool = False, passes=("fwd",)) -> list:
+    """The shipped sm100 configs of `passes`, filtered by head dim, dtype and causal: the forward's
+    (flash4.config.sm100.shipped_fwd_configs; with features also the window / softcap / sink
+    variants), then the backward's (shipped_bwd_configs: full, causal, deterministic or not; with
+    features also the sliding-window ones, whose config has causal False)."""
     from flash4.config import sm100
 
-    return [c for c in sm100.shipped_fwd_configs(features=features)
-            if (headdims is None or c.headdim in headdims) and (dtypes is None or c.dtype in dtypes)
-            and (causals is None or c.causal in causals)]
+    def keep(c):
+        return ((headdims is None or c.headdim in headdims) and (dtypes is None or c.dtype in dtypes)
+                and (causals is None or c.causal in causals))
+
+    out = []
+    if "fwd" in passes:
+        out += [c for c in sm100.shipped_fwd_configs(features=features) if keep(c)]
+    if "bwd" in passes:
+        out += [c for c in sm100.shipped_bwd_configs() if keep(c) and (features or not c.local)]
+    return out
+
+
+def is_bwd(cfg) -> bool:
+    from flash4.config.sm100 import Sm100BwdConfig
+
+    return isinstance(cfg, Sm100BwdConfig)
 
 
 def name(cfg) -> str:
+    if is_bwd(cfg):
+        mask = "window" if cfg.local else "causal" if cfg.causal else "full"
+        return (f"bwd_sm100 d{cfg.headdim} {cfg.dtype} {mask} {cfg.tile_m}x{cfg.tile_n} {cfg.cta_group}cta "
+                f"q{cfg.q_stages}do{cfg.do_stages}{' det' if cfg.deterministic else ''}")
     flags = "".join(f" {f}" for f in ("local", "softcap", "sink") if getattr(cfg, f))
     return (f"fwd_sm100 d{cfg.headdim} {cfg.dtype} {'causal' if cfg.causal else 'full'} "
             f"{cfg.q_stage}x{cfg.tile_m}x{cfg.tile_n} {cfg.cta_group}cta {cfg.kv_stages}st emu{cfg.exp2_emu_frac:g}{flags}")
 
 
-def check_one(cfg) -> dict:
-    """Compile one sm100 config and read its PTX and SASS: the report's row (a compile error is a
-    result: ok False, error set)."""
-    from flash4.compile.cache import compile_fwd
-    from flash4.compile.check import extract_cubin, resource_usage
-    from flash4.config.sm100 import register_plan, tmem_alloc_cols, tmem_used_cols
+def bwd_sass_counts(sass: str) -> dict:
+    """The backward's opcodes that resource_usage does not count: UBLKRED (cp.reduce.async.bulk, the
+    dQ reduce-add), UBLKCP (cp.async.bulk), and the deterministic dQ semaphore's strong load and
+    reduction (LDG.E.STRONG.GPU + REDG.E.ADD.STRONG.GPU: 3 in a deterministic config, else 0)."""
+    count = lambda rx: len(re.findall(rx, sass))  # noqa: E731
+    return {"ublkred": count(r"\bUBLKRED\b"), "ublkcp": count(r"\bUBLKCP\b"),
+            "strong_sem": count(r"\bLDG\.E\.STRONG\.GPU\b") + count(r"\bREDG\.E\.ADD\.STRONG\.GPU\b")}
 
-    plan = register_plan(cfg)
-    row = {"config": name(cfg), "ok": False, "error": None, "compile_s": None, "label": LABEL, "cta_group": cfg.cta_group,
-           "regs_softmax": plan.softmax, "regs_correction": plan.correction, "regs_other": plan.other,
-           "tmem_used": tmem_used_cols(cfg), "tmem_alloc": tmem_alloc_cols(cfg), "smem_bytes": cfg.smem_bytes()}
+
+def _plan_row(cfg) -> tuple[dict, list]:
+    """The row's planned columns and the setmaxnreg operands the PTX must have."""
+    from flash4.config import sm100
+
+    if is_bwd(cfg):
+        plan = sm100.bwd_register_plan(cfg)
+        row = {"regs_reduce": plan.reduce, "regs_compute": plan.compute, "regs_other": plan.other,
+               "tmem_used": sm100.bwd_tmem_used_cols(cfg), "tmem_alloc": sm100.bwd_tmem_alloc_cols(cfg)}
+        return row, sorted([("inc", plan.reduce), ("inc", plan.compute), ("dec", plan.other)])
+    plan = sm100.register_plan(cfg)
+    row = {"regs_softmax": plan.softmax, "regs_correction": plan.correction, "regs_other": plan.other,
+           "tmem_used": sm100.tmem_used_cols(cfg), "tmem_alloc": sm100.tmem_alloc_cols(cfg)}
+    return row, sorted([("inc", plan.softmax), ("dec", plan.correction), ("dec", plan.other)])
+
+
+def check_one(cfg) -> dict:
+    """Compile one sm100 config (forward or backward) and read its PTX and SASS: the report's row
+    (a compile error is a result: ok False, error set)."""
+    from flash4.compile.cache import compile_bwd, compile_fwd
+    from flash4.compile.check import extract_cubin, resource_usage, sass_text
+
+    bwd = is_bwd(cfg)
+    planned, want_regs = _plan_row(cfg)
+    row = {"config": name(cfg), "pass": "bwd" if bwd else "fwd", "ok": False, "error": None, "compile_s": None,
+           "label": LABEL, "cta_group": cfg.cta_group, **planned, "smem_bytes": cfg.smem_bytes()}
     t0, c0 = time.perf_counter(), time.process_time()
     try:
         with tempfile.TemporaryDirectory() as dump:
-            compiled = compile_fwd(cfg, options=f" --keep-ptx --dump-dir {dump}")
+            compiled = (compile_bwd if bwd else compile_fwd)(cfg, options=f" --keep-ptx --dump-dir {dump}")
             row["compile_s"] = round(time.perf_counter() - t0, 2)
             row["compile_cpu_s"] = round(time.process_time() - c0, 2)  # this process's CPU (a loaded box: < wall)
             ptx = compiled.__ptx__
             ptx = Path(ptx).read_text() if ptx and "\n" not in ptx and Path(ptx).is_file() else (ptx or "")
-        want = sorted([("inc", plan.softmax), ("dec", plan.correction), ("dec", plan.other)])
-        row["setmaxnreg_ok"] = setmaxnreg_operands(ptx) == want
+        row["setmaxnreg_ok"] = setmaxnreg_operands(ptx) == want_regs
         row["tmem_alloc_ok"] = tmem_alloc_operands(ptx) == [row["tmem_alloc"]]
         cubin = extract_cubin(compiled)
         if cubin is not None:
             row.update(resource_usage(cubin))
+            if bwd:
+                sass = sass_text(cubin)
+                if sass is not None:
+                    row.update(bwd_sass_counts(sass))
         row["ok"] = True
     except Exception as e:  # noqa: BLE001  (a compile failure is a result here)
         row["compile_s"] = round(time.perf_counter() - t0, 2)
@@ -110,14 +167,44 @@ def problems(row: dict) -> list[str]:
     return out
 
 
-def main(cfgs: list, json_path=None) -> int:
-    """Compile `cfgs`, print the report (the label first), write JSON if asked. Returns 1 if any
-    config fails (problems), else 0."""
-    from flash4.bench.report import format_table, progress
+def format_report(rows: list[dict]) -> str:
+    """The report's tables: the forward rows (regs softmax / correction / other), then the backward
+    rows (regs dQ-reduce / compute / other), each with its own opcode columns."""
+    from flash4.bench.report import format_table
 
-    print(f"compile check, sm_100a: {len(cfgs)} forward config(s), {LABEL}")
+    common = ["config", "ok", "compile_s", "cpu_s"]
+    mem = ["TMEM used/alloc", "smem KiB", "LDL/STL", "stack"]
+
+    def cells(r, regs):
+        return ([r["config"], r["ok"], r["compile_s"], r.get("compile_cpu_s"), "/".join(str(r[k]) for k in regs),
+                 f"{r['tmem_used']}/{r['tmem_alloc']}", round(r["smem_bytes"] / 1024, 1), r.get("spills"),
+                 r.get("stack_bytes")])
+
+    out = []
+    fwd = [r for r in rows if r.get("pass", "fwd") == "fwd"]
+    bwd = [r for r in rows if r.get("pass") == "bwd"]
+    if fwd:
+        regs = ("regs_softmax", "regs_correction", "regs_other")
+        out.append(f"forward ({len(fwd)}):")
+        out.append(format_table(common + ["regs sm/corr/other"] + mem + [h for h, _ in OPCODES],
+                                [cells(r, regs) + [r.get(k) for _, k in OPCODES] for r in fwd]))
+    if bwd:
+        regs = ("regs_reduce", "regs_compute", "regs_other")
+        out.append(f"backward ({len(bwd)}):")
+        out.append(format_table(common + ["regs red/comp/other"] + mem + [h for h, _ in BWD_OPCODES],
+                                [cells(r, regs) + [r.get(k) for _, k in BWD_OPCODES] for r in bwd]))
+    return "\n".join(out)
+
+
+def main(cfgs: list, json_path=None) -> int:
+    """Compile `cfgs` (forward and backward sm100 configs), print the report (the label first), write
+    JSON if asked. Returns 1 if any config fails (problems), else 0."""
+    from flash4.bench.report import progress
+
+    n_bwd = sum(is_bwd(c) for c in cfgs)
+    print(f"compile check, sm_100a: {len(cfgs) - n_bwd} forward config(s), {n_bwd} backward config(s), {LABEL}")
     if not cfgs:
-        print("no sm100 config matches the filters (head dims 64, 96, 128; bf16, fp16)")
+        print("no sm100 config matches the filters (forward head dims 64, 96, 128; backward 64, 128; bf16, fp16)")
         return 1
     rows = []
     bar = progress(len(cfgs), "compile", "cfg")
@@ -126,12 +213,7 @@ def main(cfgs: list, json_path=None) -> int:
         bar.set_postfix_str(f"{rows[-1]['config']}: {'ok' if rows[-1]['ok'] else 'FAILED'} {rows[-1]['compile_s']} s")
         bar.update()
     bar.close()
-    headers = (["config", "ok", "compile_s", "cpu_s", "regs sm/corr/other", "TMEM used/alloc", "smem KiB", "LDL/STL", "stack"]
-               + [h for h, _ in OPCODES])
-    table = [[r["config"], r["ok"], r["compile_s"], r.get("compile_cpu_s"), f"{r['regs_softmax']}/{r['regs_correction']}/{r['regs_other']}",
-              f"{r['tmem_used']}/{r['tmem_alloc']}", round(r["smem_bytes"] / 1024, 1), r.get("spills"),
-              r.get("stack_bytes")] + [r.get(key) for _, key in OPCODES] for r in rows]
-    print(format_table(headers, table))
+    print(format_report(rows))
     bad = [(r["config"], p) for r in rows for p in problems(r)]
     for config, problem in bad:
         print(f"FAIL {config}: {problem}")

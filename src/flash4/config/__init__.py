@@ -48,13 +48,13 @@ def canonical_hdimv(headdim: int, headdim_v: int | None) -> int | None:
 
 
 # Page sizes the doors take by default (the peer suite's shim reads MIN_PAGE_ROWS): multiples of 8
-# (TMA page pieces). With FLASH4_SMALL_PAGES=1 any page size >= 1 is served, the others by the
-# gathered path (paged_layout), which has not passed its GPU tests yet (served_page_rows).
+# (TMA page pieces). By default any page size >= 1 is served, the others by the gathered path
+# (paged_layout); FLASH4_SMALL_PAGES=0 refuses them (served_page_rows).
 MIN_PAGE_ROWS = 8
 
 
 def served_page_rows() -> int:
-    """Page sizes must be multiples of this: MIN_PAGE_ROWS, or 1 with FLASH4_SMALL_PAGES=1 (flash4.env)."""
+    """Page sizes must be multiples of this: 1, or MIN_PAGE_ROWS with FLASH4_SMALL_PAGES=0 (flash4.env)."""
     from flash4 import env
 
     return 1 if env.small_pages() else MIN_PAGE_ROWS
@@ -62,9 +62,11 @@ def served_page_rows() -> int:
 # whose size is not a multiple of it are gathered row by row (FwdConfig.page_gather).
 TMA_PAGE_ROWS = 8
 # Pages of at most this many rows (and multiples of TMA_PAGE_ROWS) are gathered instead of loaded
-# by TMA page pieces: 0 = never (the default until the H200 A/B of issue 25 item 3 decides it;
-# FLASH4_PAGE_GATHER_MAX overrides it, flash4.env.page_gather_max).
-PAGE_GATHER_MAX = 0
+# by TMA page pieces (FLASH4_PAGE_GATHER_MAX overrides it, flash4.env.page_gather_max). 16 since the
+# H200 A/B of 2026-12-02 (tools/bench_pages.py, docs/design/small_pages.md): page 16 prefill 0.787
+# of contiguous gathered vs 0.721 by TMA pieces, decode 0.965 of copy bandwidth vs 0.876. Page 32
+# was not measured, so it keeps TMA pieces.
+PAGE_GATHER_MAX = 16
 # TMA page pieces with the page-table look-ahead (FwdConfig.page_prefetch): off until the same A/B
 # (FLASH4_PAGE_PREFETCH overrides it).
 PAGE_PREFETCH = False
@@ -240,10 +242,15 @@ def _plans_decode(arch: int) -> bool:
     return hasattr(module, "decode_plan")
 
 
-def bwd_config(request, arch: int, heads_per_cta: int | None = None) -> BwdPlan:
+def bwd_config(request, arch: int, heads_per_cta: int | None = None, sink_delta: bool = False) -> BwdPlan:
     """The backward plan of `request` (DENSE or VARLEN; max_seqlen_q / max_seqlen_k resolved) on SM
-    version `arch`; heads_per_cta: None, or the FLASH4_BWD_HEADS_PER_CTA override (flash4.env)."""
-    return _family_config(arch).bwd_plan(request, arch, heads_per_cta)
+    version `arch`; heads_per_cta: None, or the FLASH4_BWD_HEADS_PER_CTA override (flash4.env).
+    sink_delta: the main kernel also sums D = sum_j P dP per query row where the family can (sm90's
+    BwdConfig.sink_delta; a learnable sink needs a gradient); plan.cfg.sink_delta says whether it does."""
+    module = _family_config(arch)
+    if sink_delta and hasattr(module, "with_sink_delta"):
+        return module.bwd_plan(request, arch, heads_per_cta, sink_delta=True)
+    return module.bwd_plan(request, arch, heads_per_cta)
 
 
 def active_family(arch: int):
@@ -305,5 +312,5 @@ from flash4.config.sm90 import (  # noqa: E402,F401
     BWD_SMEM_BUDGET, BWD_SPLIT_MIN_QUERIES, BWD_SUPPORTED_HEADDIMS, DQ_ROW_PAD, DQ_ROW_PAD_SPLIT,
     DQ_WHOLE_TILE_MAX_HEADDIM, SHORT_SEQLEN_K, SM90_MAX_SMEM_BYTES, TRANSPOSED_DKV_HEADDIMS, TRANSPOSED_DKV_VARIANTS,
     BwdConfig, FwdConfig, bwd_heads_per_cta, bwd_smem_bytes, dq_whole_tile, pack_gqa_wanted, short_seq_fwd_config,
-    transposed_dkv_ok, with_dkv_accum, with_pack_gqa,
+    transposed_dkv_ok, with_dkv_accum, with_pack_gqa, with_sink_delta,
 )

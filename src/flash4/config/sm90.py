@@ -26,7 +26,9 @@ SHORT_SEQLEN_K = 1024
 
 # FwdConfig / BwdConfig fields left out of their repr while at their default (off): speed switches
 # added after the configs' reprs became cache and fingerprint keys (docs/design/speed_candidates.md).
-_QUIET_SWITCHES = ("early_q_release", "exp_before_dp_wait", "dq_handoff_per_wg")
+# Left out of the repr (the compile-cache and fingerprint key) while off, so adding one keeps every
+# other config's key: the speed switches, and sink_delta (on only when a learnable sink needs a gradient).
+_QUIET_SWITCHES = ("early_q_release", "exp_before_dp_wait", "dq_handoff_per_wg", "sink_delta")
 
 
 def _quiet_repr(cfg) -> str:
@@ -352,6 +354,14 @@ class BwdConfig:
               dq_accum.py), which the dQ postprocess reads back (get_bwd_postprocess_runner(...,
               wg_halves=True)). dq_accum_order configs (dense, head dim <= 96), not deterministic.
               Same values (each dQ element added once per step).
+    sink_delta: off by default; on only when a learnable sink needs a gradient (with_sink_delta).
+              The kernel also sums D_i = sum_j P_ij dP_ij (the exact rowsum(dO * O) of the float32
+              output; the learnable sink's gradient needs it to the float32 reference's accuracy,
+              docs/conformance/fa4-suite.md) per query row into a zeroed fp32 (B, H, Sq_pad) buffer:
+              each consumer warp's partial sums (reduced over the lanes sharing a query) go to
+              shared memory at the dQ hand-off (the staging tile's row pad, or sink_delta_smem_bytes
+              of their own on whole-tile configs); the dQ store warp adds their sum (in a fixed order)
+              to the buffer, deterministic: inside its dQ turn. Not with dq_handoff_per_wg.
     """
 
     headdim: int
@@ -375,10 +385,12 @@ class BwdConfig:
     do_stages: int | None = None
     exp_before_dp_wait: bool = False
     dq_handoff_per_wg: bool = False
+    sink_delta: bool = False
 
     def __post_init__(self):
         assert self.headdim in BWD_SUPPORTED_HEADDIMS, self.headdim
         assert not self.dq_handoff_per_wg or (self.dq_accum_order and not self.deterministic), self
+        assert not (self.sink_delta and self.dq_handoff_per_wg), self
         assert self.headdim_v is None or (self.headdim, self.headdim_v) in HDIMV_PAIRS, (self.headdim, self.headdim_v)
         assert self.dtype in DTYPES, self.dtype
         if self.transposed_dkv:
@@ -426,9 +438,38 @@ class BwdConfig:
         """Depth of the dO pipeline (do_stages, or q_stages when None)."""
         return self.q_stages if self.do_stages is None else self.do_stages
 
+    @property
+    def sink_delta_slots(self) -> int:
+        """sink_delta: partial sums per query row a step stages (one per consumer warp that holds
+        some of the row's keys): 8 (two warpgroups x 4 warps of 16 keys), 4 with split_headdim (one
+        warpgroup's 4 warps), 2 with transposed_dkv (the two 48-key halves)."""
+        return sink_delta_slots(self.split_headdim, self.transposed_dkv)
+
+    @property
+    def sink_delta_in_row_pad(self) -> bool:
+        """sink_delta: the partial sums live in the dQ staging tile's row pad (dq_row_pad >= slots);
+        else (whole-tile configs, no pad) in a buffer of their own (sink_delta_smem_bytes)."""
+        return self.dq_row_pad >= self.sink_delta_slots
+
     def smem_bytes(self) -> int:
         return bwd_smem_bytes(self.headdim, self.tile_m, self.tile_n, self.q_stages, self.split_headdim,
-                              self.headdim_v, self.transposed_dkv, self.do_stages)
+                              self.headdim_v, self.transposed_dkv, self.do_stages) + self.sink_delta_smem_bytes()
+
+    def sink_delta_smem_bytes(self) -> int:
+        """Shared memory sink_delta adds: 0 off or in the row pad, else tile_m x slots fp32."""
+        if not self.sink_delta or self.sink_delta_in_row_pad:
+            return 0
+        return self.tile_m * self.sink_delta_slots * 4
+
+
+def sink_delta_slots(split_headdim: bool, transposed_dkv: bool) -> int:
+    return 2 if transposed_dkv else 4 if split_headdim else 8
+
+
+def with_sink_delta(cfg: BwdConfig) -> BwdConfig:
+    """cfg that also sums D = sum_j P dP per query row (BwdConfig.sink_delta: a learnable sink needs a
+    gradient); the per-warpgroup dQ hand-off (a speed switch) off."""
+    return dataclasses.replace(cfg, sink_delta=True, dq_handoff_per_wg=False)
 
 
 def dq_whole_tile(split_headdim: bool, headdim: int, transposed_dkv: bool = False) -> bool:
@@ -746,10 +787,11 @@ def page_policy() -> tuple[int, bool]:
     return (PAGE_GATHER_MAX if gather_max is None else gather_max, PAGE_PREFETCH if prefetch is None else prefetch)
 
 
-def bwd_plan(request, arch: int, heads_per_cta: int | None = None) -> BwdPlan:
+def bwd_plan(request, arch: int, heads_per_cta: int | None = None, sink_delta: bool = False) -> BwdPlan:
     """The backward plan of a dense or packed (not paged) flash4.request.Request whose max_seqlen_q /
     max_seqlen_k are host ints: the config (sequence layout for packed q) and the GQA head split
-    (head_split_config; heads_per_cta: an override of its choice, or None)."""
+    (head_split_config; heads_per_cta: an override of its choice, or None). sink_delta: the kernel
+    also sums D per query row (with_sink_delta; a learnable sink needs a gradient)."""
     seq, mask = request.seq, request.mask
     cfg = select_bwd_config(request.headdim, request.dtype, mask.causal, arch=arch,
                             deterministic=request.deterministic, local=mask.local, softcap=request.score.softcap > 0,
@@ -762,4 +804,6 @@ def bwd_plan(request, arch: int, heads_per_cta: int | None = None) -> BwdPlan:
         seqlen_q, seqlen_k = request.q.shape[1], request.k.shape[1]
     cfg, heads = head_split_config(cfg, request.nheads, request.nheads_k, seqlen_q, seqlen_k, mask.causal,
                                    mask.window, heads_per_cta)
+    if sink_delta:
+        cfg = with_sink_delta(cfg)
     return BwdPlan(cfg, heads)

@@ -1,65 +1,73 @@
-"""Tile-level numerics model of the sm100 (Blackwell) backward: what it computes, in torch on the CPU.
+"""Tile-level numerics model of the sm100 (Blackwell) 1-CTA backward as built: what it computes, in torch on the CPU.
 
-    dq, dk, dv = backward(dout, q, k, v, out, lse, softmax_scale, causal)   # flash_attn_func's layouts
-    dq, dk, dv, stats = backward(..., return_stats=True)                    # + what the dataflow did
+    dq, dk, dv = backward(dout, q, k, v, out, lse, softmax_scale, causal, window_size=None)  # flash_attn_backward's order
+    dq, dk, dv, stats = backward(..., return_stats=True)                                      # + what the dataflow did
 
-It checks the *algorithm* of /work/shared/design/BLACKWELL.md section 1 (FA4's
-FlashAttentionBackwardSm100, the five UMMAs with TMEM accumulators) on flash4's shared preprocess /
-postprocess, and its error bands against flash4.reference; not a kernel: the compiled kernel is
-checked on the hardware by flash4.selftest. A CTA owns one KV tile of `tile_n` keys (one query head
-of it: GQA heads are separate CTAs); it visits the query tiles of `tile_m` rows that see any of its
-keys, first to last, and per (query tile m, KV tile n), in this order:
+It models flash4.kernels.sm100.bwd (docs/design/sm100_backward.md) on flash4.backward's host pipeline
+(the preprocess and dQ postprocess sm90 shares) rounding step by rounding step, and checks its error
+bands against flash4.reference. It checks the algorithm, not the kernel: the kernel is
+compile-verified, not run on hardware; on a Blackwell GPU the first-use self-test (flash4.selftest)
+checks it. A CTA owns one key block n of `tile_n` keys of one KV head; it walks, head after head of
+the KV head's group of query heads (GQA / MQA), the query blocks m of `tile_m` rows that see any of
+its keys (flash4.geometry.m_block_range), first to last. In this order:
 
- 0. Preprocess (flash4.kernels.common.bwd_preprocess, once per query row): D = rowsum(dO * O) in
-    fp32, its order: lane l of 8 sums the 4-element chunks l, l + 8, ... (each product exact in
-    fp32, one rounding per add), then a butterfly over the 8 lanes (xor 4, 2, 1); D -= dLSE when
-    the LSE has a gradient. L = fp32(L_hi + L_lo) (the forward's log2-domain LSE split; without
-    one L_hi = fp32(lse * log2 e), L_lo = 0; +inf for a row that saw no key, and for the padding
-    rows of the last query tile, so their P is 0). A query tile with some |L| >= BWD_EXACT_LSE_LOG2
-    takes the exact path (step 2).
- 1. S^T = K Q^T (UMMA, fp32 TMEM accumulator; bf16/fp16 operands): each k-step of `mma_k` = 16
-    elements summed exactly, added to the accumulator with one rounding (as the forward model).
-    Keys past seqlen_k and (causal, bottom-right) keys right of a row's diagonal are -inf.
- 2. x = fma(S, c, -L) (fma_packed_f32x2, one rounding; c = fp32(softmax_scale * log2 e)); on an
-    exact tile x = fma(S, c, -L_hi) - L_lo.
- 3. P = 2^x on MUFU.EX2 only (FA4's backward emulates no exp2): 2^x rounded to fp32, 0 below 2^-126.
- 4. The TMEM P (the dV UMMA's A operand, written over S's columns) is P rounded to the input dtype.
- 5. dP^T = V dO^T (UMMA, fp32), k-steps as in 1.
- 6. dS = P * (dP - D) from the fp32 P (not the rounded one), per element fp32:
-    ds_scale "ds" (flash4's: the softmax scale folded in here, so dK and dQ need none):
-      dS = fp32(fp32(P * scale) * fp32(dP - D));
-    ds_scale "epilogue" (FA4's sub_packed / mul_packed, scale applied to dK at its epilogue and to
-    dQ in the postprocess): dS = fp32(P * fp32(dP - D)).
-    dS is rounded to the input dtype (TMEM for the dK UMMA over dP's columns, smem for dQ).
- 7. dV += P^T dO and dK += dS^T Q (UMMA, the KV tile's fp32 TMEM accumulators, chained over the
-    query tiles, k-steps of mma_k rows).
- 8. dQ_part = dS K (UMMA into fp32 TMEM, k-steps of mma_k keys), moved by the dQ reduce warps
-    TMEM -> smem -> cp.reduce.async.bulk.add.f32 into the zeroed fp32 dq_accum: each KV tile's
-    part is one fp32 add per element; the parts of query tile m land in `dq_order` (the KV tiles'
-    order: "forward" = the deterministic mode's semaphore chain, n = 0, 1, ...; "reverse"; or an
-    int seed: a random order, as atomics from concurrent CTAs may land).
- 9. Epilogue: dV and dK of the KV tile (dK * scale in fp32 first with ds_scale "epilogue") rounded
-    to the input dtype; with GQA (H > Hk) each query head's fp32 dK / dV tile is added into an fp32
-    accumulator (in head order), scaled (dK, "epilogue") and rounded at the end (FA4's dKV
-    postprocess). Postprocess: dq = dq_accum (* scale in fp32 with "epilogue") rounded to the input
-    dtype.
+ 0. Host (flash4.backward.launch) and preprocess (flash4.kernels.common.bwd_preprocess, once per
+    query row):
+    D = rowsum(dO * O) in fp32, its order: lane l of 8 sums the 4-element chunks l, l + 8, ...
+      (each product exact in fp32, one rounding per add), then a butterfly over the 8 lanes (xor
+      4, 2, 1); then D = fp32(D - dLSE) on the host when the LSE has a gradient.
+    lse_log2 = fp32(hi + lo), from the forward's log2-domain split (hi, lo) when given, else
+      hi = where(LSE = -inf, +inf, fp32(LSE * fp32(log2 e))) (torch on the host), lo = 0; +inf for
+      the padding rows of the last query block. This rounded, padded lse_log2 is the only LSE the
+      kernel reads: it has no exact path (sm90's issue-8 tiles; the preprocess still writes the
+      flags, the sm100 kernel does not read them), so P is exact only while |lse_log2| stays below
+      about 2^9 (past it an fp32 ulp of lse_log2 moves every P by more than 2^-15 relative).
+ 1. S^T = K Q^T and dP^T = V dO^T (UMMA, fp32 TMEM accumulators; 16-bit operands): each k-step of
+    `mma_k` = 16 elements summed exactly, added to the accumulator with one rounding (as the
+    forward model).
+ 2. x = fma(S^T, c, -lse_log2) (fma_packed_f32x2, one rounding), c = fp32(fp32(softmax_scale) *
+    fp32(log2 e)) (the kernel's Float32 product).
+ 3. P^T = 2^x on MUFU.EX2 only (modelled as 2^x correctly rounded to fp32, 0 below 2^-126), then
+    0 where the query does not see the key (a select, not a -inf score: the query is before
+    geometry.first_query(key) (causal, a window's right side, keys past seqlen_k) or, with a
+    window, at or past geometry.query_end(key)). Padding rows: lse_log2 = +inf, so P = 0.
+ 4. P^T rounded to the input dtype (the TMEM P^T, the dV UMMA's A operand); the fp32 P^T is kept
+    in registers for dS.
+ 5. dS^T = fp32(fp32(fp32(dP^T - D) * P^T) * fp32(softmax_scale)) from the fp32 P (sub, mul, mul:
+    sub_packed / mul_packed / mul_packed), rounded to the input dtype (TMEM for the dK UMMA, smem
+    for the dQ UMMA). The softmax scale is in dS, so dK and dQ need no rescale (flash4's convention).
+ 6. dV += P16^T dO and dK += dS16^T Q (UMMA, k-steps of mma_k query rows) into the key block's fp32
+    TMEM accumulators, ONE chain per (key block, KV head) over all its steps: the group's query
+    heads in order, each over its query blocks m (GQA / MQA accumulate in TMEM, no fp32 sum of
+    per-head tiles: the head split (dkv_accum) is not built for sm100).
+ 7. dQ_part = dS16 K (UMMA into fp32 TMEM, k-steps of mma_k keys), moved by the dQ reduce warps
+    TMEM -> smem -> cp.reduce.async.bulk .add.f32 into the zeroed fp32 dq_accum: one fp32 add per
+    element per key block. The parts of query block m land in `dq_order`: "forward" (n = 0, 1, ...:
+    the deterministic configs' semaphore chain, from the band's first key block with a window),
+    "reverse", or an int seed (a random order: the non-deterministic configs' CTAs land in any
+    order).
+ 8. Epilogue: dK, dV of the key block rounded to the input dtype (zeros for a key block that no
+    query sees); postprocess: dq = dq_accum rounded to the input dtype.
 
 Not modelled: the MMA's accumulation rounding inside one k-step (modelled exact), MUFU's last ulps
-(modelled correctly rounded), the 2-CTA split (it moves operands between the pair, not values:
-each dQ half and the exchanged dS half are the same numbers), and anything about timing (barriers,
-pipelines): a race or a wrong TMEM address has no analogue here.
+(modelled correctly rounded), anything about timing (barriers, pipelines, TMEM aliasing): a race, a
+hang or a wrong TMEM address has no analogue here. Not built in the kernel, so not here: softcap,
+Dv != D, packed varlen / seqused, the exact-LSE path, the GQA head split, 2-CTA.
 """
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
-from flash4.constants import BWD_EXACT_LSE_LOG2, LOG2E
+from flash4 import geometry
+from flash4.constants import LOG2E
 from flash4.models.sm100_fwd import UMMA_K, exp2_hw, fma_f32, mma_f32
 
-DS_SCALES = ("ds", "epilogue")
+# The 1-CTA backward's blocks (flash4.config.sm100.Sm100BwdConfig: tile_m = tile_n = 128).
+TILE = 128
 # Preprocess dot product: lanes per row and elements per lane access (kernels/common/bwd_preprocess.py).
 PRE_LANES = 8
 PRE_CHUNK = 4
@@ -83,22 +91,16 @@ def preprocess_dpsum(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
     return lanes[..., 0].contiguous()
 
 
-def lse_log2_parts(lse: torch.Tensor, lse_split: torch.Tensor | None = None):
-    """(L, L_hi, L_lo), each (B, H, S) float32, as the preprocess and the exact path read them:
-    L_hi + L_lo = lse * log2 e (lse_split's two halves, or fp32(lse * log2 e) and 0); rows with
-    lse = -inf (no key) get L = L_hi = +inf, L_lo = 0."""
+def lse_log2(lse: torch.Tensor, lse_split: torch.Tensor | None = None) -> torch.Tensor:
+    """The kernel's lse_log2, (B, H, S) float32 (step 0): fp32(hi + lo) with (hi, lo) = lse_split's
+    halves, or, without a split, flash4.backward's hi = where(lse = -inf, +inf, lse * log2 e)
+    (torch fp32) and lo = 0. A row that saw no key gets +inf (its P is 0)."""
     if lse_split is None:
-        hi = (lse.double() * LOG2E).float()
-        lo = torch.zeros_like(hi)
-    else:
-        hi, lo = lse_split[0].float(), lse_split[1].float()
-    empty = torch.isneginf(lse) | torch.isposinf(hi)
-    hi = torch.where(empty, math.inf, hi)
-    lo = torch.where(empty, 0.0, lo)
-    return hi + lo, hi, lo
+        return torch.where(lse == -math.inf, math.inf, lse.float() * LOG2E)  # + lo = 0: unchanged
+    return lse_split[0].float() + lse_split[1].float()
 
 
-def _check_args(dout, q, k, v, out, lse, tile_m, tile_n, ds_scale, dq_order):
+def _check_args(dout, q, k, v, out, lse, tile_m, tile_n, dq_order):
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"q, k, v must be (batch, seqlen, nheads, headdim); got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
@@ -115,140 +117,127 @@ def _check_args(dout, q, k, v, out, lse, tile_m, tile_n, ds_scale, dq_order):
     for name, t in (("tile_m", tile_m), ("tile_n", tile_n)):
         if t < 16 or t % 16:
             raise ValueError(f"{name} must be a positive multiple of 16 (a UMMA k-step); got {t}")
-    if ds_scale not in DS_SCALES:
-        raise ValueError(f"ds_scale must be one of {DS_SCALES}; got {ds_scale!r}")
     if not (dq_order in ("forward", "reverse") or isinstance(dq_order, int)):
         raise ValueError(f"dq_order must be 'forward', 'reverse' or an int seed; got {dq_order!r}")
 
 
-def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
-    """(B, H, S, X) float64 zero-padded to S = rows (TMA reads zeros past the end)."""
-    return torch.nn.functional.pad(t, (0, 0, 0, rows - t.shape[2]))
+def _heads_rows(t: torch.Tensor, group: int, rows: int) -> torch.Tensor:
+    """(B, S, H, X) -> float64 (B, H // group, group, rows, X), rows zero-padded (TMA reads zeros)."""
+    b, s, h, x = t.shape
+    t = torch.nn.functional.pad(t.permute(0, 2, 1, 3).double(), (0, 0, 0, rows - s))
+    return t.reshape(b, h // group, group, rows, x)
+
+
+def _dq_add_order(dq_order, n_tiles: int) -> list[int]:
+    if dq_order == "forward":
+        return list(range(n_tiles))
+    if dq_order == "reverse":
+        return list(range(n_tiles - 1, -1, -1))
+    return torch.randperm(n_tiles, generator=torch.Generator().manual_seed(dq_order)).tolist()
 
 
 def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-             lse: torch.Tensor, softmax_scale: float | None = None, causal: bool = False, *,
-             lse_split: torch.Tensor | None = None, dlse: torch.Tensor | None = None, tile_m: int = 128,
-             tile_n: int = 128, mma_k: int | None = UMMA_K, ds_scale: str = "ds", exact_lse: bool = True,
-             dq_order: str | int = "forward", return_stats: bool = False):
-    """(dq, dk, dv) as the sm100 backward computes them (module docstring, steps 0-9).
+             lse: torch.Tensor, softmax_scale: float | None = None, causal: bool = False, window_size=None, *,
+             lse_split: torch.Tensor | None = None, dlse: torch.Tensor | None = None, tile_m: int = TILE,
+             tile_n: int = TILE, mma_k: int | None = UMMA_K, dq_order: str | int = "forward",
+             return_stats: bool = False):
+    """(dq, dk, dv) as the sm100 backward computes them (module docstring, steps 0-8).
 
     dout, out: (B, Sq, H, Dv); q: (B, Sq, H, D); k: (B, Sk, Hk, D); v: (B, Sk, Hk, Dv); all
       bfloat16 or all float16 (CPU); Hk divides H. lse: float32 (B, H, Sq), the forward's natural-log
       LSE (-inf for rows that saw no key). Causal is bottom-right aligned. softmax_scale: None = 1/sqrt(D).
-    lse_split: None or float32 (2, B, H, Sq), the forward's unrounded log2-domain LSE (flash4.forward).
+    window_size: None or flash-attn's (left, right) (-1 = unbounded; causal sets right = 0).
+    lse_split: None or float32 (2, B, H, Sq), the forward's log2-domain LSE split (step 0).
     dlse: None or (B, H, Sq), the LSE's gradient (D -= dlse).
-    tile_m / tile_n: query rows / keys per tile (multiples of 16). mma_k: UMMA k-step (None: one
-      rounding per tile product). ds_scale: "ds" or "epilogue" (step 6). exact_lse: take the exact
-      path on tiles with |L| >= BWD_EXACT_LSE_LOG2 (False: never). dq_order: step 8.
+    tile_m / tile_n: query rows / keys per block (the kernel's 128; multiples of 16). mma_k: UMMA
+      k-step (None: one rounding per tile product). dq_order: step 7.
     Returns dq, dk, dv in the input dtype (shaped like q, k, v) and, with return_stats, a dict:
-      kv_tiles, tile_pairs (the (m, n) pairs computed), skipped_pairs (causal pairs without a
-      visible key, never visited), exact_tiles ((query tile, head) pairs on the exact path), p_max
-      (largest fp32 P: <= 1 up to the forward's error), ds_absmax, dq_adds (fp32 adds into dq_accum).
+      kv_tiles, tile_pairs ((m, n) pairs a CTA visits, per KV head and batch: m_block_range),
+      skipped_pairs (the others), steps (CTA steps summed over the key blocks of one (batch, KV head):
+      group x visited query blocks), p_max (largest fp32 P: <= 1 up to the forward's error),
+      ds_absmax, dq_adds (fp32 adds into dq_accum per query head and batch).
     """
-    _check_args(dout, q, k, v, out, lse, tile_m, tile_n, ds_scale, dq_order)
+    _check_args(dout, q, k, v, out, lse, tile_m, tile_n, dq_order)
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k, nheads_k, headdim_v = k.shape[1], k.shape[2], v.shape[3]
     dtype = q.dtype
-    scale = 1.0 / math.sqrt(headdim) if softmax_scale is None else float(softmax_scale)
-    c = float(torch.tensor(scale * LOG2E, dtype=torch.float32))  # the kernel's Float32 scale_log2
-    scale_f32 = float(torch.tensor(scale, dtype=torch.float32))
+    window = geometry.window_sides(window_size, causal)
+    scale_f32 = np.float32(1.0 / math.sqrt(headdim) if softmax_scale is None else softmax_scale)
+    c = float(scale_f32 * np.float32(LOG2E))  # the kernel's Float32 scale_log2
+    scale_f32 = float(scale_f32)
     group = nheads // nheads_k
     m_tiles, n_tiles = -(-seqlen_q // tile_m), -(-seqlen_k // tile_n)
     rows_q, rows_k = m_tiles * tile_m, n_tiles * tile_n
 
-    # 0. preprocess: D, L (padding rows: D 0, L +inf)
+    # 0. host and preprocess: D, lse_log2 (padding rows: D 0, lse_log2 +inf), as (B, Hk, group, rows)
     d_sum = preprocess_dpsum(out, dout)
     if dlse is not None:
         d_sum = d_sum - dlse.float()
-    big_l, hi, lo = lse_log2_parts(lse, lse_split)
     pad = (0, rows_q - seqlen_q)
-    d_sum = torch.nn.functional.pad(d_sum, pad)
-    big_l, hi = (torch.nn.functional.pad(t, pad, value=math.inf) for t in (big_l, hi))
-    lo = torch.nn.functional.pad(lo, pad)
-    finite_l = torch.where(torch.isfinite(big_l), big_l.abs(), 0.0)
-    exact = finite_l.reshape(batch, nheads, m_tiles, tile_m).amax(-1) >= BWD_EXACT_LSE_LOG2  # (B, H, m_tiles)
-    if not exact_lse:
-        exact = torch.zeros_like(exact)
+    d_sum = torch.nn.functional.pad(d_sum, pad).reshape(batch, nheads_k, group, rows_q)
+    big_l = torch.nn.functional.pad(lse_log2(lse, lse_split), pad, value=math.inf)
+    big_l = big_l.reshape(batch, nheads_k, group, rows_q)
 
-    # operands as (B, H, rows, X) float64 (exact 16-bit values); K, V per query head
-    q64 = _pad_rows(q.permute(0, 2, 1, 3).double(), rows_q)
-    do64 = _pad_rows(dout.permute(0, 2, 1, 3).double(), rows_q)
-    k64 = _pad_rows(k.repeat_interleave(group, dim=2).permute(0, 2, 1, 3).double(), rows_k)
-    v64 = _pad_rows(v.repeat_interleave(group, dim=2).permute(0, 2, 1, 3).double(), rows_k)
+    q64, do64 = _heads_rows(q, group, rows_q), _heads_rows(dout, group, rows_q)  # (B, Hk, group, rows_q, D)
+    k64, v64 = _heads_rows(k, 1, rows_k)[:, :, 0], _heads_rows(v, 1, rows_k)[:, :, 0]  # (B, Hk, rows_k, D)
 
-    stats = {"kv_tiles": n_tiles, "tile_pairs": 0, "skipped_pairs": 0, "exact_tiles": int(exact.sum()),
-             "p_max": 0.0, "ds_absmax": 0.0, "dq_adds": 0}
-    dk_acc = torch.zeros(batch, nheads, rows_k, headdim)  # fp32 per query head
-    dv_acc = torch.zeros(batch, nheads, rows_k, headdim_v)
-    dq_parts = [[None] * n_tiles for _ in range(m_tiles)]  # fp32 (B, H, tile_m, D) per (m, n)
+    stats = {"kv_tiles": n_tiles, "tile_pairs": 0, "skipped_pairs": 0, "steps": 0, "p_max": 0.0,
+             "ds_absmax": 0.0, "dq_adds": 0}
+    dk = torch.zeros(batch, nheads_k, rows_k, headdim, dtype=dtype)
+    dv = torch.zeros(batch, nheads_k, rows_k, headdim_v, dtype=dtype)
+    dq_parts = {}  # (m, n) -> fp32 (B, Hk, group, tile_m, D)
     qi = torch.arange(tile_m)
-    kj = torch.arange(tile_n).unsqueeze(1)  # S^T: rows are keys, columns queries
     for n in range(n_tiles):
         ksl = slice(n * tile_n, (n + 1) * tile_n)
         k_t, v_t = k64[:, :, ksl], v64[:, :, ksl]
-        dk_t = dv_t = None  # the TMEM accumulators
-        for m in range(m_tiles):
-            row, col = m * tile_m + qi, n * tile_n + kj
-            visible = (col < seqlen_k) & (row < seqlen_q)  # (tile_n, tile_m)
-            if causal:
-                visible = visible & (col <= row + seqlen_k - seqlen_q)
-            if not bool(visible.any()):
-                stats["skipped_pairs"] += 1
-                continue
-            stats["tile_pairs"] += 1
-            qsl = slice(m * tile_m, (m + 1) * tile_m)
-            q_t, do_t = q64[:, :, qsl], do64[:, :, qsl]
-            # 1. S^T in fp32, masked -inf
-            s_t = mma_f32(None, k_t, q_t.transpose(-1, -2), mma_k).masked_fill(~visible, -math.inf)
-            # 2.-3. P^T = 2^(S^T c - L[query]) on MUFU
-            ex = exact[:, :, m].view(batch, nheads, 1, 1)
-            x = fma_f32(s_t, c, -torch.where(ex, hi[:, :, qsl].unsqueeze(2), big_l[:, :, qsl].unsqueeze(2)))
-            x = torch.where(ex, x - lo[:, :, qsl].unsqueeze(2), x)
-            p = exp2_hw(x)
-            p16 = p.to(dtype)  # 4. the TMEM P
-            # 5.-6. dP^T, dS^T
-            dp = mma_f32(None, v_t, do_t.transpose(-1, -2), mma_k)
-            diff = dp - d_sum[:, :, qsl].unsqueeze(2)
-            ds = (p * scale_f32) * diff if ds_scale == "ds" else p * diff
-            ds16 = ds.to(dtype)
-            # 7. dV += P^T dO, dK += dS^T Q (k-steps over the tile's query rows)
-            dv_t = mma_f32(dv_t, p16.double(), do_t, mma_k)
-            dk_t = mma_f32(dk_t, ds16.double(), q_t, mma_k)
-            # 8. this KV tile's dQ part (k-steps over its keys)
-            dq_parts[m][n] = mma_f32(None, ds16.double().transpose(-1, -2), k_t, mma_k)
-            stats["p_max"] = max(stats["p_max"], float(p.max()))
-            stats["ds_absmax"] = max(stats["ds_absmax"], float(ds.abs().max()))
-        if dk_t is not None:
-            dk_acc[:, :, ksl], dv_acc[:, :, ksl] = dk_t, dv_t
+        keys = range(n * tile_n, (n + 1) * tile_n)
+        first = torch.tensor([geometry.first_query(j, seqlen_q, seqlen_k, causal, window=window) for j in keys])
+        end = torch.tensor([geometry.query_end(j, seqlen_q, seqlen_k, window=window) for j in keys])
+        m_min, m_max = geometry.m_block_range(n, seqlen_q, seqlen_k, tile_m, tile_n, causal, window=window)
+        blocks = range(m_min, max(m_max, m_min))
+        stats["tile_pairs"] += len(blocks)
+        stats["steps"] += group * len(blocks)
+        dk_t = dv_t = None  # the TMEM accumulators: one chain over every step of the CTA
+        for g in range(group):
+            for m in blocks:
+                qsl = slice(m * tile_m, (m + 1) * tile_m)
+                row = (m * tile_m + qi).unsqueeze(0)
+                hidden = (row < first.unsqueeze(1)) | (row >= end.unsqueeze(1))  # (tile_n, tile_m): S^T's
+                q_t, do_t = q64[:, :, g, qsl], do64[:, :, g, qsl]  # (B, Hk, tile_m, D)
+                # 1. S^T, dP^T in fp32
+                s_t = mma_f32(None, k_t, q_t.transpose(-1, -2), mma_k)  # (B, Hk, tile_n, tile_m)
+                dp_t = mma_f32(None, v_t, do_t.transpose(-1, -2), mma_k)
+                # 2.-3. P^T = 2^fma(S^T, c, -lse_log2[query]) on MUFU, then the mask's select
+                neg_l = (-big_l[:, :, g, qsl]).unsqueeze(2).expand_as(s_t).contiguous()
+                p = exp2_hw(fma_f32(s_t, c, neg_l)).masked_fill(hidden, 0.0)
+                p16 = p.to(dtype)  # 4. the TMEM P^T
+                # 5. dS^T from the fp32 P^T
+                ds = ((dp_t - d_sum[:, :, g, qsl].unsqueeze(2)) * p) * scale_f32
+                ds16 = ds.to(dtype).double()
+                # 6. dV += P^T dO, dK += dS^T Q (k-steps over the block's query rows)
+                dv_t = mma_f32(dv_t, p16.double(), do_t, mma_k)
+                dk_t = mma_f32(dk_t, ds16, q_t, mma_k)
+                # 7. this key block's dQ part (k-steps over its keys)
+                part = dq_parts.setdefault((m, n), torch.zeros(batch, nheads_k, group, tile_m, headdim))
+                part[:, :, g] = mma_f32(None, ds16.transpose(-1, -2), k_t, mma_k)
+                stats["p_max"] = max(stats["p_max"], float(p.max()))
+                stats["ds_absmax"] = max(stats["ds_absmax"], float(ds.abs().max()))
+        if dk_t is not None:  # 8. epilogue (zeros for a key block no query sees)
+            dk[:, :, ksl], dv[:, :, ksl] = dk_t.to(dtype), dv_t.to(dtype)
+    stats["skipped_pairs"] = m_tiles * n_tiles - stats["tile_pairs"]
 
-    # 8. dq_accum: per query tile, the KV tiles' parts in dq_order, one fp32 add each
-    if dq_order == "forward":
-        order = list(range(n_tiles))
-    elif dq_order == "reverse":
-        order = list(range(n_tiles - 1, -1, -1))
-    else:
-        order = torch.randperm(n_tiles, generator=torch.Generator().manual_seed(dq_order)).tolist()
-    dq_accum = torch.zeros(batch, nheads, rows_q, headdim)
+    # 7. dq_accum: per query block, the key blocks' parts in dq_order, one fp32 add each
+    order = _dq_add_order(dq_order, n_tiles)
+    dq_accum = torch.zeros(batch, nheads_k, group, rows_q, headdim)
     for m in range(m_tiles):
         qsl = slice(m * tile_m, (m + 1) * tile_m)
         for n in order:
-            if dq_parts[m][n] is not None:
-                dq_accum[:, :, qsl] = dq_accum[:, :, qsl] + dq_parts[m][n]
+            if (m, n) in dq_parts:
+                dq_accum[:, :, :, qsl] = dq_accum[:, :, :, qsl] + dq_parts[(m, n)]
                 stats["dq_adds"] += 1
 
-    # 9. epilogue / postprocess (GQA: the group's heads added in fp32, head order, then scaled)
-    if group > 1:
-        dk_sum = torch.zeros(batch, nheads_k, rows_k, headdim)
-        dv_sum = torch.zeros(batch, nheads_k, rows_k, headdim_v)
-        for g in range(group):
-            dk_sum = dk_sum + dk_acc[:, g::group]
-            dv_sum = dv_sum + dv_acc[:, g::group]
-        dk_acc, dv_acc = dk_sum, dv_sum
-    if ds_scale == "epilogue":
-        dk_acc = dk_acc * scale_f32
-        dq_accum = dq_accum * scale_f32
-    dq = dq_accum[:, :, :seqlen_q].to(dtype).permute(0, 2, 1, 3).contiguous()
-    dk = dk_acc[:, :, :seqlen_k].to(dtype).permute(0, 2, 1, 3).contiguous()
-    dv = dv_acc[:, :, :seqlen_k].to(dtype).permute(0, 2, 1, 3).contiguous()
+    # 8. postprocess
+    dq = dq_accum.reshape(batch, nheads, rows_q, headdim)[:, :, :seqlen_q].to(dtype).permute(0, 2, 1, 3).contiguous()
+    dk = dk[:, :, :seqlen_k].permute(0, 2, 1, 3).contiguous()
+    dv = dv[:, :, :seqlen_k].permute(0, 2, 1, 3).contiguous()
     return (dq, dk, dv, stats) if return_stats else (dq, dk, dv)

@@ -278,6 +278,7 @@ def _arrivals(party: Party, cta_group: int = 1) -> int:
 class BwdPipelineSpec(PipelineSpec):
     """A PipelineSpec whose roles are the backward's (BWD_ROLE_WARPS)."""
 
+    # cta_group None: the spec's own (as PipelineSpec; pipes.check_init_counts passes None)
     def full_arrivals(self, cta_group: int | None = None) -> int:
         g = self.cta_group if cta_group is None else cta_group
         return sum(_arrivals(p, g) for p in self.producers)

@@ -211,6 +211,7 @@ class FlashAttentionBackwardSm80:
         mSeqUsedQ: Optional[cute.Tensor],  # (batch,) int32 (seqused_q)
         mSeqUsedK: Optional[cute.Tensor],  # (batch,) int32 (seqused_k)
         mdKVsem: Optional[cute.Tensor],  # None (no GQA head split here)
+        mDelta: Optional[cute.Tensor],  # None (no sink_delta here: the host sums D in torch)
         softmax_scale: Float32,
         max_seqlen_k: Optional[Int32],  # varlen_k or seqused_k: >= every seqlen_k (sizes the grid); else None
         window_left: Int32,  # local: the window's sides (flash4.geometry.window_sides); ignored otherwise
@@ -221,15 +222,15 @@ class FlashAttentionBackwardSm80:
         stream: cuda.CUstream,
     ):
         """The sm90 backward's parameter list (flash4.compile.cache.compile_bwd), so the host drives
-        either family with the same arguments; mdKVsem and heads_per_cta are unused."""
+        either family with the same arguments; mdKVsem, mDelta and heads_per_cta are unused."""
         cfg = self.cfg
         if const_expr(not (mQ.element_type == mK.element_type == mV.element_type == mdO.element_type
                            == mdK.element_type == mdV.element_type == self.dtype)):
             raise TypeError(f"flash4 bwd_sm80: q, k, v, dout, dk, dv must all be {self.dtype}")
         given = (mCuSeqlensQ is not None, mCuSeqlensK is not None, mSeqUsedQ is not None, mSeqUsedK is not None,
-                 max_seqlen_k is not None, mdKVsem is not None)
+                 max_seqlen_k is not None, mdKVsem is not None, mDelta is not None)
         if const_expr(given != (cfg.varlen_q, cfg.varlen_k, cfg.seqused_q, cfg.seqused_k, cfg.dynamic_seqlen_k,
-                                False)):
+                                False, False)):
             raise ValueError(f"flash4 bwd_sm80: sequence tensors given {given} do not match the config {cfg}")
         mQ, mK, mV, mdO, mdK, mdV = [select_modes(t, [1, 3, 2, 0]) for t in (mQ, mK, mV, mdO, mdK, mdV)]
         mLSE2, mD = [select_modes(t, [2, 1, 0]) for t in (mLSE2, mD)]  # (seqlen_q_pad, nheads, batch)

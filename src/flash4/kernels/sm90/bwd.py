@@ -165,7 +165,8 @@ class FlashAttentionBackwardSm90:
       * warp 0 (`load`): TMA loads: K and V of the tile once; then per step Q (+ LSE*log2e) and dO (+ D).
       * warp 1 (`store_dQ`): per step, waits for the consumers' dQ tile in smem and issues the bulk
         fp32 reduce-adds into the global dQ accumulator (deterministic: in key-block order); frees
-        the tile once it has been read.
+        the tile once it has been read. sink_delta: also adds each query row's D = sum_j P dP (the
+        consumer warps' partials staged with the tile, `add_delta`) to a global fp32 buffer.
       * consumer warpgroups (`mma`; 64 keys each, half of the queries and of headdim, or a 48-key
         half): per (query head, m_block) the step bwd_step.BwdStep.mma_one_m_block, then the dK, dV
         epilogue (`epilogue_dKV`: TMA store; `epilogue_dKV_accum`: fp32 adds, dkv_accum).
@@ -302,6 +303,7 @@ class FlashAttentionBackwardSm90:
         mSeqUsedQ: Optional[cute.Tensor],  # (batch,) int32 (seqused_q)
         mSeqUsedK: Optional[cute.Tensor],  # (batch,) int32 (seqused_k)
         mdKVsem: Optional[cute.Tensor],  # (n_blocks * nheads_k * batch,) int32, zeroed: dkv_accum + deterministic
+        mDelta: Optional[cute.Tensor],  # (batch, nheads, seqlen_q_pad) fp32, zeroed: sink_delta (D = sum_j P dP)
         softmax_scale: Float32,
         max_seqlen_k: Optional[Int32],  # varlen_k or seqused_k: >= every seqlen_k (sizes the grid); else None
         window_left: Int32,  # local: the window's sides (flash4.geometry.window_sides); ignored otherwise
@@ -321,11 +323,14 @@ class FlashAttentionBackwardSm90:
         assert (mSeqUsedQ is not None) == cfg.seqused_q and (mSeqUsedK is not None) == cfg.seqused_k
         assert (max_seqlen_k is not None) == self.dynamic_seqlen_k
         assert (mdKVsem is not None) == (cfg.dkv_accum and cfg.deterministic)
+        assert (mDelta is not None) == cfg.sink_delta
         mQ, mK, mV, mdO, mdK, mdV = [select_modes(t, [1, 3, 2, 0]) for t in (mQ, mK, mV, mdO, mdK, mdV)]
         mLSE2, mD = [select_modes(t, [2, 1, 0]) for t in (mLSE2, mD)]  # (seqlen_q_pad, nheads, batch)
         mdQacc = select_modes(mdQacc, [2, 3, 1, 0])  # (seqlen_q_pad, headdim, nheads, batch)
         mdQsem, mExact = [select_modes(t, [2, 1, 0]) for t in (mdQsem, mExact)]  # (num_m_blocks, nheads, batch)
         mLSEhi, mLSElo = [select_modes(t, [2, 1, 0]) for t in (mLSEhi, mLSElo)]  # (seqlen_q, nheads, batch)
+        if const_expr(cfg.sink_delta):
+            mDelta = select_modes(mDelta, [2, 1, 0])  # (seqlen_q_pad, nheads, batch)
 
         mma_sdp, mma_dkv, mma_dq = self._tiled_mmas()
         mma_dv = self._tiled_mma_dv(mma_dkv)
@@ -376,6 +381,10 @@ class FlashAttentionBackwardSm90:
         self.tma_bytes_do = cute.size_in_bytes(self.dtype, do_stage_layout) + self.tile_m * 4
         self.tma_bytes_kv = cute.size_in_bytes(self.dtype, sKV_layout) + cute.size_in_bytes(self.dtype, sV_layout)
 
+        delta_own = cfg.sink_delta and not cfg.sink_delta_in_row_pad
+        # sink_delta in the row pad: the last row's pad lies past the layout's cosize; allocate it too
+        dq_pad_tail = cfg.dq_row_pad if cfg.sink_delta and cfg.sink_delta_in_row_pad else 0
+
         @cute.struct
         class SharedStorage:
             mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
@@ -383,7 +392,7 @@ class FlashAttentionBackwardSm90:
             mbar_do: cute.struct.MemRange[cutlass.Int64, 2 * self.do_stages]
             sLSE: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sStat_layout)], 128]
             sD: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sStatD_layout)], 128]
-            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], 128]
+            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout) + dq_pad_tail], 128]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
@@ -393,6 +402,8 @@ class FlashAttentionBackwardSm90:
             sPt: cute.struct.Align[
                 cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout) if self.split_hd or self.dkv_t else 64], 1024
             ]
+            if const_expr(delta_own):  # sink_delta without a dQ row pad to hold the partial sums (whole-tile configs)
+                sDelta: cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m * cfg.sink_delta_slots], 128]
 
         assert SharedStorage.size_in_bytes() <= capacity(90).smem_per_block, SharedStorage.size_in_bytes()
 
@@ -400,7 +411,7 @@ class FlashAttentionBackwardSm90:
         # All CTAs in gridDim.x (batch x heads may exceed gridDim.y/z's 65535): flash4.launch.bwd_grid.
         # The bundles' fields flatten in the order of the kernel's parameters before issue 21's bundling.
         gmem = BwdTensors(tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_D, mdQacc, tma_dK, tma_dV, mdQsem, mExact,
-                          mLSEhi, mLSElo)
+                          mLSEhi, mLSElo, mDelta)
         atoms = BwdTmaAtoms(tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO, tma_atom_LSE, tma_atom_D, tma_atom_dK,
                             tma_atom_dV)
         layouts = BwdSmemLayouts(sQ_layout, sKV_layout, sV_layout, sdO_layout, sdS_layout, sStat_layout, sdQ_layout)
@@ -451,7 +462,17 @@ class FlashAttentionBackwardSm90:
         sLSE = storage.sLSE.get_tensor(layouts.lse)
         sD = storage.sD.get_tensor(cute.make_layout((self.tile_m, self.do_stages)))
         sdQ = storage.sdQ.get_tensor(layouts.dq)
-        smem = BwdSmem(q=sQ, k=sK, v=sV, do=sdO, ds=sdS, p=sP, lse=sLSE, dpsum=sD, dq=sdQ)
+        sDelta = None
+        if const_expr(self.cfg.sink_delta):
+            slots = self.cfg.sink_delta_slots
+            if const_expr(self.cfg.sink_delta_in_row_pad):
+                # columns [hdim, hdim + slots) of the dQ staging rows: the row pad, which neither the
+                # dQ staging nor the store warp's per-row bulk adds touch
+                sDelta = cute.make_tensor(sdQ.iterator + self.hdim, cute.make_layout(
+                    (self.tile_m, slots), stride=(self.hdim + self.cfg.dq_row_pad, 1)))
+            else:
+                sDelta = storage.sDelta.get_tensor(cute.make_layout((self.tile_m, slots), stride=(slots, 1)))
+        smem = BwdSmem(q=sQ, k=sK, v=sV, do=sdO, ds=sdS, p=sP, lse=sLSE, dpsum=sD, dq=sdQ, delta=sDelta)
 
         sched = BwdSchedule.create(self.cfg, gmem.q, gmem.k, seq_params, max_seqlen_k, head_split.heads_per_cta, mask)
         roles = partial(self.warp_roles, gmem, atoms, smem, mmas, pipes, sched, ScoreArgs(softmax_scale, softcap),
@@ -477,7 +498,7 @@ class FlashAttentionBackwardSm90:
             if warp_idx == 0:
                 self.load(gmem, atoms, smem, pipes, producer_sched)
             if warp_idx == 1:
-                self.store_dQ(gmem.dq_accum, gmem.dq_sem, smem.dq, producer_sched)
+                self.store_dQ(gmem.dq_accum, gmem.dq_sem, smem.dq, producer_sched, gmem.delta, smem.delta)
         else:
             cute.arch.setmaxregister_increase(_CONSUMER_REGS)
             tidx = cute.arch.thread_idx()[0] - THREADS_PER_WG
@@ -526,9 +547,10 @@ class FlashAttentionBackwardSm90:
             state = next_state(state)
 
     @cute.jit
-    def store_dQ(self, mdQacc, mdQsem, sdQ, sched):
+    def store_dQ(self, mdQacc, mdQsem, sdQ, sched, mDelta=None, sDelta=None):
         """Warp 1: per step, bulk fp32 reduce-add of the staged dQ tile into the accumulator (one per
-        row, or one for the whole tile: BwdConfig.dq_whole_tile).
+        row, or one for the whole tile: BwdConfig.dq_whole_tile). sink_delta: also the step's
+        D = sum_j P dP of each query row (add_delta), in the same turn.
 
         Deterministic mode orders the adds of one dQ tile by n_block: the CTA of key block n waits
         until the tile's semaphore reads n (every key block below n has added), adds, waits for
@@ -557,6 +579,8 @@ class FlashAttentionBackwardSm90:
                     while turn != seen:
                         seen = cute.arch.load(sem_ptr, Int32, sem="acquire", scope="gpu")
                 cute.arch.sync_warp()
+            if const_expr(self.cfg.sink_delta):
+                self.add_delta(mDelta, sDelta, head, m_block, lane, sched)
             if const_expr(self.cfg.dq_whole_tile):
                 # unpadded staging tile = the accumulator's contiguous tile_m x headdim block
                 if lane == 0:
@@ -568,6 +592,8 @@ class FlashAttentionBackwardSm90:
             cute.arch.cp_async_bulk_commit_group()
             if const_expr(self.cfg.deterministic):
                 cute.arch.cp_async_bulk_wait_group(0, read=False)  # the adds are done in global memory
+                if const_expr(self.cfg.sink_delta):
+                    cute.arch.fence_acq_rel_gpu()  # this lane's D adds before the release below
                 cute.arch.sync_warp()
                 if lane == 0:
                     cute.arch.atomic_add(sem_ptr, Int32(1), sem="release", scope="gpu")
@@ -575,6 +601,20 @@ class FlashAttentionBackwardSm90:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
             cute.arch.barrier_arrive(barrier_id=int(NamedBarrierBwd.dQEmpty), number_of_threads=self.num_mma_threads + 32)
         cute.arch.cp_async_bulk_wait_group(0, read=False)
+
+    @cute.jit
+    def add_delta(self, mDelta, sDelta, head, m_block, lane, sched):
+        """sink_delta, warp 1 after dQFull: each query row's partial sums of D = sum_j P dP staged by
+        the consumer warps (sDelta (tile_m, slots)), summed in slot order and added to the row's fp32
+        D (red.global.add; deterministic: inside the tile's dQ turn, so every row's sum over the key
+        blocks is taken in n_block order). Rows past seqlen_q add 0 (their P is 0) to padded rows."""
+        gDelta = cute.local_tile(sched.seq.q_padded_view(mDelta, head), (self.tile_m,), (m_block,))
+        for r in cutlass.range(self.tile_m // 32, unroll=1):  # unrolled, the loads spill (24 registers)
+            row = r * 32 + lane
+            total = sDelta[row, 0]
+            for slot in cutlass.range_constexpr(1, self.cfg.sink_delta_slots):
+                total = total + sDelta[row, slot]
+            red_add_f32(gDelta.iterator + row, total)
 
     @cute.jit
     def store_dQ_per_wg(self, mdQacc, sdQ, sched):

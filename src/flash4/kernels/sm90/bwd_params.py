@@ -33,6 +33,8 @@ class BwdTensors(NamedTuple):
     exact: cute.Tensor  # (num_m_blocks, nheads, batch) int32: 1 where the tile takes the exact P path
     lse_hi: cute.Tensor  # (seqlen_q, nheads, batch) fp32: LSE * log2 e = hi + lo, unrounded
     lse_lo: cute.Tensor
+    # BwdConfig.sink_delta: (seqlen_q_pad, nheads, batch) fp32, zeroed: D = sum_j P dP per query row
+    delta: Optional[cute.Tensor] = None
 
 
 class HeadSplit(NamedTuple):
@@ -84,6 +86,9 @@ class BwdSmem(NamedTuple):
     lse: cute.Tensor  # (tile_m, q_stages) LSE * log2 e of the staged Q tiles
     dpsum: cute.Tensor  # (tile_m, do_stages) D of the staged dO tiles
     dq: cute.Tensor
+    # BwdConfig.sink_delta: (tile_m, slots) fp32, the consumer warps' partial sums of D = sum_j P dP
+    # (the dQ staging tile's row pad, or a buffer of its own)
+    delta: Optional[cute.Tensor] = None
 
 
 class BwdTiledMmas(NamedTuple):

@@ -6,6 +6,7 @@ backward, Dao 2023, algorithm 2), per consumer warpgroup:
     wait Q; issue S; wait dO; issue dP; wait for S
     score transform (kernels/common/score.apply), exponent and mask -> P   (under the dP GEMM)
     stage_P: hand P on (dV issued from registers or from smem, or only wait for dP)
+    sink_delta only: wait dQEmpty; the warp's partial sums of D = sum_j P dP to smem (stage_delta)
     dS = P * (dP - D) * scale [* score.grad_factor]                        (under dV, when issued)
     stage_dS: dS (and P) to registers / smem for dK and dQ, the dS barrier (dV issued here in some)
     dQ = dS K; release dO; issue dK; dQ tile to smem for warp 1 (under dK); wait; release Q
@@ -79,6 +80,31 @@ def zero_threads(num_threads: int, rows: int, cols: int, vec: int) -> tuple[int,
     raise ValueError(f"no even zero-fill layout of a ({rows}, {cols}) tile")
 
 
+def butterfly_reduce_scatter(vals: list, lane, masks, select, shuffle_xor) -> list:
+    """A warp's reduce-scatter of per-lane lists over the lanes l ^ mask (masks: the lane bits that
+    differ between lanes holding the same items, in order). Per mask, while more than one item is
+    left, the lane with that bit clear keeps the lower half of its items and the other the upper half,
+    each adding the partner's copy of the half it keeps (shuffle_xor(x, mask)); with one item left
+    the stage is an all-reduce. Returns this lane's items; item k is input item k + the halves kept.
+    shuffle_xor None: only the selection (the items' indices or rows, replayed). Pure over its ops:
+    the kernel binds select_ / shfl.bfly, the CPU test numpy arrays over 32 lanes."""
+    for mask in masks:
+        upper = (lane & mask) != 0
+        if len(vals) == 1:
+            if shuffle_xor is not None:
+                vals = [vals[0] + shuffle_xor(vals[0], mask)]
+            continue
+        half = len(vals) // 2
+        kept = []
+        for i in range(half):
+            keep = select(upper, vals[i + half], vals[i])
+            if shuffle_xor is not None:
+                keep = keep + shuffle_xor(select(upper, vals[i], vals[i + half]), mask)
+            kept.append(keep)
+        vals = kept
+    return vals
+
+
 def step_class(cfg):
     """The BwdStep subclass of a config (its work split)."""
     if cfg.transposed_dkv:
@@ -133,6 +159,8 @@ class BwdStep(DynamicState):
         score.apply(acc_S, scales.softcap_scale, self.cfg.softcap)
         self.probabilities(acc_S, exact, m_block, head, state, masked, scales.scale_log2)
         staged = self.stage_P(acc_S, step, state, do_state)
+        if const_expr(self.cfg.sink_delta):
+            self.stage_delta(acc_S, acc_dP, step)  # dP is complete here, P and dP both fp32
         self.grad_scores(acc_dP, acc_S, state, do_state, scales)
         staged = self.stage_dS(acc_dP, acc_S, staged, state)
         acc_dQ = cute.make_rmem_tensor(self.mmas.dq.partition_shape_C((k.tile_m, k.hdim)), Float32)
@@ -276,13 +304,15 @@ class BwdStep(DynamicState):
     def hand_off_dQ(self, acc_dQ, step):
         """Stage the dQ tile for warp 1 once it has finished reading the previous one (dQEmpty), then
         signal it (dQFull). BwdConfig.dq_handoff_per_wg: this warpgroup's half only, on its own
-        barrier pair (hand_off_dQ_wg)."""
+        barrier pair (hand_off_dQ_wg). sink_delta: the dQEmpty wait came earlier in the step
+        (stage_delta)."""
         k = self.k
         if const_expr(self.cfg.dq_handoff_per_wg):
             self.hand_off_dQ_wg(acc_dQ, step)
             return
-        if step > 0:
-            cute.arch.barrier(barrier_id=int(NamedBarrierBwd.dQEmpty), number_of_threads=k.num_mma_threads + 32)
+        if const_expr(not self.cfg.sink_delta):
+            if step > 0:
+                cute.arch.barrier(barrier_id=int(NamedBarrierBwd.dQEmpty), number_of_threads=k.num_mma_threads + 32)
         if const_expr(self.cfg.dq_accum_order):
             store_accum_order(acc_dQ, self.smem.dq.iterator, self.tidx, k.num_mma_threads)  # 16-byte, conflict-free
         else:
@@ -303,6 +333,63 @@ class BwdStep(DynamicState):
         store_accum_order_wg(acc_dQ, self.smem.dq.iterator, self.tidx, k.num_wg_mma)
         cute.arch.fence_view_async_shared()
         cute.arch.barrier_arrive(barrier_id=int(NamedBarrierBwd.dQFullWG0) + self.wg_idx, number_of_threads=threads)
+
+    # ---- sink_delta: D_i = sum_j P_ij dP_ij per query row (BwdConfig.sink_delta) ---------------------
+    # The learnable sink's gradient needs D = rowsum(dO * O) of the float32 output; the preprocess's
+    # comes from the rounded 16-bit O (off by a few 16-bit ulps of dSink, docs/conformance/fa4-suite.md).
+    # Here D is summed from the step's own fp32 P and dP (sum_j P_ij dP_ij = dO_i . sum_j P_ij V_j):
+    # per thread over its keys, then over the lanes that hold the same queries (a butterfly
+    # reduce-scatter of delta_chunk queries at a time), staged in smem per warp (one slot each,
+    # written as each chunk is reduced: no value stays live across the step's GEMMs), summed in slot
+    # order by the store warp (bwd.add_delta) after dQFull. Where the dQEmpty wait moves, and the
+    # shuffles, cost only sink_delta configs; the others compile to the same cubin.
+    @cute.jit
+    def stage_delta(self, acc_S, acc_dP, step):
+        """The warp's partial D sums of this step into its slot of smem.delta, once the store warp has
+        read the previous step's (the dQEmpty wait, taken here instead of at the dQ hand-off), chunk
+        by chunk (delta_chunks): each chunk's values are stored as soon as they are reduced."""
+        if step > 0:
+            cute.arch.barrier(barrier_id=int(NamedBarrierBwd.dQEmpty), number_of_threads=self.k.num_mma_threads + 32)
+        tidx = thread_idx_fresh() - THREADS_PER_WG  # read afresh: nothing derived from it is kept across the loop
+        lane = tidx % 32
+        slot = self.delta_slot(tidx)
+        base = self.query_base()
+        s, dp = acc_mn_view(acc_S), acc_mn_view(acc_dP)
+        for chunk in self.delta_chunks(self.num_queries(s)):
+            for row, value in zip(self.delta_rows(chunk, lane, base), self.delta_partials(s, dp, chunk, lane)):
+                self.smem.delta[row, slot] = value
+
+    # at most this many of a thread's queries are reduced together (the partial sums live at once):
+    # 8 spilled 4-8 registers at head dim 128 with a window or softcap (compile check), 4 none
+    delta_chunk = 4
+
+    def delta_chunks(self, n: int) -> list:
+        """The thread's n queries in chunks of delta_chunk, each reduced over the lanes on its own."""
+        size = min(n, self.delta_chunk)
+        return [list(range(c, c + size)) for c in range(0, n, size)]
+
+    def delta_partials(self, s, dp, chunk, lane) -> list:
+        """This lane's share of the warp's partial D sums of the chunk's queries (s, dp: acc_mn_view of
+        the step's fp32 P and dP, before dS overwrites dP), through the butterfly over
+        delta_lane_masks (see delta_rows). Two lanes that end with the same row (an all-reduce stage)
+        hold, and write, the same value."""
+        vals = []
+        for q in chunk:
+            part = None
+            for j in range(self.num_keys(s)):
+                i = self.qk(q, j)
+                part = s[i] * dp[i] if part is None else part + s[i] * dp[i]
+            vals.append(part)
+        return butterfly_reduce_scatter(vals, lane, self.delta_lane_masks,
+                                        lambda c, a, b: Float32(cutlass.select_(c, a, b)),
+                                        lambda x, mask: cute.arch.shuffle_sync_bfly(x, offset=mask))
+
+    def delta_rows(self, chunk, lane, base) -> list:
+        """The query rows (in the tile) of delta_partials' values for the chunk on this lane: the same
+        butterfly replayed on the static offsets of the thread's queries, plus the thread's base."""
+        offsets = butterfly_reduce_scatter([self.query_offset(q) for q in chunk], lane, self.delta_lane_masks,
+                                           lambda c, a, b: Int32(cutlass.select_(c, Int32(a), Int32(b))), None)
+        return [base + o for o in offsets]
 
     def wait_dq_drained(self):
         """After the last step: wait until warp 1 has read this warpgroup's last staged dQ (matches
@@ -368,7 +455,8 @@ class _KeyMajor(BwdStep):
         # Coordinates (key row, query col) of this thread's S^T values, and thread 0's (static).
         cS = cute.make_identity_tensor((k.tile_n, k.tile_m))
         self.tScS = acc_mn_view(thr_sdp.partition_C(cS))
-        self.t0ScS = acc_mn_view(mmas.sdp.get_slice(0).partition_C(cS))
+        self.t0ScS_full = mmas.sdp.get_slice(0).partition_C(cS)
+        self.t0ScS = acc_mn_view(self.t0ScS_full)
         # dS^T registers -> smem (keys x queries), the accumulator's own element order.
         self.r2s_dS = cute.make_tiled_copy_C(
             cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), k.dtype), mmas.sdp
@@ -388,6 +476,20 @@ class _KeyMajor(BwdStep):
 
     def qk(self, q, j):
         return j, q
+
+    # sink_delta: lanes l and l ^ 4, 8, 16 hold the same query columns (the wgmma accumulator's rows
+    # lane / 4 and lane / 4 + 8 of the warp's 16 keys)
+    delta_lane_masks = (16, 8, 4)
+
+    def query_offset(self, q):
+        return self.t0ScS[0, q][1]
+
+    def query_base(self):
+        return self.thread_col0
+
+    def delta_slot(self, tidx):
+        """Every consumer warp holds 16 keys of all the tile's queries: slot = the warp's index."""
+        return tidx // 32
 
     def query(self, q, m_block=None):
         """This thread's q-th query: in the tile, or (m_block given) in the sequence."""
@@ -467,6 +569,10 @@ class StepRegs(_KeyMajor):
 class StepSplitHd(_KeyMajor):
     """headdim 256 (split_headdim): P^T and dS^T staged in smem, dV and dK read them from there (every
     warpgroup needs all 64 keys x tile_m for its half of headdim)."""
+
+    def delta_slot(self, tidx):
+        """A warpgroup's 4 warps hold the 64 keys of its half of the queries: slot = warp in the group."""
+        return (tidx // 32) % 4
 
     def make_p_operands(self, wg_dkv, wg_dv):
         smem = self.smem
@@ -559,6 +665,19 @@ class StepDkvT(BwdStep):
 
     def qk(self, q, j):
         return q, j
+
+    # sink_delta: lanes l ^ 1, 2 hold the same query rows (their key columns differ)
+    delta_lane_masks = (2, 1)
+
+    def query_offset(self, q):
+        return acc_mn_view(self.t0ScS_full)[q, 0][0]
+
+    def query_base(self):
+        return self.tScS[0, 0][0]
+
+    def delta_slot(self, tidx):
+        """Both warpgroups hold all 64 queries, each a 48-key half: slot = the warpgroup."""
+        return tidx // THREADS_PER_WG
 
     def query(self, q, m_block=None):
         """This thread's q-th query (row): in the tile, or (m_block given) in the sequence."""
