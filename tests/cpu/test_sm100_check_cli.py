@@ -34,7 +34,8 @@ def test_configs_and_filters():
     assert picked == [sm100.select_fwd_config(128, "bf16", True)]
     # the backward: shipped_bwd_configs, the window ones with features
     bwd = sm100_check.configs(passes=("bwd",))
-    assert len(bwd) == 16 and all(sm100_check.is_bwd(c) and not c.local for c in bwd)
+    assert len(bwd) == 16 + 4 and all(sm100_check.is_bwd(c) and not c.local for c in bwd)  # + 4 2-CTA (hd128)
+    assert [c.cta_group for c in bwd[-4:]] == [2] * 4
     assert sm100_check.configs(passes=("bwd",), features=True) == sm100.shipped_bwd_configs()
     both = sm100_check.configs(headdims=[64], dtypes=["fp16"], causals=(True,), passes=("fwd", "bwd"))
     assert both == [sm100.select_fwd_config(64, "fp16", True), sm100.select_bwd_config(64, "fp16", True),

@@ -262,6 +262,7 @@ class FlashAttentionBackwardSm100:
         mSeqUsedQ: Optional[cute.Tensor],
         mSeqUsedK: Optional[cute.Tensor],
         mdKVsem: Optional[cute.Tensor],
+        mDelta: Optional[cute.Tensor],  # must be None (no sink_delta on sm100: the host sums D in torch)
         softmax_scale: Float32,
         max_seqlen_k: Optional[Int32],  # must be None
         window_left: Int32,  # local configs: the window's sides (flash4.geometry.window_sides); else ignored
@@ -272,7 +273,8 @@ class FlashAttentionBackwardSm100:
         stream: cuda.CUstream,
     ):
         for name, t in (("cu_seqlens_q", mCuSeqlensQ), ("cu_seqlens_k", mCuSeqlensK), ("seqused_q", mSeqUsedQ),
-                        ("seqused_k", mSeqUsedK), ("dkv_semaphore", mdKVsem), ("max_seqlen_k", max_seqlen_k)):
+                        ("seqused_k", mSeqUsedK), ("dkv_semaphore", mdKVsem), ("delta (sink_delta)", mDelta),
+                        ("max_seqlen_k", max_seqlen_k)):
             if const_expr(t is not None):
                 raise NotImplementedError(f"flash4 bwd_sm100: {name} is not implemented on sm100 yet")
         if const_expr(not (mQ.element_type == mK.element_type == mV.element_type == mdO.element_type
