@@ -100,9 +100,9 @@ def test_tmem_map_equals_the_reference(cfg):
 @pytest.mark.parametrize("cfg", TWO, ids=IDS)
 def test_register_plan(cfg):
     plan = bwd_register_plan(cfg)
-    # FA4's 2-CTA budgets; causal moves 8 from the reduce and the fourth warpgroup to the compute ones
-    # (136 spilled 3 LDL + 3 STL in the causal compute step)
-    assert plan == (BwdRegisterPlan(128, 144, 96) if cfg.causal else BwdRegisterPlan(136, 136, 104))
+    # FA4's 2-CTA budgets; causal moves 16 from the reduce to the compute warpgroups (136 spilled 3 LDL +
+    # 3 STL in the causal compute step; the fourth warpgroup keeps 104: at 88 the load / MMA warps spill)
+    assert plan == (BwdRegisterPlan(120, 144, 104) if cfg.causal else BwdRegisterPlan(136, 136, 104))
     assert sum(plan.per_warpgroup()) == 512 and bwd_register_plan_problem(plan) is None
 
 

@@ -125,10 +125,11 @@ def test_cli_reports_backward_rows(monkeypatch, capsys, tmp_path):
                    "--json", str(out_json)])
     text = capsys.readouterr().out
     assert seen == [sm100.select_fwd_config(128, "bf16", True), sm100.select_bwd_config(128, "bf16", True),
-                    sm100.select_bwd_config(128, "bf16", True, deterministic=True)]
-    assert "1 forward config(s), 2 backward config(s)" in text
+                    sm100.select_bwd_config(128, "bf16", True, deterministic=True),
+                    sm100.select_bwd_config(128, "bf16", True, two_cta=True)]  # the 2-CTA backward (opt-in)
+    assert "1 forward config(s), 3 backward config(s)" in text
     assert text.count(sm100_check.LABEL) == 2
-    fwd_at, bwd_at = text.index("forward (1):"), text.index("backward (2):")
+    fwd_at, bwd_at = text.index("forward (1):"), text.index("backward (3):")
     assert fwd_at < bwd_at and text.index("fwd_sm100 d128") < bwd_at < text.index("bwd_sm100 d128 bf16 causal")
     for header in ("regs red/comp/other", "TMEM used/alloc", "smem KiB", "LDL/STL", "stack", "UTCHMMA", "UBLKRED",
                    "UBLKCP", "MUFU.EX2", "LDG/REDG.STRONG", "compile_s", "cpu_s"):
@@ -136,11 +137,11 @@ def test_cli_reports_backward_rows(monkeypatch, capsys, tmp_path):
     assert "152/136/88" in text and "512/512" in text
     assert rc == 1 and "FAIL bwd_sm100 d128 bf16 causal 128x128 1cta q2do1 det: local memory" in text
     rows = json.loads(out_json.read_text())
-    assert [r["pass"] for r in rows] == ["fwd", "bwd", "bwd"] and rows[1]["ublkred"] == 4
+    assert [r["pass"] for r in rows] == ["fwd", "bwd", "bwd", "bwd"] and rows[1]["ublkred"] == 4
     assert cli.main(["compile-check", "--arch", "sm_100a", "--pass", "bwd", "--features", "--dtypes", "fp16",
                      "--causal", "0"]) == 1
     text = capsys.readouterr().out
-    assert "0 forward config(s), 8 backward config(s)" in text and "bwd_sm100 d64 fp16 window" in text
+    assert "0 forward config(s), 9 backward config(s)" in text and "bwd_sm100 d64 fp16 window" in text  # 8 + 2-CTA
 
 
 def test_one_real_backward_row():
