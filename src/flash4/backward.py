@@ -128,7 +128,7 @@ def launch(request: Request, dout, out, lse, lse_split, dlse, dq, dk, dv, delta=
 
     plan = bwd_config(request, device_arch(q.device), env.bwd_heads_per_cta_override(), sink_delta=delta is not None)
     cfg, tile_m = plan.cfg, plan.cfg.tile_m
-    selftest.require(cfg, q.device)  # gated families (sm100): only after the first-use self-test passed
+    selftest.require(cfg, q.device)  # gated families (sm100; portable on its own GPUs): only after the self-test passed
     in_kernel = delta is not None and getattr(cfg, "sink_delta", False)
     if packed:  # the padded per-sequence layout plus its scratch tile (module docstring)
         total_q, batch = q.shape[0], request.batch

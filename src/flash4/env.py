@@ -11,6 +11,7 @@
 | FLASH4_SMALL_PAGES | 0 refuses paged K/V whose page size is not a multiple of 8 (by default any page size >= 1 is served; those pages are gathered row by row) | on |
 | FLASH4_PAGE_PREFETCH | paged K/V by TMA pieces: read page-table entries two blocks ahead (0/1; A/B) | flash4.config.PAGE_PREFETCH |
 | FLASH4_SM100       | sm_100 kernels: off, selftest (run after passing flash4.selftest), on (unchecked) | selftest |
+| FLASH4_PORTABLE    | the portable (sm80) family on its own GPUs (sm_80/86/89/120): off, selftest (run after passing flash4.selftest), on (unchecked); not read where it is forced (FLASH4_FAMILY=portable on sm_90) | selftest |
 | FLASH4_SM100_2CTA  | 1 selects the 2-CTA sm_100 forward (cluster of 2, M = 256 across the pair) where it is built: hd128 non-causal dense; compile-verified, not run on hardware | off |
 | FLASH4_RUNTIME_LOAD | 1 loads cached kernels as shared libraries through TVM-FFI alone (no CuTe DSL import; docs/design/warm_start.md) | off |
 | FLASH4_FAMILY      | kernel family to run instead of the GPU's own: portable (= sm80: mma.sync, runs on sm_80..sm_120 and sm_90), or a family name (sm90, sm80, sm100) | the GPU's (flash4.kernels.registry) |
@@ -152,7 +153,10 @@ def page_gather_max() -> int | None:
     return rows
 
 
-SM100_MODES = ("off", "selftest", "on")
+# The modes of a self-test gate (flash4.selftest; the gated families and their variables are
+# flash4.kernels.registry's: FLASH4_SM100, FLASH4_PORTABLE).
+SELFTEST_MODES = ("off", "selftest", "on")
+SM100_MODES = SELFTEST_MODES
 
 
 def sm100_2cta() -> bool:
@@ -164,15 +168,28 @@ def sm100_2cta() -> bool:
     return bool(_flag("FLASH4_SM100_2CTA"))
 
 
+def selftest_mode(name: str) -> str:
+    """A self-test gate's mode variable `name` (Family.selftest_var): "off" (never run that family's
+    kernels on its own GPUs), "selftest" (run each config only after its first-use self-test passed,
+    flash4.selftest; the default) or "on" (run them unchecked). ValueError naming the variable."""
+    value = _get(name)
+    if value is None:
+        return "selftest"
+    if value.lower() not in SELFTEST_MODES:
+        raise ValueError(f"{name}={value!r}: allowed {', '.join(SELFTEST_MODES)} (default selftest)")
+    return value.lower()
+
+
 def sm100_mode() -> str:
     """FLASH4_SM100: "off" (never run the sm_100 kernels), "selftest" (run each config only after its
     first-use self-test passed, flash4.selftest; the default) or "on" (run them unchecked)."""
-    value = _get("FLASH4_SM100")
-    if value is None:
-        return "selftest"
-    if value.lower() not in SM100_MODES:
-        raise ValueError(f"FLASH4_SM100={value!r}: allowed {', '.join(SM100_MODES)} (default selftest)")
-    return value.lower()
+    return selftest_mode("FLASH4_SM100")
+
+
+def portable_mode() -> str:
+    """FLASH4_PORTABLE: the same modes for the portable (sm80) family on its own GPUs (sm_80 / 86 / 89
+    / 120); with FLASH4_FAMILY=portable on sm_90 it is forced by the user and not gated."""
+    return selftest_mode("FLASH4_PORTABLE")
 
 
 # FLASH4_FAMILY aliases: what users call a family -> its registry name (flash4.kernels.registry).

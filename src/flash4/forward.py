@@ -21,7 +21,8 @@ runs; no key: out = 0, lse = -inf, or the sink with learnable_sink) and calls la
 tensors' device. launch() is the one place a request becomes kernel launches: the plan from
 flash4.config.fwd_config (the family's tiles, GQA packing, page pieces, split-KV), the compiled
 runners from flash4.compile.cache, the kernel arguments unpacked from the request. A config of a
-self-test-gated family (sm_100) launches only once flash4.selftest passed it on this GPU
+self-test-gated family (sm_100; the portable family on sm_80/86/89/120) launches only once
+flash4.selftest passed it on this GPU
 (`selftest.require`: RuntimeError naming the config and how to report it otherwise; a no-op field
 compare for the other families). The packed
 layouts hand the kernels 4-D views with a batch mode of size 1; each sequence's offset and length
@@ -108,7 +109,7 @@ def launch(request: Request, out, lse, lse_split=None) -> None:
         _launch_decode(request, out, lse, plan, window, softcap, sink)
         return
     cfg = fwd_config(request, arch).cfg
-    selftest.require(cfg, q.device)  # gated families (sm100): only after the first-use self-test passed
+    selftest.require(cfg, q.device)  # gated families (sm100; portable on its own GPUs): only after the self-test passed
     run_kernel = get_fwd_runner(cfg)
     if not seq.packed:
         extra = {} if sink is None else {"sink": sink}  # runners of sink-free configs take no sink

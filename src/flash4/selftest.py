@@ -1,15 +1,20 @@
 """First-use self-test gate: a kernel config runs on a GPU only after it passed a self-test there.
 
 flash4's sm_100 (Blackwell) kernels are compiled and checked on CPU-only machines but had never run
-when they shipped; a first run may hang or return garbage (BLACKWELL.md, "Product stance"). So
-before a gated config (GATED_ARCHS) launches in a process, the host asks this module:
+when they shipped; a first run may hang or return garbage (BLACKWELL.md, "Product stance"). The
+portable (sm80) family has run on the H200 (sm_90a) only, never on an A100, L40 or RTX card. So
+before a gated config (its arch in GATED_ARCHS) launches in a process, the host asks this module:
 
     problem = selftest.support_problem(cfg, device)   # None: go ahead; str: why not (fall back)
     selftest.require(cfg, device)                     # the same, raising RuntimeError(problem)
 
-Mode: FLASH4_SM100 (flash4.env.sm100_mode): "off" refuses every gated config, "on" allows them
-unchecked, "selftest" (the default) allows a config once its verdict is a pass. Configs of other
-families (sm90) are never gated; `check` still self-tests any family's config on request.
+Mode: one variable per gated family (flash4.kernels.registry: Family.selftest_var, gate_family):
+FLASH4_SM100 for sm100 configs (arch 100), FLASH4_PORTABLE for the portable sm80 family's configs
+of its own archs (80, 86, 89, 120), read by flash4.env.selftest_mode: "off" refuses every config of
+that family, "on" allows them unchecked, "selftest" (the default) allows a config once its verdict
+is a pass. Configs of other families (sm90), and sm80 configs for sm_90 (the family forced on an
+H100/H200 with FLASH4_FAMILY=portable), are never gated; `check` still self-tests any family's
+config on request.
 
 The verdict of a config on a GPU is looked up, in order: in this process's memo; in
 <flash4.env.disk_cache_dir()>/selftest/<digest>.json; else the self-test runs in a child process
@@ -59,11 +64,14 @@ from pathlib import Path
 import torch
 
 from flash4 import env
+from flash4.kernels import registry as _registry
 
 # Bump when the cases or the criterion change: verdicts of the old self-test are not reused.
 SELFTEST_VERSION = 1
-# SM versions whose kernels run only after their self-test passed (flash4.env.sm100_mode).
-GATED_ARCHS = (100,)
+# SM versions whose kernels run only after their self-test passed: the registry's table
+# (flash4.kernels.registry.gated_archs: sm100's 100, the portable family's 80, 86, 89, 120), each
+# with its family's mode variable (gate_family(arch).selftest_var, flash4.env.selftest_mode).
+GATED_ARCHS = _registry.gated_archs()
 # The child: start, imports (torch, the CuTe DSL) and compiling / loading the kernel, up to "ready".
 # Measured on the H200 machine (16 cores, 2026-12-02): import torch + flash4 3.8-4.7 s, then the
 # first d128 causal forward 7.4 s cold (CuTe DSL import + compile) or 3.4 s from the disk cache;
@@ -99,7 +107,8 @@ class Verdict:
              startup_timeout_s, or a case ran past run_timeout_s: a hang); "crash" (the child died
              without a verdict); "untestable" (the self-test cannot drive this config).
     config:  repr of the config. gpu, sm: the device's name and SM version ("sm_100").
-    gated:   the config is of a GATED_ARCHS family (the message names FLASH4_SM100).
+    gated:   the config's arch is in GATED_ARCHS (the message names its family's mode variable,
+             FLASH4_SM100 or FLASH4_PORTABLE: gate_of_text).
     failure: one line: the first failing check, or None.
     checks:  one dict per case that finished: case, shape, ok, errors, problem.
     seconds: wall time of the self-test. created: ISO time. log: the child's output (tail).
@@ -138,6 +147,19 @@ class Verdict:
 def gated(cfg) -> bool:
     """True when cfg's family runs only after its self-test (cfg.arch in GATED_ARCHS)."""
     return getattr(cfg, "arch", None) in GATED_ARCHS
+
+
+def gate_of(cfg):
+    """The gated family (flash4.kernels.registry.Family) whose gate cfg passes through (by cfg.arch:
+    selftest_var, selftest_what), or None when cfg is not gated."""
+    arch = getattr(cfg, "arch", None)
+    return _registry.gate_family(arch) if arch in GATED_ARCHS else None
+
+
+def gate_of_text(config: str):
+    """gate_of for a config's repr (a verdict's `config`): by its arch=N field, None without one."""
+    match = re.search(r"\barch=(\d+)", config)
+    return _registry.gate_family(int(match.group(1))) if match else None
 
 
 def config_pass(cfg) -> str:
@@ -351,8 +373,10 @@ def failure_message(verdict: Verdict) -> str:
     to test again and to report it, and what to do meanwhile."""
     head = f"flash4: the {verdict.sm} kernel {verdict.config} is not used on this GPU ({verdict.gpu}): "
     tail = "Calls that need this kernel fall back (support_error returns this text)"
-    if verdict.gated:
-        tail += ("; FLASH4_SM100=off never uses the sm_100 kernels, FLASH4_SM100=on runs them without the self-test "
+    gate = gate_of_text(verdict.config) if verdict.gated else None
+    if gate is not None:
+        var = gate.selftest_var
+        tail += (f"; {var}=off never uses {gate.selftest_what}, {var}=on runs them without the self-test "
                  "(at your own risk)")
     if verdict.status == "untestable":
         return head + f"its first-use self-test cannot check it ({verdict.failure}). " + tail + "."
@@ -366,15 +390,18 @@ def failure_message(verdict: Verdict) -> str:
 
 def support_problem(cfg, device=None) -> str | None:
     """None when cfg may run on device; else why not (the text a caller shows, or uses to fall back
-    to SDPA). Not gated (cfg.arch not in GATED_ARCHS): None. FLASH4_SM100=off: refused; =on: None;
-    =selftest (default): the self-test's verdict, run in a child process on first use (seconds to
-    a minute: compile and small cases), then cached on disk and in memory."""
-    if not gated(cfg) or _IN_CHILD:
+    to SDPA). Not gated (cfg.arch not in GATED_ARCHS): None. Else by the mode variable of cfg's
+    gated family (gate_of: FLASH4_SM100, FLASH4_PORTABLE): off: refused; on: None; selftest
+    (default): the self-test's verdict, run in a child process on first use (seconds to a minute:
+    compile and small cases), then cached on disk and in memory."""
+    gate = gate_of(cfg)
+    if gate is None or _IN_CHILD:
         return None
-    mode = env.sm100_mode()
+    var = gate.selftest_var
+    mode = env.selftest_mode(var)
     if mode == "off":
-        return (f"flash4: the sm_100 kernels are turned off (FLASH4_SM100=off), so {cfg!r} is not used; "
-                "unset FLASH4_SM100 (or set it to selftest) to use them once their first-use self-test passed")
+        return (f"flash4: {gate.selftest_what} are turned off ({var}=off), so {cfg!r} is not used; "
+                f"unset {var} (or set it to selftest) to use them once their first-use self-test passed")
     if mode == "on":
         return None
     dev = _device(device)
@@ -765,8 +792,21 @@ def bwd_runner(cfg, device):
     """Factory of the backward runner: flash4.flash_attn_func and autograd for the config's problem
     class (headdim, dtype, causal, window, softcap, deterministic); run(inputs) -> {"dq", "dk", "dv"}.
     The backward config is the one the API selects for each case (GQA cases may take its head-split
-    variant); the forward kernel runs too (ungated in the child: _IN_CHILD)."""
+    variant); the forward kernel runs too (ungated in the child: _IN_CHILD). The API runs cfg's own
+    family (flash4.kernels.registry.config_family): where that is not the device's default family
+    but runs there (the portable sm80 family on sm_90, an also_on arch), FLASH4_FAMILY is set to it
+    in this process (the child), as `FLASH4_FAMILY=portable` does for a user."""
     import flash4
+    from flash4.arch import device_arch
+    from flash4.config import active_family
+
+    fam = _registry.config_family(cfg)
+    arch = device_arch(device if torch.device(device).type == "cuda" else None)
+    if arch in fam.also_on and active_family(arch).name != fam.name:
+        env.force_family(fam.name)
+    if active_family(arch).name != fam.name:
+        raise RuntimeError(f"the backward on sm_{arch} runs the {active_family(arch).name} family, not {fam.name} "
+                           f"(the family of {cfg!r})")
 
     def run(inputs):
         q, k, v = (inputs[n].detach().clone().requires_grad_() for n in ("q", "k", "v"))
@@ -816,7 +856,7 @@ class _Events:
 def child_main(args) -> int:
     """The self-test proper (in the child): events to args.progress, the verdict to args.result."""
     global _IN_CHILD
-    _IN_CHILD = True  # the kernels under test run here whatever FLASH4_SM100 says
+    _IN_CHILD = True  # the kernels under test run here whatever FLASH4_SM100 / FLASH4_PORTABLE say
     emit = _Events(args.progress)
     checks = []
     status, failure = "pass", None

@@ -414,7 +414,8 @@ def _device_problem(q, others, dense: bool = False) -> Problem:
 
 def _arch_problem(q, causal, door=None) -> Problem:
     """The SM version of q's (CUDA) device has no forward kernel for q's head dim and dtype; for a
-    self-test-gated family (sm_100, flash4.kernels.registry) also `_gated_problem` of the door's
+    self-test-gated family (sm_100; the portable sm80 family on sm_80 / 86 / 89 / 120:
+    flash4.kernels.registry.gate_family) also `_gated_problem` of the door's
     arguments (door: a _Door, or None to check the head dim and dtype only)."""
     from flash4.arch import device_arch  # late: keeps `import flash4.validate` free of device queries
 
@@ -422,7 +423,14 @@ def _arch_problem(q, causal, door=None) -> Problem:
     try:
         cfg = select_fwd_config(q.shape[-1], DTYPE_NAMES[q.dtype], causal, arch=arch)
     except ValueError as err:
-        return ValueError, f"{err} (q is on {q.device})"
+        # a head dim built only with its own V head dim (sm100's 192: (192, 128)) asks with the door's
+        headdim_v = door.v.shape[-1] if door is not None else q.shape[-1]
+        if headdim_v == q.shape[-1]:
+            return ValueError, f"{err} (q is on {q.device})"
+        try:
+            cfg = select_fwd_config(q.shape[-1], DTYPE_NAMES[q.dtype], causal, arch=arch, headdim_v=headdim_v)
+        except ValueError as err_v:
+            return ValueError, f"{err_v} (q is on {q.device})"
     from flash4 import selftest  # late: the gate pulls in its child-process machinery
 
     if door is None or not selftest.gated(cfg):
@@ -432,49 +440,79 @@ def _arch_problem(q, causal, door=None) -> Problem:
 
 class _Door:
     """What `_gated_problem` reads of a door's arguments: layout ("dense", "varlen", "paged",
-    "kvcache"), k and v (or k_cache / v_cache), window_size, softcap, learnable_sink, and the
-    varlen door's seqused_q / seqused_k (None elsewhere)."""
+    "kvcache"), k and v (or k_cache / v_cache), window_size, softcap, learnable_sink, the varlen
+    door's seqused_q / seqused_k (None elsewhere), and paged (a page table was given)."""
 
-    __slots__ = ("layout", "k", "v", "window_size", "softcap", "learnable_sink", "seqused_q", "seqused_k")
+    __slots__ = ("layout", "k", "v", "window_size", "softcap", "learnable_sink", "seqused_q", "seqused_k", "paged")
 
-    def __init__(self, layout, k, v, window_size, softcap, learnable_sink, seqused_q=None, seqused_k=None):
+    def __init__(self, layout, k, v, window_size, softcap, learnable_sink, seqused_q=None, seqused_k=None,
+                 paged=False):
         self.layout, self.k, self.v = layout, k, v
         self.window_size, self.softcap, self.learnable_sink = window_size, softcap, learnable_sink
-        self.seqused_q, self.seqused_k = seqused_q, seqused_k
+        self.seqused_q, self.seqused_k, self.paged = seqused_q, seqused_k, paged or layout == "paged"
+
+
+# How _gated_problem names a door's layouts ("dense and packed varlen batches").
+_LAYOUT_WORDS = {"dense": "dense", "varlen": "packed varlen", "paged": "paged", "kvcache": "KV-cache"}
+
+
+def _layouts_text(layouts) -> str:
+    words = [_LAYOUT_WORDS[name] for name in layouts]
+    return (" and ".join(words) if len(words) < 3 else ", ".join(words[:-1]) + " and " + words[-1]) + " batches"
 
 
 def _gated_problem(q, causal, door: _Door, arch: int) -> Problem:
-    """A family served behind the first-use self-test (sm_100): the config the forward would select
-    for these arguments exists (layouts, window, softcap, sink, headdim_v: ValueError naming what
-    that family lacks), a backward config exists when autograd will ask for one (NotImplementedError
-    naming what the family's backward lacks: dense batches only on sm_100, hd64 / hd128, no softcap), and flash4.selftest passed those configs (forward, and backward when training) on q's device
-    (RuntimeError with the self-test's text: the config, the failing check, how to report it; on
-    the first call for a config this runs the self-test, seconds, in a child process)."""
+    """A family served behind the first-use self-test (sm_100; the portable sm80 family on its own
+    GPUs): the config the forward would select for these arguments exists (layouts, window,
+    softcap, sink, headdim_v: ValueError naming what that family lacks), a backward config exists
+    when autograd will ask for one (NotImplementedError naming what the family's backward lacks:
+    on sm_100 dense batches only, hd64 / hd128), and flash4.selftest passed those
+    configs (forward, and backward when training) on q's device (RuntimeError with the self-test's
+    text: the config, the failing check, how to report it; on the first call for a config this runs
+    the self-test, seconds, in a child process).
+
+    What each family serves at this door is its config module's GATE_DOOR (flash4.config.sm100,
+    flash4.config.sm80): fwd_layouts / bwd_layouts (the door layouts its forward / backward run),
+    seqused_k and paged (the forward takes them; paged_text: how the family refuses paged K/V), and
+    optionally its gate_fwd_options(layout)
+    (extra select_fwd_config arguments: sm100's 2-CTA switch)."""
     from flash4 import selftest
     from flash4.geometry import canonical_mask, window_sides
     from flash4.kernels import registry
 
-    fam = registry.family(arch)
+    fam = registry.gate_family(arch)
+    module = fam.config_module()
+    door_spec = module.GATE_DOOR
     where = f"(q is on {q.device}, sm_{arch}: flash4's {fam.name} kernels, compile-verified, not yet run on that GPU)"
-    if door.layout not in ("dense", "varlen"):
-        return ValueError, (f"flash4's sm_{arch} forward runs dense and packed varlen batches only; "
+    if door.paged and not door_spec["paged"] and "paged_text" in door_spec:  # the family's own words for it
+        return ValueError, f"{door_spec['paged_text']} (sm_{arch}) {where}"
+    if door.layout not in door_spec["fwd_layouts"]:
+        return ValueError, (f"flash4's sm_{arch} forward runs {_layouts_text(door_spec['fwd_layouts'])} only; "
                             f"the {door.layout} layout is not implemented there yet {where}")
-    if door.seqused_k is not None:
+    if door.paged and not door_spec["paged"]:
+        return ValueError, f"flash4's sm_{arch} forward has no paged K/V yet (a page table was given) {where}"
+    if door.seqused_k is not None and not door_spec["seqused_k"]:
         return ValueError, f"flash4's sm_{arch} forward has no seqused_k yet (packed varlen with cu_seqlens_k) {where}"
     headdim, headdim_v = q.shape[-1], door.v.shape[-1]
     causal, window_size = canonical_mask(causal, door.window_size)  # as the API runs it: (-1, 0) is causal
+    options = module.gate_fwd_options(door.layout) if hasattr(module, "gate_fwd_options") else {}
     try:
-        cfg = select_fwd_config(headdim, DTYPE_NAMES[q.dtype], causal, arch=arch,
-                                local=window_sides(window_size, causal) is not None,
-                                softcap=door.softcap > 0, sink=door.learnable_sink is not None,
-                                headdim_v=None if headdim_v == headdim else headdim_v,
-                                seqlen_k=door.k.shape[1] if door.layout == "dense" else None,
-                                # the 2-CTA opt-in, as flash4.config.sm100.fwd_plan asks it (dense only)
-                                **({"two_cta": True} if door.layout == "dense" and env.sm100_2cta() else {}))
+        cfg = module.select_fwd_config(headdim, DTYPE_NAMES[q.dtype], causal, arch=arch,
+                                       local=window_sides(window_size, causal) is not None,
+                                       softcap=door.softcap > 0, sink=door.learnable_sink is not None,
+                                       headdim_v=None if headdim_v == headdim else headdim_v,
+                                       seqlen_k=door.k.shape[1] if door.layout == "dense" else None, **options)
     except ValueError as err:
         return ValueError, f"{err} {where}"
-    if door.layout == "varlen":  # as flash4.config.sm100.fwd_plan lays it out
-        cfg = dataclasses.replace(cfg, varlen_q=True, varlen_k=True, seqused_q=door.seqused_q is not None)
+    seqused_k = {"seqused_k": True} if door.seqused_k is not None else {}
+    try:  # the config refuses a layout its kernel lacks (sm100's (192, 128) / hd256: dense only)
+        if door.layout == "varlen":  # as the family's fwd_plan lays it out
+            cfg = dataclasses.replace(cfg, varlen_q=True, varlen_k=True, seqused_q=door.seqused_q is not None,
+                                      **seqused_k)
+        elif door.layout == "kvcache":  # a decode step over the cache: seqused_k keys per cache row
+            cfg = dataclasses.replace(cfg, seqused_k=True)
+    except ValueError as err:
+        return ValueError, f"{err} {where}"
     training = torch.is_grad_enabled() and any(
         isinstance(t, torch.Tensor) and t.requires_grad for t in (q, door.k, door.v, door.learnable_sink))
     bwd_cfg = None
@@ -484,15 +522,17 @@ def _gated_problem(q, causal, door: _Door, arch: int) -> Problem:
         if not fam.has_pass("bwd"):
             return NotImplementedError, (f"flash4 has no backward on sm_{arch} yet (its {fam.name} family has a "
                                          f"forward only), and {hint}")
-        if door.layout != "dense":
-            return NotImplementedError, (f"flash4's sm_{arch} backward runs dense batches only (no {door.layout} "
-                                         f"layout yet), and {hint}")
+        if door.layout not in door_spec["bwd_layouts"]:
+            return NotImplementedError, (f"flash4's sm_{arch} backward runs {_layouts_text(door_spec['bwd_layouts'])} "
+                                         f"only (no {door.layout} layout yet), and {hint}")
+        packed = {} if door.layout == "dense" else dict(  # as the family's bwd_plan lays packed batches out
+            varlen_q=True, varlen_k=True, seqused_q=door.seqused_q is not None, seqused_k=door.seqused_k is not None)
         try:  # the backward config autograd will ask for (flash4.config.<family>.bwd_plan's selection)
-            bwd_cfg = fam.config_module().select_bwd_config(
+            bwd_cfg = module.select_bwd_config(
                 headdim, DTYPE_NAMES[q.dtype], causal, arch=arch, local=window_sides(window_size, causal) is not None,
-                softcap=door.softcap > 0, headdim_v=None if headdim_v == headdim else headdim_v,
-                # the 2-CTA opt-in, as flash4.config.sm100.bwd_plan asks it (the backward is dense only)
-                **({"two_cta": True} if env.sm100_2cta() else {}))
+                softcap=door.softcap > 0, headdim_v=None if headdim_v == headdim else headdim_v, **packed,
+                # the sm100 2-CTA opt-in, as flash4.config.sm100.bwd_plan asks it (dense batches)
+                **({"two_cta": True} if arch == 100 and door.layout == "dense" and env.sm100_2cta() else {}))
         except ValueError as err:
             return NotImplementedError, f"flash4 has no backward for this call on sm_{arch}: {err}; {hint}"
     problem = selftest.support_problem(cfg, q.device)
@@ -512,7 +552,8 @@ def _common_tail_problem(q, softmax_scale, causal, window_size, softcap, learnab
     named = dict(devices)
     k, v = (named["k"], named["v"]) if layout != "kvcache" else (named["k_cache"], named["v_cache"])
     return _arch_problem(q, causal, _Door(layout, k, v, window_size, softcap, learnable_sink,
-                                          named.get("seqused_q"), named.get("seqused_k")))
+                                          named.get("seqused_q"), named.get("seqused_k"),
+                                          named.get("page_table") is not None))
 
 
 # ================================================================ flash_attn_func (dense)

@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from flash4.config import (BwdPlan, FwdPlan, bwd_config, fwd_config, paged_page_rows, select_bwd_config, select_fwd_config,
+from flash4.config import (PAGE_GATHER_MAX, BwdPlan, FwdPlan, bwd_config, fwd_config, paged_page_rows, select_bwd_config, select_fwd_config,
                            with_dkv_accum, with_pack_gqa, with_seq_layout)
 from flash4.config.sm90 import decode_plan, head_split_config
 from flash4.geometry import window_sides
@@ -67,8 +67,10 @@ def test_varlen_plan(seqused_q):
 def test_paged_plan(page_size):
     plan = fwd_config(_packed(paged=True, page_size=page_size), 90)
     base = select_fwd_config(64, "bf16", False)
-    assert plan.cfg == with_seq_layout(base, varlen_q=True, seqused_k=True,
-                                       page_rows=paged_page_rows(page_size, base.tile_n))
+    # page 16: gathered rows (PAGE_GATHER_MAX); larger pages: TMA pieces of gcd(page_size, tile_n) rows
+    layout = ({"page_gather": True} if page_size <= PAGE_GATHER_MAX
+              else {"page_rows": paged_page_rows(page_size, base.tile_n)})
+    assert plan.cfg == with_seq_layout(base, varlen_q=True, seqused_k=True, **layout)
 
 
 @pytest.mark.parametrize("paged, num_splits, window", [(False, 0, None), (True, 0, None), (False, 3, None),
@@ -116,7 +118,7 @@ def test_backward_plan_override_and_packed_layout():
 
 def test_sm100_plans():
     """The sm100 family (unverified, served behind the first-use self-test) answers dense and packed
-    varlen forward requests and refuses paged K/V, seqused_k and Dv != D; its backward plan answers
+    varlen forward requests and refuses paged K/V, seqused_k and Dv != D but (192, 128); its backward plan answers
     dense requests (every query head of a KV head in its CTA) and refuses packed ones."""
     from flash4.config import sm100
 
@@ -133,8 +135,16 @@ def test_sm100_plans():
         sm100.fwd_plan(Request.varlen(meta(500, 8, 64), meta(600, 2, 64), meta(600, 2, 64), cu, cu, 200, None, None,
                                       meta(3, dtype=I32)), 100)
     assert sm100.fwd_plan(Request.dense(q, k, k, window_size=(3, 3)), 100).cfg.local
-    with pytest.raises(ValueError, match="headdim_v=64 != headdim=128 is not implemented"):
+    with pytest.raises(ValueError, match=r"\(headdim, headdim_v\)=\(128, 64\) is not implemented"):
         sm100.fwd_plan(Request.dense(q, k, meta(2, 300, 8, 64)), 100)
+    # (192, 128) is built (one Q tile per CTA), dense only
+    q192 = meta(2, 300, 8, 192)
+    assert sm100.fwd_plan(Request.dense(q192, q192, meta(2, 300, 8, 128)), 100).cfg == sm100.select_fwd_config(
+        192, headdim_v=128)
+    cu = meta(4, dtype=I32)
+    with pytest.raises(ValueError, match="no packed varlen"):
+        sm100.fwd_plan(Request.varlen(meta(500, 8, 256), meta(600, 2, 256), meta(600, 2, 256), cu, cu, 200, None,
+                                      None), 100)
     assert sm100.bwd_plan(Request.dense(q, k, k), 100) == BwdPlan(sm100.select_bwd_config(128), 1)
     with pytest.raises(ValueError, match="no packed varlen"):
         sm100.bwd_plan(_packed(), 100)

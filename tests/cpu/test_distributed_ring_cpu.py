@@ -426,7 +426,7 @@ def flash4_on_cpu(monkeypatch, cpu_kernels):
 
     calls = []
 
-    def launch(request, dout, out, lse, lse_split, dlse, dq, dk, dv):
+    def launch(request, dout, out, lse, lse_split, dlse, dq, dk, dv, delta=None):
         seq = request.seq
         grads = fd.ReferenceKernel(torch.float32).backward(
             dout, request.q, request.k, request.v, out, lse, dlse, seq.cu_seqlens_q, seq.cu_seqlens_k,

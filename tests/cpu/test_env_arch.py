@@ -66,11 +66,12 @@ def test_registry_dispatches_by_exact_arch():
     from flash4.kernels import registry
 
     assert registry.family(90).name == "sm90"
-    for arch in (80, 86, 89, 120):  # the portable family (mma.sync), by exact arch; opt-in for now
+    for arch in (80, 86, 89, 120):  # the portable family (mma.sync), by exact arch, behind its self-test
+        assert registry.family(arch).name == "sm80"
         assert registry.family(arch, include_unverified=True).name == "sm80"
         assert registry.family(arch, prefer="portable").name == "sm80"
     assert registry.family(90, prefer="sm80").name == "sm80"  # the portable family, on Hopper for testing
-    for arch in (75, 80, 87, 101, 103, 110, 121):
+    for arch in (75, 87, 101, 103, 110, 121):
         with pytest.raises(ValueError, match=f"sm_{arch}"):
             registry.family(arch)
     assert registry.family(100).name == "sm100"  # behind the first-use self-test (flash4.selftest)

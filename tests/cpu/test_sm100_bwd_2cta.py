@@ -26,7 +26,7 @@ IDS = [f"d{c.headdim}-{c.dtype}-{'causal' if c.causal else 'full'}-2cta" for c i
 def test_shipped_two_cta_configs():
     assert TWO == [sm100.select_bwd_config(128, dt, c, two_cta=True) for dt in ("bf16", "fp16") for c in (False, True)]
     assert all(c.cta_group == 2 and c.q_stages == 1 and not c.deterministic and not c.local for c in TWO)
-    assert sm100.shipped_bwd_configs()[-len(TWO):] == TWO  # after the 24 1-CTA configs
+    assert sm100.shipped_bwd_configs()[-len(TWO):] == TWO  # after the 1-CTA configs
 
 
 def test_two_cta_is_opt_in_and_hd128_only():
@@ -34,13 +34,15 @@ def test_two_cta_is_opt_in_and_hd128_only():
     assert sm100.select_bwd_config(128, two_cta=True).cta_group == 2
     assert sm100.select_bwd_config(128, causal=True, two_cta=True).cta_group == 2
     # where the 2-CTA variant is not built, the switch keeps the 1-CTA config
-    for kw in (dict(headdim=64), dict(headdim=128, deterministic=True), dict(headdim=128, local=True)):
+    for kw in (dict(headdim=64), dict(headdim=128, deterministic=True), dict(headdim=128, local=True),
+               dict(headdim=128, softcap=True)):
         assert sm100.select_bwd_config(two_cta=True, **kw) == sm100.select_bwd_config(**kw)
 
 
 @pytest.mark.parametrize("kw, match", [
     (dict(headdim=64), "built for \\(128,\\)"), (dict(headdim=128, deterministic=True), "deterministic"),
     (dict(headdim=128, local=True), "window"), (dict(headdim=128, q_stages=2), "q_stages"),
+    (dict(headdim=128, softcap=True), "softcap"),
 ])
 def test_config_refuses_two_cta_elsewhere(kw, match):
     base = dict(cta_group=2, q_stages=1, regs_reduce=136, regs_compute=136, regs_other=104)

@@ -3,7 +3,9 @@ every config select_bwd_config can return builds for sm_100a, and its PTX and SA
 the five tcgen05 MMAs per step (1-CTA, no .2CTA), their commits, TMEM loads/stores, the dQ bulk
 reduce-add (UBLKRED.G.S.ADD.F32), TMA loads, the TMEM allocation of bwd_tmem_map and the setmaxnreg
 budgets of bwd_register_plan -- with no Hopper opcodes, no local memory and a stack of 0; PTX and
-SASS counts of the tcgen05 instructions agree."""
+SASS counts of the tcgen05 instructions agree. Softcap configs add one MUFU.TANH per score (the
+score transform) and one MUFU.LG2 per score (t recovered from P for dS's factor), nothing else of
+the gates changes."""
 
 import re
 import time
@@ -18,7 +20,7 @@ from flash4.kernels.sm100.bwd_plan import DQ_GROUP_ROWS  # noqa: E402
 
 CONFIGS = [c for c in shipped_bwd_configs() if c.cta_group == 1]  # the 2-CTA configs: test_sm100_bwd_2cta.py
 IDS = [f"d{c.headdim}-{c.dtype}-{'causal' if c.causal else 'window' if c.local else 'full'}"
-       + ("-det" if c.deterministic else "") for c in CONFIGS]
+       + ("-det" if c.deterministic else "") + ("-softcap" if c.softcap else "") for c in CONFIGS]
 # CPU seconds of one cold compile (one core): measured 1.9-2.3 s on the 2-core box (2026-12-02); the
 # target is 5 s, the assert leaves room for a loaded machine.
 COMPILE_CPU_LIMIT_S = 10.0
@@ -77,6 +79,9 @@ def test_sass_gates(built, name):
     assert row["utmaldg"] > 0
     assert row["utcatomsws"] == 3  # alloc, relinquish, dealloc
     assert row["mufu_ex2"] == tm // 2  # P^T: one MUFU.EX2 per score of the thread's 64 columns
+    # softcap: tanh per score before the exp2 (score.apply), log2 per score for dS (score.grad_factor)
+    assert row["mufu_tanh"] == (tm // 2 if cfg.softcap else 0)
+    assert sass_count(sass, "MUFU.LG2") == (tm // 2 if cfg.softcap else 0)
     assert row["hgmma"] == 0
     assert row["spills"] == 0, f"{name}: {row['spills']} LDL/STL"
     assert sass_count(sass, "LDL") == 0 and sass_count(sass, "STL") == 0

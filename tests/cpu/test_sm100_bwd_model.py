@@ -6,8 +6,8 @@ autograd gradients of flash4.reference.attention_ref; PyTorch's are autograd of 
 computed in the input dtype. Without a window the model's inputs out / lse come from the sm100
 forward's model (flash4.models.sm100_fwd), so each case runs the Blackwell dataflow end to end; with
 one (the forward model has none) from the float64 reference. Random inputs (head dims 64 and 128,
-causal, sliding windows and neither, GQA / MQA, odd lengths, seqlen_q != seqlen_k both ways, bf16
-and fp16) and adversarial ones (large and extreme logits, with and without the forward's LSE split;
+causal, sliding windows and neither, softcap, GQA / MQA, odd lengths, seqlen_q != seqlen_k both
+ways, bf16 and fp16) and adversarial ones (large and extreme logits, with and without the forward's LSE split;
 rows that see one key; rows that see none; a dominant key). Equivalences: mma_k None / tiles / dq
 order change only roundings; the preprocess's D and the dq_accum adds are the documented orders.
 It checks the algorithm, not the kernel (compile-verified, not run on hardware).
@@ -49,10 +49,11 @@ def make_case(b, sq, sk, h, hk, d, dtype=torch.bfloat16, seed=0, magnitude=1.0):
     return (q * magnitude).to(dtype), (k * magnitude).to(dtype), v.to(dtype), do.to(dtype)
 
 
-def ref_grads(q, k, v, dout, causal, upcast, window_size=None):
+def ref_grads(q, k, v, dout, causal, upcast, window_size=None, softcap=0.0):
     """Autograd of attention_ref: float64 (upcast) or the input dtype (PyTorch same dtype)."""
     leaves = [(t.double() if upcast else t.clone()).requires_grad_() for t in (q, k, v)]
-    out, _ = attention_ref(*leaves, None, causal, upcast=upcast, compute_dtype=torch.float64, window_size=window_size)
+    out, _ = attention_ref(*leaves, None, causal, upcast=upcast, compute_dtype=torch.float64, window_size=window_size,
+                           softcap=softcap)
     return torch.autograd.grad(out, leaves, dout.double() if upcast else dout)
 
 
@@ -66,28 +67,30 @@ def exact_split(q, k, v, causal, window_size=None):
     return torch.stack([hi, lo])
 
 
-def errors(q, k, v, dout, causal, grads, window_size=None):
-    g_ref = ref_grads(q, k, v, dout, causal, True, window_size)
-    g_pt = ref_grads(q, k, v, dout, causal, False, window_size)
+def errors(q, k, v, dout, causal, grads, window_size=None, softcap=0.0):
+    g_ref = ref_grads(q, k, v, dout, causal, True, window_size, softcap)
+    g_pt = ref_grads(q, k, v, dout, causal, False, window_size, softcap)
     return {name: (max_abs_err(g, r), max_abs_err(p, r)) for name, g, r, p in zip(NAMES, grads, g_ref, g_pt)}
 
 
-def forward(q, k, v, causal, window_size=None):
-    """out, lse: the sm100 forward's model, or (with a window, which it lacks) the float64 reference."""
-    if window_size is None:
+def forward(q, k, v, causal, window_size=None, softcap=0.0):
+    """out, lse: the sm100 forward's model, or (with a window or softcap, which it lacks) the float64
+    reference."""
+    if window_size is None and not softcap:
         return F.forward(q, k, v, None, causal)
-    out, lse = attention_ref(q, k, v, None, causal, compute_dtype=torch.float64, window_size=window_size)
+    out, lse = attention_ref(q, k, v, None, causal, compute_dtype=torch.float64, window_size=window_size,
+                             softcap=softcap)
     return out.to(q.dtype), lse.float()
 
 
-def check(q, k, v, dout, causal, lse_split=None, window_size=None, **kw):
+def check(q, k, v, dout, causal, lse_split=None, window_size=None, softcap=0.0, **kw):
     """Forward (model) -> backward model -> the 2x rule per gradient. Returns (errors, stats)."""
-    out, lse = forward(q, k, v, causal, window_size)
-    dq, dk, dv, stats = B.backward(dout, q, k, v, out, lse, None, causal, window_size, lse_split=lse_split,
+    out, lse = forward(q, k, v, causal, window_size, softcap)
+    dq, dk, dv, stats = B.backward(dout, q, k, v, out, lse, None, causal, window_size, softcap, lse_split=lse_split,
                                    return_stats=True, **kw)
     for name, g, t in zip(NAMES, (dq, dk, dv), (q, k, v)):
         assert g.shape == t.shape and g.dtype == t.dtype, (name, g.shape, g.dtype)
-    e = errors(q, k, v, dout, causal, (dq, dk, dv), window_size)
+    e = errors(q, k, v, dout, causal, (dq, dk, dv), window_size, softcap)
     for name, (err, pt) in e.items():
         assert math.isfinite(pt), f"{name}: PyTorch's same-dtype error is {pt}"
         assert err <= 2 * pt + GRAD_ATOL, f"{name}: err {err:.3e} > 2 x PyTorch {pt:.3e} + {GRAD_ATOL}"
@@ -178,6 +181,93 @@ def test_window_rows_without_keys_get_zero_dq():
     out, lse = forward(q, k, v, False, (0, 0))
     dq, dk, dv = B.backward(do, q, k, v, out, lse, None, False, (0, 0))
     assert (dk[:, :200] == 0).all() and (dv[:, :200] == 0).all() and dv[:, 200:].abs().amax() > 0
+
+
+# ---------------------------------------------------------------- softcap
+
+SOFTCAP_CASES = [  # (b, sq, sk, h, hk, d, causal, dtype, magnitude, softcap, window_size)
+    (1, 200, 333, 2, 1, 64, False, torch.bfloat16, 1.0, 5.0, None),  # the self-test's cap (selftest._SOFTCAP)
+    (1, 300, 131, 4, 2, 128, True, torch.bfloat16, 4.0, 5.0, None),  # tanh saturated: scores ~ +-30 / 5
+    (1, 257, 257, 2, 2, 128, False, torch.float16, 4.0, 30.0, None),  # Gemma 2's attention cap 50 / 30 range
+    (2, 131, 200, 2, 1, 64, True, torch.bfloat16, 8.0, 50.0, None),  # large logits under a large cap
+    (1, 300, 200, 2, 1, 64, False, torch.bfloat16, 2.0, 10.0, (45, 7)),  # with a window
+]
+
+
+def _softcap_id(c):
+    return (f"sq{c[1]}-sk{c[2]}-h{c[3]}/{c[4]}-d{c[5]}-{'causal' if c[6] else 'full'}-{str(c[7])[6:]}-x{c[8]:g}"
+            f"-cap{c[9]:g}" + (f"-w{c[10][0]},{c[10][1]}" if c[10] else ""))
+
+
+@pytest.mark.parametrize("case", SOFTCAP_CASES, ids=_softcap_id)
+def test_softcap(case):
+    b, sq, sk, h, hk, d, causal, dtype, mag, cap, window = case
+    check(*make_case(b, sq, sk, h, hk, d, dtype=dtype, seed=sq + sk + d, magnitude=mag), causal, window_size=window,
+          softcap=cap)
+
+
+@pytest.mark.parametrize("rel_err", [1e-5, -1e-5])
+def test_softcap_within_the_measured_tanh_error(rel_err):
+    """MUFU.TANH off by its measured bound (1.0e-5 relative, the same sign everywhere: the worst
+    systematic case) still passes: the forward's LSE (exact tanh here) and the backward's P then
+    disagree by exp(cap * t * rel_err), far below one bf16 rounding."""
+    q, k, v, do = make_case(1, 300, 131, 4, 2, 128, seed=31, magnitude=4.0)
+    check(q, k, v, do, True, softcap=5.0, tanh_rel_err=rel_err)
+
+
+def test_softcap_rule_has_teeth():
+    """Without score.grad_factor (dS not multiplied by 1 - t^2) the saturated-tanh case fails the rule;
+    with softcap 0 the model is the plain one."""
+    q, k, v, do = make_case(1, 300, 131, 4, 2, 128, seed=31, magnitude=4.0)
+    out, lse = forward(q, k, v, True, softcap=5.0)
+    saved = B.grad_factor
+    try:
+        B.grad_factor = lambda p, lse_l2, r: torch.ones_like(p)
+        grads = B.backward(do, q, k, v, out, lse, None, True, softcap=5.0)
+    finally:
+        B.grad_factor = saved
+    e = errors(q, k, v, do, True, grads, softcap=5.0)
+    assert any(err > 2 * pt + GRAD_ATOL for err, pt in e.values()), e
+    out, lse = forward(q, k, v, True)
+    assert all(torch.equal(a, b) for a, b in zip(B.backward(do, q, k, v, out, lse, None, True),
+                                                 B.backward(do, q, k, v, out, lse, None, True, softcap=0.0)))
+
+
+def test_softcap_chain_spelled_out():
+    """Steps 2 and 5 with softcap on one block: t = tanh(fp32(S * a)), P = 2^fma(t, c, -L), dS =
+    fp32(fp32(fp32(fp32(dP - D) * P) * scale) * fma(-t', t', 1)) with t' = fp32(fp32(log2 P + L) * r);
+    c, a, r the kernel's Float32 scales; the model's dk equals the hand chain, and t' recovers t."""
+    q, k, v, do = make_case(1, 16, 16, 1, 1, 64, seed=23, magnitude=2.0)
+    scale, cap = 0.3, 4.0
+    out, lse = attention_ref(q, k, v, scale, False, compute_dtype=torch.float64, softcap=cap)
+    out, lse = out.to(q.dtype), lse.float()
+    dq, dk, dv = B.backward(do, q, k, v, out, lse, scale, softcap=cap, tile_m=16, tile_n=16)
+    c = float(np.float32(cap) * np.float32(LOG2E))
+    a = float(np.float32(scale) / np.float32(cap))
+    r = float(np.float32(1.0) / np.float32(c))
+    assert B.softcap_scales(scale, cap) == (c, a, r)
+    s_t = F.mma_f32(None, k[0, :, 0].double(), q[0, :, 0].double().T, 16)
+    dp_t = F.mma_f32(None, v[0, :, 0].double(), do[0, :, 0].double().T, 16)
+    t = torch.tanh((s_t * a).double()).float()
+    big_l = B.lse_log2(lse)[0, 0]
+    p = F.exp2_hw(F.fma_f32(t, c, (-big_l).expand_as(s_t).contiguous()))
+    t_back = ((torch.log2(p.double()).float() + big_l) * r)
+    assert (t_back - t).abs().max() < 1e-4  # recovered from P and the LSE
+    f = (1.0 - t_back.double() ** 2).float()  # one rounding of the exact fma (|t'| < 1 here: no cancellation trap)
+    d = B.preprocess_dpsum(out, do)[0, 0]
+    ds = (((dp_t - d) * p) * float(np.float32(scale))) * f
+    want_dk = F.mma_f32(None, ds.to(q.dtype).double(), q[0, :, 0].double(), 16).to(q.dtype)
+    want_dv = F.mma_f32(None, p.to(q.dtype).double(), do[0, :, 0].double(), 16).to(q.dtype)
+    assert torch.equal(dk[0, :, 0], want_dk) and torch.equal(dv[0, :, 0], want_dv)
+
+
+def test_softcap_grad_factor_is_zero_where_p_is():
+    p = torch.tensor([[0.0, 0.5, 1.0]])
+    lse_l2 = torch.tensor([[math.inf, 1.0, 0.0]])
+    f = B.grad_factor(p, lse_l2, 0.25)
+    assert f[0, 0] == 0 and f[0, 1] == np.float32(1 - 0.0) and f[0, 2] == 1.0  # t = 0: 1
+    p = torch.tensor([0.25])
+    assert B.grad_factor(p, torch.tensor([3.0]), 0.5) == np.float32(1 - 0.25)  # t = (-2 + 3) * 0.5
 
 
 # ---------------------------------------------------------------- adversarial inputs
@@ -392,11 +482,14 @@ def bands():
     cases.append(("large logits x8 d64", make_case(1, 150, 260, 2, 1, 64, seed=4, magnitude=8.0), False, None))
     cases += [(_case_id(c), make_case(*c[:6], dtype=c[7], seed=c[1] * 7 + c[2], magnitude=c[8]), c[6], c[9])
               for c in KERNEL_CASES]
+    cases = [c + (0.0,) for c in cases]
+    cases += [(_softcap_id(c), make_case(*c[:6], dtype=c[7], seed=c[1] + c[2] + c[5], magnitude=c[8]), c[6], c[10],
+               c[9]) for c in SOFTCAP_CASES]
     print("case | dq err, pt, ratio | dk ... | dv ...")
     worst = 0.0
-    for name, (q, k, v, do), causal, window in cases:
-        out, lse = forward(q, k, v, causal, window)
-        e = errors(q, k, v, do, causal, B.backward(do, q, k, v, out, lse, None, causal, window), window)
+    for name, (q, k, v, do), causal, window, cap in cases:
+        out, lse = forward(q, k, v, causal, window, cap)
+        e = errors(q, k, v, do, causal, B.backward(do, q, k, v, out, lse, None, causal, window, cap), window, cap)
         cells = []
         for err, pt in e.values():
             ratio = err / (2 * pt + GRAD_ATOL)

@@ -19,9 +19,10 @@ CONFIGS = [c for c in sm100.shipped_bwd_configs() if c.cta_group == 1]  # 2-CTA:
 
 def test_shipped_configs():
     assert sm100.shipped_bwd_configs()[:len(CONFIGS)] == CONFIGS  # the 1-CTA configs first, then the 2-CTA ones
-    assert [(c.headdim, c.dtype, c.causal, c.local, c.deterministic) for c in CONFIGS] == [
-        (d, dt, c, lo, det) for det in (False, True) for d in (64, 128) for dt in ("bf16", "fp16")
-        for c, lo in ((False, False), (True, False), (False, True))]
+    assert [(c.headdim, c.dtype, c.causal, c.local, c.deterministic, c.softcap) for c in CONFIGS] == [
+        (d, dt, c, lo, det, False) for det in (False, True) for d in (64, 128) for dt in ("bf16", "fp16")
+        for c, lo in ((False, False), (True, False), (False, True))] + [
+        (d, "bf16", c, False, False, True) for d in (64, 128) for c in (False, True)]
     # a window folds causal in (as sm90's BwdConfig)
     assert sm100.select_bwd_config(128, causal=True, local=True) == sm100.select_bwd_config(128, local=True)
 
@@ -115,7 +116,7 @@ def test_smem_budget():
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(headdim=96), "head dims \\(64, 128\\)"), (dict(headdim=256), "hd96/192/256 are not built"),
-    (dict(headdim=128, softcap=True), "softcap"), (dict(headdim=128, headdim_v=64), "V head dim"),
+    (dict(headdim=128, headdim_v=64), "V head dim"),
     (dict(headdim=128, arch=90), "sm_100a kernels only"), (dict(headdim=128, dtype="fp8"), "dtype"),
 ])
 def test_select_refuses_what_is_not_built(kwargs, match):
@@ -172,7 +173,7 @@ def test_mn_major_views_alias_the_loaded_buffers(hd):
         for k, v in bwd_smem_layouts(sm100.select_bwd_config(d)).items():
             got[k] = (v.outer.shape, v.outer.stride, str(v.inner))
 
-    grab(hd)
+    cute.compile(grab, hd, options="--gpu-arch sm_100a")  # whatever CUTE_DSL_ARCH an earlier test left
     off = {k: (lambda crd, s=v[0], t=v[1]: _offset(crd, s, t)) for k, v in got.items()}
     assert len({v[2] for v in got.values()}) == 1  # one swizzle for all (S<3,4,3>: 128-byte)
     rows = range(128)

@@ -29,7 +29,8 @@ def test_ptx_readers():
 
 def test_configs_and_filters():
     assert sm100_check.configs() == sm100.shipped_fwd_configs(features=False)
-    assert len(sm100_check.configs(features=True)) == 104  # 96 1-CTA + 8 2-CTA (hd128 non-causal)
+    # 96 1-CTA q_stage 2 + 8 2-CTA (hd128 non-causal) + 64 q_stage 1 ((192, 128) and hd256)
+    assert len(sm100_check.configs(features=True)) == 168
     picked = sm100_check.configs(headdims=[128], dtypes=["bf16"], causals=(True,))
     assert picked == [sm100.select_fwd_config(128, "bf16", True)]
     # the backward: shipped_bwd_configs, the window ones with features

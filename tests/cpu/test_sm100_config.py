@@ -15,13 +15,16 @@ from flash4.config.sm100 import (LAUNCH_REGS, TMEM_ALIASES, TMEM_COLUMNS, Regist
 from flash4.kernels import registry
 
 CONFIGS = shipped_fwd_configs()
-IDS = [f"d{c.headdim}-{c.dtype}-{'causal' if c.causal else 'full'}-{c.cta_group}cta" for c in CONFIGS]
-ONE_CTA = [c for c in CONFIGS if c.cta_group == 1]
+IDS = [f"d{c.headdim}" + (f"v{c.headdim_v}" if c.headdim_v else "") + f"-{c.dtype}-{'causal' if c.causal else 'full'}"
+       f"-{c.cta_group}cta" + ("-softcap" if c.softcap else "") + ("-sink" if c.sink else "")
+       + ("-local" if c.local else "") for c in CONFIGS]
+Q_STAGE_1 = [c for c in CONFIGS if c.q_stage == 1]
+ONE_CTA = [c for c in CONFIGS if c.cta_group == 1 and c.q_stage == 2]
 TWO_CTA = [c for c in CONFIGS if c.cta_group == 2]
 
 
 def test_shipped_configs_cover_the_grid():
-    assert len(CONFIGS) == 104 and len(ONE_CTA) == 96 and len(TWO_CTA) == 8
+    assert len(CONFIGS) == 168 and len(ONE_CTA) == 96 and len(TWO_CTA) == 8 and len(Q_STAGE_1) == 64
     assert {(c.headdim, c.dtype, c.causal, c.local, c.softcap, c.sink) for c in ONE_CTA} == set(
         itertools.product((64, 96, 128), ("bf16", "fp16"), *[(False, True)] * 4))
     assert shipped_fwd_configs(features=False) == [c for c in CONFIGS if not (c.local or c.softcap or c.sink)]
@@ -32,6 +35,39 @@ def test_shipped_configs_cover_the_grid():
         assert c.exp2_emu_frac == (sm100.EXP2_EMU_FRAC_CAUSAL if c.causal or c.local else sm100.EXP2_EMU_FRAC) > 0
         assert c.rescale_threshold == 8.0
         assert c.smem_bytes() <= sm100.SMEM_KV_BUDGET
+    assert CONFIGS[-len(Q_STAGE_1):] == Q_STAGE_1  # shipped last: the q_stage 2 lists keep their order
+
+
+def test_q_stage_1_configs():
+    """(192, 128) and hd256 x bf16 / fp16 x causal / not x window / softcap / sink: one 128-row Q tile
+    per CTA (q_stage 1), 1-CTA, dense; K/V stages from the 224 KiB formula; 256/152/80 plus the idle
+    softmax1 warpgroup at 24 (plan.default_register_plan)."""
+    assert {((c.headdim, c.hdim_v), c.dtype, c.causal, c.local, c.softcap, c.sink) for c in Q_STAGE_1} == set(
+        itertools.product(((192, 128), (256, 256)), ("bf16", "fp16"), *[(False, True)] * 4))
+    for c in Q_STAGE_1:
+        assert (c.q_stage, c.tile_m, c.tile_n, c.cta_group, c.cta_tile_m) == (1, 128, 128, 1, 128)
+        assert c.headdim_v == (128 if c.headdim == 192 else None)
+        assert not c.varlen_q and c.lpt == (c.causal and not c.local)
+        assert c.exp2_emu_frac == (sm100.EXP2_EMU_FRAC_CAUSAL if c.causal or c.local else sm100.EXP2_EMU_FRAC)
+        plan = register_plan(c)
+        assert dataclasses.astuple(plan) == (256, 152, 80, 1)
+        assert plan.per_warpgroup() == (256, sm100.IDLE_REGS, 152, 80) and sum(plan.per_warpgroup()) == 512
+        assert plan.by_role()["softmax1"] == sm100.IDLE_REGS == 24
+        assert plan.setmaxnreg_sites() == [("dec", 24), ("dec", 80), ("inc", 152), ("inc", 256)]
+        assert c.smem_bytes() <= sm100.SMEM_KV_BUDGET
+    # (192, 128): Q 48 KiB + O 32 KiB + 3 x 48 KiB; hd256: 64 + 64 + 1 x 64 KiB (one K/V stage)
+    assert {(c.headdim, c.kv_stages, c.smem_bytes()) for c in Q_STAGE_1} == {
+        (192, 3, (48 + 32 + 3 * 48) * 1024), (256, 1, (64 + 64 + 64) * 1024)}
+    # q_stage 2 would leave (192, 128) one stage (96 + 64 KiB of Q and O); hd256 does not fit (256 KiB)
+    assert sm100.kv_stages_for(192, 128, q_stage=2) == 1 and sm100.kv_stages_for(256, 256, q_stage=2) < 1
+
+
+@pytest.mark.parametrize("hd,dv", [(192, 128), (256, None)])
+def test_q_stage_1_packed_varlen_is_refused(hd, dv):
+    with pytest.raises(ValueError, match="packed varlen"):
+        dataclasses.replace(select_fwd_config(hd, headdim_v=dv), varlen_q=True, varlen_k=True)
+    with pytest.raises(ValueError, match="only \\(1, 128, 128, 1\\)"):
+        dataclasses.replace(select_fwd_config(hd, headdim_v=dv), q_stage=2)
 
 
 def test_kv_stages_are_fa4s_formula():
@@ -49,10 +85,10 @@ def test_two_cta_configs():
         itertools.product((128,), ("bf16", "fp16"), (False,), (False,), (False, True), (False, True)))
     for c in TWO_CTA:
         assert (c.q_stage, c.tile_m, c.tile_n, c.cta_tile_m) == (2, 128, 128, 512)
-        assert dataclasses.astuple(register_plan(c)) == (184, 80, 64)
+        assert dataclasses.astuple(register_plan(c)) == (184, 80, 64, 2)
         assert c.exp2_emu_frac == sm100.EXP2_EMU_FRAC_CAUSAL and not c.lpt
         assert tmem_map(c) == tmem_map(select_fwd_config(128))  # the TMEM map is per CTA, unchanged
-    assert dataclasses.astuple(default_register_plan(128, False, cta_group=2)) == (184, 80, 64)  # FA4 :380-403
+    assert dataclasses.astuple(default_register_plan(128, False, cta_group=2))[:3] == (184, 80, 64)  # FA4 :380-403
 
 
 def test_two_cta_is_opt_in():
@@ -104,7 +140,7 @@ def test_two_cta_grid_is_two_ctas_per_tile(seqlen_q, heads, batch, tiles):
 @pytest.mark.parametrize("cfg", CONFIGS, ids=IDS)
 def test_tmem_map_fits_and_only_declared_aliases_overlap(cfg):
     m = tmem_map(cfg)
-    assert set(m) == {"S0", "S1", "O0", "O1", "P0", "P1"}
+    assert set(m) == {f"{b}{i}" for b in "SOP" for i in range(cfg.q_stage)}
     assert tmem_used_cols(cfg) <= TMEM_COLUMNS == 512
     alloc = tmem_alloc_cols(cfg)
     assert alloc >= 32 and alloc & (alloc - 1) == 0 and tmem_used_cols(cfg) <= alloc <= TMEM_COLUMNS
@@ -113,6 +149,8 @@ def test_tmem_map_fits_and_only_declared_aliases_overlap(cfg):
         declared = (a, b) in TMEM_ALIASES or (b, a) in TMEM_ALIASES
         assert overlap == declared, (a, b, m)
     for inner, outer in TMEM_ALIASES:  # P_i inside S_i
+        if inner not in m:  # q_stage 1: no P1 / S1
+            continue
         (si, ni), (so, no) = m[inner], m[outer]
         assert so <= si and si + ni <= so + no
 
@@ -128,6 +166,17 @@ def test_tmem_map_equals_flash_attn_4(hd, used):
     assert tmem_alloc_cols(cfg) == 512
 
 
+@pytest.mark.parametrize("hd,dv,used", [(192, 128, 384), (256, 256, 512)])
+def test_tmem_map_q_stage_1(hd, dv, used):
+    """One Q tile: S0 at 0, P0 in its upper half, O0 at 256 (FA4 places O after two S buffers
+    whatever q_stage, flash_fwd_sm100.py tmem_o_offset): hd256 uses 512 columns, FA4's count
+    (BLACKWELL.md section 1). (192, 128) uses 384; FA4's 512 for it is its q_stage 2 map (O1 at 384),
+    not built here. Columns 128 .. 256 stay unused."""
+    cfg = select_fwd_config(hd, headdim_v=None if dv == hd else dv)
+    assert tmem_map(cfg) == {"S0": (0, 128), "O0": (256, dv), "P0": (64, 64)}
+    assert tmem_used_cols(cfg) == used and tmem_alloc_cols(cfg) == 512
+
+
 # ---------------------------------------------------------------- registers
 @pytest.mark.parametrize("cfg", CONFIGS, ids=IDS)
 def test_register_plan_is_valid(cfg):
@@ -136,9 +185,11 @@ def test_register_plan_is_valid(cfg):
         assert regs % 8 == 0 and 24 <= regs <= 256
     assert sum(plan.per_warpgroup()) <= 512  # 64K registers / 128 threads per warpgroup
     assert LAUNCH_REGS == 65536 // 512 == 128
-    # the softmax warpgroups grow (setmaxnreg.inc), the others shrink (.dec below the launch count)
+    # the softmax warpgroups grow (setmaxnreg.inc), the others shrink (.dec below the launch count);
+    # q_stage 1: the correction grows too (160, FA4's hd256 budget), softmax1's idle warpgroup shrinks
     assert RegisterPlan.is_increase(plan.softmax)
-    assert not RegisterPlan.is_increase(plan.correction) and not RegisterPlan.is_increase(plan.other)
+    assert RegisterPlan.is_increase(plan.correction) == (cfg.q_stage == 1)
+    assert not RegisterPlan.is_increase(plan.other)
     assert set(plan.by_role()) == set(sm100.WARP_ROLES)
 
 
@@ -148,8 +199,8 @@ def test_register_plan_is_valid(cfg):
     (128, False, (192, 80, 48)), (128, True, (192, 72, 56)),  # FA4 _TUNING_CONFIG (1-CTA, causal)
 ])
 def test_register_plan_equals_flash_attn_4(hd, causal, plan):
-    assert dataclasses.astuple(default_register_plan(hd, causal)) == plan
-    assert dataclasses.astuple(register_plan(select_fwd_config(hd, causal=causal))) == plan
+    assert dataclasses.astuple(default_register_plan(hd, causal))[:3] == plan
+    assert dataclasses.astuple(register_plan(select_fwd_config(hd, causal=causal))) == (*plan, 2)
 
 
 def test_register_plan_problems_are_refused():
@@ -173,6 +224,16 @@ def test_pipeline_arrive_counts():
     }
     assert not specs["o_full"].waited_empty
     assert "softmax (all threads: 128) + correction (all threads: 128) = 256" in specs["s_p_o"].describe()
+
+
+@pytest.mark.parametrize("hd,dv,kv", [(192, 128, 3), (256, None, 1)])
+def test_pipeline_arrive_counts_q_stage_1(hd, dv, kv):
+    """One Q tile: one stage of each per-Q-tile pipeline, the same arrivals per stage (the softmax
+    party is one warpgroup either way)."""
+    specs = pipeline_specs(select_fwd_config(hd, headdim_v=dv))
+    counts = {name: (s.stages, s.full_arrivals(), s.empty_arrivals()) for name, s in specs.items()}
+    assert counts == {"q": (1, 1, 1), "kv": (kv, 1, 1), "s_p_o": (1, 1, 256), "sm_stats": (1, 128, 128),
+                      "o_full": (1, 1, 128), "corr_epi": (1, 128, 1)}
 
 
 def test_two_cta_pipeline_arrive_counts():
@@ -224,10 +285,17 @@ def test_unbuilt_features_raise_at_selection(kwargs, match):
         select_fwd_config(128, "bf16", False, **kwargs)
 
 
-@pytest.mark.parametrize("hd", [32, 80, 192, 256])
+@pytest.mark.parametrize("hd", [32, 80])
 def test_unbuilt_headdims_raise(hd):
     with pytest.raises(ValueError, match=f"headdim={hd}"):
         select_fwd_config(hd)
+
+
+@pytest.mark.parametrize("hd,dv", [(192, None), (192, 192), (256, 128), (128, 64), (64, 128)])
+def test_unbuilt_headdim_pairs_raise(hd, dv):
+    """(192, 192) has no FA4 design on sm100; the other Dv != D pairs are not built."""
+    with pytest.raises(ValueError, match=f"\\(headdim, headdim_v\\)=\\({hd}, {dv or hd}\\)"):
+        select_fwd_config(hd, headdim_v=dv)
 
 
 @pytest.mark.parametrize("field,value", [
@@ -244,10 +312,13 @@ def test_a_config_with_an_unbuilt_field_cannot_exist(field, value):
 
 
 def test_backward_configs():
-    """The 1-CTA backward (tests/cpu/test_sm100_bwd_plan.py has its plan): hd64 / hd128 only; then the
-    2-CTA hd128 ones (tests/cpu/test_sm100_bwd_2cta.py)."""
-    configs = shipped_bwd_configs()
-    assert [c.cta_group for c in configs] == [1] * 24 + [2] * 4 and select_bwd_config(128).arch == 100
+    """The 1-CTA backward (tests/cpu/test_sm100_bwd_plan.py has its plan): hd64 / hd128 only; 24 configs
+    without softcap, 4 with (bf16, hd64 / hd128, full / causal); then the 2-CTA hd128 ones
+    (tests/cpu/test_sm100_bwd_2cta.py)."""
+    shipped = shipped_bwd_configs()
+    assert [c.cta_group for c in shipped] == [1] * 28 + [2] * 4 and select_bwd_config(128).arch == 100
+    assert [(c.headdim, c.causal) for c in shipped if c.softcap] == [(64, False), (64, True), (128, False), (128, True)]
+    assert select_bwd_config(128, "fp16", local=True, deterministic=True, softcap=True).softcap
     with pytest.raises(ValueError, match="sm100 backward is built for head dims"):
         select_bwd_config(96)
 
@@ -261,7 +332,7 @@ def test_registry_serves_sm100_behind_the_selftest():
     assert fam.name == "sm100" and fam.archs == (100,) and not fam.verified and fam.selftest_gated
     assert fam.config_module() is sm100
     assert 100 not in registry.supported_archs() and 90 in registry.supported_archs()
-    assert registry.gated_archs() == (100,)
+    assert registry.gated_archs() == (100, 80, 86, 89, 120)  # and the portable family's own archs
     for arch in (103, 110, 121):  # other Blackwell parts are different GPUs: refused by name
         with pytest.raises(ValueError, match=f"no kernels for sm_{arch}"):
             registry.family(arch, include_unverified=True)

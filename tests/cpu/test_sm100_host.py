@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import re
+
 import pytest
 import torch
 
@@ -72,7 +74,8 @@ def test_registry_serves_sm100_behind_the_gate():
     assert fam.name == "sm100" and not fam.verified and fam.selftest_gated and fam.usable
     assert fam.has_pass("fwd") and fam.has_pass("bwd")  # the 1-CTA backward (compile-verified, not run)
     assert 90 in registry.supported_archs() and 100 not in registry.supported_archs()
-    assert registry.gated_archs() == (100,) == selftest.GATED_ARCHS
+    assert registry.gated_archs() == (100, 80, 86, 89, 120) == selftest.GATED_ARCHS  # sm100, the portable family
+    assert registry.gate_family(100) is fam and fam.selftest_var == "FLASH4_SM100"
     assert registry.family(90).name == "sm90"
 
 
@@ -86,8 +89,8 @@ def test_blackwell_relatives_refused_by_name(arch, gpu):
 
 def test_consumer_blackwell_never_gets_sm100():
     assert registry.family(120, include_unverified=True).name == "sm80"
-    with pytest.raises(ValueError, match="FLASH4_FAMILY=portable"):  # the portable family (opt-in), never sm100
-        registry.family(120)
+    assert registry.family(120).name == "sm80"  # the portable family behind its own gate (FLASH4_PORTABLE), never sm100
+    assert registry.gate_family(120).selftest_var == "FLASH4_PORTABLE"
 
 
 # ---------------------------------------------------------------- config selection and the grid
@@ -123,6 +126,14 @@ def test_two_cta_launch_is_gated_by_its_own_selftest(sm100_device, monkeypatch, 
     _launch()
     assert asked == [two] and compiled == [two]
     assert fwd_grid(two, 1, 300, 4, 148) == (2 * 4, 1, 1)  # ceil(300 / 512) tiles x 4 heads, 2 CTAs each
+
+
+@pytest.mark.parametrize("hd,dv", [(256, None), (192, 128)])
+def test_grid_counts_cta_tiles_of_128_rows_with_one_q_tile(hd, dv):
+    cfg = sm100.select_fwd_config(hd, "bf16", True, headdim_v=dv)
+    assert cfg.q_stage == 1 and cfg.cta_tile_m == 128
+    assert fwd_num_tiles(cfg, 2, 300, 4) == 2 * 4 * 3  # ceil(300 / 128) m_blocks
+    assert fwd_grid(cfg, 2, 257, 4, 132) == (24, 1, 1)
 
 
 def test_grid_counts_cta_tiles_of_256_rows():
@@ -174,11 +185,11 @@ def test_what_sm100_lacks_is_refused_before_the_selftest(sm100_device, monkeypat
     asked = verdicts(monkeypatch, ok=True)
     q, k, _ = qkv()
     v = torch.randn(1, 300, 4, 64).to(BF16)
-    what = "headdim_v=64 != headdim=128 is not implemented by the sm100 forward"
+    what = "(headdim, headdim_v)=(128, 64) is not implemented by the sm100 forward"
     text = validate.support_error(q, k, v)
     assert text is not None and what in text and "sm_100" in text
     assert asked == []
-    with pytest.raises(ValueError, match=what):
+    with pytest.raises(ValueError, match=re.escape(what)):
         flash4.flash_attn_func(q, k, v)
 
 
@@ -202,10 +213,33 @@ def test_exactly_causal_window_is_causal(sm100_device, monkeypatch):
 
 
 def test_headdim_without_sm100_kernel(sm100_device, monkeypatch):
-    verdicts(monkeypatch, ok=True)
-    q, k, v = qkv(d=256)
+    """(192, 192) has no sm100 kernel (no FA4 design): refused by name, without a self-test."""
+    asked = verdicts(monkeypatch, ok=True)
+    q, k, v = qkv(d=192)
     text = validate.support_error(q, k, v)
-    assert "headdim=256 not supported by the sm100 forward" in text and "cpu" in text
+    assert "(headdim, headdim_v)=(192, 192) is not implemented by the sm100 forward" in text and "cpu" in text
+    assert asked == []
+
+
+def test_q_stage_1_headdims_are_served_behind_the_selftest(sm100_device, monkeypatch):
+    """hd256 and (192, 128) (one Q tile per CTA) pass the API door on sm100 and go to the self-test,
+    dense, causal or not, with window / softcap / sink; packed sequences are refused by name first."""
+    asked = verdicts(monkeypatch, ok=True)
+    q, k, v = qkv(d=256)
+    assert validate.support_error(q, k, v) is None
+    assert validate.support_error(q, k, v, causal=True) is None
+    q, k, _ = qkv(d=192)
+    v = torch.randn(1, 300, 4, 128).to(BF16)
+    assert validate.support_error(q, k, v) is None
+    assert asked == [sm100.select_fwd_config(256), sm100.select_fwd_config(256, causal=True),
+                     sm100.select_fwd_config(192, headdim_v=128)]
+    assert [c.q_stage for c in asked] == [1, 1, 1]
+    assert validate.support_error(q, k, v, causal=True, softcap=5.0) is None
+    assert asked[-1] == sm100.select_fwd_config(192, "bf16", True, softcap=True, headdim_v=128)
+    cu = torch.tensor([0, 300], dtype=torch.int32)
+    text = validate.varlen_support_error(q[0], k[0], v[0], cu, cu, 300, 300)
+    assert text is not None and "packed varlen" in text
+    assert len(asked) == 4
 
 
 def test_varlen_door_and_the_refused_layouts(sm100_device, monkeypatch):
@@ -256,6 +290,20 @@ def test_training_asks_both_selftests(sm100_device, monkeypatch):
     assert validate.support_error(q, k, v, window_size=(45, 7)) is None
     assert asked[5:] == [sm100.select_fwd_config(128, "bf16", False, local=True),
                          sm100.select_bwd_config(128, "bf16", False, local=True)]
+    assert validate.support_error(q, k, v, causal=True, softcap=5.0) is None  # softcap: the softcap backward
+    assert asked[7:] == [sm100.select_fwd_config(128, "bf16", True, softcap=True),
+                         sm100.select_bwd_config(128, "bf16", True, softcap=True)]
+    assert asked[8].softcap
+
+
+def test_the_softcap_backward_selftest_runs_with_softcap():
+    """The self-test of a softcap backward config can drive it (its repr parses back) and feeds every
+    case a softcap (selftest._SOFTCAP) through flash_attn_func's autograd (bwd_runner)."""
+    cfg = sm100.select_bwd_config(128, "bf16", True, softcap=True)
+    assert selftest.untestable_reason(cfg) is None and selftest.config_pass(cfg) == "bwd"
+    for case in selftest.cases_for(cfg)[:2]:
+        inputs = selftest.make_inputs(cfg, case, torch.device("cpu"))
+        assert inputs["softcap"] == selftest._SOFTCAP > 0 and inputs["causal"]
 
 
 def test_training_with_the_2cta_switch_asks_the_2cta_backward(sm100_device, monkeypatch):
@@ -285,19 +333,18 @@ def test_training_a_backward_failure_is_refused(sm100_device, monkeypatch):
 
 
 def test_training_what_the_backward_lacks_is_refused_at_the_door(sm100_device, monkeypatch):
-    """What the sm100 backward does not build (softcap, hd96, packed varlen) is refused by name
-    before any launch when an input requires grad; without grad the forward serves it."""
+    """What the sm100 backward does not build (hd96, packed varlen) is refused by name before any
+    launch when an input requires grad; without grad the forward serves it."""
     asked = verdicts(monkeypatch, ok=True)
     q, k, v = qkv(requires_grad=True)
-    for kwargs, what in ((dict(softcap=5.0), "softcap"),):
-        text = validate.support_error(q, k, v, **kwargs)
-        assert "no backward for this call on sm_100" in text and what in text and "torch.no_grad()" in text
-        with pytest.raises(NotImplementedError, match=what):
-            flash4.flash_attn_func(q, k, v, **kwargs)
-        with torch.no_grad():
-            assert validate.support_error(q, k, v, **kwargs) is None
     q96, k96, v96 = qkv(d=96, requires_grad=True)
-    assert "head dims (64, 128) only" in validate.support_error(q96, k96, v96)
+    text = validate.support_error(q96, k96, v96)
+    assert "no backward for this call on sm_100" in text and "head dims (64, 128) only" in text
+    assert "torch.no_grad()" in text
+    with pytest.raises(NotImplementedError, match="head dims"):
+        flash4.flash_attn_func(q96, k96, v96)
+    with torch.no_grad():
+        assert validate.support_error(q96, k96, v96) is None
     cu = torch.tensor([0, 100, 300], dtype=torch.int32)
     text = validate.varlen_support_error(q[0], k[0], v[0], cu, cu, 200, 200)
     assert "dense batches only (no varlen layout yet)" in text
@@ -356,8 +403,10 @@ def test_backward_plan_on_sm100():
     plan = flash4.config.bwd_config(Request.dense(q, k, v, causal=True), 100)
     assert plan.cfg == sm100.select_bwd_config(128, "bf16", True) and plan.heads_per_cta == 2
     assert flash4.config.bwd_config(Request.dense(q, k, v, deterministic=True), 100).cfg.deterministic
-    with pytest.raises(ValueError, match="softcap"):
-        flash4.config.bwd_config(Request.dense(q, k, v, softcap=5.0), 100)
+    assert flash4.config.bwd_config(Request.dense(q, k, v, softcap=5.0), 100).cfg == sm100.select_bwd_config(
+        128, "bf16", softcap=True)
+    with pytest.raises(ValueError, match="V head dim"):
+        flash4.config.bwd_config(Request.dense(q, k, v[..., :64]), 100)
 
 
 def test_backward_launch_requires_the_selftest(sm100_device, monkeypatch):

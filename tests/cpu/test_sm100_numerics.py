@@ -42,9 +42,9 @@ def _gen(seed):
     return torch.Generator().manual_seed(seed)
 
 
-def random_case(b, sq, sk, h, hk, d, dtype=torch.bfloat16, seed=0, magnitude=1.0):
+def random_case(b, sq, sk, h, hk, d, dtype=torch.bfloat16, seed=0, magnitude=1.0, dv=None):
     g = _gen(seed)
-    q, k, v = (torch.randn(s, generator=g) for s in ((b, sq, h, d), (b, sk, hk, d), (b, sk, hk, d)))
+    q, k, v = (torch.randn(s, generator=g) for s in ((b, sq, h, d), (b, sk, hk, d), (b, sk, hk, dv or d)))
     return (q * magnitude).to(dtype), (k * magnitude).to(dtype), v.to(dtype)
 
 
@@ -101,6 +101,33 @@ SHAPES = [  # (b, sq, sk, h, hk)
 def test_random(shape, d, causal):
     b, sq, sk, h, hk = shape
     check(*random_case(b, sq, sk, h, hk, d, seed=sq + d), causal)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d,dv", [(192, 128), (256, 256)], ids=["d192v128", "d256"])
+@pytest.mark.parametrize("shape", SHAPES[1:], ids=lambda s: "x".join(map(str, s)))
+def test_random_q_stage_1_headdims(shape, d, dv, causal):
+    """The head dims the kernel runs with one Q tile per CTA: the model is per query row, so q_stage
+    does not enter; the longer QK^T (12 / 16 UMMA k-steps) and Dv != D do."""
+    b, sq, sk, h, hk = shape
+    check(*random_case(b, sq, sk, h, hk, d, seed=sq + d, dv=dv), causal)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d,dv", [(192, 128), (256, 256)], ids=["d192v128", "d256"])
+def test_random_fp16_q_stage_1_headdims(d, dv, causal):
+    check(*random_case(1, 257, 513, 2, 1, d, dtype=torch.float16, seed=5, dv=dv), causal)
+
+
+@pytest.mark.parametrize("d,dv", [(192, 128), (256, 256)], ids=["d192v128", "d256"])
+def test_stale_max_and_huge_magnitudes_q_stage_1_headdims(d, dv):
+    """Adversarial inputs at these head dims: a max rising by less than tau per block (stale
+    reference used), and scores of magnitude ~1e4 (the exact reference's range)."""
+    q, k, v = biased_case(_ramp(700).flip(0), 150, d, seed=7)
+    v = v[..., :dv].contiguous()
+    _, stats = check(q, k, v, False)
+    assert stats["stale_blocks"] > 0 and stats["max_stale_log2"] > 4, stats
+    check(*random_case(1, 130, 300, 2, 2, d, seed=9, magnitude=30.0, dv=dv), True)
 
 
 @pytest.mark.parametrize("causal", [False, True])

@@ -21,6 +21,7 @@ init handshake (pipeline_init_arrive / wait), the TMEM dealloc handshake, remote
 beyond reordering.
 """
 
+import dataclasses
 import random
 
 import pytest
@@ -328,10 +329,13 @@ def run(cfg, tiles, seed, correction_role=None, count_group=None):
 TILE_SETS = [[1], [2], [5], [3, 0, 4], [0, 0, 2], [1, 1, 1, 1], [7, 2, 0, 1, 6]]
 
 
-@pytest.mark.parametrize("hd", [64, 128])
+@pytest.mark.parametrize("hd,dv", [(64, None), (128, None), (192, 128), (256, None)],
+                         ids=["d64", "d128", "d192v128-q_stage1-kv3", "d256-q_stage1-kv1"])
 @pytest.mark.parametrize("tiles", TILE_SETS, ids=[str(t) for t in TILE_SETS])
-def test_protocol_terminates_without_lapping(hd, tiles):
-    cfg = select_fwd_config(hd)
+def test_protocol_terminates_without_lapping(hd, dv, tiles):
+    """q_stage 2 (hd64: 10 K/V stages, hd128: 3) and q_stage 1 ((192, 128): 3 stages, hd256: a
+    single K/V stage, so every K and V block waits for the previous one's release)."""
+    cfg = select_fwd_config(hd, headdim_v=dv)
     for seed in range(40):
         model = run(cfg, tiles, seed)
     check_counts(cfg, model, tiles)
@@ -369,6 +373,18 @@ def test_the_model_finds_a_missing_release():
 
     with pytest.raises(AssertionError, match="deadlock"):
         run(select_fwd_config(128), [2], seed=0, correction_role=broken)
+
+
+def test_two_q_tiles_need_two_kv_stages():
+    """Why (192, 128) runs one Q tile (plan.q_stage_for): with two Q tiles and a single K/V stage the
+    MMA warp waits for K[j] after PV_0(j - 1) while V[j - 1] is still needed by PV_1: it deadlocks
+    as soon as a tile has two key blocks. One Q tile releases V before it waits for K (hd256)."""
+    one_stage = dataclasses.replace(select_fwd_config(128), kv_stages=1)
+    run(one_stage, [1], seed=0)
+    with pytest.raises(AssertionError, match="deadlock"):
+        run(one_stage, [2], seed=0)
+    assert select_fwd_config(256).kv_stages == 1
+    run(select_fwd_config(256), [2], seed=0)
 
 
 def test_the_model_finds_an_extra_release():

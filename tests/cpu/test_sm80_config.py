@@ -129,11 +129,10 @@ def test_bwd_options():
 
 
 def test_registry_dispatch():
-    for arch in NATIVE_ARCHS:  # opt-in until the family's GPU suite is green (FLASH4_FAMILY=portable)
-        with pytest.raises(ValueError, match="FLASH4_FAMILY=portable"):
-            registry.family(arch)
-        fam = registry.family(arch, include_unverified=True)
-        assert fam.name == "sm80" and fam.config_module() is sm80
+    for arch in NATIVE_ARCHS:  # served behind the first-use self-test (FLASH4_PORTABLE; test_sm80_gate.py)
+        fam = registry.family(arch)
+        assert fam.name == "sm80" and fam.config_module() is sm80 and not fam.verified and fam.selftest_gated
+        assert registry.family(arch, include_unverified=True) is fam and registry.gate_family(arch) is fam
         assert registry.family(arch, prefer="portable") is fam
     assert registry.family(90).name == "sm90"  # Hopper's own family by default
     assert registry.family(90, prefer="sm80").name == "sm80"  # the portable one on request (testing)
@@ -178,7 +177,7 @@ def test_env_override(monkeypatch):
 def test_config_dispatch_through_flash4_config(monkeypatch):
     from flash4 import config
 
-    monkeypatch.setenv("FLASH4_FAMILY", "portable")  # the family is opt-in on its own archs for now
+    monkeypatch.delenv("FLASH4_FAMILY", raising=False)  # the family is the default on its own archs
     # sm_80 / 86 / 89 / 120 select the portable family through flash4.config's dispatch
     assert config.select_fwd_config(128, "bf16", False, arch=89) == select_fwd_config(128, arch=89)
     assert config.select_bwd_config(128, "bf16", True, arch=120) == select_bwd_config(128, causal=True, arch=120)
@@ -194,7 +193,7 @@ def test_host_plans_on_portable_archs(monkeypatch):
     from flash4.config import bwd_config, fwd_config
     from flash4.request import DECODE, Request, SeqSpec
 
-    monkeypatch.setenv("FLASH4_FAMILY", "portable")  # the family is opt-in on its own archs for now
+    monkeypatch.delenv("FLASH4_FAMILY", raising=False)  # the family is the default on its own archs
 
     q = torch.zeros(2, 100, 8, 128, dtype=torch.bfloat16)
     k = torch.zeros(2, 300, 2, 128, dtype=torch.bfloat16)
@@ -216,7 +215,6 @@ def test_host_plans_on_portable_archs(monkeypatch):
                                    page_table=torch.zeros(2, 3, dtype=torch.int32)))
     with pytest.raises(ValueError, match=re.escape(sm80.UNSUPPORTED_PREFIX)):
         fwd_config(paged, 89, 84)
-    monkeypatch.delenv("FLASH4_FAMILY")
     assert not isinstance(fwd_config(dense, 90).cfg, Sm80FwdConfig)  # Hopper's own family by default
 
 

@@ -9,7 +9,9 @@ H200 with `FLASH4_FAMILY=portable pytest tests/gpu ...`, the suite runs on it. A
 feature the family lacks skips instead of failing: its error carries
 flash4.config.sm80.UNSUPPORTED_PREFIX (paged K/V, split-KV, headdim_v != headdim;
 pytest_runtest_makereport below), and the modules of PORTABLE_SKIP test the sm90 family's own
-machinery.
+machinery. On its own GPUs the family is served behind the first-use self-test (FLASH4_PORTABLE,
+flash4.selftest): packed varlen / seqused / KV-cache configs are untestable for that self-test and
+refused, so run the suite there with FLASH4_PORTABLE=on (forced on the H200 nothing is gated).
 """
 
 import os

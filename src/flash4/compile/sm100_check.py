@@ -46,7 +46,7 @@ def tmem_alloc_operands(ptx: str) -> list[int]:
 # Backward SASS opcode columns: (header, row key); the keys resource_usage lacks are bwd_sass_counts'.
 BWD_OPCODES = (("UTCHMMA", "utchmma"), ("UTCHMMA.2CTA", "utchmma_2cta"), ("UTCBAR", "utcbar"), ("LDTM", "ldtm"),
                ("STTM", "sttm"), ("UTMALDG", "utmaldg"), ("UBLKRED", "ublkred"), ("UBLKCP", "ublkcp"),
-               ("MUFU.EX2", "mufu_ex2"), ("LDG/REDG.STRONG", "strong_sem"))
+               ("MUFU.EX2", "mufu_ex2"), ("MUFU.TANH", "mufu_tanh"), ("LDG/REDG.STRONG", "strong_sem"))
 PASSES = ("fwd", "bwd")
 
 
@@ -54,7 +54,7 @@ def configs(headdims=None, dtypes=None, causals=None, features: bool = False, pa
     """The shipped sm100 configs of `passes`, filtered by head dim, dtype and causal: the forward's
     (flash4.config.sm100.shipped_fwd_configs; with features also the window / softcap / sink
     variants), then the backward's (shipped_bwd_configs: full, causal, deterministic or not; with
-    features also the sliding-window ones, whose config has causal False)."""
+    features also the sliding-window ones, whose config has causal False, and the softcap ones)."""
     from flash4.config import sm100
 
     def keep(c):
@@ -65,7 +65,7 @@ def configs(headdims=None, dtypes=None, causals=None, features: bool = False, pa
     if "fwd" in passes:
         out += [c for c in sm100.shipped_fwd_configs(features=features) if keep(c)]
     if "bwd" in passes:
-        out += [c for c in sm100.shipped_bwd_configs() if keep(c) and (features or not c.local)]
+        out += [c for c in sm100.shipped_bwd_configs() if keep(c) and (features or not (c.local or c.softcap))]
     return out
 
 
@@ -79,7 +79,8 @@ def name(cfg) -> str:
     if is_bwd(cfg):
         mask = "window" if cfg.local else "causal" if cfg.causal else "full"
         return (f"bwd_sm100 d{cfg.headdim} {cfg.dtype} {mask} {cfg.tile_m}x{cfg.tile_n} {cfg.cta_group}cta "
-                f"q{cfg.q_stages}do{cfg.do_stages}{' det' if cfg.deterministic else ''}")
+                f"q{cfg.q_stages}do{cfg.do_stages}{' det' if cfg.deterministic else ''}"
+                f"{' softcap' if cfg.softcap else ''}")
     flags = "".join(f" {f}" for f in ("local", "softcap", "sink") if getattr(cfg, f))
     return (f"fwd_sm100 d{cfg.headdim} {cfg.dtype} {'causal' if cfg.causal else 'full'} "
             f"{cfg.q_stage}x{cfg.tile_m}x{cfg.tile_n} {cfg.cta_group}cta {cfg.kv_stages}st emu{cfg.exp2_emu_frac:g}{flags}")
@@ -107,7 +108,7 @@ def _plan_row(cfg) -> tuple[dict, list]:
     plan = sm100.register_plan(cfg)
     row = {"regs_softmax": plan.softmax, "regs_correction": plan.correction, "regs_other": plan.other,
            "tmem_used": sm100.tmem_used_cols(cfg), "tmem_alloc": sm100.tmem_alloc_cols(cfg)}
-    return row, sorted([("inc", plan.softmax), ("dec", plan.correction), ("dec", plan.other)])
+    return row, plan.setmaxnreg_sites()
 
 
 def check_one(cfg) -> dict:
@@ -205,7 +206,8 @@ def main(cfgs: list, json_path=None) -> int:
     n_bwd = sum(is_bwd(c) for c in cfgs)
     print(f"compile check, sm_100a: {len(cfgs) - n_bwd} forward config(s), {n_bwd} backward config(s), {LABEL}")
     if not cfgs:
-        print("no sm100 config matches the filters (forward head dims 64, 96, 128; backward 64, 128; bf16, fp16)")
+        print("no sm100 config matches the filters (forward head dims 64, 96, 128, 192 (Dv 128), 256; backward 64, 128; "
+              "bf16, fp16)")
         return 1
     rows = []
     bar = progress(len(cfgs), "compile", "cfg")

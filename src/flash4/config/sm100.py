@@ -31,25 +31,31 @@ from flash4.kernels.sm100.bwd_plan import (  # noqa: F401  (the backward's plan)
     BWD_Q_STAGES_2CTA, SM100_BWD_2CTA_HEADDIMS, default_bwd_register_plan_2cta,
 )
 from flash4.kernels.sm100.plan import (  # noqa: F401  (the plan, re-exported for the config's users)
-    ARCH, EXP2_EMU_FRAC, EXP2_EMU_FRAC_CAUSAL, EXP2_EMU_GROUP, exp2_emu_frac_for, LAUNCH_REGS, MAX_KV_STAGES, NUM_THREADS, NUM_WARPS, Party, PipelineSpec,
+    ARCH, EXP2_EMU_FRAC, EXP2_EMU_FRAC_CAUSAL, EXP2_EMU_GROUP, exp2_emu_frac_for, IDLE_REGS, LAUNCH_REGS, MAX_KV_STAGES, NUM_THREADS, NUM_WARPS, Party, PipelineSpec,
     ROLE_WARPS, RegisterPlan, SMEM_KV_BUDGET, Signal, TMEM_ALIASES, TMEM_COLUMNS,
     WARPGROUPS, WARP_ROLES, WARP_SIZE, default_register_plan, fwd_smem_bytes, kv_stages_for,
-    pipeline_specs, register_plan, register_plan_problem, tma_tx_bytes, tmem_alloc_cols, tmem_map, tmem_used_cols,
+    pipeline_specs, q_stage_for, register_plan, register_plan_problem, tma_tx_bytes, tmem_alloc_cols, tmem_map,
+    tmem_used_cols,
 )
 
-# Head dims the sm100 forward has (FA4's 1-CTA forward runs these with q_stage 2; 192/256 need
-# q_stage 1 or 2-CTA, BLACKWELL.md R5: not built yet).
-SM100_FWD_HEADDIMS = (64, 96, 128)
+# Head dims the sm100 forward has: (D, Dv) pairs. 64 / 96 / 128 with q_stage 2 (FA4's 1-CTA forward);
+# (192, 128) (DeepSeek MLA prefill) and 256 with q_stage 1, 1-CTA only (FA4 runs both 2-CTA;
+# plan.q_stage_for). (192, 192) has no FA4 design on sm100 (BLACKWELL.md R5). Compile-verified, not
+# run on hardware.
+SM100_FWD_HDIM_PAIRS = ((64, 64), (96, 96), (128, 128), (192, 128), (256, 256))
+SM100_FWD_HEADDIMS = tuple(d for d, _ in SM100_FWD_HDIM_PAIRS)  # Q/K head dims: 64, 96, 128, 192, 256
 
 @dataclasses.dataclass(frozen=True)
 class Sm100FwdConfig:
     """One compiled sm100 forward kernel (the compile-cache key).
 
-    headdim:       D of Q/K/V (64, 96, 128).
+    headdim:       D of Q/K (64, 96, 128, 192, 256; with headdim_v: SM100_FWD_HDIM_PAIRS).
     dtype:         "bf16" or "fp16" (Q, K, V, O, and P in TMEM).
     causal:        bottom-right aligned causal mask; only the key blocks that cross the diagonal
                    (and the seqlen_k edge) are masked; LPT tile order.
-    q_stage:       Q tiles per CTA (2: softmax warpgroups 0 and 1 each own one 128-row tile).
+    q_stage:       Q tiles per CTA (2: softmax warpgroups 0 and 1 each own one 128-row tile; 1 for
+                   (192, 128) and hd256: softmax0 owns the one tile, softmax1's warpgroup idles;
+                   plan.q_stage_for).
     kv_stages:     depth of the K/V TMA ring (K and V blocks take alternate stages).
     tile_m:        query rows per Q tile and CTA = TMEM lanes (128); a tile covers q_stage * tile_m *
                    cta_group rows (cta_tile_m): the host's grid counts tiles of cta_tile_m rows.
@@ -72,7 +78,8 @@ class Sm100FwdConfig:
     packed sequences (varlen_q, varlen_k, seqused_q: flash4.kernels.common.seqinfo; O stored row by
     row below seqlen_q) and none of the others yet; a config with any of them set cannot be built
     (ValueError in __post_init__): seqused_k (needs the V-row zeroing of issue 25), page_rows,
-    split_kv, headdim_v, pack_gqa.
+    split_kv, pack_gqa; headdim_v other than None or 128 with headdim 192.
+    headdim_v:     Dv of V and O when it differs from headdim ((192, 128) only), else None.
     (GQA / MQA runs without packing: each query head reads K/V head head // (H / Hk).)
     """
 
@@ -116,7 +123,7 @@ class Sm100FwdConfig:
 
     @property
     def hdim_v(self) -> int:
-        """Dv: the head dim of V and O (= headdim: Dv != D is not built)."""
+        """Dv: the head dim of V and O (headdim_v, or headdim)."""
         return self.headdim if self.headdim_v is None else self.headdim_v
 
     @property
@@ -138,7 +145,7 @@ class Sm100FwdConfig:
 
 # Feature flags a config may carry and the sm100 kernel does not implement (field -> its "off" value).
 _UNBUILT_FLAGS = {
-    "seqused_k": False, "page_rows": 0, "split_kv": False, "headdim_v": None, "pack_gqa": 1,
+    "seqused_k": False, "page_rows": 0, "split_kv": False, "pack_gqa": 1,
 }
 
 
@@ -146,19 +153,25 @@ def config_problem(cfg: Sm100FwdConfig) -> str | None:
     """Why `cfg` cannot be built by the sm100 forward, or None."""
     if cfg.arch != ARCH:
         return f"arch={cfg.arch}; the sm100 family is sm_100a only (sm_103/110/120 are different GPUs)"
-    if cfg.headdim not in SM100_FWD_HEADDIMS:
-        return f"headdim={cfg.headdim} not built on sm100; built: {SM100_FWD_HEADDIMS}"
+    if cfg.headdim_v is not None and cfg.headdim_v == cfg.headdim:
+        return "headdim_v must be None (canonical) when it equals headdim"
+    if (cfg.headdim, cfg.hdim_v) not in SM100_FWD_HDIM_PAIRS:
+        return (f"(headdim, headdim_v)=({cfg.headdim}, {cfg.hdim_v}) not built on sm100; built: "
+                f"{', '.join(f'({d}, {dv})' for d, dv in SM100_FWD_HDIM_PAIRS)}")
     if cfg.dtype not in DTYPES:
         return f"dtype={cfg.dtype!r}; allowed: {DTYPES}"
-    on = [f for f, off in _UNBUILT_FLAGS.items() if getattr(cfg, f) != off and not
-          (f == "headdim_v" and cfg.headdim_v == cfg.headdim)]
+    on = [f for f, off in _UNBUILT_FLAGS.items() if getattr(cfg, f) != off]
     if on:
         return f"{', '.join(on)} not implemented by the sm100 forward yet"
-    if cfg.headdim_v is not None:
-        return "headdim_v must be None (canonical) when it equals headdim"
-    if (cfg.q_stage, cfg.tile_m, cfg.tile_n) != (2, 128, 128) or cfg.cta_group not in (1, 2):
+    q_stage = q_stage_for(cfg.headdim, cfg.hdim_v)
+    if (cfg.q_stage, cfg.tile_m, cfg.tile_n) != (q_stage, 128, 128) or cfg.cta_group not in (1, 2):
         return (f"(q_stage, tile_m, tile_n, cta_group)=({cfg.q_stage}, {cfg.tile_m}, {cfg.tile_n}, {cfg.cta_group}); "
-                "only (2, 128, 128, 1 or 2) is built (two 128-row Q tiles per CTA, 128-key blocks)")
+                f"only ({q_stage}, 128, 128, 1{' or 2' if q_stage == 2 else ''}) is built for head dims "
+                f"({cfg.headdim}, {cfg.hdim_v}) ({q_stage} 128-row Q tile(s) per CTA, 128-key blocks)")
+    if q_stage == 1:
+        problem = q_stage_1_problem(cfg.headdim, cfg.hdim_v, cfg.varlen_q or cfg.varlen_k or cfg.seqused_q)
+        if problem is not None:
+            return problem
     if cfg.cta_group == 2:
         problem = two_cta_problem(cfg.headdim, cfg.causal, cfg.local, cfg.varlen_q or cfg.varlen_k or cfg.seqused_q)
         if problem is not None:
@@ -174,9 +187,19 @@ def config_problem(cfg: Sm100FwdConfig) -> str | None:
                 "LPT (lpt == causal and not local: a window's tiles have about equal work)")
     if not 1 <= cfg.kv_stages <= MAX_KV_STAGES or cfg.smem_bytes() > SMEM_KV_BUDGET:
         return f"kv_stages={cfg.kv_stages}: {cfg.smem_bytes()} bytes of smem > {SMEM_KV_BUDGET}"
-    plan_problem = register_plan_problem(RegisterPlan(cfg.regs_softmax, cfg.regs_correction, cfg.regs_other))
+    plan_problem = register_plan_problem(register_plan(cfg))
     if plan_problem is not None:
         return plan_problem
+    return None
+
+
+def q_stage_1_problem(headdim: int, hdim_v: int, packed: bool = False) -> str | None:
+    """Why a (192, 128) / hd256 (q_stage 1) forward is not built for this problem class, or None:
+    dense batches only (packed varlen at hd256 spilled 5 LDL/STL in its row-by-row O store, and the
+    self-test drives dense batches only)."""
+    if packed:
+        return (f"the sm100 forward for head dims ({headdim}, {hdim_v}) (q_stage 1) has no packed varlen "
+                "sequences yet (dense batches)")
     return None
 
 
@@ -206,41 +229,53 @@ def select_fwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, a
     flash4.config.sm90.select_fwd_config; seqlen_k is accepted and ignored (no short-sequence
     policy on sm100 yet). two_cta: take the 2-CTA variant where it is built (two_cta_problem is
     None; otherwise the 1-CTA config); the host passes env.sm100_2cta() (default off). Raises
-    ValueError for what the sm100 kernel does not build: another arch, a head dim outside
-    SM100_FWD_HEADDIMS, Dv != D."""
+    ValueError for what the sm100 kernel does not build: another arch, a pair (headdim, headdim_v)
+    outside SM100_FWD_HDIM_PAIRS."""
     if arch != ARCH:
         raise ValueError(f"flash4.config.sm100 builds sm_100a kernels only, got arch={arch}")
+    dv = headdim if headdim_v is None else headdim_v
     if headdim not in SUPPORTED_HEADDIMS or headdim not in SM100_FWD_HEADDIMS:
         raise ValueError(f"headdim={headdim} not supported by the sm100 forward yet; built: {SM100_FWD_HEADDIMS}")
-    if headdim_v is not None and headdim_v != headdim:
-        detail = "" if (headdim, headdim_v) in HDIMV_PAIRS else " (nor on sm90)"
-        raise ValueError(f"headdim_v={headdim_v} != headdim={headdim} is not implemented by the sm100 forward{detail}")
+    if (headdim, dv) not in SM100_FWD_HDIM_PAIRS:
+        detail = "" if (headdim, dv) in HDIMV_PAIRS or dv == headdim else " (nor on sm90)"
+        built = ", ".join(f"({d}, {v})" for d, v in SM100_FWD_HDIM_PAIRS)
+        raise ValueError(f"(headdim, headdim_v)=({headdim}, {dv}) is not implemented by the sm100 forward{detail}; "
+                         f"built: {built}")
+    q_stage = q_stage_for(headdim, dv)
     cta_group = 2 if two_cta and two_cta_problem(headdim, causal, local) is None else 1
-    plan = default_register_plan(headdim, causal, cta_group)
+    plan = default_register_plan(headdim, causal, cta_group, dv)
     return Sm100FwdConfig(
-        headdim=headdim, dtype=dtype, causal=causal, kv_stages=kv_stages_for(headdim, headdim, cta_group=cta_group),
+        headdim=headdim, dtype=dtype, causal=causal, q_stage=q_stage,
+        kv_stages=kv_stages_for(headdim, dv, q_stage, cta_group=cta_group),
         cta_group=cta_group, regs_softmax=plan.softmax, regs_correction=plan.correction, regs_other=plan.other,
-        exp2_emu_frac=exp2_emu_frac_for(causal, local, cta_group), lpt=causal and not local, softcap=softcap, sink=sink, local=local)
+        exp2_emu_frac=exp2_emu_frac_for(causal, local, cta_group), lpt=causal and not local, softcap=softcap, sink=sink,
+        local=local, headdim_v=None if dv == headdim else dv)
 
 
 def shipped_fwd_configs(features: bool = True) -> list:
     """Every sm100 forward config the API can select: hd64/96/128 x bf16/fp16 x causal/not, 1-CTA,
     each without and (features) with every combination of a sliding window (local), softcap and a
     learnable sink (96 configs); then the 2-CTA configs (FLASH4_SM100_2CTA=1): hd128 non-causal x
-    bf16/fp16, without and (features) with softcap / sink (2, or 8 with features)."""
+    bf16/fp16, without and (features) with softcap / sink (2, or 8 with features); then the q_stage 1
+    head dims (192, 128) and 256 x bf16/fp16 x causal/not, without and (features) with every
+    combination of window / softcap / sink (8, or 64 with features)."""
     flags = list(itertools.product((False, True), repeat=3)) if features else [(False, False, False)]
+    q2_pairs = [(d, dv) for d, dv in SM100_FWD_HDIM_PAIRS if q_stage_for(d, dv) == 2]
     one_cta = [select_fwd_config(d, dt, c, local=lo, softcap=sc, sink=sk) for lo, sc, sk in flags
-               for d in SM100_FWD_HEADDIMS for dt in DTYPES for c in (False, True)]
+               for d, _ in q2_pairs for dt in DTYPES for c in (False, True)]
     two_cta = [select_fwd_config(d, dt, False, softcap=sc, sink=sk, two_cta=True) for lo, sc, sk in flags if not lo
                for d in TWO_CTA_HEADDIMS for dt in DTYPES]
-    return one_cta + two_cta
+    q_stage_1 = [select_fwd_config(d, dt, c, local=lo, softcap=sc, sink=sk, headdim_v=None if dv == d else dv)
+                 for lo, sc, sk in flags for d, dv in SM100_FWD_HDIM_PAIRS if q_stage_for(d, dv) == 1
+                 for dt in DTYPES for c in (False, True)]
+    return one_cta + two_cta + q_stage_1
 
 
 # ---------------------------------------------------------------- the host's questions (flash4.config.fwd_config / bwd_config)
 def fwd_plan(request, arch: int = ARCH, num_sms: int | None = None) -> FwdPlan:
     """The forward plan of a flash4.request.Request on sm100: dense batches, and packed sequences
     (VARLEN: cu_seqlens_q / cu_seqlens_k, optionally seqused_q) (select_fwd_config's checks apply:
-    head dims, no Dv != D yet). Raises ValueError for paged K/V, seqused_k and decode requests."""
+    head dims (SM100_FWD_HDIM_PAIRS), the q_stage 1 head dims dense only). Raises ValueError for paged K/V, seqused_k and decode requests."""
     q, seq, mask, score = request.q, request.seq, request.mask, request.score
     if seq.paged or seq.decode:
         raise ValueError(f"the sm100 forward has no {seq.layout} layout yet (dense and packed varlen batches only)")
@@ -251,8 +286,23 @@ def fwd_plan(request, arch: int = ARCH, num_sms: int | None = None) -> FwdPlan:
                             score.sink is not None, None if headdim_v == headdim else headdim_v,
                             None if seq.packed else request.k.shape[1], two_cta=env.sm100_2cta() and not seq.packed)
     if seq.packed:
+        if cfg.q_stage == 1:
+            raise ValueError(q_stage_1_problem(cfg.headdim, cfg.hdim_v, packed=True))
         cfg = with_seq_layout(cfg, varlen_q=True, varlen_k=True, seqused_q=seq.seqused_q is not None)
     return FwdPlan(cfg)
+
+
+# What flash4's API door serves of this family behind the first-use self-test
+# (flash4.validate._gated_problem; the rest is refused by name before any self-test): the door
+# layouts of the forward (fwd_plan) and of the backward, and whether the forward takes seqused_k
+# and paged K/V.
+GATE_DOOR = {"fwd_layouts": ("dense", "varlen"), "bwd_layouts": ("dense",), "seqused_k": False, "paged": False}
+
+
+def gate_fwd_options(layout: str) -> dict:
+    """select_fwd_config's extra arguments at the door for a `layout` batch: the 2-CTA switch as
+    fwd_plan asks it (FLASH4_SM100_2CTA, dense batches only)."""
+    return {"two_cta": True} if layout == "dense" and env.sm100_2cta() else {}
 
 
 # ================================================================ the backward (1-CTA)
@@ -279,9 +329,12 @@ class Sm100BwdConfig:
                  reduce warps wait until the block's semaphore reads their turn, add, wait for the
                  adds to land, release the next): bitwise-reproducible dQ; dK, dV are deterministic
                  anyway (no head split).
+    softcap:     scores softcap * tanh(S * scale / softcap) (runtime cap): the compute warps take
+                 tanh (flash4.kernels.common.score.apply, MUFU.TANH) before the exp2, and multiply dS
+                 by score.grad_factor (1 - t^2, t recovered from P and the LSE), as the sm90 backward.
     The remaining fields mirror flash4.config.BwdConfig so the host passes the same keys; none of
     them is built on sm100 yet and a config with one set cannot be made (ValueError in __post_init__):
-    varlen_q / varlen_k / seqused_q / seqused_k, softcap, headdim_v (Dv != D), dkv_accum (GQA head split: GQA runs with one CTA per KV head walking every
+    varlen_q / varlen_k / seqused_q / seqused_k, headdim_v (Dv != D), dkv_accum (GQA head split: GQA runs with one CTA per KV head walking every
     query head of its group).
     """
 
@@ -337,7 +390,7 @@ class Sm100BwdConfig:
 # Fields of flash4.config.BwdConfig the sm100 backward does not build yet (field -> its "off" value).
 _BWD_UNBUILT = {
     "varlen_q": False, "varlen_k": False, "seqused_q": False, "seqused_k": False,
-    "softcap": False, "headdim_v": None, "dkv_accum": False,
+    "headdim_v": None, "dkv_accum": False,
 }
 _BWD_UNBUILT_WHAT = {
     "varlen_q": "packed varlen sequences (cu_seqlens_q)", "varlen_k": "packed varlen sequences (cu_seqlens_k)",
@@ -360,7 +413,7 @@ def bwd_config_problem(cfg) -> str | None:
     if cfg.local and cfg.causal:
         return "local=True folds causal into the window: causal must be False"
     if cfg.cta_group == 2:
-        problem = bwd_two_cta_problem(cfg.headdim, cfg.causal, cfg.local, cfg.deterministic)
+        problem = bwd_two_cta_problem(cfg.headdim, cfg.causal, cfg.local, cfg.deterministic, cfg.softcap)
         if problem is not None:
             return problem
         if (cfg.tile_m, cfg.tile_n, cfg.q_stages, cfg.do_stages) != (BWD_TILE_M, BWD_TILE_N, BWD_Q_STAGES_2CTA,
@@ -383,9 +436,10 @@ BWD_TWO_CTA_CAUSAL = True
 
 
 def bwd_two_cta_problem(headdim: int, causal: bool = False, local: bool = False,
-                        deterministic: bool = False) -> str | None:
-    """Why the 2-CTA backward cannot take a problem class, or None (hd128, non-causal, no window, not
-    deterministic; dense batches: the host refuses packed sequences for every sm100 backward)."""
+                        deterministic: bool = False, softcap: bool = False) -> str | None:
+    """Why the 2-CTA backward cannot take a problem class, or None (hd128, full or causal, no window,
+    not deterministic, no softcap; dense batches: the host refuses packed sequences for every sm100
+    backward)."""
     if headdim not in SM100_BWD_2CTA_HEADDIMS:
         return (f"cta_group=2 with headdim={headdim}: the 2-CTA backward is built for {SM100_BWD_2CTA_HEADDIMS} "
                 "only")
@@ -396,6 +450,8 @@ def bwd_two_cta_problem(headdim: int, causal: bool = False, local: bool = False,
     if deterministic:
         return ("cta_group=2 with deterministic=True: the 2-CTA backward has no dQ semaphore chain (the pair's "
                 "two CTAs add different rows of one query block)")
+    if softcap:
+        return "cta_group=2 with softcap: the 2-CTA backward is built without softcap (not compiled with it)"
     return None
 
 
@@ -403,9 +459,9 @@ def select_bwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, a
                       deterministic: bool = False, local: bool = False, softcap: bool = False,
                       headdim_v: int | None = None, two_cta: bool = False, **kwargs) -> Sm100BwdConfig:
     """The sm100 backward config for one problem class (pure; CPU-tested): hd64 / hd128, bf16 / fp16,
-    causal or not, a sliding window (local: causal folded in), deterministic or not, dense, MHA and
-    GQA/MQA (one CTA per KV head walks its query heads). Raises ValueError naming what is missing for
-    everything else (another head dim, Dv != D, softcap). Same arguments as
+    causal or not, a sliding window (local: causal folded in), deterministic or not, softcap or not,
+    dense, MHA and GQA/MQA (one CTA per KV head walks its query heads). Raises ValueError naming what
+    is missing for everything else (another head dim, Dv != D). Same arguments as
     flash4.config.sm90.select_bwd_config (the others ignored). two_cta: take the 2-CTA variant where it
     is built (bwd_two_cta_problem is None; otherwise the 1-CTA config); the host passes
     env.sm100_2cta() (FLASH4_SM100_2CTA, default off)."""
@@ -416,31 +472,35 @@ def select_bwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, a
                          "only (hd96/192/256 are not built yet; the 2-CTA variant: hd128)")
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r}; allowed: {DTYPES}")
-    missing = [what for flag, what in ((headdim_v is not None and headdim_v != headdim, _BWD_UNBUILT_WHAT["headdim_v"]),
-                                       (softcap, _BWD_UNBUILT_WHAT["softcap"])) if flag]
+    missing = [_BWD_UNBUILT_WHAT["headdim_v"]] if headdim_v is not None and headdim_v != headdim else []
     if missing:
         raise ValueError("the sm100 backward has no " + ", ".join(missing) + " yet (compile-verified 1-CTA "
-                         "backward: dense hd64/hd128, causal, window or neither, deterministic or not, MHA/GQA; "
-                         "2-CTA: hd128)")
-    if two_cta and bwd_two_cta_problem(headdim, causal and not local, local, deterministic) is None:
+                         "backward: dense hd64/hd128, causal, window or neither, deterministic or not, softcap "
+                         "or not, MHA/GQA; 2-CTA: hd128)")
+    if two_cta and bwd_two_cta_problem(headdim, causal and not local, local, deterministic, softcap) is None:
         plan = default_bwd_register_plan_2cta(headdim, causal)
         return Sm100BwdConfig(headdim=headdim, dtype=dtype, causal=causal, cta_group=2, q_stages=BWD_Q_STAGES_2CTA,
                               regs_reduce=plan.reduce, regs_compute=plan.compute, regs_other=plan.other)
     plan = default_bwd_register_plan(headdim, causal)
     return Sm100BwdConfig(headdim=headdim, dtype=dtype, causal=causal and not local, local=local,
-                          deterministic=deterministic,
+                          deterministic=deterministic, softcap=softcap,
                           regs_reduce=plan.reduce, regs_compute=plan.compute, regs_other=plan.other)
 
 
 def shipped_bwd_configs() -> list:
-    """Every sm100 backward config the API can select: hd64/128 x bf16/fp16 x (full, causal, window) x
-    deterministic or not (24, 1-CTA), then the 2-CTA configs (opt-in, FLASH4_SM100_2CTA=1): hd128 x
-    bf16/fp16 x the masks bwd_two_cta_problem accepts (non-causal: 2)."""
-    one_cta = [select_bwd_config(d, dt, c, local=lo, deterministic=det) for det in (False, True)
-               for d in SM100_BWD_HEADDIMS for dt in DTYPES for c, lo in ((False, False), (True, False), (False, True))]
+    """The sm100 backward configs compiled in CI: every one the API can select without softcap,
+    hd64/128 x bf16/fp16 x (full, causal, window) x deterministic or not (24), then one softcap
+    config per head dim and mask, bf16, hd64/128 x (full, causal) (4; the API selects the other
+    softcap combinations too: softcap only adds the compute warps' tanh and dS factor, independent of
+    the dtype, the window and the deterministic dQ chain), then the 2-CTA configs (opt-in,
+    FLASH4_SM100_2CTA=1): hd128 x bf16/fp16 x the masks bwd_two_cta_problem accepts (full, causal: 4)."""
+    no_softcap = [select_bwd_config(d, dt, c, local=lo, deterministic=det) for det in (False, True)
+                  for d in SM100_BWD_HEADDIMS for dt in DTYPES
+                  for c, lo in ((False, False), (True, False), (False, True))]
+    softcap = [select_bwd_config(d, "bf16", c, softcap=True) for d in SM100_BWD_HEADDIMS for c in (False, True)]
     two_cta = [select_bwd_config(d, dt, c, two_cta=True) for d in SM100_BWD_2CTA_HEADDIMS for dt in DTYPES
                for c in (False, True) if bwd_two_cta_problem(d, c) is None]
-    return one_cta + two_cta
+    return no_softcap + softcap + two_cta
 
 
 def bwd_plan(request, arch: int = ARCH, heads_per_cta: int | None = None):

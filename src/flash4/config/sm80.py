@@ -400,6 +400,17 @@ def shipped_bwd_configs(arch: int | None = None) -> list[Sm80BwdConfig]:
             for c in (False, True)]
 
 
+# What flash4's API door serves of this family behind the first-use self-test on its own GPUs
+# (flash4.validate._gated_problem; FLASH4_PORTABLE): the forward runs dense, packed varlen (with
+# seqused_q / seqused_k) and KV-cache decode batches (fwd_plan), the backward dense and packed varlen
+# ones (bwd_plan); paged K/V is refused by name before any self-test, with `unsupported`'s text
+# (which the GPU suite skips on). The dense self-test drives dense configs only: the others are
+# "untestable" for it, so on those GPUs they run only with FLASH4_PORTABLE=on
+# (flash4.selftest.UNTESTABLE_FLAGS).
+GATE_DOOR = {"fwd_layouts": ("dense", "varlen", "kvcache"), "bwd_layouts": ("dense", "varlen"), "seqused_k": True,
+             "paged": False, "paged_text": unsupported(paged=True)}
+
+
 # ================================================================ the host's questions (flash4.config.fwd_config / bwd_config)
 def fwd_plan(request, arch: int, num_sms: int | None = None) -> FwdPlan:
     """The forward plan of a flash4.request.Request: dense, packed (varlen / seqused) or a decode

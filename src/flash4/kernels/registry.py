@@ -13,9 +13,15 @@ A family can be registered unverified (Family.verified False: compiled and check
 run on its GPU): `kernel_class` still returns its kernels, so flash4.compile builds them, but
 `family(arch)` refuses the arch unless asked with include_unverified=True, so config selection and
 the API's support check treat that GPU as unsupported. An unverified family with `selftest_gated`
-(sm100) is served by `family(arch)` all the same, behind a gate instead: the host runs each of its
-configs only after flash4.selftest's first-use self-test passed on that GPU (flash4.forward.launch
-and flash4.validate ask `flash4.selftest.support_problem`; FLASH4_SM100=off|selftest|on).
+is served by `family(arch)` all the same, behind a gate instead: the host runs each of its configs
+on its own archs only after flash4.selftest's first-use self-test passed on that GPU
+(flash4.forward.launch / flash4.backward.launch call `selftest.require`, flash4.validate asks
+`selftest.support_problem`). Each gated family names its own mode variable (Family.selftest_var,
+read by flash4.env.selftest_mode: off | selftest | on): FLASH4_SM100 for sm100 (B200),
+FLASH4_PORTABLE for the portable sm80 family on sm_80 / 86 / 89 / 120. This table is the only place
+that says which archs are gated and by which variable (gated_archs, gate_family). A family run on
+an arch of its `also_on` (the portable family on sm_90, forced by FLASH4_FAMILY=portable) is not
+gated: the user asked for it.
 
 SM versions that are close relatives of a supported one but a different GPU (sm_103 B300, sm_110
 Thor, sm_121 GB10) are refused by name (REFUSED_ARCHS), never served by `arch >= n`.
@@ -54,9 +60,12 @@ class Family:
              family() refuses it unless include_unverified=True.
     also_on: SM versions whose own family is the default but which run this one when asked for by
              name (family(arch, prefer=name)): the portable sm80 family on sm_90, for testing.
-    selftest_gated: an unverified family that family() serves anyway, each config behind
-             flash4.selftest's first-use self-test on the GPU (its configs' arch is in
-             flash4.selftest.GATED_ARCHS).
+    selftest_gated: an unverified family that family() serves anyway, each config on the family's
+             own archs behind flash4.selftest's first-use self-test on the GPU (those archs are
+             gated_archs(), flash4.selftest.GATED_ARCHS).
+    selftest_var: the gate's mode variable (FLASH4_SM100, FLASH4_PORTABLE: off | selftest | on,
+             flash4.env.selftest_mode), for a selftest_gated family.
+    selftest_what: how the gate's messages name the family's kernels ("the sm_100 kernels").
     """
 
     name: str
@@ -66,6 +75,12 @@ class Family:
     verified: bool = True
     also_on: tuple = ()
     selftest_gated: bool = False
+    selftest_var: str | None = None
+    selftest_what: str = ""
+
+    def __post_init__(self):
+        assert not self.selftest_gated or (self.selftest_var and self.selftest_what), (
+            f"a self-test-gated family names its mode variable and its kernels: {self.name}")
 
     @property
     def usable(self) -> bool:
@@ -101,15 +116,18 @@ FAMILIES = (
     Family("sm100", (100,), "B200, GB200", {
         "fwd": "flash4.kernels.sm100.fwd:FlashAttentionForwardSm100",
         "bwd": "flash4.kernels.sm100.bwd:FlashAttentionBackwardSm100",
-    }, verified=False, selftest_gated=True),
+    }, verified=False, selftest_gated=True, selftest_var="FLASH4_SM100", selftest_what="the sm_100 kernels"),
     # The portable family (mma.sync, ldmatrix, cp.async): the default on sm_80 / 86 / 89 / 120, and on
     # sm_90 when asked for (prefer="sm80", or FLASH4_FAMILY=portable): the same instructions run
-    # there, which is how its GPU tests run on the H200. Compile-verified for every target on the
-    # CPU (tests/cpu/test_sm80_*.py); on hardware, run on sm_90a only (docs/design/sm80_family.md).
+    # there, which is how its GPU tests run on the H200 (not gated there: the user asked for it).
+    # Compile-verified for every target on the CPU (tests/cpu/test_sm80_*.py); on hardware, run on
+    # sm_90a only (its own GPU test files pass on the H200 forced; docs/design/sm80_family.md): on
+    # its own GPUs, served behind the first-use self-test (FLASH4_PORTABLE=off|selftest|on).
     Family("sm80", (80, 86, 89, 120), "A100, A10/A40/RTX 30xx, L4/L40/RTX 40xx, RTX 50xx/RTX PRO 6000", {
         "fwd": "flash4.kernels.sm80.fwd:FlashAttentionForwardSm80",
         "bwd": "flash4.kernels.sm80.bwd:FlashAttentionBackwardSm80",
-    }, verified=False, also_on=(90,)),  # opt-in (FLASH4_FAMILY=portable) until its GPU suite is green
+    }, verified=False, also_on=(90,), selftest_gated=True, selftest_var="FLASH4_PORTABLE",
+       selftest_what="the portable (sm80 family) kernels"),
 )
 
 # Other names of families (FLASH4_FAMILY, prefer=): what users call them -> the registry name.
@@ -133,8 +151,23 @@ def supported_archs() -> tuple:
 
 
 def gated_archs() -> tuple:
-    """SM versions served behind the first-use self-test (unverified, selftest_gated families)."""
+    """SM versions served behind the first-use self-test (the own archs of unverified,
+    selftest_gated families; never an also_on arch)."""
     return tuple(a for f in FAMILIES if f.selftest_gated and not f.verified for a in f.archs)
+
+
+def gate_family(arch) -> Family | None:
+    """The unverified, selftest_gated family whose own archs include `arch` (its configs for that
+    arch run behind the self-test, by its selftest_var), or None: arch is not gated."""
+    for fam in FAMILIES:
+        if fam.selftest_gated and not fam.verified and arch in fam.archs:
+            return fam
+    return None
+
+
+def selftest_vars() -> tuple:
+    """The mode variables of the gated families (FLASH4_SM100, FLASH4_PORTABLE)."""
+    return tuple(f.selftest_var for f in FAMILIES if f.selftest_gated and not f.verified)
 
 
 def family(arch: int, prefer: str | None = None, include_unverified: bool = False) -> Family:

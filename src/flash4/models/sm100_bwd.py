@@ -1,6 +1,6 @@
 """Tile-level numerics model of the sm100 (Blackwell) 1-CTA backward as built: what it computes, in torch on the CPU.
 
-    dq, dk, dv = backward(dout, q, k, v, out, lse, softmax_scale, causal, window_size=None)  # flash_attn_backward's order
+    dq, dk, dv = backward(dout, q, k, v, out, lse, softmax_scale, causal, window_size=None, softcap=0.0)
     dq, dk, dv, stats = backward(..., return_stats=True)                                      # + what the dataflow did
 
 It models flash4.kernels.sm100.bwd (docs/design/sm100_backward.md) on flash4.backward's host pipeline
@@ -27,6 +27,10 @@ its keys (flash4.geometry.m_block_range), first to last. In this order:
     forward model).
  2. x = fma(S^T, c, -lse_log2) (fma_packed_f32x2, one rounding), c = fp32(fp32(softmax_scale) *
     fp32(log2 e)) (the kernel's Float32 product).
+    Softcap (flash4.kernels.common.score: scales, apply): first S^T -> t = tanh(fp32(S^T * a)) on
+    MUFU.TANH (tanh.approx.f32; modelled as tanh rounded to fp32, times (1 + tanh_rel_err)), with
+    a = fp32(fp32(softmax_scale) / fp32(softcap)) (div.rn); then x = fma(t, c, -lse_log2) with
+    c = fp32(fp32(softcap) * fp32(log2 e)). Before the mask (masked scores get P = 0 either way).
  3. P^T = 2^x on MUFU.EX2 only (modelled as 2^x correctly rounded to fp32, 0 below 2^-126), then
     0 where the query does not see the key (a select, not a -inf score: the query is before
     geometry.first_query(key) (causal, a window's right side, keys past seqlen_k) or, with a
@@ -36,6 +40,11 @@ its keys (flash4.geometry.m_block_range), first to last. In this order:
  5. dS^T = fp32(fp32(fp32(dP^T - D) * P^T) * fp32(softmax_scale)) from the fp32 P (sub, mul, mul:
     sub_packed / mul_packed / mul_packed), rounded to the input dtype (TMEM for the dK UMMA, smem
     for the dQ UMMA). The softmax scale is in dS, so dK and dQ need no rescale (flash4's convention).
+    Softcap: before the rounding, dS^T = fp32(dS^T * f) (mul_packed), f = score.grad_factor: t
+    recovered from P and the query's lse_log2, t = fp32(fp32(log2 P + lse_log2) * r) with log2 on
+    MUFU.LG2 (lg2.approx.ftz; modelled correctly rounded, P is never subnormal after EX2's flush)
+    and r = fp32(1 / c) (rcp.rn), f = fma(-t, t, 1) (ptxas contracts 1 - t * t into one FFMA), and
+    f = 0 where P = 0.
  6. dV += P16^T dO and dK += dS16^T Q (UMMA, k-steps of mma_k query rows) into the key block's fp32
     TMEM accumulators, ONE chain per (key block, KV head) over all its steps: the group's query
     heads in order, each over its query blocks m (GQA / MQA accumulate in TMEM, no fp32 sum of
@@ -51,8 +60,8 @@ its keys (flash4.geometry.m_block_range), first to last. In this order:
 
 Not modelled: the MMA's accumulation rounding inside one k-step (modelled exact), MUFU's last ulps
 (modelled correctly rounded), anything about timing (barriers, pipelines, TMEM aliasing): a race, a
-hang or a wrong TMEM address has no analogue here. Not built in the kernel, so not here: softcap,
-Dv != D, packed varlen / seqused, the exact-LSE path, the GQA head split, 2-CTA.
+hang or a wrong TMEM address has no analogue here. Not built in the kernel, so not here: Dv != D,
+packed varlen / seqused, the exact-LSE path, the GQA head split, 2-CTA.
 """
 
 from __future__ import annotations
@@ -64,6 +73,7 @@ import torch
 
 from flash4 import geometry
 from flash4.constants import LOG2E
+from flash4.kernels.common.exp2_poly import _fma_f32
 from flash4.models.sm100_fwd import UMMA_K, exp2_hw, fma_f32, mma_f32
 
 # The 1-CTA backward's blocks (flash4.config.sm100.Sm100BwdConfig: tile_m = tile_n = 128).
@@ -98,6 +108,35 @@ def lse_log2(lse: torch.Tensor, lse_split: torch.Tensor | None = None) -> torch.
     if lse_split is None:
         return torch.where(lse == -math.inf, math.inf, lse.float() * LOG2E)  # + lo = 0: unchanged
     return lse_split[0].float() + lse_split[1].float()
+
+
+def tanh_hw(x: torch.Tensor, rel_err: float = 0.0) -> torch.Tensor:
+    """MUFU.TANH model (tanh.approx.f32) of fp32 x: tanh rounded to fp32, times (1 + rel_err) when
+    rel_err is given (a systematic error within the measured bound: the H200's tanh.approx.f32 is
+    within 1.0e-5 relative of float64 tanh over [-20, 20], docs/perf/README.md; Blackwell's MUFU
+    assumed alike), clamped to [-1, 1]."""
+    t = torch.tanh(x.double())
+    if rel_err:
+        t = (t * (1.0 + rel_err)).clamp(-1.0, 1.0)
+    return t.float()
+
+
+def softcap_scales(softmax_scale: float, softcap: float) -> tuple[float, float, float]:
+    """(c, a, r) as the kernel's score.device_scales computes them on Float32 values: c =
+    fp32(softcap * log2 e) (the exp2's scale), a = fp32(softmax_scale / softcap) (tanh's input
+    scale), r = fp32(1 / c)."""
+    cap, scale = np.float32(softcap), np.float32(softmax_scale)
+    c = cap * np.float32(LOG2E)
+    return float(c), float(scale / cap), float(np.float32(1.0) / c)
+
+
+def grad_factor(p: torch.Tensor, lse_l2: torch.Tensor, r: float) -> torch.Tensor:
+    """score.grad_factor on fp32 p with the query's lse_log2 (broadcast): fma(-t, t, 1) with t =
+    fp32(fp32(log2 p + lse_log2) * r), 0 where p = 0."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        t = (torch.log2(p.double()).float() + lse_l2) * r
+        f = torch.from_numpy(np.ascontiguousarray(_fma_f32(-t.numpy(), t.numpy(), np.float32(1.0))))
+    return torch.where(p == 0, torch.zeros_like(f), f)
 
 
 def _check_args(dout, q, k, v, out, lse, tile_m, tile_n, dq_order):
@@ -137,16 +176,17 @@ def _dq_add_order(dq_order, n_tiles: int) -> list[int]:
 
 
 def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-             lse: torch.Tensor, softmax_scale: float | None = None, causal: bool = False, window_size=None, *,
-             lse_split: torch.Tensor | None = None, dlse: torch.Tensor | None = None, tile_m: int = TILE,
-             tile_n: int = TILE, mma_k: int | None = UMMA_K, dq_order: str | int = "forward",
-             return_stats: bool = False):
+             lse: torch.Tensor, softmax_scale: float | None = None, causal: bool = False, window_size=None,
+             softcap: float = 0.0, *, tanh_rel_err: float = 0.0, lse_split: torch.Tensor | None = None,
+             dlse: torch.Tensor | None = None, tile_m: int = TILE, tile_n: int = TILE, mma_k: int | None = UMMA_K,
+             dq_order: str | int = "forward", return_stats: bool = False):
     """(dq, dk, dv) as the sm100 backward computes them (module docstring, steps 0-8).
 
     dout, out: (B, Sq, H, Dv); q: (B, Sq, H, D); k: (B, Sk, Hk, D); v: (B, Sk, Hk, Dv); all
       bfloat16 or all float16 (CPU); Hk divides H. lse: float32 (B, H, Sq), the forward's natural-log
       LSE (-inf for rows that saw no key). Causal is bottom-right aligned. softmax_scale: None = 1/sqrt(D).
     window_size: None or flash-attn's (left, right) (-1 = unbounded; causal sets right = 0).
+    softcap: > 0: scores softcap * tanh(scale * S / softcap) (steps 2 and 5); tanh_rel_err: tanh_hw's.
     lse_split: None or float32 (2, B, H, Sq), the forward's log2-domain LSE split (step 0).
     dlse: None or (B, H, Sq), the LSE's gradient (D -= dlse).
     tile_m / tile_n: query rows / keys per block (the kernel's 128; multiples of 16). mma_k: UMMA
@@ -164,6 +204,8 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     window = geometry.window_sides(window_size, causal)
     scale_f32 = np.float32(1.0 / math.sqrt(headdim) if softmax_scale is None else softmax_scale)
     c = float(scale_f32 * np.float32(LOG2E))  # the kernel's Float32 scale_log2
+    if softcap > 0:
+        c, softcap_scale, inv_c = softcap_scales(scale_f32, softcap)
     scale_f32 = float(scale_f32)
     group = nheads // nheads_k
     m_tiles, n_tiles = -(-seqlen_q // tile_m), -(-seqlen_k // tile_n)
@@ -209,10 +251,14 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
                 dp_t = mma_f32(None, v_t, do_t.transpose(-1, -2), mma_k)
                 # 2.-3. P^T = 2^fma(S^T, c, -lse_log2[query]) on MUFU, then the mask's select
                 neg_l = (-big_l[:, :, g, qsl]).unsqueeze(2).expand_as(s_t).contiguous()
+                if softcap > 0:  # score.apply: S^T -> tanh(S^T * a), before the mask
+                    s_t = tanh_hw(s_t * softcap_scale, tanh_rel_err)
                 p = exp2_hw(fma_f32(s_t, c, neg_l)).masked_fill(hidden, 0.0)
                 p16 = p.to(dtype)  # 4. the TMEM P^T
                 # 5. dS^T from the fp32 P^T
                 ds = ((dp_t - d_sum[:, :, g, qsl].unsqueeze(2)) * p) * scale_f32
+                if softcap > 0:  # score.grad_factor
+                    ds = ds * grad_factor(p, big_l[:, :, g, qsl].unsqueeze(2), inv_c)
                 ds16 = ds.to(dtype).double()
                 # 6. dV += P^T dO, dK += dS^T Q (k-steps over the block's query rows)
                 dv_t = mma_f32(dv_t, p16.double(), do_t, mma_k)

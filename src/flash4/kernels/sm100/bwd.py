@@ -17,6 +17,10 @@ section 1, "Backward"), five tcgen05 MMAs, every accumulator in tensor memory (T
                                      smem -> cp.reduce.async.bulk .add.f32 into the fp32 dQ
                                      accumulator of flash4.backward (shared pre/postprocess)
 dS carries the softmax scale, so dK and dQ need no rescaling (flash4's convention, as on sm90).
+Softcap configs (the sm90 backward's order, through flash4.kernels.common.score): S^T -> tanh(S^T *
+scale / softcap) (MUFU.TANH) before the exp2, whose scale is then softcap * log2e; dS^T is multiplied
+by score.grad_factor = 1 - t^2, t recovered from P^T and the LSE (MUFU.LG2; no register kept for t),
+so the LSE stage is released after dS^T instead of after P^T.
 
 Every TMEM offset comes from flash4.kernels.sm100.bwd_plan.bwd_tmem_map, every setmaxnreg budget
 from bwd_register_plan, every mbarrier arrive count from bwd_pipeline_specs (checked at trace time by
@@ -31,7 +35,7 @@ TMEM (each CTA: 64 query rows x D), half of dS^T swapped with the peer over DSME
 leader's MMA warp, and the pair's TMEM dealloc handshake. docs/design/sm100_backward.md section 8.
 
 Not built (refused by flash4.config.sm100.select_bwd_config): head dims other than 64 / 128, Dv != D,
-softcap, varlen / seqused, the GQA head split, and the exact-LSE path of issue 8 (P uses the rounded padded log2 LSE the preprocess writes;
+varlen / seqused, the GQA head split, and the exact-LSE path of issue 8 (P uses the rounded padded log2 LSE the preprocess writes;
 the per-tile exact flags are not read).
 """
 
@@ -51,7 +55,8 @@ from cutlass.memory import SmemAllocator, TmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
 from flash4 import geometry as g
-from flash4.constants import LOG2E, THREADS_PER_WG
+from flash4.constants import THREADS_PER_WG
+from flash4.kernels.common import score
 from flash4.kernels.common.dsl import DSL_DTYPES
 from flash4.kernels.common.exp2 import exp2_hw
 from flash4.kernels.common.geometry import DEVICE_OPS
@@ -202,9 +207,9 @@ class FlashAttentionBackwardSm100:
       (i+1 < n: S(i+1), which overwrites P(i)'s columns only after dV(i) read them: tcgen05 MMAs of one
       thread run in order) ; [wait ds] dK += dS^T Q(i) ; release Q(i) ; dQ = dS K ; commit dq, ds ;
       (i+1 < n: [wait dq empty: dQ(i) read out] dP(i+1), over dQ(i)'s and dS(i)'s columns) ; finally dkv.
-    Compute per step: wait lse, s ; S^T -> registers ; P (fp32, kept) ; P^T -> TMEM ; arrive s ;
-      release lse ; wait dpsum, dp, ds empty ; per 32 columns dP^T -> dS^T -> TMEM and smem ; arrive ds ;
-      release dpsum.
+    Compute per step: wait lse, s ; S^T -> registers ; (softcap: tanh) P (fp32, kept) ; P^T -> TMEM ;
+      arrive s ; release lse (softcap: after dS) ; wait dpsum, dp, ds empty ; per 32 columns dP^T ->
+      dS^T (softcap: times grad_factor) -> TMEM and smem ; arrive ds ; release dpsum.
     """
 
     def __init__(self, cfg):
@@ -267,7 +272,7 @@ class FlashAttentionBackwardSm100:
         max_seqlen_k: Optional[Int32],  # must be None
         window_left: Int32,  # local configs: the window's sides (flash4.geometry.window_sides); else ignored
         window_right: Int32,
-        softcap: Float32,  # ignored (no softcap)
+        softcap: Float32,  # cfg.softcap: the cap (scores softcap * tanh(S * scale / softcap)); else ignored
         num_ctas: Int32,  # grid size: n_blocks * nheads_k * batch (flash4.launch.bwd_grid)
         heads_per_cta: Int32,  # the query heads per KV head (no head split on sm100)
         stream: cuda.CUstream,
@@ -377,14 +382,14 @@ class FlashAttentionBackwardSm100:
             self.kernel(
                 tma_K, tma_Q, tma_V, tma_dO, mLSE2, mD, mdQacc, mdQsem, mdK, mdV, tma_atom_K, tma_atom_Q, tma_atom_V,
                 tma_atom_dO, softmax_scale, window_left, window_right, *layouts, mma_s, mma_dp, mma_dv, mma_dk, mma_dq,
-                storage_2cta, extra,
+                storage_2cta, softcap if const_expr(self.cfg.softcap) else None, extra,
             ).launch(grid=(num_ctas, 1, 1), block=[self.num_threads, 1, 1], cluster=[self.cta_group, 1, 1],
                      stream=stream, min_blocks_per_mp=1)
         else:
             self.kernel(
                 tma_K, tma_Q, tma_V, tma_dO, mLSE2, mD, mdQacc, mdQsem, mdK, mdV, tma_atom_K, tma_atom_Q, tma_atom_V,
                 tma_atom_dO, softmax_scale, window_left, window_right, *layouts, mma_s, mma_dp, mma_dv, mma_dk, mma_dq,
-                SharedStorage,
+                SharedStorage, softcap if const_expr(self.cfg.softcap) else None,
             ).launch(grid=(num_ctas, 1, 1), block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     def shared_storage_2cta(self, num_mbar: int, lay: dict):
@@ -424,7 +429,8 @@ class FlashAttentionBackwardSm100:
                sdS_layout: cute.ComposedLayout, sKmn_layout: cute.ComposedLayout, sdSt_layout: cute.ComposedLayout,
                tP_layout: cute.ComposedLayout, tdS_layout: cute.ComposedLayout,
                mma_s: cute.TiledMma, mma_dp: cute.TiledMma, mma_dv: cute.TiledMma, mma_dk: cute.TiledMma,
-               mma_dq: cute.TiledMma, SharedStorage: cutlass.Constexpr, extra: tuple = ()):
+               mma_dq: cute.TiledMma, SharedStorage: cutlass.Constexpr, softcap: Optional[Float32],
+               extra: tuple = ()):
         """extra (2-CTA only): the TMA tensors and atoms of Q^T, dO^T and K^T."""
         mmas = (mma_s, mma_dp, mma_dv, mma_dk, mma_dq)
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -512,9 +518,9 @@ class FlashAttentionBackwardSm100:
             self.set_regs(self.regs.compute)
             self.wait_tmem_alloc()
             if const_expr(self.two_cta):
-                self.compute(mmas, sLSE, sD, sdSt, mdK, mdV, pipes, tile, softmax_scale, window, cta_v)
+                self.compute(mmas, sLSE, sD, sdSt, mdK, mdV, pipes, tile, softmax_scale, window, softcap, cta_v)
             else:
-                self.compute(mmas, sLSE, sD, sdSt, mdK, mdV, pipes, tile, softmax_scale, window)
+                self.compute(mmas, sLSE, sD, sdSt, mdK, mdV, pipes, tile, softmax_scale, window, softcap)
             self.release_tmem()
         else:
             self.set_regs(self.regs.other)
@@ -996,7 +1002,8 @@ class FlashAttentionBackwardSm100:
 
     # ---------------------------------------------------------------- compute warpgroups
     @cute.jit
-    def compute(self, mmas, sLSE, sD, sdSt, mdK, mdV, pipes, tile, softmax_scale: Float32, window, cta_v=None):
+    def compute(self, mmas, sLSE, sD, sdSt, mdK, mdV, pipes, tile, softmax_scale: Float32, window, softcap,
+                cta_v=None):
         """Compute warpgroups (see the class docstring). 2-CTA (cta_v: this CTA's rank): P^T halves are
         contiguous at S's start, so both warpgroups read S^T before either writes P^T (a named
         barrier); after writing dS^T to TMEM they arrive on the leader's dp empty (dK may read it);
@@ -1010,7 +1017,8 @@ class FlashAttentionBackwardSm100:
         tidx = cute.arch.thread_idx()[0] % THREADS_PER_WG
         wg = (cute.arch.make_warp_uniform(cute.arch.warp_idx()) - self.roles["compute"][0]) // 4
         base = self.tmem_base()
-        scale_log2 = softmax_scale * Float32(LOG2E)
+        # softcap: (softcap log2 e, softmax_scale / softcap, 1 / (softcap log2 e)); else (scale log2 e, None, None)
+        scale_log2, softcap_scale, inv_scale_log2 = score.device_scales(softmax_scale, softcap, self.cfg.softcap)
         tStS = self.tmem_acc(base, mma_s, self.mma_tiler_s, "S")[(None, None), 0, 0]  # (tile_n, tile_m)
         tPtP = self.tmem_acc(base, mma_dp, self.mma_tiler_dp, "dP")[(None, None), 0, 0]
         # S^T, dP^T: tcgen05.ld 32x32b.x32 per LD_COLS columns: thread t gets lane t (key t).
@@ -1084,14 +1092,16 @@ class FlashAttentionBackwardSm100:
                 named_barrier_sync(COMPUTE_BARRIER, len(self.roles["compute"]) * WARP_SIZE)  # S^T read: P^T may land
             for j in cutlass.range_constexpr(chunks_per_wg):
                 col = wg * self.wg_cols + j * LD_COLS
+                score.apply(ps[j], softcap_scale, self.cfg.softcap)  # softcap: S -> tanh(S * softcap_scale)
                 self.probs(ps[j], t0ScS, sLSE, lse_state.index, col, first - j * LD_COLS, end - j * LD_COLS,
                            scale_log2)
                 self.store16(ps[j], thr_st, cute.make_tensor(p_dst.iterator + j * st_cols, p_dst.layout), st_shape)
             cute.arch.fence_view_async_tmem_store()
             tcgen05_fence_before()
             self.arrive_elected(pipes["s"], 0, "compute", True)  # P^T written
-            self.arrive_elected(pipes["lse"], lse_state.index, "compute", True)
-            lse_state = next_state(lse_state)
+            if const_expr(not self.cfg.softcap):
+                self.arrive_elected(pipes["lse"], lse_state.index, "compute", True)
+                lse_state = next_state(lse_state)
 
             pipes["dpsum"].wait_full(d_state.index, d_state.phase)
             pipes["dp"].wait_full(0, s_phase)
@@ -1102,7 +1112,8 @@ class FlashAttentionBackwardSm100:
                 dp = cute.make_rmem_tensor(frag_shape, Float32)
                 cute.copy(thr_ld, cute.make_tensor(tP_src.iterator + col, tP_src.layout), dp)
                 cute.arch.fence_view_async_tmem_load()
-                self.dscores(ps[j], dp, t0ScS, sD, d_state.index, col, softmax_scale)
+                self.dscores(ps[j], dp, t0ScS, sD, d_state.index, col, softmax_scale, sLSE, lse_state.index,
+                             inv_scale_log2)
                 ds16 = self.store16(dp, thr_st, cute.make_tensor(ds_dst.iterator + j * st_cols, ds_dst.layout), st_shape)
                 if const_expr(self.two_cta):
                     cute.copy(r2s, ds16[None, 0, 0], tsdS_part[None, 0, 0, ds_chunk0 + j])
@@ -1122,6 +1133,9 @@ class FlashAttentionBackwardSm100:
                 self.arrive_elected(pipes["ds"], 0, "compute", False)  # dS^T written
             self.arrive_elected(pipes["dpsum"], d_state.index, "compute", True)
             d_state = next_state(d_state)
+            if const_expr(self.cfg.softcap):  # dS read the LSE too (score.grad_factor)
+                self.arrive_elected(pipes["lse"], lse_state.index, "compute", True)
+                lse_state = next_state(lse_state)
             s_phase = s_phase ^ 1
             ds_phase = ds_phase ^ 1
 
@@ -1184,13 +1198,18 @@ class FlashAttentionBackwardSm100:
             s[j + 1] = Float32(cutlass.select_(hidden1, Float32(0.0), exp2_hw(x1)))
 
     @cute.jit
-    def dscores(self, p, dp, t0ScS, sD, stage, col0, scale: Float32):
-        """dp <- scale * p * (dp - D), in place (D = rowsum(dO * O) of each query column)."""
+    def dscores(self, p, dp, t0ScS, sD, stage, col0, scale: Float32, sLSE, lse_stage, inv_scale_log2):
+        """dp <- scale * p * (dp - D), in place (D = rowsum(dO * O) of each query column); softcap:
+        times score.grad_factor (1 - t^2, t recovered from p and the column's LSE; 0 where p = 0)."""
         for j in cutlass.range(0, cute.size(dp), 2, unroll_full=True):
             c0, c1 = t0ScS[j][1], t0ScS[j + 1][1]
             d0, d1 = cute.arch.sub_packed_f32x2((dp[j], dp[j + 1]), (sD[col0 + c0, stage], sD[col0 + c1, stage]))
             d0, d1 = cute.arch.mul_packed_f32x2((d0, d1), (p[j], p[j + 1]))
             dp[j], dp[j + 1] = cute.arch.mul_packed_f32x2((d0, d1), (scale, scale))
+            if const_expr(self.cfg.softcap):
+                f0 = score.grad_factor(p[j], sLSE[col0 + c0, lse_stage], inv_scale_log2)
+                f1 = score.grad_factor(p[j + 1], sLSE[col0 + c1, lse_stage], inv_scale_log2)
+                dp[j], dp[j + 1] = cute.arch.mul_packed_f32x2((dp[j], dp[j + 1]), (f0, f1))
 
     @cute.jit
     def store16(self, x, thr_st, dst, st_shape):

@@ -1,6 +1,7 @@
 """FlashAttention forward for Blackwell (sm_100a, B200) in CuTe DSL: two Q tiles per CTA, 1-CTA, or a
 2-CTA pair (cfg.cta_group 2: a cluster of 2, .cta_group::2 MMAs of M = 256 issued by the leader CTA;
-hd128 non-causal dense; docs/design/sm100_forward.md section 9).
+hd128 non-causal dense; docs/design/sm100_forward.md section 9); one Q tile per CTA (cfg.q_stage 1)
+for head dims (192, 128) and 256, 1-CTA (section 10).
 
 O = softmax(scale * Q K^T) V and LSE, exact. Design after FlashAttention-4's sm100 forward (Zadouri
 et al. 2025; /work/shared/design/BLACKWELL.md section 1): tcgen05 MMAs from one thread into tensor
@@ -134,7 +135,10 @@ class FlashAttentionForwardSm100:
         self.specs = pipeline_specs(cfg)
         self.roles = WARP_ROLES
         self.num_threads = cfg.num_threads
-        self.tmem_users = WARP_SIZE * sum(len(WARP_ROLES[r]) for r in ("mma", "softmax0", "softmax1", "correction"))
+        # q_stage 1 ((192, 128), hd256): softmax0 owns the one Q tile; softmax1's warpgroup is idle
+        # (it only lowers its registers), so it takes no part in the TMEM named barrier.
+        self.softmax_roles = ("softmax0", "softmax1")[:self.q_stage]
+        self.tmem_users = WARP_SIZE * sum(len(WARP_ROLES[r]) for r in ("mma", *self.softmax_roles, "correction"))
         self.buffer_align_bytes = 1024
         self.smem_budget = cfg.smem_bytes()
 
@@ -203,6 +207,10 @@ class FlashAttentionForwardSm100:
         sK_layout = sm100_utils.make_smem_layout_b(tiled_mma_qk, self.mma_tiler_qk, self.dtype, self.kv_stages)
         tP_layout = sm100_utils.make_smem_layout_a(tiled_mma_pv, self.mma_tiler_pv, self.dtype, self.q_stage)
         sV_layout = sm100_utils.make_smem_layout_b(tiled_mma_pv, self.mma_tiler_pv, self.dtype, self.kv_stages)
+        if const_expr(self.hdim != self.hdim_v):
+            # Dv != D: K and V blocks take alternate stages of one ring, so both views step by the
+            # larger block (K's), or V's stage i would overlap K's stage i - 1.
+            sK_layout, sV_layout = self.common_stage_stride(sK_layout, sV_layout)
         self.o_layout = LayoutEnum.from_tensor(mO)
         self.epi_tile = (self.tile_m, self.hdim_v)
         sO_layout = sm100_utils.make_smem_layout_epi(self.dtype, self.o_layout, self.epi_tile, self.q_stage)
@@ -222,9 +230,11 @@ class FlashAttentionForwardSm100:
         # tx bytes per stage: one CTA's, times cta_group (a pair's leader barrier counts both halves)
         self.tma_bytes_q = tma_tx_bytes(self.cfg, cute.size_in_bytes(self.dtype, cute.select(sQ_layout, mode=[0, 1, 2])))
         self.tma_bytes_k = tma_tx_bytes(self.cfg, cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1, 2])))
-        tma_bytes_v = tma_tx_bytes(self.cfg, cute.size_in_bytes(self.dtype, cute.select(sV_layout, mode=[0, 1, 2])))
-        if const_expr(tma_bytes_v != self.tma_bytes_k):
-            raise NotImplementedError("flash4 fwd_sm100: K and V blocks share the ring's tx count (Dv == D only)")
+        # the ring's barriers expect K's bytes; a V block of other size (Dv != D) passes its own
+        self.tma_bytes_v = tma_tx_bytes(self.cfg, cute.size_in_bytes(self.dtype, cute.select(sV_layout, mode=[0, 1, 2])))
+        if const_expr((self.tma_bytes_v != self.tma_bytes_k) != (self.hdim != self.hdim_v)):
+            raise RuntimeError(f"flash4 fwd_sm100: V blocks of {self.tma_bytes_v} bytes, K blocks of {self.tma_bytes_k} "
+                               f"with head dims ({self.hdim}, {self.hdim_v})")
 
         kv_elems = max(cute.cosize(sK_layout), cute.cosize(sV_layout))
         smem_tiles = (cute.cosize(sQ_layout) + cute.cosize(sO_layout) + kv_elems) * (self.dtype.width // 8)
@@ -246,6 +256,18 @@ class FlashAttentionForwardSm100:
                           stream=stream, min_blocks_per_mp=1)
         else:
             kernel.launch(grid=(num_ctas, 1, 1), block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+
+    @staticmethod
+    def common_stage_stride(sK_layout, sV_layout):
+        """sK / sV layouts whose stage mode steps by the larger of their two stage strides (the K/V
+        ring of Dv != D: one buffer, either block in any stage)."""
+        stride = max(max(sK_layout.outer.stride[-1], 0), max(sV_layout.outer.stride[-1], 0))
+
+        def restride(layout):
+            outer = layout.outer
+            return cute.make_composed_layout(layout.inner, 0, cute.make_layout(
+                outer.shape, stride=(*outer.stride[:-1], stride)))
+        return restride(sK_layout), restride(sV_layout)
 
     def shared_storage(self, num_mbar: int, o_elems: int, q_elems: int, kv_elems: int):
         """The kernel's smem struct: mbarriers, the TMEM address, sScale, sO, sQ, the K/V ring; a
@@ -348,15 +370,18 @@ class FlashAttentionForwardSm100:
 
         # setmaxnreg per warpgroup (register_plan), then each role. The fourth warpgroup (mma,
         # epilogue, load, idle) shares one budget.
+        softmax_args = (thr_mma_qk, sScale, mQ, mK, mLSE, mLSEhi, mLSElo, mSink, pipes, softmax_scale_log2,
+                        softcap_scale, sched, window, seqs, cta_v)
         if warp_idx < self.roles["correction"][0]:
-            self.set_regs(self.regs.softmax)
-            self.wait_tmem_alloc()
-            # softmax0 (warps 0-3) owns Q tile 0, softmax1 (4-7) Q tile 1: one code path, the
-            # Q tile (pipeline stage, TMEM columns) a warp-uniform runtime value.
-            stage = warp_idx // len(self.roles["softmax0"])
-            self.softmax(stage, thr_mma_qk, sScale, mQ, mK, mLSE, mLSEhi, mLSElo, mSink, pipes, softmax_scale_log2,
-                         softcap_scale, sched, window, seqs, cta_v)
-            self.release_tmem()
+            if const_expr(self.q_stage == 1):
+                # one Q tile: softmax0 (warps 0-3) owns it; softmax1's warpgroup (4-7) idles and
+                # gives its registers back (register_plan; FA4 moves these warps to its empty warps)
+                if warp_idx < self.roles["softmax1"][0]:
+                    self.softmax_role(warp_idx, softmax_args)
+                else:
+                    self.set_regs(self.regs.per_warpgroup()[1])
+            else:
+                self.softmax_role(warp_idx, softmax_args)
         elif warp_idx < self.roles["mma"][0]:
             self.set_regs(self.regs.correction)
             self.wait_tmem_alloc()
@@ -388,6 +413,16 @@ class FlashAttentionForwardSm100:
                 self.load(mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V, load_mma_qk, load_mma_pv,
                           pipes, sched, window, seqs)
         ledger.check()
+
+    def softmax_role(self, warp_idx, softmax_args):
+        """A softmax warpgroup: its registers, the TMEM handshake, its Q tile's softmax loop."""
+        self.set_regs(self.regs.softmax)
+        self.wait_tmem_alloc()
+        # q_stage 2: softmax0 (warps 0-3) owns Q tile 0, softmax1 (4-7) Q tile 1: one code path, the
+        # Q tile (pipeline stage, TMEM columns) a warp-uniform runtime value. q_stage 1: tile 0.
+        stage = 0 if const_expr(self.q_stage == 1) else warp_idx // len(self.roles["softmax0"])
+        self.softmax(stage, *softmax_args)
+        self.release_tmem()
 
     def set_regs(self, regs: int):
         if const_expr(RegisterPlan.is_increase(regs)):
@@ -529,19 +564,24 @@ class FlashAttentionForwardSm100:
                 kv_state = self.load_block(tma_atom_K, tKgK, tKsK, last, pipe_kv, kv_state)
                 for stage in cutlass.range_constexpr(self.q_stage):
                     q_state = self.load_block(tma_atom_Q, tQgQ, tQsQ, self.q_stage * m_block + stage, pipe_q, q_state)
-                kv_state = self.load_block(tma_atom_V, tVgV, tVsV, last, pipe_kv, kv_state)
+                kv_state = self.load_block(tma_atom_V, tVgV, tVsV, last, pipe_kv, kv_state, self.v_tx())
                 for i in cutlass.range(n_blocks - 1, unroll=1):
                     kv_state = self.load_block(tma_atom_K, tKgK, tKsK, last - 1 - i, pipe_kv, kv_state)
-                    kv_state = self.load_block(tma_atom_V, tVgV, tVsV, last - 1 - i, pipe_kv, kv_state)
+                    kv_state = self.load_block(tma_atom_V, tVgV, tVsV, last - 1 - i, pipe_kv, kv_state, self.v_tx())
             tile_idx += self.tile_stride()
         # Wait for the MMA warp's last releases (no tcgen05.commit may land after exit).
         pipe_kv.producer_tail(kv_state)
         pipe_q.producer_tail(q_state)
 
+    def v_tx(self):
+        """A V block's tx bytes where they differ from the ring's (K's; Dv != D), else None."""
+        return self.tma_bytes_v if const_expr(self.tma_bytes_v != self.tma_bytes_k) else None
+
     @cute.jit
-    def load_block(self, tma_atom, tXgX, tXsX, block, pipe, state):
-        """TMA copy of block `block` of a partitioned global tensor into the ring stage of `state`."""
-        pipe.acquire(state, "load")
+    def load_block(self, tma_atom, tXgX, tXsX, block, pipe, state, expected_tx: cutlass.Constexpr = None):
+        """TMA copy of block `block` of a partitioned global tensor into the ring stage of `state`
+        (expected_tx: the block's bytes, when not the barrier's init tx count)."""
+        pipe.acquire(state, "load", expected_tx)
         cute.copy(tma_atom, tXgX[None, block], tXsX[None, state.index], tma_bar_ptr=pipe.barrier_full(state.index))
         return next_state(state)
 

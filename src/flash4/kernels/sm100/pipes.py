@@ -83,13 +83,17 @@ class Pipe(DynamicState):
                 return p
         raise RuntimeError(f"sm100 forward: role {role} is not a party of pipeline {self.spec.describe()}")
 
-    def acquire(self, state, role: str):
-        """TMA producer: wait until the stage is free, then arrive with the expected bytes."""
+    def acquire(self, state, role: str, expected_tx=None):
+        """TMA producer: wait until the stage is free, then arrive with the expected bytes (the
+        pipeline's tx count, or expected_tx: a V block of Dv != D in the K/V ring)."""
         party = self._party(self.spec.producers, role)
         if party.signal is not Signal.TMA:
             raise RuntimeError(f"sm100 forward: acquire is for TMA producers; {self.spec.describe()}")
         self.ledger.record(self.spec.name, "full", role, party.signal)
-        self.pipe.producer_acquire(state)
+        if expected_tx is None:
+            self.pipe.producer_acquire(state)
+        else:
+            self.pipe.producer_acquire(state, expected_tx=expected_tx)
 
     def arrive_full(self, index, role: str):
         party = self._party(self.spec.producers, role)

@@ -83,28 +83,52 @@ def exp2_emu_frac_for(causal: bool, local: bool = False, cta_group: int = 1) -> 
 def kv_stages_for(headdim: int, hdim_v: int, q_stage: int = 2, tile_m: int = 128, tile_n: int = 128,
                   cta_group: int = 1) -> int:
     """FA4's K/V ring depth: as many K/V blocks as fit next to Q and O in 224 KiB, at most 32
-    (hd64: 10, hd96: 5, hd128: 3; hd128 2-CTA: 6, each CTA holding half of a block)."""
+    (hd64: 10, hd96: 5, hd128: 3; hd128 2-CTA: 6, each CTA holding half of a block; q_stage 1:
+    (192, 128) 3, hd256 1). A block takes max(D, Dv) columns: K and V share the ring."""
     q_o = fwd_smem_bytes(headdim, hdim_v, q_stage, tile_m, tile_n, 0)
     return min((SMEM_KV_BUDGET - q_o) // (tile_n * max(headdim, hdim_v) * 2 // cta_group), MAX_KV_STAGES)
 
 
+# Q tiles per CTA by head dims (D, Dv). q_stage 2 (two 128-row Q tiles, softmax0 and softmax1) up to
+# D = 128; q_stage 1 (one Q tile, softmax1's warpgroup idle) above: hd256 as FA4 (interface.py:389 of
+# 4.0.0b36); (192, 128) too, where FA4 keeps q_stage 2 by overlapping sO with sQ and an uneven K/V
+# ring (flash_fwd_sm100.py :248, :402): without those (not built here), q_stage 2 leaves room for one
+# K/V block (96 + 64 KiB of Q and O), and the MMA warp's order (PV_0, then wait K[j], then PV_1 and
+# release V) needs two. q_stage 1 gives (192, 128) three.
+Q_STAGE_1_MIN_HEADDIM = 192
+
+
+def q_stage_for(headdim: int, hdim_v: int) -> int:
+    """Q tiles per CTA (see Q_STAGE_1_MIN_HEADDIM)."""
+    return 1 if max(headdim, hdim_v) >= Q_STAGE_1_MIN_HEADDIM else 2
+
+
 # ---------------------------------------------------------------- registers (setmaxnreg)
+# Budget of softmax1's idle warpgroup with q_stage 1: setmaxnreg's minimum, so the others get its
+# registers (the MMA warp's share: see default_register_plan).
+IDLE_REGS = 24
+
+
 @dataclasses.dataclass(frozen=True)
 class RegisterPlan:
     """setmaxnreg budget per role (registers per thread). softmax: each softmax warpgroup;
     correction: the correction warpgroup; other: the warpgroup of the mma, epilogue, load and idle
-    warps. Every warp starts at LAUNCH_REGS; a budget above it is a setmaxnreg.inc, below it a .dec."""
+    warps. Every warp starts at LAUNCH_REGS; a budget above it is a setmaxnreg.inc, below it a .dec.
+    softmax_warpgroups: the config's q_stage; with 1, softmax1's warpgroup is idle and decreases to
+    IDLE_REGS (FA4 moves its warps to the empty warps)."""
 
     softmax: int
     correction: int
     other: int
+    softmax_warpgroups: int = 2
 
     def per_warpgroup(self) -> tuple:
         """Budgets of the four warpgroups in WARPGROUPS order."""
-        return (self.softmax, self.softmax, self.correction, self.other)
+        second = self.softmax if self.softmax_warpgroups == 2 else IDLE_REGS
+        return (self.softmax, second, self.correction, self.other)
 
     def by_role(self) -> dict:
-        return {"softmax0": self.softmax, "softmax1": self.softmax, "correction": self.correction,
+        return {"softmax0": self.softmax, "softmax1": self.per_warpgroup()[1], "correction": self.correction,
                 "mma": self.other, "epilogue": self.other, "load": self.other, "idle": self.other}
 
     @staticmethod
@@ -112,8 +136,17 @@ class RegisterPlan:
         """setmaxnreg.inc (True) or .dec (False) from LAUNCH_REGS; equal counts as .dec."""
         return regs > LAUNCH_REGS
 
+    def setmaxnreg_sites(self) -> list:
+        """The kernel's setmaxnreg instructions as sorted ("inc" | "dec", registers): one site per
+        budget (the softmax warpgroups share one code path; with one Q tile the idle softmax1
+        warpgroup has its own), as the compiled PTX must show them."""
+        budgets = [self.softmax, self.correction, self.other] + ([IDLE_REGS] if self.softmax_warpgroups == 1 else [])
+        return sorted(("inc" if self.is_increase(r) else "dec", r) for r in budgets)
+
 
 def register_plan_problem(plan: RegisterPlan) -> str | None:
+    if plan.softmax_warpgroups not in (1, 2):
+        return f"softmax_warpgroups={plan.softmax_warpgroups}: 1 or 2 (the config's q_stage)"
     for role, regs in (("softmax", plan.softmax), ("correction", plan.correction), ("other", plan.other)):
         if regs % 8 or not 24 <= regs <= 256:
             return f"regs_{role}={regs}: setmaxnreg takes a multiple of 8 in [24, 256]"
@@ -126,14 +159,23 @@ def register_plan_problem(plan: RegisterPlan) -> str | None:
 
 def register_plan(cfg) -> RegisterPlan:
     """The config's setmaxnreg budgets (what the kernel's setmaxregister_increase/decrease take)."""
-    return RegisterPlan(cfg.regs_softmax, cfg.regs_correction, cfg.regs_other)
+    return RegisterPlan(cfg.regs_softmax, cfg.regs_correction, cfg.regs_other, cfg.q_stage)
 
 
-def default_register_plan(headdim: int, causal: bool, cta_group: int = 1) -> RegisterPlan:
+def default_register_plan(headdim: int, causal: bool, cta_group: int = 1, hdim_v: int | None = None) -> RegisterPlan:
     """FA4's budgets for its forward (flash_fwd_sm100.py:380-403, _TUNING_CONFIG :103), tuned by
     FA4 on B200 (not measured here): hd < 96: 200/64/48; hd128 causal: 192/72 (_TUNING_CONFIG);
     hd128 2-CTA: 184/80/64; otherwise 192/80. "other" takes what is left of 512 per 4 warpgroups,
-    rounded down to 8 and capped at LAUNCH_REGS (setmaxnreg.dec may not exceed the launch count)."""
+    rounded down to 8 and capped at LAUNCH_REGS (setmaxnreg.dec may not exceed the launch count).
+    q_stage 1 ((192, 128), hd256): FA4's hd256 softmax budget 256 (BLACKWELL.md section 1, from FA4's
+    2-CTA hd256 tuning: FA4 has no 1-CTA one), the correction 152 (FA4's 160 less 8), the idle softmax1
+    warpgroup IDLE_REGS and the other warps the rest, 80: 256 + 24 + 152 + 80 = 512. Measured on the
+    CPU compile (CuTe DSL 4.8.1): at FA4's 48 the hd256 MMA warp spilled its 16 QK^T k-step descriptors
+    (19 LDL / 17 STL); at 256 / 160 / 72 hd256 with window + softcap + sink spilled 5 LDL/STL (stack 8);
+    at 256 / 152 / 80 every q_stage 1 config compiles with 0."""
+    dv = headdim if hdim_v is None else hdim_v
+    if q_stage_for(headdim, dv) == 1:
+        return RegisterPlan(256, 152, 80, softmax_warpgroups=1)
     if cta_group == 2 and headdim == 128 and not causal:
         return RegisterPlan(184, 80, 64)
     if headdim < 96:
@@ -144,11 +186,16 @@ def default_register_plan(headdim: int, causal: bool, cta_group: int = 1) -> Reg
 
 
 # ---------------------------------------------------------------- tensor memory
+# S buffers the TMEM map reserves before O whatever q_stage (FA4 tmem_s_offset = [0, tile_n]).
+S_BUFFERS = 2
+
 def tmem_map(cfg) -> dict:
     """TMEM columns of every buffer: name -> (start_col, ncols), 32-bit columns, all 128 lanes.
 
     S_i (q_stage of them): fp32 scores of Q tile i, tile_n columns at tile_n * i.
-    O_i: fp32 output accumulator of Q tile i, Dv columns at 2 * tile_n + i * Dv.
+    O_i: fp32 output accumulator of Q tile i, Dv columns at 2 * tile_n + i * Dv (FA4 places O after
+         two S buffers whatever q_stage: with q_stage 1, columns tile_n .. 2 tile_n stay unused and
+         hd256's O0 ends at column 512, FA4's map).
     P_i: 16-bit probabilities of Q tile i, packed two per column, in the upper half of S_i
          (tile_n / 2 columns at S_i + tile_n / 2; FA4 tmem_s_to_p_offset): the PV MMA reads P_i from
          TMEM while the softmax is done with S_i's columns. Declared aliases: P_i inside S_i only.
@@ -158,13 +205,13 @@ def tmem_map(cfg) -> dict:
     for i in range(cfg.q_stage):
         m[f"S{i}"] = (i * s_cols, s_cols)
     for i in range(cfg.q_stage):
-        m[f"O{i}"] = (cfg.q_stage * s_cols + i * dv, dv)
+        m[f"O{i}"] = (S_BUFFERS * s_cols + i * dv, dv)
     for i in range(cfg.q_stage):
         m[f"P{i}"] = (i * s_cols + s_cols // 2, s_cols // 2)
     return m
 
 
-# Buffers allowed to overlap: (inner, outer), inner inside outer.
+# Buffers allowed to overlap: (inner, outer), inner inside outer (P1 / S1 exist with q_stage 2 only).
 TMEM_ALIASES = (("P0", "S0"), ("P1", "S1"))
 
 
@@ -174,7 +221,7 @@ def tmem_used_cols(cfg) -> int:
 
 def tmem_alloc_cols(cfg) -> int:
     """Columns the MMA warp allocates (tcgen05.alloc): the used columns rounded up to a power of two,
-    at least 32 (the instruction's rule). 512 for hd64/96/128 with q_stage 2."""
+    at least 32 (the instruction's rule). 512 for every forward config ((192, 128) uses 384)."""
     cols = 32
     while cols < tmem_used_cols(cfg):
         cols *= 2
@@ -279,7 +326,7 @@ def pipeline_specs(cfg) -> dict:
     g = cfg.cta_group
     specs = [
         PipelineSpec("q", q, (P("load", Signal.TMA),), (P("mma", Signal.COMMIT),),
-                     "Q tiles 0 and 1 of a CTA tile; released by the MMA warp after the tile's last QK^T",
+                     "the CTA tile's q_stage Q tiles; released by the MMA warp after the tile's last QK^T",
                      cta_group=g),
         PipelineSpec("kv", cfg.kv_stages, (P("load", Signal.TMA),), (P("mma", Signal.COMMIT),),
                      "K and V blocks in one ring, in the MMA's order K[n-1] V[n-1] K[n-2] V[n-2] ...",
