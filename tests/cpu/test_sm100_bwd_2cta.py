@@ -19,13 +19,15 @@ from flash4.kernels.sm100.plan import TMEM_COLUMNS
 from flash4.launch import bwd_grid
 
 TWO = [c for c in sm100.shipped_bwd_configs() if c.cta_group == 2]
-IDS = [f"d{c.headdim}-{c.dtype}-{'causal' if c.causal else 'full'}-2cta" for c in TWO]
+IDS = [f"d{c.headdim}-{c.dtype}-{'causal' if c.causal else 'full'}{'-softcap' if c.softcap else ''}-2cta" for c in TWO]
 
 
 # ---------------------------------------------------------------- config and selection
 def test_shipped_two_cta_configs():
-    assert TWO == [sm100.select_bwd_config(128, dt, c, two_cta=True) for dt in ("bf16", "fp16") for c in (False, True)]
+    assert TWO == [sm100.select_bwd_config(128, dt, c, two_cta=True) for dt in ("bf16", "fp16") for c in (False, True)] + [
+        sm100.select_bwd_config(128, "bf16", c, softcap=True, two_cta=True) for c in (False, True)]
     assert all(c.cta_group == 2 and c.q_stages == 1 and not c.deterministic and not c.local for c in TWO)
+    assert [c.softcap for c in TWO] == [False] * 4 + [True] * 2
     assert sm100.shipped_bwd_configs()[-len(TWO):] == TWO  # after the 1-CTA configs
 
 
@@ -34,15 +36,13 @@ def test_two_cta_is_opt_in_and_hd128_only():
     assert sm100.select_bwd_config(128, two_cta=True).cta_group == 2
     assert sm100.select_bwd_config(128, causal=True, two_cta=True).cta_group == 2
     # where the 2-CTA variant is not built, the switch keeps the 1-CTA config
-    for kw in (dict(headdim=64), dict(headdim=128, deterministic=True), dict(headdim=128, local=True),
-               dict(headdim=128, softcap=True)):
+    for kw in (dict(headdim=64), dict(headdim=128, deterministic=True), dict(headdim=128, local=True)):
         assert sm100.select_bwd_config(two_cta=True, **kw) == sm100.select_bwd_config(**kw)
 
 
 @pytest.mark.parametrize("kw, match", [
     (dict(headdim=64), "built for \\(128,\\)"), (dict(headdim=128, deterministic=True), "deterministic"),
     (dict(headdim=128, local=True), "window"), (dict(headdim=128, q_stages=2), "q_stages"),
-    (dict(headdim=128, softcap=True), "softcap"),
 ])
 def test_config_refuses_two_cta_elsewhere(kw, match):
     base = dict(cta_group=2, q_stages=1, regs_reduce=136, regs_compute=136, regs_other=104)
@@ -239,6 +239,9 @@ def test_sass_gates(built, name):
     assert row["ldtm"] == 4 + dv // 32 + d // 32 + (d // 2) // 32 and row["sttm"] == 4
     assert row["utcatomsws"] == 3 and row["utcatomsws_2cta"] == 2  # pair alloc + relinquish; dealloc .AND
     assert row["mufu_ex2"] == tm // 2 and row["hgmma"] == 0
+    # softcap: tanh per score before the exp2, log2 per score for dS (as the 1-CTA kernel)
+    assert row["mufu_tanh"] == (tm // 2 if cfg.softcap else 0)
+    assert sass_count(sass, "MUFU.LG2") == (tm // 2 if cfg.softcap else 0)
     assert row["spills"] == 0 and sass_count(sass, "LDL") == 0 and sass_count(sass, "STL") == 0
     assert row["stack_bytes"] == 0
 

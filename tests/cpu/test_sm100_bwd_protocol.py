@@ -223,8 +223,9 @@ def compute(n, cfg, early_ds=True):
         if two and early_ds and i > 0:
             yield A("ds", "full", 0, "compute")  # dS(i-1) in smem, S(i) read
         yield A("s", "empty", 0, "compute")  # P(i) written
-        yield A("lse", "empty", lse.index, "compute")
-        lse.advance()
+        if not cfg.softcap:
+            yield A("lse", "empty", lse.index, "compute")
+            lse.advance()
         yield full("dpsum", dps)
         yield W("dp", "full", 0, i % 2, i)
         yield W("ds", "empty", 0, (i + 1) % 2, i - 1)
@@ -237,6 +238,9 @@ def compute(n, cfg, early_ds=True):
             yield A("ds", "full", 0, "compute")
         yield A("dpsum", "empty", dps.index, "compute")
         dps.advance()
+        if cfg.softcap:  # dS read the LSE too: released after dS
+            yield A("lse", "empty", lse.index, "compute")
+            lse.advance()
     if two and early_ds and n > 0:
         yield A("ds", "full", 0, "compute")
     if n > 0:
@@ -309,8 +313,10 @@ def run(cfg, n, seed, roles_override=None, count_group=None, model_cls=None):
 
 
 STEPS = [0, 1, 2, 3, 5]
-CONFIGS = {"1cta": sm100.select_bwd_config(128), "2cta": sm100.select_bwd_config(128, two_cta=True),
-           "2cta-causal": sm100.select_bwd_config(128, causal=True, two_cta=True)}
+CONFIGS = {"1cta": sm100.select_bwd_config(128), "1cta-softcap": sm100.select_bwd_config(128, softcap=True),
+           "2cta": sm100.select_bwd_config(128, two_cta=True),
+           "2cta-causal": sm100.select_bwd_config(128, causal=True, two_cta=True),
+           "2cta-softcap": sm100.select_bwd_config(128, softcap=True, two_cta=True)}
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))

@@ -316,9 +316,9 @@ class Sm100BwdConfig:
     tile_m:      queries per step (S^T columns, 128); tile_n: keys per CTA (TMEM lanes, 128).
     q_stages / do_stages: depth of the Q (and LSE) / dO (and dPsum) TMA rings (FA4: 2 / 1).
     cta_group:   1 (tcgen05 .cta_group::1), or 2: a cluster of 2 CTAs per 2 x tile_n keys, the
-                 leader CTA issuing .cta_group::2 MMAs for the pair, each CTA holding dQ for half of
-                 the head dim's TMEM columns and swapping half of dS with its peer over DSMEM
-                 (hd128, not deterministic, no window: bwd_two_cta_problem; q_stages 1). Opt-in:
+                 leader CTA issuing .cta_group::2 MMAs for the pair, each CTA holding dQ of half the
+                 query block (64 rows x D in 64 TMEM columns) and swapping half of dS with its peer
+                 over DSMEM (hd128, not deterministic, no window: bwd_two_cta_problem; q_stages 1). Opt-in:
                  select_bwd_config(two_cta=True), which the host passes as FLASH4_SM100_2CTA.
     regs_reduce / regs_compute / regs_other: setmaxnreg budgets (bwd_register_plan).
     arch:        100 (sm_100a).
@@ -433,13 +433,14 @@ def bwd_config_problem(cfg) -> str | None:
 
 # Problems the 2-CTA backward is built for (bwd_two_cta_problem).
 BWD_TWO_CTA_CAUSAL = True
+BWD_TWO_CTA_SOFTCAP = True
 
 
 def bwd_two_cta_problem(headdim: int, causal: bool = False, local: bool = False,
                         deterministic: bool = False, softcap: bool = False) -> str | None:
-    """Why the 2-CTA backward cannot take a problem class, or None (hd128, full or causal, no window,
-    not deterministic, no softcap; dense batches: the host refuses packed sequences for every sm100
-    backward)."""
+    """Why the 2-CTA backward cannot take a problem class, or None (hd128, full or causal, softcap or
+    not, no window, not deterministic; dense batches: the host refuses packed sequences for every
+    sm100 backward)."""
     if headdim not in SM100_BWD_2CTA_HEADDIMS:
         return (f"cta_group=2 with headdim={headdim}: the 2-CTA backward is built for {SM100_BWD_2CTA_HEADDIMS} "
                 "only")
@@ -450,7 +451,7 @@ def bwd_two_cta_problem(headdim: int, causal: bool = False, local: bool = False,
     if deterministic:
         return ("cta_group=2 with deterministic=True: the 2-CTA backward has no dQ semaphore chain (the pair's "
                 "two CTAs add different rows of one query block)")
-    if softcap:
+    if softcap and not BWD_TWO_CTA_SOFTCAP:
         return "cta_group=2 with softcap: the 2-CTA backward is built without softcap (not compiled with it)"
     return None
 
@@ -480,7 +481,8 @@ def select_bwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, a
     if two_cta and bwd_two_cta_problem(headdim, causal and not local, local, deterministic, softcap) is None:
         plan = default_bwd_register_plan_2cta(headdim, causal)
         return Sm100BwdConfig(headdim=headdim, dtype=dtype, causal=causal, cta_group=2, q_stages=BWD_Q_STAGES_2CTA,
-                              regs_reduce=plan.reduce, regs_compute=plan.compute, regs_other=plan.other)
+                              softcap=softcap, regs_reduce=plan.reduce, regs_compute=plan.compute,
+                              regs_other=plan.other)
     plan = default_bwd_register_plan(headdim, causal)
     return Sm100BwdConfig(headdim=headdim, dtype=dtype, causal=causal and not local, local=local,
                           deterministic=deterministic, softcap=softcap,
@@ -493,13 +495,16 @@ def shipped_bwd_configs() -> list:
     config per head dim and mask, bf16, hd64/128 x (full, causal) (4; the API selects the other
     softcap combinations too: softcap only adds the compute warps' tanh and dS factor, independent of
     the dtype, the window and the deterministic dQ chain), then the 2-CTA configs (opt-in,
-    FLASH4_SM100_2CTA=1): hd128 x bf16/fp16 x the masks bwd_two_cta_problem accepts (full, causal: 4)."""
+    FLASH4_SM100_2CTA=1): hd128 x bf16/fp16 x the masks bwd_two_cta_problem accepts (full, causal: 4), and
+    softcap in bf16, full and causal (2)."""
     no_softcap = [select_bwd_config(d, dt, c, local=lo, deterministic=det) for det in (False, True)
                   for d in SM100_BWD_HEADDIMS for dt in DTYPES
                   for c, lo in ((False, False), (True, False), (False, True))]
     softcap = [select_bwd_config(d, "bf16", c, softcap=True) for d in SM100_BWD_HEADDIMS for c in (False, True)]
     two_cta = [select_bwd_config(d, dt, c, two_cta=True) for d in SM100_BWD_2CTA_HEADDIMS for dt in DTYPES
                for c in (False, True) if bwd_two_cta_problem(d, c) is None]
+    two_cta += [select_bwd_config(d, "bf16", c, softcap=True, two_cta=True) for d in SM100_BWD_2CTA_HEADDIMS
+                for c in (False, True) if bwd_two_cta_problem(d, c, softcap=True) is None]
     return no_softcap + softcap + two_cta
 
 

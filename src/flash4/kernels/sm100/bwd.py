@@ -27,8 +27,8 @@ from bwd_register_plan, every mbarrier arrive count from bwd_pipeline_specs (che
 flash4.kernels.sm100.pipes). Masks: causal, a sliding window (local configs; runtime sides), keys
 past seqlen_k, through flash4.geometry (m_block_range, first_query, query_end).
 
-2-CTA (cfg.cta_group 2: hd128, full or causal, not deterministic, no window; opt-in FLASH4_SM100_2CTA):
-a cluster of 2 CTAs per 2 x 128 keys, the leader issuing .cta_group::2 MMAs for both (each CTA's own
+2-CTA (cfg.cta_group 2: hd128, full or causal, softcap or not, not deterministic, no window; opt-in
+FLASH4_SM100_2CTA): a cluster of 2 CTAs per 2 x 128 keys, the leader issuing .cta_group::2 MMAs for both (each CTA's own
 keys are its M rows; Q, dO, Q^T, dO^T, K^T are loaded split along the MMA's N), dQ over S's tail in
 TMEM (each CTA: 64 query rows x D), half of dS^T swapped with the peer over DSMEM
 (cp.async.bulk.shared::cluster), a relay warp (14) forwarding "the peer's half arrived" to the
@@ -794,7 +794,8 @@ class FlashAttentionBackwardSm100:
     @staticmethod
     def tma_part(atom, s, gt):
         """(smem, gmem) TMA partitions of one operand (no multicast: the pair splits each MMA operand)."""
-        return cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s, 0, 3), cute.group_modes(gt, 0, 3))
+        return cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s, 0, 3),
+                                     cute.group_modes(gt, 0, 3))
 
     @cute.jit
     def relay(self, pipes, tile):
