@@ -77,8 +77,11 @@ def bwd_grid(cfg: BwdConfig, batch: int, seqlen_k: int, nheads_k: int, num_split
     split (the deterministic dQ and dK/dV orders rely on lower n_blocks and lower splits launching
     first), flattened into gridDim.x. num_splits: bwd_num_splits (1 without GQA head split). Varlen:
     batch = the number of sequences, seqlen_k = max_seqlen_k when bwd_dynamic_seqlen_k(cfg) (the
-    kernel decodes blockIdx.x with the same n_block count)."""
-    num_n_blocks = ceil_div(seqlen_k, cfg.tile_n)
+    kernel decodes blockIdx.x with the same n_block count). A 2-CTA config (cta_group 2: a cluster of
+    2 CTAs per 2 x tile_n keys) rounds the n_blocks of each (head, batch) up to whole pairs, so a
+    cluster never straddles two heads (the odd pair's second CTA holds keys past seqlen_k only)."""
+    group = getattr(cfg, "cta_group", 1)
+    num_n_blocks = ceil_div(seqlen_k, cfg.tile_n * group) * group
     ctas = num_n_blocks * num_splits * nheads_k * batch
     _check_count("backward", "CTAs (n_blocks x head splits x nheads_k x batch)", ctas,
                  f"batch={batch}, seqlen_k={seqlen_k}, nheads_k={nheads_k}, head splits={num_splits}, "

@@ -530,7 +530,9 @@ def _gated_problem(q, causal, door: _Door, arch: int) -> Problem:
         try:  # the backward config autograd will ask for (flash4.config.<family>.bwd_plan's selection)
             bwd_cfg = module.select_bwd_config(
                 headdim, DTYPE_NAMES[q.dtype], causal, arch=arch, local=window_sides(window_size, causal) is not None,
-                softcap=door.softcap > 0, headdim_v=None if headdim_v == headdim else headdim_v, **packed)
+                softcap=door.softcap > 0, headdim_v=None if headdim_v == headdim else headdim_v, **packed,
+                # the sm100 2-CTA opt-in, as flash4.config.sm100.bwd_plan asks it (dense batches)
+                **({"two_cta": True} if arch == 100 and door.layout == "dense" and env.sm100_2cta() else {}))
         except ValueError as err:
             return NotImplementedError, f"flash4 has no backward for this call on sm_{arch}: {err}; {hint}"
     problem = selftest.support_problem(cfg, q.device)

@@ -35,7 +35,8 @@ def test_configs_and_filters():
     assert picked == [sm100.select_fwd_config(128, "bf16", True)]
     # the backward: shipped_bwd_configs, the window ones with features
     bwd = sm100_check.configs(passes=("bwd",))
-    assert len(bwd) == 16 and all(sm100_check.is_bwd(c) and not c.local for c in bwd)
+    assert len(bwd) == 16 + 4 and all(sm100_check.is_bwd(c) and not c.local for c in bwd)  # + 4 2-CTA (hd128)
+    assert [c.cta_group for c in bwd[-4:]] == [2] * 4
     assert sm100_check.configs(passes=("bwd",), features=True) == sm100.shipped_bwd_configs()
     both = sm100_check.configs(headdims=[64], dtypes=["fp16"], causals=(True,), passes=("fwd", "bwd"))
     assert both == [sm100.select_fwd_config(64, "fp16", True), sm100.select_bwd_config(64, "fp16", True),
@@ -125,10 +126,11 @@ def test_cli_reports_backward_rows(monkeypatch, capsys, tmp_path):
                    "--json", str(out_json)])
     text = capsys.readouterr().out
     assert seen == [sm100.select_fwd_config(128, "bf16", True), sm100.select_bwd_config(128, "bf16", True),
-                    sm100.select_bwd_config(128, "bf16", True, deterministic=True)]
-    assert "1 forward config(s), 2 backward config(s)" in text
+                    sm100.select_bwd_config(128, "bf16", True, deterministic=True),
+                    sm100.select_bwd_config(128, "bf16", True, two_cta=True)]  # the 2-CTA backward (opt-in)
+    assert "1 forward config(s), 3 backward config(s)" in text
     assert text.count(sm100_check.LABEL) == 2
-    fwd_at, bwd_at = text.index("forward (1):"), text.index("backward (2):")
+    fwd_at, bwd_at = text.index("forward (1):"), text.index("backward (3):")
     assert fwd_at < bwd_at and text.index("fwd_sm100 d128") < bwd_at < text.index("bwd_sm100 d128 bf16 causal")
     for header in ("regs red/comp/other", "TMEM used/alloc", "smem KiB", "LDL/STL", "stack", "UTCHMMA", "UBLKRED",
                    "UBLKCP", "MUFU.EX2", "LDG/REDG.STRONG", "compile_s", "cpu_s"):
@@ -136,11 +138,11 @@ def test_cli_reports_backward_rows(monkeypatch, capsys, tmp_path):
     assert "152/136/88" in text and "512/512" in text
     assert rc == 1 and "FAIL bwd_sm100 d128 bf16 causal 128x128 1cta q2do1 det: local memory" in text
     rows = json.loads(out_json.read_text())
-    assert [r["pass"] for r in rows] == ["fwd", "bwd", "bwd"] and rows[1]["ublkred"] == 4
+    assert [r["pass"] for r in rows] == ["fwd", "bwd", "bwd", "bwd"] and rows[1]["ublkred"] == 4
     assert cli.main(["compile-check", "--arch", "sm_100a", "--pass", "bwd", "--features", "--dtypes", "fp16",
                      "--causal", "0"]) == 1
     text = capsys.readouterr().out
-    assert "0 forward config(s), 8 backward config(s)" in text and "bwd_sm100 d64 fp16 window" in text
+    assert "0 forward config(s), 9 backward config(s)" in text and "bwd_sm100 d64 fp16 window" in text  # 8 + 2-CTA
 
 
 def test_one_real_backward_row():

@@ -345,10 +345,12 @@ def test_a_config_with_an_unbuilt_field_cannot_exist(field, value):
 
 def test_backward_configs():
     """The 1-CTA backward (tests/cpu/test_sm100_bwd_plan.py has its plan): hd64 / hd128 only; 24 configs
-    without softcap, 4 with (bf16, hd64 / hd128, full / causal)."""
+    without softcap, 4 with (bf16, hd64 / hd128, full / causal); then the 2-CTA hd128 ones
+    (tests/cpu/test_sm100_bwd_2cta.py)."""
     shipped = shipped_bwd_configs()
-    assert len(shipped) == 28 and select_bwd_config(128).arch == 100
-    assert [(c.headdim, c.causal) for c in shipped if c.softcap] == [(64, False), (64, True), (128, False), (128, True)]
+    assert [c.cta_group for c in shipped] == [1] * 28 + [2] * 6 and select_bwd_config(128).arch == 100
+    assert [(c.headdim, c.causal) for c in shipped if c.softcap and c.cta_group == 1] == [
+        (64, False), (64, True), (128, False), (128, True)]
     assert select_bwd_config(128, "fp16", local=True, deterministic=True, softcap=True).softcap
     with pytest.raises(ValueError, match="sm100 backward is built for head dims"):
         select_bwd_config(96)

@@ -309,6 +309,20 @@ def test_the_softcap_backward_selftest_runs_with_softcap():
         assert inputs["softcap"] == selftest._SOFTCAP > 0 and inputs["causal"]
 
 
+def test_training_with_the_2cta_switch_asks_the_2cta_backward(sm100_device, monkeypatch):
+    """FLASH4_SM100_2CTA=1: the door asks the self-test about the backward config autograd will run
+    (flash4.config.sm100.bwd_plan's selection): the 2-CTA one for hd128 (causal too), 1-CTA elsewhere."""
+    monkeypatch.setenv("FLASH4_SM100_2CTA", "1")
+    asked = verdicts(monkeypatch, ok=True)
+    q, k, v = qkv(requires_grad=True)
+    assert validate.support_error(q, k, v, causal=True) is None
+    assert asked[1] == sm100.select_bwd_config(128, "bf16", True, two_cta=True) and asked[1].cta_group == 2
+    assert asked[1] == flash4.config.bwd_config(Request.dense(q, k, v, causal=True), 100).cfg
+    q, k, v = qkv(d=64, requires_grad=True)
+    assert validate.support_error(q, k, v) is None
+    assert asked[3] == sm100.select_bwd_config(64) and asked[3].cta_group == 1
+
+
 def test_training_a_backward_failure_is_refused(sm100_device, monkeypatch):
     """A backward config that failed its self-test refuses training (the forward passed)."""
     monkeypatch.setattr(selftest, "check", lambda cfg, device=None, **kw: selftest.Verdict(

@@ -103,7 +103,8 @@ def _plan_row(cfg) -> tuple[dict, list]:
         plan = sm100.bwd_register_plan(cfg)
         row = {"regs_reduce": plan.reduce, "regs_compute": plan.compute, "regs_other": plan.other,
                "tmem_used": sm100.bwd_tmem_used_cols(cfg), "tmem_alloc": sm100.bwd_tmem_alloc_cols(cfg)}
-        return row, sorted([("inc", plan.reduce), ("inc", plan.compute), ("dec", plan.other)])
+        kind = lambda regs: "inc" if sm100.BwdRegisterPlan.is_increase(regs) else "dec"  # noqa: E731
+        return row, sorted((kind(r), r) for r in (plan.reduce, plan.compute, plan.other))
     plan = sm100.register_plan(cfg)
     row = {"regs_softmax": plan.softmax, "regs_correction": plan.correction, "regs_other": plan.other,
            "tmem_used": sm100.tmem_used_cols(cfg), "tmem_alloc": sm100.tmem_alloc_cols(cfg)}

@@ -28,6 +28,7 @@ from flash4.kernels.sm100.bwd_plan import (  # noqa: F401  (the backward's plan)
     SM100_BWD_HEADDIMS, BwdRegisterPlan, bwd_pipeline_specs, bwd_register_plan, bwd_register_plan_problem,
     bwd_smem_bytes, bwd_tmem_alloc_cols, bwd_tmem_aliases, bwd_tmem_map, bwd_tmem_used_cols,
     default_bwd_register_plan,
+    BWD_Q_STAGES_2CTA, SM100_BWD_2CTA_HEADDIMS, default_bwd_register_plan_2cta,
 )
 from flash4.kernels.sm100.plan import (  # noqa: F401  (the plan, re-exported for the config's users)
     ARCH, EXP2_EMU_FRAC, EXP2_EMU_FRAC_CAUSAL, EXP2_EMU_GROUP, exp2_emu_frac_for, IDLE_REGS, LAUNCH_REGS, MAX_KV_STAGES, NUM_THREADS, NUM_WARPS, Party, PipelineSpec,
@@ -322,7 +323,11 @@ class Sm100BwdConfig:
     causal:      bottom-right aligned causal mask.
     tile_m:      queries per step (S^T columns, 128); tile_n: keys per CTA (TMEM lanes, 128).
     q_stages / do_stages: depth of the Q (and LSE) / dO (and dPsum) TMA rings (FA4: 2 / 1).
-    cta_group:   1 (tcgen05 .cta_group::1); the 2-CTA backward is not built.
+    cta_group:   1 (tcgen05 .cta_group::1), or 2: a cluster of 2 CTAs per 2 x tile_n keys, the
+                 leader CTA issuing .cta_group::2 MMAs for the pair, each CTA holding dQ of half the
+                 query block (64 rows x D in 64 TMEM columns) and swapping half of dS with its peer
+                 over DSMEM (hd128, not deterministic, no window: bwd_two_cta_problem; q_stages 1). Opt-in:
+                 select_bwd_config(two_cta=True), which the host passes as FLASH4_SM100_2CTA.
     regs_reduce / regs_compute / regs_other: setmaxnreg budgets (bwd_register_plan).
     arch:        100 (sm_100a).
     local:       a sliding window (runtime sides; causal folded into it: the config has causal False),
@@ -386,7 +391,8 @@ class Sm100BwdConfig:
         return BWD_NUM_THREADS
 
     def smem_bytes(self) -> int:
-        return bwd_smem_bytes(self.headdim, self.hdim_v, self.tile_m, self.tile_n, self.q_stages, self.do_stages)
+        return bwd_smem_bytes(self.headdim, self.hdim_v, self.tile_m, self.tile_n, self.q_stages, self.do_stages,
+                              cta_group=self.cta_group)
 
 
 # Fields of flash4.config.BwdConfig the sm100 backward does not build yet (field -> its "off" value).
@@ -414,7 +420,16 @@ def bwd_config_problem(cfg) -> str | None:
         return "the sm100 backward has no " + ", ".join(_BWD_UNBUILT_WHAT[f] for f in on) + " yet"
     if cfg.local and cfg.causal:
         return "local=True folds causal into the window: causal must be False"
-    if (cfg.tile_m, cfg.tile_n, cfg.cta_group, cfg.q_stages, cfg.do_stages) != (
+    if cfg.cta_group == 2:
+        problem = bwd_two_cta_problem(cfg.headdim, cfg.causal, cfg.local, cfg.deterministic, cfg.softcap)
+        if problem is not None:
+            return problem
+        if (cfg.tile_m, cfg.tile_n, cfg.q_stages, cfg.do_stages) != (BWD_TILE_M, BWD_TILE_N, BWD_Q_STAGES_2CTA,
+                                                                      BWD_DO_STAGES):
+            return (f"(tile_m, tile_n, q_stages, do_stages)=({cfg.tile_m}, {cfg.tile_n}, {cfg.q_stages}, "
+                    f"{cfg.do_stages}); the 2-CTA backward is built for ({BWD_TILE_M}, {BWD_TILE_N}, "
+                    f"{BWD_Q_STAGES_2CTA}, {BWD_DO_STAGES})")
+    elif (cfg.tile_m, cfg.tile_n, cfg.cta_group, cfg.q_stages, cfg.do_stages) != (
             BWD_TILE_M, BWD_TILE_N, 1, BWD_Q_STAGES, BWD_DO_STAGES):
         return (f"(tile_m, tile_n, cta_group, q_stages, do_stages)=({cfg.tile_m}, {cfg.tile_n}, {cfg.cta_group}, "
                 f"{cfg.q_stages}, {cfg.do_stages}); only ({BWD_TILE_M}, {BWD_TILE_N}, 1, {BWD_Q_STAGES}, "
@@ -424,26 +439,58 @@ def bwd_config_problem(cfg) -> str | None:
     return bwd_register_plan_problem(BwdRegisterPlan(cfg.regs_reduce, cfg.regs_compute, cfg.regs_other))
 
 
+# Problems the 2-CTA backward is built for (bwd_two_cta_problem).
+BWD_TWO_CTA_CAUSAL = True
+BWD_TWO_CTA_SOFTCAP = True
+
+
+def bwd_two_cta_problem(headdim: int, causal: bool = False, local: bool = False,
+                        deterministic: bool = False, softcap: bool = False) -> str | None:
+    """Why the 2-CTA backward cannot take a problem class, or None (hd128, full or causal, softcap or
+    not, no window, not deterministic; dense batches: the host refuses packed sequences for every
+    sm100 backward)."""
+    if headdim not in SM100_BWD_2CTA_HEADDIMS:
+        return (f"cta_group=2 with headdim={headdim}: the 2-CTA backward is built for {SM100_BWD_2CTA_HEADDIMS} "
+                "only")
+    if local:
+        return "cta_group=2 with a sliding window: the 2-CTA backward is built without a window"
+    if causal and not BWD_TWO_CTA_CAUSAL:
+        return "cta_group=2 with a causal mask: the 2-CTA backward is built non-causal only"
+    if deterministic:
+        return ("cta_group=2 with deterministic=True: the 2-CTA backward has no dQ semaphore chain (the pair's "
+                "two CTAs add different rows of one query block)")
+    if softcap and not BWD_TWO_CTA_SOFTCAP:
+        return "cta_group=2 with softcap: the 2-CTA backward is built without softcap (not compiled with it)"
+    return None
+
+
 def select_bwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, arch: int = ARCH,
                       deterministic: bool = False, local: bool = False, softcap: bool = False,
-                      headdim_v: int | None = None, **kwargs) -> Sm100BwdConfig:
+                      headdim_v: int | None = None, two_cta: bool = False, **kwargs) -> Sm100BwdConfig:
     """The sm100 backward config for one problem class (pure; CPU-tested): hd64 / hd128, bf16 / fp16,
     causal or not, a sliding window (local: causal folded in), deterministic or not, softcap or not,
     dense, MHA and GQA/MQA (one CTA per KV head walks its query heads). Raises ValueError naming what
     is missing for everything else (another head dim, Dv != D). Same arguments as
-    flash4.config.sm90.select_bwd_config (the others ignored)."""
+    flash4.config.sm90.select_bwd_config (the others ignored). two_cta: take the 2-CTA variant where it
+    is built (bwd_two_cta_problem is None; otherwise the 1-CTA config); the host passes
+    env.sm100_2cta() (FLASH4_SM100_2CTA, default off)."""
     if arch != ARCH:
         raise ValueError(f"flash4.config.sm100 builds sm_100a kernels only, got arch={arch}")
     if headdim not in SM100_BWD_HEADDIMS:
         raise ValueError(f"headdim={headdim}: the sm100 backward is built for head dims {SM100_BWD_HEADDIMS} "
-                         "only (1-CTA; hd96/192/256 and 2-CTA are not built yet)")
+                         "only (hd96/192/256 are not built yet; the 2-CTA variant: hd128)")
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r}; allowed: {DTYPES}")
     missing = [_BWD_UNBUILT_WHAT["headdim_v"]] if headdim_v is not None and headdim_v != headdim else []
     if missing:
         raise ValueError("the sm100 backward has no " + ", ".join(missing) + " yet (compile-verified 1-CTA "
                          "backward: dense hd64/hd128, causal, window or neither, deterministic or not, softcap "
-                         "or not, MHA/GQA)")
+                         "or not, MHA/GQA; 2-CTA: hd128)")
+    if two_cta and bwd_two_cta_problem(headdim, causal and not local, local, deterministic, softcap) is None:
+        plan = default_bwd_register_plan_2cta(headdim, causal)
+        return Sm100BwdConfig(headdim=headdim, dtype=dtype, causal=causal, cta_group=2, q_stages=BWD_Q_STAGES_2CTA,
+                              softcap=softcap, regs_reduce=plan.reduce, regs_compute=plan.compute,
+                              regs_other=plan.other)
     plan = default_bwd_register_plan(headdim, causal)
     return Sm100BwdConfig(headdim=headdim, dtype=dtype, causal=causal and not local, local=local,
                           deterministic=deterministic, softcap=softcap,
@@ -455,12 +502,18 @@ def shipped_bwd_configs() -> list:
     hd64/128 x bf16/fp16 x (full, causal, window) x deterministic or not (24), then one softcap
     config per head dim and mask, bf16, hd64/128 x (full, causal) (4; the API selects the other
     softcap combinations too: softcap only adds the compute warps' tanh and dS factor, independent of
-    the dtype, the window and the deterministic dQ chain)."""
+    the dtype, the window and the deterministic dQ chain), then the 2-CTA configs (opt-in,
+    FLASH4_SM100_2CTA=1): hd128 x bf16/fp16 x the masks bwd_two_cta_problem accepts (full, causal: 4), and
+    softcap in bf16, full and causal (2)."""
     no_softcap = [select_bwd_config(d, dt, c, local=lo, deterministic=det) for det in (False, True)
                   for d in SM100_BWD_HEADDIMS for dt in DTYPES
                   for c, lo in ((False, False), (True, False), (False, True))]
     softcap = [select_bwd_config(d, "bf16", c, softcap=True) for d in SM100_BWD_HEADDIMS for c in (False, True)]
-    return no_softcap + softcap
+    two_cta = [select_bwd_config(d, dt, c, two_cta=True) for d in SM100_BWD_2CTA_HEADDIMS for dt in DTYPES
+               for c in (False, True) if bwd_two_cta_problem(d, c) is None]
+    two_cta += [select_bwd_config(d, "bf16", c, softcap=True, two_cta=True) for d in SM100_BWD_2CTA_HEADDIMS
+                for c in (False, True) if bwd_two_cta_problem(d, c, softcap=True) is None]
+    return no_softcap + softcap + two_cta
 
 
 def bwd_plan(request, arch: int = ARCH, heads_per_cta: int | None = None):
@@ -477,5 +530,6 @@ def bwd_plan(request, arch: int = ARCH, heads_per_cta: int | None = None):
     cfg = select_bwd_config(request.headdim, request.dtype, mask.causal, arch=arch,
                             deterministic=request.deterministic, local=mask.local,
                             softcap=request.score.softcap > 0,
-                            headdim_v=None if request.headdim_v == request.headdim else request.headdim_v)
+                            headdim_v=None if request.headdim_v == request.headdim else request.headdim_v,
+                            two_cta=env.sm100_2cta())
     return BwdPlan(cfg, request.nheads // request.nheads_k)

@@ -1,4 +1,4 @@
-"""FlashAttention backward for Blackwell (sm_100a, B200) in CuTe DSL: 1-CTA, dQ, dK, dV.
+"""FlashAttention backward for Blackwell (sm_100a, B200) in CuTe DSL: 1-CTA and (hd128) 2-CTA, dQ, dK, dV.
 
 Status: compile-verified, not run on hardware (no Blackwell GPU has executed it; no speed claim).
 
@@ -25,8 +25,16 @@ so the LSE stage is released after dS^T instead of after P^T.
 Every TMEM offset comes from flash4.kernels.sm100.bwd_plan.bwd_tmem_map, every setmaxnreg budget
 from bwd_register_plan, every mbarrier arrive count from bwd_pipeline_specs (checked at trace time by
 flash4.kernels.sm100.pipes). Masks: causal, a sliding window (local configs; runtime sides), keys
-past seqlen_k, through flash4.geometry (m_block_range, first_query, query_end). Not built (refused by
-flash4.config.sm100.select_bwd_config): 2-CTA, head dims other than 64 / 128, Dv != D,
+past seqlen_k, through flash4.geometry (m_block_range, first_query, query_end).
+
+2-CTA (cfg.cta_group 2: hd128, full or causal, softcap or not, not deterministic, no window; opt-in
+FLASH4_SM100_2CTA): a cluster of 2 CTAs per 2 x 128 keys, the leader issuing .cta_group::2 MMAs for both (each CTA's own
+keys are its M rows; Q, dO, Q^T, dO^T, K^T are loaded split along the MMA's N), dQ over S's tail in
+TMEM (each CTA: 64 query rows x D), half of dS^T swapped with the peer over DSMEM
+(cp.async.bulk.shared::cluster), a relay warp (14) forwarding "the peer's half arrived" to the
+leader's MMA warp, and the pair's TMEM dealloc handshake. docs/design/sm100_backward.md section 8.
+
+Not built (refused by flash4.config.sm100.select_bwd_config): head dims other than 64 / 128, Dv != D,
 varlen / seqused, the GQA head split, and the exact-LSE path of issue 8 (P uses the rounded padded log2 LSE the preprocess writes;
 the per-tile exact flags are not read).
 """
@@ -39,6 +47,7 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.utils.blackwell_helpers as sm100_utils
 from cutlass import Float32, Int32, const_expr, pipeline
+from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, tcgen05
 from cutlass.cutlass_dsl import dsl_user_op
@@ -54,13 +63,14 @@ from flash4.kernels.common.geometry import DEVICE_OPS
 from flash4.kernels.common.layout import select_modes
 from flash4.kernels.common.pipeline import next_state
 from flash4.kernels.sm100.bwd_plan import (BWD_WARP_ROLES, DQ_GROUP_ROWS, DQ_LD_COLS, BwdRegisterPlan, bwd_pipeline_specs,
-                                           bwd_register_plan, bwd_tmem_alloc_cols, bwd_tmem_map)
+                                           bwd_register_plan, bwd_tmem_alloc_cols, bwd_tmem_map, bwd_warp_roles)
 from flash4.kernels.sm100.pipes import ArrivalLedger, Pipe, thread_group
 from flash4.kernels.sm100.plan import TMEM_COLUMNS, WARP_SIZE
 
 # Named barrier ids of this kernel (0 is __syncthreads).
 TMEM_PTR_BARRIER = 1  # mma + compute + reduce warps: TMEM allocated / done with TMEM
 REDUCE_BARRIER = 2  # the 4 reduce warps (deterministic: around the dQ semaphore)
+COMPUTE_BARRIER = 3  # 2-CTA: the 8 compute warps (S^T read before P^T is written; dS smem written before the exchange)
 # Columns per tcgen05.ld of S^T, dP^T (32x32b.x32: thread t gets 32 columns of lane t).
 LD_COLS = 32
 # Columns per tcgen05.ld of dK, dV in the epilogue and of dQ in the reduce warps.
@@ -102,6 +112,22 @@ def bulk_reduce_add_f32(gmem_ptr: cute.Pointer, smem_ptr: cute.Pointer, num_byte
 
 
 @dsl_user_op
+def bulk_copy_s2peer(src_ptr: cute.Pointer, dst_ptr: cute.Pointer, mbar_ptr: cute.Pointer, peer, num_bytes: int, *,
+                     loc=None, ip=None):
+    """The peer CTA's smem[dst .. + n] = this CTA's smem[src .. + n] over distributed shared memory
+    (cp.async.bulk.shared::cluster.shared::cta; dst and mbar are this CTA's addresses of the same
+    buffers, mapped to CTA `peer` of the cluster with mapa); completes n bytes of the peer's mbar."""
+    llvm.inline_asm(
+        None,
+        [dst_ptr.toint(loc=loc, ip=ip).ir_value(), src_ptr.toint(loc=loc, ip=ip).ir_value(),
+         mbar_ptr.toint(loc=loc, ip=ip).ir_value(), Int32(peer).ir_value(loc=loc, ip=ip),
+         Int32(num_bytes).ir_value(loc=loc, ip=ip)],
+        "{\n.reg .b32 d, m;\nmapa.shared::cluster.u32 d, $0, $3;\nmapa.shared::cluster.u32 m, $2, $3;\n"
+        "cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [d], [$1], $4, [m];\n}",
+        "r,r,r,r,r", has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+
+
+@dsl_user_op
 def bulk_copy_g2s(smem_ptr: cute.Pointer, gmem_ptr: cute.Pointer, mbar_ptr: cute.Pointer, num_bytes: int, *,
                   loc=None, ip=None):
     """smem[0:n] = gmem[0:n] on the bulk copy engine; completes num_bytes of mbar's transaction count."""
@@ -114,13 +140,15 @@ def bulk_copy_g2s(smem_ptr: cute.Pointer, gmem_ptr: cute.Pointer, mbar_ptr: cute
 
 
 def bwd_tiled_mmas(cfg):
-    """The five tcgen05 tiled MMAs (1-CTA, fp32 accumulators): S^T = K Q^T, dP^T = V dO^T (both
-    operands K-major), dV += P^T dO and dK += dS^T Q (A from TMEM, B MN-major), dQ = dS K (both
-    MN-major). Trace time (inside a cute.jit function)."""
+    """The five tcgen05 tiled MMAs (fp32 accumulators): S^T = K Q^T, dP^T = V dO^T (both operands
+    K-major), dV += P^T dO and dK += dS^T Q (A from TMEM, B MN-major), dQ = dS K (both MN-major).
+    2-CTA (cfg.cta_group 2): .cta_group::2 with the pair's keys as M (2 tile_n: each CTA's own keys
+    are its M rows) and as dQ's K; dQ's M = tile_m queries is split between the pair (tile_m / 2
+    each). Trace time (inside a cute.jit function)."""
     dt = DSL_DTYPES[cfg.dtype]
     K_, MN_ = OperandMajorMode.K, OperandMajorMode.MN
-    one = tcgen05.CtaGroup.ONE
-    tm, tn, d, dv = cfg.tile_m, cfg.tile_n, cfg.headdim, cfg.hdim_v
+    one = tcgen05.CtaGroup.TWO if cfg.cta_group == 2 else tcgen05.CtaGroup.ONE
+    tm, tn, d, dv = cfg.tile_m, cfg.tile_n * cfg.cta_group, cfg.headdim, cfg.hdim_v
     tmem = tcgen05.OperandSource.TMEM
     return (sm100_utils.make_trivial_tiled_mma(dt, dt, K_, K_, Float32, one, (tn, tm)),
             sm100_utils.make_trivial_tiled_mma(dt, dt, K_, K_, Float32, one, (tn, tm)),
@@ -139,7 +167,7 @@ def bwd_smem_layouts(cfg, mmas=None) -> dict:
     (tests/cpu/test_sm100_bwd_plan.py checks it element by element). Trace time."""
     dt = DSL_DTYPES[cfg.dtype]
     mma_s, mma_dp, mma_dv, mma_dk, mma_dq = bwd_tiled_mmas(cfg) if mmas is None else mmas
-    tm, tn, d, dv = cfg.tile_m, cfg.tile_n, cfg.headdim, cfg.hdim_v
+    tm, tn, d, dv = cfg.tile_m, cfg.tile_n * cfg.cta_group, cfg.headdim, cfg.hdim_v
     t_s, t_dp, t_dv, t_dk, t_dq = (tn, tm, d), (tn, tm, dv), (tn, dv, tm), (tn, d, tm), (tm, d, tn)
     a, b = sm100_utils.make_smem_layout_a, sm100_utils.make_smem_layout_b
     return {
@@ -147,13 +175,15 @@ def bwd_smem_layouts(cfg, mmas=None) -> dict:
         "sV": a(mma_dp, t_dp, dt, 1), "sdO": b(mma_dp, t_dp, dt, cfg.do_stages),
         "sdOmn": b(mma_dv, t_dv, dt, cfg.do_stages), "sQmn": b(mma_dk, t_dk, dt, cfg.q_stages),
         "sdS": a(mma_dq, t_dq, dt, 1), "sKmn": b(mma_dq, t_dq, dt, 1),
-        "sdSt": sm100_utils.make_smem_layout_epi(dt, LayoutEnum.ROW_MAJOR, (tn, tm), 1),
+        "sdSt": sm100_utils.make_smem_layout_epi(dt, LayoutEnum.ROW_MAJOR, (cfg.tile_n, tm), 1),
         "tP": a(mma_dv, t_dv, dt, 1), "tdS": a(mma_dk, t_dk, dt, 1),
     }
 
 
 class FlashAttentionBackwardSm100:
-    """Warp-specialized 1-CTA backward: one CTA per (key block, KV head, batch).
+    """Warp-specialized backward: one CTA per (key block, KV head, batch); 2-CTA (cfg.cta_group 2): one
+    cluster of 2 per (pair of key blocks, KV head, batch), see mma_2cta / load_2cta / reduce_2cta /
+    relay and compute's cta_v branches. The 1-CTA description:
 
     Warp roles (flash4.kernels.sm100.bwd_plan.BWD_WARP_ROLES; 16 warps, 512 threads):
       * reduce = warps 0-3: thread t owns dQ row t (TMEM lane t): loads the step's dQ (D columns),
@@ -189,19 +219,27 @@ class FlashAttentionBackwardSm100:
         self.tile_m, self.tile_n = cfg.tile_m, cfg.tile_n
         self.q_stages, self.do_stages = cfg.q_stages, cfg.do_stages
         self.causal = cfg.causal
-        self.mma_tiler_s = (self.tile_n, self.tile_m, self.hdim)  # S^T = K Q^T
-        self.mma_tiler_dp = (self.tile_n, self.tile_m, self.hdim_v)  # dP^T = V dO^T
-        self.mma_tiler_dv = (self.tile_n, self.hdim_v, self.tile_m)  # dV += P^T dO
-        self.mma_tiler_dk = (self.tile_n, self.hdim, self.tile_m)  # dK += dS^T Q
-        self.mma_tiler_dq = (self.tile_m, self.hdim, self.tile_n)  # dQ = dS K
+        # 2-CTA (cta_group 2): a cluster of 2 CTAs per 2 x tile_n keys; the leader (rank 0) issues
+        # .cta_group::2 MMAs whose M (S^T, dP^T, dV, dK) or K (dQ) is the pair's 2 tile_n keys.
+        self.cta_group = cfg.cta_group
+        self.two_cta = cfg.cta_group == 2
+        pair_n = self.cta_group * self.tile_n
+        self.mma_tiler_s = (pair_n, self.tile_m, self.hdim)  # S^T = K Q^T
+        self.mma_tiler_dp = (pair_n, self.tile_m, self.hdim_v)  # dP^T = V dO^T
+        self.mma_tiler_dv = (pair_n, self.hdim_v, self.tile_m)  # dV += P^T dO
+        self.mma_tiler_dk = (pair_n, self.hdim, self.tile_m)  # dK += dS^T Q
+        self.mma_tiler_dq = (self.tile_m, self.hdim, pair_n)  # dQ = dS K
         self.tmem = bwd_tmem_map(cfg)
         self.tmem_cols = bwd_tmem_alloc_cols(cfg)
         self.regs: BwdRegisterPlan = bwd_register_plan(cfg)
         self.specs = bwd_pipeline_specs(cfg)
-        self.roles = BWD_WARP_ROLES
+        self.roles = bwd_warp_roles(cfg.cta_group)
         self.num_threads = cfg.num_threads
         self.tmem_users = WARP_SIZE * sum(len(BWD_WARP_ROLES[r]) for r in ("mma", "compute", "reduce"))
         self.compute_wgs = len(BWD_WARP_ROLES["compute"]) // 4
+        # dQ columns (fp32) each CTA reduces: all D, or in a pair half of the pair's M = tile_m
+        # queries' D columns (the M = 128 .cta_group::2 accumulator: tile_m / 2 rows x D per CTA)
+        self.dq_cols = self.hdim // self.cta_group
         # query columns of S^T / dP^T per compute warpgroup, and their 16-bit halves in TMEM columns
         self.wg_cols = self.tile_m // self.compute_wgs
         self.half_cols = self.wg_cols // 2
@@ -253,16 +291,19 @@ class FlashAttentionBackwardSm100:
         mdQacc = select_modes(mdQacc, [2, 3, 1, 0])  # (seqlen_pad, d, heads, batch)
         mdQsem = select_modes(mdQsem, [2, 1, 0])  # (num_m_blocks, heads, batch)
 
-        cta_group = tcgen05.CtaGroup.ONE
+        cta_group = tcgen05.CtaGroup.TWO if const_expr(self.two_cta) else tcgen05.CtaGroup.ONE
         mma_s, mma_dp, mma_dv, mma_dk, mma_dq = bwd_tiled_mmas(self.cfg)
         lay = bwd_smem_layouts(self.cfg, (mma_s, mma_dp, mma_dv, mma_dk, mma_dq))
         sK_layout, sQ_layout, sV_layout, sdO_layout = lay["sK"], lay["sQ"], lay["sV"], lay["sdO"]
         sdOmn_layout, sQmn_layout, sdS_layout, sKmn_layout = lay["sdOmn"], lay["sQmn"], lay["sdS"], lay["sKmn"]
         sdSt_layout, tP_layout, tdS_layout = lay["sdSt"], lay["tP"], lay["tdS"]
         dt = self.dtype
-        cluster_vmnk = cute.tiled_divide(cute.make_layout((1, 1, 1)), (mma_s.thr_id.shape,))
-        for name, a, b in (("Q", sQ_layout, sQmn_layout), ("dO", sdO_layout, sdOmn_layout),
-                           ("K", sK_layout, sKmn_layout), ("dS", sdSt_layout, sdS_layout)):
+        cluster_vmnk = cute.tiled_divide(cute.make_layout((self.cta_group, 1, 1)), (mma_s.thr_id.shape,))
+        # 1-CTA: Q, dO, K and dS are each read through two views of one buffer. 2-CTA: only dS (the
+        # others are loaded twice, each half as its MMA splits it).
+        views = (("Q", sQ_layout, sQmn_layout), ("dO", sdO_layout, sdOmn_layout), ("K", sK_layout, sKmn_layout),
+                 ("dS", sdSt_layout, sdS_layout))
+        for name, a, b in views[3:] if const_expr(self.two_cta) else views:
             if const_expr(cute.cosize(a) != cute.cosize(b)):
                 raise RuntimeError(f"flash4 bwd_sm100: the two views of {name} differ in size")
 
@@ -283,13 +324,43 @@ class FlashAttentionBackwardSm100:
             "lse": self.tile_m * 4,
             "dpsum": self.tile_m * 4,
         }
-        smem_tiles = ((cute.cosize(sK_layout) + cute.cosize(sV_layout) + cute.cosize(sQ_layout)
-                       + cute.cosize(sdO_layout) + cute.cosize(sdSt_layout)) * (dt.width // 8)
-                      + 4 * DQ_GROUP_ROWS * self.hdim * 4 + (self.q_stages + self.do_stages) * self.tile_m * 4)
+        extra = ()
+        if const_expr(self.two_cta):
+            # the three operands the 1-CTA kernel reads through a second view: Q^T (B of dK), dO^T (B
+            # of dV), K^T (B of dQ), each CTA's half along N; (d, seqlen, heads, batch) views
+            mQt, mdOt, mKt = [select_modes(t, [1, 0, 2, 3]) for t in (mQ, mdO, mK)]
+            tma_atom_Qt, tma_Qt = cute.nvgpu.make_tiled_tma_atom_B(load_op, mQt, sel(sQmn_layout), self.mma_tiler_dk,
+                                                                   mma_dk, cluster_vmnk.shape)
+            tma_atom_dOt, tma_dOt = cute.nvgpu.make_tiled_tma_atom_B(load_op, mdOt, sel(sdOmn_layout),
+                                                                     self.mma_tiler_dv, mma_dv, cluster_vmnk.shape)
+            tma_atom_Kt, tma_Kt = cute.nvgpu.make_tiled_tma_atom_B(load_op, mKt, sel(sKmn_layout), self.mma_tiler_dq,
+                                                                   mma_dq, cluster_vmnk.shape)
+            extra = (tma_Qt, tma_dOt, tma_Kt, tma_atom_Qt, tma_atom_dOt, tma_atom_Kt)
+            # per stage one CTA's bytes, times 2: the leader's barrier counts both CTAs' halves
+            self.tma_bytes["kv"] = 2 * (self.tma_bytes["kv"] + cute.size_in_bytes(dt, sel(sKmn_layout)))
+            self.tma_bytes["q"] = 2 * self.tma_bytes["q"]
+            self.tma_bytes["qt"] = 2 * cute.size_in_bytes(dt, sel(sQmn_layout))
+            self.tma_bytes["do"] = 2 * (self.tma_bytes["do"] + cute.size_in_bytes(dt, sel(sdOmn_layout)))
+            # the dS exchange: query half h of dS^T (tile_n x tile_m / 2) is elements [h, h + 1) x half
+            half = self.tile_n * self.tile_m // 2
+            if const_expr(cute.crd2idx((0, self.tile_m // 2, 0), sdSt_layout.outer) != half
+                          or cute.cosize(sdSt_layout) != 2 * half):
+                raise RuntimeError("flash4 bwd_sm100: dS^T's query halves are not contiguous: the 2-CTA exchange "
+                                   "copies one half as a block")
+            self.tma_bytes["dsx"] = half * (dt.width // 8)
+            smem_tiles = ((cute.cosize(sK_layout) + cute.cosize(sV_layout) + cute.cosize(sQ_layout)
+                           + cute.cosize(sQmn_layout) + cute.cosize(sdO_layout) + cute.cosize(sdOmn_layout)
+                           + cute.cosize(sKmn_layout) + cute.cosize(sdSt_layout) + half) * (dt.width // 8)
+                          + 4 * DQ_GROUP_ROWS * self.dq_cols * 4 + (self.q_stages + self.do_stages) * self.tile_m * 4)
+        else:
+            smem_tiles = ((cute.cosize(sK_layout) + cute.cosize(sV_layout) + cute.cosize(sQ_layout)
+                           + cute.cosize(sdO_layout) + cute.cosize(sdSt_layout)) * (dt.width // 8)
+                          + 4 * DQ_GROUP_ROWS * self.hdim * 4 + (self.q_stages + self.do_stages) * self.tile_m * 4)
         if const_expr(smem_tiles != self.cfg.smem_bytes()):
             raise RuntimeError(f"flash4 bwd_sm100: smem tiles take {smem_tiles} bytes, the config says "
                                f"{self.cfg.smem_bytes()}")
         num_mbar = 2 * sum(s.stages for s in self.specs.values())
+        storage_2cta = self.shared_storage_2cta(num_mbar, lay) if const_expr(self.two_cta) else None
 
         @cute.struct
         class SharedStorage:
@@ -306,11 +377,46 @@ class FlashAttentionBackwardSm100:
 
         layouts = (sK_layout, sQ_layout, sV_layout, sdO_layout, sdOmn_layout, sQmn_layout, sdS_layout, sKmn_layout,
                    sdSt_layout, tP_layout, tdS_layout)
-        self.kernel(
-            tma_K, tma_Q, tma_V, tma_dO, mLSE2, mD, mdQacc, mdQsem, mdK, mdV, tma_atom_K, tma_atom_Q, tma_atom_V, tma_atom_dO,
-            softmax_scale, window_left, window_right, *layouts, mma_s, mma_dp, mma_dv, mma_dk, mma_dq, SharedStorage,
-            softcap if const_expr(self.cfg.softcap) else None,
-        ).launch(grid=(num_ctas, 1, 1), block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+        if const_expr(self.two_cta):
+            # a cluster of 2 per 2 x tile_n keys (flash4.launch.bwd_grid rounds n_blocks up to pairs)
+            self.kernel(
+                tma_K, tma_Q, tma_V, tma_dO, mLSE2, mD, mdQacc, mdQsem, mdK, mdV, tma_atom_K, tma_atom_Q, tma_atom_V,
+                tma_atom_dO, softmax_scale, window_left, window_right, *layouts, mma_s, mma_dp, mma_dv, mma_dk, mma_dq,
+                storage_2cta, softcap if const_expr(self.cfg.softcap) else None, extra,
+            ).launch(grid=(num_ctas, 1, 1), block=[self.num_threads, 1, 1], cluster=[self.cta_group, 1, 1],
+                     stream=stream, min_blocks_per_mp=1)
+        else:
+            self.kernel(
+                tma_K, tma_Q, tma_V, tma_dO, mLSE2, mD, mdQacc, mdQsem, mdK, mdV, tma_atom_K, tma_atom_Q, tma_atom_V,
+                tma_atom_dO, softmax_scale, window_left, window_right, *layouts, mma_s, mma_dp, mma_dv, mma_dk, mma_dq,
+                SharedStorage, softcap if const_expr(self.cfg.softcap) else None,
+            ).launch(grid=(num_ctas, 1, 1), block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+
+    def shared_storage_2cta(self, num_mbar: int, lay: dict):
+        """One CTA's smem in a 2-CTA pair: the mbarriers, the pair's TMEM dealloc mbarrier, LSE / dPsum,
+        the dQ staging (D / 2 columns), K, V, Q, Q^T, dO, dO^T, K^T, and dS^T followed by the half of it
+        that goes to the peer (one buffer: the exchange half is addressed from dS^T's base)."""
+        dt, align = self.dtype, self.buffer_align_bytes
+        ds_elems = cute.cosize(lay["sdSt"]) + self.tile_n * self.tile_m // 2
+
+        @cute.struct
+        class SharedStorage2Cta:
+            mbar: cute.struct.MemRange[cutlass.Int64, num_mbar]
+            tmem_dealloc_mbar: cutlass.Int64
+            tmem_holding_buf: Int32
+            sLSE: cute.struct.Align[cute.struct.MemRange[Float32, self.q_stages * self.tile_m], 128]
+            sD: cute.struct.Align[cute.struct.MemRange[Float32, self.do_stages * self.tile_m], 128]
+            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, 4 * DQ_GROUP_ROWS * self.dq_cols], 128]
+            sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(lay["sK"])], align]
+            sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(lay["sV"])], align]
+            sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(lay["sQ"])], align]
+            sQt: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(lay["sQmn"])], align]
+            sdO: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(lay["sdO"])], align]
+            sdOt: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(lay["sdOmn"])], align]
+            sKt: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(lay["sKmn"])], align]
+            sdS: cute.struct.Align[cute.struct.MemRange[dt, ds_elems], align]
+
+        return SharedStorage2Cta
 
     # ------------------------------------------------------------------ device side
     @cute.kernel
@@ -323,19 +429,46 @@ class FlashAttentionBackwardSm100:
                sdS_layout: cute.ComposedLayout, sKmn_layout: cute.ComposedLayout, sdSt_layout: cute.ComposedLayout,
                tP_layout: cute.ComposedLayout, tdS_layout: cute.ComposedLayout,
                mma_s: cute.TiledMma, mma_dp: cute.TiledMma, mma_dv: cute.TiledMma, mma_dk: cute.TiledMma,
-               mma_dq: cute.TiledMma, SharedStorage: cutlass.Constexpr, softcap: Optional[Float32]):
+               mma_dq: cute.TiledMma, SharedStorage: cutlass.Constexpr, softcap: Optional[Float32],
+               extra: tuple = ()):
+        """extra (2-CTA only): the TMA tensors and atoms of Q^T, dO^T and K^T."""
         mmas = (mma_s, mma_dp, mma_dv, mma_dk, mma_dq)
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == self.roles["load"][0]:
             for atom in (tma_atom_K, tma_atom_Q, tma_atom_V, tma_atom_dO):
                 cpasync.prefetch_descriptor(atom)
+            if const_expr(self.two_cta):
+                for atom in extra[3:]:
+                    cpasync.prefetch_descriptor(atom)
 
         smem = SmemAllocator()
         storage = smem.allocate(SharedStorage)
         ledger = ArrivalLedger(self.specs)
-        pipes = self.make_pipelines(storage.mbar.data_ptr(), ledger)
-        cute.arch.mbarrier_init_fence()
-        cute.arch.sync_threads()
+        self.ledger = ledger  # the raw 2-CTA barriers (dsx, relay) record their arrivals here (ledger_note)
+        cta_v = 0  # this CTA's rank in its pair (0: the leader, which issues the MMAs); 1-CTA: 0
+        is_leader = True
+        if const_expr(self.two_cta):
+            cluster_vmnk = cute.tiled_divide(cute.make_layout((self.cta_group, 1, 1)), (mma_s.thr_id.shape,))
+            pipes = self.make_pipelines_2cta(storage.mbar.data_ptr(), ledger, cluster_vmnk, warp_idx)
+            cta_v = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+            is_leader = cta_v == 0
+            # the dealloc handshake's mbarrier is initialized by the allocator warp here, before the
+            # cluster arrive that publishes every barrier init to the peer CTA
+            tmem = TmemAllocator(storage.tmem_holding_buf.ptr,
+                                 barrier_for_retrieve=pipeline.NamedBarrier(barrier_id=TMEM_PTR_BARRIER,
+                                                                            num_threads=self.tmem_users),
+                                 allocator_warp_id=self.roles["mma"][0], is_two_cta=True,
+                                 two_cta_tmem_dealloc_mbar_ptr=storage.tmem_dealloc_mbar.ptr, arch="sm_100")
+            # the two raw barriers of the pair (bwd_pipeline_specs_2cta: dsx, relay), counts from the spec
+            if warp_idx == 0:
+                with cute.arch.elect_one():
+                    for name in ("dsx", "relay"):
+                        cute.arch.mbarrier_init(pipes[name], self.specs[name].full_arrivals())
+            pipeline_init_arrive(cluster_shape_mn=cluster_vmnk, is_relaxed=True)
+        else:
+            pipes = self.make_pipelines(storage.mbar.data_ptr(), ledger)
+            cute.arch.mbarrier_init_fence()
+            cute.arch.sync_threads()
 
         def view(buf, lay):
             return cute.make_tensor(cute.recast_ptr(buf.iterator, lay.inner, dtype=self.dtype), lay.outer)
@@ -345,43 +478,76 @@ class FlashAttentionBackwardSm100:
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sdO = storage.sdO.get_tensor(sdO_layout.outer, swizzle=sdO_layout.inner)
         sdSt = storage.sdS.get_tensor(sdSt_layout.outer, swizzle=sdSt_layout.inner)  # (tile_n, tile_m, 1)
-        smem_t = dict(sK=sK, sV=sV, sQ=sQ, sdO=sdO, sdSt=sdSt, sQmn=view(sQ, sQmn_layout),
-                      sdOmn=view(sdO, sdOmn_layout), sKmn=view(sK, sKmn_layout), sdS=view(sdSt, sdS_layout))
+        if const_expr(self.two_cta):
+            # Q^T, dO^T, K^T: loaded on their own (each CTA's half along the MMA's N)
+            smem_t = dict(sK=sK, sV=sV, sQ=sQ, sdO=sdO, sdSt=sdSt,
+                          sQmn=storage.sQt.get_tensor(sQmn_layout.outer, swizzle=sQmn_layout.inner),
+                          sdOmn=storage.sdOt.get_tensor(sdOmn_layout.outer, swizzle=sdOmn_layout.inner),
+                          sKmn=storage.sKt.get_tensor(sKmn_layout.outer, swizzle=sKmn_layout.inner),
+                          sdS=view(sdSt, sdS_layout))
+        else:
+            smem_t = dict(sK=sK, sV=sV, sQ=sQ, sdO=sdO, sdSt=sdSt, sQmn=view(sQ, sQmn_layout),
+                          sdOmn=view(sdO, sdOmn_layout), sKmn=view(sK, sKmn_layout), sdS=view(sdSt, sdS_layout))
         sLSE = storage.sLSE.get_tensor(cute.make_layout((self.tile_m, self.q_stages)))
         sD = storage.sD.get_tensor(cute.make_layout((self.tile_m, self.do_stages)))
         # (D, DQ_GROUP_ROWS, reduce warp): per warp a block of whole rows, row-major like the accumulator
-        sdQ = storage.sdQ.get_tensor(cute.make_layout((self.hdim, DQ_GROUP_ROWS, 4)))
-        tmem = TmemAllocator(storage.tmem_holding_buf.ptr,
-                             barrier_for_retrieve=pipeline.NamedBarrier(barrier_id=TMEM_PTR_BARRIER,
-                                                                        num_threads=self.tmem_users),
-                             allocator_warp_id=self.roles["mma"][0], arch="sm_100")
+        # (2-CTA: D / 2 columns per row, the thread's half)
+        sdQ = storage.sdQ.get_tensor(cute.make_layout((self.dq_cols, DQ_GROUP_ROWS, 4)))
+        if const_expr(not self.two_cta):
+            tmem = TmemAllocator(storage.tmem_holding_buf.ptr,
+                                 barrier_for_retrieve=pipeline.NamedBarrier(barrier_id=TMEM_PTR_BARRIER,
+                                                                            num_threads=self.tmem_users),
+                                 allocator_warp_id=self.roles["mma"][0], arch="sm_100")
 
         window = (window_left, window_right) if const_expr(self.cfg.local) else None
         tile = self.tile_coords(mQ, mK, window)
+        if const_expr(self.two_cta):
+            # every barrier of both CTAs initialized (the cluster arrive above) before any remote
+            # arrive, TMA, DSMEM copy or the pair's TMEM allocation
+            pipeline_init_wait(cluster_shape_mn=cluster_vmnk)
 
         if warp_idx < self.roles["compute"][0]:
             self.set_regs(self.regs.reduce)
             self.wait_tmem_alloc()
-            self.reduce(mmas[4], mdQacc, mdQsem, sdQ, pipes, tile, window)
+            if const_expr(self.two_cta):
+                self.reduce_2cta(mmas[4], mdQacc, sdQ, pipes, tile, cta_v)
+            else:
+                self.reduce(mmas[4], mdQacc, mdQsem, sdQ, pipes, tile, window)
             self.release_tmem()
         elif warp_idx < self.roles["mma"][0]:
             self.set_regs(self.regs.compute)
             self.wait_tmem_alloc()
-            self.compute(mmas, sLSE, sD, sdSt, mdK, mdV, pipes, tile, softmax_scale, window, softcap)
+            if const_expr(self.two_cta):
+                self.compute(mmas, sLSE, sD, sdSt, mdK, mdV, pipes, tile, softmax_scale, window, softcap, cta_v)
+            else:
+                self.compute(mmas, sLSE, sD, sdSt, mdK, mdV, pipes, tile, softmax_scale, window, softcap)
             self.release_tmem()
         else:
             self.set_regs(self.regs.other)
             if warp_idx == self.roles["mma"][0]:
-                tmem.allocate(self.tmem_cols)
+                tmem.allocate(self.tmem_cols)  # 2-CTA: .cta_group::2, both CTAs' allocator warps
                 self.wait_tmem_alloc()
-                self.mma(mmas, smem_t, tP_layout, tdS_layout, pipes, tile)
+                if const_expr(self.two_cta):
+                    if is_leader:  # the pair's MMAs and their commits come from the leader only
+                        self.mma_2cta(mmas, smem_t, tP_layout, tdS_layout, pipes, tile)
+                else:
+                    self.mma(mmas, smem_t, tP_layout, tdS_layout, pipes, tile)
+                # 2-CTA: free() first exchanges an arrive with the peer's allocator warp (each CTA's
+                # TMEM users are done), then deallocates .cta_group::2
                 tmem.relinquish_alloc_permit()
                 named_barrier_sync(TMEM_PTR_BARRIER, self.tmem_users)
                 tcgen05_fence_after()
                 tmem.free(tmem.retrieve_ptr(Float32), self.tmem_cols)
             elif warp_idx == self.roles["load"][0]:
-                self.load(mmas, mK, mQ, mV, mdO, mLSE2, mD, smem_t, sLSE, sD, tma_atom_K, tma_atom_Q, tma_atom_V,
-                          tma_atom_dO, pipes, tile)
+                if const_expr(self.two_cta):
+                    self.load_2cta(mmas, mK, mQ, mV, mdO, mLSE2, mD, smem_t, sLSE, sD, tma_atom_K, tma_atom_Q,
+                                   tma_atom_V, tma_atom_dO, extra, pipes, tile, cta_v)
+                else:
+                    self.load(mmas, mK, mQ, mV, mdO, mLSE2, mD, smem_t, sLSE, sD, tma_atom_K, tma_atom_Q, tma_atom_V,
+                              tma_atom_dO, pipes, tile)
+            if const_expr(self.two_cta):
+                if warp_idx == self.roles["relay"][0]:
+                    self.relay(pipes, tile)
         ledger.check()
 
     def set_regs(self, regs: int):
@@ -434,6 +600,43 @@ class FlashAttentionBackwardSm100:
         add("dkv", pipeline.PipelineUmmaAsync, one, compute)
         return pipes
 
+    def make_pipelines_2cta(self, mbar_ptr, ledger: ArrivalLedger, cluster_vmnk, warp_idx) -> dict:
+        """The pipelines of bwd_pipeline_specs_2cta: the TMA and MMA-bridging ones get the pair's
+        cluster layout (the leader's expect_tx for both CTAs' bytes, the leader's commits multicast to
+        both CTAs, the thread parties' arrivals routed to the leader's barrier, counting both CTAs);
+        LSE / dPsum stay CTA-local. dsx and relay are raw mbarriers (their pointers; the kernel
+        initializes them with the spec's counts)."""
+        warps = {role: len(w) for role, w in self.roles.items()}
+        one = thread_group(1)
+        pipes, offset = {}, 0
+        pair = {"cta_layout_vmnk": cluster_vmnk}
+        g = self.cta_group
+
+        def add(name, cls, producer, consumer, **kw):
+            nonlocal offset
+            spec = self.specs[name]
+            p = cls.create(barrier_storage=mbar_ptr + offset, num_stages=spec.stages, producer_group=producer,
+                           consumer_group=consumer, defer_sync=True, **kw)
+            offset += 2 * spec.stages
+            pipes[name] = Pipe(spec, p, ledger)
+
+        compute = thread_group(warps["compute"])
+        add("kv", pipeline.PipelineTmaUmma, one, one, tx_count=self.tma_bytes["kv"], **pair)
+        add("q", pipeline.PipelineTmaUmma, one, one, tx_count=self.tma_bytes["q"], **pair)
+        add("qt", pipeline.PipelineTmaUmma, one, one, tx_count=self.tma_bytes["qt"], **pair)
+        add("lse", pipeline.PipelineTmaAsync, one, compute, tx_count=self.tma_bytes["lse"])
+        add("do", pipeline.PipelineTmaUmma, one, one, tx_count=self.tma_bytes["do"], **pair)
+        add("dpsum", pipeline.PipelineTmaAsync, one, compute, tx_count=self.tma_bytes["dpsum"])
+        add("s", pipeline.PipelineUmmaAsync, one, thread_group(g * warps["compute"]), **pair)
+        add("dp", pipeline.PipelineUmmaAsync, one, thread_group(g * warps["compute"]), **pair)
+        add("ds", pipeline.PipelineAsyncUmma, thread_group(g * warps["compute"]), one, **pair)
+        add("dq", pipeline.PipelineUmmaAsync, one, thread_group(g * warps["reduce"]), **pair)
+        add("dkv", pipeline.PipelineUmmaAsync, one, compute, **pair)
+        for name in ("dsx", "relay"):
+            pipes[name] = mbar_ptr + offset  # full barrier (its empty slot unused: never released)
+            offset += 2 * self.specs[name].stages
+        return pipes
+
     # ---------------------------------------------------------------- the CTA's work (all roles)
     def tile_coords(self, mQ, mK, window):
         """(n_block, head_kv, batch, group, m_min, num_m, seqlen_q, seqlen_k) of this CTA (window: None or
@@ -441,15 +644,25 @@ class FlashAttentionBackwardSm100:
         ((batch * nheads_k) + head_kv) * n_blocks + n_block (flash4.launch.bwd_grid's order). The CTA
         runs group * num_m steps: query head head_kv * group + i // num_m, query block m_min + i % num_m."""
         seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
-        n_blocks = cute.ceil_div(seqlen_k, self.tile_n)
+        if const_expr(self.two_cta):
+            # whole pairs per (head, batch): the pair of n_block // 2 covers 2 tile_n keys; CTA v of the
+            # cluster (blockIdx.x % 2) holds keys (n_block // 2) 2 tile_n + v tile_n ..
+            n_blocks = cute.ceil_div(seqlen_k, self.cta_group * self.tile_n) * self.cta_group
+        else:
+            n_blocks = cute.ceil_div(seqlen_k, self.tile_n)
         nheads_k = mK.shape[2]
         bid = cute.arch.block_idx()[0]
         n_block = bid % n_blocks
         rest = bid // n_blocks
         head_kv, batch = rest % nheads_k, rest // nheads_k
         group = mQ.shape[2] // nheads_k
-        m_min, m_max = g.m_block_range(n_block, seqlen_q, seqlen_k, self.tile_m, self.tile_n, self.causal, DEVICE_OPS,
-                                       window)
+        if const_expr(self.two_cta):
+            # both CTAs of the pair walk the query blocks of the pair's keys (their MMAs are joint)
+            m_min, m_max = g.m_block_range(n_block // self.cta_group, seqlen_q, seqlen_k, self.tile_m,
+                                           self.cta_group * self.tile_n, self.causal, DEVICE_OPS, window)
+        else:
+            m_min, m_max = g.m_block_range(n_block, seqlen_q, seqlen_k, self.tile_m, self.tile_n, self.causal,
+                                           DEVICE_OPS, window)
         num_m = cutlass.max(m_max - m_min, 0)
         return (n_block, head_kv, batch, group, m_min, num_m, seqlen_q, seqlen_k)
 
@@ -515,6 +728,89 @@ class FlashAttentionBackwardSm100:
         with cute.arch.elect_one():
             bulk_copy_g2s(sX[None, state.index].iterator, gX.iterator, pipe.barrier_full(state.index),
                           self.tile_m * 4)
+
+    @cute.jit
+    def load_2cta(self, mmas, mK, mQ, mV, mdO, mLSE2, mD, smem_t, sLSE, sD, tma_atom_K, tma_atom_Q, tma_atom_V,
+                  tma_atom_dO, extra, pipes, tile, cta_v):
+        """2-CTA load warp (both CTAs): this CTA's half of every operand (the MMA slice of its rank).
+        K, V and K^T once (kv); per step Q[m] (q), LSE[m], dO[m] with dO^T[m] (do), D[m], Q^T[m] (qt),
+        in the order the leader's MMA warp consumes them. Each CTA's .cta_group::2 TMA completes on the
+        leader's barrier; the leader's load warp expects both CTAs' bytes (PipelineTmaUmma)."""
+        tma_Qt, tma_dOt, tma_Kt, tma_atom_Qt, tma_atom_dOt, tma_atom_Kt = extra
+        mma_s, mma_dp, mma_dv, mma_dk, mma_dq = mmas
+        n_block, head_kv, batch, group, m_min, num_m, _, _ = tile
+        n_steps = group * num_m
+        pair_n = n_block // self.cta_group
+        thr_s, thr_dp, thr_dv, thr_dk, thr_dq = [m.get_slice(cta_v) for m in mmas]
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stages)
+        qt_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stages)
+        do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.do_stages)
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        part = self.tma_part
+
+        pair_tile = self.cta_group * self.tile_n
+        if n_steps > 0:
+            tKsK, tKgK = part(tma_atom_K, smem_t["sK"], thr_s.partition_A(
+                cute.local_tile(mK[None, None, head_kv, batch], (pair_tile, self.hdim), (None, 0))))
+            tVsV, tVgV = part(tma_atom_V, smem_t["sV"], thr_dp.partition_A(
+                cute.local_tile(mV[None, None, head_kv, batch], (pair_tile, self.hdim_v), (None, 0))))
+            tKtsK, tKtgK = part(tma_atom_Kt, smem_t["sKmn"], thr_dq.partition_B(
+                cute.local_tile(tma_Kt[None, None, head_kv, batch], (self.hdim, pair_tile), (0, None))))
+            pipe_kv = pipes["kv"]
+            pipe_kv.acquire(kv_state, "load")
+            cute.copy(tma_atom_K, tKgK[None, pair_n], tKsK[None, 0], tma_bar_ptr=pipe_kv.barrier_full(0))
+            cute.copy(tma_atom_V, tVgV[None, pair_n], tVsV[None, 0], tma_bar_ptr=pipe_kv.barrier_full(0))
+            cute.copy(tma_atom_Kt, tKtgK[None, pair_n], tKtsK[None, 0], tma_bar_ptr=pipe_kv.barrier_full(0))
+            for i in cutlass.range(n_steps, unroll=1):
+                head, m_block = self.step_coords(tile, i)
+                tQsQ, tQgQ = part(tma_atom_Q, smem_t["sQ"], thr_s.partition_B(
+                    cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.hdim), (None, 0))))
+                tOsO, tOgO = part(tma_atom_dO, smem_t["sdO"], thr_dp.partition_B(
+                    cute.local_tile(mdO[None, None, head, batch], (self.tile_m, self.hdim_v), (None, 0))))
+                tOtsO, tOtgO = part(tma_atom_dOt, smem_t["sdOmn"], thr_dv.partition_B(
+                    cute.local_tile(tma_dOt[None, None, head, batch], (self.hdim_v, self.tile_m), (0, None))))
+                tQtsQ, tQtgQ = part(tma_atom_Qt, smem_t["sQmn"], thr_dk.partition_B(
+                    cute.local_tile(tma_Qt[None, None, head, batch], (self.hdim, self.tile_m), (0, None))))
+                pipes["q"].acquire(q_state, "load")
+                cute.copy(tma_atom_Q, tQgQ[None, m_block], tQsQ[None, q_state.index],
+                          tma_bar_ptr=pipes["q"].barrier_full(q_state.index))
+                self.load_row_stats(pipes["lse"], q_state, mLSE2, sLSE, head, batch, m_block)
+                q_state = next_state(q_state)
+                pipes["do"].acquire(do_state, "load")
+                cute.copy(tma_atom_dO, tOgO[None, m_block], tOsO[None, do_state.index],
+                          tma_bar_ptr=pipes["do"].barrier_full(do_state.index))
+                cute.copy(tma_atom_dOt, tOtgO[None, m_block], tOtsO[None, do_state.index],
+                          tma_bar_ptr=pipes["do"].barrier_full(do_state.index))
+                self.load_row_stats(pipes["dpsum"], do_state, mD, sD, head, batch, m_block)
+                do_state = next_state(do_state)
+                pipes["qt"].acquire(qt_state, "load")
+                cute.copy(tma_atom_Qt, tQtgQ[None, m_block], tQtsQ[None, qt_state.index],
+                          tma_bar_ptr=pipes["qt"].barrier_full(qt_state.index))
+                qt_state = next_state(qt_state)
+        pipes["q"].producer_tail(q_state)
+        pipes["qt"].producer_tail(qt_state)
+        pipes["do"].producer_tail(do_state)
+
+    @staticmethod
+    def tma_part(atom, s, gt):
+        """(smem, gmem) TMA partitions of one operand (no multicast: the pair splits each MMA operand)."""
+        return cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s, 0, 3),
+                                     cute.group_modes(gt, 0, 3))
+
+    @cute.jit
+    def relay(self, pipes, tile):
+        """2-CTA relay warp (both CTAs), once per step: wait until the peer's half of dS^T landed in
+        this CTA's smem (dsx: the peer's DSMEM copy completed its bytes), then one elected arrive on the
+        leader's relay barrier (a remote arrive from the follower). The leader's MMA warp waits for
+        both CTAs' arrivals before dQ = dS K reads the pair's dS."""
+        n_steps = tile[3] * tile[5]
+        phase = Int32(0)
+        self.ledger_note("relay", "full", "relay")
+        for _ in cutlass.range(n_steps, unroll=1):
+            cute.arch.mbarrier_wait(pipes["dsx"], phase)
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive(pipes["relay"], Int32(0))
+            phase = phase ^ 1
 
     # ---------------------------------------------------------------- MMA warp
     @cute.jit
@@ -583,6 +879,102 @@ class FlashAttentionBackwardSm100:
                 phase = phase ^ 1
             pipes["dkv"].arrive_full(0, "mma")  # commits cover every earlier MMA: dK, dV final
 
+    def ledger_note(self, name: str, side: str, role: str):
+        """Record (trace time) that `role` arrives on `side` of the raw barrier `name` (dsx, relay), as
+        Pipe does for the DSL pipelines."""
+        spec = self.specs[name]
+        parties = spec.producers if side == "full" else spec.consumers
+        self.ledger.record(name, side, role, next(p.signal for p in parties if p.role == role))
+
+    @cute.jit
+    def mma_2cta(self, mmas, smem_t, tP_layout, tdS_layout, pipes, tile):
+        """The leader's MMA warp of a 2-CTA pair: .cta_group::2 MMAs for both CTAs, commits multicast to
+        both. dQ lies over S's tail (bwd_tmem_map_2cta), which reorders the 1-CTA schedule (FA4's
+        pipelined 2-CTA order): steps i = 0 .. n-1,
+          S(0) ; release Q ; dP(0) ;
+          per i: [s empty: P(i) written, both CTAs] dV += P^T dO(i) ; release dO ;
+                 [dp empty: dS^T(i) in TMEM, both CTAs] [qt] dK += dS^T Q^T(i) ; release Q^T ;
+                 (i+1 < n: [q] [i > 0: dq empty: dQ(i-1) read out, S(i+1) overwrites it] S(i+1) ;
+                  release Q ; [do] dP(i+1), which overwrites dS^T(i) after dK(i) read it) ;
+                 (i+1 == n > 1: [dq empty] as above, before dQ(i) overwrites dQ(i-1)) ;
+                 [ds: dS(i) in smem and S(i+1) read out, both CTAs] [relay: both CTAs hold the
+                 peer's half] dQ(i) = dS K over S(i+1)'s tail ; commit dq ; release dS ;
+          finally dkv."""
+        mma_s, mma_dp, mma_dv, mma_dk, mma_dq = mmas
+        _, _, _, group, _, num_m, _, _ = tile
+        n_steps = group * num_m
+        base = self.tmem_base()
+        tSrK = mma_s.make_fragment_A(smem_t["sK"])[None, None, None, 0]
+        tSrQ = mma_s.make_fragment_B(smem_t["sQ"])
+        tPrV = mma_dp.make_fragment_A(smem_t["sV"])[None, None, None, 0]
+        tPrdO = mma_dp.make_fragment_B(smem_t["sdO"])
+        tVrdO = mma_dv.make_fragment_B(smem_t["sdOmn"])
+        tKrQ = mma_dk.make_fragment_B(smem_t["sQmn"])
+        tQrdS = mma_dq.make_fragment_A(smem_t["sdS"])[None, None, None, 0]
+        tQrK = mma_dq.make_fragment_B(smem_t["sKmn"])[None, None, None, 0]
+        tStS = self.tmem_acc(base, mma_s, self.mma_tiler_s, "S")
+        tPtP = self.tmem_acc(base, mma_dp, self.mma_tiler_dp, "dP")
+        tVtV = self.tmem_acc(base, mma_dv, self.mma_tiler_dv, "dV")
+        tKtK = self.tmem_acc(base, mma_dk, self.mma_tiler_dk, "dK")
+        tQtQ = self.tmem_acc(base, mma_dq, self.mma_tiler_dq, "dQ")
+        tVrP = [self.tmem_operand(base, mma_dv, tP_layout, f"P{w}") for w in range(self.compute_wgs)]
+        tKrdS = [self.tmem_operand(base, mma_dk, tdS_layout, f"dS{w}") for w in range(self.compute_wgs)]
+
+        pipe_q, pipe_qt, pipe_do, pipe_s, pipe_dp, pipe_ds, pipe_dq = (
+            pipes[n] for n in ("q", "qt", "do", "s", "dp", "ds", "dq"))
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
+        qt_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
+        do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.do_stages)
+        phase = Int32(0)  # s, dp (empty), ds, relay: once per step
+        dq_phase = Int32(0)
+        if n_steps > 0:
+            pipes["kv"].wait_full(0, 0)
+            pipe_q.wait_full(q_state.index, q_state.phase)
+            self.gemm(mma_s, tStS, [tSrK], tSrQ[None, None, None, q_state.index], False)
+            pipe_s.arrive_full(0, "mma")
+            pipe_q.arrive_empty(q_state.index, "mma")
+            q_state = next_state(q_state)
+            pipe_do.wait_full(do_state.index, do_state.phase)
+            self.gemm(mma_dp, tPtP, [tPrV], tPrdO[None, None, None, do_state.index], False)
+            pipe_dp.arrive_full(0, "mma")
+            for i in cutlass.range(n_steps, unroll=1):
+                pipe_s.wait_empty(0, phase)  # P^T(i) written (both CTAs)
+                tcgen05_fence_after()
+                self.gemm(mma_dv, tVtV, tVrP, tVrdO[None, None, None, do_state.index], i > 0)
+                pipe_do.arrive_empty(do_state.index, "mma")
+                do_state = next_state(do_state)
+                pipe_dp.wait_empty(0, phase)  # dS^T(i) in TMEM (both CTAs)
+                pipe_qt.wait_full(qt_state.index, qt_state.phase)
+                tcgen05_fence_after()
+                self.gemm(mma_dk, tKtK, tKrdS, tKrQ[None, None, None, qt_state.index], i > 0)
+                pipe_qt.arrive_empty(qt_state.index, "mma")
+                qt_state = next_state(qt_state)
+                if i + 1 < n_steps:
+                    pipe_q.wait_full(q_state.index, q_state.phase)
+                    if i > 0:
+                        pipe_dq.wait_empty(0, dq_phase)  # dQ(i-1) read out: S(i+1) overwrites its columns
+                        dq_phase = dq_phase ^ 1
+                    tcgen05_fence_after()
+                    self.gemm(mma_s, tStS, [tSrK], tSrQ[None, None, None, q_state.index], False)
+                    pipe_s.arrive_full(0, "mma")
+                    pipe_q.arrive_empty(q_state.index, "mma")
+                    q_state = next_state(q_state)
+                    pipe_do.wait_full(do_state.index, do_state.phase)
+                    self.gemm(mma_dp, tPtP, [tPrV], tPrdO[None, None, None, do_state.index], False)
+                    pipe_dp.arrive_full(0, "mma")
+                else:
+                    if i > 0:
+                        pipe_dq.wait_empty(0, dq_phase)  # dQ(i-1) read out: dQ(i) overwrites it
+                        dq_phase = dq_phase ^ 1
+                pipe_ds.wait_full(0, phase)  # dS(i) in both CTAs' smem, S(i+1) read out of TMEM
+                cute.arch.mbarrier_wait(pipes["relay"], phase)  # each CTA holds the peer's half of dS(i)
+                tcgen05_fence_after()
+                self.gemm(mma_dq, tQtQ, [tQrdS], tQrK, False)
+                pipe_dq.arrive_full(0, "mma")
+                pipe_ds.arrive_empty(0, "mma")
+                phase = phase ^ 1
+            pipes["dkv"].arrive_full(0, "mma")  # commits cover every earlier MMA: dK, dV final
+
     @cute.jit
     def gemm(self, tiled_mma, acc, a_parts, b, accumulate):
         """acc (+)= A B, one tcgen05.mma per 16 of K. a_parts: A as one fragment, or as K-halves (P^T,
@@ -611,7 +1003,15 @@ class FlashAttentionBackwardSm100:
 
     # ---------------------------------------------------------------- compute warpgroups
     @cute.jit
-    def compute(self, mmas, sLSE, sD, sdSt, mdK, mdV, pipes, tile, softmax_scale: Float32, window, softcap):
+    def compute(self, mmas, sLSE, sD, sdSt, mdK, mdV, pipes, tile, softmax_scale: Float32, window, softcap,
+                cta_v=None):
+        """Compute warpgroups (see the class docstring). 2-CTA (cta_v: this CTA's rank): P^T halves are
+        contiguous at S's start, so both warpgroups read S^T before either writes P^T (a named
+        barrier); after writing dS^T to TMEM they arrive on the leader's dp empty (dK may read it);
+        the query half of dS^T the peer's dQ needs (half cta_v ^ 1) goes to the exchange buffer, and
+        after a named barrier compute thread 0 sends it over DSMEM into the peer's dS^T (at half
+        cta_v) with the peer's dsx barrier counting the bytes; the ds arrive of step i comes at step
+        i + 1 after S^T(i+1) was read (dQ(i) overwrites S's tail), the last one after the loop."""
         mma_s, mma_dp, mma_dv, mma_dk = mmas[0], mmas[1], mmas[2], mmas[3]
         n_block, head_kv, batch, group, m_min, num_m, seqlen_q, seqlen_k = tile
         n_steps = group * num_m
@@ -650,6 +1050,18 @@ class FlashAttentionBackwardSm100:
                                      tiled_ld)
         chunks_per_wg = self.wg_cols // LD_COLS
         key = n_block * self.tile_n + lane_row
+        ds_chunk0 = None  # 2-CTA: this warpgroup's first LD_COLS-column chunk of dS^T in smem
+        if const_expr(self.two_cta):
+            # dS^T and the exchange buffer after it as one (tile_n, 3 tile_m / 2) row-major tile whose
+            # query halves are contiguous blocks: this warpgroup's half stays in place when it is this
+            # CTA's own (wg == cta_v), the peer's half goes to the third block (the exchange buffer)
+            lay3 = sm100_utils.make_smem_layout_epi(self.dtype, LayoutEnum.ROW_MAJOR,
+                                                    (self.tile_n, self.tile_m + self.tile_m // 2), 1).outer
+            if const_expr(cute.crd2idx((0, self.tile_m, 0), lay3) != self.tile_n * self.tile_m):
+                raise RuntimeError("flash4 bwd_sm100: the dS^T exchange block does not follow dS^T")
+            tsdS3 = cute.logical_divide(cute.make_tensor(sdSt.iterator, lay3)[None, None, 0], chunk)
+            tsdS_part = thr_ld.partition_D(tsdS3[(None, None), None])
+            ds_chunk0 = cutlass.select_(wg == cta_v, wg, Int32(2)) * chunks_per_wg
 
         s_phase = Int32(0)
         ds_phase = Int32(1)  # dS smem free: the first wait passes
@@ -674,6 +1086,11 @@ class FlashAttentionBackwardSm100:
                 col = wg * self.wg_cols + j * LD_COLS
                 cute.copy(thr_ld, cute.make_tensor(tS_src.iterator + col, tS_src.layout), ps[j])
             cute.arch.fence_view_async_tmem_load()
+            if const_expr(self.two_cta):
+                if i > 0:
+                    tcgen05_fence_before()
+                    self.arrive_elected(pipes["ds"], 0, "compute", False)  # dS(i-1) in smem, S^T(i) read
+                named_barrier_sync(COMPUTE_BARRIER, len(self.roles["compute"]) * WARP_SIZE)  # S^T read: P^T may land
             for j in cutlass.range_constexpr(chunks_per_wg):
                 col = wg * self.wg_cols + j * LD_COLS
                 score.apply(ps[j], softcap_scale, self.cfg.softcap)  # softcap: S -> tanh(S * softcap_scale)
@@ -699,11 +1116,22 @@ class FlashAttentionBackwardSm100:
                 self.dscores(ps[j], dp, t0ScS, sD, d_state.index, col, softmax_scale, sLSE, lse_state.index,
                              inv_scale_log2)
                 ds16 = self.store16(dp, thr_st, cute.make_tensor(ds_dst.iterator + j * st_cols, ds_dst.layout), st_shape)
-                cute.copy(r2s, ds16[None, 0, 0], tsdS_part[None, 0, 0, wg * chunks_per_wg + j])
+                if const_expr(self.two_cta):
+                    cute.copy(r2s, ds16[None, 0, 0], tsdS_part[None, 0, 0, ds_chunk0 + j])
+                else:
+                    cute.copy(r2s, ds16[None, 0, 0], tsdS_part[None, 0, 0, wg * chunks_per_wg + j])
             cute.arch.fence_view_async_tmem_store()
-            cute.arch.fence_view_async_shared()  # dS smem writes -> visible to the MMA (async proxy)
-            tcgen05_fence_before()
-            self.arrive_elected(pipes["ds"], 0, "compute", False)  # dS^T written
+            if const_expr(self.two_cta):
+                tcgen05_fence_before()
+                self.arrive_elected(pipes["dp"], 0, "compute", True)  # dS^T in TMEM (dK may read it)
+                cute.arch.fence_view_async_shared()  # dS smem writes -> visible to the async proxy
+                named_barrier_sync(COMPUTE_BARRIER, len(self.roles["compute"]) * WARP_SIZE)
+                if tidx == 0 and wg == 0:
+                    self.send_ds_half(sdSt, pipes["dsx"], cta_v)
+            else:
+                cute.arch.fence_view_async_shared()  # dS smem writes -> visible to the MMA (async proxy)
+                tcgen05_fence_before()
+                self.arrive_elected(pipes["ds"], 0, "compute", False)  # dS^T written
             self.arrive_elected(pipes["dpsum"], d_state.index, "compute", True)
             d_state = next_state(d_state)
             if const_expr(self.cfg.softcap):  # dS read the LSE too (score.grad_factor)
@@ -712,6 +1140,9 @@ class FlashAttentionBackwardSm100:
             s_phase = s_phase ^ 1
             ds_phase = ds_phase ^ 1
 
+        if const_expr(self.two_cta):
+            if n_steps > 0:
+                self.arrive_elected(pipes["ds"], 0, "compute", False)  # the last step's dS in smem
         # epilogue: warpgroup 0 stores dV, warpgroup 1 dK (zeros when the tile saw no query)
         if n_steps > 0:
             pipes["dkv"].wait_full(0, 0)
@@ -722,6 +1153,19 @@ class FlashAttentionBackwardSm100:
         else:
             self.store_dkv(base, mma_dk, self.mma_tiler_dk, "dK", mdK, tidx, key, seqlen_k, head_kv, batch,
                            n_steps > 0)
+
+    @cute.jit
+    def send_ds_half(self, sdSt, dsx_bar, cta_v):
+        """One thread: the peer's query half of this CTA's dS^T (in the exchange buffer after sdSt)
+        -> the peer's sdSt at half cta_v (where the peer's dQ A operand wants this CTA's keys), over
+        DSMEM; the peer's dsx barrier expects the bytes (arrive.expect_tx, then the copy completes
+        them)."""
+        half_elems = self.tile_n * self.tile_m // 2
+        nbytes = half_elems * (self.dtype.width // 8)
+        peer = cta_v ^ 1
+        self.ledger_note("dsx", "full", "compute")
+        cute.arch.mbarrier_arrive_and_expect_tx(dsx_bar, nbytes, peer_cta_rank_in_cluster=peer)
+        bulk_copy_s2peer(sdSt.iterator + 2 * half_elems, sdSt.iterator + cta_v * half_elems, dsx_bar, peer, nbytes)
 
     def half_offset(self, name: str, wg):
         """Column of half `name`{wg} (bwd_tmem_map; the halves are evenly spaced, wg may be runtime)."""
@@ -873,6 +1317,70 @@ class FlashAttentionBackwardSm100:
                 named_barrier_sync(REDUCE_BARRIER, THREADS_PER_WG)
                 if tidx == 0:
                     cute.arch.atomic_add(sem_ptr, Int32(1), sem="release", scope="gpu")
+            phase = phase ^ 1
+        if lane == 0:
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    @cute.jit
+    def reduce_2cta(self, mma_dq, mdQacc, sdQ, pipes, tile, cta_v):
+        """2-CTA dQ-reduce warps (both CTAs). The pair's dQ = dS K is one M = tile_m MMA: each CTA's
+        TMEM holds tile_m / 2 query rows x D, folded into 128 lanes x D / 2 columns (PTX data-path
+        layout B). Per step: wait dq, load this thread's D / 2 values (tcgen05.ld 32x32b), arrive on the
+        leader's dq empty, then per group of DQ_GROUP_ROWS lanes of the warp: the lanes write their
+        values into the warp's smem block (one row of D / 2 per lane), and lane 0 reduce-adds each lane's
+        runs of DQ_LD_COLS columns into the fp32 accumulator at that lane's (query, column), read from
+        the MMA's partition of an identity tensor (no assumption on the folding) and passed by shuffle."""
+        _, _, batch, _, _, _, _, _ = tile
+        n_steps = tile[3] * tile[5]
+        tidx = cute.arch.thread_idx()[0] % THREADS_PER_WG
+        warp = tidx // WARP_SIZE
+        lane = cute.arch.lane_idx()
+        base = self.tmem_base()
+        acc = self.tmem_acc(base, mma_dq, self.mma_tiler_dq, "dQ")
+        ld_atom = cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(DQ_LD_COLS)), Float32)
+        tiled_ld = tcgen05.make_tmem_copy(ld_atom, acc)
+        thr_ld = tiled_ld.get_slice(tidx)
+        src = thr_ld.partition_S(acc)
+        # (query row in the tile, column) of each value this thread loads
+        coords = thr_ld.partition_D(mma_dq.get_slice(cta_v).partition_C(
+            cute.make_identity_tensor(cute.select(self.mma_tiler_dq, mode=[0, 1]))))
+        n_chunks = self.dq_cols // DQ_LD_COLS
+        if const_expr(cute.size(coords) != self.dq_cols):
+            raise RuntimeError(f"flash4 bwd_sm100: a dQ reduce thread loads {cute.size(coords)} values, the plan "
+                               f"says {self.dq_cols}")
+        # element offset (row * D + column) of each chunk's first value in a query block of the accumulator
+        offs = [coords[c * DQ_LD_COLS][0] * self.hdim + coords[c * DQ_LD_COLS][1] for c in range(n_chunks)]
+        groups = WARP_SIZE // DQ_GROUP_ROWS
+        block = sdQ[None, None, warp]  # (D / 2, DQ_GROUP_ROWS) fp32, this warp's staging block
+        my_row = block[None, lane % DQ_GROUP_ROWS]
+        phase = Int32(0)
+        for i in cutlass.range(n_steps, unroll=1):
+            head, m_block = self.step_coords(tile, i)
+            pipes["dq"].wait_full(0, phase)
+            tcgen05_fence_after()
+            frag = cute.make_rmem_tensor(coords.shape, Float32)
+            cute.copy(thr_ld, src, frag)
+            cute.arch.fence_view_async_tmem_load()
+            tcgen05_fence_before()
+            self.arrive_elected(pipes["dq"], 0, "reduce", True)  # dQ read out (on the leader's barrier)
+            gblock = mdQacc[m_block * self.tile_m, None, head, batch].iterator  # the query block's first row
+            flat = cute.make_tensor(frag.iterator, cute.make_layout(self.dq_cols))
+            for grp in cutlass.range_constexpr(groups):
+                if lane == 0:
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)  # the block's previous reduce-adds read it
+                cute.arch.sync_warp()
+                if lane // DQ_GROUP_ROWS == grp:
+                    cute.autovec_copy(flat, my_row)
+                    cute.arch.fence_view_async_shared()  # smem writes -> visible to the bulk copy (async proxy)
+                cute.arch.sync_warp()
+                for r in cutlass.range(DQ_GROUP_ROWS, unroll=1):
+                    dst = [cute.arch.shuffle_sync(offs[c], grp * DQ_GROUP_ROWS + r) for c in range(n_chunks)]
+                    if lane == 0:
+                        for c in cutlass.range_constexpr(n_chunks):
+                            bulk_reduce_add_f32(gblock + dst[c], block[None, r].iterator + c * DQ_LD_COLS,
+                                                DQ_LD_COLS * 4)
+                if lane == 0:
+                    cute.arch.cp_async_bulk_commit_group()
             phase = phase ^ 1
         if lane == 0:
             cute.arch.cp_async_bulk_wait_group(0, read=True)

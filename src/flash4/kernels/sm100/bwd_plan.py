@@ -28,13 +28,26 @@ BWD_WARP_ROLES = {
     "load": (13,),
     "idle": (14, 15),
 }
+# 2-CTA (cta_group 2): warp 14 is the relay warp (it waits until the peer CTA's half of dS landed in
+# this CTA's smem and forwards that, one arrive, to the leader CTA's MMA warp); 15 stays idle.
+BWD_WARP_ROLES_2CTA = {**{r: w for r, w in BWD_WARP_ROLES.items() if r != "idle"}, "relay": (14,), "idle": (15,)}
 BWD_NUM_WARPS = 16
 BWD_NUM_THREADS = BWD_NUM_WARPS * WARP_SIZE
 # setmaxnreg works per warpgroup: reduce, compute (x2), and the warpgroup of mma, load and idle.
 BWD_WARPGROUPS = (("reduce",), ("compute",), ("compute",), ("mma", "load", "idle"))
-BWD_ROLE_WARPS = {role: len(w) for role, w in BWD_WARP_ROLES.items()}
+BWD_ROLE_WARPS = {role: len(w) for role, w in BWD_WARP_ROLES_2CTA.items()}
+
+
+def bwd_warp_roles(cta_group: int = 1) -> dict:
+    """The warp-role table of a config's cta_group (1: BWD_WARP_ROLES; 2: BWD_WARP_ROLES_2CTA)."""
+    return BWD_WARP_ROLES_2CTA if cta_group == 2 else BWD_WARP_ROLES
 # Head dims the 1-CTA backward is built for (FA4's 1-CTA maps in BLACKWELL.md's table).
 SM100_BWD_HEADDIMS = (64, 128)
+# Head dims the 2-CTA backward is built for (FA4 runs 2-CTA for hd >= 128; the pipelined schedule of
+# hd <= 128 is the one built here; (192, 128) and 256 take FA4's serial schedule: not built).
+SM100_BWD_2CTA_HEADDIMS = (128,)
+# Q ring depth of the 2-CTA backward (FA4 Q_stage = 1 there: Q and Q^T both live in smem).
+BWD_Q_STAGES_2CTA = 1
 # Queries per step (S^T columns) and keys per CTA (TMEM lanes): FA4's 1-CTA tile.
 BWD_TILE_M = 128
 BWD_TILE_N = 128
@@ -54,10 +67,17 @@ BWD_SMEM_BUDGET = 224 * 1024
 
 
 def bwd_smem_bytes(headdim: int, hdim_v: int, tile_m: int = BWD_TILE_M, tile_n: int = BWD_TILE_N,
-                   q_stages: int = BWD_Q_STAGES, do_stages: int = BWD_DO_STAGES, elt: int = 2) -> int:
+                   q_stages: int = BWD_Q_STAGES, do_stages: int = BWD_DO_STAGES, elt: int = 2,
+                   cta_group: int = 1) -> int:
     """Bytes of the tiles: K, V (one each), the Q ring, the dO ring, dS (16-bit, tile_n x tile_m),
     the dQ staging (4 reduce warps x DQ_GROUP_ROWS rows x D fp32) and LSE / dPsum (fp32 per Q / dO
-    stage). hd128: 32 + 32 + 64 + 32 + 32 + 16 + 1.5 = 209.5 KiB; hd64: 121.5 KiB."""
+    stage). hd128: 32 + 32 + 64 + 32 + 32 + 16 + 1.5 = 209.5 KiB; hd64: 121.5 KiB.
+
+    2-CTA (cta_group 2; bwd_smem_bytes_2cta): every MMA's B operand is split along N between the
+    pair, so the operands the 1-CTA kernel reads through a second view of one buffer are loaded
+    twice, each half as the MMA wants it: hd128 216 + 1 = 217 KiB."""
+    if cta_group == 2:
+        return bwd_smem_bytes_2cta(headdim, hdim_v, tile_m, tile_n, q_stages, do_stages, elt)
     k = tile_n * headdim * elt
     v = tile_n * hdim_v * elt
     q = q_stages * tile_m * headdim * elt
@@ -66,6 +86,27 @@ def bwd_smem_bytes(headdim: int, hdim_v: int, tile_m: int = BWD_TILE_M, tile_n: 
     dq = 4 * DQ_GROUP_ROWS * headdim * 4
     stats = (q_stages + do_stages) * tile_m * 4
     return k + v + q + do + ds + dq + stats
+
+
+def bwd_smem_bytes_2cta(headdim: int, hdim_v: int, tile_m: int = BWD_TILE_M, tile_n: int = BWD_TILE_N,
+                        q_stages: int = BWD_Q_STAGES_2CTA, do_stages: int = BWD_DO_STAGES, elt: int = 2) -> int:
+    """One CTA's tiles in a 2-CTA pair (FA4's 2-CTA layout, flash_bwd_sm100.py SharedStorage):
+    K, V of its own tile_n keys (A of S^T, dP^T: 32 + 32 KiB); per Q stage Q (B of S^T: tile_m / 2
+    queries x D) and Q^T (B of dK: D / 2 x tile_m queries), 16 + 16; dO (B of dP^T) and dO^T (B of
+    dV), 16 + 16; K^T (B of dQ: D / 2 x the pair's 2 tile_n keys), 32; dS^T (tile_n x tile_m, the
+    A of dQ after the exchange: this CTA's tile_m / 2 queries x the pair's keys), 32; the half of dS^T
+    sent to the peer (tile_n x tile_m / 2), 16; the dQ staging (4 warps x DQ_GROUP_ROWS rows x D / 2
+    fp32), 8; LSE / dPsum, 1. hd128: 217 KiB."""
+    k = tile_n * headdim * elt
+    v = tile_n * hdim_v * elt
+    q = q_stages * 2 * (tile_m // 2) * headdim * elt
+    do = do_stages * 2 * (tile_m // 2) * hdim_v * elt
+    kt = 2 * tile_n * (headdim // 2) * elt
+    ds = tile_n * tile_m * elt
+    xchg = tile_n * (tile_m // 2) * elt
+    dq = 4 * DQ_GROUP_ROWS * (headdim // 2) * 4
+    stats = (q_stages + do_stages) * tile_m * 4
+    return k + v + q + do + kt + ds + xchg + dq + stats
 
 
 # ---------------------------------------------------------------- registers (setmaxnreg)
@@ -105,6 +146,18 @@ def default_bwd_register_plan(headdim: int, causal: bool) -> BwdRegisterPlan:
     return BwdRegisterPlan(152, 136, 88)
 
 
+def default_bwd_register_plan_2cta(headdim: int, causal: bool) -> BwdRegisterPlan:
+    """FA4's 2-CTA budgets (flash_bwd_sm100.py __init__, hd128, causal or not): reduce / compute /
+    load = mma 136 / 136 / 104: 136 + 2 x 136 + 104 = 512 (FA4's relay warp takes the MMA's 104, its
+    empty warp 24; here the relay and idle warps share the fourth warpgroup's 104)."""
+    del headdim
+    if causal:
+        # flash4's causal compute step held 6 registers more than 136 (3 LDL + 3 STL, stack 24): 16
+        # move from the reduce warpgroup (its 64 dQ values fit in 120) to the compute ones
+        return BwdRegisterPlan(120, 144, 104)
+    return BwdRegisterPlan(136, 136, 104)
+
+
 def bwd_register_plan(cfg) -> BwdRegisterPlan:
     return BwdRegisterPlan(cfg.regs_reduce, cfg.regs_compute, cfg.regs_other)
 
@@ -129,6 +182,8 @@ def bwd_tmem_map(cfg) -> dict:
     (FA4 keeps P^T contiguous at S's start and syncs its two compute warpgroups before writing it;
     the MMAs that read P^T / dS^T here take the halves as two runs of k-blocks.) This is the
     kernel's only source of TMEM offsets."""
+    if getattr(cfg, "cta_group", 1) == 2:
+        return bwd_tmem_map_2cta(cfg)
     tm, d, dv = cfg.tile_m, cfg.headdim, cfg.hdim_v
     wgs = 2  # compute warpgroups (BWD_WARP_ROLES)
     wg_cols = tm // wgs  # fp32 columns of S^T / dP^T per compute warpgroup
@@ -148,6 +203,31 @@ def bwd_tmem_map(cfg) -> dict:
     return m
 
 
+def bwd_tmem_map_2cta(cfg) -> dict:
+    """TMEM columns of one CTA of a 2-CTA pair (hd128, FA4's pipelined 2-CTA map, BLACKWELL.md table):
+    S 0-128, dV 128-256, dP 256-384, dK 384-512 as 1-CTA (each CTA's 128 lanes are its own keys:
+    the M = 256 MMAs put M rows 128 v .. 128 v + 127 in CTA v), and
+
+      dQ  = dS K, the pair's M = 128 MMA (each CTA: its tile_m / 2 queries x D, PTX data-path layout
+            B: the two column halves folded onto lanes 0-63 / 64-127), D / 2 columns over S's tail:
+            64-128. Written after both CTAs' compute warps read S(i+1) (the ds arrive comes after that
+            load) and overwritten by S(i+2) only after the reduce warps read it (dq empty).
+      P0, P1 = P^T, contiguous at S's start (0-32, 32-64: FA4's tmem_P_offset 0), so P stays clear of
+            dQ; warpgroup 1's half lies in S columns warpgroup 0 reads, so the compute warpgroups
+            sync (a named barrier) between reading S^T and writing P^T, as FA4 does.
+      dS0, dS1 = dS^T inside each warpgroup's own dP^T columns (256-288, 320-352), as 1-CTA."""
+    tm, d, dv = cfg.tile_m, cfg.headdim, cfg.hdim_v
+    wgs = 2
+    half = tm // wgs // 2
+    m = {"S": (0, tm), "dV": (tm, dv), "dP": (tm + dv, tm)}
+    m["dK"] = (m["dP"][0] + tm, d)
+    m["dQ"] = (tm - d // 2, d // 2)
+    for w in range(wgs):
+        m[f"P{w}"] = (w * half, half)
+        m[f"dS{w}"] = (m["dP"][0] + w * (tm // wgs), half)
+    return m
+
+
 def bwd_tmem_aliases(cfg) -> tuple:
     """The overlaps the map declares, (inner, outer) with inner inside outer: dQ over dP always
     (D <= tile_m); where P^T / dS^T have no slot of their own (hd128) the P halves inside S and the
@@ -158,6 +238,8 @@ def bwd_tmem_aliases(cfg) -> tuple:
         (si, ni), (so, no) = m[inner], m[outer]
         return so <= si and si + ni <= so + no
 
+    if getattr(cfg, "cta_group", 1) == 2:
+        return (("dQ", "S"),) + tuple((f"{x}{w}", o) for w in range(2) for x, o in (("P", "S"), ("dS", "dP")))
     pairs = [("dQ", "dP")]
     for w in range(2):
         pairs += [(inner, outer) for inner, outer in ((f"P{w}", "S"), (f"dS{w}", "dP"), (f"dS{w}", "dQ"))
@@ -180,12 +262,18 @@ def bwd_tmem_alloc_cols(cfg) -> int:
 
 # ---------------------------------------------------------------- pipelines and their arrive counts
 def _arrivals(party: Party, cta_group: int = 1) -> int:
+    """Arrivals `party` adds to one phase of one CTA's barrier (the forward's Party.arrivals rule with
+    the backward's roles): a TMA expect_tx or a tcgen05.commit is 1 (in a pair: the leader's
+    expect_tx counting both CTAs' bytes; the leader's commit multicast to both CTAs' barriers); an
+    elected lane per warp, or every thread, times cta_group where the party arrives on the leader's
+    barrier from both CTAs (to_leader)."""
     warps = BWD_ROLE_WARPS[party.role]
     if party.signal in (Signal.TMA, Signal.COMMIT):
-        return cta_group
+        return 1
+    pair = cta_group if party.to_leader else 1
     if party.signal is Signal.ELECTED:
-        return warps
-    return WARP_SIZE * warps
+        return warps * pair
+    return WARP_SIZE * warps * pair
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,17 +290,21 @@ class BwdPipelineSpec(PipelineSpec):
         return sum(_arrivals(p, g) for p in self.consumers)
 
     def describe(self, cta_group: int | None = None) -> str:
-        cta_group = self.cta_group if cta_group is None else cta_group
+        g = self.cta_group if cta_group is None else cta_group
 
         def side(parties):
-            return " + ".join(f"{p.role} ({p.signal.value}: {_arrivals(p, cta_group)})" for p in parties)
-        return (f"{self.name}: full = {side(self.producers)} = {self.full_arrivals(cta_group)}; "
-                f"empty = {side(self.consumers)} = {self.empty_arrivals(cta_group)}")
+            return " + ".join(f"{p.role} ({p.signal.value}{' from both CTAs' if p.to_leader and g > 1 else ''}: "
+                              f"{_arrivals(p, g)})" for p in parties)
+        return (f"{self.name}: full = {side(self.producers)} = {self.full_arrivals(g)}; "
+                f"empty = {side(self.consumers)} = {self.empty_arrivals(g)}")
 
 
 def bwd_pipeline_specs(cfg) -> dict:
-    """Every mbarrier pipeline of the 1-CTA backward, name -> BwdPipelineSpec (one CTA per key tile,
-    never persistent: K, V and the dK / dV accumulators are used once per CTA)."""
+    """Every mbarrier pipeline of the backward, name -> BwdPipelineSpec (one CTA, or one pair, per key
+    tile, never persistent: K, V and the dK / dV accumulators are used once per CTA). 2-CTA configs:
+    bwd_pipeline_specs_2cta."""
+    if getattr(cfg, "cta_group", 1) == 2:
+        return bwd_pipeline_specs_2cta(cfg)
     P = Party
     S = BwdPipelineSpec
     specs = [
@@ -237,5 +329,58 @@ def bwd_pipeline_specs(cfg) -> dict:
         S("dkv", 1, (P("mma", Signal.COMMIT),), (P("compute", Signal.ELECTED),),
           "the tile's dV and dK are final -> compute epilogue (never released: one tile per CTA)",
           waited_empty=False),
+    ]
+    return {s.name: s for s in specs}
+
+
+def bwd_pipeline_specs_2cta(cfg) -> dict:
+    """The pipelines of one CTA of a 2-CTA pair (counts per barrier of one CTA; where only the
+    leader's barrier is waited on, the leader's). The leader's MMA warp issues every MMA of the pair;
+    its tcgen05.commit is multicast to both CTAs' barriers; the thread parties that release what an
+    MMA reads or report what it waits for arrive on the leader's barrier from both CTAs (to_leader);
+    TMA: the leader's load warp expects both CTAs' bytes, each CTA's .cta_group::2 TMA completes its
+    half on the leader's barrier. Two pipelines are new: dsx (per CTA: the peer's compute thread
+    arrives with expect_tx on this CTA's barrier and its bulk copy over DSMEM completes the bytes:
+    the peer's half of dS landed here; waited by this CTA's relay warp) and relay (the leader's:
+    both CTAs' relay warps arrive once per step; the MMA warp waits before dQ = dS K)."""
+    P = Party
+    g = 2
+
+    def S(*a, **kw):
+        return BwdPipelineSpec(*a, cta_group=g, **kw)
+
+    T = Signal.TMA
+    specs = [
+        S("kv", 1, (P("load", T),), (P("mma", Signal.COMMIT),),
+          "K, V (A of S^T, dP^T) and K^T (B of dQ: D / 2 x the pair's keys) once; never released",
+          waited_empty=False),
+        S("q", cfg.q_stages, (P("load", T),), (P("mma", Signal.COMMIT),),
+          "Q[m] (B of S^T: tile_m / 2 queries x D per CTA); released by the commit after S^T"),
+        S("qt", cfg.q_stages, (P("load", T),), (P("mma", Signal.COMMIT),),
+          "Q^T[m] (B of dK: D / 2 x tile_m queries per CTA); released by the commit after dK"),
+        S("lse", cfg.q_stages, (P("load", T),), (P("compute", Signal.ELECTED),),
+          "LSE * log2 e of Q[m]'s rows (bulk copy, CTA-local: each CTA's compute sees all tile_m queries)"),
+        S("do", cfg.do_stages, (P("load", T),), (P("mma", Signal.COMMIT),),
+          "dO[m] (B of dP^T) and dO^T[m] (B of dV) on one barrier; released by the commit after dV"),
+        S("dpsum", cfg.do_stages, (P("load", T),), (P("compute", Signal.ELECTED),),
+          "D = rowsum(dO * O) of dO[m]'s rows (bulk copy, CTA-local)"),
+        S("s", 1, (P("mma", Signal.COMMIT),), (P("compute", Signal.ELECTED, True),),
+          "S^T ready -> compute (both CTAs); P^T written -> the leader's MMA (dV)"),
+        S("dp", 1, (P("mma", Signal.COMMIT),), (P("compute", Signal.ELECTED, True),),
+          "dP^T ready -> compute; dS^T written to TMEM (both CTAs) -> the leader's MMA (dK)"),
+        S("ds", 1, (P("compute", Signal.ELECTED, True),), (P("mma", Signal.COMMIT),),
+          "dS^T(i) in smem (own half; the peer's half sent) and S^T(i+1) read out of TMEM (dQ lies over "
+          "S's tail) -> the leader's MMA (dQ); released by the commit after dQ (both CTAs' dS smem free)"),
+        S("dq", 1, (P("mma", Signal.COMMIT),), (P("reduce", Signal.ELECTED, True),),
+          "dQ ready -> reduce; read out (both CTAs) -> the leader's MMA (S^T(i+2) overwrites dQ's columns)"),
+        S("dkv", 1, (P("mma", Signal.COMMIT),), (P("compute", Signal.ELECTED),),
+          "dV and dK final -> compute epilogue (never released)", waited_empty=False),
+        S("dsx", 1, (P("compute", T),), (P("relay", Signal.ELECTED),),
+          "the peer's half of dS^T landed in this CTA's dS smem (the peer's compute thread 0: "
+          "arrive.expect_tx on this barrier + cp.async.bulk.shared::cluster completing the bytes) -> relay; "
+          "back-pressure is ds (the sender waits for dQ(i-1), which read both CTAs' dS)", waited_empty=False),
+        S("relay", 1, (P("relay", Signal.ELECTED, True),), (P("mma", Signal.COMMIT),),
+          "both CTAs hold their whole dS (own half + the peer's) -> the leader's MMA (dQ); back-pressure "
+          "is dsx / ds", waited_empty=False),
     ]
     return {s.name: s for s in specs}
