@@ -119,7 +119,7 @@ def test_backward_plan_override_and_packed_layout():
 def test_sm100_plans():
     """The sm100 family (unverified, served behind the first-use self-test) answers dense and packed
     varlen forward requests (seqused_k too) and refuses paged K/V and Dv != D but (192, 128); its backward plan answers
-    dense requests (every query head of a KV head in its CTA) and refuses packed ones."""
+    dense and packed requests (every query head of a KV head in its CTA; packed: 1-CTA)."""
     from flash4.config import sm100
 
     q, k = meta(2, 300, 8, 128), meta(2, 300, 8, 128)
@@ -146,6 +146,8 @@ def test_sm100_plans():
         sm100.fwd_plan(Request.varlen(meta(500, 8, 256), meta(600, 2, 256), meta(600, 2, 256), cu, cu, 200, None,
                                       None), 100)
     assert sm100.bwd_plan(Request.dense(q, k, k), 100) == BwdPlan(sm100.select_bwd_config(128), 1)
-    with pytest.raises(ValueError, match="no packed varlen"):
-        sm100.bwd_plan(_packed(), 100)
+    # packed backward (1-CTA; compile-verified, not run on hardware)
+    for seqused_q in (False, True):
+        assert sm100.bwd_plan(_packed(seqused_q=seqused_q), 100) == BwdPlan(dataclasses.replace(
+            sm100.select_bwd_config(64, "bf16", True), varlen_q=True, varlen_k=True, seqused_q=seqused_q), 4)
     assert fwd_config(Request.dense(q, k, k), 100) == FwdPlan(sm100.select_fwd_config(128))

@@ -5,8 +5,10 @@ reduce-add (UBLKRED.G.S.ADD.F32), TMA loads, the TMEM allocation of bwd_tmem_map
 budgets of bwd_register_plan -- with no Hopper opcodes, no local memory and a stack of 0; PTX and
 SASS counts of the tcgen05 instructions agree. Softcap configs add one MUFU.TANH per score (the
 score transform) and one MUFU.LG2 per score (t recovered from P for dS's factor), nothing else of
-the gates changes."""
+the gates changes. Packed configs (varlen, seqused) pass the same gates plus the tail zeroing: six
+predicated 16-byte RZ store sites (K, V once; Q, dO in the prologue and the step loop)."""
 
+import dataclasses
 import re
 import time
 
@@ -15,12 +17,19 @@ import pytest
 pytest.importorskip("cutlass")
 
 from flash4.compile.check import extract_cubin, resource_usage, sass_text  # noqa: E402
-from flash4.config.sm100 import bwd_register_plan, bwd_tmem_alloc_cols, shipped_bwd_configs  # noqa: E402
+from flash4.config.sm100 import (bwd_register_plan, bwd_tmem_alloc_cols, select_bwd_config,  # noqa: E402
+                                  shipped_bwd_configs)
 from flash4.kernels.sm100.bwd_plan import DQ_GROUP_ROWS  # noqa: E402
 
 CONFIGS = [c for c in shipped_bwd_configs() if c.cta_group == 1]  # the 2-CTA configs: test_sm100_bwd_2cta.py
+# packed sequences (issue 23; 1-CTA): hd64 / hd128, with and without seqused_q / seqused_k
+PACKED = [dataclasses.replace(select_bwd_config(d, "bf16", causal), varlen_q=True, varlen_k=True, seqused_q=su,
+                              seqused_k=su)
+          for d, causal, su in ((64, True, False), (128, False, False), (128, True, True))]
+CONFIGS += PACKED
 IDS = [f"d{c.headdim}-{c.dtype}-{'causal' if c.causal else 'window' if c.local else 'full'}"
-       + ("-det" if c.deterministic else "") + ("-softcap" if c.softcap else "") for c in CONFIGS]
+       + ("-det" if c.deterministic else "") + ("-softcap" if c.softcap else "")
+       + ("-varlen" if c.varlen_q else "") + ("-seqused" if c.seqused_q else "") for c in CONFIGS]
 # CPU seconds of one cold compile (one core): measured 1.9-2.3 s on the 2-core box (2026-12-02); the
 # target is 5 s, the assert leaves room for a loaded machine.
 COMPILE_CPU_LIMIT_S = 10.0
@@ -110,3 +119,13 @@ def test_setmaxnreg_and_tmem_allocation_match_the_plans(built, name):
     for reg in re.findall(r"tcgen05\.alloc\.[\w:.]+\s+\[[^\]]+\],\s*(%r\d+);", ptx):
         cols += [int(v) for v in re.findall(rf"mov\.b32\s+{re.escape(reg)},\s*(\d+);", ptx)]
     assert cols == [bwd_tmem_alloc_cols(cfg)]
+
+
+@pytest.mark.parametrize("name", IDS)
+def test_packed_tail_zeroing_only_in_packed_configs(built, name):
+    """The MMA warp's zero_tail: one rolled loop of STS.128 [..], RZ per site in packed configs (K, V,
+    then Q and dO in the prologue and in the step loop), none in dense ones."""
+    cfg, _, _, row, sass = built[name]
+    if not row:
+        pytest.skip("cuobjdump not installed: SASS not checked")
+    assert len(re.findall(r"\bSTS\.128 \[[^\]]+\], RZ", sass)) == (6 if cfg.varlen_q else 0)

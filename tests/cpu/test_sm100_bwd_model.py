@@ -17,6 +17,7 @@ It checks the algorithm, not the kernel (compile-verified, not run on hardware).
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -502,3 +503,45 @@ def bands():
 if __name__ == "__main__":
     torch.set_num_threads(1)
     bands()
+
+
+# ---------------------------------------------------------------- packed sequences (issue 23)
+
+@pytest.mark.parametrize("seqused", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+def test_packed_sequences_with_nan_past_each_end(causal, seqused):
+    """Packed batch (varlen, optionally seqused_q / seqused_k) whose rows outside every sequence
+    (between the used rows and the next sequence, after the last) are NaN: the gradients of each
+    sequence stay finite and within the 2x rule, rows outside every sequence get 0 (the model of
+    zero_tail + the padded layout: backward_packed)."""
+    d, h, hk, dtype = 64, 2, 1, torch.bfloat16
+    lens_q, lens_k = [77, 130, 20], [90, 50, 200]
+    used_q = [70, 130, 1] if seqused else lens_q
+    used_k = [90, 33, 150] if seqused else lens_k
+    cu_q = torch.tensor([0] + list(itertools.accumulate(lens_q)), dtype=torch.int32)
+    cu_k = torch.tensor([0] + list(itertools.accumulate(lens_k)), dtype=torch.int32)
+    tq, tk = int(cu_q[-1]) + 9, int(cu_k[-1]) + 5  # rows past cu_seqlens[-1] too
+    q, k, v, dout = (t[0] for t in make_case(1, max(tq, tk), max(tq, tk), h, hk, d, dtype, seed=3))
+    q, dout, k, v = q[:tq].clone(), dout[:tq].clone(), k[:tk].clone(), v[:tk].clone()
+    out = torch.full_like(dout, float("nan"))
+    lse = torch.full((h, tq), float("nan"))
+    inside_q, inside_k = torch.zeros(tq, dtype=torch.bool), torch.zeros(tk, dtype=torch.bool)
+    for b in range(3):
+        rq = slice(int(cu_q[b]), int(cu_q[b]) + used_q[b])
+        rk = slice(int(cu_k[b]), int(cu_k[b]) + used_k[b])
+        inside_q[rq], inside_k[rk] = True, True
+        o, l = forward(q[None, rq], k[None, rk], v[None, rk], causal)
+        out[rq], lse[:, rq] = o[0], l[0]
+    for t, inside in ((q, inside_q), (dout, inside_q), (k, inside_k), (v, inside_k)):
+        t[~inside] = float("nan")
+    su = dict(seqused_q=torch.tensor(used_q), seqused_k=torch.tensor(used_k)) if seqused else {}
+    dq, dk, dv = B.backward_packed(dout, q, k, v, out, lse, cu_q, cu_k, causal=causal, **su)
+    for g, inside in ((dq, inside_q), (dk, inside_k), (dv, inside_k)):
+        assert torch.isfinite(g).all() and (g[~inside] == 0).all()
+    for b in range(3):
+        rq = slice(int(cu_q[b]), int(cu_q[b]) + used_q[b])
+        rk = slice(int(cu_k[b]), int(cu_k[b]) + used_k[b])
+        e = errors(q[None, rq], k[None, rk], v[None, rk], dout[None, rq], causal,
+                   (dq[None, rq], dk[None, rk], dv[None, rk]))
+        for name, (err, pt) in e.items():
+            assert err <= 2 * pt + GRAD_ATOL, f"sequence {b} {name}: err {err:.3e} > 2 x PyTorch {pt:.3e}"

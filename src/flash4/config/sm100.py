@@ -304,7 +304,7 @@ def fwd_plan(request, arch: int = ARCH, num_sms: int | None = None) -> FwdPlan:
 # (flash4.validate._gated_problem; the rest is refused by name before any self-test): the door
 # layouts of the forward (fwd_plan) and of the backward, and whether the forward takes seqused_k
 # and paged K/V (seqused_k: the V-tail zeroing of docs/design/sm100_forward.md section 11).
-GATE_DOOR = {"fwd_layouts": ("dense", "varlen"), "bwd_layouts": ("dense",), "seqused_k": True, "paged": False}
+GATE_DOOR = {"fwd_layouts": ("dense", "varlen"), "bwd_layouts": ("dense", "varlen"), "seqused_k": True, "paged": False}
 
 
 def gate_fwd_options(layout: str) -> dict:
@@ -340,9 +340,15 @@ class Sm100BwdConfig:
     softcap:     scores softcap * tanh(S * scale / softcap) (runtime cap): the compute warps take
                  tanh (flash4.kernels.common.score.apply, MUFU.TANH) before the exp2, and multiply dS
                  by score.grad_factor (1 - t^2, t recovered from P and the LSE), as the sm90 backward.
+    varlen_q / varlen_k / seqused_q / seqused_k: packed sequences (1-CTA only; varlen_q and varlen_k
+                 together, seqused_q / seqused_k only with them): one CTA per (key block of
+                 max_seqlen_k, KV head, sequence), flash4.kernels.common.seqinfo.SeqInfo offsets, the
+                 padded per-sequence LSE / dPsum / dQ accumulator of flash4.backward, K / V / Q / dO
+                 rows past the sequence zeroed in smem by the MMA warp (docs/design/sm100_backward.md
+                 section "Packed sequences"). Compile-verified, not run on hardware.
     The remaining fields mirror flash4.config.BwdConfig so the host passes the same keys; none of
     them is built on sm100 yet and a config with one set cannot be made (ValueError in __post_init__):
-    varlen_q / varlen_k / seqused_q / seqused_k, headdim_v (Dv != D), dkv_accum (GQA head split: GQA runs with one CTA per KV head walking every
+    headdim_v (Dv != D), dkv_accum (GQA head split: GQA runs with one CTA per KV head walking every
     query head of its group).
     """
 
@@ -396,10 +402,7 @@ class Sm100BwdConfig:
 
 
 # Fields of flash4.config.BwdConfig the sm100 backward does not build yet (field -> its "off" value).
-_BWD_UNBUILT = {
-    "varlen_q": False, "varlen_k": False, "seqused_q": False, "seqused_k": False,
-    "headdim_v": None, "dkv_accum": False,
-}
+_BWD_UNBUILT = {"headdim_v": None, "dkv_accum": False}
 _BWD_UNBUILT_WHAT = {
     "varlen_q": "packed varlen sequences (cu_seqlens_q)", "varlen_k": "packed varlen sequences (cu_seqlens_k)",
     "seqused_q": "seqused_q", "seqused_k": "seqused_k", "local": "a sliding window (window_size)",
@@ -420,6 +423,12 @@ def bwd_config_problem(cfg) -> str | None:
         return "the sm100 backward has no " + ", ".join(_BWD_UNBUILT_WHAT[f] for f in on) + " yet"
     if cfg.local and cfg.causal:
         return "local=True folds causal into the window: causal must be False"
+    packed = cfg.varlen_q or cfg.varlen_k or cfg.seqused_q or cfg.seqused_k
+    if packed and not (cfg.varlen_q and cfg.varlen_k):
+        return ("the sm100 backward takes packed sequences with cu_seqlens_q and cu_seqlens_k together "
+                "(seqused_q / seqused_k only with them)")
+    if packed and cfg.cta_group != 1:
+        return "cta_group=2 with packed sequences: the 2-CTA backward is dense only"
     if cfg.cta_group == 2:
         problem = bwd_two_cta_problem(cfg.headdim, cfg.causal, cfg.local, cfg.deterministic, cfg.softcap)
         if problem is not None:
@@ -517,19 +526,20 @@ def shipped_bwd_configs() -> list:
 
 
 def bwd_plan(request, arch: int = ARCH, heads_per_cta: int | None = None):
-    """The backward plan of a dense flash4.request.Request on sm100: select_bwd_config's checks, and
-    packed (varlen) requests refused; the query heads of a KV head all run in its CTA (no head split).
+    """The backward plan of a dense or packed (cu_seqlens, optionally seqused_q / seqused_k; 1-CTA
+    only) flash4.request.Request on sm100: select_bwd_config's checks; the query heads of a KV head all run in its CTA (no head split).
     Raises ValueError naming what is missing."""
     from flash4.config import BwdPlan
 
     seq, mask = request.seq, request.mask
-    if seq.packed:
-        raise ValueError("the sm100 backward has no packed varlen sequences (cu_seqlens) yet: dense batches only")
     if seq.paged or seq.decode:
         raise ValueError(f"the sm100 backward has no {seq.layout} layout")
     cfg = select_bwd_config(request.headdim, request.dtype, mask.causal, arch=arch,
                             deterministic=request.deterministic, local=mask.local,
                             softcap=request.score.softcap > 0,
                             headdim_v=None if request.headdim_v == request.headdim else request.headdim_v,
-                            two_cta=env.sm100_2cta())
+                            two_cta=env.sm100_2cta() and not seq.packed)
+    if seq.packed:  # 1-CTA only (the 2-CTA backward is dense)
+        cfg = with_seq_layout(cfg, varlen_q=True, varlen_k=True, seqused_q=seq.seqused_q is not None,
+                              seqused_k=seq.seqused_k is not None)
     return BwdPlan(cfg, request.nheads // request.nheads_k)

@@ -287,3 +287,34 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     dk = dk[:, :, :seqlen_k].permute(0, 2, 1, 3).contiguous()
     dv = dv[:, :, :seqlen_k].permute(0, 2, 1, 3).contiguous()
     return (dq, dk, dv, stats) if return_stats else (dq, dk, dv)
+
+
+def backward_packed(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                    lse: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                    seqused_q: torch.Tensor | None = None, seqused_k: torch.Tensor | None = None,
+                    softmax_scale: float | None = None, causal: bool = False, **kwargs):
+    """(dq, dk, dv) of a packed batch as the 1-CTA sm100 backward computes them (varlen configs;
+    compile-verified, not run on hardware). q, dout, out: (total_q, H, D); k, v: (total_k, Hk, D);
+    lse: (H, total_q); cu_seqlens_*: (batch + 1,); seqused_*: None or (batch,) (the used length of
+    each sequence). Rows outside every sequence (past seqused, past cu_seqlens[-1]) may hold anything,
+    NaN included.
+
+    The kernel's CTAs of sequence b see, in shared memory, the sequence's rows and, past its end, the
+    rows zero_tail zeroed (the next sequence's rows or stale ones): exactly the tiles a dense batch-1
+    call on the sequence's rows gets from TMA clipping; its LSE / D rows come from the padded
+    per-sequence layout (+inf / 0 past the end, as a dense call's padding), its dQ adds land in the
+    sequence's padded rows, its dK / dV stores stop at seqlen_k. So sequence b's gradients are this
+    model's dense `backward` of its rows; dq rows outside every sequence are the scratch tile's 0, dk /
+    dv rows outside every sequence the host's memset 0."""
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for b in range(len(cu_q) - 1):
+        lq = int(seqused_q[b]) if seqused_q is not None else cu_q[b + 1] - cu_q[b]
+        lk = int(seqused_k[b]) if seqused_k is not None else cu_k[b + 1] - cu_k[b]
+        if lq == 0 or lk == 0:  # no step runs: dq stays 0 (its zeroed rows), dk / dv 0 (memset)
+            continue
+        rq, rk = slice(cu_q[b], cu_q[b] + lq), slice(cu_k[b], cu_k[b] + lk)
+        g = backward(dout[None, rq], q[None, rq], k[None, rk], v[None, rk], out[None, rq], lse[None, :, rq],
+                     softmax_scale, causal, **kwargs)
+        dq[rq], dk[rk], dv[rk] = g[0][0], g[1][0], g[2][0]
+    return dq, dk, dv

@@ -34,11 +34,17 @@ TMEM (each CTA: 64 query rows x D), half of dS^T swapped with the peer over DSME
 (cp.async.bulk.shared::cluster), a relay warp (14) forwarding "the peer's half arrived" to the
 leader's MMA warp, and the pair's TMEM dealloc handshake. docs/design/sm100_backward.md section 8.
 
+Packed sequences (1-CTA: cfg.varlen_q / varlen_k, optionally seqused_q / seqused_k): one CTA per (key
+block of max_seqlen_k, KV head, sequence), every global view offset to the sequence (SeqInfo; the
+padded per-sequence LSE / dPsum / dQ accumulator of flash4.backward), the MMA warp zeroing K / V / Q / dO
+rows past the sequence in smem before their first MMA (zero_tail). docs/design/sm100_backward.md section 9.
+
 Not built (refused by flash4.config.sm100.select_bwd_config): head dims other than 64 / 128, Dv != D,
-varlen / seqused, the GQA head split, and the exact-LSE path of issue 8 (P uses the rounded padded log2 LSE the preprocess writes;
+packed sequences in the 2-CTA variant, the GQA head split, and the exact-LSE path of issue 8 (P uses the rounded padded log2 LSE the preprocess writes;
 the per-tile exact flags are not read).
 """
 
+import math
 from typing import Optional
 
 import cuda.bindings.driver as cuda
@@ -62,6 +68,7 @@ from flash4.kernels.common.exp2 import exp2_hw
 from flash4.kernels.common.geometry import DEVICE_OPS
 from flash4.kernels.common.layout import select_modes
 from flash4.kernels.common.pipeline import next_state
+from flash4.kernels.common.seqinfo import SeqInfo
 from flash4.kernels.sm100.bwd_plan import (BWD_WARP_ROLES, DQ_GROUP_ROWS, DQ_LD_COLS, BwdRegisterPlan, bwd_pipeline_specs,
                                            bwd_register_plan, bwd_tmem_alloc_cols, bwd_tmem_map, bwd_warp_roles)
 from flash4.kernels.sm100.pipes import ArrivalLedger, Pipe, thread_group
@@ -223,6 +230,8 @@ class FlashAttentionBackwardSm100:
         # .cta_group::2 MMAs whose M (S^T, dP^T, dV, dK) or K (dQ) is the pair's 2 tile_n keys.
         self.cta_group = cfg.cta_group
         self.two_cta = cfg.cta_group == 2
+        # packed sequences (1-CTA; flash4.config.sm100.bwd_config_problem): SeqInfo offsets, tails zeroed
+        self.packed = cfg.varlen_q or cfg.varlen_k
         pair_n = self.cta_group * self.tile_n
         self.mma_tiler_s = (pair_n, self.tile_m, self.hdim)  # S^T = K Q^T
         self.mma_tiler_dp = (pair_n, self.tile_m, self.hdim_v)  # dP^T = V dO^T
@@ -262,14 +271,14 @@ class FlashAttentionBackwardSm100:
         mExact: cute.Tensor,  # unused (the exact-LSE path is not built on sm100)
         mLSEhi: cute.Tensor,  # unused
         mLSElo: cute.Tensor,  # unused
-        mCuSeqlensQ: Optional[cute.Tensor],  # must be None (varlen is not built on sm100)
+        mCuSeqlensQ: Optional[cute.Tensor],  # packed configs (1-CTA): (batch + 1,) int32; else None
         mCuSeqlensK: Optional[cute.Tensor],
         mSeqUsedQ: Optional[cute.Tensor],
         mSeqUsedK: Optional[cute.Tensor],
         mdKVsem: Optional[cute.Tensor],
         mDelta: Optional[cute.Tensor],  # must be None (no sink_delta on sm100: the host sums D in torch)
         softmax_scale: Float32,
-        max_seqlen_k: Optional[Int32],  # must be None
+        max_seqlen_k: Optional[Int32],  # packed configs: >= every seqlen_k (sizes the grid); else None
         window_left: Int32,  # local configs: the window's sides (flash4.geometry.window_sides); else ignored
         window_right: Int32,
         softcap: Float32,  # cfg.softcap: the cap (scores softcap * tanh(S * scale / softcap)); else ignored
@@ -277,9 +286,13 @@ class FlashAttentionBackwardSm100:
         heads_per_cta: Int32,  # the query heads per KV head (no head split on sm100)
         stream: cuda.CUstream,
     ):
-        for name, t in (("cu_seqlens_q", mCuSeqlensQ), ("cu_seqlens_k", mCuSeqlensK), ("seqused_q", mSeqUsedQ),
-                        ("seqused_k", mSeqUsedK), ("dkv_semaphore", mdKVsem), ("delta (sink_delta)", mDelta),
-                        ("max_seqlen_k", max_seqlen_k)):
+        for name, t, flag in (("cu_seqlens_q", mCuSeqlensQ, self.cfg.varlen_q),
+                              ("cu_seqlens_k", mCuSeqlensK, self.cfg.varlen_k),
+                              ("seqused_q", mSeqUsedQ, self.cfg.seqused_q), ("seqused_k", mSeqUsedK, self.cfg.seqused_k),
+                              ("max_seqlen_k", max_seqlen_k, self.packed)):
+            if const_expr((t is not None) != flag):
+                raise ValueError(f"flash4 bwd_sm100: {name} given={t is not None} but the config says {flag}")
+        for name, t in (("dkv_semaphore", mdKVsem), ("delta (sink_delta)", mDelta)):
             if const_expr(t is not None):
                 raise NotImplementedError(f"flash4 bwd_sm100: {name} is not implemented on sm100 yet")
         if const_expr(not (mQ.element_type == mK.element_type == mV.element_type == mdO.element_type
@@ -385,6 +398,14 @@ class FlashAttentionBackwardSm100:
                 storage_2cta, softcap if const_expr(self.cfg.softcap) else None, extra,
             ).launch(grid=(num_ctas, 1, 1), block=[self.num_threads, 1, 1], cluster=[self.cta_group, 1, 1],
                      stream=stream, min_blocks_per_mp=1)
+        elif const_expr(self.packed):
+            # packed sequences: the sequence tensors and max_seqlen_k (tile_coords_packed)
+            self.kernel(
+                tma_K, tma_Q, tma_V, tma_dO, mLSE2, mD, mdQacc, mdQsem, mdK, mdV, tma_atom_K, tma_atom_Q, tma_atom_V,
+                tma_atom_dO, softmax_scale, window_left, window_right, *layouts, mma_s, mma_dp, mma_dv, mma_dk, mma_dq,
+                SharedStorage, softcap if const_expr(self.cfg.softcap) else None, (),
+                (mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, max_seqlen_k),
+            ).launch(grid=(num_ctas, 1, 1), block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
         else:
             self.kernel(
                 tma_K, tma_Q, tma_V, tma_dO, mLSE2, mD, mdQacc, mdQsem, mdK, mdV, tma_atom_K, tma_atom_Q, tma_atom_V,
@@ -430,8 +451,9 @@ class FlashAttentionBackwardSm100:
                tP_layout: cute.ComposedLayout, tdS_layout: cute.ComposedLayout,
                mma_s: cute.TiledMma, mma_dp: cute.TiledMma, mma_dv: cute.TiledMma, mma_dk: cute.TiledMma,
                mma_dq: cute.TiledMma, SharedStorage: cutlass.Constexpr, softcap: Optional[Float32],
-               extra: tuple = ()):
-        """extra (2-CTA only): the TMA tensors and atoms of Q^T, dO^T and K^T."""
+               extra: tuple = (), seqs: tuple = ()):
+        """extra (2-CTA only): the TMA tensors and atoms of Q^T, dO^T and K^T. seqs (packed configs
+        only): (cu_seqlens_q, cu_seqlens_k, seqused_q or None, seqused_k or None, max_seqlen_k)."""
         mmas = (mma_s, mma_dp, mma_dv, mma_dk, mma_dq)
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == self.roles["load"][0]:
@@ -500,7 +522,16 @@ class FlashAttentionBackwardSm100:
                                  allocator_warp_id=self.roles["mma"][0], arch="sm_100")
 
         window = (window_left, window_right) if const_expr(self.cfg.local) else None
-        tile = self.tile_coords(mQ, mK, window)
+        if const_expr(self.packed):
+            # this CTA's sequence: every global view starts at it (batch index 0 from here on)
+            tile, seq = self.tile_coords_packed(mQ, mK, window, seqs)
+            mQ, mdO = [cute.domain_offset((seq.offset_q, 0, 0, 0), t) for t in (mQ, mdO)]
+            mK, mV, mdK, mdV = [cute.domain_offset((seq.offset_k, 0, 0, 0), t) for t in (mK, mV, mdK, mdV)]
+            mLSE2, mD = [cute.domain_offset((seq.padded_offset_q, 0, 0), t) for t in (mLSE2, mD)]
+            mdQacc = cute.domain_offset((seq.padded_offset_q, 0, 0, 0), mdQacc)
+            mdQsem = cute.domain_offset((seq.padded_offset_q // self.tile_m, 0, 0), mdQsem)
+        else:
+            tile = self.tile_coords(mQ, mK, window)
         if const_expr(self.two_cta):
             # every barrier of both CTAs initialized (the cluster arrive above) before any remote
             # arrive, TMA, DSMEM copy or the pair's TMEM allocation
@@ -665,6 +696,26 @@ class FlashAttentionBackwardSm100:
                                            DEVICE_OPS, window)
         num_m = cutlass.max(m_max - m_min, 0)
         return (n_block, head_kv, batch, group, m_min, num_m, seqlen_q, seqlen_k)
+
+    def tile_coords_packed(self, mQ, mK, window, seqs):
+        """tile_coords for packed sequences: (the tile tuple with batch index 0 and the sequence's
+        seqlen_q / seqlen_k, SeqInfo of the sequence). blockIdx.x decodes with the n_blocks of
+        max_seqlen_k (flash4.launch.bwd_grid); a CTA whose key block starts at or past its sequence's
+        seqlen_k runs no step (it stores nothing: every key >= seqlen_k)."""
+        cu_q, cu_k, used_q, used_k, max_seqlen_k = seqs
+        n_blocks = (max_seqlen_k + (self.tile_n - 1)) // self.tile_n
+        nheads_k = mK.shape[2]
+        bid = cute.arch.block_idx()[0]
+        n_block = bid % n_blocks
+        rest = bid // n_blocks
+        head_kv, batch = rest % nheads_k, rest // nheads_k
+        group = mQ.shape[2] // nheads_k
+        seq = SeqInfo(batch, mQ.shape[0], mK.shape[0], cu_q, cu_k, used_q, used_k, tile_m_pad=self.tile_m)
+        m_min, m_max = g.m_block_range(n_block, seq.seqlen_q, seq.seqlen_k, self.tile_m, self.tile_n, self.causal,
+                                       DEVICE_OPS, window)
+        num_m = cutlass.max(m_max - m_min, 0)
+        num_m = cutlass.select_(n_block * self.tile_n < seq.seqlen_k, num_m, Int32(0))
+        return (n_block, head_kv, Int32(0), group, m_min, num_m, seq.seqlen_q, seq.seqlen_k), seq
 
     def step_coords(self, tile, i):
         """(query head, query block) of step i."""
@@ -845,9 +896,16 @@ class FlashAttentionBackwardSm100:
         if n_steps > 0:
             pipes["kv"].wait_full(0, 0)
             pipe_q.wait_full(q_state.index, q_state.phase)
+            if const_expr(self.packed):  # rows past the sequence -> 0 (zero_tail)
+                valid_k = tile[7] - tile[0] * self.tile_n
+                self.zero_tail(smem_t["sK"], 0, valid_k, self.tile_n)
+                self.zero_tail(smem_t["sV"], 0, valid_k, self.tile_n)
+                self.zero_tail(smem_t["sQ"], q_state.index, self.valid_q(tile, 0), self.tile_m)
             self.gemm(mma_s, tStS, [tSrK], tSrQ[None, None, None, q_state.index], False)
             pipe_s.arrive_full(0, "mma")
             pipe_do.wait_full(do_state.index, do_state.phase)
+            if const_expr(self.packed):
+                self.zero_tail(smem_t["sdO"], do_state.index, self.valid_q(tile, 0), self.tile_m)
             self.gemm(mma_dp, tPtP, [tPrV], tPrdO[None, None, None, do_state.index], False)
             pipe_dp.arrive_full(0, "mma")
             for i in cutlass.range(n_steps, unroll=1):
@@ -859,6 +917,8 @@ class FlashAttentionBackwardSm100:
                 q_next = next_state(q_state)
                 if i + 1 < n_steps:
                     pipe_q.wait_full(q_next.index, q_next.phase)
+                    if const_expr(self.packed):
+                        self.zero_tail(smem_t["sQ"], q_next.index, self.valid_q(tile, i + 1), self.tile_m)
                     self.gemm(mma_s, tStS, [tSrK], tSrQ[None, None, None, q_next.index], False)
                     pipe_s.arrive_full(0, "mma")
                 pipe_ds.wait_full(0, phase)  # dS^T(i) in TMEM and smem
@@ -871,6 +931,8 @@ class FlashAttentionBackwardSm100:
                 pipe_ds.arrive_empty(0, "mma")
                 if i + 1 < n_steps:
                     pipe_do.wait_full(do_state.index, do_state.phase)
+                    if const_expr(self.packed):
+                        self.zero_tail(smem_t["sdO"], do_state.index, self.valid_q(tile, i + 1), self.tile_m)
                     pipe_dq.wait_empty(0, dq_phase)  # dQ(i) read out: dP^T(i+1) overwrites its columns
                     tcgen05_fence_after()
                     dq_phase = dq_phase ^ 1
@@ -878,6 +940,57 @@ class FlashAttentionBackwardSm100:
                     pipe_dp.arrive_full(0, "mma")
                 phase = phase ^ 1
             pipes["dkv"].arrive_full(0, "mma")  # commits cover every earlier MMA: dK, dV final
+
+    def valid_q(self, tile, i):
+        """Query rows of step i's block inside the sequence (seqlen_q - m_block tile_m; >= tile_m: all)."""
+        _, m_block = self.step_coords(tile, i)
+        return tile[6] - m_block * self.tile_m
+
+    @cute.jit
+    def zero_tail(self, sX, index, valid, rows: cutlass.Constexpr[int]):
+        """Packed configs, MMA warp, after the stage's full barrier and before its first MMA: rows >=
+        valid of stage `index` of a K-major operand buffer (K, V: keys; Q, dO: queries) -> 0. Those
+        rows hold the next packed sequence or stale rows past seqused (any bits): the masks make
+        their P and dS exactly 0 only while the operand is finite, and dV += P^T dO, dK += dS^T Q,
+        dQ = dS K, dP^T = V dO^T multiply them (0 x NaN = NaN). Zeroed, the tile is the one a dense
+        layout's TMA clipping gives. Race-free: the stage is released (and refilled) only by this
+        warp's commit after its last MMA on it, and nobody else writes it meanwhile; the generic
+        stores are ordered before the MMAs' async-proxy reads by fence.proxy.async.shared::cta in
+        each lane, then __syncwarp before the elected lane issues the MMA."""
+        if valid < rows:
+            lane = cute.arch.lane_idx()
+            sXr = self.stage_rows(sX, index, rows)
+            cols = cute.size(sXr, mode=[1])
+            vec = 128 // self.dtype.width
+            per_row = math.gcd(cols // vec, WARP_SIZE)
+            atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128)
+            thr_layout = cute.make_ordered_layout((WARP_SIZE // per_row, per_row), order=(1, 0))
+            tiled = cute.make_tiled_copy_tv(atom, thr_layout, cute.make_layout((1, vec)))
+            thr = tiled.get_slice(lane)
+            tXs = thr.partition_D(sXr)
+            tXc = thr.partition_D(cute.make_identity_tensor((rows, cols)))
+            zeros = cute.make_fragment_like(tXs[None, 0, None])  # one pass row: 16-byte stores of RZ
+            zeros.fill(0.0)
+            # a rolled loop: unrolled, the 88-register MMA warp kept every pass's address and
+            # predicate live across the main loop and spilled (hd128)
+            for m in cutlass.range(cute.size(tXs, mode=[1]), unroll=1):
+                if tXc[0, m, 0][0] >= valid:
+                    cute.copy(atom, zeros, tXs[None, m, None])
+            cute.arch.fence_view_async_shared()  # generic zeros -> the MMA's async-proxy reads
+            cute.arch.sync_warp()
+
+    def stage_rows(self, sX, index, rows: int):
+        """Stage `index` of a K-major operand buffer as a (rows, head dim) tensor (same swizzled
+        pointer): its modes are ((rows, 16), 1, D / 16, stage) with coordinates ((r, c % 16), 0,
+        c // 16) (tests/cpu/test_sm100_bwd_plan.py), regrouped into (r, (c % 16, c // 16))."""
+        stage = sX[None, None, None, index]
+        o = stage.layout
+        if const_expr(not (isinstance(o.shape[0], tuple) and len(o.shape[0]) == 2 and o.shape[0][1] == 16
+                           and cute.size(o.shape[0][0]) == rows and cute.size(o.shape[1]) == 1)):
+            raise RuntimeError(f"flash4 bwd_sm100: operand stage layout {o} is not ((rows, 16), 1, D / 16)")
+        (r_shape, k_shape), (r_stride, k_stride) = o.shape[0], o.stride[0]
+        layout = cute.make_layout((r_shape, (k_shape, o.shape[2])), stride=(r_stride, (k_stride, o.stride[2])))
+        return cute.make_tensor(stage.iterator, layout)
 
     def ledger_note(self, name: str, side: str, role: str):
         """Record (trace time) that `role` arrives on `side` of the raw barrier `name` (dsx, relay), as
