@@ -235,3 +235,24 @@ def compiled_row(compiled, cfg) -> dict:
 
     cubin = extract_cubin(compiled)
     return {"config": repr(cfg), "ok": True, "error": None, **resource_usage(cubin), "sass": sass_text(cubin)}
+
+
+def layout_size(shape) -> int:
+    """Number of elements of a static hierarchical CuTe shape (nested tuples of ints)."""
+    if isinstance(shape, tuple):
+        return math.prod(layout_size(s) for s in shape)
+    return shape
+
+
+def layout_offset(crd, shape, stride) -> int:
+    """crd2idx of a static hierarchical layout (an int coordinate splits colexicographically), in pure
+    Python: the sm100 smem-view tests compare traced layouts element by element with it."""
+    if isinstance(shape, tuple):
+        if isinstance(crd, int):
+            out = 0
+            for s, d in zip(shape, stride):
+                out += layout_offset(crd % layout_size(s), s, d)
+                crd //= layout_size(s)
+            return out
+        return sum(layout_offset(c, s, d) for c, s, d in zip(crd, shape, stride))
+    return crd * stride

@@ -17,6 +17,7 @@ from flash4.kernels.sm100.bwd_plan import (BWD_WARP_ROLES_2CTA, DQ_GROUP_ROWS, B
                                            bwd_tmem_alloc_cols, bwd_tmem_aliases, bwd_tmem_map)
 from flash4.kernels.sm100.plan import TMEM_COLUMNS
 from flash4.launch import bwd_grid
+from cpu_helpers import layout_offset
 
 TWO = [c for c in sm100.shipped_bwd_configs() if c.cta_group == 2]
 IDS = [f"d{c.headdim}-{c.dtype}-{'causal' if c.causal else 'full'}{'-softcap' if c.softcap else ''}-2cta" for c in TWO]
@@ -133,28 +134,6 @@ def test_smem_budget():
 
 
 # ---------------------------------------------------------------- the dS exchange's smem view (trace time)
-def _size(s):
-    if isinstance(s, tuple):
-        out = 1
-        for x in s:
-            out *= _size(x)
-        return out
-    return s
-
-
-def _offset(crd, shape, stride):
-    """crd2idx of a static hierarchical layout (an int coordinate splits colexicographically)."""
-    if isinstance(shape, tuple):
-        if isinstance(crd, int):
-            out = 0
-            for s, d in zip(shape, stride):
-                out += _offset(crd % _size(s), s, d)
-                crd //= _size(s)
-            return out
-        return sum(_offset(c, s, d) for c, s, d in zip(crd, shape, stride))
-    return crd * stride
-
-
 def test_dq_operand_view_is_the_exchanged_halves():
     """dQ = dS K reads, in each CTA, its tile_m / 2 queries x the pair's 2 tile_n keys (MN-major A).
     Element (query q, key k of the pair) must be the element (key k % tile_n, query (k // tile_n)
@@ -172,7 +151,7 @@ def test_dq_operand_view_is_the_exchanged_halves():
             got[k] = (v.outer.shape, v.outer.stride, str(v.inner))
 
     cute.compile(grab, options="--gpu-arch sm_100a")  # whatever CUTE_DSL_ARCH an earlier test left
-    off = {k: (lambda crd, s=v[0], t=v[1]: _offset(crd, s, t)) for k, v in got.items()}
+    off = {k: (lambda crd, s=v[0], t=v[1]: layout_offset(crd, s, t)) for k, v in got.items()}
     assert got["sdS"][2] == got["sdSt"][2]  # one swizzle
     half = 128 * 64
     assert off["sdSt"]((0, 64, 0)) == half and max(off["sdSt"]((r, c, 0)) for r in range(128) for c in range(64)) < half

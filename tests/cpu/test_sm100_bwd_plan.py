@@ -13,6 +13,7 @@ from flash4.kernels.sm100.bwd_plan import (BWD_NUM_THREADS, BWD_WARP_ROLES, BWD_
                                            bwd_register_plan, bwd_register_plan_problem, bwd_smem_bytes,
                                            bwd_tmem_alloc_cols, bwd_tmem_aliases, bwd_tmem_map, BwdRegisterPlan)
 from flash4.kernels.sm100.plan import TMEM_COLUMNS
+from cpu_helpers import layout_offset
 
 CONFIGS = [c for c in sm100.shipped_bwd_configs() if c.cta_group == 1]  # 2-CTA: test_sm100_bwd_2cta.py
 
@@ -134,28 +135,6 @@ def test_config_refuses_unbuilt_fields():
 
 
 # ---------------------------------------------------------------- operand views (CuTe DSL, trace time only)
-def _size(s):
-    if isinstance(s, tuple):
-        out = 1
-        for x in s:
-            out *= _size(x)
-        return out
-    return s
-
-
-def _offset(crd, shape, stride):
-    """crd2idx of a static hierarchical layout (an int coordinate splits colexicographically)."""
-    if isinstance(shape, tuple):
-        if isinstance(crd, int):
-            out = 0
-            for s, d in zip(shape, stride):
-                out += _offset(crd % _size(s), s, d)
-                crd //= _size(s)
-            return out
-        return sum(_offset(c, s, d) for c, s, d in zip(crd, shape, stride))
-    return crd * stride
-
-
 @pytest.mark.parametrize("hd", [64, 128])
 def test_mn_major_views_alias_the_loaded_buffers(hd):
     """Every element of Q, dO, K (TMA-loaded K-major) and dS^T (written row-major) sits at the same
@@ -174,7 +153,7 @@ def test_mn_major_views_alias_the_loaded_buffers(hd):
             got[k] = (v.outer.shape, v.outer.stride, str(v.inner))
 
     cute.compile(grab, hd, options="--gpu-arch sm_100a")  # whatever CUTE_DSL_ARCH an earlier test left
-    off = {k: (lambda crd, s=v[0], t=v[1]: _offset(crd, s, t)) for k, v in got.items()}
+    off = {k: (lambda crd, s=v[0], t=v[1]: layout_offset(crd, s, t)) for k, v in got.items()}
     assert len({v[2] for v in got.values()}) == 1  # one swizzle for all (S<3,4,3>: 128-byte)
     rows = range(128)
     for kmajor, mnmajor in (("sQ", "sQmn"), ("sdO", "sdOmn"), ("sK", "sKmn")):

@@ -71,7 +71,8 @@ from flash4.kernels.common.pipeline import next_state
 from flash4.kernels.common.seqinfo import SeqInfo
 from flash4.kernels.sm100.bwd_plan import (BWD_WARP_ROLES, DQ_GROUP_ROWS, DQ_LD_COLS, BwdRegisterPlan, bwd_pipeline_specs,
                                            bwd_register_plan, bwd_tmem_alloc_cols, bwd_tmem_map, bwd_warp_roles)
-from flash4.kernels.sm100.pipes import ArrivalLedger, Pipe, thread_group
+from flash4.kernels.sm100.pipes import (ArrivalLedger, Pipe, named_barrier_arrive, named_barrier_sync, tcgen05_fence_after,
+                                         tcgen05_fence_before, thread_group)
 from flash4.kernels.sm100.plan import TMEM_COLUMNS, WARP_SIZE
 
 # Named barrier ids of this kernel (0 is __syncthreads).
@@ -82,30 +83,6 @@ COMPUTE_BARRIER = 3  # 2-CTA: the 8 compute warps (S^T read before P^T is writte
 LD_COLS = 32
 # Columns per tcgen05.ld of dK, dV in the epilogue and of dQ in the reduce warps.
 EPI_COLS = 32
-
-
-@dsl_user_op
-def tcgen05_fence_before(*, loc=None, ip=None):
-    from cutlass._mlir.dialects import nvvm
-    nvvm.tcgen05_fence(nvvm.Tcgen05FenceKind.BEFORE_THREAD_SYNC, loc=loc, ip=ip)
-
-
-@dsl_user_op
-def tcgen05_fence_after(*, loc=None, ip=None):
-    from cutlass._mlir.dialects import nvvm
-    nvvm.tcgen05_fence(nvvm.Tcgen05FenceKind.AFTER_THREAD_SYNC, loc=loc, ip=ip)
-
-
-@dsl_user_op
-def named_barrier_sync(barrier_id: int, num_threads: int, *, loc=None, ip=None):
-    from cutlass._mlir.dialects import nvvm
-    nvvm.barrier_cta_sync(Int32(barrier_id).ir_value(loc=loc, ip=ip),
-                          thread_count=Int32(num_threads).ir_value(loc=loc, ip=ip), aligned=False, loc=loc, ip=ip)
-
-
-@dsl_user_op
-def named_barrier_arrive(barrier_id: int, num_threads: int, *, loc=None, ip=None):
-    cute.arch.barrier_arrive(barrier_id=barrier_id, number_of_threads=num_threads, aligned=False, loc=loc, ip=ip)
 
 
 @dsl_user_op

@@ -23,9 +23,7 @@ import cutlass.cute as cute
 import cutlass.utils.blackwell_helpers as sm100_utils
 from cutlass import Float32, Int32, const_expr, pipeline
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
-from cutlass._mlir.dialects import nvvm
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, tcgen05
-from cutlass.cutlass_dsl import dsl_user_op
 from cutlass.memory import SmemAllocator, TmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
@@ -38,7 +36,8 @@ from flash4.kernels.common.layout import select_modes
 from flash4.kernels.common.pipeline import next_state
 from flash4.kernels.common.scheduler import TileSchedule
 from flash4.kernels.common.seqinfo import SeqInfo, store_rows_predicated
-from flash4.kernels.sm100.pipes import ArrivalLedger, Pipe, thread_group
+from flash4.kernels.sm100.pipes import (ArrivalLedger, Pipe, named_barrier_arrive, named_barrier_sync, tcgen05_fence_after,
+                                         tcgen05_fence_before, thread_group)
 from flash4.kernels.sm100.softmax import RowSoftmax, mask_row
 
 # Named barrier ids of this kernel (0 is __syncthreads).
@@ -48,30 +47,6 @@ RESCALE_COLS = 16
 # Rows of O per pass of the varlen epilogue's row-by-row store (8 x 128 bf16 columns: 4 registers a
 # lane; a whole 128-row tile at once spilled 301 LDL/STL at the epilogue warp's 56 registers).
 EPI_ROWS = 8
-
-
-@dsl_user_op
-def tcgen05_fence_before(*, loc=None, ip=None):
-    """tcgen05.fence::before_thread_sync: order this thread's prior tcgen05 ops before a sync."""
-    nvvm.tcgen05_fence(nvvm.Tcgen05FenceKind.BEFORE_THREAD_SYNC, loc=loc, ip=ip)
-
-
-@dsl_user_op
-def tcgen05_fence_after(*, loc=None, ip=None):
-    """tcgen05.fence::after_thread_sync: order later tcgen05 ops after a sync this thread took part in."""
-    nvvm.tcgen05_fence(nvvm.Tcgen05FenceKind.AFTER_THREAD_SYNC, loc=loc, ip=ip)
-
-
-@dsl_user_op
-def named_barrier_sync(barrier_id: int, num_threads: int, *, loc=None, ip=None):
-    """bar.sync without .aligned: the warp roles reach it from different code."""
-    nvvm.barrier_cta_sync(Int32(barrier_id).ir_value(loc=loc, ip=ip),
-                          thread_count=Int32(num_threads).ir_value(loc=loc, ip=ip), aligned=False, loc=loc, ip=ip)
-
-
-@dsl_user_op
-def named_barrier_arrive(barrier_id: int, num_threads: int, *, loc=None, ip=None):
-    cute.arch.barrier_arrive(barrier_id=barrier_id, number_of_threads=num_threads, aligned=False, loc=loc, ip=ip)
 
 
 class FlashAttentionForwardSm100:

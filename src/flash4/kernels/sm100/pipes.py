@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import collections
 
-from cutlass import pipeline
+import cutlass.cute as cute
+from cutlass import Int32, pipeline
+from cutlass.cutlass_dsl import dsl_user_op
 
 from flash4.kernels.sm100.plan import PipelineSpec, Signal
 from flash4.kernels.common.dsl import DynamicState
@@ -126,3 +128,34 @@ class Pipe(DynamicState):
 
 def thread_group(n: int):
     return pipeline.CooperativeGroup(pipeline.Agent.Thread, n)
+
+
+# ---------------------------------------------------------------- sync ops of both sm100 kernels (fwd.py, bwd.py)
+@dsl_user_op
+def tcgen05_fence_before(*, loc=None, ip=None):
+    """tcgen05.fence::before_thread_sync: order this thread's prior tcgen05 ops before a sync."""
+    from cutlass._mlir.dialects import nvvm
+
+    nvvm.tcgen05_fence(nvvm.Tcgen05FenceKind.BEFORE_THREAD_SYNC, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def tcgen05_fence_after(*, loc=None, ip=None):
+    """tcgen05.fence::after_thread_sync: order later tcgen05 ops after a sync this thread took part in."""
+    from cutlass._mlir.dialects import nvvm
+
+    nvvm.tcgen05_fence(nvvm.Tcgen05FenceKind.AFTER_THREAD_SYNC, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def named_barrier_sync(barrier_id: int, num_threads: int, *, loc=None, ip=None):
+    """bar.sync without .aligned: the warp roles reach it from different code."""
+    from cutlass._mlir.dialects import nvvm
+
+    nvvm.barrier_cta_sync(Int32(barrier_id).ir_value(loc=loc, ip=ip),
+                          thread_count=Int32(num_threads).ir_value(loc=loc, ip=ip), aligned=False, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def named_barrier_arrive(barrier_id: int, num_threads: int, *, loc=None, ip=None):
+    cute.arch.barrier_arrive(barrier_id=barrier_id, number_of_threads=num_threads, aligned=False, loc=loc, ip=ip)
