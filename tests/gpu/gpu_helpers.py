@@ -249,3 +249,28 @@ def compile_count() -> int:
         module = importlib.import_module(name)
         total += sum(f.cache_info().misses for f in vars(module).values() if callable(getattr(f, "cache_info", None)))
     return total
+
+
+# ================================================================ self-test tests (test_selftest*.py)
+def parent_still_works():
+    """This process's CUDA context and flash4 forward (the GPU's own family), after a self-test child
+    was refused or killed."""
+    import flash4
+    from flash4.reference import fwd_errors
+
+    x = torch.arange(4, device="cuda", dtype=torch.float32)
+    assert (x + 1).sum().item() == 10
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(1, 77, 2, 64, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+    out, lse = flash4.flash_attn_func(q, k, v, causal=True, return_lse=True)
+    torch.cuda.synchronize()
+    assert fwd_errors(q, k, v, out, lse, causal=True)["ok"]
+
+
+def report_verdict(verdict, width: int = 70):
+    """Print a self-test verdict (status, config, seconds, and when the child was ready)."""
+    import json
+
+    ready = [json.loads(line.split("] ", 1)[1]) for line in verdict.log.splitlines() if '"event": "ready"' in line]
+    print(f"\n{verdict.status} {verdict.config[:width]}... {verdict.seconds:.1f} s"
+          + (f" (ready after {ready[0]['seconds']} s of compiling / loading)" if ready else ""))

@@ -13,7 +13,6 @@ this file's path.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import subprocess
 import sys
@@ -25,6 +24,7 @@ import torch
 
 from flash4 import selftest
 from flash4.config import select_bwd_config, select_fwd_config
+from gpu_helpers import parent_still_works, report_verdict
 
 HERE = Path(__file__).resolve()
 RUN_TIMEOUT_S = 20.0
@@ -103,26 +103,6 @@ def _isolated(cache_dir, monkeypatch):
     selftest._forget()
 
 
-def _parent_still_works():
-    """This process's CUDA context and flash4 forward, after a child was refused or killed."""
-    import flash4
-    from flash4.reference import fwd_errors
-
-    x = torch.arange(4, device="cuda", dtype=torch.float32)
-    assert (x + 1).sum().item() == 10
-    g = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (torch.randn(1, 77, 2, 64, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
-    out, lse = flash4.flash_attn_func(q, k, v, causal=True, return_lse=True)
-    torch.cuda.synchronize()
-    assert fwd_errors(q, k, v, out, lse, causal=True)["ok"]
-
-
-def _report(verdict):
-    ready = [json.loads(line.split("] ", 1)[1]) for line in verdict.log.splitlines() if '"event": "ready"' in line]
-    print(f"\n{verdict.status} {verdict.config[:60]}... {verdict.seconds:.1f} s"
-          + (f" (ready after {ready[0]['seconds']} s of compiling / loading)" if ready else ""))
-
-
 # ---------------------------------------------------------------- the real kernels pass
 
 FWD_CONFIGS = [
@@ -137,7 +117,7 @@ FWD_CONFIGS = [
                          + ("-local-softcap-sink" if c.local else ""))
 def test_real_forward_passes(cfg):
     verdict = selftest.check(cfg, "cuda")
-    _report(verdict)
+    report_verdict(verdict, 60)
     assert verdict.ok, (verdict.failure, verdict.log)
     assert len(verdict.checks) == len(selftest.cases_for(cfg)) and all(c["repeats"] for c in verdict.checks)
     assert Path(verdict.path).exists()
@@ -148,7 +128,7 @@ def test_real_forward_passes(cfg):
 def test_real_backward_passes():
     cfg = select_bwd_config(128, "bf16", True)
     verdict = selftest.check(cfg, "cuda")
-    _report(verdict)
+    report_verdict(verdict, 60)
     assert verdict.ok, (verdict.failure, verdict.log)
     assert {"dq_err", "dk_err", "dv_err"} <= set(verdict.checks[0])
 
@@ -166,10 +146,10 @@ def test_wrong_kernel_refused_and_cached(monkeypatch):
     monkeypatch.setitem(selftest.DEFAULT_RUNNERS, "fwd", runner("wrong_fwd"))
     cfg = FWD_CONFIGS[1]
     verdict = selftest.check(cfg, "cuda")
-    _report(verdict)
+    report_verdict(verdict, 60)
     assert verdict.status == "wrong" and "out error" in verdict.failure, (verdict.failure, verdict.log)
     assert not selftest.read_verdict(Path(verdict.path)).ok
-    _parent_still_works()
+    parent_still_works()
 
 
 def test_gpu_hang_killed(monkeypatch):
@@ -177,20 +157,20 @@ def test_gpu_hang_killed(monkeypatch):
     cfg = FWD_CONFIGS[0]
     t0 = time.monotonic()
     verdict = selftest.check(cfg, "cuda", run_timeout_s=RUN_TIMEOUT_S)
-    _report(verdict)
+    report_verdict(verdict, 60)
     assert verdict.status == "timeout" and "MQA 4:1" in verdict.failure, (verdict.failure, verdict.log)
     assert "left to the OS" not in verdict.failure  # the child exited after SIGKILL
     assert not selftest.read_verdict(Path(verdict.path)).ok
     print(f"hang refused after {time.monotonic() - t0:.1f} s")
-    _parent_still_works()
+    parent_still_works()
 
 
 def test_sleep_after_cuda_init_killed(monkeypatch):
     monkeypatch.setitem(selftest.DEFAULT_RUNNERS, "fwd", runner("sleep_after_cuda_init"))
     verdict = selftest.check(FWD_CONFIGS[0], "cuda", startup_timeout_s=30.0)
-    _report(verdict)
+    report_verdict(verdict, 60)
     assert verdict.status == "timeout" and "not ready after 30 s" in verdict.failure, (verdict.failure, verdict.log)
-    _parent_still_works()
+    parent_still_works()
 
 
 # ---------------------------------------------------------------- the gate, as for sm_100
@@ -221,7 +201,7 @@ def test_gate_refuses_then_allows(monkeypatch):
     per_call_us = (time.perf_counter() - t_memo) / 1000 * 1e6
     print(f"require: first (file) + memo {1e3 * (t_memo - t0):.1f} ms, then {per_call_us:.1f} us per call")
     assert per_call_us < 200
-    _parent_still_works()
+    parent_still_works()
 
 
 # ---------------------------------------------------------------- the host wiring, as on a B200
@@ -252,4 +232,4 @@ def test_host_refuses_an_sm100_kernel_that_cannot_run_here(monkeypatch):
     with pytest.raises(RuntimeError, match="first-use self-test failed"):  # training: the forward's verdict first
         flash4.flash_attn_func(q.requires_grad_(), k, v, causal=True)
     monkeypatch.delenv("FLASH4_ARCH")
-    _parent_still_works()
+    parent_still_works()

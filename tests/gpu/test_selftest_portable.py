@@ -25,7 +25,6 @@ Run (the lead, on the H200):
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import time
 from pathlib import Path
@@ -35,6 +34,7 @@ import torch
 
 from flash4 import selftest
 from flash4.config import sm80
+from gpu_helpers import parent_still_works, report_verdict
 
 HERE = Path(__file__).resolve()
 
@@ -104,26 +104,6 @@ def _isolated(cache_dir, monkeypatch):
     selftest._forget()
 
 
-def _parent_still_works():
-    """This process's CUDA context and flash4 forward (its own sm90 family), after the children."""
-    import flash4
-    from flash4.reference import fwd_errors
-
-    x = torch.arange(4, device="cuda", dtype=torch.float32)
-    assert (x + 1).sum().item() == 10
-    g = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (torch.randn(1, 77, 2, 64, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
-    out, lse = flash4.flash_attn_func(q, k, v, causal=True, return_lse=True)
-    torch.cuda.synchronize()
-    assert fwd_errors(q, k, v, out, lse, causal=True)["ok"]
-
-
-def _report(verdict):
-    ready = [json.loads(line.split("] ", 1)[1]) for line in verdict.log.splitlines() if '"event": "ready"' in line]
-    print(f"\n{verdict.status} {verdict.config[:70]}... {verdict.seconds:.1f} s"
-          + (f" (ready after {ready[0]['seconds']} s of compiling / loading)" if ready else ""))
-
-
 # ---------------------------------------------------------------- the real sm80 kernels pass (default runners)
 
 FWD_CONFIGS = [
@@ -139,7 +119,7 @@ FWD_CONFIGS = [
 def test_real_portable_forward_passes(cfg):
     assert not selftest.gated(cfg)  # sm_90 (forced by the user): not gated, but `check` tests any config
     verdict = selftest.check(cfg, "cuda")
-    _report(verdict)
+    report_verdict(verdict)
     assert verdict.ok, (verdict.failure, verdict.log)
     assert len(verdict.checks) == len(selftest.cases_for(cfg)) and all(c["repeats"] for c in verdict.checks)
     assert Path(verdict.path).exists()
@@ -152,7 +132,7 @@ def test_real_portable_backward_passes(cfg):
     """The default backward runner forces the portable family in the child (sm_90 runs sm90 by
     default), so the API's backward is the sm80 one."""
     verdict = selftest.check(cfg, "cuda")
-    _report(verdict)
+    report_verdict(verdict)
     assert verdict.ok, (verdict.failure, verdict.log)
     assert {"dq_err", "dk_err", "dv_err"} <= set(verdict.checks[0]) and len(verdict.checks) == len(selftest._CASES)
 
@@ -167,7 +147,7 @@ def test_gate_refuses_then_allows(monkeypatch):
     assert selftest.gated(GATED_FWD) and selftest.gate_of(GATED_FWD).selftest_var == "FLASH4_PORTABLE"
     monkeypatch.setitem(selftest.DEFAULT_RUNNERS, "fwd", runner("wrong_twin_fwd"))
     problem = selftest.support_problem(GATED_FWD, "cuda")
-    _report(selftest.cached_verdict(GATED_FWD, "cuda"))
+    report_verdict(selftest.cached_verdict(GATED_FWD, "cuda"))
     assert problem is not None and repr(GATED_FWD) in problem and "out error" in problem
     assert "FLASH4_PORTABLE=off never uses the portable (sm80 family) kernels" in problem
     with pytest.raises(RuntimeError, match="first-use self-test failed with wrong results"):
@@ -180,11 +160,11 @@ def test_gate_refuses_then_allows(monkeypatch):
     monkeypatch.delenv("FLASH4_PORTABLE")
     monkeypatch.setitem(selftest.DEFAULT_RUNNERS, "fwd", runner("twin_fwd"))
     verdict = selftest.check(GATED_FWD, "cuda", rerun=True)
-    _report(verdict)
+    report_verdict(verdict)
     assert verdict.ok, (verdict.failure, verdict.log)
     selftest._forget()
     selftest.require(GATED_FWD, "cuda")  # from the file now
-    _parent_still_works()
+    parent_still_works()
 
 
 def test_gate_backward_with_sm86_tiles(monkeypatch):
@@ -192,9 +172,9 @@ def test_gate_backward_with_sm86_tiles(monkeypatch):
     monkeypatch.setitem(selftest.DEFAULT_RUNNERS, "bwd", runner("twin_bwd"))
     assert selftest.support_problem(GATED_BWD, "cuda") is None, selftest.cached_verdict(GATED_BWD, "cuda").log
     verdict = selftest.cached_verdict(GATED_BWD, "cuda")
-    _report(verdict)
+    report_verdict(verdict)
     assert verdict.ok and verdict.gated and len(verdict.checks) == len(selftest._CASES)
-    _parent_still_works()
+    parent_still_works()
 
 
 # ---------------------------------------------------------------- the host, as on an sm_86 GPU
@@ -230,4 +210,4 @@ def test_host_on_a_device_that_says_sm86(monkeypatch):
     monkeypatch.setenv("FLASH4_PORTABLE", "off")
     assert "FLASH4_PORTABLE=off" in validate.support_error(q, k, v, causal=True)
     monkeypatch.delenv("FLASH4_ARCH")
-    _parent_still_works()
+    parent_still_works()
