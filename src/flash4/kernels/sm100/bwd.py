@@ -842,12 +842,12 @@ class FlashAttentionBackwardSm100:
 
     # ---------------------------------------------------------------- MMA warp
     @cute.jit
-    def mma(self, mmas, smem_t, tP_layout, tdS_layout, pipes, tile):
+    def mma_operands(self, mmas, smem_t, tP_layout, tdS_layout):
+        """The MMA warp's operands, 1-CTA and 2-CTA alike: smem descriptors (MMA, MMA_M/N, MMA_K[, stage])
+        of K, Q, V, dO, their MN-major views and dS; the five TMEM accumulators (S, dP, dV, dK, dQ at
+        bwd_tmem_map's columns); the P^T / dS^T halves (one per compute warpgroup) as TMEM A operands."""
         mma_s, mma_dp, mma_dv, mma_dk, mma_dq = mmas
-        _, _, _, group, _, num_m, _, _ = tile
-        n_steps = group * num_m
         base = self.tmem_base()
-        # operand descriptors: (MMA, MMA_M/N, MMA_K, stage)
         tSrK = mma_s.make_fragment_A(smem_t["sK"])[None, None, None, 0]
         tSrQ = mma_s.make_fragment_B(smem_t["sQ"])
         tPrV = mma_dp.make_fragment_A(smem_t["sV"])[None, None, None, 0]
@@ -861,9 +861,17 @@ class FlashAttentionBackwardSm100:
         tVtV = self.tmem_acc(base, mma_dv, self.mma_tiler_dv, "dV")
         tKtK = self.tmem_acc(base, mma_dk, self.mma_tiler_dk, "dK")
         tQtQ = self.tmem_acc(base, mma_dq, self.mma_tiler_dq, "dQ")
-        # P^T / dS^T halves (one per compute warpgroup) as TMEM A operands: (MMA, MMA_M, MMA_K)
         tVrP = [self.tmem_operand(base, mma_dv, tP_layout, f"P{w}") for w in range(self.compute_wgs)]
         tKrdS = [self.tmem_operand(base, mma_dk, tdS_layout, f"dS{w}") for w in range(self.compute_wgs)]
+        return tSrK, tSrQ, tPrV, tPrdO, tVrdO, tKrQ, tQrdS, tQrK, tStS, tPtP, tVtV, tKtK, tQtQ, tVrP, tKrdS
+
+    @cute.jit
+    def mma(self, mmas, smem_t, tP_layout, tdS_layout, pipes, tile):
+        mma_s, mma_dp, mma_dv, mma_dk, mma_dq = mmas
+        _, _, _, group, _, num_m, _, _ = tile
+        n_steps = group * num_m
+        (tSrK, tSrQ, tPrV, tPrdO, tVrdO, tKrQ, tQrdS, tQrK, tStS, tPtP, tVtV, tKtK, tQtQ, tVrP,
+         tKrdS) = self.mma_operands(mmas, smem_t, tP_layout, tdS_layout)
 
         pipe_q, pipe_do, pipe_s, pipe_dp, pipe_ds, pipe_dq = (pipes[n] for n in ("q", "do", "s", "dp", "ds", "dq"))
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
@@ -993,22 +1001,8 @@ class FlashAttentionBackwardSm100:
         mma_s, mma_dp, mma_dv, mma_dk, mma_dq = mmas
         _, _, _, group, _, num_m, _, _ = tile
         n_steps = group * num_m
-        base = self.tmem_base()
-        tSrK = mma_s.make_fragment_A(smem_t["sK"])[None, None, None, 0]
-        tSrQ = mma_s.make_fragment_B(smem_t["sQ"])
-        tPrV = mma_dp.make_fragment_A(smem_t["sV"])[None, None, None, 0]
-        tPrdO = mma_dp.make_fragment_B(smem_t["sdO"])
-        tVrdO = mma_dv.make_fragment_B(smem_t["sdOmn"])
-        tKrQ = mma_dk.make_fragment_B(smem_t["sQmn"])
-        tQrdS = mma_dq.make_fragment_A(smem_t["sdS"])[None, None, None, 0]
-        tQrK = mma_dq.make_fragment_B(smem_t["sKmn"])[None, None, None, 0]
-        tStS = self.tmem_acc(base, mma_s, self.mma_tiler_s, "S")
-        tPtP = self.tmem_acc(base, mma_dp, self.mma_tiler_dp, "dP")
-        tVtV = self.tmem_acc(base, mma_dv, self.mma_tiler_dv, "dV")
-        tKtK = self.tmem_acc(base, mma_dk, self.mma_tiler_dk, "dK")
-        tQtQ = self.tmem_acc(base, mma_dq, self.mma_tiler_dq, "dQ")
-        tVrP = [self.tmem_operand(base, mma_dv, tP_layout, f"P{w}") for w in range(self.compute_wgs)]
-        tKrdS = [self.tmem_operand(base, mma_dk, tdS_layout, f"dS{w}") for w in range(self.compute_wgs)]
+        (tSrK, tSrQ, tPrV, tPrdO, tVrdO, tKrQ, tQrdS, tQrK, tStS, tPtP, tVtV, tKtK, tQtQ, tVrP,
+         tKrdS) = self.mma_operands(mmas, smem_t, tP_layout, tdS_layout)
 
         pipe_q, pipe_qt, pipe_do, pipe_s, pipe_dp, pipe_ds, pipe_dq = (
             pipes[n] for n in ("q", "qt", "do", "s", "dp", "ds", "dq"))
