@@ -256,3 +256,23 @@ def layout_offset(crd, shape, stride) -> int:
             return out
         return sum(layout_offset(c, s, d) for c, s, d in zip(crd, shape, stride))
     return crd * stride
+
+
+def compile_bwd_rows(configs, ids, dump) -> dict:
+    """Each backward config compiled once (flash4.compile.cache.compile_bwd, PTX and cubin kept in
+    dump): {id: (cfg, CPU seconds, ptx, resource row, SASS text or None)}; the row is empty and the
+    SASS None where cuobjdump is not installed."""
+    import time
+
+    from flash4.compile.cache import compile_bwd
+    from flash4.compile.check import extract_cubin, resource_usage, sass_text
+
+    out = {}
+    for cfg, name in zip(configs, ids):
+        t0 = time.process_time()
+        compiled = compile_bwd(cfg, options=f" --keep-ptx --keep-cubin --dump-dir {dump}")
+        cpu_s = time.process_time() - t0
+        cubin = extract_cubin(compiled)
+        row = resource_usage(cubin) if cubin is not None else {}
+        out[name] = (cfg, cpu_s, compiled.__ptx__, row, sass_text(cubin) if row else None)
+    return out

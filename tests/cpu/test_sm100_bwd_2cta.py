@@ -7,7 +7,6 @@ hardware."""
 
 import itertools
 import re
-import time
 
 import pytest
 
@@ -17,7 +16,7 @@ from flash4.kernels.sm100.bwd_plan import (BWD_WARP_ROLES_2CTA, DQ_GROUP_ROWS, B
                                            bwd_tmem_alloc_cols, bwd_tmem_aliases, bwd_tmem_map)
 from flash4.kernels.sm100.plan import TMEM_COLUMNS
 from flash4.launch import bwd_grid
-from cpu_helpers import layout_offset
+from cpu_helpers import compile_bwd_rows, layout_offset
 
 TWO = [c for c in sm100.shipped_bwd_configs() if c.cta_group == 2]
 IDS = [f"d{c.headdim}-{c.dtype}-{'causal' if c.causal else 'full'}{'-softcap' if c.softcap else ''}-2cta" for c in TWO]
@@ -176,19 +175,7 @@ def sass_count_prefix(sass: str, opcode: str) -> int:
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     pytest.importorskip("cutlass")
-    from flash4.compile.cache import compile_bwd
-    from flash4.compile.check import extract_cubin, resource_usage, sass_text
-
-    out = {}
-    dump = tmp_path_factory.mktemp("sm100bwd2cta")
-    for cfg, name in zip(TWO, IDS):
-        t0 = time.process_time()
-        compiled = compile_bwd(cfg, options=f" --keep-ptx --keep-cubin --dump-dir {dump}")
-        cpu_s = time.process_time() - t0
-        cubin = extract_cubin(compiled)
-        row = resource_usage(cubin) if cubin is not None else {}
-        out[name] = (cfg, cpu_s, compiled.__ptx__, row, sass_text(cubin) if row else None)
-    return out
+    return compile_bwd_rows(TWO, IDS, tmp_path_factory.mktemp("sm100bwd2cta"))
 
 
 @pytest.mark.parametrize("name", IDS)

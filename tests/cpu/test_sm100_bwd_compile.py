@@ -10,13 +10,12 @@ predicated 16-byte RZ store sites (K, V once; Q, dO in the prologue and the step
 
 import dataclasses
 import re
-import time
 
 import pytest
+from cpu_helpers import compile_bwd_rows
 
 pytest.importorskip("cutlass")
 
-from flash4.compile.check import extract_cubin, resource_usage, sass_text  # noqa: E402
 from flash4.config.sm100 import (bwd_register_plan, bwd_tmem_alloc_cols, select_bwd_config,  # noqa: E402
                                   shipped_bwd_configs)
 from flash4.kernels.sm100.bwd_plan import DQ_GROUP_ROWS  # noqa: E402
@@ -42,18 +41,7 @@ def sass_count(sass: str, opcode: str) -> int:
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     """Each config compiled once: {id: (cfg, cpu seconds, ptx, resource row, sass text)}."""
-    from flash4.compile.cache import compile_bwd
-
-    out = {}
-    dump = tmp_path_factory.mktemp("sm100bwd")
-    for cfg, name in zip(CONFIGS, IDS):
-        t0 = time.process_time()
-        compiled = compile_bwd(cfg, options=f" --keep-ptx --keep-cubin --dump-dir {dump}")
-        cpu_s = time.process_time() - t0
-        cubin = extract_cubin(compiled)
-        row = resource_usage(cubin) if cubin is not None else {}
-        out[name] = (cfg, cpu_s, compiled.__ptx__, row, sass_text(cubin) if row else None)
-    return out
+    return compile_bwd_rows(CONFIGS, IDS, tmp_path_factory.mktemp("sm100bwd"))
 
 
 @pytest.mark.parametrize("name", IDS)
