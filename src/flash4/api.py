@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from flash4 import autograd, forward, ops, validate
+from flash4 import autograd, forward, memo, ops, validate
 from flash4.geometry import canonical_mask
 from flash4.request import Request
 from flash4.validate import check_softcap, check_window_size, resolve_softmax_scale
@@ -99,6 +99,13 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False,
         1024) runs as flash_attn_with_kvcache's decode step (GQA packing, split-KV and its combine),
         chosen from the shapes alone (flash4.config.decode_door; no host sync, CUDA-graph safe).
     """
+    # a signature seen before: its prepared call (flash4.memo: checks and plan skipped, same launches)
+    key = memo.dense_key(q, k, v, softmax_scale, causal, return_lse, deterministic, window_size, softcap,
+                         learnable_sink)
+    call = memo.get(key)
+    if call is not None:
+        out, lse = call(q, k, v, learnable_sink)
+        return (out, lse) if return_lse else out
     _check_flags(return_lse=return_lse, deterministic=deterministic)
     window_size = check_window_size(window_size)
     softcap = check_softcap(softcap)
@@ -113,7 +120,12 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False,
     # torch.compile: the request unchecked (pointers and the device are not known while tracing); the
     # op checks it when the compiled graph runs (flash4.ops)
     request = Request.dense(*args) if torch.compiler.is_compiling() else validate.dense_request(*args)
-    out, lse = autograd.attention(request)
+    call = None if key is None else memo.prepare_dense(request)
+    if call is not None:
+        memo.put(key, call)
+        out, lse = call(q, k, v, learnable_sink)
+    else:
+        out, lse = autograd.attention(request)
     return (out, lse) if return_lse else out
 
 
@@ -225,6 +237,14 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
     Source convention: flash-attn 2/3 `flash_attn_varlen_func` (argument order, layouts, LSE
     (nheads, total_q)); paged K/V as flash-attn-4's (page_table + seqused_k, cu_seqlens_k None).
     """
+    key = memo.varlen_key(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
+                          page_table, softmax_scale, causal, window_size, softcap, return_lse, deterministic,
+                          check_seqlens, learnable_sink)
+    call = memo.get(key)
+    if call is not None:  # a signature seen before (flash4.memo)
+        out, lse = call(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table, max_seqlen_q,
+                        max_seqlen_k, learnable_sink)
+        return (out, lse) if return_lse else out
     _check_flags(return_lse=return_lse, deterministic=deterministic, check_seqlens=check_seqlens)
     window_size = check_window_size(window_size)
     softcap = check_softcap(softcap)
@@ -242,7 +262,14 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
             softmax_scale, causal, window_size, softcap, learnable_sink, deterministic, check_seqlens)
     # torch.compile: unchecked; flash4::varlen_fwd checks (and computes a max_seqlen given as a tensor)
     request = Request.varlen(*args) if torch.compiler.is_compiling() else validate.varlen_request(*args)
-    out, lse = autograd.attention(request)
+    call = None if key is None else memo.prepare_varlen(request)
+    if call is not None:
+        memo.put(key, call)
+        seq = request.seq  # checked and contiguous (validate ran the value checks)
+        out, lse = call.run(q, k, v, (seq.cu_seqlens_q, seq.cu_seqlens_k, seq.seqused_q, seq.seqused_k,
+                                      seq.page_table), request.score.kernel_sink())
+    else:
+        out, lse = autograd.attention(request)
     return (out, lse) if return_lse else out
 
 
@@ -340,6 +367,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     page_table or the batch contents never recompiles; the call has no host sync (with a tensor
     cache_seqlens and check_seqlens=False), so it can be captured in a CUDA graph.
     """
+    key = memo.kvcache_key(q, k_cache, v_cache, k, v, cache_seqlens, page_table, cache_batch_idx, softmax_scale, causal,
+                           window_size, softcap, num_splits, return_lse, out, check_seqlens, learnable_sink)
+    call = memo.get(key)
+    if call is not None:  # a signature seen before (flash4.memo)
+        result, lse = call(q, k_cache, v_cache, k, v, cache_seqlens, page_table, out, learnable_sink)
+        return (result, lse) if return_lse else result
     _check_flags(return_lse=return_lse, check_seqlens=check_seqlens)
     window_size = check_window_size(window_size)
     softcap = check_softcap(softcap)
@@ -356,6 +389,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
                 result = out
         return (result, lse) if return_lse else result
     request = validate.kvcache_request(*args, out=out, **options)
+    call = None if key is None else memo.prepare_kvcache(request, out)
+    if call is not None:
+        memo.put(key, call)
+        cache = request.cache  # checked: cache_seqlens a contiguous tensor, value checks run
+        result, lse = call.run(q, k_cache, v_cache, cache.k_new, cache.v_new, cache.cache_seqlens, request.seq.page_table,
+                               out, request.score.kernel_sink())
+        return (result, lse) if return_lse else result
     with torch.no_grad():
         result, lse = forward.run(request, out=out)
     return (result, lse) if return_lse else result

@@ -210,3 +210,20 @@ def force_family(name: str) -> None:
     """Set FLASH4_FAMILY for this process (e.g. "portable": `python -m flash4 bench --family portable`);
     every later config selection reads it (family_override)."""
     os.environ["FLASH4_FAMILY"] = name
+
+
+# The variables a forward call's plan reads (SM version and count, family, page policy, self-test
+# gates, the sm_100 2-CTA switch): flash4.memo keys its prepared calls on their raw values.
+PLAN_VARIABLES = ("FLASH4_ARCH", "FLASH4_NUM_SMS", "FLASH4_FAMILY", "FLASH4_SMALL_PAGES", "FLASH4_PAGE_GATHER_MAX",
+                  "FLASH4_PAGE_PREFETCH", "FLASH4_SM100", "FLASH4_PORTABLE", "FLASH4_SM100_2CTA")
+_PLAN_KEYS = tuple(os.environ.encodekey(name) for name in PLAN_VARIABLES)
+
+
+def plan_snapshot() -> tuple:
+    """The raw values (None when unset) of PLAN_VARIABLES, read now: one dict lookup each in the
+    process environment's mapping (os.environ._data, which os.environ[...] = ... and
+    monkeypatch.setenv update), about 1 us for all, where os.environ.get costs ~0.7 us each."""
+    data = getattr(os.environ, "_data", None)
+    if data is None:  # not CPython's os._Environ: the public (slower) reads
+        return tuple(os.environ.get(name) for name in PLAN_VARIABLES)
+    return tuple(map(data.get, _PLAN_KEYS))

@@ -324,10 +324,22 @@ def _packed_decode(request: Request, out, lse, given=(False, False)) -> None:
     total_q >= batch): a searchsorted and three gathers (q, out, lse); with Sq > 1 a few more
     integer ops on (B, Sq) and (total_q,) indices. (The next step: the decode kernel and the combine
     reading cu_seqlens_q themselves.)"""
-    q, seq = request.q, request.seq
+    seq = request.seq
+    seqused_k, page_table = _contiguous(seq.seqused_k), _contiguous(seq.page_table)
+
+    def step(q_step, out_step, lse_step):
+        launch(_decode_step(request, q_step, seqused_k, page_table), out_step, lse_step)
+
+    packed_decode_rows(request.q, seq.cu_seqlens_q, request.batch, seq.max_seqlen_q, request.headdim_v, out, lse, given,
+                       step)
+
+
+def packed_decode_rows(q, cu, batch: int, seqlen_q: int, headdim_v: int, out, lse, given, step) -> None:
+    """_packed_decode's device work around its decode step (shared with flash4.memo's prepared
+    calls): q (total_q, H, D) packed rows, cu = cu_seqlens_q, out / lse the request's buffers;
+    step(q_step, out_step, lse_step) launches the decode step of q_step (B, Sq, H, D)."""
     total_q, nheads, headdim = q.shape
-    batch, seqlen_q, headdim_v, device = request.batch, seq.max_seqlen_q, request.headdim_v, q.device
-    cu = seq.cu_seqlens_q
+    device = q.device
     offsets, rows = _gather_ramps(seqlen_q, total_q, device)
     if seqlen_q == 1 and total_q >= batch:
         # lengths <= 1, so cu[b] <= b < total_q: the row of sequence b (any row when it is empty)
@@ -337,7 +349,7 @@ def _packed_decode(request: Request, out, lse, given=(False, False)) -> None:
     out_step = torch.empty(batch, seqlen_q, nheads, headdim_v, dtype=q.dtype, device=device)
     lse_step = torch.empty(batch, nheads, seqlen_q, dtype=F32, device=device)
     q_step = q.index_select(0, src).view(batch, seqlen_q, nheads, headdim)
-    launch(_decode_step(request, q_step, _contiguous(seq.seqused_k), _contiguous(seq.page_table)), out_step, lse_step)
+    step(q_step, out_step, lse_step)
     # the sequence b of row r: #{b' < batch - 1 : cu[b' + 1] <= r}, in [0, batch - 1] (rows past the
     # last sequence count as its rows)
     owner = torch.searchsorted(cu[1:-1], rows, right=True)

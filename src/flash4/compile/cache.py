@@ -106,27 +106,38 @@ def get_fwd_runner(cfg: FwdConfig):
         l2_group = l2_section_heads(seqlen_k_hint, cfg.headdim, cfg.headdim_v) if cfg.lpt else 1
         return l2_group, fwd_grid(cfg, batch * num_splits, max_seqlen_q, nheads, num_sms)[0]
 
-    def run(q, k, v, out, lse, softmax_scale: float, lse_split=None, seqs=None, batch=None, max_seqlen_q=None,
-            accs=(None, None), num_splits: int = 1, window=None, softcap: float = 0.0, sink=None):
+    def tail(q, k, softmax_scale: float, seqs=None, batch=None, max_seqlen_q=None, num_splits: int = 1, window=None,
+             softcap: float = 0.0) -> tuple:
+        """The host scalars that end the compiled call (scale_log2, softcap_scale, batch, max_seqlen_q,
+        num_splits, window_left, window_right, l2_group, num_ctas), from run()'s arguments: a pure
+        function of shapes, options and the device's SM count (flash4.forward's memo of prepared
+        calls keeps it)."""
         if batch is None:
             batch, max_seqlen_q = q.shape[0], q.shape[1]
-        seqs = seqs if seqs is not None else (None,) * 5
-        if seqs[4] is not None:  # paged: page_size x pages per sequence
+        if seqs is not None and seqs[4] is not None:  # paged: page_size x pages per sequence
             seqlen_k_hint = k.shape[1] * seqs[4].shape[1]
         else:  # packed K: the mean sequence
             seqlen_k_hint = k.shape[1] // max(batch, 1) if cfg.varlen_k else k.shape[1]
         pack = cfg.pack_gqa  # GQA-packed: pack x the rows, 1 / pack the heads
         l2_group, num_ctas = launch_plan(batch, max_seqlen_q * pack, q.shape[2] // pack, seqlen_k_hint if cfg.lpt else 0,
                                          num_splits, arch.num_sms(q.device) if cfg.persistent else 0)
-        if lse_split is None:
-            lse_split = torch.empty((2,) + tuple(lse.shape), dtype=torch.float32, device=lse.device)
         left, right = window if window is not None else (UNBOUNDED, UNBOUNDED)
         # softcap: scores softcap * tanh(S * scale / softcap); the softmax scales by softcap * log2 e
         scale_log2, softcap_scale = ((softcap * LOG2E, softmax_scale / softcap) if cfg.softcap
                                      else (softmax_scale * LOG2E, 1.0))
-        compiled(q, k, v, out, lse, lse_split[0], lse_split[1], *seqs, *accs, sink, scale_log2, softcap_scale, batch,
-                 max_seqlen_q, num_splits, left, right, l2_group, num_ctas)
+        return scale_log2, softcap_scale, batch, max_seqlen_q, num_splits, left, right, l2_group, num_ctas
 
+    def run(q, k, v, out, lse, softmax_scale: float, lse_split=None, seqs=None, batch=None, max_seqlen_q=None,
+            accs=(None, None), num_splits: int = 1, window=None, softcap: float = 0.0, sink=None):
+        scalars = tail(q, k, softmax_scale, seqs, batch, max_seqlen_q, num_splits, window, softcap)
+        seqs = seqs if seqs is not None else (None,) * 5
+        if lse_split is None:
+            lse_split = torch.empty((2,) + tuple(lse.shape), dtype=torch.float32, device=lse.device)
+        compiled(q, k, v, out, lse, lse_split[0], lse_split[1], *seqs, *accs, sink, *scalars)
+
+    # flash4.forward's prepared calls take the compiled function and tail() apart: compiled(q, k, v,
+    # out, lse, lse_hi, lse_lo, *seqs, *accs, sink, *tail(...)) is run() without its per-call work
+    run.compiled, run.tail = compiled, tail
     return run
 
 
@@ -343,8 +354,12 @@ def get_combine_runner(headdim: int, dtype: str, arch: int = 90, sink: bool = Fa
 
     def run(o_accum, lse_accum, out, lse, pack: int, sink=None):
         _, batch, seqlen_p, nheads_k, _ = o_accum.shape
-        rows = batch * seqlen_p * nheads_k
-        num_ctas = -(-rows // COMBINE_WARPS_PER_CTA)
-        compiled(o_accum, lse_accum, out, lse, sink, pack, num_ctas)
+        compiled(o_accum, lse_accum, out, lse, sink, pack, combine_ctas(batch, seqlen_p, nheads_k))
 
+    run.compiled = compiled  # flash4.forward's prepared calls: compiled(..., sink, pack, combine_ctas(...))
     return run
+
+
+def combine_ctas(batch: int, seqlen_p: int, nheads_k: int) -> int:
+    """CTAs of the split-KV combine: one warp per (batch, packed row, KV head) row."""
+    return -(-(batch * seqlen_p * nheads_k) // COMBINE_WARPS_PER_CTA)

@@ -1,0 +1,436 @@
+"""Prepared calls: a door's host path for an argument signature it has seen before (issue 25 item 4).
+
+A serving loop calls a door with the same shapes, strides, dtypes, devices and options step after
+step. The first call with a signature runs the whole host path (flash4.validate's checks and request,
+the plan: flash4.config.fwd_config / decode_door, the runner lookups, the launch scalars) and keeps
+what it decided as a prepared call; a later call with the same signature only does what depends on
+values outside the signature:
+
+    kvcache_key / dense_key / varlen_key(...) -> key, or None (not kept: see below)
+    get(key) -> a prepared call, or None;  put(key, call)
+    prepare_kvcache / prepare_dense / prepare_varlen(request, ...) -> a prepared call, or None
+
+    a prepared call's per-call work: the metadata made contiguous, check_seqlens' on-device value
+    checks (check_seqlens=True: one host sync, as before), an int cache_seqlens as a tensor, the
+    learnable sink as the kernels read it, out / lse / scratch allocation, the KV append, the small
+    device ops of the packed decode (gathers), the self-test gate of a gated family's config
+    (flash4.selftest.require: the verdict may change), and the compiled kernels' calls with their
+    host scalars (flash4.compile.cache's runner.tail) fixed.
+
+The key holds everything the checks and the plan read: per tensor its dtype, shape, strides, CUDA
+index and base address modulo 16 (TMA alignment); every other argument with its type (True and 1
+differ; an unhashable argument, e.g. a list window_size, is not kept); the environment variables a
+plan reads (flash4.env.PLAN_VARIABLES). Validation that depends only on the key is skipped on a hit
+(it passed with the same key); a call whose checks fail is never kept. Not kept: calls while
+torch.compile traces (the custom ops check themselves), calls that autograd records (grad mode on
+and an input requiring grad: FlashAttnFunction's path), CPU tensors (the CPU tests replace
+flash4.forward.launch; CPU = True lets tools/host_overhead.py --fake and tests/cpu/test_memo_cpu.py
+through), the cases without kernel work (empty batches, no keys), flash_attn_with_kvcache with
+cache_batch_idx, and flash_attn_varlen_func with max_seqlen_q given as a tensor or None (a host
+sync per call). Those run the host path of flash4.forward.run as before.
+
+No host sync is added: a hit is pure host work plus the same device work as the first call, so it
+is CUDA-graph safe exactly where the door was. ENABLED = False turns the memo off (A/B, tests).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flash4 import env, forward, validate
+from flash4.arch import device_arch, num_sms
+from flash4.config import decode_door, fwd_config
+
+F32 = torch.float32
+# TMA alignment of base addresses (flash4.validate's rule): the key keeps data_ptr() modulo it.
+_ALIGN = 16
+
+ENABLED = True
+CPU = False  # keep CPU tensors too (tools/host_overhead.py --fake, tests/cpu/test_memo_cpu.py)
+_MEMO: dict = {}
+MAX_ENTRIES = 4096  # then cleared (a process that keeps making new signatures pays the full path)
+stats = {"hits": 0, "kept": 0}
+
+
+# ================================================================ keys
+def _key(door: str, args) -> tuple:
+    parts = [door, env.plan_snapshot()]
+    append = parts.append
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            append((a.dtype, a.shape, a.stride(), a.get_device(), a.data_ptr() % _ALIGN))
+        else:
+            append((type(a), a))
+    return tuple(parts)
+
+
+def _eligible(q, grads) -> bool:
+    """A call the memo may keep or answer: on, not traced, q a CUDA tensor (or CPU with CPU), and no
+    input of `grads` requiring grad under grad mode (autograd records those)."""
+    if not ENABLED or torch.compiler.is_compiling() or not isinstance(q, torch.Tensor):
+        return False
+    if not (q.is_cuda or CPU):
+        return False
+    if torch.is_grad_enabled():
+        for t in grads:
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                return False
+    return True
+
+
+def dense_key(q, k, v, softmax_scale, causal, return_lse, deterministic, window_size, softcap, learnable_sink):
+    """flash_attn_func's key, or None when the call is not kept."""
+    if not _eligible(q, (q, k, v, learnable_sink)):
+        return None
+    return _key("dense", (q, k, v, softmax_scale, causal, return_lse, deterministic, window_size, softcap,
+                          learnable_sink))
+
+
+def varlen_key(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, page_table,
+               softmax_scale, causal, window_size, softcap, return_lse, deterministic, check_seqlens, learnable_sink):
+    """flash_attn_varlen_func's key, or None (also for max_seqlen_q other than an int)."""
+    if type(max_seqlen_q) is not int or not _eligible(q, (q, k, v, learnable_sink)):
+        return None
+    return _key("varlen", (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
+                           page_table, softmax_scale, causal, window_size, softcap, return_lse, deterministic,
+                           check_seqlens, learnable_sink))
+
+
+def kvcache_key(q, k_cache, v_cache, k, v, cache_seqlens, page_table, cache_batch_idx, softmax_scale, causal,
+                window_size, softcap, num_splits, return_lse, out, check_seqlens, learnable_sink):
+    """flash_attn_with_kvcache's key, or None (also with cache_batch_idx)."""
+    if cache_batch_idx is not None or not _eligible(q, (q, k_cache, v_cache, k, v, out, learnable_sink)):
+        return None
+    return _key("kvcache", (q, k_cache, v_cache, k, v, cache_seqlens, page_table, softmax_scale, causal, window_size,
+                            softcap, num_splits, return_lse, out, check_seqlens, learnable_sink))
+
+
+def get(key):
+    """The prepared call of `key`, or None (None key or unhashable: None)."""
+    if key is None:
+        return None
+    try:
+        call = _MEMO.get(key)
+    except TypeError:  # an unhashable argument
+        return None
+    if call is not None:
+        stats["hits"] += 1
+    return call
+
+
+def put(key, call) -> None:
+    try:
+        hash(key)
+    except TypeError:
+        return
+    if len(_MEMO) >= MAX_ENTRIES:
+        _MEMO.clear()
+    _MEMO[key] = call
+    stats["kept"] += 1
+
+
+def clear() -> None:
+    _MEMO.clear()
+
+
+def _sink(learnable_sink):
+    """ScoreSpec.kernel_sink of the caller's sink (per call: its values may change)."""
+    return None if learnable_sink is None else learnable_sink.detach().float().contiguous()
+
+
+def _contiguous(t):
+    return t if t is None or t.is_contiguous() else t.contiguous()
+
+
+# ================================================================ the launches with their plan fixed
+class _Kernel:
+    """flash4.forward.launch's DENSE / VARLEN / PAGED kernel call with its config, runner and host
+    scalars fixed: __call__(q, k, v, out, lse, seqs, sink) launches (seqs: the contiguous
+    (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table) of a packed request, None dense)."""
+
+    __slots__ = ("fwd", "tail", "packed", "paged", "split_shape", "gated")
+
+    def __init__(self, request):
+        from flash4 import selftest
+        from flash4.compile.cache import get_fwd_runner
+
+        q, k, seq = request.q, request.k, request.seq
+        cfg = fwd_config(request, device_arch(q.device)).cfg
+        selftest.require(cfg, q.device)
+        self.gated = (cfg,) if selftest.gated(cfg) else ()
+        runner = get_fwd_runner(cfg)
+        self.fwd, self.packed, self.paged = runner.compiled, seq.packed, seq.paged
+        window, softcap, scale = request.mask.window, request.score.softcap, request.score.softmax_scale
+        if seq.packed:
+            k4 = k if seq.paged else k.unsqueeze(0)
+            seqs = (seq.cu_seqlens_q, None if seq.paged else seq.cu_seqlens_k, seq.seqused_q, seq.seqused_k,
+                    seq.page_table)
+            self.tail = runner.tail(q.unsqueeze(0), k4, scale, seqs, request.batch, int(seq.max_seqlen_q), 1, window,
+                                    softcap)
+            self.split_shape = (2, 1, q.shape[1], q.shape[0])  # new_lse_split(request).unsqueeze(1)
+        else:
+            self.tail = runner.tail(q, k, scale, None, None, None, 1, window, softcap)
+            self.split_shape = (2, q.shape[0], q.shape[2], q.shape[1])
+
+    def __call__(self, q, k, v, out, lse, seqs, sink) -> None:
+        split = torch.empty(self.split_shape, dtype=F32, device=q.device)
+        if self.packed:
+            if not self.paged:
+                k, v = k.unsqueeze(0), v.unsqueeze(0)
+            cu_q, cu_k, used_q, used_k, table = seqs
+            self.fwd(q.unsqueeze(0), k, v, out.unsqueeze(0), lse.unsqueeze(0), split[0], split[1], cu_q,
+                     None if self.paged else cu_k, used_q, used_k, table, None, None, sink, *self.tail)
+        else:
+            self.fwd(q, k, v, out, lse, split[0], split[1], None, None, None, None, None, None, None, sink, *self.tail)
+
+
+class _Decode:
+    """flash4.forward._launch_decode with its plan fixed: __call__(q, k_cache, v_cache, out, lse,
+    seqused_k, page_table, sink) runs a DECODE step of q (B, Sq, H, D) (GQA packing, split-KV and
+    its combine as the plan says)."""
+
+    __slots__ = ("fwd", "combine", "tail", "pack", "splits", "batch", "seqlen_q", "nheads_k", "headdim", "headdim_v",
+                 "seqlen_p", "heads_p", "combine_ctas", "gated")
+
+    def __init__(self, step):
+        """step: the DECODE request (flash4.forward's) of the first call."""
+        from flash4 import selftest
+        from flash4.compile.cache import combine_ctas
+
+        q, seq = step.q, step.seq
+        plan = fwd_config(step, device_arch(q.device), num_sms(q.device))
+        selftest.require(plan.cfg, q.device)
+        self.gated = (plan.cfg,) if selftest.gated(plan.cfg) else ()
+        run_kernel, combine = forward._runners(plan)
+        self.fwd, self.combine = run_kernel.compiled, None if combine is None else combine.compiled
+        self.batch, self.seqlen_q, _, self.headdim = q.shape
+        self.nheads_k, self.headdim_v = step.nheads_k, step.headdim_v
+        self.pack, self.splits, self.seqlen_p, self.heads_p = plan.pack, plan.num_splits, plan.seqlen_p, plan.heads_p
+        shape = _Shape((self.batch, self.seqlen_p, self.heads_p, self.headdim), q.device)  # q as the kernel sees it
+        seqs = (None, None, None, seq.seqused_k, seq.page_table)
+        window = step.mask.window if self.splits > 1 or self.pack == 1 else None  # as _launch_decode passes it
+        self.tail = run_kernel.tail(shape, step.k, step.score.softmax_scale, seqs, self.batch, self.seqlen_p,
+                                    self.splits, window, step.score.softcap)
+        self.combine_ctas = combine_ctas(self.batch, self.seqlen_p, self.heads_p) if self.splits > 1 else 0
+
+    def __call__(self, q, k_cache, v_cache, out, lse, seqused_k, page_table, sink) -> None:
+        batch, seqlen_q, pack, seqlen_p, heads_p = self.batch, self.seqlen_q, self.pack, self.seqlen_p, self.heads_p
+        headdim, headdim_v, device = self.headdim, self.headdim_v, q.device
+        if pack > 1:
+            q_run = q.view(batch, seqlen_q, self.nheads_k, pack, headdim).transpose(2, 3).reshape(
+                batch, seqlen_p, heads_p, headdim)
+        else:
+            q_run = q
+        if self.splits > 1:
+            o_acc = torch.empty(self.splits, batch, seqlen_p, heads_p, headdim_v, dtype=F32, device=device)
+            lse_acc = torch.empty(self.splits, batch, heads_p, seqlen_p, dtype=F32, device=device)
+            # out / lse are not written by a split_kv launch (its partials go to o_acc / lse_acc)
+            o_arg = out if pack == 1 else (q_run if headdim_v == headdim else torch.empty(
+                batch, seqlen_p, heads_p, headdim_v, dtype=q.dtype, device=device))
+            lse0 = lse_acc[0]
+            self.fwd(q_run, k_cache, v_cache, o_arg, lse0, lse0, lse_acc[1], None, None, None, seqused_k, page_table,
+                     o_acc, lse_acc, sink, *self.tail)
+            self.combine(o_acc, lse_acc, out, lse, sink, pack, self.combine_ctas)
+        elif pack > 1:
+            out_p = torch.empty(batch, seqlen_p, heads_p, headdim_v, dtype=q.dtype, device=device)
+            lse_p = torch.empty(batch, heads_p, seqlen_p, dtype=F32, device=device)
+            split = torch.empty(2, batch, heads_p, seqlen_p, dtype=F32, device=device)
+            self.fwd(q_run, k_cache, v_cache, out_p, lse_p, split[0], split[1], None, None, None, seqused_k, page_table,
+                     None, None, forward._packed_sink(sink), *self.tail)
+            nheads_k = self.nheads_k
+            out.copy_(out_p.view(batch, seqlen_q, pack, nheads_k, headdim_v).transpose(2, 3).reshape(out.shape))
+            lse.copy_(lse_p.view(batch, nheads_k, seqlen_q, pack).transpose(2, 3).reshape(batch, heads_p * pack,
+                                                                                          seqlen_q))
+        else:
+            split = torch.empty((2,) + tuple(lse.shape), dtype=F32, device=device)
+            self.fwd(q, k_cache, v_cache, out, lse, split[0], split[1], None, None, None, seqused_k, page_table, None,
+                     None, sink, *self.tail)
+
+
+class _Shape:
+    """What runner.tail reads of q: its shape and device."""
+
+    __slots__ = ("shape", "device")
+
+    def __init__(self, shape, device):
+        self.shape, self.device = shape, device
+
+
+def _gate(cfgs, device) -> None:
+    if cfgs:
+        from flash4 import selftest
+
+        for cfg in cfgs:
+            selftest.require(cfg, device)
+
+
+# ================================================================ the doors' prepared calls
+class DenseCall:
+    """flash_attn_func without autograd: __call__(q, k, v, learnable_sink) -> (out, lse)."""
+
+    __slots__ = ("out_shape", "lse_shape", "decode", "kernel", "seqlen_k", "gated")
+
+    def __init__(self, request):
+        q = request.q
+        batch, seqlen_q, nheads = q.shape[:3]
+        self.out_shape, self.lse_shape = (batch, seqlen_q, nheads, request.headdim_v), (batch, nheads, seqlen_q)
+        self.seqlen_k = request.k.shape[1]
+        self.decode = self.kernel = None
+        with forward.device_guard(q.device):
+            if decode_door(request, forward._door_arch(q.device), False):
+                seqused_k = forward._full_seqused(batch, self.seqlen_k, q.device)
+                self.decode = _Decode(forward._decode_step(request, q, seqused_k, None))
+            else:
+                self.kernel = _Kernel(request)
+        self.gated = (self.decode or self.kernel).gated
+
+    def __call__(self, q, k, v, learnable_sink):
+        device = q.device
+        out = torch.empty(self.out_shape, dtype=q.dtype, device=device)
+        lse = torch.empty(self.lse_shape, dtype=F32, device=device)
+        sink = _sink(learnable_sink)
+        _gate(self.gated, device)
+        with forward.device_guard(device):
+            if self.decode is not None:
+                self.decode(q, k, v, out, lse, forward._full_seqused(q.shape[0], self.seqlen_k, device), None, sink)
+            else:
+                self.kernel(q, k, v, out, lse, None, sink)
+        return out, lse
+
+
+def prepare_dense(request):
+    """The prepared call of a checked DENSE request without autograd, or None (nothing to launch)."""
+    q, k = request.q, request.k
+    if q.numel() == 0 or q.shape[0] * q.shape[1] * q.shape[2] * request.headdim_v == 0 or k.shape[1] == 0:
+        return None
+    return DenseCall(request)
+
+
+class VarlenCall:
+    """flash_attn_varlen_func without autograd, max_seqlen_q an int: __call__(q, k, v, cu_seqlens_q,
+    cu_seqlens_k, seqused_q, seqused_k, page_table, max_seqlen_q, max_seqlen_k, learnable_sink) ->
+    (out, lse)."""
+
+    __slots__ = ("out_shape", "lse_shape", "fill", "check", "batch", "max_q", "decode", "kernel", "headdim_v",
+                 "gated")
+
+    def __init__(self, request):
+        q, seq = request.q, request.seq
+        total_q, nheads = q.shape[:2]
+        self.out_shape, self.lse_shape = (total_q, nheads, request.headdim_v), (nheads, total_q)
+        self.fill, self.check = seq.seqused_q is not None, request.check_seqlens
+        self.batch, self.max_q, self.headdim_v = request.batch, int(seq.max_seqlen_q), request.headdim_v
+        self.decode = self.kernel = None
+        with forward.device_guard(q.device):
+            if decode_door(request, forward._door_arch(q.device), False):
+                q_step = q.new_empty((self.batch, self.max_q, nheads, q.shape[2]))  # the step's shape (the plan's input)
+                step = forward._decode_step(request, q_step, seq.seqused_k, seq.page_table)
+                self.decode = _Decode(step)
+            else:
+                self.kernel = _Kernel(request)
+        self.gated = (self.decode or self.kernel).gated
+
+    def run(self, q, k, v, seqs, sink):
+        """The launches of checked arguments (seqs: the contiguous metadata)."""
+        device = q.device
+        if self.fill:
+            out = torch.zeros(self.out_shape, dtype=q.dtype, device=device)
+            lse = torch.full(self.lse_shape, float("-inf"), dtype=F32, device=device)
+        else:
+            out = torch.empty(self.out_shape, dtype=q.dtype, device=device)
+            lse = torch.empty(self.lse_shape, dtype=F32, device=device)
+        _gate(self.gated, device)
+        with forward.device_guard(device):
+            if self.decode is not None:
+                decode, used_k, table = self.decode, seqs[3], seqs[4]
+
+                def step(q_step, out_step, lse_step):
+                    decode(q_step, k, v, out_step, lse_step, used_k, table, sink)
+
+                forward.packed_decode_rows(q, seqs[0], self.batch, self.max_q, self.headdim_v, out, lse,
+                                           (False, False), step)
+            else:
+                self.kernel(q, k, v, out, lse, seqs, sink)
+        return out, lse
+
+    def __call__(self, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table, max_seqlen_q,
+                 max_seqlen_k, learnable_sink):
+        seqs = (_contiguous(cu_seqlens_q), _contiguous(cu_seqlens_k), _contiguous(seqused_q), _contiguous(seqused_k),
+                _contiguous(page_table))
+        if self.check:
+            paged = seqs[4] is not None
+            validate.check_varlen_seqlens(seqs[0], seqs[1], q.shape[0], k.shape[0], seqused_q=seqs[2],
+                                          seqused_k=seqs[3], page_table=seqs[4], num_pages=k.shape[0] if paged else 0,
+                                          page_size=k.shape[1] if paged else 0, max_seqlen_q=max_seqlen_q,
+                                          max_seqlen_k=max_seqlen_k)
+        return self.run(q, k, v, seqs, _sink(learnable_sink))
+
+
+def prepare_varlen(request):
+    """The prepared call of a checked VARLEN / PAGED request (max_seqlen_q an int) without autograd,
+    or None (nothing to launch: no query rows, no sequence, max_seqlen_q 0 or no keys)."""
+    q, seq = request.q, request.seq
+    if q.shape[0] == 0 or request.batch <= 0 or seq.max_seqlen_q == 0 or request.k.numel() == 0:
+        return None
+    if q.shape[1] * request.headdim_v == 0:
+        return None
+    return VarlenCall(request)
+
+
+class KvcacheCall:
+    """flash_attn_with_kvcache without cache_batch_idx: __call__(q, k_cache, v_cache, k, v,
+    cache_seqlens, page_table, out, learnable_sink) -> (out, lse)."""
+
+    __slots__ = ("decode", "seqlen_new", "capacity", "check", "out_shape", "lse_shape", "gated")
+
+    def __init__(self, request):
+        q, cache = request.q, request.cache
+        batch, seqlen_q, nheads = q.shape[:3]
+        self.out_shape, self.lse_shape = (batch, seqlen_q, nheads, request.headdim_v), (batch, nheads, seqlen_q)
+        self.seqlen_new, self.capacity, self.check = cache.seqlen_new, request.capacity, request.check_seqlens
+        # the DECODE step of forward._kvcache (its plan does not read seqused_k's values)
+        step = request.with_seq(forward.SeqSpec(forward.DECODE, seqused_k=cache.cache_seqlens,
+                                                page_table=request.seq.page_table))
+        with forward.device_guard(q.device):
+            self.decode = _Decode(step)
+        self.gated = self.decode.gated
+
+    def run(self, q, k_cache, v_cache, k, v, seqlens, page_table, out, sink):
+        """The append and the attention of checked arguments (seqlens: the (batch,) int32 tensor)."""
+        device = q.device
+        if out is None:
+            out = torch.empty(self.out_shape, dtype=q.dtype, device=device)
+        lse = torch.empty(self.lse_shape, dtype=F32, device=device)
+        seqlen_new = self.seqlen_new
+        if seqlen_new > 0:
+            if q.shape[0] > 0:
+                forward._append_kv(k_cache, v_cache, k, v, seqlens, page_table, None)
+            seqlens = _contiguous(seqlens + seqlen_new)
+        _gate(self.gated, device)
+        with forward.device_guard(device):
+            self.decode(q, k_cache, v_cache, out, lse, seqlens, page_table, sink)
+        return out, lse
+
+    def __call__(self, q, k_cache, v_cache, k, v, cache_seqlens, page_table, out, learnable_sink):
+        page_table = _contiguous(page_table)
+        if isinstance(cache_seqlens, torch.Tensor):
+            seqlens = _contiguous(cache_seqlens)
+        else:
+            seqlens = torch.full((q.shape[0],), self.capacity if cache_seqlens is None else cache_seqlens,
+                                 dtype=torch.int32, device=q.device)
+        if self.check:
+            validate.check_kvcache_seqlens(seqlens, self.seqlen_new, self.capacity, batch_cache=k_cache.shape[0],
+                                           cache_batch_idx=None, page_table=page_table, num_pages=k_cache.shape[0],
+                                           page_size=k_cache.shape[1])
+        return self.run(q, k_cache, v_cache, k, v, seqlens, page_table, out, _sink(learnable_sink))
+
+
+def prepare_kvcache(request, out):
+    """The prepared call of a checked KVCACHE request without cache_batch_idx, or None (nothing to
+    launch: an empty out, or a cache without key storage). out: the caller's buffer or None."""
+    q, k_cache = request.q, request.k
+    if request.cache.cache_batch_idx is not None:
+        return None
+    if q.shape[0] * q.shape[1] * q.shape[2] * request.headdim_v == 0 or k_cache.numel() == 0:
+        return None
+    return KvcacheCall(request)

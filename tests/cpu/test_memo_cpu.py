@@ -1,0 +1,293 @@
+"""flash4.memo (prepared calls, issue 25 item 4) on the CPU: a second call with the same signature is
+answered from the memo and issues exactly the kernel calls of the memo-less host path; a call that
+differs in any part of the key (dtype, strides, alignment, causal, window, softcap, sink, page size,
+num_splits, a planning environment variable, ...) is not answered with a stale plan; data checks
+(check_seqlens=True) and argument checks still run.
+
+Every compiled kernel is a recorder (flash4.compile.cache.load_or_compile patched, as
+tools/host_overhead.py --fake does), so a call's launches are compared argument by argument: the
+kernel (kind and config), every tensor's dtype, shape, strides and which input's memory it is (or
+new), every host scalar."""
+
+import pytest
+import torch
+from cpu_helpers import BF16, I32
+
+import flash4
+from flash4 import forward, memo, validate
+from flash4.compile import cache
+
+FP16 = torch.float16
+
+
+@pytest.fixture
+def recorder(monkeypatch):
+    """CPU tensors through the checks, kernels recording their calls, the memo on for CPU tensors."""
+    monkeypatch.setenv("FLASH4_ARCH", "90")
+    monkeypatch.setenv("FLASH4_NUM_SMS", "132")
+    device_problem = validate._device_problem
+
+    def relative_only(q, others, dense=False):
+        problem = device_problem(q, others, dense)
+        return None if problem is not None and problem[1].startswith("q is on cpu") else problem
+
+    monkeypatch.setattr(validate, "_device_problem", relative_only)
+    monkeypatch.setattr(validate, "_arch_problem", lambda *args, **kwargs: None)
+    calls = []
+
+    def load_or_compile(kind, key, options, compile_fn):
+        def kernel(*args):
+            calls.append((kind, key) + tuple(_describe(a) for a in args))
+
+        return kernel
+
+    monkeypatch.setattr(cache, "load_or_compile", load_or_compile)
+    monkeypatch.setattr(memo, "CPU", True)
+    monkeypatch.setattr(memo, "ENABLED", True)
+    _forget()
+    yield calls
+    _forget()
+
+
+def _forget():
+    memo.clear()
+    cache.get_fwd_runner.cache_clear()
+    cache.get_combine_runner.cache_clear()
+    forward._runners.cache_clear()
+
+
+_INPUTS: dict = {}  # storage address -> the input's name (the tensors of the call being described)
+
+
+def _describe(a):
+    if isinstance(a, torch.Tensor):
+        origin = _INPUTS.get(a.untyped_storage().data_ptr(), "new")
+        return ("tensor", a.dtype, tuple(a.shape), a.stride(), a.storage_offset(), origin)
+    return ("value", type(a), a)
+
+
+def _record(calls, fn, args, kwargs):
+    """The kernel calls of fn(*args, **kwargs)."""
+    _INPUTS.clear()
+    for name, value in list(enumerate(args)) + list(kwargs.items()):
+        if isinstance(value, torch.Tensor) and value.numel():
+            _INPUTS[value.untyped_storage().data_ptr()] = str(name)
+    del calls[:]
+    fn(*args, **kwargs)
+    got = list(calls)
+    assert got, "no kernel launched"
+    return got
+
+
+def _memo_less(calls, monkeypatch, fn, args, kwargs):
+    monkeypatch.setattr(memo, "ENABLED", False)
+    try:
+        return _record(calls, fn, args, kwargs)
+    finally:
+        monkeypatch.setattr(memo, "ENABLED", True)
+
+
+def _randn(*shape, dtype=BF16):
+    return torch.randn(*shape).to(dtype)
+
+
+# ================================================================ the doors' cells
+def kvcache(dtype=BF16, paged=0, keys=4096, new=0, seqlens="tensor", out=False, sink=False, num_splits=0,
+            causal=True, window=(-1, -1), softcap=0, sq=1, h=32, hk=8, d=128, check=False, strided=False):
+    b = 2
+    q = _randn(b, sq, h, d, dtype=dtype)
+    if paged:
+        pages = keys // paged
+        k_cache, v_cache = _randn(b * pages, paged, hk, d, dtype=dtype), _randn(b * pages, paged, hk, d, dtype=dtype)
+        table = torch.arange(b * pages, dtype=I32).view(b, pages)
+    else:
+        k_cache, v_cache = _randn(b, keys, hk, d, dtype=dtype), _randn(b, keys, hk, d, dtype=dtype)
+        if strided:  # K and V as two views of one interleaved tensor
+            kv = _randn(b, keys, 2, hk, d, dtype=dtype)
+            k_cache, v_cache = kv[:, :, 0], kv[:, :, 1]
+        table = None
+    lens = {"tensor": torch.full((b,), keys // 2, dtype=I32), "int": keys // 2, "none": None}[seqlens]
+    kw = dict(cache_seqlens=lens, page_table=table, causal=causal, window_size=window, softcap=softcap,
+              num_splits=num_splits, check_seqlens=check, return_lse=True)
+    if new:
+        kw.update(k=_randn(b, new, hk, d, dtype=dtype), v=_randn(b, new, hk, d, dtype=dtype))
+    if out:
+        kw["out"] = torch.empty(b, sq, h, d, dtype=dtype)
+    if sink:
+        kw["learnable_sink"] = torch.randn(h)
+    return flash4.flash_attn_with_kvcache, (q, k_cache, v_cache), kw
+
+
+def func(dtype=BF16, sq=1, keys=4096, causal=True, window=(-1, -1), softcap=0, sink=False, h=32, hk=8, d=128,
+         scale=None, transposed=False):
+    b = 2
+    q, k, v = _randn(b, sq, h, d, dtype=dtype), _randn(b, keys, hk, d, dtype=dtype), _randn(b, keys, hk, d, dtype=dtype)
+    if transposed:  # (B, H, S, D) storage seen as (B, S, H, D)
+        k, v = (_randn(b, hk, keys, d, dtype=dtype).transpose(1, 2) for _ in range(2))
+    kw = dict(causal=causal, window_size=window, softcap=softcap, softmax_scale=scale, return_lse=True)
+    if sink:
+        kw["learnable_sink"] = torch.randn(h)
+    return flash4.flash_attn_func, (q, k, v), kw
+
+
+def varlen(dtype=BF16, paged=64, keys=4096, max_q=1, lens_q=(1, 1, 0), causal=True, window=(-1, -1), softcap=0,
+           seqused_q=False, check=False, h=32, hk=8, d=128):
+    b = len(lens_q)
+    cu_q = torch.tensor([0] + list(torch.tensor(lens_q).cumsum(0)), dtype=I32)
+    total_q = int(cu_q[-1]) + 1  # a spare row past the last sequence
+    q = _randn(total_q, h, d, dtype=dtype)
+    kw = dict(causal=causal, window_size=window, softcap=softcap, check_seqlens=check, return_lse=True)
+    if paged:
+        pages = keys // paged
+        k, v = _randn(b * pages, paged, hk, d, dtype=dtype), _randn(b * pages, paged, hk, d, dtype=dtype)
+        kw.update(seqused_k=torch.full((b,), keys - 3, dtype=I32), page_table=torch.arange(b * pages, dtype=I32).view(b, pages))
+        cu_k = None
+    else:
+        cu_k = torch.arange(b + 1, dtype=I32) * 100
+        k, v = _randn(b * 100, hk, d, dtype=dtype), _randn(b * 100, hk, d, dtype=dtype)
+    if seqused_q:
+        kw["seqused_q"] = torch.tensor(lens_q, dtype=I32)
+    return flash4.flash_attn_varlen_func, (q, k, v, cu_q, cu_k, max_q, None), kw
+
+
+CELLS = {
+    "kvcache": kvcache(),
+    "kvcache_paged": kvcache(paged=64),
+    "kvcache_page16": kvcache(paged=16),
+    "kvcache_append": kvcache(new=2, sq=2),
+    "kvcache_append_paged": kvcache(paged=64, new=1),
+    "kvcache_int_seqlens": kvcache(seqlens="int"),
+    "kvcache_no_seqlens": kvcache(seqlens="none"),
+    "kvcache_out": kvcache(out=True),
+    "kvcache_sink": kvcache(sink=True),
+    "kvcache_one_split": kvcache(num_splits=1),
+    "kvcache_unpacked_window": kvcache(window=(255, 0)),
+    "kvcache_softcap": kvcache(softcap=30.0),
+    "kvcache_check": kvcache(check=True),
+    "kvcache_interleaved": kvcache(strided=True),
+    "kvcache_big_batch_no_split": kvcache(h=64, hk=64, keys=2048),
+    "func_decode": func(),
+    "func_decode_sink": func(sink=True),
+    "func_spec": func(sq=4, causal=False),
+    "func_prefill": func(sq=128, keys=128, h=8, hk=8, d=64),
+    "func_prefill_window": func(sq=128, keys=256, h=8, hk=2, d=64, window=(32, 8), softcap=5.0),
+    "func_transposed": func(sq=64, keys=64, transposed=True),
+    "varlen_paged_decode": varlen(),
+    "varlen_paged_spec": varlen(max_q=3, lens_q=(3, 1, 2)),
+    "varlen_paged_prefill": varlen(max_q=32, lens_q=(32, 5, 0), keys=512),
+    "varlen_packed": varlen(paged=0, max_q=16, lens_q=(16, 3, 7)),
+    "varlen_seqused_q": varlen(paged=0, max_q=16, lens_q=(16, 3, 7), seqused_q=True),
+    "varlen_check": varlen(check=True),
+}
+
+
+@pytest.mark.parametrize("cell", sorted(CELLS))
+def test_hit_launches_as_memo_less(recorder, monkeypatch, cell):
+    fn, args, kw = CELLS[cell]
+    reference = _memo_less(recorder, monkeypatch, fn, args, kw)
+    assert len(memo._MEMO) == 0
+    first = _record(recorder, fn, args, kw)  # a miss: planned, kept, run through the prepared call
+    assert len(memo._MEMO) == 1, "the call was not kept"
+    hits = memo.stats["hits"]
+    second = _record(recorder, fn, args, kw)
+    assert memo.stats["hits"] == hits + 1
+    assert first == reference and second == reference
+
+
+# A call differing from the base cell in one part of the key: not answered from the base's entry,
+# and launched as the memo-less path launches it.
+VARIANTS = {
+    "kvcache": [kvcache(dtype=FP16), kvcache(causal=False, sq=2), kvcache(window=(127, 0)), kvcache(softcap=10.0),
+                kvcache(num_splits=1), kvcache(num_splits=3), kvcache(paged=64), kvcache(keys=8192),
+                kvcache(sink=True), kvcache(strided=True), kvcache(hk=4), kvcache(seqlens="int")],
+    "kvcache_paged": [kvcache(paged=16), kvcache(paged=128), kvcache(paged=64, new=1), kvcache(paged=64, check=True)],
+    "func_decode": [func(dtype=FP16), func(keys=512), func(sq=9), func(scale=0.5), func(causal=False),
+                    func(window=(100, 0))],
+    "func_prefill": [func(sq=128, keys=128, h=8, hk=8, d=64, causal=False),
+                     func(sq=128, keys=128, h=8, hk=8, d=64, softcap=3.0),
+                     func(sq=128, keys=128, h=8, hk=8, d=64, dtype=FP16),
+                     func(sq=128, keys=128, h=8, hk=8, d=128)],
+    "varlen_paged_decode": [varlen(paged=16), varlen(max_q=2, lens_q=(1, 2, 0)), varlen(window=(64, 0)),
+                            varlen(seqused_q=True)],
+}
+
+
+@pytest.mark.parametrize("base", sorted(VARIANTS))
+def test_no_stale_plan(recorder, monkeypatch, base):
+    fn, args, kw = CELLS[base]
+    _record(recorder, fn, args, kw)
+    for fn_v, args_v, kw_v in VARIANTS[base]:
+        reference = _memo_less(recorder, monkeypatch, fn_v, args_v, kw_v)
+        kept = memo.stats["kept"]
+        got = _record(recorder, fn_v, args_v, kw_v)
+        assert memo.stats["kept"] == kept + 1, "answered from another signature's entry"
+        assert got == reference
+
+
+def test_alignment_class_in_key(recorder, monkeypatch):
+    """A q whose base address is 16-byte aligned and one that is not (a slice of the last dim) differ:
+    the second raises validate's alignment error, every time."""
+    fn, (q, k, v), kw = func(sq=1, keys=4096, d=64)
+    _record(recorder, fn, (q, k, v), kw)
+    wide = _randn(*q.shape[:3], 72)
+    shifted = wide[..., 8:]  # 16 bytes in: aligned, kept
+    _record(recorder, fn, (shifted, k, v), kw)
+    off = wide[..., 4:68]  # 8 bytes in: misaligned
+    for _ in range(2):
+        with pytest.raises(ValueError, match="16-byte aligned"):
+            fn(off, k, v, **kw)
+
+
+def test_env_switch_in_key(recorder, monkeypatch):
+    """A planning variable (FLASH4_PAGE_GATHER_MAX: page 64 gathered instead of TMA pieces) changes the key."""
+    fn, args, kw = CELLS["kvcache_paged"]
+    before = _record(recorder, fn, args, kw)
+    monkeypatch.setenv("FLASH4_PAGE_GATHER_MAX", "64")
+    reference = _memo_less(recorder, monkeypatch, fn, args, kw)
+    got = _record(recorder, fn, args, kw)
+    assert got == reference and got[0][1] != before[0][1]  # another forward config
+    monkeypatch.setenv("FLASH4_NUM_SMS", "16")  # the split count follows the SM count
+    assert _record(recorder, fn, args, kw) == _memo_less(recorder, monkeypatch, fn, args, kw)
+
+
+def test_checks_still_run(recorder):
+    """Argument errors are raised on every call (never kept); check_seqlens' value checks run on hits."""
+    fn, args, kw = CELLS["kvcache_check"]
+    _record(recorder, fn, args, kw)
+    _record(recorder, fn, args, kw)
+    bad = dict(kw, cache_seqlens=torch.full((2,), 5000, dtype=I32))  # same signature, past the 4096-key cache
+    for _ in range(2):
+        with pytest.raises(ValueError, match="cache_seqlens"):
+            fn(*args, **bad)
+    fn, args, kw = CELLS["varlen_check"]
+    _record(recorder, fn, args, kw)
+    bad = dict(kw, seqused_k=torch.full((3,), 5000, dtype=I32))
+    with pytest.raises(ValueError, match="seqused_k"):
+        fn(*args, **bad)
+    fn, args, kw = CELLS["func_decode"]
+    _record(recorder, fn, args, kw)
+    for _ in range(2):
+        with pytest.raises(ValueError, match="softcap"):
+            fn(*args, **dict(kw, softcap=-1.0))
+        with pytest.raises(TypeError, match="return_lse"):
+            fn(*args, **dict(kw, return_lse=(-1, -1)))
+
+
+def test_not_kept(recorder):
+    """Autograd-recorded calls, CPU tensors without memo.CPU, a tensor max_seqlen_q and cache_batch_idx
+    take the full host path."""
+    fn, (q, k, v), kw = CELLS["func_prefill"]
+    assert memo.dense_key(q.requires_grad_(), k, v, None, True, True, False, (-1, -1), 0, None) is None
+    with torch.no_grad():
+        assert memo.dense_key(q, k, v, None, True, True, False, (-1, -1), 0, None) is not None
+    q.requires_grad_(False)
+    memo.CPU = False
+    try:
+        assert memo.dense_key(q, k, v, None, True, True, False, (-1, -1), 0, None) is None
+    finally:
+        memo.CPU = True
+    assert memo.varlen_key(q, k, v, None, None, torch.tensor(3), None, None, None, None, None, False, (-1, -1), 0,
+                           False, False, False, None) is None
+    assert memo.kvcache_key(q, k, v, None, None, None, None, torch.zeros(2, dtype=I32), None, False, (-1, -1), 0, 0,
+                            False, None, False, None) is None
+    assert memo.get(memo._key("dense", ([1, 2],))) is None  # unhashable: not kept, no error
