@@ -424,6 +424,58 @@ def _packed_sink(sink):
     raise AssertionError("a learnable sink with GQA packing needs the split-KV combine (decode_plan avoids it)")
 
 
+# GQA packing without copies: a decode step with one query per sequence (the common case) hands the
+# kernel its packed q (B, pack, Hk, D) as a strided view of q (packed row r of KV head g is query head
+# g * pack + r: rows one head stride apart, KV heads pack head strides apart), and, unsplit, its
+# packed out / lse as views of out / lse, so no copy kernel runs before or after the step (two to
+# three launches and their host time fewer). False: q copied into a packed tensor, out / lse copied
+# back from packed buffers (the kernels take any 16-byte aligned strides: compile/fake.py).
+PACK_VIEWS = True
+
+
+def packed_q(q, nheads_k: int, pack: int):
+    """q (B, Sq, H, D) as the packed (B, Sq * pack, Hk, D) rows of a decode step: a view when
+    Sq == 1 and PACK_VIEWS, else a copy."""
+    batch, seqlen_q, _, headdim = q.shape
+    if PACK_VIEWS and seqlen_q == 1:
+        s = q.stride()
+        return q.as_strided((batch, pack, nheads_k, headdim), (s[0], s[2], pack * s[2], s[3]), q.storage_offset())
+    return q.view(batch, seqlen_q, nheads_k, pack, headdim).transpose(2, 3).reshape(
+        batch, seqlen_q * pack, nheads_k, headdim)
+
+
+def packed_out(out, lse, nheads_k: int, pack: int):
+    """(out, lse) of a decode step seen as its packed (B, pack, Hk, Dv) / (B, Hk, pack) rows (views
+    the kernel writes directly) when Sq == 1, PACK_VIEWS and lse is contiguous; else None."""
+    batch, seqlen_q, _, headdim_v = out.shape
+    if not PACK_VIEWS or seqlen_q != 1 or not lse.is_contiguous():
+        return None
+    s = out.stride()
+    return (out.as_strided((batch, pack, nheads_k, headdim_v), (s[0], s[2], pack * s[2], s[3]), out.storage_offset()),
+            lse.view(batch, nheads_k, pack))
+
+
+def split_out_arg(q_run, out, lse, nheads_k: int, pack: int):
+    """The out argument of a packed split-KV launch (never written there: a well-formed (B, Sq * pack,
+    Hk, Dv) tensor): out's packed view (Sq == 1, PACK_VIEWS), else q_run (same head dim) or a new
+    tensor. lse: unused (kept for the callers' symmetry with packed_out)."""
+    batch, seqlen_p, heads_p, headdim = q_run.shape
+    if PACK_VIEWS and out.shape[1] == 1:  # packed_out's view of out (lse is not needed here)
+        s = out.stride()
+        return out.as_strided((batch, pack, nheads_k, out.shape[-1]), (s[0], s[2], pack * s[2], s[3]),
+                              out.storage_offset())
+    if out.shape[-1] == headdim:
+        return q_run
+    return torch.empty(batch, seqlen_p, heads_p, out.shape[-1], dtype=q_run.dtype, device=q_run.device)
+
+
+def unpack_out(out, lse, out_p, lse_p, nheads_k: int, pack: int) -> None:
+    """Copy an unsplit packed step's out_p / lse_p back into out (B, Sq, H, Dv) / lse (B, H, Sq)."""
+    batch, seqlen_q, nheads, headdim_v = out.shape
+    out.copy_(out_p.view(batch, seqlen_q, pack, nheads_k, headdim_v).transpose(2, 3).reshape(out.shape))
+    lse.copy_(lse_p.view(batch, nheads_k, seqlen_q, pack).transpose(2, 3).reshape(batch, nheads, seqlen_q))
+
+
 def _launch_decode(request: Request, out, lse, plan, window, softcap: float, sink) -> None:
     """A DECODE request's kernels: q over the first seqused_k[b] keys of each cache row (or
     page-table row); causal aligns query i with key seqused_k[b] - Sq + i (bottom-right). plan:
@@ -434,29 +486,27 @@ def _launch_decode(request: Request, out, lse, plan, window, softcap: float, sin
     scale = request.score.softmax_scale
     run_kernel, combine = _runners(plan)
     pack, seqlen_p, heads_p = plan.pack, plan.seqlen_p, plan.heads_p
-    if pack > 1:
-        q_run = q.view(batch, seqlen_q, nheads_k, pack, headdim).transpose(2, 3).reshape(batch, seqlen_p, heads_p, headdim)
-    else:
-        q_run = q
+    q_run = packed_q(q, nheads_k, pack) if pack > 1 else q
     seqs = (None, None, None, seq.seqused_k, seq.page_table)
     if plan.num_splits > 1:
         o_acc = torch.empty(plan.num_splits, batch, seqlen_p, heads_p, headdim_v, dtype=F32, device=q.device)
         lse_acc = torch.empty(plan.num_splits, batch, heads_p, seqlen_p, dtype=F32, device=q.device)
         # out / lse are not written by a split_kv launch (its partials go to o_acc / lse_acc);
         # it gets them only as well-formed arguments (packed shapes) for the kernel's views.
-        o_arg = out if pack == 1 else (q_run if headdim_v == headdim else torch.empty(
-            batch, seqlen_p, heads_p, headdim_v, dtype=q.dtype, device=q.device))
+        o_arg = out if pack == 1 else split_out_arg(q_run, out, lse, nheads_k, pack)
         run_kernel(q_run, k_cache, v_cache, o_arg, lse_acc[0], scale, lse_split=lse_acc[:2], seqs=seqs, batch=batch,
                    max_seqlen_q=seqlen_p, accs=(o_acc, lse_acc), num_splits=plan.num_splits, window=window,
                    softcap=softcap, sink=sink)
         combine(o_acc, lse_acc, out, lse, pack, sink=sink)
     elif pack > 1:
-        out_p = torch.empty(batch, seqlen_p, heads_p, headdim_v, dtype=q.dtype, device=q.device)
-        lse_p = torch.empty(batch, heads_p, seqlen_p, dtype=F32, device=q.device)
+        views = packed_out(out, lse, nheads_k, pack)
+        out_p, lse_p = views if views is not None else (
+            torch.empty(batch, seqlen_p, heads_p, headdim_v, dtype=q.dtype, device=q.device),
+            torch.empty(batch, heads_p, seqlen_p, dtype=F32, device=q.device))
         run_kernel(q_run, k_cache, v_cache, out_p, lse_p, scale, seqs=seqs, batch=batch, max_seqlen_q=seqlen_p,
                    softcap=softcap, sink=_packed_sink(sink))
-        out.copy_(out_p.view(batch, seqlen_q, pack, nheads_k, headdim_v).transpose(2, 3).reshape(out.shape))
-        lse.copy_(lse_p.view(batch, nheads_k, seqlen_q, pack).transpose(2, 3).reshape(batch, nheads, seqlen_q))
+        if views is None:
+            unpack_out(out, lse, out_p, lse_p, nheads_k, pack)
     else:
         run_kernel(q, k_cache, v_cache, out, lse, scale, seqs=seqs, batch=batch, max_seqlen_q=seqlen_q, window=window,
                    softcap=softcap, sink=sink)

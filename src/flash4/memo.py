@@ -216,31 +216,27 @@ class _Decode:
     def __call__(self, q, k_cache, v_cache, out, lse, seqused_k, page_table, sink) -> None:
         batch, seqlen_q, pack, seqlen_p, heads_p = self.batch, self.seqlen_q, self.pack, self.seqlen_p, self.heads_p
         headdim, headdim_v, device = self.headdim, self.headdim_v, q.device
-        if pack > 1:
-            q_run = q.view(batch, seqlen_q, self.nheads_k, pack, headdim).transpose(2, 3).reshape(
-                batch, seqlen_p, heads_p, headdim)
-        else:
-            q_run = q
+        nheads_k = self.nheads_k
+        q_run = forward.packed_q(q, nheads_k, pack) if pack > 1 else q
         if self.splits > 1:
             o_acc = torch.empty(self.splits, batch, seqlen_p, heads_p, headdim_v, dtype=F32, device=device)
             lse_acc = torch.empty(self.splits, batch, heads_p, seqlen_p, dtype=F32, device=device)
             # out / lse are not written by a split_kv launch (its partials go to o_acc / lse_acc)
-            o_arg = out if pack == 1 else (q_run if headdim_v == headdim else torch.empty(
-                batch, seqlen_p, heads_p, headdim_v, dtype=q.dtype, device=device))
+            o_arg = out if pack == 1 else forward.split_out_arg(q_run, out, lse, nheads_k, pack)
             lse0 = lse_acc[0]
             self.fwd(q_run, k_cache, v_cache, o_arg, lse0, lse0, lse_acc[1], None, None, None, seqused_k, page_table,
                      o_acc, lse_acc, sink, *self.tail)
             self.combine(o_acc, lse_acc, out, lse, sink, pack, self.combine_ctas)
         elif pack > 1:
-            out_p = torch.empty(batch, seqlen_p, heads_p, headdim_v, dtype=q.dtype, device=device)
-            lse_p = torch.empty(batch, heads_p, seqlen_p, dtype=F32, device=device)
+            views = forward.packed_out(out, lse, nheads_k, pack)
+            out_p, lse_p = views if views is not None else (
+                torch.empty(batch, seqlen_p, heads_p, headdim_v, dtype=q.dtype, device=device),
+                torch.empty(batch, heads_p, seqlen_p, dtype=F32, device=device))
             split = torch.empty(2, batch, heads_p, seqlen_p, dtype=F32, device=device)
             self.fwd(q_run, k_cache, v_cache, out_p, lse_p, split[0], split[1], None, None, None, seqused_k, page_table,
                      None, None, forward._packed_sink(sink), *self.tail)
-            nheads_k = self.nheads_k
-            out.copy_(out_p.view(batch, seqlen_q, pack, nheads_k, headdim_v).transpose(2, 3).reshape(out.shape))
-            lse.copy_(lse_p.view(batch, nheads_k, seqlen_q, pack).transpose(2, 3).reshape(batch, heads_p * pack,
-                                                                                          seqlen_q))
+            if views is None:
+                forward.unpack_out(out, lse, out_p, lse_p, nheads_k, pack)
         else:
             split = torch.empty((2,) + tuple(lse.shape), dtype=F32, device=device)
             self.fwd(q, k_cache, v_cache, out, lse, split[0], split[1], None, None, None, seqused_k, page_table, None,

@@ -291,3 +291,30 @@ def test_not_kept(recorder):
     assert memo.kvcache_key(q, k, v, None, None, None, None, torch.zeros(2, dtype=I32), None, False, (-1, -1), 0, 0,
                             False, None, False, None) is None
     assert memo.get(memo._key("dense", ([1, 2],))) is None  # unhashable: not kept, no error
+
+
+@pytest.mark.parametrize("strided_out", [False, True])
+def test_pack_views_match_copies(monkeypatch, strided_out):
+    """forward.PACK_VIEWS: the packed q view holds the packed copy's values, and a kernel writing the
+    packed out / lse views leaves in out / lse what unpack_out copies back from packed buffers."""
+    b, h, hk, d, dv = 3, 32, 8, 128, 64
+    pack = h // hk
+    q = _randn(b, 1, h, d)
+    view = forward.packed_q(q, hk, pack)
+    monkeypatch.setattr(forward, "PACK_VIEWS", False)
+    copy = forward.packed_q(q, hk, pack)
+    assert view.shape == copy.shape and torch.equal(view, copy)
+    assert view.untyped_storage().data_ptr() == q.untyped_storage().data_ptr()  # no copy
+    out_p, lse_p = _randn(b, pack, hk, dv), torch.randn(b, hk, pack)  # what a kernel writes
+    base = _randn(b, 1, 2 * h, dv)
+    out_ref = base[:, :, ::2] if strided_out else torch.empty(b, 1, h, dv, dtype=BF16)  # a caller's strided out
+    lse_ref = torch.empty(b, h, 1)
+    forward.unpack_out(out_ref, lse_ref, out_p, lse_p, hk, pack)
+    monkeypatch.setattr(forward, "PACK_VIEWS", True)
+    out = base.clone()[:, :, ::2] if strided_out else torch.empty(b, 1, h, dv, dtype=BF16)
+    lse = torch.empty(b, h, 1)
+    views = forward.packed_out(out, lse, hk, pack)
+    views[0].copy_(out_p)
+    views[1].copy_(lse_p)
+    assert torch.equal(out, out_ref) and torch.equal(lse, lse_ref)
+    assert forward.packed_out(out, lse.transpose(0, 1).contiguous().transpose(0, 1), hk, pack) is None
