@@ -2,7 +2,8 @@
 
     python tools/host_overhead.py                  # on a GPU: real launches
     python tools/host_overhead.py --fake           # no GPU needed: CPU tensors, every compiled kernel a no-op
-    python tools/host_overhead.py --fake --profile flash_attn_func   # cProfile of one door's host path
+    python tools/host_overhead.py --fake --profile kvcache   # cProfile of one door's host path
+    HOST_OVERHEAD_MEMO=0 python tools/host_overhead.py      # flash4.memo off: the full host path per call
 
 Doors (decode cells: batch 1, one query, 32 query / 8 KV heads, head dim 128, bf16):
     kvcache        flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=t)   dense cache
@@ -55,7 +56,6 @@ def _fake_kernels():
         from flash4 import memo
 
         memo.CPU = True
-        memo.ENABLED = os.environ.get("HOST_OVERHEAD_MEMO", "1") != "0"
     except ImportError:  # an older flash4 (FLASH4_SRC)
         pass
 
@@ -63,6 +63,31 @@ def _fake_kernels():
         return None
 
     cache.load_or_compile = lambda kind, key, options, compile_fn: no_kernel
+
+
+def _setup_line() -> str:
+    """flash4's memo switch (HOST_OVERHEAD_MEMO=0 turns flash4.memo off: the full host path on every
+    call, the 'before' of docs/perf/host_overhead.md in one checkout), and how TVM-FFI takes torch
+    tensors: through torch's C DLPack exchange API (no Python per tensor) or its Python fallback."""
+    import torch
+
+    try:
+        from flash4 import memo
+
+        memo.ENABLED = os.environ.get("HOST_OVERHEAD_MEMO", "1") != "0"
+        state = "on" if memo.ENABLED else "off (HOST_OVERHEAD_MEMO=0)"
+    except ImportError:
+        state = "absent (an older flash4)"
+    exchange = hasattr(torch.Tensor, "__dlpack_c_exchange_api__") and \
+        os.environ.get("TVM_FFI_SKIP_DLPACK_C_EXCHANGE_API", "0") != "1"
+    try:
+        import tvm_ffi
+
+        ffi = f"tvm_ffi {tvm_ffi.__version__}"
+    except ImportError:
+        ffi = "tvm_ffi absent"
+    return (f"flash4.memo {state}; torch {torch.__version__}, {ffi}, tensors passed through "
+            f"{'the C DLPack exchange API' if exchange else 'the Python DLPack fallback (slow)'}")
 
 
 def cells(device: str, keys: int):
@@ -172,6 +197,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.fake:
         _fake_kernels()
+    print(_setup_line())
     device = "cpu" if args.fake else "cuda"
     keys = args.keys or (4096 if args.fake else 131072)
     if args.profile:
