@@ -27,7 +27,12 @@ from gpu_helpers import BF16, DEV, I32, cu_seqlens
 
 @pytest.fixture
 def door_decodes(monkeypatch):
-    """Counts flash4.forward._door_decode calls (the door's call ran as a decode step)."""
+    """Counts flash4.forward._door_decode calls (the door's call ran as a decode step). flash4.memo is
+    off here: a prepared call (a door's repeated signature) launches its decode step without
+    flash4.forward._door_decode (tests/cpu/test_memo_cpu.py checks it launches the same kernels)."""
+    from flash4 import memo
+
+    monkeypatch.setattr(memo, "ENABLED", False)
     calls = []
     inner = forward._door_decode
 
