@@ -53,14 +53,19 @@ stats = {"hits": 0, "kept": 0}
 
 
 # ================================================================ keys
-def _key(door: str, args) -> tuple:
+def _key(door: str, args) -> tuple | None:
+    """The key of a door's argument list, or None when a tensor has no data pointer to read (a meta
+    or storage-less tensor: the full path gives its error)."""
     parts = [door, env.plan_snapshot()]
     append = parts.append
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            append((a.dtype, a.shape, a.stride(), a.get_device(), a.data_ptr() % _ALIGN))
-        else:
-            append((type(a), a))
+    try:
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                append((a.dtype, a.shape, a.stride(), a.get_device(), a.data_ptr() % _ALIGN))
+            else:
+                append((type(a), a))
+    except (RuntimeError, NotImplementedError):
+        return None
     return tuple(parts)
 
 
