@@ -4,6 +4,7 @@
     python tools/host_overhead.py --fake           # no GPU needed: CPU tensors, every compiled kernel a no-op
     python tools/host_overhead.py --fake --profile kvcache   # cProfile of one door's host path
     HOST_OVERHEAD_MEMO=0 python tools/host_overhead.py      # flash4.memo off: the full host path per call
+    python tools/host_overhead.py --ab                      # memo off, then on, in one process
 
 Doors (decode cells: batch 1, one query, 32 query / 8 KV heads, head dim 128, bf16):
     kvcache        flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=t)   dense cache
@@ -193,6 +194,7 @@ def main(argv=None) -> int:
     parser.add_argument("--keys", type=int, default=None, help="keys of the decode cells (default 131072; fake: 4096)")
     parser.add_argument("-n", type=int, default=300, help="calls per measurement")
     parser.add_argument("--profile", default=None, help="cProfile one door (fake or real) and print the top entries")
+    parser.add_argument("--ab", action="store_true", help="measure with flash4.memo off, then on (one process)")
     parser.add_argument("doors", nargs="*", help="doors to run (default: all)")
     args = parser.parse_args(argv)
     if args.fake:
@@ -214,12 +216,20 @@ def main(argv=None) -> int:
         prof.disable()
         pstats.Stats(prof).sort_stats("tottime").print_stats(25)
         return 0
-    rows = measure(device, keys, args.n, set(args.doors))
-    cols = ["door"] + [c for c in ("host_us", "py_calls", "eager_us", "graph_us", "eager/graph") if c in rows[0]]
-    print(("fake (no-op kernels, CPU tensors)" if args.fake else "cuda") + f", decode cells: 1 x {keys} keys")
-    print("  ".join(f"{c:>14}" for c in cols))
-    for row in rows:
-        print("  ".join(f"{row[c]:>14.1f}" if isinstance(row[c], float) else f"{row[c]:>14}" for c in cols))
+    states = (False, True) if args.ab else (None,)
+    for state in states:
+        if state is not None:  # --ab: flash4.memo off, then on, in one process
+            from flash4 import memo
+
+            memo.ENABLED = state
+            memo.clear()
+            print(f"flash4.memo {'on' if state else 'off'}:")
+        rows = measure(device, keys, args.n, set(args.doors))
+        cols = ["door"] + [c for c in ("host_us", "py_calls", "eager_us", "graph_us", "eager/graph") if c in rows[0]]
+        print(("fake (no-op kernels, CPU tensors)" if args.fake else "cuda") + f", decode cells: 1 x {keys} keys")
+        print("  ".join(f"{c:>14}" for c in cols))
+        for row in rows:
+            print("  ".join(f"{row[c]:>14.1f}" if isinstance(row[c], float) else f"{row[c]:>14}" for c in cols))
     return 0
 
 
