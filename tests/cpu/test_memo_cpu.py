@@ -318,3 +318,25 @@ def test_pack_views_match_copies(monkeypatch, strided_out):
     views[1].copy_(lse_p)
     assert torch.equal(out, out_ref) and torch.equal(lse, lse_ref)
     assert forward.packed_out(out, lse.transpose(0, 1).contiguous().transpose(0, 1), hk, pack) is None
+
+
+def test_host_overhead_tool_fake():
+    """tools/host_overhead.py --fake runs every door (in a child: it patches flash4 for good) and
+    the memo answers the repeats: far fewer Python calls with the memo than without."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=str(root / "src"))
+    res = subprocess.run([sys.executable, str(root / "tools" / "host_overhead.py"), "--fake", "--ab", "-n", "3"],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    tables = res.stdout.split("flash4.memo on:")
+    calls = [{line.split()[0]: float(line.split()[2]) for line in table.splitlines()
+              if line.split() and line.split()[0] in ("kvcache", "kvcache_paged", "func", "varlen_paged", "func_prefill")}
+             for table in tables]
+    assert len(calls[0]) == len(calls[1]) == 5, res.stdout
+    for door, n in calls[1].items():
+        assert n < 0.6 * calls[0][door], (door, n, calls[0][door])
