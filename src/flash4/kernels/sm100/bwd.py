@@ -39,9 +39,17 @@ block of max_seqlen_k, KV head, sequence), every global view offset to the seque
 padded per-sequence LSE / dPsum / dQ accumulator of flash4.backward), the MMA warp zeroing K / V / Q / dO
 rows past the sequence in smem before their first MMA (zero_tail). docs/design/sm100_backward.md section 9.
 
-Not built (refused by flash4.config.sm100.select_bwd_config): head dims other than 64 / 128, Dv != D,
-packed sequences in the 2-CTA variant, the GQA head split, and the exact-LSE path of issue 8 (P uses the rounded padded log2 LSE the preprocess writes;
-the per-tile exact flags are not read).
+(192, 128) (DeepSeek's head dims; 1-CTA, dense or packed, no softcap): dK + dV take 320 of the 512 TMEM
+columns, so S^T and dP^T share columns (dP^T over S^T's second half, dQ over both: bwd_tmem_map_serial)
+and each step runs serially (mma_serial: S(i) after dQ(i-1) was read out, dP(i) after P^T(i) was
+written); the P^T halves lie contiguous at S's start, so the compute warpgroups sync before writing
+them (bwd_p_barrier); the reduce warps read each thread's 192 dQ columns in passes of 64
+(bwd_dq_passes); one Q stage (217 KiB of smem). docs/design/sm100_backward.md section 10.
+
+Not built (refused by flash4.config.sm100.select_bwd_config): head dims other than 64 / 128 / (192, 128)
+(hd256: dK + dV alone fill the 512 TMEM columns), other Dv != D, softcap at (192, 128), packed
+sequences in the 2-CTA variant, the GQA head split, and the exact-LSE path of issue 8 (P uses the
+rounded padded log2 LSE the preprocess writes; the per-tile exact flags are not read).
 """
 
 import math
