@@ -170,7 +170,7 @@ def default_bwd_register_plan_2cta(headdim: int, causal: bool) -> BwdRegisterPla
     if causal:
         # flash4's causal compute step held 6 registers more than 136 (3 LDL + 3 STL, stack 24): 16
         # move from the reduce warpgroup (its 64 dQ values fit in 120) to the compute ones
-        return BwdRegisterPlan(152, 136, 88)
+        return BwdRegisterPlan(120, 144, 104)
     return BwdRegisterPlan(136, 136, 104)
 
 
