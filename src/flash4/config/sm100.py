@@ -319,7 +319,7 @@ def gate_fwd_options(layout: str) -> dict:
 class Sm100BwdConfig:
     """One compiled sm100 backward kernel (the compile-cache key). Compile-verified, not run on hardware.
 
-    headdim:     D of Q/K/V (64, 128: SM100_BWD_HEADDIMS).
+    headdim:     D of Q/K (64, 128, 192: SM100_BWD_HEADDIM_PAIRS; V's is headdim_v).
     dtype:       "bf16" or "fp16".
     causal:      bottom-right aligned causal mask.
     tile_m:      queries per step (S^T columns, 128); tile_n: keys per CTA (TMEM lanes, 128).
@@ -347,10 +347,12 @@ class Sm100BwdConfig:
                  padded per-sequence LSE / dPsum / dQ accumulator of flash4.backward, K / V / Q / dO
                  rows past the sequence zeroed in smem by the MMA warp (docs/design/sm100_backward.md
                  section "Packed sequences"). Compile-verified, not run on hardware.
-    The remaining fields mirror flash4.config.BwdConfig so the host passes the same keys; none of
-    them is built on sm100 yet and a config with one set cannot be made (ValueError in __post_init__):
-    headdim_v (Dv != D), dkv_accum (GQA head split: GQA runs with one CTA per KV head walking every
-    query head of its group).
+    headdim_v:   Dv, None when it equals headdim; built: 128 with headdim 192 ((192, 128): the serial
+                 1-CTA schedule, bwd_serial_schedule: q_stages 1, no softcap; docs/design/sm100_backward.md
+                 section 10). Compile-verified, not run on hardware.
+    The remaining field mirrors flash4.config.BwdConfig so the host passes the same keys; it is not
+    built on sm100 and a config with it set cannot be made (ValueError in __post_init__): dkv_accum
+    (GQA head split: GQA runs with one CTA per KV head walking every query head of its group).
     """
 
     headdim: int
@@ -494,10 +496,11 @@ def bwd_two_cta_problem(headdim: int, causal: bool = False, local: bool = False,
 def select_bwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, arch: int = ARCH,
                       deterministic: bool = False, local: bool = False, softcap: bool = False,
                       headdim_v: int | None = None, two_cta: bool = False, **kwargs) -> Sm100BwdConfig:
-    """The sm100 backward config for one problem class (pure; CPU-tested): hd64 / hd128, bf16 / fp16,
-    causal or not, a sliding window (local: causal folded in), deterministic or not, softcap or not,
-    dense, MHA and GQA/MQA (one CTA per KV head walks its query heads). Raises ValueError naming what
-    is missing for everything else (another head dim, Dv != D). Same arguments as
+    """The sm100 backward config for one problem class (pure; CPU-tested): hd64 / hd128 and (192, 128)
+    (headdim_v=128: the serial schedule, no softcap), bf16 / fp16, causal or not, a sliding window
+    (local: causal folded in), deterministic or not, softcap or not, dense, MHA and GQA/MQA (one CTA
+    per KV head walks its query heads). Raises ValueError naming what is missing for everything else
+    (another head dim, e.g. hd256 with its TMEM arithmetic; another Dv; softcap at (192, 128)). Same arguments as
     flash4.config.sm90.select_bwd_config (the others ignored). two_cta: take the 2-CTA variant where it
     is built (bwd_two_cta_problem is None; otherwise the 1-CTA config); the host passes
     env.sm100_2cta() (FLASH4_SM100_2CTA, default off)."""
@@ -516,7 +519,7 @@ def select_bwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, a
                          "(causal, window or neither, deterministic or not, softcap or not, MHA/GQA) and (192, 128) "
                          "(the same without softcap); 2-CTA: hd128")
     hdv = None if dv == headdim else dv
-    if (headdim, dv) == (192, 128) and bwd_serial_problem(softcap) is not None:
+    if 2 * BWD_TILE_M + headdim + dv > TMEM_COLUMNS and bwd_serial_problem(softcap) is not None:  # serial
         raise ValueError(bwd_serial_problem(softcap))
     if two_cta and bwd_two_cta_problem(headdim, causal and not local, local, deterministic, softcap) is None:
         plan = default_bwd_register_plan_2cta(headdim, causal)
@@ -547,7 +550,6 @@ def shipped_bwd_configs() -> list:
     serial = [select_bwd_config(d, dt, c, local=lo, deterministic=det, headdim_v=dv)
               for d, dv in SM100_BWD_HEADDIM_PAIRS if d != dv for det in (False, True) for dt in DTYPES
               for c, lo in ((False, False), (True, False), (False, True))]
-
     two_cta = [select_bwd_config(d, dt, c, two_cta=True) for d in SM100_BWD_2CTA_HEADDIMS for dt in DTYPES
                for c in (False, True) if bwd_two_cta_problem(d, c) is None]
     two_cta += [select_bwd_config(d, "bf16", c, softcap=True, two_cta=True) for d in SM100_BWD_2CTA_HEADDIMS

@@ -48,7 +48,8 @@ SM100_BWD_HEADDIMS = (64, 128)
 # other 192). hd256 cannot fit (bwd_tmem_problem): dK + dV alone are 512 columns.
 SM100_BWD_HEADDIM_PAIRS = ((64, 64), (128, 128), (192, 128))
 # Head dims the 2-CTA backward is built for (FA4 runs 2-CTA for hd >= 128; the pipelined schedule of
-# hd <= 128 is the one built here; (192, 128) and 256 take FA4's serial schedule: not built).
+# hd <= 128 is the one built here; FA4's 2-CTA (192, 128) is built here as a 1-CTA serial schedule, hd256
+# not at all).
 SM100_BWD_2CTA_HEADDIMS = (128,)
 # Q ring depth of the 2-CTA backward (FA4 Q_stage = 1 there: Q and Q^T both live in smem).
 BWD_Q_STAGES_2CTA = 1
