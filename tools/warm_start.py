@@ -6,7 +6,8 @@ whose kernels are all in the on-disk compile cache (issue 25 item 5; docs/design
 
 Runs fresh Python processes: the first fills the cache (compiles or loads whatever the measured
 step needs), the next ones measure. A measured process times, in order: `import torch`; making the
-inputs on the GPU (CUDA context creation, not flash4's); `import flash4`; the first forward +
+inputs on the GPU (CUDA context creation, not flash4's); torch's own first backward with an explicit
+gradient (a torch-only op: torch imports sympy there, ~2 s, whatever the op); `import flash4`; the first forward +
 backward (dense bf16, batch 2 x 1024, 16 heads, d128, causal) and a decode step
 (flash_attn_with_kvcache, 1 query over 8k keys), each with a synchronize. flash4's warm start is
 import flash4 + first step; the target is <= 0.3 s. It also prints how many kernels were loaded /
@@ -43,6 +44,16 @@ lens = torch.full((1,), 8000, dtype=torch.int32, device="cuda")
 torch.cuda.synchronize()
 t_inputs = time.perf_counter() - t0
 
+# torch's own first backward with an explicit gradient: torch.autograd._make_grads imports
+# torch.fx.experimental.symbolic_shapes (and sympy, ~2 s on the H200 host) the first time any
+# .backward(grad) runs in a process, whatever the op; a training step's loss.backward() does not
+# take that path. Paid here, by a torch-only op, so the flash4 steps below measure flash4 alone.
+t0 = time.perf_counter()
+x = torch.ones(4, device="cuda", requires_grad=True)
+(x * 2).backward(torch.ones_like(x))
+torch.cuda.synchronize()
+t_torch_backward = time.perf_counter() - t0
+
 t0 = time.perf_counter()
 import flash4
 t_import = time.perf_counter() - t0
@@ -78,7 +89,7 @@ torch.cuda.synchronize()
 t_decode = time.perf_counter() - t0
 
 from flash4.compile import disk_cache
-print(json.dumps(dict(import_torch=t_torch, cuda_inputs=t_inputs, import_flash4=t_import, first_fwd_bwd=t_fwd_bwd, second_fwd_bwd=t_second,
+print(json.dumps(dict(import_torch=t_torch, cuda_inputs=t_inputs, torch_first_backward=t_torch_backward, import_flash4=t_import, first_fwd_bwd=t_fwd_bwd, second_fwd_bwd=t_second,
                       first_decode=t_decode, counts=dict(disk_cache.counts),
                       cutlass_imported="cutlass" in sys.modules)))
 """
@@ -116,7 +127,7 @@ def main(argv=None) -> int:
             r = run_child(dict(env, WARM_START_PROFILE="1") if profile else env)
             warm = r["import_flash4"] + r["first_fwd_bwd"]
             print(f"  import torch {r['import_torch']:.2f} s | CUDA + inputs {r['cuda_inputs']:.2f} s | "
-                  f"import flash4 {r['import_flash4']:.3f} s | first fwd+bwd {r['first_fwd_bwd']:.3f} s "
+                  f"torch's first backward(grad) {r['torch_first_backward']:.2f} s | import flash4 {r['import_flash4']:.3f} s | first fwd+bwd {r['first_fwd_bwd']:.3f} s "
                   f"(second {r['second_fwd_bwd']:.3f} s) | "
                   f"first decode {r['first_decode']:.3f} s | warm start (import + fwd+bwd) {warm:.3f} s "
                   f"(target 0.3) | kernels {r['counts']} | cutlass imported: {r['cutlass_imported']}")
