@@ -20,9 +20,10 @@ variant's config). Variants (all with configs the sm90 kernel already has; shipp
     dkvT    transposed_dkv: 64 queries x 96 keys, dK^T / dV^T with the head dim on M (d192's shape)
     split   split_headdim: 64 x 64, both warpgroups share the keys, P^T / dS^T through smem
     exp     exp_before_dp_wait (not for the window cell)
-  GQA / MQA (shipped: head split, 2 query heads per CTA, fp32 dK/dV accumulators, tile_m 64):
+  GQA / MQA (shipped: head split, 2 query heads per CTA, fp32 dK/dV accumulators, tile_m 64 at
+  d128, 128 at d64 since the 2026-12-02 A/B: m128 1.063x MQA, 1.069x gpt-oss over 64):
     h1      1 query head per CTA (flash-attn-4's: every (query head, key block) its own CTA)
-    d64:  m128 / m128_h1   tile_m 128 with the accumulators (flash-attn-4's 128 x 128), 2 / 1 heads
+    d64:  m64 / m64_h1     tile_m 64 with the accumulators (the former shipped), 2 / 1 heads
     d128: dkvT / dkvT_h1   transposed_dkv with the accumulators, 2 / 1 heads
 Timing as tools/ab_switch.py: ROUNDS interleaved rounds (order reversed every other round), each the
 median of calls with L2 flushed (flash4.bench.common.time_ms); TFLOPs of the visible work (2.5x the
@@ -116,9 +117,9 @@ def variants(case: Case) -> dict:
     out = {"shipped": Variant(cfg, heads)}
     if cfg.dkv_accum:  # GQA / MQA head split
         out["h1"] = Variant(cfg, 1)
-        if cfg.headdim == 64:
-            out["m128"] = Variant(rep(cfg, tile_m=128), heads)
-            out["m128_h1"] = Variant(rep(cfg, tile_m=128), 1)
+        if cfg.headdim == 64:  # shipped tile_m 128 since the A/B of 2026-12-02 (1.06-1.07x over 64)
+            out["m64"] = Variant(rep(cfg, tile_m=64), heads)
+            out["m64_h1"] = Variant(rep(cfg, tile_m=64), 1)
         else:
             dkvt = rep(cfg, transposed_dkv=True, tile_n=96, tile_m=64)
             out["dkvT"] = Variant(dkvt, heads)

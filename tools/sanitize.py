@@ -1,7 +1,8 @@
 """Every door's launches on small shapes, for compute-sanitizer (issue 25 item 6).
 
     compute-sanitizer --tool memcheck --print-limit 20 python tools/sanitize.py
-    compute-sanitizer --tool racecheck python tools/sanitize.py --only fwd_dense
+    compute-sanitizer --tool racecheck python tools/sanitize.py --only dense
+    compute-sanitizer --tool memcheck python tools/sanitize.py --bad     # bad metadata, no check_seqlens
     python tools/sanitize.py --list
 
 Each case is one call (or a forward + backward) with valid metadata, tails that are not multiples of
@@ -123,17 +124,71 @@ def _cases():
     return cases
 
 
+BAD_CASE_NAMES = ("bad_seqused_k_past_tensor", "bad_cu_seqlens_past_tensor", "bad_page_index", "bad_cache_seqlens_past_capacity",
+                  "bad_small_max_seqlen_q")
+
+
+def _bad_cases():
+    """Metadata check_seqlens=True would reject, passed without it: results are undefined, but no
+    launch may read or write outside the tensors' memory (compute-sanitizer memcheck says)."""
+    import torch
+
+    import flash4
+
+    dev, bf16, i32 = "cuda", torch.bfloat16, torch.int32
+    g = torch.Generator(device=dev).manual_seed(1)
+
+    def rnd(*shape):
+        return torch.randn(*shape, device=dev, dtype=bf16, generator=g)
+
+    def varlen(cu_q, cu_k, total_q, total_k, max_q, max_k, **kw):
+        q, k, v = rnd(total_q, 8, 128), rnd(total_k, 2, 128), rnd(total_k, 2, 128)
+        cu_q, cu_k = (torch.tensor(c, dtype=i32, device=dev) for c in (cu_q, cu_k))
+        flash4.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=True, **kw)
+
+    def bad_page_index():
+        pool, page = 6, 16
+        k, v = rnd(pool, page, 2, 128), rnd(pool, page, 2, 128)
+        table = torch.tensor([[0, 5, 1000, -7], [2, 99, 3, 4]], dtype=i32, device=dev)
+        used = torch.tensor([60, 64], dtype=i32, device=dev)
+        cu_q = torch.tensor([0, 30, 94], dtype=i32, device=dev)
+        flash4.flash_attn_varlen_func(rnd(94, 8, 128), k, v, cu_q, None, 64, 64, seqused_k=used, page_table=table,
+                                      causal=True)
+        table64 = torch.tensor([[0, 1000], [-3, 2]], dtype=i32, device=dev)
+        k64, v64 = rnd(3, 64, 2, 128), rnd(3, 64, 2, 128)
+        flash4.flash_attn_varlen_func(rnd(94, 8, 128), k64, v64, cu_q, None, 64, 128, seqused_k=used * 2,
+                                      page_table=table64, causal=True)
+
+    def bad_cache():
+        kc, vc = rnd(2, 256, 2, 128), rnd(2, 256, 2, 128)
+        seqlens = torch.tensor([300, 5000], dtype=i32, device=dev)
+        flash4.flash_attn_with_kvcache(rnd(2, 1, 8, 128), kc, vc, cache_seqlens=seqlens)
+        flash4.flash_attn_with_kvcache(rnd(2, 1, 8, 128), kc, vc, cache_seqlens=seqlens, num_splits=4)
+
+    cases = {
+        "bad_seqused_k_past_tensor": lambda: varlen([0, 50, 100], [0, 70, 130], 100, 130, 50, 70,
+                                                    seqused_k=torch.tensor([70, 4000], dtype=i32, device=dev)),
+        "bad_cu_seqlens_past_tensor": lambda: varlen([0, 50, 300], [0, 70, 500], 100, 130, 250, 430),
+        "bad_page_index": bad_page_index,
+        "bad_cache_seqlens_past_capacity": bad_cache,
+        "bad_small_max_seqlen_q": lambda: varlen([0, 50, 300], [0, 70, 130], 300, 130, 64, 70),
+    }
+    assert tuple(cases) == BAD_CASE_NAMES
+    return cases
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", nargs="*", help="case names (default: all)")
     parser.add_argument("--list", action="store_true", help="print the case names and exit")
+    parser.add_argument("--bad", action="store_true", help="the bad-metadata cases instead (check_seqlens=False)")
     args = parser.parse_args(argv)
     if args.list:
-        print("\n".join(CASE_NAMES))
+        print("\n".join(BAD_CASE_NAMES if args.bad else CASE_NAMES))
         return 0
     import torch
 
-    cases = _cases()
+    cases = _bad_cases() if args.bad else _cases()
     failed = 0
     for name in args.only or list(cases):
         try:

@@ -824,7 +824,8 @@ DEFAULT_RUNNERS = {"fwd": "flash4.selftest:fwd_runner", "bwd": "flash4.selftest:
 
 
 def load_runner(spec: str):
-    """The factory named by "package.module:function" or "/path/to/file.py:function"."""
+    """The factory named by "package.module:function" or "/path/to/file.py:function" (a file is
+    loaded with its own folder on sys.path, as a script would be)."""
     module_name, sep, func = spec.rpartition(":")
     if not sep or not module_name or not func:
         raise ValueError(f"runner must be 'module:function' or 'file.py:function'; got {spec!r}")
@@ -835,7 +836,16 @@ def load_runner(spec: str):
             raise ValueError(f"cannot load runner file {module_name!r}")
         module = importlib.util.module_from_spec(spec_obj)
         sys.modules[name] = module
-        spec_obj.loader.exec_module(module)
+        # as a script: its own folder importable (a test file's runners import its helpers)
+        folder = os.path.dirname(os.path.abspath(module_name))
+        added = folder not in sys.path
+        if added:
+            sys.path.insert(0, folder)
+        try:
+            spec_obj.loader.exec_module(module)
+        finally:
+            if added:
+                sys.path.remove(folder)
     else:
         module = importlib.import_module(module_name)
     return getattr(module, func)

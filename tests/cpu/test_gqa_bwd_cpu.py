@@ -53,7 +53,7 @@ def test_dkv_accum_config(d, causal):
     assert with_dkv_accum(cfg, 8, 2, 4) is cfg  # the whole group per CTA: no split
     split = with_dkv_accum(cfg, 8, 2, 2)
     assert split.dkv_accum and split.tile_n == cfg.tile_n and split.q_stages == cfg.q_stages
-    assert split.tile_m == min(cfg.tile_m, 64)  # d64's 128-query step would spill with the fp32 adds
+    assert split.tile_m == cfg.tile_m  # d64's 128-query step too (0 spills; faster on the H200)
     assert isinstance(split, BwdConfig) and split.smem_bytes() <= cfg.smem_bytes()
 
 

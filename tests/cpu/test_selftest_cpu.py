@@ -413,3 +413,19 @@ def test_the_child_runs_gated_configs(monkeypatch):
     monkeypatch.setattr(selftest, "_IN_CHILD", True)
     monkeypatch.setenv("FLASH4_SM100", "off")
     assert selftest.support_problem(GATED, CPU) is None
+
+
+def test_load_runner_file_imports_its_own_folder(tmp_path):
+    """A runner file loads as a script would: modules beside it import (the GPU self-test tests'
+    runners import gpu_helpers from tests/gpu), and sys.path is left as it was."""
+    import sys
+
+    from flash4 import selftest
+
+    (tmp_path / "beside_runner_helper.py").write_text("VALUE = 7\n")
+    (tmp_path / "runner_file.py").write_text(
+        "from beside_runner_helper import VALUE\n\ndef factory(cfg, device):\n    return VALUE\n")
+    before = list(sys.path)
+    factory = selftest.load_runner(f"{tmp_path / 'runner_file.py'}:factory")
+    assert factory(None, "cuda") == 7
+    assert sys.path == before

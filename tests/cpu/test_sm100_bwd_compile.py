@@ -1,5 +1,6 @@
 """Compile check of the sm100 backward on the CPU (no GPU; the kernel has never run on hardware):
-every config select_bwd_config can return builds for sm_100a, and its PTX and SASS show the design --
+every config select_bwd_config can return builds for sm_100a ((192, 128): the serial schedule, its
+S^T / dP^T MMAs at one code site each and the dQ read in passes), and its PTX and SASS show the design --
 the five tcgen05 MMAs per step (1-CTA, no .2CTA), their commits, TMEM loads/stores, the dQ bulk
 reduce-add (UBLKRED.G.S.ADD.F32), TMA loads, the TMEM allocation of bwd_tmem_map and the setmaxnreg
 budgets of bwd_register_plan -- with no Hopper opcodes, no local memory and a stack of 0; PTX and
@@ -9,6 +10,7 @@ the gates changes. Packed configs (varlen, seqused) pass the same gates plus the
 predicated 16-byte RZ store sites (K, V once; Q, dO in the prologue and the step loop)."""
 
 import dataclasses
+import math
 import re
 
 import pytest
@@ -18,15 +20,19 @@ pytest.importorskip("cutlass")
 
 from flash4.config.sm100 import (bwd_register_plan, bwd_tmem_alloc_cols, select_bwd_config,  # noqa: E402
                                   shipped_bwd_configs)
-from flash4.kernels.sm100.bwd_plan import DQ_GROUP_ROWS  # noqa: E402
+from flash4.kernels.sm100.bwd_plan import DQ_GROUP_ROWS, bwd_dq_passes, bwd_serial_schedule  # noqa: E402
 
 CONFIGS = [c for c in shipped_bwd_configs() if c.cta_group == 1]  # the 2-CTA configs: test_sm100_bwd_2cta.py
 # packed sequences (issue 23; 1-CTA): hd64 / hd128, with and without seqused_q / seqused_k
 PACKED = [dataclasses.replace(select_bwd_config(d, "bf16", causal), varlen_q=True, varlen_k=True, seqused_q=su,
                               seqused_k=su)
           for d, causal, su in ((64, True, False), (128, False, False), (128, True, True))]
+# (192, 128) packed (the serial schedule's zero_tail sites; the (192, 128) forward is dense only, so the
+# API never asks for it: compiled to keep the code path honest)
+PACKED += [dataclasses.replace(select_bwd_config(192, "bf16", True, headdim_v=128), varlen_q=True, varlen_k=True,
+                               seqused_q=True, seqused_k=True)]
 CONFIGS += PACKED
-IDS = [f"d{c.headdim}-{c.dtype}-{'causal' if c.causal else 'window' if c.local else 'full'}"
+IDS = [f"d{c.headdim}" + (f"v{c.headdim_v}" if c.headdim_v else "") + f"-{c.dtype}-{'causal' if c.causal else 'window' if c.local else 'full'}"
        + ("-det" if c.deterministic else "") + ("-softcap" if c.softcap else "")
        + ("-varlen" if c.varlen_q else "") + ("-seqused" if c.seqused_q else "") for c in CONFIGS]
 # CPU seconds of one cold compile (one core): measured 1.9-2.3 s on the 2-core box (2026-12-02); the
@@ -57,14 +63,18 @@ def test_sass_gates(built, name):
     if not row:
         pytest.skip("cuobjdump not installed: SASS not checked")
     d, dv, tm, tn = cfg.headdim, cfg.hdim_v, cfg.tile_m, cfg.tile_n
-    # one code site per k-block: S^T and dP^T in the prologue and the step loop, dV, dK, dQ once
-    assert row["utchmma"] == 2 * d // 16 + 2 * dv // 16 + 2 * tm // 16 + tn // 16, row
+    # one code site per k-block: S^T and dP^T in the prologue and the step loop (the serial schedule,
+    # (192, 128): the step loop only), dV, dK, dQ once
+    sites = 1 if bwd_serial_schedule(cfg) else 2
+    assert row["utchmma"] == sites * (d // 16 + dv // 16) + 2 * tm // 16 + tn // 16, row
     assert row["utchmma_2cta"] == 0  # 1-CTA
-    # commits: S ready x2, dP ready x2, dO and Q releases, dQ ready, dS consumed, dK/dV final
-    assert row["utcbar"] == 9
+    # commits: S ready and dP ready (x2 pipelined), dO and Q releases, dQ ready, dS consumed, dK/dV final
+    assert row["utcbar"] == 2 * sites + 5
     # tcgen05.ld: S^T and dP^T (2 x 32 columns each per compute thread), the dV / dK epilogue and the
-    # dQ read-out (32 columns each); tcgen05.st: P^T and dS^T (2 each)
-    assert row["ldtm"] == 4 + dv // 32 + d // 32 + d // 32
+    # dQ read-out (32 columns each; hd192, read in passes: once per group of DQ_GROUP_ROWS rows);
+    # tcgen05.st: P^T and dS^T (2 each)
+    dq_reads = 1 if bwd_dq_passes(d) == 1 else 32 // DQ_GROUP_ROWS
+    assert row["ldtm"] == 4 + dv // 32 + d // 32 + dq_reads * d // 32
     assert row["sttm"] == 4
     # dQ: one reduce-add of DQ_GROUP_ROWS whole rows per group of a warp's 32 (uniform operands: no per-lane loop)
     assert sass_count(sass, "UBLKRED.G.S.ADD.F32") == 32 // DQ_GROUP_ROWS
@@ -112,8 +122,13 @@ def test_setmaxnreg_and_tmem_allocation_match_the_plans(built, name):
 @pytest.mark.parametrize("name", IDS)
 def test_packed_tail_zeroing_only_in_packed_configs(built, name):
     """The MMA warp's zero_tail: one rolled loop of STS.128 [..], RZ per site in packed configs (K, V,
-    then Q and dO in the prologue and in the step loop), none in dense ones."""
+    then Q and dO in the prologue and in the step loop; the serial schedule: Q and dO in the step loop
+    only), none in dense ones. A site stores cols / 8 / gcd(cols / 8, 32) 16-byte vectors per lane and
+    pass (hd192: 3)."""
     cfg, _, _, row, sass = built[name]
     if not row:
         pytest.skip("cuobjdump not installed: SASS not checked")
-    assert len(re.findall(r"\bSTS\.128 \[[^\]]+\], RZ", sass)) == (6 if cfg.varlen_q else 0)
+    per_site = lambda cols: cols // 8 // math.gcd(cols // 8, 32)  # noqa: E731
+    sites = 1 if bwd_serial_schedule(cfg) else 2
+    want = (1 + sites) * (per_site(cfg.headdim) + per_site(cfg.hdim_v))
+    assert len(re.findall(r"\bSTS\.128 \[[^\]]+\], RZ", sass)) == (want if cfg.varlen_q else 0)

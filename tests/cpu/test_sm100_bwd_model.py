@@ -121,6 +121,22 @@ def test_random_fp16(causal):
     check(*make_case(1, 257, 300, 2, 1, 128, dtype=torch.float16, seed=3), causal)
 
 
+@pytest.mark.parametrize("case", [(1, 200, 333, 2, 1, False, torch.bfloat16, None),
+                                  (1, 300, 131, 4, 2, True, torch.bfloat16, None),
+                                  (1, 257, 200, 2, 2, False, torch.float16, (45, 7))],
+                         ids=lambda c: f"sq{c[1]}-sk{c[2]}-h{c[3]}/{c[4]}-{'causal' if c[5] else 'full'}-"
+                                       f"{str(c[6])[-8:]}" + ("-window" if c[7] else ""))
+def test_headdim_192_v128(case):
+    """(192, 128), the serial 1-CTA schedule: the same per-step arithmetic (its dQ read-out passes move
+    the same fp32 values), V and dO with 128 columns."""
+    b, sq, sk, h, hk, causal, dtype, window = case
+    q, k, _, _ = make_case(b, sq, sk, h, hk, 192, dtype=dtype, seed=sq + sk)
+    g = torch.Generator().manual_seed(sk)
+    v, do = (torch.randn(s, generator=g).to(dtype) for s in ((b, sk, hk, 128), (b, sq, h, 128)))
+    e, _ = check(q, k, v, do, causal, window_size=window)
+    assert all(err > 0 for err, _ in e.values())
+
+
 @pytest.mark.parametrize("variant", [dict(mma_k=None), dict(dq_order="reverse"),
                                      dict(dq_order=7), dict(tile_m=64, tile_n=64)],
                          ids=lambda v: ",".join(f"{k}={x}" for k, x in v.items()))

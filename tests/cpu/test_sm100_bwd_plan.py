@@ -9,9 +9,11 @@ import itertools
 import pytest
 
 from flash4.config import sm100
-from flash4.kernels.sm100.bwd_plan import (BWD_NUM_THREADS, BWD_WARP_ROLES, BWD_WARPGROUPS, bwd_pipeline_specs,
-                                           bwd_register_plan, bwd_register_plan_problem, bwd_smem_bytes,
-                                           bwd_tmem_alloc_cols, bwd_tmem_aliases, bwd_tmem_map, BwdRegisterPlan)
+from flash4.kernels.sm100.bwd_plan import (BWD_NUM_THREADS, BWD_WARP_ROLES, BWD_WARPGROUPS, bwd_dq_passes,
+                                           bwd_p_barrier, bwd_pipeline_specs, bwd_register_plan,
+                                           bwd_register_plan_problem, bwd_serial_schedule, bwd_smem_bytes,
+                                           bwd_tmem_alloc_cols, bwd_tmem_aliases, bwd_tmem_map, bwd_tmem_overlaps,
+                                           bwd_tmem_problem, BwdRegisterPlan)
 from flash4.kernels.sm100.plan import TMEM_COLUMNS
 from cpu_helpers import layout_offset
 
@@ -23,7 +25,10 @@ def test_shipped_configs():
     assert [(c.headdim, c.dtype, c.causal, c.local, c.deterministic, c.softcap) for c in CONFIGS] == [
         (d, dt, c, lo, det, False) for det in (False, True) for d in (64, 128) for dt in ("bf16", "fp16")
         for c, lo in ((False, False), (True, False), (False, True))] + [
-        (d, "bf16", c, False, False, True) for d in (64, 128) for c in (False, True)]
+        (d, "bf16", c, False, False, True) for d in (64, 128) for c in (False, True)] + [
+        (192, dt, c, lo, det, False) for det in (False, True) for dt in ("bf16", "fp16")
+        for c, lo in ((False, False), (True, False), (False, True))]
+    assert [c.hdim_v for c in CONFIGS] == [c.headdim for c in CONFIGS[:28]] + [128] * 12
     # a window folds causal in (as sm90's BwdConfig)
     assert sm100.select_bwd_config(128, causal=True, local=True) == sm100.select_bwd_config(128, local=True)
 
@@ -50,6 +55,39 @@ def _span(m, name):
     return start, start + n
 
 
+def test_serial_tmem_map_192_128():
+    """(192, 128): dK + dV = 320 columns leave 192 for S^T and dP^T (128 each): FA4's hd192 map (there
+    per CTA of a 2-CTA pair: dV 0-128, dK 128-320, S 320-448 with P inside, dP 384-512 with dS inside,
+    dQ its 96 columns 416-512), here 1-CTA with dQ's 192 columns over S and dP (320-512)."""
+    cfg = sm100.select_bwd_config(192, headdim_v=128)
+    assert bwd_serial_schedule(cfg) and not any(bwd_serial_schedule(c) for c in CONFIGS[:28])
+    m = bwd_tmem_map(cfg)
+    assert {n: _span(m, n) for n in ("dV", "dK", "S", "dP", "dQ")} == {
+        "dV": (0, 128), "dK": (128, 320), "S": (320, 448), "dP": (384, 512), "dQ": (320, 512)}
+    # P^T contiguous at S's start and clear of dP (dV reads it after dP^T was written): needs the barrier
+    assert [_span(m, f"P{w}") for w in (0, 1)] == [(320, 352), (352, 384)]
+    assert all(_span(m, f"P{w}")[1] <= m["dP"][0] for w in (0, 1))
+    # dS^T at the start of each warpgroup's own dP^T columns
+    assert [_span(m, f"dS{w}") for w in (0, 1)] == [(384, 416), (448, 480)]
+    assert bwd_tmem_overlaps(cfg) == (("S", "dP"),)
+    assert bwd_p_barrier(cfg) and not any(bwd_p_barrier(c) for c in CONFIGS[:28])
+    assert bwd_p_barrier(sm100.select_bwd_config(128, two_cta=True))  # P^T contiguous at S's start there too
+    assert cfg.q_stages == 1 and cfg.smem_bytes() == 222208 <= sm100.BWD_SMEM_BUDGET  # 217 KiB
+    assert bwd_smem_bytes(192, 128, q_stages=2) > sm100.BWD_SMEM_BUDGET  # 265.5 KiB
+
+
+def test_what_fits_tensor_memory():
+    """dK + dV stay resident; S^T and dP^T need tile_m + tile_m / 2 columns (they may share only the half
+    P^T does not use); dQ goes over them. hd256 cannot fit at any tile_m: dK + dV alone are 512."""
+    assert bwd_tmem_problem(64, 64) is None and bwd_tmem_problem(128, 128) is None
+    assert bwd_tmem_problem(192, 128) is None
+    assert "need 192, 128 are left" in bwd_tmem_problem(192, 192)
+    assert "dK + dV take 256 + 256 = 512 of the 512" in bwd_tmem_problem(256, 256)
+    assert all(bwd_tmem_problem(256, 256, tm) is not None for tm in (32, 64, 128))
+    # the dQ read-out: the whole row up to 128 columns, else passes of 64
+    assert [bwd_dq_passes(d) for d in (64, 128, 192)] == [1, 1, 3] and bwd_dq_passes(128, 2) == 1
+
+
 @pytest.mark.parametrize("hd", [64, 128])
 def test_tmem_map_equals_the_reference(hd):
     cfg = sm100.select_bwd_config(hd)
@@ -71,7 +109,8 @@ def test_tmem_map_fits_and_only_declared_aliases_overlap(cfg):
     m = bwd_tmem_map(cfg)
     assert all(0 <= s and s + n <= TMEM_COLUMNS for s, n in m.values())
     assert bwd_tmem_alloc_cols(cfg) == 512
-    declared = {frozenset(p) for p in bwd_tmem_aliases(cfg)}
+    # containment aliases, plus the serial map's one partial overlap (S^T's tail under dP^T)
+    declared = {frozenset(p) for p in bwd_tmem_aliases(cfg) + bwd_tmem_overlaps(cfg)}
     for (a, (sa, na)), (b, (sb, nb)) in itertools.combinations(m.items(), 2):
         overlap = sa < sb + nb and sb < sa + na
         assert overlap == (frozenset((a, b)) in declared), (a, b)
@@ -116,8 +155,10 @@ def test_smem_budget():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(headdim=96), "head dims \\(64, 128\\)"), (dict(headdim=256), "hd96/192/256 are not built"),
-    (dict(headdim=128, headdim_v=64), "V head dim"),
+    (dict(headdim=96), "no sm100 backward; built: \\(D, Dv\\) in \\(64, 64\\), \\(128, 128\\), \\(192, 128\\)"),
+    (dict(headdim=256), "hd256 cannot fit tensor memory: .*dK \\+ dV take 256 \\+ 256 = 512"),
+    (dict(headdim=128, headdim_v=64), "V head dim"), (dict(headdim=192), "V head dim equal .* 128 are left"),
+    (dict(headdim=192, headdim_v=128, softcap=True), "softcap at \\(headdim, headdim_v\\)=\\(192, 128\\)"),
     (dict(headdim=128, arch=90), "sm_100a kernels only"), (dict(headdim=128, dtype="fp8"), "dtype"),
 ])
 def test_select_refuses_what_is_not_built(kwargs, match):
@@ -132,11 +173,17 @@ def test_config_refuses_unbuilt_fields():
             sm100.Sm100BwdConfig(128, **{field: value})
     cfg = sm100.select_bwd_config(128, "fp16", True)
     assert not cfg.dq_accum_order and not cfg.dynamic_seqlen_k and cfg.hdim_v == 128
+    for kw in (dict(q_stages=2), dict(softcap=True), dict(cta_group=2, q_stages=1)):
+        with pytest.raises(ValueError):
+            sm100.Sm100BwdConfig(192, headdim_v=128, **{"q_stages": 1, **kw})
+    with pytest.raises(ValueError, match="canonical"):
+        sm100.Sm100BwdConfig(128, headdim_v=128)
+    assert sm100.select_bwd_config(192, headdim_v=128, two_cta=True).cta_group == 1  # 2-CTA: hd128 only
 
 
 # ---------------------------------------------------------------- operand views (CuTe DSL, trace time only)
-@pytest.mark.parametrize("hd", [64, 128])
-def test_mn_major_views_alias_the_loaded_buffers(hd):
+@pytest.mark.parametrize("hd, dv", [(64, 64), (128, 128), (192, 128)])
+def test_mn_major_views_alias_the_loaded_buffers(hd, dv):
     """Every element of Q, dO, K (TMA-loaded K-major) and dS^T (written row-major) sits at the same
     swizzled offset in the MN-major view another MMA reads it through (same swizzle, equal offset
     before it), for every (row, column) of one stage."""
@@ -148,16 +195,16 @@ def test_mn_major_views_alias_the_loaded_buffers(hd):
     got = {}
 
     @cute.jit
-    def grab(d: cutlass.Constexpr):
-        for k, v in bwd_smem_layouts(sm100.select_bwd_config(d)).items():
+    def grab(d: cutlass.Constexpr, e: cutlass.Constexpr):
+        for k, v in bwd_smem_layouts(sm100.select_bwd_config(d, headdim_v=None if e == d else e)).items():
             got[k] = (v.outer.shape, v.outer.stride, str(v.inner))
 
-    cute.compile(grab, hd, options="--gpu-arch sm_100a")  # whatever CUTE_DSL_ARCH an earlier test left
+    cute.compile(grab, hd, dv, options="--gpu-arch sm_100a")  # whatever CUTE_DSL_ARCH an earlier test left
     off = {k: (lambda crd, s=v[0], t=v[1]: layout_offset(crd, s, t)) for k, v in got.items()}
     assert len({v[2] for v in got.values()}) == 1  # one swizzle for all (S<3,4,3>: 128-byte)
     rows = range(128)
-    for kmajor, mnmajor in (("sQ", "sQmn"), ("sdO", "sdOmn"), ("sK", "sKmn")):
-        for r, c in itertools.product(rows, range(hd)):  # r: query / key row, c: head-dim column
+    for kmajor, mnmajor, cols in (("sQ", "sQmn", hd), ("sdO", "sdOmn", dv), ("sK", "sKmn", hd)):
+        for r, c in itertools.product(rows, range(cols)):  # r: query / key row, c: head-dim column
             assert off[kmajor](((r, c % 16), 0, c // 16, 0)) == off[mnmajor](((c, r % 16), 0, r // 16, 0)), \
                 (kmajor, r, c)
     for key, q in itertools.product(rows, rows):

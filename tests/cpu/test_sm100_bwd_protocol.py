@@ -5,7 +5,9 @@ barriers take their counts from flash4.kernels.sm100.bwd_plan.bwd_pipeline_specs
 runs the roles in many random interleavings. Checked: every interleaving terminates (no deadlock),
 every barrier ends on a completed phase, no wait is satisfied by a later phase than it meant (no
 lapping), and the TMEM overwrites the 2-CTA schedule relies on happen after the reads they must
-follow (S(i+1) after dQ(i-1) was read out, dQ(i) after S(i+1) was read and dQ(i-1) read out).
+follow (S(i+1) after dQ(i-1) was read out, dQ(i) after S(i+1) was read and dQ(i-1) read out), and
+those of the serial 1-CTA schedule of (192, 128) (S(i) after dQ(i-1) was read out, dP(i) after
+S(i) was read).
 
 2-CTA routing (as the kernel's pipelines): tcgen05.commit is the leader's and multicast to both CTAs;
 the TMA pipelines' expect_tx is the leader's, each CTA's bytes complete on the leader's barrier;
@@ -21,7 +23,7 @@ import random
 import pytest
 
 from flash4.config import sm100
-from flash4.kernels.sm100.bwd_plan import _arrivals, bwd_pipeline_specs
+from flash4.kernels.sm100.bwd_plan import _arrivals, bwd_pipeline_specs, bwd_serial_schedule
 from flash4.kernels.sm100.plan import Signal
 from test_sm100_protocol import LEADER, A, Barrier, Ring, W
 
@@ -42,6 +44,7 @@ class Model:
         # TMEM reads done, per CTA: S^T loads by the compute warps, dQ read-outs by the reduce warps
         self.s_read = [0] * self.group
         self.dq_read = [0] * self.group
+        self.serial = bwd_serial_schedule(cfg)  # (192, 128): dQ over S and dP, dP over S's tail
 
     def party(self, name, side, role):
         spec = self.specs[name]
@@ -87,8 +90,12 @@ class Model:
             if i + 1 < n:
                 assert all(r >= i + 2 for r in self.s_read), f"dQ({i}) issued before S({i + 1}) was read: {self.s_read}"
             assert all(r >= i for r in self.dq_read), f"dQ({i}) issued before dQ({i - 1}) was read: {self.dq_read}"
-        elif what == "dP" and self.group == 1:  # dP(i) over dQ(i-1)
+        elif what == "S" and self.serial:  # S(i) over dQ(i-1)
+            assert all(r >= i for r in self.dq_read), f"S({i}) issued before dQ({i - 1}) was read"
+        elif what == "dP" and self.group == 1:  # dP(i) over dQ(i-1); serial: and over S(i)'s tail
             assert all(r >= i for r in self.dq_read), f"dP({i}) issued before dQ({i - 1}) was read"
+            if self.serial:
+                assert all(r >= i + 1 for r in self.s_read), f"dP({i}) issued before S({i}) was read"
 
 
 def E(what, i=0):
@@ -163,6 +170,34 @@ def mma_1cta(n, cfg):
             dq_phase ^= 1
             yield E("dP", i + 1)
             yield A("dp", "full", 0, "mma")
+    yield A("dkv", "full", 0, "mma")
+
+
+def mma_serial(n, cfg, wait_dq=True):
+    """The serial 1-CTA MMA warp ((192, 128), FlashAttentionBackwardSm100.mma_serial). wait_dq False:
+    a deliberate bug for the model's own test (S(i) without waiting for dQ(i-1)'s read-out)."""
+    q, do = Ring(cfg.q_stages, 0), Ring(cfg.do_stages, 0)
+    if n == 0:
+        return
+    yield W("kv", "full", 0, 0, 0)
+    for i in range(n):
+        yield full("q", q)
+        if i > 0 and wait_dq:
+            yield W("dq", "empty", 0, (i - 1) % 2, i - 1)
+        yield E("S", i)
+        yield A("s", "full", 0, "mma")
+        yield full("do", do)
+        yield W("s", "empty", 0, i % 2, i)
+        yield E("dP", i)
+        yield A("dp", "full", 0, "mma")
+        yield A("do", "empty", do.index, "mma")  # after dV
+        do.advance()
+        yield W("ds", "full", 0, i % 2, i)
+        yield A("q", "empty", q.index, "mma")  # after dK
+        q.advance()
+        yield E("dQ", i)
+        yield A("dq", "full", 0, "mma")
+        yield A("ds", "empty", 0, "mma")
     yield A("dkv", "full", 0, "mma")
 
 
@@ -266,7 +301,8 @@ def run(cfg, n, seed, roles_override=None, count_group=None, model_cls=None):
     for cta in range(cfg.cta_group):
         roles[(cta, "load")] = load(n, cfg)
         if cta == LEADER:
-            roles[(cta, "mma")] = (mma_2cta if cfg.cta_group == 2 else mma_1cta)(n, cfg)
+            roles[(cta, "mma")] = (mma_2cta if cfg.cta_group == 2 else mma_serial if bwd_serial_schedule(cfg)
+                                   else mma_1cta)(n, cfg)
         roles[(cta, "compute")] = compute(n, cfg)
         roles[(cta, "reduce")] = reduce(n, cfg)
         if cfg.cta_group == 2:
@@ -316,7 +352,9 @@ STEPS = [0, 1, 2, 3, 5]
 CONFIGS = {"1cta": sm100.select_bwd_config(128), "1cta-softcap": sm100.select_bwd_config(128, softcap=True),
            "2cta": sm100.select_bwd_config(128, two_cta=True),
            "2cta-causal": sm100.select_bwd_config(128, causal=True, two_cta=True),
-           "2cta-softcap": sm100.select_bwd_config(128, softcap=True, two_cta=True)}
+           "2cta-softcap": sm100.select_bwd_config(128, softcap=True, two_cta=True),
+           "serial": sm100.select_bwd_config(192, headdim_v=128),
+           "serial-causal-det": sm100.select_bwd_config(192, causal=True, deterministic=True, headdim_v=128)}
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -365,3 +403,13 @@ def test_the_pair_model_finds_a_relay_that_stays_local():
 
     with pytest.raises(AssertionError, match="deadlock"):
         run(CONFIGS["2cta"], 2, 0, model_cls=LocalRelay)
+
+
+def test_the_serial_model_finds_s_over_an_unread_dq():
+    """The serial schedule ((192, 128)) without the dq empty wait before S(i): S(i) lands on dQ(i-1)
+    before the reduce warps read it."""
+    cfg = CONFIGS["serial"]
+    assert cfg.q_stages == 1
+    with pytest.raises(AssertionError, match=r"S\(\d\) issued before dQ\(\d\) was read"):
+        for seed in range(60):
+            run(cfg, 3, seed, {(0, "mma"): mma_serial(3, cfg, wait_dq=False)})

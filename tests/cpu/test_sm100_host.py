@@ -342,9 +342,9 @@ def test_training_what_the_backward_lacks_is_refused_at_the_door(sm100_device, m
     q, k, v = qkv(requires_grad=True)
     q96, k96, v96 = qkv(d=96, requires_grad=True)
     text = validate.support_error(q96, k96, v96)
-    assert "no backward for this call on sm_100" in text and "head dims (64, 128) only" in text
+    assert "no backward for this call on sm_100" in text and "built: (D, Dv) in (64, 64), (128, 128), (192, 128)" in text
     assert "torch.no_grad()" in text
-    with pytest.raises(NotImplementedError, match="head dims"):
+    with pytest.raises(NotImplementedError, match="no sm100 backward"):
         flash4.flash_attn_func(q96, k96, v96)
     with torch.no_grad():
         assert validate.support_error(q96, k96, v96) is None
@@ -427,3 +427,24 @@ def test_backward_launch_requires_the_selftest(sm100_device, monkeypatch):
     with pytest.raises(RuntimeError, match=r"Sm100BwdConfig\(headdim=128.*Please report it"):
         backward.run(request, dout, out, lse)
     assert got == [] and asked == [sm100.select_bwd_config(128, "bf16", True)]
+
+
+def test_training_192_128_and_hd256_at_the_door(sm100_device, monkeypatch):
+    """(192, 128) training passes the door behind the backward's self-test (the serial 1-CTA backward:
+    compile-verified, not run on hardware); softcap there and hd256 (its dK + dV accumulators alone
+    fill the 512 TMEM columns) are refused by name before any launch."""
+    asked = verdicts(monkeypatch, ok=True)
+    q, k, _ = qkv(d=192, requires_grad=True)
+    v = torch.randn(1, 300, 4, 128).to(BF16).requires_grad_()
+    assert validate.support_error(q, k, v, causal=True) is None
+    assert asked[-1] == sm100.select_bwd_config(192, "bf16", True, headdim_v=128)
+    assert asked[-1].q_stages == 1 and asked[-1].hdim_v == 128
+    text = validate.support_error(q, k, v, softcap=5.0)
+    assert "no backward for this call on sm_100" in text and "softcap at (headdim, headdim_v)=(192, 128)" in text
+    q, k, v = qkv(d=256, requires_grad=True)
+    text = validate.support_error(q, k, v)
+    assert "no backward for this call on sm_100" in text and "hd256 cannot fit tensor memory" in text
+    with pytest.raises(NotImplementedError, match="dK \\+ dV take 256 \\+ 256 = 512"):
+        flash4.flash_attn_func(q, k, v)
+    with torch.no_grad():
+        assert validate.support_error(q, k, v) is None  # the hd256 forward stays served

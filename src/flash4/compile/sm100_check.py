@@ -78,7 +78,8 @@ def is_bwd(cfg) -> bool:
 def name(cfg) -> str:
     if is_bwd(cfg):
         mask = "window" if cfg.local else "causal" if cfg.causal else "full"
-        return (f"bwd_sm100 d{cfg.headdim} {cfg.dtype} {mask} {cfg.tile_m}x{cfg.tile_n} {cfg.cta_group}cta "
+        dv = f"v{cfg.headdim_v}" if cfg.headdim_v is not None else ""
+        return (f"bwd_sm100 d{cfg.headdim}{dv} {cfg.dtype} {mask} {cfg.tile_m}x{cfg.tile_n} {cfg.cta_group}cta "
                 f"q{cfg.q_stages}do{cfg.do_stages}{' det' if cfg.deterministic else ''}"
                 f"{' softcap' if cfg.softcap else ''}")
     flags = "".join(f" {f}" for f in ("local", "softcap", "sink") if getattr(cfg, f))

@@ -29,6 +29,7 @@ from flash4.kernels.sm100.bwd_plan import (  # noqa: F401  (the backward's plan)
     bwd_smem_bytes, bwd_tmem_alloc_cols, bwd_tmem_aliases, bwd_tmem_map, bwd_tmem_used_cols,
     default_bwd_register_plan,
     BWD_Q_STAGES_2CTA, SM100_BWD_2CTA_HEADDIMS, default_bwd_register_plan_2cta,
+    SM100_BWD_HEADDIM_PAIRS, bwd_q_stages, bwd_serial_problem, bwd_serial_schedule, bwd_tmem_problem,
 )
 from flash4.kernels.sm100.plan import (  # noqa: F401  (the plan, re-exported for the config's users)
     ARCH, EXP2_EMU_FRAC, EXP2_EMU_FRAC_CAUSAL, EXP2_EMU_GROUP, exp2_emu_frac_for, IDLE_REGS, LAUNCH_REGS, MAX_KV_STAGES, NUM_THREADS, NUM_WARPS, Party, PipelineSpec,
@@ -318,7 +319,7 @@ def gate_fwd_options(layout: str) -> dict:
 class Sm100BwdConfig:
     """One compiled sm100 backward kernel (the compile-cache key). Compile-verified, not run on hardware.
 
-    headdim:     D of Q/K/V (64, 128: SM100_BWD_HEADDIMS).
+    headdim:     D of Q/K (64, 128, 192: SM100_BWD_HEADDIM_PAIRS; V's is headdim_v).
     dtype:       "bf16" or "fp16".
     causal:      bottom-right aligned causal mask.
     tile_m:      queries per step (S^T columns, 128); tile_n: keys per CTA (TMEM lanes, 128).
@@ -346,10 +347,12 @@ class Sm100BwdConfig:
                  padded per-sequence LSE / dPsum / dQ accumulator of flash4.backward, K / V / Q / dO
                  rows past the sequence zeroed in smem by the MMA warp (docs/design/sm100_backward.md
                  section "Packed sequences"). Compile-verified, not run on hardware.
-    The remaining fields mirror flash4.config.BwdConfig so the host passes the same keys; none of
-    them is built on sm100 yet and a config with one set cannot be made (ValueError in __post_init__):
-    headdim_v (Dv != D), dkv_accum (GQA head split: GQA runs with one CTA per KV head walking every
-    query head of its group).
+    headdim_v:   Dv, None when it equals headdim; built: 128 with headdim 192 ((192, 128): the serial
+                 1-CTA schedule, bwd_serial_schedule: q_stages 1, no softcap; docs/design/sm100_backward.md
+                 section 10). Compile-verified, not run on hardware.
+    The remaining field mirrors flash4.config.BwdConfig so the host passes the same keys; it is not
+    built on sm100 and a config with it set cannot be made (ValueError in __post_init__): dkv_accum
+    (GQA head split: GQA runs with one CTA per KV head walking every query head of its group).
     """
 
     headdim: int
@@ -410,15 +413,27 @@ _BWD_UNBUILT_WHAT = {
 }
 
 
+def _bwd_built_text(headdim: int) -> str:
+    """What the sm100 backward builds, and why hd256 cannot be (its TMEM arithmetic)."""
+    text = ("built: (D, Dv) in " + ", ".join(f"({d}, {dv})" for d, dv in SM100_BWD_HEADDIM_PAIRS)
+            + " (compile-verified, not run on hardware)")
+    if headdim == 256:
+        text += (f"; hd256 cannot fit tensor memory: {bwd_tmem_problem(256, 256)} (the options: "
+                 "docs/design/sm100_backward.md section 10)")
+    return text
+
+
 def bwd_config_problem(cfg) -> str | None:
     """Why `cfg` cannot be built by the sm100 backward, or None."""
     if cfg.arch != ARCH:
         return f"arch={cfg.arch}; the sm100 family is sm_100a only"
-    if cfg.headdim not in SM100_BWD_HEADDIMS:
-        return f"headdim={cfg.headdim} has no sm100 backward yet; built: {SM100_BWD_HEADDIMS}"
+    if cfg.headdim_v is not None and cfg.headdim_v == cfg.headdim:
+        return "headdim_v must be None (canonical) when it equals headdim"
+    if (cfg.headdim, cfg.hdim_v) not in SM100_BWD_HEADDIM_PAIRS:
+        return f"(headdim, headdim_v)=({cfg.headdim}, {cfg.hdim_v}) has no sm100 backward; {_bwd_built_text(cfg.headdim)}"
     if cfg.dtype not in DTYPES:
         return f"dtype={cfg.dtype!r}; allowed: {DTYPES}"
-    on = [f for f, off in _BWD_UNBUILT.items() if getattr(cfg, f) != off]
+    on = [f for f, off in _BWD_UNBUILT.items() if f != "headdim_v" and getattr(cfg, f) != off]
     if on:
         return "the sm100 backward has no " + ", ".join(_BWD_UNBUILT_WHAT[f] for f in on) + " yet"
     if cfg.local and cfg.causal:
@@ -439,10 +454,15 @@ def bwd_config_problem(cfg) -> str | None:
                     f"{cfg.do_stages}); the 2-CTA backward is built for ({BWD_TILE_M}, {BWD_TILE_N}, "
                     f"{BWD_Q_STAGES_2CTA}, {BWD_DO_STAGES})")
     elif (cfg.tile_m, cfg.tile_n, cfg.cta_group, cfg.q_stages, cfg.do_stages) != (
-            BWD_TILE_M, BWD_TILE_N, 1, BWD_Q_STAGES, BWD_DO_STAGES):
+            BWD_TILE_M, BWD_TILE_N, 1, bwd_q_stages(cfg.headdim, cfg.hdim_v), BWD_DO_STAGES):
+        q_stages = bwd_q_stages(cfg.headdim, cfg.hdim_v)
         return (f"(tile_m, tile_n, cta_group, q_stages, do_stages)=({cfg.tile_m}, {cfg.tile_n}, {cfg.cta_group}, "
-                f"{cfg.q_stages}, {cfg.do_stages}); only ({BWD_TILE_M}, {BWD_TILE_N}, 1, {BWD_Q_STAGES}, "
-                f"{BWD_DO_STAGES}) is built (1-CTA)")
+                f"{cfg.q_stages}, {cfg.do_stages}); only ({BWD_TILE_M}, {BWD_TILE_N}, 1, {q_stages}, "
+                f"{BWD_DO_STAGES}) is built (1-CTA, D={cfg.headdim}, Dv={cfg.hdim_v})")
+    if cfg.cta_group == 1 and bwd_tmem_problem(cfg.headdim, cfg.hdim_v, cfg.tile_m) is not None:
+        return bwd_tmem_problem(cfg.headdim, cfg.hdim_v, cfg.tile_m)
+    if bwd_serial_schedule(cfg) and bwd_serial_problem(cfg.softcap) is not None:
+        return bwd_serial_problem(cfg.softcap)
     if cfg.smem_bytes() > BWD_SMEM_BUDGET:
         return f"{cfg.smem_bytes()} bytes of smem tiles > {BWD_SMEM_BUDGET}"
     return bwd_register_plan_problem(BwdRegisterPlan(cfg.regs_reduce, cfg.regs_compute, cfg.regs_other))
@@ -476,25 +496,31 @@ def bwd_two_cta_problem(headdim: int, causal: bool = False, local: bool = False,
 def select_bwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, arch: int = ARCH,
                       deterministic: bool = False, local: bool = False, softcap: bool = False,
                       headdim_v: int | None = None, two_cta: bool = False, **kwargs) -> Sm100BwdConfig:
-    """The sm100 backward config for one problem class (pure; CPU-tested): hd64 / hd128, bf16 / fp16,
-    causal or not, a sliding window (local: causal folded in), deterministic or not, softcap or not,
-    dense, MHA and GQA/MQA (one CTA per KV head walks its query heads). Raises ValueError naming what
-    is missing for everything else (another head dim, Dv != D). Same arguments as
+    """The sm100 backward config for one problem class (pure; CPU-tested): hd64 / hd128 and (192, 128)
+    (headdim_v=128: the serial schedule, no softcap), bf16 / fp16, causal or not, a sliding window
+    (local: causal folded in), deterministic or not, softcap or not, dense, MHA and GQA/MQA (one CTA
+    per KV head walks its query heads). Raises ValueError naming what is missing for everything else
+    (another head dim, e.g. hd256 with its TMEM arithmetic; another Dv; softcap at (192, 128)). Same arguments as
     flash4.config.sm90.select_bwd_config (the others ignored). two_cta: take the 2-CTA variant where it
     is built (bwd_two_cta_problem is None; otherwise the 1-CTA config); the host passes
     env.sm100_2cta() (FLASH4_SM100_2CTA, default off)."""
     if arch != ARCH:
         raise ValueError(f"flash4.config.sm100 builds sm_100a kernels only, got arch={arch}")
-    if headdim not in SM100_BWD_HEADDIMS:
-        raise ValueError(f"headdim={headdim}: the sm100 backward is built for head dims {SM100_BWD_HEADDIMS} "
-                         "only (hd96/192/256 are not built yet; the 2-CTA variant: hd128)")
+    dv = headdim if headdim_v is None else headdim_v
+    if headdim not in {d for d, _ in SM100_BWD_HEADDIM_PAIRS}:
+        raise ValueError(f"headdim={headdim}: no sm100 backward; {_bwd_built_text(headdim)}")
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r}; allowed: {DTYPES}")
-    missing = [_BWD_UNBUILT_WHAT["headdim_v"]] if headdim_v is not None and headdim_v != headdim else []
-    if missing:
-        raise ValueError("the sm100 backward has no " + ", ".join(missing) + " yet (compile-verified 1-CTA "
-                         "backward: dense hd64/hd128, causal, window or neither, deterministic or not, softcap "
-                         "or not, MHA/GQA; 2-CTA: hd128)")
+    if (headdim, dv) not in SM100_BWD_HEADDIM_PAIRS:
+        what = "V head dim different from Q/K's" if dv != headdim else "V head dim equal to Q/K's"
+        tmem = bwd_tmem_problem(headdim, dv)
+        raise ValueError(f"the sm100 backward has no {what} at (headdim, headdim_v)=({headdim}, {dv})"
+                         + (f" ({tmem})" if tmem else "") + "; compile-verified 1-CTA backward: dense hd64/hd128 "
+                         "(causal, window or neither, deterministic or not, softcap or not, MHA/GQA) and (192, 128) "
+                         "(the same without softcap); 2-CTA: hd128")
+    hdv = None if dv == headdim else dv
+    if 2 * BWD_TILE_M + headdim + dv > TMEM_COLUMNS and bwd_serial_problem(softcap) is not None:  # serial
+        raise ValueError(bwd_serial_problem(softcap))
     if two_cta and bwd_two_cta_problem(headdim, causal and not local, local, deterministic, softcap) is None:
         plan = default_bwd_register_plan_2cta(headdim, causal)
         return Sm100BwdConfig(headdim=headdim, dtype=dtype, causal=causal, cta_group=2, q_stages=BWD_Q_STAGES_2CTA,
@@ -502,7 +528,8 @@ def select_bwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, a
                               regs_other=plan.other)
     plan = default_bwd_register_plan(headdim, causal)
     return Sm100BwdConfig(headdim=headdim, dtype=dtype, causal=causal and not local, local=local,
-                          deterministic=deterministic, softcap=softcap,
+                          deterministic=deterministic, softcap=softcap, headdim_v=hdv,
+                          q_stages=bwd_q_stages(headdim, dv),
                           regs_reduce=plan.reduce, regs_compute=plan.compute, regs_other=plan.other)
 
 
@@ -511,18 +538,23 @@ def shipped_bwd_configs() -> list:
     hd64/128 x bf16/fp16 x (full, causal, window) x deterministic or not (24), then one softcap
     config per head dim and mask, bf16, hd64/128 x (full, causal) (4; the API selects the other
     softcap combinations too: softcap only adds the compute warps' tanh and dS factor, independent of
-    the dtype, the window and the deterministic dQ chain), then the 2-CTA configs (opt-in,
+    the dtype, the window and the deterministic dQ chain), then the same 12 without softcap at (192, 128)
+    (the serial 1-CTA schedule, bwd_serial_schedule; softcap not built there), then the 2-CTA configs (opt-in,
     FLASH4_SM100_2CTA=1): hd128 x bf16/fp16 x the masks bwd_two_cta_problem accepts (full, causal: 4), and
     softcap in bf16, full and causal (2)."""
     no_softcap = [select_bwd_config(d, dt, c, local=lo, deterministic=det) for det in (False, True)
                   for d in SM100_BWD_HEADDIMS for dt in DTYPES
                   for c, lo in ((False, False), (True, False), (False, True))]
     softcap = [select_bwd_config(d, "bf16", c, softcap=True) for d in SM100_BWD_HEADDIMS for c in (False, True)]
+    # (192, 128), the serial schedule: the same 12 combinations without softcap (not built with it)
+    serial = [select_bwd_config(d, dt, c, local=lo, deterministic=det, headdim_v=dv)
+              for d, dv in SM100_BWD_HEADDIM_PAIRS if d != dv for det in (False, True) for dt in DTYPES
+              for c, lo in ((False, False), (True, False), (False, True))]
     two_cta = [select_bwd_config(d, dt, c, two_cta=True) for d in SM100_BWD_2CTA_HEADDIMS for dt in DTYPES
                for c in (False, True) if bwd_two_cta_problem(d, c) is None]
     two_cta += [select_bwd_config(d, "bf16", c, softcap=True, two_cta=True) for d in SM100_BWD_2CTA_HEADDIMS
                 for c in (False, True) if bwd_two_cta_problem(d, c, softcap=True) is None]
-    return no_softcap + softcap + two_cta
+    return no_softcap + softcap + serial + two_cta
 
 
 def bwd_plan(request, arch: int = ARCH, heads_per_cta: int | None = None):

@@ -619,8 +619,11 @@ def bwd_heads_per_cta(nheads: int, nheads_k: int, override: int | None = None,
 
 def with_dkv_accum(cfg: BwdConfig, nheads: int, nheads_k: int, heads_per_cta: int) -> BwdConfig:
     """cfg with dkv_accum on when heads_per_cta splits the query heads of a KV head (GQA/MQA).
-    d64's 128-query step takes 64 queries there: at 128 the accumulating epilogue's addresses
-    spill (compile check: 24 local-memory instructions, some in the main loop). Packed
+    d64's 128-query step stays (the accumulating epilogue once spilled there, 24 local-memory
+    instructions; with today's kernel every d64 dkv_accum variant compiles at 128 with 0 spills:
+    plain, sink_delta, deterministic, packed, seqused, causal or not). H200 A/B
+    (tools/ab_bwd_tiles.py, 2026-12-02), 128 against 64 queries: MQA 32:1 d64 causal 8k 445 / 419
+    TFLOPs (1.063x), gpt-oss d64 64:8 causal 8k + sinks 344 / 322 (1.069x). Packed
     (varlen) deterministic configs keep one CTA per KV head: split, they spill a register (one
     value, reloaded outside the main loop, but the compile check admits no spill). Windowed (local)
     configs too: split, they measured no faster (window 128 / 512 / 4096: 71 / 241 / 450 vs 83 / 272 /
@@ -633,7 +636,7 @@ def with_dkv_accum(cfg: BwdConfig, nheads: int, nheads_k: int, heads_per_cta: in
         return cfg  # windows: the whole group measured as fast or faster (bwd_heads_per_cta), and d128 spills
     if cfg.transposed_dkv and not TRANSPOSED_DKV_VARIANTS["dkv_accum"]:
         cfg = dataclasses.replace(cfg, transposed_dkv=False, tile_n=64, do_stages=None, split_headdim=True)
-    return dataclasses.replace(cfg, dkv_accum=True, tile_m=min(cfg.tile_m, 64))
+    return dataclasses.replace(cfg, dkv_accum=True)
 
 
 def shipped_bwd_configs() -> list[BwdConfig]:

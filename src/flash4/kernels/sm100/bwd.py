@@ -39,9 +39,17 @@ block of max_seqlen_k, KV head, sequence), every global view offset to the seque
 padded per-sequence LSE / dPsum / dQ accumulator of flash4.backward), the MMA warp zeroing K / V / Q / dO
 rows past the sequence in smem before their first MMA (zero_tail). docs/design/sm100_backward.md section 9.
 
-Not built (refused by flash4.config.sm100.select_bwd_config): head dims other than 64 / 128, Dv != D,
-packed sequences in the 2-CTA variant, the GQA head split, and the exact-LSE path of issue 8 (P uses the rounded padded log2 LSE the preprocess writes;
-the per-tile exact flags are not read).
+(192, 128) (DeepSeek's head dims; 1-CTA, dense or packed, no softcap): dK + dV take 320 of the 512 TMEM
+columns, so S^T and dP^T share columns (dP^T over S^T's second half, dQ over both: bwd_tmem_map_serial)
+and each step runs serially (mma_serial: S(i) after dQ(i-1) was read out, dP(i) after P^T(i) was
+written); the P^T halves lie contiguous at S's start, so the compute warpgroups sync before writing
+them (bwd_p_barrier); the reduce warps read each thread's 192 dQ columns in passes of 64
+(bwd_dq_passes); one Q stage (217 KiB of smem). docs/design/sm100_backward.md section 10.
+
+Not built (refused by flash4.config.sm100.select_bwd_config): head dims other than 64 / 128 / (192, 128)
+(hd256: dK + dV alone fill the 512 TMEM columns), other Dv != D, softcap at (192, 128), packed
+sequences in the 2-CTA variant, the GQA head split, and the exact-LSE path of issue 8 (P uses the
+rounded padded log2 LSE the preprocess writes; the per-tile exact flags are not read).
 """
 
 import math
@@ -69,8 +77,9 @@ from flash4.kernels.common.geometry import DEVICE_OPS
 from flash4.kernels.common.layout import select_modes
 from flash4.kernels.common.pipeline import next_state
 from flash4.kernels.common.seqinfo import SeqInfo
-from flash4.kernels.sm100.bwd_plan import (BWD_WARP_ROLES, DQ_GROUP_ROWS, DQ_LD_COLS, BwdRegisterPlan, bwd_pipeline_specs,
-                                           bwd_register_plan, bwd_tmem_alloc_cols, bwd_tmem_map, bwd_warp_roles)
+from flash4.kernels.sm100.bwd_plan import (BWD_WARP_ROLES, DQ_GROUP_ROWS, DQ_LD_COLS, BwdRegisterPlan, bwd_dq_passes,
+                                           bwd_p_barrier, bwd_pipeline_specs, bwd_register_plan, bwd_serial_schedule,
+                                           bwd_tmem_alloc_cols, bwd_tmem_map, bwd_warp_roles)
 from flash4.kernels.sm100.pipes import (ArrivalLedger, Pipe, named_barrier_arrive, named_barrier_sync, tcgen05_fence_after,
                                          tcgen05_fence_before, thread_group)
 from flash4.kernels.sm100.plan import TMEM_COLUMNS, WARP_SIZE
@@ -78,7 +87,7 @@ from flash4.kernels.sm100.plan import TMEM_COLUMNS, WARP_SIZE
 # Named barrier ids of this kernel (0 is __syncthreads).
 TMEM_PTR_BARRIER = 1  # mma + compute + reduce warps: TMEM allocated / done with TMEM
 REDUCE_BARRIER = 2  # the 4 reduce warps (deterministic: around the dQ semaphore)
-COMPUTE_BARRIER = 3  # 2-CTA: the 8 compute warps (S^T read before P^T is written; dS smem written before the exchange)
+COMPUTE_BARRIER = 3  # the 8 compute warps: S^T read before P^T is written (2-CTA, serial); 2-CTA: dS smem written before the exchange
 # Columns per tcgen05.ld of S^T, dP^T (32x32b.x32: thread t gets 32 columns of lane t).
 LD_COLS = 32
 # Columns per tcgen05.ld of dK, dV in the epilogue and of dQ in the reduce warps.
@@ -209,6 +218,10 @@ class FlashAttentionBackwardSm100:
         self.two_cta = cfg.cta_group == 2
         # packed sequences (1-CTA; flash4.config.sm100.bwd_config_problem): SeqInfo offsets, tails zeroed
         self.packed = cfg.varlen_q or cfg.varlen_k
+        # (192, 128): S^T and dP^T share TMEM columns, so each step runs serially (mma_serial)
+        self.serial = bwd_serial_schedule(cfg)
+        # P^T halves contiguous at S's start (2-CTA, serial): both warpgroups read S^T before either writes P^T
+        self.p_barrier = bwd_p_barrier(cfg)
         pair_n = self.cta_group * self.tile_n
         self.mma_tiler_s = (pair_n, self.tile_m, self.hdim)  # S^T = K Q^T
         self.mma_tiler_dp = (pair_n, self.tile_m, self.hdim_v)  # dP^T = V dO^T
@@ -226,6 +239,8 @@ class FlashAttentionBackwardSm100:
         # dQ columns (fp32) each CTA reduces: all D, or in a pair half of the pair's M = tile_m
         # queries' D columns (the M = 128 .cta_group::2 accumulator: tile_m / 2 rows x D per CTA)
         self.dq_cols = self.hdim // self.cta_group
+        # read-out passes of a reduce thread's dQ row (hd192: 3 x 64 columns; else 1)
+        self.dq_passes = bwd_dq_passes(self.hdim, self.cta_group)
         # query columns of S^T / dP^T per compute warpgroup, and their 16-bit halves in TMEM columns
         self.wg_cols = self.tile_m // self.compute_wgs
         self.half_cols = self.wg_cols // 2
@@ -538,6 +553,8 @@ class FlashAttentionBackwardSm100:
                 if const_expr(self.two_cta):
                     if is_leader:  # the pair's MMAs and their commits come from the leader only
                         self.mma_2cta(mmas, smem_t, tP_layout, tdS_layout, pipes, tile)
+                elif const_expr(self.serial):
+                    self.mma_serial(mmas, smem_t, tP_layout, tdS_layout, pipes, tile)
                 else:
                     self.mma(mmas, smem_t, tP_layout, tdS_layout, pipes, tile)
                 # 2-CTA: free() first exchanges an arrive with the peer's allocator warp (each CTA's
@@ -926,6 +943,61 @@ class FlashAttentionBackwardSm100:
                 phase = phase ^ 1
             pipes["dkv"].arrive_full(0, "mma")  # commits cover every earlier MMA: dK, dV final
 
+    @cute.jit
+    def mma_serial(self, mmas, smem_t, tP_layout, tdS_layout, pipes, tile):
+        """The MMA warp of the serial 1-CTA schedule ((192, 128), bwd_tmem_map_serial: dQ over S and
+        dP, dP over S's second half), steps i = 0 .. n-1 (FA4's hd192 order, 1-CTA):
+          [q] [i > 0: dq empty: dQ(i-1) read out] S(i) ;
+          [do] [s empty: P^T(i) written, S^T(i) read] dP(i) (over S's second half) ; dV += P^T dO(i) ;
+          release dO ; [ds: dS^T(i) in TMEM and smem] dK += dS^T Q(i) ; release Q ;
+          dQ(i) = dS K (over S and dP: after dV, dK read P^T, dS^T; tcgen05 MMAs of one thread run
+          in order) ; commit dq, ds ;
+        finally dkv. The pipelines and their counts are the pipelined 1-CTA kernel's."""
+        mma_s, mma_dp, mma_dv, mma_dk, mma_dq = mmas
+        _, _, _, group, _, num_m, _, _ = tile
+        n_steps = group * num_m
+        (tSrK, tSrQ, tPrV, tPrdO, tVrdO, tKrQ, tQrdS, tQrK, tStS, tPtP, tVtV, tKtK, tQtQ, tVrP,
+         tKrdS) = self.mma_operands(mmas, smem_t, tP_layout, tdS_layout)
+        pipe_q, pipe_do, pipe_s, pipe_dp, pipe_ds, pipe_dq = (pipes[n] for n in ("q", "do", "s", "dp", "ds", "dq"))
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
+        do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.do_stages)
+        phase = Int32(0)  # s, ds: once per step; dq empty: before S(i), i > 0, for dQ(i-1)
+        if n_steps > 0:
+            pipes["kv"].wait_full(0, 0)
+            if const_expr(self.packed):  # rows past the sequence -> 0 (zero_tail)
+                valid_k = tile[7] - tile[0] * self.tile_n
+                self.zero_tail(smem_t["sK"], 0, valid_k, self.tile_n)
+                self.zero_tail(smem_t["sV"], 0, valid_k, self.tile_n)
+            for i in cutlass.range(n_steps, unroll=1):
+                pipe_q.wait_full(q_state.index, q_state.phase)
+                if const_expr(self.packed):
+                    self.zero_tail(smem_t["sQ"], q_state.index, self.valid_q(tile, i), self.tile_m)
+                if i > 0:
+                    pipe_dq.wait_empty(0, phase ^ 1)  # dQ(i-1) read out: S(i) overwrites its columns
+                    tcgen05_fence_after()
+                self.gemm(mma_s, tStS, [tSrK], tSrQ[None, None, None, q_state.index], False)
+                pipe_s.arrive_full(0, "mma")
+                pipe_do.wait_full(do_state.index, do_state.phase)
+                if const_expr(self.packed):
+                    self.zero_tail(smem_t["sdO"], do_state.index, self.valid_q(tile, i), self.tile_m)
+                pipe_s.wait_empty(0, phase)  # P^T(i) written (both warpgroups read S^T(i) first)
+                tcgen05_fence_after()
+                self.gemm(mma_dp, tPtP, [tPrV], tPrdO[None, None, None, do_state.index], False)
+                pipe_dp.arrive_full(0, "mma")
+                self.gemm(mma_dv, tVtV, tVrP, tVrdO[None, None, None, do_state.index], i > 0)
+                pipe_do.arrive_empty(do_state.index, "mma")
+                do_state = next_state(do_state)
+                pipe_ds.wait_full(0, phase)  # dS^T(i) in TMEM and smem (dP^T(i) read)
+                tcgen05_fence_after()
+                self.gemm(mma_dk, tKtK, tKrdS, tKrQ[None, None, None, q_state.index], i > 0)
+                pipe_q.arrive_empty(q_state.index, "mma")
+                q_state = next_state(q_state)
+                self.gemm(mma_dq, tQtQ, [tQrdS], tQrK, False)
+                pipe_dq.arrive_full(0, "mma")
+                pipe_ds.arrive_empty(0, "mma")
+                phase = phase ^ 1
+            pipes["dkv"].arrive_full(0, "mma")  # commits cover every earlier MMA: dK, dV final
+
     def valid_q(self, tile, i):
         """Query rows of step i's block inside the sequence (seqlen_q - m_block tile_m; >= tile_m: all)."""
         _, m_block = self.step_coords(tile, i)
@@ -1174,6 +1246,7 @@ class FlashAttentionBackwardSm100:
                 if i > 0:
                     tcgen05_fence_before()
                     self.arrive_elected(pipes["ds"], 0, "compute", False)  # dS(i-1) in smem, S^T(i) read
+            if const_expr(self.p_barrier):  # P^T halves in S^T columns the other warpgroup reads
                 named_barrier_sync(COMPUTE_BARRIER, len(self.roles["compute"]) * WARP_SIZE)  # S^T read: P^T may land
             for j in cutlass.range_constexpr(chunks_per_wg):
                 col = wg * self.wg_cols + j * LD_COLS
@@ -1355,6 +1428,7 @@ class FlashAttentionBackwardSm100:
         cq = cute.make_identity_tensor((self.tile_m, DQ_LD_COLS))
         frag_shape = thr_ld.partition_D(cq).shape
         n_chunks = self.hdim // DQ_LD_COLS
+        pass_chunks = n_chunks // self.dq_passes  # chunks a thread holds at once (bwd_dq_passes)
         groups = WARP_SIZE // DQ_GROUP_ROWS
         block = sdQ[None, None, warp]  # (D, DQ_GROUP_ROWS) fp32, this warp's staging block
         my_row = block[None, lane % DQ_GROUP_ROWS]  # (D,): where this lane's row goes in its group
@@ -1364,12 +1438,13 @@ class FlashAttentionBackwardSm100:
             head, m_block = self.step_coords(tile, i)
             pipes["dq"].wait_full(0, phase)
             tcgen05_fence_after()
-            frags = [cute.make_rmem_tensor(frag_shape, Float32) for _ in range(n_chunks)]
-            for c in cutlass.range_constexpr(n_chunks):
-                cute.copy(thr_ld, cute.make_tensor(src.iterator + c * DQ_LD_COLS, src.layout), frags[c])
-            cute.arch.fence_view_async_tmem_load()
-            tcgen05_fence_before()
-            self.arrive_elected(pipes["dq"], 0, "reduce", True)  # dQ read out
+            frags = [cute.make_rmem_tensor(frag_shape, Float32) for _ in range(pass_chunks)]
+            if const_expr(self.dq_passes == 1):  # the whole row at once, dQ's columns freed at once
+                for c in cutlass.range_constexpr(n_chunks):
+                    cute.copy(thr_ld, cute.make_tensor(src.iterator + c * DQ_LD_COLS, src.layout), frags[c])
+                cute.arch.fence_view_async_tmem_load()
+                tcgen05_fence_before()
+                self.arrive_elected(pipes["dq"], 0, "reduce", True)  # dQ read out
             sem_ptr = mdQsem[None, head, batch].iterator + m_block
             if const_expr(self.cfg.deterministic):
                 turn = n_block
@@ -1382,28 +1457,63 @@ class FlashAttentionBackwardSm100:
                         seen = cute.arch.load(sem_ptr, Int32, sem="acquire", scope="gpu")
                 named_barrier_sync(REDUCE_BARRIER, THREADS_PER_WG)
             for grp in cutlass.range_constexpr(groups):
-                if lane == 0:
-                    cute.arch.cp_async_bulk_wait_group(0, read=True)  # the block's previous reduce-add read it
+                self.bulk_wait(lane, True)  # the block's previous reduce-add read it
                 cute.arch.sync_warp()
-                if lane // DQ_GROUP_ROWS == grp:
-                    for c in cutlass.range_constexpr(n_chunks):
-                        cute.autovec_copy(cute.make_tensor(frags[c].iterator, cute.make_layout(DQ_LD_COLS)),
-                                          cute.local_tile(my_row, (DQ_LD_COLS,), (c,)))
-                    cute.arch.fence_view_async_shared()  # smem writes -> visible to the bulk copy (async proxy)
+                if const_expr(self.dq_passes == 1):
+                    if lane // DQ_GROUP_ROWS == grp:
+                        for c in cutlass.range_constexpr(n_chunks):
+                            cute.autovec_copy(cute.make_tensor(frags[c].iterator, cute.make_layout(DQ_LD_COLS)),
+                                              cute.local_tile(my_row, (DQ_LD_COLS,), (c,)))
+                        cute.arch.fence_view_async_shared()  # smem writes -> visible to the bulk copy (async proxy)
+                else:
+                    # hd192: per pass the warp loads pass_chunks chunks of its 32 rows (tcgen05.ld is
+                    # warp-wide) and the group's lanes stage theirs; dQ's columns are free after the
+                    # last group's last pass (the serial schedule's next S^T waits for that)
+                    for ps in cutlass.range_constexpr(self.dq_passes):
+                        for c in cutlass.range_constexpr(pass_chunks):
+                            col = (ps * pass_chunks + c) * DQ_LD_COLS
+                            cute.copy(thr_ld, cute.make_tensor(src.iterator + col, src.layout), frags[c])
+                        cute.arch.fence_view_async_tmem_load()
+                        if lane // DQ_GROUP_ROWS == grp:
+                            for c in cutlass.range_constexpr(pass_chunks):
+                                cute.autovec_copy(cute.make_tensor(frags[c].iterator, cute.make_layout(DQ_LD_COLS)),
+                                                  cute.local_tile(my_row, (DQ_LD_COLS,), (ps * pass_chunks + c,)))
+                            if const_expr(ps == self.dq_passes - 1):
+                                cute.arch.fence_view_async_shared()
+                        cute.arch.sync_warp()  # reconverged before the next warp-wide tcgen05.ld
                 cute.arch.sync_warp()
-                if lane == 0:
-                    row0 = m_block * self.tile_m + warp * WARP_SIZE + grp * DQ_GROUP_ROWS
-                    bulk_reduce_add_f32(mdQacc[row0, None, head, batch].iterator, block.iterator, block_bytes)
-                    cute.arch.cp_async_bulk_commit_group()
+                if const_expr(self.dq_passes == 1):
+                    if lane == 0:
+                        row0 = m_block * self.tile_m + warp * WARP_SIZE + grp * DQ_GROUP_ROWS
+                        bulk_reduce_add_f32(mdQacc[row0, None, head, batch].iterator, block.iterator, block_bytes)
+                        cute.arch.cp_async_bulk_commit_group()
+                else:  # elected, not lane 0: ptxas then needs no ELECT / BRA.U.ANY loop around UBLKRED
+                    with cute.arch.elect_one():
+                        row0 = m_block * self.tile_m + warp * WARP_SIZE + grp * DQ_GROUP_ROWS
+                        bulk_reduce_add_f32(mdQacc[row0, None, head, batch].iterator, block.iterator, block_bytes)
+                        cute.arch.cp_async_bulk_commit_group()
+            if const_expr(self.dq_passes > 1):  # the last group's last pass read dQ out
+                tcgen05_fence_before()
+                self.arrive_elected(pipes["dq"], 0, "reduce", True)
             if const_expr(self.cfg.deterministic):
-                if lane == 0:
-                    cute.arch.cp_async_bulk_wait_group(0, read=False)  # this warp's adds landed in global memory
+                self.bulk_wait(lane, False)  # this warp's adds landed in global memory
                 named_barrier_sync(REDUCE_BARRIER, THREADS_PER_WG)
                 if tidx == 0:
                     cute.arch.atomic_add(sem_ptr, Int32(1), sem="release", scope="gpu")
             phase = phase ^ 1
-        if lane == 0:
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
+        self.bulk_wait(lane, True)
+
+    @cute.jit
+    def bulk_wait(self, lane, read: cutlass.Constexpr[bool]):
+        """cp.async.bulk.wait_group 0 in the thread that issues this warp's dQ reduce-adds (bulk groups
+        are per thread): lane 0 with one read-out pass; with several (hd192) the elect.sync leader
+        (the same lane every time for a full mask, PTX ISA), as the reduce-adds are issued there."""
+        if const_expr(self.dq_passes == 1):
+            if lane == 0:
+                cute.arch.cp_async_bulk_wait_group(0, read=read)
+        else:
+            with cute.arch.elect_one():
+                cute.arch.cp_async_bulk_wait_group(0, read=read)
 
     @cute.jit
     def reduce_2cta(self, mma_dq, mdQacc, sdQ, pipes, tile, cta_v):

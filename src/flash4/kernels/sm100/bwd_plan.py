@@ -41,10 +41,15 @@ BWD_ROLE_WARPS = {role: len(w) for role, w in BWD_WARP_ROLES_2CTA.items()}
 def bwd_warp_roles(cta_group: int = 1) -> dict:
     """The warp-role table of a config's cta_group (1: BWD_WARP_ROLES; 2: BWD_WARP_ROLES_2CTA)."""
     return BWD_WARP_ROLES_2CTA if cta_group == 2 else BWD_WARP_ROLES
-# Head dims the 1-CTA backward is built for (FA4's 1-CTA maps in BLACKWELL.md's table).
+# Head dims the 1-CTA backward is built for with Dv = D (FA4's 1-CTA maps in BLACKWELL.md's table).
 SM100_BWD_HEADDIMS = (64, 128)
+# Every (D, Dv) the backward is built for: Dv = D at 64 / 128, and DeepSeek's (192, 128) with the
+# serial schedule (bwd_serial_schedule: dK + dV take 320 of the 512 TMEM columns, S and dP share the
+# other 192). hd256 cannot fit (bwd_tmem_problem): dK + dV alone are 512 columns.
+SM100_BWD_HEADDIM_PAIRS = ((64, 64), (128, 128), (192, 128))
 # Head dims the 2-CTA backward is built for (FA4 runs 2-CTA for hd >= 128; the pipelined schedule of
-# hd <= 128 is the one built here; (192, 128) and 256 take FA4's serial schedule: not built).
+# hd <= 128 is the one built here; FA4's 2-CTA (192, 128) is built here as a 1-CTA serial schedule, hd256
+# not at all).
 SM100_BWD_2CTA_HEADDIMS = (128,)
 # Q ring depth of the 2-CTA backward (FA4 Q_stage = 1 there: Q and Q^T both live in smem).
 BWD_Q_STAGES_2CTA = 1
@@ -62,6 +67,12 @@ BWD_DO_STAGES = 1
 DQ_GROUP_ROWS = 8
 # Columns per tcgen05.ld of dQ (32x32b.x32).
 DQ_LD_COLS = 32
+# dQ columns a reduce thread holds in registers at once: its whole row up to DQ_MAX_LIVE_COLS (hd128:
+# 128 of its 152 registers). A wider row (hd192) is read out in passes of DQ_PASS_COLS (bwd_dq_passes):
+# per group of DQ_GROUP_ROWS rows, each pass loads DQ_PASS_COLS columns of the warp's 32 rows from TMEM
+# again and the group's lanes stage theirs (96-column passes spilled at a 136-register reduce budget).
+DQ_MAX_LIVE_COLS = 128
+DQ_PASS_COLS = 64
 # smem budget of the tiles (the rest of 227 KiB: mbarriers, the TMEM pointer, LSE and dPsum).
 BWD_SMEM_BUDGET = 224 * 1024
 
@@ -141,7 +152,13 @@ def default_bwd_register_plan(headdim: int, causal: bool) -> BwdRegisterPlan:
     """FA4's 1-CTA budgets (flash_bwd_sm100.py __init__): reduce / compute / load = mma 152 / 136 / 88,
     summing to 512 (tuned by FA4 on B200, not here). FA4 moves 16 registers from the reduce to the
     compute warpgroups for causal (136 / 144 / 88); flash4 keeps 152 / 136 / 88 for every 1-CTA
-    config until a compile shows a spill (the causal mask is one threshold per thread here)."""
+    config until a compile shows a spill (the causal mask is one threshold per thread here).
+    (192, 128) too: 0 spills at 152 / 136 / 88 for its 12 configs without softcap. Tried and rejected
+    there (CuTe DSL 4.8.1, 2026-12-02; spills in LDL / STL of one compile each): 136 / 144 / 88 and
+    120 / 144 / 104 (the MMA warp's descriptors or a prologue value, 15-32), 136 / 136 / 104 (FA4's
+    hd192 numbers: the reduce warps, 39-50 without the deterministic chain), 144 / 144 / 80 (26). With
+    softcap the compute step holds one value more than 136 (1 LDL + 1 STL; with a window the MMA warp
+    spills 10 too), so softcap at (192, 128) is not built (bwd_serial_problem)."""
     del headdim, causal
     return BwdRegisterPlan(152, 136, 88)
 
@@ -184,6 +201,8 @@ def bwd_tmem_map(cfg) -> dict:
     kernel's only source of TMEM offsets."""
     if getattr(cfg, "cta_group", 1) == 2:
         return bwd_tmem_map_2cta(cfg)
+    if bwd_serial_schedule(cfg):
+        return bwd_tmem_map_serial(cfg)
     tm, d, dv = cfg.tile_m, cfg.headdim, cfg.hdim_v
     wgs = 2  # compute warpgroups (BWD_WARP_ROLES)
     wg_cols = tm // wgs  # fp32 columns of S^T / dP^T per compute warpgroup
@@ -201,6 +220,109 @@ def bwd_tmem_map(cfg) -> dict:
             m[f"P{w}"] = (m["S"][0] + w * wg_cols, half)
             m[f"dS{w}"] = (m["dP"][0] + w * wg_cols, half)
     return m
+
+
+def bwd_tmem_problem(headdim: int, hdim_v: int, tile_m: int = BWD_TILE_M) -> str | None:
+    """Why no 1-CTA TMEM map fits (D, Dv) at tile_m, or None. dK (D columns) and dV (Dv) stay resident
+    for the whole CTA; S^T and dP^T (tile_m columns each) hold P^T / dS^T (16-bit: tile_m / 2 columns
+    each) until dV / dK read them, so the two cannot share more than tile_m / 2 columns (P^T must
+    survive dP^T's write); dQ (D columns) goes over S and dP once both were read. Fits when
+    D + Dv + 3 tile_m / 2 <= 512 and D <= the columns left after dK and dV."""
+    free = TMEM_COLUMNS - headdim - hdim_v
+    if free < tile_m + tile_m // 2:
+        return (f"(D, Dv)=({headdim}, {hdim_v}): dK + dV take {headdim} + {hdim_v} = {headdim + hdim_v} of the "
+                f"{TMEM_COLUMNS} TMEM columns; S^T and dP^T (tile_m={tile_m} columns each, sharing at most "
+                f"{tile_m // 2}: P^T must survive dP^T's write) need {tile_m + tile_m // 2}, {free} are left")
+    if headdim > free:
+        return f"(D, Dv)=({headdim}, {hdim_v}): dQ ({headdim} columns) does not fit the {free} columns after dK, dV"
+    return None
+
+
+def bwd_serial_schedule(cfg) -> bool:
+    """True where the pipelined 1-CTA map (S, dV, dP, dK side by side: 2 tile_m + D + Dv columns) does
+    not fit 512 columns, so S^T and dP^T share columns and each step runs serially (FA4's hd192
+    schedule, there in 2-CTA): S(i) after dQ(i-1) was read out, dP(i) after P^T(i) was written
+    ((192, 128): 128 + 192 + 128 + 128 = 576 > 512)."""
+    return getattr(cfg, "cta_group", 1) == 1 and 2 * cfg.tile_m + cfg.headdim + cfg.hdim_v > TMEM_COLUMNS
+
+
+def bwd_tmem_map_serial(cfg) -> dict:
+    """TMEM columns of the serial 1-CTA backward ((192, 128); FA4's hd192 map, there per CTA of a
+    2-CTA pair, here for a 1-CTA tile of 128 keys x 128 queries):
+
+      dV  = 0 .. Dv, dK after it (resident: Dv + D = 320 columns)
+      S   = S^T, tile_m columns after dK (320-448)
+      dP  = dP^T, the LAST tile_m columns (384-512): over S's second half, written after both compute
+            warpgroups read S^T and wrote P^T (the s pipeline), so S and dP overlap (bwd_tmem_overlaps)
+      P0, P1 = P^T contiguous at S's start (320-352, 352-384), clear of dP (dV reads P^T after dP^T
+            was written); P1 lies in warpgroup 0's S columns, so the compute warpgroups sync (a named
+            barrier, bwd_p_barrier) between reading S^T and writing P^T, as the 2-CTA kernel and FA4
+      dS0, dS1 = dS^T inside each warpgroup's own dP^T columns (384-416, 448-480), as 1-CTA
+      dQ  = dS K, D columns over S and dP (320-512): written after dV and dK read P^T and dS^T
+            (issued before it) and after the compute warps read dP^T (ds full); S(i+1) waits until
+            the reduce warps read dQ(i) out (dq empty)."""
+    if cfg.cta_group != 1:
+        raise ValueError("bwd_tmem_map_serial is the 1-CTA serial map")
+    problem = bwd_tmem_problem(cfg.headdim, cfg.hdim_v, cfg.tile_m)
+    if problem is not None:
+        raise ValueError(problem)
+    tm, d, dv = cfg.tile_m, cfg.headdim, cfg.hdim_v
+    wgs = 2
+    half = tm // wgs // 2
+    m = {"dV": (0, dv), "dK": (dv, d), "S": (dv + d, tm), "dP": (TMEM_COLUMNS - tm, tm)}
+    m["dQ"] = (dv + d, d)
+    for w in range(wgs):
+        m[f"P{w}"] = (m["S"][0] + w * half, half)
+        m[f"dS{w}"] = (m["dP"][0] + w * (tm // wgs), half)
+    return m
+
+
+def bwd_serial_problem(softcap: bool = False) -> str | None:
+    """Why the serial schedule ((192, 128)) cannot take a problem class, or None: softcap (its compute
+    step needs more than the 136 registers of default_bwd_register_plan, and no 512-register split
+    found compiled without spills)."""
+    if softcap:
+        return ("softcap at (headdim, headdim_v)=(192, 128): the serial sm100 backward is built without softcap "
+                "(its compute step spills at 136 registers per thread and no register split compiled without "
+                "spills; docs/design/sm100_backward.md section 10)")
+    return None
+
+
+def bwd_tmem_overlaps(cfg) -> tuple:
+    """Overlapping buffers neither of which contains the other, (a, b): only the serial map's S and
+    dP (S^T's second half is dead once P^T is written; P^T itself lies outside dP)."""
+    return (("S", "dP"),) if bwd_serial_schedule(cfg) else ()
+
+
+def bwd_p_barrier(cfg) -> bool:
+    """Whether a compute warpgroup's P^T half lies in S^T columns ANOTHER warpgroup reads (P^T
+    contiguous at S's start: 2-CTA, serial), so the warpgroups sync between reading S^T and writing P^T."""
+    m = bwd_tmem_map(cfg)
+    s0, wg_cols = m["S"][0], cfg.tile_m // 2
+    for w in range(2):
+        start, n = m[f"P{w}"]
+        for other in range(2):
+            lo = s0 + other * wg_cols
+            if other != w and start < lo + wg_cols and lo < start + n:
+                return True
+    return False
+
+
+def bwd_dq_passes(headdim: int, cta_group: int = 1) -> int:
+    """Read-out passes of a reduce thread's dQ row (D / cta_group fp32 columns): 1 up to
+    DQ_MAX_LIVE_COLS (hd64 / hd128, the 2-CTA halves), else passes of DQ_PASS_COLS (hd192: 3 x 64)."""
+    cols = headdim // cta_group
+    if cols <= DQ_MAX_LIVE_COLS:
+        return 1
+    if cols % DQ_PASS_COLS:
+        raise ValueError(f"no dQ read-out pass split for {cols} columns")
+    return cols // DQ_PASS_COLS
+
+
+def bwd_q_stages(headdim: int, hdim_v: int) -> int:
+    """The Q ring's depth of a 1-CTA config: FA4's 2 where the tiles fit BWD_SMEM_BUDGET, else 1
+    ((192, 128): 265.5 KiB with 2 stages, 217 KiB with 1)."""
+    return BWD_Q_STAGES if bwd_smem_bytes(headdim, hdim_v) <= BWD_SMEM_BUDGET else 1
 
 
 def bwd_tmem_map_2cta(cfg) -> dict:
@@ -240,6 +362,9 @@ def bwd_tmem_aliases(cfg) -> tuple:
 
     if getattr(cfg, "cta_group", 1) == 2:
         return (("dQ", "S"),) + tuple((f"{x}{w}", o) for w in range(2) for x, o in (("P", "S"), ("dS", "dP")))
+    if bwd_serial_schedule(cfg):  # dQ over S and dP; each half inside whichever of them holds it
+        return (("S", "dQ"), ("dP", "dQ")) + tuple(
+            (f"{x}{w}", o) for w in range(2) for x in ("P", "dS") for o in ("S", "dP", "dQ") if inside(f"{x}{w}", o))
     pairs = [("dQ", "dP")]
     for w in range(2):
         pairs += [(inner, outer) for inner, outer in ((f"P{w}", "S"), (f"dS{w}", "dP"), (f"dS{w}", "dQ"))
