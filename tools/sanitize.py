@@ -23,8 +23,8 @@ import sys
 
 CASE_NAMES = ("dense", "dense_causal_d64", "dense_d256", "dense_window", "dense_softcap_sink",
               "dense_deterministic", "varlen", "varlen_deterministic_d64", "paged_1", "paged_4", "paged_16",
-              "paged_64", "kvcache_dense", "kvcache_dense_split4", "kvcache_batch_idx", "kvcache_paged_16",
-              "kvcache_paged_1_split3", "kvcache_paged_64")
+              "paged_64", "paged_16_whole_blocks", "kvcache_dense", "kvcache_dense_split4", "kvcache_batch_idx",
+              "kvcache_paged_16", "kvcache_paged_1_split3", "kvcache_paged_64")
 
 
 def _cases():
@@ -58,8 +58,8 @@ def _cases():
                                             causal=True, deterministic=deterministic)
         out.float().square().sum().backward()
 
-    def paged(page_size, d=128):
-        lens = [1, 77, 300, 0]
+    def paged(page_size, d=128, lens=(1, 77, 300, 0)):
+        lens = list(lens)
         pages_per = [-(-n // page_size) for n in lens]
         num_pages = sum(pages_per) + 3
         k, v = rnd(num_pages, page_size, 2, d), rnd(num_pages, page_size, 2, d)
@@ -70,13 +70,14 @@ def _cases():
             table[b, :n] = perm[at:at + n]
             at += n
         q = rnd(sum(lens), 8, d)
-        cu_q = torch.tensor([0, 1, 78, 378, 378], dtype=torch.int32, device=dev)
+        cu_q = torch.tensor([0] + [sum(lens[:i + 1]) for i in range(len(lens))], dtype=torch.int32, device=dev)
         used = torch.tensor(lens, dtype=torch.int32, device=dev)
-        flash4.flash_attn_varlen_func(q, k, v, cu_q, None, 300, 300, seqused_k=used, page_table=table, causal=True)
+        flash4.flash_attn_varlen_func(q, k, v, cu_q, None, max(lens), max(lens), seqused_k=used, page_table=table,
+                                      causal=True)
         # vLLM's decode: one query per sequence
         q1 = rnd(len(lens), 8, d)
         cu1 = torch.arange(len(lens) + 1, dtype=torch.int32, device=dev)
-        flash4.flash_attn_varlen_func(q1, k, v, cu1, None, 1, 300, seqused_k=used, page_table=table)
+        flash4.flash_attn_varlen_func(q1, k, v, cu1, None, 1, max(lens), seqused_k=used, page_table=table)
 
     def kvcache(page_size=None, num_splits=0, batch_idx=False, d=128):
         b, cap, hk = 3, 1024, 2
@@ -113,6 +114,8 @@ def _cases():
         "paged_4": lambda: paged(4),
         "paged_16": lambda: paged(16),
         "paged_64": lambda: paged(64),
+        # key counts that are whole key blocks (128): no V tail to zero (racecheck A/B of zero_v_tail)
+        "paged_16_whole_blocks": lambda: paged(16, lens=(128, 256, 384, 0)),
         "kvcache_dense": lambda: kvcache(),
         "kvcache_dense_split4": lambda: kvcache(num_splits=4),
         "kvcache_batch_idx": lambda: kvcache(batch_idx=True),
@@ -124,8 +127,8 @@ def _cases():
     return cases
 
 
-BAD_CASE_NAMES = ("bad_seqused_k_past_tensor", "bad_cu_seqlens_past_tensor", "bad_page_index", "bad_cache_seqlens_past_capacity",
-                  "bad_small_max_seqlen_q")
+BAD_CASE_NAMES = ("bad_seqused_k_past_tensor", "bad_cu_seqlens_past_tensor", "bad_page_index",
+                  "bad_cache_seqlens_past_capacity", "bad_small_max_seqlen_q")
 
 
 def _bad_cases():

@@ -122,6 +122,19 @@ def runtime_load_enabled() -> bool:
     return bool(_flag("FLASH4_RUNTIME_LOAD"))
 
 
+def memo_enabled() -> bool:
+    """FLASH4_MEMO: prepared calls (flash4.memo: a door's host path kept per argument signature).
+    Off by default until its GPU tests (tests/gpu/test_memo.py) pass on the H200; CPU-tested."""
+    return bool(_flag("FLASH4_MEMO"))
+
+
+def pack_views_enabled() -> bool:
+    """FLASH4_PACK_VIEWS: the GQA-packed decode step reads q and writes out / lse through strided
+    views instead of copies (flash4.forward.PACK_VIEWS). Off by default until tests/gpu/test_memo.py's
+    bitwise check passes on the H200; CPU-tested."""
+    return bool(_flag("FLASH4_PACK_VIEWS"))
+
+
 def disk_cache_dir() -> str:
     """FLASH4_CACHE_DIR, else $XDG_CACHE_HOME/flash4, else ~/.cache/flash4 (not created here)."""
     value = _get("FLASH4_CACHE_DIR")
