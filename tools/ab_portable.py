@@ -31,6 +31,7 @@ import os
 import sys
 
 os.environ["FLASH4_FAMILY"] = "portable"
+os.environ.pop("FLASH4_PORTABLE_BWD", None)  # "shipped" is the table (flash4.config.sm80.bwd_plan)
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 

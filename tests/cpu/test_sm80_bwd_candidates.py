@@ -35,6 +35,27 @@ def test_dq_postprocess_kwargs():
     assert dq_postprocess_kwargs(fa2) == {"accum_tile_m": 64, "sm80_warps": (8, fa2.warps_m_dq)}
 
 
+def test_env_selects_a_candidate(monkeypatch):
+    """FLASH4_PORTABLE_BWD runs a candidate where it applies (bwd_plan), the table where not."""
+    torch = pytest.importorskip("torch")
+    from flash4.config.sm80 import bwd_plan
+    from flash4.request import Request
+
+    def req(d):
+        q = torch.empty(2, 256, 4, d, device="meta", dtype=torch.bfloat16)
+        return Request.dense(q, q, q, d ** -0.5, True, (-1, -1), 0.0, None)
+
+    shipped = bwd_plan(req(128), 90).cfg
+    monkeypatch.setenv("FLASH4_PORTABLE_BWD", "fa2")
+    assert bwd_plan(req(128), 90).cfg == bwd_candidates(shipped)["fa2"]
+    assert bwd_plan(req(128), 86).cfg == select_bwd_config(128, "bf16", True, arch=86)  # no fa2 on 99 KiB
+    monkeypatch.setenv("FLASH4_PORTABLE_BWD", "COAL")
+    assert bwd_plan(req(128), 86).cfg == bwd_candidates(select_bwd_config(128, "bf16", True, arch=86))["coal"]
+    monkeypatch.setenv("FLASH4_PORTABLE_BWD", "big")
+    with pytest.raises(ValueError, match="FLASH4_PORTABLE_BWD"):
+        bwd_plan(req(128), 90)
+
+
 pytest.importorskip("cutlass")
 
 CONFIGS = [bwd_candidates(select_bwd_config(d, "bf16", c, arch=a))[name]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from flash4 import env
 from flash4.arch import capacity
 from flash4.arch import gpu_arch_name as _target_name
 from flash4.config import SUPPORTED_HEADDIMS, BwdPlan, FwdPlan, canonical_hdimv, with_seq_layout
@@ -491,4 +492,9 @@ def bwd_plan(request, arch: int, heads_per_cta: int | None = None) -> BwdPlan:
                             headdim_v=None if request.headdim_v == request.headdim else request.headdim_v,
                             varlen_q=packed, varlen_k=packed, seqused_q=packed and seq.seqused_q is not None,
                             seqused_k=packed and seq.seqused_k is not None)
+    candidate = env.portable_bwd_candidate()
+    if candidate is not None:  # FLASH4_PORTABLE_BWD: a speed candidate where it applies (A/B, GPU tests)
+        if candidate not in BWD_CANDIDATES:
+            raise ValueError(f"FLASH4_PORTABLE_BWD={candidate!r}: not a candidate; allowed: {sorted(BWD_CANDIDATES)}")
+        cfg = bwd_candidates(cfg).get(candidate, cfg)
     return BwdPlan(cfg, request.nheads // request.nheads_k)
