@@ -9,14 +9,14 @@
     source .device-deps/activate.sh && python tools/ab_portable.py --cache-dir .ab_portable --out $OUT/ab_portable.json
     python tools/ab_portable.py --dry-run       # no GPU, no compile: the cells and each variant's config
 
-The family is forced (FLASH4_FAMILY=portable, set here before flash4 is imported), so "shipped" is
+The family is forced (main sets FLASH4_FAMILY=portable), so "shipped" is
 the portable plan flash4 picks on the H200 today (flash4.config.sm80's table); each other variant is
 one of flash4.config.sm80.bwd_candidates(shipped): "coal" (the same tiles, dQ reduce-added in the
 MMA's register order) and "fa2" (FlashAttention-2's sm80 tiles, with that dQ order). The cells are
 the sweep's 8 where the portable backward was measured at 0.46-0.72x FA2 (docs/perf/h200-portable.csv):
 d64 / d128 x full / causal x 1k / 4k, 32k tokens, nheads = 2048 / d. A "sdpa_flash" row (PyTorch SDPA's
-flash backend = FlashAttention-2, forward + backward minus forward, the bench's method) is printed per
-cell for reference when --sdpa is given.
+flash backend = FlashAttention-2) is printed per
+cell for reference when --sdpa is given (flash4.bench.common.time_bwd, the bench's method).
 
 Timing, routing and checks are tools/ab_bwd_tiles.py's (this tool rebinds its cell list, variants
 and kernel loader): interleaved rounds, median of calls with L2 flushed, TFLOPs of the visible work
@@ -30,8 +30,6 @@ from __future__ import annotations
 import os
 import sys
 
-os.environ["FLASH4_FAMILY"] = "portable"
-os.environ.pop("FLASH4_PORTABLE_BWD", None)  # "shipped" is the table (flash4.config.sm80.bwd_plan)
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -93,51 +91,48 @@ def load_kernel(item: tuple):
     return cache.get_bwd_postprocess_runner(headdim, dtype, ab_bwd_tiles.ARCH, wide_stores=wide, **dict(post))
 
 
-def sdpa_rows(cells, rounds: int, rep_ms: float) -> None:
-    """Print SDPA's flash backend backward TFLOPs per cell (the bench's forward + backward minus
-    forward), for reference next to the A/B."""
+def sdpa_rows(cells, rep_ms: float) -> None:
+    """Print SDPA's flash backend (FlashAttention-2) backward TFLOPs per cell, timed as the bench
+    times it (flash4.bench.common.time_bwd: autograd.grad on a graph built once), for reference."""
     import torch
 
     from flash4.bench import common
+    from flash4.bench.baselines import all_impls
     from flash4.bench.cases import case_bwd_flops
 
+    impl = next(i for i in all_impls() if i.name == "sdpa_flash")
     for case in cells:
         q, k, v = common.make_inputs(case.batch, case.seqlen_q, case.seqlen_k, case.nheads, case.nheads_k,
                                      case.headdim, torch.bfloat16)
-        qt, kt, vt = (t.transpose(1, 2).detach().requires_grad_() for t in (q, k, v))
-        dout = torch.randn_like(qt)
-        ctx = torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION)
-
-        def fwd():
-            with ctx:
-                return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=case.causal)
-
-        def fwd_bwd():
-            out = fwd()
-            torch.autograd.grad(out, (qt, kt, vt), dout)
-
-        ms = ab_switch.interleaved({"fwd": fwd, "fwd_bwd": fwd_bwd}, rounds, rep_ms)
-        bwd_ms = ms["fwd_bwd"] - ms["fwd"]
-        print(f"  sdpa_flash {case.name:14s} bwd {case_bwd_flops(case) / bwd_ms / 1e9:.1f} TF", flush=True)
-        del q, k, v, qt, kt, vt, dout
+        ms = common.time_bwd(impl, q, k, v, case.causal, rep_ms)
+        print(f"  sdpa_flash {case.name:14s} bwd {case_bwd_flops(case) / ms / 1e9:.1f} TF", flush=True)
+        del q, k, v
         torch.cuda.empty_cache()
 
 
-def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    sdpa = "--sdpa" in argv
-    if sdpa:
-        argv.remove("--sdpa")
+def install() -> None:
+    """Rebind tools/ab_bwd_tiles.py's plan (cells, variants, kernels) and ab_switch's loader to
+    this tool's (FLASH4_FAMILY=portable must be set when they are called: main sets it)."""
     ab_bwd_tiles.CELLS = CELLS
     ab_bwd_tiles.variants = variants
     ab_bwd_tiles.cfg_short = cfg_short
     ab_bwd_tiles.short = lambda v: cfg_short(v.cfg)
     ab_bwd_tiles.plan_kernels = plan_kernels
     ab_switch.load_kernel = load_kernel
+
+
+def main(argv=None) -> int:
+    os.environ["FLASH4_FAMILY"] = "portable"  # read at call time by flash4.config (active_family)
+    os.environ.pop("FLASH4_PORTABLE_BWD", None)  # "shipped" is the table (flash4.config.sm80.bwd_plan)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    sdpa = "--sdpa" in argv
+    if sdpa:
+        argv.remove("--sdpa")
+    install()
     rc = ab_bwd_tiles.main(argv)
     if sdpa and not any(a in argv for a in ("--dry-run", "--precompile")):
         print("\nreference (SDPA flash backend = FlashAttention-2):")
-        sdpa_rows(CELLS, ab_bwd_tiles.ROUNDS, ab_bwd_tiles.REP_MS)
+        sdpa_rows(CELLS, ab_bwd_tiles.REP_MS)
     return rc
 
 
