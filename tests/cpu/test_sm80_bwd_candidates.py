@@ -22,6 +22,8 @@ def test_candidates_are_dense_coalesced_and_fit():
                                                                               cfg.arch)
             if "fa2" in cands:
                 assert arch in (80, 90) and cfg.headdim in (64, 128), cands
+            if "m128" in cands:
+                assert arch in (80, 90) and cfg.headdim == 128 and cands["m128"].q_stages == (2 if arch == 90 else 1)
     assert not any(c.dq_coalesced for c in shipped_bwd_configs()), "candidates are not shipped"
     assert bwd_candidates(select_bwd_config(64, arch=90, varlen_q=True, varlen_k=True)) == {}
 
@@ -60,13 +62,14 @@ pytest.importorskip("cutlass")
 
 CONFIGS = [bwd_candidates(select_bwd_config(d, "bf16", c, arch=a))[name]
            for a in (90, 80) for d in (64, 128) for c in (False, True) for name in ("coal", "fa2")]
+CONFIGS += [bwd_candidates(select_bwd_config(128, "bf16", c, arch=a))["m128"] for a in (90, 80) for c in (False, True)]
 CONFIGS += [bwd_candidates(select_bwd_config(128, "bf16", True, arch=86))["coal"],
             bwd_candidates(select_bwd_config(64, "fp16", False, arch=90))["fa2"]]
 
 
 def _id(cfg):
     return (f"{gpu_arch_name(cfg.arch)}-d{cfg.headdim}-{cfg.dtype}-{'causal' if cfg.causal else 'full'}-"
-            f"{cfg.tile_m}x{cfg.tile_n}")
+            f"{cfg.tile_m}x{cfg.tile_n}q{cfg.q_stages}")
 
 
 @pytest.fixture(scope="module")

@@ -416,9 +416,16 @@ def select_bwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, a
 #         0 spills. d64 non-causal still spills with FA2's warps (4 x 2 on S / dP: 4 local-memory
 #         instructions in the loop; 2 x 4: 12; q_stages 1: 4), so it takes all 8 warps along the
 #         queries of S / dP (16 rows x 128 keys each): 0 spills.
+#   m128: d128 with 128 queries x 64 keys (warps 4, 2, 4), dq_coalesced: half fa2's dK / dV
+#         registers (64 + S, dP 32 + 32 per thread), about its ldmatrix per MMA (0.475 vs 0.45
+#         in SASS), a dQ add per 64 keys. q_stages 2 (192 KiB) where it fits (sm_90), else 1
+#         (128 KiB: sm_80). 0 spills on sm_90a.
+# A candidate whose smem exceeds the target's capacity with q_stages 2 takes q_stages 1, else is
+# dropped for that target.
 BWD_CANDIDATES = {
     "coal": {},
     "fa2": {"big": {64: (128, 128, 8, 2, 8, 4, 4), 128: (64, 128, 8, 2, 2, 2, 2)}},
+    "m128": {"big": {128: (128, 64, 8, 2, 4, 2, 4)}},
 }
 
 
@@ -437,8 +444,10 @@ def bwd_candidates(cfg: Sm80BwdConfig) -> dict:
             fields.update(zip(("tile_m", "tile_n", "num_warps", "q_stages", "warps_m_sdp", "warps_n_dkv",
                                "warps_m_dq"), tiles))
         cand = dataclasses.replace(cfg, **fields)
-        assert cand.smem_bytes() <= capacity(cfg.arch).smem_per_block, cand
-        out[name] = cand
+        if cand.smem_bytes() > capacity(cfg.arch).smem_per_block and cand.q_stages == 2:
+            cand = dataclasses.replace(cand, q_stages=1)
+        if cand.smem_bytes() <= capacity(cfg.arch).smem_per_block:
+            out[name] = cand
     return out
 
 
