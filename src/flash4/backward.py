@@ -120,7 +120,8 @@ def launch(request: Request, dout, out, lse, lse_split, dlse, dq, dk, dv, delta=
     dk / dv and set the device): the plan from flash4.config.bwd_config, the statistics buffers,
     the preprocess, the main kernel, the dQ postprocess. The request is unpacked here, once.
     delta: run's (None, or filled with each row's D)."""
-    from flash4.compile.cache import get_bwd_postprocess_runner, get_bwd_preprocess_runner, get_bwd_runner  # late
+    from flash4.compile.cache import (dq_postprocess_kwargs, get_bwd_postprocess_runner,  # late
+                                       get_bwd_preprocess_runner, get_bwd_runner)
 
     q, k, v, seq = request.q, request.k, request.v, request.seq
     packed, nheads, headdim = seq.packed, request.nheads, request.headdim
@@ -162,11 +163,10 @@ def launch(request: Request, dout, out, lse, lse_split, dlse, dq, dk, dv, delta=
     dk_out, dv_out, dkv_sem, finish_dkv = dkv_targets(cfg, dk, dv, num_kv_tiles)
     # rowsum(dO * O) over Dv; dq_accum has q's head dim
     preprocess = get_bwd_preprocess_runner(request.headdim_v, cfg.dtype, cfg.arch, varlen=packed, headdim_q=headdim)
-    # dq_handoff_per_wg (a speed switch): the dQ tiles are in per-warpgroup halves
-    halves = {"wg_halves": True} if getattr(cfg, "dq_handoff_per_wg", False) else {}
+    # the dQ tiles' order: row-major, accumulator order (sm90: per-warpgroup halves with
+    # dq_handoff_per_wg), or the sm80 dQ MMA's register order (dq_coalesced)
     postprocess = get_bwd_postprocess_runner(headdim, cfg.dtype, cfg.arch, varlen=packed,
-                                             accum_tile_m=tile_m if cfg.dq_accum_order else None,
-                                             wide_stores=postprocess_wide_stores(), **halves)
+                                             wide_stores=postprocess_wide_stores(), **dq_postprocess_kwargs(cfg))
     run_kernel = get_bwd_runner(cfg)
     hi, lo = kernel_view(lse_split[0]), kernel_view(lse_split[1])
     preprocess(kernel_view(_kernel_ready(out)), kernel_view(dout), hi, lo, dpsum, lse_log2, tile_flags[1], dq_accum,

@@ -15,6 +15,7 @@
 | FLASH4_SM100_2CTA  | 1 selects the 2-CTA sm_100 forward (cluster of 2, M = 256 across the pair) where it is built: hd128 non-causal dense; compile-verified, not run on hardware | off |
 | FLASH4_RUNTIME_LOAD | 1 loads cached kernels as shared libraries through TVM-FFI alone (no CuTe DSL import; docs/design/warm_start.md) | off |
 | FLASH4_FAMILY      | kernel family to run instead of the GPU's own: portable (= sm80: mma.sync, runs on sm_80..sm_120 and sm_90), or a family name (sm90, sm80, sm100) | the GPU's (flash4.kernels.registry) |
+| FLASH4_PORTABLE_BWD | the portable (sm80) backward's speed candidate to run instead of its table where it applies: coal or fa2 (flash4.config.sm80.BWD_CANDIDATES; A/B and GPU tests of a candidate) | the table |
 
 Each function reads the environment when called (no caching), so a test can set a variable with
 monkeypatch. A malformed value raises ValueError naming the variable, the value and what is allowed.
@@ -113,6 +114,14 @@ def postprocess_wide() -> bool | None:
     postprocess's 16-byte stores (flash4.config.POSTPROCESS_WIDE_STORES, on by default). For A/B
     measurements."""
     return _flag("FLASH4_POSTPROCESS_WIDE")
+
+
+def portable_bwd_candidate() -> str | None:
+    """FLASH4_PORTABLE_BWD (a name of flash4.config.sm80.BWD_CANDIDATES, lowercase), or None when
+    unset: the portable backward runs that candidate where it applies (flash4.config.sm80.bwd_plan,
+    which rejects an unknown name). For A/B measurements and GPU tests of a candidate."""
+    value = _get("FLASH4_PORTABLE_BWD")
+    return None if value is None else value.lower()
 
 
 def runtime_load_enabled() -> bool:

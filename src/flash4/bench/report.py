@@ -173,9 +173,8 @@ def warmup_main(configs: list | None = None) -> int:
             if isinstance(cfg, BwdConfig):
                 cache.get_bwd_preprocess_runner(cfg.hdim_v, cfg.dtype, cfg.arch, headdim_q=cfg.headdim)
                 cache.get_bwd_postprocess_runner(cfg.headdim, cfg.dtype, cfg.arch,
-                                                 accum_tile_m=cfg.tile_m if cfg.dq_accum_order else None,
                                                  wide_stores=postprocess_wide_stores(),
-                                                 **({"wg_halves": True} if cfg.dq_handoff_per_wg else {}))
+                                                 **cache.dq_postprocess_kwargs(cfg))
                 cache.get_bwd_runner(cfg)
             else:
                 cache.get_fwd_runner(cfg)

@@ -239,10 +239,13 @@ def compile_preprocess(headdim: int, dtype: str, varlen: bool = False, headdim_q
 
 
 def compile_postprocess(headdim: int, dtype: str, varlen: bool = False, accum_tile_m: int | None = None,
-                        arch: int = 90, options: str = "", wide_stores: bool = False, wg_halves: bool = False):
+                        arch: int = 90, options: str = "", wide_stores: bool = False, wg_halves: bool = False,
+                        sm80_warps: tuple | None = None):
     """Compile the dQ postprocess (row-major, or in the accumulator's order with accum_tile_m);
     wide_stores: the 16-byte-store variant (kernels/common/bwd_preprocess.py, a speed switch);
-    wg_halves: tiles in per-warpgroup accumulator order (BwdConfig.dq_handoff_per_wg)."""
+    wg_halves: tiles in per-warpgroup accumulator order (BwdConfig.dq_handoff_per_wg); sm80_warps
+    (num_warps, warps_m_dq): tiles in the sm80 family's dQ MMA register order
+    (Sm80BwdConfig.dq_coalesced; kernels/sm80/bwd.py DqPostprocessSm80; wide_stores ignored)."""
     from flash4.compile.fake import bwd_postprocess_fake_args
 
     cutlass, cute = _dsl()
@@ -252,7 +255,12 @@ def compile_postprocess(headdim: int, dtype: str, varlen: bool = False, accum_ti
     wide = {"wide_stores": True} if wide_stores else {}
     if wg_halves:
         wide["wg_halves"] = True
-    if accum_tile_m is not None:
+    if sm80_warps is not None:
+        from flash4.kernels.sm80.bwd import DqPostprocessSm80
+
+        assert accum_tile_m is not None and not varlen and not wg_halves, (accum_tile_m, varlen, wg_halves)
+        kernel = DqPostprocessSm80(headdim, args[1].element_type, accum_tile_m, *sm80_warps)
+    elif accum_tile_m is not None:
         kernel = registry.row_pass_class("bwd_postprocess_accum_order")(headdim, args[1].element_type, accum_tile_m,
                                                                         **wide)
     else:
@@ -311,24 +319,45 @@ def get_bwd_preprocess_runner(headdim: int, dtype: str, arch: int = 90, varlen: 
     return run
 
 
+def dq_postprocess_kwargs(cfg) -> dict:
+    """get_bwd_postprocess_runner's dQ-order arguments for a backward config of any family:
+    accum_tile_m (cfg.dq_accum_order), wg_halves (sm90 dq_handoff_per_wg), sm80_warps (sm80
+    dq_coalesced). flash4.backward and the warm-up ask for the postprocess through this."""
+    if not cfg.dq_accum_order:
+        return {"accum_tile_m": None}
+    kwargs = {"accum_tile_m": cfg.tile_m}
+    if getattr(cfg, "dq_handoff_per_wg", False):
+        kwargs["wg_halves"] = True
+    if getattr(cfg, "dq_coalesced", False):
+        kwargs["sm80_warps"] = (cfg.num_warps, cfg.warps_m_dq)
+    return kwargs
+
+
 @functools.lru_cache(maxsize=None)
 def get_bwd_postprocess_runner(headdim: int, dtype: str, arch: int = 90, varlen: bool = False,
-                               accum_tile_m: int | None = None, wide_stores: bool = False, wg_halves: bool = False):
+                               accum_tile_m: int | None = None, wide_stores: bool = False, wg_halves: bool = False,
+                               sm80_warps: tuple | None = None):
     """Cached: compiled dQ postprocess, run(dq_accum, dq, row_index=None): dq (B, Sq, H, D) in dtype
     from the fp32 dq_accum (B, H, Sq_pad, D) (kernels/common/bwd_preprocess.py); varlen as the preprocess.
     accum_tile_m: the backward's query tile when its dQ tiles are in accumulator order
     (BwdConfig.dq_accum_order; dense only), else None (row-major). wide_stores: 16-byte dQ stores
     (a speed switch, off by default; tools/ab_switch.py --switch postprocess_wide). wg_halves: the
-    tiles are in per-warpgroup accumulator order (BwdConfig.dq_handoff_per_wg; accum_tile_m needed)."""
+    tiles are in per-warpgroup accumulator order (BwdConfig.dq_handoff_per_wg; accum_tile_m needed).
+    sm80_warps (num_warps, warps_m_dq): the tiles are in the sm80 family's dQ register order
+    (Sm80BwdConfig.dq_coalesced; accum_tile_m needed; `dq_postprocess_kwargs` gives all three)."""
     if accum_tile_m is not None and varlen:
         raise ValueError("flash4 dQ postprocess: the accumulator order is for dense layouts only")
     if wg_halves and accum_tile_m is None:
         raise ValueError("flash4 dQ postprocess: wg_halves is an accumulator order (accum_tile_m required)")
     key = ((headdim, dtype, arch) + (("varlen",) if varlen else ()) + (("accum", accum_tile_m) if accum_tile_m else ())
-           + (("wide",) if wide_stores else ()) + (("wghalves",) if wg_halves else ()))
+           + (("wide",) if wide_stores else ()) + (("wghalves",) if wg_halves else ())
+           + (("sm80", *sm80_warps) if sm80_warps else ()))
+    if sm80_warps is not None and accum_tile_m is None:
+        raise ValueError("flash4 dQ postprocess: sm80_warps is an accumulator order (accum_tile_m required)")
     compiled = load_or_compile("bwd_postprocess", key, COMPILE_OPTIONS + _arch_option(arch),
                                lambda: compile_postprocess(headdim, dtype, varlen, accum_tile_m, arch,
-                                                           wide_stores=wide_stores, wg_halves=wg_halves))
+                                                           wide_stores=wide_stores, wg_halves=wg_halves,
+                                                           sm80_warps=sm80_warps))
 
     def run(dq_accum, dq, row_index=None):
         if (row_index is not None) != varlen:

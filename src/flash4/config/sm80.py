@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from flash4 import env
 from flash4.arch import capacity
 from flash4.arch import gpu_arch_name as _target_name
 from flash4.config import SUPPORTED_HEADDIMS, BwdPlan, FwdPlan, canonical_hdimv, with_seq_layout
@@ -261,9 +262,14 @@ class Sm80BwdConfig:
     warps_m_dq:  warps along the queries of dQ = dS K (the rest along the head dim).
     deterministic: the key tiles of a query tile add their dQ in n_block order (a counter per query
                   tile; bitwise-reproducible gradients), else unordered fp32 atomics.
+    dq_coalesced: dq_accum's tiles are in the dQ MMA's register order (value i of thread t at tile
+                  offset i * num_threads + t, FlashAttention-2's dQaccum order), so each warp's
+                  red.global.add covers 128 contiguous bytes instead of 8 rows x 32 bytes; the dQ
+                  postprocess undoes it (kernels/sm80/bwd.py DqPostprocessSm80). Dense only (not
+                  varlen_q). A speed candidate (docs/design/sm80_family.md, "Backward speed").
     Host-shared fields with fixed values here (flash4.backward reads every family's config alike):
     headdim_v None, dkv_accum False (dK / dV of every query head of a KV head are summed in
-    registers), dq_accum_order False (row-major fp32 dQ).
+    registers); dq_accum_order = dq_coalesced (else row-major fp32 dQ).
     """
 
     headdim: int
@@ -286,12 +292,14 @@ class Sm80BwdConfig:
     deterministic: bool = False
     headdim_v: int | None = None
     dkv_accum: bool = False
+    dq_coalesced: bool = False
 
     def __post_init__(self):
         assert self.headdim in SUPPORTED_HEADDIMS, self.headdim
         assert self.dtype in DTYPES, self.dtype
         assert self.arch in TARGETS, self.arch
         assert not (self.causal and self.local), "a window folds causal into its right side"
+        assert not (self.dq_coalesced and self.varlen_q), "the register-order dq_accum is for dense layouts only"
         assert self.headdim_v is None and not self.dkv_accum, (
             f"not implemented in the sm80 family: {self}")
         w = self.num_warps
@@ -318,8 +326,9 @@ class Sm80BwdConfig:
 
     @property
     def dq_accum_order(self) -> bool:
-        """dq_accum is row-major (flash4.backward converts it with the plain postprocess)."""
-        return False
+        """dq_accum's tiles are in the dQ MMA's register order (dq_coalesced: flash4.backward converts
+        them with DqPostprocessSm80), else row-major (the plain postprocess)."""
+        return self.dq_coalesced
 
     def smem_bytes(self) -> int:
         """K, V (one tile each), q_stages Q and dO tiles, P and dS (tile_m x tile_n, 16-bit)."""
@@ -392,6 +401,56 @@ def select_bwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, a
     return cfg
 
 
+# Backward speed candidates (docs/design/sm80_family.md, "Backward speed"), not shipped: the A/B
+# harness tools/ab_portable.py times each against the table on the H200 and checks its gradients.
+#   coal: the table's tiles with dq_coalesced (dQ reduce-adds in the MMA's register order: one
+#         128-byte line per warp-wide red instead of 8 rows x 32 bytes); every target.
+#   fa2:  FlashAttention-2's sm80 backward tiles for >= 144 KiB of smem per CTA
+#         (flash_bwd_launch_template.h: d64 Flash_bwd_kernel_traits<64, 128, 128, 8, 4, 4, 4>, d128
+#         <128, 64, 128, 8, 2, 4, 2>) with dq_coalesced: twice the keys (d128) / queries (d64) per
+#         ldmatrix'd fragment and per dQ add; 160 KiB of smem, so the 163 / 227 KiB targets only.
+#         Without dq_coalesced both spill under CuTe DSL 4.8.1's ptxas (d128: 21 local-memory
+#         instructions, d64: 6, sm_90a); with it, and the tile's coordinates re-derived after the
+#         loop, FA2's exact d128 shape compiles clean non-causal but spills 2 causal, so d128 takes
+#         2 warps along the keys of dK / dV (64 keys x 32 columns each; the same ldmatrix per MMA):
+#         0 spills. d64 non-causal still spills with FA2's warps (4 x 2 on S / dP: 4 local-memory
+#         instructions in the loop; 2 x 4: 12; q_stages 1: 4), so it takes all 8 warps along the
+#         queries of S / dP (16 rows x 128 keys each): 0 spills.
+#   m128: d128 with 128 queries x 64 keys (warps 4, 2, 4), dq_coalesced: half fa2's dK / dV
+#         registers (64 + S, dP 32 + 32 per thread), about its ldmatrix per MMA (0.475 vs 0.45
+#         in SASS), a dQ add per 64 keys. q_stages 2 (192 KiB) where it fits (sm_90), else 1
+#         (128 KiB: sm_80). 0 spills on sm_90a.
+# A candidate whose smem exceeds the target's capacity with q_stages 2 takes q_stages 1, else is
+# dropped for that target.
+BWD_CANDIDATES = {
+    "coal": {},
+    "fa2": {"big": {64: (128, 128, 8, 2, 8, 4, 4), 128: (64, 128, 8, 2, 2, 2, 2)}},
+    "m128": {"big": {128: (128, 64, 8, 2, 4, 2, 4)}},
+}
+
+
+def bwd_candidates(cfg: Sm80BwdConfig) -> dict:
+    """{name: config} of the speed candidates (BWD_CANDIDATES) that apply to the shipped config cfg
+    (same problem class and target; dense layouts only: dq_coalesced is)."""
+    if cfg.varlen_q:
+        return {}
+    out = {}
+    for name, tables in BWD_CANDIDATES.items():
+        tiles = tables.get(_BWD_SMEM_CLASS[cfg.arch], {}).get(cfg.headdim) if tables else None
+        if tables and tiles is None:
+            continue
+        fields = {"dq_coalesced": True}
+        if tiles is not None:
+            fields.update(zip(("tile_m", "tile_n", "num_warps", "q_stages", "warps_m_sdp", "warps_n_dkv",
+                               "warps_m_dq"), tiles))
+        cand = dataclasses.replace(cfg, **fields)
+        if cand.smem_bytes() > capacity(cfg.arch).smem_per_block and cand.q_stages == 2:
+            cand = dataclasses.replace(cand, q_stages=1)
+        if cand.smem_bytes() <= capacity(cfg.arch).smem_per_block:
+            out[name] = cand
+    return out
+
+
 def shipped_bwd_configs(arch: int | None = None) -> list[Sm80BwdConfig]:
     """Every plain backward config of target `arch` (every target when None): head dims x dtypes x
     causal."""
@@ -442,4 +501,9 @@ def bwd_plan(request, arch: int, heads_per_cta: int | None = None) -> BwdPlan:
                             headdim_v=None if request.headdim_v == request.headdim else request.headdim_v,
                             varlen_q=packed, varlen_k=packed, seqused_q=packed and seq.seqused_q is not None,
                             seqused_k=packed and seq.seqused_k is not None)
+    candidate = env.portable_bwd_candidate()
+    if candidate is not None:  # FLASH4_PORTABLE_BWD: a speed candidate where it applies (A/B, GPU tests)
+        if candidate not in BWD_CANDIDATES:
+            raise ValueError(f"FLASH4_PORTABLE_BWD={candidate!r}: not a candidate; allowed: {sorted(BWD_CANDIDATES)}")
+        cfg = bwd_candidates(cfg).get(candidate, cfg)
     return BwdPlan(cfg, request.nheads // request.nheads_k)

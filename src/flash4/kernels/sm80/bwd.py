@@ -52,6 +52,30 @@ def red_add_f32(gmem_ptr: cute.Pointer, a: Float32, *, loc=None, ip=None):
     )
 
 
+@dsl_user_op
+def ctaid_x_reread(*, loc=None, ip=None) -> Int32:
+    """blockIdx.x, read by a volatile mov (not merged with the kernel's first read: a value
+    re-derived where it is needed instead of held in a register across the main loop)."""
+    return Int32(llvm.inline_asm(Int32.mlir_type, [], "mov.u32 $0, %ctaid.x;", "=r", has_side_effects=True,
+                                 is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def opaque_i32(a: Int32, *, loc=None, ip=None) -> Int32:
+    """a, through a volatile mov: arithmetic on it is not merged with the same arithmetic on a
+    earlier (so its result is recomputed here rather than kept live from there)."""
+    return Int32(llvm.inline_asm(Int32.mlir_type, [Int32(a).ir_value(loc=loc, ip=ip)], "mov.u32 $0, $1;", "=r,r",
+                                 has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+                                 loc=loc, ip=ip))
+
+
+def dq_order_view(tile_ptr: cute.Pointer, num_values: int, num_threads: int) -> cute.Tensor:
+    """(value, thread) view of one contiguous fp32 dq_accum tile in the dQ MMA's register order
+    (Sm80BwdConfig.dq_coalesced): [i, t] is value i (the flat index of the thread's accumulator
+    fragment) of thread t, at tile offset i * num_threads + t."""
+    return cute.make_tensor(tile_ptr, cute.make_layout((num_values, num_threads), stride=(num_threads, 1)))
+
+
 # ---------------------------------------------------------------------- parameter bundles
 class BwdTensors(NamedTuple):
     """Global tensors in the kernel view (seqlen, d, heads, batch): q, k, v, do (inputs), dk, dv
@@ -283,18 +307,22 @@ class FlashAttentionBackwardSm80:
         smem = Smem(storage.sQ.get_tensor(layouts.q), storage.sdO.get_tensor(layouts.do),
                     storage.sK.get_tensor(layouts.k), storage.sV.get_tensor(layouts.v),
                     storage.sP.get_tensor(layouts.pds), storage.sdS.get_tensor(layouts.pds))
-        # blockIdx.x = (batch * nheads_k + head_kv) * n_blocks + n_block
+        n_block, head_kv, seq = self.tile_coords(gmem, seq_params, scalars, cute.arch.block_idx()[0])
+        if n_block * self.tile_n < seq.seqlen_k:  # (dynamic seqlen_k: CTAs past the sequence's keys exit)
+            ops = self.mma_operands(smem, mmas, tidx)
+            self.key_tile(gmem, stats, scalars, seq_params, mask_params, smem, copies, mmas, ops, tidx, n_block,
+                          head_kv, seq)
+
+    def tile_coords(self, gmem: BwdTensors, seq_params: SeqParams, scalars: Scalars, bid):
+        """(n_block, head_kv, SeqInfo) of CTA bid: blockIdx.x = (batch * nheads_k + head_kv) * n_blocks + n_block."""
         num_n_blocks = cute.ceil_div(scalars.seqlen_k_grid, self.tile_n)
-        bid = cute.arch.block_idx()[0]
         n_block = bid % num_n_blocks
         rest = bid // num_n_blocks
         nheads_k = gmem.k.shape[2]
         head_kv = rest % nheads_k
         batch = rest // nheads_k
         seq = SeqInfo(batch, gmem.q.shape[0], gmem.k.shape[0], *seq_params.lengths(), tile_m_pad=self.tile_m)
-        if n_block * self.tile_n < seq.seqlen_k:  # (dynamic seqlen_k: CTAs past the sequence's keys exit)
-            ops = self.mma_operands(smem, mmas, tidx)
-            self.key_tile(gmem, stats, scalars, mask_params, smem, copies, mmas, ops, tidx, n_block, head_kv, seq)
+        return n_block, head_kv, seq
 
     def mma_operands(self, smem: Smem, mmas: Mmas, tidx) -> Operands:
         """Every GEMM's fragments and ldmatrix partitions (built once per CTA)."""
@@ -319,8 +347,9 @@ class FlashAttentionBackwardSm80:
         )
 
     @cute.jit
-    def key_tile(self, gmem: BwdTensors, stats: BwdStats, scalars: Scalars, mask_params: MaskParams, smem: Smem,
-                 copies: tuple, mmas: Mmas, ops: Operands, tidx: Int32, n_block: Int32, head_kv: Int32, seq: SeqInfo):
+    def key_tile(self, gmem: BwdTensors, stats: BwdStats, scalars: Scalars, seq_params: SeqParams,
+                 mask_params: MaskParams, smem: Smem, copies: tuple, mmas: Mmas, ops: Operands, tidx: Int32,
+                 n_block: Int32, head_kv: Int32, seq: SeqInfo):
         """K, V of key tile n_block in, dK, dV of it out, summed over every query head of head_kv."""
         cfg = self.cfg
         copy_qk, copy_vdo = copies
@@ -391,6 +420,11 @@ class FlashAttentionBackwardSm80:
                 if const_expr(cfg.local):
                     for m_block in cutlass.range(left_start, m_block_max, unroll=1):
                         stage = step(m_block, stage, masked=True)
+        if const_expr(cfg.dq_coalesced):
+            # the tile's coordinates again from a fresh %ctaid.x read, instead of keeping them live
+            # across the query loop (at 64 x 128, d128 ptxas spilled two of them there)
+            n_block, head_kv, seq = self.tile_coords(
+                gmem, seq_params, scalars._replace(seqlen_k_grid=opaque_i32(scalars.seqlen_k_grid)), ctaid_x_reread())
         self.epilogue(acc_dK, acc_dV, gmem, smem, mmas, tidx, n_block, head_kv, seq)
 
     @cute.jit
@@ -473,12 +507,19 @@ class FlashAttentionBackwardSm80:
         # dQ -> dq_accum: the padded layout holds whole query tiles of each sequence, so rows past
         # seqlen_q (which add 0) need no predicate
         gdQ = cute.local_tile(seq.q_padded_view(stats.dq_accum, head), (self.tile_m, self.hdim), (m_block, 0))
-        tdQgdQ = thr_dq.partition_C(gdQ)
         sem_ptr = stats.dq_sem[None, head, tile_batch].iterator + tile
         if const_expr(self.cfg.deterministic):
             self.wait_dq_turn(sem_ptr, self.dq_turn(m_block, n_block, seq, window), tidx)
-        for i in cutlass.range_constexpr(cute.size(acc_dQ)):
-            red_add_f32(tdQgdQ.iterator + cute.crd2idx(i, tdQgdQ.layout), acc_dQ[i])
+        if const_expr(self.cfg.dq_coalesced):
+            # register order: value i of thread t at tile offset i * T + t (the tile's tile_m x d
+            # floats are contiguous), so a warp's red covers 128 contiguous bytes, one base pointer
+            tdQgdQ = dq_order_view(gdQ.iterator, cute.size(acc_dQ), self.num_threads)
+            for i in cutlass.range_constexpr(cute.size(acc_dQ)):
+                red_add_f32(tdQgdQ[i, None].iterator + tidx, acc_dQ[i])
+        else:
+            tdQgdQ = thr_dq.partition_C(gdQ)
+            for i in cutlass.range_constexpr(cute.size(acc_dQ)):
+                red_add_f32(tdQgdQ.iterator + cute.crd2idx(i, tdQgdQ.layout), acc_dQ[i])
         if const_expr(self.cfg.deterministic):
             cute.arch.fence_acq_rel_gpu()  # this thread's adds before the release below
             cute.arch.barrier()
@@ -586,3 +627,50 @@ class FlashAttentionBackwardSm80:
         for sX, mX, hdim in ((smem.k, gmem.dk, self.hdim), (smem.v, gmem.dv, self.hdim_v)):
             gX = cute.local_tile(seq.k_view(mX, head_kv), (self.tile_n, hdim), (n_block, 0))
             store_rows_predicated(sX, gX, valid_rows, tidx, self.num_threads)
+
+
+class DqPostprocessSm80:
+    """dq[b, m * tile_m + r, h, c] = the dq_accum tile (b, h, m) in the dQ MMA's register order
+    (Sm80BwdConfig.dq_coalesced; `dq_order_view`), converted to dtype: one CTA of the backward's
+    num_warps warps per (query tile, head, batch) (flash4.launch.bwd_dq_tile_grid); thread t reads
+    its values i at i * T + t (4-byte loads, a warp's 128 contiguous bytes) and stores them at the
+    coordinates the dQ tiled MMA (make_tiled_mma(num_warps, num_warps // warps_m_dq)) gives them,
+    two adjacent columns per 32-bit store, rows < seqlen_q. Dense layouts only."""
+
+    def __init__(self, headdim: int, dtype, tile_m: int, num_warps: int, warps_m_dq: int):
+        self.hdim, self.dtype, self.tile_m = headdim, dtype, tile_m
+        self.num_warps, self.warps_m_dq = num_warps, warps_m_dq
+        self.num_threads = 32 * num_warps
+
+    @cute.jit
+    def __call__(self, mdQacc: cute.Tensor, mdQ: cute.Tensor, num_ctas: Int32, stream: cuda.CUstream):
+        """mdQacc (batch, nheads, seqlen_q_pad, headdim) fp32 contiguous rows, tiles in register
+        order; mdQ (batch, seqlen_q, nheads, headdim) 16-bit."""
+        self.kernel(mdQacc, mdQ).launch(grid=(num_ctas, 1, 1), block=[self.num_threads, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mdQacc: cute.Tensor, mdQ: cute.Tensor):
+        tidx = cute.arch.thread_idx()[0]
+        seqlen_q, nheads = mdQ.shape[1], mdQ.shape[2]
+        num_m_blocks = cute.ceil_div(seqlen_q, self.tile_m)
+        bid = cute.arch.block_idx()[0]
+        m_block = bid % num_m_blocks
+        bh = bid // num_m_blocks
+        head, b = bh % nheads, bh // nheads
+        tiled_mma = make_tiled_mma(self.dtype, self.num_warps, self.num_warps // self.warps_m_dq)
+        tCcC = tiled_mma.get_slice(tidx).partition_C(cute.make_identity_tensor((self.tile_m, self.hdim)))
+        num_values = cute.size(tCcC)
+        view = dq_order_view(mdQacc[b, head, m_block * self.tile_m, None].iterator, num_values, self.num_threads)
+        acc = cute.make_rmem_tensor(num_values, Float32)
+        for v in cutlass.range_constexpr(num_values):
+            acc[v] = view[v, tidx]
+        pair = cute.make_rmem_tensor(2, self.dtype)
+        store_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=32)
+        for v in cutlass.range_constexpr(0, num_values, 2):
+            # values v, v + 1 of an mma.sync accumulator are columns c, c + 1 of one row (c even)
+            row, col = tCcC[v]
+            s = m_block * self.tile_m + row
+            if s < seqlen_q:
+                pair[0] = acc[v].to(self.dtype)
+                pair[1] = acc[v + 1].to(self.dtype)
+                cute.copy(store_atom, pair, cute.local_tile(mdQ[b, s, head, None], (2,), (col // 2,)))

@@ -1,0 +1,100 @@
+"""The portable backward's speed candidates (flash4.config.sm80.bwd_candidates; tools/ab_portable.py
+times them on the H200): each fits its target's shared memory, and the ones the A/B runs compile
+for sm_80 and sm_90a with no register spill (docs/design/sm80_family.md, "Backward speed"), as do
+the register-order dQ postprocess and the 99 KiB targets' "coal" variant.
+"""
+
+import pytest
+
+from flash4.arch import capacity
+from flash4.config.sm80 import TARGETS, bwd_candidates, gpu_arch_name, select_bwd_config, shipped_bwd_configs
+
+
+def test_candidates_are_dense_coalesced_and_fit():
+    for arch in TARGETS:
+        for cfg in shipped_bwd_configs(arch):
+            cands = bwd_candidates(cfg)
+            assert "coal" in cands
+            for name, cand in cands.items():
+                assert cand.dq_coalesced and cand.dq_accum_order, (name, cand)
+                assert cand.smem_bytes() <= capacity(arch).smem_per_block, (name, cand)
+                assert (cand.headdim, cand.dtype, cand.causal, cand.arch) == (cfg.headdim, cfg.dtype, cfg.causal,
+                                                                              cfg.arch)
+            if "fa2" in cands:
+                assert arch in (80, 90) and cfg.headdim in (64, 128), cands
+            if "m128" in cands:
+                assert arch in (80, 90) and cfg.headdim == 128 and cands["m128"].q_stages == (2 if arch == 90 else 1)
+    assert not any(c.dq_coalesced for c in shipped_bwd_configs()), "candidates are not shipped"
+    assert bwd_candidates(select_bwd_config(64, arch=90, varlen_q=True, varlen_k=True)) == {}
+
+
+def test_dq_postprocess_kwargs():
+    from flash4.compile.cache import dq_postprocess_kwargs
+
+    cfg = select_bwd_config(128, arch=90)
+    assert dq_postprocess_kwargs(cfg) == {"accum_tile_m": None}
+    fa2 = bwd_candidates(cfg)["fa2"]
+    assert dq_postprocess_kwargs(fa2) == {"accum_tile_m": 64, "sm80_warps": (8, fa2.warps_m_dq)}
+
+
+def test_env_selects_a_candidate(monkeypatch):
+    """FLASH4_PORTABLE_BWD runs a candidate where it applies (bwd_plan), the table where not."""
+    torch = pytest.importorskip("torch")
+    from flash4.config.sm80 import bwd_plan
+    from flash4.request import Request
+
+    def req(d):
+        q = torch.empty(2, 256, 4, d, device="meta", dtype=torch.bfloat16)
+        return Request.dense(q, q, q, d ** -0.5, True, (-1, -1), 0.0, None)
+
+    shipped = bwd_plan(req(128), 90).cfg
+    monkeypatch.setenv("FLASH4_PORTABLE_BWD", "fa2")
+    assert bwd_plan(req(128), 90).cfg == bwd_candidates(shipped)["fa2"]
+    assert bwd_plan(req(128), 86).cfg == select_bwd_config(128, "bf16", True, arch=86)  # no fa2 on 99 KiB
+    monkeypatch.setenv("FLASH4_PORTABLE_BWD", "COAL")
+    assert bwd_plan(req(128), 86).cfg == bwd_candidates(select_bwd_config(128, "bf16", True, arch=86))["coal"]
+    monkeypatch.setenv("FLASH4_PORTABLE_BWD", "big")
+    with pytest.raises(ValueError, match="FLASH4_PORTABLE_BWD"):
+        bwd_plan(req(128), 90)
+
+
+pytest.importorskip("cutlass")
+
+CONFIGS = [bwd_candidates(select_bwd_config(d, "bf16", c, arch=a))[name]
+           for a in (90, 80) for d in (64, 128) for c in (False, True) for name in ("coal", "fa2")]
+CONFIGS += [bwd_candidates(select_bwd_config(128, "bf16", c, arch=a))["m128"] for a in (90, 80) for c in (False, True)]
+CONFIGS += [bwd_candidates(select_bwd_config(128, "bf16", True, arch=86))["coal"],
+            bwd_candidates(select_bwd_config(64, "fp16", False, arch=90))["fa2"]]
+
+
+def _id(cfg):
+    return (f"{gpu_arch_name(cfg.arch)}-d{cfg.headdim}-{cfg.dtype}-{'causal' if cfg.causal else 'full'}-"
+            f"{cfg.tile_m}x{cfg.tile_n}q{cfg.q_stages}")
+
+
+@pytest.fixture(scope="module")
+def rows():
+    from flash4.compile.cache import compile_bwd
+    from flash4.compile.check import compile_check
+
+    return compile_check(CONFIGS, compiler=compile_bwd)
+
+
+@pytest.mark.parametrize("i", range(len(CONFIGS)), ids=[_id(c) for c in CONFIGS])
+def test_candidate_compiles_clean(rows, i):
+    row, cfg = rows[i], CONFIGS[i]
+    assert row["ok"], row["error"]
+    if row.get("registers") is None:
+        pytest.skip("cuobjdump not installed: SASS not checked")
+    assert row["sass_arch"] == gpu_arch_name(cfg.arch), row["sass_arch"]
+    assert row["spills"] == 0, f"{row['config']}: {row['spills']} local-memory instructions (register spill)"
+    assert row["hmma_16816"] > 0 and row["ldsm"] > 0 and row["ldgsts"] > 0, row
+    assert row["hgmma"] == row["utma"] == row["stsm"] == row["utchmma"] == 0, row
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+def test_register_order_postprocess_compiles(arch):
+    from flash4.compile.cache import compile_postprocess
+
+    for tile_m, warps in ((64, (8, 2)), (128, (8, 4))):
+        compile_postprocess(128 if tile_m == 64 else 64, "bf16", False, tile_m, arch=arch, sm80_warps=warps)
