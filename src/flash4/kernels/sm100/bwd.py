@@ -46,8 +46,14 @@ written); the P^T halves lie contiguous at S's start, so the compute warpgroups 
 them (bwd_p_barrier); the reduce warps read each thread's 192 dQ columns in passes of 64
 (bwd_dq_passes); one Q stage (217 KiB of smem). docs/design/sm100_backward.md section 10.
 
+hd256 (two passes over each key tile, cfg.bwd_pass; docs/design/sm100_backward.md section 10.4): dK + dV
+alone fill the 512 TMEM columns, so pass "dv" (built) keeps dV (256 columns) and S^T (P^T inside) and
+issues only S^T = K Q^T and dV += P^T dO per step (mma_dv_pass; no V, dP^T, dS^T, dQ: the reduce warps
+idle, the compute warps write P^T only and warpgroup 0 stores dV); pass "dkdq" (dK, S^T, dP^T, dQ over
+them) fits TMEM but not shared memory (321 KiB of tiles) and is not built.
+
 Not built (refused by flash4.config.sm100.select_bwd_config): head dims other than 64 / 128 / (192, 128)
-(hd256: dK + dV alone fill the 512 TMEM columns), other Dv != D, softcap at (192, 128), packed
+(hd256: one of its two passes), other Dv != D, softcap at (192, 128), packed
 sequences in the 2-CTA variant, the GQA head split, and the exact-LSE path of issue 8 (P uses the
 rounded padded log2 LSE the preprocess writes; the per-tile exact flags are not read).
 """
@@ -78,8 +84,8 @@ from flash4.kernels.common.layout import select_modes
 from flash4.kernels.common.pipeline import next_state
 from flash4.kernels.common.seqinfo import SeqInfo
 from flash4.kernels.sm100.bwd_plan import (BWD_WARP_ROLES, DQ_GROUP_ROWS, DQ_LD_COLS, BwdRegisterPlan, bwd_dq_passes,
-                                           bwd_p_barrier, bwd_pipeline_specs, bwd_register_plan, bwd_serial_schedule,
-                                           bwd_tmem_alloc_cols, bwd_tmem_map, bwd_warp_roles)
+                                           bwd_p_barrier, bwd_pass, bwd_pipeline_specs, bwd_register_plan,
+                                           bwd_serial_schedule, bwd_tmem_alloc_cols, bwd_tmem_map, bwd_warp_roles)
 from flash4.kernels.sm100.pipes import (ArrivalLedger, Pipe, named_barrier_arrive, named_barrier_sync, tcgen05_fence_after,
                                          tcgen05_fence_before, thread_group)
 from flash4.kernels.sm100.plan import TMEM_COLUMNS, WARP_SIZE
@@ -222,6 +228,10 @@ class FlashAttentionBackwardSm100:
         self.serial = bwd_serial_schedule(cfg)
         # P^T halves contiguous at S's start (2-CTA, serial): both warpgroups read S^T before either writes P^T
         self.p_barrier = bwd_p_barrier(cfg)
+        # hd256 pass "dv" (bwd_pass): S^T and dV += P^T dO only; no V, dP^T, dS^T, dK, dQ (mma_dv_pass)
+        self.dv_pass = bwd_pass(cfg) == "dv"
+        if bwd_pass(cfg) == "dkdq":
+            raise NotImplementedError("flash4 bwd_sm100: pass dkdq is not built (it does not fit shared memory)")
         pair_n = self.cta_group * self.tile_n
         self.mma_tiler_s = (pair_n, self.tile_m, self.hdim)  # S^T = K Q^T
         self.mma_tiler_dp = (pair_n, self.tile_m, self.hdim_v)  # dP^T = V dO^T
@@ -329,6 +339,8 @@ class FlashAttentionBackwardSm100:
             "lse": self.tile_m * 4,
             "dpsum": self.tile_m * 4,
         }
+        if const_expr(self.dv_pass):  # pass dv: K alone (V is not read)
+            self.tma_bytes["kv"] = cute.size_in_bytes(dt, sel(sK_layout))
         extra = ()
         if const_expr(self.two_cta):
             # the three operands the 1-CTA kernel reads through a second view: Q^T (B of dK), dO^T (B
@@ -357,6 +369,9 @@ class FlashAttentionBackwardSm100:
                            + cute.cosize(sQmn_layout) + cute.cosize(sdO_layout) + cute.cosize(sdOmn_layout)
                            + cute.cosize(sKmn_layout) + cute.cosize(sdSt_layout) + half) * (dt.width // 8)
                           + 4 * DQ_GROUP_ROWS * self.dq_cols * 4 + (self.q_stages + self.do_stages) * self.tile_m * 4)
+        elif const_expr(self.dv_pass):  # K, Q, dO and LSE only
+            smem_tiles = ((cute.cosize(sK_layout) + cute.cosize(sQ_layout) + cute.cosize(sdO_layout)) * (dt.width // 8)
+                          + self.q_stages * self.tile_m * 4)
         else:
             smem_tiles = ((cute.cosize(sK_layout) + cute.cosize(sV_layout) + cute.cosize(sQ_layout)
                            + cute.cosize(sdO_layout) + cute.cosize(sdSt_layout)) * (dt.width // 8)
@@ -366,6 +381,7 @@ class FlashAttentionBackwardSm100:
                                f"{self.cfg.smem_bytes()}")
         num_mbar = 2 * sum(s.stages for s in self.specs.values())
         storage_2cta = self.shared_storage_2cta(num_mbar, lay) if const_expr(self.two_cta) else None
+        storage_dv = self.shared_storage_dv(num_mbar, lay) if const_expr(self.dv_pass) else None
 
         @cute.struct
         class SharedStorage:
@@ -397,6 +413,12 @@ class FlashAttentionBackwardSm100:
                 tma_atom_dO, softmax_scale, window_left, window_right, *layouts, mma_s, mma_dp, mma_dv, mma_dk, mma_dq,
                 SharedStorage, softcap if const_expr(self.cfg.softcap) else None, (),
                 (mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, max_seqlen_k),
+            ).launch(grid=(num_ctas, 1, 1), block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+        elif const_expr(self.dv_pass):
+            self.kernel(
+                tma_K, tma_Q, tma_V, tma_dO, mLSE2, mD, mdQacc, mdQsem, mdK, mdV, tma_atom_K, tma_atom_Q, tma_atom_V,
+                tma_atom_dO, softmax_scale, window_left, window_right, *layouts, mma_s, mma_dp, mma_dv, mma_dk, mma_dq,
+                storage_dv, None,
             ).launch(grid=(num_ctas, 1, 1), block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
         else:
             self.kernel(
@@ -430,6 +452,22 @@ class FlashAttentionBackwardSm100:
             sdS: cute.struct.Align[cute.struct.MemRange[dt, ds_elems], align]
 
         return SharedStorage2Cta
+
+    def shared_storage_dv(self, num_mbar: int, lay: dict):
+        """Pass dv's smem (hd256: 192.5 KiB): the mbarriers, LSE, K, the Q ring and the dO ring (no V,
+        dS, dQ staging or dPsum: nothing reads them in this pass)."""
+        dt, align = self.dtype, self.buffer_align_bytes
+
+        @cute.struct
+        class SharedStorageDv:
+            mbar: cute.struct.MemRange[cutlass.Int64, num_mbar]
+            tmem_holding_buf: Int32
+            sLSE: cute.struct.Align[cute.struct.MemRange[Float32, self.q_stages * self.tile_m], 128]
+            sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(lay["sK"])], align]
+            sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(lay["sQ"])], align]
+            sdO: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(lay["sdO"])], align]
+
+        return SharedStorageDv
 
     # ------------------------------------------------------------------ device side
     @cute.kernel
@@ -488,11 +526,15 @@ class FlashAttentionBackwardSm100:
             return cute.make_tensor(cute.recast_ptr(buf.iterator, lay.inner, dtype=self.dtype), lay.outer)
 
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
-        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sdO = storage.sdO.get_tensor(sdO_layout.outer, swizzle=sdO_layout.inner)
-        sdSt = storage.sdS.get_tensor(sdSt_layout.outer, swizzle=sdSt_layout.inner)  # (tile_n, tile_m, 1)
-        if const_expr(self.two_cta):
+        sV, sdSt, sD, sdQ = None, None, None, None  # pass dv: not in its smem
+        if const_expr(not self.dv_pass):
+            sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+            sdSt = storage.sdS.get_tensor(sdSt_layout.outer, swizzle=sdSt_layout.inner)  # (tile_n, tile_m, 1)
+        if const_expr(self.dv_pass):  # K, Q (S^T), dO through its MN-major view (B of dV)
+            smem_t = dict(sK=sK, sQ=sQ, sdO=sdO, sdOmn=view(sdO, sdOmn_layout))
+        elif const_expr(self.two_cta):
             # Q^T, dO^T, K^T: loaded on their own (each CTA's half along the MMA's N)
             smem_t = dict(sK=sK, sV=sV, sQ=sQ, sdO=sdO, sdSt=sdSt,
                           sQmn=storage.sQt.get_tensor(sQmn_layout.outer, swizzle=sQmn_layout.inner),
@@ -503,10 +545,11 @@ class FlashAttentionBackwardSm100:
             smem_t = dict(sK=sK, sV=sV, sQ=sQ, sdO=sdO, sdSt=sdSt, sQmn=view(sQ, sQmn_layout),
                           sdOmn=view(sdO, sdOmn_layout), sKmn=view(sK, sKmn_layout), sdS=view(sdSt, sdS_layout))
         sLSE = storage.sLSE.get_tensor(cute.make_layout((self.tile_m, self.q_stages)))
-        sD = storage.sD.get_tensor(cute.make_layout((self.tile_m, self.do_stages)))
-        # (D, DQ_GROUP_ROWS, reduce warp): per warp a block of whole rows, row-major like the accumulator
-        # (2-CTA: D / 2 columns per row, the thread's half)
-        sdQ = storage.sdQ.get_tensor(cute.make_layout((self.dq_cols, DQ_GROUP_ROWS, 4)))
+        if const_expr(not self.dv_pass):
+            sD = storage.sD.get_tensor(cute.make_layout((self.tile_m, self.do_stages)))
+            # (D, DQ_GROUP_ROWS, reduce warp): per warp a block of whole rows, row-major like the accumulator
+            # (2-CTA: D / 2 columns per row, the thread's half)
+            sdQ = storage.sdQ.get_tensor(cute.make_layout((self.dq_cols, DQ_GROUP_ROWS, 4)))
         if const_expr(not self.two_cta):
             tmem = TmemAllocator(storage.tmem_holding_buf.ptr,
                                  barrier_for_retrieve=pipeline.NamedBarrier(barrier_id=TMEM_PTR_BARRIER,
@@ -534,7 +577,7 @@ class FlashAttentionBackwardSm100:
             self.wait_tmem_alloc()
             if const_expr(self.two_cta):
                 self.reduce_2cta(mmas[4], mdQacc, sdQ, pipes, tile, cta_v)
-            else:
+            elif const_expr(not self.dv_pass):  # pass dv has no dQ: the reduce warps only take part in TMEM's barrier
                 self.reduce(mmas[4], mdQacc, mdQsem, sdQ, pipes, tile, window)
             self.release_tmem()
         elif warp_idx < self.roles["mma"][0]:
@@ -553,6 +596,8 @@ class FlashAttentionBackwardSm100:
                 if const_expr(self.two_cta):
                     if is_leader:  # the pair's MMAs and their commits come from the leader only
                         self.mma_2cta(mmas, smem_t, tP_layout, tdS_layout, pipes, tile)
+                elif const_expr(self.dv_pass):
+                    self.mma_dv_pass(mmas, smem_t, tP_layout, pipes, tile)
                 elif const_expr(self.serial):
                     self.mma_serial(mmas, smem_t, tP_layout, tdS_layout, pipes, tile)
                 else:
@@ -617,11 +662,13 @@ class FlashAttentionBackwardSm100:
         add("q", pipeline.PipelineTmaUmma, one, one, tx_count=self.tma_bytes["q"])
         add("lse", pipeline.PipelineTmaAsync, one, compute, tx_count=self.tma_bytes["lse"])
         add("do", pipeline.PipelineTmaUmma, one, one, tx_count=self.tma_bytes["do"])
-        add("dpsum", pipeline.PipelineTmaAsync, one, compute, tx_count=self.tma_bytes["dpsum"])
+        if const_expr(not self.dv_pass):  # pass dv: no dPsum, dP^T, dS^T, dQ (bwd_pipeline_specs)
+            add("dpsum", pipeline.PipelineTmaAsync, one, compute, tx_count=self.tma_bytes["dpsum"])
         add("s", pipeline.PipelineUmmaAsync, one, compute)
-        add("dp", pipeline.PipelineUmmaAsync, one, compute)
-        add("ds", pipeline.PipelineAsyncUmma, compute, one)
-        add("dq", pipeline.PipelineUmmaAsync, one, reduce)
+        if const_expr(not self.dv_pass):
+            add("dp", pipeline.PipelineUmmaAsync, one, compute)
+            add("ds", pipeline.PipelineAsyncUmma, compute, one)
+            add("dq", pipeline.PipelineUmmaAsync, one, reduce)
         add("dkv", pipeline.PipelineUmmaAsync, one, compute)
         return pipes
 
@@ -732,16 +779,20 @@ class FlashAttentionBackwardSm100:
         if n_steps > 0:
             # (MMA, MMA_M, MMA_K, n_blocks): K as S^T's A, V as dP^T's A
             tSgK = thr_s.partition_A(cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.hdim), (None, 0)))
-            tPgV = thr_dp.partition_A(cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, self.hdim_v),
-                                                      (None, 0)))
+            tPgV, tVsV, tVgV = None, None, None  # pass dv does not read V
+            if const_expr(not self.dv_pass):
+                tPgV = thr_dp.partition_A(cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, self.hdim_v),
+                                                          (None, 0)))
             tKsK, tKgK = cpasync.tma_partition(tma_atom_K, 0, one_cta, cute.group_modes(smem_t["sK"], 0, 3),
                                                cute.group_modes(tSgK, 0, 3))
-            tVsV, tVgV = cpasync.tma_partition(tma_atom_V, 0, one_cta, cute.group_modes(smem_t["sV"], 0, 3),
-                                               cute.group_modes(tPgV, 0, 3))
+            if const_expr(not self.dv_pass):
+                tVsV, tVgV = cpasync.tma_partition(tma_atom_V, 0, one_cta, cute.group_modes(smem_t["sV"], 0, 3),
+                                                   cute.group_modes(tPgV, 0, 3))
             pipe_kv = pipes["kv"]
             pipe_kv.acquire(kv_state, "load")
             cute.copy(tma_atom_K, tKgK[None, n_block], tKsK[None, 0], tma_bar_ptr=pipe_kv.barrier_full(0))
-            cute.copy(tma_atom_V, tVgV[None, n_block], tVsV[None, 0], tma_bar_ptr=pipe_kv.barrier_full(0))
+            if const_expr(not self.dv_pass):
+                cute.copy(tma_atom_V, tVgV[None, n_block], tVsV[None, 0], tma_bar_ptr=pipe_kv.barrier_full(0))
             for i in cutlass.range(n_steps, unroll=1):
                 head, m_block = self.step_coords(tile, i)
                 tSgQ = thr_s.partition_B(cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.hdim), (None, 0)))
@@ -759,7 +810,8 @@ class FlashAttentionBackwardSm100:
                 pipes["do"].acquire(do_state, "load")
                 cute.copy(tma_atom_dO, tOgO[None, m_block], tOsO[None, do_state.index],
                           tma_bar_ptr=pipes["do"].barrier_full(do_state.index))
-                self.load_row_stats(pipes["dpsum"], do_state, mD, sD, head, batch, m_block)
+                if const_expr(not self.dv_pass):  # pass dv: dS is not computed, D not read
+                    self.load_row_stats(pipes["dpsum"], do_state, mD, sD, head, batch, m_block)
                 do_state = next_state(do_state)
         pipes["q"].producer_tail(q_state)
         pipes["do"].producer_tail(do_state)
@@ -998,6 +1050,45 @@ class FlashAttentionBackwardSm100:
                 phase = phase ^ 1
             pipes["dkv"].arrive_full(0, "mma")  # commits cover every earlier MMA: dK, dV final
 
+    @cute.jit
+    def mma_dv_pass(self, mmas, smem_t, tP_layout, pipes, tile):
+        """The MMA warp of pass dv (hd256, bwd_tmem_map_pass: dV resident, S^T after it, P^T inside S^T),
+        steps i = 0 .. n-1:
+          [q] S(i) (over P^T(i-1): dV(i-1) was issued before it; tcgen05 MMAs of one thread run in
+          order) ; commit s full ; release Q (its only reader) ; [do] [s empty: P^T(i) written, S^T(i)
+          read] dV += P^T dO(i) ; release dO ;
+        finally dkv. No V, dP^T, dS^T, dK or dQ: their pipelines do not exist in this pass."""
+        mma_s, mma_dv = mmas[0], mmas[2]
+        _, _, _, group, _, num_m, _, _ = tile
+        n_steps = group * num_m
+        base = self.tmem_base()
+        tSrK = mma_s.make_fragment_A(smem_t["sK"])[None, None, None, 0]
+        tSrQ = mma_s.make_fragment_B(smem_t["sQ"])
+        tVrdO = mma_dv.make_fragment_B(smem_t["sdOmn"])
+        tStS = self.tmem_acc(base, mma_s, self.mma_tiler_s, "S")
+        tVtV = self.tmem_acc(base, mma_dv, self.mma_tiler_dv, "dV")
+        tVrP = [self.tmem_operand(base, mma_dv, tP_layout, f"P{w}") for w in range(self.compute_wgs)]
+        pipe_q, pipe_do, pipe_s = (pipes[n] for n in ("q", "do", "s"))
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
+        do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.do_stages)
+        phase = Int32(0)  # s empty: once per step
+        if n_steps > 0:
+            pipes["kv"].wait_full(0, 0)
+            for i in cutlass.range(n_steps, unroll=1):
+                pipe_q.wait_full(q_state.index, q_state.phase)
+                self.gemm(mma_s, tStS, [tSrK], tSrQ[None, None, None, q_state.index], False)
+                pipe_s.arrive_full(0, "mma")
+                pipe_q.arrive_empty(q_state.index, "mma")
+                q_state = next_state(q_state)
+                pipe_do.wait_full(do_state.index, do_state.phase)
+                pipe_s.wait_empty(0, phase)  # P^T(i) written
+                tcgen05_fence_after()
+                self.gemm(mma_dv, tVtV, tVrP, tVrdO[None, None, None, do_state.index], i > 0)
+                pipe_do.arrive_empty(do_state.index, "mma")
+                do_state = next_state(do_state)
+                phase = phase ^ 1
+            pipes["dkv"].arrive_full(0, "mma")  # commits cover every earlier MMA: dV final
+
     def valid_q(self, tile, i):
         """Query rows of step i's block inside the sequence (seqlen_q - m_block tile_m; >= tile_m: all)."""
         _, m_block = self.step_coords(tile, i)
@@ -1177,14 +1268,18 @@ class FlashAttentionBackwardSm100:
         # softcap: (softcap log2 e, softmax_scale / softcap, 1 / (softcap log2 e)); else (scale log2 e, None, None)
         scale_log2, softcap_scale, inv_scale_log2 = score.device_scales(softmax_scale, softcap, self.cfg.softcap)
         tStS = self.tmem_acc(base, mma_s, self.mma_tiler_s, "S")[(None, None), 0, 0]  # (tile_n, tile_m)
-        tPtP = self.tmem_acc(base, mma_dp, self.mma_tiler_dp, "dP")[(None, None), 0, 0]
+        tPtP = None  # pass dv: no dP^T (nor dS^T)
+        if const_expr(not self.dv_pass):
+            tPtP = self.tmem_acc(base, mma_dp, self.mma_tiler_dp, "dP")[(None, None), 0, 0]
         # S^T, dP^T: tcgen05.ld 32x32b.x32 per LD_COLS columns: thread t gets lane t (key t).
         chunk = cute.make_layout((self.tile_n, LD_COLS))
         ld_atom = cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(LD_COLS)), Float32)
         tiled_ld = tcgen05.make_tmem_copy(ld_atom, cute.composition(tStS, chunk))
         thr_ld = tiled_ld.get_slice(tidx)
         tS_src = thr_ld.partition_S(cute.composition(tStS, chunk))
-        tP_src = thr_ld.partition_S(cute.composition(tPtP, chunk))
+        tP_src = None
+        if const_expr(not self.dv_pass):
+            tP_src = thr_ld.partition_S(cute.composition(tPtP, chunk))
         cS = cute.make_identity_tensor((self.tile_n, LD_COLS))
         tScS = thr_ld.partition_D(cS)
         t0ScS = tiled_ld.get_slice(0).partition_D(cS)  # static column of each register
@@ -1196,14 +1291,17 @@ class FlashAttentionBackwardSm100:
         st_atom = cute.make_copy_atom(tcgen05.copy.St32x32bOp(tcgen05.copy.Repetition(st_cols)), Float32)
         thr_st = tcgen05.make_tmem_copy(st_atom, cute.make_tensor(base, st_chunk)).get_slice(tidx)
         p_dst = thr_st.partition_D(cute.make_tensor(base + self.half_offset("P", wg), st_chunk))
-        ds_dst = thr_st.partition_D(cute.make_tensor(base + self.half_offset("dS", wg), st_chunk))
+        ds_dst, tsdS_part, r2s = None, None, None  # pass dv: no dS^T
+        if const_expr(not self.dv_pass):
+            ds_dst = thr_st.partition_D(cute.make_tensor(base + self.half_offset("dS", wg), st_chunk))
         st_shape = thr_st.partition_S(cute.make_identity_tensor((self.tile_n, st_cols))).shape
-        # dS^T -> smem (tile_n x tile_m row-major, the MMA's swizzle): the same thread/element map as the load.
-        sdS2 = sdSt[None, None, 0]
-        tsdS = cute.logical_divide(sdS2, chunk)  # ((tile_n, LD_COLS), (1, chunks))
-        tsdS_part = thr_ld.partition_D(tsdS[(None, None), None])
-        r2s = cute.make_tiled_copy_D(sm100_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.dtype, Float32, tiled_ld),
-                                     tiled_ld)
+        if const_expr(not self.dv_pass):
+            # dS^T -> smem (tile_n x tile_m row-major, the MMA's swizzle): the same thread/element map as the load.
+            sdS2 = sdSt[None, None, 0]
+            tsdS = cute.logical_divide(sdS2, chunk)  # ((tile_n, LD_COLS), (1, chunks))
+            tsdS_part = thr_ld.partition_D(tsdS[(None, None), None])
+            r2s = cute.make_tiled_copy_D(sm100_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.dtype, Float32,
+                                                                       tiled_ld), tiled_ld)
         chunks_per_wg = self.wg_cols // LD_COLS
         key = n_block * self.tile_n + lane_row
         ds_chunk0 = None  # 2-CTA: this warpgroup's first LD_COLS-column chunk of dS^T in smem
@@ -1261,39 +1359,40 @@ class FlashAttentionBackwardSm100:
                 self.arrive_elected(pipes["lse"], lse_state.index, "compute", True)
                 lse_state = next_state(lse_state)
 
-            pipes["dpsum"].wait_full(d_state.index, d_state.phase)
-            pipes["dp"].wait_full(0, s_phase)
-            pipes["ds"].wait_empty(0, ds_phase)  # dS smem (and TMEM half) free: dK, dQ of step i-1 done
-            tcgen05_fence_after()
-            for j in cutlass.range_constexpr(chunks_per_wg):
-                col = wg * self.wg_cols + j * LD_COLS
-                dp = cute.make_rmem_tensor(frag_shape, Float32)
-                cute.copy(thr_ld, cute.make_tensor(tP_src.iterator + col, tP_src.layout), dp)
-                cute.arch.fence_view_async_tmem_load()
-                self.dscores(ps[j], dp, t0ScS, sD, d_state.index, col, softmax_scale, sLSE, lse_state.index,
-                             inv_scale_log2)
-                ds16 = self.store16(dp, thr_st, cute.make_tensor(ds_dst.iterator + j * st_cols, ds_dst.layout), st_shape)
+            if const_expr(not self.dv_pass):  # pass dv: P^T only (no dP^T, dS^T)
+                pipes["dpsum"].wait_full(d_state.index, d_state.phase)
+                pipes["dp"].wait_full(0, s_phase)
+                pipes["ds"].wait_empty(0, ds_phase)  # dS smem (and TMEM half) free: dK, dQ of step i-1 done
+                tcgen05_fence_after()
+                for j in cutlass.range_constexpr(chunks_per_wg):
+                    col = wg * self.wg_cols + j * LD_COLS
+                    dp = cute.make_rmem_tensor(frag_shape, Float32)
+                    cute.copy(thr_ld, cute.make_tensor(tP_src.iterator + col, tP_src.layout), dp)
+                    cute.arch.fence_view_async_tmem_load()
+                    self.dscores(ps[j], dp, t0ScS, sD, d_state.index, col, softmax_scale, sLSE, lse_state.index,
+                                 inv_scale_log2)
+                    ds16 = self.store16(dp, thr_st, cute.make_tensor(ds_dst.iterator + j * st_cols, ds_dst.layout), st_shape)
+                    if const_expr(self.two_cta):
+                        cute.copy(r2s, ds16[None, 0, 0], tsdS_part[None, 0, 0, ds_chunk0 + j])
+                    else:
+                        cute.copy(r2s, ds16[None, 0, 0], tsdS_part[None, 0, 0, wg * chunks_per_wg + j])
+                cute.arch.fence_view_async_tmem_store()
                 if const_expr(self.two_cta):
-                    cute.copy(r2s, ds16[None, 0, 0], tsdS_part[None, 0, 0, ds_chunk0 + j])
+                    tcgen05_fence_before()
+                    self.arrive_elected(pipes["dp"], 0, "compute", True)  # dS^T in TMEM (dK may read it)
+                    cute.arch.fence_view_async_shared()  # dS smem writes -> visible to the async proxy
+                    named_barrier_sync(COMPUTE_BARRIER, len(self.roles["compute"]) * WARP_SIZE)
+                    if tidx == 0 and wg == 0:
+                        self.send_ds_half(sdSt, pipes["dsx"], cta_v)
                 else:
-                    cute.copy(r2s, ds16[None, 0, 0], tsdS_part[None, 0, 0, wg * chunks_per_wg + j])
-            cute.arch.fence_view_async_tmem_store()
-            if const_expr(self.two_cta):
-                tcgen05_fence_before()
-                self.arrive_elected(pipes["dp"], 0, "compute", True)  # dS^T in TMEM (dK may read it)
-                cute.arch.fence_view_async_shared()  # dS smem writes -> visible to the async proxy
-                named_barrier_sync(COMPUTE_BARRIER, len(self.roles["compute"]) * WARP_SIZE)
-                if tidx == 0 and wg == 0:
-                    self.send_ds_half(sdSt, pipes["dsx"], cta_v)
-            else:
-                cute.arch.fence_view_async_shared()  # dS smem writes -> visible to the MMA (async proxy)
-                tcgen05_fence_before()
-                self.arrive_elected(pipes["ds"], 0, "compute", False)  # dS^T written
-            self.arrive_elected(pipes["dpsum"], d_state.index, "compute", True)
-            d_state = next_state(d_state)
-            if const_expr(self.cfg.softcap):  # dS read the LSE too (score.grad_factor)
-                self.arrive_elected(pipes["lse"], lse_state.index, "compute", True)
-                lse_state = next_state(lse_state)
+                    cute.arch.fence_view_async_shared()  # dS smem writes -> visible to the MMA (async proxy)
+                    tcgen05_fence_before()
+                    self.arrive_elected(pipes["ds"], 0, "compute", False)  # dS^T written
+                self.arrive_elected(pipes["dpsum"], d_state.index, "compute", True)
+                d_state = next_state(d_state)
+                if const_expr(self.cfg.softcap):  # dS read the LSE too (score.grad_factor)
+                    self.arrive_elected(pipes["lse"], lse_state.index, "compute", True)
+                    lse_state = next_state(lse_state)
             s_phase = s_phase ^ 1
             ds_phase = ds_phase ^ 1
 
@@ -1308,8 +1407,9 @@ class FlashAttentionBackwardSm100:
             self.store_dkv(base, mma_dv, self.mma_tiler_dv, "dV", mdV, tidx, key, seqlen_k, head_kv, batch,
                            n_steps > 0)
         else:
-            self.store_dkv(base, mma_dk, self.mma_tiler_dk, "dK", mdK, tidx, key, seqlen_k, head_kv, batch,
-                           n_steps > 0)
+            if const_expr(not self.dv_pass):  # pass dv stores dV only (dK: pass dkdq)
+                self.store_dkv(base, mma_dk, self.mma_tiler_dk, "dK", mdK, tidx, key, seqlen_k, head_kv, batch,
+                               n_steps > 0)
 
     @cute.jit
     def send_ds_half(self, sdSt, dsx_bar, cta_v):
