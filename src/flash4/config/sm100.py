@@ -427,7 +427,7 @@ def _bwd_built_text(headdim: int) -> str:
     text = ("built: (D, Dv) in " + ", ".join(f"({d}, {dv})" for d, dv in SM100_BWD_HEADDIM_PAIRS)
             + " (compile-verified, not run on hardware)")
     if headdim == 256:
-        text += (f"; hd256 cannot fit tensor memory in one kernel: {bwd_tmem_problem(256, 256)}; of its two passes "
+        text += (f"; hd256 cannot fit tensor memory: {bwd_tmem_problem(256, 256)} (in one kernel); of its two passes "
                  "(bwd_pass) only \"dv\" is built, \"dkdq\" does not fit shared memory: "
                  f"{bwd_pass_smem_problem(256, 256, 'dkdq')} (docs/design/sm100_backward.md section 10.4)")
     return text

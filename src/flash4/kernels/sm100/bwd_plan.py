@@ -380,6 +380,8 @@ def bwd_p_barrier(cfg) -> bool:
     contiguous at S's start: 2-CTA, serial), so the warpgroups sync between reading S^T and writing P^T."""
     m = bwd_tmem_map(cfg)
     s0, wg_cols = m["S"][0], cfg.tile_m // 2
+    if "P0" not in m:  # pass dkdq: P^T stays in registers (no dV MMA reads it)
+        return False
     for w in range(2):
         start, n = m[f"P{w}"]
         for other in range(2):
