@@ -435,7 +435,7 @@ def _bwd_built_text(headdim: int) -> str:
 
 def bwd_pass_smem_problem(headdim: int, hdim_v: int, bwd_pass: str) -> str | None:
     """Why pass `bwd_pass` of a two-pass config does not fit BWD_SMEM_BUDGET at one Q stage, or None
-    (hd256 "dkdq": K, V, Q, dO 64 KiB each, dS 32, dQ staging 32, LSE / dPsum 1 = 321 KiB)."""
+    (hd256: "dv" 192.5 KiB, "dkdq" 209 KiB with V and dO streamed in chunks; whole, 321 KiB)."""
     q_stages = bwd_q_stages(headdim, hdim_v, bwd_pass)
     need = bwd_smem_bytes(headdim, hdim_v, q_stages=q_stages, bwd_pass=bwd_pass)
     if need <= BWD_SMEM_BUDGET:

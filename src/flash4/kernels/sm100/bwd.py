@@ -83,7 +83,7 @@ from flash4.kernels.common.geometry import DEVICE_OPS
 from flash4.kernels.common.layout import select_modes
 from flash4.kernels.common.pipeline import next_state
 from flash4.kernels.common.seqinfo import SeqInfo
-from flash4.kernels.sm100.bwd_plan import (BWD_WARP_ROLES, DQ_GROUP_ROWS, DQ_LD_COLS, BwdRegisterPlan, bwd_dq_passes,
+from flash4.kernels.sm100.bwd_plan import (BWD_VDO_COLS, BWD_WARP_ROLES, DQ_GROUP_ROWS, DQ_LD_COLS, BwdRegisterPlan, bwd_dq_passes,
                                            bwd_p_barrier, bwd_pass, bwd_pipeline_specs, bwd_register_plan,
                                            bwd_serial_schedule, bwd_tmem_alloc_cols, bwd_tmem_map, bwd_warp_roles)
 from flash4.kernels.sm100.pipes import (ArrivalLedger, Pipe, named_barrier_arrive, named_barrier_sync, tcgen05_fence_after,
@@ -230,11 +230,16 @@ class FlashAttentionBackwardSm100:
         self.p_barrier = bwd_p_barrier(cfg)
         # hd256 pass "dv" (bwd_pass): S^T and dV += P^T dO only; no V, dP^T, dS^T, dK, dQ (mma_dv_pass)
         self.dv_pass = bwd_pass(cfg) == "dv"
-        if bwd_pass(cfg) == "dkdq":
-            raise NotImplementedError("flash4 bwd_sm100: pass dkdq is not built (it does not fit shared memory)")
+        # hd256 pass "dkdq": no dV; V and dO stream through the do ring in BWD_VDO_COLS-column chunks
+        # (dP^T accumulates over them); dQ over S and dP in the serial order (mma_serial)
+        self.dkdq_pass = bwd_pass(cfg) == "dkdq"
         pair_n = self.cta_group * self.tile_n
         self.mma_tiler_s = (pair_n, self.tile_m, self.hdim)  # S^T = K Q^T
         self.mma_tiler_dp = (pair_n, self.tile_m, self.hdim_v)  # dP^T = V dO^T
+        # the V / dO tiles as loaded: whole, or (pass dkdq) one BWD_VDO_COLS-column chunk per ring stage
+        self.vdo_cols = BWD_VDO_COLS if self.dkdq_pass else self.hdim_v
+        self.vdo_chunks = self.hdim_v // self.vdo_cols
+        self.mma_tiler_vdo = (pair_n, self.tile_m, self.vdo_cols)
         self.mma_tiler_dv = (pair_n, self.hdim_v, self.tile_m)  # dV += P^T dO
         self.mma_tiler_dk = (pair_n, self.hdim, self.tile_m)  # dK += dS^T Q
         self.mma_tiler_dq = (self.tile_m, self.hdim, pair_n)  # dQ = dS K
@@ -313,11 +318,16 @@ class FlashAttentionBackwardSm100:
         sdOmn_layout, sQmn_layout, sdS_layout, sKmn_layout = lay["sdOmn"], lay["sQmn"], lay["sdS"], lay["sKmn"]
         sdSt_layout, tP_layout, tdS_layout = lay["sdSt"], lay["tP"], lay["tdS"]
         dt = self.dtype
+        if const_expr(self.dkdq_pass):  # V, dO: rings of BWD_VDO_COLS-column chunks (A / B of dP^T's k-blocks)
+            sV_layout = sm100_utils.make_smem_layout_a(mma_dp, self.mma_tiler_vdo, dt, self.do_stages)
+            sdO_layout = sm100_utils.make_smem_layout_b(mma_dp, self.mma_tiler_vdo, dt, self.do_stages)
         cluster_vmnk = cute.tiled_divide(cute.make_layout((self.cta_group, 1, 1)), (mma_s.thr_id.shape,))
         # 1-CTA: Q, dO, K and dS are each read through two views of one buffer. 2-CTA: only dS (the
         # others are loaded twice, each half as its MMA splits it).
         views = (("Q", sQ_layout, sQmn_layout), ("dO", sdO_layout, sdOmn_layout), ("K", sK_layout, sKmn_layout),
                  ("dS", sdSt_layout, sdS_layout))
+        if const_expr(self.dkdq_pass):  # dO is read by dP^T only (no MN-major view)
+            views = tuple(v for v in views if v[0] != "dO")
         for name, a, b in views[3:] if const_expr(self.two_cta) else views:
             if const_expr(cute.cosize(a) != cute.cosize(b)):
                 raise RuntimeError(f"flash4 bwd_sm100: the two views of {name} differ in size")
@@ -328,9 +338,9 @@ class FlashAttentionBackwardSm100:
                                                              cluster_vmnk.shape)
         tma_atom_Q, tma_Q = cute.nvgpu.make_tiled_tma_atom_B(load_op, mQ, sel(sQ_layout), self.mma_tiler_s, mma_s,
                                                              cluster_vmnk.shape)
-        tma_atom_V, tma_V = cute.nvgpu.make_tiled_tma_atom_A(load_op, mV, sel(sV_layout), self.mma_tiler_dp, mma_dp,
+        tma_atom_V, tma_V = cute.nvgpu.make_tiled_tma_atom_A(load_op, mV, sel(sV_layout), self.mma_tiler_vdo, mma_dp,
                                                              cluster_vmnk.shape)
-        tma_atom_dO, tma_dO = cute.nvgpu.make_tiled_tma_atom_B(load_op, mdO, sel(sdO_layout), self.mma_tiler_dp,
+        tma_atom_dO, tma_dO = cute.nvgpu.make_tiled_tma_atom_B(load_op, mdO, sel(sdO_layout), self.mma_tiler_vdo,
                                                                mma_dp, cluster_vmnk.shape)
         self.tma_bytes = {
             "kv": cute.size_in_bytes(dt, sel(sK_layout)) + cute.size_in_bytes(dt, sel(sV_layout)),
@@ -339,8 +349,10 @@ class FlashAttentionBackwardSm100:
             "lse": self.tile_m * 4,
             "dpsum": self.tile_m * 4,
         }
-        if const_expr(self.dv_pass):  # pass dv: K alone (V is not read)
+        if const_expr(self.dv_pass or self.dkdq_pass):  # pass dv: K alone (V is not read); dkdq: V streams
             self.tma_bytes["kv"] = cute.size_in_bytes(dt, sel(sK_layout))
+        if const_expr(self.dkdq_pass):  # one stage of the do ring: a chunk of V and a chunk of dO
+            self.tma_bytes["do"] = cute.size_in_bytes(dt, sel(sV_layout)) + cute.size_in_bytes(dt, sel(sdO_layout))
         extra = ()
         if const_expr(self.two_cta):
             # the three operands the 1-CTA kernel reads through a second view: Q^T (B of dK), dO^T (B
@@ -534,6 +546,9 @@ class FlashAttentionBackwardSm100:
             sdSt = storage.sdS.get_tensor(sdSt_layout.outer, swizzle=sdSt_layout.inner)  # (tile_n, tile_m, 1)
         if const_expr(self.dv_pass):  # K, Q (S^T), dO through its MN-major view (B of dV)
             smem_t = dict(sK=sK, sQ=sQ, sdO=sdO, sdOmn=view(sdO, sdOmn_layout))
+        elif const_expr(self.dkdq_pass):  # V, dO: the chunk ring (dP^T only)
+            smem_t = dict(sK=sK, sV=sV, sQ=sQ, sdO=sdO, sdSt=sdSt, sQmn=view(sQ, sQmn_layout),
+                          sKmn=view(sK, sKmn_layout), sdS=view(sdSt, sdS_layout))
         elif const_expr(self.two_cta):
             # Q^T, dO^T, K^T: loaded on their own (each CTA's half along the MMA's N)
             smem_t = dict(sK=sK, sV=sV, sQ=sQ, sdO=sdO, sdSt=sdSt,
@@ -565,6 +580,10 @@ class FlashAttentionBackwardSm100:
             mLSE2, mD = [cute.domain_offset((seq.padded_offset_q, 0, 0), t) for t in (mLSE2, mD)]
             mdQacc = cute.domain_offset((seq.padded_offset_q, 0, 0, 0), mdQacc)
             mdQsem = cute.domain_offset((seq.padded_offset_q // self.tile_m, 0, 0), mdQsem)
+        elif const_expr(self.dkdq_pass):
+            # pass dkdq: each role computes its coordinates after its setmaxnreg (kept live from here,
+            # the first query block spilled: 1 STL + 3 LDL at every register split tried)
+            tile = None
         else:
             tile = self.tile_coords(mQ, mK, window)
         if const_expr(self.two_cta):
@@ -577,6 +596,8 @@ class FlashAttentionBackwardSm100:
             self.wait_tmem_alloc()
             if const_expr(self.two_cta):
                 self.reduce_2cta(mmas[4], mdQacc, sdQ, pipes, tile, cta_v)
+            elif const_expr(self.dkdq_pass):
+                self.reduce(mmas[4], mdQacc, mdQsem, sdQ, pipes, self.tile_coords(mQ, mK, window), window)
             elif const_expr(not self.dv_pass):  # pass dv has no dQ: the reduce warps only take part in TMEM's barrier
                 self.reduce(mmas[4], mdQacc, mdQsem, sdQ, pipes, tile, window)
             self.release_tmem()
@@ -585,6 +606,9 @@ class FlashAttentionBackwardSm100:
             self.wait_tmem_alloc()
             if const_expr(self.two_cta):
                 self.compute(mmas, sLSE, sD, sdSt, mdK, mdV, pipes, tile, softmax_scale, window, softcap, cta_v)
+            elif const_expr(self.dkdq_pass):
+                self.compute(mmas, sLSE, sD, sdSt, mdK, mdV, pipes, self.tile_coords(mQ, mK, window), softmax_scale,
+                             window, softcap)
             else:
                 self.compute(mmas, sLSE, sD, sdSt, mdK, mdV, pipes, tile, softmax_scale, window, softcap)
             self.release_tmem()
@@ -598,6 +622,8 @@ class FlashAttentionBackwardSm100:
                         self.mma_2cta(mmas, smem_t, tP_layout, tdS_layout, pipes, tile)
                 elif const_expr(self.dv_pass):
                     self.mma_dv_pass(mmas, smem_t, tP_layout, pipes, tile)
+                elif const_expr(self.dkdq_pass):
+                    self.mma_serial(mmas, smem_t, tP_layout, tdS_layout, pipes, self.tile_coords(mQ, mK, window))
                 elif const_expr(self.serial):
                     self.mma_serial(mmas, smem_t, tP_layout, tdS_layout, pipes, tile)
                 else:
@@ -612,6 +638,9 @@ class FlashAttentionBackwardSm100:
                 if const_expr(self.two_cta):
                     self.load_2cta(mmas, mK, mQ, mV, mdO, mLSE2, mD, smem_t, sLSE, sD, tma_atom_K, tma_atom_Q,
                                    tma_atom_V, tma_atom_dO, extra, pipes, tile, cta_v)
+                elif const_expr(self.dkdq_pass):
+                    self.load(mmas, mK, mQ, mV, mdO, mLSE2, mD, smem_t, sLSE, sD, tma_atom_K, tma_atom_Q, tma_atom_V,
+                              tma_atom_dO, pipes, self.tile_coords(mQ, mK, window))
                 else:
                     self.load(mmas, mK, mQ, mV, mdO, mLSE2, mD, smem_t, sLSE, sD, tma_atom_K, tma_atom_Q, tma_atom_V,
                               tma_atom_dO, pipes, tile)
@@ -776,11 +805,17 @@ class FlashAttentionBackwardSm100:
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stages)
         do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.do_stages)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        d_state = None  # pass dkdq: dPsum's own ring state (the do ring advances per chunk)
+        if const_expr(self.dkdq_pass):
+            d_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.do_stages)
         if n_steps > 0:
             # (MMA, MMA_M, MMA_K, n_blocks): K as S^T's A, V as dP^T's A
             tSgK = thr_s.partition_A(cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.hdim), (None, 0)))
             tPgV, tVsV, tVgV = None, None, None  # pass dv does not read V
-            if const_expr(not self.dv_pass):
+            if const_expr(self.dkdq_pass):  # (MMA, MMA_M, MMA_K, n_blocks, chunks): V's BWD_VDO_COLS-column chunks
+                tPgV = thr_dp.partition_A(cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, self.vdo_cols),
+                                                          (None, None)))
+            elif const_expr(not self.dv_pass):
                 tPgV = thr_dp.partition_A(cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, self.hdim_v),
                                                           (None, 0)))
             tKsK, tKgK = cpasync.tma_partition(tma_atom_K, 0, one_cta, cute.group_modes(smem_t["sK"], 0, 3),
@@ -791,13 +826,17 @@ class FlashAttentionBackwardSm100:
             pipe_kv = pipes["kv"]
             pipe_kv.acquire(kv_state, "load")
             cute.copy(tma_atom_K, tKgK[None, n_block], tKsK[None, 0], tma_bar_ptr=pipe_kv.barrier_full(0))
-            if const_expr(not self.dv_pass):
+            if const_expr(not (self.dv_pass or self.dkdq_pass)):  # pass dkdq: V streams with dO (below)
                 cute.copy(tma_atom_V, tVgV[None, n_block], tVsV[None, 0], tma_bar_ptr=pipe_kv.barrier_full(0))
             for i in cutlass.range(n_steps, unroll=1):
                 head, m_block = self.step_coords(tile, i)
                 tSgQ = thr_s.partition_B(cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.hdim), (None, 0)))
-                tPgdO = thr_dp.partition_B(cute.local_tile(mdO[None, None, head, batch], (self.tile_m, self.hdim_v),
-                                                           (None, 0)))
+                if const_expr(self.dkdq_pass):
+                    tPgdO = thr_dp.partition_B(cute.local_tile(mdO[None, None, head, batch], (self.tile_m, self.vdo_cols),
+                                                               (None, None)))
+                else:
+                    tPgdO = thr_dp.partition_B(cute.local_tile(mdO[None, None, head, batch], (self.tile_m, self.hdim_v),
+                                                               (None, 0)))
                 tQsQ, tQgQ = cpasync.tma_partition(tma_atom_Q, 0, one_cta, cute.group_modes(smem_t["sQ"], 0, 3),
                                                    cute.group_modes(tSgQ, 0, 3))
                 tOsO, tOgO = cpasync.tma_partition(tma_atom_dO, 0, one_cta, cute.group_modes(smem_t["sdO"], 0, 3),
@@ -807,12 +846,24 @@ class FlashAttentionBackwardSm100:
                           tma_bar_ptr=pipes["q"].barrier_full(q_state.index))
                 self.load_row_stats(pipes["lse"], q_state, mLSE2, sLSE, head, batch, m_block)
                 q_state = next_state(q_state)
-                pipes["do"].acquire(do_state, "load")
-                cute.copy(tma_atom_dO, tOgO[None, m_block], tOsO[None, do_state.index],
-                          tma_bar_ptr=pipes["do"].barrier_full(do_state.index))
-                if const_expr(not self.dv_pass):  # pass dv: dS is not computed, D not read
-                    self.load_row_stats(pipes["dpsum"], do_state, mD, sD, head, batch, m_block)
-                do_state = next_state(do_state)
+                if const_expr(self.dkdq_pass):
+                    # chunk c of V and of dO[m] per stage of the do ring, in dP^T's k-block order
+                    for c in cutlass.range(self.vdo_chunks, unroll=1):
+                        pipes["do"].acquire(do_state, "load")
+                        cute.copy(tma_atom_V, tVgV[None, n_block, c], tVsV[None, do_state.index],
+                                  tma_bar_ptr=pipes["do"].barrier_full(do_state.index))
+                        cute.copy(tma_atom_dO, tOgO[None, m_block, c], tOsO[None, do_state.index],
+                                  tma_bar_ptr=pipes["do"].barrier_full(do_state.index))
+                        do_state = next_state(do_state)
+                    self.load_row_stats(pipes["dpsum"], d_state, mD, sD, head, batch, m_block)
+                    d_state = next_state(d_state)
+                else:
+                    pipes["do"].acquire(do_state, "load")
+                    cute.copy(tma_atom_dO, tOgO[None, m_block], tOsO[None, do_state.index],
+                              tma_bar_ptr=pipes["do"].barrier_full(do_state.index))
+                    if const_expr(not self.dv_pass):  # pass dv: dS is not computed, D not read
+                        self.load_row_stats(pipes["dpsum"], do_state, mD, sD, head, batch, m_block)
+                    do_state = next_state(do_state)
         pipes["q"].producer_tail(q_state)
         pipes["do"].producer_tail(do_state)
 
@@ -919,18 +970,25 @@ class FlashAttentionBackwardSm100:
         base = self.tmem_base()
         tSrK = mma_s.make_fragment_A(smem_t["sK"])[None, None, None, 0]
         tSrQ = mma_s.make_fragment_B(smem_t["sQ"])
-        tPrV = mma_dp.make_fragment_A(smem_t["sV"])[None, None, None, 0]
+        if const_expr(self.dkdq_pass):  # V: the chunk ring (a stage mode, like dO's); no dV
+            tPrV = mma_dp.make_fragment_A(smem_t["sV"])
+        else:
+            tPrV = mma_dp.make_fragment_A(smem_t["sV"])[None, None, None, 0]
         tPrdO = mma_dp.make_fragment_B(smem_t["sdO"])
-        tVrdO = mma_dv.make_fragment_B(smem_t["sdOmn"])
+        tVrdO, tVtV, tVrP = None, None, None
+        if const_expr(not self.dkdq_pass):
+            tVrdO = mma_dv.make_fragment_B(smem_t["sdOmn"])
         tKrQ = mma_dk.make_fragment_B(smem_t["sQmn"])
         tQrdS = mma_dq.make_fragment_A(smem_t["sdS"])[None, None, None, 0]
         tQrK = mma_dq.make_fragment_B(smem_t["sKmn"])[None, None, None, 0]
         tStS = self.tmem_acc(base, mma_s, self.mma_tiler_s, "S")
         tPtP = self.tmem_acc(base, mma_dp, self.mma_tiler_dp, "dP")
-        tVtV = self.tmem_acc(base, mma_dv, self.mma_tiler_dv, "dV")
+        if const_expr(not self.dkdq_pass):
+            tVtV = self.tmem_acc(base, mma_dv, self.mma_tiler_dv, "dV")
         tKtK = self.tmem_acc(base, mma_dk, self.mma_tiler_dk, "dK")
         tQtQ = self.tmem_acc(base, mma_dq, self.mma_tiler_dq, "dQ")
-        tVrP = [self.tmem_operand(base, mma_dv, tP_layout, f"P{w}") for w in range(self.compute_wgs)]
+        if const_expr(not self.dkdq_pass):
+            tVrP = [self.tmem_operand(base, mma_dv, tP_layout, f"P{w}") for w in range(self.compute_wgs)]
         tKrdS = [self.tmem_operand(base, mma_dk, tdS_layout, f"dS{w}") for w in range(self.compute_wgs)]
         return tSrK, tSrQ, tPrV, tPrdO, tVrdO, tKrQ, tQrdS, tQrK, tStS, tPtP, tVtV, tKtK, tQtQ, tVrP, tKrdS
 
@@ -1029,16 +1087,33 @@ class FlashAttentionBackwardSm100:
                     tcgen05_fence_after()
                 self.gemm(mma_s, tStS, [tSrK], tSrQ[None, None, None, q_state.index], False)
                 pipe_s.arrive_full(0, "mma")
-                pipe_do.wait_full(do_state.index, do_state.phase)
-                if const_expr(self.packed):
-                    self.zero_tail(smem_t["sdO"], do_state.index, self.valid_q(tile, i), self.tile_m)
-                pipe_s.wait_empty(0, phase)  # P^T(i) written (both warpgroups read S^T(i) first)
-                tcgen05_fence_after()
-                self.gemm(mma_dp, tPtP, [tPrV], tPrdO[None, None, None, do_state.index], False)
-                pipe_dp.arrive_full(0, "mma")
-                self.gemm(mma_dv, tVtV, tVrP, tVrdO[None, None, None, do_state.index], i > 0)
-                pipe_do.arrive_empty(do_state.index, "mma")
-                do_state = next_state(do_state)
+                if const_expr(self.dkdq_pass):
+                    # dP^T(i) = sum over the chunks c of V[:, c] dO(i)[:, c]^T (clear of S: no s wait);
+                    # each chunk's stage released by the commit after its k-blocks
+                    pipe_do.wait_full(do_state.index, do_state.phase)
+                    self.gemm(mma_dp, tPtP, [tPrV[None, None, None, do_state.index]],
+                              tPrdO[None, None, None, do_state.index], False)
+                    pipe_do.arrive_empty(do_state.index, "mma")
+                    do_state = next_state(do_state)
+                    for _ in cutlass.range(self.vdo_chunks - 1, unroll=1):
+                        pipe_do.wait_full(do_state.index, do_state.phase)
+                        self.gemm(mma_dp, tPtP, [tPrV[None, None, None, do_state.index]],
+                                  tPrdO[None, None, None, do_state.index], True)
+                        pipe_do.arrive_empty(do_state.index, "mma")
+                        do_state = next_state(do_state)
+                    pipe_dp.arrive_full(0, "mma")
+                    pipe_s.wait_empty(0, phase)  # S^T(i) read (dQ(i) overwrites it; ds implies it too)
+                else:
+                    pipe_do.wait_full(do_state.index, do_state.phase)
+                    if const_expr(self.packed):
+                        self.zero_tail(smem_t["sdO"], do_state.index, self.valid_q(tile, i), self.tile_m)
+                    pipe_s.wait_empty(0, phase)  # P^T(i) written (both warpgroups read S^T(i) first)
+                    tcgen05_fence_after()
+                    self.gemm(mma_dp, tPtP, [tPrV], tPrdO[None, None, None, do_state.index], False)
+                    pipe_dp.arrive_full(0, "mma")
+                    self.gemm(mma_dv, tVtV, tVrP, tVrdO[None, None, None, do_state.index], i > 0)
+                    pipe_do.arrive_empty(do_state.index, "mma")
+                    do_state = next_state(do_state)
                 pipe_ds.wait_full(0, phase)  # dS^T(i) in TMEM and smem (dP^T(i) read)
                 tcgen05_fence_after()
                 self.gemm(mma_dk, tKtK, tKrdS, tKrQ[None, None, None, q_state.index], i > 0)
@@ -1290,7 +1365,9 @@ class FlashAttentionBackwardSm100:
         st_chunk = cute.composition(tStS.layout, cute.make_layout((self.tile_n, st_cols)))
         st_atom = cute.make_copy_atom(tcgen05.copy.St32x32bOp(tcgen05.copy.Repetition(st_cols)), Float32)
         thr_st = tcgen05.make_tmem_copy(st_atom, cute.make_tensor(base, st_chunk)).get_slice(tidx)
-        p_dst = thr_st.partition_D(cute.make_tensor(base + self.half_offset("P", wg), st_chunk))
+        p_dst = None  # pass dkdq: P^T stays in registers (no dV MMA reads it)
+        if const_expr(not self.dkdq_pass):
+            p_dst = thr_st.partition_D(cute.make_tensor(base + self.half_offset("P", wg), st_chunk))
         ds_dst, tsdS_part, r2s = None, None, None  # pass dv: no dS^T
         if const_expr(not self.dv_pass):
             ds_dst = thr_st.partition_D(cute.make_tensor(base + self.half_offset("dS", wg), st_chunk))
@@ -1351,7 +1428,8 @@ class FlashAttentionBackwardSm100:
                 score.apply(ps[j], softcap_scale, self.cfg.softcap)  # softcap: S -> tanh(S * softcap_scale)
                 self.probs(ps[j], t0ScS, sLSE, lse_state.index, col, first - j * LD_COLS, end - j * LD_COLS,
                            scale_log2)
-                self.store16(ps[j], thr_st, cute.make_tensor(p_dst.iterator + j * st_cols, p_dst.layout), st_shape)
+                if const_expr(not self.dkdq_pass):
+                    self.store16(ps[j], thr_st, cute.make_tensor(p_dst.iterator + j * st_cols, p_dst.layout), st_shape)
             cute.arch.fence_view_async_tmem_store()
             tcgen05_fence_before()
             self.arrive_elected(pipes["s"], 0, "compute", True)  # P^T written
@@ -1404,8 +1482,9 @@ class FlashAttentionBackwardSm100:
             pipes["dkv"].wait_full(0, 0)
             tcgen05_fence_after()
         if wg == 0:
-            self.store_dkv(base, mma_dv, self.mma_tiler_dv, "dV", mdV, tidx, key, seqlen_k, head_kv, batch,
-                           n_steps > 0)
+            if const_expr(not self.dkdq_pass):  # pass dkdq stores dK only (dV: pass dv)
+                self.store_dkv(base, mma_dv, self.mma_tiler_dv, "dV", mdV, tidx, key, seqlen_k, head_kv, batch,
+                               n_steps > 0)
         else:
             if const_expr(not self.dv_pass):  # pass dv stores dV only (dK: pass dkdq)
                 self.store_dkv(base, mma_dk, self.mma_tiler_dk, "dK", mdK, tidx, key, seqlen_k, head_kv, batch,

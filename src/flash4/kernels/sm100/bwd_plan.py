@@ -54,6 +54,10 @@ SM100_BWD_HEADDIM_PAIRS = ((64, 64), (128, 128), (192, 128))
 SM100_BWD_TWO_PASS_PAIRS = ((256, 256),)
 # The passes: "both" (one kernel: every MMA, the default of every other config), "dv", "dkdq".
 BWD_PASSES = ("both", "dv", "dkdq")
+# Pass "dkdq" streams V and dO (read by dP^T = V dO^T only) through a one-stage ring of chunks of
+# BWD_VDO_COLS head-dim columns per step (dP^T accumulates over the chunks): K, Q (64 KiB each at
+# hd256), dS 32 and the dQ staging 32 leave no room for whole V and dO tiles (321 KiB).
+BWD_VDO_COLS = 32
 # The MMAs and TMEM accumulators each pass issues / holds (bwd_pass_mmas).
 BWD_PASS_MMAS = {"both": ("S", "dP", "dV", "dK", "dQ"), "dv": ("S", "dV"), "dkdq": ("S", "dP", "dK", "dQ")}
 
@@ -94,6 +98,10 @@ DQ_LD_COLS = 32
 # again and the group's lanes stage theirs (96-column passes spilled at a 136-register reduce budget).
 DQ_MAX_LIVE_COLS = 128
 DQ_PASS_COLS = 64
+# Rows wider than DQ_WIDE_ROW_COLS (hd256, pass dkdq) are read in passes of DQ_PASS_COLS_WIDE: with
+# 64-column passes its reduce warps spilled 4 (LDL / STL) at 152 registers.
+DQ_WIDE_ROW_COLS = 192
+DQ_PASS_COLS_WIDE = 32
 # smem budget of the tiles (the rest of 227 KiB: mbarriers, the TMEM pointer, LSE and dPsum).
 BWD_SMEM_BUDGET = 224 * 1024
 
@@ -106,8 +114,10 @@ def bwd_smem_bytes(headdim: int, hdim_v: int, tile_m: int = BWD_TILE_M, tile_n: 
     stage). hd128: 32 + 32 + 64 + 32 + 32 + 16 + 1.5 = 209.5 KiB; hd64: 121.5 KiB.
 
     bwd_pass "dv" (S^T and dV only): K, the Q ring, the dO ring and LSE (no V, dS, dQ staging, dPsum):
-    hd256 at one Q stage 64 + 64 + 64 + 0.5 = 192.5 KiB. "dkdq": every tile as "both" (dO is read by
-    dP^T only, through the same buffer): hd256 at one stage 64 x 4 + 32 + 32 + 1 = 321 KiB.
+    hd256 at one Q stage 64 + 64 + 64 + 0.5 = 192.5 KiB. "dkdq": V and dO as do_stages chunks of
+    BWD_VDO_COLS columns (they are read by dP^T only, which accumulates over the chunks): hd256
+    K 64 + Q 64 + V 8 + dO 8 + dS 32 + dQ staging 32 + LSE / dPsum 1 = 209 KiB (whole V and dO tiles:
+    64 x 4 + 32 + 32 + 1 = 321 KiB, bwd_smem_bytes(..., bwd_pass="dkdq_whole")).
 
     2-CTA (cta_group 2; bwd_smem_bytes_2cta): every MMA's B operand is split along N between the
     pair, so the operands the 1-CTA kernel reads through a second view of one buffer are loaded
@@ -123,6 +133,9 @@ def bwd_smem_bytes(headdim: int, hdim_v: int, tile_m: int = BWD_TILE_M, tile_n: 
     stats = (q_stages + do_stages) * tile_m * 4
     if bwd_pass == "dv":
         return k + q + do + q_stages * tile_m * 4
+    if bwd_pass == "dkdq":
+        v = do_stages * tile_n * BWD_VDO_COLS * elt
+        do = do_stages * tile_m * BWD_VDO_COLS * elt
     return k + v + q + do + ds + dq + stats
 
 
@@ -397,9 +410,10 @@ def bwd_dq_passes(headdim: int, cta_group: int = 1) -> int:
     cols = headdim // cta_group
     if cols <= DQ_MAX_LIVE_COLS:
         return 1
-    if cols % DQ_PASS_COLS:
+    pass_cols = DQ_PASS_COLS if cols <= DQ_WIDE_ROW_COLS else DQ_PASS_COLS_WIDE
+    if cols % pass_cols:
         raise ValueError(f"no dQ read-out pass split for {cols} columns")
-    return cols // DQ_PASS_COLS
+    return cols // pass_cols
 
 
 def bwd_q_stages(headdim: int, hdim_v: int, bwd_pass: str = "both") -> int:
@@ -542,12 +556,23 @@ def bwd_pipeline_specs(cfg) -> dict:
           "the tile's dV and dK are final -> compute epilogue (never released: one tile per CTA)",
           waited_empty=False),
     ]
+    if bwd_pass(cfg) == "dkdq":
+        # V and dO stream through the do ring in BWD_VDO_COLS-column chunks (dP^T only); K alone on kv
+        specs = [dataclasses.replace(s, note=BWD_PASS_DKDQ_NOTE.get(s.name, s.note)) for s in specs]
     if bwd_pass(cfg) == "dv":
         # S^T and dV only: no dP^T, dS^T, dQ; K alone on kv (V is not read); dO read by dV alone
         drop = ("dpsum", "dp", "ds", "dq")
         specs = [dataclasses.replace(s, note=BWD_PASS_DV_NOTE.get(s.name, s.note)) for s in specs if s.name not in drop]
     return {s.name: s for s in specs}
 
+
+BWD_PASS_DKDQ_NOTE = {
+    "kv": "K of the CTA's key tile, once (pass dkdq: V streams through the do ring); never released",
+    "do": "pass dkdq: chunk c of V (the key tile's) and of dO[m] (BWD_VDO_COLS columns each), the A and B "
+          "of dP^T's k-blocks of that chunk; released by the commit after them",
+    "s": "S^T ready -> compute; S^T read -> mma (pass dkdq: P^T stays in registers)",
+    "dkv": "the tile's dK is final -> compute epilogue (pass dkdq; never released)",
+}
 
 BWD_PASS_DV_NOTE = {
     "kv": "K of the CTA's key tile, once (pass dv: V is not read); never released",
