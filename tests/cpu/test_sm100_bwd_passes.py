@@ -1,7 +1,7 @@
 """hd256 backward on sm100 as two passes over each key tile (issue 23; docs/design/sm100_backward.md
 section 10.4; compile-verified, not run on hardware): the plan (bwd_pass: TMEM maps, smem, pipelines,
-the refusals) and the compile of pass "dv" (S^T and dV += P^T dO only) with its SASS gates. Pass
-"dkdq" is planned (its TMEM map) but not built: its tiles do not fit shared memory."""
+register plans, the refusals, the host's pass list) and the compile of both passes with their SASS
+gates: "dv" (S^T and dV += P^T dO only) and "dkdq" (S^T, dP^T over V / dO chunks, dS^T, dK, dQ)."""
 
 import itertools
 import re
@@ -9,11 +9,11 @@ import types
 
 import pytest
 
-from flash4.config.sm100 import (BWD_SMEM_BUDGET, Sm100BwdConfig, bwd_config_problem, bwd_pipeline_specs,
+from flash4.config.sm100 import (BWD_SMEM_BUDGET, Sm100BwdConfig, bwd_config_problem, bwd_passes, bwd_pipeline_specs,
                                  bwd_register_plan, bwd_tmem_alloc_cols, bwd_tmem_map, select_bwd_config,
-                                 shipped_bwd_configs)
-from flash4.kernels.sm100.bwd_plan import (BWD_PASS_MMAS, SM100_BWD_TWO_PASS_PAIRS, bwd_p_barrier, bwd_pass_mmas,
-                                           bwd_pass_tmem_problem, bwd_serial_schedule, bwd_smem_bytes,
+                                 shipped_bwd_configs, two_pass_bwd_configs)
+from flash4.kernels.sm100.bwd_plan import (BWD_PASS_MMAS, BwdRegisterPlan, BWD_VDO_COLS, DQ_GROUP_ROWS, bwd_dq_passes, bwd_p_barrier,
+                                           bwd_pass_mmas, bwd_pass_tmem_problem, bwd_serial_schedule, bwd_smem_bytes,
                                            bwd_tmem_aliases, bwd_tmem_map_pass, bwd_tmem_overlaps)
 from flash4.kernels.sm100.plan import TMEM_COLUMNS
 
@@ -24,14 +24,13 @@ def dv_cfg(dtype="bf16", mask="full", **kw):
     return select_bwd_config(256, dtype, bwd_pass="dv", **MASKS[mask], **kw)
 
 
-def dkdq_plan():
-    """A stand-in for pass dkdq's config (Sm100BwdConfig refuses it: smem), for the pure plan functions."""
-    return types.SimpleNamespace(headdim=256, hdim_v=256, tile_m=128, tile_n=128, cta_group=1, q_stages=1,
-                                 do_stages=1, bwd_pass="dkdq")
+def dkdq_plan(dtype="bf16", mask="full", **kw):
+    return select_bwd_config(256, dtype, bwd_pass="dkdq", **MASKS[mask], **kw)
 
 
 def _check_map(cfg):
-    m = bwd_tmem_map(cfg) if isinstance(cfg, Sm100BwdConfig) else bwd_tmem_map_pass(cfg)
+    m = bwd_tmem_map(cfg)
+    assert m == bwd_tmem_map_pass(cfg)
     assert all(0 <= s and s + n <= TMEM_COLUMNS for s, n in m.values())
     declared = {frozenset(p) for p in bwd_tmem_aliases(cfg) + bwd_tmem_overlaps(cfg)}
     for (a, (sa, na)), (b, (sb, nb)) in itertools.combinations(m.items(), 2):
@@ -63,7 +62,8 @@ def test_pass_dkdq_tmem_map():
                  "dS1": (448, 32)}
     assert bwd_tmem_overlaps(cfg) == ()  # S^T and dP^T side by side (P^T is not an MMA operand here)
     assert not bwd_p_barrier(cfg) and bwd_serial_schedule(cfg)  # dQ over S and dP: S(i+1) after dQ(i) read out
-    assert set(m) - {"dS0", "dS1"} == set(BWD_PASS_MMAS["dkdq"]) - {"dV"}
+    assert set(m) - {"dS0", "dS1"} == set(BWD_PASS_MMAS["dkdq"]) == set(bwd_pass_mmas(cfg))
+    assert bwd_tmem_alloc_cols(cfg) == 512
 
 
 def test_passes_cover_every_accumulator_once():
@@ -78,8 +78,14 @@ def test_pass_tmem_and_smem_arithmetic():
     assert bwd_smem_bytes(256, 256, q_stages=1, bwd_pass="dv") == (64 + 64 + 64) * 1024 + 512
     assert bwd_smem_bytes(256, 256, q_stages=2, bwd_pass="dv") > BWD_SMEM_BUDGET  # so one Q stage
     assert dv_cfg().q_stages == 1 and dv_cfg().smem_bytes() <= BWD_SMEM_BUDGET
-    # dkdq: K, V, Q, dO 64 KiB each + dS 32 + dQ staging 32 + LSE / dPsum 1
-    assert bwd_smem_bytes(256, 256, q_stages=1, bwd_pass="dkdq") == 321 * 1024 > BWD_SMEM_BUDGET
+    # dkdq with whole V and dO tiles (the one-kernel arithmetic): K, V, Q, dO 64 KiB each + dS 32 + dQ
+    # staging 32 + LSE / dPsum 1 does not fit; with V and dO as one 32-column chunk each: 209 KiB
+    assert bwd_smem_bytes(256, 256, q_stages=1) == 321 * 1024 > BWD_SMEM_BUDGET
+    assert BWD_VDO_COLS == 32
+    assert bwd_smem_bytes(256, 256, q_stages=1, bwd_pass="dkdq") == 209 * 1024 == dkdq_plan().smem_bytes()
+    assert bwd_smem_bytes(256, 256, q_stages=2, bwd_pass="dkdq") > BWD_SMEM_BUDGET and dkdq_plan().q_stages == 1
+    # dQ rows of 256 columns leave the reduce warps in 32-column passes (hd192: 64)
+    assert bwd_dq_passes(256) == 8 and bwd_dq_passes(192) == 3
 
 
 def test_pass_dv_pipelines():
@@ -88,8 +94,14 @@ def test_pass_dv_pipelines():
     assert specs["q"].full_arrivals() == 1 and specs["s"].empty_arrivals() == 8  # compute: one elected lane per warp
     full = bwd_pipeline_specs(select_bwd_config(128))
     for name, spec in specs.items():  # the same parties and counts as the one-kernel pipelines
-        assert (spec.producers, spec.consumers, spec.stages, spec.waited_empty) == (
-            full[name].producers, full[name].consumers, spec.stages, full[name].waited_empty)
+        assert (spec.producers, spec.consumers, spec.waited_empty) == (
+            full[name].producers, full[name].consumers, full[name].waited_empty)
+    dkdq = bwd_pipeline_specs(dkdq_plan())
+    assert list(dkdq) == list(full)  # every pipeline; do carries the V / dO chunks
+    assert "chunk" in dkdq["do"].note and dkdq["do"].stages == 1
+    for name, spec in dkdq.items():
+        assert (spec.producers, spec.consumers, spec.waited_empty) == (
+            full[name].producers, full[name].consumers, full[name].waited_empty)
 
 
 def test_select_and_refusals():
@@ -97,27 +109,33 @@ def test_select_and_refusals():
         cfg = dv_cfg(dt, mask, deterministic=det)
         assert (cfg.headdim, cfg.hdim_v, cfg.bwd_pass, cfg.cta_group, cfg.q_stages) == (256, 256, "dv", 1, 1)
         assert bwd_register_plan(cfg).per_warpgroup() == (152, 136, 136, 88)
-    with pytest.raises(ValueError, match="pass dkdq at .* needs 328704 bytes of smem"):
-        select_bwd_config(256, bwd_pass="dkdq")
-    with pytest.raises(ValueError, match="only \"dv\" is built"):
-        select_bwd_config(256)  # one kernel: dK + dV fill TMEM
+        kq = dkdq_plan(dt, mask, deterministic=det)
+        assert (kq.bwd_pass, kq.q_stages, kq.do_stages) == ("dkdq", 1, 1)
+        assert bwd_register_plan(kq).per_warpgroup() == (128, 152, 152, 80)
+        # the default (the API's selection) is the dkdq config; the host launches dv, then dkdq
+        both = select_bwd_config(256, dt, mask == "causal", local=mask == "window", deterministic=det)
+        assert both == kq and bwd_passes(both) == (cfg, kq) == bwd_passes(cfg)
+    assert bwd_passes(select_bwd_config(128)) == (select_bwd_config(128),)
+    assert len(two_pass_bwd_configs()) == 24
     with pytest.raises(ValueError, match="two-pass backward is built for"):
         select_bwd_config(128, bwd_pass="dv")
     with pytest.raises(ValueError, match="softcap"):
         dv_cfg(softcap=True)
+    with pytest.raises(ValueError, match="two_cta"):
+        select_bwd_config(256, two_cta=True)
     with pytest.raises(ValueError, match="runs as two passes"):
         Sm100BwdConfig(headdim=256, q_stages=1)
-    assert "bwd_pass='x'" in bwd_config_problem(types.SimpleNamespace(**{**vars(dkdq_plan()), "bwd_pass": "x",
-                                                                        "arch": 100, "headdim_v": None,
-                                                                        "dtype": "bf16"}))
+    with pytest.raises(ValueError, match="bwd_pass='x'"):
+        Sm100BwdConfig(headdim=256, q_stages=1, bwd_pass="x")
     assert all(c.bwd_pass == "both" for c in shipped_bwd_configs())
 
 
 # ---------------------------------------------------------------- compile (CPU, sm_100a)
-DV_CONFIGS = [dv_cfg(dt, mask) for dt, mask in (("bf16", "full"), ("bf16", "causal"), ("fp16", "full"),
-                                                 ("fp16", "causal"), ("bf16", "window"))]
-DV_CONFIGS.append(dv_cfg("bf16", "causal", deterministic=True))
-DV_IDS = [f"d256-dv-{c.dtype}-{'causal' if c.causal else 'window' if c.local else 'full'}"
+COMBOS = (("bf16", "full", False), ("bf16", "causal", False), ("fp16", "full", False), ("fp16", "causal", False),
+          ("bf16", "window", False), ("fp16", "window", False), ("bf16", "causal", True), ("bf16", "window", True))
+DV_CONFIGS = [dv_cfg(dt, mask, deterministic=det) for dt, mask, det in COMBOS[:5] + COMBOS[6:7]]
+DV_CONFIGS += [dkdq_plan(dt, mask, deterministic=det) for dt, mask, det in COMBOS]
+DV_IDS = [f"d256-{c.bwd_pass}-{c.dtype}-{'causal' if c.causal else 'window' if c.local else 'full'}"
           + ("-det" if c.deterministic else "") for c in DV_CONFIGS]
 
 
@@ -132,7 +150,7 @@ def sass_count(sass: str, opcode: str) -> int:
     return len(re.findall(rf"\b{re.escape(opcode)}\b", sass))
 
 
-@pytest.mark.parametrize("name", DV_IDS)
+@pytest.mark.parametrize("name", [n for n in DV_IDS if "-dv-" in n])
 def test_pass_dv_compiles_with_its_gates(built, name):
     cfg, cpu_s, ptx, row, sass = built[name]
     assert ".target sm_100a" in ptx
@@ -160,6 +178,48 @@ def test_pass_dv_compiles_with_its_gates(built, name):
     assert row["spills"] == 0 and sass_count(sass, "LDL") == 0 and sass_count(sass, "STL") == 0
     assert row["stack_bytes"] == 0
     assert sass_count(sass, "REDG.E.ADD.STRONG.GPU") == 0  # deterministic: nothing to order without dQ
+    count = lambda pattern: len(re.findall(pattern, ptx))  # noqa: E731
+    assert (count(r"\btcgen05\.mma\b"), count(r"\btcgen05\.commit\b"), count(r"\btcgen05\.ld\b"),
+            count(r"\btcgen05\.st\b")) == (row["utchmma"], row["utcbar"], row["ldtm"], row["sttm"])
+    assert count(r"cta_group::2") == 0
+
+
+@pytest.mark.parametrize("name", [n for n in DV_IDS if "-dkdq-" in n])
+def test_pass_dkdq_compiles_with_its_gates(built, name):
+    cfg, cpu_s, ptx, row, sass = built[name]
+    assert ".target sm_100a" in ptx
+    d, dv, tm, tn = cfg.headdim, cfg.hdim_v, cfg.tile_m, cfg.tile_n
+    plan = bwd_register_plan(cfg)
+    got = sorted((kind, int(n)) for kind, n in re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+);", ptx))
+    # the reduce warpgroup's 128 is the launch budget: a setmaxnreg.dec to the same count (BwdRegisterPlan)
+    kind = lambda regs: "inc" if BwdRegisterPlan.is_increase(regs) else "dec"  # noqa: E731
+    assert got == sorted((kind(r), r) for r in (plan.reduce, plan.compute, plan.other))
+    assert plan.reduce == 128 and kind(plan.reduce) == "dec"
+    cols = []
+    for reg in re.findall(r"tcgen05\.alloc\.[\w:.]+\s+\[[^\]]+\],\s*(%r\d+);", ptx):
+        cols += [int(v) for v in re.findall(rf"mov\.b32\s+{re.escape(reg)},\s*(\d+);", ptx)]
+    assert cols == [bwd_tmem_alloc_cols(cfg)]
+    if not row:
+        pytest.skip("cuobjdump not installed: SASS not checked")
+    # S^T (D / 16 k-blocks), dP^T per V / dO chunk (the first chunk and the rolled loop over the others:
+    # 2 code sites of BWD_VDO_COLS / 16), dK (tile_m / 16), dQ (tile_n / 16); no dV
+    assert row["utchmma"] == d // 16 + 2 * (BWD_VDO_COLS // 16) + tm // 16 + tn // 16 and row["utchmma_2cta"] == 0
+    # S ready, Q release, the chunk releases (2 sites), dP ready, dQ ready, dS consumed, dK final
+    assert row["utcbar"] == 8
+    # S^T, dP^T (2 x 32 columns each), the dK epilogue, dQ read in 32-column passes per group of rows
+    assert row["ldtm"] == 4 + d // 32 + (32 // DQ_GROUP_ROWS) * d // 32
+    assert row["sttm"] == 2  # dS^T only (P^T stays in registers)
+    assert sass_count(sass, "UBLKRED.G.S.ADD.F32") == 32 // DQ_GROUP_ROWS
+    assert sass_count(sass, "BRA.U.ANY") == 0
+    assert sass_count(sass, "UBLKCP.S.G") == 2  # LSE and dPsum rows
+    assert row["utmaldg"] == d // 64 + d // 64 + 2  # K, Q boxes of 64 columns; one V and one dO chunk box
+    assert sass_count(sass, "REDG.E.ADD.STRONG.GPU") == int(cfg.deterministic)
+    assert sass_count(sass, "LDG.E.STRONG.GPU") == 2 * int(cfg.deterministic)
+    assert row["mufu_ex2"] == tm // 2 and row["mufu_tanh"] == 0
+    assert row["utcatomsws"] == 3
+    assert row["hgmma"] == 0
+    assert row["spills"] == 0 and sass_count(sass, "LDL") == 0 and sass_count(sass, "STL") == 0
+    assert row["stack_bytes"] == 0
     count = lambda pattern: len(re.findall(pattern, ptx))  # noqa: E731
     assert (count(r"\btcgen05\.mma\b"), count(r"\btcgen05\.commit\b"), count(r"\btcgen05\.ld\b"),
             count(r"\btcgen05\.st\b")) == (row["utchmma"], row["utcbar"], row["ldtm"], row["sttm"])

@@ -30,7 +30,7 @@ from flash4.kernels.sm100.bwd_plan import (  # noqa: F401  (the backward's plan)
     default_bwd_register_plan,
     BWD_Q_STAGES_2CTA, SM100_BWD_2CTA_HEADDIMS, default_bwd_register_plan_2cta,
     SM100_BWD_HEADDIM_PAIRS, bwd_q_stages, bwd_serial_problem, bwd_serial_schedule, bwd_tmem_problem,
-    BWD_PASSES, SM100_BWD_TWO_PASS_PAIRS, bwd_pass_tmem_problem,
+    BWD_PASSES, SM100_BWD_TWO_PASS_PAIRS, BWD_TWO_PASS_ORDER, bwd_pass_tmem_problem, default_bwd_register_plan_pass,
 )
 from flash4.kernels.sm100.plan import (  # noqa: F401  (the plan, re-exported for the config's users)
     ARCH, EXP2_EMU_FRAC, EXP2_EMU_FRAC_CAUSAL, EXP2_EMU_GROUP, exp2_emu_frac_for, IDLE_REGS, LAUNCH_REGS, MAX_KV_STAGES, NUM_THREADS, NUM_WARPS, Party, PipelineSpec,
@@ -353,10 +353,9 @@ class Sm100BwdConfig:
                  section 10). Compile-verified, not run on hardware.
     bwd_pass:    "both" (every config above: one kernel issues the five MMAs), or one pass of a two-pass
                  config (SM100_BWD_TWO_PASS_PAIRS: hd256, whose dK + dV take all 512 TMEM columns): "dv"
-                 (S^T, P^T, dV += P^T dO only; dV stored) or "dkdq" (S^T, dP^T, dS^T, dK, dQ; dK stored,
-                 dQ reduced). Built: "dv" (1-CTA, dense, no softcap, one Q stage: 192.5 KiB of smem);
-                 "dkdq" fits TMEM (dK 256 + S^T 128 + dP^T 128) but not smem (K, V, Q, dO 64 KiB each +
-                 dS 32 + dQ staging 32 = 321 KiB > 224): refused (bwd_config_problem).
+                 (S^T, P^T, dV += P^T dO only; dV stored; 192.5 KiB of smem) or "dkdq" (S^T, dP^T, dS^T,
+                 dK, dQ; dK stored, dQ reduced; V and dO streamed in 32-column chunks: 209 KiB). 1-CTA,
+                 dense, no softcap, one Q stage; the host runs both (bwd_passes).
                  docs/design/sm100_backward.md section 10.4. Compile-verified, not run on hardware.
     The remaining field mirrors flash4.config.BwdConfig so the host passes the same keys; it is not
     built on sm100 and a config with it set cannot be made (ValueError in __post_init__): dkv_accum
@@ -427,9 +426,8 @@ def _bwd_built_text(headdim: int) -> str:
     text = ("built: (D, Dv) in " + ", ".join(f"({d}, {dv})" for d, dv in SM100_BWD_HEADDIM_PAIRS)
             + " (compile-verified, not run on hardware)")
     if headdim == 256:
-        text += (f"; hd256 cannot fit tensor memory: {bwd_tmem_problem(256, 256)} (in one kernel); of its two passes "
-                 "(bwd_pass) only \"dv\" is built, \"dkdq\" does not fit shared memory: "
-                 f"{bwd_pass_smem_problem(256, 256, 'dkdq')} (docs/design/sm100_backward.md section 10.4)")
+        text += (f"; hd256 cannot fit tensor memory: {bwd_tmem_problem(256, 256)} (in one kernel), so it runs as "
+                 "two passes (bwd_pass \"dv\", \"dkdq\"; docs/design/sm100_backward.md section 10.4)")
     return text
 
 
@@ -552,14 +550,19 @@ def select_bwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, a
     flash4.config.sm90.select_bwd_config (the others ignored). two_cta: take the 2-CTA variant where it
     is built (bwd_two_cta_problem is None; otherwise the 1-CTA config); the host passes
     env.sm100_2cta() (FLASH4_SM100_2CTA, default off). bwd_pass: one pass of a two-pass config (hd256:
-    "dv" is built, "dkdq" raises: it does not fit shared memory); "both" (the default) raises at hd256."""
+    "dv" or "dkdq"; the default "both" gives the "dkdq" config there, which writes dK and dQ and names
+    the call in the self-test; bwd_passes(cfg) lists the configs the host launches, "dv" first)."""
     if arch != ARCH:
         raise ValueError(f"flash4.config.sm100 builds sm_100a kernels only, got arch={arch}")
     dv = headdim if headdim_v is None else headdim_v
-    if (headdim, dv) in SM100_BWD_TWO_PASS_PAIRS and bwd_pass != "both":
+    if (headdim, dv) in SM100_BWD_TWO_PASS_PAIRS:  # hd256: "both" means the dkdq pass (bwd_passes has both)
         if dtype not in DTYPES:
             raise ValueError(f"dtype={dtype!r}; allowed: {DTYPES}")
-        plan = default_bwd_register_plan(headdim, causal)
+        bwd_pass = "dkdq" if bwd_pass == "both" else bwd_pass
+        if two_cta or softcap:
+            raise ValueError(f"{'softcap' if softcap else 'two_cta'} at (headdim, headdim_v)=({headdim}, {dv}): the "
+                             "two-pass sm100 backward is 1-CTA, dense, without softcap")
+        plan = default_bwd_register_plan_pass(bwd_pass)
         return Sm100BwdConfig(headdim=headdim, dtype=dtype, causal=causal and not local, local=local,
                               deterministic=deterministic, softcap=softcap, bwd_pass=bwd_pass,
                               q_stages=bwd_q_stages(headdim, dv, bwd_pass),
@@ -591,6 +594,29 @@ def select_bwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, a
                           deterministic=deterministic, softcap=softcap, headdim_v=hdv,
                           q_stages=bwd_q_stages(headdim, dv),
                           regs_reduce=plan.reduce, regs_compute=plan.compute, regs_other=plan.other)
+
+
+def bwd_passes(cfg) -> tuple:
+    """The configs the host launches in sequence for `cfg`: (cfg,), or for a pass of a two-pass config
+    (hd256) the "dv" then the "dkdq" config of the same problem class (dV from the first, dK and dQ
+    from the second; the same preprocess, dQ accumulator and postprocess)."""
+    if cfg.bwd_pass == "both":
+        return (cfg,)
+    return tuple(_pass_config(cfg, p) for p in BWD_TWO_PASS_ORDER)
+
+
+def _pass_config(cfg, bwd_pass: str):
+    plan = default_bwd_register_plan_pass(bwd_pass)
+    return dataclasses.replace(cfg, bwd_pass=bwd_pass, regs_reduce=plan.reduce, regs_compute=plan.compute,
+                               regs_other=plan.other)
+
+
+def two_pass_bwd_configs() -> list:
+    """The hd256 pass configs (compile-checked in tests/cpu/test_sm100_bwd_passes.py, not in
+    shipped_bwd_configs' generic gates): bf16 / fp16 x (full, causal, window) x deterministic or not,
+    each as its "dv" and "dkdq" pass (24)."""
+    return [c for det in (False, True) for dt in DTYPES for causal, local in ((False, False), (True, False), (False, True))
+            for c in bwd_passes(select_bwd_config(256, dt, causal, local=local, deterministic=det))]
 
 
 def shipped_bwd_configs() -> list:
@@ -634,4 +660,5 @@ def bwd_plan(request, arch: int = ARCH, heads_per_cta: int | None = None):
     if seq.packed:  # 1-CTA only (the 2-CTA backward is dense)
         cfg = with_seq_layout(cfg, varlen_q=True, varlen_k=True, seqused_q=seq.seqused_q is not None,
                               seqused_k=seq.seqused_k is not None)
-    return BwdPlan(cfg, request.nheads // request.nheads_k)
+    passes = bwd_passes(cfg)  # hd256: the dv and dkdq passes (cfg is the dkdq one)
+    return BwdPlan(cfg, request.nheads // request.nheads_k, passes=passes if len(passes) > 1 else ())

@@ -58,6 +58,8 @@ BWD_PASSES = ("both", "dv", "dkdq")
 # BWD_VDO_COLS head-dim columns per step (dP^T accumulates over the chunks): K, Q (64 KiB each at
 # hd256), dS 32 and the dQ staging 32 leave no room for whole V and dO tiles (321 KiB).
 BWD_VDO_COLS = 32
+# Pass order of a two-pass backward (the host launches them in sequence; neither reads the other's output).
+BWD_TWO_PASS_ORDER = ("dv", "dkdq")
 # The MMAs and TMEM accumulators each pass issues / holds (bwd_pass_mmas).
 BWD_PASS_MMAS = {"both": ("S", "dP", "dV", "dK", "dQ"), "dv": ("S", "dV"), "dkdq": ("S", "dP", "dK", "dQ")}
 
@@ -201,6 +203,17 @@ def default_bwd_register_plan(headdim: int, causal: bool) -> BwdRegisterPlan:
     spills 10 too), so softcap at (192, 128) is not built (bwd_serial_problem)."""
     del headdim, causal
     return BwdRegisterPlan(152, 136, 88)
+
+
+def default_bwd_register_plan_pass(bwd_pass: str) -> BwdRegisterPlan:
+    """The budgets of a pass of a two-pass config (hd256). "dv": the 1-CTA 152 / 136 / 88 (0 spills; the
+    reduce warps idle). "dkdq": 128 / 152 / 80 -- its compute step (P kept in registers for dS, the
+    window's bounds, the coordinates computed after setmaxnreg) spilled at 136 (4 LDL / STL full fp16,
+    18 with a window at 144), its reduce warps (dQ read in 32-column passes) and its MMA / load warps
+    fit 128 and 80 (CuTe DSL 4.8.1, 2026-12-02: 0 spills for bf16 / fp16 x full / causal / window,
+    deterministic or not; tried and rejected: 152 / 136 / 88, 136 / 144 / 88, 144 / 144 / 80, 160 / 136 / 80,
+    152 / 128 / 104, 144 / 136 / 96, 136 / 136 / 104)."""
+    return BwdRegisterPlan(128, 152, 80) if bwd_pass == "dkdq" else BwdRegisterPlan(152, 136, 88)
 
 
 def default_bwd_register_plan_2cta(headdim: int, causal: bool) -> BwdRegisterPlan:
