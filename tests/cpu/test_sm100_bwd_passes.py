@@ -5,16 +5,15 @@ gates: "dv" (S^T and dV += P^T dO only) and "dkdq" (S^T, dP^T over V / dO chunks
 
 import itertools
 import re
-import types
 
 import pytest
 
-from flash4.config.sm100 import (BWD_SMEM_BUDGET, Sm100BwdConfig, bwd_config_problem, bwd_passes, bwd_pipeline_specs,
+from flash4.config.sm100 import (BWD_SMEM_BUDGET, Sm100BwdConfig, bwd_passes, bwd_pipeline_specs,
                                  bwd_register_plan, bwd_tmem_alloc_cols, bwd_tmem_map, select_bwd_config,
                                  shipped_bwd_configs, two_pass_bwd_configs)
-from flash4.kernels.sm100.bwd_plan import (BWD_PASS_MMAS, BwdRegisterPlan, BWD_VDO_COLS, DQ_GROUP_ROWS, bwd_dq_passes, bwd_p_barrier,
-                                           bwd_pass_mmas, bwd_pass_tmem_problem, bwd_serial_schedule, bwd_smem_bytes,
-                                           bwd_tmem_aliases, bwd_tmem_map_pass, bwd_tmem_overlaps)
+from flash4.kernels.sm100.bwd_plan import (BWD_PASS_MMAS, BWD_VDO_COLS, DQ_GROUP_ROWS, BwdRegisterPlan, bwd_dq_passes,
+                                           bwd_p_barrier, bwd_pass_mmas, bwd_pass_tmem_problem, bwd_serial_schedule,
+                                           bwd_smem_bytes, bwd_tmem_aliases, bwd_tmem_map_pass, bwd_tmem_overlaps)
 from flash4.kernels.sm100.plan import TMEM_COLUMNS
 
 MASKS = {"full": {}, "causal": {"causal": True}, "window": {"local": True}}

@@ -320,7 +320,7 @@ def gate_fwd_options(layout: str) -> dict:
 class Sm100BwdConfig:
     """One compiled sm100 backward kernel (the compile-cache key). Compile-verified, not run on hardware.
 
-    headdim:     D of Q/K (64, 128, 192: SM100_BWD_HEADDIM_PAIRS; V's is headdim_v).
+    headdim:     D of Q/K (64, 128, 192: SM100_BWD_HEADDIM_PAIRS; 256 as two passes: bwd_pass; V's is headdim_v).
     dtype:       "bf16" or "fp16".
     causal:      bottom-right aligned causal mask.
     tile_m:      queries per step (S^T columns, 128); tile_n: keys per CTA (TMEM lanes, 128).
@@ -545,8 +545,9 @@ def select_bwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, a
     """The sm100 backward config for one problem class (pure; CPU-tested): hd64 / hd128 and (192, 128)
     (headdim_v=128: the serial schedule, no softcap), bf16 / fp16, causal or not, a sliding window
     (local: causal folded in), deterministic or not, softcap or not, dense, MHA and GQA/MQA (one CTA
-    per KV head walks its query heads). Raises ValueError naming what is missing for everything else
-    (another head dim, e.g. hd256 with its TMEM arithmetic; another Dv; softcap at (192, 128)). Same arguments as
+    per KV head walks its query heads), and hd256 as two passes (1-CTA, dense, no softcap). Raises ValueError
+    naming what is missing for everything else (another head dim; another Dv; softcap at (192, 128) or hd256).
+    Same arguments as
     flash4.config.sm90.select_bwd_config (the others ignored). two_cta: take the 2-CTA variant where it
     is built (bwd_two_cta_problem is None; otherwise the 1-CTA config); the host passes
     env.sm100_2cta() (FLASH4_SM100_2CTA, default off). bwd_pass: one pass of a two-pass config (hd256:
@@ -615,7 +616,8 @@ def two_pass_bwd_configs() -> list:
     """The hd256 pass configs (compile-checked in tests/cpu/test_sm100_bwd_passes.py, not in
     shipped_bwd_configs' generic gates): bf16 / fp16 x (full, causal, window) x deterministic or not,
     each as its "dv" and "dkdq" pass (24)."""
-    return [c for det in (False, True) for dt in DTYPES for causal, local in ((False, False), (True, False), (False, True))
+    masks = ((False, False), (True, False), (False, True))
+    return [c for det in (False, True) for dt in DTYPES for causal, local in masks
             for c in bwd_passes(select_bwd_config(256, dt, causal, local=local, deterministic=det))]
 
 

@@ -47,10 +47,12 @@ them (bwd_p_barrier); the reduce warps read each thread's 192 dQ columns in pass
 (bwd_dq_passes); one Q stage (217 KiB of smem). docs/design/sm100_backward.md section 10.
 
 hd256 (two passes over each key tile, cfg.bwd_pass; docs/design/sm100_backward.md section 10.4): dK + dV
-alone fill the 512 TMEM columns, so pass "dv" (built) keeps dV (256 columns) and S^T (P^T inside) and
-issues only S^T = K Q^T and dV += P^T dO per step (mma_dv_pass; no V, dP^T, dS^T, dQ: the reduce warps
-idle, the compute warps write P^T only and warpgroup 0 stores dV); pass "dkdq" (dK, S^T, dP^T, dQ over
-them) fits TMEM but not shared memory (321 KiB of tiles) and is not built.
+alone fill the 512 TMEM columns, so pass "dv" keeps dV (256 columns) and S^T (P^T inside) and issues
+only S^T = K Q^T and dV += P^T dO per step (mma_dv_pass; no V, dP^T, dS^T, dQ: the reduce warps idle,
+the compute warps write P^T only and warpgroup 0 stores dV); pass "dkdq" keeps dK, S^T and dP^T side by
+side with dQ over them (mma_serial's order without dV; P^T stays in registers), streams V and dO
+through the do ring in BWD_VDO_COLS-column chunks (whole tiles would need 321 KiB of smem) and reads
+dQ out in 32-column passes; warpgroup 1 stores dK. The host launches both (flash4.backward).
 
 Not built (refused by flash4.config.sm100.select_bwd_config): head dims other than 64 / 128 / (192, 128)
 (hd256: one of its two passes), other Dv != D, softcap at (192, 128), packed
@@ -83,7 +85,8 @@ from flash4.kernels.common.geometry import DEVICE_OPS
 from flash4.kernels.common.layout import select_modes
 from flash4.kernels.common.pipeline import next_state
 from flash4.kernels.common.seqinfo import SeqInfo
-from flash4.kernels.sm100.bwd_plan import (BWD_VDO_COLS, BWD_WARP_ROLES, DQ_GROUP_ROWS, DQ_LD_COLS, BwdRegisterPlan, bwd_dq_passes,
+from flash4.kernels.sm100.bwd_plan import (BWD_VDO_COLS, BWD_WARP_ROLES, DQ_GROUP_ROWS, DQ_LD_COLS, BwdRegisterPlan,
+                                           bwd_dq_passes,
                                            bwd_p_barrier, bwd_pass, bwd_pipeline_specs, bwd_register_plan,
                                            bwd_serial_schedule, bwd_tmem_alloc_cols, bwd_tmem_map, bwd_warp_roles)
 from flash4.kernels.sm100.pipes import (ArrivalLedger, Pipe, named_barrier_arrive, named_barrier_sync, tcgen05_fence_after,
@@ -832,8 +835,8 @@ class FlashAttentionBackwardSm100:
                 head, m_block = self.step_coords(tile, i)
                 tSgQ = thr_s.partition_B(cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.hdim), (None, 0)))
                 if const_expr(self.dkdq_pass):
-                    tPgdO = thr_dp.partition_B(cute.local_tile(mdO[None, None, head, batch], (self.tile_m, self.vdo_cols),
-                                                               (None, None)))
+                    tPgdO = thr_dp.partition_B(cute.local_tile(mdO[None, None, head, batch],
+                                                               (self.tile_m, self.vdo_cols), (None, None)))
                 else:
                     tPgdO = thr_dp.partition_B(cute.local_tile(mdO[None, None, head, batch], (self.tile_m, self.hdim_v),
                                                                (None, 0)))
@@ -1449,7 +1452,8 @@ class FlashAttentionBackwardSm100:
                     cute.arch.fence_view_async_tmem_load()
                     self.dscores(ps[j], dp, t0ScS, sD, d_state.index, col, softmax_scale, sLSE, lse_state.index,
                                  inv_scale_log2)
-                    ds16 = self.store16(dp, thr_st, cute.make_tensor(ds_dst.iterator + j * st_cols, ds_dst.layout), st_shape)
+                    ds16 = self.store16(dp, thr_st, cute.make_tensor(ds_dst.iterator + j * st_cols, ds_dst.layout),
+                                        st_shape)
                     if const_expr(self.two_cta):
                         cute.copy(r2s, ds16[None, 0, 0], tsdS_part[None, 0, 0, ds_chunk0 + j])
                     else:

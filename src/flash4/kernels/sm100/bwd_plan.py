@@ -41,11 +41,13 @@ BWD_ROLE_WARPS = {role: len(w) for role, w in BWD_WARP_ROLES_2CTA.items()}
 def bwd_warp_roles(cta_group: int = 1) -> dict:
     """The warp-role table of a config's cta_group (1: BWD_WARP_ROLES; 2: BWD_WARP_ROLES_2CTA)."""
     return BWD_WARP_ROLES_2CTA if cta_group == 2 else BWD_WARP_ROLES
-# Head dims the 1-CTA backward is built for with Dv = D (FA4's 1-CTA maps in BLACKWELL.md's table).
+# Head dims the 1-CTA backward is built for with Dv = D in one kernel (FA4's 1-CTA maps in BLACKWELL.md's
+# table; hd256: SM100_BWD_TWO_PASS_PAIRS).
 SM100_BWD_HEADDIMS = (64, 128)
 # Every (D, Dv) the backward is built for: Dv = D at 64 / 128, and DeepSeek's (192, 128) with the
 # serial schedule (bwd_serial_schedule: dK + dV take 320 of the 512 TMEM columns, S and dP share the
-# other 192). hd256 cannot fit (bwd_tmem_problem): dK + dV alone are 512 columns.
+# other 192). hd256 cannot fit one kernel (bwd_tmem_problem): dK + dV alone are 512 columns; it runs as
+# two passes (SM100_BWD_TWO_PASS_PAIRS).
 SM100_BWD_HEADDIM_PAIRS = ((64, 64), (128, 128), (192, 128))
 # (D, Dv) the backward takes as two passes over each key tile (bwd_pass, docs/design/sm100_backward.md
 # section 10.4): dK + dV (512 columns at hd256) cannot be resident together, so pass "dv" keeps dV with
@@ -119,7 +121,7 @@ def bwd_smem_bytes(headdim: int, hdim_v: int, tile_m: int = BWD_TILE_M, tile_n: 
     hd256 at one Q stage 64 + 64 + 64 + 0.5 = 192.5 KiB. "dkdq": V and dO as do_stages chunks of
     BWD_VDO_COLS columns (they are read by dP^T only, which accumulates over the chunks): hd256
     K 64 + Q 64 + V 8 + dO 8 + dS 32 + dQ staging 32 + LSE / dPsum 1 = 209 KiB (whole V and dO tiles:
-    64 x 4 + 32 + 32 + 1 = 321 KiB, bwd_smem_bytes(..., bwd_pass="dkdq_whole")).
+    64 x 4 + 32 + 32 + 1 = 321 KiB, the "both" arithmetic).
 
     2-CTA (cta_group 2; bwd_smem_bytes_2cta): every MMA's B operand is split along N between the
     pair, so the operands the 1-CTA kernel reads through a second view of one buffer are loaded
