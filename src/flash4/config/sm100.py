@@ -560,9 +560,9 @@ def select_bwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, a
         if dtype not in DTYPES:
             raise ValueError(f"dtype={dtype!r}; allowed: {DTYPES}")
         bwd_pass = "dkdq" if bwd_pass == "both" else bwd_pass
-        if two_cta or softcap:
-            raise ValueError(f"{'softcap' if softcap else 'two_cta'} at (headdim, headdim_v)=({headdim}, {dv}): the "
-                             "two-pass sm100 backward is 1-CTA, dense, without softcap")
+        if softcap:  # two_cta falls back to the 1-CTA passes, as at (192, 128)
+            raise ValueError(f"softcap at (headdim, headdim_v)=({headdim}, {dv}): the two-pass sm100 backward is "
+                             "1-CTA, dense, without softcap")
         plan = default_bwd_register_plan_pass(bwd_pass)
         return Sm100BwdConfig(headdim=headdim, dtype=dtype, causal=causal and not local, local=local,
                               deterministic=deterministic, softcap=softcap, bwd_pass=bwd_pass,
