@@ -167,7 +167,8 @@ def launch(request: Request, dout, out, lse, lse_split, dlse, dq, dk, dv, delta=
     # dq_handoff_per_wg), or the sm80 dQ MMA's register order (dq_coalesced)
     postprocess = get_bwd_postprocess_runner(headdim, cfg.dtype, cfg.arch, varlen=packed,
                                              wide_stores=postprocess_wide_stores(), **dq_postprocess_kwargs(cfg))
-    run_kernel = get_bwd_runner(cfg)
+    # the main kernel: cfg, or (sm100 hd256) its passes in sequence, each writing its part (dV; dK and dQ)
+    run_kernels = [get_bwd_runner(c) for c in (plan.passes or (cfg,))]
     hi, lo = kernel_view(lse_split[0]), kernel_view(lse_split[1])
     preprocess(kernel_view(_kernel_ready(out)), kernel_view(dout), hi, lo, dpsum, lse_log2, tile_flags[1], dq_accum,
                tile_m, row_index)
@@ -180,11 +181,12 @@ def launch(request: Request, dout, out, lse, lse_split, dlse, dq, dk, dv, delta=
         # the kernel writes the rows of every sequence; the others (past cu_seqlens_k[-1] or seqused_k) stay 0
         dk.zero_()
         dv.zero_()
-    run_kernel(kernel_view(_kernel_ready(q)), kernel_view(_kernel_ready(k)), kernel_view(_kernel_ready(v)),
-               kernel_view(dout), lse_log2, dpsum, dq_accum, kernel_view(dk_out), kernel_view(dv_out), tile_flags[0],
-               tile_flags[1], hi, lo, request.score.softmax_scale, window=request.mask.window,
-               softcap=request.score.softcap, heads_per_cta=plan.heads_per_cta, dkv_semaphore=dkv_sem,
-               delta=delta_rows, **sequences)
+    for run_kernel in run_kernels:
+        run_kernel(kernel_view(_kernel_ready(q)), kernel_view(_kernel_ready(k)), kernel_view(_kernel_ready(v)),
+                   kernel_view(dout), lse_log2, dpsum, dq_accum, kernel_view(dk_out), kernel_view(dv_out),
+                   tile_flags[0], tile_flags[1], hi, lo, request.score.softmax_scale, window=request.mask.window,
+                   softcap=request.score.softcap, heads_per_cta=plan.heads_per_cta, dkv_semaphore=dkv_sem,
+                   delta=delta_rows, **sequences)
     finish_dkv()
     if delta is not None:
         _fill_delta(delta, delta_rows, dout, out, packed, row_index)

@@ -137,6 +137,22 @@ def test_headdim_192_v128(case):
     assert all(err > 0 for err, _ in e.values())
 
 
+@pytest.mark.parametrize("case", [(1, 200, 333, 2, 1, False, torch.bfloat16, None),
+                                  (1, 300, 131, 2, 1, True, torch.float16, None),
+                                  (1, 257, 200, 2, 2, False, torch.bfloat16, (45, 7))],
+                         ids=lambda c: f"sq{c[1]}-sk{c[2]}-h{c[3]}/{c[4]}-{'causal' if c[5] else 'full'}-"
+                                       f"{str(c[6])[-8:]}" + ("-window" if c[7] else ""))
+def test_headdim_256_two_passes(case):
+    """hd256, the two passes (docs/design/sm100_backward.md section 10.4): pass dv computes S^T, P^T and
+    dV as the one-kernel steps 1-4 and 6; pass dkdq recomputes S^T from the same operands in the same
+    k-steps (bitwise the same P^T), accumulates dP^T over its 32-column V / dO chunks in the same
+    k-step order as one MMA, and moves the same fp32 dQ values in 32-column read-out passes. So the
+    one-kernel model at D = 256 is both passes' arithmetic; checked within the 2x rule."""
+    b, sq, sk, h, hk, causal, dtype, window = case
+    e, _ = check(*make_case(b, sq, sk, h, hk, 256, dtype=dtype, seed=sq + sk), causal, window_size=window)
+    assert all(err > 0 for err, _ in e.values())
+
+
 @pytest.mark.parametrize("variant", [dict(mma_k=None), dict(dq_order="reverse"),
                                      dict(dq_order=7), dict(tile_m=64, tile_n=64)],
                          ids=lambda v: ",".join(f"{k}={x}" for k, x in v.items()))

@@ -431,8 +431,9 @@ def test_backward_launch_requires_the_selftest(sm100_device, monkeypatch):
 
 def test_training_192_128_and_hd256_at_the_door(sm100_device, monkeypatch):
     """(192, 128) training passes the door behind the backward's self-test (the serial 1-CTA backward:
-    compile-verified, not run on hardware); softcap there and hd256 (its dK + dV accumulators alone
-    fill the 512 TMEM columns) are refused by name before any launch."""
+    compile-verified, not run on hardware); softcap there is refused by name before any launch. hd256
+    (its dK + dV accumulators alone fill the 512 TMEM columns) trains as two passes: the door asks the
+    self-test about its "dkdq" config (whose self-test runs flash_attn_func's whole backward)."""
     asked = verdicts(monkeypatch, ok=True)
     q, k, _ = qkv(d=192, requires_grad=True)
     v = torch.randn(1, 300, 4, 128).to(BF16).requires_grad_()
@@ -442,9 +443,33 @@ def test_training_192_128_and_hd256_at_the_door(sm100_device, monkeypatch):
     text = validate.support_error(q, k, v, softcap=5.0)
     assert "no backward for this call on sm_100" in text and "softcap at (headdim, headdim_v)=(192, 128)" in text
     q, k, v = qkv(d=256, requires_grad=True)
-    text = validate.support_error(q, k, v)
-    assert "no backward for this call on sm_100" in text and "hd256 cannot fit tensor memory" in text
-    with pytest.raises(NotImplementedError, match="dK \\+ dV take 256 \\+ 256 = 512"):
-        flash4.flash_attn_func(q, k, v)
+    assert validate.support_error(q, k, v, causal=True) is None
+    assert asked[-1] == sm100.select_bwd_config(256, "bf16", True) and asked[-1].bwd_pass == "dkdq"
+    text = validate.support_error(q, k, v, softcap=5.0)
+    assert "no backward for this call on sm_100" in text and "softcap at (headdim, headdim_v)=(256, 256)" in text
     with torch.no_grad():
         assert validate.support_error(q, k, v) is None  # the hd256 forward stays served
+
+
+def test_hd256_backward_launches_two_passes(sm100_device, monkeypatch):
+    """flash4.backward routes hd256 on sm100 to its two passes: the plan's passes (dv, then dkdq, the
+    plan's cfg), the gate asked about cfg, and one main-kernel launch per pass in that order between the
+    shared preprocess and postprocess (runners recorded: no compile, no launch)."""
+    import flash4.compile.cache as cache
+    from flash4 import backward
+
+    calls = []
+    monkeypatch.setattr(cache, "get_bwd_runner", lambda cfg: lambda *a, **kw: calls.append(("main", cfg)))
+    monkeypatch.setattr(cache, "get_bwd_preprocess_runner", lambda *a, **kw: lambda *a2, **kw2: calls.append("pre"))
+    monkeypatch.setattr(cache, "get_bwd_postprocess_runner", lambda *a, **kw: lambda *a2, **kw2: calls.append("post"))
+    asked = verdicts(monkeypatch, ok=True)
+    q, k, v = qkv(d=256)
+    request = Request.dense(q, k, v, causal=True)
+    plan = flash4.config.bwd_config(request, 100)
+    dv_cfg, dkdq_cfg = (sm100.select_bwd_config(256, "bf16", True, bwd_pass=p) for p in ("dv", "dkdq"))
+    assert plan.cfg == dkdq_cfg and plan.passes == (dv_cfg, dkdq_cfg)
+    assert flash4.config.bwd_config(Request.dense(*qkv()), 100).passes == ()  # one kernel elsewhere
+    out, dout, lse = torch.zeros_like(q), torch.randn_like(q), torch.zeros(1, 4, 300)
+    backward.run(request, dout, out, lse)
+    assert asked == [dkdq_cfg]
+    assert calls == ["pre", ("main", dv_cfg), ("main", dkdq_cfg), "post"]

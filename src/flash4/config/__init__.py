@@ -170,10 +170,13 @@ class FwdPlan:
 @dataclasses.dataclass(frozen=True)
 class BwdPlan:
     """What one backward call runs (a family's bwd_plan): the main kernel's config and the query
-    heads per CTA of the GQA/MQA head split (the whole group when not split)."""
+    heads per CTA of the GQA/MQA head split (the whole group when not split). passes: where the main
+    kernel runs as several configs in sequence (sm100 hd256: its "dv" and "dkdq" passes, cfg being the
+    last), those configs; empty otherwise (cfg alone)."""
 
     cfg: object
     heads_per_cta: int
+    passes: tuple = ()
 
 
 def fwd_config(request, arch: int, num_sms: int | None = None) -> FwdPlan:

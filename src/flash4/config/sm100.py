@@ -30,6 +30,7 @@ from flash4.kernels.sm100.bwd_plan import (  # noqa: F401  (the backward's plan)
     default_bwd_register_plan,
     BWD_Q_STAGES_2CTA, SM100_BWD_2CTA_HEADDIMS, default_bwd_register_plan_2cta,
     SM100_BWD_HEADDIM_PAIRS, bwd_q_stages, bwd_serial_problem, bwd_serial_schedule, bwd_tmem_problem,
+    BWD_PASSES, SM100_BWD_TWO_PASS_PAIRS, BWD_TWO_PASS_ORDER, bwd_pass_tmem_problem, default_bwd_register_plan_pass,
 )
 from flash4.kernels.sm100.plan import (  # noqa: F401  (the plan, re-exported for the config's users)
     ARCH, EXP2_EMU_FRAC, EXP2_EMU_FRAC_CAUSAL, EXP2_EMU_GROUP, exp2_emu_frac_for, IDLE_REGS, LAUNCH_REGS, MAX_KV_STAGES, NUM_THREADS, NUM_WARPS, Party, PipelineSpec,
@@ -319,7 +320,7 @@ def gate_fwd_options(layout: str) -> dict:
 class Sm100BwdConfig:
     """One compiled sm100 backward kernel (the compile-cache key). Compile-verified, not run on hardware.
 
-    headdim:     D of Q/K (64, 128, 192: SM100_BWD_HEADDIM_PAIRS; V's is headdim_v).
+    headdim:     D of Q/K (64, 128, 192: SM100_BWD_HEADDIM_PAIRS; 256 as two passes: bwd_pass; V's is headdim_v).
     dtype:       "bf16" or "fp16".
     causal:      bottom-right aligned causal mask.
     tile_m:      queries per step (S^T columns, 128); tile_n: keys per CTA (TMEM lanes, 128).
@@ -350,6 +351,12 @@ class Sm100BwdConfig:
     headdim_v:   Dv, None when it equals headdim; built: 128 with headdim 192 ((192, 128): the serial
                  1-CTA schedule, bwd_serial_schedule: q_stages 1, no softcap; docs/design/sm100_backward.md
                  section 10). Compile-verified, not run on hardware.
+    bwd_pass:    "both" (every config above: one kernel issues the five MMAs), or one pass of a two-pass
+                 config (SM100_BWD_TWO_PASS_PAIRS: hd256, whose dK + dV take all 512 TMEM columns): "dv"
+                 (S^T, P^T, dV += P^T dO only; dV stored; 192.5 KiB of smem) or "dkdq" (S^T, dP^T, dS^T,
+                 dK, dQ; dK stored, dQ reduced; V and dO streamed in 32-column chunks: 209 KiB). 1-CTA,
+                 dense, no softcap, one Q stage; the host runs both (bwd_passes).
+                 docs/design/sm100_backward.md section 10.4. Compile-verified, not run on hardware.
     The remaining field mirrors flash4.config.BwdConfig so the host passes the same keys; it is not
     built on sm100 and a config with it set cannot be made (ValueError in __post_init__): dkv_accum
     (GQA head split: GQA runs with one CTA per KV head walking every query head of its group).
@@ -376,6 +383,7 @@ class Sm100BwdConfig:
     softcap: bool = False
     headdim_v: int | None = None
     dkv_accum: bool = False
+    bwd_pass: str = "both"
 
     def __post_init__(self):
         problem = bwd_config_problem(self)
@@ -401,7 +409,7 @@ class Sm100BwdConfig:
 
     def smem_bytes(self) -> int:
         return bwd_smem_bytes(self.headdim, self.hdim_v, self.tile_m, self.tile_n, self.q_stages, self.do_stages,
-                              cta_group=self.cta_group)
+                              cta_group=self.cta_group, bwd_pass=self.bwd_pass)
 
 
 # Fields of flash4.config.BwdConfig the sm100 backward does not build yet (field -> its "off" value).
@@ -418,9 +426,21 @@ def _bwd_built_text(headdim: int) -> str:
     text = ("built: (D, Dv) in " + ", ".join(f"({d}, {dv})" for d, dv in SM100_BWD_HEADDIM_PAIRS)
             + " (compile-verified, not run on hardware)")
     if headdim == 256:
-        text += (f"; hd256 cannot fit tensor memory: {bwd_tmem_problem(256, 256)} (the options: "
-                 "docs/design/sm100_backward.md section 10)")
+        text += (f"; hd256 cannot fit tensor memory: {bwd_tmem_problem(256, 256)} (in one kernel), so it runs as "
+                 "two passes (bwd_pass \"dv\", \"dkdq\"; docs/design/sm100_backward.md section 10.4)")
     return text
+
+
+def bwd_pass_smem_problem(headdim: int, hdim_v: int, bwd_pass: str) -> str | None:
+    """Why pass `bwd_pass` of a two-pass config does not fit BWD_SMEM_BUDGET at one Q stage, or None
+    (hd256: "dv" 192.5 KiB, "dkdq" 209 KiB with V and dO streamed in chunks; whole, 321 KiB)."""
+    q_stages = bwd_q_stages(headdim, hdim_v, bwd_pass)
+    need = bwd_smem_bytes(headdim, hdim_v, q_stages=q_stages, bwd_pass=bwd_pass)
+    if need <= BWD_SMEM_BUDGET:
+        return None
+    return (f"pass {bwd_pass} at (D, Dv)=({headdim}, {hdim_v}) needs {need} bytes of smem tiles at one Q stage "
+            f"(K, V, Q, dO {BWD_TILE_N * headdim * 2 // 1024} KiB each, dS {BWD_TILE_N * BWD_TILE_M * 2 // 1024}, "
+            f"the dQ staging {4 * 8 * headdim * 4 // 1024}) > {BWD_SMEM_BUDGET}")
 
 
 def bwd_config_problem(cfg) -> str | None:
@@ -429,7 +449,16 @@ def bwd_config_problem(cfg) -> str | None:
         return f"arch={cfg.arch}; the sm100 family is sm_100a only"
     if cfg.headdim_v is not None and cfg.headdim_v == cfg.headdim:
         return "headdim_v must be None (canonical) when it equals headdim"
-    if (cfg.headdim, cfg.hdim_v) not in SM100_BWD_HEADDIM_PAIRS:
+    if cfg.bwd_pass not in BWD_PASSES:
+        return f"bwd_pass={cfg.bwd_pass!r}; allowed: {BWD_PASSES}"
+    two_pass = (cfg.headdim, cfg.hdim_v) in SM100_BWD_TWO_PASS_PAIRS
+    if two_pass and cfg.bwd_pass == "both":
+        return (f"(headdim, headdim_v)=({cfg.headdim}, {cfg.hdim_v}) runs as two passes (bwd_pass \"dv\", "
+                f"\"dkdq\"), not one kernel: {bwd_tmem_problem(cfg.headdim, cfg.hdim_v)}")
+    if cfg.bwd_pass != "both" and not two_pass:
+        return (f"bwd_pass={cfg.bwd_pass!r} at (headdim, headdim_v)=({cfg.headdim}, {cfg.hdim_v}): the two-pass "
+                f"backward is built for {SM100_BWD_TWO_PASS_PAIRS} only")
+    if not two_pass and (cfg.headdim, cfg.hdim_v) not in SM100_BWD_HEADDIM_PAIRS:
         return f"(headdim, headdim_v)=({cfg.headdim}, {cfg.hdim_v}) has no sm100 backward; {_bwd_built_text(cfg.headdim)}"
     if cfg.dtype not in DTYPES:
         return f"dtype={cfg.dtype!r}; allowed: {DTYPES}"
@@ -444,6 +473,22 @@ def bwd_config_problem(cfg) -> str | None:
                 "(seqused_q / seqused_k only with them)")
     if packed and cfg.cta_group != 1:
         return "cta_group=2 with packed sequences: the 2-CTA backward is dense only"
+    if two_pass:  # hd256: 1-CTA, dense (the hd256 forward is dense only), no softcap
+        for bad, what in ((cfg.cta_group != 1, "cta_group=2"), (packed, "packed sequences"),
+                          (cfg.softcap, "softcap")):
+            if bad:
+                return f"{what} at (headdim, headdim_v)=({cfg.headdim}, {cfg.hdim_v}): the two-pass backward is " \
+                       "1-CTA, dense, without softcap"
+        q_stages = bwd_q_stages(cfg.headdim, cfg.hdim_v, cfg.bwd_pass)
+        if (cfg.tile_m, cfg.tile_n, cfg.q_stages, cfg.do_stages) != (BWD_TILE_M, BWD_TILE_N, q_stages, BWD_DO_STAGES):
+            return (f"(tile_m, tile_n, q_stages, do_stages)=({cfg.tile_m}, {cfg.tile_n}, {cfg.q_stages}, "
+                    f"{cfg.do_stages}); pass {cfg.bwd_pass} is built for ({BWD_TILE_M}, {BWD_TILE_N}, {q_stages}, "
+                    f"{BWD_DO_STAGES})")
+        problem = (bwd_pass_tmem_problem(cfg.headdim, cfg.hdim_v, cfg.bwd_pass, cfg.tile_m)
+                   or bwd_pass_smem_problem(cfg.headdim, cfg.hdim_v, cfg.bwd_pass))
+        if problem is not None:
+            return problem
+        return bwd_register_plan_problem(BwdRegisterPlan(cfg.regs_reduce, cfg.regs_compute, cfg.regs_other))
     if cfg.cta_group == 2:
         problem = bwd_two_cta_problem(cfg.headdim, cfg.causal, cfg.local, cfg.deterministic, cfg.softcap)
         if problem is not None:
@@ -495,18 +540,37 @@ def bwd_two_cta_problem(headdim: int, causal: bool = False, local: bool = False,
 
 def select_bwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, arch: int = ARCH,
                       deterministic: bool = False, local: bool = False, softcap: bool = False,
-                      headdim_v: int | None = None, two_cta: bool = False, **kwargs) -> Sm100BwdConfig:
+                      headdim_v: int | None = None, two_cta: bool = False, bwd_pass: str = "both",
+                      **kwargs) -> Sm100BwdConfig:
     """The sm100 backward config for one problem class (pure; CPU-tested): hd64 / hd128 and (192, 128)
     (headdim_v=128: the serial schedule, no softcap), bf16 / fp16, causal or not, a sliding window
     (local: causal folded in), deterministic or not, softcap or not, dense, MHA and GQA/MQA (one CTA
-    per KV head walks its query heads). Raises ValueError naming what is missing for everything else
-    (another head dim, e.g. hd256 with its TMEM arithmetic; another Dv; softcap at (192, 128)). Same arguments as
+    per KV head walks its query heads), and hd256 as two passes (1-CTA, dense, no softcap). Raises ValueError
+    naming what is missing for everything else (another head dim; another Dv; softcap at (192, 128) or hd256).
+    Same arguments as
     flash4.config.sm90.select_bwd_config (the others ignored). two_cta: take the 2-CTA variant where it
     is built (bwd_two_cta_problem is None; otherwise the 1-CTA config); the host passes
-    env.sm100_2cta() (FLASH4_SM100_2CTA, default off)."""
+    env.sm100_2cta() (FLASH4_SM100_2CTA, default off). bwd_pass: one pass of a two-pass config (hd256:
+    "dv" or "dkdq"; the default "both" gives the "dkdq" config there, which writes dK and dQ and names
+    the call in the self-test; bwd_passes(cfg) lists the configs the host launches, "dv" first)."""
     if arch != ARCH:
         raise ValueError(f"flash4.config.sm100 builds sm_100a kernels only, got arch={arch}")
     dv = headdim if headdim_v is None else headdim_v
+    if (headdim, dv) in SM100_BWD_TWO_PASS_PAIRS:  # hd256: "both" means the dkdq pass (bwd_passes has both)
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype={dtype!r}; allowed: {DTYPES}")
+        bwd_pass = "dkdq" if bwd_pass == "both" else bwd_pass
+        if softcap:  # two_cta falls back to the 1-CTA passes, as at (192, 128)
+            raise ValueError(f"softcap at (headdim, headdim_v)=({headdim}, {dv}): the two-pass sm100 backward is "
+                             "1-CTA, dense, without softcap")
+        plan = default_bwd_register_plan_pass(bwd_pass)
+        return Sm100BwdConfig(headdim=headdim, dtype=dtype, causal=causal and not local, local=local,
+                              deterministic=deterministic, softcap=softcap, bwd_pass=bwd_pass,
+                              q_stages=bwd_q_stages(headdim, dv, bwd_pass),
+                              regs_reduce=plan.reduce, regs_compute=plan.compute, regs_other=plan.other)
+    if bwd_pass != "both":
+        raise ValueError(f"bwd_pass={bwd_pass!r} at (headdim, headdim_v)=({headdim}, {dv}): the two-pass backward "
+                         f"is built for {SM100_BWD_TWO_PASS_PAIRS} only")
     if headdim not in {d for d, _ in SM100_BWD_HEADDIM_PAIRS}:
         raise ValueError(f"headdim={headdim}: no sm100 backward; {_bwd_built_text(headdim)}")
     if dtype not in DTYPES:
@@ -531,6 +595,30 @@ def select_bwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, a
                           deterministic=deterministic, softcap=softcap, headdim_v=hdv,
                           q_stages=bwd_q_stages(headdim, dv),
                           regs_reduce=plan.reduce, regs_compute=plan.compute, regs_other=plan.other)
+
+
+def bwd_passes(cfg) -> tuple:
+    """The configs the host launches in sequence for `cfg`: (cfg,), or for a pass of a two-pass config
+    (hd256) the "dv" then the "dkdq" config of the same problem class (dV from the first, dK and dQ
+    from the second; the same preprocess, dQ accumulator and postprocess)."""
+    if cfg.bwd_pass == "both":
+        return (cfg,)
+    return tuple(_pass_config(cfg, p) for p in BWD_TWO_PASS_ORDER)
+
+
+def _pass_config(cfg, bwd_pass: str):
+    plan = default_bwd_register_plan_pass(bwd_pass)
+    return dataclasses.replace(cfg, bwd_pass=bwd_pass, regs_reduce=plan.reduce, regs_compute=plan.compute,
+                               regs_other=plan.other)
+
+
+def two_pass_bwd_configs() -> list:
+    """The hd256 pass configs (compile-checked in tests/cpu/test_sm100_bwd_passes.py, not in
+    shipped_bwd_configs' generic gates): bf16 / fp16 x (full, causal, window) x deterministic or not,
+    each as its "dv" and "dkdq" pass (24)."""
+    masks = ((False, False), (True, False), (False, True))
+    return [c for det in (False, True) for dt in DTYPES for causal, local in masks
+            for c in bwd_passes(select_bwd_config(256, dt, causal, local=local, deterministic=det))]
 
 
 def shipped_bwd_configs() -> list:
@@ -574,4 +662,5 @@ def bwd_plan(request, arch: int = ARCH, heads_per_cta: int | None = None):
     if seq.packed:  # 1-CTA only (the 2-CTA backward is dense)
         cfg = with_seq_layout(cfg, varlen_q=True, varlen_k=True, seqused_q=seq.seqused_q is not None,
                               seqused_k=seq.seqused_k is not None)
-    return BwdPlan(cfg, request.nheads // request.nheads_k)
+    passes = bwd_passes(cfg)  # hd256: the dv and dkdq passes (cfg is the dkdq one)
+    return BwdPlan(cfg, request.nheads // request.nheads_k, passes=passes if len(passes) > 1 else ())

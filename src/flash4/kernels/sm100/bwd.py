@@ -46,8 +46,16 @@ written); the P^T halves lie contiguous at S's start, so the compute warpgroups 
 them (bwd_p_barrier); the reduce warps read each thread's 192 dQ columns in passes of 64
 (bwd_dq_passes); one Q stage (217 KiB of smem). docs/design/sm100_backward.md section 10.
 
+hd256 (two passes over each key tile, cfg.bwd_pass; docs/design/sm100_backward.md section 10.4): dK + dV
+alone fill the 512 TMEM columns, so pass "dv" keeps dV (256 columns) and S^T (P^T inside) and issues
+only S^T = K Q^T and dV += P^T dO per step (mma_dv_pass; no V, dP^T, dS^T, dQ: the reduce warps idle,
+the compute warps write P^T only and warpgroup 0 stores dV); pass "dkdq" keeps dK, S^T and dP^T side by
+side with dQ over them (mma_serial's order without dV; P^T stays in registers), streams V and dO
+through the do ring in BWD_VDO_COLS-column chunks (whole tiles would need 321 KiB of smem) and reads
+dQ out in 32-column passes; warpgroup 1 stores dK. The host launches both (flash4.backward).
+
 Not built (refused by flash4.config.sm100.select_bwd_config): head dims other than 64 / 128 / (192, 128)
-(hd256: dK + dV alone fill the 512 TMEM columns), other Dv != D, softcap at (192, 128), packed
+(hd256: one of its two passes), other Dv != D, softcap at (192, 128), packed
 sequences in the 2-CTA variant, the GQA head split, and the exact-LSE path of issue 8 (P uses the
 rounded padded log2 LSE the preprocess writes; the per-tile exact flags are not read).
 """
@@ -77,9 +85,10 @@ from flash4.kernels.common.geometry import DEVICE_OPS
 from flash4.kernels.common.layout import select_modes
 from flash4.kernels.common.pipeline import next_state
 from flash4.kernels.common.seqinfo import SeqInfo
-from flash4.kernels.sm100.bwd_plan import (BWD_WARP_ROLES, DQ_GROUP_ROWS, DQ_LD_COLS, BwdRegisterPlan, bwd_dq_passes,
-                                           bwd_p_barrier, bwd_pipeline_specs, bwd_register_plan, bwd_serial_schedule,
-                                           bwd_tmem_alloc_cols, bwd_tmem_map, bwd_warp_roles)
+from flash4.kernels.sm100.bwd_plan import (BWD_VDO_COLS, BWD_WARP_ROLES, DQ_GROUP_ROWS, DQ_LD_COLS, BwdRegisterPlan,
+                                           bwd_dq_passes,
+                                           bwd_p_barrier, bwd_pass, bwd_pipeline_specs, bwd_register_plan,
+                                           bwd_serial_schedule, bwd_tmem_alloc_cols, bwd_tmem_map, bwd_warp_roles)
 from flash4.kernels.sm100.pipes import (ArrivalLedger, Pipe, named_barrier_arrive, named_barrier_sync, tcgen05_fence_after,
                                          tcgen05_fence_before, thread_group)
 from flash4.kernels.sm100.plan import TMEM_COLUMNS, WARP_SIZE
@@ -222,9 +231,18 @@ class FlashAttentionBackwardSm100:
         self.serial = bwd_serial_schedule(cfg)
         # P^T halves contiguous at S's start (2-CTA, serial): both warpgroups read S^T before either writes P^T
         self.p_barrier = bwd_p_barrier(cfg)
+        # hd256 pass "dv" (bwd_pass): S^T and dV += P^T dO only; no V, dP^T, dS^T, dK, dQ (mma_dv_pass)
+        self.dv_pass = bwd_pass(cfg) == "dv"
+        # hd256 pass "dkdq": no dV; V and dO stream through the do ring in BWD_VDO_COLS-column chunks
+        # (dP^T accumulates over them); dQ over S and dP in the serial order (mma_serial)
+        self.dkdq_pass = bwd_pass(cfg) == "dkdq"
         pair_n = self.cta_group * self.tile_n
         self.mma_tiler_s = (pair_n, self.tile_m, self.hdim)  # S^T = K Q^T
         self.mma_tiler_dp = (pair_n, self.tile_m, self.hdim_v)  # dP^T = V dO^T
+        # the V / dO tiles as loaded: whole, or (pass dkdq) one BWD_VDO_COLS-column chunk per ring stage
+        self.vdo_cols = BWD_VDO_COLS if self.dkdq_pass else self.hdim_v
+        self.vdo_chunks = self.hdim_v // self.vdo_cols
+        self.mma_tiler_vdo = (pair_n, self.tile_m, self.vdo_cols)
         self.mma_tiler_dv = (pair_n, self.hdim_v, self.tile_m)  # dV += P^T dO
         self.mma_tiler_dk = (pair_n, self.hdim, self.tile_m)  # dK += dS^T Q
         self.mma_tiler_dq = (self.tile_m, self.hdim, pair_n)  # dQ = dS K
@@ -303,11 +321,16 @@ class FlashAttentionBackwardSm100:
         sdOmn_layout, sQmn_layout, sdS_layout, sKmn_layout = lay["sdOmn"], lay["sQmn"], lay["sdS"], lay["sKmn"]
         sdSt_layout, tP_layout, tdS_layout = lay["sdSt"], lay["tP"], lay["tdS"]
         dt = self.dtype
+        if const_expr(self.dkdq_pass):  # V, dO: rings of BWD_VDO_COLS-column chunks (A / B of dP^T's k-blocks)
+            sV_layout = sm100_utils.make_smem_layout_a(mma_dp, self.mma_tiler_vdo, dt, self.do_stages)
+            sdO_layout = sm100_utils.make_smem_layout_b(mma_dp, self.mma_tiler_vdo, dt, self.do_stages)
         cluster_vmnk = cute.tiled_divide(cute.make_layout((self.cta_group, 1, 1)), (mma_s.thr_id.shape,))
         # 1-CTA: Q, dO, K and dS are each read through two views of one buffer. 2-CTA: only dS (the
         # others are loaded twice, each half as its MMA splits it).
         views = (("Q", sQ_layout, sQmn_layout), ("dO", sdO_layout, sdOmn_layout), ("K", sK_layout, sKmn_layout),
                  ("dS", sdSt_layout, sdS_layout))
+        if const_expr(self.dkdq_pass):  # dO is read by dP^T only (no MN-major view)
+            views = tuple(v for v in views if v[0] != "dO")
         for name, a, b in views[3:] if const_expr(self.two_cta) else views:
             if const_expr(cute.cosize(a) != cute.cosize(b)):
                 raise RuntimeError(f"flash4 bwd_sm100: the two views of {name} differ in size")
@@ -318,9 +341,9 @@ class FlashAttentionBackwardSm100:
                                                              cluster_vmnk.shape)
         tma_atom_Q, tma_Q = cute.nvgpu.make_tiled_tma_atom_B(load_op, mQ, sel(sQ_layout), self.mma_tiler_s, mma_s,
                                                              cluster_vmnk.shape)
-        tma_atom_V, tma_V = cute.nvgpu.make_tiled_tma_atom_A(load_op, mV, sel(sV_layout), self.mma_tiler_dp, mma_dp,
+        tma_atom_V, tma_V = cute.nvgpu.make_tiled_tma_atom_A(load_op, mV, sel(sV_layout), self.mma_tiler_vdo, mma_dp,
                                                              cluster_vmnk.shape)
-        tma_atom_dO, tma_dO = cute.nvgpu.make_tiled_tma_atom_B(load_op, mdO, sel(sdO_layout), self.mma_tiler_dp,
+        tma_atom_dO, tma_dO = cute.nvgpu.make_tiled_tma_atom_B(load_op, mdO, sel(sdO_layout), self.mma_tiler_vdo,
                                                                mma_dp, cluster_vmnk.shape)
         self.tma_bytes = {
             "kv": cute.size_in_bytes(dt, sel(sK_layout)) + cute.size_in_bytes(dt, sel(sV_layout)),
@@ -329,6 +352,10 @@ class FlashAttentionBackwardSm100:
             "lse": self.tile_m * 4,
             "dpsum": self.tile_m * 4,
         }
+        if const_expr(self.dv_pass or self.dkdq_pass):  # pass dv: K alone (V is not read); dkdq: V streams
+            self.tma_bytes["kv"] = cute.size_in_bytes(dt, sel(sK_layout))
+        if const_expr(self.dkdq_pass):  # one stage of the do ring: a chunk of V and a chunk of dO
+            self.tma_bytes["do"] = cute.size_in_bytes(dt, sel(sV_layout)) + cute.size_in_bytes(dt, sel(sdO_layout))
         extra = ()
         if const_expr(self.two_cta):
             # the three operands the 1-CTA kernel reads through a second view: Q^T (B of dK), dO^T (B
@@ -357,6 +384,9 @@ class FlashAttentionBackwardSm100:
                            + cute.cosize(sQmn_layout) + cute.cosize(sdO_layout) + cute.cosize(sdOmn_layout)
                            + cute.cosize(sKmn_layout) + cute.cosize(sdSt_layout) + half) * (dt.width // 8)
                           + 4 * DQ_GROUP_ROWS * self.dq_cols * 4 + (self.q_stages + self.do_stages) * self.tile_m * 4)
+        elif const_expr(self.dv_pass):  # K, Q, dO and LSE only
+            smem_tiles = ((cute.cosize(sK_layout) + cute.cosize(sQ_layout) + cute.cosize(sdO_layout)) * (dt.width // 8)
+                          + self.q_stages * self.tile_m * 4)
         else:
             smem_tiles = ((cute.cosize(sK_layout) + cute.cosize(sV_layout) + cute.cosize(sQ_layout)
                            + cute.cosize(sdO_layout) + cute.cosize(sdSt_layout)) * (dt.width // 8)
@@ -366,6 +396,7 @@ class FlashAttentionBackwardSm100:
                                f"{self.cfg.smem_bytes()}")
         num_mbar = 2 * sum(s.stages for s in self.specs.values())
         storage_2cta = self.shared_storage_2cta(num_mbar, lay) if const_expr(self.two_cta) else None
+        storage_dv = self.shared_storage_dv(num_mbar, lay) if const_expr(self.dv_pass) else None
 
         @cute.struct
         class SharedStorage:
@@ -397,6 +428,12 @@ class FlashAttentionBackwardSm100:
                 tma_atom_dO, softmax_scale, window_left, window_right, *layouts, mma_s, mma_dp, mma_dv, mma_dk, mma_dq,
                 SharedStorage, softcap if const_expr(self.cfg.softcap) else None, (),
                 (mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, max_seqlen_k),
+            ).launch(grid=(num_ctas, 1, 1), block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+        elif const_expr(self.dv_pass):
+            self.kernel(
+                tma_K, tma_Q, tma_V, tma_dO, mLSE2, mD, mdQacc, mdQsem, mdK, mdV, tma_atom_K, tma_atom_Q, tma_atom_V,
+                tma_atom_dO, softmax_scale, window_left, window_right, *layouts, mma_s, mma_dp, mma_dv, mma_dk, mma_dq,
+                storage_dv, None,
             ).launch(grid=(num_ctas, 1, 1), block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
         else:
             self.kernel(
@@ -430,6 +467,22 @@ class FlashAttentionBackwardSm100:
             sdS: cute.struct.Align[cute.struct.MemRange[dt, ds_elems], align]
 
         return SharedStorage2Cta
+
+    def shared_storage_dv(self, num_mbar: int, lay: dict):
+        """Pass dv's smem (hd256: 192.5 KiB): the mbarriers, LSE, K, the Q ring and the dO ring (no V,
+        dS, dQ staging or dPsum: nothing reads them in this pass)."""
+        dt, align = self.dtype, self.buffer_align_bytes
+
+        @cute.struct
+        class SharedStorageDv:
+            mbar: cute.struct.MemRange[cutlass.Int64, num_mbar]
+            tmem_holding_buf: Int32
+            sLSE: cute.struct.Align[cute.struct.MemRange[Float32, self.q_stages * self.tile_m], 128]
+            sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(lay["sK"])], align]
+            sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(lay["sQ"])], align]
+            sdO: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(lay["sdO"])], align]
+
+        return SharedStorageDv
 
     # ------------------------------------------------------------------ device side
     @cute.kernel
@@ -488,11 +541,18 @@ class FlashAttentionBackwardSm100:
             return cute.make_tensor(cute.recast_ptr(buf.iterator, lay.inner, dtype=self.dtype), lay.outer)
 
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
-        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sdO = storage.sdO.get_tensor(sdO_layout.outer, swizzle=sdO_layout.inner)
-        sdSt = storage.sdS.get_tensor(sdSt_layout.outer, swizzle=sdSt_layout.inner)  # (tile_n, tile_m, 1)
-        if const_expr(self.two_cta):
+        sV, sdSt, sD, sdQ = None, None, None, None  # pass dv: not in its smem
+        if const_expr(not self.dv_pass):
+            sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+            sdSt = storage.sdS.get_tensor(sdSt_layout.outer, swizzle=sdSt_layout.inner)  # (tile_n, tile_m, 1)
+        if const_expr(self.dv_pass):  # K, Q (S^T), dO through its MN-major view (B of dV)
+            smem_t = dict(sK=sK, sQ=sQ, sdO=sdO, sdOmn=view(sdO, sdOmn_layout))
+        elif const_expr(self.dkdq_pass):  # V, dO: the chunk ring (dP^T only)
+            smem_t = dict(sK=sK, sV=sV, sQ=sQ, sdO=sdO, sdSt=sdSt, sQmn=view(sQ, sQmn_layout),
+                          sKmn=view(sK, sKmn_layout), sdS=view(sdSt, sdS_layout))
+        elif const_expr(self.two_cta):
             # Q^T, dO^T, K^T: loaded on their own (each CTA's half along the MMA's N)
             smem_t = dict(sK=sK, sV=sV, sQ=sQ, sdO=sdO, sdSt=sdSt,
                           sQmn=storage.sQt.get_tensor(sQmn_layout.outer, swizzle=sQmn_layout.inner),
@@ -503,10 +563,11 @@ class FlashAttentionBackwardSm100:
             smem_t = dict(sK=sK, sV=sV, sQ=sQ, sdO=sdO, sdSt=sdSt, sQmn=view(sQ, sQmn_layout),
                           sdOmn=view(sdO, sdOmn_layout), sKmn=view(sK, sKmn_layout), sdS=view(sdSt, sdS_layout))
         sLSE = storage.sLSE.get_tensor(cute.make_layout((self.tile_m, self.q_stages)))
-        sD = storage.sD.get_tensor(cute.make_layout((self.tile_m, self.do_stages)))
-        # (D, DQ_GROUP_ROWS, reduce warp): per warp a block of whole rows, row-major like the accumulator
-        # (2-CTA: D / 2 columns per row, the thread's half)
-        sdQ = storage.sdQ.get_tensor(cute.make_layout((self.dq_cols, DQ_GROUP_ROWS, 4)))
+        if const_expr(not self.dv_pass):
+            sD = storage.sD.get_tensor(cute.make_layout((self.tile_m, self.do_stages)))
+            # (D, DQ_GROUP_ROWS, reduce warp): per warp a block of whole rows, row-major like the accumulator
+            # (2-CTA: D / 2 columns per row, the thread's half)
+            sdQ = storage.sdQ.get_tensor(cute.make_layout((self.dq_cols, DQ_GROUP_ROWS, 4)))
         if const_expr(not self.two_cta):
             tmem = TmemAllocator(storage.tmem_holding_buf.ptr,
                                  barrier_for_retrieve=pipeline.NamedBarrier(barrier_id=TMEM_PTR_BARRIER,
@@ -522,6 +583,10 @@ class FlashAttentionBackwardSm100:
             mLSE2, mD = [cute.domain_offset((seq.padded_offset_q, 0, 0), t) for t in (mLSE2, mD)]
             mdQacc = cute.domain_offset((seq.padded_offset_q, 0, 0, 0), mdQacc)
             mdQsem = cute.domain_offset((seq.padded_offset_q // self.tile_m, 0, 0), mdQsem)
+        elif const_expr(self.dkdq_pass):
+            # pass dkdq: each role computes its coordinates after its setmaxnreg (kept live from here,
+            # the first query block spilled: 1 STL + 3 LDL at every register split tried)
+            tile = None
         else:
             tile = self.tile_coords(mQ, mK, window)
         if const_expr(self.two_cta):
@@ -534,7 +599,9 @@ class FlashAttentionBackwardSm100:
             self.wait_tmem_alloc()
             if const_expr(self.two_cta):
                 self.reduce_2cta(mmas[4], mdQacc, sdQ, pipes, tile, cta_v)
-            else:
+            elif const_expr(self.dkdq_pass):
+                self.reduce(mmas[4], mdQacc, mdQsem, sdQ, pipes, self.tile_coords(mQ, mK, window), window)
+            elif const_expr(not self.dv_pass):  # pass dv has no dQ: the reduce warps only take part in TMEM's barrier
                 self.reduce(mmas[4], mdQacc, mdQsem, sdQ, pipes, tile, window)
             self.release_tmem()
         elif warp_idx < self.roles["mma"][0]:
@@ -542,6 +609,9 @@ class FlashAttentionBackwardSm100:
             self.wait_tmem_alloc()
             if const_expr(self.two_cta):
                 self.compute(mmas, sLSE, sD, sdSt, mdK, mdV, pipes, tile, softmax_scale, window, softcap, cta_v)
+            elif const_expr(self.dkdq_pass):
+                self.compute(mmas, sLSE, sD, sdSt, mdK, mdV, pipes, self.tile_coords(mQ, mK, window), softmax_scale,
+                             window, softcap)
             else:
                 self.compute(mmas, sLSE, sD, sdSt, mdK, mdV, pipes, tile, softmax_scale, window, softcap)
             self.release_tmem()
@@ -553,6 +623,10 @@ class FlashAttentionBackwardSm100:
                 if const_expr(self.two_cta):
                     if is_leader:  # the pair's MMAs and their commits come from the leader only
                         self.mma_2cta(mmas, smem_t, tP_layout, tdS_layout, pipes, tile)
+                elif const_expr(self.dv_pass):
+                    self.mma_dv_pass(mmas, smem_t, tP_layout, pipes, tile)
+                elif const_expr(self.dkdq_pass):
+                    self.mma_serial(mmas, smem_t, tP_layout, tdS_layout, pipes, self.tile_coords(mQ, mK, window))
                 elif const_expr(self.serial):
                     self.mma_serial(mmas, smem_t, tP_layout, tdS_layout, pipes, tile)
                 else:
@@ -567,6 +641,9 @@ class FlashAttentionBackwardSm100:
                 if const_expr(self.two_cta):
                     self.load_2cta(mmas, mK, mQ, mV, mdO, mLSE2, mD, smem_t, sLSE, sD, tma_atom_K, tma_atom_Q,
                                    tma_atom_V, tma_atom_dO, extra, pipes, tile, cta_v)
+                elif const_expr(self.dkdq_pass):
+                    self.load(mmas, mK, mQ, mV, mdO, mLSE2, mD, smem_t, sLSE, sD, tma_atom_K, tma_atom_Q, tma_atom_V,
+                              tma_atom_dO, pipes, self.tile_coords(mQ, mK, window))
                 else:
                     self.load(mmas, mK, mQ, mV, mdO, mLSE2, mD, smem_t, sLSE, sD, tma_atom_K, tma_atom_Q, tma_atom_V,
                               tma_atom_dO, pipes, tile)
@@ -617,11 +694,13 @@ class FlashAttentionBackwardSm100:
         add("q", pipeline.PipelineTmaUmma, one, one, tx_count=self.tma_bytes["q"])
         add("lse", pipeline.PipelineTmaAsync, one, compute, tx_count=self.tma_bytes["lse"])
         add("do", pipeline.PipelineTmaUmma, one, one, tx_count=self.tma_bytes["do"])
-        add("dpsum", pipeline.PipelineTmaAsync, one, compute, tx_count=self.tma_bytes["dpsum"])
+        if const_expr(not self.dv_pass):  # pass dv: no dPsum, dP^T, dS^T, dQ (bwd_pipeline_specs)
+            add("dpsum", pipeline.PipelineTmaAsync, one, compute, tx_count=self.tma_bytes["dpsum"])
         add("s", pipeline.PipelineUmmaAsync, one, compute)
-        add("dp", pipeline.PipelineUmmaAsync, one, compute)
-        add("ds", pipeline.PipelineAsyncUmma, compute, one)
-        add("dq", pipeline.PipelineUmmaAsync, one, reduce)
+        if const_expr(not self.dv_pass):
+            add("dp", pipeline.PipelineUmmaAsync, one, compute)
+            add("ds", pipeline.PipelineAsyncUmma, compute, one)
+            add("dq", pipeline.PipelineUmmaAsync, one, reduce)
         add("dkv", pipeline.PipelineUmmaAsync, one, compute)
         return pipes
 
@@ -729,24 +808,38 @@ class FlashAttentionBackwardSm100:
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stages)
         do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.do_stages)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        d_state = None  # pass dkdq: dPsum's own ring state (the do ring advances per chunk)
+        if const_expr(self.dkdq_pass):
+            d_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.do_stages)
         if n_steps > 0:
             # (MMA, MMA_M, MMA_K, n_blocks): K as S^T's A, V as dP^T's A
             tSgK = thr_s.partition_A(cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.hdim), (None, 0)))
-            tPgV = thr_dp.partition_A(cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, self.hdim_v),
-                                                      (None, 0)))
+            tPgV, tVsV, tVgV = None, None, None  # pass dv does not read V
+            if const_expr(self.dkdq_pass):  # (MMA, MMA_M, MMA_K, n_blocks, chunks): V's BWD_VDO_COLS-column chunks
+                tPgV = thr_dp.partition_A(cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, self.vdo_cols),
+                                                          (None, None)))
+            elif const_expr(not self.dv_pass):
+                tPgV = thr_dp.partition_A(cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, self.hdim_v),
+                                                          (None, 0)))
             tKsK, tKgK = cpasync.tma_partition(tma_atom_K, 0, one_cta, cute.group_modes(smem_t["sK"], 0, 3),
                                                cute.group_modes(tSgK, 0, 3))
-            tVsV, tVgV = cpasync.tma_partition(tma_atom_V, 0, one_cta, cute.group_modes(smem_t["sV"], 0, 3),
-                                               cute.group_modes(tPgV, 0, 3))
+            if const_expr(not self.dv_pass):
+                tVsV, tVgV = cpasync.tma_partition(tma_atom_V, 0, one_cta, cute.group_modes(smem_t["sV"], 0, 3),
+                                                   cute.group_modes(tPgV, 0, 3))
             pipe_kv = pipes["kv"]
             pipe_kv.acquire(kv_state, "load")
             cute.copy(tma_atom_K, tKgK[None, n_block], tKsK[None, 0], tma_bar_ptr=pipe_kv.barrier_full(0))
-            cute.copy(tma_atom_V, tVgV[None, n_block], tVsV[None, 0], tma_bar_ptr=pipe_kv.barrier_full(0))
+            if const_expr(not (self.dv_pass or self.dkdq_pass)):  # pass dkdq: V streams with dO (below)
+                cute.copy(tma_atom_V, tVgV[None, n_block], tVsV[None, 0], tma_bar_ptr=pipe_kv.barrier_full(0))
             for i in cutlass.range(n_steps, unroll=1):
                 head, m_block = self.step_coords(tile, i)
                 tSgQ = thr_s.partition_B(cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.hdim), (None, 0)))
-                tPgdO = thr_dp.partition_B(cute.local_tile(mdO[None, None, head, batch], (self.tile_m, self.hdim_v),
-                                                           (None, 0)))
+                if const_expr(self.dkdq_pass):
+                    tPgdO = thr_dp.partition_B(cute.local_tile(mdO[None, None, head, batch],
+                                                               (self.tile_m, self.vdo_cols), (None, None)))
+                else:
+                    tPgdO = thr_dp.partition_B(cute.local_tile(mdO[None, None, head, batch], (self.tile_m, self.hdim_v),
+                                                               (None, 0)))
                 tQsQ, tQgQ = cpasync.tma_partition(tma_atom_Q, 0, one_cta, cute.group_modes(smem_t["sQ"], 0, 3),
                                                    cute.group_modes(tSgQ, 0, 3))
                 tOsO, tOgO = cpasync.tma_partition(tma_atom_dO, 0, one_cta, cute.group_modes(smem_t["sdO"], 0, 3),
@@ -756,11 +849,24 @@ class FlashAttentionBackwardSm100:
                           tma_bar_ptr=pipes["q"].barrier_full(q_state.index))
                 self.load_row_stats(pipes["lse"], q_state, mLSE2, sLSE, head, batch, m_block)
                 q_state = next_state(q_state)
-                pipes["do"].acquire(do_state, "load")
-                cute.copy(tma_atom_dO, tOgO[None, m_block], tOsO[None, do_state.index],
-                          tma_bar_ptr=pipes["do"].barrier_full(do_state.index))
-                self.load_row_stats(pipes["dpsum"], do_state, mD, sD, head, batch, m_block)
-                do_state = next_state(do_state)
+                if const_expr(self.dkdq_pass):
+                    # chunk c of V and of dO[m] per stage of the do ring, in dP^T's k-block order
+                    for c in cutlass.range(self.vdo_chunks, unroll=1):
+                        pipes["do"].acquire(do_state, "load")
+                        cute.copy(tma_atom_V, tVgV[None, n_block, c], tVsV[None, do_state.index],
+                                  tma_bar_ptr=pipes["do"].barrier_full(do_state.index))
+                        cute.copy(tma_atom_dO, tOgO[None, m_block, c], tOsO[None, do_state.index],
+                                  tma_bar_ptr=pipes["do"].barrier_full(do_state.index))
+                        do_state = next_state(do_state)
+                    self.load_row_stats(pipes["dpsum"], d_state, mD, sD, head, batch, m_block)
+                    d_state = next_state(d_state)
+                else:
+                    pipes["do"].acquire(do_state, "load")
+                    cute.copy(tma_atom_dO, tOgO[None, m_block], tOsO[None, do_state.index],
+                              tma_bar_ptr=pipes["do"].barrier_full(do_state.index))
+                    if const_expr(not self.dv_pass):  # pass dv: dS is not computed, D not read
+                        self.load_row_stats(pipes["dpsum"], do_state, mD, sD, head, batch, m_block)
+                    do_state = next_state(do_state)
         pipes["q"].producer_tail(q_state)
         pipes["do"].producer_tail(do_state)
 
@@ -867,18 +973,25 @@ class FlashAttentionBackwardSm100:
         base = self.tmem_base()
         tSrK = mma_s.make_fragment_A(smem_t["sK"])[None, None, None, 0]
         tSrQ = mma_s.make_fragment_B(smem_t["sQ"])
-        tPrV = mma_dp.make_fragment_A(smem_t["sV"])[None, None, None, 0]
+        if const_expr(self.dkdq_pass):  # V: the chunk ring (a stage mode, like dO's); no dV
+            tPrV = mma_dp.make_fragment_A(smem_t["sV"])
+        else:
+            tPrV = mma_dp.make_fragment_A(smem_t["sV"])[None, None, None, 0]
         tPrdO = mma_dp.make_fragment_B(smem_t["sdO"])
-        tVrdO = mma_dv.make_fragment_B(smem_t["sdOmn"])
+        tVrdO, tVtV, tVrP = None, None, None
+        if const_expr(not self.dkdq_pass):
+            tVrdO = mma_dv.make_fragment_B(smem_t["sdOmn"])
         tKrQ = mma_dk.make_fragment_B(smem_t["sQmn"])
         tQrdS = mma_dq.make_fragment_A(smem_t["sdS"])[None, None, None, 0]
         tQrK = mma_dq.make_fragment_B(smem_t["sKmn"])[None, None, None, 0]
         tStS = self.tmem_acc(base, mma_s, self.mma_tiler_s, "S")
         tPtP = self.tmem_acc(base, mma_dp, self.mma_tiler_dp, "dP")
-        tVtV = self.tmem_acc(base, mma_dv, self.mma_tiler_dv, "dV")
+        if const_expr(not self.dkdq_pass):
+            tVtV = self.tmem_acc(base, mma_dv, self.mma_tiler_dv, "dV")
         tKtK = self.tmem_acc(base, mma_dk, self.mma_tiler_dk, "dK")
         tQtQ = self.tmem_acc(base, mma_dq, self.mma_tiler_dq, "dQ")
-        tVrP = [self.tmem_operand(base, mma_dv, tP_layout, f"P{w}") for w in range(self.compute_wgs)]
+        if const_expr(not self.dkdq_pass):
+            tVrP = [self.tmem_operand(base, mma_dv, tP_layout, f"P{w}") for w in range(self.compute_wgs)]
         tKrdS = [self.tmem_operand(base, mma_dk, tdS_layout, f"dS{w}") for w in range(self.compute_wgs)]
         return tSrK, tSrQ, tPrV, tPrdO, tVrdO, tKrQ, tQrdS, tQrK, tStS, tPtP, tVtV, tKtK, tQtQ, tVrP, tKrdS
 
@@ -977,16 +1090,33 @@ class FlashAttentionBackwardSm100:
                     tcgen05_fence_after()
                 self.gemm(mma_s, tStS, [tSrK], tSrQ[None, None, None, q_state.index], False)
                 pipe_s.arrive_full(0, "mma")
-                pipe_do.wait_full(do_state.index, do_state.phase)
-                if const_expr(self.packed):
-                    self.zero_tail(smem_t["sdO"], do_state.index, self.valid_q(tile, i), self.tile_m)
-                pipe_s.wait_empty(0, phase)  # P^T(i) written (both warpgroups read S^T(i) first)
-                tcgen05_fence_after()
-                self.gemm(mma_dp, tPtP, [tPrV], tPrdO[None, None, None, do_state.index], False)
-                pipe_dp.arrive_full(0, "mma")
-                self.gemm(mma_dv, tVtV, tVrP, tVrdO[None, None, None, do_state.index], i > 0)
-                pipe_do.arrive_empty(do_state.index, "mma")
-                do_state = next_state(do_state)
+                if const_expr(self.dkdq_pass):
+                    # dP^T(i) = sum over the chunks c of V[:, c] dO(i)[:, c]^T (clear of S: no s wait);
+                    # each chunk's stage released by the commit after its k-blocks
+                    pipe_do.wait_full(do_state.index, do_state.phase)
+                    self.gemm(mma_dp, tPtP, [tPrV[None, None, None, do_state.index]],
+                              tPrdO[None, None, None, do_state.index], False)
+                    pipe_do.arrive_empty(do_state.index, "mma")
+                    do_state = next_state(do_state)
+                    for _ in cutlass.range(self.vdo_chunks - 1, unroll=1):
+                        pipe_do.wait_full(do_state.index, do_state.phase)
+                        self.gemm(mma_dp, tPtP, [tPrV[None, None, None, do_state.index]],
+                                  tPrdO[None, None, None, do_state.index], True)
+                        pipe_do.arrive_empty(do_state.index, "mma")
+                        do_state = next_state(do_state)
+                    pipe_dp.arrive_full(0, "mma")
+                    pipe_s.wait_empty(0, phase)  # S^T(i) read (dQ(i) overwrites it; ds implies it too)
+                else:
+                    pipe_do.wait_full(do_state.index, do_state.phase)
+                    if const_expr(self.packed):
+                        self.zero_tail(smem_t["sdO"], do_state.index, self.valid_q(tile, i), self.tile_m)
+                    pipe_s.wait_empty(0, phase)  # P^T(i) written (both warpgroups read S^T(i) first)
+                    tcgen05_fence_after()
+                    self.gemm(mma_dp, tPtP, [tPrV], tPrdO[None, None, None, do_state.index], False)
+                    pipe_dp.arrive_full(0, "mma")
+                    self.gemm(mma_dv, tVtV, tVrP, tVrdO[None, None, None, do_state.index], i > 0)
+                    pipe_do.arrive_empty(do_state.index, "mma")
+                    do_state = next_state(do_state)
                 pipe_ds.wait_full(0, phase)  # dS^T(i) in TMEM and smem (dP^T(i) read)
                 tcgen05_fence_after()
                 self.gemm(mma_dk, tKtK, tKrdS, tKrQ[None, None, None, q_state.index], i > 0)
@@ -997,6 +1127,45 @@ class FlashAttentionBackwardSm100:
                 pipe_ds.arrive_empty(0, "mma")
                 phase = phase ^ 1
             pipes["dkv"].arrive_full(0, "mma")  # commits cover every earlier MMA: dK, dV final
+
+    @cute.jit
+    def mma_dv_pass(self, mmas, smem_t, tP_layout, pipes, tile):
+        """The MMA warp of pass dv (hd256, bwd_tmem_map_pass: dV resident, S^T after it, P^T inside S^T),
+        steps i = 0 .. n-1:
+          [q] S(i) (over P^T(i-1): dV(i-1) was issued before it; tcgen05 MMAs of one thread run in
+          order) ; commit s full ; release Q (its only reader) ; [do] [s empty: P^T(i) written, S^T(i)
+          read] dV += P^T dO(i) ; release dO ;
+        finally dkv. No V, dP^T, dS^T, dK or dQ: their pipelines do not exist in this pass."""
+        mma_s, mma_dv = mmas[0], mmas[2]
+        _, _, _, group, _, num_m, _, _ = tile
+        n_steps = group * num_m
+        base = self.tmem_base()
+        tSrK = mma_s.make_fragment_A(smem_t["sK"])[None, None, None, 0]
+        tSrQ = mma_s.make_fragment_B(smem_t["sQ"])
+        tVrdO = mma_dv.make_fragment_B(smem_t["sdOmn"])
+        tStS = self.tmem_acc(base, mma_s, self.mma_tiler_s, "S")
+        tVtV = self.tmem_acc(base, mma_dv, self.mma_tiler_dv, "dV")
+        tVrP = [self.tmem_operand(base, mma_dv, tP_layout, f"P{w}") for w in range(self.compute_wgs)]
+        pipe_q, pipe_do, pipe_s = (pipes[n] for n in ("q", "do", "s"))
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
+        do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.do_stages)
+        phase = Int32(0)  # s empty: once per step
+        if n_steps > 0:
+            pipes["kv"].wait_full(0, 0)
+            for i in cutlass.range(n_steps, unroll=1):
+                pipe_q.wait_full(q_state.index, q_state.phase)
+                self.gemm(mma_s, tStS, [tSrK], tSrQ[None, None, None, q_state.index], False)
+                pipe_s.arrive_full(0, "mma")
+                pipe_q.arrive_empty(q_state.index, "mma")
+                q_state = next_state(q_state)
+                pipe_do.wait_full(do_state.index, do_state.phase)
+                pipe_s.wait_empty(0, phase)  # P^T(i) written
+                tcgen05_fence_after()
+                self.gemm(mma_dv, tVtV, tVrP, tVrdO[None, None, None, do_state.index], i > 0)
+                pipe_do.arrive_empty(do_state.index, "mma")
+                do_state = next_state(do_state)
+                phase = phase ^ 1
+            pipes["dkv"].arrive_full(0, "mma")  # commits cover every earlier MMA: dV final
 
     def valid_q(self, tile, i):
         """Query rows of step i's block inside the sequence (seqlen_q - m_block tile_m; >= tile_m: all)."""
@@ -1177,14 +1346,18 @@ class FlashAttentionBackwardSm100:
         # softcap: (softcap log2 e, softmax_scale / softcap, 1 / (softcap log2 e)); else (scale log2 e, None, None)
         scale_log2, softcap_scale, inv_scale_log2 = score.device_scales(softmax_scale, softcap, self.cfg.softcap)
         tStS = self.tmem_acc(base, mma_s, self.mma_tiler_s, "S")[(None, None), 0, 0]  # (tile_n, tile_m)
-        tPtP = self.tmem_acc(base, mma_dp, self.mma_tiler_dp, "dP")[(None, None), 0, 0]
+        tPtP = None  # pass dv: no dP^T (nor dS^T)
+        if const_expr(not self.dv_pass):
+            tPtP = self.tmem_acc(base, mma_dp, self.mma_tiler_dp, "dP")[(None, None), 0, 0]
         # S^T, dP^T: tcgen05.ld 32x32b.x32 per LD_COLS columns: thread t gets lane t (key t).
         chunk = cute.make_layout((self.tile_n, LD_COLS))
         ld_atom = cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(LD_COLS)), Float32)
         tiled_ld = tcgen05.make_tmem_copy(ld_atom, cute.composition(tStS, chunk))
         thr_ld = tiled_ld.get_slice(tidx)
         tS_src = thr_ld.partition_S(cute.composition(tStS, chunk))
-        tP_src = thr_ld.partition_S(cute.composition(tPtP, chunk))
+        tP_src = None
+        if const_expr(not self.dv_pass):
+            tP_src = thr_ld.partition_S(cute.composition(tPtP, chunk))
         cS = cute.make_identity_tensor((self.tile_n, LD_COLS))
         tScS = thr_ld.partition_D(cS)
         t0ScS = tiled_ld.get_slice(0).partition_D(cS)  # static column of each register
@@ -1195,15 +1368,20 @@ class FlashAttentionBackwardSm100:
         st_chunk = cute.composition(tStS.layout, cute.make_layout((self.tile_n, st_cols)))
         st_atom = cute.make_copy_atom(tcgen05.copy.St32x32bOp(tcgen05.copy.Repetition(st_cols)), Float32)
         thr_st = tcgen05.make_tmem_copy(st_atom, cute.make_tensor(base, st_chunk)).get_slice(tidx)
-        p_dst = thr_st.partition_D(cute.make_tensor(base + self.half_offset("P", wg), st_chunk))
-        ds_dst = thr_st.partition_D(cute.make_tensor(base + self.half_offset("dS", wg), st_chunk))
+        p_dst = None  # pass dkdq: P^T stays in registers (no dV MMA reads it)
+        if const_expr(not self.dkdq_pass):
+            p_dst = thr_st.partition_D(cute.make_tensor(base + self.half_offset("P", wg), st_chunk))
+        ds_dst, tsdS_part, r2s = None, None, None  # pass dv: no dS^T
+        if const_expr(not self.dv_pass):
+            ds_dst = thr_st.partition_D(cute.make_tensor(base + self.half_offset("dS", wg), st_chunk))
         st_shape = thr_st.partition_S(cute.make_identity_tensor((self.tile_n, st_cols))).shape
-        # dS^T -> smem (tile_n x tile_m row-major, the MMA's swizzle): the same thread/element map as the load.
-        sdS2 = sdSt[None, None, 0]
-        tsdS = cute.logical_divide(sdS2, chunk)  # ((tile_n, LD_COLS), (1, chunks))
-        tsdS_part = thr_ld.partition_D(tsdS[(None, None), None])
-        r2s = cute.make_tiled_copy_D(sm100_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.dtype, Float32, tiled_ld),
-                                     tiled_ld)
+        if const_expr(not self.dv_pass):
+            # dS^T -> smem (tile_n x tile_m row-major, the MMA's swizzle): the same thread/element map as the load.
+            sdS2 = sdSt[None, None, 0]
+            tsdS = cute.logical_divide(sdS2, chunk)  # ((tile_n, LD_COLS), (1, chunks))
+            tsdS_part = thr_ld.partition_D(tsdS[(None, None), None])
+            r2s = cute.make_tiled_copy_D(sm100_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.dtype, Float32,
+                                                                       tiled_ld), tiled_ld)
         chunks_per_wg = self.wg_cols // LD_COLS
         key = n_block * self.tile_n + lane_row
         ds_chunk0 = None  # 2-CTA: this warpgroup's first LD_COLS-column chunk of dS^T in smem
@@ -1253,7 +1431,8 @@ class FlashAttentionBackwardSm100:
                 score.apply(ps[j], softcap_scale, self.cfg.softcap)  # softcap: S -> tanh(S * softcap_scale)
                 self.probs(ps[j], t0ScS, sLSE, lse_state.index, col, first - j * LD_COLS, end - j * LD_COLS,
                            scale_log2)
-                self.store16(ps[j], thr_st, cute.make_tensor(p_dst.iterator + j * st_cols, p_dst.layout), st_shape)
+                if const_expr(not self.dkdq_pass):
+                    self.store16(ps[j], thr_st, cute.make_tensor(p_dst.iterator + j * st_cols, p_dst.layout), st_shape)
             cute.arch.fence_view_async_tmem_store()
             tcgen05_fence_before()
             self.arrive_elected(pipes["s"], 0, "compute", True)  # P^T written
@@ -1261,39 +1440,41 @@ class FlashAttentionBackwardSm100:
                 self.arrive_elected(pipes["lse"], lse_state.index, "compute", True)
                 lse_state = next_state(lse_state)
 
-            pipes["dpsum"].wait_full(d_state.index, d_state.phase)
-            pipes["dp"].wait_full(0, s_phase)
-            pipes["ds"].wait_empty(0, ds_phase)  # dS smem (and TMEM half) free: dK, dQ of step i-1 done
-            tcgen05_fence_after()
-            for j in cutlass.range_constexpr(chunks_per_wg):
-                col = wg * self.wg_cols + j * LD_COLS
-                dp = cute.make_rmem_tensor(frag_shape, Float32)
-                cute.copy(thr_ld, cute.make_tensor(tP_src.iterator + col, tP_src.layout), dp)
-                cute.arch.fence_view_async_tmem_load()
-                self.dscores(ps[j], dp, t0ScS, sD, d_state.index, col, softmax_scale, sLSE, lse_state.index,
-                             inv_scale_log2)
-                ds16 = self.store16(dp, thr_st, cute.make_tensor(ds_dst.iterator + j * st_cols, ds_dst.layout), st_shape)
+            if const_expr(not self.dv_pass):  # pass dv: P^T only (no dP^T, dS^T)
+                pipes["dpsum"].wait_full(d_state.index, d_state.phase)
+                pipes["dp"].wait_full(0, s_phase)
+                pipes["ds"].wait_empty(0, ds_phase)  # dS smem (and TMEM half) free: dK, dQ of step i-1 done
+                tcgen05_fence_after()
+                for j in cutlass.range_constexpr(chunks_per_wg):
+                    col = wg * self.wg_cols + j * LD_COLS
+                    dp = cute.make_rmem_tensor(frag_shape, Float32)
+                    cute.copy(thr_ld, cute.make_tensor(tP_src.iterator + col, tP_src.layout), dp)
+                    cute.arch.fence_view_async_tmem_load()
+                    self.dscores(ps[j], dp, t0ScS, sD, d_state.index, col, softmax_scale, sLSE, lse_state.index,
+                                 inv_scale_log2)
+                    ds16 = self.store16(dp, thr_st, cute.make_tensor(ds_dst.iterator + j * st_cols, ds_dst.layout),
+                                        st_shape)
+                    if const_expr(self.two_cta):
+                        cute.copy(r2s, ds16[None, 0, 0], tsdS_part[None, 0, 0, ds_chunk0 + j])
+                    else:
+                        cute.copy(r2s, ds16[None, 0, 0], tsdS_part[None, 0, 0, wg * chunks_per_wg + j])
+                cute.arch.fence_view_async_tmem_store()
                 if const_expr(self.two_cta):
-                    cute.copy(r2s, ds16[None, 0, 0], tsdS_part[None, 0, 0, ds_chunk0 + j])
+                    tcgen05_fence_before()
+                    self.arrive_elected(pipes["dp"], 0, "compute", True)  # dS^T in TMEM (dK may read it)
+                    cute.arch.fence_view_async_shared()  # dS smem writes -> visible to the async proxy
+                    named_barrier_sync(COMPUTE_BARRIER, len(self.roles["compute"]) * WARP_SIZE)
+                    if tidx == 0 and wg == 0:
+                        self.send_ds_half(sdSt, pipes["dsx"], cta_v)
                 else:
-                    cute.copy(r2s, ds16[None, 0, 0], tsdS_part[None, 0, 0, wg * chunks_per_wg + j])
-            cute.arch.fence_view_async_tmem_store()
-            if const_expr(self.two_cta):
-                tcgen05_fence_before()
-                self.arrive_elected(pipes["dp"], 0, "compute", True)  # dS^T in TMEM (dK may read it)
-                cute.arch.fence_view_async_shared()  # dS smem writes -> visible to the async proxy
-                named_barrier_sync(COMPUTE_BARRIER, len(self.roles["compute"]) * WARP_SIZE)
-                if tidx == 0 and wg == 0:
-                    self.send_ds_half(sdSt, pipes["dsx"], cta_v)
-            else:
-                cute.arch.fence_view_async_shared()  # dS smem writes -> visible to the MMA (async proxy)
-                tcgen05_fence_before()
-                self.arrive_elected(pipes["ds"], 0, "compute", False)  # dS^T written
-            self.arrive_elected(pipes["dpsum"], d_state.index, "compute", True)
-            d_state = next_state(d_state)
-            if const_expr(self.cfg.softcap):  # dS read the LSE too (score.grad_factor)
-                self.arrive_elected(pipes["lse"], lse_state.index, "compute", True)
-                lse_state = next_state(lse_state)
+                    cute.arch.fence_view_async_shared()  # dS smem writes -> visible to the MMA (async proxy)
+                    tcgen05_fence_before()
+                    self.arrive_elected(pipes["ds"], 0, "compute", False)  # dS^T written
+                self.arrive_elected(pipes["dpsum"], d_state.index, "compute", True)
+                d_state = next_state(d_state)
+                if const_expr(self.cfg.softcap):  # dS read the LSE too (score.grad_factor)
+                    self.arrive_elected(pipes["lse"], lse_state.index, "compute", True)
+                    lse_state = next_state(lse_state)
             s_phase = s_phase ^ 1
             ds_phase = ds_phase ^ 1
 
@@ -1305,11 +1486,13 @@ class FlashAttentionBackwardSm100:
             pipes["dkv"].wait_full(0, 0)
             tcgen05_fence_after()
         if wg == 0:
-            self.store_dkv(base, mma_dv, self.mma_tiler_dv, "dV", mdV, tidx, key, seqlen_k, head_kv, batch,
-                           n_steps > 0)
+            if const_expr(not self.dkdq_pass):  # pass dkdq stores dK only (dV: pass dv)
+                self.store_dkv(base, mma_dv, self.mma_tiler_dv, "dV", mdV, tidx, key, seqlen_k, head_kv, batch,
+                               n_steps > 0)
         else:
-            self.store_dkv(base, mma_dk, self.mma_tiler_dk, "dK", mdK, tidx, key, seqlen_k, head_kv, batch,
-                           n_steps > 0)
+            if const_expr(not self.dv_pass):  # pass dv stores dV only (dK: pass dkdq)
+                self.store_dkv(base, mma_dk, self.mma_tiler_dk, "dK", mdK, tidx, key, seqlen_k, head_kv, batch,
+                               n_steps > 0)
 
     @cute.jit
     def send_ds_half(self, sdSt, dsx_bar, cta_v):

@@ -41,12 +41,41 @@ BWD_ROLE_WARPS = {role: len(w) for role, w in BWD_WARP_ROLES_2CTA.items()}
 def bwd_warp_roles(cta_group: int = 1) -> dict:
     """The warp-role table of a config's cta_group (1: BWD_WARP_ROLES; 2: BWD_WARP_ROLES_2CTA)."""
     return BWD_WARP_ROLES_2CTA if cta_group == 2 else BWD_WARP_ROLES
-# Head dims the 1-CTA backward is built for with Dv = D (FA4's 1-CTA maps in BLACKWELL.md's table).
+# Head dims the 1-CTA backward is built for with Dv = D in one kernel (FA4's 1-CTA maps in BLACKWELL.md's
+# table; hd256: SM100_BWD_TWO_PASS_PAIRS).
 SM100_BWD_HEADDIMS = (64, 128)
 # Every (D, Dv) the backward is built for: Dv = D at 64 / 128, and DeepSeek's (192, 128) with the
 # serial schedule (bwd_serial_schedule: dK + dV take 320 of the 512 TMEM columns, S and dP share the
-# other 192). hd256 cannot fit (bwd_tmem_problem): dK + dV alone are 512 columns.
+# other 192). hd256 cannot fit one kernel (bwd_tmem_problem): dK + dV alone are 512 columns; it runs as
+# two passes (SM100_BWD_TWO_PASS_PAIRS).
 SM100_BWD_HEADDIM_PAIRS = ((64, 64), (128, 128), (192, 128))
+# (D, Dv) the backward takes as two passes over each key tile (bwd_pass, docs/design/sm100_backward.md
+# section 10.4): dK + dV (512 columns at hd256) cannot be resident together, so pass "dv" keeps dV with
+# S^T (P^T inside) and issues only S^T and dV += P^T dO; pass "dkdq" keeps dK with S^T, dP^T and dQ over
+# them (the serial order). Compile-verified, not run on hardware.
+SM100_BWD_TWO_PASS_PAIRS = ((256, 256),)
+# The passes: "both" (one kernel: every MMA, the default of every other config), "dv", "dkdq".
+BWD_PASSES = ("both", "dv", "dkdq")
+# Pass "dkdq" streams V and dO (read by dP^T = V dO^T only) through a one-stage ring of chunks of
+# BWD_VDO_COLS head-dim columns per step (dP^T accumulates over the chunks): K, Q (64 KiB each at
+# hd256), dS 32 and the dQ staging 32 leave no room for whole V and dO tiles (321 KiB).
+BWD_VDO_COLS = 32
+# Pass order of a two-pass backward (the host launches them in sequence; neither reads the other's output).
+BWD_TWO_PASS_ORDER = ("dv", "dkdq")
+# The MMAs and TMEM accumulators each pass issues / holds (bwd_pass_mmas).
+BWD_PASS_MMAS = {"both": ("S", "dP", "dV", "dK", "dQ"), "dv": ("S", "dV"), "dkdq": ("S", "dP", "dK", "dQ")}
+
+
+def bwd_pass(cfg) -> str:
+    """The config's pass ("both" where the config has no bwd_pass field)."""
+    return getattr(cfg, "bwd_pass", "both")
+
+
+def bwd_pass_mmas(cfg) -> tuple:
+    """The accumulators (and the MMAs writing them) the config's pass has: BWD_PASS_MMAS."""
+    return BWD_PASS_MMAS[bwd_pass(cfg)]
+
+
 # Head dims the 2-CTA backward is built for (FA4 runs 2-CTA for hd >= 128; the pipelined schedule of
 # hd <= 128 is the one built here; FA4's 2-CTA (192, 128) is built here as a 1-CTA serial schedule, hd256
 # not at all).
@@ -73,16 +102,26 @@ DQ_LD_COLS = 32
 # again and the group's lanes stage theirs (96-column passes spilled at a 136-register reduce budget).
 DQ_MAX_LIVE_COLS = 128
 DQ_PASS_COLS = 64
+# Rows wider than DQ_WIDE_ROW_COLS (hd256, pass dkdq) are read in passes of DQ_PASS_COLS_WIDE: with
+# 64-column passes its reduce warps spilled 4 (LDL / STL) at 152 registers.
+DQ_WIDE_ROW_COLS = 192
+DQ_PASS_COLS_WIDE = 32
 # smem budget of the tiles (the rest of 227 KiB: mbarriers, the TMEM pointer, LSE and dPsum).
 BWD_SMEM_BUDGET = 224 * 1024
 
 
 def bwd_smem_bytes(headdim: int, hdim_v: int, tile_m: int = BWD_TILE_M, tile_n: int = BWD_TILE_N,
                    q_stages: int = BWD_Q_STAGES, do_stages: int = BWD_DO_STAGES, elt: int = 2,
-                   cta_group: int = 1) -> int:
+                   cta_group: int = 1, bwd_pass: str = "both") -> int:
     """Bytes of the tiles: K, V (one each), the Q ring, the dO ring, dS (16-bit, tile_n x tile_m),
     the dQ staging (4 reduce warps x DQ_GROUP_ROWS rows x D fp32) and LSE / dPsum (fp32 per Q / dO
     stage). hd128: 32 + 32 + 64 + 32 + 32 + 16 + 1.5 = 209.5 KiB; hd64: 121.5 KiB.
+
+    bwd_pass "dv" (S^T and dV only): K, the Q ring, the dO ring and LSE (no V, dS, dQ staging, dPsum):
+    hd256 at one Q stage 64 + 64 + 64 + 0.5 = 192.5 KiB. "dkdq": V and dO as do_stages chunks of
+    BWD_VDO_COLS columns (they are read by dP^T only, which accumulates over the chunks): hd256
+    K 64 + Q 64 + V 8 + dO 8 + dS 32 + dQ staging 32 + LSE / dPsum 1 = 209 KiB (whole V and dO tiles:
+    64 x 4 + 32 + 32 + 1 = 321 KiB, the "both" arithmetic).
 
     2-CTA (cta_group 2; bwd_smem_bytes_2cta): every MMA's B operand is split along N between the
     pair, so the operands the 1-CTA kernel reads through a second view of one buffer are loaded
@@ -96,6 +135,11 @@ def bwd_smem_bytes(headdim: int, hdim_v: int, tile_m: int = BWD_TILE_M, tile_n: 
     ds = tile_n * tile_m * elt
     dq = 4 * DQ_GROUP_ROWS * headdim * 4
     stats = (q_stages + do_stages) * tile_m * 4
+    if bwd_pass == "dv":
+        return k + q + do + q_stages * tile_m * 4
+    if bwd_pass == "dkdq":
+        v = do_stages * tile_n * BWD_VDO_COLS * elt
+        do = do_stages * tile_m * BWD_VDO_COLS * elt
     return k + v + q + do + ds + dq + stats
 
 
@@ -163,6 +207,17 @@ def default_bwd_register_plan(headdim: int, causal: bool) -> BwdRegisterPlan:
     return BwdRegisterPlan(152, 136, 88)
 
 
+def default_bwd_register_plan_pass(bwd_pass: str) -> BwdRegisterPlan:
+    """The budgets of a pass of a two-pass config (hd256). "dv": the 1-CTA 152 / 136 / 88 (0 spills; the
+    reduce warps idle). "dkdq": 128 / 152 / 80 -- its compute step (P kept in registers for dS, the
+    window's bounds, the coordinates computed after setmaxnreg) spilled at 136 (4 LDL / STL full fp16,
+    18 with a window at 144), its reduce warps (dQ read in 32-column passes) and its MMA / load warps
+    fit 128 and 80 (CuTe DSL 4.8.1, 2026-12-02: 0 spills for bf16 / fp16 x full / causal / window,
+    deterministic or not; tried and rejected: 152 / 136 / 88, 136 / 144 / 88, 144 / 144 / 80, 160 / 136 / 80,
+    152 / 128 / 104, 144 / 136 / 96, 136 / 136 / 104)."""
+    return BwdRegisterPlan(128, 152, 80) if bwd_pass == "dkdq" else BwdRegisterPlan(152, 136, 88)
+
+
 def default_bwd_register_plan_2cta(headdim: int, causal: bool) -> BwdRegisterPlan:
     """FA4's 2-CTA budgets (flash_bwd_sm100.py __init__, hd128, causal or not): reduce / compute /
     load = mma 136 / 136 / 104: 136 + 2 x 136 + 104 = 512 (FA4's relay warp takes the MMA's 104, its
@@ -201,6 +256,8 @@ def bwd_tmem_map(cfg) -> dict:
     kernel's only source of TMEM offsets."""
     if getattr(cfg, "cta_group", 1) == 2:
         return bwd_tmem_map_2cta(cfg)
+    if bwd_pass(cfg) != "both":
+        return bwd_tmem_map_pass(cfg)
     if bwd_serial_schedule(cfg):
         return bwd_tmem_map_serial(cfg)
     tm, d, dv = cfg.tile_m, cfg.headdim, cfg.hdim_v
@@ -243,7 +300,11 @@ def bwd_serial_schedule(cfg) -> bool:
     not fit 512 columns, so S^T and dP^T share columns and each step runs serially (FA4's hd192
     schedule, there in 2-CTA): S(i) after dQ(i-1) was read out, dP(i) after P^T(i) was written
     ((192, 128): 128 + 192 + 128 + 128 = 576 > 512)."""
-    return getattr(cfg, "cta_group", 1) == 1 and 2 * cfg.tile_m + cfg.headdim + cfg.hdim_v > TMEM_COLUMNS
+    if getattr(cfg, "cta_group", 1) != 1:
+        return False
+    if bwd_pass(cfg) != "both":  # "dkdq": dQ over S and dP, the serial order; "dv": S and dV only
+        return bwd_pass(cfg) == "dkdq"
+    return 2 * cfg.tile_m + cfg.headdim + cfg.hdim_v > TMEM_COLUMNS
 
 
 def bwd_tmem_map_serial(cfg) -> dict:
@@ -277,6 +338,54 @@ def bwd_tmem_map_serial(cfg) -> dict:
     return m
 
 
+def bwd_tmem_map_pass(cfg) -> dict:
+    """TMEM columns of one pass of a two-pass config (bwd_pass "dv" or "dkdq", 1-CTA, 128 keys x
+    tile_m queries; hd256: docs/design/sm100_backward.md section 10.4):
+
+    "dv"   dV = 0 .. Dv (resident), S = S^T after it (Dv .. Dv + tile_m), P0, P1 = P^T halves at the
+           start of EACH warpgroup's own S^T columns (as the pipelined hd128 map: no warpgroup writes
+           S^T columns the other reads, so no barrier). hd256: dV 0-256, S 256-384, P 256-288, 320-352.
+    "dkdq" dK = 0 .. D (resident), S = S^T after it, dP = dP^T the last tile_m columns (clear of S:
+           P^T is not an MMA operand in this pass, it stays in registers for dS), dS0, dS1 = dS^T
+           at the start of each warpgroup's own dP^T columns, dQ = D columns over S and dP (written
+           after the compute warps read dP^T and dK read dS^T; S(i+1) waits for dQ(i)'s read-out).
+           hd256: dK 0-256, S 256-384, dP 384-512, dS 384-416, 448-480, dQ 256-512."""
+    if cfg.cta_group != 1:
+        raise ValueError("the two-pass backward is 1-CTA")
+    problem = bwd_pass_tmem_problem(cfg.headdim, cfg.hdim_v, bwd_pass(cfg), cfg.tile_m)
+    if problem is not None:
+        raise ValueError(problem)
+    tm, d, dv = cfg.tile_m, cfg.headdim, cfg.hdim_v
+    wgs = 2
+    wg_cols = tm // wgs
+    half = wg_cols // 2
+    if bwd_pass(cfg) == "dv":
+        m = {"dV": (0, dv), "S": (dv, tm)}
+        for w in range(wgs):
+            m[f"P{w}"] = (dv + w * wg_cols, half)
+        return m
+    m = {"dK": (0, d), "S": (d, tm), "dP": (d + tm, tm), "dQ": (d, d)}
+    for w in range(wgs):
+        m[f"dS{w}"] = (d + tm + w * wg_cols, half)
+    return m
+
+
+def bwd_pass_tmem_problem(headdim: int, hdim_v: int, bwd_pass: str, tile_m: int = BWD_TILE_M) -> str | None:
+    """Why pass `bwd_pass` of a two-pass config does not fit 512 TMEM columns, or None: "dv" needs
+    Dv + tile_m, "dkdq" D + 2 tile_m (S^T and dP^T side by side) and dQ (D) within S and dP."""
+    if bwd_pass == "dv":
+        need = hdim_v + tile_m
+    elif bwd_pass == "dkdq":
+        need = headdim + 2 * tile_m
+        if headdim > 2 * tile_m:
+            return f"pass dkdq at D={headdim}: dQ ({headdim} columns) does not fit over S^T and dP^T (2 x {tile_m})"
+    else:
+        return f"bwd_pass={bwd_pass!r}: not a pass of a two-pass config ({BWD_PASSES[1:]})"
+    if need > TMEM_COLUMNS:
+        return f"pass {bwd_pass} at (D, Dv)=({headdim}, {hdim_v}): {need} TMEM columns > {TMEM_COLUMNS}"
+    return None
+
+
 def bwd_serial_problem(softcap: bool = False) -> str | None:
     """Why the serial schedule ((192, 128)) cannot take a problem class, or None: softcap (its compute
     step needs more than the 136 registers of default_bwd_register_plan, and no 512-register split
@@ -291,7 +400,7 @@ def bwd_serial_problem(softcap: bool = False) -> str | None:
 def bwd_tmem_overlaps(cfg) -> tuple:
     """Overlapping buffers neither of which contains the other, (a, b): only the serial map's S and
     dP (S^T's second half is dead once P^T is written; P^T itself lies outside dP)."""
-    return (("S", "dP"),) if bwd_serial_schedule(cfg) else ()
+    return (("S", "dP"),) if bwd_serial_schedule(cfg) and bwd_pass(cfg) == "both" else ()
 
 
 def bwd_p_barrier(cfg) -> bool:
@@ -299,6 +408,8 @@ def bwd_p_barrier(cfg) -> bool:
     contiguous at S's start: 2-CTA, serial), so the warpgroups sync between reading S^T and writing P^T."""
     m = bwd_tmem_map(cfg)
     s0, wg_cols = m["S"][0], cfg.tile_m // 2
+    if "P0" not in m:  # pass dkdq: P^T stays in registers (no dV MMA reads it)
+        return False
     for w in range(2):
         start, n = m[f"P{w}"]
         for other in range(2):
@@ -314,15 +425,16 @@ def bwd_dq_passes(headdim: int, cta_group: int = 1) -> int:
     cols = headdim // cta_group
     if cols <= DQ_MAX_LIVE_COLS:
         return 1
-    if cols % DQ_PASS_COLS:
+    pass_cols = DQ_PASS_COLS if cols <= DQ_WIDE_ROW_COLS else DQ_PASS_COLS_WIDE
+    if cols % pass_cols:
         raise ValueError(f"no dQ read-out pass split for {cols} columns")
-    return cols // DQ_PASS_COLS
+    return cols // pass_cols
 
 
-def bwd_q_stages(headdim: int, hdim_v: int) -> int:
+def bwd_q_stages(headdim: int, hdim_v: int, bwd_pass: str = "both") -> int:
     """The Q ring's depth of a 1-CTA config: FA4's 2 where the tiles fit BWD_SMEM_BUDGET, else 1
-    ((192, 128): 265.5 KiB with 2 stages, 217 KiB with 1)."""
-    return BWD_Q_STAGES if bwd_smem_bytes(headdim, hdim_v) <= BWD_SMEM_BUDGET else 1
+    ((192, 128): 265.5 KiB with 2 stages, 217 KiB with 1; hd256 pass "dv": 256.5 / 192.5 KiB)."""
+    return BWD_Q_STAGES if bwd_smem_bytes(headdim, hdim_v, bwd_pass=bwd_pass) <= BWD_SMEM_BUDGET else 1
 
 
 def bwd_tmem_map_2cta(cfg) -> dict:
@@ -362,6 +474,10 @@ def bwd_tmem_aliases(cfg) -> tuple:
 
     if getattr(cfg, "cta_group", 1) == 2:
         return (("dQ", "S"),) + tuple((f"{x}{w}", o) for w in range(2) for x, o in (("P", "S"), ("dS", "dP")))
+    if bwd_pass(cfg) == "dv":  # P^T inside S
+        return tuple((f"P{w}", "S") for w in range(2))
+    if bwd_pass(cfg) == "dkdq":  # dQ over S and dP; dS^T inside dP (and so inside dQ)
+        return (("S", "dQ"), ("dP", "dQ")) + tuple((f"dS{w}", o) for w in range(2) for o in ("dP", "dQ"))
     if bwd_serial_schedule(cfg):  # dQ over S and dP; each half inside whichever of them holds it
         return (("S", "dQ"), ("dP", "dQ")) + tuple(
             (f"{x}{w}", o) for w in range(2) for x in ("P", "dS") for o in ("S", "dP", "dQ") if inside(f"{x}{w}", o))
@@ -455,7 +571,29 @@ def bwd_pipeline_specs(cfg) -> dict:
           "the tile's dV and dK are final -> compute epilogue (never released: one tile per CTA)",
           waited_empty=False),
     ]
+    if bwd_pass(cfg) == "dkdq":
+        # V and dO stream through the do ring in BWD_VDO_COLS-column chunks (dP^T only); K alone on kv
+        specs = [dataclasses.replace(s, note=BWD_PASS_DKDQ_NOTE.get(s.name, s.note)) for s in specs]
+    if bwd_pass(cfg) == "dv":
+        # S^T and dV only: no dP^T, dS^T, dQ; K alone on kv (V is not read); dO read by dV alone
+        drop = ("dpsum", "dp", "ds", "dq")
+        specs = [dataclasses.replace(s, note=BWD_PASS_DV_NOTE.get(s.name, s.note)) for s in specs if s.name not in drop]
     return {s.name: s for s in specs}
+
+
+BWD_PASS_DKDQ_NOTE = {
+    "kv": "K of the CTA's key tile, once (pass dkdq: V streams through the do ring); never released",
+    "do": "pass dkdq: chunk c of V (the key tile's) and of dO[m] (BWD_VDO_COLS columns each), the A and B "
+          "of dP^T's k-blocks of that chunk; released by the commit after them",
+    "s": "S^T ready -> compute; S^T read -> mma (pass dkdq: P^T stays in registers)",
+    "dkv": "the tile's dK is final -> compute epilogue (pass dkdq; never released)",
+}
+
+BWD_PASS_DV_NOTE = {
+    "kv": "K of the CTA's key tile, once (pass dv: V is not read); never released",
+    "q": "Q[m]: read by S^T = K Q^T; released by the commit after S^T (pass dv)",
+    "dkv": "the tile's dV is final -> compute epilogue (pass dv; never released)",
+}
 
 
 def bwd_pipeline_specs_2cta(cfg) -> dict:
