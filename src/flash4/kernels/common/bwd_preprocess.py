@@ -74,12 +74,19 @@ def wide_row_chunks(headdim: int) -> list[list[int]]:
             for j in range(passes)]
 
 
-def _row_coords(num_row_tiles: Int32, nheads: Int32):
-    """(first row of this CTA's tile, head, batch) from blockIdx.x = (batch * H + head) * tiles + tile."""
+def tile_coords(num_tiles: Int32, nheads: Int32):
+    """(tile, head, batch) of this CTA from blockIdx.x = (batch * H + head) * num_tiles + tile (the
+    pre- and postprocess grids, sm90's and the sm80 family's)."""
     bid = cute.arch.block_idx()[0]
-    tile = bid % num_row_tiles
-    bh = bid // num_row_tiles
-    return tile * ROW_TILE, bh % nheads, bh // nheads
+    tile = bid % num_tiles
+    bh = bid // num_tiles
+    return tile, bh % nheads, bh // nheads
+
+
+def _row_coords(num_row_tiles: Int32, nheads: Int32):
+    """(first row of this CTA's tile, head, batch): tile_coords over ROW_TILE-row tiles."""
+    tile, head, b = tile_coords(num_row_tiles, nheads)
+    return tile * ROW_TILE, head, b
 
 
 def _chunk(row: cute.Tensor, j: int, sub_lane: Int32) -> cute.Tensor:
@@ -276,12 +283,8 @@ class BackwardPostprocessAccumOrder:
     @cute.kernel
     def kernel(self, mdQacc: cute.Tensor, mdQ: cute.Tensor):
         tidx = cute.arch.thread_idx()[0]
-        seqlen_q, nheads = mdQ.shape[1], mdQ.shape[2]
-        num_m_blocks = cute.ceil_div(seqlen_q, self.tile_m)
-        bid = cute.arch.block_idx()[0]
-        m_block = bid % num_m_blocks
-        bh = bid // num_m_blocks
-        head, b = bh % nheads, bh // nheads
+        seqlen_q = mdQ.shape[1]
+        m_block, head, b = tile_coords(cute.ceil_div(seqlen_q, self.tile_m), mdQ.shape[2])
         if const_expr(self.wide_stores):
             self.tile_wide(mdQacc, mdQ, m_block, head, b, tidx, seqlen_q)
         else:

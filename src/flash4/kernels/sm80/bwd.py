@@ -27,6 +27,7 @@ from cutlass.cutlass_dsl import dsl_user_op
 from cutlass.memory import SmemAllocator
 
 from flash4.kernels.common import geometry, score
+from flash4.kernels.common.bwd_preprocess import tile_coords
 from flash4.kernels.common.dsl import DSL_DTYPES
 from flash4.kernels.common.exp2 import exp2_hw, fma_rn
 from flash4.kernels.common.layout import acc_mn_view, select_modes, transpose_view
@@ -651,12 +652,8 @@ class DqPostprocessSm80:
     @cute.kernel
     def kernel(self, mdQacc: cute.Tensor, mdQ: cute.Tensor):
         tidx = cute.arch.thread_idx()[0]
-        seqlen_q, nheads = mdQ.shape[1], mdQ.shape[2]
-        num_m_blocks = cute.ceil_div(seqlen_q, self.tile_m)
-        bid = cute.arch.block_idx()[0]
-        m_block = bid % num_m_blocks
-        bh = bid // num_m_blocks
-        head, b = bh % nheads, bh // nheads
+        seqlen_q = mdQ.shape[1]
+        m_block, head, b = tile_coords(cute.ceil_div(seqlen_q, self.tile_m), mdQ.shape[2])
         tiled_mma = make_tiled_mma(self.dtype, self.num_warps, self.num_warps // self.warps_m_dq)
         tCcC = tiled_mma.get_slice(tidx).partition_C(cute.make_identity_tensor((self.tile_m, self.hdim)))
         num_values = cute.size(tCcC)
