@@ -276,3 +276,55 @@ def compile_bwd_rows(configs, ids, dump) -> dict:
         row = resource_usage(cubin) if cubin is not None else {}
         out[name] = (cfg, cpu_s, compiled.__ptx__, row, sass_text(cubin) if row else None)
     return out
+
+
+def routed_bwd_runs(monkeypatch, tool, ab, describe_postprocess, with_delta=False):
+    """The backward A/B tools' host path on meta tensors (tools/ab_bwd_tiles.py, tools/ab_portable.py):
+    the runner getters replaced by recorders, flash4.backward.run routed (ab.TileRoute) to each
+    variant of each of tool.CELLS in turn. Yields (case, name, variant, asked, launched, want): the
+    kernels the run asked for (("bwd", cfg), ("bwd_preprocess", headdim, dtype), and
+    describe_postprocess(args, kwargs) for the postprocess), the main kernel's heads_per_cta per
+    launch, and tool.plan_kernels([case]) (what --precompile builds). After each case, every
+    variant went through the route once."""
+    import torch
+
+    from flash4 import backward
+    from flash4.compile import cache
+
+    asked, launched = [], []
+
+    def recorder(kind):
+        def get(*args, **kwargs):
+            if kind == "bwd_preprocess":
+                asked.append((kind, args[0], args[1]))
+                assert kwargs.get("headdim_q", args[0]) == args[0] and not kwargs.get("varlen")
+            elif kind == "bwd_postprocess":
+                asked.append(describe_postprocess(args, kwargs))
+            else:
+                asked.append((kind, args[0]))
+
+            def run(*a, **k):
+                if kind == "bwd":
+                    launched.append(k["heads_per_cta"])
+            return run
+        return get
+
+    for kind in ("bwd", "bwd_preprocess", "bwd_postprocess"):
+        monkeypatch.setattr(cache, f"get_{kind}_runner", recorder(kind))
+    monkeypatch.setattr(backward, "dq_target", lambda dq: dq)  # meta tensors have no address
+    for case in tool.CELLS:
+        want = set(tool.plan_kernels([case]))
+        req = ab.request(case)
+        out = torch.empty(req.q.shape, device="meta", dtype=req.q.dtype)
+        lse = torch.empty(case.batch, case.nheads, case.seqlen_q, device="meta", dtype=torch.float32)
+        variants = tool.variants(case)
+        with ab.TileRoute() as route:
+            for name, v in variants.items():
+                asked.clear()
+                launched.clear()
+                route.plan = ab.BwdPlan(v.cfg, v.heads_per_cta)
+                delta = torch.empty_like(lse) if with_delta and case.sink else None
+                backward.run(req, out, out, lse, None, delta=delta)
+                yield case, name, v, list(asked), list(launched), want
+            assert route.calls == len(variants)
+        assert backward.bwd_config is route.original

@@ -40,49 +40,16 @@ def test_variants_are_configs_other_than_shipped():
 
 
 def test_routed_backward_asks_for_the_precompiled_kernels(monkeypatch):
-    import torch
-
-    from flash4 import backward
-    from flash4.compile import cache
+    from cpu_helpers import routed_bwd_runs
 
     monkeypatch.setenv("FLASH4_ARCH", "90")
-    asked, launched = [], []
 
-    def recorder(kind):
-        def get(*args, **kwargs):
-            if kind == "bwd_preprocess":
-                asked.append((kind, args[0], args[1]))
-                assert kwargs.get("headdim_q", args[0]) == args[0] and not kwargs.get("varlen")
-            elif kind == "bwd_postprocess":
-                asked.append((kind, args[0], args[1], kwargs["accum_tile_m"], kwargs["wide_stores"],
-                               kwargs.get("wg_halves", False)))
-            else:
-                asked.append((kind, args[0]))
+    def postprocess(args, kwargs):
+        return ("bwd_postprocess", args[0], args[1], kwargs["accum_tile_m"], kwargs["wide_stores"],
+                kwargs.get("wg_halves", False))
 
-            def run(*a, **k):
-                if kind == "bwd":
-                    launched.append(k["heads_per_cta"])
-            return run
-        return get
-
-    for kind in ("bwd", "bwd_preprocess", "bwd_postprocess"):
-        monkeypatch.setattr(cache, f"get_{kind}_runner", recorder(kind))
-    monkeypatch.setattr(backward, "dq_target", lambda dq: dq)  # meta tensors have no address
-    for case in tool.CELLS:
-        want = set(tool.plan_kernels([case]))
-        req = tool.request(case)
-        out = torch.empty(req.q.shape, device="meta", dtype=req.q.dtype)
-        lse = torch.empty(case.batch, case.nheads, case.seqlen_q, device="meta", dtype=torch.float32)
-        with tool.TileRoute() as route:
-            for name, v in tool.variants(case).items():
-                asked.clear()
-                launched.clear()
-                route.plan = tool.BwdPlan(v.cfg, v.heads_per_cta)
-                delta = torch.empty_like(lse) if case.sink else None
-                backward.run(req, out, out, lse, None, delta=delta)
-                assert set(asked) <= want, (case.name, name, set(asked) - want)
-                assert ("bwd", v.cfg) in asked
-                group = case.nheads // case.nheads_k
-                assert launched == [v.heads_per_cta if v.cfg.dkv_accum else group], (case.name, name)
-            assert route.calls == len(tool.variants(case))
-    assert backward.bwd_config is route.original
+    for case, name, v, asked, launched, want in routed_bwd_runs(monkeypatch, tool, tool, postprocess, with_delta=True):
+        assert set(asked) <= want, (case.name, name, set(asked) - want)
+        assert ("bwd", v.cfg) in asked
+        group = case.nheads // case.nheads_k
+        assert launched == [v.heads_per_cta if v.cfg.dkv_accum else group], (case.name, name)

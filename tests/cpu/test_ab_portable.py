@@ -44,38 +44,12 @@ def test_variants(portable):
 
 
 def test_routed_backward_asks_for_the_precompiled_kernels(portable, monkeypatch):
-    import torch
+    from cpu_helpers import routed_bwd_runs
 
-    from flash4 import backward
-    from flash4.compile import cache
+    def postprocess(args, kwargs):
+        post = tuple(sorted((k, x) for k, x in kwargs.items() if k in ("accum_tile_m", "wg_halves", "sm80_warps")))
+        return ("bwd_postprocess_sm80", args[0], args[1], kwargs["wide_stores"], post)
 
-    asked = []
-
-    def recorder(kind):
-        def get(*args, **kwargs):
-            if kind == "bwd_preprocess":
-                asked.append((kind, args[0], args[1]))
-            elif kind == "bwd_postprocess":
-                post = tuple(sorted((k, x) for k, x in kwargs.items() if k in ("accum_tile_m", "wg_halves", "sm80_warps")))
-                asked.append(("bwd_postprocess_sm80", args[0], args[1], kwargs["wide_stores"], post))
-            else:
-                asked.append((kind, args[0]))
-            return lambda *a, **k: None
-        return get
-
-    for kind in ("bwd", "bwd_preprocess", "bwd_postprocess"):
-        monkeypatch.setattr(cache, f"get_{kind}_runner", recorder(kind))
-    monkeypatch.setattr(backward, "dq_target", lambda dq: dq)  # meta tensors have no address
-    for case in tool.CELLS:
-        want = set(tool.plan_kernels([case]))
-        req = ab_bwd_tiles.request(case)
-        out = torch.empty(req.q.shape, device="meta", dtype=req.q.dtype)
-        lse = torch.empty(case.batch, case.nheads, case.seqlen_q, device="meta", dtype=torch.float32)
-        with ab_bwd_tiles.TileRoute() as route:
-            for name, v in tool.variants(case).items():
-                asked.clear()
-                route.plan = ab_bwd_tiles.BwdPlan(v.cfg, v.heads_per_cta)
-                backward.run(req, out, out, lse, None)
-                assert set(asked) <= want, (case.name, name, set(asked) - want)
-                assert ("bwd", v.cfg) in asked
-            assert route.calls == len(tool.variants(case))
+    for case, name, v, asked, _, want in routed_bwd_runs(monkeypatch, tool, ab_bwd_tiles, postprocess):
+        assert set(asked) <= want, (case.name, name, set(asked) - want)
+        assert ("bwd", v.cfg) in asked
