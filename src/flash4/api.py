@@ -145,8 +145,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
            reads key head h // (nheads // nheads_k)). Head dims as flash_attn_func's (kernel head
            dims and flash4.config.HDIMV_PAIRS as they are, other multiples of 8 zero-padded; not for a
            paged pool, which keeps the kernel head dims); out is (total_q, nheads, headdim_v).
-           Paged K/V (with page_table): (num_pages, page_size, nheads_k, headdim), page_size a
-           multiple of 8 (16, 32, 64, 128, 256, ...); key j of sequence b is
+           Paged K/V (with page_table): (num_pages, page_size, nheads_k, headdim), any page_size
+           >= 1 (pages of <= 16 rows or not a multiple of 8 are gathered row by row; FLASH4_SMALL_PAGES=0
+           refuses sizes that are not multiples of 8); key j of sequence b is
            k[page_table[b, j // page_size], j % page_size]. K and V may be two views of one
            interleaved cache tensor (vLLM's layout): only the last dim must be contiguous, every
            other stride and the base 16-byte aligned (as flash_attn_func's q/k/v).
@@ -222,7 +223,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
         ValueError: ranks (q 3-D; k/v 3-D, or 4-D with page_table), cu_seqlens_k / seqused_q /
             seqused_k / page_table not matching batch = cu_seqlens_q.numel() - 1, cu_seqlens_k given
             with page_table or missing without it, seqused_k missing with page_table, page_size not a
-            multiple of 8 (e.g. 1), headdim / heads rules as flash_attn_func, strides, a window side
+            multiple of 8 with FLASH4_SMALL_PAGES=0, headdim / heads rules as flash_attn_func, strides, a window side
             below -1, softcap NaN, infinite or negative, devices (every tensor on q's CUDA device),
             the GPU's SM version; with
             check_seqlens, bad metadata values.
@@ -287,7 +288,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
            or row b; then batch_cache == batch), or paged (num_pages, page_size, nheads_k, headdim)
            (v_cache, and the appended v, may have their own head dim for the pairs of
            flash4.config.HDIMV_PAIRS; out is then (batch, seqlen_q, nheads, headdim_v))
-           with page_table (page_size a multiple of 8). nheads_k divides nheads (MQA/GQA).
+           with page_table (any page_size >= 1). nheads_k divides nheads (MQA/GQA).
            K and V may be two views of one interleaved tensor; last dim contiguous, other strides
            16-byte aligned; with cache_batch_idx, a dense cache's batch stride must be the same
            whole number (>= seqlen_cache) of token rows in k_cache and v_cache.
