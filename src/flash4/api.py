@@ -110,7 +110,7 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False,
     window_size = check_window_size(window_size)
     softcap = check_softcap(softcap)
     causal, window_size = canonical_mask(causal, window_size)  # (-1, 0) runs the causal kernel
-    padded = _padded_headdims(q, k, v, q_dim=3)
+    padded = _padded_headdims(q, k, v, q_dim=3, learnable_sink=learnable_sink)
     if padded is not None:  # a head dim without a kernel: zero-padded to one (flash4.headdim, exact)
         qp, kp, vp, dv = padded
         res = flash_attn_func(qp, kp, vp, resolve_softmax_scale(softmax_scale, q.shape[3]), causal, return_lse,
@@ -250,7 +250,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
     window_size = check_window_size(window_size)
     softcap = check_softcap(softcap)
     causal, window_size = canonical_mask(causal, window_size)  # (-1, 0) runs the causal kernel
-    padded = None if page_table is not None else _padded_headdims(q, k, v, q_dim=2)  # pools are not padded per call
+    # pools are not padded per call
+    padded = None if page_table is not None else _padded_headdims(q, k, v, q_dim=2, learnable_sink=learnable_sink)
     if padded is not None:  # a head dim without a kernel: zero-padded to one (flash4.headdim, exact)
         qp, kp, vp, dv = padded
         res = flash_attn_varlen_func(
@@ -414,20 +415,49 @@ def _check_flags(**flags) -> None:
             raise TypeError(f"{name} must be a bool, got {type(value).__name__}{hint}")
 
 
-def _padded_headdims(q, k, v, q_dim: int):
+def _padded_headdims(q, k, v, q_dim: int, learnable_sink=None):
     """None when (q, k, v) need no padding (native head dims, or inputs the validation will reject
     anyway); else (q, k, v) zero-padded on their last dim to the head dims flash4.headdim picks, and
     v's own head dim (the output is sliced back to it). Raises ValueError with flash4.headdim.RULE
-    for a head dim that is not a multiple of 8 in [8, 256]. q_dim: q's head-dim axis (3 dense, 2 varlen)."""
+    for a head dim that is not a multiple of 8 in [8, 256]. q_dim: q's head-dim axis (3 dense, 2 varlen).
+    A call autograd records (grad mode on and q, k, v or learnable_sink requiring grad, as
+    flash4.validate's gate decides) on a GPU whose backward lacks the pair is padded as a whole to the
+    pair that backward has (flash4.headdim.training_headdims: hd96 -> 128 on sm_100), forward included."""
     from flash4 import headdim as hd
 
     if not all(isinstance(t, torch.Tensor) and t.dim() == q_dim + 1 for t in (q, k, v)):
         return None
     d, dk, dv = q.shape[-1], k.shape[-1], v.shape[-1]
-    if dk != d or hd.is_native(d, dv):
+    if dk != d:
         return None
-    for name, value in (("q/k", d), ("v", dv)):
-        if not hd.servable(value):
-            raise ValueError(f"headdim {value} ({name}.shape[{q_dim}]) is not supported: {hd.RULE}")
-    d_p, dv_p = hd.padded_headdims(d, dv)
+    if hd.is_native(d, dv):
+        d_p, dv_p = d, dv
+    else:
+        for name, value in (("q/k", d), ("v", dv)):
+            if not hd.servable(value):
+                raise ValueError(f"headdim {value} ({name}.shape[{q_dim}]) is not supported: {hd.RULE}")
+        d_p, dv_p = hd.padded_headdims(d, dv)
+    if _records_grad(q, k, v, learnable_sink) and hd.training_may_pad(d_p, dv_p):
+        arch = _known_arch(q)
+        if arch is not None:
+            d_p, dv_p = hd.training_headdims(d_p, dv_p, arch)
+    if (d_p, dv_p) == (d, dv):
+        return None
     return hd.pad_last(q, d_p), hd.pad_last(k, d_p), hd.pad_last(v, dv_p), dv
+
+
+def _records_grad(q, k, v, learnable_sink) -> bool:
+    """Autograd will ask for a backward (flash4.autograd.needs_grad's test, on the raw arguments)."""
+    return torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v, learnable_sink))
+
+
+def _known_arch(q) -> int | None:
+    """The SM version of q's device (a CUDA tensor, or FLASH4_ARCH), or None (validation names the
+    device problem)."""
+    from flash4.arch import device_arch
+
+    try:
+        return device_arch(q.device)
+    except (RuntimeError, ValueError):
+        return None

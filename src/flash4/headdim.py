@@ -19,6 +19,11 @@ docs/perf. A KV cache (flash_attn_with_kvcache, or a paged varlen call) is not p
 cache is appended to in place and copying it every step would cost more than the attention; those
 entry points serve the native head dims only (allocate the cache with a native head dim).
 
+Training on a GPU whose backward lacks a pair the forward has (sm_100: hd96; flash4.config.sm100's
+SM100_BWD_HEADDIM_PAIRS) pads the whole call, forward included, to the pair that backward has
+(`training_headdims`: hd96 -> 128), so q, k, v, out and lse reach the backward at one width; without
+grad the forward keeps its own kernel. Compile-verified on sm_100, not run on hardware.
+
 Rule (`padded_headdims`): D and Dv multiples of 8 in [8, 256]; D' = the smallest native head dim
 >= D, Dv' likewise; if (D', Dv') is neither equal nor a native pair, both become max(D', Dv') (a
 pair of equal width, always native). Anything else raises ValueError naming the rule.
@@ -64,6 +69,29 @@ def padded_headdims(headdim: int, headdim_v: int) -> tuple[int, int]:
         return d_p, dv_p
     wide = max(d_p, dv_p)
     return wide, wide
+
+
+def training_headdims(headdim: int, headdim_v: int, arch: int) -> tuple[int, int]:
+    """(D', Dv') the kernels run a call at when autograd will ask for its backward on SM version `arch`:
+    padded_headdims(D, Dv), then, on sm_100, the pair the sm100 backward has for it
+    (flash4.config.sm100.bwd_padded_headdims: hd96 -> 128; compile-verified, not run on hardware). The
+    forward runs at that width too, so q, k, v, out and lse reach the backward consistent; exact, as
+    every padding here (softmax_scale's default stays 1/sqrt(D) of the caller's D). Raises ValueError as
+    padded_headdims."""
+    d_p, dv_p = padded_headdims(headdim, headdim_v)
+    if arch == 100:
+        from flash4.config import sm100
+
+        return sm100.bwd_padded_headdims(d_p, dv_p)
+    return d_p, dv_p
+
+
+def training_may_pad(headdim: int, headdim_v: int) -> bool:
+    """True when training_headdims may widen the kernels' pair (headdim, headdim_v) on some GPU (sm_100's
+    backward lacks it: hd96), so the caller must ask q's SM version; pure (no device query)."""
+    from flash4.config import sm100
+
+    return sm100.bwd_padded_headdims(headdim, headdim_v) != (headdim, headdim_v)
 
 
 def headdim_error(headdim: int, headdim_v: int, what: str = "q/k") -> str | None:

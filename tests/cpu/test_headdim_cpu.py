@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from flash4.config import HDIMV_PAIRS, SUPPORTED_HEADDIMS
-from flash4.headdim import RULE, is_native, pad_last, padded_headdims, servable
+from flash4.headdim import (RULE, is_native, pad_last, padded_headdims, servable, training_headdims,
+                            training_may_pad)
 from flash4.reference import attention_ref
 
 
@@ -19,6 +20,19 @@ def test_native_equal_pairs_unchanged(d):
 @pytest.mark.parametrize("pair", HDIMV_PAIRS)
 def test_native_pairs_unchanged(pair):
     assert padded_headdims(*pair) == pair
+
+
+@pytest.mark.parametrize("d,dv,arch,expected", [
+    (96, 96, 100, (128, 128)),  # sm100 has no hd96 backward: the training call pads to hd128's
+    (80, 80, 100, (128, 128)), (72, 72, 100, (128, 128)),  # padded to 96 for the forward, to 128 to train
+    (96, 96, 90, (96, 96)), (80, 80, 90, (96, 96)),  # sm90 has an hd96 backward
+    (64, 64, 100, (64, 64)), (128, 128, 100, (128, 128)), (192, 128, 100, (192, 128)), (256, 256, 100, (256, 256)),
+    (32, 32, 100, (64, 64)), (112, 112, 100, (128, 128))])
+def test_training_headdims(d, dv, arch, expected):
+    """The pair a training call runs at (forward and backward): sm100's backward pairs
+    (flash4.config.sm100.bwd_padded_headdims) widen hd96; training_may_pad says when to ask the arch."""
+    assert training_headdims(d, dv, arch) == expected
+    assert training_may_pad(*padded_headdims(d, dv)) == (padded_headdims(d, dv) == (96, 96))
 
 
 @pytest.mark.parametrize("d,expected", [(8, 64), (16, 64), (32, 64), (56, 64), (72, 96), (80, 96), (88, 96),

@@ -336,16 +336,16 @@ def test_training_a_backward_failure_is_refused(sm100_device, monkeypatch):
 
 
 def test_training_what_the_backward_lacks_is_refused_at_the_door(sm100_device, monkeypatch):
-    """What the sm100 backward does not build (hd96) is refused by name before any launch when an
-    input requires grad; without grad the forward serves it. Packed varlen passes (issue 23)."""
+    """What the sm100 backward does not build (hd96) is refused by name at the kernel door (the
+    tensors as given: validate.support_error, what the SDPA plug-in asks, which never pads) when an
+    input requires grad; without grad the forward serves it. flash_attn_func pads such a call to
+    hd128 first (test_hd96_training_runs_padded_to_the_hd128_backward). Packed varlen passes (issue 23)."""
     asked = verdicts(monkeypatch, ok=True)
     q, k, v = qkv(requires_grad=True)
     q96, k96, v96 = qkv(d=96, requires_grad=True)
     text = validate.support_error(q96, k96, v96)
     assert "no backward for this call on sm_100" in text and "built: (D, Dv) in (64, 64), (128, 128), (192, 128)" in text
     assert "torch.no_grad()" in text
-    with pytest.raises(NotImplementedError, match="no sm100 backward"):
-        flash4.flash_attn_func(q96, k96, v96)
     with torch.no_grad():
         assert validate.support_error(q96, k96, v96) is None
     cu = torch.tensor([0, 100, 300], dtype=torch.int32)
@@ -353,6 +353,56 @@ def test_training_what_the_backward_lacks_is_refused_at_the_door(sm100_device, m
     # packed varlen training passes the door (the 1-CTA packed backward: compile-verified, not run on
     # hardware), behind the backward's self-test
     assert validate.varlen_support_error(q[0], k[0], v[0], cu, cu, 200, 200) is None
+
+
+def test_hd96_training_runs_padded_to_the_hd128_backward(sm100_device, monkeypatch):
+    """hd96 training on sm100 (no hd96 backward: flash4.config.sm100.bwd_padded_headdims) runs as one
+    zero-padded hd128 call, forward and backward (flash4.headdim.training_headdims): the door asks the
+    self-test about the hd128 forward and backward configs, the kernels get 128-wide q/k/v with hd96's
+    softmax scale (1/sqrt(96)) and hd128's backward config, out comes back 96 wide and the gradients
+    reach the 96-wide inputs (their padded columns dropped). Without grad the native hd96 forward runs.
+    forward.run / backward.run are recorders here (no compile, no launch; the padding's exactness is
+    tests/cpu/test_headdim_cpu.py's)."""
+    from flash4 import backward
+    from flash4.config import bwd_config
+
+    assert sm100.bwd_padded_headdims(96, 96) == (128, 128)
+    for pair in sm100.SM100_BWD_HEADDIM_PAIRS + sm100.SM100_BWD_TWO_PASS_PAIRS:
+        assert sm100.bwd_padded_headdims(*pair) == pair  # the built pairs run as they are
+    asked = verdicts(monkeypatch, ok=True)
+    fwd_got, bwd_got = [], []
+
+    def fwd_run(request, out=None, lse=None, lse_split=None):
+        fwd_got.append(request)
+        b, sq, h, _ = request.q.shape
+        return torch.zeros(b, sq, h, request.headdim_v, dtype=request.q.dtype), torch.zeros(b, h, sq)
+
+    def bwd_run(request, dout, out, lse, lse_split=None, dlse=None, **kwargs):
+        bwd_got.append((request, dout.shape, out.shape))
+        return tuple(torch.ones_like(t) for t in (request.q, request.k, request.v))
+
+    monkeypatch.setattr(forward, "run", fwd_run)
+    monkeypatch.setattr(backward, "run", bwd_run)
+    q, k, v = qkv(d=96, requires_grad=True)
+    out = flash4.flash_attn_func(q, k, v, causal=True)
+    assert out.shape == (1, 300, 4, 96)
+    req = fwd_got[-1]
+    assert req.headdim == req.headdim_v == 128 and req.score.softmax_scale == pytest.approx(96 ** -0.5)
+    assert torch.equal(req.q[..., 96:], torch.zeros_like(req.q[..., 96:])) and torch.equal(req.q[..., :96], q)
+    assert asked == [sm100.select_fwd_config(128, "bf16", True), sm100.select_bwd_config(128, "bf16", True)]
+    out.sum().backward()
+    breq, dout_shape, out_shape = bwd_got[-1]
+    assert dout_shape[-1] == out_shape[-1] == 128 and breq.headdim == 128
+    assert breq.score.softmax_scale == pytest.approx(96 ** -0.5)
+    assert bwd_config(breq, 100).cfg == sm100.select_bwd_config(128, "bf16", True)
+    for t in (q, k, v):  # the kernels' 128-wide gradients sliced back to 96
+        assert t.grad.shape == t.shape and torch.equal(t.grad, torch.ones_like(t))
+    q, k, v = qkv(d=96)  # no grad: the native hd96 forward, asked about alone
+    flash4.flash_attn_func(q, k, v)
+    assert fwd_got[-1].headdim == 96 and asked[2:] == [sm100.select_fwd_config(96, "bf16", False)]
+    q, k, v = qkv(d=80, requires_grad=True)  # hd80 (padded to 96 for the forward) trains at 128 too
+    flash4.flash_attn_func(q, k, v)
+    assert fwd_got[-1].headdim == 128 and fwd_got[-1].score.softmax_scale == pytest.approx(80 ** -0.5)
 
 
 # ---------------------------------------------------------------- the launch site

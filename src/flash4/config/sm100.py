@@ -421,6 +421,21 @@ _BWD_UNBUILT_WHAT = {
 }
 
 
+def bwd_padded_headdims(headdim: int, headdim_v: int) -> tuple[int, int]:
+    """(D', Dv') the sm100 backward runs a (headdim, headdim_v) call at: the pair itself when the backward
+    is built for it (SM100_BWD_HEADDIM_PAIRS, SM100_BWD_TWO_PASS_PAIRS: the one source of truth), else the
+    narrowest built pair at least as wide in both that the sm100 forward also has (hd96 -> (128, 128)):
+    the API then zero-pads the whole training call to it (flash4.headdim.training_headdims; exact: zero
+    q/k columns add 0 to every score, zero v columns give output columns that are sliced off; the
+    softmax scale stays the caller's head dim's). The pair itself when none is wider (select_bwd_config
+    then names what is missing). Compile-verified, not run on hardware."""
+    built = SM100_BWD_HEADDIM_PAIRS + SM100_BWD_TWO_PASS_PAIRS
+    if (headdim, headdim_v) in built:
+        return headdim, headdim_v
+    wider = [(d, dv) for d, dv in built if d >= headdim and dv >= headdim_v and (d, dv) in SM100_FWD_HDIM_PAIRS]
+    return min(wider, key=lambda p: (p[0] + p[1], p)) if wider else (headdim, headdim_v)
+
+
 def _bwd_built_text(headdim: int) -> str:
     """What the sm100 backward builds, and why hd256 cannot be (its TMEM arithmetic)."""
     text = ("built: (D, Dv) in " + ", ".join(f"({d}, {dv})" for d, dv in SM100_BWD_HEADDIM_PAIRS)
