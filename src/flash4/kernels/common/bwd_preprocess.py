@@ -83,6 +83,24 @@ def tile_coords(num_tiles: Int32, nheads: Int32):
     return tile, bh % nheads, bh // nheads
 
 
+@cute.jit
+def store_dq_pairs(acc: cute.Tensor, tCcC: cute.Tensor, mdQ: cute.Tensor, b: Int32, head: Int32, row0: Int32,
+                   seqlen_q: Int32, dtype: cutlass.Constexpr):
+    """A thread's fp32 dQ values (acc, in its MMA accumulator's order, coordinates tCcC within the
+    tile) -> mdQ (batch, seqlen_q, nheads, headdim) in dtype, rows row0 + r < seqlen_q only: values v,
+    v + 1 of a wgmma or mma.sync accumulator are columns c, c + 1 of one row (c even), one 32-bit
+    store per pair (the sm90 accumulator-order and the sm80 register-order postprocesses)."""
+    pair = cute.make_rmem_tensor(2, dtype)
+    store_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=32)
+    for v in cutlass.range_constexpr(0, cute.size(tCcC), 2):
+        row, col = tCcC[v]
+        s = row0 + row
+        if s < seqlen_q:
+            pair[0] = acc[v].to(dtype)
+            pair[1] = acc[v + 1].to(dtype)
+            cute.copy(store_atom, pair, cute.local_tile(mdQ[b, s, head, None], (2,), (col // 2,)))
+
+
 def _row_coords(num_row_tiles: Int32, nheads: Int32):
     """(first row of this CTA's tile, head, batch): tile_coords over ROW_TILE-row tiles."""
     tile, head, b = tile_coords(num_row_tiles, nheads)
@@ -354,13 +372,4 @@ class BackwardPostprocessAccumOrder:
         acc = cute.make_rmem_tensor(num_values, Float32)
         groups = cute.logical_divide(acc, cute.make_layout(GROUP))
         self.load_values(mdQacc[b, head, m_block * self.tile_m, None].iterator, groups, num_values, tidx)
-        pair = cute.make_rmem_tensor(2, self.dtype)
-        store_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=32)
-        for v in cutlass.range_constexpr(0, num_values, 2):
-            # values v, v + 1 of a wgmma accumulator are columns c, c + 1 of one row (c even)
-            row, col = tCcC[v]
-            s = m_block * self.tile_m + row
-            if s < seqlen_q:
-                pair[0] = acc[v].to(self.dtype)
-                pair[1] = acc[v + 1].to(self.dtype)
-                cute.copy(store_atom, pair, cute.local_tile(mdQ[b, s, head, None], (2,), (col // 2,)))
+        store_dq_pairs(acc, tCcC, mdQ, b, head, m_block * self.tile_m, seqlen_q, self.dtype)

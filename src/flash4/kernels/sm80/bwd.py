@@ -27,7 +27,7 @@ from cutlass.cutlass_dsl import dsl_user_op
 from cutlass.memory import SmemAllocator
 
 from flash4.kernels.common import geometry, score
-from flash4.kernels.common.bwd_preprocess import tile_coords
+from flash4.kernels.common.bwd_preprocess import store_dq_pairs, tile_coords
 from flash4.kernels.common.dsl import DSL_DTYPES
 from flash4.kernels.common.exp2 import exp2_hw, fma_rn
 from flash4.kernels.common.layout import acc_mn_view, select_modes, transpose_view
@@ -661,13 +661,4 @@ class DqPostprocessSm80:
         acc = cute.make_rmem_tensor(num_values, Float32)
         for v in cutlass.range_constexpr(num_values):
             acc[v] = view[v, tidx]
-        pair = cute.make_rmem_tensor(2, self.dtype)
-        store_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=32)
-        for v in cutlass.range_constexpr(0, num_values, 2):
-            # values v, v + 1 of an mma.sync accumulator are columns c, c + 1 of one row (c even)
-            row, col = tCcC[v]
-            s = m_block * self.tile_m + row
-            if s < seqlen_q:
-                pair[0] = acc[v].to(self.dtype)
-                pair[1] = acc[v + 1].to(self.dtype)
-                cute.copy(store_atom, pair, cute.local_tile(mdQ[b, s, head, None], (2,), (col // 2,)))
+        store_dq_pairs(acc, tCcC, mdQ, b, head, m_block * self.tile_m, seqlen_q, self.dtype)
