@@ -328,3 +328,20 @@ def routed_bwd_runs(monkeypatch, tool, ab, describe_postprocess, with_delta=Fals
                 yield case, name, v, list(asked), list(launched), want
             assert route.calls == len(variants)
         assert backward.bwd_config is route.original
+
+
+def assert_portable_row_clean(row: dict, cfg) -> None:
+    """The portable (sm80) family's compile-check row of cfg: compiled; and where cuobjdump is installed
+    (else pytest.skip), SASS for cfg's target, 0 spills, mma.sync / ldmatrix / cp.async present, no
+    Hopper / Blackwell instruction (wgmma, TMA, stmatrix, tcgen05)."""
+    import pytest
+
+    from flash4.config.sm80 import gpu_arch_name
+
+    assert row["ok"], row["error"]
+    if row.get("registers") is None:
+        pytest.skip("cuobjdump not installed: SASS not checked")
+    assert row["sass_arch"] == gpu_arch_name(cfg.arch), row["sass_arch"]
+    assert row["spills"] == 0, f"{row['config']}: {row['spills']} local-memory instructions (register spill)"
+    assert row["hmma_16816"] > 0 and row["ldsm"] > 0 and row["ldgsts"] > 0, row
+    assert row["hgmma"] == row["utma"] == row["stsm"] == row["utchmma"] == 0, row
