@@ -10,9 +10,11 @@
     python tools/ab_portable.py --dry-run       # no GPU, no compile: the cells and each variant's config
 
 The family is forced (main sets FLASH4_FAMILY=portable), so "shipped" is
-the portable plan flash4 picks on the H200 today (flash4.config.sm80's table); each other variant is
-one of flash4.config.sm80.bwd_candidates(shipped): "coal" (the same tiles, dQ reduce-added in the
-MMA's register order) and "fa2" (FlashAttention-2's sm80 tiles, with that dQ order). The cells are
+the portable plan flash4 picks on the H200 today (since 2026-12-02 night the "fa2" candidate for plain
+dense problems: flash4.config.sm80.SHIPPED_BWD_CANDIDATE); "table" is the tile table's config and each
+other variant one of flash4.config.sm80.bwd_candidates(table): "coal" (the table's tiles, dQ
+reduce-added in the MMA's register order), "fa2" (FlashAttention-2's sm80 tiles, with that dQ order),
+"m128" (d128, 128 queries x 64 keys). The cells are
 the sweep's 8 where the portable backward was measured at 0.46-0.72x FA2 (docs/perf/h200-portable.csv):
 d64 / d128 x full / causal x 1k / 4k, 32k tokens, nheads = 2048 / d. A "sdpa_flash" row (PyTorch SDPA's
 flash backend = FlashAttention-2) is printed per
@@ -44,13 +46,25 @@ CELLS = tuple(Case(f"d{d}_{'causal' if c else 'full'}_{s // 1024}k", d, c, s, s,
 
 
 def variants(case: Case) -> dict:
-    """{name: Variant}: "shipped" (the portable plan) first, then its bwd_candidates."""
-    from flash4.config.sm80 import bwd_candidates
+    """{name: Variant}: "shipped" (the portable plan: flash4.config.sm80.SHIPPED_BWD_CANDIDATE where it
+    applies) first, then "table" (the tile table's config of the same problem) when that differs,
+    then the table's bwd_candidates other than the shipped config."""
+    import dataclasses
+
+    from flash4.config.sm80 import bwd_candidates, select_bwd_config
 
     plan = ab_bwd_tiles.shipped_plan(case)
     out = {"shipped": ab_bwd_tiles.Variant(plan.cfg, plan.heads_per_cta)}
-    for name, cfg in bwd_candidates(plan.cfg).items():
-        out[name] = ab_bwd_tiles.Variant(cfg, plan.heads_per_cta)
+    c = plan.cfg
+    table = select_bwd_config(c.headdim, c.dtype, c.causal, arch=c.arch, deterministic=c.deterministic,
+                              local=c.local, softcap=c.softcap)
+    table = dataclasses.replace(table, varlen_q=c.varlen_q, varlen_k=c.varlen_k, seqused_q=c.seqused_q,
+                                seqused_k=c.seqused_k)
+    if table != c:
+        out["table"] = ab_bwd_tiles.Variant(table, plan.heads_per_cta)
+    for name, cfg in bwd_candidates(table).items():
+        if cfg != c:
+            out[name] = ab_bwd_tiles.Variant(cfg, plan.heads_per_cta)
     return out
 
 

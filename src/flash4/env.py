@@ -17,7 +17,7 @@
 | FLASH4_MEMO        | 0 turns off prepared calls (flash4.memo: a door's host path kept per argument signature) | on |
 | FLASH4_PACK_VIEWS  | 0 copies q / out / lse of a GQA-packed decode step instead of strided views | on |
 | FLASH4_FAMILY      | kernel family to run instead of the GPU's own: portable (= sm80: mma.sync, runs on sm_80..sm_120 and sm_90), or a family name (sm90, sm80, sm100) | the GPU's (flash4.kernels.registry) |
-| FLASH4_PORTABLE_BWD | the portable (sm80) backward's speed candidate to run instead of its table where it applies: coal or fa2 (flash4.config.sm80.BWD_CANDIDATES; A/B and GPU tests of a candidate) | the table |
+| FLASH4_PORTABLE_BWD | the portable (sm80) backward's tiles where a candidate applies: coal, fa2, m128 (flash4.config.sm80.BWD_CANDIDATES) or table (its table); A/B and GPU tests | fa2 for plain dense problems (flash4.config.sm80.SHIPPED_BWD_CANDIDATE), else the table |
 
 Each function reads the environment when called (no caching), so a test can set a variable with
 monkeypatch. A malformed value raises ValueError naming the variable, the value and what is allowed.
@@ -119,9 +119,10 @@ def postprocess_wide() -> bool | None:
 
 
 def portable_bwd_candidate() -> str | None:
-    """FLASH4_PORTABLE_BWD (a name of flash4.config.sm80.BWD_CANDIDATES, lowercase), or None when
-    unset: the portable backward runs that candidate where it applies (flash4.config.sm80.bwd_plan,
-    which rejects an unknown name). For A/B measurements and GPU tests of a candidate."""
+    """FLASH4_PORTABLE_BWD (a name of flash4.config.sm80.BWD_CANDIDATES or "table", lowercase), or None
+    when unset (the shipped choice): the portable backward runs that candidate where it applies, or
+    its table (flash4.config.sm80.bwd_plan, which rejects an unknown name). For A/B measurements and
+    GPU tests."""
     value = _get("FLASH4_PORTABLE_BWD")
     return None if value is None else value.lower()
 

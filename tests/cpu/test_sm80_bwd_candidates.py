@@ -58,13 +58,41 @@ def test_env_selects_a_candidate(monkeypatch):
         bwd_plan(req(128), 90)
 
 
+def test_shipped_candidate_rule(monkeypatch):
+    """bwd_plan ships SHIPPED_BWD_CANDIDATE (fa2) for plain dense problems where it applies; softcap,
+    windows, the deterministic order, packed sequences and the 99 KiB targets keep the table;
+    FLASH4_PORTABLE_BWD=table restores the table everywhere."""
+    torch = pytest.importorskip("torch")
+    from flash4.config.sm80 import SHIPPED_BWD_CANDIDATE, bwd_plan
+    from flash4.request import Request
+
+    monkeypatch.delenv("FLASH4_PORTABLE_BWD", raising=False)
+
+    def req(d, causal=True, window=(-1, -1), softcap=0.0, deterministic=False):
+        q = torch.empty(2, 256, 4, d, device="meta", dtype=torch.bfloat16)
+        return Request.dense(q, q, q, d ** -0.5, causal, window, softcap, None, deterministic=deterministic)
+
+    for d in (64, 128):
+        for arch in (80, 90):
+            table = select_bwd_config(d, "bf16", True, arch=arch)
+            assert bwd_plan(req(d), arch).cfg == bwd_candidates(table)[SHIPPED_BWD_CANDIDATE]
+        assert bwd_plan(req(d), 86).cfg == select_bwd_config(d, "bf16", True, arch=86)
+        assert not bwd_plan(req(d, softcap=5.0), 90).cfg.dq_coalesced
+        assert not bwd_plan(req(d, causal=False, window=(64, 0)), 90).cfg.dq_coalesced
+        assert not bwd_plan(req(d, deterministic=True), 90).cfg.dq_coalesced
+    assert bwd_plan(req(96), 90).cfg == select_bwd_config(96, "bf16", True, arch=90)  # no fa2 tiles at d96
+    monkeypatch.setenv("FLASH4_PORTABLE_BWD", "table")
+    assert bwd_plan(req(128), 90).cfg == select_bwd_config(128, "bf16", True, arch=90)
+
+
 pytest.importorskip("cutlass")
 
 CONFIGS = [bwd_candidates(select_bwd_config(d, "bf16", c, arch=a))[name]
            for a in (90, 80) for d in (64, 128) for c in (False, True) for name in ("coal", "fa2")]
 CONFIGS += [bwd_candidates(select_bwd_config(128, "bf16", c, arch=a))["m128"] for a in (90, 80) for c in (False, True)]
 CONFIGS += [bwd_candidates(select_bwd_config(128, "bf16", True, arch=86))["coal"],
-            bwd_candidates(select_bwd_config(64, "fp16", False, arch=90))["fa2"]]
+            bwd_candidates(select_bwd_config(64, "fp16", False, arch=90))["fa2"],
+            bwd_candidates(select_bwd_config(128, "fp16", True, arch=80))["fa2"]]
 
 
 def _id(cfg):

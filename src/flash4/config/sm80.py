@@ -401,8 +401,9 @@ def select_bwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, a
     return cfg
 
 
-# Backward speed candidates (docs/design/sm80_family.md, "Backward speed"), not shipped: the A/B
-# harness tools/ab_portable.py times each against the table on the H200 and checks its gradients.
+# Backward speed candidates (docs/design/sm80_family.md, "Backward speed"): the A/B harness
+# tools/ab_portable.py times each against the table on the H200 and checks its gradients; the one
+# that won is shipped for plain dense problems (SHIPPED_BWD_CANDIDATE, below).
 #   coal: the table's tiles with dq_coalesced (dQ reduce-adds in the MMA's register order: one
 #         128-byte line per warp-wide red instead of 8 rows x 32 bytes); every target.
 #   fa2:  FlashAttention-2's sm80 backward tiles for >= 144 KiB of smem per CTA
@@ -427,6 +428,16 @@ BWD_CANDIDATES = {
     "fa2": {"big": {64: (128, 128, 8, 2, 8, 4, 4), 128: (64, 128, 8, 2, 2, 2, 2)}},
     "m128": {"big": {128: (128, 64, 8, 2, 4, 2, 4)}},
 }
+
+# The candidate the backward ships (bwd_plan) for dense, plain problems (no softcap, window or
+# deterministic order; full or causal, bf16 / fp16) where it applies: "fa2" (d64 / d128 on the
+# >= 163 KiB targets). H200, tools/ab_portable.py (5 interleaved rounds, 2026-12-02 night), the 8
+# sweep cells d64 / d128 x full / causal x 1k / 4k: 1.27-2.16x the table (geomean 1.64), i.e.
+# 0.90-0.99x FlashAttention-2 (SDPA flash) in the same run, where the table ran 0.46-0.72x. Not for
+# the other problems: with fa2's tiles softcap spills on sm_90a (d64 16, d128 4 local-memory
+# instructions) and sm_80 (d64 2), a d128 window spills 4 on sm_90a, d128 deterministic 24 on sm_80
+# (compile check, CuTe DSL 4.8.1); those keep the table. FLASH4_PORTABLE_BWD=table runs the table.
+SHIPPED_BWD_CANDIDATE = "fa2"
 
 
 def bwd_candidates(cfg: Sm80BwdConfig) -> dict:
@@ -503,7 +514,11 @@ def bwd_plan(request, arch: int, heads_per_cta: int | None = None) -> BwdPlan:
                             seqused_k=packed and seq.seqused_k is not None)
     candidate = env.portable_bwd_candidate()
     if candidate is not None:  # FLASH4_PORTABLE_BWD: a speed candidate where it applies (A/B, GPU tests)
-        if candidate not in BWD_CANDIDATES:
-            raise ValueError(f"FLASH4_PORTABLE_BWD={candidate!r}: not a candidate; allowed: {sorted(BWD_CANDIDATES)}")
-        cfg = bwd_candidates(cfg).get(candidate, cfg)
+        if candidate != "table" and candidate not in BWD_CANDIDATES:
+            raise ValueError(f"FLASH4_PORTABLE_BWD={candidate!r}: not a candidate; allowed: "
+                             f"{sorted(BWD_CANDIDATES) + ['table']}")
+        if candidate != "table":
+            cfg = bwd_candidates(cfg).get(candidate, cfg)
+    elif not (cfg.softcap or cfg.local or cfg.deterministic):  # the shipped candidate (SHIPPED_BWD_CANDIDATE)
+        cfg = bwd_candidates(cfg).get(SHIPPED_BWD_CANDIDATE, cfg)
     return BwdPlan(cfg, request.nheads // request.nheads_k)
