@@ -3,24 +3,25 @@
 
     # CPU, the exact source tree of the device run (the disk cache key hashes flash4's sources);
     # compiles every kernel of the plan and checks each for spills and serialized wgmma (exit 1 if
-    # one has either; 15 kernels, ~2 min on the 2-core box, ~3 MiB):
+    # one has either; 19 kernels, ~1 min on the 2-core box, ~1.7 MiB):
     python tools/ab_fwd.py --precompile --cache-dir .ab_fwd
-    # GPU (carry .device-deps and .ab_fwd), ~1.5 min:
+    # GPU (carry .device-deps and .ab_fwd), ~2 min:
     source .device-deps/activate.sh && python tools/ab_fwd.py --cache-dir .ab_fwd --out $OUT/ab_fwd.json
     python tools/ab_fwd.py --dry-run       # no GPU, no compile: the cells and each variant's config
 
 Per cell, "shipped" is the config flash4 picks today (flash4.config.fwd_config of the cell's dense
-request); each other variant is that config with one candidate on (shipped defaults untouched):
+or varlen request); each other variant is that config with one candidate on (shipped defaults untouched):
   n160 / n176 / n192  key tiles of 160 / 176 / 192 rows (flash4.config.sm90.wide_tile_fwd_config;
                       FlashAttention-3's Hopper table takes 128 x 176 at d128 without causal):
                       d128 non-causal cells, d96 causal.
   s3                  3 K/V stages instead of 2 (same function, kv_stages=3): the same cells.
   l2kv                FwdConfig.l2_kv_heads: the LPT order's L2 sections counted in KV heads, so a
                       section holds g times as many (head, batch) pairs (g = nheads / nheads_k):
-                      GQA / MQA causal cells. Same kernel code, same math: out / lse bitwise.
+                      GQA / MQA causal cells and the varlen GQA cell. Same kernel code, same
+                      math: out / lse bitwise.
   pack                FwdConfig.pack_gqa = g: the g query heads of a KV head share each query tile
                       (flash-attn-4 packs GQA by default; flash4 packs only windows, after an older
-                      A/B: 0.91x at 64:8 d128 causal 4k): GQA / MQA causal cells.
+                      A/B: 0.91x at 64:8 d128 causal 4k): dense GQA / MQA causal cells.
 Timing as tools/ab_switch.py: ROUNDS interleaved rounds (order reversed every other round), each the
 median of calls with L2 flushed (flash4.bench.common.time_ms); TFLOPs of the visible work per
 variant, variant/shipped = shipped ms / variant ms (> 1: the variant is faster), and each variant's
@@ -47,12 +48,14 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
 import ab_switch  # noqa: E402  (tools/ab_switch.py: timing, comparisons)
 from flash4.bench.cases import Case, case_fwd_flops  # noqa: E402
+from flash4.bench.varlen import VarlenCase, varlen_fwd_flops, varlen_lengths  # noqa: E402
 
 ARCH, DTYPE = 90, "bf16"
 ROUNDS, REP_MS = 7, 100.0
 OUT_TOL, LSE_TOL = 1e-2, 1e-3  # out: relative max difference; lse: absolute (natural log units)
 RESOURCES = "ab_fwd_resources.json"  # spill / wgmma check of each compiled kernel, in the cache dir
 GEMM_N = 8192  # the same-run cuBLAS ceiling: bf16 GEMM N x N x N
+DEVICE = "cuda"  # where run_cell allocates (the CPU test of its plumbing swaps it)
 
 # Issue 26's forward cells behind flash-attn-4 (bf16; B * S = 32k tokens).
 CELLS = (
@@ -63,32 +66,41 @@ CELLS = (
     Case("gqa_64q8kv_d128_causal_4k", 128, True, 4096, 4096, 8, 64, 8),
     Case("mqa_32q1kv_d64_causal_8k", 64, True, 8192, 8192, 4, 32, 1),
     Case("d96_causal_4k", 96, True, 4096, 4096, 8, 21, 21),
+    # the sweep's varlen GQA cell (flash4.bench.varlen: 64k tokens, lengths log-uniform in 128..16k, seed 0)
+    VarlenCase("varlen_gqa32q8kv_d128_causal", 32, 8),
 )
 WIDE_TILES = (160, 176, 192)
 
 
 # ---------------------------------------------------------------------------------------------- plan
-def request(case: Case, q=None, k=None, v=None):
-    """flash4's dense Request of a cell; without tensors, on the meta device (plans only: no memory)."""
+def request(case, q=None, k=None, v=None, cu=None):
+    """flash4's Request of a cell (dense, or varlen for a VarlenCase); without tensors, on the meta
+    device (plans only: no memory)."""
     import torch
 
     from flash4.request import Request
 
+    varlen = isinstance(case, VarlenCase)
     if q is None:
-        dt = torch.bfloat16
-        q = torch.empty(case.batch, case.seqlen_q, case.nheads, case.headdim, device="meta", dtype=dt)
-        k = torch.empty(case.batch, case.seqlen_k, case.nheads_k, case.headdim, device="meta", dtype=dt)
+        dt, meta = torch.bfloat16, "meta"
+        lead = (sum(varlen_lengths()),) if varlen else (case.batch, case.seqlen_q)
+        q = torch.empty(*lead, case.nheads, case.headdim, device=meta, dtype=dt)
+        k = torch.empty(*lead, case.nheads_k, case.headdim, device=meta, dtype=dt)
         v = torch.empty_like(k)
+        cu = torch.empty(len(varlen_lengths()) + 1, device=meta, dtype=torch.int32) if varlen else None
+    if varlen:
+        maxlen = max(varlen_lengths())
+        return Request.varlen(q, k, v, cu, cu, maxlen, maxlen, softmax_scale=case.headdim ** -0.5, causal=case.causal)
     return Request.dense(q, k, v, case.headdim ** -0.5, case.causal, (-1, -1), 0.0, None)
 
 
-def shipped_cfg(case: Case):
+def shipped_cfg(case):
     from flash4.config import fwd_config
 
     return fwd_config(request(case), ARCH).cfg
 
 
-def variants(case: Case) -> dict:
+def variants(case) -> dict:
     """{name: FwdConfig} of a cell, "shipped" first (module docstring); a candidate that does not
     apply to the cell's config (or would equal another variant) is left out."""
     from flash4.config.sm90 import wide_tile_fwd_config, with_l2_kv_heads
@@ -108,7 +120,7 @@ def variants(case: Case) -> dict:
         l2kv = with_l2_kv_heads(cfg, case.nheads, case.nheads_k, on=True)
         if l2kv != cfg:
             out["l2kv"] = l2kv
-        if cfg.pack_gqa == 1 and cfg.tile_m % group == 0:
+        if cfg.pack_gqa == 1 and cfg.tile_m % group == 0 and not cfg.varlen_q:  # dense Q only
             out["pack"] = dataclasses.replace(cfg, pack_gqa=group)
     return out
 
@@ -116,7 +128,7 @@ def variants(case: Case) -> dict:
 def cfg_short(c) -> str:
     """The fields of a forward config that tell the variants apart."""
     bits = [f"m{c.tile_m}n{c.tile_n}" + (f"s{c.kv_stages}" if c.kv_stages != 2 else "")]
-    bits += [name for name in ("causal", "persistent", "lpt", "l2_kv_heads") if getattr(c, name)]
+    bits += [name for name in ("causal", "persistent", "lpt", "l2_kv_heads", "varlen_q") if getattr(c, name)]
     bits += [f"pack{c.pack_gqa}"] if c.pack_gqa > 1 else []
     return " ".join(bits)
 
@@ -129,7 +141,9 @@ def plan_kernels(cells) -> list:
 def print_plan(cells) -> None:
     print(f"{DTYPE}, sm_{ARCH}a; variants replace flash4's forward config")
     for case in cells:
-        print(f"  {case.name:28s} B={case.batch} H={case.nheads}/{case.nheads_k} D={case.headdim}")
+        shape = (f"{len(varlen_lengths())} sequences, {sum(varlen_lengths())} tokens" if isinstance(case, VarlenCase)
+                 else f"B={case.batch}")
+        print(f"  {case.name:28s} {shape} H={case.nheads}/{case.nheads_k} D={case.headdim}")
         for name, cfg in variants(case).items():
             print(f"      {name:8s} {cfg_short(cfg)} (smem {cfg.smem_bytes() // 1024} KiB)")
 
@@ -191,7 +205,7 @@ def gemm_tflops(rounds: int, rep_ms: float) -> float:
     return 2.0 * GEMM_N ** 3 / ms / 1e9
 
 
-def run_cell(case: Case, rounds: int, rep_ms: float, gemm: float) -> dict:
+def run_cell(case, rounds: int, rep_ms: float, gemm: float) -> dict:
     import torch
 
     from flash4.bench import common
@@ -199,20 +213,42 @@ def run_cell(case: Case, rounds: int, rep_ms: float, gemm: float) -> dict:
 
     vs = variants(case)
     row = {"cell": case.name, "variants": {name: cfg_short(cfg) for name, cfg in vs.items()}}
-    q, k, v = common.make_inputs(case.batch, case.seqlen_q, case.seqlen_k, case.nheads, case.nheads_k, case.headdim,
-                                 torch.bfloat16)
     scale = case.headdim ** -0.5
+    if isinstance(case, VarlenCase):  # packed (total, H, D): the runner's batch-1 views (flash4.forward.launch)
+        lengths = varlen_lengths()
+        total = sum(lengths)
+        q = torch.randn(total, case.nheads, case.headdim, device=DEVICE, dtype=torch.bfloat16)
+        k = torch.randn(total, case.nheads_k, case.headdim, device=DEVICE, dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        cu = torch.tensor([0] + list(common_accumulate(lengths)), dtype=torch.int32, device=DEVICE)
+        out_shape, lse_shape, flops = (total, case.nheads, case.headdim), (case.nheads, total), \
+            varlen_fwd_flops(lengths, case.nheads, case.headdim, case.causal)
+        call = dict(seqs=(cu, cu, None, None, None), batch=len(lengths), max_seqlen_q=max(lengths))
+        views = (q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0))
+    else:
+        q, k, v = common.make_inputs(case.batch, case.seqlen_q, case.seqlen_k, case.nheads, case.nheads_k,
+                                     case.headdim, torch.bfloat16)
+        out_shape, lse_shape = (case.batch, case.seqlen_q, case.nheads, case.hdim_v), (case.batch, case.nheads,
+                                                                                         case.seqlen_q)
+        flops, call, views = case_fwd_flops(case), {}, (q, k, v)
+    unsq = (lambda t: t.unsqueeze(0)) if isinstance(case, VarlenCase) else (lambda t: t)
     outs, fns = {}, {}
-    for name, cfg in vs.items():
+    for name, cfg in list(vs.items()):
         runner = get_fwd_runner(cfg)
-        out = torch.full((case.batch, case.seqlen_q, case.nheads, case.hdim_v), math.nan, device=q.device,
-                         dtype=q.dtype)
-        lse = torch.full((case.batch, case.nheads, case.seqlen_q), math.nan, device=q.device, dtype=torch.float32)
-        split = torch.empty((2,) + tuple(lse.shape), device=q.device, dtype=torch.float32)
+        out = torch.full(out_shape, math.nan, device=q.device, dtype=q.dtype)
+        lse = torch.full(lse_shape, math.nan, device=q.device, dtype=torch.float32)
+        split = torch.empty((2,) + lse_shape, device=q.device, dtype=torch.float32)
         outs[name] = (out, lse)
-        fns[name] = (lambda runner=runner, o=out, l=lse, s=split: runner(q, k, v, o, l, scale, lse_split=s))
-        fns[name]()
-    torch.cuda.synchronize()
+        fns[name] = (lambda runner=runner, o=unsq(out), l=unsq(lse), s=split.unsqueeze(1) if call else split:
+                     runner(*views, o, l, scale, lse_split=s, **call))
+        try:
+            fns[name]()
+            torch.cuda.synchronize()
+        except Exception as err:  # a host-side refusal: report it, time the others
+            if name == "shipped":
+                raise
+            row[f"{name}_error"] = f"{type(err).__name__}: {err}"[:300]
+            del vs[name], outs[name], fns[name]
     base_out, base_lse = outs["shipped"]
     row["shipped_written"] = bool(torch.isfinite(base_out).all() and torch.isfinite(base_lse).all())
     for name in list(vs)[1:]:
@@ -223,7 +259,6 @@ def run_cell(case: Case, rounds: int, rep_ms: float, gemm: float) -> dict:
         if name == "l2kv":
             row[f"{name}_bitwise"] = ab_switch.same(out, base_out) and ab_switch.same(lse, base_lse)
     ms = ab_switch.interleaved(fns, rounds, rep_ms)
-    flops = case_fwd_flops(case)
     for name in vs:
         row[f"{name}_tflops"] = flops / ms[name] / 1e9
         row[f"{name}_of_gemm"] = row[f"{name}_tflops"] / gemm
@@ -232,9 +267,20 @@ def run_cell(case: Case, rounds: int, rep_ms: float, gemm: float) -> dict:
     return row
 
 
+def common_accumulate(xs):
+    """Running sums of xs (the cu_seqlens of the varlen cell)."""
+    total = 0
+    for x in xs:
+        total += x
+        yield total
+
+
 def format_row(row: dict) -> str:
+    if "error" in row:
+        return f"{row['cell']:28s} FAILED {row['error']}"
     names = [n for n in row["variants"] if f"{n}_tflops" in row]
     parts = [f"{row['cell']:28s}", f"shipped {row['shipped_tflops']:.1f} TF ({row['shipped_of_gemm']:.2f} of GEMM)"]
+    parts += [f"{k[:-len('_error')]} FAILED {x}" for k, x in row.items() if k.endswith("_error")]
     for name in names[1:]:
         parts.append(f"{name} {row[f'{name}_tflops']:.1f} ({row[f'{name}/shipped']:.3f}x, "
                      f"out {row[f'{name}_out_reldiff']:.1e}, lse {row[f'{name}_lse_absdiff']:.1e})")
@@ -245,6 +291,7 @@ def failures(rows) -> list[str]:
     bad = []
     for row in rows:
         cell = row["cell"]
+        bad += [f"{cell}: {k} {x}" for k, x in row.items() if k == "error" or k.endswith("_error")]
         bad += [f"{cell}: {k}" for k, x in row.items() if k.endswith(("_written", "_bitwise")) and x is False]
         bad += [f"{cell}: {k} = {x:.2e}" for k, x in row.items() if k.endswith("_out_reldiff") and not x <= OUT_TOL]
         bad += [f"{cell}: {k} = {x:.2e}" for k, x in row.items() if k.endswith("_lse_absdiff") and not x <= LSE_TOL]
@@ -312,7 +359,10 @@ def main(argv=None) -> int:
     print(f"cuBLAS bf16 GEMM {GEMM_N}^3: {gemm:.1f} TFLOPs", flush=True)
     rows = []
     for case in cells:
-        rows.append(run_cell(case, args.rounds, args.rep_ms, gemm))
+        try:
+            rows.append(run_cell(case, args.rounds, args.rep_ms, gemm))
+        except Exception as err:  # the shipped config itself failed: report it, go on with the other cells
+            rows.append({"cell": case.name, "error": f"{type(err).__name__}: {err}"[:500]})
         print(format_row(rows[-1]), flush=True)
         torch.cuda.empty_cache()
     print_summary(rows)

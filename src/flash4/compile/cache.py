@@ -121,7 +121,7 @@ def get_fwd_runner(cfg: FwdConfig):
         else:  # packed K: the mean sequence
             seqlen_k_hint = k.shape[1] // max(batch, 1) if cfg.varlen_k else k.shape[1]
         pack = cfg.pack_gqa  # GQA-packed: pack x the rows, 1 / pack the heads
-        kv_group = q.shape[2] // k.shape[2] if getattr(cfg, "l2_kv_heads", False) and pack == 1 else 1  # k: (.., .., Hk, D)
+        kv_group = q.shape[2] // k.shape[2] if getattr(cfg, "l2_kv_heads", False) and pack == 1 else 1
         l2_group, num_ctas = launch_plan(batch, max_seqlen_q * pack, q.shape[2] // pack, seqlen_k_hint if cfg.lpt else 0,
                                          num_splits, arch.num_sms(q.device) if cfg.persistent else 0, kv_group)
         left, right = window if window is not None else (UNBOUNDED, UNBOUNDED)

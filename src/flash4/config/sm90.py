@@ -302,6 +302,8 @@ def wide_tile_fwd_config(cfg: FwdConfig, tile_n: int | None = None, kv_stages: i
     applies: the plain dense, non-persistent forward (no window, softcap, sink, Dv != D, GQA
     packing, packed / paged / split layouts: their tiles are chosen by their own rules) whose Q +
     K/V stages still fit shared memory. Else cfg."""
+    if tile_n is None and kv_stages is None and not (FWD_WIDE_TILE_N or FWD_KV_STAGES):
+        return cfg  # switched off: fwd_plan's per-call cost is this test
     key = (cfg.headdim, cfg.causal)
     tile_n = FWD_WIDE_TILE_N.get(key, cfg.tile_n) if tile_n is None else tile_n
     kv_stages = FWD_KV_STAGES.get(key, cfg.kv_stages) if kv_stages is None else kv_stages
