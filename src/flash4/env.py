@@ -13,7 +13,9 @@
 | FLASH4_SM100       | sm_100 kernels: off, selftest (run after passing flash4.selftest), on (unchecked) | selftest |
 | FLASH4_PORTABLE    | the portable (sm80) family on its own GPUs (sm_80/86/89/120): off, selftest (run after passing flash4.selftest), on (unchecked); not read where it is forced (FLASH4_FAMILY=portable on sm_90) | selftest |
 | FLASH4_SM100_2CTA  | 1 selects the 2-CTA sm_100 forward (cluster of 2, M = 256 across the pair) where it is built: hd128 non-causal dense; compile-verified, not run on hardware | off |
-| FLASH4_RUNTIME_LOAD | 1 loads cached kernels as shared libraries through TVM-FFI alone (no CuTe DSL import; docs/design/warm_start.md) | off |
+| FLASH4_RUNTIME_LOAD | 0 loads cached kernels through the CuTe DSL's loader instead of as shared libraries through TVM-FFI alone (no CuTe DSL import; docs/design/warm_start.md) | on |
+| FLASH4_MEMO        | 0 turns off prepared calls (flash4.memo: a door's host path kept per argument signature) | on |
+| FLASH4_PACK_VIEWS  | 0 copies q / out / lse of a GQA-packed decode step instead of strided views | on |
 | FLASH4_FAMILY      | kernel family to run instead of the GPU's own: portable (= sm80: mma.sync, runs on sm_80..sm_120 and sm_90), or a family name (sm90, sm80, sm100) | the GPU's (flash4.kernels.registry) |
 | FLASH4_PORTABLE_BWD | the portable (sm80) backward's speed candidate to run instead of its table where it applies: coal or fa2 (flash4.config.sm80.BWD_CANDIDATES; A/B and GPU tests of a candidate) | the table |
 
@@ -126,22 +128,25 @@ def portable_bwd_candidate() -> str | None:
 
 def runtime_load_enabled() -> bool:
     """FLASH4_RUNTIME_LOAD: cached kernels are linked into shared libraries when stored and loaded
-    through TVM-FFI alone, without importing the CuTe DSL (flash4.compile.disk_cache). Off by
-    default until verified on the GPU (tools/warm_start.py)."""
-    return bool(_flag("FLASH4_RUNTIME_LOAD"))
+    through TVM-FFI alone, without importing the CuTe DSL (flash4.compile.disk_cache). On by
+    default (0: every cached kernel through the CuTe DSL's loader): on the H200 a warm process's
+    import flash4 + first forward and backward took 0.34-0.39 s with it, 3.4-3.8 s without
+    (tools/warm_start.py, 2026-12-02, night)."""
+    return _flag("FLASH4_RUNTIME_LOAD") is not False
 
 
 def memo_enabled() -> bool:
     """FLASH4_MEMO: prepared calls (flash4.memo: a door's host path kept per argument signature).
-    Off by default until its GPU tests (tests/gpu/test_memo.py) pass on the H200; CPU-tested."""
-    return bool(_flag("FLASH4_MEMO"))
+    On by default (0 turns it off): tests/gpu/test_memo.py and the door files passed with it on the
+    H200 (2026-12-02, night), where it brought eager decode to 1.00-1.03x its CUDA-graph replay."""
+    return _flag("FLASH4_MEMO") is not False
 
 
 def pack_views_enabled() -> bool:
     """FLASH4_PACK_VIEWS: the GQA-packed decode step reads q and writes out / lse through strided
-    views instead of copies (flash4.forward.PACK_VIEWS). Off by default until tests/gpu/test_memo.py's
-    bitwise check passes on the H200; CPU-tested."""
-    return bool(_flag("FLASH4_PACK_VIEWS"))
+    views instead of copies (flash4.forward.PACK_VIEWS). On by default (0: copies): tests/gpu/test_memo.py's
+    bitwise check passed on the H200 (2026-12-02, night)."""
+    return _flag("FLASH4_PACK_VIEWS") is not False
 
 
 def disk_cache_dir() -> str:

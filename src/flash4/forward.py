@@ -430,7 +430,7 @@ def _packed_sink(sink):
 # packed out / lse as views of out / lse, so no copy kernel runs before or after the step (two to
 # three launches and their host time fewer). False: q copied into a packed tensor, out / lse copied
 # back from packed buffers (the kernels take any 16-byte aligned strides: compile/fake.py).
-PACK_VIEWS = env.pack_views_enabled()  # FLASH4_PACK_VIEWS=1; off by default until GPU-tested
+PACK_VIEWS = env.pack_views_enabled()  # on unless FLASH4_PACK_VIEWS=0
 
 
 def packed_q(q, nheads_k: int, pack: int):
