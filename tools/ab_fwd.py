@@ -3,7 +3,7 @@
 
     # CPU, the exact source tree of the device run (the disk cache key hashes flash4's sources);
     # compiles every kernel of the plan and checks each for spills and serialized wgmma (exit 1 if
-    # one has either; 19 kernels, ~1 min on the 2-core box, ~1.7 MiB):
+    # one has either; 19 kernels, ~3 min on the 2-core box, ~3.5 MiB with the shared libraries):
     python tools/ab_fwd.py --precompile --cache-dir .ab_fwd
     # GPU (carry .device-deps and .ab_fwd), ~2 min:
     source .device-deps/activate.sh && python tools/ab_fwd.py --cache-dir .ab_fwd --out $OUT/ab_fwd.json
@@ -184,9 +184,9 @@ def precompile(cfgs) -> int:
               flush=True)
         with open(path, "w") as f:
             json.dump(resources, f, indent=1)
-    size = sum(os.path.getsize(os.path.join(where, f)) for f in os.listdir(where) if f.endswith(".o"))
+    size = sum(os.path.getsize(os.path.join(where, f)) for f in os.listdir(where) if f.endswith((".o", ".so")))
     print(f"precompiled {len(cfgs)} kernels in {time.perf_counter() - t0:.0f} s: {cache.compile_counts()}; "
-          f"{where}: {size / 2**20:.2f} MiB of objects")
+          f"{where}: {size / 2**20:.2f} MiB of objects and shared libraries")
     if bad:
         print("SPILL / SERIALIZED WGMMA (drop these candidates): " + "; ".join(bad))
     return 1 if bad else 0
