@@ -52,6 +52,15 @@ def l2_section_heads(seqlen_k: int, headdim: int, headdim_v: int | None = None, 
     return 1 << (fit.bit_length() - 1) if fit >= 1 else 1
 
 
+def l2_section_pairs(seqlen_k: int, headdim: int, headdim_v: int | None = None, kv_group: int = 1,
+                     elem_bytes: int = 2, l2_bytes: int = L2_BYTES) -> int:
+    """(head, batch) pairs per L2 section when the K/V of a KV head is counted once for the kv_group
+    query heads that read it (FwdConfig.l2_kv_heads): l2_section_heads KV heads of kv_group query
+    heads each. Query heads h of one KV head are adjacent (h // kv_group), and a section starts at a
+    multiple of its size, so a section holds whole KV groups. kv_group 1: l2_section_heads."""
+    return l2_section_heads(seqlen_k, headdim, headdim_v, elem_bytes, l2_bytes) * max(kv_group, 1)
+
+
 def tile_order(num_m_blocks: int, num_heads: int, batch: int, *, causal: bool, lpt: bool,
                heads_per_l2_group: int | None = None) -> list[Tile]:
     """All tiles in the order a persistent scheduler hands them out (tile index t -> list[t])."""

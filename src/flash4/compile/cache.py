@@ -19,7 +19,7 @@ from flash4.kernels import registry
 from flash4.config import LOG2E, BwdConfig, FwdConfig
 from flash4.geometry import UNBOUNDED
 from flash4.launch import bwd_dynamic_seqlen_k, bwd_grid, bwd_dq_tile_grid, bwd_num_splits, bwd_rowwise_grid, fwd_grid
-from flash4.schedule import l2_section_heads
+from flash4.schedule import l2_section_pairs
 
 # Without a GPU the DSL would default to sm_100a: flash4 compiles for Hopper unless told otherwise.
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
@@ -100,10 +100,12 @@ def get_fwd_runner(cfg: FwdConfig):
     get_fwd_runner.last_compile_s = time.perf_counter() - t0
 
     @functools.lru_cache(maxsize=256)
-    def launch_plan(batch: int, max_seqlen_q: int, nheads: int, seqlen_k_hint: int, num_splits: int, num_sms: int):
-        """(l2_group, grid size) of one problem class: a lookup on every later call."""
+    def launch_plan(batch: int, max_seqlen_q: int, nheads: int, seqlen_k_hint: int, num_splits: int, num_sms: int,
+                    kv_group: int = 1):
+        """(l2_group, grid size) of one problem class: a lookup on every later call. kv_group: query
+        heads per KV head whose K/V an L2 section counts once (cfg.l2_kv_heads), else 1."""
         # Tile order: L2 sections of (head, batch) pairs whose K/V fit in L2 (schedule.py).
-        l2_group = l2_section_heads(seqlen_k_hint, cfg.headdim, cfg.headdim_v) if cfg.lpt else 1
+        l2_group = l2_section_pairs(seqlen_k_hint, cfg.headdim, cfg.headdim_v, kv_group) if cfg.lpt else 1
         return l2_group, fwd_grid(cfg, batch * num_splits, max_seqlen_q, nheads, num_sms)[0]
 
     def tail(q, k, softmax_scale: float, seqs=None, batch=None, max_seqlen_q=None, num_splits: int = 1, window=None,
@@ -119,8 +121,9 @@ def get_fwd_runner(cfg: FwdConfig):
         else:  # packed K: the mean sequence
             seqlen_k_hint = k.shape[1] // max(batch, 1) if cfg.varlen_k else k.shape[1]
         pack = cfg.pack_gqa  # GQA-packed: pack x the rows, 1 / pack the heads
+        kv_group = q.shape[2] // k.shape[2] if getattr(cfg, "l2_kv_heads", False) and pack == 1 else 1
         l2_group, num_ctas = launch_plan(batch, max_seqlen_q * pack, q.shape[2] // pack, seqlen_k_hint if cfg.lpt else 0,
-                                         num_splits, arch.num_sms(q.device) if cfg.persistent else 0)
+                                         num_splits, arch.num_sms(q.device) if cfg.persistent else 0, kv_group)
         left, right = window if window is not None else (UNBOUNDED, UNBOUNDED)
         # softcap: scores softcap * tanh(S * scale / softcap); the softmax scales by softcap * log2 e
         scale_log2, softcap_scale = ((softcap * LOG2E, softmax_scale / softcap) if cfg.softcap

@@ -28,7 +28,7 @@ SHORT_SEQLEN_K = 1024
 # added after the configs' reprs became cache and fingerprint keys (docs/design/speed_candidates.md).
 # Left out of the repr (the compile-cache and fingerprint key) while off, so adding one keeps every
 # other config's key: the speed switches, and sink_delta (on only when a learnable sink needs a gradient).
-_QUIET_SWITCHES = ("early_q_release", "exp_before_dp_wait", "dq_handoff_per_wg", "sink_delta")
+_QUIET_SWITCHES = ("early_q_release", "l2_kv_heads", "exp_before_dp_wait", "dq_handoff_per_wg", "sink_delta")
 
 
 def _quiet_repr(cfg) -> str:
@@ -91,6 +91,13 @@ class FwdConfig:
                   Q load overlaps this tile's last softmax, last P V and epilogue. persistent only;
                   the kernel raises if O would share Q's buffer. Shown in repr only when on, so every
                   other config keeps its repr (the compile-cache and kernel_fingerprint key).
+    l2_kv_heads:  speed switch, off by default (A/B: tools/ab_fwd.py, variant "l2kv";
+                  docs/design/speed_candidates.md section 7). LPT configs only. The host sizes the tile
+                  order's L2 sections (flash4.schedule.l2_section_pairs) by the K/V of KV heads, not of
+                  query heads: with nheads / nheads_k = g query heads per KV head a section takes g
+                  times as many (head, batch) pairs (whole KV groups, whose query heads are adjacent
+                  in the order), since the g heads of a group read one K/V. Host-only: the kernel is
+                  the same code (the section size is its runtime l2_group). Shown in repr only when on.
     """
 
     headdim: int
@@ -118,10 +125,12 @@ class FwdConfig:
     headdim_v: int | None = None
     pack_gqa: int = 1
     early_q_release: bool = False
+    l2_kv_heads: bool = False
 
     def __post_init__(self):
         assert self.headdim in SUPPORTED_HEADDIMS, self.headdim
         assert not self.early_q_release or self.persistent, self
+        assert not self.l2_kv_heads or self.lpt, self
         assert self.headdim_v is None or (self.headdim, self.headdim_v) in HDIMV_PAIRS, (self.headdim, self.headdim_v)
         assert self.page_rows == 0 or (self.page_rows % 8 == 0 and self.tile_n % self.page_rows == 0
                                        and self.seqused_k and not self.varlen_k), self
@@ -268,6 +277,54 @@ def with_pack_gqa(cfg: FwdConfig, nheads: int, nheads_k: int, policy=None) -> Fw
     return dataclasses.replace(cfg, pack_gqa=pack)
 
 
+# ================================================================ forward speed candidates (issue 26)
+# Off by default: the shipped configs (and their SASS) are unchanged until the H200 A/B
+# (tools/ab_fwd.py; docs/design/speed_candidates.md section 7) says otherwise.
+#
+# Wider key tiles: {(headdim, causal): tile_n} for the plain dense forward (wide_tile_fwd_config).
+# FlashAttention-3's Hopper table (hopper/tile_size.h) takes 128 x 176 at d128 without causal or
+# window (flash-attn-4's Python sm90 keeps 128 x 128). Empty: every cell keeps select_fwd_config's
+# tile. Compile-checked for sm_90a, bf16, 2 consumer warpgroups, every one 0 spills and wgmma not
+# serialized (tests/cpu/test_fwd_candidates_cpu.py): d128 non-causal 160 / 176 / 192 (smem 192 /
+# 208 / 224 KiB), d96 causal and non-causal 160 / 176 / 192.
+FWD_WIDE_TILE_N: dict = {}
+WIDE_TILE_N_CANDIDATES = {(128, False): (160, 176, 192), (96, False): (160, 176, 192), (96, True): (160, 176, 192)}
+# A third K/V stage: {(headdim, causal): kv_stages} for the same plain forwards (d128 128 x 128: Q
+# 32 KiB + 3 x 64 KiB = 224 KiB; d96 168 KiB). Empty: 2 stages everywhere (FA3 / flash-attn-4 take 2).
+FWD_KV_STAGES: dict = {}
+# L2 sections counted in KV heads for GQA / MQA LPT configs (FwdConfig.l2_kv_heads): off.
+FWD_L2_KV_HEADS = False
+
+
+def wide_tile_fwd_config(cfg: FwdConfig, tile_n: int | None = None, kv_stages: int | None = None) -> FwdConfig:
+    """cfg with key tiles of tile_n rows and kv_stages K/V stages (None: FWD_WIDE_TILE_N's /
+    FWD_KV_STAGES' entry for (headdim, causal), or cfg's own when there is none) where the candidate
+    applies: the plain dense, non-persistent forward (no window, softcap, sink, Dv != D, GQA
+    packing, packed / paged / split layouts: their tiles are chosen by their own rules) whose Q +
+    K/V stages still fit shared memory. Else cfg."""
+    if tile_n is None and kv_stages is None and not (FWD_WIDE_TILE_N or FWD_KV_STAGES):
+        return cfg  # switched off: fwd_plan's per-call cost is this test
+    key = (cfg.headdim, cfg.causal)
+    tile_n = FWD_WIDE_TILE_N.get(key, cfg.tile_n) if tile_n is None else tile_n
+    kv_stages = FWD_KV_STAGES.get(key, cfg.kv_stages) if kv_stages is None else kv_stages
+    plain = (cfg.headdim_v is None and not (cfg.local or cfg.softcap or cfg.sink or cfg.persistent)
+             and cfg.pack_gqa == 1 and not (cfg.varlen_q or cfg.varlen_k or cfg.seqused_q or cfg.seqused_k
+                                            or cfg.split_kv or cfg.paged))
+    if (tile_n, kv_stages) == (cfg.tile_n, cfg.kv_stages) or not plain:
+        return cfg
+    wide = dataclasses.replace(cfg, tile_n=tile_n, kv_stages=kv_stages)
+    return wide if wide.smem_bytes() <= SM90_MAX_SMEM_BYTES - 1024 else cfg
+
+
+def with_l2_kv_heads(cfg: FwdConfig, nheads: int, nheads_k: int, on: bool | None = None) -> FwdConfig:
+    """cfg with FwdConfig.l2_kv_heads where it changes the order: an LPT config, unpacked GQA / MQA
+    (nheads > nheads_k, pack_gqa 1) and `on` (None: FWD_L2_KV_HEADS). Else cfg."""
+    on = FWD_L2_KV_HEADS if on is None else on
+    if not on or not cfg.lpt or cfg.pack_gqa > 1 or nheads <= nheads_k:
+        return cfg
+    return dataclasses.replace(cfg, l2_kv_heads=True)
+
+
 def shipped_fwd_configs() -> list[FwdConfig]:
     """Every config the API can select: what `python -m flash4 compile-check` builds."""
     return [
@@ -286,6 +343,12 @@ def shipped_fwd_configs() -> list[FwdConfig]:
         for dt in DTYPES
         for c in (False, True)
         if (short := select_fwd_config(d, dt, c, seqlen_k=SHORT_SEQLEN_K)) != select_fwd_config(d, dt, c)
+    ] + [  # the tiles switched on in FWD_WIDE_TILE_N / FWD_KV_STAGES (none while they are empty)
+        wide
+        for d in SUPPORTED_HEADDIMS
+        for dt in DTYPES
+        for c in (False, True)
+        if (wide := wide_tile_fwd_config(select_fwd_config(d, dt, c))) != select_fwd_config(d, dt, c)
     ]
 
 
@@ -774,8 +837,10 @@ def fwd_plan(request, arch: int, num_sms: int | None = None) -> FwdPlan:
                            headdim_v, page_policy())
     if not seq.packed:
         cfg = select_fwd_config(headdim, dtype, mask.causal, arch, local, softcap, sink, headdim_v, k.shape[1])
-        return FwdPlan(with_pack_gqa(cfg, nheads, nheads_k))
-    cfg = select_fwd_config(headdim, dtype, mask.causal, arch, local, softcap, sink, headdim_v)
+        cfg = with_pack_gqa(wide_tile_fwd_config(cfg), nheads, nheads_k)
+        return FwdPlan(with_l2_kv_heads(cfg, nheads, nheads_k))
+    cfg = with_l2_kv_heads(select_fwd_config(headdim, dtype, mask.causal, arch, local, softcap, sink, headdim_v),
+                           nheads, nheads_k)
     paged = paged_layout(k.shape[1], cfg.tile_n, *page_policy()) if seq.paged else {}
     return FwdPlan(with_seq_layout(cfg, varlen_q=True, varlen_k=not seq.paged, seqused_q=seq.seqused_q is not None,
                                    seqused_k=seq.seqused_k is not None, **paged))

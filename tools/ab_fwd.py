@@ -1,0 +1,380 @@
+"""A/B of forward speed candidates on issue 26's Hopper forward cells, in one process
+(docs/design/speed_candidates.md, section 7: the candidates and why).
+
+    # CPU, the exact source tree of the device run (the disk cache key hashes flash4's sources);
+    # compiles every kernel of the plan and checks each for spills and serialized wgmma (exit 1 if
+    # one has either; 19 kernels, ~3 min on the 2-core box, ~3.5 MiB with the shared libraries):
+    python tools/ab_fwd.py --precompile --cache-dir .ab_fwd
+    # GPU (carry .device-deps and .ab_fwd), ~2 min:
+    source .device-deps/activate.sh && python tools/ab_fwd.py --cache-dir .ab_fwd --out $OUT/ab_fwd.json
+    python tools/ab_fwd.py --dry-run       # no GPU, no compile: the cells and each variant's config
+
+Per cell, "shipped" is the config flash4 picks today (flash4.config.fwd_config of the cell's dense
+or varlen request); each other variant is that config with one candidate on (shipped defaults untouched):
+  n160 / n176 / n192  key tiles of 160 / 176 / 192 rows (flash4.config.sm90.wide_tile_fwd_config;
+                      FlashAttention-3's Hopper table takes 128 x 176 at d128 without causal):
+                      d128 non-causal cells, d96 causal.
+  s3                  3 K/V stages instead of 2 (same function, kv_stages=3): the same cells.
+  l2kv                FwdConfig.l2_kv_heads: the LPT order's L2 sections counted in KV heads, so a
+                      section holds g times as many (head, batch) pairs (g = nheads / nheads_k):
+                      GQA / MQA causal cells and the varlen GQA cell. Same kernel code, same
+                      math: out / lse bitwise.
+  pack                FwdConfig.pack_gqa = g: the g query heads of a KV head share each query tile
+                      (flash-attn-4 packs GQA by default; flash4 packs only windows, after an older
+                      A/B: 0.91x at 64:8 d128 causal 4k): dense GQA / MQA causal cells.
+Timing as tools/ab_switch.py: ROUNDS interleaved rounds (order reversed every other round), each the
+median of calls with L2 flushed (flash4.bench.common.time_ms); TFLOPs of the visible work per
+variant, variant/shipped = shipped ms / variant ms (> 1: the variant is faster), and each variant's
+TFLOPs over the same-run cuBLAS bf16 GEMM (8192^3). The timed call is the compiled forward runner
+(flash4.compile.cache.get_fwd_runner: the kernel and its host tail, no torch-side work).
+Checks (exit 1 when one fails; none on speed): every element of each variant's out and lse written
+(buffers start as NaN, all finite after), out within 1e-2 relative max difference and lse within
+1e-3 absolute of the shipped config's; l2kv bitwise equal to shipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+
+import ab_switch  # noqa: E402  (tools/ab_switch.py: timing, comparisons)
+from flash4.bench.cases import Case, case_fwd_flops  # noqa: E402
+from flash4.bench.varlen import VarlenCase, varlen_fwd_flops, varlen_lengths  # noqa: E402
+
+ARCH, DTYPE = 90, "bf16"
+ROUNDS, REP_MS = 7, 100.0
+OUT_TOL, LSE_TOL = 1e-2, 1e-3  # out: relative max difference; lse: absolute (natural log units)
+RESOURCES = "ab_fwd_resources.json"  # spill / wgmma check of each compiled kernel, in the cache dir
+GEMM_N = 8192  # the same-run cuBLAS ceiling: bf16 GEMM N x N x N
+DEVICE = "cuda"  # where run_cell allocates (the CPU test of its plumbing swaps it)
+
+# Issue 26's forward cells behind flash-attn-4 (bf16; B * S = 32k tokens).
+CELLS = (
+    Case("d128_full_1k", 128, False, 1024, 1024, 32, 16, 16),
+    Case("d128_full_4k", 128, False, 4096, 4096, 8, 16, 16),
+    Case("d128_full_16k", 128, False, 16384, 16384, 2, 16, 16),
+    Case("gqa_32q8kv_d128_causal_8k", 128, True, 8192, 8192, 4, 32, 8),
+    Case("gqa_64q8kv_d128_causal_4k", 128, True, 4096, 4096, 8, 64, 8),
+    Case("mqa_32q1kv_d64_causal_8k", 64, True, 8192, 8192, 4, 32, 1),
+    Case("d96_causal_4k", 96, True, 4096, 4096, 8, 21, 21),
+    # the sweep's varlen GQA cell (flash4.bench.varlen: 64k tokens, lengths log-uniform in 128..16k, seed 0)
+    VarlenCase("varlen_gqa32q8kv_d128_causal", 32, 8),
+)
+WIDE_TILES = (160, 176, 192)
+
+
+# ---------------------------------------------------------------------------------------------- plan
+def request(case, q=None, k=None, v=None, cu=None):
+    """flash4's Request of a cell (dense, or varlen for a VarlenCase); without tensors, on the meta
+    device (plans only: no memory)."""
+    import torch
+
+    from flash4.request import Request
+
+    varlen = isinstance(case, VarlenCase)
+    if q is None:
+        dt, meta = torch.bfloat16, "meta"
+        lead = (sum(varlen_lengths()),) if varlen else (case.batch, case.seqlen_q)
+        q = torch.empty(*lead, case.nheads, case.headdim, device=meta, dtype=dt)
+        k = torch.empty(*lead, case.nheads_k, case.headdim, device=meta, dtype=dt)
+        v = torch.empty_like(k)
+        cu = torch.empty(len(varlen_lengths()) + 1, device=meta, dtype=torch.int32) if varlen else None
+    if varlen:
+        maxlen = max(varlen_lengths())
+        return Request.varlen(q, k, v, cu, cu, maxlen, maxlen, softmax_scale=case.headdim ** -0.5, causal=case.causal)
+    return Request.dense(q, k, v, case.headdim ** -0.5, case.causal, (-1, -1), 0.0, None)
+
+
+def shipped_cfg(case):
+    from flash4.config import fwd_config
+
+    return fwd_config(request(case), ARCH).cfg
+
+
+def variants(case) -> dict:
+    """{name: FwdConfig} of a cell, "shipped" first (module docstring); a candidate that does not
+    apply to the cell's config (or would equal another variant) is left out."""
+    from flash4.config.sm90 import wide_tile_fwd_config, with_l2_kv_heads
+
+    cfg = shipped_cfg(case)
+    out = {"shipped": cfg}
+    group = case.nheads // case.nheads_k
+    if group == 1:
+        for n in WIDE_TILES:
+            wide = wide_tile_fwd_config(cfg, n)
+            if wide != cfg:
+                out[f"n{n}"] = wide
+        s3 = wide_tile_fwd_config(cfg, kv_stages=3)
+        if s3 != cfg:
+            out["s3"] = s3
+    else:
+        l2kv = with_l2_kv_heads(cfg, case.nheads, case.nheads_k, on=True)
+        if l2kv != cfg:
+            out["l2kv"] = l2kv
+        if cfg.pack_gqa == 1 and cfg.tile_m % group == 0 and not cfg.varlen_q:  # dense Q only
+            out["pack"] = dataclasses.replace(cfg, pack_gqa=group)
+    return out
+
+
+def cfg_short(c) -> str:
+    """The fields of a forward config that tell the variants apart."""
+    bits = [f"m{c.tile_m}n{c.tile_n}" + (f"s{c.kv_stages}" if c.kv_stages != 2 else "")]
+    bits += [name for name in ("causal", "persistent", "lpt", "l2_kv_heads", "varlen_q") if getattr(c, name)]
+    bits += [f"pack{c.pack_gqa}"] if c.pack_gqa > 1 else []
+    return " ".join(bits)
+
+
+def plan_kernels(cells) -> list:
+    """Every forward config the run loads, without duplicates, in a fixed order."""
+    return list(dict.fromkeys(cfg for case in cells for cfg in variants(case).values()))
+
+
+def print_plan(cells) -> None:
+    print(f"{DTYPE}, sm_{ARCH}a; variants replace flash4's forward config")
+    for case in cells:
+        shape = (f"{len(varlen_lengths())} sequences, {sum(varlen_lengths())} tokens" if isinstance(case, VarlenCase)
+                 else f"B={case.batch}")
+        print(f"  {case.name:28s} {shape} H={case.nheads}/{case.nheads_k} D={case.headdim}")
+        for name, cfg in variants(case).items():
+            print(f"      {name:8s} {cfg_short(cfg)} (smem {cfg.smem_bytes() // 1024} KiB)")
+
+
+# ------------------------------------------------------------------------------------------ compile
+def precompile(cfgs) -> int:
+    """Compile every forward of the plan into the disk cache (no GPU) and check each: 0 spills,
+    wgmma not serialized (the resource row is kept in RESOURCES, so a kernel found in the cache is
+    not compiled again). Returns 1 when one fails the check."""
+    from ab_bwd_tiles import check_compiled
+
+    from flash4 import env
+    from flash4.compile import cache, disk_cache
+
+    where = env.disk_cache_dir()
+    os.makedirs(where, exist_ok=True)
+    path = os.path.join(where, RESOURCES)
+    resources = json.load(open(path)) if os.path.exists(path) else {}
+    t0 = time.perf_counter()
+    bad = []
+    for cfg in cfgs:
+        key = repr(cfg)
+        t = time.perf_counter()
+
+        def compile_and_check(cfg=cfg, key=key):
+            compiled = cache.compile_fwd(cfg)
+            resources[key] = check_compiled(compiled)
+            return compiled
+
+        disk_cache.load_or_compile("fwd", cfg, cache.COMPILE_OPTIONS + cache._arch_option(cfg.arch), compile_and_check)
+        if key not in resources:  # in the cache from another run: check it once
+            resources[key] = check_compiled(cache.compile_fwd(cfg))
+        row = resources[key]
+        ok = row.get("spills") == 0 and row.get("wgmma_serialized") is False
+        bad += [] if ok else [key]
+        print(f"  fwd d{cfg.headdim} {cfg_short(cfg):36s} regs {row.get('registers')} spills {row.get('spills')} "
+              f"serialized {row.get('wgmma_serialized')} {'ok' if ok else 'FAILS'} ({time.perf_counter() - t:.0f} s)",
+              flush=True)
+        with open(path, "w") as f:
+            json.dump(resources, f, indent=1)
+    size = sum(os.path.getsize(os.path.join(where, f)) for f in os.listdir(where) if f.endswith((".o", ".so")))
+    print(f"precompiled {len(cfgs)} kernels in {time.perf_counter() - t0:.0f} s: {cache.compile_counts()}; "
+          f"{where}: {size / 2**20:.2f} MiB of objects and shared libraries")
+    if bad:
+        print("SPILL / SERIALIZED WGMMA (drop these candidates): " + "; ".join(bad))
+    return 1 if bad else 0
+
+
+# ------------------------------------------------------------------------------------------- device
+def gemm_tflops(rounds: int, rep_ms: float) -> float:
+    """The same-run ceiling: cuBLAS bf16 GEMM GEMM_N^3 (median over rounds, L2 flushed as the rest)."""
+    import torch
+
+    from flash4.bench import common
+
+    a = torch.randn(GEMM_N, GEMM_N, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(GEMM_N, GEMM_N, device="cuda", dtype=torch.bfloat16)
+    ms = statistics.median(common.time_ms(lambda: torch.matmul(a, b), rep_ms=rep_ms) for _ in range(rounds))
+    return 2.0 * GEMM_N ** 3 / ms / 1e9
+
+
+def run_cell(case, rounds: int, rep_ms: float, gemm: float) -> dict:
+    import torch
+
+    from flash4.bench import common
+    from flash4.compile.cache import get_fwd_runner
+
+    vs = variants(case)
+    row = {"cell": case.name, "variants": {name: cfg_short(cfg) for name, cfg in vs.items()}}
+    scale = case.headdim ** -0.5
+    if isinstance(case, VarlenCase):  # packed (total, H, D): the runner's batch-1 views (flash4.forward.launch)
+        lengths = varlen_lengths()
+        total = sum(lengths)
+        q = torch.randn(total, case.nheads, case.headdim, device=DEVICE, dtype=torch.bfloat16)
+        k = torch.randn(total, case.nheads_k, case.headdim, device=DEVICE, dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        cu = torch.tensor([0] + list(common_accumulate(lengths)), dtype=torch.int32, device=DEVICE)
+        out_shape, lse_shape, flops = (total, case.nheads, case.headdim), (case.nheads, total), \
+            varlen_fwd_flops(lengths, case.nheads, case.headdim, case.causal)
+        call = dict(seqs=(cu, cu, None, None, None), batch=len(lengths), max_seqlen_q=max(lengths))
+        views = (q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0))
+    else:
+        q, k, v = common.make_inputs(case.batch, case.seqlen_q, case.seqlen_k, case.nheads, case.nheads_k,
+                                     case.headdim, torch.bfloat16)
+        out_shape, lse_shape = (case.batch, case.seqlen_q, case.nheads, case.hdim_v), (case.batch, case.nheads,
+                                                                                         case.seqlen_q)
+        flops, call, views = case_fwd_flops(case), {}, (q, k, v)
+    unsq = (lambda t: t.unsqueeze(0)) if isinstance(case, VarlenCase) else (lambda t: t)
+    outs, fns = {}, {}
+    for name, cfg in list(vs.items()):
+        runner = get_fwd_runner(cfg)
+        out = torch.full(out_shape, math.nan, device=q.device, dtype=q.dtype)
+        lse = torch.full(lse_shape, math.nan, device=q.device, dtype=torch.float32)
+        split = torch.empty((2,) + lse_shape, device=q.device, dtype=torch.float32)
+        outs[name] = (out, lse)
+        fns[name] = (lambda runner=runner, o=unsq(out), l=unsq(lse), s=split.unsqueeze(1) if call else split:
+                     runner(*views, o, l, scale, lse_split=s, **call))
+        try:
+            fns[name]()
+            torch.cuda.synchronize()
+        except Exception as err:  # a host-side refusal: report it, time the others
+            if name == "shipped":
+                raise
+            row[f"{name}_error"] = f"{type(err).__name__}: {err}"[:300]
+            del vs[name], outs[name], fns[name]
+    base_out, base_lse = outs["shipped"]
+    row["shipped_written"] = bool(torch.isfinite(base_out).all() and torch.isfinite(base_lse).all())
+    for name in list(vs)[1:]:
+        out, lse = outs[name]
+        row[f"{name}_written"] = bool(torch.isfinite(out).all() and torch.isfinite(lse).all())
+        row[f"{name}_out_reldiff"] = ab_switch.reldiff(out, base_out)
+        row[f"{name}_lse_absdiff"] = float((lse - base_lse).abs().max())
+        if name == "l2kv":
+            row[f"{name}_bitwise"] = ab_switch.same(out, base_out) and ab_switch.same(lse, base_lse)
+    ms = ab_switch.interleaved(fns, rounds, rep_ms)
+    for name in vs:
+        row[f"{name}_tflops"] = flops / ms[name] / 1e9
+        row[f"{name}_of_gemm"] = row[f"{name}_tflops"] / gemm
+    for name in list(vs)[1:]:
+        row[f"{name}/shipped"] = ms["shipped"] / ms[name]
+    return row
+
+
+def common_accumulate(xs):
+    """Running sums of xs (the cu_seqlens of the varlen cell)."""
+    total = 0
+    for x in xs:
+        total += x
+        yield total
+
+
+def format_row(row: dict) -> str:
+    if "error" in row:
+        return f"{row['cell']:28s} FAILED {row['error']}"
+    names = [n for n in row["variants"] if f"{n}_tflops" in row]
+    parts = [f"{row['cell']:28s}", f"shipped {row['shipped_tflops']:.1f} TF ({row['shipped_of_gemm']:.2f} of GEMM)"]
+    parts += [f"{k[:-len('_error')]} FAILED {x}" for k, x in row.items() if k.endswith("_error")]
+    for name in names[1:]:
+        parts.append(f"{name} {row[f'{name}_tflops']:.1f} ({row[f'{name}/shipped']:.3f}x, "
+                     f"out {row[f'{name}_out_reldiff']:.1e}, lse {row[f'{name}_lse_absdiff']:.1e})")
+    return " | ".join(parts)
+
+
+def failures(rows) -> list[str]:
+    bad = []
+    for row in rows:
+        cell = row["cell"]
+        bad += [f"{cell}: {k} {x}" for k, x in row.items() if k == "error" or k.endswith("_error")]
+        bad += [f"{cell}: {k}" for k, x in row.items() if k.endswith(("_written", "_bitwise")) and x is False]
+        bad += [f"{cell}: {k} = {x:.2e}" for k, x in row.items() if k.endswith("_out_reldiff") and not x <= OUT_TOL]
+        bad += [f"{cell}: {k} = {x:.2e}" for k, x in row.items() if k.endswith("_lse_absdiff") and not x <= LSE_TOL]
+    return bad
+
+
+def print_summary(rows) -> None:
+    print("\nbest per cell (variant/shipped; > 1: faster than shipped):")
+    ratios = {}
+    for row in rows:
+        rs = {k.split("/")[0]: x for k, x in row.items() if k.endswith("/shipped")}
+        for name, x in rs.items():
+            ratios.setdefault(name, []).append(x)
+        if rs:
+            best = max(rs, key=rs.get)
+            print(f"  {row['cell']:28s} {best if rs[best] > 1 else 'shipped'} ({max(rs[best], 1.0):.3f}x); "
+                  + ", ".join(f"{n} {x:.3f}" for n, x in rs.items()))
+    print("variant | geomean over its cells | min | max | cells")
+    for name, xs in ratios.items():
+        gm = math.exp(statistics.fmean(map(math.log, xs)))
+        print(f"  {name} | {gm:.3f} | {min(xs):.3f} | {max(xs):.3f} | {len(xs)}")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--cells", nargs="*", help="only these cells (names or prefixes; default: all)")
+    p.add_argument("--dry-run", action="store_true", help="print the cells and variants; run nothing (no GPU)")
+    p.add_argument("--precompile", action="store_true",
+                   help="compile the plan's kernels into the disk cache, check spills / serialized wgmma, exit")
+    p.add_argument("--cache-dir", help="the disk cache to fill / load (sets FLASH4_CACHE_DIR)")
+    p.add_argument("--rounds", type=int, default=ROUNDS)
+    p.add_argument("--rep-ms", type=float, default=REP_MS)
+    p.add_argument("--out", help="also write the rows as JSON here")
+    args = p.parse_args(argv)
+    if args.cache_dir:
+        os.environ["FLASH4_CACHE_DIR"] = os.path.abspath(args.cache_dir)
+    cells = [c for c in CELLS if not args.cells or any(c.name.startswith(n) for n in args.cells)]
+    if not cells:
+        raise SystemExit(f"ab_fwd: no cell matches {args.cells}; cells: {[c.name for c in CELLS]}")
+    print_plan(cells)
+    cfgs = plan_kernels(cells)
+    if args.dry_run:
+        n = sum(len(variants(c)) for c in cells)
+        print(f"dry run: {len(cfgs)} kernels; {n} timed variants x {args.rounds} rounds of {args.rep_ms:.0f} ms; "
+              "nothing run")
+        return 0
+    if args.precompile:
+        return precompile(cfgs)
+
+    import torch
+
+    if not torch.cuda.is_available():
+        print("no CUDA GPU: nothing to time (--dry-run prints the plan, --precompile compiles it)")
+        return 2
+    from flash4.bench import common
+    from flash4.compile import cache, disk_cache
+
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; {args.rounds} rounds, {common.timing_method()}",
+          flush=True)
+    t0 = time.perf_counter()
+    for cfg in cfgs:  # load (or compile) everything before the first timed call
+        cache.get_fwd_runner(cfg)
+    print(f"kernels ready in {time.perf_counter() - t0:.0f} s: {disk_cache.timing_summary()}", flush=True)
+    gemm = gemm_tflops(args.rounds, args.rep_ms)
+    print(f"cuBLAS bf16 GEMM {GEMM_N}^3: {gemm:.1f} TFLOPs", flush=True)
+    rows = []
+    for case in cells:
+        try:
+            rows.append(run_cell(case, args.rounds, args.rep_ms, gemm))
+        except Exception as err:  # the shipped config itself failed: report it, go on with the other cells
+            rows.append({"cell": case.name, "error": f"{type(err).__name__}: {err}"[:500]})
+        print(format_row(rows[-1]), flush=True)
+        torch.cuda.empty_cache()
+    print_summary(rows)
+    print(f"({time.perf_counter() - t0:.0f} s; {cache.compile_counts()})")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"dtype": DTYPE, "rounds": args.rounds, "gemm_tflops": gemm, "rows": rows}, f, indent=1)
+    bad = failures(rows)
+    if bad:
+        print("CHECKS FAILED: " + "; ".join(bad))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
