@@ -153,6 +153,39 @@ def test_headdim_256_two_passes(case):
     assert all(err > 0 for err, _ in e.values())
 
 
+@pytest.mark.parametrize("case", [(1, 200, 333, 2, 1, False, torch.bfloat16, 2.0, 5.0, None),
+                                  (1, 300, 131, 2, 1, True, torch.float16, 4.0, 5.0, None),
+                                  (1, 257, 200, 2, 2, False, torch.bfloat16, 2.0, 10.0, (45, 7))],
+                         ids=lambda c: f"sq{c[1]}-sk{c[2]}-{'causal' if c[5] else 'full'}-{str(c[6])[6:]}-x{c[7]:g}"
+                                       f"-cap{c[8]:g}" + ("-window" if c[9] else ""))
+def test_headdim_256_two_passes_softcap(case):
+    """hd256 with softcap as the two passes compute it (flash4.models.sm100_bwd.backward_two_pass: pass dv
+    takes tanh before its exp2, pass dkdq too and multiplies dS by grad_factor, dP^T over 32-column
+    V / dO chunks): within the 2x rule against flash4.reference, and bitwise the one-kernel model
+    (the passes recompute the same P^T and dP^T)."""
+    b, sq, sk, h, hk, causal, dtype, mag, cap, window = case
+    q, k, v, do = make_case(b, sq, sk, h, hk, 256, dtype=dtype, seed=sq + sk + 256, magnitude=mag)
+    out, lse = forward(q, k, v, causal, window, cap)
+    grads = B.backward_two_pass(do, q, k, v, out, lse, None, causal, window, cap)
+    e = errors(q, k, v, do, causal, grads, window, cap)
+    for name, (err, pt) in e.items():
+        assert err <= 2 * pt + GRAD_ATOL, f"{name}: err {err:.3e} > 2 x PyTorch {pt:.3e} + {GRAD_ATOL}"
+    one = B.backward(do, q, k, v, out, lse, None, causal, window, cap)
+    assert all(torch.equal(x, y) for x, y in zip(grads, one))
+    dv_only = B.backward(do, q, k, v, out, lse, None, causal, window, cap, bwd_pass="dv")
+    assert not dv_only[0].any() and not dv_only[1].any() and torch.equal(dv_only[2], one[2])
+
+
+def test_two_pass_softcap_needs_tanh_in_pass_dv():
+    """The rule has teeth for pass dv: P without tanh (the pre-softcap dv pass) fails dv's 2x rule."""
+    q, k, v, do = make_case(1, 200, 160, 2, 1, 256, seed=5, magnitude=4.0)
+    out, lse = forward(q, k, v, True, None, 5.0)
+    _, _, dv_plain = B.backward(do, q, k, v, out, lse, None, True, bwd_pass="dv")
+    dq, dk, _ = B.backward(do, q, k, v, out, lse, None, True, softcap=5.0, bwd_pass="dkdq")
+    e = errors(q, k, v, do, True, (dq, dk, dv_plain), softcap=5.0)
+    assert e["dv"][0] > 2 * e["dv"][1] + GRAD_ATOL and e["dk"][0] <= 2 * e["dk"][1] + GRAD_ATOL, e
+
+
 @pytest.mark.parametrize("variant", [dict(mma_k=None), dict(dq_order="reverse"),
                                      dict(dq_order=7), dict(tile_m=64, tile_n=64)],
                          ids=lambda v: ",".join(f"{k}={x}" for k, x in v.items()))

@@ -355,7 +355,8 @@ class Sm100BwdConfig:
                  config (SM100_BWD_TWO_PASS_PAIRS: hd256, whose dK + dV take all 512 TMEM columns): "dv"
                  (S^T, P^T, dV += P^T dO only; dV stored; 192.5 KiB of smem) or "dkdq" (S^T, dP^T, dS^T,
                  dK, dQ; dK stored, dQ reduced; V and dO streamed in 32-column chunks: 209 KiB). 1-CTA,
-                 dense, no softcap, one Q stage; the host runs both (bwd_passes).
+                 dense, softcap or not (both passes take tanh before the exp2: P changes; pass dkdq
+                 multiplies dS by grad_factor), one Q stage; the host runs both (bwd_passes).
                  docs/design/sm100_backward.md section 10.4. Compile-verified, not run on hardware.
     The remaining field mirrors flash4.config.BwdConfig so the host passes the same keys; it is not
     built on sm100 and a config with it set cannot be made (ValueError in __post_init__): dkv_accum
@@ -488,12 +489,11 @@ def bwd_config_problem(cfg) -> str | None:
                 "(seqused_q / seqused_k only with them)")
     if packed and cfg.cta_group != 1:
         return "cta_group=2 with packed sequences: the 2-CTA backward is dense only"
-    if two_pass:  # hd256: 1-CTA, dense (the hd256 forward is dense only), no softcap
-        for bad, what in ((cfg.cta_group != 1, "cta_group=2"), (packed, "packed sequences"),
-                          (cfg.softcap, "softcap")):
+    if two_pass:  # hd256: 1-CTA, dense (the hd256 forward is dense only); softcap or not
+        for bad, what in ((cfg.cta_group != 1, "cta_group=2"), (packed, "packed sequences")):
             if bad:
                 return f"{what} at (headdim, headdim_v)=({cfg.headdim}, {cfg.hdim_v}): the two-pass backward is " \
-                       "1-CTA, dense, without softcap"
+                       "1-CTA and dense (the sm100 forward at hd256 takes dense batches only)"
         q_stages = bwd_q_stages(cfg.headdim, cfg.hdim_v, cfg.bwd_pass)
         if (cfg.tile_m, cfg.tile_n, cfg.q_stages, cfg.do_stages) != (BWD_TILE_M, BWD_TILE_N, q_stages, BWD_DO_STAGES):
             return (f"(tile_m, tile_n, q_stages, do_stages)=({cfg.tile_m}, {cfg.tile_n}, {cfg.q_stages}, "
@@ -560,8 +560,10 @@ def select_bwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, a
     """The sm100 backward config for one problem class (pure; CPU-tested): hd64 / hd128 and (192, 128)
     (headdim_v=128: the serial schedule, no softcap), bf16 / fp16, causal or not, a sliding window
     (local: causal folded in), deterministic or not, softcap or not, dense, MHA and GQA/MQA (one CTA
-    per KV head walks its query heads), and hd256 as two passes (1-CTA, dense, no softcap). Raises ValueError
-    naming what is missing for everything else (another head dim; another Dv; softcap at (192, 128) or hd256).
+    per KV head walks its query heads), and hd256 as two passes (1-CTA, dense; causal, window,
+    deterministic and softcap as hd64/128). Raises ValueError naming what is missing for everything
+    else (another head dim; another Dv; softcap at (192, 128)); packed sequences at hd256 are refused
+    by bwd_config_problem (with_seq_layout) as the hd256 forward refuses them.
     Same arguments as
     flash4.config.sm90.select_bwd_config (the others ignored). two_cta: take the 2-CTA variant where it
     is built (bwd_two_cta_problem is None; otherwise the 1-CTA config); the host passes
@@ -574,10 +576,7 @@ def select_bwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, a
     if (headdim, dv) in SM100_BWD_TWO_PASS_PAIRS:  # hd256: "both" means the dkdq pass (bwd_passes has both)
         if dtype not in DTYPES:
             raise ValueError(f"dtype={dtype!r}; allowed: {DTYPES}")
-        bwd_pass = "dkdq" if bwd_pass == "both" else bwd_pass
-        if softcap:  # two_cta falls back to the 1-CTA passes, as at (192, 128)
-            raise ValueError(f"softcap at (headdim, headdim_v)=({headdim}, {dv}): the two-pass sm100 backward is "
-                             "1-CTA, dense, without softcap")
+        bwd_pass = "dkdq" if bwd_pass == "both" else bwd_pass  # two_cta falls back to the 1-CTA passes
         plan = default_bwd_register_plan_pass(bwd_pass)
         return Sm100BwdConfig(headdim=headdim, dtype=dtype, causal=causal and not local, local=local,
                               deterministic=deterministic, softcap=softcap, bwd_pass=bwd_pass,
@@ -595,8 +594,8 @@ def select_bwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, a
         tmem = bwd_tmem_problem(headdim, dv)
         raise ValueError(f"the sm100 backward has no {what} at (headdim, headdim_v)=({headdim}, {dv})"
                          + (f" ({tmem})" if tmem else "") + "; compile-verified 1-CTA backward: dense hd64/hd128 "
-                         "(causal, window or neither, deterministic or not, softcap or not, MHA/GQA) and (192, 128) "
-                         "(the same without softcap); 2-CTA: hd128")
+                         "(causal, window or neither, deterministic or not, softcap or not, MHA/GQA), (192, 128) "
+                         "(the same without softcap) and hd256 as two passes (dense); 2-CTA: hd128")
     hdv = None if dv == headdim else dv
     if 2 * BWD_TILE_M + headdim + dv > TMEM_COLUMNS and bwd_serial_problem(softcap) is not None:  # serial
         raise ValueError(bwd_serial_problem(softcap))
@@ -630,10 +629,15 @@ def _pass_config(cfg, bwd_pass: str):
 def two_pass_bwd_configs() -> list:
     """The hd256 pass configs (compile-checked in tests/cpu/test_sm100_bwd_passes.py, not in
     shipped_bwd_configs' generic gates): bf16 / fp16 x (full, causal, window) x deterministic or not,
-    each as its "dv" and "dkdq" pass (24)."""
+    each as its "dv" and "dkdq" pass (24), then softcap in bf16 x (full, causal, window), each pass
+    (6; as shipped_bwd_configs: softcap only adds the compute warps' tanh, and in pass dkdq the dS
+    factor, independent of the dtype and the deterministic dQ chain)."""
     masks = ((False, False), (True, False), (False, True))
-    return [c for det in (False, True) for dt in DTYPES for causal, local in masks
-            for c in bwd_passes(select_bwd_config(256, dt, causal, local=local, deterministic=det))]
+    plain = [c for det in (False, True) for dt in DTYPES for causal, local in masks
+             for c in bwd_passes(select_bwd_config(256, dt, causal, local=local, deterministic=det))]
+    softcap = [c for causal, local in masks
+               for c in bwd_passes(select_bwd_config(256, "bf16", causal, local=local, softcap=True))]
+    return plain + softcap
 
 
 def shipped_bwd_configs() -> list:

@@ -53,11 +53,14 @@ the compute warps write P^T only and warpgroup 0 stores dV); pass "dkdq" keeps d
 side with dQ over them (mma_serial's order without dV; P^T stays in registers), streams V and dO
 through the do ring in BWD_VDO_COLS-column chunks (whole tiles would need 321 KiB of smem) and reads
 dQ out in 32-column passes; warpgroup 1 stores dK. The host launches both (flash4.backward).
+Softcap: both passes take tanh before the exp2 (softcap changes P, so pass dv needs it too; there
+the LSE stage is released after P^T, there being no dS); pass dkdq multiplies dS^T by grad_factor.
 
-Not built (refused by flash4.config.sm100.select_bwd_config): head dims other than 64 / 128 / (192, 128)
-(hd256: one of its two passes), other Dv != D, softcap at (192, 128), packed
-sequences in the 2-CTA variant, the GQA head split, and the exact-LSE path of issue 8 (P uses the
-rounded padded log2 LSE the preprocess writes; the per-tile exact flags are not read).
+Not built (refused by flash4.config.sm100.select_bwd_config / bwd_config_problem): head dims other than
+64 / 128 / (192, 128) (hd256: one of its two passes), other Dv != D, softcap at (192, 128), packed
+sequences in the 2-CTA variant and at hd256 (its forward is dense only), the GQA head split, and the
+exact-LSE path of issue 8 (P uses the rounded padded log2 LSE the preprocess writes; the per-tile
+exact flags are not read).
 """
 
 import math
@@ -433,7 +436,7 @@ class FlashAttentionBackwardSm100:
             self.kernel(
                 tma_K, tma_Q, tma_V, tma_dO, mLSE2, mD, mdQacc, mdQsem, mdK, mdV, tma_atom_K, tma_atom_Q, tma_atom_V,
                 tma_atom_dO, softmax_scale, window_left, window_right, *layouts, mma_s, mma_dp, mma_dv, mma_dk, mma_dq,
-                storage_dv, None,
+                storage_dv, softcap if const_expr(self.cfg.softcap) else None,
             ).launch(grid=(num_ctas, 1, 1), block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
         else:
             self.kernel(
@@ -1436,7 +1439,7 @@ class FlashAttentionBackwardSm100:
             cute.arch.fence_view_async_tmem_store()
             tcgen05_fence_before()
             self.arrive_elected(pipes["s"], 0, "compute", True)  # P^T written
-            if const_expr(not self.cfg.softcap):
+            if const_expr(not self.cfg.softcap or self.dv_pass):  # softcap: dS reads the LSE (pass dv has none)
                 self.arrive_elected(pipes["lse"], lse_state.index, "compute", True)
                 lse_state = next_state(lse_state)
 
