@@ -610,3 +610,38 @@ def test_packed_sequences_with_nan_past_each_end(causal, seqused):
                    (dq[None, rq], dk[None, rk], dv[None, rk]))
         for name, (err, pt) in e.items():
             assert err <= 2 * pt + GRAD_ATOL, f"sequence {b} {name}: err {err:.3e} > 2 x PyTorch {pt:.3e}"
+
+
+@pytest.mark.parametrize("softcap", [0.0, 5.0])
+def test_packed_hd256_two_passes_with_nan_past_each_end(softcap):
+    """hd256 packed (seqused_q / seqused_k, NaN outside every sequence) as the two passes compute it:
+    pass dv's dv and pass dkdq's dq, dk (backward_packed per pass: each pass zeroes the rows past a
+    sequence, pass dkdq its V / dO chunks too) are finite, 0 outside every sequence, and within the 2x
+    rule per sequence, softcap or not."""
+    d, h, hk, dtype = 256, 2, 1, torch.bfloat16
+    lens_q, lens_k, used_q, used_k = [77, 150], [90, 140], [70, 150], [90, 101]
+    cu_q = torch.tensor([0] + list(itertools.accumulate(lens_q)), dtype=torch.int32)
+    cu_k = torch.tensor([0] + list(itertools.accumulate(lens_k)), dtype=torch.int32)
+    tq, tk = int(cu_q[-1]) + 3, int(cu_k[-1]) + 5
+    q, k, v, dout = (t[0] for t in make_case(1, max(tq, tk), max(tq, tk), h, hk, d, dtype, seed=9, magnitude=2.0))
+    q, dout, k, v = q[:tq].clone(), dout[:tq].clone(), k[:tk].clone(), v[:tk].clone()
+    out, lse = torch.full_like(dout, float("nan")), torch.full((h, tq), float("nan"))
+    inside_q, inside_k = torch.zeros(tq, dtype=torch.bool), torch.zeros(tk, dtype=torch.bool)
+    seqs = [(slice(int(cu_q[b]), int(cu_q[b]) + used_q[b]), slice(int(cu_k[b]), int(cu_k[b]) + used_k[b]))
+            for b in range(2)]
+    for rq, rk in seqs:
+        inside_q[rq], inside_k[rk] = True, True
+        o, l = forward(q[None, rq], k[None, rk], v[None, rk], True, None, softcap)
+        out[rq], lse[:, rq] = o[0], l[0]
+    for t, inside in ((q, inside_q), (dout, inside_q), (k, inside_k), (v, inside_k)):
+        t[~inside] = float("nan")
+    su = dict(seqused_q=torch.tensor(used_q), seqused_k=torch.tensor(used_k), causal=True, softcap=softcap)
+    dv = B.backward_packed(dout, q, k, v, out, lse, cu_q, cu_k, bwd_pass="dv", **su)[2]
+    dq, dk, _ = B.backward_packed(dout, q, k, v, out, lse, cu_q, cu_k, bwd_pass="dkdq", **su)
+    for g, inside in ((dq, inside_q), (dk, inside_k), (dv, inside_k)):
+        assert torch.isfinite(g).all() and (g[~inside] == 0).all()
+    for rq, rk in seqs:
+        e = errors(q[None, rq], k[None, rk], v[None, rk], dout[None, rq], True,
+                   (dq[None, rq], dk[None, rk], dv[None, rk]), softcap=softcap)
+        for name, (err, pt) in e.items():
+            assert err <= 2 * pt + GRAD_ATOL, f"{name}: err {err:.3e} > 2 x PyTorch {pt:.3e}"

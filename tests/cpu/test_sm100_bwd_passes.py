@@ -11,7 +11,7 @@ import pytest
 
 from flash4.config.sm100 import (BWD_SMEM_BUDGET, Sm100BwdConfig, bwd_passes, bwd_pipeline_specs,
                                  bwd_register_plan, bwd_tmem_alloc_cols, bwd_tmem_map, select_bwd_config,
-                                 q_stage_1_problem, shipped_bwd_configs, two_pass_bwd_configs)
+                                 shipped_bwd_configs, two_pass_bwd_configs)
 from flash4.kernels.sm100.bwd_plan import (BWD_PASS_MMAS, BWD_VDO_COLS, DQ_GROUP_ROWS, BwdRegisterPlan, bwd_dq_passes,
                                            bwd_p_barrier, bwd_pass_mmas, bwd_pass_tmem_problem, bwd_serial_schedule,
                                            bwd_smem_bytes, bwd_tmem_aliases, bwd_tmem_map_pass, bwd_tmem_overlaps)
@@ -142,12 +142,28 @@ def test_softcap_passes():
     assert select_bwd_config(256, softcap=True, two_cta=True) == select_bwd_config(256, softcap=True)
 
 
-def test_packed_refused_with_the_forward():
-    """Packed sequences at hd256 are refused by the backward as by the forward (q_stage 1: dense only)."""
-    for cfg in (dv_cfg(), dkdq_plan(), dv_cfg(softcap=True)):
-        with pytest.raises(ValueError, match="packed sequences"):
-            dataclasses.replace(cfg, varlen_q=True, varlen_k=True)
-    assert "packed" in q_stage_1_problem(256, 256, packed=True)
+def packed(cfg, seqused=False):
+    return dataclasses.replace(cfg, varlen_q=True, varlen_k=True, seqused_q=seqused, seqused_k=seqused)
+
+
+def test_packed_passes():
+    """Packed sequences at hd256 (as the hd256 forward takes them): both passes, the dense passes' plan;
+    bwd_plan of a packed request launches the packed dv then dkdq configs; 2-CTA stays refused."""
+    from flash4.config.sm100 import bwd_plan
+    from flash4.request import Request
+    import torch
+
+    for make, su in itertools.product((dv_cfg, dkdq_plan), (False, True)):
+        cfg = packed(make("bf16", "causal", softcap=su), su)
+        assert cfg.dynamic_seqlen_k and bwd_tmem_map(cfg) == bwd_tmem_map(make("bf16", "causal"))
+        assert bwd_pipeline_specs(cfg) == bwd_pipeline_specs(make("bf16", "causal"))
+        assert cfg.smem_bytes() == make().smem_bytes() <= BWD_SMEM_BUDGET
+    with pytest.raises(ValueError, match="cta_group=2"):
+        dataclasses.replace(dv_cfg(), cta_group=2)
+    cu = torch.zeros(4, dtype=torch.int32, device="meta")
+    q, k = (torch.empty(n, h, 256, dtype=torch.bfloat16, device="meta") for n, h in ((500, 8), (600, 2)))
+    plan = bwd_plan(Request.varlen(q, k, k, cu, cu, 200, None, None, causal=True), 100)
+    assert plan.passes == (packed(dv_cfg("bf16", "causal")), packed(dkdq_plan("bf16", "causal"))) and plan.cfg == plan.passes[1]
 
 
 # ---------------------------------------------------------------- compile (CPU, sm_100a)
@@ -157,8 +173,14 @@ DV_CONFIGS = [dv_cfg(dt, mask, deterministic=det) for dt, mask, det in COMBOS[:5
 DV_CONFIGS += [dkdq_plan(dt, mask, deterministic=det) for dt, mask, det in COMBOS]
 # softcap (two_pass_bwd_configs' 6): bf16 x (full, causal, window), each pass
 DV_CONFIGS += [make("bf16", mask, softcap=True) for mask in MASKS for make in (dv_cfg, dkdq_plan)]
+# packed sequences (zero_tail: K, Q, dO; pass dkdq each V / dO chunk): each pass bf16 causal, with
+# seqused_q / seqused_k and softcap, and dkdq fp16 window deterministic
+DV_CONFIGS += [packed(make("bf16", "causal")) for make in (dv_cfg, dkdq_plan)]
+DV_CONFIGS += [packed(make("bf16", "full", softcap=True), seqused=True) for make in (dv_cfg, dkdq_plan)]
+DV_CONFIGS += [packed(dkdq_plan("fp16", "window", deterministic=True))]
 DV_IDS = [f"d256-{c.bwd_pass}-{c.dtype}-{'causal' if c.causal else 'window' if c.local else 'full'}"
-          + ("-det" if c.deterministic else "") + ("-softcap" if c.softcap else "") for c in DV_CONFIGS]
+          + ("-det" if c.deterministic else "") + ("-softcap" if c.softcap else "")
+          + ("-varlen" if c.varlen_q else "") + ("-seqused" if c.seqused_q else "") for c in DV_CONFIGS]
 
 
 @pytest.fixture(scope="module")
@@ -250,3 +272,16 @@ def test_pass_dkdq_compiles_with_its_gates(built, name):
     assert (count(r"\btcgen05\.mma\b"), count(r"\btcgen05\.commit\b"), count(r"\btcgen05\.ld\b"),
             count(r"\btcgen05\.st\b")) == (row["utchmma"], row["utcbar"], row["ldtm"], row["sttm"])
     assert count(r"cta_group::2") == 0
+
+
+@pytest.mark.parametrize("name", DV_IDS)
+def test_packed_tail_zeroing_only_in_packed_passes(built, name):
+    """The MMA warp's zero_tail in packed passes, one rolled loop of STS.128 [..], RZ per site (a site
+    stores cols / 8 / gcd(cols / 8, 32) vectors per lane and pass: 1 for 256 and for 32 columns): pass
+    dv K, Q, dO (3); pass dkdq K, Q and, at both chunk sites of the do ring, the V and dO chunks (6);
+    none in dense passes."""
+    cfg, _, _, row, sass = built[name]
+    if not row:
+        pytest.skip("cuobjdump not installed: SASS not checked")
+    want = 3 if cfg.bwd_pass == "dv" else 2 + 2 * 2
+    assert len(re.findall(r"\bSTS\.128 \[[^\]]+\], RZ", sass)) == (want if cfg.varlen_q else 0)

@@ -65,8 +65,9 @@ k-step order as one MMA: bitwise the same dP^T), and does 5, dK's half of 6, 7 a
 
 Not modelled: the MMA's accumulation rounding inside one k-step (modelled exact), MUFU's last ulps
 (modelled correctly rounded), anything about timing (barriers, pipelines, TMEM aliasing): a race, a
-hang or a wrong TMEM address has no analogue here. Not built in the kernel, so not here: Dv != D,
-packed varlen / seqused, the exact-LSE path, the GQA head split, 2-CTA.
+hang or a wrong TMEM address has no analogue here. Packed batches: backward_packed (per sequence,
+either layout and either pass). Not built in the kernel, so not here: the exact-LSE path, the GQA
+head split; 2-CTA is not modelled apart (its arithmetic is the 1-CTA steps').
 """
 
 from __future__ import annotations
