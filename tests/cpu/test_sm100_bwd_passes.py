@@ -149,9 +149,10 @@ def packed(cfg, seqused=False):
 def test_packed_passes():
     """Packed sequences at hd256 (as the hd256 forward takes them): both passes, the dense passes' plan;
     bwd_plan of a packed request launches the packed dv then dkdq configs; 2-CTA stays refused."""
+    import torch
+
     from flash4.config.sm100 import bwd_plan
     from flash4.request import Request
-    import torch
 
     for make, su in itertools.product((dv_cfg, dkdq_plan), (False, True)):
         cfg = packed(make("bf16", "causal", softcap=su), su)
@@ -163,7 +164,8 @@ def test_packed_passes():
     cu = torch.zeros(4, dtype=torch.int32, device="meta")
     q, k = (torch.empty(n, h, 256, dtype=torch.bfloat16, device="meta") for n, h in ((500, 8), (600, 2)))
     plan = bwd_plan(Request.varlen(q, k, k, cu, cu, 200, None, None, causal=True), 100)
-    assert plan.passes == (packed(dv_cfg("bf16", "causal")), packed(dkdq_plan("bf16", "causal"))) and plan.cfg == plan.passes[1]
+    assert plan.passes == (packed(dv_cfg("bf16", "causal")), packed(dkdq_plan("bf16", "causal")))
+    assert plan.cfg == plan.passes[1]
 
 
 # ---------------------------------------------------------------- compile (CPU, sm_100a)
