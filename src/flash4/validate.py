@@ -466,7 +466,7 @@ def _gated_problem(q, causal, door: _Door, arch: int) -> Problem:
     GPUs): the config the forward would select for these arguments exists (layouts, window,
     softcap, sink, headdim_v: ValueError naming what that family lacks), a backward config exists
     when autograd will ask for one (NotImplementedError naming what the family's backward lacks:
-    on sm_100 dense batches only, hd64 / hd128), and flash4.selftest passed those
+    on sm_100 e.g. softcap at (192, 128)), and flash4.selftest passed those
     configs (forward, and backward when training) on q's device (RuntimeError with the self-test's
     text: the config, the failing check, how to report it; on the first call for a config this runs
     the self-test, seconds, in a child process).
@@ -505,7 +505,7 @@ def _gated_problem(q, causal, door: _Door, arch: int) -> Problem:
     except ValueError as err:
         return ValueError, f"{err} {where}"
     seqused_k = {"seqused_k": True} if door.seqused_k is not None else {}
-    try:  # the config refuses a layout its kernel lacks (sm100's (192, 128) / hd256: dense only)
+    try:  # the config refuses a layout its kernel lacks (e.g. sm100's 2-CTA: dense only)
         if door.layout == "varlen":  # as the family's fwd_plan lays it out
             cfg = dataclasses.replace(cfg, varlen_q=True, varlen_k=True, seqused_q=door.seqused_q is not None,
                                       **seqused_k)

@@ -137,14 +137,14 @@ def test_sm100_plans():
     assert sm100.fwd_plan(Request.dense(q, k, k, window_size=(3, 3)), 100).cfg.local
     with pytest.raises(ValueError, match=r"\(headdim, headdim_v\)=\(128, 64\) is not implemented"):
         sm100.fwd_plan(Request.dense(q, k, meta(2, 300, 8, 64)), 100)
-    # (192, 128) is built (one Q tile per CTA), dense only
+    # (192, 128) is built (one Q tile per CTA), dense or packed
     q192 = meta(2, 300, 8, 192)
     assert sm100.fwd_plan(Request.dense(q192, q192, meta(2, 300, 8, 128)), 100).cfg == sm100.select_fwd_config(
         192, headdim_v=128)
-    cu = meta(4, dtype=I32)
-    with pytest.raises(ValueError, match="no packed varlen"):
-        sm100.fwd_plan(Request.varlen(meta(500, 8, 256), meta(600, 2, 256), meta(600, 2, 256), cu, cu, 200, None,
-                                      None), 100)
+    cu = meta(4, dtype=I32)  # packed hd256 (q_stage 1; compile-verified, not run on hardware)
+    assert sm100.fwd_plan(Request.varlen(meta(500, 8, 256), meta(600, 2, 256), meta(600, 2, 256), cu, cu, 200, None,
+                                         None), 100).cfg == dataclasses.replace(
+        sm100.select_fwd_config(256), varlen_q=True, varlen_k=True)
     assert sm100.bwd_plan(Request.dense(q, k, k), 100) == BwdPlan(sm100.select_bwd_config(128), 1)
     # packed backward (1-CTA; compile-verified, not run on hardware)
     for seqused_q in (False, True):

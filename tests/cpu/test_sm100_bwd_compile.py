@@ -27,8 +27,7 @@ CONFIGS = [c for c in shipped_bwd_configs() if c.cta_group == 1]  # the 2-CTA co
 PACKED = [dataclasses.replace(select_bwd_config(d, "bf16", causal), varlen_q=True, varlen_k=True, seqused_q=su,
                               seqused_k=su)
           for d, causal, su in ((64, True, False), (128, False, False), (128, True, True))]
-# (192, 128) packed (the serial schedule's zero_tail sites; the (192, 128) forward is dense only, so the
-# API never asks for it: compiled to keep the code path honest)
+# (192, 128) packed (the serial schedule's zero_tail sites; the forward takes packed (192, 128) too)
 PACKED += [dataclasses.replace(select_bwd_config(192, "bf16", True, headdim_v=128), varlen_q=True, varlen_k=True,
                                seqused_q=True, seqused_k=True)]
 CONFIGS += PACKED

@@ -153,6 +153,39 @@ def test_headdim_256_two_passes(case):
     assert all(err > 0 for err, _ in e.values())
 
 
+@pytest.mark.parametrize("case", [(1, 200, 333, 2, 1, False, torch.bfloat16, 2.0, 5.0, None),
+                                  (1, 300, 131, 2, 1, True, torch.float16, 4.0, 5.0, None),
+                                  (1, 257, 200, 2, 2, False, torch.bfloat16, 2.0, 10.0, (45, 7))],
+                         ids=lambda c: f"sq{c[1]}-sk{c[2]}-{'causal' if c[5] else 'full'}-{str(c[6])[6:]}-x{c[7]:g}"
+                                       f"-cap{c[8]:g}" + ("-window" if c[9] else ""))
+def test_headdim_256_two_passes_softcap(case):
+    """hd256 with softcap as the two passes compute it (flash4.models.sm100_bwd.backward_two_pass: pass dv
+    takes tanh before its exp2, pass dkdq too and multiplies dS by grad_factor, dP^T over 32-column
+    V / dO chunks): within the 2x rule against flash4.reference, and bitwise the one-kernel model
+    (the passes recompute the same P^T and dP^T)."""
+    b, sq, sk, h, hk, causal, dtype, mag, cap, window = case
+    q, k, v, do = make_case(b, sq, sk, h, hk, 256, dtype=dtype, seed=sq + sk + 256, magnitude=mag)
+    out, lse = forward(q, k, v, causal, window, cap)
+    grads = B.backward_two_pass(do, q, k, v, out, lse, None, causal, window, cap)
+    e = errors(q, k, v, do, causal, grads, window, cap)
+    for name, (err, pt) in e.items():
+        assert err <= 2 * pt + GRAD_ATOL, f"{name}: err {err:.3e} > 2 x PyTorch {pt:.3e} + {GRAD_ATOL}"
+    one = B.backward(do, q, k, v, out, lse, None, causal, window, cap)
+    assert all(torch.equal(x, y) for x, y in zip(grads, one))
+    dv_only = B.backward(do, q, k, v, out, lse, None, causal, window, cap, bwd_pass="dv")
+    assert not dv_only[0].any() and not dv_only[1].any() and torch.equal(dv_only[2], one[2])
+
+
+def test_two_pass_softcap_needs_tanh_in_pass_dv():
+    """The rule has teeth for pass dv: P without tanh (the pre-softcap dv pass) fails dv's 2x rule."""
+    q, k, v, do = make_case(1, 200, 160, 2, 1, 256, seed=5, magnitude=4.0)
+    out, lse = forward(q, k, v, True, None, 5.0)
+    _, _, dv_plain = B.backward(do, q, k, v, out, lse, None, True, bwd_pass="dv")
+    dq, dk, _ = B.backward(do, q, k, v, out, lse, None, True, softcap=5.0, bwd_pass="dkdq")
+    e = errors(q, k, v, do, True, (dq, dk, dv_plain), softcap=5.0)
+    assert e["dv"][0] > 2 * e["dv"][1] + GRAD_ATOL and e["dk"][0] <= 2 * e["dk"][1] + GRAD_ATOL, e
+
+
 @pytest.mark.parametrize("variant", [dict(mma_k=None), dict(dq_order="reverse"),
                                      dict(dq_order=7), dict(tile_m=64, tile_n=64)],
                          ids=lambda v: ",".join(f"{k}={x}" for k, x in v.items()))
@@ -577,3 +610,38 @@ def test_packed_sequences_with_nan_past_each_end(causal, seqused):
                    (dq[None, rq], dk[None, rk], dv[None, rk]))
         for name, (err, pt) in e.items():
             assert err <= 2 * pt + GRAD_ATOL, f"sequence {b} {name}: err {err:.3e} > 2 x PyTorch {pt:.3e}"
+
+
+@pytest.mark.parametrize("softcap", [0.0, 5.0])
+def test_packed_hd256_two_passes_with_nan_past_each_end(softcap):
+    """hd256 packed (seqused_q / seqused_k, NaN outside every sequence) as the two passes compute it:
+    pass dv's dv and pass dkdq's dq, dk (backward_packed per pass: each pass zeroes the rows past a
+    sequence, pass dkdq its V / dO chunks too) are finite, 0 outside every sequence, and within the 2x
+    rule per sequence, softcap or not."""
+    d, h, hk, dtype = 256, 2, 1, torch.bfloat16
+    lens_q, lens_k, used_q, used_k = [77, 150], [90, 140], [70, 150], [90, 101]
+    cu_q = torch.tensor([0] + list(itertools.accumulate(lens_q)), dtype=torch.int32)
+    cu_k = torch.tensor([0] + list(itertools.accumulate(lens_k)), dtype=torch.int32)
+    tq, tk = int(cu_q[-1]) + 3, int(cu_k[-1]) + 5
+    q, k, v, dout = (t[0] for t in make_case(1, max(tq, tk), max(tq, tk), h, hk, d, dtype, seed=9, magnitude=2.0))
+    q, dout, k, v = q[:tq].clone(), dout[:tq].clone(), k[:tk].clone(), v[:tk].clone()
+    out, lse = torch.full_like(dout, float("nan")), torch.full((h, tq), float("nan"))
+    inside_q, inside_k = torch.zeros(tq, dtype=torch.bool), torch.zeros(tk, dtype=torch.bool)
+    seqs = [(slice(int(cu_q[b]), int(cu_q[b]) + used_q[b]), slice(int(cu_k[b]), int(cu_k[b]) + used_k[b]))
+            for b in range(2)]
+    for rq, rk in seqs:
+        inside_q[rq], inside_k[rk] = True, True
+        o, l = forward(q[None, rq], k[None, rk], v[None, rk], True, None, softcap)
+        out[rq], lse[:, rq] = o[0], l[0]
+    for t, inside in ((q, inside_q), (dout, inside_q), (k, inside_k), (v, inside_k)):
+        t[~inside] = float("nan")
+    su = dict(seqused_q=torch.tensor(used_q), seqused_k=torch.tensor(used_k), causal=True, softcap=softcap)
+    dv = B.backward_packed(dout, q, k, v, out, lse, cu_q, cu_k, bwd_pass="dv", **su)[2]
+    dq, dk, _ = B.backward_packed(dout, q, k, v, out, lse, cu_q, cu_k, bwd_pass="dkdq", **su)
+    for g, inside in ((dq, inside_q), (dk, inside_k), (dv, inside_k)):
+        assert torch.isfinite(g).all() and (g[~inside] == 0).all()
+    for rq, rk in seqs:
+        e = errors(q[None, rq], k[None, rk], v[None, rk], dout[None, rq], True,
+                   (dq[None, rq], dk[None, rk], dv[None, rk]), softcap=softcap)
+        for name, (err, pt) in e.items():
+            assert err <= 2 * pt + GRAD_ATOL, f"{name}: err {err:.3e} > 2 x PyTorch {pt:.3e}"

@@ -3,6 +3,7 @@ section 10.4; compile-verified, not run on hardware): the plan (bwd_pass: TMEM m
 register plans, the refusals, the host's pass list) and the compile of both passes with their SASS
 gates: "dv" (S^T and dV += P^T dO only) and "dkdq" (S^T, dP^T over V / dO chunks, dS^T, dK, dQ)."""
 
+import dataclasses
 import itertools
 import re
 
@@ -115,11 +116,10 @@ def test_select_and_refusals():
         both = select_bwd_config(256, dt, mask == "causal", local=mask == "window", deterministic=det)
         assert both == kq and bwd_passes(both) == (cfg, kq) == bwd_passes(cfg)
     assert bwd_passes(select_bwd_config(128)) == (select_bwd_config(128),)
-    assert len(two_pass_bwd_configs()) == 24
+    assert len(two_pass_bwd_configs()) == 30
+    assert sum(c.softcap for c in two_pass_bwd_configs()) == 6
     with pytest.raises(ValueError, match="two-pass backward is built for"):
         select_bwd_config(128, bwd_pass="dv")
-    with pytest.raises(ValueError, match="softcap"):
-        dv_cfg(softcap=True)
     assert select_bwd_config(256, two_cta=True) == select_bwd_config(256)  # the 2-CTA opt-in falls back to 1-CTA
     with pytest.raises(ValueError, match="runs as two passes"):
         Sm100BwdConfig(headdim=256, q_stages=1)
@@ -128,13 +128,61 @@ def test_select_and_refusals():
     assert all(c.bwd_pass == "both" for c in shipped_bwd_configs())
 
 
+def test_softcap_passes():
+    """softcap at hd256: both passes, every mask, the same schedule as without (softcap changes P, so
+    pass dv takes tanh too; pass dkdq also multiplies dS by grad_factor); the host runs both."""
+    for dt, mask, det in itertools.product(("bf16", "fp16"), MASKS, (False, True)):
+        for make in (dv_cfg, dkdq_plan):
+            sc, plain = make(dt, mask, deterministic=det, softcap=True), make(dt, mask, deterministic=det)
+            assert sc.softcap and dataclasses.replace(sc, softcap=False) == plain
+            assert bwd_register_plan(sc) == bwd_register_plan(plain) and bwd_tmem_map(sc) == bwd_tmem_map(plain)
+            assert bwd_pipeline_specs(sc) == bwd_pipeline_specs(plain)
+        both = select_bwd_config(256, dt, mask == "causal", local=mask == "window", deterministic=det, softcap=True)
+        assert [c.bwd_pass for c in bwd_passes(both)] == ["dv", "dkdq"] and all(c.softcap for c in bwd_passes(both))
+    assert select_bwd_config(256, softcap=True, two_cta=True) == select_bwd_config(256, softcap=True)
+
+
+def packed(cfg, seqused=False):
+    return dataclasses.replace(cfg, varlen_q=True, varlen_k=True, seqused_q=seqused, seqused_k=seqused)
+
+
+def test_packed_passes():
+    """Packed sequences at hd256 (as the hd256 forward takes them): both passes, the dense passes' plan;
+    bwd_plan of a packed request launches the packed dv then dkdq configs; 2-CTA stays refused."""
+    import torch
+
+    from flash4.config.sm100 import bwd_plan
+    from flash4.request import Request
+
+    for make, su in itertools.product((dv_cfg, dkdq_plan), (False, True)):
+        cfg = packed(make("bf16", "causal", softcap=su), su)
+        assert cfg.dynamic_seqlen_k and bwd_tmem_map(cfg) == bwd_tmem_map(make("bf16", "causal"))
+        assert bwd_pipeline_specs(cfg) == bwd_pipeline_specs(make("bf16", "causal"))
+        assert cfg.smem_bytes() == make().smem_bytes() <= BWD_SMEM_BUDGET
+    with pytest.raises(ValueError, match="cta_group=2"):
+        dataclasses.replace(dv_cfg(), cta_group=2)
+    cu = torch.zeros(4, dtype=torch.int32, device="meta")
+    q, k = (torch.empty(n, h, 256, dtype=torch.bfloat16, device="meta") for n, h in ((500, 8), (600, 2)))
+    plan = bwd_plan(Request.varlen(q, k, k, cu, cu, 200, None, None, causal=True), 100)
+    assert plan.passes == (packed(dv_cfg("bf16", "causal")), packed(dkdq_plan("bf16", "causal")))
+    assert plan.cfg == plan.passes[1]
+
+
 # ---------------------------------------------------------------- compile (CPU, sm_100a)
 COMBOS = (("bf16", "full", False), ("bf16", "causal", False), ("fp16", "full", False), ("fp16", "causal", False),
           ("bf16", "window", False), ("fp16", "window", False), ("bf16", "causal", True), ("bf16", "window", True))
 DV_CONFIGS = [dv_cfg(dt, mask, deterministic=det) for dt, mask, det in COMBOS[:5] + COMBOS[6:7]]
 DV_CONFIGS += [dkdq_plan(dt, mask, deterministic=det) for dt, mask, det in COMBOS]
+# softcap (two_pass_bwd_configs' 6): bf16 x (full, causal, window), each pass
+DV_CONFIGS += [make("bf16", mask, softcap=True) for mask in MASKS for make in (dv_cfg, dkdq_plan)]
+# packed sequences (zero_tail: K, Q, dO; pass dkdq each V / dO chunk): each pass bf16 causal, with
+# seqused_q / seqused_k and softcap, and dkdq fp16 window deterministic
+DV_CONFIGS += [packed(make("bf16", "causal")) for make in (dv_cfg, dkdq_plan)]
+DV_CONFIGS += [packed(make("bf16", "full", softcap=True), seqused=True) for make in (dv_cfg, dkdq_plan)]
+DV_CONFIGS += [packed(dkdq_plan("fp16", "window", deterministic=True))]
 DV_IDS = [f"d256-{c.bwd_pass}-{c.dtype}-{'causal' if c.causal else 'window' if c.local else 'full'}"
-          + ("-det" if c.deterministic else "") for c in DV_CONFIGS]
+          + ("-det" if c.deterministic else "") + ("-softcap" if c.softcap else "")
+          + ("-varlen" if c.varlen_q else "") + ("-seqused" if c.seqused_q else "") for c in DV_CONFIGS]
 
 
 @pytest.fixture(scope="module")
@@ -170,7 +218,9 @@ def test_pass_dv_compiles_with_its_gates(built, name):
     assert sass_count(sass, "UBLKRED.G.S.ADD.F32") == 0  # no dQ in this pass
     assert sass_count(sass, "UBLKCP.S.G") == 1  # LSE rows only (no dPsum)
     assert row["utmaldg"] == d // 64 + d // 64 + dv // 64  # K, Q, dO boxes of 64 columns; no V
-    assert row["mufu_ex2"] == tm // 2 and row["mufu_tanh"] == 0
+    # softcap: tanh before every exp2 (P changes); no grad_factor (no dS in this pass: no MUFU.LG2)
+    assert row["mufu_ex2"] == tm // 2 and row["mufu_tanh"] == (tm // 2 if cfg.softcap else 0)
+    assert sass_count(sass, "MUFU.LG2") == 0
     assert row["utcatomsws"] == 3
     assert row["hgmma"] == 0
     assert row["spills"] == 0 and sass_count(sass, "LDL") == 0 and sass_count(sass, "STL") == 0
@@ -213,7 +263,9 @@ def test_pass_dkdq_compiles_with_its_gates(built, name):
     assert row["utmaldg"] == d // 64 + d // 64 + 2  # K, Q boxes of 64 columns; one V and one dO chunk box
     assert sass_count(sass, "REDG.E.ADD.STRONG.GPU") == int(cfg.deterministic)
     assert sass_count(sass, "LDG.E.STRONG.GPU") == 2 * int(cfg.deterministic)
-    assert row["mufu_ex2"] == tm // 2 and row["mufu_tanh"] == 0
+    # softcap: tanh before every exp2, and grad_factor's log2 (t recovered from P and the LSE) per dS
+    assert row["mufu_ex2"] == tm // 2 and row["mufu_tanh"] == (tm // 2 if cfg.softcap else 0)
+    assert sass_count(sass, "MUFU.LG2") == (tm // 2 if cfg.softcap else 0)
     assert row["utcatomsws"] == 3
     assert row["hgmma"] == 0
     assert row["spills"] == 0 and sass_count(sass, "LDL") == 0 and sass_count(sass, "STL") == 0
@@ -222,3 +274,16 @@ def test_pass_dkdq_compiles_with_its_gates(built, name):
     assert (count(r"\btcgen05\.mma\b"), count(r"\btcgen05\.commit\b"), count(r"\btcgen05\.ld\b"),
             count(r"\btcgen05\.st\b")) == (row["utchmma"], row["utcbar"], row["ldtm"], row["sttm"])
     assert count(r"cta_group::2") == 0
+
+
+@pytest.mark.parametrize("name", DV_IDS)
+def test_packed_tail_zeroing_only_in_packed_passes(built, name):
+    """The MMA warp's zero_tail in packed passes, one rolled loop of STS.128 [..], RZ per site (a site
+    stores cols / 8 / gcd(cols / 8, 32) vectors per lane and pass: 1 for 256 and for 32 columns): pass
+    dv K, Q, dO (3); pass dkdq K, Q and, at both chunk sites of the do ring, the V and dO chunks (6);
+    none in dense passes."""
+    cfg, _, _, row, sass = built[name]
+    if not row:
+        pytest.skip("cuobjdump not installed: SASS not checked")
+    want = 3 if cfg.bwd_pass == "dv" else 2 + 2 * 2
+    assert len(re.findall(r"\bSTS\.128 \[[^\]]+\], RZ", sass)) == (want if cfg.varlen_q else 0)

@@ -156,7 +156,6 @@ def test_smem_budget():
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(headdim=96), "no sm100 backward; built: \\(D, Dv\\) in \\(64, 64\\), \\(128, 128\\), \\(192, 128\\)"),
-    (dict(headdim=256, softcap=True), "softcap at \\(headdim, headdim_v\\)=\\(256, 256\\)"),  # hd256: two passes
     (dict(headdim=128, headdim_v=64), "V head dim"), (dict(headdim=192), "V head dim equal .* 128 are left"),
     (dict(headdim=192, headdim_v=128, softcap=True), "softcap at \\(headdim, headdim_v\\)=\\(192, 128\\)"),
     (dict(headdim=128, arch=90), "sm_100a kernels only"), (dict(headdim=128, dtype="fp8"), "dtype"),

@@ -7,7 +7,9 @@ every barrier ends on a completed phase, no wait is satisfied by a later phase t
 lapping), and the TMEM overwrites the 2-CTA schedule relies on happen after the reads they must
 follow (S(i+1) after dQ(i-1) was read out, dQ(i) after S(i+1) was read and dQ(i-1) read out), and
 those of the serial 1-CTA schedule of (192, 128) (S(i) after dQ(i-1) was read out, dP(i) after
-S(i) was read).
+S(i) was read), and the two passes of hd256 (bwd_pass "dv": S^T and dV only; "dkdq": dP^T over the
+V / dO chunks of the do ring, dQ over S and dP: S(i) and dP(i) after dQ(i-1) was read out, dQ(i)
+after S(i) was read), with and without softcap (whose LSE stage pass dv releases after P^T).
 
 2-CTA routing (as the kernel's pipelines): tcgen05.commit is the leader's and multicast to both CTAs;
 the TMA pipelines' expect_tx is the leader's, each CTA's bytes complete on the leader's barrier;
@@ -23,7 +25,7 @@ import random
 import pytest
 
 from flash4.config import sm100
-from flash4.kernels.sm100.bwd_plan import _arrivals, bwd_pipeline_specs, bwd_serial_schedule
+from flash4.kernels.sm100.bwd_plan import BWD_VDO_COLS, _arrivals, bwd_pass, bwd_pipeline_specs, bwd_serial_schedule
 from flash4.kernels.sm100.plan import Signal
 from test_sm100_protocol import LEADER, A, Barrier, Ring, W
 
@@ -45,6 +47,7 @@ class Model:
         self.s_read = [0] * self.group
         self.dq_read = [0] * self.group
         self.serial = bwd_serial_schedule(cfg)  # (192, 128): dQ over S and dP, dP over S's tail
+        self.dkdq = bwd_pass(cfg) == "dkdq"  # hd256 pass dkdq: dQ over S and dP, dP clear of S
 
     def party(self, name, side, role):
         spec = self.specs[name]
@@ -92,6 +95,10 @@ class Model:
             assert all(r >= i for r in self.dq_read), f"dQ({i}) issued before dQ({i - 1}) was read: {self.dq_read}"
         elif what == "S" and self.serial:  # S(i) over dQ(i-1)
             assert all(r >= i for r in self.dq_read), f"S({i}) issued before dQ({i - 1}) was read"
+        elif what == "dQ" and self.dkdq:  # dQ(i) over S(i) (and dP(i): read before dS(i) was written)
+            assert all(r >= i + 1 for r in self.s_read), f"dQ({i}) issued before S({i}) was read"
+        elif what == "dP" and self.dkdq:  # dP(i) over dQ(i-1) only (clear of S)
+            assert all(r >= i for r in self.dq_read), f"dP({i}) issued before dQ({i - 1}) was read"
         elif what == "dP" and self.group == 1:  # dP(i) over dQ(i-1); serial: and over S(i)'s tail
             assert all(r >= i for r in self.dq_read), f"dP({i}) issued before dQ({i - 1}) was read"
             if self.serial:
@@ -109,7 +116,7 @@ def acquire(name, ring):
 
 
 def load(n, cfg):
-    two = cfg.cta_group == 2
+    two, bpass = cfg.cta_group == 2, bwd_pass(cfg)
     kv, q, do = Ring(1, 1), Ring(cfg.q_stages, 1), Ring(cfg.do_stages, 1)
     lse, dps, qt = Ring(cfg.q_stages, 1), Ring(cfg.do_stages, 1), Ring(cfg.q_stages, 1)
     if n > 0:
@@ -120,8 +127,16 @@ def load(n, cfg):
             yield from acquire("lse", lse)
             q.advance()
             lse.advance()
+            if bpass == "dkdq":  # a chunk of V and of dO per stage of the do ring, then dPsum (its own ring)
+                for _ in range(cfg.hdim_v // BWD_VDO_COLS):
+                    yield from acquire("do", do)
+                    do.advance()
+                yield from acquire("dpsum", dps)
+                dps.advance()
+                continue
             yield from acquire("do", do)
-            yield from acquire("dpsum", dps)
+            if bpass != "dv":  # pass dv: no dPsum
+                yield from acquire("dpsum", dps)
             do.advance()
             dps.advance()
             if two:
@@ -174,8 +189,8 @@ def mma_1cta(n, cfg):
 
 
 def mma_serial(n, cfg, wait_dq=True):
-    """The serial 1-CTA MMA warp ((192, 128), FlashAttentionBackwardSm100.mma_serial). wait_dq False:
-    a deliberate bug for the model's own test (S(i) without waiting for dQ(i-1)'s read-out)."""
+    """The serial 1-CTA MMA warp ((192, 128), and hd256's pass dkdq: FlashAttentionBackwardSm100.mma_serial).
+    wait_dq False: a deliberate bug for the model's own test (S(i) without waiting for dQ(i-1)'s read-out)."""
     q, do = Ring(cfg.q_stages, 0), Ring(cfg.do_stages, 0)
     if n == 0:
         return
@@ -186,12 +201,21 @@ def mma_serial(n, cfg, wait_dq=True):
             yield W("dq", "empty", 0, (i - 1) % 2, i - 1)
         yield E("S", i)
         yield A("s", "full", 0, "mma")
-        yield full("do", do)
-        yield W("s", "empty", 0, i % 2, i)
-        yield E("dP", i)
-        yield A("dp", "full", 0, "mma")
-        yield A("do", "empty", do.index, "mma")  # after dV
-        do.advance()
+        if bwd_pass(cfg) == "dkdq":  # dP^T over the chunks (clear of S: no s wait), each released by a commit
+            yield E("dP", i)
+            for _ in range(cfg.hdim_v // BWD_VDO_COLS):
+                yield full("do", do)
+                yield A("do", "empty", do.index, "mma")
+                do.advance()
+            yield A("dp", "full", 0, "mma")
+            yield W("s", "empty", 0, i % 2, i)  # S^T(i) read: dQ(i) overwrites it
+        else:
+            yield full("do", do)
+            yield W("s", "empty", 0, i % 2, i)
+            yield E("dP", i)
+            yield A("dp", "full", 0, "mma")
+            yield A("do", "empty", do.index, "mma")  # after dV
+            do.advance()
         yield W("ds", "full", 0, i % 2, i)
         yield A("q", "empty", q.index, "mma")  # after dK
         q.advance()
@@ -245,11 +269,12 @@ def mma_2cta(n, cfg):
     yield A("dkv", "full", 0, "mma")
 
 
-def compute(n, cfg, early_ds=True):
+def compute(n, cfg, early_ds=True, dv_lse_after_p=True):
     """Both compute warpgroups of one CTA (one generator: the named barriers between them are inside
     it). early_ds False: a deliberate 2-CTA bug for the model's own test (the ds arrive at the end of
-    the step, as 1-CTA, before S(i+1) was read)."""
-    two = cfg.cta_group == 2
+    the step, as 1-CTA, before S(i+1) was read). dv_lse_after_p False: a deliberate bug (pass dv with
+    softcap keeping the one-kernel rule: its LSE stage released after a dS it never computes)."""
+    two, dv_pass = cfg.cta_group == 2, bwd_pass(cfg) == "dv"
     lse, dps = Ring(cfg.q_stages, 0), Ring(cfg.do_stages, 0)
     for i in range(n):
         yield full("lse", lse)
@@ -258,9 +283,11 @@ def compute(n, cfg, early_ds=True):
         if two and early_ds and i > 0:
             yield A("ds", "full", 0, "compute")  # dS(i-1) in smem, S(i) read
         yield A("s", "empty", 0, "compute")  # P(i) written
-        if not cfg.softcap:
+        if not cfg.softcap or (dv_pass and dv_lse_after_p):
             yield A("lse", "empty", lse.index, "compute")
             lse.advance()
+        if dv_pass:  # P^T only: no dPsum, dP^T, dS^T
+            continue
         yield full("dpsum", dps)
         yield W("dp", "full", 0, i % 2, i)
         yield W("ds", "empty", 0, (i + 1) % 2, i - 1)
@@ -283,10 +310,32 @@ def compute(n, cfg, early_ds=True):
 
 
 def reduce(n, cfg):
+    if bwd_pass(cfg) == "dv":  # no dQ in pass dv: the reduce warps idle
+        return
     for i in range(n):
         yield W("dq", "full", 0, i % 2, i)
         yield E("dQ read", i)
         yield A("dq", "empty", 0, "reduce")
+
+
+def mma_dv_pass(n, cfg):
+    """The MMA warp of hd256's pass dv (FlashAttentionBackwardSm100.mma_dv_pass): S(i) over P^T(i-1),
+    which dV(i-1) (issued before it, in-order tcgen05) read."""
+    q, do = Ring(cfg.q_stages, 0), Ring(cfg.do_stages, 0)
+    if n == 0:
+        return
+    yield W("kv", "full", 0, 0, 0)
+    for i in range(n):
+        yield full("q", q)
+        yield E("S", i)
+        yield A("s", "full", 0, "mma")
+        yield A("q", "empty", q.index, "mma")
+        q.advance()
+        yield full("do", do)
+        yield W("s", "empty", 0, i % 2, i)  # P^T(i) written
+        yield A("do", "empty", do.index, "mma")  # after dV
+        do.advance()
+    yield A("dkv", "full", 0, "mma")
 
 
 def relay(n, cfg):
@@ -301,8 +350,8 @@ def run(cfg, n, seed, roles_override=None, count_group=None, model_cls=None):
     for cta in range(cfg.cta_group):
         roles[(cta, "load")] = load(n, cfg)
         if cta == LEADER:
-            roles[(cta, "mma")] = (mma_2cta if cfg.cta_group == 2 else mma_serial if bwd_serial_schedule(cfg)
-                                   else mma_1cta)(n, cfg)
+            roles[(cta, "mma")] = (mma_2cta if cfg.cta_group == 2 else mma_dv_pass if bwd_pass(cfg) == "dv"
+                                   else mma_serial if bwd_serial_schedule(cfg) else mma_1cta)(n, cfg)
         roles[(cta, "compute")] = compute(n, cfg)
         roles[(cta, "reduce")] = reduce(n, cfg)
         if cfg.cta_group == 2:
@@ -354,7 +403,11 @@ CONFIGS = {"1cta": sm100.select_bwd_config(128), "1cta-softcap": sm100.select_bw
            "2cta-causal": sm100.select_bwd_config(128, causal=True, two_cta=True),
            "2cta-softcap": sm100.select_bwd_config(128, softcap=True, two_cta=True),
            "serial": sm100.select_bwd_config(192, headdim_v=128),
-           "serial-causal-det": sm100.select_bwd_config(192, causal=True, deterministic=True, headdim_v=128)}
+           "serial-causal-det": sm100.select_bwd_config(192, causal=True, deterministic=True, headdim_v=128),
+           "d256-dv": sm100.select_bwd_config(256, bwd_pass="dv"),
+           "d256-dv-softcap": sm100.select_bwd_config(256, softcap=True, bwd_pass="dv"),
+           "d256-dkdq": sm100.select_bwd_config(256, bwd_pass="dkdq"),
+           "d256-dkdq-softcap": sm100.select_bwd_config(256, causal=True, softcap=True, bwd_pass="dkdq")}
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -365,8 +418,12 @@ def test_protocol_terminates_without_lapping(name, n):
         model = run(cfg, n, seed)
     # every phase the spec counts happened: n steps of the per-step pipelines in every CTA
     for cta in range(cfg.cta_group):
-        assert model.bars[(cta, "dq", "full", 0)].completed == n
+        if bwd_pass(cfg) != "dv":  # pass dv has no dq pipeline
+            assert model.bars[(cta, "dq", "full", 0)].completed == n
         assert model.bars[(cta, "s", "full", 0)].completed == n
+        assert sum(model.bars[(cta, "lse", "empty", s)].completed for s in range(cfg.q_stages)) == n
+        if bwd_pass(cfg) == "dkdq":  # every V / dO chunk through the one-stage do ring
+            assert model.bars[(cta, "do", "full", 0)].completed == n * (cfg.hdim_v // BWD_VDO_COLS)
         if cfg.cta_group == 2:
             assert model.bars[(cta, "dsx", "full", 0)].completed == n
     if cfg.cta_group == 2:
@@ -411,5 +468,24 @@ def test_the_serial_model_finds_s_over_an_unread_dq():
     cfg = CONFIGS["serial"]
     assert cfg.q_stages == 1
     with pytest.raises(AssertionError, match=r"S\(\d\) issued before dQ\(\d\) was read"):
+        for seed in range(60):
+            run(cfg, 3, seed, {(0, "mma"): mma_serial(3, cfg, wait_dq=False)})
+
+
+def test_the_pass_model_finds_a_dv_pass_holding_its_lse():
+    """hd256 pass dv with softcap keeping the one-kernel rule (the LSE stage released after dS, which
+    this pass never computes): the load warp waits forever for the LSE stage of step 2 (one Q stage)."""
+    cfg = CONFIGS["d256-dv-softcap"]
+    assert cfg.q_stages == 1
+    with pytest.raises(AssertionError, match="deadlock"):
+        run(cfg, 3, 0, {(0, "compute"): compute(3, cfg, dv_lse_after_p=False)})
+
+
+def test_the_pass_model_finds_s_over_an_unread_dq():
+    """hd256 pass dkdq without the dq empty wait before S(i): S(i) (and dP(i)) land on dQ(i-1), which
+    spans S and dP, before the reduce warps read it. (Its s empty wait before dQ(i) is implied by the
+    ds wait: dS(i) is written after S^T(i) was read, so dropping it breaks nothing here.)"""
+    cfg = CONFIGS["d256-dkdq"]
+    with pytest.raises(AssertionError, match=r"(S|dP)\(\d\) issued before dQ\(\d\) was read"):
         for seed in range(60):
             run(cfg, 3, seed, {(0, "mma"): mma_serial(3, cfg, wait_dq=False)})

@@ -37,7 +37,14 @@ CONFIGS = shipped_fwd_configs(features=False) + [
     select_fwd_config(192, "bf16", False, softcap=True, sink=True, headdim_v=128)] + [
     # packed varlen + seqused_k at hd96 fp16 with a window, softcap and sink (ragged keys, every feature)
     dataclasses.replace(select_fwd_config(96, "fp16", True, local=True, softcap=True, sink=True),
-                        varlen_q=True, varlen_k=True, seqused_k=True)]
+                        varlen_q=True, varlen_k=True, seqused_k=True)] + [
+    # q_stage 1 with packed sequences (late_sched: each role builds its tile schedule after setmaxnreg):
+    # hd256 causal with seqused_q, hd256 fp16 with every feature and seqused_k, (192, 128) with seqused_k
+    dataclasses.replace(select_fwd_config(256, "bf16", True), varlen_q=True, varlen_k=True, seqused_q=True),
+    dataclasses.replace(select_fwd_config(256, "fp16", False, local=True, softcap=True, sink=True),
+                        varlen_q=True, varlen_k=True, seqused_k=True),
+    dataclasses.replace(select_fwd_config(192, "bf16", True, headdim_v=128), varlen_q=True, varlen_k=True,
+                        seqused_k=True)]
 IDS = [f"d{c.headdim}" + (f"v{c.headdim_v}" if c.headdim_v else "") + f"-{c.dtype}-{'causal' if c.causal else 'full'}" + ("-2cta" if c.cta_group == 2 else "")
        + ("-softcap" if c.softcap else "") + ("-sink" if c.sink else "") + ("-local" if c.local else "")
        + ("-varlen" if c.varlen_q else "") + ("-seqused_k" if c.seqused_k else "") for c in CONFIGS]

@@ -63,11 +63,17 @@ def test_q_stage_1_configs():
 
 
 @pytest.mark.parametrize("hd,dv", [(192, 128), (256, None)])
-def test_q_stage_1_packed_varlen_is_refused(hd, dv):
-    with pytest.raises(ValueError, match="packed varlen"):
-        dataclasses.replace(select_fwd_config(hd, headdim_v=dv), varlen_q=True, varlen_k=True)
+def test_q_stage_1_packed_varlen_is_built(hd, dv):
+    """(192, 128) and hd256 take packed sequences (varlen, seqused_q / seqused_k) and dense seqused_k,
+    at q_stage 1 with the dense config's plan (compile-verified, not run on hardware)."""
+    base = select_fwd_config(hd, headdim_v=dv)
+    for layout in (dict(varlen_q=True, varlen_k=True), dict(varlen_q=True, varlen_k=True, seqused_q=True),
+                   dict(varlen_q=True, varlen_k=True, seqused_k=True), dict(seqused_k=True)):
+        cfg = dataclasses.replace(base, **layout)
+        assert (cfg.q_stage, cfg.kv_stages, register_plan(cfg)) == (1, base.kv_stages, register_plan(base))
+        assert "v_tail" in pipeline_specs(cfg)  # ragged keys: the V-tail zeroing, one K/V stage at hd256
     with pytest.raises(ValueError, match="only \\(1, 128, 128, 1\\)"):
-        dataclasses.replace(select_fwd_config(hd, headdim_v=dv), q_stage=2)
+        dataclasses.replace(base, q_stage=2)
 
 
 def test_kv_stages_are_fa4s_formula():
@@ -279,14 +285,13 @@ def test_ragged_keys_add_the_v_tail_pipeline(layout):
 
 
 @pytest.mark.parametrize("hd,dv", [(192, 128), (256, None)])
-def test_seqused_k_is_q_stage_2_only(hd, dv):
-    """seqused_k (dense or packed) is built for hd 64 / 96 / 128 (q_stage 2, 1-CTA); q_stage 1 and
-    2-CTA refuse it by name."""
+def test_seqused_k_is_1cta_only(hd, dv):
+    """seqused_k (dense or packed) is built for every 1-CTA head dim (q_stage 2: hd 64 / 96 / 128; q_stage
+    1: (192, 128), hd256); 2-CTA refuses it by name."""
     for d in (64, 96, 128):
         for causal in (False, True):
             assert dataclasses.replace(select_fwd_config(d, "bf16", causal), seqused_k=True).seqused_k
-    with pytest.raises(ValueError, match="no seqused_k"):
-        dataclasses.replace(select_fwd_config(hd, headdim_v=dv), seqused_k=True)
+    assert dataclasses.replace(select_fwd_config(hd, headdim_v=dv), seqused_k=True).seqused_k
     with pytest.raises(ValueError, match="ragged keys"):
         dataclasses.replace(select_fwd_config(128, two_cta=True), seqused_k=True)
 

@@ -525,13 +525,17 @@ def test_the_pair_model_finds_a_follower_missing_release():
 
 # ---------------------------------------------------------------- ragged keys: the V-tail zeroing
 RAGGED = [(64, dict(varlen_q=True, varlen_k=True)), (128, dict(seqused_k=True)),
-          (96, dict(varlen_q=True, varlen_k=True, seqused_k=True))]
+          (96, dict(varlen_q=True, varlen_k=True, seqused_k=True)),
+          # q_stage 1: hd256 (one K/V stage: the zeroing waits for the V it will zero in the only stage),
+          # (192, 128) (3 stages)
+          (256, dict(varlen_q=True, varlen_k=True)), (192, dict(varlen_q=True, varlen_k=True, seqused_k=True))]
 PARTIAL_SETS = [([1], [1]), ([2], [1]), ([3, 0, 4], [1, 0, 1]), ([1, 1, 1, 1], [1, 1, 1, 1]),
                 ([1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1], [1] * 12), ([7, 2, 0, 1, 6], [1, 0, 0, 1, 1]),
                 ([2, 1, 3, 1], [0, 1, 0, 1])]
 
 
-@pytest.mark.parametrize("hd,layout", RAGGED, ids=["d64-varlen", "d128-seqused_k", "d96-varlen-seqused_k"])
+@pytest.mark.parametrize("hd,layout", RAGGED, ids=["d64-varlen", "d128-seqused_k", "d96-varlen-seqused_k",
+                                                   "d256-q_stage1-varlen", "d192v128-q_stage1-varlen-seqused_k"])
 @pytest.mark.parametrize("tiles,partial", PARTIAL_SETS, ids=[f"{t}-{p}" for t, p in PARTIAL_SETS])
 def test_v_tail_zeroing_terminates_without_lapping(hd, layout, tiles, partial):
     """Ragged configs (v_tail in pipeline_specs): with partial key-edge blocks (the load warp waits for
@@ -539,7 +543,7 @@ def test_v_tail_zeroing_terminates_without_lapping(hd, layout, tiles, partial):
     interleaving terminates, no wait laps, the zeroing happens after the V landed and before its
     release, and every partial tile's first PV reads its zeroed V. v_tail completes once per partial
     tile on each side."""
-    cfg = dataclasses.replace(select_fwd_config(hd, "bf16", hd == 64), **layout)
+    cfg = dataclasses.replace(select_fwd_config(hd, "bf16", hd == 64, headdim_v=128 if hd == 192 else None), **layout)
     for seed in range(40):
         model = run(cfg, tiles, seed, partial=partial, delay_tma=seed % 2 == 1)
     check_counts(cfg, model, tiles)

@@ -80,9 +80,10 @@ class Sm100FwdConfig:
     packed sequences (varlen_q, varlen_k, seqused_q: flash4.kernels.common.seqinfo; O stored row by
     row below seqlen_q) and seqused_k (dense or packed: the key count of each sequence; with varlen_k
     or seqused_k the load warp zeroes the V rows past seqlen_k of each tile's key-edge block, issue
-    25) and none of the others yet; a config with any of them set cannot be built (ValueError in
-    __post_init__): page_rows, split_kv, pack_gqa; headdim_v other than None or 128 with headdim 192;
-    seqused_k at (192, 128) / hd256.
+    25), at every head dim (q_stage 1 too: there every role builds its tile schedule after its
+    setmaxnreg, fwd.py late_sched), and none of the others yet; a config with any of them set cannot
+    be built (ValueError in __post_init__): page_rows, split_kv, pack_gqa; headdim_v other than None
+    or 128 with headdim 192.
     headdim_v:     Dv of V and O when it differs from headdim ((192, 128) only), else None.
     (GQA / MQA runs without packing: each query head reads K/V head head // (H / Hk).)
     """
@@ -172,11 +173,6 @@ def config_problem(cfg: Sm100FwdConfig) -> str | None:
         return (f"(q_stage, tile_m, tile_n, cta_group)=({cfg.q_stage}, {cfg.tile_m}, {cfg.tile_n}, {cfg.cta_group}); "
                 f"only ({q_stage}, 128, 128, 1{' or 2' if q_stage == 2 else ''}) is built for head dims "
                 f"({cfg.headdim}, {cfg.hdim_v}) ({q_stage} 128-row Q tile(s) per CTA, 128-key blocks)")
-    if q_stage == 1:
-        problem = q_stage_1_problem(cfg.headdim, cfg.hdim_v, cfg.varlen_q or cfg.varlen_k or cfg.seqused_q,
-                                    cfg.seqused_k)
-        if problem is not None:
-            return problem
     if cfg.cta_group == 2:
         problem = two_cta_problem(cfg.headdim, cfg.causal, cfg.local,
                                   cfg.varlen_q or cfg.varlen_k or cfg.seqused_q or cfg.seqused_k)
@@ -196,19 +192,6 @@ def config_problem(cfg: Sm100FwdConfig) -> str | None:
     plan_problem = register_plan_problem(register_plan(cfg))
     if plan_problem is not None:
         return plan_problem
-    return None
-
-
-def q_stage_1_problem(headdim: int, hdim_v: int, packed: bool = False, seqused_k: bool = False) -> str | None:
-    """Why a (192, 128) / hd256 (q_stage 1) forward is not built for this problem class, or None:
-    dense batches only (packed varlen at hd256 spilled 5 LDL/STL in its row-by-row O store, and the
-    self-test drives dense batches only), without seqused_k (the V-tail zeroing is built and
-    compile-checked for q_stage 2 only; hd256's one-stage K/V ring would serialize it further)."""
-    if packed:
-        return (f"the sm100 forward for head dims ({headdim}, {hdim_v}) (q_stage 1) has no packed varlen "
-                "sequences yet (dense batches)")
-    if seqused_k:
-        return f"the sm100 forward for head dims ({headdim}, {hdim_v}) (q_stage 1) has no seqused_k yet"
     return None
 
 
@@ -284,8 +267,8 @@ def shipped_fwd_configs(features: bool = True) -> list:
 # ---------------------------------------------------------------- the host's questions (flash4.config.fwd_config / bwd_config)
 def fwd_plan(request, arch: int = ARCH, num_sms: int | None = None) -> FwdPlan:
     """The forward plan of a flash4.request.Request on sm100: dense batches, and packed sequences
-    (VARLEN: cu_seqlens_q / cu_seqlens_k, optionally seqused_q and seqused_k) (select_fwd_config's checks
-    apply: head dims (SM100_FWD_HDIM_PAIRS), the q_stage 1 head dims dense only). Raises ValueError for
+    (VARLEN: cu_seqlens_q / cu_seqlens_k, optionally seqused_q and seqused_k) at every head dim
+    (select_fwd_config's checks apply: head dims (SM100_FWD_HDIM_PAIRS)). Raises ValueError for
     paged K/V and decode requests."""
     q, seq, mask, score = request.q, request.seq, request.mask, request.score
     if seq.paged or seq.decode:
@@ -295,8 +278,6 @@ def fwd_plan(request, arch: int = ARCH, num_sms: int | None = None) -> FwdPlan:
                             score.sink is not None, None if headdim_v == headdim else headdim_v,
                             None if seq.packed else request.k.shape[1], two_cta=env.sm100_2cta() and not seq.packed)
     if seq.packed:
-        if cfg.q_stage == 1:
-            raise ValueError(q_stage_1_problem(cfg.headdim, cfg.hdim_v, packed=True))
         cfg = with_seq_layout(cfg, varlen_q=True, varlen_k=True, seqused_q=seq.seqused_q is not None,
                               seqused_k=seq.seqused_k is not None)
     return FwdPlan(cfg)
@@ -355,7 +336,9 @@ class Sm100BwdConfig:
                  config (SM100_BWD_TWO_PASS_PAIRS: hd256, whose dK + dV take all 512 TMEM columns): "dv"
                  (S^T, P^T, dV += P^T dO only; dV stored; 192.5 KiB of smem) or "dkdq" (S^T, dP^T, dS^T,
                  dK, dQ; dK stored, dQ reduced; V and dO streamed in 32-column chunks: 209 KiB). 1-CTA,
-                 dense, no softcap, one Q stage; the host runs both (bwd_passes).
+                 dense or packed (the MMA warp zeroes K / Q / dO, and in pass dkdq each V / dO chunk,
+                 past the sequence), softcap or not (both passes take tanh before the exp2: P changes;
+                 pass dkdq multiplies dS by grad_factor), one Q stage; the host runs both (bwd_passes).
                  docs/design/sm100_backward.md section 10.4. Compile-verified, not run on hardware.
     The remaining field mirrors flash4.config.BwdConfig so the host passes the same keys; it is not
     built on sm100 and a config with it set cannot be made (ValueError in __post_init__): dkv_accum
@@ -488,12 +471,10 @@ def bwd_config_problem(cfg) -> str | None:
                 "(seqused_q / seqused_k only with them)")
     if packed and cfg.cta_group != 1:
         return "cta_group=2 with packed sequences: the 2-CTA backward is dense only"
-    if two_pass:  # hd256: 1-CTA, dense (the hd256 forward is dense only), no softcap
-        for bad, what in ((cfg.cta_group != 1, "cta_group=2"), (packed, "packed sequences"),
-                          (cfg.softcap, "softcap")):
-            if bad:
-                return f"{what} at (headdim, headdim_v)=({cfg.headdim}, {cfg.hdim_v}): the two-pass backward is " \
-                       "1-CTA, dense, without softcap"
+    if two_pass:  # hd256: 1-CTA; dense or packed, softcap or not
+        if cfg.cta_group != 1:
+            return (f"cta_group=2 at (headdim, headdim_v)=({cfg.headdim}, {cfg.hdim_v}): the two-pass backward is "
+                    "1-CTA")
         q_stages = bwd_q_stages(cfg.headdim, cfg.hdim_v, cfg.bwd_pass)
         if (cfg.tile_m, cfg.tile_n, cfg.q_stages, cfg.do_stages) != (BWD_TILE_M, BWD_TILE_N, q_stages, BWD_DO_STAGES):
             return (f"(tile_m, tile_n, q_stages, do_stages)=({cfg.tile_m}, {cfg.tile_n}, {cfg.q_stages}, "
@@ -560,8 +541,10 @@ def select_bwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, a
     """The sm100 backward config for one problem class (pure; CPU-tested): hd64 / hd128 and (192, 128)
     (headdim_v=128: the serial schedule, no softcap), bf16 / fp16, causal or not, a sliding window
     (local: causal folded in), deterministic or not, softcap or not, dense, MHA and GQA/MQA (one CTA
-    per KV head walks its query heads), and hd256 as two passes (1-CTA, dense, no softcap). Raises ValueError
-    naming what is missing for everything else (another head dim; another Dv; softcap at (192, 128) or hd256).
+    per KV head walks its query heads), and hd256 as two passes (1-CTA; causal, window,
+    deterministic and softcap as hd64/128; packed sequences through with_seq_layout as every 1-CTA
+    config). Raises ValueError naming what is missing for everything else (another head dim; another
+    Dv; softcap at (192, 128)).
     Same arguments as
     flash4.config.sm90.select_bwd_config (the others ignored). two_cta: take the 2-CTA variant where it
     is built (bwd_two_cta_problem is None; otherwise the 1-CTA config); the host passes
@@ -574,10 +557,7 @@ def select_bwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, a
     if (headdim, dv) in SM100_BWD_TWO_PASS_PAIRS:  # hd256: "both" means the dkdq pass (bwd_passes has both)
         if dtype not in DTYPES:
             raise ValueError(f"dtype={dtype!r}; allowed: {DTYPES}")
-        bwd_pass = "dkdq" if bwd_pass == "both" else bwd_pass
-        if softcap:  # two_cta falls back to the 1-CTA passes, as at (192, 128)
-            raise ValueError(f"softcap at (headdim, headdim_v)=({headdim}, {dv}): the two-pass sm100 backward is "
-                             "1-CTA, dense, without softcap")
+        bwd_pass = "dkdq" if bwd_pass == "both" else bwd_pass  # two_cta falls back to the 1-CTA passes
         plan = default_bwd_register_plan_pass(bwd_pass)
         return Sm100BwdConfig(headdim=headdim, dtype=dtype, causal=causal and not local, local=local,
                               deterministic=deterministic, softcap=softcap, bwd_pass=bwd_pass,
@@ -595,8 +575,8 @@ def select_bwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, a
         tmem = bwd_tmem_problem(headdim, dv)
         raise ValueError(f"the sm100 backward has no {what} at (headdim, headdim_v)=({headdim}, {dv})"
                          + (f" ({tmem})" if tmem else "") + "; compile-verified 1-CTA backward: dense hd64/hd128 "
-                         "(causal, window or neither, deterministic or not, softcap or not, MHA/GQA) and (192, 128) "
-                         "(the same without softcap); 2-CTA: hd128")
+                         "(causal, window or neither, deterministic or not, softcap or not, MHA/GQA), (192, 128) "
+                         "(the same without softcap) and hd256 as two passes; 2-CTA: hd128")
     hdv = None if dv == headdim else dv
     if 2 * BWD_TILE_M + headdim + dv > TMEM_COLUMNS and bwd_serial_problem(softcap) is not None:  # serial
         raise ValueError(bwd_serial_problem(softcap))
@@ -630,10 +610,16 @@ def _pass_config(cfg, bwd_pass: str):
 def two_pass_bwd_configs() -> list:
     """The hd256 pass configs (compile-checked in tests/cpu/test_sm100_bwd_passes.py, not in
     shipped_bwd_configs' generic gates): bf16 / fp16 x (full, causal, window) x deterministic or not,
-    each as its "dv" and "dkdq" pass (24)."""
+    each as its "dv" and "dkdq" pass (24), then softcap in bf16 x (full, causal, window), each pass
+    (6; as shipped_bwd_configs: softcap only adds the compute warps' tanh, and in pass dkdq the dS
+    factor, independent of the dtype and the deterministic dQ chain). Packed variants (with_seq_layout,
+    as bwd_plan makes them) are compile-checked there too but not listed: the host builds them on demand."""
     masks = ((False, False), (True, False), (False, True))
-    return [c for det in (False, True) for dt in DTYPES for causal, local in masks
-            for c in bwd_passes(select_bwd_config(256, dt, causal, local=local, deterministic=det))]
+    plain = [c for det in (False, True) for dt in DTYPES for causal, local in masks
+             for c in bwd_passes(select_bwd_config(256, dt, causal, local=local, deterministic=det))]
+    softcap = [c for causal, local in masks
+               for c in bwd_passes(select_bwd_config(256, "bf16", causal, local=local, softcap=True))]
+    return plain + softcap
 
 
 def shipped_bwd_configs() -> list:

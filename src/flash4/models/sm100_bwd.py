@@ -58,10 +58,16 @@ its keys (flash4.geometry.m_block_range), first to last. In this order:
  8. Epilogue: dK, dV of the key block rounded to the input dtype (zeros for a key block that no
     query sees); postprocess: dq = dq_accum rounded to the input dtype.
 
+hd256 runs as two passes (backward_two_pass; bwd_pass): "dv" does steps 1-4 and dV's half of 6;
+"dkdq" recomputes S^T and P^T (the same operands and k-steps: bitwise the same P, softcap's tanh
+included), accumulates dP^T over BWD_VDO_COLS-column chunks of V and dO (one chain in the same
+k-step order as one MMA: bitwise the same dP^T), and does 5, dK's half of 6, 7 and 8.
+
 Not modelled: the MMA's accumulation rounding inside one k-step (modelled exact), MUFU's last ulps
 (modelled correctly rounded), anything about timing (barriers, pipelines, TMEM aliasing): a race, a
-hang or a wrong TMEM address has no analogue here. Not built in the kernel, so not here: Dv != D,
-packed varlen / seqused, the exact-LSE path, the GQA head split, 2-CTA.
+hang or a wrong TMEM address has no analogue here. Packed batches: backward_packed (per sequence,
+either layout and either pass). Not built in the kernel, so not here: the exact-LSE path, the GQA
+head split; 2-CTA is not modelled apart (its arithmetic is the 1-CTA steps').
 """
 
 from __future__ import annotations
@@ -74,6 +80,7 @@ import torch
 from flash4 import geometry
 from flash4.constants import LOG2E
 from flash4.kernels.common.exp2_poly import _fma_f32
+from flash4.kernels.sm100.bwd_plan import BWD_PASSES, BWD_VDO_COLS
 from flash4.models.sm100_fwd import UMMA_K, exp2_hw, fma_f32, mma_f32
 
 # The 1-CTA backward's blocks (flash4.config.sm100.Sm100BwdConfig: tile_m = tile_n = 128).
@@ -179,7 +186,7 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
              lse: torch.Tensor, softmax_scale: float | None = None, causal: bool = False, window_size=None,
              softcap: float = 0.0, *, tanh_rel_err: float = 0.0, lse_split: torch.Tensor | None = None,
              dlse: torch.Tensor | None = None, tile_m: int = TILE, tile_n: int = TILE, mma_k: int | None = UMMA_K,
-             dq_order: str | int = "forward", return_stats: bool = False):
+             dq_order: str | int = "forward", return_stats: bool = False, bwd_pass: str = "both"):
     """(dq, dk, dv) as the sm100 backward computes them (module docstring, steps 0-8).
 
     dout, out: (B, Sq, H, Dv); q: (B, Sq, H, D); k: (B, Sk, Hk, D); v: (B, Sk, Hk, Dv); all
@@ -191,6 +198,10 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     dlse: None or (B, H, Sq), the LSE's gradient (D -= dlse).
     tile_m / tile_n: query rows / keys per block (the kernel's 128; multiples of 16). mma_k: UMMA
       k-step (None: one rounding per tile product). dq_order: step 7.
+    bwd_pass: "both" (one kernel), or one pass of the two-pass backward (hd256; backward_two_pass):
+      "dv" (steps 1-4 for S^T / P^T, 6 for dV only; dq, dk returned as zeros) or "dkdq" (S^T and P^T
+      recomputed, dP^T accumulated over BWD_VDO_COLS-column chunks of V and dO, steps 5-8 for dK and
+      dQ; dv returned as zeros).
     Returns dq, dk, dv in the input dtype (shaped like q, k, v) and, with return_stats, a dict:
       kv_tiles, tile_pairs ((m, n) pairs a CTA visits, per KV head and batch: m_block_range),
       skipped_pairs (the others), steps (CTA steps summed over the key blocks of one (batch, KV head):
@@ -198,6 +209,9 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
       ds_absmax, dq_adds (fp32 adds into dq_accum per query head and batch).
     """
     _check_args(dout, q, k, v, out, lse, tile_m, tile_n, dq_order)
+    if bwd_pass not in BWD_PASSES:
+        raise ValueError(f"bwd_pass={bwd_pass!r}; allowed: {BWD_PASSES}")
+    with_dv, with_dkdq = bwd_pass != "dkdq", bwd_pass != "dv"
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k, nheads_k, headdim_v = k.shape[1], k.shape[2], v.shape[3]
     dtype = q.dtype
@@ -248,28 +262,40 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
                 q_t, do_t = q64[:, :, g, qsl], do64[:, :, g, qsl]  # (B, Hk, tile_m, D)
                 # 1. S^T, dP^T in fp32
                 s_t = mma_f32(None, k_t, q_t.transpose(-1, -2), mma_k)  # (B, Hk, tile_n, tile_m)
-                dp_t = mma_f32(None, v_t, do_t.transpose(-1, -2), mma_k)
+                do_tt = do_t.transpose(-1, -2)
+                if bwd_pass == "dkdq":  # dP^T over the V / dO chunks of the do ring, one chain
+                    dp_t = None
+                    for col in range(0, headdim_v, BWD_VDO_COLS):
+                        chunk = slice(col, col + BWD_VDO_COLS)
+                        dp_t = mma_f32(dp_t, v_t[..., chunk], do_tt[..., chunk, :], mma_k)
+                elif with_dkdq:
+                    dp_t = mma_f32(None, v_t, do_tt, mma_k)
                 # 2.-3. P^T = 2^fma(S^T, c, -lse_log2[query]) on MUFU, then the mask's select
                 neg_l = (-big_l[:, :, g, qsl]).unsqueeze(2).expand_as(s_t).contiguous()
                 if softcap > 0:  # score.apply: S^T -> tanh(S^T * a), before the mask
                     s_t = tanh_hw(s_t * softcap_scale, tanh_rel_err)
                 p = exp2_hw(fma_f32(s_t, c, neg_l)).masked_fill(hidden, 0.0)
                 p16 = p.to(dtype)  # 4. the TMEM P^T
+                stats["p_max"] = max(stats["p_max"], float(p.max()))
+                if with_dv:  # 6. dV += P^T dO (k-steps over the block's query rows)
+                    dv_t = mma_f32(dv_t, p16.double(), do_t, mma_k)
+                if not with_dkdq:
+                    continue
                 # 5. dS^T from the fp32 P^T
                 ds = ((dp_t - d_sum[:, :, g, qsl].unsqueeze(2)) * p) * scale_f32
                 if softcap > 0:  # score.grad_factor
                     ds = ds * grad_factor(p, big_l[:, :, g, qsl].unsqueeze(2), inv_c)
                 ds16 = ds.to(dtype).double()
-                # 6. dV += P^T dO, dK += dS^T Q (k-steps over the block's query rows)
-                dv_t = mma_f32(dv_t, p16.double(), do_t, mma_k)
+                # 6. dK += dS^T Q (k-steps over the block's query rows)
                 dk_t = mma_f32(dk_t, ds16, q_t, mma_k)
                 # 7. this key block's dQ part (k-steps over its keys)
                 part = dq_parts.setdefault((m, n), torch.zeros(batch, nheads_k, group, tile_m, headdim))
                 part[:, :, g] = mma_f32(None, ds16.transpose(-1, -2), k_t, mma_k)
-                stats["p_max"] = max(stats["p_max"], float(p.max()))
                 stats["ds_absmax"] = max(stats["ds_absmax"], float(ds.abs().max()))
         if dk_t is not None:  # 8. epilogue (zeros for a key block no query sees)
-            dk[:, :, ksl], dv[:, :, ksl] = dk_t.to(dtype), dv_t.to(dtype)
+            dk[:, :, ksl] = dk_t.to(dtype)
+        if dv_t is not None:
+            dv[:, :, ksl] = dv_t.to(dtype)
     stats["skipped_pairs"] = m_tiles * n_tiles - stats["tile_pairs"]
 
     # 7. dq_accum: per query block, the key blocks' parts in dq_order, one fp32 add each
@@ -287,6 +313,19 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     dk = dk[:, :, :seqlen_k].permute(0, 2, 1, 3).contiguous()
     dv = dv[:, :, :seqlen_k].permute(0, 2, 1, 3).contiguous()
     return (dq, dk, dv, stats) if return_stats else (dq, dk, dv)
+
+
+def backward_two_pass(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                      lse: torch.Tensor, softmax_scale: float | None = None, causal: bool = False, window_size=None,
+                      softcap: float = 0.0, **kwargs):
+    """(dq, dk, dv) as the two-pass sm100 backward (hd256; docs/design/sm100_backward.md section 10.4)
+    computes them: pass "dv" (dv) then pass "dkdq" (dq, dk), each `backward(..., bwd_pass=...)` over the
+    same preprocess, each recomputing S^T and P^T (softcap: tanh before the exp2 in both; grad_factor
+    in dkdq). Compile-verified kernel, not run on hardware."""
+    _, _, dv = backward(dout, q, k, v, out, lse, softmax_scale, causal, window_size, softcap, bwd_pass="dv", **kwargs)
+    dq, dk, _ = backward(dout, q, k, v, out, lse, softmax_scale, causal, window_size, softcap, bwd_pass="dkdq",
+                         **kwargs)
+    return dq, dk, dv
 
 
 def backward_packed(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,

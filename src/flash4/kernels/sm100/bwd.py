@@ -53,9 +53,14 @@ the compute warps write P^T only and warpgroup 0 stores dV); pass "dkdq" keeps d
 side with dQ over them (mma_serial's order without dV; P^T stays in registers), streams V and dO
 through the do ring in BWD_VDO_COLS-column chunks (whole tiles would need 321 KiB of smem) and reads
 dQ out in 32-column passes; warpgroup 1 stores dK. The host launches both (flash4.backward).
+Softcap: both passes take tanh before the exp2 (softcap changes P, so pass dv needs it too; there
+the LSE stage is released after P^T, there being no dS); pass dkdq multiplies dS^T by grad_factor.
+Packed sequences: both passes zero K, Q and dO past the sequence as the one-kernel MMA warp does, and
+pass dkdq each V / dO chunk of its do ring (zero_chunk_tails); pass dkdq's roles take the packed tile
+computed before the role branch (pass_tile).
 
-Not built (refused by flash4.config.sm100.select_bwd_config): head dims other than 64 / 128 / (192, 128)
-(hd256: one of its two passes), other Dv != D, softcap at (192, 128), packed
+Not built (refused by flash4.config.sm100.select_bwd_config / bwd_config_problem): head dims other than
+64 / 128 / (192, 128) (hd256: one of its two passes), other Dv != D, softcap at (192, 128), packed
 sequences in the 2-CTA variant, the GQA head split, and the exact-LSE path of issue 8 (P uses the
 rounded padded log2 LSE the preprocess writes; the per-tile exact flags are not read).
 """
@@ -426,14 +431,15 @@ class FlashAttentionBackwardSm100:
             self.kernel(
                 tma_K, tma_Q, tma_V, tma_dO, mLSE2, mD, mdQacc, mdQsem, mdK, mdV, tma_atom_K, tma_atom_Q, tma_atom_V,
                 tma_atom_dO, softmax_scale, window_left, window_right, *layouts, mma_s, mma_dp, mma_dv, mma_dk, mma_dq,
-                SharedStorage, softcap if const_expr(self.cfg.softcap) else None, (),
+                storage_dv if const_expr(self.dv_pass) else SharedStorage,
+                softcap if const_expr(self.cfg.softcap) else None, (),
                 (mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, max_seqlen_k),
             ).launch(grid=(num_ctas, 1, 1), block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
         elif const_expr(self.dv_pass):
             self.kernel(
                 tma_K, tma_Q, tma_V, tma_dO, mLSE2, mD, mdQacc, mdQsem, mdK, mdV, tma_atom_K, tma_atom_Q, tma_atom_V,
                 tma_atom_dO, softmax_scale, window_left, window_right, *layouts, mma_s, mma_dp, mma_dv, mma_dk, mma_dq,
-                storage_dv, None,
+                storage_dv, softcap if const_expr(self.cfg.softcap) else None,
             ).launch(grid=(num_ctas, 1, 1), block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
         else:
             self.kernel(
@@ -600,7 +606,7 @@ class FlashAttentionBackwardSm100:
             if const_expr(self.two_cta):
                 self.reduce_2cta(mmas[4], mdQacc, sdQ, pipes, tile, cta_v)
             elif const_expr(self.dkdq_pass):
-                self.reduce(mmas[4], mdQacc, mdQsem, sdQ, pipes, self.tile_coords(mQ, mK, window), window)
+                self.reduce(mmas[4], mdQacc, mdQsem, sdQ, pipes, self.pass_tile(tile, mQ, mK, window), window)
             elif const_expr(not self.dv_pass):  # pass dv has no dQ: the reduce warps only take part in TMEM's barrier
                 self.reduce(mmas[4], mdQacc, mdQsem, sdQ, pipes, tile, window)
             self.release_tmem()
@@ -610,7 +616,7 @@ class FlashAttentionBackwardSm100:
             if const_expr(self.two_cta):
                 self.compute(mmas, sLSE, sD, sdSt, mdK, mdV, pipes, tile, softmax_scale, window, softcap, cta_v)
             elif const_expr(self.dkdq_pass):
-                self.compute(mmas, sLSE, sD, sdSt, mdK, mdV, pipes, self.tile_coords(mQ, mK, window), softmax_scale,
+                self.compute(mmas, sLSE, sD, sdSt, mdK, mdV, pipes, self.pass_tile(tile, mQ, mK, window), softmax_scale,
                              window, softcap)
             else:
                 self.compute(mmas, sLSE, sD, sdSt, mdK, mdV, pipes, tile, softmax_scale, window, softcap)
@@ -626,7 +632,7 @@ class FlashAttentionBackwardSm100:
                 elif const_expr(self.dv_pass):
                     self.mma_dv_pass(mmas, smem_t, tP_layout, pipes, tile)
                 elif const_expr(self.dkdq_pass):
-                    self.mma_serial(mmas, smem_t, tP_layout, tdS_layout, pipes, self.tile_coords(mQ, mK, window))
+                    self.mma_serial(mmas, smem_t, tP_layout, tdS_layout, pipes, self.pass_tile(tile, mQ, mK, window))
                 elif const_expr(self.serial):
                     self.mma_serial(mmas, smem_t, tP_layout, tdS_layout, pipes, tile)
                 else:
@@ -643,7 +649,7 @@ class FlashAttentionBackwardSm100:
                                    tma_atom_V, tma_atom_dO, extra, pipes, tile, cta_v)
                 elif const_expr(self.dkdq_pass):
                     self.load(mmas, mK, mQ, mV, mdO, mLSE2, mD, smem_t, sLSE, sD, tma_atom_K, tma_atom_Q, tma_atom_V,
-                              tma_atom_dO, pipes, self.tile_coords(mQ, mK, window))
+                              tma_atom_dO, pipes, self.pass_tile(tile, mQ, mK, window))
                 else:
                     self.load(mmas, mK, mQ, mV, mdO, mLSE2, mD, smem_t, sLSE, sD, tma_atom_K, tma_atom_Q, tma_atom_V,
                               tma_atom_dO, pipes, tile)
@@ -651,6 +657,11 @@ class FlashAttentionBackwardSm100:
                 if warp_idx == self.roles["relay"][0]:
                     self.relay(pipes, tile)
         ledger.check()
+
+    def pass_tile(self, tile, mQ, mK, window):
+        """Pass dkdq's tile for a role: the packed tile (computed before the role branch: the sequence's
+        offsets apply to every view), else the dense one, computed here after the role's setmaxnreg."""
+        return tile if const_expr(self.packed) else self.tile_coords(mQ, mK, window)
 
     def set_regs(self, regs: int):
         if const_expr(BwdRegisterPlan.is_increase(regs)):
@@ -1077,10 +1088,12 @@ class FlashAttentionBackwardSm100:
         phase = Int32(0)  # s, ds: once per step; dq empty: before S(i), i > 0, for dQ(i-1)
         if n_steps > 0:
             pipes["kv"].wait_full(0, 0)
+            valid_k = None
             if const_expr(self.packed):  # rows past the sequence -> 0 (zero_tail)
                 valid_k = tile[7] - tile[0] * self.tile_n
                 self.zero_tail(smem_t["sK"], 0, valid_k, self.tile_n)
-                self.zero_tail(smem_t["sV"], 0, valid_k, self.tile_n)
+                if const_expr(not self.dkdq_pass):  # pass dkdq: V arrives in chunks (zeroed per chunk)
+                    self.zero_tail(smem_t["sV"], 0, valid_k, self.tile_n)
             for i in cutlass.range(n_steps, unroll=1):
                 pipe_q.wait_full(q_state.index, q_state.phase)
                 if const_expr(self.packed):
@@ -1094,12 +1107,14 @@ class FlashAttentionBackwardSm100:
                     # dP^T(i) = sum over the chunks c of V[:, c] dO(i)[:, c]^T (clear of S: no s wait);
                     # each chunk's stage released by the commit after its k-blocks
                     pipe_do.wait_full(do_state.index, do_state.phase)
+                    self.zero_chunk_tails(smem_t, do_state.index, valid_k, tile, i)
                     self.gemm(mma_dp, tPtP, [tPrV[None, None, None, do_state.index]],
                               tPrdO[None, None, None, do_state.index], False)
                     pipe_do.arrive_empty(do_state.index, "mma")
                     do_state = next_state(do_state)
                     for _ in cutlass.range(self.vdo_chunks - 1, unroll=1):
                         pipe_do.wait_full(do_state.index, do_state.phase)
+                        self.zero_chunk_tails(smem_t, do_state.index, valid_k, tile, i)
                         self.gemm(mma_dp, tPtP, [tPrV[None, None, None, do_state.index]],
                                   tPrdO[None, None, None, do_state.index], True)
                         pipe_do.arrive_empty(do_state.index, "mma")
@@ -1152,13 +1167,19 @@ class FlashAttentionBackwardSm100:
         phase = Int32(0)  # s empty: once per step
         if n_steps > 0:
             pipes["kv"].wait_full(0, 0)
+            if const_expr(self.packed):  # rows past the sequence -> 0 (zero_tail): K, and per step Q, dO
+                self.zero_tail(smem_t["sK"], 0, tile[7] - tile[0] * self.tile_n, self.tile_n)
             for i in cutlass.range(n_steps, unroll=1):
                 pipe_q.wait_full(q_state.index, q_state.phase)
+                if const_expr(self.packed):
+                    self.zero_tail(smem_t["sQ"], q_state.index, self.valid_q(tile, i), self.tile_m)
                 self.gemm(mma_s, tStS, [tSrK], tSrQ[None, None, None, q_state.index], False)
                 pipe_s.arrive_full(0, "mma")
                 pipe_q.arrive_empty(q_state.index, "mma")
                 q_state = next_state(q_state)
                 pipe_do.wait_full(do_state.index, do_state.phase)
+                if const_expr(self.packed):
+                    self.zero_tail(smem_t["sdO"], do_state.index, self.valid_q(tile, i), self.tile_m)
                 pipe_s.wait_empty(0, phase)  # P^T(i) written
                 tcgen05_fence_after()
                 self.gemm(mma_dv, tVtV, tVrP, tVrdO[None, None, None, do_state.index], i > 0)
@@ -1166,6 +1187,13 @@ class FlashAttentionBackwardSm100:
                 do_state = next_state(do_state)
                 phase = phase ^ 1
             pipes["dkv"].arrive_full(0, "mma")  # commits cover every earlier MMA: dV final
+
+    def zero_chunk_tails(self, smem_t, index, valid_k, tile, i):
+        """Pass dkdq, packed configs: the V and dO chunks in stage `index` of the do ring -> rows past the
+        sequence zeroed (zero_tail), before dP^T's k-blocks read them; nothing otherwise."""
+        if const_expr(self.packed):
+            self.zero_tail(smem_t["sV"], index, valid_k, self.tile_n)
+            self.zero_tail(smem_t["sdO"], index, self.valid_q(tile, i), self.tile_m)
 
     def valid_q(self, tile, i):
         """Query rows of step i's block inside the sequence (seqlen_q - m_block tile_m; >= tile_m: all)."""
@@ -1436,7 +1464,7 @@ class FlashAttentionBackwardSm100:
             cute.arch.fence_view_async_tmem_store()
             tcgen05_fence_before()
             self.arrive_elected(pipes["s"], 0, "compute", True)  # P^T written
-            if const_expr(not self.cfg.softcap):
+            if const_expr(not self.cfg.softcap or self.dv_pass):  # softcap: dS reads the LSE (pass dv has none)
                 self.arrive_elected(pipes["lse"], lse_state.index, "compute", True)
                 lse_state = next_state(lse_state)
 

@@ -213,8 +213,9 @@ def default_bwd_register_plan_pass(bwd_pass: str) -> BwdRegisterPlan:
     window's bounds, the coordinates computed after setmaxnreg) spilled at 136 (4 LDL / STL full fp16,
     18 with a window at 144), its reduce warps (dQ read in 32-column passes) and its MMA / load warps
     fit 128 and 80 (CuTe DSL 4.8.1, 2026-12-02: 0 spills for bf16 / fp16 x full / causal / window,
-    deterministic or not; tried and rejected: 152 / 136 / 88, 136 / 144 / 88, 144 / 144 / 80, 160 / 136 / 80,
-    152 / 128 / 104, 144 / 136 / 96, 136 / 136 / 104)."""
+    deterministic or not, and with softcap (bf16 x full / causal / window, both passes); tried and
+    rejected: 152 / 136 / 88, 136 / 144 / 88, 144 / 144 / 80, 160 / 136 / 80, 152 / 128 / 104,
+    144 / 136 / 96, 136 / 136 / 104)."""
     return BwdRegisterPlan(128, 152, 80) if bwd_pass == "dkdq" else BwdRegisterPlan(152, 136, 88)
 
 

@@ -121,6 +121,10 @@ class FlashAttentionForwardSm100:
         # data (the next packed sequence, stale cache rows); the load warp zeroes them before the
         # first PV (zero_v_tail, pipeline v_tail; issue 25: 0 x NaN = NaN in P V).
         self.ragged_k = ragged_keys(cfg)
+        # q_stage 1 with packed sequences: every role builds its tile schedule after its setmaxnreg (built
+        # once before the role branch, its L2 group / query-block count stayed live into every role and
+        # spilled at hd256: 4 LDL + 1 STL full, 10 + 1 causal when only the schedule object moved)
+        self.late_sched = self.q_stage == 1 and (cfg.varlen_q or cfg.varlen_k or cfg.seqused_q or cfg.seqused_k)
         self.tmem_users = WARP_SIZE * sum(len(WARP_ROLES[r]) for r in ("mma", *self.softmax_roles, "correction"))
         self.buffer_align_bytes = 1024
         self.smem_budget = cfg.smem_bytes()
@@ -342,8 +346,8 @@ class FlashAttentionForwardSm100:
         load_mma_qk, load_mma_pv = thr_mma_qk, thr_mma_pv
         if const_expr(self.two_cta):
             load_mma_qk, load_mma_pv = tiled_mma_qk.get_slice(cta_v), tiled_mma_pv.get_slice(cta_v)
-        num_m_blocks = cute.ceil_div(max_seqlen_q, self.cta_tile_m)
-        sched = TileSchedule(num_m_blocks, mQ.shape[2], mQ.shape[2] * batch_size, l2_group, self.causal and self.cfg.lpt)
+        sched_args = (max_seqlen_q, mQ.shape[2], batch_size, l2_group)
+        sched = None if const_expr(self.late_sched) else self.make_sched(*sched_args)  # late_sched: role_sched
         # the sliding window's (left, right) sides (local configs), read by every role's key-block range
         window = (window_left, window_right) if const_expr(self.cfg.local) else None
         if const_expr(self.two_cta):
@@ -360,7 +364,7 @@ class FlashAttentionForwardSm100:
                 # one Q tile: softmax0 (warps 0-3) owns it; softmax1's warpgroup (4-7) idles and
                 # gives its registers back (register_plan; FA4 moves these warps to its empty warps)
                 if warp_idx < self.roles["softmax1"][0]:
-                    self.softmax_role(warp_idx, softmax_args)
+                    self.softmax_role(warp_idx, softmax_args, sched_args)
                 else:
                     self.set_regs(self.regs.per_warpgroup()[1])
             else:
@@ -368,7 +372,8 @@ class FlashAttentionForwardSm100:
         elif warp_idx < self.roles["mma"][0]:
             self.set_regs(self.regs.correction)
             self.wait_tmem_alloc()
-            self.correction(thr_mma_pv, sScale, sO, mQ, mK, pipes, sched, window, seqs, cta_v)
+            self.correction(thr_mma_pv, sScale, sO, mQ, mK, pipes, self.role_sched(sched, sched_args), window, seqs,
+                            cta_v)
             self.release_tmem()
         else:
             self.set_regs(self.regs.other)
@@ -380,8 +385,8 @@ class FlashAttentionForwardSm100:
                         self.mma(tiled_mma_qk, tiled_mma_pv, thr_mma_pv, sQ, sK, sV, tP_layout, mQ, mK, pipes, sched,
                                  window, seqs)
                 else:
-                    self.mma(tiled_mma_qk, tiled_mma_pv, thr_mma_pv, sQ, sK, sV, tP_layout, mQ, mK, pipes, sched,
-                             window, seqs)
+                    self.mma(tiled_mma_qk, tiled_mma_pv, thr_mma_pv, sQ, sK, sV, tP_layout, mQ, mK, pipes,
+                             self.role_sched(sched, sched_args), window, seqs)
                 # TMEM is free once every user arrived (the correction after its last O read). The
                 # allocated address is read back only now (no register holds it through the loop).
                 # 2-CTA: free() first exchanges an arrive with the peer's allocator warp (each CTA's
@@ -391,21 +396,34 @@ class FlashAttentionForwardSm100:
                 tcgen05_fence_after()
                 tmem.free(tmem.retrieve_ptr(Float32), self.tmem_cols)
             elif warp_idx == self.roles["epilogue"][0]:
-                self.epilogue(mO, mO_rows, mQ, mK, sO, tma_atom_O, pipes, sched, seqs, cta_v)
+                self.epilogue(mO, mO_rows, mQ, mK, sO, tma_atom_O, pipes, self.role_sched(sched, sched_args), seqs,
+                              cta_v)
             elif warp_idx == self.roles["load"][0]:
                 self.load(mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V, load_mma_qk, load_mma_pv,
-                          pipes, sched, window, seqs)
+                          pipes, self.role_sched(sched, sched_args), window, seqs)
         ledger.check()
 
-    def softmax_role(self, warp_idx, softmax_args):
+    def softmax_role(self, warp_idx, softmax_args, sched_args=None):
         """A softmax warpgroup: its registers, the TMEM handshake, its Q tile's softmax loop."""
         self.set_regs(self.regs.softmax)
+        if const_expr(self.late_sched):  # the schedule (softmax_args[11]) built after setmaxnreg
+            softmax_args = softmax_args[:11] + (self.role_sched(None, sched_args),) + softmax_args[12:]
         self.wait_tmem_alloc()
         # q_stage 2: softmax0 (warps 0-3) owns Q tile 0, softmax1 (4-7) Q tile 1: one code path, the
         # Q tile (pipeline stage, TMEM columns) a warp-uniform runtime value. q_stage 1: tile 0.
         stage = 0 if const_expr(self.q_stage == 1) else warp_idx // len(self.roles["softmax0"])
         self.softmax(stage, *softmax_args)
         self.release_tmem()
+
+    def make_sched(self, max_seqlen_q, num_heads, batch_size, l2_group):
+        """The tile schedule: cta_tile_m-row query tiles of every (head, batch), L2-grouped, LPT when causal."""
+        num_m_blocks = cute.ceil_div(max_seqlen_q, self.cta_tile_m)
+        return TileSchedule(num_m_blocks, num_heads, num_heads * batch_size, l2_group, self.causal and self.cfg.lpt)
+
+    def role_sched(self, sched, sched_args):
+        """The tile schedule a role walks: `sched`, or (late_sched) one built here, after the role's
+        setmaxnreg (its values computed in the role: none stays live across the register split)."""
+        return self.make_sched(*sched_args) if const_expr(self.late_sched) else sched
 
     def set_regs(self, regs: int):
         if const_expr(RegisterPlan.is_increase(regs)):
