@@ -433,7 +433,7 @@ BWD_CANDIDATES = {
 # deterministic order; full or causal, bf16 / fp16) where it applies: "fa2" (d64 / d128 on the
 # >= 163 KiB targets). H200, tools/ab_portable.py (5 interleaved rounds, 2026-12-02 night), the 8
 # sweep cells d64 / d128 x full / causal x 1k / 4k: 1.27-2.16x the table (geomean 1.64), i.e.
-# 0.90-0.99x FlashAttention-2 (SDPA flash) in the same run, where the table ran 0.46-0.72x. Not for
+# 0.88-0.99x FlashAttention-2 (SDPA flash) in the same run, where the table ran 0.46-0.72x. Not for
 # the other problems: with fa2's tiles softcap spills on sm_90a (d64 16, d128 4 local-memory
 # instructions) and sm_80 (d64 2), a d128 window spills 4 on sm_90a, d128 deterministic 24 on sm_80
 # (compile check, CuTe DSL 4.8.1); those keep the table. FLASH4_PORTABLE_BWD=table runs the table.
