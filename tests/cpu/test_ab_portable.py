@@ -36,10 +36,13 @@ def test_variants(portable):
 
     for case in tool.CELLS:
         vs = tool.variants(case)
-        want = ["shipped", "coal", "fa2"] + (["m128"] if case.headdim == 128 else [])
+        # shipped = the fa2 candidate (SHIPPED_BWD_CANDIDATE) on these plain dense cells; "table" the
+        # tile table's config; the table's other candidates follow
+        want = ["shipped", "table", "coal"] + (["m128"] if case.headdim == 128 else [])
         assert list(vs) == want, (case.name, list(vs))
         assert all(isinstance(v.cfg, Sm80BwdConfig) for v in vs.values())
-        assert not vs["shipped"].cfg.dq_coalesced and vs["coal"].cfg.dq_coalesced
+        assert vs["shipped"].cfg.dq_coalesced and vs["shipped"].cfg.tile_n == 128
+        assert not vs["table"].cfg.dq_coalesced and vs["coal"].cfg.dq_coalesced
         assert len({v.cfg for v in vs.values()}) == len(want)
 
 
