@@ -30,8 +30,8 @@ cache_batch_idx, and flash_attn_varlen_func with max_seqlen_q given as a tensor 
 sync per call). Those run the host path of flash4.forward.run as before.
 
 No host sync is added: a hit is pure host work plus the same device work as the first call, so it
-is CUDA-graph safe exactly where the door was. ENABLED (env.memo_enabled(), read at import; on unless FLASH4_MEMO=0; GPU-tested on the H200,
-tests/gpu/test_memo.py) turns it on; tests and tools set it directly.
+is CUDA-graph safe exactly where the door was. ENABLED (env.memo_enabled(), read at import; on unless switched off there; GPU-tested on the
+H200, tests/gpu/test_memo.py) turns it on; tests and tools set it directly.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ F32 = torch.float32
 # TMA alignment of base addresses (flash4.validate's rule): the key keeps data_ptr() modulo it.
 _ALIGN = 16
 
-ENABLED = env.memo_enabled()  # on unless FLASH4_MEMO=0
+ENABLED = env.memo_enabled()  # on by default (flash4.env)
 CPU = False  # keep CPU tensors too (tools/host_overhead.py --fake, tests/cpu/test_memo_cpu.py)
 _MEMO: dict = {}
 MAX_ENTRIES = 4096  # then cleared (a process that keeps making new signatures pays the full path)
