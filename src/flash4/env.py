@@ -269,7 +269,8 @@ def force_family(name: str) -> None:
 # The variables a forward call's plan reads (SM version and count, family, page policy, self-test
 # gates, the sm_100 2-CTA switch): flash4.memo keys its prepared calls on their raw values.
 PLAN_VARIABLES = ("FLASH4_ARCH", "FLASH4_NUM_SMS", "FLASH4_FAMILY", "FLASH4_SMALL_PAGES", "FLASH4_PAGE_GATHER_MAX",
-                  "FLASH4_PAGE_PREFETCH", "FLASH4_SM100", "FLASH4_PORTABLE", "FLASH4_SM100_2CTA")
+                  "FLASH4_PAGE_PREFETCH", "FLASH4_SM100", "FLASH4_PORTABLE", "FLASH4_SM100_2CTA",
+                  "FLASH4_GATHER_ZERO_FILL", "FLASH4_GATHER_ROW_OFFSETS", "FLASH4_PAGED_KV_STAGES")
 _PLAN_KEYS = tuple(os.environ.encodekey(name) for name in PLAN_VARIABLES)
 
 

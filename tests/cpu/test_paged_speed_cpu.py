@@ -199,3 +199,9 @@ def test_row_offsets_cut_the_producer_loop(rows):
     lean = producer_segments(rows["g_zf_ro_s3"]["sass"])
     assert len(base) == len(lean) == 4
     assert lean[1] + lean[2] <= 0.75 * (base[1] + base[2]), (base, lean)
+
+
+def test_switches_are_plan_variables():
+    """flash4.memo keys prepared calls by the plan's environment: a switch flipped between calls
+    (tools, GPU tests) must reach the plan."""
+    assert {"FLASH4_GATHER_ZERO_FILL", "FLASH4_GATHER_ROW_OFFSETS", "FLASH4_PAGED_KV_STAGES"} <= set(env.PLAN_VARIABLES)
