@@ -30,10 +30,9 @@ select, V rows zeroed by zero_v_tail before any P V). The inline cp.async takes 
 address: the stage's swizzle (part of the smem pointer's type, which ptrtoint does not apply) is
 applied by apply_swizzle.
 Row offsets (FwdConfig.gather_row_offsets, an A/B switch): each thread turns its lookup entry into
-the 64-bit element offset of its lookup row once per load; a pass shuffles that offset (two SHFL)
-and adds it to the base pointer, instead of shuffling (page, row) and multiplying both by their
-64-bit strides per pass (d128 page 16, steady-state K + V loads: 507 SASS instructions -> 333 with
-both switches; tests/cpu/test_paged_speed_cpu.py).
+the 64-bit global address of its lookup row once per load; a pass shuffles that address (two SHFL),
+instead of shuffling (page, row) and multiplying both by their 64-bit strides per pass (d128 page
+16, steady-state K + V loads: SASS instruction counts in tests/cpu/test_paged_speed_cpu.py).
 A page index outside [0, num_pages) is clamped into it (garbage in, but no read outside K/V;
 check_seqlens=True rejects such tables on the host).
 Completion: every producer thread commits a stage with cp.async.mbarrier.arrive.noinc
@@ -141,10 +140,9 @@ class PagedGather:
         the (tile_n, d) smem stage sX. (page, in_page): this thread's lookup entry of the block
         (lookup). Rows >= seqlen_k: skipped, or with zero_fill written as zeros by a cp.async of
         src-size 0 (the same thread writes the same smem bytes on every fill of a stage).
-        row_offsets: each thread turns its lookup entry into the element offset of its lookup row
-        (page, row, head and its first column) once, and each pass shuffles that 64-bit offset
-        (two SHFL) and adds it to the base pointer, instead of shuffling (page, row) and
-        multiplying both by their strides per pass."""
+        row_offsets: each thread turns its lookup entry into the global address of its lookup row
+        (page, row, head and its first column) once, and each pass shuffles that 64-bit address
+        (two SHFL), instead of shuffling (page, row) and multiplying both by their strides per pass."""
         tpr = self.threads_per_row
         tiled_copy = self.tiled_copy()
         thr = tiled_copy.get_slice(tidx)
@@ -152,18 +150,19 @@ class PagedGather:
         group = cute.arch.lane_idx() // tpr * tpr
         col0 = (tidx % tpr) * self.vec
         limit = seqlen_k - n_block * self.tile_n - tidx // tpr  # rows of this thread < limit are keys
-        my_offset = None
+        my_addr = None
         if const_expr(self.zero_fill):
             # The inline cp.async takes a plain shared address: the stage's swizzle (a property of
             # the pointer type) is applied here, once, to this thread's first chunk; the other
             # chunks lie whole swizzle periods away (swizzle_invariant_offset checks it).
             swizzle = pointer_swizzle(sX.iterator)
             dst_base = apply_swizzle(tXsX[None, 0, 0].iterator.toint(), swizzle)
-        if const_expr(self.row_offsets):
-            my_offset = cutlass.Int64(cute.crd2idx((in_page, col0, head_kv, page), mX.layout))
+        if const_expr(self.row_offsets):  # the global address of this thread's lookup row, first column
+            my_addr = (mX.iterator + cute.crd2idx((in_page, col0, head_kv, page), mX.layout)).toint()
         for m in cutlass.range_constexpr(cute.size(tXsX, mode=[1])):
             if const_expr(self.row_offsets):
-                row_ptr = mX.iterator + cute.arch.shuffle_sync(my_offset, group + m)
+                row_ptr = cute.make_ptr(self.dtype, cute.arch.shuffle_sync(my_addr, group + m), cute.AddressSpace.gmem,
+                                        assumed_align=16)
             else:
                 src_page = cute.arch.shuffle_sync(page, group + m)
                 src_row = cute.arch.shuffle_sync(in_page, group + m)
