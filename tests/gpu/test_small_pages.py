@@ -130,7 +130,7 @@ GATHER_SWITCHES = {  # (FLASH4_GATHER_ZERO_FILL, FLASH4_GATHER_ROW_OFFSETS, FLAS
 
 
 @pytest.mark.parametrize("d", [96, 128])
-@pytest.mark.parametrize("page_size", [3, 16])
+@pytest.mark.parametrize("page_size", [1, 3, 16])  # 1: the FastDivmod lookup by a divisor of 1
 @pytest.mark.parametrize("switches", list(GATHER_SWITCHES))
 def test_gather_candidates_bitwise(switches, page_size, d, monkeypatch):
     """The paged prefill candidates of issue 25 (tools/ab_pages.py: producer zero-fill, 64-bit row

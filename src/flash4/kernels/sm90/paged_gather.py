@@ -114,10 +114,13 @@ class PagedGather:
         return cute.make_tiled_copy_tv(atom, thr_layout, cute.make_layout((1, self.vec)))
 
     @cute.jit
-    def lookup(self, mPageTable: cute.Tensor, batch, n_block, seqlen_k, page_size, num_pages, tidx, in_blocks):
+    def lookup(self, mPageTable: cute.Tensor, batch, n_block, seqlen_k, page_size, num_pages, tidx, in_blocks,
+               page_div=None):
         """(page, row in page) of this thread's lookup row of key block n_block; (0, 0) for a row
         at or past seqlen_k (or past tile_n), or when in_blocks is false (a look-ahead past the
-        tile's blocks), whose page-table entry is not read."""
+        tile's blocks), whose page-table entry is not read. page_div: None, or page_size as a
+        FastDivmod divisor made once per kernel (with row_offsets: a multiply-high instead of an
+        integer division per lookup)."""
         tpr = self.threads_per_row
         row = (tidx % tpr) * self.rows_per_pass + tidx // tpr
         key = n_block * self.tile_n + row
@@ -127,8 +130,12 @@ class PagedGather:
         if const_expr(self.tile_n < self.threads_per_row * self.rows_per_pass):  # lookup rows past the block
             valid = valid & (row < self.tile_n)
         if valid:
-            col = key // page_size
-            in_page = key - col * page_size
+            col = Int32(0)
+            if const_expr(page_div is not None):
+                col, in_page = divmod(key, page_div)
+            else:
+                col = key // page_size
+                in_page = key - col * page_size
             col = cutlass.min(col, mPageTable.shape[1] - 1)
             page = cutlass.max(cutlass.min(mPageTable[batch, col], num_pages - 1), 0)
         return page, in_page
