@@ -194,7 +194,7 @@ def test_zero_v_tail_still_there_without_zero_fill(rows):
 
 def test_row_offsets_cut_the_producer_loop(rows):
     """Steady-state K + V loads of the d128 page-16 producer (SASS between cp.async commits, 2026-12-02):
-    507 instructions before, 429 with zero-fill, 256 with zero-fill and row offsets (ptxas folds the
+    507 instructions before, 429 with zero-fill, 248 with zero-fill and row offsets (ptxas folds the
     zero-fill into LDGSTS's predicate operand, and a pass is two SHFL of its row's address, a compare
     and two LDGSTS); 16 cp.async and 16 shuffles per load either way."""
     base = producer_segments(rows["g"]["sass"])

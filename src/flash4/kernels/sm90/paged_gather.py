@@ -130,14 +130,15 @@ class PagedGather:
         if const_expr(self.tile_n < self.threads_per_row * self.rows_per_pass):  # lookup rows past the block
             valid = valid & (row < self.tile_n)
         if valid:
-            col = Int32(0)
             if const_expr(page_div is not None):
                 col, in_page = divmod(key, page_div)
+                col = cutlass.min(col, mPageTable.shape[1] - 1)
+                page = cutlass.max(cutlass.min(mPageTable[batch, col], num_pages - 1), 0)
             else:
                 col = key // page_size
                 in_page = key - col * page_size
-            col = cutlass.min(col, mPageTable.shape[1] - 1)
-            page = cutlass.max(cutlass.min(mPageTable[batch, col], num_pages - 1), 0)
+                col = cutlass.min(col, mPageTable.shape[1] - 1)
+                page = cutlass.max(cutlass.min(mPageTable[batch, col], num_pages - 1), 0)
         return page, in_page
 
     @cute.jit
@@ -167,27 +168,44 @@ class PagedGather:
         if const_expr(self.row_offsets):  # the global address of this thread's lookup row, first column
             my_addr = (mX.iterator + cute.crd2idx((in_page, col0, head_kv, page), mX.layout)).toint()
         for m in cutlass.range_constexpr(cute.size(tXsX, mode=[1])):
+            is_key = m * self.rows_per_pass < limit
             if const_expr(self.row_offsets):
-                row_ptr = cute.make_ptr(self.dtype, cute.arch.shuffle_sync(my_addr, group + m), cute.AddressSpace.gmem,
-                                        assumed_align=16)
+                src_addr = cute.arch.shuffle_sync(my_addr, group + m)
             else:
                 src_page = cute.arch.shuffle_sync(page, group + m)
                 src_row = cute.arch.shuffle_sync(in_page, group + m)
-                row_ptr = mX.iterator + cute.crd2idx((src_row, col0, head_kv, src_page), mX.layout)
             if const_expr(self.zero_fill):
                 # Every row is written: keys copied (16 bytes), rows past seqlen_k zero-filled (src-size
                 # 0 reads nothing; their entry is (0, 0), a valid address all the same).
-                src_bytes = cutlass.select_(m * self.rows_per_pass < limit, Int32(COPY_BITS // 8), Int32(0))
+                row_ptr = (self.gmem_ptr(src_addr) if const_expr(self.row_offsets)
+                           else self.row_pointer(mX, src_page, src_row, col0, head_kv))
+                src_bytes = cutlass.select_(is_key, Int32(COPY_BITS // 8), Int32(0))
                 for k in cutlass.range_constexpr(cute.size(tXsX, mode=[2])):
                     dst_addr = dst_base + swizzle_invariant_offset(tXsX.layout, m, k, self.dtype.width, swizzle)
                     cp_async_zfill(dst_addr, row_ptr + k * tpr * self.vec, src_bytes)
+            elif const_expr(self.row_offsets):
+                if is_key:
+                    self.copy_row(tiled_copy, tXsX, m, self.gmem_ptr(src_addr))
             else:
-                if m * self.rows_per_pass < limit:
-                    for k in cutlass.range_constexpr(cute.size(tXsX, mode=[2])):
-                        dst = tXsX[None, m, k]
-                        src_ptr = cute.make_ptr(self.dtype, (row_ptr + k * tpr * self.vec).toint(),
-                                                cute.AddressSpace.gmem, assumed_align=16)
-                        cute.copy(tiled_copy, cute.make_tensor(src_ptr, dst.layout), dst)
+                if is_key:  # the address math only for rows that are keys
+                    self.copy_row(tiled_copy, tXsX, m, self.row_pointer(mX, src_page, src_row, col0, head_kv))
+
+    def gmem_ptr(self, addr):
+        return cute.make_ptr(self.dtype, addr, cute.AddressSpace.gmem, assumed_align=16)
+
+    @cute.jit
+    def copy_row(self, tiled_copy, tXsX: cute.Tensor, m: cutlass.Constexpr[int], row_ptr):
+        """cp.async the chunks of this thread's row of pass m from row_ptr (its first column)."""
+        for k in cutlass.range_constexpr(cute.size(tXsX, mode=[2])):
+            dst = tXsX[None, m, k]
+            src_ptr = cute.make_ptr(self.dtype, (row_ptr + k * self.threads_per_row * self.vec).toint(),
+                                    cute.AddressSpace.gmem, assumed_align=16)
+            cute.copy(tiled_copy, cute.make_tensor(src_ptr, dst.layout), dst)
+
+    @staticmethod
+    def row_pointer(mX: cute.Tensor, page, in_page, col0, head_kv):
+        """Pointer to element (in_page, col0) of head head_kv of page `page` of K or V."""
+        return mX.iterator + cute.crd2idx((in_page, col0, head_kv, page), mX.layout)
 
 
 def pointer_swizzle(ptr) -> tuple[int, int, int]:
