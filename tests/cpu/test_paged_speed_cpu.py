@@ -147,6 +147,10 @@ CANDIDATES = {
     "g_zf_ro_s3": dataclasses.replace(with_gather(BASE, (True, True)), kv_stages=3),
     "d96_zf_ro": with_gather(_paged(96, 4), (True, True)),  # 4 threads per row, 64-byte swizzle
     "tma32_s3": dataclasses.replace(_paged(page=32), kv_stages=3),
+    "d256_zf": with_gather(_paged(256, 4), (True, False)),  # 80-key blocks: 5 passes
+    "d64_zf_ro_s3": dataclasses.replace(with_gather(_paged(64, 4), (True, True)), kv_stages=3),  # 3 warpgroups
+    "decode_d64_page1_zf_ro": decode_plan(8, 1, 32, 8, 64, "bf16", False, 1, 8192, 0, 90, 132,
+                                          gather=(True, True)).cfg,  # 1 warpgroup, split-KV
 }
 
 
