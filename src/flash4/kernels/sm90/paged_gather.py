@@ -28,7 +28,8 @@ to -inf all the same; V rows are exactly 0, as zero_v_tail made them. With the s
 are skipped and keep older data, which the consumers never let through (scores masked to -inf by
 select, V rows zeroed by zero_v_tail before any P V). The inline cp.async takes a plain shared
 address: the stage's swizzle (part of the smem pointer's type, which ptrtoint does not apply) is
-applied by apply_swizzle.
+applied by apply_swizzle. (The DSL's predicated cp.async copy zero-fills too, src-size 16 / 0, but
+with row_offsets the d64 producer, 32 registers, spilled with it: docs/design/small_pages.md.)
 Row offsets (FwdConfig.gather_row_offsets, an A/B switch): each thread turns its lookup entry into
 the 64-bit global address of its lookup row once per load; a pass shuffles that address (two SHFL),
 instead of shuffling (page, row) and multiplying both by their 64-bit strides per pass (d128 page
