@@ -39,6 +39,8 @@ def _config_module():
 
 def fwd_variants(config) -> list:
     """Forward configs the API builds at run time beyond shipped_fwd_configs()."""
+    from flash4.config.sm90 import with_gather
+
     sel, seq = config.select_fwd_config, config.with_seq_layout
     out = []
     for d in config.SUPPORTED_HEADDIMS:
@@ -53,6 +55,9 @@ def fwd_variants(config) -> list:
         out += [seq(full, varlen_q=True, seqused_k=True, page_rows=page_rows),
                 seq(full, seqused_k=True, page_rows=page_rows, split_kv=True),
                 seq(full, varlen_q=True, seqused_k=True, **config.paged_layout(5, full.tile_n, 0, False)),
+                # gathered as the doors build it (flash4.config.sm90.with_gather: zero-fill by default)
+                with_gather(seq(full, varlen_q=True, seqused_k=True, **config.paged_layout(5, full.tile_n, 0, False)),
+                            (config.GATHER_ZERO_FILL, config.GATHER_ROW_OFFSETS)),
                 seq(full, varlen_q=True, seqused_k=True, **config.paged_layout(16, full.tile_n, 0, True)),
                 seq(full, seqused_k=True, split_kv=True),
                 seq(sel(d, "bf16", False, sink=True), seqused_k=True, split_kv=True),

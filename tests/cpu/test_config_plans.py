@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from flash4.config import (PAGE_GATHER_MAX, BwdPlan, FwdPlan, bwd_config, fwd_config, paged_page_rows, select_bwd_config, select_fwd_config,
+from flash4.config import (GATHER_ZERO_FILL, PAGE_GATHER_MAX, BwdPlan, FwdPlan, bwd_config, fwd_config, paged_page_rows, select_bwd_config, select_fwd_config,
                            with_dkv_accum, with_pack_gqa, with_seq_layout)
 from flash4.config.sm90 import decode_plan, head_split_config
 from flash4.geometry import window_sides
@@ -68,7 +68,8 @@ def test_paged_plan(page_size):
     plan = fwd_config(_packed(paged=True, page_size=page_size), 90)
     base = select_fwd_config(64, "bf16", False)
     # page 16: gathered rows (PAGE_GATHER_MAX); larger pages: TMA pieces of gcd(page_size, tile_n) rows
-    layout = ({"page_gather": True} if page_size <= PAGE_GATHER_MAX
+    # gathered: the producer zero-fills rows past seqlen_k (GATHER_ZERO_FILL)
+    layout = ({"page_gather": True, "gather_zero_fill": GATHER_ZERO_FILL} if page_size <= PAGE_GATHER_MAX
               else {"page_rows": paged_page_rows(page_size, base.tile_n)})
     assert plan.cfg == with_seq_layout(base, varlen_q=True, seqused_k=True, **layout)
 

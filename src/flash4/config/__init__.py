@@ -70,6 +70,17 @@ PAGE_GATHER_MAX = 16
 # TMA page pieces with the page-table look-ahead (FwdConfig.page_prefetch): off until the same A/B
 # (FLASH4_PAGE_PREFETCH overrides it).
 PAGE_PREFETCH = False
+# Gathered pages (FwdConfig.gather_zero_fill): the producer zero-fills K/V rows past seqlen_k with
+# cp.async of src-size 0, and the consumers no longer zero V's tail (zero_v_tail). On: results are the
+# same bit for bit (V rows past seqlen_k exactly 0 either way, K rows past it masked), and every byte
+# of a stage has one writer (compute-sanitizer racecheck flagged the consumers' zeros against the
+# producer's cp.async, tools/sanitize.py paged_16). Not yet timed on the H200 (tools/ab_pages.py);
+# FLASH4_GATHER_ZERO_FILL=0 turns it off.
+GATHER_ZERO_FILL = True
+# Gathered pages (FwdConfig.gather_row_offsets): off until the H200 A/B (tools/ab_pages.py).
+GATHER_ROW_OFFSETS = False
+# Paged prefill K/V stages on sm90 (flash4.config.sm90.paged_speed): 2 until the H200 A/B of 3.
+PAGED_KV_STAGES = 2
 
 # The dQ postprocess stores 16-byte chunks (kernels/common/bwd_preprocess.py wide_stores): on since
 # the H200 A/B of 2026-12-02 (tools/ab_switch.py, docs/design/speed_candidates.md: the postprocess

@@ -14,7 +14,8 @@ import dataclasses
 import functools
 
 from flash4.constants import DTYPES, RESCALE_THRESHOLD_LOG2, ROWS_PER_WARPGROUP
-from flash4.config import (HDIMV_PAIRS, PAGE_GATHER_MAX, PAGE_PREFETCH, SUPPORTED_HEADDIMS, BwdPlan, FwdPlan, canonical_hdimv, ceil_div,
+from flash4.config import (GATHER_ROW_OFFSETS, GATHER_ZERO_FILL, HDIMV_PAIRS, PAGE_GATHER_MAX, PAGE_PREFETCH,
+                           PAGED_KV_STAGES, SUPPORTED_HEADDIMS, BwdPlan, FwdPlan, canonical_hdimv, ceil_div,
                            mean_queries_per_key, paged_layout, with_seq_layout)
 from flash4.arch import capacity
 
@@ -28,7 +29,8 @@ SHORT_SEQLEN_K = 1024
 # added after the configs' reprs became cache and fingerprint keys (docs/design/speed_candidates.md).
 # Left out of the repr (the compile-cache and fingerprint key) while off, so adding one keeps every
 # other config's key: the speed switches, and sink_delta (on only when a learnable sink needs a gradient).
-_QUIET_SWITCHES = ("early_q_release", "l2_kv_heads", "exp_before_dp_wait", "dq_handoff_per_wg", "sink_delta")
+_QUIET_SWITCHES = ("early_q_release", "l2_kv_heads", "exp_before_dp_wait", "dq_handoff_per_wg", "sink_delta",
+                   "gather_zero_fill", "gather_row_offsets")
 
 
 def _quiet_repr(cfg) -> str:
@@ -98,6 +100,17 @@ class FwdConfig:
                   times as many (head, batch) pairs (whole KV groups, whose query heads are adjacent
                   in the order), since the g heads of a group read one K/V. Host-only: the kernel is
                   the same code (the section size is its runtime l2_group). Shown in repr only when on.
+    gather_zero_fill: page_gather only (issue 25): the producer writes every row of a K/V stage,
+                  rows at or past seqlen_k as zeros (cp.async with src-size 0), so no consumer thread
+                  writes a stage (zero_v_tail is not traced) and each stage's bytes have one writer.
+                  Same results bit for bit: V rows past seqlen_k are exactly 0 either way and K rows
+                  past it are masked to -inf. FLASH4_GATHER_ZERO_FILL; flash4.config.GATHER_ZERO_FILL.
+    gather_row_offsets: page_gather only, speed switch (issue 25, A/B: tools/ab_pages.py): each
+                  producer thread turns its lookup entry into a 64-bit element offset once per load
+                  and the passes shuffle it (kernels/sm90/paged_gather.py load) instead of
+                  shuffling (page, row) and multiplying by the strides per pass.
+                  FLASH4_GATHER_ROW_OFFSETS; flash4.config.GATHER_ROW_OFFSETS.
+    Both are left out of the repr while off (as early_q_release).
     """
 
     headdim: int
@@ -126,6 +139,8 @@ class FwdConfig:
     pack_gqa: int = 1
     early_q_release: bool = False
     l2_kv_heads: bool = False
+    gather_zero_fill: bool = False
+    gather_row_offsets: bool = False
 
     def __post_init__(self):
         assert self.headdim in SUPPORTED_HEADDIMS, self.headdim
@@ -137,6 +152,7 @@ class FwdConfig:
         assert not self.page_gather or (self.page_rows == 0 and self.seqused_k and not self.varlen_k
                                         and self.tile_n <= 128), self
         assert not self.page_prefetch or self.page_rows > 0, self
+        assert self.page_gather or not (self.gather_zero_fill or self.gather_row_offsets), self
         assert self.dtype in DTYPES, self.dtype
         assert self.tile_m % ROWS_PER_WARPGROUP == 0, self.tile_m
         assert self.tile_n % 16 == 0, self.tile_n
@@ -793,11 +809,12 @@ def pack_factor(nheads: int, nheads_k: int, seqlen_q: int, causal: bool, window=
 def decode_plan(batch: int, seqlen_q: int, nheads: int, nheads_k: int, headdim: int, dtype: str, causal: bool,
                 page_size: int, capacity: int, num_splits: int, arch: int, num_sms: int,
                 window=None, softcap: bool = False, sink: bool = False, headdim_v: int | None = None,
-                page_policy: tuple = (0, False)) -> FwdPlan:
+                page_policy: tuple = (0, False), gather: tuple = (False, False)) -> FwdPlan:
     """The plan of a decode step (pure; CPU-tested; cached: a step's host work is a lookup):
     packing, config and split count. page_size: 0 for a contiguous cache; capacity: keys the cache
     can hold per sequence. headdim_v: V's head dim (None: headdim). page_policy: (gather_max,
-    prefetch) of paged_layout (page_policy())."""
+    prefetch) of paged_layout (page_policy()); gather: (zero_fill, row_offsets) of a gathered
+    config (gather_policy())."""
     pack = pack_factor(nheads, nheads_k, seqlen_q, causal, window)
     # A packed tile's rows belong to `pack` query heads, each with its own sink: the sink is then
     # added by the combine kernel (which unpacks the rows), so a packed step with a sink always
@@ -818,7 +835,7 @@ def decode_plan(batch: int, seqlen_q: int, nheads: int, nheads_k: int, headdim: 
     if sink and pack > 1:
         num_splits = max(num_splits, 2)
     paged = paged_layout(page_size, cfg.tile_n, *page_policy) if page_size else {}
-    cfg = with_seq_layout(cfg, seqused_k=True, split_kv=num_splits > 1, **paged)
+    cfg = with_gather(with_seq_layout(cfg, seqused_k=True, split_kv=num_splits > 1, **paged), gather)
     return FwdPlan(cfg, pack, num_splits, seqlen_p, heads_p)
 
 
@@ -834,7 +851,7 @@ def fwd_plan(request, arch: int, num_sms: int | None = None) -> FwdPlan:
     if seq.decode:
         return decode_plan(q.shape[0], q.shape[1], nheads, nheads_k, headdim, dtype, mask.causal, request.page_size,
                            request.capacity, request.cache.num_splits, arch, num_sms, mask.window, softcap, sink,
-                           headdim_v, page_policy())
+                           headdim_v, page_policy(), gather_policy())
     if not seq.packed:
         cfg = select_fwd_config(headdim, dtype, mask.causal, arch, local, softcap, sink, headdim_v, k.shape[1])
         cfg = with_pack_gqa(wide_tile_fwd_config(cfg), nheads, nheads_k)
@@ -842,8 +859,56 @@ def fwd_plan(request, arch: int, num_sms: int | None = None) -> FwdPlan:
     cfg = with_l2_kv_heads(select_fwd_config(headdim, dtype, mask.causal, arch, local, softcap, sink, headdim_v),
                            nheads, nheads_k)
     paged = paged_layout(k.shape[1], cfg.tile_n, *page_policy()) if seq.paged else {}
-    return FwdPlan(with_seq_layout(cfg, varlen_q=True, varlen_k=not seq.paged, seqused_q=seq.seqused_q is not None,
-                                   seqused_k=seq.seqused_k is not None, **paged))
+    cfg = with_seq_layout(cfg, varlen_q=True, varlen_k=not seq.paged, seqused_q=seq.seqused_q is not None,
+                          seqused_k=seq.seqused_k is not None, **paged)
+    return FwdPlan(with_paged_kv_stages(with_gather(cfg, gather_policy()), paged_kv_stages_policy()))
+
+
+def gather_policy() -> tuple[bool, bool]:
+    """(zero_fill, row_offsets) of gathered paged configs for this call (with_gather):
+    FLASH4_GATHER_ZERO_FILL / FLASH4_GATHER_ROW_OFFSETS, else GATHER_ZERO_FILL / GATHER_ROW_OFFSETS."""
+    from flash4 import env  # host-only reader
+
+    zero_fill, row_offsets = env.gather_zero_fill(), env.gather_row_offsets()
+    return (GATHER_ZERO_FILL if zero_fill is None else zero_fill,
+            GATHER_ROW_OFFSETS if row_offsets is None else row_offsets)
+
+
+def with_gather(cfg: FwdConfig, gather: tuple) -> FwdConfig:
+    """cfg with gather = (zero_fill, row_offsets) when it gathers its pages (page_gather); other
+    configs unchanged (the fields need page_gather)."""
+    if not cfg.page_gather:
+        return cfg
+    return dataclasses.replace(cfg, gather_zero_fill=bool(gather[0]), gather_row_offsets=bool(gather[1]))
+
+
+def paged_kv_stages_policy() -> int:
+    """K/V stages asked for the paged prefill forward: FLASH4_PAGED_KV_STAGES, else PAGED_KV_STAGES."""
+    from flash4 import env
+
+    stages = env.paged_kv_stages()
+    return PAGED_KV_STAGES if stages is None else stages
+
+
+# The forward kernel's shared memory beyond FwdConfig.smem_bytes(): its mbarriers, padded to the
+# 1024-byte alignment of the Q buffer (H200 ncu: 164.86 KB dynamic for smem_bytes() = 160 KiB).
+FWD_SMEM_OVERHEAD = 1024
+
+
+def fwd_smem_fits(cfg: FwdConfig) -> bool:
+    """Whether cfg's forward fits the arch's per-CTA shared memory (barriers included)."""
+    return cfg.smem_bytes() + FWD_SMEM_OVERHEAD <= capacity(cfg.arch).smem_per_block
+
+
+def with_paged_kv_stages(cfg: FwdConfig, stages: int) -> FwdConfig:
+    """A paged, non-persistent cfg with `stages` K/V stages where its smem allows (fwd_smem_fits:
+    d64, d96, d128 and the 128/64, 64/128 pairs take 3; d192 and d256 do not), else cfg. A third
+    stage lets the producer run two key blocks ahead of the consumers (issue 25: paged prefill is
+    latency-bound, not bandwidth- or issue-bound, in the H200 ncu of 2026-12-02)."""
+    if not cfg.paged or cfg.persistent or stages <= cfg.kv_stages:
+        return cfg
+    more = dataclasses.replace(cfg, kv_stages=stages)
+    return more if fwd_smem_fits(more) else cfg
 
 
 def page_policy() -> tuple[int, bool]:

@@ -180,8 +180,10 @@ class FlashAttentionForwardSm90:
     Nothing past a sequence reaches a result: keys past seqlen_k get score -inf (mask_scores, before
     the row max), and with a ragged K side (varlen_k / seqused_k / paged, where those rows hold other
     data rather than TMA zeros) the V rows past seqlen_k of the key-edge block are zeroed in smem
-    before any P V reads them (`zero_v_tail`: 0 * NaN would be NaN); rows past seqlen_q are never
-    stored (TMA clipping, or row-predicated stores).
+    before any P V reads them (`zero_v_tail`: 0 * NaN would be NaN), or, gathered pages with
+    FwdConfig.gather_zero_fill, written as zeros by the producer's cp.async (src-size 0) so no
+    consumer writes a stage; rows past seqlen_q are never stored (TMA clipping, or row-predicated
+    stores).
     GQA packing (FwdConfig.pack_gqa = p > 1, dense Q): a tile's rows are packed rows r = query * p + j
     of the p query heads of one KV head (layout.pack_gqa_view); Q and O move as TMA boxes
     (p heads x tile_m / p queries x d), the tile order runs over KV heads, the masks and block ranges
@@ -213,7 +215,8 @@ class FlashAttentionForwardSm90:
         self.page_rows = cfg.page_rows
         # Paged K/V gathered row by row by the whole producer warpgroup (paged_gather.py).
         self.page_gather = cfg.page_gather
-        self.gather = PagedGather(self.dtype, self.tile_n, self.hdim, self.hdim_v) if cfg.page_gather else None
+        self.gather = (PagedGather(self.dtype, self.tile_n, self.hdim, self.hdim_v, cfg.gather_zero_fill,
+                                   cfg.gather_row_offsets) if cfg.page_gather else None)
         # Query tiles may lie past their sequence (varlen: the grid covers max_seqlen_q).
         self.ragged_q = cfg.varlen_q or cfg.seqused_q
         # GQA packing: the pack query heads of a KV head share each query tile (layout.pack_gqa_view).
@@ -221,6 +224,9 @@ class FlashAttentionForwardSm90:
         # Key blocks may hold rows past seqlen_k that are not TMA zeros (stale cache slots, the
         # next packed sequence, a partial page piece): the key-edge block's V tail is zeroed.
         self.ragged_k = cfg.varlen_k or cfg.seqused_k or cfg.page_rows > 0 or cfg.page_gather
+        # ... unless the gathering producer zero-fills those rows itself (FwdConfig.gather_zero_fill):
+        # then no consumer writes a K/V stage (zero_v_tail is not traced).
+        self.zero_v_tail_needed = self.ragged_k and not cfg.gather_zero_fill
 
     # ------------------------------------------------------------------ host side (trace time)
     def _smem_layout(self, rows: int, stages=None, rows_outer: bool = False, hdim=None):
@@ -548,6 +554,9 @@ class FlashAttentionForwardSm90:
         one_cta = cute.make_layout(1)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        page_div = None  # gather_row_offsets: page_size as a FastDivmod divisor, made once
+        if const_expr(self.page_gather and self.cfg.gather_row_offsets):
+            page_div = cute.fast_divmod_create_divisor_v2(mK.shape[0])
         tile_idx = cute.arch.block_idx()[0]
         while tile_idx < sched.num_tiles():
             m_block, head, batch = sched.coords(tile_idx)
@@ -558,7 +567,7 @@ class FlashAttentionForwardSm90:
                 in_range = m_block * self.tile_m < seq.seqlen_q
             if in_range:
                 head_kv = head // qhead_per_kvhead
-                lookup = partial(self.page_lookup, seq_params.page_table, mK, seq, tidx)
+                lookup = partial(self.page_lookup, seq_params.page_table, mK, seq, tidx, page_div=page_div)
                 load_K = partial(self.load_paged_block, atoms.k, mK, sK, pipeline_k, head_kv, seq, tidx, self.hdim)
                 load_V = partial(self.load_paged_block, atoms.v, mV, sV, pipeline_v, head_kv, seq, tidx, self.hdim_v)
                 n_block_min, n_block_max = self.n_block_range(m_block, seq, split, num_splits, window)
@@ -595,7 +604,7 @@ class FlashAttentionForwardSm90:
             tile_idx += cute.arch.grid_dim()[0]
 
     @cute.jit
-    def page_lookup(self, mPageTable, mK, seq, tidx, n_block, n_block_min):
+    def page_lookup(self, mPageTable, mK, seq, tidx, n_block, n_block_min, page_div=None):
         """The page-table entries this thread holds for key block n_block (none are read when
         n_block < n_block_min): gathered, (page, row in page) of its lookup row (paged_gather.py);
         TMA pieces, lane i the page of piece i, num_pages (out of bounds: the TMA fills zeros) for a
@@ -604,7 +613,7 @@ class FlashAttentionForwardSm90:
         in_blocks = n_block >= n_block_min
         if const_expr(self.page_gather):
             return self.gather.lookup(mPageTable, seq.batch, n_block, seq.seqlen_k, page_size, num_pages, tidx,
-                                      in_blocks)
+                                      in_blocks, page_div)
         lane = cute.arch.lane_idx()
         lane_key, lane_col, _ = geometry.paged_piece(n_block, lane, self.tile_n, self.page_rows, page_size)
         lane_page = num_pages
@@ -701,7 +710,7 @@ class FlashAttentionForwardSm90:
                     mask(acc_S, n_block=n_block_max - 1, causal=self.causal)
                     softmax.online(acc_S, is_first=True)
                     self.convert_P(acc_S, tOrP)
-                    if const_expr(self.ragged_k):
+                    if const_expr(self.zero_v_tail_needed):
                         # Before any P V reads this block's V stage (next iteration, or the last P V).
                         self.zero_v_tail(sV, pipeline_v, state, n_block_max - 1, seqlen_k, tidx)
                     # Blocks that cross the causal diagonal (a window's right edge), then unmasked

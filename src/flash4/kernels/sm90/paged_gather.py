@@ -18,20 +18,37 @@ Thread layout (one pass = rows_per_pass rows of the (tile_n, hdim) stage):
     <= threads_per_row because tile_n <= 128). One global load per thread per block, issued two K loads
     ahead of the block's own (fwd.py load_paged: its latency hides behind them); V of a block
     reuses the entry of its K.
-Rows at or past seqlen_k are neither looked up nor copied: their smem keeps older data, which
-the consumers never let through (scores masked to -inf by select, V rows zeroed by zero_v_tail
-before any P V). A page index outside [0, num_pages) is clamped into it (garbage in, but no read
-outside K/V; check_seqlens=True rejects such tables on the host).
+Rows at or past seqlen_k are not looked up (their entry is (0, 0)). By default (FwdConfig.
+gather_zero_fill, flash4.config.GATHER_ZERO_FILL) the producer still writes them: a cp.async with
+src-size 0 reads nothing and zero-fills the 16 bytes, so every byte of a stage is written by the
+same producer thread on every fill, completion tracked by the same cp.async mbarrier arrive, and no
+consumer writes a stage (the consumers' zero_v_tail is not traced; compute-sanitizer racecheck had
+flagged its generic stores against the producer's cp.async). K rows past seqlen_k are 0 then, masked
+to -inf all the same; V rows are exactly 0, as zero_v_tail made them. With the switch off those rows
+are skipped and keep older data, which the consumers never let through (scores masked to -inf by
+select, V rows zeroed by zero_v_tail before any P V). The inline cp.async takes a plain shared
+address: the stage's swizzle (part of the smem pointer's type, which ptrtoint does not apply) is
+applied by apply_swizzle. (The DSL's predicated cp.async copy zero-fills too, src-size 16 / 0, but
+with row_offsets the d64 producer, 32 registers, spilled with it: docs/design/small_pages.md.)
+Row offsets (FwdConfig.gather_row_offsets, an A/B switch): each thread turns its lookup entry into
+the 64-bit global address of its lookup row once per load; a pass shuffles that address (two SHFL),
+instead of shuffling (page, row) and multiplying both by their 64-bit strides per pass (d128 page
+16, steady-state K + V loads: SASS instruction counts in tests/cpu/test_paged_speed_cpu.py).
+A page index outside [0, num_pages) is clamped into it (garbage in, but no read outside K/V;
+check_seqlens=True rejects such tables on the host).
 Completion: every producer thread commits a stage with cp.async.mbarrier.arrive.noinc
 (kernels/common/pipeline.cp_async_pipeline_factory).
 """
 
 import math
+import re
 
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, const_expr
+from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync
+from cutlass.cutlass_dsl import dsl_user_op
 
 from flash4.constants import THREADS_PER_WG
 
@@ -78,13 +95,17 @@ def gather_layout(hdim: int, hdim_v: int, tile_n: int, elem_bits: int = 16,
 
 
 class PagedGather:
-    """Trace-time description of the gather of one kernel config (dtype, tile_n, head dims)."""
+    """Trace-time description of the gather of one kernel config (dtype, tile_n, head dims) and its
+    two switches (FwdConfig.gather_zero_fill, FwdConfig.gather_row_offsets)."""
 
-    def __init__(self, dtype, tile_n: int, hdim: int, hdim_v: int):
+    def __init__(self, dtype, tile_n: int, hdim: int, hdim_v: int, zero_fill: bool = False,
+                 row_offsets: bool = False):
         self.dtype = dtype
         self.tile_n = tile_n
         self.vec = COPY_BITS // dtype.width
         self.threads_per_row, self.rows_per_pass, self.passes = gather_layout(hdim, hdim_v, tile_n, dtype.width)
+        self.zero_fill = zero_fill
+        self.row_offsets = row_offsets
 
     def tiled_copy(self):
         """cp.async (L2 only) of 16-byte chunks, threads row-major over (rows_per_pass, threads_per_row)."""
@@ -94,10 +115,13 @@ class PagedGather:
         return cute.make_tiled_copy_tv(atom, thr_layout, cute.make_layout((1, self.vec)))
 
     @cute.jit
-    def lookup(self, mPageTable: cute.Tensor, batch, n_block, seqlen_k, page_size, num_pages, tidx, in_blocks):
+    def lookup(self, mPageTable: cute.Tensor, batch, n_block, seqlen_k, page_size, num_pages, tidx, in_blocks,
+               page_div=None):
         """(page, row in page) of this thread's lookup row of key block n_block; (0, 0) for a row
         at or past seqlen_k (or past tile_n), or when in_blocks is false (a look-ahead past the
-        tile's blocks), whose page-table entry is not read."""
+        tile's blocks), whose page-table entry is not read. page_div: None, or page_size as a
+        FastDivmod divisor made once per kernel (with row_offsets: a multiply-high instead of an
+        integer division per lookup)."""
         tpr = self.threads_per_row
         row = (tidx % tpr) * self.rows_per_pass + tidx // tpr
         key = n_block * self.tile_n + row
@@ -107,18 +131,27 @@ class PagedGather:
         if const_expr(self.tile_n < self.threads_per_row * self.rows_per_pass):  # lookup rows past the block
             valid = valid & (row < self.tile_n)
         if valid:
-            col = key // page_size
-            in_page = key - col * page_size
-            col = cutlass.min(col, mPageTable.shape[1] - 1)
-            page = cutlass.max(cutlass.min(mPageTable[batch, col], num_pages - 1), 0)
+            if const_expr(page_div is not None):
+                col, in_page = divmod(key, page_div)
+                col = cutlass.min(col, mPageTable.shape[1] - 1)
+                page = cutlass.max(cutlass.min(mPageTable[batch, col], num_pages - 1), 0)
+            else:
+                col = key // page_size
+                in_page = key - col * page_size
+                col = cutlass.min(col, mPageTable.shape[1] - 1)
+                page = cutlass.max(cutlass.min(mPageTable[batch, col], num_pages - 1), 0)
         return page, in_page
 
     @cute.jit
     def load(self, mX: cute.Tensor, sX: cute.Tensor, head_kv, page: Int32, in_page: Int32, n_block, seqlen_k,
              tidx):
         """cp.async key block n_block of K or V (kernel view (page_size, d, heads_k, num_pages)) into
-        the (tile_n, d) smem stage sX; rows >= seqlen_k are skipped. (page, in_page): this thread's
-        lookup entry of the block (lookup)."""
+        the (tile_n, d) smem stage sX. (page, in_page): this thread's lookup entry of the block
+        (lookup). Rows >= seqlen_k: skipped, or with zero_fill written as zeros by a cp.async of
+        src-size 0 (the same thread writes the same smem bytes on every fill of a stage).
+        row_offsets: each thread turns its lookup entry into the global address of its lookup row
+        (page, row, head and its first column) once, and each pass shuffles that 64-bit address
+        (two SHFL), instead of shuffling (page, row) and multiplying both by their strides per pass."""
         tpr = self.threads_per_row
         tiled_copy = self.tiled_copy()
         thr = tiled_copy.get_slice(tidx)
@@ -126,13 +159,98 @@ class PagedGather:
         group = cute.arch.lane_idx() // tpr * tpr
         col0 = (tidx % tpr) * self.vec
         limit = seqlen_k - n_block * self.tile_n - tidx // tpr  # rows of this thread < limit are keys
+        my_addr = None
+        if const_expr(self.zero_fill):
+            # The inline cp.async takes a plain shared address: the stage's swizzle (a property of
+            # the pointer type) is applied here, once, to this thread's first chunk; the other
+            # chunks lie whole swizzle periods away (swizzle_invariant_offset checks it).
+            swizzle = pointer_swizzle(sX.iterator)
+            dst_base = apply_swizzle(tXsX[None, 0, 0].iterator.toint(), swizzle)
+        if const_expr(self.row_offsets):  # the global address of this thread's lookup row, first column
+            my_addr = (mX.iterator + cute.crd2idx((in_page, col0, head_kv, page), mX.layout)).toint()
         for m in cutlass.range_constexpr(cute.size(tXsX, mode=[1])):
-            src_page = cute.arch.shuffle_sync(page, group + m)
-            src_row = cute.arch.shuffle_sync(in_page, group + m)
-            if m * self.rows_per_pass < limit:
-                row_ptr = mX.iterator + cute.crd2idx((src_row, col0, head_kv, src_page), mX.layout)
+            is_key = m * self.rows_per_pass < limit
+            if const_expr(self.row_offsets):
+                src_addr = cute.arch.shuffle_sync(my_addr, group + m)
+            else:
+                src_page = cute.arch.shuffle_sync(page, group + m)
+                src_row = cute.arch.shuffle_sync(in_page, group + m)
+            if const_expr(self.zero_fill):
+                # Every row is written: keys copied (16 bytes), rows past seqlen_k zero-filled (src-size
+                # 0 reads nothing; their entry is (0, 0), a valid address all the same).
+                row_ptr = (self.gmem_ptr(src_addr) if const_expr(self.row_offsets)
+                           else self.row_pointer(mX, src_page, src_row, col0, head_kv))
+                src_bytes = cutlass.select_(is_key, Int32(COPY_BITS // 8), Int32(0))
                 for k in cutlass.range_constexpr(cute.size(tXsX, mode=[2])):
-                    dst = tXsX[None, m, k]
-                    src_ptr = cute.make_ptr(self.dtype, (row_ptr + k * tpr * self.vec).toint(),
-                                            cute.AddressSpace.gmem, assumed_align=16)
-                    cute.copy(tiled_copy, cute.make_tensor(src_ptr, dst.layout), dst)
+                    dst_addr = dst_base + swizzle_invariant_offset(tXsX.layout, m, k, self.dtype.width, swizzle)
+                    cp_async_zfill(dst_addr, row_ptr + k * tpr * self.vec, src_bytes)
+            elif const_expr(self.row_offsets):
+                if is_key:
+                    self.copy_row(tiled_copy, tXsX, m, self.gmem_ptr(src_addr))
+            else:
+                if is_key:  # the address math only for rows that are keys
+                    self.copy_row(tiled_copy, tXsX, m, self.row_pointer(mX, src_page, src_row, col0, head_kv))
+
+    def gmem_ptr(self, addr):
+        return cute.make_ptr(self.dtype, addr, cute.AddressSpace.gmem, assumed_align=16)
+
+    @cute.jit
+    def copy_row(self, tiled_copy, tXsX: cute.Tensor, m: cutlass.Constexpr[int], row_ptr):
+        """cp.async the chunks of this thread's row of pass m from row_ptr (its first column)."""
+        for k in cutlass.range_constexpr(cute.size(tXsX, mode=[2])):
+            dst = tXsX[None, m, k]
+            src_ptr = cute.make_ptr(self.dtype, (row_ptr + k * self.threads_per_row * self.vec).toint(),
+                                    cute.AddressSpace.gmem, assumed_align=16)
+            cute.copy(tiled_copy, cute.make_tensor(src_ptr, dst.layout), dst)
+
+    @staticmethod
+    def row_pointer(mX: cute.Tensor, page, in_page, col0, head_kv):
+        """Pointer to element (in_page, col0) of head head_kv of page `page` of K or V."""
+        return mX.iterator + cute.crd2idx((in_page, col0, head_kv, page), mX.layout)
+
+
+def pointer_swizzle(ptr) -> tuple[int, int, int]:
+    """(BBits, MBase, SShift) of a shared-memory pointer's swizzle, read off its type (e.g.
+    !cute.ptr<bf16, smem, align<1024>, S<3,4,3>>: on byte addresses, bits [M, M + B) xor bits
+    [M + S, M + S + B)); the K/V stages always have one (asserted)."""
+    text = str(ptr.type) if hasattr(ptr, "type") else str(ptr)
+    found = re.search(r"S<(\d+),(\d+),(\d+)>", text)
+    assert found is not None, f"no swizzle in the smem pointer type {text!r}"  # K/V stages are always swizzled
+    return tuple(int(x) for x in found.groups())
+
+
+def apply_swizzle(addr, swizzle: tuple[int, int, int]):
+    """The swizzled shared byte address of addr (Int32): addr ^ ((addr >> S) & (2^B - 1) << M)."""
+    bits, base, shift = swizzle
+    if bits == 0:
+        return addr
+    return addr ^ ((addr >> shift) & (((1 << bits) - 1) << base))
+
+
+def swizzle_invariant_offset(layout, m: int, k: int, elem_bits: int, swizzle: tuple[int, int, int]) -> int:
+    """Byte offset of element (0, m, k) of a (CPY, passes, chunks) partition from element (0, 0, 0):
+    a static multiple of the swizzle period 2^(M + B + S), so swizzle(base + offset) = swizzle(base) +
+    offset (asserted at trace time)."""
+    offset = cute.crd2idx((0, m, k), layout) * elem_bits // 8
+    bits, base, shift = swizzle
+    period = 1 << (base + bits + shift)
+    assert isinstance(offset, int) and offset % period == 0, (offset, swizzle)
+    return offset
+
+
+@dsl_user_op
+def cp_async_zfill(smem_addr: Int32, gmem_ptr: cute.Pointer, src_bytes: Int32, *, loc=None, ip=None):
+    """cp.async.cg (L2 only) of 16 bytes gmem -> smem that reads src_bytes (16 or 0) and zero-fills
+    the rest (PTX cp.async's src-size operand): src_bytes 0 writes 16 zero bytes and reads nothing.
+    smem_addr: the shared byte address, swizzle applied (ptrtoint of a swizzled pointer does not
+    apply it)."""
+    llvm.inline_asm(
+        None,
+        [Int32(smem_addr).ir_value(loc=loc, ip=ip), gmem_ptr.toint(loc=loc, ip=ip).ir_value(),
+         Int32(src_bytes).ir_value(loc=loc, ip=ip)],
+        "cp.async.cg.shared.global [$0], [$1], 16, $2;",
+        "r,l,r",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )

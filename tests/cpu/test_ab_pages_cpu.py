@@ -1,0 +1,82 @@
+"""tools/ab_pages.py on the CPU (no GPU, nothing compiled): the variants of each page size, the
+kernel list --precompile builds (what the device run loads), the NaN-tailed page pool, and the
+report's check. The GPU run: python tools/ab_pages.py --cache-dir DIR --out FILE."""
+
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tools"))
+
+import ab_pages as tool  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _defaults(monkeypatch):
+    for name in ("FLASH4_GATHER_ZERO_FILL", "FLASH4_GATHER_ROW_OFFSETS", "FLASH4_PAGED_KV_STAGES",
+                 "FLASH4_PAGE_GATHER_MAX", "FLASH4_PAGE_PREFETCH"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_dry_run(capsys):
+    assert tool.main(["--dry-run"]) == 0
+    text = capsys.readouterr().out
+    assert "page   16 g_zf_ro_s3" in text and "16 kernels" in text
+
+
+def test_variants():
+    v16, v32, v128 = (tool.variants(p) for p in (16, 32, 128))
+    assert list(v16)[0] == "shipped" and v16["shipped"].page_gather and v16["shipped"].gather_zero_fill
+    assert v16["shipped"] == v16["g_zf"]  # the default gathered path today
+    assert not v16["g"].gather_zero_fill and not v16["g"].gather_row_offsets
+    assert v16["g_zf_ro_s3"].kv_stages == 3 and v16["tma_s3"].kv_stages == 3 and v16["tma"].page_rows == 16
+    assert v32["shipped"] == v32["tma"] and v32["tma"].page_rows == 32 and v32["tma_pf"].page_prefetch
+    assert v128["tma"].page_rows == 128 and "tma_pf" not in v128
+    # a gathered kernel does not depend on the page size: one compile serves every page size
+    assert v16["g_zf_ro"] == v32["g_zf_ro"] == v128["g_zf_ro"]
+    for cfg in list(v16.values()) + list(v32.values()) + list(v128.values()):
+        assert cfg.paged and cfg.causal and cfg.headdim == 128 and cfg.varlen_q and cfg.seqused_k
+        assert cfg.smem_bytes() + 1024 <= 227 * 1024
+
+
+def test_plan_configs_cover_every_variant():
+    configs = tool.plan_configs()
+    assert len(configs) == len(set(configs)) == 16
+    assert configs[0] == tool.contiguous_config() and configs[0].varlen_k
+    for page in tool.PAGES:
+        assert set(tool.variants(page).values()) <= set(configs)
+
+
+def test_shipped_follows_the_switches(monkeypatch):
+    monkeypatch.setenv("FLASH4_PAGED_KV_STAGES", "3")
+    monkeypatch.setenv("FLASH4_GATHER_ROW_OFFSETS", "1")
+    assert tool.shipped_config(16) == tool.variants(16)["g_zf_ro_s3"]
+
+
+def test_paged_pool_lays_out_the_keys():
+    lengths = [5, 16, 17, 1]
+    cu = torch.tensor([0, 5, 21, 38, 39], dtype=torch.int32)
+    k = torch.randn(39, 2, 8, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    kc, vc, table, used = tool.paged_pool(k, v, cu, 16, torch.Generator().manual_seed(0))
+    assert used.tolist() == lengths and kc.shape == (1 + 1 + 2 + 1, 16, 2, 8)
+    for b, n in enumerate(lengths):
+        for j in range(n):
+            where = (int(table[b, j // 16]), j % 16)
+            assert torch.equal(kc[where], k[int(cu[b]) + j]) and torch.equal(vc[where], v[int(cu[b]) + j])
+        tail = (int(table[b, (n - 1) // 16]), slice(n % 16 or 16, 16))
+        assert kc[tail].isnan().all() and vc[tail].isnan().all()  # past the sequence: NaN
+
+
+def test_failures_and_report():
+    ok = {"config": "x", "out_bitwise": True, "lse_bitwise": True, "out_reldiff": 0.0, "tflops": 500.0,
+          "vs_contiguous": 0.96}
+    bad = dict(ok, lse_bitwise=False, out_reldiff=math.nan, vs_contiguous=0.8)
+    rows = [{"page": 16, "contiguous_tflops": 520.0, "variants": {"shipped": ok, "g": bad}}]
+    assert tool.failures(rows) == ["page 16 g"]
+    text = tool.format_row(rows[0])
+    assert "0.960x contiguous (met)" in text and "NOT bitwise" in text
