@@ -130,7 +130,8 @@ def test_tmem_budget_sums_within_512():
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"d{c.headdim}-{c.dtype}-{c.causal}-{c.local}-{c.deterministic}")
 def test_register_plan(cfg):
     plan = bwd_register_plan(cfg)
-    assert plan == BwdRegisterPlan(152, 136, 88)  # FA4's 1-CTA reduce / compute / load = mma
+    # FA4's 1-CTA reduce / compute / load = mma; hd64 FA4's causal split (the exact-LSE branch spilled at 136)
+    assert plan == (BwdRegisterPlan(136, 144, 88) if cfg.headdim == 64 else BwdRegisterPlan(152, 136, 88))
     assert bwd_register_plan_problem(plan) is None
     assert sum(plan.per_warpgroup()) == 512
     assert BwdRegisterPlan.is_increase(plan.reduce) and BwdRegisterPlan.is_increase(plan.compute)

@@ -156,7 +156,7 @@ def test_one_real_backward_row():
     row = sm100_check.check_one(sm100.select_bwd_config(64, "bf16", False))
     assert row["ok"], row.get("traceback")
     assert row["pass"] == "bwd" and row["setmaxnreg_ok"] and row["tmem_alloc_ok"], row
-    assert (row["regs_reduce"], row["regs_compute"], row["regs_other"]) == (152, 136, 88)
+    assert (row["regs_reduce"], row["regs_compute"], row["regs_other"]) == (136, 144, 88)  # hd64's plan
     assert row["tmem_alloc"] == 512 and row["label"] == sm100_check.LABEL
     if row.get("utchmma") is None:
         pytest.skip("cuobjdump not installed: SASS not read")

@@ -30,6 +30,7 @@ from flash4.kernels.sm100.bwd_plan import (  # noqa: F401  (the backward's plan)
     default_bwd_register_plan,
     BWD_Q_STAGES_2CTA, SM100_BWD_2CTA_HEADDIMS, default_bwd_register_plan_2cta,
     SM100_BWD_HEADDIM_PAIRS, bwd_q_stages, bwd_serial_problem, bwd_serial_schedule, bwd_tmem_problem,
+    bwd_exact_lse,
     BWD_PASSES, SM100_BWD_TWO_PASS_PAIRS, BWD_TWO_PASS_ORDER, bwd_pass_tmem_problem, default_bwd_register_plan_pass,
 )
 from flash4.kernels.sm100.plan import (  # noqa: F401  (the plan, re-exported for the config's users)
@@ -612,6 +613,14 @@ def select_bwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, a
                           regs_reduce=plan.reduce, regs_compute=plan.compute, regs_other=plan.other)
 
 
+def bwd_packed_config(cfg, seqused_q: bool = False, seqused_k: bool = False):
+    """`cfg` (a 1-CTA config of select_bwd_config) for packed sequences (varlen_q and varlen_k, optionally
+    seqused_q / seqused_k) with the register plan of its packed layout (default_bwd_register_plan)."""
+    plan = default_bwd_register_plan(cfg.headdim, cfg.causal, packed=True)
+    return with_seq_layout(cfg, varlen_q=True, varlen_k=True, seqused_q=seqused_q, seqused_k=seqused_k,
+                           regs_reduce=plan.reduce, regs_compute=plan.compute, regs_other=plan.other)
+
+
 def bwd_passes(cfg) -> tuple:
     """The configs the host launches in sequence for `cfg`: (cfg,), or for a pass of a two-pass config
     (hd256) the "dv" then the "dkdq" config of the same problem class (dV from the first, dK and dQ
@@ -675,7 +684,6 @@ def bwd_plan(request, arch: int = ARCH, heads_per_cta: int | None = None):
                             headdim_v=None if request.headdim_v == request.headdim else request.headdim_v,
                             two_cta=env.sm100_2cta() and not seq.packed)
     if seq.packed:  # 1-CTA only (the 2-CTA backward is dense)
-        cfg = with_seq_layout(cfg, varlen_q=True, varlen_k=True, seqused_q=seq.seqused_q is not None,
-                              seqused_k=seq.seqused_k is not None)
+        cfg = bwd_packed_config(cfg, seqused_q=seq.seqused_q is not None, seqused_k=seq.seqused_k is not None)
     passes = bwd_passes(cfg)  # hd256: the dv and dkdq passes (cfg is the dkdq one)
     return BwdPlan(cfg, request.nheads // request.nheads_k, passes=passes if len(passes) > 1 else ())

@@ -192,7 +192,7 @@ def bwd_register_plan_problem(plan: BwdRegisterPlan) -> str | None:
     return None
 
 
-def default_bwd_register_plan(headdim: int, causal: bool) -> BwdRegisterPlan:
+def default_bwd_register_plan(headdim: int, causal: bool, packed: bool = False) -> BwdRegisterPlan:
     """FA4's 1-CTA budgets (flash_bwd_sm100.py __init__): reduce / compute / load = mma 152 / 136 / 88,
     summing to 512 (tuned by FA4 on B200, not here). FA4 moves 16 registers from the reduce to the
     compute warpgroups for causal (136 / 144 / 88); flash4 keeps 152 / 136 / 88 for every 1-CTA
@@ -202,8 +202,17 @@ def default_bwd_register_plan(headdim: int, causal: bool) -> BwdRegisterPlan:
     120 / 144 / 104 (the MMA warp's descriptors or a prologue value, 15-32), 136 / 136 / 104 (FA4's
     hd192 numbers: the reduce warps, 39-50 without the deterministic chain), 144 / 144 / 80 (26). With
     softcap the compute step holds one value more than 136 (1 LDL + 1 STL; with a window the MMA warp
-    spills 10 too), so softcap at (192, 128) is not built (bwd_serial_problem)."""
-    del headdim, causal
+    spills 10 too), so softcap at (192, 128) is not built (bwd_serial_problem).
+    Since the exact-LSE branch in the compute step (issue 8; CuTe DSL 4.8.1, 2026-12-02): hd64
+    136 / 144 / 88 (FA4's causal split: 152 / 136 / 88 spilled 1 LDL + 1 STL in each of the 12 hd64
+    configs; 144 / 144 / 80 also clean); packed hd128 (varlen, seqused) 144 / 144 / 80 (152 / 136 / 88
+    spilled 3 + 3 full bf16, 136 / 144 / 88 2 + 2; the dense deterministic hd128 configs spill 1-13 at
+    144 / 144 / 80 in the reduce warps, so dense hd128 keeps 152 / 136 / 88)."""
+    del causal
+    if headdim == 64:
+        return BwdRegisterPlan(136, 144, 88)
+    if headdim == 128 and packed:
+        return BwdRegisterPlan(144, 144, 80)
     return BwdRegisterPlan(152, 136, 88)
 
 
@@ -395,6 +404,17 @@ def bwd_serial_problem(softcap: bool = False) -> str | None:
                 "(its compute step spills at 136 registers per thread and no register split compiled without "
                 "spills; docs/design/sm100_backward.md section 10)")
     return None
+
+
+def bwd_exact_lse(cfg) -> bool:
+    """Whether the kernel carries the exact-LSE path (issue 8: query tiles the preprocess flagged take
+    P from the forward's unrounded hi + lo): every 1-CTA config (hd64, hd128, (192, 128), both hd256
+    passes, packed or not). Not the 2-CTA variant (opt-in, FLASH4_SM100_2CTA): its compute step spilled
+    with the branch at every register split tried (CuTe DSL 4.8.1, 2026-12-02; LDL + STL per compile:
+    fp16 full 32-99 at 112 / 144 / 112, 120 / 144 / 104, 128 / 144 / 96, 120 / 152 / 88, 112 / 152 / 96,
+    104 / 152 / 104; softcap causal 32-104 at six splits), so there P uses the rounded lse_log2 (exact
+    while |LSE log2 e| < BWD_EXACT_LSE_LOG2, off by up to half an fp32 ulp of it beyond)."""
+    return getattr(cfg, "cta_group", 1) == 1
 
 
 def bwd_tmem_overlaps(cfg) -> tuple:
