@@ -144,8 +144,8 @@ def test_cli_reports_backward_rows(monkeypatch, capsys, tmp_path):
     assert cli.main(["compile-check", "--arch", "sm_100a", "--pass", "bwd", "--features", "--dtypes", "fp16",
                      "--causal", "0"]) == 1
     text = capsys.readouterr().out
-    # hd64 / hd128 8, (192, 128) 4, 2-CTA 1
-    assert "0 forward config(s), 13 backward config(s)" in text and "bwd_sm100 d64 fp16 window" in text
+    # hd64 / hd128 8, (192, 128) 4 + 4 with softcap, 2-CTA 1
+    assert "0 forward config(s), 17 backward config(s)" in text and "bwd_sm100 d64 fp16 window" in text
     assert "bwd_sm100 d192v128 fp16 window" in text
 
 

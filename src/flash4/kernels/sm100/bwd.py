@@ -45,7 +45,7 @@ block of max_seqlen_k, KV head, sequence), every global view offset to the seque
 padded per-sequence LSE / dPsum / dQ accumulator of flash4.backward), the MMA warp zeroing K / V / Q / dO
 rows past the sequence in smem before their first MMA (zero_tail). docs/design/sm100_backward.md section 9.
 
-(192, 128) (DeepSeek's head dims; 1-CTA, dense or packed, no softcap): dK + dV take 320 of the 512 TMEM
+(192, 128) (DeepSeek's head dims; 1-CTA, dense or packed, softcap or not): dK + dV take 320 of the 512 TMEM
 columns, so S^T and dP^T share columns (dP^T over S^T's second half, dQ over both: bwd_tmem_map_serial)
 and each step runs serially (mma_serial: S(i) after dQ(i-1) was read out, dP(i) after P^T(i) was
 written); the P^T halves lie contiguous at S's start, so the compute warpgroups sync before writing
@@ -61,8 +61,9 @@ through the do ring in BWD_VDO_COLS-column chunks (whole tiles would need 321 Ki
 dQ out in 32-column passes; warpgroup 1 stores dK. The host launches both (flash4.backward).
 
 Not built (refused by flash4.config.sm100.select_bwd_config): head dims other than 64 / 128 / (192, 128)
-(hd256: one of its two passes), other Dv != D, softcap at (192, 128), packed sequences in the 2-CTA
-variant, the GQA head split. Not in the 2-CTA variant: the exact-LSE path (above).
+(hd256: one of its two passes), other Dv != D, softcap at (192, 128) in bf16 with causal and
+deterministic together (bwd_serial_problem: it spills), packed sequences in the 2-CTA variant, the GQA
+head split. Not in the 2-CTA variant: the exact-LSE path (above).
 """
 
 import math

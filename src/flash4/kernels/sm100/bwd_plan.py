@@ -200,9 +200,7 @@ def default_bwd_register_plan(headdim: int, causal: bool, packed: bool = False) 
     (192, 128) too: 0 spills at 152 / 136 / 88 for its 12 configs without softcap. Tried and rejected
     there (CuTe DSL 4.8.1, 2026-12-02; spills in LDL / STL of one compile each): 136 / 144 / 88 and
     120 / 144 / 104 (the MMA warp's descriptors or a prologue value, 15-32), 136 / 136 / 104 (FA4's
-    hd192 numbers: the reduce warps, 39-50 without the deterministic chain), 144 / 144 / 80 (26). With
-    softcap the compute step holds one value more than 136 (1 LDL + 1 STL; with a window the MMA warp
-    spills 10 too), so softcap at (192, 128) is not built (bwd_serial_problem).
+    hd192 numbers: the reduce warps, 39-50 without the deterministic chain), 144 / 144 / 80 (26).
     Since the exact-LSE branch in the compute step (issue 8; CuTe DSL 4.8.1, 2026-12-02): hd64
     136 / 144 / 88 (FA4's causal split: 152 / 136 / 88 spilled 1 LDL + 1 STL in each of the 12 hd64
     configs; 144 / 144 / 80 also clean); packed hd128 (varlen, seqused) 144 / 144 / 80 (152 / 136 / 88
@@ -395,14 +393,19 @@ def bwd_pass_tmem_problem(headdim: int, hdim_v: int, bwd_pass: str, tile_m: int 
     return None
 
 
-def bwd_serial_problem(softcap: bool = False) -> str | None:
-    """Why the serial schedule ((192, 128)) cannot take a problem class, or None: softcap (its compute
-    step needs more than the 136 registers of default_bwd_register_plan, and no 512-register split
-    found compiled without spills)."""
-    if softcap:
-        return ("softcap at (headdim, headdim_v)=(192, 128): the serial sm100 backward is built without softcap "
-                "(its compute step spills at 136 registers per thread and no register split compiled without "
-                "spills; docs/design/sm100_backward.md section 10)")
+def bwd_serial_problem(softcap: bool = False, dtype: str = "bf16", causal: bool = False,
+                       deterministic: bool = False) -> str | None:
+    """Why the serial schedule ((192, 128)) cannot take a problem class, or None. Softcap is built (11 of
+    its 12 dtype x mask x deterministic combinations compile with 0 spills at 152 / 136 / 88) except bf16,
+    causal, deterministic: its kernel keeps one value of the prologue (before the role branch) in local
+    memory, 1 STL + 3 LDL, at every register split tried (CuTe DSL 4.8.1, 2026-12-02: 152 / 136 / 88,
+    136 / 144 / 88 4; 144 / 136 / 96 36, 152 / 136 / 80 74, 136 / 136 / 104 73, 160 / 136 / 72 82; each role
+    computing its coordinates after its setmaxnreg, as pass dkdq does, left 2 and made the causal
+    non-deterministic config spill 2)."""
+    if softcap and dtype == "bf16" and causal and deterministic:
+        return ("softcap with bf16, causal and deterministic=True at (headdim, headdim_v)=(192, 128): that serial "
+                "sm100 backward config spills (1 STL + 3 LDL at every register split tried; fp16, or "
+                "deterministic=False, or a window are built; docs/design/sm100_backward.md section 10.3)")
     return None
 
 
