@@ -9,7 +9,6 @@ score transform) and one MUFU.LG2 per score (t recovered from P for dS's factor)
 the gates changes. Packed configs (varlen, seqused) pass the same gates plus the tail zeroing: six
 predicated 16-byte RZ store sites (K, V once; Q, dO in the prologue and the step loop)."""
 
-import dataclasses
 import math
 import re
 
@@ -18,18 +17,17 @@ from cpu_helpers import compile_bwd_rows
 
 pytest.importorskip("cutlass")
 
-from flash4.config.sm100 import (bwd_register_plan, bwd_tmem_alloc_cols, select_bwd_config,  # noqa: E402
-                                  shipped_bwd_configs)
-from flash4.kernels.sm100.bwd_plan import DQ_GROUP_ROWS, bwd_dq_passes, bwd_serial_schedule  # noqa: E402
+from flash4.config.sm100 import (bwd_packed_config, bwd_register_plan, bwd_tmem_alloc_cols,  # noqa: E402
+                                  select_bwd_config, shipped_bwd_configs)
+from flash4.kernels.sm100.bwd_plan import (DQ_GROUP_ROWS, bwd_dq_passes, bwd_exact_lse,  # noqa: E402
+                                           bwd_serial_schedule)
 
 CONFIGS = [c for c in shipped_bwd_configs() if c.cta_group == 1]  # the 2-CTA configs: test_sm100_bwd_2cta.py
 # packed sequences (issue 23; 1-CTA): hd64 / hd128, with and without seqused_q / seqused_k
-PACKED = [dataclasses.replace(select_bwd_config(d, "bf16", causal), varlen_q=True, varlen_k=True, seqused_q=su,
-                              seqused_k=su)
+PACKED = [bwd_packed_config(select_bwd_config(d, "bf16", causal), seqused_q=su, seqused_k=su)
           for d, causal, su in ((64, True, False), (128, False, False), (128, True, True))]
 # (192, 128) packed (the serial schedule's zero_tail sites; the forward takes packed (192, 128) too)
-PACKED += [dataclasses.replace(select_bwd_config(192, "bf16", True, headdim_v=128), varlen_q=True, varlen_k=True,
-                               seqused_q=True, seqused_k=True)]
+PACKED += [bwd_packed_config(select_bwd_config(192, "bf16", True, headdim_v=128), seqused_q=True, seqused_k=True)]
 CONFIGS += PACKED
 IDS = [f"d{c.headdim}" + (f"v{c.headdim_v}" if c.headdim_v else "") + f"-{c.dtype}-{'causal' if c.causal else 'window' if c.local else 'full'}"
        + ("-det" if c.deterministic else "") + ("-softcap" if c.softcap else "")
@@ -93,6 +91,18 @@ def test_sass_gates(built, name):
     assert sass_count(sass, "LDL") == 0 and sass_count(sass, "STL") == 0
     assert row["stack_bytes"] == 0
     assert row["registers"] == 128  # the launch cap 65536 / 512; the budgets are setmaxnreg's
+
+
+@pytest.mark.parametrize("name", IDS)
+def test_exact_lse_branch_is_built(built, name):
+    """The exact-LSE path (issue 8) in every 1-CTA config (bwd_exact_lse): per 32-column chunk of the
+    compute step, 32 shuffles of r (exact_residual), two chunks per warpgroup: tile_m / 2 in PTX and SASS."""
+    cfg, _, ptx, row, sass = built[name]
+    assert bwd_exact_lse(cfg)
+    # (the PTX has 3 more shfl.sync.idx: warp-uniform broadcasts of lane 0, which ptxas drops)
+    assert len(re.findall(r"\bshfl\.sync\.idx\b", ptx)) >= cfg.tile_m // 2
+    if row:
+        assert sass_count(sass, "SHFL.IDX") == cfg.tile_m // 2
 
 
 @pytest.mark.parametrize("name", IDS)

@@ -347,19 +347,19 @@ def test_large_logits(dtype):
 
 
 def test_huge_logits():
-    """Scores ~ 1e4 (|L| >= 2^10): the kernel has no exact path, P comes from the rounded
-    lse_log2 = fp32(hi + lo) with or without the forward's split; the rule holds both ways."""
+    """Scores ~ 1e4 (|L| >= 2^10): the query blocks take the exact-LSE path; with the forward's split
+    P is exact at the row max, without it (hi = fp32(L), lo = 0) the path changes nothing; the rule
+    holds both ways."""
     q, k, v, do = make_case(1, 130, 200, 2, 1, 64, seed=5, magnitude=40.0)
     check(q, k, v, do, False, lse_split=exact_split(q, k, v, False))
     check(q, k, v, do, False)
 
 
-def test_extreme_logits_without_an_exact_path():
+def test_extreme_logits():
     """Scores ~2^20 / 8 with O(1) spread (q[..., 0] = 2^20, k[..., 0] = 1: P not one-hot): L ~ 2^17.5
-    has an fp32 ulp of 2^-6, so the rounded lse_log2 moves every P by up to ~1% (sm90's exact path
-    would not; the sm100 kernel lacks it). PyTorch's own bf16 errors are larger still: the rule holds
-    with and without the forward's split, and the split (one rounding of L instead of two) does not
-    change dq, which the O(1)-spread keys dominate."""
+    has an fp32 ulp of 2^-6, so the rounded lse_log2 alone would move every P by up to ~1%; with the
+    forward's split the exact-LSE path takes it back. PyTorch's own bf16 errors are larger still: the
+    rule holds with and without the split (test_exact_lse_path_huge_fill is the case it decides)."""
     g = torch.Generator().manual_seed(0)
     q, k, v, do = (torch.randn(1, s, 1, 64, generator=g) for s in (64, 128, 128, 64))
     q[..., 0], k = 2.0**20, k * 0.3
@@ -373,6 +373,58 @@ def test_extreme_logits_without_an_exact_path():
         e = errors(q, k, v, do, False, grads)
         assert all(err <= 2 * pt + GRAD_ATOL for err, pt in e.values()), e
     assert B.lse_log2(lse).abs().min() > 2 ** 17
+
+
+def fill_split(fill: float, d: int, seqlen_k: int, batch: int, nheads: int, seqlen_q: int) -> torch.Tensor:
+    """The forward's log2-domain split for q = k = fill (every score S = fill^2 d, exact in fp32), no
+    mask: hi = fp32(S c), lo = fp32((S c - hi) + log2 seqlen_k) from exact rationals, c the kernels'
+    fp32 scale_log2 at softmax_scale 1 / sqrt(d) (the forward's fp32(scale log2 e) and the backward's
+    fp32(fp32(scale) fp32(log2 e)) agree at d 64 and 128)."""
+    from fractions import Fraction
+
+    c = np.float32(np.float32(1 / math.sqrt(d)) * np.float32(LOG2E))
+    assert c == np.float32(1 / math.sqrt(d) * LOG2E)
+    sc = Fraction(fill * fill * d) * Fraction(float(c))
+    hi = np.float32(float(sc))
+    lo = np.float32(float(sc - Fraction(float(hi))) + math.log2(seqlen_k))
+    shape = (batch, nheads, seqlen_q)
+    return torch.stack([torch.full(shape, float(hi)), torch.full(shape, float(lo))])
+
+
+def test_exact_lse_path_huge_fill():
+    """Issue 8 on the sm100 backward: q = k = v = 133120 (bf16; tests/gpu/test_robustness.py's fill), no
+    mask: every P is 1 / seqlen_k exactly, lse_log2 ~ 2^38 has an fp32 ulp of 2^15. With the exact-LSE
+    path (every query block flagged) the model is within the 2x rule of flash4.reference; without it
+    (P from the rounded lse_log2: 2^(up to +-2^14)) it is not."""
+    fill, b, s, h, d = 133120.0, 1, 200, 2, 64
+    q = torch.full((b, s, h, d), fill, dtype=torch.bfloat16)
+    dout = torch.randn(b, s, h, d, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
+    split = fill_split(fill, d, s, b, h, s)
+    lse = ((split[0].double() + split[1].double()) / LOG2E).float()
+    assert (B.lse_log2(lse, split).abs() >= B.BWD_EXACT_LSE_LOG2).all()
+    dq, dk, dv, stats = B.backward(dout, q, q, q, q, lse, lse_split=split, return_stats=True)
+    assert stats["exact_blocks"] == b * h * -(-s // 128)
+    assert abs(stats["p_max"] - 1 / s) <= 2 ** -20
+    e = errors(q, q, q, dout, False, (dq, dk, dv))
+    assert all(err <= 2 * pt + GRAD_ATOL for err, pt in e.values()), e
+    rounded = B.backward(dout, q, q, q, q, lse, lse_split=split, exact_lse=False)
+    e = errors(q, q, q, dout, False, rounded)
+    assert not all(err <= 2 * pt + GRAD_ATOL for err, pt in e.values()), e
+
+
+def test_exact_residual_is_the_rounding_error():
+    """TwoSum: hi + lo = fp32(hi + lo) + r exactly (checked in rationals), r = 0 on +inf rows."""
+    from fractions import Fraction
+
+    g = torch.Generator().manual_seed(6)
+    hi = (torch.randn(1000, generator=g) * 2.0 ** 30).float()
+    lo = (torch.randn(1000, generator=g) * 8.0).float()
+    hi[0], lo[0] = math.inf, 0.0
+    big_l = hi + lo
+    r = B.exact_residual(hi, lo, big_l)
+    assert r[0] == 0
+    for h_, l_, b_, r_ in zip(hi[1:].tolist(), lo[1:].tolist(), big_l[1:].tolist(), r[1:].tolist()):
+        assert Fraction(h_) + Fraction(l_) == Fraction(b_) + Fraction(r_)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])

@@ -13,7 +13,7 @@ from flash4.config.sm100 import (BWD_SMEM_BUDGET, Sm100BwdConfig, bwd_passes, bw
                                  bwd_register_plan, bwd_tmem_alloc_cols, bwd_tmem_map, select_bwd_config,
                                  shipped_bwd_configs, two_pass_bwd_configs)
 from flash4.kernels.sm100.bwd_plan import (BWD_PASS_MMAS, BWD_VDO_COLS, DQ_GROUP_ROWS, BwdRegisterPlan, bwd_dq_passes,
-                                           bwd_p_barrier, bwd_pass_mmas, bwd_pass_tmem_problem, bwd_serial_schedule,
+                                           bwd_exact_lse, bwd_p_barrier, bwd_pass_mmas, bwd_pass_tmem_problem, bwd_serial_schedule,
                                            bwd_smem_bytes, bwd_tmem_aliases, bwd_tmem_map_pass, bwd_tmem_overlaps)
 from flash4.kernels.sm100.plan import TMEM_COLUMNS
 
@@ -108,10 +108,10 @@ def test_select_and_refusals():
     for dt, mask, det in itertools.product(("bf16", "fp16"), MASKS, (False, True)):
         cfg = dv_cfg(dt, mask, deterministic=det)
         assert (cfg.headdim, cfg.hdim_v, cfg.bwd_pass, cfg.cta_group, cfg.q_stages) == (256, 256, "dv", 1, 1)
-        assert bwd_register_plan(cfg).per_warpgroup() == (152, 136, 136, 88)
+        assert bwd_register_plan(cfg).per_warpgroup() == (96, 144, 144, 128)
         kq = dkdq_plan(dt, mask, deterministic=det)
         assert (kq.bwd_pass, kq.q_stages, kq.do_stages) == ("dkdq", 1, 1)
-        assert bwd_register_plan(kq).per_warpgroup() == (128, 152, 152, 80)
+        assert bwd_register_plan(kq).per_warpgroup() == (128, 168, 168, 48)
         # the default (the API's selection) is the dkdq config; the host launches dv, then dkdq
         both = select_bwd_config(256, dt, mask == "causal", local=mask == "window", deterministic=det)
         assert both == kq and bwd_passes(both) == (cfg, kq) == bwd_passes(cfg)
@@ -180,6 +180,8 @@ DV_CONFIGS += [make("bf16", mask, softcap=True) for mask in MASKS for make in (d
 DV_CONFIGS += [packed(make("bf16", "causal")) for make in (dv_cfg, dkdq_plan)]
 DV_CONFIGS += [packed(make("bf16", "full", softcap=True), seqused=True) for make in (dv_cfg, dkdq_plan)]
 DV_CONFIGS += [packed(dkdq_plan("fp16", "window", deterministic=True))]
+# packed dv softcap + seqused: spilled (10 LDL / STL) at the dv plan before 96 / 144 / 128 (the exact-LSE branch)
+DV_CONFIGS += [packed(dv_cfg("bf16", "causal", softcap=True), seqused=True)]
 DV_IDS = [f"d256-{c.bwd_pass}-{c.dtype}-{'causal' if c.causal else 'window' if c.local else 'full'}"
           + ("-det" if c.deterministic else "") + ("-softcap" if c.softcap else "")
           + ("-varlen" if c.varlen_q else "") + ("-seqused" if c.seqused_q else "") for c in DV_CONFIGS]
@@ -203,7 +205,8 @@ def test_pass_dv_compiles_with_its_gates(built, name):
     d, dv, tm, tn = cfg.headdim, cfg.hdim_v, cfg.tile_m, cfg.tile_n
     plan = bwd_register_plan(cfg)
     got = sorted((kind, int(n)) for kind, n in re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+);", ptx))
-    assert got == sorted([("inc", plan.reduce), ("inc", plan.compute), ("dec", plan.other)])
+    kind = lambda regs: "inc" if BwdRegisterPlan.is_increase(regs) else "dec"  # noqa: E731
+    assert got == sorted((kind(r), r) for r in (plan.reduce, plan.compute, plan.other))
     cols = []
     for reg in re.findall(r"tcgen05\.alloc\.[\w:.]+\s+\[[^\]]+\],\s*(%r\d+);", ptx):
         cols += [int(v) for v in re.findall(rf"mov\.b32\s+{re.escape(reg)},\s*(\d+);", ptx)]
@@ -274,6 +277,18 @@ def test_pass_dkdq_compiles_with_its_gates(built, name):
     assert (count(r"\btcgen05\.mma\b"), count(r"\btcgen05\.commit\b"), count(r"\btcgen05\.ld\b"),
             count(r"\btcgen05\.st\b")) == (row["utchmma"], row["utcbar"], row["ldtm"], row["sttm"])
     assert count(r"cta_group::2") == 0
+
+
+@pytest.mark.parametrize("name", DV_IDS)
+def test_exact_lse_branch_in_both_passes(built, name):
+    """The exact-LSE path (issue 8; bwd_exact_lse) in both passes, dense or packed, softcap or not: 32
+    shuffles of r per 32-column chunk (exact_residual), two chunks per warpgroup, in PTX and SASS."""
+    cfg, _, ptx, row, sass = built[name]
+    assert bwd_exact_lse(cfg)
+    # (the PTX has 3 more shfl.sync.idx: warp-uniform broadcasts of lane 0, which ptxas drops)
+    assert len(re.findall(r"\bshfl\.sync\.idx\b", ptx)) >= cfg.tile_m // 2
+    if row:
+        assert sass_count(sass, "SHFL.IDX") == cfg.tile_m // 2
 
 
 @pytest.mark.parametrize("name", DV_IDS)

@@ -144,8 +144,8 @@ def test_cli_reports_backward_rows(monkeypatch, capsys, tmp_path):
     assert cli.main(["compile-check", "--arch", "sm_100a", "--pass", "bwd", "--features", "--dtypes", "fp16",
                      "--causal", "0"]) == 1
     text = capsys.readouterr().out
-    # hd64 / hd128 8, (192, 128) 4, 2-CTA 1
-    assert "0 forward config(s), 13 backward config(s)" in text and "bwd_sm100 d64 fp16 window" in text
+    # hd64 / hd128 8, (192, 128) 4 + 4 with softcap, 2-CTA 1
+    assert "0 forward config(s), 17 backward config(s)" in text and "bwd_sm100 d64 fp16 window" in text
     assert "bwd_sm100 d192v128 fp16 window" in text
 
 
@@ -156,7 +156,7 @@ def test_one_real_backward_row():
     row = sm100_check.check_one(sm100.select_bwd_config(64, "bf16", False))
     assert row["ok"], row.get("traceback")
     assert row["pass"] == "bwd" and row["setmaxnreg_ok"] and row["tmem_alloc_ok"], row
-    assert (row["regs_reduce"], row["regs_compute"], row["regs_other"]) == (152, 136, 88)
+    assert (row["regs_reduce"], row["regs_compute"], row["regs_other"]) == (136, 144, 88)  # hd64's plan
     assert row["tmem_alloc"] == 512 and row["label"] == sm100_check.LABEL
     if row.get("utchmma") is None:
         pytest.skip("cuobjdump not installed: SASS not read")

@@ -482,18 +482,17 @@ def test_backward_launch_requires_the_selftest(sm100_device, monkeypatch):
 
 def test_training_192_128_and_hd256_at_the_door(sm100_device, monkeypatch):
     """(192, 128) training passes the door behind the backward's self-test (the serial 1-CTA backward:
-    compile-verified, not run on hardware); softcap there is refused by name before any launch. hd256
-    (its dK + dV accumulators alone fill the 512 TMEM columns) trains as two passes, softcap or not, dense
-    or packed: the door asks the self-test about its "dkdq" config (whose self-test runs flash_attn_func's
-    whole backward)."""
+    compile-verified, not run on hardware), with softcap too. hd256 (its dK + dV accumulators alone fill
+    the 512 TMEM columns) trains as two passes, softcap or not, dense or packed: the door asks the
+    self-test about its "dkdq" config (whose self-test runs flash_attn_func's whole backward)."""
     asked = verdicts(monkeypatch, ok=True)
     q, k, _ = qkv(d=192, requires_grad=True)
     v = torch.randn(1, 300, 4, 128).to(BF16).requires_grad_()
     assert validate.support_error(q, k, v, causal=True) is None
     assert asked[-1] == sm100.select_bwd_config(192, "bf16", True, headdim_v=128)
     assert asked[-1].q_stages == 1 and asked[-1].hdim_v == 128
-    text = validate.support_error(q, k, v, softcap=5.0)
-    assert "no backward for this call on sm_100" in text and "softcap at (headdim, headdim_v)=(192, 128)" in text
+    assert validate.support_error(q, k, v, softcap=5.0) is None
+    assert asked[-1] == sm100.select_bwd_config(192, "bf16", False, softcap=True, headdim_v=128)
     q, k, v = qkv(d=256, requires_grad=True)
     assert validate.support_error(q, k, v, causal=True) is None
     assert asked[-1] == sm100.select_bwd_config(256, "bf16", True) and asked[-1].bwd_pass == "dkdq"

@@ -30,6 +30,7 @@ from flash4.kernels.sm100.bwd_plan import (  # noqa: F401  (the backward's plan)
     default_bwd_register_plan,
     BWD_Q_STAGES_2CTA, SM100_BWD_2CTA_HEADDIMS, default_bwd_register_plan_2cta,
     SM100_BWD_HEADDIM_PAIRS, bwd_q_stages, bwd_serial_problem, bwd_serial_schedule, bwd_tmem_problem,
+    bwd_exact_lse,
     BWD_PASSES, SM100_BWD_TWO_PASS_PAIRS, BWD_TWO_PASS_ORDER, bwd_pass_tmem_problem, default_bwd_register_plan_pass,
 )
 from flash4.kernels.sm100.plan import (  # noqa: F401  (the plan, re-exported for the config's users)
@@ -330,7 +331,7 @@ class Sm100BwdConfig:
                  rows past the sequence zeroed in smem by the MMA warp (docs/design/sm100_backward.md
                  section "Packed sequences"). Compile-verified, not run on hardware.
     headdim_v:   Dv, None when it equals headdim; built: 128 with headdim 192 ((192, 128): the serial
-                 1-CTA schedule, bwd_serial_schedule: q_stages 1, no softcap; docs/design/sm100_backward.md
+                 1-CTA schedule, bwd_serial_schedule: q_stages 1, softcap or not; docs/design/sm100_backward.md
                  section 10). Compile-verified, not run on hardware.
     bwd_pass:    "both" (every config above: one kernel issues the five MMAs), or one pass of a two-pass
                  config (SM100_BWD_TWO_PASS_PAIRS: hd256, whose dK + dV take all 512 TMEM columns): "dv"
@@ -502,8 +503,10 @@ def bwd_config_problem(cfg) -> str | None:
                 f"{BWD_DO_STAGES}) is built (1-CTA, D={cfg.headdim}, Dv={cfg.hdim_v})")
     if cfg.cta_group == 1 and bwd_tmem_problem(cfg.headdim, cfg.hdim_v, cfg.tile_m) is not None:
         return bwd_tmem_problem(cfg.headdim, cfg.hdim_v, cfg.tile_m)
-    if bwd_serial_schedule(cfg) and bwd_serial_problem(cfg.softcap) is not None:
-        return bwd_serial_problem(cfg.softcap)
+    if bwd_serial_schedule(cfg):
+        problem = bwd_serial_problem(cfg.softcap, cfg.dtype, cfg.causal, cfg.deterministic)
+        if problem is not None:
+            return problem
     if cfg.smem_bytes() > BWD_SMEM_BUDGET:
         return f"{cfg.smem_bytes()} bytes of smem tiles > {BWD_SMEM_BUDGET}"
     return bwd_register_plan_problem(BwdRegisterPlan(cfg.regs_reduce, cfg.regs_compute, cfg.regs_other))
@@ -539,12 +542,12 @@ def select_bwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, a
                       headdim_v: int | None = None, two_cta: bool = False, bwd_pass: str = "both",
                       **kwargs) -> Sm100BwdConfig:
     """The sm100 backward config for one problem class (pure; CPU-tested): hd64 / hd128 and (192, 128)
-    (headdim_v=128: the serial schedule, no softcap), bf16 / fp16, causal or not, a sliding window
-    (local: causal folded in), deterministic or not, softcap or not, dense, MHA and GQA/MQA (one CTA
-    per KV head walks its query heads), and hd256 as two passes (1-CTA; causal, window,
-    deterministic and softcap as hd64/128; packed sequences through with_seq_layout as every 1-CTA
-    config). Raises ValueError naming what is missing for everything else (another head dim; another
-    Dv; softcap at (192, 128)).
+    (headdim_v=128: the serial schedule; softcap except bf16 + causal + deterministic, bwd_serial_problem),
+    bf16 / fp16, causal or not, a sliding window (local: causal folded in), deterministic or not, softcap
+    or not, dense, MHA and GQA/MQA (one CTA per KV head walks its query heads), and hd256 as two passes
+    (1-CTA; causal, window, deterministic and softcap as hd64/128; packed sequences through
+    bwd_packed_config as every 1-CTA config). Raises ValueError naming what is missing for everything
+    else (another head dim; another Dv; softcap at (192, 128) in bf16 with causal and deterministic).
     Same arguments as
     flash4.config.sm90.select_bwd_config (the others ignored). two_cta: take the 2-CTA variant where it
     is built (bwd_two_cta_problem is None; otherwise the 1-CTA config); the host passes
@@ -576,10 +579,12 @@ def select_bwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, a
         raise ValueError(f"the sm100 backward has no {what} at (headdim, headdim_v)=({headdim}, {dv})"
                          + (f" ({tmem})" if tmem else "") + "; compile-verified 1-CTA backward: dense hd64/hd128 "
                          "(causal, window or neither, deterministic or not, softcap or not, MHA/GQA), (192, 128) "
-                         "(the same without softcap) and hd256 as two passes; 2-CTA: hd128")
+                         "(the same; softcap not with bf16 + causal + deterministic) and hd256 as two passes; "
+                         "2-CTA: hd128")
     hdv = None if dv == headdim else dv
-    if 2 * BWD_TILE_M + headdim + dv > TMEM_COLUMNS and bwd_serial_problem(softcap) is not None:  # serial
-        raise ValueError(bwd_serial_problem(softcap))
+    serial = 2 * BWD_TILE_M + headdim + dv > TMEM_COLUMNS
+    if serial and bwd_serial_problem(softcap, dtype, causal and not local, deterministic) is not None:
+        raise ValueError(bwd_serial_problem(softcap, dtype, causal and not local, deterministic))
     if two_cta and bwd_two_cta_problem(headdim, causal and not local, local, deterministic, softcap) is None:
         plan = default_bwd_register_plan_2cta(headdim, causal)
         return Sm100BwdConfig(headdim=headdim, dtype=dtype, causal=causal, cta_group=2, q_stages=BWD_Q_STAGES_2CTA,
@@ -590,6 +595,18 @@ def select_bwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, a
                           deterministic=deterministic, softcap=softcap, headdim_v=hdv,
                           q_stages=bwd_q_stages(headdim, dv),
                           regs_reduce=plan.reduce, regs_compute=plan.compute, regs_other=plan.other)
+
+
+def bwd_packed_config(cfg, seqused_q: bool = False, seqused_k: bool = False):
+    """`cfg` (a 1-CTA config of select_bwd_config) for packed sequences (varlen_q and varlen_k, optionally
+    seqused_q / seqused_k) with the register plan of its packed layout (default_bwd_register_plan; a pass
+    of a two-pass config keeps its pass's plan, default_bwd_register_plan_pass, dense or packed)."""
+    if cfg.bwd_pass != "both":
+        plan = default_bwd_register_plan_pass(cfg.bwd_pass)
+    else:
+        plan = default_bwd_register_plan(cfg.headdim, cfg.causal, packed=True)
+    return with_seq_layout(cfg, varlen_q=True, varlen_k=True, seqused_q=seqused_q, seqused_k=seqused_k,
+                           regs_reduce=plan.reduce, regs_compute=plan.compute, regs_other=plan.other)
 
 
 def bwd_passes(cfg) -> tuple:
@@ -628,17 +645,19 @@ def shipped_bwd_configs() -> list:
     config per head dim and mask, bf16, hd64/128 x (full, causal) (4; the API selects the other
     softcap combinations too: softcap only adds the compute warps' tanh and dS factor, independent of
     the dtype, the window and the deterministic dQ chain), then the same 12 without softcap at (192, 128)
-    (the serial 1-CTA schedule, bwd_serial_schedule; softcap not built there), then the 2-CTA configs (opt-in,
-    FLASH4_SM100_2CTA=1): hd128 x bf16/fp16 x the masks bwd_two_cta_problem accepts (full, causal: 4), and
-    softcap in bf16, full and causal (2)."""
+    (the serial 1-CTA schedule, bwd_serial_schedule) and the 11 of them with softcap that are built
+    (bwd_serial_problem), then the 2-CTA configs (opt-in, FLASH4_SM100_2CTA=1): hd128 x bf16/fp16 x the masks
+    bwd_two_cta_problem accepts (full, causal: 4), and softcap in bf16, full and causal (2)."""
     no_softcap = [select_bwd_config(d, dt, c, local=lo, deterministic=det) for det in (False, True)
                   for d in SM100_BWD_HEADDIMS for dt in DTYPES
                   for c, lo in ((False, False), (True, False), (False, True))]
     softcap = [select_bwd_config(d, "bf16", c, softcap=True) for d in SM100_BWD_HEADDIMS for c in (False, True)]
-    # (192, 128), the serial schedule: the same 12 combinations without softcap (not built with it)
-    serial = [select_bwd_config(d, dt, c, local=lo, deterministic=det, headdim_v=dv)
-              for d, dv in SM100_BWD_HEADDIM_PAIRS if d != dv for det in (False, True) for dt in DTYPES
-              for c, lo in ((False, False), (True, False), (False, True))]
+    # (192, 128), the serial schedule: the same 12 combinations without softcap, then those with softcap that
+    # are built (11: every one, at the edge of its register budget, is compiled)
+    serial = [select_bwd_config(d, dt, c, local=lo, deterministic=det, headdim_v=dv, softcap=sc)
+              for sc in (False, True) for d, dv in SM100_BWD_HEADDIM_PAIRS if d != dv for det in (False, True)
+              for dt in DTYPES for c, lo in ((False, False), (True, False), (False, True))
+              if bwd_serial_problem(sc, dt, c, det) is None]
     two_cta = [select_bwd_config(d, dt, c, two_cta=True) for d in SM100_BWD_2CTA_HEADDIMS for dt in DTYPES
                for c in (False, True) if bwd_two_cta_problem(d, c) is None]
     two_cta += [select_bwd_config(d, "bf16", c, softcap=True, two_cta=True) for d in SM100_BWD_2CTA_HEADDIMS
@@ -661,7 +680,6 @@ def bwd_plan(request, arch: int = ARCH, heads_per_cta: int | None = None):
                             headdim_v=None if request.headdim_v == request.headdim else request.headdim_v,
                             two_cta=env.sm100_2cta() and not seq.packed)
     if seq.packed:  # 1-CTA only (the 2-CTA backward is dense)
-        cfg = with_seq_layout(cfg, varlen_q=True, varlen_k=True, seqused_q=seq.seqused_q is not None,
-                              seqused_k=seq.seqused_k is not None)
+        cfg = bwd_packed_config(cfg, seqused_q=seq.seqused_q is not None, seqused_k=seq.seqused_k is not None)
     passes = bwd_passes(cfg)  # hd256: the dv and dkdq passes (cfg is the dkdq one)
     return BwdPlan(cfg, request.nheads // request.nheads_k, passes=passes if len(passes) > 1 else ())

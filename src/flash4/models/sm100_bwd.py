@@ -18,15 +18,19 @@ its keys (flash4.geometry.m_block_range), first to last. In this order:
       4, 2, 1); then D = fp32(D - dLSE) on the host when the LSE has a gradient.
     lse_log2 = fp32(hi + lo), from the forward's log2-domain split (hi, lo) when given, else
       hi = where(LSE = -inf, +inf, fp32(LSE * fp32(log2 e))) (torch on the host), lo = 0; +inf for
-      the padding rows of the last query block. This rounded, padded lse_log2 is the only LSE the
-      kernel reads: it has no exact path (sm90's issue-8 tiles; the preprocess still writes the
-      flags, the sm100 kernel does not read them), so P is exact only while |lse_log2| stays below
-      about 2^9 (past it an fp32 ulp of lse_log2 moves every P by more than 2^-15 relative).
+      the padding rows of the last query block. exact[m] = 1 for query blocks m with a row whose
+      lse_log2 is finite and |lse_log2| >= BWD_EXACT_LSE_LOG2 (2^10: past it half an fp32 ulp of
+      lse_log2 moves P by more than 2^-14 relative): those blocks take the exact-LSE path (step 2).
  1. S^T = K Q^T and dP^T = V dO^T (UMMA, fp32 TMEM accumulators; 16-bit operands): each k-step of
     `mma_k` = 16 elements summed exactly, added to the accumulator with one rounding (as the
     forward model).
  2. x = fma(S^T, c, -lse_log2) (fma_packed_f32x2, one rounding), c = fp32(fp32(softmax_scale) *
     fp32(log2 e)) (the kernel's Float32 product).
+    Exact-LSE path (issue 8; query blocks with exact[m], exact_lse=True as built): then x = fp32(x - r)
+      with r = hi + lo - lse_log2 exactly (TwoSum in fp32: b = L - hi, a = L - b, r = (hi - a) +
+      (lo - b); 0 where lse_log2 = +inf), so P is exact at the row max at any finite magnitude (the
+      kernel's exact_residual; sm90 computes fp32(fma(S, c, -hi) - lo), the same up to where the
+      small remainder is rounded).
     Softcap (flash4.kernels.common.score: scales, apply): first S^T -> t = tanh(fp32(S^T * a)) on
     MUFU.TANH (tanh.approx.f32; modelled as tanh rounded to fp32, times (1 + tanh_rel_err)), with
     a = fp32(fp32(softmax_scale) / fp32(softcap)) (div.rn); then x = fma(t, c, -lse_log2) with
@@ -66,8 +70,8 @@ k-step order as one MMA: bitwise the same dP^T), and does 5, dK's half of 6, 7 a
 Not modelled: the MMA's accumulation rounding inside one k-step (modelled exact), MUFU's last ulps
 (modelled correctly rounded), anything about timing (barriers, pipelines, TMEM aliasing): a race, a
 hang or a wrong TMEM address has no analogue here. Packed batches: backward_packed (per sequence,
-either layout and either pass). Not built in the kernel, so not here: the exact-LSE path, the GQA
-head split; 2-CTA is not modelled apart (its arithmetic is the 1-CTA steps').
+either layout and either pass). Not built in the kernel, so not here: the GQA head split; 2-CTA is
+not modelled apart (its arithmetic is the 1-CTA steps' without the exact-LSE path: exact_lse=False).
 """
 
 from __future__ import annotations
@@ -78,7 +82,7 @@ import numpy as np
 import torch
 
 from flash4 import geometry
-from flash4.constants import LOG2E
+from flash4.constants import BWD_EXACT_LSE_LOG2, LOG2E
 from flash4.kernels.common.exp2_poly import _fma_f32
 from flash4.kernels.sm100.bwd_plan import BWD_PASSES, BWD_VDO_COLS
 from flash4.models.sm100_fwd import UMMA_K, exp2_hw, fma_f32, mma_f32
@@ -115,6 +119,31 @@ def lse_log2(lse: torch.Tensor, lse_split: torch.Tensor | None = None) -> torch.
     if lse_split is None:
         return torch.where(lse == -math.inf, math.inf, lse.float() * LOG2E)  # + lo = 0: unchanged
     return lse_split[0].float() + lse_split[1].float()
+
+
+def lse_split_halves(lse: torch.Tensor, lse_split: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hi, lo), float32 (B, H, S): the forward's split, or flash4.backward's stand-in without one
+    (hi = where(lse = -inf, +inf, fp32(lse * log2 e)), lo = 0)."""
+    if lse_split is None:
+        return torch.where(lse == -math.inf, math.inf, lse.float() * LOG2E), torch.zeros_like(lse, dtype=torch.float32)
+    return lse_split[0].float(), lse_split[1].float()
+
+
+def exact_residual(hi: torch.Tensor, lo: torch.Tensor, big_l: torch.Tensor) -> torch.Tensor:
+    """r = hi + lo - big_l exactly, big_l = fp32(hi + lo) (TwoSum in fp32 rounding, the kernel's
+    exact_residual); 0 where big_l is +inf (padding rows, rows that saw no key)."""
+    with np.errstate(invalid="ignore"):
+        b_virtual = big_l - hi
+        a_virtual = big_l - b_virtual
+        r = (hi - a_virtual) + (lo - b_virtual)
+    return torch.where(big_l < math.inf, r, torch.zeros_like(r))
+
+
+def exact_tiles(big_l: torch.Tensor, tile_m: int) -> torch.Tensor:
+    """The preprocess's per-query-block flags, bool (..., rows // tile_m) from the padded lse_log2
+    (..., rows): some row finite with |lse_log2| >= BWD_EXACT_LSE_LOG2."""
+    big = (big_l.abs() >= BWD_EXACT_LSE_LOG2) & torch.isfinite(big_l)
+    return big.reshape(*big.shape[:-1], -1, tile_m).any(-1)
 
 
 def tanh_hw(x: torch.Tensor, rel_err: float = 0.0) -> torch.Tensor:
@@ -186,7 +215,8 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
              lse: torch.Tensor, softmax_scale: float | None = None, causal: bool = False, window_size=None,
              softcap: float = 0.0, *, tanh_rel_err: float = 0.0, lse_split: torch.Tensor | None = None,
              dlse: torch.Tensor | None = None, tile_m: int = TILE, tile_n: int = TILE, mma_k: int | None = UMMA_K,
-             dq_order: str | int = "forward", return_stats: bool = False, bwd_pass: str = "both"):
+             dq_order: str | int = "forward", exact_lse: bool = True, return_stats: bool = False,
+             bwd_pass: str = "both"):
     """(dq, dk, dv) as the sm100 backward computes them (module docstring, steps 0-8).
 
     dout, out: (B, Sq, H, Dv); q: (B, Sq, H, D); k: (B, Sk, Hk, D); v: (B, Sk, Hk, Dv); all
@@ -195,6 +225,8 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     window_size: None or flash-attn's (left, right) (-1 = unbounded; causal sets right = 0).
     softcap: > 0: scores softcap * tanh(scale * S / softcap) (steps 2 and 5); tanh_rel_err: tanh_hw's.
     lse_split: None or float32 (2, B, H, Sq), the forward's log2-domain LSE split (step 0).
+    exact_lse: the exact-LSE path of flagged query blocks (step 2; the kernel as built); False models
+      a kernel without it (P from the rounded lse_log2 everywhere).
     dlse: None or (B, H, Sq), the LSE's gradient (D -= dlse).
     tile_m / tile_n: query rows / keys per block (the kernel's 128; multiples of 16). mma_k: UMMA
       k-step (None: one rounding per tile product). dq_order: step 7.
@@ -206,7 +238,8 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
       kv_tiles, tile_pairs ((m, n) pairs a CTA visits, per KV head and batch: m_block_range),
       skipped_pairs (the others), steps (CTA steps summed over the key blocks of one (batch, KV head):
       group x visited query blocks), p_max (largest fp32 P: <= 1 up to the forward's error),
-      ds_absmax, dq_adds (fp32 adds into dq_accum per query head and batch).
+      ds_absmax, dq_adds (fp32 adds into dq_accum per query head and batch), exact_blocks (flagged
+      query blocks over batch and heads).
     """
     _check_args(dout, q, k, v, out, lse, tile_m, tile_n, dq_order)
     if bwd_pass not in BWD_PASSES:
@@ -232,13 +265,18 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     pad = (0, rows_q - seqlen_q)
     d_sum = torch.nn.functional.pad(d_sum, pad).reshape(batch, nheads_k, group, rows_q)
     big_l = torch.nn.functional.pad(lse_log2(lse, lse_split), pad, value=math.inf)
+    hi, lo = (torch.nn.functional.pad(t, pad) for t in lse_split_halves(lse, lse_split))
+    resid = exact_residual(hi, lo, big_l).reshape(batch, nheads_k, group, rows_q)
+    flags = exact_tiles(big_l, tile_m).reshape(batch, nheads_k, group, m_tiles)
+    if not exact_lse:
+        flags = torch.zeros_like(flags)
     big_l = big_l.reshape(batch, nheads_k, group, rows_q)
 
     q64, do64 = _heads_rows(q, group, rows_q), _heads_rows(dout, group, rows_q)  # (B, Hk, group, rows_q, D)
     k64, v64 = _heads_rows(k, 1, rows_k)[:, :, 0], _heads_rows(v, 1, rows_k)[:, :, 0]  # (B, Hk, rows_k, D)
 
     stats = {"kv_tiles": n_tiles, "tile_pairs": 0, "skipped_pairs": 0, "steps": 0, "p_max": 0.0,
-             "ds_absmax": 0.0, "dq_adds": 0}
+             "ds_absmax": 0.0, "dq_adds": 0, "exact_blocks": int(flags.sum())}
     dk = torch.zeros(batch, nheads_k, rows_k, headdim, dtype=dtype)
     dv = torch.zeros(batch, nheads_k, rows_k, headdim_v, dtype=dtype)
     dq_parts = {}  # (m, n) -> fp32 (B, Hk, group, tile_m, D)
@@ -274,7 +312,11 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
                 neg_l = (-big_l[:, :, g, qsl]).unsqueeze(2).expand_as(s_t).contiguous()
                 if softcap > 0:  # score.apply: S^T -> tanh(S^T * a), before the mask
                     s_t = tanh_hw(s_t * softcap_scale, tanh_rel_err)
-                p = exp2_hw(fma_f32(s_t, c, neg_l)).masked_fill(hidden, 0.0)
+                x = fma_f32(s_t, c, neg_l)
+                # the exact-LSE path of flagged blocks (per (batch, KV head) of this query head g)
+                flag = flags[:, :, g, m].reshape(batch, nheads_k, 1, 1)
+                x = torch.where(flag, x - resid[:, :, g, qsl].unsqueeze(2), x)
+                p = exp2_hw(x).masked_fill(hidden, 0.0)
                 p16 = p.to(dtype)  # 4. the TMEM P^T
                 stats["p_max"] = max(stats["p_max"], float(p.max()))
                 if with_dv:  # 6. dV += P^T dO (k-steps over the block's query rows)

@@ -7,7 +7,8 @@ Preprocess, per (batch, seqlen_q, head) row, before the main kernel:
                         +inf for a row that saw no key, so the backward's P = 2^(S*c - lse_log2)
                         is 0 there)
     exact[b, h, s // tile_m] = 1 if |lse_log2| >= BWD_EXACT_LSE_LOG2 (finite): that query tile
-                        computes P from lse_hi, lse_lo unrounded (kernels/sm90/bwd.py, issue 8)
+                        computes P from lse_hi, lse_lo unrounded (kernels/sm90/bwd.py and the
+                        1-CTA kernels/sm100/bwd.py, issue 8)
     dq_accum[b, h, s, :] = 0 (the main kernel reduce-adds dQ into it; one pass instead of a
                         separate memset of the largest buffer of the backward)
 Postprocess, after it: dq[b, s, h, :] = dq_accum[b, h, s, :] in the input dtype; with

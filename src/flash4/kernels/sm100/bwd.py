@@ -17,6 +17,12 @@ section 1, "Backward"), five tcgen05 MMAs, every accumulator in tensor memory (T
                                      smem -> cp.reduce.async.bulk .add.f32 into the fp32 dQ
                                      accumulator of flash4.backward (shared pre/postprocess)
 dS carries the softmax scale, so dK and dQ need no rescaling (flash4's convention, as on sm90).
+Exact-LSE path (issue 8; every 1-CTA config, flash4.kernels.sm100.bwd_plan.bwd_exact_lse): query tiles the
+preprocess flagged (|lse_log2| >= BWD_EXACT_LSE_LOG2 in some row; the flag is read per step, a branch
+uniform over the CTA) subtract r = hi + lo - lse_log2 (the forward's unrounded split; TwoSum, one query
+per lane, shuffled to the columns) from every exponent before the exp2, so P is exact at the row max at
+any finite magnitude, as the sm90 backward (exact_residual). The 2-CTA variant has no such branch (its
+compute step spilled with it): there P uses the rounded lse_log2.
 Softcap configs (the sm90 backward's order, through flash4.kernels.common.score): S^T -> tanh(S^T *
 scale / softcap) (MUFU.TANH) before the exp2, whose scale is then softcap * log2e; dS^T is multiplied
 by score.grad_factor = 1 - t^2, t recovered from P^T and the LSE (MUFU.LG2; no register kept for t),
@@ -39,7 +45,7 @@ block of max_seqlen_k, KV head, sequence), every global view offset to the seque
 padded per-sequence LSE / dPsum / dQ accumulator of flash4.backward), the MMA warp zeroing K / V / Q / dO
 rows past the sequence in smem before their first MMA (zero_tail). docs/design/sm100_backward.md section 9.
 
-(192, 128) (DeepSeek's head dims; 1-CTA, dense or packed, no softcap): dK + dV take 320 of the 512 TMEM
+(192, 128) (DeepSeek's head dims; 1-CTA, dense or packed, softcap or not): dK + dV take 320 of the 512 TMEM
 columns, so S^T and dP^T share columns (dP^T over S^T's second half, dQ over both: bwd_tmem_map_serial)
 and each step runs serially (mma_serial: S(i) after dQ(i-1) was read out, dP(i) after P^T(i) was
 written); the P^T halves lie contiguous at S's start, so the compute warpgroups sync before writing
@@ -60,9 +66,9 @@ pass dkdq each V / dO chunk of its do ring (zero_chunk_tails); pass dkdq's roles
 computed before the role branch (pass_tile).
 
 Not built (refused by flash4.config.sm100.select_bwd_config / bwd_config_problem): head dims other than
-64 / 128 / (192, 128) (hd256: one of its two passes), other Dv != D, softcap at (192, 128), packed
-sequences in the 2-CTA variant, the GQA head split, and the exact-LSE path of issue 8 (P uses the
-rounded padded log2 LSE the preprocess writes; the per-tile exact flags are not read).
+64 / 128 / (192, 128) (hd256: one of its two passes), other Dv != D, softcap at (192, 128) in bf16 with
+causal and deterministic together (bwd_serial_problem: it spills), packed sequences in the 2-CTA
+variant, the GQA head split. Not in the 2-CTA variant: the exact-LSE path (above).
 """
 
 import math
@@ -91,7 +97,7 @@ from flash4.kernels.common.layout import select_modes
 from flash4.kernels.common.pipeline import next_state
 from flash4.kernels.common.seqinfo import SeqInfo
 from flash4.kernels.sm100.bwd_plan import (BWD_VDO_COLS, BWD_WARP_ROLES, DQ_GROUP_ROWS, DQ_LD_COLS, BwdRegisterPlan,
-                                           bwd_dq_passes,
+                                           bwd_dq_passes, bwd_exact_lse,
                                            bwd_p_barrier, bwd_pass, bwd_pipeline_specs, bwd_register_plan,
                                            bwd_serial_schedule, bwd_tmem_alloc_cols, bwd_tmem_map, bwd_warp_roles)
 from flash4.kernels.sm100.pipes import (ArrivalLedger, Pipe, named_barrier_arrive, named_barrier_sync, tcgen05_fence_after,
@@ -214,7 +220,8 @@ class FlashAttentionBackwardSm100:
       (i+1 < n: S(i+1), which overwrites P(i)'s columns only after dV(i) read them: tcgen05 MMAs of one
       thread run in order) ; [wait ds] dK += dS^T Q(i) ; release Q(i) ; dQ = dS K ; commit dq, ds ;
       (i+1 < n: [wait dq empty: dQ(i) read out] dP(i+1), over dQ(i)'s and dS(i)'s columns) ; finally dkv.
-    Compute per step: wait lse, s ; S^T -> registers ; (softcap: tanh) P (fp32, kept) ; P^T -> TMEM ;
+    Compute per step: [exact flag of the query tile] ; wait lse, s ; S^T -> registers ; (softcap: tanh)
+      exponents (flagged tile: minus the exact-LSE residual) ; P (fp32, kept) ; P^T -> TMEM ;
       arrive s ; release lse (softcap: after dS) ; wait dpsum, dp, ds empty ; per 32 columns dP^T ->
       dS^T (softcap: times grad_factor) -> TMEM and smem ; arrive ds ; release dpsum.
     """
@@ -234,6 +241,8 @@ class FlashAttentionBackwardSm100:
         self.packed = cfg.varlen_q or cfg.varlen_k
         # (192, 128): S^T and dP^T share TMEM columns, so each step runs serially (mma_serial)
         self.serial = bwd_serial_schedule(cfg)
+        # the exact-LSE path (issue 8) in the compute step: every 1-CTA config (bwd_exact_lse)
+        self.exact_lse = bwd_exact_lse(cfg)
         # P^T halves contiguous at S's start (2-CTA, serial): both warpgroups read S^T before either writes P^T
         self.p_barrier = bwd_p_barrier(cfg)
         # hd256 pass "dv" (bwd_pass): S^T and dV += P^T dO only; no V, dP^T, dS^T, dK, dQ (mma_dv_pass)
@@ -283,9 +292,9 @@ class FlashAttentionBackwardSm100:
         mdK: cute.Tensor,  # (batch, seqlen_k, nheads_k, headdim)
         mdV: cute.Tensor,
         mdQsem: cute.Tensor,  # (batch, nheads, num_m_blocks) int32, zeroed; used when deterministic
-        mExact: cute.Tensor,  # unused (the exact-LSE path is not built on sm100)
-        mLSEhi: cute.Tensor,  # unused
-        mLSElo: cute.Tensor,  # unused
+        mExact: cute.Tensor,  # (batch, nheads, num_m_blocks) int32: 1 where the query tile takes the exact P path
+        mLSEhi: cute.Tensor,  # (batch, nheads, seqlen_q) fp32: LSE * log2(e) = hi + lo, unrounded (exact path)
+        mLSElo: cute.Tensor,
         mCuSeqlensQ: Optional[cute.Tensor],  # packed configs (1-CTA): (batch + 1,) int32; else None
         mCuSeqlensK: Optional[cute.Tensor],
         mSeqUsedQ: Optional[cute.Tensor],
@@ -317,7 +326,9 @@ class FlashAttentionBackwardSm100:
         mQ, mK, mV, mdO, mdK, mdV = [select_modes(t, [1, 3, 2, 0]) for t in (mQ, mK, mV, mdO, mdK, mdV)]
         mLSE2, mD = [select_modes(t, [2, 1, 0]) for t in (mLSE2, mD)]
         mdQacc = select_modes(mdQacc, [2, 3, 1, 0])  # (seqlen_pad, d, heads, batch)
-        mdQsem = select_modes(mdQsem, [2, 1, 0])  # (num_m_blocks, heads, batch)
+        mdQsem, mExact = [select_modes(t, [2, 1, 0]) for t in (mdQsem, mExact)]  # (num_m_blocks, heads, batch)
+        mLSEhi, mLSElo = [select_modes(t, [2, 1, 0]) for t in (mLSEhi, mLSElo)]  # (seqlen_q, heads, batch)
+        lse_exact = (mExact, mLSEhi, mLSElo)
 
         cta_group = tcgen05.CtaGroup.TWO if const_expr(self.two_cta) else tcgen05.CtaGroup.ONE
         mma_s, mma_dp, mma_dv, mma_dk, mma_dq = bwd_tiled_mmas(self.cfg)
@@ -421,7 +432,8 @@ class FlashAttentionBackwardSm100:
         if const_expr(self.two_cta):
             # a cluster of 2 per 2 x tile_n keys (flash4.launch.bwd_grid rounds n_blocks up to pairs)
             self.kernel(
-                tma_K, tma_Q, tma_V, tma_dO, mLSE2, mD, mdQacc, mdQsem, mdK, mdV, tma_atom_K, tma_atom_Q, tma_atom_V,
+                tma_K, tma_Q, tma_V, tma_dO, mLSE2, mD, mdQacc, mdQsem, lse_exact, mdK, mdV, tma_atom_K, tma_atom_Q,
+                tma_atom_V,
                 tma_atom_dO, softmax_scale, window_left, window_right, *layouts, mma_s, mma_dp, mma_dv, mma_dk, mma_dq,
                 storage_2cta, softcap if const_expr(self.cfg.softcap) else None, extra,
             ).launch(grid=(num_ctas, 1, 1), block=[self.num_threads, 1, 1], cluster=[self.cta_group, 1, 1],
@@ -429,7 +441,8 @@ class FlashAttentionBackwardSm100:
         elif const_expr(self.packed):
             # packed sequences: the sequence tensors and max_seqlen_k (tile_coords_packed)
             self.kernel(
-                tma_K, tma_Q, tma_V, tma_dO, mLSE2, mD, mdQacc, mdQsem, mdK, mdV, tma_atom_K, tma_atom_Q, tma_atom_V,
+                tma_K, tma_Q, tma_V, tma_dO, mLSE2, mD, mdQacc, mdQsem, lse_exact, mdK, mdV, tma_atom_K, tma_atom_Q,
+                tma_atom_V,
                 tma_atom_dO, softmax_scale, window_left, window_right, *layouts, mma_s, mma_dp, mma_dv, mma_dk, mma_dq,
                 storage_dv if const_expr(self.dv_pass) else SharedStorage,
                 softcap if const_expr(self.cfg.softcap) else None, (),
@@ -437,13 +450,15 @@ class FlashAttentionBackwardSm100:
             ).launch(grid=(num_ctas, 1, 1), block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
         elif const_expr(self.dv_pass):
             self.kernel(
-                tma_K, tma_Q, tma_V, tma_dO, mLSE2, mD, mdQacc, mdQsem, mdK, mdV, tma_atom_K, tma_atom_Q, tma_atom_V,
+                tma_K, tma_Q, tma_V, tma_dO, mLSE2, mD, mdQacc, mdQsem, lse_exact, mdK, mdV, tma_atom_K, tma_atom_Q,
+                tma_atom_V,
                 tma_atom_dO, softmax_scale, window_left, window_right, *layouts, mma_s, mma_dp, mma_dv, mma_dk, mma_dq,
                 storage_dv, softcap if const_expr(self.cfg.softcap) else None,
             ).launch(grid=(num_ctas, 1, 1), block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
         else:
             self.kernel(
-                tma_K, tma_Q, tma_V, tma_dO, mLSE2, mD, mdQacc, mdQsem, mdK, mdV, tma_atom_K, tma_atom_Q, tma_atom_V,
+                tma_K, tma_Q, tma_V, tma_dO, mLSE2, mD, mdQacc, mdQsem, lse_exact, mdK, mdV, tma_atom_K, tma_atom_Q,
+                tma_atom_V,
                 tma_atom_dO, softmax_scale, window_left, window_right, *layouts, mma_s, mma_dp, mma_dv, mma_dk, mma_dq,
                 SharedStorage, softcap if const_expr(self.cfg.softcap) else None,
             ).launch(grid=(num_ctas, 1, 1), block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
@@ -493,7 +508,8 @@ class FlashAttentionBackwardSm100:
     # ------------------------------------------------------------------ device side
     @cute.kernel
     def kernel(self, mK: cute.Tensor, mQ: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mLSE2: cute.Tensor,
-               mD: cute.Tensor, mdQacc: cute.Tensor, mdQsem: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
+               mD: cute.Tensor, mdQacc: cute.Tensor, mdQsem: cute.Tensor, lse_exact: tuple, mdK: cute.Tensor,
+               mdV: cute.Tensor,
                tma_atom_K: cute.CopyAtom, tma_atom_Q: cute.CopyAtom, tma_atom_V: cute.CopyAtom,
                tma_atom_dO: cute.CopyAtom, softmax_scale: Float32, window_left: Int32, window_right: Int32,
                sK_layout: cute.ComposedLayout, sQ_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
@@ -503,8 +519,10 @@ class FlashAttentionBackwardSm100:
                mma_s: cute.TiledMma, mma_dp: cute.TiledMma, mma_dv: cute.TiledMma, mma_dk: cute.TiledMma,
                mma_dq: cute.TiledMma, SharedStorage: cutlass.Constexpr, softcap: Optional[Float32],
                extra: tuple = (), seqs: tuple = ()):
-        """extra (2-CTA only): the TMA tensors and atoms of Q^T, dO^T and K^T. seqs (packed configs
-        only): (cu_seqlens_q, cu_seqlens_k, seqused_q or None, seqused_k or None, max_seqlen_k)."""
+        """lse_exact: the exact-LSE path's (exact flags (num_m_blocks, heads, batch), LSE hi, LSE lo
+        (seqlen_q, heads, batch)). extra (2-CTA only): the TMA tensors and atoms of Q^T, dO^T and K^T.
+        seqs (packed configs only): (cu_seqlens_q, cu_seqlens_k, seqused_q or None, seqused_k or None,
+        max_seqlen_k)."""
         mmas = (mma_s, mma_dp, mma_dv, mma_dk, mma_dq)
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == self.roles["load"][0]:
@@ -589,6 +607,10 @@ class FlashAttentionBackwardSm100:
             mLSE2, mD = [cute.domain_offset((seq.padded_offset_q, 0, 0), t) for t in (mLSE2, mD)]
             mdQacc = cute.domain_offset((seq.padded_offset_q, 0, 0, 0), mdQacc)
             mdQsem = cute.domain_offset((seq.padded_offset_q // self.tile_m, 0, 0), mdQsem)
+            mExact, mLSEhi, mLSElo = lse_exact  # flags: padded tiles; hi, lo: packed rows
+            lse_exact = (cute.domain_offset((seq.padded_offset_q // self.tile_m, 0, 0), mExact),
+                         cute.domain_offset((seq.offset_q, 0, 0), mLSEhi),
+                         cute.domain_offset((seq.offset_q, 0, 0), mLSElo))
         elif const_expr(self.dkdq_pass):
             # pass dkdq: each role computes its coordinates after its setmaxnreg (kept live from here,
             # the first query block spilled: 1 STL + 3 LDL at every register split tried)
@@ -614,12 +636,13 @@ class FlashAttentionBackwardSm100:
             self.set_regs(self.regs.compute)
             self.wait_tmem_alloc()
             if const_expr(self.two_cta):
-                self.compute(mmas, sLSE, sD, sdSt, mdK, mdV, pipes, tile, softmax_scale, window, softcap, cta_v)
+                self.compute(mmas, sLSE, lse_exact, sD, sdSt, mdK, mdV, pipes, tile, softmax_scale, window, softcap,
+                             cta_v)
             elif const_expr(self.dkdq_pass):
-                self.compute(mmas, sLSE, sD, sdSt, mdK, mdV, pipes, self.pass_tile(tile, mQ, mK, window), softmax_scale,
-                             window, softcap)
+                self.compute(mmas, sLSE, lse_exact, sD, sdSt, mdK, mdV, pipes, self.pass_tile(tile, mQ, mK, window),
+                             softmax_scale, window, softcap)
             else:
-                self.compute(mmas, sLSE, sD, sdSt, mdK, mdV, pipes, tile, softmax_scale, window, softcap)
+                self.compute(mmas, sLSE, lse_exact, sD, sdSt, mdK, mdV, pipes, tile, softmax_scale, window, softcap)
             self.release_tmem()
         else:
             self.set_regs(self.regs.other)
@@ -1356,7 +1379,7 @@ class FlashAttentionBackwardSm100:
 
     # ---------------------------------------------------------------- compute warpgroups
     @cute.jit
-    def compute(self, mmas, sLSE, sD, sdSt, mdK, mdV, pipes, tile, softmax_scale: Float32, window, softcap,
+    def compute(self, mmas, sLSE, lse_exact, sD, sdSt, mdK, mdV, pipes, tile, softmax_scale: Float32, window, softcap,
                 cta_v=None):
         """Compute warpgroups (see the class docstring). 2-CTA (cta_v: this CTA's rank): P^T halves are
         contiguous at S's start, so both warpgroups read S^T before either writes P^T (a named
@@ -1429,8 +1452,13 @@ class FlashAttentionBackwardSm100:
         ds_phase = Int32(1)  # dS smem free: the first wait passes
         lse_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
         d_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.do_stages)
+        mExact = lse_exact[0]
         for i in cutlass.range(n_steps, unroll=1):
-            _, m_block = self.step_coords(tile, i)
+            head, m_block = self.step_coords(tile, i)
+            # the query tile's exact-LSE flag (the preprocess's; uniform over the CTA), loaded before the waits
+            exact = False
+            if const_expr(self.exact_lse):
+                exact = mExact[m_block, head, batch] != 0
             # query columns [first, end) of this warpgroup's chunk 0 see this key (first NO_COLUMN: none;
             # end: the window's left side, else past every column)
             col0 = m_block * self.tile_m + wg * self.wg_cols
@@ -1457,8 +1485,15 @@ class FlashAttentionBackwardSm100:
             for j in cutlass.range_constexpr(chunks_per_wg):
                 col = wg * self.wg_cols + j * LD_COLS
                 score.apply(ps[j], softcap_scale, self.cfg.softcap)  # softcap: S -> tanh(S * softcap_scale)
-                self.probs(ps[j], t0ScS, sLSE, lse_state.index, col, first - j * LD_COLS, end - j * LD_COLS,
-                           scale_log2)
+                self.exponent(ps[j], t0ScS, sLSE, lse_state.index, col, scale_log2)
+            if exact:  # issue 8: |lse_log2| >= BWD_EXACT_LSE_LOG2 in some row of the tile (rare; static False
+                # without bwd_exact_lse)
+                for j in cutlass.range_constexpr(chunks_per_wg):
+                    col = wg * self.wg_cols + j * LD_COLS
+                    self.exact_residual(ps[j], t0ScS, sLSE, lse_state.index, col, lse_exact, head, batch,
+                                        m_block * self.tile_m + col, seqlen_q)
+            for j in cutlass.range_constexpr(chunks_per_wg):
+                self.probs(ps[j], t0ScS, first - j * LD_COLS, end - j * LD_COLS)
                 if const_expr(not self.dkdq_pass):
                     self.store16(ps[j], thr_st, cute.make_tensor(p_dst.iterator + j * st_cols, p_dst.layout), st_shape)
             cute.arch.fence_view_async_tmem_store()
@@ -1552,19 +1587,52 @@ class FlashAttentionBackwardSm100:
                 pipe.arrive_full(index, role)
 
     @cute.jit
-    def probs(self, s, t0ScS, sLSE, stage, col0, first, end, scale_log2: Float32):
-        """s (one chunk of this thread's S^T row, queries col0 ..) -> P = exp2(s c - lse), 0 where the
-        query does not see the key (column < first, or >= end: a window's left side). The LSE of
-        padded rows is +inf: P = 0 there."""
+    def exponent(self, s, t0ScS, sLSE, stage, col0, scale_log2: Float32):
+        """s (one chunk of this thread's S^T row, queries col0 ..) -> fma(s, c, -lse_log2) in place, the
+        padded log2 LSE staged in smem (+inf on padded rows, so P = 0 there)."""
         for j in cutlass.range(0, cute.size(s), 2, unroll_full=True):
             c0, c1 = t0ScS[j][1], t0ScS[j + 1][1]
-            x0, x1 = cute.arch.fma_packed_f32x2((s[j], s[j + 1]), (scale_log2, scale_log2),
-                                                (-sLSE[col0 + c0, stage], -sLSE[col0 + c1, stage]))
+            s[j], s[j + 1] = cute.arch.fma_packed_f32x2((s[j], s[j + 1]), (scale_log2, scale_log2),
+                                                        (-sLSE[col0 + c0, stage], -sLSE[col0 + c1, stage]))
+
+    @cute.jit
+    def exact_residual(self, s, t0ScS, sLSE, stage, col0, lse_exact, head, batch, query0, seqlen_q):
+        """The exact-LSE path (issue 8) on one chunk of exponents from `exponent`, for a query tile the
+        preprocess flagged (|lse_log2| >= BWD_EXACT_LSE_LOG2 in some row): s -= r, r the rounding error
+        of the staged lse_log2 = fp32(hi + lo) (the preprocess's sum of the forward's unrounded split),
+        recovered exactly by TwoSum (hi + lo = lse_log2 + r). So s = fp32(fp32(S c - lse_log2) - r):
+        the sm90 backward's fp32(fp32(S c - hi) - lo) up to where the small remainder is rounded, exact
+        at the row max at any finite magnitude. Lane l computes r of query query0 + l (the chunk's
+        LD_COLS = 32 columns: one per lane; hi, lo from global memory) and each column's r is
+        broadcast by shuffle (one value per column: hi and lo broadcast separately, or loaded per
+        column, were hoisted by ptxas and spilled). r = 0 where lse_log2 is +inf (padded rows, rows
+        that saw no key: P is already 0)."""
+        if const_expr(LD_COLS != WARP_SIZE):
+            raise RuntimeError("flash4 bwd_sm100: exact_residual computes one query per lane")
+        _, mLSEhi, mLSElo = lse_exact
+        lane = cute.arch.lane_idx()
+        row = cutlass.min(query0 + lane, seqlen_q - 1)  # in bounds (seqlen_q >= 1 when a step runs)
+        hi, lo = mLSEhi[row, head, batch], mLSElo[row, head, batch]
+        big_l = sLSE[col0 + lane, stage]  # = fp32(hi + lo) for rows < seqlen_q, +inf past it
+        b_virtual = big_l - hi  # TwoSum(hi, lo) with its rounded sum big_l: r = hi + lo - big_l exactly
+        a_virtual = big_l - b_virtual
+        r_lane = (hi - a_virtual) + (lo - b_virtual)
+        r_lane = cutlass.select_(big_l < Float32.inf, r_lane, Float32(0.0))
+        for j in cutlass.range(0, cute.size(s), 2, unroll_full=True):
+            r0, r1 = cute.arch.shuffle_sync(r_lane, t0ScS[j][1]), cute.arch.shuffle_sync(r_lane, t0ScS[j + 1][1])
+            s[j], s[j + 1] = cute.arch.sub_packed_f32x2((s[j], s[j + 1]), (r0, r1))
+
+    @cute.jit
+    def probs(self, s, t0ScS, first, end):
+        """s (one chunk of exponents: exponent, and exact_residual on flagged tiles) -> P = exp2(s), 0 where the query
+        does not see the key (column < first, or >= end: a window's left side)."""
+        for j in cutlass.range(0, cute.size(s), 2, unroll_full=True):
+            c0, c1 = t0ScS[j][1], t0ScS[j + 1][1]
             hidden0, hidden1 = c0 < first, c1 < first
             if const_expr(self.cfg.local):
                 hidden0, hidden1 = hidden0 | (c0 >= end), hidden1 | (c1 >= end)
-            s[j] = Float32(cutlass.select_(hidden0, Float32(0.0), exp2_hw(x0)))
-            s[j + 1] = Float32(cutlass.select_(hidden1, Float32(0.0), exp2_hw(x1)))
+            s[j] = Float32(cutlass.select_(hidden0, Float32(0.0), exp2_hw(s[j])))
+            s[j + 1] = Float32(cutlass.select_(hidden1, Float32(0.0), exp2_hw(s[j + 1])))
 
     @cute.jit
     def dscores(self, p, dp, t0ScS, sD, stage, col0, scale: Float32, sLSE, lse_stage, inv_scale_log2):

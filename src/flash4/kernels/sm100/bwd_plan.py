@@ -192,7 +192,7 @@ def bwd_register_plan_problem(plan: BwdRegisterPlan) -> str | None:
     return None
 
 
-def default_bwd_register_plan(headdim: int, causal: bool) -> BwdRegisterPlan:
+def default_bwd_register_plan(headdim: int, causal: bool, packed: bool = False) -> BwdRegisterPlan:
     """FA4's 1-CTA budgets (flash_bwd_sm100.py __init__): reduce / compute / load = mma 152 / 136 / 88,
     summing to 512 (tuned by FA4 on B200, not here). FA4 moves 16 registers from the reduce to the
     compute warpgroups for causal (136 / 144 / 88); flash4 keeps 152 / 136 / 88 for every 1-CTA
@@ -200,23 +200,39 @@ def default_bwd_register_plan(headdim: int, causal: bool) -> BwdRegisterPlan:
     (192, 128) too: 0 spills at 152 / 136 / 88 for its 12 configs without softcap. Tried and rejected
     there (CuTe DSL 4.8.1, 2026-12-02; spills in LDL / STL of one compile each): 136 / 144 / 88 and
     120 / 144 / 104 (the MMA warp's descriptors or a prologue value, 15-32), 136 / 136 / 104 (FA4's
-    hd192 numbers: the reduce warps, 39-50 without the deterministic chain), 144 / 144 / 80 (26). With
-    softcap the compute step holds one value more than 136 (1 LDL + 1 STL; with a window the MMA warp
-    spills 10 too), so softcap at (192, 128) is not built (bwd_serial_problem)."""
-    del headdim, causal
+    hd192 numbers: the reduce warps, 39-50 without the deterministic chain), 144 / 144 / 80 (26).
+    Since the exact-LSE branch in the compute step (issue 8; CuTe DSL 4.8.1, 2026-12-02): hd64
+    136 / 144 / 88 (FA4's causal split: 152 / 136 / 88 spilled 1 LDL + 1 STL in each of the 12 hd64
+    configs; 144 / 144 / 80 also clean); packed hd128 (varlen, seqused) 144 / 144 / 80 (152 / 136 / 88
+    spilled 3 + 3 full bf16, 136 / 144 / 88 2 + 2; the dense deterministic hd128 configs spill 1-13 at
+    144 / 144 / 80 in the reduce warps, so dense hd128 keeps 152 / 136 / 88)."""
+    del causal
+    if headdim == 64:
+        return BwdRegisterPlan(136, 144, 88)
+    if headdim == 128 and packed:
+        return BwdRegisterPlan(144, 144, 80)
     return BwdRegisterPlan(152, 136, 88)
 
 
 def default_bwd_register_plan_pass(bwd_pass: str) -> BwdRegisterPlan:
-    """The budgets of a pass of a two-pass config (hd256). "dv": the 1-CTA 152 / 136 / 88 (0 spills; the
-    reduce warps idle). "dkdq": 128 / 152 / 80 -- its compute step (P kept in registers for dS, the
-    window's bounds, the coordinates computed after setmaxnreg) spilled at 136 (4 LDL / STL full fp16,
-    18 with a window at 144), its reduce warps (dQ read in 32-column passes) and its MMA / load warps
-    fit 128 and 80 (CuTe DSL 4.8.1, 2026-12-02: 0 spills for bf16 / fp16 x full / causal / window,
-    deterministic or not, and with softcap (bf16 x full / causal / window, both passes); tried and
-    rejected: 152 / 136 / 88, 136 / 144 / 88, 144 / 144 / 80, 160 / 136 / 80, 152 / 128 / 104,
-    144 / 136 / 96, 136 / 136 / 104)."""
-    return BwdRegisterPlan(128, 152, 80) if bwd_pass == "dkdq" else BwdRegisterPlan(152, 136, 88)
+    """The budgets of a pass of a two-pass config (hd256). "dv": 96 / 144 / 128 (its reduce warps idle).
+    "dkdq": 128 / 168 / 48 -- its compute step (P kept in registers for dS, the window's bounds, the
+    coordinates computed after setmaxnreg) spilled at 136 (4 LDL / STL full fp16, 18 with a window at
+    144); its reduce warps (dQ read in 32-column passes) keep the launch budget 128 (less made the bf16
+    window softcap config worse: 27 at 120 / 152 / 88, 48 at 112 / 152 / 96); its MMA / load warps
+    fit 48. Tried and rejected for dkdq before the exact-LSE branch: 152 / 136 / 88, 136 / 144 / 88,
+    144 / 144 / 80, 160 / 136 / 80, 152 / 128 / 104, 144 / 136 / 96, 136 / 136 / 104.
+    Before the exact-LSE branch (issue 8) the plans were 152 / 136 / 88 and 128 / 152 / 80. With it
+    (CuTe DSL 4.8.1, 2026-12-02; LDL + STL of one compile): dv bf16 causal softcap spilled 13 at
+    152 / 136 / 88 (the same at 104 / 160 / 88, 120 / 152 / 88, 136 / 136 / 104; 3 at 128 / 136 / 112;
+    0 at 120 / 136 / 120), packed dv bf16 causal / window softcap + seqused 10 / 7 at 120 / 136 / 120,
+    104 / 136 / 136 and 112 / 136 / 128 (0 at 96 / 144 / 128); dkdq bf16 window softcap 10 at
+    128 / 152 / 80 (0 at 128 / 160 / 64); packed dkdq bf16 full softcap + seqused 3 (a prologue value,
+    seqlen_k, stored before the role branch, reloaded in the compute and MMA warps) at 128 / 152 / 80,
+    128 / 160 / 64, 136 / 152 / 72, 128 / 144 / 96, 120 / 152 / 88, 112 / 152 / 96 (144 / 144 / 80:
+    25). At these plans: 0 spills for the 30 configs of two_pass_bwd_configs and 11 packed ones
+    (tests/cpu/test_sm100_bwd_passes.py compiles 26 of them)."""
+    return BwdRegisterPlan(128, 168, 48) if bwd_pass == "dkdq" else BwdRegisterPlan(96, 144, 128)
 
 
 def default_bwd_register_plan_2cta(headdim: int, causal: bool) -> BwdRegisterPlan:
@@ -387,15 +403,31 @@ def bwd_pass_tmem_problem(headdim: int, hdim_v: int, bwd_pass: str, tile_m: int 
     return None
 
 
-def bwd_serial_problem(softcap: bool = False) -> str | None:
-    """Why the serial schedule ((192, 128)) cannot take a problem class, or None: softcap (its compute
-    step needs more than the 136 registers of default_bwd_register_plan, and no 512-register split
-    found compiled without spills)."""
-    if softcap:
-        return ("softcap at (headdim, headdim_v)=(192, 128): the serial sm100 backward is built without softcap "
-                "(its compute step spills at 136 registers per thread and no register split compiled without "
-                "spills; docs/design/sm100_backward.md section 10)")
+def bwd_serial_problem(softcap: bool = False, dtype: str = "bf16", causal: bool = False,
+                       deterministic: bool = False) -> str | None:
+    """Why the serial schedule ((192, 128)) cannot take a problem class, or None. Softcap is built (11 of
+    its 12 dtype x mask x deterministic combinations compile with 0 spills at 152 / 136 / 88) except bf16,
+    causal, deterministic: its kernel keeps one value of the prologue (before the role branch) in local
+    memory, 1 STL + 3 LDL, at every register split tried (CuTe DSL 4.8.1, 2026-12-02: 152 / 136 / 88,
+    136 / 144 / 88 4; 144 / 136 / 96 36, 152 / 136 / 80 74, 136 / 136 / 104 73, 160 / 136 / 72 82; each role
+    computing its coordinates after its setmaxnreg, as pass dkdq does, left 2 and made the causal
+    non-deterministic config spill 2)."""
+    if softcap and dtype == "bf16" and causal and deterministic:
+        return ("softcap with bf16, causal and deterministic=True at (headdim, headdim_v)=(192, 128): that serial "
+                "sm100 backward config spills (1 STL + 3 LDL at every register split tried; fp16, or "
+                "deterministic=False, or a window are built; docs/design/sm100_backward.md section 10.3)")
     return None
+
+
+def bwd_exact_lse(cfg) -> bool:
+    """Whether the kernel carries the exact-LSE path (issue 8: query tiles the preprocess flagged take
+    P from the forward's unrounded hi + lo): every 1-CTA config (hd64, hd128, (192, 128), both hd256
+    passes, packed or not). Not the 2-CTA variant (opt-in, FLASH4_SM100_2CTA): its compute step spilled
+    with the branch at every register split tried (CuTe DSL 4.8.1, 2026-12-02; LDL + STL per compile:
+    fp16 full 32-99 at 112 / 144 / 112, 120 / 144 / 104, 128 / 144 / 96, 120 / 152 / 88, 112 / 152 / 96,
+    104 / 152 / 104; softcap causal 32-104 at six splits), so there P uses the rounded lse_log2 (exact
+    while |LSE log2 e| < BWD_EXACT_LSE_LOG2, off by up to half an fp32 ulp of it beyond)."""
+    return getattr(cfg, "cta_group", 1) == 1
 
 
 def bwd_tmem_overlaps(cfg) -> tuple:
