@@ -16,14 +16,16 @@ K/V (cu_seqlens_k); each page size P lays the same keys into pages of P rows in 
 seqlen_k may reach a result: the check below would see it).
 Variants (kernel configs, called through flash4's runner directly; the shipped defaults are untouched):
   shipped        what flash4's plan picks for the page size today (flash4.config.fwd_config)
-  g              gathered rows (page_gather), both gather switches off (the path shipped until this branch)
-  g_zf           + gather_zero_fill: the producer zero-fills rows past seqlen_k, no zero_v_tail
-  g_ro           + gather_row_offsets: 64-bit row offsets shuffled per pass (fewer producer instructions)
-  g_zf_ro        both
-  g_zf_ro_s3     both, and 3 K/V stages (kv_stages; 229,376 + 1,024 bytes of smem at d128)
+  g              gathered rows (page_gather), zero-fill off (FLASH4_GATHER_ZERO_FILL=0); pages <= 16
+  g_zf           gathered rows with gather_zero_fill (the shipped gathered path since 2026-12-02): the
+                 producer zero-fills rows past seqlen_k, no zero_v_tail
+  g_zf_s3        the same with 3 K/V stages (kv_stages; 229,376 + 1,024 bytes of smem at d128)
   tma, tma_s3    TMA page pieces (gcd(P, 128) rows per copy), 2 / 3 K/V stages
-  tma_pf, tma_pf_s3  the same with the page-table look-ahead (page_prefetch)
-Gathered kernels do not depend on the page size (one compile serves every P).
+  tma_pf         the same with the page-table look-ahead (page_prefetch), every page size
+  tma_pf_s3      both, pages <= 32
+Gathered kernels do not depend on the page size (one compile serves every P). A third candidate,
+64-bit row addresses shuffled per pass ("row offsets"), was removed after the H200 run of
+2026-12-02 night gave wrong results (docs/design/small_pages.md).
 Timing: per page size, ROUNDS interleaved rounds over contiguous + that page's variants (order
 reversed every other round), each the median of calls (flash4.bench.common.time_ms); the table gives
 TFLOPs (4 H D * visible pairs) and variant / contiguous = contiguous ms / variant ms (target >= 0.95).
@@ -47,7 +49,7 @@ import time
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
 HEADDIM, NHEADS, NHEADS_K, DTYPE, CAUSAL, TILE_N = 128, 32, 8, "bf16", True, 128
-PAGES = (16, 32, 128)
+PAGES = (16, 32, 64, 128)
 ROUNDS, REP_MS = 5, 100.0
 
 
@@ -87,9 +89,8 @@ def variants(page: int) -> dict:
     paged = dict(varlen_q=True, seqused_k=True)
     base = base_config()
 
-    def gathered(zf, ro, stages=2):
-        return with_seq_layout(base, **paged, page_gather=True, gather_zero_fill=zf, gather_row_offsets=ro,
-                               kv_stages=stages)
+    def gathered(zero_fill, stages=2):
+        return with_seq_layout(base, **paged, page_gather=True, gather_zero_fill=zero_fill, kv_stages=stages)
 
     def tma(prefetch, stages=2):
         return with_seq_layout(base, **paged, page_rows=paged_page_rows(page, TILE_N), page_prefetch=prefetch,
@@ -97,11 +98,11 @@ def variants(page: int) -> dict:
 
     out = {"shipped": shipped_config(page)}
     if page <= 16:
-        out.update(g=gathered(False, False), g_zf=gathered(True, False), g_ro=gathered(False, True))
-    out.update(g_zf_ro=gathered(True, True), g_zf_ro_s3=gathered(True, True, 3))
-    out.update(tma=tma(False), tma_s3=tma(False, 3))
+        out.update(g=gathered(False))
+    out.update(g_zf=gathered(True), g_zf_s3=gathered(True, 3))
+    out.update(tma=tma(False), tma_s3=tma(False, 3), tma_pf=tma(True))
     if page <= 32:
-        out.update(tma_pf=tma(True), tma_pf_s3=tma(True, 3))
+        out.update(tma_pf_s3=tma(True, 3))
     return out
 
 
@@ -115,7 +116,7 @@ def plan_configs(pages=PAGES) -> list:
 
 def short(cfg) -> str:
     if cfg.page_gather:
-        bits = ["gather"] + [name for name in ("gather_zero_fill", "gather_row_offsets") if getattr(cfg, name)]
+        bits = ["gather"] + (["gather_zero_fill"] if cfg.gather_zero_fill else [])
     elif cfg.page_rows:
         bits = [f"tma pieces {cfg.page_rows}"] + (["prefetch"] if cfg.page_prefetch else [])
     else:

@@ -57,7 +57,7 @@ def fwd_variants(config) -> list:
                 seq(full, varlen_q=True, seqused_k=True, **config.paged_layout(5, full.tile_n, 0, False)),
                 # gathered as the doors build it (flash4.config.sm90.with_gather: zero-fill by default)
                 with_gather(seq(full, varlen_q=True, seqused_k=True, **config.paged_layout(5, full.tile_n, 0, False)),
-                            (config.GATHER_ZERO_FILL, config.GATHER_ROW_OFFSETS)),
+                            config.GATHER_ZERO_FILL),
                 seq(full, varlen_q=True, seqused_k=True, **config.paged_layout(16, full.tile_n, 0, True)),
                 seq(full, seqused_k=True, split_kv=True),
                 seq(sel(d, "bf16", False, sink=True), seqused_k=True, split_kv=True),

@@ -11,7 +11,6 @@
 | FLASH4_SMALL_PAGES | 0 refuses paged K/V whose page size is not a multiple of 8 (by default any page size >= 1 is served; those pages are gathered row by row) | on |
 | FLASH4_PAGE_PREFETCH | paged K/V by TMA pieces: read page-table entries two blocks ahead (0/1; A/B) | flash4.config.PAGE_PREFETCH |
 | FLASH4_GATHER_ZERO_FILL | gathered paged K/V: the producer zero-fills rows past seqlen_k (0/1; A/B) | flash4.config.GATHER_ZERO_FILL |
-| FLASH4_GATHER_ROW_OFFSETS | gathered paged K/V: 64-bit row offsets shuffled per pass (0/1; A/B) | flash4.config.GATHER_ROW_OFFSETS |
 | FLASH4_PAGED_KV_STAGES | paged prefill on sm90: K/V pipeline stages (2 or 3; 3 only where smem allows; A/B) | flash4.config.PAGED_KV_STAGES |
 | FLASH4_SM100       | sm_100 kernels: off, selftest (run after passing flash4.selftest), on (unchecked) | selftest |
 | FLASH4_PORTABLE    | the portable (sm80) family on its own GPUs (sm_80/86/89/120): off, selftest (run after passing flash4.selftest), on (unchecked); not read where it is forced (FLASH4_FAMILY=portable on sm_90) | selftest |
@@ -121,15 +120,10 @@ def gather_zero_fill() -> bool | None:
     return _flag("FLASH4_GATHER_ZERO_FILL")
 
 
-def gather_row_offsets() -> bool | None:
-    """FLASH4_GATHER_ROW_OFFSETS (0/1, ...), or None when unset: the gathered paged path shuffles
-    64-bit row offsets (FwdConfig.gather_row_offsets). For A/B measurements."""
-    return _flag("FLASH4_GATHER_ROW_OFFSETS")
-
-
 def paged_kv_stages() -> int | None:
     """FLASH4_PAGED_KV_STAGES (2 or 3), or None when unset: K/V pipeline stages of the sm90 paged
-    prefill forward (flash4.config.sm90.paged_speed; 3 only where smem allows). For A/B measurements."""
+    prefill forward (flash4.config.sm90.with_paged_kv_stages; 3 only where smem allows). For A/B
+    measurements."""
     value = _get("FLASH4_PAGED_KV_STAGES")
     if value is None:
         return None
@@ -271,7 +265,7 @@ def force_family(name: str) -> None:
 # gates, the sm_100 2-CTA switch): flash4.memo keys its prepared calls on their raw values.
 PLAN_VARIABLES = ("FLASH4_ARCH", "FLASH4_NUM_SMS", "FLASH4_FAMILY", "FLASH4_SMALL_PAGES", "FLASH4_PAGE_GATHER_MAX",
                   "FLASH4_PAGE_PREFETCH", "FLASH4_SM100", "FLASH4_PORTABLE", "FLASH4_SM100_2CTA",
-                  "FLASH4_GATHER_ZERO_FILL", "FLASH4_GATHER_ROW_OFFSETS", "FLASH4_PAGED_KV_STAGES")
+                  "FLASH4_GATHER_ZERO_FILL", "FLASH4_PAGED_KV_STAGES")
 _PLAN_KEYS = tuple(os.environ.encodekey(name) for name in PLAN_VARIABLES)
 
 

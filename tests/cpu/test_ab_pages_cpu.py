@@ -17,7 +17,7 @@ import ab_pages as tool  # noqa: E402
 
 @pytest.fixture(autouse=True)
 def _defaults(monkeypatch):
-    for name in ("FLASH4_GATHER_ZERO_FILL", "FLASH4_GATHER_ROW_OFFSETS", "FLASH4_PAGED_KV_STAGES",
+    for name in ("FLASH4_GATHER_ZERO_FILL", "FLASH4_PAGED_KV_STAGES",
                  "FLASH4_PAGE_GATHER_MAX", "FLASH4_PAGE_PREFETCH"):
         monkeypatch.delenv(name, raising=False)
 
@@ -25,27 +25,29 @@ def _defaults(monkeypatch):
 def test_dry_run(capsys):
     assert tool.main(["--dry-run"]) == 0
     text = capsys.readouterr().out
-    assert "page   16 g_zf_ro_s3" in text and "16 kernels" in text
+    assert "page   16 g_zf_s3" in text and "page   64 tma_pf" in text and "18 kernels" in text
 
 
 def test_variants():
-    v16, v32, v128 = (tool.variants(p) for p in (16, 32, 128))
+    v16, v32, v64, v128 = (tool.variants(p) for p in (16, 32, 64, 128))
     assert list(v16)[0] == "shipped" and v16["shipped"].page_gather and v16["shipped"].gather_zero_fill
     assert v16["shipped"] == v16["g_zf"]  # the default gathered path today
-    assert not v16["g"].gather_zero_fill and not v16["g"].gather_row_offsets
-    assert v16["g_zf_ro_s3"].kv_stages == 3 and v16["tma_s3"].kv_stages == 3 and v16["tma"].page_rows == 16
+    assert v16["g"].page_gather and not v16["g"].gather_zero_fill and "g" not in v32
+    assert v16["g_zf_s3"].kv_stages == 3 and v16["tma_s3"].kv_stages == 3 and v16["tma"].page_rows == 16
     assert v32["shipped"] == v32["tma"] and v32["tma"].page_rows == 32 and v32["tma_pf"].page_prefetch
-    assert v128["tma"].page_rows == 128 and "tma_pf" not in v128
+    assert v64["shipped"] == v64["tma"] and v64["tma_pf"].page_rows == 64 and "tma_pf_s3" not in v64
+    assert v128["tma"].page_rows == 128 and v128["tma_pf"].page_prefetch and "tma_pf_s3" not in v128
     # a gathered kernel does not depend on the page size: one compile serves every page size
-    assert v16["g_zf_ro"] == v32["g_zf_ro"] == v128["g_zf_ro"]
-    for cfg in list(v16.values()) + list(v32.values()) + list(v128.values()):
+    assert v16["g_zf"] == v32["g_zf"] == v64["g_zf"] == v128["g_zf"]
+    assert v16["g_zf_s3"] == v128["g_zf_s3"] and v16["g_zf_s3"].gather_zero_fill
+    for cfg in [c for v in (v16, v32, v64, v128) for c in v.values()]:
         assert cfg.paged and cfg.causal and cfg.headdim == 128 and cfg.varlen_q and cfg.seqused_k
         assert cfg.smem_bytes() + 1024 <= 227 * 1024
 
 
 def test_plan_configs_cover_every_variant():
     configs = tool.plan_configs()
-    assert len(configs) == len(set(configs)) == 16
+    assert len(configs) == len(set(configs)) == 18
     assert configs[0] == tool.contiguous_config() and configs[0].varlen_k
     for page in tool.PAGES:
         assert set(tool.variants(page).values()) <= set(configs)
@@ -53,8 +55,12 @@ def test_plan_configs_cover_every_variant():
 
 def test_shipped_follows_the_switches(monkeypatch):
     monkeypatch.setenv("FLASH4_PAGED_KV_STAGES", "3")
-    monkeypatch.setenv("FLASH4_GATHER_ROW_OFFSETS", "1")
-    assert tool.shipped_config(16) == tool.variants(16)["g_zf_ro_s3"]
+    assert tool.shipped_config(16) == tool.variants(16)["g_zf_s3"]
+    monkeypatch.setenv("FLASH4_GATHER_ZERO_FILL", "0")
+    monkeypatch.setenv("FLASH4_PAGED_KV_STAGES", "2")
+    assert tool.shipped_config(16) == tool.variants(16)["g"]
+    monkeypatch.setenv("FLASH4_PAGE_PREFETCH", "1")
+    assert tool.shipped_config(64) == tool.variants(64)["tma_pf"]
 
 
 def test_paged_pool_lays_out_the_keys():

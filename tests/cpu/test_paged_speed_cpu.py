@@ -1,9 +1,9 @@
 """Paged prefill candidates (issue 25 items 1/3/6) without a GPU: the gathered path's producer
-zero-fill (FwdConfig.gather_zero_fill, on by default for gathered pages), its 64-bit row offsets
-(gather_row_offsets), a third K/V stage for paged configs (with_paged_kv_stages), their switches,
-and that the kernels compile for sm_90a without spills: zero-fill has no consumer zeroing (no VTail
-barrier, no zero stores), its cp.async carries the stage's swizzle and the src-size operand, and
-row offsets cut the producer's steady-state instructions. GPU side: tests/gpu/test_paged.py,
+zero-fill (FwdConfig.gather_zero_fill, on by default for gathered pages), a third K/V stage for paged
+configs (with_paged_kv_stages, off by default), their switches, and that the kernels compile for
+sm_90a without spills: zero-fill has no consumer zeroing (no VTail barrier, no zero stores), its
+cp.async carries the stage's swizzle and the src-size operand, and it cuts the producer's
+steady-state instructions. GPU side: tests/gpu/test_paged.py,
 test_small_pages.py, test_leak_fwd.py, tools/sanitize.py (racecheck, paged_16); speed: tools/ab_pages.py."""
 
 import dataclasses
@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from flash4 import env
-from flash4.config import (GATHER_ROW_OFFSETS, GATHER_ZERO_FILL, HDIMV_PAIRS, PAGED_KV_STAGES, SUPPORTED_HEADDIMS,
-                           fwd_config, paged_layout, paged_page_rows, select_fwd_config, with_seq_layout)
+from flash4.config import (GATHER_ZERO_FILL, HDIMV_PAIRS, PAGED_KV_STAGES, SUPPORTED_HEADDIMS, fwd_config,
+                           paged_layout, paged_page_rows, select_fwd_config, with_seq_layout)
 from flash4.config.sm90 import (FWD_SMEM_OVERHEAD, FwdConfig, decode_plan, fwd_smem_fits, gather_policy,
                                 with_gather, with_paged_kv_stages)
 from flash4.arch import capacity
@@ -36,9 +36,9 @@ def _request(page: int, d: int = 128):
 
 # ================================================================ policy and configs (pure)
 def test_defaults():
-    # zero-fill is equivalent bit for bit (V rows past seqlen_k 0, K rows masked): on; the speed
-    # switches off until the H200 A/B (tools/ab_pages.py)
-    assert GATHER_ZERO_FILL is True and GATHER_ROW_OFFSETS is False and PAGED_KV_STAGES == 2
+    # zero-fill is equivalent bit for bit (V rows past seqlen_k 0, K rows masked) and faster on the
+    # H200: on; a third stage gained nothing there (tools/ab_pages.py, 2026-12-02 night): 2
+    assert GATHER_ZERO_FILL is True and PAGED_KV_STAGES == 2
 
 
 def test_switches_need_page_gather_and_stay_out_of_repr():
@@ -46,23 +46,22 @@ def test_switches_need_page_gather_and_stay_out_of_repr():
     with pytest.raises(AssertionError):
         dataclasses.replace(tma, gather_zero_fill=True)
     with pytest.raises(AssertionError):
-        FwdConfig(headdim=128, gather_row_offsets=True)
+        FwdConfig(headdim=128, gather_zero_fill=True)
     g = _paged(page=4)
     assert "gather_" not in repr(g)  # off: the repr (compile-cache key) of every earlier config is kept
-    on = with_gather(g, (True, True))
-    assert on.gather_zero_fill and on.gather_row_offsets and "gather_zero_fill=True" in repr(on)
-    assert with_gather(tma, (True, True)) == tma  # TMA page pieces: unchanged
+    on = with_gather(g, True)
+    assert on.gather_zero_fill and "gather_zero_fill=True" in repr(on)
+    assert with_gather(on, False) == g
+    assert with_gather(tma, True) == tma  # TMA page pieces: unchanged
 
 
 def test_gather_policy_env(monkeypatch):
-    for name in ("FLASH4_GATHER_ZERO_FILL", "FLASH4_GATHER_ROW_OFFSETS"):
-        monkeypatch.delenv(name, raising=False)
-    assert gather_policy() == (GATHER_ZERO_FILL, GATHER_ROW_OFFSETS)
+    monkeypatch.delenv("FLASH4_GATHER_ZERO_FILL", raising=False)
+    assert gather_policy() is GATHER_ZERO_FILL
     monkeypatch.setenv("FLASH4_GATHER_ZERO_FILL", "0")
-    monkeypatch.setenv("FLASH4_GATHER_ROW_OFFSETS", "1")
-    assert gather_policy() == (False, True)
-    monkeypatch.setenv("FLASH4_GATHER_ROW_OFFSETS", "sometimes")
-    with pytest.raises(ValueError, match="FLASH4_GATHER_ROW_OFFSETS='sometimes'"):
+    assert gather_policy() is False
+    monkeypatch.setenv("FLASH4_GATHER_ZERO_FILL", "sometimes")
+    with pytest.raises(ValueError, match="FLASH4_GATHER_ZERO_FILL='sometimes'"):
         gather_policy()
 
 
@@ -101,27 +100,28 @@ def test_third_stage_where_smem_allows(d, dv, page):
 
 @pytest.mark.parametrize("page", [3, 16, 32, 128])
 def test_fwd_plan_applies_the_switches(page, monkeypatch):
-    for name in ("FLASH4_GATHER_ZERO_FILL", "FLASH4_GATHER_ROW_OFFSETS", "FLASH4_PAGED_KV_STAGES",
-                 "FLASH4_PAGE_GATHER_MAX", "FLASH4_PAGE_PREFETCH"):
+    for name in ("FLASH4_GATHER_ZERO_FILL", "FLASH4_PAGED_KV_STAGES", "FLASH4_PAGE_GATHER_MAX",
+                 "FLASH4_PAGE_PREFETCH"):
         monkeypatch.delenv(name, raising=False)
     cfg = fwd_config(_request(page), 90).cfg
     gathered = page % 8 != 0 or page <= 16
     assert cfg.page_gather == gathered and cfg.kv_stages == 2
-    assert cfg.gather_zero_fill == (gathered and GATHER_ZERO_FILL) and not cfg.gather_row_offsets
-    monkeypatch.setenv("FLASH4_GATHER_ROW_OFFSETS", "1")
+    assert cfg.gather_zero_fill == (gathered and GATHER_ZERO_FILL)
     monkeypatch.setenv("FLASH4_PAGED_KV_STAGES", "3")
     cfg = fwd_config(_request(page), 90).cfg
-    assert cfg.kv_stages == 3 and cfg.gather_row_offsets == gathered
+    assert cfg.kv_stages == 3 and cfg.gather_zero_fill == (gathered and GATHER_ZERO_FILL)
     monkeypatch.setenv("FLASH4_GATHER_ZERO_FILL", "0")
     assert not fwd_config(_request(page), 90).cfg.gather_zero_fill
 
 
 def test_decode_plan_takes_the_gather_policy():
     plan = decode_plan(64, 1, 32, 8, 128, "bf16", True, 4, 8192, 0, 90, 132, page_policy=(16, False),
-                       gather=(True, True))
-    assert plan.cfg.page_gather and plan.cfg.gather_zero_fill and plan.cfg.gather_row_offsets
+                       gather_zero_fill=True)
+    assert plan.cfg.page_gather and plan.cfg.gather_zero_fill
+    plan = decode_plan(64, 1, 32, 8, 128, "bf16", True, 4, 8192, 0, 90, 132, page_policy=(16, False))
+    assert plan.cfg.page_gather and not plan.cfg.gather_zero_fill
     plan = decode_plan(64, 1, 32, 8, 128, "bf16", True, 64, 8192, 0, 90, 132, page_policy=(16, False),
-                       gather=(True, True))
+                       gather_zero_fill=True)
     assert not plan.cfg.page_gather and not plan.cfg.gather_zero_fill  # TMA pieces: no gather fields
 
 
@@ -143,14 +143,14 @@ def test_swizzle_helpers():
 BASE = _paged(page=16)  # the gathered page-16 forward as shipped before zero-fill
 CANDIDATES = {
     "g": BASE,
-    "g_zf": with_gather(BASE, (True, False)),
-    "g_zf_ro_s3": dataclasses.replace(with_gather(BASE, (True, True)), kv_stages=3),
-    "d96_zf_ro": with_gather(_paged(96, 4), (True, True)),  # 4 threads per row, 64-byte swizzle
+    "g_zf": with_gather(BASE, True),
+    "g_zf_s3": dataclasses.replace(with_gather(BASE, True), kv_stages=3),
+    "d96_zf": with_gather(_paged(96, 4), True),  # 4 threads per row, 64-byte swizzle
     "tma32_s3": dataclasses.replace(_paged(page=32), kv_stages=3),
-    "d256_zf": with_gather(_paged(256, 4), (True, False)),  # 80-key blocks: 5 passes
-    "d64_zf_ro_s3": dataclasses.replace(with_gather(_paged(64, 4), (True, True)), kv_stages=3),  # 3 warpgroups
-    "decode_d64_page1_zf_ro": decode_plan(8, 1, 32, 8, 64, "bf16", False, 1, 8192, 0, 90, 132,
-                                          gather=(True, True)).cfg,  # 1 warpgroup, split-KV
+    "d256_zf": with_gather(_paged(256, 4), True),  # 80-key blocks: 5 passes
+    "d64_zf_s3": dataclasses.replace(with_gather(_paged(64, 4), True), kv_stages=3),  # 3 warpgroups
+    "decode_d64_page1_zf": decode_plan(8, 1, 32, 8, 64, "bf16", False, 1, 8192, 0, 90, 132,
+                                       gather_zero_fill=True).cfg,  # 1 warpgroup, split-KV
 }
 
 
@@ -196,18 +196,17 @@ def test_zero_v_tail_still_there_without_zero_fill(rows):
     assert f"BAR.SYNC.DEFER_BLOCKING {hex(int(NamedBarrierFwd.VTail))}," in rows["g"]["sass"]
 
 
-def test_row_offsets_cut_the_producer_loop(rows):
+def test_zero_fill_cuts_the_producer_loop(rows):
     """Steady-state K + V loads of the d128 page-16 producer (SASS between cp.async commits, 2026-12-02):
-    507 instructions before, 429 with zero-fill, 248 with zero-fill and row offsets (ptxas folds the
-    zero-fill into LDGSTS's predicate operand, and a pass is two SHFL of its row's address, a compare
-    and two LDGSTS); 16 cp.async and 16 shuffles per load either way."""
+    507 instructions without zero-fill, 429 with it (ptxas folds the zero-fill into LDGSTS's predicate
+    operand; no branch per row); 16 cp.async and 16 shuffles per load either way."""
     base = producer_segments(rows["g"]["sass"])
-    lean = producer_segments(rows["g_zf_ro_s3"]["sass"])
+    lean = producer_segments(rows["g_zf"]["sass"])
     assert len(base) == len(lean) == 4
-    assert lean[1] + lean[2] <= 0.6 * (base[1] + base[2]), (base, lean)
+    assert lean[1] + lean[2] < base[1] + base[2], (base, lean)
 
 
 def test_switches_are_plan_variables():
     """flash4.memo keys prepared calls by the plan's environment: a switch flipped between calls
     (tools, GPU tests) must reach the plan."""
-    assert {"FLASH4_GATHER_ZERO_FILL", "FLASH4_GATHER_ROW_OFFSETS", "FLASH4_PAGED_KV_STAGES"} <= set(env.PLAN_VARIABLES)
+    assert {"FLASH4_GATHER_ZERO_FILL", "FLASH4_PAGED_KV_STAGES"} <= set(env.PLAN_VARIABLES)

@@ -123,28 +123,26 @@ def test_page_gather_switch_is_bitwise_tma(page_size, monkeypatch):
     assert torch.equal(out_t[rows], out_g[rows]) and torch.equal(lse_t[:, rows], lse_g[:, rows])
 
 
-GATHER_SWITCHES = {  # (FLASH4_GATHER_ZERO_FILL, FLASH4_GATHER_ROW_OFFSETS, FLASH4_PAGED_KV_STAGES)
-    "plain": ("0", "0", "2"), "ro": ("0", "1", "2"), "zf_ro": ("1", "1", "2"), "zf_ro_s3": ("1", "1", "3"),
-    "s3": ("0", "0", "3"),
+GATHER_SWITCHES = {  # (FLASH4_GATHER_ZERO_FILL, FLASH4_PAGED_KV_STAGES); the default: zero-fill, 2 stages
+    "plain": ("0", "2"), "s3": ("0", "3"), "zf_s3": ("1", "3"),
 }
 
 
 @pytest.mark.parametrize("d", [96, 128])
-@pytest.mark.parametrize("page_size", [1, 3, 16])  # 1: the FastDivmod lookup by a divisor of 1
+@pytest.mark.parametrize("page_size", [1, 3, 16])  # 1: one key row per page
 @pytest.mark.parametrize("switches", list(GATHER_SWITCHES))
 def test_gather_candidates_bitwise(switches, page_size, d, monkeypatch):
-    """The paged prefill candidates of issue 25 (tools/ab_pages.py: producer zero-fill, 64-bit row
-    offsets, a third K/V stage) against the default gathered path, NaN in every slot outside the
+    """The paged prefill switches of issue 25 (tools/ab_pages.py: producer zero-fill off, a third K/V
+    stage) against the default gathered path (zero-fill, 2 stages), NaN in every slot outside the
     sequences: the same bits, and within the rule against the reference. d96: 4 threads per row and
-    a 64-byte swizzle; d128: 8 threads per row, 128-byte swizzle (6 kernels each, the page size
+    a 64-byte swizzle; d128: 8 threads per row, 128-byte swizzle (4 kernels each, the page size
     does not change a gathered kernel)."""
     from flash4.config.sm90 import decode_plan
 
     q, k, v, cu_q, cu_k = make_varlen(*LENS, 8, 2, d, seed=80 + page_size)
     k_cache, v_cache, table, seqused_k = paged(k, v, cu_k, page_size, seed=page_size, fill=math.nan)
     out_d, lse_d = check_fwd(q, k_cache, v_cache, cu_q, None, True, seqused_k=seqused_k, page_table=table)
-    for name, value in zip(("FLASH4_GATHER_ZERO_FILL", "FLASH4_GATHER_ROW_OFFSETS", "FLASH4_PAGED_KV_STAGES"),
-                           GATHER_SWITCHES[switches]):
+    for name, value in zip(("FLASH4_GATHER_ZERO_FILL", "FLASH4_PAGED_KV_STAGES"), GATHER_SWITCHES[switches]):
         monkeypatch.setenv(name, value)
     monkeypatch.setenv("FLASH4_PAGE_GATHER_MAX", "16")
     decode_plan.cache_clear()

@@ -67,19 +67,23 @@ TMA_PAGE_ROWS = 8
 # of contiguous gathered vs 0.721 by TMA pieces, decode 0.965 of copy bandwidth vs 0.876. Page 32
 # was not measured, so it keeps TMA pieces.
 PAGE_GATHER_MAX = 16
-# TMA page pieces with the page-table look-ahead (FwdConfig.page_prefetch): off until the same A/B
-# (FLASH4_PAGE_PREFETCH overrides it).
+# TMA page pieces with the page-table look-ahead (FwdConfig.page_prefetch; FLASH4_PAGE_PREFETCH
+# overrides it). H200 A/B of 2026-12-02 night (tools/ab_pages.py, docs/design/small_pages.md): page 16
+# 426 vs 410 TF (+3.9%), page 32 502 vs 482 TF (+4.1%), bitwise equal; not measured at pages 64 / 128,
+# so it stays off until it is measured there.
 PAGE_PREFETCH = False
 # Gathered pages (FwdConfig.gather_zero_fill): the producer zero-fills K/V rows past seqlen_k with
-# cp.async of src-size 0, and the consumers no longer zero V's tail (zero_v_tail). On: results are the
-# same bit for bit (V rows past seqlen_k exactly 0 either way, K rows past it masked), and every byte
-# of a stage has one writer (compute-sanitizer racecheck flagged the consumers' zeros against the
-# producer's cp.async, tools/sanitize.py paged_16). Not yet timed on the H200 (tools/ab_pages.py);
-# FLASH4_GATHER_ZERO_FILL=0 turns it off.
+# cp.async of src-size 0, and the consumers no longer zero V's tail (zero_v_tail). Same results bit for
+# bit (V rows past seqlen_k exactly 0 either way, K rows past it masked), and every byte of a stage has
+# one writer: compute-sanitizer racecheck of tools/sanitize.py paged_16 went from 12 hazards (the
+# consumers' zeros against the producer's cp.async) to 0. H200 A/B of 2026-12-02 night
+# (tools/ab_pages.py): page 16 d128 prefill 473 TF (shipped) and 458 TF (the same config as "g_zf")
+# vs 442 TF off, +3.6% to +7%, bitwise equal to contiguous. FLASH4_GATHER_ZERO_FILL=0 turns it off.
 GATHER_ZERO_FILL = True
-# Gathered pages (FwdConfig.gather_row_offsets): off until the H200 A/B (tools/ab_pages.py).
-GATHER_ROW_OFFSETS = False
-# Paged prefill K/V stages on sm90 (flash4.config.sm90.paged_speed): 2 until the H200 A/B of 3.
+# Paged prefill K/V stages on sm90 (flash4.config.sm90.with_paged_kv_stages; FLASH4_PAGED_KV_STAGES=3
+# asks for 3). 2: a third stage gained nothing in the H200 A/B of 2026-12-02 night (tools/ab_pages.py, TMA
+# pieces 2 vs 3 stages: page 16 0.744 vs 0.738 of contiguous, page 32 0.877 vs 0.878, page 128 0.958
+# vs 0.949).
 PAGED_KV_STAGES = 2
 
 # The dQ postprocess stores 16-byte chunks (kernels/common/bwd_preprocess.py wide_stores): on since

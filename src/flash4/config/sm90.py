@@ -14,9 +14,9 @@ import dataclasses
 import functools
 
 from flash4.constants import DTYPES, RESCALE_THRESHOLD_LOG2, ROWS_PER_WARPGROUP
-from flash4.config import (GATHER_ROW_OFFSETS, GATHER_ZERO_FILL, HDIMV_PAIRS, PAGE_GATHER_MAX, PAGE_PREFETCH,
-                           PAGED_KV_STAGES, SUPPORTED_HEADDIMS, BwdPlan, FwdPlan, canonical_hdimv, ceil_div,
-                           mean_queries_per_key, paged_layout, with_seq_layout)
+from flash4.config import (GATHER_ZERO_FILL, HDIMV_PAIRS, PAGE_GATHER_MAX, PAGE_PREFETCH, PAGED_KV_STAGES,
+                           SUPPORTED_HEADDIMS, BwdPlan, FwdPlan, canonical_hdimv, ceil_div, mean_queries_per_key,
+                           paged_layout, with_seq_layout)
 from flash4.arch import capacity
 
 # Short-sequence forward (select_fwd_config's seqlen_k): at seqlen_k <= this a query tile visits at
@@ -30,7 +30,7 @@ SHORT_SEQLEN_K = 1024
 # Left out of the repr (the compile-cache and fingerprint key) while off, so adding one keeps every
 # other config's key: the speed switches, and sink_delta (on only when a learnable sink needs a gradient).
 _QUIET_SWITCHES = ("early_q_release", "l2_kv_heads", "exp_before_dp_wait", "dq_handoff_per_wg", "sink_delta",
-                   "gather_zero_fill", "gather_row_offsets")
+                   "gather_zero_fill")
 
 
 def _quiet_repr(cfg) -> str:
@@ -105,12 +105,7 @@ class FwdConfig:
                   writes a stage (zero_v_tail is not traced) and each stage's bytes have one writer.
                   Same results bit for bit: V rows past seqlen_k are exactly 0 either way and K rows
                   past it are masked to -inf. FLASH4_GATHER_ZERO_FILL; flash4.config.GATHER_ZERO_FILL.
-    gather_row_offsets: page_gather only, speed switch (issue 25, A/B: tools/ab_pages.py): each
-                  producer thread turns its lookup entry into a 64-bit element offset once per load
-                  and the passes shuffle it (kernels/sm90/paged_gather.py load) instead of
-                  shuffling (page, row) and multiplying by the strides per pass.
-                  FLASH4_GATHER_ROW_OFFSETS; flash4.config.GATHER_ROW_OFFSETS.
-    Both are left out of the repr while off (as early_q_release).
+                  Left out of the repr while off (as early_q_release).
     """
 
     headdim: int
@@ -140,7 +135,6 @@ class FwdConfig:
     early_q_release: bool = False
     l2_kv_heads: bool = False
     gather_zero_fill: bool = False
-    gather_row_offsets: bool = False
 
     def __post_init__(self):
         assert self.headdim in SUPPORTED_HEADDIMS, self.headdim
@@ -152,7 +146,7 @@ class FwdConfig:
         assert not self.page_gather or (self.page_rows == 0 and self.seqused_k and not self.varlen_k
                                         and self.tile_n <= 128), self
         assert not self.page_prefetch or self.page_rows > 0, self
-        assert self.page_gather or not (self.gather_zero_fill or self.gather_row_offsets), self
+        assert self.page_gather or not self.gather_zero_fill, self
         assert self.dtype in DTYPES, self.dtype
         assert self.tile_m % ROWS_PER_WARPGROUP == 0, self.tile_m
         assert self.tile_n % 16 == 0, self.tile_n
@@ -809,11 +803,11 @@ def pack_factor(nheads: int, nheads_k: int, seqlen_q: int, causal: bool, window=
 def decode_plan(batch: int, seqlen_q: int, nheads: int, nheads_k: int, headdim: int, dtype: str, causal: bool,
                 page_size: int, capacity: int, num_splits: int, arch: int, num_sms: int,
                 window=None, softcap: bool = False, sink: bool = False, headdim_v: int | None = None,
-                page_policy: tuple = (0, False), gather: tuple = (False, False)) -> FwdPlan:
+                page_policy: tuple = (0, False), gather_zero_fill: bool = False) -> FwdPlan:
     """The plan of a decode step (pure; CPU-tested; cached: a step's host work is a lookup):
     packing, config and split count. page_size: 0 for a contiguous cache; capacity: keys the cache
     can hold per sequence. headdim_v: V's head dim (None: headdim). page_policy: (gather_max,
-    prefetch) of paged_layout (page_policy()); gather: (zero_fill, row_offsets) of a gathered
+    prefetch) of paged_layout (page_policy()); gather_zero_fill: the zero-fill switch of a gathered
     config (gather_policy())."""
     pack = pack_factor(nheads, nheads_k, seqlen_q, causal, window)
     # A packed tile's rows belong to `pack` query heads, each with its own sink: the sink is then
@@ -835,7 +829,8 @@ def decode_plan(batch: int, seqlen_q: int, nheads: int, nheads_k: int, headdim: 
     if sink and pack > 1:
         num_splits = max(num_splits, 2)
     paged = paged_layout(page_size, cfg.tile_n, *page_policy) if page_size else {}
-    cfg = with_gather(with_seq_layout(cfg, seqused_k=True, split_kv=num_splits > 1, **paged), gather)
+    cfg = with_seq_layout(cfg, seqused_k=True, split_kv=num_splits > 1, **paged)
+    cfg = with_gather(cfg, gather_zero_fill)
     return FwdPlan(cfg, pack, num_splits, seqlen_p, heads_p)
 
 
@@ -864,22 +859,21 @@ def fwd_plan(request, arch: int, num_sms: int | None = None) -> FwdPlan:
     return FwdPlan(with_paged_kv_stages(with_gather(cfg, gather_policy()), paged_kv_stages_policy()))
 
 
-def gather_policy() -> tuple[bool, bool]:
-    """(zero_fill, row_offsets) of gathered paged configs for this call (with_gather):
-    FLASH4_GATHER_ZERO_FILL / FLASH4_GATHER_ROW_OFFSETS, else GATHER_ZERO_FILL / GATHER_ROW_OFFSETS."""
+def gather_policy() -> bool:
+    """The zero-fill switch of gathered paged configs for this call (with_gather):
+    FLASH4_GATHER_ZERO_FILL, else GATHER_ZERO_FILL."""
     from flash4 import env  # host-only reader
 
-    zero_fill, row_offsets = env.gather_zero_fill(), env.gather_row_offsets()
-    return (GATHER_ZERO_FILL if zero_fill is None else zero_fill,
-            GATHER_ROW_OFFSETS if row_offsets is None else row_offsets)
+    zero_fill = env.gather_zero_fill()
+    return GATHER_ZERO_FILL if zero_fill is None else zero_fill
 
 
-def with_gather(cfg: FwdConfig, gather: tuple) -> FwdConfig:
-    """cfg with gather = (zero_fill, row_offsets) when it gathers its pages (page_gather); other
-    configs unchanged (the fields need page_gather)."""
+def with_gather(cfg: FwdConfig, zero_fill: bool) -> FwdConfig:
+    """cfg with gather_zero_fill = zero_fill when it gathers its pages (page_gather); other configs
+    unchanged (the field needs page_gather)."""
     if not cfg.page_gather:
         return cfg
-    return dataclasses.replace(cfg, gather_zero_fill=bool(gather[0]), gather_row_offsets=bool(gather[1]))
+    return dataclasses.replace(cfg, gather_zero_fill=bool(zero_fill))
 
 
 def paged_kv_stages_policy() -> int:

@@ -215,8 +215,8 @@ class FlashAttentionForwardSm90:
         self.page_rows = cfg.page_rows
         # Paged K/V gathered row by row by the whole producer warpgroup (paged_gather.py).
         self.page_gather = cfg.page_gather
-        self.gather = (PagedGather(self.dtype, self.tile_n, self.hdim, self.hdim_v, cfg.gather_zero_fill,
-                                   cfg.gather_row_offsets) if cfg.page_gather else None)
+        self.gather = (PagedGather(self.dtype, self.tile_n, self.hdim, self.hdim_v, cfg.gather_zero_fill)
+                       if cfg.page_gather else None)
         # Query tiles may lie past their sequence (varlen: the grid covers max_seqlen_q).
         self.ragged_q = cfg.varlen_q or cfg.seqused_q
         # GQA packing: the pack query heads of a KV head share each query tile (layout.pack_gqa_view).
@@ -554,9 +554,6 @@ class FlashAttentionForwardSm90:
         one_cta = cute.make_layout(1)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-        page_div = None  # gather_row_offsets: page_size as a FastDivmod divisor, made once
-        if const_expr(self.page_gather and self.cfg.gather_row_offsets):
-            page_div = cute.fast_divmod_create_divisor_v2(mK.shape[0])
         tile_idx = cute.arch.block_idx()[0]
         while tile_idx < sched.num_tiles():
             m_block, head, batch = sched.coords(tile_idx)
@@ -567,7 +564,7 @@ class FlashAttentionForwardSm90:
                 in_range = m_block * self.tile_m < seq.seqlen_q
             if in_range:
                 head_kv = head // qhead_per_kvhead
-                lookup = partial(self.page_lookup, seq_params.page_table, mK, seq, tidx, page_div=page_div)
+                lookup = partial(self.page_lookup, seq_params.page_table, mK, seq, tidx)
                 load_K = partial(self.load_paged_block, atoms.k, mK, sK, pipeline_k, head_kv, seq, tidx, self.hdim)
                 load_V = partial(self.load_paged_block, atoms.v, mV, sV, pipeline_v, head_kv, seq, tidx, self.hdim_v)
                 n_block_min, n_block_max = self.n_block_range(m_block, seq, split, num_splits, window)
@@ -604,7 +601,7 @@ class FlashAttentionForwardSm90:
             tile_idx += cute.arch.grid_dim()[0]
 
     @cute.jit
-    def page_lookup(self, mPageTable, mK, seq, tidx, n_block, n_block_min, page_div=None):
+    def page_lookup(self, mPageTable, mK, seq, tidx, n_block, n_block_min):
         """The page-table entries this thread holds for key block n_block (none are read when
         n_block < n_block_min): gathered, (page, row in page) of its lookup row (paged_gather.py);
         TMA pieces, lane i the page of piece i, num_pages (out of bounds: the TMA fills zeros) for a
@@ -613,7 +610,7 @@ class FlashAttentionForwardSm90:
         in_blocks = n_block >= n_block_min
         if const_expr(self.page_gather):
             return self.gather.lookup(mPageTable, seq.batch, n_block, seq.seqlen_k, page_size, num_pages, tidx,
-                                      in_blocks, page_div)
+                                      in_blocks)
         lane = cute.arch.lane_idx()
         lane_key, lane_col, _ = geometry.paged_piece(n_block, lane, self.tile_n, self.page_rows, page_size)
         lane_page = num_pages

@@ -29,11 +29,8 @@ are skipped and keep older data, which the consumers never let through (scores m
 select, V rows zeroed by zero_v_tail before any P V). The inline cp.async takes a plain shared
 address: the stage's swizzle (part of the smem pointer's type, which ptrtoint does not apply) is
 applied by apply_swizzle. (The DSL's predicated cp.async copy zero-fills too, src-size 16 / 0, but
-with row_offsets the d64 producer, 32 registers, spilled with it: docs/design/small_pages.md.)
-Row offsets (FwdConfig.gather_row_offsets, an A/B switch): each thread turns its lookup entry into
-the 64-bit global address of its lookup row once per load; a pass shuffles that address (two SHFL),
-instead of shuffling (page, row) and multiplying both by their 64-bit strides per pass (d128 page
-16, steady-state K + V loads: SASS instruction counts in tests/cpu/test_paged_speed_cpu.py).
+with the 64-bit row addresses of a removed candidate the d64 producer, 32 registers, spilled with
+it: docs/design/small_pages.md.)
 A page index outside [0, num_pages) is clamped into it (garbage in, but no read outside K/V;
 check_seqlens=True rejects such tables on the host).
 Completion: every producer thread commits a stage with cp.async.mbarrier.arrive.noinc
@@ -96,16 +93,14 @@ def gather_layout(hdim: int, hdim_v: int, tile_n: int, elem_bits: int = 16,
 
 class PagedGather:
     """Trace-time description of the gather of one kernel config (dtype, tile_n, head dims) and its
-    two switches (FwdConfig.gather_zero_fill, FwdConfig.gather_row_offsets)."""
+    switch (FwdConfig.gather_zero_fill)."""
 
-    def __init__(self, dtype, tile_n: int, hdim: int, hdim_v: int, zero_fill: bool = False,
-                 row_offsets: bool = False):
+    def __init__(self, dtype, tile_n: int, hdim: int, hdim_v: int, zero_fill: bool = False):
         self.dtype = dtype
         self.tile_n = tile_n
         self.vec = COPY_BITS // dtype.width
         self.threads_per_row, self.rows_per_pass, self.passes = gather_layout(hdim, hdim_v, tile_n, dtype.width)
         self.zero_fill = zero_fill
-        self.row_offsets = row_offsets
 
     def tiled_copy(self):
         """cp.async (L2 only) of 16-byte chunks, threads row-major over (rows_per_pass, threads_per_row)."""
@@ -115,13 +110,10 @@ class PagedGather:
         return cute.make_tiled_copy_tv(atom, thr_layout, cute.make_layout((1, self.vec)))
 
     @cute.jit
-    def lookup(self, mPageTable: cute.Tensor, batch, n_block, seqlen_k, page_size, num_pages, tidx, in_blocks,
-               page_div=None):
+    def lookup(self, mPageTable: cute.Tensor, batch, n_block, seqlen_k, page_size, num_pages, tidx, in_blocks):
         """(page, row in page) of this thread's lookup row of key block n_block; (0, 0) for a row
         at or past seqlen_k (or past tile_n), or when in_blocks is false (a look-ahead past the
-        tile's blocks), whose page-table entry is not read. page_div: None, or page_size as a
-        FastDivmod divisor made once per kernel (with row_offsets: a multiply-high instead of an
-        integer division per lookup)."""
+        tile's blocks), whose page-table entry is not read."""
         tpr = self.threads_per_row
         row = (tidx % tpr) * self.rows_per_pass + tidx // tpr
         key = n_block * self.tile_n + row
@@ -131,15 +123,10 @@ class PagedGather:
         if const_expr(self.tile_n < self.threads_per_row * self.rows_per_pass):  # lookup rows past the block
             valid = valid & (row < self.tile_n)
         if valid:
-            if const_expr(page_div is not None):
-                col, in_page = divmod(key, page_div)
-                col = cutlass.min(col, mPageTable.shape[1] - 1)
-                page = cutlass.max(cutlass.min(mPageTable[batch, col], num_pages - 1), 0)
-            else:
-                col = key // page_size
-                in_page = key - col * page_size
-                col = cutlass.min(col, mPageTable.shape[1] - 1)
-                page = cutlass.max(cutlass.min(mPageTable[batch, col], num_pages - 1), 0)
+            col = key // page_size
+            in_page = key - col * page_size
+            col = cutlass.min(col, mPageTable.shape[1] - 1)
+            page = cutlass.max(cutlass.min(mPageTable[batch, col], num_pages - 1), 0)
         return page, in_page
 
     @cute.jit
@@ -148,10 +135,7 @@ class PagedGather:
         """cp.async key block n_block of K or V (kernel view (page_size, d, heads_k, num_pages)) into
         the (tile_n, d) smem stage sX. (page, in_page): this thread's lookup entry of the block
         (lookup). Rows >= seqlen_k: skipped, or with zero_fill written as zeros by a cp.async of
-        src-size 0 (the same thread writes the same smem bytes on every fill of a stage).
-        row_offsets: each thread turns its lookup entry into the global address of its lookup row
-        (page, row, head and its first column) once, and each pass shuffles that 64-bit address
-        (two SHFL), instead of shuffling (page, row) and multiplying both by their strides per pass."""
+        src-size 0 (the same thread writes the same smem bytes on every fill of a stage)."""
         tpr = self.threads_per_row
         tiled_copy = self.tiled_copy()
         thr = tiled_copy.get_slice(tidx)
@@ -159,40 +143,27 @@ class PagedGather:
         group = cute.arch.lane_idx() // tpr * tpr
         col0 = (tidx % tpr) * self.vec
         limit = seqlen_k - n_block * self.tile_n - tidx // tpr  # rows of this thread < limit are keys
-        my_addr = None
         if const_expr(self.zero_fill):
             # The inline cp.async takes a plain shared address: the stage's swizzle (a property of
             # the pointer type) is applied here, once, to this thread's first chunk; the other
             # chunks lie whole swizzle periods away (swizzle_invariant_offset checks it).
             swizzle = pointer_swizzle(sX.iterator)
             dst_base = apply_swizzle(tXsX[None, 0, 0].iterator.toint(), swizzle)
-        if const_expr(self.row_offsets):  # the global address of this thread's lookup row, first column
-            my_addr = (mX.iterator + cute.crd2idx((in_page, col0, head_kv, page), mX.layout)).toint()
         for m in cutlass.range_constexpr(cute.size(tXsX, mode=[1])):
             is_key = m * self.rows_per_pass < limit
-            if const_expr(self.row_offsets):
-                src_addr = cute.arch.shuffle_sync(my_addr, group + m)
-            else:
-                src_page = cute.arch.shuffle_sync(page, group + m)
-                src_row = cute.arch.shuffle_sync(in_page, group + m)
+            src_page = cute.arch.shuffle_sync(page, group + m)
+            src_row = cute.arch.shuffle_sync(in_page, group + m)
             if const_expr(self.zero_fill):
                 # Every row is written: keys copied (16 bytes), rows past seqlen_k zero-filled (src-size
                 # 0 reads nothing; their entry is (0, 0), a valid address all the same).
-                row_ptr = (self.gmem_ptr(src_addr) if const_expr(self.row_offsets)
-                           else self.row_pointer(mX, src_page, src_row, col0, head_kv))
+                row_ptr = self.row_pointer(mX, src_page, src_row, col0, head_kv)
                 src_bytes = cutlass.select_(is_key, Int32(COPY_BITS // 8), Int32(0))
                 for k in cutlass.range_constexpr(cute.size(tXsX, mode=[2])):
                     dst_addr = dst_base + swizzle_invariant_offset(tXsX.layout, m, k, self.dtype.width, swizzle)
                     cp_async_zfill(dst_addr, row_ptr + k * tpr * self.vec, src_bytes)
-            elif const_expr(self.row_offsets):
-                if is_key:
-                    self.copy_row(tiled_copy, tXsX, m, self.gmem_ptr(src_addr))
             else:
                 if is_key:  # the address math only for rows that are keys
                     self.copy_row(tiled_copy, tXsX, m, self.row_pointer(mX, src_page, src_row, col0, head_kv))
-
-    def gmem_ptr(self, addr):
-        return cute.make_ptr(self.dtype, addr, cute.AddressSpace.gmem, assumed_align=16)
 
     @cute.jit
     def copy_row(self, tiled_copy, tXsX: cute.Tensor, m: cutlass.Constexpr[int], row_ptr):
