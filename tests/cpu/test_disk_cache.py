@@ -73,7 +73,10 @@ def test_second_load_compiles_nothing(cache_dir):
 
 
 @pytest.mark.parametrize("damage", ["garbage", "truncated", "empty"])
-def test_damaged_entry_recompiles_with_a_warning(cache_dir, damage):
+def test_damaged_entry_recompiles_with_a_warning(cache_dir, damage, monkeypatch):
+    # The object is what this test damages: with FLASH4_RUNTIME_LOAD on (the default) a good
+    # shared library beside it would be loaded instead (the next test damages that one).
+    monkeypatch.setenv("FLASH4_RUNTIME_LOAD", "0")
     disk_cache.load_or_compile("bwd_preprocess", (64, "bf16", 90), OPTIONS, Counter())
     (entry,) = cache_dir.glob("*.o")
     data = entry.read_bytes()
@@ -87,6 +90,24 @@ def test_damaged_entry_recompiles_with_a_warning(cache_dir, damage):
     fresh = Counter()
     disk_cache.load_or_compile("bwd_preprocess", (64, "bf16", 90), OPTIONS, fresh)
     assert fresh.calls == 0
+
+
+@pytest.mark.parametrize("damage", ["garbage", "empty"])
+def test_damaged_shared_library_falls_back_to_the_object(cache_dir, damage, monkeypatch):
+    """FLASH4_RUNTIME_LOAD on: a damaged <key>.so warns, loads the object through the CuTe DSL
+    (no compile) and is linked afresh for the next process."""
+    monkeypatch.setenv("FLASH4_RUNTIME_LOAD", "1")
+    disk_cache.load_or_compile("bwd_preprocess", (64, "bf16", 90), OPTIONS, Counter())
+    shared = list(cache_dir.glob("*.so"))
+    if not shared:
+        pytest.skip("no C compiler driver here to link the shared library with")
+    (shared,) = shared
+    shared.write_bytes({"garbage": b"not a shared library" * 10, "empty": b""}[damage])
+    counter = Counter()
+    with pytest.warns(RuntimeWarning, match="flash4 compile cache"):
+        disk_cache.load_or_compile("bwd_preprocess", (64, "bf16", 90), OPTIONS, counter)
+    assert counter.calls == 0
+    assert shared.exists() and shared.stat().st_size > 1000  # relinked from the object
 
 
 def test_cache_off(cache_dir, monkeypatch):
