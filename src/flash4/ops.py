@@ -263,3 +263,28 @@ def kvcache_args(request: Request) -> tuple:
     return (request.q, request.k, request.v, cache.k_new, cache.v_new, seqlens if tensor else None,
             None if tensor else seqlens, request.seq.page_table, cache.cache_batch_idx, score.softmax_scale,
             mask.causal, cache.num_splits, request.check_seqlens, *mask.window_size, score.softcap, score.sink)
+
+
+# ================================================================ CPU tensors: a clear error
+def _refuse_cpu(op) -> None:
+    """op's CPU kernel: instead of the dispatcher's "Could not run 'flash4::...' with arguments from
+    the 'CPU' backend", the ValueError the public functions raise, naming the first argument that is
+    not on a CUDA device (flash4.validate's words)."""
+    qualname = f"flash4::{op._name}"
+    names = [arg.name for arg in getattr(torch.ops.flash4, op._name).default._schema.arguments]
+
+    def refuse(*args, **kwargs):
+        named = list(zip(names, args)) + list(kwargs.items())
+        for name, value in named:
+            if isinstance(value, Tensor):
+                problem = validate.cuda_problem(name, value)
+                if problem is not None:
+                    kind, message = problem
+                    raise kind(f"{qualname}: {message}")
+        raise ValueError(f"{qualname}: runs on CUDA tensors only")
+
+    op.register_kernel("cpu", refuse)
+
+
+for _op in (fwd, bwd, varlen_fwd, varlen_bwd, kvcache):
+    _refuse_cpu(_op)

@@ -383,7 +383,7 @@ def check_window_size(window_size):
 
 
 
-def _cuda_problem(name: str, t: torch.Tensor) -> Problem:
+def cuda_problem(name: str, t: torch.Tensor) -> Problem:
     """t is not on a CUDA device: the message says how to move it, or that there is no CUDA device."""
     if t.device.type == "cuda":
         return None
@@ -399,7 +399,7 @@ def _device_problem(q, others, dense: bool = False) -> Problem:
     Dense (flash_attn_func): q, k, v each on CUDA first, then on one device (its order and words)."""
     if dense:
         for name, t in [("q", q)] + list(others):
-            problem = _cuda_problem(name, t)
+            problem = cuda_problem(name, t)
             if problem is not None:
                 return problem
         for name, t in others:
@@ -409,7 +409,7 @@ def _device_problem(q, others, dense: bool = False) -> Problem:
     for name, t in others:
         if t is not None and t.device != q.device:
             return ValueError, f"{name} is on {t.device} but q is on {q.device}; pass {name}.to(q.device)"
-    return _cuda_problem("q", q)
+    return cuda_problem("q", q)
 
 
 def _arch_problem(q, causal, door=None) -> Problem:

@@ -205,13 +205,28 @@ def test_kvcache_func_uses_the_op_while_compiling(monkeypatch, cache_seqlens, wi
     assert any(str(n.target) == "aten.copy_.default" for n in gm.graph.nodes) == with_out
 
 
+def _placeholder(arg, tensor):
+    """A value of arg's schema type: the CPU tensor for tensors, None for optionals."""
+    if isinstance(arg.type, torch._C.OptionalType):
+        return None
+    if arg.type.isSubtypeOf(torch._C.TensorType.get()):
+        return tensor
+    return {"float": 0.125, "bool": False}.get(str(arg.type), 1)
+
+
 def test_ops_are_registered_for_cuda_only():
-    """Every flash4 op has a CUDA kernel and a fake (Meta) kernel, none for the CPU: a CPU call is an
-    error, never a silent fallback."""
+    """Every flash4 op has a CUDA kernel and a fake (Meta) kernel; its CPU kernel only refuses (a
+    ValueError naming the argument, tests/cpu/test_ops_cpu_tensors.py): a CPU call is an error,
+    never a silent fallback."""
+    q = torch.randn(1, 8, 2, 64, dtype=torch.bfloat16)
     for name in ("fwd", "bwd", "varlen_fwd", "varlen_bwd", "kvcache"):
         qualname = f"flash4::{name}"
         assert torch._C._dispatch_has_kernel_for_dispatch_key(qualname, "CUDA"), name
-        assert not torch._C._dispatch_has_kernel_for_dispatch_key(qualname, "CPU"), name
+        op = getattr(torch.ops.flash4, name).default
+        args = [_placeholder(arg, q) for arg in op._schema.arguments if not arg.has_default_value()]
+        first = op._schema.arguments[0].name
+        with pytest.raises(ValueError, match=f"{qualname}: {first} is on cpu"):
+            op(*args)
     assert torch._C._dispatch_has_kernel_for_dispatch_key("flash4::varlen_fwd", "Autograd")
 
 
