@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from flash4.constants import LOG2E
+from flash4.kernels.common.scales import host_scales
 from flash4.models import sm100_bwd as B
 from flash4.models import sm100_fwd as F
 from flash4.reference import attention_ref, max_abs_err
@@ -378,12 +379,12 @@ def test_extreme_logits():
 def fill_split(fill: float, d: int, seqlen_k: int, batch: int, nheads: int, seqlen_q: int) -> torch.Tensor:
     """The forward's log2-domain split for q = k = fill (every score S = fill^2 d, exact in fp32), no
     mask: hi = fp32(S c), lo = fp32((S c - hi) + log2 seqlen_k) from exact rationals, c the kernels'
-    fp32 scale_log2 at softmax_scale 1 / sqrt(d) (the forward's fp32(scale log2 e) and the backward's
-    fp32(fp32(scale) fp32(log2 e)) agree at d 64 and 128)."""
+    fp32 scale_log2 at softmax_scale 1 / sqrt(d) (the forward's, folded on the host by
+    kernels/common/scales.host_scales, equals the backward's device fold fp32(fp32(scale) fp32(log2 e)))."""
     from fractions import Fraction
 
     c = np.float32(np.float32(1 / math.sqrt(d)) * np.float32(LOG2E))
-    assert c == np.float32(1 / math.sqrt(d) * LOG2E)
+    assert c == np.float32(host_scales(1 / math.sqrt(d), 0.0, False)[0])
     sc = Fraction(fill * fill * d) * Fraction(float(c))
     hi = np.float32(float(sc))
     lo = np.float32(float(sc - Fraction(float(hi))) + math.log2(seqlen_k))

@@ -16,8 +16,9 @@ import os
 from flash4 import arch
 from flash4.arch import gpu_arch_name
 from flash4.kernels import registry
-from flash4.config import LOG2E, BwdConfig, FwdConfig
+from flash4.config import BwdConfig, FwdConfig
 from flash4.geometry import UNBOUNDED
+from flash4.kernels.common.scales import host_scales
 from flash4.launch import bwd_dynamic_seqlen_k, bwd_grid, bwd_dq_tile_grid, bwd_num_splits, bwd_rowwise_grid, fwd_grid
 from flash4.schedule import l2_section_pairs
 
@@ -125,9 +126,9 @@ def get_fwd_runner(cfg: FwdConfig):
         l2_group, num_ctas = launch_plan(batch, max_seqlen_q * pack, q.shape[2] // pack, seqlen_k_hint if cfg.lpt else 0,
                                          num_splits, arch.num_sms(q.device) if cfg.persistent else 0, kv_group)
         left, right = window if window is not None else (UNBOUNDED, UNBOUNDED)
-        # softcap: scores softcap * tanh(S * scale / softcap); the softmax scales by softcap * log2 e
-        scale_log2, softcap_scale = ((softcap * LOG2E, softmax_scale / softcap) if cfg.softcap
-                                     else (softmax_scale * LOG2E, 1.0))
+        # softcap: scores softcap * tanh(S * scale / softcap); the softmax scales by softcap * log2 e;
+        # folded in float32 as the backward kernel folds them (kernels/common/scales.py)
+        scale_log2, softcap_scale = host_scales(softmax_scale, softcap, cfg.softcap)
         return scale_log2, softcap_scale, batch, max_seqlen_q, num_splits, left, right, l2_group, num_ctas
 
     def run(q, k, v, out, lse, softmax_scale: float, lse_split=None, seqs=None, batch=None, max_seqlen_q=None,

@@ -17,8 +17,8 @@ import cutlass.cute as cute
 
 from flash4.compile.fake import fwd_fake_args, seq_fake_args, sink_fake_arg, split_fake_args
 from flash4.config.sm80 import Sm80FwdConfig, gpu_arch_name
-from flash4.constants import LOG2E
 from flash4.geometry import UNBOUNDED
+from flash4.kernels.common.scales import host_scales
 from flash4.kernels.sm80.fwd import FlashAttentionForwardSm80
 
 COMPILE_OPTIONS = "--enable-tvm-ffi"
@@ -103,8 +103,7 @@ def fwd_runner(cfg: Sm80FwdConfig):
         seqlen_k = k.shape[1] // max(batch, 1) if cfg.varlen_k else k.shape[1]
         l2_group = l2_section_heads(seqlen_k, cfg.headdim) if cfg.lpt else 1
         left, right = window if window is not None else (UNBOUNDED, UNBOUNDED)
-        scale_log2, softcap_scale = ((softcap * LOG2E, softmax_scale / softcap) if cfg.softcap
-                                     else (softmax_scale * LOG2E, 1.0))
+        scale_log2, softcap_scale = host_scales(softmax_scale, softcap, cfg.softcap)
         if tiles == 0:
             return
         compiled(q, k, v, out, lse, lse_split[0], lse_split[1], *seqs, None, None, None, sink, scale_log2,

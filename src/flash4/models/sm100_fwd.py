@@ -61,7 +61,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from flash4.constants import FWD_EXACT_REF_LOG2, LOG2E, RESCALE_THRESHOLD_LOG2
+from flash4.constants import FWD_EXACT_REF_LOG2, RESCALE_THRESHOLD_LOG2
+from flash4.kernels.common.scales import host_scales
 from flash4.kernels.common.exp2_poly import _fma_f32, emulated_column, exp2_emulated_np
 from flash4.kernels.sm100.plan import EXP2_EMU_FRAC, EXP2_EMU_GROUP
 
@@ -216,7 +217,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: fl
     if not 0 <= seqlen_k <= keys_in_memory:
         raise ValueError(f"seqused_k={seqused_k} must be in [0, k.shape[1]={keys_in_memory}]")
     scale = 1.0 / math.sqrt(headdim) if softmax_scale is None else float(softmax_scale)
-    c = float(np.float32(scale * LOG2E))  # the kernel's Float32 scale_log2
+    c = host_scales(scale, 0.0, False)[0]  # the kernel's Float32 scale_log2, folded as the host does
     if exp2_emu_columns is None:
         emulated = emu_columns(tile_n, exp2_emu_frac)
     else:

@@ -9,9 +9,9 @@ and multiplies dS by d(score)/dS / softmax_scale = 1 - t^2 (`grad_factor`). A la
 modification (an ALiBi bias, a user score_mod) adds its transform and derivative here and a
 ScoreMod flag in the configs; the kernels call only these three functions.
 
-`scales` is written for two kinds of numbers, as flash4.geometry: the host calls it on Python
-floats (the forward's launch arguments), the backward kernel on device Float32 values, so both
-fold the scales by the same formula.
+`scales` (kernels/common/scales.py) is written for two kinds of numbers, as flash4.geometry: the
+host calls it on numpy float32 values (`host_scales`, the forward's launch arguments), the backward
+kernel on device Float32 values, so both fold the scales by the same formula to the same bits.
 """
 
 from __future__ import annotations
@@ -21,20 +21,7 @@ import cutlass.cute as cute
 from cutlass import Float32, const_expr
 
 from flash4.constants import LOG2E
-
-
-def scales(softmax_scale, softcap, softcap_on: bool, one=1.0, log2e=LOG2E):
-    """(scale_log2, softcap_scale, inv_scale_log2): P = 2^(score * scale_log2 - LSE_log2).
-
-    Without softcap: (softmax_scale * log2 e, None, None). With it (softcap_on, softcap > 0): the
-    tanh's input scale softmax_scale / softcap, the softmax's log2 scale softcap * log2 e and its
-    inverse. softmax_scale, softcap: Python floats (host) or Float32 (device, then pass
-    one=Float32(1.0), log2e=Float32(LOG2E))."""
-    if not softcap_on:
-        return softmax_scale * log2e, None, None
-    softcap_scale = softmax_scale / softcap
-    scale_log2 = softcap * log2e
-    return scale_log2, softcap_scale, one / scale_log2
+from flash4.kernels.common.scales import scales  # noqa: F401 - one formula, host and device
 
 
 def device_scales(softmax_scale: Float32, softcap: Float32, softcap_on: bool):
