@@ -473,7 +473,8 @@ def _gated_problem(q, causal, door: _Door, arch: int) -> Problem:
 
     What each family serves at this door is its config module's GATE_DOOR (flash4.config.sm100,
     flash4.config.sm80): fwd_layouts / bwd_layouts (the door layouts its forward / backward run),
-    seqused_k and paged (the forward takes them; paged_text: how the family refuses paged K/V), and
+    seqused_k and paged (the forward takes them, paged as select_fwd_config(paged=True); paged_text:
+    how the family refuses paged K/V), and
     optionally its gate_fwd_options(layout)
     (extra select_fwd_config arguments: sm100's 2-CTA switch)."""
     from flash4 import selftest
@@ -501,14 +502,15 @@ def _gated_problem(q, causal, door: _Door, arch: int) -> Problem:
                                        local=window_sides(window_size, causal) is not None,
                                        softcap=door.softcap > 0, sink=door.learnable_sink is not None,
                                        headdim_v=None if headdim_v == headdim else headdim_v,
-                                       seqlen_k=door.k.shape[1] if door.layout == "dense" else None, **options)
+                                       seqlen_k=door.k.shape[1] if door.layout == "dense" else None, **options,
+                                       **({"paged": True} if door.paged else {}))
     except ValueError as err:
         return ValueError, f"{err} {where}"
     seqused_k = {"seqused_k": True} if door.seqused_k is not None else {}
     try:  # the config refuses a layout its kernel lacks (e.g. sm100's 2-CTA: dense only)
-        if door.layout == "varlen":  # as the family's fwd_plan lays it out
-            cfg = dataclasses.replace(cfg, varlen_q=True, varlen_k=True, seqused_q=door.seqused_q is not None,
-                                      **seqused_k)
+        if door.layout in ("varlen", "paged"):  # as the family's fwd_plan lays it out (paged: no cu_seqlens_k)
+            cfg = dataclasses.replace(cfg, varlen_q=True, varlen_k=door.layout == "varlen",
+                                      seqused_q=door.seqused_q is not None, **seqused_k)
         elif door.layout == "kvcache":  # a decode step over the cache: seqused_k keys per cache row
             cfg = dataclasses.replace(cfg, seqused_k=True)
     except ValueError as err:

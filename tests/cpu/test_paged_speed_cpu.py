@@ -127,7 +127,7 @@ def test_decode_plan_takes_the_gather_policy():
 
 def test_swizzle_helpers():
     pytest.importorskip("cutlass")
-    from flash4.kernels.sm90.paged_gather import apply_swizzle, pointer_swizzle
+    from flash4.kernels.common.paged_gather import apply_swizzle, pointer_swizzle
 
     assert pointer_swizzle("!cute.ptr<bf16, smem, align<1024>, S<3,4,3>>") == (3, 4, 3)
     with pytest.raises(AssertionError, match="no swizzle"):

@@ -5,8 +5,9 @@ UTMA*, STSM, UTCHMMA).
 
 Coverage (compiling all 100 shipped configs takes ~10-15 min on the 2-core CPU box): every shipped
 config of sm_90a (the target the H200 runs), every distinct tile shape of the other targets'
-tables in one dtype/mask each, and the feature variants (window + softcap + sink, varlen +
-seqused, Q in registers + persistent). docs/design/sm80_family.md has the full sweep's table.
+tables in one dtype/mask each, the feature variants (window + softcap + sink, varlen +
+seqused, Q in registers + persistent) and the paged (gathered) configs: sm_90a's seven
+(flash4.config.sm80.paged_fwd_configs), d128 causal on each other target. docs/design/sm80_family.md has the full sweep's table.
 """
 
 import dataclasses
@@ -17,7 +18,8 @@ import pytest
 
 pytest.importorskip("cutlass")
 
-from flash4.config.sm80 import TARGETS, gpu_arch_name, select_fwd_config, shipped_fwd_configs  # noqa: E402
+from flash4.config.sm80 import (TARGETS, gpu_arch_name, paged_fwd_configs, select_fwd_config,  # noqa: E402
+                                shipped_fwd_configs)
 from flash4.arch import capacity  # noqa: E402
 
 FULL_TARGET = 90
@@ -37,12 +39,16 @@ FEATURES = [
     select_fwd_config(128, "fp16", True, arch=86, varlen_q=True, varlen_k=True, seqused_q=True, seqused_k=True),
     dataclasses.replace(select_fwd_config(64, "bf16", True, arch=120, q_in_regs=True), persistent=True),
 ]
-CONFIGS = shipped_fwd_configs(FULL_TARGET) + SUBSET + FEATURES
+# Paged K/V, gathered by every thread (page_gather): all of sm_90a's paged configs, one per other target.
+PAGED = paged_fwd_configs(FULL_TARGET) + [c for a in sorted(TARGETS) if a != FULL_TARGET
+                                          for c in paged_fwd_configs(a) if c.headdim == 128 and c.causal
+                                          and c.varlen_q]
+CONFIGS = shipped_fwd_configs(FULL_TARGET) + SUBSET + FEATURES + PAGED
 
 
 def _id(cfg):
-    flags = "".join(f"-{f}" for f in ("local", "softcap", "sink", "varlen_q", "seqused_k", "q_in_regs", "persistent")
-                    if getattr(cfg, f))
+    flags = "".join(f"-{f}" for f in ("local", "softcap", "sink", "varlen_q", "seqused_k", "q_in_regs", "persistent",
+                                      "page_gather") if getattr(cfg, f))
     return f"{gpu_arch_name(cfg.arch)}-d{cfg.headdim}-{cfg.dtype}-{'causal' if cfg.causal else 'full'}{flags}"
 
 
@@ -57,7 +63,8 @@ def rows():
 def test_covers_every_target_and_shape():
     assert {c.arch for c in CONFIGS} == set(TARGETS)
     shapes = {(c.headdim, c.tile_m, c.tile_n, c.num_warps, c.kv_stages) for c in shipped_fwd_configs()}
-    assert shapes == {(c.headdim, c.tile_m, c.tile_n, c.num_warps, c.kv_stages) for c in CONFIGS}
+    assert shapes == {(c.headdim, c.tile_m, c.tile_n, c.num_warps, c.kv_stages) for c in CONFIGS if not c.paged}
+    assert {c.arch for c in PAGED} == set(TARGETS)
 
 
 @pytest.mark.parametrize("i", range(len(CONFIGS)), ids=[_id(c) for c in CONFIGS])

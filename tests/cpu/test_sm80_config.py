@@ -73,7 +73,7 @@ def test_select_flags():
 
 
 @pytest.mark.parametrize("kwargs, words", [
-    (dict(paged=True), "paged"), (dict(split_kv=True), "split-KV"), (dict(headdim_v=128, headdim=192), "headdim_v"),
+    (dict(split_kv=True), "split-KV"), (dict(headdim_v=128, headdim=192), "headdim_v"),
 ])
 def test_unimplemented_options_fail_at_selection(kwargs, words):
     headdim = kwargs.pop("headdim", 128)
@@ -123,7 +123,7 @@ def test_bwd_options():
         select_bwd_config(128, arch=80, headdim_v=64)
     with pytest.raises(ValueError, match="headdim=80"):
         select_bwd_config(80, arch=80)
-    assert sm80.unsupported(paged=True).startswith(sm80.UNSUPPORTED_PREFIX)
+    assert sm80.unsupported(split_kv=True).startswith(sm80.UNSUPPORTED_PREFIX)
     with pytest.raises(AssertionError):
         sm80.Sm80BwdConfig(headdim=64, tile_m=48)  # not whole 16-row slabs per warp
 
@@ -186,8 +186,7 @@ def test_config_dispatch_through_flash4_config(monkeypatch):
 
 def test_host_plans_on_portable_archs(monkeypatch):
     """flash4.config.fwd_config / bwd_config (the host's questions) on sm_86, and on sm_90 forced:
-    the family's configs for dense, packed and decode requests; paged K/V a ValueError with the
-    family's prefix (what the GPU suite skips on)."""
+    the family's configs for dense, packed, decode and paged requests (paged: gathered rows)."""
     import torch
 
     from flash4.config import bwd_config, fwd_config
@@ -213,8 +212,15 @@ def test_host_plans_on_portable_archs(monkeypatch):
     assert plan.cfg.seqused_k and plan.num_splits == 1 and plan.pack == 1 and plan.heads_p == 8
     paged = dense.with_seq(SeqSpec(DECODE, seqused_k=torch.full((2,), 300, dtype=torch.int32),
                                    page_table=torch.zeros(2, 3, dtype=torch.int32)))
-    with pytest.raises(ValueError, match=re.escape(sm80.UNSUPPORTED_PREFIX)):
-        fwd_config(paged, 89, 84)
+    plan = fwd_config(paged, 89, 84)  # paged: gathered rows (page_gather), the decode step's layout
+    assert plan.cfg.page_gather and plan.cfg.paged and plan.cfg.seqused_k and plan.num_splits == 1
+    pages = torch.zeros(2, 3, dtype=torch.int32)
+    used = torch.full((2,), 100, dtype=torch.int32)
+    kp = torch.zeros(6, 64, 2, 128, dtype=torch.bfloat16)
+    prefill = Request.varlen(q[0], kp, kp, cu, None, 60, 300, seqused_k=used, page_table=pages, softmax_scale=0.1,
+                             causal=True)
+    cfg = fwd_config(prefill, 80).cfg
+    assert cfg.page_gather and cfg.varlen_q and not cfg.varlen_k and cfg.seqused_k
     assert not isinstance(fwd_config(dense, 90).cfg, Sm80FwdConfig)  # Hopper's own family by default
 
 
@@ -229,3 +235,17 @@ def test_host_plans_forced_on_sm90(monkeypatch):
     req = Request.dense(q, q, q, 0.1, False, deterministic=True)
     assert fwd_config(req, 90).cfg == select_fwd_config(64, "fp16", arch=90)
     assert bwd_config(req, 90).cfg == select_bwd_config(64, "fp16", arch=90, deterministic=True)
+
+
+def test_paged_configs_gather():
+    """paged=True selects the table's tiles with page_gather (every thread's cp.async rows from their
+    own pages); the repr of every non-paged config is unchanged (page_gather left out while off:
+    the compile-cache key)."""
+    for arch in sm80.TARGETS:
+        for d in (64, 128, 256):
+            plain, paged = select_fwd_config(d, arch=arch), select_fwd_config(d, arch=arch, paged=True)
+            assert paged.page_gather and paged.paged and not plain.paged
+            tile_n = 32 if d == 256 else plain.tile_n  # the gather's d256 tile (_PAGED_TILE_N)
+            assert dataclasses.replace(paged, page_gather=False) == dataclasses.replace(plain, tile_n=tile_n)
+            assert "page_gather" not in repr(plain) and "page_gather=True" in repr(paged)
+    assert all(c.page_gather and c.seqused_k for c in sm80.paged_fwd_configs())

@@ -90,7 +90,7 @@ def test_config_paged_property_and_asserts():
 
 
 def test_gather_layout():
-    from flash4.kernels.sm90.paged_gather import gather_layout
+    from flash4.kernels.common.paged_gather import gather_layout
 
     for d in SUPPORTED_HEADDIMS:
         tile_n = select_fwd_config(d, "bf16", False).tile_n
@@ -196,7 +196,7 @@ def test_paged_load_order_uses_each_blocks_own_entries(n_block_min):
     """fwd.load_paged's look-ahead (paged_gather.load_order, ENTRY_AHEAD): every K and V load of a
     tile uses the page-table entries of its own key block, for 1 to 9 blocks. The look-ahead once read
     the entries of the block after next (wrong pages from the third block on: H200 run of 2026-12-02)."""
-    from flash4.kernels.sm90.paged_gather import load_order
+    from flash4.kernels.common.paged_gather import load_order
 
     for n in range(1, 10):
         loads = load_order(n_block_min, n_block_min + n)

@@ -1,7 +1,7 @@
 """Paged K/V with pages of any size >= 1 on the GPU (marker gpu; skipped without CUDA).
 
 Pages that are not multiples of 8 rows are gathered row by row (FwdConfig.page_gather,
-kernels/sm90/paged_gather.py); multiples of 8 keep TMA page pieces unless FLASH4_PAGE_GATHER_MAX
+kernels/common/paged_gather.py); multiples of 8 keep TMA page pieces unless FLASH4_PAGE_GATHER_MAX
 sends them to the gather too (the A/B switch of issue 25 item 3). Every call writes into NaN-poisoned
 out / lse and is checked against the float32 reference (err <= 2 x PyTorch same-dtype err + atol,
 LSE too), and a paged call equals the same keys laid out contiguously bit for bit.

@@ -33,10 +33,10 @@ def compile_fwd(cfg: Sm80FwdConfig, options: str = ""):
     (q, k, v, out, lse, lse_hi, lse_lo, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table,
     o_accum, lse_accum, sink, scale_log2, softcap_scale, batch, max_seqlen_q, num_splits,
     window_left, window_right, l2_group, num_ctas) as flash4.compile.cache.compile_fwd documents
-    (page_table, o_accum, lse_accum: None in this family)."""
+    (page_table: page_gather configs only; o_accum, lse_accum: None in this family)."""
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     return cute.compile(
-        FlashAttentionForwardSm80(cfg), *fwd_fake_args(cfg.headdim, cfg.dtype, headdim_v=cfg.headdim_v),
+        FlashAttentionForwardSm80(cfg), *fwd_fake_args(cfg.headdim, cfg.dtype, paged=cfg.paged, headdim_v=cfg.headdim_v),
         *seq_fake_args(cfg), *split_fake_args(cfg), sink_fake_arg(cfg),
         cutlass.Float32(1.0), cutlass.Float32(1.0), cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1),
         cutlass.Int32(0), cutlass.Int32(0), cutlass.Int32(1), cutlass.Int32(1), stream,

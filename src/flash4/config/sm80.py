@@ -62,8 +62,11 @@ class Sm80FwdConfig:
     local, softcap, sink: sliding window, Gemma-2 softcap, learnable sink logit (as FwdConfig).
     Sequence layouts varlen_q / varlen_k / seqused_q / seqused_k: as FwdConfig (cu_seqlens / seqused
     tensors; the loads and stores are predicated per row).
+    page_gather:  paged K/V (a page table; pages of any size >= 1): every thread cp.asyncs its key rows
+                  from their own pages (kernels/common/paged_gather.PagedGather, the sm90 producer's
+                  gather run by all the CTA's threads), rows past seqlen_k zero-filled. No TMA.
     Fields the family does not implement yet, kept so the host's code reads every config alike:
-    page_rows (paged K/V) = 0, split_kv = False, headdim_v = None (Dv = D), pack_gqa = 1.
+    page_rows (TMA page pieces) = 0, split_kv = False, headdim_v = None (Dv = D), pack_gqa = 1.
     """
 
     headdim: int
@@ -90,6 +93,12 @@ class Sm80FwdConfig:
     split_kv: bool = False
     headdim_v: int | None = None
     pack_gqa: int = 1
+    page_gather: bool = False
+
+    def __repr__(self) -> str:
+        # page_gather only when on: every non-paged config keeps its repr (the compile-cache key).
+        fields = (f for f in dataclasses.fields(self) if not (f.name == "page_gather" and not self.page_gather))
+        return f"{type(self).__qualname__}({', '.join(f'{f.name}={getattr(self, f.name)!r}' for f in fields)})"
 
     def __post_init__(self):
         assert self.headdim in SUPPORTED_HEADDIMS, self.headdim
@@ -103,8 +112,8 @@ class Sm80FwdConfig:
 
     @property
     def paged(self) -> bool:
-        """K/V are pages read through a page table (the host's question; never in this family yet)."""
-        return self.page_rows > 0
+        """K/V are pages read through a page table (gathered rows: page_gather)."""
+        return self.page_rows > 0 or self.page_gather
 
     @property
     def hdim_v(self) -> int:
@@ -182,6 +191,10 @@ _TILES = {
         256: ((64, 64, 4, 1, False), (64, 64, 4, 1, False)),  # 96 KiB
     },
 }
+# Paged (gathered) K/V: key tile per head dim where the table's spills with the gather (compile
+# sweep, CuTe DSL 4.8.1, sm_90a: d256 64 x 64 spilled 34 / 44 local-memory instructions full /
+# causal, 128 x 64 x 8 warps 15 / 35; 64 x 32: 0). Every other head dim keeps the table's tile.
+_PAGED_TILE_N = {256: 32}
 _SMEM_CLASS = {80: "a100", 86: "small", 89: "small", 90: "hopper", 120: "small"}
 
 
@@ -190,12 +203,11 @@ _SMEM_CLASS = {80: "a100", 86: "small", 89: "small", 90: "hopper", 120: "small"}
 UNSUPPORTED_PREFIX = "flash4's portable kernel family (sm80) does not implement"
 
 
-def unsupported(headdim_v: int | None = None, paged: bool = False, split_kv: bool = False,
-                pack_gqa: bool = False) -> str | None:
+def unsupported(headdim_v: int | None = None, split_kv: bool = False, pack_gqa: bool = False) -> str | None:
     """Why the sm80 family has no kernel for these options, or None (one text for the config
     selection's error and for a dispatcher's support check). headdim_v: canonical_hdimv's value
-    (None when it equals headdim)."""
-    missing = [name for name, on in (("paged K/V", paged), ("split-KV decode", split_kv), ("GQA packing", pack_gqa),
+    (None when it equals headdim). Paged K/V is served (gathered rows, Sm80FwdConfig.page_gather)."""
+    missing = [name for name, on in (("split-KV decode", split_kv), ("GQA packing", pack_gqa),
                                       ("headdim_v != headdim", headdim_v is not None)) if on]
     if missing:
         return f"{UNSUPPORTED_PREFIX} {', '.join(missing)} yet"
@@ -211,7 +223,8 @@ def select_fwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, a
 
     local: a sliding window (causal folded into it: the config has causal False). seqlen_k is
     accepted for the host's common call and unused (no short-sequence variant yet). q_in_regs:
-    None = the table's choice (Q in smem). Raises ValueError for an unsupported head dim, a
+    None = the table's choice (Q in smem). paged: K/V through a page table, gathered row by row
+    (page_gather; the tiles are the table's). Raises ValueError for an unsupported head dim, a
     target this family is not compiled for, or an option it does not implement yet
     (`unsupported`)."""
     if headdim not in SUPPORTED_HEADDIMS:
@@ -220,7 +233,7 @@ def select_fwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, a
         raise ValueError(f"dtype={dtype!r} not supported; allowed: {DTYPES}")
     gpu_arch_name(arch)
     headdim_v = canonical_hdimv(headdim, headdim_v)
-    problem = unsupported(headdim_v=headdim_v, paged=paged, split_kv=split_kv)
+    problem = unsupported(headdim_v=headdim_v, split_kv=split_kv)
     if problem is not None:
         raise ValueError(f"{problem} (sm_{arch})")
     causal = causal and not local
@@ -228,10 +241,12 @@ def select_fwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, a
     # Q in registers fits the two loop bodies of a non-causal kernel; a window adds a third (like
     # causal) and then spills with it (d64 on sm_80: 2), without it not (compile sweep).
     q_regs = (q_regs and not local) if q_in_regs is None else q_in_regs
+    if paged:  # the gather's page lookups and row addresses need registers the table's d256 tile lacks
+        tile_n = _PAGED_TILE_N.get(headdim, tile_n)
     cfg = Sm80FwdConfig(headdim=headdim, dtype=dtype, causal=causal, tile_m=tile_m, tile_n=tile_n,
                         num_warps=num_warps, kv_stages=stages, q_in_regs=q_regs, arch=arch,
                         lpt=causal, local=local, softcap=softcap, sink=sink, varlen_q=varlen_q,
-                        varlen_k=varlen_k, seqused_q=seqused_q, seqused_k=seqused_k)
+                        varlen_k=varlen_k, seqused_q=seqused_q, seqused_k=seqused_k, page_gather=paged)
     assert cfg.smem_bytes() <= capacity(arch).smem_per_block, cfg
     return cfg
 
@@ -242,6 +257,21 @@ def shipped_fwd_configs(arch: int | None = None) -> list[Sm80FwdConfig]:
     archs = sorted(TARGETS) if arch is None else [arch]
     return [select_fwd_config(d, dt, c, arch=a) for a in archs for d in SUPPORTED_HEADDIMS for dt in DTYPES
             for c in (False, True)]
+
+
+def paged_fwd_configs(arch: int | None = None) -> list[Sm80FwdConfig]:
+    """The paged (gathered) forward configs the CPU compile check covers for target `arch` (every
+    target when None): every head dim, bf16, causal or not, as the paged varlen door selects them
+    (packed queries, seqused_k), and d128's decode step (seqused_k, dense queries)."""
+    archs = sorted(TARGETS) if arch is None else [arch]
+    configs = []
+    for a in archs:
+        for d in SUPPORTED_HEADDIMS:
+            for c in (False, True):
+                configs.append(with_seq_layout(select_fwd_config(d, "bf16", c, arch=a, paged=True), varlen_q=True,
+                                               seqused_k=True))
+        configs.append(with_seq_layout(select_fwd_config(128, "bf16", True, arch=a, paged=True), seqused_k=True))
+    return configs
 
 
 # ================================================================ backward
@@ -472,21 +502,20 @@ def shipped_bwd_configs(arch: int | None = None) -> list[Sm80BwdConfig]:
 
 # What flash4's API door serves of this family behind the first-use self-test on its own GPUs
 # (flash4.validate._gated_problem; FLASH4_PORTABLE): the forward runs dense, packed varlen (with
-# seqused_q / seqused_k) and KV-cache decode batches (fwd_plan), the backward dense and packed varlen
-# ones (bwd_plan); paged K/V is refused by name before any self-test, with `unsupported`'s text
-# (which the GPU suite skips on). The dense self-test drives dense configs only: the others are
-# "untestable" for it, so on those GPUs they run only with FLASH4_PORTABLE=on
+# seqused_q / seqused_k), paged (gathered rows) and KV-cache decode batches (fwd_plan), the backward
+# dense and packed varlen ones (bwd_plan). The dense self-test drives dense configs only: the others
+# are "untestable" for it, so on those GPUs they run only with FLASH4_PORTABLE=on
 # (flash4.selftest.UNTESTABLE_FLAGS).
-GATE_DOOR = {"fwd_layouts": ("dense", "varlen", "kvcache"), "bwd_layouts": ("dense", "varlen"), "seqused_k": True,
-             "paged": False, "paged_text": unsupported(paged=True)}
+GATE_DOOR = {"fwd_layouts": ("dense", "varlen", "paged", "kvcache"), "bwd_layouts": ("dense", "varlen"), "seqused_k": True,
+             "paged": True}
 
 
 # ================================================================ the host's questions (flash4.config.fwd_config / bwd_config)
 def fwd_plan(request, arch: int, num_sms: int | None = None) -> FwdPlan:
-    """The forward plan of a flash4.request.Request: dense, packed (varlen / seqused) or a decode
-    step over a contiguous cache (seqused_k; no GQA packing, no split-KV: one kernel launch, which
-    reads each KV head's keys once per query head). Raises ValueError for paged K/V and
-    headdim_v != headdim (`unsupported`)."""
+    """The forward plan of a flash4.request.Request: dense, packed (varlen / seqused), paged (packed
+    queries over a page table, gathered rows) or a decode step over a contiguous or paged cache
+    (seqused_k; no GQA packing, no split-KV: one kernel launch, which reads each KV head's keys once
+    per query head). Raises ValueError for headdim_v != headdim (`unsupported`)."""
     q, k, seq, mask, score = request.q, request.k, request.seq, request.mask, request.score
     headdim, headdim_v = q.shape[-1], request.v.shape[-1]
     cfg = select_fwd_config(headdim, request.dtype, mask.causal, arch, local=mask.window is not None,
@@ -496,7 +525,7 @@ def fwd_plan(request, arch: int, num_sms: int | None = None) -> FwdPlan:
         return FwdPlan(with_seq_layout(cfg, seqused_k=True), 1, 1, q.shape[1], q.shape[2])
     if not seq.packed:
         return FwdPlan(cfg)
-    return FwdPlan(with_seq_layout(cfg, varlen_q=True, varlen_k=True, seqused_q=seq.seqused_q is not None,
+    return FwdPlan(with_seq_layout(cfg, varlen_q=True, varlen_k=not seq.paged, seqused_q=seq.seqused_q is not None,
                                    seqused_k=seq.seqused_k is not None))
 
 

@@ -23,6 +23,7 @@ from flash4.constants import LOG2E as LOG2E_F
 from flash4.kernels.common import geometry, score
 from flash4.kernels.common.dsl import DSL_DTYPES
 from flash4.kernels.common.layout import acc_mn_view, select_modes, transpose_view
+from flash4.kernels.common.paged_gather import PagedGather
 from flash4.kernels.common.params import MaskParams, SeqParams
 from flash4.kernels.common.scheduler import TileSchedule
 from flash4.kernels.common.seqinfo import SeqInfo, store_rows_predicated
@@ -165,7 +166,7 @@ class FlashAttentionForwardSm80:
         mCuSeqlensK: Optional[cute.Tensor],  # (batch + 1,) int32 when varlen_k (then K/V have batch 1)
         mSeqUsedQ: Optional[cute.Tensor],  # (batch,) int32 when seqused_q
         mSeqUsedK: Optional[cute.Tensor],  # (batch,) int32 when seqused_k
-        mPageTable: Optional[cute.Tensor],  # paged K/V: not in this family yet (None)
+        mPageTable: Optional[cute.Tensor],  # page_gather: (batch, max_pages) int32; K/V (num_pages, page_size, hk, d)
         mOacc: Optional[cute.Tensor],  # split_kv: not in this family yet (None)
         mLSEacc: Optional[cute.Tensor],  # split_kv: not in this family yet (None)
         mSink: Optional[cute.Tensor],  # sink: (nheads,) fp32 sink logits (natural units)
@@ -182,15 +183,19 @@ class FlashAttentionForwardSm80:
     ):
         if const_expr(not (mQ.element_type == mK.element_type == mV.element_type == mO.element_type == self.dtype)):
             raise TypeError(f"flash4 fwd_sm80: q, k, v, out must all be {self.dtype}")
-        if const_expr(mPageTable is not None or mOacc is not None or mLSEacc is not None):
-            raise ValueError("flash4 fwd_sm80: paged K/V and split-KV are not implemented in the sm80 family")
+        if const_expr(mOacc is not None or mLSEacc is not None):
+            raise ValueError("flash4 fwd_sm80: split-KV is not implemented in the sm80 family")
+        if const_expr((mPageTable is not None) != self.cfg.page_gather):
+            raise ValueError(f"flash4 fwd_sm80: page_table given {mPageTable is not None}, the config's page_gather "
+                             f"is {self.cfg.page_gather}")
         given = (mCuSeqlensQ is not None, mCuSeqlensK is not None, mSeqUsedQ is not None, mSeqUsedK is not None,
                  mSink is not None)
         wanted = (self.cfg.varlen_q, self.cfg.varlen_k, self.cfg.seqused_q, self.cfg.seqused_k, self.cfg.sink)
         if const_expr(given != wanted):
             raise ValueError(f"flash4 fwd_sm80: (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, sink) given "
                              f"{given}, the config wants {wanted}")
-        # Kernel-side views: (seqlen, headdim, nheads, batch) and LSE (seqlen_q, nheads, batch).
+        # Kernel-side views: (seqlen, headdim, nheads, batch) and LSE (seqlen_q, nheads, batch); paged
+        # K/V: (page_size, headdim, nheads_k, num_pages).
         mQ, mK, mV, mO = [select_modes(t, [1, 3, 2, 0]) for t in (mQ, mK, mV, mO)]
         mLSE, mLSEhi, mLSElo = [select_modes(t, [2, 1, 0]) for t in (mLSE, mLSEhi, mLSElo)]
 
@@ -217,7 +222,7 @@ class FlashAttentionForwardSm80:
         self.kernel(
             QKVO(mQ, mK, mV, mO),
             LseParams(mLSE, mLSEhi, mLSElo),
-            SeqParams(mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK),
+            SeqParams(mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, mPageTable),
             mSink,
             ScoreParams(softmax_scale_log2, softcap_scale),
             TileSpace(batch_size, max_seqlen_q),
@@ -250,8 +255,14 @@ class FlashAttentionForwardSm80:
         storage = SmemAllocator().allocate(SharedStorage)
         # (tile_m, d) / (tile_n, d, STAGE) / (tile_n, dv, STAGE) / (tile_m, dv)
         sQ = storage.sQ.get_tensor(layouts.q)
-        sK = storage.sK.get_tensor(layouts.k)
-        sV = storage.sV.get_tensor(layouts.v)
+        if const_expr(self.cfg.page_gather):
+            # The gather's inline cp.async applies the stages' swizzle itself, read off the pointer
+            # type (paged_gather.pointer_swizzle): the swizzle goes on the pointer, as sm90's stages.
+            sK = storage.sK.get_tensor(layouts.k.outer, swizzle=layouts.k.inner)
+            sV = storage.sV.get_tensor(layouts.v.outer, swizzle=layouts.v.inner)
+        else:
+            sK = storage.sK.get_tensor(layouts.k)
+            sV = storage.sV.get_tensor(layouts.v)
         sO = storage.sQ.get_tensor(layouts.o)
         smem = Smem(sQ, sK, sV, sO)
         ops = self.mma_operands(smem, tiled_mma, tidx)
@@ -283,7 +294,7 @@ class FlashAttentionForwardSm80:
             in_range = m_block * self.tile_m < seq.seqlen_q
         if in_range:
             self.attend(gmem, lse_out, sink, score_params, mask_params, smem, copies, tiled_mma, ops, tidx, m_block,
-                        head, seq)
+                        head, seq, seq_params.page_table)
 
     def mma_operands(self, smem: Smem, tiled_mma, tidx) -> Operands:
         """The thread's MMA fragments and ldmatrix partitions (tile-independent: built once)."""
@@ -304,9 +315,9 @@ class FlashAttentionForwardSm80:
     @cute.jit
     def attend(self, gmem: QKVO, lse_out: LseParams, sink: Optional[cute.Tensor], score_params: ScoreParams,
                mask_params: MaskParams, smem: Smem, copies: QKVO, tiled_mma: cute.TiledMma, ops: Operands,
-               tidx: Int32, m_block: Int32, head: Int32, seq: SeqInfo):
+               tidx: Int32, m_block: Int32, head: Int32, seq: SeqInfo, seq_page_table: Optional[cute.Tensor]):
         """One query tile: prologue loads, the key-block loop (masked blocks first, then unmasked,
-        then a window's left edge), epilogue."""
+        then a window's left edge), epilogue. seq_page_table: page_gather configs' page table."""
         mQ, mK, mV = gmem.q, gmem.k, gmem.v
         seqlen_q, seqlen_k = seq.seqlen_q, seq.seqlen_k
         window = mask_params.window(self.cfg.local)
@@ -316,15 +327,24 @@ class FlashAttentionForwardSm80:
         # Global -> smem partitions. (CPY, CPY_M, CPY_K) for Q; (CPY, CPY_N, CPY_K, n_block) and
         # (CPY, CPY_N, CPY_K, STAGE) for K and V.
         gQ = cute.local_tile(seq.q_view(mQ, head), (self.tile_m, self.hdim), (m_block, 0))
-        gK = cute.local_tile(seq.k_view(mK, head_kv), (self.tile_n, self.hdim), (None, 0))
-        gV = cute.local_tile(seq.k_view(mV, head_kv), (self.tile_n, self.hdim_v), (None, 0))
-        thr_q, thr_k, thr_v = (c.get_slice(tidx) for c in copies[:3])
+        thr_q = copies.q.get_slice(tidx)
         load_q = partial(self.load_rows, copies.q, thr_q.partition_S(gQ), thr_q.partition_D(smem.q),
                          *self.row_coords(copies.q, thr_q, self.tile_m, self.hdim))
-        load_k = partial(self.load_kv, copies.k, thr_k.partition_S(gK), thr_k.partition_D(smem.k),
-                         *self.row_coords(copies.k, thr_k, self.tile_n, self.hdim), seqlen_k)
-        load_v = partial(self.load_kv, copies.v, thr_v.partition_S(gV), thr_v.partition_D(smem.v),
-                         *self.row_coords(copies.v, thr_v, self.tile_n, self.hdim_v), seqlen_k)
+        if const_expr(self.cfg.page_gather):
+            # Every thread gathers its key rows from their own pages (kernels/common/paged_gather.py),
+            # rows past seqlen_k zero-filled by the same cp.async stream.
+            gather = PagedGather(self.dtype, self.tile_n, self.hdim, self.hdim_v, zero_fill=True,
+                                 num_threads=self.num_threads)
+            load_k = partial(self.load_kv_paged, gather, mK, smem.k, head_kv, seq_page_table, seq, tidx)
+            load_v = partial(self.load_kv_paged, gather, mV, smem.v, head_kv, seq_page_table, seq, tidx)
+        else:
+            gK = cute.local_tile(seq.k_view(mK, head_kv), (self.tile_n, self.hdim), (None, 0))
+            gV = cute.local_tile(seq.k_view(mV, head_kv), (self.tile_n, self.hdim_v), (None, 0))
+            thr_k, thr_v = copies.k.get_slice(tidx), copies.v.get_slice(tidx)
+            load_k = partial(self.load_kv, copies.k, thr_k.partition_S(gK), thr_k.partition_D(smem.k),
+                             *self.row_coords(copies.k, thr_k, self.tile_n, self.hdim), seqlen_k)
+            load_v = partial(self.load_kv, copies.v, thr_v.partition_S(gV), thr_v.partition_D(smem.v),
+                             *self.row_coords(copies.v, thr_v, self.tile_n, self.hdim_v), seqlen_k)
 
         thr_mma = tiled_mma.get_slice(tidx)
         acc_O = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_m, self.hdim_v)), Float32)
@@ -483,6 +503,18 @@ class FlashAttentionForwardSm80:
                            seqlen_k - n_block * self.tile_n)
         else:
             cute.copy(tiled_copy, tXgX[None, None, None, n_block], tXsX[None, None, None, stage])
+
+    @cute.jit
+    def load_kv_paged(self, gather: PagedGather, mX: cute.Tensor, sX: cute.Tensor, head_kv: Int32,
+                      mPageTable: cute.Tensor, seq: SeqInfo, tidx: Int32, n_block: Int32, stage: Int32,
+                      edge: cutlass.Constexpr[bool]):
+        """cp.async key block n_block of a paged K or V (kernel view (page_size, d, heads_k, num_pages))
+        into smem stage `stage`, each row from its own page (this thread's page-table entry of the block,
+        shuffled to the threads of its row group); rows past seqlen_k zero-filled, so `edge` changes
+        nothing here."""
+        page, in_page = gather.lookup(mPageTable, seq.batch, n_block, seq.seqlen_k, mX.shape[0], mX.shape[3], tidx,
+                                      n_block >= Int32(0))
+        gather.load(mX, sX[None, None, stage], head_kv, page, in_page, n_block, seq.seqlen_k, tidx)
 
     @cute.jit
     def epilogue(self, acc_O, inv_row_sum, lses, mO, lse_out: LseParams, sO, tiled_mma, tidx, m_block, head, seq):

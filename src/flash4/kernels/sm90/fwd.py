@@ -32,7 +32,7 @@ from flash4.kernels.common.layout import (acc_mn_view, acc_to_frgA_layout, make_
 from flash4.kernels.common.scheduler import TileSchedule
 from flash4.kernels.common.seqinfo import SeqInfo, store_rows_predicated
 from flash4.kernels.common.softmax import OnlineSoftmax
-from flash4.kernels.sm90.paged_gather import ENTRY_AHEAD, PagedGather
+from flash4.kernels.common.paged_gather import ENTRY_AHEAD, PagedGather
 
 # setmaxnreg budgets (producer, consumer) by consumer warpgroup count: 64K registers / CTA.
 _REGS = {1: (56, 256), 2: (24, 240), 3: (32, 160)}

@@ -1,4 +1,6 @@
-"""Gathered paged K/V for the sm90 forward (FwdConfig.page_gather): pages of any size >= 1.
+"""Gathered paged K/V (FwdConfig.page_gather, Sm80FwdConfig.page_gather): pages of any size >= 1.
+The sm90 forward's producer warpgroup runs it (128 threads); the portable sm80 forward runs it
+with every thread of its CTA (kernels/sm80/fwd.py), cp.async only, no TMA: one source for both.
 
 A TMA copy needs a box of whole 8-row swizzle slabs, so pages that are not multiples of 8 rows
 (and, as an A/B option, small pages: flash4.config.paged_layout) are gathered row by row instead:
@@ -93,13 +95,16 @@ def gather_layout(hdim: int, hdim_v: int, tile_n: int, elem_bits: int = 16,
 
 class PagedGather:
     """Trace-time description of the gather of one kernel config (dtype, tile_n, head dims) and its
-    switch (FwdConfig.gather_zero_fill)."""
+    switch (FwdConfig.gather_zero_fill), by num_threads threads (the sm90 producer warpgroup's 128;
+    the sm80 forward's whole CTA: kernels/sm80/fwd.py)."""
 
-    def __init__(self, dtype, tile_n: int, hdim: int, hdim_v: int, zero_fill: bool = False):
+    def __init__(self, dtype, tile_n: int, hdim: int, hdim_v: int, zero_fill: bool = False,
+                 num_threads: int = THREADS_PER_WG):
         self.dtype = dtype
         self.tile_n = tile_n
         self.vec = COPY_BITS // dtype.width
-        self.threads_per_row, self.rows_per_pass, self.passes = gather_layout(hdim, hdim_v, tile_n, dtype.width)
+        self.threads_per_row, self.rows_per_pass, self.passes = gather_layout(hdim, hdim_v, tile_n, dtype.width,
+                                                                              num_threads)
         self.zero_fill = zero_fill
 
     def tiled_copy(self):
