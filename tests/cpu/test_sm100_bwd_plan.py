@@ -175,13 +175,16 @@ def test_config_refuses_unbuilt_fields():
             sm100.Sm100BwdConfig(128, **{field: value})
     cfg = sm100.select_bwd_config(128, "fp16", True)
     assert not cfg.dq_accum_order and not cfg.dynamic_seqlen_k and cfg.hdim_v == 128
-    for kw in (dict(q_stages=2), dict(softcap=True, causal=True, deterministic=True), dict(cta_group=2, q_stages=1)):
+    for kw in (dict(q_stages=2), dict(softcap=True, causal=True, deterministic=True),
+               dict(cta_group=2, q_stages=1, deterministic=True)):
         with pytest.raises(ValueError):
             sm100.Sm100BwdConfig(192, headdim_v=128, **{"q_stages": 1, **kw})
     assert sm100.Sm100BwdConfig(192, headdim_v=128, q_stages=1, softcap=True).softcap  # softcap built at (192, 128)
     with pytest.raises(ValueError, match="canonical"):
         sm100.Sm100BwdConfig(128, headdim_v=128)
-    assert sm100.select_bwd_config(192, headdim_v=128, two_cta=True).cta_group == 1  # 2-CTA: hd128 only
+    # the 2-CTA (192, 128) (serial; tests/cpu/test_sm100_bwd_2cta.py) only with the opt-in
+    assert sm100.select_bwd_config(192, headdim_v=128).cta_group == 1
+    assert sm100.select_bwd_config(192, headdim_v=128, two_cta=True).cta_group == 2
 
 
 # ---------------------------------------------------------------- operand views (CuTe DSL, trace time only)

@@ -352,9 +352,9 @@ def test_backward_configs():
     """The 1-CTA backward (tests/cpu/test_sm100_bwd_plan.py has its plan): hd64 / hd128: 24 configs
     without softcap, 4 with (bf16, hd64 / hd128, full / causal); (192, 128) (the serial schedule): 12
     without softcap, 11 with (bf16 causal deterministic softcap is refused: it spills); then the 2-CTA
-    hd128 ones (tests/cpu/test_sm100_bwd_2cta.py)."""
+    hd128 and (192, 128) ones (tests/cpu/test_sm100_bwd_2cta.py)."""
     shipped = shipped_bwd_configs()
-    assert [c.cta_group for c in shipped] == [1] * 51 + [2] * 6 and select_bwd_config(128).arch == 100
+    assert [c.cta_group for c in shipped] == [1] * 51 + [2] * 12 and select_bwd_config(128).arch == 100
     assert [(c.headdim, c.causal) for c in shipped if c.softcap and c.cta_group == 1][:4] == [
         (64, False), (64, True), (128, False), (128, True)]
     assert [(c.headdim, c.hdim_v, c.q_stages) for c in shipped[28:51]] == [(192, 128, 1)] * 23

@@ -28,7 +28,7 @@ from flash4.kernels.sm100.bwd_plan import (  # noqa: F401  (the backward's plan)
     SM100_BWD_HEADDIMS, BwdRegisterPlan, bwd_pipeline_specs, bwd_register_plan, bwd_register_plan_problem,
     bwd_smem_bytes, bwd_tmem_alloc_cols, bwd_tmem_aliases, bwd_tmem_map, bwd_tmem_used_cols,
     default_bwd_register_plan,
-    BWD_Q_STAGES_2CTA, SM100_BWD_2CTA_HEADDIMS, default_bwd_register_plan_2cta,
+    BWD_Q_STAGES_2CTA, SM100_BWD_2CTA_PAIRS, default_bwd_register_plan_2cta,
     SM100_BWD_HEADDIM_PAIRS, bwd_q_stages, bwd_serial_problem, bwd_serial_schedule, bwd_tmem_problem,
     bwd_exact_lse,
     BWD_PASSES, SM100_BWD_TWO_PASS_PAIRS, BWD_TWO_PASS_ORDER, bwd_pass_tmem_problem, default_bwd_register_plan_pass,
@@ -309,9 +309,11 @@ class Sm100BwdConfig:
     q_stages / do_stages: depth of the Q (and LSE) / dO (and dPsum) TMA rings (FA4: 2 / 1).
     cta_group:   1 (tcgen05 .cta_group::1), or 2: a cluster of 2 CTAs per 2 x tile_n keys, the
                  leader CTA issuing .cta_group::2 MMAs for the pair, each CTA holding dQ of half the
-                 query block (64 rows x D in 64 TMEM columns) and swapping half of dS with its peer
-                 over DSMEM (hd128, not deterministic, no window: bwd_two_cta_problem; q_stages 1). Opt-in:
+                 query block (64 rows x D in D / 2 TMEM columns) and swapping half of dS with its peer
+                 over DSMEM (hd128 pipelined, (192, 128) serial: bwd_two_cta_serial; full or causal,
+                 softcap or not, not deterministic, no window: bwd_two_cta_problem; q_stages 1). Opt-in:
                  select_bwd_config(two_cta=True), which the host passes as FLASH4_SM100_2CTA.
+                 Compile-verified, not run on hardware.
     regs_reduce / regs_compute / regs_other: setmaxnreg budgets (bwd_register_plan).
     arch:        100 (sm_100a).
     local:       a sliding window (runtime sides; causal folded into it: the config has causal False),
@@ -487,7 +489,8 @@ def bwd_config_problem(cfg) -> str | None:
             return problem
         return bwd_register_plan_problem(BwdRegisterPlan(cfg.regs_reduce, cfg.regs_compute, cfg.regs_other))
     if cfg.cta_group == 2:
-        problem = bwd_two_cta_problem(cfg.headdim, cfg.causal, cfg.local, cfg.deterministic, cfg.softcap)
+        problem = bwd_two_cta_problem(cfg.headdim, cfg.causal, cfg.local, cfg.deterministic, cfg.softcap,
+                                      headdim_v=cfg.headdim_v)
         if problem is not None:
             return problem
         if (cfg.tile_m, cfg.tile_n, cfg.q_stages, cfg.do_stages) != (BWD_TILE_M, BWD_TILE_N, BWD_Q_STAGES_2CTA,
@@ -518,13 +521,15 @@ BWD_TWO_CTA_SOFTCAP = True
 
 
 def bwd_two_cta_problem(headdim: int, causal: bool = False, local: bool = False,
-                        deterministic: bool = False, softcap: bool = False) -> str | None:
-    """Why the 2-CTA backward cannot take a problem class, or None (hd128, full or causal, softcap or
-    not, no window, not deterministic; dense batches: the host refuses packed sequences for every
-    sm100 backward)."""
-    if headdim not in SM100_BWD_2CTA_HEADDIMS:
-        return (f"cta_group=2 with headdim={headdim}: the 2-CTA backward is built for {SM100_BWD_2CTA_HEADDIMS} "
-                "only")
+                        deterministic: bool = False, softcap: bool = False,
+                        headdim_v: int | None = None) -> str | None:
+    """Why the 2-CTA backward cannot take a problem class, or None (hd128 with the pipelined schedule,
+    (192, 128) with the serial one; full or causal, softcap or not, no window, not deterministic; dense
+    batches: the host refuses packed sequences for every sm100 backward)."""
+    dv = headdim if headdim_v is None else headdim_v
+    if (headdim, dv) not in SM100_BWD_2CTA_PAIRS:
+        return (f"cta_group=2 with (headdim, headdim_v)=({headdim}, {dv}): the 2-CTA backward is built for "
+                f"(D, Dv) in {SM100_BWD_2CTA_PAIRS} only")
     if local:
         return "cta_group=2 with a sliding window: the 2-CTA backward is built without a window"
     if causal and not BWD_TWO_CTA_CAUSAL:
@@ -580,15 +585,16 @@ def select_bwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, a
                          + (f" ({tmem})" if tmem else "") + "; compile-verified 1-CTA backward: dense hd64/hd128 "
                          "(causal, window or neither, deterministic or not, softcap or not, MHA/GQA), (192, 128) "
                          "(the same; softcap not with bf16 + causal + deterministic) and hd256 as two passes; "
-                         "2-CTA: hd128")
+                         "2-CTA: hd128 and (192, 128)")
     hdv = None if dv == headdim else dv
     serial = 2 * BWD_TILE_M + headdim + dv > TMEM_COLUMNS
     if serial and bwd_serial_problem(softcap, dtype, causal and not local, deterministic) is not None:
         raise ValueError(bwd_serial_problem(softcap, dtype, causal and not local, deterministic))
-    if two_cta and bwd_two_cta_problem(headdim, causal and not local, local, deterministic, softcap) is None:
-        plan = default_bwd_register_plan_2cta(headdim, causal)
+    if two_cta and bwd_two_cta_problem(headdim, causal and not local, local, deterministic, softcap,
+                                       headdim_v=hdv) is None:
+        plan = default_bwd_register_plan_2cta(headdim, causal, dv)
         return Sm100BwdConfig(headdim=headdim, dtype=dtype, causal=causal, cta_group=2, q_stages=BWD_Q_STAGES_2CTA,
-                              softcap=softcap, regs_reduce=plan.reduce, regs_compute=plan.compute,
+                              softcap=softcap, headdim_v=hdv, regs_reduce=plan.reduce, regs_compute=plan.compute,
                               regs_other=plan.other)
     plan = default_bwd_register_plan(headdim, causal)
     return Sm100BwdConfig(headdim=headdim, dtype=dtype, causal=causal and not local, local=local,
@@ -647,7 +653,8 @@ def shipped_bwd_configs() -> list:
     the dtype, the window and the deterministic dQ chain), then the same 12 without softcap at (192, 128)
     (the serial 1-CTA schedule, bwd_serial_schedule) and the 11 of them with softcap that are built
     (bwd_serial_problem), then the 2-CTA configs (opt-in, FLASH4_SM100_2CTA=1): hd128 x bf16/fp16 x the masks
-    bwd_two_cta_problem accepts (full, causal: 4), and softcap in bf16, full and causal (2)."""
+    bwd_two_cta_problem accepts (full, causal: 4), and softcap in bf16, full and causal (2), then the same 6
+    at (192, 128) (the serial 2-CTA schedule, bwd_two_cta_serial)."""
     no_softcap = [select_bwd_config(d, dt, c, local=lo, deterministic=det) for det in (False, True)
                   for d in SM100_BWD_HEADDIMS for dt in DTYPES
                   for c, lo in ((False, False), (True, False), (False, True))]
@@ -658,10 +665,13 @@ def shipped_bwd_configs() -> list:
               for sc in (False, True) for d, dv in SM100_BWD_HEADDIM_PAIRS if d != dv for det in (False, True)
               for dt in DTYPES for c, lo in ((False, False), (True, False), (False, True))
               if bwd_serial_problem(sc, dt, c, det) is None]
-    two_cta = [select_bwd_config(d, dt, c, two_cta=True) for d in SM100_BWD_2CTA_HEADDIMS for dt in DTYPES
-               for c in (False, True) if bwd_two_cta_problem(d, c) is None]
-    two_cta += [select_bwd_config(d, "bf16", c, softcap=True, two_cta=True) for d in SM100_BWD_2CTA_HEADDIMS
-                for c in (False, True) if bwd_two_cta_problem(d, c, softcap=True) is None]
+    two_cta = []
+    for d, dv in SM100_BWD_2CTA_PAIRS:  # hd128 (pipelined), then (192, 128) (serial)
+        hdv = None if dv == d else dv
+        two_cta += [select_bwd_config(d, dt, c, headdim_v=hdv, two_cta=True) for dt in DTYPES for c in (False, True)
+                    if bwd_two_cta_problem(d, c, headdim_v=hdv) is None]
+        two_cta += [select_bwd_config(d, "bf16", c, softcap=True, headdim_v=hdv, two_cta=True) for c in (False, True)
+                    if bwd_two_cta_problem(d, c, softcap=True, headdim_v=hdv) is None]
     return no_softcap + softcap + serial + two_cta
 
 

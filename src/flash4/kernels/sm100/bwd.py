@@ -97,7 +97,8 @@ from flash4.kernels.common.layout import select_modes
 from flash4.kernels.common.pipeline import next_state
 from flash4.kernels.common.seqinfo import SeqInfo
 from flash4.kernels.sm100.bwd_plan import (BWD_VDO_COLS, BWD_WARP_ROLES, DQ_GROUP_ROWS, DQ_LD_COLS, BwdRegisterPlan,
-                                           bwd_dq_passes, bwd_exact_lse,
+                                           bwd_dq_group_rows, bwd_dq_passes, bwd_exact_lse, bwd_role_tiles,
+                                           bwd_two_cta_serial, bwd_two_cta_shared_rings,
                                            bwd_p_barrier, bwd_pass, bwd_pipeline_specs, bwd_register_plan,
                                            bwd_serial_schedule, bwd_tmem_alloc_cols, bwd_tmem_map, bwd_warp_roles)
 from flash4.kernels.sm100.pipes import (ArrivalLedger, Pipe, named_barrier_arrive, named_barrier_sync, tcgen05_fence_after,
@@ -241,6 +242,12 @@ class FlashAttentionBackwardSm100:
         self.packed = cfg.varlen_q or cfg.varlen_k
         # (192, 128): S^T and dP^T share TMEM columns, so each step runs serially (mma_serial)
         self.serial = bwd_serial_schedule(cfg)
+        # (192, 128) 2-CTA: the same serial order for the pair (mma_serial's two_cta branches), Q / Q^T
+        # through one smem ring and dO / dO^T through another (bwd_two_cta_shared_rings)
+        self.serial_2cta = bwd_two_cta_serial(cfg)
+        self.shared_rings = bwd_two_cta_shared_rings(cfg)
+        # each role computes the tile's coordinates after its setmaxnreg (bwd_role_tiles)
+        self.role_tiles = bwd_role_tiles(cfg)
         # the exact-LSE path (issue 8) in the compute step: every 1-CTA config (bwd_exact_lse)
         self.exact_lse = bwd_exact_lse(cfg)
         # P^T halves contiguous at S's start (2-CTA, serial): both warpgroups read S^T before either writes P^T
@@ -271,8 +278,10 @@ class FlashAttentionBackwardSm100:
         # dQ columns (fp32) each CTA reduces: all D, or in a pair half of the pair's M = tile_m
         # queries' D columns (the M = 128 .cta_group::2 accumulator: tile_m / 2 rows x D per CTA)
         self.dq_cols = self.hdim // self.cta_group
+        # rows a reduce warp stages per bulk group (2-CTA; the 1-CTA reduce uses DQ_GROUP_ROWS)
+        self.dq_group_rows = bwd_dq_group_rows(self.hdim, self.hdim_v, self.cta_group)
         # read-out passes of a reduce thread's dQ row (hd192: 3 x 64 columns; else 1)
-        self.dq_passes = bwd_dq_passes(self.hdim, self.cta_group)
+        self.dq_passes = bwd_dq_passes(self.hdim, self.cta_group, self.hdim_v if self.two_cta else None)
         # query columns of S^T / dP^T per compute warpgroup, and their 16-bit halves in TMEM columns
         self.wg_cols = self.tile_m // self.compute_wgs
         self.half_cols = self.wg_cols // 2
@@ -386,9 +395,19 @@ class FlashAttentionBackwardSm100:
             extra = (tma_Qt, tma_dOt, tma_Kt, tma_atom_Qt, tma_atom_dOt, tma_atom_Kt)
             # per stage one CTA's bytes, times 2: the leader's barrier counts both CTAs' halves
             self.tma_bytes["kv"] = 2 * (self.tma_bytes["kv"] + cute.size_in_bytes(dt, sel(sKmn_layout)))
-            self.tma_bytes["q"] = 2 * self.tma_bytes["q"]
-            self.tma_bytes["qt"] = 2 * cute.size_in_bytes(dt, sel(sQmn_layout))
-            self.tma_bytes["do"] = 2 * (self.tma_bytes["do"] + cute.size_in_bytes(dt, sel(sdOmn_layout)))
+            if const_expr(self.shared_rings):
+                # Q then Q^T through the q ring, dO then dO^T through the do ring: one tx count per ring
+                for a, b in ((sQ_layout, sQmn_layout), (sdO_layout, sdOmn_layout)):
+                    if const_expr(cute.size_in_bytes(dt, sel(a)) != cute.size_in_bytes(dt, sel(b))
+                                  or cute.cosize(a) != cute.cosize(b)):
+                        raise RuntimeError("flash4 bwd_sm100: an operand and its transpose differ in size: "
+                                           "they cannot share one ring stage")
+                self.tma_bytes["q"] = 2 * self.tma_bytes["q"]
+                self.tma_bytes["do"] = 2 * self.tma_bytes["do"]
+            else:
+                self.tma_bytes["q"] = 2 * self.tma_bytes["q"]
+                self.tma_bytes["qt"] = 2 * cute.size_in_bytes(dt, sel(sQmn_layout))
+                self.tma_bytes["do"] = 2 * (self.tma_bytes["do"] + cute.size_in_bytes(dt, sel(sdOmn_layout)))
             # the dS exchange: query half h of dS^T (tile_n x tile_m / 2) is elements [h, h + 1) x half
             half = self.tile_n * self.tile_m // 2
             if const_expr(cute.crd2idx((0, self.tile_m // 2, 0), sdSt_layout.outer) != half
@@ -396,10 +415,12 @@ class FlashAttentionBackwardSm100:
                 raise RuntimeError("flash4 bwd_sm100: dS^T's query halves are not contiguous: the 2-CTA exchange "
                                    "copies one half as a block")
             self.tma_bytes["dsx"] = half * (dt.width // 8)
+            transposes = 0 if const_expr(self.shared_rings) else cute.cosize(sQmn_layout) + cute.cosize(sdOmn_layout)
             smem_tiles = ((cute.cosize(sK_layout) + cute.cosize(sV_layout) + cute.cosize(sQ_layout)
-                           + cute.cosize(sQmn_layout) + cute.cosize(sdO_layout) + cute.cosize(sdOmn_layout)
+                           + cute.cosize(sdO_layout) + transposes
                            + cute.cosize(sKmn_layout) + cute.cosize(sdSt_layout) + half) * (dt.width // 8)
-                          + 4 * DQ_GROUP_ROWS * self.dq_cols * 4 + (self.q_stages + self.do_stages) * self.tile_m * 4)
+                          + 4 * self.dq_group_rows * self.dq_cols * 4
+                          + (self.q_stages + self.do_stages) * self.tile_m * 4)
         elif const_expr(self.dv_pass):  # K, Q, dO and LSE only
             smem_tiles = ((cute.cosize(sK_layout) + cute.cosize(sQ_layout) + cute.cosize(sdO_layout)) * (dt.width // 8)
                           + self.q_stages * self.tile_m * 4)
@@ -469,6 +490,8 @@ class FlashAttentionBackwardSm100:
         that goes to the peer (one buffer: the exchange half is addressed from dS^T's base)."""
         dt, align = self.dtype, self.buffer_align_bytes
         ds_elems = cute.cosize(lay["sdSt"]) + self.tile_n * self.tile_m // 2
+        if const_expr(self.shared_rings):
+            return self.shared_storage_2cta_shared(num_mbar, lay, ds_elems)
 
         @cute.struct
         class SharedStorage2Cta:
@@ -488,6 +511,29 @@ class FlashAttentionBackwardSm100:
             sdS: cute.struct.Align[cute.struct.MemRange[dt, ds_elems], align]
 
         return SharedStorage2Cta
+
+    def shared_storage_2cta_shared(self, num_mbar: int, lay: dict, ds_elems: int):
+        """shared_storage_2cta for the serial 2-CTA schedule ((192, 128), bwd_two_cta_shared_rings): Q and
+        Q^T in one buffer (the q ring's stage), dO and dO^T in another; the dQ staging holds
+        dq_group_rows rows per warp."""
+        dt, align = self.dtype, self.buffer_align_bytes
+
+        @cute.struct
+        class SharedStorage2CtaShared:
+            mbar: cute.struct.MemRange[cutlass.Int64, num_mbar]
+            tmem_dealloc_mbar: cutlass.Int64
+            tmem_holding_buf: Int32
+            sLSE: cute.struct.Align[cute.struct.MemRange[Float32, self.q_stages * self.tile_m], 128]
+            sD: cute.struct.Align[cute.struct.MemRange[Float32, self.do_stages * self.tile_m], 128]
+            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, 4 * self.dq_group_rows * self.dq_cols], 128]
+            sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(lay["sK"])], align]
+            sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(lay["sV"])], align]
+            sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(lay["sQ"])], align]
+            sdO: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(lay["sdO"])], align]
+            sKt: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(lay["sKmn"])], align]
+            sdS: cute.struct.Align[cute.struct.MemRange[dt, ds_elems], align]
+
+        return SharedStorage2CtaShared
 
     def shared_storage_dv(self, num_mbar: int, lay: dict):
         """Pass dv's smem (hd256: 192.5 KiB): the mbarriers, LSE, K, the Q ring and the dO ring (no V,
@@ -576,6 +622,13 @@ class FlashAttentionBackwardSm100:
         elif const_expr(self.dkdq_pass):  # V, dO: the chunk ring (dP^T only)
             smem_t = dict(sK=sK, sV=sV, sQ=sQ, sdO=sdO, sdSt=sdSt, sQmn=view(sQ, sQmn_layout),
                           sKmn=view(sK, sKmn_layout), sdS=view(sdSt, sdS_layout))
+        elif const_expr(self.shared_rings):
+            # Q^T, dO^T: the q / do ring's buffer again (two uses per step); K^T on its own
+            smem_t = dict(sK=sK, sV=sV, sQ=sQ, sdO=sdO, sdSt=sdSt,
+                          sQmn=storage.sQ.get_tensor(sQmn_layout.outer, swizzle=sQmn_layout.inner),
+                          sdOmn=storage.sdO.get_tensor(sdOmn_layout.outer, swizzle=sdOmn_layout.inner),
+                          sKmn=storage.sKt.get_tensor(sKmn_layout.outer, swizzle=sKmn_layout.inner),
+                          sdS=view(sdSt, sdS_layout))
         elif const_expr(self.two_cta):
             # Q^T, dO^T, K^T: loaded on their own (each CTA's half along the MMA's N)
             smem_t = dict(sK=sK, sV=sV, sQ=sQ, sdO=sdO, sdSt=sdSt,
@@ -591,7 +644,7 @@ class FlashAttentionBackwardSm100:
             sD = storage.sD.get_tensor(cute.make_layout((self.tile_m, self.do_stages)))
             # (D, DQ_GROUP_ROWS, reduce warp): per warp a block of whole rows, row-major like the accumulator
             # (2-CTA: D / 2 columns per row, the thread's half)
-            sdQ = storage.sdQ.get_tensor(cute.make_layout((self.dq_cols, DQ_GROUP_ROWS, 4)))
+            sdQ = storage.sdQ.get_tensor(cute.make_layout((self.dq_cols, self.dq_group_rows, 4)))
         if const_expr(not self.two_cta):
             tmem = TmemAllocator(storage.tmem_holding_buf.ptr,
                                  barrier_for_retrieve=pipeline.NamedBarrier(barrier_id=TMEM_PTR_BARRIER,
@@ -611,9 +664,10 @@ class FlashAttentionBackwardSm100:
             lse_exact = (cute.domain_offset((seq.padded_offset_q // self.tile_m, 0, 0), mExact),
                          cute.domain_offset((seq.offset_q, 0, 0), mLSEhi),
                          cute.domain_offset((seq.offset_q, 0, 0), mLSElo))
-        elif const_expr(self.dkdq_pass):
-            # pass dkdq: each role computes its coordinates after its setmaxnreg (kept live from here,
-            # the first query block spilled: 1 STL + 3 LDL at every register split tried)
+        elif const_expr(self.role_tiles):
+            # pass dkdq, the serial 2-CTA pair: each role computes its coordinates after its setmaxnreg
+            # (kept live from here, the query block count spilled: pass dkdq 1 STL + 3 LDL at every
+            # register split tried; the (192, 128) pair 1 STL + 9 LDL at 136 / 136 / 104)
             tile = None
         else:
             tile = self.tile_coords(mQ, mK, window)
@@ -626,7 +680,7 @@ class FlashAttentionBackwardSm100:
             self.set_regs(self.regs.reduce)
             self.wait_tmem_alloc()
             if const_expr(self.two_cta):
-                self.reduce_2cta(mmas[4], mdQacc, sdQ, pipes, tile, cta_v)
+                self.reduce_2cta(mmas[4], mdQacc, sdQ, pipes, self.pass_tile(tile, mQ, mK, window), cta_v)
             elif const_expr(self.dkdq_pass):
                 self.reduce(mmas[4], mdQacc, mdQsem, sdQ, pipes, self.pass_tile(tile, mQ, mK, window), window)
             elif const_expr(not self.dv_pass):  # pass dv has no dQ: the reduce warps only take part in TMEM's barrier
@@ -636,8 +690,8 @@ class FlashAttentionBackwardSm100:
             self.set_regs(self.regs.compute)
             self.wait_tmem_alloc()
             if const_expr(self.two_cta):
-                self.compute(mmas, sLSE, lse_exact, sD, sdSt, mdK, mdV, pipes, tile, softmax_scale, window, softcap,
-                             cta_v)
+                self.compute(mmas, sLSE, lse_exact, sD, sdSt, mdK, mdV, pipes, self.pass_tile(tile, mQ, mK, window),
+                             softmax_scale, window, softcap, cta_v)
             elif const_expr(self.dkdq_pass):
                 self.compute(mmas, sLSE, lse_exact, sD, sdSt, mdK, mdV, pipes, self.pass_tile(tile, mQ, mK, window),
                              softmax_scale, window, softcap)
@@ -651,7 +705,11 @@ class FlashAttentionBackwardSm100:
                 self.wait_tmem_alloc()
                 if const_expr(self.two_cta):
                     if is_leader:  # the pair's MMAs and their commits come from the leader only
-                        self.mma_2cta(mmas, smem_t, tP_layout, tdS_layout, pipes, tile)
+                        if const_expr(self.serial_2cta):
+                            self.mma_serial(mmas, smem_t, tP_layout, tdS_layout, pipes,
+                                            self.pass_tile(tile, mQ, mK, window))
+                        else:
+                            self.mma_2cta(mmas, smem_t, tP_layout, tdS_layout, pipes, tile)
                 elif const_expr(self.dv_pass):
                     self.mma_dv_pass(mmas, smem_t, tP_layout, pipes, tile)
                 elif const_expr(self.dkdq_pass):
@@ -669,7 +727,7 @@ class FlashAttentionBackwardSm100:
             elif warp_idx == self.roles["load"][0]:
                 if const_expr(self.two_cta):
                     self.load_2cta(mmas, mK, mQ, mV, mdO, mLSE2, mD, smem_t, sLSE, sD, tma_atom_K, tma_atom_Q,
-                                   tma_atom_V, tma_atom_dO, extra, pipes, tile, cta_v)
+                                   tma_atom_V, tma_atom_dO, extra, pipes, self.pass_tile(tile, mQ, mK, window), cta_v)
                 elif const_expr(self.dkdq_pass):
                     self.load(mmas, mK, mQ, mV, mdO, mLSE2, mD, smem_t, sLSE, sD, tma_atom_K, tma_atom_Q, tma_atom_V,
                               tma_atom_dO, pipes, self.pass_tile(tile, mQ, mK, window))
@@ -678,13 +736,14 @@ class FlashAttentionBackwardSm100:
                               tma_atom_dO, pipes, tile)
             if const_expr(self.two_cta):
                 if warp_idx == self.roles["relay"][0]:
-                    self.relay(pipes, tile)
+                    self.relay(pipes, self.pass_tile(tile, mQ, mK, window))
         ledger.check()
 
     def pass_tile(self, tile, mQ, mK, window):
-        """Pass dkdq's tile for a role: the packed tile (computed before the role branch: the sequence's
-        offsets apply to every view), else the dense one, computed here after the role's setmaxnreg."""
-        return tile if const_expr(self.packed) else self.tile_coords(mQ, mK, window)
+        """A role's tile: the one computed before the role branch where there is one (the packed tile:
+        the sequence's offsets apply to every view; every config but pass dkdq and the serial 2-CTA
+        pair), else the dense one, computed here after the role's setmaxnreg (pass dkdq, serial 2-CTA)."""
+        return tile if const_expr(self.packed or tile is not None) else self.tile_coords(mQ, mK, window)
 
     def set_regs(self, regs: int):
         if const_expr(BwdRegisterPlan.is_increase(regs)):
@@ -761,7 +820,8 @@ class FlashAttentionBackwardSm100:
         compute = thread_group(warps["compute"])
         add("kv", pipeline.PipelineTmaUmma, one, one, tx_count=self.tma_bytes["kv"], **pair)
         add("q", pipeline.PipelineTmaUmma, one, one, tx_count=self.tma_bytes["q"], **pair)
-        add("qt", pipeline.PipelineTmaUmma, one, one, tx_count=self.tma_bytes["qt"], **pair)
+        if const_expr(not self.shared_rings):  # shared rings: Q^T comes through q
+            add("qt", pipeline.PipelineTmaUmma, one, one, tx_count=self.tma_bytes["qt"], **pair)
         add("lse", pipeline.PipelineTmaAsync, one, compute, tx_count=self.tma_bytes["lse"])
         add("do", pipeline.PipelineTmaUmma, one, one, tx_count=self.tma_bytes["do"], **pair)
         add("dpsum", pipeline.PipelineTmaAsync, one, compute, tx_count=self.tma_bytes["dpsum"])
@@ -920,7 +980,10 @@ class FlashAttentionBackwardSm100:
         """2-CTA load warp (both CTAs): this CTA's half of every operand (the MMA slice of its rank).
         K, V and K^T once (kv); per step Q[m] (q), LSE[m], dO[m] with dO^T[m] (do), D[m], Q^T[m] (qt),
         in the order the leader's MMA warp consumes them. Each CTA's .cta_group::2 TMA completes on the
-        leader's barrier; the leader's load warp expects both CTAs' bytes (PipelineTmaUmma)."""
+        leader's barrier; the leader's load warp expects both CTAs' bytes (PipelineTmaUmma).
+        Shared rings (the serial (192, 128) pair): per step Q[m] (q), LSE[m], dO[m] (do), D[m], then Q^T[m]
+        into the q stage once S^T released it and dO^T[m] into the do stage once dP^T released it (LSE
+        and D keep their own ring states: the q and do rings advance twice per step)."""
         tma_Qt, tma_dOt, tma_Kt, tma_atom_Qt, tma_atom_dOt, tma_atom_Kt = extra
         mma_s, mma_dp, mma_dv, mma_dk, mma_dq = mmas
         n_block, head_kv, batch, group, m_min, num_m, _, _ = tile
@@ -931,6 +994,10 @@ class FlashAttentionBackwardSm100:
         qt_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stages)
         do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.do_stages)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        lse_state, d_state = None, None  # shared rings: the LSE / D rings' own states
+        if const_expr(self.shared_rings):
+            lse_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stages)
+            d_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.do_stages)
         part = self.tma_part
 
         pair_tile = self.cta_group * self.tile_n
@@ -956,24 +1023,47 @@ class FlashAttentionBackwardSm100:
                     cute.local_tile(tma_dOt[None, None, head, batch], (self.hdim_v, self.tile_m), (0, None))))
                 tQtsQ, tQtgQ = part(tma_atom_Qt, smem_t["sQmn"], thr_dk.partition_B(
                     cute.local_tile(tma_Qt[None, None, head, batch], (self.hdim, self.tile_m), (0, None))))
-                pipes["q"].acquire(q_state, "load")
-                cute.copy(tma_atom_Q, tQgQ[None, m_block], tQsQ[None, q_state.index],
-                          tma_bar_ptr=pipes["q"].barrier_full(q_state.index))
-                self.load_row_stats(pipes["lse"], q_state, mLSE2, sLSE, head, batch, m_block)
-                q_state = next_state(q_state)
-                pipes["do"].acquire(do_state, "load")
-                cute.copy(tma_atom_dO, tOgO[None, m_block], tOsO[None, do_state.index],
-                          tma_bar_ptr=pipes["do"].barrier_full(do_state.index))
-                cute.copy(tma_atom_dOt, tOtgO[None, m_block], tOtsO[None, do_state.index],
-                          tma_bar_ptr=pipes["do"].barrier_full(do_state.index))
-                self.load_row_stats(pipes["dpsum"], do_state, mD, sD, head, batch, m_block)
-                do_state = next_state(do_state)
-                pipes["qt"].acquire(qt_state, "load")
-                cute.copy(tma_atom_Qt, tQtgQ[None, m_block], tQtsQ[None, qt_state.index],
-                          tma_bar_ptr=pipes["qt"].barrier_full(qt_state.index))
-                qt_state = next_state(qt_state)
+                if const_expr(self.shared_rings):
+                    pipes["q"].acquire(q_state, "load")
+                    cute.copy(tma_atom_Q, tQgQ[None, m_block], tQsQ[None, q_state.index],
+                              tma_bar_ptr=pipes["q"].barrier_full(q_state.index))
+                    q_state = next_state(q_state)
+                    self.load_row_stats(pipes["lse"], lse_state, mLSE2, sLSE, head, batch, m_block)
+                    lse_state = next_state(lse_state)
+                    pipes["do"].acquire(do_state, "load")
+                    cute.copy(tma_atom_dO, tOgO[None, m_block], tOsO[None, do_state.index],
+                              tma_bar_ptr=pipes["do"].barrier_full(do_state.index))
+                    do_state = next_state(do_state)
+                    self.load_row_stats(pipes["dpsum"], d_state, mD, sD, head, batch, m_block)
+                    d_state = next_state(d_state)
+                    pipes["q"].acquire(q_state, "load")  # S^T(i) read Q: Q^T into the same stage
+                    cute.copy(tma_atom_Qt, tQtgQ[None, m_block], tQtsQ[None, q_state.index],
+                              tma_bar_ptr=pipes["q"].barrier_full(q_state.index))
+                    q_state = next_state(q_state)
+                    pipes["do"].acquire(do_state, "load")  # dP^T(i) read dO: dO^T into the same stage
+                    cute.copy(tma_atom_dOt, tOtgO[None, m_block], tOtsO[None, do_state.index],
+                              tma_bar_ptr=pipes["do"].barrier_full(do_state.index))
+                    do_state = next_state(do_state)
+                else:
+                    pipes["q"].acquire(q_state, "load")
+                    cute.copy(tma_atom_Q, tQgQ[None, m_block], tQsQ[None, q_state.index],
+                              tma_bar_ptr=pipes["q"].barrier_full(q_state.index))
+                    self.load_row_stats(pipes["lse"], q_state, mLSE2, sLSE, head, batch, m_block)
+                    q_state = next_state(q_state)
+                    pipes["do"].acquire(do_state, "load")
+                    cute.copy(tma_atom_dO, tOgO[None, m_block], tOsO[None, do_state.index],
+                              tma_bar_ptr=pipes["do"].barrier_full(do_state.index))
+                    cute.copy(tma_atom_dOt, tOtgO[None, m_block], tOtsO[None, do_state.index],
+                              tma_bar_ptr=pipes["do"].barrier_full(do_state.index))
+                    self.load_row_stats(pipes["dpsum"], do_state, mD, sD, head, batch, m_block)
+                    do_state = next_state(do_state)
+                    pipes["qt"].acquire(qt_state, "load")
+                    cute.copy(tma_atom_Qt, tQtgQ[None, m_block], tQtsQ[None, qt_state.index],
+                              tma_bar_ptr=pipes["qt"].barrier_full(qt_state.index))
+                    qt_state = next_state(qt_state)
         pipes["q"].producer_tail(q_state)
-        pipes["qt"].producer_tail(qt_state)
+        if const_expr(not self.shared_rings):
+            pipes["qt"].producer_tail(qt_state)
         pipes["do"].producer_tail(do_state)
 
     @staticmethod
@@ -1099,7 +1189,17 @@ class FlashAttentionBackwardSm100:
           release dO ; [ds: dS^T(i) in TMEM and smem] dK += dS^T Q(i) ; release Q ;
           dQ(i) = dS K (over S and dP: after dV, dK read P^T, dS^T; tcgen05 MMAs of one thread run
           in order) ; commit dq, ds ;
-        finally dkv. The pipelines and their counts are the pipelined 1-CTA kernel's."""
+        finally dkv. The pipelines and their counts are the pipelined 1-CTA kernel's.
+
+        2-CTA ((192, 128), bwd_two_cta_serial: the leader's MMA warp, .cta_group::2 MMAs for the pair,
+        commits multicast; bwd_tmem_map_2cta's serial map: dQ over S's tail and dP): per step
+          [q: Q(i)] [i > 0: dq empty: dQ(i-1) read out, both CTAs] S(i) ; release Q ;
+          [do: dO(i)] [s empty: P^T(i) written, both CTAs] dP(i) ; release dO ;
+          [do: dO^T(i), the same stage] dV += P^T dO(i) ; release dO^T ;
+          [dp empty: dS^T(i) in TMEM, both CTAs] [q: Q^T(i), the same stage] dK += dS^T Q^T(i) ; release Q^T ;
+          [ds: dS(i) in both CTAs' smem] [relay: each CTA holds the peer's half] dQ(i) = dS K ;
+          commit dq ; release dS ;
+        finally dkv."""
         mma_s, mma_dp, mma_dv, mma_dk, mma_dq = mmas
         _, _, _, group, _, num_m, _, _ = tile
         n_steps = group * num_m
@@ -1126,6 +1226,11 @@ class FlashAttentionBackwardSm100:
                     tcgen05_fence_after()
                 self.gemm(mma_s, tStS, [tSrK], tSrQ[None, None, None, q_state.index], False)
                 pipe_s.arrive_full(0, "mma")
+                if const_expr(self.two_cta):  # shared rings: the q stage takes Q^T(i) next
+                    pipe_q.arrive_empty(q_state.index, "mma")
+                # the q ring's state dK reads: Q(i)'s (1-CTA: Q read through its MN-major view), or Q^T(i)'s
+                # (2-CTA: the stage's next use; a name of its own keeps the loop-carried values as 1-CTA's)
+                dk_state = next_state(q_state) if const_expr(self.two_cta) else q_state
                 if const_expr(self.dkdq_pass):
                     # dP^T(i) = sum over the chunks c of V[:, c] dO(i)[:, c]^T (clear of S: no s wait);
                     # each chunk's stage released by the commit after its k-blocks
@@ -1152,14 +1257,27 @@ class FlashAttentionBackwardSm100:
                     tcgen05_fence_after()
                     self.gemm(mma_dp, tPtP, [tPrV], tPrdO[None, None, None, do_state.index], False)
                     pipe_dp.arrive_full(0, "mma")
+                    if const_expr(self.two_cta):  # shared rings: dO^T(i) in the do stage after dO(i)
+                        pipe_do.arrive_empty(do_state.index, "mma")
+                        do_state = next_state(do_state)
+                        pipe_do.wait_full(do_state.index, do_state.phase)
+                        tcgen05_fence_after()
                     self.gemm(mma_dv, tVtV, tVrP, tVrdO[None, None, None, do_state.index], i > 0)
                     pipe_do.arrive_empty(do_state.index, "mma")
                     do_state = next_state(do_state)
-                pipe_ds.wait_full(0, phase)  # dS^T(i) in TMEM and smem (dP^T(i) read)
+                if const_expr(self.two_cta):
+                    pipe_dp.wait_empty(0, phase)  # dS^T(i) in TMEM (both CTAs)
+                    pipe_q.wait_full(dk_state.index, dk_state.phase)  # Q^T(i)
+                else:
+                    pipe_ds.wait_full(0, phase)  # dS^T(i) in TMEM and smem (dP^T(i) read)
                 tcgen05_fence_after()
-                self.gemm(mma_dk, tKtK, tKrdS, tKrQ[None, None, None, q_state.index], i > 0)
-                pipe_q.arrive_empty(q_state.index, "mma")
-                q_state = next_state(q_state)
+                self.gemm(mma_dk, tKtK, tKrdS, tKrQ[None, None, None, dk_state.index], i > 0)
+                pipe_q.arrive_empty(dk_state.index, "mma")
+                q_state = next_state(dk_state)
+                if const_expr(self.two_cta):
+                    pipe_ds.wait_full(0, phase)  # dS(i) in both CTAs' smem (own half; the peer's half sent)
+                    cute.arch.mbarrier_wait(pipes["relay"], phase)  # each CTA holds the peer's half of dS(i)
+                    tcgen05_fence_after()
                 self.gemm(mma_dq, tQtQ, [tQrdS], tQrK, False)
                 pipe_dq.arrive_full(0, "mma")
                 pipe_ds.arrive_empty(0, "mma")
@@ -1476,7 +1594,7 @@ class FlashAttentionBackwardSm100:
                 col = wg * self.wg_cols + j * LD_COLS
                 cute.copy(thr_ld, cute.make_tensor(tS_src.iterator + col, tS_src.layout), ps[j])
             cute.arch.fence_view_async_tmem_load()
-            if const_expr(self.two_cta):
+            if const_expr(self.two_cta and not self.serial_2cta):
                 if i > 0:
                     tcgen05_fence_before()
                     self.arrive_elected(pipes["ds"], 0, "compute", False)  # dS(i-1) in smem, S^T(i) read
@@ -1529,6 +1647,8 @@ class FlashAttentionBackwardSm100:
                     named_barrier_sync(COMPUTE_BARRIER, len(self.roles["compute"]) * WARP_SIZE)
                     if tidx == 0 and wg == 0:
                         self.send_ds_half(sdSt, pipes["dsx"], cta_v)
+                    if const_expr(self.serial_2cta):  # the serial order: dQ(i) needs no S^T(i+1) read first
+                        self.arrive_elected(pipes["ds"], 0, "compute", False)  # dS^T(i) in smem
                 else:
                     cute.arch.fence_view_async_shared()  # dS smem writes -> visible to the MMA (async proxy)
                     tcgen05_fence_before()
@@ -1541,7 +1661,7 @@ class FlashAttentionBackwardSm100:
             s_phase = s_phase ^ 1
             ds_phase = ds_phase ^ 1
 
-        if const_expr(self.two_cta):
+        if const_expr(self.two_cta and not self.serial_2cta):
             if n_steps > 0:
                 self.arrive_elected(pipes["ds"], 0, "compute", False)  # the last step's dS in smem
         # epilogue: warpgroup 0 stores dV, warpgroup 1 dK (zeros when the tile saw no query)
@@ -1799,7 +1919,7 @@ class FlashAttentionBackwardSm100:
         """2-CTA dQ-reduce warps (both CTAs). The pair's dQ = dS K is one M = tile_m MMA: each CTA's
         TMEM holds tile_m / 2 query rows x D, folded into 128 lanes x D / 2 columns (PTX data-path
         layout B). Per step: wait dq, load this thread's D / 2 values (tcgen05.ld 32x32b), arrive on the
-        leader's dq empty, then per group of DQ_GROUP_ROWS lanes of the warp: the lanes write their
+        leader's dq empty, then per group of dq_group_rows lanes of the warp: the lanes write their
         values into the warp's smem block (one row of D / 2 per lane), and lane 0 reduce-adds each lane's
         runs of DQ_LD_COLS columns into the fp32 accumulator at that lane's (query, column), read from
         the MMA's partition of an identity tensor (no assumption on the folding) and passed by shuffle."""
@@ -1823,37 +1943,61 @@ class FlashAttentionBackwardSm100:
                                f"says {self.dq_cols}")
         # element offset (row * D + column) of each chunk's first value in a query block of the accumulator
         offs = [coords[c * DQ_LD_COLS][0] * self.hdim + coords[c * DQ_LD_COLS][1] for c in range(n_chunks)]
-        groups = WARP_SIZE // DQ_GROUP_ROWS
-        block = sdQ[None, None, warp]  # (D / 2, DQ_GROUP_ROWS) fp32, this warp's staging block
-        my_row = block[None, lane % DQ_GROUP_ROWS]
+        groups = WARP_SIZE // self.dq_group_rows
+        block = sdQ[None, None, warp]  # (D / 2, dq_group_rows) fp32, this warp's staging block
+        my_row = block[None, lane % self.dq_group_rows]
         phase = Int32(0)
+        pass_chunks = n_chunks // self.dq_passes  # DQ_LD_COLS chunks a thread holds at once (bwd_dq_passes)
         for i in cutlass.range(n_steps, unroll=1):
             head, m_block = self.step_coords(tile, i)
             pipes["dq"].wait_full(0, phase)
             tcgen05_fence_after()
-            frag = cute.make_rmem_tensor(coords.shape, Float32)
-            cute.copy(thr_ld, src, frag)
-            cute.arch.fence_view_async_tmem_load()
-            tcgen05_fence_before()
-            self.arrive_elected(pipes["dq"], 0, "reduce", True)  # dQ read out (on the leader's barrier)
+            flat = None
+            if const_expr(self.dq_passes == 1):  # all D / 2 values at once, dQ's columns freed at once
+                frag = cute.make_rmem_tensor(coords.shape, Float32)
+                cute.copy(thr_ld, src, frag)
+                cute.arch.fence_view_async_tmem_load()
+                tcgen05_fence_before()
+                self.arrive_elected(pipes["dq"], 0, "reduce", True)  # dQ read out (on the leader's barrier)
+                flat = cute.make_tensor(frag.iterator, cute.make_layout(self.dq_cols))
             gblock = mdQacc[m_block * self.tile_m, None, head, batch].iterator  # the query block's first row
-            flat = cute.make_tensor(frag.iterator, cute.make_layout(self.dq_cols))
             for grp in cutlass.range_constexpr(groups):
                 if lane == 0:
                     cute.arch.cp_async_bulk_wait_group(0, read=True)  # the block's previous reduce-adds read it
                 cute.arch.sync_warp()
-                if lane // DQ_GROUP_ROWS == grp:
-                    cute.autovec_copy(flat, my_row)
-                    cute.arch.fence_view_async_shared()  # smem writes -> visible to the bulk copy (async proxy)
+                if const_expr(self.dq_passes == 1):
+                    if lane // self.dq_group_rows == grp:
+                        cute.autovec_copy(flat, my_row)
+                        cute.arch.fence_view_async_shared()  # smem writes -> visible to the bulk copy (async proxy)
+                else:
+                    # (192, 128): per pass the warp loads pass_chunks chunks of its 32 lanes (tcgen05.ld is
+                    # warp-wide) and the group's lanes stage theirs; dQ's columns are free after the last
+                    # group's last pass (the serial schedule's next S^T waits for that)
+                    for ps in cutlass.range_constexpr(self.dq_passes):
+                        # src / part modes: (the load's values, chunk of DQ_LD_COLS columns, 1, 1)
+                        part = cute.make_rmem_tensor((coords.shape[0], pass_chunks, 1, 1), Float32)
+                        for c in cutlass.range_constexpr(pass_chunks):
+                            cute.copy(thr_ld, src[None, ps * pass_chunks + c, None, None], part[None, c, None, None])
+                        cute.arch.fence_view_async_tmem_load()
+                        if lane // self.dq_group_rows == grp:
+                            cols = pass_chunks * DQ_LD_COLS
+                            cute.autovec_copy(cute.make_tensor(part.iterator, cute.make_layout(cols)),
+                                              cute.local_tile(my_row, (cols,), (ps,)))
+                            if const_expr(ps == self.dq_passes - 1):
+                                cute.arch.fence_view_async_shared()
+                        cute.arch.sync_warp()  # reconverged before the next warp-wide tcgen05.ld
                 cute.arch.sync_warp()
-                for r in cutlass.range(DQ_GROUP_ROWS, unroll=1):
-                    dst = [cute.arch.shuffle_sync(offs[c], grp * DQ_GROUP_ROWS + r) for c in range(n_chunks)]
+                for r in cutlass.range(self.dq_group_rows, unroll=1):
+                    dst = [cute.arch.shuffle_sync(offs[c], grp * self.dq_group_rows + r) for c in range(n_chunks)]
                     if lane == 0:
                         for c in cutlass.range_constexpr(n_chunks):
                             bulk_reduce_add_f32(gblock + dst[c], block[None, r].iterator + c * DQ_LD_COLS,
                                                 DQ_LD_COLS * 4)
                 if lane == 0:
                     cute.arch.cp_async_bulk_commit_group()
+            if const_expr(self.dq_passes > 1):  # the last group's last pass read dQ out
+                tcgen05_fence_before()
+                self.arrive_elected(pipes["dq"], 0, "reduce", True)
             phase = phase ^ 1
         if lane == 0:
             cute.arch.cp_async_bulk_wait_group(0, read=True)

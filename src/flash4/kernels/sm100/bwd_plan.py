@@ -76,10 +76,17 @@ def bwd_pass_mmas(cfg) -> tuple:
     return BWD_PASS_MMAS[bwd_pass(cfg)]
 
 
-# Head dims the 2-CTA backward is built for (FA4 runs 2-CTA for hd >= 128; the pipelined schedule of
-# hd <= 128 is the one built here; FA4's 2-CTA (192, 128) is built here as a 1-CTA serial schedule, hd256
-# not at all).
-SM100_BWD_2CTA_HEADDIMS = (128,)
+# Head dims the 2-CTA backward is built for (FA4 runs 2-CTA for hd >= 128): hd128 with the pipelined
+# schedule, (192, 128) with FA4's serial hd192 schedule (bwd_two_cta_serial); hd256 not at all.
+SM100_BWD_2CTA_HEADDIMS = (128, 192)
+# (D, Dv) pairs of the 2-CTA backward (the one source of truth; SM100_BWD_2CTA_HEADDIMS lists their D).
+SM100_BWD_2CTA_PAIRS = ((128, 128), (192, 128))
+# dQ staging rows per reduce warp in the serial 2-CTA backward ((192, 128)): 8 rows of D / 2 = 96 fp32
+# columns (12 KiB for the 4 warps) put the tiles at 229 KiB > BWD_SMEM_BUDGET; 4 rows (6 KiB): 223 KiB.
+DQ_GROUP_ROWS_2CTA_SERIAL = 4
+# dQ read-out pass of the serial 2-CTA pair's reduce warps (bwd_dq_passes): per group of rows the warp loads
+# 32 of its 96 columns at a time (with all 96 live, 120 registers spilled 58-60 LDL / STL in causal configs).
+DQ_PASS_COLS_2CTA_SERIAL = 32
 # Q ring depth of the 2-CTA backward (FA4 Q_stage = 1 there: Q and Q^T both live in smem).
 BWD_Q_STAGES_2CTA = 1
 # Queries per step (S^T columns) and keys per CTA (TMEM lanes): FA4's 1-CTA tile.
@@ -143,6 +150,45 @@ def bwd_smem_bytes(headdim: int, hdim_v: int, tile_m: int = BWD_TILE_M, tile_n: 
     return k + v + q + do + ds + dq + stats
 
 
+def bwd_two_cta_serial_dims(headdim: int, hdim_v: int, tile_m: int = BWD_TILE_M) -> bool:
+    """Whether a 2-CTA pair at (D, Dv) runs the serial schedule: each CTA's TMEM cannot hold S^T, dP^T,
+    dV and dK side by side (2 tile_m + D + Dv > 512; (192, 128): 576), as the 1-CTA bwd_serial_schedule."""
+    return 2 * tile_m + headdim + hdim_v > TMEM_COLUMNS
+
+
+def bwd_two_cta_serial(cfg) -> bool:
+    """True for a 2-CTA config with the serial schedule ((192, 128): FA4's hd192 backward, 2-CTA only
+    there): per step S ; dP ; dV ; dK ; dQ, each after the previous step's dQ was read out
+    (bwd_tmem_map_2cta's serial map), Q and Q^T through one ring, dO and dO^T through one ring
+    (bwd_two_cta_shared_rings), no S(i+1) while step i's dS is computed."""
+    return getattr(cfg, "cta_group", 1) == 2 and bwd_two_cta_serial_dims(cfg.headdim, cfg.hdim_v, cfg.tile_m)
+
+
+def bwd_two_cta_shared_rings(cfg) -> bool:
+    """Whether Q and Q^T share one smem ring (and dO and dO^T another): the serial 2-CTA schedule, whose
+    tiles do not fit otherwise ((192, 128): 269 KiB with both pairs apart). Q (tile_m / 2 x D) and Q^T
+    (D / 2 x tile_m) are the same number of elements, as dO and dO^T: the load warp fills the stage with
+    Q, the MMA warp releases it after S^T, the load warp refills it with Q^T for dK (FA4's hd192 order:
+    "Q^T, the Q ring again"); dO then dO^T likewise (dP^T, then dV)."""
+    return bwd_two_cta_serial(cfg)
+
+
+def bwd_role_tiles(cfg) -> bool:
+    """Whether each warp role computes the tile's coordinates after its setmaxnreg instead of once
+    before the role branch (where the launch's 128-register cap holds them across the cluster / TMEM
+    setup): pass dkdq (dense; the first query block spilled there, 1 STL + 3 LDL at every split tried)
+    and the serial 2-CTA pair (the query block count spilled, 1 STL + 9 LDL, bf16 full at 136 / 136 / 104)."""
+    return (bwd_pass(cfg) == "dkdq" and not getattr(cfg, "varlen_q", False)) or bwd_two_cta_serial(cfg)
+
+
+def bwd_dq_group_rows(headdim: int, hdim_v: int, cta_group: int = 1) -> int:
+    """Rows a reduce warp stages per bulk reduce group: DQ_GROUP_ROWS, DQ_GROUP_ROWS_2CTA_SERIAL in the
+    serial 2-CTA backward (smem: bwd_smem_bytes_2cta)."""
+    if cta_group == 2 and bwd_two_cta_serial_dims(headdim, hdim_v):
+        return DQ_GROUP_ROWS_2CTA_SERIAL
+    return DQ_GROUP_ROWS
+
+
 def bwd_smem_bytes_2cta(headdim: int, hdim_v: int, tile_m: int = BWD_TILE_M, tile_n: int = BWD_TILE_N,
                         q_stages: int = BWD_Q_STAGES_2CTA, do_stages: int = BWD_DO_STAGES, elt: int = 2) -> int:
     """One CTA's tiles in a 2-CTA pair (FA4's 2-CTA layout, flash_bwd_sm100.py SharedStorage):
@@ -151,15 +197,22 @@ def bwd_smem_bytes_2cta(headdim: int, hdim_v: int, tile_m: int = BWD_TILE_M, til
     dV), 16 + 16; K^T (B of dQ: D / 2 x the pair's 2 tile_n keys), 32; dS^T (tile_n x tile_m, the
     A of dQ after the exchange: this CTA's tile_m / 2 queries x the pair's keys), 32; the half of dS^T
     sent to the peer (tile_n x tile_m / 2), 16; the dQ staging (4 warps x DQ_GROUP_ROWS rows x D / 2
-    fp32), 8; LSE / dPsum, 1. hd128: 217 KiB."""
+    fp32), 8; LSE / dPsum, 1. hd128: 217 KiB.
+
+    The serial schedule ((192, 128), bwd_two_cta_shared_rings): Q and Q^T share one buffer, dO and dO^T
+    another, and the dQ staging holds DQ_GROUP_ROWS_2CTA_SERIAL rows per warp: K 48 + V 32 + Q / Q^T 24
+    + dO / dO^T 16 + K^T 48 + dS^T 32 + exchange 16 + dQ staging 6 + LSE / dPsum 1 = 223 KiB (apart:
+    269 KiB)."""
+    shared = bwd_two_cta_serial_dims(headdim, hdim_v, tile_m)
+    rings = 1 if shared else 2  # Q and Q^T (dO and dO^T): one buffer each, or two
     k = tile_n * headdim * elt
     v = tile_n * hdim_v * elt
-    q = q_stages * 2 * (tile_m // 2) * headdim * elt
-    do = do_stages * 2 * (tile_m // 2) * hdim_v * elt
+    q = q_stages * rings * (tile_m // 2) * headdim * elt
+    do = do_stages * rings * (tile_m // 2) * hdim_v * elt
     kt = 2 * tile_n * (headdim // 2) * elt
     ds = tile_n * tile_m * elt
     xchg = tile_n * (tile_m // 2) * elt
-    dq = 4 * DQ_GROUP_ROWS * (headdim // 2) * 4
+    dq = 4 * bwd_dq_group_rows(headdim, hdim_v, 2) * (headdim // 2) * 4
     stats = (q_stages + do_stages) * tile_m * 4
     return k + v + q + do + kt + ds + xchg + dq + stats
 
@@ -235,11 +288,20 @@ def default_bwd_register_plan_pass(bwd_pass: str) -> BwdRegisterPlan:
     return BwdRegisterPlan(128, 168, 48) if bwd_pass == "dkdq" else BwdRegisterPlan(96, 144, 128)
 
 
-def default_bwd_register_plan_2cta(headdim: int, causal: bool) -> BwdRegisterPlan:
+def default_bwd_register_plan_2cta(headdim: int, causal: bool, hdim_v: int | None = None) -> BwdRegisterPlan:
     """FA4's 2-CTA budgets (flash_bwd_sm100.py __init__, hd128, causal or not): reduce / compute /
     load = mma 136 / 136 / 104: 136 + 2 x 136 + 104 = 512 (FA4's relay warp takes the MMA's 104, its
     empty warp 24; here the relay and idle warps share the fourth warpgroup's 104)."""
-    del headdim
+    dv = headdim if hdim_v is None else hdim_v
+    if bwd_two_cta_serial_dims(headdim, dv):
+        # (192, 128), full or causal, softcap or not: 104 / 152 / 104 (CuTe DSL 4.8.1, 2026-12-03; LDL +
+        # STL of one compile). With the reduce warps holding all 96 dQ values: FA4's hd192 split
+        # 136 / 136 / 104 spilled 3 + 3 bf16 full (the compute step) and 8 bf16 causal; 120 / 144 / 104 was
+        # clean in full configs but spilled 73-91 in causal ones (58-60 in the reduce warps, 10-31 in
+        # the compute step); 136 / 144 / 88 66 (the MMA / load warps), 128 / 144 / 96 41. The causal
+        # softcap compute step is clean at 152, so the reduce warps read dQ in 32-column passes
+        # (bwd_dq_passes) and fit 104; 88 / 152 / 120 spilled 35.
+        return BwdRegisterPlan(104, 152, 104)
     if causal:
         # flash4's causal compute step held 6 registers more than 136 (3 LDL + 3 STL, stack 24): 16
         # move from the reduce warpgroup (its 64 dQ values fit in 120) to the compute ones
@@ -432,7 +494,10 @@ def bwd_exact_lse(cfg) -> bool:
 
 def bwd_tmem_overlaps(cfg) -> tuple:
     """Overlapping buffers neither of which contains the other, (a, b): only the serial map's S and
-    dP (S^T's second half is dead once P^T is written; P^T itself lies outside dP)."""
+    dP (S^T's second half is dead once P^T is written; P^T itself lies outside dP); the serial 2-CTA map
+    adds S and dQ (dQ over S's last D / 2 - tile_m / 2 columns, read before P^T was written)."""
+    if bwd_two_cta_serial(cfg):
+        return (("S", "dP"), ("S", "dQ"))
     return (("S", "dP"),) if bwd_serial_schedule(cfg) and bwd_pass(cfg) == "both" else ()
 
 
@@ -452,10 +517,14 @@ def bwd_p_barrier(cfg) -> bool:
     return False
 
 
-def bwd_dq_passes(headdim: int, cta_group: int = 1) -> int:
+def bwd_dq_passes(headdim: int, cta_group: int = 1, hdim_v: int | None = None) -> int:
     """Read-out passes of a reduce thread's dQ row (D / cta_group fp32 columns): 1 up to
-    DQ_MAX_LIVE_COLS (hd64 / hd128, the 2-CTA halves), else passes of DQ_PASS_COLS (hd192: 3 x 64)."""
+    DQ_MAX_LIVE_COLS (hd64 / hd128, the 2-CTA halves), else passes of DQ_PASS_COLS (hd192: 3 x 64).
+    The serial 2-CTA pair ((192, 128); hdim_v given): passes of DQ_PASS_COLS_2CTA_SERIAL (3 x 32 of the
+    96 columns), so its reduce warps fit the 104 registers the causal compute step leaves them."""
     cols = headdim // cta_group
+    if cta_group == 2 and hdim_v is not None and bwd_two_cta_serial_dims(headdim, hdim_v):
+        return cols // DQ_PASS_COLS_2CTA_SERIAL
     if cols <= DQ_MAX_LIVE_COLS:
         return 1
     pass_cols = DQ_PASS_COLS if cols <= DQ_WIDE_ROW_COLS else DQ_PASS_COLS_WIDE
@@ -482,10 +551,25 @@ def bwd_tmem_map_2cta(cfg) -> dict:
       P0, P1 = P^T, contiguous at S's start (0-32, 32-64: FA4's tmem_P_offset 0), so P stays clear of
             dQ; warpgroup 1's half lies in S columns warpgroup 0 reads, so the compute warpgroups
             sync (a named barrier) between reading S^T and writing P^T, as FA4 does.
-      dS0, dS1 = dS^T inside each warpgroup's own dP^T columns (256-288, 320-352), as 1-CTA."""
+      dS0, dS1 = dS^T inside each warpgroup's own dP^T columns (256-288, 320-352), as 1-CTA.
+
+    The serial schedule ((192, 128), bwd_two_cta_serial; FA4's hd192 map, BLACKWELL.md table): dV 0-128,
+    dK 128-320 (resident), S 320-448, dP 384-512 (the last tile_m columns: over S's second half, as the
+    1-CTA serial map), dQ 416-512 (the last D / 2 columns: the pair's M = 128 dQ, each CTA's tile_m / 2
+    query rows x D folded into D / 2 columns; inside dP, over S's last 32 columns and over dS1: written
+    after dK read dS^T and the compute warps read dP^T (ds), S(i+1) waits for its read-out), P^T
+    contiguous at S's start (320-352, 352-384: clear of dP and dQ), dS^T at the start of each
+    warpgroup's own dP^T columns (384-416, 448-480)."""
     tm, d, dv = cfg.tile_m, cfg.headdim, cfg.hdim_v
     wgs = 2
     half = tm // wgs // 2
+    if bwd_two_cta_serial(cfg):
+        m = {"dV": (0, dv), "dK": (dv, d), "S": (dv + d, tm), "dP": (TMEM_COLUMNS - tm, tm),
+             "dQ": (TMEM_COLUMNS - d // 2, d // 2)}
+        for w in range(wgs):
+            m[f"P{w}"] = (m["S"][0] + w * half, half)
+            m[f"dS{w}"] = (m["dP"][0] + w * (tm // wgs), half)
+        return m
     m = {"S": (0, tm), "dV": (tm, dv), "dP": (tm + dv, tm)}
     m["dK"] = (m["dP"][0] + tm, d)
     m["dQ"] = (tm - d // 2, d // 2)
@@ -505,6 +589,9 @@ def bwd_tmem_aliases(cfg) -> tuple:
         (si, ni), (so, no) = m[inner], m[outer]
         return so <= si and si + ni <= so + no
 
+    if bwd_two_cta_serial(cfg):  # dQ inside dP; each half inside whichever of S, dP, dQ holds it
+        return (("dQ", "dP"),) + tuple(
+            (f"{x}{w}", o) for w in range(2) for x in ("P", "dS") for o in ("S", "dP", "dQ") if inside(f"{x}{w}", o))
     if getattr(cfg, "cta_group", 1) == 2:
         return (("dQ", "S"),) + tuple((f"{x}{w}", o) for w in range(2) for x, o in (("P", "S"), ("dS", "dP")))
     if bwd_pass(cfg) == "dv":  # P^T inside S
@@ -679,4 +766,13 @@ def bwd_pipeline_specs_2cta(cfg) -> dict:
           "both CTAs hold their whole dS (own half + the peer's) -> the leader's MMA (dQ); back-pressure "
           "is dsx / ds", waited_empty=False),
     ]
+    if bwd_two_cta_shared_rings(cfg):  # (192, 128): Q^T through the q ring, dO^T through the do ring
+        note = {"q": "Q[m] (B of S^T; released by the commit after S^T), then Q^T[m] in the same stage (B of dK: "
+                     "D / 2 x tile_m queries per CTA; released by the commit after dK): two uses per step",
+                "do": "dO[m] (B of dP^T; released by the commit after dP^T), then dO^T[m] in the same stage (B of dV; "
+                      "released by the commit after dV): two uses per step",
+                "ds": "dS^T(i) in smem (own half; the peer's half sent) -> the leader's MMA (dQ; the serial order "
+                      "issues S(i+1) after dQ(i) was read out, so nothing else waits); released by the commit "
+                      "after dQ (both CTAs' dS smem free)"}
+        specs = [dataclasses.replace(s, note=note.get(s.name, s.note)) for s in specs if s.name != "qt"]
     return {s.name: s for s in specs}
