@@ -9,7 +9,9 @@ follow (S(i+1) after dQ(i-1) was read out, dQ(i) after S(i+1) was read and dQ(i-
 those of the serial 1-CTA schedule of (192, 128) (S(i) after dQ(i-1) was read out, dP(i) after
 S(i) was read), and the two passes of hd256 (bwd_pass "dv": S^T and dV only; "dkdq": dP^T over the
 V / dO chunks of the do ring, dQ over S and dP: S(i) and dP(i) after dQ(i-1) was read out, dQ(i)
-after S(i) was read), with and without softcap (whose LSE stage pass dv releases after P^T).
+after S(i) was read), with and without softcap (whose LSE stage pass dv releases after P^T), and the
+serial 2-CTA pair of (192, 128) (Q / Q^T and dO / dO^T through one ring each: two uses per step; S(i)
+after dQ(i-1) was read out in both CTAs, dP(i) after S(i) was read, dQ(i) after S(i) was read).
 
 2-CTA routing (as the kernel's pipelines): tcgen05.commit is the leader's and multicast to both CTAs;
 the TMA pipelines' expect_tx is the leader's, each CTA's bytes complete on the leader's barrier;
@@ -25,7 +27,8 @@ import random
 import pytest
 
 from flash4.config import sm100
-from flash4.kernels.sm100.bwd_plan import BWD_VDO_COLS, _arrivals, bwd_pass, bwd_pipeline_specs, bwd_serial_schedule
+from flash4.kernels.sm100.bwd_plan import (BWD_VDO_COLS, _arrivals, bwd_pass, bwd_pipeline_specs, bwd_serial_schedule,
+                                           bwd_two_cta_serial, bwd_two_cta_shared_rings)
 from flash4.kernels.sm100.plan import Signal
 from test_sm100_protocol import LEADER, A, Barrier, Ring, W
 
@@ -48,6 +51,7 @@ class Model:
         self.dq_read = [0] * self.group
         self.serial = bwd_serial_schedule(cfg)  # (192, 128): dQ over S and dP, dP over S's tail
         self.dkdq = bwd_pass(cfg) == "dkdq"  # hd256 pass dkdq: dQ over S and dP, dP clear of S
+        self.serial2 = bwd_two_cta_serial(cfg)  # (192, 128) pair: dQ over S's tail and dP, dP over S's tail
 
     def party(self, name, side, role):
         spec = self.specs[name]
@@ -87,6 +91,11 @@ class Model:
             self.s_read[cta] += 1
         elif what == "dQ read":
             self.dq_read[cta] += 1
+        elif self.serial2:  # both CTAs' TMEM: S(i) and dP(i) over dQ(i-1), dP(i) and dQ(i) over S(i)'s tail
+            if what in ("S", "dP", "dQ"):
+                assert all(r >= i for r in self.dq_read), f"{what}({i}) issued before dQ({i - 1}) was read"
+            if what in ("dP", "dQ"):
+                assert all(r >= i + 1 for r in self.s_read), f"{what}({i}) issued before S({i}) was read: {self.s_read}"
         elif what == "S" and self.group == 2:  # S(i) over dQ(i-2)'s columns
             assert all(r >= i - 1 for r in self.dq_read), f"S({i}) issued before dQ({i - 2}) was read: {self.dq_read}"
         elif what == "dQ" and self.group == 2:  # dQ(i) over S(i+1)'s tail and over dQ(i-1)
@@ -116,7 +125,7 @@ def acquire(name, ring):
 
 
 def load(n, cfg):
-    two, bpass = cfg.cta_group == 2, bwd_pass(cfg)
+    two, bpass, shared = cfg.cta_group == 2, bwd_pass(cfg), bwd_two_cta_shared_rings(cfg)
     kv, q, do = Ring(1, 1), Ring(cfg.q_stages, 1), Ring(cfg.do_stages, 1)
     lse, dps, qt = Ring(cfg.q_stages, 1), Ring(cfg.do_stages, 1), Ring(cfg.q_stages, 1)
     if n > 0:
@@ -139,10 +148,16 @@ def load(n, cfg):
                 yield from acquire("dpsum", dps)
             do.advance()
             dps.advance()
-            if two:
+            if shared:  # (192, 128) pair: Q^T into the q stage, dO^T into the do stage (load_2cta)
+                yield from acquire("q", q)
+                q.advance()
+                yield from acquire("do", do)
+                do.advance()
+            elif two:
                 yield from acquire("qt", qt)
                 qt.advance()
-    for name, ring in (("q", q), ("qt", qt), ("do", do)) if two else (("q", q), ("do", do)):  # producer_tail
+    tails = (("q", q), ("qt", qt), ("do", do)) if two and not shared else (("q", q), ("do", do))
+    for name, ring in tails:  # producer_tail
         for _ in range(ring.stages):
             yield W(name, "empty", ring.index, ring.phase, ring.uses[ring.index] - 1)
             ring.advance()
@@ -189,8 +204,10 @@ def mma_1cta(n, cfg):
 
 
 def mma_serial(n, cfg, wait_dq=True):
-    """The serial 1-CTA MMA warp ((192, 128), and hd256's pass dkdq: FlashAttentionBackwardSm100.mma_serial).
-    wait_dq False: a deliberate bug for the model's own test (S(i) without waiting for dQ(i-1)'s read-out)."""
+    """The serial MMA warp ((192, 128) 1-CTA and the pair's leader, hd256's pass dkdq:
+    FlashAttentionBackwardSm100.mma_serial). wait_dq False: a deliberate bug for the model's own test
+    (S(i) without waiting for dQ(i-1)'s read-out)."""
+    two = cfg.cta_group == 2
     q, do = Ring(cfg.q_stages, 0), Ring(cfg.do_stages, 0)
     if n == 0:
         return
@@ -201,6 +218,28 @@ def mma_serial(n, cfg, wait_dq=True):
             yield W("dq", "empty", 0, (i - 1) % 2, i - 1)
         yield E("S", i)
         yield A("s", "full", 0, "mma")
+        if two:  # the pair: Q read by S only; the stage's next use is Q^T(i); dO, then dO^T(i) in the do stage
+            yield A("q", "empty", q.index, "mma")
+            q.advance()
+            yield full("do", do)
+            yield W("s", "empty", 0, i % 2, i)
+            yield E("dP", i)
+            yield A("dp", "full", 0, "mma")
+            yield A("do", "empty", do.index, "mma")
+            do.advance()
+            yield full("do", do)
+            yield A("do", "empty", do.index, "mma")  # after dV
+            do.advance()
+            yield W("dp", "empty", 0, i % 2, i)  # dS^T(i) in TMEM, both CTAs
+            yield full("q", q)  # Q^T(i)
+            yield A("q", "empty", q.index, "mma")  # after dK
+            q.advance()
+            yield W("ds", "full", 0, i % 2, i)
+            yield W("relay", "full", 0, i % 2, i)
+            yield E("dQ", i)
+            yield A("dq", "full", 0, "mma")
+            yield A("ds", "empty", 0, "mma")
+            continue
         if bwd_pass(cfg) == "dkdq":  # dP^T over the chunks (clear of S: no s wait), each released by a commit
             yield E("dP", i)
             for _ in range(cfg.hdim_v // BWD_VDO_COLS):
@@ -350,9 +389,11 @@ def run(cfg, n, seed, roles_override=None, count_group=None, model_cls=None):
     for cta in range(cfg.cta_group):
         roles[(cta, "load")] = load(n, cfg)
         if cta == LEADER:
-            roles[(cta, "mma")] = (mma_2cta if cfg.cta_group == 2 else mma_dv_pass if bwd_pass(cfg) == "dv"
+            roles[(cta, "mma")] = (mma_serial if bwd_two_cta_serial(cfg) else mma_2cta if cfg.cta_group == 2
+                                   else mma_dv_pass if bwd_pass(cfg) == "dv"
                                    else mma_serial if bwd_serial_schedule(cfg) else mma_1cta)(n, cfg)
-        roles[(cta, "compute")] = compute(n, cfg)
+        # the serial pair arrives ds at the end of the step (dQ(i) waits for no S^T(i+1) read)
+        roles[(cta, "compute")] = compute(n, cfg, early_ds=not bwd_two_cta_serial(cfg))
         roles[(cta, "reduce")] = reduce(n, cfg)
         if cfg.cta_group == 2:
             roles[(cta, "relay")] = relay(n, cfg)
@@ -402,6 +443,9 @@ CONFIGS = {"1cta": sm100.select_bwd_config(128), "1cta-softcap": sm100.select_bw
            "2cta": sm100.select_bwd_config(128, two_cta=True),
            "2cta-causal": sm100.select_bwd_config(128, causal=True, two_cta=True),
            "2cta-softcap": sm100.select_bwd_config(128, softcap=True, two_cta=True),
+           "2cta-serial": sm100.select_bwd_config(192, headdim_v=128, two_cta=True),
+           "2cta-serial-causal-softcap": sm100.select_bwd_config(192, causal=True, softcap=True, headdim_v=128,
+                                                                 two_cta=True),
            "serial": sm100.select_bwd_config(192, headdim_v=128),
            "serial-causal-det": sm100.select_bwd_config(192, causal=True, deterministic=True, headdim_v=128),
            "d256-dv": sm100.select_bwd_config(256, bwd_pass="dv"),
@@ -446,6 +490,22 @@ def test_the_pair_model_finds_a_late_ds_arrive():
     with pytest.raises(AssertionError, match=r"dQ\(\d\) issued before S\(\d\) was read"):
         for seed in range(60):
             run(cfg, 3, seed, {(c, "compute"): compute(3, cfg, early_ds=False) for c in (0, 1)})
+
+
+def test_the_serial_pair_model_finds_the_pipelined_ds_arrive():
+    """The pipelined pair's ds arrive (step i's after S^T(i+1) was read) in the serial pair: S(i+1)
+    waits for dQ(i)'s read-out, dQ(i) for that arrive: a deadlock."""
+    cfg = CONFIGS["2cta-serial"]
+    with pytest.raises(AssertionError, match="deadlock"):
+        run(cfg, 2, 0, {(c, "compute"): compute(2, cfg, early_ds=True) for c in (0, 1)})
+
+
+def test_the_serial_pair_model_finds_a_missing_dq_wait():
+    """The serial pair's MMA warp issuing S(i) before both CTAs read dQ(i-1) out."""
+    cfg = CONFIGS["2cta-serial"]
+    with pytest.raises(AssertionError, match=r"S\(\d\) issued before dQ\(\d\) was read"):
+        for seed in range(60):
+            run(cfg, 3, seed, {(LEADER, "mma"): mma_serial(3, cfg, wait_dq=False)})
 
 
 def test_the_pair_model_finds_a_relay_that_stays_local():
