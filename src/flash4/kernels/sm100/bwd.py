@@ -33,12 +33,16 @@ from bwd_register_plan, every mbarrier arrive count from bwd_pipeline_specs (che
 flash4.kernels.sm100.pipes). Masks: causal, a sliding window (local configs; runtime sides), keys
 past seqlen_k, through flash4.geometry (m_block_range, first_query, query_end).
 
-2-CTA (cfg.cta_group 2: hd128, full or causal, softcap or not, not deterministic, no window; opt-in
-FLASH4_SM100_2CTA): a cluster of 2 CTAs per 2 x 128 keys, the leader issuing .cta_group::2 MMAs for both (each CTA's own
+2-CTA (cfg.cta_group 2: hd128 and (192, 128), full or causal, softcap or not, not deterministic, no window;
+opt-in FLASH4_SM100_2CTA): a cluster of 2 CTAs per 2 x 128 keys, the leader issuing .cta_group::2 MMAs for both (each CTA's own
 keys are its M rows; Q, dO, Q^T, dO^T, K^T are loaded split along the MMA's N), dQ over S's tail in
 TMEM (each CTA: 64 query rows x D), half of dS^T swapped with the peer over DSMEM
 (cp.async.bulk.shared::cluster), a relay warp (14) forwarding "the peer's half arrived" to the
 leader's MMA warp, and the pair's TMEM dealloc handshake. docs/design/sm100_backward.md section 8.
+(192, 128) as a pair (bwd_two_cta_serial; section 8.1): FA4's hd192 per-CTA TMEM map (dQ, 96 columns, over S's
+tail and dP), mma_serial's order issued by the leader with the pair's waits (dp empty before dK; ds and relay
+before dQ), Q / Q^T and dO / dO^T through one smem ring each (bwd_two_cta_shared_rings: 223 KiB), the ds
+arrive at the end of the step, dQ read out in 32-column passes. Compile-verified, not run on hardware.
 
 Packed sequences (1-CTA: cfg.varlen_q / varlen_k, optionally seqused_q / seqused_k): one CTA per (key
 block of max_seqlen_k, KV head, sequence), every global view offset to the sequence (SeqInfo; the
@@ -67,8 +71,8 @@ computed before the role branch (pass_tile).
 
 Not built (refused by flash4.config.sm100.select_bwd_config / bwd_config_problem): head dims other than
 64 / 128 / (192, 128) (hd256: one of its two passes), other Dv != D, softcap at (192, 128) in bf16 with
-causal and deterministic together (bwd_serial_problem: it spills), packed sequences in the 2-CTA
-variant, the GQA head split. Not in the 2-CTA variant: the exact-LSE path (above).
+causal and deterministic together (bwd_serial_problem: it spills), packed sequences, deterministic or windowed
+configs in the 2-CTA variant, the GQA head split. Not in the 2-CTA variant: the exact-LSE path (above).
 """
 
 import math
