@@ -35,10 +35,11 @@ def test_configs_and_filters():
     assert picked == [sm100.select_fwd_config(128, "bf16", True)]
     # the backward: shipped_bwd_configs, the window ones with features
     bwd = sm100_check.configs(passes=("bwd",))
-    # hd64 / hd128 16, (192, 128) 8, 2-CTA (hd128) 4
-    assert len(bwd) == 16 + 8 + 4 and all(sm100_check.is_bwd(c) and not c.local for c in bwd)
+    # hd64 / hd128 16, (192, 128) 8, 2-CTA (hd128, then (192, 128)) 4 + 4
+    assert len(bwd) == 16 + 8 + 4 + 4 and all(sm100_check.is_bwd(c) and not c.local for c in bwd)
     assert sm100_check.name(bwd[16]) == "bwd_sm100 d192v128 bf16 full 128x128 1cta q1do1"
-    assert [c.cta_group for c in bwd[-4:]] == [2] * 4
+    assert [c.cta_group for c in bwd[-8:]] == [2] * 8
+    assert [(c.headdim, c.hdim_v) for c in bwd[-4:]] == [(192, 128)] * 4
     assert sm100_check.configs(passes=("bwd",), features=True) == sm100.shipped_bwd_configs()
     both = sm100_check.configs(headdims=[64], dtypes=["fp16"], causals=(True,), passes=("fwd", "bwd"))
     assert both == [sm100.select_fwd_config(64, "fp16", True), sm100.select_bwd_config(64, "fp16", True),
@@ -144,8 +145,8 @@ def test_cli_reports_backward_rows(monkeypatch, capsys, tmp_path):
     assert cli.main(["compile-check", "--arch", "sm_100a", "--pass", "bwd", "--features", "--dtypes", "fp16",
                      "--causal", "0"]) == 1
     text = capsys.readouterr().out
-    # hd64 / hd128 8, (192, 128) 4 + 4 with softcap, 2-CTA 1
-    assert "0 forward config(s), 17 backward config(s)" in text and "bwd_sm100 d64 fp16 window" in text
+    # hd64 / hd128 8, (192, 128) 4 + 4 with softcap, 2-CTA 1 + 1 (hd128, (192, 128))
+    assert "0 forward config(s), 18 backward config(s)" in text and "bwd_sm100 d64 fp16 window" in text
     assert "bwd_sm100 d192v128 fp16 window" in text
 
 
