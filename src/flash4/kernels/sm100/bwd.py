@@ -399,6 +399,7 @@ class FlashAttentionBackwardSm100:
             extra = (tma_Qt, tma_dOt, tma_Kt, tma_atom_Qt, tma_atom_dOt, tma_atom_Kt)
             # per stage one CTA's bytes, times 2: the leader's barrier counts both CTAs' halves
             self.tma_bytes["kv"] = 2 * (self.tma_bytes["kv"] + cute.size_in_bytes(dt, sel(sKmn_layout)))
+            self.tma_bytes["q"] = 2 * self.tma_bytes["q"]
             if const_expr(self.shared_rings):
                 # Q then Q^T through the q ring, dO then dO^T through the do ring: one tx count per ring
                 for a, b in ((sQ_layout, sQmn_layout), (sdO_layout, sdOmn_layout)):
@@ -406,10 +407,8 @@ class FlashAttentionBackwardSm100:
                                   or cute.cosize(a) != cute.cosize(b)):
                         raise RuntimeError("flash4 bwd_sm100: an operand and its transpose differ in size: "
                                            "they cannot share one ring stage")
-                self.tma_bytes["q"] = 2 * self.tma_bytes["q"]
                 self.tma_bytes["do"] = 2 * self.tma_bytes["do"]
-            else:
-                self.tma_bytes["q"] = 2 * self.tma_bytes["q"]
+            else:  # Q^T on its own ring, dO^T on dO's barrier
                 self.tma_bytes["qt"] = 2 * cute.size_in_bytes(dt, sel(sQmn_layout))
                 self.tma_bytes["do"] = 2 * (self.tma_bytes["do"] + cute.size_in_bytes(dt, sel(sdOmn_layout)))
             # the dS exchange: query half h of dS^T (tile_n x tile_m / 2) is elements [h, h + 1) x half
