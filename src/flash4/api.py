@@ -332,7 +332,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
            lse = sink_h. Both paths, split-KV
            included (the combine kernel adds the sink).
         num_splits: how many CTAs share the keys of one (sequence, KV head) tile (split-KV; their
-           partial results are merged by a combine kernel): 0 = auto (flash4.config.sm90.choose_num_splits:
+           partial results are merged by a combine kernel): 0 = auto (flash4.config.choose_num_splits:
            split only when batch x KV-head tiles fill less than 80% of the SMs, from host-known sizes
            only), 1 = no split, n > 1 = n (clamped to the cache's key blocks). Not with
            cache_batch_idx (0 and 1 only there).

@@ -14,7 +14,7 @@
 | FLASH4_PAGED_KV_STAGES | paged prefill on sm90: K/V pipeline stages (2 or 3; 3 only where smem allows; A/B) | flash4.config.PAGED_KV_STAGES |
 | FLASH4_SM100       | sm_100 kernels: off, selftest (run after passing flash4.selftest), on (unchecked) | selftest |
 | FLASH4_PORTABLE    | the portable (sm80) family on its own GPUs (sm_80/86/89/120): off, selftest (run after passing flash4.selftest), on (unchecked); not read where it is forced (FLASH4_FAMILY=portable on sm_90) | selftest |
-| FLASH4_SM100_2CTA  | 1 selects the 2-CTA sm_100 forward (cluster of 2, M = 256 across the pair) where it is built: hd128 non-causal dense; compile-verified, not run on hardware | off |
+| FLASH4_SM100_2CTA  | 1 selects the 2-CTA sm_100 kernels (cluster of 2, M = 256 across the pair) where they are built: the forward at hd128 non-causal dense, the backward at hd128 and (192, 128) (full or causal, not deterministic, no window, dense); compile-verified, not run on hardware | off |
 | FLASH4_RUNTIME_LOAD | 0 loads cached kernels through the CuTe DSL's loader instead of as shared libraries through TVM-FFI alone (no CuTe DSL import; docs/design/warm_start.md) | on |
 | FLASH4_MEMO        | 0 turns off prepared calls (flash4.memo: a door's host path kept per argument signature) | on |
 | FLASH4_PACK_VIEWS  | 0 copies q / out / lse of a GQA-packed decode step instead of strided views | on |
@@ -209,9 +209,10 @@ SM100_MODES = SELFTEST_MODES
 
 
 def sm100_2cta() -> bool:
-    """FLASH4_SM100_2CTA (0/1, true/false, on/off, yes/no; default off): the sm_100 forward takes its
-    2-CTA variant (flash4.config.sm100: cta_group 2) for the problems it is built for (head dim 128,
-    non-causal, no window, dense batches). Off, every sm_100 forward is 1-CTA: the 2-CTA protocol
+    """FLASH4_SM100_2CTA (0/1, true/false, on/off, yes/no; default off): the sm_100 kernels take their
+    2-CTA variants (flash4.config.sm100: cta_group 2) for the problems they are built for (forward:
+    head dim 128, non-causal, no window, dense batches; backward: hd128 and (192, 128), full or
+    causal, not deterministic, no window, dense). Off, every sm_100 kernel is 1-CTA: the 2-CTA protocol
     (cluster barriers, leader-only MMA, pair-wide TMEM dealloc) is compile-verified only
     (BLACKWELL.md R3). Either way the self-test (FLASH4_SM100) gates the config it selects."""
     return bool(_flag("FLASH4_SM100_2CTA"))

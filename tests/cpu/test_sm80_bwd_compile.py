@@ -4,7 +4,8 @@ no HGMMA / UTMA* / STSM / UTCHMMA; the arch-neutral pre/postprocess compile for 
 
 Coverage (a backward config takes ~10-30 s to compile on the shared 2-core box): every distinct
 tile shape of the table (flash4.config.sm80._BWD_TILES) on at least one target, each target at
-least twice, and the feature variants (varlen + seqused, window + softcap, window + deterministic). The whole table:
+least twice, the feature variants (varlen + seqused, window + softcap, window + deterministic) and
+each value head dim pair once. The whole table:
 `python -m flash4.compile.sm80_driver --bwd`.
 """
 
@@ -31,11 +32,19 @@ CONFIGS = [
     select_bwd_config(128, "bf16", False, arch=86, local=True, softcap=True),
     select_bwd_config(64, "bf16", False, arch=90, local=True, deterministic=True),  # the ordered dQ chain
 ]
+# Value head dims (flash4.config.HDIMV_PAIRS): the tiles of max(D, Dv), each pair once.
+HDIMV = [
+    select_bwd_config(192, "bf16", True, arch=90, headdim_v=128),
+    select_bwd_config(128, "bf16", False, arch=86, headdim_v=64),
+    select_bwd_config(64, "fp16", True, arch=120, headdim_v=128, deterministic=True),
+]
+CONFIGS += HDIMV
 
 
 def _id(cfg):
     flags = "".join(f"-{f}" for f in ("local", "softcap", "varlen_q", "seqused_k", "deterministic") if getattr(cfg, f))
-    return f"{gpu_arch_name(cfg.arch)}-d{cfg.headdim}-{cfg.dtype}-{'causal' if cfg.causal else 'full'}{flags}"
+    dv = "" if cfg.headdim_v is None else f"-dv{cfg.headdim_v}"
+    return f"{gpu_arch_name(cfg.arch)}-d{cfg.headdim}{dv}-{cfg.dtype}-{'causal' if cfg.causal else 'full'}{flags}"
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +59,7 @@ def test_covers_every_target_and_shape():
     assert {c.arch for c in CONFIGS} == set(TARGETS)
     def shape(c):
         return (c.headdim, c.tile_m, c.tile_n, c.num_warps, c.q_stages)
-    assert {shape(c) for c in shipped_bwd_configs()} == {shape(c) for c in CONFIGS}
+    assert {shape(c) for c in shipped_bwd_configs()} == {shape(c) for c in CONFIGS if c.headdim_v is None}
 
 
 @pytest.mark.parametrize("i", range(len(CONFIGS)), ids=[_id(c) for c in CONFIGS])

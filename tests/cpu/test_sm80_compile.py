@@ -6,7 +6,8 @@ UTMA*, STSM, UTCHMMA).
 Coverage (compiling all 100 shipped configs takes ~10-15 min on the 2-core CPU box): every shipped
 config of sm_90a (the target the H200 runs), every distinct tile shape of the other targets'
 tables in one dtype/mask each, the feature variants (window + softcap + sink, varlen +
-seqused, Q in registers + persistent) and the paged (gathered) configs: sm_90a's seven
+seqused, Q in registers + persistent), the value head dims (one config per pair) and the paged
+(gathered) configs: sm_90a's eleven
 (flash4.config.sm80.paged_fwd_configs), d128 causal on each other target. docs/design/sm80_family.md has the full sweep's table.
 """
 
@@ -18,8 +19,8 @@ import pytest
 
 pytest.importorskip("cutlass")
 
-from flash4.config.sm80 import (TARGETS, gpu_arch_name, paged_fwd_configs, select_fwd_config,  # noqa: E402
-                                shipped_fwd_configs)
+from flash4.config.sm80 import (TARGETS, decode_plan, gpu_arch_name, paged_fwd_configs,  # noqa: E402
+                                select_fwd_config, shipped_fwd_configs)
 from flash4.arch import capacity  # noqa: E402
 
 FULL_TARGET = 90
@@ -38,18 +39,26 @@ FEATURES = [
     select_fwd_config(64, "bf16", False, arch=80, local=True, softcap=True, sink=True),
     select_fwd_config(128, "fp16", True, arch=86, varlen_q=True, varlen_k=True, seqused_q=True, seqused_k=True),
     dataclasses.replace(select_fwd_config(64, "bf16", True, arch=120, q_in_regs=True), persistent=True),
+    # decode steps (64-row tiles) with split-KV over a contiguous cache, sink left to the combine
+    decode_plan(select_fwd_config(64, "bf16", True, arch=86), 1, 1, 32, 65536, 0, 132).cfg,
+    decode_plan(select_fwd_config(256, "fp16", False, arch=90, sink=True), 1, 1, 32, 65536, 0, 132).cfg,
 ]
 # Paged K/V, gathered by every thread (page_gather): all of sm_90a's paged configs, one per other target.
 PAGED = paged_fwd_configs(FULL_TARGET) + [c for a in sorted(TARGETS) if a != FULL_TARGET
                                           for c in paged_fwd_configs(a) if c.headdim == 128 and c.causal
                                           and c.varlen_q]
-CONFIGS = shipped_fwd_configs(FULL_TARGET) + SUBSET + FEATURES + PAGED
+# Value head dims (flash4.config.HDIMV_PAIRS), forward only: each pair once, on three targets.
+HDIMV = [select_fwd_config(192, "bf16", True, arch=90, headdim_v=128),
+         select_fwd_config(128, "bf16", False, arch=86, headdim_v=64),
+         select_fwd_config(64, "fp16", True, arch=120, headdim_v=128)]
+CONFIGS = shipped_fwd_configs(FULL_TARGET) + SUBSET + FEATURES + PAGED + HDIMV
 
 
 def _id(cfg):
     flags = "".join(f"-{f}" for f in ("local", "softcap", "sink", "varlen_q", "seqused_k", "q_in_regs", "persistent",
-                                      "page_gather") if getattr(cfg, f))
-    return f"{gpu_arch_name(cfg.arch)}-d{cfg.headdim}-{cfg.dtype}-{'causal' if cfg.causal else 'full'}{flags}"
+                                      "page_gather", "split_kv") if getattr(cfg, f))
+    dv = "" if cfg.headdim_v is None else f"-dv{cfg.headdim_v}"
+    return f"{gpu_arch_name(cfg.arch)}-d{cfg.headdim}{dv}-{cfg.dtype}-{'causal' if cfg.causal else 'full'}{flags}"
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +72,8 @@ def rows():
 def test_covers_every_target_and_shape():
     assert {c.arch for c in CONFIGS} == set(TARGETS)
     shapes = {(c.headdim, c.tile_m, c.tile_n, c.num_warps, c.kv_stages) for c in shipped_fwd_configs()}
-    assert shapes == {(c.headdim, c.tile_m, c.tile_n, c.num_warps, c.kv_stages) for c in CONFIGS if not c.paged}
+    assert shapes == {(c.headdim, c.tile_m, c.tile_n, c.num_warps, c.kv_stages) for c in CONFIGS if not c.paged
+                      and c.headdim_v is None and not c.split_kv}
     assert {c.arch for c in PAGED} == set(TARGETS)
 
 

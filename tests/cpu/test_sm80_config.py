@@ -73,7 +73,7 @@ def test_select_flags():
 
 
 @pytest.mark.parametrize("kwargs, words", [
-    (dict(split_kv=True), "split-KV"), (dict(headdim_v=128, headdim=192), "headdim_v"),
+    (dict(headdim_v=96, headdim=192), "headdim 96 differs"),
 ])
 def test_unimplemented_options_fail_at_selection(kwargs, words):
     headdim = kwargs.pop("headdim", 128)
@@ -119,11 +119,12 @@ def test_bwd_options():
     assert cfg.causal and cfg.varlen_q and cfg.varlen_k and cfg.seqused_k and cfg.softcap and cfg.dynamic_seqlen_k
     assert select_bwd_config(64, causal=True, local=True, arch=80).causal is False  # folded into the window
     assert select_bwd_config(64, arch=80, deterministic=True).deterministic
-    with pytest.raises(ValueError, match="headdim_v"):
-        select_bwd_config(128, arch=80, headdim_v=64)
+    assert select_bwd_config(128, arch=80, headdim_v=64).hdim_v == 64  # a value head dim pair
+    with pytest.raises(ValueError, match="headdim 32 differs"):
+        select_bwd_config(128, arch=80, headdim_v=32)
     with pytest.raises(ValueError, match="headdim=80"):
         select_bwd_config(80, arch=80)
-    assert sm80.unsupported(split_kv=True).startswith(sm80.UNSUPPORTED_PREFIX)
+    assert sm80.unsupported(pack_gqa=True).startswith(sm80.UNSUPPORTED_PREFIX)
     with pytest.raises(AssertionError):
         sm80.Sm80BwdConfig(headdim=64, tile_m=48)  # not whole 16-row slabs per warp
 
@@ -213,7 +214,8 @@ def test_host_plans_on_portable_archs(monkeypatch):
     paged = dense.with_seq(SeqSpec(DECODE, seqused_k=torch.full((2,), 300, dtype=torch.int32),
                                    page_table=torch.zeros(2, 3, dtype=torch.int32)))
     plan = fwd_config(paged, 89, 84)  # paged: gathered rows (page_gather), the decode step's layout
-    assert plan.cfg.page_gather and plan.cfg.paged and plan.cfg.seqused_k and plan.num_splits == 1
+    assert plan.cfg.page_gather and plan.cfg.paged and plan.cfg.seqused_k
+    assert plan.num_splits == 2 and plan.cfg.split_kv  # 16 tiles on 84 SMs, 900 keys of capacity: split
     pages = torch.zeros(2, 3, dtype=torch.int32)
     used = torch.full((2,), 100, dtype=torch.int32)
     kp = torch.zeros(6, 64, 2, 128, dtype=torch.bfloat16)
@@ -249,3 +251,45 @@ def test_paged_configs_gather():
             assert dataclasses.replace(paged, page_gather=False) == dataclasses.replace(plain, tile_n=tile_n)
             assert "page_gather" not in repr(plain) and "page_gather=True" in repr(paged)
     assert all(c.page_gather and c.seqused_k for c in sm80.paged_fwd_configs())
+
+
+def test_value_headdims_take_the_wider_tile():
+    """(192, 128), (128, 64), (64, 128) (flash4.config.HDIMV_PAIRS): the forward exists, with the table's
+    tile of max(D, Dv), forward and backward."""
+    for arch in sm80.TARGETS:
+        for d, dv in ((192, 128), (128, 64), (64, 128)):
+            for causal in (False, True):
+                cfg = select_fwd_config(d, causal=causal, arch=arch, headdim_v=dv)
+                wide = select_fwd_config(max(d, dv), causal=causal, arch=arch)
+                assert (cfg.headdim_v, cfg.hdim_v) == (dv, dv)
+                assert (cfg.tile_m, cfg.tile_n, cfg.num_warps, cfg.kv_stages) == (
+                    wide.tile_m, wide.tile_n, wide.num_warps, wide.kv_stages)
+                assert cfg.smem_bytes() <= wide.smem_bytes()
+                bwd = sm80.select_bwd_config(d, causal=causal, arch=arch, headdim_v=dv)
+                wide_bwd = sm80.select_bwd_config(max(d, dv), causal=causal, arch=arch)
+                assert bwd.hdim_v == dv and (bwd.tile_m, bwd.tile_n, bwd.num_warps) == (
+                    wide_bwd.tile_m, wide_bwd.tile_n, wide_bwd.num_warps)
+                assert sm80.bwd_candidates(bwd) == {}  # the speed candidates were checked at Dv = D only
+    with pytest.raises(ValueError, match="headdim 96 differs"):
+        sm80.select_bwd_config(192, arch=80, headdim_v=96)
+
+
+def test_decode_plan_splits_by_the_shared_rule():
+    """A decode step splits the cache's key blocks where the tiles leave SMs idle
+    (flash4.config.choose_num_splits), never into runs shorter than its rule allows; num_splits
+    given by the caller is kept (clamped to the key blocks); no GQA packing."""
+    from flash4.config import MIN_BLOCKS_PER_SPLIT, choose_num_splits
+
+    cfg = select_fwd_config(128, arch=86)
+    plan = sm80.decode_plan(cfg, 1, 1, 32, 128 * 1024, 0, 84)
+    n_blocks = 128 * 1024 // cfg.tile_n
+    assert plan.num_splits == choose_num_splits(32, n_blocks, 84) > 1
+    assert plan.cfg.split_kv and plan.cfg.seqused_k and plan.pack == 1 and plan.heads_p == 32
+    assert n_blocks // plan.num_splits >= MIN_BLOCKS_PER_SPLIT
+    busy = sm80.decode_plan(cfg, 64, 1, 32, 4096, 0, 84)  # 2048 tiles fill the GPU
+    assert busy.num_splits == 1 and not busy.cfg.split_kv
+    assert sm80.decode_plan(cfg, 1, 1, 32, 4096, 1, 84).num_splits == 1  # off
+    forced = sm80.decode_plan(cfg, 1, 1, 32, 4096, 7, 84)
+    assert forced.num_splits == 7 and forced.cfg.split_kv
+    assert sm80.decode_plan(cfg, 1, 1, 32, 100, 7, 84).num_splits == -(-100 // cfg.tile_n)  # clamped
+    assert sm80.decode_plan(cfg, 1, 1, 32, 4096, 0, None).num_splits == 1

@@ -368,16 +368,19 @@ def test_training_asks_both_selftests(portable_device, monkeypatch):
 
 
 def test_what_the_family_lacks_is_refused_before_the_selftest(portable_device, monkeypatch):
-    """headdim_v != headdim is refused by name (the family's UNSUPPORTED_PREFIX; paged K/V is served
-    since the gathered paged forward),
-    training at a head dim without a backward on the 99 KiB parts (d256) with NotImplementedError;
-    no self-test runs for any of them."""
+    """Training at a head dim without a backward on the 99 KiB parts (d256) is refused with
+    NotImplementedError naming it, and a v head dim with neither a kernel nor a padding with a
+    ValueError; the value head dims (forward and backward) and paged K/V (the gathered paged
+    forward) are served and ask the self-test; no self-test runs for a refused call."""
     asked = verdicts(monkeypatch, ok=True)
-    q, k, v = qkv(dv=64)
-    text = validate.support_error(q, k, v)
-    assert sm80.UNSUPPORTED_PREFIX in text and "headdim_v != headdim" in text and f"sm_{portable_device}" in text
-    with pytest.raises(ValueError, match="headdim_v != headdim"):
+    q, k, v = qkv(dv=64, requires_grad=True)
+    assert validate.support_error(q, k, v) is None  # (128, 64): forward and backward exist
+    assert [c.headdim_v for c in asked[-2:]] == [64, 64] and isinstance(asked[-1], sm80.Sm80BwdConfig)
+    q, k, v = qkv(dv=100)  # not a multiple of 8: no kernel, no padding
+    n = len(asked)
+    with pytest.raises(ValueError, match="100"):
         flash4.flash_attn_func(q, k, v)
+    assert len(asked) == n
     q, k, v = (t[0] for t in qkv())
     cu = torch.tensor([0, 100, 300], dtype=torch.int32)
     used = torch.tensor([50, 200], dtype=torch.int32)

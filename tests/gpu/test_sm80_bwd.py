@@ -23,7 +23,8 @@ from flash4.config import active_family, bwd_config
 from flash4.config import sm80 as sm80_config
 from flash4.request import Request
 
-from gpu_helpers import (assert_grads, check_bwd, check_deterministic, check_grads_varlen, make_varlen, rand_lengths,
+from gpu_helpers import (assert_grads, check_bwd, check_bwd_dv, check_deterministic, check_grads_varlen, make_varlen,
+                         rand_lengths,
                          ref_grads, run_bwd_varlen)
 
 
@@ -74,6 +75,20 @@ def test_rect(sq, sk, causal, d):
 @pytest.mark.parametrize("causal", [False, True])
 def test_gqa(hk, causal, d):
     check_bwd(2, 700, 700, 16, hk, d, causal)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d, dv", [(192, 128), (128, 64), (64, 128)], ids=["192-128", "128-64", "64-128"])
+def test_value_headdim(d, dv, causal):
+    """v's head dim differs from q/k's (flash4.config.HDIMV_PAIRS): forward and backward of the family
+    into NaN-filled gradients, against the float32 reference; GQA 8:2, rectangular."""
+    gen = torch.Generator(device="cuda").manual_seed(d + dv)
+    q = torch.randn(2, 333, 8, d, generator=gen, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(2, 555, 2, d, generator=gen, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(2, 555, 2, dv, generator=gen, device="cuda", dtype=torch.bfloat16)
+    dout = torch.randn(2, 333, 8, dv, generator=gen, device="cuda", dtype=torch.bfloat16)
+    assert bwd_config(Request.dense(q, k, v, d ** -0.5, causal), device_arch()).cfg.hdim_v == dv
+    check_bwd_dv(q, k, v, dout, causal)
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])

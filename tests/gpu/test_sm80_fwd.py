@@ -94,6 +94,7 @@ HEADDIMS = sm80_config.SUPPORTED_HEADDIMS
 SEQLENS = (1, 17, 127, 128, 129, 1000)
 RECT = ((1, 128), (17, 1000), (127, 129), (129, 17), (1000, 127), (1024, 300), (129, 1))
 OTHER_TARGETS = (80, 86, 120)  # their tile tables (sm_89 has sm_86's)
+HDIMV = ((192, 128), (128, 64), (64, 128))  # flash4.config.HDIMV_PAIRS
 VARIANTS = {"q_in_regs": dict(q_in_regs=True), "persistent": dict(persistent=True),
             "always_rescale": dict(rescale_threshold=0.0), "exp2_emulated": dict(exp2_emu_frac=0.5)}
 
@@ -108,6 +109,7 @@ def used_configs():
     cfgs += [family_config(128, "bf16", c, sink=True) for c in (False, True)]
     cfgs += [family_config(d, "bf16", c, varlen_q=True, varlen_k=True) for d in (64, 128) for c in (False, True)]
     cfgs += [family_config(128, "bf16", True, varlen_q=True, seqused_q=True, seqused_k=True)]
+    cfgs += [family_config(d, "bf16", c, headdim_v=dv) for d, dv in HDIMV for c in (False, True)]
     return cfgs
 
 
@@ -295,8 +297,67 @@ def speed_table(cells=None, variants=None):
         print(f"d{d} {'causal' if causal else 'full'} {s:>6d}      {row[0]:7.1f} "
               + " ".join(f"{x:7.1f} ({x / row[0]:.2f})" for x in row[1:]) + ("" if ratio >= 1 else "  < FA2"))
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("headdim, headdim_v", HDIMV, ids=[f"{d}-{dv}" for d, dv in HDIMV])
+def test_value_headdim(headdim, headdim_v, causal):
+    """v's head dim differs from q/k's (out has v's): within the rule, NaN-poisoned out / LSE."""
+    cfg = family_config(headdim, "bf16", causal, headdim_v=headdim_v)
+    q, k, _ = make_qkv(2, 300, 517, 4, 2, headdim, seed=3)
+    v = torch.randn(2, 517, 2, headdim_v, generator=torch.Generator(device="cuda").manual_seed(4), device="cuda",
+                    dtype=torch.bfloat16)
+    out, lse, lse_split = run(cfg, q, k, v)
+    assert out.shape[-1] == headdim_v and not out.isnan().any() and not lse.isnan().any()
+    errs = fwd_errors(q, k, v, out, lse, None, causal)
+    assert errs["out_err"] <= 2 * errs["out_pt_err"] + OUT_ATOL, errs
+    assert errs["lse_err"] <= 2 * errs["lse_pt_err"] + LSE_ATOL, errs
+    assert_lse_split(lse, lse_split)
+
+
+@pytest.mark.parametrize("num_splits", [1, 0, 3], ids=["nosplit", "auto", "split3"])
+@pytest.mark.parametrize("page_size", [0, 16, 5], ids=["dense", "page16", "page5"])
+def test_kvcache_decode(page_size, num_splits, monkeypatch):
+    """flash_attn_with_kvcache with the family forced (FLASH4_FAMILY=portable): a decode step (1 query,
+    32 / 8 heads, d128) over a contiguous or paged (gathered) cache whose slots past each sequence
+    hold NaN; split-KV off, automatic and 3 runs (the combine kernel): within the rule against the
+    reference, out and LSE."""
+    monkeypatch.setenv("FLASH4_FAMILY", "portable")
+    monkeypatch.setenv("FLASH4_SMALL_PAGES", "1")
+    from flash4 import flash_attn_with_kvcache
+    from flash4.reference import kvcache_ref, max_abs_err
+
+    b, h, hk, d, cap = 3, 32, 8, 128, 1100
+    gen = torch.Generator(device="cuda").manual_seed(10 * page_size + num_splits)
+    seqlens = torch.tensor([1, 517, cap], dtype=torch.int32, device="cuda")
+    table = None
+    if page_size:
+        max_pages = -(-cap // page_size)
+        num_pages = b * max_pages + 2
+        k_cache = torch.randn(num_pages, page_size, hk, d, generator=gen, device="cuda", dtype=torch.bfloat16)
+        table = torch.randperm(num_pages, generator=gen, device="cuda")[: b * max_pages].view(b, max_pages)
+        table = table.to(torch.int32)
+    else:
+        k_cache = torch.randn(b, cap + 37, hk, d, generator=gen, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.randn(k_cache.shape, generator=gen, device="cuda", dtype=torch.bfloat16)
+    for bi, n in enumerate(seqlens.tolist()):  # every slot past the sequence: NaN
+        if page_size:
+            pos = torch.arange(n, table.shape[1] * page_size, device="cuda")
+            rows = (table[bi, pos // page_size].long(), pos % page_size)
+        else:
+            rows = (bi, slice(n, None))
+        k_cache[rows] = math.nan
+        v_cache[rows] = math.nan
+    q = torch.randn(b, 1, h, d, generator=gen, device="cuda", dtype=torch.bfloat16)
+    out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, page_table=table, causal=True,
+                                       num_splits=num_splits, return_lse=True)
+    ref_out, ref_lse = kvcache_ref(q, k_cache, v_cache, seqlens, page_table=table, causal=True)
+    pt_out, pt_lse = kvcache_ref(q, k_cache, v_cache, seqlens, page_table=table, causal=True, upcast=False)
+    assert not out.isnan().any() and not lse.isnan().any()
+    assert max_abs_err(out, ref_out) <= 2 * max_abs_err(pt_out, ref_out) + OUT_ATOL
+    assert max_abs_err(lse, ref_lse) <= 2 * max_abs_err(pt_lse, ref_lse) + LSE_ATOL
+
 
 if __name__ == "__main__":
     # Tile alternatives to time next to the table's (each must also pass the CPU compile check).
     ALTERNATIVES = {"s3": dict(kv_stages=3), "qregs": dict(q_in_regs=True), "s1": dict(kv_stages=1)}
     speed_table(variants=ALTERNATIVES if "--variants" in sys.argv else None)
+

@@ -135,6 +135,30 @@ def paged_layout(page_size: int, tile_n: int, gather_max: int | None = None, pre
     return {"page_rows": paged_page_rows(page_size, tile_n), "page_gather": False, "page_prefetch": bool(prefetch)}
 
 
+# Split-KV heuristic (every family's decode plan): split only when the tiles fill less than this share of the SMs; then take the
+# fewest splits whose wave efficiency is within SPLIT_EFFICIENCY of the best, each split keeping at
+# least MIN_BLOCKS_PER_SPLIT key blocks, at most MAX_SPLITS splits.
+SPLIT_WHEN_TILES_BELOW = 0.8
+SPLIT_EFFICIENCY = 0.95
+MIN_BLOCKS_PER_SPLIT = 4
+MAX_SPLITS = 128
+
+
+def choose_num_splits(num_tiles: int, num_n_blocks: int, num_sms: int) -> int:
+    """Splits of the key blocks for `num_tiles` (m_block, head, batch) tiles of `num_n_blocks` key
+    blocks each on `num_sms` SMs (pure; CPU-tested). 1 when the tiles already fill the GPU."""
+    if num_tiles <= 0 or num_tiles >= SPLIT_WHEN_TILES_BELOW * num_sms:
+        return 1
+    max_splits = max(1, min(MAX_SPLITS, num_n_blocks // MIN_BLOCKS_PER_SPLIT))
+
+    def efficiency(s):
+        ctas = num_tiles * s
+        return ctas / (ceil_div(ctas, num_sms) * num_sms)
+
+    best = max(efficiency(s) for s in range(1, max_splits + 1))
+    return next(s for s in range(1, max_splits + 1) if efficiency(s) >= SPLIT_EFFICIENCY * best)
+
+
 def with_seq_layout(cfg, **flags):
     """cfg with the sequence-layout fields (varlen_q, varlen_k, seqused_q, seqused_k, page_rows,
     page_gather, page_prefetch) set."""

@@ -17,7 +17,8 @@ import dataclasses
 from flash4 import env
 from flash4.arch import capacity
 from flash4.arch import gpu_arch_name as _target_name
-from flash4.config import SUPPORTED_HEADDIMS, BwdPlan, FwdPlan, canonical_hdimv, with_seq_layout
+from flash4.config import (SUPPORTED_HEADDIMS, BwdPlan, FwdPlan, canonical_hdimv, ceil_div, choose_num_splits,
+                           with_seq_layout)
 from flash4.constants import DTYPES, RESCALE_THRESHOLD_LOG2
 
 # The SM versions this family is compiled for, and the --gpu-arch name of each (flash4.arch.
@@ -65,8 +66,12 @@ class Sm80FwdConfig:
     page_gather:  paged K/V (a page table; pages of any size >= 1): every thread cp.asyncs its key rows
                   from their own pages (kernels/common/paged_gather.PagedGather, the sm90 producer's
                   gather run by all the CTA's threads), rows past seqlen_k zero-filled. No TMA.
-    Fields the family does not implement yet, kept so the host's code reads every config alike:
-    page_rows (TMA page pieces) = 0, split_kv = False, headdim_v = None (Dv = D), pack_gqa = 1.
+    split_kv:     the key blocks of each query tile are split into num_splits runs (a runtime
+                  argument), each writing fp32 partial O / LSE that flash4's combine kernel merges
+                  (the decode step of a KV cache; the sm90 forward's scheme).
+    headdim_v:    V's head dim when it differs (flash4.config.HDIMV_PAIRS; None: Dv = D).
+    Fields the family does not implement, kept so the host's code reads every config alike:
+    page_rows (TMA page pieces) = 0, pack_gqa = 1.
     """
 
     headdim: int
@@ -107,8 +112,9 @@ class Sm80FwdConfig:
         assert self.tile_m % (MMA_M * self.num_warps) == 0, (self.tile_m, self.num_warps)
         assert self.tile_n % 16 == 0 and self.kv_stages >= 1, (self.tile_n, self.kv_stages)
         assert not (self.causal and self.local), "a window folds causal into its right side"
-        assert self.page_rows == 0 and not self.split_kv and self.headdim_v is None and self.pack_gqa == 1, (
+        assert self.page_rows == 0 and self.pack_gqa == 1, (
             f"not implemented in the sm80 family: {self}")
+        assert self.headdim_v is None or canonical_hdimv(self.headdim, self.headdim_v) == self.headdim_v, self
 
     @property
     def paged(self) -> bool:
@@ -203,11 +209,12 @@ _SMEM_CLASS = {80: "a100", 86: "small", 89: "small", 90: "hopper", 120: "small"}
 UNSUPPORTED_PREFIX = "flash4's portable kernel family (sm80) does not implement"
 
 
-def unsupported(headdim_v: int | None = None, split_kv: bool = False, pack_gqa: bool = False) -> str | None:
+def unsupported(headdim_v: int | None = None, pack_gqa: bool = False) -> str | None:
     """Why the sm80 family has no kernel for these options, or None (one text for the config
     selection's error and for a dispatcher's support check). headdim_v: canonical_hdimv's value
-    (None when it equals headdim). Paged K/V is served (gathered rows, Sm80FwdConfig.page_gather)."""
-    missing = [name for name, on in (("split-KV decode", split_kv), ("GQA packing", pack_gqa),
+    (None when it equals headdim), asked by the backward (the forward takes the value head dims).
+    Paged K/V (gathered rows) and split-KV are served by the forward."""
+    missing = [name for name, on in (("GQA packing", pack_gqa),
                                       ("headdim_v != headdim", headdim_v is not None)) if on]
     if missing:
         return f"{UNSUPPORTED_PREFIX} {', '.join(missing)} yet"
@@ -233,11 +240,11 @@ def select_fwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, a
         raise ValueError(f"dtype={dtype!r} not supported; allowed: {DTYPES}")
     gpu_arch_name(arch)
     headdim_v = canonical_hdimv(headdim, headdim_v)
-    problem = unsupported(headdim_v=headdim_v, split_kv=split_kv)
-    if problem is not None:
-        raise ValueError(f"{problem} (sm_{arch})")
     causal = causal and not local
-    tile_m, tile_n, num_warps, stages, q_regs = _TILES[_SMEM_CLASS[arch]][headdim][1 if causal else 0]
+    # A value head dim (HDIMV_PAIRS) takes the tile of the wider of D and Dv: O (Dv) and S share the
+    # registers the table balances per head dim ((64, 128) runs d128's 32-key tile).
+    tile_key = max(headdim, headdim_v or headdim)
+    tile_m, tile_n, num_warps, stages, q_regs = _TILES[_SMEM_CLASS[arch]][tile_key][1 if causal else 0]
     # Q in registers fits the two loop bodies of a non-causal kernel; a window adds a third (like
     # causal) and then spills with it (d64 on sm_80: 2), without it not (compile sweep).
     q_regs = (q_regs and not local) if q_in_regs is None else q_in_regs
@@ -246,7 +253,8 @@ def select_fwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, a
     cfg = Sm80FwdConfig(headdim=headdim, dtype=dtype, causal=causal, tile_m=tile_m, tile_n=tile_n,
                         num_warps=num_warps, kv_stages=stages, q_in_regs=q_regs, arch=arch,
                         lpt=causal, local=local, softcap=softcap, sink=sink, varlen_q=varlen_q,
-                        varlen_k=varlen_k, seqused_q=seqused_q, seqused_k=seqused_k, page_gather=paged)
+                        varlen_k=varlen_k, seqused_q=seqused_q, seqused_k=seqused_k, headdim_v=headdim_v,
+                        page_gather=paged, split_kv=split_kv)
     assert cfg.smem_bytes() <= capacity(arch).smem_per_block, cfg
     return cfg
 
@@ -262,7 +270,7 @@ def shipped_fwd_configs(arch: int | None = None) -> list[Sm80FwdConfig]:
 def paged_fwd_configs(arch: int | None = None) -> list[Sm80FwdConfig]:
     """The paged (gathered) forward configs the CPU compile check covers for target `arch` (every
     target when None): every head dim, bf16, causal or not, as the paged varlen door selects them
-    (packed queries, seqused_k), and d128's decode step (seqused_k, dense queries)."""
+    (packed queries, seqused_k), and d128's decode step (seqused_k, dense queries, split-KV)."""
     archs = sorted(TARGETS) if arch is None else [arch]
     configs = []
     for a in archs:
@@ -270,7 +278,9 @@ def paged_fwd_configs(arch: int | None = None) -> list[Sm80FwdConfig]:
             for c in (False, True):
                 configs.append(with_seq_layout(select_fwd_config(d, "bf16", c, arch=a, paged=True), varlen_q=True,
                                                seqused_k=True))
-        configs.append(with_seq_layout(select_fwd_config(128, "bf16", True, arch=a, paged=True), seqused_k=True))
+        # a decode step over a paged cache: 64-row tile, split-KV (32 heads x 1 query on 132 SMs)
+        configs.append(decode_plan(select_fwd_config(128, "bf16", True, arch=a, paged=True), 1, 1, 32, 65536, 0,
+                                   132).cfg)
     return configs
 
 
@@ -330,11 +340,12 @@ class Sm80BwdConfig:
         assert self.arch in TARGETS, self.arch
         assert not (self.causal and self.local), "a window folds causal into its right side"
         assert not (self.dq_coalesced and self.varlen_q), "the register-order dq_accum is for dense layouts only"
-        assert self.headdim_v is None and not self.dkv_accum, (
-            f"not implemented in the sm80 family: {self}")
+        assert not self.dkv_accum, f"not implemented in the sm80 family: {self}"
+        assert self.headdim_v is None or canonical_hdimv(self.headdim, self.headdim_v) == self.headdim_v, self
         w = self.num_warps
         for warps_a, extent_a, extent_b in ((self.warps_m_sdp, self.tile_m, self.tile_n),
                                              (self.warps_n_dkv, self.tile_n, self.headdim),
+                                             (self.warps_n_dkv, self.tile_n, self.hdim_v),
                                              (self.warps_m_dq, self.tile_m, self.headdim)):
             # each warp takes 16 x 16 blocks of the GEMM's (A rows x B rows) tile
             assert w % warps_a == 0 and extent_a % (16 * warps_a) == 0 and extent_b % (16 * (w // warps_a)) == 0, (
@@ -408,25 +419,26 @@ def select_bwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, a
                       deterministic: bool = False, local: bool = False, softcap: bool = False,
                       headdim_v: int | None = None, varlen_q: bool = False, varlen_k: bool = False,
                       seqused_q: bool = False, seqused_k: bool = False) -> Sm80BwdConfig:
-    """The backward config for one problem class on target `arch` (pure; CPU-tested). Raises
-    ValueError for an unsupported head dim / dtype / target or headdim_v != headdim."""
+    """The backward config for one problem class on target `arch` (pure; CPU-tested). A value head
+    dim (flash4.config.HDIMV_PAIRS) takes the table's tiles of max(D, Dv). Raises ValueError for an
+    unsupported head dim / dtype / target / (D, Dv) pair."""
     if headdim not in SUPPORTED_HEADDIMS:
         raise ValueError(f"headdim={headdim} not supported; allowed: {SUPPORTED_HEADDIMS}")
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r} not supported; allowed: {DTYPES}")
     gpu_arch_name(arch)
-    problem = unsupported(headdim_v=canonical_hdimv(headdim, headdim_v))
-    if problem is not None:
-        raise ValueError(f"{problem} (sm_{arch})")
+    headdim_v = canonical_hdimv(headdim, headdim_v)
     table = _BWD_TILES[_BWD_SMEM_CLASS[arch]]
-    if headdim not in table:
-        raise ValueError(f"{UNSUPPORTED_PREFIX} a backward for headdim {headdim} on sm_{arch} (its 99 KiB of shared "
+    tile_key = max(headdim, headdim_v or headdim)
+    if tile_key not in table:
+        raise ValueError(f"{UNSUPPORTED_PREFIX} a backward for headdim {tile_key} on sm_{arch} (its 99 KiB of shared "
                          f"memory per CTA; head dims with a backward there: {bwd_headdims(arch)})")
-    tile_m, tile_n, num_warps, q_stages, wm_sdp, wn_dkv, wm_dq = table[headdim]
+    tile_m, tile_n, num_warps, q_stages, wm_sdp, wn_dkv, wm_dq = table[tile_key]
     cfg = Sm80BwdConfig(headdim=headdim, dtype=dtype, causal=causal and not local, tile_m=tile_m, tile_n=tile_n,
                         num_warps=num_warps, q_stages=q_stages, warps_m_sdp=wm_sdp, warps_n_dkv=wn_dkv,
                         warps_m_dq=wm_dq, arch=arch, varlen_q=varlen_q, varlen_k=varlen_k, seqused_q=seqused_q,
-                        seqused_k=seqused_k, local=local, softcap=softcap, deterministic=deterministic)
+                        seqused_k=seqused_k, local=local, softcap=softcap, deterministic=deterministic,
+                        headdim_v=headdim_v)
     assert cfg.smem_bytes() <= capacity(arch).smem_per_block, cfg
     return cfg
 
@@ -472,8 +484,9 @@ SHIPPED_BWD_CANDIDATE = "fa2"
 
 def bwd_candidates(cfg: Sm80BwdConfig) -> dict:
     """{name: config} of the speed candidates (BWD_CANDIDATES) that apply to the shipped config cfg
-    (same problem class and target; dense layouts only: dq_coalesced is)."""
-    if cfg.varlen_q:
+    (same problem class and target; dense layouts with Dv = D only: dq_coalesced is, and the
+    candidates' tiles were checked at Dv = D)."""
+    if cfg.varlen_q or cfg.headdim_v is not None:
         return {}
     out = {}
     for name, tables in BWD_CANDIDATES.items():
@@ -511,18 +524,43 @@ GATE_DOOR = {"fwd_layouts": ("dense", "varlen", "paged", "kvcache"), "bwd_layout
 
 
 # ================================================================ the host's questions (flash4.config.fwd_config / bwd_config)
+# Query rows of a decode step's tile (seqlen_q <= this): 4 warps x one 16-row MMA slab, so a step of
+# 1-8 queries does a quarter of a 128-row tile's MMA and softmax work (the sm90 family's decode tiles
+# halve theirs the same way); the 16 rows per warp also leave the registers a split_kv epilogue needs
+# (d64 causal 128 x 64 spilled 16 with it on sm_86; 64 x 64: 0).
+DECODE_TILE_M = 64
+
+
+def decode_plan(cfg: Sm80FwdConfig, batch: int, seqlen_q: int, nheads: int, capacity: int, num_splits: int,
+                num_sms: int | None) -> FwdPlan:
+    """A decode step's plan (pure; CPU-tested): cfg with seqused_k, DECODE_TILE_M query rows for
+    short steps, and, where the (m_block, head, batch) tiles leave SMs idle, split_kv over num_splits runs of the cache's key blocks
+    (flash4.config.choose_num_splits, from host-known sizes only: CUDA-graph safe). num_splits: the
+    caller's (0 = auto, 1 = off); num_sms None: no split. No GQA packing (pack 1)."""
+    if seqlen_q <= DECODE_TILE_M < cfg.tile_m and DECODE_TILE_M % (MMA_M * cfg.num_warps) == 0:
+        cfg = dataclasses.replace(cfg, tile_m=DECODE_TILE_M)  # one 16-row slab per warp: the rows are mostly empty
+    n_blocks = max(1, ceil_div(capacity, cfg.tile_n))
+    if num_splits == 0:
+        tiles = batch * nheads * ceil_div(seqlen_q, cfg.tile_m)
+        num_splits = choose_num_splits(tiles, n_blocks, num_sms) if num_sms else 1
+    num_splits = max(1, min(num_splits, n_blocks))
+    cfg = with_seq_layout(cfg, seqused_k=True, split_kv=num_splits > 1)
+    return FwdPlan(cfg, 1, num_splits, seqlen_q, nheads)
+
+
 def fwd_plan(request, arch: int, num_sms: int | None = None) -> FwdPlan:
     """The forward plan of a flash4.request.Request: dense, packed (varlen / seqused), paged (packed
     queries over a page table, gathered rows) or a decode step over a contiguous or paged cache
-    (seqused_k; no GQA packing, no split-KV: one kernel launch, which reads each KV head's keys once
-    per query head). Raises ValueError for headdim_v != headdim (`unsupported`)."""
+    (decode_plan: seqused_k, split-KV by the sm90 family's rule; no GQA packing: each query head
+    reads its KV head's keys). Raises ValueError as select_fwd_config."""
     q, k, seq, mask, score = request.q, request.k, request.seq, request.mask, request.score
     headdim, headdim_v = q.shape[-1], request.v.shape[-1]
     cfg = select_fwd_config(headdim, request.dtype, mask.causal, arch, local=mask.window is not None,
                             softcap=score.softcap > 0, sink=score.sink is not None,
                             headdim_v=None if headdim_v == headdim else headdim_v, paged=seq.paged)
     if seq.decode:
-        return FwdPlan(with_seq_layout(cfg, seqused_k=True), 1, 1, q.shape[1], q.shape[2])
+        num_splits = request.cache.num_splits if request.cache is not None else 0  # 0: auto
+        return decode_plan(cfg, q.shape[0], q.shape[1], q.shape[2], request.capacity, num_splits, num_sms)
     if not seq.packed:
         return FwdPlan(cfg)
     return FwdPlan(with_seq_layout(cfg, varlen_q=True, varlen_k=not seq.paged, seqused_q=seq.seqused_q is not None,

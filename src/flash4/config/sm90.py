@@ -14,9 +14,10 @@ import dataclasses
 import functools
 
 from flash4.constants import DTYPES, RESCALE_THRESHOLD_LOG2, ROWS_PER_WARPGROUP
-from flash4.config import (GATHER_ZERO_FILL, HDIMV_PAIRS, PAGE_GATHER_MAX, PAGE_PREFETCH, PAGED_KV_STAGES,
-                           SUPPORTED_HEADDIMS, BwdPlan, FwdPlan, canonical_hdimv, ceil_div, mean_queries_per_key,
-                           paged_layout, with_seq_layout)
+from flash4.config import (GATHER_ZERO_FILL, HDIMV_PAIRS, MAX_SPLITS, MIN_BLOCKS_PER_SPLIT,  # noqa: F401
+                           PAGE_GATHER_MAX, PAGE_PREFETCH, PAGED_KV_STAGES, SPLIT_EFFICIENCY, SPLIT_WHEN_TILES_BELOW,
+                           SUPPORTED_HEADDIMS, BwdPlan, FwdPlan, canonical_hdimv, ceil_div, choose_num_splits,
+                           mean_queries_per_key, paged_layout, with_seq_layout)
 from flash4.arch import capacity
 
 # Short-sequence forward (select_fwd_config's seqlen_k): at seqlen_k <= this a query tile visits at
@@ -750,30 +751,6 @@ def head_split_config(cfg: BwdConfig, nheads: int, nheads_k: int, seqlen_q: int,
 #     kernel (kernels/common/fwd_combine.py), which also unpacks the GQA rows.
 # num_splits is chosen from host-known sizes only (batch, heads, the cache's capacity), never from
 # cache_seqlens' contents, so a step is CUDA-graph safe and changing lengths never recompiles.
-
-# Split-KV heuristic: split only when the tiles fill less than this share of the SMs; then take the
-# fewest splits whose wave efficiency is within SPLIT_EFFICIENCY of the best, each split keeping at
-# least MIN_BLOCKS_PER_SPLIT key blocks, at most MAX_SPLITS splits.
-SPLIT_WHEN_TILES_BELOW = 0.8
-SPLIT_EFFICIENCY = 0.95
-MIN_BLOCKS_PER_SPLIT = 4
-MAX_SPLITS = 128
-
-
-def choose_num_splits(num_tiles: int, num_n_blocks: int, num_sms: int) -> int:
-    """Splits of the key blocks for `num_tiles` (m_block, head, batch) tiles of `num_n_blocks` key
-    blocks each on `num_sms` SMs (pure; CPU-tested). 1 when the tiles already fill the GPU."""
-    if num_tiles <= 0 or num_tiles >= SPLIT_WHEN_TILES_BELOW * num_sms:
-        return 1
-    max_splits = max(1, min(MAX_SPLITS, num_n_blocks // MIN_BLOCKS_PER_SPLIT))
-
-    def efficiency(s):
-        ctas = num_tiles * s
-        return ctas / (ceil_div(ctas, num_sms) * num_sms)
-
-    best = max(efficiency(s) for s in range(1, max_splits + 1))
-    return next(s for s in range(1, max_splits + 1) if efficiency(s) >= SPLIT_EFFICIENCY * best)
-
 
 # Deepest K/V pipeline a decode config takes (the step streams the cache: more loads in flight).
 MAX_DECODE_KV_STAGES = 4

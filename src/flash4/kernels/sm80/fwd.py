@@ -64,10 +64,23 @@ class ScoreParams(NamedTuple):
 
 
 class TileSpace(NamedTuple):
-    """batch_size: number of sequences; max_seqlen_q: >= every sequence's query count."""
+    """batch_size: number of sequences; max_seqlen_q: >= every sequence's query count;
+    num_splits: split_kv: key-block runs per (m_block, head, batch) (None otherwise)."""
 
     batch_size: Int32
     max_seqlen_q: Int32
+    num_splits: Optional[Int32] = None
+
+
+class SplitParams(NamedTuple):
+    """split_kv partial results, each split normalized by its own row sum (None otherwise); flash4's
+    combine kernel (kernels/common/fwd_combine.py) merges them and adds a sink.
+
+    o_acc: fp32 (seqlen_q, dv, nheads, batch, split).  lse_acc: fp32 (seqlen_q, nheads, batch, split).
+    """
+
+    o_acc: Optional[cute.Tensor]
+    lse_acc: Optional[cute.Tensor]
 
 
 class Smem(NamedTuple):
@@ -167,14 +180,14 @@ class FlashAttentionForwardSm80:
         mSeqUsedQ: Optional[cute.Tensor],  # (batch,) int32 when seqused_q
         mSeqUsedK: Optional[cute.Tensor],  # (batch,) int32 when seqused_k
         mPageTable: Optional[cute.Tensor],  # page_gather: (batch, max_pages) int32; K/V (num_pages, page_size, hk, d)
-        mOacc: Optional[cute.Tensor],  # split_kv: not in this family yet (None)
-        mLSEacc: Optional[cute.Tensor],  # split_kv: not in this family yet (None)
+        mOacc: Optional[cute.Tensor],  # split_kv: (num_splits, batch, seqlen_q, nheads, dv) fp32 partial O
+        mLSEacc: Optional[cute.Tensor],  # split_kv: (num_splits, batch, nheads, seqlen_q) fp32 partial LSE
         mSink: Optional[cute.Tensor],  # sink: (nheads,) fp32 sink logits (natural units)
         softmax_scale_log2: Float32,  # softmax_scale * log2(e); softcap: softcap * log2(e)
         softcap_scale: Float32,  # softcap: softmax_scale / softcap (the tanh's input scale); else ignored
         batch_size: Int32,  # number of sequences
         max_seqlen_q: Int32,  # >= every sequence's query count: sizes the tile space
-        num_splits: Int32,  # split_kv: not in this family yet (1)
+        num_splits: Int32,  # split_kv: key-block runs per (m_block, head, batch) (1 otherwise)
         window_left: Int32,  # local: the window's sides (flash4.geometry.window_sides); ignored otherwise
         window_right: Int32,
         l2_group: Int32,  # (head, batch) pairs per L2 section of the tile order (>= 1)
@@ -183,8 +196,9 @@ class FlashAttentionForwardSm80:
     ):
         if const_expr(not (mQ.element_type == mK.element_type == mV.element_type == mO.element_type == self.dtype)):
             raise TypeError(f"flash4 fwd_sm80: q, k, v, out must all be {self.dtype}")
-        if const_expr(mOacc is not None or mLSEacc is not None):
-            raise ValueError("flash4 fwd_sm80: split-KV is not implemented in the sm80 family")
+        if const_expr((mOacc is not None, mLSEacc is not None) != (self.cfg.split_kv, self.cfg.split_kv)):
+            raise ValueError(f"flash4 fwd_sm80: o_accum / lse_accum given {mOacc is not None} / "
+                             f"{mLSEacc is not None}, the config's split_kv is {self.cfg.split_kv}")
         if const_expr((mPageTable is not None) != self.cfg.page_gather):
             raise ValueError(f"flash4 fwd_sm80: page_table given {mPageTable is not None}, the config's page_gather "
                              f"is {self.cfg.page_gather}")
@@ -198,6 +212,9 @@ class FlashAttentionForwardSm80:
         # K/V: (page_size, headdim, nheads_k, num_pages).
         mQ, mK, mV, mO = [select_modes(t, [1, 3, 2, 0]) for t in (mQ, mK, mV, mO)]
         mLSE, mLSEhi, mLSElo = [select_modes(t, [2, 1, 0]) for t in (mLSE, mLSEhi, mLSElo)]
+        if const_expr(self.cfg.split_kv):
+            mOacc = select_modes(mOacc, [2, 4, 3, 1, 0])  # (seqlen_q, dv, nheads, batch, split)
+            mLSEacc = select_modes(mLSEacc, [3, 2, 1, 0])  # (seqlen_q, nheads, batch, split)
 
         sQ_layout = self._smem_layout(self.tile_m, self.hdim)
         sK_layout = self._smem_layout(self.tile_n, self.hdim, self.num_stages)
@@ -225,7 +242,8 @@ class FlashAttentionForwardSm80:
             SeqParams(mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, mPageTable),
             mSink,
             ScoreParams(softmax_scale_log2, softcap_scale),
-            TileSpace(batch_size, max_seqlen_q),
+            TileSpace(batch_size, max_seqlen_q, num_splits if const_expr(self.cfg.split_kv) else None),
+            SplitParams(mOacc, mLSEacc),
             MaskParams(window_left, window_right),
             l2_group,
             QKVO(sQ_layout, sK_layout, sV_layout, sO_layout),
@@ -244,6 +262,7 @@ class FlashAttentionForwardSm80:
         sink: Optional[cute.Tensor],  # sink: (nheads,) fp32 sink logits (natural units)
         score_params: ScoreParams,
         tiles: TileSpace,
+        split_params: SplitParams,
         mask_params: MaskParams,
         l2_group: Int32,  # (head, batch) pairs per L2 section of the tile order (>= 1)
         layouts: QKVO,  # smem layouts of Q, K, V, O
@@ -269,10 +288,11 @@ class FlashAttentionForwardSm80:
 
         mQ = gmem.q
         num_m_blocks = cute.ceil_div(tiles.max_seqlen_q, self.tile_m)
-        sched = TileSchedule(num_m_blocks, mQ.shape[2], mQ.shape[2] * tiles.batch_size, l2_group,
-                             self.causal and self.cfg.lpt)
+        # split_kv: the "batch" of the tile order runs over (batch, split) pairs, split fastest.
+        num_hb = mQ.shape[2] * tiles.batch_size * (tiles.num_splits if const_expr(self.cfg.split_kv) else 1)
+        sched = TileSchedule(num_m_blocks, mQ.shape[2], num_hb, l2_group, self.causal and self.cfg.lpt)
         tile = partial(self.tile, gmem, lse_out, seq_params, sink, score_params, mask_params, smem, copies, tiled_mma,
-                       ops, tidx, sched)
+                       ops, tidx, sched, tiles, split_params)
         tile_idx = cute.arch.block_idx()[0]
         if const_expr(self.cfg.persistent):
             while tile_idx < sched.num_tiles():
@@ -284,17 +304,21 @@ class FlashAttentionForwardSm80:
     @cute.jit
     def tile(self, gmem: QKVO, lse_out: LseParams, seq_params: SeqParams, sink: Optional[cute.Tensor],
              score_params: ScoreParams, mask_params: MaskParams, smem: Smem, copies: QKVO, tiled_mma: cute.TiledMma,
-             ops: Operands, tidx: Int32, sched: TileSchedule, tile_idx: Int32):
-        """Tile tile_idx of the tile order: its sequence, then `attend` unless the query tile lies
-        past the sequence (varlen / seqused)."""
+             ops: Operands, tidx: Int32, sched: TileSchedule, tiles: TileSpace, split_params: SplitParams,
+             tile_idx: Int32):
+        """Tile tile_idx of the tile order: its sequence (and split_kv's split), then `attend` unless
+        the query tile lies past the sequence (varlen / seqused)."""
         m_block, head, batch = sched.coords(tile_idx)
+        split = Int32(0)
+        if const_expr(self.cfg.split_kv):
+            batch, split = batch // tiles.num_splits, batch % tiles.num_splits
         seq = SeqInfo(batch, gmem.q.shape[0], gmem.k.shape[0], *seq_params.lengths())
         in_range = True
         if const_expr(self.ragged_q):
             in_range = m_block * self.tile_m < seq.seqlen_q
         if in_range:
             self.attend(gmem, lse_out, sink, score_params, mask_params, smem, copies, tiled_mma, ops, tidx, m_block,
-                        head, seq, seq_params.page_table)
+                        head, seq, seq_params.page_table, split_params, split, tiles.num_splits)
 
     def mma_operands(self, smem: Smem, tiled_mma, tidx) -> Operands:
         """The thread's MMA fragments and ldmatrix partitions (tile-independent: built once)."""
@@ -315,14 +339,16 @@ class FlashAttentionForwardSm80:
     @cute.jit
     def attend(self, gmem: QKVO, lse_out: LseParams, sink: Optional[cute.Tensor], score_params: ScoreParams,
                mask_params: MaskParams, smem: Smem, copies: QKVO, tiled_mma: cute.TiledMma, ops: Operands,
-               tidx: Int32, m_block: Int32, head: Int32, seq: SeqInfo, seq_page_table: Optional[cute.Tensor]):
+               tidx: Int32, m_block: Int32, head: Int32, seq: SeqInfo, seq_page_table: Optional[cute.Tensor],
+               split_params: SplitParams, split: Int32, num_splits: Optional[Int32]):
         """One query tile: prologue loads, the key-block loop (masked blocks first, then unmasked,
-        then a window's left edge), epilogue. seq_page_table: page_gather configs' page table."""
+        then a window's left edge), epilogue. seq_page_table: page_gather configs' page table.
+        split_kv: split `split` of num_splits runs of the key blocks, written to the partials."""
         mQ, mK, mV = gmem.q, gmem.k, gmem.v
         seqlen_q, seqlen_k = seq.seqlen_q, seq.seqlen_k
         window = mask_params.window(self.cfg.local)
         head_kv = head // (mQ.shape[2] // mK.shape[2])
-        n_block_min, n_block_max = self.n_block_range(m_block, seq, window)
+        n_block_min, n_block_max = self.n_block_range(m_block, seq, window, split, num_splits)
 
         # Global -> smem partitions. (CPY, CPY_M, CPY_K) for Q; (CPY, CPY_N, CPY_K, n_block) and
         # (CPY, CPY_N, CPY_K, STAGE) for K and V.
@@ -386,19 +412,27 @@ class FlashAttentionForwardSm80:
                     stage = block(n_block_left - 1 - i, stage, is_first=False, masked=True)
 
         sink_log2 = None
-        if const_expr(self.cfg.sink):
+        if const_expr(self.cfg.sink and not self.cfg.split_kv):  # split_kv: the combine adds it
             sink_log2 = Float32(sink[head]) * Float32(LOG2E_F)
         inv_row_sum, lse, lse_hi, lse_lo = softmax.finalize(sink_log2)
-        self.epilogue(acc_O, inv_row_sum, (lse, lse_hi, lse_lo), gmem.o, lse_out, smem.o, tiled_mma, tidx, m_block,
-                      head, seq)
+        if const_expr(self.cfg.split_kv):
+            self.epilogue_split(acc_O, inv_row_sum, lse, split_params, tiled_mma, tidx, m_block, head, seq, split)
+        else:
+            self.epilogue(acc_O, inv_row_sum, (lse, lse_hi, lse_lo), gmem.o, lse_out, smem.o, tiled_mma, tidx,
+                          m_block, head, seq)
 
-    def n_block_range(self, m_block, seq, window):
-        """[n_block_min, n_block_max): the key blocks query tile m_block sees (flash4.geometry)."""
+    def n_block_range(self, m_block, seq, window, split, num_splits):
+        """[n_block_min, n_block_max): the key blocks query tile m_block sees (flash4.geometry); with
+        split_kv, split `split` of num_splits equal runs of them (the sm90 forward's rule)."""
         n_block_max = geometry.n_block_max(m_block, seq.seqlen_q, seq.seqlen_k, self.tile_m, self.tile_n,
                                            self.causal, window)
         n_block_min = Int32(0)
         if const_expr(self.cfg.local):
             n_block_min = geometry.n_block_min(m_block, seq.seqlen_q, seq.seqlen_k, self.tile_m, self.tile_n, window)
+        if const_expr(self.cfg.split_kv):
+            per_split = (cutlass.max(n_block_max - n_block_min, 0) + num_splits - 1) // num_splits
+            n_block_min = cutlass.min(n_block_min + split * per_split, n_block_max)
+            n_block_max = cutlass.min(n_block_min + per_split, n_block_max)
         return n_block_min, n_block_max
 
     @cute.jit
@@ -503,6 +537,34 @@ class FlashAttentionForwardSm80:
                            seqlen_k - n_block * self.tile_n)
         else:
             cute.copy(tiled_copy, tXgX[None, None, None, n_block], tXsX[None, None, None, stage])
+
+    @cute.jit
+    def epilogue_split(self, acc_O, inv_row_sum, lse, split_params: SplitParams, tiled_mma, tidx, m_block, head, seq,
+                       split):
+        """split_kv: this split's O (normalized by its own row sum) in fp32 and its natural-log LSE
+        (-inf, O = 0 for a split without keys) go to the partial buffers straight from registers,
+        rows < seqlen_q only; flash4's combine kernel merges the splits. (No smem is touched, so no
+        barrier: the next tile's Q load waits on the usual cp.async group and barrier.)"""
+        cute.arch.cp_async_wait_group(0)  # a split without key blocks never waited for its Q load
+        mOacc, mLSEacc = split_params
+        seqlen_q = seq.seqlen_q
+        thr_mma = tiled_mma.get_slice(tidx)
+        tOcO = acc_mn_view(as_wgmma_acc(thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.hdim_v)))))
+        gO = cute.local_tile(seq.q_view(mOacc[None, None, None, None, split], head), (self.tile_m, self.hdim_v),
+                             (m_block, 0))
+        tOgO = acc_mn_view(as_wgmma_acc(thr_mma.partition_C(gO)))
+        o = acc_mn_view(as_wgmma_acc(acc_O))
+        for r in cutlass.range_constexpr(cute.size(o, mode=[0])):
+            if m_block * self.tile_m + tOcO[r, 0][0] < seqlen_q:
+                for c in cutlass.range_constexpr(cute.size(o, mode=[1])):
+                    tOgO[r, c] = o[r, c] * inv_row_sum[r]
+        if tOcO[0, 0][1] == 0:
+            mL = mLSEacc[None, None, None, split]
+            for r in cutlass.range_constexpr(cute.size(tOcO, mode=[0])):
+                row = m_block * self.tile_m + tOcO[r, 0][0]
+                if row < seqlen_q:
+                    row_idx, batch_idx = seq.q_index(row)
+                    mL[row_idx, head, batch_idx] = lse[r]
 
     @cute.jit
     def load_kv_paged(self, gather: PagedGather, mX: cute.Tensor, sX: cute.Tensor, head_kv: Int32,
