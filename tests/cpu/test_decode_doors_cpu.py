@@ -54,7 +54,9 @@ def test_rule_dense(sq, sk, expected):
 
 
 def test_rule_families():
-    assert decode_door(_dense(1, 4096), 80) is False  # the sm80 family has no decode plan
+    # the sm80 family plans only flash_attn_with_kvcache's steps (config.sm80.kvcache_step_plan): its
+    # doors keep their dense / packed configs, which its first-use self-test can drive
+    assert decode_door(_dense(1, 4096), 80) is False
     # the sm100 family (unverified) is refused by the registry before any rule; the API rejects sm_100 earlier
 
 

@@ -19,7 +19,7 @@ import pytest
 
 pytest.importorskip("cutlass")
 
-from flash4.config.sm80 import (TARGETS, decode_plan, gpu_arch_name, paged_fwd_configs,  # noqa: E402
+from flash4.config.sm80 import (TARGETS, kvcache_step_plan, gpu_arch_name, paged_fwd_configs,  # noqa: E402
                                 select_fwd_config, shipped_fwd_configs)
 from flash4.arch import capacity  # noqa: E402
 
@@ -40,8 +40,8 @@ FEATURES = [
     select_fwd_config(128, "fp16", True, arch=86, varlen_q=True, varlen_k=True, seqused_q=True, seqused_k=True),
     dataclasses.replace(select_fwd_config(64, "bf16", True, arch=120, q_in_regs=True), persistent=True),
     # decode steps (64-row tiles) with split-KV over a contiguous cache, sink left to the combine
-    decode_plan(select_fwd_config(64, "bf16", True, arch=86), 1, 1, 32, 65536, 0, 132).cfg,
-    decode_plan(select_fwd_config(256, "fp16", False, arch=90, sink=True), 1, 1, 32, 65536, 0, 132).cfg,
+    kvcache_step_plan(select_fwd_config(64, "bf16", True, arch=86), 1, 1, 32, 65536, 0, 132).cfg,
+    kvcache_step_plan(select_fwd_config(256, "fp16", False, arch=90, sink=True), 1, 1, 32, 65536, 0, 132).cfg,
 ]
 # Paged K/V, gathered by every thread (page_gather): all of sm_90a's paged configs, one per other target.
 PAGED = paged_fwd_configs(FULL_TARGET) + [c for a in sorted(TARGETS) if a != FULL_TARGET

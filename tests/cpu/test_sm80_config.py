@@ -281,15 +281,15 @@ def test_decode_plan_splits_by_the_shared_rule():
     from flash4.config import MIN_BLOCKS_PER_SPLIT, choose_num_splits
 
     cfg = select_fwd_config(128, arch=86)
-    plan = sm80.decode_plan(cfg, 1, 1, 32, 128 * 1024, 0, 84)
+    plan = sm80.kvcache_step_plan(cfg, 1, 1, 32, 128 * 1024, 0, 84)
     n_blocks = 128 * 1024 // cfg.tile_n
     assert plan.num_splits == choose_num_splits(32, n_blocks, 84) > 1
     assert plan.cfg.split_kv and plan.cfg.seqused_k and plan.pack == 1 and plan.heads_p == 32
     assert n_blocks // plan.num_splits >= MIN_BLOCKS_PER_SPLIT
-    busy = sm80.decode_plan(cfg, 64, 1, 32, 4096, 0, 84)  # 2048 tiles fill the GPU
+    busy = sm80.kvcache_step_plan(cfg, 64, 1, 32, 4096, 0, 84)  # 2048 tiles fill the GPU
     assert busy.num_splits == 1 and not busy.cfg.split_kv
-    assert sm80.decode_plan(cfg, 1, 1, 32, 4096, 1, 84).num_splits == 1  # off
-    forced = sm80.decode_plan(cfg, 1, 1, 32, 4096, 7, 84)
+    assert sm80.kvcache_step_plan(cfg, 1, 1, 32, 4096, 1, 84).num_splits == 1  # off
+    forced = sm80.kvcache_step_plan(cfg, 1, 1, 32, 4096, 7, 84)
     assert forced.num_splits == 7 and forced.cfg.split_kv
-    assert sm80.decode_plan(cfg, 1, 1, 32, 100, 7, 84).num_splits == -(-100 // cfg.tile_n)  # clamped
-    assert sm80.decode_plan(cfg, 1, 1, 32, 4096, 0, None).num_splits == 1
+    assert sm80.kvcache_step_plan(cfg, 1, 1, 32, 100, 7, 84).num_splits == -(-100 // cfg.tile_n)  # clamped
+    assert sm80.kvcache_step_plan(cfg, 1, 1, 32, 4096, 0, None).num_splits == 1

@@ -279,7 +279,7 @@ def paged_fwd_configs(arch: int | None = None) -> list[Sm80FwdConfig]:
                 configs.append(with_seq_layout(select_fwd_config(d, "bf16", c, arch=a, paged=True), varlen_q=True,
                                                seqused_k=True))
         # a decode step over a paged cache: 64-row tile, split-KV (32 heads x 1 query on 132 SMs)
-        configs.append(decode_plan(select_fwd_config(128, "bf16", True, arch=a, paged=True), 1, 1, 32, 65536, 0,
+        configs.append(kvcache_step_plan(select_fwd_config(128, "bf16", True, arch=a, paged=True), 1, 1, 32, 65536, 0,
                                    132).cfg)
     return configs
 
@@ -531,12 +531,18 @@ GATE_DOOR = {"fwd_layouts": ("dense", "varlen", "paged", "kvcache"), "bwd_layout
 DECODE_TILE_M = 64
 
 
-def decode_plan(cfg: Sm80FwdConfig, batch: int, seqlen_q: int, nheads: int, capacity: int, num_splits: int,
-                num_sms: int | None) -> FwdPlan:
-    """A decode step's plan (pure; CPU-tested): cfg with seqused_k, DECODE_TILE_M query rows for
-    short steps, and, where the (m_block, head, batch) tiles leave SMs idle, split_kv over num_splits runs of the cache's key blocks
-    (flash4.config.choose_num_splits, from host-known sizes only: CUDA-graph safe). num_splits: the
-    caller's (0 = auto, 1 = off); num_sms None: no split. No GQA packing (pack 1)."""
+def kvcache_step_plan(cfg: Sm80FwdConfig, batch: int, seqlen_q: int, nheads: int, capacity: int, num_splits: int,
+                      num_sms: int | None) -> FwdPlan:
+    """A flash_attn_with_kvcache decode step's plan (pure; CPU-tested): cfg with seqused_k,
+    DECODE_TILE_M query rows for short steps, and, where the (m_block, head, batch) tiles leave SMs
+    idle, split_kv over num_splits runs of the cache's key blocks (flash4.config.choose_num_splits,
+    from host-known sizes only: CUDA-graph safe). num_splits: the caller's (0 = auto, 1 = off);
+    num_sms None: no split. No GQA packing (pack 1).
+
+    Not named decode_plan on purpose: flash4.config.decode_door sends the dense / paged doors'
+    short-query calls to the decode plan of families that have one, and on this family's own GPUs
+    those DECODE configs are untestable for the first-use self-test, so a plain dense call there
+    would be refused; the doors keep their dense / packed configs here."""
     if seqlen_q <= DECODE_TILE_M < cfg.tile_m and DECODE_TILE_M % (MMA_M * cfg.num_warps) == 0:
         cfg = dataclasses.replace(cfg, tile_m=DECODE_TILE_M)  # one 16-row slab per warp: the rows are mostly empty
     n_blocks = max(1, ceil_div(capacity, cfg.tile_n))
@@ -551,7 +557,7 @@ def decode_plan(cfg: Sm80FwdConfig, batch: int, seqlen_q: int, nheads: int, capa
 def fwd_plan(request, arch: int, num_sms: int | None = None) -> FwdPlan:
     """The forward plan of a flash4.request.Request: dense, packed (varlen / seqused), paged (packed
     queries over a page table, gathered rows) or a decode step over a contiguous or paged cache
-    (decode_plan: seqused_k, split-KV by the sm90 family's rule; no GQA packing: each query head
+    (kvcache_step_plan: seqused_k, split-KV by the sm90 family's rule; no GQA packing: each query head
     reads its KV head's keys). Raises ValueError as select_fwd_config."""
     q, k, seq, mask, score = request.q, request.k, request.seq, request.mask, request.score
     headdim, headdim_v = q.shape[-1], request.v.shape[-1]
@@ -560,7 +566,7 @@ def fwd_plan(request, arch: int, num_sms: int | None = None) -> FwdPlan:
                             headdim_v=None if headdim_v == headdim else headdim_v, paged=seq.paged)
     if seq.decode:
         num_splits = request.cache.num_splits if request.cache is not None else 0  # 0: auto
-        return decode_plan(cfg, q.shape[0], q.shape[1], q.shape[2], request.capacity, num_splits, num_sms)
+        return kvcache_step_plan(cfg, q.shape[0], q.shape[1], q.shape[2], request.capacity, num_splits, num_sms)
     if not seq.packed:
         return FwdPlan(cfg)
     return FwdPlan(with_seq_layout(cfg, varlen_q=True, varlen_k=not seq.paged, seqused_q=seq.seqused_q is not None,

@@ -124,3 +124,29 @@ def _gcd(a: int, b: int) -> int:
     while b:
         a, b = b, a % b
     return a
+
+
+@cute.jit
+def store_split_partials(o: cute.Tensor, tOcO: cute.Tensor, tOgO: cute.Tensor, lse: cute.Tensor, mL: cute.Tensor,
+                         m_block: Int32, tile_m: cutlass.Constexpr[int], head: Int32, seq: SeqInfo,
+                         row_scale: Optional[cute.Tensor] = None):
+    """split_kv's epilogue (the sm90 and sm80 forwards): one split's fp32 O and natural-log LSE from
+    registers to the partial buffers, rows < seqlen_q only; flash4's combine kernel merges the splits.
+    o: the thread's O accumulator as an (M, N) view; tOcO: its (row, column) coordinates in the
+    (tile_m, dv) tile; tOgO: the same thread partition of this split's global O tile; lse: the rows'
+    LSE (M,); mL: this split's LSE (seqlen_q, nheads, batch); row_scale: None (O already normalized)
+    or each row's 1 / rowsum. The threads holding column 0 write the LSE."""
+    seqlen_q = seq.seqlen_q
+    for r in cutlass.range_constexpr(cute.size(o, mode=[0])):
+        if m_block * tile_m + tOcO[r, 0][0] < seqlen_q:
+            for c in cutlass.range_constexpr(cute.size(o, mode=[1])):
+                if const_expr(row_scale is None):
+                    tOgO[r, c] = o[r, c]
+                else:
+                    tOgO[r, c] = o[r, c] * row_scale[r]
+    if tOcO[0, 0][1] == 0:
+        for r in cutlass.range_constexpr(cute.size(tOcO, mode=[0])):
+            row = m_block * tile_m + tOcO[r, 0][0]
+            if row < seqlen_q:
+                row_idx, batch_idx = seq.q_index(row)
+                mL[row_idx, head, batch_idx] = lse[r]

@@ -26,7 +26,7 @@ from flash4.kernels.common.layout import acc_mn_view, select_modes, transpose_vi
 from flash4.kernels.common.paged_gather import PagedGather
 from flash4.kernels.common.params import MaskParams, SeqParams
 from flash4.kernels.common.scheduler import TileSchedule
-from flash4.kernels.common.seqinfo import SeqInfo, store_rows_predicated
+from flash4.kernels.common.seqinfo import SeqInfo, store_rows_predicated, store_split_partials
 from flash4.kernels.common.softmax import OnlineSoftmax
 from flash4.kernels.sm80.mma import (acc_to_operand_a, as_wgmma_acc, gemm_rs, gemm_ss, make_tiled_mma,
                                      smem_layout_atom)
@@ -547,24 +547,13 @@ class FlashAttentionForwardSm80:
         barrier: the next tile's Q load waits on the usual cp.async group and barrier.)"""
         cute.arch.cp_async_wait_group(0)  # a split without key blocks never waited for its Q load
         mOacc, mLSEacc = split_params
-        seqlen_q = seq.seqlen_q
         thr_mma = tiled_mma.get_slice(tidx)
         tOcO = acc_mn_view(as_wgmma_acc(thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.hdim_v)))))
         gO = cute.local_tile(seq.q_view(mOacc[None, None, None, None, split], head), (self.tile_m, self.hdim_v),
                              (m_block, 0))
         tOgO = acc_mn_view(as_wgmma_acc(thr_mma.partition_C(gO)))
-        o = acc_mn_view(as_wgmma_acc(acc_O))
-        for r in cutlass.range_constexpr(cute.size(o, mode=[0])):
-            if m_block * self.tile_m + tOcO[r, 0][0] < seqlen_q:
-                for c in cutlass.range_constexpr(cute.size(o, mode=[1])):
-                    tOgO[r, c] = o[r, c] * inv_row_sum[r]
-        if tOcO[0, 0][1] == 0:
-            mL = mLSEacc[None, None, None, split]
-            for r in cutlass.range_constexpr(cute.size(tOcO, mode=[0])):
-                row = m_block * self.tile_m + tOcO[r, 0][0]
-                if row < seqlen_q:
-                    row_idx, batch_idx = seq.q_index(row)
-                    mL[row_idx, head, batch_idx] = lse[r]
+        store_split_partials(acc_mn_view(as_wgmma_acc(acc_O)), tOcO, tOgO, lse, mLSEacc[None, None, None, split],
+                             m_block, self.tile_m, head, seq, row_scale=inv_row_sum)
 
     @cute.jit
     def load_kv_paged(self, gather: PagedGather, mX: cute.Tensor, sX: cute.Tensor, head_kv: Int32,

@@ -30,7 +30,7 @@ from flash4.kernels.common.pipeline import cp_async_pipeline_factory, next_state
 from flash4.kernels.common.layout import (acc_mn_view, acc_to_frgA_layout, make_packed_tma_atom, pack_gqa_view,
                                           select_modes, transpose_view)
 from flash4.kernels.common.scheduler import TileSchedule
-from flash4.kernels.common.seqinfo import SeqInfo, store_rows_predicated
+from flash4.kernels.common.seqinfo import SeqInfo, store_rows_predicated, store_split_partials
 from flash4.kernels.common.softmax import OnlineSoftmax
 from flash4.kernels.common.paged_gather import ENTRY_AHEAD, PagedGather
 
@@ -811,24 +811,13 @@ class FlashAttentionForwardSm90:
         (-inf, O = 0 for a split without keys) go to the partial buffers, straight from registers,
         rows < seqlen_q only; flash4's combine kernel merges the splits."""
         mOacc, mLSEacc = split_params
-        seqlen_q = seq.seqlen_q
         thr_mma = tiled_mma_pv.get_slice(tidx)
         tOcO = acc_mn_view(thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.hdim_v))))
         gO = cute.local_tile(seq.q_view(mOacc[None, None, None, None, split], head), (self.tile_m, self.hdim_v),
                              (m_block, 0))
         tOgO = acc_mn_view(thr_mma.partition_C(gO))
-        o = acc_mn_view(acc_O)
-        for r in cutlass.range_constexpr(cute.size(o, mode=[0])):
-            if m_block * self.tile_m + tOcO[r, 0][0] < seqlen_q:
-                for c in cutlass.range_constexpr(cute.size(o, mode=[1])):
-                    tOgO[r, c] = o[r, c]
-        if tOcO[0, 0][1] == 0:
-            mL = mLSEacc[None, None, None, split]
-            for r in cutlass.range_constexpr(cute.size(tOcO, mode=[0])):
-                row = m_block * self.tile_m + tOcO[r, 0][0]
-                if row < seqlen_q:
-                    row_idx, batch_idx = seq.q_index(row)
-                    mL[row_idx, head, batch_idx] = lse[r]
+        store_split_partials(acc_mn_view(acc_O), tOcO, tOgO, lse, mLSEacc[None, None, None, split], m_block,
+                             self.tile_m, head, seq)
 
     @cute.jit
     def mma_one_n_block(self, n_block, state, mmas: TiledMmas, ops: MmaOperands, acc_O, softmax, pipes: Pipelines,
