@@ -293,3 +293,23 @@ def test_decode_plan_splits_by_the_shared_rule():
     assert forced.num_splits == 7 and forced.cfg.split_kv
     assert sm80.kvcache_step_plan(cfg, 1, 1, 32, 100, 7, 84).num_splits == -(-100 // cfg.tile_n)  # clamped
     assert sm80.kvcache_step_plan(cfg, 1, 1, 32, 4096, 0, None).num_splits == 1
+
+
+def test_kvcache_step_packs_gqa_heads():
+    """The sm90 family's host GQA packing on the portable family's kvcache steps: the query heads of
+    a KV head become rows of one tile (non-causal; Sq == 1 sees every key), except with a window,
+    causal steps of several queries, or a sink that cannot go to the combine."""
+    causal = select_fwd_config(128, causal=True, arch=86)
+    plan = sm80.kvcache_step_plan(causal, 2, 1, 32, 65536, 0, 84, nheads_k=8, causal=True)
+    assert (plan.pack, plan.seqlen_p, plan.heads_p) == (4, 4, 8)
+    assert not plan.cfg.causal and plan.cfg.tile_m == sm80.DECODE_TILE_M and plan.cfg.seqused_k
+    assert sm80.kvcache_step_plan(causal, 2, 4, 32, 65536, 0, 84, nheads_k=8, causal=True).pack == 1
+    full = select_fwd_config(128, arch=86)
+    assert sm80.kvcache_step_plan(full, 2, 4, 32, 65536, 0, 84, nheads_k=8).seqlen_p == 16  # non-causal: packs
+    local = select_fwd_config(128, arch=86, local=True)
+    assert sm80.kvcache_step_plan(local, 2, 1, 32, 65536, 0, 84, nheads_k=8, window=(100, 0)).pack == 1
+    sink = select_fwd_config(128, causal=True, arch=86, sink=True)
+    assert sm80.kvcache_step_plan(sink, 2, 1, 32, 65536, 1, 84, nheads_k=8, causal=True).pack == 1  # no split
+    packed = sm80.kvcache_step_plan(sink, 64, 1, 32, 65536, 0, 84, nheads_k=8, causal=True)
+    assert packed.pack == 4 and packed.num_splits >= 2 and packed.cfg.split_kv  # the combine adds the sinks
+    assert sm80.kvcache_step_plan(causal, 2, 1, 32, 65536, 0, 84).pack == 1  # nheads_k not given

@@ -532,33 +532,51 @@ DECODE_TILE_M = 64
 
 
 def kvcache_step_plan(cfg: Sm80FwdConfig, batch: int, seqlen_q: int, nheads: int, capacity: int, num_splits: int,
-                      num_sms: int | None) -> FwdPlan:
-    """A flash_attn_with_kvcache decode step's plan (pure; CPU-tested): cfg with seqused_k,
-    DECODE_TILE_M query rows for short steps, and, where the (m_block, head, batch) tiles leave SMs
-    idle, split_kv over num_splits runs of the cache's key blocks (flash4.config.choose_num_splits,
-    from host-known sizes only: CUDA-graph safe). num_splits: the caller's (0 = auto, 1 = off);
-    num_sms None: no split. No GQA packing (pack 1).
+                      num_sms: int | None, nheads_k: int | None = None, causal: bool = False,
+                      window=None) -> FwdPlan:
+    """A flash_attn_with_kvcache decode step's plan (pure; CPU-tested): the sm90 family's host GQA
+    packing (flash4.config.sm90.pack_factor: the query heads of a KV head as rows of one tile, so each
+    KV head's keys are read once, not once per query head; the kernel sees a non-causal problem of
+    seqlen_q * pack rows and nheads_k heads, flash4.forward packs q and unpacks out / lse), cfg with
+    seqused_k, DECODE_TILE_M query rows for short steps, and, where the (m_block, head, batch) tiles
+    leave SMs idle, split_kv over num_splits runs of the cache's key blocks
+    (flash4.config.choose_num_splits, from host-known sizes only: CUDA-graph safe). cfg: the step's
+    config as select_fwd_config gives it for `causal`; num_splits: the caller's (0 = auto, 1 = off);
+    num_sms None: no split; nheads_k None: no packing. A learnable sink with packing needs the
+    combine (each packed row has its own head's sink), so such a step always splits, or is not
+    packed where it cannot split (the sm90 rule).
 
     Not named decode_plan on purpose: flash4.config.decode_door sends the dense / paged doors'
     short-query calls to the decode plan of families that have one, and on this family's own GPUs
     those DECODE configs are untestable for the first-use self-test, so a plain dense call there
     would be refused; the doors keep their dense / packed configs here."""
-    if seqlen_q <= DECODE_TILE_M < cfg.tile_m and DECODE_TILE_M % (MMA_M * cfg.num_warps) == 0:
+    from flash4.config.sm90 import pack_factor  # the one packing rule (host arithmetic, no kernel code)
+
+    pack = pack_factor(nheads, nheads_k, seqlen_q, causal, window) if nheads_k else 1
+    n_blocks = max(1, ceil_div(capacity, cfg.tile_n))
+    if cfg.sink and pack > 1 and (num_splits == 1 or n_blocks < 2):
+        pack = 1  # the kernel adds each head's sink itself only unpacked
+    if pack > 1 and cfg.causal:  # a packed step is non-causal (Sq == 1: its query sees every key)
+        cfg = dataclasses.replace(cfg, causal=False, lpt=False)
+    seqlen_p, heads_p = seqlen_q * pack, nheads // pack
+    if seqlen_p <= DECODE_TILE_M < cfg.tile_m and DECODE_TILE_M % (MMA_M * cfg.num_warps) == 0:
         cfg = dataclasses.replace(cfg, tile_m=DECODE_TILE_M)  # one 16-row slab per warp: the rows are mostly empty
     n_blocks = max(1, ceil_div(capacity, cfg.tile_n))
     if num_splits == 0:
-        tiles = batch * nheads * ceil_div(seqlen_q, cfg.tile_m)
+        tiles = batch * heads_p * ceil_div(seqlen_p, cfg.tile_m)
         num_splits = choose_num_splits(tiles, n_blocks, num_sms) if num_sms else 1
     num_splits = max(1, min(num_splits, n_blocks))
+    if cfg.sink and pack > 1:
+        num_splits = max(num_splits, 2)
     cfg = with_seq_layout(cfg, seqused_k=True, split_kv=num_splits > 1)
-    return FwdPlan(cfg, 1, num_splits, seqlen_q, nheads)
+    return FwdPlan(cfg, pack, num_splits, seqlen_p, heads_p)
 
 
 def fwd_plan(request, arch: int, num_sms: int | None = None) -> FwdPlan:
     """The forward plan of a flash4.request.Request: dense, packed (varlen / seqused), paged (packed
     queries over a page table, gathered rows) or a decode step over a contiguous or paged cache
-    (kvcache_step_plan: seqused_k, split-KV by the sm90 family's rule; no GQA packing: each query head
-    reads its KV head's keys). Raises ValueError as select_fwd_config."""
+    (kvcache_step_plan: host GQA packing, seqused_k, split-KV by the sm90 family's rules). Raises
+    ValueError as select_fwd_config."""
     q, k, seq, mask, score = request.q, request.k, request.seq, request.mask, request.score
     headdim, headdim_v = q.shape[-1], request.v.shape[-1]
     cfg = select_fwd_config(headdim, request.dtype, mask.causal, arch, local=mask.window is not None,
@@ -566,7 +584,8 @@ def fwd_plan(request, arch: int, num_sms: int | None = None) -> FwdPlan:
                             headdim_v=None if headdim_v == headdim else headdim_v, paged=seq.paged)
     if seq.decode:
         num_splits = request.cache.num_splits if request.cache is not None else 0  # 0: auto
-        return kvcache_step_plan(cfg, q.shape[0], q.shape[1], q.shape[2], request.capacity, num_splits, num_sms)
+        return kvcache_step_plan(cfg, q.shape[0], q.shape[1], q.shape[2], request.capacity, num_splits, num_sms,
+                                 nheads_k=k.shape[-2], causal=mask.causal, window=mask.window)
     if not seq.packed:
         return FwdPlan(cfg)
     return FwdPlan(with_seq_layout(cfg, varlen_q=True, varlen_k=not seq.paged, seqused_q=seq.seqused_q is not None,
