@@ -31,7 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
     from flash4.bench import run as bench_run
 
     parser = argparse.ArgumentParser(prog="python -m flash4", description="flash4: exact attention kernels for "
-                                     "NVIDIA Hopper GPUs. Benchmark them, or compile them ahead of time.")
+                                     "NVIDIA GPUs (Hopper; the portable family for Ampere / Ada / consumer Blackwell and the sm100 "
+                                     "family for B200, compile-verified). Benchmark them, or compile them ahead of time.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     bench = sub.add_parser(
         "bench", help="check flash4's results, then time its forward and backward passes against cuDNN, "

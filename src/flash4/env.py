@@ -152,7 +152,7 @@ def runtime_load_enabled() -> bool:
     """FLASH4_RUNTIME_LOAD: cached kernels are linked into shared libraries when stored and loaded
     through TVM-FFI alone, without importing the CuTe DSL (flash4.compile.disk_cache). On by
     default (0: every cached kernel through the CuTe DSL's loader): on the H200 a warm process's
-    import flash4 + first forward and backward took 0.34-0.39 s with it, 3.4-3.8 s without
+    import flash4 + first forward and backward took 0.20-0.39 s with it, 3.4-3.8 s without
     (tools/warm_start.py, 2026-12-02, night)."""
     return _flag("FLASH4_RUNTIME_LOAD") is not False
 
@@ -160,7 +160,7 @@ def runtime_load_enabled() -> bool:
 def memo_enabled() -> bool:
     """FLASH4_MEMO: prepared calls (flash4.memo: a door's host path kept per argument signature).
     On by default (0 turns it off): tests/gpu/test_memo.py and the door files passed with it on the
-    H200 (2026-12-02, night), where it brought eager decode to 1.00-1.03x its CUDA-graph replay."""
+    H200 (2026-12-02, night), where it brought eager decode to 1.01-1.03x its CUDA-graph replay."""
     return _flag("FLASH4_MEMO") is not False
 
 
