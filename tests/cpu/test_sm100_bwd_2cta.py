@@ -13,10 +13,10 @@ import pytest
 
 from flash4.config import sm100
 from flash4.kernels.sm100.bwd_plan import (BWD_WARP_ROLES_2CTA, DQ_GROUP_ROWS, BwdRegisterPlan, bwd_dq_group_rows,
-                                           bwd_dq_passes, bwd_p_barrier, bwd_pipeline_specs, bwd_register_plan,
-                                           bwd_register_plan_problem, bwd_smem_bytes, bwd_tmem_alloc_cols,
-                                           bwd_tmem_aliases, bwd_tmem_map, bwd_tmem_overlaps, bwd_two_cta_serial,
-                                           bwd_two_cta_shared_rings)
+                                           bwd_dq_passes, bwd_exact_lse, bwd_p_barrier, bwd_pipeline_specs,
+                                           bwd_register_plan, bwd_register_plan_problem, bwd_smem_bytes,
+                                           bwd_tmem_alloc_cols, bwd_tmem_aliases, bwd_tmem_map, bwd_tmem_overlaps,
+                                           bwd_two_cta_exact_lse, bwd_two_cta_serial, bwd_two_cta_shared_rings)
 from flash4.kernels.sm100.plan import TMEM_COLUMNS
 from flash4.launch import bwd_grid
 from cpu_helpers import compile_bwd_rows, layout_offset
@@ -141,17 +141,41 @@ def test_tmem_map_equals_the_reference(cfg):
         assert so <= si and si + ni <= so + no and 0 <= so and so + no <= TMEM_COLUMNS, (inner, outer)
 
 
+# the 2-CTA configs with the exact-LSE branch (bwd_two_cta_exact_lse; the others spilled with it at every split tried)
+EXACT_IDS = {"d128-bf16-full-2cta", "d128-bf16-causal-2cta", "d128-fp16-causal-2cta", "d192v128-bf16-full-2cta",
+             "d192v128-bf16-causal-2cta", "d192v128-fp16-full-2cta", "d192v128-fp16-causal-2cta",
+             "d192v128-bf16-causal-softcap-2cta"}
+
+
+def test_exact_lse_rule():
+    assert {n for c, n in zip(TWO, IDS) if bwd_exact_lse(c)} == EXACT_IDS
+    assert all(bwd_exact_lse(c) == bwd_two_cta_exact_lse(c.headdim, c.causal, c.hdim_v, c.dtype, c.softcap) for c in TWO)
+    # selectable, not shipped: fp16 softcap follows bf16's rule
+    for d, dv in ((128, None), (192, 128)):
+        for causal in (False, True):
+            cfg = sm100.select_bwd_config(d, "fp16", causal, softcap=True, headdim_v=dv, two_cta=True)
+            assert cfg.cta_group == 2 and bwd_exact_lse(cfg) == (d == 192 and causal)
+    assert all(bwd_exact_lse(c) for c in sm100.shipped_bwd_configs() if c.cta_group == 1)
+
+
 @pytest.mark.parametrize("cfg", TWO, ids=IDS)
 def test_register_plan(cfg):
     plan = bwd_register_plan(cfg)
+    exact = bwd_exact_lse(cfg)
     if bwd_two_cta_serial(cfg):
         # (192, 128): the causal softcap compute step needs 152; the reduce warps read dQ in 32-column
-        # passes and fit 104; the fourth warpgroup keeps 104 (96 and 88 spilled)
-        assert plan == BwdRegisterPlan(104, 152, 104) and bwd_dq_passes(192, 2, 128) == 3
+        # passes and fit 104; the fourth warpgroup keeps 104 (96 and 88 spilled). With the exact-LSE
+        # branch the causal configs spilled there and take 104 / 160 / 88
+        want = BwdRegisterPlan(104, 160, 88) if exact and cfg.causal else BwdRegisterPlan(104, 152, 104)
+        assert plan == want and bwd_dq_passes(192, 2, 128) == 3
     else:
         # FA4's 2-CTA budgets; causal moves 16 from the reduce to the compute warpgroups (136 spilled 3 LDL +
-        # 3 STL in the causal compute step; the fourth warpgroup keeps 104: at 88 the load / MMA warps spill)
-        assert plan == (BwdRegisterPlan(120, 144, 104) if cfg.causal else BwdRegisterPlan(136, 136, 104))
+        # 3 STL in the causal compute step; the fourth warpgroup keeps 104: at 88 the load / MMA warps spill);
+        # with the exact-LSE branch 112 / 144 / 112
+        if exact:
+            assert plan == BwdRegisterPlan(112, 144, 112)
+        else:
+            assert plan == (BwdRegisterPlan(120, 144, 104) if cfg.causal else BwdRegisterPlan(136, 136, 104))
         assert bwd_dq_passes(128, 2) == 1
     assert sum(plan.per_warpgroup()) == 512 and bwd_register_plan_problem(plan) is None
 
@@ -280,6 +304,22 @@ def test_sass_gates(built, name):
     assert sass_count(sass, "MUFU.LG2") == (tm // 2 if cfg.softcap else 0)
     assert row["spills"] == 0 and sass_count(sass, "LDL") == 0 and sass_count(sass, "STL") == 0
     assert row["stack_bytes"] == 0
+
+
+@pytest.mark.parametrize("name", IDS)
+def test_exact_lse_branch_where_planned(built, name):
+    """The exact-LSE path (issue 8) where bwd_two_cta_exact_lse puts it: 32 shuffles of r per 32-column
+    chunk (exact_residual), two chunks per compute warpgroup: tile_m / 2 SHFL.IDX more than without the
+    branch (the kernel's other SHFL.IDX, outside the compute step: 8 at hd128, 24 at (192, 128), measured
+    in the configs without it)."""
+    cfg, _, ptx, row, sass = built[name]
+    exact = bwd_exact_lse(cfg)
+    assert exact == (name in EXACT_IDS)
+    if exact:
+        assert len(re.findall(r"\bshfl\.sync\.idx\b", ptx)) >= cfg.tile_m // 2
+    if row:
+        base = 24 if bwd_two_cta_serial(cfg) else 8
+        assert sass_count(sass, "SHFL.IDX") == base + (cfg.tile_m // 2 if exact else 0)
 
 
 @pytest.mark.parametrize("name", IDS)

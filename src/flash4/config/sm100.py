@@ -592,7 +592,7 @@ def select_bwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, a
         raise ValueError(bwd_serial_problem(softcap, dtype, causal and not local, deterministic))
     if two_cta and bwd_two_cta_problem(headdim, causal and not local, local, deterministic, softcap,
                                        headdim_v=hdv) is None:
-        plan = default_bwd_register_plan_2cta(headdim, causal, dv)
+        plan = default_bwd_register_plan_2cta(headdim, causal, dv, dtype, softcap)
         return Sm100BwdConfig(headdim=headdim, dtype=dtype, causal=causal, cta_group=2, q_stages=BWD_Q_STAGES_2CTA,
                               softcap=softcap, headdim_v=hdv, regs_reduce=plan.reduce, regs_compute=plan.compute,
                               regs_other=plan.other)

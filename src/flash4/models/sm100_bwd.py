@@ -71,7 +71,10 @@ Not modelled: the MMA's accumulation rounding inside one k-step (modelled exact)
 (modelled correctly rounded), anything about timing (barriers, pipelines, TMEM aliasing): a race, a
 hang or a wrong TMEM address has no analogue here. Packed batches: backward_packed (per sequence,
 either layout and either pass). Not built in the kernel, so not here: the GQA head split; 2-CTA is
-not modelled apart (its arithmetic is the 1-CTA steps' without the exact-LSE path: exact_lse=False).
+not modelled apart: its arithmetic is the 1-CTA steps', with the exact-LSE path where
+flash4.kernels.sm100.bwd_plan.bwd_exact_lse(cfg) holds (hd128 bf16 full, bf16 / fp16 causal; (192, 128)
+full, causal and bf16 softcap causal: exact_lse=True) and without it in the other 2-CTA configs (hd128
+fp16 full, hd128 softcap, (192, 128) bf16 softcap full: exact_lse=False; they spilled with the branch).
 """
 
 from __future__ import annotations

@@ -17,12 +17,12 @@ section 1, "Backward"), five tcgen05 MMAs, every accumulator in tensor memory (T
                                      smem -> cp.reduce.async.bulk .add.f32 into the fp32 dQ
                                      accumulator of flash4.backward (shared pre/postprocess)
 dS carries the softmax scale, so dK and dQ need no rescaling (flash4's convention, as on sm90).
-Exact-LSE path (issue 8; every 1-CTA config, flash4.kernels.sm100.bwd_plan.bwd_exact_lse): query tiles the
+Exact-LSE path (issue 8; every 1-CTA config and most 2-CTA ones, bwd_plan.bwd_exact_lse): query tiles the
 preprocess flagged (|lse_log2| >= BWD_EXACT_LSE_LOG2 in some row; the flag is read per step, a branch
 uniform over the CTA) subtract r = hi + lo - lse_log2 (the forward's unrounded split; TwoSum, one query
 per lane, shuffled to the columns) from every exponent before the exp2, so P is exact at the row max at
-any finite magnitude, as the sm90 backward (exact_residual). The 2-CTA variant has no such branch (its
-compute step spilled with it): there P uses the rounded lse_log2.
+any finite magnitude, as the sm90 backward (exact_residual). Not in the 2-CTA hd128 fp16 full, hd128 softcap
+and (192, 128) bf16 softcap full configs (they spilled with it; bwd_two_cta_exact_lse): P uses the rounded lse_log2.
 Softcap configs (the sm90 backward's order, through flash4.kernels.common.score): S^T -> tanh(S^T *
 scale / softcap) (MUFU.TANH) before the exp2, whose scale is then softcap * log2e; dS^T is multiplied
 by score.grad_factor = 1 - t^2, t recovered from P^T and the LSE (MUFU.LG2; no register kept for t),
@@ -72,7 +72,7 @@ computed before the role branch (pass_tile).
 Not built (refused by flash4.config.sm100.select_bwd_config / bwd_config_problem): head dims other than
 64 / 128 / (192, 128) (hd256: one of its two passes), other Dv != D, softcap at (192, 128) in bf16 with
 causal and deterministic together (bwd_serial_problem: it spills), packed sequences, deterministic or windowed
-configs in the 2-CTA variant, the GQA head split. Not in the 2-CTA variant: the exact-LSE path (above).
+configs in the 2-CTA variant, the GQA head split; the exact-LSE path in four shipped 2-CTA configs (above).
 """
 
 import math
@@ -252,7 +252,7 @@ class FlashAttentionBackwardSm100:
         self.shared_rings = bwd_two_cta_shared_rings(cfg)
         # each role computes the tile's coordinates after its setmaxnreg (bwd_role_tiles)
         self.role_tiles = bwd_role_tiles(cfg)
-        # the exact-LSE path (issue 8) in the compute step: every 1-CTA config (bwd_exact_lse)
+        # the exact-LSE path (issue 8) in the compute step: every 1-CTA config, 2-CTA by bwd_two_cta_exact_lse
         self.exact_lse = bwd_exact_lse(cfg)
         # P^T halves contiguous at S's start (2-CTA, serial): both warpgroups read S^T before either writes P^T
         self.p_barrier = bwd_p_barrier(cfg)

@@ -288,10 +288,13 @@ def default_bwd_register_plan_pass(bwd_pass: str) -> BwdRegisterPlan:
     return BwdRegisterPlan(128, 168, 48) if bwd_pass == "dkdq" else BwdRegisterPlan(96, 144, 128)
 
 
-def default_bwd_register_plan_2cta(headdim: int, causal: bool, hdim_v: int | None = None) -> BwdRegisterPlan:
+def default_bwd_register_plan_2cta(headdim: int, causal: bool, hdim_v: int | None = None, dtype: str = "bf16",
+                                   softcap: bool = False) -> BwdRegisterPlan:
     """FA4's 2-CTA budgets (flash_bwd_sm100.py __init__, hd128, causal or not): reduce / compute /
     load = mma 136 / 136 / 104: 136 + 2 x 136 + 104 = 512 (FA4's relay warp takes the MMA's 104, its
-    empty warp 24; here the relay and idle warps share the fourth warpgroup's 104)."""
+    empty warp 24; here the relay and idle warps share the fourth warpgroup's 104). Where the config
+    carries the exact-LSE branch (bwd_two_cta_exact_lse; CuTe DSL 4.8.1, 2026-12-03, LDL + STL of one
+    compile) the splits below; the spills of the others are listed there."""
     dv = headdim if hdim_v is None else hdim_v
     if bwd_two_cta_serial_dims(headdim, dv):
         # (192, 128), full or causal, softcap or not: 104 / 152 / 104 (CuTe DSL 4.8.1, 2026-12-03; LDL +
@@ -301,12 +304,54 @@ def default_bwd_register_plan_2cta(headdim: int, causal: bool, hdim_v: int | Non
         # the compute step); 136 / 144 / 88 66 (the MMA / load warps), 128 / 144 / 96 41. The causal
         # softcap compute step is clean at 152, so the reduce warps read dQ in 32-column passes
         # (bwd_dq_passes) and fit 104; 88 / 152 / 120 spilled 35.
+        # With the exact-LSE branch the causal configs (bf16 / fp16, bf16 softcap) spilled at 104 / 152 / 104
+        # (38 + 9, 36 + 7, 4 + 4) and take 104 / 160 / 88 (0; also clean without softcap: 96 / 160 / 96,
+        # 88 / 160 / 104, 112 / 144 / 112); the full ones stay clean at 104 / 152 / 104.
+        if causal and bwd_two_cta_exact_lse(headdim, causal, dv, dtype, softcap):
+            return BwdRegisterPlan(104, 160, 88)
         return BwdRegisterPlan(104, 152, 104)
+    if bwd_two_cta_exact_lse(headdim, causal, dv, dtype, softcap):
+        # hd128 with the exact-LSE branch (bf16 full, bf16 / fp16 causal): 112 / 144 / 112 (0 LDL / STL).
+        # At the plans below the branch spilled 55 + 9 (full) and 50 + 3 (causal); 120 / 152 / 88 was clean
+        # in bf16 causal only (31 + 1 in bf16 full: a prologue value, the mbarrier base, stored before the
+        # role branch and reloaded in the wait loops, with the fourth warpgroup at 88 or 96)
+        return BwdRegisterPlan(112, 144, 112)
     if causal:
         # flash4's causal compute step held 6 registers more than 136 (3 LDL + 3 STL, stack 24): 16
         # move from the reduce warpgroup (its 64 dQ values fit in 120) to the compute ones
         return BwdRegisterPlan(120, 144, 104)
     return BwdRegisterPlan(136, 136, 104)
+
+
+def bwd_two_cta_exact_lse(headdim: int, causal: bool, hdim_v: int | None = None, dtype: str = "bf16",
+                          softcap: bool = False) -> bool:
+    """Whether a 2-CTA config (bwd_two_cta_problem None) carries the exact-LSE branch (issue 8), the
+    per-config rule (CuTe DSL 4.8.1, 2026-12-03; LDL + STL of one compile with the branch, at the splits
+    tried; compile-verified, not run on hardware):
+
+      hd128 bf16 full, bf16 / fp16 causal: yes, at 112 / 144 / 112 (default_bwd_register_plan_2cta).
+      hd128 fp16 full: no. 66 + 25 at 112 / 144 / 112 (its compute step at 144, where bf16 is clean),
+          55 + 9 at 136 / 136 / 104, 75 + 24 at 120 / 144 / 104 and 104 / 144 / 120, 79 + 36 at
+          128 / 136 / 112 and 112 / 136 / 128, 47 + 2 at 104 / 152 / 104, 31 + 1 at 112 / 152 / 96,
+          120 / 152 / 88, 128 / 144 / 96, 136 / 144 / 88, 31 + 31 at 128 / 152 / 80, 40 + 40 at 104 / 168 / 72.
+      hd128 softcap (bf16, full and causal): no. The compute step needs 152 (144: 77-80 + 23-24 at
+          112 / 144 / 112, 120 / 144 / 104, 104 / 144 / 120); at 152 the reduce or fourth warpgroup
+          reloads prologue values (the mbarrier addresses, stored before the role branch): 47-52 +
+          2-3 at 104 / 152 / 104 (dQ in 1 or 2 read-out passes), 96 / 152 / 112, 88 / 152 / 120; 31-34 +
+          1-2 at 112 / 152 / 96, 120 / 152 / 88; 30-36 + 30-36 at 128 / 152 / 80; 160 / 168 with the
+          fourth warpgroup at 64-96: 29-50 (+ 1-50).
+      (192, 128) bf16 / fp16 full: yes, at 104 / 152 / 104; causal (bf16 / fp16, bf16 softcap): yes, at
+          104 / 160 / 88.
+      (192, 128) bf16 full softcap: no. 2 + 2 at 104 / 152 / 104 and 112 / 152 / 96 (two 64-bit values in
+          the compute step), 4 + 4 at 120 / 152 / 88, 15 + 15 at 104 / 160 / 88, 29 + 1 at 96 / 160 / 96 and
+          88 / 160 / 104, 26 + 21 at 96 / 152 / 112, 31 + 24 at 112 / 144 / 112, 36 + 36 at 112 / 160 / 80
+          and 96 / 168 / 80, 41 + 41 at 104 / 168 / 72.
+    Without the branch P uses the rounded lse_log2 (exact while |LSE log2 e| < BWD_EXACT_LSE_LOG2, off by
+    up to half an fp32 ulp of it beyond). fp16 softcap (selectable, not shipped) follows its bf16 rule."""
+    dv = headdim if hdim_v is None else hdim_v
+    if bwd_two_cta_serial_dims(headdim, dv):
+        return causal or not softcap
+    return not softcap and (causal or dtype == "bf16")
 
 
 def bwd_register_plan(cfg) -> BwdRegisterPlan:
@@ -484,12 +529,13 @@ def bwd_serial_problem(softcap: bool = False, dtype: str = "bf16", causal: bool 
 def bwd_exact_lse(cfg) -> bool:
     """Whether the kernel carries the exact-LSE path (issue 8: query tiles the preprocess flagged take
     P from the forward's unrounded hi + lo): every 1-CTA config (hd64, hd128, (192, 128), both hd256
-    passes, packed or not). Not the 2-CTA variant (opt-in, FLASH4_SM100_2CTA): its compute step spilled
-    with the branch at every register split tried (CuTe DSL 4.8.1, 2026-12-02; LDL + STL per compile:
-    fp16 full 32-99 at 112 / 144 / 112, 120 / 144 / 104, 128 / 144 / 96, 120 / 152 / 88, 112 / 152 / 96,
-    104 / 152 / 104; softcap causal 32-104 at six splits), so there P uses the rounded lse_log2 (exact
-    while |LSE log2 e| < BWD_EXACT_LSE_LOG2, off by up to half an fp32 ulp of it beyond)."""
-    return getattr(cfg, "cta_group", 1) == 1
+    passes, packed or not), and the 2-CTA configs of bwd_two_cta_exact_lse (hd128 bf16 full, bf16 / fp16
+    causal; (192, 128) full and causal, bf16 softcap causal: every 2-CTA config but hd128 fp16 full,
+    hd128 softcap and (192, 128) bf16 full softcap, which spilled with it at every register split tried;
+    there P uses the rounded lse_log2)."""
+    if getattr(cfg, "cta_group", 1) == 1:
+        return True
+    return bwd_two_cta_exact_lse(cfg.headdim, cfg.causal, cfg.hdim_v, cfg.dtype, cfg.softcap)
 
 
 def bwd_tmem_overlaps(cfg) -> tuple:
