@@ -247,7 +247,7 @@ def test_paged_configs_gather():
         for d in (64, 128, 256):
             plain, paged = select_fwd_config(d, arch=arch), select_fwd_config(d, arch=arch, paged=True)
             assert paged.page_gather and paged.paged and not plain.paged
-            tile_n = 32 if d == 256 else plain.tile_n  # the gather's d256 tile (_PAGED_TILE_N)
+            tile_n = 32 if d in (96, 256) else plain.tile_n  # the gather's d96 / d256 tile (_PAGED_TILE_N)
             assert dataclasses.replace(paged, page_gather=False) == dataclasses.replace(plain, tile_n=tile_n)
             assert "page_gather" not in repr(plain) and "page_gather=True" in repr(paged)
     assert all(c.page_gather and c.seqused_k for c in sm80.paged_fwd_configs())
@@ -255,12 +255,13 @@ def test_paged_configs_gather():
 
 def test_value_headdims_take_the_wider_tile():
     """(192, 128), (128, 64), (64, 128) (flash4.config.HDIMV_PAIRS): the forward exists, with the table's
-    tile of max(D, Dv), forward and backward."""
+    tile of max(D, Dv), forward (the causal row's on the 99 KiB parts) and backward."""
     for arch in sm80.TARGETS:
         for d, dv in ((192, 128), (128, 64), (64, 128)):
             for causal in (False, True):
                 cfg = select_fwd_config(d, causal=causal, arch=arch, headdim_v=dv)
-                wide = select_fwd_config(max(d, dv), causal=causal, arch=arch)
+                small = arch in (86, 89, 120)
+                wide = select_fwd_config(max(d, dv), causal=causal or small, arch=arch)
                 assert (cfg.headdim_v, cfg.hdim_v) == (dv, dv)
                 assert (cfg.tile_m, cfg.tile_n, cfg.num_warps, cfg.kv_stages) == (
                     wide.tile_m, wide.tile_n, wide.num_warps, wide.kv_stages)

@@ -198,9 +198,10 @@ _TILES = {
     },
 }
 # Paged (gathered) K/V: key tile per head dim where the table's spills with the gather (compile
-# sweep, CuTe DSL 4.8.1, sm_90a: d256 64 x 64 spilled 34 / 44 local-memory instructions full /
-# causal, 128 x 64 x 8 warps 15 / 35; 64 x 32: 0). Every other head dim keeps the table's tile.
-_PAGED_TILE_N = {256: 32}
+# sweep, CuTe DSL 4.8.1: d256 64 x 64 spilled 34 / 44 local-memory instructions full / causal on
+# sm_90a, 128 x 64 x 8 warps 15 / 35; 64 x 32: 0; d96 128 x 64 spilled 12 on sm_120a, 128 x 32: 0).
+# Every other head dim keeps the table's tile.
+_PAGED_TILE_N = {96: 32, 256: 32}
 _SMEM_CLASS = {80: "a100", 86: "small", 89: "small", 90: "hopper", 120: "small"}
 
 
@@ -242,9 +243,12 @@ def select_fwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, a
     headdim_v = canonical_hdimv(headdim, headdim_v)
     causal = causal and not local
     # A value head dim (HDIMV_PAIRS) takes the tile of the wider of D and Dv: O (Dv) and S share the
-    # registers the table balances per head dim ((64, 128) runs d128's 32-key tile).
+    # registers the table balances per head dim ((64, 128) runs d128's 32-key tile); on the 99 KiB
+    # parts its causal row's (d128 64 x 64: (64, 128) with the full row's 128 x 32 spilled 2 on
+    # sm_120a).
     tile_key = max(headdim, headdim_v or headdim)
-    tile_m, tile_n, num_warps, stages, q_regs = _TILES[_SMEM_CLASS[arch]][tile_key][1 if causal else 0]
+    row = 1 if causal or (headdim_v is not None and _SMEM_CLASS[arch] == "small") else 0
+    tile_m, tile_n, num_warps, stages, q_regs = _TILES[_SMEM_CLASS[arch]][tile_key][row]
     # Q in registers fits the two loop bodies of a non-causal kernel; a window adds a third (like
     # causal) and then spills with it (d64 on sm_80: 2), without it not (compile sweep).
     q_regs = (q_regs and not local) if q_in_regs is None else q_in_regs
