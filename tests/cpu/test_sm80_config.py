@@ -10,8 +10,8 @@ import pytest
 from flash4.arch import CAPS, capacity
 from flash4.config import DTYPES, SUPPORTED_HEADDIMS
 from flash4.config import sm80
-from flash4.config.sm80 import (NATIVE_ARCHS, TARGETS, Sm80FwdConfig, gpu_arch_name, select_bwd_config,
-                                select_fwd_config, shipped_bwd_configs, shipped_fwd_configs)
+from flash4.config.sm80 import (NATIVE_ARCHS, PAGED_TILE_N, TARGETS, Sm80FwdConfig, gpu_arch_name,
+                                select_bwd_config, select_fwd_config, shipped_bwd_configs, shipped_fwd_configs)
 from flash4.kernels import registry
 
 ALL = shipped_fwd_configs()
@@ -247,7 +247,7 @@ def test_paged_configs_gather():
         for d in (64, 128, 256):
             plain, paged = select_fwd_config(d, arch=arch), select_fwd_config(d, arch=arch, paged=True)
             assert paged.page_gather and paged.paged and not plain.paged
-            tile_n = 32 if d in (96, 256) else plain.tile_n  # the gather's d96 / d256 tile (_PAGED_TILE_N)
+            tile_n = PAGED_TILE_N.get(d, plain.tile_n)  # the gather's d96 / d256 tile
             assert dataclasses.replace(paged, page_gather=False) == dataclasses.replace(plain, tile_n=tile_n)
             assert "page_gather" not in repr(plain) and "page_gather=True" in repr(paged)
     assert all(c.page_gather and c.seqused_k for c in sm80.paged_fwd_configs())
@@ -314,3 +314,20 @@ def test_kvcache_step_packs_gqa_heads():
     packed = sm80.kvcache_step_plan(sink, 64, 1, 32, 65536, 0, 84, nheads_k=8, causal=True)
     assert packed.pack == 4 and packed.num_splits >= 2 and packed.cfg.split_kv  # the combine adds the sinks
     assert sm80.kvcache_step_plan(causal, 2, 1, 32, 65536, 0, 84).pack == 1  # nheads_k not given
+
+
+@pytest.mark.parametrize("hdim,expect", [(64, (3, 3, 3)), (128, (3, 3, 3)), (256, (3, 3, 3)), (96, (2, 3, 3))])
+def test_pointer_swizzle_is_the_layout_swizzle_in_bytes(hdim, expect):
+    """The portable smem stages' swizzle on element offsets (the layouts) and on byte addresses (a
+    pointer's swizzle, paged forward): the pointer's moves whole 16-byte chunks. The element swizzle put
+    on the pointer (S<3,3,3> on bytes) made every 16-byte ldmatrix / cp.async of the paged forward
+    misaligned on the H200 (2026-12-03)."""
+    from flash4.kernels.sm80.mma import pointer_swizzle_params, swizzle_params
+
+    assert swizzle_params(16, hdim) == expect
+    bits, base, shift = pointer_swizzle_params(16, hdim)
+    assert (bits, base, shift) == (expect[0], 4, 3)
+    for elem in range(0, 8 * 128, 8):  # the same permutation: swizzle(2 * o) == 2 * swizzle(o) on 16-byte chunks
+        def sw(x, b, m, s):
+            return x ^ ((x >> s) & (((1 << b) - 1) << m))
+        assert sw(2 * elem, bits, base, shift) == 2 * sw(elem, *expect)

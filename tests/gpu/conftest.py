@@ -25,6 +25,7 @@ PORTABLE_SKIP = {
     "test_gqa_bwd.py": "the GQA head split of the backward (BwdConfig.dkv_accum) is the sm90 family's",
     "test_selftest.py": "the first-use self-test drives the sm90 / sm100 kernels",
     "test_sink_delta.py": "the backward kernel's own D (BwdConfig.sink_delta) is the sm90 family's",
+    "test_speed_switches.py": "the speed switches (FwdConfig / BwdConfig fields) are the sm90 family's",
 }
 
 

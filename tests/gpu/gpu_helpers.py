@@ -239,6 +239,18 @@ def run_bwd_varlen(q, k, v, cu_q, cu_k, dout, causal, seqused_q=None, seqused_k=
 
 
 # ================================================================ compiles
+def paged_tile_differs(headdim: int) -> bool:
+    """True where the running family's paged forward takes another key tile than its contiguous one:
+    the portable family's gather at d96 / d256 (flash4.config.sm80.PAGED_TILE_N, the gather's
+    registers). There the summation order differs, so the tests compare a paged call bitwise with
+    the same data in another page layout (same config) instead of the contiguous call."""
+    from flash4.arch import device_arch
+    from flash4.config import active_family
+    from flash4.config.sm80 import PAGED_TILE_N
+
+    return active_family(device_arch()).name == "sm80" and headdim in PAGED_TILE_N
+
+
 def compile_count() -> int:
     """Misses of every functools cache of the modules that compile or hold compiled kernels (a miss
     = a compile or an on-disk cache load)."""

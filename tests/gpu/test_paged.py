@@ -17,7 +17,8 @@ from flash4 import flash_attn_varlen_func
 from flash4.config import SUPPORTED_HEADDIMS
 from flash4.reference import paged_kv_cache, varlen_row_mask
 
-from gpu_helpers import DEV, I32, check_fwd_varlen as check_fwd, make_varlen, run_poisoned_varlen as run_poisoned
+from gpu_helpers import (DEV, I32, check_fwd_varlen as check_fwd, make_varlen, paged_tile_differs,
+                         run_poisoned_varlen as run_poisoned)
 
 
 # ================================================================ paged K/V
@@ -47,7 +48,11 @@ def test_paged_every_headdim(d):
     q, k, v, cu_q, cu_k = make_varlen(*PAGED_LENS, 4, 1, d, seed=d)
     k_cache, v_cache, table, seqused_k = paged_from(q, k, v, cu_q, cu_k, 64, seed=d)
     out_p, _ = check_fwd(q, k_cache, v_cache, cu_q, None, True, seqused_k=seqused_k, page_table=table)
-    out_c, _ = run_poisoned(q, k, v, cu_q, cu_k, True)
+    if paged_tile_differs(d):  # the portable family's d96 / d256 gather tile: another page layout, same config
+        k16, v16, table16, used16 = paged_from(q, k, v, cu_q, cu_k, 16, seed=d + 1)
+        out_c, _ = run_poisoned(q, k16, v16, cu_q, None, True, seqused_k=used16, page_table=table16)
+    else:
+        out_c, _ = run_poisoned(q, k, v, cu_q, cu_k, True)
     rows = varlen_row_mask(cu_q, q.shape[0])
     assert torch.equal(out_p[rows], out_c[rows])
 

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from flash4 import selftest
-from flash4.config import select_bwd_config, select_fwd_config
+from flash4.config.sm90 import select_bwd_config, select_fwd_config  # the sm90 family's, also when FLASH4_FAMILY forces another
 from gpu_helpers import parent_still_works, report_verdict
 
 HERE = Path(__file__).resolve()

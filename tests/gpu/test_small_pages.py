@@ -21,7 +21,7 @@ from flash4.config import SUPPORTED_HEADDIMS
 from flash4.reference import kvcache_ref, max_abs_err, paged_kv_cache, varlen_row_mask
 
 from gpu_helpers import BF16, DEV, I32, check_fwd_varlen as check_fwd, make_varlen
-from gpu_helpers import run_poisoned_varlen as run_poisoned
+from gpu_helpers import paged_tile_differs, run_poisoned_varlen as run_poisoned
 
 
 @pytest.fixture(autouse=True)
@@ -73,7 +73,11 @@ def test_gathered_pages_every_headdim(d):
     q, k, v, cu_q, cu_k = make_varlen(*LENS, 4, 1, d, seed=d)
     k_cache, v_cache, table, seqused_k = paged(k, v, cu_k, 3, seed=d)
     out_p, _ = check_fwd(q, k_cache, v_cache, cu_q, None, True, seqused_k=seqused_k, page_table=table)
-    out_c, _ = run_poisoned(q, k, v, cu_q, cu_k, True)
+    if paged_tile_differs(d):  # the portable family's d96 / d256 gather tile: another page layout, same config
+        k5, v5, table5, used5 = paged(k, v, cu_k, 5, seed=d + 1)
+        out_c, _ = run_poisoned(q, k5, v5, cu_q, None, True, seqused_k=used5, page_table=table5)
+    else:
+        out_c, _ = run_poisoned(q, k, v, cu_q, cu_k, True)
     rows = varlen_row_mask(cu_q, q.shape[0])
     assert torch.equal(out_p[rows], out_c[rows])
 

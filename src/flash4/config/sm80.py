@@ -201,7 +201,7 @@ _TILES = {
 # sweep, CuTe DSL 4.8.1: d256 64 x 64 spilled 34 / 44 local-memory instructions full / causal on
 # sm_90a, 128 x 64 x 8 warps 15 / 35; 64 x 32: 0; d96 128 x 64 spilled 12 on sm_120a, 128 x 32: 0).
 # Every other head dim keeps the table's tile.
-_PAGED_TILE_N = {96: 32, 256: 32}
+PAGED_TILE_N = {96: 32, 256: 32}
 _SMEM_CLASS = {80: "a100", 86: "small", 89: "small", 90: "hopper", 120: "small"}
 
 
@@ -253,7 +253,7 @@ def select_fwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, a
     # causal) and then spills with it (d64 on sm_80: 2), without it not (compile sweep).
     q_regs = (q_regs and not local) if q_in_regs is None else q_in_regs
     if paged:  # the gather's page lookups and row addresses need registers the table's d256 tile lacks
-        tile_n = _PAGED_TILE_N.get(headdim, tile_n)
+        tile_n = PAGED_TILE_N.get(headdim, tile_n)
     cfg = Sm80FwdConfig(headdim=headdim, dtype=dtype, causal=causal, tile_m=tile_m, tile_n=tile_n,
                         num_warps=num_warps, kv_stages=stages, q_in_regs=q_regs, arch=arch,
                         lpt=causal, local=local, softcap=softcap, sink=sink, varlen_q=varlen_q,

@@ -153,6 +153,8 @@ class PagedGather:
             # the pointer type) is applied here, once, to this thread's first chunk; the other
             # chunks lie whole swizzle periods away (swizzle_invariant_offset checks it).
             swizzle = pointer_swizzle(sX.iterator)
+            # The pointer's swizzle acts on byte addresses: it must move whole 16-byte chunks.
+            assert swizzle[0] == 0 or swizzle[1] >= 4, f"stage swizzle {swizzle} splits 16-byte chunks"
             dst_base = apply_swizzle(tXsX[None, 0, 0].iterator.toint(), swizzle)
         for m in cutlass.range_constexpr(cute.size(tXsX, mode=[1])):
             is_key = m * self.rows_per_pass < limit

@@ -29,7 +29,7 @@ from flash4.kernels.common.scheduler import TileSchedule
 from flash4.kernels.common.seqinfo import SeqInfo, store_rows_predicated, store_split_partials
 from flash4.kernels.common.softmax import OnlineSoftmax
 from flash4.kernels.sm80.mma import (acc_to_operand_a, as_wgmma_acc, gemm_rs, gemm_ss, make_tiled_mma,
-                                     smem_layout_atom)
+                                     pointer_swizzle, smem_layout_atom)
 
 # 16-byte global accesses (cp.async.cg and the O store): 8 elements of 16 bits.
 COPY_BITS = 128
@@ -277,8 +277,9 @@ class FlashAttentionForwardSm80:
         if const_expr(self.cfg.page_gather):
             # The gather's inline cp.async applies the stages' swizzle itself, read off the pointer
             # type (paged_gather.pointer_swizzle): the swizzle goes on the pointer, as sm90's stages.
-            sK = storage.sK.get_tensor(layouts.k.outer, swizzle=layouts.k.inner)
-            sV = storage.sV.get_tensor(layouts.v.outer, swizzle=layouts.v.inner)
+            # A pointer's swizzle acts on byte addresses (mma.pointer_swizzle), the layout's on elements.
+            sK = storage.sK.get_tensor(layouts.k.outer, swizzle=pointer_swizzle(self.dtype, self.hdim))
+            sV = storage.sV.get_tensor(layouts.v.outer, swizzle=pointer_swizzle(self.dtype, self.hdim_v))
         else:
             sK = storage.sK.get_tensor(layouts.k)
             sV = storage.sV.get_tensor(layouts.v)

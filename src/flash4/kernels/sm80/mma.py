@@ -33,16 +33,40 @@ def make_tiled_mma(dtype, num_warps: int, warps_n: int = 1) -> cute.TiledMma:
     )
 
 
+def swizzle_params(elem_bits: int, hdim: int) -> tuple[int, int, int]:
+    """(BBits, MBase, SShift) of smem_layout_atom's swizzle on ELEMENT offsets: 16-byte chunks
+    (2^MBase elements) of a 128-byte row (3 bits, 64- and 128-element head dims' multiples) or a
+    64-byte row (2 bits, head dim 96) XOR-ed with the row index (pure; CPU-tested)."""
+    row_bytes = hdim * elem_bits // 8
+    block_bytes = 128 if row_bytes % 128 == 0 else 64
+    base = (128 // elem_bits).bit_length() - 1  # 16 bytes = 2^base elements
+    return (3 if block_bytes == 128 else 2), base, 3
+
+
+def pointer_swizzle_params(elem_bits: int, hdim: int) -> tuple[int, int, int]:
+    """The same swizzle on BYTE addresses, as a swizzle on a shared-memory pointer is applied
+    (the sm90 stages' S<3,4,3>): MBase moves up by log2(bytes per element). Putting the element
+    swizzle S<3,3,3> on the pointer instead permutes 8-byte pieces: every 16-byte ldmatrix /
+    cp.async then reads a misaligned address (the paged portable forward on the H200, 2026-12-03)."""
+    bits, base, shift = swizzle_params(elem_bits, hdim)
+    return bits, base + (elem_bits // 8).bit_length() - 1, shift
+
+
 def smem_layout_atom(dtype, hdim: int):
     """8 rows x (64 or 32) 16-bit columns, XOR-swizzled on 16-byte chunks: the 8 rows an ldmatrix
     8x8 reads (and the rows a cp.async wave writes) fall on 8 different bank groups. 128-byte rows
-    where the head dim allows (64, 128, 192, 256), 64-byte rows for 96 (192 bytes)."""
-    row_bytes = hdim * dtype.width // 8
-    block_bytes = 128 if row_bytes % 128 == 0 else 64
-    cols = block_bytes * 8 // dtype.width
-    swizzle_bits = 3 if block_bytes == 128 else 2
-    return cute.make_composed_layout(cute.make_swizzle(swizzle_bits, 3, 3), 0,
+    where the head dim allows (64, 128, 192, 256), 64-byte rows for 96 (192 bytes). The swizzle is
+    on element offsets (swizzle_params); on a pointer use pointer_swizzle."""
+    bits, base, shift = swizzle_params(dtype.width, hdim)
+    cols = (64 if bits == 3 else 32) * 16 // dtype.width
+    return cute.make_composed_layout(cute.make_swizzle(bits, base, shift), 0,
                                      cute.make_ordered_layout((8, cols), order=(1, 0)))
+
+
+def pointer_swizzle(dtype, hdim: int):
+    """smem_layout_atom's swizzle on byte addresses, for SmemAllocator get_tensor(outer, swizzle=...)
+    (pointer_swizzle_params)."""
+    return cute.make_swizzle(*pointer_swizzle_params(dtype.width, hdim))
 
 
 def as_wgmma_acc(t: cute.Tensor) -> cute.Tensor:
