@@ -119,8 +119,12 @@ def main(argv=None) -> int:
     # first step compiling 68 modules (TVM-FFI's, flash4's lazily imported ones) from source: the
     # unpacked device deps' / copied tree's bytecode was not reused (cause not established). An
     # installed package has its .pyc from pip's install step, so a user's warm process never pays it.
+    # PYTHONDONTWRITEBYTECODE (set in some sandboxes: the CPU box of 2026-12-03 has it) makes the fill
+    # write no bytecode at all, so every measured process compiles from source whatever the prefix:
+    # a likely cause of the H200 profile's 68 compiles (not checked there). The children drop it.
     base = dict(os.environ, FLASH4_CACHE_DIR=cache_dir, PYTHONPYCACHEPREFIX=os.path.join(cache_dir, "pycache"),
                 PYTHONPATH=os.path.join(ROOT, "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    base.pop("PYTHONDONTWRITEBYTECODE", None)
     settings = [args.runtime_load] if args.runtime_load else ["0", "1"]
     print(f"cache: {cache_dir}")
     for setting in settings:

@@ -188,10 +188,13 @@ def _contiguous(t):
     return t if t is None or t.is_contiguous() else t.contiguous()
 
 
+_NO_GUARD = contextlib.nullcontext()  # stateless: one instance serves every `with`, nested or not
+
+
 def device_guard(device: torch.device):
     """Launch on `device` when it is not the current CUDA device (a no-op for other devices)."""
     if device.type != "cuda" or device.index is None or device.index == torch.cuda.current_device():
-        return contextlib.nullcontext()
+        return _NO_GUARD
     return torch.cuda.device(device)
 
 

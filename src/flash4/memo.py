@@ -54,14 +54,65 @@ stats = {"hits": 0, "kept": 0}
 
 
 # ================================================================ keys
+_Tensor = torch.Tensor
+
+
 def _key(door: str, args) -> tuple | None:
-    """The key of a door's argument list, or None when a tensor has no data pointer to read (a meta
-    or storage-less tensor: the full path gives its error)."""
+    """The key of a door's argument list, or None: when autograd would record the call (grad mode on
+    and a tensor argument requiring grad; besides the float inputs q, k, v, k_cache, v_cache, k, v,
+    out and learnable_sink, a door's tensor arguments are integer metadata, which cannot require
+    grad, or tensors the checks reject), or when a tensor has no data pointer to read (a meta or
+    storage-less tensor: the full path gives its error). A None argument enters as None (no other
+    argument's entry is None); a tuple (window_size) with its elements' types: (-1.0, -1.0) or
+    (4, False) equal (-1, -1) or (4, 0) but are not valid windows."""
+    grad_mode = torch.is_grad_enabled()
     parts = [door, env.plan_snapshot()]
     append = parts.append
     try:
         for a in args:
-            if isinstance(a, torch.Tensor):
+            if a is None:
+                append(None)
+            elif isinstance(a, _Tensor):
+                if grad_mode and a.requires_grad:
+                    return None
+                append((a.dtype, a.shape, a.stride(), a.get_device(), a.data_ptr() % _ALIGN))
+            elif isinstance(a, tuple):
+                append((type(a), a, tuple(map(type, a))))
+            else:
+                append((type(a), a))
+    except (RuntimeError, NotImplementedError):
+        return None
+    return tuple(parts)
+
+
+# Types of scalar arguments that _scalar_key keeps as (types, values) in one entry: the scalars of a
+# call all of these types (the usual case) skip _key's per-argument test.
+_PLAIN = frozenset((type(None), bool, int, float, tuple))
+
+
+_OTHER = object()  # _scalar_key's answer for scalars not all of _PLAIN types
+
+
+def _scalar_key(door: str, scalars: tuple, window, tensors: tuple):
+    """_key's information in fewer steps: `scalars` (the arguments that are not tensors when the
+    checks pass, window_size among them) enter as their types and values in two entries, when all
+    are of _PLAIN types, and the window (a tuple then, or None) with its elements' types; `tensors`
+    (the arguments that may be tensors) as _key's entries. Otherwise (a tensor, a list, a Band, ...
+    among the scalars) _OTHER: the door then takes _key's form of its arguments (never equal to this
+    form: another length)."""
+    types = tuple(map(type, scalars))
+    if not _PLAIN.issuperset(types):
+        return _OTHER
+    grad_mode = torch.is_grad_enabled()
+    parts = [door, env.plan_snapshot(), types, scalars, None if window is None else tuple(map(type, window))]
+    append = parts.append
+    try:
+        for a in tensors:
+            if a is None:
+                append(None)
+            elif isinstance(a, _Tensor):
+                if grad_mode and a.requires_grad:
+                    return None
                 append((a.dtype, a.shape, a.stride(), a.get_device(), a.data_ptr() % _ALIGN))
             else:
                 append((type(a), a))
@@ -70,45 +121,47 @@ def _key(door: str, args) -> tuple | None:
     return tuple(parts)
 
 
-def _eligible(q, grads) -> bool:
-    """A call the memo may keep or answer: on, not traced, q a CUDA tensor (or CPU with CPU), and no
-    input of `grads` requiring grad under grad mode (autograd records those)."""
-    if not ENABLED or torch.compiler.is_compiling() or not isinstance(q, torch.Tensor):
-        return False
-    if not (q.is_cuda or CPU):
-        return False
-    if torch.is_grad_enabled():
-        for t in grads:
-            if isinstance(t, torch.Tensor) and t.requires_grad:
-                return False
-    return True
-
-
 def dense_key(q, k, v, softmax_scale, causal, return_lse, deterministic, window_size, softcap, learnable_sink):
     """flash_attn_func's key, or None when the call is not kept."""
-    if not _eligible(q, (q, k, v, learnable_sink)):
+    if not ENABLED or torch.compiler.is_compiling() or not isinstance(q, _Tensor) or not (q.is_cuda or CPU):
         return None
-    return _key("dense", (q, k, v, softmax_scale, causal, return_lse, deterministic, window_size, softcap,
-                          learnable_sink))
+    key = _scalar_key("dense", (softmax_scale, causal, return_lse, deterministic, window_size, softcap), window_size,
+                      (q, k, v, learnable_sink))
+    if key is _OTHER:
+        return _key("dense", (q, k, v, softmax_scale, causal, return_lse, deterministic, window_size, softcap,
+                              learnable_sink))
+    return key
 
 
 def varlen_key(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, page_table,
                softmax_scale, causal, window_size, softcap, return_lse, deterministic, check_seqlens, learnable_sink):
     """flash_attn_varlen_func's key, or None (also for max_seqlen_q other than an int)."""
-    if type(max_seqlen_q) is not int or not _eligible(q, (q, k, v, learnable_sink)):
+    if (type(max_seqlen_q) is not int or not ENABLED or torch.compiler.is_compiling() or not isinstance(q, _Tensor)
+            or not (q.is_cuda or CPU)):
         return None
-    return _key("varlen", (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
-                           page_table, softmax_scale, causal, window_size, softcap, return_lse, deterministic,
-                           check_seqlens, learnable_sink))
+    key = _scalar_key("varlen", (max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_size, softcap, return_lse,
+                                 deterministic, check_seqlens), window_size,
+                      (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table, learnable_sink))
+    if key is _OTHER:
+        return _key("varlen", (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
+                               page_table, softmax_scale, causal, window_size, softcap, return_lse, deterministic,
+                               check_seqlens, learnable_sink))
+    return key
 
 
 def kvcache_key(q, k_cache, v_cache, k, v, cache_seqlens, page_table, cache_batch_idx, softmax_scale, causal,
                 window_size, softcap, num_splits, return_lse, out, check_seqlens, learnable_sink):
-    """flash_attn_with_kvcache's key, or None (also with cache_batch_idx)."""
-    if cache_batch_idx is not None or not _eligible(q, (q, k_cache, v_cache, k, v, out, learnable_sink)):
+    """flash_attn_with_kvcache's key, or None (also with cache_batch_idx). cache_seqlens (an int, a
+    tensor or None) enters with the tensors."""
+    if (cache_batch_idx is not None or not ENABLED or torch.compiler.is_compiling() or not isinstance(q, _Tensor)
+            or not (q.is_cuda or CPU)):
         return None
-    return _key("kvcache", (q, k_cache, v_cache, k, v, cache_seqlens, page_table, softmax_scale, causal, window_size,
-                            softcap, num_splits, return_lse, out, check_seqlens, learnable_sink))
+    key = _scalar_key("kvcache", (softmax_scale, causal, window_size, softcap, num_splits, return_lse, check_seqlens),
+                      window_size, (q, k_cache, v_cache, k, v, cache_seqlens, page_table, out, learnable_sink))
+    if key is _OTHER:
+        return _key("kvcache", (q, k_cache, v_cache, k, v, cache_seqlens, page_table, softmax_scale, causal,
+                                window_size, softcap, num_splits, return_lse, out, check_seqlens, learnable_sink))
+    return key
 
 
 def get(key):
@@ -196,7 +249,7 @@ class _Decode:
     its combine as the plan says)."""
 
     __slots__ = ("fwd", "combine", "tail", "pack", "splits", "batch", "seqlen_q", "nheads_k", "headdim", "headdim_v",
-                 "seqlen_p", "heads_p", "combine_ctas", "gated")
+                 "seqlen_p", "heads_p", "combine_ctas", "gated", "q_view", "out_view", "acc_shapes")
 
     def __init__(self, step):
         """step: the DECODE request (flash4.forward's) of the first call."""
@@ -218,25 +271,44 @@ class _Decode:
         self.tail = run_kernel.tail(shape, step.k, step.score.softmax_scale, seqs, self.batch, self.seqlen_p,
                                     self.splits, window, step.score.softcap)
         self.combine_ctas = combine_ctas(self.batch, self.seqlen_p, self.heads_p) if self.splits > 1 else 0
+        # the sizes of forward.packed_q's / split_out_arg's views (Sq == 1, PACK_VIEWS) and of the
+        # split-KV scratch (o_acc, lse_acc): fixed by the key's shapes
+        self.q_view = (self.batch, self.pack, self.nheads_k, self.headdim)
+        self.out_view = (self.batch, self.pack, self.nheads_k, self.headdim_v)
+        self.acc_shapes = ((self.splits, self.batch, self.seqlen_p, self.heads_p, self.headdim_v),
+                           (self.splits, self.batch, self.heads_p, self.seqlen_p))
 
     def __call__(self, q, k_cache, v_cache, out, lse, seqused_k, page_table, sink) -> None:
-        batch, seqlen_q, pack, seqlen_p, heads_p = self.batch, self.seqlen_q, self.pack, self.seqlen_p, self.heads_p
-        headdim, headdim_v, device = self.headdim, self.headdim_v, q.device
-        nheads_k = self.nheads_k
-        q_run = forward.packed_q(q, nheads_k, pack) if pack > 1 else q
+        pack, nheads_k = self.pack, self.nheads_k
+        if pack == 1:
+            q_run = q
+        elif self.seqlen_q == 1 and forward.PACK_VIEWS:  # forward.packed_q's view, its sizes fixed
+            s = q.stride()
+            q_run = q.as_strided(self.q_view, (s[0], s[2], pack * s[2], s[3]), q.storage_offset())
+        else:
+            q_run = forward.packed_q(q, nheads_k, pack)
         if self.splits > 1:
-            o_acc = torch.empty(self.splits, batch, seqlen_p, heads_p, headdim_v, dtype=F32, device=device)
-            lse_acc = torch.empty(self.splits, batch, heads_p, seqlen_p, dtype=F32, device=device)
+            device = q.device
+            o_shape, lse_shape = self.acc_shapes
+            o_acc = torch.empty(o_shape, dtype=F32, device=device)
+            lse_acc = torch.empty(lse_shape, dtype=F32, device=device)
             # out / lse are not written by a split_kv launch (its partials go to o_acc / lse_acc)
-            o_arg = out if pack == 1 else forward.split_out_arg(q_run, out, lse, nheads_k, pack)
+            if pack == 1:
+                o_arg = out
+            elif self.seqlen_q == 1 and forward.PACK_VIEWS:  # forward.split_out_arg's view of out
+                s = out.stride()
+                o_arg = out.as_strided(self.out_view, (s[0], s[2], pack * s[2], s[3]), out.storage_offset())
+            else:
+                o_arg = forward.split_out_arg(q_run, out, lse, nheads_k, pack)
             lse0 = lse_acc[0]
             self.fwd(q_run, k_cache, v_cache, o_arg, lse0, lse0, lse_acc[1], None, None, None, seqused_k, page_table,
                      o_acc, lse_acc, sink, *self.tail)
             self.combine(o_acc, lse_acc, out, lse, sink, pack, self.combine_ctas)
         elif pack > 1:
+            batch, seqlen_p, heads_p, device = self.batch, self.seqlen_p, self.heads_p, q.device
             views = forward.packed_out(out, lse, nheads_k, pack)
             out_p, lse_p = views if views is not None else (
-                torch.empty(batch, seqlen_p, heads_p, headdim_v, dtype=q.dtype, device=device),
+                torch.empty(batch, seqlen_p, heads_p, self.headdim_v, dtype=q.dtype, device=device),
                 torch.empty(batch, heads_p, seqlen_p, dtype=F32, device=device))
             split = torch.empty(2, batch, heads_p, seqlen_p, dtype=F32, device=device)
             self.fwd(q_run, k_cache, v_cache, out_p, lse_p, split[0], split[1], None, None, None, seqused_k, page_table,
@@ -244,7 +316,7 @@ class _Decode:
             if views is None:
                 forward.unpack_out(out, lse, out_p, lse_p, nheads_k, pack)
         else:
-            split = torch.empty((2,) + tuple(lse.shape), dtype=F32, device=device)
+            split = torch.empty((2,) + tuple(lse.shape), dtype=F32, device=q.device)
             self.fwd(q, k_cache, v_cache, out, lse, split[0], split[1], None, None, None, seqused_k, page_table, None,
                      None, sink, *self.tail)
 
@@ -270,13 +342,14 @@ def _gate(cfgs, device) -> None:
 class DenseCall:
     """flash_attn_func without autograd: __call__(q, k, v, learnable_sink) -> (out, lse)."""
 
-    __slots__ = ("out_shape", "lse_shape", "decode", "kernel", "seqlen_k", "gated")
+    __slots__ = ("out_shape", "lse_shape", "decode", "kernel", "seqlen_k", "gated", "seqused_key")
 
     def __init__(self, request):
         q = request.q
         batch, seqlen_q, nheads = q.shape[:3]
         self.out_shape, self.lse_shape = (batch, seqlen_q, nheads, request.headdim_v), (batch, nheads, seqlen_q)
         self.seqlen_k = request.k.shape[1]
+        self.seqused_key = ("seqused", q.device, batch, self.seqlen_k)  # forward._full_seqused's cache key
         self.decode = self.kernel = None
         with forward.device_guard(q.device):
             if decode_door(request, forward._door_arch(q.device), False):
@@ -290,11 +363,15 @@ class DenseCall:
         device = q.device
         out = torch.empty(self.out_shape, dtype=q.dtype, device=device)
         lse = torch.empty(self.lse_shape, dtype=F32, device=device)
-        sink = _sink(learnable_sink)
-        _gate(self.gated, device)
+        sink = None if learnable_sink is None else _sink(learnable_sink)
+        if self.gated:
+            _gate(self.gated, device)
         with forward.device_guard(device):
             if self.decode is not None:
-                self.decode(q, k, v, out, lse, forward._full_seqused(q.shape[0], self.seqlen_k, device), None, sink)
+                seqused_k = forward._DEVICE_CONSTANTS.get(self.seqused_key)  # forward._full_seqused, its key fixed
+                if seqused_k is None:
+                    seqused_k = forward._full_seqused(q.shape[0], self.seqlen_k, device)
+                self.decode(q, k, v, out, lse, seqused_k, None, sink)
             else:
                 self.kernel(q, k, v, out, lse, None, sink)
         return out, lse
@@ -341,7 +418,8 @@ class VarlenCall:
         else:
             out = torch.empty(self.out_shape, dtype=q.dtype, device=device)
             lse = torch.empty(self.lse_shape, dtype=F32, device=device)
-        _gate(self.gated, device)
+        if self.gated:
+            _gate(self.gated, device)
         with forward.device_guard(device):
             if self.decode is not None:
                 decode, used_k, table = self.decode, seqs[3], seqs[4]
@@ -365,7 +443,7 @@ class VarlenCall:
                                           seqused_k=seqs[3], page_table=seqs[4], num_pages=k.shape[0] if paged else 0,
                                           page_size=k.shape[1] if paged else 0, max_seqlen_q=max_seqlen_q,
                                           max_seqlen_k=max_seqlen_k)
-        return self.run(q, k, v, seqs, _sink(learnable_sink))
+        return self.run(q, k, v, seqs, None if learnable_sink is None else _sink(learnable_sink))
 
 
 def prepare_varlen(request):
@@ -408,15 +486,17 @@ class KvcacheCall:
             if q.shape[0] > 0:
                 forward._append_kv(k_cache, v_cache, k, v, seqlens, page_table, None)
             seqlens = _contiguous(seqlens + seqlen_new)
-        _gate(self.gated, device)
+        if self.gated:
+            _gate(self.gated, device)
         with forward.device_guard(device):
             self.decode(q, k_cache, v_cache, out, lse, seqlens, page_table, sink)
         return out, lse
 
     def __call__(self, q, k_cache, v_cache, k, v, cache_seqlens, page_table, out, learnable_sink):
-        page_table = _contiguous(page_table)
-        if isinstance(cache_seqlens, torch.Tensor):
-            seqlens = _contiguous(cache_seqlens)
+        if page_table is not None and not page_table.is_contiguous():
+            page_table = page_table.contiguous()
+        if isinstance(cache_seqlens, _Tensor):
+            seqlens = cache_seqlens if cache_seqlens.is_contiguous() else cache_seqlens.contiguous()
         else:
             seqlens = torch.full((q.shape[0],), self.capacity if cache_seqlens is None else cache_seqlens,
                                  dtype=torch.int32, device=q.device)
@@ -424,7 +504,8 @@ class KvcacheCall:
             validate.check_kvcache_seqlens(seqlens, self.seqlen_new, self.capacity, batch_cache=k_cache.shape[0],
                                            cache_batch_idx=None, page_table=page_table, num_pages=k_cache.shape[0],
                                            page_size=k_cache.shape[1])
-        return self.run(q, k_cache, v_cache, k, v, seqlens, page_table, out, _sink(learnable_sink))
+        return self.run(q, k_cache, v_cache, k, v, seqlens, page_table, out,
+                        None if learnable_sink is None else _sink(learnable_sink))
 
 
 def prepare_kvcache(request, out):

@@ -340,3 +340,119 @@ def test_host_overhead_tool_fake():
     assert len(calls[0]) == len(calls[1]) == 5, res.stdout
     for door, n in calls[1].items():
         assert n < 0.6 * calls[0][door], (door, n, calls[0][door])
+
+
+# ================================================================ the key's two forms, the hit path's shortcuts
+def test_key_forms(recorder, monkeypatch):
+    """Plain scalar arguments (None, bool, int, float, tuple) enter the key as (types, values); any
+    other scalar type (a numpy float, a Band window) takes the per-argument form, which never equals
+    the first. Both kinds of call are kept and launch as the memo-less path; the exact types count
+    (causal=1 is not causal=True: its TypeError is raised every time)."""
+    import numpy as np
+
+    from flash4.geometry import Band
+
+    fn, (q, k, v), kw = func()
+    plain = memo.dense_key(q, k, v, None, True, True, False, (-1, -1), 0, None)
+    other = memo.dense_key(q, k, v, np.float64(0.5), True, True, False, (-1, -1), 0, None)
+    band = memo.dense_key(q, k, v, None, True, True, False, Band(None, 0), 0, None)
+    assert plain is not None and other is not None and band is not None
+    assert len(plain) != len(other) and len(other) == len(band)
+    assert plain != memo.dense_key(q, k, v, None, 1, True, False, (-1, -1), 0, None)
+    assert plain != memo.dense_key(q, k, v, None, True, True, False, (-1, -1), 0.0, None)
+    for variant in (dict(kw), dict(kw, softmax_scale=np.float64(0.5)), dict(kw, window_size=Band(None, 0))):
+        reference = _memo_less(recorder, monkeypatch, fn, (q, k, v), variant)
+        kept = memo.stats["kept"]
+        assert _record(recorder, fn, (q, k, v), variant) == reference
+        assert memo.stats["kept"] == kept + 1
+        hits = memo.stats["hits"]
+        assert _record(recorder, fn, (q, k, v), variant) == reference
+        assert memo.stats["hits"] == hits + 1
+    for _ in range(2):
+        with pytest.raises(TypeError, match="causal"):
+            fn(q, k, v, **dict(kw, causal=1))
+    fn, args, kw = CELLS["kvcache"]
+    _record(recorder, fn, args, kw)
+    for _ in range(2):
+        with pytest.raises(TypeError, match="num_splits"):
+            fn(*args, **dict(kw, num_splits=torch.tensor(0)))  # a tensor among the scalars: _key's form
+
+
+def test_grad_in_key(recorder):
+    """Under grad mode a float input requiring grad (any of the doors' float tensors, kvcache's out
+    included) makes the call not kept; integer metadata never does; without grad mode it is kept."""
+    fn, (q, k_cache, v_cache), kw = kvcache(out=True)
+    out, lens = kw["out"], kw["cache_seqlens"]
+
+    def key(**given):
+        a = dict(q=q, k_cache=k_cache, v_cache=v_cache, k=None, v=None, cache_seqlens=lens, page_table=None,
+                 cache_batch_idx=None, softmax_scale=None, causal=True, window_size=(-1, -1), softcap=0,
+                 num_splits=0, return_lse=True, out=out, check_seqlens=False, learnable_sink=None)
+        a.update(given)
+        return memo.kvcache_key(**a)
+
+    assert key() is not None
+    for name in ("q", "k_cache", "out"):
+        t = {"q": q, "k_cache": k_cache, "out": out}[name].detach().clone().requires_grad_()
+        assert key(**{name: t}) is None, name
+        with torch.no_grad():
+            assert key(**{name: t}) is not None, name
+    sink = torch.randn(32, requires_grad=True)
+    assert key(learnable_sink=sink) is None
+    fn, (q, k, v), kw = func(sink=True)
+    assert memo.dense_key(q, k, v, None, True, True, False, (-1, -1), 0, kw["learnable_sink"].requires_grad_()) is None
+
+
+def test_hit_after_device_constants_cleared(recorder, monkeypatch):
+    """A dense decode hit reads its seqused_k from forward's device constants by a fixed key, and
+    makes it again when they were cleared."""
+    fn, args, kw = CELLS["func_decode"]
+    reference = _memo_less(recorder, monkeypatch, fn, args, kw)
+    assert _record(recorder, fn, args, kw) == reference
+    forward._DEVICE_CONSTANTS.clear()
+    hits = memo.stats["hits"]
+    assert _record(recorder, fn, args, kw) == reference
+    assert _record(recorder, fn, args, kw) == reference
+    assert memo.stats["hits"] == hits + 2
+
+
+@pytest.mark.parametrize("cell", ["kvcache", "kvcache_one_split", "varlen_paged_decode", "func_decode"])
+def test_pack_views_switched_after_prepare(recorder, monkeypatch, cell):
+    """forward.PACK_VIEWS is read on every hit: a call kept with views on launches with copies once
+    it is switched off (and back), as the memo-less path does."""
+    fn, args, kw = CELLS[cell]
+    _record(recorder, fn, args, kw)
+    for views in (False, True):
+        monkeypatch.setattr(forward, "PACK_VIEWS", views)
+        reference = _memo_less(recorder, monkeypatch, fn, args, kw)
+        hits = memo.stats["hits"]
+        assert _record(recorder, fn, args, kw) == reference
+        assert memo.stats["hits"] == hits + 1
+
+
+def test_device_guard_no_op_shared():
+    """device_guard's no-op (a device that needs no switch) is one stateless context, reusable nested."""
+    cpu = torch.device("cpu")
+    guard = forward.device_guard(cpu)
+    assert guard is forward.device_guard(cpu)
+    with guard:
+        with forward.device_guard(cpu):
+            pass
+
+
+@pytest.mark.parametrize("cell", ["func_decode", "func_prefill", "kvcache", "varlen_paged_decode"])
+def test_window_element_types_in_key(recorder, monkeypatch, cell):
+    """A kept window (-1, -1) or (4, 0) does not answer (-1.0, -1.0) or (4, False), which compare equal
+    as tuples but are not valid windows: their TypeError is raised every time (also through the
+    per-argument form of the key: a numpy float softmax_scale)."""
+    import numpy as np
+
+    fn, args, kw = CELLS[cell]
+    for good, bad in (((-1, -1), (-1.0, -1.0)), ((4, 0), (4, False))):
+        for extra in ({}, {"softmax_scale": np.float64(0.1)}):
+            kw_good = dict(kw, window_size=good, **extra)
+            assert _record(recorder, fn, args, kw_good) == _memo_less(recorder, monkeypatch, fn, args, kw_good)
+            _record(recorder, fn, args, kw_good)
+            for _ in range(2):
+                with pytest.raises(TypeError, match="window_size"):
+                    fn(*args, **dict(kw_good, window_size=bad))
