@@ -4,6 +4,7 @@
     compute-sanitizer --tool racecheck python tools/sanitize.py --only dense
     compute-sanitizer --tool memcheck python tools/sanitize.py --bad     # bad metadata, no check_seqlens
     python tools/sanitize.py --list
+    FLASH4_FAMILY=portable compute-sanitizer --tool memcheck python tools/sanitize.py   # the portable family
 
 Each case is one call (or a forward + backward) with valid metadata, tails that are not multiples of
 the tiles, and GQA, so every kernel flash4 launches on the H200 runs once: dense forward / backward
