@@ -8,6 +8,10 @@
     # GPU (carry .device-deps and .ab_bwd):
     source .device-deps/activate.sh && python tools/ab_bwd_tiles.py --cache-dir .ab_bwd --out $OUT/ab_bwd.json
     python tools/ab_bwd_tiles.py --dry-run       # no GPU, no compile: the cells and each variant's config
+    # the m80 candidate (d128 full; compile-verified, not run on hardware): its cells and a ragged
+    # correctness cell (EXTRA_CELLS, named only), same kernels as the default precompile:
+    source .device-deps/activate.sh && python tools/ab_bwd_tiles.py --cache-dir .ab_bwd \
+        --cells d128_full ragged --out $OUT/ab_m80.json
 
 Per cell, "shipped" is the plan flash4 picks today (flash4.config.bwd_config: config and GQA heads
 per CTA); each other variant replaces that plan (TileRoute: the module attribute flash4.backward
@@ -20,6 +24,8 @@ variant's config). Variants (all with configs the sm90 kernel already has; shipp
     dkvT    transposed_dkv: 64 queries x 96 keys, dK^T / dV^T with the head dim on M (d192's shape)
     split   split_headdim: 64 x 64, both warpgroups share the keys, P^T / dS^T through smem
     exp     exp_before_dp_wait (not for the window cell)
+    m80     full cells only: BwdConfig.dq_swapab, flash-attn-4's / FA3's 80 x 128 tile with the dQ GEMM
+            transposed (dQ^T = K^T dS^T); compile-verified, not run on hardware before this tool's run
   GQA / MQA (shipped: head split, 2 query heads per CTA, fp32 dK/dV accumulators, tile_m 64 at
   d128, 128 at d64 since the 2026-12-02 A/B: m128 1.063x MQA, 1.069x gpt-oss over 64):
     h1      1 query head per CTA (flash-attn-4's: every (query head, key block) its own CTA)
@@ -70,6 +76,12 @@ CELLS = (
     Case("gptoss_sink_d64_causal_8k", 64, True, 8192, 8192, 1, 64, 8, sink=True),
     Case("window4096_d128_causal_32k", 128, True, 32768, 32768, 1, 16, 16, window=(4095, 0)),
 )
+# Named by --cells only (not in the default run): a correctness cell for the m80 candidate, with a
+# last query tile of 1 row at tile_m 80 (4001 = 50 x 80 + 1) and a key tile cut by seqlen_k
+# (3000 = 23 x 128 + 56: the masked loop runs), which the 4k / 16k cells do not reach.
+EXTRA_CELLS = (
+    Case("ragged_d128_full_4001x3000", 128, False, 4001, 3000, 8, 16, 16),
+)
 
 
 # ---------------------------------------------------------------------------------------------- plan
@@ -111,6 +123,8 @@ def fwd_cfg(case: Case):
 
 def variants(case: Case) -> dict:
     """{name: Variant} of a cell, "shipped" first (module docstring)."""
+    from flash4.config.sm90 import dq_swapab_config
+
     plan = shipped_plan(case)
     cfg, heads = plan.cfg, plan.heads_per_cta
     rep = dataclasses.replace
@@ -132,6 +146,9 @@ def variants(case: Case) -> dict:
         out["split"] = Variant(rep(cfg, split_headdim=True, tile_n=64, tile_m=64), heads)
         if not cfg.local:
             out["exp"] = Variant(rep(cfg, exp_before_dp_wait=True), heads)
+        m80 = dq_swapab_config(cfg)  # None but for the non-causal cells
+        if m80 is not None:
+            out["m80"] = Variant(m80, heads)
     return out
 
 
@@ -139,7 +156,7 @@ def cfg_short(c) -> str:
     """The fields of a backward config that tell the variants apart."""
     bits = [f"m{c.tile_m}n{c.tile_n}q{c.q_stages}"]
     bits += [name for name in ("transposed_dkv", "split_headdim", "dkv_accum", "exp_before_dp_wait",
-                               "dq_handoff_per_wg", "sink_delta", "local") if getattr(c, name)]
+                               "dq_handoff_per_wg", "sink_delta", "local", "dq_swapab") if getattr(c, name, False)]
     return " ".join(bits)
 
 
@@ -346,7 +363,8 @@ def print_summary(rows) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--cells", nargs="*", help="only these cells (names or prefixes; default: all)")
+    p.add_argument("--cells", nargs="*", help="only these cells (names or prefixes; default: all of CELLS; "
+                                              "EXTRA_CELLS only by name)")
     p.add_argument("--dry-run", action="store_true", help="print the cells and variants; run nothing (no GPU)")
     p.add_argument("--precompile", action="store_true",
                    help="compile the plan's kernels into the disk cache, check spills / serialized wgmma, exit")
@@ -357,9 +375,10 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.cache_dir:
         os.environ["FLASH4_CACHE_DIR"] = os.path.abspath(args.cache_dir)
-    cells = [c for c in CELLS if not args.cells or any(c.name.startswith(n) for n in args.cells)]
+    pool = CELLS + EXTRA_CELLS if args.cells else CELLS
+    cells = [c for c in pool if not args.cells or any(c.name.startswith(n) for n in args.cells)]
     if not cells:
-        raise SystemExit(f"ab_bwd_tiles: no cell matches {args.cells}; cells: {[c.name for c in CELLS]}")
+        raise SystemExit(f"ab_bwd_tiles: no cell matches {args.cells}; cells: {[c.name for c in pool]}")
     print_plan(cells)
     items = plan_kernels(cells)
     if args.dry_run:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import types
 
 from flash4.constants import DTYPES, RESCALE_THRESHOLD_LOG2, ROWS_PER_WARPGROUP
 from flash4.config import (GATHER_ZERO_FILL, HDIMV_PAIRS, MAX_SPLITS, MIN_BLOCKS_PER_SPLIT,  # noqa: F401
@@ -31,7 +32,7 @@ SHORT_SEQLEN_K = 1024
 # Left out of the repr (the compile-cache and fingerprint key) while off, so adding one keeps every
 # other config's key: the speed switches, and sink_delta (on only when a learnable sink needs a gradient).
 _QUIET_SWITCHES = ("early_q_release", "l2_kv_heads", "exp_before_dp_wait", "dq_handoff_per_wg", "sink_delta",
-                   "gather_zero_fill")
+                   "gather_zero_fill", "dq_swapab")
 
 
 def _quiet_repr(cfg) -> str:
@@ -436,6 +437,16 @@ class BwdConfig:
               shared memory at the dQ hand-off (the staging tile's row pad, or sink_delta_smem_bytes
               of their own on whole-tile configs); the dQ store warp adds their sum (in a fixed order)
               to the buffer, deterministic: inside its dQ turn. Not with dq_handoff_per_wg.
+    dq_swapab: speed candidate, off by default and in no shipped selection (A/B: tools/ab_bwd_tiles.py,
+              variant "m80"; docs/design/speed_candidates.md section 6). flash-attn-4's / FA3's head dim
+              128 non-causal tile: tile_m 80 (DQ_SWAPAB_TILE_M), and the dQ GEMM computed transposed,
+              dQ^T = K^T dS^T (M = head dim, split over the two warpgroups; N = tile_m; K = the 128
+              keys), so that every wgmma has M a multiple of 64 at a query tile that is not. The
+              dQ^T accumulator is staged transposed into an unpadded row-major (tile_m, headdim)
+              fp32 tile (scalar stores) and reduce-added with one bulk op per step into the row-major
+              dQ accumulator (the postprocess is the row-major one); per-stage LSE / D rows padded to
+              a multiple of 32 (TMA stage addresses 128-byte aligned). Head dim 128, dense, no mask
+              but the key edge, not deterministic, no sink_delta. Compile-verified, not run on hardware.
     """
 
     headdim: int
@@ -460,6 +471,7 @@ class BwdConfig:
     exp_before_dp_wait: bool = False
     dq_handoff_per_wg: bool = False
     sink_delta: bool = False
+    dq_swapab: bool = False
 
     def __post_init__(self):
         assert self.headdim in BWD_SUPPORTED_HEADDIMS, self.headdim
@@ -469,6 +481,8 @@ class BwdConfig:
         assert self.dtype in DTYPES, self.dtype
         if self.transposed_dkv:
             assert not self.split_headdim and self.tile_n == 96 and self.tile_m == 64, self
+        elif self.dq_swapab:
+            assert dq_swapab_ok(self), self
         else:
             assert self.tile_n == (64 if self.split_headdim else 128) and self.tile_m % 64 == 0
             assert self.do_stages is None, self
@@ -479,7 +493,15 @@ class BwdConfig:
 
     @property
     def dq_row_pad(self) -> int:
+        if self.dq_swapab:
+            return 0  # the dQ^T staging: one contiguous tile, reduce-added whole (dq_swapab above)
         return _dq_row_pad(self.split_headdim, self.headdim, self.transposed_dkv)
+
+    @property
+    def stat_stage_rows(self) -> int:
+        """Rows of one LSE / D stage in shared memory: tile_m, rounded up to a multiple of 32 (128
+        bytes, the TMA destination's alignment) where it is not one (dq_swapab's tile_m 80: 96)."""
+        return stat_stage_rows(self.tile_m)
 
     @property
     def dq_whole_tile(self) -> bool:
@@ -527,7 +549,8 @@ class BwdConfig:
 
     def smem_bytes(self) -> int:
         return bwd_smem_bytes(self.headdim, self.tile_m, self.tile_n, self.q_stages, self.split_headdim,
-                              self.headdim_v, self.transposed_dkv, self.do_stages) + self.sink_delta_smem_bytes()
+                              self.headdim_v, self.transposed_dkv, self.do_stages,
+                              dq_swapab=self.dq_swapab) + self.sink_delta_smem_bytes()
 
     def sink_delta_smem_bytes(self) -> int:
         """Shared memory sink_delta adds: 0 off or in the row pad, else tile_m x slots fp32."""
@@ -546,6 +569,39 @@ def with_sink_delta(cfg: BwdConfig) -> BwdConfig:
     return dataclasses.replace(cfg, sink_delta=True, dq_handoff_per_wg=False)
 
 
+# BwdConfig.dq_swapab (speed candidate, off): flash-attn-4's head dim 128 non-causal query tile.
+DQ_SWAPAB_TILE_M = 80
+
+
+def stat_stage_rows(tile_m: int) -> int:
+    """BwdConfig.stat_stage_rows: tile_m rounded up to a multiple of 32 (a 128-byte aligned stage)."""
+    return -(-tile_m // 32) * 32
+
+
+def dq_swapab_ok(cfg) -> bool:
+    """Where BwdConfig.dq_swapab is built: head dim 128 (Dv too), 128 keys in the S^T split, tile_m a
+    multiple of 16 (the wgmma K of dK / dV; N of S^T / dP^T / dQ^T), dense, no mask but the key edge,
+    none of the other switches, not deterministic."""
+    return (cfg.headdim == 128 and cfg.hdim_v == 128 and cfg.tile_n == 128 and cfg.tile_m % 16 == 0
+            and 16 <= cfg.tile_m <= 256 and not cfg.split_headdim and not cfg.transposed_dkv
+            and cfg.do_stages is None and not cfg.causal and not cfg.local and not cfg.deterministic
+            and not (cfg.varlen_q or cfg.varlen_k or cfg.seqused_q or cfg.seqused_k) and not cfg.dkv_accum
+            and not cfg.softcap and not cfg.sink_delta and not cfg.dq_handoff_per_wg and not cfg.exp_before_dp_wait)
+
+
+def dq_swapab_config(cfg):
+    """The dq_swapab candidate of a shipped head dim 128 full config (tile_m DQ_SWAPAB_TILE_M), or None
+    where it is not built (dq_swapab_ok). For tools/ab_bwd_tiles.py only: no selection returns it."""
+    if not isinstance(cfg, BwdConfig):
+        return None
+    fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+    fields.update(tile_m=DQ_SWAPAB_TILE_M, exp_before_dp_wait=False, dq_handoff_per_wg=False, dq_swapab=True)
+    cand = types.SimpleNamespace(**fields, hdim_v=cfg.hdim_v)
+    if not dq_swapab_ok(cand):
+        return None
+    return BwdConfig(**fields)
+
+
 def dq_whole_tile(split_headdim: bool, headdim: int, transposed_dkv: bool = False) -> bool:
     return not split_headdim and not transposed_dkv and headdim <= DQ_WHOLE_TILE_MAX_HEADDIM
 
@@ -557,11 +613,16 @@ def _dq_row_pad(split_headdim: bool, headdim: int, transposed_dkv: bool = False)
 
 
 def bwd_smem_bytes(headdim: int, tile_m: int, tile_n: int, q_stages: int, split_headdim: bool,
-                   headdim_v: int | None = None, transposed_dkv: bool = False, do_stages: int | None = None) -> int:
+                   headdim_v: int | None = None, transposed_dkv: bool = False, do_stages: int | None = None,
+                   dq_swapab: bool = False) -> int:
     """Backward smem: K, V, the Q/dO stages, two dS^T (and P^T) buffers, the fp32 dQ tile and the
     LSE/D stages (bytes, no barriers). headdim_v: V's / dO's head dim (None: headdim).
     transposed_dkv: one P and one dS tile (tile_m x tile_n each), do_stages dO / D stages (None:
-    q_stages)."""
+    q_stages). dq_swapab: the dQ tile unpadded, the LSE / D stages of stat_stage_rows rows."""
+    if dq_swapab:
+        dv = headdim if headdim_v is None else headdim_v
+        return (tile_n * (headdim + dv) * 2 + q_stages * tile_m * (headdim + dv) * 2 + 2 * tile_n * tile_m * 2
+                + tile_m * headdim * 4 + 2 * q_stages * stat_stage_rows(tile_m) * 4)
     elt = 2
     dv = headdim if headdim_v is None else headdim_v
     kv = tile_n * (headdim + dv) * elt

@@ -31,6 +31,10 @@ whose key tile crosses seqlen_k (keys past it are masked explicitly, never left 
 P uses the padded log2 LSE; query tiles whose |LSE * log2 e| is huge take an exact exponent from
 the forward's unrounded LSE split (issue 8). One CTA per (n_block, kv_head, batch), all in gridDim.x.
 
+Speed candidate (config.BwdConfig.dq_swapab, off, compile-verified, not run on hardware): head dim
+128 non-causal at flash-attn-4's tile_m 80 with dQ^T = K^T dS^T (M = head dim), staged transposed
+into an unpadded row-major fp32 tile and reduce-added whole (bwd_step.StepRegsDqT).
+
 Three work splits between the consumer warpgroups (config.BwdConfig.split_headdim, transposed_dkv):
   * headdim <= 128: each warpgroup owns 64 keys (tile_n = 128) and accumulates their dK, dV over
     the full headdim in registers; P^T, dS^T feed dV, dK from registers (RS).
@@ -268,6 +272,11 @@ class FlashAttentionBackwardSm90:
             mma_dkv = make(K, MN, Float32, (1, 2, 1), (64, self.hdim // 2))
         # dQ: (tile_m queries) x headdim, queries or headdim split over the 2 warpgroups; A = dS (from the
         # staged dS^T: M-major), B = K^T (MN-major). The dQ postprocess builds the same (accumulator order).
+        if const_expr(self.cfg.dq_swapab):
+            # dQ^T = K^T dS^T: (headdim) x (tile_m queries), head-dim halves over the 2 warpgroups (M 64
+            # each at any tile_m); A = K^T (from K's smem, MN-major), B = dS^T viewed queries x keys
+            # (MN-major), K = the tile's 128 keys.
+            return mma_sdp, mma_dkv, make(MN, MN, Float32, (self.num_wg_mma, 1, 1), (64, self.tile_m))
         mma_dq = make_dq_tiled_mma(self.dtype, self.tile_m, self.hdim, self.num_wg_mma)
         return mma_sdp, mma_dkv, mma_dq
 
@@ -357,6 +366,10 @@ class FlashAttentionBackwardSm90:
             sdS_layout = self._smem_layout(self.tile_m, self.tile_n, atom_cols=self.tile_n // 2)
         sStat_layout = cute.make_layout((self.tile_m, self.q_stages))
         sStatD_layout = cute.make_layout((self.tile_m, self.do_stages))
+        if const_expr(self.cfg.stat_stage_rows != self.tile_m):
+            # each stage 128-byte aligned for its TMA load (tile_m 80: stages of 96 rows)
+            sStat_layout = cute.make_layout((self.tile_m, self.q_stages), stride=(1, self.cfg.stat_stage_rows))
+            sStatD_layout = cute.make_layout((self.tile_m, self.do_stages), stride=(1, self.cfg.stat_stage_rows))
         # dQ staging tile (fp32), rows padded against bank conflicts (one bulk reduce-add per row).
         sdQ_layout = cute.make_layout((self.tile_m, self.hdim), stride=(self.hdim + self.cfg.dq_row_pad, 1))
 
@@ -460,7 +473,11 @@ class FlashAttentionBackwardSm90:
         sP = (storage.sPt.get_tensor(layouts.ds.outer, swizzle=layouts.ds.inner)
               if const_expr(self.split_hd or self.dkv_t) else None)
         sLSE = storage.sLSE.get_tensor(layouts.lse)
-        sD = storage.sD.get_tensor(cute.make_layout((self.tile_m, self.do_stages)))
+        if const_expr(self.cfg.stat_stage_rows != self.tile_m):
+            sD = storage.sD.get_tensor(cute.make_layout((self.tile_m, self.do_stages),
+                                                        stride=(1, self.cfg.stat_stage_rows)))
+        else:
+            sD = storage.sD.get_tensor(cute.make_layout((self.tile_m, self.do_stages)))
         sdQ = storage.sdQ.get_tensor(layouts.dq)
         sDelta = None
         if const_expr(self.cfg.sink_delta):
@@ -581,8 +598,9 @@ class FlashAttentionBackwardSm90:
                 cute.arch.sync_warp()
             if const_expr(self.cfg.sink_delta):
                 self.add_delta(mDelta, sDelta, head, m_block, lane, sched)
-            if const_expr(self.cfg.dq_whole_tile):
-                # unpadded staging tile = the accumulator's contiguous tile_m x headdim block
+            if const_expr(self.cfg.dq_whole_tile or self.cfg.dq_swapab):
+                # unpadded staging tile = the accumulator's contiguous tile_m x headdim block (dq_swapab:
+                # row-major, the dQ^T values staged transposed)
                 if lane == 0:
                     bulk_reduce_add_f32(gdQ[0, None].iterator, sdQ[0, None].iterator, self.tile_m * row_bytes)
             else:

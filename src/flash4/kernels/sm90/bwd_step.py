@@ -22,6 +22,8 @@ paths), dS and the dQ hand-off are the base class's:
     bwd.py): dV is issued after the dS math from one bf16 copy of dS^T, else before it.
   * StepSplitHd (headdim 256): S^T; both warpgroups share 64 keys, each computes S^T, dP^T for half
     of the queries and accumulates dK, dV, dQ for half of headdim; P^T and dS^T go through smem (SS).
+  * StepRegsDqT (BwdConfig.dq_swapab, a speed candidate, off): StepRegs at tile_m 80 (flash-attn-4's
+    head dim 128 non-causal tile) with the dQ GEMM transposed, dQ^T = K^T dS^T (M = head dim).
   * StepDkvT (transposed_dkv, head dim 192 and (192, 128)): query-major S, dP (each warpgroup a 48-key
     half); dV^T = dO^T P and dK^T = Q^T dS with the head dim on M, both operands from smem.
 """
@@ -105,10 +107,28 @@ def butterfly_reduce_scatter(vals: list, lane, masks, select, shuffle_xor) -> li
     return vals
 
 
+def dq_t_coords(tidx: int, v: int, hdim_per_wg: int = 64) -> tuple[int, int]:
+    """(query, head dim) in the (tile_m, headdim) dQ tile of value v of consumer thread tidx's dQ^T
+    fragment (BwdConfig.dq_swapab, StepRegsDqT). The wgmma m64nNk16 fp32 accumulator of warpgroup
+    w = tidx // 128 covers dQ^T rows (head dims) [64 w, 64 w + 64) and all N = tile_m columns
+    (queries); CuTe's C layout ((4, 8, 4), (2, 2, N / 8)) : ((128, 1, 16), (64, 8, 512)) over
+    (M, N) puts value v = v0 + 2 v1 + 4 v2 of lane l in warp u at row 16 u + l // 4 + 8 v1 and
+    column 8 v2 + 2 (l % 4) + v0. Transposed back: dQ[query, d] = dQ^T[d, query]. Pure (the CPU
+    test checks it tiles the dQ tile once and the staging offsets the SASS shows)."""
+    wg, t = divmod(tidx, 128)
+    warp, lane = divmod(t, 32)
+    v0, v1, v2 = v % 2, (v // 2) % 2, v // 4
+    d = hdim_per_wg * wg + 16 * warp + lane // 4 + 8 * v1
+    query = 8 * v2 + 2 * (lane % 4) + v0
+    return query, d
+
+
 def step_class(cfg):
     """The BwdStep subclass of a config (its work split)."""
     if cfg.transposed_dkv:
         return StepDkvT
+    if cfg.dq_swapab:
+        return StepRegsDqT
     return StepSplitHd if cfg.split_headdim else StepRegs
 
 
@@ -129,12 +149,18 @@ class BwdStep(DynamicState):
         wg_slice = cute.make_layout(kernel.num_wg_mma, stride=THREADS_PER_WG)(self.wg_idx)
         wgs = [m.get_slice(wg_slice) for m in (mmas.sdp, mmas.dkv, mmas.dv, mmas.dq)]
         self.make_operands(*wgs, mmas.sdp.get_slice(tidx))
-        # dQ accumulator -> fp32 smem tile (queries x d).
-        # 64-bit stores (2 adjacent columns of the accumulator stay adjacent in either layout).
+        self.make_dq_staging()
+
+    def dq_tile(self):
+        return (self.k.tile_m, self.k.hdim)
+
+    def make_dq_staging(self):
+        """dQ accumulator -> fp32 smem tile (queries x d).
+        64-bit stores (2 adjacent columns of the accumulator stay adjacent in either layout)."""
         self.r2s_dQ = cute.make_tiled_copy_C(
-            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=64), mmas.dq
-        ).get_slice(tidx)
-        self.tdQsdQ = self.r2s_dQ.partition_D(smem.dq)
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=64), self.mmas.dq
+        ).get_slice(self.tidx)
+        self.tdQsdQ = self.r2s_dQ.partition_D(self.smem.dq)
 
     # ---- the step --------------------------------------------------------------------------------
     @cute.jit
@@ -163,7 +189,7 @@ class BwdStep(DynamicState):
             self.stage_delta(acc_S, acc_dP, step)  # dP is complete here, P and dP both fp32
         self.grad_scores(acc_dP, acc_S, state, do_state, scales)
         staged = self.stage_dS(acc_dP, acc_S, staged, state)
-        acc_dQ = cute.make_rmem_tensor(self.mmas.dq.partition_shape_C((k.tile_m, k.hdim)), Float32)
+        acc_dQ = cute.make_rmem_tensor(self.mmas.dq.partition_shape_C(self.dq_tile()), Float32)
         self.gemm_dQ(acc_dQ, staged)
         pipes.do.consumer_release(do_state)  # dV (the last reader of dO) is done
         # dK runs on the tensor cores while the dQ tile goes to smem.
@@ -443,9 +469,7 @@ class _KeyMajor(BwdStep):
         # dV += P^T dO: B = dO^T (d x queries); dK += dS^T Q: B = Q^T.
         self.tdVrdOt = wg_dv.make_fragment_B(wg_dv.partition_B(transpose_view(smem.do)))
         self.tdKrQt = wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_view(smem.q)))
-        # dQ = dS K: A = dS (queries x keys) = transposed dS^T; B = K^T (d x keys).
-        self.tdQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(transpose_view(smem.ds)))
-        self.tdQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(transpose_view(smem.k)))
+        self.make_dq_operands(wg_dq)
         self.acc_shape_S = mmas.sdp.partition_shape_C((k.tile_n, k.tile_m))
         self.acc_dV = cute.make_rmem_tensor(mmas.dv.partition_shape_C((k.tile_n, k.hdim_v)), Float32)
         self.acc_dK = cute.make_rmem_tensor(mmas.dkv.partition_shape_C((k.tile_n, k.hdim)), Float32)
@@ -464,6 +488,12 @@ class _KeyMajor(BwdStep):
         self.tdSsdS = self.r2s_dS.partition_D(smem.ds)  # (CPY, CPY_M, CPY_N, 2)
         self.make_p_operands(wg_dkv, wg_dv)
         self.thread_col0 = self.tScS[0, 0][1]
+
+    def make_dq_operands(self, wg_dq):
+        """dQ = dS K: A = dS (queries x keys) = transposed dS^T; B = K^T (d x keys)."""
+        smem = self.smem
+        self.tdQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(transpose_view(smem.ds)))
+        self.tdQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(transpose_view(smem.k)))
 
     def make_p_operands(self, wg_dkv, wg_dv):
         pass
@@ -564,6 +594,50 @@ class StepRegs(_KeyMajor):
 
     def gemm_dK(self, staged, state):
         wgmma(self.mmas.dkv, self.acc_dK, staged[1], self.tdKrQt[None, None, None, state.index], wg_wait=1)
+
+
+class StepRegsDqT(StepRegs):
+    """BwdConfig.dq_swapab (speed candidate, off; compile-verified, not run on hardware): StepRegs at
+    flash-attn-4's head dim 128 non-causal tile, tile_m 80, with the dQ GEMM transposed so that its M
+    is a multiple of 64 (dQ = dS K would put the 80 queries on M):
+
+        dQ^T = K^T dS^T     M = head dim (warpgroup w: head dims [64w, 64w + 64)), N = tile_m queries,
+                            K = the tile's 128 keys; A = K^T (K's smem, MN-major), B = dS^T viewed
+                            (queries x keys) from the staged dS^T buffer (MN-major)
+
+    Thread t of warpgroup w holds dQ^T[d, q] for d = 64w + the wgmma C row and q = its C column
+    (dq_t_coords); hand_off_dQ writes each value to the row-major staging tile sdQ[q, d] (the
+    transposed view of sdQ, one 32-bit store per value: two values adjacent in the fragment are
+    adjacent queries, a row apart in sdQ), which the store warp reduce-adds whole onto the
+    accumulator's rows m_block * tile_m .. + tile_m (row-major, unpadded: BwdConfig.dq_row_pad 0).
+    S^T, dP^T (keys x 80 queries), P^T / dS^T as dV's / dK's register A operands (K = 80 = 5 k16
+    slices), the exponent and dS math: StepRegs' code at N = 80. One change of order: dQ^T is
+    issued only once dV has finished (wait_group(0) first; StepRegs issues dQ with dV in flight and
+    waits for dV after): with dV's 16-bit P^T, dV, dK, the 16-bit dS^T and dQ^T's 40 fp32 all live
+    at once, ptxas serialized every wgmma of the kernel (C7512) and spilled 40 registers of S^T in
+    the exact-LSE path (sm_90a, compile check); with the wait, 0 spills and no serialization."""
+
+    def dq_tile(self):
+        return (self.k.hdim, self.k.tile_m)
+
+    def make_dq_staging(self):
+        """dQ^T accumulator (d x queries) -> the fp32 (queries x d) smem tile through its transposed
+        view, 32-bit stores."""
+        self.r2s_dQ = cute.make_tiled_copy_C(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=32), self.mmas.dq
+        ).get_slice(self.tidx)
+        self.tdQsdQ = self.r2s_dQ.partition_D(transpose_view(self.smem.dq))
+
+    def make_dq_operands(self, wg_dq):
+        smem = self.smem
+        # dQ^T = K^T dS^T: A = K^T (d x keys), B = dS^T viewed (queries x keys), 2 buffers.
+        self.tdQrKt = wg_dq.make_fragment_A(wg_dq.partition_A(transpose_view(smem.k)))
+        self.tdQrdS = wg_dq.make_fragment_B(wg_dq.partition_B(transpose_view(smem.ds)))
+
+    def gemm_dQ(self, acc_dQ, staged):
+        buf = staged[0]
+        warpgroup.wait_group(0)  # dV done: its 16-bit P^T is free before dQ^T's accumulator is taken
+        wgmma(self.mmas.dq, acc_dQ, self.tdQrKt, self.tdQrdS[None, None, None, buf], zero_init=True, wg_wait=-1)
 
 
 class StepSplitHd(_KeyMajor):
