@@ -65,24 +65,28 @@ def _key(door: str, args) -> tuple | None:
     storage-less tensor: the full path gives its error). A None argument enters as None (no other
     argument's entry is None); a tuple (window_size) with its elements' types: (-1.0, -1.0) or
     (4, False) equal (-1, -1) or (4, 0) but are not valid windows."""
-    grad_mode = torch.is_grad_enabled()
     parts = [door, env.plan_snapshot()]
-    append = parts.append
+    return tuple(parts) if _append_entries(parts.append, args, torch.is_grad_enabled()) else None
+
+
+def _append_entries(append, args, grad_mode: bool) -> bool:
+    """Append each argument's key entry (_key's forms); False when the call has no key (a tensor
+    requiring grad in grad mode, or one without a data pointer)."""
     try:
         for a in args:
             if a is None:
                 append(None)
             elif isinstance(a, _Tensor):
                 if grad_mode and a.requires_grad:
-                    return None
+                    return False
                 append((a.dtype, a.shape, a.stride(), a.get_device(), a.data_ptr() % _ALIGN))
             elif isinstance(a, tuple):
                 append((type(a), a, tuple(map(type, a))))
             else:
                 append((type(a), a))
     except (RuntimeError, NotImplementedError):
-        return None
-    return tuple(parts)
+        return False
+    return True
 
 
 # Types of scalar arguments that _scalar_key keeps as (types, values) in one entry: the scalars of a
@@ -103,20 +107,8 @@ def _scalar_key(door: str, scalars: tuple, window, tensors: tuple):
     types = tuple(map(type, scalars))
     if not _PLAIN.issuperset(types):
         return _OTHER
-    grad_mode = torch.is_grad_enabled()
     parts = [door, env.plan_snapshot(), types, scalars, None if window is None else tuple(map(type, window))]
-    append = parts.append
-    try:
-        for a in tensors:
-            if a is None:
-                append(None)
-            elif isinstance(a, _Tensor):
-                if grad_mode and a.requires_grad:
-                    return None
-                append((a.dtype, a.shape, a.stride(), a.get_device(), a.data_ptr() % _ALIGN))
-            else:
-                append((type(a), a))
-    except (RuntimeError, NotImplementedError):
+    if not _append_entries(parts.append, tensors, torch.is_grad_enabled()):
         return None
     return tuple(parts)
 
