@@ -436,13 +436,19 @@ def _packed_sink(sink):
 PACK_VIEWS = env.pack_views_enabled()  # on unless FLASH4_PACK_VIEWS=0
 
 
+def head_pack_view(t, size: tuple):
+    """A one-token (B, 1, H, D) tensor t seen as size = (B, pack, Hk, D): the pack query heads of
+    each KV head as rows (head h = hk * pack + p at row p), a strided view of t's storage."""
+    s = t.stride()
+    return t.as_strided(size, (s[0], s[2], size[1] * s[2], s[3]), t.storage_offset())
+
+
 def packed_q(q, nheads_k: int, pack: int):
     """q (B, Sq, H, D) as the packed (B, Sq * pack, Hk, D) rows of a decode step: a view when
     Sq == 1 and PACK_VIEWS, else a copy."""
     batch, seqlen_q, _, headdim = q.shape
     if PACK_VIEWS and seqlen_q == 1:
-        s = q.stride()
-        return q.as_strided((batch, pack, nheads_k, headdim), (s[0], s[2], pack * s[2], s[3]), q.storage_offset())
+        return head_pack_view(q, (batch, pack, nheads_k, headdim))
     return q.view(batch, seqlen_q, nheads_k, pack, headdim).transpose(2, 3).reshape(
         batch, seqlen_q * pack, nheads_k, headdim)
 
@@ -453,9 +459,7 @@ def packed_out(out, lse, nheads_k: int, pack: int):
     batch, seqlen_q, _, headdim_v = out.shape
     if not PACK_VIEWS or seqlen_q != 1 or not lse.is_contiguous():
         return None
-    s = out.stride()
-    return (out.as_strided((batch, pack, nheads_k, headdim_v), (s[0], s[2], pack * s[2], s[3]), out.storage_offset()),
-            lse.view(batch, nheads_k, pack))
+    return head_pack_view(out, (batch, pack, nheads_k, headdim_v)), lse.view(batch, nheads_k, pack)
 
 
 def split_out_arg(q_run, out, lse, nheads_k: int, pack: int):
@@ -464,9 +468,7 @@ def split_out_arg(q_run, out, lse, nheads_k: int, pack: int):
     tensor. lse: unused (kept for the callers' symmetry with packed_out)."""
     batch, seqlen_p, heads_p, headdim = q_run.shape
     if PACK_VIEWS and out.shape[1] == 1:  # packed_out's view of out (lse is not needed here)
-        s = out.stride()
-        return out.as_strided((batch, pack, nheads_k, out.shape[-1]), (s[0], s[2], pack * s[2], s[3]),
-                              out.storage_offset())
+        return head_pack_view(out, (batch, pack, nheads_k, out.shape[-1]))
     if out.shape[-1] == headdim:
         return q_run
     return torch.empty(batch, seqlen_p, heads_p, out.shape[-1], dtype=q_run.dtype, device=q_run.device)

@@ -275,8 +275,7 @@ class _Decode:
         if pack == 1:
             q_run = q
         elif self.seqlen_q == 1 and forward.PACK_VIEWS:  # forward.packed_q's view, its sizes fixed
-            s = q.stride()
-            q_run = q.as_strided(self.q_view, (s[0], s[2], pack * s[2], s[3]), q.storage_offset())
+            q_run = forward.head_pack_view(q, self.q_view)
         else:
             q_run = forward.packed_q(q, nheads_k, pack)
         if self.splits > 1:
@@ -288,8 +287,7 @@ class _Decode:
             if pack == 1:
                 o_arg = out
             elif self.seqlen_q == 1 and forward.PACK_VIEWS:  # forward.split_out_arg's view of out
-                s = out.stride()
-                o_arg = out.as_strided(self.out_view, (s[0], s[2], pack * s[2], s[3]), out.storage_offset())
+                o_arg = forward.head_pack_view(out, self.out_view)
             else:
                 o_arg = forward.split_out_arg(q_run, out, lse, nheads_k, pack)
             lse0 = lse_acc[0]
