@@ -17,20 +17,25 @@ Per cell, "shipped" is the plan flash4 picks today (flash4.config.bwd_config: co
 per CTA); each other variant replaces that plan (TileRoute: the module attribute flash4.backward
 reads at call time, so no host code changes; host buffers and the dQ postprocess follow the
 variant's config). Variants (all with configs the sm90 kernel already has; shipped defaults untouched):
-  MHA d64 (shipped tile_m 128 = flash-attn-4's 128 x 128):
-    wg      dq_handoff_per_wg (per-warpgroup dQ hand-off, flash-attn-4's)
+  MHA d64 (shipped tile_m 128 = flash-attn-4's 128 x 128, per-warpgroup dQ hand-off since 2026-12-03):
+    rows    one dQ hand-off for both warpgroups (shipped until 2026-12-03)
     m64     tile_m 64
-  MHA d128 (shipped 64 x 128, dV after dS; window: dV before dS):
+    lse     lse_early (the LSE reads under the S^T GEMM; section 6b)
+  MHA d128 (shipped 64 x 128, dV after dS, since 2026-12-03 the whole dQ tile in the accumulator order
+  handed over per warpgroup: dq_whole + dq_handoff_per_wg; window: dV before dS, dQ per row):
+    rows    dQ staged in padded rows, one bulk reduce-add per row (shipped until 2026-12-03)
+    whole   dq_whole without the per-warpgroup hand-off
+    lse     lse_early; lse_exp: with exp_before_dp_wait (flash-attn-4's step order; not for windows)
     dkvT    transposed_dkv: 64 queries x 96 keys, dK^T / dV^T with the head dim on M (d192's shape)
     split   split_headdim: 64 x 64, both warpgroups share the keys, P^T / dS^T through smem
     exp     exp_before_dp_wait (not for the window cell)
     m80     full cells only: BwdConfig.dq_swapab, flash-attn-4's / FA3's 80 x 128 tile with the dQ GEMM
-            transposed (dQ^T = K^T dS^T); compile-verified, not run on hardware before this tool's run
+            transposed (dQ^T = K^T dS^T); 0.93-0.96x on the H200 (2026-12-03)
   GQA / MQA (shipped: head split, 2 query heads per CTA, fp32 dK/dV accumulators, tile_m 64 at
   d128, 128 at d64 since the 2026-12-02 A/B: m128 1.063x MQA, 1.069x gpt-oss over 64):
     h1      1 query head per CTA (flash-attn-4's: every (query head, key block) its own CTA)
     d64:  m64 / m64_h1     tile_m 64 with the accumulators (the former shipped), 2 / 1 heads
-    d128: dkvT / dkvT_h1   transposed_dkv with the accumulators, 2 / 1 heads
+    d128: dkvT / dkvT_h1   transposed_dkv with the accumulators, 2 / 1 heads; rows / whole as MHA
 Timing as tools/ab_switch.py: ROUNDS interleaved rounds (order reversed every other round), each the
 median of calls with L2 flushed (flash4.bench.common.time_ms); TFLOPs of the visible work (2.5x the
 forward's) per variant, and variant/shipped = shipped ms / variant ms (> 1: the variant is faster).
@@ -121,13 +126,27 @@ def fwd_cfg(case: Case):
     return fwd_config(request(case), ARCH).cfg
 
 
+# --variants: only these (and "shipped"); None: every variant of a cell
+VARIANT_FILTER: tuple | None = None
+
+
 def variants(case: Case) -> dict:
-    """{name: Variant} of a cell, "shipped" first (module docstring)."""
+    """{name: Variant} of a cell, "shipped" first (module docstring), less those VARIANT_FILTER leaves out."""
+    out = _all_variants(case)
+    if VARIANT_FILTER:
+        out = {name: v for name, v in out.items() if name == "shipped" or name in VARIANT_FILTER}
+    return out
+
+
+def _all_variants(case: Case) -> dict:
     from flash4.config.sm90 import dq_swapab_config
 
     plan = shipped_plan(case)
     cfg, heads = plan.cfg, plan.heads_per_cta
     rep = dataclasses.replace
+    # the dQ hand-off shipped before 2026-12-03 (per row at d128, one 288-thread pair): the base of the
+    # structural variants (transposed / split tiles, m80 build on it)
+    rows = rep(cfg, dq_whole=False, dq_handoff_per_wg=False)
     out = {"shipped": Variant(cfg, heads)}
     if cfg.dkv_accum:  # GQA / MQA head split
         out["h1"] = Variant(cfg, 1)
@@ -135,20 +154,32 @@ def variants(case: Case) -> dict:
             out["m64"] = Variant(rep(cfg, tile_m=64), heads)
             out["m64_h1"] = Variant(rep(cfg, tile_m=64), 1)
         else:
-            dkvt = rep(cfg, transposed_dkv=True, tile_n=96, tile_m=64)
+            dkvt = rep(rows, transposed_dkv=True, tile_n=96, tile_m=64)
             out["dkvT"] = Variant(dkvt, heads)
             out["dkvT_h1"] = Variant(dkvt, 1)
     elif cfg.headdim == 64:
-        out["wg"] = Variant(rep(cfg, dq_handoff_per_wg=True), heads)
+        out["rows"] = Variant(rows, heads)  # one hand-off for both warpgroups (shipped until 2026-12-03)
         out["m64"] = Variant(rep(cfg, tile_m=64), heads)
+        out["lse"] = Variant(rep(cfg, lse_early=True), heads)
     else:
-        out["dkvT"] = Variant(rep(cfg, transposed_dkv=True, tile_n=96, tile_m=64), heads)
-        out["split"] = Variant(rep(cfg, split_headdim=True, tile_n=64, tile_m=64), heads)
+        out["dkvT"] = Variant(rep(rows, transposed_dkv=True, tile_n=96, tile_m=64), heads)
+        out["split"] = Variant(rep(rows, split_headdim=True, tile_n=64, tile_m=64), heads)
         if not cfg.local:
             out["exp"] = Variant(rep(cfg, exp_before_dp_wait=True), heads)
-        m80 = dq_swapab_config(cfg)  # None but for the non-causal cells
+        m80 = dq_swapab_config(rows)  # None but for the non-causal cells
         if m80 is not None:
             out["m80"] = Variant(m80, heads)
+    if cfg.headdim == 128 and not cfg.split_headdim and not cfg.transposed_dkv:
+        # section 6b: shipped since 2026-12-03 where it applies (flash4.config.sm90.shipped_dq_handoff):
+        # the whole-tile dQ hand-off per warpgroup; variants: the per-row hand-off before it, the whole
+        # tile for both warpgroups at once, and the early LSE reads (with the exponentials pinned ahead)
+        if cfg.dq_whole:
+            out["rows"] = Variant(rows, heads)
+            out["whole"] = Variant(rep(cfg, dq_handoff_per_wg=False), heads)
+        if not cfg.dkv_accum:
+            out["lse"] = Variant(rep(cfg, lse_early=True), heads)
+            if not cfg.local:  # exp_before_dp_wait is not built with a window
+                out["lse_exp"] = Variant(rep(cfg, lse_early=True, exp_before_dp_wait=True), heads)
     return out
 
 
@@ -156,7 +187,8 @@ def cfg_short(c) -> str:
     """The fields of a backward config that tell the variants apart."""
     bits = [f"m{c.tile_m}n{c.tile_n}q{c.q_stages}"]
     bits += [name for name in ("transposed_dkv", "split_headdim", "dkv_accum", "exp_before_dp_wait",
-                               "dq_handoff_per_wg", "sink_delta", "local", "dq_swapab") if getattr(c, name, False)]
+                               "dq_handoff_per_wg", "sink_delta", "local", "dq_swapab", "dq_whole", "lse_early")
+             if getattr(c, name, False)]
     return " ".join(bits)
 
 
@@ -372,7 +404,10 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=ROUNDS)
     p.add_argument("--rep-ms", type=float, default=REP_MS)
     p.add_argument("--out", help="also write the rows as JSON here")
+    p.add_argument("--variants", nargs="*", help="only these variants (and shipped); default: every one")
     args = p.parse_args(argv)
+    global VARIANT_FILTER
+    VARIANT_FILTER = tuple(args.variants) if args.variants else None
     if args.cache_dir:
         os.environ["FLASH4_CACHE_DIR"] = os.path.abspath(args.cache_dir)
     pool = CELLS + EXTRA_CELLS if args.cells else CELLS

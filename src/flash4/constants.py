@@ -46,3 +46,8 @@ ROW_TILE = 64
 # The split-KV combine (kernels/common/fwd_combine.py): one warp per output row, this many warps per
 # CTA (flash4.compile.cache sizes its grid).
 COMBINE_WARPS_PER_CTA = 4
+
+# The sm90 backward's speed switches that FLASH4_BWD_SWITCHES may turn on (flash4.env.bwd_switches,
+# flash4.config.sm90.with_bwd_switches), in the order with_bwd_switches applies them
+# (dq_handoff_per_wg needs dq_whole's accumulator order first).
+BWD_SPEED_SWITCHES = ("dq_whole", "dq_handoff_per_wg", "lse_early", "exp_before_dp_wait")

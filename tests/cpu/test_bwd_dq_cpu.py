@@ -18,8 +18,11 @@ def test_whole_tile_dq_up_to_d96(d):
 
 
 def test_every_shipped_config_follows_the_rule():
+    """The whole tile up to DQ_WHOLE_TILE_MAX_HEADDIM, and above it where shipped_dq_handoff turns
+    dq_whole on (d128 dense, 2026-12-03)."""
     for cfg in shipped_bwd_configs():
-        assert cfg.dq_whole_tile == (not cfg.split_headdim and cfg.headdim <= DQ_WHOLE_TILE_MAX_HEADDIM)
+        assert cfg.dq_whole_tile == (not cfg.split_headdim and (cfg.headdim <= DQ_WHOLE_TILE_MAX_HEADDIM
+                                                                or cfg.dq_whole))
 
 
 def _sass(hgmma: int, arrive: int) -> str:

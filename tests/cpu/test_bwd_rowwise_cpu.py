@@ -35,12 +35,13 @@ def test_preprocess_rejects_odd_headdim():
 
 def test_accum_order_configs():
     """dQ in accumulator order exactly where the whole tile is reduced at once with the dense layout
-    (d64, d96); packed layouts and the other head dims keep row-major dQ."""
+    (d64, d96, and d128 where dq_whole ships); packed layouts and the other head dims keep row-major dQ."""
     from flash4.config import select_bwd_config, shipped_bwd_configs, with_seq_layout
 
     for cfg in shipped_bwd_configs():
         assert cfg.dq_accum_order == (cfg.dq_whole_tile and not (cfg.varlen_q or cfg.seqused_q)), cfg
-        assert cfg.dq_accum_order == (cfg.headdim <= 96 and not cfg.varlen_q and not cfg.seqused_q), cfg
+        assert cfg.dq_accum_order == ((cfg.headdim <= 96 or cfg.dq_whole) and not cfg.varlen_q
+                                      and not cfg.seqused_q), cfg
     for d in (64, 96):
         assert select_bwd_config(d).dq_accum_order
         assert not with_seq_layout(select_bwd_config(d), varlen_q=True, varlen_k=True).dq_accum_order

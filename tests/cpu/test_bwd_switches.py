@@ -24,11 +24,15 @@ SWITCHES = ("exp_before_dp_wait", "dq_handoff_per_wg")
 
 # ---------------------------------------------------------------------------------------- config
 def test_switches_off_and_out_of_repr():
-    """Off in every shipped backward config and absent from its repr (the compile-cache and
-    fingerprint key); on, shown once; repr round-trips either way."""
+    """Off in every shipped backward config but where shipped_dq_handoff turns dq_handoff_per_wg on
+    (since 2026-12-03), and then absent from its repr (the compile-cache and fingerprint key); on,
+    shown once; repr round-trips either way."""
     for cfg in shipped_bwd_configs():
         for name in SWITCHES:
-            assert not getattr(cfg, name) and name not in repr(cfg)
+            on = getattr(cfg, name)
+            assert on == (name == "dq_handoff_per_wg" and cfg.dq_accum_order and cfg.headdim_v is None
+                          and not cfg.deterministic and (cfg.dq_whole or not cfg.dkv_accum)), (name, cfg)
+            assert (name in repr(cfg)) == on
         assert eval(repr(cfg)) == cfg
     cfg = select_bwd_config(64, "bf16", True)
     for name in SWITCHES:
@@ -169,3 +173,119 @@ def test_dq_handoff_per_wg_sass():
     named = set(re.findall(r"BAR\.(?:SYNC\S*|ARV) (0x[0-9a-f]+), 0xa0", sass))
     assert {"0x8", "0x9", "0xa", "0xb"} <= named, named
 
+
+
+# ------------------------------------------- section 6b: dq_whole, lse_early, FLASH4_BWD_SWITCHES
+NEW_SWITCHES = ("dq_whole", "lse_early")
+
+
+def test_new_switches_off_and_out_of_repr():
+    """lse_early off everywhere; dq_whole on exactly where shipped_dq_handoff puts it (d128 dense, no
+    window, not deterministic)."""
+    for cfg in shipped_bwd_configs():
+        assert not cfg.lse_early and "lse_early" not in repr(cfg)
+        whole = (cfg.headdim == 128 and cfg.headdim_v is None and not cfg.deterministic and not cfg.local
+                 and not cfg.softcap and not cfg.split_headdim and not cfg.transposed_dkv)
+        assert cfg.dq_whole == whole and ("dq_whole" in repr(cfg)) == whole, cfg
+    cfg = select_bwd_config(128, "bf16", True)
+    for name in NEW_SWITCHES:
+        on = dataclasses.replace(cfg, **{name: True})
+        assert repr(on).endswith(f", {name}=True)") and eval(repr(on)) == on
+
+
+def test_dq_whole_config():
+    """dq_whole at d128: one unpadded tile (accumulator order when dense, row-major when packed), which
+    dq_handoff_per_wg may then split per warpgroup; 2 KiB less smem than the padded rows; refused with
+    split_headdim / transposed_dkv."""
+    from flash4.config.sm90 import with_seq_layout
+
+    cfg = select_bwd_config(128, "bf16", False)
+    on = dataclasses.replace(cfg, dq_whole=True)
+    assert on.dq_whole_tile and on.dq_accum_order and on.dq_row_pad == 0
+    assert cfg.smem_bytes() - on.smem_bytes() == cfg.tile_m * cfg.dq_row_pad * 4
+    dataclasses.replace(on, dq_handoff_per_wg=True)
+    packed = with_seq_layout(on, varlen_q=True, varlen_k=True)
+    assert packed.dq_whole_tile and not packed.dq_accum_order
+    for other in (select_bwd_config(256, "bf16", True), select_bwd_config(192, "bf16", True)):
+        with pytest.raises(AssertionError):
+            dataclasses.replace(other, dq_whole=True)
+
+
+def test_with_bwd_switches_where_each_applies():
+    from flash4.config.sm90 import BWD_SPEED_SWITCHES, with_bwd_switches
+
+    every = BWD_SPEED_SWITCHES
+    d128 = with_bwd_switches(select_bwd_config(128, "bf16", True), every)
+    assert all(getattr(d128, n) for n in every)
+    d64 = with_bwd_switches(select_bwd_config(64, "bf16", True), every)  # tile_m 128, already whole
+    assert (d64.dq_whole, d64.dq_handoff_per_wg, d64.lse_early, d64.exp_before_dp_wait) == (False, True, True, False)
+    window = with_bwd_switches(select_bwd_config(128, "bf16", False, local=True), every)
+    assert (window.dq_whole, window.dq_handoff_per_wg, window.lse_early, window.exp_before_dp_wait) == (
+        False, False, True, False)
+    det = with_bwd_switches(select_bwd_config(128, "bf16", True, deterministic=True), every)
+    assert det.dq_whole and not det.dq_handoff_per_wg
+    d192 = select_bwd_config(192, "bf16", True)
+    assert with_bwd_switches(d192, every) == d192  # transposed_dkv: none applies
+    assert with_bwd_switches(d128, ()) == d128
+
+
+def test_bwd_switches_env(monkeypatch):
+    from flash4 import env
+    from flash4.config import bwd_config
+    from flash4.request import Request
+
+    import torch
+
+    monkeypatch.delenv("FLASH4_BWD_SWITCHES", raising=False)
+    assert env.bwd_switches() == ()
+    q = torch.empty(2, 1000, 4, 128, device="meta", dtype=torch.bfloat16)
+    req = Request.dense(q, q, q, 128 ** -0.5, True)
+    plain = bwd_config(req, 90).cfg
+    monkeypatch.setenv("FLASH4_BWD_SWITCHES", "lse_early, dq_whole")
+    assert env.bwd_switches() == ("lse_early", "dq_whole")
+    assert bwd_config(req, 90).cfg == dataclasses.replace(plain, lse_early=True, dq_whole=True)
+    monkeypatch.setenv("FLASH4_BWD_SWITCHES", "lse_early,fast")
+    with pytest.raises(ValueError, match="FLASH4_BWD_SWITCHES.*fast"):
+        env.bwd_switches()
+
+
+def _lds_before_s_wait(sass: str) -> int:
+    """LDS issued after a step's Q / dO full-barrier waits (SYNCS.PHASECHK) and before its first
+    `WARPGROUP.DEPBAR.LE` (the S^T wait), summed over the kernel's step loops."""
+    count, in_step = 0, False
+    for line in sass.splitlines():
+        if "SYNCS.PHASECHK" in line:
+            in_step = True
+        elif "WARPGROUP.DEPBAR.LE" in line:
+            in_step = False
+        elif in_step and re.search(r"\bLDS\b", line):
+            count += 1
+    return count
+
+
+def test_lse_early_sass():
+    """d128 causal: switched on, the 8 LSE loads of each step (two step loops: 16) are issued under the
+    S^T GEMM, before its wait (off: none); no spill, wgmmas not serialized."""
+    pytest.importorskip("cutlass")
+    cfg = select_bwd_config(128, "bf16", True)
+    res_on, on = _sass_of(dataclasses.replace(cfg, lse_early=True))
+    assert res_on["spills"] == 0 and not res_on["wgmma_serialized"]
+    if on is None:
+        pytest.skip("cuobjdump not installed: SASS not checked")
+    assert _lds_before_s_wait(on) == 16, _lds_before_s_wait(on)
+    _, off = _sass_of(cfg)
+    assert _lds_before_s_wait(off) == 0
+
+
+def test_dq_whole_sass():
+    """d128 causal with dq_whole (+ dq_handoff_per_wg): the dQ tile staged by 16-byte stores, no
+    64-bit ones, and reduce-added by one bulk op per step (per half); no spill, not serialized."""
+    pytest.importorskip("cutlass")
+    cfg = select_bwd_config(128, "bf16", True)
+    for edit in (dict(dq_whole=True), dict(dq_whole=True, dq_handoff_per_wg=True)):
+        res, sass = _sass_of(dataclasses.replace(cfg, **edit))
+        assert res["spills"] == 0 and not res["wgmma_serialized"], edit
+        if sass is None:
+            pytest.skip("cuobjdump not installed: SASS not checked")
+        assert len(re.findall(r"\bSTS\.128\b", sass)) == 16 and not re.findall(r"\bSTS\.64\b", sass), edit
+        assert len(re.findall(r"\bUBLKRED\b", sass)) == (2 if edit.get("dq_handoff_per_wg") else 1), edit

@@ -96,19 +96,25 @@ def test_decode_plan_from_a_decode_request(paged, num_splits, window):
 @pytest.mark.parametrize("kw, hk", [(dict(), 8), (dict(causal=True), 2), (dict(deterministic=True), 2),
                                     (dict(window_size=(32, 0)), 2), (dict(softcap=5.0), 1)])
 def test_dense_backward_plan(kw, hk):
+    from flash4.config.sm90 import shipped_dq_handoff
+
     request = dense(sq=2048, sk=2048, hk=hk, **kw)
     plan = bwd_config(request, 90)
     mask = request.mask
     cfg = select_bwd_config(128, "bf16", mask.causal, deterministic=kw.get("deterministic", False),
                             local=mask.window is not None, softcap="softcap" in kw)
-    assert (plan.cfg, plan.heads_per_cta) == head_split_config(cfg, 8, hk, 2048, 2048, mask.causal, mask.window)
+    cfg, heads = head_split_config(cfg, 8, hk, 2048, 2048, mask.causal, mask.window)
+    assert (plan.cfg, plan.heads_per_cta) == (shipped_dq_handoff(cfg), heads)
 
 
 def test_backward_plan_override_and_packed_layout():
+    from flash4.config.sm90 import shipped_dq_handoff
+
     request = dense(sq=100, sk=100, hk=1)
     assert bwd_config(request, 90).heads_per_cta == 8  # short: the whole group per CTA
     plan = bwd_config(request, 90, heads_per_cta=2)  # FLASH4_BWD_HEADS_PER_CTA
-    assert plan.heads_per_cta == 2 and plan == type(plan)(with_dkv_accum(select_bwd_config(128), 8, 1, 2), 2)
+    assert plan.heads_per_cta == 2 and plan == type(plan)(
+        shipped_dq_handoff(with_dkv_accum(select_bwd_config(128), 8, 1, 2)), 2)
     cu = meta(4, dtype=I32)
     packed = Request.varlen(meta(500, 8, 64), meta(600, 2, 64), meta(600, 2, 64), cu, cu, 200, 3000,
                             seqused_k=meta(3, dtype=I32), causal=True)

@@ -167,11 +167,12 @@ def test_warmup_cli_fills_the_cache_and_loads_it_back(tmp_path):
     assert first.returncode == 0, first.stdout + first.stderr
     assert "CuTe DSL import" in first.stdout
     entries = list((tmp_path / "c").glob("*.o"))
-    # forward, backward, deterministic backward, preprocess, dQ postprocess (accumulator order of
-    # 128-query tiles); the (64, 128) head dim pair's forward, backward, its preprocess (over Dv =
-    # 128) and dQ postprocess (64-query tiles, shared with the GQA split); the GQA head-split
+    # forward, backward, deterministic backward, preprocess, two dQ postprocesses (accumulator order
+    # of 128-query tiles: in per-warpgroup halves for the backward's per-warpgroup hand-off, whole for
+    # the deterministic one); the (64, 128) head dim pair's forward, backward, its preprocess (over
+    # Dv = 128) and dQ postprocess (64-query tiles, shared with the GQA split); the GQA head-split
     # (dkv_accum) backward; the short-sequence (persistent) forward
-    assert len(entries) == 11
+    assert len(entries) == 12
     second = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert second.returncode == 0, second.stdout + second.stderr
     how = [line.split()[-2] for line in second.stdout.splitlines() if line.startswith(("fwd_sm90", "bwd_sm90"))]

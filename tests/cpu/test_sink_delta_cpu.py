@@ -220,10 +220,15 @@ def test_sink_delta_off_everywhere_and_fits():
     """Off in every shipped backward config and out of its repr (the compile-cache key: every other
     kernel keeps its key and its code); on (with_sink_delta), every shipped config still fits the smem
     budget (BwdConfig asserts it), and the whole-tile ones (no dQ row pad) take their own buffer."""
+    import dataclasses
+
     for cfg in shipped_bwd_configs():
         assert not cfg.sink_delta and "sink_delta" not in repr(cfg)
         on = with_sink_delta(cfg)
         assert on.sink_delta and not on.dq_handoff_per_wg and repr(on).endswith("sink_delta=True)")
+        # d128's whole-tile hand-off (shipped_dq_handoff) is not taken with sink_delta: padded rows
+        cfg = dataclasses.replace(cfg, dq_whole=False, dq_handoff_per_wg=False) if cfg.headdim > 96 else cfg
+        assert not on.dq_whole
         assert on.smem_bytes() == cfg.smem_bytes() + (0 if on.sink_delta_in_row_pad
                                                       else on.tile_m * on.sink_delta_slots * 4)
         assert on.sink_delta_in_row_pad == (cfg.dq_row_pad >= on.sink_delta_slots)

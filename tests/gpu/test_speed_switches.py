@@ -117,3 +117,34 @@ def test_early_q_release(d, causal):
     assert errs["ok"], errs
     for a, b_ in zip(results[0], results[1]):
         assert torch.equal(a, b_)
+
+
+# FLASH4_BWD_SWITCHES (flash4.config.sm90.with_bwd_switches): the backward's candidates of
+# docs/design/speed_candidates.md section 6b, alone and together, through the plain door.
+ENV_SWITCHES = ["lse_early", "lse_early,exp_before_dp_wait", "dq_whole", "dq_whole,dq_handoff_per_wg",
+                "dq_whole,dq_handoff_per_wg,lse_early,exp_before_dp_wait"]
+ENV_SHAPES = [(64, 1000, 4, 4), (128, 1000, 4, 4), (128, 517, 8, 2)]  # (d, seqlen, heads, kv heads)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d, s, h, hk", ENV_SHAPES, ids=[f"d{d}-s{s}-h{h}/{hk}" for d, s, h, hk in ENV_SHAPES])
+@pytest.mark.parametrize("switches", ENV_SWITCHES)
+def test_bwd_switches_env(monkeypatch, switches, d, s, h, hk, causal):
+    """The plan carries each switch that applies (with_bwd_switches), and dq, dk, dv, computed into
+    NaN-filled tensors, pass the suite's rule (a partial last query tile; GQA with the head split)."""
+    from flash4.config import bwd_config
+    from flash4.config.sm90 import with_bwd_switches
+
+    monkeypatch.setenv("FLASH4_BWD_SWITCHES", switches)
+    q, k, v, dout = inputs(2, s, s, h, hk, d, seed=3)
+    scale = d ** -0.5
+    req = Request.dense(q, k, v, scale, causal)
+    cfg = bwd_config(req, 90).cfg
+    monkeypatch.delenv("FLASH4_BWD_SWITCHES")
+    assert cfg == with_bwd_switches(bwd_config(req, 90).cfg, switches.split(","))
+    monkeypatch.setenv("FLASH4_BWD_SWITCHES", switches)
+    out, lse = forward.run(req)
+    grads = tuple(torch.full_like(t, math.nan) for t in (q, k, v))
+    flash_attn_backward(dout, q, k, v, out, lse, scale, causal, *grads)
+    torch.cuda.synchronize()
+    assert_grads(grads, ref_grads(q, k, v, dout, causal, True), ref_grads(q, k, v, dout, causal, False))

@@ -14,7 +14,7 @@ import dataclasses
 import functools
 import types
 
-from flash4.constants import DTYPES, RESCALE_THRESHOLD_LOG2, ROWS_PER_WARPGROUP
+from flash4.constants import BWD_SPEED_SWITCHES, DTYPES, RESCALE_THRESHOLD_LOG2, ROWS_PER_WARPGROUP
 from flash4.config import (GATHER_ZERO_FILL, HDIMV_PAIRS, MAX_SPLITS, MIN_BLOCKS_PER_SPLIT,  # noqa: F401
                            PAGE_GATHER_MAX, PAGE_PREFETCH, PAGED_KV_STAGES, SPLIT_EFFICIENCY, SPLIT_WHEN_TILES_BELOW,
                            SUPPORTED_HEADDIMS, BwdPlan, FwdPlan, canonical_hdimv, ceil_div, choose_num_splits,
@@ -32,7 +32,7 @@ SHORT_SEQLEN_K = 1024
 # Left out of the repr (the compile-cache and fingerprint key) while off, so adding one keeps every
 # other config's key: the speed switches, and sink_delta (on only when a learnable sink needs a gradient).
 _QUIET_SWITCHES = ("early_q_release", "l2_kv_heads", "exp_before_dp_wait", "dq_handoff_per_wg", "sink_delta",
-                   "gather_zero_fill", "dq_swapab")
+                   "gather_zero_fill", "dq_swapab", "dq_whole", "lse_early")
 
 
 def _quiet_repr(cfg) -> str:
@@ -447,6 +447,19 @@ class BwdConfig:
               dQ accumulator (the postprocess is the row-major one); per-stage LSE / D rows padded to
               a multiple of 32 (TMA stage addresses 128-byte aligned). Head dim 128, dense, no mask
               but the key edge, not deterministic, no sink_delta. Compile-verified, not run on hardware.
+    dq_whole: speed candidate, off by default and in no shipped selection (A/B: tools/ab_bwd_tiles.py,
+              variants "whole", "whole_wg"; docs/design/speed_candidates.md section 6b). The whole-tile
+              dQ hand-off (one bulk reduce-add per step, unpadded staging; dense layouts in the
+              accumulator order, so with dq_handoff_per_wg flash-attn-4's per-warpgroup hand-off)
+              above DQ_WHOLE_TILE_MAX_HEADDIM (head dim 128), where the shipped kernel issues one
+              bulk reduce-add per staged row (H200 ncu, d128 causal 4k: 64 per step; the consumers'
+              dQEmpty wait is the step's largest stall). Same values.
+    lse_early: speed candidate, off by default and in no shipped selection (A/B: tools/ab_bwd_tiles.py,
+              variant "lse"). The step's LSE values (the fast path's padded log2 LSE staged with Q)
+              are read from shared memory into registers right after the S^T GEMM is issued, so
+              their latency passes under the S^T / dP^T GEMMs (flash-attn-4's order) instead of
+              after the S^T wait, where the exponent's first FFMA waited on them (H200 ncu, d128
+              causal 4k: 5.6 % of the kernel's stall samples on that one instruction). Same values.
     """
 
     headdim: int
@@ -472,6 +485,8 @@ class BwdConfig:
     dq_handoff_per_wg: bool = False
     sink_delta: bool = False
     dq_swapab: bool = False
+    dq_whole: bool = False
+    lse_early: bool = False
 
     def __post_init__(self):
         assert self.headdim in BWD_SUPPORTED_HEADDIMS, self.headdim
@@ -479,6 +494,7 @@ class BwdConfig:
         assert not (self.sink_delta and self.dq_handoff_per_wg), self
         assert self.headdim_v is None or (self.headdim, self.headdim_v) in HDIMV_PAIRS, (self.headdim, self.headdim_v)
         assert self.dtype in DTYPES, self.dtype
+        assert not self.dq_whole or not (self.split_headdim or self.transposed_dkv or self.dq_swapab), self
         if self.transposed_dkv:
             assert not self.split_headdim and self.tile_n == 96 and self.tile_m == 64, self
         elif self.dq_swapab:
@@ -493,8 +509,8 @@ class BwdConfig:
 
     @property
     def dq_row_pad(self) -> int:
-        if self.dq_swapab:
-            return 0  # the dQ^T staging: one contiguous tile, reduce-added whole (dq_swapab above)
+        if self.dq_swapab or self.dq_whole:
+            return 0  # one contiguous tile, reduce-added whole (dq_swapab, dq_whole above)
         return _dq_row_pad(self.split_headdim, self.headdim, self.transposed_dkv)
 
     @property
@@ -507,7 +523,7 @@ class BwdConfig:
     def dq_whole_tile(self) -> bool:
         """One bulk reduce-add of the whole staged dQ tile per step (unpadded rows) instead of one per
         row (DQ_WHOLE_TILE_MAX_HEADDIM)."""
-        return dq_whole_tile(self.split_headdim, self.headdim, self.transposed_dkv)
+        return self.dq_whole or dq_whole_tile(self.split_headdim, self.headdim, self.transposed_dkv)
 
     @property
     def dq_accum_order(self) -> bool:
@@ -550,7 +566,7 @@ class BwdConfig:
     def smem_bytes(self) -> int:
         return bwd_smem_bytes(self.headdim, self.tile_m, self.tile_n, self.q_stages, self.split_headdim,
                               self.headdim_v, self.transposed_dkv, self.do_stages,
-                              dq_swapab=self.dq_swapab) + self.sink_delta_smem_bytes()
+                              dq_swapab=self.dq_swapab, dq_whole=self.dq_whole) + self.sink_delta_smem_bytes()
 
     def sink_delta_smem_bytes(self) -> int:
         """Shared memory sink_delta adds: 0 off or in the row pad, else tile_m x slots fp32."""
@@ -565,8 +581,10 @@ def sink_delta_slots(split_headdim: bool, transposed_dkv: bool) -> int:
 
 def with_sink_delta(cfg: BwdConfig) -> BwdConfig:
     """cfg that also sums D = sum_j P dP per query row (BwdConfig.sink_delta: a learnable sink needs a
-    gradient); the per-warpgroup dQ hand-off (a speed switch) off."""
-    return dataclasses.replace(cfg, sink_delta=True, dq_handoff_per_wg=False)
+    gradient); the per-warpgroup dQ hand-off and the whole-tile d128 hand-off (speed switches,
+    shipped_dq_handoff: not measured with sink_delta) off."""
+    return dataclasses.replace(cfg, sink_delta=True, dq_handoff_per_wg=False,
+                               dq_whole=False if cfg.headdim > DQ_WHOLE_TILE_MAX_HEADDIM else cfg.dq_whole)
 
 
 # BwdConfig.dq_swapab (speed candidate, off): flash-attn-4's head dim 128 non-causal query tile.
@@ -595,7 +613,8 @@ def dq_swapab_config(cfg):
     if not isinstance(cfg, BwdConfig):
         return None
     fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
-    fields.update(tile_m=DQ_SWAPAB_TILE_M, exp_before_dp_wait=False, dq_handoff_per_wg=False, dq_swapab=True)
+    fields.update(tile_m=DQ_SWAPAB_TILE_M, exp_before_dp_wait=False, dq_handoff_per_wg=False, dq_swapab=True,
+                  dq_whole=False)
     cand = types.SimpleNamespace(**fields, hdim_v=cfg.hdim_v)
     if not dq_swapab_ok(cand):
         return None
@@ -614,11 +633,12 @@ def _dq_row_pad(split_headdim: bool, headdim: int, transposed_dkv: bool = False)
 
 def bwd_smem_bytes(headdim: int, tile_m: int, tile_n: int, q_stages: int, split_headdim: bool,
                    headdim_v: int | None = None, transposed_dkv: bool = False, do_stages: int | None = None,
-                   dq_swapab: bool = False) -> int:
+                   dq_swapab: bool = False, dq_whole: bool = False) -> int:
     """Backward smem: K, V, the Q/dO stages, two dS^T (and P^T) buffers, the fp32 dQ tile and the
     LSE/D stages (bytes, no barriers). headdim_v: V's / dO's head dim (None: headdim).
     transposed_dkv: one P and one dS tile (tile_m x tile_n each), do_stages dO / D stages (None:
-    q_stages). dq_swapab: the dQ tile unpadded, the LSE / D stages of stat_stage_rows rows."""
+    q_stages). dq_swapab: the dQ tile unpadded, the LSE / D stages of stat_stage_rows rows.
+    dq_whole: the dQ tile unpadded."""
     if dq_swapab:
         dv = headdim if headdim_v is None else headdim_v
         return (tile_n * (headdim + dv) * 2 + q_stages * tile_m * (headdim + dv) * 2 + 2 * tile_n * tile_m * 2
@@ -635,7 +655,7 @@ def bwd_smem_bytes(headdim: int, tile_m: int, tile_n: int, q_stages: int, split_
         q_do = q_stages * tile_m * (headdim + dv) * elt
         ds = (2 if split_headdim else 1) * 2 * tile_n * tile_m * elt
         stats = 2 * q_stages * tile_m * 4
-    dq = tile_m * (headdim + _dq_row_pad(split_headdim, headdim, transposed_dkv)) * 4
+    dq = tile_m * (headdim + (0 if dq_whole else _dq_row_pad(split_headdim, headdim, transposed_dkv))) * 4
     return kv + q_do + ds + dq + stats
 
 
@@ -784,7 +804,7 @@ def shipped_bwd_configs() -> list[BwdConfig]:
     accum += [select_bwd_config(128, "fp16", c) for c in (False, True)]
     accum += [select_bwd_config(d, "bf16", True, deterministic=True) for d in (64, 128)]
     accum += [select_bwd_config(192, "bf16", True, headdim_v=128)]
-    return configs + [with_dkv_accum(cfg, 2, 1, 1) for cfg in accum]
+    return [shipped_dq_handoff(cfg) for cfg in configs + [with_dkv_accum(cfg, 2, 1, 1) for cfg in accum]]
 
 
 def head_split_config(cfg: BwdConfig, nheads: int, nheads_k: int, seqlen_q: int, seqlen_k: int, causal: bool, window,
@@ -969,6 +989,59 @@ def bwd_plan(request, arch: int, heads_per_cta: int | None = None, sink_delta: b
         seqlen_q, seqlen_k = request.q.shape[1], request.k.shape[1]
     cfg, heads = head_split_config(cfg, request.nheads, request.nheads_k, seqlen_q, seqlen_k, mask.causal,
                                    mask.window, heads_per_cta)
+    from flash4 import env
+
+    cfg = shipped_dq_handoff(cfg)
+    switches = env.bwd_switches()
+    if switches:
+        cfg = with_bwd_switches(cfg, switches)
     if sink_delta:
         cfg = with_sink_delta(cfg)
     return BwdPlan(cfg, heads)
+
+
+def shipped_dq_handoff(cfg: BwdConfig) -> BwdConfig:
+    """The shipped dQ hand-off of a selected backward config (pure): dense (not packed / seqused q),
+    not deterministic, no window, no sink_delta. Head dim 128 (D = Dv, no softcap, not split or
+    transposed): dq_whole, one bulk reduce-add of the whole tile in the accumulator order; with it,
+    and on the d64 / d96 accumulator-order configs without the GQA head split (not measured there):
+    dq_handoff_per_wg, flash-attn-4's per-warpgroup hand-off. H200, 2026-12-03 (tools/ab_bwd_tiles.py, 5 interleaved rounds; docs/design/
+    speed_candidates.md section 6b), both together against the per-row hand-off: d128 causal 1k / 4k
+    1.042x / 1.066x, full 4k / 16k 1.062x / 1.064x, GQA 32:8 causal 8k 1.085x; per-warpgroup alone at
+    d64 1.015-1.017x (2026-12-01/02). Left as they were (not measured with it): deterministic,
+    windows (dq_whole spills there), packed layouts (the row-major whole tile lost at d128,
+    2026-12-01), softcap, value head dims, sink_delta."""
+    if cfg.deterministic or cfg.local or cfg.varlen_q or cfg.seqused_q or cfg.sink_delta or cfg.headdim_v is not None:
+        return cfg
+    if (cfg.headdim == 128 and not cfg.softcap and not cfg.split_headdim
+            and not cfg.transposed_dkv and not cfg.dq_swapab):
+        cfg = dataclasses.replace(cfg, dq_whole=True)
+    if cfg.dq_accum_order and (cfg.dq_whole or not cfg.dkv_accum):
+        cfg = dataclasses.replace(cfg, dq_handoff_per_wg=True)
+    return cfg
+
+
+
+
+def with_bwd_switches(cfg: BwdConfig, names) -> BwdConfig:
+    """cfg with each named speed switch (BWD_SPEED_SWITCHES) on where the kernel builds it, the
+    others unchanged (candidates' A/B and GPU tests, FLASH4_BWD_SWITCHES): dq_whole above
+    DQ_WHOLE_TILE_MAX_HEADDIM without split_headdim / transposed_dkv / dq_swapab / a window; dq_handoff_per_wg
+    where the dQ tile is in the accumulator order and not deterministic; lse_early on the keys-major
+    steps (not transposed_dkv); exp_before_dp_wait at tile_m 64 or split_headdim, no window, not
+    transposed_dkv. Pure."""
+    for name in BWD_SPEED_SWITCHES:
+        if name not in names:
+            continue
+        if name == "dq_whole":
+            ok = (cfg.headdim > DQ_WHOLE_TILE_MAX_HEADDIM and not cfg.split_headdim and not cfg.transposed_dkv
+                  and not cfg.dq_swapab and not cfg.local)  # window: 4 / 20 spills with it (compile check)
+        elif name == "dq_handoff_per_wg":
+            ok = cfg.dq_accum_order and not cfg.deterministic and not cfg.sink_delta
+        elif name == "lse_early":
+            ok = not cfg.transposed_dkv
+        else:  # exp_before_dp_wait
+            ok = (cfg.tile_m == 64 or cfg.split_headdim) and not cfg.local and not cfg.transposed_dkv
+        if ok:
+            cfg = dataclasses.replace(cfg, **{name: True})
+    return cfg

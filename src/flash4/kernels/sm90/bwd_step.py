@@ -145,6 +145,7 @@ class BwdStep(DynamicState):
     def __init__(self, kernel, gmem, smem, mmas, pipes, sched, tidx):
         self.k, self.cfg = kernel, kernel.cfg
         self.gmem, self.smem, self.mmas, self.pipes, self.sched, self.tidx = gmem, smem, mmas, pipes, sched, tidx
+        self.lse_pre = None  # BwdConfig.lse_early: the step's LSE values (preload_lse)
         self.wg_idx = cute.arch.make_warp_uniform(tidx // THREADS_PER_WG)
         wg_slice = cute.make_layout(kernel.num_wg_mma, stride=THREADS_PER_WG)(self.wg_idx)
         wgs = [m.get_slice(wg_slice) for m in (mmas.sdp, mmas.dkv, mmas.dv, mmas.dq)]
@@ -179,6 +180,8 @@ class BwdStep(DynamicState):
         pipes.q.consumer_wait(state)
         acc_S = cute.make_rmem_tensor(self.acc_shape_S, Float32)
         self.gemm_S(acc_S, state)
+        # BwdConfig.lse_early: the LSE reads issued under the S^T GEMM (exponent reads them back)
+        self.lse_pre = self.preload_lse(acc_S, state) if const_expr(self.cfg.lse_early) else None
         pipes.do.consumer_wait(do_state)
         acc_dP = cute.make_rmem_tensor(self.acc_shape_S, Float32)
         self.gemm_dP(acc_dP, do_state)
@@ -292,10 +295,20 @@ class BwdStep(DynamicState):
                     s[i] = fma_rn(s[i], scale_log2, -hi) - lo
         else:
             for q in cutlass.range_constexpr(self.num_queries(s)):
-                lse_log2 = self.smem.lse[self.query(q), state.index]
+                if const_expr(self.lse_pre is not None):
+                    lse_log2 = self.lse_pre[q]
+                else:
+                    lse_log2 = self.smem.lse[self.query(q), state.index]
                 for j in cutlass.range_constexpr(self.num_keys(s)):
                     i = self.qk(q, j)
                     s[i] = s[i] * scale_log2 - lse_log2
+
+    def preload_lse(self, acc_S, state) -> list:
+        """BwdConfig.lse_early: the fast path's padded log2 LSE of this thread's queries, read from
+        the Q stage's LSE rows into registers (one value per query, exponent's order). Read whatever
+        the tile's exact flag says (the exact path does not use them)."""
+        s = acc_mn_view(acc_S)
+        return [self.smem.lse[self.query(q), state.index] for q in range(self.num_queries(s))]
 
     @cute.jit
     def grad_scores(self, acc_dP, acc_S, state, do_state, scales):
