@@ -144,15 +144,22 @@ def _ex2_between_s_wait_and_dp_wait(sass: str) -> tuple[int, int]:
     return inside, total
 
 
-def test_exp_before_dp_wait_sass():
-    """d128 causal (tile_m 64): switched on, every MUFU.EX2 of P sits between the S^T wait and the dP^T
-    wait (off: none; ptxas sinks them below the dP^T wait); no spill, wgmmas not serialized."""
+def _d128_causal_sass(**switches):
+    """(the d128 causal config, the SASS of it with `switches` on) after checking the switched kernel
+    for spills and serialized wgmma; skips without the CuTe DSL or cuobjdump."""
     pytest.importorskip("cutlass")
     cfg = select_bwd_config(128, "bf16", True)
-    res_on, on = _sass_of(dataclasses.replace(cfg, exp_before_dp_wait=True))
+    res_on, on = _sass_of(dataclasses.replace(cfg, **switches))
     assert res_on["spills"] == 0 and not res_on["wgmma_serialized"]
     if on is None:
         pytest.skip("cuobjdump not installed: SASS not checked")
+    return cfg, on
+
+
+def test_exp_before_dp_wait_sass():
+    """d128 causal (tile_m 64): switched on, every MUFU.EX2 of P sits between the S^T wait and the dP^T
+    wait (off: none; ptxas sinks them below the dP^T wait); no spill, wgmmas not serialized."""
+    cfg, on = _d128_causal_sass(exp_before_dp_wait=True)
     inside, total = _ex2_between_s_wait_and_dp_wait(on)
     assert total > 0 and inside == total, (inside, total)
     _, off = _sass_of(cfg)
@@ -266,12 +273,7 @@ def _lds_before_s_wait(sass: str) -> int:
 def test_lse_early_sass():
     """d128 causal: switched on, the 8 LSE loads of each step (two step loops: 16) are issued under the
     S^T GEMM, before its wait (off: none); no spill, wgmmas not serialized."""
-    pytest.importorskip("cutlass")
-    cfg = select_bwd_config(128, "bf16", True)
-    res_on, on = _sass_of(dataclasses.replace(cfg, lse_early=True))
-    assert res_on["spills"] == 0 and not res_on["wgmma_serialized"]
-    if on is None:
-        pytest.skip("cuobjdump not installed: SASS not checked")
+    cfg, on = _d128_causal_sass(lse_early=True)
     assert _lds_before_s_wait(on) == 16, _lds_before_s_wait(on)
     _, off = _sass_of(cfg)
     assert _lds_before_s_wait(off) == 0
