@@ -52,9 +52,9 @@ def test_accum_order_postprocess_compiles(monkeypatch, tmp_path):
     from flash4.compile import cache
     from flash4.config import shipped_bwd_configs
 
-    keys = {(c.headdim, c.dtype, c.tile_m) for c in shipped_bwd_configs() if c.dq_accum_order}
-    assert {k[0] for k in keys} == {64, 96}
-    for headdim, dtype, tile_m in sorted(keys):
-        assert callable(cache.get_bwd_postprocess_runner(headdim, dtype, 90, accum_tile_m=tile_m))
+    keys = {(c.headdim, c.dtype, c.tile_m, c.dq_handoff_per_wg) for c in shipped_bwd_configs() if c.dq_accum_order}
+    assert {k[0] for k in keys} == {64, 96, 128}  # d128: dq_whole (shipped_dq_handoff, 2026-12-03)
+    for headdim, dtype, tile_m, halves in sorted(keys):
+        assert callable(cache.get_bwd_postprocess_runner(headdim, dtype, 90, accum_tile_m=tile_m, wg_halves=halves))
     with pytest.raises(ValueError, match="dense layouts only"):
         cache.get_bwd_postprocess_runner(64, "bf16", 90, varlen=True, accum_tile_m=128)
