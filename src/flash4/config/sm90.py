@@ -420,14 +420,15 @@ class BwdConfig:
               GEMM (off, ptxas sinks every MUFU.EX2 below the wait). tile_m 64 or split_headdim only:
               at 128 queries per step (d64 bf16) ptxas serializes the wgmmas with it (the kernel
               raises ValueError). Same values.
-    dq_handoff_per_wg: speed switch, off by default (A/B: tools/ab_switch.py --switch
-              dq_handoff_per_wg). Each consumer warpgroup hands its own half of the staged dQ tile to
+    dq_handoff_per_wg: on where shipped_dq_handoff puts it (since 2026-12-03: d64 / d96 MHA, d128 with
+              dq_whole; A/B: tools/ab_bwd_tiles.py, tools/ab_switch.py). Each consumer warpgroup hands its own half of the staged dQ tile to
               the store warp (its dQFullWG / dQEmptyWG barrier pair of 160 threads; the store warp
               reduce-adds each half on its own and frees it as soon as that half is read) instead of
               both warpgroups behind one 288-thread pair and one whole-tile reduce-add (flash-attn-4's
               hand-off). The halves are the per-warpgroup accumulator order (kernels/common/
               dq_accum.py), which the dQ postprocess reads back (get_bwd_postprocess_runner(...,
-              wg_halves=True)). dq_accum_order configs (dense, head dim <= 96), not deterministic.
+              wg_halves=True)). dq_accum_order configs (dense; head dim <= 96 or dq_whole), not
+              deterministic.
               Same values (each dQ element added once per step).
     sink_delta: off by default; on only when a learnable sink needs a gradient (with_sink_delta).
               The kernel also sums D_i = sum_j P_ij dP_ij (the exact rowsum(dO * O) of the float32
@@ -447,13 +448,12 @@ class BwdConfig:
               dQ accumulator (the postprocess is the row-major one); per-stage LSE / D rows padded to
               a multiple of 32 (TMA stage addresses 128-byte aligned). Head dim 128, dense, no mask
               but the key edge, not deterministic, no sink_delta. Compile-verified, not run on hardware.
-    dq_whole: speed candidate, off by default and in no shipped selection (A/B: tools/ab_bwd_tiles.py,
-              variants "whole", "whole_wg"; docs/design/speed_candidates.md section 6b). The whole-tile
-              dQ hand-off (one bulk reduce-add per step, unpadded staging; dense layouts in the
-              accumulator order, so with dq_handoff_per_wg flash-attn-4's per-warpgroup hand-off)
-              above DQ_WHOLE_TILE_MAX_HEADDIM (head dim 128), where the shipped kernel issues one
-              bulk reduce-add per staged row (H200 ncu, d128 causal 4k: 64 per step; the consumers'
-              dQEmpty wait is the step's largest stall). Same values.
+    dq_whole: the whole-tile dQ hand-off (one bulk reduce-add per step, unpadded staging; dense
+              layouts in the accumulator order, so with dq_handoff_per_wg flash-attn-4's per-warpgroup
+              hand-off) above DQ_WHOLE_TILE_MAX_HEADDIM (head dim 128), instead of one bulk reduce-add
+              per staged row (H200 ncu, d128 causal 4k: 64 per step; the consumers' dQEmpty wait was
+              the step's largest stall). On where shipped_dq_handoff puts it (since 2026-12-03: d128
+              dense, H200 1.04-1.09x; docs/design/speed_candidates.md section 6b). Same values.
     lse_early: speed candidate, off by default and in no shipped selection (A/B: tools/ab_bwd_tiles.py,
               variant "lse"). The step's LSE values (the fast path's padded log2 LSE staged with Q)
               are read from shared memory into registers right after the S^T GEMM is issued, so
@@ -583,8 +583,7 @@ def with_sink_delta(cfg: BwdConfig) -> BwdConfig:
     """cfg that also sums D = sum_j P dP per query row (BwdConfig.sink_delta: a learnable sink needs a
     gradient); the per-warpgroup dQ hand-off and the whole-tile d128 hand-off (speed switches,
     shipped_dq_handoff: not measured with sink_delta) off."""
-    return dataclasses.replace(cfg, sink_delta=True, dq_handoff_per_wg=False,
-                               dq_whole=False if cfg.headdim > DQ_WHOLE_TILE_MAX_HEADDIM else cfg.dq_whole)
+    return dataclasses.replace(cfg, sink_delta=True, dq_handoff_per_wg=False, dq_whole=False)
 
 
 # BwdConfig.dq_swapab (speed candidate, off): flash-attn-4's head dim 128 non-causal query tile.
@@ -1005,13 +1004,15 @@ def shipped_dq_handoff(cfg: BwdConfig) -> BwdConfig:
     not deterministic, no window, no sink_delta. Head dim 128 (D = Dv, no softcap, not split or
     transposed): dq_whole, one bulk reduce-add of the whole tile in the accumulator order; with it,
     and on the d64 / d96 accumulator-order configs without the GQA head split (not measured there):
-    dq_handoff_per_wg, flash-attn-4's per-warpgroup hand-off. H200, 2026-12-03 (tools/ab_bwd_tiles.py, 5 interleaved rounds; docs/design/
-    speed_candidates.md section 6b), both together against the per-row hand-off: d128 causal 1k / 4k
+    dq_handoff_per_wg, flash-attn-4's per-warpgroup hand-off. H200, 2026-12-03 (tools/ab_bwd_tiles.py,
+    5 interleaved rounds; docs/design/speed_candidates.md section 6b), both together against the
+    per-row hand-off: d128 causal 1k / 4k
     1.042x / 1.066x, full 4k / 16k 1.062x / 1.064x, GQA 32:8 causal 8k 1.085x; per-warpgroup alone at
     d64 1.015-1.017x (2026-12-01/02). Left as they were (not measured with it): deterministic,
     windows (dq_whole spills there), packed layouts (the row-major whole tile lost at d128,
     2026-12-01), softcap, value head dims, sink_delta."""
-    if cfg.deterministic or cfg.local or cfg.varlen_q or cfg.seqused_q or cfg.sink_delta or cfg.headdim_v is not None:
+    if (cfg.deterministic or cfg.local or cfg.varlen_q or cfg.seqused_q or cfg.sink_delta
+            or cfg.headdim_v is not None):
         return cfg
     if (cfg.headdim == 128 and not cfg.softcap and not cfg.split_headdim
             and not cfg.transposed_dkv and not cfg.dq_swapab):
@@ -1021,13 +1022,11 @@ def shipped_dq_handoff(cfg: BwdConfig) -> BwdConfig:
     return cfg
 
 
-
-
 def with_bwd_switches(cfg: BwdConfig, names) -> BwdConfig:
     """cfg with each named speed switch (BWD_SPEED_SWITCHES) on where the kernel builds it, the
     others unchanged (candidates' A/B and GPU tests, FLASH4_BWD_SWITCHES): dq_whole above
-    DQ_WHOLE_TILE_MAX_HEADDIM without split_headdim / transposed_dkv / dq_swapab / a window; dq_handoff_per_wg
-    where the dQ tile is in the accumulator order and not deterministic; lse_early on the keys-major
+    DQ_WHOLE_TILE_MAX_HEADDIM without split_headdim / transposed_dkv / dq_swapab / a window;
+    dq_handoff_per_wg where the dQ tile is in the accumulator order and not deterministic; lse_early on the keys-major
     steps (not transposed_dkv); exp_before_dp_wait at tile_m 64 or split_headdim, no window, not
     transposed_dkv. Pure."""
     for name in BWD_SPEED_SWITCHES:
