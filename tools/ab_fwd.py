@@ -22,6 +22,10 @@ or varlen request); each other variant is that config with one candidate on (shi
   pack                FwdConfig.pack_gqa = g: the g query heads of a KV head share each query tile
                       (flash-attn-4 packs GQA by default; flash4 packs only windows, after an older
                       A/B: 0.91x at 64:8 d128 causal 4k): dense GQA / MQA causal cells.
+  vf                  FwdConfig.softmax_vote_first: the softmax's exact-path vote before the
+                      exponents, each FFMA next to its MUFU.EX2 (section 8): every cell. Same
+                      operations per element: out / lse bitwise.
+--variants NAME ... times only those variants (and shipped).
 Timing as tools/ab_switch.py: ROUNDS interleaved rounds (order reversed every other round), each the
 median of calls with L2 flushed (flash4.bench.common.time_ms); TFLOPs of the visible work per
 variant, variant/shipped = shipped ms / variant ms (> 1: the variant is faster), and each variant's
@@ -100,10 +104,20 @@ def shipped_cfg(case):
     return fwd_config(request(case), ARCH).cfg
 
 
+BITWISE = ("l2kv", "vf")  # variants whose out / lse must equal shipped's bit for bit
+ONLY = None  # --variants: the names to time besides shipped (None: all)
+
+
 def variants(case) -> dict:
     """{name: FwdConfig} of a cell, "shipped" first (module docstring); a candidate that does not
-    apply to the cell's config (or would equal another variant) is left out."""
-    from flash4.config.sm90 import wide_tile_fwd_config, with_l2_kv_heads
+    apply to the cell's config (or would equal another variant) is left out; with --variants, only
+    the named ones."""
+    out = _all_variants(case)
+    return {n: c for n, c in out.items() if n == "shipped" or ONLY is None or n in ONLY}
+
+
+def _all_variants(case) -> dict:
+    from flash4.config.sm90 import wide_tile_fwd_config, with_fwd_switches, with_l2_kv_heads
 
     cfg = shipped_cfg(case)
     out = {"shipped": cfg}
@@ -122,13 +136,15 @@ def variants(case) -> dict:
             out["l2kv"] = l2kv
         if cfg.pack_gqa == 1 and cfg.tile_m % group == 0 and not cfg.varlen_q:  # dense Q only
             out["pack"] = dataclasses.replace(cfg, pack_gqa=group)
+    out["vf"] = with_fwd_switches(cfg, ("softmax_vote_first",))
     return out
 
 
 def cfg_short(c) -> str:
     """The fields of a forward config that tell the variants apart."""
     bits = [f"m{c.tile_m}n{c.tile_n}" + (f"s{c.kv_stages}" if c.kv_stages != 2 else "")]
-    bits += [name for name in ("causal", "persistent", "lpt", "l2_kv_heads", "varlen_q") if getattr(c, name)]
+    bits += [name for name in ("causal", "persistent", "lpt", "l2_kv_heads", "varlen_q", "softmax_vote_first")
+             if getattr(c, name)]
     bits += [f"pack{c.pack_gqa}"] if c.pack_gqa > 1 else []
     return " ".join(bits)
 
@@ -256,7 +272,7 @@ def run_cell(case, rounds: int, rep_ms: float, gemm: float) -> dict:
         row[f"{name}_written"] = bool(torch.isfinite(out).all() and torch.isfinite(lse).all())
         row[f"{name}_out_reldiff"] = ab_switch.reldiff(out, base_out)
         row[f"{name}_lse_absdiff"] = float((lse - base_lse).abs().max())
-        if name == "l2kv":
+        if name in BITWISE:
             row[f"{name}_bitwise"] = ab_switch.same(out, base_out) and ab_switch.same(lse, base_lse)
     ms = ab_switch.interleaved(fns, rounds, rep_ms)
     for name in vs:
@@ -325,7 +341,10 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=ROUNDS)
     p.add_argument("--rep-ms", type=float, default=REP_MS)
     p.add_argument("--out", help="also write the rows as JSON here")
+    p.add_argument("--variants", nargs="*", help="time only these variants besides shipped (default: all)")
     args = p.parse_args(argv)
+    global ONLY
+    ONLY = tuple(args.variants) if args.variants else None
     if args.cache_dir:
         os.environ["FLASH4_CACHE_DIR"] = os.path.abspath(args.cache_dir)
     cells = [c for c in CELLS if not args.cells or any(c.name.startswith(n) for n in args.cells)]

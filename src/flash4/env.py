@@ -20,6 +20,7 @@
 | FLASH4_PACK_VIEWS  | 0 copies q / out / lse of a GQA-packed decode step instead of strided views | on |
 | FLASH4_FAMILY      | kernel family to run instead of the GPU's own: portable (= sm80: mma.sync, runs on sm_80..sm_120 and sm_90), or a family name (sm90, sm80, sm100) | the GPU's (flash4.kernels.registry) |
 | FLASH4_BWD_SWITCHES | sm90 backward speed switches to turn on where they apply, comma-separated (dq_whole, dq_handoff_per_wg, lse_early, exp_before_dp_wait: flash4.constants.BWD_SPEED_SWITCHES); A/B and GPU tests of candidates | none |
+| FLASH4_FWD_SWITCHES | sm90 forward speed switches to turn on, comma-separated (softmax_vote_first: flash4.constants.FWD_SPEED_SWITCHES); A/B and GPU tests of candidates | none |
 | FLASH4_PORTABLE_BWD | the portable (sm80) backward's tiles where a candidate applies: coal, fa2, m128 (flash4.config.sm80.BWD_CANDIDATES) or table (its table); A/B and GPU tests | fa2 for plain dense problems (flash4.config.sm80.SHIPPED_BWD_CANDIDATE), else the table |
 
 Each function reads the environment when called (no caching), so a test can set a variable with
@@ -279,11 +280,28 @@ def bwd_switches() -> tuple:
     return names
 
 
+def fwd_switches() -> tuple:
+    """FLASH4_FWD_SWITCHES: the sm90 forward speed switches (flash4.constants.FWD_SPEED_SWITCHES) to
+    turn on (flash4.config.sm90.with_fwd_switches), as a tuple of names; () when unset. For A/B runs
+    and GPU tests of candidates. An unknown name raises ValueError."""
+    value = _get("FLASH4_FWD_SWITCHES")
+    if value is None:
+        return ()
+    from flash4.constants import FWD_SPEED_SWITCHES
+
+    names = tuple(n.strip() for n in value.split(",") if n.strip())
+    bad = [n for n in names if n not in FWD_SPEED_SWITCHES]
+    if bad:
+        raise ValueError(f"FLASH4_FWD_SWITCHES={value!r}: unknown switch {bad}; allowed: {', '.join(FWD_SPEED_SWITCHES)}")
+    return names
+
+
 # The variables a forward call's plan reads (SM version and count, family, page policy, self-test
 # gates, the sm_100 2-CTA switch): flash4.memo keys its prepared calls on their raw values.
 PLAN_VARIABLES = ("FLASH4_ARCH", "FLASH4_NUM_SMS", "FLASH4_FAMILY", "FLASH4_SMALL_PAGES", "FLASH4_PAGE_GATHER_MAX",
                   "FLASH4_PAGE_PREFETCH", "FLASH4_SM100", "FLASH4_PORTABLE", "FLASH4_SM100_2CTA",
-                  "FLASH4_GATHER_ZERO_FILL", "FLASH4_PAGED_KV_STAGES", "FLASH4_BWD_SWITCHES")
+                  "FLASH4_GATHER_ZERO_FILL", "FLASH4_PAGED_KV_STAGES", "FLASH4_BWD_SWITCHES",
+                  "FLASH4_FWD_SWITCHES")
 _PLAN_KEYS = tuple(os.environ.encodekey(name) for name in PLAN_VARIABLES)
 
 

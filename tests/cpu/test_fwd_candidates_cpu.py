@@ -182,7 +182,9 @@ def test_tool_plan(capsys):
         for name, cfg in vs.items():
             base = vs["shipped"]
             changed = {f.name for f in dataclasses.fields(cfg) if getattr(cfg, f.name) != getattr(base, f.name)}
-            assert changed <= {"tile_n", "kv_stages", "l2_kv_heads", "pack_gqa"}, (case.name, name, changed)
+            assert changed <= {"tile_n", "kv_stages", "l2_kv_heads", "pack_gqa", "softmax_vote_first"}, \
+                (case.name, name, changed)
+            assert (name == "vf") == ("softmax_vote_first" in changed), (case.name, name)
             assert cfg.smem_bytes() <= 227 * 1024 - 1024
     assert len(tool.plan_kernels(tool.CELLS)) == len({c for case in tool.CELLS for c in tool.variants(case).values()})
 
@@ -222,12 +224,12 @@ def test_tool_run_cell_plumbing(monkeypatch):
     try:
         dense_cell = cases.Case("gqa_small", 128, True, 1536, 1536, 2, 8, 2)  # not short: not persistent
         row = tool.run_cell(dense_cell, 1, 1.0, 800.0)
-        assert set(row["variants"]) == {"shipped", "l2kv", "pack"} and not tool.failures([row]), row
-        assert len(calls) == 6 and not any(c[1] for c in calls)  # each variant: the check call + one timed
+        assert set(row["variants"]) == {"shipped", "l2kv", "pack", "vf"} and not tool.failures([row]), row
+        assert len(calls) == 8 and not any(c[1] for c in calls)  # each variant: the check call + one timed
         assert calls[0][4] * 4 == calls[1][4]  # l2kv: 4x the L2 section of shipped
         calls.clear()
         row = tool.run_cell(varlen.VarlenCase("varlen_small", 8, 2), 1, 1.0, 800.0)
-        assert set(row["variants"]) == {"shipped", "l2kv"} and not tool.failures([row]), row
+        assert set(row["variants"]) == {"shipped", "l2kv", "vf"} and not tool.failures([row]), row
         assert calls[0][:4] == ((1, 428, 8, 128), True, 3, 300)
     finally:
         cache.get_fwd_runner.cache_clear()

@@ -148,3 +148,61 @@ def test_bwd_switches_env(monkeypatch, switches, d, s, h, hk, causal):
     flash_attn_backward(dout, q, k, v, out, lse, scale, causal, *grads)
     torch.cuda.synchronize()
     assert_grads(grads, ref_grads(q, k, v, dout, causal, True), ref_grads(q, k, v, dout, causal, False))
+
+
+# FLASH4_FWD_SWITCHES=softmax_vote_first (FwdConfig.softmax_vote_first; speed_candidates.md section 8):
+# the same operations per element as the shipped softmax, so every door's out and lse must equal the
+# switch-off call bit for bit, the exact path (scores of magnitude ~1e7: |m * c| >= FWD_EXACT_REF_LOG2)
+# and ragged query tiles included.
+FWD_ENV_KINDS = ["dense", "dense_causal", "window_softcap", "sink", "varlen", "paged", "kvcache"]
+
+
+def _fwd_call(kind, d, mag):
+    from flash4 import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
+
+    g = torch.Generator(device="cuda").manual_seed(11)
+    rnd = lambda *shape: torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=g)  # noqa: E731
+    if kind in ("dense", "dense_causal", "window_softcap", "sink"):
+        q, k, v = rnd(2, 777, 4, d) * mag, rnd(2, 901, 2, d) * mag, rnd(2, 901, 2, d)
+        kw = {"causal": kind == "dense_causal", "return_lse": True}
+        if kind == "window_softcap":
+            kw.update(window_size=(200, 33), softcap=30.0)
+        if kind == "sink":
+            kw.update(causal=True, learnable_sink=torch.randn(4, device="cuda", generator=g))
+        return lambda: flash_attn_func(q, k, v, **kw)
+    if kind == "varlen":
+        lens = [300, 1, 0, 517]
+        cu = torch.tensor([0, 300, 301, 301, 818], device="cuda", dtype=torch.int32)
+        q, k, v = rnd(818, 4, d) * mag, rnd(818, 2, d) * mag, rnd(818, 2, d)
+        return lambda: flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=True, return_lse=True)
+    page = 16 if kind == "paged" else 64
+    k_cache, v_cache = rnd(40, page, 2, d) * mag, rnd(40, page, 2, d)
+    table = torch.randperm(40, device="cuda", generator=g).to(torch.int32).view(2, 20)
+    if kind == "paged":
+        q = rnd(2 * 129, 4, d) * mag
+        cu = torch.tensor([0, 129, 258], device="cuda", dtype=torch.int32)
+        used = torch.tensor([20 * page - 5, 200], device="cuda", dtype=torch.int32)
+        return lambda: flash_attn_varlen_func(q, k_cache, v_cache, cu, None, 129, None, seqused_k=used,
+                                              page_table=table, causal=True, return_lse=True)
+    q = rnd(2, 1, 4, d) * mag
+    lens = torch.tensor([1000, 77], device="cuda", dtype=torch.int32)
+    return lambda: flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, page_table=table, return_lse=True)
+
+
+@pytest.mark.parametrize("mag", [1.0, 1000.0], ids=["normal", "exact_path"])
+@pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
+@pytest.mark.parametrize("kind", FWD_ENV_KINDS)
+def test_fwd_switches_env(monkeypatch, kind, d, mag):
+    """Every door with FLASH4_FWD_SWITCHES=softmax_vote_first: the plan carries the switch, and out /
+    lse (finite where rows see keys) equal the switch-off call's bit for bit."""
+    from flash4.config.sm90 import with_fwd_switches  # noqa: F401  (the switch's one source)
+
+    call = _fwd_call(kind, d, mag)
+    monkeypatch.delenv("FLASH4_FWD_SWITCHES", raising=False)
+    out_off, lse_off = (t.clone() for t in call()[:2])
+    monkeypatch.setenv("FLASH4_FWD_SWITCHES", "softmax_vote_first")
+    out_on, lse_on = call()[:2]
+    torch.cuda.synchronize()
+    assert not out_on.isnan().any()
+    assert torch.equal(out_on, out_off)
+    assert torch.equal(lse_on, lse_off)

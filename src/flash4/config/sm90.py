@@ -14,7 +14,7 @@ import dataclasses
 import functools
 import types
 
-from flash4.constants import BWD_SPEED_SWITCHES, DTYPES, RESCALE_THRESHOLD_LOG2, ROWS_PER_WARPGROUP
+from flash4.constants import BWD_SPEED_SWITCHES, DTYPES, FWD_SPEED_SWITCHES, RESCALE_THRESHOLD_LOG2, ROWS_PER_WARPGROUP
 from flash4.config import (GATHER_ZERO_FILL, HDIMV_PAIRS, MAX_SPLITS, MIN_BLOCKS_PER_SPLIT,  # noqa: F401
                            PAGE_GATHER_MAX, PAGE_PREFETCH, PAGED_KV_STAGES, SPLIT_EFFICIENCY, SPLIT_WHEN_TILES_BELOW,
                            SUPPORTED_HEADDIMS, BwdPlan, FwdPlan, canonical_hdimv, ceil_div, choose_num_splits,
@@ -32,7 +32,7 @@ SHORT_SEQLEN_K = 1024
 # Left out of the repr (the compile-cache and fingerprint key) while off, so adding one keeps every
 # other config's key: the speed switches, and sink_delta (on only when a learnable sink needs a gradient).
 _QUIET_SWITCHES = ("early_q_release", "l2_kv_heads", "exp_before_dp_wait", "dq_handoff_per_wg", "sink_delta",
-                   "gather_zero_fill", "dq_swapab", "dq_whole", "lse_early")
+                   "gather_zero_fill", "dq_swapab", "dq_whole", "lse_early", "softmax_vote_first")
 
 
 def _quiet_repr(cfg) -> str:
@@ -108,6 +108,11 @@ class FwdConfig:
                   Same results bit for bit: V rows past seqlen_k are exactly 0 either way and K rows
                   past it are masked to -inf. FLASH4_GATHER_ZERO_FILL; flash4.config.GATHER_ZERO_FILL.
                   Left out of the repr while off (as early_q_release).
+    softmax_vote_first: speed switch, off by default (FLASH4_FWD_SWITCHES=softmax_vote_first for A/B and
+                  GPU tests; docs/design/speed_candidates.md section 8): the online softmax takes its
+                  exact-path vote before forming the exponents, so each FFMA sits next to its MUFU.EX2
+                  in one basic block (kernels/common/softmax.py, OnlineSoftmax vote_first). Same bits.
+                  Left out of the repr while off.
     """
 
     headdim: int
@@ -137,6 +142,7 @@ class FwdConfig:
     early_q_release: bool = False
     l2_kv_heads: bool = False
     gather_zero_fill: bool = False
+    softmax_vote_first: bool = False
 
     def __post_init__(self):
         assert self.headdim in SUPPORTED_HEADDIMS, self.headdim
@@ -895,7 +901,28 @@ def decode_plan(batch: int, seqlen_q: int, nheads: int, nheads_k: int, headdim: 
 def fwd_plan(request, arch: int, num_sms: int | None = None) -> FwdPlan:
     """The forward plan of a flash4.request.Request: dense (the short-sequence rule from seqlen_k,
     GQA packing of windows), packed / paged (the sequence-layout fields, page pieces), or a decode
-    step (decode_plan: host GQA packing, split-KV from num_sms)."""
+    step (decode_plan: host GQA packing, split-KV from num_sms); the speed switches that
+    FLASH4_FWD_SWITCHES names on top (with_fwd_switches)."""
+    from flash4 import env  # late: host-only
+
+    plan = _fwd_plan(request, arch, num_sms)
+    switches = env.fwd_switches()
+    if switches:
+        plan = dataclasses.replace(plan, cfg=with_fwd_switches(plan.cfg, switches))
+    return plan
+
+
+def with_fwd_switches(cfg: FwdConfig, names) -> FwdConfig:
+    """cfg with each named forward speed switch (FWD_SPEED_SWITCHES) on where the kernel builds it
+    (softmax_vote_first: every sm90 forward config). Pure."""
+    for name in FWD_SPEED_SWITCHES:
+        if name in names:
+            cfg = dataclasses.replace(cfg, **{name: True})
+    return cfg
+
+
+def _fwd_plan(request, arch: int, num_sms: int | None = None) -> FwdPlan:
+    """fwd_plan without the FLASH4_FWD_SWITCHES overrides."""
     q, k, seq, mask, score = request.q, request.k, request.seq, request.mask, request.score
     headdim, headdim_v, nheads, nheads_k = q.shape[-1], request.v.shape[-1], q.shape[-2], k.shape[-2]
     headdim_v = None if headdim_v == headdim else headdim_v

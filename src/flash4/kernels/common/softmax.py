@@ -78,12 +78,21 @@ class OnlineSoftmax(DynamicState):
                   the valid rows of its warp to the other path and change their bits (issue 25).
                   None compiles none of it (dense and GQA-packed queries: rows past seqlen_q are
                   TMA zeros).
+    vote_first:   (static; FwdConfig.softmax_vote_first, a speed switch) the exact-path vote is taken
+                  on the per-row references, before any exponent is formed, and the element loop is
+                  traced twice: the common branch computes p = 2^fma(s, c, -ref_hi) element by element
+                  (so ptxas can interleave each FFMA with its MUFU.EX2 and the row sum), the rare one
+                  subtracts ref_lo first. Off: every FFMA, then the vote's branch, then the
+                  exponentials (the branch splits the basic block, so the 64 MUFU.EX2 of a row pair run
+                  back to back: H200 ncu of 2026-12-03, docs/perf/ncu_2026-12-03.md). The same
+                  operations in the same order per element either way: bit-identical results.
     """
 
     _dynamic_fields = ("scale_log2", "row_max", "ref_hi", "ref_lo", "row_sum", "exact")
 
     def __init__(self, scale_log2: Float32, num_rows: int, rescale_threshold: float, exp2_emu_frac: float,
-                 row_coords=None):
+                 row_coords=None, vote_first: bool = False):
+        self.vote_first = vote_first
         self.scale_log2 = scale_log2
         self.num_rows = num_rows
         self.rescale_threshold = rescale_threshold
@@ -141,15 +150,38 @@ class OnlineSoftmax(DynamicState):
             huge = huge | big
             if cutlass.const_expr(not is_first):
                 row_scale[r] = _ref_step_scale(self.ref_hi[r] - hi)
-            for c in cutlass.range_constexpr(n_cols):
-                s[r, c] = fma_rn(s[r, c], self.scale_log2, -hi)
-        if cute.arch.vote_any_sync(huge):
-            self._exact_fixup(s, row_scale, hi_new, is_first)
+            if cutlass.const_expr(not self.vote_first):
+                for c in cutlass.range_constexpr(n_cols):
+                    s[r, c] = fma_rn(s[r, c], self.scale_log2, -hi)
+        if cutlass.const_expr(self.vote_first):
+            if cute.arch.vote_any_sync(huge):
+                self._exact_fixup(s, row_scale, hi_new, is_first, scaled=False)
+                self._exponentials(s, row_scale, hi_new, is_first, subtract_lo=True)
+            else:
+                self._exponentials(s, row_scale, hi_new, is_first, subtract_lo=False)
+        else:
+            if cute.arch.vote_any_sync(huge):
+                self._exact_fixup(s, row_scale, hi_new, is_first)
+            self._exponentials(s, row_scale, hi_new, is_first, scaled=True)
+        return row_scale
+
+    @cute.jit
+    def _exponentials(self, s: cute.Tensor, row_scale: cute.Tensor, hi_new: cute.Tensor,
+                      is_first: cutlass.Constexpr[bool], scaled: cutlass.Constexpr[bool] = False,
+                      subtract_lo: cutlass.Constexpr[bool] = False):
+        """s -> P = 2^x in place, the row sums updated, ref_hi <- hi_new. scaled: s already holds
+        the exponents x (vote_first off); else x = fma(s, c, -ref_hi) here, minus ref_lo where
+        subtract_lo (the exact path, vote_first on): _exact_fixup's operations in its order."""
         for r in cutlass.range_constexpr(self.num_rows):
-            self.ref_hi[r] = hi_new[r]
+            hi = hi_new[r]
+            self.ref_hi[r] = hi
             row_sum = Float32(0.0)
-            for c in cutlass.range_constexpr(n_cols):
+            for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
                 x = s[r, c]
+                if cutlass.const_expr(not scaled):
+                    x = fma_rn(x, self.scale_log2, -hi)
+                    if cutlass.const_expr(subtract_lo):
+                        x = x - self.ref_lo[r]
                 p = exp2_emulated(x) if cutlass.const_expr(uses_emulated_exp2(c, self.exp2_emu_frac)) else exp2_hw(x)
                 s[r, c] = p
                 row_sum = row_sum + p
@@ -158,14 +190,15 @@ class OnlineSoftmax(DynamicState):
                 row_scale[r] = Float32(1.0)
             else:
                 self.row_sum[r] = self.row_sum[r] * row_scale[r] + row_sum
-        return row_scale
 
     @cute.jit
     def _exact_fixup(self, s: cute.Tensor, row_scale: cute.Tensor, hi_new: cute.Tensor,
-                     is_first: cutlass.Constexpr[bool]):
+                     is_first: cutlass.Constexpr[bool], scaled: cutlass.Constexpr[bool] = True):
         """Rare (|m * c| >= FWD_EXACT_REF_LOG2 somewhere in the warp): subtract the rounding error of
         m * c from the exponents too, and take it into the rescale factor (ref_lo is 0 before the
-        first time here). Only memory (register tensor) writes: nothing escapes the branch."""
+        first time here). Only memory (register tensor) writes: nothing escapes the branch.
+        scaled=False (vote_first): the exponents are not formed yet; only ref_lo and the rescale
+        factors are set here (_exponentials(subtract_lo=True) subtracts ref_lo)."""
         self.exact[0] = Int32(1)
         for r in cutlass.range_constexpr(self.num_rows):
             m_ref = self.row_max[r]
@@ -174,8 +207,9 @@ class OnlineSoftmax(DynamicState):
             if cutlass.const_expr(not is_first):
                 row_scale[r] = _ref_step_scale((self.ref_hi[r] - hi) + (self.ref_lo[r] - lo))
             self.ref_lo[r] = lo
-            for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
-                s[r, c] = s[r, c] - lo
+            if cutlass.const_expr(scaled):
+                for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
+                    s[r, c] = s[r, c] - lo
 
     @cute.jit
     def rescale_O(self, acc_O: cute.Tensor, row_scale: cute.Tensor):

@@ -672,6 +672,7 @@ class FlashAttentionForwardSm90:
             self.cfg.rescale_threshold, self.cfg.exp2_emu_frac,
             # ragged queries: rows past seqlen_q (another sequence's, stale) do not vote for the exact path
             row_coords=acc_mn_view(tScS) if const_expr(self.ragged_q) else None,
+            vote_first=self.cfg.softmax_vote_first,  # FwdConfig.softmax_vote_first (speed switch)
         )
         self.scheduler_barrier_init(wg_idx)
 

@@ -1,0 +1,116 @@
+"""The forward's speed switch FwdConfig.softmax_vote_first (off by default; docs/design/speed_candidates.md
+section 8), on the CPU: the config field (off everywhere, out of every shipped config's repr),
+FLASH4_FWD_SWITCHES (flash4.env.fwd_switches, flash4.config.sm90.with_fwd_switches, the plans of
+every door), and the SASS of the switched-on d128 forward (sm_90a): each MUFU.EX2 run of the common
+path broken by FFMAs, no spill. The GPU side is tests/gpu/test_speed_switches.py::test_fwd_switches_env
+(every door bitwise equal to the switch-off call, the exact path included) and tools/ab_fwd.py
+--variants vf (speed)."""
+
+import dataclasses
+import os
+import re
+import subprocess
+import tempfile
+
+import pytest
+import torch
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+
+from flash4.config import FwdConfig, select_fwd_config, shipped_fwd_configs  # noqa: E402, F401 (eval)
+from flash4.constants import FWD_SPEED_SWITCHES  # noqa: E402
+
+
+def test_switch_off_and_out_of_repr():
+    assert FWD_SPEED_SWITCHES == ("softmax_vote_first",)
+    for cfg in shipped_fwd_configs():
+        if isinstance(cfg, FwdConfig):
+            assert not cfg.softmax_vote_first and "softmax_vote_first" not in repr(cfg)
+    on = dataclasses.replace(select_fwd_config(128, "bf16", False), softmax_vote_first=True)
+    assert repr(on).endswith(", softmax_vote_first=True)") and eval(repr(on)) == on
+
+
+def test_with_fwd_switches():
+    from flash4.config.sm90 import with_fwd_switches
+
+    cfg = select_fwd_config(64, "bf16", True)
+    assert with_fwd_switches(cfg, ()) == cfg
+    assert with_fwd_switches(cfg, ("softmax_vote_first",)) == dataclasses.replace(cfg, softmax_vote_first=True)
+
+
+def _requests():
+    from flash4.request import Request
+
+    meta = dict(device="meta", dtype=torch.bfloat16)
+    q = torch.empty(2, 1000, 4, 128, **meta)
+    yield "dense", Request.dense(q, q, q, 128 ** -0.5, True)
+    qv = torch.empty(1000, 4, 128, **meta)
+    cu = torch.empty(3, device="meta", dtype=torch.int32)
+    yield "varlen", Request.varlen(qv, qv, qv, cu, cu, 600, 600, softmax_scale=128 ** -0.5, causal=True)
+
+
+@pytest.mark.parametrize("which", ["dense", "varlen"])
+def test_fwd_switches_env(monkeypatch, which):
+    """The plan of a call carries the switch while FLASH4_FWD_SWITCHES names it; an unknown name raises
+    a ValueError naming the allowed ones; the variable is one the prepared calls key on."""
+    from flash4 import env
+    from flash4.config import fwd_config
+
+    req = dict(_requests())[which]
+    monkeypatch.delenv("FLASH4_FWD_SWITCHES", raising=False)
+    assert env.fwd_switches() == ()
+    plain = fwd_config(req, 90).cfg
+    assert not plain.softmax_vote_first
+    monkeypatch.setenv("FLASH4_FWD_SWITCHES", " softmax_vote_first ")
+    assert env.fwd_switches() == ("softmax_vote_first",)
+    assert fwd_config(req, 90).cfg == dataclasses.replace(plain, softmax_vote_first=True)
+    monkeypatch.setenv("FLASH4_FWD_SWITCHES", "softmax_vote_first,fast")
+    with pytest.raises(ValueError, match="FLASH4_FWD_SWITCHES.*fast.*softmax_vote_first"):
+        env.fwd_switches()
+    assert "FLASH4_FWD_SWITCHES" in env.PLAN_VARIABLES
+
+
+def _ex2_runs(sass: str) -> list[int]:
+    """Lengths of the runs of MUFU.EX2 with no FFMA between them, in program order."""
+    runs, cur = [], 0
+    for line in sass.splitlines():
+        if "MUFU.EX2" in line:
+            cur += 1
+        elif re.search(r"\bFFMA\b", line):
+            runs, cur = runs + [cur] if cur else runs, 0
+    return runs + [cur] if cur else runs
+
+
+def _fwd_sass(cfg):
+    from flash4.compile.cache import compile_fwd
+    from flash4.compile.check import _cuobjdump, extract_cubin, resource_usage
+
+    cubin = extract_cubin(compile_fwd(cfg))
+    tool = _cuobjdump()
+    if tool is None:
+        return resource_usage(cubin), None
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        return resource_usage(cubin), subprocess.run([tool, "--dump-sass", path], capture_output=True, text=True).stdout
+
+
+def test_softmax_vote_first_sass():
+    """d128 non-causal: off, the 64 exponentials of each online step run back to back after every
+    FFMA (4 runs of MUFU.EX2, the longest >= 64: the exact-path vote's branch splits the block);
+    on, the common path's MUFU.EX2 sit among the FFMAs (dozens of short runs); no spill, wgmma not
+    serialized, 168 registers either way."""
+    pytest.importorskip("cutlass")
+    cfg = select_fwd_config(128, "bf16", False, seqlen_k=4096)
+    res_off, off = _fwd_sass(cfg)
+    res_on, on = _fwd_sass(dataclasses.replace(cfg, softmax_vote_first=True))
+    if not res_off:
+        pytest.skip("cuobjdump not installed: resources and SASS not checked")
+    for res in (res_off, res_on):
+        assert res["spills"] == 0 and not res["wgmma_serialized"] and res["registers"] == 168, res
+    if on is None:
+        pytest.skip("cuobjdump not installed: SASS not checked")
+    runs_off, runs_on = _ex2_runs(off), _ex2_runs(on)
+    assert len(runs_off) <= 4 and max(runs_off) >= 64, runs_off
+    assert len(runs_on) >= 32, runs_on
