@@ -86,6 +86,11 @@ CELLS = (
 # (3000 = 23 x 128 + 56: the masked loop runs), which the 4k / 16k cells do not reach.
 EXTRA_CELLS = (
     Case("ragged_d128_full_4001x3000", 128, False, 4001, 3000, 8, 16, 16),
+    # the sweep's worst backward cell (0.88x; its ncu of 2026-12-03 afternoon: the LSE short-scoreboard
+    # stall, variant lse) and the one cell that lost since 2026-12-01 (94.1 -> 72.4 TFLOPs: sink_delta
+    # on a 128-key window), docs/perf/README.md
+    Case("d128_causal_32k", 128, True, 32768, 32768, 1, 16, 16),
+    Case("gptoss_sink_d64_window128_causal_8k", 64, True, 8192, 8192, 1, 64, 8, window=(127, 0), sink=True),
 )
 
 
@@ -132,7 +137,11 @@ VARIANT_FILTER: tuple | None = None
 
 def variants(case: Case) -> dict:
     """{name: Variant} of a cell, "shipped" first (module docstring), less those VARIANT_FILTER leaves out."""
-    out = _all_variants(case)
+    out, seen = {}, set()
+    for name, v in _all_variants(case).items():  # a variant equal to an earlier one is not timed twice
+        if v not in seen:
+            out[name] = v
+            seen.add(v)
     if VARIANT_FILTER:
         out = {name: v for name, v in out.items() if name == "shipped" or name in VARIANT_FILTER}
     return out
