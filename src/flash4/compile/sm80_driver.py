@@ -123,14 +123,27 @@ def main(argv=None) -> int:
     from flash4.config.sm80 import TARGETS, shipped_bwd_configs
     from flash4.config.sm80 import shipped_fwd_configs as shipped
 
-    args = sys.argv[1:] if argv is None else argv
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m flash4.compile.sm80_driver",
+                                description="Compile every shipped portable (sm80 family) config for the given "
+                                            "targets; print registers, spills, SASS opcode counts and seconds.")
+    p.add_argument("--bwd", action="store_true", help="the backward configs instead of the forward ones")
+    p.add_argument("archs", nargs="*", metavar="ARCH",
+                   help=f"targets, e.g. 80 or sm_86 (default: all of {sorted(TARGETS)})")
+    args = p.parse_args(sys.argv[1:] if argv is None else argv)
     compiler = compile_fwd
-    if "--bwd" in args:
+    if args.bwd:
         from flash4.compile.cache import compile_bwd as compiler
 
         shipped = shipped_bwd_configs
-        args = [a for a in args if a != "--bwd"]
-    archs = [int(a.removeprefix("sm_").rstrip("a")) for a in args] or sorted(TARGETS)
+    archs = []
+    for a in args.archs:
+        name = a.removeprefix("sm_").rstrip("a")
+        if not name.isdigit() or int(name) not in TARGETS:
+            p.error(f"ARCH {a!r}: not a portable target; allowed: {', '.join(f'sm_{t}' for t in sorted(TARGETS))}")
+        archs.append(int(name))
+    archs = archs or sorted(TARGETS)
     bad = 0
     print(f"{'config':60s} {'s':>5s} {'regs':>4s} {'spill':>5s} {'HMMA':>5s} {'LDSM':>4s} {'LDGSTS':>6s} "
           f"{'bad':>3s} {'smem':>5s}")
