@@ -264,36 +264,35 @@ def force_family(name: str) -> None:
     os.environ["FLASH4_FAMILY"] = name
 
 
+def _speed_switches(variable: str, allowed: tuple) -> tuple:
+    """The comma-separated switch names of `variable` as a tuple (() when unset); a name outside
+    `allowed` raises ValueError naming the allowed ones."""
+    value = _get(variable)
+    if value is None:
+        return ()
+    names = tuple(n.strip() for n in value.split(",") if n.strip())
+    bad = [n for n in names if n not in allowed]
+    if bad:
+        raise ValueError(f"{variable}={value!r}: unknown switch {bad}; allowed: {', '.join(allowed)}")
+    return names
+
+
 def bwd_switches() -> tuple:
     """FLASH4_BWD_SWITCHES: the sm90 backward speed switches (flash4.constants.BWD_SPEED_SWITCHES)
     to turn on where each applies (flash4.config.sm90.with_bwd_switches), as a tuple of names; () when
     unset. For A/B runs and GPU tests of candidates. An unknown name raises ValueError."""
-    value = _get("FLASH4_BWD_SWITCHES")
-    if value is None:
-        return ()
     from flash4.constants import BWD_SPEED_SWITCHES
 
-    names = tuple(n.strip() for n in value.split(",") if n.strip())
-    bad = [n for n in names if n not in BWD_SPEED_SWITCHES]
-    if bad:
-        raise ValueError(f"FLASH4_BWD_SWITCHES={value!r}: unknown switch {bad}; allowed: {', '.join(BWD_SPEED_SWITCHES)}")
-    return names
+    return _speed_switches("FLASH4_BWD_SWITCHES", BWD_SPEED_SWITCHES)
 
 
 def fwd_switches() -> tuple:
     """FLASH4_FWD_SWITCHES: the sm90 forward speed switches (flash4.constants.FWD_SPEED_SWITCHES) to
     turn on (flash4.config.sm90.with_fwd_switches), as a tuple of names; () when unset. For A/B runs
     and GPU tests of candidates. An unknown name raises ValueError."""
-    value = _get("FLASH4_FWD_SWITCHES")
-    if value is None:
-        return ()
     from flash4.constants import FWD_SPEED_SWITCHES
 
-    names = tuple(n.strip() for n in value.split(",") if n.strip())
-    bad = [n for n in names if n not in FWD_SPEED_SWITCHES]
-    if bad:
-        raise ValueError(f"FLASH4_FWD_SWITCHES={value!r}: unknown switch {bad}; allowed: {', '.join(FWD_SPEED_SWITCHES)}")
-    return names
+    return _speed_switches("FLASH4_FWD_SWITCHES", FWD_SPEED_SWITCHES)
 
 
 # The variables a forward call's plan reads (SM version and count, family, page policy, self-test

@@ -9,8 +9,6 @@ path broken by FFMAs, no spill. The GPU side is tests/gpu/test_speed_switches.py
 import dataclasses
 import os
 import re
-import subprocess
-import tempfile
 
 import pytest
 import torch
@@ -82,18 +80,12 @@ def _ex2_runs(sass: str) -> list[int]:
 
 
 def _fwd_sass(cfg):
+    """(resource usage, SASS text or None without cuobjdump) of cfg's sm_90a forward."""
     from flash4.compile.cache import compile_fwd
-    from flash4.compile.check import _cuobjdump, extract_cubin, resource_usage
+    from flash4.compile.check import extract_cubin, resource_usage, sass_text
 
     cubin = extract_cubin(compile_fwd(cfg))
-    tool = _cuobjdump()
-    if tool is None:
-        return resource_usage(cubin), None
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "k.cubin")
-        with open(path, "wb") as f:
-            f.write(cubin)
-        return resource_usage(cubin), subprocess.run([tool, "--dump-sass", path], capture_output=True, text=True).stdout
+    return resource_usage(cubin), sass_text(cubin)
 
 
 def test_softmax_vote_first_sass():
