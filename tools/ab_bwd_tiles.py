@@ -36,6 +36,11 @@ variant's config). Variants (all with configs the sm90 kernel already has; shipp
     h1      1 query head per CTA (flash-attn-4's: every (query head, key block) its own CTA)
     d64:  m64 / m64_h1     tile_m 64 with the accumulators (the former shipped), 2 / 1 heads
     d128: dkvT / dkvT_h1   transposed_dkv with the accumulators, 2 / 1 heads; rows / whole as MHA
+  sink cells (sink_delta: the kernel sums D for the learnable sink's gradient):
+    db      sink_delta_db: the partial sums double-buffered by step parity, the dQEmpty wait back at
+            the dQ hand-off (the window-128 cell lost 94.1 -> 72.4 TFLOPs with sink_delta)
+    nodelta sink_delta off: D from the 16-bit out in the preprocess (before 2026-12-02); its delta
+            not compared (not asked for): what sink_delta costs
 Timing as tools/ab_switch.py: ROUNDS interleaved rounds (order reversed every other round), each the
 median of calls with L2 flushed (flash4.bench.common.time_ms); TFLOPs of the visible work (2.5x the
 forward's) per variant, and variant/shipped = shipped ms / variant ms (> 1: the variant is faster).
@@ -178,6 +183,12 @@ def _all_variants(case: Case) -> dict:
         m80 = dq_swapab_config(rows)  # None but for the non-causal cells
         if m80 is not None:
             out["m80"] = Variant(m80, heads)
+    if cfg.sink_delta:
+        # the sink cells: the partial sums double-buffered (the dQEmpty wait back at the hand-off), and
+        # the kernel without sink_delta (D from the 16-bit out in the preprocess, as before 2026-12-02;
+        # its delta is not asked for, so not compared): what sink_delta costs
+        out["db"] = Variant(rep(cfg, sink_delta_db=True), heads)
+        out["nodelta"] = Variant(rep(cfg, sink_delta=False), heads)
     if cfg.headdim == 128 and not cfg.split_headdim and not cfg.transposed_dkv:
         # section 6b: shipped since 2026-12-03 where it applies (flash4.config.sm90.shipped_dq_handoff):
         # the whole-tile dQ hand-off per warpgroup; variants: the per-row hand-off before it, the whole
@@ -196,7 +207,8 @@ def cfg_short(c) -> str:
     """The fields of a backward config that tell the variants apart."""
     bits = [f"m{c.tile_m}n{c.tile_n}q{c.q_stages}"]
     bits += [name for name in ("transposed_dkv", "split_headdim", "dkv_accum", "exp_before_dp_wait",
-                               "dq_handoff_per_wg", "sink_delta", "local", "dq_swapab", "dq_whole", "lse_early")
+                               "dq_handoff_per_wg", "sink_delta", "sink_delta_db", "local", "dq_swapab", "dq_whole",
+                               "lse_early")
              if getattr(c, name, False)]
     return " ".join(bits)
 
@@ -327,7 +339,7 @@ def run_cell(case: Case, rounds: int, rep_ms: float) -> dict:
     out, lse = forward.run(req, lse_split=lse_split)
     dout = torch.randn_like(out)
     grads = {name: tuple(torch.full_like(t, math.nan) for t in (q, k, v)) for name in vs}
-    deltas = {name: (torch.full_like(lse, math.nan) if case.sink else None) for name in vs}
+    deltas = {name: (torch.full_like(lse, math.nan) if vs[name].cfg.sink_delta else None) for name in vs}
     with TileRoute() as route:
         def bwd(name):
             route.plan = BwdPlan(vs[name].cfg, vs[name].heads_per_cta)
@@ -349,7 +361,7 @@ def run_cell(case: Case, rounds: int, rep_ms: float) -> dict:
         base = grads["shipped"]
         for name in list(vs)[1:]:
             diffs = [ab_switch.reldiff(a, b) for a, b in zip(grads[name], base)]
-            if case.sink:
+            if deltas[name] is not None and deltas["shipped"] is not None:
                 diffs.append(ab_switch.reldiff(deltas[name], deltas["shipped"]))
             row[f"{name}_reldiff"] = max(diffs) if all(d == d for d in diffs) else math.nan
         row["shipped_finite"] = all(bool(torch.isfinite(t).all()) for t in base)

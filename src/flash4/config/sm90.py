@@ -32,7 +32,7 @@ SHORT_SEQLEN_K = 1024
 # Left out of the repr (the compile-cache and fingerprint key) while off, so adding one keeps every
 # other config's key: the speed switches, and sink_delta (on only when a learnable sink needs a gradient).
 _QUIET_SWITCHES = ("early_q_release", "l2_kv_heads", "exp_before_dp_wait", "dq_handoff_per_wg", "sink_delta",
-                   "gather_zero_fill", "dq_swapab", "dq_whole", "lse_early", "softmax_vote_first")
+                   "gather_zero_fill", "dq_swapab", "dq_whole", "lse_early", "softmax_vote_first", "sink_delta_db")
 
 
 def _quiet_repr(cfg) -> str:
@@ -444,6 +444,16 @@ class BwdConfig:
               shared memory at the dQ hand-off (the staging tile's row pad, or sink_delta_smem_bytes
               of their own on whole-tile configs); the dQ store warp adds their sum (in a fixed order)
               to the buffer, deterministic: inside its dQ turn. Not with dq_handoff_per_wg.
+              The consumers take the dQEmpty wait before staging their partial sums (not at the
+              dQ hand-off), since the store warp reads the one buffer after dQFull.
+    sink_delta_db: speed candidate with sink_delta, off by default and in no shipped selection
+              (FLASH4_BWD_SWITCHES=sink_delta_db; A/B: tools/ab_bwd_tiles.py, variant "db" of the
+              sink cells). The partial sums double-buffered by step parity in a buffer of their own
+              (2 x sink_delta_smem_bytes): step s writes buffer s % 2, which the store warp last read
+              at step s - 2, and the consumers passed that read's dQEmpty at step s - 1's hand-off;
+              so the dQEmpty wait stays at the dQ hand-off as without sink_delta. For short key
+              tiles' runs (gpt-oss window 128: ~4 steps per CTA) where the early wait is not hidden
+              (H200 2026-12-03: 94.1 -> 72.4 TFLOPs since sink_delta). Same values.
     dq_swapab: speed candidate, off by default and in no shipped selection (A/B: tools/ab_bwd_tiles.py,
               variant "m80"; docs/design/speed_candidates.md section 6). flash-attn-4's / FA3's head dim
               128 non-causal tile: tile_m 80 (DQ_SWAPAB_TILE_M), and the dQ GEMM computed transposed,
@@ -493,9 +503,11 @@ class BwdConfig:
     dq_swapab: bool = False
     dq_whole: bool = False
     lse_early: bool = False
+    sink_delta_db: bool = False
 
     def __post_init__(self):
         assert self.headdim in BWD_SUPPORTED_HEADDIMS, self.headdim
+        assert not self.sink_delta_db or self.sink_delta, self
         assert not self.dq_handoff_per_wg or (self.dq_accum_order and not self.deterministic), self
         assert not (self.sink_delta and self.dq_handoff_per_wg), self
         assert self.headdim_v is None or (self.headdim, self.headdim_v) in HDIMV_PAIRS, (self.headdim, self.headdim_v)
@@ -566,8 +578,13 @@ class BwdConfig:
     @property
     def sink_delta_in_row_pad(self) -> bool:
         """sink_delta: the partial sums live in the dQ staging tile's row pad (dq_row_pad >= slots);
-        else (whole-tile configs, no pad) in a buffer of their own (sink_delta_smem_bytes)."""
-        return self.dq_row_pad >= self.sink_delta_slots
+        else (whole-tile configs, no pad; sink_delta_db) in a buffer of their own (sink_delta_smem_bytes)."""
+        return self.dq_row_pad >= self.sink_delta_slots and not self.sink_delta_db
+
+    @property
+    def sink_delta_stages(self) -> int:
+        """Buffers of the partial sums: 2 with sink_delta_db (by step parity), else 1."""
+        return 2 if self.sink_delta_db else 1
 
     def smem_bytes(self) -> int:
         return bwd_smem_bytes(self.headdim, self.tile_m, self.tile_n, self.q_stages, self.split_headdim,
@@ -575,10 +592,11 @@ class BwdConfig:
                               dq_swapab=self.dq_swapab, dq_whole=self.dq_whole) + self.sink_delta_smem_bytes()
 
     def sink_delta_smem_bytes(self) -> int:
-        """Shared memory sink_delta adds: 0 off or in the row pad, else tile_m x slots fp32."""
+        """Shared memory sink_delta adds: 0 off or in the row pad, else tile_m x slots fp32 per
+        buffer (sink_delta_stages)."""
         if not self.sink_delta or self.sink_delta_in_row_pad:
             return 0
-        return self.tile_m * self.sink_delta_slots * 4
+        return self.tile_m * self.sink_delta_slots * 4 * self.sink_delta_stages
 
 
 def sink_delta_slots(split_headdim: bool, transposed_dkv: bool) -> int:
@@ -1023,6 +1041,8 @@ def bwd_plan(request, arch: int, heads_per_cta: int | None = None, sink_delta: b
         cfg = with_bwd_switches(cfg, switches)
     if sink_delta:
         cfg = with_sink_delta(cfg)
+        if "sink_delta_db" in switches:
+            cfg = with_bwd_switches(cfg, ("sink_delta_db",))
     return BwdPlan(cfg, heads)
 
 
@@ -1055,7 +1075,8 @@ def with_bwd_switches(cfg: BwdConfig, names) -> BwdConfig:
     DQ_WHOLE_TILE_MAX_HEADDIM without split_headdim / transposed_dkv / dq_swapab / a window;
     dq_handoff_per_wg where the dQ tile is in the accumulator order and not deterministic; lse_early on the keys-major
     steps (not transposed_dkv); exp_before_dp_wait at tile_m 64 or split_headdim, no window, not
-    transposed_dkv. Pure."""
+    transposed_dkv; sink_delta_db with sink_delta where its buffers fit (bwd_plan applies it after
+    with_sink_delta). Pure."""
     for name in BWD_SPEED_SWITCHES:
         if name not in names:
             continue
@@ -1066,6 +1087,9 @@ def with_bwd_switches(cfg: BwdConfig, names) -> BwdConfig:
             ok = cfg.dq_accum_order and not cfg.deterministic and not cfg.sink_delta
         elif name == "lse_early":
             ok = not cfg.transposed_dkv
+        elif name == "sink_delta_db":  # and its two buffers fit (not d256's split_headdim: 0.5 KiB over)
+            ok = cfg.sink_delta and (cfg.smem_bytes() - cfg.sink_delta_smem_bytes()
+                                     + 2 * cfg.tile_m * cfg.sink_delta_slots * 4) <= BWD_SMEM_BUDGET
         else:  # exp_before_dp_wait
             ok = (cfg.tile_m == 64 or cfg.split_headdim) and not cfg.local and not cfg.transposed_dkv
         if ok:

@@ -106,7 +106,7 @@ from flash4.kernels.sm90.bwd_params import (
     BwdPipelines, BwdSmem, BwdSmemLayouts, BwdTensors, BwdTiledMmas, BwdTmaAtoms, HeadSplit, ScoreArgs, StepScales,
 )
 from flash4.kernels.sm90.bwd_schedule import BwdSchedule
-from flash4.kernels.sm90.bwd_step import stage_state, step_class
+from flash4.kernels.sm90.bwd_step import delta_buffer, stage_state, step_class
 
 # setmaxnreg budgets: producer warpgroup, 2 consumer warpgroups (64K registers per CTA).
 _PRODUCER_REGS, _CONSUMER_REGS = 24, 240
@@ -416,7 +416,8 @@ class FlashAttentionBackwardSm90:
                 cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout) if self.split_hd or self.dkv_t else 64], 1024
             ]
             if const_expr(delta_own):  # sink_delta without a dQ row pad to hold the partial sums (whole-tile configs)
-                sDelta: cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m * cfg.sink_delta_slots], 128]
+                sDelta: cute.struct.Align[cute.struct.MemRange[
+                    Float32, self.tile_m * cfg.sink_delta_slots * cfg.sink_delta_stages], 128]
 
         assert SharedStorage.size_in_bytes() <= capacity(90).smem_per_block, SharedStorage.size_in_bytes()
 
@@ -487,6 +488,9 @@ class FlashAttentionBackwardSm90:
                 # dQ staging nor the store warp's per-row bulk adds touch
                 sDelta = cute.make_tensor(sdQ.iterator + self.hdim, cute.make_layout(
                     (self.tile_m, slots), stride=(self.hdim + self.cfg.dq_row_pad, 1)))
+            elif const_expr(self.cfg.sink_delta_db):  # (tile_m, slots, step parity)
+                sDelta = storage.sDelta.get_tensor(cute.make_layout((self.tile_m, slots, 2),
+                                                                    stride=(slots, 1, self.tile_m * slots)))
             else:
                 sDelta = storage.sDelta.get_tensor(cute.make_layout((self.tile_m, slots), stride=(slots, 1)))
         smem = BwdSmem(q=sQ, k=sK, v=sV, do=sdO, ds=sdS, p=sP, lse=sLSE, dpsum=sD, dq=sdQ, delta=sDelta)
@@ -597,7 +601,7 @@ class FlashAttentionBackwardSm90:
                         seen = cute.arch.load(sem_ptr, Int32, sem="acquire", scope="gpu")
                 cute.arch.sync_warp()
             if const_expr(self.cfg.sink_delta):
-                self.add_delta(mDelta, sDelta, head, m_block, lane, sched)
+                self.add_delta(mDelta, delta_buffer(sDelta, step, self.cfg.sink_delta_db), head, m_block, lane, sched)
             if const_expr(self.cfg.dq_whole_tile or self.cfg.dq_swapab):
                 # unpadded staging tile = the accumulator's contiguous tile_m x headdim block (dq_swapab:
                 # row-major, the dQ^T values staged transposed)

@@ -51,6 +51,14 @@ from flash4.kernels.common.pin import pin_ahead
 from flash4.kernels.common.pipeline import next_state
 
 
+def delta_buffer(s_delta, step, double_buffered: bool):
+    """sink_delta: the (tile_m, slots) partial-sum buffer of step `step`: with BwdConfig.sink_delta_db
+    the one of the step's parity (s_delta (tile_m, slots, 2)), else the only one."""
+    if double_buffered:
+        return s_delta[None, None, step % 2]
+    return s_delta
+
+
 def stage_state(step, stages: int, producer: bool):
     """The pipeline state of a `stages`-deep pipeline at step `step` (every step takes one stage),
     derived from the step count instead of carried through the loop (the dO pipeline of the
@@ -344,12 +352,12 @@ class BwdStep(DynamicState):
         """Stage the dQ tile for warp 1 once it has finished reading the previous one (dQEmpty), then
         signal it (dQFull). BwdConfig.dq_handoff_per_wg: this warpgroup's half only, on its own
         barrier pair (hand_off_dQ_wg). sink_delta: the dQEmpty wait came earlier in the step
-        (stage_delta)."""
+        (stage_delta), but with sink_delta_db."""
         k = self.k
         if const_expr(self.cfg.dq_handoff_per_wg):
             self.hand_off_dQ_wg(acc_dQ, step)
             return
-        if const_expr(not self.cfg.sink_delta):
+        if const_expr(not self.cfg.sink_delta or self.cfg.sink_delta_db):
             if step > 0:
                 cute.arch.barrier(barrier_id=int(NamedBarrierBwd.dQEmpty), number_of_threads=k.num_mma_threads + 32)
         if const_expr(self.cfg.dq_accum_order):
@@ -386,17 +394,21 @@ class BwdStep(DynamicState):
     def stage_delta(self, acc_S, acc_dP, step):
         """The warp's partial D sums of this step into its slot of smem.delta, once the store warp has
         read the previous step's (the dQEmpty wait, taken here instead of at the dQ hand-off), chunk
-        by chunk (delta_chunks): each chunk's values are stored as soon as they are reduced."""
-        if step > 0:
-            cute.arch.barrier(barrier_id=int(NamedBarrierBwd.dQEmpty), number_of_threads=self.k.num_mma_threads + 32)
+        by chunk (delta_chunks): each chunk's values are stored as soon as they are reduced.
+        BwdConfig.sink_delta_db: into the buffer of the step's parity, which the store warp read at
+        step - 2 and whose dQEmpty this warpgroup passed at step - 1's hand-off: no wait here."""
+        if const_expr(not self.cfg.sink_delta_db):
+            if step > 0:
+                cute.arch.barrier(barrier_id=int(NamedBarrierBwd.dQEmpty), number_of_threads=self.k.num_mma_threads + 32)
         tidx = thread_idx_fresh() - THREADS_PER_WG  # read afresh: nothing derived from it is kept across the loop
         lane = tidx % 32
         slot = self.delta_slot(tidx)
         base = self.query_base()
         s, dp = acc_mn_view(acc_S), acc_mn_view(acc_dP)
+        s_delta = delta_buffer(self.smem.delta, step, self.cfg.sink_delta_db)
         for chunk in self.delta_chunks(self.num_queries(s)):
             for row, value in zip(self.delta_rows(chunk, lane, base), self.delta_partials(s, dp, chunk, lane)):
-                self.smem.delta[row, slot] = value
+                s_delta[row, slot] = value
 
     # at most this many of a thread's queries are reduced together (the partial sums live at once):
     # 8 spilled 4-8 registers at head dim 128 with a window or softcap (compile check), 4 none
