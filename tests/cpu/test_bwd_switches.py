@@ -223,7 +223,8 @@ def test_with_bwd_switches_where_each_applies():
 
     every = BWD_SPEED_SWITCHES
     d128 = with_bwd_switches(select_bwd_config(128, "bf16", True), every)
-    assert all(getattr(d128, n) for n in every if n != "sink_delta_db") and not d128.sink_delta_db  # no sink
+    assert all(getattr(d128, n) for n in every if n not in ("sink_delta_db", "no_tail_guard"))
+    assert not d128.sink_delta_db and not d128.no_tail_guard  # no sink, dense
     d64 = with_bwd_switches(select_bwd_config(64, "bf16", True), every)  # tile_m 128, already whole
     assert (d64.dq_whole, d64.dq_handoff_per_wg, d64.lse_early, d64.exp_before_dp_wait) == (False, True, True, False)
     window = with_bwd_switches(select_bwd_config(128, "bf16", False, local=True), every)

@@ -20,7 +20,7 @@ from flash4.constants import FWD_SPEED_SWITCHES  # noqa: E402
 
 
 def test_switch_off_and_out_of_repr():
-    assert FWD_SPEED_SWITCHES == ("softmax_vote_first",)
+    assert FWD_SPEED_SWITCHES == ("softmax_vote_first", "no_tail_guard")  # the second: tests/cpu/test_tail_guard.py
     for cfg in shipped_fwd_configs():
         if isinstance(cfg, FwdConfig):
             assert not cfg.softmax_vote_first and "softmax_vote_first" not in repr(cfg)

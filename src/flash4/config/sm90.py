@@ -32,7 +32,8 @@ SHORT_SEQLEN_K = 1024
 # Left out of the repr (the compile-cache and fingerprint key) while off, so adding one keeps every
 # other config's key: the speed switches, and sink_delta (on only when a learnable sink needs a gradient).
 _QUIET_SWITCHES = ("early_q_release", "l2_kv_heads", "exp_before_dp_wait", "dq_handoff_per_wg", "sink_delta",
-                   "gather_zero_fill", "dq_swapab", "dq_whole", "lse_early", "softmax_vote_first", "sink_delta_db")
+                   "gather_zero_fill", "dq_swapab", "dq_whole", "lse_early", "softmax_vote_first", "sink_delta_db",
+                   "no_tail_guard")
 
 
 def _quiet_repr(cfg) -> str:
@@ -113,6 +114,13 @@ class FwdConfig:
                   exact-path vote before forming the exponents, so each FFMA sits next to its MUFU.EX2
                   in one basic block (kernels/common/softmax.py, OnlineSoftmax vote_first). Same bits.
                   Left out of the repr while off.
+    no_tail_guard: A/B only, off (FLASH4_FWD_SWITCHES=no_tail_guard; tools/ab_tails.py): issue 25's
+                  guards against memory past a sequence's end left out, to measure what they cost in
+                  the same run: zero_v_tail (ragged K, TMA pages) and the ragged-Q rows' exclusion
+                  from the exact-path vote. The gathered pages' zero fill (gather_zero_fill, itself
+                  faster than zeroing V, 2026-12-02) stays. Results equal on clean memory; stale
+                  NaN / inf past seqlen_k then leaks into outputs (never use it to serve).
+                  Left out of the repr while off.
     """
 
     headdim: int
@@ -143,6 +151,7 @@ class FwdConfig:
     l2_kv_heads: bool = False
     gather_zero_fill: bool = False
     softmax_vote_first: bool = False
+    no_tail_guard: bool = False
 
     def __post_init__(self):
         assert self.headdim in SUPPORTED_HEADDIMS, self.headdim
@@ -454,6 +463,10 @@ class BwdConfig:
               so the dQEmpty wait stays at the dQ hand-off as without sink_delta. For short key
               tiles' runs (gpt-oss window 128: ~4 steps per CTA) where the early wait is not hidden
               (H200 2026-12-03: 94.1 -> 72.4 TFLOPs since sink_delta). Same values.
+    no_tail_guard: A/B only, off (FLASH4_BWD_SWITCHES=no_tail_guard; tools/ab_tails.py): ragged
+              layouts (varlen / seqused) skip zero_kv_tail / zero_q_tail (issue 25's guards), to
+              measure their cost in the same run. Same gradients on clean memory; stale NaN / inf
+              past a sequence's end then leaks into them (never use it to train).
     dq_swapab: speed candidate, off by default and in no shipped selection (A/B: tools/ab_bwd_tiles.py,
               variant "m80"; docs/design/speed_candidates.md section 6). flash-attn-4's / FA3's head dim
               128 non-causal tile: tile_m 80 (DQ_SWAPAB_TILE_M), and the dQ GEMM computed transposed,
@@ -504,6 +517,7 @@ class BwdConfig:
     dq_whole: bool = False
     lse_early: bool = False
     sink_delta_db: bool = False
+    no_tail_guard: bool = False
 
     def __post_init__(self):
         assert self.headdim in BWD_SUPPORTED_HEADDIMS, self.headdim
@@ -932,9 +946,11 @@ def fwd_plan(request, arch: int, num_sms: int | None = None) -> FwdPlan:
 
 def with_fwd_switches(cfg: FwdConfig, names) -> FwdConfig:
     """cfg with each named forward speed switch (FWD_SPEED_SWITCHES) on where the kernel builds it
-    (softmax_vote_first: every sm90 forward config). Pure."""
+    (softmax_vote_first: every sm90 forward config; no_tail_guard: ragged layouts, where the guards
+    are compiled). Pure."""
+    ragged = cfg.varlen_q or cfg.seqused_q or cfg.varlen_k or cfg.seqused_k or cfg.page_rows > 0 or cfg.page_gather
     for name in FWD_SPEED_SWITCHES:
-        if name in names:
+        if name in names and (name != "no_tail_guard" or ragged):
             cfg = dataclasses.replace(cfg, **{name: True})
     return cfg
 
@@ -1075,7 +1091,7 @@ def with_bwd_switches(cfg: BwdConfig, names) -> BwdConfig:
     DQ_WHOLE_TILE_MAX_HEADDIM without split_headdim / transposed_dkv / dq_swapab / a window;
     dq_handoff_per_wg where the dQ tile is in the accumulator order and not deterministic; lse_early on the keys-major
     steps (not transposed_dkv); exp_before_dp_wait at tile_m 64 or split_headdim, no window, not
-    transposed_dkv; sink_delta_db with sink_delta where its buffers fit (bwd_plan applies it after
+    transposed_dkv; no_tail_guard on ragged layouts; sink_delta_db with sink_delta where its buffers fit (bwd_plan applies it after
     with_sink_delta). Pure."""
     for name in BWD_SPEED_SWITCHES:
         if name not in names:
@@ -1087,6 +1103,8 @@ def with_bwd_switches(cfg: BwdConfig, names) -> BwdConfig:
             ok = cfg.dq_accum_order and not cfg.deterministic and not cfg.sink_delta
         elif name == "lse_early":
             ok = not cfg.transposed_dkv
+        elif name == "no_tail_guard":  # A/B only: where zero_kv_tail / zero_q_tail are compiled
+            ok = cfg.varlen_q or cfg.seqused_q or cfg.varlen_k or cfg.seqused_k
         elif name == "sink_delta_db":  # and its two buffers fit (not d256's split_headdim: 0.5 KiB over)
             ok = cfg.sink_delta and (cfg.smem_bytes() - cfg.sink_delta_smem_bytes()
                                      + 2 * cfg.tile_m * cfg.sink_delta_slots * 4) <= BWD_SMEM_BUDGET

@@ -669,7 +669,7 @@ class FlashAttentionBackwardSm90:
         step_fn = step_class(self.cfg)(self, gmem, smem, mmas, pipes, sched, tidx)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         pipes.kv.consumer_wait(kv_state)
-        if const_expr(self.ragged_k):
+        if const_expr(self.ragged_k and not self.cfg.no_tail_guard):  # (no_tail_guard: A/B only)
             step_fn.zero_kv_tail()  # the key-edge tile: K, V rows >= seqlen_k -> 0
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
         scales = StepScales(score_args.softmax_scale,

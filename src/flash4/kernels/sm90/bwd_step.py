@@ -183,7 +183,7 @@ class BwdStep(DynamicState):
         do_state = state
         if const_expr(k.do_stages != k.q_stages):
             do_state = stage_state(step, k.do_stages, producer=False)
-        if const_expr(k.ragged_q):
+        if const_expr(k.ragged_q and not self.cfg.no_tail_guard):  # (no_tail_guard: A/B only)
             self.zero_q_tail(m_block, state, do_state)  # the query-edge step: Q, dO rows >= seqlen_q -> 0
         pipes.q.consumer_wait(state)
         acc_S = cute.make_rmem_tensor(self.acc_shape_S, Float32)

@@ -226,7 +226,9 @@ class FlashAttentionForwardSm90:
         self.ragged_k = cfg.varlen_k or cfg.seqused_k or cfg.page_rows > 0 or cfg.page_gather
         # ... unless the gathering producer zero-fills those rows itself (FwdConfig.gather_zero_fill):
         # then no consumer writes a K/V stage (zero_v_tail is not traced).
-        self.zero_v_tail_needed = self.ragged_k and not cfg.gather_zero_fill
+        self.zero_v_tail_needed = self.ragged_k and not cfg.gather_zero_fill and not cfg.no_tail_guard
+        # FwdConfig.no_tail_guard (A/B only: what issue 25's guards cost): rows past seqlen_q vote too
+        self.vote_row_limit = self.ragged_q and not cfg.no_tail_guard
 
     # ------------------------------------------------------------------ host side (trace time)
     def _smem_layout(self, rows: int, stages=None, rows_outer: bool = False, hdim=None):
@@ -671,7 +673,7 @@ class FlashAttentionForwardSm90:
             score_params.scale_log2, cute.size(acc_mn_view(tScS), mode=[0]),
             self.cfg.rescale_threshold, self.cfg.exp2_emu_frac,
             # ragged queries: rows past seqlen_q (another sequence's, stale) do not vote for the exact path
-            row_coords=acc_mn_view(tScS) if const_expr(self.ragged_q) else None,
+            row_coords=acc_mn_view(tScS) if const_expr(self.vote_row_limit) else None,
             vote_first=self.cfg.softmax_vote_first,  # FwdConfig.softmax_vote_first (speed switch)
         )
         self.scheduler_barrier_init(wg_idx)
@@ -692,7 +694,7 @@ class FlashAttentionForwardSm90:
                 mask = partial(geometry.mask_scores, tScS=tScS, t0ScS=t0ScS, m_block=m_block, seqlen_q=seqlen_q,
                                seqlen_k=seqlen_k, tile_m=self.tile_m, tile_n=self.tile_n, window=window,
                                pack=self.pack)
-                softmax.reset(seqlen_q - m_block * self.tile_m if const_expr(self.ragged_q) else None)
+                softmax.reset(seqlen_q - m_block * self.tile_m if const_expr(self.vote_row_limit) else None)
                 acc_O.fill(0.0)
                 pipeline_q.consumer_wait(q_state)
                 if n_block_max > n_block_min:
