@@ -37,8 +37,9 @@ variant's config). Variants (all with configs the sm90 kernel already has; shipp
     d64:  m64 / m64_h1     tile_m 64 with the accumulators (the former shipped), 2 / 1 heads
     d128: dkvT / dkvT_h1   transposed_dkv with the accumulators, 2 / 1 heads; rows / whole as MHA
   sink cells (sink_delta: the kernel sums D for the learnable sink's gradient):
-    db      sink_delta_db: the partial sums double-buffered by step parity, the dQEmpty wait back at
-            the dQ hand-off (the window-128 cell lost 94.1 -> 72.4 TFLOPs with sink_delta)
+    single  sink_delta_db off: the partial sums in one buffer, the dQEmpty wait before staging them
+            (shipped until 2026-12-03 evening; the double buffer keeps it at the dQ hand-off: 1.159x on
+            the gpt-oss causal cell, 0.998x on the window-128 one)
     nodelta sink_delta off: D from the 16-bit out in the preprocess (before 2026-12-02); its delta
             not compared (not asked for): what sink_delta costs
 Timing as tools/ab_switch.py: ROUNDS interleaved rounds (order reversed every other round), each the
@@ -184,11 +185,13 @@ def _all_variants(case: Case) -> dict:
         if m80 is not None:
             out["m80"] = Variant(m80, heads)
     if cfg.sink_delta:
-        # the sink cells: the partial sums double-buffered (the dQEmpty wait back at the hand-off), and
+        # the sink cells: the partial sums in one buffer (the dQEmpty wait before them, shipped until
+        # 2026-12-03 evening; now double-buffered, the wait at the hand-off), and
         # the kernel without sink_delta (D from the 16-bit out in the preprocess, as before 2026-12-02;
         # its delta is not asked for, so not compared): what sink_delta costs
-        out["db"] = Variant(rep(cfg, sink_delta_db=True), heads)
-        out["nodelta"] = Variant(rep(cfg, sink_delta=False), heads)
+        if cfg.sink_delta_db:
+            out["single"] = Variant(rep(cfg, sink_delta_db=False), heads)
+        out["nodelta"] = Variant(rep(cfg, sink_delta=False, sink_delta_db=False), heads)
     if cfg.headdim == 128 and not cfg.split_headdim and not cfg.transposed_dkv:
         # section 6b: shipped since 2026-12-03 where it applies (flash4.config.sm90.shipped_dq_handoff):
         # the whole-tile dQ hand-off per warpgroup; variants: the per-row hand-off before it, the whole

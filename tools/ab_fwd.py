@@ -22,7 +22,8 @@ or varlen request); each other variant is that config with one candidate on (shi
   pack                FwdConfig.pack_gqa = g: the g query heads of a KV head share each query tile
                       (flash-attn-4 packs GQA by default; flash4 packs only windows, after an older
                       A/B: 0.91x at 64:8 d128 causal 4k): dense GQA / MQA causal cells.
-  vf                  FwdConfig.softmax_vote_first: the softmax's exact-path vote before the
+  vf / novf           FwdConfig.softmax_vote_first on (novf: off where it ships, d128 full above 1k
+                      keys, since 2026-12-03 evening): the softmax's exact-path vote before the
                       exponents, each FFMA next to its MUFU.EX2 (section 8): every cell. Same
                       operations per element: out / lse bitwise.
 --variants NAME ... times only those variants (and shipped).
@@ -104,7 +105,7 @@ def shipped_cfg(case):
     return fwd_config(request(case), ARCH).cfg
 
 
-BITWISE = ("l2kv", "vf")  # variants whose out / lse must equal shipped's bit for bit
+BITWISE = ("l2kv", "vf", "novf")  # variants whose out / lse must equal shipped's bit for bit
 ONLY = None  # --variants: the names to time besides shipped (None: all)
 
 
@@ -136,7 +137,10 @@ def _all_variants(case) -> dict:
             out["l2kv"] = l2kv
         if cfg.pack_gqa == 1 and cfg.tile_m % group == 0 and not cfg.varlen_q:  # dense Q only
             out["pack"] = dataclasses.replace(cfg, pack_gqa=group)
-    out["vf"] = with_fwd_switches(cfg, ("softmax_vote_first",))
+    if cfg.softmax_vote_first:  # shipped there since 2026-12-03 evening (shipped_vote_first): time it off
+        out["novf"] = dataclasses.replace(cfg, softmax_vote_first=False)
+    else:
+        out["vf"] = with_fwd_switches(cfg, ("softmax_vote_first",))
     return out
 
 

@@ -44,6 +44,10 @@ ARCH, DTYPE, HEADDIM = 90, "bf16", 128
 NUM_SMS = 132  # the H200's (the decode plan's split count; the device run reads its own)
 SHORT = 37  # keys short of a full last tile
 SWITCH = "no_tail_guard"
+# the second variant's environment (--env NAME=VALUE replaces it, e.g. FLASH4_PAGE_PREFETCH=0: any plan
+# variable the doors read per call) and its name
+ALT = {"FLASH4_FWD_SWITCHES": SWITCH, "FLASH4_BWD_SWITCHES": SWITCH}
+ALT_NAME = "unguarded"
 DECODE = (("decode_b1_128k", 1, 131072, 0), ("decode_b8_32k", 8, 32768, 0), ("decode_b8_4k", 8, 4096, 0),
           ("decode_paged64_b8_32k", 8, 32768, 64))
 VARLEN = ("varlen_fwd", "varlen_bwd", "paged128_fwd")
@@ -54,13 +58,36 @@ def cells() -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------- plan
-def decode_cfgs(cell) -> list:
-    from flash4.config.sm90 import decode_plan, gather_policy, page_policy, with_fwd_switches
+class _Env:
+    """Within `with _Env(variant):` the environment of the variant ("shipped": ALT's names unset)."""
+
+    def __init__(self, variant: str):
+        self.variant, self.saved = variant, {}
+
+    def __enter__(self):
+        self.saved = {name: os.environ.get(name) for name in ALT}
+        _set(self.variant)
+        return self
+
+    def __exit__(self, *exc):
+        for name, value in self.saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def decode_cfg(cell):
+    """The decode step's forward config (flash4's plan under the current environment)."""
+    from flash4.config.sm90 import decode_plan, gather_policy, page_policy
 
     _, batch, seqlen, page = cell
     plan = decode_plan(batch, 1, 32, 8, HEADDIM, DTYPE, False, page, seqlen, 0, ARCH, NUM_SMS,
                        page_policy=page_policy(), gather_zero_fill=gather_policy())
-    return [plan.cfg, with_fwd_switches(plan.cfg, (SWITCH,))]
+    from flash4 import env
+    from flash4.config.sm90 import with_fwd_switches
+
+    return with_fwd_switches(plan.cfg, env.fwd_switches())
 
 
 def varlen_request(page: int = 0, tensors=None):
@@ -92,21 +119,18 @@ def varlen_request(page: int = 0, tensors=None):
 def plan_kernels() -> list[tuple]:
     """(kind, cfg) of every main kernel both variants load, without duplicates."""
     from flash4.config import bwd_config, fwd_config
-    from flash4.config.sm90 import with_bwd_switches, with_fwd_switches
 
     out = []
-    for cell in DECODE:
-        out += [("fwd", c) for c in decode_cfgs(cell)]
-    for page in (0, 128):
-        cfg = fwd_config(varlen_request(page), ARCH).cfg
-        out += [("fwd", cfg), ("fwd", with_fwd_switches(cfg, (SWITCH,)))]
-    bwd = bwd_config(varlen_request(), ARCH).cfg
-    out += [("bwd", bwd), ("bwd", with_bwd_switches(bwd, (SWITCH,)))]
+    for variant in ("shipped", ALT_NAME):
+        with _Env(variant):
+            out += [("fwd", decode_cfg(cell)) for cell in DECODE]
+            out += [("fwd", fwd_config(varlen_request(page), ARCH).cfg) for page in (0, 128)]
+            out += [("bwd", bwd_config(varlen_request(), ARCH).cfg)]
     return list(dict.fromkeys(out))
 
 
 def print_plan() -> None:
-    print(f"{DTYPE}, sm_{ARCH}a, d{HEADDIM}; variants: shipped, unguarded ({SWITCH})")
+    print(f"{DTYPE}, sm_{ARCH}a, d{HEADDIM}; variants: shipped, {ALT_NAME} ({ALT})")
     for kind, cfg in plan_kernels():
         print(f"  {kind} {cfg!r}")
 
@@ -122,9 +146,13 @@ def precompile() -> int:
 
 
 # -------------------------------------------------------------------------------------------- device
-def _set(switch: str) -> None:
-    os.environ["FLASH4_FWD_SWITCHES"] = switch
-    os.environ["FLASH4_BWD_SWITCHES"] = switch
+def _set(variant: str) -> None:
+    """The environment of `variant`: ALT for ALT_NAME; ALT's names unset for "shipped"."""
+    for name, value in ALT.items():
+        if variant == ALT_NAME:
+            os.environ[name] = value
+        else:
+            os.environ.pop(name, None)
 
 
 def run_decode(cell, rounds, rep_ms) -> dict:
@@ -148,7 +176,7 @@ def run_decode(cell, rounds, rep_ms) -> dict:
     outs = {}
 
     def call(variant):
-        _set(SWITCH if variant == "unguarded" else "")
+        _set(variant)
         outs[variant] = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, page_table=table, return_lse=True)
 
     return _timed(name, call, outs, rounds, rep_ms, kv_bytes=2 * batch * (seqlen - SHORT) * 8 * HEADDIM * 2)
@@ -174,16 +202,16 @@ def run_varlen(name, rounds, rep_ms) -> dict:
     flops = varlen_fwd_flops(lengths, 16, HEADDIM, True)
     outs = {}
     if name.endswith("bwd"):
-        _set("")
+        _set("shipped")
         out, lse = forward.run(req)
         flops *= 2.5
 
         def call(variant):
-            _set(SWITCH if variant == "unguarded" else "")
+            _set(variant)
             outs[variant] = backward.run(req, dout, out, lse)
     else:
         def call(variant):
-            _set(SWITCH if variant == "unguarded" else "")
+            _set(variant)
             outs[variant] = forward.run(req)
 
     return _timed(name, call, outs, rounds, rep_ms, flops=flops)
@@ -193,28 +221,29 @@ def _timed(name, call, outs, rounds, rep_ms, flops=None, kv_bytes=None) -> dict:
     import torch
 
     row = {"cell": name}
-    for variant in ("shipped", "unguarded"):
+    for variant in ("shipped", ALT_NAME):
         call(variant)
     torch.cuda.synchronize()
-    a, b = (tuple(t for t in outs[v] if t is not None) for v in ("shipped", "unguarded"))
+    a, b = (tuple(t for t in outs[v] if t is not None) for v in ("shipped", ALT_NAME))
     row["bitwise"] = all(ab_switch.same(x, y) for x, y in zip(a, b))
     row["finite"] = all(bool(torch.isfinite(x).all()) for x in a)
-    ms = ab_switch.interleaved({v: (lambda v=v: call(v)) for v in ("shipped", "unguarded")}, rounds, rep_ms)
-    _set("")
+    ms = ab_switch.interleaved({v: (lambda v=v: call(v)) for v in ("shipped", ALT_NAME)}, rounds, rep_ms)
+    _set("shipped")
     for v in ms:
         row[f"{v}_ms"] = ms[v]
         if flops:
             row[f"{v}_tflops"] = flops / ms[v] / 1e9
         if kv_bytes:
             row[f"{v}_kv_gbps"] = kv_bytes / ms[v] / 1e6
-    row["unguarded/shipped"] = ms["shipped"] / ms["unguarded"]
+    row["alt"] = ALT_NAME
+    row["alt/shipped"] = ms["shipped"] / ms[ALT_NAME]
     return row
 
 
 def format_row(row) -> str:
     unit = "tflops" if "shipped_tflops" in row else "kv_gbps"
-    return (f"{row['cell']:24s} shipped {row[f'shipped_{unit}']:8.1f} unguarded {row[f'unguarded_{unit}']:8.1f} "
-            f"{unit}  unguarded/shipped {row['unguarded/shipped']:.3f}  bitwise {row['bitwise']} finite {row['finite']}")
+    return (f"{row['cell']:24s} shipped {row[f'shipped_{unit}']:8.1f} {ALT_NAME} {row[f'{ALT_NAME}_{unit}']:8.1f} "
+            f"{unit}  {ALT_NAME}/shipped {row['alt/shipped']:.3f}  bitwise {row['bitwise']} finite {row['finite']}")
 
 
 def main(argv=None) -> int:
@@ -226,7 +255,12 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=ab_switch.ROUNDS)
     p.add_argument("--rep-ms", type=float, default=ab_switch.REP_MS)
     p.add_argument("--out")
+    p.add_argument("--env", metavar="NAME=VALUE", nargs="*",
+                   help="the second variant's environment instead of no_tail_guard (e.g. FLASH4_PAGE_PREFETCH=0)")
     args = p.parse_args(argv)
+    global ALT, ALT_NAME
+    if args.env:
+        ALT, ALT_NAME = dict(e.split("=", 1) for e in args.env), "alt"
     if args.cache_dir:
         os.environ["FLASH4_CACHE_DIR"] = os.path.abspath(args.cache_dir)
     if args.dry_run:

@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from flash4.config import (GATHER_ZERO_FILL, PAGE_GATHER_MAX, BwdPlan, FwdPlan, bwd_config, fwd_config, paged_page_rows, select_bwd_config, select_fwd_config,
+from flash4.config import (GATHER_ZERO_FILL, PAGE_GATHER_MAX, PAGE_PREFETCH, BwdPlan, FwdPlan, bwd_config, fwd_config, paged_page_rows, select_bwd_config, select_fwd_config,
                            with_dkv_accum, with_pack_gqa, with_seq_layout)
 from flash4.config.sm90 import decode_plan, head_split_config
 from flash4.geometry import window_sides
@@ -70,7 +70,7 @@ def test_paged_plan(page_size):
     # page 16: gathered rows (PAGE_GATHER_MAX); larger pages: TMA pieces of gcd(page_size, tile_n) rows
     # gathered: the producer zero-fills rows past seqlen_k (GATHER_ZERO_FILL)
     layout = ({"page_gather": True, "gather_zero_fill": GATHER_ZERO_FILL} if page_size <= PAGE_GATHER_MAX
-              else {"page_rows": paged_page_rows(page_size, base.tile_n)})
+              else {"page_rows": paged_page_rows(page_size, base.tile_n), "page_prefetch": PAGE_PREFETCH})
     assert plan.cfg == with_seq_layout(base, varlen_q=True, seqused_k=True, **layout)
 
 
@@ -89,7 +89,7 @@ def test_decode_plan_from_a_decode_request(paged, num_splits, window):
     plan = fwd_config(step, 90, 132)
     sides, capacity = window_sides(window, True), 16 * 64 if paged else 4096  # pages x page_size, or seqlen_cache
     assert plan == decode_plan(4, 1, 32, 8, 128, "bf16", True, 64 if paged else 0, capacity, num_splits, 90, 132,
-                               sides)
+                               sides, page_policy=(PAGE_GATHER_MAX, PAGE_PREFETCH))
     assert step.cache == CacheSpec(None, None, None, None, num_splits) and step.capacity == capacity
 
 

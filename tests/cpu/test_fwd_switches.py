@@ -21,9 +21,17 @@ from flash4.constants import FWD_SPEED_SWITCHES  # noqa: E402
 
 def test_switch_off_and_out_of_repr():
     assert FWD_SPEED_SWITCHES == ("softmax_vote_first", "no_tail_guard")  # the second: tests/cpu/test_tail_guard.py
+    from flash4.config.sm90 import shipped_vote_first
+
+    on = []
     for cfg in shipped_fwd_configs():
-        if isinstance(cfg, FwdConfig):
-            assert not cfg.softmax_vote_first and "softmax_vote_first" not in repr(cfg)
+        if isinstance(cfg, FwdConfig):  # on only where shipped_vote_first puts it (d128 dense full, long)
+            if cfg.softmax_vote_first:
+                on.append(cfg)
+                assert shipped_vote_first(dataclasses.replace(cfg, softmax_vote_first=False), 4096) == cfg
+            else:
+                assert "softmax_vote_first" not in repr(cfg)
+    assert sorted((c.headdim, c.dtype, c.causal) for c in on) == [(128, "bf16", False), (128, "fp16", False)]
     on = dataclasses.replace(select_fwd_config(128, "bf16", False), softmax_vote_first=True)
     assert repr(on).endswith(", softmax_vote_first=True)") and eval(repr(on)) == on
 
@@ -106,3 +114,31 @@ def test_softmax_vote_first_sass():
     runs_off, runs_on = _ex2_runs(off), _ex2_runs(on)
     assert len(runs_off) <= 4 and max(runs_off) >= 64, runs_off
     assert len(runs_on) >= 32, runs_on
+
+
+def test_shipped_vote_first():
+    """softmax_vote_first ships where it was measured faster (H200 2026-12-03 evening): the plain
+    dense d128 non-causal forward above SHORT_SEQLEN_K keys; not causal, windows, softcap, sinks,
+    value head dims, other head dims, short sequences or packed layouts (seqlen_k None)."""
+    from flash4.config.sm90 import SHORT_SEQLEN_K
+
+    assert select_fwd_config(128, "bf16", False, seqlen_k=4096).softmax_vote_first
+    assert select_fwd_config(128, "fp16", False, seqlen_k=SHORT_SEQLEN_K + 1).softmax_vote_first
+    for kwargs in (dict(seqlen_k=SHORT_SEQLEN_K), dict(seqlen_k=None), dict(causal=True, seqlen_k=4096),
+                   dict(local=True, seqlen_k=4096), dict(softcap=True, seqlen_k=4096), dict(sink=True, seqlen_k=4096),
+                   dict(headdim=64, seqlen_k=4096), dict(headdim=256, seqlen_k=4096),
+                   dict(headdim_v=64, seqlen_k=4096)):
+        args = dict(headdim=128, dtype="bf16", causal=False) | kwargs
+        assert not select_fwd_config(**args).softmax_vote_first, kwargs
+
+
+def test_vote_first_reaches_the_dense_plan(monkeypatch):
+    from flash4.config import fwd_config
+    from flash4.request import Request
+
+    monkeypatch.delenv("FLASH4_FWD_SWITCHES", raising=False)
+    meta = dict(device="meta", dtype=torch.bfloat16)
+    long, short = torch.empty(2, 4096, 4, 128, **meta), torch.empty(2, 1024, 4, 128, **meta)
+    assert fwd_config(Request.dense(long, long, long, 0.1, False), 90).cfg.softmax_vote_first
+    assert not fwd_config(Request.dense(long, long, long, 0.1, True), 90).cfg.softmax_vote_first
+    assert not fwd_config(Request.dense(short, short, short, 0.1, False), 90).cfg.softmax_vote_first

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from flash4 import env
-from flash4.config import (GATHER_ZERO_FILL, HDIMV_PAIRS, PAGED_KV_STAGES, SUPPORTED_HEADDIMS, fwd_config,
+from flash4.config import (GATHER_ZERO_FILL, HDIMV_PAIRS, PAGE_PREFETCH, PAGED_KV_STAGES, PAGED_KV_STAGES_SMALL_PIECES,
+                           SMALL_PAGE_PIECE_ROWS, SUPPORTED_HEADDIMS, fwd_config,
                            paged_layout, paged_page_rows, select_fwd_config, with_seq_layout)
 from flash4.config.sm90 import (FWD_SMEM_OVERHEAD, FwdConfig, decode_plan, fwd_smem_fits, gather_policy,
                                 with_gather, with_paged_kv_stages)
@@ -105,13 +106,19 @@ def test_fwd_plan_applies_the_switches(page, monkeypatch):
         monkeypatch.delenv(name, raising=False)
     cfg = fwd_config(_request(page), 90).cfg
     gathered = page % 8 != 0 or page <= 16
-    assert cfg.page_gather == gathered and cfg.kv_stages == 2
+    small_pieces = not gathered and cfg.page_rows <= SMALL_PAGE_PIECE_ROWS  # 3 stages with the look-ahead
+    assert cfg.page_gather == gathered and cfg.page_prefetch == (not gathered and PAGE_PREFETCH)
+    assert cfg.kv_stages == (PAGED_KV_STAGES_SMALL_PIECES if small_pieces and PAGE_PREFETCH else 2)
     assert cfg.gather_zero_fill == (gathered and GATHER_ZERO_FILL)
     monkeypatch.setenv("FLASH4_PAGED_KV_STAGES", "3")
     cfg = fwd_config(_request(page), 90).cfg
     assert cfg.kv_stages == 3 and cfg.gather_zero_fill == (gathered and GATHER_ZERO_FILL)
     monkeypatch.setenv("FLASH4_GATHER_ZERO_FILL", "0")
     assert not fwd_config(_request(page), 90).cfg.gather_zero_fill
+    monkeypatch.setenv("FLASH4_PAGED_KV_STAGES", "2")
+    monkeypatch.setenv("FLASH4_PAGE_PREFETCH", "0")
+    cfg = fwd_config(_request(page), 90).cfg
+    assert cfg.kv_stages == 2 and not cfg.page_prefetch
 
 
 def test_decode_plan_takes_the_gather_policy():

@@ -224,7 +224,7 @@ def test_sink_delta_off_everywhere_and_fits():
 
     for cfg in shipped_bwd_configs():
         assert not cfg.sink_delta and "sink_delta" not in repr(cfg)
-        on = with_sink_delta(cfg)
+        on = dataclasses.replace(with_sink_delta(cfg), sink_delta_db=False)  # one buffer (d256's shipped form)
         assert on.sink_delta and not on.dq_handoff_per_wg and repr(on).endswith("sink_delta=True)")
         # d128's whole-tile hand-off (shipped_dq_handoff) is not taken with sink_delta: padded rows
         cfg = dataclasses.replace(cfg, dq_whole=False, dq_handoff_per_wg=False) if cfg.headdim > 96 else cfg
@@ -234,40 +234,26 @@ def test_sink_delta_off_everywhere_and_fits():
         assert on.sink_delta_in_row_pad == (cfg.dq_row_pad >= on.sink_delta_slots)
 
 
-def test_sink_delta_db_config():
-    """sink_delta_db (FLASH4_BWD_SWITCHES): only with sink_delta, applied after with_sink_delta; two
-    buffers of their own (never the row pad), 2 x tile_m x slots fp32, where they fit (not d256)."""
+def test_sink_delta_db_where_it_fits():
+    """with_sink_delta double-buffers the partial sums (sink_delta_db) where two buffers of their own
+    (never the row pad), 2 x tile_m x slots fp32, fit the smem budget: every shipped head dim but 256
+    (split_headdim, 0.5 KiB over: one buffer, in the row pad); only with sink_delta."""
+    from flash4.config.sm90 import sink_delta_db_fits
 
-    from flash4.config.sm90 import with_bwd_switches
-
-    applied = set()
+    doubled = set()
     for cfg in shipped_bwd_configs():
-        assert with_bwd_switches(cfg, ("sink_delta_db",)) == cfg  # no sink_delta: not applied
         on = with_sink_delta(cfg)
-        db = with_bwd_switches(on, ("sink_delta_db",))
-        if cfg.headdim == 256:  # split_headdim: two buffers are 0.5 KiB past the budget, not applied
-            assert db == on
-            continue
-        applied.add(cfg.headdim)
-        assert db == dataclasses.replace(on, sink_delta_db=True) and db.sink_delta_stages == 2
-        assert not db.sink_delta_in_row_pad and repr(db).endswith("sink_delta=True, sink_delta_db=True)")
-        base = on.smem_bytes() - on.sink_delta_smem_bytes()
-        assert db.smem_bytes() == base + 2 * db.tile_m * db.sink_delta_slots * 4
-    assert applied == {64, 96, 128, 192}
+        single = dataclasses.replace(on, sink_delta_db=False)
+        assert on.sink_delta_db == sink_delta_db_fits(single) == (cfg.headdim != 256), cfg
+        if on.sink_delta_db:
+            doubled.add(cfg.headdim)
+            assert on.sink_delta_stages == 2 and not on.sink_delta_in_row_pad
+            assert repr(on).endswith("sink_delta=True, sink_delta_db=True)")
+            base = single.smem_bytes() - single.sink_delta_smem_bytes()
+            assert on.smem_bytes() == base + 2 * on.tile_m * on.sink_delta_slots * 4
+    assert doubled == {64, 96, 128, 192}
     with pytest.raises(AssertionError):
         dataclasses.replace(select_bwd_config(64, "bf16", True), sink_delta_db=True)
-
-
-def test_bwd_plan_sink_delta_db(monkeypatch):
-    from flash4.config import bwd_config
-    from flash4.request import Request
-
-    q = torch.empty(2, 64, 4, 128, dtype=BF16)
-    request = Request.dense(q, q, q, 0.1, True, None, 0.0)
-    monkeypatch.setenv("FLASH4_BWD_SWITCHES", "sink_delta_db")
-    assert not bwd_config(request, 90).cfg.sink_delta_db  # no sink gradient: nothing to buffer
-    plan = bwd_config(request, 90, sink_delta=True)
-    assert plan.cfg.sink_delta and plan.cfg.sink_delta_db
 
 
 def test_bwd_plan_sets_sink_delta():
@@ -370,14 +356,14 @@ COMPILED = [with_sink_delta(select_bwd_config(64, "bf16", True)),  # 128-query s
             with_sink_delta(with_seq_layout(select_bwd_config(128, "bf16", True), varlen_q=True, varlen_k=True)),
             with_sink_delta(select_bwd_config(256, "bf16", True)),  # split_headdim: 4 slots in the row pad
             with_sink_delta(select_bwd_config(192, "bf16", True)),  # transposed_dkv: 2 slots
-            # sink_delta_db (speed candidate): the window-128 gpt-oss layer's config, and 192's transposed_dkv
-            dataclasses.replace(with_sink_delta(select_bwd_config(64, "bf16", False, local=True)), sink_delta_db=True),
-            dataclasses.replace(with_sink_delta(select_bwd_config(192, "bf16", True)), sink_delta_db=True)]
+            # the gpt-oss window-128 layer's config (double-buffered), and the single buffer at d64
+            with_sink_delta(select_bwd_config(64, "bf16", False, local=True)),
+            dataclasses.replace(with_sink_delta(select_bwd_config(64, "bf16", True)), sink_delta_db=False)]
 
 
 @pytest.mark.parametrize("cfg", COMPILED, ids=lambda c: f"d{c.headdim}-m{c.tile_m}"
                          + ("-det" if c.deterministic else "") + ("-varlen" if c.varlen_q else "")
-                         + ("-window" if c.local else "") + ("-db" if c.sink_delta_db else ""))
+                         + ("-window" if c.local else "") + ("" if c.sink_delta_db else "-single"))
 def test_sink_delta_compiles_clean(cfg):
     """sm_90a: no spill, wgmma not serialized; the store warp's red.global.add.f32 (RED.E.ADD.F32) is in."""
     pytest.importorskip("cutlass")

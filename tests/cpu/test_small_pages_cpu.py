@@ -37,7 +37,7 @@ def test_small_pages_are_on_by_default(monkeypatch):
 def test_constants():
     assert MIN_PAGE_ROWS == 8 and TMA_PAGE_ROWS == 8
     # page 16 gathered since the H200 A/B of 2026-12-02 (issue 25 item 3); the prefetch stays off
-    assert PAGE_GATHER_MAX == 16 and PAGE_PREFETCH is False
+    assert PAGE_GATHER_MAX == 16 and PAGE_PREFETCH is True  # the look-ahead: on since 2026-12-03 evening
 
 
 @pytest.mark.parametrize("page_size", range(1, 70))
@@ -49,7 +49,8 @@ def test_paged_layout_default(page_size, tile_n, monkeypatch):
     if page_size % 8 or page_size <= PAGE_GATHER_MAX:
         assert got == {"page_rows": 0, "page_gather": True}
     else:
-        assert got == {"page_rows": paged_page_rows(page_size, tile_n), "page_gather": False, "page_prefetch": False}
+        assert got == {"page_rows": paged_page_rows(page_size, tile_n), "page_gather": False,
+                       "page_prefetch": PAGE_PREFETCH}
         assert got["page_rows"] % TMA_PAGE_ROWS == 0 and tile_n % got["page_rows"] == 0
 
 

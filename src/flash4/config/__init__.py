@@ -69,9 +69,11 @@ TMA_PAGE_ROWS = 8
 PAGE_GATHER_MAX = 16
 # TMA page pieces with the page-table look-ahead (FwdConfig.page_prefetch; FLASH4_PAGE_PREFETCH
 # overrides it). H200 A/B of 2026-12-02 night (tools/ab_pages.py, docs/design/small_pages.md): page 16
-# 426 vs 410 TF (+3.9%), page 32 502 vs 482 TF (+4.1%), bitwise equal; not measured at pages 64 / 128,
-# so it stays off until it is measured there.
-PAGE_PREFETCH = False
+# 426 vs 410 TF (+3.9%), page 32 502 vs 482 TF (+4.1%), bitwise equal; 2026-12-03 afternoon: page 32
+# 0.916 of contiguous vs 0.892 off, pages 64 / 128 ties (0.945-0.967). On since 2026-12-03 evening,
+# after the paged GPU tests passed with it (and 3 stages: 177 of 177, test_paged / small_pages /
+# kvcache / leak_fwd / decode_doors).
+PAGE_PREFETCH = True
 # Gathered pages (FwdConfig.gather_zero_fill): the producer zero-fills K/V rows past seqlen_k with
 # cp.async of src-size 0, and the consumers no longer zero V's tail (zero_v_tail). Same results bit for
 # bit (V rows past seqlen_k exactly 0 either way, K rows past it masked), and every byte of a stage has
@@ -85,6 +87,11 @@ GATHER_ZERO_FILL = True
 # pieces 2 vs 3 stages: page 16 0.744 vs 0.738 of contiguous, page 32 0.877 vs 0.878, page 128 0.958
 # vs 0.949).
 PAGED_KV_STAGES = 2
+# ... but 3 for TMA page pieces of at most SMALL_PAGE_PIECE_ROWS rows with the look-ahead on (pages of
+# 24 or 32 rows, a multiple of 8 above PAGE_GATHER_MAX): H200 A/B of 2026-12-03 afternoon, page 32
+# 0.934 of contiguous with both vs 0.916 with the look-ahead alone (where the smem allows: d <= 128).
+PAGED_KV_STAGES_SMALL_PIECES = 3
+SMALL_PAGE_PIECE_ROWS = 32
 
 # The dQ postprocess stores 16-byte chunks (kernels/common/bwd_preprocess.py wide_stores): on since
 # the H200 A/B of 2026-12-02 (tools/ab_switch.py, docs/design/speed_candidates.md: the postprocess

@@ -16,7 +16,8 @@ import types
 
 from flash4.constants import BWD_SPEED_SWITCHES, DTYPES, FWD_SPEED_SWITCHES, RESCALE_THRESHOLD_LOG2, ROWS_PER_WARPGROUP
 from flash4.config import (GATHER_ZERO_FILL, HDIMV_PAIRS, MAX_SPLITS, MIN_BLOCKS_PER_SPLIT,  # noqa: F401
-                           PAGE_GATHER_MAX, PAGE_PREFETCH, PAGED_KV_STAGES, SPLIT_EFFICIENCY, SPLIT_WHEN_TILES_BELOW,
+                           PAGE_GATHER_MAX, PAGE_PREFETCH, PAGED_KV_STAGES, PAGED_KV_STAGES_SMALL_PIECES,
+                           SMALL_PAGE_PIECE_ROWS, SPLIT_EFFICIENCY, SPLIT_WHEN_TILES_BELOW,
                            SUPPORTED_HEADDIMS, BwdPlan, FwdPlan, canonical_hdimv, ceil_div, choose_num_splits,
                            mean_queries_per_key, paged_layout, with_seq_layout)
 from flash4.arch import capacity
@@ -240,6 +241,18 @@ def select_fwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, a
                     kv_stages=2, lpt=causal and not local, arch=arch, local=local, softcap=softcap, sink=sink)
     if seqlen_k is not None and seqlen_k <= SHORT_SEQLEN_K:
         cfg = short_seq_fwd_config(cfg)
+    return shipped_vote_first(cfg, seqlen_k)
+
+
+def shipped_vote_first(cfg: FwdConfig, seqlen_k: int | None) -> FwdConfig:
+    """FwdConfig.softmax_vote_first where it was measured faster (pure): the plain dense d128
+    non-causal forward above SHORT_SEQLEN_K keys. H200, 2026-12-03 evening (tools/ab_fwd.py --variants
+    vf, 5 interleaved rounds, docs/design/speed_candidates.md section 8): d128 full 4k 1.024x, 16k
+    1.035x; 1k 0.992x (persistent config), causal / GQA / MQA / d96 cells 0.968-0.994x, so not there.
+    Same bits as off (GPU test: every door, the exact path included)."""
+    if (cfg.headdim == 128 and not cfg.causal and not cfg.local and not cfg.softcap and not cfg.sink
+            and cfg.headdim_v is None and not cfg.persistent and seqlen_k is not None and seqlen_k > SHORT_SEQLEN_K):
+        return dataclasses.replace(cfg, softmax_vote_first=True)
     return cfg
 
 
@@ -370,6 +383,12 @@ def shipped_fwd_configs() -> list[FwdConfig]:
         for dt in DTYPES
         for c in (False, True)
         if (short := select_fwd_config(d, dt, c, seqlen_k=SHORT_SEQLEN_K)) != select_fwd_config(d, dt, c)
+    ] + [  # the long dense forwards that differ (shipped_vote_first: d128 non-causal)
+        long
+        for d in SUPPORTED_HEADDIMS
+        for dt in DTYPES
+        for c in (False, True)
+        if (long := select_fwd_config(d, dt, c, seqlen_k=SHORT_SEQLEN_K + 1)) != select_fwd_config(d, dt, c)
     ] + [  # the tiles switched on in FWD_WIDE_TILE_N / FWD_KV_STAGES (none while they are empty)
         wide
         for d in SUPPORTED_HEADDIMS
@@ -455,14 +474,15 @@ class BwdConfig:
               to the buffer, deterministic: inside its dQ turn. Not with dq_handoff_per_wg.
               The consumers take the dQEmpty wait before staging their partial sums (not at the
               dQ hand-off), since the store warp reads the one buffer after dQFull.
-    sink_delta_db: speed candidate with sink_delta, off by default and in no shipped selection
-              (FLASH4_BWD_SWITCHES=sink_delta_db; A/B: tools/ab_bwd_tiles.py, variant "db" of the
-              sink cells). The partial sums double-buffered by step parity in a buffer of their own
-              (2 x sink_delta_smem_bytes): step s writes buffer s % 2, which the store warp last read
-              at step s - 2, and the consumers passed that read's dQEmpty at step s - 1's hand-off;
-              so the dQEmpty wait stays at the dQ hand-off as without sink_delta. For short key
-              tiles' runs (gpt-oss window 128: ~4 steps per CTA) where the early wait is not hidden
-              (H200 2026-12-03: 94.1 -> 72.4 TFLOPs since sink_delta). Same values.
+    sink_delta_db: on with sink_delta where its two buffers fit (with_sink_delta; all but d256's
+              split_headdim, 0.5 KiB over). The partial sums double-buffered by step parity in a buffer
+              of their own (2 x sink_delta_smem_bytes): step s writes buffer s % 2, which the store
+              warp last read at step s - 2, and the consumers passed that read's dQEmpty at step
+              s - 1's hand-off; so the dQEmpty wait stays at the dQ hand-off as without sink_delta.
+              H200, 2026-12-03 evening (tools/ab_bwd_tiles.py, 5 interleaved rounds): gpt-oss d64
+              64/8 heads causal 8k with the sink gradient 342.2 -> 396.5 TFLOPs (1.159x; without
+              sink_delta 450.9), the window-128 layer 0.998x (its cost is the reductions: 1.114x
+              without sink_delta). Same values.
     no_tail_guard: A/B only, off (FLASH4_BWD_SWITCHES=no_tail_guard; tools/ab_tails.py): ragged
               layouts (varlen / seqused) skip zero_kv_tail / zero_q_tail (issue 25's guards), to
               measure their cost in the same run. Same gradients on clean memory; stale NaN / inf
@@ -619,9 +639,17 @@ def sink_delta_slots(split_headdim: bool, transposed_dkv: bool) -> int:
 
 def with_sink_delta(cfg: BwdConfig) -> BwdConfig:
     """cfg that also sums D = sum_j P dP per query row (BwdConfig.sink_delta: a learnable sink needs a
-    gradient); the per-warpgroup dQ hand-off and the whole-tile d128 hand-off (speed switches,
-    shipped_dq_handoff: not measured with sink_delta) off."""
-    return dataclasses.replace(cfg, sink_delta=True, dq_handoff_per_wg=False, dq_whole=False)
+    gradient), its partial sums double-buffered where they fit (sink_delta_db); the per-warpgroup dQ
+    hand-off and the whole-tile d128 hand-off (speed switches, shipped_dq_handoff: not measured with
+    sink_delta) off."""
+    on = dataclasses.replace(cfg, sink_delta=True, dq_handoff_per_wg=False, dq_whole=False)
+    return dataclasses.replace(on, sink_delta_db=True) if sink_delta_db_fits(on) else on
+
+
+def sink_delta_db_fits(cfg: BwdConfig) -> bool:
+    """Whether a sink_delta cfg's two partial-sum buffers (sink_delta_db) fit the smem budget."""
+    db_bytes = 2 * cfg.tile_m * cfg.sink_delta_slots * 4
+    return cfg.smem_bytes() - cfg.sink_delta_smem_bytes() + db_bytes <= BWD_SMEM_BUDGET
 
 
 # BwdConfig.dq_swapab (speed candidate, off): flash-attn-4's head dim 128 non-causal query tile.
@@ -974,7 +1002,7 @@ def _fwd_plan(request, arch: int, num_sms: int | None = None) -> FwdPlan:
     paged = paged_layout(k.shape[1], cfg.tile_n, *page_policy()) if seq.paged else {}
     cfg = with_seq_layout(cfg, varlen_q=True, varlen_k=not seq.paged, seqused_q=seq.seqused_q is not None,
                           seqused_k=seq.seqused_k is not None, **paged)
-    return FwdPlan(with_paged_kv_stages(with_gather(cfg, gather_policy()), paged_kv_stages_policy()))
+    return FwdPlan(with_paged_kv_stages(with_gather(cfg, gather_policy()), paged_kv_stages_policy(cfg)))
 
 
 def gather_policy() -> bool:
@@ -994,12 +1022,18 @@ def with_gather(cfg: FwdConfig, zero_fill: bool) -> FwdConfig:
     return dataclasses.replace(cfg, gather_zero_fill=bool(zero_fill))
 
 
-def paged_kv_stages_policy() -> int:
-    """K/V stages asked for the paged prefill forward: FLASH4_PAGED_KV_STAGES, else PAGED_KV_STAGES."""
+def paged_kv_stages_policy(cfg: FwdConfig | None = None) -> int:
+    """K/V stages asked for the paged prefill forward cfg: FLASH4_PAGED_KV_STAGES, else
+    PAGED_KV_STAGES_SMALL_PIECES for TMA page pieces of at most SMALL_PAGE_PIECE_ROWS rows with the
+    page-table look-ahead, else PAGED_KV_STAGES."""
     from flash4 import env
 
     stages = env.paged_kv_stages()
-    return PAGED_KV_STAGES if stages is None else stages
+    if stages is not None:
+        return stages
+    if cfg is not None and 0 < cfg.page_rows <= SMALL_PAGE_PIECE_ROWS and cfg.page_prefetch:
+        return PAGED_KV_STAGES_SMALL_PIECES
+    return PAGED_KV_STAGES
 
 
 # The forward kernel's shared memory beyond FwdConfig.smem_bytes(): its mbarriers, padded to the
@@ -1057,8 +1091,6 @@ def bwd_plan(request, arch: int, heads_per_cta: int | None = None, sink_delta: b
         cfg = with_bwd_switches(cfg, switches)
     if sink_delta:
         cfg = with_sink_delta(cfg)
-        if "sink_delta_db" in switches:
-            cfg = with_bwd_switches(cfg, ("sink_delta_db",))
     return BwdPlan(cfg, heads)
 
 
@@ -1091,8 +1123,7 @@ def with_bwd_switches(cfg: BwdConfig, names) -> BwdConfig:
     DQ_WHOLE_TILE_MAX_HEADDIM without split_headdim / transposed_dkv / dq_swapab / a window;
     dq_handoff_per_wg where the dQ tile is in the accumulator order and not deterministic; lse_early on the keys-major
     steps (not transposed_dkv); exp_before_dp_wait at tile_m 64 or split_headdim, no window, not
-    transposed_dkv; no_tail_guard on ragged layouts; sink_delta_db with sink_delta where its buffers fit (bwd_plan applies it after
-    with_sink_delta). Pure."""
+    transposed_dkv; no_tail_guard on ragged layouts. Pure."""
     for name in BWD_SPEED_SWITCHES:
         if name not in names:
             continue
@@ -1105,9 +1136,6 @@ def with_bwd_switches(cfg: BwdConfig, names) -> BwdConfig:
             ok = not cfg.transposed_dkv
         elif name == "no_tail_guard":  # A/B only: where zero_kv_tail / zero_q_tail are compiled
             ok = cfg.varlen_q or cfg.seqused_q or cfg.varlen_k or cfg.seqused_k
-        elif name == "sink_delta_db":  # and its two buffers fit (not d256's split_headdim: 0.5 KiB over)
-            ok = cfg.sink_delta and (cfg.smem_bytes() - cfg.sink_delta_smem_bytes()
-                                     + 2 * cfg.tile_m * cfg.sink_delta_slots * 4) <= BWD_SMEM_BUDGET
         else:  # exp_before_dp_wait
             ok = (cfg.tile_m == 64 or cfg.split_headdim) and not cfg.local and not cfg.transposed_dkv
         if ok:
