@@ -24,7 +24,7 @@ is zeroed on every tile):
 Timing as tools/ab_switch.py (interleaved rounds, median of L2-flushed calls, order reversed every
 other round); unguarded/shipped = shipped ms / unguarded ms (> 1: the guards cost that much).
 Checks (exit 1 when one fails; none on speed): on clean memory both variants' outputs (out, lse;
-dq, dk, dv) equal bit for bit and are finite.
+dk, dv) equal bit for bit, dq (atomic adds in any order) within 1e-2 relative, all finite.
 """
 
 from __future__ import annotations
@@ -225,7 +225,11 @@ def _timed(name, call, outs, rounds, rep_ms, flops=None, kv_bytes=None) -> dict:
         call(variant)
     torch.cuda.synchronize()
     a, b = (tuple(t for t in outs[v] if t is not None) for v in ("shipped", ALT_NAME))
-    row["bitwise"] = all(ab_switch.same(x, y) for x, y in zip(a, b))
+    # the backward's dq is added across key tiles in any order (not deterministic): within 1e-2 relative
+    # (ab_switch.DQ_TOL), dk / dv and every forward output bit for bit
+    loose = {0} if name.endswith("bwd") else set()
+    row["bitwise"] = all(ab_switch.reldiff(x, y) <= ab_switch.DQ_TOL if i in loose else ab_switch.same(x, y)
+                         for i, (x, y) in enumerate(zip(a, b)))
     row["finite"] = all(bool(torch.isfinite(x).all()) for x in a)
     ms = ab_switch.interleaved({v: (lambda v=v: call(v)) for v in ("shipped", ALT_NAME)}, rounds, rep_ms)
     _set("shipped")
