@@ -164,7 +164,8 @@ def test_ablate_without_gpu_compile_checks_the_variants(fake_compile_check, caps
     assert cli_main(["bench", "--ablate", "--headdims", "128", "--variants", "always_rescale", "lpt"]) == 0
     out = capsys.readouterr().out
     assert "No CUDA GPU found" in out and "Ignored" not in out
-    expected = {ablate.variant_config(v, 128, c) for v in ("default", "always_rescale", "lpt") for c in (False, True)}
+    expected = {ablate.variant_config(v, 128, c, "bf16", s) for v in ("default", "always_rescale", "lpt")
+                for c in (False, True) for s in ablate.DEFAULT_SEQLENS}
     assert len(calls) == len(expected) and set(calls) == expected  # equal configs compiled once
     calls.clear()
     argv = ["bench", "--ablate", "--headdims", "64", "--dtype", "fp16", "--causal", "1", "--variants", "lpt",
@@ -265,7 +266,7 @@ def test_variants_follow_the_short_sequence_config():
     for d, c in ((64, False), (64, True), (128, True), (128, False), (256, True)):
         assert ablate.variant_config("default", d, c, "bf16", SHORT_SEQLEN_K) == select_fwd_config(
             d, "bf16", c, seqlen_k=SHORT_SEQLEN_K)
-        assert ablate.variant_config("default", d, c, "bf16", 4096) == select_fwd_config(d, "bf16", c)
+        assert ablate.variant_config("default", d, c, "bf16", 4096) == select_fwd_config(d, "bf16", c, seqlen_k=4096)
     short = ablate.variant_config("no_lpt_persistent", 64, True, "bf16", 1024)
     assert not short.persistent and not short.lpt and short.tile_m == 128
     # lpt_persistent equals the default at 1k (d64) but not at 4k: not listed as the same config

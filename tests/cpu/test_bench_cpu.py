@@ -110,13 +110,14 @@ def test_select_configs():
     assert select_configs() == shipped_fwd_configs() + shipped_bwd_configs()
     some = select_configs(headdims=(128,), dtypes=("bf16",))
     plain = [c for c in some if c.headdim_v is None]  # (128, 64) head dim pairs match headdim 128 too
-    # fwd, the short-sequence (persistent) causal fwd, bwd, bwd deterministic; GQA head split
-    # (dkv_accum): causal and not, deterministic causal
+    # fwd, the short-sequence (persistent) causal fwd, the long full fwd (vote-first), bwd, bwd
+    # deterministic; GQA head split (dkv_accum): causal and not, deterministic causal
     pairs = [(128, "bf16", False), (128, "bf16", True)]
-    assert [(c.headdim, c.dtype, c.causal) for c in plain] == pairs + [(128, "bf16", True)] + pairs * 3 + [
-        (128, "bf16", True)]
-    assert [getattr(c, "persistent", False) for c in plain] == [False, False, True] + [False] * 7
-    assert [getattr(c, "dkv_accum", False) for c in plain] == [False] * 7 + [True] * 3
+    assert [(c.headdim, c.dtype, c.causal) for c in plain] == pairs + [(128, "bf16", True), (128, "bf16", False)] + \
+        pairs * 3 + [(128, "bf16", True)]
+    assert [getattr(c, "persistent", False) for c in plain] == [False, False, True] + [False] * 8
+    assert [getattr(c, "softmax_vote_first", False) for c in plain] == [False] * 3 + [True] + [False] * 7
+    assert [getattr(c, "dkv_accum", False) for c in plain] == [False] * 8 + [True] * 3
     assert [(c.headdim_v, c.causal) for c in some if c.headdim_v is not None] == [(64, False), (64, True)] * 2
 
 
@@ -139,12 +140,13 @@ def fake_compile_check(monkeypatch):
 def test_cli_compile_check(fake_compile_check, capsys, tmp_path):
     calls, result = fake_compile_check
     assert cli_main(["compile-check", "--headdims", "128", "--dtypes", "bf16", "--json", str(tmp_path / "c.json")]) == 0
-    # fwd, bwd, bwd det; causal and not; + the short-sequence causal fwd; + the (128, 64) head dim
-    # pair's fwd and bwd; + GQA head split (dkv_accum) causal and not, and deterministic causal
-    assert [(c.headdim, c.dtype) for c in calls] == [(128, "bf16")] * 14
+    # fwd, bwd, bwd det; causal and not; + the short-sequence causal fwd; + the long full fwd (vote-first);
+    # + the (128, 64) head dim pair's fwd and bwd; + GQA head split (dkv_accum) causal and not, and
+    # deterministic causal
+    assert [(c.headdim, c.dtype) for c in calls] == [(128, "bf16")] * 15
     out = capsys.readouterr().out
-    assert "14/14 ok" in out and "registers" in out
-    assert len(json.loads((tmp_path / "c.json").read_text())) == 14
+    assert "15/15 ok" in out and "registers" in out
+    assert len(json.loads((tmp_path / "c.json").read_text())) == 15
     result["spills"] = 4
     assert cli_main(["compile-check", "--headdims", "64", "--causal", "1"]) == 1
     assert "FAILED d64 bf16 1: 4 spill(s)" in capsys.readouterr().out
@@ -162,7 +164,7 @@ def test_bench_without_gpu_runs_the_compile_check(fake_compile_check, capsys):
     calls.clear()
     assert cli_main(["bench", "--quick"]) == 0
     # as compile-check --headdims 128 --dtypes bf16 above
-    assert [(c.headdim, c.dtype) for c in calls] == [(128, "bf16")] * 14
+    assert [(c.headdim, c.dtype) for c in calls] == [(128, "bf16")] * 15
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
