@@ -13,6 +13,10 @@ at run time (windows, softcap, sinks, packed / seqused / paged layouts, split-KV
 value head dims) + the row-wise passes (preprocess, dQ postprocess, split-KV combine). Configs are
 keyed by repr(config), which a refactor keeps (the frozen configs are the compile-cache key).
 Compiling takes about 4 s per kernel on one core.
+
+--family sm80 --arch 80 [--arch 90 ...]: the portable (sm80) family's kernels for those targets
+instead (sm80_configs: every shipped forward and backward config, the backward speed candidates
+and one config per feature path), e.g. before / after a change to kernels/sm80.
 """
 
 from __future__ import annotations
@@ -100,8 +104,58 @@ def bwd_variants(config) -> list:
     return out
 
 
-def all_configs(only: str | None = None) -> list[tuple[str, object]]:
-    """[(kind, config)] in a fixed order, without duplicates."""
+def sm80_configs(arch: int, only: str | None = None) -> list[tuple[str, object]]:
+    """The portable family's kernels of target `arch`: shipped forward configs, one per forward
+    feature path (window + softcap + sink, varlen + seqused, Q in registers + persistent, split-KV
+    decode steps, paged gather, a value head dim), shipped backward configs, the backward speed
+    candidates (flash4.config.sm80.bwd_candidates) and one per backward feature path."""
+    from flash4.config import sm80
+
+    fsel, bsel = sm80.select_fwd_config, sm80.select_bwd_config
+    items = []
+    if only in (None, "fwd"):
+        step = sm80.kvcache_step_plan
+        fwd = sm80.shipped_fwd_configs(arch) + [
+            fsel(64, "bf16", False, arch=arch, local=True, softcap=True, sink=True),
+            fsel(128, "fp16", True, arch=arch, varlen_q=True, varlen_k=True, seqused_q=True, seqused_k=True),
+            dataclasses.replace(fsel(64, "bf16", True, arch=arch, q_in_regs=True), persistent=True),
+            step(fsel(64, "bf16", True, arch=arch), 1, 1, 32, 65536, 0, 132).cfg,
+            step(fsel(256, "fp16", False, arch=arch, sink=True), 1, 1, 32, 65536, 0, 132).cfg,
+            [c for c in sm80.paged_fwd_configs(arch) if c.headdim == 128 and c.causal and c.varlen_q][0],
+            fsel(192, "bf16", True, arch=arch, headdim_v=128),
+        ]
+        items += [("fwd", c) for c in fwd]
+    if only in (None, "bwd"):
+        bwd = list(sm80.shipped_bwd_configs(arch))
+        for c in sm80.shipped_bwd_configs(arch):
+            if c.dtype == "bf16":
+                bwd += list(sm80.bwd_candidates(c).values())
+        bwd += [bsel(64, "bf16", True, arch=arch, varlen_q=True, varlen_k=True, seqused_q=True, seqused_k=True),
+                bsel(128, "bf16", False, arch=arch, local=True, softcap=True),
+                bsel(64, "bf16", False, arch=arch, local=True, deterministic=True),
+                bsel(128, "bf16", False, arch=arch, headdim_v=64)]
+        items += [("bwd", c) for c in bwd]
+    return items
+
+
+def all_configs(only: str | None = None, family: str | None = None, archs=()) -> list[tuple[str, object]]:
+    """[(kind, config)] in a fixed order, without duplicates: the sm90 family's (sm_90a), or with
+    family "sm80" the portable family's for targets `archs` (default: sm_80)."""
+    if family == "sm80":
+        items = [item for arch in archs or (80,) for item in sm80_configs(arch, only)]
+    else:
+        items = default_configs(only)
+    seen, out = set(), []
+    for kind, cfg in items:
+        key = (kind, repr(cfg))
+        if key not in seen:
+            seen.add(key)
+            out.append((kind, cfg))
+    return out
+
+
+def default_configs(only: str | None = None) -> list[tuple[str, object]]:
+    """The sm90 family's kernels and the row-wise passes (sm_90a)."""
     config = _config_module()
     items = []
     if only in (None, "fwd"):
@@ -121,13 +175,7 @@ def all_configs(only: str | None = None) -> list[tuple[str, object]]:
             items.append(("bwd_postprocess", (d, "bf16", False, 128 if d == 64 else 64)))
         for d, dv in config.HDIMV_PAIRS:
             items.append(("bwd_preprocess", (dv, "bf16", False, d)))
-    seen, out = set(), []
-    for kind, cfg in items:
-        key = (kind, repr(cfg))
-        if key not in seen:
-            seen.add(key)
-            out.append((kind, cfg))
-    return out
+    return items
 
 
 def _compile(kind: str, cfg):
@@ -258,10 +306,13 @@ def main(argv=None) -> int:
     p.add_argument("--match", help="only configs whose repr contains this text")
     p.add_argument("--list", action="store_true", help="print the configs and exit")
     p.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"))
+    p.add_argument("--family", choices=("sm80",), help="another family's kernels: sm80 (the portable family)")
+    p.add_argument("--arch", type=int, action="append", default=[],
+                   help="with --family sm80: a target (80, 86, 89, 90, 120); repeatable; default 80")
     args = p.parse_args(argv)
     if args.compare:
         return compare(*args.compare)
-    items = all_configs(args.only)
+    items = all_configs(args.only, args.family, tuple(args.arch))
     if args.match:
         items = [(k, c) for k, c in items if args.match in repr(c)]
     if args.list:
