@@ -32,6 +32,7 @@ from flash4.kernels.common.dsl import DSL_DTYPES
 from flash4.kernels.common.exp2 import exp2_hw, fma_rn
 from flash4.kernels.common.layout import acc_mn_view, select_modes, transpose_view
 from flash4.kernels.common.params import MaskParams, SeqParams
+from flash4.kernels.common.zero_rows import zeros_like
 from flash4.kernels.common.seqinfo import SeqInfo, store_rows_predicated
 from flash4.kernels.sm80.mma import as_wgmma_acc, gemm_ss, make_tiled_mma, smem_layout_atom
 
@@ -596,11 +597,12 @@ class FlashAttentionBackwardSm80:
         CPY_ROWS, CPY_K) partitions; rows compared as thread 0's static row against (valid_rows -
         this thread's first row)."""
         limit = valid_rows - tXcX[0][0]
+        zeros = zeros_like(tXsX[None, 0, None])
         for m in cutlass.range_constexpr(cute.size(tXsX.shape[1])):
             if t0XcX[0, m, 0][0] < limit:
                 cute.copy(tiled_copy, tXgX[None, m, None], tXsX[None, m, None])
             else:
-                tXsX[None, m, None].fill(0)
+                cute.autovec_copy(zeros, tXsX[None, m, None])
 
     @cute.jit
     def load_q_tile(self, tiled_copy, tXgX: cute.Tensor, tXsX: cute.Tensor, tXcX: cute.Tensor, t0XcX: cute.Tensor,

@@ -25,6 +25,7 @@ from flash4.kernels.common.dsl import DSL_DTYPES
 from flash4.kernels.common.layout import acc_mn_view, select_modes, transpose_view
 from flash4.kernels.common.paged_gather import PagedGather
 from flash4.kernels.common.params import MaskParams, SeqParams
+from flash4.kernels.common.zero_rows import zeros_like
 from flash4.kernels.common.scheduler import TileSchedule
 from flash4.kernels.common.seqinfo import SeqInfo, store_rows_predicated, store_split_partials
 from flash4.kernels.common.softmax import OnlineSoftmax
@@ -522,11 +523,12 @@ class FlashAttentionForwardSm80:
         """cp.async the rows < valid_rows of a tile; zero the others in smem (16-byte stores).
         tXgX, tXsX: (CPY, CPY_ROWS, CPY_K) partitions of the global and smem tile."""
         limit = valid_rows - tXcX[0][0]
+        zeros = zeros_like(tXsX[None, 0, None])
         for m in cutlass.range_constexpr(cute.size(tXsX.shape[1])):
             if t0XcX[0, m, 0][0] < limit:
                 cute.copy(tiled_copy, tXgX[None, m, None], tXsX[None, m, None])
             else:
-                tXsX[None, m, None].fill(0)
+                cute.autovec_copy(zeros, tXsX[None, m, None])
 
     @cute.jit
     def load_kv(self, tiled_copy, tXgX: cute.Tensor, tXsX: cute.Tensor, tXcX: cute.Tensor, t0XcX: cute.Tensor,
