@@ -206,7 +206,8 @@ def _short(cfg) -> str:
     extras = "".join([f" w{d['num_warps']}" if "num_warps" in d else "", " qregs" if d.get("q_in_regs") else "",
                       " persist" if d["persistent"] else "", " lpt" if d["lpt"] else "",
                       f" emu{d['exp2_emu_frac']:g}" if d["exp2_emu_frac"] else "",
-                      f" tau{d['rescale_threshold']:g}" if d["rescale_threshold"] != 8.0 else ""])
+                      f" tau{d['rescale_threshold']:g}" if d["rescale_threshold"] != 8.0 else "",
+                      " vote-first" if d.get("softmax_vote_first") else ""])
     family = "fwd_portable" if "num_warps" in d else "fwd"  # the sm80 family's configs have num_warps
     return (f"{family}_sm{d['arch']} d{hd} {d['dtype']} {'causal' if d['causal'] else 'full'} "
             f"{d['tile_m']}x{d['tile_n']}x{d['kv_stages']}st{extras}")
