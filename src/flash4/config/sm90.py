@@ -72,7 +72,8 @@ class FwdConfig:
                   of any size >= 1 (flash4.config.paged_layout picks it; page_rows is then 0).
     page_prefetch: with page_rows: the producer reads each key block's page-table entries two K
                   loads ahead and V reuses K's (kernels/sm90/fwd.py load_paged) instead of reading
-                  them right before each K and each V load (an A/B switch, FLASH4_PAGE_PREFETCH).
+                  them right before each K and each V load (on by default since 2026-12-03:
+                  flash4.config.PAGE_PREFETCH; FLASH4_PAGE_PREFETCH=0 turns it off for A/B).
     split_kv:     the key blocks of each query tile are split into num_splits runs (a runtime
                   count) whose partial O / LSE go to fp32 buffers for the combine kernel (decode).
     local:        sliding window (flash4.geometry.window_sides): the (left, right) sides are runtime
@@ -110,8 +111,9 @@ class FwdConfig:
                   Same results bit for bit: V rows past seqlen_k are exactly 0 either way and K rows
                   past it are masked to -inf. FLASH4_GATHER_ZERO_FILL; flash4.config.GATHER_ZERO_FILL.
                   Left out of the repr while off (as early_q_release).
-    softmax_vote_first: speed switch, off by default (FLASH4_FWD_SWITCHES=softmax_vote_first for A/B and
-                  GPU tests; docs/design/speed_candidates.md section 8): the online softmax takes its
+    softmax_vote_first: on where shipped_vote_first puts it (the dense d128 non-causal forward above
+                  SHORT_SEQLEN_K keys, since 2026-12-03), elsewhere off (FLASH4_FWD_SWITCHES=
+                  softmax_vote_first for A/B and GPU tests; docs/design/speed_candidates.md section 8): the online softmax takes its
                   exact-path vote before forming the exponents, so each FFMA sits next to its MUFU.EX2
                   in one basic block (kernels/common/softmax.py, OnlineSoftmax vote_first). Same bits.
                   Left out of the repr while off.
