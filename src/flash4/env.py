@@ -11,7 +11,7 @@
 | FLASH4_SMALL_PAGES | 0 refuses paged K/V whose page size is not a multiple of 8 (by default any page size >= 1 is served; those pages are gathered row by row) | on |
 | FLASH4_PAGE_PREFETCH | paged K/V by TMA pieces: read page-table entries two blocks ahead (0/1; A/B) | flash4.config.PAGE_PREFETCH |
 | FLASH4_GATHER_ZERO_FILL | gathered paged K/V: the producer zero-fills rows past seqlen_k (0/1; A/B) | flash4.config.GATHER_ZERO_FILL |
-| FLASH4_PAGED_KV_STAGES | paged prefill on sm90: K/V pipeline stages (2 or 3; 3 only where smem allows; A/B) | flash4.config.PAGED_KV_STAGES |
+| FLASH4_PAGED_KV_STAGES | paged prefill on sm90: K/V pipeline stages (2 or 3; 3 only where smem allows; A/B) | flash4.config.PAGED_KV_STAGES (3 for TMA pieces of <= 32 rows with the look-ahead) |
 | FLASH4_SM100       | sm_100 kernels: off, selftest (run after passing flash4.selftest), on (unchecked) | selftest |
 | FLASH4_PORTABLE    | the portable (sm80) family on its own GPUs (sm_80/86/89/120): off, selftest (run after passing flash4.selftest), on (unchecked); not read where it is forced (FLASH4_FAMILY=portable on sm_90) | selftest |
 | FLASH4_SM100_2CTA  | 1 selects the 2-CTA sm_100 kernels (cluster of 2, M = 256 across the pair) where they are built: the forward at hd128 non-causal dense, the backward at hd128 and (192, 128) (full or causal, not deterministic, no window, dense); compile-verified, not run on hardware | off |
@@ -110,8 +110,8 @@ def small_pages() -> bool:
 
 def page_prefetch() -> bool | None:
     """FLASH4_PAGE_PREFETCH (0/1, true/false, on/off, yes/no), or None when unset: paged K/V loaded by
-    TMA page pieces read each block's page-table entries two loads ahead (FwdConfig.page_prefetch).
-    For A/B measurements."""
+    TMA page pieces read each block's page-table entries two loads ahead (FwdConfig.page_prefetch; on
+    by default, flash4.config.PAGE_PREFETCH). For A/B measurements."""
     return _flag("FLASH4_PAGE_PREFETCH")
 
 
