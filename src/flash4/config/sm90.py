@@ -186,6 +186,17 @@ class FwdConfig:
         return self.page_rows > 0 or self.page_gather
 
     @property
+    def ragged_q(self) -> bool:
+        """Query tiles may lie past their sequence (packed Q or seqused_q): rows there are not stored."""
+        return self.varlen_q or self.seqused_q
+
+    @property
+    def ragged_k(self) -> bool:
+        """Key blocks may hold rows past seqlen_k that are not TMA zeros (the next packed sequence,
+        stale slots past seqused_k, a partial page piece): issue 25's guards are compiled in."""
+        return self.varlen_k or self.seqused_k or self.paged
+
+    @property
     def num_threads(self) -> int:
         # one producer warpgroup + the consumer warpgroups
         return 128 * (1 + self.num_consumer_warpgroups)
@@ -474,8 +485,9 @@ class BwdConfig:
               shared memory at the dQ hand-off (the staging tile's row pad, or sink_delta_smem_bytes
               of their own on whole-tile configs); the dQ store warp adds their sum (in a fixed order)
               to the buffer, deterministic: inside its dQ turn. Not with dq_handoff_per_wg.
-              The consumers take the dQEmpty wait before staging their partial sums (not at the
-              dQ hand-off), since the store warp reads the one buffer after dQFull.
+              With one buffer (sink_delta_db off) the consumers take the dQEmpty wait before
+              staging their partial sums (not at the dQ hand-off), since the store warp reads that
+              buffer after dQFull.
     sink_delta_db: on with sink_delta where its two buffers fit (with_sink_delta; all but d256's
               split_headdim, 0.5 KiB over). The partial sums double-buffered by step parity in a buffer
               of their own (2 x sink_delta_smem_bytes): step s writes buffer s % 2, which the store
@@ -597,6 +609,16 @@ class BwdConfig:
     def dynamic_seqlen_k(self) -> bool:
         """The key count differs per sequence (cu_seqlens_k or seqused_k): the grid is sized by
         max_seqlen_k (a host int) and CTAs past their sequence's keys exit at once."""
+        return self.varlen_k or self.seqused_k
+
+    @property
+    def ragged_q(self) -> bool:
+        """Query rows past a sequence inside a tile are not TMA zeros (packed Q, seqused_q)."""
+        return self.varlen_q or self.seqused_q
+
+    @property
+    def ragged_k(self) -> bool:
+        """Key rows past a sequence inside a tile are not TMA zeros (packed K, seqused_k)."""
         return self.varlen_k or self.seqused_k
 
     @property
@@ -978,9 +1000,8 @@ def with_fwd_switches(cfg: FwdConfig, names) -> FwdConfig:
     """cfg with each named forward speed switch (FWD_SPEED_SWITCHES) on where the kernel builds it
     (softmax_vote_first: every sm90 forward config; no_tail_guard: ragged layouts, where the guards
     are compiled). Pure."""
-    ragged = cfg.varlen_q or cfg.seqused_q or cfg.varlen_k or cfg.seqused_k or cfg.page_rows > 0 or cfg.page_gather
     for name in FWD_SPEED_SWITCHES:
-        if name in names and (name != "no_tail_guard" or ragged):
+        if name in names and (name != "no_tail_guard" or cfg.ragged_q or cfg.ragged_k):
             cfg = dataclasses.replace(cfg, **{name: True})
     return cfg
 
@@ -1137,7 +1158,7 @@ def with_bwd_switches(cfg: BwdConfig, names) -> BwdConfig:
         elif name == "lse_early":
             ok = not cfg.transposed_dkv
         elif name == "no_tail_guard":  # A/B only: where zero_kv_tail / zero_q_tail are compiled
-            ok = cfg.varlen_q or cfg.seqused_q or cfg.varlen_k or cfg.seqused_k
+            ok = cfg.ragged_q or cfg.ragged_k
         else:  # exp_before_dp_wait
             ok = (cfg.tile_m == 64 or cfg.split_headdim) and not cfg.local and not cfg.transposed_dkv
         if ok:

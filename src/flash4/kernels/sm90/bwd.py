@@ -238,8 +238,7 @@ class FlashAttentionBackwardSm90:
         # Rows past a sequence inside a tile that are not TMA zeros (issue 25): packed queries / keys
         # of the next sequence, rows past seqused. Zeroed in smem before any GEMM reads them
         # (bwd_step.BwdStep.zero_kv_tail / zero_q_tail); dense configs compile none of it.
-        self.ragged_q = cfg.varlen_q or cfg.seqused_q
-        self.ragged_k = cfg.varlen_k or cfg.seqused_k
+        self.ragged_q, self.ragged_k = cfg.ragged_q, cfg.ragged_k
 
     def _smem_layout(self, rows: int, cols: int, stages=None, atom_cols=None):
         """Row-major (cols contiguous) swizzled smem tile. atom_cols: pick the swizzle as if the

@@ -392,9 +392,10 @@ class BwdStep(DynamicState):
     # shuffles, cost only sink_delta configs; the others compile to the same cubin.
     @cute.jit
     def stage_delta(self, acc_S, acc_dP, step):
-        """The warp's partial D sums of this step into its slot of smem.delta, once the store warp has
-        read the previous step's (the dQEmpty wait, taken here instead of at the dQ hand-off), chunk
-        by chunk (delta_chunks): each chunk's values are stored as soon as they are reduced.
+        """The warp's partial D sums of this step into its slot of smem.delta, chunk by chunk
+        (delta_chunks): each chunk's values are stored as soon as they are reduced. One buffer: once
+        the store warp has read the previous step's (the dQEmpty wait, taken here instead of at the
+        dQ hand-off).
         BwdConfig.sink_delta_db: into the buffer of the step's parity, which the store warp read at
         step - 2 and whose dQEmpty this warpgroup passed at step - 1's hand-off: no wait here."""
         if const_expr(not self.cfg.sink_delta_db):

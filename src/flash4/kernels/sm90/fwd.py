@@ -218,12 +218,12 @@ class FlashAttentionForwardSm90:
         self.gather = (PagedGather(self.dtype, self.tile_n, self.hdim, self.hdim_v, cfg.gather_zero_fill)
                        if cfg.page_gather else None)
         # Query tiles may lie past their sequence (varlen: the grid covers max_seqlen_q).
-        self.ragged_q = cfg.varlen_q or cfg.seqused_q
+        self.ragged_q = cfg.ragged_q
         # GQA packing: the pack query heads of a KV head share each query tile (layout.pack_gqa_view).
         self.pack = cfg.pack_gqa
         # Key blocks may hold rows past seqlen_k that are not TMA zeros (stale cache slots, the
         # next packed sequence, a partial page piece): the key-edge block's V tail is zeroed.
-        self.ragged_k = cfg.varlen_k or cfg.seqused_k or cfg.page_rows > 0 or cfg.page_gather
+        self.ragged_k = cfg.ragged_k
         # ... unless the gathering producer zero-fills those rows itself (FwdConfig.gather_zero_fill):
         # then no consumer writes a K/V stage (zero_v_tail is not traced).
         self.zero_v_tail_needed = self.ragged_k and not cfg.gather_zero_fill and not cfg.no_tail_guard
