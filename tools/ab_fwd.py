@@ -74,6 +74,18 @@ CELLS = (
     # the sweep's varlen GQA cell (flash4.bench.varlen: 64k tokens, lengths log-uniform in 128..16k, seed 0)
     VarlenCase("varlen_gqa32q8kv_d128_causal", 32, 8),
 )
+# Named by --cells only: the sweep's other dense cells where the forward trails flash-attn-4
+# (2026-12-03 sweep: d64 full 1k / 4k 0.92, d64 causal 4k 0.93, d256 full 1k / 4k 0.97), for
+# softmax_vote_first (variant vf) before widening flash4.config.sm90.shipped_vote_first.
+EXTRA_CELLS = (
+    Case("d64_full_1k", 64, False, 1024, 1024, 32, 32, 32),
+    Case("d64_full_4k", 64, False, 4096, 4096, 8, 32, 32),
+    Case("d64_full_16k", 64, False, 16384, 16384, 2, 32, 32),
+    Case("d64_causal_4k", 64, True, 4096, 4096, 8, 32, 32),
+    Case("d256_full_1k", 256, False, 1024, 1024, 32, 8, 8),
+    Case("d256_full_4k", 256, False, 4096, 4096, 8, 8, 8),
+    Case("d256_full_16k", 256, False, 16384, 16384, 2, 8, 8),
+)
 WIDE_TILES = (160, 176, 192)
 
 
@@ -337,7 +349,7 @@ def print_summary(rows) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--cells", nargs="*", help="only these cells (names or prefixes; default: all)")
+    p.add_argument("--cells", nargs="*", help="only these cells (names or prefixes, CELLS and EXTRA_CELLS; default: CELLS)")
     p.add_argument("--dry-run", action="store_true", help="print the cells and variants; run nothing (no GPU)")
     p.add_argument("--precompile", action="store_true",
                    help="compile the plan's kernels into the disk cache, check spills / serialized wgmma, exit")
@@ -351,9 +363,10 @@ def main(argv=None) -> int:
     ONLY = tuple(args.variants) if args.variants else None
     if args.cache_dir:
         os.environ["FLASH4_CACHE_DIR"] = os.path.abspath(args.cache_dir)
-    cells = [c for c in CELLS if not args.cells or any(c.name.startswith(n) for n in args.cells)]
+    cells = list(CELLS) if not args.cells else [c for c in CELLS + EXTRA_CELLS
+                                                   if any(c.name.startswith(n) for n in args.cells)]
     if not cells:
-        raise SystemExit(f"ab_fwd: no cell matches {args.cells}; cells: {[c.name for c in CELLS]}")
+        raise SystemExit(f"ab_fwd: no cell matches {args.cells}; cells: {[c.name for c in CELLS + EXTRA_CELLS]}")
     print_plan(cells)
     cfgs = plan_kernels(cells)
     if args.dry_run:

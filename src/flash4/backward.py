@@ -117,84 +117,155 @@ def run(request: Request, dout, out, lse, lse_split=None, dlse=None, dq=None, dk
 
 def launch(request: Request, dout, out, lse, lse_split, dlse, dq, dk, dv, delta=None) -> None:
     """The kernels of one backward with work to do (run() answered the empty cases, allocated dq /
-    dk / dv and set the device): the plan from flash4.config.bwd_config, the statistics buffers,
-    the preprocess, the main kernel, the dQ postprocess. The request is unpacked here, once.
+    dk / dv and set the device): BackwardPlan(request, ...) decides, its launch() runs.
     delta: run's (None, or filled with each row's D)."""
-    from flash4.compile.cache import (dq_postprocess_kwargs, get_bwd_postprocess_runner,  # late
-                                       get_bwd_preprocess_runner, get_bwd_runner)
+    seq = request.seq if request.seq.packed else None
+    BackwardPlan(request, delta is not None).launch(request.q, request.k, request.v, seq, dout, out, lse, lse_split,
+                                                    dlse, dq, dk, dv, delta)
 
-    q, k, v, seq = request.q, request.k, request.v, request.seq
-    packed, nheads, headdim = seq.packed, request.nheads, request.headdim
-    from flash4 import selftest  # late: the gate pulls in its child-process machinery
 
-    plan = bwd_config(request, device_arch(q.device), env.bwd_heads_per_cta_override(), sink_delta=delta is not None)
-    cfg, tile_m = plan.cfg, plan.cfg.tile_m
-    selftest.require(cfg, q.device)  # gated families (sm100; portable on its own GPUs): only after the self-test passed
-    in_kernel = delta is not None and getattr(cfg, "sink_delta", False)
-    if packed:  # the padded per-sequence layout plus its scratch tile (module docstring)
-        total_q, batch = q.shape[0], request.batch
-        stats_batch, rows = 1, padded_total(total_q, batch, tile_m) + tile_m
-        row_index = padded_row_index(seq.cu_seqlens_q, total_q, tile_m, seq.seqused_q)
-        num_kv_tiles = ceil_div(seq.max_seqlen_k, cfg.tile_n) * request.nheads_k * batch
-        sequences = dict(cu_seqlens_q=_int32_vector(seq.cu_seqlens_q), cu_seqlens_k=_int32_vector(seq.cu_seqlens_k),
-                         seqused_q=_int32_vector(seq.seqused_q), seqused_k=_int32_vector(seq.seqused_k),
-                         max_seqlen_k=seq.max_seqlen_k)
+class BackwardPlan:
+    """What one backward decides before its launches, from the request's signature alone (shapes,
+    dtypes, mask, score options; for packed requests also their host max_seqlen_k): the plan of
+    flash4.config.bwd_config, the self-test gate, the runners (preprocess, main kernel(s), dQ
+    postprocess) and the statistics' shapes. launch() then does the per-call work: the statistics
+    buffers, the preprocess, the main kernel, the dQ postprocess (module docstring). Kept per call
+    signature by PreparedBackward (a dense backward seen before skips this constructor).
+    sink_delta: the caller wants each row's D (run's delta is given)."""
 
-        def kernel_view(t):  # packed rows with a batch mode of size 1
-            return t[None]
-    else:
-        batch, seqlen_q = q.shape[:2]
-        stats_batch, rows = batch, ceil_div(seqlen_q, tile_m) * tile_m
-        row_index, sequences = None, {}
-        num_kv_tiles = ceil_div(k.shape[1], cfg.tile_n) * request.nheads_k * batch
+    __slots__ = ("cfg", "heads_per_cta", "gated", "in_kernel", "packed", "stats_batch", "rows", "num_kv_tiles",
+                 "nheads", "headdim", "preprocess", "postprocess", "run_kernels", "window", "softcap",
+                 "softmax_scale")
 
-        def kernel_view(t):
-            return t
-    dout = _kernel_ready(dout)
-    if lse_split is None:
-        lse_split = torch.stack([torch.where(lse == float("-inf"), float("inf"), lse * LOG2E), torch.zeros_like(lse)])
-    f32 = dict(dtype=F32, device=q.device)
-    dpsum = torch.zeros(stats_batch, nheads, rows, **f32)
-    lse_log2 = torch.full((stats_batch, nheads, rows), float("inf"), **f32)
-    dq_accum = torch.empty(stats_batch, nheads, rows, headdim, **f32)  # zeroed by the preprocess
-    delta_rows = torch.zeros(stats_batch, nheads, rows, **f32) if in_kernel else None  # the kernel adds D
-    # [0]: dQ semaphores (deterministic), [1]: exact-path flags of the (padded) query tiles; one memset.
-    tile_flags = torch.zeros(2, stats_batch, nheads, rows // tile_m, dtype=torch.int32, device=q.device)
-    dk_out, dv_out, dkv_sem, finish_dkv = dkv_targets(cfg, dk, dv, num_kv_tiles)
-    # rowsum(dO * O) over Dv; dq_accum has q's head dim
-    preprocess = get_bwd_preprocess_runner(request.headdim_v, cfg.dtype, cfg.arch, varlen=packed, headdim_q=headdim)
-    # the dQ tiles' order: row-major, accumulator order (sm90: per-warpgroup halves with
-    # dq_handoff_per_wg), or the sm80 dQ MMA's register order (dq_coalesced)
-    postprocess = get_bwd_postprocess_runner(headdim, cfg.dtype, cfg.arch, varlen=packed,
-                                             wide_stores=postprocess_wide_stores(), **dq_postprocess_kwargs(cfg))
-    # the main kernel: cfg, or (sm100 hd256) its passes in sequence, each writing its part (dV; dK and dQ)
-    run_kernels = [get_bwd_runner(c) for c in (plan.passes or (cfg,))]
-    hi, lo = kernel_view(lse_split[0]), kernel_view(lse_split[1])
-    preprocess(kernel_view(_kernel_ready(out)), kernel_view(dout), hi, lo, dpsum, lse_log2, tile_flags[1], dq_accum,
-               tile_m, row_index)
-    if dlse is not None:
-        if packed:  # rows outside every sequence all land on the scratch row (never read)
-            dpsum[0].index_add_(1, row_index, dlse.to(F32), alpha=-1.0)
+    def __init__(self, request: Request, sink_delta: bool):
+        from flash4 import selftest  # late: the gate pulls in its child-process machinery
+        from flash4.compile.cache import (dq_postprocess_kwargs, get_bwd_postprocess_runner,  # late
+                                           get_bwd_preprocess_runner, get_bwd_runner)
+
+        q, k, seq = request.q, request.k, request.seq
+        plan = bwd_config(request, device_arch(q.device), env.bwd_heads_per_cta_override(), sink_delta=sink_delta)
+        cfg = self.cfg = plan.cfg
+        selftest.require(cfg, q.device)  # gated families (sm100; portable on its own GPUs): only after the self-test passed
+        self.gated = (cfg,) if selftest.gated(cfg) else ()
+        self.heads_per_cta = plan.heads_per_cta
+        self.in_kernel = sink_delta and getattr(cfg, "sink_delta", False)
+        self.packed, self.nheads, self.headdim = seq.packed, request.nheads, request.headdim
+        tile_m = cfg.tile_m
+        if self.packed:  # the padded per-sequence layout plus its scratch tile (module docstring)
+            total_q, batch = q.shape[0], request.batch
+            self.stats_batch, self.rows = 1, padded_total(total_q, batch, tile_m) + tile_m
+            self.num_kv_tiles = ceil_div(seq.max_seqlen_k, cfg.tile_n) * request.nheads_k * batch
         else:
-            dpsum[:, :, :seqlen_q] -= dlse
-    if packed and not cfg.dkv_accum:
-        # the kernel writes the rows of every sequence; the others (past cu_seqlens_k[-1] or seqused_k) stay 0
-        dk.zero_()
-        dv.zero_()
-    for run_kernel in run_kernels:
-        run_kernel(kernel_view(_kernel_ready(q)), kernel_view(_kernel_ready(k)), kernel_view(_kernel_ready(v)),
-                   kernel_view(dout), lse_log2, dpsum, dq_accum, kernel_view(dk_out), kernel_view(dv_out),
-                   tile_flags[0], tile_flags[1], hi, lo, request.score.softmax_scale, window=request.mask.window,
-                   softcap=request.score.softcap, heads_per_cta=plan.heads_per_cta, dkv_semaphore=dkv_sem,
-                   delta=delta_rows, **sequences)
-    finish_dkv()
-    if delta is not None:
-        _fill_delta(delta, delta_rows, dout, out, packed, row_index)
-    # packed row r <- padded row row_index[r]; rows outside every sequence read the scratch tile's zeros
-    dq_out = dq_target(dq)
-    postprocess(dq_accum, kernel_view(dq_out), row_index)
-    if dq_out is not dq:
-        dq.copy_(dq_out)
+            batch, seqlen_q = q.shape[:2]
+            self.stats_batch, self.rows = batch, ceil_div(seqlen_q, tile_m) * tile_m
+            self.num_kv_tiles = ceil_div(k.shape[1], cfg.tile_n) * request.nheads_k * batch
+        # rowsum(dO * O) over Dv; dq_accum has q's head dim
+        self.preprocess = get_bwd_preprocess_runner(request.headdim_v, cfg.dtype, cfg.arch, varlen=self.packed,
+                                                    headdim_q=self.headdim)
+        # the dQ tiles' order: row-major, accumulator order (sm90: per-warpgroup halves with
+        # dq_handoff_per_wg), or the sm80 dQ MMA's register order (dq_coalesced)
+        self.postprocess = get_bwd_postprocess_runner(self.headdim, cfg.dtype, cfg.arch, varlen=self.packed,
+                                                      wide_stores=postprocess_wide_stores(),
+                                                      **dq_postprocess_kwargs(cfg))
+        # the main kernel: cfg, or (sm100 hd256) its passes in sequence, each writing its part (dV; dK and dQ)
+        self.run_kernels = tuple(get_bwd_runner(c) for c in (plan.passes or (cfg,)))
+        self.window, self.softcap = request.mask.window, request.score.softcap
+        self.softmax_scale = request.score.softmax_scale
+
+    def launch(self, q, k, v, seq: SeqSpec | None, dout, out, lse, lse_split, dlse, dq, dk, dv, delta=None) -> None:
+        """The per-call work of launch() with this plan, for tensors of the signature it was made
+        for (seq: the packed request's SeqSpec, None dense)."""
+        if self.gated:  # the verdict may change (flash4.selftest)
+            from flash4 import selftest
+
+            for cfg in self.gated:
+                selftest.require(cfg, q.device)
+        cfg, tile_m, nheads, packed = self.cfg, self.cfg.tile_m, self.nheads, self.packed
+        if packed:
+            row_index = padded_row_index(seq.cu_seqlens_q, q.shape[0], tile_m, seq.seqused_q)
+            sequences = dict(cu_seqlens_q=_int32_vector(seq.cu_seqlens_q), cu_seqlens_k=_int32_vector(seq.cu_seqlens_k),
+                             seqused_q=_int32_vector(seq.seqused_q), seqused_k=_int32_vector(seq.seqused_k),
+                             max_seqlen_k=seq.max_seqlen_k)
+
+            def kernel_view(t):  # packed rows with a batch mode of size 1
+                return t[None]
+        else:
+            row_index, sequences = None, {}
+
+            def kernel_view(t):
+                return t
+        dout = _kernel_ready(dout)
+        if lse_split is None:
+            lse_split = torch.stack([torch.where(lse == float("-inf"), float("inf"), lse * LOG2E),
+                                     torch.zeros_like(lse)])
+        f32 = dict(dtype=F32, device=q.device)
+        stats = (self.stats_batch, nheads, self.rows)
+        dpsum = torch.zeros(stats, **f32)
+        lse_log2 = torch.full(stats, float("inf"), **f32)
+        dq_accum = torch.empty(stats + (self.headdim,), **f32)  # zeroed by the preprocess
+        delta_rows = torch.zeros(stats, **f32) if self.in_kernel else None  # the kernel adds D
+        # [0]: dQ semaphores (deterministic), [1]: exact-path flags of the (padded) query tiles; one memset.
+        tile_flags = torch.zeros(2, self.stats_batch, nheads, self.rows // tile_m, dtype=torch.int32, device=q.device)
+        dk_out, dv_out, dkv_sem, finish_dkv = dkv_targets(cfg, dk, dv, self.num_kv_tiles)
+        hi, lo = kernel_view(lse_split[0]), kernel_view(lse_split[1])
+        self.preprocess(kernel_view(_kernel_ready(out)), kernel_view(dout), hi, lo, dpsum, lse_log2, tile_flags[1],
+                        dq_accum, tile_m, row_index)
+        if dlse is not None:
+            if packed:  # rows outside every sequence all land on the scratch row (never read)
+                dpsum[0].index_add_(1, row_index, dlse.to(F32), alpha=-1.0)
+            else:
+                dpsum[:, :, :q.shape[1]] -= dlse
+        if packed and not cfg.dkv_accum:
+            # the kernel writes the rows of every sequence; the others (past cu_seqlens_k[-1] or seqused_k) stay 0
+            dk.zero_()
+            dv.zero_()
+        for run_kernel in self.run_kernels:
+            run_kernel(kernel_view(_kernel_ready(q)), kernel_view(_kernel_ready(k)), kernel_view(_kernel_ready(v)),
+                       kernel_view(dout), lse_log2, dpsum, dq_accum, kernel_view(dk_out), kernel_view(dv_out),
+                       tile_flags[0], tile_flags[1], hi, lo, self.softmax_scale, window=self.window,
+                       softcap=self.softcap, heads_per_cta=self.heads_per_cta, dkv_semaphore=dkv_sem,
+                       delta=delta_rows, **sequences)
+        finish_dkv()
+        if delta is not None:
+            _fill_delta(delta, delta_rows, dout, out, packed, row_index)
+        # packed row r <- padded row row_index[r]; rows outside every sequence read the scratch tile's zeros
+        dq_out = dq_target(dq)
+        self.postprocess(dq_accum, kernel_view(dq_out), row_index)
+        if dq_out is not dq:
+            dq.copy_(dq_out)
+
+
+class PreparedBackward:
+    """run() of a DENSE request with its plan fixed (flash4.ops.dense_backward keeps one per call
+    signature, flash4.memo.dense_backward_key): __call__(q, k, v, dout, out, lse, lse_split, dlse,
+    delta) -> (dq, dk, dv), for tensors of the signature it was made with (the empty cases never
+    get here: prepare_dense answers None for them). Host work per call: the allocations and the
+    launches of BackwardPlan.launch, without the plan (flash4.config.bwd_config), the runner lookups
+    or a Request (H200, 2026-12-03: the gpt-oss window-128 backward spent ~800 us of host time per
+    call against ~360 us of kernels, docs/perf/README.md)."""
+
+    __slots__ = ("plan",)
+
+    def __init__(self, plan: BackwardPlan):
+        self.plan = plan
+
+    def __call__(self, q, k, v, dout, out, lse, lse_split=None, dlse=None, delta=None):
+        dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+        dk = torch.empty_like(k, memory_format=torch.contiguous_format)
+        dv = torch.empty_like(v, memory_format=torch.contiguous_format)
+        with device_guard(q.device):
+            self.plan.launch(q, k, v, None, dout, out, lse, lse_split, dlse, dq, dk, dv, delta)
+        return dq, dk, dv
+
+
+def prepare_dense(request: Request, sink_delta: bool) -> PreparedBackward | None:
+    """The PreparedBackward of a DENSE request with work to do (no query or no key: None, run()
+    answers those)."""
+    q, k, v = request.q, request.k, request.v
+    if request.seq.packed or q.numel() == 0 or k.numel() == 0 or v.numel() == 0:
+        return None
+    with device_guard(q.device):
+        return PreparedBackward(BackwardPlan(request, sink_delta))
 
 
 def _fill_delta(delta, delta_rows, dout, out, packed: bool, row_index) -> None:

@@ -304,6 +304,19 @@ PLAN_VARIABLES = ("FLASH4_ARCH", "FLASH4_NUM_SMS", "FLASH4_FAMILY", "FLASH4_SMAL
 _PLAN_KEYS = tuple(os.environ.encodekey(name) for name in PLAN_VARIABLES)
 
 
+# What the backward's plan reads besides PLAN_VARIABLES (flash4.memo.dense_backward_key keeps both).
+BWD_PLAN_VARIABLES = ("FLASH4_BWD_HEADS_PER_CTA", "FLASH4_POSTPROCESS_WIDE", "FLASH4_PORTABLE_BWD")
+_BWD_PLAN_KEYS = tuple(os.environ.encodekey(name) for name in BWD_PLAN_VARIABLES)
+
+
+def bwd_plan_snapshot() -> tuple:
+    """plan_snapshot() followed by the raw values of BWD_PLAN_VARIABLES (the same reads)."""
+    data = getattr(os.environ, "_data", None)
+    if data is None:
+        return plan_snapshot() + tuple(os.environ.get(name) for name in BWD_PLAN_VARIABLES)
+    return tuple(map(data.get, _PLAN_KEYS)) + tuple(map(data.get, _BWD_PLAN_KEYS))
+
+
 def plan_snapshot() -> tuple:
     """The raw values (None when unset) of PLAN_VARIABLES, read now: one dict lookup each in the
     process environment's mapping (os.environ._data, which os.environ[...] = ... and

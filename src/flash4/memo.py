@@ -156,6 +156,24 @@ def kvcache_key(q, k_cache, v_cache, k, v, cache_seqlens, page_table, cache_batc
     return key
 
 
+def dense_backward_key(dout, q, k, v, out, lse, lse_split, dlse, softmax_scale, causal, deterministic, window_left,
+                       window_right, softcap, sink_delta):
+    """flash4.ops.dense_backward's key (flash4.backward.PreparedBackward), or None when not kept: the
+    arguments' signature plus the environment the backward's plan reads (env.bwd_plan_snapshot).
+    The backward runs with grad mode off; under create_graph=True (grad mode on, inputs requiring
+    grad) the call is not kept."""
+    if not ENABLED or torch.compiler.is_compiling() or not isinstance(q, _Tensor) or not (q.is_cuda or CPU):
+        return None
+    scalars = (softmax_scale, causal, deterministic, window_left, window_right, softcap, sink_delta)
+    types = tuple(map(type, scalars))
+    if not _PLAIN.issuperset(types):
+        return None
+    parts = ["dense_bwd", env.bwd_plan_snapshot(), types, scalars]
+    if not _append_entries(parts.append, (dout, q, k, v, out, lse, lse_split, dlse), torch.is_grad_enabled()):
+        return None
+    return tuple(parts)
+
+
 def get(key):
     """The prepared call of `key`, or None (None key or unhashable: None)."""
     if key is None:

@@ -68,7 +68,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from flash4 import backward, forward, validate
+from flash4 import backward, forward, memo, validate
 from flash4.geometry import Band
 from flash4.request import Request
 
@@ -121,10 +121,19 @@ def dense_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
     """flash4::bwd's implementation (the eager autograd path calls it without the op's dispatch):
     (dq, dk, dv, delta). sink_delta (a learnable sink needs a gradient): delta is each row's D in fp32,
     lse's shape (flash4.backward.run's delta); else an empty tensor."""
-    request = Request.dense(q, k, v, softmax_scale, causal, Band(window_left, window_right), softcap,
-                            deterministic=deterministic)
+    key = memo.dense_backward_key(dout, q, k, v, out, lse, lse_split, dlse, softmax_scale, causal, deterministic,
+                                  window_left, window_right, softcap, sink_delta)
+    call = memo.get(key)
     delta = _delta_buffer(lse, sink_delta)
-    return (*backward.run(request, dout, out, lse, lse_split, dlse, delta=delta if sink_delta else None), delta)
+    if call is None:
+        request = Request.dense(q, k, v, softmax_scale, causal, Band(window_left, window_right), softcap,
+                                deterministic=deterministic)
+        call = None if key is None else backward.prepare_dense(request, sink_delta)
+        if call is None:  # not kept, or no work (empty): the whole host path
+            grads = backward.run(request, dout, out, lse, lse_split, dlse, delta=delta if sink_delta else None)
+            return (*grads, delta)
+        memo.put(key, call)
+    return (*call(q, k, v, dout, out, lse, lse_split, dlse, delta if sink_delta else None), delta)
 
 
 def _delta_buffer(lse: Tensor, sink_delta: bool) -> Tensor:

@@ -99,3 +99,49 @@ def test_prepared_call_in_cuda_graph(num_splits):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, step())
+
+
+# ================================================================ the prepared dense backward
+_BWD_CELLS = {  # (batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, options)
+    "d64_causal": (2, 300, 300, 4, 4, 64, dict(causal=True)),
+    "d128_full_ragged": (2, 333, 200, 4, 4, 128, dict(causal=False)),
+    "gqa_split": (1, 2048, 2048, 8, 2, 128, dict(causal=True)),
+    "window_sink": (1, 1024, 1024, 16, 2, 64, dict(causal=True, window_size=(127, 0), sink=True)),
+    "softcap_d96": (2, 257, 257, 6, 6, 96, dict(causal=True, softcap=30.0)),
+    "lse_grad": (2, 200, 300, 4, 4, 64, dict(causal=False, lse=True)),
+}
+
+
+@pytest.mark.parametrize("cell", sorted(_BWD_CELLS))
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_prepared_backward_bitwise(monkeypatch, cell, deterministic):
+    """flash4.ops.dense_backward from the memo (flash4.backward.PreparedBackward, the second and third
+    calls) against the full host path: dk, dv bitwise; dq and dsink bitwise in deterministic mode,
+    else within the atomics' reordering (relative 1e-2 of its max)."""
+    b, sq, sk, h, hk, d, opts = _BWD_CELLS[cell]
+    opts = dict(opts)
+    sink = torch.randn(h, device=DEV, requires_grad=True) if opts.pop("sink", False) else None
+    use_lse = opts.pop("lse", False)
+    q, k, v = (_randn(b, s, n, d, seed=i).requires_grad_() for i, (s, n) in enumerate(((sq, h), (sk, hk), (sk, hk))))
+    dout = _randn(b, sq, h, d, seed=7)
+
+    def grads():
+        out = flash4.flash_attn_func(q, k, v, deterministic=deterministic, learnable_sink=sink, return_lse=use_lse,
+                                     **opts)
+        loss = (out[0] * dout).sum() + out[1].sum() if use_lse else (out * dout).sum()
+        inputs = (q, k, v) + ((sink,) if sink is not None else ())
+        return [g.clone() for g in torch.autograd.grad(loss, inputs)]
+
+    monkeypatch.setattr(memo, "ENABLED", False)
+    ref = grads()
+    monkeypatch.setattr(memo, "ENABLED", True)
+    memo.clear()
+    hits = memo.stats["hits"]
+    for _ in range(3):
+        got = grads()
+        for i, (g, r) in enumerate(zip(got, ref)):
+            if i in (0, 3) and not deterministic:  # dq, dsink: fp32 atomics / partial sums in any order
+                assert (g.float() - r.float()).abs().max() <= 1e-2 * r.float().abs().max(), cell
+            else:
+                assert torch.equal(g, r), (cell, i)
+    assert memo.stats["hits"] >= hits + 2, "the backward was not answered from the memo"
