@@ -135,7 +135,7 @@ class BackwardPlan:
 
     __slots__ = ("cfg", "heads_per_cta", "gated", "in_kernel", "packed", "stats_batch", "rows", "num_kv_tiles",
                  "nheads", "headdim", "preprocess", "postprocess", "run_kernels", "window", "softcap",
-                 "softmax_scale")
+                 "softmax_scale", "bound")
 
     def __init__(self, request: Request, sink_delta: bool):
         from flash4 import selftest  # late: the gate pulls in its child-process machinery
@@ -171,10 +171,13 @@ class BackwardPlan:
         self.run_kernels = tuple(get_bwd_runner(c) for c in (plan.passes or (cfg,)))
         self.window, self.softcap = request.mask.window, request.score.softcap
         self.softmax_scale = request.score.softmax_scale
+        self.bound = None  # launch(): the host scalars of a dense signature, from its first launch
 
     def launch(self, q, k, v, seq: SeqSpec | None, dout, out, lse, lse_split, dlse, dq, dk, dv, delta=None) -> None:
         """The per-call work of launch() with this plan, for tensors of the signature it was made
-        for (seq: the packed request's SeqSpec, None dense)."""
+        for (seq: the packed request's SeqSpec, None dense). A dense plan keeps, from its first
+        launch, what the signature fixes (`bound`: which inputs need a contiguous copy, the compiled
+        kernels' host scalars), so a kept plan (PreparedBackward) calls the compiled kernels directly."""
         if self.gated:  # the verdict may change (flash4.selftest)
             from flash4 import selftest
 
@@ -186,30 +189,41 @@ class BackwardPlan:
             sequences = dict(cu_seqlens_q=_int32_vector(seq.cu_seqlens_q), cu_seqlens_k=_int32_vector(seq.cu_seqlens_k),
                              seqused_q=_int32_vector(seq.seqused_q), seqused_k=_int32_vector(seq.seqused_k),
                              max_seqlen_k=seq.max_seqlen_k)
-
-            def kernel_view(t):  # packed rows with a batch mode of size 1
-                return t[None]
+            q, k, v, out, dout = (_kernel_ready(t)[None] for t in (q, k, v, out, dout))  # a batch mode of size 1
+            dk_view, dv_view = dk[None], dv[None]
         else:
             row_index, sequences = None, {}
-
-            def kernel_view(t):
-                return t
-        dout = _kernel_ready(dout)
+            q, k, v, out, dout = (_kernel_ready(t) for t in (q, k, v, out, dout))
+            dk_view, dv_view = dk, dv
         if lse_split is None:
             lse_split = torch.stack([torch.where(lse == float("-inf"), float("inf"), lse * LOG2E),
                                      torch.zeros_like(lse)])
         f32 = dict(dtype=F32, device=q.device)
         stats = (self.stats_batch, nheads, self.rows)
-        dpsum = torch.zeros(stats, **f32)
+        zeroed = torch.zeros((2 if self.in_kernel else 1,) + stats, **f32)
+        dpsum = zeroed[0]
+        delta_rows = zeroed[1] if self.in_kernel else None  # the kernel adds D
         lse_log2 = torch.full(stats, float("inf"), **f32)
         dq_accum = torch.empty(stats + (self.headdim,), **f32)  # zeroed by the preprocess
-        delta_rows = torch.zeros(stats, **f32) if self.in_kernel else None  # the kernel adds D
         # [0]: dQ semaphores (deterministic), [1]: exact-path flags of the (padded) query tiles; one memset.
         tile_flags = torch.zeros(2, self.stats_batch, nheads, self.rows // tile_m, dtype=torch.int32, device=q.device)
-        dk_out, dv_out, dkv_sem, finish_dkv = dkv_targets(cfg, dk, dv, self.num_kv_tiles)
-        hi, lo = kernel_view(lse_split[0]), kernel_view(lse_split[1])
-        self.preprocess(kernel_view(_kernel_ready(out)), kernel_view(dout), hi, lo, dpsum, lse_log2, tile_flags[1],
-                        dq_accum, tile_m, row_index)
+        dk_out, dv_out, dkv_sem, finish_dkv = dkv_targets(cfg, dk_view, dv_view, self.num_kv_tiles)
+        hi, lo = lse_split[0], lse_split[1]
+        if packed:
+            hi, lo = hi[None], lo[None]
+        dq_out = dq_target(dq)
+        dq_view = dq_out[None] if packed else dq_out
+        bound = self.bound
+        if bound is None:
+            bound = (self.preprocess.tail(out, dq_accum, tile_m, row_index),
+                     tuple(r.tail(q, k, self.softmax_scale, window=self.window, softcap=self.softcap,
+                                  heads_per_cta=self.heads_per_cta, dkv_semaphore=dkv_sem, delta=delta_rows,
+                                  **sequences) for r in self.run_kernels),
+                     self.postprocess.tail(dq_view, row_index))
+            if not packed:  # packed tails read the sequences' values (max_seqlen_k)
+                self.bound = bound
+        pre_tail, main_tails, post_tail = bound
+        self.preprocess.compiled(out, dout, hi, lo, dpsum, lse_log2, tile_flags[1], dq_accum, *pre_tail, row_index)
         if dlse is not None:
             if packed:  # rows outside every sequence all land on the scratch row (never read)
                 dpsum[0].index_add_(1, row_index, dlse.to(F32), alpha=-1.0)
@@ -219,18 +233,16 @@ class BackwardPlan:
             # the kernel writes the rows of every sequence; the others (past cu_seqlens_k[-1] or seqused_k) stay 0
             dk.zero_()
             dv.zero_()
-        for run_kernel in self.run_kernels:
-            run_kernel(kernel_view(_kernel_ready(q)), kernel_view(_kernel_ready(k)), kernel_view(_kernel_ready(v)),
-                       kernel_view(dout), lse_log2, dpsum, dq_accum, kernel_view(dk_out), kernel_view(dv_out),
-                       tile_flags[0], tile_flags[1], hi, lo, self.softmax_scale, window=self.window,
-                       softcap=self.softcap, heads_per_cta=self.heads_per_cta, dkv_semaphore=dkv_sem,
-                       delta=delta_rows, **sequences)
+        seq_tensors = (sequences.get("cu_seqlens_q"), sequences.get("cu_seqlens_k"), sequences.get("seqused_q"),
+                       sequences.get("seqused_k"))
+        for run_kernel, main_tail in zip(self.run_kernels, main_tails):
+            run_kernel.compiled(q, k, v, dout, lse_log2, dpsum, dq_accum, dk_out, dv_out, tile_flags[0], tile_flags[1],
+                                hi, lo, *seq_tensors, dkv_sem if cfg.dkv_accum else None, delta_rows, *main_tail)
         finish_dkv()
         if delta is not None:
-            _fill_delta(delta, delta_rows, dout, out, packed, row_index)
+            _fill_delta(delta, delta_rows, dout[0] if packed else dout, out[0] if packed else out, packed, row_index)
         # packed row r <- padded row row_index[r]; rows outside every sequence read the scratch tile's zeros
-        dq_out = dq_target(dq)
-        self.postprocess(dq_accum, kernel_view(dq_out), row_index)
+        self.postprocess.compiled(dq_accum, dq_view, *post_tail)
         if dq_out is not dq:
             dq.copy_(dq_out)
 

@@ -513,9 +513,15 @@ def test_hd256_backward_launches_two_passes(sm100_device, monkeypatch):
     from flash4 import backward
 
     calls = []
-    monkeypatch.setattr(cache, "get_bwd_runner", lambda cfg: lambda *a, **kw: calls.append(("main", cfg)))
-    monkeypatch.setattr(cache, "get_bwd_preprocess_runner", lambda *a, **kw: lambda *a2, **kw2: calls.append("pre"))
-    monkeypatch.setattr(cache, "get_bwd_postprocess_runner", lambda *a, **kw: lambda *a2, **kw2: calls.append("post"))
+
+    def runner(record):  # flash4.backward calls run.compiled(..., *run.tail(...))
+        run = lambda *a, **kw: calls.append(record)  # noqa: E731
+        run.compiled, run.tail = run, lambda *a, **kw: ()
+        return run
+
+    monkeypatch.setattr(cache, "get_bwd_runner", lambda cfg: runner(("main", cfg)))
+    monkeypatch.setattr(cache, "get_bwd_preprocess_runner", lambda *a, **kw: runner("pre"))
+    monkeypatch.setattr(cache, "get_bwd_postprocess_runner", lambda *a, **kw: runner("post"))
     asked = verdicts(monkeypatch, ok=True)
     q, k, v = qkv(d=256)
     request = Request.dense(q, k, v, causal=True)

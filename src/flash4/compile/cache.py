@@ -191,10 +191,11 @@ def get_bwd_runner(cfg: BwdConfig):
     compiled = load_or_compile("bwd", cfg, COMPILE_OPTIONS + _arch_option(cfg.arch), lambda: compile_bwd(cfg))
     dynamic_k = bwd_dynamic_seqlen_k(cfg)
 
-    def run(q, k, v, dout, lse_log2, dpsum, dq_accum, dk, dv, dq_semaphore, exact, lse_hi, lse_lo,
-            softmax_scale: float, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None,
-            max_seqlen_k=None, window=None, softcap: float = 0.0, heads_per_cta=None, dkv_semaphore=None,
-            delta=None):
+    def tail(q, k, softmax_scale: float, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None,
+             max_seqlen_k=None, window=None, softcap: float = 0.0, heads_per_cta=None, dkv_semaphore=None,
+             delta=None) -> tuple:
+        """The compiled function's host scalars after its tensors, checked (run's arguments; of the
+        tensors only q's and k's shapes and which of the others are given are read)."""
         if (delta is not None) != getattr(cfg, "sink_delta", False):
             raise ValueError(f"flash4 backward: delta is required exactly with sink_delta (config {cfg})")
         given = (cu_seqlens_q is not None, cu_seqlens_k is not None, seqused_q is not None, seqused_k is not None)
@@ -216,13 +217,24 @@ def get_bwd_runner(cfg: BwdConfig):
             if (dkv_semaphore is not None) != cfg.deterministic:
                 raise ValueError("flash4 backward: dkv_semaphore is required exactly with deterministic dkv_accum")
         else:
-            heads_per_cta, dkv_semaphore = group, None
+            heads_per_cta = group
         grid = bwd_grid(cfg, batch, seqlen_k, k.shape[2], bwd_num_splits(cfg, q.shape[2], k.shape[2], heads_per_cta))
-        compiled(q, k, v, dout, lse_log2, dpsum, dq_accum, dk, dv, dq_semaphore, exact, lse_hi, lse_lo,
-                 cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, dkv_semaphore, delta, softmax_scale, max_seqlen_k,
-                 *(window if window is not None else (UNBOUNDED, UNBOUNDED)), float(softcap), grid[0],
-                 heads_per_cta)
+        return (softmax_scale, max_seqlen_k, *(window if window is not None else (UNBOUNDED, UNBOUNDED)),
+                float(softcap), grid[0], heads_per_cta)
 
+    def run(q, k, v, dout, lse_log2, dpsum, dq_accum, dk, dv, dq_semaphore, exact, lse_hi, lse_lo,
+            softmax_scale: float, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None,
+            max_seqlen_k=None, window=None, softcap: float = 0.0, heads_per_cta=None, dkv_semaphore=None,
+            delta=None):
+        scalars = tail(q, k, softmax_scale, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_k, window,
+                       softcap, heads_per_cta, dkv_semaphore, delta)
+        compiled(q, k, v, dout, lse_log2, dpsum, dq_accum, dk, dv, dq_semaphore, exact, lse_hi, lse_lo,
+                 cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, dkv_semaphore if cfg.dkv_accum else None, delta,
+                 *scalars)
+
+    # flash4.backward's prepared calls: compiled(q, ..., lse_lo, *sequence tensors, dkv_semaphore, delta,
+    # *tail(...)) is run() without its per-call checks
+    run.compiled, run.tail = compiled, tail
     return run
 
 
@@ -312,14 +324,20 @@ def get_bwd_preprocess_runner(headdim: int, dtype: str, arch: int = 90, varlen: 
     compiled = load_or_compile("bwd_preprocess", key, COMPILE_OPTIONS + _arch_option(arch),
                                lambda: compile_preprocess(headdim, dtype, varlen, headdim_q, arch))
 
-    def run(out, dout, lse_hi, lse_lo, dpsum, lse_log2, exact, dq_accum, tile_m: int, row_index=None):
+    def tail(out, dq_accum, tile_m: int, row_index=None) -> tuple:
+        """The host scalars between dq_accum and row_index (checked; shapes read only)."""
         if (row_index is not None) != varlen:
             raise ValueError(f"flash4 backward preprocess: row_index must be given iff varlen (varlen={varlen})")
         # dense: every accumulator row (whole tiles); varlen: the packed rows
         grid = bwd_rowwise_grid(out.shape[0], out.shape[1] if varlen else dq_accum.shape[2], out.shape[2])
-        # row_index is a parameter of the compiled function either way (None: dense).
-        compiled(out, dout, lse_hi, lse_lo, dpsum, lse_log2, exact, dq_accum, tile_m, grid[0], row_index)
+        return (tile_m, grid[0])
 
+    def run(out, dout, lse_hi, lse_lo, dpsum, lse_log2, exact, dq_accum, tile_m: int, row_index=None):
+        # row_index is a parameter of the compiled function either way (None: dense).
+        compiled(out, dout, lse_hi, lse_lo, dpsum, lse_log2, exact, dq_accum, *tail(out, dq_accum, tile_m, row_index),
+                 row_index)
+
+    run.compiled, run.tail = compiled, tail  # flash4.backward's prepared calls
     return run
 
 
@@ -363,16 +381,18 @@ def get_bwd_postprocess_runner(headdim: int, dtype: str, arch: int = 90, varlen:
                                                            wide_stores=wide_stores, wg_halves=wg_halves,
                                                            sm80_warps=sm80_warps))
 
-    def run(dq_accum, dq, row_index=None):
+    def tail(dq, row_index=None) -> tuple:
+        """The compiled function's arguments after dq_accum and dq (checked; dq's shape read only)."""
         if (row_index is not None) != varlen:
             raise ValueError(f"flash4 dQ postprocess: row_index must be given iff varlen (varlen={varlen})")
         if accum_tile_m is not None:
-            grid = bwd_dq_tile_grid(dq.shape[0], dq.shape[1], dq.shape[2], accum_tile_m)
-            compiled(dq_accum, dq, grid[0])
-        else:
-            grid = bwd_rowwise_grid(dq.shape[0], dq.shape[1], dq.shape[2])
-            compiled(dq_accum, dq, grid[0], row_index)
+            return (bwd_dq_tile_grid(dq.shape[0], dq.shape[1], dq.shape[2], accum_tile_m)[0],)
+        return (bwd_rowwise_grid(dq.shape[0], dq.shape[1], dq.shape[2])[0], row_index)
 
+    def run(dq_accum, dq, row_index=None):
+        compiled(dq_accum, dq, *tail(dq, row_index))
+
+    run.compiled, run.tail = compiled, tail  # flash4.backward's prepared calls (dense: row_index None)
     return run
 
 
