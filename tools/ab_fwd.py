@@ -3,7 +3,7 @@
 
     # CPU, the exact source tree of the device run (the disk cache key hashes flash4's sources);
     # compiles every kernel of the plan and checks each for spills and serialized wgmma (exit 1 if
-    # one has either; 19 kernels, ~3 min on the 2-core box, ~3.5 MiB with the shared libraries):
+    # one has either; 36 kernels, ~6 min on the 2-core box; --variants la --cells hdimv: 8 kernels, ~2 min):
     python tools/ab_fwd.py --precompile --cache-dir .ab_fwd
     # GPU (carry .device-deps and .ab_fwd), ~2 min:
     source .device-deps/activate.sh && python tools/ab_fwd.py --cache-dir .ab_fwd --out $OUT/ab_fwd.json
@@ -22,6 +22,13 @@ or varlen request); each other variant is that config with one candidate on (shi
   pack                FwdConfig.pack_gqa = g: the g query heads of a KV head share each query tile
                       (flash-attn-4 packs GQA by default; flash4 packs only windows, after an older
                       A/B: 0.91x at 64:8 d128 causal 4k): dense GQA / MQA causal cells.
+  la / la_base        FwdConfig.lookahead_qk (Dv < D cells only; section 5): each block's softmax under the
+                      next block's Q K^T as well as the previous P V (flash4.config.sm90.lookahead_qk_config:
+                      (192, 128) needs tile_n 112 for the second S accumulator, 80 when causal;
+                      (128, 64) keeps 128).
+                      la_base: the same tile without the switch, where la narrowed it (the tile's own
+                      effect). Same instructions per value: la bitwise equal to la_base, or to shipped
+                      where the tile is shipped's.
   vf / novf           FwdConfig.softmax_vote_first on (novf: off where it ships, d128 full above 1k
                       keys, since 2026-12-03 evening): the softmax's exact-path vote before the
                       exponents, each FFMA next to its MUFU.EX2 (section 8): every cell. Same
@@ -52,7 +59,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
 import ab_switch  # noqa: E402  (tools/ab_switch.py: timing, comparisons)
-from flash4.bench.cases import Case, case_fwd_flops  # noqa: E402
+from flash4.bench.cases import CASES as BENCH_CASES, Case, case_fwd_flops  # noqa: E402
 from flash4.bench.varlen import VarlenCase, varlen_fwd_flops, varlen_lengths  # noqa: E402
 
 ARCH, DTYPE = 90, "bf16"
@@ -73,6 +80,10 @@ CELLS = (
     Case("d96_causal_4k", 96, True, 4096, 4096, 8, 21, 21),
     # the sweep's varlen GQA cell (flash4.bench.varlen: 64k tokens, lengths log-uniform in 128..16k, seed 0)
     VarlenCase("varlen_gqa32q8kv_d128_causal", 32, 8),
+    # Dv < D (issue 26 item 2, FwdConfig.lookahead_qk): the bench's own cells (flash4.bench.cases), so
+    # the numbers compare with the sweep's hdimv rows
+    *(c for c in BENCH_CASES if c.name in ("hdimv_192_128_causal_4k", "hdimv_192_128_full_4k",
+                                           "hdimv_128_64_causal_4k")),
 )
 # Named by --cells only: the sweep's other dense cells where the forward trails flash-attn-4
 # (2026-12-03 sweep: d64 full 1k / 4k 0.92, d64 causal 4k 0.93, d256 full 1k / 4k 0.97), for
@@ -103,7 +114,7 @@ def request(case, q=None, k=None, v=None, cu=None):
         lead = (sum(varlen_lengths()),) if varlen else (case.batch, case.seqlen_q)
         q = torch.empty(*lead, case.nheads, case.headdim, device=meta, dtype=dt)
         k = torch.empty(*lead, case.nheads_k, case.headdim, device=meta, dtype=dt)
-        v = torch.empty_like(k)
+        v = torch.empty(*lead, case.nheads_k, getattr(case, "hdim_v", case.headdim), device=meta, dtype=dt)
         cu = torch.empty(len(varlen_lengths()) + 1, device=meta, dtype=torch.int32) if varlen else None
     if varlen:
         maxlen = max(varlen_lengths())
@@ -117,7 +128,9 @@ def shipped_cfg(case):
     return fwd_config(request(case), ARCH).cfg
 
 
-BITWISE = ("l2kv", "vf", "novf")  # variants whose out / lse must equal shipped's bit for bit
+BITWISE = ("l2kv", "vf", "novf", "la")  # variants whose out / lse must equal their base's bit for bit
+# The base of a bitwise check, where it is not shipped: la against la_base when that variant exists.
+BITWISE_BASE = {"la": "la_base"}
 ONLY = None  # --variants: the names to time besides shipped (None: all)
 
 
@@ -126,15 +139,24 @@ def variants(case) -> dict:
     apply to the cell's config (or would equal another variant) is left out; with --variants, only
     the named ones."""
     out = _all_variants(case)
-    return {n: c for n, c in out.items() if n == "shipped" or ONLY is None or n in ONLY}
+    keep = None if ONLY is None else set(ONLY) | {BITWISE_BASE[n] for n in ONLY if n in BITWISE_BASE}
+    return {n: c for n, c in out.items() if n == "shipped" or keep is None or n in keep}
 
 
 def _all_variants(case) -> dict:
-    from flash4.config.sm90 import wide_tile_fwd_config, with_fwd_switches, with_l2_kv_heads
+    from flash4.config.sm90 import lookahead_qk_config, wide_tile_fwd_config, with_fwd_switches, with_l2_kv_heads
 
     cfg = shipped_cfg(case)
     out = {"shipped": cfg}
     group = case.nheads // case.nheads_k
+    if getattr(case, "headdim_v", None) is not None:  # the Dv < D cells: the look-ahead candidate only
+        la = lookahead_qk_config(cfg)
+        if la is not None:
+            base = dataclasses.replace(la, lookahead_qk=False)
+            if base != cfg:
+                out["la_base"] = base
+            out["la"] = la
+        return out
     if group == 1:
         for n in WIDE_TILES:
             wide = wide_tile_fwd_config(cfg, n)
@@ -159,8 +181,8 @@ def _all_variants(case) -> dict:
 def cfg_short(c) -> str:
     """The fields of a forward config that tell the variants apart."""
     bits = [f"m{c.tile_m}n{c.tile_n}" + (f"s{c.kv_stages}" if c.kv_stages != 2 else "")]
-    bits += [name for name in ("causal", "persistent", "lpt", "l2_kv_heads", "varlen_q", "softmax_vote_first")
-             if getattr(c, name)]
+    bits += [name for name in ("causal", "persistent", "lpt", "l2_kv_heads", "varlen_q", "softmax_vote_first",
+                               "lookahead_qk") if getattr(c, name)]
     bits += [f"pack{c.pack_gqa}"] if c.pack_gqa > 1 else []
     return " ".join(bits)
 
@@ -175,7 +197,8 @@ def print_plan(cells) -> None:
     for case in cells:
         shape = (f"{len(varlen_lengths())} sequences, {sum(varlen_lengths())} tokens" if isinstance(case, VarlenCase)
                  else f"B={case.batch}")
-        print(f"  {case.name:28s} {shape} H={case.nheads}/{case.nheads_k} D={case.headdim}")
+        dv = f" Dv={case.headdim_v}" if getattr(case, "headdim_v", None) is not None else ""
+        print(f"  {case.name:28s} {shape} H={case.nheads}/{case.nheads_k} D={case.headdim}{dv}")
         for name, cfg in variants(case).items():
             print(f"      {name:8s} {cfg_short(cfg)} (smem {cfg.smem_bytes() // 1024} KiB)")
 
@@ -259,7 +282,7 @@ def run_cell(case, rounds: int, rep_ms: float, gemm: float) -> dict:
         views = (q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0))
     else:
         q, k, v = common.make_inputs(case.batch, case.seqlen_q, case.seqlen_k, case.nheads, case.nheads_k,
-                                     case.headdim, torch.bfloat16)
+                                     case.headdim, torch.bfloat16, headdim_v=case.headdim_v)
         out_shape, lse_shape = (case.batch, case.seqlen_q, case.nheads, case.hdim_v), (case.batch, case.nheads,
                                                                                          case.seqlen_q)
         flops, call, views = case_fwd_flops(case), {}, (q, k, v)
@@ -289,7 +312,8 @@ def run_cell(case, rounds: int, rep_ms: float, gemm: float) -> dict:
         row[f"{name}_out_reldiff"] = ab_switch.reldiff(out, base_out)
         row[f"{name}_lse_absdiff"] = float((lse - base_lse).abs().max())
         if name in BITWISE:
-            row[f"{name}_bitwise"] = ab_switch.same(out, base_out) and ab_switch.same(lse, base_lse)
+            ref_out, ref_lse = outs.get(BITWISE_BASE.get(name), (base_out, base_lse))
+            row[f"{name}_bitwise"] = ab_switch.same(out, ref_out) and ab_switch.same(lse, ref_lse)
     ms = ab_switch.interleaved(fns, rounds, rep_ms)
     for name in vs:
         row[f"{name}_tflops"] = flops / ms[name] / 1e9

@@ -182,8 +182,9 @@ def test_tool_plan(capsys):
         for name, cfg in vs.items():
             base = vs["shipped"]
             changed = {f.name for f in dataclasses.fields(cfg) if getattr(cfg, f.name) != getattr(base, f.name)}
-            assert changed <= {"tile_n", "kv_stages", "l2_kv_heads", "pack_gqa", "softmax_vote_first"}, \
-                (case.name, name, changed)
+            assert changed <= {"tile_n", "kv_stages", "l2_kv_heads", "pack_gqa", "softmax_vote_first",
+                               "lookahead_qk"}, (case.name, name, changed)
+            assert (name == "la") == ("lookahead_qk" in changed), (case.name, name)
             assert (name in ("vf", "novf")) == ("softmax_vote_first" in changed), (case.name, name)
             assert cfg.smem_bytes() <= 227 * 1024 - 1024
     assert len(tool.plan_kernels(tool.CELLS)) == len({c for case in tool.CELLS for c in tool.variants(case).values()})
@@ -213,7 +214,7 @@ def test_tool_run_cell_plumbing(monkeypatch):
     monkeypatch.setattr(cache, "load_or_compile", lambda *a, **k: fake_compiled)
     monkeypatch.setattr(tool, "DEVICE", "cpu")
     monkeypatch.setenv("FLASH4_NUM_SMS", "132")
-    monkeypatch.setattr(common, "make_inputs", lambda b, sq, sk, h, hk, d, dt: (
+    monkeypatch.setattr(common, "make_inputs", lambda b, sq, sk, h, hk, d, dt, headdim_v=None: (
         torch.randn(b, sq, h, d, dtype=dt), torch.randn(b, sk, hk, d, dtype=dt), torch.randn(b, sk, hk, d, dtype=dt)))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     monkeypatch.setattr(ab_switch, "interleaved",

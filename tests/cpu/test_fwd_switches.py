@@ -20,7 +20,8 @@ from flash4.constants import FWD_SPEED_SWITCHES  # noqa: E402
 
 
 def test_switch_off_and_out_of_repr():
-    assert FWD_SPEED_SWITCHES == ("softmax_vote_first", "no_tail_guard")  # the second: tests/cpu/test_tail_guard.py
+    # the second: tests/cpu/test_tail_guard.py; the third: tests/cpu/test_lookahead_qk_cpu.py
+    assert FWD_SPEED_SWITCHES == ("softmax_vote_first", "no_tail_guard", "lookahead_qk")
     from flash4.config.sm90 import shipped_vote_first
 
     on = []

@@ -8,8 +8,9 @@ backward's plan and postprocess are routed to the switched-on variant (monkeypat
 attributes flash4.backward reads at call time), then dq, dk, dv are computed into NaN-filled
 tensors and judged by the suite's rule (gpu_helpers.assert_grads: err <= 2 x PyTorch's same-dtype
 error + atol); each test also checks that the route reached the backward. Forward
-(FwdConfig.early_q_release): the persistent config with the switch, into NaN-filled out / lse,
-judged on out and lse (flash4.reference.fwd_errors), and bitwise equal to the switch-off kernel.
+(FwdConfig.early_q_release, lookahead_qk): the config with the switch, into NaN-filled out / lse,
+judged on out and lse (flash4.reference.fwd_errors), and bitwise equal to the switch-off kernel;
+FLASH4_FWD_SWITCHES (softmax_vote_first, lookahead_qk): every door bitwise against the switch off.
 Shapes: several m_blocks per key tile, a partial last query tile and causal rows past the first
 tile; batch x heads above the SM count for the persistent forward.
 """
@@ -153,17 +154,23 @@ def test_bwd_switches_env(monkeypatch, switches, d, s, h, hk, causal):
 # FLASH4_FWD_SWITCHES=softmax_vote_first (FwdConfig.softmax_vote_first; speed_candidates.md section 8):
 # the same operations per element as the shipped softmax, so every door's out and lse must equal the
 # switch-off call bit for bit, the exact path (scores of magnitude ~1e7: |m * c| >= FWD_EXACT_REF_LOG2)
-# and ragged query tiles included.
+# and ragged query tiles included. FLASH4_FWD_SWITCHES=lookahead_qk (FwdConfig.lookahead_qk, section 5):
+# the same instructions per value in a different issue order (the next block's Q K^T under this
+# block's softmax), so bit for bit as well; it is built where Dv < D fits the registers as shipped,
+# the (128, 64) forward of every door (with_fwd_switches), hence those head dims for it.
 FWD_ENV_KINDS = ["dense", "dense_causal", "window_softcap", "sink", "varlen", "paged", "kvcache"]
+FWD_ENV_CASES = ([("softmax_vote_first", d, None) for d in (64, 96, 128, 192, 256)]
+                 + [("lookahead_qk", 128, 64)])
 
 
-def _fwd_call(kind, d, mag):
+def _fwd_call(kind, d, mag, dv=None):
     from flash4 import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
 
+    dv = d if dv is None else dv
     g = torch.Generator(device="cuda").manual_seed(11)
     rnd = lambda *shape: torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=g)  # noqa: E731
     if kind in ("dense", "dense_causal", "window_softcap", "sink"):
-        q, k, v = rnd(2, 777, 4, d) * mag, rnd(2, 901, 2, d) * mag, rnd(2, 901, 2, d)
+        q, k, v = rnd(2, 777, 4, d) * mag, rnd(2, 901, 2, d) * mag, rnd(2, 901, 2, dv)
         kw = {"causal": kind == "dense_causal", "return_lse": True}
         if kind == "window_softcap":
             kw.update(window_size=(200, 33), softcap=30.0)
@@ -173,10 +180,10 @@ def _fwd_call(kind, d, mag):
     if kind == "varlen":
         lens = [300, 1, 0, 517]
         cu = torch.tensor([0, 300, 301, 301, 818], device="cuda", dtype=torch.int32)
-        q, k, v = rnd(818, 4, d) * mag, rnd(818, 2, d) * mag, rnd(818, 2, d)
+        q, k, v = rnd(818, 4, d) * mag, rnd(818, 2, d) * mag, rnd(818, 2, dv)
         return lambda: flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=True, return_lse=True)
     page = 16 if kind == "paged" else 64
-    k_cache, v_cache = rnd(40, page, 2, d) * mag, rnd(40, page, 2, d)
+    k_cache, v_cache = rnd(40, page, 2, d) * mag, rnd(40, page, 2, dv)
     table = torch.randperm(40, device="cuda", generator=g).to(torch.int32).view(2, 20)
     if kind == "paged":
         q = rnd(2 * 129, 4, d) * mag
@@ -190,22 +197,58 @@ def _fwd_call(kind, d, mag):
 
 
 @pytest.mark.parametrize("mag", [1.0, 1000.0], ids=["normal", "exact_path"])
-@pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
+@pytest.mark.parametrize("switch, d, dv", FWD_ENV_CASES,
+                         ids=[f"{n}-d{d}" + (f"-dv{dv}" if dv else "") for n, d, dv in FWD_ENV_CASES])
 @pytest.mark.parametrize("kind", FWD_ENV_KINDS)
-def test_fwd_switches_env(monkeypatch, kind, d, mag):
-    """Every door with FLASH4_FWD_SWITCHES=softmax_vote_first: the plan carries the switch, and out /
-    lse (finite where rows see keys) equal the switch-off call's bit for bit."""
+def test_fwd_switches_env(monkeypatch, kind, switch, d, dv, mag):
+    """Every door with FLASH4_FWD_SWITCHES naming the switch: out / lse (finite where rows see keys)
+    equal the switch-off call's bit for bit."""
     from flash4.config.sm90 import with_fwd_switches  # noqa: F401  (the switch's one source)
 
-    call = _fwd_call(kind, d, mag)
+    call = _fwd_call(kind, d, mag, dv)
     monkeypatch.delenv("FLASH4_FWD_SWITCHES", raising=False)
     out_off, lse_off = (t.clone() for t in call()[:2])
-    monkeypatch.setenv("FLASH4_FWD_SWITCHES", "softmax_vote_first")
+    monkeypatch.setenv("FLASH4_FWD_SWITCHES", switch)
     out_on, lse_on = call()[:2]
     torch.cuda.synchronize()
     assert not out_on.isnan().any()
     assert torch.equal(out_on, out_off)
     assert torch.equal(lse_on, lse_off)
+
+
+# FwdConfig.lookahead_qk where it needs a narrower key tile than shipped ((192, 128): 128 -> 112, causal
+# 80; flash4.config.sm90.lookahead_qk_config) and the (128, 64) configs: the switched-on runner against
+# the same tile switched off, bit for bit, and against the float32 reference (the suite's 2x rule).
+# Key counts: one block, two, an odd and an even number after the first (the pair loop and its odd
+# step), a partial last block; a partial last query tile (777 queries; causal: as many as keys, so
+# every row sees one, and the tiles of a sequence visit 1 .. all of its blocks).
+LOOKAHEAD_CASES = [(192, 128, False), (192, 128, True), (128, 64, False), (128, 64, True)]
+
+
+@pytest.mark.parametrize("sk", [100, 224, 337, 1000])
+@pytest.mark.parametrize("d, dv, causal", LOOKAHEAD_CASES,
+                         ids=[f"d{d}-dv{dv}-" + ("causal" if c else "full") for d, dv, c in LOOKAHEAD_CASES])
+def test_lookahead_qk(d, dv, causal, sk):
+    from flash4.config.sm90 import lookahead_qk_config
+
+    b, h = 2, 8
+    sq = sk if causal else 777  # causal: every row sees a key
+    q, k, v, _ = inputs(b, sq, sk, h, h, d, dv)
+    scale = d ** -0.5
+    on = lookahead_qk_config(select_fwd_config(d, "bf16", causal, headdim_v=dv))
+    results = []
+    for cfg in (on, dataclasses.replace(on, lookahead_qk=False)):
+        out, lse = poisoned_fwd_buffers(q, dv)
+        lse_split = torch.full((2,) + tuple(lse.shape), math.nan, device="cuda", dtype=torch.float32)
+        cache.get_fwd_runner(cfg)(q, k, v, out, lse, scale, lse_split=lse_split)
+        torch.cuda.synchronize()
+        results.append((out, lse, lse_split))
+    out, lse, _ = results[0]
+    assert not out.isnan().any()
+    errs = fwd_errors(q, k, v, out, lse, scale, causal)
+    assert errs["ok"], errs
+    for a, b_ in zip(results[0], results[1]):
+        assert torch.equal(a.nan_to_num(), b_.nan_to_num())
 
 
 # BwdConfig.sink_delta_db (shipped with sink_delta where it fits since 2026-12-03 evening): the sink path's

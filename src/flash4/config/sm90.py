@@ -34,7 +34,7 @@ SHORT_SEQLEN_K = 1024
 # other config's key: the speed switches, and sink_delta (on only when a learnable sink needs a gradient).
 _QUIET_SWITCHES = ("early_q_release", "l2_kv_heads", "exp_before_dp_wait", "dq_handoff_per_wg", "sink_delta",
                    "gather_zero_fill", "dq_swapab", "dq_whole", "lse_early", "softmax_vote_first", "sink_delta_db",
-                   "no_tail_guard")
+                   "no_tail_guard", "lookahead_qk")
 
 
 def _quiet_repr(cfg) -> str:
@@ -124,6 +124,15 @@ class FwdConfig:
                   faster than zeroing V, 2026-12-02) stays. Results equal on clean memory; stale
                   NaN / inf past seqlen_k then leaks into outputs (never use it to serve).
                   Left out of the repr while off.
+    lookahead_qk: speed switch, off (FLASH4_FWD_SWITCHES=lookahead_qk for A/B and GPU tests;
+                  tools/ab_fwd.py variant "la"; docs/design/speed_candidates.md section 5). Each key
+                  block's softmax runs under the next block's Q K^T as well as under its P V: a second
+                  S accumulator holds S_{n-1} = Q K_{n-1}, issued before softmax(S_n)
+                  (kernels/sm90/fwd.py key_blocks_lookahead). Same instructions per value: same bits.
+                  Only where the second S fits the registers (lookahead_qk_error: Dv < D, two
+                  consumer warpgroups, TMA K/V; (192, 128) at tile_n <= 112, masked <= 80:
+                  lookahead_qk_config); elsewhere the config raises ValueError.
+                  Left out of the repr while off.
     """
 
     headdim: int
@@ -155,9 +164,12 @@ class FwdConfig:
     gather_zero_fill: bool = False
     softmax_vote_first: bool = False
     no_tail_guard: bool = False
+    lookahead_qk: bool = False
 
     def __post_init__(self):
         assert self.headdim in SUPPORTED_HEADDIMS, self.headdim
+        if self.lookahead_qk and lookahead_qk_error(self):
+            raise ValueError(f"FwdConfig.lookahead_qk: {lookahead_qk_error(self)}")
         assert not self.early_q_release or self.persistent, self
         assert not self.l2_kv_heads or self.lpt, self
         assert self.headdim_v is None or (self.headdim, self.headdim_v) in HDIMV_PAIRS, (self.headdim, self.headdim_v)
@@ -213,6 +225,65 @@ class FwdConfig:
         q = self.tile_m * max(self.headdim, self.hdim_v) * elt
         kv = self.kv_stages * self.tile_n * (self.headdim + self.hdim_v) * elt
         return q + kv
+
+
+# FwdConfig.lookahead_qk: the most accumulator registers per consumer thread (S + next S + P + O,
+# lookahead_qk_regs) that leave ptxas room in the 240 of two consumer warpgroups. sm_90a, CuTe DSL
+# 4.8.1, 2026-12-03: (192, 128) full at tile_n 112 (204) and 96 (184): 0 spills, wgmma not
+# serialized; at tile_n 128 (224): spills and every wgmma serialized (ptxas C7512). (128, 64) at
+# tile_n 128 (192): full, causal, causal + softcap, causal + sink clean.
+LOOKAHEAD_QK_REGS = 208
+# ... and the widest key tile of a masked (causal / window) (192, 128) forward with it: at tile_n 112
+# and 96 ptxas spills 4 bytes (causal: one scheduler value, reloaded once per tile) / 8 (window),
+# at 80 none (2026-12-03, same compiler); (128, 64) causal at 128 is clean.
+LOOKAHEAD_QK_MASKED_D192_TILE_N = 80
+
+
+def lookahead_qk_regs(cfg: FwdConfig) -> int:
+    """Accumulator registers per consumer thread with FwdConfig.lookahead_qk (64 query rows per
+    warpgroup of 128 threads): S and the next S in fp32 (tile_n / 2 each), P in 16 bits (tile_n / 4),
+    O in fp32 (Dv / 2): while S_n is softened, S_{n-1} and O += P_{n+1} V_{n+1} are in flight."""
+    return 2 * (cfg.tile_n // 2) + cfg.tile_n // 4 + cfg.hdim_v // 2
+
+
+def lookahead_qk_error(cfg: FwdConfig) -> str | None:
+    """Why FwdConfig.lookahead_qk cannot be on for cfg, or None where it is built (pure): the sm90
+    forward with Dv < D (the (192, 128) and (128, 64) pairs; issue 26 item 2), two consumer
+    warpgroups, K/V loaded by TMA (gathered pages leave the consumers 232 registers), at least two
+    K/V stages (K_n and K_{n-1} are held together), the accumulators within LOOKAHEAD_QK_REGS
+    ((128, 64) at tile_n 128: 192; (192, 128) at tile_n <= 112: 204, 128 would need 224), and a
+    masked (causal / window) D = 192 forward at tile_n <= LOOKAHEAD_QK_MASKED_D192_TILE_N (80): at
+    112 and 96 it spills 4 / 8 bytes (ptxas, 2026-12-03; the causal one a single value reloaded
+    once per tile, but the compile check asks for none)."""
+    if cfg.arch != 90:
+        return f"sm90 forward only, not arch={cfg.arch}"
+    if cfg.headdim_v is None or cfg.headdim_v >= cfg.headdim:
+        return f"built for Dv < D only ((192, 128), (128, 64)), not headdim={cfg.headdim}, headdim_v={cfg.headdim_v}"
+    if cfg.num_consumer_warpgroups != 2:
+        return f"needs two consumer warpgroups (tile_m 128), not tile_m={cfg.tile_m}"
+    if cfg.kv_stages < 2:
+        return f"needs kv_stages >= 2 (K_n and K_(n-1) are held together), not {cfg.kv_stages}"
+    if cfg.page_gather:
+        return "not with page_gather (its consumers get 232 registers, not 240)"
+    if lookahead_qk_regs(cfg) > LOOKAHEAD_QK_REGS:
+        return (f"tile_n={cfg.tile_n} with Dv={cfg.hdim_v} needs {lookahead_qk_regs(cfg)} accumulator registers per "
+                f"thread (S, next S, P, O), more than {LOOKAHEAD_QK_REGS}: use lookahead_qk_config (a narrower tile)")
+    if cfg.headdim == 192 and (cfg.causal or cfg.local) and cfg.tile_n > LOOKAHEAD_QK_MASKED_D192_TILE_N:
+        return (f"a causal or windowed headdim=192 forward needs tile_n <= {LOOKAHEAD_QK_MASKED_D192_TILE_N} "
+                f"(it spills at 112 and 96), not {cfg.tile_n}: use lookahead_qk_config")
+    return None
+
+
+def lookahead_qk_config(cfg: FwdConfig) -> FwdConfig | None:
+    """cfg with FwdConfig.lookahead_qk on, at the widest tile_n <= cfg.tile_n (a multiple of 16) that
+    lookahead_qk_error allows ((192, 128): 128 -> 112, causal / window 80), or None where no tile
+    does. Pure; for the A/B (tools/ab_fwd.py variant "la") and the GPU test, whose switch-off base
+    is the same tile."""
+    for tile_n in range(cfg.tile_n, 63, -16):
+        on = dataclasses.replace(cfg, tile_n=tile_n, lookahead_qk=False)
+        if lookahead_qk_error(on) is None:
+            return dataclasses.replace(on, lookahead_qk=True)
+    return None
 
 
 def select_fwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, arch: int = 90,
@@ -999,8 +1070,10 @@ def fwd_plan(request, arch: int, num_sms: int | None = None) -> FwdPlan:
 def with_fwd_switches(cfg: FwdConfig, names) -> FwdConfig:
     """cfg with each named forward speed switch (FWD_SPEED_SWITCHES) on where the kernel builds it
     (softmax_vote_first: every sm90 forward config; no_tail_guard: ragged layouts, where the guards
-    are compiled). Pure."""
+    are compiled; lookahead_qk: where lookahead_qk_error allows it, Dv < D). Pure."""
     for name in FWD_SPEED_SWITCHES:
+        if name == "lookahead_qk" and lookahead_qk_error(cfg):
+            continue
         if name in names and (name != "no_tail_guard" or cfg.ragged_q or cfg.ragged_k):
             cfg = dataclasses.replace(cfg, **{name: True})
     return cfg

@@ -209,6 +209,8 @@ class FlashAttentionForwardSm90:
         # FwdConfig.early_q_release: Q's buffer is freed after the tile's last Q K^T (`mma`); only
         # with O in its own buffer (Q's would still receive O).
         self.early_q_release = cfg.early_q_release
+        # FwdConfig.lookahead_qk: the next block's Q K^T runs under this block's softmax (key_blocks_lookahead)
+        self.lookahead_qk = cfg.lookahead_qk
         if self.early_q_release and not self.separate_o:
             raise ValueError(f"flash4 fwd_sm90: early_q_release needs O in its own smem buffer (persistent, "
                              f"smem for it): {cfg}")
@@ -698,49 +700,54 @@ class FlashAttentionForwardSm90:
                 acc_O.fill(0.0)
                 pipeline_q.consumer_wait(q_state)
                 if n_block_max > n_block_min:
-                    # First block (the diagonal / seqlen_k edge): S only; its P V is issued next iteration.
-                    pipeline_k.consumer_wait(state)
-                    acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
-                    wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, state.index], zero_init=True, wg_wait=0)
-                    pipeline_k.consumer_release(state)
-                    if const_expr(self.early_q_release):
-                        if n_block_max - 1 == n_block_min:  # the tile's only Q K^T has completed (wg_wait=0)
-                            pipeline_q.consumer_release(q_state)
-                    score.apply(acc_S, score_params.softcap_scale, self.cfg.softcap)
-                    mask(acc_S, n_block=n_block_max - 1, causal=self.causal)
-                    softmax.online(acc_S, is_first=True)
-                    self.convert_P(acc_S, tOrP)
-                    if const_expr(self.zero_v_tail_needed):
-                        # Before any P V reads this block's V stage (next iteration, or the last P V).
-                        self.zero_v_tail(sV, pipeline_v, state, n_block_max - 1, seqlen_k, tidx)
-                    # Blocks that cross the causal diagonal (a window's right edge), then unmasked
-                    # blocks, then (window) blocks that cross its left edge. Together they take
-                    # n_block_max - 2 down to n_block_min once each, n_block_min last (early_q_release
-                    # frees Q there: q_release).
-                    q_release = None
-                    if const_expr(self.early_q_release):
-                        q_release = (q_state, n_block_min)
-                    n_block_unmasked = n_block_max - 1
-                    n_block_left = n_block_min
-                    if const_expr(self.causal or self.cfg.local):
-                        n_causal = geometry.n_block_min_causal_mask(m_block, seqlen_q, seqlen_k, self.tile_m, self.tile_n,
-                                                                    window, self.pack)
-                        n_causal = cutlass.max(cutlass.min(n_causal, n_block_max - 1), n_block_min)
-                        for i in cutlass.range(n_block_max - 1 - n_causal, unroll=1):
-                            state = self.mma_one_n_block(n_block_max - 2 - i, state, mmas, ops, acc_O, softmax, pipes,
-                                                         score_params, mask, True, wg_idx, q_release)
-                        n_block_unmasked = n_causal
-                    if const_expr(self.cfg.local):
-                        n_left = geometry.n_block_left_mask_end(m_block, seqlen_q, seqlen_k, self.tile_m, self.tile_n,
-                                                                window, self.pack)
-                        n_block_left = cutlass.max(cutlass.min(n_left, n_block_unmasked), n_block_min)
-                    for i in cutlass.range(n_block_unmasked - n_block_left, unroll=1):
-                        state = self.mma_one_n_block(n_block_unmasked - 1 - i, state, mmas, ops, acc_O, softmax, pipes,
-                                                     score_params, mask, False, wg_idx, q_release)
-                    if const_expr(self.cfg.local):
-                        for i in cutlass.range(n_block_left - n_block_min, unroll=1):
-                            state = self.mma_one_n_block(n_block_left - 1 - i, state, mmas, ops, acc_O, softmax, pipes,
-                                                         score_params, mask, True, wg_idx, q_release)
+                    if const_expr(self.lookahead_qk):
+                        state = self.key_blocks_lookahead(n_block_min, n_block_max, m_block, seq, window, state,
+                                                          q_state, mmas, ops, acc_O, softmax, pipes, score_params,
+                                                          mask, sV, tidx, wg_idx)
+                    else:
+                        # First block (the diagonal / seqlen_k edge): S only; its P V is issued next iteration.
+                        pipeline_k.consumer_wait(state)
+                        acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
+                        wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, state.index], zero_init=True, wg_wait=0)
+                        pipeline_k.consumer_release(state)
+                        if const_expr(self.early_q_release):
+                            if n_block_max - 1 == n_block_min:  # the tile's only Q K^T has completed (wg_wait=0)
+                                pipeline_q.consumer_release(q_state)
+                        score.apply(acc_S, score_params.softcap_scale, self.cfg.softcap)
+                        mask(acc_S, n_block=n_block_max - 1, causal=self.causal)
+                        softmax.online(acc_S, is_first=True)
+                        self.convert_P(acc_S, tOrP)
+                        if const_expr(self.zero_v_tail_needed):
+                            # Before any P V reads this block's V stage (next iteration, or the last P V).
+                            self.zero_v_tail(sV, pipeline_v, state, n_block_max - 1, seqlen_k, tidx)
+                        # Blocks that cross the causal diagonal (a window's right edge), then unmasked
+                        # blocks, then (window) blocks that cross its left edge. Together they take
+                        # n_block_max - 2 down to n_block_min once each, n_block_min last (early_q_release
+                        # frees Q there: q_release).
+                        q_release = None
+                        if const_expr(self.early_q_release):
+                            q_release = (q_state, n_block_min)
+                        n_block_unmasked = n_block_max - 1
+                        n_block_left = n_block_min
+                        if const_expr(self.causal or self.cfg.local):
+                            n_causal = geometry.n_block_min_causal_mask(m_block, seqlen_q, seqlen_k, self.tile_m,
+                                                                        self.tile_n, window, self.pack)
+                            n_causal = cutlass.max(cutlass.min(n_causal, n_block_max - 1), n_block_min)
+                            for i in cutlass.range(n_block_max - 1 - n_causal, unroll=1):
+                                state = self.mma_one_n_block(n_block_max - 2 - i, state, mmas, ops, acc_O, softmax,
+                                                             pipes, score_params, mask, True, wg_idx, q_release)
+                            n_block_unmasked = n_causal
+                        if const_expr(self.cfg.local):
+                            n_left = geometry.n_block_left_mask_end(m_block, seqlen_q, seqlen_k, self.tile_m,
+                                                                    self.tile_n, window, self.pack)
+                            n_block_left = cutlass.max(cutlass.min(n_left, n_block_unmasked), n_block_min)
+                        for i in cutlass.range(n_block_unmasked - n_block_left, unroll=1):
+                            state = self.mma_one_n_block(n_block_unmasked - 1 - i, state, mmas, ops, acc_O, softmax,
+                                                         pipes, score_params, mask, False, wg_idx, q_release)
+                        if const_expr(self.cfg.local):
+                            for i in cutlass.range(n_block_left - n_block_min, unroll=1):
+                                state = self.mma_one_n_block(n_block_left - 1 - i, state, mmas, ops, acc_O, softmax,
+                                                             pipes, score_params, mask, True, wg_idx, q_release)
                     # Last P V.
                     pipeline_v.consumer_wait(state)
                     wgmma(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, state.index], wg_wait=0)
@@ -858,6 +865,176 @@ class FlashAttentionForwardSm90:
         pipeline_v.consumer_release(state_v)
         self.convert_P(acc_S, tOrP)
         softmax.rescale_O(acc_O, row_scale)
+        return state
+
+    @cute.jit
+    def key_blocks_lookahead(self, n_block_min, n_block_max, m_block, seq, window, state, q_state, mmas: TiledMmas,
+                             ops: MmaOperands, acc_O, softmax, pipes: Pipelines, score_params: ScoreParams, mask, sV,
+                             tidx, wg_idx):
+        """FwdConfig.lookahead_qk: a tile's key blocks n_block_max - 1 ... n_block_min (at least one)
+        up to the last P V, each block's softmax under the next block's Q K^T as well as under the
+        previous block's P V (docs/design/speed_candidates.md section 5). Returns the pipeline state
+        of block n_block_min (its V is the caller's last P V).
+
+        Two S accumulators, acc_S and acc_S_next: the first block's S_{max-1} goes to acc_S and is
+        waited for; S_{max-2} is issued into acc_S_next before the first block's softmax; from then
+        on the S of the next block to soften is in acc_S_next at the start of every run of steps
+        (`lookahead_run`: pairs of steps that alternate the two buffers, then for an odd count one
+        step that issues its next Q K^T into its own buffer once P is converted and O rescaled), so no
+        buffer is chosen at run time. The tile's last block (n_block_min) issues no Q K^T (its own
+        step after the runs), masked where the tile has a mask (a fully visible block's mask selects
+        nothing: the same bits as unmasked). The masked / unmasked / left-masked split is the one of
+        `mma`, over n_block_max - 2 ... n_block_min + 1. A tile of one block: the first block only.
+        Every look-ahead Q K^T is issued and waited for inside the `n_block_max - 1 > n_block_min`
+        branch (so the first block's softmax is traced twice): a wgmma in flight where two paths
+        join serializes all of them (ptxas C7514).
+
+        Pipelines: K_n is waited for before the Q K^T that reads it and released after the wait on
+        that Q K^T, one step later than without the switch, so K holds two blocks (kv_stages >= 2,
+        lookahead_qk_error); each step waits V_{n+1}, then K_{n-1}: the producer's load order (K[n],
+        V[n+1], K[n-1]). Every step after the first block runs one ping-pong round (scheduler_barrier_
+        sync / arrive) as `mma_one_n_block` does, so the rounds per tile are unchanged; its waits come
+        before its round, and K_{n-1}'s needs only the other warpgroup's release of K_{n+1}, made
+        right after that warpgroup's previous round. early_q_release: Q is released after the wait
+        on the tile's last Q K^T (S_{n_block_min}, or the only block's), as without the switch."""
+        tiled_mma_qk = mmas[0]
+        tSrQ, tSrK, tOrVt, tOrP, acc_shape_S = ops
+        pipeline_k = pipes.k
+        seqlen_q, seqlen_k = seq.seqlen_q, seq.seqlen_k
+        acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
+        acc_S_next = cute.make_rmem_tensor(acc_shape_S, Float32)
+        # First block (the diagonal / seqlen_k edge): S only; its P V is issued by the next step.
+        pipeline_k.consumer_wait(state)
+        wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, state.index], zero_init=True, wg_wait=0)
+        pipeline_k.consumer_release(state)
+        first = partial(self.first_block_softmax, n_block_max - 1, state, acc_S, tOrP, softmax, pipes, score_params,
+                        mask, sV, seqlen_k, tidx)
+        if n_block_max - 1 > n_block_min:
+            # S_{max-2} runs under this block's softmax. The whole life of a look-ahead Q K^T lies in
+            # this branch: a wgmma still running where two paths join serializes them all (ptxas
+            # C7514), hence the first block's softmax is traced in both branches.
+            state_next = next_state(state)
+            pipeline_k.consumer_wait(state_next)
+            wgmma(tiled_mma_qk, acc_S_next, tSrQ, tSrK[None, None, None, state_next.index], zero_init=True,
+                  wg_wait=-1)
+            first()
+            args = (mmas, ops, acc_O, acc_S, acc_S_next, softmax, pipes, score_params, mask, wg_idx)
+            n_block_lo = n_block_min + 1  # the runs stop above the tile's last block
+            n_block_unmasked = n_block_max - 1
+            n_block_left = n_block_lo
+            if const_expr(self.causal or self.cfg.local):
+                n_causal = geometry.n_block_min_causal_mask(m_block, seqlen_q, seqlen_k, self.tile_m, self.tile_n,
+                                                            window, self.pack)
+                n_causal = cutlass.max(cutlass.min(n_causal, n_block_max - 1), n_block_lo)
+                state = self.lookahead_run(n_block_max - 1, n_causal, state, *args, True)
+                n_block_unmasked = n_causal
+            if const_expr(self.cfg.local):
+                n_left = geometry.n_block_left_mask_end(m_block, seqlen_q, seqlen_k, self.tile_m, self.tile_n,
+                                                        window, self.pack)
+                n_block_left = cutlass.max(cutlass.min(n_left, n_block_unmasked), n_block_lo)
+            state = self.lookahead_run(n_block_unmasked, n_block_left, state, *args, False)
+            if const_expr(self.cfg.local):
+                state = self.lookahead_run(n_block_left, n_block_lo, state, *args, True)
+            # The tile's last block: no next Q K^T.
+            q_release = q_state if const_expr(self.early_q_release) else None
+            state = self.mma_one_n_block_lookahead(n_block_min, state, mmas, ops, acc_O, acc_S_next, acc_S, softmax,
+                                                   pipes, score_params, mask, self.causal or self.cfg.local, 0,
+                                                   wg_idx, q_release)
+        else:
+            if const_expr(self.early_q_release):
+                pipes.q.consumer_release(q_state)  # the tile's only Q K^T has completed (wg_wait=0)
+            first()
+        return state
+
+    @cute.jit
+    def first_block_softmax(self, n_block, state, acc_S, tOrP, softmax, pipes: Pipelines, score_params: ScoreParams,
+                            mask, sV, seqlen_k, tidx):
+        """lookahead_qk: the first block's softcap, mask, softmax and P (its P V is issued by the next
+        step, or is the tile's last); ragged K: its V tail zeroed before any P V reads it."""
+        score.apply(acc_S, score_params.softcap_scale, self.cfg.softcap)
+        mask(acc_S, n_block=n_block, causal=self.causal)
+        softmax.online(acc_S, is_first=True)
+        self.convert_P(acc_S, tOrP)
+        if const_expr(self.zero_v_tail_needed):
+            self.zero_v_tail(sV, pipes.v, state, n_block, seqlen_k, tidx)
+
+    @cute.jit
+    def lookahead_run(self, n_block_hi, n_block_lo, state, mmas: TiledMmas, ops: MmaOperands, acc_O, acc_S, acc_S_next,
+                      softmax, pipes: Pipelines, score_params: ScoreParams, mask, wg_idx,
+                      masked: cutlass.Constexpr[bool]):
+        """lookahead_qk: key blocks n_block_hi - 1 down to n_block_lo (none when n_block_hi <= n_block_lo),
+        none of them the tile's last. On entry and on return the S of the next block to soften is in
+        acc_S_next (issued, maybe in flight). Unmasked: pairs of steps (acc_S_next -> acc_S, then
+        acc_S -> acc_S_next), an odd count's last step issuing its next Q K^T into acc_S_next once
+        P is converted. Masked runs (a few blocks per tile: the diagonal, a window's edges) take
+        that last form for every step: one copy of the masked step's code."""
+        count = n_block_hi - n_block_lo
+        if const_expr(masked):
+            for i in cutlass.range(count, unroll=1):
+                state = self.mma_one_n_block_lookahead(n_block_hi - 1 - i, state, mmas, ops, acc_O, acc_S_next,
+                                                       acc_S_next, softmax, pipes, score_params, mask, True, 2,
+                                                       wg_idx)
+        else:
+            for i in cutlass.range(count // 2, unroll=1):
+                n_block = n_block_hi - 1 - 2 * i
+                state = self.mma_one_n_block_lookahead(n_block, state, mmas, ops, acc_O, acc_S_next, acc_S, softmax,
+                                                       pipes, score_params, mask, False, 1, wg_idx)
+                state = self.mma_one_n_block_lookahead(n_block - 1, state, mmas, ops, acc_O, acc_S, acc_S_next,
+                                                       softmax, pipes, score_params, mask, False, 1, wg_idx)
+            if count % 2 == 1:
+                state = self.mma_one_n_block_lookahead(n_block_lo, state, mmas, ops, acc_O, acc_S_next, acc_S_next,
+                                                       softmax, pipes, score_params, mask, False, 2, wg_idx)
+        return state
+
+    @cute.jit
+    def mma_one_n_block_lookahead(self, n_block, state, mmas: TiledMmas, ops: MmaOperands, acc_O, acc_S, acc_S_next,
+                                  softmax, pipes: Pipelines, score_params: ScoreParams, mask,
+                                  masked: cutlass.Constexpr[bool], next_qk: cutlass.Constexpr[int], wg_idx,
+                                  q_release=None):
+        """lookahead_qk: one key block. On entry S_n = Q K_n has been issued into acc_S (it ran under
+        the previous block's softmax) and P_{n+1} is in registers; `state` is block n + 1's. Wait for
+        S_n, release K_n; issue O += P_{n+1} V_{n+1}, then (next_qk 1) S_{n-1} = Q K_{n-1} into
+        acc_S_next; softcap, mask, online softmax of S_n while both GEMMs run; wait for the P V (the
+        wgmma groups complete in order: P V first, S_{n-1} may still run), release V_{n+1};
+        P_n = cvt(S_n); rescale O; (next_qk 2) S_{n-1} into acc_S itself, now free. next_qk 0: the
+        tile's last block, no next Q K^T. q_release: the tile's Q stage (early_q_release, last
+        block), released once S_n, the tile's last Q K^T, is complete. Returns block n's state.
+
+        S_n is waited for with wait_group(0) before this step issues anything: ptxas serializes every
+        wgmma of the kernel (C7514) when a wait_group(N > 0) has to retire a group committed before
+        a loop's back edge (tried 2026-12-03: S_n waited for with wait_group(2) after this step's
+        issues), and a look-ahead Q K^T is always committed one step, hence one iteration, earlier.
+        The wait that keeps S_{n-1} running (wait_group(1), P V only) retires a group of this step."""
+        tiled_mma_qk, tiled_mma_pv = mmas
+        tSrQ, tSrK, tOrVt, tOrP, _ = ops
+        pipeline_k, pipeline_v = pipes.k, pipes.v
+        state_v = state
+        state = next_state(state)  # block n (S_n issued by the previous step)
+        state_next = next_state(state)  # block n - 1
+        warpgroup.wait_group(0)  # S_n complete
+        pipeline_k.consumer_release(state)
+        if const_expr(q_release is not None):
+            pipes.q.consumer_release(q_release)
+        pipeline_v.consumer_wait(state_v)
+        if const_expr(next_qk == 1):
+            pipeline_k.consumer_wait(state_next)
+        self.scheduler_barrier_sync(wg_idx)
+        wgmma(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, state_v.index], wg_wait=-1)
+        if const_expr(next_qk == 1):
+            wgmma(tiled_mma_qk, acc_S_next, tSrQ, tSrK[None, None, None, state_next.index], zero_init=True,
+                  wg_wait=-1)
+        self.scheduler_barrier_arrive(wg_idx)
+        score.apply(acc_S, score_params.softcap_scale, self.cfg.softcap)
+        if const_expr(masked):
+            mask(acc_S, n_block=n_block, causal=self.causal)
+        row_scale = softmax.online(acc_S, is_first=False)
+        warpgroup.wait_group(1 if next_qk == 1 else 0)  # P_{n+1} V_{n+1} complete
+        pipeline_v.consumer_release(state_v)
+        self.convert_P(acc_S, tOrP)
+        softmax.rescale_O(acc_O, row_scale)
+        if const_expr(next_qk == 2):
+            pipeline_k.consumer_wait(state_next)
+            wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, state_next.index], zero_init=True, wg_wait=-1)
         return state
 
     @cute.jit
