@@ -5,6 +5,7 @@
     python tools/host_overhead.py --fake --profile kvcache   # cProfile of one door's host path
     HOST_OVERHEAD_MEMO=0 python tools/host_overhead.py      # flash4.memo off: the full host path per call
     python tools/host_overhead.py --ab                      # memo off, then on, in one process
+    python tools/host_overhead.py --env FLASH4_DECODE_SCATTER=0,1 varlen_paged   # each value in turn, one process
 
 Doors (decode cells: batch 1, one query, 32 query / 8 KV heads, head dim 128, bf16):
     kvcache        flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=t)   dense cache
@@ -195,6 +196,10 @@ def main(argv=None) -> int:
     parser.add_argument("-n", type=int, default=300, help="calls per measurement")
     parser.add_argument("--profile", default=None, help="cProfile one door (fake or real) and print the top entries")
     parser.add_argument("--ab", action="store_true", help="measure with flash4.memo off, then on (one process)")
+    parser.add_argument("--env", action="append", default=[], metavar="VAR=V1,V2",
+                        help="measure once per value of environment variable VAR, in this process (e.g. "
+                             "FLASH4_DECODE_SCATTER=0,1: the varlen door's combine writing the rows, off then on); "
+                             "repeatable: every combination")
     parser.add_argument("doors", nargs="*", help="doors to run (default: all)")
     args = parser.parse_args(argv)
     if args.fake:
@@ -206,15 +211,19 @@ def main(argv=None) -> int:
         import cProfile
         import pstats
 
-        fn = cells(device, keys)[args.profile]
-        for _ in range(5):
-            fn()
-        prof = cProfile.Profile()
-        prof.enable()
-        for _ in range(args.n):
-            fn()
-        prof.disable()
-        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+        for setting in env_settings(args.env):
+            if setting:
+                os.environ.update(setting)
+                print("with " + " ".join(f"{k}={v}" for k, v in setting.items()) + ":")
+            fn = cells(device, keys)[args.profile]
+            for _ in range(5):
+                fn()
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(args.n):
+                fn()
+            prof.disable()
+            pstats.Stats(prof).sort_stats("tottime").print_stats(25)
         return 0
     states = (False, True) if args.ab else (None,)
     for state in states:
@@ -224,13 +233,34 @@ def main(argv=None) -> int:
             memo.ENABLED = state
             memo.clear()
             print(f"flash4.memo {'on' if state else 'off'}:")
-        rows = measure(device, keys, args.n, set(args.doors))
-        cols = ["door"] + [c for c in ("host_us", "py_calls", "eager_us", "graph_us", "eager/graph") if c in rows[0]]
-        print(("fake (no-op kernels, CPU tensors)" if args.fake else "cuda") + f", decode cells: 1 x {keys} keys")
-        print("  ".join(f"{c:>14}" for c in cols))
-        for row in rows:
-            print("  ".join(f"{row[c]:>14.1f}" if isinstance(row[c], float) else f"{row[c]:>14}" for c in cols))
+        for setting in env_settings(args.env):
+            if setting:  # --env: the variables set for this measurement (flash4 reads them per call)
+                os.environ.update(setting)
+                print("with " + " ".join(f"{k}={v}" for k, v in setting.items()) + ":")
+            report(device, keys, measure(device, keys, args.n, set(args.doors)), args.fake)
     return 0
+
+
+def env_settings(specs: list) -> list[dict]:
+    """--env's "VAR=V1,V2" specs as the list of their combinations ({VAR: value, ...}); [{}] for none.
+    ValueError for a spec without "=" or without a value."""
+    settings = [{}]
+    for spec in specs:
+        name, sep, values = spec.partition("=")
+        choices = [v.strip() for v in values.split(",") if v.strip()]
+        if not sep or not name.strip() or not choices:
+            raise ValueError(f"--env {spec!r}: expected VAR=V1[,V2...], e.g. FLASH4_DECODE_SCATTER=0,1")
+        settings = [dict(s, **{name.strip(): v}) for s in settings for v in choices]
+    return settings
+
+
+def report(device: str, keys: int, rows: list, fake: bool) -> None:
+    """Print one measurement's table."""
+    cols = ["door"] + [c for c in ("host_us", "py_calls", "eager_us", "graph_us", "eager/graph") if c in rows[0]]
+    print(("fake (no-op kernels, CPU tensors)" if fake else "cuda") + f", decode cells: 1 x {keys} keys")
+    print("  ".join(f"{c:>14}" for c in cols))
+    for row in rows:
+        print("  ".join(f"{row[c]:>14.1f}" if isinstance(row[c], float) else f"{row[c]:>14}" for c in cols))
 
 
 if __name__ == "__main__":

@@ -171,6 +171,7 @@ def default_configs(only: str | None = None) -> list[tuple[str, object]]:
             items.append(("bwd_preprocess", (d, "bf16", True, None)))
             items.append(("bwd_postprocess", (d, "bf16", True, None)))
             items.append(("fwd_combine", (d, "bf16", True)))
+            items.append(("fwd_combine_rows", (d, "bf16", False)))  # the varlen decode door's (packed rows)
         for d in (64, 96):
             items.append(("bwd_postprocess", (d, "bf16", False, 128 if d == 64 else 64)))
         for d, dv in config.HDIMV_PAIRS:
@@ -212,6 +213,8 @@ def _compile_rowpass_legacy(kind, cfg):
         elif kind == "bwd_postprocess":
             d, dt, varlen, accum_tile_m = cfg
             cache.get_bwd_postprocess_runner.__wrapped__(d, dt, 90, varlen, accum_tile_m)
+        elif kind == "fwd_combine_rows":
+            raise ValueError("fwd_combine_rows: no such kernel before compile_rowpass")
         else:
             d, dt, sink = cfg
             cache.get_combine_runner.__wrapped__(d, dt, 90, sink)

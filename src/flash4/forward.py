@@ -91,11 +91,16 @@ def new_lse_split(request: Request) -> torch.Tensor:
     return torch.empty((2,) + shape, dtype=F32, device=q.device)
 
 
-def launch(request: Request, out, lse, lse_split=None) -> None:
+def launch(request: Request, out, lse, lse_split=None, rows=None) -> None:
     """The kernels of one forward with work to do (run() answered the empty cases and set the
     device): a DENSE, VARLEN, PAGED or DECODE request, out / lse (and lse_split or None) of its
     layout. The request's mask, score and sequence parts are unpacked into kernel arguments here,
-    once; the runners' argument lists are flash4.compile.cache's."""
+    once; the runners' argument lists are flash4.compile.cache's.
+    rows: None, or, for a DECODE request of q (B, Sq, H, D) from a varlen door (_packed_decode with
+    FLASH4_DECODE_SCATTER), the door's contiguous int32 cu_seqlens_q (B + 1,): out / lse are then the
+    varlen (total_q, H, Dv) / (H, total_q) and the step's query slot s of sequence b is written to
+    row cu[b+1] - Sq + s when that row is >= cu[b] (decode_slot_rows), nothing else. A split step's
+    combine writes those rows itself; an unsplit one runs into step buffers that scatter_rows copies."""
     from flash4 import selftest  # late: `python -m flash4.selftest` must not find it imported by `import flash4`
     from flash4.compile.cache import get_fwd_runner  # late: compiling pulls in the CuTe DSL
 
@@ -106,7 +111,12 @@ def launch(request: Request, out, lse, lse_split=None) -> None:
     if seq.decode:
         plan = fwd_config(request, arch, num_sms(q.device))
         selftest.require(plan.cfg, q.device)
-        _launch_decode(request, out, lse, plan, window, softcap, sink)
+        if rows is not None and plan.num_splits == 1:  # no combine: the step's buffers, then the scatter
+            out_step, lse_step = decode_step_buffers(q, request.headdim_v)
+            _launch_decode(request, out_step, lse_step, plan, window, softcap, sink)
+            scatter_rows(rows, q.shape[0], q.shape[1], out_step, lse_step, out, lse)
+            return
+        _launch_decode(request, out, lse, plan, window, softcap, sink, rows)
         return
     cfg = fwd_config(request, arch).cfg
     selftest.require(cfg, q.device)  # gated families (sm100; portable on its own GPUs): only after the self-test passed
@@ -325,34 +335,71 @@ def _packed_decode(request: Request, out, lse, given=(False, False)) -> None:
     (unspecified without seqused_q) get some slot's values in buffers allocated here and keep theirs
     in a caller's (`given`: out, lse; one select each). Extra device work, vLLM's decode (Sq = 1,
     total_q >= batch): a searchsorted and three gathers (q, out, lse); with Sq > 1 a few more
-    integer ops on (B, Sq) and (total_q,) indices. (The next step: the decode kernel and the combine
-    reading cu_seqlens_q themselves.)"""
+    integer ops on (B, Sq) and (total_q,) indices.
+    With FLASH4_DECODE_SCATTER (flash4.env.decode_scatter) and out / lse allocated here, the step
+    writes the rows itself (launch's `rows`: a split step's combine kernel writes row cu[b+1] - Sq +
+    s of slot s when it is >= cu[b]; rows outside every sequence are then not written: torch.empty's
+    contents, as unspecified as before), so only the q gather is left of the above. (The next step:
+    the decode kernel reading cu_seqlens_q itself.)"""
     seq = request.seq
     seqused_k, page_table = _contiguous(seq.seqused_k), _contiguous(seq.page_table)
+    direct = not any(given) and env.decode_scatter()
+    cu = _contiguous(seq.cu_seqlens_q) if direct else seq.cu_seqlens_q
 
     def step(q_step, out_step, lse_step):
-        launch(_decode_step(request, q_step, seqused_k, page_table), out_step, lse_step)
+        launch(_decode_step(request, q_step, seqused_k, page_table), out_step, lse_step, rows=cu if direct else None)
 
-    packed_decode_rows(request.q, seq.cu_seqlens_q, request.batch, seq.max_seqlen_q, request.headdim_v, out, lse, given,
-                       step)
+    packed_decode_rows(request.q, cu, request.batch, seq.max_seqlen_q, request.headdim_v, out, lse, given, step,
+                       direct)
 
 
-def packed_decode_rows(q, cu, batch: int, seqlen_q: int, headdim_v: int, out, lse, given, step) -> None:
+def packed_decode_rows(q, cu, batch: int, seqlen_q: int, headdim_v: int, out, lse, given, step,
+                       direct: bool = False) -> None:
     """_packed_decode's device work around its decode step (shared with flash4.memo's prepared
     calls): q (total_q, H, D) packed rows, cu = cu_seqlens_q, out / lse the request's buffers;
-    step(q_step, out_step, lse_step) launches the decode step of q_step (B, Sq, H, D)."""
+    step(q_step, out_step, lse_step) launches the decode step of q_step (B, Sq, H, D). direct: the
+    step writes out / lse's rows itself (step(q_step, out, lse): the combine's packed-rows variant,
+    flash4.forward.launch's `rows`); else into new step buffers that scatter_rows copies."""
     total_q, nheads, headdim = q.shape
-    device = q.device
-    offsets, rows = _gather_ramps(seqlen_q, total_q, device)
     if seqlen_q == 1 and total_q >= batch:
         # lengths <= 1, so cu[b] <= b < total_q: the row of sequence b (any row when it is empty)
         src = cu[:-1]
     else:
+        offsets, _ = _gather_ramps(seqlen_q, total_q, q.device)
         src = torch.add(cu[1:].unsqueeze(1), offsets).clamp_(min=0).view(-1)  # (B * Sq,) int64 rows of q
-    out_step = torch.empty(batch, seqlen_q, nheads, headdim_v, dtype=q.dtype, device=device)
-    lse_step = torch.empty(batch, nheads, seqlen_q, dtype=F32, device=device)
     q_step = q.index_select(0, src).view(batch, seqlen_q, nheads, headdim)
+    if direct:
+        step(q_step, out, lse)
+        return
+    out_step, lse_step = decode_step_buffers(q_step, headdim_v)
     step(q_step, out_step, lse_step)
+    scatter_rows(cu, batch, seqlen_q, out_step, lse_step, out, lse, given)
+
+
+def decode_step_buffers(q_step, headdim_v: int):
+    """New (out_step, lse_step) of a decode step of q_step (B, Sq, H, D): (B, Sq, H, Dv), fp32 (B, H, Sq)."""
+    batch, seqlen_q, nheads, _ = q_step.shape
+    return (torch.empty(batch, seqlen_q, nheads, headdim_v, dtype=q_step.dtype, device=q_step.device),
+            torch.empty(batch, nheads, seqlen_q, dtype=F32, device=q_step.device))
+
+
+def decode_slot_rows(cu: list, seqlen_q: int) -> list:
+    """The row map of a varlen door's decode step, in plain Python (the rule the combine kernel's
+    packed-rows variant and scatter_rows implement; the CPU tests' reference): for each sequence b
+    and query slot s in [0, Sq), the varlen row cu[b+1] - Sq + s it writes, or None when that row is
+    below cu[b] (s < Sq - len_b: a slot holding another sequence's query). Every row in [cu[0], cu[-1])
+    appears once; no other row appears."""
+    return [[r if r >= cu[b] else None for r in range(cu[b + 1] - seqlen_q, cu[b + 1])] for b in range(len(cu) - 1)]
+
+
+def scatter_rows(cu, batch: int, seqlen_q: int, out_step, lse_step, out, lse, given=(False, False)) -> None:
+    """out (total_q, H, Dv) / lse (H, total_q) of a varlen door from its decode step's out_step
+    (B, Sq, H, Dv) / lse_step (B, H, Sq): row r of sequence b (cu[b] <= r < cu[b+1]) <- slot
+    r - cu[b+1] + Sq of b (decode_slot_rows' map, by a searchsorted and a gather each). Rows past
+    cu[-1] are written with some slot's values, except in a caller's buffer (`given`: out, lse),
+    which keeps them."""
+    total_q, nheads, headdim_v = out.shape
+    _, rows = _gather_ramps(seqlen_q, total_q, out.device)
     # the sequence b of row r: #{b' < batch - 1 : cu[b' + 1] <= r}, in [0, batch - 1] (rows past the
     # last sequence count as its rows)
     owner = torch.searchsorted(cu[1:-1], rows, right=True)
@@ -409,11 +456,13 @@ def _gather_ramps(seqlen_q: int, total_q: int, device):
 
 # ================================================================ decode steps (GQA packing, split-KV)
 @functools.lru_cache(maxsize=1024)
-def _runners(plan):
-    """(forward runner, combine runner or None) of a decode plan (compiled once, then a lookup)."""
+def _runners(plan, packed_rows: bool = False):
+    """(forward runner, combine runner or None) of a decode plan (compiled once, then a lookup);
+    packed_rows: the combine's variant writing a varlen door's rows (launch's `rows`)."""
     from flash4.compile.cache import get_combine_runner, get_fwd_runner  # late: CuTe DSL
 
-    combine = (get_combine_runner(plan.cfg.hdim_v, plan.cfg.dtype, plan.cfg.arch, sink=plan.cfg.sink)
+    rows = {"packed_rows": True} if packed_rows else {}  # the plain call keeps its one lru_cache key
+    combine = (get_combine_runner(plan.cfg.hdim_v, plan.cfg.dtype, plan.cfg.arch, sink=plan.cfg.sink, **rows)
                if plan.num_splits > 1 else None)
     return get_fwd_runner(plan.cfg), combine
 
@@ -474,6 +523,14 @@ def split_out_arg(q_run, out, lse, nheads_k: int, pack: int):
     return torch.empty(batch, seqlen_p, heads_p, out.shape[-1], dtype=q_run.dtype, device=q_run.device)
 
 
+def rows_out_arg(q_run, headdim_v: int):
+    """The out argument of a split-KV launch whose combine writes a varlen door's rows (never written
+    there): q_run (B, Sp, Hp, D) itself when D == Dv, else a new (B, Sp, Hp, Dv) tensor."""
+    if q_run.shape[-1] == headdim_v:
+        return q_run
+    return torch.empty(q_run.shape[:3] + (headdim_v,), dtype=q_run.dtype, device=q_run.device)
+
+
 def unpack_out(out, lse, out_p, lse_p, nheads_k: int, pack: int) -> None:
     """Copy an unsplit packed step's out_p / lse_p back into out (B, Sq, H, Dv) / lse (B, H, Sq)."""
     batch, seqlen_q, nheads, headdim_v = out.shape
@@ -481,15 +538,16 @@ def unpack_out(out, lse, out_p, lse_p, nheads_k: int, pack: int) -> None:
     lse.copy_(lse_p.view(batch, nheads_k, seqlen_q, pack).transpose(2, 3).reshape(batch, nheads, seqlen_q))
 
 
-def _launch_decode(request: Request, out, lse, plan, window, softcap: float, sink) -> None:
+def _launch_decode(request: Request, out, lse, plan, window, softcap: float, sink, rows=None) -> None:
     """A DECODE request's kernels: q over the first seqused_k[b] keys of each cache row (or
     page-table row); causal aligns query i with key seqused_k[b] - Sq + i (bottom-right). plan:
-    flash4.config.FwdPlan (pack, num_splits, seqlen_p, heads_p)."""
+    flash4.config.FwdPlan (pack, num_splits, seqlen_p, heads_p). rows: launch's (split plans only):
+    out / lse are a varlen door's, which the combine writes by cu_seqlens_q = rows."""
     q, k_cache, v_cache, seq = request.q, request.k, request.v, request.seq
     batch, seqlen_q, nheads, headdim = q.shape
     nheads_k, headdim_v = request.nheads_k, request.headdim_v
     scale = request.score.softmax_scale
-    run_kernel, combine = _runners(plan)
+    run_kernel, combine = _runners(plan) if rows is None else _runners(plan, True)
     pack, seqlen_p, heads_p = plan.pack, plan.seqlen_p, plan.heads_p
     q_run = packed_q(q, nheads_k, pack) if pack > 1 else q
     seqs = (None, None, None, seq.seqused_k, seq.page_table)
@@ -498,11 +556,17 @@ def _launch_decode(request: Request, out, lse, plan, window, softcap: float, sin
         lse_acc = torch.empty(plan.num_splits, batch, heads_p, seqlen_p, dtype=F32, device=q.device)
         # out / lse are not written by a split_kv launch (its partials go to o_acc / lse_acc);
         # it gets them only as well-formed arguments (packed shapes) for the kernel's views.
-        o_arg = out if pack == 1 else split_out_arg(q_run, out, lse, nheads_k, pack)
+        if rows is not None:  # out is a varlen door's (total_q, H, Dv): a (B, Sp, Hp, Dv) stand-in
+            o_arg = rows_out_arg(q_run, headdim_v)
+        else:
+            o_arg = out if pack == 1 else split_out_arg(q_run, out, lse, nheads_k, pack)
         run_kernel(q_run, k_cache, v_cache, o_arg, lse_acc[0], scale, lse_split=lse_acc[:2], seqs=seqs, batch=batch,
                    max_seqlen_q=seqlen_p, accs=(o_acc, lse_acc), num_splits=plan.num_splits, window=window,
                    softcap=softcap, sink=sink)
-        combine(o_acc, lse_acc, out, lse, pack, sink=sink)
+        if rows is not None:
+            combine(o_acc, lse_acc, out, lse, pack, sink=sink, cu_seqlens_q=rows)
+        else:
+            combine(o_acc, lse_acc, out, lse, pack, sink=sink)
     elif pack > 1:
         views = packed_out(out, lse, nheads_k, pack)
         out_p, lse_p = views if views is not None else (

@@ -255,14 +255,16 @@ class _Kernel:
 
 class _Decode:
     """flash4.forward._launch_decode with its plan fixed: __call__(q, k_cache, v_cache, out, lse,
-    seqused_k, page_table, sink) runs a DECODE step of q (B, Sq, H, D) (GQA packing, split-KV and
-    its combine as the plan says)."""
+    seqused_k, page_table, sink, rows=None) runs a DECODE step of q (B, Sq, H, D) (GQA packing,
+    split-KV and its combine as the plan says). rows (split plans prepared with packed_rows only):
+    flash4.forward.launch's, the varlen door's cu_seqlens_q whose rows of out / lse the combine writes."""
 
     __slots__ = ("fwd", "combine", "tail", "pack", "splits", "batch", "seqlen_q", "nheads_k", "headdim", "headdim_v",
-                 "seqlen_p", "heads_p", "combine_ctas", "gated", "q_view", "out_view", "acc_shapes")
+                 "seqlen_p", "heads_p", "combine_ctas", "gated", "q_view", "out_view", "acc_shapes", "combine_rows")
 
-    def __init__(self, step):
-        """step: the DECODE request (flash4.forward's) of the first call."""
+    def __init__(self, step, packed_rows: bool = False):
+        """step: the DECODE request (flash4.forward's) of the first call; packed_rows: a split plan also
+        gets the combine's packed-rows variant (combine_rows; None otherwise)."""
         from flash4 import selftest
         from flash4.compile.cache import combine_ctas
 
@@ -272,6 +274,9 @@ class _Decode:
         self.gated = (plan.cfg,) if selftest.gated(plan.cfg) else ()
         run_kernel, combine = forward._runners(plan)
         self.fwd, self.combine = run_kernel.compiled, None if combine is None else combine.compiled
+        self.combine_rows = None
+        if packed_rows and plan.num_splits > 1:
+            self.combine_rows = forward._runners(plan, True)[1].compiled
         self.batch, self.seqlen_q, _, self.headdim = q.shape
         self.nheads_k, self.headdim_v = step.nheads_k, step.headdim_v
         self.pack, self.splits, self.seqlen_p, self.heads_p = plan.pack, plan.num_splits, plan.seqlen_p, plan.heads_p
@@ -288,7 +293,7 @@ class _Decode:
         self.acc_shapes = ((self.splits, self.batch, self.seqlen_p, self.heads_p, self.headdim_v),
                            (self.splits, self.batch, self.heads_p, self.seqlen_p))
 
-    def __call__(self, q, k_cache, v_cache, out, lse, seqused_k, page_table, sink) -> None:
+    def __call__(self, q, k_cache, v_cache, out, lse, seqused_k, page_table, sink, rows=None) -> None:
         pack, nheads_k = self.pack, self.nheads_k
         if pack == 1:
             q_run = q
@@ -302,7 +307,9 @@ class _Decode:
             o_acc = torch.empty(o_shape, dtype=F32, device=device)
             lse_acc = torch.empty(lse_shape, dtype=F32, device=device)
             # out / lse are not written by a split_kv launch (its partials go to o_acc / lse_acc)
-            if pack == 1:
+            if rows is not None:  # a varlen door's out (total_q, H, Dv): forward.rows_out_arg
+                o_arg = forward.rows_out_arg(q_run, self.headdim_v)
+            elif pack == 1:
                 o_arg = out
             elif self.seqlen_q == 1 and forward.PACK_VIEWS:  # forward.split_out_arg's view of out
                 o_arg = forward.head_pack_view(out, self.out_view)
@@ -311,7 +318,10 @@ class _Decode:
             lse0 = lse_acc[0]
             self.fwd(q_run, k_cache, v_cache, o_arg, lse0, lse0, lse_acc[1], None, None, None, seqused_k, page_table,
                      o_acc, lse_acc, sink, *self.tail)
-            self.combine(o_acc, lse_acc, out, lse, sink, pack, self.combine_ctas)
+            if rows is not None:  # out (total_q, H, Dv) / lse (H, total_q): get_combine_runner(packed_rows=True)
+                self.combine_rows(o_acc, lse_acc, out, lse, sink, pack, self.combine_ctas, rows)
+            else:
+                self.combine(o_acc, lse_acc, out, lse, sink, pack, self.combine_ctas)
         elif pack > 1:
             batch, seqlen_p, heads_p, device = self.batch, self.seqlen_p, self.heads_p, q.device
             views = forward.packed_out(out, lse, nheads_k, pack)
@@ -399,7 +409,7 @@ class VarlenCall:
     (out, lse)."""
 
     __slots__ = ("out_shape", "lse_shape", "fill", "check", "batch", "max_q", "decode", "kernel", "headdim_v",
-                 "gated")
+                 "gated", "direct")
 
     def __init__(self, request):
         q, seq = request.q, request.seq
@@ -412,10 +422,13 @@ class VarlenCall:
             if decode_door(request, forward._door_arch(q.device), False):
                 q_step = q.new_empty((self.batch, self.max_q, nheads, q.shape[2]))  # the step's shape (the plan's input)
                 step = forward._decode_step(request, q_step, seq.seqused_k, seq.page_table)
-                self.decode = _Decode(step)
+                scatter = env.decode_scatter()  # a key entry (env.PLAN_VARIABLES): fixed for this call
+                self.decode = _Decode(step, packed_rows=scatter)
             else:
                 self.kernel = _Kernel(request)
         self.gated = (self.decode or self.kernel).gated
+        # the decode step's combine writes out / lse's rows (forward._packed_decode's `direct`): split plans
+        self.direct = self.decode is not None and self.decode.combine_rows is not None
 
     def run(self, q, k, v, seqs, sink):
         """The launches of checked arguments (seqs: the contiguous metadata)."""
@@ -430,13 +443,14 @@ class VarlenCall:
             _gate(self.gated, device)
         with forward.device_guard(device):
             if self.decode is not None:
-                decode, used_k, table = self.decode, seqs[3], seqs[4]
+                decode, used_k, table, direct = self.decode, seqs[3], seqs[4], self.direct
+                rows = seqs[0] if direct else None
 
                 def step(q_step, out_step, lse_step):
-                    decode(q_step, k, v, out_step, lse_step, used_k, table, sink)
+                    decode(q_step, k, v, out_step, lse_step, used_k, table, sink, rows)
 
                 forward.packed_decode_rows(q, seqs[0], self.batch, self.max_q, self.headdim_v, out, lse,
-                                           (False, False), step)
+                                           (False, False), step, direct)
             else:
                 self.kernel(q, k, v, out, lse, seqs, sink)
         return out, lse

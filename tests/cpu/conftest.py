@@ -1,6 +1,6 @@
 """Fixtures of the CPU tests: flash4's kernels replaced by flash4.reference (there is no GPU here).
 
-The boundary is one function per pass: flash4.forward.launch(request, out, lse, lse_split) and
+The boundary is one function per pass: flash4.forward.launch(request, out, lse, lse_split, rows) and
 flash4.backward.launch(request, dout, out, lse, lse_split, dlse, dq, dk, dv), which the host
 pipeline calls once the request is validated, the buffers exist and the empty cases are answered.
 
@@ -70,9 +70,18 @@ def _check_launch_contract(request, out, lse, lse_split) -> None:
 def reference_forward(calls: Calls):
     """A stand-in for flash4.forward.launch: the reference, written where the kernels write."""
 
-    def launch(request, out, lse, lse_split=None):
-        _check_launch_contract(request, out, lse, lse_split)
+    def launch(request, out, lse, lse_split=None, rows=None):
+        seq_rows = rows  # launch's `rows` (the local `rows` below is the reference's row mask)
         q, k, v, mask, score, seq = request.q, request.k, request.v, request.mask, request.score, request.seq
+        packed_out = None
+        if seq_rows is not None:  # a varlen door's out / lse, written by flash4.forward.decode_slot_rows' map
+            assert seq.decode and lse_split is None
+            assert seq_rows.dtype == I32 and seq_rows.is_contiguous() and seq_rows.shape == (q.shape[0] + 1,)
+            assert out.shape == (lse.shape[1], q.shape[2], request.headdim_v) and lse.shape[0] == q.shape[2]
+            packed_out = out, lse
+            out = torch.full(q.shape[:3] + (request.headdim_v,), float("nan"), dtype=out.dtype)
+            lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("nan"))
+        _check_launch_contract(request, out, lse, lse_split)
         sink = score.kernel_sink()
         kw = dict(window_size=mask.window_size, softcap=score.softcap, learnable_sink=sink)
         rows = slice(None)
@@ -94,12 +103,20 @@ def reference_forward(calls: Calls):
         if lse_split is not None:
             lse_split[0][..., rows] = l[..., rows] * LOG2E
             lse_split[1][..., rows] = 0.0
+        if packed_out is not None:
+            from flash4.forward import decode_slot_rows
+
+            for b, slots in enumerate(decode_slot_rows(seq_rows.tolist(), q.shape[1])):
+                for s, r in enumerate(slots):
+                    if r is not None:
+                        packed_out[0][r] = out[b, s]
+                        packed_out[1][:, r] = lse[b, :, s]
         calls.append(dict(layout=seq.layout, request=request, causal=mask.causal, window_size=mask.window_size,
                           window=mask.window, softcap=score.softcap, learnable_sink=sink, k=k,
                           cu_seqlens_k=seq.cu_seqlens_k, max_seqlen_q=seq.max_seqlen_q, page_table=seq.page_table,
                           seqused_k=None if seq.seqused_k is None else seq.seqused_k.clone(),
                           num_splits=request.cache.num_splits if request.cache is not None else None,
-                          **({"decode": True} if seq.decode else {})))
+                          rows=seq_rows, **({"decode": True} if seq.decode else {})))
 
     return launch
 

@@ -200,3 +200,54 @@ def test_varlen_paged_decode_keeps_rows_outside_sequences(sm90):
     torch.testing.assert_close(out[rows].float(), o_ref[rows].float(), atol=2e-2, rtol=0)
     torch.testing.assert_close(lse[:, rows], l_ref[:, rows], atol=1e-4, rtol=0)
     assert out[~rows].isnan().all() and lse[:, ~rows].isnan().all()
+
+
+# ================================================================ FLASH4_DECODE_SCATTER (the combine writes the rows)
+@pytest.mark.parametrize("len_q,max_q", [((1, 1, 1, 1), 1), ((1, 0, 1, 0), 1), ((0, 1, 0, 0, 0, 0), 1), ((1,), 1),
+                                         ((2, 2, 2), 2), ((4, 1, 0, 3), 4), ((0, 3, 1), 3)])
+def test_varlen_paged_decode_scatter_switch(sm90, monkeypatch, len_q, max_q):
+    """The switch on: launch gets rows = cu_seqlens_q and the door's own out / lse (the stand-in writes
+    them by flash4.forward.decode_slot_rows, the combine kernel's map); every row a sequence owns as
+    with the switch off, and as the reference."""
+    len_k = tuple(300 + 97 * i for i in range(len(len_q)))
+    monkeypatch.setenv("FLASH4_DECODE_SCATTER", "0")
+    out_off, lse_off, o_ref, l_ref, rows = _paged_call(len_q, len_k, max_q, True, total_pad=2)
+    assert sm90[-1]["decode"] and sm90[-1]["rows"] is None
+    monkeypatch.setenv("FLASH4_DECODE_SCATTER", "1")
+    out_on, lse_on, *_ = _paged_call(len_q, len_k, max_q, True, total_pad=2)
+    assert sm90[-1]["decode"] and torch.equal(sm90[-1]["rows"], cu(len_q))
+    assert torch.equal(out_on[rows], out_off[rows]) and torch.equal(lse_on[:, rows], lse_off[:, rows])
+    torch.testing.assert_close(out_on[rows].float(), o_ref[rows].float(), atol=2e-2, rtol=0)
+    torch.testing.assert_close(lse_on[:, rows], l_ref[:, rows], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("which", ["out", "lse", "both"])
+def test_varlen_paged_decode_scatter_keeps_callers_rows(sm90, monkeypatch, which):
+    """A caller's out or lse: the old path (step buffers, then the scatter) with the switch on, so its
+    rows outside every sequence are kept."""
+    import math
+
+    from flash4 import forward
+
+    monkeypatch.setenv("FLASH4_DECODE_SCATTER", "1")
+    gen = _gen(5)
+    len_q, len_k, pad = (2, 0, 1), (1500, 30, 1100), 3
+    q = torch.randn(sum(len_q) + pad, 4, 64, generator=gen).to(BF16)
+    k, v = (torch.randn(sum(len_k), 2, 64, generator=gen).to(BF16) for _ in range(2))
+    cu_k = cu(len_k)
+    k_cache, v_cache, page_table, seqused_k = paged_kv_cache(k, v, cu_k, 64, generator=gen, extra_pages_per_seq=20)
+    cu_q = cu(len_q)
+    out = torch.full((q.shape[0], 4, 64), math.nan, dtype=BF16) if which != "lse" else None
+    lse = torch.full((4, q.shape[0]), math.nan) if which != "out" else None
+    request = Request.varlen(q, k_cache, v_cache, cu_q, None, 2, None, seqused_k=seqused_k, page_table=page_table,
+                             causal=True)
+    got_out, got_lse = forward.run(request, out=out, lse=lse)
+    assert sm90[-1]["decode"] and sm90[-1]["rows"] is None
+    rows = varlen_row_mask(cu_q, q.shape[0], None)
+    o_ref, l_ref = attention_varlen_ref(q, k, v, cu_q, cu_k, causal=True)
+    torch.testing.assert_close(got_out[rows].float(), o_ref[rows].float(), atol=2e-2, rtol=0)
+    torch.testing.assert_close(got_lse[:, rows], l_ref[:, rows], atol=1e-4, rtol=0)
+    if out is not None:
+        assert got_out[~rows].isnan().all()
+    if lse is not None:
+        assert got_lse[:, ~rows].isnan().all()

@@ -456,3 +456,59 @@ def test_window_element_types_in_key(recorder, monkeypatch, cell):
             for _ in range(2):
                 with pytest.raises(TypeError, match="window_size"):
                     fn(*args, **dict(kw_good, window_size=bad))
+
+
+# ================================================================ FLASH4_DECODE_SCATTER: the combine writes the rows
+@pytest.mark.parametrize("lens_q,max_q", [((1, 1, 0), 1), ((1, 1, 1, 1), 1), ((3, 1, 2), 3), ((0, 2, 2), 2)])
+@pytest.mark.parametrize("h,hk,d", [(32, 8, 128), (8, 8, 64)], ids=["gqa", "mha"])
+def test_decode_scatter_split_launches(recorder, monkeypatch, lens_q, max_q, h, hk, d):
+    """The switch on, a split step: the forward kernel as with it off, then the combine's packed-rows
+    variant on the door's own out (total_q, H, Dv) / lse (H, total_q) and the caller's cu_seqlens_q
+    (no step buffers, no scatter); the prepared call launches the same."""
+    fn, args, kw = varlen(max_q=max_q, lens_q=lens_q, h=h, hk=hk, d=d)
+    q, cu_q = args[0], args[3]
+    monkeypatch.setenv("FLASH4_DECODE_SCATTER", "0")
+    off = _memo_less(recorder, monkeypatch, fn, args, kw)
+    assert [c[0] for c in off] == ["fwd", "fwd_combine"], "this cell's plan should split"
+    monkeypatch.setenv("FLASH4_DECODE_SCATTER", "1")
+    on = _memo_less(recorder, monkeypatch, fn, args, kw)
+    assert [c[0] for c in on] == ["fwd", "fwd_combine"]
+    fwd, combine = on
+    # the forward kernel's arguments: all as with the switch off but its out (never written there)
+    assert [a for i, a in enumerate(fwd) if i != 5] == [a for i, a in enumerate(off[0]) if i != 5]
+    assert fwd[5][:4] == off[0][5][:4]  # a stand-in of the same shape and strides
+    # combine(o_acc, lse_acc, out, lse, sink, pack, ctas, cu_seqlens_q)
+    assert combine[1] == off[1][1] + ("rows",) and combine[2:4] == off[1][2:4] and combine[6:9] == off[1][6:9]
+    total_q = q.shape[0]
+    assert combine[4] == ("tensor", BF16, (total_q, h, d), (h * d, d, 1), 0, "new")
+    assert combine[5] == ("tensor", torch.float32, (h, total_q), (total_q, 1), 0, "new")
+    assert combine[9] == ("tensor", I32, tuple(cu_q.shape), (1,), 0, "3")  # cu_seqlens_q itself
+    memo.clear()
+    assert _record(recorder, fn, args, kw) == on and _record(recorder, fn, args, kw) == on
+
+
+def test_decode_scatter_unsplit_launches_as_off(recorder, monkeypatch):
+    """The switch on, a step the plan does not split (4 SMs): the launches of the switch-off path
+    (step buffers, then the scatter, in flash4.forward.launch), memo or not."""
+    monkeypatch.setenv("FLASH4_NUM_SMS", "4")
+    fn, args, kw = varlen(max_q=2, lens_q=(2, 1, 0, 2), h=16, hk=16, d=64)
+    monkeypatch.setenv("FLASH4_DECODE_SCATTER", "0")
+    off = _memo_less(recorder, monkeypatch, fn, args, kw)
+    assert [c[0] for c in off] == ["fwd"], "this cell's plan should not split"
+    monkeypatch.setenv("FLASH4_DECODE_SCATTER", "1")
+    assert _memo_less(recorder, monkeypatch, fn, args, kw) == off
+    memo.clear()
+    assert _record(recorder, fn, args, kw) == off and _record(recorder, fn, args, kw) == off
+
+
+def test_decode_scatter_switch_in_key(recorder, monkeypatch):
+    """FLASH4_DECODE_SCATTER is a key entry: switching it is never answered by the other setting's entry."""
+    fn, args, kw = varlen()
+    monkeypatch.setenv("FLASH4_DECODE_SCATTER", "0")
+    off = _record(recorder, fn, args, kw)
+    kept = memo.stats["kept"]
+    monkeypatch.setenv("FLASH4_DECODE_SCATTER", "1")
+    on = _record(recorder, fn, args, kw)
+    assert memo.stats["kept"] == kept + 1 and on[-1][1] == off[-1][1] + ("rows",)
+    monkeypatch.setenv("FLASH4_DECODE_SCATTER", "0")
+    assert _record(recorder, fn, args, kw) == off

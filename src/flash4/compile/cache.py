@@ -285,8 +285,11 @@ def compile_postprocess(headdim: int, dtype: str, varlen: bool = False, accum_ti
                         options=COMPILE_OPTIONS + _arch_option(arch) + options)
 
 
-def compile_combine(headdim: int, dtype: str, sink: bool = False, arch: int = 90, options: str = ""):
-    """Compile the split-KV combine (kernels/common/fwd_combine.py)."""
+def compile_combine(headdim: int, dtype: str, sink: bool = False, arch: int = 90, options: str = "",
+                    packed_rows: bool = False):
+    """Compile the split-KV combine (kernels/common/fwd_combine.py). packed_rows: its variant that
+    writes a varlen out / lse by cu_seqlens_q (SplitKVCombine.call_packed_rows: one more argument,
+    the int32 (batch + 1,) cu_seqlens_q, after the stream); off, the kernel of __call__, unchanged."""
     from flash4.compile.fake import DTYPES, _fake
 
     cutlass, cute = _dsl()
@@ -294,19 +297,29 @@ def compile_combine(headdim: int, dtype: str, sink: bool = False, arch: int = 90
     ns, b, sp, hk, sq, h = (cute.sym_int32() for _ in range(6))
     o_acc = _fake(cutlass.Float32, (ns, b, sp, hk, headdim), 4, 4)
     lse_acc = _fake(cutlass.Float32, (ns, b, hk, sp), 3, 1)
-    out = _fake(DTYPES[dtype], (b, sq, h, headdim), 3, 8)
-    lse = _fake(cutlass.Float32, (b, h, sq), 2, 1)
+    if packed_rows:  # a varlen request's out (total_q, H, D) / lse (H, total_q)
+        out, lse = _fake(DTYPES[dtype], (sq, h, headdim), 2, 8), _fake(cutlass.Float32, (h, sq), 1, 1)
+    else:
+        out = _fake(DTYPES[dtype], (b, sq, h, headdim), 3, 8)
+        lse = _fake(cutlass.Float32, (b, h, sq), 2, 1)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     sink_arg = _fake(cutlass.Float32, (cute.sym_int32(),), 0, 1) if sink else None
     kernel = registry.row_pass_class("fwd_combine")(headdim, DTYPES[dtype])
-    return cute.compile(kernel, o_acc, lse_acc, out, lse, sink_arg, cutlass.Int32(1), cutlass.Int32(1), stream,
-                        options=COMPILE_OPTIONS + _arch_option(arch) + options)
+    args = (o_acc, lse_acc, out, lse, sink_arg, cutlass.Int32(1), cutlass.Int32(1), stream)
+    if packed_rows:
+        cu_seqlens_q = _fake(cutlass.Int32, (cute.sym_int32(),), 0, 1)
+        return cute.compile(kernel.call_packed_rows, *args, cu_seqlens_q,
+                            options=COMPILE_OPTIONS + _arch_option(arch) + options)
+    return cute.compile(kernel, *args, options=COMPILE_OPTIONS + _arch_option(arch) + options)
 
 
 def compile_rowpass(kind: str, *key):
     """Compile one row-wise pass by kind and key (tools/kernel_fingerprint.py): "bwd_preprocess"
     (headdim, dtype, varlen, headdim_q), "bwd_postprocess" (headdim, dtype, varlen, accum_tile_m),
-    "fwd_combine" (headdim, dtype, sink)."""
+    "fwd_combine" (headdim, dtype, sink), "fwd_combine_rows" (headdim, dtype, sink: the packed-rows
+    variant)."""
+    if kind == "fwd_combine_rows":
+        return compile_combine(*key, packed_rows=True)
     return {"bwd_preprocess": compile_preprocess, "bwd_postprocess": compile_postprocess,
             "fwd_combine": compile_combine}[kind](*key)
 
@@ -397,19 +410,29 @@ def get_bwd_postprocess_runner(headdim: int, dtype: str, arch: int = 90, varlen:
 
 
 @functools.lru_cache(maxsize=None)
-def get_combine_runner(headdim: int, dtype: str, arch: int = 90, sink: bool = False):
+def get_combine_runner(headdim: int, dtype: str, arch: int = 90, sink: bool = False, packed_rows: bool = False):
     """Cached: compiled split-KV combine (kernels/common/fwd_combine.py), as run(o_accum, lse_accum, out,
     lse, pack) on the current stream: o_accum fp32 (splits, B, Sp, Hk, D), lse_accum fp32
-    (splits, B, Hk, Sp), out (B, Sp // pack, Hk * pack, D), lse fp32 (B, Hk * pack, Sp // pack)."""
-    key = (headdim, dtype, arch) + (("sink",) if sink else ())
+    (splits, B, Hk, Sp), out (B, Sp // pack, Hk * pack, D), lse fp32 (B, Hk * pack, Sp // pack).
+    packed_rows: the variant run(o_accum, lse_accum, out, lse, pack, sink=None, cu_seqlens_q=...)
+    whose out / lse are a varlen request's (total_q, Hk * pack, D) / (Hk * pack, total_q) and
+    cu_seqlens_q its int32 (B + 1,) offsets: slot s of sequence b goes to row cu[b+1] - Sq + s
+    when that row is >= cu[b] (Sq = Sp // pack), nothing else is written."""
+    key = (headdim, dtype, arch) + (("sink",) if sink else ()) + (("rows",) if packed_rows else ())
     compiled = load_or_compile("fwd_combine", key, COMPILE_OPTIONS + _arch_option(arch),
-                               lambda: compile_combine(headdim, dtype, sink, arch))
+                               lambda: compile_combine(headdim, dtype, sink, arch, packed_rows=packed_rows))
 
-    def run(o_accum, lse_accum, out, lse, pack: int, sink=None):
-        _, batch, seqlen_p, nheads_k, _ = o_accum.shape
-        compiled(o_accum, lse_accum, out, lse, sink, pack, combine_ctas(batch, seqlen_p, nheads_k))
+    if packed_rows:
+        def run(o_accum, lse_accum, out, lse, pack: int, sink=None, cu_seqlens_q=None):
+            _, batch, seqlen_p, nheads_k, _ = o_accum.shape
+            compiled(o_accum, lse_accum, out, lse, sink, pack, combine_ctas(batch, seqlen_p, nheads_k), cu_seqlens_q)
+    else:
+        def run(o_accum, lse_accum, out, lse, pack: int, sink=None):
+            _, batch, seqlen_p, nheads_k, _ = o_accum.shape
+            compiled(o_accum, lse_accum, out, lse, sink, pack, combine_ctas(batch, seqlen_p, nheads_k))
 
-    run.compiled = compiled  # flash4.forward's prepared calls: compiled(..., sink, pack, combine_ctas(...))
+    # flash4.memo's prepared calls: compiled(..., sink, pack, combine_ctas(...)), packed_rows: (..., cu_seqlens_q)
+    run.compiled = compiled
     return run
 
 

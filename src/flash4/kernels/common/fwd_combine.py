@@ -13,6 +13,15 @@ Rows may be packed GQA rows (the decode path packs the `pack` query heads of one
 the query dimension): packed row r of KV head hk is query r // pack of head hk * pack + r % pack.
 One warp per packed row: lanes reduce LSE_s over the splits, then each lane merges headdim / 32
 contiguous columns (so the warp reads each split's row once, coalesced).
+
+Packed rows (`call_packed_rows`, compiled as its own variant: flash4.compile.cache's
+get_combine_runner(packed_rows=True); __call__'s kernel is unchanged by it): out / lse are a varlen
+request's (total_q, H, Dv) / (H, total_q), and the decode step's query slot s in [0, Sq) of sequence
+b (Sq = seqlen_packed // pack) is varlen row cu_seqlens_q[b+1] - Sq + s (flash4.forward.
+_packed_decode's right-aligned gather; flash4.forward.decode_slot_rows is the same map in Python).
+The slot is written only when that row is >= cu_seqlens_q[b], i.e. s >= Sq - len_b: the rows
+sequence b owns, each once; nothing else is written (rows past cu_seqlens_q[-1] keep what they held)
+and unowned slots are not merged.
 """
 
 from typing import Optional
@@ -44,12 +53,29 @@ class SplitKVCombine:
         num_ctas: Int32,
         stream: cuda.CUstream,
     ):
-        self.kernel(mOacc, mLSEacc, mO, mLSE, mSink, pack).launch(
+        self.kernel(mOacc, mLSEacc, mO, mLSE, mSink, pack, None).launch(
+            grid=(num_ctas, 1, 1), block=[32 * COMBINE_WARPS_PER_CTA, 1, 1], stream=stream)
+
+    @cute.jit
+    def call_packed_rows(
+        self,
+        mOacc: cute.Tensor,  # (num_splits, batch, seqlen_packed, nheads_k, headdim) fp32
+        mLSEacc: cute.Tensor,  # (num_splits, batch, nheads_k, seqlen_packed) fp32
+        mO: cute.Tensor,  # (total_q, nheads, headdim) 16-bit: a varlen request's out
+        mLSE: cute.Tensor,  # (nheads, total_q) fp32: its lse
+        mSink: Optional[cute.Tensor],  # (nheads,) fp32 sink logits, or None
+        pack: Int32,  # query heads per packed KV head (1: no packing)
+        num_ctas: Int32,
+        stream: cuda.CUstream,
+        mCuSeqlensQ: cute.Tensor,  # (batch + 1,) int32 cu_seqlens_q of the varlen rows
+    ):
+        """__call__ writing out / lse as packed varlen rows (the module docstring's row map)."""
+        self.kernel(mOacc, mLSEacc, mO, mLSE, mSink, pack, mCuSeqlensQ).launch(
             grid=(num_ctas, 1, 1), block=[32 * COMBINE_WARPS_PER_CTA, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mOacc: cute.Tensor, mLSEacc: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
-               mSink: Optional[cute.Tensor], pack: Int32):
+               mSink: Optional[cute.Tensor], pack: Int32, mCuSeqlensQ: Optional[cute.Tensor]):
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = cute.arch.lane_idx()
         num_splits, batch, seqlen_p, nheads_k = mOacc.shape[0], mOacc.shape[1], mOacc.shape[2], mOacc.shape[3]
@@ -59,36 +85,48 @@ class SplitKVCombine:
             bs = row // nheads_k
             sp = bs % seqlen_p
             b = bs // seqlen_p
-            # LSE over the splits: lanes take splits lane, lane + 32, ...
-            m = -Float32.inf
-            for s in cutlass.range((num_splits - lane + 31) // 32, unroll=1):
-                m = cute.arch.fmax(m, mLSEacc[lane + s * 32, b, hk, sp])
-            m = cute.arch.warp_reduction_max(m)
-            query = sp // pack
-            head = hk * pack + (sp - query * pack)
-            sink = -Float32.inf
-            if cutlass.const_expr(mSink is not None):
-                sink = Float32(mSink[head])
-                m = cute.arch.fmax(m, sink)
-            total = Float32(0.0)
-            if m != -Float32.inf:
+            owned = True  # a Python bool: __call__'s kernel compiles without the test
+            if cutlass.const_expr(mCuSeqlensQ is not None):
+                # query slot sp // pack of sequence b is varlen row cu[b+1] - Sq + slot: owned when >= cu[b]
+                owned = mCuSeqlensQ[b + 1] - seqlen_p // pack + sp // pack >= mCuSeqlensQ[b]
+            if owned:
+                # LSE over the splits: lanes take splits lane, lane + 32, ...
+                m = -Float32.inf
                 for s in cutlass.range((num_splits - lane + 31) // 32, unroll=1):
-                    total += cute.math.exp2((mLSEacc[lane + s * 32, b, hk, sp] - m) * Float32(LOG2E), fastmath=True)
-            total = cute.arch.warp_reduction_sum(total)
-            if cutlass.const_expr(mSink is not None):
-                total += cute.math.exp2((sink - m) * Float32(LOG2E), fastmath=True)
-            lse = -Float32.inf
-            if m != -Float32.inf:
-                lse = m + cute.math.log(total, fastmath=True)
-            per_lane = self.hdim // 32
-            acc = cute.make_rmem_tensor((per_lane,), Float32)
-            acc.fill(0.0)
-            if m != -Float32.inf:
-                for s in cutlass.range(num_splits, unroll=1):
-                    w = cute.math.exp2((mLSEacc[s, b, hk, sp] - lse) * Float32(LOG2E), fastmath=True)
+                    m = cute.arch.fmax(m, mLSEacc[lane + s * 32, b, hk, sp])
+                m = cute.arch.warp_reduction_max(m)
+                query = sp // pack
+                head = hk * pack + (sp - query * pack)
+                sink = -Float32.inf
+                if cutlass.const_expr(mSink is not None):
+                    sink = Float32(mSink[head])
+                    m = cute.arch.fmax(m, sink)
+                total = Float32(0.0)
+                if m != -Float32.inf:
+                    for s in cutlass.range((num_splits - lane + 31) // 32, unroll=1):
+                        total += cute.math.exp2((mLSEacc[lane + s * 32, b, hk, sp] - m) * Float32(LOG2E), fastmath=True)
+                total = cute.arch.warp_reduction_sum(total)
+                if cutlass.const_expr(mSink is not None):
+                    total += cute.math.exp2((sink - m) * Float32(LOG2E), fastmath=True)
+                lse = -Float32.inf
+                if m != -Float32.inf:
+                    lse = m + cute.math.log(total, fastmath=True)
+                per_lane = self.hdim // 32
+                acc = cute.make_rmem_tensor((per_lane,), Float32)
+                acc.fill(0.0)
+                if m != -Float32.inf:
+                    for s in cutlass.range(num_splits, unroll=1):
+                        w = cute.math.exp2((mLSEacc[s, b, hk, sp] - lse) * Float32(LOG2E), fastmath=True)
+                        for i in cutlass.range_constexpr(per_lane):
+                            acc[i] += w * mOacc[s, b, sp, hk, lane * per_lane + i]
+                if cutlass.const_expr(mCuSeqlensQ is None):
                     for i in cutlass.range_constexpr(per_lane):
-                        acc[i] += w * mOacc[s, b, sp, hk, lane * per_lane + i]
-            for i in cutlass.range_constexpr(per_lane):
-                mO[b, query, head, lane * per_lane + i] = acc[i].to(self.dtype)
-            if lane == 0:
-                mLSE[b, head, query] = lse
+                        mO[b, query, head, lane * per_lane + i] = acc[i].to(self.dtype)
+                    if lane == 0:
+                        mLSE[b, head, query] = lse
+                else:
+                    row_q = mCuSeqlensQ[b + 1] - seqlen_p // pack + query
+                    for i in cutlass.range_constexpr(per_lane):
+                        mO[row_q, head, lane * per_lane + i] = acc[i].to(self.dtype)
+                    if lane == 0:
+                        mLSE[head, row_q] = lse
