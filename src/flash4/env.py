@@ -18,7 +18,7 @@
 | FLASH4_RUNTIME_LOAD | 0 loads cached kernels through the CuTe DSL's loader instead of as shared libraries through TVM-FFI alone (no CuTe DSL import; docs/design/warm_start.md) | on |
 | FLASH4_MEMO        | 0 turns off prepared calls (flash4.memo: a door's host path kept per argument signature) | on |
 | FLASH4_PACK_VIEWS  | 0 copies q / out / lse of a GQA-packed decode step instead of strided views | on |
-| FLASH4_DECODE_SCATTER | 1: flash_attn_varlen_func's decode step (paged, max_seqlen_q <= 8, out / lse allocated by flash4), when it splits the keys, has the split-KV combine write the varlen out / lse rows by cu_seqlens_q (no step buffers, no searchsorted or scatter); A/B and GPU tests | off |
+| FLASH4_DECODE_SCATTER | 0 turns off: flash_attn_varlen_func's decode step (paged, max_seqlen_q <= 8, out / lse allocated by flash4), when it splits the keys, has the split-KV combine write the varlen out / lse rows by cu_seqlens_q (no step buffers, no searchsorted or scatter); on since the H200 A/B (varlen_paged eager / graph 1.4 -> 1.0) | on |
 | FLASH4_FAMILY      | kernel family to run instead of the GPU's own: portable (= sm80: mma.sync, runs on sm_80..sm_120 and sm_90), or a family name (sm90, sm80, sm100) | the GPU's (flash4.kernels.registry) |
 | FLASH4_BWD_SWITCHES | sm90 backward speed switches to turn on where they apply, comma-separated (dq_whole, dq_handoff_per_wg, lse_early, exp_before_dp_wait: flash4.constants.BWD_SPEED_SWITCHES; no_tail_guard, A/B only: leaks stale memory past a sequence's end); A/B and GPU tests of candidates | none |
 | FLASH4_FWD_SWITCHES | sm90 forward speed switches to turn on, comma-separated (softmax_vote_first, lookahead_qk (Dv < D where it fits): flash4.constants.FWD_SPEED_SWITCHES; no_tail_guard, A/B only: leaks stale memory past a sequence's end); A/B and GPU tests of candidates | none |
@@ -175,15 +175,16 @@ def pack_views_enabled() -> bool:
 
 
 def decode_scatter() -> bool:
-    """FLASH4_DECODE_SCATTER (0/1, true/false, on/off, yes/no; default off): a varlen door's decode
+    """FLASH4_DECODE_SCATTER (0/1, true/false, on/off, yes/no; default on): a varlen door's decode
     step (flash4.forward._packed_decode, flash4.memo's prepared varlen call) whose plan splits the
     keys, into out / lse that flash4 allocated, hands the combine kernel the varlen out / lse and
     cu_seqlens_q (its packed-rows variant, kernels/common/fwd_combine.py) instead of scattering the
     step's (B, Sq, H, Dv) buffers into them afterwards: two allocations, a searchsorted and two
-    gathers fewer per call. Off until its GPU A/B (tests/gpu/test_decode_scatter.py,
-    tools/host_overhead.py --scatter-ab). Read per call (a flash4.env.PLAN_VARIABLES entry: the memo
-    keys on it)."""
-    return bool(_flag("FLASH4_DECODE_SCATTER"))
+    gathers fewer per call. On since its GPU A/B (H200, 2026-12-03 night: tests/gpu/test_decode_scatter.py
+    65 passed, bitwise against off; tools/host_overhead.py --env FLASH4_DECODE_SCATTER=0,1: varlen_paged
+    eager / graph 197.2 / 140.6 -> 138.5 / 136.3 us at batch 1 x 128k keys, 1.4 -> 1.0); 0 turns it off.
+    Read per call (a flash4.env.PLAN_VARIABLES entry: the memo keys on it)."""
+    return _flag("FLASH4_DECODE_SCATTER") is not False
 
 
 def disk_cache_dir() -> str:

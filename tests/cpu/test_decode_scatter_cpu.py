@@ -73,6 +73,8 @@ def test_scatter_rows_is_the_row_map(lengths, sq, given):
 
 def test_switch_reads_env(monkeypatch):
     monkeypatch.delenv("FLASH4_DECODE_SCATTER", raising=False)
+    assert env.decode_scatter() is True  # on by default since the H200 A/B
+    monkeypatch.setenv("FLASH4_DECODE_SCATTER", "0")
     assert env.decode_scatter() is False
     monkeypatch.setenv("FLASH4_DECODE_SCATTER", "1")
     assert env.decode_scatter() is True

@@ -22,8 +22,9 @@ from flash4.constants import FWD_SPEED_SWITCHES  # noqa: E402
 def test_off_everywhere_and_out_of_repr():
     assert "lookahead_qk" in FWD_SPEED_SWITCHES
     assert FwdConfig(headdim=128).lookahead_qk is False
-    for cfg in shipped_fwd_configs():
-        if isinstance(cfg, FwdConfig):
+    for cfg in shipped_fwd_configs():  # off (and out of the repr, so the cache keys stay) but where shipped
+        if isinstance(cfg, FwdConfig) and not (cfg.headdim, cfg.headdim_v, cfg.causal, cfg.dtype) == (128, 64, True,
+                                                                                                       "bf16"):
             assert not cfg.lookahead_qk and "lookahead_qk" not in repr(cfg), cfg
     on = lookahead_qk_config(select_fwd_config(128, "bf16", True, headdim_v=64))
     assert repr(on).endswith(", lookahead_qk=True)") and eval(repr(on)) == on
@@ -121,3 +122,18 @@ def test_lookahead_qk_compiles_clean(d, dv, causal):
     for res in (res_on, res_off):
         assert res["spills"] == 0 and not res["wgmma_serialized"] and res["registers"] == 168, res
     assert res_on["hgmma"] > res_off["hgmma"] > 0, (res_on, res_off)
+
+
+def test_shipped_lookahead_qk_rule():
+    """shipped_lookahead_qk: on for the plain dense bf16 (128, 64) causal forward only (the measured
+    cell), through fwd_plan's dense branch; (192, 128), fp16, non-causal, softcap and windows keep it off."""
+    from flash4.config.sm90 import select_fwd_config, shipped_fwd_configs, shipped_lookahead_qk
+
+    assert shipped_lookahead_qk(select_fwd_config(128, "bf16", True, headdim_v=64)).lookahead_qk
+    for args, kw in (((128, "fp16", True), {}), ((128, "bf16", False), {}), ((192, "bf16", True), {}),
+                     ((128, "bf16", True), {"softcap": True}), ((128, "bf16", True), {"local": True})):
+        dv = 64 if args[0] == 128 else 128
+        assert not shipped_lookahead_qk(select_fwd_config(*args, headdim_v=dv, **kw)).lookahead_qk, (args, kw)
+    assert not shipped_lookahead_qk(select_fwd_config(128, "bf16", True)).lookahead_qk  # Dv = D
+    assert [c for c in shipped_fwd_configs() if c.lookahead_qk] == [
+        shipped_lookahead_qk(select_fwd_config(128, "bf16", True, headdim_v=64))]

@@ -340,6 +340,20 @@ def shipped_vote_first(cfg: FwdConfig, seqlen_k: int | None) -> FwdConfig:
     return cfg
 
 
+def shipped_lookahead_qk(cfg: FwdConfig) -> FwdConfig:
+    """FwdConfig.lookahead_qk where it was measured faster (pure): the plain dense bf16 (128, 64)
+    causal forward (the next Q K^T issued under this block's softmax; tile unchanged at 128 x 128).
+    H200, 2026-12-03 night (tools/ab_fwd.py --variants la, 5 interleaved rounds): (128, 64) causal
+    4k 446.3 -> 470.1 TFLOPs (1.053x); (192, 128) needs a narrower tile (full: 112 keys, 1.009x of
+    shipped; causal: 80, 0.975x), so not there; fp16, the non-causal (128, 64) and the varlen /
+    paged layouts were not measured. Same bits as off (GPU test: every door, the exact path included)."""
+    if not (cfg.headdim == 128 and cfg.headdim_v == 64 and cfg.causal and cfg.dtype == "bf16" and not cfg.local
+            and not cfg.softcap and not cfg.sink and cfg.pack_gqa == 1 and not cfg.lookahead_qk):
+        return cfg
+    on = dataclasses.replace(cfg, lookahead_qk=True)
+    return cfg if lookahead_qk_error(on) else on
+
+
 def short_seq_fwd_config(cfg: FwdConfig) -> FwdConfig:
     """The forward config for seqlen_k <= SHORT_SEQLEN_K: cfg persistent (grid = SM count, LPT /
     L2-section tile order, O staged in its own smem buffer so the next tile's Q loads during this
@@ -473,6 +487,13 @@ def shipped_fwd_configs() -> list[FwdConfig]:
         for dt in DTYPES
         for c in (False, True)
         if (long := select_fwd_config(d, dt, c, seqlen_k=SHORT_SEQLEN_K + 1)) != select_fwd_config(d, dt, c)
+    ] + [  # the dense forwards with the look-ahead Q K^T (shipped_lookahead_qk: bf16 (128, 64) causal)
+        la
+        for d, dv in HDIMV_PAIRS
+        for dt in DTYPES
+        for c in (False, True)
+        if (la := shipped_lookahead_qk(select_fwd_config(d, dt, c, headdim_v=dv)))
+        != select_fwd_config(d, dt, c, headdim_v=dv)
     ] + [  # the tiles switched on in FWD_WIDE_TILE_N / FWD_KV_STAGES (none while they are empty)
         wide
         for d in SUPPORTED_HEADDIMS
@@ -1091,7 +1112,7 @@ def _fwd_plan(request, arch: int, num_sms: int | None = None) -> FwdPlan:
                            headdim_v, page_policy(), gather_policy())
     if not seq.packed:
         cfg = select_fwd_config(headdim, dtype, mask.causal, arch, local, softcap, sink, headdim_v, k.shape[1])
-        cfg = with_pack_gqa(wide_tile_fwd_config(cfg), nheads, nheads_k)
+        cfg = shipped_lookahead_qk(with_pack_gqa(wide_tile_fwd_config(cfg), nheads, nheads_k))
         return FwdPlan(with_l2_kv_heads(cfg, nheads, nheads_k))
     cfg = with_l2_kv_heads(select_fwd_config(headdim, dtype, mask.causal, arch, local, softcap, sink, headdim_v),
                            nheads, nheads_k)
