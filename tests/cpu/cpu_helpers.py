@@ -304,8 +304,14 @@ def routed_bwd_runs(monkeypatch, tool, ab, describe_postprocess, with_delta=Fals
                 asked.append((kind, args[0]))
 
             def run(*a, **k):
+                pass
+
+            def tail(*a, **k):  # flash4.backward asks each runner for its host scalars once per launch plan
                 if kind == "bwd":
                     launched.append(k["heads_per_cta"])
+                return ()
+
+            run.compiled, run.tail = run, tail
             return run
         return get
 

@@ -118,7 +118,10 @@ def test_select_configs():
     assert [getattr(c, "persistent", False) for c in plain] == [False, False, True] + [False] * 8
     assert [getattr(c, "softmax_vote_first", False) for c in plain] == [False] * 3 + [True] + [False] * 7
     assert [getattr(c, "dkv_accum", False) for c in plain] == [False] * 8 + [True] * 3
-    assert [(c.headdim_v, c.causal) for c in some if c.headdim_v is not None] == [(64, False), (64, True)] * 2
+    # the (128, 64) pair: fwd causal and not, the causal look-ahead fwd (shipped_lookahead_qk), bwd
+    pair = [c for c in some if c.headdim_v is not None]
+    assert [(c.headdim_v, c.causal) for c in pair] == [(64, False), (64, True), (64, True), (64, False), (64, True)]
+    assert [getattr(c, "lookahead_qk", False) for c in pair] == [False, False, True, False, False]
 
 
 @pytest.fixture
@@ -141,12 +144,12 @@ def test_cli_compile_check(fake_compile_check, capsys, tmp_path):
     calls, result = fake_compile_check
     assert cli_main(["compile-check", "--headdims", "128", "--dtypes", "bf16", "--json", str(tmp_path / "c.json")]) == 0
     # fwd, bwd, bwd det; causal and not; + the short-sequence causal fwd; + the long full fwd (vote-first);
-    # + the (128, 64) head dim pair's fwd and bwd; + GQA head split (dkv_accum) causal and not, and
-    # deterministic causal
-    assert [(c.headdim, c.dtype) for c in calls] == [(128, "bf16")] * 15
+    # + the (128, 64) head dim pair's fwd and bwd, and its causal look-ahead fwd; + GQA head split
+    # (dkv_accum) causal and not, and deterministic causal
+    assert [(c.headdim, c.dtype) for c in calls] == [(128, "bf16")] * 16
     out = capsys.readouterr().out
-    assert "15/15 ok" in out and "registers" in out
-    assert len(json.loads((tmp_path / "c.json").read_text())) == 15
+    assert "16/16 ok" in out and "registers" in out
+    assert len(json.loads((tmp_path / "c.json").read_text())) == 16
     result["spills"] = 4
     assert cli_main(["compile-check", "--headdims", "64", "--causal", "1"]) == 1
     assert "FAILED d64 bf16 1: 4 spill(s)" in capsys.readouterr().out
@@ -164,7 +167,7 @@ def test_bench_without_gpu_runs_the_compile_check(fake_compile_check, capsys):
     calls.clear()
     assert cli_main(["bench", "--quick"]) == 0
     # as compile-check --headdims 128 --dtypes bf16 above
-    assert [(c.headdim, c.dtype) for c in calls] == [(128, "bf16")] * 15
+    assert [(c.headdim, c.dtype) for c in calls] == [(128, "bf16")] * 16
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
