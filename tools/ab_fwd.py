@@ -28,7 +28,8 @@ or varlen request); each other variant is that config with one candidate on (shi
                       (128, 64) keeps 128).
                       la_base: the same tile without the switch, where la narrowed it (the tile's own
                       effect). Same instructions per value: la bitwise equal to la_base, or to shipped
-                      where the tile is shipped's.
+                      where the tile is shipped's. nola: the switch off where it ships (bf16 (128, 64)
+                      causal, since 2026-12-03 night).
   vf / novf           FwdConfig.softmax_vote_first on (novf: off where it ships, d128 full above 1k
                       keys, since 2026-12-03 evening): the softmax's exact-path vote before the
                       exponents, each FFMA next to its MUFU.EX2 (section 8): every cell. Same
@@ -128,7 +129,7 @@ def shipped_cfg(case):
     return fwd_config(request(case), ARCH).cfg
 
 
-BITWISE = ("l2kv", "vf", "novf", "la")  # variants whose out / lse must equal their base's bit for bit
+BITWISE = ("l2kv", "vf", "novf", "la", "nola")  # variants whose out / lse must equal their base's bit for bit
 # The base of a bitwise check, where it is not shipped: la against la_base when that variant exists.
 BITWISE_BASE = {"la": "la_base"}
 ONLY = None  # --variants: the names to time besides shipped (None: all)
@@ -150,6 +151,9 @@ def _all_variants(case) -> dict:
     out = {"shipped": cfg}
     group = case.nheads // case.nheads_k
     if getattr(case, "headdim_v", None) is not None:  # the Dv < D cells: the look-ahead candidate only
+        if cfg.lookahead_qk:  # shipped there since 2026-12-03 night (shipped_lookahead_qk): time it off
+            out["nola"] = dataclasses.replace(cfg, lookahead_qk=False)
+            return out
         la = lookahead_qk_config(cfg)
         if la is not None:
             base = dataclasses.replace(la, lookahead_qk=False)

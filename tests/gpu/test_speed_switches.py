@@ -157,7 +157,9 @@ def test_bwd_switches_env(monkeypatch, switches, d, s, h, hk, causal):
 # and ragged query tiles included. FLASH4_FWD_SWITCHES=lookahead_qk (FwdConfig.lookahead_qk, section 5):
 # the same instructions per value in a different issue order (the next block's Q K^T under this
 # block's softmax), so bit for bit as well; it is built where Dv < D fits the registers as shipped,
-# the (128, 64) forward of every door (with_fwd_switches), hence those head dims for it.
+# the (128, 64) forward of every door (with_fwd_switches), hence those head dims for it. Since
+# 2026-12-03 night the dense bf16 (128, 64) causal forward ships it (shipped_lookahead_qk), so on the
+# dense_causal door both calls run it; test_lookahead_qk below compares the configs on and off directly.
 FWD_ENV_KINDS = ["dense", "dense_causal", "window_softcap", "sink", "varlen", "paged", "kvcache"]
 FWD_ENV_CASES = ([("softmax_vote_first", d, None) for d in (64, 96, 128, 192, 256)]
                  + [("lookahead_qk", 128, 64)])
