@@ -16,7 +16,7 @@
 | FLASH4_PORTABLE    | the portable (sm80) family on its own GPUs (sm_80/86/89/120): off, selftest (run after passing flash4.selftest), on (unchecked); not read where it is forced (FLASH4_FAMILY=portable on sm_90) | selftest |
 | FLASH4_SM100_2CTA  | 1 selects the 2-CTA sm_100 kernels (cluster of 2, M = 256 across the pair) where they are built: the forward at hd128 non-causal dense, the backward at hd128 and (192, 128) (full or causal, not deterministic, no window, dense); compile-verified, not run on hardware | off |
 | FLASH4_RUNTIME_LOAD | 0 loads cached kernels through the CuTe DSL's loader instead of as shared libraries through TVM-FFI alone (no CuTe DSL import; docs/design/warm_start.md) | on |
-| FLASH4_MEMO        | 0 turns off prepared calls (flash4.memo: a door's host path kept per argument signature) | on |
+| FLASH4_MEMO        | 0 turns off prepared calls (flash4.memo: a door's host path, and the dense backward's plan, kept per argument signature) | on |
 | FLASH4_PACK_VIEWS  | 0 copies q / out / lse of a GQA-packed decode step instead of strided views | on |
 | FLASH4_DECODE_SCATTER | 0 turns off: flash_attn_varlen_func's decode step (paged, max_seqlen_q <= 8, out / lse allocated by flash4), when it splits the keys, has the split-KV combine write the varlen out / lse rows by cu_seqlens_q (no step buffers, no searchsorted or scatter); on since the H200 A/B (varlen_paged eager / graph 1.4 -> 1.0) | on |
 | FLASH4_FAMILY      | kernel family to run instead of the GPU's own: portable (= sm80: mma.sync, runs on sm_80..sm_120 and sm_90), or a family name (sm90, sm80, sm100) | the GPU's (flash4.kernels.registry) |
@@ -161,7 +161,8 @@ def runtime_load_enabled() -> bool:
 
 
 def memo_enabled() -> bool:
-    """FLASH4_MEMO: prepared calls (flash4.memo: a door's host path kept per argument signature).
+    """FLASH4_MEMO: prepared calls (flash4.memo: a door's host path kept per argument signature; since
+    2026-12-03 night also the dense backward's, flash4.backward.PreparedBackward: 449 + 322 GPU tests).
     On by default (0 turns it off): tests/gpu/test_memo.py and the door files passed with it on the
     H200 (2026-12-02, night), where it brought eager decode to 1.01-1.03x its CUDA-graph replay."""
     return _flag("FLASH4_MEMO") is not False
