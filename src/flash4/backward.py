@@ -176,8 +176,8 @@ class BackwardPlan:
     def launch(self, q, k, v, seq: SeqSpec | None, dout, out, lse, lse_split, dlse, dq, dk, dv, delta=None) -> None:
         """The per-call work of launch() with this plan, for tensors of the signature it was made
         for (seq: the packed request's SeqSpec, None dense). A dense plan keeps, from its first
-        launch, what the signature fixes (`bound`: which inputs need a contiguous copy, the compiled
-        kernels' host scalars), so a kept plan (PreparedBackward) calls the compiled kernels directly."""
+        launch, the compiled kernels' host scalars (`bound`: the runners' tail(), checked then), so a
+        kept plan (PreparedBackward) calls the compiled kernels directly."""
         if self.gated:  # the verdict may change (flash4.selftest)
             from flash4 import selftest
 
