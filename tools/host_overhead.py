@@ -114,6 +114,15 @@ def cells(device: str, keys: int):
     cu_q = torch.arange(b + 1, dtype=i32, device=device)
     q_packed = q.view(b, h, d)
     qp, kp, vp = randn(1, 128, 8, 64), randn(1, 128, 8, 64), randn(1, 128, 8, 64)
+    # the backward doors: gpt-oss's shape class (d64, 64 / 8 heads) with a learnable sink and a
+    # 128-key window, small enough for CPU tensors; autograd.grad on a graph built once (the bench's way)
+    qb, kb, vb = randn(1, 256, 16, 64), randn(1, 256, 2, 64), randn(1, 256, 2, 64)
+    sink = torch.randn(16, generator=gen, device=device, dtype=torch.float32)
+    for t in (qb, kb, vb, sink):
+        t.requires_grad_(True)
+    dout = randn(1, 256, 16, 64)
+    out_sink = flash4.flash_attn_func(qb, kb, vb, causal=True, window_size=(128, 0), learnable_sink=sink)
+    out_plain = flash4.flash_attn_func(qb, kb, vb, causal=True)
     return {
         "kvcache": lambda: flash4.flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, causal=True),
         "kvcache_paged": lambda: flash4.flash_attn_with_kvcache(q, k_pool, v_pool, cache_seqlens=seqlens,
@@ -122,6 +131,8 @@ def cells(device: str, keys: int):
         "varlen_paged": lambda: flash4.flash_attn_varlen_func(q_packed, k_pool, v_pool, cu_q, None, 1, None,
                                                               seqused_k=seqlens, page_table=table, causal=True),
         "func_prefill": lambda: flash4.flash_attn_func(qp, kp, vp, causal=True),
+        "bwd": lambda: torch.autograd.grad(out_plain, (qb, kb, vb), dout, retain_graph=True),
+        "bwd_sink_window": lambda: torch.autograd.grad(out_sink, (qb, kb, vb, sink), dout, retain_graph=True),
     }
 
 

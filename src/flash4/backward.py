@@ -184,7 +184,14 @@ class BackwardPlan:
             for cfg in self.gated:
                 selftest.require(cfg, q.device)
         cfg, tile_m, nheads, packed = self.cfg, self.cfg.tile_m, self.nheads, self.packed
-        if packed:
+        bound = self.bound
+        if bound is not None:  # a dense signature seen before: what its first launch decided
+            ready, dq_ready = bound[3], bound[4]
+            row_index, sequences = None, _NO_SEQUENCES
+            if ready is not True:  # the tensors a kernel cannot read as they are (the key fixes which)
+                q, k, v, out, dout = (t if r else t.contiguous() for t, r in zip((q, k, v, out, dout), ready))
+            dk_view, dv_view = dk, dv
+        elif packed:
             row_index = padded_row_index(seq.cu_seqlens_q, q.shape[0], tile_m, seq.seqused_q)
             sequences = dict(cu_seqlens_q=_int32_vector(seq.cu_seqlens_q), cu_seqlens_k=_int32_vector(seq.cu_seqlens_k),
                              seqused_q=_int32_vector(seq.seqused_q), seqused_k=_int32_vector(seq.seqused_k),
@@ -192,37 +199,47 @@ class BackwardPlan:
             q, k, v, out, dout = (_kernel_ready(t)[None] for t in (q, k, v, out, dout))  # a batch mode of size 1
             dk_view, dv_view = dk[None], dv[None]
         else:
-            row_index, sequences = None, {}
-            q, k, v, out, dout = (_kernel_ready(t) for t in (q, k, v, out, dout))
+            row_index, sequences = None, _NO_SEQUENCES
+            ready = tuple(_is_kernel_ready(t) for t in (q, k, v, out, dout))
+            q, k, v, out, dout = (t if r else t.contiguous() for t, r in zip((q, k, v, out, dout), ready))
+            ready = True if all(ready) else ready
             dk_view, dv_view = dk, dv
         if lse_split is None:
             lse_split = torch.stack([torch.where(lse == float("-inf"), float("inf"), lse * LOG2E),
                                      torch.zeros_like(lse)])
         f32 = dict(dtype=F32, device=q.device)
         stats = (self.stats_batch, nheads, self.rows)
-        zeroed = torch.zeros((2 if self.in_kernel else 1,) + stats, **f32)
-        dpsum = zeroed[0]
-        delta_rows = zeroed[1] if self.in_kernel else None  # the kernel adds D
-        lse_log2 = torch.full(stats, float("inf"), **f32)
+        if packed:  # the padded layout's gaps belong to no packed row: filled here (dpsum 0, lse_log2 +inf)
+            zeroed = torch.zeros((2 if self.in_kernel else 1,) + stats, **f32)
+            dpsum = zeroed[0]
+            delta_rows = zeroed[1] if self.in_kernel else None  # the kernel adds D
+            lse_log2 = torch.full(stats, float("inf"), **f32)
+        else:  # the preprocess writes every row of both, padding rows included (one allocation, no fill)
+            dpsum, lse_log2 = torch.empty((2,) + stats, **f32).unbind(0)
+            delta_rows = torch.zeros(stats, **f32) if self.in_kernel else None  # the kernel adds D
         dq_accum = torch.empty(stats + (self.headdim,), **f32)  # zeroed by the preprocess
         # [0]: dQ semaphores (deterministic), [1]: exact-path flags of the (padded) query tiles; one memset.
         tile_flags = torch.zeros(2, self.stats_batch, nheads, self.rows // tile_m, dtype=torch.int32, device=q.device)
         dk_out, dv_out, dkv_sem, finish_dkv = dkv_targets(cfg, dk_view, dv_view, self.num_kv_tiles)
-        hi, lo = lse_split[0], lse_split[1]
+        hi, lo = lse_split.unbind(0)
         if packed:
             hi, lo = hi[None], lo[None]
-        dq_out = dq_target(dq)
-        dq_view = dq_out[None] if packed else dq_out
-        bound = self.bound
         if bound is None:
+            dq_out = dq_target(dq)
+            dq_view = dq_out[None] if packed else dq_out
             bound = (self.preprocess.tail(out, dq_accum, tile_m, row_index),
                      tuple(r.tail(q, k, self.softmax_scale, window=self.window, softcap=self.softcap,
                                   heads_per_cta=self.heads_per_cta, dkv_semaphore=dkv_sem, delta=delta_rows,
                                   **sequences) for r in self.run_kernels),
                      self.postprocess.tail(dq_view, row_index))
             if not packed:  # packed tails read the sequences' values (max_seqlen_k)
-                self.bound = bound
-        pre_tail, main_tails, post_tail = bound
+                # with whether the tensors were kernel-ready: the signature (shape, strides, base
+                # address modulo 16: flash4.memo's key) decides it for every later call
+                self.bound = bound + (ready, dq_out is dq)
+        else:  # dq: the caller's (PreparedBackward's) new contiguous tensor, ready as the first one was
+            dq_out = dq if dq_ready else torch.empty(dq.shape, dtype=dq.dtype, device=dq.device)
+            dq_view = dq_out
+        pre_tail, main_tails, post_tail = bound[:3]
         self.preprocess.compiled(out, dout, hi, lo, dpsum, lse_log2, tile_flags[1], dq_accum, *pre_tail, row_index)
         if dlse is not None:
             if packed:  # rows outside every sequence all land on the scratch row (never read)
@@ -234,7 +251,7 @@ class BackwardPlan:
             dk.zero_()
             dv.zero_()
         seq_tensors = (sequences.get("cu_seqlens_q"), sequences.get("cu_seqlens_k"), sequences.get("seqused_q"),
-                       sequences.get("seqused_k"))
+                       sequences.get("seqused_k")) if packed else _NO_SEQUENCE_TENSORS
         for run_kernel, main_tail in zip(self.run_kernels, main_tails):
             run_kernel.compiled(q, k, v, dout, lse_log2, dpsum, dq_accum, dk_out, dv_out, tile_flags[0], tile_flags[1],
                                 hi, lo, *seq_tensors, dkv_sem if cfg.dkv_accum else None, delta_rows, *main_tail)
@@ -245,6 +262,10 @@ class BackwardPlan:
         self.postprocess.compiled(dq_accum, dq_view, *post_tail)
         if dq_out is not dq:
             dq.copy_(dq_out)
+
+
+_NO_SEQUENCES: dict = {}  # a dense launch's sequence arguments (never written)
+_NO_SEQUENCE_TENSORS = (None, None, None, None)
 
 
 class PreparedBackward:

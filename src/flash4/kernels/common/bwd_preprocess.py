@@ -14,9 +14,11 @@ Preprocess, per (batch, seqlen_q, head) row, before the main kernel:
 Postprocess, after it: dq[b, s, h, :] = dq_accum[b, h, s, :] in the input dtype; with
 BwdConfig.dq_accum_order the tiles of dq_accum are in the dQ accumulator's element order
 (kernels/common/dq_accum.py) and BackwardPostprocessAccumOrder undoes it.
-Padding rows (s >= seqlen_q) of dpsum / lse_log2 are initialized by the caller (dpsum 0, lse_log2
-+inf); `exact` is zeroed by the caller; dq_accum is zeroed up to seqlen_q_pad (dense: whole tiles,
-which the accumulator-order layout needs) or at the packed rows' padded rows (varlen).
+Padding rows (s >= seqlen_q) of dpsum / lse_log2: dense, written here too (dpsum 0, lse_log2 +inf,
+every row up to seqlen_q_pad, so the caller allocates both unfilled); varlen, initialized by the
+caller (the padded layout's gaps between sequences belong to no packed row). `exact` is zeroed by
+the caller; dq_accum is zeroed up to seqlen_q_pad (dense: whole tiles, which the accumulator-order
+layout needs) or at the packed rows' padded rows (varlen).
 
 Layout of the work (both passes): a CTA of ROW_PASS_THREADS threads takes ROW_TILE consecutive rows
 of one (batch, head); LANES_PER_ROW lanes share a row, lane l of it moving the 4-element chunks
@@ -186,6 +188,13 @@ class BackwardPreprocess:
                     magnitude = cute.arch.fmax(lse_log2, -lse_log2)
                     if (magnitude >= Float32(BWD_EXACT_LSE_LOG2)) & (magnitude != Float32.inf):
                         mExact[b, head, p // tile_m] = Int32(1)
+            if const_expr(mRowIdx is None):
+                # dense: the padding rows of the last query tile (seqlen_q <= s < seqlen_q_pad) get
+                # dpsum 0 and lse_log2 +inf here (P = 0 there), so the caller allocates both unfilled
+                if (s >= seqlen_q) & (s < num_rows):
+                    if sub_lane == 0:
+                        mdPsum[b, head, s] = Float32(0.0)
+                        mLSE2[b, head, s] = Float32.inf
 
 
 class BackwardPostprocess:
