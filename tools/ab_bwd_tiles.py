@@ -36,6 +36,9 @@ variant's config). Variants (all with configs the sm90 kernel already has; shipp
     h1      1 query head per CTA (flash-attn-4's: every (query head, key block) its own CTA)
     d64:  m64 / m64_h1     tile_m 64 with the accumulators (the former shipped), 2 / 1 heads
     d128: dkvT / dkvT_h1   transposed_dkv with the accumulators, 2 / 1 heads; rows / whole as MHA
+  value head dims ((128, 64), (64, 128): the d128 / d64 tiles, no dQ hand-off change shipped there):
+    hand    dq_whole (at D 128) + dq_handoff_per_wg, d128's shipped hand-off; whole: dq_whole alone
+    exp     exp_before_dp_wait; hand_exp both; lse: hand + lse_early
   sink cells (sink_delta: the kernel sums D for the learnable sink's gradient):
     single  sink_delta_db off: the partial sums in one buffer, the dQEmpty wait before staging them
             (shipped until 2026-12-03 evening; the double buffer keeps it at the dQ hand-off: 1.159x on
@@ -97,6 +100,9 @@ EXTRA_CELLS = (
     # on a 128-key window), docs/perf/README.md
     Case("d128_causal_32k", 128, True, 32768, 32768, 1, 16, 16),
     Case("gptoss_sink_d64_window128_causal_8k", 64, True, 8192, 8192, 1, 64, 8, window=(127, 0), sink=True),
+    # value head dims (0.75x flash-attn-4 at (128, 64) on 2026-12-04; flash-attn-4 runs its d128 tile there)
+    Case("hdimv_128_64_causal_4k", 128, True, 4096, 4096, 8, 16, 16, headdim_v=64),
+    Case("hdimv_64_128_causal_4k", 64, True, 4096, 4096, 8, 16, 16, headdim_v=128),
 )
 
 
@@ -119,7 +125,7 @@ def request(case: Case, q=None, k=None, v=None, sink=None):
         dt = torch.bfloat16
         q = torch.empty(case.batch, case.seqlen_q, case.nheads, case.headdim, device="meta", dtype=dt)
         k = torch.empty(case.batch, case.seqlen_k, case.nheads_k, case.headdim, device="meta", dtype=dt)
-        v = torch.empty_like(k)
+        v = torch.empty(case.batch, case.seqlen_k, case.nheads_k, case.hdim_v, device="meta", dtype=dt)
         sink = torch.empty(case.nheads, device="meta", dtype=torch.float32) if case.sink else None
     window = case.window if case.window is not None else (-1, -1)
     return Request.dense(q, k, v, case.headdim ** -0.5, case.causal, window, 0.0, sink)
@@ -154,7 +160,7 @@ def variants(case: Case) -> dict:
 
 
 def _all_variants(case: Case) -> dict:
-    from flash4.config.sm90 import dq_swapab_config
+    from flash4.config.sm90 import DQ_WHOLE_TILE_MAX_HEADDIM, dq_swapab_config
 
     plan = shipped_plan(case)
     cfg, heads = plan.cfg, plan.heads_per_cta
@@ -172,6 +178,17 @@ def _all_variants(case: Case) -> dict:
             dkvt = rep(rows, transposed_dkv=True, tile_n=96, tile_m=64)
             out["dkvT"] = Variant(dkvt, heads)
             out["dkvT_h1"] = Variant(dkvt, 1)
+    elif cfg.headdim_v is not None and not cfg.split_headdim and not cfg.transposed_dkv:
+        # Dv != D on the d128 / d64 tiles (shipped_dq_handoff leaves value head dims out: not measured)
+        whole = cfg.headdim > DQ_WHOLE_TILE_MAX_HEADDIM  # d128: dq_whole first; d64: already whole-tile
+        hand = rep(cfg, dq_whole=True, dq_handoff_per_wg=True) if whole else rep(cfg, dq_handoff_per_wg=True)
+        out["hand"] = Variant(hand, heads)
+        if whole:
+            out["whole"] = Variant(rep(cfg, dq_whole=True), heads)
+        out["exp"] = Variant(rep(cfg, exp_before_dp_wait=True), heads)
+        out["hand_exp"] = Variant(rep(hand, exp_before_dp_wait=True), heads)
+        out["lse"] = Variant(rep(hand, lse_early=True), heads)
+        return out
     elif cfg.headdim == 64:
         out["rows"] = Variant(rows, heads)  # one hand-off for both warpgroups (shipped until 2026-12-03)
         out["m64"] = Variant(rep(cfg, tile_m=64), heads)
@@ -228,7 +245,7 @@ def plan_kernels(cells) -> list[tuple]:
     wide = postprocess_wide_stores()
     out = []
     for case in cells:
-        out += [("fwd", fwd_cfg(case)), ("bwd_preprocess", case.headdim, DTYPE)]
+        out += [("fwd", fwd_cfg(case)), ("bwd_preprocess", case.hdim_v, DTYPE)]
         for v in variants(case).values():
             accum = v.cfg.tile_m if v.cfg.dq_accum_order else None
             out += [("bwd", v.cfg), ("bwd_postprocess", case.headdim, DTYPE, accum, wide, v.cfg.dq_handoff_per_wg)]
@@ -335,7 +352,7 @@ def run_cell(case: Case, rounds: int, rep_ms: float) -> dict:
     vs = variants(case)
     row = {"cell": case.name, "variants": {name: short(v) for name, v in vs.items()}}
     q, k, v = common.make_inputs(case.batch, case.seqlen_q, case.seqlen_k, case.nheads, case.nheads_k, case.headdim,
-                                 torch.bfloat16)
+                                 torch.bfloat16, headdim_v=case.headdim_v)
     sink = torch.randn(case.nheads, device="cuda", dtype=torch.float32) if case.sink else None
     req = request(case, q, k, v, sink)
     lse_split = forward.new_lse_split(req)

@@ -30,6 +30,10 @@ or varlen request); each other variant is that config with one candidate on (shi
                       effect). Same instructions per value: la bitwise equal to la_base, or to shipped
                       where the tile is shipped's. nola: the switch off where it ships (bf16 (128, 64)
                       causal, since 2026-12-03 night).
+  mb / nomb           FwdConfig.mask_bits: the score mask from a 32-bit word per row (R2P) instead of
+                      integer compares per element; nomb: off where it ships (dense windows, since
+                      2026-12-04); mb: on, causal cells, only when --variants names it (measured
+                      0.99-1.02x there). Same mask: out / lse bitwise.
   vf / novf           FwdConfig.softmax_vote_first on (novf: off where it ships, d128 full above 1k
                       keys, since 2026-12-03 evening): the softmax's exact-path vote before the
                       exponents, each FFMA next to its MUFU.EX2 (section 8): every cell. Same
@@ -97,6 +101,11 @@ EXTRA_CELLS = (
     Case("d256_full_1k", 256, False, 1024, 1024, 32, 8, 8),
     Case("d256_full_4k", 256, False, 4096, 4096, 8, 8, 8),
     Case("d256_full_16k", 256, False, 16384, 16384, 2, 8, 8),
+    # masked cells for mask_bits (variant mb): the bench's window / sink cells (flash4.bench.cases)
+    *(c for c in BENCH_CASES if c.name in ("sink_gptoss_d64_window128_causal_8k", "sink_gptoss_d64_causal_8k",
+                                           "window4096_causal_32k_d128")),
+    Case("d128_causal_4k", 128, True, 4096, 4096, 8, 16, 16),
+    Case("d64_causal_1k", 64, True, 1024, 1024, 32, 32, 32),
 )
 WIDE_TILES = (160, 176, 192)
 
@@ -120,7 +129,9 @@ def request(case, q=None, k=None, v=None, cu=None):
     if varlen:
         maxlen = max(varlen_lengths())
         return Request.varlen(q, k, v, cu, cu, maxlen, maxlen, softmax_scale=case.headdim ** -0.5, causal=case.causal)
-    return Request.dense(q, k, v, case.headdim ** -0.5, case.causal, (-1, -1), 0.0, None)
+    window = getattr(case, "window", None) or (-1, -1)
+    sink = torch.empty(case.nheads, device=q.device, dtype=torch.float32) if getattr(case, "sink", False) else None
+    return Request.dense(q, k, v, case.headdim ** -0.5, case.causal, window, 0.0, sink)
 
 
 def shipped_cfg(case):
@@ -129,7 +140,7 @@ def shipped_cfg(case):
     return fwd_config(request(case), ARCH).cfg
 
 
-BITWISE = ("l2kv", "vf", "novf", "la", "nola")  # variants whose out / lse must equal their base's bit for bit
+BITWISE = ("l2kv", "vf", "novf", "la", "nola", "mb", "nomb")  # variants whose out / lse must equal their base's bit for bit
 # The base of a bitwise check, where it is not shipped: la against la_base when that variant exists.
 BITWISE_BASE = {"la": "la_base"}
 ONLY = None  # --variants: the names to time besides shipped (None: all)
@@ -153,6 +164,8 @@ def _all_variants(case) -> dict:
     if getattr(case, "headdim_v", None) is not None:  # the Dv < D cells: the look-ahead candidate only
         if cfg.lookahead_qk:  # shipped there since 2026-12-03 night (shipped_lookahead_qk): time it off
             out["nola"] = dataclasses.replace(cfg, lookahead_qk=False)
+            if cfg.causal and ONLY is not None and "mb" in ONLY:
+                out["mb"] = with_fwd_switches(cfg, ("mask_bits",))
             return out
         la = lookahead_qk_config(cfg)
         if la is not None:
@@ -175,6 +188,10 @@ def _all_variants(case) -> dict:
             out["l2kv"] = l2kv
         if cfg.pack_gqa == 1 and cfg.tile_m % group == 0 and not cfg.varlen_q:  # dense Q only
             out["pack"] = dataclasses.replace(cfg, pack_gqa=group)
+    if cfg.mask_bits:  # shipped on dense windows since 2026-12-04 (shipped_mask_bits): time it off
+        out["nomb"] = dataclasses.replace(cfg, mask_bits=False)
+    elif cfg.causal and ONLY is not None and "mb" in ONLY:  # measured neutral on causal cells: on request
+        out["mb"] = with_fwd_switches(cfg, ("mask_bits",))
     if cfg.softmax_vote_first:  # shipped there since 2026-12-03 evening (shipped_vote_first): time it off
         out["novf"] = dataclasses.replace(cfg, softmax_vote_first=False)
     else:
@@ -186,7 +203,7 @@ def cfg_short(c) -> str:
     """The fields of a forward config that tell the variants apart."""
     bits = [f"m{c.tile_m}n{c.tile_n}" + (f"s{c.kv_stages}" if c.kv_stages != 2 else "")]
     bits += [name for name in ("causal", "persistent", "lpt", "l2_kv_heads", "varlen_q", "softmax_vote_first",
-                               "lookahead_qk") if getattr(c, name)]
+                               "lookahead_qk", "mask_bits") if getattr(c, name, False)]
     bits += [f"pack{c.pack_gqa}"] if c.pack_gqa > 1 else []
     return " ".join(bits)
 
@@ -290,6 +307,12 @@ def run_cell(case, rounds: int, rep_ms: float, gemm: float) -> dict:
         out_shape, lse_shape = (case.batch, case.seqlen_q, case.nheads, case.hdim_v), (case.batch, case.nheads,
                                                                                          case.seqlen_q)
         flops, call, views = case_fwd_flops(case), {}, (q, k, v)
+        if getattr(case, "window", None) is not None:  # runtime (left, right) as flash4.forward passes them
+            from flash4.geometry import window_sides
+
+            call["window"] = window_sides(case.window, case.causal)
+        if getattr(case, "sink", False):
+            call["sink"] = torch.randn(case.nheads, device=DEVICE, dtype=torch.float32)
     unsq = (lambda t: t.unsqueeze(0)) if isinstance(case, VarlenCase) else (lambda t: t)
     outs, fns = {}, {}
     for name, cfg in list(vs.items()):
@@ -298,7 +321,7 @@ def run_cell(case, rounds: int, rep_ms: float, gemm: float) -> dict:
         lse = torch.full(lse_shape, math.nan, device=q.device, dtype=torch.float32)
         split = torch.empty((2,) + lse_shape, device=q.device, dtype=torch.float32)
         outs[name] = (out, lse)
-        fns[name] = (lambda runner=runner, o=unsq(out), l=unsq(lse), s=split.unsqueeze(1) if call else split:
+        fns[name] = (lambda runner=runner, o=unsq(out), l=unsq(lse), s=split.unsqueeze(1) if isinstance(case, VarlenCase) else split:
                      runner(*views, o, l, scale, lse_split=s, **call))
         try:
             fns[name]()

@@ -8,8 +8,15 @@ autograd.grad on a graph built once), prints the time per call as the bench take
 triton's do_bench median with L2 flushed), then the same call run CALLS times under torch.profiler: every GPU kernel
 with its mean duration per call, their sum, and the host (CPU) time per call. A kernel sum well
 under the timed call means the call is host-bound or has GPU gaps (launch latency, syncs); a kernel
-that grew between two trees shows up by name. Cells: flash4.bench.cases.CASES (a name or prefix; no Dv != D cells). Reads only flash4.bench.cases.CASES and
-flash4.bench.baselines.all_impls, so an older tree runs it too (PYTHONPATH=.baseline/src).
+that grew between two trees shows up by name. Cells: flash4.bench.cases.CASES (a name or prefix; Dv != D
+cells included). Reads only flash4.bench.cases.CASES and flash4.bench.baselines.all_impls, so an older tree
+runs it too (PYTHONPATH=.baseline/src).
+
+--ncu fwd|bwd: no timing; each impl's pass is warmed up three times, then one call runs between
+torch.cuda.profiler.start() / stop(), for Nsight Compute (docs/perf/ncu_*.md):
+
+    ncu --clock-control none --profile-from-start off --set full -o fwd_flash4 \
+        python tools/prof_case.py sink_gptoss_d64_window128 --impls flash4 --ncu fwd
 """
 
 from __future__ import annotations
@@ -88,6 +95,7 @@ def main(argv=None) -> int:
     p.add_argument("--no-bwd", action="store_true")
     p.add_argument("--rep-ms", type=float, default=100.0)
     p.add_argument("--out")
+    p.add_argument("--ncu", choices=("fwd", "bwd"), help="profile one call of this pass for ncu; no timing")
     p.add_argument("--cprofile", type=int, default=0, metavar="N",
                    help="also profile the host's Python over N calls of each pass (cProfile; printed)")
     args = p.parse_args(argv)
@@ -100,8 +108,10 @@ def main(argv=None) -> int:
     case = next(c for c in cases.CASES if c.name == args.case or c.name.startswith(args.case))
     impls = {i.name: i for i in baselines.all_impls()}
     gen = torch.Generator(device="cuda").manual_seed(0)
+    hdim_v = getattr(case, "headdim_v", None) or case.headdim  # (older trees' Case has no headdim_v)
     q, k, v = (torch.randn(case.batch, case.seqlen_q if i == 0 else case.seqlen_k, case.nheads if i == 0 else case.nheads_k,
-                           case.headdim, generator=gen, device="cuda", dtype=torch.bfloat16) for i in range(3))
+                           hdim_v if i == 2 else case.headdim, generator=gen, device="cuda", dtype=torch.bfloat16)
+               for i in range(3))
     print(f"{case.name}: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     result = {}
     for name in args.impls:
@@ -110,13 +120,25 @@ def main(argv=None) -> int:
             print(f"{name}: unavailable ({impl.unavailable})")
             continue
         passes = {"fwd": impl.make(q, k, v, case.causal, **case.options())}
-        if not args.no_bwd:
+        if not args.no_bwd and args.ncu != "fwd":
             qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
             with impl.context():
                 out = impl.make(qg, kg, vg, case.causal, **case.options())()
             dout = torch.randn_like(out)
             passes["bwd"] = lambda out=out, qg=qg, kg=kg, vg=vg, dout=dout: torch.autograd.grad(
                 out, (qg, kg, vg), dout, retain_graph=True)
+        if args.ncu:
+            fn = passes[args.ncu]
+            with impl.context():
+                for _ in range(3):
+                    fn()
+                torch.cuda.synchronize()
+                torch.cuda.profiler.start()
+                fn()
+                torch.cuda.synchronize()
+                torch.cuda.profiler.stop()
+            print(f"{name} {args.ncu}: one call profiled")
+            continue
         for pname, fn in passes.items():
             with impl.context():
                 timed = float(do_bench(fn, warmup=25, rep=args.rep_ms, return_mode="median")) * 1e3

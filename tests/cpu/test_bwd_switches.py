@@ -30,7 +30,7 @@ def test_switches_off_and_out_of_repr():
     for cfg in shipped_bwd_configs():
         for name in SWITCHES:
             on = getattr(cfg, name)
-            assert on == (name == "dq_handoff_per_wg" and cfg.dq_accum_order and cfg.headdim_v is None
+            assert on == (name == "dq_handoff_per_wg" and cfg.dq_accum_order
                           and not cfg.deterministic and (cfg.dq_whole or not cfg.dkv_accum)), (name, cfg)
             assert (name in repr(cfg)) == on
         assert eval(repr(cfg)) == cfg
@@ -187,11 +187,11 @@ NEW_SWITCHES = ("dq_whole", "lse_early")
 
 
 def test_new_switches_off_and_out_of_repr():
-    """lse_early off everywhere; dq_whole on exactly where shipped_dq_handoff puts it (d128 dense, no
-    window, not deterministic)."""
+    """lse_early off everywhere; dq_whole on exactly where shipped_dq_handoff puts it (d128 dense, any
+    Dv since 2026-12-04, no window, not deterministic)."""
     for cfg in shipped_bwd_configs():
         assert not cfg.lse_early and "lse_early" not in repr(cfg)
-        whole = (cfg.headdim == 128 and cfg.headdim_v is None and not cfg.deterministic and not cfg.local
+        whole = (cfg.headdim == 128 and not cfg.deterministic and not cfg.local
                  and not cfg.softcap and not cfg.split_headdim and not cfg.transposed_dkv)
         assert cfg.dq_whole == whole and ("dq_whole" in repr(cfg)) == whole, cfg
     cfg = select_bwd_config(128, "bf16", True)

@@ -20,8 +20,9 @@ from flash4.constants import FWD_SPEED_SWITCHES  # noqa: E402
 
 
 def test_switch_off_and_out_of_repr():
-    # the second: tests/cpu/test_tail_guard.py; the third: tests/cpu/test_lookahead_qk_cpu.py
-    assert FWD_SPEED_SWITCHES == ("softmax_vote_first", "no_tail_guard", "lookahead_qk")
+    # the second: tests/cpu/test_tail_guard.py; the third: tests/cpu/test_lookahead_qk_cpu.py; the
+    # fourth: test_mask_bits_off_and_out_of_repr below
+    assert FWD_SPEED_SWITCHES == ("softmax_vote_first", "no_tail_guard", "lookahead_qk", "mask_bits")
     from flash4.config.sm90 import shipped_vote_first
 
     on = []
@@ -143,3 +144,22 @@ def test_vote_first_reaches_the_dense_plan(monkeypatch):
     assert fwd_config(Request.dense(long, long, long, 0.1, False), 90).cfg.softmax_vote_first
     assert not fwd_config(Request.dense(long, long, long, 0.1, True), 90).cfg.softmax_vote_first
     assert not fwd_config(Request.dense(short, short, short, 0.1, False), 90).cfg.softmax_vote_first
+
+
+def test_mask_bits_off_and_out_of_repr():
+    """FwdConfig.mask_bits: off in every config compile-check builds (no windows there) and out of its
+    repr; on exactly where shipped_mask_bits puts it (dense windows), shown once then; repr
+    round-trips either way."""
+    import dataclasses
+
+    from flash4.config.sm90 import shipped_mask_bits
+
+    for cfg in shipped_fwd_configs():
+        if isinstance(cfg, FwdConfig):
+            assert not cfg.mask_bits and "mask_bits" not in repr(cfg)
+    window = select_fwd_config(64, "bf16", local=True, sink=True)
+    on = shipped_mask_bits(window)
+    assert on.mask_bits and repr(on).endswith(", mask_bits=True)") and eval(repr(on)) == on
+    for cfg in (select_fwd_config(128, "bf16", True), select_fwd_config(64, "bf16", False),
+                dataclasses.replace(window, varlen_q=True, varlen_k=True)):
+        assert shipped_mask_bits(cfg) == cfg

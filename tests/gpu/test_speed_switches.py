@@ -160,9 +160,13 @@ def test_bwd_switches_env(monkeypatch, switches, d, s, h, hk, causal):
 # the (128, 64) forward of every door (with_fwd_switches), hence those head dims for it. Since
 # 2026-12-03 night the dense bf16 (128, 64) causal forward ships it (shipped_lookahead_qk), so on the
 # dense_causal door both calls run it; test_lookahead_qk below compares the configs on and off directly.
-FWD_ENV_KINDS = ["dense", "dense_causal", "window_softcap", "sink", "varlen", "paged", "kvcache"]
+# FLASH4_FWD_SWITCHES=mask_bits (FwdConfig.mask_bits): the same mask from per-row bit words (R2P), so
+# bit for bit as well, on every masked door (causal, window, sink, seqlen_k tails, GQA-packed windows).
+FWD_ENV_KINDS = ["dense", "dense_causal", "window_softcap", "sink", "window_sink", "varlen", "paged", "kvcache"]
 FWD_ENV_CASES = ([("softmax_vote_first", d, None) for d in (64, 96, 128, 192, 256)]
-                 + [("lookahead_qk", 128, 64)])
+                 + [("lookahead_qk", 128, 64)]
+                 + [("mask_bits", d, None) for d in (64, 96, 128, 192, 256)]
+                 + [("mask_bits", 128, 64), ("mask_bits", 192, 128)])
 
 
 def _fwd_call(kind, d, mag, dv=None):
@@ -171,6 +175,11 @@ def _fwd_call(kind, d, mag, dv=None):
     dv = d if dv is None else dv
     g = torch.Generator(device="cuda").manual_seed(11)
     rnd = lambda *shape: torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=g)  # noqa: E731
+    if kind == "window_sink":  # gpt-oss's shape: a 128-key window, sinks, GQA (packed query tiles)
+        q, k, v = rnd(2, 777, 8, d) * mag, rnd(2, 777, 1, d) * mag, rnd(2, 777, 1, dv)
+        sink = torch.randn(8, device="cuda", generator=g)
+        return lambda: flash_attn_func(q, k, v, causal=True, window_size=(127, 0), learnable_sink=sink,
+                                       return_lse=True)
     if kind in ("dense", "dense_causal", "window_softcap", "sink"):
         q, k, v = rnd(2, 777, 4, d) * mag, rnd(2, 901, 2, d) * mag, rnd(2, 901, 2, dv)
         kw = {"causal": kind == "dense_causal", "return_lse": True}
@@ -251,6 +260,44 @@ def test_lookahead_qk(d, dv, causal, sk):
     assert errs["ok"], errs
     for a, b_ in zip(results[0], results[1]):
         assert torch.equal(a.nan_to_num(), b_.nan_to_num())
+
+
+# FwdConfig.mask_bits, shipped on the dense window forwards since 2026-12-04 (shipped_mask_bits): the
+# planned config against the same config switched off, run directly, bit for bit (out, lse, the log2
+# split), and against the float32 reference; NaN-poisoned outputs. gpt-oss's shape (a 128-key window,
+# sinks, 8:1 GQA: packed 192-row tiles), a two-sided band, softcap; queries != keys and equal.
+MASK_BITS_CASES = [(64, 8, 1, (127, 0), True, True, 0.0), (128, 4, 4, (200, 33), False, False, 0.0),
+                   (64, 4, 2, (50, 50), False, False, 30.0), (96, 6, 2, (300, 0), True, False, 0.0)]
+
+
+@pytest.mark.parametrize("sq, sk", [(777, 901), (1000, 1000), (64, 3000)])
+@pytest.mark.parametrize("d, h, hk, window, causal, sink, softcap", MASK_BITS_CASES,
+                         ids=[f"d{c[0]}-h{c[1]}:{c[2]}-w{c[3][0]}_{c[3][1]}" + ("-causal" if c[4] else "")
+                              + ("-sink" if c[5] else "") + ("-softcap" if c[6] else "") for c in MASK_BITS_CASES])
+def test_mask_bits_shipped(d, h, hk, window, causal, sink, softcap, sq, sk):
+    from flash4.config import fwd_config
+    from flash4.geometry import window_sides
+
+    q, k, v, _ = inputs(2, sq, sk, h, hk, d)
+    scale = d ** -0.5
+    sinks = torch.randn(h, device="cuda", dtype=torch.float32) if sink else None
+    on = fwd_config(Request.dense(q, k, v, scale, causal, window, softcap, sinks), 90).cfg
+    assert on.mask_bits and on.local
+    sides = window_sides(window, causal)
+    results = []
+    for cfg in (on, dataclasses.replace(on, mask_bits=False)):
+        out, lse = poisoned_fwd_buffers(q, d)
+        lse_split = torch.full((2,) + tuple(lse.shape), math.nan, device="cuda", dtype=torch.float32)
+        cache.get_fwd_runner(cfg)(q, k, v, out, lse, scale, lse_split=lse_split, window=sides, softcap=softcap,
+                                  sink=sinks)
+        torch.cuda.synchronize()
+        results.append((out, lse, lse_split))
+    for a, b_ in zip(results[0], results[1]):
+        assert torch.equal(a.nan_to_num(), b_.nan_to_num())
+    out, lse, _ = results[0]
+    assert not out.isnan().any()
+    errs = fwd_errors(q, k, v, out, lse, scale, causal, window_size=window, softcap=softcap, learnable_sink=sinks)
+    assert errs["ok"], errs
 
 
 # BwdConfig.sink_delta_db (shipped with sink_delta where it fits since 2026-12-03 evening): the sink path's

@@ -34,7 +34,7 @@ SHORT_SEQLEN_K = 1024
 # other config's key: the speed switches, and sink_delta (on only when a learnable sink needs a gradient).
 _QUIET_SWITCHES = ("early_q_release", "l2_kv_heads", "exp_before_dp_wait", "dq_handoff_per_wg", "sink_delta",
                    "gather_zero_fill", "dq_swapab", "dq_whole", "lse_early", "softmax_vote_first", "sink_delta_db",
-                   "no_tail_guard", "lookahead_qk")
+                   "no_tail_guard", "lookahead_qk", "mask_bits")
 
 
 def _quiet_repr(cfg) -> str:
@@ -133,6 +133,13 @@ class FwdConfig:
                   consumer warpgroups, TMA K/V; (192, 128) at tile_n <= 112, masked <= 80:
                   lookahead_qk_config); elsewhere the config raises ValueError.
                   Left out of the repr while off.
+    mask_bits:    on where shipped_mask_bits puts it (dense windows, since 2026-12-04), elsewhere off
+                  (FLASH4_FWD_SWITCHES=mask_bits; tools/ab_fwd.py variant "mb"): the
+                  causal / window / seqlen_k score mask from one 32-bit word per row and 32 elements
+                  (kernels/common/geometry.py mask_scores(bits=True)), each element's select testing
+                  a compile-time bit (ptxas: R2P) instead of one or two integer compares per element
+                  (H200 ncu of the gpt-oss window-128 forward, 2026-12-04: 2 ISETP + 2 FSEL per
+                  element, 19 % of its instructions). Same mask: same bits. Left out of the repr while off.
     """
 
     headdim: int
@@ -165,6 +172,7 @@ class FwdConfig:
     softmax_vote_first: bool = False
     no_tail_guard: bool = False
     lookahead_qk: bool = False
+    mask_bits: bool = False
 
     def __post_init__(self):
         assert self.headdim in SUPPORTED_HEADDIMS, self.headdim
@@ -352,6 +360,19 @@ def shipped_lookahead_qk(cfg: FwdConfig) -> FwdConfig:
         return cfg
     on = dataclasses.replace(cfg, lookahead_qk=True)
     return cfg if lookahead_qk_error(on) else on
+
+
+def shipped_mask_bits(cfg: FwdConfig) -> FwdConfig:
+    """FwdConfig.mask_bits where it was measured faster (pure): the dense window forwards, where
+    every key block of a narrow band is masked on both edges. H200, 2026-12-04 (tools/ab_fwd.py
+    --variants mb, 5 interleaved rounds): gpt-oss d64 window 128 + sinks causal 8k (GQA-packed 192 x
+    128 tiles) 83.0 -> 94.0 TFLOPs (1.132x), window 4096 d128 causal 32k 1.007x; causal cells
+    0.991-1.019x (d128 causal 4k 0.997, GQA 64:8 0.991, d96 0.991, (128, 64) 1.012, d64 1k 1.019,
+    gpt-oss causal + sinks 0.994), so not there. Packed / paged windows were not measured. Same bits
+    as off (GPU test: every door, the exact path included)."""
+    if cfg.local and not cfg.ragged_q and not cfg.ragged_k:
+        return dataclasses.replace(cfg, mask_bits=True)
+    return cfg
 
 
 def short_seq_fwd_config(cfg: FwdConfig) -> FwdConfig:
@@ -1113,7 +1134,7 @@ def _fwd_plan(request, arch: int, num_sms: int | None = None) -> FwdPlan:
     if not seq.packed:
         cfg = select_fwd_config(headdim, dtype, mask.causal, arch, local, softcap, sink, headdim_v, k.shape[1])
         cfg = shipped_lookahead_qk(with_pack_gqa(wide_tile_fwd_config(cfg), nheads, nheads_k))
-        return FwdPlan(with_l2_kv_heads(cfg, nheads, nheads_k))
+        return FwdPlan(shipped_mask_bits(with_l2_kv_heads(cfg, nheads, nheads_k)))
     cfg = with_l2_kv_heads(select_fwd_config(headdim, dtype, mask.causal, arch, local, softcap, sink, headdim_v),
                            nheads, nheads_k)
     paged = paged_layout(k.shape[1], cfg.tile_n, *page_policy()) if seq.paged else {}
@@ -1213,18 +1234,19 @@ def bwd_plan(request, arch: int, heads_per_cta: int | None = None, sink_delta: b
 
 def shipped_dq_handoff(cfg: BwdConfig) -> BwdConfig:
     """The shipped dQ hand-off of a selected backward config (pure): dense (not packed / seqused q),
-    not deterministic, no window, no sink_delta. Head dim 128 (D = Dv, no softcap, not split or
+    not deterministic, no window, no sink_delta. Head dim 128 (any Dv, no softcap, not split or
     transposed): dq_whole, one bulk reduce-add of the whole tile in the accumulator order; with it,
     and on the d64 / d96 accumulator-order configs without the GQA head split (not measured there):
     dq_handoff_per_wg, flash-attn-4's per-warpgroup hand-off. H200, 2026-12-03 (tools/ab_bwd_tiles.py,
     5 interleaved rounds; docs/design/speed_candidates.md section 6b), both together against the
     per-row hand-off: d128 causal 1k / 4k
     1.042x / 1.066x, full 4k / 16k 1.062x / 1.064x, GQA 32:8 causal 8k 1.085x; per-warpgroup alone at
-    d64 1.015-1.017x (2026-12-01/02). Left as they were (not measured with it): deterministic,
-    windows (dq_whole spills there), packed layouts (the row-major whole tile lost at d128,
-    2026-12-01), softcap, value head dims, sink_delta."""
-    if (cfg.deterministic or cfg.local or cfg.varlen_q or cfg.seqused_q or cfg.sink_delta
-            or cfg.headdim_v is not None):
+    d64 1.015-1.017x (2026-12-01/02). Value head dims on the d128 / d64 tiles since 2026-12-04 (same
+    tools, 5 rounds): (128, 64) causal 4k 1.157x (dq_whole + per warpgroup), (64, 128) 1.045x (per
+    warpgroup); (192, 128) is transposed_dkv (neither applies). Left as they were (not measured with
+    it): deterministic, windows (dq_whole spills there), packed layouts (the row-major whole tile lost
+    at d128, 2026-12-01), softcap, sink_delta."""
+    if cfg.deterministic or cfg.local or cfg.varlen_q or cfg.seqused_q or cfg.sink_delta:
         return cfg
     if (cfg.headdim == 128 and not cfg.softcap and not cfg.split_headdim
             and not cfg.transposed_dkv and not cfg.dq_swapab):

@@ -10,7 +10,9 @@ Only the tiles the block ranges mark as crossing the diagonal or seqlen_k are ma
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32
+from cutlass import Float32, Int32, Uint32
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import dsl_user_op
 
 from flash4 import geometry as g
 from flash4.kernels.common.layout import acc_mn_view
@@ -53,6 +55,51 @@ def paged_piece(n_block, i, tile_n: int, page_rows: int, page_size):
     return g.paged_piece(n_block, i, tile_n, page_rows, page_size)
 
 
+# The score mask from bits (mask_scores(bits=True), FwdConfig.mask_bits): one 32-bit word per row and
+# 32 of the thread's elements, bit j set where element j stays; each element's select tests a
+# compile-time bit, which ptxas turns into R2P (7 predicates per instruction) instead of one or two
+# integer compares per element.
+MASK_WORD = 32
+
+
+@dsl_user_op
+def _ones_shifted(shift: Int32, right: bool, *, loc=None, ip=None) -> Uint32:
+    """0xFFFFFFFF >> shift (right) or << shift, for shift in [0, 32]: PTX shr.u32 / shl.b32 clamp
+    the amount at 32 (result 0), which an LLVM shift by the type width does not define."""
+    op = "shr.u32" if right else "shl.b32"
+    return Uint32(llvm.inline_asm(
+        Uint32.mlir_type, [Int32(shift).ir_value(loc=loc, ip=ip)],
+        f"{op} $0, 0xffffffff, $1;", "=r,r", has_side_effects=False, is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+def _fragment_cols(c0, ncols: int):
+    """The compile-time columns of thread 0's elements of one row (mask_scores' t0ScS view), and
+    whether they follow the Hopper wgmma accumulator pattern 0, 1, 8, 9, 16, 17, ... (two adjacent
+    columns per 8): the pattern _elements_below counts."""
+    cols = [c0[0, j][1] for j in range(ncols)]
+    return cols, all(col == 8 * (j // 2) + j % 2 for j, col in enumerate(cols))
+
+
+@cute.jit
+def _elements_below(col_limit: Int32) -> Int32:
+    """How many of a thread's row elements (columns 0, 1, 8, 9, ... relative to its first) lie left
+    of col_limit (a column relative to the same first column; any Int32)."""
+    lim = cutlass.max(col_limit, Int32(0))
+    return (lim >> 3) * 2 + cutlass.min(lim & 7, Int32(2))
+
+
+@cute.jit
+def _keep_word(n_keep_below: Int32, n_hide_below, chunk: cutlass.Constexpr[int]) -> Uint32:
+    """Bits of elements chunk*32 .. chunk*32+31 that stay: index < n_keep_below and (a window's
+    left edge, n_hide_below not None) index >= n_hide_below."""
+    base = chunk * MASK_WORD
+    keep = _ones_shifted(MASK_WORD - cutlass.min(cutlass.max(n_keep_below - base, Int32(0)), Int32(MASK_WORD)), True)
+    if cutlass.const_expr(n_hide_below is not None):
+        keep = keep & _ones_shifted(cutlass.min(cutlass.max(n_hide_below - base, Int32(0)), Int32(MASK_WORD)), False)
+    return keep
+
+
 @cute.jit
 def mask_scores(
     acc_S: cute.Tensor,
@@ -67,9 +114,12 @@ def mask_scores(
     causal: cutlass.Constexpr[bool],
     window=None,
     pack: cutlass.Constexpr[int] = 1,
+    bits: cutlass.Constexpr[bool] = False,
 ):
     """Forward: sets the scores of keys a row does not see to -inf, in place (window: None or the
     (left, right) Int32 pair; then both edges of the band are applied and `causal` is ignored).
+    bits (FwdConfig.mask_bits): the same mask from one 32-bit word per row and 32 elements (R2P),
+    where the fragment's columns follow the wgmma accumulator pattern; same results bit for bit.
 
     acc_S: the thread's score fragment; tScS: identity tensor (tile_m, tile_n) partitioned the same
     way for this thread (values are (row, col) inside the tile); t0ScS: the same for thread 0, whose
@@ -81,12 +131,25 @@ def mask_scores(
     c = acc_mn_view(tScS)
     c0 = acc_mn_view(t0ScS)
     col_base = n_block * tile_n + c[0, 0][1]
+    ncols = cute.size(s, mode=[1])
+    cols, wgmma_cols = _fragment_cols(c0, ncols)
     for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
         row = m_block * tile_m + c[r, 0][0]
         if cutlass.const_expr(pack > 1):
             row = row // pack  # GQA-packed rows: the query of packed row r is r // pack
         col_limit = g.key_limit(row, seqlen_q, seqlen_k, causal, DEVICE_OPS, window) - col_base
-        if cutlass.const_expr(window is None):
+        if cutlass.const_expr(bits and wgmma_cols):
+            n_below = _elements_below(col_limit)
+            n_left = None
+            if cutlass.const_expr(window is not None):
+                n_left = _elements_below(g.key_start(row, seqlen_q, seqlen_k, DEVICE_OPS, window) - col_base)
+            for w in cutlass.range_constexpr((ncols + MASK_WORD - 1) // MASK_WORD):
+                keep = _keep_word(n_below, n_left, w)
+                for i in cutlass.range_constexpr(min(MASK_WORD, ncols - w * MASK_WORD)):
+                    j = w * MASK_WORD + i
+                    stays = cutlass.Boolean(keep & Uint32(1 << i))
+                    s[r, j] = Float32(cutlass.select_(stays, s[r, j], -Float32.inf))
+        elif cutlass.const_expr(window is None):
             for j in cutlass.range_constexpr(cute.size(s, mode=[1])):
                 # a select, not an `if`: a dynamic `if` would carry the whole fragment through it
                 s[r, j] = Float32(cutlass.select_(c0[0, j][1] >= col_limit, -Float32.inf, s[r, j]))

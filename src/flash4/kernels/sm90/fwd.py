@@ -695,7 +695,7 @@ class FlashAttentionForwardSm90:
                 n_block_min, n_block_max = self.n_block_range(m_block, seq, split, num_splits, window)
                 mask = partial(geometry.mask_scores, tScS=tScS, t0ScS=t0ScS, m_block=m_block, seqlen_q=seqlen_q,
                                seqlen_k=seqlen_k, tile_m=self.tile_m, tile_n=self.tile_n, window=window,
-                               pack=self.pack)
+                               pack=self.pack, bits=self.cfg.mask_bits)
                 softmax.reset(seqlen_q - m_block * self.tile_m if const_expr(self.vote_row_limit) else None)
                 acc_O.fill(0.0)
                 pipeline_q.consumer_wait(q_state)
