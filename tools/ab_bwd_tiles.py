@@ -34,6 +34,7 @@ variant's config). Variants (all with configs the sm90 kernel already has; shipp
   GQA / MQA (shipped: head split, 2 query heads per CTA, fp32 dK/dV accumulators, tile_m 64 at
   d128, 128 at d64 since the 2026-12-02 A/B: m128 1.063x MQA, 1.069x gpt-oss over 64):
     h1      1 query head per CTA (flash-attn-4's: every (query head, key block) its own CTA)
+    pwg / pwg_h1  d64 (no sink_delta): dq_handoff_per_wg with the split, 2 / 1 heads
     d64:  m64 / m64_h1     tile_m 64 with the accumulators (the former shipped), 2 / 1 heads
     d128: dkvT / dkvT_h1   transposed_dkv with the accumulators, 2 / 1 heads; rows / whole as MHA
   value head dims ((128, 64), (64, 128): the d128 / d64 tiles, no dQ hand-off change shipped there):
@@ -100,6 +101,8 @@ EXTRA_CELLS = (
     # on a 128-key window), docs/perf/README.md
     Case("d128_causal_32k", 128, True, 32768, 32768, 1, 16, 16),
     Case("gptoss_sink_d64_window128_causal_8k", 64, True, 8192, 8192, 1, 64, 8, window=(127, 0), sink=True),
+    # gpt-oss's shape without sinks (the bench's sink_ref cell: 0.85x flash-attn-4 on 2026-12-04)
+    Case("gptoss_d64_causal_8k", 64, True, 8192, 8192, 1, 64, 8),
     # value head dims (0.75x flash-attn-4 at (128, 64) on 2026-12-04; flash-attn-4 runs its d128 tile there)
     Case("hdimv_128_64_causal_4k", 128, True, 4096, 4096, 8, 16, 16, headdim_v=64),
     Case("hdimv_64_128_causal_4k", 64, True, 4096, 4096, 8, 16, 16, headdim_v=128),
@@ -174,6 +177,10 @@ def _all_variants(case: Case) -> dict:
         if cfg.headdim == 64:  # shipped tile_m 128 since the A/B of 2026-12-02 (1.06-1.07x over 64)
             out["m64"] = Variant(rep(cfg, tile_m=64), heads)
             out["m64_h1"] = Variant(rep(cfg, tile_m=64), 1)
+        if cfg.dq_accum_order and not cfg.dq_handoff_per_wg and not cfg.sink_delta:
+            # the per-warpgroup dQ hand-off (shipped on the MHA d64 tiles; never measured with the split)
+            out["pwg"] = Variant(rep(cfg, dq_handoff_per_wg=True), heads)
+            out["pwg_h1"] = Variant(rep(cfg, dq_handoff_per_wg=True), 1)
         else:
             dkvt = rep(rows, transposed_dkv=True, tile_n=96, tile_m=64)
             out["dkvT"] = Variant(dkvt, heads)

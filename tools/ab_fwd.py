@@ -30,6 +30,8 @@ or varlen request); each other variant is that config with one candidate on (shi
                       effect). Same instructions per value: la bitwise equal to la_base, or to shipped
                       where the tile is shipped's. nola: the switch off where it ships (bf16 (128, 64)
                       causal, since 2026-12-03 night).
+  pers / pers_eq / n64  windows: persistent CTAs (O in its own buffer; pers_eq: Q released after the
+                      last Q K^T as well), and 64-key blocks.
   mb / nomb           FwdConfig.mask_bits: the score mask from a 32-bit word per row (R2P) instead of
                       integer compares per element; nomb: off where it ships (dense windows, since
                       2026-12-04); mb: on, causal cells, only when --variants names it (measured
@@ -188,6 +190,13 @@ def _all_variants(case) -> dict:
             out["l2kv"] = l2kv
         if cfg.pack_gqa == 1 and cfg.tile_m % group == 0 and not cfg.varlen_q:  # dense Q only
             out["pack"] = dataclasses.replace(cfg, pack_gqa=group)
+    if cfg.local and not cfg.persistent:
+        # windows: a CTA's work is a few key blocks, so its prologue / epilogue are a large share of it
+        # (H200 ncu 2026-12-04: ~2 key blocks per 192-row tile at window 128): persistent CTAs overlap
+        # them with the neighbours' (O in its own buffer; pers_eq: Q freed after the last Q K^T too)
+        out["pers"] = dataclasses.replace(cfg, persistent=True)
+        out["pers_eq"] = dataclasses.replace(cfg, persistent=True, early_q_release=True)
+        out["n64"] = dataclasses.replace(cfg, tile_n=64)  # narrower key blocks: less of each band masked away
     if cfg.mask_bits:  # shipped on dense windows since 2026-12-04 (shipped_mask_bits): time it off
         out["nomb"] = dataclasses.replace(cfg, mask_bits=False)
     elif cfg.causal and ONLY is not None and "mb" in ONLY:  # measured neutral on causal cells: on request
@@ -203,7 +212,7 @@ def cfg_short(c) -> str:
     """The fields of a forward config that tell the variants apart."""
     bits = [f"m{c.tile_m}n{c.tile_n}" + (f"s{c.kv_stages}" if c.kv_stages != 2 else "")]
     bits += [name for name in ("causal", "persistent", "lpt", "l2_kv_heads", "varlen_q", "softmax_vote_first",
-                               "lookahead_qk", "mask_bits") if getattr(c, name, False)]
+                               "lookahead_qk", "mask_bits", "early_q_release") if getattr(c, name, False)]
     bits += [f"pack{c.pack_gqa}"] if c.pack_gqa > 1 else []
     return " ".join(bits)
 

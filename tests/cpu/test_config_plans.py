@@ -11,7 +11,7 @@ import torch
 
 from flash4.config import (GATHER_ZERO_FILL, PAGE_GATHER_MAX, PAGE_PREFETCH, BwdPlan, FwdPlan, bwd_config, fwd_config, paged_page_rows, select_bwd_config, select_fwd_config,
                            with_dkv_accum, with_pack_gqa, with_seq_layout)
-from flash4.config.sm90 import decode_plan, head_split_config, shipped_mask_bits
+from flash4.config.sm90 import decode_plan, head_split_config, shipped_mask_bits, shipped_window_persistent
 from flash4.geometry import window_sides
 from flash4.request import DECODE, CacheSpec, Request, SeqSpec
 
@@ -33,11 +33,13 @@ def test_dense_plan_is_the_selectors_composition(kw, sk):
     request = dense(sk=sk, **kw)
     plan = fwd_config(request, 90)
     mask = request.mask
-    expected = shipped_mask_bits(with_pack_gqa(select_fwd_config(
+    expected = shipped_window_persistent(shipped_mask_bits(with_pack_gqa(select_fwd_config(
         128, "bf16", mask.causal, arch=90, local=mask.window is not None, softcap=request.score.softcap > 0,
-        sink="learnable_sink" in kw, seqlen_k=sk), 8, 2))
+        sink="learnable_sink" in kw, seqlen_k=sk), 8, 2)))
     assert plan == FwdPlan(expected) and plan.pack == 1 and plan.num_splits == 1
     assert plan.cfg.mask_bits == ("window_size" in kw)  # the bit-word mask on dense windows (shipped_mask_bits)
+    if "window_size" in kw:  # persistent CTAs on dense windows (shipped_window_persistent)
+        assert plan.cfg.persistent
     assert plan.cfg.pack_gqa == (4 if "window_size" in kw else 1)  # only windows pack (pack_gqa_wanted)
 
 

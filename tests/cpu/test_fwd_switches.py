@@ -163,3 +163,21 @@ def test_mask_bits_off_and_out_of_repr():
     for cfg in (select_fwd_config(128, "bf16", True), select_fwd_config(64, "bf16", False),
                 dataclasses.replace(window, varlen_q=True, varlen_k=True)):
         assert shipped_mask_bits(cfg) == cfg
+
+
+def test_window_persistent_shipped():
+    """shipped_window_persistent: dense windows up to head dim 128 run persistent CTAs (O in its own
+    smem buffer); d256 (no room for it), packed layouts and the non-window configs are unchanged."""
+    import dataclasses
+
+    from flash4.config.sm90 import SM90_MAX_SMEM_BYTES, shipped_window_persistent
+
+    for d in (64, 96, 128):
+        for softcap in (False, True):
+            cfg = select_fwd_config(d, "bf16", local=True, softcap=softcap)
+            on = shipped_window_persistent(cfg)
+            assert on == dataclasses.replace(cfg, persistent=True)
+            assert on.smem_bytes() + on.tile_m * on.hdim_v * 2 + 1024 <= SM90_MAX_SMEM_BYTES
+    for cfg in (select_fwd_config(256, "bf16", local=True), select_fwd_config(128, "bf16", True),
+                dataclasses.replace(select_fwd_config(64, "bf16", local=True), varlen_q=True, varlen_k=True)):
+        assert shipped_window_persistent(cfg) == cfg

@@ -375,6 +375,22 @@ def shipped_mask_bits(cfg: FwdConfig) -> FwdConfig:
     return cfg
 
 
+def shipped_window_persistent(cfg: FwdConfig) -> FwdConfig:
+    """Persistent CTAs for the dense window forwards up to head dim 128 where O fits its own smem
+    buffer (pure): a window's query tile visits few key blocks, so its prologue (Q and first K
+    loads, first Q K^T) and epilogue (O store) are a large share of it, and a persistent CTA overlaps
+    them with its next tile's (O staged apart from Q). H200, 2026-12-04 (tools/ab_fwd.py, variant
+    pers, 5 interleaved rounds; with mask_bits): gpt-oss d64 window 128 + sinks causal 8k 93.9 ->
+    123.1 TFLOPs (1.311x), window 4096 d128 causal 32k 1.014x; out / lse bitwise equal to the grid
+    launch. Not measured: d > 128 (d256 has no room for the separate O; persistent lost there on
+    long causal cells, 2026-12-01), packed / paged windows."""
+    if (cfg.local and not cfg.persistent and not cfg.ragged_q and not cfg.ragged_k and not cfg.split_kv
+            and max(cfg.headdim, cfg.hdim_v) <= 128
+            and cfg.smem_bytes() + cfg.tile_m * cfg.hdim_v * 2 + 1024 <= SM90_MAX_SMEM_BYTES):
+        return dataclasses.replace(cfg, persistent=True)
+    return cfg
+
+
 def short_seq_fwd_config(cfg: FwdConfig) -> FwdConfig:
     """The forward config for seqlen_k <= SHORT_SEQLEN_K: cfg persistent (grid = SM count, LPT /
     L2-section tile order, O staged in its own smem buffer so the next tile's Q loads during this
@@ -1134,7 +1150,7 @@ def _fwd_plan(request, arch: int, num_sms: int | None = None) -> FwdPlan:
     if not seq.packed:
         cfg = select_fwd_config(headdim, dtype, mask.causal, arch, local, softcap, sink, headdim_v, k.shape[1])
         cfg = shipped_lookahead_qk(with_pack_gqa(wide_tile_fwd_config(cfg), nheads, nheads_k))
-        return FwdPlan(shipped_mask_bits(with_l2_kv_heads(cfg, nheads, nheads_k)))
+        return FwdPlan(shipped_window_persistent(shipped_mask_bits(with_l2_kv_heads(cfg, nheads, nheads_k))))
     cfg = with_l2_kv_heads(select_fwd_config(headdim, dtype, mask.causal, arch, local, softcap, sink, headdim_v),
                            nheads, nheads_k)
     paged = paged_layout(k.shape[1], cfg.tile_n, *page_policy()) if seq.paged else {}
@@ -1243,7 +1259,9 @@ def shipped_dq_handoff(cfg: BwdConfig) -> BwdConfig:
     1.042x / 1.066x, full 4k / 16k 1.062x / 1.064x, GQA 32:8 causal 8k 1.085x; per-warpgroup alone at
     d64 1.015-1.017x (2026-12-01/02). Value head dims on the d128 / d64 tiles since 2026-12-04 (same
     tools, 5 rounds): (128, 64) causal 4k 1.157x (dq_whole + per warpgroup), (64, 128) 1.045x (per
-    warpgroup); (192, 128) is transposed_dkv (neither applies). Left as they were (not measured with
+    warpgroup); (192, 128) is transposed_dkv (neither applies). The d64 GQA / MQA head split
+    (dkv_accum, 2 query heads per CTA) since 2026-12-04: per warpgroup 1.071x MQA 32:1 causal 8k,
+    1.055x gpt-oss 64:8 causal 8k (d96's split: not measured). Left as they were (not measured with
     it): deterministic, windows (dq_whole spills there), packed layouts (the row-major whole tile lost
     at d128, 2026-12-01), softcap, sink_delta."""
     if cfg.deterministic or cfg.local or cfg.varlen_q or cfg.seqused_q or cfg.sink_delta:
@@ -1251,7 +1269,7 @@ def shipped_dq_handoff(cfg: BwdConfig) -> BwdConfig:
     if (cfg.headdim == 128 and not cfg.softcap and not cfg.split_headdim
             and not cfg.transposed_dkv and not cfg.dq_swapab):
         cfg = dataclasses.replace(cfg, dq_whole=True)
-    if cfg.dq_accum_order and (cfg.dq_whole or not cfg.dkv_accum):
+    if cfg.dq_accum_order and (cfg.dq_whole or not cfg.dkv_accum or cfg.headdim == 64):
         cfg = dataclasses.replace(cfg, dq_handoff_per_wg=True)
     return cfg
 
