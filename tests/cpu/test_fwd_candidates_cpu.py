@@ -42,7 +42,9 @@ def test_switches_are_off_by_default():
                 dense(h=32, hk=1, d=64, causal=True), dense(d=96, causal=True)):
         cfg = fwd_config(req, 90).cfg
         d, causal = req.headdim, req.mask.causal
-        assert cfg == sm90.select_fwd_config(d, "bf16", causal, seqlen_k=req.k.shape[1]), cfg
+        expected = sm90.with_pack_gqa(sm90.select_fwd_config(d, "bf16", causal, seqlen_k=req.k.shape[1]),
+                                      req.nheads, req.nheads_k)  # bf16 d64 causal GQA packs (pack_gqa_wanted)
+        assert cfg == expected, cfg
 
 
 def test_l2_kv_heads_needs_lpt():
@@ -82,7 +84,8 @@ def test_wide_tile_refuses_what_does_not_fit():
 def test_l2_kv_heads_applies_to_unpacked_gqa_lpt(monkeypatch):
     monkeypatch.setattr(sm90, "FWD_L2_KV_HEADS", True)
     assert fwd_config(dense(h=32, hk=8, causal=True), 90).cfg.l2_kv_heads
-    assert fwd_config(dense(h=32, hk=1, d=64, causal=True), 90).cfg.l2_kv_heads
+    assert fwd_config(dense(h=32, hk=1, d=96, causal=True), 90).cfg.l2_kv_heads
+    assert not fwd_config(dense(h=32, hk=1, d=64, causal=True), 90).cfg.l2_kv_heads  # packed (bf16 d64 causal)
     assert fwd_config(varlen(), 90).cfg.l2_kv_heads
     assert not fwd_config(dense(causal=True), 90).cfg.l2_kv_heads  # MHA: nothing to share
     assert not fwd_config(dense(h=32, hk=8), 90).cfg.l2_kv_heads  # not LPT: no sections
