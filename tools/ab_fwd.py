@@ -30,6 +30,7 @@ or varlen request); each other variant is that config with one candidate on (shi
                       effect). Same instructions per value: la bitwise equal to la_base, or to shipped
                       where the tile is shipped's. nola: the switch off where it ships (bf16 (128, 64)
                       causal, since 2026-12-03 night).
+  p / m192p           d96: FwdConfig.p_smem (P through smem) at the shipped tile, and with 192-row tiles.
   pers / pers_eq / n64  windows: persistent CTAs (O in its own buffer; pers_eq: Q released after the
                       last Q K^T as well), and 64-key blocks.
   mb / nomb           FwdConfig.mask_bits: the score mask from a 32-bit word per row (R2P) instead of
@@ -197,6 +198,11 @@ def _all_variants(case) -> dict:
         out["pers"] = dataclasses.replace(cfg, persistent=True)
         out["pers_eq"] = dataclasses.replace(cfg, persistent=True, early_q_release=True)
         out["n64"] = dataclasses.replace(cfg, tile_n=64)  # narrower key blocks: less of each band masked away
+    if cfg.headdim == 96 and not cfg.p_smem and not cfg.lookahead_qk:
+        # FwdConfig.p_smem: P through smem (p: its cost at the shipped tile), which lets d96 take
+        # flash-attn-4's 192-row tile (m192p; with P in registers that tile spills)
+        out["p"] = dataclasses.replace(cfg, p_smem=True)
+        out["m192p"] = dataclasses.replace(cfg, p_smem=True, tile_m=192)
     if cfg.mask_bits:  # shipped on dense windows since 2026-12-04 (shipped_mask_bits): time it off
         out["nomb"] = dataclasses.replace(cfg, mask_bits=False)
     elif cfg.causal and ONLY is not None and "mb" in ONLY:  # measured neutral on causal cells: on request
@@ -212,7 +218,7 @@ def cfg_short(c) -> str:
     """The fields of a forward config that tell the variants apart."""
     bits = [f"m{c.tile_m}n{c.tile_n}" + (f"s{c.kv_stages}" if c.kv_stages != 2 else "")]
     bits += [name for name in ("causal", "persistent", "lpt", "l2_kv_heads", "varlen_q", "softmax_vote_first",
-                               "lookahead_qk", "mask_bits", "early_q_release") if getattr(c, name, False)]
+                               "lookahead_qk", "mask_bits", "early_q_release", "p_smem") if getattr(c, name, False)]
     bits += [f"pack{c.pack_gqa}"] if c.pack_gqa > 1 else []
     return " ".join(bits)
 

@@ -181,3 +181,42 @@ def test_window_persistent_shipped():
     for cfg in (select_fwd_config(256, "bf16", local=True), select_fwd_config(128, "bf16", True),
                 dataclasses.replace(select_fwd_config(64, "bf16", local=True), varlen_q=True, varlen_k=True)):
         assert shipped_window_persistent(cfg) == cfg
+
+
+def test_p_smem_off_and_out_of_repr():
+    """FwdConfig.p_smem (candidate): off in every shipped config and out of its repr; on, shown once,
+    counted in smem_bytes (the P tile), refused with lookahead_qk."""
+    import dataclasses
+
+    import pytest
+
+    for cfg in shipped_fwd_configs():
+        if isinstance(cfg, FwdConfig):
+            assert not cfg.p_smem and "p_smem" not in repr(cfg)
+    cfg = select_fwd_config(96, "bf16", True)
+    on = dataclasses.replace(cfg, p_smem=True, tile_m=192)
+    assert repr(on).endswith(", p_smem=True)") and eval(repr(on)) == on
+    assert on.smem_bytes() == dataclasses.replace(on, p_smem=False).smem_bytes() + 192 * 128 * 2
+    with pytest.raises(ValueError):
+        dataclasses.replace(select_fwd_config(128, "bf16", True, headdim_v=64), lookahead_qk=True, p_smem=True)
+
+
+@pytest.mark.parametrize("d, tile_m, causal", [(96, 192, True), (96, 192, False), (96, 128, True), (64, 128, True)],
+                         ids=["96-m192-causal", "96-m192-full", "96-m128-causal", "64-m128-causal"])
+def test_p_smem_compiles_clean(d, tile_m, causal):
+    """sm_90a: the p_smem forward compiles with no spill and wgmma not serialized, with stmatrix (STSM)
+    for P; at d96 with 192-row tiles (three consumer warpgroups, 160 registers each), where P in
+    registers spills (78, 2026-12-04)."""
+    import dataclasses
+
+    pytest.importorskip("cutlass")
+    from flash4.compile.cache import compile_fwd
+    from flash4.compile.check import extract_cubin, resource_usage, sass_text
+
+    cfg = dataclasses.replace(select_fwd_config(d, "bf16", causal), p_smem=True, tile_m=tile_m)
+    cubin = extract_cubin(compile_fwd(cfg))
+    res = resource_usage(cubin)
+    if not res:
+        pytest.skip("cuobjdump not installed: resources not checked")
+    assert res["spills"] == 0 and not res["wgmma_serialized"] and res["hgmma"] > 0, res
+    assert "STSM" in sass_text(cubin)

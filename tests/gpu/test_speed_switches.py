@@ -300,6 +300,43 @@ def test_mask_bits_shipped(d, h, hk, window, causal, sink, softcap, sq, sk):
     assert errs["ok"], errs
 
 
+# FwdConfig.p_smem (candidate, off; compile-verified 2026-12-04, first run on the H200 by this test): P
+# through a shared-memory tile into the P V wgmma. The same P values and the same MMAs, so out / lse
+# are compared with the register path's at the same tile (bitwise expected, within 1e-2 / 1e-3
+# demanded) and against the float32 reference (the 2x rule); NaN-poisoned outputs; d96's 192-row tile
+# (what the switch is for) against the reference only. Queries != keys, partial tiles, causal and not.
+P_SMEM_CASES = [(96, 128, True), (96, 128, False), (96, 192, True), (96, 192, False), (64, 128, True),
+                (128, 128, False)]
+
+
+@pytest.mark.parametrize("sq, sk", [(777, 901), (1000, 1000), (64, 300)])
+@pytest.mark.parametrize("d, tile_m, causal", P_SMEM_CASES,
+                         ids=[f"d{d}-m{m}-" + ("causal" if c else "full") for d, m, c in P_SMEM_CASES])
+def test_p_smem(d, tile_m, causal, sq, sk):
+    if causal and sq > sk:
+        sq = sk  # every row sees a key
+    q, k, v, _ = inputs(2, sq, sk, 4, 4, d)
+    scale = d ** -0.5
+    shipped = select_fwd_config(d, "bf16", causal)
+    on = dataclasses.replace(shipped, p_smem=True, tile_m=tile_m)
+    results = []
+    for cfg in (on, dataclasses.replace(on, p_smem=False) if tile_m == shipped.tile_m else None):
+        if cfg is None:
+            continue
+        out, lse = poisoned_fwd_buffers(q, d)
+        cache.get_fwd_runner(cfg)(q, k, v, out, lse, scale)
+        torch.cuda.synchronize()
+        results.append((out, lse))
+    out, lse = results[0]
+    assert not out.isnan().any() and not lse.isnan().any()
+    errs = fwd_errors(q, k, v, out, lse, scale, causal)
+    assert errs["ok"], errs
+    if len(results) == 2:
+        out_r, lse_r = results[1]
+        assert (out.float() - out_r.float()).abs().max() <= 1e-2 * out_r.float().abs().max()
+        assert (lse - lse_r).abs().max() <= 1e-3
+
+
 # BwdConfig.sink_delta_db (shipped with sink_delta where it fits since 2026-12-03 evening): the sink path's
 # partial sums of D double-buffered by step parity, the dQEmpty wait at the dQ hand-off, against the one
 # buffer of before (routed). The same sums in the same order: deterministic, dq, dk, dv and the kernel's D

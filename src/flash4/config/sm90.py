@@ -34,7 +34,7 @@ SHORT_SEQLEN_K = 1024
 # other config's key: the speed switches, and sink_delta (on only when a learnable sink needs a gradient).
 _QUIET_SWITCHES = ("early_q_release", "l2_kv_heads", "exp_before_dp_wait", "dq_handoff_per_wg", "sink_delta",
                    "gather_zero_fill", "dq_swapab", "dq_whole", "lse_early", "softmax_vote_first", "sink_delta_db",
-                   "no_tail_guard", "lookahead_qk", "mask_bits")
+                   "no_tail_guard", "lookahead_qk", "mask_bits", "p_smem")
 
 
 def _quiet_repr(cfg) -> str:
@@ -140,6 +140,12 @@ class FwdConfig:
                   a compile-time bit (ptxas: R2P) instead of one or two integer compares per element
                   (H200 ncu of the gpt-oss window-128 forward, 2026-12-04: 2 ISETP + 2 FSEL per
                   element, 19 % of its instructions). Same mask: same bits. Left out of the repr while off.
+    p_smem:       candidate, off (tools/ab_fwd.py variants "p" and "m192p"; compile-verified, not run on
+                  hardware when added, 2026-12-04): P reaches the P V wgmma through a (tile_m, tile_n)
+                  smem tile (stmatrix, the wgmma's A from smem; flash-attn-4's "mma_pv_is_rs=False")
+                  instead of registers, so P's 16-bit fragment is not live across the next Q K^T:
+                  what lets d96 take 192-row tiles (three consumer warpgroups at 160 registers; with P
+                  in registers 78 spills). Not with lookahead_qk. Left out of the repr while off.
     """
 
     headdim: int
@@ -173,11 +179,14 @@ class FwdConfig:
     no_tail_guard: bool = False
     lookahead_qk: bool = False
     mask_bits: bool = False
+    p_smem: bool = False
 
     def __post_init__(self):
         assert self.headdim in SUPPORTED_HEADDIMS, self.headdim
         if self.lookahead_qk and lookahead_qk_error(self):
             raise ValueError(f"FwdConfig.lookahead_qk: {lookahead_qk_error(self)}")
+        if self.p_smem and self.lookahead_qk:
+            raise ValueError("FwdConfig.p_smem: not built with lookahead_qk")
         assert not self.early_q_release or self.persistent, self
         assert not self.l2_kv_heads or self.lpt, self
         assert self.headdim_v is None or (self.headdim, self.headdim_v) in HDIMV_PAIRS, (self.headdim, self.headdim_v)
@@ -232,7 +241,8 @@ class FwdConfig:
         # O reuses Q's buffer in the epilogue (sized for the larger of the two when Dv > D)
         q = self.tile_m * max(self.headdim, self.hdim_v) * elt
         kv = self.kv_stages * self.tile_n * (self.headdim + self.hdim_v) * elt
-        return q + kv
+        p = self.tile_m * self.tile_n * elt if self.p_smem else 0
+        return q + kv + p
 
 
 # FwdConfig.lookahead_qk: the most accumulator registers per consumer thread (S + next S + P + O,

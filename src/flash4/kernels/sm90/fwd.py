@@ -128,7 +128,9 @@ class MmaOperands(NamedTuple):
     """Device side, per consumer thread: the main loop's wgmma operands.
 
     q: (MMA, MMA_M, MMA_K) smem descriptors of Q; k, vt: (MMA, MMA_N, MMA_K, STAGE) of K and V^T;
-    p: 16-bit P in registers (the S accumulator as the A operand of P V); acc_shape_S: S's shape.
+    p: the A operand of P V: 16-bit P in registers (the S accumulator's fragment), or with
+    FwdConfig.p_smem the smem descriptors of the warpgroup's P tile; acc_shape_S: S's shape;
+    p_store: None, or with p_smem (the stmatrix thread copy, this thread's P destination in smem).
     """
 
     q: cute.Tensor
@@ -136,6 +138,7 @@ class MmaOperands(NamedTuple):
     vt: cute.Tensor
     p: cute.Tensor
     acc_shape_S: tuple
+    p_store: Optional[tuple] = None
 
 
 class FlashAttentionForwardSm90:
@@ -211,6 +214,8 @@ class FlashAttentionForwardSm90:
         self.early_q_release = cfg.early_q_release
         # FwdConfig.lookahead_qk: the next block's Q K^T runs under this block's softmax (key_blocks_lookahead)
         self.lookahead_qk = cfg.lookahead_qk
+        # FwdConfig.p_smem: P reaches P V through shared memory (the wgmma's A from smem), not registers
+        self.p_smem = cfg.p_smem
         if self.early_q_release and not self.separate_o:
             raise ValueError(f"flash4 fwd_sm90: early_q_release needs O in its own smem buffer (persistent, "
                              f"smem for it): {cfg}")
@@ -254,7 +259,8 @@ class FlashAttentionForwardSm90:
         )
         tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.MN,
-            Float32, atom_layout, (64, self.hdim_v), a_source=warpgroup.OperandSource.RMEM,
+            Float32, atom_layout, (64, self.hdim_v),
+            a_source=warpgroup.OperandSource.SMEM if self.p_smem else warpgroup.OperandSource.RMEM,
         )
         return tiled_mma_qk, tiled_mma_pv
 
@@ -332,6 +338,7 @@ class FlashAttentionForwardSm90:
         self.tma_bytes_v = cute.size_in_bytes(self.dtype, v_stage_layout)
 
         o_elems = cute.cosize(sO_layout) if const_expr(self.separate_o) else 0
+        p_elems = cute.cosize(self._smem_layout(self.tile_m, hdim=self.tile_n)) if const_expr(self.p_smem) else 0
         # O staged in Q's buffer: sized for the larger of the two (Dv > D).
         q_elems = cute.cosize(sQ_layout)
         if const_expr(not self.separate_o):
@@ -346,6 +353,7 @@ class FlashAttentionForwardSm90:
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], self.buffer_align_bytes]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], self.buffer_align_bytes]
             sO: cute.struct.Align[cute.struct.MemRange[self.dtype, o_elems], self.buffer_align_bytes]
+            sP: cute.struct.Align[cute.struct.MemRange[self.dtype, p_elems], self.buffer_align_bytes]
 
         # A packed O is stored row-predicated (plain stores): the kernel needs O itself.
         mO_out = mO if const_expr(self.ragged_q) else tma_O
@@ -427,6 +435,10 @@ class FlashAttentionForwardSm90:
         sO_storage = storage.sO if const_expr(self.separate_o) else storage.sQ
         sO = sO_storage.get_tensor(layouts.o.outer, swizzle=layouts.o.inner)
         smem_tiles = QKVO(sQ, sK, sV, sO)
+        sP = None
+        if const_expr(self.p_smem):  # (tile_m, tile_n) 16-bit P, swizzled as a K-major wgmma A operand
+            sP_layout = self._smem_layout(self.tile_m, hdim=self.tile_n)
+            sP = storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
 
         # Tile order (see common/scheduler.py): this CTA takes tiles blockIdx.x, + gridDim.x, ...
         num_m_blocks = cute.ceil_div(tiles.max_seqlen_q * self.pack, self.tile_m)  # packed rows (pack = 1: queries)
@@ -449,7 +461,7 @@ class FlashAttentionForwardSm90:
             cute.arch.setmaxregister_increase(self.num_mma_regs)
             tidx = cute.arch.thread_idx()[0] - THREADS_PER_WG
             self.mma(tma, atoms, lse_out, split_params, sink, score_params, seq_params, mask_params, smem_tiles, mmas,
-                     pipes, sched, tiles.num_splits, tidx)
+                     pipes, sched, tiles.num_splits, tidx, sP)
 
     @cute.jit
     def load(self, tma: QKVO, atoms: QKVO, seq_params: SeqParams, mask_params: MaskParams, smem: QKVO,
@@ -647,8 +659,9 @@ class FlashAttentionForwardSm90:
     @cute.jit
     def mma(self, tma: QKVO, atoms: QKVO, lse_out: LseParams, split_params: SplitParams, sink: Optional[cute.Tensor],
             score_params: ScoreParams, seq_params: SeqParams, mask_params: MaskParams, smem: QKVO, mmas: TiledMmas,
-            pipes: Pipelines, sched: TileSchedule, num_splits: Int32, tidx: Int32):
-        """Consumer warpgroups: per tile, the attention main loop and the epilogue."""
+            pipes: Pipelines, sched: TileSchedule, num_splits: Int32, tidx: Int32, sP: Optional[cute.Tensor] = None):
+        """Consumer warpgroups: per tile, the attention main loop and the epilogue (sP: FwdConfig.p_smem's
+        P tile, else None)."""
         mQ, mK = tma.q, tma.k
         sQ, sK, sV = smem.q, smem.k, smem.v
         tiled_mma_qk, tiled_mma_pv = mmas
@@ -666,8 +679,16 @@ class FlashAttentionForwardSm90:
         acc_shape_S = tiled_mma_qk.partition_shape_C((self.tile_m, self.tile_n))
         acc_O = cute.make_rmem_tensor(tiled_mma_pv.partition_shape_C((self.tile_m, self.hdim_v)), Float32)
         # P: the S accumulator viewed as the A operand of P @ V, in 16 bits
-        tOrP = cute.make_rmem_tensor(acc_to_frgA_layout(cute.make_layout(acc_shape_S)).shape, self.dtype)
-        ops = MmaOperands(tSrQ, tSrK, tOrVt, tOrP, acc_shape_S)
+        p_store = None
+        if const_expr(self.p_smem):  # ... stored to sP (stmatrix), read by the wgmma from there
+            tOrP = wg_mma_pv.make_fragment_A(wg_mma_pv.partition_A(sP))
+            p_atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4),
+                                         self.dtype)
+            p_copy = cute.make_tiled_copy_C(p_atom, tiled_mma_qk).get_slice(tidx)
+            p_store = (p_copy, p_copy.partition_D(sP))
+        else:
+            tOrP = cute.make_rmem_tensor(acc_to_frgA_layout(cute.make_layout(acc_shape_S)).shape, self.dtype)
+        ops = MmaOperands(tSrQ, tSrK, tOrVt, tOrP, acc_shape_S, p_store)
         cS = cute.make_identity_tensor((self.tile_m, self.tile_n))
         tScS = thr_mma_qk.partition_C(cS)
         t0ScS = tiled_mma_qk.get_slice(0).partition_C(cS)
@@ -716,7 +737,7 @@ class FlashAttentionForwardSm90:
                         score.apply(acc_S, score_params.softcap_scale, self.cfg.softcap)
                         mask(acc_S, n_block=n_block_max - 1, causal=self.causal)
                         softmax.online(acc_S, is_first=True)
-                        self.convert_P(acc_S, tOrP)
+                        self.convert_P(acc_S, tOrP, p_store)
                         if const_expr(self.zero_v_tail_needed):
                             # Before any P V reads this block's V stage (next iteration, or the last P V).
                             self.zero_v_tail(sV, pipeline_v, state, n_block_max - 1, seqlen_k, tidx)
@@ -840,7 +861,7 @@ class FlashAttentionForwardSm90:
         were waited for in their own steps), and the producer's acquire of the Q stage waits for the
         arrivals of all consumer warps, so sQ is overwritten only after every warpgroup's last Q K^T."""
         tiled_mma_qk, tiled_mma_pv = mmas
-        tSrQ, tSrK, tOrVt, tOrP, acc_shape_S = ops
+        tSrQ, tSrK, tOrVt, tOrP, acc_shape_S = ops[:5]
         pipeline_k, pipeline_v = pipes.k, pipes.v
         state_v = state
         state = next_state(state)
@@ -863,7 +884,7 @@ class FlashAttentionForwardSm90:
         row_scale = softmax.online(acc_S, is_first=False)
         warpgroup.wait_group(0)
         pipeline_v.consumer_release(state_v)
-        self.convert_P(acc_S, tOrP)
+        self.convert_P(acc_S, tOrP, ops.p_store)
         softmax.rescale_O(acc_O, row_scale)
         return state
 
@@ -898,7 +919,7 @@ class FlashAttentionForwardSm90:
         right after that warpgroup's previous round. early_q_release: Q is released after the wait
         on the tile's last Q K^T (S_{n_block_min}, or the only block's), as without the switch."""
         tiled_mma_qk = mmas[0]
-        tSrQ, tSrK, tOrVt, tOrP, acc_shape_S = ops
+        tSrQ, tSrK, tOrVt, tOrP, acc_shape_S = ops[:5]
         pipeline_k = pipes.k
         seqlen_q, seqlen_k = seq.seqlen_q, seq.seqlen_k
         acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
@@ -1006,7 +1027,7 @@ class FlashAttentionForwardSm90:
         issues), and a look-ahead Q K^T is always committed one step, hence one iteration, earlier.
         The wait that keeps S_{n-1} running (wait_group(1), P V only) retires a group of this step."""
         tiled_mma_qk, tiled_mma_pv = mmas
-        tSrQ, tSrK, tOrVt, tOrP, _ = ops
+        tSrQ, tSrK, tOrVt, tOrP, _ = ops[:5]
         pipeline_k, pipeline_v = pipes.k, pipes.v
         state_v = state
         state = next_state(state)  # block n (S_n issued by the previous step)
@@ -1084,10 +1105,21 @@ class FlashAttentionForwardSm90:
         return threads, cute.make_tiled_copy_tv(atom, thr_layout, cute.make_layout((1, vec)))
 
     @cute.jit
-    def convert_P(self, acc_S: cute.Tensor, tOrP: cute.Tensor):
-        """fp32 P (accumulator layout) -> 16-bit A-operand fragment, two values per cvt."""
+    def convert_P(self, acc_S: cute.Tensor, tOrP: cute.Tensor, p_store=None):
+        """fp32 P (accumulator layout) -> 16-bit A-operand fragment, two values per cvt. p_store
+        (FwdConfig.p_smem): the fragment goes to the warpgroup's P tile in smem instead (stmatrix),
+        fenced for the async proxy; each warp's wgmma rows are its own, so a warp sync suffices
+        (the P V that read the previous P completed before this: its wait precedes every call)."""
         src = cute.make_tensor(acc_S.iterator, acc_to_frgA_layout(acc_S.layout))
-        tOrP.store(src.load().to(self.dtype))
+        if const_expr(p_store is None):
+            tOrP.store(src.load().to(self.dtype))
+        else:
+            p_copy, tPsP = p_store
+            rP = cute.make_rmem_tensor(src.layout.shape, self.dtype)
+            rP.store(src.load().to(self.dtype))
+            cute.copy(p_copy, p_copy.retile(rP), tPsP)
+            cute.arch.fence_view_async_shared()
+            cute.arch.sync_warp()
 
     @cute.jit
     def normalize_O(self, acc_O: cute.Tensor, inv_row_sum: cute.Tensor):
