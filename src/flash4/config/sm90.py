@@ -1273,8 +1273,9 @@ def shipped_dq_handoff(cfg: BwdConfig) -> BwdConfig:
     d64 1.015-1.017x (2026-12-01/02). Value head dims on the d128 / d64 tiles since 2026-12-04 (same
     tools, 5 rounds): (128, 64) causal 4k 1.157x (dq_whole + per warpgroup), (64, 128) 1.045x (per
     warpgroup); (192, 128) is transposed_dkv (neither applies). The d64 GQA / MQA head split
-    (dkv_accum, 2 query heads per CTA) since 2026-12-04: per warpgroup 1.071x MQA 32:1 causal 8k,
-    1.055x gpt-oss 64:8 causal 8k (d96's split: not measured). Left as they were (not measured with
+    (dkv_accum, 2 query heads per CTA), causal, since 2026-12-04: per warpgroup 1.071x MQA 32:1
+    causal 8k, 1.055x gpt-oss 64:8 causal 8k (non-causal: 24 spill instructions at 128 x 128 in the
+    compile check, so not there; d96's split: not measured). Left as they were (not measured with
     it): deterministic, windows (dq_whole spills there), packed layouts (the row-major whole tile lost
     at d128, 2026-12-01), softcap, sink_delta."""
     if cfg.deterministic or cfg.local or cfg.varlen_q or cfg.seqused_q or cfg.sink_delta:
@@ -1282,7 +1283,7 @@ def shipped_dq_handoff(cfg: BwdConfig) -> BwdConfig:
     if (cfg.headdim == 128 and not cfg.softcap and not cfg.split_headdim
             and not cfg.transposed_dkv and not cfg.dq_swapab):
         cfg = dataclasses.replace(cfg, dq_whole=True)
-    if cfg.dq_accum_order and (cfg.dq_whole or not cfg.dkv_accum or cfg.headdim == 64):
+    if cfg.dq_accum_order and (cfg.dq_whole or not cfg.dkv_accum or (cfg.headdim == 64 and cfg.causal)):
         cfg = dataclasses.replace(cfg, dq_handoff_per_wg=True)
     return cfg
 
