@@ -1,0 +1,39 @@
+"""tools/ncu_sass.py: reading an ncu SASS source export (no GPU, no ncu: a synthetic export)."""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tools"))
+
+import ncu_sass  # noqa: E402
+
+HEADER = ('"Address","Source","Warp Stall Sampling (All Samples)","Warp Stall Sampling (Not-issued Samples)",'
+          '"Instructions Executed","stall_wait","stall_barrier","stall_wait (Not Issued)"\n')
+
+
+def _export(tmp_path, kernels):
+    text = ""
+    for name, lines in kernels.items():
+        text += f'"Kernel Name","{name}",\n' + HEADER
+        for addr, src, samples, executed, wait, barrier in lines:
+            text += f'"{addr}","{src}","{samples}","0","{executed}","{wait}","{barrier}","0"\n'
+    path = tmp_path / "x.sass.csv"
+    path.write_text(text)
+    return str(path)
+
+
+def test_opcodes_and_kernels(tmp_path):
+    path = _export(tmp_path, {
+        "small_kernel": [("0x10", "MOV R1, R2", "1", "10", "1", "0")],
+        "main_kernel": [("0x20", "@!P0  ISETP.GE.AND P1, PT, R3, R4, PT", "5", "1,000", "3", "2"),
+                        ("0x30", "LDG.E.128 R4, desc[UR4][R2.64]", "7", "500", "0", "7"),
+                        ("0x40", "HGMMA.64x128x16.F32.BF16 R24, gdesc[UR8], R24", "2", "100", "2", "0")],
+    })
+    kernels = ncu_sass.read_kernels(path)
+    assert set(kernels) == {"small_kernel", "main_kernel"}
+    assert ncu_sass.pick(kernels, None) == "main_kernel"  # the most executed instructions
+    assert ncu_sass.pick(kernels, "small") == "small_kernel"
+    s = ncu_sass.summary(kernels["main_kernel"])
+    assert s["ops"] == {"ISETP": 1000, "LDG.E": 500, "HGMMA": 100}  # predicate and modifiers dropped
+    assert s["stalls"] == {"wait": 5, "barrier": 9} and s["total"] == 1600
+    assert ncu_sass.main([path, path, "--top", "3"]) == 0
