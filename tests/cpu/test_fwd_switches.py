@@ -220,3 +220,29 @@ def test_p_smem_compiles_clean(d, tile_m, causal):
         pytest.skip("cuobjdump not installed: resources not checked")
     assert res["spills"] == 0 and not res["wgmma_serialized"] and res["hgmma"] > 0, res
     assert "STSM" in sass_text(cubin)
+
+
+@pytest.mark.parametrize("d, dtype, pack, softcap, sink", [(64, "bf16", 8, False, True), (64, "bf16", 1, True, False),
+                                                           (96, "bf16", 1, False, False), (128, "bf16", 4, False, True),
+                                                           (128, "fp16", 1, False, False), (256, "bf16", 1, False, False)],
+                         ids=["64-pack8-sink", "64-softcap", "96", "128-pack4-sink", "128-fp16", "256"])
+def test_shipped_window_forwards_compile_clean(d, dtype, pack, softcap, sink):
+    """sm_90a: the dense window forwards as the plan ships them since 2026-12-04 (mask_bits, persistent
+    up to d128, GQA-packed where the heads allow) compile with no spill and wgmma not serialized
+    (compile-check's shipped_fwd_configs lists no window config)."""
+    import dataclasses
+
+    pytest.importorskip("cutlass")
+    from flash4.compile.cache import compile_fwd
+    from flash4.compile.check import extract_cubin, resource_usage
+    from flash4.config.sm90 import shipped_mask_bits, shipped_window_persistent
+
+    cfg = select_fwd_config(d, dtype, local=True, softcap=softcap, sink=sink)
+    if pack > 1:
+        cfg = dataclasses.replace(cfg, pack_gqa=pack)
+    cfg = shipped_window_persistent(shipped_mask_bits(cfg))
+    assert cfg.mask_bits and cfg.persistent == (d <= 128)
+    res = resource_usage(extract_cubin(compile_fwd(cfg)))
+    if not res:
+        pytest.skip("cuobjdump not installed: resources not checked")
+    assert res["spills"] == 0 and not res["wgmma_serialized"] and res["hgmma"] > 0, res
