@@ -73,12 +73,11 @@ def _ones_shifted(shift: Int32, right: bool, *, loc=None, ip=None) -> Uint32:
         asm_dialect=llvm.AsmDialect.AD_ATT))
 
 
-def _fragment_cols(c0, ncols: int):
-    """The compile-time columns of thread 0's elements of one row (mask_scores' t0ScS view), and
-    whether they follow the Hopper wgmma accumulator pattern 0, 1, 8, 9, 16, 17, ... (two adjacent
-    columns per 8): the pattern _elements_below counts."""
-    cols = [c0[0, j][1] for j in range(ncols)]
-    return cols, all(col == 8 * (j // 2) + j % 2 for j, col in enumerate(cols))
+def _wgmma_fragment_cols(c0, ncols: int) -> bool:
+    """Whether the compile-time columns of thread 0's elements of one row (mask_scores' t0ScS view)
+    follow the Hopper wgmma accumulator pattern 0, 1, 8, 9, 16, 17, ... (two adjacent columns per 8):
+    the pattern _elements_below counts."""
+    return all(c0[0, j][1] == 8 * (j // 2) + j % 2 for j in range(ncols))
 
 
 @cute.jit
@@ -132,7 +131,7 @@ def mask_scores(
     c0 = acc_mn_view(t0ScS)
     col_base = n_block * tile_n + c[0, 0][1]
     ncols = cute.size(s, mode=[1])
-    cols, wgmma_cols = _fragment_cols(c0, ncols)
+    wgmma_cols = _wgmma_fragment_cols(c0, ncols)
     for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
         row = m_block * tile_m + c[r, 0][0]
         if cutlass.const_expr(pack > 1):
