@@ -20,8 +20,9 @@ or varlen request); each other variant is that config with one candidate on (shi
                       GQA / MQA causal cells and the varlen GQA cell. Same kernel code, same
                       math: out / lse bitwise.
   pack                FwdConfig.pack_gqa = g: the g query heads of a KV head share each query tile
-                      (flash-attn-4 packs GQA by default; flash4 packs only windows, after an older
-                      A/B: 0.91x at 64:8 d128 causal 4k): dense GQA / MQA causal cells.
+                      (flash-attn-4 packs GQA by default; flash4 packs windows and, since 2026-12-04,
+                      the bf16 d64 causal forward; d128 causal: 0.91-1.005x): dense GQA / MQA causal
+                      cells where the shipped config does not pack.
   la / la_base        FwdConfig.lookahead_qk (Dv < D cells only; section 5): each block's softmax under the
                       next block's Q K^T as well as the previous P V (flash4.config.sm90.lookahead_qk_config:
                       (192, 128) needs tile_n 112 for the second S accumulator, 80 when causal;

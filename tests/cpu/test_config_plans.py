@@ -40,7 +40,8 @@ def test_dense_plan_is_the_selectors_composition(kw, sk):
     assert plan.cfg.mask_bits == ("window_size" in kw)  # the bit-word mask on dense windows (shipped_mask_bits)
     if "window_size" in kw:  # persistent CTAs on dense windows (shipped_window_persistent)
         assert plan.cfg.persistent
-    assert plan.cfg.pack_gqa == (4 if "window_size" in kw else 1)  # only windows pack (pack_gqa_wanted)
+    # d128: only windows pack (pack_gqa_wanted; the bf16 d64 causal forward packs too)
+    assert plan.cfg.pack_gqa == (4 if "window_size" in kw else 1)
 
 
 def test_dense_plan_with_value_headdim():

@@ -244,6 +244,13 @@ class FwdConfig:
         p = self.tile_m * self.tile_n * elt if self.p_smem else 0
         return q + kv + p
 
+    def separate_o_fits(self) -> bool:
+        """Whether O can be staged in its own smem buffer (tile_m x Dv) beside smem_bytes() and the
+        barriers: what a persistent forward needs to load the next tile's Q during this tile's
+        epilogue (the kernel's separate_o; shipped_window_persistent)."""
+        o = self.tile_m * self.hdim_v * 2
+        return self.smem_bytes() + o + FWD_SMEM_OVERHEAD <= capacity(self.arch).smem_per_block
+
 
 # FwdConfig.lookahead_qk: the most accumulator registers per consumer thread (S + next S + P + O,
 # lookahead_qk_regs) that leave ptxas room in the 240 of two consumer warpgroups. sm_90a, CuTe DSL
@@ -395,8 +402,7 @@ def shipped_window_persistent(cfg: FwdConfig) -> FwdConfig:
     launch. Not measured: d > 128 (d256 has no room for the separate O; persistent lost there on
     long causal cells, 2026-12-01), packed / paged windows."""
     if (cfg.local and not cfg.persistent and not cfg.ragged_q and not cfg.ragged_k and not cfg.split_kv
-            and max(cfg.headdim, cfg.hdim_v) <= 128
-            and cfg.smem_bytes() + cfg.tile_m * cfg.hdim_v * 2 + 1024 <= SM90_MAX_SMEM_BYTES):
+            and max(cfg.headdim, cfg.hdim_v) <= 128 and cfg.separate_o_fits()):
         return dataclasses.replace(cfg, persistent=True)
     return cfg
 

@@ -19,7 +19,6 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
-from flash4.arch import capacity
 from flash4.constants import LOG2E as LOG2E_F, THREADS_PER_WG
 from flash4.kernels.common import geometry, score
 from flash4.kernels.common.barriers import NamedBarrierFwd
@@ -39,7 +38,6 @@ _REGS = {1: (56, 256), 2: (24, 240), 3: (32, 160)}
 # Gathered paged K/V (page_gather): the producer warpgroup computes addresses and issues cp.async
 # (FlashAttention-3 takes 40 / 232 for its non-TMA paged K/V with 2 consumer warpgroups).
 _REGS_GATHER = {1: (56, 256), 2: (40, 232), 3: (32, 160)}
-SMEM_CAPACITY = capacity(90).smem_per_block - 1024  # sm90 opt-in max per CTA, less barriers and alignment
 
 
 # ---------------------------------------------------------------------- parameter bundles
@@ -208,7 +206,7 @@ class FlashAttentionForwardSm90:
         self.buffer_align_bytes = 1024
         # Persistent CTAs stage O in its own buffer when smem allows, so the next tile's Q can
         # load during this tile's epilogue; otherwise O reuses Q's buffer.
-        self.separate_o = cfg.persistent and cfg.smem_bytes() + cfg.tile_m * cfg.hdim_v * 2 <= SMEM_CAPACITY
+        self.separate_o = cfg.persistent and cfg.separate_o_fits()
         # FwdConfig.early_q_release: Q's buffer is freed after the tile's last Q K^T (`mma`); only
         # with O in its own buffer (Q's would still receive O).
         self.early_q_release = cfg.early_q_release
