@@ -223,10 +223,21 @@ def _all_variants(case: Case) -> dict:
         if cfg.dq_whole:
             out["rows"] = Variant(rows, heads)
             out["whole"] = Variant(rep(cfg, dq_handoff_per_wg=False), heads)
+        elif cfg.local and not cfg.dkv_accum:
+            # windows: the shipped hand-off is per row (the store warp's 64 bulk reduce-adds per step;
+            # H200 ncu 2026-12-04, window 4096: the consumers' dQEmpty wait is 11 % of the stall
+            # samples); the whole tile per warpgroup, as on the causal cells, spills 20 scalar
+            # registers outside the step loops (compile check): timed to see what it is worth
+            out["whole_wg"] = Variant(rep(cfg, dq_whole=True, dq_handoff_per_wg=True), heads)
+            out["whole"] = Variant(rep(cfg, dq_whole=True), heads)
+            # with the P^T mask from relative bounds (BwdConfig.mask_rel): 0 spills (compile check)
+            out["whole_wg_rel"] = Variant(rep(cfg, dq_whole=True, dq_handoff_per_wg=True, mask_rel=True), heads)
         if not cfg.dkv_accum:
             out["lse"] = Variant(rep(cfg, lse_early=True), heads)
             if not cfg.local:  # exp_before_dp_wait is not built with a window
                 out["lse_exp"] = Variant(rep(cfg, lse_early=True, exp_before_dp_wait=True), heads)
+    if (cfg.causal or cfg.local) and not cfg.transposed_dkv and not cfg.mask_rel:
+        out["rel"] = Variant(rep(cfg, mask_rel=True), heads)  # BwdConfig.mask_rel alone (same values)
     return out
 
 
@@ -235,7 +246,7 @@ def cfg_short(c) -> str:
     bits = [f"m{c.tile_m}n{c.tile_n}q{c.q_stages}"]
     bits += [name for name in ("transposed_dkv", "split_headdim", "dkv_accum", "exp_before_dp_wait",
                                "dq_handoff_per_wg", "sink_delta", "sink_delta_db", "local", "dq_swapab", "dq_whole",
-                               "lse_early")
+                               "lse_early", "mask_rel")
              if getattr(c, name, False)]
     return " ".join(bits)
 

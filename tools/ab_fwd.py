@@ -42,6 +42,10 @@ or varlen request); each other variant is that config with one candidate on (shi
                       keys, since 2026-12-03 evening): the softmax's exact-path vote before the
                       exponents, each FFMA next to its MUFU.EX2 (section 8): every cell. Same
                       operations per element: out / lse bitwise.
+  ra / ravf           FwdConfig.rescale_always (ravf: with softmax_vote_first as well, where that is
+                      not shipped): O multiplied by the row factors at every key block without the
+                      vote and branch, so the O multiplies and P's F2FP run under the MUFU.EX2 stream
+                      (section 11): every cell. Factors of exactly 1.0: out / lse bitwise.
 --variants NAME ... times only those variants (and shipped).
 Timing as tools/ab_switch.py: ROUNDS interleaved rounds (order reversed every other round), each the
 median of calls with L2 flushed (flash4.bench.common.time_ms); TFLOPs of the visible work per
@@ -110,6 +114,7 @@ EXTRA_CELLS = (
                                            "window4096_causal_32k_d128")),
     Case("d128_causal_4k", 128, True, 4096, 4096, 8, 16, 16),
     Case("d64_causal_1k", 64, True, 1024, 1024, 32, 32, 32),
+    Case("d96_full_4k", 96, False, 4096, 4096, 8, 21, 21),  # p_smem's 192-row tiles without a mask
 )
 WIDE_TILES = (160, 176, 192)
 
@@ -144,7 +149,7 @@ def shipped_cfg(case):
     return fwd_config(request(case), ARCH).cfg
 
 
-BITWISE = ("l2kv", "vf", "novf", "la", "nola", "mb", "nomb")  # variants whose out / lse must equal their base's bit for bit
+BITWISE = ("l2kv", "vf", "novf", "la", "nola", "mb", "nomb", "ra", "ravf")  # variants whose out / lse must equal their base's bit for bit
 # The base of a bitwise check, where it is not shipped: la against la_base when that variant exists.
 BITWISE_BASE = {"la": "la_base"}
 ONLY = None  # --variants: the names to time besides shipped (None: all)
@@ -170,14 +175,14 @@ def _all_variants(case) -> dict:
             out["nola"] = dataclasses.replace(cfg, lookahead_qk=False)
             if cfg.causal and ONLY is not None and "mb" in ONLY:
                 out["mb"] = with_fwd_switches(cfg, ("mask_bits",))
-            return out
+            return _rescale_always_variants(cfg, out)
         la = lookahead_qk_config(cfg)
         if la is not None:
             base = dataclasses.replace(la, lookahead_qk=False)
             if base != cfg:
                 out["la_base"] = base
             out["la"] = la
-        return out
+        return _rescale_always_variants(cfg, out)
     if group == 1:
         for n in WIDE_TILES:
             wide = wide_tile_fwd_config(cfg, n)
@@ -204,6 +209,9 @@ def _all_variants(case) -> dict:
         # flash-attn-4's 192-row tile (m192p; with P in registers that tile spills)
         out["p"] = dataclasses.replace(cfg, p_smem=True)
         out["m192p"] = dataclasses.replace(cfg, p_smem=True, tile_m=192)
+        out["m192pra"] = dataclasses.replace(cfg, p_smem=True, tile_m=192, rescale_always=True)
+        if not cfg.causal:  # flash-attn-4's d96 tile without a mask: 192 x 144
+            out["m192n144p"] = dataclasses.replace(cfg, p_smem=True, tile_m=192, tile_n=144)
     if cfg.mask_bits:  # shipped on dense windows since 2026-12-04 (shipped_mask_bits): time it off
         out["nomb"] = dataclasses.replace(cfg, mask_bits=False)
     elif cfg.causal and ONLY is not None and "mb" in ONLY:  # measured neutral on causal cells: on request
@@ -212,6 +220,18 @@ def _all_variants(case) -> dict:
         out["novf"] = dataclasses.replace(cfg, softmax_vote_first=False)
     else:
         out["vf"] = with_fwd_switches(cfg, ("softmax_vote_first",))
+    return _rescale_always_variants(cfg, out)
+
+
+def _rescale_always_variants(cfg, out: dict) -> dict:
+    """out with FwdConfig.rescale_always's variants of cfg: ra (O rescaled branch-free) and ravf (with
+    softmax_vote_first too, where cfg does not have it)."""
+    from flash4.config.sm90 import with_fwd_switches
+
+    if not cfg.rescale_always:
+        out["ra"] = with_fwd_switches(cfg, ("rescale_always",))
+        if not cfg.softmax_vote_first:
+            out["ravf"] = with_fwd_switches(cfg, ("rescale_always", "softmax_vote_first"))
     return out
 
 
@@ -219,7 +239,8 @@ def cfg_short(c) -> str:
     """The fields of a forward config that tell the variants apart."""
     bits = [f"m{c.tile_m}n{c.tile_n}" + (f"s{c.kv_stages}" if c.kv_stages != 2 else "")]
     bits += [name for name in ("causal", "persistent", "lpt", "l2_kv_heads", "varlen_q", "softmax_vote_first",
-                               "lookahead_qk", "mask_bits", "early_q_release", "p_smem") if getattr(c, name, False)]
+                               "lookahead_qk", "mask_bits", "early_q_release", "p_smem", "rescale_always")
+             if getattr(c, name, False)]
     bits += [f"pack{c.pack_gqa}"] if c.pack_gqa > 1 else []
     return " ".join(bits)
 

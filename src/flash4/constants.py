@@ -50,8 +50,9 @@ COMBINE_WARPS_PER_CTA = 4
 # The sm90 backward's speed switches that FLASH4_BWD_SWITCHES may turn on (flash4.env.bwd_switches,
 # flash4.config.sm90.with_bwd_switches), in the order with_bwd_switches applies them
 # (dq_handoff_per_wg needs dq_whole's accumulator order first).
-BWD_SPEED_SWITCHES = ("dq_whole", "dq_handoff_per_wg", "lse_early", "exp_before_dp_wait", "no_tail_guard")
+BWD_SPEED_SWITCHES = ("dq_whole", "dq_handoff_per_wg", "lse_early", "exp_before_dp_wait", "no_tail_guard",
+                      "mask_rel")
 
 # The sm90 forward's speed switches that FLASH4_FWD_SWITCHES may turn on (flash4.env.fwd_switches,
 # flash4.config.sm90.with_fwd_switches).
-FWD_SPEED_SWITCHES = ("softmax_vote_first", "no_tail_guard", "lookahead_qk", "mask_bits")
+FWD_SPEED_SWITCHES = ("softmax_vote_first", "no_tail_guard", "lookahead_qk", "mask_bits", "rescale_always")

@@ -134,6 +134,44 @@ def query_end(key, seqlen_q, seqlen_k, ops: Ops = PY_OPS, window=None):
     return ops.min(key - (seqlen_k - seqlen_q) + window[0] + 1, seqlen_q)
 
 
+class KeyRowBounds(NamedTuple):
+    """The backward's P^T mask of one step (key rows x query columns) in coordinates relative to a
+    thread's first element (key0 = its first key, col0 = its first query): element (dr, col) =
+    (key0 + dr, col0 + col) is hidden iff `probs_t_hidden` says so. Built once per step by
+    `key_row_bounds`; dr and col are the compile-time offsets of the fragment, so an element costs
+    compares of one step value against immediates and no per-row value stays live across steps
+    (BwdConfig.mask_rel). lo / hi / col_end: None where that side is unbounded."""
+
+    lo: object       # hidden where col - dr < lo (the diagonal / window's right side)
+    past: object     # hidden where dr >= past (keys at or past seqlen_k)
+    hi: object       # hidden where col - dr >= hi (the window's left side)
+    col_end: object  # hidden where col >= col_end (queries at or past seqlen_q, window only)
+
+
+def key_row_bounds(key0, col0, seqlen_q, seqlen_k, causal: bool, window=None) -> KeyRowBounds:
+    """KeyRowBounds of a thread's step: the same rule as first_query / query_end (query row >=
+    first_query(key), and with a window < query_end(key)), rearranged around key0 - col0."""
+    right = _right_reach(causal, window)
+    diag = key0 - col0 - (seqlen_k - seqlen_q)
+    lo = None if right is None else diag - right
+    hi = col_end = None
+    if window is not None:
+        hi = diag + window[0] + 1
+        col_end = seqlen_q - col0
+    return KeyRowBounds(lo, seqlen_k - key0, hi, col_end)
+
+
+def probs_t_hidden(b: KeyRowBounds, dr, col):
+    """Whether element (key0 + dr, col0 + col) of P^T is hidden (bounds from key_row_bounds); the
+    same answer as `col0 + col < first_query(key0 + dr)` or, with a window, `>= query_end(...)`."""
+    hidden = dr >= b.past
+    if b.lo is not None:
+        hidden = hidden | (col - dr < b.lo)
+    if b.hi is not None:
+        hidden = hidden | (col - dr >= b.hi) | (col >= b.col_end)
+    return hidden
+
+
 def visible(row, key, seqlen_q, seqlen_k, causal: bool, window=None) -> bool:
     """The rule itself (Python ints): does query `row` see `key`?"""
     return (0 <= row < seqlen_q and key_start(row, seqlen_q, seqlen_k, window=window) <= key

@@ -111,13 +111,15 @@ def test_select_configs():
     some = select_configs(headdims=(128,), dtypes=("bf16",))
     plain = [c for c in some if c.headdim_v is None]  # (128, 64) head dim pairs match headdim 128 too
     # fwd, the short-sequence (persistent) causal fwd, the long full fwd (vote-first), bwd, bwd
-    # deterministic; GQA head split (dkv_accum): causal and not, deterministic causal
+    # deterministic, the window bwd (its own dQ hand-off: shipped_dq_handoff); GQA head split
+    # (dkv_accum): causal and not, deterministic causal
     pairs = [(128, "bf16", False), (128, "bf16", True)]
     assert [(c.headdim, c.dtype, c.causal) for c in plain] == pairs + [(128, "bf16", True), (128, "bf16", False)] + \
-        pairs * 3 + [(128, "bf16", True)]
-    assert [getattr(c, "persistent", False) for c in plain] == [False, False, True] + [False] * 8
-    assert [getattr(c, "softmax_vote_first", False) for c in plain] == [False] * 3 + [True] + [False] * 7
-    assert [getattr(c, "dkv_accum", False) for c in plain] == [False] * 8 + [True] * 3
+        pairs * 2 + [(128, "bf16", False)] + pairs + [(128, "bf16", True)]
+    assert [getattr(c, "persistent", False) for c in plain] == [False, False, True] + [False] * 9
+    assert [getattr(c, "softmax_vote_first", False) for c in plain] == [False] * 3 + [True] + [False] * 8
+    assert [c.local for c in plain] == [False] * 8 + [True] + [False] * 3
+    assert [getattr(c, "dkv_accum", False) for c in plain] == [False] * 9 + [True] * 3
     # the (128, 64) pair: fwd causal and not, the causal look-ahead fwd (shipped_lookahead_qk), bwd
     pair = [c for c in some if c.headdim_v is not None]
     assert [(c.headdim_v, c.causal) for c in pair] == [(64, False), (64, True), (64, True), (64, False), (64, True)]

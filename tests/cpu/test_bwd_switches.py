@@ -184,17 +184,21 @@ def test_dq_handoff_per_wg_sass():
 
 
 # ------------------------------------------- section 6b: dq_whole, lse_early, FLASH4_BWD_SWITCHES
-NEW_SWITCHES = ("dq_whole", "lse_early")
+NEW_SWITCHES = ("dq_whole", "lse_early", "mask_rel")
 
 
 def test_new_switches_off_and_out_of_repr():
     """lse_early off everywhere; dq_whole on exactly where shipped_dq_handoff puts it (d128 dense, any
-    Dv since 2026-12-04, no window, not deterministic)."""
+    Dv since 2026-12-04, not deterministic; with a window only MHA at Dv = D); mask_rel only with it on
+    a window (2026-12-04: the window kernel spills without it)."""
     for cfg in shipped_bwd_configs():
         assert not cfg.lse_early and "lse_early" not in repr(cfg)
-        whole = (cfg.headdim == 128 and not cfg.deterministic and not cfg.local
-                 and not cfg.softcap and not cfg.split_headdim and not cfg.transposed_dkv)
+        whole = (cfg.headdim == 128 and not cfg.deterministic and not cfg.softcap and not cfg.split_headdim
+                 and not cfg.transposed_dkv
+                 and not (cfg.local and (cfg.dkv_accum or cfg.headdim_v is not None)))
         assert cfg.dq_whole == whole and ("dq_whole" in repr(cfg)) == whole, cfg
+        assert cfg.mask_rel == (whole and cfg.local) and ("mask_rel" in repr(cfg)) == cfg.mask_rel, cfg
+        assert not cfg.mask_rel or cfg.dq_handoff_per_wg, cfg
     cfg = select_bwd_config(128, "bf16", True)
     for name in NEW_SWITCHES:
         on = dataclasses.replace(cfg, **{name: True})

@@ -22,7 +22,7 @@ from flash4.constants import FWD_SPEED_SWITCHES  # noqa: E402
 def test_switch_off_and_out_of_repr():
     # the second: tests/cpu/test_tail_guard.py; the third: tests/cpu/test_lookahead_qk_cpu.py; the
     # fourth: test_mask_bits_off_and_out_of_repr below
-    assert FWD_SPEED_SWITCHES == ("softmax_vote_first", "no_tail_guard", "lookahead_qk", "mask_bits")
+    assert FWD_SPEED_SWITCHES == ("softmax_vote_first", "no_tail_guard", "lookahead_qk", "mask_bits", "rescale_always")
     from flash4.config.sm90 import shipped_vote_first
 
     on = []
@@ -184,15 +184,20 @@ def test_window_persistent_shipped():
 
 
 def test_p_smem_off_and_out_of_repr():
-    """FwdConfig.p_smem (candidate): off in every shipped config and out of its repr; on, shown once,
-    counted in smem_bytes (the P tile), refused with lookahead_qk."""
+    """FwdConfig.p_smem: on exactly in the plain dense d96 configs at 192 rows (shipped_p_smem since
+    2026-12-04: 192 x 128 causal, 192 x 144 without a mask), off and out of the repr elsewhere; on,
+    shown once, counted in smem_bytes (the P tile), refused with lookahead_qk."""
     import dataclasses
 
     import pytest
 
+    on_in = []
     for cfg in shipped_fwd_configs():
         if isinstance(cfg, FwdConfig):
-            assert not cfg.p_smem and "p_smem" not in repr(cfg)
+            assert cfg.p_smem == ("p_smem" in repr(cfg)), cfg
+            if cfg.p_smem:
+                on_in.append((cfg.headdim, cfg.dtype, cfg.causal, cfg.tile_m, cfg.tile_n))
+    assert sorted(on_in) == [(96, dt, c, 192, 128 if c else 144) for dt in ("bf16", "fp16") for c in (False, True)]
     cfg = select_fwd_config(96, "bf16", True)
     on = dataclasses.replace(cfg, p_smem=True, tile_m=192)
     assert repr(on).endswith(", p_smem=True)") and eval(repr(on)) == on

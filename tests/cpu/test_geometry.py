@@ -439,3 +439,27 @@ def test_band_division_operands_never_negative():
             geo.m_block_mask_end(n, sq, sk, tm, tn, False, ops, window)
             geo.m_block_left_mask_start(n, sq, sk, tm, tn, ops, window)
     assert seen and min(seen) >= 0
+
+
+# BwdConfig.mask_rel: the backward's P^T mask from one step's bounds relative to a thread's first
+# element (key_row_bounds / probs_t_hidden) hides exactly the elements the per-row rule hides
+# (col0 + col < first_query(key), and with a window >= query_end(key)): causal, full, windows with
+# unbounded / zero / negative sides, keys and queries past the sequence ends, the sentinels.
+@pytest.mark.parametrize("seed", range(4))
+def test_relative_probs_t_mask_matches_per_row_rule(seed):
+    rng = random.Random(seed)
+    sides = [geo.UNBOUNDED, 0, 1, 7, 100, -3, -20]
+    for _ in range(600):
+        sq, sk = rng.randint(1, 300), rng.randint(1, 300)
+        causal = rng.random() < 0.5
+        window = (rng.choice(sides), rng.choice(sides)) if rng.random() < 0.6 else None
+        key0, col0 = rng.randint(0, 320), rng.randint(0, 320)
+        bounds = geo.key_row_bounds(key0, col0, sq, sk, causal, window)
+        for dr in (0, 8, 16, 24):
+            key = key0 + dr
+            first = geo.first_query(key, sq, sk, causal, window=window) - col0
+            end = geo.query_end(key, sq, sk, window=window) - col0 if window is not None else None
+            for col in range(0, 48):
+                hidden = col < first or (end is not None and col >= end)
+                assert bool(geo.probs_t_hidden(bounds, dr, col)) == hidden, (sq, sk, causal, window, key0, col0,
+                                                                            dr, col)

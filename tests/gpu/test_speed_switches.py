@@ -166,7 +166,10 @@ FWD_ENV_KINDS = ["dense", "dense_causal", "window_softcap", "sink", "window_sink
 FWD_ENV_CASES = ([("softmax_vote_first", d, None) for d in (64, 96, 128, 192, 256)]
                  + [("lookahead_qk", 128, 64)]
                  + [("mask_bits", d, None) for d in (64, 96, 128, 192, 256)]
-                 + [("mask_bits", 128, 64), ("mask_bits", 192, 128)])
+                 + [("mask_bits", 128, 64), ("mask_bits", 192, 128)]
+                 + [("rescale_always", d, None) for d in (64, 96, 128, 192, 256)]
+                 + [("rescale_always", 128, 64), ("rescale_always", 192, 128)]
+                 + [("rescale_always,softmax_vote_first", 128, None)])
 
 
 def _fwd_call(kind, d, mag, dv=None):
@@ -389,3 +392,51 @@ def test_sink_delta_db_bitwise(monkeypatch, d, s, h, hk, causal, window, varlen,
             assert torch.equal(a, b), name
         else:
             torch.testing.assert_close(a.float(), b.float(), rtol=1e-2 if name == "dq" else 1e-5, atol=1e-4)
+
+
+# BwdConfig.mask_rel (FLASH4_BWD_SWITCHES=mask_rel): the backward's P^T mask from one step's bounds
+# relative to the thread's first element hides the same elements as the per-row rule, so the
+# gradients equal the switch-off call's bit for bit: dk / dv always (each CTA owns its key tile), dq
+# too with deterministic=True (its key-block order fixed). With the whole-tile per-warpgroup dQ
+# hand-off it is what makes the d128 window backward spill-free, and it ships there since 2026-12-04
+# (flash4.config.sm90.shipped_dq_handoff): the d128 window cases run that shipped kernel on both
+# calls (the switch cannot turn it off), the other cases compare the switch on and off; every case
+# against the float32 reference (the suite's 2x rule). NaN-filled gradients; partial tiles at both
+# sequence ends; windows with both sides, one side, and causal + window; GQA.
+MASK_REL_CASES = [  # (d, sq, sk, h, hk, causal, window_size)
+    (128, 1000, 1000, 4, 4, True, (-1, -1)),
+    (128, 777, 1100, 4, 2, False, (200, 33)),
+    (128, 1000, 1000, 4, 4, True, (300, -1)),
+    (128, 1100, 700, 4, 4, False, (150, 150)),
+    (64, 1000, 1000, 8, 2, True, (-1, -1)),
+    (64, 517, 901, 4, 4, False, (127, 0)),
+    (96, 700, 700, 4, 4, True, (100, 0)),
+    (256, 600, 600, 4, 4, True, (-1, -1)),
+]
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+@pytest.mark.parametrize("d, sq, sk, h, hk, causal, window", MASK_REL_CASES,
+                         ids=[f"d{c[0]}-{c[1]}x{c[2]}-h{c[3]}/{c[4]}-{'causal' if c[5] else 'full'}-w{c[6][0]}_{c[6][1]}"
+                              for c in MASK_REL_CASES])
+def test_bwd_mask_rel(monkeypatch, d, sq, sk, h, hk, causal, window, deterministic):
+    from flash4 import flash_attn_func
+
+    q, k, v, dout = inputs(2, sq, sk, h, hk, d, seed=5)
+
+    def grads():
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        out = flash_attn_func(*leaves, causal=causal, window_size=window, deterministic=deterministic)
+        return torch.autograd.grad(out, leaves, dout)
+
+    monkeypatch.delenv("FLASH4_BWD_SWITCHES", raising=False)
+    off = grads()
+    monkeypatch.setenv("FLASH4_BWD_SWITCHES", "mask_rel")
+    on = grads()
+    torch.cuda.synchronize()
+    for name, a, b_ in zip(("dq", "dk", "dv"), on, off):
+        assert not a.isnan().any(), name
+        if name != "dq" or deterministic:
+            assert torch.equal(a, b_), name
+    assert_grads(on, ref_grads(q, k, v, dout, causal, True, window_size=window),
+                 ref_grads(q, k, v, dout, causal, False, window_size=window))

@@ -34,7 +34,7 @@ SHORT_SEQLEN_K = 1024
 # other config's key: the speed switches, and sink_delta (on only when a learnable sink needs a gradient).
 _QUIET_SWITCHES = ("early_q_release", "l2_kv_heads", "exp_before_dp_wait", "dq_handoff_per_wg", "sink_delta",
                    "gather_zero_fill", "dq_swapab", "dq_whole", "lse_early", "softmax_vote_first", "sink_delta_db",
-                   "no_tail_guard", "lookahead_qk", "mask_bits", "p_smem")
+                   "no_tail_guard", "lookahead_qk", "mask_bits", "p_smem", "rescale_always", "mask_rel")
 
 
 def _quiet_repr(cfg) -> str:
@@ -146,6 +146,13 @@ class FwdConfig:
                   instead of registers, so P's 16-bit fragment is not live across the next Q K^T:
                   what lets d96 take 192-row tiles (three consumer warpgroups at 160 registers; with P
                   in registers 78 spills). Not with lookahead_qk. Left out of the repr while off.
+    rescale_always: speed switch, off (FLASH4_FWD_SWITCHES=rescale_always; tools/ab_fwd.py variant
+                  "ra"): O is multiplied by the row factors at every key block, branch-free, instead of
+                  behind a warp vote on "some row's reference moved" (kernels/common/softmax.py,
+                  OnlineSoftmax rescale_always). The factors stay exactly 1.0 where the lazy rescale
+                  keeps the reference, so the same bits; without the branch ptxas can issue the O
+                  multiplies and P's F2FP conversion under the MUFU.EX2 stream (H200 ncu 2026-12-04,
+                  d128 GQA causal: the F2FP waited after the branch). Left out of the repr while off.
     """
 
     headdim: int
@@ -180,6 +187,7 @@ class FwdConfig:
     lookahead_qk: bool = False
     mask_bits: bool = False
     p_smem: bool = False
+    rescale_always: bool = False
 
     def __post_init__(self):
         assert self.headdim in SUPPORTED_HEADDIMS, self.headdim
@@ -392,6 +400,22 @@ def shipped_mask_bits(cfg: FwdConfig) -> FwdConfig:
     return cfg
 
 
+def shipped_p_smem(cfg: FwdConfig) -> FwdConfig:
+    """flash-attn-4's d96 forward tiles (pure): 192 query rows (three consumer warpgroups) with P
+    through shared memory (FwdConfig.p_smem; with P in registers that tile spills 78 instructions),
+    192 x 128 causal and 192 x 144 without a mask, for the plain dense d96 forward: no window, softcap
+    or sink, Dv = D, not GQA-packed, not persistent, no wide key tile (FWD_WIDE_TILE_N). H200, 2026-12-04 (tools/ab_fwd.py, variants p /
+    m192p / m192n144p, 5-7 interleaved rounds, bf16; out / lse within 1e-2 / 1e-3 of the 128 x 128
+    tile, every element written): d96 21 heads causal 4k 448.0 -> 462.4 TFLOPs (1.032x) and, in a
+    second call, 431.6 -> 450.4 (1.044x); full 4k 513.7 -> 542.9 at 192 x 144 (1.057x; 192 x 128
+    1.044x); P through smem at the 128-row tile alone 0.974x."""
+    if (cfg.headdim == 96 and cfg.headdim_v is None and (cfg.tile_m, cfg.tile_n) == (128, 128)
+            and not (cfg.local or cfg.softcap or cfg.sink or cfg.persistent or cfg.ragged_q or cfg.ragged_k
+                     or cfg.split_kv or cfg.lookahead_qk or cfg.pack_gqa > 1)):
+        return dataclasses.replace(cfg, tile_m=192, tile_n=128 if cfg.causal else 144, p_smem=True)
+    return cfg
+
+
 def shipped_window_persistent(cfg: FwdConfig) -> FwdConfig:
     """Persistent CTAs for the dense window forwards up to head dim 128 where O fits its own smem
     buffer (pure): a window's query tile visits few key blocks, so its prologue (Q and first K
@@ -550,6 +574,12 @@ def shipped_fwd_configs() -> list[FwdConfig]:
         for c in (False, True)
         if (la := shipped_lookahead_qk(select_fwd_config(d, dt, c, headdim_v=dv)))
         != select_fwd_config(d, dt, c, headdim_v=dv)
+    ] + [  # the dense d96 forwards at 192 rows with P through smem (shipped_p_smem)
+        p
+        for d in SUPPORTED_HEADDIMS
+        for dt in DTYPES
+        for c in (False, True)
+        if (p := shipped_p_smem(select_fwd_config(d, dt, c))) != select_fwd_config(d, dt, c)
     ] + [  # the tiles switched on in FWD_WIDE_TILE_N / FWD_KV_STAGES (none while they are empty)
         wide
         for d in SUPPORTED_HEADDIMS
@@ -659,6 +689,13 @@ class BwdConfig:
               dQ accumulator (the postprocess is the row-major one); per-stage LSE / D rows padded to
               a multiple of 32 (TMA stage addresses 128-byte aligned). Head dim 128, dense, no mask
               but the key edge, not deterministic, no sink_delta. Compile-verified, not run on hardware.
+    mask_rel: speed switch (FLASH4_BWD_SWITCHES=mask_rel; tools/ab_bwd_tiles.py): the P^T mask of the
+              keys-major steps from one step's bounds relative to the thread's first element
+              (flash4.geometry.key_row_bounds / probs_t_hidden: compares of a step value against the
+              fragment's compile-time offsets) instead of first_query / query_end per key row, whose
+              key-only parts ptxas kept live across the step loops (window d128: 2 rows x 2 bounds).
+              The same elements hidden (CPU test against the per-row rule): same values. Left out of
+              the repr while off.
     dq_whole: the whole-tile dQ hand-off (one bulk reduce-add per step, unpadded staging; dense
               layouts in the accumulator order, so with dq_handoff_per_wg flash-attn-4's per-warpgroup
               hand-off) above DQ_WHOLE_TILE_MAX_HEADDIM (head dim 128), instead of one bulk reduce-add
@@ -700,6 +737,7 @@ class BwdConfig:
     lse_early: bool = False
     sink_delta_db: bool = False
     no_tail_guard: bool = False
+    mask_rel: bool = False
 
     def __post_init__(self):
         assert self.headdim in BWD_SUPPORTED_HEADDIMS, self.headdim
@@ -813,8 +851,9 @@ def with_sink_delta(cfg: BwdConfig) -> BwdConfig:
     """cfg that also sums D = sum_j P dP per query row (BwdConfig.sink_delta: a learnable sink needs a
     gradient), its partial sums double-buffered where they fit (sink_delta_db); the per-warpgroup dQ
     hand-off and the whole-tile d128 hand-off (speed switches, shipped_dq_handoff: not measured with
-    sink_delta) off."""
-    on = dataclasses.replace(cfg, sink_delta=True, dq_handoff_per_wg=False, dq_whole=False)
+    sink_delta) off, and with them the window's mask_rel (shipped only together with them: alone it
+    spills the d128 window kernel)."""
+    on = dataclasses.replace(cfg, sink_delta=True, dq_handoff_per_wg=False, dq_whole=False, mask_rel=False)
     return dataclasses.replace(on, sink_delta_db=True) if sink_delta_db_fits(on) else on
 
 
@@ -1041,6 +1080,8 @@ def shipped_bwd_configs() -> list[BwdConfig]:
     accum += [select_bwd_config(128, "fp16", c) for c in (False, True)]
     accum += [select_bwd_config(d, "bf16", True, deterministic=True) for d in (64, 128)]
     accum += [select_bwd_config(192, "bf16", True, headdim_v=128)]
+    # the d128 window backward (shipped_dq_handoff: whole-tile per-warpgroup hand-off with mask_rel)
+    configs += [select_bwd_config(128, dt, False, local=True) for dt in DTYPES]
     return [shipped_dq_handoff(cfg) for cfg in configs + [with_dkv_accum(cfg, 2, 1, 1) for cfg in accum]]
 
 
@@ -1168,7 +1209,7 @@ def _fwd_plan(request, arch: int, num_sms: int | None = None) -> FwdPlan:
                            headdim_v, page_policy(), gather_policy())
     if not seq.packed:
         cfg = select_fwd_config(headdim, dtype, mask.causal, arch, local, softcap, sink, headdim_v, k.shape[1])
-        cfg = shipped_lookahead_qk(with_pack_gqa(wide_tile_fwd_config(cfg), nheads, nheads_k))
+        cfg = shipped_p_smem(shipped_lookahead_qk(with_pack_gqa(wide_tile_fwd_config(cfg), nheads, nheads_k)))
         return FwdPlan(shipped_window_persistent(shipped_mask_bits(with_l2_kv_heads(cfg, nheads, nheads_k))))
     cfg = with_l2_kv_heads(select_fwd_config(headdim, dtype, mask.causal, arch, local, softcap, sink, headdim_v),
                            nheads, nheads_k)
@@ -1282,9 +1323,18 @@ def shipped_dq_handoff(cfg: BwdConfig) -> BwdConfig:
     (dkv_accum, 2 query heads per CTA), causal, since 2026-12-04: per warpgroup 1.071x MQA 32:1
     causal 8k, 1.055x gpt-oss 64:8 causal 8k (non-causal: 24 spill instructions at 128 x 128 in the
     compile check, so not there; d96's split: not measured). Left as they were (not measured with
-    it): deterministic, windows (dq_whole spills there), packed layouts (the row-major whole tile lost
-    at d128, 2026-12-01), softcap, sink_delta."""
-    if cfg.deterministic or cfg.local or cfg.varlen_q or cfg.seqused_q or cfg.sink_delta:
+    it): deterministic, packed layouts (the row-major whole tile lost at d128, 2026-12-01), softcap,
+    sink_delta. Windows, since 2026-12-04: the d128 dense window backward (no GQA head split) takes
+    the whole tile per warpgroup with the P^T mask from relative bounds (BwdConfig.mask_rel; without
+    it that kernel spills 20 scalar registers, with it 0): window 4096 d128 32k 1.058x (1.066x /
+    1.113x without mask_rel in two calls; mask_rel alone on the causal cells 0.987-1.025x, geomean
+    1.000, so not there); other window configs keep the per-row hand-off (not measured)."""
+    if cfg.deterministic or cfg.varlen_q or cfg.seqused_q or cfg.sink_delta:
+        return cfg
+    if cfg.local:
+        if (cfg.headdim == 128 and cfg.headdim_v is None and not (cfg.softcap or cfg.split_headdim or cfg.dkv_accum
+                or cfg.transposed_dkv or cfg.dq_swapab or cfg.varlen_k or cfg.seqused_k)):
+            return dataclasses.replace(cfg, dq_whole=True, dq_handoff_per_wg=True, mask_rel=True)
         return cfg
     if (cfg.headdim == 128 and not cfg.softcap and not cfg.split_headdim
             and not cfg.transposed_dkv and not cfg.dq_swapab):
@@ -1313,6 +1363,8 @@ def with_bwd_switches(cfg: BwdConfig, names) -> BwdConfig:
             ok = not cfg.transposed_dkv
         elif name == "no_tail_guard":  # A/B only: where zero_kv_tail / zero_q_tail are compiled
             ok = cfg.ragged_q or cfg.ragged_k
+        elif name == "mask_rel":  # the keys-major steps' P^T mask (not transposed_dkv)
+            ok = not cfg.transposed_dkv
         else:  # exp_before_dp_wait
             ok = (cfg.tile_m == 64 or cfg.split_headdim) and not cfg.local and not cfg.transposed_dkv
         if ok:

@@ -4,7 +4,8 @@ flash4.geometry holds the rule (which key a query row sees) and the block ranges
 Python ints and device Int32 alike; this module binds them to the DSL's min/max/select
 (`DEVICE_OPS`) and applies the rule to score fragments:
   * `mask_scores` (forward): S (queries x keys) -> -inf where a key is not visible;
-  * `mask_probs_t` (backward): P^T (keys x queries) -> 0 where a key is not visible.
+  * `mask_probs_t` (backward): P^T (keys x queries) -> 0 where a key is not visible (`mask_prob_rel`:
+    the same from one step's relative bounds, BwdConfig.mask_rel).
 Only the tiles the block ranges mark as crossing the diagonal or seqlen_k are masked.
 """
 
@@ -157,6 +158,21 @@ def mask_scores(
             for j in cutlass.range_constexpr(cute.size(s, mode=[1])):
                 hidden = (c0[0, j][1] >= col_limit) | (c0[0, j][1] < col_start)
                 s[r, j] = Float32(cutlass.select_(hidden, -Float32.inf, s[r, j]))
+
+
+def key_row_bounds(tScS: cute.Tensor, m_block: Int32, n_block: Int32, seqlen_q: Int32, seqlen_k: Int32,
+                   tile_m: int, tile_n: int, causal: bool, window=None):
+    """Backward (BwdConfig.mask_rel): flash4.geometry.key_row_bounds of this thread's step (its first
+    key and first query from tScS, the (rows, cols) view of its P^T coordinates)."""
+    return g.key_row_bounds(n_block * tile_n + tScS[0, 0][0], m_block * tile_m + tScS[0, 0][1], seqlen_q, seqlen_k,
+                            causal, window)
+
+
+@cute.jit
+def mask_prob_rel(bounds, dr: cutlass.Constexpr[int], col: cutlass.Constexpr[int], p: Float32) -> Float32:
+    """Backward (BwdConfig.mask_rel): p, or 0 where element (first key + dr, first query + col) of
+    this thread's P^T is hidden (flash4.geometry.probs_t_hidden; dr, col compile-time offsets)."""
+    return Float32(cutlass.select_(g.probs_t_hidden(bounds, Int32(dr), Int32(col)), Float32(0.0), p))
 
 
 @cute.jit

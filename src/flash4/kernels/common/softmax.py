@@ -86,13 +86,22 @@ class OnlineSoftmax(DynamicState):
                   exponentials (the branch splits the basic block, so the 64 MUFU.EX2 of a row pair run
                   back to back: H200 ncu of 2026-12-03, docs/perf/ncu_2026-12-03.md). The same
                   operations in the same order per element either way: bit-identical results.
+    rescale_always: (static; FwdConfig.rescale_always, a speed switch) rescale_O multiplies O by the
+                  row factors on every call, without the warp vote and branch around it: the factor is
+                  exactly 1.0 where the reference did not move (the lazy rescale keeps that), and
+                  x * 1.0 = x bit for bit, so the results are those of the branch. Without the branch
+                  the O multiplies and P's conversion to 16 bits share the exponentials' basic block,
+                  where ptxas can issue them under the MUFU.EX2 stream (H200 ncu of the d128 GQA causal
+                  forward, 2026-12-04: flash4's 32 F2FP per step ran after the branch, each waiting;
+                  flash-attn-4 rescales O always and interleaves both under its MUFU.EX2).
     """
 
     _dynamic_fields = ("scale_log2", "row_max", "ref_hi", "ref_lo", "row_sum", "exact")
 
     def __init__(self, scale_log2: Float32, num_rows: int, rescale_threshold: float, exp2_emu_frac: float,
-                 row_coords=None, vote_first: bool = False):
+                 row_coords=None, vote_first: bool = False, rescale_always: bool = False):
         self.vote_first = vote_first
+        self.rescale_always = rescale_always
         self.scale_log2 = scale_log2
         self.num_rows = num_rows
         self.rescale_threshold = rescale_threshold
@@ -213,9 +222,10 @@ class OnlineSoftmax(DynamicState):
 
     @cute.jit
     def rescale_O(self, acc_O: cute.Tensor, row_scale: cute.Tensor):
-        """O[r, :] *= row_scale[r]; skipped for the whole warp when no row of it moved its max."""
+        """O[r, :] *= row_scale[r]; skipped for the whole warp when no row of it moved its max (unless
+        rescale_always: then every call, branch-free; the same bits)."""
         o = acc_mn_view(acc_O)
-        if cutlass.const_expr(self.rescale_threshold > 0.0):
+        if cutlass.const_expr(self.rescale_threshold > 0.0 and not self.rescale_always):
             moved = False
             for r in cutlass.range_constexpr(self.num_rows):
                 moved = moved | (row_scale[r] != Float32(1.0))

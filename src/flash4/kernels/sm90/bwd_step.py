@@ -567,11 +567,17 @@ class _KeyMajor(BwdStep):
         k, sched = self.k, self.sched
         self.exponent(acc_S, exact, m_block, head, state, scale_log2)
         s = acc_mn_view(acc_S)
+        bounds = None
+        if const_expr(masked and self.cfg.mask_rel):  # BwdConfig.mask_rel: one step's bounds, static offsets
+            bounds = geometry.key_row_bounds(self.tScS, m_block, sched.n_block, sched.seq.seqlen_q,
+                                             sched.seq.seqlen_k, k.tile_m, k.tile_n, k.causal, sched.window)
         for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
             col = self.t0ScS[0, c][1]
             for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
                 p = exp2_hw(s[r, c])
-                if const_expr(masked):
+                if const_expr(masked and self.cfg.mask_rel):
+                    p = geometry.mask_prob_rel(bounds, self.t0ScS[r, 0][0] - self.t0ScS[0, 0][0], col, p)
+                elif const_expr(masked):
                     p = geometry.mask_probs_t(self.tScS, r, col, p, m_block, sched.n_block, sched.seq.seqlen_q,
                                               sched.seq.seqlen_k, k.tile_m, k.tile_n, k.causal, sched.window)
                 s[r, c] = p

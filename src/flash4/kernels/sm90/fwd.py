@@ -696,6 +696,7 @@ class FlashAttentionForwardSm90:
             # ragged queries: rows past seqlen_q (another sequence's, stale) do not vote for the exact path
             row_coords=acc_mn_view(tScS) if const_expr(self.vote_row_limit) else None,
             vote_first=self.cfg.softmax_vote_first,  # FwdConfig.softmax_vote_first (speed switch)
+            rescale_always=self.cfg.rescale_always,  # FwdConfig.rescale_always (speed switch)
         )
         self.scheduler_barrier_init(wg_idx)
 
