@@ -22,13 +22,19 @@ variant's config). Variants (all with configs the sm90 kernel already has; shipp
     m64     tile_m 64
     lse     lse_early (the LSE reads under the S^T GEMM; section 6b)
   MHA d128 (shipped 64 x 128, dV after dS, since 2026-12-03 the whole dQ tile in the accumulator order
-  handed over per warpgroup: dq_whole + dq_handoff_per_wg; window: dV before dS, dQ per row):
-    rows    dQ staged in padded rows, one bulk reduce-add per row (shipped until 2026-12-03)
+  handed over per warpgroup: dq_whole + dq_handoff_per_wg; window: dV before dS, since 2026-12-04 the
+  same hand-off with mask_rel, the P^T mask from relative bounds, which makes it spill-free there):
+    rows    dQ staged in padded rows, one bulk reduce-add per row (shipped until 2026-12-03; windows
+            until 2026-12-04)
     whole   dq_whole without the per-warpgroup hand-off
     lse     lse_early; lse_exp: with exp_before_dp_wait (flash-attn-4's step order; not for windows)
     dkvT    transposed_dkv: 64 queries x 96 keys, dK^T / dV^T with the head dim on M (d192's shape)
     split   split_headdim: 64 x 64, both warpgroups share the keys, P^T / dS^T through smem
     exp     exp_before_dp_wait (not for the window cell)
+    rel     mask_rel alone (causal / window cells; 1.000x geomean on 2026-12-04)
+  windows the shipped hand-off does not cover: whole_wg / whole_wg_rel (a per-row window config:
+  dq_whole + dq_handoff_per_wg without / with mask_rel), pwg / pwg_rel (d64 / d96 windows: the
+  per-warpgroup hand-off without / with mask_rel)
     m80     full cells only: BwdConfig.dq_swapab, flash-attn-4's / FA3's 80 x 128 tile with the dQ GEMM
             transposed (dQ^T = K^T dS^T); 0.93-0.96x on the H200 (2026-12-03)
   GQA / MQA (shipped: head split, 2 query heads per CTA, fp32 dK/dV accumulators, tile_m 64 at
@@ -106,6 +112,11 @@ EXTRA_CELLS = (
     # value head dims (0.75x flash-attn-4 at (128, 64) on 2026-12-04; flash-attn-4 runs its d128 tile there)
     Case("hdimv_128_64_causal_4k", 128, True, 4096, 4096, 8, 16, 16, headdim_v=64),
     Case("hdimv_64_128_causal_4k", 64, True, 4096, 4096, 8, 16, 16, headdim_v=128),
+    # windows the shipped whole-tile hand-off (d128 MHA, 2026-12-04) does not cover yet: a GQA window
+    # (the head split) at d128 and an MHA window at d64 (variants whole_wg_rel / pwg, pwg_rel:
+    # compile-checked 0 spills on 2026-12-04, not timed)
+    Case("gqa32q8kv_window4096_d128_causal_16k", 128, True, 16384, 16384, 2, 32, 8, window=(4095, 0)),
+    Case("window1024_d64_causal_16k", 64, True, 16384, 16384, 2, 32, 32, window=(1023, 0)),
 )
 
 
@@ -170,7 +181,7 @@ def _all_variants(case: Case) -> dict:
     rep = dataclasses.replace
     # the dQ hand-off shipped before 2026-12-03 (per row at d128, one 288-thread pair): the base of the
     # structural variants (transposed / split tiles, m80 build on it)
-    rows = rep(cfg, dq_whole=False, dq_handoff_per_wg=False)
+    rows = rep(cfg, dq_whole=False, dq_handoff_per_wg=False, mask_rel=False)  # mask_rel: shipped only with them
     out = {"shipped": Variant(cfg, heads)}
     if cfg.dkv_accum:  # GQA / MQA head split
         out["h1"] = Variant(cfg, 1)
@@ -223,6 +234,8 @@ def _all_variants(case: Case) -> dict:
         if cfg.dq_whole:
             out["rows"] = Variant(rows, heads)
             out["whole"] = Variant(rep(cfg, dq_handoff_per_wg=False), heads)
+        elif cfg.local and cfg.dkv_accum:  # a GQA window: the whole tile per warpgroup with mask_rel
+            out["whole_wg_rel"] = Variant(rep(cfg, dq_whole=True, dq_handoff_per_wg=True, mask_rel=True), heads)
         elif cfg.local and not cfg.dkv_accum:
             # windows: the shipped hand-off is per row (the store warp's 64 bulk reduce-adds per step;
             # H200 ncu 2026-12-04, window 4096: the consumers' dQEmpty wait is 11 % of the stall
@@ -236,6 +249,10 @@ def _all_variants(case: Case) -> dict:
             out["lse"] = Variant(rep(cfg, lse_early=True), heads)
             if not cfg.local:  # exp_before_dp_wait is not built with a window
                 out["lse_exp"] = Variant(rep(cfg, lse_early=True, exp_before_dp_wait=True), heads)
+    if cfg.local and cfg.dq_accum_order and not cfg.dq_handoff_per_wg and not cfg.sink_delta:
+        # windows at d64 / d96 (already whole-tile): the per-warpgroup hand-off, with / without mask_rel
+        out["pwg"] = Variant(rep(cfg, dq_handoff_per_wg=True), heads)
+        out["pwg_rel"] = Variant(rep(cfg, dq_handoff_per_wg=True, mask_rel=True), heads)
     if (cfg.causal or cfg.local) and not cfg.transposed_dkv and not cfg.mask_rel:
         out["rel"] = Variant(rep(cfg, mask_rel=True), heads)  # BwdConfig.mask_rel alone (same values)
     return out
