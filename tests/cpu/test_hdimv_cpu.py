@@ -47,10 +47,12 @@ def test_equal_headdim_v_is_the_plain_config(d):
 
 
 def test_plain_smem_unchanged():
-    # the formula with Dv = D is the old one: Q + 2 * stages * tile_n * D
+    # the formula with Dv = D is the old one: Q + 2 * stages * tile_n * D (+ the P tile with p_smem)
     for cfg in shipped_fwd_configs():
         if cfg.headdim_v is None:
-            assert cfg.smem_bytes() == cfg.tile_m * cfg.headdim * 2 + 2 * cfg.kv_stages * cfg.tile_n * cfg.headdim * 2
+            p_tile = cfg.tile_m * cfg.tile_n * 2 if cfg.p_smem else 0
+            assert cfg.smem_bytes() == (cfg.tile_m * cfg.headdim * 2 + 2 * cfg.kv_stages * cfg.tile_n * cfg.headdim * 2
+                                        + p_tile)
 
 
 @pytest.mark.parametrize("select", [select_fwd_config, select_bwd_config])
