@@ -202,12 +202,14 @@ def _short(cfg) -> str:
         family = "bwd_portable" if "num_warps" in d else "bwd"  # the sm80 family's configs have num_warps
         return (f"{family}_sm{d['arch']} d{hd} {d['dtype']} {'causal' if d['causal'] else 'full'} "
                 f"{d['tile_m']}x{d['tile_n']}x{d['q_stages']}st{' det' if d['deterministic'] else ''}"
-                f"{' dkv-accum' if d['dkv_accum'] else ''}{' dkvT' if d.get('transposed_dkv') else ''}")
+                f"{' dkv-accum' if d['dkv_accum'] else ''}{' dkvT' if d.get('transposed_dkv') else ''}"
+                f"{' window' if d.get('local') else ''}")
     extras = "".join([f" w{d['num_warps']}" if "num_warps" in d else "", " qregs" if d.get("q_in_regs") else "",
                       " persist" if d["persistent"] else "", " lpt" if d["lpt"] else "",
                       f" emu{d['exp2_emu_frac']:g}" if d["exp2_emu_frac"] else "",
                       f" tau{d['rescale_threshold']:g}" if d["rescale_threshold"] != 8.0 else "",
-                      " vote-first" if d.get("softmax_vote_first") else ""])
+                      " vote-first" if d.get("softmax_vote_first") else "", " window" if d.get("local") else "",
+                      " lookahead" if d.get("lookahead_qk") else "", " p-smem" if d.get("p_smem") else ""])
     family = "fwd_portable" if "num_warps" in d else "fwd"  # the sm80 family's configs have num_warps
     return (f"{family}_sm{d['arch']} d{hd} {d['dtype']} {'causal' if d['causal'] else 'full'} "
             f"{d['tile_m']}x{d['tile_n']}x{d['kv_stages']}st{extras}")
