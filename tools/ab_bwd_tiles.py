@@ -112,9 +112,10 @@ EXTRA_CELLS = (
     # value head dims (0.75x flash-attn-4 at (128, 64) on 2026-12-04; flash-attn-4 runs its d128 tile there)
     Case("hdimv_128_64_causal_4k", 128, True, 4096, 4096, 8, 16, 16, headdim_v=64),
     Case("hdimv_64_128_causal_4k", 64, True, 4096, 4096, 8, 16, 16, headdim_v=128),
-    # windows the shipped whole-tile hand-off (d128 MHA, 2026-12-04) does not cover yet: a GQA window
-    # (the head split) at d128 and an MHA window at d64 (variants whole_wg_rel / pwg, pwg_rel:
-    # compile-checked 0 spills on 2026-12-04, not timed)
+    # windows beside the 2026-12-04 cell: a GQA window at d128 (its plan takes no head split at this
+    # width, so it runs the shipped window hand-off, timed on this shape for the first time; with a
+    # head split the variant would be whole_wg_rel, compile-checked 0 spills) and an MHA window at d64
+    # (variants pwg / pwg_rel: compile-checked 0 spills, not timed)
     Case("gqa32q8kv_window4096_d128_causal_16k", 128, True, 16384, 16384, 2, 32, 8, window=(4095, 0)),
     Case("window1024_d64_causal_16k", 64, True, 16384, 16384, 2, 32, 32, window=(1023, 0)),
 )
