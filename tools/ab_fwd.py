@@ -31,7 +31,9 @@ or varlen request); each other variant is that config with one candidate on (shi
                       effect). Same instructions per value: la bitwise equal to la_base, or to shipped
                       where the tile is shipped's. nola: the switch off where it ships (bf16 (128, 64)
                       causal, since 2026-12-03 night).
-  p / m192p           d96: FwdConfig.p_smem (P through smem) at the shipped tile, and with 192-row tiles.
+  p / m192p           d96: FwdConfig.p_smem (P through smem) at the 128-row tile, and with 192-row tiles
+                      (m192n144p: 192 x 144 without a mask); shipped since 2026-12-04 on the plain dense
+                      d96 forward (shipped_p_smem), where nop times the 128 x 128 tile with P in registers.
   pers / pers_eq / n64  windows: persistent CTAs (O in its own buffer; pers_eq: Q released after the
                       last Q K^T as well), and 64-key blocks.
   mb / nomb           FwdConfig.mask_bits: the score mask from a 32-bit word per row (R2P) instead of
@@ -204,6 +206,8 @@ def _all_variants(case) -> dict:
         out["pers"] = dataclasses.replace(cfg, persistent=True)
         out["pers_eq"] = dataclasses.replace(cfg, persistent=True, early_q_release=True)
         out["n64"] = dataclasses.replace(cfg, tile_n=64)  # narrower key blocks: less of each band masked away
+    if cfg.p_smem:  # shipped on the plain dense d96 forward since 2026-12-04 (shipped_p_smem): time it off
+        out["nop"] = dataclasses.replace(cfg, p_smem=False, tile_m=128, tile_n=128)
     if cfg.headdim == 96 and not cfg.p_smem and not cfg.lookahead_qk:
         # FwdConfig.p_smem: P through smem (p: its cost at the shipped tile), which lets d96 take
         # flash-attn-4's 192-row tile (m192p; with P in registers that tile spills)

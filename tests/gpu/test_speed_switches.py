@@ -303,7 +303,8 @@ def test_mask_bits_shipped(d, h, hk, window, causal, sink, softcap, sq, sk):
     assert errs["ok"], errs
 
 
-# FwdConfig.p_smem (candidate, off; compile-verified 2026-12-04, first run on the H200 by this test): P
+# FwdConfig.p_smem (first run on the H200 by this test, 2026-12-04; shipped since for the plain dense
+# d96 forward at 192 rows, flash4.config.sm90.shipped_p_smem, which the doors' tests run too): P
 # through a shared-memory tile into the P V wgmma. The same P values and the same MMAs, so out / lse
 # are compared with the register path's at the same tile (bitwise expected, within 1e-2 / 1e-3
 # demanded) and against the float32 reference (the 2x rule); NaN-poisoned outputs; d96's 192-row tile

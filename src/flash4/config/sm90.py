@@ -140,8 +140,10 @@ class FwdConfig:
                   a compile-time bit (ptxas: R2P) instead of one or two integer compares per element
                   (H200 ncu of the gpt-oss window-128 forward, 2026-12-04: 2 ISETP + 2 FSEL per
                   element, 19 % of its instructions). Same mask: same bits. Left out of the repr while off.
-    p_smem:       candidate, off (tools/ab_fwd.py variants "p" and "m192p"; compile-verified, not run on
-                  hardware when added, 2026-12-04): P reaches the P V wgmma through a (tile_m, tile_n)
+    p_smem:       on where shipped_p_smem puts it (the plain dense d96 forward at 192 x 128 causal /
+                  192 x 144 full, since 2026-12-04 afternoon: 1.032-1.057x on the H200), elsewhere off
+                  (tools/ab_fwd.py variants "p", "m192p", "m192n144p"; "nop" times it off where it
+                  ships): P reaches the P V wgmma through a (tile_m, tile_n)
                   smem tile (stmatrix, the wgmma's A from smem; flash-attn-4's "mma_pv_is_rs=False")
                   instead of registers, so P's 16-bit fragment is not live across the next Q K^T:
                   what lets d96 take 192-row tiles (three consumer warpgroups at 160 registers; with P
@@ -694,8 +696,10 @@ class BwdConfig:
               (flash4.geometry.key_row_bounds / probs_t_hidden: compares of a step value against the
               fragment's compile-time offsets) instead of first_query / query_end per key row, whose
               key-only parts ptxas kept live across the step loops (window d128: 2 rows x 2 bounds).
-              The same elements hidden (CPU test against the per-row rule): same values. Left out of
-              the repr while off.
+              The same elements hidden (CPU test against the per-row rule): same values. On where
+              shipped_dq_handoff puts it (the d128 window backward, with its whole-tile per-warpgroup
+              dQ hand-off, which spills without it; since 2026-12-04), elsewhere off (alone: 1.000x).
+              Left out of the repr while off.
     dq_whole: the whole-tile dQ hand-off (one bulk reduce-add per step, unpadded staging; dense
               layouts in the accumulator order, so with dq_handoff_per_wg flash-attn-4's per-warpgroup
               hand-off) above DQ_WHOLE_TILE_MAX_HEADDIM (head dim 128), instead of one bulk reduce-add
