@@ -110,6 +110,9 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False,
     window_size = check_window_size(window_size)
     softcap = check_softcap(softcap)
     causal, window_size = canonical_mask(causal, window_size)  # (-1, 0) runs the causal kernel
+    narrow = _narrow_forward(q, k, v, softmax_scale, causal, window_size, softcap, learnable_sink, deterministic)
+    if narrow is not None:  # a padded head dim without autograd: the narrow tensors read as they are
+        return narrow if return_lse else narrow[0]
     padded = _padded_headdims(q, k, v, q_dim=3, learnable_sink=learnable_sink)
     if padded is not None:  # a head dim without a kernel: zero-padded to one (flash4.headdim, exact)
         qp, kp, vp, dv = padded
@@ -444,6 +447,41 @@ def _padded_headdims(q, k, v, q_dim: int, learnable_sink=None):
     if (d_p, dv_p) == (d, dv):
         return None
     return hd.pad_last(q, d_p), hd.pad_last(k, d_p), hd.pad_last(v, dv_p), dv
+
+
+def _narrow_forward(q, k, v, softmax_scale, causal, window_size, softcap, learnable_sink, deterministic):
+    """(out, lse) of a flash_attn_func call whose head dim flash4.headdim pads, run without padded
+    copies (flash4.forward.launch_narrow; FLASH4_NARROW_HEADDIMS, on by default), or None where that
+    path does not apply and the padded path runs: autograd records the call (its backward pads),
+    a learnable sink, torch.compile tracing, native or unservable head dims, other dtypes or devices,
+    empty inputs, strides TMA cannot read (last dim not contiguous, other strides not multiples of 8
+    elements, pointers not 16-byte aligned: the padded copies are contiguous), a decode step or GQA
+    packing. The problem is validated as the padded call's (flash4.validate.dense_request on stand-in
+    tensors of the padded shapes), so bad input raises the same errors."""
+    from flash4 import env, headdim as hd
+
+    tensors = (q, k, v)
+    if (not env.narrow_headdims() or learnable_sink is not None or torch.compiler.is_compiling()
+            or not all(isinstance(t, torch.Tensor) and t.dim() == 4 and t.is_cuda for t in tensors)
+            or _records_grad(q, k, v, learnable_sink)):
+        return None
+    d, dv = q.shape[-1], v.shape[-1]
+    if (k.shape[-1] != d or hd.is_native(d, dv) or not (hd.servable(d) and hd.servable(dv))
+            or q.dtype not in (torch.bfloat16, torch.float16) or any(t.dtype != q.dtype for t in tensors)
+            or any(t.device != q.device for t in tensors) or q.numel() == 0 or k.numel() == 0):
+        return None
+    if not all(t.stride(-1) == 1 and all(st % 8 == 0 for st in t.stride()[:-1]) and t.data_ptr() % 16 == 0
+               for t in tensors):
+        return None
+    scale = resolve_softmax_scale(softmax_scale, d)
+    stand_in = forward.narrow_stand_in(q, k, v, scale, causal, window_size, softcap)
+    validate.dense_request(stand_in.q, stand_in.k, stand_in.v, scale, causal, window_size, softcap, None,
+                           deterministic)
+    out = torch.empty(q.shape[:3] + (dv,), dtype=q.dtype, device=q.device)
+    lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32, device=q.device)
+    if not forward.launch_narrow(q, k, v, out, lse, stand_in):
+        return None
+    return out, lse
 
 
 def _records_grad(q, k, v, learnable_sink) -> bool:

@@ -16,6 +16,7 @@
 | FLASH4_PORTABLE    | the portable (sm80) family on its own GPUs (sm_80/86/89/120): off, selftest (run after passing flash4.selftest), on (unchecked); not read where it is forced (FLASH4_FAMILY=portable on sm_90) | selftest |
 | FLASH4_SM100_2CTA  | 1 selects the 2-CTA sm_100 kernels (cluster of 2, M = 256 across the pair) where they are built: the forward at hd128 non-causal dense, the backward at hd128 and (192, 128) (full or causal, not deterministic, no window, dense); compile-verified, not run on hardware | off |
 | FLASH4_RUNTIME_LOAD | 0 loads cached kernels through the CuTe DSL's loader instead of as shared libraries through TVM-FFI alone (no CuTe DSL import; docs/design/warm_start.md) | on |
+| FLASH4_NARROW_HEADDIMS | 0 turns off: flash_attn_func without autograd, for a head dim flash4.headdim pads (32, 80, 112, ...), runs the padded kernel straight from the narrow tensors (TMA zero-fill, clipped O store; FwdConfig.tensor_hdims) instead of on zero-padded copies; same bits, 1.22-1.57x on the H200 (2026-12-04) | on |
 | FLASH4_MEMO        | 0 turns off prepared calls (flash4.memo: a door's host path, and the dense backward's plan, kept per argument signature) | on |
 | FLASH4_PACK_VIEWS  | 0 copies q / out / lse of a GQA-packed decode step instead of strided views | on |
 | FLASH4_DECODE_SCATTER | 0 turns off: flash_attn_varlen_func's decode step (paged, max_seqlen_q <= 8, out / lse allocated by flash4), when it splits the keys, has the split-KV combine write the varlen out / lse rows by cu_seqlens_q (no step buffers, no searchsorted or scatter); on since the H200 A/B (varlen_paged eager / graph 1.4 -> 1.0) | on |
@@ -106,6 +107,14 @@ def small_pages() -> bool:
     Off, such page sizes are a ValueError. On by default since its GPU tests passed on the H200
     (tests/gpu/test_small_pages.py, 2026-12-02)."""
     value = _flag("FLASH4_SMALL_PAGES")
+    return True if value is None else value
+
+
+def narrow_headdims() -> bool:
+    """FLASH4_NARROW_HEADDIMS (0/1, true/false, on/off, yes/no); on when unset: a no-grad dense
+    forward of a padded head dim reads the narrow tensors (flash4.forward.launch_narrow) instead of
+    zero-padded copies."""
+    value = _flag("FLASH4_NARROW_HEADDIMS")
     return True if value is None else value
 
 

@@ -579,3 +579,43 @@ def _launch_decode(request: Request, out, lse, plan, window, softcap: float, sin
     else:
         run_kernel(q, k_cache, v_cache, out, lse, scale, seqs=seqs, batch=batch, max_seqlen_q=seqlen_q, window=window,
                    softcap=softcap, sink=sink)
+
+
+# ================================================================ narrow head dims without copies
+def narrow_stand_in(q, k, v, softmax_scale: float, causal: bool = False, window_size=(-1, -1), softcap: float = 0.0):
+    """The padded call's DENSE request for q, k (B, S, H, D), v (B, Sk, Hk, Dv) of a head dim
+    flash4.headdim pads: the same shapes at the padded (D', Dv'), on fresh uninitialized stand-in
+    tensors that no kernel reads (launch_narrow plans from their shapes; the API validates them as
+    it would the padded copies). softmax_scale: resolved (the caller's D, not D')."""
+    from flash4 import headdim as hd
+
+    d_p, dv_p = hd.padded_headdims(q.shape[-1], v.shape[-1])
+    return Request.dense(q.new_empty(q.shape[:-1] + (d_p,)), k.new_empty(k.shape[:-1] + (d_p,)),
+                         v.new_empty(v.shape[:-1] + (dv_p,)), softmax_scale, causal, window_size, softcap)
+
+
+def launch_narrow(q, k, v, out, lse, stand_in: Request) -> bool:
+    """The dense forward of a head dim flash4.headdim pads (q, k (B, S, H, D), v (B, Sk, Hk, Dv); D / Dv
+    not native; last dim contiguous, other strides multiples of 8 elements, 16-byte aligned) on the
+    padded kernel straight from the narrow tensors (FwdConfig.tensor_hdims): its TMA loads zero-fill
+    the columns past D / Dv and the O store clips them, so no padded copy of q, k, v or out is made.
+    out (B, Sq, H, Dv) and lse fp32 (B, H, Sq) are written. stand_in: narrow_stand_in's request; the
+    plan is the padded call's own (flash4.config.fwd_config) with tensor_hdims = (D, Dv): the same
+    kernel math, the same bits (tests/gpu/test_tensor_hdims.py). Returns False, launching nothing,
+    where tensor_hdims does not apply (not sm_90, a decode step, GQA packing:
+    flash4.config.sm90.tensor_hdims_error), else True. Inputs are not validated here."""
+    from flash4.compile.cache import get_fwd_runner  # late: compiling pulls in the CuTe DSL
+
+    arch = device_arch(q.device)
+    if arch != 90 or decode_door(stand_in, arch):
+        return False
+    cfg = fwd_config(stand_in, arch).cfg
+    try:  # FwdConfig.__post_init__ raises tensor_hdims_error's problem
+        narrow = dataclasses.replace(cfg, tensor_hdims=(q.shape[-1], v.shape[-1]))
+    except ValueError:
+        return False
+    run_kernel = get_fwd_runner(narrow)
+    with device_guard(q.device):
+        run_kernel(q, k, v, out, lse, stand_in.score.softmax_scale, None, window=stand_in.mask.window,
+                   softcap=stand_in.score.softcap)
+    return True

@@ -88,6 +88,10 @@ CASES = (
     Case("smalld_32_full_4k", 32, False, 4096, 4096, 8, 16, 16),
     Case("smalld_80_full_4k", 80, False, 4096, 4096, 8, 16, 16),
     Case("smalld_112_causal_4k", 112, True, 4096, 4096, 8, 16, 16),
+    # Issue 26: the sweep's short cells, by name (32 sequences of 1k; the per-tile prologue and
+    # epilogue weigh most there), so tools/prof_case.py can profile them.
+    Case("short_d128_full_1k", 128, False, 1024, 1024, 32, 16, 16),
+    Case("short_d128_causal_1k", 128, True, 1024, 1024, 32, 16, 16),
 )
 
 

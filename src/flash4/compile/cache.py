@@ -67,7 +67,8 @@ def compile_fwd(cfg: FwdConfig, options: str = ""):
     kernel = registry.config_family(cfg).kernel_class("fwd")(cfg)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     return cute.compile(
-        kernel, *fwd_fake_args(cfg.headdim, cfg.dtype, paged=cfg.paged, headdim_v=cfg.headdim_v),
+        kernel, *fwd_fake_args(cfg.headdim, cfg.dtype, paged=cfg.paged, headdim_v=cfg.headdim_v,
+                              tensor_hdims=getattr(cfg, "tensor_hdims", None)),
         *seq_fake_args(cfg), *split_fake_args(cfg), sink_fake_arg(cfg),
         cutlass.Float32(1.0), cutlass.Float32(1.0), cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1),
         cutlass.Int32(0), cutlass.Int32(0), cutlass.Int32(1), cutlass.Int32(1), stream,

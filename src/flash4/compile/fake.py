@@ -19,12 +19,16 @@ def _fake(dtype, shape, leading_dim: int, divisibility: int):
     return cute.runtime.make_fake_tensor(dtype, shape, stride=stride, assumed_align=divisibility * dtype.width // 8)
 
 
-def fwd_fake_args(headdim: int, dtype: str, paged: bool = False, headdim_v: int | None = None):
+def fwd_fake_args(headdim: int, dtype: str, paged: bool = False, headdim_v: int | None = None,
+                  tensor_hdims: tuple | None = None):
     """(q, k, v, out, lse, lse_hi, lse_lo) fake tensors: q (b, sq, h, d), k (b, sk, hk, d), v
     (b, sk, hk, dv), out (b, sq, h, dv) (dv = headdim_v, or headdim when None), lse/lse_hi/lse_lo
-    (b, h, sq) fp32. paged: k/v (num_pages, page_size, hk, d / dv), their own extents."""
+    (b, h, sq) fp32. paged: k/v (num_pages, page_size, hk, d / dv), their own extents.
+    tensor_hdims: (d, dv) of the tensors when narrower than the kernel's (FwdConfig.tensor_hdims)."""
     dt = DTYPES[dtype]
     dv = headdim if headdim_v is None else headdim_v
+    if tensor_hdims is not None:
+        headdim, dv = tensor_hdims
     b, sq, sk, h, hk = (cute.sym_int32() for _ in range(5))
     bk = cute.sym_int32() if paged else b
     q = _fake(dt, (b, sq, h, headdim), 3, DIV_16B)

@@ -34,7 +34,8 @@ SHORT_SEQLEN_K = 1024
 # other config's key: the speed switches, and sink_delta (on only when a learnable sink needs a gradient).
 _QUIET_SWITCHES = ("early_q_release", "l2_kv_heads", "exp_before_dp_wait", "dq_handoff_per_wg", "sink_delta",
                    "gather_zero_fill", "dq_swapab", "dq_whole", "lse_early", "softmax_vote_first", "sink_delta_db",
-                   "no_tail_guard", "lookahead_qk", "mask_bits", "p_smem", "rescale_always", "mask_rel")
+                   "no_tail_guard", "lookahead_qk", "mask_bits", "p_smem", "rescale_always", "mask_rel",
+                   "tensor_hdims")
 
 
 def _quiet_repr(cfg) -> str:
@@ -155,6 +156,14 @@ class FwdConfig:
                   keeps the reference, so the same bits; without the branch ptxas can issue the O
                   multiplies and P's F2FP conversion under the MUFU.EX2 stream (H200 ncu 2026-12-04,
                   d128 GQA causal: the F2FP waited after the branch). Left out of the repr while off.
+    tensor_hdims: None, or (D, Dv) of the q/k and v/out tensors when they are narrower than the
+                  kernel's (headdim, hdim_v) (a head dim flash4.headdim pads, e.g. 32 / 80 / 112 on
+                  the 64 / 96 / 128 kernels): the TMA loads read the tensors as they are and fill
+                  the columns past D / Dv of each box with zeros (what the padding copy writes), the
+                  O store clips them, so no padded copy of q, k, v or out is made. Same math as the
+                  padded call (tensor_hdims_error: the dense TMA layouts only). Candidate, off: the
+                  API still pads (docs/design/speed_candidates.md section 13). Left out of the repr
+                  while None.
     """
 
     headdim: int
@@ -190,6 +199,7 @@ class FwdConfig:
     mask_bits: bool = False
     p_smem: bool = False
     rescale_always: bool = False
+    tensor_hdims: tuple | None = None
 
     def __post_init__(self):
         assert self.headdim in SUPPORTED_HEADDIMS, self.headdim
@@ -211,6 +221,10 @@ class FwdConfig:
         assert self.tile_n % 16 == 0, self.tile_n
         assert self.pack_gqa == 1 or (self.pack_gqa > 1 and self.tile_m % self.pack_gqa == 0 and not self.varlen_q
                                       and not self.seqused_q and not self.split_kv), self
+        if self.tensor_hdims is not None:
+            problem = tensor_hdims_error(self)
+            if problem:
+                raise ValueError(f"FwdConfig.tensor_hdims={self.tensor_hdims}: {problem}")
 
     def __repr__(self) -> str:
         return _quiet_repr(self)
@@ -318,6 +332,23 @@ def lookahead_qk_config(cfg: FwdConfig) -> FwdConfig | None:
         on = dataclasses.replace(cfg, tile_n=tile_n, lookahead_qk=False)
         if lookahead_qk_error(on) is None:
             return dataclasses.replace(on, lookahead_qk=True)
+    return None
+
+
+def tensor_hdims_error(cfg: FwdConfig) -> str | None:
+    """Why FwdConfig.tensor_hdims cannot be compiled, or None (pure). (D, Dv): multiples of 8 (whole
+    16-byte chunks: TMA strides), 8 <= D <= headdim, 8 <= Dv <= hdim_v. Only where every global
+    access of Q, K, V and O is a TMA box of the dense layout (zero-fill on load, clipping on store):
+    not with packed / ragged queries (row-predicated O stores), pages (gathered rows or page pieces),
+    split-KV (fp32 partial O) or GQA packing (packed TMA views)."""
+    dims = cfg.tensor_hdims
+    if not (isinstance(dims, tuple) and len(dims) == 2 and all(isinstance(d, int) for d in dims)):
+        return "must be a (D, Dv) tuple of ints"
+    d, dv = dims
+    if not (8 <= d <= cfg.headdim and d % 8 == 0 and 8 <= dv <= cfg.hdim_v and dv % 8 == 0):
+        return f"needs multiples of 8 with 8 <= D <= {cfg.headdim} and 8 <= Dv <= {cfg.hdim_v}"
+    if cfg.ragged_q or cfg.paged or cfg.split_kv or cfg.pack_gqa > 1:
+        return "dense TMA layouts only (no varlen / seqused queries, pages, split-KV or GQA packing)"
     return None
 
 
