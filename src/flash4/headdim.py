@@ -15,7 +15,10 @@ output after it:
 
 Padding costs a copy of q, k, v (and of the output) per call and the FLOPs of the padded width
 (d8 runs as d64: 8x the work of an ideal d8 kernel); speed is reported against SDPA's best backend in
-docs/perf. A KV cache (flash_attn_with_kvcache, or a paged varlen call) is not padded per call: a
+docs/perf. Since 2026-12-04 a dense flash_attn_func call that autograd does not record skips the
+copies on sm_90 (flash4.forward.launch_narrow, FLASH4_NARROW_HEADDIMS): the padded kernel reads the
+narrow tensors, its TMA boxes zero-filling the columns past D / Dv and its O store clipping them
+(FwdConfig.tensor_hdims; the same bits; 1.22-1.58x on the H200); the padded FLOPs remain. A KV cache (flash_attn_with_kvcache, or a paged varlen call) is not padded per call: a
 cache is appended to in place and copying it every step would cost more than the attention; those
 entry points serve the native head dims only (allocate the cache with a native head dim).
 
