@@ -57,3 +57,25 @@ def test_compiles_clean(d, dp, causal):
         pytest.skip("cuobjdump not installed: resources not checked")
     assert res["spills"] == 0 and not res["wgmma_serialized"] and res["hgmma"] > 0, res
     assert res["utmaldg"] > 0 and res["utmastg"] > 0, res
+
+
+def test_api_gate_without_gpu(monkeypatch):
+    """flash4.api._narrow_forward leaves every call it cannot take to the padded path (None): CPU
+    tensors, native head dims, autograd-recorded calls, a learnable sink, the switch off."""
+    import torch
+
+    from flash4 import api, env
+
+    q = torch.randn(1, 16, 2, 40, dtype=torch.bfloat16)
+    args = (None, False, (-1, -1), 0.0, None, False)
+    assert env.narrow_headdims() is True
+    assert api._narrow_forward(q, q, q, *args) is None  # not CUDA
+    assert api._narrow_forward(q[..., :32].contiguous(), q[..., :32].contiguous(), q[..., :32].contiguous(),
+                               *args) is None
+    qg = q.clone().requires_grad_()
+    assert api._narrow_forward(qg, q, q, *args) is None
+    monkeypatch.setenv("FLASH4_NARROW_HEADDIMS", "0")
+    assert env.narrow_headdims() is False
+    monkeypatch.setenv("FLASH4_NARROW_HEADDIMS", "maybe")
+    with pytest.raises(ValueError, match="FLASH4_NARROW_HEADDIMS"):
+        env.narrow_headdims()
