@@ -602,7 +602,7 @@ def launch_narrow(q, k, v, out, lse, stand_in: Request) -> bool:
     out (B, Sq, H, Dv) and lse fp32 (B, H, Sq) are written. stand_in: narrow_stand_in's request; the
     plan is the padded call's own (flash4.config.fwd_config) with tensor_hdims = (D, Dv): the same
     kernel math, the same bits (tests/gpu/test_tensor_hdims.py). Returns False, launching nothing,
-    where tensor_hdims does not apply (not sm_90, a decode step, GQA packing:
+    where tensor_hdims does not apply (not sm_90 or not its family's config, a decode step, GQA packing:
     flash4.config.sm90.tensor_hdims_error), else True. Inputs are not validated here."""
     from flash4.compile.cache import get_fwd_runner  # late: compiling pulls in the CuTe DSL
 
@@ -610,6 +610,8 @@ def launch_narrow(q, k, v, out, lse, stand_in: Request) -> bool:
     if arch != 90 or decode_door(stand_in, arch):
         return False
     cfg = fwd_config(stand_in, arch).cfg
+    if not hasattr(cfg, "tensor_hdims"):  # another family forced on this GPU (FLASH4_FAMILY=portable)
+        return False
     try:  # FwdConfig.__post_init__ raises tensor_hdims_error's problem
         narrow = dataclasses.replace(cfg, tensor_hdims=(q.shape[-1], v.shape[-1]))
     except ValueError:
