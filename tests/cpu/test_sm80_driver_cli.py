@@ -19,3 +19,27 @@ def test_unknown_target_is_a_usage_error(capsys, arch):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert arch in err and "sm_80" in err and "sm_120" in err
+
+
+@pytest.mark.parametrize("argv", [["--bwd", "--candidate", "nope", "80"], ["--candidate", "fa2", "80"]])
+def test_candidate_usage_errors(capsys, argv):
+    with pytest.raises(SystemExit) as e:
+        sm80_driver.main(argv)
+    assert e.value.code == 2 and "--candidate" in capsys.readouterr().err
+
+
+def test_shipped_candidate_configs():
+    """`--bwd --candidate shipped`: the configs the plain dense backward runs (bwd_plan's
+    SHIPPED_BWD_CANDIDATE): d64 / d128 x bf16 / fp16 x full / causal on the >= 163 KiB targets, none
+    on the 99 KiB ones."""
+    from flash4.config import sm80
+
+    for arch in (80, 90):
+        cfgs = sm80_driver.candidate_configs("shipped", arch)
+        assert cfgs == sm80_driver.candidate_configs(sm80.SHIPPED_BWD_CANDIDATE, arch)
+        assert sorted((c.headdim, c.dtype, c.causal) for c in cfgs) == sorted(
+            (d, dt, c) for d in (64, 128) for dt in ("bf16", "fp16") for c in (False, True))
+        assert all(c.dq_coalesced and c.arch == arch for c in cfgs)
+    assert sm80_driver.candidate_configs("shipped", 86) == []
+    with pytest.raises(ValueError):
+        sm80_driver.candidate_configs("nope", 80)

@@ -112,10 +112,25 @@ def fwd_runner(cfg: Sm80FwdConfig):
     return run
 
 
+def candidate_configs(name: str, arch: int) -> list:
+    """The backward speed candidate `name` (config.sm80.BWD_CANDIDATES; "shipped":
+    SHIPPED_BWD_CANDIDATE, what bwd_plan runs for plain dense problems) of each shipped backward
+    config of target `arch`, where it applies (`--bwd --candidate NAME`). ValueError for an unknown
+    name."""
+    from flash4.config.sm80 import BWD_CANDIDATES, SHIPPED_BWD_CANDIDATE, bwd_candidates, shipped_bwd_configs
+
+    cand = SHIPPED_BWD_CANDIDATE if name == "shipped" else name
+    if cand not in BWD_CANDIDATES:
+        raise ValueError(f"--candidate {name!r}: not a candidate; allowed: {', '.join(sorted(BWD_CANDIDATES))}, shipped")
+    return [bwd_candidates(c)[cand] for c in shipped_bwd_configs(arch) if cand in bwd_candidates(c)]
+
+
 def main(argv=None) -> int:
-    """`python -m flash4.compile.sm80_driver [--bwd] [ARCH ...]`: compile every shipped forward (with
-    --bwd: backward) config of the given targets (default: all of TARGETS) on this machine and print
-    registers, spills, SASS opcode counts and compile seconds per config. Exit status 1 if any
+    """`python -m flash4.compile.sm80_driver [--bwd [--candidate NAME]] [ARCH ...]`: compile every
+    shipped forward (with --bwd: backward; with --candidate: candidate_configs, e.g. `--bwd
+    --candidate shipped 80` for what the plain dense backward runs) config of the given targets
+    (default: all of TARGETS) on this machine and print registers, spills, SASS opcode counts and
+    compile seconds per config. Exit status 1 if any
     failed, spilled or lacks the warp-level instructions / has arch-specific ones."""
     import sys
 
@@ -129,6 +144,10 @@ def main(argv=None) -> int:
                                 description="Compile every shipped portable (sm80 family) config for the given "
                                             "targets; print registers, spills, SASS opcode counts and seconds.")
     p.add_argument("--bwd", action="store_true", help="the backward configs instead of the forward ones")
+    p.add_argument("--candidate", metavar="NAME",
+                   help="with --bwd: the speed candidate NAME (config.sm80.BWD_CANDIDATES; 'shipped': "
+                        "SHIPPED_BWD_CANDIDATE, what the plain dense backward runs) of each shipped config "
+                        "where it applies, instead of the shipped configs")
     p.add_argument("archs", nargs="*", metavar="ARCH",
                    help=f"targets, e.g. 80 or sm_86 (default: all of {sorted(TARGETS)})")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
@@ -137,6 +156,14 @@ def main(argv=None) -> int:
         from flash4.compile.cache import compile_bwd as compiler
 
         shipped = shipped_bwd_configs
+        if args.candidate is not None:
+            try:
+                candidate_configs(args.candidate, sorted(TARGETS)[0])
+            except ValueError as e:
+                p.error(str(e))
+            shipped = functools.partial(candidate_configs, args.candidate)
+    elif args.candidate is not None:
+        p.error("--candidate needs --bwd")
     archs = []
     for a in args.archs:
         name = a.removeprefix("sm_").rstrip("a")

@@ -34,7 +34,8 @@ from flash4.kernels.common.layout import acc_mn_view, select_modes, transpose_vi
 from flash4.kernels.common.params import MaskParams, SeqParams
 from flash4.kernels.common.zero_rows import zeros_like
 from flash4.kernels.common.seqinfo import SeqInfo, store_rows_predicated
-from flash4.kernels.sm80.mma import as_wgmma_acc, gemm_ss, make_tiled_mma, smem_layout_atom
+from flash4.kernels.sm80.mma import (KPipe, ZeroRowCopy, as_wgmma_acc, copy_op, gemm_kpipe, make_kpipe, make_tiled_mma,
+                                     smem_layout_atom)
 
 # 16-byte global accesses (cp.async.cg loads, the dK / dV stores): 8 elements of 16 bits.
 COPY_BITS = 128
@@ -144,24 +145,15 @@ class Mmas(NamedTuple):
     dq: cute.TiledMma
 
 
-class Gemm(NamedTuple):
-    """One GEMM's per-thread operands: register fragments a, b, their ldmatrix partitions sa, sb (a
-    trailing STAGE mode where the operand is staged) and copies."""
-
-    a: cute.Tensor
-    b: cute.Tensor
-    sa: cute.Tensor
-    sb: cute.Tensor
-    copy_a: object
-    copy_b: object
-
-
 class Operands(NamedTuple):
-    s: Gemm  # S = Q K^T
-    dp: Gemm  # dP = dO V^T
-    dv: Gemm  # dV += P^T dO
-    dk: Gemm  # dK += dS^T Q
-    dq: Gemm  # dQ = dS K
+    """Every GEMM's per-thread operands (mma.KPipe: fragments, ldmatrix partitions with a trailing
+    STAGE mode where the operand is staged, copies)."""
+
+    s: KPipe  # S = Q K^T
+    dp: KPipe  # dP = dO V^T
+    dv: KPipe  # dV += P^T dO
+    dk: KPipe  # dK += dS^T Q
+    dq: KPipe  # dQ = dS K
 
 
 class FlashAttentionBackwardSm80:
@@ -332,13 +324,13 @@ class FlashAttentionBackwardSm80:
         ldsm_t = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4), self.dtype)
         sQt, sdOt, sKt, sPt, sdSt = (transpose_view(t) for t in (smem.q, smem.do, smem.k, smem.p, smem.ds))
 
-        def gemm(mma, sA, sB, trans_a: bool, trans_b: bool, staged_a: bool, staged_b: bool) -> Gemm:
+        def gemm(mma, sA, sB, trans_a: bool, trans_b: bool, staged_a: bool, staged_b: bool) -> KPipe:
             thr = mma.get_slice(tidx)
             a = thr.make_fragment_A(thr.partition_A(sA[None, None, 0] if staged_a else sA))
             b = thr.make_fragment_B(thr.partition_B(sB[None, None, 0] if staged_b else sB))
             copy_a = cute.make_tiled_copy_A(ldsm_t if trans_a else ldsm, mma).get_slice(tidx)
             copy_b = cute.make_tiled_copy_B(ldsm_t if trans_b else ldsm, mma).get_slice(tidx)
-            return Gemm(a, b, copy_a.partition_S(sA), copy_b.partition_S(sB), copy_a, copy_b)
+            return make_kpipe(a, b, copy_a.partition_S(sA), copy_b.partition_S(sB), copy_a, copy_b)
 
         return Operands(
             gemm(mmas.sdp, smem.q, smem.k, False, False, True, False),  # S = Q K^T
@@ -465,12 +457,10 @@ class FlashAttentionBackwardSm80:
         acc_shape = mmas.sdp.partition_shape_C((self.tile_m, self.tile_n))
         acc_S = cute.make_rmem_tensor(acc_shape, Float32)
         acc_S.fill(0.0)
-        g = ops.s
-        gemm_ss(mmas.sdp, acc_S, g.a, g.b, g.sa[None, None, None, stage], g.sb, g.copy_a, g.copy_b)
+        gemm_kpipe(mmas.sdp, acc_S, ops.s, ops.s.sa[None, None, None, stage], ops.s.sb)
         acc_dP = cute.make_rmem_tensor(acc_shape, Float32)
         acc_dP.fill(0.0)
-        g = ops.dp
-        gemm_ss(mmas.sdp, acc_dP, g.a, g.b, g.sa[None, None, None, stage], g.sb, g.copy_a, g.copy_b)
+        gemm_kpipe(mmas.sdp, acc_dP, ops.dp, ops.dp.sa[None, None, None, stage], ops.dp.sb)
 
         score.apply(acc_S, softcap_scale, self.cfg.softcap)
         s_view = as_wgmma_acc(acc_S)
@@ -487,25 +477,24 @@ class FlashAttentionBackwardSm80:
         # so dK = dS^T Q and dQ = dS K need none
         p, dp = acc_mn_view(as_wgmma_acc(acc_S)), acc_mn_view(as_wgmma_acc(acc_dP))
         for r in cutlass.range_constexpr(num_rows):
+            dpsum_r = dpsum[r]  # (read once per row: the same registers, fewer traced loads)
+            lse_r = lse[r] if const_expr(self.cfg.softcap) else None
             for c in cutlass.range_constexpr(cute.size(p, mode=[1])):
-                ds = (p[r, c] * softmax_scale) * (dp[r, c] - dpsum[r])
+                ds = (p[r, c] * softmax_scale) * (dp[r, c] - dpsum_r)
                 if const_expr(self.cfg.softcap):
-                    ds = ds * score.grad_factor(p[r, c], lse[r], inv_scale_log2)
+                    ds = ds * score.grad_factor(p[r, c], lse_r, inv_scale_log2)
                 dp[r, c] = ds
         rdS = cute.make_fragment_like(acc_dP, self.dtype)
         rdS.store(acc_dP.load().to(self.dtype))
         cute.copy(r2s, r2s.retile(rdS), r2s.partition_D(smem.ds))
         cute.arch.barrier()  # P, dS complete in smem
 
-        g = ops.dv
-        gemm_ss(mmas.dkv, acc_dV, g.a, g.b, g.sa, g.sb[None, None, None, stage], g.copy_a, g.copy_b)
-        g = ops.dk
-        gemm_ss(mmas.dkv, acc_dK, g.a, g.b, g.sa, g.sb[None, None, None, stage], g.copy_a, g.copy_b)
+        gemm_kpipe(mmas.dkv, acc_dV, ops.dv, ops.dv.sa, ops.dv.sb[None, None, None, stage])
+        gemm_kpipe(mmas.dkv, acc_dK, ops.dk, ops.dk.sa, ops.dk.sb[None, None, None, stage])
         thr_dq = mmas.dq.get_slice(tidx)
         acc_dQ = cute.make_rmem_tensor(thr_dq.partition_shape_C((self.tile_m, self.hdim)), Float32)
         acc_dQ.fill(0.0)
-        g = ops.dq
-        gemm_ss(mmas.dq, acc_dQ, g.a, g.b, g.sa, g.sb, g.copy_a, g.copy_b)
+        gemm_kpipe(mmas.dq, acc_dQ, ops.dq, ops.dq.sa, ops.dq.sb)
         # dQ -> dq_accum: the padded layout holds whole query tiles of each sequence, so rows past
         # seqlen_q (which add 0) need no predicate
         gdQ = cute.local_tile(seq.q_padded_view(stats.dq_accum, head), (self.tile_m, self.hdim), (m_block, 0))
@@ -556,8 +545,9 @@ class FlashAttentionBackwardSm80:
                     s[r, c] = exp2_hw(fma_rn(s[r, c], scale_log2, -hi) - lo)
         else:
             for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+                lse_r = lse[r]
                 for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
-                    s[r, c] = exp2_hw(s[r, c] * scale_log2 - lse[r])
+                    s[r, c] = exp2_hw(s[r, c] * scale_log2 - lse_r)
 
     def dq_turn(self, m_block, n_block, seq: SeqInfo, window):
         """This key tile's place in query tile m_block's deterministic chain of dQ adds: the key tiles
@@ -586,30 +576,45 @@ class FlashAttentionBackwardSm80:
         return m_block, seq.batch
 
     def row_coords(self, tiled_copy, thr_copy, rows: int, cols: int):
-        """(this thread's, thread 0's) coordinate partitions of a (rows, cols) tile."""
+        """(this thread's coordinate partition of a (rows, cols) tile, thread 0's row of each CPY_ROWS
+        index: static, as Python ints, computed once per kernel object and shape)."""
         c = cute.make_identity_tensor((rows, cols))
-        return thr_copy.partition_S(c), tiled_copy.get_slice(0).partition_S(c)
+        key = (rows, cols)
+        cache = self.__dict__.setdefault("_t0_rows", {})
+        if key not in cache:
+            t0XcX = tiled_copy.get_slice(0).partition_S(c)
+            t0_rows = tuple(t0XcX[0, m, 0][0] for m in range(cute.size(t0XcX.shape[1])))
+            assert all(isinstance(r, int) for r in t0_rows), t0_rows
+            cache[key] = t0_rows
+        return thr_copy.partition_S(c), cache[key]
 
     @cute.jit
-    def load_rows(self, tiled_copy, tXgX: cute.Tensor, tXsX: cute.Tensor, tXcX: cute.Tensor, t0XcX: cute.Tensor,
+    def load_rows(self, tiled_copy, tXgX: cute.Tensor, tXsX: cute.Tensor, tXcX: cute.Tensor, t0_rows: tuple,
                   valid_rows: Int32):
         """cp.async the rows < valid_rows of a tile; zero the others in smem. tXgX, tXsX: (CPY,
-        CPY_ROWS, CPY_K) partitions; rows compared as thread 0's static row against (valid_rows -
-        this thread's first row)."""
+        CPY_ROWS, CPY_K) partitions; rows compared as thread 0's static row (t0_rows, row_coords)
+        against (valid_rows - this thread's first row).
+
+        Trace-time lean (issue 24; the same IR once the canonicalizer has run, so the same cubin):
+        the row copies take slices of (CPY, CPY_ROWS, (CPY_K)) views grouped once per call, the
+        form cute.copy would build per row, and issue the copy op directly; the zero-fill is
+        cute.autovec_copy's with its vector plan (and the zeros' side) built once per call."""
         limit = valid_rows - tXcX[0][0]
         zeros = zeros_like(tXsX[None, 0, None])
+        gX, sX = cute.group_modes(tXgX, 2, 3), cute.group_modes(tXsX, 2, 3)
+        zero_row = ZeroRowCopy(zeros, tXsX[None, 0, None]).copy
         for m in cutlass.range_constexpr(cute.size(tXsX.shape[1])):
-            if t0XcX[0, m, 0][0] < limit:
-                cute.copy(tiled_copy, tXgX[None, m, None], tXsX[None, m, None])
+            if t0_rows[m] < limit:
+                copy_op(tiled_copy, gX[None, m, None], sX[None, m, None])
             else:
-                cute.autovec_copy(zeros, tXsX[None, m, None])
+                zero_row(tXsX[None, m, None])
 
     @cute.jit
-    def load_q_tile(self, tiled_copy, tXgX: cute.Tensor, tXsX: cute.Tensor, tXcX: cute.Tensor, t0XcX: cute.Tensor,
+    def load_q_tile(self, tiled_copy, tXgX: cute.Tensor, tXsX: cute.Tensor, tXcX: cute.Tensor, t0_rows: tuple,
                     seqlen_q: Int32, m_block: Int32, stage: Int32):
         """cp.async query tile m_block of Q or dO (tXgX: (CPY, CPY_M, CPY_K, m_block)) into smem
         stage `stage` (tXsX: (CPY, CPY_M, CPY_K, STAGE)), rows past seqlen_q zero-filled."""
-        self.load_rows(tiled_copy, tXgX[None, None, None, m_block], tXsX[None, None, None, stage], tXcX, t0XcX,
+        self.load_rows(tiled_copy, tXgX[None, None, None, m_block], tXsX[None, None, None, stage], tXcX, t0_rows,
                        seqlen_q - m_block * self.tile_m)
 
     @cute.jit

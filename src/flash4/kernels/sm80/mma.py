@@ -13,7 +13,12 @@ Only instructions every target runs are used here (mma.sync, ldmatrix, cp.async,
 no TMA, wgmma, stmatrix or tcgen05, whatever the DSL's target arch is.
 """
 
+from typing import NamedTuple
+
+import math
+
 import cutlass
+import cutlass._mlir.dialects.cute as _cute_ir
 import cutlass.cute as cute
 from cutlass import Float32
 from cutlass.cute.nvgpu import warp
@@ -123,3 +128,108 @@ def gemm_rs(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor, tCrB:
         if cutlass.const_expr(k < num_k - 1):
             cute.copy(copy_B, tCsB[None, None, k + 1], tCrB_view[None, None, k + 1])
         cute.gemm(tiled_mma, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
+
+
+# ---------------------------------------------------------------------- trace-time lean GEMMs
+# cute.copy and cute.gemm canonicalize their operands on every call (append_ones + group_modes of
+# each slice, and rank / size / shape checks): ~47 IR ops per ldmatrix k16 slice, of which a
+# make_coord, slice, group_modes chain is live; the rest is dead introspection the first
+# canonicalizer removes. The backward issues ~60 such slices per query tile and traces its loop
+# body twice (masked and unmasked), so that is most of its trace time (issue 24). KPipe groups the
+# copies' rest modes once per kernel (group_modes(t, 1, 2): (CPY, (CPY_M), CPY_K[, STAGE])), so a
+# k16 slice of it already has the (V, (Rest)) form cute.copy would build, and gemm_kpipe emits the
+# cute.copy / cute.gemm ops on the slices directly: the same live IR, hence the same cubin (checked
+# with tools/kernel_fingerprint.py), built from ~5 ops per slice.
+
+class KPipe(NamedTuple):
+    """One k-pipelined GEMM's per-thread operands: a, b the MMA fragments (MMA, MMA_M|N, MMA_K);
+    sa, sb the ldmatrix partitions of the smem tiles, rest modes grouped as cute.copy would
+    ((CPY, (CPY_M|N), CPY_K), a trailing STAGE mode where the operand is staged); copy_a, copy_b
+    the per-thread ldmatrix copies; a_k, b_k, ra_k, rb_k the k16 slices of the fragments and of
+    their ldmatrix retiles (rest modes grouped), one per k (static: sliced once per kernel)."""
+
+    a: cute.Tensor
+    b: cute.Tensor
+    sa: cute.Tensor
+    sb: cute.Tensor
+    copy_a: object
+    copy_b: object
+    a_k: tuple
+    b_k: tuple
+    ra_k: tuple
+    rb_k: tuple
+
+
+def _group_rest(t: cute.Tensor) -> cute.Tensor:
+    """(CPY, CPY_M, CPY_K, ...) -> (CPY, (CPY_M), CPY_K, ...): a k (and stage) slice of it is what
+    cute.copy's group_modes(append_ones(slice, 2), 1) makes of the ungrouped slice."""
+    return cute.group_modes(t, 1, 2)
+
+
+def make_kpipe(a: cute.Tensor, b: cute.Tensor, sa: cute.Tensor, sb: cute.Tensor, copy_a, copy_b) -> KPipe:
+    """KPipe of fragments a, b, ldmatrix partitions sa, sb (copy_x.partition_S of the smem tiles)
+    and the per-thread copies (built once per kernel)."""
+    ra, rb = _group_rest(copy_a.retile(a)), _group_rest(copy_b.retile(b))
+    num_k = cute.size(a.shape[2])
+    return KPipe(a, b, _group_rest(sa), _group_rest(sb), copy_a, copy_b,
+                 tuple(a[None, None, k] for k in range(num_k)), tuple(b[None, None, k] for k in range(num_k)),
+                 tuple(ra[None, None, k] for k in range(num_k)), tuple(rb[None, None, k] for k in range(num_k)))
+
+
+def copy_op(atom, src: cute.Tensor, dst: cute.Tensor):
+    """cute.copy(atom, src, dst) for operands already in its canonical rank-2 (V, (Rest)) form:
+    the one cute.copy op, without the canonicalization and checks."""
+    _cute_ir.copy(atom._unpack(), [src.value], [dst.value])
+
+
+def _mma(tiled_mma: cute.TiledMma, acc: cute.Tensor, a: cute.Tensor, b: cute.Tensor):
+    """cute.gemm(tiled_mma, acc, a, b, acc) without its rank checks: the one cute.gemm op."""
+    _cute_ir.gemm(tiled_mma._unpack(), acc.value, [a.value], [b.value], acc.value)
+
+
+@cute.jit
+def gemm_kpipe(tiled_mma: cute.TiledMma, acc: cute.Tensor, p: KPipe, sa: cute.Tensor, sb: cute.Tensor):
+    """gemm_ss(tiled_mma, acc, p.a, p.b, sa, sb, p.copy_a, p.copy_b) on KPipe operands: acc += A B^T
+    over the K mode, A and B ldmatrix'd one k16 slice ahead of the mma.sync that uses it. sa, sb:
+    p.sa / p.sb, or their stage slice where staged ((CPY, (CPY_M|N), CPY_K))."""
+    num_k = cute.size(sb.shape[2])
+    copy_op(p.copy_a, sa[None, None, 0], p.ra_k[0])
+    copy_op(p.copy_b, sb[None, None, 0], p.rb_k[0])
+    for k in cutlass.range_constexpr(num_k):
+        if cutlass.const_expr(k < num_k - 1):
+            copy_op(p.copy_a, sa[None, None, k + 1], p.ra_k[k + 1])
+            copy_op(p.copy_b, sb[None, None, k + 1], p.rb_k[k + 1])
+        _mma(tiled_mma, acc, p.a_k[k], p.b_k[k])
+
+
+class ZeroRowCopy:
+    """cute.autovec_copy(zeros, row) for many rows of one layout (the rows of a tile past a
+    sequence): its vector plan (max_common_layout, the vector width) and the zeros' tiled view are
+    built once, each row then costs its two logical_divides, the copy atom and the copy op, as
+    autovec_copy emits them. A row whose type differs from the first's goes through
+    cute.autovec_copy itself."""
+
+    def __init__(self, zeros: cute.Tensor, row: cute.Tensor):
+        self.zeros, self.row_type = zeros, row.type
+        width = zeros.element_type.width
+        self.vec_layout = cute.max_common_layout(zeros, row)
+        num = cute.size(self.vec_layout)
+        bound = math.gcd(zeros.layout.max_alignment, row.layout.max_alignment)
+        bound = math.gcd(bound, num) * width
+        bound = math.gcd(bound, zeros.iterator.max_alignment * 8)
+        bound = math.gcd(bound, row.iterator.max_alignment * 8)
+        self.bits = math.gcd(bound, 256)
+        self.vectorized = num > 1 and self.bits % 8 == 0 and zeros.element_type is not cutlass.Boolean
+        if self.vectorized:
+            self.num = self.bits // width
+            self.tiled_zeros = cute.logical_divide(cute.logical_divide(zeros, self.vec_layout), cute.make_layout(self.num))
+
+    def copy(self, row: cute.Tensor):
+        if not self.vectorized or row.type != self.row_type:
+            cute.autovec_copy(self.zeros, row)
+            return
+        from cutlass.cute.algorithm import _make_copy_atom
+
+        tiled_row = cute.logical_divide(cute.logical_divide(row, self.vec_layout), cute.make_layout(self.num))
+        atom = _make_copy_atom(self.zeros.element_type, self.bits, self.zeros.iterator.memspace, row.iterator.memspace)
+        _cute_ir.copy(atom, [self.tiled_zeros.value], [tiled_row.value])
