@@ -19,8 +19,10 @@ from typing import NamedTuple, Optional
 import cuda.bindings.driver as cuda
 
 import cutlass
+import cutlass._mlir.dialects.cute as _cute_ir
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
+from cutlass.cute.core import _pack_coord
 from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warp
 from cutlass.cutlass_dsl import dsl_user_op
@@ -34,6 +36,7 @@ from flash4.kernels.common.layout import acc_mn_view, select_modes, transpose_vi
 from flash4.kernels.common.params import MaskParams, SeqParams
 from flash4.kernels.common.zero_rows import zeros_like
 from flash4.kernels.common.seqinfo import SeqInfo, store_rows_predicated
+from flash4.kernels.sm80 import loop_clone
 from flash4.kernels.sm80.mma import (KPipe, ZeroRowCopy, as_wgmma_acc, copy_op, gemm_kpipe, make_kpipe, make_tiled_mma,
                                      smem_layout_atom)
 
@@ -70,6 +73,33 @@ def opaque_i32(a: Int32, *, loc=None, ip=None) -> Int32:
     return Int32(llvm.inline_asm(Int32.mlir_type, [Int32(a).ir_value(loc=loc, ip=ip)], "mov.u32 $0, $1;", "=r,r",
                                  has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
                                  loc=loc, ip=ip))
+
+
+class RegCoords(NamedTuple):
+    """Packed static coordinates of the register fragments one_m_block reads element by element,
+    made once per kernel (issue 24): t[r, c] packs its coordinate (a make_coord op) and checks the
+    tensor on every access; ld / st emit the same cute.memref.load / store with a coordinate value
+    made once (the same IR once canonicalized, so the same cubin). mn[r][c]: (r, c) of the S / dP
+    (rows, cols) views; flat[i]: i of a 1-D fragment (LSE, D, dQ)."""
+
+    mn: tuple
+    flat: tuple
+
+    @staticmethod
+    def make(rows: int, cols: int, flat: int) -> "RegCoords":
+        return RegCoords(tuple(tuple(_pack_coord((r, c)) for c in range(cols)) for r in range(rows)),
+                         tuple(_pack_coord(i) for i in range(flat)))
+
+
+def ld(t: cute.Tensor, crd) -> Float32:
+    """t[crd] of an fp32 register tensor, crd a RegCoords value."""
+    return Float32(_cute_ir.memref_load(t.value, crd))
+
+
+def st(t: cute.Tensor, crd, v):
+    """t[crd] = v (fp32) of an fp32 register tensor, crd a RegCoords value."""
+    assert isinstance(v, Float32), type(v)
+    _cute_ir.memref_store(t.value, crd, v.ir_value())
 
 
 def dq_order_view(tile_ptr: cute.Pointer, num_values: int, num_threads: int) -> cute.Tensor:
@@ -382,6 +412,11 @@ class FlashAttentionBackwardSm80:
         cS = cute.make_identity_tensor((self.tile_m, self.tile_n))
         tScS = as_wgmma_acc(thr_sdp.partition_C(cS))
         t0ScS = as_wgmma_acc(mmas.sdp.get_slice(0).partition_C(cS))
+        s_rows = acc_mn_view(tScS)
+        thr_dq = mmas.dq.get_slice(tidx)
+        crds = RegCoords.make(cute.size(s_rows, mode=[0]), cute.size(s_rows, mode=[1]),
+                              max(cute.size(s_rows, mode=[0]),
+                                  cute.size(thr_dq.partition_shape_C((self.tile_m, self.hdim)))))
         mask = partial(geometry.mask_scores, tScS=tScS, t0ScS=t0ScS, n_block=n_block, seqlen_q=seqlen_q,
                        seqlen_k=seqlen_k, tile_m=self.tile_m, tile_n=self.tile_n, causal=self.causal, window=window)
 
@@ -397,7 +432,7 @@ class FlashAttentionBackwardSm80:
                 step = partial(self.one_m_block, stats=stats, seq=seq, head=head, n_block=n_block, window=window,
                                mmas=mmas, ops=ops, smem=smem,
                                acc_dK=acc_dK, acc_dV=acc_dV, load_q=load_q, load_do=load_do, m_block_max=m_block_max,
-                               mask=mask, tScS=tScS, tidx=tidx, scales=(scalars.softmax_scale, scale_log2,
+                               mask=mask, tScS=tScS, crds=crds, tidx=tidx, scales=(scalars.softmax_scale, scale_log2,
                                                                         softcap_scale, inv_scale_log2))
                 # every thread is past the previous head's last step (its Q / dO stage is free)
                 cute.arch.barrier()
@@ -409,8 +444,7 @@ class FlashAttentionBackwardSm80:
                 # ones crossing its left edge
                 for m_block in cutlass.range(m_block_min, mask_end, unroll=1):
                     stage = step(m_block, stage, masked=True)
-                for m_block in cutlass.range(mask_end, left_start, unroll=1):
-                    stage = step(m_block, stage, masked=False)
+                stage = self.unmasked_loop(step, stage, mask_end, left_start)
                 if const_expr(cfg.local):
                     for m_block in cutlass.range(left_start, m_block_max, unroll=1):
                         stage = step(m_block, stage, masked=True)
@@ -422,10 +456,25 @@ class FlashAttentionBackwardSm80:
         self.epilogue(acc_dK, acc_dV, gmem, smem, mmas, tidx, n_block, head_kv, seq)
 
     @cute.jit
+    def unmasked_loop(self, step, stage: Int32, lower: Int32, upper: Int32) -> Int32:
+        """`for m_block in range(lower, upper): stage = step(m_block, stage, masked=False)`, the loop
+        right after the masked one: emitted as a clone of the masked loop without the mask's ops
+        (kernels/sm80/loop_clone.py: the same IR without tracing the body again, issue 24), or
+        traced where the clone does not apply."""
+        cloned = loop_clone.clone_without(self.__dict__.pop("_mask_span", None), stage.ir_value(), lower.ir_value(),
+                                          upper.ir_value())
+        if const_expr(cloned is not None):
+            stage = Int32(cloned)
+        else:
+            for m_block in cutlass.range(lower, upper, unroll=1):
+                stage = step(m_block, stage, masked=False)
+        return stage
+
+    @cute.jit
     def one_m_block(self, m_block: Int32, stage: Int32, stats: BwdStats, seq: SeqInfo, head: Int32, n_block: Int32,
                     window, mmas: Mmas,
                     ops: Operands, smem: Smem, acc_dK: cute.Tensor, acc_dV: cute.Tensor, load_q, load_do,
-                    m_block_max: Int32, mask, tScS: cute.Tensor, tidx: Int32, scales,
+                    m_block_max: Int32, mask, tScS: cute.Tensor, crds: RegCoords, tidx: Int32, scales,
                     masked: cutlass.Constexpr[bool]) -> Int32:
         """Query tile m_block from smem stage `stage` (the class docstring's order). Returns the next
         tile's stage."""
@@ -465,8 +514,9 @@ class FlashAttentionBackwardSm80:
         score.apply(acc_S, softcap_scale, self.cfg.softcap)
         s_view = as_wgmma_acc(acc_S)
         if const_expr(masked):
-            mask(s_view, m_block=m_block)
-        self.probabilities(acc_S, lse, exact, stats, seq, head, m_block, rows, scale_log2)
+            # (unmasked_loop clones this step without the span of the mask's ops)
+            self._mask_span = loop_clone.traced_span(mask, s_view, m_block=m_block)
+        self.probabilities(acc_S, lse, exact, stats, seq, head, m_block, rows, scale_log2, crds)
         r2s = cute.make_tiled_copy_C(
             cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=2 * self.dtype.width),
             mmas.sdp).get_slice(tidx)
@@ -477,13 +527,13 @@ class FlashAttentionBackwardSm80:
         # so dK = dS^T Q and dQ = dS K need none
         p, dp = acc_mn_view(as_wgmma_acc(acc_S)), acc_mn_view(as_wgmma_acc(acc_dP))
         for r in cutlass.range_constexpr(num_rows):
-            dpsum_r = dpsum[r]  # (read once per row: the same registers, fewer traced loads)
-            lse_r = lse[r] if const_expr(self.cfg.softcap) else None
+            dpsum_r = ld(dpsum, crds.flat[r])  # (read once per row: the same registers, fewer traced loads)
+            lse_r = ld(lse, crds.flat[r]) if const_expr(self.cfg.softcap) else None
             for c in cutlass.range_constexpr(cute.size(p, mode=[1])):
-                ds = (p[r, c] * softmax_scale) * (dp[r, c] - dpsum_r)
+                ds = (ld(p, crds.mn[r][c]) * softmax_scale) * (ld(dp, crds.mn[r][c]) - dpsum_r)
                 if const_expr(self.cfg.softcap):
-                    ds = ds * score.grad_factor(p[r, c], lse_r, inv_scale_log2)
-                dp[r, c] = ds
+                    ds = ds * score.grad_factor(ld(p, crds.mn[r][c]), lse_r, inv_scale_log2)
+                st(dp, crds.mn[r][c], ds)
         rdS = cute.make_fragment_like(acc_dP, self.dtype)
         rdS.store(acc_dP.load().to(self.dtype))
         cute.copy(r2s, r2s.retile(rdS), r2s.partition_D(smem.ds))
@@ -506,11 +556,11 @@ class FlashAttentionBackwardSm80:
             # floats are contiguous), so a warp's red covers 128 contiguous bytes, one base pointer
             tdQgdQ = dq_order_view(gdQ.iterator, cute.size(acc_dQ), self.num_threads)
             for i in cutlass.range_constexpr(cute.size(acc_dQ)):
-                red_add_f32(tdQgdQ[i, None].iterator + tidx, acc_dQ[i])
+                red_add_f32(tdQgdQ[i, None].iterator + tidx, ld(acc_dQ, crds.flat[i]))
         else:
             tdQgdQ = thr_dq.partition_C(gdQ)
             for i in cutlass.range_constexpr(cute.size(acc_dQ)):
-                red_add_f32(tdQgdQ.iterator + cute.crd2idx(i, tdQgdQ.layout), acc_dQ[i])
+                red_add_f32(tdQgdQ.iterator + cute.crd2idx(i, tdQgdQ.layout), ld(acc_dQ, crds.flat[i]))
         if const_expr(self.cfg.deterministic):
             cute.arch.fence_acq_rel_gpu()  # this thread's adds before the release below
             cute.arch.barrier()
@@ -527,7 +577,7 @@ class FlashAttentionBackwardSm80:
 
     @cute.jit
     def probabilities(self, acc_S: cute.Tensor, lse: cute.Tensor, exact, stats: BwdStats, seq: SeqInfo, head: Int32,
-                      m_block: Int32, rows: cute.Tensor, scale_log2: Float32):
+                      m_block: Int32, rows: cute.Tensor, scale_log2: Float32, crds: RegCoords):
         """acc_S -> P = 2^(S * scale_log2 - LSE_log2[row]) in place. exact (the query tiles the
         preprocess flagged, |LSE log2| >= BWD_EXACT_LSE_LOG2): fma(S, scale_log2, -hi) - lo from the
         forward's unrounded hi + lo (rows past seqlen_q: hi = +inf, P = 0), as the sm90 backward."""
@@ -542,12 +592,12 @@ class FlashAttentionBackwardSm80:
                     hi = stats.lse_hi[row_idx, head, batch_idx]
                     lo = stats.lse_lo[row_idx, head, batch_idx]
                 for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
-                    s[r, c] = exp2_hw(fma_rn(s[r, c], scale_log2, -hi) - lo)
+                    st(s, crds.mn[r][c], exp2_hw(fma_rn(ld(s, crds.mn[r][c]), scale_log2, -hi) - lo))
         else:
             for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
-                lse_r = lse[r]
+                lse_r = ld(lse, crds.flat[r])
                 for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
-                    s[r, c] = exp2_hw(s[r, c] * scale_log2 - lse_r)
+                    st(s, crds.mn[r][c], exp2_hw(ld(s, crds.mn[r][c]) * scale_log2 - lse_r))
 
     def dq_turn(self, m_block, n_block, seq: SeqInfo, window):
         """This key tile's place in query tile m_block's deterministic chain of dQ adds: the key tiles
