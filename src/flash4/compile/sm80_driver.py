@@ -121,7 +121,8 @@ def candidate_configs(name: str, arch: int) -> list:
 
     cand = SHIPPED_BWD_CANDIDATE if name == "shipped" else name
     if cand not in BWD_CANDIDATES:
-        raise ValueError(f"--candidate {name!r}: not a candidate; allowed: {', '.join(sorted(BWD_CANDIDATES))}, shipped")
+        raise ValueError(f"--candidate {name!r}: not a candidate; allowed: "
+                         f"{', '.join(sorted(BWD_CANDIDATES))}, shipped")
     return [bwd_candidates(c)[cand] for c in shipped_bwd_configs(arch) if cand in bwd_candidates(c)]
 
 

@@ -222,7 +222,8 @@ class ZeroRowCopy:
         self.vectorized = num > 1 and self.bits % 8 == 0 and zeros.element_type is not cutlass.Boolean
         if self.vectorized:
             self.num = self.bits // width
-            self.tiled_zeros = cute.logical_divide(cute.logical_divide(zeros, self.vec_layout), cute.make_layout(self.num))
+            self.tiled_zeros = cute.logical_divide(cute.logical_divide(zeros, self.vec_layout),
+                                                   cute.make_layout(self.num))
 
     def copy(self, row: cute.Tensor):
         if not self.vectorized or row.type != self.row_type:
