@@ -161,9 +161,11 @@ class FwdConfig:
                   the 64 / 96 / 128 kernels): the TMA loads read the tensors as they are and fill
                   the columns past D / Dv of each box with zeros (what the padding copy writes), the
                   O store clips them, so no padded copy of q, k, v or out is made. Same math as the
-                  padded call (tensor_hdims_error: the dense TMA layouts only). Candidate, off: the
-                  API still pads (docs/design/speed_candidates.md section 13). Left out of the repr
-                  while None.
+                  padded call (tensor_hdims_error: the dense TMA layouts only). Set by
+                  flash4.forward.launch_narrow for no-grad dense flash_attn_func calls since
+                  2026-12-04 (FLASH4_NARROW_HEADDIMS; H200 1.22-1.58x, bitwise;
+                  docs/design/speed_candidates.md section 13); the plans never set it. Left out of
+                  the repr while None.
     """
 
     headdim: int
