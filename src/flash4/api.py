@@ -110,7 +110,8 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False,
     window_size = check_window_size(window_size)
     softcap = check_softcap(softcap)
     causal, window_size = canonical_mask(causal, window_size)  # (-1, 0) runs the causal kernel
-    narrow = _narrow_forward(q, k, v, softmax_scale, causal, window_size, softcap, learnable_sink, deterministic)
+    narrow = _narrow_forward(q, k, v, softmax_scale, causal, window_size, softcap, learnable_sink, deterministic,
+                             key)
     if narrow is not None:  # a padded head dim without autograd: the narrow tensors read as they are
         return narrow if return_lse else narrow[0]
     padded = _padded_headdims(q, k, v, q_dim=3, learnable_sink=learnable_sink)
@@ -449,7 +450,7 @@ def _padded_headdims(q, k, v, q_dim: int, learnable_sink=None):
     return hd.pad_last(q, d_p), hd.pad_last(k, d_p), hd.pad_last(v, dv_p), dv
 
 
-def _narrow_forward(q, k, v, softmax_scale, causal, window_size, softcap, learnable_sink, deterministic):
+def _narrow_forward(q, k, v, softmax_scale, causal, window_size, softcap, learnable_sink, deterministic, key=None):
     """(out, lse) of a flash_attn_func call whose head dim flash4.headdim pads, run without padded
     copies (flash4.forward.launch_narrow; FLASH4_NARROW_HEADDIMS, on by default), or None where that
     path does not apply and the padded path runs: autograd records the call (its backward pads),
@@ -457,12 +458,14 @@ def _narrow_forward(q, k, v, softmax_scale, causal, window_size, softcap, learna
     empty inputs, strides TMA cannot read (last dim not contiguous, other strides not multiples of 8
     elements, pointers not 16-byte aligned: the padded copies are contiguous), a decode step or GQA
     packing. The problem is validated as the padded call's (flash4.validate.dense_request on stand-in
-    tensors of the padded shapes), so bad input raises the same errors."""
+    tensors of the padded shapes), so bad input raises the same errors. key: the call's flash4.memo
+    key (None: not kept): a launched call is kept as a memo.NarrowCall, so a repeated signature skips
+    this host work."""
     from flash4 import env, headdim as hd
 
     tensors = (q, k, v)
     if (not env.narrow_headdims() or learnable_sink is not None or torch.compiler.is_compiling()
-            or not all(isinstance(t, torch.Tensor) and t.dim() == 4 and t.is_cuda for t in tensors)
+            or not all(isinstance(t, torch.Tensor) and t.dim() == 4 and (t.is_cuda or memo.CPU) for t in tensors)
             or _records_grad(q, k, v, learnable_sink)):
         return None
     d, dv = q.shape[-1], v.shape[-1]
@@ -477,10 +480,14 @@ def _narrow_forward(q, k, v, softmax_scale, causal, window_size, softcap, learna
     stand_in = forward.narrow_stand_in(q, k, v, scale, causal, window_size, softcap)
     validate.dense_request(stand_in.q, stand_in.k, stand_in.v, scale, causal, window_size, softcap, None,
                            deterministic)
+    cfg = forward.narrow_config(stand_in, d, dv)
+    if cfg is None:
+        return None
     out = torch.empty(q.shape[:3] + (dv,), dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32, device=q.device)
-    if not forward.launch_narrow(q, k, v, out, lse, stand_in):
-        return None
+    forward.launch_narrow(q, k, v, out, lse, stand_in, cfg)
+    if key is not None:
+        memo.put(key, memo.NarrowCall(stand_in, cfg))
     return out, lse
 
 

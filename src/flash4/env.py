@@ -114,7 +114,7 @@ def small_pages() -> bool:
 def narrow_headdims() -> bool:
     """FLASH4_NARROW_HEADDIMS (0/1, true/false, on/off, yes/no); on when unset: a no-grad dense
     forward of a padded head dim reads the narrow tensors (flash4.forward.launch_narrow) instead of
-    zero-padded copies."""
+    zero-padded copies. Read per call (a flash4.env.PLAN_VARIABLES entry: the memo keys on it)."""
     value = _flag("FLASH4_NARROW_HEADDIMS")
     return True if value is None else value
 
@@ -326,7 +326,7 @@ def fwd_switches() -> tuple:
 PLAN_VARIABLES = ("FLASH4_ARCH", "FLASH4_NUM_SMS", "FLASH4_FAMILY", "FLASH4_SMALL_PAGES", "FLASH4_PAGE_GATHER_MAX",
                   "FLASH4_PAGE_PREFETCH", "FLASH4_SM100", "FLASH4_PORTABLE", "FLASH4_SM100_2CTA",
                   "FLASH4_GATHER_ZERO_FILL", "FLASH4_PAGED_KV_STAGES", "FLASH4_BWD_SWITCHES",
-                  "FLASH4_FWD_SWITCHES", "FLASH4_DECODE_SCATTER")
+                  "FLASH4_FWD_SWITCHES", "FLASH4_DECODE_SCATTER", "FLASH4_NARROW_HEADDIMS")
 _PLAN_KEYS = tuple(os.environ.encodekey(name) for name in PLAN_VARIABLES)
 
 

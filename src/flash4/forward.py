@@ -594,29 +594,39 @@ def narrow_stand_in(q, k, v, softmax_scale: float, causal: bool = False, window_
                          v.new_empty(v.shape[:-1] + (dv_p,)), softmax_scale, causal, window_size, softcap)
 
 
-def launch_narrow(q, k, v, out, lse, stand_in: Request) -> bool:
+def narrow_config(stand_in: Request, headdim: int, headdim_v: int):
+    """The config launch_narrow runs for narrow tensors of head dims (headdim, headdim_v) and their
+    narrow_stand_in request: the padded call's own plan (flash4.config.fwd_config) with
+    tensor_hdims = (headdim, headdim_v); None where that does not apply (not sm_90 or not its
+    family's config, a decode step, GQA packing: flash4.config.sm90.tensor_hdims_error)."""
+    arch = device_arch(stand_in.q.device)
+    if arch != 90 or decode_door(stand_in, arch):
+        return None
+    cfg = fwd_config(stand_in, arch).cfg
+    if not hasattr(cfg, "tensor_hdims"):  # another family forced on this GPU (FLASH4_FAMILY=portable)
+        return None
+    try:  # FwdConfig.__post_init__ raises tensor_hdims_error's problem
+        return dataclasses.replace(cfg, tensor_hdims=(headdim, headdim_v))
+    except ValueError:
+        return None
+
+
+def launch_narrow(q, k, v, out, lse, stand_in: Request, cfg=None) -> bool:
     """The dense forward of a head dim flash4.headdim pads (q, k (B, S, H, D), v (B, Sk, Hk, Dv); D / Dv
     not native; last dim contiguous, other strides multiples of 8 elements, 16-byte aligned) on the
     padded kernel straight from the narrow tensors (FwdConfig.tensor_hdims): its TMA loads zero-fill
     the columns past D / Dv and the O store clips them, so no padded copy of q, k, v or out is made.
-    out (B, Sq, H, Dv) and lse fp32 (B, H, Sq) are written. stand_in: narrow_stand_in's request; the
-    plan is the padded call's own (flash4.config.fwd_config) with tensor_hdims = (D, Dv): the same
-    kernel math, the same bits (tests/gpu/test_tensor_hdims.py). Returns False, launching nothing,
-    where tensor_hdims does not apply (not sm_90 or not its family's config, a decode step, GQA packing:
-    flash4.config.sm90.tensor_hdims_error), else True. Inputs are not validated here."""
+    out (B, Sq, H, Dv) and lse fp32 (B, H, Sq) are written. stand_in: narrow_stand_in's request; cfg:
+    narrow_config's for it (None: computed here): the padded call's plan with tensor_hdims = (D, Dv),
+    the same kernel math, the same bits (tests/gpu/test_tensor_hdims.py). Returns False, launching
+    nothing, where narrow_config is None, else True. Inputs are not validated here."""
     from flash4.compile.cache import get_fwd_runner  # late: compiling pulls in the CuTe DSL
 
-    arch = device_arch(q.device)
-    if arch != 90 or decode_door(stand_in, arch):
-        return False
-    cfg = fwd_config(stand_in, arch).cfg
-    if not hasattr(cfg, "tensor_hdims"):  # another family forced on this GPU (FLASH4_FAMILY=portable)
-        return False
-    try:  # FwdConfig.__post_init__ raises tensor_hdims_error's problem
-        narrow = dataclasses.replace(cfg, tensor_hdims=(q.shape[-1], v.shape[-1]))
-    except ValueError:
-        return False
-    run_kernel = get_fwd_runner(narrow)
+    if cfg is None:
+        cfg = narrow_config(stand_in, q.shape[-1], v.shape[-1])
+        if cfg is None:
+            return False
+    run_kernel = get_fwd_runner(cfg)
     with device_guard(q.device):
         run_kernel(q, k, v, out, lse, stand_in.score.softmax_scale, None, window=stand_in.mask.window,
                    softcap=stand_in.score.softcap)

@@ -219,12 +219,13 @@ class _Kernel:
 
     __slots__ = ("fwd", "tail", "packed", "paged", "split_shape", "gated")
 
-    def __init__(self, request):
+    def __init__(self, request, cfg=None):
         from flash4 import selftest
         from flash4.compile.cache import get_fwd_runner
 
         q, k, seq = request.q, request.k, request.seq
-        cfg = fwd_config(request, device_arch(q.device)).cfg
+        if cfg is None:  # else a config chosen for the request (NarrowCall: forward.narrow_config's)
+            cfg = fwd_config(request, device_arch(q.device)).cfg
         selftest.require(cfg, q.device)
         self.gated = (cfg,) if selftest.gated(cfg) else ()
         runner = get_fwd_runner(cfg)
@@ -392,6 +393,27 @@ class DenseCall:
                 self.decode(q, k, v, out, lse, seqused_k, None, sink)
             else:
                 self.kernel(q, k, v, out, lse, None, sink)
+        return out, lse
+
+
+class NarrowCall:
+    """flash_attn_func without autograd at a head dim flash4.headdim pads, on the narrow tensors
+    (flash4.forward.launch_narrow): __call__(q, k, v, learnable_sink) -> (out, lse). stand_in: the
+    call's forward.narrow_stand_in request (the padded shapes; its tensors are not kept), cfg:
+    forward.narrow_config's for it. The launch is launch_narrow's (tests/cpu/test_memo_cpu.py)."""
+
+    __slots__ = ("out_shape", "lse_shape", "kernel")
+
+    def __init__(self, stand_in, cfg):
+        batch, seqlen_q, nheads = stand_in.q.shape[:3]
+        self.out_shape, self.lse_shape = (batch, seqlen_q, nheads, cfg.tensor_hdims[1]), (batch, nheads, seqlen_q)
+        self.kernel = _Kernel(stand_in, cfg)
+
+    def __call__(self, q, k, v, learnable_sink):
+        out = torch.empty(self.out_shape, dtype=q.dtype, device=q.device)
+        lse = torch.empty(self.lse_shape, dtype=F32, device=q.device)
+        with forward.device_guard(q.device):
+            self.kernel(q, k, v, out, lse, None, None)
         return out, lse
 
 

@@ -172,6 +172,12 @@ CELLS = {
     "func_prefill": func(sq=128, keys=128, h=8, hk=8, d=64),
     "func_prefill_window": func(sq=128, keys=256, h=8, hk=2, d=64, window=(32, 8), softcap=5.0),
     "func_transposed": func(sq=64, keys=64, transposed=True),
+    # padded head dims on the narrow tensors (flash4.forward.launch_narrow, memo.NarrowCall), and one
+    # that packs GQA (d40 causal -> the d64 kernel): the padded copies, its inner call kept
+    "func_narrow_d80": func(sq=128, keys=256, h=8, hk=8, d=80),
+    "func_narrow_d32_gqa_full": func(sq=64, keys=300, h=8, hk=2, d=32, causal=False),
+    "func_narrow_d112_window": func(sq=128, keys=256, h=4, hk=4, d=112, window=(32, 0)),
+    "func_padded_d40_gqa_causal": func(sq=64, keys=300, h=8, hk=2, d=40),
     "varlen_paged_decode": varlen(),
     "varlen_paged_spec": varlen(max_q=3, lens_q=(3, 1, 2)),
     "varlen_paged_prefill": varlen(max_q=32, lens_q=(32, 5, 0), keys=512),
@@ -512,3 +518,22 @@ def test_decode_scatter_switch_in_key(recorder, monkeypatch):
     assert memo.stats["kept"] == kept + 1 and on[-1][1] == off[-1][1] + ("rows",)
     monkeypatch.setenv("FLASH4_DECODE_SCATTER", "0")
     assert _record(recorder, fn, args, kw) == off
+
+
+@pytest.mark.parametrize("cell, narrow", [("func_narrow_d80", (80, 80)), ("func_narrow_d32_gqa_full", (32, 32)),
+                                          ("func_narrow_d112_window", (112, 112)), ("func_padded_d40_gqa_causal", None)])
+def test_narrow_head_dims_kept(recorder, monkeypatch, cell, narrow):
+    """A padded head dim without autograd runs its padded kernel on the narrow tensors (the launch's
+    config has tensor_hdims, q / k / v are the caller's tensors) and is kept as a memo.NarrowCall;
+    FLASH4_NARROW_HEADDIMS=0 (a key entry) gives the padded copies; GQA packing keeps the copies."""
+    fn, args, kw = CELLS[cell]
+    launches = _record(recorder, fn, args, kw)
+    fwd = [c for c in launches if c[0] == "fwd"]
+    assert len(fwd) == 1
+    assert getattr(fwd[0][1], "tensor_hdims", None) == narrow
+    if narrow is not None:
+        assert [d[-1] for d in fwd[0][2:5]] == ["0", "1", "2"]  # q, k, v themselves: no copies
+        assert any(isinstance(c, memo.NarrowCall) for c in memo._MEMO.values())
+        monkeypatch.setenv("FLASH4_NARROW_HEADDIMS", "0")
+        padded = [c for c in _record(recorder, fn, args, kw) if c[0] == "fwd"]
+        assert getattr(padded[0][1], "tensor_hdims", None) is None and padded[0][2][-1] == "new"

@@ -101,10 +101,14 @@ def test_narrow_store_clipped():
 
 @pytest.mark.parametrize("d, causal", [(32, False), (80, True), (112, False)])
 def test_api_narrow_matches_padded(monkeypatch, d, causal):
-    """flash_attn_func without autograd (the narrow path) against the same call with
-    FLASH4_NARROW_HEADDIMS=0 (the padded copies): out and lse bitwise."""
+    """flash_attn_func without autograd (the narrow path; a second call through its prepared
+    memo.NarrowCall) against the same call with FLASH4_NARROW_HEADDIMS=0 (the padded copies): out and
+    lse bitwise. (The memo's NarrowCall since 2026-12-04 evening: compile- and CPU-recorder-verified,
+    not run on hardware yet.)"""
     q, k, v = _inputs(2, 300, 421, 4, 2, d, d)
     out, lse = flash_attn_func(q, k, v, causal=causal, return_lse=True)
+    again, lse_again = flash_attn_func(q, k, v, causal=causal, return_lse=True)  # the kept memo.NarrowCall
+    assert torch.equal(again, out) and torch.equal(lse_again, lse)
     monkeypatch.setenv("FLASH4_NARROW_HEADDIMS", "0")
     ref_out, ref_lse = flash_attn_func(q, k, v, causal=causal, return_lse=True)
     assert out.shape == q.shape and out.is_contiguous()
