@@ -440,7 +440,7 @@ def _padded_headdims(q, k, v, q_dim: int, learnable_sink=None):
         for name, value in (("q/k", d), ("v", dv)):
             if not hd.servable(value):
                 raise ValueError(f"headdim {value} ({name}.shape[{q_dim}]) is not supported: {hd.RULE}")
-        d_p, dv_p = hd.padded_headdims(d, dv)
+        d_p, dv_p = hd.padded_headdims(d, dv, _known_arch(q))  # the GPU's family's own head dims count
     if _records_grad(q, k, v, learnable_sink) and hd.training_may_pad(d_p, dv_p):
         arch = _known_arch(q)
         if arch is not None:
@@ -469,7 +469,7 @@ def _narrow_forward(q, k, v, softmax_scale, causal, window_size, softcap, learna
             or _records_grad(q, k, v, learnable_sink)):
         return None
     d, dv = q.shape[-1], v.shape[-1]
-    if (k.shape[-1] != d or hd.is_native(d, dv) or not (hd.servable(d) and hd.servable(dv))
+    if (k.shape[-1] != d or hd.is_native(d, dv, _known_arch(q)) or not (hd.servable(d) and hd.servable(dv))
             or q.dtype not in (torch.bfloat16, torch.float16) or any(t.dtype != q.dtype for t in tensors)
             or any(t.device != q.device for t in tensors) or q.numel() == 0 or k.numel() == 0):
         return None

@@ -589,7 +589,7 @@ def narrow_stand_in(q, k, v, softmax_scale: float, causal: bool = False, window_
     it would the padded copies). softmax_scale: resolved (the caller's D, not D')."""
     from flash4 import headdim as hd
 
-    d_p, dv_p = hd.padded_headdims(q.shape[-1], v.shape[-1])
+    d_p, dv_p = hd.padded_headdims(q.shape[-1], v.shape[-1], device_arch(q.device))
     return Request.dense(q.new_empty(q.shape[:-1] + (d_p,)), k.new_empty(k.shape[:-1] + (d_p,)),
                          v.new_empty(v.shape[:-1] + (dv_p,)), softmax_scale, causal, window_size, softcap)
 

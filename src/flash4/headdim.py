@@ -22,6 +22,15 @@ narrow tensors, its TMA boxes zero-filling the columns past D / Dv and its O sto
 cache is appended to in place and copying it every step would cost more than the attention; those
 entry points serve the native head dims only (allocate the cache with a native head dim).
 
+On sm_90 (FLASH4_HEADDIM16, on by default since 2026-12-04 night) the kernels are also built for
+every multiple of 16 up to 128 (flash4.config.sm90.KERNEL_HEADDIMS: 16, 32, 48, 80, 112): those head
+dims run unpadded, forward and backward, and the other multiples of 8 up to 128 pad to the next
+multiple of 16 (d40 -> 48, d72 -> 80, d120 -> 128; the no-grad forward reads them narrow); above
+128 the rule below still applies (the d192 / d256 tiles spill at d144-d240). H200 against the
+padding to 64 / 96 / 128: backward 1.02-1.64x, forward 1.00-1.17x (tools/ab_headdim16.py,
+docs/perf/README.md). padded_headdims / is_native take the SM version for this (`arch`); without
+it they answer the rule below, which every family has.
+
 Training on a GPU whose backward lacks a pair the forward has (sm_100: hd96; flash4.config.sm100's
 SM100_BWD_HEADDIM_PAIRS) pads the whole call, forward included, to the pair that backward has
 (`training_headdims`: hd96 -> 128), so q, k, v, out and lse reach the backward at one width; without
@@ -43,11 +52,21 @@ RULE = (f"head dims are served natively for {', '.join(map(str, SUPPORTED_HEADDI
         f"every other multiple of {HEADDIM_MULTIPLE} from {HEADDIM_MULTIPLE} to {MAX_HEADDIM}")
 
 
-def is_native(headdim: int, headdim_v: int) -> bool:
-    """True when a kernel exists for (headdim, headdim_v) as is."""
+def is_native(headdim: int, headdim_v: int, arch: int | None = None) -> bool:
+    """True when a kernel exists for (headdim, headdim_v) as is: on every family, or (arch given) on
+    the family of SM version `arch` (flash4.config.kernel_headdims: sm_90's multiples of 16 while
+    FLASH4_HEADDIM16 is on)."""
+    if arch is not None and headdim_v == headdim and headdim in _kernel_headdims(arch):
+        return True
     if headdim not in SUPPORTED_HEADDIMS:
         return False
     return headdim_v == headdim or (headdim, headdim_v) in HDIMV_PAIRS
+
+
+def _kernel_headdims(arch: int) -> tuple:
+    from flash4.config import kernel_headdims
+
+    return kernel_headdims(arch)
 
 
 def servable(headdim: int) -> bool:
@@ -59,14 +78,21 @@ def _next_native(headdim: int) -> int:
     return min(d for d in SUPPORTED_HEADDIMS if d >= headdim)
 
 
-def padded_headdims(headdim: int, headdim_v: int) -> tuple[int, int]:
+def padded_headdims(headdim: int, headdim_v: int, arch: int | None = None) -> tuple[int, int]:
     """(D', Dv') the kernels run for the caller's (D, Dv): (D, Dv) itself when native, else the
-    module docstring's rule. Raises ValueError (naming the rule) when D or Dv is not servable."""
+    module docstring's rule. arch: the SM version, when known: its family's own kernel head dims
+    count (is_native); on sm_90 with FLASH4_HEADDIM16 on, an equal pair pads to the next multiple
+    of 16 (d40 -> 48, d72 -> 80) where that is a kernel head dim. Raises ValueError (naming the
+    rule) when D or Dv is not servable."""
     for name, d in (("headdim", headdim), ("headdim_v", headdim_v)):
         if not servable(d):
             raise ValueError(f"{name}={d} is not served: {RULE}")
-    if is_native(headdim, headdim_v):
+    if is_native(headdim, headdim_v, arch):
         return headdim, headdim_v
+    if arch is not None and headdim_v == headdim:
+        wider = [d for d in _kernel_headdims(arch) if d >= headdim]
+        if wider and min(wider) < _next_native(headdim):
+            return min(wider), min(wider)
     d_p, dv_p = _next_native(headdim), _next_native(headdim_v)
     if is_native(d_p, dv_p):
         return d_p, dv_p
@@ -81,7 +107,7 @@ def training_headdims(headdim: int, headdim_v: int, arch: int) -> tuple[int, int
     forward runs at that width too, so q, k, v, out and lse reach the backward consistent; exact, as
     every padding here (softmax_scale's default stays 1/sqrt(D) of the caller's D). Raises ValueError as
     padded_headdims."""
-    d_p, dv_p = padded_headdims(headdim, headdim_v)
+    d_p, dv_p = padded_headdims(headdim, headdim_v, arch)
     if arch == 100:
         from flash4.config import sm100
 

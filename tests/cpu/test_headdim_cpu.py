@@ -25,7 +25,7 @@ def test_native_pairs_unchanged(pair):
 @pytest.mark.parametrize("d,dv,arch,expected", [
     (96, 96, 100, (128, 128)),  # sm100 has no hd96 backward: the training call pads to hd128's
     (80, 80, 100, (128, 128)), (72, 72, 100, (128, 128)),  # padded to 96 for the forward, to 128 to train
-    (96, 96, 90, (96, 96)), (80, 80, 90, (96, 96)),  # sm90 has an hd96 backward
+    (96, 96, 90, (96, 96)), (80, 80, 90, (80, 80)),  # sm90 has an hd96 backward, and hd80 (FLASH4_HEADDIM16)
     (64, 64, 100, (64, 64)), (128, 128, 100, (128, 128)), (192, 128, 100, (192, 128)), (256, 256, 100, (256, 256)),
     (32, 32, 100, (64, 64)), (112, 112, 100, (128, 128))])
 def test_training_headdims(d, dv, arch, expected):

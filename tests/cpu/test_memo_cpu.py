@@ -525,7 +525,10 @@ def test_decode_scatter_switch_in_key(recorder, monkeypatch):
 def test_narrow_head_dims_kept(recorder, monkeypatch, cell, narrow):
     """A padded head dim without autograd runs its padded kernel on the narrow tensors (the launch's
     config has tensor_hdims, q / k / v are the caller's tensors) and is kept as a memo.NarrowCall;
-    FLASH4_NARROW_HEADDIMS=0 (a key entry) gives the padded copies; GQA packing keeps the copies."""
+    FLASH4_NARROW_HEADDIMS=0 (a key entry) gives the padded copies; GQA packing keeps the copies.
+    With FLASH4_HEADDIM16 off: on (the default) these head dims have kernels of their own
+    (test_headdim16_native_kept)."""
+    monkeypatch.setenv("FLASH4_HEADDIM16", "0")
     fn, args, kw = CELLS[cell]
     launches = _record(recorder, fn, args, kw)
     fwd = [c for c in launches if c[0] == "fwd"]
@@ -537,3 +540,24 @@ def test_narrow_head_dims_kept(recorder, monkeypatch, cell, narrow):
         monkeypatch.setenv("FLASH4_NARROW_HEADDIMS", "0")
         padded = [c for c in _record(recorder, fn, args, kw) if c[0] == "fwd"]
         assert getattr(padded[0][1], "tensor_hdims", None) is None and padded[0][2][-1] == "new"
+
+
+@pytest.mark.parametrize("cell, headdim", [("func_narrow_d80", 80), ("func_narrow_d32_gqa_full", 32),
+                                           ("func_narrow_d112_window", 112), ("func_padded_d40_gqa_causal", 48)])
+def test_headdim16_native_kept(recorder, monkeypatch, cell, headdim):
+    """FLASH4_HEADDIM16 on (the default): d80 / d32 / d112 launch the kernel of their own width on the
+    caller's q / k / v (no tensor_hdims, no copies) and are kept as an ordinary prepared call; d40
+    runs the d48 kernel on the narrow tensors (tensor_hdims (40, 40)); the switch is a memo key entry."""
+    monkeypatch.setenv("FLASH4_HEADDIM16", "1")
+    fn, args, kw = CELLS[cell]
+    launches = [c for c in _record(recorder, fn, args, kw) if c[0] == "fwd"]
+    assert len(launches) == 1 and launches[0][1].headdim == headdim
+    d = args[0].shape[-1] if hasattr(args[0], "shape") else None
+    narrow = None if headdim == d else (d, d)
+    assert getattr(launches[0][1], "tensor_hdims", None) == narrow
+    assert [x[-1] for x in launches[0][2:5]] == ["0", "1", "2"]  # q, k, v themselves: no copies
+    again = [c for c in _record(recorder, fn, args, kw) if c[0] == "fwd"]
+    assert again == launches
+    monkeypatch.setenv("FLASH4_HEADDIM16", "0")
+    off = [c for c in _record(recorder, fn, args, kw) if c[0] == "fwd"]
+    assert off[0][1].headdim != headdim  # padded to 64 / 96 / 128

@@ -7,6 +7,11 @@ flash_attn_func does for these head dims): out and lse bitwise equal, out / lse 
 before the call so that an unwritten element fails; and out's neighbours in a wider buffer (a
 strided out whose rows are followed by other data) untouched, so the clipped store writes
 nothing past Dv.
+
+These tests run with FLASH4_HEADDIM16=0 (the padded kernels are flash4.config.SUPPORTED_HEADDIMS'),
+except test_api_narrow_headdim16: with it on (the default) d32 / 80 / 112 have kernels of their own
+(tests/gpu/test_headdim16.py) and the narrow path serves the other multiples of 8 on the next
+multiple of 16 (d40 on the d48 kernel, d72 on d80, d120 on d128).
 """
 
 import math
@@ -19,6 +24,12 @@ from flash4.headdim import pad_last, padded_headdims
 from flash4.request import Request
 
 from gpu_helpers import BF16
+
+
+@pytest.fixture(autouse=True)
+def _supported_kernels(monkeypatch, request):
+    if "headdim16" not in request.node.name:
+        monkeypatch.setenv("FLASH4_HEADDIM16", "0")
 
 
 def _inputs(b, sq, sk, h, hk, d, dv, dtype=BF16, seed=0):
@@ -112,6 +123,24 @@ def test_api_narrow_matches_padded(monkeypatch, d, causal):
     monkeypatch.setenv("FLASH4_NARROW_HEADDIMS", "0")
     ref_out, ref_lse = flash_attn_func(q, k, v, causal=causal, return_lse=True)
     assert out.shape == q.shape and out.is_contiguous()
+    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+
+
+@pytest.mark.parametrize("d, causal", [(40, True), (72, False), (120, True), (24, False)])
+def test_api_narrow_headdim16(monkeypatch, d, causal):
+    """FLASH4_HEADDIM16 on (the default): the no-grad narrow path onto the next multiple-of-16 kernel
+    (d40 -> 48, d72 -> 80, d120 -> 128, d24 -> 32) against the padded copies onto that same kernel
+    (FLASH4_NARROW_HEADDIMS=0): out and lse bitwise; the launch really is narrow."""
+    monkeypatch.setenv("FLASH4_HEADDIM16", "1")
+    q, k, v = _inputs(2, 300, 421, 4, 4, d, d, seed=d)
+    dp = padded_headdims(d, d, 90)[0]
+    assert dp == -(-d // 16) * 16
+    ran, out_n, lse_n = _narrow(q, k, v, causal)
+    assert ran
+    out, lse = flash_attn_func(q, k, v, causal=causal, return_lse=True)
+    assert torch.equal(out, out_n) and torch.equal(lse, lse_n)
+    monkeypatch.setenv("FLASH4_NARROW_HEADDIMS", "0")
+    ref_out, ref_lse = flash_attn_func(q, k, v, causal=causal, return_lse=True)
     assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
 
 

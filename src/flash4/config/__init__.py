@@ -333,6 +333,19 @@ def _family_config_of(arch: int, prefer):
     return active_family(arch).config_module()
 
 
+def kernel_headdims(arch: int) -> tuple:
+    """The equal head dims (D = Dv) the kernel family of SM version `arch` runs without padding:
+    its config module's kernel_headdims() (sm90: flash4.config.sm90.KERNEL_HEADDIMS while
+    FLASH4_HEADDIM16 is on), else SUPPORTED_HEADDIMS; SUPPORTED_HEADDIMS for an arch without a
+    family (the API names that problem elsewhere)."""
+    try:
+        module = _family_config(arch)
+    except ValueError:
+        return SUPPORTED_HEADDIMS
+    own = getattr(module, "kernel_headdims", None)
+    return SUPPORTED_HEADDIMS if own is None else own()
+
+
 def select_fwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, arch: int = 90, **kwargs):
     """The forward config of the family of SM version `arch` (flash4.config.sm90.select_fwd_config's
     arguments). Raises ValueError for an arch without a kernel family or an unsupported head dim."""

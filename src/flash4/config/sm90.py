@@ -22,6 +22,27 @@ from flash4.config import (GATHER_ZERO_FILL, HDIMV_PAIRS, MAX_SPLITS, MIN_BLOCKS
                            mean_queries_per_key, paged_layout, with_seq_layout)
 from flash4.arch import capacity
 
+# Head dims (D = Dv) the sm90 kernels are built for: every multiple of 16 from 16 to 128 and the
+# wider SUPPORTED_HEADDIMS (192, 256). A wgmma's K step is 16 elements and its N any multiple of 8,
+# so the forward's Q K^T / P V and the backward's five GEMMs take any multiple of 16; the smem
+# swizzle atom follows the row width (sm90_utils.get_smem_layout_atom: d80 rows take the 32-byte
+# swizzle), the row-wise passes predicate a row's last chunks (kernels/common/bwd_preprocess.py,
+# fwd_combine.py). flash-attn-4's sm90 kernels round the tile's head dim up to 16 the same way. Above
+# 128 the in-between dims (144 .. 240) are left to padding: the d192 / d256 tiles at d144 spill
+# (compile check, causal: 16 instructions). Which of these the API runs unpadded: kernel_headdims().
+HEADDIM_STEP = 16
+KERNEL_HEADDIMS = tuple(sorted(set(range(HEADDIM_STEP, 129, HEADDIM_STEP)) | set(SUPPORTED_HEADDIMS)))
+
+
+def kernel_headdims() -> tuple:
+    """The equal head dims (D = Dv) the API runs on sm_90 without padding (flash4.headdim): every
+    KERNEL_HEADDIMS entry while FLASH4_HEADDIM16 is on (flash4.env.headdim16), else SUPPORTED_HEADDIMS
+    (the others zero-padded to the next of those). Read per call."""
+    from flash4 import env
+
+    return KERNEL_HEADDIMS if env.headdim16() else SUPPORTED_HEADDIMS
+
+
 # Short-sequence forward (select_fwd_config's seqlen_k): at seqlen_k <= this a query tile visits at
 # most 8 key blocks of 128, so its prologue (Q + first K load, first QK^T) and epilogue (O store)
 # are a large share of it; persistent CTAs overlap them with the neighbouring tiles' main loops.
@@ -204,7 +225,7 @@ class FwdConfig:
     tensor_hdims: tuple | None = None
 
     def __post_init__(self):
-        assert self.headdim in SUPPORTED_HEADDIMS, self.headdim
+        assert self.headdim in KERNEL_HEADDIMS, self.headdim
         if self.lookahead_qk and lookahead_qk_error(self):
             raise ValueError(f"FwdConfig.lookahead_qk: {lookahead_qk_error(self)}")
         if self.p_smem and self.lookahead_qk:
@@ -367,8 +388,8 @@ def select_fwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, a
     Raises ValueError for an unsupported head dim (the API validates earlier, with the user-facing
     message; this is the second line). The arch is chosen by flash4.kernels.registry.
     """
-    if headdim not in SUPPORTED_HEADDIMS:
-        raise ValueError(f"headdim={headdim} not supported; allowed: {SUPPORTED_HEADDIMS}")
+    if headdim not in KERNEL_HEADDIMS:
+        raise ValueError(f"headdim={headdim} not supported; allowed: {KERNEL_HEADDIMS}")
     headdim_v = canonical_hdimv(headdim, headdim_v)
     if headdim_v is not None:
         return _select_fwd_config_hdimv(headdim, headdim_v, dtype, causal, arch, local, softcap, sink)
@@ -443,8 +464,11 @@ def shipped_p_smem(cfg: FwdConfig) -> FwdConfig:
     m192p / m192n144p, 5-7 interleaved rounds, bf16; out / lse within 1e-2 / 1e-3 of the 128 x 128
     tile, every element written): d96 21 heads causal 4k 448.0 -> 462.4 TFLOPs (1.032x) and, in a
     second call, 431.6 -> 450.4 (1.044x); full 4k 513.7 -> 542.9 at 192 x 144 (1.057x; 192 x 128
-    1.044x); P through smem at the 128-row tile alone 0.974x."""
-    if (cfg.headdim == 96 and cfg.headdim_v is None and (cfg.tile_m, cfg.tile_n) == (128, 128)
+    1.044x); P through smem at the 128-row tile alone 0.974x. d80 (its own kernel since
+    FLASH4_HEADDIM16) takes the same tiles: H200, 2026-12-04 night (tools/ab_headdim16.py, 3 rounds),
+    full 4k 492.7 TFLOPs vs 420.8 at 128 x 128 in the call before (the d96 kernel on the narrow
+    tensors: 468.1), causal 4k 422.6 (d96 narrow 405.7)."""
+    if (cfg.headdim in (80, 96) and cfg.headdim_v is None and (cfg.tile_m, cfg.tile_n) == (128, 128)
             and not (cfg.local or cfg.softcap or cfg.sink or cfg.persistent or cfg.ragged_q or cfg.ragged_k
                      or cfg.split_kv or cfg.lookahead_qk or cfg.pack_gqa > 1)):
         return dataclasses.replace(cfg, tile_m=192, tile_n=128 if cfg.causal else 144, p_smem=True)
@@ -624,7 +648,8 @@ def shipped_fwd_configs() -> list[FwdConfig]:
     ]
 
 
-# Head dims the sm90 backward supports: every head dim of the forward. Up to 128 each consumer
+# Head dims of the sm90 backward's shipped configs (the compile check's list; every KERNEL_HEADDIMS
+# entry compiles, tests/cpu/test_headdim16_cpu.py): every head dim of the forward. Up to 128 each consumer
 # warpgroup owns 64 keys and accumulates their dK, dV over the full headdim in registers; above
 # 128 that would not fit the 240-register budget, so both warpgroups share 64 keys and split dK, dV
 # over headdim (P^T and dS^T go through shared memory): `BwdConfig.split_headdim` (d256); head dim
@@ -777,7 +802,7 @@ class BwdConfig:
     mask_rel: bool = False
 
     def __post_init__(self):
-        assert self.headdim in BWD_SUPPORTED_HEADDIMS, self.headdim
+        assert self.headdim in KERNEL_HEADDIMS, self.headdim
         assert not self.sink_delta_db or self.sink_delta, self
         assert not self.dq_handoff_per_wg or (self.dq_accum_order and not self.deterministic), self
         assert not (self.sink_delta and self.dq_handoff_per_wg), self
@@ -1008,8 +1033,8 @@ def select_bwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, a
     """Pick the backward config (pure; CPU-tested). Raises ValueError for what has no kernel.
     local: a sliding window (causal folded into it: the config has causal False).
     headdim_v: V's / dO's head dim (None or headdim: the same; else a HDIMV_PAIRS pair)."""
-    if headdim not in BWD_SUPPORTED_HEADDIMS:
-        raise ValueError(f"flash4 backward: headdim={headdim} not supported; allowed: {BWD_SUPPORTED_HEADDIMS}")
+    if headdim not in KERNEL_HEADDIMS:
+        raise ValueError(f"flash4 backward: headdim={headdim} not supported; allowed: {KERNEL_HEADDIMS}")
     headdim_v = canonical_hdimv(headdim, headdim_v)
     if headdim_v is not None:
         return _select_bwd_config_hdimv(headdim, headdim_v, dtype, causal, arch, deterministic, local, softcap)

@@ -65,6 +65,18 @@ LANES_PER_ROW = 8  # a row's lanes: a warp covers 4 rows per pass
 CHUNK = 4  # elements per lane access (8 bytes of 16-bit, 16 bytes of fp32)
 ROWS_PER_PASS = ROW_PASS_THREADS // LANES_PER_ROW
 WIDE_CHUNK = 8  # wide_stores: elements per lane access (16 bytes of 16-bit, two 16-byte fp32 loads)
+HEADDIM_STEP = 16  # the head dims these passes take: multiples of 16 (sm90 kernel head dims, flash4.config.sm90)
+
+
+def row_passes(headdim: int) -> int:
+    """Passes of the LANES_PER_ROW lanes over a row of headdim elements in CHUNK-element chunks."""
+    return -(-(headdim // CHUNK) // LANES_PER_ROW)
+
+
+def full_pass(headdim: int, j: int) -> bool:
+    """Pass j of a row moves a chunk on every lane (else only lanes l with l + 8 j < headdim / CHUNK:
+    the last pass of a head dim that is not a multiple of 32, e.g. d80's lanes 0-3)."""
+    return (j + 1) * LANES_PER_ROW <= headdim // CHUNK
 
 
 def wide_row_chunks(headdim: int) -> list[list[int]]:
@@ -118,9 +130,9 @@ def _chunk(row: cute.Tensor, j: int, sub_lane: Int32) -> cute.Tensor:
 class BackwardPreprocess:
     def __init__(self, headdim_v: int, dtype, headdim: Optional[int] = None):
         """headdim_v: O's / dO's head dim (the dot product's length); headdim: dq_accum's (Q's) head
-        dim, headdim_v when None. Both multiples of 32."""
+        dim, headdim_v when None. Both multiples of HEADDIM_STEP (16)."""
         headdim = headdim_v if headdim is None else headdim
-        assert headdim_v % (CHUNK * LANES_PER_ROW) == 0 and headdim % (CHUNK * LANES_PER_ROW) == 0
+        assert headdim_v % HEADDIM_STEP == 0 and headdim % HEADDIM_STEP == 0, (headdim_v, headdim)
         self.hdim_v = headdim_v
         self.hdim = headdim
         self.dtype = dtype
@@ -167,18 +179,23 @@ class BackwardPreprocess:
             if s < seqlen_q:
                 gO = mO[b, s, head, None]
                 gdO = mdO[b, s, head, None]
-                for j in cutlass.range_constexpr(self.hdim_v // (CHUNK * LANES_PER_ROW)):
-                    cute.copy(load_atom, _chunk(gO, j, sub_lane), rO)
-                    cute.copy(load_atom, _chunk(gdO, j, sub_lane), rdO)
-                    for e in cutlass.range_constexpr(CHUNK):
-                        acc += Float32(rO[e]) * Float32(rdO[e])
+                for j in cutlass.range_constexpr(row_passes(self.hdim_v)):
+                    if const_expr(full_pass(self.hdim_v, j)):
+                        acc = self.dot_chunk(gO, gdO, j, sub_lane, load_atom, rO, rdO, acc)
+                    else:  # the last pass of a head dim that is an odd multiple of 16 (d80: lanes 0-3)
+                        if sub_lane + LANES_PER_ROW * j < self.hdim_v // CHUNK:
+                            acc = self.dot_chunk(gO, gdO, j, sub_lane, load_atom, rO, rdO, acc)
             # every lane shuffles (rows past seqlen_q add zeros): no divergent shfl.sync
             acc = cute.arch.warp_reduction_sum(acc, threads_in_group=LANES_PER_ROW)
             if s < num_rows:
                 p = s if const_expr(mRowIdx is None) else mRowIdx[s]  # row in the (padded) statistics
                 gdQ = mdQacc[b, head, p, None]
-                for j in cutlass.range_constexpr(self.hdim // (CHUNK * LANES_PER_ROW)):
-                    cute.copy(store_atom, zeros, _chunk(gdQ, j, sub_lane))
+                for j in cutlass.range_constexpr(row_passes(self.hdim)):
+                    if const_expr(full_pass(self.hdim, j)):
+                        cute.copy(store_atom, zeros, _chunk(gdQ, j, sub_lane))
+                    else:
+                        if sub_lane + LANES_PER_ROW * j < self.hdim // CHUNK:
+                            cute.copy(store_atom, zeros, _chunk(gdQ, j, sub_lane))
             if s < seqlen_q:
                 p = s if const_expr(mRowIdx is None) else mRowIdx[s]
                 if sub_lane == 0:
@@ -196,13 +213,23 @@ class BackwardPreprocess:
                         mdPsum[b, head, s] = Float32(0.0)
                         mLSE2[b, head, s] = Float32.inf
 
+    @cute.jit
+    def dot_chunk(self, gO: cute.Tensor, gdO: cute.Tensor, j: cutlass.Constexpr[int], sub_lane: Int32, load_atom,
+                  rO: cute.Tensor, rdO: cute.Tensor, acc: Float32) -> Float32:
+        """acc + the dot product of chunk sub_lane + 8 j of one O row and its dO row."""
+        cute.copy(load_atom, _chunk(gO, j, sub_lane), rO)
+        cute.copy(load_atom, _chunk(gdO, j, sub_lane), rdO)
+        for e in cutlass.range_constexpr(CHUNK):
+            acc += Float32(rO[e]) * Float32(rdO[e])
+        return acc
+
 
 class BackwardPostprocess:
     """dq[b, s, h, :] = dq_accum[b, h, row(s), :] converted to dtype (row(s) = s, or row_index[s]).
     wide_stores: WIDE_CHUNK-element lane accesses (16-byte stores; lane -> chunk map wide_row_chunks)."""
 
     def __init__(self, headdim: int, dtype, wide_stores: bool = False):
-        assert headdim % (CHUNK * LANES_PER_ROW) == 0
+        assert headdim % HEADDIM_STEP == 0, headdim
         self.hdim = headdim
         self.dtype = dtype
         self.wide_stores = wide_stores
@@ -237,10 +264,20 @@ class BackwardPostprocess:
                     p = s if const_expr(mRowIdx is None) else mRowIdx[s]
                     gacc = mdQacc[b, head, p, None]
                     gdQ = mdQ[b, s, head, None]
-                    for j in cutlass.range_constexpr(self.hdim // (CHUNK * LANES_PER_ROW)):
-                        cute.copy(load_atom, _chunk(gacc, j, sub_lane), racc)
-                        rdQ.store(racc.load().to(self.dtype))
-                        cute.copy(store_atom, rdQ, _chunk(gdQ, j, sub_lane))
+                    for j in cutlass.range_constexpr(row_passes(self.hdim)):
+                        if const_expr(full_pass(self.hdim, j)):
+                            self.convert_narrow_chunk(gacc, gdQ, j, sub_lane, load_atom, store_atom, racc, rdQ)
+                        else:  # an odd multiple of 16 (d80): the last pass's lanes 4-7 idle
+                            if sub_lane + LANES_PER_ROW * j < self.hdim // CHUNK:
+                                self.convert_narrow_chunk(gacc, gdQ, j, sub_lane, load_atom, store_atom, racc, rdQ)
+
+    @cute.jit
+    def convert_narrow_chunk(self, gacc: cute.Tensor, gdQ: cute.Tensor, j: cutlass.Constexpr[int], sub_lane: Int32,
+                             load_atom, store_atom, racc: cute.Tensor, rdQ: cute.Tensor):
+        """Chunk sub_lane + 8 j (CHUNK elements) of one row: a 16-byte fp32 load, an 8-byte store."""
+        cute.copy(load_atom, _chunk(gacc, j, sub_lane), racc)
+        rdQ.store(racc.load().to(self.dtype))
+        cute.copy(store_atom, rdQ, _chunk(gdQ, j, sub_lane))
 
     @cute.jit
     def rows_wide(self, mdQacc: cute.Tensor, mdQ: cute.Tensor, mRowIdx: Optional[cute.Tensor], row0: Int32,
@@ -277,6 +314,14 @@ class BackwardPostprocess:
         cute.copy(store_atom, rdQ, cute.local_tile(gdQ, (WIDE_CHUNK,), (c,)))
 
 
+def accum_wide_ok(headdim: int, tile_m: int, num_wg: int = 2) -> bool:
+    """BackwardPostprocessAccumOrder's wide_stores applies (pure): each warpgroup's dQ columns (the dQ
+    MMA's N: headdim, or headdim / 2 where the warpgroups split the head dim) a multiple of 16, the
+    columns one warp's 4-matrix stmatrix writes."""
+    n = headdim if tile_m == 64 * num_wg else headdim // 2
+    return n % 16 == 0
+
+
 class BackwardPostprocessAccumOrder:
     """dq[b, m * tile_m + r, h, c] = dq_accum tile (b, h, m) at the accumulator-order position of
     (r, c) (kernels/common/dq_accum.py), converted to dtype: one CTA of num_threads (the main
@@ -296,7 +341,9 @@ class BackwardPostprocessAccumOrder:
         self.tile_m = tile_m
         self.num_wg = num_wg
         self.num_threads = 128 * num_wg
-        self.wide_stores = wide_stores
+        # the staging tile's stmatrix writes 16 columns per warp: a warpgroup's columns must be a
+        # multiple of 16 (not d80's 40 or d112's 56 at 64 queries: those keep the 32-bit pairs)
+        self.wide_stores = wide_stores and accum_wide_ok(headdim, tile_m, num_wg)
 
     @cute.jit
     def __call__(

@@ -12,7 +12,8 @@ more term of the first sum, counted once here (the splits leave it out): LSE = l
 Rows may be packed GQA rows (the decode path packs the `pack` query heads of one KV head into
 the query dimension): packed row r of KV head hk is query r // pack of head hk * pack + r % pack.
 One warp per packed row: lanes reduce LSE_s over the splits, then each lane merges headdim / 32
-contiguous columns (so the warp reads each split's row once, coalesced).
+contiguous columns (so the warp reads each split's row once, coalesced); a head dim that is an odd
+multiple of 16 (d80, d112) gives each lane ceil(headdim / 32) columns and the last lanes none.
 
 Packed rows (`call_packed_rows`, compiled as its own variant: flash4.compile.cache's
 get_combine_runner(packed_rows=True); __call__'s kernel is unchanged by it): out / lse are a varlen
@@ -37,7 +38,7 @@ from flash4.constants import COMBINE_WARPS_PER_CTA, LOG2E  # noqa: F401  (import
 
 class SplitKVCombine:
     def __init__(self, headdim: int, dtype):
-        assert headdim % 32 == 0
+        assert headdim % 16 == 0, headdim
         self.hdim = headdim
         self.dtype = dtype
 
@@ -111,22 +112,37 @@ class SplitKVCombine:
                 lse = -Float32.inf
                 if m != -Float32.inf:
                     lse = m + cute.math.log(total, fastmath=True)
-                per_lane = self.hdim // 32
+                # lane l merges columns [l * per_lane, (l + 1) * per_lane); a head dim that is not a
+                # multiple of 32 (d80: 3 per lane) leaves the columns past it to no lane (ragged)
+                per_lane = -(-self.hdim // 32)
+                ragged = self.hdim % 32 != 0
                 acc = cute.make_rmem_tensor((per_lane,), Float32)
                 acc.fill(0.0)
                 if m != -Float32.inf:
                     for s in cutlass.range(num_splits, unroll=1):
                         w = cute.math.exp2((mLSEacc[s, b, hk, sp] - lse) * Float32(LOG2E), fastmath=True)
                         for i in cutlass.range_constexpr(per_lane):
-                            acc[i] += w * mOacc[s, b, sp, hk, lane * per_lane + i]
+                            if cutlass.const_expr(not ragged):
+                                acc[i] += w * mOacc[s, b, sp, hk, lane * per_lane + i]
+                            else:
+                                if lane * per_lane + i < self.hdim:
+                                    acc[i] += w * mOacc[s, b, sp, hk, lane * per_lane + i]
                 if cutlass.const_expr(mCuSeqlensQ is None):
                     for i in cutlass.range_constexpr(per_lane):
-                        mO[b, query, head, lane * per_lane + i] = acc[i].to(self.dtype)
+                        if cutlass.const_expr(not ragged):
+                            mO[b, query, head, lane * per_lane + i] = acc[i].to(self.dtype)
+                        else:
+                            if lane * per_lane + i < self.hdim:
+                                mO[b, query, head, lane * per_lane + i] = acc[i].to(self.dtype)
                     if lane == 0:
                         mLSE[b, head, query] = lse
                 else:
                     row_q = mCuSeqlensQ[b + 1] - seqlen_p // pack + query
                     for i in cutlass.range_constexpr(per_lane):
-                        mO[row_q, head, lane * per_lane + i] = acc[i].to(self.dtype)
+                        if cutlass.const_expr(not ragged):
+                            mO[row_q, head, lane * per_lane + i] = acc[i].to(self.dtype)
+                        else:
+                            if lane * per_lane + i < self.hdim:
+                                mO[row_q, head, lane * per_lane + i] = acc[i].to(self.dtype)
                     if lane == 0:
                         mLSE[head, row_q] = lse

@@ -104,9 +104,33 @@ def store_rows_predicated(sX: cute.Tensor, gX: cute.Tensor, valid_rows: Int32, t
     dtype = sX.element_type
     vec = 128 // dtype.width
     rows, cols = cute.size(sX, mode=[0]), cute.size(sX, mode=[1])
-    chunks_per_row = cols // vec
+    threads_per_row, rows_per_pass = row_copy_shape(rows, cols // vec, num_threads)
+    if cutlass.const_expr(rows_per_pass * threads_per_row == num_threads):
+        _store_rows(sX, gX, valid_rows, tidx, threads_per_row, rows_per_pass, vec)
+    else:  # few 16-byte chunks per row (d80: 10) and few rows: the threads past one pass idle
+        if tidx < rows_per_pass * threads_per_row:
+            _store_rows(sX, gX, valid_rows, tidx, threads_per_row, rows_per_pass, vec)
+
+
+def row_copy_shape(rows: int, chunks_per_row: int, num_threads: int) -> tuple:
+    """(threads per row, rows per pass) of store_rows_predicated (pure): threads_per_row =
+    gcd(chunks, threads); rows per pass num_threads / threads_per_row, or, where that exceeds the
+    tile's rows (a (64, 80) dQ tile: 10 chunks, 2 threads per row, 128 rows per pass), the largest
+    divisor of `rows` below it (the other threads idle): a pass never reaches past the tile."""
     threads_per_row = _gcd(chunks_per_row, num_threads)
-    thr_layout = cute.make_ordered_layout((num_threads // threads_per_row, threads_per_row), order=(1, 0))
+    rows_per_pass = num_threads // threads_per_row
+    if rows_per_pass > rows:
+        rows_per_pass = max(r for r in range(1, rows + 1) if rows % r == 0 and r <= rows_per_pass)
+    return threads_per_row, rows_per_pass
+
+
+@cute.jit
+def _store_rows(sX: cute.Tensor, gX: cute.Tensor, valid_rows: Int32, tidx: Int32,
+                threads_per_row: cutlass.Constexpr[int], rows_per_pass: cutlass.Constexpr[int],
+                vec: cutlass.Constexpr[int]):
+    dtype = sX.element_type
+    rows, cols = cute.size(sX, mode=[0]), cute.size(sX, mode=[1])
+    thr_layout = cute.make_ordered_layout((rows_per_pass, threads_per_row), order=(1, 0))
     atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=128)
     tiled_copy = cute.make_tiled_copy_tv(atom, thr_layout, cute.make_layout((1, vec)))
     thr_copy = tiled_copy.get_slice(tidx)

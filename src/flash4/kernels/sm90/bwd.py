@@ -229,8 +229,8 @@ class FlashAttentionBackwardSm90:
         if cfg.exp_before_dp_wait and not self.split_hd and not self.dkv_t and self.tile_m > 64:
             raise ValueError(f"flash4 bwd_sm90: exp_before_dp_wait needs tile_m 64 (ptxas serializes the wgmmas "
                              f"at {self.tile_m}): {cfg}")
-        assert self.hdim % 16 == 0 and (self.hdim // 2) % 16 == 0
-        assert self.hdim_v % 16 == 0 and (self.hdim_v // 2) % 16 == 0
+        assert self.hdim % 16 == 0 and (self.hdim // 2) % 8 == 0
+        assert self.hdim_v % 16 == 0 and (self.hdim_v // 2) % 8 == 0
         # Sequence layout (all static): packed Q-side / K-side tensors, per-sequence lengths.
         self.varlen_q, self.varlen_k = cfg.varlen_q, cfg.varlen_k
         # seqlen_k differs per sequence: the grid is sized by max_seqlen_k, CTAs past it exit.
