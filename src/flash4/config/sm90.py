@@ -1390,7 +1390,11 @@ def shipped_dq_handoff(cfg: BwdConfig) -> BwdConfig:
     the whole tile per warpgroup with the P^T mask from relative bounds (BwdConfig.mask_rel; without
     it that kernel spills 20 scalar registers, with it 0): window 4096 d128 32k 1.058x (1.066x /
     1.113x without mask_rel in two calls; mask_rel alone on the causal cells 0.987-1.025x, geomean
-    1.000, so not there); other window configs keep the per-row hand-off (not measured)."""
+    1.000, so not there); other window configs keep the per-row hand-off (not measured). d112 (its
+    own kernel since FLASH4_HEADDIM16) as d128, since 2026-12-04 night: H200 ncu, d112 causal 4k, the
+    per-row hand-off's row-major STS.64 staging was the kernel's hottest stall (56 k of 295 k samples)
+    and 8.7 M UBLKRED against flash-attn-4's 0.3 M; with the whole tile per warpgroup the bench's
+    backward 394 -> 427 TFLOPs (two calls; flash-attn-4 0.74 -> 0.90x), GPU tests and memcheck clean."""
     if cfg.deterministic or cfg.varlen_q or cfg.seqused_q or cfg.sink_delta:
         return cfg
     if cfg.local:
@@ -1398,7 +1402,7 @@ def shipped_dq_handoff(cfg: BwdConfig) -> BwdConfig:
                 or cfg.transposed_dkv or cfg.dq_swapab or cfg.varlen_k or cfg.seqused_k)):
             return dataclasses.replace(cfg, dq_whole=True, dq_handoff_per_wg=True, mask_rel=True)
         return cfg
-    if (cfg.headdim == 128 and not cfg.softcap and not cfg.split_headdim
+    if (cfg.headdim in (112, 128) and not cfg.softcap and not cfg.split_headdim
             and not cfg.transposed_dkv and not cfg.dq_swapab):
         cfg = dataclasses.replace(cfg, dq_whole=True)
     if cfg.dq_accum_order and (cfg.dq_whole or not cfg.dkv_accum or (cfg.headdim == 64 and cfg.causal)):
