@@ -502,3 +502,19 @@ def test_removed_overrides_leave_no_kernel():
 def test_scale_default():
     assert sdpa._scale(None, 64) == pytest.approx(1 / math.sqrt(64))
     assert sdpa._scale(0.5, 64) == 0.5
+
+
+def test_headdim16_on_sm90(monkeypatch):
+    """With FLASH4_ARCH=90 (q's GPU) the plug-in takes sm_90's multiples of 16 up to 128 as kernel head
+    dims (FLASH4_HEADDIM16, on by default); 72 is refused naming them; off: 80 refused too."""
+    from flash4.integrations.sdpa import _native_headdim_error
+
+    monkeypatch.setenv("FLASH4_ARCH", "90")
+    monkeypatch.delenv("FLASH4_FAMILY", raising=False)
+    t = lambda d: torch.empty(1, 8, 2, d, dtype=BF16)  # noqa: E731
+    monkeypatch.delenv("FLASH4_HEADDIM16", raising=False)
+    assert _native_headdim_error(t(80), t(80)) is None and _native_headdim_error(t(48), t(48)) is None
+    msg = _native_headdim_error(t(72), t(72))
+    assert msg is not None and "headdim 72" in msg and "80" in msg
+    monkeypatch.setenv("FLASH4_HEADDIM16", "0")
+    assert "headdim 80" in _native_headdim_error(t(80), t(80))

@@ -334,9 +334,28 @@ def test_unsupported_inputs_raise(flash4_sdpa):
     q, k, v = (t.transpose(1, 2) for t in _bshd_inputs(1, 64, 64, 2, 2, seed=6))
     with _flash_backend(), pytest.raises(RuntimeError, match="flash4 SDPA plug-in.*dropout"):
         F.scaled_dot_product_attention(q, k, v, dropout_p=0.1)
-    q80 = q[..., :80].contiguous()  # a head dim flash4 lacks (80: SDPA passes it unpadded)
-    with _flash_backend(), pytest.raises(RuntimeError, match="flash4 SDPA plug-in.*headdim 80"):
-        F.scaled_dot_product_attention(q80, q80, q80)
+    q72 = q[..., :72].contiguous()  # a head dim flash4 lacks (72: SDPA passes it unpadded)
+    with _flash_backend(), pytest.raises(RuntimeError, match="flash4 SDPA plug-in.*headdim 72"):
+        F.scaled_dot_product_attention(q72, q72, q72)
+
+
+@pytest.mark.parametrize("d", [80, 48])
+def test_sdpa_headdim16_runs_flash4(flash4_sdpa, d):
+    """On sm_90 the plug-in serves the multiples of 16 up to 128 on their own kernels
+    (FLASH4_HEADDIM16, flash4.config.kernel_headdims): SDPA at d80 / d48, forward and backward,
+    against the float32 reference."""
+    gen = torch.Generator(device=DEV).manual_seed(8)
+    q, k, v, dout = (torch.randn(2, 300, 4, d, device=DEV, dtype=BF16, generator=gen) for _ in range(4))
+    leaves = _leaves(q, k, v)
+    with _flash_backend():
+        out = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in leaves), is_causal=True)
+    (out.float() * dout.transpose(1, 2).float()).sum().backward()
+    assert flash4_sdpa.calls == ["dense_error", "dense_forward", "dense_error", "dense_backward"]
+    out_ref, grads_ref = _ref_with_grads(q, k, v, dout, True, upcast=True)
+    out_pt, grads_pt = _ref_with_grads(q, k, v, dout, True, upcast=False)
+    _check("out", out.transpose(1, 2), out_ref, out_pt, OUT_ATOL)
+    for name, leaf, gr, gp in zip(("dq", "dk", "dv"), leaves, grads_ref, grads_pt):
+        _check(name, leaf.grad, gr, gp, GRAD_ATOL)
 
 
 def test_restore_gives_the_ops_back(flash4_sdpa):

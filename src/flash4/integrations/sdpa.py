@@ -55,7 +55,8 @@ Mapping (schemas as in torch 2.11's native_functions.yaml; outputs as its meta f
 Refused with a RuntimeError that says why (never a silent wrong result, never a fallback): dropout_p
 > 0, return_debug_mask, alibi_slopes, a paged block_table, seqused_k without cum_seq_q, and
 whatever flash4 itself cannot run (flash4.validate's message): a head dim outside
-flash4.config.SUPPORTED_HEADDIMS (SDPA pads the head dim to a multiple of 8 before calling: 72
+flash4.config.SUPPORTED_HEADDIMS and, on sm_90, the other multiples of 16 up to 128 (16, 32, 48, 80,
+112: flash4.config.kernel_headdims; SDPA pads the head dim to a multiple of 8 before calling: 72
 stays 72), a dtype other than fp16/bf16, a GPU other than sm_90. While "flash4" is active such
 calls fail; `torch.nn.attention.restore_flash_attention_impl()` brings PyTorch's kernels back.
 
@@ -167,16 +168,31 @@ def _aux(query: torch.Tensor):
 # ================================================================ the flash4 calls (a seam for CPU tests)
 def _native_headdim_error(q, v):
     """The plug-in runs flash4's kernels on the tensors as given (no zero-padding: it writes into
-    aten's preallocated layouts), so only the kernel head dims: a message for others, else None."""
+    aten's preallocated layouts), so only the kernel head dims of q's GPU (flash4.config.kernel_headdims:
+    on sm_90 every multiple of 16 up to 128 too, FLASH4_HEADDIM16): a message for others, else None."""
     from flash4.headdim import is_native
 
-    if not (isinstance(q, torch.Tensor) and isinstance(v, torch.Tensor)) or is_native(q.shape[-1], v.shape[-1]):
+    if not (isinstance(q, torch.Tensor) and isinstance(v, torch.Tensor)):
         return None
-    from flash4.config import HDIMV_PAIRS, SUPPORTED_HEADDIMS
+    arch = _arch_of(q)
+    if is_native(q.shape[-1], v.shape[-1], arch):
+        return None
+    from flash4.config import HDIMV_PAIRS, SUPPORTED_HEADDIMS, kernel_headdims
 
+    dims = SUPPORTED_HEADDIMS if arch is None else kernel_headdims(arch)
     return (f"headdim {q.shape[-1]} (v: {v.shape[-1]}): the SDPA plug-in runs flash4's kernel head dims "
-            f"{', '.join(map(str, SUPPORTED_HEADDIMS))} and the pairs {HDIMV_PAIRS} (flash4.flash_attn_func "
+            f"{', '.join(map(str, dims))} and the pairs {HDIMV_PAIRS} (flash4.flash_attn_func "
             f"zero-pads the other multiples of 8)")
+
+
+def _arch_of(q) -> int | None:
+    """The SM version of q's GPU (FLASH4_ARCH when set), or None (no CUDA: the rule without it)."""
+    from flash4.arch import device_arch
+
+    try:
+        return device_arch(q.device if q.is_cuda else None)
+    except (RuntimeError, ValueError):
+        return None
 
 
 class _Flash4Kernels:
