@@ -151,3 +151,31 @@ def test_row_passes_compile(d):
     compile_postprocess(d, "bf16", False, accum_tile_m=tile_m, wide_stores=True)
     compile_combine(d, "bf16")
     compile_combine(d, "bf16", packed_rows=True)
+
+
+def _meta(*shape):
+    import torch
+
+    return torch.empty(shape, dtype=torch.bfloat16, device="meta")
+
+
+@pytest.mark.parametrize("d, causal, hk", [(80, False, 8), (80, True, 2), (112, True, 8), (112, False, 1),
+                                           (32, False, 8), (48, True, 2)])
+def test_planned_configs_compile_clean(d, causal, hk):
+    """The configs the API plans for a dense request (flash4.config.fwd_config / bwd_config: the
+    shipped choices on top of the selectors: d80's 192-row p_smem forward tiles, d112's whole-tile
+    per-warpgroup dQ hand-off, the GQA head split) compile clean for sm_90a."""
+    pytest.importorskip("cutlass")
+    from flash4.compile.cache import compile_bwd, compile_fwd
+    from flash4.config import bwd_config, fwd_config
+    from flash4.request import Request
+
+    request = Request.dense(_meta(2, 4096, 8, d), _meta(2, 4096, hk, d), _meta(2, 4096, hk, d), d ** -0.5, causal)
+    fwd, bwd = fwd_config(request, 90).cfg, bwd_config(request, 90).cfg
+    assert fwd.headdim == d and bwd.headdim == d
+    if d == 80:
+        assert fwd.p_smem and fwd.tile_m == 192
+    if d == 112:
+        assert bwd.dq_whole and bwd.dq_handoff_per_wg
+    _clean(compile_fwd(fwd))
+    _clean(compile_bwd(bwd))
