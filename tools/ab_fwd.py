@@ -48,6 +48,8 @@ or varlen request); each other variant is that config with one candidate on (shi
                       not shipped): O multiplied by the row factors at every key block without the
                       vote and branch, so the O multiplies and P's F2FP run under the MUFU.EX2 stream
                       (section 11): every cell. Factors of exactly 1.0: out / lse bitwise.
+  pz                  FwdConfig.pv_zero_init: the tile's first P V writes acc_O (no per-tile zeroing;
+                      section 14's d128 full 1k profile): every cell. out / lse bitwise.
 --variants NAME ... times only those variants (and shipped).
 Timing as tools/ab_switch.py: ROUNDS interleaved rounds (order reversed every other round), each the
 median of calls with L2 flushed (flash4.bench.common.time_ms); TFLOPs of the visible work per
@@ -151,7 +153,7 @@ def shipped_cfg(case):
     return fwd_config(request(case), ARCH).cfg
 
 
-BITWISE = ("l2kv", "vf", "novf", "la", "nola", "mb", "nomb", "ra", "ravf")  # variants whose out / lse must equal their base's bit for bit
+BITWISE = ("l2kv", "vf", "novf", "la", "nola", "mb", "nomb", "ra", "ravf", "pz")  # variants whose out / lse must equal their base's bit for bit
 # The base of a bitwise check, where it is not shipped: la against la_base when that variant exists.
 BITWISE_BASE = {"la": "la_base"}
 ONLY = None  # --variants: the names to time besides shipped (None: all)
@@ -177,14 +179,14 @@ def _all_variants(case) -> dict:
             out["nola"] = dataclasses.replace(cfg, lookahead_qk=False)
             if cfg.causal and ONLY is not None and "mb" in ONLY:
                 out["mb"] = with_fwd_switches(cfg, ("mask_bits",))
-            return _rescale_always_variants(cfg, out)
+            return _pv_zero_init_variant(cfg, _rescale_always_variants(cfg, out))
         la = lookahead_qk_config(cfg)
         if la is not None:
             base = dataclasses.replace(la, lookahead_qk=False)
             if base != cfg:
                 out["la_base"] = base
             out["la"] = la
-        return _rescale_always_variants(cfg, out)
+        return _pv_zero_init_variant(cfg, _rescale_always_variants(cfg, out))
     if group == 1:
         for n in WIDE_TILES:
             wide = wide_tile_fwd_config(cfg, n)
@@ -224,7 +226,17 @@ def _all_variants(case) -> dict:
         out["novf"] = dataclasses.replace(cfg, softmax_vote_first=False)
     else:
         out["vf"] = with_fwd_switches(cfg, ("softmax_vote_first",))
-    return _rescale_always_variants(cfg, out)
+    return _pv_zero_init_variant(cfg, _rescale_always_variants(cfg, out))
+
+
+def _pv_zero_init_variant(cfg, out: dict) -> dict:
+    """out with pz: FwdConfig.pv_zero_init (the tile's first P V writes acc_O; no per-tile zeroing)."""
+    from flash4.config.sm90 import with_fwd_switches
+
+    on = with_fwd_switches(cfg, ("pv_zero_init",))
+    if on != cfg:
+        out["pz"] = on
+    return out
 
 
 def _rescale_always_variants(cfg, out: dict) -> dict:
@@ -243,7 +255,8 @@ def cfg_short(c) -> str:
     """The fields of a forward config that tell the variants apart."""
     bits = [f"m{c.tile_m}n{c.tile_n}" + (f"s{c.kv_stages}" if c.kv_stages != 2 else "")]
     bits += [name for name in ("causal", "persistent", "lpt", "l2_kv_heads", "varlen_q", "softmax_vote_first",
-                               "lookahead_qk", "mask_bits", "early_q_release", "p_smem", "rescale_always")
+                               "lookahead_qk", "mask_bits", "early_q_release", "p_smem", "rescale_always",
+                               "pv_zero_init")
              if getattr(c, name, False)]
     bits += [f"pack{c.pack_gqa}"] if c.pack_gqa > 1 else []
     return " ".join(bits)

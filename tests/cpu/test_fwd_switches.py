@@ -22,7 +22,8 @@ from flash4.constants import FWD_SPEED_SWITCHES  # noqa: E402
 def test_switch_off_and_out_of_repr():
     # the second: tests/cpu/test_tail_guard.py; the third: tests/cpu/test_lookahead_qk_cpu.py; the
     # fourth: test_mask_bits_off_and_out_of_repr below
-    assert FWD_SPEED_SWITCHES == ("softmax_vote_first", "no_tail_guard", "lookahead_qk", "mask_bits", "rescale_always")
+    assert FWD_SPEED_SWITCHES == ("softmax_vote_first", "no_tail_guard", "lookahead_qk", "mask_bits", "rescale_always",
+                                  "pv_zero_init")
     from flash4.config.sm90 import shipped_vote_first
 
     on = []
@@ -251,3 +252,42 @@ def test_shipped_window_forwards_compile_clean(d, dtype, pack, softcap, sink):
     if not res:
         pytest.skip("cuobjdump not installed: resources not checked")
     assert res["spills"] == 0 and not res["wgmma_serialized"] and res["hgmma"] > 0, res
+
+
+def test_pv_zero_init_switch():
+    """FwdConfig.pv_zero_init: off and out of the repr in every shipped config; with_fwd_switches turns it
+    on except with lookahead_qk (the look-ahead loop keeps zeroing acc_O)."""
+    from flash4.config.sm90 import with_fwd_switches
+
+    assert not any(getattr(c, "pv_zero_init", False) for c in shipped_fwd_configs())
+    cfg = select_fwd_config(128, "bf16", False)
+    on = with_fwd_switches(cfg, ("pv_zero_init",))
+    assert on == dataclasses.replace(cfg, pv_zero_init=True) and "pv_zero_init" not in repr(cfg)
+    assert repr(on).endswith(", pv_zero_init=True)") and eval(repr(on)) == on
+    hdimv = select_fwd_config(128, "bf16", True, headdim_v=64)
+    assert not with_fwd_switches(hdimv, ("lookahead_qk", "pv_zero_init")).pv_zero_init
+
+
+@pytest.mark.parametrize("d, causal, kw", [(128, False, {}), (128, True, {}), (64, True, {"local": True}),
+                                           (96, False, {"sink": True})])
+def test_pv_zero_init_sass(d, causal, kw):
+    """sm_90a: with the switch the per-tile acc_O zeroing (CS2R) is gone from the tile loop (one CS2R
+    site may stay: the no-key-block tile's zeroing), 0 spills, wgmma not serialized."""
+    pytest.importorskip("cutlass")
+    import re
+
+    from flash4.compile.cache import compile_fwd
+    from flash4.compile.check import extract_cubin, resource_usage, sass_text
+    from flash4.config.sm90 import with_fwd_switches
+
+    cfg = select_fwd_config(d, "bf16", causal, **kw)
+    counts = []
+    for c in (cfg, with_fwd_switches(cfg, ("pv_zero_init",))):
+        cubin = extract_cubin(compile_fwd(c))
+        sass = sass_text(cubin)
+        if sass is None:
+            pytest.skip("cuobjdump not installed")
+        res = resource_usage(cubin)
+        assert res["spills"] == 0 and not res["wgmma_serialized"], res
+        counts.append(len(re.findall(r"\bCS2R\b", sass)))
+    assert counts[1] <= counts[0] - 16, counts

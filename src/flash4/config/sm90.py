@@ -55,7 +55,7 @@ SHORT_SEQLEN_K = 1024
 # other config's key: the speed switches, and sink_delta (on only when a learnable sink needs a gradient).
 _QUIET_SWITCHES = ("early_q_release", "l2_kv_heads", "exp_before_dp_wait", "dq_handoff_per_wg", "sink_delta",
                    "gather_zero_fill", "dq_swapab", "dq_whole", "lse_early", "softmax_vote_first", "sink_delta_db",
-                   "no_tail_guard", "lookahead_qk", "mask_bits", "p_smem", "rescale_always", "mask_rel",
+                   "no_tail_guard", "lookahead_qk", "mask_bits", "p_smem", "rescale_always", "mask_rel", "pv_zero_init",
                    "tensor_hdims")
 
 
@@ -177,6 +177,13 @@ class FwdConfig:
                   keeps the reference, so the same bits; without the branch ptxas can issue the O
                   multiplies and P's F2FP conversion under the MUFU.EX2 stream (H200 ncu 2026-12-04,
                   d128 GQA causal: the F2FP waited after the branch). Left out of the repr while off.
+    pv_zero_init: speed switch, off (FLASH4_FWD_SWITCHES=pv_zero_init; tools/ab_fwd.py variant "pz"):
+                  the tile's first P V wgmma writes acc_O (its ACCUMULATE field false, a run-time
+                  flag carried through the key-block loops) instead of acc_O zeroed per tile (H200
+                  ncu 2026-12-04, d128 full 1k: 64 CS2R per tile of the 1,104 per-tile instructions
+                  against flash-attn-4's 700; flash-attn-4 does this). A tile without key blocks
+                  still zeroes it. Not with lookahead_qk. The same values (0 + x = x). Compile-
+                  verified, not measured yet. Left out of the repr while off.
     tensor_hdims: None, or (D, Dv) of the q/k and v/out tensors when they are narrower than the
                   kernel's (headdim, hdim_v) (a head dim flash4.headdim pads, e.g. 32 / 80 / 112 on
                   the 64 / 96 / 128 kernels): the TMA loads read the tensors as they are and fill
@@ -223,6 +230,7 @@ class FwdConfig:
     p_smem: bool = False
     rescale_always: bool = False
     tensor_hdims: tuple | None = None
+    pv_zero_init: bool = False
 
     def __post_init__(self):
         assert self.headdim in KERNEL_HEADDIMS, self.headdim
@@ -1250,9 +1258,12 @@ def fwd_plan(request, arch: int, num_sms: int | None = None) -> FwdPlan:
 def with_fwd_switches(cfg: FwdConfig, names) -> FwdConfig:
     """cfg with each named forward speed switch (FWD_SPEED_SWITCHES) on where the kernel builds it
     (softmax_vote_first: every sm90 forward config; no_tail_guard: ragged layouts, where the guards
-    are compiled; lookahead_qk: where lookahead_qk_error allows it, Dv < D). Pure."""
+    are compiled; lookahead_qk: where lookahead_qk_error allows it, Dv < D; pv_zero_init: not with
+    lookahead_qk). Pure."""
     for name in FWD_SPEED_SWITCHES:
         if name == "lookahead_qk" and lookahead_qk_error(cfg):
+            continue
+        if name == "pv_zero_init" and (cfg.lookahead_qk or "lookahead_qk" in names):
             continue
         if name in names and (name != "no_tail_guard" or cfg.ragged_q or cfg.ragged_k):
             cfg = dataclasses.replace(cfg, **{name: True})

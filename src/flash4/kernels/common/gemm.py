@@ -28,3 +28,26 @@ def wgmma(
     warpgroup.commit_group()
     if cutlass.const_expr(wg_wait >= 0):
         warpgroup.wait_group(wg_wait)
+
+
+@cute.jit
+def wgmma_first(
+    tiled_mma: cute.TiledMma,
+    acc: cute.Tensor,
+    tCrA: cute.Tensor,
+    tCrB: cute.Tensor,
+    accumulate: cutlass.Boolean,
+    wg_wait: cutlass.Constexpr[int] = 0,
+):
+    """wgmma whose first k16 block adds to acc only where `accumulate` (a run-time value) is true:
+    acc = A @ B on a tile's first P V, acc += A @ B after (FwdConfig.pv_zero_init: acc_O needs no
+    zeroing; flash-attn-4's sm90 forward does the same). Otherwise as wgmma."""
+    warpgroup.fence()
+    atom = cute.make_mma_atom(tiled_mma.op)
+    atom.set(warpgroup.Field.ACCUMULATE, accumulate)
+    for k in cutlass.range_constexpr(cute.size(tCrA.shape[2])):
+        cute.gemm(atom, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
+        atom.set(warpgroup.Field.ACCUMULATE, True)
+    warpgroup.commit_group()
+    if cutlass.const_expr(wg_wait >= 0):
+        warpgroup.wait_group(wg_wait)

@@ -22,7 +22,7 @@ from cutlass.tensor_utils import LayoutEnum
 from flash4.constants import LOG2E as LOG2E_F, THREADS_PER_WG
 from flash4.kernels.common import geometry, score
 from flash4.kernels.common.barriers import NamedBarrierFwd
-from flash4.kernels.common.gemm import wgmma
+from flash4.kernels.common.gemm import wgmma, wgmma_first
 from flash4.kernels.common.dsl import DSL_DTYPES
 from flash4.kernels.common.params import MaskParams, SeqParams
 from flash4.kernels.common.pipeline import cp_async_pipeline_factory, next_state, tma_pipeline_factory
@@ -212,6 +212,8 @@ class FlashAttentionForwardSm90:
         self.early_q_release = cfg.early_q_release
         # FwdConfig.lookahead_qk: the next block's Q K^T runs under this block's softmax (key_blocks_lookahead)
         self.lookahead_qk = cfg.lookahead_qk
+        # FwdConfig.pv_zero_init: the tile's first P V writes acc_O (not with the look-ahead loop)
+        self.pv_zero_init = cfg.pv_zero_init and not cfg.lookahead_qk
         # FwdConfig.p_smem: P reaches P V through shared memory (the wgmma's A from smem), not registers
         self.p_smem = cfg.p_smem
         if self.early_q_release and not self.separate_o:
@@ -717,8 +719,13 @@ class FlashAttentionForwardSm90:
                                seqlen_k=seqlen_k, tile_m=self.tile_m, tile_n=self.tile_n, window=window,
                                pack=self.pack, bits=self.cfg.mask_bits)
                 softmax.reset(seqlen_q - m_block * self.tile_m if const_expr(self.vote_row_limit) else None)
-                acc_O.fill(0.0)
+                o_acc = cutlass.Boolean(False)  # pv_zero_init: no P V has written acc_O yet
+                if const_expr(not self.pv_zero_init):
+                    acc_O.fill(0.0)
                 pipeline_q.consumer_wait(q_state)
+                if const_expr(self.pv_zero_init):
+                    if n_block_max <= n_block_min:  # no key block: no P V writes acc_O
+                        acc_O.fill(0.0)
                 if n_block_max > n_block_min:
                     if const_expr(self.lookahead_qk):
                         state = self.key_blocks_lookahead(n_block_min, n_block_max, m_block, seq, window, state,
@@ -754,23 +761,43 @@ class FlashAttentionForwardSm90:
                                                                         self.tile_n, window, self.pack)
                             n_causal = cutlass.max(cutlass.min(n_causal, n_block_max - 1), n_block_min)
                             for i in cutlass.range(n_block_max - 1 - n_causal, unroll=1):
-                                state = self.mma_one_n_block(n_block_max - 2 - i, state, mmas, ops, acc_O, softmax,
-                                                             pipes, score_params, mask, True, wg_idx, q_release)
+                                if const_expr(self.pv_zero_init):
+                                    state, o_acc = self.mma_one_n_block(
+                                        n_block_max - 2 - i, state, mmas, ops, acc_O, softmax, pipes, score_params,
+                                        mask, True, wg_idx, q_release, o_acc)
+                                else:
+                                    state = self.mma_one_n_block(n_block_max - 2 - i, state, mmas, ops, acc_O, softmax,
+                                                                 pipes, score_params, mask, True, wg_idx, q_release)
                             n_block_unmasked = n_causal
                         if const_expr(self.cfg.local):
                             n_left = geometry.n_block_left_mask_end(m_block, seqlen_q, seqlen_k, self.tile_m,
                                                                     self.tile_n, window, self.pack)
                             n_block_left = cutlass.max(cutlass.min(n_left, n_block_unmasked), n_block_min)
                         for i in cutlass.range(n_block_unmasked - n_block_left, unroll=1):
-                            state = self.mma_one_n_block(n_block_unmasked - 1 - i, state, mmas, ops, acc_O, softmax,
-                                                         pipes, score_params, mask, False, wg_idx, q_release)
+                            if const_expr(self.pv_zero_init):
+                                state, o_acc = self.mma_one_n_block(
+                                    n_block_unmasked - 1 - i, state, mmas, ops, acc_O, softmax, pipes, score_params,
+                                    mask, False, wg_idx, q_release, o_acc)
+                            else:
+                                state = self.mma_one_n_block(n_block_unmasked - 1 - i, state, mmas, ops, acc_O,
+                                                             softmax, pipes, score_params, mask, False, wg_idx,
+                                                             q_release)
                         if const_expr(self.cfg.local):
                             for i in cutlass.range(n_block_left - n_block_min, unroll=1):
-                                state = self.mma_one_n_block(n_block_left - 1 - i, state, mmas, ops, acc_O, softmax,
-                                                             pipes, score_params, mask, True, wg_idx, q_release)
+                                if const_expr(self.pv_zero_init):
+                                    state, o_acc = self.mma_one_n_block(
+                                        n_block_left - 1 - i, state, mmas, ops, acc_O, softmax, pipes, score_params,
+                                        mask, True, wg_idx, q_release, o_acc)
+                                else:
+                                    state = self.mma_one_n_block(n_block_left - 1 - i, state, mmas, ops, acc_O,
+                                                                 softmax, pipes, score_params, mask, True, wg_idx,
+                                                                 q_release)
                     # Last P V.
                     pipeline_v.consumer_wait(state)
-                    wgmma(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, state.index], wg_wait=0)
+                    if const_expr(self.pv_zero_init):
+                        wgmma_first(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, state.index], o_acc, wg_wait=0)
+                    else:
+                        wgmma(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, state.index], wg_wait=0)
                     pipeline_v.consumer_release(state)
                     state = next_state(state)
                 if const_expr(self.separate_o and not self.early_q_release):
@@ -851,7 +878,8 @@ class FlashAttentionForwardSm90:
 
     @cute.jit
     def mma_one_n_block(self, n_block, state, mmas: TiledMmas, ops: MmaOperands, acc_O, softmax, pipes: Pipelines,
-                        score_params: ScoreParams, mask, masked: cutlass.Constexpr[bool], wg_idx, q_release=None):
+                        score_params: ScoreParams, mask, masked: cutlass.Constexpr[bool], wg_idx, q_release=None,
+                        o_acc=None):
         """One key block with intra-warpgroup overlap: S_n = Q K_n runs while O += P_{n+1} V_{n+1}.
 
         q_release: None, or (q_state, n_block_last) with FwdConfig.early_q_release: at key block
@@ -869,7 +897,10 @@ class FlashAttentionForwardSm90:
         acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
         wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, state.index], zero_init=True, wg_wait=-1)
         pipeline_v.consumer_wait(state_v)
-        wgmma(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, state_v.index], wg_wait=-1)
+        if const_expr(o_acc is None):
+            wgmma(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, state_v.index], wg_wait=-1)
+        else:  # FwdConfig.pv_zero_init: the tile's first P V writes acc_O
+            wgmma_first(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, state_v.index], o_acc, wg_wait=-1)
         self.scheduler_barrier_arrive(wg_idx)
         warpgroup.wait_group(1)
         pipeline_k.consumer_release(state)
@@ -885,6 +916,8 @@ class FlashAttentionForwardSm90:
         pipeline_v.consumer_release(state_v)
         self.convert_P(acc_S, tOrP, ops.p_store)
         softmax.rescale_O(acc_O, row_scale)
+        if const_expr(o_acc is not None):
+            return state, cutlass.Boolean(True)
         return state
 
     @cute.jit
