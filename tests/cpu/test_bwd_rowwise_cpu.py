@@ -25,12 +25,19 @@ def test_rowwise_passes_compile(d, dv, dtype, varlen, monkeypatch, tmp_path):
 
 
 def test_preprocess_rejects_odd_headdim():
-    from flash4.kernels.common.bwd_preprocess import BackwardPostprocess, BackwardPreprocess
+    """The row passes take multiples of 16 (the sm90 kernel head dims, d80 / d48 included: a row's
+    last pass predicated, row_passes / full_pass); other widths are refused."""
+    from flash4.kernels.common.bwd_preprocess import (BackwardPostprocess, BackwardPreprocess, full_pass,
+                                                      row_passes)
 
     with pytest.raises(AssertionError):
-        BackwardPreprocess(80, None)
+        BackwardPreprocess(72, None)
     with pytest.raises(AssertionError):
-        BackwardPostprocess(48, None)
+        BackwardPostprocess(40, None)
+    BackwardPreprocess(80, None), BackwardPostprocess(48, None)
+    assert (row_passes(80), full_pass(80, 0), full_pass(80, 2)) == (3, True, False)
+    assert (row_passes(64), full_pass(64, 1)) == (2, True)
+    assert (row_passes(16), full_pass(16, 0)) == (1, False)
 
 
 def test_accum_order_configs():
