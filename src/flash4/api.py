@@ -35,9 +35,10 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False,
            1 / sqrt(headdim of q)).
            q, k, v: last dim contiguous (stride 1), other strides and the base address 16-byte
            aligned (true of any tensor made by torch and of slices along batch/seqlen/heads).
-           headdim: kernels for flash4.config.SUPPORTED_HEADDIMS (64, 96, 128, 192, 256); any other
-           multiple of 8 from 8 to 256 runs zero-padded to the next of those (flash4.headdim: exact,
-           costs the padded width).
+           headdim: kernels for flash4.config.SUPPORTED_HEADDIMS (64, 96, 128, 192, 256) and, on
+           sm_90, every multiple of 16 up to 128 (16, 32, 48, 80, 112; FLASH4_HEADDIM16); any other
+           multiple of 8 from 8 to 256 runs zero-padded to the next kernel head dim (flash4.headdim:
+           exact, costs the padded width).
            seqlen_q may differ from seqlen_k; batch, seqlen_q and seqlen_k may be 0.
         softmax_scale: float > 0 applied to Q K^T; None means 1 / sqrt(headdim).
         causal: bool; the mask is aligned to the bottom-right corner (as FlashAttention 2/3):
@@ -148,7 +149,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
            cu_seqlens_k[b] : cu_seqlens_k[b + 1]. nheads_k divides nheads (MQA/GQA: query head h
            reads key head h // (nheads // nheads_k)). Head dims as flash_attn_func's (kernel head
            dims and flash4.config.HDIMV_PAIRS as they are, other multiples of 8 zero-padded; not for a
-           paged pool, which keeps the kernel head dims); out is (total_q, nheads, headdim_v).
+           paged pool, which takes flash4.config.SUPPORTED_HEADDIMS only); out is (total_q, nheads, headdim_v).
            Paged K/V (with page_table): (num_pages, page_size, nheads_k, headdim), any page_size
            >= 1 (pages of <= 16 rows or not a multiple of 8 are gathered row by row; FLASH4_SMALL_PAGES=0
            refuses sizes that are not multiples of 8); key j of sequence b is
