@@ -186,13 +186,15 @@ def test_tool_plan(capsys):
             base = vs["shipped"]
             changed = {f.name for f in dataclasses.fields(cfg) if getattr(cfg, f.name) != getattr(base, f.name)}
             allowed = {"tile_n", "kv_stages", "l2_kv_heads", "pack_gqa", "softmax_vote_first", "lookahead_qk",
-                       "mask_bits", "persistent", "early_q_release", "p_smem", "tile_m", "rescale_always"}
+                       "mask_bits", "persistent", "early_q_release", "p_smem", "tile_m", "rescale_always",
+                       "pv_zero_init"}
             assert changed <= allowed, (case.name, name, changed)
             assert ("tile_m" in changed) <= (name in ("m192p", "m192pra", "m192n144p", "nop")), (case.name, name)
             assert (name in ("ra", "ravf", "m192pra")) == ("rescale_always" in changed), (case.name, name)
             assert (name in ("mb", "nomb")) == ("mask_bits" in changed), (case.name, name)
             assert (name in ("la", "nola")) == ("lookahead_qk" in changed), (case.name, name)
             assert (name in ("vf", "novf", "ravf")) == ("softmax_vote_first" in changed), (case.name, name)
+            assert (name == "pz") == ("pv_zero_init" in changed), (case.name, name)
             assert cfg.smem_bytes() <= 227 * 1024 - 1024
     assert len(tool.plan_kernels(tool.CELLS)) == len({c for case in tool.CELLS for c in tool.variants(case).values()})
 
@@ -232,12 +234,12 @@ def test_tool_run_cell_plumbing(monkeypatch):
     try:
         dense_cell = cases.Case("gqa_small", 128, True, 1536, 1536, 2, 8, 2)  # not short: not persistent
         row = tool.run_cell(dense_cell, 1, 1.0, 800.0)
-        assert set(row["variants"]) == {"shipped", "l2kv", "pack", "vf", "ra", "ravf"} and not tool.failures([row]), row
-        assert len(calls) == 12 and not any(c[1] for c in calls)  # each variant: the check call + one timed
+        assert set(row["variants"]) == {"shipped", "l2kv", "pack", "vf", "ra", "ravf", "pz"} and not tool.failures([row]), row
+        assert len(calls) == 14 and not any(c[1] for c in calls)  # each variant: the check call + one timed
         assert calls[0][4] * 4 == calls[1][4]  # l2kv: 4x the L2 section of shipped
         calls.clear()
         row = tool.run_cell(varlen.VarlenCase("varlen_small", 8, 2), 1, 1.0, 800.0)
-        assert set(row["variants"]) == {"shipped", "l2kv", "vf", "ra", "ravf"} and not tool.failures([row]), row
+        assert set(row["variants"]) == {"shipped", "l2kv", "vf", "ra", "ravf", "pz"} and not tool.failures([row]), row
         assert calls[0][:4] == ((1, 428, 8, 128), True, 3, 300)
     finally:
         cache.get_fwd_runner.cache_clear()
