@@ -50,6 +50,8 @@ or varlen request); each other variant is that config with one candidate on (shi
                       (section 11): every cell. Factors of exactly 1.0: out / lse bitwise.
   pz                  FwdConfig.pv_zero_init: the tile's first P V writes acc_O (no per-tile zeroing;
                       section 14's d128 full 1k profile): every cell. out / lse bitwise.
+  flat / flatpz       FwdConfig.flat_tile_order (the non-LPT tile order decoded with two divisions
+                      instead of four; flatpz: with pv_zero_init too): cells without LPT. Bitwise.
 --variants NAME ... times only those variants (and shipped).
 Timing as tools/ab_switch.py: ROUNDS interleaved rounds (order reversed every other round), each the
 median of calls with L2 flushed (flash4.bench.common.time_ms); TFLOPs of the visible work per
@@ -153,7 +155,7 @@ def shipped_cfg(case):
     return fwd_config(request(case), ARCH).cfg
 
 
-BITWISE = ("l2kv", "vf", "novf", "la", "nola", "mb", "nomb", "ra", "ravf", "pz")  # variants whose out / lse must equal their base's bit for bit
+BITWISE = ("l2kv", "vf", "novf", "la", "nola", "mb", "nomb", "ra", "ravf", "pz", "flat", "flatpz")  # variants whose out / lse must equal their base's bit for bit
 # The base of a bitwise check, where it is not shipped: la against la_base when that variant exists.
 BITWISE_BASE = {"la": "la_base"}
 ONLY = None  # --variants: the names to time besides shipped (None: all)
@@ -236,6 +238,10 @@ def _pv_zero_init_variant(cfg, out: dict) -> dict:
     on = with_fwd_switches(cfg, ("pv_zero_init",))
     if on != cfg:
         out["pz"] = on
+    flat = with_fwd_switches(cfg, ("flat_tile_order",))
+    if flat != cfg:
+        out["flat"] = flat
+        out["flatpz"] = with_fwd_switches(flat, ("pv_zero_init",))
     return out
 
 
@@ -256,7 +262,7 @@ def cfg_short(c) -> str:
     bits = [f"m{c.tile_m}n{c.tile_n}" + (f"s{c.kv_stages}" if c.kv_stages != 2 else "")]
     bits += [name for name in ("causal", "persistent", "lpt", "l2_kv_heads", "varlen_q", "softmax_vote_first",
                                "lookahead_qk", "mask_bits", "early_q_release", "p_smem", "rescale_always",
-                               "pv_zero_init")
+                               "pv_zero_init", "flat_tile_order")
              if getattr(c, name, False)]
     bits += [f"pack{c.pack_gqa}"] if c.pack_gqa > 1 else []
     return " ".join(bits)

@@ -187,14 +187,15 @@ def test_tool_plan(capsys):
             changed = {f.name for f in dataclasses.fields(cfg) if getattr(cfg, f.name) != getattr(base, f.name)}
             allowed = {"tile_n", "kv_stages", "l2_kv_heads", "pack_gqa", "softmax_vote_first", "lookahead_qk",
                        "mask_bits", "persistent", "early_q_release", "p_smem", "tile_m", "rescale_always",
-                       "pv_zero_init"}
+                       "pv_zero_init", "flat_tile_order"}
             assert changed <= allowed, (case.name, name, changed)
             assert ("tile_m" in changed) <= (name in ("m192p", "m192pra", "m192n144p", "nop")), (case.name, name)
             assert (name in ("ra", "ravf", "m192pra")) == ("rescale_always" in changed), (case.name, name)
             assert (name in ("mb", "nomb")) == ("mask_bits" in changed), (case.name, name)
             assert (name in ("la", "nola")) == ("lookahead_qk" in changed), (case.name, name)
             assert (name in ("vf", "novf", "ravf")) == ("softmax_vote_first" in changed), (case.name, name)
-            assert (name == "pz") == ("pv_zero_init" in changed), (case.name, name)
+            assert (name in ("pz", "flatpz")) == ("pv_zero_init" in changed), (case.name, name)
+            assert (name in ("flat", "flatpz")) == ("flat_tile_order" in changed), (case.name, name)
             assert cfg.smem_bytes() <= 227 * 1024 - 1024
     assert len(tool.plan_kernels(tool.CELLS)) == len({c for case in tool.CELLS for c in tool.variants(case).values()})
 

@@ -23,7 +23,7 @@ def test_switch_off_and_out_of_repr():
     # the second: tests/cpu/test_tail_guard.py; the third: tests/cpu/test_lookahead_qk_cpu.py; the
     # fourth: test_mask_bits_off_and_out_of_repr below
     assert FWD_SPEED_SWITCHES == ("softmax_vote_first", "no_tail_guard", "lookahead_qk", "mask_bits", "rescale_always",
-                                  "pv_zero_init")
+                                  "pv_zero_init", "flat_tile_order")
     from flash4.config.sm90 import shipped_vote_first
 
     on = []
@@ -291,3 +291,54 @@ def test_pv_zero_init_sass(d, causal, kw):
         assert res["spills"] == 0 and not res["wgmma_serialized"], res
         counts.append(len(re.findall(r"\bCS2R\b", sass)))
     assert counts[1] <= counts[0] - 16, counts
+
+
+@pytest.mark.parametrize("m, h, b", [(8, 4, 2), (5, 6, 1), (1, 1, 1), (7, 5, 3), (33, 16, 4)])
+def test_flat_tile_order_is_the_plain_order(m, h, b):
+    """kernels/common/scheduler.tile_coords_flat (FwdConfig.flat_tile_order) decodes the non-LPT order
+    (l2_group 1, as the host passes it): the pure model's tiles in its order (flash4.schedule, whose
+    closed form the sectioned device decode mirrors: tests/cpu/test_schedule.py). Plain integers
+    stand in for the device Int32 values."""
+    pytest.importorskip("cutlass")
+    from flash4 import schedule
+    from flash4.kernels.common.scheduler import tile_coords_flat
+
+    got = [tile_coords_flat(t, m, h) for t in range(m * h * b)]
+    assert got == [schedule.tile_coords(t, m, h, b, causal=False, lpt=False) for t in range(m * h * b)]
+    assert got == schedule.tile_order(m, h, b, causal=False, lpt=False)
+
+
+def test_flat_tile_order_switch():
+    """Off and out of the repr in every shipped config; with_fwd_switches leaves it off where cfg.lpt
+    (the host's L2 sections)."""
+    from flash4.config.sm90 import with_fwd_switches
+
+    assert not any(getattr(c, "flat_tile_order", False) for c in shipped_fwd_configs())
+    full = select_fwd_config(128, "bf16", False)
+    on = with_fwd_switches(full, ("flat_tile_order",))
+    assert on.flat_tile_order and repr(on).endswith(", flat_tile_order=True)") and eval(repr(on)) == on
+    causal = select_fwd_config(128, "bf16", True)
+    assert causal.lpt and not with_fwd_switches(causal, ("flat_tile_order",)).flat_tile_order
+
+
+@pytest.mark.parametrize("d, causal, kw", [(128, False, {}), (64, False, {"local": True}), (96, False, {})])
+def test_flat_tile_order_sass(d, causal, kw):
+    """sm_90a: fewer integer-division sequences (MUFU.RCP) with the switch, 0 spills."""
+    pytest.importorskip("cutlass")
+    import re
+
+    from flash4.compile.cache import compile_fwd
+    from flash4.compile.check import extract_cubin, resource_usage, sass_text
+    from flash4.config.sm90 import with_fwd_switches
+
+    cfg = select_fwd_config(d, "bf16", causal, **kw)
+    counts = []
+    for c in (cfg, with_fwd_switches(cfg, ("flat_tile_order",))):
+        cubin = extract_cubin(compile_fwd(c))
+        sass = sass_text(cubin)
+        if sass is None:
+            pytest.skip("cuobjdump not installed")
+        res = resource_usage(cubin)
+        assert res["spills"] == 0 and not res["wgmma_serialized"], res
+        counts.append(len(re.findall(r"MUFU\.RCP", sass)))
+    assert counts[1] < counts[0], counts

@@ -164,7 +164,8 @@ def test_bwd_switches_env(monkeypatch, switches, d, s, h, hk, causal):
 # bit for bit as well, on every masked door (causal, window, sink, seqlen_k tails, GQA-packed windows).
 # FLASH4_FWD_SWITCHES=pv_zero_init (FwdConfig.pv_zero_init): the tile's first P V writes acc_O instead
 # of adding to zeros (0 + x = x): bit for bit on every door, tiles without key blocks included (the
-# varlen door's empty sequence, the kvcache door's split tails).
+# varlen door's empty sequence, the kvcache door's split tails). FLASH4_FWD_SWITCHES=flat_tile_order
+# (FwdConfig.flat_tile_order): the same tiles in the same order, decoded with fewer divisions.
 FWD_ENV_KINDS = ["dense", "dense_causal", "window_softcap", "sink", "window_sink", "varlen", "paged", "kvcache"]
 FWD_ENV_CASES = ([("softmax_vote_first", d, None) for d in (64, 96, 128, 192, 256)]
                  + [("lookahead_qk", 128, 64)]
@@ -174,7 +175,9 @@ FWD_ENV_CASES = ([("softmax_vote_first", d, None) for d in (64, 96, 128, 192, 25
                  + [("rescale_always", 128, 64), ("rescale_always", 192, 128)]
                  + [("rescale_always,softmax_vote_first", 128, None)]
                  + [("pv_zero_init", d, None) for d in (64, 96, 128, 192, 256)]
-                 + [("pv_zero_init", 128, 64), ("pv_zero_init", 192, 128), ("pv_zero_init", 80, None)])
+                 + [("pv_zero_init", 128, 64), ("pv_zero_init", 192, 128), ("pv_zero_init", 80, None)]
+                 + [("flat_tile_order", d, None) for d in (64, 128, 256)]
+                 + [("flat_tile_order,pv_zero_init", 128, None)])
 
 
 def _fwd_call(kind, d, mag, dv=None):

@@ -56,6 +56,7 @@ SHORT_SEQLEN_K = 1024
 _QUIET_SWITCHES = ("early_q_release", "l2_kv_heads", "exp_before_dp_wait", "dq_handoff_per_wg", "sink_delta",
                    "gather_zero_fill", "dq_swapab", "dq_whole", "lse_early", "softmax_vote_first", "sink_delta_db",
                    "no_tail_guard", "lookahead_qk", "mask_bits", "p_smem", "rescale_always", "mask_rel", "pv_zero_init",
+                   "flat_tile_order",
                    "tensor_hdims")
 
 
@@ -184,6 +185,13 @@ class FwdConfig:
                   against flash-attn-4's 700; flash-attn-4 does this). A tile without key blocks
                   still zeroes it. Not with lookahead_qk. The same values (0 + x = x). Compile-
                   verified, not measured yet. Left out of the repr while off.
+    flat_tile_order: speed switch, off (FLASH4_FWD_SWITCHES=flat_tile_order; tools/ab_fwd.py variant
+                  "flat"): without LPT the tile index decodes to (m_block, head, batch) with two
+                  integer divisions instead of the sectioned order's four (kernels/common/scheduler.py
+                  tile_coords_flat; the host passes l2_group 1 there, so the same tiles in the same
+                  order): H200 ncu 2026-12-04, d128 full 1k, ~250 of the tile's 1,104 per-tile
+                  instructions were these divisions. Not with cfg.lpt (its sections). Compile-verified, not measured
+                  yet. Left out of the repr while off.
     tensor_hdims: None, or (D, Dv) of the q/k and v/out tensors when they are narrower than the
                   kernel's (headdim, hdim_v) (a head dim flash4.headdim pads, e.g. 32 / 80 / 112 on
                   the 64 / 96 / 128 kernels): the TMA loads read the tensors as they are and fill
@@ -231,6 +239,7 @@ class FwdConfig:
     rescale_always: bool = False
     tensor_hdims: tuple | None = None
     pv_zero_init: bool = False
+    flat_tile_order: bool = False
 
     def __post_init__(self):
         assert self.headdim in KERNEL_HEADDIMS, self.headdim
@@ -1259,11 +1268,13 @@ def with_fwd_switches(cfg: FwdConfig, names) -> FwdConfig:
     """cfg with each named forward speed switch (FWD_SPEED_SWITCHES) on where the kernel builds it
     (softmax_vote_first: every sm90 forward config; no_tail_guard: ragged layouts, where the guards
     are compiled; lookahead_qk: where lookahead_qk_error allows it, Dv < D; pv_zero_init: not with
-    lookahead_qk). Pure."""
+    lookahead_qk; flat_tile_order: not with the LPT order). Pure."""
     for name in FWD_SPEED_SWITCHES:
         if name == "lookahead_qk" and lookahead_qk_error(cfg):
             continue
         if name == "pv_zero_init" and (cfg.lookahead_qk or "lookahead_qk" in names):
+            continue
+        if name == "flat_tile_order" and cfg.lpt:  # the host's L2 sections (l2_group > 1) need the full decode
             continue
         if name in names and (name != "no_tail_guard" or cfg.ragged_q or cfg.ragged_k):
             cfg = dataclasses.replace(cfg, **{name: True})

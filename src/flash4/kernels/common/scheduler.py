@@ -31,20 +31,38 @@ def tile_coords(t: Int32, num_m_blocks: Int32, num_heads: Int32, num_hb: Int32, 
     return m_block, head, batch
 
 
+def tile_coords_flat(t: Int32, num_m_blocks: Int32, num_heads: Int32):
+    """tile_coords with one (head, batch) pair per section and ascending m_blocks (the order without
+    LPT, whose l2_group the host always passes as 1): m_block fastest, then head, then batch. The
+    same tiles in the same order from two integer divisions instead of four (FwdConfig.flat_tile_order)."""
+    hb = t // num_m_blocks
+    m_block = t - hb * num_m_blocks
+    batch = hb // num_heads
+    head = hb - batch * num_heads
+    return m_block, head, batch
+
+
 class TileSchedule(DynamicState):
-    """The tile-order parameters (device Int32 values); read-only, carried through loops."""
+    """The tile-order parameters (device Int32 values); read-only, carried through loops.
+    flat (static): the order without sections (tile_coords_flat; only where l2_group is 1 and the
+    order ascending)."""
 
     _dynamic_fields = ("num_m_blocks", "num_heads", "num_hb", "group")
 
-    def __init__(self, num_m_blocks: Int32, num_heads: Int32, num_hb: Int32, l2_group: Int32, descending: bool):
+    def __init__(self, num_m_blocks: Int32, num_heads: Int32, num_hb: Int32, l2_group: Int32, descending: bool,
+                 flat: bool = False):
+        assert not (flat and descending), "the flat order is the non-LPT one"
         self.num_m_blocks = num_m_blocks
         self.num_heads = num_heads
         self.num_hb = num_hb
         self.group = cutlass.max(cutlass.min(l2_group, num_hb), 1)
         self.descending = descending
+        self.flat = flat
 
     def num_tiles(self) -> Int32:
         return self.num_m_blocks * self.num_hb
 
     def coords(self, t: Int32):
+        if self.flat:
+            return tile_coords_flat(t, self.num_m_blocks, self.num_heads)
         return tile_coords(t, self.num_m_blocks, self.num_heads, self.num_hb, self.group, self.descending)

@@ -444,7 +444,10 @@ class FlashAttentionForwardSm90:
         num_m_blocks = cute.ceil_div(tiles.max_seqlen_q * self.pack, self.tile_m)  # packed rows (pack = 1: queries)
         # split_kv: the "batch" of the tile order runs over (batch, split) pairs, split fastest.
         num_hb = tma.q.shape[2] * tiles.batch_size * (tiles.num_splits if const_expr(self.cfg.split_kv) else 1)
-        sched = TileSchedule(num_m_blocks, tma.q.shape[2], num_hb, l2_group, self.causal and self.cfg.lpt)
+        # FwdConfig.flat_tile_order: without cfg.lpt the host's l2_group is 1 (compile/cache.py), so the
+        # order decodes without sections
+        sched = TileSchedule(num_m_blocks, tma.q.shape[2], num_hb, l2_group, self.causal and self.cfg.lpt,
+                             flat=self.cfg.flat_tile_order and not self.cfg.lpt)
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.num_producer_regs)
