@@ -34,10 +34,10 @@ from flash4.kernels.common.dsl import DSL_DTYPES
 from flash4.kernels.common.exp2 import exp2_hw, fma_rn
 from flash4.kernels.common.layout import acc_mn_view, select_modes, transpose_view
 from flash4.kernels.common.params import MaskParams, SeqParams
-from flash4.kernels.common.zero_rows import zeros_like
 from flash4.kernels.common.seqinfo import SeqInfo, store_rows_predicated
 from flash4.kernels.sm80 import loop_clone
-from flash4.kernels.sm80.mma import (KPipe, ZeroRowCopy, as_wgmma_acc, copy_op, gemm_kpipe, make_kpipe, make_tiled_mma,
+from flash4.kernels.sm80 import rows as tile_rows
+from flash4.kernels.sm80.mma import (KPipe, as_wgmma_acc, gemm_kpipe, make_kpipe, make_tiled_mma,
                                      smem_layout_atom)
 
 # 16-byte global accesses (cp.async.cg loads, the dK / dV stores): 8 elements of 16 bits.
@@ -385,10 +385,11 @@ class FlashAttentionBackwardSm80:
         thr_qk, thr_vdo = copy_qk.get_slice(tidx), copy_vdo.get_slice(tidx)
         gK = cute.local_tile(seq.k_view(gmem.k, head_kv), (self.tile_n, self.hdim), (n_block, 0))
         gV = cute.local_tile(seq.k_view(gmem.v, head_kv), (self.tile_n, self.hdim_v), (n_block, 0))
-        self.load_rows(copy_qk, thr_qk.partition_S(gK), thr_qk.partition_D(smem.k),
-                       *self.row_coords(copy_qk, thr_qk, self.tile_n, self.hdim), seqlen_k - n_block * self.tile_n)
-        self.load_rows(copy_vdo, thr_vdo.partition_S(gV), thr_vdo.partition_D(smem.v),
-                       *self.row_coords(copy_vdo, thr_vdo, self.tile_n, self.hdim_v), seqlen_k - n_block * self.tile_n)
+        tile_rows.load_rows(copy_qk, thr_qk.partition_S(gK), thr_qk.partition_D(smem.k),
+                            *self.row_coords(copy_qk, thr_qk, self.tile_n, self.hdim), seqlen_k - n_block * self.tile_n)
+        tile_rows.load_rows(copy_vdo, thr_vdo.partition_S(gV), thr_vdo.partition_D(smem.v),
+                            *self.row_coords(copy_vdo, thr_vdo, self.tile_n, self.hdim_v),
+                            seqlen_k - n_block * self.tile_n)
         cute.arch.cp_async_commit_group()
 
         thr_dkv = mmas.dkv.get_slice(tidx)
@@ -626,46 +627,16 @@ class FlashAttentionBackwardSm80:
         return m_block, seq.batch
 
     def row_coords(self, tiled_copy, thr_copy, rows: int, cols: int):
-        """(this thread's coordinate partition of a (rows, cols) tile, thread 0's row of each CPY_ROWS
-        index: static, as Python ints, computed once per kernel object and shape)."""
-        c = cute.make_identity_tensor((rows, cols))
-        key = (rows, cols)
-        cache = self.__dict__.setdefault("_t0_rows", {})
-        if key not in cache:
-            t0XcX = tiled_copy.get_slice(0).partition_S(c)
-            t0_rows = tuple(t0XcX[0, m, 0][0] for m in range(cute.size(t0XcX.shape[1])))
-            assert all(isinstance(r, int) for r in t0_rows), t0_rows
-            cache[key] = t0_rows
-        return thr_copy.partition_S(c), cache[key]
-
-    @cute.jit
-    def load_rows(self, tiled_copy, tXgX: cute.Tensor, tXsX: cute.Tensor, tXcX: cute.Tensor, t0_rows: tuple,
-                  valid_rows: Int32):
-        """cp.async the rows < valid_rows of a tile; zero the others in smem. tXgX, tXsX: (CPY,
-        CPY_ROWS, CPY_K) partitions; rows compared as thread 0's static row (t0_rows, row_coords)
-        against (valid_rows - this thread's first row).
-
-        Trace-time lean (issue 24; the same IR once the canonicalizer has run, so the same cubin):
-        the row copies take slices of (CPY, CPY_ROWS, (CPY_K)) views grouped once per call, the
-        form cute.copy would build per row, and issue the copy op directly; the zero-fill is
-        cute.autovec_copy's with its vector plan (and the zeros' side) built once per call."""
-        limit = valid_rows - tXcX[0][0]
-        zeros = zeros_like(tXsX[None, 0, None])
-        gX, sX = cute.group_modes(tXgX, 2, 3), cute.group_modes(tXsX, 2, 3)
-        zero_row = ZeroRowCopy(zeros, tXsX[None, 0, None]).copy
-        for m in cutlass.range_constexpr(cute.size(tXsX.shape[1])):
-            if t0_rows[m] < limit:
-                copy_op(tiled_copy, gX[None, m, None], sX[None, m, None])
-            else:
-                zero_row(tXsX[None, m, None])
+        """kernels/sm80/rows.row_coords, thread 0's static rows cached on this kernel object."""
+        return tile_rows.row_coords(self.__dict__.setdefault("_t0_rows", {}), tiled_copy, thr_copy, rows, cols)
 
     @cute.jit
     def load_q_tile(self, tiled_copy, tXgX: cute.Tensor, tXsX: cute.Tensor, tXcX: cute.Tensor, t0_rows: tuple,
                     seqlen_q: Int32, m_block: Int32, stage: Int32):
         """cp.async query tile m_block of Q or dO (tXgX: (CPY, CPY_M, CPY_K, m_block)) into smem
         stage `stage` (tXsX: (CPY, CPY_M, CPY_K, STAGE)), rows past seqlen_q zero-filled."""
-        self.load_rows(tiled_copy, tXgX[None, None, None, m_block], tXsX[None, None, None, stage], tXcX, t0_rows,
-                       seqlen_q - m_block * self.tile_m)
+        tile_rows.load_rows(tiled_copy, tXgX[None, None, None, m_block], tXsX[None, None, None, stage], tXcX,
+                            t0_rows, seqlen_q - m_block * self.tile_m)
 
     @cute.jit
     def epilogue(self, acc_dK: cute.Tensor, acc_dV: cute.Tensor, gmem: BwdTensors, smem: Smem, mmas: Mmas,

@@ -25,12 +25,14 @@ from flash4.kernels.common.dsl import DSL_DTYPES
 from flash4.kernels.common.layout import acc_mn_view, select_modes, transpose_view
 from flash4.kernels.common.paged_gather import PagedGather
 from flash4.kernels.common.params import MaskParams, SeqParams
-from flash4.kernels.common.zero_rows import zeros_like
 from flash4.kernels.common.scheduler import TileSchedule
 from flash4.kernels.common.seqinfo import SeqInfo, store_rows_predicated, store_split_partials
 from flash4.kernels.common.softmax import OnlineSoftmax
-from flash4.kernels.sm80.mma import (acc_to_operand_a, as_wgmma_acc, gemm_rs, gemm_ss, make_tiled_mma,
-                                     pointer_swizzle, smem_layout_atom)
+from flash4.kernels.sm80 import loop_clone
+from flash4.kernels.sm80 import rows as tile_rows
+from flash4.kernels.sm80.mma import (KPipe, KPipeB, acc_to_operand_a, as_wgmma_acc, copy_op, gemm_kpipe,
+                                     gemm_kpipe_rs, make_kpipe, make_kpipe_b, make_tiled_mma, pointer_swizzle,
+                                     smem_layout_atom)
 
 # 16-byte global accesses (cp.async.cg and the O store): 8 elements of 16 bits.
 COPY_BITS = 128
@@ -95,19 +97,16 @@ class Smem(NamedTuple):
 
 
 class Operands(NamedTuple):
-    """Per thread, the main loop's MMA operands: register fragments (tSrQ (MMA, MMA_M, MMA_K),
-    tSrK (MMA, MMA_N, MMA_K), tOrVt (MMA, MMA_N, MMA_K)) and the ldmatrix partitions of the smem
-    tiles they are loaded from (tSsQ, and with a STAGE mode tSsK, tOsVt), with their copies."""
+    """Per thread, the main loop's MMA operands (kernels/sm80/mma.py's k-pipelined GEMMs, built
+    once per kernel): s for S = Q K^T (fragments tSrQ (MMA, MMA_M, MMA_K), tSrK (MMA, MMA_N,
+    MMA_K); ldmatrix partitions of sQ and, with a STAGE mode, of sK), o for O += P V (fragment
+    tOrVt (MMA, MMA_N, MMA_K), the ldmatrix.trans partition of sV^T with a STAGE mode; P comes from
+    registers), and tSsQ, sQ's ldmatrix partition (CPY, MMA_M, MMA_K) ungrouped, for loading all of
+    Q into s.a once per tile (q_in_regs)."""
 
-    tSrQ: cute.Tensor
-    tSrK: cute.Tensor
-    tOrVt: cute.Tensor
+    s: KPipe
+    o: KPipeB
     tSsQ: cute.Tensor
-    tSsK: cute.Tensor
-    tOsVt: cute.Tensor
-    copy_q: cute.TiledCopy
-    copy_k: cute.TiledCopy
-    copy_v: cute.TiledCopy
 
 
 class FlashAttentionForwardSm80:
@@ -335,8 +334,9 @@ class FlashAttentionForwardSm80:
         copy_k = cute.make_tiled_copy_B(ldsm, tiled_mma).get_slice(tidx)
         copy_v = cute.make_tiled_copy_B(ldsm_t, tiled_mma).get_slice(tidx)
         # (CPY, MMA_M, MMA_K) / (CPY, MMA_N, MMA_K, STAGE) / (CPY, MMA_N, MMA_K, STAGE)
-        return Operands(tSrQ, tSrK, tOrVt, copy_q.partition_S(smem.q), copy_k.partition_S(smem.k),
-                        copy_v.partition_S(sVt), copy_q, copy_k, copy_v)
+        tSsQ = copy_q.partition_S(smem.q)
+        return Operands(make_kpipe(tSrQ, tSrK, tSsQ, copy_k.partition_S(smem.k), copy_q, copy_k),
+                        make_kpipe_b(tOrVt, copy_v.partition_S(sVt), copy_v), tSsQ)
 
     @cute.jit
     def attend(self, gmem: QKVO, lse_out: LseParams, sink: Optional[cute.Tensor], score_params: ScoreParams,
@@ -356,7 +356,7 @@ class FlashAttentionForwardSm80:
         # (CPY, CPY_N, CPY_K, STAGE) for K and V.
         gQ = cute.local_tile(seq.q_view(mQ, head), (self.tile_m, self.hdim), (m_block, 0))
         thr_q = copies.q.get_slice(tidx)
-        load_q = partial(self.load_rows, copies.q, thr_q.partition_S(gQ), thr_q.partition_D(smem.q),
+        load_q = partial(tile_rows.load_rows, copies.q, thr_q.partition_S(gQ), thr_q.partition_D(smem.q),
                          *self.row_coords(copies.q, thr_q, self.tile_m, self.hdim))
         if const_expr(self.cfg.page_gather):
             # Every thread gathers its key rows from their own pages (kernels/common/paged_gather.py),
@@ -397,18 +397,19 @@ class FlashAttentionForwardSm80:
             # then (window) blocks that cross its left edge.
             n_block_unmasked = n_block_max - 1
             n_block_left = n_block_min
+            masked_top = None
             if const_expr(self.causal or self.cfg.local):
                 n_causal = geometry.n_block_min_causal_mask(m_block, seqlen_q, seqlen_k, self.tile_m, self.tile_n,
                                                             window)
                 n_causal = cutlass.max(cutlass.min(n_causal, n_block_max - 1), n_block_min)
+                masked_top = n_block_max - 2
                 for i in cutlass.range(n_block_max - 1 - n_causal, unroll=1):
-                    stage = block(n_block_max - 2 - i, stage, is_first=False, masked=True)
+                    stage = block(masked_top - i, stage, is_first=False, masked=True)
                 n_block_unmasked = n_causal
             if const_expr(self.cfg.local):
                 n_left = geometry.n_block_left_mask_end(m_block, seqlen_q, seqlen_k, self.tile_m, self.tile_n, window)
                 n_block_left = cutlass.max(cutlass.min(n_left, n_block_unmasked), n_block_min)
-            for i in cutlass.range(n_block_unmasked - n_block_left, unroll=1):
-                stage = block(n_block_unmasked - 1 - i, stage, is_first=False, masked=False)
+            stage = self.unmasked_loop(block, stage, n_block_unmasked - n_block_left, n_block_unmasked - 1, masked_top)
             if const_expr(self.cfg.local):
                 for i in cutlass.range(n_block_left - n_block_min, unroll=1):
                     stage = block(n_block_left - 1 - i, stage, is_first=False, masked=True)
@@ -456,7 +457,7 @@ class FlashAttentionForwardSm80:
         if const_expr(self.q_in_regs):
             cute.arch.cp_async_wait_group(2 * self.num_stages - 1)
             cute.arch.barrier()
-            cute.copy(ops.copy_q, ops.tSsQ, ops.copy_q.retile(ops.tSrQ))
+            cute.copy(ops.s.copy_a, ops.tSsQ, ops.s.copy_a.retile(ops.s.a))
 
     @cute.jit
     def one_n_block(self, n_block: Int32, stage: Int32, tiled_mma: cute.TiledMma, ops: Operands, acc_O: cute.Tensor,
@@ -479,14 +480,14 @@ class FlashAttentionForwardSm80:
 
         acc_S = cute.make_rmem_tensor(tiled_mma.partition_shape_C((self.tile_m, self.tile_n)), Float32)
         acc_S.fill(0.0)
-        gemm_ss(tiled_mma, acc_S, ops.tSrQ, ops.tSrK, ops.tSsQ, ops.tSsK[None, None, None, stage], ops.copy_q,
-                ops.copy_k, a_in_regs=self.q_in_regs)
+        gemm_kpipe(tiled_mma, acc_S, ops.s, ops.s.sa, ops.s.sb[None, None, None, stage], a_in_regs=self.q_in_regs)
         score.apply(acc_S, score_params.softcap_scale, self.cfg.softcap)
         if const_expr(S == 1):
             self.release_k(n_block - 1, stage, n_block_min, load_k)
         s_view = as_wgmma_acc(acc_S)
         if const_expr(masked):
-            mask(s_view, n_block=n_block, causal=self.causal)
+            # (unmasked_loop clones the masked loop's block without the span of the mask's ops)
+            self._mask_span = loop_clone.traced_span(mask, s_view, n_block=n_block, causal=self.causal)
         row_scale = softmax.online(s_view, is_first=is_first)
         if const_expr(not is_first):
             softmax.rescale_O(as_wgmma_acc(acc_O), row_scale)
@@ -495,11 +496,32 @@ class FlashAttentionForwardSm80:
         tOrP = cute.make_tensor(rP.iterator, acc_to_operand_a(rP.layout))
         if const_expr(S > 1):
             self.release_k(n_block - S, stage, n_block_min, load_k)
-        gemm_rs(tiled_mma, acc_O, tOrP, ops.tOrVt, ops.tOsVt[None, None, None, stage], ops.copy_v)
+        gemm_kpipe_rs(tiled_mma, acc_O, tOrP, ops.o, ops.o.sb[None, None, None, stage])
         next_stage = Int32(0)
         if const_expr(S > 1):
             next_stage = Int32(cutlass.select_(stage < S - 1, stage + 1, Int32(0)))
         return next_stage
+
+    @cute.jit
+    def unmasked_loop(self, block, stage: Int32, count: Int32, top: Int32, masked_top: Optional[Int32]) -> Int32:
+        """`for i in range(count): stage = block(top - i, stage, is_first=False, masked=False)`: the
+        key blocks no mask touches, walked downwards. masked_top: the first block of the masked loop
+        (`for i in range(..): stage = block(masked_top - i, stage, is_first=False, masked=True)`, the
+        blocks crossing the causal diagonal / a window's right edge) traced just before, else None.
+        Then this loop is emitted as that loop's clone without the mask's ops, `top` in place of
+        masked_top (kernels/sm80/loop_clone.py: the same IR without tracing one_n_block a third
+        time, issue 24); else (no masked loop, or the clone does not apply) it is traced."""
+        span = self.__dict__.pop("_mask_span", None)
+        cloned = None
+        if const_expr(masked_top is not None):
+            cloned = loop_clone.clone_without(span, stage.ir_value(), None, count.ir_value(),
+                                              remap=((masked_top.ir_value(), top.ir_value()),))
+        if const_expr(cloned is not None):
+            stage = Int32(cloned)
+        else:
+            for i in cutlass.range(count, unroll=1):
+                stage = block(top - i, stage, is_first=False, masked=False)
+        return stage
 
     @cute.jit
     def release_k(self, n_next: Int32, stage: Int32, n_block_min: Int32, load_k):
@@ -511,35 +533,23 @@ class FlashAttentionForwardSm80:
             load_k(n_next, stage, edge=False)
         cute.arch.cp_async_commit_group()
 
-    def row_coords(self, tiled_copy, thr_copy, rows: int, hdim: int):
-        """(this thread's, thread 0's) coordinate partitions of a (rows, hdim) tile: rows are
-        compared as thread 0's compile-time row against (limit - this thread's first row)."""
-        c = cute.make_identity_tensor((rows, hdim))
-        return thr_copy.partition_S(c), tiled_copy.get_slice(0).partition_S(c)
+    def row_coords(self, tiled_copy, thr_copy, rows: int, cols: int):
+        """kernels/sm80/rows.row_coords, thread 0's static rows cached on this kernel object."""
+        return tile_rows.row_coords(self.__dict__.setdefault("_t0_rows", {}), tiled_copy, thr_copy, rows, cols)
 
     @cute.jit
-    def load_rows(self, tiled_copy, tXgX: cute.Tensor, tXsX: cute.Tensor, tXcX: cute.Tensor, t0XcX: cute.Tensor,
-                  valid_rows: Int32):
-        """cp.async the rows < valid_rows of a tile; zero the others in smem (16-byte stores).
-        tXgX, tXsX: (CPY, CPY_ROWS, CPY_K) partitions of the global and smem tile."""
-        limit = valid_rows - tXcX[0][0]
-        zeros = zeros_like(tXsX[None, 0, None])
-        for m in cutlass.range_constexpr(cute.size(tXsX.shape[1])):
-            if t0XcX[0, m, 0][0] < limit:
-                cute.copy(tiled_copy, tXgX[None, m, None], tXsX[None, m, None])
-            else:
-                cute.autovec_copy(zeros, tXsX[None, m, None])
-
-    @cute.jit
-    def load_kv(self, tiled_copy, tXgX: cute.Tensor, tXsX: cute.Tensor, tXcX: cute.Tensor, t0XcX: cute.Tensor,
+    def load_kv(self, tiled_copy, tXgX: cute.Tensor, tXsX: cute.Tensor, tXcX: cute.Tensor, t0_rows: tuple,
                 seqlen_k: Int32, n_block: Int32, stage: Int32, edge: cutlass.Constexpr[bool]):
         """cp.async key block n_block of K or V into smem stage `stage`. edge: the block may cross
         seqlen_k (row-predicated, rows past it zeroed); else a whole block."""
         if const_expr(edge):
-            self.load_rows(tiled_copy, tXgX[None, None, None, n_block], tXsX[None, None, None, stage], tXcX, t0XcX,
-                           seqlen_k - n_block * self.tile_n)
+            tile_rows.load_rows(tiled_copy, tXgX[None, None, None, n_block], tXsX[None, None, None, stage], tXcX,
+                                t0_rows, seqlen_k - n_block * self.tile_n)
         else:
-            cute.copy(tiled_copy, tXgX[None, None, None, n_block], tXsX[None, None, None, stage])
+            # cute.copy's (V, (Rest)) form of the block, grouped on the unsliced partitions (the
+            # same op without its canonicalization per call: mma.copy_op)
+            copy_op(tiled_copy, cute.group_modes(tXgX, 1, 3)[None, None, n_block],
+                    cute.group_modes(tXsX, 1, 3)[None, None, stage])
 
     @cute.jit
     def epilogue_split(self, acc_O, inv_row_sum, lse, split_params: SplitParams, tiled_mma, tidx, m_block, head, seq,

@@ -4,16 +4,23 @@ The backward walks a key tile's query tiles in two loops with the same body but 
 mask: the tiles crossing the diagonal / seqlen_k (masked), then the full ones (unmasked). Tracing
 that body (`one_m_block`: five k-pipelined GEMMs, P, dS, the dQ adds) is most of the backward's
 trace time, and tracing it a second time only to leave the mask out repeats the same Python work
-for the same IR. `clone_without` makes the second loop instead from the first: it clones the
-first loop's scf.for op, gives it the second loop's bounds and initial value, and erases from the
-clone's body the ops the mask call emitted (recorded with `mark` around that call). The result is
-the op sequence the second trace would emit, so the cubins are the same (checked with
-tools/kernel_fingerprint.py --family sm80, byte for byte).
+for the same IR. The causal / windowed forward likewise walks its key blocks crossing the diagonal
+(masked), then the unmasked ones (`one_n_block`: Q K^T, the online softmax, P V), both downwards
+from a first key block computed outside the loop. `clone_without` makes the second loop instead
+from the first: it clones the first loop's scf.for op, gives it the second loop's bounds and
+initial value, erases from the clone's body the ops the mask call emitted (recorded with
+`traced_span` around that call), and (`remap`, the forward's first key block) replaces the uses of
+an outer value in the clone's body by another. The result is the op sequence tracing the second
+loop would emit, so the cubins are the same (checked with tools/kernel_fingerprint.py --family
+sm80, byte for byte).
 
 Pure, operand-free ops the mask emitted that later code of the body reuses (the DSL caches
 constants per insertion point) are kept; any other value of the mask's used after it, a loop
-shape other than one scf.for with one carried value directly before the insertion point, or a
-span not in that loop's body makes `clone_without` return None, and the caller traces the loop.
+shape other than one scf.for with one carried value before the insertion point, or a span not in
+that loop's body makes `clone_without` return None, and the caller traces the loop. Between the
+loop and the clone's place only region-free ops may lie (the second loop's bounds, computed where
+the traced code computes them: the forward computing them before the first loop instead changed
+two cubins, its window and split-KV configs).
 """
 
 from __future__ import annotations
@@ -21,6 +28,10 @@ from __future__ import annotations
 from typing import NamedTuple, Optional
 
 from cutlass._mlir import ir
+
+
+# Region-free ops (the next loop's bounds) allowed between the loop and the clone's place.
+MAX_OPS_AFTER = 32
 
 
 class Span(NamedTuple):
@@ -106,11 +117,27 @@ def _removable(body_ops: list, sp: Span) -> Optional[set]:
     return erase
 
 
-def clone_without(sp: Optional[Span], init, lower, upper):
+def _replace_uses(root, old: ir.Value, new: ir.Value):
+    """Every use of `old` by an op nested in op `root` becomes a use of `new`."""
+    hits = []
+    for use in old.uses:
+        op = use.owner.operation
+        parent = op.parent
+        while parent is not None and parent != root:
+            parent = parent.parent
+        if parent is not None:
+            hits.append((op, use.operand_number))
+    for op, i in hits:
+        op.operands[i] = new
+
+
+def clone_without(sp: Optional[Span], init, lower, upper, remap=()):
     """The scf.for whose body holds span sp, cloned at the current insertion point with bounds
-    [lower, upper) and carried value init (ir.Values), the span's ops erased from the clone's body.
-    Returns the clone's result (ir.Value), or None where this does not apply (see the module
-    docstring): then trace the loop."""
+    [lower, upper) (lower None: the loop's own) and carried value init (ir.Values), the span's ops
+    erased from the clone's body, and in it every use of a value `old` defined outside the loop
+    replaced by `new`, for each (old, new) pair of remap (the forward's first key block of the
+    loop: its key blocks run downwards from it). Returns the clone's result (ir.Value), or None
+    where this does not apply (see the module docstring): then trace the loop."""
     if sp is None:
         return None
     loop = sp.block.owner
@@ -119,7 +146,10 @@ def clone_without(sp: Optional[Span], init, lower, upper):
         return None
     block = ir.InsertionPoint.current.block
     ops = block.operations
-    if len(ops) == 0 or ops[len(ops) - 1] != loop or not _same(init, _raw(loop.results[0])):
+    last = len(ops) - 1
+    while last >= 0 and ops[last] != loop and len(ops[last].regions) == 0 and len(ops) - last <= MAX_OPS_AFTER:
+        last -= 1  # (the clone's bounds, computed after the loop)
+    if last < 0 or ops[last] != loop or not _same(init, _raw(loop.results[0])):
         return None
     body_ops = list(sp.block.operations)
     if not 0 <= sp.start <= sp.end < len(body_ops):
@@ -129,8 +159,11 @@ def clone_without(sp: Optional[Span], init, lower, upper):
         return None
     clone = loop.clone()
     for i, v in ((0, lower), (1, upper), (3, init)):
-        clone.operands[i] = v
+        if v is not None:
+            clone.operands[i] = v
     clone_body = list(clone.regions[0].blocks[0].operations)
     for i in sorted(erase, reverse=True):
         clone_body[i].erase()
+    for old, new in remap:
+        _replace_uses(clone, old, new)
     return _raw(clone.results[0])  # (scf.for's i32 result: an ir.Value)

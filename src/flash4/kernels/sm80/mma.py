@@ -94,50 +94,15 @@ def acc_to_operand_a(acc_layout: cute.Layout) -> cute.Layout:
     )
 
 
-@cute.jit
-def gemm_ss(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor, tCrB: cute.Tensor,
-            tCsA: cute.Tensor, tCsB: cute.Tensor, copy_A: cute.TiledCopy, copy_B: cute.TiledCopy,
-            a_in_regs: cutlass.Constexpr[bool] = False):
-    """acc += A B^T over the K mode, A and B read from smem by ldmatrix one k16 slice ahead of the
-    mma.sync that uses it (register double buffering). a_in_regs: tCrA already holds all of A.
-
-    tCrA (MMA, MMA_M, MMA_K), tCrB (MMA, MMA_N, MMA_K): register fragments; tCsA, tCsB: the ldmatrix
-    partitions of the smem tiles; copy_A, copy_B: the per-thread ldmatrix copies."""
-    tCrA_view = copy_A.retile(tCrA)
-    tCrB_view = copy_B.retile(tCrB)
-    num_k = cute.size(tCsB.shape[2])
-    if cutlass.const_expr(not a_in_regs):
-        cute.copy(copy_A, tCsA[None, None, 0], tCrA_view[None, None, 0])
-    cute.copy(copy_B, tCsB[None, None, 0], tCrB_view[None, None, 0])
-    for k in cutlass.range_constexpr(num_k):
-        if cutlass.const_expr(k < num_k - 1):
-            if cutlass.const_expr(not a_in_regs):
-                cute.copy(copy_A, tCsA[None, None, k + 1], tCrA_view[None, None, k + 1])
-            cute.copy(copy_B, tCsB[None, None, k + 1], tCrB_view[None, None, k + 1])
-        cute.gemm(tiled_mma, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
-
-
-@cute.jit
-def gemm_rs(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor, tCrB: cute.Tensor,
-            tCsB: cute.Tensor, copy_B: cute.TiledCopy):
-    """acc += A B^T with A in registers (P) and B ldmatrix'd from smem one k16 slice ahead."""
-    tCrB_view = copy_B.retile(tCrB)
-    num_k = cute.size(tCrA.shape[2])
-    cute.copy(copy_B, tCsB[None, None, 0], tCrB_view[None, None, 0])
-    for k in cutlass.range_constexpr(num_k):
-        if cutlass.const_expr(k < num_k - 1):
-            cute.copy(copy_B, tCsB[None, None, k + 1], tCrB_view[None, None, k + 1])
-        cute.gemm(tiled_mma, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
-
-
 # ---------------------------------------------------------------------- trace-time lean GEMMs
 # cute.copy and cute.gemm canonicalize their operands on every call (append_ones + group_modes of
 # each slice, and rank / size / shape checks): ~47 IR ops per ldmatrix k16 slice, of which a
 # make_coord, slice, group_modes chain is live; the rest is dead introspection the first
-# canonicalizer removes. The backward issues ~60 such slices per query tile and traces its loop
-# body twice (masked and unmasked), so that is most of its trace time (issue 24). KPipe groups the
+# canonicalizer removes. The backward issues ~60 such slices per query tile, the forward 16-48 per
+# key block (Q K^T and P V), each in every traced loop body, so that is much of their trace time
+# (issue 24). KPipe (KPipeB: B only, A from registers) groups the
 # copies' rest modes once per kernel (group_modes(t, 1, 2): (CPY, (CPY_M), CPY_K[, STAGE])), so a
-# k16 slice of it already has the (V, (Rest)) form cute.copy would build, and gemm_kpipe emits the
+# k16 slice of it already has the (V, (Rest)) form cute.copy would build, and gemm_kpipe (_rs) emit the
 # cute.copy / cute.gemm ops on the slices directly: the same live IR, hence the same cubin (checked
 # with tools/kernel_fingerprint.py), built from ~5 ops per slice.
 
@@ -188,18 +153,57 @@ def _mma(tiled_mma: cute.TiledMma, acc: cute.Tensor, a: cute.Tensor, b: cute.Ten
 
 
 @cute.jit
-def gemm_kpipe(tiled_mma: cute.TiledMma, acc: cute.Tensor, p: KPipe, sa: cute.Tensor, sb: cute.Tensor):
-    """gemm_ss(tiled_mma, acc, p.a, p.b, sa, sb, p.copy_a, p.copy_b) on KPipe operands: acc += A B^T
-    over the K mode, A and B ldmatrix'd one k16 slice ahead of the mma.sync that uses it. sa, sb:
-    p.sa / p.sb, or their stage slice where staged ((CPY, (CPY_M|N), CPY_K))."""
+def gemm_kpipe(tiled_mma: cute.TiledMma, acc: cute.Tensor, p: KPipe, sa: cute.Tensor, sb: cute.Tensor,
+               a_in_regs: cutlass.Constexpr[bool] = False):
+    """acc += A B^T over the K mode on KPipe operands, A and B ldmatrix'd from smem one k16 slice
+    ahead of the mma.sync that uses it (register double buffering). sa, sb: p.sa / p.sb, or their
+    stage slice where staged ((CPY, (CPY_M|N), CPY_K)). a_in_regs: p.a already holds all of A (the
+    forward's Q in registers), only B is loaded."""
     num_k = cute.size(sb.shape[2])
-    copy_op(p.copy_a, sa[None, None, 0], p.ra_k[0])
+    if cutlass.const_expr(not a_in_regs):
+        copy_op(p.copy_a, sa[None, None, 0], p.ra_k[0])
     copy_op(p.copy_b, sb[None, None, 0], p.rb_k[0])
     for k in cutlass.range_constexpr(num_k):
         if cutlass.const_expr(k < num_k - 1):
-            copy_op(p.copy_a, sa[None, None, k + 1], p.ra_k[k + 1])
+            if cutlass.const_expr(not a_in_regs):
+                copy_op(p.copy_a, sa[None, None, k + 1], p.ra_k[k + 1])
             copy_op(p.copy_b, sb[None, None, k + 1], p.rb_k[k + 1])
         _mma(tiled_mma, acc, p.a_k[k], p.b_k[k])
+
+
+class KPipeB(NamedTuple):
+    """A k-pipelined GEMM whose A comes from registers per call (the forward's P of O += P V):
+    KPipe's B side only. b the MMA fragment (MMA, MMA_N, MMA_K); sb the ldmatrix partition of the
+    smem tile, rest modes grouped ((CPY, (CPY_N), CPY_K[, STAGE])); copy_b the per-thread ldmatrix
+    copy; b_k, rb_k the k16 slices of b and of its ldmatrix retile (built once per kernel)."""
+
+    b: cute.Tensor
+    sb: cute.Tensor
+    copy_b: object
+    b_k: tuple
+    rb_k: tuple
+
+
+def make_kpipe_b(b: cute.Tensor, sb: cute.Tensor, copy_b) -> KPipeB:
+    """KPipeB of fragment b, ldmatrix partition sb (copy_b.partition_S of the smem tile) and the
+    per-thread copy (built once per kernel)."""
+    rb = _group_rest(copy_b.retile(b))
+    num_k = cute.size(b.shape[2])
+    return KPipeB(b, _group_rest(sb), copy_b, tuple(b[None, None, k] for k in range(num_k)),
+                  tuple(rb[None, None, k] for k in range(num_k)))
+
+
+@cute.jit
+def gemm_kpipe_rs(tiled_mma: cute.TiledMma, acc: cute.Tensor, a: cute.Tensor, p: KPipeB, sb: cute.Tensor):
+    """acc += A B^T on KPipeB operands, A (MMA, MMA_M, MMA_K) in registers (the forward's P), B
+    ldmatrix'd from smem one k16 slice ahead of the mma.sync that uses it. sb: p.sb or its stage
+    slice ((CPY, (CPY_N), CPY_K))."""
+    num_k = cute.size(a.shape[2])
+    copy_op(p.copy_b, sb[None, None, 0], p.rb_k[0])
+    for k in cutlass.range_constexpr(num_k):
+        if cutlass.const_expr(k < num_k - 1):
+            copy_op(p.copy_b, sb[None, None, k + 1], p.rb_k[k + 1])
+        _mma(tiled_mma, acc, a[None, None, k], p.b_k[k])
 
 
 class ZeroRowCopy:
