@@ -19,10 +19,8 @@ from typing import NamedTuple, Optional
 import cuda.bindings.driver as cuda
 
 import cutlass
-import cutlass._mlir.dialects.cute as _cute_ir
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
-from cutlass.cute.core import _pack_coord
 from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warp
 from cutlass.cutlass_dsl import dsl_user_op
@@ -37,6 +35,7 @@ from flash4.kernels.common.params import MaskParams, SeqParams
 from flash4.kernels.common.seqinfo import SeqInfo, store_rows_predicated
 from flash4.kernels.sm80 import loop_clone
 from flash4.kernels.sm80 import rows as tile_rows
+from flash4.kernels.sm80.regs import RegCoords, ld, st
 from flash4.kernels.sm80.mma import (KPipe, as_wgmma_acc, gemm_kpipe, make_kpipe, make_tiled_mma,
                                      smem_layout_atom)
 
@@ -73,33 +72,6 @@ def opaque_i32(a: Int32, *, loc=None, ip=None) -> Int32:
     return Int32(llvm.inline_asm(Int32.mlir_type, [Int32(a).ir_value(loc=loc, ip=ip)], "mov.u32 $0, $1;", "=r,r",
                                  has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
                                  loc=loc, ip=ip))
-
-
-class RegCoords(NamedTuple):
-    """Packed static coordinates of the register fragments one_m_block reads element by element,
-    made once per kernel (issue 24): t[r, c] packs its coordinate (a make_coord op) and checks the
-    tensor on every access; ld / st emit the same cute.memref.load / store with a coordinate value
-    made once (the same IR once canonicalized, so the same cubin). mn[r][c]: (r, c) of the S / dP
-    (rows, cols) views; flat[i]: i of a 1-D fragment (LSE, D, dQ)."""
-
-    mn: tuple
-    flat: tuple
-
-    @staticmethod
-    def make(rows: int, cols: int, flat: int) -> "RegCoords":
-        return RegCoords(tuple(tuple(_pack_coord((r, c)) for c in range(cols)) for r in range(rows)),
-                         tuple(_pack_coord(i) for i in range(flat)))
-
-
-def ld(t: cute.Tensor, crd) -> Float32:
-    """t[crd] of an fp32 register tensor, crd a RegCoords value."""
-    return Float32(_cute_ir.memref_load(t.value, crd))
-
-
-def st(t: cute.Tensor, crd, v):
-    """t[crd] = v (fp32) of an fp32 register tensor, crd a RegCoords value."""
-    assert isinstance(v, Float32), type(v)
-    _cute_ir.memref_store(t.value, crd, v.ir_value())
 
 
 def dq_order_view(tile_ptr: cute.Pointer, num_values: int, num_threads: int) -> cute.Tensor:

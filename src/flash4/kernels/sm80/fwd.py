@@ -30,6 +30,7 @@ from flash4.kernels.common.seqinfo import SeqInfo, store_rows_predicated, store_
 from flash4.kernels.common.softmax import OnlineSoftmax
 from flash4.kernels.sm80 import loop_clone
 from flash4.kernels.sm80 import rows as tile_rows
+from flash4.kernels.sm80.regs import RegCoords, ld, st
 from flash4.kernels.sm80.mma import (KPipe, KPipeB, acc_to_operand_a, as_wgmma_acc, copy_op, gemm_kpipe,
                                      gemm_kpipe_rs, make_kpipe, make_kpipe_b, make_tiled_mma, pointer_swizzle,
                                      smem_layout_atom)
@@ -587,9 +588,11 @@ class FlashAttentionForwardSm80:
         rows < seqlen_q."""
         seqlen_q = seq.seqlen_q
         o = acc_mn_view(as_wgmma_acc(acc_O))
-        for r in cutlass.range_constexpr(cute.size(o, mode=[0])):
-            for c in cutlass.range_constexpr(cute.size(o, mode=[1])):
-                o[r, c] = o[r, c] * inv_row_sum[r]
+        rows, cols = cute.size(o, mode=[0]), cute.size(o, mode=[1])
+        crds = RegCoords.make(rows, cols, rows)  # (element by element without a coordinate per access)
+        for r in cutlass.range_constexpr(rows):
+            for c in cutlass.range_constexpr(cols):
+                st(o, crds.mn[r][c], ld(o, crds.mn[r][c]) * ld(inv_row_sum, crds.flat[r]))
         rO = cute.make_fragment_like(acc_O, self.dtype)
         rO.store(acc_O.load().to(self.dtype))
         # Every thread is past its last Q K^T (Q's buffer is free) and Q's own load has landed
