@@ -268,29 +268,35 @@ def test_pv_zero_init_switch():
     assert not with_fwd_switches(hdimv, ("lookahead_qk", "pv_zero_init")).pv_zero_init
 
 
-@pytest.mark.parametrize("d, causal, kw", [(128, False, {}), (128, True, {}), (64, True, {"local": True}),
-                                           (96, False, {"sink": True})])
-def test_pv_zero_init_sass(d, causal, kw):
-    """sm_90a: with the switch the per-tile acc_O zeroing (CS2R) is gone from the tile loop (one CS2R
-    site may stay: the no-key-block tile's zeroing), 0 spills, wgmma not serialized."""
-    pytest.importorskip("cutlass")
+def _switch_sass_counts(cfg, switch: str, pattern: str) -> list:
+    """[off, on]: occurrences of the regex `pattern` in cfg's sm_90a SASS without and with the forward
+    speed switch (with_fwd_switches); both compiled with 0 spills and unserialized wgmma."""
     import re
 
     from flash4.compile.cache import compile_fwd
     from flash4.compile.check import extract_cubin, resource_usage, sass_text
     from flash4.config.sm90 import with_fwd_switches
 
-    cfg = select_fwd_config(d, "bf16", causal, **kw)
     counts = []
-    for c in (cfg, with_fwd_switches(cfg, ("pv_zero_init",))):
+    for c in (cfg, with_fwd_switches(cfg, (switch,))):
         cubin = extract_cubin(compile_fwd(c))
         sass = sass_text(cubin)
         if sass is None:
             pytest.skip("cuobjdump not installed")
         res = resource_usage(cubin)
         assert res["spills"] == 0 and not res["wgmma_serialized"], res
-        counts.append(len(re.findall(r"\bCS2R\b", sass)))
-    assert counts[1] <= counts[0] - 16, counts
+        counts.append(len(re.findall(pattern, sass)))
+    return counts
+
+
+@pytest.mark.parametrize("d, causal, kw", [(128, False, {}), (128, True, {}), (64, True, {"local": True}),
+                                           (96, False, {"sink": True})])
+def test_pv_zero_init_sass(d, causal, kw):
+    """sm_90a: with the switch the per-tile acc_O zeroing (CS2R) is gone from the tile loop (one CS2R
+    site may stay: the no-key-block tile's zeroing), 0 spills, wgmma not serialized."""
+    pytest.importorskip("cutlass")
+    off, on = _switch_sass_counts(select_fwd_config(d, "bf16", causal, **kw), "pv_zero_init", r"\bCS2R\b")
+    assert on <= off - 16, (off, on)
 
 
 @pytest.mark.parametrize("m, h, b", [(8, 4, 2), (5, 6, 1), (1, 1, 1), (7, 5, 3), (33, 16, 4)])
@@ -325,20 +331,5 @@ def test_flat_tile_order_switch():
 def test_flat_tile_order_sass(d, causal, kw):
     """sm_90a: fewer integer-division sequences (MUFU.RCP) with the switch, 0 spills."""
     pytest.importorskip("cutlass")
-    import re
-
-    from flash4.compile.cache import compile_fwd
-    from flash4.compile.check import extract_cubin, resource_usage, sass_text
-    from flash4.config.sm90 import with_fwd_switches
-
-    cfg = select_fwd_config(d, "bf16", causal, **kw)
-    counts = []
-    for c in (cfg, with_fwd_switches(cfg, ("flat_tile_order",))):
-        cubin = extract_cubin(compile_fwd(c))
-        sass = sass_text(cubin)
-        if sass is None:
-            pytest.skip("cuobjdump not installed")
-        res = resource_usage(cubin)
-        assert res["spills"] == 0 and not res["wgmma_serialized"], res
-        counts.append(len(re.findall(r"MUFU\.RCP", sass)))
-    assert counts[1] < counts[0], counts
+    off, on = _switch_sass_counts(select_fwd_config(d, "bf16", causal, **kw), "flat_tile_order", r"MUFU\.RCP")
+    assert on < off, (off, on)
