@@ -49,7 +49,8 @@ def main(argv=None) -> int:
 
     from flash4 import flash_attn_func
     from flash4.bench import baselines
-    from flash4.bench.common import make_inputs, time_bwd, time_ms
+    from ab_switch import interleaved
+    from flash4.bench.common import make_inputs, time_bwd
 
     p = argparse.ArgumentParser()
     p.add_argument("--rounds", type=int, default=ROUNDS)
@@ -71,11 +72,7 @@ def main(argv=None) -> int:
         if fa4 is not None:
             with fa4.context():
                 fns["flash_attn_4"] = fa4.make(q, k, v, causal)
-        times = {n: [] for n in fns}
-        for r in range(args.rounds):
-            for n in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
-                times[n].append(time_ms(fns[n], rep_ms=REP_MS))
-        med = {n: statistics.median(t) for n, t in times.items()}
+        med = interleaved(fns, args.rounds, REP_MS)
         bwd = {}
         for r in range(args.rounds):
             for n in (("off", "on") if r % 2 == 0 else ("on", "off")):
