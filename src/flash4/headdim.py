@@ -56,11 +56,9 @@ def is_native(headdim: int, headdim_v: int, arch: int | None = None) -> bool:
     """True when a kernel exists for (headdim, headdim_v) as is: on every family, or (arch given) on
     the family of SM version `arch` (flash4.config.kernel_headdims: sm_90's multiples of 16 while
     FLASH4_HEADDIM16 is on)."""
-    if arch is not None and headdim_v == headdim and headdim in _kernel_headdims(arch):
-        return True
-    if headdim not in SUPPORTED_HEADDIMS:
-        return False
-    return headdim_v == headdim or (headdim, headdim_v) in HDIMV_PAIRS
+    if headdim in SUPPORTED_HEADDIMS and (headdim_v == headdim or (headdim, headdim_v) in HDIMV_PAIRS):
+        return True  # every family's: no family lookup
+    return arch is not None and headdim_v == headdim and headdim in _kernel_headdims(arch)
 
 
 def _kernel_headdims(arch: int) -> tuple:

@@ -172,8 +172,8 @@ def _native_headdim_error(q, v):
     on sm_90 every multiple of 16 up to 128 too, FLASH4_HEADDIM16): a message for others, else None."""
     from flash4.headdim import is_native
 
-    if not (isinstance(q, torch.Tensor) and isinstance(v, torch.Tensor)):
-        return None
+    if not (isinstance(q, torch.Tensor) and isinstance(v, torch.Tensor)) or is_native(q.shape[-1], v.shape[-1]):
+        return None  # every family's head dims: no device query on the plug-in's per-call path
     arch = _arch_of(q)
     if is_native(q.shape[-1], v.shape[-1], arch):
         return None
