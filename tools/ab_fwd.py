@@ -52,6 +52,13 @@ or varlen request); each other variant is that config with one candidate on (shi
                       section 14's d128 full 1k profile): every cell. out / lse bitwise.
   flat / flatpz       FwdConfig.flat_tile_order (the non-LPT tile order decoded with two divisions
                       instead of four; flatpz: with pv_zero_init too): cells without LPT. Bitwise.
+  sm / bf / bfra / bfrasm  the softmax step (section 17): FwdConfig.split_row_max (two FMNMX chains
+                      per row), FwdConfig.softmax_branch_free (the exact path by selects: one basic
+                      block per step), bf with rescale_always, and that with split_row_max: every
+                      cell. Bitwise.
+  emu8 / vfemu8 / bfraemu8  head dims <= 48 (the MUFU.EX2-bound cells): 1 of every 8 exponentials on
+                      the FMA polynomial (exp2_emu_frac 0.125) on shipped, on softmax_vote_first +
+                      rescale_always, on bfra. Within the tolerances, not bitwise.
 --variants NAME ... times only those variants (and shipped).
 Timing as tools/ab_switch.py: ROUNDS interleaved rounds (order reversed every other round), each the
 median of calls with L2 flushed (flash4.bench.common.time_ms); TFLOPs of the visible work per
@@ -121,8 +128,15 @@ EXTRA_CELLS = (
     Case("d128_causal_4k", 128, True, 4096, 4096, 8, 16, 16),
     Case("d64_causal_1k", 64, True, 1024, 1024, 32, 32, 32),
     Case("d96_full_4k", 96, False, 4096, 4096, 8, 21, 21),  # p_smem's 192-row tiles without a mask
+    # the small head dims (issue 26: d32 forward 0.81x, d16 0.85x flash-attn-4; 2026-12-04 night):
+    # MUFU.EX2-bound at 16-32 columns, for the softmax variants (sm, bf, bfra, bfsm, emu8, ...)
+    Case("d32_full_4k", 32, False, 4096, 4096, 8, 16, 16),
+    Case("d16_full_4k", 16, False, 4096, 4096, 8, 16, 16),
+    Case("d32_causal_4k", 32, True, 4096, 4096, 8, 16, 16),
+    Case("d48_causal_4k", 48, True, 4096, 4096, 8, 16, 16),
 )
 WIDE_TILES = (160, 176, 192)
+EMU_FRAC = 0.125  # the emu variants' share of exponentials on the FMA polynomial (FwdConfig.exp2_emu_frac)
 
 
 # ---------------------------------------------------------------------------------------------- plan
@@ -155,7 +169,8 @@ def shipped_cfg(case):
     return fwd_config(request(case), ARCH).cfg
 
 
-BITWISE = ("l2kv", "vf", "novf", "la", "nola", "mb", "nomb", "ra", "ravf", "pz", "flat", "flatpz")  # variants whose out / lse must equal their base's bit for bit
+BITWISE = ("l2kv", "vf", "novf", "la", "nola", "mb", "nomb", "ra", "ravf", "pz", "flat", "flatpz", "sm", "bf", "bfra",
+           "bfrasm")  # variants whose out / lse must equal their base's bit for bit
 # The base of a bitwise check, where it is not shipped: la against la_base when that variant exists.
 BITWISE_BASE = {"la": "la_base"}
 ONLY = None  # --variants: the names to time besides shipped (None: all)
@@ -228,7 +243,33 @@ def _all_variants(case) -> dict:
         out["novf"] = dataclasses.replace(cfg, softmax_vote_first=False)
     else:
         out["vf"] = with_fwd_switches(cfg, ("softmax_vote_first",))
-    return _pv_zero_init_variant(cfg, _rescale_always_variants(cfg, out))
+    return _softmax_variants(cfg, _pv_zero_init_variant(cfg, _rescale_always_variants(cfg, out)))
+
+
+def _softmax_variants(cfg, out: dict) -> dict:
+    """out with the softmax step's candidates (docs/design/speed_candidates.md section 17): sm
+    (FwdConfig.split_row_max: two FMNMX chains per row), bf (FwdConfig.softmax_branch_free: the exact
+    path by selects, no branch), bfra (bf with rescale_always: the whole step one basic block), bfrasm
+    (bfra with sm); at head dims <= 48 (MUFU.EX2-bound) also emu8 / vfemu8 / bframu8: 1 of every 8
+    exponentials on the FMA polynomial (FwdConfig.exp2_emu_frac 0.125) on shipped, with
+    softmax_vote_first and rescale_always, and on bfra. All but the emu ones bitwise equal to shipped."""
+    from flash4.config.sm90 import with_fwd_switches
+
+    def add(name, c):
+        if c != cfg and c not in out.values():
+            out[name] = c
+
+    add("sm", with_fwd_switches(cfg, ("split_row_max",)))
+    add("bf", with_fwd_switches(cfg, ("softmax_branch_free",)))
+    bfra = with_fwd_switches(cfg, ("softmax_branch_free", "rescale_always"))
+    add("bfra", bfra)
+    add("bfrasm", with_fwd_switches(bfra, ("split_row_max",)))
+    if cfg.headdim <= 48 and cfg.exp2_emu_frac == 0.0:
+        add("emu8", dataclasses.replace(cfg, exp2_emu_frac=EMU_FRAC))
+        add("vfemu8", dataclasses.replace(with_fwd_switches(cfg, ("softmax_vote_first", "rescale_always")),
+                                          exp2_emu_frac=EMU_FRAC))
+        add("bfraemu8", dataclasses.replace(bfra, exp2_emu_frac=EMU_FRAC))
+    return out
 
 
 def _pv_zero_init_variant(cfg, out: dict) -> dict:
@@ -262,8 +303,9 @@ def cfg_short(c) -> str:
     bits = [f"m{c.tile_m}n{c.tile_n}" + (f"s{c.kv_stages}" if c.kv_stages != 2 else "")]
     bits += [name for name in ("causal", "persistent", "lpt", "l2_kv_heads", "varlen_q", "softmax_vote_first",
                                "lookahead_qk", "mask_bits", "early_q_release", "p_smem", "rescale_always",
-                               "pv_zero_init", "flat_tile_order")
+                               "pv_zero_init", "flat_tile_order", "split_row_max", "softmax_branch_free")
              if getattr(c, name, False)]
+    bits += [f"emu{c.exp2_emu_frac:g}"] if c.exp2_emu_frac else []
     bits += [f"pack{c.pack_gqa}"] if c.pack_gqa > 1 else []
     return " ".join(bits)
 

@@ -23,7 +23,7 @@ def test_switch_off_and_out_of_repr():
     # the second: tests/cpu/test_tail_guard.py; the third: tests/cpu/test_lookahead_qk_cpu.py; the
     # fourth: test_mask_bits_off_and_out_of_repr below
     assert FWD_SPEED_SWITCHES == ("softmax_vote_first", "no_tail_guard", "lookahead_qk", "mask_bits", "rescale_always",
-                                  "pv_zero_init", "flat_tile_order")
+                                  "pv_zero_init", "flat_tile_order", "split_row_max", "softmax_branch_free")
     from flash4.config.sm90 import shipped_vote_first
 
     on = []
@@ -333,3 +333,90 @@ def test_flat_tile_order_sass(d, causal, kw):
     pytest.importorskip("cutlass")
     off, on = _switch_sass_counts(select_fwd_config(d, "bf16", causal, **kw), "flat_tile_order", r"MUFU\.RCP")
     assert on < off, (off, on)
+
+
+def test_softmax_step_switches():
+    """FwdConfig.split_row_max and softmax_branch_free (section 17): off and out of the repr in every
+    shipped config; with_fwd_switches turns each on, softmax_branch_free replacing softmax_vote_first
+    (the config refuses both)."""
+    from flash4.config.sm90 import with_fwd_switches
+
+    for name in ("split_row_max", "softmax_branch_free"):
+        assert not any(getattr(c, name, False) for c in shipped_fwd_configs())
+    full = select_fwd_config(128, "bf16", False, seqlen_k=4096)
+    assert full.softmax_vote_first  # shipped there (shipped_vote_first)
+    sm = with_fwd_switches(full, ("split_row_max",))
+    assert sm == dataclasses.replace(full, split_row_max=True) and eval(repr(sm)) == sm
+    assert repr(sm).endswith(", split_row_max=True)") and "split_row_max" not in repr(full)
+    bf = with_fwd_switches(full, ("softmax_branch_free",))
+    assert bf == dataclasses.replace(full, softmax_vote_first=False, softmax_branch_free=True)
+    assert with_fwd_switches(full, ("softmax_vote_first", "softmax_branch_free")) == bf
+    assert repr(bf).endswith(", softmax_branch_free=True)") and eval(repr(bf)) == bf
+    with pytest.raises(ValueError, match="softmax_branch_free"):
+        dataclasses.replace(full, softmax_branch_free=True)
+
+
+def _opcode_runs(sass: str, opcode: str, breaker: str) -> list[int]:
+    """Lengths of the runs of `opcode` lines with no `breaker` line between them, in program order."""
+    runs, cur = [], 0
+    for line in sass.splitlines():
+        if re.search(rf"\b{re.escape(opcode)}\b", line):
+            cur += 1
+        elif re.search(rf"\b{re.escape(breaker)}\b", line):
+            runs, cur = runs + [cur] if cur else runs, 0
+    return runs + [cur] if cur else runs
+
+
+def _main_loop(sass: str) -> str:
+    """The SASS lines of the largest innermost loop (a backward branch's target up to the branch):
+    the forward's steady-state key-block step."""
+    lines = re.findall(r"^\s+/\*([0-9a-f]{4,})\*/\s+([^;]*;)", sass, re.M)
+    addr = [int(a, 16) for a, _ in lines]
+    loops = []
+    for i, (_, ins) in enumerate(lines):
+        m = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", ins)
+        if m and int(m.group(1), 16) <= addr[i] and int(m.group(1), 16) in addr:
+            loops.append((addr.index(int(m.group(1), 16)), i))
+    inner = [(a, b) for a, b in loops if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in loops)]
+    a, b = max(inner, key=lambda ab: ab[1] - ab[0])
+    return "\n".join(f"        /*{lines[j][0]}*/ {lines[j][1]}" for j in range(a, b + 1))
+
+
+def _fmnmx_depth(sass: str) -> int:
+    """The longest chain of dependent FMNMX (each reading the previous one's result) in the SASS; any
+    other instruction writing a register ends that register's chain."""
+    depth, longest = {}, 0
+    for m in re.finditer(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)\s+([^;]*);", sass, re.M):
+        op, args = m.group(1), [a.strip() for a in m.group(2).split(",")]
+        regs = [re.sub(r"[|\-]|\.reuse", "", a) for a in args]
+        if op.startswith("FMNMX") and regs and regs[0].startswith("R"):
+            d = 1 + max(depth.get(r, 0) for r in regs[1:3])
+            depth[regs[0]] = d
+            longest = max(longest, d)
+        elif regs and regs[0].startswith("R"):
+            depth.pop(regs[0], None)
+    return longest
+
+
+@pytest.mark.parametrize("d", [32, 128])
+def test_softmax_step_switches_sass(d):
+    """sm_90a, plain dense non-causal forward, 0 spills and unserialized wgmma with each switch:
+    split_row_max halves the row max's FMNMX chain (one chain of a row's 64 / 32 columns -> two);
+    softmax_branch_free with rescale_always puts the steady-state step's F2FP among its MUFU.EX2
+    (shipped: one run of 32 F2FP after the exponentials; flash-attn-4's loop interleaves them)."""
+    pytest.importorskip("cutlass")
+    from flash4.config.sm90 import with_fwd_switches
+
+    base = dataclasses.replace(select_fwd_config(d, "bf16", False), softmax_vote_first=False)
+    sass = {}
+    for name, cfg in (("off", base), ("sm", with_fwd_switches(base, ("split_row_max",))),
+                      ("bfra", with_fwd_switches(base, ("softmax_branch_free", "rescale_always")))):
+        res, sass[name] = _fwd_sass(cfg)
+        if not res or sass[name] is None:
+            pytest.skip("cuobjdump not installed: resources and SASS not checked")
+        assert res["spills"] == 0 and not res["wgmma_serialized"], (name, res)
+    assert _fmnmx_depth(sass["sm"]) <= _fmnmx_depth(sass["off"]) // 2 + 4, (_fmnmx_depth(sass["off"]),
+                                                                           _fmnmx_depth(sass["sm"]))
+    off, bfra = _main_loop(sass["off"]), _main_loop(sass["bfra"])
+    assert max(_opcode_runs(off, "F2FP", "MUFU")) >= 32, _opcode_runs(off, "F2FP", "MUFU")
+    assert max(_opcode_runs(bfra, "F2FP", "MUFU")) < 16, _opcode_runs(bfra, "F2FP", "MUFU")

@@ -166,6 +166,9 @@ def test_bwd_switches_env(monkeypatch, switches, d, s, h, hk, causal):
 # of adding to zeros (0 + x = x): bit for bit on every door, tiles without key blocks included (the
 # varlen door's empty sequence, the kvcache door's split tails). FLASH4_FWD_SWITCHES=flat_tile_order
 # (FwdConfig.flat_tile_order): the same tiles in the same order, decoded with fewer divisions.
+# FLASH4_FWD_SWITCHES=split_row_max (FwdConfig.split_row_max): the row max from two chains (a max is
+# exact in any order); softmax_branch_free (FwdConfig.softmax_branch_free): the exact path by selects,
+# x - 0 = x off it: bit for bit on every door, the exact-path magnitudes included.
 FWD_ENV_KINDS = ["dense", "dense_causal", "window_softcap", "sink", "window_sink", "varlen", "paged", "kvcache"]
 FWD_ENV_CASES = ([("softmax_vote_first", d, None) for d in (64, 96, 128, 192, 256)]
                  + [("lookahead_qk", 128, 64)]
@@ -177,7 +180,12 @@ FWD_ENV_CASES = ([("softmax_vote_first", d, None) for d in (64, 96, 128, 192, 25
                  + [("pv_zero_init", d, None) for d in (64, 96, 128, 192, 256)]
                  + [("pv_zero_init", 128, 64), ("pv_zero_init", 192, 128), ("pv_zero_init", 80, None)]
                  + [("flat_tile_order", d, None) for d in (64, 128, 256)]
-                 + [("flat_tile_order,pv_zero_init", 128, None)])
+                 + [("flat_tile_order,pv_zero_init", 128, None)]
+                 + [("split_row_max", d, None) for d in (32, 128)]
+                 + [("softmax_branch_free", d, None) for d in (32, 64, 128, 256)]
+                 + [("softmax_branch_free", 128, 64)]
+                 + [("softmax_branch_free,rescale_always", d, None) for d in (32, 128)]
+                 + [("softmax_branch_free,rescale_always,split_row_max", 32, None)])
 
 
 def _fwd_call(kind, d, mag, dv=None):

@@ -56,7 +56,7 @@ SHORT_SEQLEN_K = 1024
 _QUIET_SWITCHES = ("early_q_release", "l2_kv_heads", "exp_before_dp_wait", "dq_handoff_per_wg", "sink_delta",
                    "gather_zero_fill", "dq_swapab", "dq_whole", "lse_early", "softmax_vote_first", "sink_delta_db",
                    "no_tail_guard", "lookahead_qk", "mask_bits", "p_smem", "rescale_always", "mask_rel", "pv_zero_init",
-                   "flat_tile_order",
+                   "flat_tile_order", "split_row_max", "softmax_branch_free",
                    "tensor_hdims")
 
 
@@ -192,6 +192,24 @@ class FwdConfig:
                   order): H200 ncu 2026-12-04, d128 full 1k, ~250 of the tile's 1,104 per-tile
                   instructions were these divisions. Not with cfg.lpt (its sections). Compile-verified, not measured
                   yet. Left out of the repr while off.
+    split_row_max: speed switch, off (FLASH4_FWD_SWITCHES=split_row_max; tools/ab_fwd.py variant
+                  "sm"): each row's max over a thread's columns as two FMNMX chains (even / odd
+                  columns) instead of one (kernels/common/softmax.py, OnlineSoftmax split_max): half
+                  the dependent latency between S's wait and the quad shuffles (sm_90a SASS of the
+                  d32 forward, 2026-12-04: one 32-deep chain per row, flash-attn-4 two 16-deep ones).
+                  A max in any order is the same value: the same bits. Compile-verified, not measured
+                  yet. Left out of the repr while off.
+    softmax_branch_free: speed switch, off (FLASH4_FWD_SWITCHES=softmax_branch_free; tools/ab_fwd.py
+                  variants "bf" / "bfra" / "bfsm"): the exact path (issue 8) without a branch: the warp's vote
+                  selects ref_lo (0 off the exact path) and every exponent subtracts it (one FADD per
+                  element more), so the key block's softmax, P conversion and O rescale share one
+                  basic block as in flash-attn-4's loop (kernels/common/softmax.py, OnlineSoftmax
+                  branch_free). sm_90a SASS of the d32 forward, 2026-12-04: shipped forms all 64
+                  exponents, branches, then runs its MUFU.EX2 back to back; softmax_vote_first
+                  interleaves FFMA and MUFU.EX2 but its 32 F2FP are sunk below the branches' join
+                  (ptxas merges the two branches' identical tails), all after the last MUFU.EX2.
+                  x - 0 = x: the same bits. Replaces softmax_vote_first (with_fwd_switches turns that
+                  off). Compile-verified, not measured yet. Left out of the repr while off.
     tensor_hdims: None, or (D, Dv) of the q/k and v/out tensors when they are narrower than the
                   kernel's (headdim, hdim_v) (a head dim flash4.headdim pads, e.g. 32 / 80 / 112 on
                   the 64 / 96 / 128 kernels): the TMA loads read the tensors as they are and fill
@@ -240,6 +258,8 @@ class FwdConfig:
     tensor_hdims: tuple | None = None
     pv_zero_init: bool = False
     flat_tile_order: bool = False
+    split_row_max: bool = False
+    softmax_branch_free: bool = False
 
     def __post_init__(self):
         assert self.headdim in KERNEL_HEADDIMS, self.headdim
@@ -247,6 +267,8 @@ class FwdConfig:
             raise ValueError(f"FwdConfig.lookahead_qk: {lookahead_qk_error(self)}")
         if self.p_smem and self.lookahead_qk:
             raise ValueError("FwdConfig.p_smem: not built with lookahead_qk")
+        if self.softmax_branch_free and self.softmax_vote_first:
+            raise ValueError("FwdConfig.softmax_branch_free: replaces softmax_vote_first, not with it")
         assert not self.early_q_release or self.persistent, self
         assert not self.l2_kv_heads or self.lpt, self
         assert self.headdim_v is None or (self.headdim, self.headdim_v) in HDIMV_PAIRS, (self.headdim, self.headdim_v)
@@ -1268,7 +1290,8 @@ def with_fwd_switches(cfg: FwdConfig, names) -> FwdConfig:
     """cfg with each named forward speed switch (FWD_SPEED_SWITCHES) on where the kernel builds it
     (softmax_vote_first: every sm90 forward config; no_tail_guard: ragged layouts, where the guards
     are compiled; lookahead_qk: where lookahead_qk_error allows it, Dv < D; pv_zero_init: not with
-    lookahead_qk; flat_tile_order: not with the LPT order). Pure."""
+    lookahead_qk; flat_tile_order: not with the LPT order; softmax_branch_free: turns softmax_vote_first
+    off). Pure."""
     for name in FWD_SPEED_SWITCHES:
         if name == "lookahead_qk" and lookahead_qk_error(cfg):
             continue
@@ -1276,6 +1299,8 @@ def with_fwd_switches(cfg: FwdConfig, names) -> FwdConfig:
             continue
         if name == "flat_tile_order" and cfg.lpt:  # the host's L2 sections (l2_group > 1) need the full decode
             continue
+        if name == "softmax_branch_free" and name in names:  # replaces the vote-first branches
+            cfg = dataclasses.replace(cfg, softmax_vote_first=False)
         if name in names and (name != "no_tail_guard" or cfg.ragged_q or cfg.ragged_k):
             cfg = dataclasses.replace(cfg, **{name: True})
     return cfg

@@ -94,13 +94,29 @@ class OnlineSoftmax(DynamicState):
                   where ptxas can issue them under the MUFU.EX2 stream (H200 ncu of the d128 GQA causal
                   forward, 2026-12-04: flash4's 32 F2FP per step ran after the branch, each waiting;
                   flash-attn-4 rescales O always and interleaves both under its MUFU.EX2).
+    split_max:    (static; FwdConfig.split_row_max, a speed switch) each row's max over the thread's
+                  columns runs as two independent FMNMX chains (even and odd columns) joined by one
+                  more, instead of one chain through every column: half the dependent latency before
+                  the quad shuffles (flash-attn-4's sm90 forward keeps two chains per row). A max is
+                  exact whatever the order: the same value.
+    branch_free:  (static; FwdConfig.softmax_branch_free, a speed switch) no branch around the exact
+                  path: its warp vote feeds selects (ref_lo = 0 unless the warp is on the exact
+                  path) and every exponent is fma(s, c, -ref_hi) - ref_lo, one FADD per element
+                  more, so a key block's softmax, P conversion and O rescale form one basic block
+                  (flash-attn-4's sm90 loop has no exact path and no branch; ptxas then issues the
+                  FFMA, F2FP and O multiplies under the MUFU.EX2 stream). x - 0 = x and the
+                  factors' steps gain + 0: the bits of the branches. Not with vote_first.
     """
 
     _dynamic_fields = ("scale_log2", "row_max", "ref_hi", "ref_lo", "row_sum", "exact")
 
     def __init__(self, scale_log2: Float32, num_rows: int, rescale_threshold: float, exp2_emu_frac: float,
-                 row_coords=None, vote_first: bool = False, rescale_always: bool = False):
+                 row_coords=None, vote_first: bool = False, rescale_always: bool = False, split_max: bool = False,
+                 branch_free: bool = False):
+        assert not (vote_first and branch_free), "OnlineSoftmax: vote_first or branch_free, not both"
         self.vote_first = vote_first
+        self.split_max = split_max
+        self.branch_free = branch_free
         self.rescale_always = rescale_always
         self.scale_log2 = scale_log2
         self.num_rows = num_rows
@@ -137,9 +153,7 @@ class OnlineSoftmax(DynamicState):
         hi_new = cute.make_rmem_tensor((self.num_rows,), Float32)
         huge = self.exact[0] != 0
         for r in cutlass.range_constexpr(self.num_rows):
-            m_tile = s[r, 0]
-            for c in cutlass.range_constexpr(1, n_cols):
-                m_tile = cute.arch.fmax(m_tile, s[r, c])
+            m_tile = self._thread_row_max(s, r, n_cols)
             m_tile = quad_allreduce_max(m_tile)
             if cutlass.const_expr(is_first):
                 self.row_max[r] = m_tile
@@ -157,12 +171,15 @@ class OnlineSoftmax(DynamicState):
             if cutlass.const_expr(self.row_coords is not None):
                 big = big & (self.row_coords[r, 0][0] < self.row_limit)
             huge = huge | big
-            if cutlass.const_expr(not is_first):
+            if cutlass.const_expr(not is_first and not self.branch_free):
                 row_scale[r] = _ref_step_scale(self.ref_hi[r] - hi)
-            if cutlass.const_expr(not self.vote_first):
+            if cutlass.const_expr(not self.vote_first and not self.branch_free):
                 for c in cutlass.range_constexpr(n_cols):
                     s[r, c] = fma_rn(s[r, c], self.scale_log2, -hi)
-        if cutlass.const_expr(self.vote_first):
+        if cutlass.const_expr(self.branch_free):
+            self._exact_select(row_scale, hi_new, cute.arch.vote_any_sync(huge), is_first)
+            self._exponentials(s, row_scale, hi_new, is_first, subtract_lo=True)
+        elif cutlass.const_expr(self.vote_first):
             if cute.arch.vote_any_sync(huge):
                 self._exact_fixup(s, row_scale, hi_new, is_first, scaled=False)
                 self._exponentials(s, row_scale, hi_new, is_first, subtract_lo=True)
@@ -173,6 +190,23 @@ class OnlineSoftmax(DynamicState):
                 self._exact_fixup(s, row_scale, hi_new, is_first)
             self._exponentials(s, row_scale, hi_new, is_first, scaled=True)
         return row_scale
+
+    @cute.jit
+    def _thread_row_max(self, s: cute.Tensor, r: cutlass.Constexpr[int], n_cols: cutlass.Constexpr[int]) -> Float32:
+        """Max of row r over this thread's n_cols columns: one FMNMX chain, or with split_max two
+        (even / odd columns) joined at the end."""
+        m_tile = s[r, 0]
+        if cutlass.const_expr(self.split_max and n_cols >= 4):
+            m_odd = s[r, 1]
+            for c in cutlass.range_constexpr(2, n_cols, 2):
+                m_tile = cute.arch.fmax(m_tile, s[r, c])
+                if cutlass.const_expr(c + 1 < n_cols):
+                    m_odd = cute.arch.fmax(m_odd, s[r, c + 1])
+            m_tile = cute.arch.fmax(m_tile, m_odd)
+        else:
+            for c in cutlass.range_constexpr(1, n_cols):
+                m_tile = cute.arch.fmax(m_tile, s[r, c])
+        return m_tile
 
     @cute.jit
     def _exponentials(self, s: cute.Tensor, row_scale: cute.Tensor, hi_new: cute.Tensor,
@@ -219,6 +253,22 @@ class OnlineSoftmax(DynamicState):
             if cutlass.const_expr(scaled):
                 for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
                     s[r, c] = s[r, c] - lo
+
+    @cute.jit
+    def _exact_select(self, row_scale: cute.Tensor, hi_new: cute.Tensor, exact, is_first: cutlass.Constexpr[bool]):
+        """branch_free: _exact_fixup's reference split and rescale factors by selects on the warp's
+        vote `exact` (sticky through self.exact) instead of a branch. Without it ref_lo = lo = 0, so
+        the factor's step (ref_hi - hi) + (0 - 0) and each exponent x - 0 keep their values (the sign
+        of a zero step aside, which maps to 1.0 either way): the common branch's bits."""
+        self.exact[0] = Int32(cutlass.select_(exact, Int32(1), Int32(0)))
+        for r in cutlass.range_constexpr(self.num_rows):
+            m_ref = self.row_max[r]
+            hi = hi_new[r]
+            lo = Float32(cutlass.select_(exact & (m_ref != -Float32.inf), fma_rn(m_ref, self.scale_log2, -hi),
+                                         Float32(0.0)))
+            if cutlass.const_expr(not is_first):
+                row_scale[r] = _ref_step_scale((self.ref_hi[r] - hi) + (self.ref_lo[r] - lo))
+            self.ref_lo[r] = lo
 
     @cute.jit
     def rescale_O(self, acc_O: cute.Tensor, row_scale: cute.Tensor):

@@ -702,6 +702,8 @@ class FlashAttentionForwardSm90:
             row_coords=acc_mn_view(tScS) if const_expr(self.vote_row_limit) else None,
             vote_first=self.cfg.softmax_vote_first,  # FwdConfig.softmax_vote_first (speed switch)
             rescale_always=self.cfg.rescale_always,  # FwdConfig.rescale_always (speed switch)
+            split_max=self.cfg.split_row_max,  # FwdConfig.split_row_max (speed switch)
+            branch_free=self.cfg.softmax_branch_free,  # FwdConfig.softmax_branch_free (speed switch)
         )
         self.scheduler_barrier_init(wg_idx)
 
