@@ -351,3 +351,20 @@ def assert_portable_row_clean(row: dict, cfg) -> None:
     assert row["spills"] == 0, f"{row['config']}: {row['spills']} local-memory instructions (register spill)"
     assert row["hmma_16816"] > 0 and row["ldsm"] > 0 and row["ldgsts"] > 0, row
     assert row["hgmma"] == row["utma"] == row["stsm"] == row["utchmma"] == 0, row
+
+
+def sass_main_loop(sass: str) -> str:
+    """The SASS lines of the largest innermost loop of a cuobjdump listing (a backward branch's target
+    up to the branch): a kernel's steady-state step."""
+    import re
+
+    lines = re.findall(r"^\s+/\*([0-9a-f]{4,})\*/\s+([^;]*;)", sass, re.M)
+    addr = [int(a, 16) for a, _ in lines]
+    loops = []
+    for i, (_, ins) in enumerate(lines):
+        m = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", ins)
+        if m and int(m.group(1), 16) <= addr[i] and int(m.group(1), 16) in addr:
+            loops.append((addr.index(int(m.group(1), 16)), i))
+    inner = [(a, b) for a, b in loops if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in loops)]
+    a, b = max(inner, key=lambda ab: ab[1] - ab[0])
+    return "\n".join(f"        /*{lines[j][0]}*/ {lines[j][1]}" for j in range(a, b + 1))

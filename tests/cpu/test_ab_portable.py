@@ -3,6 +3,7 @@ its candidates), and the host path the device run takes: flash4.backward.run rou
 variant asks for exactly the kernels that --precompile puts in the disk cache (the register-order
 dQ postprocess included), with recording stand-ins for the runners and meta tensors."""
 
+import dataclasses
 import os
 import sys
 
@@ -38,8 +39,10 @@ def test_variants(portable):
         vs = tool.variants(case)
         # shipped = the fa2 candidate (SHIPPED_BWD_CANDIDATE) on these plain dense cells; "table" the
         # tile table's config; the table's other candidates follow
-        want = ["shipped", "table", "coal"] + (["m128"] if case.headdim == 128 else [])
+        want = ["shipped", "table", "coal"] + (["m128"] if case.headdim == 128 else ["fa2e"])
         assert list(vs) == want, (case.name, list(vs))
+        if case.headdim == 64:  # fa2e: the shipped tiles with lse_early (d64 only)
+            assert vs["fa2e"].cfg == dataclasses.replace(vs["shipped"].cfg, lse_early=True)
         assert all(isinstance(v.cfg, Sm80BwdConfig) for v in vs.values())
         assert vs["shipped"].cfg.dq_coalesced and vs["shipped"].cfg.tile_n == 128
         assert not vs["table"].cfg.dq_coalesced and vs["coal"].cfg.dq_coalesced

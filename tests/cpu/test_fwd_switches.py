@@ -367,21 +367,6 @@ def _opcode_runs(sass: str, opcode: str, breaker: str) -> list[int]:
     return runs + [cur] if cur else runs
 
 
-def _main_loop(sass: str) -> str:
-    """The SASS lines of the largest innermost loop (a backward branch's target up to the branch):
-    the forward's steady-state key-block step."""
-    lines = re.findall(r"^\s+/\*([0-9a-f]{4,})\*/\s+([^;]*;)", sass, re.M)
-    addr = [int(a, 16) for a, _ in lines]
-    loops = []
-    for i, (_, ins) in enumerate(lines):
-        m = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", ins)
-        if m and int(m.group(1), 16) <= addr[i] and int(m.group(1), 16) in addr:
-            loops.append((addr.index(int(m.group(1), 16)), i))
-    inner = [(a, b) for a, b in loops if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in loops)]
-    a, b = max(inner, key=lambda ab: ab[1] - ab[0])
-    return "\n".join(f"        /*{lines[j][0]}*/ {lines[j][1]}" for j in range(a, b + 1))
-
-
 def _fmnmx_depth(sass: str) -> int:
     """The longest chain of dependent FMNMX (each reading the previous one's result) in the SASS; any
     other instruction writing a register ends that register's chain."""
@@ -417,6 +402,8 @@ def test_softmax_step_switches_sass(d):
         assert res["spills"] == 0 and not res["wgmma_serialized"], (name, res)
     assert _fmnmx_depth(sass["sm"]) <= _fmnmx_depth(sass["off"]) // 2 + 4, (_fmnmx_depth(sass["off"]),
                                                                            _fmnmx_depth(sass["sm"]))
-    off, bfra = _main_loop(sass["off"]), _main_loop(sass["bfra"])
+    from cpu_helpers import sass_main_loop
+
+    off, bfra = sass_main_loop(sass["off"]), sass_main_loop(sass["bfra"])
     assert max(_opcode_runs(off, "F2FP", "MUFU")) >= 32, _opcode_runs(off, "F2FP", "MUFU")
     assert max(_opcode_runs(bfra, "F2FP", "MUFU")) < 16, _opcode_runs(bfra, "F2FP", "MUFU")

@@ -122,3 +122,34 @@ def test_register_order_postprocess_compiles(arch):
 
     for tile_m, warps in ((64, (8, 2)), (128, (8, 4))):
         compile_postprocess(128 if tile_m == 64 else 64, "bf16", False, tile_m, arch=arch, sm80_warps=warps)
+
+
+@pytest.mark.parametrize("d", [64])
+def test_lse_early_keeps_the_lse_loads_under_the_gemms(d):
+    """Sm80BwdConfig.lse_early (candidate fa2e): in the unmasked step loop of the sm_90a SASS, no
+    unpredicated global load (LDG) sits after the exact path's predicated LSE hi / lo loads, i.e. in
+    the common branch right before the exponentials; without it LLVM sank the two LSE loads there
+    (the step then waits on them after both GEMMs). 0 spills either way (d64; at d128 it spills, so
+    the candidate is d64 only)."""
+    import re
+
+    from cpu_helpers import sass_main_loop
+    from flash4.compile.cache import compile_bwd
+    from flash4.compile.check import extract_cubin, resource_usage, sass_text
+
+    fa2 = bwd_candidates(select_bwd_config(d, "bf16", False, arch=90))
+    late = {}
+    for name in ("fa2", "fa2e"):
+        cubin = extract_cubin(compile_bwd(fa2[name]))
+        sass = sass_text(cubin)
+        if sass is None:
+            pytest.skip("cuobjdump not installed")
+        assert resource_usage(cubin)["spills"] == 0
+        loop = sass_main_loop(sass).splitlines()
+        # the exact branch's last LSE hi / lo load, the jump that ends it, the common branch's first
+        # exponential: the unpredicated loads in between wait right before the exponentials
+        last_exact = max(i for i, line in enumerate(loop) if re.search(r"@!?P\d LDG", line))
+        start = next(i for i in range(last_exact, len(loop)) if re.search(r"\*/\s+BRA", loop[i]))
+        end = next(i for i in range(start, len(loop)) if "MUFU.EX2" in loop[i])
+        late[name] = sum(1 for line in loop[start:end] if re.search(r"\*/\s+LDG", line))
+    assert late["fa2"] >= 2 and late["fa2e"] == 0, late

@@ -306,6 +306,12 @@ class Sm80BwdConfig:
     warps_m_dq:  warps along the queries of dQ = dS K (the rest along the head dim).
     deterministic: the key tiles of a query tile add their dQ in n_block order (a counter per query
                   tile; bitwise-reproducible gradients), else unordered fp32 atomics.
+    lse_early:    (speed candidate, off; FLASH4_PORTABLE_BWD=fa2e, tools/ab_portable.py variant "fa2e") the
+                  step's LSE loads stay at the step's top, under the S and dP GEMMs (pin.keep_here):
+                  without it LLVM sinks them into the common branch of the exact-path vote, after
+                  both GEMMs, where every step waits for them (sm_90a SASS of the d64 "fa2" backward,
+                  2026-12-04: the two LDG.E right before their first FFMA; FlashAttention-2 loads LSE
+                  before its S GEMM). The same values: bitwise.
     dq_coalesced: dq_accum's tiles are in the dQ MMA's register order (value i of thread t at tile
                   offset i * num_threads + t, FlashAttention-2's dQaccum order), so each warp's
                   red.global.add covers 128 contiguous bytes instead of 8 rows x 32 bytes; the dQ
@@ -337,6 +343,12 @@ class Sm80BwdConfig:
     headdim_v: int | None = None
     dkv_accum: bool = False
     dq_coalesced: bool = False
+    lse_early: bool = False
+
+    def __repr__(self) -> str:
+        # lse_early only when on: every other config keeps its repr (the compile-cache key).
+        fields = (f for f in dataclasses.fields(self) if not (f.name == "lse_early" and not self.lse_early))
+        return f"{type(self).__qualname__}({', '.join(f'{f.name}={getattr(self, f.name)!r}' for f in fields)})"
 
     def __post_init__(self):
         assert self.headdim in SUPPORTED_HEADDIMS, self.headdim
@@ -469,11 +481,18 @@ def select_bwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, a
 #         (128 KiB: sm_80). 0 spills on sm_90a.
 # A candidate whose smem exceeds the target's capacity with q_stages 2 takes q_stages 1, else is
 # dropped for that target.
+#   fa2e: fa2 with lse_early (the step's LSE loads kept under its S and dP GEMMs; compile-verified,
+#         not run on hardware yet). d64 only: at d128 (253 registers) holding the step's 8 LSE values
+#         across the GEMMs spills 12 local-memory instructions (sm_90a); there the LSE would have to
+#         come through smem with the Q / dO cp.async stage.
 BWD_CANDIDATES = {
     "coal": {},
     "fa2": {"big": {64: (128, 128, 8, 2, 8, 4, 4), 128: (64, 128, 8, 2, 2, 2, 2)}},
     "m128": {"big": {128: (128, 64, 8, 2, 4, 2, 4)}},
+    "fa2e": {"big": {64: (128, 128, 8, 2, 8, 4, 4)}},
 }
+# Fields a candidate sets besides its tiles and dq_coalesced.
+BWD_CANDIDATE_FIELDS = {"fa2e": {"lse_early": True}}
 
 # The candidate the backward ships (bwd_plan) for dense, plain problems (no softcap, window or
 # deterministic order; full or causal, bf16 / fp16) where it applies: "fa2" (d64 / d128 on the
@@ -497,7 +516,7 @@ def bwd_candidates(cfg: Sm80BwdConfig) -> dict:
         tiles = tables.get(_BWD_SMEM_CLASS[cfg.arch], {}).get(cfg.headdim) if tables else None
         if tables and tiles is None:
             continue
-        fields = {"dq_coalesced": True}
+        fields = {"dq_coalesced": True, **BWD_CANDIDATE_FIELDS.get(name, {})}
         if tiles is not None:
             fields.update(zip(("tile_m", "tile_n", "num_warps", "q_stages", "warps_m_sdp", "warps_n_dkv",
                                "warps_m_dq"), tiles))

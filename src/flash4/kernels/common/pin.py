@@ -1,4 +1,5 @@
-"""Keep register values computed ahead of an instruction that ptxas would otherwise hoist above them.
+"""Keep register values computed ahead of an instruction that ptxas would otherwise hoist above them
+(pin_ahead), and keep a load where the source issues it (keep_here).
 
 ptxas schedules a wgmma wait (WARPGROUP.DEPBAR) as early as it can and moves independent arithmetic
 (MUFU, FFMA) across it, named barriers and wgmma fences included. A store is not moved across the
@@ -9,7 +10,7 @@ bytes and write nothing.
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32
+from cutlass import Float32, Int32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import dsl_user_op
 
@@ -41,3 +42,15 @@ def pin_ahead(regs: cute.Tensor, never_negative: Int32, smem_ptr: cute.Pointer):
     for i in cutlass.range_constexpr(cute.size(words) // 4):
         _store_if_negative(addr, words[4 * i].ir_value(), words[4 * i + 1].ir_value(), words[4 * i + 2].ir_value(),
                            words[4 * i + 3].ir_value(), flag)
+
+
+@dsl_user_op
+def keep_here(x: Float32, *, loc=None, ip=None) -> Float32:
+    """x through an inline-asm mov marked as having side effects: the compiler's IR passes may not
+    sink what produces x (a global load) below this point, e.g. into the one branch that reads it
+    (LLVM's sinking put the sm80 backward's per-step LSE loads after the S and dP GEMMs, into the
+    common branch of the exact-path vote, so each step waited on them there). In SASS the mov
+    vanishes; the load stays where the source issues it."""
+    return Float32(llvm.inline_asm(Float32.mlir_type, [Float32(x).ir_value(loc=loc, ip=ip)], "mov.b32 $0, $1;",
+                                   "=f,f", has_side_effects=True, is_align_stack=False,
+                                   asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))

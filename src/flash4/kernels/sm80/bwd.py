@@ -32,6 +32,7 @@ from flash4.kernels.common.dsl import DSL_DTYPES
 from flash4.kernels.common.exp2 import exp2_hw, fma_rn
 from flash4.kernels.common.layout import acc_mn_view, select_modes, transpose_view
 from flash4.kernels.common.params import MaskParams, SeqParams
+from flash4.kernels.common.pin import keep_here
 from flash4.kernels.common.seqinfo import SeqInfo, store_rows_predicated
 from flash4.kernels.sm80 import loop_clone
 from flash4.kernels.sm80 import rows as tile_rows
@@ -472,6 +473,8 @@ class FlashAttentionBackwardSm80:
         for r in cutlass.range_constexpr(num_rows):
             row = m_block * self.tile_m + rows[r, 0][0]
             lse[r] = lse_view[row]
+            if const_expr(self.cfg.lse_early):  # the loads stay here, under the S and dP GEMMs
+                lse[r] = keep_here(lse[r])
             dpsum[r] = dpsum_view[row]
         tile, tile_batch = self.tile_index(seq, m_block)
         exact = stats.exact[tile, head, tile_batch] != 0
