@@ -56,4 +56,5 @@ BWD_SPEED_SWITCHES = ("dq_whole", "dq_handoff_per_wg", "lse_early", "exp_before_
 # The sm90 forward's speed switches that FLASH4_FWD_SWITCHES may turn on (flash4.env.fwd_switches,
 # flash4.config.sm90.with_fwd_switches).
 FWD_SPEED_SWITCHES = ("softmax_vote_first", "no_tail_guard", "lookahead_qk", "mask_bits", "rescale_always",
-                      "pv_zero_init", "flat_tile_order", "split_row_max", "softmax_branch_free")
+                      "pv_zero_init", "flat_tile_order", "split_row_max", "softmax_branch_free",
+                      "gather_clamp_late")

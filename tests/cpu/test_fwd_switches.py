@@ -23,7 +23,8 @@ def test_switch_off_and_out_of_repr():
     # the second: tests/cpu/test_tail_guard.py; the third: tests/cpu/test_lookahead_qk_cpu.py; the
     # fourth: test_mask_bits_off_and_out_of_repr below
     assert FWD_SPEED_SWITCHES == ("softmax_vote_first", "no_tail_guard", "lookahead_qk", "mask_bits", "rescale_always",
-                                  "pv_zero_init", "flat_tile_order", "split_row_max", "softmax_branch_free")
+                                  "pv_zero_init", "flat_tile_order", "split_row_max", "softmax_branch_free",
+                                  "gather_clamp_late")
     from flash4.config.sm90 import shipped_vote_first
 
     on = []
@@ -407,3 +408,70 @@ def test_softmax_step_switches_sass(d):
     off, bfra = sass_main_loop(sass["off"]), sass_main_loop(sass["bfra"])
     assert max(_opcode_runs(off, "F2FP", "MUFU")) >= 32, _opcode_runs(off, "F2FP", "MUFU")
     assert max(_opcode_runs(bfra, "F2FP", "MUFU")) < 16, _opcode_runs(bfra, "F2FP", "MUFU")
+
+
+def test_gather_clamp_late_switch():
+    """FwdConfig.gather_clamp_late: off and out of the repr in every shipped config; with_fwd_switches
+    turns it on for gathered pages only (page_gather); the config refuses it elsewhere."""
+    from flash4.config import with_seq_layout
+    from flash4.config.sm90 import with_fwd_switches
+
+    assert not any(getattr(c, "gather_clamp_late", False) for c in shipped_fwd_configs())
+    base = select_fwd_config(128, "bf16", True)
+    gathered = with_seq_layout(base, varlen_q=True, seqused_k=True, page_gather=True, gather_zero_fill=True)
+    on = with_fwd_switches(gathered, ("gather_clamp_late",))
+    assert on == dataclasses.replace(gathered, gather_clamp_late=True) and eval(repr(on)) == on
+    assert "gather_clamp_late" not in repr(gathered)
+    assert with_fwd_switches(base, ("gather_clamp_late",)) == base
+    with pytest.raises(AssertionError):
+        dataclasses.replace(base, gather_clamp_late=True)
+
+
+def _first_use_distance(loop: list[str]) -> list[int]:
+    """For each unpredicated global load (LDG) of a loop's lines: how many LDGSTS (the gather's
+    cp.async) are issued between it and the first instruction that reads its destination register,
+    going around the loop's back edge."""
+    out = []
+    for i, line in enumerate(loop):
+        m = re.search(r"\*/\s+LDG\.E\S*\s+(R\d+),", line)
+        if not m:
+            continue
+        reg = m.group(1)
+        copies = 0
+        for j in range(1, len(loop)):
+            other = loop[(i + j) % len(loop)]
+            operands = other.split(";")[0].split(",", 1)
+            if len(operands) == 2 and re.search(rf"\b{reg}\b", operands[1]):
+                break
+            copies += "LDGSTS" in other
+        out.append(copies)
+    return out
+
+
+def test_gather_clamp_late_sass():
+    """sm_90a, the page-16 gathered d128 forward (varlen, seqused_k, zero-fill): the producer loop's
+    page-table load is read by the clamp at once without the switch (no cp.async between), and only
+    after the block's cp.asyncs with it; 0 spills either way."""
+    pytest.importorskip("cutlass")
+    from cpu_helpers import sass_main_loop  # noqa: F401  (the same loop finder)
+    from flash4.config import with_seq_layout
+
+    gathered = with_seq_layout(select_fwd_config(128, "bf16", True), varlen_q=True, seqused_k=True,
+                               page_gather=True, gather_zero_fill=True)
+    dist = {}
+    for name, cfg in (("off", gathered), ("on", dataclasses.replace(gathered, gather_clamp_late=True))):
+        res, sass = _fwd_sass(cfg)
+        if not res or sass is None:
+            pytest.skip("cuobjdump not installed")
+        assert res["spills"] == 0 and not res["wgmma_serialized"], res
+        lines = re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+[^;]*;", sass, re.M)
+        # the producer's steady-state loop: the innermost loop that issues the gather's cp.asyncs
+        start = next(i for i, l in enumerate(lines) if "LDGSTS" in l)
+        back = next(i for i in range(start, len(lines)) if re.search(r"\bBRA\b", lines[i])
+                    and int(re.search(r"0x([0-9a-f]+)", lines[i].split("BRA")[1]).group(1), 16)
+                    <= int(re.search(r"/\*([0-9a-f]+)\*/", lines[i]).group(1), 16))
+        target = int(re.search(r"0x([0-9a-f]+)", lines[back].split("BRA")[1]).group(1), 16)
+        head = next(i for i, l in enumerate(lines) if int(re.search(r"/\*([0-9a-f]+)\*/", l).group(1), 16) == target)
+        dist[name] = _first_use_distance(lines[head:back + 1])
+    assert dist["off"] and min(dist["off"]) == 0, dist
+    assert dist["on"] and min(dist["on"]) > 0, dist

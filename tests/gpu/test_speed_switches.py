@@ -168,7 +168,8 @@ def test_bwd_switches_env(monkeypatch, switches, d, s, h, hk, causal):
 # (FwdConfig.flat_tile_order): the same tiles in the same order, decoded with fewer divisions.
 # FLASH4_FWD_SWITCHES=split_row_max (FwdConfig.split_row_max): the row max from two chains (a max is
 # exact in any order); softmax_branch_free (FwdConfig.softmax_branch_free): the exact path by selects,
-# x - 0 = x off it: bit for bit on every door, the exact-path magnitudes included.
+# x - 0 = x off it: bit for bit on every door, the exact-path magnitudes included. gather_clamp_late
+# (FwdConfig.gather_clamp_late, gathered pages: the paged door's page 16): the same clamped page index.
 FWD_ENV_KINDS = ["dense", "dense_causal", "window_softcap", "sink", "window_sink", "varlen", "paged", "kvcache"]
 FWD_ENV_CASES = ([("softmax_vote_first", d, None) for d in (64, 96, 128, 192, 256)]
                  + [("lookahead_qk", 128, 64)]
@@ -185,7 +186,8 @@ FWD_ENV_CASES = ([("softmax_vote_first", d, None) for d in (64, 96, 128, 192, 25
                  + [("softmax_branch_free", d, None) for d in (32, 64, 128, 256)]
                  + [("softmax_branch_free", 128, 64)]
                  + [("softmax_branch_free,rescale_always", d, None) for d in (32, 128)]
-                 + [("softmax_branch_free,rescale_always,split_row_max", 32, None)])
+                 + [("softmax_branch_free,rescale_always,split_row_max", 32, None)]
+                 + [("gather_clamp_late", d, None) for d in (64, 128)])
 
 
 def _fwd_call(kind, d, mag, dv=None):

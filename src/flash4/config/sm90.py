@@ -56,7 +56,7 @@ SHORT_SEQLEN_K = 1024
 _QUIET_SWITCHES = ("early_q_release", "l2_kv_heads", "exp_before_dp_wait", "dq_handoff_per_wg", "sink_delta",
                    "gather_zero_fill", "dq_swapab", "dq_whole", "lse_early", "softmax_vote_first", "sink_delta_db",
                    "no_tail_guard", "lookahead_qk", "mask_bits", "p_smem", "rescale_always", "mask_rel", "pv_zero_init",
-                   "flat_tile_order", "split_row_max", "softmax_branch_free",
+                   "flat_tile_order", "split_row_max", "softmax_branch_free", "gather_clamp_late",
                    "tensor_hdims")
 
 
@@ -210,6 +210,13 @@ class FwdConfig:
                   (ptxas merges the two branches' identical tails), all after the last MUFU.EX2.
                   x - 0 = x: the same bits. Replaces softmax_vote_first (with_fwd_switches turns that
                   off). Compile-verified, not measured yet. Left out of the repr while off.
+    gather_clamp_late: page_gather only, speed switch, off (FLASH4_FWD_SWITCHES=gather_clamp_late;
+                  tools/ab_pages.py variant "g_cl"): each producer thread clamps its page-table entry into [0, num_pages)
+                  where the gather uses it (a key block later), not right after reading it
+                  (kernels/common/paged_gather.py): sm_90a SASS of the page-16 d128 gather, 2026-12-04,
+                  showed the clamp's VIMNMX directly after the entry's LDG, so the look-ahead read was
+                  waited for at once, in every producer thread, once per key block. The same index:
+                  the same bits. Compile-verified, not measured yet. Left out of the repr while off.
     tensor_hdims: None, or (D, Dv) of the q/k and v/out tensors when they are narrower than the
                   kernel's (headdim, hdim_v) (a head dim flash4.headdim pads, e.g. 32 / 80 / 112 on
                   the 64 / 96 / 128 kernels): the TMA loads read the tensors as they are and fill
@@ -260,6 +267,7 @@ class FwdConfig:
     flat_tile_order: bool = False
     split_row_max: bool = False
     softmax_branch_free: bool = False
+    gather_clamp_late: bool = False
 
     def __post_init__(self):
         assert self.headdim in KERNEL_HEADDIMS, self.headdim
@@ -278,6 +286,7 @@ class FwdConfig:
                                         and self.tile_n <= 128), self
         assert not self.page_prefetch or self.page_rows > 0, self
         assert self.page_gather or not self.gather_zero_fill, self
+        assert self.page_gather or not self.gather_clamp_late, self
         assert self.dtype in DTYPES, self.dtype
         assert self.tile_m % ROWS_PER_WARPGROUP == 0, self.tile_m
         assert self.tile_n % 16 == 0, self.tile_n
@@ -1291,13 +1300,15 @@ def with_fwd_switches(cfg: FwdConfig, names) -> FwdConfig:
     (softmax_vote_first: every sm90 forward config; no_tail_guard: ragged layouts, where the guards
     are compiled; lookahead_qk: where lookahead_qk_error allows it, Dv < D; pv_zero_init: not with
     lookahead_qk; flat_tile_order: not with the LPT order; softmax_branch_free: turns softmax_vote_first
-    off). Pure."""
+    off; gather_clamp_late: gathered pages only). Pure."""
     for name in FWD_SPEED_SWITCHES:
         if name == "lookahead_qk" and lookahead_qk_error(cfg):
             continue
         if name == "pv_zero_init" and (cfg.lookahead_qk or "lookahead_qk" in names):
             continue
         if name == "flat_tile_order" and cfg.lpt:  # the host's L2 sections (l2_group > 1) need the full decode
+            continue
+        if name == "gather_clamp_late" and not cfg.page_gather:  # the gathered producer's entries only
             continue
         if name == "softmax_branch_free" and name in names:  # replaces the vote-first branches
             cfg = dataclasses.replace(cfg, softmax_vote_first=False)

@@ -34,7 +34,10 @@ applied by apply_swizzle. (The DSL's predicated cp.async copy zero-fills too, sr
 with the 64-bit row addresses of a removed candidate the d64 producer, 32 registers, spilled with
 it: docs/design/small_pages.md.)
 A page index outside [0, num_pages) is clamped into it (garbage in, but no read outside K/V;
-check_seqlens=True rejects such tables on the host).
+check_seqlens=True rejects such tables on the host): in `lookup`, or with clamp_late
+(FwdConfig.gather_clamp_late) in `load`, so that the look-ahead read of an entry is not waited for
+by the clamp right after it (sm_90a SASS, 2026-12-04: the VIMNMX of the clamp directly after the
+entry's LDG, each producer thread stalling on it once per key block).
 Completion: every producer thread commits a stage with cp.async.mbarrier.arrive.noinc
 (kernels/common/pipeline.cp_async_pipeline_factory).
 """
@@ -99,8 +102,11 @@ class PagedGather:
     the sm80 forward's whole CTA: kernels/sm80/fwd.py)."""
 
     def __init__(self, dtype, tile_n: int, hdim: int, hdim_v: int, zero_fill: bool = False,
-                 num_threads: int = THREADS_PER_WG):
+                 num_threads: int = THREADS_PER_WG, clamp_late: bool = False):
         self.dtype = dtype
+        # FwdConfig.gather_clamp_late: the page index is clamped into [0, num_pages) where `load` uses
+        # it, not where `lookup` reads it, so a look-ahead read is not waited for at once.
+        self.clamp_late = clamp_late
         self.tile_n = tile_n
         self.vec = COPY_BITS // dtype.width
         self.threads_per_row, self.rows_per_pass, self.passes = gather_layout(hdim, hdim_v, tile_n, dtype.width,
@@ -131,7 +137,10 @@ class PagedGather:
             col = key // page_size
             in_page = key - col * page_size
             col = cutlass.min(col, mPageTable.shape[1] - 1)
-            page = cutlass.max(cutlass.min(mPageTable[batch, col], num_pages - 1), 0)
+            if const_expr(self.clamp_late):  # the raw entry: `load` clamps it (the read stays in flight)
+                page = mPageTable[batch, col]
+            else:
+                page = cutlass.max(cutlass.min(mPageTable[batch, col], num_pages - 1), 0)
         return page, in_page
 
     @cute.jit
@@ -142,6 +151,8 @@ class PagedGather:
         (lookup). Rows >= seqlen_k: skipped, or with zero_fill written as zeros by a cp.async of
         src-size 0 (the same thread writes the same smem bytes on every fill of a stage)."""
         tpr = self.threads_per_row
+        if const_expr(self.clamp_late):  # lookup's raw entry, clamped where it is first needed
+            page = cutlass.max(cutlass.min(page, mX.shape[3] - 1), 0)
         tiled_copy = self.tiled_copy()
         thr = tiled_copy.get_slice(tidx)
         tXsX = thr.partition_D(sX)  # (CPY, passes, chunks per row per thread)
