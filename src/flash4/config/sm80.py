@@ -312,6 +312,11 @@ class Sm80BwdConfig:
                   both GEMMs, where every step waits for them (sm_90a SASS of the d64 "fa2" backward,
                   2026-12-04: the two LDG.E right before their first FFMA; FlashAttention-2 loads LSE
                   before its S GEMM). The same values: bitwise.
+    lse_smem:     (speed candidate, off; FLASH4_PORTABLE_BWD=fa2s, variant "fa2s") the query tile's LSE_log2
+                  comes through shared memory: cp.async'd with the tile's dO (one 16-byte copy each of
+                  the first tile_m / 4 threads), read back with LDS in the step, so nothing waits on a
+                  global load there and no register holds it across the GEMMs (lse_early's cost at d128:
+                  12 spill instructions). tile_m * q_stages * 4 bytes of smem more. The same values: bitwise.
     dq_coalesced: dq_accum's tiles are in the dQ MMA's register order (value i of thread t at tile
                   offset i * num_threads + t, FlashAttention-2's dQaccum order), so each warp's
                   red.global.add covers 128 contiguous bytes instead of 8 rows x 32 bytes; the dQ
@@ -344,10 +349,12 @@ class Sm80BwdConfig:
     dkv_accum: bool = False
     dq_coalesced: bool = False
     lse_early: bool = False
+    lse_smem: bool = False
 
     def __repr__(self) -> str:
-        # lse_early only when on: every other config keeps its repr (the compile-cache key).
-        fields = (f for f in dataclasses.fields(self) if not (f.name == "lse_early" and not self.lse_early))
+        # lse_early / lse_smem only when on: every other config keeps its repr (the compile-cache key).
+        fields = (f for f in dataclasses.fields(self) if not (f.name in ("lse_early", "lse_smem")
+                                                               and not getattr(self, f.name)))
         return f"{type(self).__qualname__}({', '.join(f'{f.name}={getattr(self, f.name)!r}' for f in fields)})"
 
     def __post_init__(self):
@@ -393,7 +400,8 @@ class Sm80BwdConfig:
         kv = self.tile_n * (self.headdim + self.hdim_v) * elt
         q_do = self.q_stages * self.tile_m * (self.headdim + self.hdim_v) * elt
         p_ds = 2 * self.tile_m * self.tile_n * elt
-        return kv + q_do + p_ds
+        lse = self.q_stages * self.tile_m * 4 if self.lse_smem else 0
+        return kv + q_do + p_ds + lse
 
     def accumulator_regs(self) -> int:
         """fp32 registers per thread held across the query loop (dK, dV) plus S and dP of a step."""
@@ -481,6 +489,8 @@ def select_bwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, a
 #         (128 KiB: sm_80). 0 spills on sm_90a.
 # A candidate whose smem exceeds the target's capacity with q_stages 2 takes q_stages 1, else is
 # dropped for that target.
+#   fa2s: fa2 with lse_smem (the step's LSE through smem, staged with its dO; compile-verified, not
+#         run on hardware yet): d64 and d128.
 #   fa2e: fa2 with lse_early (the step's LSE loads kept under its S and dP GEMMs; compile-verified,
 #         not run on hardware yet). d64 only: at d128 (253 registers) holding the step's 8 LSE values
 #         across the GEMMs spills 12 local-memory instructions (sm_90a); there the LSE would have to
@@ -490,9 +500,10 @@ BWD_CANDIDATES = {
     "fa2": {"big": {64: (128, 128, 8, 2, 8, 4, 4), 128: (64, 128, 8, 2, 2, 2, 2)}},
     "m128": {"big": {128: (128, 64, 8, 2, 4, 2, 4)}},
     "fa2e": {"big": {64: (128, 128, 8, 2, 8, 4, 4)}},
+    "fa2s": {"big": {64: (128, 128, 8, 2, 8, 4, 4), 128: (64, 128, 8, 2, 2, 2, 2)}},
 }
 # Fields a candidate sets besides its tiles and dq_coalesced.
-BWD_CANDIDATE_FIELDS = {"fa2e": {"lse_early": True}}
+BWD_CANDIDATE_FIELDS = {"fa2e": {"lse_early": True}, "fa2s": {"lse_smem": True}}
 
 # The candidate the backward ships (bwd_plan) for dense, plain problems (no softcap, window or
 # deterministic order; full or causal, bf16 / fp16) where it applies: "fa2" (d64 / d128 on the

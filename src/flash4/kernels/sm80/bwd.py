@@ -32,6 +32,7 @@ from flash4.kernels.common.dsl import DSL_DTYPES
 from flash4.kernels.common.exp2 import exp2_hw, fma_rn
 from flash4.kernels.common.layout import acc_mn_view, select_modes, transpose_view
 from flash4.kernels.common.params import MaskParams, SeqParams
+from flash4.kernels.common.paged_gather import cp_async_zfill
 from flash4.kernels.common.pin import keep_here
 from flash4.kernels.common.seqinfo import SeqInfo, store_rows_predicated
 from flash4.kernels.sm80 import loop_clone
@@ -130,6 +131,7 @@ class Smem(NamedTuple):
     v: cute.Tensor
     p: cute.Tensor
     ds: cute.Tensor
+    lse: Optional[cute.Tensor] = None  # Sm80BwdConfig.lse_smem: (tile_m, STAGE) fp32, the staged tiles' LSE_log2
 
 
 class Layouts(NamedTuple):
@@ -273,14 +275,7 @@ class FlashAttentionBackwardSm80:
                     make_tiled_mma(self.dtype, w, w // cfg.warps_n_dkv),
                     make_tiled_mma(self.dtype, w, w // cfg.warps_m_dq))
 
-        @cute.struct
-        class SharedStorage:
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layouts.q)], 1024]
-            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layouts.do)], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layouts.k)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layouts.v)], 1024]
-            sP: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layouts.pds)], 1024]
-            sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layouts.pds)], 1024]
+        SharedStorage = self._shared_storage(layouts)
 
         seqlen_k_grid = max_seqlen_k if const_expr(cfg.dynamic_seqlen_k) else mK.shape[0]
         self.kernel(
@@ -295,6 +290,23 @@ class FlashAttentionBackwardSm80:
             SharedStorage,
         ).launch(grid=(num_ctas, 1, 1), block=[self.num_threads, 1, 1], stream=stream)
 
+    def _shared_storage(self, layouts: Layouts):
+        """The CTA's smem struct (a plain method: the class body's `if` stays Python, outside the
+        DSL's rewriting of the jit function)."""
+
+        @cute.struct
+        class SharedStorage:
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layouts.q)], 1024]
+            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layouts.do)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layouts.k)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layouts.v)], 1024]
+            sP: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layouts.pds)], 1024]
+            sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layouts.pds)], 1024]
+            if self.cfg.lse_smem:  # (only then: the other configs keep their smem layout)
+                sLSE: cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m * self.q_stages], 16]
+
+        return SharedStorage
+
     # ------------------------------------------------------------------ device side
     @cute.kernel
     def kernel(self, gmem: BwdTensors, stats: BwdStats, seq_params: SeqParams, scalars: Scalars,
@@ -303,7 +315,9 @@ class FlashAttentionBackwardSm80:
         storage = SmemAllocator().allocate(SharedStorage)
         smem = Smem(storage.sQ.get_tensor(layouts.q), storage.sdO.get_tensor(layouts.do),
                     storage.sK.get_tensor(layouts.k), storage.sV.get_tensor(layouts.v),
-                    storage.sP.get_tensor(layouts.pds), storage.sdS.get_tensor(layouts.pds))
+                    storage.sP.get_tensor(layouts.pds), storage.sdS.get_tensor(layouts.pds),
+                    storage.sLSE.get_tensor(cute.make_layout((self.tile_m, self.q_stages)))
+                    if const_expr(self.cfg.lse_smem) else None)
         n_block, head_kv, seq = self.tile_coords(gmem, seq_params, scalars, cute.arch.block_idx()[0])
         if n_block * self.tile_n < seq.seqlen_k:  # (dynamic seqlen_k: CTAs past the sequence's keys exit)
             ops = self.mma_operands(smem, mmas, tidx)
@@ -403,6 +417,9 @@ class FlashAttentionBackwardSm80:
                                  *self.row_coords(copy_qk, thr_qk, self.tile_m, self.hdim), seqlen_q)
                 load_do = partial(self.load_q_tile, copy_vdo, thr_vdo.partition_S(gdO), thr_vdo.partition_D(smem.do),
                                   *self.row_coords(copy_vdo, thr_vdo, self.tile_m, self.hdim_v), seqlen_q)
+                if const_expr(cfg.lse_smem):  # the tile's LSE_log2 rides along with its dO (same cp.async group)
+                    load_do = partial(self.load_do_and_lse, load_do, seq.q_padded_view(stats.lse2, head), smem.lse,
+                                      tidx)
                 step = partial(self.one_m_block, stats=stats, seq=seq, head=head, n_block=n_block, window=window,
                                mmas=mmas, ops=ops, smem=smem,
                                acc_dK=acc_dK, acc_dV=acc_dV, load_q=load_q, load_do=load_do, m_block_max=m_block_max,
@@ -472,7 +489,10 @@ class FlashAttentionBackwardSm80:
         dpsum = cute.make_rmem_tensor(num_rows, Float32)
         for r in cutlass.range_constexpr(num_rows):
             row = m_block * self.tile_m + rows[r, 0][0]
-            lse[r] = lse_view[row]
+            if const_expr(self.cfg.lse_smem):  # staged with this tile's dO (load_do_and_lse)
+                lse[r] = smem.lse[rows[r, 0][0], stage]
+            else:
+                lse[r] = lse_view[row]
             if const_expr(self.cfg.lse_early):  # the loads stay here, under the S and dP GEMMs
                 lse[r] = keep_here(lse[r])
             dpsum[r] = dpsum_view[row]
@@ -612,6 +632,19 @@ class FlashAttentionBackwardSm80:
         stage `stage` (tXsX: (CPY, CPY_M, CPY_K, STAGE)), rows past seqlen_q zero-filled."""
         tile_rows.load_rows(tiled_copy, tXgX[None, None, None, m_block], tXsX[None, None, None, stage], tXcX,
                             t0_rows, seqlen_q - m_block * self.tile_m)
+
+    @cute.jit
+    def load_do_and_lse(self, load_do, lse_view: cute.Tensor, sLSE: cute.Tensor, tidx: Int32, m_block: Int32,
+                        stage: Int32):
+        """load_do(m_block, stage), then query tile m_block's LSE_log2 (tile_m fp32 of the padded
+        per-row layout, which holds whole tiles: no predicate) into sLSE[:, stage], 16 bytes per
+        thread of the first tile_m / 4 threads (Sm80BwdConfig.lse_smem)."""
+        load_do(m_block, stage)
+        chunks = self.tile_m // 4
+        if tidx < chunks:
+            src = lse_view.iterator + m_block * self.tile_m + tidx * 4
+            dst = sLSE.iterator + stage * self.tile_m + tidx * 4
+            cp_async_zfill(dst.toint(), src, Int32(16))
 
     @cute.jit
     def epilogue(self, acc_dK: cute.Tensor, acc_dV: cute.Tensor, gmem: BwdTensors, smem: Smem, mmas: Mmas,
