@@ -313,10 +313,11 @@ class Sm80BwdConfig:
                   2026-12-04: the two LDG.E right before their first FFMA; FlashAttention-2 loads LSE
                   before its S GEMM). The same values: bitwise.
     lse_smem:     (speed candidate, off; FLASH4_PORTABLE_BWD=fa2s, variant "fa2s") the query tile's LSE_log2
-                  comes through shared memory: cp.async'd with the tile's dO (one 16-byte copy each of
-                  the first tile_m / 4 threads), read back with LDS in the step, so nothing waits on a
-                  global load there and no register holds it across the GEMMs (lse_early's cost at d128:
-                  12 spill instructions). tile_m * q_stages * 4 bytes of smem more. The same values: bitwise.
+                  and D come through shared memory: cp.async'd with the tile's dO (one 16-byte copy each
+                  of the first tile_m / 2 threads), read back with LDS where the step uses them, so
+                  nothing waits on a global load there and no register holds them across the GEMMs
+                  (lse_early's cost at d128: 12 spill instructions). 2 * tile_m * q_stages * 4 bytes of
+                  smem more. The same values: bitwise.
     dq_coalesced: dq_accum's tiles are in the dQ MMA's register order (value i of thread t at tile
                   offset i * num_threads + t, FlashAttention-2's dQaccum order), so each warp's
                   red.global.add covers 128 contiguous bytes instead of 8 rows x 32 bytes; the dQ
@@ -400,7 +401,7 @@ class Sm80BwdConfig:
         kv = self.tile_n * (self.headdim + self.hdim_v) * elt
         q_do = self.q_stages * self.tile_m * (self.headdim + self.hdim_v) * elt
         p_ds = 2 * self.tile_m * self.tile_n * elt
-        lse = self.q_stages * self.tile_m * 4 if self.lse_smem else 0
+        lse = 2 * self.q_stages * self.tile_m * 4 if self.lse_smem else 0  # LSE and D
         return kv + q_do + p_ds + lse
 
     def accumulator_regs(self) -> int:
@@ -489,8 +490,8 @@ def select_bwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, a
 #         (128 KiB: sm_80). 0 spills on sm_90a.
 # A candidate whose smem exceeds the target's capacity with q_stages 2 takes q_stages 1, else is
 # dropped for that target.
-#   fa2s: fa2 with lse_smem (the step's LSE through smem, staged with its dO; compile-verified, not
-#         run on hardware yet): d64 and d128.
+#   fa2s: fa2 with lse_smem (the step's LSE and D through smem, staged with its dO; compile-verified,
+#         not run on hardware yet): d64 and d128.
 #   fa2e: fa2 with lse_early (the step's LSE loads kept under its S and dP GEMMs; compile-verified,
 #         not run on hardware yet). d64 only: at d128 (253 registers) holding the step's 8 LSE values
 #         across the GEMMs spills 12 local-memory instructions (sm_90a); there the LSE would have to

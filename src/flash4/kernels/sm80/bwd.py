@@ -132,6 +132,7 @@ class Smem(NamedTuple):
     p: cute.Tensor
     ds: cute.Tensor
     lse: Optional[cute.Tensor] = None  # Sm80BwdConfig.lse_smem: (tile_m, STAGE) fp32, the staged tiles' LSE_log2
+    dpsum: Optional[cute.Tensor] = None  # ... and their D
 
 
 class Layouts(NamedTuple):
@@ -304,6 +305,7 @@ class FlashAttentionBackwardSm80:
             sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layouts.pds)], 1024]
             if self.cfg.lse_smem:  # (only then: the other configs keep their smem layout)
                 sLSE: cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m * self.q_stages], 16]
+                sD: cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m * self.q_stages], 16]
 
         return SharedStorage
 
@@ -316,8 +318,9 @@ class FlashAttentionBackwardSm80:
         smem = Smem(storage.sQ.get_tensor(layouts.q), storage.sdO.get_tensor(layouts.do),
                     storage.sK.get_tensor(layouts.k), storage.sV.get_tensor(layouts.v),
                     storage.sP.get_tensor(layouts.pds), storage.sdS.get_tensor(layouts.pds),
-                    storage.sLSE.get_tensor(cute.make_layout((self.tile_m, self.q_stages)))
-                    if const_expr(self.cfg.lse_smem) else None)
+                    *((storage.sLSE.get_tensor(cute.make_layout((self.tile_m, self.q_stages))),
+                       storage.sD.get_tensor(cute.make_layout((self.tile_m, self.q_stages))))
+                      if const_expr(self.cfg.lse_smem) else (None, None)))
         n_block, head_kv, seq = self.tile_coords(gmem, seq_params, scalars, cute.arch.block_idx()[0])
         if n_block * self.tile_n < seq.seqlen_k:  # (dynamic seqlen_k: CTAs past the sequence's keys exit)
             ops = self.mma_operands(smem, mmas, tidx)
@@ -418,8 +421,8 @@ class FlashAttentionBackwardSm80:
                 load_do = partial(self.load_q_tile, copy_vdo, thr_vdo.partition_S(gdO), thr_vdo.partition_D(smem.do),
                                   *self.row_coords(copy_vdo, thr_vdo, self.tile_m, self.hdim_v), seqlen_q)
                 if const_expr(cfg.lse_smem):  # the tile's LSE_log2 rides along with its dO (same cp.async group)
-                    load_do = partial(self.load_do_and_lse, load_do, seq.q_padded_view(stats.lse2, head), smem.lse,
-                                      tidx)
+                    load_do = partial(self.load_do_and_lse, load_do, seq.q_padded_view(stats.lse2, head),
+                                      seq.q_padded_view(stats.dpsum, head), smem.lse, smem.dpsum, tidx)
                 step = partial(self.one_m_block, stats=stats, seq=seq, head=head, n_block=n_block, window=window,
                                mmas=mmas, ops=ops, smem=smem,
                                acc_dK=acc_dK, acc_dV=acc_dV, load_q=load_q, load_do=load_do, m_block_max=m_block_max,
@@ -495,7 +498,8 @@ class FlashAttentionBackwardSm80:
                 lse[r] = lse_view[row]
             if const_expr(self.cfg.lse_early):  # the loads stay here, under the S and dP GEMMs
                 lse[r] = keep_here(lse[r])
-            dpsum[r] = dpsum_view[row]
+            if const_expr(not self.cfg.lse_smem):  # (lse_smem: read where dS needs it, below)
+                dpsum[r] = dpsum_view[row]
         tile, tile_batch = self.tile_index(seq, m_block)
         exact = stats.exact[tile, head, tile_batch] != 0
 
@@ -523,7 +527,10 @@ class FlashAttentionBackwardSm80:
         # so dK = dS^T Q and dQ = dS K need none
         p, dp = acc_mn_view(as_wgmma_acc(acc_S)), acc_mn_view(as_wgmma_acc(acc_dP))
         for r in cutlass.range_constexpr(num_rows):
-            dpsum_r = ld(dpsum, crds.flat[r])  # (read once per row: the same registers, fewer traced loads)
+            if const_expr(self.cfg.lse_smem):
+                dpsum_r = smem.dpsum[rows[r, 0][0], stage]
+            else:
+                dpsum_r = ld(dpsum, crds.flat[r])  # (read once per row: the same registers, fewer traced loads)
             lse_r = ld(lse, crds.flat[r]) if const_expr(self.cfg.softcap) else None
             for c in cutlass.range_constexpr(cute.size(p, mode=[1])):
                 ds = (ld(p, crds.mn[r][c]) * softmax_scale) * (ld(dp, crds.mn[r][c]) - dpsum_r)
@@ -634,16 +641,20 @@ class FlashAttentionBackwardSm80:
                             t0_rows, seqlen_q - m_block * self.tile_m)
 
     @cute.jit
-    def load_do_and_lse(self, load_do, lse_view: cute.Tensor, sLSE: cute.Tensor, tidx: Int32, m_block: Int32,
-                        stage: Int32):
-        """load_do(m_block, stage), then query tile m_block's LSE_log2 (tile_m fp32 of the padded
-        per-row layout, which holds whole tiles: no predicate) into sLSE[:, stage], 16 bytes per
-        thread of the first tile_m / 4 threads (Sm80BwdConfig.lse_smem)."""
+    def load_do_and_lse(self, load_do, lse_view: cute.Tensor, dpsum_view: cute.Tensor, sLSE: cute.Tensor,
+                        sD: cute.Tensor, tidx: Int32, m_block: Int32, stage: Int32):
+        """load_do(m_block, stage), then query tile m_block's LSE_log2 and D (tile_m fp32 each of the
+        padded per-row layout, which holds whole tiles: no predicate) into sLSE / sD[:, stage], 16
+        bytes per thread of the first tile_m / 2 threads (Sm80BwdConfig.lse_smem)."""
         load_do(m_block, stage)
         chunks = self.tile_m // 4
         if tidx < chunks:
             src = lse_view.iterator + m_block * self.tile_m + tidx * 4
             dst = sLSE.iterator + stage * self.tile_m + tidx * 4
+            cp_async_zfill(dst.toint(), src, Int32(16))
+        elif tidx < 2 * chunks:
+            src = dpsum_view.iterator + m_block * self.tile_m + (tidx - chunks) * 4
+            dst = sD.iterator + stage * self.tile_m + (tidx - chunks) * 4
             cp_async_zfill(dst.toint(), src, Int32(16))
 
     @cute.jit
