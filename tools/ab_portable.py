@@ -14,7 +14,8 @@ the portable plan flash4 picks on the H200 today (since 2026-12-02 night the "fa
 dense problems: flash4.config.sm80.SHIPPED_BWD_CANDIDATE); "table" is the tile table's config and each
 other variant one of flash4.config.sm80.bwd_candidates(table): "coal" (the table's tiles, dQ
 reduce-added in the MMA's register order), "fa2" (FlashAttention-2's sm80 tiles, with that dQ order),
-"m128" (d128, 128 queries x 64 keys). The cells are
+"m128" (d128, 128 queries x 64 keys), "fa2e" / "fa2s" (fa2 with the step's LSE loads kept under its
+GEMMs / LSE and D staged through smem: Sm80BwdConfig.lse_early / lse_smem). The cells are
 the sweep's 8 where the portable backward was measured at 0.46-0.72x FA2 (docs/perf/h200-portable.csv):
 d64 / d128 x full / causal x 1k / 4k, 32k tokens, nheads = 2048 / d. A "sdpa_flash" row (PyTorch SDPA's
 flash backend = FlashAttention-2) is printed per
@@ -71,7 +72,7 @@ def variants(case: Case) -> dict:
 def cfg_short(c) -> str:
     bits = [f"m{c.tile_m}n{c.tile_n}w{c.num_warps}q{c.q_stages} "
             f"sdp{c.warps_m_sdp}/dkv{c.warps_n_dkv}/dq{c.warps_m_dq}"]
-    bits += [name for name in ("dq_coalesced", "deterministic", "local") if getattr(c, name)]
+    bits += [name for name in ("dq_coalesced", "deterministic", "local", "lse_early", "lse_smem") if getattr(c, name)]
     return " ".join(bits)
 
 
