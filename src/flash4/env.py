@@ -25,7 +25,7 @@
 | FLASH4_FAMILY      | kernel family to run instead of the GPU's own: portable (= sm80: mma.sync, runs on sm_80..sm_120 and sm_90), or a family name (sm90, sm80, sm100) | the GPU's (flash4.kernels.registry) |
 | FLASH4_BWD_SWITCHES | sm90 backward speed switches to turn on where they apply, comma-separated (dq_whole, dq_handoff_per_wg, lse_early, exp_before_dp_wait, mask_rel: flash4.constants.BWD_SPEED_SWITCHES; no_tail_guard, A/B only: leaks stale memory past a sequence's end); A/B and GPU tests of candidates | none |
 | FLASH4_FWD_SWITCHES | sm90 forward speed switches to turn on, comma-separated (softmax_vote_first, lookahead_qk (Dv < D where it fits), mask_bits, rescale_always, pv_zero_init, flat_tile_order, split_row_max, softmax_branch_free (instead of softmax_vote_first), gather_clamp_late (gathered pages): flash4.constants.FWD_SPEED_SWITCHES; no_tail_guard, A/B only: leaks stale memory past a sequence's end); A/B and GPU tests of candidates | none |
-| FLASH4_PORTABLE_BWD | the portable (sm80) backward's tiles where a candidate applies: coal, fa2, m128, fa2e, fa2s (flash4.config.sm80.BWD_CANDIDATES) or table (its table); A/B and GPU tests | fa2 for plain dense problems (flash4.config.sm80.SHIPPED_BWD_CANDIDATE), else the table |
+| FLASH4_PORTABLE_BWD | the portable (sm80) backward's tiles where a candidate applies: coal, fa2, m128, fa2e, fa2s, fa2w (flash4.config.sm80.BWD_CANDIDATES) or table (its table); A/B and GPU tests | fa2 for plain dense problems (flash4.config.sm80.SHIPPED_BWD_CANDIDATE), else the table |
 
 Each function reads the environment when called (no caching), so a test can set a variable with
 monkeypatch. A malformed value raises ValueError naming the variable, the value and what is allowed.

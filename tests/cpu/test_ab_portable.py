@@ -39,11 +39,14 @@ def test_variants(portable):
         vs = tool.variants(case)
         # shipped = the fa2 candidate (SHIPPED_BWD_CANDIDATE) on these plain dense cells; "table" the
         # tile table's config; the table's other candidates follow
-        want = ["shipped", "table", "coal"] + (["m128"] if case.headdim == 128 else ["fa2e"]) + ["fa2s"]
+        want = ["shipped", "table", "coal"] + (["m128"] if case.headdim == 128 else ["fa2e"]) + ["fa2s"] + (
+            ["fa2w"] if case.headdim == 64 else [])
         assert list(vs) == want, (case.name, list(vs))
         if case.headdim == 64:  # fa2e: the shipped tiles with lse_early (d64 only)
             assert vs["fa2e"].cfg == dataclasses.replace(vs["shipped"].cfg, lse_early=True)
         assert vs["fa2s"].cfg == dataclasses.replace(vs["shipped"].cfg, lse_smem=True)  # fa2s: LSE through smem
+        if case.headdim == 64:  # fa2w: FA2's own warp layout (4 along the queries of S / dP) with lse_smem
+            assert vs["fa2w"].cfg == dataclasses.replace(vs["fa2s"].cfg, warps_m_sdp=4)
         assert all(isinstance(v.cfg, Sm80BwdConfig) for v in vs.values())
         assert vs["shipped"].cfg.dq_coalesced and vs["shipped"].cfg.tile_n == 128
         assert not vs["table"].cfg.dq_coalesced and vs["coal"].cfg.dq_coalesced

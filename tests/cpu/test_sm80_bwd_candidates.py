@@ -126,7 +126,7 @@ def test_register_order_postprocess_compiles(arch):
         compile_postprocess(128 if tile_m == 64 else 64, "bf16", False, tile_m, arch=arch, sm80_warps=warps)
 
 
-@pytest.mark.parametrize("d, name", [(64, "fa2e"), (64, "fa2s"), (128, "fa2s")])
+@pytest.mark.parametrize("d, name", [(64, "fa2e"), (64, "fa2s"), (128, "fa2s"), (64, "fa2w")])
 def test_lse_early_keeps_the_lse_loads_under_the_gemms(d, name):
     """Sm80BwdConfig.lse_early (candidate fa2e): in the unmasked step loop of the sm_90a SASS, no
     unpredicated global load (LDG) sits after the exact path's predicated LSE hi / lo loads, i.e. in
@@ -149,7 +149,7 @@ def test_lse_early_keeps_the_lse_loads_under_the_gemms(d, name):
             pytest.skip("cuobjdump not installed")
         loop = sass_main_loop(sass).splitlines()
         assert resource_usage(cubin)["spills"] == 0
-        if cand == "fa2s":
+        if cand in ("fa2s", "fa2w"):
             unmasked = _unmasked_loop(sass)
             assert not any(re.search(r"\b(LDL|STL)\b", line) for line in unmasked), cand
         # the exact branch's last LSE hi / lo load, the jump that ends it, the common branch's first

@@ -492,6 +492,10 @@ def select_bwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, a
 # dropped for that target.
 #   fa2s: fa2 with lse_smem (the step's LSE and D through smem, staged with its dO; compile-verified,
 #         not run on hardware yet): d64 and d128.
+#   fa2w: d64 at FlashAttention-2's own warp layout (4 warps along the queries of S / dP, 2 along the
+#         keys: Flash_bwd_kernel_traits<64, 128, 128, 8, 4, 4, 4>) with lse_smem, which frees the
+#         registers whose lack made fa2 take 8 x 1 (0 spills on sm_90a; ldmatrix per step 168 -> 144,
+#         FA2's count). Compile-verified, not run on hardware yet.
 #   fa2e: fa2 with lse_early (the step's LSE loads kept under its S and dP GEMMs; compile-verified,
 #         not run on hardware yet). d64 only: at d128 (253 registers) holding the step's 8 LSE values
 #         across the GEMMs spills 12 local-memory instructions (sm_90a); there the LSE would have to
@@ -502,9 +506,10 @@ BWD_CANDIDATES = {
     "m128": {"big": {128: (128, 64, 8, 2, 4, 2, 4)}},
     "fa2e": {"big": {64: (128, 128, 8, 2, 8, 4, 4)}},
     "fa2s": {"big": {64: (128, 128, 8, 2, 8, 4, 4), 128: (64, 128, 8, 2, 2, 2, 2)}},
+    "fa2w": {"big": {64: (128, 128, 8, 2, 4, 4, 4)}},
 }
 # Fields a candidate sets besides its tiles and dq_coalesced.
-BWD_CANDIDATE_FIELDS = {"fa2e": {"lse_early": True}, "fa2s": {"lse_smem": True}}
+BWD_CANDIDATE_FIELDS = {"fa2e": {"lse_early": True}, "fa2s": {"lse_smem": True}, "fa2w": {"lse_smem": True}}
 
 # The candidate the backward ships (bwd_plan) for dense, plain problems (no softcap, window or
 # deterministic order; full or causal, bf16 / fp16) where it applies: "fa2" (d64 / d128 on the
