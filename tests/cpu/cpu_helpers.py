@@ -353,18 +353,31 @@ def assert_portable_row_clean(row: dict, cfg) -> None:
     assert row["hgmma"] == row["utma"] == row["stsm"] == row["utchmma"] == 0, row
 
 
-def sass_main_loop(sass: str) -> str:
-    """The SASS lines of the largest innermost loop of a cuobjdump listing (a backward branch's target
-    up to the branch): a kernel's steady-state step."""
+def sass_innermost_loops(sass: str) -> list:
+    """[(first, last), ...]: the innermost loops of a cuobjdump listing (a backward branch's target up
+    to the branch, containing no other such loop), as indices into sass_lines(sass)."""
     import re
 
-    lines = re.findall(r"^\s+/\*([0-9a-f]{4,})\*/\s+([^;]*;)", sass, re.M)
+    lines = sass_lines(sass)
     addr = [int(a, 16) for a, _ in lines]
     loops = []
     for i, (_, ins) in enumerate(lines):
         m = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", ins)
         if m and int(m.group(1), 16) <= addr[i] and int(m.group(1), 16) in addr:
             loops.append((addr.index(int(m.group(1), 16)), i))
-    inner = [(a, b) for a, b in loops if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in loops)]
-    a, b = max(inner, key=lambda ab: ab[1] - ab[0])
+    return [(a, b) for a, b in loops if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in loops)]
+
+
+def sass_lines(sass: str) -> list:
+    """[(address hex, instruction text with its ';'), ...] of a cuobjdump listing."""
+    import re
+
+    return re.findall(r"^\s+/\*([0-9a-f]{4,})\*/\s+([^;]*;)", sass, re.M)
+
+
+def sass_main_loop(sass: str) -> str:
+    """The SASS lines of the largest innermost loop of a cuobjdump listing: a kernel's steady-state
+    step."""
+    lines = sass_lines(sass)
+    a, b = max(sass_innermost_loops(sass), key=lambda ab: ab[1] - ab[0])
     return "\n".join(f"        /*{lines[j][0]}*/ {lines[j][1]}" for j in range(a, b + 1))

@@ -162,16 +162,11 @@ def test_lse_early_keeps_the_lse_loads_under_the_gemms(d, name):
 
 
 def _unmasked_loop(sass: str) -> list:
-    """The lines of the last of the two step loops (the unmasked one: loop_clone's copy follows the
+    """The lines of the later of the two step loops (the unmasked one: loop_clone's copy follows the
     masked loop in program order)."""
-    lines = re.findall(r"^\s+/\*([0-9a-f]{4,})\*/\s+([^;]*;)", sass, re.M)
-    addr = [int(a, 16) for a, _ in lines]
-    loops = []
-    for i, (_, ins) in enumerate(lines):
-        m = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", ins)
-        if m and int(m.group(1), 16) <= addr[i] and int(m.group(1), 16) in addr:
-            loops.append((addr.index(int(m.group(1), 16)), i))
-    inner = [(a, b) for a, b in loops if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in loops)]
-    big = sorted((b - a, a, b) for a, b in inner)[-2:]  # the two step loops (innermost, largest)
+    from cpu_helpers import sass_innermost_loops, sass_lines
+
+    lines = sass_lines(sass)
+    big = sorted((b - a, a, b) for a, b in sass_innermost_loops(sass))[-2:]  # the two step loops
     a, b = max((a, b) for _, a, b in big)
     return [ins for _, ins in lines[a:b + 1]]
