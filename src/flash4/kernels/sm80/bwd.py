@@ -420,7 +420,7 @@ class FlashAttentionBackwardSm80:
                                  *self.row_coords(copy_qk, thr_qk, self.tile_m, self.hdim), seqlen_q)
                 load_do = partial(self.load_q_tile, copy_vdo, thr_vdo.partition_S(gdO), thr_vdo.partition_D(smem.do),
                                   *self.row_coords(copy_vdo, thr_vdo, self.tile_m, self.hdim_v), seqlen_q)
-                if const_expr(cfg.lse_smem):  # the tile's LSE_log2 rides along with its dO (same cp.async group)
+                if const_expr(cfg.lse_smem):  # the tile's LSE_log2 and D ride along with its dO (same cp.async group)
                     load_do = partial(self.load_do_and_lse, load_do, seq.q_padded_view(stats.lse2, head),
                                       seq.q_padded_view(stats.dpsum, head), smem.lse, smem.dpsum, tidx)
                 step = partial(self.one_m_block, stats=stats, seq=seq, head=head, n_block=n_block, window=window,
