@@ -76,7 +76,8 @@ def test_runtime_load_without_the_dsl(tmp_path):
     """, **env)
     shared = list(tmp_path.glob("*.so"))
     assert len(shared) == 1 and len(list(tmp_path.glob("*.o"))) == 1
-    assert (tmp_path / "runtime_libs.txt").read_text().split()
+    listings = list(tmp_path.glob("runtime_libs-*.txt"))  # this environment's (disk_cache.runtime_libs_name)
+    assert len(listings) == 1 and listings[0].read_text().split()
     # a new process: loaded through TVM-FFI, the DSL never imported, every symbol bound at dlopen
     assert _python(LOAD, LD_BIND_NOW="1", **env) == "tvm_ffi False {'loaded': 1, 'compiled': 0}"
     # without the switch: the object through the DSL's loader, as before
@@ -86,3 +87,31 @@ def test_runtime_load_without_the_dsl(tmp_path):
     assert _python(LOAD, **env).startswith("tvm_ffi True")
     assert shared[0].stat().st_size > 1000
     assert _python(LOAD, **env).startswith("tvm_ffi False")
+
+
+def test_runtime_libs_listing_is_per_install(monkeypatch):
+    """Two Python environments sharing a cache directory read their own runtime-library listings: the
+    name hashes where `cutlass` and `tvm_ffi` are installed (a process loading another environment's
+    libtvm_ffi.so next to its own aborted)."""
+    import importlib.util
+
+    from flash4.compile import disk_cache
+
+    disk_cache.runtime_libs_name.cache_clear()
+    try:
+        here = disk_cache.runtime_libs_name()
+        assert here.startswith("runtime_libs-") and here.endswith(".txt") and here == disk_cache.runtime_libs_name()
+        real = importlib.util.find_spec
+
+        def elsewhere(name, *a, **k):
+            spec = real(name, *a, **k)
+            if name == "tvm_ffi" and spec is not None:
+                spec = importlib.util.spec_from_file_location(name, "/other/venv/tvm_ffi/__init__.py")
+            return spec
+
+        disk_cache.runtime_libs_name.cache_clear()
+        monkeypatch.setattr(importlib.util, "find_spec", elsewhere)
+        assert disk_cache.runtime_libs_name() != here
+    finally:
+        monkeypatch.undo()
+        disk_cache.runtime_libs_name.cache_clear()

@@ -180,8 +180,28 @@ def _load(path: Path):
 # tvm_ffi.load_module once those two libraries are loaded globally, without the DSL's compiler
 # (its MLIR bindings and execution engine are most of a warm process start). RUNTIME_LIBS, in the
 # cache directory, names the runtime libraries the DSL found when it linked (the DSL's choice of
-# CUDA 12 / 13 flavour is kept).
+# CUDA 12 / 13 flavour is kept). One listing per install of the CuTe DSL and TVM-FFI
+# (runtime_libs_name): two Python environments sharing the cache directory (the default
+# ~/.cache/flash4) must each load their own libraries; loading another environment's libtvm_ffi.so
+# into a process that imported its own aborted the process (2026-12-04, a fresh virtualenv next to
+# the system site-packages, README's test command: "Fatal Python error: Aborted").
 RUNTIME_LIBS = "runtime_libs.txt"
+
+
+@functools.lru_cache(maxsize=1)
+def runtime_libs_name() -> str:
+    """The name of this Python environment's runtime-library listing in a cache directory:
+    RUNTIME_LIBS tagged with a hash of where the CuTe DSL (`cutlass`) and TVM-FFI packages are
+    installed (importlib.util.find_spec: neither is imported)."""
+    import importlib.util
+
+    origins = []
+    for name in ("cutlass", "tvm_ffi"):
+        spec = importlib.util.find_spec(name)
+        origins.append(str(spec.origin if spec is not None else None))
+    tag = hashlib.sha256("\n".join(origins).encode()).hexdigest()[:16]
+    stem, suffix = RUNTIME_LIBS.rsplit(".", 1)
+    return f"{stem}-{tag}.{suffix}"
 
 
 def _link_shared(obj: Path) -> None:
@@ -197,7 +217,7 @@ def _link_shared(obj: Path) -> None:
         import cutlass.cute as cute
 
         libs = [lib for lib in cute.runtime.find_runtime_libraries(enable_tvm_ffi=True) if Path(lib).exists()]
-        listing = obj.parent / RUNTIME_LIBS
+        listing = obj.parent / runtime_libs_name()
         if not listing.exists() or listing.read_text().split() != libs:
             tmp = listing.with_name(f".{listing.name}.{os.getpid()}.tmp")
             tmp.write_text("\n".join(libs) + "\n")
@@ -219,11 +239,13 @@ def _link_shared(obj: Path) -> None:
 
 @functools.lru_cache(maxsize=None)
 def _runtime_libs(directory: str) -> tuple:
-    """Load the runtime libraries named in directory/RUNTIME_LIBS with RTLD_GLOBAL (once); returns
-    their paths. Raises OSError when the listing is missing or a library cannot be loaded."""
-    libs = tuple((Path(directory) / RUNTIME_LIBS).read_text().split())
+    """Load the runtime libraries named in this environment's listing in `directory`
+    (runtime_libs_name) with RTLD_GLOBAL (once); returns their paths. Raises OSError when the
+    listing is missing or a library cannot be loaded."""
+    name = runtime_libs_name()
+    libs = tuple((Path(directory) / name).read_text().split())
     if not libs:
-        raise OSError(f"{RUNTIME_LIBS} lists no library")
+        raise OSError(f"{name} lists no library")
     for lib in libs:
         ctypes.CDLL(lib, mode=ctypes.RTLD_GLOBAL)
     return libs
