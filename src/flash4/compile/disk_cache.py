@@ -181,16 +181,16 @@ def _load(path: Path):
 # (its MLIR bindings and execution engine are most of a warm process start). RUNTIME_LIBS, in the
 # cache directory, names the runtime libraries the DSL found when it linked (the DSL's choice of
 # CUDA 12 / 13 flavour is kept). One listing per install of the CuTe DSL and TVM-FFI
-# (runtime_libs_name): two Python environments sharing the cache directory (the default
-# ~/.cache/flash4) must each load their own libraries; loading another environment's libtvm_ffi.so
-# into a process that imported its own aborted the process (2026-12-04, a fresh virtualenv next to
+# (runtime_libs_name): two Python installs (virtualenvs) sharing the cache directory (the default
+# ~/.cache/flash4) must each load their own libraries; loading another install's libtvm_ffi.so
+# into a process that had imported its own aborted the process (2026-12-04, a fresh virtualenv next to
 # the system site-packages, README's test command: "Fatal Python error: Aborted").
 RUNTIME_LIBS = "runtime_libs.txt"
 
 
 @functools.lru_cache(maxsize=1)
 def runtime_libs_name() -> str:
-    """The name of this Python environment's runtime-library listing in a cache directory:
+    """The name of this Python install's runtime-library listing in a cache directory:
     RUNTIME_LIBS tagged with a hash of where the CuTe DSL (`cutlass`) and TVM-FFI packages are
     installed (importlib.util.find_spec: neither is imported)."""
     import importlib.util
@@ -239,7 +239,7 @@ def _link_shared(obj: Path) -> None:
 
 @functools.lru_cache(maxsize=None)
 def _runtime_libs(directory: str) -> tuple:
-    """Load the runtime libraries named in this environment's listing in `directory`
+    """Load the runtime libraries named in this install's listing in `directory`
     (runtime_libs_name) with RTLD_GLOBAL (once); returns their paths. Raises OSError when the
     listing is missing or a library cannot be loaded."""
     name = runtime_libs_name()
