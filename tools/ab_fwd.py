@@ -59,6 +59,7 @@ or varlen request); each other variant is that config with one candidate on (shi
   emu8 / vfemu8 / bfraemu8  head dims <= 48 (the MUFU.EX2-bound cells): 1 of every 8 exponentials on
                       the FMA polynomial (exp2_emu_frac 0.125) on shipped, on softmax_vote_first +
                       rescale_always, on bfra. Within the tolerances, not bitwise.
+  bfraemu6 / bfraemu4 head dims <= 48: bfra with 3 of every 16 / 1 of every 4 exponentials emulated.
 --variants NAME ... times only those variants (and shipped).
 Timing as tools/ab_switch.py: ROUNDS interleaved rounds (order reversed every other round), each the
 median of calls with L2 flushed (flash4.bench.common.time_ms); TFLOPs of the visible work per
@@ -137,6 +138,9 @@ EXTRA_CELLS = (
 )
 WIDE_TILES = (160, 176, 192)
 EMU_FRAC = 0.125  # the emu variants' share of exponentials on the FMA polynomial (FwdConfig.exp2_emu_frac)
+# bfra with larger shares at head dims <= 48: MUFU.EX2 at 16 / clock / SM against ~5 FMA-pipe
+# instructions per element at 128 / clock put the balance near 1 / 6 of the exponentials emulated
+EMU_MORE = {"bfraemu6": 0.1875, "bfraemu4": 0.25}
 
 
 # ---------------------------------------------------------------------------------------------- plan
@@ -269,6 +273,8 @@ def _softmax_variants(cfg, out: dict) -> dict:
         add("vfemu8", dataclasses.replace(with_fwd_switches(cfg, ("softmax_vote_first", "rescale_always")),
                                           exp2_emu_frac=EMU_FRAC))
         add("bfraemu8", dataclasses.replace(bfra, exp2_emu_frac=EMU_FRAC))
+        for name, frac in EMU_MORE.items():  # the balance point of MUFU and FMA estimated at ~1/6
+            add(name, dataclasses.replace(bfra, exp2_emu_frac=frac))
     return out
 
 
