@@ -46,6 +46,9 @@ variant's config). Variants (all with configs the sm90 kernel already has; shipp
   value head dims ((128, 64), (64, 128): the d128 / d64 tiles, no dQ hand-off change shipped there):
     hand    dq_whole (at D 128) + dq_handoff_per_wg, d128's shipped hand-off; whole: dq_whole alone
     exp     exp_before_dp_wait; hand_exp both; lse: hand + lse_early
+  every cell where the step forms dS by fma (BwdConfig.ds_by_fma):
+    dsc     dpsum_scaled: D multiplied by the softmax scale on the host, one FMUL per query column
+            per step less in the kernel (section 19; same values)
   sink cells (sink_delta: the kernel sums D for the learnable sink's gradient):
     single  sink_delta_db off: the partial sums in one buffer, the dQEmpty wait before staging them
             (shipped until 2026-12-03 evening; the double buffer keeps it at the dQ hand-off: 1.159x on
@@ -256,6 +259,8 @@ def _all_variants(case: Case) -> dict:
         out["pwg_rel"] = Variant(rep(cfg, dq_handoff_per_wg=True, mask_rel=True), heads)
     if (cfg.causal or cfg.local) and not cfg.transposed_dkv and not cfg.mask_rel:
         out["rel"] = Variant(rep(cfg, mask_rel=True), heads)  # BwdConfig.mask_rel alone (same values)
+    if cfg.ds_by_fma:  # BwdConfig.dpsum_scaled: D * scale from the host (same values)
+        out["dsc"] = Variant(rep(cfg, dpsum_scaled=True), heads)
     return out
 
 
@@ -264,7 +269,7 @@ def cfg_short(c) -> str:
     bits = [f"m{c.tile_m}n{c.tile_n}q{c.q_stages}"]
     bits += [name for name in ("transposed_dkv", "split_headdim", "dkv_accum", "exp_before_dp_wait",
                                "dq_handoff_per_wg", "sink_delta", "sink_delta_db", "local", "dq_swapab", "dq_whole",
-                               "lse_early", "mask_rel")
+                               "lse_early", "mask_rel", "dpsum_scaled")
              if getattr(c, name, False)]
     return " ".join(bits)
 

@@ -11,6 +11,7 @@ r"""The host backward: dense and packed (varlen) requests, preprocess -> main ke
     dq_accum = 0                                   fp32 (.., H, rows, D), the kernel reduce-adds dQ /
                                                    (zeroed by the preprocess)
     dpsum   -= dLSE                                when the LSE has a gradient (dS = P * (dP - D) gains P * dLSE)
+    dpsum   *= softmax_scale                       only with the sm90 speed candidate BwdConfig.dpsum_scaled
     delta    = 0                                   fp32 (.., H, rows), only when a learnable sink needs a
                                                    gradient (run's `delta`): the main kernel adds
                                                    D = sum_j P dP of each row (BwdConfig.sink_delta)
@@ -135,7 +136,7 @@ class BackwardPlan:
 
     __slots__ = ("cfg", "heads_per_cta", "gated", "in_kernel", "packed", "stats_batch", "rows", "num_kv_tiles",
                  "nheads", "headdim", "preprocess", "postprocess", "run_kernels", "window", "softcap",
-                 "softmax_scale", "bound")
+                 "softmax_scale", "bound", "dpsum_scaled")
 
     def __init__(self, request: Request, sink_delta: bool):
         from flash4 import selftest  # late: the gate pulls in its child-process machinery
@@ -171,6 +172,7 @@ class BackwardPlan:
         self.run_kernels = tuple(get_bwd_runner(c) for c in (plan.passes or (cfg,)))
         self.window, self.softcap = request.mask.window, request.score.softcap
         self.softmax_scale = request.score.softmax_scale
+        self.dpsum_scaled = getattr(cfg, "dpsum_scaled", False)  # sm90 speed candidate (off)
         self.bound = None  # launch(): the host scalars of a dense signature, from its first launch
 
     def launch(self, q, k, v, seq: SeqSpec | None, dout, out, lse, lse_split, dlse, dq, dk, dv, delta=None) -> None:
@@ -246,6 +248,8 @@ class BackwardPlan:
                 dpsum[0].index_add_(1, row_index, dlse.to(F32), alpha=-1.0)
             else:
                 dpsum[:, :, :q.shape[1]] -= dlse
+        if self.dpsum_scaled:  # BwdConfig.dpsum_scaled: the kernel reads D * scale (fp32, as it would compute)
+            dpsum.mul_(self.softmax_scale)
         if packed and not cfg.dkv_accum:
             # the kernel writes the rows of every sequence; the others (past cu_seqlens_k[-1] or seqused_k) stay 0
             dk.zero_()

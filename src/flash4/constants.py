@@ -51,7 +51,7 @@ COMBINE_WARPS_PER_CTA = 4
 # flash4.config.sm90.with_bwd_switches), in the order with_bwd_switches applies them
 # (dq_handoff_per_wg needs dq_whole's accumulator order first).
 BWD_SPEED_SWITCHES = ("dq_whole", "dq_handoff_per_wg", "lse_early", "exp_before_dp_wait", "no_tail_guard",
-                      "mask_rel")
+                      "mask_rel", "dpsum_scaled")
 
 # The sm90 forward's speed switches that FLASH4_FWD_SWITCHES may turn on (flash4.env.fwd_switches,
 # flash4.config.sm90.with_fwd_switches).

@@ -238,7 +238,7 @@ def test_with_bwd_switches_where_each_applies():
     det = with_bwd_switches(select_bwd_config(128, "bf16", True, deterministic=True), every)
     assert det.dq_whole and not det.dq_handoff_per_wg
     d192 = select_bwd_config(192, "bf16", True)
-    assert with_bwd_switches(d192, every) == d192  # transposed_dkv: none applies
+    assert with_bwd_switches(d192, every) == dataclasses.replace(d192, dpsum_scaled=True)  # transposed_dkv: only it
     assert with_bwd_switches(d128, ()) == d128
 
 
@@ -297,3 +297,90 @@ def test_dq_whole_sass():
             pytest.skip("cuobjdump not installed: SASS not checked")
         assert len(re.findall(r"\bSTS\.128\b", sass)) == 16 and not re.findall(r"\bSTS\.64\b", sass), edit
         assert len(re.findall(r"\bUBLKRED\b", sass)) == (2 if edit.get("dq_handoff_per_wg") else 1), edit
+
+
+# ------------------------------------------------------- dpsum_scaled (D * softmax_scale from the host)
+def test_dpsum_scaled_config():
+    """Off in every shipped config and out of its repr; with_bwd_switches turns it on exactly where the
+    step forms dS by fma (BwdConfig.ds_by_fma: no softcap; dV after dS^T, i.e. not split_headdim and not
+    head dim >= 128 with a packed / seqused layout or a window; or transposed_dkv); refused elsewhere."""
+    from flash4.config.sm90 import with_bwd_switches, with_seq_layout
+
+    for cfg in shipped_bwd_configs():
+        assert not cfg.dpsum_scaled and "dpsum_scaled" not in repr(cfg)
+        on = with_bwd_switches(cfg, ("dpsum_scaled",))
+        assert on.dpsum_scaled == cfg.ds_by_fma, cfg
+        if on.dpsum_scaled:
+            assert repr(on).endswith(", dpsum_scaled=True)") and eval(repr(on)) == on
+        else:
+            with pytest.raises(AssertionError):
+                dataclasses.replace(cfg, dpsum_scaled=True)
+    d128, d64 = select_bwd_config(128, "bf16", False), select_bwd_config(64, "bf16", True)
+    assert d128.ds_by_fma and d64.ds_by_fma and select_bwd_config(192, "bf16", True).ds_by_fma  # transposed_dkv
+    assert not with_seq_layout(d128, varlen_q=True, varlen_k=True).ds_by_fma  # spills there: dV before dS^T
+    assert with_seq_layout(d64, varlen_q=True, varlen_k=True).ds_by_fma
+    assert not select_bwd_config(128, "bf16", True, local=True).ds_by_fma
+    assert not select_bwd_config(64, "bf16", True, softcap=True).ds_by_fma
+    assert not select_bwd_config(256, "bf16", True).ds_by_fma  # split_headdim
+
+
+def test_dpsum_scaled_sass():
+    """d128 full and d64 causal switched on: the step's per-query D * scale FMULs are gone (16 per step
+    at 64 queries, 32 at 128; two step loops each), registers as off, no spill, not serialized."""
+    pytest.importorskip("cutlass")
+    for d, causal, fewer in ((128, False, 32), (64, True, 64)):
+        cfg = select_bwd_config(d, "bf16", causal)
+        res_off, off = _sass_of(cfg)
+        res_on, on = _sass_of(dataclasses.replace(cfg, dpsum_scaled=True))
+        assert res_on["spills"] == 0 and not res_on["wgmma_serialized"], d
+        assert res_on["registers"] == res_off["registers"], d
+        if on is None:
+            pytest.skip("cuobjdump not installed: SASS not checked")
+        fmul = [len(re.findall(r"\bFMUL\b", s)) for s in (off, on)]
+        assert fmul[0] - fmul[1] == fewer, (d, fmul)
+
+
+def test_dpsum_scaled_host(monkeypatch):
+    """flash4.backward hands the main kernel dpsum * softmax_scale (after the dLSE subtraction: the
+    kernel's product of the switch-off path) only with the switch; kernels are recorders (CPU)."""
+    import torch
+    from cpu_helpers import BF16
+
+    import flash4.backward as backward
+    from flash4 import memo, validate
+    from flash4.compile import cache
+
+    monkeypatch.setenv("FLASH4_ARCH", "90")
+    monkeypatch.setenv("FLASH4_NUM_SMS", "132")
+    monkeypatch.setattr(validate, "_device_problem", lambda *a, **k: None)
+    monkeypatch.setattr(validate, "_arch_problem", lambda *a, **k: None)
+    monkeypatch.setattr(memo, "ENABLED", False)
+    seen = {}
+
+    def load_or_compile(kind, key, options, compile_fn):
+        def kernel(*args):
+            if kind == "bwd_preprocess":
+                args[4].fill_(3.0)  # dpsum
+            elif kind == "bwd":
+                seen["dpsum"] = args[5].clone()
+        return kernel
+
+    monkeypatch.setattr(cache, "load_or_compile", load_or_compile)
+    for fn in (cache.get_bwd_runner, cache.get_bwd_preprocess_runner, cache.get_bwd_postprocess_runner):
+        fn.cache_clear()
+    b, s, h, d = 2, 200, 4, 128
+    q, k, v, out, dout = (torch.randn(b, s, h, d).to(BF16) for _ in range(5))
+    lse, dlse = torch.randn(b, h, s), torch.randn(b, h, s)
+    scale = 0.1  # not a power of two: the product rounds
+    try:
+        for switches, use_dlse in (("", False), ("dpsum_scaled", False), ("dpsum_scaled", True)):
+            monkeypatch.setenv("FLASH4_BWD_SWITCHES", switches)
+            backward.flash_attn_backward(dout, q, k, v, out, lse, scale, False, dlse=dlse if use_dlse else None)
+            got = seen.pop("dpsum")[:, :, :s]
+            want = torch.full((b, h, s), 3.0) - (dlse if use_dlse else 0.0)
+            if switches:
+                want = want * scale
+            assert torch.equal(got, want), (switches, use_dlse)
+    finally:
+        for fn in (cache.get_bwd_runner, cache.get_bwd_preprocess_runner, cache.get_bwd_postprocess_runner):
+            fn.cache_clear()

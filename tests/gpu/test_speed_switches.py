@@ -459,3 +459,67 @@ def test_bwd_mask_rel(monkeypatch, d, sq, sk, h, hk, causal, window, determinist
             assert torch.equal(a, b_), name
     assert_grads(on, ref_grads(q, k, v, dout, causal, True, window_size=window),
                  ref_grads(q, k, v, dout, causal, False, window_size=window))
+
+
+# BwdConfig.dpsum_scaled (FLASH4_BWD_SWITCHES=dpsum_scaled): the host multiplies D by the softmax scale
+# (fp32, after the dLSE subtraction) and the step reads it instead of forming the same fp32 product
+# itself, so the gradients equal the switch-off call's bit for bit (deterministic dQ: its key-block
+# order fixed; dK / dV always). Where the step does not form dS by fma (softcap; d128 packed layouts,
+# windows) the switch does not apply and both calls run the same kernel. The LSE-gradient path
+# (return_lse with a gradient through lse) checks that the scale comes after the subtraction.
+DPSUM_CASES = [  # (d, s, h, hk, causal, window, softcap, lse_grad)
+    (64, 1000, 4, 4, True, (-1, -1), 0.0, False),
+    (64, 777, 8, 2, False, (-1, -1), 0.0, True),
+    (96, 700, 4, 4, False, (-1, -1), 0.0, False),
+    (128, 1000, 4, 4, False, (-1, -1), 0.0, True),
+    (128, 1000, 8, 2, True, (-1, -1), 0.0, False),
+    (128, 900, 4, 4, False, (200, 33), 0.0, False),
+    (192, 600, 4, 4, True, (-1, -1), 0.0, False),
+    (64, 600, 4, 4, True, (-1, -1), 30.0, False),
+]
+
+
+@pytest.mark.parametrize("d, s, h, hk, causal, window, softcap, lse_grad", DPSUM_CASES,
+                         ids=[f"d{c[0]}-s{c[1]}-h{c[2]}/{c[3]}-{'causal' if c[4] else 'full'}-w{c[5][0]}_{c[5][1]}"
+                              f"-cap{c[6]:g}{'-dlse' if c[7] else ''}" for c in DPSUM_CASES])
+def test_bwd_dpsum_scaled(monkeypatch, d, s, h, hk, causal, window, softcap, lse_grad):
+    from flash4 import flash_attn_func
+
+    q, k, v, dout = inputs(2, s, s, h, hk, d, seed=7)
+    dlse = torch.randn(2, h, s, device=q.device, dtype=torch.float32)
+
+    def grads():
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        out, lse = flash_attn_func(*leaves, causal=causal, window_size=window, softcap=softcap, return_lse=True,
+                                   deterministic=True)
+        outputs, upstream = ((out, lse), (dout, dlse)) if lse_grad else ((out,), (dout,))
+        return torch.autograd.grad(outputs, leaves, upstream)
+
+    monkeypatch.delenv("FLASH4_BWD_SWITCHES", raising=False)
+    off = grads()
+    monkeypatch.setenv("FLASH4_BWD_SWITCHES", "dpsum_scaled")
+    on = grads()
+    torch.cuda.synchronize()
+    for name, a, b_ in zip(("dq", "dk", "dv"), on, off):
+        assert not a.isnan().any(), name
+        assert torch.equal(a, b_), name
+    if not lse_grad:
+        assert_grads(on, ref_grads(q, k, v, dout, causal, True, window_size=window, softcap=softcap),
+                     ref_grads(q, k, v, dout, causal, False, window_size=window, softcap=softcap))
+
+
+def test_bwd_dpsum_scaled_varlen(monkeypatch):
+    """The packed layout (d64: the switch applies; d128: it does not, the same kernel both calls),
+    with seqused_k and an empty sequence: bit for bit."""
+    from gpu_helpers import make_varlen, run_bwd_varlen
+
+    for d in (64, 128):
+        q, k, v, cu_q, cu_k = make_varlen([300, 0, 517, 64], [300, 0, 700, 64], 4, 2, d, seed=2)
+        dout = torch.randn_like(q)
+        seqused_k = (cu_k[1:] - cu_k[:-1]).clamp(max=600).to(torch.int32)
+        monkeypatch.delenv("FLASH4_BWD_SWITCHES", raising=False)
+        off = run_bwd_varlen(q, k, v, cu_q, cu_k, dout, True, seqused_k=seqused_k, deterministic=True)
+        monkeypatch.setenv("FLASH4_BWD_SWITCHES", "dpsum_scaled")
+        on = run_bwd_varlen(q, k, v, cu_q, cu_k, dout, True, seqused_k=seqused_k, deterministic=True)
+        for name, a, b_ in zip(("dq", "dk", "dv"), on, off):
+            assert torch.equal(a, b_), (d, name)

@@ -57,7 +57,7 @@ _QUIET_SWITCHES = ("early_q_release", "l2_kv_heads", "exp_before_dp_wait", "dq_h
                    "gather_zero_fill", "dq_swapab", "dq_whole", "lse_early", "softmax_vote_first", "sink_delta_db",
                    "no_tail_guard", "lookahead_qk", "mask_bits", "p_smem", "rescale_always", "mask_rel", "pv_zero_init",
                    "flat_tile_order", "split_row_max", "softmax_branch_free", "gather_clamp_late",
-                   "tensor_hdims")
+                   "tensor_hdims", "dpsum_scaled")
 
 
 def _quiet_repr(cfg) -> str:
@@ -818,6 +818,14 @@ class BwdConfig:
               their latency passes under the S^T / dP^T GEMMs (flash-attn-4's order) instead of
               after the S^T wait, where the exponent's first FFMA waited on them (H200 ncu, d128
               causal 4k: 5.6 % of the kernel's stall samples on that one instruction). Same values.
+    dpsum_scaled: speed candidate, off by default and in no shipped selection (FLASH4_BWD_SWITCHES=
+              dpsum_scaled; tools/ab_bwd_tiles.py variant "dsc"). The host hands the kernel D already
+              multiplied by the softmax scale (flash4.backward: one fp32 multiply per row after the
+              preprocess and the dLSE subtraction), so the step reads D * scale instead of computing
+              it: one FMUL per query column per step less (sm_90a SASS, d128 full: 16 per thread of a
+              452-instruction step; d64 128-query steps: 32). The same fp32 product as the kernel's
+              (fp32(D) * fp32(scale), rounded to nearest): same values. Only where the step forms dS
+              by fma (ds_by_fma: no softcap; dV after dS^T, or transposed_dkv).
     """
 
     headdim: int
@@ -848,10 +856,12 @@ class BwdConfig:
     sink_delta_db: bool = False
     no_tail_guard: bool = False
     mask_rel: bool = False
+    dpsum_scaled: bool = False
 
     def __post_init__(self):
         assert self.headdim in KERNEL_HEADDIMS, self.headdim
         assert not self.sink_delta_db or self.sink_delta, self
+        assert not self.dpsum_scaled or self.ds_by_fma, self
         assert not self.dq_handoff_per_wg or (self.dq_accum_order and not self.deterministic), self
         assert not (self.sink_delta and self.dq_handoff_per_wg), self
         assert self.headdim_v is None or (self.headdim, self.headdim_v) in HDIMV_PAIRS, (self.headdim, self.headdim_v)
@@ -868,6 +878,23 @@ class BwdConfig:
 
     def __repr__(self) -> str:
         return _quiet_repr(self)
+
+    @property
+    def dv_after_ds(self) -> bool:
+        """Whether the kernel issues dV after the dS^T math (FA3's order; kernels/sm90/bwd.py): not
+        split_headdim, and not head dim 128 or more with a packed / seqused layout or a window
+        (there that order spills: the compile check's 12-14 local-memory instructions)."""
+        wide_layout = self.varlen_q or self.varlen_k or self.seqused_q or self.seqused_k or self.local
+        return not self.split_headdim and not (max(self.headdim, self.hdim_v) >= 128 and wide_layout)
+
+    @property
+    def ds_by_fma(self) -> bool:
+        """Whether the step forms dS = P * fma(dP, scale, -D * scale) (two instructions per element;
+        kernels/sm90/bwd_step.py grad_scores): no softcap, and transposed_dkv (StepDkvT) or the
+        register steps with dV after dS^T (StepRegs, StepRegsDqT). Where dpsum_scaled applies."""
+        if self.softcap:
+            return False
+        return self.transposed_dkv or (not self.split_headdim and self.dv_after_ds)
 
     @property
     def dq_row_pad(self) -> int:
@@ -1474,7 +1501,7 @@ def with_bwd_switches(cfg: BwdConfig, names) -> BwdConfig:
     DQ_WHOLE_TILE_MAX_HEADDIM without split_headdim / transposed_dkv / dq_swapab / a window;
     dq_handoff_per_wg where the dQ tile is in the accumulator order and not deterministic; lse_early on the keys-major
     steps (not transposed_dkv); exp_before_dp_wait at tile_m 64 or split_headdim, no window, not
-    transposed_dkv; no_tail_guard on ragged layouts. Pure."""
+    transposed_dkv; no_tail_guard on ragged layouts; dpsum_scaled where the step forms dS by fma (ds_by_fma). Pure."""
     for name in BWD_SPEED_SWITCHES:
         if name not in names:
             continue
@@ -1489,6 +1516,8 @@ def with_bwd_switches(cfg: BwdConfig, names) -> BwdConfig:
             ok = cfg.ragged_q or cfg.ragged_k
         elif name == "mask_rel":  # the keys-major steps' P^T mask (not transposed_dkv)
             ok = not cfg.transposed_dkv
+        elif name == "dpsum_scaled":  # where the step forms dS by fma
+            ok = cfg.ds_by_fma
         else:  # exp_before_dp_wait
             ok = (cfg.tile_m == 64 or cfg.split_headdim) and not cfg.local and not cfg.transposed_dkv
         if ok:

@@ -221,8 +221,7 @@ class FlashAttentionBackwardSm90:
         # faster there too (H200, same call: d128 +1-3.5%, d96 +1%, GQA 64/8 d128 +2%). Not for head
         # dim 128 with a packed / seqused layout or a window: there it spills (compile check: 12-14
         # local-memory instructions), so those keep dV before the dS^T math.
-        wide_layout = cfg.varlen_q or cfg.varlen_k or cfg.seqused_q or cfg.seqused_k or cfg.local
-        self.dv_after_ds = not self.split_hd and not (max(cfg.headdim, cfg.hdim_v) >= 128 and wide_layout)
+        self.dv_after_ds = cfg.dv_after_ds
         # BwdConfig.exp_before_dp_wait (bwd_step.BwdStep.wait_dP): at 128 queries per step, P^T, dP^T,
         # dK and dV all live across the dP^T wait left ptxas short of registers: it serialized every
         # wgmma (sm_90a, d64 bf16: 8 spill instructions); refused there.

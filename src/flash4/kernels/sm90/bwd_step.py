@@ -324,13 +324,16 @@ class BwdStep(DynamicState):
         softmax scale is applied here, once, so dK = dS^T Q and dQ = dS K need no rescaling."""
         dp, s = acc_mn_view(acc_dP), acc_mn_view(acc_S)
         softmax_scale = scales.softmax_scale
+        # D * scale from the host only where the fma form below reads it (BwdConfig.ds_by_fma)
+        assert not self.cfg.dpsum_scaled or (self.fma_ds and not self.cfg.softcap), self.cfg
         for q in cutlass.range_constexpr(self.num_queries(dp)):
             query = self.query(q)
             dpsum = self.smem.dpsum[query, do_state.index]
             if const_expr(not self.cfg.softcap and self.fma_ds):
                 # P * fma(dP, scale, -D * scale): 2 instructions per element, not 3 (the rounding
-                # of D * scale is far below dP's own bf16-GEMM error)
-                dpsum_scaled = dpsum * softmax_scale
+                # of D * scale is far below dP's own bf16-GEMM error); BwdConfig.dpsum_scaled: the
+                # host multiplied D by the scale already (the same fp32 product)
+                dpsum_scaled = dpsum if const_expr(self.cfg.dpsum_scaled) else dpsum * softmax_scale
                 for j in cutlass.range_constexpr(self.num_keys(dp)):
                     i = self.qk(q, j)
                     dp[i] = s[i] * fma_rn(dp[i], softmax_scale, -dpsum_scaled)
