@@ -259,7 +259,8 @@ def _all_variants(case: Case) -> dict:
         out["pwg_rel"] = Variant(rep(cfg, dq_handoff_per_wg=True, mask_rel=True), heads)
     if (cfg.causal or cfg.local) and not cfg.transposed_dkv and not cfg.mask_rel:
         out["rel"] = Variant(rep(cfg, mask_rel=True), heads)  # BwdConfig.mask_rel alone (same values)
-    if cfg.ds_by_fma:  # BwdConfig.dpsum_scaled: D * scale from the host (same values)
+    if cfg.ds_by_fma and not cfg.sink_delta:  # BwdConfig.dpsum_scaled: D * scale from the host (same values;
+        # with sink_delta 3 spills, so with_sink_delta turns it off)
         out["dsc"] = Variant(rep(cfg, dpsum_scaled=True), heads)
     return out
 

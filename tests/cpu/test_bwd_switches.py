@@ -322,6 +322,10 @@ def test_dpsum_scaled_config():
     assert not select_bwd_config(128, "bf16", True, local=True).ds_by_fma
     assert not select_bwd_config(64, "bf16", True, softcap=True).ds_by_fma
     assert not select_bwd_config(256, "bf16", True).ds_by_fma  # split_headdim
+    from flash4.config.sm90 import with_sink_delta
+
+    # with sink_delta the switched kernel spills (d64 GQA causal: 3 instructions): turned off there
+    assert not with_sink_delta(with_bwd_switches(d64, ("dpsum_scaled",))).dpsum_scaled
 
 
 def test_dpsum_scaled_sass():

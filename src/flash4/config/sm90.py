@@ -989,8 +989,9 @@ def with_sink_delta(cfg: BwdConfig) -> BwdConfig:
     gradient), its partial sums double-buffered where they fit (sink_delta_db); the per-warpgroup dQ
     hand-off and the whole-tile d128 hand-off (speed switches, shipped_dq_handoff: not measured with
     sink_delta) off, and with them the window's mask_rel (shipped only together with them: alone it
-    spills the d128 window kernel)."""
-    on = dataclasses.replace(cfg, sink_delta=True, dq_handoff_per_wg=False, dq_whole=False, mask_rel=False)
+    spills the d128 window kernel) and the dpsum_scaled candidate (3 spill instructions with it)."""
+    on = dataclasses.replace(cfg, sink_delta=True, dq_handoff_per_wg=False, dq_whole=False, mask_rel=False,
+                             dpsum_scaled=False)  # dpsum_scaled: 3 spills with sink_delta (d64 GQA causal)
     return dataclasses.replace(on, sink_delta_db=True) if sink_delta_db_fits(on) else on
 
 
