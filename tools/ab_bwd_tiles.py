@@ -259,7 +259,7 @@ def _all_variants(case: Case) -> dict:
         out["pwg_rel"] = Variant(rep(cfg, dq_handoff_per_wg=True, mask_rel=True), heads)
     if (cfg.causal or cfg.local) and not cfg.transposed_dkv and not cfg.mask_rel:
         out["rel"] = Variant(rep(cfg, mask_rel=True), heads)  # BwdConfig.mask_rel alone (same values)
-    if cfg.ds_by_fma and not cfg.sink_delta:  # BwdConfig.dpsum_scaled: D * scale from the host (same values;
+    if getattr(cfg, "ds_by_fma", False) and not cfg.sink_delta:  # BwdConfig.dpsum_scaled: D * scale from the host (same values;
         # with sink_delta 3 spills, so with_sink_delta turns it off)
         out["dsc"] = Variant(rep(cfg, dpsum_scaled=True), heads)
     return out
@@ -401,7 +401,7 @@ def run_cell(case: Case, rounds: int, rep_ms: float) -> dict:
     out, lse = forward.run(req, lse_split=lse_split)
     dout = torch.randn_like(out)
     grads = {name: tuple(torch.full_like(t, math.nan) for t in (q, k, v)) for name in vs}
-    deltas = {name: (torch.full_like(lse, math.nan) if vs[name].cfg.sink_delta else None) for name in vs}
+    deltas = {name: (torch.full_like(lse, math.nan) if getattr(vs[name].cfg, "sink_delta", False) else None) for name in vs}
     with TileRoute() as route:
         def bwd(name):
             route.plan = BwdPlan(vs[name].cfg, vs[name].heads_per_cta)

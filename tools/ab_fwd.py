@@ -135,6 +135,12 @@ EXTRA_CELLS = (
     Case("d16_full_4k", 16, False, 4096, 4096, 8, 16, 16),
     Case("d32_causal_4k", 32, True, 4096, 4096, 8, 16, 16),
     Case("d48_causal_4k", 48, True, 4096, 4096, 8, 16, 16),
+    # the confirmation cells of the small-d softmax variants and the per-tile switches (2026-12-05)
+    Case("d32_full_1k", 32, False, 1024, 1024, 32, 16, 16),
+    Case("d32_full_16k", 32, False, 16384, 16384, 2, 16, 16),
+    Case("d48_full_4k", 48, False, 4096, 4096, 8, 16, 16),
+    Case("d16_causal_4k", 16, True, 4096, 4096, 8, 16, 16),
+    Case("d128_causal_1k", 128, True, 1024, 1024, 32, 16, 16),
 )
 WIDE_TILES = (160, 176, 192)
 EMU_FRAC = 0.125  # the emu variants' share of exponentials on the FMA polynomial (FwdConfig.exp2_emu_frac)

@@ -11,7 +11,7 @@
 
 The family is forced (main sets FLASH4_FAMILY=portable), so "shipped" is
 the portable plan flash4 picks on the H200 today (since 2026-12-02 night the "fa2" candidate for plain
-dense problems: flash4.config.sm80.SHIPPED_BWD_CANDIDATE); "table" is the tile table's config and each
+dense problems: flash4.config.sm80.shipped_bwd_candidate); "table" is the tile table's config and each
 other variant one of flash4.config.sm80.bwd_candidates(table): "coal" (the table's tiles, dQ
 reduce-added in the MMA's register order), "fa2" (FlashAttention-2's sm80 tiles, with that dQ order),
 "m128" (d128, 128 queries x 64 keys), "fa2e" / "fa2s" (fa2 with the step's LSE loads kept under its
@@ -47,7 +47,7 @@ CELLS = tuple(Case(f"d{d}_{'causal' if c else 'full'}_{s // 1024}k", d, c, s, s,
 
 
 def variants(case: Case) -> dict:
-    """{name: Variant}: "shipped" (the portable plan: flash4.config.sm80.SHIPPED_BWD_CANDIDATE where it
+    """{name: Variant}: "shipped" (the portable plan: flash4.config.sm80.shipped_bwd_candidate where it
     applies) first, then "table" (the tile table's config of the same problem) when that differs,
     then the table's bwd_candidates other than the shipped config."""
     import dataclasses

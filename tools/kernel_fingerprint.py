@@ -108,7 +108,7 @@ def sm80_configs(arch: int, only: str | None = None) -> list[tuple[str, object]]
     """The portable family's kernels of target `arch`: shipped forward configs, one per forward
     feature path (window + softcap + sink, varlen + seqused, Q in registers + persistent, split-KV
     decode steps, paged gather, a value head dim), shipped backward configs, the backward speed
-    candidates (flash4.config.sm80.bwd_candidates; fp16: the shipped one, SHIPPED_BWD_CANDIDATE) and one
+    candidates (flash4.config.sm80.bwd_candidates; fp16: the shipped one, shipped_bwd_candidate) and one
     per backward feature path."""
     from flash4.config import sm80
 
@@ -131,8 +131,8 @@ def sm80_configs(arch: int, only: str | None = None) -> list[tuple[str, object]]
         for c in sm80.shipped_bwd_configs(arch):
             if c.dtype == "bf16":
                 bwd += list(sm80.bwd_candidates(c).values())
-            elif sm80.SHIPPED_BWD_CANDIDATE in sm80.bwd_candidates(c):  # what the plain fp16 backward runs
-                bwd.append(sm80.bwd_candidates(c)[sm80.SHIPPED_BWD_CANDIDATE])
+            elif sm80.shipped_bwd_candidate(c) in sm80.bwd_candidates(c):  # what the plain fp16 backward runs
+                bwd.append(sm80.bwd_candidates(c)[sm80.shipped_bwd_candidate(c)])
         bwd += [bsel(64, "bf16", True, arch=arch, varlen_q=True, varlen_k=True, seqused_q=True, seqused_k=True),
                 bsel(128, "bf16", False, arch=arch, local=True, softcap=True),
                 bsel(64, "bf16", False, arch=arch, local=True, deterministic=True),

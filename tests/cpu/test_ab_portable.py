@@ -37,16 +37,19 @@ def test_variants(portable):
 
     for case in tool.CELLS:
         vs = tool.variants(case)
-        # shipped = the fa2 candidate (SHIPPED_BWD_CANDIDATE) on these plain dense cells; "table" the
-        # tile table's config; the table's other candidates follow
-        want = ["shipped", "table", "coal"] + (["m128"] if case.headdim == 128 else ["fa2e"]) + ["fa2s"] + (
-            ["fa2w"] if case.headdim == 64 else [])
+        # shipped = shipped_bwd_candidate on these plain dense cells (since 2026-12-05 fa2w at d64, fa2s
+        # at d128); "table" the tile table's config; the table's other candidates follow, fa2 (shipped
+        # until 2026-12-05) among them
+        want = ["shipped", "table", "coal", "fa2"] + (["m128"] if case.headdim == 128 else ["fa2e", "fa2s"])
         assert list(vs) == want, (case.name, list(vs))
-        if case.headdim == 64:  # fa2e: the shipped tiles with lse_early (d64 only)
-            assert vs["fa2e"].cfg == dataclasses.replace(vs["shipped"].cfg, lse_early=True)
-        assert vs["fa2s"].cfg == dataclasses.replace(vs["shipped"].cfg, lse_smem=True)  # fa2s: LSE through smem
-        if case.headdim == 64:  # fa2w: FA2's own warp layout (4 along the queries of S / dP) with lse_smem
-            assert vs["fa2w"].cfg == dataclasses.replace(vs["fa2s"].cfg, warps_m_sdp=4)
+        fa2 = vs["fa2"].cfg
+        assert vs["shipped"].cfg.lse_smem and not fa2.lse_smem
+        if case.headdim == 64:  # fa2e / fa2s: fa2's tiles with lse_early / lse_smem; shipped fa2w: FA2's warps
+            assert vs["fa2e"].cfg == dataclasses.replace(fa2, lse_early=True)
+            assert vs["fa2s"].cfg == dataclasses.replace(fa2, lse_smem=True)
+            assert vs["shipped"].cfg == dataclasses.replace(fa2, lse_smem=True, warps_m_sdp=4)
+        else:  # shipped fa2s: fa2's tiles with the LSE through smem
+            assert vs["shipped"].cfg == dataclasses.replace(fa2, lse_smem=True)
         assert all(isinstance(v.cfg, Sm80BwdConfig) for v in vs.values())
         assert vs["shipped"].cfg.dq_coalesced and vs["shipped"].cfg.tile_n == 128
         assert not vs["table"].cfg.dq_coalesced and vs["coal"].cfg.dq_coalesced

@@ -32,10 +32,15 @@ def test_switch_off_and_out_of_repr():
         if isinstance(cfg, FwdConfig):  # on only where shipped_vote_first puts it (d128 dense full, long)
             if cfg.softmax_vote_first:
                 on.append(cfg)
-                assert shipped_vote_first(dataclasses.replace(cfg, softmax_vote_first=False), 4096) == cfg
+                if cfg.headdim == 128:
+                    assert shipped_vote_first(dataclasses.replace(cfg, softmax_vote_first=False), 4096) == cfg
             else:
                 assert "softmax_vote_first" not in repr(cfg)
-    assert sorted((c.headdim, c.dtype, c.causal) for c in on) == [(128, "bf16", False), (128, "fp16", False)]
+    # d128: shipped_vote_first (long); d <= 32: shipped_small_d_softmax (with rescale_always)
+    small = [c for c in on if c.headdim <= 32]
+    assert all(c.rescale_always and not c.causal for c in small), small
+    assert sorted((c.headdim, c.dtype, c.causal) for c in on if c.headdim == 128) == [(128, "bf16", False),
+                                                                                      (128, "fp16", False)]
     on = dataclasses.replace(select_fwd_config(128, "bf16", False), softmax_vote_first=True)
     assert repr(on).endswith(", softmax_vote_first=True)") and eval(repr(on)) == on
 
@@ -118,6 +123,31 @@ def test_softmax_vote_first_sass():
     runs_off, runs_on = _ex2_runs(off), _ex2_runs(on)
     assert len(runs_off) <= 4 and max(runs_off) >= 64, runs_off
     assert len(runs_on) >= 32, runs_on
+
+
+def test_shipped_small_d_softmax_and_tile_work():
+    """softmax_vote_first + rescale_always ship for the plain dense non-causal forward at head dims <= 32
+    (H200 2026-12-05: d32 full 1.057x, d16 full 1.036x; d32 causal 0.981x); pv_zero_init +
+    flat_tile_order for the plain dense d128 non-causal forward at seqlen_k <= SHORT_SEQLEN_K (1k
+    1.063x; 4k / 16k below 1.0x)."""
+    from flash4.config.sm90 import SHORT_SEQLEN_K
+
+    for d in (16, 32):
+        for seqlen_k in (1024, 4096, 16384):
+            c = select_fwd_config(d, "bf16", False, seqlen_k=seqlen_k)
+            assert c.softmax_vote_first and c.rescale_always, c
+    for kwargs in (dict(headdim=32, causal=True), dict(headdim=48), dict(headdim=64), dict(headdim=32, seqlen_k=None),
+                   dict(headdim=32, local=True), dict(headdim=32, softcap=True), dict(headdim=32, sink=True)):
+        args = dict(headdim=32, dtype="bf16", causal=False, seqlen_k=4096) | kwargs
+        c = select_fwd_config(**args)
+        assert not c.rescale_always and not c.softmax_vote_first, kwargs
+    short = select_fwd_config(128, "bf16", False, seqlen_k=SHORT_SEQLEN_K)
+    assert short.pv_zero_init and short.flat_tile_order and not short.softmax_vote_first
+    for kwargs in (dict(seqlen_k=SHORT_SEQLEN_K + 1), dict(seqlen_k=None), dict(causal=True), dict(headdim=64),
+                   dict(headdim=256), dict(local=True), dict(headdim_v=64)):
+        args = dict(headdim=128, dtype="bf16", causal=False, seqlen_k=SHORT_SEQLEN_K) | kwargs
+        c = select_fwd_config(**args)
+        assert not c.pv_zero_init and not c.flat_tile_order, kwargs
 
 
 def test_shipped_vote_first():
@@ -256,11 +286,17 @@ def test_shipped_window_forwards_compile_clean(d, dtype, pack, softcap, sink):
 
 
 def test_pv_zero_init_switch():
-    """FwdConfig.pv_zero_init: off and out of the repr in every shipped config; with_fwd_switches turns it
-    on except with lookahead_qk (the look-ahead loop keeps zeroing acc_O)."""
-    from flash4.config.sm90 import with_fwd_switches
+    """FwdConfig.pv_zero_init: off and out of the repr in every shipped config but where shipped_tile_work
+    puts it (with flat_tile_order; since 2026-12-05); with_fwd_switches turns it on except with
+    lookahead_qk (the look-ahead loop keeps zeroing acc_O)."""
+    from flash4.config.sm90 import SHORT_SEQLEN_K, shipped_tile_work, with_fwd_switches
 
-    assert not any(getattr(c, "pv_zero_init", False) for c in shipped_fwd_configs())
+    for c in shipped_fwd_configs():
+        if getattr(c, "pv_zero_init", False):
+            plain = dataclasses.replace(c, pv_zero_init=False, flat_tile_order=False)
+            assert c.flat_tile_order and shipped_tile_work(plain, SHORT_SEQLEN_K) == c, c
+        else:
+            assert "pv_zero_init" not in repr(c) and not getattr(c, "flat_tile_order", False), c
     cfg = select_fwd_config(128, "bf16", False)
     on = with_fwd_switches(cfg, ("pv_zero_init",))
     assert on == dataclasses.replace(cfg, pv_zero_init=True) and "pv_zero_init" not in repr(cfg)
@@ -316,11 +352,12 @@ def test_flat_tile_order_is_the_plain_order(m, h, b):
 
 
 def test_flat_tile_order_switch():
-    """Off and out of the repr in every shipped config; with_fwd_switches leaves it off where cfg.lpt
-    (the host's L2 sections)."""
+    """Off and out of the repr in every shipped config but with pv_zero_init where shipped_tile_work puts
+    both (test_pv_zero_init_switch); with_fwd_switches leaves it off where cfg.lpt (the host's L2
+    sections)."""
     from flash4.config.sm90 import with_fwd_switches
 
-    assert not any(getattr(c, "flat_tile_order", False) for c in shipped_fwd_configs())
+    assert all(c.pv_zero_init for c in shipped_fwd_configs() if getattr(c, "flat_tile_order", False))
     full = select_fwd_config(128, "bf16", False)
     on = with_fwd_switches(full, ("flat_tile_order",))
     assert on.flat_tile_order and repr(on).endswith(", flat_tile_order=True)") and eval(repr(on)) == on

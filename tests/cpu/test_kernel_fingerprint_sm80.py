@@ -25,8 +25,8 @@ def test_sm80_list_covers_the_shipped_configs_of_each_target():
         assert any(c.split_kv for k, c in items if k == "fwd" and c.arch == arch)
         assert any(c.dq_coalesced for k, c in items if k == "bwd" and c.arch == arch)
         # what the plain dense backward runs (the shipped candidate), bf16 and fp16
-        shipped = [sm80.bwd_candidates(c)[sm80.SHIPPED_BWD_CANDIDATE] for c in sm80.shipped_bwd_configs(arch)
-                   if sm80.SHIPPED_BWD_CANDIDATE in sm80.bwd_candidates(c)]
+        shipped = [sm80.bwd_candidates(c)[sm80.shipped_bwd_candidate(c)] for c in sm80.shipped_bwd_configs(arch)
+                   if sm80.shipped_bwd_candidate(c) in sm80.bwd_candidates(c)]
         assert {c.dtype for c in shipped} == {"bf16", "fp16"} and {repr(c) for c in shipped} < bwd
 
 

@@ -49,9 +49,9 @@ def test_env_selects_a_candidate(monkeypatch):
         q = torch.empty(2, 256, 4, d, device="meta", dtype=torch.bfloat16)
         return Request.dense(q, q, q, d ** -0.5, True, (-1, -1), 0.0, None)
 
-    shipped = bwd_plan(req(128), 90).cfg
+    table = select_bwd_config(128, "bf16", True, arch=90)
     monkeypatch.setenv("FLASH4_PORTABLE_BWD", "fa2")
-    assert bwd_plan(req(128), 90).cfg == bwd_candidates(shipped)["fa2"]
+    assert bwd_plan(req(128), 90).cfg == bwd_candidates(table)["fa2"]
     assert bwd_plan(req(128), 86).cfg == select_bwd_config(128, "bf16", True, arch=86)  # no fa2 on 99 KiB
     monkeypatch.setenv("FLASH4_PORTABLE_BWD", "COAL")
     assert bwd_plan(req(128), 86).cfg == bwd_candidates(select_bwd_config(128, "bf16", True, arch=86))["coal"]
@@ -61,11 +61,12 @@ def test_env_selects_a_candidate(monkeypatch):
 
 
 def test_shipped_candidate_rule(monkeypatch):
-    """bwd_plan ships SHIPPED_BWD_CANDIDATE (fa2) for plain dense problems where it applies; softcap,
-    windows, the deterministic order, packed sequences and the 99 KiB targets keep the table;
-    FLASH4_PORTABLE_BWD=table restores the table everywhere."""
+    """bwd_plan ships shipped_bwd_candidate (since 2026-12-05 fa2w at d64, fa2s at d128 but fa2 on sm_80)
+    for plain dense problems where it applies; softcap, windows, the deterministic order, packed
+    sequences and the 99 KiB targets keep the table; FLASH4_PORTABLE_BWD=table restores the table
+    everywhere."""
     torch = pytest.importorskip("torch")
-    from flash4.config.sm80 import SHIPPED_BWD_CANDIDATE, bwd_plan
+    from flash4.config.sm80 import bwd_plan, shipped_bwd_candidate
     from flash4.request import Request
 
     monkeypatch.delenv("FLASH4_PORTABLE_BWD", raising=False)
@@ -77,7 +78,9 @@ def test_shipped_candidate_rule(monkeypatch):
     for d in (64, 128):
         for arch in (80, 90):
             table = select_bwd_config(d, "bf16", True, arch=arch)
-            assert bwd_plan(req(d), arch).cfg == bwd_candidates(table)[SHIPPED_BWD_CANDIDATE]
+            name = shipped_bwd_candidate(table)
+            assert name == ("fa2w" if d == 64 else "fa2" if arch == 80 else "fa2s"), (d, arch, name)
+            assert bwd_plan(req(d), arch).cfg == bwd_candidates(table)[name]
         assert bwd_plan(req(d), 86).cfg == select_bwd_config(d, "bf16", True, arch=86)
         assert not bwd_plan(req(d, softcap=5.0), 90).cfg.dq_coalesced
         assert not bwd_plan(req(d, causal=False, window=(64, 0)), 90).cfg.dq_coalesced

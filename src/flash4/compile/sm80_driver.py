@@ -114,16 +114,20 @@ def fwd_runner(cfg: Sm80FwdConfig):
 
 def candidate_configs(name: str, arch: int) -> list:
     """The backward speed candidate `name` (config.sm80.BWD_CANDIDATES; "shipped":
-    SHIPPED_BWD_CANDIDATE, what bwd_plan runs for plain dense problems) of each shipped backward
+    shipped_bwd_candidate per config, what bwd_plan runs for plain dense problems) of each shipped backward
     config of target `arch`, where it applies (`--bwd --candidate NAME`). ValueError for an unknown
     name."""
-    from flash4.config.sm80 import BWD_CANDIDATES, SHIPPED_BWD_CANDIDATE, bwd_candidates, shipped_bwd_configs
+    from flash4.config.sm80 import BWD_CANDIDATES, bwd_candidates, shipped_bwd_candidate, shipped_bwd_configs
 
-    cand = SHIPPED_BWD_CANDIDATE if name == "shipped" else name
-    if cand not in BWD_CANDIDATES:
+    if name != "shipped" and name not in BWD_CANDIDATES:
         raise ValueError(f"--candidate {name!r}: not a candidate; allowed: "
                          f"{', '.join(sorted(BWD_CANDIDATES))}, shipped")
-    return [bwd_candidates(c)[cand] for c in shipped_bwd_configs(arch) if cand in bwd_candidates(c)]
+    out = []
+    for c in shipped_bwd_configs(arch):
+        cand = shipped_bwd_candidate(c) if name == "shipped" else name
+        if cand in bwd_candidates(c):
+            out.append(bwd_candidates(c)[cand])
+    return out
 
 
 def main(argv=None) -> int:
@@ -147,7 +151,7 @@ def main(argv=None) -> int:
     p.add_argument("--bwd", action="store_true", help="the backward configs instead of the forward ones")
     p.add_argument("--candidate", metavar="NAME",
                    help="with --bwd: the speed candidate NAME (config.sm80.BWD_CANDIDATES; 'shipped': "
-                        "SHIPPED_BWD_CANDIDATE, what the plain dense backward runs) of each shipped config "
+                        "shipped_bwd_candidate, what the plain dense backward runs) of each shipped config "
                         "where it applies, instead of the shipped configs")
     p.add_argument("archs", nargs="*", metavar="ARCH",
                    help=f"targets, e.g. 80 or sm_86 (default: all of {sorted(TARGETS)})")

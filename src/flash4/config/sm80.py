@@ -512,14 +512,30 @@ BWD_CANDIDATES = {
 BWD_CANDIDATE_FIELDS = {"fa2e": {"lse_early": True}, "fa2s": {"lse_smem": True}, "fa2w": {"lse_smem": True}}
 
 # The candidate the backward ships (bwd_plan) for dense, plain problems (no softcap, window or
-# deterministic order; full or causal, bf16 / fp16) where it applies: "fa2" (d64 / d128 on the
-# >= 163 KiB targets). H200, tools/ab_portable.py (5 interleaved rounds, 2026-12-02 night), the 8
-# sweep cells d64 / d128 x full / causal x 1k / 4k: 1.27-2.16x the table (geomean 1.64), i.e.
-# 0.88-0.99x FlashAttention-2 (SDPA flash) in the same run, where the table ran 0.46-0.72x. Not for
-# the other problems: with fa2's tiles softcap spills on sm_90a (d64 16, d128 4 local-memory
-# instructions) and sm_80 (d64 2), a d128 window spills 4 on sm_90a, d128 deterministic 24 on sm_80
-# (compile check, CuTe DSL 4.8.1); those keep the table. FLASH4_PORTABLE_BWD=table runs the table.
-SHIPPED_BWD_CANDIDATE = "fa2"
+# deterministic order; full or causal, bf16 / fp16) where it applies (shipped_bwd_candidate): "fa2"
+# (d64 / d128 on the >= 163 KiB targets) since 2026-12-02 night, H200, tools/ab_portable.py (5
+# interleaved rounds), the 8 sweep cells d64 / d128 x full / causal x 1k / 4k: 1.27-2.16x the table
+# (geomean 1.64), i.e. 0.88-0.99x FlashAttention-2 (SDPA flash) in the same run, where the table ran
+# 0.46-0.72x. Not for the other problems: with fa2's tiles softcap spills on sm_90a (d64 16, d128 4
+# local-memory instructions) and sm_80 (d64 2), a d128 window spills 4 on sm_90a, d128 deterministic
+# 24 on sm_80 (compile check, CuTe DSL 4.8.1); those keep the table. FLASH4_PORTABLE_BWD=table runs
+# the table. Since 2026-12-05, per head dim (SHIPPED_BWD_BY_HEADDIM): d64 "fa2w" (FA2's warp layout,
+# LSE and D through smem) and d128 "fa2s" (fa2's tiles, LSE and D through smem), H200, same tool (3
+# interleaved rounds) against fa2: fa2w 1.086-1.095x on the four d64 cells, fa2s 1.021-1.033x on the
+# four d128 cells, gradients within the A/B's comparison, the portable GPU backward suite (100 tests)
+# passed with each. d128 on sm_80 keeps fa2: fa2s spills 2 local-memory instructions there (bf16
+# causal, compile check).
+SHIPPED_BWD_CANDIDATE = "fa2"  # where SHIPPED_BWD_BY_HEADDIM names nothing (or on sm_80 at d128)
+SHIPPED_BWD_BY_HEADDIM = {64: "fa2w", 128: "fa2s"}
+
+
+def shipped_bwd_candidate(cfg: Sm80BwdConfig) -> str:
+    """The name of the speed candidate the plain dense backward ships for cfg's head dim and target
+    (SHIPPED_BWD_BY_HEADDIM, SHIPPED_BWD_CANDIDATE); bwd_candidates(cfg) says whether it applies. Pure."""
+    name = SHIPPED_BWD_BY_HEADDIM.get(cfg.headdim, SHIPPED_BWD_CANDIDATE)
+    if name == "fa2s" and cfg.arch == 80:  # 2 spill instructions there (bf16 causal)
+        return SHIPPED_BWD_CANDIDATE
+    return name
 
 
 def bwd_candidates(cfg: Sm80BwdConfig) -> dict:
@@ -651,6 +667,6 @@ def bwd_plan(request, arch: int, heads_per_cta: int | None = None) -> BwdPlan:
                              f"{sorted(BWD_CANDIDATES) + ['table']}")
         if candidate != "table":
             cfg = bwd_candidates(cfg).get(candidate, cfg)
-    elif not (cfg.softcap or cfg.local or cfg.deterministic):  # the shipped candidate (SHIPPED_BWD_CANDIDATE)
-        cfg = bwd_candidates(cfg).get(SHIPPED_BWD_CANDIDATE, cfg)
+    elif not (cfg.softcap or cfg.local or cfg.deterministic):  # the shipped candidate (shipped_bwd_candidate)
+        cfg = bwd_candidates(cfg).get(shipped_bwd_candidate(cfg), cfg)
     return BwdPlan(cfg, request.nheads // request.nheads_k)

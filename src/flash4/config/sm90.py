@@ -135,7 +135,8 @@ class FwdConfig:
                   past it are masked to -inf. FLASH4_GATHER_ZERO_FILL; flash4.config.GATHER_ZERO_FILL.
                   Left out of the repr while off (as early_q_release).
     softmax_vote_first: on where shipped_vote_first puts it (the dense d128 non-causal forward above
-                  SHORT_SEQLEN_K keys, since 2026-12-03), elsewhere off (FLASH4_FWD_SWITCHES=
+                  SHORT_SEQLEN_K keys, since 2026-12-03) and, with rescale_always, where
+                  shipped_small_d_softmax does (dense non-causal head dims <= 32, since 2026-12-05), elsewhere off (FLASH4_FWD_SWITCHES=
                   softmax_vote_first for A/B and GPU tests; docs/design/speed_candidates.md section 8): the online softmax takes its
                   exact-path vote before forming the exponents, so each FFMA sits next to its MUFU.EX2
                   in one basic block (kernels/common/softmax.py, OnlineSoftmax vote_first). Same bits.
@@ -171,27 +172,29 @@ class FwdConfig:
                   instead of registers, so P's 16-bit fragment is not live across the next Q K^T:
                   what lets d96 take 192-row tiles (three consumer warpgroups at 160 registers; with P
                   in registers 78 spills). Not with lookahead_qk. Left out of the repr while off.
-    rescale_always: speed switch, off (FLASH4_FWD_SWITCHES=rescale_always; tools/ab_fwd.py variant
-                  "ra"): O is multiplied by the row factors at every key block, branch-free, instead of
+    rescale_always: speed switch, on where shipped_small_d_softmax puts it (since 2026-12-05), else
+                  off (FLASH4_FWD_SWITCHES=rescale_always; tools/ab_fwd.py variant "ra"): O is multiplied by the row factors at every key block, branch-free, instead of
                   behind a warp vote on "some row's reference moved" (kernels/common/softmax.py,
                   OnlineSoftmax rescale_always). The factors stay exactly 1.0 where the lazy rescale
                   keeps the reference, so the same bits; without the branch ptxas can issue the O
                   multiplies and P's F2FP conversion under the MUFU.EX2 stream (H200 ncu 2026-12-04,
                   d128 GQA causal: the F2FP waited after the branch). Left out of the repr while off.
-    pv_zero_init: speed switch, off (FLASH4_FWD_SWITCHES=pv_zero_init; tools/ab_fwd.py variant "pz"):
-                  the tile's first P V wgmma writes acc_O (its ACCUMULATE field false, a run-time
+    pv_zero_init: speed switch, on where shipped_tile_work puts it (dense d128 non-causal, seqlen_k
+                  <= SHORT_SEQLEN_K, since 2026-12-05), else off (FLASH4_FWD_SWITCHES=pv_zero_init;
+                  tools/ab_fwd.py variant "pz"): the tile's first P V wgmma writes acc_O (its ACCUMULATE field false, a run-time
                   flag carried through the key-block loops) instead of acc_O zeroed per tile (H200
                   ncu 2026-12-04, d128 full 1k: 64 CS2R per tile of the 1,104 per-tile instructions
                   against flash-attn-4's 700; flash-attn-4 does this). A tile without key blocks
-                  still zeroes it. Not with lookahead_qk. The same values (0 + x = x). Compile-
-                  verified, not measured yet. Left out of the repr while off.
-    flat_tile_order: speed switch, off (FLASH4_FWD_SWITCHES=flat_tile_order; tools/ab_fwd.py variant
-                  "flat"): without LPT the tile index decodes to (m_block, head, batch) with two
+                  still zeroes it. Not with lookahead_qk. The same values (0 + x = x). H200
+                  2026-12-05: d128 full 1k 1.045x alone, 0.980-1.008x on 10 other cells. Left out of
+                  the repr while off.
+    flat_tile_order: speed switch, on where shipped_tile_work puts it (as pv_zero_init), else off
+                  (FLASH4_FWD_SWITCHES=flat_tile_order; tools/ab_fwd.py variant "flat"): without LPT the tile index decodes to (m_block, head, batch) with two
                   integer divisions instead of the sectioned order's four (kernels/common/scheduler.py
                   tile_coords_flat; the host passes l2_group 1 there, so the same tiles in the same
                   order): H200 ncu 2026-12-04, d128 full 1k, ~250 of the tile's 1,104 per-tile
-                  instructions were these divisions. Not with cfg.lpt (its sections). Compile-verified, not measured
-                  yet. Left out of the repr while off.
+                  instructions were these divisions. Not with cfg.lpt (its sections). H200 2026-12-05:
+                  d128 full 1k 1.059x alone, 4k / 16k 0.996x / 0.983x. Left out of the repr while off.
     split_row_max: speed switch, off (FLASH4_FWD_SWITCHES=split_row_max; tools/ab_fwd.py variant
                   "sm"): each row's max over a thread's columns as two FMNMX chains (even / odd
                   columns) instead of one (kernels/common/softmax.py, OnlineSoftmax split_max): half
@@ -462,7 +465,7 @@ def select_fwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, a
                     kv_stages=2, lpt=causal and not local, arch=arch, local=local, softcap=softcap, sink=sink)
     if seqlen_k is not None and seqlen_k <= SHORT_SEQLEN_K:
         cfg = short_seq_fwd_config(cfg)
-    return shipped_vote_first(cfg, seqlen_k)
+    return shipped_tile_work(shipped_small_d_softmax(shipped_vote_first(cfg, seqlen_k), seqlen_k), seqlen_k)
 
 
 def shipped_vote_first(cfg: FwdConfig, seqlen_k: int | None) -> FwdConfig:
@@ -474,6 +477,36 @@ def shipped_vote_first(cfg: FwdConfig, seqlen_k: int | None) -> FwdConfig:
     if (cfg.headdim == 128 and not cfg.causal and not cfg.local and not cfg.softcap and not cfg.sink
             and cfg.headdim_v is None and not cfg.persistent and seqlen_k is not None and seqlen_k > SHORT_SEQLEN_K):
         return dataclasses.replace(cfg, softmax_vote_first=True)
+    return cfg
+
+
+def shipped_small_d_softmax(cfg: FwdConfig, seqlen_k: int | None) -> FwdConfig:
+    """softmax_vote_first with rescale_always (pure) for the plain dense non-causal forward at head dims
+    <= 32, where the step is MUFU.EX2-bound (docs/design/speed_candidates.md section 17): the lazy
+    rescale's vote ahead of the exponentials and O rescaled branch-free let ptxas interleave the
+    exponentials with the FFMAs. H200, 2026-12-05 (tools/ab_fwd.py, variant ravf, 3 interleaved
+    rounds): d32 full 4k 265.6 -> 280.8 TFLOPs (1.057x), d16 full 4k 147.0 -> 152.4 (1.036x); d32
+    causal 4k 0.981x, so not there (nor at d48 / d64 or above: ravf 0.968x geomean over 23 cells on
+    2026-12-04). Windows, softcap, sinks, value head dims and packed layouts were not measured. Same
+    bits as off (GPU test: every door, the exact path included)."""
+    if (cfg.headdim <= 32 and not cfg.causal and not cfg.local and not cfg.softcap and not cfg.sink
+            and cfg.headdim_v is None and not cfg.persistent and seqlen_k is not None and cfg.pack_gqa == 1):
+        return dataclasses.replace(cfg, softmax_vote_first=True, rescale_always=True)
+    return cfg
+
+
+def shipped_tile_work(cfg: FwdConfig, seqlen_k: int | None) -> FwdConfig:
+    """pv_zero_init and flat_tile_order (pure) for the plain dense d128 non-causal forward of short
+    sequences (seqlen_k <= SHORT_SEQLEN_K), whose tiles visit few key blocks so that the per-tile work
+    (acc_O zeroing, the tile index's divisions) is a visible share (docs/design/speed_candidates.md
+    section 16). H200, 2026-12-05 (tools/ab_fwd.py, 5 interleaved rounds): d128 full 1k 479.1 ->
+    509.6 TFLOPs (1.063x; pz alone 1.045x, flat alone 1.059x); at 4k / 16k both together 0.985x /
+    0.965x (pz alone 1.008 / 1.000, flat 0.996 / 0.983), so not there; pz on 10 other cells 0.980-1.004x.
+    Same bits as off (GPU test: every door)."""
+    if (cfg.headdim == 128 and not cfg.causal and not cfg.local and not cfg.softcap and not cfg.sink
+            and cfg.headdim_v is None and not cfg.persistent and not cfg.lpt and not cfg.lookahead_qk
+            and cfg.pack_gqa == 1 and seqlen_k is not None and seqlen_k <= SHORT_SEQLEN_K):
+        return dataclasses.replace(cfg, pv_zero_init=True, flat_tile_order=True)
     return cfg
 
 
