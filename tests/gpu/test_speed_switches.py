@@ -177,7 +177,7 @@ FWD_ENV_CASES = ([("softmax_vote_first", d, None) for d in (64, 96, 128, 192, 25
                  + [("mask_bits", 128, 64), ("mask_bits", 192, 128)]
                  + [("rescale_always", d, None) for d in (64, 96, 128, 192, 256)]
                  + [("rescale_always", 128, 64), ("rescale_always", 192, 128)]
-                 + [("rescale_always,softmax_vote_first", 128, None)]
+                 + [("rescale_always,softmax_vote_first", d, None) for d in (32, 128)]
                  + [("pv_zero_init", d, None) for d in (64, 96, 128, 192, 256)]
                  + [("pv_zero_init", 128, 64), ("pv_zero_init", 192, 128), ("pv_zero_init", 80, None)]
                  + [("flat_tile_order", d, None) for d in (64, 128, 256)]
