@@ -417,6 +417,21 @@ def test_sink_delta_db_bitwise(monkeypatch, d, s, h, hk, causal, window, varlen,
             torch.testing.assert_close(a.float(), b.float(), rtol=1e-2 if name == "dq" else 1e-5, atol=1e-4)
 
 
+def grads_switched(monkeypatch, switch, grads, dq_bitwise):
+    """(on, off): grads() with FLASH4_BWD_SWITCHES=switch and without; asserts no NaN and dk / dv (dq too
+    where dq_bitwise: a fixed key-block order) equal bit for bit."""
+    monkeypatch.delenv("FLASH4_BWD_SWITCHES", raising=False)
+    off = grads()
+    monkeypatch.setenv("FLASH4_BWD_SWITCHES", switch)
+    on = grads()
+    torch.cuda.synchronize()
+    for name, a, b_ in zip(("dq", "dk", "dv"), on, off):
+        assert not a.isnan().any(), name
+        if name != "dq" or dq_bitwise:
+            assert torch.equal(a, b_), name
+    return on, off
+
+
 # BwdConfig.mask_rel (FLASH4_BWD_SWITCHES=mask_rel): the backward's P^T mask from one step's bounds
 # relative to the thread's first element hides the same elements as the per-row rule, so the
 # gradients equal the switch-off call's bit for bit: dk / dv always (each CTA owns its key tile), dq
@@ -452,15 +467,7 @@ def test_bwd_mask_rel(monkeypatch, d, sq, sk, h, hk, causal, window, determinist
         out = flash_attn_func(*leaves, causal=causal, window_size=window, deterministic=deterministic)
         return torch.autograd.grad(out, leaves, dout)
 
-    monkeypatch.delenv("FLASH4_BWD_SWITCHES", raising=False)
-    off = grads()
-    monkeypatch.setenv("FLASH4_BWD_SWITCHES", "mask_rel")
-    on = grads()
-    torch.cuda.synchronize()
-    for name, a, b_ in zip(("dq", "dk", "dv"), on, off):
-        assert not a.isnan().any(), name
-        if name != "dq" or deterministic:
-            assert torch.equal(a, b_), name
+    on, _ = grads_switched(monkeypatch, "mask_rel", grads, deterministic)
     assert_grads(on, ref_grads(q, k, v, dout, causal, True, window_size=window),
                  ref_grads(q, k, v, dout, causal, False, window_size=window))
 
@@ -499,14 +506,7 @@ def test_bwd_dpsum_scaled(monkeypatch, d, s, h, hk, causal, window, softcap, lse
         outputs, upstream = ((out, lse), (dout, dlse)) if lse_grad else ((out,), (dout,))
         return torch.autograd.grad(outputs, leaves, upstream)
 
-    monkeypatch.delenv("FLASH4_BWD_SWITCHES", raising=False)
-    off = grads()
-    monkeypatch.setenv("FLASH4_BWD_SWITCHES", "dpsum_scaled")
-    on = grads()
-    torch.cuda.synchronize()
-    for name, a, b_ in zip(("dq", "dk", "dv"), on, off):
-        assert not a.isnan().any(), name
-        assert torch.equal(a, b_), name
+    on, _ = grads_switched(monkeypatch, "dpsum_scaled", grads, True)
     if not lse_grad:
         assert_grads(on, ref_grads(q, k, v, dout, causal, True, window_size=window, softcap=softcap),
                      ref_grads(q, k, v, dout, causal, False, window_size=window, softcap=softcap))
