@@ -110,16 +110,17 @@ def test_select_configs():
     assert select_configs() == shipped_fwd_configs() + shipped_bwd_configs()
     some = select_configs(headdims=(128,), dtypes=("bf16",))
     plain = [c for c in some if c.headdim_v is None]  # (128, 64) head dim pairs match headdim 128 too
-    # fwd, the short-sequence (persistent) causal fwd, the long full fwd (vote-first), bwd, bwd
-    # deterministic, the window bwd (its own dQ hand-off: shipped_dq_handoff); GQA head split
-    # (dkv_accum): causal and not, deterministic causal
+    # fwd, the short-sequence fwds (full: pv_zero_init + flat_tile_order, shipped_tile_work; causal:
+    # persistent), the long full fwd (vote-first), bwd, bwd deterministic, the window bwd (its own dQ
+    # hand-off: shipped_dq_handoff); GQA head split (dkv_accum): causal and not, deterministic causal
     pairs = [(128, "bf16", False), (128, "bf16", True)]
-    assert [(c.headdim, c.dtype, c.causal) for c in plain] == pairs + [(128, "bf16", True), (128, "bf16", False)] + \
+    assert [(c.headdim, c.dtype, c.causal) for c in plain] == pairs * 2 + [(128, "bf16", False)] + \
         pairs * 2 + [(128, "bf16", False)] + pairs + [(128, "bf16", True)]
-    assert [getattr(c, "persistent", False) for c in plain] == [False, False, True] + [False] * 9
-    assert [getattr(c, "softmax_vote_first", False) for c in plain] == [False] * 3 + [True] + [False] * 8
-    assert [c.local for c in plain] == [False] * 8 + [True] + [False] * 3
-    assert [getattr(c, "dkv_accum", False) for c in plain] == [False] * 9 + [True] * 3
+    assert [getattr(c, "pv_zero_init", False) for c in plain] == [False, False, True] + [False] * 10
+    assert [getattr(c, "persistent", False) for c in plain] == [False] * 3 + [True] + [False] * 9
+    assert [getattr(c, "softmax_vote_first", False) for c in plain] == [False] * 4 + [True] + [False] * 8
+    assert [c.local for c in plain] == [False] * 9 + [True] + [False] * 3
+    assert [getattr(c, "dkv_accum", False) for c in plain] == [False] * 10 + [True] * 3
     # the (128, 64) pair: fwd causal and not, the causal look-ahead fwd (shipped_lookahead_qk), bwd
     pair = [c for c in some if c.headdim_v is not None]
     assert [(c.headdim_v, c.causal) for c in pair] == [(64, False), (64, True), (64, True), (64, False), (64, True)]
@@ -145,13 +146,14 @@ def fake_compile_check(monkeypatch):
 def test_cli_compile_check(fake_compile_check, capsys, tmp_path):
     calls, result = fake_compile_check
     assert cli_main(["compile-check", "--headdims", "128", "--dtypes", "bf16", "--json", str(tmp_path / "c.json")]) == 0
-    # fwd, bwd, bwd det; causal and not; + the short-sequence causal fwd; + the long full fwd (vote-first);
-    # + the (128, 64) head dim pair's fwd and bwd, and its causal look-ahead fwd; + the window bwd
-    # (its own dQ hand-off); + GQA head split (dkv_accum) causal and not, and deterministic causal
-    assert [(c.headdim, c.dtype) for c in calls] == [(128, "bf16")] * 17
+    # fwd, bwd, bwd det; causal and not; + the short-sequence fwds (causal persistent, full with
+    # shipped_tile_work); + the long full fwd (vote-first); + the (128, 64) head dim pair's fwd and
+    # bwd, and its causal look-ahead fwd; + the window bwd (its own dQ hand-off); + GQA head split
+    # (dkv_accum) causal and not, and deterministic causal
+    assert [(c.headdim, c.dtype) for c in calls] == [(128, "bf16")] * 18
     out = capsys.readouterr().out
-    assert "17/17 ok" in out and "registers" in out
-    assert len(json.loads((tmp_path / "c.json").read_text())) == 17
+    assert "18/18 ok" in out and "registers" in out
+    assert len(json.loads((tmp_path / "c.json").read_text())) == 18
     result["spills"] = 4
     assert cli_main(["compile-check", "--headdims", "64", "--causal", "1"]) == 1
     assert "FAILED d64 bf16 1: 4 spill(s)" in capsys.readouterr().out
@@ -169,7 +171,7 @@ def test_bench_without_gpu_runs_the_compile_check(fake_compile_check, capsys):
     calls.clear()
     assert cli_main(["bench", "--quick"]) == 0
     # as compile-check --headdims 128 --dtypes bf16 above
-    assert [(c.headdim, c.dtype) for c in calls] == [(128, "bf16")] * 17
+    assert [(c.headdim, c.dtype) for c in calls] == [(128, "bf16")] * 18
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")

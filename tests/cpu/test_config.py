@@ -118,9 +118,9 @@ def test_bwd_swizzle_atom_tiles_headdim_halves(d):
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_short_sequence_forward_configs(dtype):
-    """seqlen_k <= SHORT_SEQLEN_K: d64 (causal with 128-row tiles) and d128 causal run persistent;
-    other head dims, d128 non-causal, longer keys and window / softcap / sink / Dv != D keep the
-    long-sequence config."""
+    """seqlen_k <= SHORT_SEQLEN_K: d64 (causal with 128-row tiles) and d128 causal run persistent; d128
+    non-causal takes pv_zero_init + flat_tile_order (shipped_tile_work, since 2026-12-05); other head
+    dims, longer keys and window / softcap / sink / Dv != D keep the long-sequence config."""
     for d in SUPPORTED_HEADDIMS:
         for causal in (False, True):
             long = select_fwd_config(d, dtype, causal)
@@ -134,6 +134,8 @@ def test_short_sequence_forward_configs(dtype):
                 if d == 64 or (d == 128 and causal):
                     assert short == dataclasses.replace(long, persistent=True, lpt=True,
                                                         tile_m=128 if (d == 64 and causal) else long.tile_m)
+                elif d == 128:
+                    assert short == dataclasses.replace(long, pv_zero_init=True, flat_tile_order=True)
                 else:
                     assert short == long
     for kw in ({"local": True}, {"softcap": True}, {"sink": True}, {"headdim_v": 128}):

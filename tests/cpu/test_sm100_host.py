@@ -448,7 +448,7 @@ def test_launch_sm90_is_not_gated(monkeypatch, compiled):
     monkeypatch.setenv("FLASH4_ARCH", "90")
     monkeypatch.setenv("FLASH4_SM100", "off")
     _launch()
-    assert compiled == [flash4.config.select_fwd_config(128)]
+    assert compiled == [flash4.config.select_fwd_config(128, seqlen_k=300)]  # 300 keys: the short-sequence config
 
 
 def test_backward_plan_on_sm100():
