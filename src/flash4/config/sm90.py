@@ -136,11 +136,12 @@ class FwdConfig:
                   Left out of the repr while off (as early_q_release).
     softmax_vote_first: on where shipped_vote_first puts it (the dense d128 non-causal forward above
                   SHORT_SEQLEN_K keys, since 2026-12-03) and, with rescale_always, where
-                  shipped_small_d_softmax does (dense non-causal head dims <= 32, since 2026-12-05), elsewhere off (FLASH4_FWD_SWITCHES=
-                  softmax_vote_first for A/B and GPU tests; docs/design/speed_candidates.md section 8): the online softmax takes its
-                  exact-path vote before forming the exponents, so each FFMA sits next to its MUFU.EX2
-                  in one basic block (kernels/common/softmax.py, OnlineSoftmax vote_first). Same bits.
-                  Left out of the repr while off.
+                  shipped_small_d_softmax does (dense non-causal head dims <= 32, since 2026-12-05), elsewhere
+                  off (FLASH4_FWD_SWITCHES=softmax_vote_first for A/B and GPU tests;
+                  docs/design/speed_candidates.md section 8): the online softmax takes its exact-path vote
+                  before forming the exponents, so each FFMA sits next to its MUFU.EX2 in one basic block
+                  (kernels/common/softmax.py, OnlineSoftmax vote_first). Same bits. Left out of the repr while
+                  off.
     no_tail_guard: A/B only, off (FLASH4_FWD_SWITCHES=no_tail_guard; tools/ab_tails.py): issue 25's
                   guards against memory past a sequence's end left out, to measure what they cost in
                   the same run: zero_v_tail (ragged K, TMA pages) and the ragged-Q rows' exclusion
@@ -172,29 +173,30 @@ class FwdConfig:
                   instead of registers, so P's 16-bit fragment is not live across the next Q K^T:
                   what lets d96 take 192-row tiles (three consumer warpgroups at 160 registers; with P
                   in registers 78 spills). Not with lookahead_qk. Left out of the repr while off.
-    rescale_always: speed switch, on where shipped_small_d_softmax puts it (since 2026-12-05), else
-                  off (FLASH4_FWD_SWITCHES=rescale_always; tools/ab_fwd.py variant "ra"): O is multiplied by the row factors at every key block, branch-free, instead of
-                  behind a warp vote on "some row's reference moved" (kernels/common/softmax.py,
-                  OnlineSoftmax rescale_always). The factors stay exactly 1.0 where the lazy rescale
-                  keeps the reference, so the same bits; without the branch ptxas can issue the O
-                  multiplies and P's F2FP conversion under the MUFU.EX2 stream (H200 ncu 2026-12-04,
-                  d128 GQA causal: the F2FP waited after the branch). Left out of the repr while off.
-    pv_zero_init: speed switch, on where shipped_tile_work puts it (dense d128 non-causal, seqlen_k
-                  <= SHORT_SEQLEN_K, since 2026-12-05), else off (FLASH4_FWD_SWITCHES=pv_zero_init;
-                  tools/ab_fwd.py variant "pz"): the tile's first P V wgmma writes acc_O (its ACCUMULATE field false, a run-time
-                  flag carried through the key-block loops) instead of acc_O zeroed per tile (H200
-                  ncu 2026-12-04, d128 full 1k: 64 CS2R per tile of the 1,104 per-tile instructions
-                  against flash-attn-4's 700; flash-attn-4 does this). A tile without key blocks
-                  still zeroes it. Not with lookahead_qk. The same values (0 + x = x). H200
-                  2026-12-05: d128 full 1k 1.045x alone, 0.980-1.008x on 10 other cells. Left out of
-                  the repr while off.
+    rescale_always: speed switch, on where shipped_small_d_softmax puts it (since 2026-12-05), else off
+                  (FLASH4_FWD_SWITCHES=rescale_always; tools/ab_fwd.py variant "ra"): O is multiplied by the
+                  row factors at every key block, branch-free, instead of behind a warp vote on "some row's
+                  reference moved" (kernels/common/softmax.py, OnlineSoftmax rescale_always). The factors stay
+                  exactly 1.0 where the lazy rescale keeps the reference, so the same bits; without the branch
+                  ptxas can issue the O multiplies and P's F2FP conversion under the MUFU.EX2 stream (H200 ncu
+                  2026-12-04, d128 GQA causal: the F2FP waited after the branch). Left out of the repr while
+                  off.
+    pv_zero_init: speed switch, on where shipped_tile_work puts it (dense d128 non-causal, seqlen_k <=
+                  SHORT_SEQLEN_K, since 2026-12-05), else off (FLASH4_FWD_SWITCHES=pv_zero_init;
+                  tools/ab_fwd.py variant "pz"): the tile's first P V wgmma writes acc_O (its ACCUMULATE field
+                  false, a run-time flag carried through the key-block loops) instead of acc_O zeroed per tile
+                  (H200 ncu 2026-12-04, d128 full 1k: 64 CS2R per tile of the 1,104 per-tile instructions
+                  against flash-attn-4's 700; flash-attn-4 does this). A tile without key blocks still zeroes
+                  it. Not with lookahead_qk. The same values (0 + x = x). H200 2026-12-05: d128 full 1k 1.045x
+                  alone, 0.980-1.008x on 10 other cells. Left out of the repr while off.
     flat_tile_order: speed switch, on where shipped_tile_work puts it (as pv_zero_init), else off
-                  (FLASH4_FWD_SWITCHES=flat_tile_order; tools/ab_fwd.py variant "flat"): without LPT the tile index decodes to (m_block, head, batch) with two
-                  integer divisions instead of the sectioned order's four (kernels/common/scheduler.py
-                  tile_coords_flat; the host passes l2_group 1 there, so the same tiles in the same
-                  order): H200 ncu 2026-12-04, d128 full 1k, ~250 of the tile's 1,104 per-tile
-                  instructions were these divisions. Not with cfg.lpt (its sections). H200 2026-12-05:
-                  d128 full 1k 1.059x alone, 4k / 16k 0.996x / 0.983x. Left out of the repr while off.
+                  (FLASH4_FWD_SWITCHES=flat_tile_order; tools/ab_fwd.py variant "flat"): without LPT the tile
+                  index decodes to (m_block, head, batch) with two integer divisions instead of the sectioned
+                  order's four (kernels/common/scheduler.py tile_coords_flat; the host passes l2_group 1
+                  there, so the same tiles in the same order): H200 ncu 2026-12-04, d128 full 1k, ~250 of the
+                  tile's 1,104 per-tile instructions were these divisions. Not with cfg.lpt (its sections).
+                  H200 2026-12-05: d128 full 1k 1.059x alone, 4k / 16k 0.996x / 0.983x. Left out of the repr
+                  while off.
     split_row_max: speed switch, off (FLASH4_FWD_SWITCHES=split_row_max; tools/ab_fwd.py variant
                   "sm"): each row's max over a thread's columns as two FMNMX chains (even / odd
                   columns) instead of one (kernels/common/softmax.py, OnlineSoftmax split_max): half
