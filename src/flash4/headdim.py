@@ -20,7 +20,9 @@ copies on sm_90 (flash4.forward.launch_narrow, FLASH4_NARROW_HEADDIMS): the padd
 narrow tensors, its TMA boxes zero-filling the columns past D / Dv and its O store clipping them
 (FwdConfig.tensor_hdims; the same bits; 1.22-1.58x on the H200); the padded FLOPs remain. A KV cache (flash_attn_with_kvcache, or a paged varlen call) is not padded per call: a
 cache is appended to in place and copying it every step would cost more than the attention; those
-entry points serve the native head dims only (allocate the cache with a native head dim).
+entry points serve the native head dims only (allocate the cache with a native head dim), and with
+FLASH4_CACHE_HEADDIM16=1 (off by default: compile-verified, its GPU tests not yet run on hardware)
+every kernel head dim of the GPU's family (`cache_headdims`: on sm_90 the multiples of 16 up to 128).
 
 On sm_90 (FLASH4_HEADDIM16, on by default since 2026-12-04 night) the kernels are also built for
 every multiple of 16 up to 128 (flash4.config.sm90.KERNEL_HEADDIMS: 16, 32, 48, 80, 112): those head
@@ -65,6 +67,18 @@ def _kernel_headdims(arch: int) -> tuple:
     from flash4.config import kernel_headdims
 
     return kernel_headdims(arch)
+
+
+def cache_headdims(arch: int | None) -> tuple:
+    """The head dims a KV cache or a paged pool may have (never padded per call): SUPPORTED_HEADDIMS;
+    with FLASH4_CACHE_HEADDIM16 on and the SM version `arch` known, every kernel head dim of that
+    GPU's family (flash4.config.kernel_headdims: on sm_90 every multiple of 16 up to 128 while
+    FLASH4_HEADDIM16 is on). Read per call."""
+    from flash4 import env
+
+    if arch is None or not env.cache_headdim16():
+        return SUPPORTED_HEADDIMS
+    return tuple(sorted(set(SUPPORTED_HEADDIMS) | set(_kernel_headdims(arch))))
 
 
 def servable(headdim: int) -> bool:

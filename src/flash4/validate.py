@@ -212,12 +212,31 @@ def _heads_problem(q, k, v, v_rule: str, k_name: str = "k", v_name: str = "v", p
             f"MQA/GQA; q.shape={_shape(q)}, {k_name}.shape={_shape(k)}"
         )
     headdim = q.shape[-1]
-    if headdim not in SUPPORTED_HEADDIMS and not padded_ok:
-        allowed = ", ".join(str(d) for d in SUPPORTED_HEADDIMS)
-        return ValueError, (f"headdim {headdim} (q.shape[{qd}]) is not supported here; allowed: {allowed} (a KV cache "
-                            f"or a paged pool is not zero-padded per call: allocate it with one of these head dims; "
-                            f"flash_attn_func / flash_attn_varlen_func pad other multiples of 8, flash4.headdim)")
+    if not padded_ok:
+        served = _cache_headdims(q)
+        if headdim not in served:
+            allowed = ", ".join(str(d) for d in served)
+            return ValueError, (f"headdim {headdim} (q.shape[{qd}]) is not supported here; allowed: {allowed} (a KV "
+                                f"cache or a paged pool is not zero-padded per call: allocate it with one of these head "
+                                f"dims; flash_attn_func / flash_attn_varlen_func pad other multiples of 8, "
+                                f"flash4.headdim; FLASH4_CACHE_HEADDIM16=1 admits every kernel head dim of the GPU)")
     return None
+
+
+def _cache_headdims(q) -> tuple:
+    """flash4.headdim.cache_headdims for q's device: a CUDA device's SM version, FLASH4_ARCH for CPU
+    tensors (the CPU tests; the device check refuses those later), SUPPORTED_HEADDIMS when unknown."""
+    from flash4 import env
+    from flash4.arch import device_arch  # late: keeps `import flash4.validate` free of device queries
+    from flash4.headdim import cache_headdims
+
+    if not env.cache_headdim16():
+        return SUPPORTED_HEADDIMS
+    try:
+        arch = device_arch(q.device) if q.is_cuda else env.arch_override()
+    except (RuntimeError, ValueError):
+        arch = None
+    return cache_headdims(arch)
 
 
 def _page_size_problem(k: torch.Tensor, k_name: str = "k") -> Problem:
