@@ -25,7 +25,7 @@ def _defaults(monkeypatch):
 def test_dry_run(capsys):
     assert tool.main(["--dry-run"]) == 0
     text = capsys.readouterr().out
-    assert "page   16 g_zf_s3" in text and "page   64 tma_pf" in text and "19 kernels" in text
+    assert "page   16 g_zf_s3" in text and "page   64 tma_pf" in text and "20 kernels" in text
 
 
 def test_variants():
@@ -42,6 +42,7 @@ def test_variants():
     assert v16["g_zf"] == v32["g_zf"] == v64["g_zf"] == v128["g_zf"]
     assert v16["g_zf_s3"] == v128["g_zf_s3"] and v16["g_zf_s3"].gather_zero_fill
     assert v16["g_cl"] == v128["g_cl"] and v16["g_cl"].gather_clamp_late and not v16["g_zf"].gather_clamp_late
+    assert v16["g_ps"] == v128["g_ps"] and v16["g_ps"].gather_ptr_shuffle and not v16["g_zf"].gather_ptr_shuffle
     for cfg in [c for v in (v16, v32, v64, v128) for c in v.values()]:
         assert cfg.paged and cfg.causal and cfg.headdim == 128 and cfg.varlen_q and cfg.seqused_k
         assert cfg.smem_bytes() + 1024 <= 227 * 1024
@@ -49,7 +50,7 @@ def test_variants():
 
 def test_plan_configs_cover_every_variant():
     configs = tool.plan_configs()
-    assert len(configs) == len(set(configs)) == 19
+    assert len(configs) == len(set(configs)) == 20
     assert configs[0] == tool.contiguous_config() and configs[0].varlen_k
     for page in tool.PAGES:
         assert set(tool.variants(page).values()) <= set(configs)

@@ -56,7 +56,7 @@ SHORT_SEQLEN_K = 1024
 _QUIET_SWITCHES = ("early_q_release", "l2_kv_heads", "exp_before_dp_wait", "dq_handoff_per_wg", "sink_delta",
                    "gather_zero_fill", "dq_swapab", "dq_whole", "lse_early", "softmax_vote_first", "sink_delta_db",
                    "no_tail_guard", "lookahead_qk", "mask_bits", "p_smem", "rescale_always", "mask_rel", "pv_zero_init",
-                   "flat_tile_order", "split_row_max", "softmax_branch_free", "gather_clamp_late",
+                   "flat_tile_order", "split_row_max", "softmax_branch_free", "gather_clamp_late", "gather_ptr_shuffle",
                    "tensor_hdims", "dpsum_scaled")
 
 
@@ -221,7 +221,18 @@ class FwdConfig:
                   (kernels/common/paged_gather.py): sm_90a SASS of the page-16 d128 gather, 2026-12-04,
                   showed the clamp's VIMNMX directly after the entry's LDG, so the look-ahead read was
                   waited for at once, in every producer thread, once per key block. The same index:
-                  the same bits. Compile-verified, not measured yet. Left out of the repr while off.
+                  the same bits. Measured 2026-12-05 (H200): no gain (0.846x / 0.847x of contiguous at
+                  pages 16 / 32 against 0.838x / 0.847x): off. Left out of the repr while off.
+    gather_ptr_shuffle: page_gather only, speed switch, off (FLASH4_FWD_SWITCHES=gather_ptr_shuffle;
+                  tools/ab_pages.py variant "g_ps"): each producer thread forms the 64-bit address of
+                  its own lookup row once per K / V load and the gather's passes shuffle that address
+                  (two SHFL) and add the thread's column, instead of shuffling (page, row in page) and
+                  redoing the 64-bit row-address math in every pass (flash-attn-4's sm90 non-TMA paged
+                  K/V, paged_kv.py compute_X_ptr, does the same). sm_90a SASS of the page-16 d128 gather,
+                  2026-12-05: the producer's steady-state loop 386 instructions per key block, ~250 of
+                  them the per-pass address math, against the consumers' issue slots on the same SM
+                  sub-partitions. The same addresses: the same bits. Compile-verified, not measured yet.
+                  Left out of the repr while off.
     tensor_hdims: None, or (D, Dv) of the q/k and v/out tensors when they are narrower than the
                   kernel's (headdim, hdim_v) (a head dim flash4.headdim pads, e.g. 32 / 80 / 112 on
                   the 64 / 96 / 128 kernels): the TMA loads read the tensors as they are and fill
@@ -273,6 +284,7 @@ class FwdConfig:
     split_row_max: bool = False
     softmax_branch_free: bool = False
     gather_clamp_late: bool = False
+    gather_ptr_shuffle: bool = False
 
     def __post_init__(self):
         assert self.headdim in KERNEL_HEADDIMS, self.headdim
@@ -292,6 +304,7 @@ class FwdConfig:
         assert not self.page_prefetch or self.page_rows > 0, self
         assert self.page_gather or not self.gather_zero_fill, self
         assert self.page_gather or not self.gather_clamp_late, self
+        assert self.page_gather or not self.gather_ptr_shuffle, self
         assert self.dtype in DTYPES, self.dtype
         assert self.tile_m % ROWS_PER_WARPGROUP == 0, self.tile_m
         assert self.tile_n % 16 == 0, self.tile_n
@@ -1363,7 +1376,7 @@ def with_fwd_switches(cfg: FwdConfig, names) -> FwdConfig:
     (softmax_vote_first: every sm90 forward config; no_tail_guard: ragged layouts, where the guards
     are compiled; lookahead_qk: where lookahead_qk_error allows it, Dv < D; pv_zero_init: not with
     lookahead_qk; flat_tile_order: not with the LPT order; softmax_branch_free: turns softmax_vote_first
-    off; gather_clamp_late: gathered pages only). Pure."""
+    off; gather_clamp_late, gather_ptr_shuffle: gathered pages only). Pure."""
     for name in FWD_SPEED_SWITCHES:
         if name == "lookahead_qk" and lookahead_qk_error(cfg):
             continue
@@ -1371,7 +1384,7 @@ def with_fwd_switches(cfg: FwdConfig, names) -> FwdConfig:
             continue
         if name == "flat_tile_order" and cfg.lpt:  # the host's L2 sections (l2_group > 1) need the full decode
             continue
-        if name == "gather_clamp_late" and not cfg.page_gather:  # the gathered producer's entries only
+        if name in ("gather_clamp_late", "gather_ptr_shuffle") and not cfg.page_gather:  # the gathered producer only
             continue
         if name == "softmax_branch_free" and name in names:  # replaces the vote-first branches
             cfg = dataclasses.replace(cfg, softmax_vote_first=False)

@@ -38,6 +38,11 @@ check_seqlens=True rejects such tables on the host): in `lookup`, or with clamp_
 (FwdConfig.gather_clamp_late) in `load`, so that the look-ahead read of an entry is not waited for
 by the clamp right after it (sm_90a SASS, 2026-12-04: the VIMNMX of the clamp directly after the
 entry's LDG, each producer thread stalling on it once per key block).
+With ptr_shuffle (FwdConfig.gather_ptr_shuffle) each thread forms the 64-bit address of its own
+lookup row (column 0) once per load, and pass m shuffles that address from lane m of the group and
+adds the thread's column offset, instead of shuffling (page, row in page) and redoing the row's
+64-bit address math in every pass (flash-attn-4's sm90 non-TMA paged K/V, compute_X_ptr, does the
+same): the same address, so the same bytes land in the same smem slots.
 Completion: every producer thread commits a stage with cp.async.mbarrier.arrive.noinc
 (kernels/common/pipeline.cp_async_pipeline_factory).
 """
@@ -102,11 +107,14 @@ class PagedGather:
     the sm80 forward's whole CTA: kernels/sm80/fwd.py)."""
 
     def __init__(self, dtype, tile_n: int, hdim: int, hdim_v: int, zero_fill: bool = False,
-                 num_threads: int = THREADS_PER_WG, clamp_late: bool = False):
+                 num_threads: int = THREADS_PER_WG, clamp_late: bool = False, ptr_shuffle: bool = False):
         self.dtype = dtype
         # FwdConfig.gather_clamp_late: the page index is clamped into [0, num_pages) where `load` uses
         # it, not where `lookup` reads it, so a look-ahead read is not waited for at once.
         self.clamp_late = clamp_late
+        # FwdConfig.gather_ptr_shuffle: the passes shuffle each lookup row's 64-bit address (formed once
+        # per load by its owner) instead of (page, row in page), whose address math each pass redid.
+        self.ptr_shuffle = ptr_shuffle
         self.tile_n = tile_n
         self.vec = COPY_BITS // dtype.width
         self.threads_per_row, self.rows_per_pass, self.passes = gather_layout(hdim, hdim_v, tile_n, dtype.width,
@@ -167,21 +175,32 @@ class PagedGather:
             # The pointer's swizzle acts on byte addresses: it must move whole 16-byte chunks.
             assert swizzle[0] == 0 or swizzle[1] >= 4, f"stage swizzle {swizzle} splits 16-byte chunks"
             dst_base = apply_swizzle(tXsX[None, 0, 0].iterator.toint(), swizzle)
+        own_row = None
+        if const_expr(self.ptr_shuffle):
+            # the address of this thread's lookup row at column 0 (a row past seqlen_k: entry (0, 0))
+            own_row = self.row_pointer(mX, page, in_page, 0, head_kv).toint()
         for m in cutlass.range_constexpr(cute.size(tXsX, mode=[1])):
             is_key = m * self.rows_per_pass < limit
-            src_page = cute.arch.shuffle_sync(page, group + m)
-            src_row = cute.arch.shuffle_sync(in_page, group + m)
+            if const_expr(self.ptr_shuffle):
+                row_ptr = self.shuffled_row(own_row, group + m, col0)
+            else:
+                src_page = cute.arch.shuffle_sync(page, group + m)
+                src_row = cute.arch.shuffle_sync(in_page, group + m)
             if const_expr(self.zero_fill):
                 # Every row is written: keys copied (16 bytes), rows past seqlen_k zero-filled (src-size
                 # 0 reads nothing; their entry is (0, 0), a valid address all the same).
-                row_ptr = self.row_pointer(mX, src_page, src_row, col0, head_kv)
+                if const_expr(not self.ptr_shuffle):
+                    row_ptr = self.row_pointer(mX, src_page, src_row, col0, head_kv)
                 src_bytes = cutlass.select_(is_key, Int32(COPY_BITS // 8), Int32(0))
                 for k in cutlass.range_constexpr(cute.size(tXsX, mode=[2])):
                     dst_addr = dst_base + swizzle_invariant_offset(tXsX.layout, m, k, self.dtype.width, swizzle)
                     cp_async_zfill(dst_addr, row_ptr + k * tpr * self.vec, src_bytes)
             else:
                 if is_key:  # the address math only for rows that are keys
-                    self.copy_row(tiled_copy, tXsX, m, self.row_pointer(mX, src_page, src_row, col0, head_kv))
+                    if const_expr(self.ptr_shuffle):
+                        self.copy_row(tiled_copy, tXsX, m, row_ptr)
+                    else:
+                        self.copy_row(tiled_copy, tXsX, m, self.row_pointer(mX, src_page, src_row, col0, head_kv))
 
     @cute.jit
     def copy_row(self, tiled_copy, tXsX: cute.Tensor, m: cutlass.Constexpr[int], row_ptr):
@@ -191,6 +210,13 @@ class PagedGather:
             src_ptr = cute.make_ptr(self.dtype, (row_ptr + k * self.threads_per_row * self.vec).toint(),
                                     cute.AddressSpace.gmem, assumed_align=16)
             cute.copy(tiled_copy, cute.make_tensor(src_ptr, dst.layout), dst)
+
+    @cute.jit
+    def shuffled_row(self, own_row, src_lane, col0):
+        """Pointer to column col0 of the lookup row owned by lane src_lane (its column-0 address,
+        own_row, an Int64 formed once per load by that lane)."""
+        addr = cute.arch.shuffle_sync(own_row, src_lane)
+        return cute.make_ptr(self.dtype, addr, cute.AddressSpace.gmem, assumed_align=16) + col0
 
     @staticmethod
     def row_pointer(mX: cute.Tensor, page, in_page, col0, head_kv):

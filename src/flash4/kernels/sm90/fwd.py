@@ -223,7 +223,7 @@ class FlashAttentionForwardSm90:
         # Paged K/V gathered row by row by the whole producer warpgroup (paged_gather.py).
         self.page_gather = cfg.page_gather
         self.gather = (PagedGather(self.dtype, self.tile_n, self.hdim, self.hdim_v, cfg.gather_zero_fill,
-                                   clamp_late=cfg.gather_clamp_late)
+                                   clamp_late=cfg.gather_clamp_late, ptr_shuffle=cfg.gather_ptr_shuffle)
                        if cfg.page_gather else None)
         # Query tiles may lie past their sequence (varlen: the grid covers max_seqlen_q).
         self.ragged_q = cfg.ragged_q
