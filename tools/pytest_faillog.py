@@ -1,4 +1,6 @@
-"""pytest plugin: append every failed / errored / xpassed test report to $FAILLOG as it arrives.
+"""pytest plugin: append every failed / errored / xpassed test report to $FAILLOG as it arrives, and
+(with $DONELOG) one line per finished test ("<seconds> <outcome> <nodeid>"): a run cut by its time
+limit then names what finished, so `--collect-only` minus that log is what did not.
 
 With pytest-xdist the controller sees every worker's report, so the log names each failure even when
 the run is cut (timeout -s INT) before pytest's own summary. Use: `FAILLOG=$OUT/fail.log python -m
@@ -15,8 +17,14 @@ def pytest_configure(config):
 
 
 def pytest_runtest_logreport(report):
+    if _WORKER:
+        return
+    done = os.environ.get("DONELOG")
+    if done and (report.when == "call" or (report.when == "setup" and not report.passed)):
+        with open(done, "a") as f:
+            f.write(f"{report.duration:.2f} {report.outcome} {report.nodeid}\n")
     path = os.environ.get("FAILLOG")
-    if not path or _WORKER:
+    if not path:
         return
     if report.failed:
         kind = "ERROR" if report.when != "call" else "FAILED"
