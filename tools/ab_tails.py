@@ -18,6 +18,8 @@ is zeroed on every tile):
   decode_b{B}_{S}k   flash_attn_with_kvcache, one new query, 32 / 8 heads, contiguous cache of S keys
                      per sequence (cache_seqlens = S - 37), split-KV as flash4 picks it
   decode_paged64_b8_32k  the same with pages of 64 (TMA page pieces)
+  decode_paged16_b8_32k  the same with pages of 16 (gathered rows; e.g. --env
+                     FLASH4_FWD_SWITCHES=gather_ptr_shuffle times that candidate on the decode step)
   varlen_{fwd,bwd}   issue 9's packed training batch (65,536 tokens, lengths 128..16k, causal, 16
                      heads): flash4.forward.run / flash4.backward.run of the packed request
   paged128_fwd       the same batch in pages of 128 (seqused_k, TMA pieces), forward
@@ -49,7 +51,7 @@ SWITCH = "no_tail_guard"
 ALT = {"FLASH4_FWD_SWITCHES": SWITCH, "FLASH4_BWD_SWITCHES": SWITCH}
 ALT_NAME = "unguarded"
 DECODE = (("decode_b1_128k", 1, 131072, 0), ("decode_b8_32k", 8, 32768, 0), ("decode_b8_4k", 8, 4096, 0),
-          ("decode_paged64_b8_32k", 8, 32768, 64))
+          ("decode_paged64_b8_32k", 8, 32768, 64), ("decode_paged16_b8_32k", 8, 32768, 16))
 VARLEN = ("varlen_fwd", "varlen_bwd", "paged128_fwd")
 
 
