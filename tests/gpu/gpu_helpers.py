@@ -13,6 +13,8 @@ Dense:  inputs, poisoned_fwd_buffers, ref_grads, assert_grads, check_bwd, check_
 Varlen (packed sequences, seqused, paged K/V through flash_attn_varlen_func): rand_lengths,
         cu_seqlens, make_varlen, max_seqlen, run_poisoned_varlen, check_fwd_varlen, ref_grads_varlen,
         check_grads_varlen, run_bwd_varlen.
+Paged pools (tests/gpu/test_small_pages.py, test_cache_headdim16.py): PAGED_LENS, paged_pool,
+        kvcache_step, kvcache_append_across_pages.
 Compiles: compile_count (the no-recompile checks of varlen and decode loops).
 Leaks (issue 25): poison_allocator (the caching allocator's free blocks filled with a value, so
         flash4's internal torch.empty buffers start out poisoned).
@@ -24,9 +26,10 @@ import random
 
 import torch
 
-from flash4 import backward, forward
+from flash4 import backward, flash_attn_with_kvcache, forward
 from flash4.backward import flash_attn_backward
-from flash4.reference import attention_ref, attention_varlen_ref, max_abs_err, varlen_fwd_errors, varlen_row_mask
+from flash4.reference import (attention_ref, attention_varlen_ref, kvcache_ref, max_abs_err, varlen_fwd_errors,
+                              varlen_row_mask)
 from flash4.request import Request
 from flash4.validate import check_varlen_inputs
 
@@ -286,3 +289,72 @@ def report_verdict(verdict, width: int = 70):
     ready = [json.loads(line.split("] ", 1)[1]) for line in verdict.log.splitlines() if '"event": "ready"' in line]
     print(f"\n{verdict.status} {verdict.config[:width]}... {verdict.seconds:.1f} s"
           + (f" (ready after {ready[0]['seconds']} s of compiling / loading)" if ready else ""))
+
+# ================================================================ paged pools (flash_attn_with_kvcache, paged varlen)
+PAGED_LENS = ([5, 0, 300, 1, 129, 64, 33], [1000, 7, 300, 0, 129, 1, 190])  # (queries, keys) per sequence
+
+
+def paged_pool(k, v, cu_k, page_size, seed=0, fill=None):
+    """flash4.reference.paged_kv_cache with a seeded CPU generator: (k_cache, v_cache, page_table, seqused_k)."""
+    from flash4.reference import paged_kv_cache
+
+    return paged_kv_cache(k, v, cu_k, page_size, generator=torch.Generator().manual_seed(seed), fill=fill)
+
+
+def kvcache_step(q, k_cache, v_cache, kn, vn, cache_seqlens, table, num_splits):
+    """flash_attn_with_kvcache into a NaN-filled out: the appended slots (plain indexing), out and
+    lse within the rule against the reference."""
+    page_size = k_cache.shape[1]
+    k_exp, v_exp = k_cache.clone(), v_cache.clone()
+    for b, start in enumerate(cache_seqlens.tolist()):
+        for t in range(kn.shape[1]):
+            pos = start + t
+            where = (int(table[b, pos // page_size]), pos % page_size)
+            k_exp[where], v_exp[where] = kn[b, t], vn[b, t]
+    out = torch.full_like(q, math.nan)
+    res, lse = flash_attn_with_kvcache(q, k_cache, v_cache, kn, vn, cache_seqlens, table, causal=True,
+                                       num_splits=num_splits, return_lse=True, out=out)
+    torch.cuda.synchronize()
+    assert res is out and not out.isnan().any() and not lse.isnan().any()
+    # NaN slots compare unequal: compare where the expected cache is a number, and NaN where it is NaN
+    for got, exp in ((k_cache, k_exp), (v_cache, v_exp)):
+        assert torch.equal(got.isnan(), exp.isnan()), "the append wrote the wrong cache slots"
+        assert torch.equal(got.nan_to_num(0.0), exp.nan_to_num(0.0)), "the append wrote the wrong cache slots"
+    lengths = [n + kn.shape[1] for n in cache_seqlens.tolist()]
+    ref_out, ref_lse = kvcache_ref(q, k_cache, v_cache, lengths, table, causal=True)
+    pt_out, pt_lse = kvcache_ref(q, k_cache, v_cache, lengths, table, causal=True, upcast=False)
+    assert max_abs_err(out, ref_out) <= 2 * max_abs_err(pt_out, ref_out) + 1e-4
+    assert max_abs_err(lse, ref_lse) <= 2 * max_abs_err(pt_lse, ref_lse) + 1e-3
+    return out, lse
+
+
+def kvcache_append_across_pages(page_size, d, sq, num_splits):
+    """32 / 8 heads; sq new tokens appended at lengths that put them across page boundaries, into a
+    pool whose unused slots are NaN; the attention against the reference; the same step again
+    without the append gives the same bits."""
+    b, h, hk = 5, 32, 8
+    capacity = 2112  # keys per sequence: pages of the table
+    max_pages = -(-capacity // page_size)
+    num_pages = b * max_pages + 3
+    gen = torch.Generator(device=DEV).manual_seed(page_size * 10 + d)
+    k_cache = torch.full((num_pages, page_size, hk, d), math.nan, device=DEV, dtype=BF16)
+    v_cache = torch.full_like(k_cache, math.nan)
+    table = torch.randperm(num_pages, generator=gen, device=DEV)[: b * max_pages].view(b, max_pages).to(I32)
+    # lengths before the append: 0, a page end minus 1, a page end, and long ones crossing pages
+    starts = [0, max(page_size - 1, 0), page_size, 1000 + page_size // 2, capacity - sq]
+    cache_seqlens = torch.tensor(starts, dtype=I32, device=DEV)
+    for bi, n in enumerate(starts):  # the valid keys before the append
+        if n:
+            pages = table[bi, : -(-n // page_size)].long()
+            k_rows = torch.randn(len(pages) * page_size, hk, d, generator=gen, device=DEV, dtype=BF16)
+            v_rows = torch.randn_like(k_rows)
+            k_rows[n:], v_rows[n:] = math.nan, math.nan  # the last page's tail stays poisoned
+            k_cache[pages] = k_rows.view(len(pages), page_size, hk, d)
+            v_cache[pages] = v_rows.view(len(pages), page_size, hk, d)
+    q = torch.randn(b, sq, h, d, generator=gen, device=DEV, dtype=BF16)
+    kn = torch.randn(b, sq, hk, d, generator=gen, device=DEV, dtype=BF16)
+    vn = torch.randn(b, sq, hk, d, generator=gen, device=DEV, dtype=BF16)
+    out, lse = kvcache_step(q, k_cache, v_cache, kn, vn, cache_seqlens, table, num_splits)
+    again, lse2 = flash_attn_with_kvcache(q, k_cache, v_cache, None, None, cache_seqlens + sq, table, causal=True,
+                                          num_splits=num_splits, return_lse=True)
+    assert torch.equal(again, out) and torch.equal(lse2, lse)

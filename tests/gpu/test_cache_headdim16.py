@@ -17,9 +17,9 @@ import torch
 from flash4 import flash_attn_with_kvcache
 from flash4.reference import kvcache_ref, max_abs_err, varlen_row_mask
 
-from gpu_helpers import BF16, DEV, I32, check_fwd_varlen as check_fwd, make_varlen
+from gpu_helpers import BF16, DEV, I32, PAGED_LENS as LENS, check_fwd_varlen as check_fwd, make_varlen
+from gpu_helpers import kvcache_append_across_pages as append_across_pages, paged_pool as paged
 from gpu_helpers import run_poisoned_varlen as run_poisoned
-from test_small_pages import LENS, paged, test_kvcache_small_pages_append_across_pages as append_across_pages
 
 NEW = (16, 32, 48, 80, 112)
 
@@ -66,7 +66,7 @@ def test_varlen_paged_nan_slots_do_not_leak(d, page_size):
 @pytest.mark.parametrize("page_size", [16, 64])
 @pytest.mark.parametrize("d", NEW)
 def test_kvcache_paged_append_across_pages(d, page_size, sq, num_splits):
-    """test_small_pages' step at these head dims: appends across page boundaries into a NaN pool, the
+    """gpu_helpers.kvcache_append_across_pages (test_small_pages' step) at these head dims: appends across page boundaries into a NaN pool, the
     attention within the rule, the same step again without the append bit for bit."""
     append_across_pages(page_size, d, sq, num_splits)
 

@@ -16,11 +16,12 @@ import math
 import pytest
 import torch
 
-from flash4 import flash_attn_varlen_func, flash_attn_with_kvcache
+from flash4 import flash_attn_varlen_func
 from flash4.config import SUPPORTED_HEADDIMS
-from flash4.reference import kvcache_ref, max_abs_err, paged_kv_cache, varlen_row_mask
+from flash4.reference import varlen_row_mask
 
-from gpu_helpers import BF16, DEV, I32, check_fwd_varlen as check_fwd, make_varlen
+from gpu_helpers import check_fwd_varlen as check_fwd, make_varlen
+from gpu_helpers import PAGED_LENS as LENS, kvcache_append_across_pages, paged_pool as paged
 from gpu_helpers import paged_tile_differs, run_poisoned_varlen as run_poisoned
 
 
@@ -31,11 +32,6 @@ def _small_pages_on(monkeypatch):
     monkeypatch.setenv("FLASH4_SMALL_PAGES", "1")
 
 PAGES = (1, 3, 4, 5, 12, 16, 24)
-LENS = ([5, 0, 300, 1, 129, 64, 33], [1000, 7, 300, 0, 129, 1, 190])  # (queries, keys) per sequence
-
-
-def paged(k, v, cu_k, page_size, seed=0, fill=None):
-    return paged_kv_cache(k, v, cu_k, page_size, generator=torch.Generator().manual_seed(seed), fill=fill)
 
 
 # ================================================================ flash_attn_varlen_func
@@ -156,63 +152,11 @@ def test_gather_candidates_bitwise(switches, page_size, d, monkeypatch):
 
 
 # ================================================================ flash_attn_with_kvcache
-def kv_step(q, k_cache, v_cache, kn, vn, cache_seqlens, table, num_splits):
-    """flash_attn_with_kvcache into a NaN-filled out: the appended slots (plain indexing), out and
-    lse within the rule against the reference."""
-    page_size = k_cache.shape[1]
-    k_exp, v_exp = k_cache.clone(), v_cache.clone()
-    for b, start in enumerate(cache_seqlens.tolist()):
-        for t in range(kn.shape[1]):
-            pos = start + t
-            where = (int(table[b, pos // page_size]), pos % page_size)
-            k_exp[where], v_exp[where] = kn[b, t], vn[b, t]
-    out = torch.full_like(q, math.nan)
-    res, lse = flash_attn_with_kvcache(q, k_cache, v_cache, kn, vn, cache_seqlens, table, causal=True,
-                                       num_splits=num_splits, return_lse=True, out=out)
-    torch.cuda.synchronize()
-    assert res is out and not out.isnan().any() and not lse.isnan().any()
-    # NaN slots compare unequal: compare where the expected cache is a number, and NaN where it is NaN
-    for got, exp in ((k_cache, k_exp), (v_cache, v_exp)):
-        assert torch.equal(got.isnan(), exp.isnan()), "the append wrote the wrong cache slots"
-        assert torch.equal(got.nan_to_num(0.0), exp.nan_to_num(0.0)), "the append wrote the wrong cache slots"
-    lengths = [n + kn.shape[1] for n in cache_seqlens.tolist()]
-    ref_out, ref_lse = kvcache_ref(q, k_cache, v_cache, lengths, table, causal=True)
-    pt_out, pt_lse = kvcache_ref(q, k_cache, v_cache, lengths, table, causal=True, upcast=False)
-    assert max_abs_err(out, ref_out) <= 2 * max_abs_err(pt_out, ref_out) + 1e-4
-    assert max_abs_err(lse, ref_lse) <= 2 * max_abs_err(pt_lse, ref_lse) + 1e-3
-    return out, lse
-
-
 @pytest.mark.parametrize("num_splits", [0, 1], ids=["auto", "nosplit"])
 @pytest.mark.parametrize("sq", [1, 4], ids=["decode", "spec4"])
 @pytest.mark.parametrize("page_size, d", [(p, 128) for p in PAGES] + [(p, 64) for p in (1, 5, 24)])
 def test_kvcache_small_pages_append_across_pages(page_size, d, sq, num_splits):
     """32 / 8 heads; sq new tokens appended at lengths that put them across page boundaries, into a
     pool whose unused slots are NaN; the attention against the reference; the same step again
-    without the append gives the same bits."""
-    b, h, hk = 5, 32, 8
-    capacity = 2112  # keys per sequence: pages of the table
-    max_pages = -(-capacity // page_size)
-    num_pages = b * max_pages + 3
-    gen = torch.Generator(device=DEV).manual_seed(page_size * 10 + d)
-    k_cache = torch.full((num_pages, page_size, hk, d), math.nan, device=DEV, dtype=BF16)
-    v_cache = torch.full_like(k_cache, math.nan)
-    table = torch.randperm(num_pages, generator=gen, device=DEV)[: b * max_pages].view(b, max_pages).to(I32)
-    # lengths before the append: 0, a page end minus 1, a page end, and long ones crossing pages
-    starts = [0, max(page_size - 1, 0), page_size, 1000 + page_size // 2, capacity - sq]
-    cache_seqlens = torch.tensor(starts, dtype=I32, device=DEV)
-    for bi, n in enumerate(starts):  # the valid keys before the append
-        if n:
-            pages = table[bi, : -(-n // page_size)].long()
-            k_rows = torch.randn(len(pages) * page_size, hk, d, generator=gen, device=DEV, dtype=BF16)
-            v_rows = torch.randn_like(k_rows)
-            k_rows[n:], v_rows[n:] = math.nan, math.nan  # the last page's tail stays poisoned
-            k_cache[pages] = k_rows.view(len(pages), page_size, hk, d)
-            v_cache[pages] = v_rows.view(len(pages), page_size, hk, d)
-    q = torch.randn(b, sq, h, d, generator=gen, device=DEV, dtype=BF16)
-    kn = torch.randn(b, sq, hk, d, generator=gen, device=DEV, dtype=BF16)
-    vn = torch.randn(b, sq, hk, d, generator=gen, device=DEV, dtype=BF16)
-    out, lse = kv_step(q, k_cache, v_cache, kn, vn, cache_seqlens, table, num_splits)
-    again, lse2 = flash_attn_with_kvcache(q, k_cache, v_cache, None, None, cache_seqlens + sq, table, causal=True,
-                                          num_splits=num_splits, return_lse=True)
-    assert torch.equal(again, out) and torch.equal(lse2, lse)
+    without the append gives the same bits (gpu_helpers.kvcache_append_across_pages)."""
+    kvcache_append_across_pages(page_size, d, sq, num_splits)
