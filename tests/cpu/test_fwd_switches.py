@@ -447,21 +447,22 @@ def test_softmax_step_switches_sass(d):
     assert max(_opcode_runs(bfra, "F2FP", "MUFU")) < 16, _opcode_runs(bfra, "F2FP", "MUFU")
 
 
-def test_gather_clamp_late_switch():
-    """FwdConfig.gather_clamp_late: off and out of the repr in every shipped config; with_fwd_switches
-    turns it on for gathered pages only (page_gather); the config refuses it elsewhere."""
+@pytest.mark.parametrize("switch", ["gather_clamp_late", "gather_ptr_shuffle"])
+def test_gather_switch(switch):
+    """FwdConfig.gather_clamp_late / gather_ptr_shuffle: off and out of the repr in every shipped config;
+    with_fwd_switches turns it on for gathered pages only (page_gather); the config refuses it elsewhere."""
     from flash4.config import with_seq_layout
     from flash4.config.sm90 import with_fwd_switches
 
-    assert not any(getattr(c, "gather_clamp_late", False) for c in shipped_fwd_configs())
+    assert not any(getattr(c, switch, False) for c in shipped_fwd_configs())
     base = select_fwd_config(128, "bf16", True)
     gathered = with_seq_layout(base, varlen_q=True, seqused_k=True, page_gather=True, gather_zero_fill=True)
-    on = with_fwd_switches(gathered, ("gather_clamp_late",))
-    assert on == dataclasses.replace(gathered, gather_clamp_late=True) and eval(repr(on)) == on
-    assert "gather_clamp_late" not in repr(gathered)
-    assert with_fwd_switches(base, ("gather_clamp_late",)) == base
+    on = with_fwd_switches(gathered, (switch,))
+    assert on == dataclasses.replace(gathered, **{switch: True}) and eval(repr(on)) == on
+    assert switch not in repr(gathered)
+    assert with_fwd_switches(base, (switch,)) == base
     with pytest.raises(AssertionError):
-        dataclasses.replace(base, gather_clamp_late=True)
+        dataclasses.replace(base, **{switch: True})
 
 
 def _first_use_distance(loop: list[str]) -> list[int]:
@@ -501,34 +502,9 @@ def test_gather_clamp_late_sass():
         if not res or sass is None:
             pytest.skip("cuobjdump not installed")
         assert res["spills"] == 0 and not res["wgmma_serialized"], res
-        lines = re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+[^;]*;", sass, re.M)
-        # the producer's steady-state loop: the innermost loop that issues the gather's cp.asyncs
-        start = next(i for i, l in enumerate(lines) if "LDGSTS" in l)
-        back = next(i for i in range(start, len(lines)) if re.search(r"\bBRA\b", lines[i])
-                    and int(re.search(r"0x([0-9a-f]+)", lines[i].split("BRA")[1]).group(1), 16)
-                    <= int(re.search(r"/\*([0-9a-f]+)\*/", lines[i]).group(1), 16))
-        target = int(re.search(r"0x([0-9a-f]+)", lines[back].split("BRA")[1]).group(1), 16)
-        head = next(i for i, l in enumerate(lines) if int(re.search(r"/\*([0-9a-f]+)\*/", l).group(1), 16) == target)
-        dist[name] = _first_use_distance(lines[head:back + 1])
+        dist[name] = _first_use_distance(_producer_gather_loop(sass))
     assert dist["off"] and min(dist["off"]) == 0, dist
     assert dist["on"] and min(dist["on"]) > 0, dist
-
-
-def test_gather_ptr_shuffle_switch():
-    """FwdConfig.gather_ptr_shuffle: off and out of the repr in every shipped config; with_fwd_switches
-    turns it on for gathered pages only (page_gather); the config refuses it elsewhere."""
-    from flash4.config import with_seq_layout
-    from flash4.config.sm90 import with_fwd_switches
-
-    assert not any(getattr(c, "gather_ptr_shuffle", False) for c in shipped_fwd_configs())
-    base = select_fwd_config(128, "bf16", True)
-    gathered = with_seq_layout(base, varlen_q=True, seqused_k=True, page_gather=True, gather_zero_fill=True)
-    on = with_fwd_switches(gathered, ("gather_ptr_shuffle",))
-    assert on == dataclasses.replace(gathered, gather_ptr_shuffle=True) and eval(repr(on)) == on
-    assert "gather_ptr_shuffle" not in repr(gathered)
-    assert with_fwd_switches(base, ("gather_ptr_shuffle",)) == base
-    with pytest.raises(AssertionError):
-        dataclasses.replace(base, gather_ptr_shuffle=True)
 
 
 def _producer_gather_loop(sass: str) -> list:
