@@ -486,27 +486,6 @@ def _first_use_distance(loop: list[str]) -> list[int]:
     return out
 
 
-def test_gather_clamp_late_sass():
-    """sm_90a, the page-16 gathered d128 forward (varlen, seqused_k, zero-fill): the producer loop's
-    page-table load is read by the clamp at once without the switch (no cp.async between), and only
-    after the block's cp.asyncs with it; 0 spills either way."""
-    pytest.importorskip("cutlass")
-    from cpu_helpers import sass_main_loop  # noqa: F401  (the same loop finder)
-    from flash4.config import with_seq_layout
-
-    gathered = with_seq_layout(select_fwd_config(128, "bf16", True), varlen_q=True, seqused_k=True,
-                               page_gather=True, gather_zero_fill=True)
-    dist = {}
-    for name, cfg in (("off", gathered), ("on", dataclasses.replace(gathered, gather_clamp_late=True))):
-        res, sass = _fwd_sass(cfg)
-        if not res or sass is None:
-            pytest.skip("cuobjdump not installed")
-        assert res["spills"] == 0 and not res["wgmma_serialized"], res
-        dist[name] = _first_use_distance(_producer_gather_loop(sass))
-    assert dist["off"] and min(dist["off"]) == 0, dist
-    assert dist["on"] and min(dist["on"]) > 0, dist
-
-
 def _producer_gather_loop(sass: str) -> list:
     """The gathering producer's steady-state loop (the innermost loop that issues LDGSTS)."""
     lines = re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+[^;]*;", sass, re.M)
@@ -519,22 +498,39 @@ def _producer_gather_loop(sass: str) -> list:
     return lines[head:back + 1]
 
 
-def test_gather_ptr_shuffle_sass():
-    """sm_90a, the page-16 gathered d128 forward (varlen, seqused_k, zero-fill): with the switch the
-    producer's steady-state loop (one K and one V load) keeps its 32 LDGSTS and 32 SHFL and drops the
-    per-pass 64-bit address math (386 -> 234 instructions on 2026-12-05); 0 spills either way."""
+def _gathered_loops(switch: str) -> dict:
+    """{"off", "on"}: the producer's steady-state loop (_producer_gather_loop) of the page-16 gathered
+    d128 forward (varlen, seqused_k, zero-fill; sm_90a) without / with the gathered-page switch, each
+    checked for 0 spills, wgmma not serialized and its 64 LDGSTS; skips without cutlass or cuobjdump."""
     pytest.importorskip("cutlass")
     from flash4.config import with_seq_layout
 
     gathered = with_seq_layout(select_fwd_config(128, "bf16", True), varlen_q=True, seqused_k=True,
                                page_gather=True, gather_zero_fill=True)
     loops = {}
-    for name, cfg in (("off", gathered), ("on", dataclasses.replace(gathered, gather_ptr_shuffle=True))):
+    for name, cfg in (("off", gathered), ("on", dataclasses.replace(gathered, **{switch: True}))):
         res, sass = _fwd_sass(cfg)
         if not res or sass is None:
             pytest.skip("cuobjdump not installed")
         assert res["spills"] == 0 and not res["wgmma_serialized"] and res["ldgsts"] == 64, res
         loops[name] = _producer_gather_loop(sass)
+    return loops
+
+
+def test_gather_clamp_late_sass():
+    """sm_90a, the page-16 gathered d128 forward (varlen, seqused_k, zero-fill): the producer loop's
+    page-table load is read by the clamp at once without the switch (no cp.async between), and only
+    after the block's cp.asyncs with it; 0 spills either way."""
+    dist = {name: _first_use_distance(loop) for name, loop in _gathered_loops("gather_clamp_late").items()}
+    assert dist["off"] and min(dist["off"]) == 0, dist
+    assert dist["on"] and min(dist["on"]) > 0, dist
+
+
+def test_gather_ptr_shuffle_sass():
+    """sm_90a, the page-16 gathered d128 forward (varlen, seqused_k, zero-fill): with the switch the
+    producer's steady-state loop (one K and one V load) keeps its 32 LDGSTS and 32 SHFL and drops the
+    per-pass 64-bit address math (386 -> 234 instructions on 2026-12-05); 0 spills either way."""
+    loops = _gathered_loops("gather_ptr_shuffle")
     for name, loop in loops.items():
         assert sum(" LDGSTS.E" in line for line in loop) == 32, name
         assert sum("SHFL.IDX" in line for line in loop) == 32, name
