@@ -173,3 +173,88 @@ def _unmasked_loop(sass: str) -> list:
     big = sorted((b - a, a, b) for a, b in sass_innermost_loops(sass))[-2:]  # the two step loops
     a, b = max((a, b) for _, a, b in big)
     return [ins for _, ins in lines[a:b + 1]]
+
+
+STEP_ORDER = {"fa2wq": "fa2w", "fa2wp": "fa2w", "fa2wpq": "fa2w", "fa2sq": "fa2s", "fa2sp": "fa2s", "fa2spq": "fa2s"}
+
+
+def test_step_order_candidates_config():
+    """dq_before_dk / p_before_dp candidates: the shipped fa2w / fa2s tiles with the switch, on the
+    >= 163 KiB targets only, smem within the target (p_before_dp: + the staged exact flags and lo);
+    off, every config keeps its repr (the compile-cache key); p_before_dp needs lse_smem, no softcap."""
+    import dataclasses
+
+    for arch in (80, 90):
+        for d in (64, 128):
+            for causal in (False, True):
+                cands = bwd_candidates(select_bwd_config(d, "bf16", causal, arch=arch))
+                for name, base in STEP_ORDER.items():
+                    if name not in cands:  # (fa2s also has d64 tiles; its switches are for d128)
+                        assert base not in cands or (base, d) == ("fa2s", 64), (name, d, arch)
+                        continue
+                    c, b = cands[name], cands[base]
+                    # (sm_80's 163 KiB: fa2w with p_before_dp's 1 KiB more takes one Q / dO stage)
+                    assert c.q_stages == b.q_stages or (arch, name[:4]) == (80, "fa2w") and c.p_before_dp, name
+                    b = dataclasses.replace(b, q_stages=c.q_stages)
+                    assert dataclasses.replace(c, p_before_dp=False, dq_before_dk=False) == b, name
+                    assert c.smem_bytes() <= capacity(arch).smem_per_block
+                    assert c.smem_bytes() - b.smem_bytes() == ((16 + 4 * c.tile_m) * c.q_stages if c.p_before_dp
+                                                               else 0)
+                    assert ("p_before_dp" in repr(c)) == c.p_before_dp and ("dq_before_dk" in repr(c)) == c.dq_before_dk
+    for cfg in shipped_bwd_configs():
+        assert "p_before_dp" not in repr(cfg) and "dq_before_dk" not in repr(cfg)
+    with pytest.raises(AssertionError, match="p_before_dp"):
+        dataclasses.replace(select_bwd_config(64, arch=90), p_before_dp=True)
+    with pytest.raises(AssertionError, match="p_before_dp"):
+        dataclasses.replace(select_bwd_config(64, arch=90, softcap=True), lse_smem=True, p_before_dp=True)
+
+
+def _step_loop_sass(cfg):
+    """(registers / spills, the unmasked step loop's instruction texts) of cfg compiled for its target."""
+    from flash4.compile.cache import compile_bwd
+    from flash4.compile.check import extract_cubin, resource_usage, sass_text
+
+    cubin = extract_cubin(compile_bwd(cfg))
+    sass = sass_text(cubin)
+    if sass is None:
+        pytest.skip("cuobjdump not installed")
+    return resource_usage(cubin), _unmasked_loop(sass)
+
+
+def _positions(loop, pattern):
+    return [i for i, line in enumerate(loop) if re.search(pattern, line)]
+
+
+@pytest.mark.parametrize("d, name", [(64, "fa2wq"), (128, "fa2sq")])
+def test_dq_before_dk_interleaves_the_dq_adds(d, name):
+    """Sm80BwdConfig.dq_before_dk (sm_90a SASS, bf16, not causal): in the unmasked step loop the dQ
+    red.global.adds (REDG) issue among the dK GEMM's MMAs (FlashAttention-2's schedule: at least 32
+    of the step's 320 HMMAs after the first REDG), where the shipped order issues them after its last
+    GEMM (at most 4 HMMAs after the first REDG, 2026-12-05); the same MMA / ldmatrix / exponential /
+    REDG counts, 0 spills."""
+    cands = bwd_candidates(select_bwd_config(d, "bf16", False, arch=90))
+    res = {}
+    for cand in (STEP_ORDER[name], name):
+        usage, loop = _step_loop_sass(cands[cand])
+        assert usage["spills"] == 0, (cand, usage)
+        redg, hmma = _positions(loop, r"\bREDG\b"), _positions(loop, r"\bHMMA\.16816")
+        res[cand] = (sum(1 for i in hmma if i > redg[0]), len(hmma), len(_positions(loop, r"\bMUFU\.EX2")),
+                     len(_positions(loop, r"\bLDSM")), len(redg))
+    base, cand = res[STEP_ORDER[name]], res[name]
+    assert base[0] <= 4 and cand[0] >= 32, res
+    assert base[1:] == cand[1:], res
+
+
+def test_p_before_dp_interleaves_the_exponentials():
+    """Sm80BwdConfig.p_before_dp (sm_90a SASS, d64 fa2wp, bf16, not causal): the unmasked step loop's
+    MUFU.EX2 share a basic block with the dP GEMM and ptxas interleaves them (HMMAs between the first
+    and the last exponential: at least 8), where the shipped fa2w issues every exponential after all 128 MMAs of
+    S and dP (none between). Compiles (its register spills: docs/design/sm80_family.md, why it is an
+    A/B candidate only). 2026-12-05: 12 HMMAs between them in the unmasked loop, 0 in fa2w's."""
+    cands = bwd_candidates(select_bwd_config(64, "bf16", False, arch=90))
+    between = {}
+    for cand in ("fa2w", "fa2wp"):
+        _, loop = _step_loop_sass(cands[cand])
+        ex2 = _positions(loop, r"\bMUFU\.EX2")
+        between[cand] = sum(1 for i in _positions(loop, r"\bHMMA\.16816") if ex2[0] < i < ex2[-1])
+    assert between["fa2w"] == 0 and between["fa2wp"] >= 8, between

@@ -181,3 +181,38 @@ def test_deterministic_window():
     assert all(torch.equal(a, b) for a, b in zip(first, again))
     kw = dict(window_size=window, softmax_scale=scale)
     assert_grads(first, ref_grads(q, k, v, dout, False, True, **kw), ref_grads(q, k, v, dout, False, False, **kw))
+
+
+@pytest.mark.parametrize("name,base", [("fa2wq", "fa2w"), ("fa2wp", "fa2w"), ("fa2wpq", "fa2w"),
+                                       ("fa2sq", "fa2s"), ("fa2sp", "fa2s"), ("fa2spq", "fa2s")])
+@pytest.mark.parametrize("causal", [False, True])
+def test_step_order_candidates_bitwise(monkeypatch, name, base, causal):
+    """Sm80BwdConfig.dq_before_dk / p_before_dp (FLASH4_PORTABLE_BWD candidates, off): the same bits as
+    the shipped candidate of the same tiles (fa2w at d64, fa2s at d128), dQ included (deterministic
+    order on both sides), with one head on the exact path (|LSE log2| ~ 2000) beside normal ones and
+    a partial last query / key tile."""
+    d = 64 if name.startswith("fa2w") else 128
+    gen = torch.Generator(device="cuda").manual_seed(7 + d)
+    q, k, v, dout = (torch.randn(2, 1000, 4, d, generator=gen, device="cuda", dtype=torch.bfloat16)
+                     for _ in range(4))
+    q = q / 8
+    q[:, :, 1] *= 640  # head 1: scores ~ N(0, 640^2 / 64 * d / 64): the exact-path tiles
+    scale = 1.0
+    split = torch.empty(2, 2, 4, 1000, dtype=torch.float32, device="cuda")
+    req = Request.dense(q, k, v, scale, causal)
+    out, lse = forward.run(req, lse_split=split)
+    got = {}
+    for cand in (base, name):
+        monkeypatch.setenv("FLASH4_PORTABLE_BWD", cand)
+        plan = bwd_config(Request.dense(q, k, v, scale, causal, deterministic=True), device_arch())
+        fields = sm80_config.BWD_CANDIDATE_FIELDS[cand]
+        assert plan.cfg.deterministic and all(getattr(plan.cfg, f) == on for f, on in fields.items()), plan.cfg
+        assert plan.cfg.p_before_dp == ("p_before_dp" in fields) and plan.cfg.dq_before_dk == ("dq_before_dk" in fields)
+        grads = tuple(torch.full_like(t, math.nan) for t in (q, k, v))
+        flash_attn_backward(dout, q, k, v, out, lse, scale, causal, *grads, lse_split=split, deterministic=True)
+        got[cand] = grads
+    torch.cuda.synchronize()
+    for a, b, what in zip(got[base], got[name], ("dq", "dk", "dv")):
+        assert torch.equal(a, b), (what, (a.float() - b.float()).abs().max().item())
+    kw = dict(softmax_scale=scale)
+    assert_grads(got[name], ref_grads(q, k, v, dout, causal, True, **kw), ref_grads(q, k, v, dout, causal, False, **kw))

@@ -289,6 +289,10 @@ def paged_fwd_configs(arch: int | None = None) -> list[Sm80FwdConfig]:
 
 
 # ================================================================ backward
+# Sm80BwdConfig fields left out of its repr (the compile-cache key) while off.
+_SWITCHES_OFF_UNSHOWN = ("lse_early", "lse_smem", "p_before_dp", "dq_before_dk")
+
+
 @dataclasses.dataclass(frozen=True)
 class Sm80BwdConfig:
     """One compiled sm80-family backward kernel (the compile-cache key): FlashAttention-2's
@@ -318,6 +322,22 @@ class Sm80BwdConfig:
                   nothing waits on a global load there and no register holds them across the GEMMs
                   (lse_early's cost at d128: 12 spill instructions). 2 * tile_m * q_stages * 4 bytes of
                   smem more. The same values: bitwise.
+    p_before_dp:  (speed candidate, off; variants "fa2wp" / "fa2sp"; needs lse_smem) the step in
+                  FlashAttention-2's order S, P, dP (P's exponentials between the two GEMMs, not after
+                  both) and P without the exact-path branch there: P = 2^(fma(S, scale_log2, -hi) - lo)
+                  with (hi, lo) = (LSE_log2, 0) on the common tiles and the forward's unrounded pair on
+                  the exact ones, chosen at the step's top from the tile's exact flag, which rides
+                  along with its dO into smem (4 bytes); so the S GEMM's tail, the exponentials and
+                  the dP GEMM share one basic block ptxas can interleave, and dP's accumulators are not
+                  live during the S GEMM. sm_90a SASS of the d64 fa2w step (2026-12-05): its 64
+                  MUFU.EX2 per thread sit in a branch after all 128 HMMAs of S and dP, FlashAttention-2's
+                  among its dP HMMAs. One FADD per element more (x - 0 = x: the same bits as the branch).
+    dq_before_dk: (speed candidate, off; variants "fa2wq" / "fa2sq") the step's GEMMs in
+                  FlashAttention-2's order dV, dQ, dK, so the dQ red.global.adds issue under the dK
+                  GEMM instead of in one run after the last MMA (the same 2026-12-05 SASS: flash4's 32
+                  REDG per thread after its last HMMA, FlashAttention-2's among its dK HMMAs). The same
+                  values: bitwise (independent accumulators; the adds' order was never fixed but
+                  under deterministic, where the turn wait moves with them).
     dq_coalesced: dq_accum's tiles are in the dQ MMA's register order (value i of thread t at tile
                   offset i * num_threads + t, FlashAttention-2's dQaccum order), so each warp's
                   red.global.add covers 128 contiguous bytes instead of 8 rows x 32 bytes; the dQ
@@ -351,10 +371,12 @@ class Sm80BwdConfig:
     dq_coalesced: bool = False
     lse_early: bool = False
     lse_smem: bool = False
+    p_before_dp: bool = False
+    dq_before_dk: bool = False
 
     def __repr__(self) -> str:
-        # lse_early / lse_smem only when on: every other config keeps its repr (the compile-cache key).
-        fields = (f for f in dataclasses.fields(self) if not (f.name in ("lse_early", "lse_smem")
+        # the candidates' switches only when on: every other config keeps its repr (the compile-cache key).
+        fields = (f for f in dataclasses.fields(self) if not (f.name in _SWITCHES_OFF_UNSHOWN
                                                                and not getattr(self, f.name)))
         return f"{type(self).__qualname__}({', '.join(f'{f.name}={getattr(self, f.name)!r}' for f in fields)})"
 
@@ -375,6 +397,8 @@ class Sm80BwdConfig:
             assert w % warps_a == 0 and extent_a % (16 * warps_a) == 0 and extent_b % (16 * (w // warps_a)) == 0, (
                 self, warps_a, extent_a, extent_b)
         assert self.q_stages in (1, 2), self.q_stages
+        assert not self.p_before_dp or (self.lse_smem and not self.softcap), (
+            "p_before_dp reads the staged LSE (lse_smem); softcap's dS reads the rounded LSE_log2")
 
     @property
     def hdim_v(self) -> int:
@@ -402,6 +426,7 @@ class Sm80BwdConfig:
         q_do = self.q_stages * self.tile_m * (self.headdim + self.hdim_v) * elt
         p_ds = 2 * self.tile_m * self.tile_n * elt
         lse = 2 * self.q_stages * self.tile_m * 4 if self.lse_smem else 0  # LSE and D
+        lse += (16 + 4 * self.tile_m) * self.q_stages if self.p_before_dp else 0  # exact flags (16-byte slots), lo
         return kv + q_do + p_ds + lse
 
     def accumulator_regs(self) -> int:
@@ -507,9 +532,25 @@ BWD_CANDIDATES = {
     "fa2e": {"big": {64: (128, 128, 8, 2, 8, 4, 4)}},
     "fa2s": {"big": {64: (128, 128, 8, 2, 8, 4, 4), 128: (64, 128, 8, 2, 2, 2, 2)}},
     "fa2w": {"big": {64: (128, 128, 8, 2, 4, 4, 4)}},
+    "fa2wp": {"big": {64: (128, 128, 8, 2, 4, 4, 4)}},
+    "fa2wq": {"big": {64: (128, 128, 8, 2, 4, 4, 4)}},
+    "fa2wpq": {"big": {64: (128, 128, 8, 2, 4, 4, 4)}},
+    "fa2sp": {"big": {128: (64, 128, 8, 2, 2, 2, 2)}},
+    "fa2sq": {"big": {128: (64, 128, 8, 2, 2, 2, 2)}},
+    "fa2spq": {"big": {128: (64, 128, 8, 2, 2, 2, 2)}},
 }
 # Fields a candidate sets besides its tiles and dq_coalesced.
-BWD_CANDIDATE_FIELDS = {"fa2e": {"lse_early": True}, "fa2s": {"lse_smem": True}, "fa2w": {"lse_smem": True}}
+#   fa2wp / fa2wq / fa2wpq, fa2sp / fa2sq / fa2spq: the shipped fa2w (d64) / fa2s (d128) with
+#         p_before_dp, dq_before_dk or both (2026-12-05, from the sm_90a SASS of fa2w's step against
+#         FlashAttention-2's: the same ~1,350 executed instructions per step, but flash4's exponentials
+#         and dQ adds each in a run of their own; compile-verified, not run on hardware).
+BWD_CANDIDATE_FIELDS = {"fa2e": {"lse_early": True}, "fa2s": {"lse_smem": True}, "fa2w": {"lse_smem": True},
+                        "fa2wp": {"lse_smem": True, "p_before_dp": True},
+                        "fa2wq": {"lse_smem": True, "dq_before_dk": True},
+                        "fa2wpq": {"lse_smem": True, "p_before_dp": True, "dq_before_dk": True},
+                        "fa2sp": {"lse_smem": True, "p_before_dp": True},
+                        "fa2sq": {"lse_smem": True, "dq_before_dk": True},
+                        "fa2spq": {"lse_smem": True, "p_before_dp": True, "dq_before_dk": True}}
 
 # The candidate the backward ships (bwd_plan) for dense, plain problems (no softcap, window or
 # deterministic order; full or causal, bf16 / fp16) where it applies (shipped_bwd_candidate): "fa2"

@@ -46,6 +46,20 @@ COPY_BITS = 128
 
 
 @dsl_user_op
+def cp_async_4(smem_ptr: cute.Pointer, gmem_ptr: cute.Pointer, *, loc=None, ip=None):
+    """cp.async.ca of 4 bytes gmem -> smem (joins the thread's current cp.async group)."""
+    llvm.inline_asm(
+        None,
+        [Int32(smem_ptr.toint(loc=loc, ip=ip)).ir_value(loc=loc, ip=ip), gmem_ptr.toint(loc=loc, ip=ip).ir_value()],
+        "cp.async.ca.shared.global [$0], [$1], 4;",
+        "r,l",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+
+
+@dsl_user_op
 def red_add_f32(gmem_ptr: cute.Pointer, a: Float32, *, loc=None, ip=None):
     """gmem[0] += a (fp32, one relaxed red.global: every target since sm_20 has it)."""
     llvm.inline_asm(
@@ -133,6 +147,8 @@ class Smem(NamedTuple):
     ds: cute.Tensor
     lse: Optional[cute.Tensor] = None  # Sm80BwdConfig.lse_smem: (tile_m, STAGE) fp32, the staged tiles' LSE_log2
     dpsum: Optional[cute.Tensor] = None  # ... and their D
+    exact: Optional[cute.Tensor] = None  # Sm80BwdConfig.p_before_dp: (4, STAGE) int32, [0, stage] the staged tile's exact flag
+    lse_lo: Optional[cute.Tensor] = None  # ... and (tile_m, STAGE) fp32: 0, the exact tiles' unrounded lo
 
 
 class Layouts(NamedTuple):
@@ -306,6 +322,9 @@ class FlashAttentionBackwardSm80:
             if self.cfg.lse_smem:  # (only then: the other configs keep their smem layout)
                 sLSE: cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m * self.q_stages], 16]
                 sD: cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m * self.q_stages], 16]
+            if self.cfg.p_before_dp:
+                sExact: cute.struct.Align[cute.struct.MemRange[Int32, 4 * self.q_stages], 16]
+                sLSElo: cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m * self.q_stages], 16]
 
         return SharedStorage
 
@@ -320,7 +339,10 @@ class FlashAttentionBackwardSm80:
                     storage.sP.get_tensor(layouts.pds), storage.sdS.get_tensor(layouts.pds),
                     *((storage.sLSE.get_tensor(cute.make_layout((self.tile_m, self.q_stages))),
                        storage.sD.get_tensor(cute.make_layout((self.tile_m, self.q_stages))))
-                      if const_expr(self.cfg.lse_smem) else (None, None)))
+                      if const_expr(self.cfg.lse_smem) else (None, None)),
+                    *((storage.sExact.get_tensor(cute.make_layout((4, self.q_stages))),
+                       storage.sLSElo.get_tensor(cute.make_layout((self.tile_m, self.q_stages))))
+                      if const_expr(self.cfg.p_before_dp) else (None, None)))
         n_block, head_kv, seq = self.tile_coords(gmem, seq_params, scalars, cute.arch.block_idx()[0])
         if n_block * self.tile_n < seq.seqlen_k:  # (dynamic seqlen_k: CTAs past the sequence's keys exit)
             ops = self.mma_operands(smem, mmas, tidx)
@@ -422,7 +444,9 @@ class FlashAttentionBackwardSm80:
                                   *self.row_coords(copy_vdo, thr_vdo, self.tile_m, self.hdim_v), seqlen_q)
                 if const_expr(cfg.lse_smem):  # the tile's LSE_log2 and D ride along with its dO (same cp.async group)
                     load_do = partial(self.load_do_and_lse, load_do, seq.q_padded_view(stats.lse2, head),
-                                      seq.q_padded_view(stats.dpsum, head), smem.lse, smem.dpsum, tidx)
+                                      seq.q_padded_view(stats.dpsum, head), smem.lse, smem.dpsum, tidx,
+                                      exact_flags=(stats, seq, head, smem.exact, smem.lse_lo) if const_expr(cfg.p_before_dp)
+                                      else None)
                 step = partial(self.one_m_block, stats=stats, seq=seq, head=head, n_block=n_block, window=window,
                                mmas=mmas, ops=ops, smem=smem,
                                acc_dK=acc_dK, acc_dV=acc_dV, load_q=load_q, load_do=load_do, m_block_max=m_block_max,
@@ -501,28 +525,53 @@ class FlashAttentionBackwardSm80:
             if const_expr(not self.cfg.lse_smem):  # (lse_smem: read where dS needs it, below)
                 dpsum[r] = dpsum_view[row]
         tile, tile_batch = self.tile_index(seq, m_block)
-        exact = stats.exact[tile, head, tile_batch] != 0
+        if const_expr(self.cfg.p_before_dp):
+            # FlashAttention-2's order: S, P, dP in one basic block; the exact pair chosen up front
+            self.stage_exact_rows(smem, stage, stats, seq, head, m_block, rows)
+            acc_shape = mmas.sdp.partition_shape_C((self.tile_m, self.tile_n))
+            r2s = cute.make_tiled_copy_C(
+                cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=2 * self.dtype.width),
+                mmas.sdp).get_slice(tidx)
+            acc_S = cute.make_rmem_tensor(acc_shape, Float32)
+            acc_S.fill(0.0)
+            gemm_kpipe(mmas.sdp, acc_S, ops.s, ops.s.sa[None, None, None, stage], ops.s.sb)
+            score.apply(acc_S, softcap_scale, self.cfg.softcap)
+            if const_expr(masked):
+                self._mask_span = loop_clone.traced_span(mask, as_wgmma_acc(acc_S), m_block=m_block)
+            s = acc_mn_view(as_wgmma_acc(acc_S))
+            for r in cutlass.range_constexpr(num_rows):
+                hi, lo = smem.lse[rows[r, 0][0], stage], smem.lse_lo[rows[r, 0][0], stage]
+                for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
+                    st(s, crds.mn[r][c], exp2_hw(fma_rn(ld(s, crds.mn[r][c]), scale_log2, -hi) - lo))
+            rP = cute.make_fragment_like(acc_S, self.dtype)
+            rP.store(acc_S.load().to(self.dtype))
+            cute.copy(r2s, r2s.retile(rP), r2s.partition_D(smem.p))
+            acc_dP = cute.make_rmem_tensor(acc_shape, Float32)
+            acc_dP.fill(0.0)
+            gemm_kpipe(mmas.sdp, acc_dP, ops.dp, ops.dp.sa[None, None, None, stage], ops.dp.sb)
+        else:
+            exact = stats.exact[tile, head, tile_batch] != 0
 
-        acc_shape = mmas.sdp.partition_shape_C((self.tile_m, self.tile_n))
-        acc_S = cute.make_rmem_tensor(acc_shape, Float32)
-        acc_S.fill(0.0)
-        gemm_kpipe(mmas.sdp, acc_S, ops.s, ops.s.sa[None, None, None, stage], ops.s.sb)
-        acc_dP = cute.make_rmem_tensor(acc_shape, Float32)
-        acc_dP.fill(0.0)
-        gemm_kpipe(mmas.sdp, acc_dP, ops.dp, ops.dp.sa[None, None, None, stage], ops.dp.sb)
+            acc_shape = mmas.sdp.partition_shape_C((self.tile_m, self.tile_n))
+            acc_S = cute.make_rmem_tensor(acc_shape, Float32)
+            acc_S.fill(0.0)
+            gemm_kpipe(mmas.sdp, acc_S, ops.s, ops.s.sa[None, None, None, stage], ops.s.sb)
+            acc_dP = cute.make_rmem_tensor(acc_shape, Float32)
+            acc_dP.fill(0.0)
+            gemm_kpipe(mmas.sdp, acc_dP, ops.dp, ops.dp.sa[None, None, None, stage], ops.dp.sb)
 
-        score.apply(acc_S, softcap_scale, self.cfg.softcap)
-        s_view = as_wgmma_acc(acc_S)
-        if const_expr(masked):
-            # (unmasked_loop clones this step without the span of the mask's ops)
-            self._mask_span = loop_clone.traced_span(mask, s_view, m_block=m_block)
-        self.probabilities(acc_S, lse, exact, stats, seq, head, m_block, rows, scale_log2, crds)
-        r2s = cute.make_tiled_copy_C(
-            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=2 * self.dtype.width),
-            mmas.sdp).get_slice(tidx)
-        rP = cute.make_fragment_like(acc_S, self.dtype)
-        rP.store(acc_S.load().to(self.dtype))
-        cute.copy(r2s, r2s.retile(rP), r2s.partition_D(smem.p))
+            score.apply(acc_S, softcap_scale, self.cfg.softcap)
+            s_view = as_wgmma_acc(acc_S)
+            if const_expr(masked):
+                # (unmasked_loop clones this step without the span of the mask's ops)
+                self._mask_span = loop_clone.traced_span(mask, s_view, m_block=m_block)
+            self.probabilities(acc_S, lse, exact, stats, seq, head, m_block, rows, scale_log2, crds)
+            r2s = cute.make_tiled_copy_C(
+                cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=2 * self.dtype.width),
+                mmas.sdp).get_slice(tidx)
+            rP = cute.make_fragment_like(acc_S, self.dtype)
+            rP.store(acc_S.load().to(self.dtype))
+            cute.copy(r2s, r2s.retile(rP), r2s.partition_D(smem.p))
         # dS = P (dP - D) softmax_scale (softcap: times 1 - t^2): the scale is applied here once,
         # so dK = dS^T Q and dQ = dS K need none
         p, dp = acc_mn_view(as_wgmma_acc(acc_S)), acc_mn_view(as_wgmma_acc(acc_dP))
@@ -543,7 +592,25 @@ class FlashAttentionBackwardSm80:
         cute.arch.barrier()  # P, dS complete in smem
 
         gemm_kpipe(mmas.dkv, acc_dV, ops.dv, ops.dv.sa, ops.dv.sb[None, None, None, stage])
-        gemm_kpipe(mmas.dkv, acc_dK, ops.dk, ops.dk.sa, ops.dk.sb[None, None, None, stage])
+        if const_expr(not self.cfg.dq_before_dk):
+            gemm_kpipe(mmas.dkv, acc_dK, ops.dk, ops.dk.sa, ops.dk.sb[None, None, None, stage])
+        self.dq_step(mmas, ops, stats, seq, head, m_block, n_block, tile, tile_batch, window, tidx, crds)
+        if const_expr(self.cfg.dq_before_dk):  # (FlashAttention-2's order: the dQ adds under the dK GEMM)
+            gemm_kpipe(mmas.dkv, acc_dK, ops.dk, ops.dk.sa, ops.dk.sb[None, None, None, stage])
+
+        if const_expr(self.q_stages == 1):
+            cute.arch.barrier()  # every thread is past its reads of Q, dO
+            if m_block + 1 < m_block_max:
+                load_q(m_block + 1, Int32(0))
+                load_do(m_block + 1, Int32(0))
+            cute.arch.cp_async_commit_group()
+        return next_stage
+
+    @cute.jit
+    def dq_step(self, mmas, ops, stats: BwdStats, seq: SeqInfo, head: Int32, m_block: Int32, n_block: Int32,
+                tile: Int32, tile_batch: Int32, window, tidx: Int32, crds: RegCoords):
+        """dQ = dS K of this step, reduce-added into dq_accum (deterministic: in the query tile's n_block
+        turn)."""
         thr_dq = mmas.dq.get_slice(tidx)
         acc_dQ = cute.make_rmem_tensor(thr_dq.partition_shape_C((self.tile_m, self.hdim)), Float32)
         acc_dQ.fill(0.0)
@@ -570,13 +637,25 @@ class FlashAttentionBackwardSm80:
             if tidx == 0:
                 cute.arch.atomic_add(sem_ptr, Int32(1), sem="release", scope="gpu")
 
-        if const_expr(self.q_stages == 1):
-            cute.arch.barrier()  # every thread is past its reads of Q, dO
-            if m_block + 1 < m_block_max:
-                load_q(m_block + 1, Int32(0))
-                load_do(m_block + 1, Int32(0))
-            cute.arch.cp_async_commit_group()
-        return next_stage
+    @cute.jit
+    def stage_exact_rows(self, smem: Smem, stage: Int32, stats: BwdStats, seq: SeqInfo, head: Int32, m_block: Int32,
+                         rows: cute.Tensor):
+        """Sm80BwdConfig.p_before_dp: P = 2^(fma(S, scale_log2, -hi) - lo) per row, hi and lo from the
+        staged smem.lse / smem.lse_lo (LSE_log2 and 0). On an exact tile each thread writes its rows'
+        forward unrounded pair there first (hi +inf past seqlen_q; the threads sharing a row write
+        the same values): fma(S, c, -LSE) - 0 is probabilities' common branch (contracted S * c -
+        LSE), fma(S, c, -hi) - lo its exact one, the same bits."""
+        if smem.exact[0, stage] != 0:
+            for r in cutlass.range_constexpr(cute.size(rows, mode=[0])):
+                query = m_block * self.tile_m + rows[r, 0][0]
+                hi = Float32.inf
+                lo = Float32(0.0)
+                if query < seq.seqlen_q:
+                    row_idx, batch_idx = seq.q_index(query)
+                    hi = stats.lse_hi[row_idx, head, batch_idx]
+                    lo = stats.lse_lo[row_idx, head, batch_idx]
+                smem.lse[rows[r, 0][0], stage] = hi
+                smem.lse_lo[rows[r, 0][0], stage] = lo
 
     @cute.jit
     def probabilities(self, acc_S: cute.Tensor, lse: cute.Tensor, exact, stats: BwdStats, seq: SeqInfo, head: Int32,
@@ -642,12 +721,23 @@ class FlashAttentionBackwardSm80:
 
     @cute.jit
     def load_do_and_lse(self, load_do, lse_view: cute.Tensor, dpsum_view: cute.Tensor, sLSE: cute.Tensor,
-                        sD: cute.Tensor, tidx: Int32, m_block: Int32, stage: Int32):
+                        sD: cute.Tensor, tidx: Int32, m_block: Int32, stage: Int32, exact_flags=None):
         """load_do(m_block, stage), then query tile m_block's LSE_log2 and D (tile_m fp32 each of the
         padded per-row layout, which holds whole tiles: no predicate) into sLSE / sD[:, stage], 16
-        bytes per thread of the first tile_m / 2 threads (Sm80BwdConfig.lse_smem)."""
+        bytes per thread of the first tile_m / 2 threads (Sm80BwdConfig.lse_smem). exact_flags (stats,
+        seq, head, sExact, sLSElo) (Sm80BwdConfig.p_before_dp): also the tile's exact flag into
+        sExact[0, stage] (4 bytes, the next thread) and zeros into sLSElo[:, stage] (the next
+        tile_m / 4 threads; the step writes the exact tiles' lo there)."""
         load_do(m_block, stage)
         chunks = self.tile_m // 4
+        if const_expr(exact_flags is not None):
+            stats, seq, head, sExact, sLSElo = exact_flags
+            if tidx == 2 * chunks:
+                tile, tile_batch = self.tile_index(seq, m_block)
+                cp_async_4(sExact.iterator + stage * 4, stats.exact[None, head, tile_batch].iterator + tile)
+            elif tidx >= 3 * chunks and tidx < 4 * chunks:
+                dst = sLSElo.iterator + stage * self.tile_m + (tidx - 3 * chunks) * 4
+                cp_async_zfill(dst.toint(), lse_view.iterator, Int32(0))  # (reads nothing)
         if tidx < chunks:
             src = lse_view.iterator + m_block * self.tile_m + tidx * 4
             dst = sLSE.iterator + stage * self.tile_m + tidx * 4
