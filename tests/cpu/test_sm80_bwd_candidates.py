@@ -175,7 +175,8 @@ def _unmasked_loop(sass: str) -> list:
     return [ins for _, ins in lines[a:b + 1]]
 
 
-STEP_ORDER = {"fa2wq": "fa2w", "fa2wp": "fa2w", "fa2wpq": "fa2w", "fa2sq": "fa2s", "fa2sp": "fa2s", "fa2spq": "fa2s"}
+STEP_ORDER = {"fa2wq": "fa2w", "fa2wp": "fa2w", "fa2wpq": "fa2w", "fa2sq": "fa2s", "fa2sp": "fa2s", "fa2spq": "fa2s",
+              "fa2w1": "fa2w", "fa2wp1": "fa2w", "fa2wpq1": "fa2w", "fa2s1": "fa2s", "fa2sp1": "fa2s", "fa2spq1": "fa2s"}
 
 
 def test_step_order_candidates_config():
@@ -193,14 +194,17 @@ def test_step_order_candidates_config():
                         assert base not in cands or (base, d) == ("fa2s", 64), (name, d, arch)
                         continue
                     c, b = cands[name], cands[base]
-                    # (sm_80's 163 KiB: fa2w with p_before_dp's 1 KiB more takes one Q / dO stage)
-                    assert c.q_stages == b.q_stages or (arch, name[:4]) == (80, "fa2w") and c.p_before_dp, name
+                    # (the "1" variants: one Q / dO stage; sm_80's 163 KiB: fa2w with p_before_dp's 1 KiB more
+                    # takes one stage too)
+                    assert (c.q_stages == 1 if name.endswith("1") else c.q_stages == b.q_stages
+                            or (arch, name[:4]) == (80, "fa2w") and c.p_before_dp), name
                     b = dataclasses.replace(b, q_stages=c.q_stages)
                     assert dataclasses.replace(c, p_before_dp=False, dq_before_dk=False) == b, name
                     assert c.smem_bytes() <= capacity(arch).smem_per_block
                     assert c.smem_bytes() - b.smem_bytes() == ((16 + 4 * c.tile_m) * c.q_stages if c.p_before_dp
                                                                else 0)
                     assert ("p_before_dp" in repr(c)) == c.p_before_dp and ("dq_before_dk" in repr(c)) == c.dq_before_dk
+                    assert c.p_before_dp == ("p" in name[4:]) and c.dq_before_dk == ("q" in name[4:]), name
     for cfg in shipped_bwd_configs():
         assert "p_before_dp" not in repr(cfg) and "dq_before_dk" not in repr(cfg)
     with pytest.raises(AssertionError, match="p_before_dp"):
@@ -258,3 +262,13 @@ def test_p_before_dp_interleaves_the_exponentials():
         ex2 = _positions(loop, r"\bMUFU\.EX2")
         between[cand] = sum(1 for i in _positions(loop, r"\bHMMA\.16816") if ex2[0] < i < ex2[-1])
     assert between["fa2w"] == 0 and between["fa2wp"] >= 8, between
+
+
+@pytest.mark.parametrize("d, name", [(64, "fa2wp1"), (64, "fa2wpq1"), (128, "fa2sp1"), (128, "fa2spq1")])
+@pytest.mark.parametrize("causal", [False, True])
+def test_p_before_dp_one_stage_is_spill_free(d, name, causal):
+    """p_before_dp spills at two Q / dO stages (255 registers) but not with one (sm_90a, bf16):
+    the candidates the A/B can ship."""
+    usage, loop = _step_loop_sass(bwd_candidates(select_bwd_config(d, "bf16", causal, arch=90))[name])
+    assert usage["spills"] == 0, usage
+    assert len(_positions(loop, r"\bHMMA\.16816")) == 320

@@ -183,14 +183,15 @@ def test_deterministic_window():
     assert_grads(first, ref_grads(q, k, v, dout, False, True, **kw), ref_grads(q, k, v, dout, False, False, **kw))
 
 
-@pytest.mark.parametrize("name,base", [("fa2wq", "fa2w"), ("fa2wp", "fa2w"), ("fa2wpq", "fa2w"),
-                                       ("fa2sq", "fa2s"), ("fa2sp", "fa2s"), ("fa2spq", "fa2s")])
+@pytest.mark.parametrize("name,base", [("fa2wq", "fa2w"), ("fa2wp", "fa2w"), ("fa2wpq", "fa2w"), ("fa2w1", "fa2w"),
+                                       ("fa2wp1", "fa2w"), ("fa2wpq1", "fa2w"), ("fa2sq", "fa2s"), ("fa2sp", "fa2s"),
+                                       ("fa2spq", "fa2s"), ("fa2s1", "fa2s"), ("fa2sp1", "fa2s"), ("fa2spq1", "fa2s")])
 @pytest.mark.parametrize("causal", [False, True])
 def test_step_order_candidates_bitwise(monkeypatch, name, base, causal):
-    """Sm80BwdConfig.dq_before_dk / p_before_dp (FLASH4_PORTABLE_BWD candidates, off): the same bits as
-    the shipped candidate of the same tiles (fa2w at d64, fa2s at d128), dQ included (deterministic
-    order on both sides), with one head on the exact path (|LSE log2| ~ 2000) beside normal ones and
-    a partial last query / key tile."""
+    """Sm80BwdConfig.dq_before_dk / p_before_dp and the one-stage variants (FLASH4_PORTABLE_BWD
+    candidates, off): the same bits as the shipped candidate of the same tiles (fa2w at d64, fa2s at
+    d128), dQ included (deterministic order on both sides), with one head on the exact path (|LSE
+    log2| ~ 2000) beside normal ones and a partial last query / key tile."""
     d = 64 if name.startswith("fa2w") else 128
     gen = torch.Generator(device="cuda").manual_seed(7 + d)
     q, k, v, dout = (torch.randn(2, 1000, 4, d, generator=gen, device="cuda", dtype=torch.bfloat16)

@@ -535,22 +535,37 @@ BWD_CANDIDATES = {
     "fa2wp": {"big": {64: (128, 128, 8, 2, 4, 4, 4)}},
     "fa2wq": {"big": {64: (128, 128, 8, 2, 4, 4, 4)}},
     "fa2wpq": {"big": {64: (128, 128, 8, 2, 4, 4, 4)}},
+    "fa2w1": {"big": {64: (128, 128, 8, 1, 4, 4, 4)}},
+    "fa2wp1": {"big": {64: (128, 128, 8, 1, 4, 4, 4)}},
+    "fa2wpq1": {"big": {64: (128, 128, 8, 1, 4, 4, 4)}},
     "fa2sp": {"big": {128: (64, 128, 8, 2, 2, 2, 2)}},
     "fa2sq": {"big": {128: (64, 128, 8, 2, 2, 2, 2)}},
     "fa2spq": {"big": {128: (64, 128, 8, 2, 2, 2, 2)}},
+    "fa2s1": {"big": {128: (64, 128, 8, 1, 2, 2, 2)}},
+    "fa2sp1": {"big": {128: (64, 128, 8, 1, 2, 2, 2)}},
+    "fa2spq1": {"big": {128: (64, 128, 8, 1, 2, 2, 2)}},
 }
 # Fields a candidate sets besides its tiles and dq_coalesced.
 #   fa2wp / fa2wq / fa2wpq, fa2sp / fa2sq / fa2spq: the shipped fa2w (d64) / fa2s (d128) with
 #         p_before_dp, dq_before_dk or both (2026-12-05, from the sm_90a SASS of fa2w's step against
 #         FlashAttention-2's: the same ~1,350 executed instructions per step, but flash4's exponentials
-#         and dQ adds each in a run of their own; compile-verified, not run on hardware).
+#         and dQ adds each in a run of their own; compile-verified, not run on hardware). p_before_dp
+#         spills at q_stages 2 (255 registers: d64 2-21, d128 8 spill instructions), not at q_stages 1:
+#   fa2wp1 / fa2wpq1, fa2sp1 / fa2spq1: the same with one Q / dO buffer (the next tile loads after the
+#         step, behind a barrier), 0 spills at d64 / d128, full and causal (sm_90a); fa2w1 / fa2s1 the
+#         one-buffer controls without the switches.
 BWD_CANDIDATE_FIELDS = {"fa2e": {"lse_early": True}, "fa2s": {"lse_smem": True}, "fa2w": {"lse_smem": True},
                         "fa2wp": {"lse_smem": True, "p_before_dp": True},
                         "fa2wq": {"lse_smem": True, "dq_before_dk": True},
                         "fa2wpq": {"lse_smem": True, "p_before_dp": True, "dq_before_dk": True},
                         "fa2sp": {"lse_smem": True, "p_before_dp": True},
                         "fa2sq": {"lse_smem": True, "dq_before_dk": True},
-                        "fa2spq": {"lse_smem": True, "p_before_dp": True, "dq_before_dk": True}}
+                        "fa2spq": {"lse_smem": True, "p_before_dp": True, "dq_before_dk": True},
+                        "fa2w1": {"lse_smem": True}, "fa2s1": {"lse_smem": True},
+                        "fa2wp1": {"lse_smem": True, "p_before_dp": True},
+                        "fa2wpq1": {"lse_smem": True, "p_before_dp": True, "dq_before_dk": True},
+                        "fa2sp1": {"lse_smem": True, "p_before_dp": True},
+                        "fa2spq1": {"lse_smem": True, "p_before_dp": True, "dq_before_dk": True}}
 
 # The candidate the backward ships (bwd_plan) for dense, plain problems (no softcap, window or
 # deterministic order; full or causal, bf16 / fp16) where it applies (shipped_bwd_candidate): "fa2"
