@@ -51,7 +51,8 @@ CELLS = tuple(Case(f"d{d}_{'causal' if c else 'full'}_{s // 1024}k", d, c, s, s,
 def variants(case: Case) -> dict:
     """{name: Variant}: "shipped" (the portable plan: flash4.config.sm80.shipped_bwd_candidate where it
     applies) first, then "table" (the tile table's config of the same problem) when that differs,
-    then the table's bwd_candidates other than the shipped config."""
+    then the table's bwd_candidates other than the shipped config; with --variants only those named
+    (and "shipped")."""
     import dataclasses
 
     from flash4.config.sm80 import bwd_candidates, select_bwd_config
@@ -68,7 +69,8 @@ def variants(case: Case) -> dict:
     for name, cfg in bwd_candidates(table).items():
         if cfg != c:
             out[name] = ab_bwd_tiles.Variant(cfg, plan.heads_per_cta)
-    return out
+    keep = ab_bwd_tiles.VARIANT_FILTER  # --variants: only these and "shipped" (compiled, loaded, timed)
+    return {k: v for k, v in out.items() if keep is None or k == "shipped" or k in keep}
 
 
 def cfg_short(c) -> str:

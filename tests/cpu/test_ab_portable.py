@@ -42,7 +42,7 @@ def test_variants(portable):
         # until 2026-12-05) among them, then the step-order switches on the shipped tiles
         # (Sm80BwdConfig.p_before_dp / dq_before_dk)
         want = ["shipped", "table", "coal", "fa2"] + (
-            ["m128", "fa2sp", "fa2sq", "fa2spq", "fa2s1", "fa2sp1", "fa2spq1"] if case.headdim == 128
+            ["m128", "fa2sp", "fa2sq", "fa2spq", "fa2sp1", "fa2spq1"] if case.headdim == 128
             else ["fa2e", "fa2s", "fa2wp", "fa2wq", "fa2wpq", "fa2w1", "fa2wp1", "fa2wpq1"])
         assert list(vs) == want, (case.name, list(vs))
         fa2 = vs["fa2"].cfg
@@ -75,3 +75,11 @@ def test_routed_backward_asks_for_the_precompiled_kernels(portable, monkeypatch)
     for case, name, v, asked, _, want in routed_bwd_runs(monkeypatch, tool, ab_bwd_tiles, postprocess):
         assert set(asked) <= want, (case.name, name, set(asked) - want)
         assert ("bwd", v.cfg) in asked
+
+
+def test_variants_filter(portable, monkeypatch):
+    """--variants (ab_bwd_tiles.VARIANT_FILTER) keeps "shipped" and the named variants only, so the
+    precompile and the carried cache hold just those kernels."""
+    monkeypatch.setattr(tool.ab_bwd_tiles, "VARIANT_FILTER", ("fa2wq", "fa2sq"))
+    for case in tool.CELLS:
+        assert list(tool.variants(case)) == ["shipped", "fa2wq" if case.headdim == 64 else "fa2sq"], case.name

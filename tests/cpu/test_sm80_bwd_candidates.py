@@ -176,7 +176,7 @@ def _unmasked_loop(sass: str) -> list:
 
 
 STEP_ORDER = {"fa2wq": "fa2w", "fa2wp": "fa2w", "fa2wpq": "fa2w", "fa2sq": "fa2s", "fa2sp": "fa2s", "fa2spq": "fa2s",
-              "fa2w1": "fa2w", "fa2wp1": "fa2w", "fa2wpq1": "fa2w", "fa2s1": "fa2s", "fa2sp1": "fa2s", "fa2spq1": "fa2s"}
+              "fa2w1": "fa2w", "fa2wp1": "fa2w", "fa2wpq1": "fa2w", "fa2sp1": "fa2s", "fa2spq1": "fa2s"}
 
 
 def test_step_order_candidates_config():

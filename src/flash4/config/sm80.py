@@ -541,7 +541,6 @@ BWD_CANDIDATES = {
     "fa2sp": {"big": {128: (64, 128, 8, 2, 2, 2, 2)}},
     "fa2sq": {"big": {128: (64, 128, 8, 2, 2, 2, 2)}},
     "fa2spq": {"big": {128: (64, 128, 8, 2, 2, 2, 2)}},
-    "fa2s1": {"big": {128: (64, 128, 8, 1, 2, 2, 2)}},
     "fa2sp1": {"big": {128: (64, 128, 8, 1, 2, 2, 2)}},
     "fa2spq1": {"big": {128: (64, 128, 8, 1, 2, 2, 2)}},
 }
@@ -552,8 +551,9 @@ BWD_CANDIDATES = {
 #         and dQ adds each in a run of their own; compile-verified, not run on hardware). p_before_dp
 #         spills at q_stages 2 (255 registers: d64 2-21, d128 8 spill instructions), not at q_stages 1:
 #   fa2wp1 / fa2wpq1, fa2sp1 / fa2spq1: the same with one Q / dO buffer (the next tile loads after the
-#         step, behind a barrier), 0 spills at d64 / d128, full and causal (sm_90a); fa2w1 / fa2s1 the
-#         one-buffer controls without the switches.
+#         step, behind a barrier), 0 spills at d64 / d128, full and causal (sm_90a); fa2w1 the d64
+#         one-buffer control without the switches (at d128 fa2s with one buffer and no switch spills
+#         2 / 4 instructions, full / causal: no control there).
 BWD_CANDIDATE_FIELDS = {"fa2e": {"lse_early": True}, "fa2s": {"lse_smem": True}, "fa2w": {"lse_smem": True},
                         "fa2wp": {"lse_smem": True, "p_before_dp": True},
                         "fa2wq": {"lse_smem": True, "dq_before_dk": True},
@@ -561,7 +561,7 @@ BWD_CANDIDATE_FIELDS = {"fa2e": {"lse_early": True}, "fa2s": {"lse_smem": True},
                         "fa2sp": {"lse_smem": True, "p_before_dp": True},
                         "fa2sq": {"lse_smem": True, "dq_before_dk": True},
                         "fa2spq": {"lse_smem": True, "p_before_dp": True, "dq_before_dk": True},
-                        "fa2w1": {"lse_smem": True}, "fa2s1": {"lse_smem": True},
+                        "fa2w1": {"lse_smem": True},
                         "fa2wp1": {"lse_smem": True, "p_before_dp": True},
                         "fa2wpq1": {"lse_smem": True, "p_before_dp": True, "dq_before_dk": True},
                         "fa2sp1": {"lse_smem": True, "p_before_dp": True},
