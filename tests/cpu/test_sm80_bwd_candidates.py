@@ -211,6 +211,11 @@ def test_step_order_candidates_config():
         dataclasses.replace(select_bwd_config(64, arch=90), p_before_dp=True)
     with pytest.raises(AssertionError, match="p_before_dp"):
         dataclasses.replace(select_bwd_config(64, arch=90, softcap=True), lse_smem=True, p_before_dp=True)
+    for arch in (80, 90):  # softcap: the p_before_dp candidates do not apply (and nothing raises)
+        for d in (64, 128):
+            cands = bwd_candidates(select_bwd_config(d, "bf16", True, arch=arch, softcap=True))
+            assert cands and not any(c.p_before_dp for c in cands.values()), cands
+            assert any(c.dq_before_dk for c in cands.values()), cands
 
 
 def _step_loop_sass(cfg):

@@ -190,18 +190,24 @@ def test_deterministic_window():
 def test_step_order_candidates_bitwise(monkeypatch, name, base, causal):
     """Sm80BwdConfig.dq_before_dk / p_before_dp and the one-stage variants (FLASH4_PORTABLE_BWD
     candidates, off): the same bits as the shipped candidate of the same tiles (fa2w at d64, fa2s at
-    d128), dQ included (deterministic order on both sides), with one head on the exact path (|LSE
-    log2| ~ 2000) beside normal ones and a partial last query / key tile."""
+    d128), dQ included (deterministic order on both sides), with exact-path and common query tiles
+    walked by the same CTA (GQA 4:2: heads 0 and 1 share a KV head; head 1's rows 256-639 have |LSE
+    log2| ~ 2000, so an exact tile's rewritten LSE / lo stage is refilled for a common one), and a
+    partial last query / key tile."""
+    from flash4.constants import BWD_EXACT_LSE_LOG2
+
     d = 64 if name.startswith("fa2w") else 128
     gen = torch.Generator(device="cuda").manual_seed(7 + d)
-    q, k, v, dout = (torch.randn(2, 1000, 4, d, generator=gen, device="cuda", dtype=torch.bfloat16)
-                     for _ in range(4))
+    q, dout = (torch.randn(2, 1000, 4, d, generator=gen, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(2, 1000, 2, d, generator=gen, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     q = q / 8
-    q[:, :, 1] *= 640  # head 1: scores ~ N(0, 640^2 / 64 * d / 64): the exact-path tiles
+    q[:, 256:640, 1] *= 640  # scores ~ N(0, (80 sqrt(d))^2): query tiles 256-639 (of 64 or 128 rows) exact
     scale = 1.0
     split = torch.empty(2, 2, 4, 1000, dtype=torch.float32, device="cuda")
     req = Request.dense(q, k, v, scale, causal)
     out, lse = forward.run(req, lse_split=split)
+    lse_log2 = (lse[:, 1] * math.log2(math.e)).abs()
+    assert bool((lse_log2[:, 256:640] >= BWD_EXACT_LSE_LOG2).all() and (lse_log2[:, :256] < BWD_EXACT_LSE_LOG2).all())
     got = {}
     for cand in (base, name):
         monkeypatch.setenv("FLASH4_PORTABLE_BWD", cand)

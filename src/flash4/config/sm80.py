@@ -399,6 +399,8 @@ class Sm80BwdConfig:
         assert self.q_stages in (1, 2), self.q_stages
         assert not self.p_before_dp or (self.lse_smem and not self.softcap), (
             "p_before_dp reads the staged LSE (lse_smem); softcap's dS reads the rounded LSE_log2")
+        assert not self.p_before_dp or self.tile_m <= self.num_threads, (
+            "p_before_dp stages LSE, D, the exact flag and lo with tile_m / 4 threads each")
 
     @property
     def hdim_v(self) -> int:
@@ -606,6 +608,8 @@ def bwd_candidates(cfg: Sm80BwdConfig) -> dict:
         if tables and tiles is None:
             continue
         fields = {"dq_coalesced": True, **BWD_CANDIDATE_FIELDS.get(name, {})}
+        if fields.get("p_before_dp") and cfg.softcap:  # (softcap's dS reads the rounded LSE_log2)
+            continue
         if tiles is not None:
             fields.update(zip(("tile_m", "tile_n", "num_warps", "q_stages", "warps_m_sdp", "warps_n_dkv",
                                "warps_m_dq"), tiles))

@@ -516,7 +516,9 @@ class FlashAttentionBackwardSm80:
         dpsum = cute.make_rmem_tensor(num_rows, Float32)
         for r in cutlass.range_constexpr(num_rows):
             row = m_block * self.tile_m + rows[r, 0][0]
-            if const_expr(self.cfg.lse_smem):  # staged with this tile's dO (load_do_and_lse)
+            if const_expr(self.cfg.p_before_dp):
+                pass  # (P reads smem.lse itself, after stage_exact_rows may have rewritten it)
+            elif const_expr(self.cfg.lse_smem):  # staged with this tile's dO (load_do_and_lse)
                 lse[r] = smem.lse[rows[r, 0][0], stage]
             else:
                 lse[r] = lse_view[row]
@@ -647,15 +649,21 @@ class FlashAttentionBackwardSm80:
         LSE), fma(S, c, -hi) - lo its exact one, the same bits."""
         if smem.exact[0, stage] != 0:
             for r in cutlass.range_constexpr(cute.size(rows, mode=[0])):
-                query = m_block * self.tile_m + rows[r, 0][0]
-                hi = Float32.inf
-                lo = Float32(0.0)
-                if query < seq.seqlen_q:
-                    row_idx, batch_idx = seq.q_index(query)
-                    hi = stats.lse_hi[row_idx, head, batch_idx]
-                    lo = stats.lse_lo[row_idx, head, batch_idx]
+                hi, lo = self.exact_pair(stats, seq, head, m_block * self.tile_m + rows[r, 0][0])
                 smem.lse[rows[r, 0][0], stage] = hi
                 smem.lse_lo[rows[r, 0][0], stage] = lo
+
+    @cute.jit
+    def exact_pair(self, stats: BwdStats, seq: SeqInfo, head: Int32, query: Int32):
+        """(hi, lo): query row `query`'s unrounded LSE * log2(e) = hi + lo from the forward (the exact
+        path's exponent offsets); (+inf, 0) past seqlen_q, so P = 0 there."""
+        hi = Float32.inf
+        lo = Float32(0.0)
+        if query < seq.seqlen_q:
+            row_idx, batch_idx = seq.q_index(query)
+            hi = stats.lse_hi[row_idx, head, batch_idx]
+            lo = stats.lse_lo[row_idx, head, batch_idx]
+        return hi, lo
 
     @cute.jit
     def probabilities(self, acc_S: cute.Tensor, lse: cute.Tensor, exact, stats: BwdStats, seq: SeqInfo, head: Int32,
@@ -666,13 +674,7 @@ class FlashAttentionBackwardSm80:
         s = acc_mn_view(as_wgmma_acc(acc_S))
         if exact:
             for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
-                query = m_block * self.tile_m + rows[r, 0][0]
-                hi = Float32.inf
-                lo = Float32(0.0)
-                if query < seq.seqlen_q:
-                    row_idx, batch_idx = seq.q_index(query)
-                    hi = stats.lse_hi[row_idx, head, batch_idx]
-                    lo = stats.lse_lo[row_idx, head, batch_idx]
+                hi, lo = self.exact_pair(stats, seq, head, m_block * self.tile_m + rows[r, 0][0])
                 for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
                     st(s, crds.mn[r][c], exp2_hw(fma_rn(ld(s, crds.mn[r][c]), scale_log2, -hi) - lo))
         else:
