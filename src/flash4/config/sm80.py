@@ -534,17 +534,6 @@ BWD_CANDIDATES = {
     "fa2e": {"big": {64: (128, 128, 8, 2, 8, 4, 4)}},
     "fa2s": {"big": {64: (128, 128, 8, 2, 8, 4, 4), 128: (64, 128, 8, 2, 2, 2, 2)}},
     "fa2w": {"big": {64: (128, 128, 8, 2, 4, 4, 4)}},
-    "fa2wp": {"big": {64: (128, 128, 8, 2, 4, 4, 4)}},
-    "fa2wq": {"big": {64: (128, 128, 8, 2, 4, 4, 4)}},
-    "fa2wpq": {"big": {64: (128, 128, 8, 2, 4, 4, 4)}},
-    "fa2w1": {"big": {64: (128, 128, 8, 1, 4, 4, 4)}},
-    "fa2wp1": {"big": {64: (128, 128, 8, 1, 4, 4, 4)}},
-    "fa2wpq1": {"big": {64: (128, 128, 8, 1, 4, 4, 4)}},
-    "fa2sp": {"big": {128: (64, 128, 8, 2, 2, 2, 2)}},
-    "fa2sq": {"big": {128: (64, 128, 8, 2, 2, 2, 2)}},
-    "fa2spq": {"big": {128: (64, 128, 8, 2, 2, 2, 2)}},
-    "fa2sp1": {"big": {128: (64, 128, 8, 1, 2, 2, 2)}},
-    "fa2spq1": {"big": {128: (64, 128, 8, 1, 2, 2, 2)}},
 }
 # Fields a candidate sets besides its tiles and dq_coalesced.
 #   fa2wp / fa2wq / fa2wpq, fa2sp / fa2sq / fa2spq: the shipped fa2w (d64) / fa2s (d128) with
@@ -556,18 +545,20 @@ BWD_CANDIDATES = {
 #         step, behind a barrier), 0 spills at d64 / d128, full and causal (sm_90a); fa2w1 the d64
 #         one-buffer control without the switches (at d128 fa2s with one buffer and no switch spills
 #         2 / 4 instructions, full / causal: no control there).
-BWD_CANDIDATE_FIELDS = {"fa2e": {"lse_early": True}, "fa2s": {"lse_smem": True}, "fa2w": {"lse_smem": True},
-                        "fa2wp": {"lse_smem": True, "p_before_dp": True},
-                        "fa2wq": {"lse_smem": True, "dq_before_dk": True},
-                        "fa2wpq": {"lse_smem": True, "p_before_dp": True, "dq_before_dk": True},
-                        "fa2sp": {"lse_smem": True, "p_before_dp": True},
-                        "fa2sq": {"lse_smem": True, "dq_before_dk": True},
-                        "fa2spq": {"lse_smem": True, "p_before_dp": True, "dq_before_dk": True},
-                        "fa2w1": {"lse_smem": True},
-                        "fa2wp1": {"lse_smem": True, "p_before_dp": True},
-                        "fa2wpq1": {"lse_smem": True, "p_before_dp": True, "dq_before_dk": True},
-                        "fa2sp1": {"lse_smem": True, "p_before_dp": True},
-                        "fa2spq1": {"lse_smem": True, "p_before_dp": True, "dq_before_dk": True}}
+BWD_CANDIDATE_FIELDS = {"fa2e": {"lse_early": True}, "fa2s": {"lse_smem": True}, "fa2w": {"lse_smem": True}}
+
+# The step-order candidates, generated: base (its tiles at head dim d) + "p" (p_before_dp) / "q"
+# (dq_before_dk) + "1" (one Q / dO buffer). No "fa2s1": at d128 one buffer without a switch spills.
+_STEP_ORDER_VARIANTS = {"fa2w": (64, ("p", "q", "pq", "1", "p1", "pq1")), "fa2s": (128, ("p", "q", "pq", "p1", "pq1"))}
+for _base, (_d, _suffixes) in _STEP_ORDER_VARIANTS.items():
+    for _sfx in _suffixes:
+        _tiles = BWD_CANDIDATES[_base]["big"][_d]
+        if _sfx.endswith("1"):
+            _tiles = _tiles[:3] + (1,) + _tiles[4:]
+        BWD_CANDIDATES[_base + _sfx] = {"big": {_d: _tiles}}
+        BWD_CANDIDATE_FIELDS[_base + _sfx] = {"lse_smem": True, **({"p_before_dp": True} if "p" in _sfx else {}),
+                                              **({"dq_before_dk": True} if "q" in _sfx else {})}
+del _base, _d, _suffixes, _sfx, _tiles
 
 # The candidate the backward ships (bwd_plan) for dense, plain problems (no softcap, window or
 # deterministic order; full or causal, bf16 / fp16) where it applies (shipped_bwd_candidate): "fa2"
