@@ -26,6 +26,7 @@ from flash4.schedule import l2_section_pairs
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
 from flash4.compile.disk_cache import load_or_compile  # noqa: E402
+from flash4.compile.jit import compile_kernel  # noqa: E402
 from flash4.constants import COMBINE_WARPS_PER_CTA  # noqa: E402
 
 
@@ -66,7 +67,7 @@ def compile_fwd(cfg: FwdConfig, options: str = ""):
     cutlass, cute = _dsl()
     kernel = registry.config_family(cfg).kernel_class("fwd")(cfg)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    return cute.compile(
+    return compile_kernel(
         kernel, *fwd_fake_args(cfg.headdim, cfg.dtype, paged=cfg.paged, headdim_v=cfg.headdim_v,
                               tensor_hdims=getattr(cfg, "tensor_hdims", None)),
         *seq_fake_args(cfg), *split_fake_args(cfg), sink_fake_arg(cfg),
@@ -164,7 +165,7 @@ def compile_bwd(cfg: BwdConfig, options: str = ""):
                          sink_delta=getattr(cfg, "sink_delta", False))
     max_seqlen_k = cutlass.Int32(1) if bwd_dynamic_seqlen_k(cfg) else None
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    return cute.compile(
+    return compile_kernel(
         registry.config_family(cfg).kernel_class("bwd")(cfg), *args, cutlass.Float32(1.0), max_seqlen_k, cutlass.Int32(0), cutlass.Int32(0),
         cutlass.Float32(0.0), cutlass.Int32(1), cutlass.Int32(1), stream,
         options=COMPILE_OPTIONS + _arch_option(cfg.arch) + options,
@@ -251,7 +252,7 @@ def compile_preprocess(headdim: int, dtype: str, varlen: bool = False, headdim_q
     args = bwd_preprocess_fake_args(headdim, dtype, varlen, headdim_q)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     kernel = registry.row_pass_class("bwd_preprocess")(headdim, args[0].element_type, headdim_q)
-    return cute.compile(kernel, *args[:8], cutlass.Int32(64), cutlass.Int32(1), stream, *args[8:],
+    return compile_kernel(kernel, *args[:8], cutlass.Int32(64), cutlass.Int32(1), stream, *args[8:],
                         options=COMPILE_OPTIONS + _arch_option(arch) + options)
 
 
@@ -282,7 +283,7 @@ def compile_postprocess(headdim: int, dtype: str, varlen: bool = False, accum_ti
                                                                         **wide)
     else:
         kernel = registry.row_pass_class("bwd_postprocess")(headdim, args[1].element_type, **wide)
-    return cute.compile(kernel, *args[:2], cutlass.Int32(1), stream, *args[2:],
+    return compile_kernel(kernel, *args[:2], cutlass.Int32(1), stream, *args[2:],
                         options=COMPILE_OPTIONS + _arch_option(arch) + options)
 
 
@@ -309,9 +310,9 @@ def compile_combine(headdim: int, dtype: str, sink: bool = False, arch: int = 90
     args = (o_acc, lse_acc, out, lse, sink_arg, cutlass.Int32(1), cutlass.Int32(1), stream)
     if packed_rows:
         cu_seqlens_q = _fake(cutlass.Int32, (cute.sym_int32(),), 0, 1)
-        return cute.compile(kernel.call_packed_rows, *args, cu_seqlens_q,
+        return compile_kernel(kernel.call_packed_rows, *args, cu_seqlens_q,
                             options=COMPILE_OPTIONS + _arch_option(arch) + options)
-    return cute.compile(kernel, *args, options=COMPILE_OPTIONS + _arch_option(arch) + options)
+    return compile_kernel(kernel, *args, options=COMPILE_OPTIONS + _arch_option(arch) + options)
 
 
 def compile_rowpass(kind: str, *key):

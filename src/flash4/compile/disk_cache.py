@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Callable
 
 from flash4 import env
+from flash4.compile.jit import export_only
 
 EXPORT_NAME = "flash4_kernel"
 LOCK_TIMEOUT_S = 600.0
@@ -350,10 +351,17 @@ def _load_or_compile(kind: str, config, options: str, compile_fn: Callable[[], o
             counts["loaded"] += 1
             return loaded
         counts["compiled"] += 1
-        compiled = compile_fn()
+        # Compiled without the DSL's in-process JIT engine (flash4.compile.jit): the entry is
+        # exported and then loaded exactly as a later process loads it.
+        with export_only():
+            compiled = compile_fn()
         try:
             _export(compiled, path)
+            return _FromDisk(_load(path), path, compile_fn)
         except Exception as err:  # noqa: BLE001 - a full disk must not fail the call
-            warnings.warn(f"flash4 compile cache: could not write {path} ({type(err).__name__}: {err})",
-                          RuntimeWarning, stacklevel=2)
-        return compiled
+            warnings.warn(f"flash4 compile cache: could not write or load {path} ({type(err).__name__}: {err}); "
+                          f"compiling it again to run in this process", RuntimeWarning, stacklevel=2)
+            for stale in (path, path.with_suffix(".so")):
+                with contextlib.suppress(OSError):
+                    stale.unlink()
+        return compile_fn()

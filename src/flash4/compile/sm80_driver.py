@@ -15,6 +15,7 @@ import time
 import cutlass
 import cutlass.cute as cute
 
+from flash4.compile.jit import compile_kernel
 from flash4.compile.fake import fwd_fake_args, seq_fake_args, sink_fake_arg, split_fake_args
 from flash4.config.sm80 import Sm80FwdConfig, gpu_arch_name
 from flash4.geometry import UNBOUNDED
@@ -35,7 +36,7 @@ def compile_fwd(cfg: Sm80FwdConfig, options: str = ""):
     window_left, window_right, l2_group, num_ctas) as flash4.compile.cache.compile_fwd documents
     (page_table: page_gather configs only; o_accum, lse_accum: None in this family)."""
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    return cute.compile(
+    return compile_kernel(
         FlashAttentionForwardSm80(cfg), *fwd_fake_args(cfg.headdim, cfg.dtype, paged=cfg.paged, headdim_v=cfg.headdim_v),
         *seq_fake_args(cfg), *split_fake_args(cfg), sink_fake_arg(cfg),
         cutlass.Float32(1.0), cutlass.Float32(1.0), cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1),
