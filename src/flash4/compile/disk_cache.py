@@ -13,6 +13,10 @@ and then load what it wrote), the object is written to a temporary name and rena
 entry is removed and the kernel recompiled, never a crash. A function loaded from disk whose first
 call raises is likewise replaced by a fresh compile (and the entry removed).
 
+A miss is compiled without the DSL's in-process JIT engine (flash4.compile.jit.export_only: the same
+cubin and exported object, ~0.35 s less), exported, and then loaded from the entry like a hit, so
+the process that compiled a kernel runs exactly what later processes load.
+
 Measured on the 2-core CPU box (d128 causal forward, 92 KB object): compile 4.1 s, export 0.17 s,
 load of a cached entry 2 ms once the DSL runtime is up (its one-time start, `import cutlass` plus
 the runtime libraries, is reported separately by `python -m flash4 warmup`).
