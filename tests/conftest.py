@@ -44,6 +44,8 @@ def _parse_shard(text: str) -> tuple:
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped automatically without one)")
+    config.addinivalue_line("markers", "jit_engine: the CPU test compiles with the CuTe DSL's JIT engine "
+                                       "(tests/cpu/conftest.py compiles without it otherwise)")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -5,6 +5,8 @@ import pytest
 
 pytest.importorskip("cutlass")
 
+pytestmark = pytest.mark.jit_engine  # these tests set export_only themselves (tests/cpu/conftest.py)
+
 from flash4.compile import disk_cache, jit  # noqa: E402
 from flash4.compile.cache import COMPILE_OPTIONS, compile_preprocess  # noqa: E402
 from flash4.compile.check import extract_cubin  # noqa: E402
