@@ -57,7 +57,8 @@ def test_cache_off_builds_the_engine(tmp_path, monkeypatch):
         seen.append(jit.exporting())
         return compile_preprocess(64, "bf16")
 
-    fn = disk_cache.load_or_compile("bwd_preprocess", (64, "bf16", 90, "jit-test"), COMPILE_OPTIONS, compile_fn)
+    with jit.export_only():  # as in the CPU tests: the kernel is kept and called, so it gets its engine
+        fn = disk_cache.load_or_compile("bwd_preprocess", (64, "bf16", 90, "jit-test"), COMPILE_OPTIONS, compile_fn)
     assert seen == [False] and not isinstance(fn, disk_cache._FromDisk)
 
 
@@ -75,7 +76,25 @@ def test_failed_export_compiles_again_with_the_engine(tmp_path, monkeypatch):
         seen.append(jit.exporting())
         return compile_preprocess(64, "bf16")
 
-    with pytest.warns(RuntimeWarning, match="compiling it again"):
+    with pytest.warns(RuntimeWarning, match="compiling it again"), jit.export_only():
         fn = disk_cache.load_or_compile("bwd_preprocess", (64, "bf16", 90, "jit-test"), COMPILE_OPTIONS, compile_fn)
     assert seen == [True, False] and not isinstance(fn, disk_cache._FromDisk)
     assert not list((tmp_path / "cache").glob("*.o"))
+
+
+def test_first_call_guard_recompiles_with_the_engine(tmp_path):
+    seen = []
+
+    def compile_fn():
+        seen.append(jit.exporting())
+        return lambda *args: "fresh"
+
+    def broken(*args):
+        raise RuntimeError("bad entry")
+
+    entry = tmp_path / "entry.o"
+    entry.write_bytes(b"x")
+    guarded = disk_cache._FromDisk(broken, entry, compile_fn)
+    with pytest.warns(RuntimeWarning, match="failed on its first call"), jit.export_only():
+        assert guarded() == "fresh"
+    assert seen == [False] and not entry.exists()

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Callable
 
 from flash4 import env
-from flash4.compile.jit import export_only
+from flash4.compile.jit import export_only, with_engine
 
 EXPORT_NAME = "flash4_kernel"
 LOCK_TIMEOUT_S = 600.0
@@ -297,7 +297,8 @@ class _FromDisk:
             for stale in (self.path, self.path.with_suffix(".so")):
                 with contextlib.suppress(OSError):
                     stale.unlink()
-            self.fn = self.compile_fn()
+            with with_engine():
+                self.fn = self.compile_fn()
             result = self.fn(*args)
         self.checked = True
         return result
@@ -318,7 +319,8 @@ def load_or_compile(kind: str, config, options: str, compile_fn: Callable[[], ob
 def _load_or_compile(kind: str, config, options: str, compile_fn: Callable[[], object]):
     if not env.disk_cache_enabled():
         counts["compiled"] += 1
-        return compile_fn()
+        with with_engine():  # called in this process (and kept by the runner caches)
+            return compile_fn()
     directory = Path(env.disk_cache_dir())
     try:
         directory.mkdir(parents=True, exist_ok=True)
@@ -326,7 +328,8 @@ def _load_or_compile(kind: str, config, options: str, compile_fn: Callable[[], o
         warnings.warn(f"flash4 compile cache: cannot create {directory} ({err}); compiling without it",
                       RuntimeWarning, stacklevel=2)
         counts["compiled"] += 1
-        return compile_fn()
+        with with_engine():
+            return compile_fn()
     key = entry_key(kind, config, options)
     path, lock = directory / f"{key}.o", directory / f"{key}.lock"
 
@@ -368,4 +371,5 @@ def _load_or_compile(kind: str, config, options: str, compile_fn: Callable[[], o
             for stale in (path, path.with_suffix(".so")):
                 with contextlib.suppress(OSError):
                     stale.unlink()
-        return compile_fn()
+        with with_engine():
+            return compile_fn()

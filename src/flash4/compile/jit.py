@@ -8,7 +8,8 @@ kernel to an object file anyway and can load it from there (flash4.compile.disk_
 `export_only()` the engine is not built (`no_jit_engine=True`): the cubin and the exported object
 are byte-identical, and the compile is ~0.35 s shorter (CPU box, portable d64 backward for sm_90a:
 3.1 -> 2.7 s). Outside it (FLASH4_CACHE=0, tools that call the compiled function directly) the
-engine is built as before.
+engine is built as before, also inside an enclosing export_only() where the result is called
+(`with_engine()`: the disk cache's fallbacks, which keep a kernel that a cached runner then calls).
 """
 
 from __future__ import annotations
@@ -24,6 +25,17 @@ def export_only():
     """Within this context, compile_kernel builds no JIT engine: its result can be exported
     (`export_to_c`) and its cubin read, but not called."""
     token = _EXPORT_ONLY.set(True)
+    try:
+        yield
+    finally:
+        _EXPORT_ONLY.reset(token)
+
+
+@contextlib.contextmanager
+def with_engine():
+    """Within this context, compile_kernel builds the JIT engine whatever an enclosing export_only()
+    says: for a compile whose result is called in this process (the disk cache's fallbacks)."""
+    token = _EXPORT_ONLY.set(False)
     try:
         yield
     finally:
