@@ -149,7 +149,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
            cu_seqlens_k[b] : cu_seqlens_k[b + 1]. nheads_k divides nheads (MQA/GQA: query head h
            reads key head h // (nheads // nheads_k)). Head dims as flash_attn_func's (kernel head
            dims and flash4.config.HDIMV_PAIRS as they are, other multiples of 8 zero-padded; not for a
-           paged pool, which takes flash4.config.SUPPORTED_HEADDIMS only, and with FLASH4_CACHE_HEADDIM16=1 the
+           paged pool, which takes flash4.config.SUPPORTED_HEADDIMS and, unless FLASH4_CACHE_HEADDIM16=0, the
            GPU's kernel head dims, flash4.headdim.cache_headdims); out is (total_q, nheads, headdim_v).
            Paged K/V (with page_table): (num_pages, page_size, nheads_k, headdim), any page_size
            >= 1 (pages of <= 16 rows or not a multiple of 8 are gathered row by row; FLASH4_SMALL_PAGES=0
@@ -296,9 +296,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
            (v_cache, and the appended v, may have their own head dim for the pairs of
            flash4.config.HDIMV_PAIRS; out is then (batch, seqlen_q, nheads, headdim_v))
            with page_table (any page_size >= 1). nheads_k divides nheads (MQA/GQA). headdim: one of
-           flash4.config.SUPPORTED_HEADDIMS (a cache is not padded per call); with
-           FLASH4_CACHE_HEADDIM16=1 also the GPU's kernel head dims (sm_90: multiples of 16 up to 128;
-           flash4.headdim.cache_headdims; compile-verified, not yet run on hardware).
+           flash4.config.SUPPORTED_HEADDIMS (a cache is not padded per call), and
+           unless FLASH4_CACHE_HEADDIM16=0 also the GPU's kernel head dims (sm_90: multiples of 16 up
+           to 128; flash4.headdim.cache_headdims).
            K and V may be two views of one interleaved tensor; last dim contiguous, other strides
            16-byte aligned; with cache_batch_idx, a dense cache's batch stride must be the same
            whole number (>= seqlen_cache) of token rows in k_cache and v_cache.

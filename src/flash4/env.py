@@ -18,7 +18,7 @@
 | FLASH4_RUNTIME_LOAD | 0 loads cached kernels through the CuTe DSL's loader instead of as shared libraries through TVM-FFI alone (no CuTe DSL import; docs/design/warm_start.md) | on |
 | FLASH4_NARROW_HEADDIMS | 0 turns off: flash_attn_func without autograd, for a head dim flash4.headdim pads (32, 80, 112, ...), runs the padded kernel straight from the narrow tensors (TMA zero-fill, clipped O store; FwdConfig.tensor_hdims) instead of on zero-padded copies; same bits, 1.22-1.58x on the H200 (2026-12-04) | on |
 | FLASH4_HEADDIM16   | 0 turns off: on sm_90, head dims that are multiples of 16 up to 128 (16, 32, 48, 80, 112) run on kernels of their own width instead of zero-padded to 64 / 96 / 128, in the forward and the backward, and the other multiples of 8 up to 128 pad to the next multiple of 16 (flash4.config.sm90.KERNEL_HEADDIMS; H200 2026-12-04 night: backward 1.03-1.64x) | on |
-| FLASH4_CACHE_HEADDIM16 | 1 lets a KV cache (flash_attn_with_kvcache) or a paged pool (flash_attn_varlen_func with page_table) have any head dim the GPU's family has a kernel for (sm_90: every multiple of 16 up to 128, flash4.config.sm90.KERNEL_HEADDIMS, while FLASH4_HEADDIM16 is on) instead of 64 / 96 / 128 / 192 / 256 only; compile-verified, GPU tests written, not yet run on hardware | off |
+| FLASH4_CACHE_HEADDIM16 | a KV cache (flash_attn_with_kvcache) or a paged pool (flash_attn_varlen_func with page_table) may have any head dim the GPU's family has a kernel for (sm_90: every multiple of 16 up to 128, flash4.config.sm90.KERNEL_HEADDIMS, while FLASH4_HEADDIM16 is on) instead of 64 / 96 / 128 / 192 / 256 only; 0 refuses those (tests/gpu/test_cache_headdim16.py: 94 passed on an H100, 2026-12-05) | on |
 | FLASH4_MEMO        | 0 turns off prepared calls (flash4.memo: a door's host path, and the dense backward's plan, kept per argument signature) | on |
 | FLASH4_PACK_VIEWS  | 0 copies q / out / lse of a GQA-packed decode step instead of strided views | on |
 | FLASH4_DECODE_SCATTER | 0 turns off: flash_attn_varlen_func's decode step (paged, max_seqlen_q <= 8, out / lse allocated by flash4), when it splits the keys, has the split-KV combine write the varlen out / lse rows by cu_seqlens_q (no step buffers, no searchsorted or scatter); on since the H200 A/B (varlen_paged eager / graph 1.4 -> 1.0) | on |
@@ -131,12 +131,12 @@ def headdim16() -> bool:
 
 
 def cache_headdim16() -> bool:
-    """FLASH4_CACHE_HEADDIM16 (0/1, true/false, on/off, yes/no); off when unset: on, a KV cache or a
-    paged pool may have any head dim of the GPU family's kernels (flash4.headdim.cache_headdims: on
-    sm_90 every multiple of 16 up to 128), not only flash4.config.SUPPORTED_HEADDIMS. A candidate
-    door (compile-verified; its GPU tests, tests/gpu/test_cache_headdim16.py, not yet run on
-    hardware). Read per call (a PLAN_VARIABLES entry: the memo keys on it)."""
-    return _flag("FLASH4_CACHE_HEADDIM16") is True
+    """FLASH4_CACHE_HEADDIM16 (0/1, true/false, on/off, yes/no); on when unset: a KV cache or a paged
+    pool may have any head dim of the GPU family's kernels (flash4.headdim.cache_headdims: on sm_90
+    every multiple of 16 up to 128), not only flash4.config.SUPPORTED_HEADDIMS; off, those are
+    refused. On by default since its GPU tests (tests/gpu/test_cache_headdim16.py) passed on an H100
+    (2026-12-05). Read per call (a PLAN_VARIABLES entry: the memo keys on it)."""
+    return _flag("FLASH4_CACHE_HEADDIM16") is not False
 
 
 def page_prefetch() -> bool | None:

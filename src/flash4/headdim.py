@@ -21,7 +21,7 @@ narrow tensors, its TMA boxes zero-filling the columns past D / Dv and its O sto
 (FwdConfig.tensor_hdims; the same bits; 1.22-1.58x on the H200); the padded FLOPs remain. A KV cache (flash_attn_with_kvcache, or a paged varlen call) is not padded per call: a
 cache is appended to in place and copying it every step would cost more than the attention; those
 entry points serve the native head dims only (allocate the cache with a native head dim), and with
-FLASH4_CACHE_HEADDIM16=1 (off by default: compile-verified, its GPU tests not yet run on hardware)
+FLASH4_CACHE_HEADDIM16 (on by default since 2026-12-05, when its GPU tests passed on an H100; 0 turns it off)
 every kernel head dim of the GPU's family (`cache_headdims`: on sm_90 the multiples of 16 up to 128).
 
 On sm_90 (FLASH4_HEADDIM16, on by default since 2026-12-04 night) the kernels are also built for

@@ -215,11 +215,15 @@ def _heads_problem(q, k, v, v_rule: str, k_name: str = "k", v_name: str = "v", p
     if not padded_ok:
         served = _cache_headdims(q)
         if headdim not in served:
+            from flash4 import env
+
             allowed = ", ".join(str(d) for d in served)
+            switch = ("" if env.cache_headdim16() else
+                      "; FLASH4_CACHE_HEADDIM16=0 is set: unset it to admit every kernel head dim of the GPU")
             return ValueError, (f"headdim {headdim} (q.shape[{qd}]) is not supported here; allowed: {allowed} (a KV "
                                 f"cache or a paged pool is not zero-padded per call: allocate it with one of these head "
                                 f"dims; flash_attn_func / flash_attn_varlen_func pad other multiples of 8, "
-                                f"flash4.headdim; FLASH4_CACHE_HEADDIM16=1 admits every kernel head dim of the GPU)")
+                                f"flash4.headdim{switch})")
     return None
 
 
