@@ -354,6 +354,71 @@ def test_ring_threads(case, world):
     _check_case(case, world, _threaded_ring(case, world, inputs), inputs)
 
 
+def _backward_here_rank(case, q, k, v, dout, dlse, cu, rank, world, group):
+    """This rank's gradients twice: autograd (torch.autograd.grad) and backward_here, from the door's
+    own out / lse shapes (dense: 4-D out, (batch, nheads, seqlen) lse)."""
+    dense, causal, dtype = case
+    shard = [fd.zigzag_shard(t, rank, world, cu).to(dtype) for t in (q, k, v, dout)]
+    dlse_l = fd.zigzag_shard(dlse.T, rank, world, cu).T.float()
+    leaves = [t.clone().requires_grad_() for t in shard[:3]]
+    kernel = fd.ReferenceKernel(torch.float32)
+    if dense:
+        batch = cu.numel() - 1
+        seqlen = leaves[0].shape[0] // batch
+        d4 = [t.view(batch, seqlen, *t.shape[1:]) for t in leaves]
+        out, lse = fd.ring_flash_attn_func(*d4, causal=causal, return_lse=True, group=group, kernel=kernel)
+        dout_l, dlse_l = shard[3].view(out.shape), dlse_l.reshape(NHEADS, batch, seqlen).permute(1, 0, 2)
+    else:
+        out, lse = fd.ring_flash_attn_varlen_func(*leaves, fd.zigzag_cu_seqlens(cu, world), causal=causal,
+                                                  return_lse=True, group=group, kernel=kernel)
+        dout_l = shard[3]
+    here = [g.reshape(t.shape) for g, t in zip(fd.backward_here(out, dout_l, lse, dlse_l), leaves)]
+    # then autograd through the same graph (backward_here's node call frees nothing)
+    via_autograd = torch.autograd.grad([out, lse], leaves, [dout_l, dlse_l])
+    return here, list(via_autograd)
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+@pytest.mark.parametrize("world", [1, 3])
+def test_backward_here_equals_autograd(case, world):
+    """backward_here (the ring's backward on the calling thread: what ranks emulated by threads on a
+    GPU must use, autograd's one CUDA worker thread would deadlock them) gives autograd's gradients
+    bitwise, both doors, with the lse gradient; each emulated rank runs both in turn."""
+    inputs = _inputs(case, world, seed=11 + world)
+    rings = fd.local_rings(world)
+    results, errors = [None] * world, []
+
+    def rank_main(r):
+        try:
+            results[r] = _backward_here_rank(case, *inputs, r, world, rings[r] if world > 1 else None)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    if errors:
+        raise errors[0]
+    for here, via in results:
+        for g, r in zip(here, via):
+            assert g.dtype == r.dtype and torch.equal(g, r)
+
+
+def test_backward_here_bad_arguments():
+    q = torch.randn(8, NHEADS, HEADDIM, requires_grad=True)
+    k, v = (torch.randn(8, NHEADS_K, HEADDIM, requires_grad=True) for _ in range(2))
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    out, lse = fd.ring_flash_attn_varlen_func(q, k, v, cu, return_lse=True, kernel=fd.ReferenceKernel(torch.float32))
+    with pytest.raises(ValueError, match="does not come from ring_flash_attn"):
+        fd.backward_here(q * 2, q)
+    with pytest.raises(ValueError, match="dout must have out's shape"):
+        fd.backward_here(out, out[:4])
+    with pytest.raises(ValueError, match="pass lse and dlse together"):
+        fd.backward_here(out, torch.ones_like(out), lse, None)
+
+
 def test_ring_solo_without_process_group():
     """group=None without torch.distributed initialized: a ring of one rank."""
     case = (False, True, torch.float32)

@@ -87,8 +87,14 @@ def _ring_rank(inputs, rank, world, dense, causal, group, kernel):
     else:
         out, lse = fd.ring_flash_attn_varlen_func(*leaves, fd.zigzag_cu_seqlens(cu, world), causal=causal,
                                                   return_lse=True, group=group, kernel=kernel)
-    ((out.float() * shard[3].float()).sum() + (lse * dlse_l).sum()).backward()
-    return [t.detach().cpu() for t in (out, lse.T)] + [t.grad.cpu() for t in leaves]
+    if isinstance(group, fd.comm._LocalRing):  # threads on one GPU: not through autograd's device thread
+        grads = fd.backward_here(out, shard[3], lse, dlse_l)
+        grads = [g.view(t.shape) for g, t in zip(grads, leaves)]
+    else:
+        ((out.float() * shard[3].float()).sum() + (lse * dlse_l).sum()).backward()
+        grads = [t.grad for t in leaves]
+    return [t.detach().cpu() for t in (out, lse.T)] + [g.cpu() for g in grads]
+
 
 
 def _check(inputs, shards, causal):

@@ -5,6 +5,8 @@ sharded across the ranks of a torch.distributed group, K/V passed round a ring.
                                                            context_parallel does not cover)
     ring_flash_attn_func(q, k, v, ...)                      dense (batch, seqlen, nheads, headdim)
     zigzag_shard / zigzag_unshard / zigzag_cu_seqlens / zigzag_rows   the sharding (shard.py)
+    backward_here(out, dout, lse, dlse)                     the ring's backward on the calling thread
+                                                           (ranks emulated by threads: local_rings)
 
 Causal attention uses zigzag load balancing (each rank holds chunks r and 2W-1-r of every
 sequence: schedule.py); K/V blocks go round the ring with batch_isend_irecv, overlapped with the
@@ -26,7 +28,7 @@ from flash4.distributed.ring import Plan, RingAttnFunction
 from flash4.distributed.shard import zigzag_cu_seqlens, zigzag_rows, zigzag_shard, zigzag_unshard
 
 __all__ = ["ring_flash_attn_func", "ring_flash_attn_varlen_func", "zigzag_shard", "zigzag_unshard",
-           "zigzag_cu_seqlens", "zigzag_rows", "Flash4Kernel", "ReferenceKernel", "local_rings"]
+           "zigzag_cu_seqlens", "zigzag_rows", "Flash4Kernel", "ReferenceKernel", "local_rings", "backward_here"]
 
 
 def ring_flash_attn_varlen_func(q, k, v, cu_seqlens, *, softmax_scale=None, causal=False, return_lse=False,
@@ -99,6 +101,53 @@ def ring_flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=F
     if not return_lse:
         return out
     return out, res[1].view(-1, batch, seqlen).permute(1, 0, 2)
+
+
+def backward_here(out, dout, lse=None, dlse=None):
+    """(dq, dk, dv) of the ring call that returned `out` (and `lse`), computed on the calling thread
+    instead of by out.backward(): for ranks emulated by threads of one process (local_rings) on a
+    GPU. torch's autograd engine runs every CUDA backward node on one worker thread per device, so
+    emulated ranks calling .backward() queue behind each other there and the first waits for its
+    neighbour's dK/dV forever; real ranks (one process each) use .backward() as usual.
+
+    Args:
+        out: the ring call's out (either door, any reshape of it); must require grad.
+        dout: the gradient of out, out's shape and dtype.
+        lse / dlse: the call's lse and its gradient (lse's shape, fp32), or None for no lse gradient.
+
+    Returns:
+        dq, dk, dv shaped as the packed (total, heads, headdim) rows the ring ran on (views: reshape
+        to q's shape for the dense door), in q / k / v's dtype.
+
+    Raises:
+        ValueError: out does not come from a ring call, or dout / dlse do not match out / lse.
+    """
+    node = _ring_node(out)
+    if dout.shape != out.shape:
+        raise ValueError(f"backward_here: dout must have out's shape {tuple(out.shape)}, got {tuple(dout.shape)}")
+    if (lse is None) != (dlse is None) or (lse is not None and dlse.shape != lse.shape):
+        raise ValueError("backward_here: pass lse and dlse together, dlse of lse's shape")
+    saved_out = node.saved_tensors[3]
+    grad_lse = None
+    if dlse is not None:  # the dense door returns lse (batch, nheads, seqlen): the ring's (nheads, rows)
+        grad_lse = dlse.permute(1, 0, 2).reshape(dlse.shape[1], -1) if dlse.dim() == 3 else dlse
+        grad_lse = grad_lse.contiguous()
+    grads = node.apply(dout.reshape(saved_out.shape).contiguous(), grad_lse)
+    return tuple(grads[:3])
+
+
+def _ring_node(t):
+    """The RingAttnFunction node that t's graph comes from (through the doors' reshapes / views)."""
+    stack = [getattr(t, "grad_fn", None)]
+    while stack:
+        node = stack.pop()
+        if node is None:
+            continue
+        if getattr(node, "_forward_cls", None) is RingAttnFunction:
+            return node
+        stack.extend(n for n, _ in node.next_functions)
+    raise ValueError("backward_here: out does not come from ring_flash_attn_func / ring_flash_attn_varlen_func "
+                     "(or it does not require grad)")
 
 
 class _Solo:

@@ -79,6 +79,8 @@ class _QueuePending:
 def local_rings(world_size: int) -> list:
     """world_size rings emulating the ranks of one ring inside one process (each used by its own
     thread: a rank's exchange returns once posted; its wait blocks until the previous rank's
-    tensors arrive, so the ranks must run concurrently)."""
+    tensors arrive, so the ranks must run concurrently). On a GPU the threads compute gradients with
+    flash4.distributed.backward_here, not out.backward(): torch's autograd engine runs CUDA backward
+    nodes on one worker thread per device, where the emulated ranks would wait on each other forever."""
     boxes = [queue.Queue() for _ in range(world_size)]
     return [_LocalRing(r, world_size, boxes) for r in range(world_size)]
