@@ -28,6 +28,8 @@ Variants (kernel configs, called through flash4's runner directly; the shipped d
   tma, tma_s3    TMA page pieces (gcd(P, 128) rows per copy), 2 / 3 K/V stages
   tma_pf         the same with the page-table look-ahead (page_prefetch), every page size
   tma_pf_s3      both, pages <= 32
+  tma_pf4, tma_pf4_s3   tma_pf / tma_pf_s3 with page_pieces_all_warps (the four producer warps issue the
+                 pieces, warp w every fourth one, instead of warp 0 alone); pages <= 32
 Gathered kernels do not depend on the page size (one compile serves every P). A third candidate,
 64-bit row addresses shuffled per pass ("row offsets"), was removed after the H200 run of
 2026-12-02 night gave wrong results (docs/design/small_pages.md).
@@ -98,9 +100,9 @@ def variants(page: int) -> dict:
         return with_seq_layout(base, **paged, page_gather=True, gather_zero_fill=zero_fill, kv_stages=stages,
                                gather_clamp_late=clamp_late, gather_ptr_shuffle=ptr_shuffle)
 
-    def tma(prefetch, stages=2):
+    def tma(prefetch, stages=2, all_warps=False):
         return with_seq_layout(base, **paged, page_rows=paged_page_rows(page, TILE_N), page_prefetch=prefetch,
-                               kv_stages=stages)
+                               kv_stages=stages, page_pieces_all_warps=all_warps)
 
     out = {"shipped": shipped_config(page)}
     if page <= 16:
@@ -109,7 +111,7 @@ def variants(page: int) -> dict:
                g_ps=gathered(True, ptr_shuffle=True))
     out.update(tma=tma(False), tma_s3=tma(False, 3), tma_pf=tma(True))
     if page <= 32:
-        out.update(tma_pf_s3=tma(True, 3))
+        out.update(tma_pf_s3=tma(True, 3), tma_pf4=tma(True, all_warps=True), tma_pf4_s3=tma(True, 3, all_warps=True))
     return out
 
 
@@ -126,7 +128,8 @@ def short(cfg) -> str:
         bits = ["gather"] + (["gather_zero_fill"] if cfg.gather_zero_fill else []) + (
             ["clamp_late"] if cfg.gather_clamp_late else []) + (["ptr_shuffle"] if cfg.gather_ptr_shuffle else [])
     elif cfg.page_rows:
-        bits = [f"tma pieces {cfg.page_rows}"] + (["prefetch"] if cfg.page_prefetch else [])
+        bits = [f"tma pieces {cfg.page_rows}"] + (["prefetch"] if cfg.page_prefetch else []) + (
+            ["four warps"] if cfg.page_pieces_all_warps else [])
     else:
         bits = ["contiguous"]
     return " ".join(bits + [f"stages {cfg.kv_stages}"])

@@ -535,3 +535,47 @@ def test_gather_ptr_shuffle_sass():
         assert sum(" LDGSTS.E" in line for line in loop) == 32, name
         assert sum("SHFL.IDX" in line for line in loop) == 32, name
     assert len(loops["on"]) <= 0.7 * len(loops["off"]), (len(loops["on"]), len(loops["off"]))
+
+
+def test_page_pieces_all_warps_switch():
+    """FwdConfig.page_pieces_all_warps: off and out of the repr in every shipped config; with_fwd_switches
+    turns it on for TMA page pieces with the look-ahead only (page_prefetch); the config refuses it
+    elsewhere."""
+    from flash4.config import with_seq_layout
+    from flash4.config.sm90 import with_fwd_switches
+
+    switch = "page_pieces_all_warps"
+    assert not any(getattr(c, switch, False) for c in shipped_fwd_configs())
+    base = select_fwd_config(128, "bf16", True)
+    paged = dict(varlen_q=True, seqused_k=True, page_rows=16)
+    pieces = with_seq_layout(base, **paged, page_prefetch=True)
+    on = with_fwd_switches(pieces, (switch,))
+    assert on == dataclasses.replace(pieces, **{switch: True}) and eval(repr(on)) == on
+    assert switch not in repr(pieces) and switch in repr(on)
+    for cfg in (base, with_seq_layout(base, **paged),
+                with_seq_layout(base, varlen_q=True, seqused_k=True, page_gather=True)):
+        assert with_fwd_switches(cfg, (switch,)) == cfg
+        with pytest.raises(AssertionError):
+            dataclasses.replace(cfg, **{switch: True})
+
+
+def test_page_pieces_all_warps_sass():
+    """sm_90a, page-16 TMA pieces with the look-ahead (d128 causal, varlen q, seqused_k): 0 spills, wgmma
+    not serialized and the same static UTMALDG count with the switch, and a different kernel (warps
+    1-3 of the producer warpgroup run the loop too). Off, the cubins of the shipped page 16 / 32
+    configs, tma_pf / tma_pf_s3 and the contiguous config were byte-identical to those of the commit
+    before the switch (2026-12-05, FLASH4_CACHE=0, sha256 compared)."""
+    pytest.importorskip("cutlass")
+    from flash4.config import with_seq_layout
+
+    pieces = with_seq_layout(select_fwd_config(128, "bf16", True), varlen_q=True, seqused_k=True, page_rows=16,
+                             page_prefetch=True)
+    res_off, off = _fwd_sass(pieces)
+    res_on, on = _fwd_sass(dataclasses.replace(pieces, page_pieces_all_warps=True))
+    if not res_off:
+        pytest.skip("cuobjdump not installed: resources and SASS not checked")
+    for res in (res_off, res_on):
+        assert res["spills"] == 0 and not res["wgmma_serialized"] and res["utmaldg"] == res_off["utmaldg"], res
+    if on is None or off is None:
+        pytest.skip("cuobjdump not installed: SASS not checked")
+    assert on != off

@@ -529,3 +529,39 @@ def test_bwd_dpsum_scaled_varlen(monkeypatch):
         on = run_bwd_varlen(q, k, v, cu_q, cu_k, dout, True, seqused_k=seqused_k, deterministic=True)
         for name, a, b_ in zip(("dq", "dk", "dv"), on, off):
             assert torch.equal(a, b_), (d, name)
+
+
+# FwdConfig.page_pieces_all_warps (FLASH4_FWD_SWITCHES=page_pieces_all_warps; TMA page pieces with the
+# page-table look-ahead): the four producer warps issue a key block's page pieces, warp 0 alone arrives
+# on the stage's full barrier with the block's bytes. The same bytes into the same smem slots, so bit
+# for bit against the switch off and against the same keys laid out contiguously; the pool's slots
+# outside the sequences hold NaN (nothing may leak); pages 8 .. 64 (16 .. 2 pieces per 128-key block,
+# pages up to 16 gathered unless FLASH4_PAGE_GATHER_MAX=0), 2 and 3 K/V stages, GQA 8 / 2.
+PIECES_CASES = [(p, d, s) for p in (8, 16, 32, 64) for d in (64, 128) for s in (2, 3)]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("page_size, d, stages", PIECES_CASES,
+                         ids=[f"page{p}-d{d}-s{s}" for p, d, s in PIECES_CASES])
+def test_page_pieces_all_warps(monkeypatch, page_size, d, stages, causal):
+    from flash4.reference import varlen_row_mask
+
+    from gpu_helpers import PAGED_LENS, check_fwd_varlen, make_varlen, paged_pool, run_poisoned_varlen
+    import ab_pages  # tools/: the door's plan for a page size (shipped_config)
+
+    monkeypatch.setenv("FLASH4_PAGE_GATHER_MAX", "0")
+    monkeypatch.setenv("FLASH4_PAGE_PREFETCH", "1")
+    monkeypatch.setenv("FLASH4_PAGED_KV_STAGES", str(stages))
+    monkeypatch.setenv("FLASH4_FWD_SWITCHES", "page_pieces_all_warps")
+    assert ab_pages.shipped_config(page_size).page_pieces_all_warps  # the door's plan takes it
+    q, k, v, cu_q, cu_k = make_varlen(*PAGED_LENS, 8, 2, d, seed=page_size + d)
+    k_cache, v_cache, table, used = paged_pool(k, v, cu_k, page_size, seed=page_size, fill=math.nan)
+    out_on, lse_on = check_fwd_varlen(q, k_cache, v_cache, cu_q, None, causal, seqused_k=used, page_table=table)
+    monkeypatch.delenv("FLASH4_FWD_SWITCHES")
+    assert not ab_pages.shipped_config(page_size).page_pieces_all_warps
+    out_off, lse_off = run_poisoned_varlen(q, k_cache, v_cache, cu_q, None, causal, seqused_k=used, page_table=table)
+    out_c, lse_c = run_poisoned_varlen(q, k, v, cu_q, cu_k, causal)
+    torch.cuda.synchronize()
+    rows = varlen_row_mask(cu_q, q.shape[0])
+    for out, lse in ((out_off, lse_off), (out_c, lse_c)):
+        assert torch.equal(out_on[rows], out[rows]) and torch.equal(lse_on[:, rows], lse[:, rows])

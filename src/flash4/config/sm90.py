@@ -57,7 +57,7 @@ _QUIET_SWITCHES = ("early_q_release", "l2_kv_heads", "exp_before_dp_wait", "dq_h
                    "gather_zero_fill", "dq_swapab", "dq_whole", "lse_early", "softmax_vote_first", "sink_delta_db",
                    "no_tail_guard", "lookahead_qk", "mask_bits", "p_smem", "rescale_always", "mask_rel", "pv_zero_init",
                    "flat_tile_order", "split_row_max", "softmax_branch_free", "gather_clamp_late", "gather_ptr_shuffle",
-                   "tensor_hdims", "dpsum_scaled")
+                   "tensor_hdims", "dpsum_scaled", "page_pieces_all_warps")
 
 
 def _quiet_repr(cfg) -> str:
@@ -233,6 +233,17 @@ class FwdConfig:
                   them the per-pass address math, against the consumers' issue slots on the same SM
                   sub-partitions. The same addresses: the same bits. Compile-verified, not measured yet.
                   Left out of the repr while off.
+    page_pieces_all_warps: TMA page pieces with page_prefetch only, speed switch, off
+                  (FLASH4_FWD_SWITCHES=page_pieces_all_warps; tools/ab_pages.py variants "tma_pf4" /
+                  "tma_pf4_s3"): the four producer warps issue a key block's page pieces (warp w the
+                  pieces w, w + 4, ...) instead of warp 0 alone; warp 0 still arrives once on the
+                  stage's full barrier with the block's bytes, warps 1-3 only wait for the stage to be
+                  empty (kernels/sm90/fwd.py acquire_kv). The TMA-piece times of 2026-12-03 grow about
+                  linearly with the copies per block (page 16: 32 copies per K + V block, 0.79x of
+                  contiguous; page 128: 4, 0.97x), the copies issued one after the other by one warp
+                  (each cute.copy is an elect_one): up to 4x shorter issue chains. The same bytes in the
+                  same smem slots: the same bits. Compile-verified, not run on hardware yet (the
+                  barrier protocol needs the GPU). Left out of the repr while off.
     tensor_hdims: None, or (D, Dv) of the q/k and v/out tensors when they are narrower than the
                   kernel's (headdim, hdim_v) (a head dim flash4.headdim pads, e.g. 32 / 80 / 112 on
                   the 64 / 96 / 128 kernels): the TMA loads read the tensors as they are and fill
@@ -285,6 +296,7 @@ class FwdConfig:
     softmax_branch_free: bool = False
     gather_clamp_late: bool = False
     gather_ptr_shuffle: bool = False
+    page_pieces_all_warps: bool = False
 
     def __post_init__(self):
         assert self.headdim in KERNEL_HEADDIMS, self.headdim
@@ -305,6 +317,7 @@ class FwdConfig:
         assert self.page_gather or not self.gather_zero_fill, self
         assert self.page_gather or not self.gather_clamp_late, self
         assert self.page_gather or not self.gather_ptr_shuffle, self
+        assert self.page_prefetch or not self.page_pieces_all_warps, self
         assert self.dtype in DTYPES, self.dtype
         assert self.tile_m % ROWS_PER_WARPGROUP == 0, self.tile_m
         assert self.tile_n % 16 == 0, self.tile_n
@@ -1376,7 +1389,8 @@ def with_fwd_switches(cfg: FwdConfig, names) -> FwdConfig:
     (softmax_vote_first: every sm90 forward config; no_tail_guard: ragged layouts, where the guards
     are compiled; lookahead_qk: where lookahead_qk_error allows it, Dv < D; pv_zero_init: not with
     lookahead_qk; flat_tile_order: not with the LPT order; softmax_branch_free: turns softmax_vote_first
-    off; gather_clamp_late, gather_ptr_shuffle: gathered pages only). Pure."""
+    off; gather_clamp_late, gather_ptr_shuffle: gathered pages only; page_pieces_all_warps: TMA page
+    pieces with page_prefetch only). Pure."""
     for name in FWD_SPEED_SWITCHES:
         if name == "lookahead_qk" and lookahead_qk_error(cfg):
             continue
@@ -1385,6 +1399,8 @@ def with_fwd_switches(cfg: FwdConfig, names) -> FwdConfig:
         if name == "flat_tile_order" and cfg.lpt:  # the host's L2 sections (l2_group > 1) need the full decode
             continue
         if name in ("gather_clamp_late", "gather_ptr_shuffle") and not cfg.page_gather:  # the gathered producer only
+            continue
+        if name == "page_pieces_all_warps" and not cfg.page_prefetch:  # TMA page pieces with the look-ahead only
             continue
         if name == "softmax_branch_free" and name in names:  # replaces the vote-first branches
             cfg = dataclasses.replace(cfg, softmax_vote_first=False)

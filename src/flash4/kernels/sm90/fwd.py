@@ -38,6 +38,8 @@ _REGS = {1: (56, 256), 2: (24, 240), 3: (32, 160)}
 # Gathered paged K/V (page_gather): the producer warpgroup computes addresses and issues cp.async
 # (FlashAttention-3 takes 40 / 232 for its non-TMA paged K/V with 2 consumer warpgroups).
 _REGS_GATHER = {1: (56, 256), 2: (40, 232), 3: (32, 160)}
+# the producer warpgroup's warps (FwdConfig.page_pieces_all_warps: each issues every fourth page piece)
+PRODUCER_WARPS = THREADS_PER_WG // 32
 
 
 # ---------------------------------------------------------------------- parameter bundles
@@ -455,6 +457,10 @@ class FlashAttentionForwardSm90:
             if const_expr(self.page_gather):  # the whole producer warpgroup gathers K/V
                 self.load_paged(tma, atoms, seq_params, mask_params, smem_tiles, pipes, sched, tiles.num_splits,
                                 warp_idx)
+            elif const_expr(self.cfg.page_prefetch and self.cfg.page_pieces_all_warps):
+                # FwdConfig.page_pieces_all_warps: the four producer warps issue the page pieces
+                self.load_paged(tma, atoms, seq_params, mask_params, smem_tiles, pipes, sched, tiles.num_splits,
+                                warp_idx)
             elif const_expr(self.cfg.page_prefetch):
                 if warp_idx == 0:
                     self.load_paged(tma, atoms, seq_params, mask_params, smem_tiles, pipes, sched, tiles.num_splits,
@@ -564,7 +570,8 @@ class FlashAttentionForwardSm90:
         order (K[n_max-1], Q, K[n] / V[n+1] pairs, V[n_min]); the page-table entries of a key block
         are read two K loads before its own, so the producer never waits on them in the steady
         state (one exposed read per tile), and V reuses the entries of its K. Q stays one TMA copy
-        of warp 0."""
+        of warp 0. FwdConfig.page_pieces_all_warps: all four producer warps run this loop, each
+        issuing every fourth page piece (acquire_kv, load_paged_block)."""
         mQ, mK, mV = tma.q, tma.k, tma.v
         sQ, sK, sV = smem.q, smem.k, smem.v
         pipeline_q, pipeline_k, pipeline_v = pipes
@@ -591,7 +598,7 @@ class FlashAttentionForwardSm90:
                 entry_k = lookup(n_block_max - 1, n_block_min)
                 entry_next = lookup(n_block_max - 2, n_block_min)
                 if n_block_max > n_block_min:
-                    pipeline_k.producer_acquire(state)
+                    self.acquire_kv(pipeline_k, state, warp_idx)
                     load_K(n_block_max - 1, state, entry_k)
                 # Q: warp 0's TMA copy, always through its pipeline (see `load`).
                 if warp_idx == 0:
@@ -611,14 +618,33 @@ class FlashAttentionForwardSm90:
                         entry_next = lookup(n_prev - 1 - ENTRY_AHEAD, n_block_min)
                         state_prev = state
                         state = next_state(state)
-                        pipeline_k.producer_acquire(state)
+                        self.acquire_kv(pipeline_k, state, warp_idx)
                         load_K(n_prev - 1, state, entry_k)
-                        pipeline_v.producer_acquire(state_prev)
+                        self.acquire_kv(pipeline_v, state_prev, warp_idx)
                         load_V(n_prev, state_prev, entry_v)
-                    pipeline_v.producer_acquire(state)
+                    self.acquire_kv(pipeline_v, state, warp_idx)
                     load_V(n_block_min, state, entry_k)
                     state = next_state(state)
             tile_idx += cute.arch.grid_dim()[0]
+
+    @cute.jit
+    def acquire_kv(self, pipe, state, warp_idx):
+        """The producer's acquire of a K / V stage. With FwdConfig.page_pieces_all_warps (TMA page
+        pieces issued by four warps against one full barrier) warp 0 acquires as usual (waits for the
+        stage to be empty, then arrives once on its full barrier with the block's transaction bytes)
+        and warps 1-3 only wait for the stage to be empty: the full barrier expects one arrival, so
+        its phase cannot complete before warp 0's, and the bytes of a piece that lands before that
+        arrival count the transaction count below zero until warp 0 adds the block's total (PTX
+        mbarrier: the tx-count may go negative within a phase). A warp waits for the stage's
+        empty phase, which the consumers signal only after the stage's previous full phase
+        completed, so no piece of a warp ahead of warp 0 lands in the previous phase."""
+        if const_expr(self.cfg.page_pieces_all_warps):
+            if warp_idx == 0:
+                pipe.producer_acquire(state)
+            else:
+                pipe.sync_object_empty.wait(state.index, state.phase)
+        else:
+            pipe.producer_acquire(state)
 
     @cute.jit
     def page_lookup(self, mPageTable, mK, seq, tidx, n_block, n_block_min):
@@ -643,7 +669,8 @@ class FlashAttentionForwardSm90:
                          state, entry):
         """Key block n_block of a paged K or V into stage state.index with the block's page-table
         entries (page_lookup): gathered rows, committed by every producer thread's cp.async arrive;
-        or its page pieces' TMA copies (warp 0), completing on the stage's barrier."""
+        or its page pieces' TMA copies (warp 0; with FwdConfig.page_pieces_all_warps warp w of the four
+        producer warps the pieces w, w + 4, ...), completing on the stage's barrier."""
         if const_expr(self.page_gather):
             page, in_page = entry
             self.gather.load(mX, sX[None, None, state.index], head_kv, page, in_page, n_block, seq.seqlen_k, tidx)
@@ -651,7 +678,10 @@ class FlashAttentionForwardSm90:
         else:
             one_cta = cute.make_layout(1)
             bar = pipe.producer_get_barrier(state)
-            for i in cutlass.range(self.tile_n // self.page_rows, unroll=1):  # unrolled, the producer spills
+            first, step = 0, 1
+            if const_expr(self.cfg.page_pieces_all_warps):
+                first, step = cute.arch.make_warp_uniform(tidx // 32), PRODUCER_WARPS
+            for i in cutlass.range(first, self.tile_n // self.page_rows, step, unroll=1):  # unrolled, the producer spills
                 _, _, row_block = geometry.paged_piece(n_block, i, self.tile_n, self.page_rows, mX.shape[0])
                 page = cute.arch.shuffle_sync(entry, i)
                 gX = cute.local_tile(mX[None, None, head_kv, page], (self.page_rows, hdim), (row_block, 0))
