@@ -8,6 +8,7 @@ one process (issue 25 item 3: page 16 and 32 prefill >= 0.95x contiguous).
     # GPU (carry .device-deps and .ab_pages):
     source .device-deps/activate.sh && python tools/ab_pages.py --cache-dir .ab_pages --out $OUT/ab_pages.json
     python tools/ab_pages.py --dry-run        # no GPU, no compile: every variant's config
+    # --variants NAME ...: only those (and shipped), in all three modes
 
 Data (tools/bench_pages.py's prefill): 64k tokens in sequences of 128..16k keys (flash4.bench.varlen's
 lengths), causal, d128, 32 query / 8 KV heads, bf16. "contiguous" is the varlen config on packed
@@ -89,8 +90,9 @@ def shipped_config(page: int):
     return fwd_config(request, 90).cfg
 
 
-def variants(page: int) -> dict:
-    """{name: FwdConfig} of one page size, "shipped" first (module docstring)."""
+def variants(page: int, only=None) -> dict:
+    """{name: FwdConfig} of one page size, "shipped" first (module docstring); only: the names to keep
+    (None: all; "shipped" is always kept)."""
     from flash4.config import paged_page_rows, with_seq_layout
 
     paged = dict(varlen_q=True, seqused_k=True)
@@ -112,14 +114,16 @@ def variants(page: int) -> dict:
     out.update(tma=tma(False), tma_s3=tma(False, 3), tma_pf=tma(True))
     if page <= 32:
         out.update(tma_pf_s3=tma(True, 3), tma_pf4=tma(True, all_warps=True), tma_pf4_s3=tma(True, 3, all_warps=True))
+    if only is not None:
+        out = {name: cfg for name, cfg in out.items() if name == "shipped" or name in only}
     return out
 
 
-def plan_configs(pages=PAGES) -> list:
+def plan_configs(pages=PAGES, only=None) -> list:
     """Every kernel config the run loads, without duplicates, in a fixed order."""
     out = [contiguous_config()]
     for page in pages:
-        out += list(variants(page).values())
+        out += list(variants(page, only).values())
     return list(dict.fromkeys(out))
 
 
@@ -135,24 +139,24 @@ def short(cfg) -> str:
     return " ".join(bits + [f"stages {cfg.kv_stages}"])
 
 
-def print_plan(pages) -> None:
+def print_plan(pages, only=None) -> None:
     print(f"prefill: 64k tokens varlen, causal, d{HEADDIM}, {NHEADS}/{NHEADS_K} heads, {DTYPE}")
     print(f"  contiguous: {short(contiguous_config())}")
     for page in pages:
-        for name, cfg in variants(page).items():
+        for name, cfg in variants(page, only).items():
             print(f"  page {page:4d} {name:12s} {short(cfg)}  (smem {cfg.smem_bytes()} B)")
-    print(f"{len(plan_configs(pages))} kernels")
+    print(f"{len(plan_configs(pages, only))} kernels")
 
 
 # ------------------------------------------------------------------------------------------- compile
-def precompile(pages) -> int:
+def precompile(pages, only=None) -> int:
     """Compile every kernel of the run into the disk cache (no GPU); 1 if one spills."""
     from flash4 import env
     from flash4.compile import cache
     from flash4.compile.check import compile_check
 
     t0 = time.perf_counter()
-    configs = plan_configs(pages)
+    configs = plan_configs(pages, only)
     rows = compile_check(configs, compiler=lambda cfg: _compile_and_store(cache, cfg))
     bad = 0
     for cfg, row in zip(configs, rows):
@@ -222,7 +226,7 @@ def reldiff(a, b) -> float:
     return float((a - b).abs().nan_to_num(math.inf).max() / b.abs().max().clamp_min(1e-30))
 
 
-def run(pages, rounds: int, rep_ms: float) -> list[dict]:
+def run(pages, rounds: int, rep_ms: float, only=None) -> list[dict]:
     import torch
 
     from flash4.bench import common
@@ -260,7 +264,7 @@ def run(pages, rounds: int, rep_ms: float) -> list[dict]:
         seqs = (cu, None, None, used, table)
         row = {"page": page, "variants": {}}
         fns = {"contiguous": contiguous}
-        for name, cfg in variants(page).items():
+        for name, cfg in variants(page, only).items():
             fn, outs = call(cfg, kc, vc, seqs)
             fn()
             torch.cuda.synchronize()
@@ -308,17 +312,24 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=ROUNDS)
     p.add_argument("--rep-ms", type=float, default=REP_MS)
     p.add_argument("--out", help="JSON file for the rows")
+    p.add_argument("--variants", nargs="+", help="the variants to run (default all; shipped always)")
     args = p.parse_args(argv)
     pages = tuple(int(x) for x in args.pages.split(","))
+    only = args.variants
+    if only is not None:
+        known = {name for page in pages for name in variants(page)}
+        unknown = sorted(set(only) - known)
+        if unknown:
+            p.error(f"--variants: unknown {unknown}; these pages have {sorted(known)}")
     if args.cache_dir:
         os.environ["FLASH4_CACHE_DIR"] = os.path.abspath(args.cache_dir)
         os.environ.pop("FLASH4_CACHE", None)
     if args.dry_run:
-        print_plan(pages)
+        print_plan(pages, only)
         return 0
     if args.precompile:
-        print_plan(pages)
-        return precompile(pages)
+        print_plan(pages, only)
+        return precompile(pages, only)
     import torch
 
     if not torch.cuda.is_available():
@@ -326,7 +337,7 @@ def main(argv=None) -> int:
         return 2
     print(f"{torch.cuda.get_device_name()}; rounds {args.rounds}, rep {args.rep_ms} ms")
     t0 = time.perf_counter()
-    rows = run(pages, args.rounds, args.rep_ms)
+    rows = run(pages, args.rounds, args.rep_ms, only)
     bad = failures(rows)
     print(f"\n{time.perf_counter() - t0:.0f} s; " + ("all variants bitwise equal to contiguous" if not bad else
                                                       "NOT bitwise: " + ", ".join(bad)))

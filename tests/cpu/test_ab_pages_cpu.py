@@ -2,6 +2,7 @@
 kernel list --precompile builds (what the device run loads), the NaN-tailed page pool, and the
 report's check. The GPU run: python tools/ab_pages.py --cache-dir DIR --out FILE."""
 
+import dataclasses
 import math
 import os
 import sys
@@ -25,7 +26,7 @@ def _defaults(monkeypatch):
 def test_dry_run(capsys):
     assert tool.main(["--dry-run"]) == 0
     text = capsys.readouterr().out
-    assert "page   16 g_zf_s3" in text and "page   64 tma_pf" in text and "20 kernels" in text
+    assert "page   16 g_zf_s3" in text and "page   64 tma_pf" in text and "24 kernels" in text
 
 
 def test_variants():
@@ -43,6 +44,13 @@ def test_variants():
     assert v16["g_zf_s3"] == v128["g_zf_s3"] and v16["g_zf_s3"].gather_zero_fill
     assert v16["g_cl"] == v128["g_cl"] and v16["g_cl"].gather_clamp_late and not v16["g_zf"].gather_clamp_late
     assert v16["g_ps"] == v128["g_ps"] and v16["g_ps"].gather_ptr_shuffle and not v16["g_zf"].gather_ptr_shuffle
+    # the four-warp TMA issue (page_pieces_all_warps): tma_pf / tma_pf_s3 with the switch, pages <= 32
+    for v in (v16, v32):
+        assert v["tma_pf4"] == dataclasses.replace(v["tma_pf"], page_pieces_all_warps=True)
+        assert v["tma_pf4_s3"] == dataclasses.replace(v["tma_pf_s3"], page_pieces_all_warps=True)
+    assert "tma_pf4" not in v64 and not any(c.page_pieces_all_warps for c in (*v16.values(), *v32.values())
+                                            if c not in (v16["tma_pf4"], v16["tma_pf4_s3"], v32["tma_pf4"],
+                                                         v32["tma_pf4_s3"]))
     for cfg in [c for v in (v16, v32, v64, v128) for c in v.values()]:
         assert cfg.paged and cfg.causal and cfg.headdim == 128 and cfg.varlen_q and cfg.seqused_k
         assert cfg.smem_bytes() + 1024 <= 227 * 1024
@@ -50,7 +58,7 @@ def test_variants():
 
 def test_plan_configs_cover_every_variant():
     configs = tool.plan_configs()
-    assert len(configs) == len(set(configs)) == 20
+    assert len(configs) == len(set(configs)) == 24
     assert configs[0] == tool.contiguous_config() and configs[0].varlen_k
     for page in tool.PAGES:
         assert set(tool.variants(page).values()) <= set(configs)
@@ -89,3 +97,15 @@ def test_failures_and_report():
     assert tool.failures(rows) == ["page 16 g"]
     text = tool.format_row(rows[0])
     assert "0.960x contiguous (met)" in text and "NOT bitwise" in text
+
+
+def test_variants_selection(capsys):
+    """--variants keeps the named variants and shipped, in every mode; an unknown name is an error."""
+    only = ["tma_pf4", "tma_pf4_s3"]
+    assert list(tool.variants(16, only)) == ["shipped", "tma_pf4", "tma_pf4_s3"]
+    assert list(tool.variants(64, only)) == ["shipped"]
+    assert len(tool.plan_configs((16, 32), only)) == 7  # contiguous, the two pages' shipped, four candidates
+    assert tool.main(["--dry-run", "--pages", "16,32", "--variants", *only]) == 0
+    assert "page   32 tma_pf4_s3" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        tool.main(["--dry-run", "--pages", "16", "--variants", "bogus"])
