@@ -27,6 +27,23 @@ def test_shard_files_balanced_and_complete():
     assert shard_files(counts, 7)[5:] == [set(), set()]  # more parts than files: the rest are empty
 
 
+def test_file_weights_seconds_else_counts(tmp_path):
+    conf = _root_conftest()
+    counts = {"a.py": 10, "b.py": 4, "new.py": 3}
+    w = conf.file_weights(counts, {"a.py": 50.0, "b.py": 20.0, "gone.py": 9.0})
+    assert w == {"a.py": 50.0, "b.py": 20.0, "new.py": 15.0}  # the unrecorded file: 3 x 70 s / 14 tests
+    assert conf.file_weights(counts, {}) == {"a.py": 10, "b.py": 4, "new.py": 3}  # no record: by count
+    # seconds, not counts, decide: one slow file against many quick ones
+    assert conf.shard_files(conf.file_weights({"slow.py": 2, "x.py": 50, "y.py": 50},
+                                              {"slow.py": 900.0, "x.py": 100.0, "y.py": 100.0}), 2) == [
+        {"slow.py"}, {"x.py", "y.py"}]
+    assert conf.recorded_seconds(tmp_path / "absent.json") == {}
+    (tmp_path / "bad.json").write_text("{")
+    assert conf.recorded_seconds(tmp_path / "bad.json") == {}
+    seconds = conf.recorded_seconds()  # the checked-in record covers every GPU test file
+    assert seconds and {f"tests/gpu/{p.name}" for p in (_ROOT / "tests" / "gpu").glob("test_*.py")} <= set(seconds)
+
+
 def _collect(*args):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(str(_ROOT / p) for p in ("src", "tools", "tests/cpu")))
     out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
@@ -45,7 +62,9 @@ def test_shard_option_partitions_the_gpu_suite():
     assert sorted(parts[0] + parts[1]) == sorted(every) and not set(parts[0]) & set(parts[1])
     files = [{i.split("::")[0] for i in ids} for ids in parts]
     assert not files[0] & files[1]  # whole files per part
-    assert abs(len(parts[0]) - len(parts[1])) <= 0.2 * len(every)
+    seconds = _root_conftest().recorded_seconds()
+    loads = [sum(seconds[f] for f in part) for part in files]
+    assert abs(loads[0] - loads[1]) <= 0.2 * sum(loads)  # balanced by the recorded seconds
     rc, _, text = _collect("--shard", "3/2")
     assert rc != 0 and "--shard must be K/N" in text
 
