@@ -1,6 +1,6 @@
-"""The forward's key-block loop on Hopper, flash4 beside flash-attn-4, from SASS compiled on the CPU
-(no GPU): per implementation the innermost loop that issues the block's exponentials (MUFU.EX2) and
-wgmmas, its static instruction count, opcode mix and, with --sequence, its opcode sequence
+"""The forward's key-block loop (or, --bwd, the backward's query-tile step) on Hopper, flash4 beside
+flash-attn-4, from SASS compiled on the CPU (no GPU): per implementation the innermost loop that
+issues the block's exponentials (MUFU.EX2) and wgmmas, its static instruction count, opcode mix and, with --sequence, its opcode sequence
 (run-length encoded; branches, barriers and wgmma waits with their addresses). Static counts: a
 branch's two sides both count (flash4's exact-path and rescale branches), so read the sequence for
 the common path. docs/design/speed_candidates.md section 20 has the d64 full reading.
@@ -92,19 +92,24 @@ def report(name: str, sass: str, show_sequence: bool) -> None:
         print("  " + sequence(ins, first, last))
 
 
-def flash4_sass(headdim: int, causal: bool, seqlen: int, switches: tuple) -> tuple[str, str]:
-    from flash4.compile.cache import compile_fwd
+def flash4_sass(headdim: int, causal: bool, seqlen: int, switches: tuple, bwd: bool = False) -> tuple[str, str]:
+    from flash4.compile.cache import compile_bwd, compile_fwd
     from flash4.compile.check import extract_cubin, sass_text
     from flash4.compile.jit import export_only
-    from flash4.config import select_fwd_config
+    from flash4.config import select_bwd_config, select_fwd_config
     from flash4.config.sm90 import with_fwd_switches
 
-    cfg = with_fwd_switches(select_fwd_config(headdim, "bf16", causal, seqlen_k=seqlen), switches)
+    if bwd:
+        cfg = select_bwd_config(headdim, "bf16", causal)
+        compile_ = compile_bwd
+    else:
+        cfg = with_fwd_switches(select_fwd_config(headdim, "bf16", causal, seqlen_k=seqlen), switches)
+        compile_ = compile_fwd
     with export_only():
-        return repr(cfg), sass_text(extract_cubin(compile_fwd(cfg)))
+        return repr(cfg), sass_text(extract_cubin(compile_(cfg)))
 
 
-def fa4_sass(fa4_path: str, headdim: int, causal: bool, seqlen: int) -> str | None:
+def fa4_sass(fa4_path: str, headdim: int, causal: bool, seqlen: int, bwd: bool = False) -> str | None:
     import fa4_sass_mix
 
     fi, why = fa4_sass_mix.load_fa4(fa4_path)
@@ -134,11 +139,16 @@ def fa4_sass(fa4_path: str, headdim: int, causal: bool, seqlen: int) -> str | No
             heads = 16 if headdim <= 128 else 8
             q, k, v = (torch.empty(32768 // seqlen, seqlen, heads, headdim, dtype=torch.bfloat16, device="cuda")
                        for _ in range(3))
-            fi._flash_attn_fwd(q, k, v, causal=causal, return_lse=True)
+            if bwd:
+                out, dout = torch.empty_like(q), torch.empty_like(q)
+                lse = torch.empty(q.shape[0], heads, seqlen, dtype=torch.float32, device="cuda")
+                fi._flash_attn_bwd(q, k, v, out, dout, lse, causal=causal)
+            else:
+                fi._flash_attn_fwd(q, k, v, causal=causal, return_lse=True)
     finally:
         cute.compile = real
     texts = [sass_text(extract_cubin(c)) for c in caught]
-    return max(texts, key=len) if texts else None
+    return max(texts, key=len) if texts else None  # the backward's main kernel, not its pre / postprocess
 
 
 def main(argv=None) -> int:
@@ -147,16 +157,17 @@ def main(argv=None) -> int:
     p.add_argument("--causal", action="store_true")
     p.add_argument("--seqlen", type=int, default=4096)
     p.add_argument("--switches", default="", help="flash4 forward speed switches, comma-separated")
+    p.add_argument("--bwd", action="store_true", help="the backward's main kernel (flash4: select_bwd_config)")
     p.add_argument("--fa4-path", default=os.environ.get("FA4_PATH", "/tmp/fa4"))
     p.add_argument("--flash4-only", action="store_true")
     p.add_argument("--sequence", action="store_true", help="also print each loop's opcode sequence")
     args = p.parse_args(argv)
     switches = tuple(s for s in args.switches.split(",") if s)
-    cfg, sass = flash4_sass(args.headdim, args.causal, args.seqlen, switches)
+    cfg, sass = flash4_sass(args.headdim, args.causal, args.seqlen, switches, args.bwd)
     print(cfg)
     report("flash4", sass, args.sequence)
     if not args.flash4_only:
-        sass = fa4_sass(args.fa4_path, args.headdim, args.causal, args.seqlen)
+        sass = fa4_sass(args.fa4_path, args.headdim, args.causal, args.seqlen, args.bwd)
         if sass is not None:
             report("flash-attn-4", sass, args.sequence)
     return 0
