@@ -34,6 +34,10 @@ or varlen request); each other variant is that config with one candidate on (shi
   p / m192p           d96: FwdConfig.p_smem (P through smem) at the 128-row tile, and with 192-row tiles
                       (m192n144p: 192 x 144 without a mask); shipped since 2026-12-04 on the plain dense
                       d96 forward (shipped_p_smem), where nop times the 128 x 128 tile with P in registers.
+  p / n160p / n176p / n192p  d64 full: P through smem at the shipped 192 x 128 tile and with 160 / 176 /
+                      192 keys per block (FlashAttention-3's d64 non-causal tile is 192 x 192 with P
+                      through smem; with P in registers those tiles spill). Same math, another key
+                      blocking: out within the tolerance, not bitwise (speed_candidates.md section 20).
   pers / pers_eq / n64  windows: persistent CTAs (O in its own buffer; pers_eq: Q released after the
                       last Q K^T as well), and 64-key blocks.
   mb / nomb           FwdConfig.mask_bits: the score mask from a 32-bit word per row (R2P) instead of
@@ -245,6 +249,15 @@ def _all_variants(case) -> dict:
         out["m192pra"] = dataclasses.replace(cfg, p_smem=True, tile_m=192, rescale_always=True)
         if not cfg.causal:  # flash-attn-4's d96 tile without a mask: 192 x 144
             out["m192n144p"] = dataclasses.replace(cfg, p_smem=True, tile_m=192, tile_n=144)
+    if cfg.headdim == 64 and not cfg.causal and not cfg.local and not cfg.p_smem and not cfg.lookahead_qk:
+        # d64 full: FlashAttention-3's 192 x 192 tile with P through smem (tile_size.h: MmaPV_is_RS
+        # false there); with P in registers every wider key tile spills (35-137 instructions, sm_90a)
+        from flash4.config.sm90 import fwd_smem_fits
+
+        for name, n in (("p", cfg.tile_n), ("n160p", 160), ("n176p", 176), ("n192p", 192)):
+            wide = dataclasses.replace(cfg, p_smem=True, tile_n=n)
+            if fwd_smem_fits(wide):
+                out[name] = wide
     if cfg.mask_bits:  # shipped on dense windows since 2026-12-04 (shipped_mask_bits): time it off
         out["nomb"] = dataclasses.replace(cfg, mask_bits=False)
     elif cfg.causal and ONLY is not None and "mb" in ONLY:  # measured neutral on causal cells: on request

@@ -207,6 +207,22 @@ def test_tool_plan(capsys):
     assert len(tool.plan_kernels(tool.CELLS)) == len({c for case in tool.CELLS for c in tool.variants(case).values()})
 
 
+def test_tool_d64_full_p_smem_tiles():
+    """d64 full cells: P through smem at 192 x 128 / 160 / 176 / 192 (FlashAttention-3's d64 tile is 192 x
+    192 with P through smem); not on causal d64 cells nor at other head dims."""
+    import ab_fwd as tool
+
+    cells = {case.name: case for case in list(tool.CELLS) + list(getattr(tool, "EXTRA_CELLS", ()))}
+    full = tool.variants(cells["d64_full_4k"])
+    for name, n in (("p", 128), ("n160p", 160), ("n176p", 176), ("n192p", 192)):
+        cfg = full[name]
+        assert cfg.p_smem and cfg.tile_n == n and cfg.tile_m == full["shipped"].tile_m == 192, (name, cfg)
+        assert dataclasses.replace(cfg, p_smem=False, tile_n=128) == full["shipped"]
+    for other in ("d64_causal_4k", "d128_full_4k"):
+        if other in cells:
+            assert not {"n160p", "n176p", "n192p"} & set(tool.variants(cells[other])), other
+
+
 def test_tool_run_cell_plumbing(monkeypatch):
     """run_cell on the CPU with small shapes and a recording stand-in for the compiled kernel: every
     variant launches with the layout flash4.forward uses (dense (B, S, H, D) / lse (B, H, S); varlen
