@@ -26,6 +26,7 @@ select_bwd_config), compiled as `python -m flash4 compile-check --arch sm_100a` 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -152,39 +153,46 @@ def load_fa4(path: str | None):
     return fi, version
 
 
+@contextlib.contextmanager
+def catching_compiles():
+    """Within it, every cute.compile result (FA4 calls both cute.compile(...) and
+    cute.compile[options](...)) is also appended to the yielded list."""
+    import cutlass.cute as cute
+
+    caught, real = [], cute.compile
+
+    class Catch:
+        def __getitem__(self, key):
+            inner = real[key]
+            return lambda *a, **k: caught.append(inner(*a, **k)) or caught[-1]
+
+        def __call__(self, *a, **k):
+            caught.append(real(*a, **k))
+            return caught[-1]
+
+    cute.compile = Catch()
+    try:
+        yield caught
+    finally:
+        cute.compile = real
+
+
 def fa4_mix(fi, pass_: str, headdim: int, causal: bool) -> dict:
     """FA4's sm100 kernel for (pass, headdim, causal, bf16) on FAKE_SHAPE: {"config", "mix"}."""
-    import cutlass.cute as cute
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from flash4.compile.check import extract_cubin
 
-    caught = []
-    real_compile = cute.compile
-
-    class Catch:  # cute.compile[...](...) and cute.compile(...) both occur
-        def __getitem__(self, key):
-            inner = real_compile[key]
-            return lambda *a, **k: caught.append(inner(*a, **k)) or caught[-1]
-
-        def __call__(self, *a, **k):
-            caught.append(real_compile(*a, **k))
-            return caught[-1]
-
-    cute.compile = Catch()
-    try:
-        with FakeTensorMode():
-            b, s, h = FAKE_SHAPE
-            q, k, v = (torch.empty(b, s, h, headdim, dtype=torch.bfloat16, device="cuda") for _ in range(3))
-            if pass_ == "fwd":
-                fi._flash_attn_fwd(q, k, v, causal=causal, return_lse=True)
-            else:
-                out, dout = torch.empty_like(q), torch.empty_like(q)
-                lse = torch.empty(b, h, s, dtype=torch.float32, device="cuda")
-                fi._flash_attn_bwd(q, k, v, out, dout, lse, causal=causal)
-    finally:
-        cute.compile = real_compile
+    with catching_compiles() as caught, FakeTensorMode():
+        b, s, h = FAKE_SHAPE
+        q, k, v = (torch.empty(b, s, h, headdim, dtype=torch.bfloat16, device="cuda") for _ in range(3))
+        if pass_ == "fwd":
+            fi._flash_attn_fwd(q, k, v, causal=causal, return_lse=True)
+        else:
+            out, dout = torch.empty_like(q), torch.empty_like(q)
+            lse = torch.empty(b, h, s, dtype=torch.float32, device="cuda")
+            fi._flash_attn_bwd(q, k, v, out, dout, lse, causal=causal)
     if not caught:
         raise RuntimeError("flash-attn-4 compiled nothing (an in-memory cache hit?)")
     mixes = [sass_mix(c) for c in (extract_cubin(c) for c in caught) if c is not None]

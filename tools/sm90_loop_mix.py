@@ -116,37 +116,21 @@ def fa4_sass(fa4_path: str, headdim: int, causal: bool, seqlen: int, bwd: bool =
     if fi is None:
         print(f"flash-attn-4: {why}")
         return None
-    import cutlass.cute as cute
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from flash4.compile.check import extract_cubin, sass_text
 
-    caught, real = [], cute.compile
-
-    class Catch:  # cute.compile[...](...) and cute.compile(...) both occur
-        def __getitem__(self, key):
-            inner = real[key]
-            return lambda *a, **k: caught.append(inner(*a, **k)) or caught[-1]
-
-        def __call__(self, *a, **k):
-            caught.append(real(*a, **k))
-            return caught[-1]
-
-    cute.compile = Catch()
-    try:
-        with FakeTensorMode():
-            heads = 16 if headdim <= 128 else 8
-            q, k, v = (torch.empty(32768 // seqlen, seqlen, heads, headdim, dtype=torch.bfloat16, device="cuda")
-                       for _ in range(3))
-            if bwd:
-                out, dout = torch.empty_like(q), torch.empty_like(q)
-                lse = torch.empty(q.shape[0], heads, seqlen, dtype=torch.float32, device="cuda")
-                fi._flash_attn_bwd(q, k, v, out, dout, lse, causal=causal)
-            else:
-                fi._flash_attn_fwd(q, k, v, causal=causal, return_lse=True)
-    finally:
-        cute.compile = real
+    with fa4_sass_mix.catching_compiles() as caught, FakeTensorMode():
+        heads = 16 if headdim <= 128 else 8
+        q, k, v = (torch.empty(32768 // seqlen, seqlen, heads, headdim, dtype=torch.bfloat16, device="cuda")
+                   for _ in range(3))
+        if bwd:
+            out, dout = torch.empty_like(q), torch.empty_like(q)
+            lse = torch.empty(q.shape[0], heads, seqlen, dtype=torch.float32, device="cuda")
+            fi._flash_attn_bwd(q, k, v, out, dout, lse, causal=causal)
+        else:
+            fi._flash_attn_fwd(q, k, v, causal=causal, return_lse=True)
     texts = [sass_text(extract_cubin(c)) for c in caught]
     return max(texts, key=len) if texts else None  # the backward's main kernel, not its pre / postprocess
 

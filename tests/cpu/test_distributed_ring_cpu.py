@@ -325,13 +325,16 @@ def _check_case(case, world, shards_by_rank, inputs):
                                         f"+ {atol}")
 
 
-def _threaded_ring(case, world, inputs):
+def _threaded_ring(case, world, inputs, rank_fn=None):
+    """rank_fn(case, *inputs, rank, world, ring) (default _ring_rank) of every rank, each on its own
+    thread over local_rings(world); the results by rank."""
+    rank_fn = _ring_rank if rank_fn is None else rank_fn
     rings = fd.local_rings(world)
     results, errors = [None] * world, []
 
     def rank_main(r):
         try:
-            results[r] = _ring_rank(case, *inputs, r, world, rings[r])
+            results[r] = rank_fn(case, *inputs, r, world, rings[r])
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
@@ -385,22 +388,7 @@ def test_backward_here_equals_autograd(case, world):
     GPU must use, autograd's one CUDA worker thread would deadlock them) gives autograd's gradients
     bitwise, both doors, with the lse gradient; each emulated rank runs both in turn."""
     inputs = _inputs(case, world, seed=11 + world)
-    rings = fd.local_rings(world)
-    results, errors = [None] * world, []
-
-    def rank_main(r):
-        try:
-            results[r] = _backward_here_rank(case, *inputs, r, world, rings[r] if world > 1 else None)
-        except BaseException as e:  # noqa: BLE001 - reported below
-            errors.append(e)
-
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
-    if errors:
-        raise errors[0]
+    results = _threaded_ring(case, world, inputs, rank_fn=_backward_here_rank)
     for here, via in results:
         for g, r in zip(here, via):
             assert g.dtype == r.dtype and torch.equal(g, r)
