@@ -127,7 +127,7 @@ def backward_here(out, dout, lse=None, dlse=None):
         raise ValueError(f"backward_here: dout must have out's shape {tuple(out.shape)}, got {tuple(dout.shape)}")
     if (lse is None) != (dlse is None) or (lse is not None and dlse.shape != lse.shape):
         raise ValueError("backward_here: pass lse and dlse together, dlse of lse's shape")
-    saved_out = node.saved_tensors[3]
+    saved_out = node.saved_tensors[3]  # RingAttnFunction.forward saves (q, k, v, out, lse)
     grad_lse = None
     if dlse is not None:  # the dense door returns lse (batch, nheads, seqlen): the ring's (nheads, rows)
         grad_lse = dlse.permute(1, 0, 2).reshape(dlse.shape[1], -1) if dlse.dim() == 3 else dlse
