@@ -11,7 +11,7 @@ one process (issue 25 item 3: page 16 and 32 prefill >= 0.95x contiguous).
     # --variants NAME ...: only those (and shipped), in all three modes
 
 Data (tools/bench_pages.py's prefill): 64k tokens in sequences of 128..16k keys (flash4.bench.varlen's
-lengths), causal, d128, 32 query / 8 KV heads, bf16. "contiguous" is the varlen config on packed
+lengths), causal, d128 (--headdim D, --full: other cells), 32 query / 8 KV heads, bf16. "contiguous" is the varlen config on packed
 K/V (cu_seqlens_k); each page size P lays the same keys into pages of P rows in random order
 (page_table + seqused_k), the rows past each sequence's end in its last page set to NaN (nothing past
 seqlen_k may reach a result: the check below would see it).
@@ -28,9 +28,9 @@ Variants (kernel configs, called through flash4's runner directly; the shipped d
                  producer instructions per key block, sm_90a SASS)
   tma, tma_s3    TMA page pieces (gcd(P, 128) rows per copy), 2 / 3 K/V stages
   tma_pf         the same with the page-table look-ahead (page_prefetch), every page size
-  tma_pf_s3      both, pages <= 32
+  tma_pf_s3      both, pieces of <= 32 rows
   tma_pf4, tma_pf4_s3   tma_pf / tma_pf_s3 with page_pieces_all_warps (the four producer warps issue the
-                 pieces, warp w every fourth one, instead of warp 0 alone); pages <= 32
+                 pieces, warp w every fourth one, instead of warp 0 alone); pieces of <= 32 rows
 Gathered kernels do not depend on the page size (one compile serves every P). A third candidate,
 64-bit row addresses shuffled per pass ("row offsets"), was removed after the H200 run of
 2026-12-02 night gave wrong results (docs/design/small_pages.md).
@@ -56,12 +56,19 @@ import time
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
-HEADDIM, NHEADS, NHEADS_K, DTYPE, CAUSAL, TILE_N = 128, 32, 8, "bf16", True, 128
+HEADDIM, NHEADS, NHEADS_K, DTYPE, CAUSAL = 128, 32, 8, "bf16", True
+DEFAULT_HEADDIM = HEADDIM  # --headdim's default (set_cell changes HEADDIM)
 PAGES = (16, 32, 64, 128)
 ROUNDS, REP_MS = 5, 100.0
 
 
 # ---------------------------------------------------------------------------------------------- plan
+def set_cell(headdim: int, causal: bool) -> None:
+    """The cell of this run (--headdim, --full): the module's HEADDIM and CAUSAL."""
+    global HEADDIM, CAUSAL
+    HEADDIM, CAUSAL = int(headdim), bool(causal)
+
+
 def base_config():
     from flash4.config import select_fwd_config
 
@@ -103,7 +110,7 @@ def variants(page: int, only=None) -> dict:
                                gather_clamp_late=clamp_late, gather_ptr_shuffle=ptr_shuffle)
 
     def tma(prefetch, stages=2, all_warps=False):
-        return with_seq_layout(base, **paged, page_rows=paged_page_rows(page, TILE_N), page_prefetch=prefetch,
+        return with_seq_layout(base, **paged, page_rows=paged_page_rows(page, base.tile_n), page_prefetch=prefetch,
                                kv_stages=stages, page_pieces_all_warps=all_warps)
 
     out = {"shipped": shipped_config(page)}
@@ -112,7 +119,7 @@ def variants(page: int, only=None) -> dict:
     out.update(g_zf=gathered(True), g_zf_s3=gathered(True, 3), g_cl=gathered(True, clamp_late=True),
                g_ps=gathered(True, ptr_shuffle=True))
     out.update(tma=tma(False), tma_s3=tma(False, 3), tma_pf=tma(True))
-    if page <= 32:
+    if paged_page_rows(page, base.tile_n) <= 32:
         out.update(tma_pf_s3=tma(True, 3), tma_pf4=tma(True, all_warps=True), tma_pf4_s3=tma(True, 3, all_warps=True))
     if only is not None:
         out = {name: cfg for name, cfg in out.items() if name == "shipped" or name in only}
@@ -140,7 +147,7 @@ def short(cfg) -> str:
 
 
 def print_plan(pages, only=None) -> None:
-    print(f"prefill: 64k tokens varlen, causal, d{HEADDIM}, {NHEADS}/{NHEADS_K} heads, {DTYPE}")
+    print(f"prefill: 64k tokens varlen, {'causal' if CAUSAL else 'full'}, d{HEADDIM}, {NHEADS}/{NHEADS_K} heads, {DTYPE}")
     print(f"  contiguous: {short(contiguous_config())}")
     for page in pages:
         for name, cfg in variants(page, only).items():
@@ -313,7 +320,10 @@ def main(argv=None) -> int:
     p.add_argument("--rep-ms", type=float, default=REP_MS)
     p.add_argument("--out", help="JSON file for the rows")
     p.add_argument("--variants", nargs="+", help="the variants to run (default all; shipped always)")
+    p.add_argument("--headdim", type=int, default=DEFAULT_HEADDIM, help=f"head dim (default {DEFAULT_HEADDIM})")
+    p.add_argument("--full", action="store_true", help="no causal mask (default causal)")
     args = p.parse_args(argv)
+    set_cell(args.headdim, not args.full)
     pages = tuple(int(x) for x in args.pages.split(","))
     only = args.variants
     if only is not None:
@@ -335,7 +345,8 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("ab_pages: needs a CUDA GPU (or --precompile / --dry-run)", file=sys.stderr)
         return 2
-    print(f"{torch.cuda.get_device_name()}; rounds {args.rounds}, rep {args.rep_ms} ms")
+    print(f"{torch.cuda.get_device_name()}; d{HEADDIM} {'causal' if CAUSAL else 'full'}, {NHEADS}/{NHEADS_K} heads; "
+          f"rounds {args.rounds}, rep {args.rep_ms} ms")
     t0 = time.perf_counter()
     rows = run(pages, args.rounds, args.rep_ms, only)
     bad = failures(rows)

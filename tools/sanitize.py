@@ -9,7 +9,7 @@
 Each case is one call (or a forward + backward) with valid metadata, tails that are not multiples of
 the tiles, and GQA, so every kernel flash4 launches on the H200 runs once: dense forward / backward
 (causal, window, softcap, sink, deterministic), varlen with seqused_q / seqused_k, paged K/V at page
-sizes 1, 4, 16 (gathered rows) and 64 (TMA pieces), the KV cache (dense, paged, cache_batch_idx,
+sizes 1, 4 (gathered rows), 16, 24, 32 (TMA pieces from the four producer warps) and 64 (TMA pieces), the KV cache (dense, paged, cache_batch_idx,
 appends across page boundaries) with split-KV and its combine. Kernels are compiled (or loaded from
 the disk cache) before the sanitizer-heavy part only in the sense that the first call of each case
 compiles; run once without the sanitizer first to fill the cache. Prints one line per case; exit 1
@@ -24,7 +24,7 @@ import sys
 
 CASE_NAMES = ("dense", "dense_causal_d64", "dense_d256", "dense_window", "dense_softcap_sink",
               "dense_deterministic", "varlen", "varlen_deterministic_d64", "paged_1", "paged_4", "paged_16",
-              "paged_64", "paged_16_whole_blocks", "kvcache_dense", "kvcache_dense_split4", "kvcache_batch_idx",
+              "paged_24", "paged_32", "paged_16_d64", "paged_64", "paged_16_whole_blocks", "kvcache_dense", "kvcache_dense_split4", "kvcache_batch_idx",
               "kvcache_paged_16", "kvcache_paged_1_split3", "kvcache_paged_64")
 
 
@@ -114,6 +114,9 @@ def _cases():
         "paged_1": lambda: paged(1),
         "paged_4": lambda: paged(4),
         "paged_16": lambda: paged(16),
+        "paged_24": lambda: paged(24),
+        "paged_32": lambda: paged(32),
+        "paged_16_d64": lambda: paged(16, d=64),
         "paged_64": lambda: paged(64),
         # key counts that are whole key blocks (128): no V tail to zero (racecheck A/B of zero_v_tail)
         "paged_16_whole_blocks": lambda: paged(16, lens=(128, 256, 384, 0)),

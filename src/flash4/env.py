@@ -146,6 +146,15 @@ def page_prefetch() -> bool | None:
     return _flag("FLASH4_PAGE_PREFETCH")
 
 
+def page_pieces_all_warps() -> bool | None:
+    """FLASH4_PAGE_PIECES_ALL_WARPS (0/1, true/false, on/off, yes/no), or None when unset: the paged
+    prefill loads pages that are multiples of 8 rows by TMA page pieces, pieces of at most 32 rows issued
+    by all four producer warps (FwdConfig.page_pieces_all_warps; on by default,
+    flash4.config.PAGE_PIECES_ALL_WARPS), instead of gathering pages of 8 and 16 rows and issuing every
+    piece from one warp. For A/B measurements (a PLAN_VARIABLES entry: the memo keys on it)."""
+    return _flag("FLASH4_PAGE_PIECES_ALL_WARPS")
+
+
 def gather_zero_fill() -> bool | None:
     """FLASH4_GATHER_ZERO_FILL (0/1, true/false, on/off, yes/no), or None when unset: the gathered
     paged path's producer zero-fills K/V rows past seqlen_k (FwdConfig.gather_zero_fill). For A/B
@@ -347,7 +356,7 @@ PLAN_VARIABLES = ("FLASH4_ARCH", "FLASH4_NUM_SMS", "FLASH4_FAMILY", "FLASH4_SMAL
                   "FLASH4_PAGE_PREFETCH", "FLASH4_SM100", "FLASH4_PORTABLE", "FLASH4_SM100_2CTA",
                   "FLASH4_GATHER_ZERO_FILL", "FLASH4_PAGED_KV_STAGES", "FLASH4_BWD_SWITCHES",
                   "FLASH4_FWD_SWITCHES", "FLASH4_DECODE_SCATTER", "FLASH4_NARROW_HEADDIMS", "FLASH4_HEADDIM16",
-                  "FLASH4_CACHE_HEADDIM16")
+                  "FLASH4_CACHE_HEADDIM16", "FLASH4_PAGE_PIECES_ALL_WARPS")
 _PLAN_KEYS = tuple(os.environ.encodekey(name) for name in PLAN_VARIABLES)
 
 

@@ -82,6 +82,44 @@ def expected_cache(args, seqlens, rows=None, table=None):
     return k_cache, v_cache
 
 
+def expected_prefill_paging(page: int, tile_n: int, headdim: int, all_warps=None, gather_max=None,
+                            prefetch=None) -> dict:
+    """What the paged PREFILL plan should load pages of `page` rows with, derived from flash4.config's
+    constants by the rule written above PAGE_PIECES_ALL_WARPS (not from flash4.config.sm90, whose code
+    this checks). all_warps / gather_max / prefetch: the values of FLASH4_PAGE_PIECES_ALL_WARPS (bool) /
+    FLASH4_PAGE_GATHER_MAX (int) / FLASH4_PAGE_PREFETCH (bool), None where unset.
+
+    Default: pages that are multiples of TMA_PAGE_ROWS load by TMA pieces of gcd(page, tile_n) rows with
+    the look-ahead (none gathered: PREFILL_PAGE_GATHER_MAX); pieces of <= PAGE_PIECES_ALL_WARPS_MAX rows
+    issued by the four producer warps with PAGED_KV_STAGES stages; pieces of < SMALL_PIECE_ROWS rows
+    gathered below SMALL_PIECE_MIN_HEADDIM. all_warps False (or no look-ahead): the previous rules
+    (gathered up to PAGE_GATHER_MAX, one warp, PAGED_KV_STAGES_SMALL_PIECES for pieces of <=
+    SMALL_PAGE_PIECE_ROWS rows with the look-ahead). gather_max set: that limit and no head-dim rule
+    (the four warps still apply).
+
+    Returns page_rows, page_gather, page_prefetch, page_pieces_all_warps and stages: the K/V stages the
+    plan asks for (with_paged_kv_stages then keeps 2 where 3 do not fit the smem)."""
+    from flash4.config import (PAGE_GATHER_MAX, PAGE_PIECES_ALL_WARPS, PAGE_PIECES_ALL_WARPS_MAX, PAGE_PREFETCH,
+                               PAGED_KV_STAGES, PAGED_KV_STAGES_SMALL_PIECES, PREFILL_PAGE_GATHER_MAX,
+                               SMALL_PAGE_PIECE_ROWS, SMALL_PIECE_MIN_HEADDIM, SMALL_PIECE_ROWS, TMA_PAGE_ROWS)
+
+    prefetch = PAGE_PREFETCH if prefetch is None else bool(prefetch)
+    four = bool(PAGE_PIECES_ALL_WARPS if all_warps is None else all_warps) and prefetch  # needs the look-ahead
+    small_piece_rule = four and gather_max is None
+    if gather_max is None:
+        gather_max = PREFILL_PAGE_GATHER_MAX if four else PAGE_GATHER_MAX
+    rows = math.gcd(page, tile_n)
+    if page % TMA_PAGE_ROWS or page <= gather_max or (
+            small_piece_rule and rows < SMALL_PIECE_ROWS and headdim < SMALL_PIECE_MIN_HEADDIM):
+        return dict(page_rows=0, page_gather=True, page_prefetch=False, page_pieces_all_warps=False,
+                    stages=PAGED_KV_STAGES)
+    pieces4 = four and rows <= PAGE_PIECES_ALL_WARPS_MAX
+    stages = (PAGED_KV_STAGES_SMALL_PIECES if prefetch and rows <= SMALL_PAGE_PIECE_ROWS and not pieces4
+              else PAGED_KV_STAGES)
+    return dict(page_rows=rows, page_gather=False, page_prefetch=prefetch, page_pieces_all_warps=pieces4,
+                stages=stages)
+
+
 # ================================================================ the three doors and their validate pairs
 def varlen_kwargs():
     gen = torch.Generator().manual_seed(1)

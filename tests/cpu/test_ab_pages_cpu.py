@@ -19,8 +19,11 @@ import ab_pages as tool  # noqa: E402
 @pytest.fixture(autouse=True)
 def _defaults(monkeypatch):
     for name in ("FLASH4_GATHER_ZERO_FILL", "FLASH4_PAGED_KV_STAGES",
-                 "FLASH4_PAGE_GATHER_MAX", "FLASH4_PAGE_PREFETCH"):
+                 "FLASH4_PAGE_GATHER_MAX", "FLASH4_PAGE_PREFETCH", "FLASH4_PAGE_PIECES_ALL_WARPS"):
         monkeypatch.delenv(name, raising=False)
+    # the cell (set_cell, main's --headdim / --full): d128 causal, put back after each test
+    monkeypatch.setattr(tool, "HEADDIM", 128)
+    monkeypatch.setattr(tool, "CAUSAL", True)
 
 
 def test_dry_run(capsys):
@@ -29,14 +32,28 @@ def test_dry_run(capsys):
     assert "page   16 g_zf_s3" in text and "page   64 tma_pf" in text and "24 kernels" in text
 
 
-def test_variants():
+def test_variants(monkeypatch):
     v16, v32, v64, v128 = (tool.variants(p) for p in (16, 32, 64, 128))
-    assert list(v16)[0] == "shipped" and v16["shipped"].page_gather and v16["shipped"].gather_zero_fill
-    assert v16["shipped"] == v16["g_zf"]  # the default gathered path today
+    # since 2026-12-05 (H200 A/B, flash4.config.PAGE_PIECES_ALL_WARPS): pages 16 and 32 prefill by TMA
+    # pieces with the look-ahead, issued by all four producer warps, 2 stages
+    for v, rows in ((v16, 16), (v32, 32)):
+        assert list(v)[0] == "shipped" and v["shipped"] == v["tma_pf4"]
+        shipped = v["shipped"]
+        assert (shipped.page_rows, shipped.page_gather, shipped.page_prefetch, shipped.page_pieces_all_warps,
+                shipped.kv_stages) == (rows, False, True, True, 2) and not shipped.gather_zero_fill
+    # FLASH4_PAGE_PIECES_ALL_WARPS=0: the previous rules, page 16 gathered with the producer zero-fill,
+    # page 32 by one warp with 3 stages (since 2026-12-03 evening); the other variants unchanged
+    monkeypatch.setenv("FLASH4_PAGE_PIECES_ALL_WARPS", "0")
+    off16, off32 = tool.variants(16), tool.variants(32)
+    assert off16["shipped"] == off16["g_zf"] == v16["g_zf"] and off16["shipped"].gather_zero_fill
+    assert off32["shipped"] == off32["tma_pf_s3"] == v32["tma_pf_s3"] and off32["shipped"].kv_stages == 3
+    for off, on in ((off16, v16), (off32, v32)):
+        assert {k: c for k, c in off.items() if k != "shipped"} == {k: c for k, c in on.items() if k != "shipped"}
+    monkeypatch.delenv("FLASH4_PAGE_PIECES_ALL_WARPS")
     assert v16["g"].page_gather and not v16["g"].gather_zero_fill and "g" not in v32
     assert v16["g_zf_s3"].kv_stages == 3 and v16["tma_s3"].kv_stages == 3 and v16["tma"].page_rows == 16
-    # since 2026-12-03 evening: the look-ahead everywhere, with 3 stages at pieces of <= 32 rows
-    assert v32["shipped"] == v32["tma_pf_s3"] and v32["tma"].page_rows == 32 and v32["tma_pf"].page_prefetch
+    # since 2026-12-03 evening: the look-ahead everywhere (tma_pf_s3: with 3 stages at pieces of <= 32 rows)
+    assert v32["tma_pf_s3"].kv_stages == 3 and v32["tma"].page_rows == 32 and v32["tma_pf"].page_prefetch
     assert v64["shipped"] == v64["tma_pf"] and v64["tma_pf"].page_rows == 64 and "tma_pf_s3" not in v64
     assert v128["tma"].page_rows == 128 and v128["tma_pf"].page_prefetch and "tma_pf_s3" not in v128
     # a gathered kernel does not depend on the page size: one compile serves every page size
@@ -56,7 +73,10 @@ def test_variants():
         assert cfg.smem_bytes() + 1024 <= 227 * 1024
 
 
-def test_plan_configs_cover_every_variant():
+@pytest.mark.parametrize("all_warps", [None, "0"])
+def test_plan_configs_cover_every_variant(monkeypatch, all_warps):
+    if all_warps is not None:  # the shipped configs are variants either way: the same 24 kernels
+        monkeypatch.setenv("FLASH4_PAGE_PIECES_ALL_WARPS", all_warps)
     configs = tool.plan_configs()
     assert len(configs) == len(set(configs)) == 24
     assert configs[0] == tool.contiguous_config() and configs[0].varlen_k
@@ -64,14 +84,80 @@ def test_plan_configs_cover_every_variant():
         assert set(tool.variants(page).values()) <= set(configs)
 
 
+# The shipped variant of each page size on the d64 / d128 cells (causal or full): the H200 A/B of
+# 2026-12-05 (flash4.config, above PAGE_PIECES_ALL_WARPS), and with FLASH4_PAGE_PIECES_ALL_WARPS=0.
+SHIPPED = {
+    (None, 128): {8: "tma_pf4", 16: "tma_pf4", 24: "tma_pf4", 32: "tma_pf4", 48: "tma_pf4", 64: "tma_pf"},
+    (None, 64): {8: "g_zf", 16: "tma_pf4", 24: "g_zf", 32: "tma_pf4", 48: "tma_pf4", 64: "tma_pf"},
+    ("0", 128): {8: "g_zf", 16: "g_zf", 24: "tma_pf_s3", 32: "tma_pf_s3", 48: "tma_pf_s3", 64: "tma_pf"},
+    ("0", 64): {8: "g_zf", 16: "g_zf", 24: "tma_pf_s3", 32: "tma_pf_s3", 48: "tma_pf_s3", 64: "tma_pf"},
+}
+
+
+@pytest.mark.parametrize("all_warps", [None, "0"])
+@pytest.mark.parametrize("d, causal", [(128, True), (128, False), (64, True), (64, False)])
+def test_cells_and_piece_rows(monkeypatch, d, causal, all_warps):
+    """set_cell (--headdim / --full): every variant and the shipped config on that cell; tma_pf_s3 /
+    tma_pf4 / tma_pf4_s3 wherever the pieces have <= 32 rows (page 48: 16-row pieces), "g" at pages <= 16."""
+    from cpu_helpers import expected_prefill_paging
+
+    if all_warps is not None:
+        monkeypatch.setenv("FLASH4_PAGE_PIECES_ALL_WARPS", all_warps)
+    tool.set_cell(d, causal)
+    assert (tool.HEADDIM, tool.CAUSAL) == (d, causal)
+    assert tool.contiguous_config().headdim == d and tool.contiguous_config().causal == causal
+    for page in (8, 16, 24, 32, 48, 64):
+        v = tool.variants(page)
+        rows = math.gcd(page, 128)
+        assert ("tma_pf_s3" in v) == ("tma_pf4" in v) == ("tma_pf4_s3" in v) == (rows <= 32), page
+        assert ("g" in v) == (page <= 16) and v["tma"].page_rows == rows
+        assert v["shipped"] == v[SHIPPED[all_warps, d][page]], page
+        want = expected_prefill_paging(page, 128, d, all_warps=None if all_warps is None else False)
+        assert (v["shipped"].page_gather, v["shipped"].page_pieces_all_warps, v["shipped"].kv_stages) == (
+            want["page_gather"], want["page_pieces_all_warps"], want["stages"])
+        for cfg in v.values():
+            assert cfg.paged and cfg.causal == causal and cfg.headdim == d and cfg.varlen_q and cfg.seqused_k
+            assert cfg.smem_bytes() + 1024 <= 227 * 1024
+
+
+def test_main_takes_the_cell(capsys):
+    assert tool.main(["--dry-run", "--headdim", "64", "--full", "--pages", "8,48"]) == 0
+    text = capsys.readouterr().out
+    assert "full, d64" in text and (tool.HEADDIM, tool.CAUSAL) == (64, False)
+    assert "page    8 shipped      gather gather_zero_fill stages 2" in text  # 8-row pieces below d128: gathered
+    assert "page   48 shipped      tma pieces 16 prefetch four warps stages 2" in text
+    assert "page   48 tma_pf4_s3" in text  # 16-row pieces: the four-warp variants
+    # --headdim's default is the module's HEADDIM at the call (d64 now): named, and causal without --full
+    assert tool.main(["--dry-run", "--headdim", "128", "--pages", "8"]) == 0
+    text = capsys.readouterr().out
+    assert "causal, d128" in text and "page    8 shipped      tma pieces 8 prefetch four warps stages 2" in text
+
+
 def test_shipped_follows_the_switches(monkeypatch):
+    assert tool.shipped_config(16) == tool.variants(16)["tma_pf4"]  # the default (PAGE_PIECES_ALL_WARPS)
+    assert tool.shipped_config(32) == tool.variants(32)["tma_pf4"]
     monkeypatch.setenv("FLASH4_PAGED_KV_STAGES", "3")
+    assert tool.shipped_config(16) == tool.variants(16)["tma_pf4_s3"]
+    monkeypatch.setenv("FLASH4_PAGE_GATHER_MAX", "16")  # set explicitly, it wins: page 16 gathered
     assert tool.shipped_config(16) == tool.variants(16)["g_zf_s3"]
+    assert tool.shipped_config(32) == tool.variants(32)["tma_pf4_s3"]  # the four warps stay
+    monkeypatch.delenv("FLASH4_PAGE_GATHER_MAX")
+    monkeypatch.setenv("FLASH4_PAGE_PIECES_ALL_WARPS", "0")  # off: page 16 gathered as before
+    assert tool.shipped_config(16) == tool.variants(16)["g_zf_s3"]
+    assert tool.shipped_config(32) == tool.variants(32)["tma_pf_s3"]
     monkeypatch.setenv("FLASH4_GATHER_ZERO_FILL", "0")
     monkeypatch.setenv("FLASH4_PAGED_KV_STAGES", "2")
     assert tool.shipped_config(16) == tool.variants(16)["g"]
+    monkeypatch.delenv("FLASH4_PAGE_PIECES_ALL_WARPS")
+    monkeypatch.setenv("FLASH4_PAGE_PREFETCH", "0")  # the four-warp pieces need the look-ahead
+    assert tool.shipped_config(16) == tool.variants(16)["g"]
     monkeypatch.setenv("FLASH4_PAGE_PREFETCH", "1")
+    assert tool.shipped_config(16) == tool.variants(16)["tma_pf4"]
     assert tool.shipped_config(64) == tool.variants(64)["tma_pf"]
+    tool.set_cell(64, True)  # d64: page 8 gathered (the head-dim rule) unless FLASH4_PAGE_GATHER_MAX is set
+    assert tool.shipped_config(8) == tool.variants(8)["g"]  # FLASH4_GATHER_ZERO_FILL=0 still set
+    monkeypatch.setenv("FLASH4_PAGE_GATHER_MAX", "0")
+    assert tool.shipped_config(8) == tool.variants(8)["tma_pf4"]
 
 
 def test_paged_pool_lays_out_the_keys():
@@ -99,12 +185,17 @@ def test_failures_and_report():
     assert "0.960x contiguous (met)" in text and "NOT bitwise" in text
 
 
-def test_variants_selection(capsys):
+def test_variants_selection(capsys, monkeypatch):
     """--variants keeps the named variants and shipped, in every mode; an unknown name is an error."""
     only = ["tma_pf4", "tma_pf4_s3"]
     assert list(tool.variants(16, only)) == ["shipped", "tma_pf4", "tma_pf4_s3"]
     assert list(tool.variants(64, only)) == ["shipped"]
-    assert len(tool.plan_configs((16, 32), only)) == 7  # contiguous, the two pages' shipped, four candidates
+    # contiguous and four candidates; both pages' shipped is their tma_pf4 (no kernel of its own)
+    assert len(tool.plan_configs((16, 32), only)) == 5
+    # page 16's shipped gathered, page 32's tma_pf_s3 (one warp): two kernels more
+    monkeypatch.setenv("FLASH4_PAGE_PIECES_ALL_WARPS", "0")
+    assert len(tool.plan_configs((16, 32), only)) == 7
+    monkeypatch.delenv("FLASH4_PAGE_PIECES_ALL_WARPS")
     assert tool.main(["--dry-run", "--pages", "16,32", "--variants", *only]) == 0
     assert "page   32 tma_pf4_s3" in capsys.readouterr().out
     with pytest.raises(SystemExit):

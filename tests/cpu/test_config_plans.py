@@ -8,8 +8,9 @@ import dataclasses
 
 import pytest
 import torch
+from cpu_helpers import expected_prefill_paging
 
-from flash4.config import (GATHER_ZERO_FILL, PAGE_GATHER_MAX, PAGE_PREFETCH, BwdPlan, FwdPlan, bwd_config, fwd_config, paged_page_rows, select_bwd_config, select_fwd_config,
+from flash4.config import (GATHER_ZERO_FILL, PAGE_GATHER_MAX, PAGE_PREFETCH, BwdPlan, FwdPlan, bwd_config, fwd_config, select_bwd_config, select_fwd_config,
                            with_dkv_accum, with_pack_gqa, with_seq_layout)
 from flash4.config.sm90 import decode_plan, head_split_config, shipped_mask_bits, shipped_window_persistent
 from flash4.geometry import window_sides
@@ -67,15 +68,62 @@ def test_varlen_plan(seqused_q):
     assert plan.cfg.pack_gqa == 1 and not plan.cfg.persistent  # no dense-only policies on packed q
 
 
-@pytest.mark.parametrize("page_size", [16, 64, 256])
-def test_paged_plan(page_size):
+PAGE_SWITCHES = ("FLASH4_PAGE_PIECES_ALL_WARPS", "FLASH4_PAGE_GATHER_MAX", "FLASH4_PAGE_PREFETCH",
+                 "FLASH4_PAGED_KV_STAGES", "FLASH4_GATHER_ZERO_FILL")
+
+# The paged prefill of _packed (d64, tile_n 128) spelled out: (page_rows, four warps, K/V stages), or
+# None for gathered rows. Default (flash4.config.PAGE_PIECES_ALL_WARPS, H200 A/B of 2026-12-05): every
+# multiple of 8 by TMA pieces with the look-ahead, pieces of <= 32 rows from the four producer warps
+# with 2 stages, but 8-row pieces (pages 8, 24) gathered below d128. FLASH4_PAGE_PIECES_ALL_WARPS=0:
+# the previous rules (gathered up to page 16, one warp, 3 stages for pieces of <= 32 rows).
+D64_PREFILL_PAGING = {
+    None: {8: None, 16: (16, True, 2), 24: None, 64: (64, False, 2), 256: (128, False, 2)},
+    "0": {8: None, 16: None, 24: (8, False, 3), 64: (64, False, 2), 256: (128, False, 2)},
+}
+
+
+@pytest.mark.parametrize("all_warps", [None, "0"])
+@pytest.mark.parametrize("page_size", [8, 16, 24, 64, 256])
+def test_paged_plan(monkeypatch, page_size, all_warps):
+    for name in PAGE_SWITCHES:
+        monkeypatch.delenv(name, raising=False)
+    if all_warps is not None:
+        monkeypatch.setenv("FLASH4_PAGE_PIECES_ALL_WARPS", all_warps)
     plan = fwd_config(_packed(paged=True, page_size=page_size), 90)
     base = select_fwd_config(64, "bf16", False)
-    # page 16: gathered rows (PAGE_GATHER_MAX); larger pages: TMA pieces of gcd(page_size, tile_n) rows
-    # gathered: the producer zero-fills rows past seqlen_k (GATHER_ZERO_FILL)
-    layout = ({"page_gather": True, "gather_zero_fill": GATHER_ZERO_FILL} if page_size <= PAGE_GATHER_MAX
-              else {"page_rows": paged_page_rows(page_size, base.tile_n), "page_prefetch": PAGE_PREFETCH})
-    assert plan.cfg == with_seq_layout(base, varlen_q=True, seqused_k=True, **layout)
+    want = expected_prefill_paging(page_size, base.tile_n, 64, all_warps=None if all_warps is None else False)
+    # gathered: the producer zero-fills rows past seqlen_k (GATHER_ZERO_FILL); TMA pieces of
+    # gcd(page_size, tile_n) rows with the look-ahead, from the four warps up to PAGE_PIECES_ALL_WARPS_MAX rows
+    layout = ({"page_gather": True, "gather_zero_fill": GATHER_ZERO_FILL} if want["page_gather"] else
+              {"page_rows": want["page_rows"], "page_prefetch": want["page_prefetch"],
+               "page_pieces_all_warps": want["page_pieces_all_warps"]})
+    assert plan.cfg == with_seq_layout(base, varlen_q=True, seqused_k=True, kv_stages=want["stages"], **layout)
+    spelled = D64_PREFILL_PAGING[all_warps][page_size]  # the rule above, without the helper
+    got = None if plan.cfg.page_gather else (plan.cfg.page_rows, plan.cfg.page_pieces_all_warps, plan.cfg.kv_stages)
+    assert got == spelled and plan.cfg.page_prefetch == (spelled is not None)
+    assert plan.cfg.gather_zero_fill == (spelled is None and GATHER_ZERO_FILL)
+
+
+@pytest.mark.parametrize("all_warps", [None, "0"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("page", [8, 16, 24, 32, 64])
+def test_decode_keeps_gathered_page_16(monkeypatch, page, d, all_warps):
+    """The four-warp page pieces and the prefill's gather limit are prefill rules: a decode step keeps
+    page_policy() (pages of <= PAGE_GATHER_MAX rows gathered, page 16 included; TMA pieces from warp 0),
+    the same plan with FLASH4_PAGE_PIECES_ALL_WARPS unset or 0."""
+    for name in PAGE_SWITCHES:
+        monkeypatch.delenv(name, raising=False)
+    if all_warps is not None:
+        monkeypatch.setenv("FLASH4_PAGE_PIECES_ALL_WARPS", all_warps)
+    seq = SeqSpec(DECODE, seqused_k=meta(4, dtype=I32), page_table=meta(4, 16, dtype=I32))
+    step = Request.kvcache(meta(4, 1, 32, d), meta(64, page, 8, d), meta(64, page, 8, d), causal=True).with_seq(seq)
+    plan = fwd_config(step, 90, 132)
+    assert plan == decode_plan(4, 1, 32, 8, d, "bf16", True, page, 16 * page, 0, 90, 132, window_sides(None, True),
+                               page_policy=(PAGE_GATHER_MAX, PAGE_PREFETCH), gather_zero_fill=GATHER_ZERO_FILL)
+    assert not plan.cfg.page_pieces_all_warps
+    assert plan.cfg.page_gather == (page % 8 != 0 or page <= PAGE_GATHER_MAX)
+    if page <= 16:
+        assert plan.cfg.page_gather  # PAGE_GATHER_MAX == 16 (test_small_pages_cpu.py)
 
 
 @pytest.mark.parametrize("paged, num_splits, window", [(False, 0, None), (True, 0, None), (False, 3, None),

@@ -7,15 +7,18 @@ steady-state instructions. GPU side: tests/gpu/test_paged.py,
 test_small_pages.py, test_leak_fwd.py, tools/sanitize.py (racecheck, paged_16); speed: tools/ab_pages.py."""
 
 import dataclasses
+import math
 import re
 
 import pytest
 import torch
+from cpu_helpers import expected_prefill_paging
 
 from flash4 import env
-from flash4.config import (GATHER_ZERO_FILL, HDIMV_PAIRS, PAGE_PREFETCH, PAGED_KV_STAGES, PAGED_KV_STAGES_SMALL_PIECES,
-                           SMALL_PAGE_PIECE_ROWS, SUPPORTED_HEADDIMS, fwd_config,
-                           paged_layout, paged_page_rows, select_fwd_config, with_seq_layout)
+from flash4.config import (GATHER_ZERO_FILL, HDIMV_PAIRS, PAGE_GATHER_MAX, PAGE_PIECES_ALL_WARPS,
+                           PAGE_PIECES_ALL_WARPS_MAX, PAGE_PREFETCH, PAGED_KV_STAGES, PAGED_KV_STAGES_SMALL_PIECES,
+                           PREFILL_PAGE_GATHER_MAX, SMALL_PAGE_PIECE_ROWS, SMALL_PIECE_MIN_HEADDIM, SMALL_PIECE_ROWS,
+                           SUPPORTED_HEADDIMS, fwd_config, paged_layout, select_fwd_config, with_seq_layout)
 from flash4.config.sm90 import (FWD_SMEM_OVERHEAD, FwdConfig, decode_plan, fwd_smem_fits, gather_policy,
                                 with_gather, with_paged_kv_stages)
 from flash4.arch import capacity
@@ -99,26 +102,168 @@ def test_third_stage_where_smem_allows(d, dv, page):
     assert with_paged_kv_stages(persistent, 3) == persistent
 
 
-@pytest.mark.parametrize("page", [3, 16, 32, 128])
-def test_fwd_plan_applies_the_switches(page, monkeypatch):
-    for name in ("FLASH4_GATHER_ZERO_FILL", "FLASH4_PAGED_KV_STAGES", "FLASH4_PAGE_GATHER_MAX",
-                 "FLASH4_PAGE_PREFETCH"):
+PAGE_SWITCHES = ("FLASH4_GATHER_ZERO_FILL", "FLASH4_PAGED_KV_STAGES", "FLASH4_PAGE_GATHER_MAX",
+                 "FLASH4_PAGE_PREFETCH", "FLASH4_PAGE_PIECES_ALL_WARPS")
+
+
+@pytest.mark.parametrize("all_warps", [None, "0"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("page", [3, 8, 16, 24, 32, 48, 128])
+def test_fwd_plan_applies_the_switches(page, d, all_warps, monkeypatch):
+    """all_warps None: the shipped prefill policy (flash4.config.PAGE_PIECES_ALL_WARPS: TMA pieces of <= 32
+    rows from the four producer warps, 2 stages; 8-row pieces gathered below d128); "0":
+    FLASH4_PAGE_PIECES_ALL_WARPS=0, the previous rules (gathered up to page 16, one warp, 3 stages for
+    pieces of <= 32 rows). Expected values: cpu_helpers.expected_prefill_paging."""
+    for name in PAGE_SWITCHES:
         monkeypatch.delenv(name, raising=False)
-    cfg = fwd_config(_request(page), 90).cfg
-    gathered = page % 8 != 0 or page <= 16
-    small_pieces = not gathered and cfg.page_rows <= SMALL_PAGE_PIECE_ROWS  # 3 stages with the look-ahead
-    assert cfg.page_gather == gathered and cfg.page_prefetch == (not gathered and PAGE_PREFETCH)
-    assert cfg.kv_stages == (PAGED_KV_STAGES_SMALL_PIECES if small_pieces and PAGE_PREFETCH else 2)
+    if all_warps is not None:
+        monkeypatch.setenv("FLASH4_PAGE_PIECES_ALL_WARPS", all_warps)
+    flag = None if all_warps is None else False
+    cfg = fwd_config(_request(page, d), 90).cfg
+    want = expected_prefill_paging(page, cfg.tile_n, d, all_warps=flag)
+    gathered, pieces4 = want["page_gather"], want["page_pieces_all_warps"]
+    assert (cfg.page_rows, cfg.page_gather, cfg.page_prefetch, cfg.page_pieces_all_warps) == (
+        want["page_rows"], gathered, want["page_prefetch"], pieces4)
+    assert cfg.page_prefetch == (not gathered and PAGE_PREFETCH)
+    small_pieces = not gathered and cfg.page_rows <= SMALL_PAGE_PIECE_ROWS  # 3 stages with the look-ahead, one warp
+    assert cfg.kv_stages == want["stages"] == (PAGED_KV_STAGES_SMALL_PIECES if small_pieces and PAGE_PREFETCH
+                                               and not pieces4 else PAGED_KV_STAGES)  # d64 / d128 fit 3
     assert cfg.gather_zero_fill == (gathered and GATHER_ZERO_FILL)
+    if page == 16:  # spelled out: the default four-warp pieces, or gathered rows with the switch off
+        assert (cfg.page_gather, cfg.page_rows, cfg.page_pieces_all_warps) == (
+            (False, 16, True) if all_warps is None else (True, 0, False))
+    if page in (8, 24):  # 8-row pieces: by four warps at d128 only; one warp at page 24 with the switch off
+        assert (cfg.page_gather, cfg.page_rows, cfg.page_pieces_all_warps) == (
+            ((True, 0, False) if d < 128 else (False, 8, True)) if all_warps is None else
+            ((True, 0, False) if page == 8 else (False, 8, False)))
     monkeypatch.setenv("FLASH4_PAGED_KV_STAGES", "3")
-    cfg = fwd_config(_request(page), 90).cfg
+    cfg = fwd_config(_request(page, d), 90).cfg
     assert cfg.kv_stages == 3 and cfg.gather_zero_fill == (gathered and GATHER_ZERO_FILL)
+    assert (cfg.page_gather, cfg.page_pieces_all_warps) == (gathered, pieces4)  # stages only
     monkeypatch.setenv("FLASH4_GATHER_ZERO_FILL", "0")
-    assert not fwd_config(_request(page), 90).cfg.gather_zero_fill
+    assert not fwd_config(_request(page, d), 90).cfg.gather_zero_fill
     monkeypatch.setenv("FLASH4_PAGED_KV_STAGES", "2")
     monkeypatch.setenv("FLASH4_PAGE_PREFETCH", "0")
-    cfg = fwd_config(_request(page), 90).cfg
-    assert cfg.kv_stages == 2 and not cfg.page_prefetch
+    cfg = fwd_config(_request(page, d), 90).cfg
+    # no look-ahead: no four-warp pieces and no head-dim rule, the gather limit back to PAGE_GATHER_MAX
+    assert cfg.kv_stages == 2 and not cfg.page_prefetch and not cfg.page_pieces_all_warps
+    assert cfg.page_gather == (page % 8 != 0 or page <= PAGE_GATHER_MAX)
+    no_look_ahead = expected_prefill_paging(page, cfg.tile_n, d, all_warps=flag, prefetch=False)
+    assert cfg.page_gather == no_look_ahead["page_gather"]
+
+
+# The paged prefill spelled out for pages 8..64 at d64 / d128 (tile_n 128): (page_rows, four warps, K/V
+# stages), or None for gathered rows. Default: the H200 A/B of 2026-12-05 (flash4.config, above
+# PAGE_PIECES_ALL_WARPS); "0": FLASH4_PAGE_PIECES_ALL_WARPS=0, the rules before it.
+PREFILL_PAGING = {
+    (None, 128): {8: (8, True, 2), 16: (16, True, 2), 24: (8, True, 2), 32: (32, True, 2), 48: (16, True, 2),
+                  64: (64, False, 2)},
+    (None, 64): {8: None, 16: (16, True, 2), 24: None, 32: (32, True, 2), 48: (16, True, 2), 64: (64, False, 2)},
+    ("0", 128): {8: None, 16: None, 24: (8, False, 3), 32: (32, False, 3), 48: (16, False, 3), 64: (64, False, 2)},
+    ("0", 64): {8: None, 16: None, 24: (8, False, 3), 32: (32, False, 3), 48: (16, False, 3), 64: (64, False, 2)},
+}
+
+
+@pytest.mark.parametrize("all_warps", [None, "0"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("page", [8, 16, 24, 32, 48, 64])
+def test_prefill_page_policy(page, d, all_warps, monkeypatch):
+    """The paged prefill plan of pages 8 / 16 / 24 / 32 / 48 / 64 at d64 and d128, default and with
+    FLASH4_PAGE_PIECES_ALL_WARPS=0 (PREFILL_PAGING); cpu_helpers.expected_prefill_paging agrees."""
+    for name in PAGE_SWITCHES:
+        monkeypatch.delenv(name, raising=False)
+    if all_warps is not None:
+        monkeypatch.setenv("FLASH4_PAGE_PIECES_ALL_WARPS", all_warps)
+    cfg = fwd_config(_request(page, d), 90).cfg
+    spelled = PREFILL_PAGING[all_warps, d][page]
+    assert (None if cfg.page_gather else (cfg.page_rows, cfg.page_pieces_all_warps, cfg.kv_stages)) == spelled
+    if spelled is None:  # gathered rows: the producer zero-fill, 2 stages
+        assert (cfg.page_rows, cfg.page_prefetch, cfg.kv_stages, cfg.gather_zero_fill) == (
+            0, False, 2, GATHER_ZERO_FILL)
+    else:  # TMA pieces with the look-ahead
+        assert cfg.page_prefetch and not cfg.gather_zero_fill
+    want = expected_prefill_paging(page, cfg.tile_n, d, all_warps=None if all_warps is None else False)
+    assert (None if want["page_gather"] else
+            (want["page_rows"], want["page_pieces_all_warps"], want["stages"])) == spelled
+
+
+def test_prefill_page_policy_env(monkeypatch):
+    """prefill_page_policy() under the switches: the defaults; FLASH4_PAGE_PIECES_ALL_WARPS=0 (the previous
+    rules); FLASH4_PAGE_GATHER_MAX set explicitly wins and turns the head-dim rule off (the four warps
+    stay); no look-ahead, no four warps. Decode steps keep page_policy() (test_config_plans.py)."""
+    from flash4.config.sm90 import prefill_page_policy
+
+    for name in PAGE_SWITCHES:
+        monkeypatch.delenv(name, raising=False)
+    assert PAGE_PIECES_ALL_WARPS is True and PAGE_PREFETCH is True and PREFILL_PAGE_GATHER_MAX == 0
+    assert PAGE_PIECES_ALL_WARPS_MAX == SMALL_PAGE_PIECE_ROWS == 32 and PAGE_GATHER_MAX == 16
+    assert SMALL_PIECE_ROWS == 16 and SMALL_PIECE_MIN_HEADDIM == 128
+    assert prefill_page_policy() == (0, True, True, True)
+
+    def plan(page, d=128):
+        cfg = fwd_config(_request(page, d), 90).cfg
+        return None if cfg.page_gather else (cfg.page_rows, cfg.page_pieces_all_warps, cfg.kv_stages)
+
+    monkeypatch.setenv("FLASH4_PAGE_PIECES_ALL_WARPS", "1")  # set to the default: the same
+    assert prefill_page_policy() == (0, True, True, True) and plan(8, 64) is None and plan(16, 64) == (16, True, 2)
+    monkeypatch.setenv("FLASH4_PAGE_PIECES_ALL_WARPS", "0")
+    assert prefill_page_policy() == (PAGE_GATHER_MAX, True, False, False)
+    assert plan(16) is None and plan(32) == (32, False, 3)
+    monkeypatch.delenv("FLASH4_PAGE_PIECES_ALL_WARPS")
+    monkeypatch.setenv("FLASH4_PAGE_GATHER_MAX", "16")  # explicit: page 16 gathered again, page 24 at d64 not
+    assert prefill_page_policy() == (16, True, True, False)
+    assert plan(16) is None and plan(24, 64) == (8, True, 2) and plan(32, 64) == (32, True, 2)
+    monkeypatch.setenv("FLASH4_PAGE_GATHER_MAX", "0")  # explicit 0: 8-row pieces at d64 too, by four warps
+    assert prefill_page_policy() == (0, True, True, False)
+    assert plan(8, 64) == (8, True, 2) and plan(16) == (16, True, 2) and plan(64) == (64, False, 2)
+    monkeypatch.setenv("FLASH4_PAGE_PIECES_ALL_WARPS", "0")  # the previous one-warp pieces, 3 stages
+    assert prefill_page_policy() == (0, True, False, False)
+    assert plan(16) == (16, False, PAGED_KV_STAGES_SMALL_PIECES) and plan(8, 64) == (8, False, 3)
+    for name in PAGE_SWITCHES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("FLASH4_PAGE_PREFETCH", "0")  # the four warps need the look-ahead: the previous rules
+    assert prefill_page_policy() == (PAGE_GATHER_MAX, False, False, False)
+    assert plan(16) is None and plan(24, 64) == (8, False, 2) and plan(32) == (32, False, 2)
+
+
+@pytest.mark.parametrize("d", [64, 96, 128, 256])
+def test_prefill_paged_layout(d):
+    """prefill_paged_layout (pure) for pages 8..256: paged_layout of the policy's (gather_max, prefetch),
+    with pages whose pieces have < SMALL_PIECE_ROWS rows gathered below SMALL_PIECE_MIN_HEADDIM when the
+    small-piece rule is on; the policy's all_warps does not change the layout (with_page_pieces_all_warps)."""
+    from flash4.config.sm90 import prefill_paged_layout, with_page_pieces_all_warps
+
+    tile_n = select_fwd_config(d, "bf16", True).tile_n
+    assert tile_n == (80 if d == 256 else 128)
+    gathered_by_rule = {}
+    for gather_max, prefetch, small_piece_rule in ((0, True, True), (0, True, False), (16, True, False),
+                                                   (16, False, False), (8, True, True), (16, True, True)):
+        for page in range(8, 257):
+            layouts = [prefill_paged_layout(page, tile_n, d, (gather_max, prefetch, all_warps, small_piece_rule))
+                       for all_warps in (True, False)]
+            assert layouts[0] == layouts[1], (page, gather_max, small_piece_rule)
+            rows = math.gcd(page, tile_n)
+            gathered = page % 8 != 0 or page <= gather_max or (small_piece_rule and rows < 16 and d < 128)
+            want = ({"page_rows": 0, "page_gather": True} if gathered else
+                    {"page_rows": rows, "page_gather": False, "page_prefetch": prefetch})
+            assert layouts[0] == want, (page, gather_max, prefetch, small_piece_rule)
+            if not small_piece_rule:
+                assert layouts[0] == paged_layout(page, tile_n, gather_max, prefetch)
+            if (gather_max, small_piece_rule) == (0, True) and page % 8 == 0 and layouts[0]["page_gather"]:
+                gathered_by_rule.setdefault(d, []).append(page)
+    # the default policy gathers exactly the pages of 8-row pieces (8, 24, 40, ...) below d128, no multiple
+    # of 8 at d128 / d256 (d256's 80-key blocks give 8-row pieces too, pages 8, 24, 56, ...: TMA there)
+    assert gathered_by_rule.get(d, []) == (list(range(8, 257, 16)) if d < 128 else [])
+    # with_page_pieces_all_warps: TMA pieces of <= PAGE_PIECES_ALL_WARPS_MAX rows with the look-ahead only
+    base = with_seq_layout(select_fwd_config(d, "bf16", True), varlen_q=True, seqused_k=True)
+    for page in (8, 16, 32, 40, 48, 64, 128):
+        for prefetch in (True, False):
+            cfg = with_seq_layout(base, **paged_layout(page, tile_n, 0, prefetch))
+            four = with_page_pieces_all_warps(cfg, True)
+            assert four.page_pieces_all_warps == (prefetch and cfg.page_rows <= PAGE_PIECES_ALL_WARPS_MAX)
+            assert with_page_pieces_all_warps(cfg, False) == cfg
+            if not four.page_pieces_all_warps:
+                assert four == cfg
 
 
 def test_decode_plan_takes_the_gather_policy():
@@ -216,4 +361,5 @@ def test_zero_fill_cuts_the_producer_loop(rows):
 def test_switches_are_plan_variables():
     """flash4.memo keys prepared calls by the plan's environment: a switch flipped between calls
     (tools, GPU tests) must reach the plan."""
-    assert {"FLASH4_GATHER_ZERO_FILL", "FLASH4_PAGED_KV_STAGES"} <= set(env.PLAN_VARIABLES)
+    assert {"FLASH4_GATHER_ZERO_FILL", "FLASH4_PAGED_KV_STAGES", "FLASH4_PAGE_PIECES_ALL_WARPS",
+            "FLASH4_PAGE_GATHER_MAX", "FLASH4_PAGE_PREFETCH"} <= set(env.PLAN_VARIABLES)

@@ -558,6 +558,7 @@ def test_page_pieces_all_warps(monkeypatch, page_size, d, stages, causal):
     k_cache, v_cache, table, used = paged_pool(k, v, cu_k, page_size, seed=page_size, fill=math.nan)
     out_on, lse_on = check_fwd_varlen(q, k_cache, v_cache, cu_q, None, causal, seqused_k=used, page_table=table)
     monkeypatch.delenv("FLASH4_FWD_SWITCHES")
+    monkeypatch.setenv("FLASH4_PAGE_PIECES_ALL_WARPS", "0")  # the prefill default since 2026-12-05
     assert not ab_pages.shipped_config(page_size).page_pieces_all_warps
     out_off, lse_off = run_poisoned_varlen(q, k_cache, v_cache, cu_q, None, causal, seqused_k=used, page_table=table)
     out_c, lse_c = run_poisoned_varlen(q, k, v, cu_q, cu_k, causal)
@@ -565,3 +566,32 @@ def test_page_pieces_all_warps(monkeypatch, page_size, d, stages, causal):
     rows = varlen_row_mask(cu_q, q.shape[0])
     for out, lse in ((out_off, lse_off), (out_c, lse_c)):
         assert torch.equal(out_on[rows], out[rows]) and torch.equal(lse_on[:, rows], lse[:, rows])
+
+
+# The shipped paged-prefill rule since 2026-12-05 (flash4.config.PAGE_PIECES_ALL_WARPS: TMA page pieces
+# for every multiple of 8, four producer warps for pieces of <= 32 rows, 8-row pieces gathered below d128)
+# through the door, against the previous rule (FLASH4_PAGE_PIECES_ALL_WARPS=0: pages <= 16 gathered, one
+# warp) and the contiguous layout: bit for bit, NaN in the pool outside the sequences.
+DEFAULT_PAGES_CASES = [(p, d) for p in (8, 16, 24, 32, 48) for d in (64, 128)]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("page_size, d", DEFAULT_PAGES_CASES, ids=[f"page{p}-d{d}" for p, d in DEFAULT_PAGES_CASES])
+def test_page_pieces_default_rule(monkeypatch, page_size, d, causal):
+    from flash4.reference import varlen_row_mask
+
+    from gpu_helpers import PAGED_LENS, check_fwd_varlen, make_varlen, paged_pool, run_poisoned_varlen
+
+    for name in ("FLASH4_PAGE_GATHER_MAX", "FLASH4_PAGE_PREFETCH", "FLASH4_PAGED_KV_STAGES", "FLASH4_FWD_SWITCHES",
+                 "FLASH4_PAGE_PIECES_ALL_WARPS"):
+        monkeypatch.delenv(name, raising=False)
+    q, k, v, cu_q, cu_k = make_varlen(*PAGED_LENS, 8, 2, d, seed=page_size * 3 + d)
+    k_cache, v_cache, table, used = paged_pool(k, v, cu_k, page_size, seed=page_size, fill=math.nan)
+    out_new, lse_new = check_fwd_varlen(q, k_cache, v_cache, cu_q, None, causal, seqused_k=used, page_table=table)
+    monkeypatch.setenv("FLASH4_PAGE_PIECES_ALL_WARPS", "0")
+    out_old, lse_old = run_poisoned_varlen(q, k_cache, v_cache, cu_q, None, causal, seqused_k=used, page_table=table)
+    out_c, lse_c = run_poisoned_varlen(q, k, v, cu_q, cu_k, causal)
+    torch.cuda.synchronize()
+    rows = varlen_row_mask(cu_q, q.shape[0])
+    for out, lse in ((out_old, lse_old), (out_c, lse_c)):
+        assert torch.equal(out_new[rows], out[rows]) and torch.equal(lse_new[:, rows], lse[:, rows])

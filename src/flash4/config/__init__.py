@@ -92,6 +92,24 @@ PAGED_KV_STAGES = 2
 # 0.934 of contiguous with both vs 0.916 with the look-ahead alone (where the smem allows: d <= 128).
 PAGED_KV_STAGES_SMALL_PIECES = 3
 SMALL_PAGE_PIECE_ROWS = 32
+# Paged prefill (not decode): pages that are multiples of TMA_PAGE_ROWS load by TMA page pieces with the
+# look-ahead (none gathered: PREFILL_PAGE_GATHER_MAX), pieces of at most PAGE_PIECES_ALL_WARPS_MAX rows
+# issued by all four producer warps (FwdConfig.page_pieces_all_warps) with 2 K/V stages; pieces of
+# fewer than SMALL_PIECE_ROWS rows (pages 8, 24, 40, ...) only at head dims >= SMALL_PIECE_MIN_HEADDIM,
+# below it such pages are gathered. H200 A/B of 2026-12-05 evening (tools/ab_pages.py,
+# docs/design/small_pages.md; 64k tokens varlen, 32:8 heads, x contiguous, all bitwise equal), four
+# warps / gathered / one warp (the previous rule: gathered up to page 16, one warp above):
+#   page 16: d128 causal 0.931 / 0.866, full 0.921 / 0.840, d64 causal 0.871 / 0.870, full 0.869 / 0.858
+#   page 32: d128 causal 0.937 / tma 0.896, full 0.935 / 0.886, d64 causal 0.943 / 0.667, full 0.948 / 0.644
+#   page 48: d128 0.920 / 0.781, 0.931 / 0.763; d64 0.888 / gathered 0.887, 0.862 / 0.860
+#   pages 8 / 24 (8-row pieces): d128 0.876-0.904 / gathered 0.835-0.857; d64 0.645-0.663 / gathered 0.858-0.879
+# FLASH4_PAGE_PIECES_ALL_WARPS=0: the previous rules; FLASH4_PAGE_GATHER_MAX set: that gather limit, and
+# no head-dim rule for small pieces.
+PAGE_PIECES_ALL_WARPS = True
+PREFILL_PAGE_GATHER_MAX = 0
+PAGE_PIECES_ALL_WARPS_MAX = 32
+SMALL_PIECE_ROWS = 16
+SMALL_PIECE_MIN_HEADDIM = 128
 
 # The dQ postprocess stores 16-byte chunks (kernels/common/bwd_preprocess.py wide_stores): on since
 # the H200 A/B of 2026-12-02 (tools/ab_switch.py, docs/design/speed_candidates.md: the postprocess

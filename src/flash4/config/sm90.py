@@ -16,7 +16,9 @@ import types
 
 from flash4.constants import BWD_SPEED_SWITCHES, DTYPES, FWD_SPEED_SWITCHES, RESCALE_THRESHOLD_LOG2, ROWS_PER_WARPGROUP
 from flash4.config import (GATHER_ZERO_FILL, HDIMV_PAIRS, MAX_SPLITS, MIN_BLOCKS_PER_SPLIT,  # noqa: F401
-                           PAGE_GATHER_MAX, PAGE_PREFETCH, PAGED_KV_STAGES, PAGED_KV_STAGES_SMALL_PIECES,
+                           PAGE_GATHER_MAX, PAGE_PIECES_ALL_WARPS, PAGE_PIECES_ALL_WARPS_MAX, PAGE_PREFETCH,
+                           PAGED_KV_STAGES, PAGED_KV_STAGES_SMALL_PIECES, PREFILL_PAGE_GATHER_MAX,
+                           SMALL_PIECE_MIN_HEADDIM, SMALL_PIECE_ROWS,
                            SMALL_PAGE_PIECE_ROWS, SPLIT_EFFICIENCY, SPLIT_WHEN_TILES_BELOW,
                            SUPPORTED_HEADDIMS, BwdPlan, FwdPlan, canonical_hdimv, ceil_div, choose_num_splits,
                            mean_queries_per_key, paged_layout, with_seq_layout)
@@ -233,7 +235,9 @@ class FwdConfig:
                   them the per-pass address math, against the consumers' issue slots on the same SM
                   sub-partitions. The same addresses: the same bits. Compile-verified, not measured yet.
                   Left out of the repr while off.
-    page_pieces_all_warps: TMA page pieces with page_prefetch only, speed switch, off
+    page_pieces_all_warps: TMA page pieces with page_prefetch only; the paged prefill's default for
+                  pieces of <= 32 rows since 2026-12-05 (flash4.config.PAGE_PIECES_ALL_WARPS,
+                  FLASH4_PAGE_PIECES_ALL_WARPS=0 turns it off), a speed switch elsewhere
                   (FLASH4_FWD_SWITCHES=page_pieces_all_warps; tools/ab_pages.py variants "tma_pf4" /
                   "tma_pf4_s3"): the four producer warps issue a key block's page pieces (warp w the
                   pieces w, w + 4, ...) instead of warp 0 alone; warp 0 still arrives once on the
@@ -242,8 +246,9 @@ class FwdConfig:
                   linearly with the copies per block (page 16: 32 copies per K + V block, 0.79x of
                   contiguous; page 128: 4, 0.97x), the copies issued one after the other by one warp
                   (each cute.copy is an elect_one): up to 4x shorter issue chains. The same bytes in the
-                  same smem slots: the same bits. Compile-verified, not run on hardware yet (the
-                  barrier protocol needs the GPU). Left out of the repr while off.
+                  same smem slots: the same bits. H100 2026-12-05: bitwise equal to contiguous and to
+                  the switch off (GPU tests), page 16 d128 causal 0.91-0.96x of contiguous vs
+                  0.80-0.85x from warp 0 alone. Left out of the repr while off.
     tensor_hdims: None, or (D, Dv) of the q/k and v/out tensors when they are narrower than the
                   kernel's (headdim, hdim_v) (a head dim flash4.headdim pads, e.g. 32 / 80 / 112 on
                   the 64 / 96 / 128 kernels): the TMA loads read the tensors as they are and fill
@@ -1425,9 +1430,11 @@ def _fwd_plan(request, arch: int, num_sms: int | None = None) -> FwdPlan:
         return FwdPlan(shipped_window_persistent(shipped_mask_bits(with_l2_kv_heads(cfg, nheads, nheads_k))))
     cfg = with_l2_kv_heads(select_fwd_config(headdim, dtype, mask.causal, arch, local, softcap, sink, headdim_v),
                            nheads, nheads_k)
-    paged = paged_layout(k.shape[1], cfg.tile_n, *page_policy()) if seq.paged else {}
+    policy = prefill_page_policy()
+    paged = prefill_paged_layout(k.shape[1], cfg.tile_n, headdim, policy) if seq.paged else {}
     cfg = with_seq_layout(cfg, varlen_q=True, varlen_k=not seq.paged, seqused_q=seq.seqused_q is not None,
                           seqused_k=seq.seqused_k is not None, **paged)
+    cfg = with_page_pieces_all_warps(cfg, policy[2])
     return FwdPlan(with_paged_kv_stages(with_gather(cfg, gather_policy()), paged_kv_stages_policy(cfg)))
 
 
@@ -1451,13 +1458,14 @@ def with_gather(cfg: FwdConfig, zero_fill: bool) -> FwdConfig:
 def paged_kv_stages_policy(cfg: FwdConfig | None = None) -> int:
     """K/V stages asked for the paged prefill forward cfg: FLASH4_PAGED_KV_STAGES, else
     PAGED_KV_STAGES_SMALL_PIECES for TMA page pieces of at most SMALL_PAGE_PIECE_ROWS rows with the
-    page-table look-ahead, else PAGED_KV_STAGES."""
+    page-table look-ahead issued by one warp, else PAGED_KV_STAGES."""
     from flash4 import env
 
     stages = env.paged_kv_stages()
     if stages is not None:
         return stages
-    if cfg is not None and 0 < cfg.page_rows <= SMALL_PAGE_PIECE_ROWS and cfg.page_prefetch:
+    if cfg is not None and 0 < cfg.page_rows <= SMALL_PAGE_PIECE_ROWS and cfg.page_prefetch \
+            and not cfg.page_pieces_all_warps:  # four-warp pieces: 2 stages (PAGE_PIECES_ALL_WARPS)
         return PAGED_KV_STAGES_SMALL_PIECES
     return PAGED_KV_STAGES
 
@@ -1481,6 +1489,43 @@ def with_paged_kv_stages(cfg: FwdConfig, stages: int) -> FwdConfig:
         return cfg
     more = dataclasses.replace(cfg, kv_stages=stages)
     return more if fwd_smem_fits(more) else cfg
+
+
+def prefill_page_policy() -> tuple[int, bool, bool, bool]:
+    """(gather_max, prefetch, all_warps, small_piece_rule) of a paged prefill (prefill_paged_layout):
+    page_policy(), and all_warps = FLASH4_PAGE_PIECES_ALL_WARPS, else PAGE_PIECES_ALL_WARPS, only with the
+    look-ahead on; with all_warps on and FLASH4_PAGE_GATHER_MAX unset, gather_max is
+    PREFILL_PAGE_GATHER_MAX and small_piece_rule is True (pieces of < SMALL_PIECE_ROWS rows gathered
+    below SMALL_PIECE_MIN_HEADDIM). Decode steps keep page_policy()."""
+    from flash4 import env  # late: host-only
+
+    gather_max, prefetch = page_policy()
+    flag = env.page_pieces_all_warps()
+    all_warps = bool(PAGE_PIECES_ALL_WARPS if flag is None else flag) and prefetch
+    small_piece_rule = all_warps and env.page_gather_max() is None
+    if small_piece_rule:
+        gather_max = min(gather_max, PREFILL_PAGE_GATHER_MAX)
+    return gather_max, prefetch, all_warps, small_piece_rule
+
+
+def prefill_paged_layout(page_size: int, tile_n: int, headdim: int, policy: tuple) -> dict:
+    """The paged fields of a prefill forward config (paged_layout with policy = prefill_page_policy()),
+    pages whose TMA pieces would have fewer than SMALL_PIECE_ROWS rows gathered instead at head dims
+    below SMALL_PIECE_MIN_HEADDIM when the policy's small_piece_rule is on (flash4.config: the H200 A/B
+    of 2026-12-05). Pure."""
+    gather_max, prefetch, _, small_piece_rule = policy
+    paged = paged_layout(page_size, tile_n, gather_max, prefetch)
+    if small_piece_rule and 0 < paged.get("page_rows", 0) < SMALL_PIECE_ROWS and headdim < SMALL_PIECE_MIN_HEADDIM:
+        return {"page_rows": 0, "page_gather": True}
+    return paged
+
+
+def with_page_pieces_all_warps(cfg: FwdConfig, all_warps: bool) -> FwdConfig:
+    """cfg with page_pieces_all_warps when all_warps and cfg loads TMA page pieces of at most
+    PAGE_PIECES_ALL_WARPS_MAX rows with the look-ahead; else cfg. Pure."""
+    if all_warps and cfg.page_prefetch and 0 < cfg.page_rows <= PAGE_PIECES_ALL_WARPS_MAX:
+        return dataclasses.replace(cfg, page_pieces_all_warps=True)
+    return cfg
 
 
 def page_policy() -> tuple[int, bool]:
