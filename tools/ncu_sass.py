@@ -4,7 +4,7 @@ instruction mix by opcode, the warp-stall samples by reason, and the hottest SAS
     # on the GPU machine, after `ncu ... -o prof` (tools/prof_case.py --ncu, tools/prof_bwd.py):
     ncu -i prof.ncu-rep --page source --csv --print-source sass > prof.sass.csv
     # anywhere (no GPU):
-    python tools/ncu_sass.py prof.sass.csv [other.sass.csv] [--kernel SUBSTRING] [--top 25]
+    python tools/ncu_sass.py prof.sass.csv [other.sass.csv] [--kernel SUBSTRING] [--top 25] [--by-opcode]
 
 With two files, the opcode table puts them side by side (executed warp instructions, millions, and
 the ratio), which is how docs/perf/ncu_*.md compares flash4 with flash-attn-4 on one cell.
@@ -61,14 +61,34 @@ def pick(kernels: dict, substring: str | None):
 
 
 def summary(rows) -> dict:
+    """{ops: executed per opcode, stalls: samples per reason, by_op: {opcode: samples per reason},
+    total, samples} of one kernel's rows."""
     ops = collections.Counter()
     stalls = collections.Counter()
+    by_op = collections.defaultdict(collections.Counter)
     for r in rows:
-        ops[opcode(r["Source"])] += num(r["Instructions Executed"])
+        op = opcode(r["Source"])
+        ops[op] += num(r["Instructions Executed"])
         for key, val in r.items():
             if key and key.startswith("stall_") and "(Not Issued)" not in key:
                 stalls[key[6:]] += num(val)
-    return {"ops": ops, "stalls": stalls, "total": sum(ops.values()), "samples": sum(stalls.values())}
+                by_op[op][key[6:]] += num(val)
+    return {"ops": ops, "stalls": stalls, "by_op": by_op, "total": sum(ops.values()), "samples": sum(stalls.values())}
+
+
+def print_by_opcode(sums, top: int) -> None:
+    """Stall samples per opcode and reason, the opcodes whose samples differ most between the files
+    first (reasons under 1 % of an opcode's samples left out)."""
+    ops = set().union(*(s["by_op"] for s in sums))
+    key = (lambda k: -abs(sum(sums[0]["by_op"][k].values()) - sum(sums[1]["by_op"][k].values()))) if len(sums) == 2 \
+        else (lambda k: -sum(sums[0]["by_op"][k].values()))
+    print("\nstall samples by opcode and reason (" + " / ".join(f"({i})" for i in range(len(sums))) + ")")
+    for op in sorted(ops, key=key)[:top]:
+        reasons = sorted(set().union(*(s["by_op"][op] for s in sums)), key=lambda r: -sums[0]["by_op"][op][r])
+        total = max(sum(s["by_op"][op].values()) for s in sums)
+        cells = [f"{r}=" + "/".join(f"{s['by_op'][op][r]:.0f}" for s in sums) for r in reasons
+                 if max(s["by_op"][op][r] for s in sums) >= 0.01 * max(total, 1)]
+        print(f"  {op:12s} " + "/".join(f"{sum(s['by_op'][op].values()):.0f}" for s in sums) + "  " + " ".join(cells))
 
 
 def main(argv=None) -> int:
@@ -76,6 +96,7 @@ def main(argv=None) -> int:
     p.add_argument("files", nargs="+")
     p.add_argument("--kernel", help="keep the kernel whose name contains this (default: the largest)")
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--by-opcode", action="store_true", help="also the stall samples per opcode and reason")
     args = p.parse_args(argv)
     sums, names, rows_of = [], [], []
     for path in args.files[:2]:
@@ -96,6 +117,8 @@ def main(argv=None) -> int:
     skeys = sorted(set().union(*(s["stalls"] for s in sums)), key=lambda k: -max(s["stalls"][k] for s in sums))
     for k in skeys[:14]:
         print(f"{k:18s} | " + " | ".join(f"{100 * s['stalls'][k] / max(s['samples'], 1):6.1f}" for s in sums))
+    if args.by_opcode:
+        print_by_opcode(sums, args.top)
     for i, rows in enumerate(rows_of):
         print(f"\nhottest lines ({i}: stall samples, executed, source)")
         hot = sorted(rows, key=lambda r: -num(r["Warp Stall Sampling (All Samples)"]))[:args.top]
