@@ -60,6 +60,10 @@ or varlen request); each other variant is that config with one candidate on (shi
                       per row), FwdConfig.softmax_branch_free (the exact path by selects: one basic
                       block per step), bf with rescale_always, and that with split_row_max: every
                       cell. Bitwise.
+  pin / pinvf         FwdConfig.pin_p_convert (pinvf: with softmax_vote_first, where not shipped): P's
+                      F2FPs pinned ahead of the lazy rescale's branch, so they run under the MUFU.EX2
+                      stream while the O rescale stays lazy (docs/perf/ncu_2026-12-05.md): every cell
+                      with P in registers. Bitwise.
   emu8 / vfemu8 / bfraemu8  head dims <= 48 (the MUFU.EX2-bound cells): 1 of every 8 exponentials on
                       the FMA polynomial (exp2_emu_frac 0.125) on shipped, on softmax_vote_first +
                       rescale_always, on bfra. Within the tolerances, not bitwise.
@@ -184,7 +188,7 @@ def shipped_cfg(case):
 
 
 BITWISE = ("l2kv", "vf", "novf", "la", "nola", "mb", "nomb", "ra", "ravf", "pz", "flat", "flatpz", "sm", "bf", "bfra",
-           "bfrasm")  # variants whose out / lse must equal their base's bit for bit
+           "bfrasm", "pin", "pinvf")  # variants whose out / lse must equal their base's bit for bit
 # The base of a bitwise check, where it is not shipped: la against la_base when that variant exists.
 BITWISE_BASE = {"la": "la_base"}
 ONLY = None  # --variants: the names to time besides shipped (None: all)
@@ -283,6 +287,10 @@ def _softmax_variants(cfg, out: dict) -> dict:
             out[name] = c
 
     add("sm", with_fwd_switches(cfg, ("split_row_max",)))
+    pin = with_fwd_switches(cfg, ("pin_p_convert",))
+    add("pin", pin)
+    if not cfg.softmax_vote_first:
+        add("pinvf", with_fwd_switches(pin, ("softmax_vote_first",)))
     add("bf", with_fwd_switches(cfg, ("softmax_branch_free",)))
     bfra = with_fwd_switches(cfg, ("softmax_branch_free", "rescale_always"))
     add("bfra", bfra)
@@ -328,7 +336,8 @@ def cfg_short(c) -> str:
     bits = [f"m{c.tile_m}n{c.tile_n}" + (f"s{c.kv_stages}" if c.kv_stages != 2 else "")]
     bits += [name for name in ("causal", "persistent", "lpt", "l2_kv_heads", "varlen_q", "softmax_vote_first",
                                "lookahead_qk", "mask_bits", "early_q_release", "p_smem", "rescale_always",
-                               "pv_zero_init", "flat_tile_order", "split_row_max", "softmax_branch_free")
+                               "pv_zero_init", "flat_tile_order", "split_row_max", "softmax_branch_free",
+                               "pin_p_convert")
              if getattr(c, name, False)]
     bits += [f"emu{c.exp2_emu_frac:g}"] if c.exp2_emu_frac else []
     bits += [f"pack{c.pack_gqa}"] if c.pack_gqa > 1 else []

@@ -24,7 +24,7 @@ def test_switch_off_and_out_of_repr():
     # fourth: test_mask_bits_off_and_out_of_repr below
     assert FWD_SPEED_SWITCHES == ("softmax_vote_first", "no_tail_guard", "lookahead_qk", "mask_bits", "rescale_always",
                                   "pv_zero_init", "flat_tile_order", "split_row_max", "softmax_branch_free",
-                                  "gather_clamp_late", "gather_ptr_shuffle", "page_pieces_all_warps")
+                                  "gather_clamp_late", "gather_ptr_shuffle", "page_pieces_all_warps", "pin_p_convert")
     from flash4.config.sm90 import shipped_vote_first
 
     on = []
@@ -538,7 +538,9 @@ def test_gather_ptr_shuffle_sass():
 
 
 def test_page_pieces_all_warps_switch():
-    """FwdConfig.page_pieces_all_warps: off and out of the repr in every shipped config; with_fwd_switches
+    """FwdConfig.page_pieces_all_warps: off and out of the repr in every shipped dense config (the paged
+    prefill's plan turns it on: flash4.config.PAGE_PIECES_ALL_WARPS, tests/cpu/test_paged_speed_cpu.py;
+    its page-16 kernel compiles in test_page_pieces_all_warps_sass below); with_fwd_switches
     turns it on for TMA page pieces with the look-ahead only (page_prefetch); the config refuses it
     elsewhere."""
     from flash4.config import with_seq_layout
@@ -579,3 +581,39 @@ def test_page_pieces_all_warps_sass():
     if on is None or off is None:
         pytest.skip("cuobjdump not installed: SASS not checked")
     assert on != off
+
+
+def test_pin_p_convert_switch():
+    """FwdConfig.pin_p_convert: off and out of the repr in every shipped config; with_fwd_switches turns
+    it on where P stays in registers (not p_smem: the switch only pins the register fragment)."""
+    from flash4.config.sm90 import with_fwd_switches
+
+    switch = "pin_p_convert"
+    assert not any(getattr(c, switch, False) for c in shipped_fwd_configs())
+    for d, causal in ((64, False), (128, True), (256, False)):
+        base = select_fwd_config(d, "bf16", causal)
+        on = with_fwd_switches(base, (switch,))
+        assert on == dataclasses.replace(base, **{switch: True}) and eval(repr(on)) == on
+        assert switch not in repr(base) and repr(on).endswith(f", {switch}=True)")
+    p_smem = dataclasses.replace(select_fwd_config(96, "bf16", False), p_smem=True)
+    assert with_fwd_switches(p_smem, (switch,)) == p_smem
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_pin_p_convert_sass(d):
+    """sm_90a, plain dense non-causal forward: 0 spills, wgmma not serialized, registers unchanged with
+    the switch; off, the steady-state step converts P in one run of 32 F2FP after the lazy rescale's
+    branch (docs/perf/ncu_2026-12-05.md); on, the F2FPs sit among the MUFU.EX2 (runs < 16)."""
+    pytest.importorskip("cutlass")
+    from cpu_helpers import sass_main_loop
+
+    base = select_fwd_config(d, "bf16", False)
+    res_off, off = _fwd_sass(base)
+    res_on, on = _fwd_sass(dataclasses.replace(base, pin_p_convert=True))
+    if not res_off or off is None or on is None:
+        pytest.skip("cuobjdump not installed: resources and SASS not checked")
+    for res in (res_off, res_on):
+        assert res["spills"] == 0 and not res["wgmma_serialized"] and res["registers"] == res_off["registers"], res
+    runs_off = _opcode_runs(sass_main_loop(off), "F2FP", "MUFU")
+    runs_on = _opcode_runs(sass_main_loop(on), "F2FP", "MUFU")
+    assert max(runs_off) >= 32 and max(runs_on) < 16, (runs_off, runs_on)

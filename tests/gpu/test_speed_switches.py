@@ -171,6 +171,7 @@ def test_bwd_switches_env(monkeypatch, switches, d, s, h, hk, causal):
 # x - 0 = x off it: bit for bit on every door, the exact-path magnitudes included. gather_clamp_late
 # (FwdConfig.gather_clamp_late, gathered pages: the paged door's page 16): the same clamped page index.
 # gather_ptr_shuffle (FwdConfig.gather_ptr_shuffle, gathered pages): the same row addresses, shuffled.
+# pin_p_convert (FwdConfig.pin_p_convert): the same P words, passed through a mov.
 FWD_ENV_KINDS = ["dense", "dense_causal", "window_softcap", "sink", "window_sink", "varlen", "paged", "kvcache"]
 FWD_ENV_CASES = ([("softmax_vote_first", d, None) for d in (64, 96, 128, 192, 256)]
                  + [("lookahead_qk", 128, 64)]
@@ -189,7 +190,9 @@ FWD_ENV_CASES = ([("softmax_vote_first", d, None) for d in (64, 96, 128, 192, 25
                  + [("softmax_branch_free,rescale_always", d, None) for d in (32, 128)]
                  + [("softmax_branch_free,rescale_always,split_row_max", 32, None)]
                  + [("gather_clamp_late", d, None) for d in (64, 128)]
-                 + [("gather_ptr_shuffle", d, None) for d in (64, 96, 128)])
+                 + [("gather_ptr_shuffle", d, None) for d in (64, 96, 128)]
+                 + [("pin_p_convert", d, None) for d in (64, 128, 256)]
+                 + [("pin_p_convert,softmax_vote_first", 64, None), ("pin_p_convert", 128, 64)])
 
 
 def _fwd_call(kind, d, mag, dv=None):

@@ -59,7 +59,7 @@ _QUIET_SWITCHES = ("early_q_release", "l2_kv_heads", "exp_before_dp_wait", "dq_h
                    "gather_zero_fill", "dq_swapab", "dq_whole", "lse_early", "softmax_vote_first", "sink_delta_db",
                    "no_tail_guard", "lookahead_qk", "mask_bits", "p_smem", "rescale_always", "mask_rel", "pv_zero_init",
                    "flat_tile_order", "split_row_max", "softmax_branch_free", "gather_clamp_late", "gather_ptr_shuffle",
-                   "tensor_hdims", "dpsum_scaled", "page_pieces_all_warps")
+                   "tensor_hdims", "dpsum_scaled", "page_pieces_all_warps", "pin_p_convert")
 
 
 def _quiet_repr(cfg) -> str:
@@ -183,6 +183,16 @@ class FwdConfig:
                   ptxas can issue the O multiplies and P's F2FP conversion under the MUFU.EX2 stream (H200 ncu
                   2026-12-04, d128 GQA causal: the F2FP waited after the branch). Left out of the repr while
                   off.
+    pin_p_convert: speed switch, off (FLASH4_FWD_SWITCHES=pin_p_convert; tools/ab_fwd.py variants "pin",
+                  "pinvf"; P in registers only): each 32-bit word of P's 16-bit fragment goes through a
+                  side-effecting mov right after the conversion (kernels/common/pin.py keep_here_i32), so
+                  the compiler cannot sink the 32 F2FP below the lazy rescale's vote and branch. H100 ncu
+                  2026-12-05 (docs/perf/ncu_2026-12-05.md), d64 full 4k: flash4's F2FPs ran back to back
+                  after that branch (3.5 k wait + 2.0 k math stall samples, flash-attn-4 0.1 k: its F2FPs
+                  fill the MUFU.EX2 stream's gaps); with the pin the sm_90a SASS interleaves them with the
+                  MUFU.EX2 / FADD stream as flash-attn-4 does, and the O rescale stays lazy (behind its
+                  branch, unlike rescale_always). The same values: the same bits. Compile-verified, not
+                  timed yet. Left out of the repr while off.
     pv_zero_init: speed switch, on where shipped_tile_work puts it (dense d128 non-causal, seqlen_k <=
                   SHORT_SEQLEN_K, since 2026-12-05), else off (FLASH4_FWD_SWITCHES=pv_zero_init;
                   tools/ab_fwd.py variant "pz"): the tile's first P V wgmma writes acc_O (its ACCUMULATE field
@@ -302,6 +312,7 @@ class FwdConfig:
     gather_clamp_late: bool = False
     gather_ptr_shuffle: bool = False
     page_pieces_all_warps: bool = False
+    pin_p_convert: bool = False
 
     def __post_init__(self):
         assert self.headdim in KERNEL_HEADDIMS, self.headdim
@@ -1395,7 +1406,7 @@ def with_fwd_switches(cfg: FwdConfig, names) -> FwdConfig:
     are compiled; lookahead_qk: where lookahead_qk_error allows it, Dv < D; pv_zero_init: not with
     lookahead_qk; flat_tile_order: not with the LPT order; softmax_branch_free: turns softmax_vote_first
     off; gather_clamp_late, gather_ptr_shuffle: gathered pages only; page_pieces_all_warps: TMA page
-    pieces with page_prefetch only). Pure."""
+    pieces with page_prefetch only; pin_p_convert: P in registers only). Pure."""
     for name in FWD_SPEED_SWITCHES:
         if name == "lookahead_qk" and lookahead_qk_error(cfg):
             continue
@@ -1406,6 +1417,8 @@ def with_fwd_switches(cfg: FwdConfig, names) -> FwdConfig:
         if name in ("gather_clamp_late", "gather_ptr_shuffle") and not cfg.page_gather:  # the gathered producer only
             continue
         if name == "page_pieces_all_warps" and not cfg.page_prefetch:  # TMA page pieces with the look-ahead only
+            continue
+        if name == "pin_p_convert" and cfg.p_smem:  # P in registers only
             continue
         if name == "softmax_branch_free" and name in names:  # replaces the vote-first branches
             cfg = dataclasses.replace(cfg, softmax_vote_first=False)

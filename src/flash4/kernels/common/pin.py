@@ -54,3 +54,11 @@ def keep_here(x: Float32, *, loc=None, ip=None) -> Float32:
     return Float32(llvm.inline_asm(Float32.mlir_type, [Float32(x).ir_value(loc=loc, ip=ip)], "mov.b32 $0, $1;",
                                    "=f,f", has_side_effects=True, is_align_stack=False,
                                    asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def keep_here_i32(x: Int32, *, loc=None, ip=None) -> Int32:
+    """keep_here for a 32-bit integer word (e.g. two packed 16-bit values of P)."""
+    return Int32(llvm.inline_asm(Int32.mlir_type, [Int32(x).ir_value(loc=loc, ip=ip)], "mov.b32 $0, $1;",
+                                 "=r,r", has_side_effects=True, is_align_stack=False,
+                                 asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))

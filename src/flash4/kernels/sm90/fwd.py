@@ -26,6 +26,7 @@ from flash4.kernels.common.gemm import wgmma, wgmma_first
 from flash4.kernels.common.dsl import DSL_DTYPES
 from flash4.kernels.common.params import MaskParams, SeqParams
 from flash4.kernels.common.pipeline import cp_async_pipeline_factory, next_state, tma_pipeline_factory
+from flash4.kernels.common.pin import keep_here_i32
 from flash4.kernels.common.layout import (acc_mn_view, acc_to_frgA_layout, make_packed_tma_atom, pack_gqa_view,
                                           select_modes, transpose_view)
 from flash4.kernels.common.scheduler import TileSchedule
@@ -1174,13 +1175,18 @@ class FlashAttentionForwardSm90:
 
     @cute.jit
     def convert_P(self, acc_S: cute.Tensor, tOrP: cute.Tensor, p_store=None):
-        """fp32 P (accumulator layout) -> 16-bit A-operand fragment, two values per cvt. p_store
+        """fp32 P (accumulator layout) -> 16-bit A-operand fragment, two values per cvt (pinned there
+        with FwdConfig.pin_p_convert). p_store
         (FwdConfig.p_smem): the fragment goes to the warpgroup's P tile in smem instead (stmatrix),
         fenced for the async proxy; each warp's wgmma rows are its own, so a warp sync suffices
         (the P V that read the previous P completed before this: its wait precedes every call)."""
         src = cute.make_tensor(acc_S.iterator, acc_to_frgA_layout(acc_S.layout))
         if const_expr(p_store is None):
             tOrP.store(src.load().to(self.dtype))
+            if const_expr(self.cfg.pin_p_convert):  # kept ahead of the lazy rescale's branch (FwdConfig)
+                words = cute.recast_tensor(tOrP, Int32)
+                for i in cutlass.range_constexpr(cute.size(words)):
+                    words[i] = keep_here_i32(words[i])
         else:
             p_copy, tPsP = p_store
             rP = cute.make_rmem_tensor(src.layout.shape, self.dtype)
