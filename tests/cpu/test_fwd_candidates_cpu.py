@@ -187,18 +187,20 @@ def test_tool_plan(capsys):
             changed = {f.name for f in dataclasses.fields(cfg) if getattr(cfg, f.name) != getattr(base, f.name)}
             allowed = {"tile_n", "kv_stages", "l2_kv_heads", "pack_gqa", "softmax_vote_first", "lookahead_qk",
                        "mask_bits", "persistent", "early_q_release", "p_smem", "tile_m", "rescale_always",
-                       "pv_zero_init", "flat_tile_order", "split_row_max", "softmax_branch_free", "exp2_emu_frac"}
+                       "pv_zero_init", "flat_tile_order", "split_row_max", "softmax_branch_free", "exp2_emu_frac",
+                       "pin_p_convert"}
             assert changed <= allowed, (case.name, name, changed)
             assert ("tile_m" in changed) <= (name in ("m192p", "m192pra", "m192n144p", "nop")), (case.name, name)
             assert (name in ("ra", "ravf", "m192pra", "bfra", "bfrasm", "vfemu8", "bfraemu8")) == (
                 "rescale_always" in changed), (case.name, name)
             assert (name in ("sm", "bfrasm")) == ("split_row_max" in changed), (case.name, name)
+            assert (name in ("pin", "pinvf")) == ("pin_p_convert" in changed), (case.name, name)
             assert (name in ("bf", "bfra", "bfrasm", "bfraemu8")) == ("softmax_branch_free" in changed), (case.name, name)
             assert name.endswith("emu8") == ("exp2_emu_frac" in changed) and (not name.endswith("emu8") or
                                                                             cfg.headdim <= 48), (case.name, name)
             assert (name in ("mb", "nomb")) == ("mask_bits" in changed), (case.name, name)
             assert (name in ("la", "nola")) == ("lookahead_qk" in changed), (case.name, name)
-            vote_first_changed = name in ("vf", "novf", "ravf", "vfemu8") or (
+            vote_first_changed = name in ("vf", "novf", "ravf", "vfemu8", "pinvf") or (
                 "softmax_branch_free" in changed and base.softmax_vote_first)  # branch-free replaces it
             assert vote_first_changed == ("softmax_vote_first" in changed), (case.name, name)
             assert (name in ("pz", "flatpz")) == ("pv_zero_init" in changed), (case.name, name)
@@ -258,13 +260,14 @@ def test_tool_run_cell_plumbing(monkeypatch):
     try:
         dense_cell = cases.Case("gqa_small", 128, True, 1536, 1536, 2, 8, 2)  # not short: not persistent
         row = tool.run_cell(dense_cell, 1, 1.0, 800.0)
-        assert set(row["variants"]) == {"shipped", "l2kv", "pack", "vf", "ra", "ravf", "pz", "sm", "bf", "bfra", "bfrasm"} and not tool.failures([row]), row
-        assert len(calls) == 22 and not any(c[1] for c in calls)  # each variant: the check call + one timed
+        assert set(row["variants"]) == {"shipped", "l2kv", "pack", "vf", "ra", "ravf", "pz", "sm", "bf", "bfra", "bfrasm",
+                                        "pin", "pinvf"} and not tool.failures([row]), row
+        assert len(calls) == 26 and not any(c[1] for c in calls)  # each variant: the check call + one timed
         assert calls[0][4] * 4 == calls[1][4]  # l2kv: 4x the L2 section of shipped
         calls.clear()
         row = tool.run_cell(varlen.VarlenCase("varlen_small", 8, 2), 1, 1.0, 800.0)
         assert set(row["variants"]) == {"shipped", "l2kv", "vf", "ra", "ravf", "pz", "sm", "bf", "bfra",
-                                        "bfrasm"} and not tool.failures([row]), row
+                                        "bfrasm", "pin", "pinvf"} and not tool.failures([row]), row
         assert calls[0][:4] == ((1, 428, 8, 128), True, 3, 300)
     finally:
         cache.get_fwd_runner.cache_clear()
