@@ -1,7 +1,7 @@
 """Paged K/V speed by page size (issue 29 item 2, issue 25 item 3), flash4 and (--fa4) flash-attn-4.
 
     python tools/bench_pages.py [--pages 1,4,16,32,128] [--gather-max default,0,32] [--fa4] [--rep-ms 100]
-                                [--out DIR]
+                                [--rounds 3] [--out DIR]
 
 Prefill: 64k tokens in sequences of 128..16k keys (flash4.bench.varlen's lengths), causal, d128,
 32 query / 8 KV heads, through flash_attn_varlen_func: contiguous (cu_seqlens_k) and paged at each
@@ -29,6 +29,7 @@ import argparse
 import contextlib
 import math
 import os
+import statistics
 import sys
 
 COLUMNS = ("pass", "page", "gather_max", "impl", "tflops", "kv_gbps", "copy_gbps", "note")
@@ -64,8 +65,8 @@ def _attempt(label: str, fn) -> tuple:
         return None, f"refused: {type(err).__name__}: {text}"
 
 
-def _graph_ms(fn, rep_ms: float) -> tuple[float, str]:
-    """(median ms of fn captured in a CUDA graph and replayed, ""); fn's own error (a refused page size)
+def _graph_ms(fn, rep_ms: float, rounds: int = 1) -> tuple[float, str]:
+    """(median ms of fn captured in a CUDA graph and replayed, over `rounds` timings, ""); fn's own error (a refused page size)
     propagates; a failed capture is timed eagerly instead, with the note "eager"."""
     import torch
 
@@ -85,11 +86,17 @@ def _graph_ms(fn, rep_ms: float) -> tuple[float, str]:
     except Exception as err:  # noqa: BLE001
         print(f"CUDA graph capture failed ({type(err).__name__}); timed eagerly", file=sys.stderr)
         torch.cuda.synchronize()
-        return common.time_ms(fn, rep_ms=rep_ms), "eager"
-    return common.time_ms(graph.replay, rep_ms=rep_ms), ""
+        return _median_of(rounds, lambda: common.time_ms(fn, rep_ms=rep_ms)), "eager"
+    return _median_of(rounds, lambda: common.time_ms(graph.replay, rep_ms=rep_ms)), ""
 
 
-def prefill(pages, gather_maxes, rep_ms: float, fa4) -> list[dict]:
+def _median_of(rounds: int, fn) -> float:
+    """The median of `rounds` calls of fn (each a timing in ms): one slow pass of a cell (a clock dip,
+    a neighbour on the machine) no longer decides its row."""
+    return statistics.median(fn() for _ in range(max(1, rounds)))
+
+
+def prefill(pages, gather_maxes, rep_ms: float, fa4, rounds: int = 1) -> list[dict]:
     import torch
 
     import flash4
@@ -108,7 +115,8 @@ def prefill(pages, gather_maxes, rep_ms: float, fa4) -> list[dict]:
     rows = []
 
     def cell(impl, page, gmax, step):
-        ms, note = _attempt(f"prefill {impl} page {page or 'contiguous'}", lambda: common.time_ms(step, rep_ms=rep_ms))
+        ms, note = _attempt(f"prefill {impl} page {page or 'contiguous'}",
+                            lambda: _median_of(rounds, lambda: common.time_ms(step, rep_ms=rep_ms)))
         rows.append({"pass": "prefill", "page": page, "gather_max": gmax, "impl": impl,
                      "tflops": common.tflops(flops, ms) if ms else math.nan, "note": note})
 
@@ -131,7 +139,7 @@ def prefill(pages, gather_maxes, rep_ms: float, fa4) -> list[dict]:
     return rows
 
 
-def decode(pages, gather_maxes, rep_ms: float, fa4) -> list[dict]:
+def decode(pages, gather_maxes, rep_ms: float, fa4, rounds: int = 1) -> list[dict]:
     import torch
 
     import flash4
@@ -143,7 +151,7 @@ def decode(pages, gather_maxes, rep_ms: float, fa4) -> list[dict]:
     rows = []
 
     def cell(impl, page, gmax, step):
-        timed, note = _attempt(f"decode {impl} page {page or 'contiguous'}", lambda: _graph_ms(step, rep_ms))
+        timed, note = _attempt(f"decode {impl} page {page or 'contiguous'}", lambda: _graph_ms(step, rep_ms, rounds))
         ms, eager = timed or (None, "")
         rows.append({"pass": "decode", "page": page, "gather_max": gmax, "impl": impl,
                      "kv_gbps": kv_bytes / (ms * 1e-3) / 1e9 if ms else math.nan, "note": note or eager})
@@ -247,6 +255,7 @@ def main(argv=None) -> int:
                    help="FLASH4_PAGE_GATHER_MAX values for flash4's paged rows, e.g. default,0,32")
     p.add_argument("--fa4", action="store_true", help="time flash-attn-4 on the same data (flash_attn.cute)")
     p.add_argument("--rep-ms", type=float, default=100.0)
+    p.add_argument("--rounds", type=int, default=3, help="timings per cell, the median kept (default 3)")
     p.add_argument("--out", help="directory for bench_pages.csv and bench_pages.txt")
     args = p.parse_args(argv)
     import torch
@@ -260,7 +269,8 @@ def main(argv=None) -> int:
     gather_maxes = [x.strip() for x in args.gather_max.split(",")]
     fa4 = _fa4_func() if args.fa4 else None
     copy = _copy_gbps()
-    records = prefill(pages, gather_maxes, args.rep_ms, fa4) + decode(pages, gather_maxes, args.rep_ms, fa4)
+    records = (prefill(pages, gather_maxes, args.rep_ms, fa4, args.rounds)
+               + decode(pages, gather_maxes, args.rep_ms, fa4, args.rounds))
     text = (f"{torch.cuda.get_device_name()}; copy bandwidth {copy:.0f} GB/s; prefill: TFLOPs; "
             f"decode: K/V read rate / copy rate\n" + format_table(table(records, copy)))
     print(text)

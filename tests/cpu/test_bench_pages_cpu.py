@@ -79,3 +79,12 @@ def test_flash_attn_only_with_fa4():
              and ("baselines" in ast.dump(sub) or "flash_attn" in ast.dump(sub))}
     top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
     assert users == {"_fa4_func"} and not any("flash_attn" in ast.dump(n) or "bench" in ast.dump(n) for n in top)
+
+
+def test_median_of_rounds():
+    """--rounds: each cell's time is the median of its timings (one slow pass does not decide a row)."""
+    import bench_pages
+
+    times = iter([1.0, 9.0, 2.0])
+    assert bench_pages._median_of(3, lambda: next(times)) == 2.0
+    assert bench_pages._median_of(0, lambda: 5.0) == 5.0  # at least one timing
