@@ -547,9 +547,6 @@ PIECES_CASES = [(p, d, s) for p in (8, 16, 32, 64) for d in (64, 128) for s in (
 @pytest.mark.parametrize("page_size, d, stages", PIECES_CASES,
                          ids=[f"page{p}-d{d}-s{s}" for p, d, s in PIECES_CASES])
 def test_page_pieces_all_warps(monkeypatch, page_size, d, stages, causal):
-    from flash4.reference import varlen_row_mask
-
-    from gpu_helpers import PAGED_LENS, check_fwd_varlen, make_varlen, paged_pool, run_poisoned_varlen
     import ab_pages  # tools/: the door's plan for a page size (shipped_config)
 
     monkeypatch.setenv("FLASH4_PAGE_GATHER_MAX", "0")
@@ -557,12 +554,28 @@ def test_page_pieces_all_warps(monkeypatch, page_size, d, stages, causal):
     monkeypatch.setenv("FLASH4_PAGED_KV_STAGES", str(stages))
     monkeypatch.setenv("FLASH4_FWD_SWITCHES", "page_pieces_all_warps")
     assert ab_pages.shipped_config(page_size).page_pieces_all_warps  # the door's plan takes it
-    q, k, v, cu_q, cu_k = make_varlen(*PAGED_LENS, 8, 2, d, seed=page_size + d)
+
+    def switch_off():
+        monkeypatch.delenv("FLASH4_FWD_SWITCHES")
+        monkeypatch.setenv("FLASH4_PAGE_PIECES_ALL_WARPS", "0")  # the prefill default since 2026-12-05
+        assert not ab_pages.shipped_config(page_size).page_pieces_all_warps
+
+    _paged_on_off_contiguous(page_size, d, causal, page_size + d, switch_off)
+
+
+def _paged_on_off_contiguous(page_size, d, causal, seed, switch_off):
+    """A paged varlen forward (GQA 8 / 2, PAGED_LENS, NaN in the pool outside the sequences) through the
+    door as the environment stands, checked against the reference; then switch_off() and the same
+    call again, and the same keys laid out contiguously: out / lse bitwise equal to the first call's
+    on every row of a sequence."""
+    from flash4.reference import varlen_row_mask
+
+    from gpu_helpers import PAGED_LENS, check_fwd_varlen, make_varlen, paged_pool, run_poisoned_varlen
+
+    q, k, v, cu_q, cu_k = make_varlen(*PAGED_LENS, 8, 2, d, seed=seed)
     k_cache, v_cache, table, used = paged_pool(k, v, cu_k, page_size, seed=page_size, fill=math.nan)
     out_on, lse_on = check_fwd_varlen(q, k_cache, v_cache, cu_q, None, causal, seqused_k=used, page_table=table)
-    monkeypatch.delenv("FLASH4_FWD_SWITCHES")
-    monkeypatch.setenv("FLASH4_PAGE_PIECES_ALL_WARPS", "0")  # the prefill default since 2026-12-05
-    assert not ab_pages.shipped_config(page_size).page_pieces_all_warps
+    switch_off()
     out_off, lse_off = run_poisoned_varlen(q, k_cache, v_cache, cu_q, None, causal, seqused_k=used, page_table=table)
     out_c, lse_c = run_poisoned_varlen(q, k, v, cu_q, cu_k, causal)
     torch.cuda.synchronize()
@@ -581,20 +594,8 @@ DEFAULT_PAGES_CASES = [(p, d) for p in (8, 16, 24, 32, 48) for d in (64, 128)]
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("page_size, d", DEFAULT_PAGES_CASES, ids=[f"page{p}-d{d}" for p, d in DEFAULT_PAGES_CASES])
 def test_page_pieces_default_rule(monkeypatch, page_size, d, causal):
-    from flash4.reference import varlen_row_mask
-
-    from gpu_helpers import PAGED_LENS, check_fwd_varlen, make_varlen, paged_pool, run_poisoned_varlen
-
     for name in ("FLASH4_PAGE_GATHER_MAX", "FLASH4_PAGE_PREFETCH", "FLASH4_PAGED_KV_STAGES", "FLASH4_FWD_SWITCHES",
                  "FLASH4_PAGE_PIECES_ALL_WARPS"):
         monkeypatch.delenv(name, raising=False)
-    q, k, v, cu_q, cu_k = make_varlen(*PAGED_LENS, 8, 2, d, seed=page_size * 3 + d)
-    k_cache, v_cache, table, used = paged_pool(k, v, cu_k, page_size, seed=page_size, fill=math.nan)
-    out_new, lse_new = check_fwd_varlen(q, k_cache, v_cache, cu_q, None, causal, seqused_k=used, page_table=table)
-    monkeypatch.setenv("FLASH4_PAGE_PIECES_ALL_WARPS", "0")
-    out_old, lse_old = run_poisoned_varlen(q, k_cache, v_cache, cu_q, None, causal, seqused_k=used, page_table=table)
-    out_c, lse_c = run_poisoned_varlen(q, k, v, cu_q, cu_k, causal)
-    torch.cuda.synchronize()
-    rows = varlen_row_mask(cu_q, q.shape[0])
-    for out, lse in ((out_old, lse_old), (out_c, lse_c)):
-        assert torch.equal(out_new[rows], out[rows]) and torch.equal(lse_new[:, rows], lse[:, rows])
+    _paged_on_off_contiguous(page_size, d, causal, page_size * 3 + d,
+                             lambda: monkeypatch.setenv("FLASH4_PAGE_PIECES_ALL_WARPS", "0"))
