@@ -65,7 +65,8 @@ TMA_PAGE_ROWS = 8
 # by TMA page pieces (FLASH4_PAGE_GATHER_MAX overrides it, flash4.env.page_gather_max). 16 since the
 # H200 A/B of 2026-12-02 (tools/bench_pages.py, docs/design/small_pages.md): page 16 prefill 0.787
 # of contiguous gathered vs 0.721 by TMA pieces, decode 0.965 of copy bandwidth vs 0.876. Page 32
-# was not measured, so it keeps TMA pieces.
+# was not measured, so it keeps TMA pieces. Since 2026-12-05 it rules decode steps only (and the paged
+# prefill with FLASH4_PAGE_PIECES_ALL_WARPS=0): the prefill takes PREFILL_PAGE_GATHER_MAX below.
 PAGE_GATHER_MAX = 16
 # TMA page pieces with the page-table look-ahead (FwdConfig.page_prefetch; FLASH4_PAGE_PREFETCH
 # overrides it). H200 A/B of 2026-12-02 night (tools/ab_pages.py, docs/design/small_pages.md): page 16
@@ -90,6 +91,7 @@ PAGED_KV_STAGES = 2
 # ... but 3 for TMA page pieces of at most SMALL_PAGE_PIECE_ROWS rows with the look-ahead on (pages of
 # 24 or 32 rows, a multiple of 8 above PAGE_GATHER_MAX): H200 A/B of 2026-12-03 afternoon, page 32
 # 0.934 of contiguous with both vs 0.916 with the look-ahead alone (where the smem allows: d <= 128).
+# Pieces issued by one warp only: the four-warp pieces below take PAGED_KV_STAGES.
 PAGED_KV_STAGES_SMALL_PIECES = 3
 SMALL_PAGE_PIECE_ROWS = 32
 # Paged prefill (not decode): pages that are multiples of TMA_PAGE_ROWS load by TMA page pieces with the
