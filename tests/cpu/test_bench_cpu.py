@@ -165,7 +165,8 @@ def test_bench_without_gpu_runs_the_compile_check(fake_compile_check, capsys):
     assert cli_main(["bench"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("No CUDA GPU found") and "compile check" in out
-    assert "every head dim; bf16 and fp16; with and without the causal mask; forward and backward" in out
+    assert ("head dims 64 96 128 192 256 and their value-head-dim pairs; bf16 and fp16; with and without the causal "
+            "mask; forward and backward") in out
     assert "Ignored" not in out
     assert calls == shipped_fwd_configs() + shipped_bwd_configs()
     calls.clear()
@@ -206,8 +207,8 @@ def test_no_gpu_plan():
         return run.no_gpu_plan(build_parser().parse_args(["bench", *argv]))
 
     assert plan() == {"headdims": None, "dtypes": None, "causals": None, "passes": None, "ignored": [],
-                      "describe": "every head dim; bf16 and fp16; with and without the causal mask; "
-                                  "forward and backward"}
+                      "describe": "head dims 64 96 128 192 256 and their value-head-dim pairs; bf16 and fp16; "
+                                  "with and without the causal mask; forward and backward"}
     quick = plan("--quick")
     assert (quick["headdims"], quick["dtypes"]) == ((128,), ("bf16",))
     assert plan("--quick", "--headdims", "64", "--dtype", "fp16")["headdims"] == (64,)

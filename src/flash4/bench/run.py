@@ -169,13 +169,16 @@ def no_gpu_plan(args: argparse.Namespace) -> dict:
     """What `bench` without a GPU compiles (pure): select_configs' filters from the flags the
     compile check can honour (--headdims, --dtype, --causal, --no-bwd, --quick), a sentence saying
     so, and the flags it ignores."""
+    from flash4.config import SUPPORTED_HEADDIMS
+
+    every_headdim = f"head dims {' '.join(map(str, SUPPORTED_HEADDIMS))} and their value-head-dim pairs"
     headdims = tuple(args.headdims) if args.headdims else (QUICK_HEADDIMS if args.quick else None)
     dtypes = (args.dtype,) if args.dtype else ((DEFAULT_DTYPE,) if args.quick else None)
     causals = {"0": (False,), "1": (True,), "both": None}[args.causal]
     passes = None if args.bwd else ("fwd",)
     what = [
         (f"head dim{'s' if len(headdims) > 1 else ''} " + " ".join(map(str, headdims))) if headdims
-        else "every head dim",
+        else every_headdim,
         " and ".join(dtypes) if dtypes else "bf16 and fp16",
         {None: "with and without the causal mask", (False,): "without a mask", (True,): "with the causal mask"}[
             causals],
