@@ -37,3 +37,21 @@ def test_opcodes_and_kernels(tmp_path):
     assert s["ops"] == {"ISETP": 1000, "LDG.E": 500, "HGMMA": 100}  # predicate and modifiers dropped
     assert s["stalls"] == {"wait": 5, "barrier": 9} and s["total"] == 1600
     assert ncu_sass.main([path, path, "--top", "3"]) == 0
+
+
+def test_by_opcode(tmp_path, capsys):
+    """--by-opcode: stall samples per opcode and reason, the opcodes that differ most between the two
+    files first."""
+    a = _export(tmp_path, {"k": [("0x10", "MUFU.EX2 R1, R1", "9", "100", "8", "1"),
+                                 ("0x20", "F2FP.BF16.F32.PACK_AB R2, R3, R4", "6", "100", "6", "0")]})
+    s_a = ncu_sass.summary(ncu_sass.read_kernels(a)["k"])
+    assert s_a["by_op"]["MUFU"] == {"wait": 8, "barrier": 1} and s_a["by_op"]["F2FP"] == {"wait": 6, "barrier": 0}
+    b_dir = tmp_path / "b"
+    b_dir.mkdir()
+    b = _export(b_dir, {"k": [("0x10", "MUFU.EX2 R1, R1", "8", "100", "7", "1"),
+                              ("0x20", "F2FP.BF16.F32.PACK_AB R2, R3, R4", "0", "100", "0", "0")]})
+    assert ncu_sass.main([a, b, "--by-opcode", "--top", "2"]) == 0
+    out = capsys.readouterr().out
+    section = out.split("stall samples by opcode and reason")[1].split("hottest lines")[0].strip().splitlines()
+    assert section[1].split()[:2] == ["F2FP", "6/0"] and section[2].split()[:2] == ["MUFU", "9/8"], section
+    assert "wait=6/0" in section[1]
