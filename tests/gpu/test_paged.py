@@ -42,14 +42,18 @@ def test_paged_is_bitwise_contiguous(page_size, causal):
     assert torch.equal(out_p[rows], out_c[rows]) and torch.equal(lse_p[:, rows], lse_c[:, rows])
 
 
+@pytest.mark.parametrize("page", [16, 64])
 @pytest.mark.parametrize("d", SUPPORTED_HEADDIMS)
-def test_paged_every_headdim(d):
-    """The page piece per TMA copy is gcd(page_size, tile_n): 16 rows at d192 (tile_n 112) and d256 (80)."""
+def test_paged_every_headdim(d, page):
+    """The page piece per TMA copy is gcd(page_size, tile_n): 16 rows at d192 (tile_n 112) and d256 (80);
+    pieces of <= 32 rows issued by the four producer warps (page 16 everywhere, page 64 at d192 / d256:
+    flash4.config.PAGE_PIECES_ALL_WARPS)."""
     q, k, v, cu_q, cu_k = make_varlen(*PAGED_LENS, 4, 1, d, seed=d)
-    k_cache, v_cache, table, seqused_k = paged_from(q, k, v, cu_q, cu_k, 64, seed=d)
+    k_cache, v_cache, table, seqused_k = paged_from(q, k, v, cu_q, cu_k, page, seed=d)
     out_p, _ = check_fwd(q, k_cache, v_cache, cu_q, None, True, seqused_k=seqused_k, page_table=table)
     if paged_tile_differs(d):  # the portable family's d96 / d256 gather tile: another page layout, same config
-        k16, v16, table16, used16 = paged_from(q, k, v, cu_q, cu_k, 16, seed=d + 1)
+        other = 16 if page != 16 else 64
+        k16, v16, table16, used16 = paged_from(q, k, v, cu_q, cu_k, other, seed=d + 1)
         out_c, _ = run_poisoned(q, k16, v16, cu_q, None, True, seqused_k=used16, page_table=table16)
     else:
         out_c, _ = run_poisoned(q, k, v, cu_q, cu_k, True)
