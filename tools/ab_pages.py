@@ -81,19 +81,23 @@ def contiguous_config():
     return with_seq_layout(base_config(), varlen_q=True, varlen_k=True)
 
 
-def shipped_config(page: int):
-    """flash4's plan for this page size (the door's config: the env switches and defaults apply)."""
+def shipped_config(page: int, headdim: int | None = None, causal: bool | None = None, nheads: int = NHEADS,
+                   nheads_k: int = NHEADS_K):
+    """flash4's plan for this page size (the door's config: the env switches and defaults apply), for
+    this run's cell unless headdim / causal / heads are given (tests/cpu/test_paged_prefill_compile.py)."""
     import torch
 
     from flash4.config import fwd_config
     from flash4.request import Request
 
+    headdim = HEADDIM if headdim is None else headdim
+    causal = CAUSAL if causal is None else causal
     meta = dict(device="meta", dtype=torch.bfloat16)
-    q = torch.empty(1024, NHEADS, HEADDIM, **meta)
-    kc = torch.empty(64, page, NHEADS_K, HEADDIM, **meta)
+    q = torch.empty(1024, nheads, headdim, **meta)
+    kc = torch.empty(64, page, nheads_k, headdim, **meta)
     i32 = dict(device="meta", dtype=torch.int32)
     request = Request.varlen(q, kc, torch.empty_like(kc), torch.empty(5, **i32), None, 512, None,
-                             seqused_k=torch.empty(4, **i32), page_table=torch.empty(4, 16, **i32), causal=CAUSAL)
+                             seqused_k=torch.empty(4, **i32), page_table=torch.empty(4, 16, **i32), causal=causal)
     return fwd_config(request, 90).cfg
 
 

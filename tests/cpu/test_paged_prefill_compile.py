@@ -6,27 +6,21 @@ the varlen door's plan picks for page sizes 8, 16, 32 and 128 are compiled here,
 plan (flash4.config.fwd_config on meta tensors)."""
 
 import os
+import sys
 
 import pytest
-import torch
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tools"))
 
+import ab_pages  # noqa: E402  (tools/: the door's plan for a page size)
 from flash4.config import SUPPORTED_HEADDIMS  # noqa: E402
 
 
-def paged_prefill_plan(headdim: int, page: int, causal: bool = True, nheads: int = 8, nheads_k: int = 2):
-    """The forward config flash_attn_varlen_func's plan picks for a paged prefill (meta tensors)."""
-    from flash4.config import fwd_config
-    from flash4.request import Request
-
-    meta = dict(device="meta", dtype=torch.bfloat16)
-    i32 = dict(device="meta", dtype=torch.int32)
-    q = torch.empty(1024, nheads, headdim, **meta)
-    k_cache = torch.empty(64, page, nheads_k, headdim, **meta)
-    request = Request.varlen(q, k_cache, torch.empty_like(k_cache), torch.empty(5, **i32), None, 512, None,
-                             seqused_k=torch.empty(4, **i32), page_table=torch.empty(4, 16, **i32), causal=causal)
-    return fwd_config(request, 90).cfg
+def paged_prefill_plan(headdim: int, page: int):
+    """The forward config flash_attn_varlen_func's plan picks for a causal paged prefill, GQA 8 / 2 (meta
+    tensors; tools/ab_pages.py shipped_config)."""
+    return ab_pages.shipped_config(page, headdim=headdim, causal=True, nheads=8, nheads_k=2)
 
 
 @pytest.fixture(autouse=True)
