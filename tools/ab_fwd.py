@@ -149,6 +149,10 @@ EXTRA_CELLS = (
     Case("d48_full_4k", 48, False, 4096, 4096, 8, 16, 16),
     Case("d16_causal_4k", 16, True, 4096, 4096, 8, 16, 16),
     Case("d128_causal_1k", 128, True, 1024, 1024, 32, 16, 16),
+    # pin_p_convert's rule by head dim (2026-12-05 night): the d192 / d256 causal and softcap cells
+    *(c for c in BENCH_CASES if c.name in ("d192_full_4k", "softcap50_gemma2_d256_causal_8k")),
+    Case("d192_causal_4k", 192, True, 4096, 4096, 8, 16, 16),
+    Case("d256_causal_4k", 256, True, 4096, 4096, 8, 8, 8),
 )
 WIDE_TILES = (160, 176, 192)
 EMU_FRAC = 0.125  # the emu variants' share of exponentials on the FMA polynomial (FwdConfig.exp2_emu_frac)

@@ -9,6 +9,9 @@ one process (issue 25 item 3: page 16 and 32 prefill >= 0.95x contiguous).
     source .device-deps/activate.sh && python tools/ab_pages.py --cache-dir .ab_pages --out $OUT/ab_pages.json
     python tools/ab_pages.py --dry-run        # no GPU, no compile: every variant's config
     # --variants NAME ...: only those (and shipped), in all three modes
+    # Nsight Compute, one call per kernel (contiguous first, then each page's variants), no timing:
+    ncu --clock-control none --profile-from-start off --set full -o pages \
+        python tools/ab_pages.py --headdim 64 --pages 16 --variants shipped --ncu
 
 Data (tools/bench_pages.py's prefill): 64k tokens in sequences of 128..16k keys (flash4.bench.varlen's
 lengths), causal, d128 (--headdim D, --full: other cells), 32 query / 8 KV heads, bf16. "contiguous" is the varlen config on packed
@@ -31,6 +34,10 @@ Variants (kernel configs, called through flash4's runner directly; the shipped d
   tma_pf_s3      both, pieces of <= 32 rows
   tma_pf4, tma_pf4_s3   tma_pf / tma_pf_s3 with page_pieces_all_warps (the four producer warps issue the
                  pieces, warp w every fourth one, instead of warp 0 alone); pieces of <= 32 rows
+  df / div       shipped with page_divide_free flipped (TMA pieces: a piece's page and row block without
+                 the run-time division where a piece is a whole page; the shipped default for whole
+                 pages since 2026-12-05 night, flash4.config.PAGE_DIVIDE_FREE): "div" where shipped has
+                 it (the division back), "df" where it does not (pages of several pieces)
 Gathered kernels do not depend on the page size (one compile serves every P). A third candidate,
 64-bit row addresses shuffled per pass ("row offsets"), was removed after the H200 run of
 2026-12-02 night gave wrong results (docs/design/small_pages.md).
@@ -118,6 +125,9 @@ def variants(page: int, only=None) -> dict:
                                kv_stages=stages, page_pieces_all_warps=all_warps)
 
     out = {"shipped": shipped_config(page)}
+    if out["shipped"].page_rows:  # page_divide_free flipped: "div" where shipped has it, else "df"
+        on = out["shipped"].page_divide_free
+        out["div" if on else "df"] = dataclasses.replace(out["shipped"], page_divide_free=not on)
     if page <= 16:
         out.update(g=gathered(False))
     out.update(g_zf=gathered(True), g_zf_s3=gathered(True, 3), g_cl=gathered(True, clamp_late=True),
@@ -144,7 +154,7 @@ def short(cfg) -> str:
             ["clamp_late"] if cfg.gather_clamp_late else []) + (["ptr_shuffle"] if cfg.gather_ptr_shuffle else [])
     elif cfg.page_rows:
         bits = [f"tma pieces {cfg.page_rows}"] + (["prefetch"] if cfg.page_prefetch else []) + (
-            ["four warps"] if cfg.page_pieces_all_warps else [])
+            ["four warps"] if cfg.page_pieces_all_warps else []) + (["divide-free"] if cfg.page_divide_free else [])
     else:
         bits = ["contiguous"]
     return " ".join(bits + [f"stages {cfg.kv_stages}"])
@@ -237,7 +247,24 @@ def reldiff(a, b) -> float:
     return float((a - b).abs().nan_to_num(math.inf).max() / b.abs().max().clamp_min(1e-30))
 
 
-def run(pages, rounds: int, rep_ms: float, only=None) -> list[dict]:
+def profile_once(fns: dict) -> None:
+    """--ncu: each function warmed up three times, then called once between
+    torch.cuda.profiler.start() / stop() (ncu --profile-from-start off sees one launch per function, in
+    the order of fns: contiguous first)."""
+    import torch
+
+    for name, fn in fns.items():
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        torch.cuda.profiler.start()
+        fn()
+        torch.cuda.synchronize()
+        torch.cuda.profiler.stop()
+        print(f"  profiled {name}", flush=True)
+
+
+def run(pages, rounds: int, rep_ms: float, only=None, ncu: bool = False) -> list[dict]:
     import torch
 
     from flash4.bench import common
@@ -282,6 +309,10 @@ def run(pages, rounds: int, rep_ms: float, only=None) -> list[dict]:
             row["variants"][name] = {"config": short(cfg), "out_bitwise": same(outs[0], ref[0]),
                                      "lse_bitwise": same(outs[1], ref[1]), "out_reldiff": reldiff(outs[0], ref[0])}
             fns[name] = fn
+        if ncu:
+            profile_once(fns if page == pages[0] else {k: f for k, f in fns.items() if k != "contiguous"})
+            rows.append(row)
+            continue
         names = list(fns)
         times = {name: [] for name in names}
         for r in range(rounds):
@@ -326,6 +357,9 @@ def main(argv=None) -> int:
     p.add_argument("--variants", nargs="+", help="the variants to run (default all; shipped always)")
     p.add_argument("--headdim", type=int, default=DEFAULT_HEADDIM, help=f"head dim (default {DEFAULT_HEADDIM})")
     p.add_argument("--full", action="store_true", help="no causal mask (default causal)")
+    p.add_argument("--ncu", action="store_true",
+                   help="no timing: one profiled call per kernel (contiguous, then each page's variants), for "
+                        "ncu --profile-from-start off")
     args = p.parse_args(argv)
     set_cell(args.headdim, not args.full)
     pages = tuple(int(x) for x in args.pages.split(","))
@@ -352,7 +386,11 @@ def main(argv=None) -> int:
     print(f"{torch.cuda.get_device_name()}; d{HEADDIM} {'causal' if CAUSAL else 'full'}, {NHEADS}/{NHEADS_K} heads; "
           f"rounds {args.rounds}, rep {args.rep_ms} ms")
     t0 = time.perf_counter()
-    rows = run(pages, args.rounds, args.rep_ms, only)
+    rows = run(pages, args.rounds, args.rep_ms, only, ncu=args.ncu)
+    if args.ncu:
+        bad = failures(rows)
+        print("profiled; " + ("bitwise" if not bad else "NOT bitwise: " + ", ".join(bad)))
+        return 1 if bad else 0
     bad = failures(rows)
     print(f"\n{time.perf_counter() - t0:.0f} s; " + ("all variants bitwise equal to contiguous" if not bad else
                                                       "NOT bitwise: " + ", ".join(bad)))

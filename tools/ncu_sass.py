@@ -30,6 +30,8 @@ def read_kernels(path: str) -> dict:
             if name is not None:
                 kernels[name] = lines
             name, lines = next(csv.reader([line]))[1], []
+            n = sum(1 for k in kernels if k == name or k.startswith(name + " #"))
+            name = name if n == 0 else f"{name} #{n + 1}"  # the same kernel profiled again (another config)
         else:
             lines.append(line)
     if name is not None:

@@ -9,6 +9,7 @@
 | FLASH4_BWD_HEADS_PER_CTA | query heads per backward CTA under GQA/MQA (tuning) | flash4.config.bwd_heads_per_cta |
 | FLASH4_PAGE_GATHER_MAX | paged K/V: gather pages of at most this many rows (0 = TMA pieces for every multiple of 8; A/B) | flash4.config.PAGE_GATHER_MAX |
 | FLASH4_SMALL_PAGES | 0 refuses paged K/V whose page size is not a multiple of 8 (by default any page size >= 1 is served; those pages are gathered row by row) | on |
+| FLASH4_PAGE_DIVIDE_FREE | 0 turns off: TMA page pieces that are whole pages find their page without dividing by the page size (FwdConfig.page_divide_free; A/B) | flash4.config.PAGE_DIVIDE_FREE (on) |
 | FLASH4_PAGE_PREFETCH | paged K/V by TMA pieces: read page-table entries two blocks ahead (0/1; A/B) | flash4.config.PAGE_PREFETCH |
 | FLASH4_GATHER_ZERO_FILL | gathered paged K/V: the producer zero-fills rows past seqlen_k (0/1; A/B) | flash4.config.GATHER_ZERO_FILL |
 | FLASH4_PAGED_KV_STAGES | paged prefill on sm90: K/V pipeline stages (2 or 3; 3 only where smem allows; A/B) | flash4.config.PAGED_KV_STAGES (3 for TMA pieces of <= 32 rows with the look-ahead) |
@@ -25,7 +26,7 @@
 | FLASH4_POSTPROCESS_WIDE | 0: the dQ postprocess's 8-byte stores instead of its 16-byte ones (A/B) | flash4.config.POSTPROCESS_WIDE_STORES (on) |
 | FLASH4_FAMILY      | kernel family to run instead of the GPU's own: portable (= sm80: mma.sync, runs on sm_80..sm_120 and sm_90), or a family name (sm90, sm80, sm100) | the GPU's (flash4.kernels.registry) |
 | FLASH4_BWD_SWITCHES | sm90 backward speed switches to turn on where they apply, comma-separated (dq_whole, dq_handoff_per_wg, lse_early, exp_before_dp_wait, mask_rel: flash4.constants.BWD_SPEED_SWITCHES; no_tail_guard, A/B only: leaks stale memory past a sequence's end); A/B and GPU tests of candidates | none |
-| FLASH4_FWD_SWITCHES | sm90 forward speed switches to turn on, comma-separated (softmax_vote_first, lookahead_qk (Dv < D where it fits), mask_bits, rescale_always, pv_zero_init, flat_tile_order, split_row_max, softmax_branch_free (instead of softmax_vote_first), gather_clamp_late, gather_ptr_shuffle (gathered pages), page_pieces_all_warps (TMA page pieces with the look-ahead): flash4.constants.FWD_SPEED_SWITCHES; no_tail_guard, A/B only: leaks stale memory past a sequence's end); A/B and GPU tests of candidates | none |
+| FLASH4_FWD_SWITCHES | sm90 forward speed switches to turn on, comma-separated (softmax_vote_first, lookahead_qk (Dv < D where it fits), mask_bits, rescale_always, pv_zero_init, flat_tile_order, split_row_max, softmax_branch_free (instead of softmax_vote_first), gather_clamp_late, gather_ptr_shuffle (gathered pages), page_pieces_all_warps (TMA page pieces with the look-ahead), pin_p_convert (P in registers), page_divide_free (TMA page pieces): flash4.constants.FWD_SPEED_SWITCHES; no_tail_guard, A/B only: leaks stale memory past a sequence's end); A/B and GPU tests of candidates | none |
 | FLASH4_PORTABLE_BWD | the portable (sm80) backward's tiles where a candidate applies: coal, fa2, m128, fa2e, fa2s, fa2w, and the step-order switches fa2wq, fa2wp, fa2wpq, fa2sq, fa2sp, fa2spq and their one-buffer fa2w1, fa2wp1, fa2wpq1, fa2sp1, fa2spq1 (flash4.config.sm80.BWD_CANDIDATES) or table (its table); A/B and GPU tests | fa2w (d64) / fa2s (d128; fa2 on sm_80) for plain dense problems (flash4.config.sm80.shipped_bwd_candidate), else the table |
 
 Each function reads the environment when called (no caching), so a test can set a variable with
@@ -144,6 +145,13 @@ def page_prefetch() -> bool | None:
     TMA page pieces read each block's page-table entries two loads ahead (FwdConfig.page_prefetch; on
     by default, flash4.config.PAGE_PREFETCH). For A/B measurements."""
     return _flag("FLASH4_PAGE_PREFETCH")
+
+
+def page_divide_free() -> bool | None:
+    """FLASH4_PAGE_DIVIDE_FREE (0/1, true/false, on/off, yes/no), or None when unset: whether TMA page
+    pieces that are whole pages find their page without dividing by the page size
+    (FwdConfig.page_divide_free; on by default, flash4.config.PAGE_DIVIDE_FREE)."""
+    return _flag("FLASH4_PAGE_DIVIDE_FREE")
 
 
 def page_pieces_all_warps() -> bool | None:
@@ -356,7 +364,7 @@ PLAN_VARIABLES = ("FLASH4_ARCH", "FLASH4_NUM_SMS", "FLASH4_FAMILY", "FLASH4_SMAL
                   "FLASH4_PAGE_PREFETCH", "FLASH4_SM100", "FLASH4_PORTABLE", "FLASH4_SM100_2CTA",
                   "FLASH4_GATHER_ZERO_FILL", "FLASH4_PAGED_KV_STAGES", "FLASH4_BWD_SWITCHES",
                   "FLASH4_FWD_SWITCHES", "FLASH4_DECODE_SCATTER", "FLASH4_NARROW_HEADDIMS", "FLASH4_HEADDIM16",
-                  "FLASH4_CACHE_HEADDIM16", "FLASH4_PAGE_PIECES_ALL_WARPS")
+                  "FLASH4_CACHE_HEADDIM16", "FLASH4_PAGE_PIECES_ALL_WARPS", "FLASH4_PAGE_DIVIDE_FREE")
 _PLAN_KEYS = tuple(os.environ.encodekey(name) for name in PLAN_VARIABLES)
 
 

@@ -24,7 +24,8 @@ def test_switch_off_and_out_of_repr():
     # fourth: test_mask_bits_off_and_out_of_repr below
     assert FWD_SPEED_SWITCHES == ("softmax_vote_first", "no_tail_guard", "lookahead_qk", "mask_bits", "rescale_always",
                                   "pv_zero_init", "flat_tile_order", "split_row_max", "softmax_branch_free",
-                                  "gather_clamp_late", "gather_ptr_shuffle", "page_pieces_all_warps", "pin_p_convert")
+                                  "gather_clamp_late", "gather_ptr_shuffle", "page_pieces_all_warps", "pin_p_convert",
+                                  "page_divide_free")
     from flash4.config.sm90 import shipped_vote_first
 
     on = []

@@ -171,7 +171,8 @@ def test_bwd_switches_env(monkeypatch, switches, d, s, h, hk, causal):
 # x - 0 = x off it: bit for bit on every door, the exact-path magnitudes included. gather_clamp_late
 # (FwdConfig.gather_clamp_late, gathered pages: the paged door's page 16): the same clamped page index.
 # gather_ptr_shuffle (FwdConfig.gather_ptr_shuffle, gathered pages): the same row addresses, shuffled.
-# pin_p_convert (FwdConfig.pin_p_convert): the same P words, passed through a mov.
+# pin_p_convert (FwdConfig.pin_p_convert): the same P words, passed through a mov. page_divide_free
+# (FwdConfig.page_divide_free, TMA page pieces: the paged and kvcache doors): the same piece coordinates.
 FWD_ENV_KINDS = ["dense", "dense_causal", "window_softcap", "sink", "window_sink", "varlen", "paged", "kvcache"]
 FWD_ENV_CASES = ([("softmax_vote_first", d, None) for d in (64, 96, 128, 192, 256)]
                  + [("lookahead_qk", 128, 64)]
@@ -192,7 +193,8 @@ FWD_ENV_CASES = ([("softmax_vote_first", d, None) for d in (64, 96, 128, 192, 25
                  + [("gather_clamp_late", d, None) for d in (64, 128)]
                  + [("gather_ptr_shuffle", d, None) for d in (64, 96, 128)]
                  + [("pin_p_convert", d, None) for d in (64, 128, 256)]
-                 + [("pin_p_convert,softmax_vote_first", 64, None), ("pin_p_convert", 128, 64)])
+                 + [("pin_p_convert,softmax_vote_first", 64, None), ("pin_p_convert", 128, 64)]
+                 + [("page_divide_free", d, None) for d in (64, 128, 256)])
 
 
 def _fwd_call(kind, d, mag, dv=None):
@@ -599,3 +601,39 @@ def test_page_pieces_default_rule(monkeypatch, page_size, d, causal):
         monkeypatch.delenv(name, raising=False)
     _paged_on_off_contiguous(page_size, d, causal, page_size * 3 + d,
                              lambda: monkeypatch.setenv("FLASH4_PAGE_PIECES_ALL_WARPS", "0"))
+
+
+# FwdConfig.page_divide_free (FLASH4_FWD_SWITCHES=page_divide_free; TMA page pieces): a piece's page and
+# row block from its index, the division skipped where a piece is a whole page. Pages 8 / 16 / 32 / 128
+# (whole pages: pieces of gcd(page, 128) = page rows), 48 / 96 / 256 (3 / 3 / 2 pieces per page: the
+# general path); the three producers: four warps with the look-ahead (the shipped rule), warp 0 with it
+# (FLASH4_PAGE_PIECES_ALL_WARPS=0) and warp 0 without it (FLASH4_PAGE_PREFETCH=0: load_kv), the gather
+# off; against the switch off and the contiguous layout: bit for bit, NaN in the pool outside the
+# sequences.
+DIVIDE_FREE_CASES = [(p, d, w) for p in (8, 16, 32, 48, 96, 128, 256) for d in (64, 128)
+                     for w in ("four", "one", "noprefetch")]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("page_size, d, producer", DIVIDE_FREE_CASES,
+                         ids=[f"page{p}-d{d}-{w}" for p, d, w in DIVIDE_FREE_CASES])
+def test_page_divide_free(monkeypatch, page_size, d, producer, causal):
+    import ab_pages  # tools/: the door's plan for a page size (shipped_config)
+
+    for name in ("FLASH4_PAGE_PREFETCH", "FLASH4_PAGED_KV_STAGES", "FLASH4_PAGE_PIECES_ALL_WARPS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("FLASH4_PAGE_GATHER_MAX", "0")  # TMA pieces at every page size
+    if producer != "four":
+        monkeypatch.setenv("FLASH4_PAGE_PIECES_ALL_WARPS", "0")
+    if producer == "noprefetch":
+        monkeypatch.setenv("FLASH4_PAGE_PREFETCH", "0")
+    monkeypatch.setenv("FLASH4_FWD_SWITCHES", "page_divide_free")
+    cfg = ab_pages.shipped_config(page_size, headdim=d)
+    assert cfg.page_divide_free and cfg.page_rows > 0 and cfg.page_prefetch == (producer != "noprefetch"), cfg
+    assert cfg.page_pieces_all_warps == (producer == "four" and cfg.page_rows <= 32), cfg
+
+    def switch_off():
+        monkeypatch.delenv("FLASH4_FWD_SWITCHES")
+        assert not ab_pages.shipped_config(page_size, headdim=d).page_divide_free
+
+    _paged_on_off_contiguous(page_size, d, causal, page_size * 5 + d, switch_off)

@@ -112,6 +112,15 @@ PREFILL_PAGE_GATHER_MAX = 0
 PAGE_PIECES_ALL_WARPS_MAX = 32
 SMALL_PIECE_ROWS = 16
 SMALL_PIECE_MIN_HEADDIM = 128
+# TMA page pieces that are whole pages (page_size == gcd(page_size, tile_n): pages 8..128 at tile_n 128)
+# find their page without the run-time division by page_size (FwdConfig.page_divide_free), prefill and
+# decode. H200 A/B of 2026-12-05 night (tools/ab_pages.py, 5 interleaved rounds, x contiguous, all
+# bitwise equal), the four-warp pieces without / with it:
+#   d64 causal page 16 0.871 / 0.974, page 32 0.949 / 0.991; d128 causal page 16 0.957 / 0.990, page 32
+#   0.944 / 0.949; pages of several pieces (page 48: the general path behind a run-time branch) d64
+#   0.876 / 0.920, d128 0.951 / 0.930, so not there.
+# FLASH4_PAGE_DIVIDE_FREE=0 turns it off.
+PAGE_DIVIDE_FREE = True
 
 # The dQ postprocess stores 16-byte chunks (kernels/common/bwd_preprocess.py wide_stores): on since
 # the H200 A/B of 2026-12-02 (tools/ab_switch.py, docs/design/speed_candidates.md: the postprocess

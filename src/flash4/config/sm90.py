@@ -16,7 +16,8 @@ import types
 
 from flash4.constants import BWD_SPEED_SWITCHES, DTYPES, FWD_SPEED_SWITCHES, RESCALE_THRESHOLD_LOG2, ROWS_PER_WARPGROUP
 from flash4.config import (GATHER_ZERO_FILL, HDIMV_PAIRS, MAX_SPLITS, MIN_BLOCKS_PER_SPLIT,  # noqa: F401
-                           PAGE_GATHER_MAX, PAGE_PIECES_ALL_WARPS, PAGE_PIECES_ALL_WARPS_MAX, PAGE_PREFETCH,
+                           PAGE_DIVIDE_FREE, PAGE_GATHER_MAX, PAGE_PIECES_ALL_WARPS, PAGE_PIECES_ALL_WARPS_MAX,
+                           PAGE_PREFETCH,
                            PAGED_KV_STAGES, PAGED_KV_STAGES_SMALL_PIECES, PREFILL_PAGE_GATHER_MAX,
                            SMALL_PIECE_MIN_HEADDIM, SMALL_PIECE_ROWS,
                            SMALL_PAGE_PIECE_ROWS, SPLIT_EFFICIENCY, SPLIT_WHEN_TILES_BELOW,
@@ -59,7 +60,8 @@ _QUIET_SWITCHES = ("early_q_release", "l2_kv_heads", "exp_before_dp_wait", "dq_h
                    "gather_zero_fill", "dq_swapab", "dq_whole", "lse_early", "softmax_vote_first", "sink_delta_db",
                    "no_tail_guard", "lookahead_qk", "mask_bits", "p_smem", "rescale_always", "mask_rel", "pv_zero_init",
                    "flat_tile_order", "split_row_max", "softmax_branch_free", "gather_clamp_late", "gather_ptr_shuffle",
-                   "tensor_hdims", "dpsum_scaled", "page_pieces_all_warps", "pin_p_convert")
+                   "tensor_hdims", "dpsum_scaled", "page_pieces_all_warps", "pin_p_convert",
+                   "page_divide_free")
 
 
 def _quiet_repr(cfg) -> str:
@@ -183,7 +185,8 @@ class FwdConfig:
                   ptxas can issue the O multiplies and P's F2FP conversion under the MUFU.EX2 stream (H200 ncu
                   2026-12-04, d128 GQA causal: the F2FP waited after the branch). Left out of the repr while
                   off.
-    pin_p_convert: speed switch, off (FLASH4_FWD_SWITCHES=pin_p_convert; tools/ab_fwd.py variants "pin",
+    pin_p_convert: speed switch, on where shipped_pin_p_convert puts it (d192 without window / softcap
+                  / sink, since 2026-12-05 night), else off (FLASH4_FWD_SWITCHES=pin_p_convert; tools/ab_fwd.py variants "pin",
                   "pinvf"; P in registers only): each 32-bit word of P's 16-bit fragment goes through a
                   side-effecting mov right after the conversion (kernels/common/pin.py keep_here_i32), so
                   the compiler cannot sink the 32 F2FP below the lazy rescale's vote and branch. H100 ncu
@@ -191,8 +194,8 @@ class FwdConfig:
                   after that branch (3.5 k wait + 2.0 k math stall samples, flash-attn-4 0.1 k: its F2FPs
                   fill the MUFU.EX2 stream's gaps); with the pin the sm_90a SASS interleaves them with the
                   MUFU.EX2 / FADD stream as flash-attn-4 does, and the O rescale stays lazy (behind its
-                  branch, unlike rescale_always). The same values: the same bits. Compile-verified, not
-                  timed yet. Left out of the repr while off.
+                  branch, unlike rescale_always). The same values: the same bits. Timed 2026-12-05
+                  night (shipped_pin_p_convert). Left out of the repr while off.
     pv_zero_init: speed switch, on where shipped_tile_work puts it (dense d128 non-causal, seqlen_k <=
                   SHORT_SEQLEN_K, since 2026-12-05), else off (FLASH4_FWD_SWITCHES=pv_zero_init;
                   tools/ab_fwd.py variant "pz"): the tile's first P V wgmma writes acc_O (its ACCUMULATE field
@@ -259,6 +262,17 @@ class FwdConfig:
                   same smem slots: the same bits. H100 2026-12-05: bitwise equal to contiguous and to
                   the switch off (GPU tests), page 16 d128 causal 0.91-0.96x of contiguous vs
                   0.80-0.85x from warp 0 alone. Left out of the repr while off.
+    page_divide_free: TMA page pieces only, speed switch, off (FLASH4_FWD_SWITCHES=page_divide_free;
+                  tools/ab_pages.py variant "df"): the producer finds a piece's page-table column and
+                  row block inside its page from the piece's index and pieces_per_page = page_size /
+                  page_rows (a shift: page_rows is a compile-time power of two), skipping the division
+                  when a piece is a whole page (pieces_per_page == 1: pages 8..128 at tile_n 128)
+                  instead of key // page_size and key % page_size with the run-time page size. H100 ncu
+                  2026-12-05 evening (docs/design/small_pages.md), d64 page-16 causal prefill with the
+                  four-warp pieces: 2.21 G warp instructions against 1.83 G contiguous, ~48 per piece
+                  in the producer of which ~22 the signed division (I2F.RP, MUFU.RCP, F2I on the XU
+                  pipe that the consumers' MUFU.EX2 use), for each piece of K and V and each lane's
+                  page-table lookup. The same coordinates: the same bits. Left out of the repr while off.
     tensor_hdims: None, or (D, Dv) of the q/k and v/out tensors when they are narrower than the
                   kernel's (headdim, hdim_v) (a head dim flash4.headdim pads, e.g. 32 / 80 / 112 on
                   the 64 / 96 / 128 kernels): the TMA loads read the tensors as they are and fill
@@ -313,6 +327,7 @@ class FwdConfig:
     gather_ptr_shuffle: bool = False
     page_pieces_all_warps: bool = False
     pin_p_convert: bool = False
+    page_divide_free: bool = False
 
     def __post_init__(self):
         assert self.headdim in KERNEL_HEADDIMS, self.headdim
@@ -333,6 +348,7 @@ class FwdConfig:
         assert self.page_gather or not self.gather_zero_fill, self
         assert self.page_gather or not self.gather_clamp_late, self
         assert self.page_gather or not self.gather_ptr_shuffle, self
+        assert self.page_rows > 0 or not self.page_divide_free, self
         assert self.page_prefetch or not self.page_pieces_all_warps, self
         assert self.dtype in DTYPES, self.dtype
         assert self.tile_m % ROWS_PER_WARPGROUP == 0, self.tile_m
@@ -509,7 +525,21 @@ def select_fwd_config(headdim: int, dtype: str = "bf16", causal: bool = False, a
                     kv_stages=2, lpt=causal and not local, arch=arch, local=local, softcap=softcap, sink=sink)
     if seqlen_k is not None and seqlen_k <= SHORT_SEQLEN_K:
         cfg = short_seq_fwd_config(cfg)
-    return shipped_tile_work(shipped_small_d_softmax(shipped_vote_first(cfg, seqlen_k), seqlen_k), seqlen_k)
+    return shipped_pin_p_convert(
+        shipped_tile_work(shipped_small_d_softmax(shipped_vote_first(cfg, seqlen_k), seqlen_k), seqlen_k))
+
+
+def shipped_pin_p_convert(cfg: FwdConfig) -> FwdConfig:
+    """FwdConfig.pin_p_convert where it was measured faster (pure): head dim 192 without a window,
+    softcap or sink (every layout: dense, varlen, paged, decode derive from this config). H200,
+    2026-12-05 night (tools/ab_fwd.py --variants pin, 5 interleaved rounds): d192 full 4k 626.6 ->
+    658.0 TFLOPs (1.050x), causal 4k 548.6 -> 562.4 (1.025x). Elsewhere not: d128 0.997-1.000x on the
+    H200 (1.004-1.040x on an H100), d256 1.005-1.019x, d64 0.976-1.015x. Same bits as off (GPU test:
+    every door, the exact path included)."""
+    if (cfg.headdim == 192 and cfg.headdim_v is None and not cfg.local and not cfg.softcap and not cfg.sink
+            and not cfg.p_smem):
+        return dataclasses.replace(cfg, pin_p_convert=True)
+    return cfg
 
 
 def shipped_vote_first(cfg: FwdConfig, seqlen_k: int | None) -> FwdConfig:
@@ -1354,12 +1384,13 @@ def pack_factor(nheads: int, nheads_k: int, seqlen_q: int, causal: bool, window=
 def decode_plan(batch: int, seqlen_q: int, nheads: int, nheads_k: int, headdim: int, dtype: str, causal: bool,
                 page_size: int, capacity: int, num_splits: int, arch: int, num_sms: int,
                 window=None, softcap: bool = False, sink: bool = False, headdim_v: int | None = None,
-                page_policy: tuple = (0, False), gather_zero_fill: bool = False) -> FwdPlan:
+                page_policy: tuple = (0, False), gather_zero_fill: bool = False,
+                divide_free: bool = False) -> FwdPlan:
     """The plan of a decode step (pure; CPU-tested; cached: a step's host work is a lookup):
     packing, config and split count. page_size: 0 for a contiguous cache; capacity: keys the cache
     can hold per sequence. headdim_v: V's head dim (None: headdim). page_policy: (gather_max,
     prefetch) of paged_layout (page_policy()); gather_zero_fill: the zero-fill switch of a gathered
-    config (gather_policy())."""
+    config (gather_policy()); divide_free: with_page_divide_free's switch (page_divide_free_policy())."""
     pack = pack_factor(nheads, nheads_k, seqlen_q, causal, window)
     # A packed tile's rows belong to `pack` query heads, each with its own sink: the sink is then
     # added by the combine kernel (which unpacks the rows), so a packed step with a sink always
@@ -1381,7 +1412,7 @@ def decode_plan(batch: int, seqlen_q: int, nheads: int, nheads_k: int, headdim: 
         num_splits = max(num_splits, 2)
     paged = paged_layout(page_size, cfg.tile_n, *page_policy) if page_size else {}
     cfg = with_seq_layout(cfg, seqused_k=True, split_kv=num_splits > 1, **paged)
-    cfg = with_gather(cfg, gather_zero_fill)
+    cfg = with_page_divide_free(with_gather(cfg, gather_zero_fill), page_size, divide_free)
     return FwdPlan(cfg, pack, num_splits, seqlen_p, heads_p)
 
 
@@ -1406,7 +1437,8 @@ def with_fwd_switches(cfg: FwdConfig, names) -> FwdConfig:
     are compiled; lookahead_qk: where lookahead_qk_error allows it, Dv < D; pv_zero_init: not with
     lookahead_qk; flat_tile_order: not with the LPT order; softmax_branch_free: turns softmax_vote_first
     off; gather_clamp_late, gather_ptr_shuffle: gathered pages only; page_pieces_all_warps: TMA page
-    pieces with page_prefetch only; pin_p_convert: P in registers only). Pure."""
+    pieces with page_prefetch only; pin_p_convert: P in registers only; page_divide_free: TMA page
+    pieces only). Pure."""
     for name in FWD_SPEED_SWITCHES:
         if name == "lookahead_qk" and lookahead_qk_error(cfg):
             continue
@@ -1419,6 +1451,8 @@ def with_fwd_switches(cfg: FwdConfig, names) -> FwdConfig:
         if name == "page_pieces_all_warps" and not cfg.page_prefetch:  # TMA page pieces with the look-ahead only
             continue
         if name == "pin_p_convert" and cfg.p_smem:  # P in registers only
+            continue
+        if name == "page_divide_free" and not cfg.page_rows:  # TMA page pieces only
             continue
         if name == "softmax_branch_free" and name in names:  # replaces the vote-first branches
             cfg = dataclasses.replace(cfg, softmax_vote_first=False)
@@ -1436,7 +1470,7 @@ def _fwd_plan(request, arch: int, num_sms: int | None = None) -> FwdPlan:
     if seq.decode:
         return decode_plan(q.shape[0], q.shape[1], nheads, nheads_k, headdim, dtype, mask.causal, request.page_size,
                            request.capacity, request.cache.num_splits, arch, num_sms, mask.window, softcap, sink,
-                           headdim_v, page_policy(), gather_policy())
+                           headdim_v, page_policy(), gather_policy(), page_divide_free_policy())
     if not seq.packed:
         cfg = select_fwd_config(headdim, dtype, mask.causal, arch, local, softcap, sink, headdim_v, k.shape[1])
         cfg = shipped_p_smem(shipped_lookahead_qk(with_pack_gqa(wide_tile_fwd_config(cfg), nheads, nheads_k)))
@@ -1448,6 +1482,8 @@ def _fwd_plan(request, arch: int, num_sms: int | None = None) -> FwdPlan:
     cfg = with_seq_layout(cfg, varlen_q=True, varlen_k=not seq.paged, seqused_q=seq.seqused_q is not None,
                           seqused_k=seq.seqused_k is not None, **paged)
     cfg = with_page_pieces_all_warps(cfg, policy[2])
+    if seq.paged:
+        cfg = with_page_divide_free(cfg, k.shape[1], page_divide_free_policy())
     return FwdPlan(with_paged_kv_stages(with_gather(cfg, gather_policy()), paged_kv_stages_policy(cfg)))
 
 
@@ -1531,6 +1567,23 @@ def prefill_paged_layout(page_size: int, tile_n: int, headdim: int, policy: tupl
     if small_piece_rule and 0 < paged.get("page_rows", 0) < SMALL_PIECE_ROWS and headdim < SMALL_PIECE_MIN_HEADDIM:
         return {"page_rows": 0, "page_gather": True}
     return paged
+
+
+def page_divide_free_policy() -> bool:
+    """Whether whole-page TMA pieces skip the division by the page size for this call
+    (with_page_divide_free): FLASH4_PAGE_DIVIDE_FREE, else PAGE_DIVIDE_FREE."""
+    from flash4 import env  # late: host-only
+
+    flag = env.page_divide_free()
+    return bool(PAGE_DIVIDE_FREE if flag is None else flag)
+
+
+def with_page_divide_free(cfg: FwdConfig, page_size: int, on: bool) -> FwdConfig:
+    """cfg with page_divide_free when on and cfg loads TMA page pieces that are whole pages
+    (page_rows == page_size, flash4.config.PAGE_DIVIDE_FREE); else cfg. Pure."""
+    if on and 0 < cfg.page_rows == page_size:
+        return dataclasses.replace(cfg, page_divide_free=True)
+    return cfg
 
 
 def with_page_pieces_all_warps(cfg: FwdConfig, all_warps: bool) -> FwdConfig:

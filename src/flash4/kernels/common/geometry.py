@@ -56,6 +56,24 @@ def paged_piece(n_block, i, tile_n: int, page_rows: int, page_size):
     return g.paged_piece(n_block, i, tile_n, page_rows, page_size)
 
 
+@cute.jit
+def paged_piece_divide_free(n_block, i, tile_n: cutlass.Constexpr[int], page_rows: cutlass.Constexpr[int],
+                            page_size):
+    """paged_piece (flash4.geometry) from the piece's index (FwdConfig.page_divide_free): piece i of
+    key block n_block is piece n_block * tile_n / page_rows + i of the sequence, pieces_per_page =
+    page_size / page_rows of them per page (page_rows: a compile-time power of two, so a shift), and
+    the (column, row block) division runs only where a page holds more than one piece. For
+    n_block >= 0 the same (first key, page-table column, row block) as paged_piece."""
+    piece = n_block * (tile_n // page_rows) + i
+    pieces_per_page = page_size // page_rows
+    col = piece
+    row_block = Int32(0)
+    if pieces_per_page != 1:
+        col = piece // pieces_per_page
+        row_block = piece - col * pieces_per_page
+    return piece * page_rows, col, row_block
+
+
 # The score mask from bits (mask_scores(bits=True), FwdConfig.mask_bits): one 32-bit word per row and
 # 32 of the thread's elements, bit j set where element j stays; each element's select tests a
 # compile-time bit, which ptxas turns into R2P (7 predicates per instruction) instead of one or two

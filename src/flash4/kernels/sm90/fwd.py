@@ -550,18 +550,12 @@ class FlashAttentionForwardSm90:
             max_pages = mPageTable.shape[1]
             num_pieces = self.tile_n // self.page_rows
             lane = cute.arch.lane_idx()
-            lane_key, lane_col, _ = geometry.paged_piece(n_block, lane, self.tile_n, self.page_rows, page_size)
+            lane_key, lane_col, _ = self.paged_piece(n_block, lane, page_size)
             lane_page = num_pages
             if (lane < num_pieces) & (lane_key < seq.seqlen_k):
                 lane_page = mPageTable[seq.batch, cutlass.min(lane_col, max_pages - 1)]
-            for i in cutlass.range(num_pieces, unroll=1):
-                _, _, row_block = geometry.paged_piece(n_block, i, self.tile_n, self.page_rows, page_size)
-                page = cute.arch.shuffle_sync(lane_page, i)
-                gX = cute.local_tile(mX[None, None, head_kv, page], (self.page_rows, hdim), (row_block, 0))
-                sPiece = cute.local_tile(sX[None, None, state.index], (self.page_rows, hdim), (i, 0))
-                tXsX, tXgX = cpasync.tma_partition(tma_atom, 0, one_cta, cute.group_modes(sPiece, 0, 2),
-                                                   cute.group_modes(gX, 0, 2))
-                cute.copy(tma_atom, tXgX, tXsX, tma_bar_ptr=bar)
+            self.copy_page_pieces(tma_atom, mX, sX[None, None, state.index], head_kv, hdim, bar, lane_page, n_block,
+                                  0, 1)
 
     @cute.jit
     def load_paged(self, tma: QKVO, atoms: QKVO, seq_params: SeqParams, mask_params: MaskParams, smem: QKVO,
@@ -659,11 +653,19 @@ class FlashAttentionForwardSm90:
             return self.gather.lookup(mPageTable, seq.batch, n_block, seq.seqlen_k, page_size, num_pages, tidx,
                                       in_blocks)
         lane = cute.arch.lane_idx()
-        lane_key, lane_col, _ = geometry.paged_piece(n_block, lane, self.tile_n, self.page_rows, page_size)
+        lane_key, lane_col, _ = self.paged_piece(n_block, lane, page_size)
         lane_page = num_pages
         if in_blocks & (lane < self.tile_n // self.page_rows) & (lane_key < seq.seqlen_k):
             lane_page = mPageTable[seq.batch, cutlass.min(lane_col, mPageTable.shape[1] - 1)]
         return lane_page
+
+    def paged_piece(self, n_block, i, page_size):
+        """(first key, page-table column, row block in the page) of page piece i of key block n_block
+        (flash4.geometry.paged_piece; FwdConfig.page_divide_free: without the run-time division where
+        a piece is a whole page). Plain Python: runs while the calling jit function traces."""
+        if self.cfg.page_divide_free:
+            return geometry.paged_piece_divide_free(n_block, i, self.tile_n, self.page_rows, page_size)
+        return geometry.paged_piece(n_block, i, self.tile_n, self.page_rows, page_size)
 
     @cute.jit
     def load_paged_block(self, tma_atom, mX, sX, pipe, head_kv, seq, tidx, hdim: cutlass.Constexpr[int], n_block,
@@ -677,19 +679,46 @@ class FlashAttentionForwardSm90:
             self.gather.load(mX, sX[None, None, state.index], head_kv, page, in_page, n_block, seq.seqlen_k, tidx)
             pipe.producer_commit(state)
         else:
-            one_cta = cute.make_layout(1)
             bar = pipe.producer_get_barrier(state)
             first, step = 0, 1
             if const_expr(self.cfg.page_pieces_all_warps):
                 first, step = cute.arch.make_warp_uniform(tidx // 32), PRODUCER_WARPS
-            for i in cutlass.range(first, self.tile_n // self.page_rows, step, unroll=1):  # unrolled, the producer spills
-                _, _, row_block = geometry.paged_piece(n_block, i, self.tile_n, self.page_rows, mX.shape[0])
-                page = cute.arch.shuffle_sync(entry, i)
-                gX = cute.local_tile(mX[None, None, head_kv, page], (self.page_rows, hdim), (row_block, 0))
-                sPiece = cute.local_tile(sX[None, None, state.index], (self.page_rows, hdim), (i, 0))
-                tXsX, tXgX = cpasync.tma_partition(tma_atom, 0, one_cta, cute.group_modes(sPiece, 0, 2),
-                                                   cute.group_modes(gX, 0, 2))
-                cute.copy(tma_atom, tXgX, tXsX, tma_bar_ptr=bar)
+            self.copy_page_pieces(tma_atom, mX, sX[None, None, state.index], head_kv, hdim, bar, entry, n_block,
+                                  first, step)
+
+    @cute.jit
+    def copy_page_pieces(self, tma_atom, mX, sStage, head_kv, hdim: cutlass.Constexpr[int], bar, lane_page, n_block,
+                         first, step):
+        """The TMA copies of key block n_block's page pieces first, first + step, ... into the stage
+        sStage, completing on bar; lane i of lane_page holds the page of piece i (page_lookup).
+        FwdConfig.page_divide_free: where a piece is a whole page (page_size == page_rows, a uniform
+        branch around the loop, so the compiler cannot fold the general path's division into it by
+        predication) every piece starts at row 0 of its page."""
+        num_pieces = self.tile_n // self.page_rows
+        if const_expr(self.cfg.page_divide_free):
+            if mX.shape[0] == self.page_rows:
+                for i in cutlass.range(first, num_pieces, step, unroll=1):  # unrolled, the producer spills
+                    self.copy_piece(tma_atom, mX, sStage, head_kv, hdim, bar, cute.arch.shuffle_sync(lane_page, i),
+                                    0, i)
+            else:
+                for i in cutlass.range(first, num_pieces, step, unroll=1):
+                    _, _, row_block = self.paged_piece(n_block, i, mX.shape[0])
+                    self.copy_piece(tma_atom, mX, sStage, head_kv, hdim, bar, cute.arch.shuffle_sync(lane_page, i),
+                                    row_block, i)
+        else:
+            for i in cutlass.range(first, num_pieces, step, unroll=1):
+                _, _, row_block = self.paged_piece(n_block, i, mX.shape[0])
+                self.copy_piece(tma_atom, mX, sStage, head_kv, hdim, bar, cute.arch.shuffle_sync(lane_page, i),
+                                row_block, i)
+
+    def copy_piece(self, tma_atom, mX, sStage, head_kv, hdim: int, bar, page, row_block, i):
+        """One page piece's TMA copy: rows row_block * page_rows ... of page `page` (head head_kv) into
+        rows i * page_rows ... of sStage. Plain Python: runs while the calling jit function traces."""
+        gX = cute.local_tile(mX[None, None, head_kv, page], (self.page_rows, hdim), (row_block, 0))
+        sPiece = cute.local_tile(sStage, (self.page_rows, hdim), (i, 0))
+        tXsX, tXgX = cpasync.tma_partition(tma_atom, 0, cute.make_layout(1), cute.group_modes(sPiece, 0, 2),
+                                           cute.group_modes(gX, 0, 2))
+        cute.copy(tma_atom, tXgX, tXsX, tma_bar_ptr=bar)
 
     @cute.jit
     def mma(self, tma: QKVO, atoms: QKVO, lse_out: LseParams, split_params: SplitParams, sink: Optional[cute.Tensor],
