@@ -82,12 +82,25 @@ def expected_cache(args, seqlens, rows=None, table=None):
     return k_cache, v_cache
 
 
+def expected_page_divide_free(page: int, page_rows: int, divide_free=None) -> bool:
+    """Whether a paged plan (prefill or decode) whose pages of `page` rows load as TMA pieces of
+    page_rows rows (0: gathered) should set FwdConfig.page_divide_free, by the rule written above
+    flash4.config.PAGE_DIVIDE_FREE (not from flash4.config.sm90): TMA pieces that are whole pages
+    (page_rows == page: pages 8..128 at tile_n 128), unless switched off. divide_free: the value of
+    FLASH4_PAGE_DIVIDE_FREE (bool), None where unset."""
+    from flash4.config import PAGE_DIVIDE_FREE
+
+    on = PAGE_DIVIDE_FREE if divide_free is None else bool(divide_free)
+    return bool(on and 0 < page_rows == page)
+
+
 def expected_prefill_paging(page: int, tile_n: int, headdim: int, all_warps=None, gather_max=None,
-                            prefetch=None) -> dict:
+                            prefetch=None, divide_free=None) -> dict:
     """What the paged PREFILL plan should load pages of `page` rows with, derived from flash4.config's
     constants by the rule written above PAGE_PIECES_ALL_WARPS (not from flash4.config.sm90, whose code
     this checks). all_warps / gather_max / prefetch: the values of FLASH4_PAGE_PIECES_ALL_WARPS (bool) /
-    FLASH4_PAGE_GATHER_MAX (int) / FLASH4_PAGE_PREFETCH (bool), None where unset.
+    FLASH4_PAGE_GATHER_MAX (int) / FLASH4_PAGE_PREFETCH (bool), None where unset; divide_free: the value
+    of FLASH4_PAGE_DIVIDE_FREE (bool), None where unset.
 
     Default: pages that are multiples of TMA_PAGE_ROWS load by TMA pieces of gcd(page, tile_n) rows with
     the look-ahead (none gathered: PREFILL_PAGE_GATHER_MAX); pieces of <= PAGE_PIECES_ALL_WARPS_MAX rows
@@ -97,8 +110,11 @@ def expected_prefill_paging(page: int, tile_n: int, headdim: int, all_warps=None
     SMALL_PAGE_PIECE_ROWS rows with the look-ahead). gather_max set: that limit and no head-dim rule
     (the four warps still apply).
 
-    Returns page_rows, page_gather, page_prefetch, page_pieces_all_warps and stages: the K/V stages the
-    plan asks for (with_paged_kv_stages then keeps 2 where 3 do not fit the smem)."""
+    TMA pieces that are whole pages (page_rows == page) find their page without the division by the
+    page size (page_divide_free, flash4.config.PAGE_DIVIDE_FREE: expected_page_divide_free).
+
+    Returns page_rows, page_gather, page_prefetch, page_pieces_all_warps, page_divide_free and stages: the
+    K/V stages the plan asks for (with_paged_kv_stages then keeps 2 where 3 do not fit the smem)."""
     from flash4.config import (PAGE_GATHER_MAX, PAGE_PIECES_ALL_WARPS, PAGE_PIECES_ALL_WARPS_MAX, PAGE_PREFETCH,
                                PAGED_KV_STAGES, PAGED_KV_STAGES_SMALL_PIECES, PREFILL_PAGE_GATHER_MAX,
                                SMALL_PAGE_PIECE_ROWS, SMALL_PIECE_MIN_HEADDIM, SMALL_PIECE_ROWS, TMA_PAGE_ROWS)
@@ -112,12 +128,12 @@ def expected_prefill_paging(page: int, tile_n: int, headdim: int, all_warps=None
     if page % TMA_PAGE_ROWS or page <= gather_max or (
             small_piece_rule and rows < SMALL_PIECE_ROWS and headdim < SMALL_PIECE_MIN_HEADDIM):
         return dict(page_rows=0, page_gather=True, page_prefetch=False, page_pieces_all_warps=False,
-                    stages=PAGED_KV_STAGES)
+                    page_divide_free=False, stages=PAGED_KV_STAGES)
     pieces4 = four and rows <= PAGE_PIECES_ALL_WARPS_MAX
     stages = (PAGED_KV_STAGES_SMALL_PIECES if prefetch and rows <= SMALL_PAGE_PIECE_ROWS and not pieces4
               else PAGED_KV_STAGES)
     return dict(page_rows=rows, page_gather=False, page_prefetch=prefetch, page_pieces_all_warps=pieces4,
-                stages=stages)
+                page_divide_free=expected_page_divide_free(page, rows, divide_free), stages=stages)
 
 
 # ================================================================ the three doors and their validate pairs
@@ -391,9 +407,10 @@ def assert_portable_row_clean(row: dict, cfg) -> None:
     assert row["hgmma"] == row["utma"] == row["stsm"] == row["utchmma"] == 0, row
 
 
-def sass_innermost_loops(sass: str) -> list:
-    """[(first, last), ...]: the innermost loops of a cuobjdump listing (a backward branch's target up
-    to the branch, containing no other such loop), as indices into sass_lines(sass)."""
+def sass_loops(sass: str) -> list:
+    """[(first, last), ...]: every loop of a cuobjdump listing (a backward branch, `BRA <addr>` whose
+    target is not above the branch's own address: the target up to the branch), in program order of
+    their branches, as indices into sass_lines(sass)."""
     import re
 
     lines = sass_lines(sass)
@@ -403,6 +420,13 @@ def sass_innermost_loops(sass: str) -> list:
         m = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", ins)
         if m and int(m.group(1), 16) <= addr[i] and int(m.group(1), 16) in addr:
             loops.append((addr.index(int(m.group(1), 16)), i))
+    return loops
+
+
+def sass_innermost_loops(sass: str) -> list:
+    """[(first, last), ...]: the innermost loops of a cuobjdump listing (sass_loops containing no other
+    such loop), as indices into sass_lines(sass)."""
+    loops = sass_loops(sass)
     return [(a, b) for a, b in loops if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in loops)]
 
 

@@ -18,43 +18,62 @@ import ab_pages as tool  # noqa: E402
 
 @pytest.fixture(autouse=True)
 def _defaults(monkeypatch):
-    for name in ("FLASH4_GATHER_ZERO_FILL", "FLASH4_PAGED_KV_STAGES",
-                 "FLASH4_PAGE_GATHER_MAX", "FLASH4_PAGE_PREFETCH", "FLASH4_PAGE_PIECES_ALL_WARPS"):
+    for name in ("FLASH4_GATHER_ZERO_FILL", "FLASH4_PAGED_KV_STAGES", "FLASH4_PAGE_GATHER_MAX",
+                 "FLASH4_PAGE_PREFETCH", "FLASH4_PAGE_PIECES_ALL_WARPS", "FLASH4_PAGE_DIVIDE_FREE"):
         monkeypatch.delenv(name, raising=False)
     # the cell (set_cell, main's --headdim / --full): d128 causal, put back after each test
     monkeypatch.setattr(tool, "HEADDIM", 128)
     monkeypatch.setattr(tool, "CAUSAL", True)
 
 
+def _df(cfg, on=True):
+    """cfg with FwdConfig.page_divide_free set to `on`."""
+    return dataclasses.replace(cfg, page_divide_free=on)
+
+
 def test_dry_run(capsys):
     assert tool.main(["--dry-run"]) == 0
     text = capsys.readouterr().out
-    assert "page   16 g_zf_s3" in text and "page   64 tma_pf" in text and "24 kernels" in text
+    assert "page   16 g_zf_s3" in text and "page   64 tma_pf" in text and "28 kernels" in text
+    # pages 16..128 are whole-page pieces: shipped divide-free, "div" the division back
+    for page in (16, 32, 64, 128):
+        four = " four warps" if page <= 32 else ""
+        assert f"page {page:4d} shipped      tma pieces {page} prefetch{four} divide-free stages 2" in text
+        assert f"page {page:4d} div          tma pieces {page} prefetch{four} stages 2" in text
+    assert " df " not in text
 
 
 def test_variants(monkeypatch):
     v16, v32, v64, v128 = (tool.variants(p) for p in (16, 32, 64, 128))
     # since 2026-12-05 (H200 A/B, flash4.config.PAGE_PIECES_ALL_WARPS): pages 16 and 32 prefill by TMA
     # pieces with the look-ahead, issued by all four producer warps, 2 stages
+    # since 2026-12-05 night (flash4.config.PAGE_DIVIDE_FREE) whole-page pieces without the division:
+    # shipped is tma_pf4 with page_divide_free, "div" (second) that kernel with the division back
     for v, rows in ((v16, 16), (v32, 32)):
-        assert list(v)[0] == "shipped" and v["shipped"] == v["tma_pf4"]
+        assert list(v)[:2] == ["shipped", "div"] and v["shipped"] == _df(v["tma_pf4"]) and v["div"] == v["tma_pf4"]
         shipped = v["shipped"]
         assert (shipped.page_rows, shipped.page_gather, shipped.page_prefetch, shipped.page_pieces_all_warps,
-                shipped.kv_stages) == (rows, False, True, True, 2) and not shipped.gather_zero_fill
-    # FLASH4_PAGE_PIECES_ALL_WARPS=0: the previous rules, page 16 gathered with the producer zero-fill,
-    # page 32 by one warp with 3 stages (since 2026-12-03 evening); the other variants unchanged
+                shipped.kv_stages, shipped.page_divide_free) == (rows, False, True, True, 2, True)
+        assert not shipped.gather_zero_fill and "df" not in v
+    # FLASH4_PAGE_PIECES_ALL_WARPS=0: the previous rules, page 16 gathered with the producer zero-fill
+    # (no div / df variant: no TMA pieces), page 32 by one warp with 3 stages (since 2026-12-03 evening),
+    # divide-free; the other variants unchanged
     monkeypatch.setenv("FLASH4_PAGE_PIECES_ALL_WARPS", "0")
     off16, off32 = tool.variants(16), tool.variants(32)
     assert off16["shipped"] == off16["g_zf"] == v16["g_zf"] and off16["shipped"].gather_zero_fill
-    assert off32["shipped"] == off32["tma_pf_s3"] == v32["tma_pf_s3"] and off32["shipped"].kv_stages == 3
+    assert "div" not in off16 and "df" not in off16
+    assert off32["shipped"] == _df(off32["tma_pf_s3"]) and off32["tma_pf_s3"] == v32["tma_pf_s3"]
+    assert off32["div"] == off32["tma_pf_s3"] and off32["shipped"].kv_stages == 3 and "df" not in off32
     for off, on in ((off16, v16), (off32, v32)):
-        assert {k: c for k, c in off.items() if k != "shipped"} == {k: c for k, c in on.items() if k != "shipped"}
+        assert {k: c for k, c in off.items() if k not in ("shipped", "div")} == {
+            k: c for k, c in on.items() if k not in ("shipped", "div")}
     monkeypatch.delenv("FLASH4_PAGE_PIECES_ALL_WARPS")
     assert v16["g"].page_gather and not v16["g"].gather_zero_fill and "g" not in v32
     assert v16["g_zf_s3"].kv_stages == 3 and v16["tma_s3"].kv_stages == 3 and v16["tma"].page_rows == 16
     # since 2026-12-03 evening: the look-ahead everywhere (tma_pf_s3: with 3 stages at pieces of <= 32 rows)
     assert v32["tma_pf_s3"].kv_stages == 3 and v32["tma"].page_rows == 32 and v32["tma_pf"].page_prefetch
-    assert v64["shipped"] == v64["tma_pf"] and v64["tma_pf"].page_rows == 64 and "tma_pf_s3" not in v64
+    assert v64["shipped"] == _df(v64["tma_pf"]) and v64["div"] == v64["tma_pf"] and v64["tma_pf"].page_rows == 64
+    assert "tma_pf_s3" not in v64 and v128["shipped"] == _df(v128["tma_pf"]) and v128["div"] == v128["tma_pf"]
     assert v128["tma"].page_rows == 128 and v128["tma_pf"].page_prefetch and "tma_pf_s3" not in v128
     # a gathered kernel does not depend on the page size: one compile serves every page size
     assert v16["g_zf"] == v32["g_zf"] == v64["g_zf"] == v128["g_zf"]
@@ -67,7 +86,10 @@ def test_variants(monkeypatch):
         assert v["tma_pf4_s3"] == dataclasses.replace(v["tma_pf_s3"], page_pieces_all_warps=True)
     assert "tma_pf4" not in v64 and not any(c.page_pieces_all_warps for c in (*v16.values(), *v32.values())
                                             if c not in (v16["tma_pf4"], v16["tma_pf4_s3"], v32["tma_pf4"],
-                                                         v32["tma_pf4_s3"]))
+                                                         v32["tma_pf4_s3"], v16["shipped"], v32["shipped"]))
+    # page_divide_free in the shipped config only (every page here is a whole-page piece at tile_n 128)
+    for v in (v16, v32, v64, v128):
+        assert [name for name, c in v.items() if c.page_divide_free] == ["shipped"]
     for cfg in [c for v in (v16, v32, v64, v128) for c in v.values()]:
         assert cfg.paged and cfg.causal and cfg.headdim == 128 and cfg.varlen_q and cfg.seqused_k
         assert cfg.smem_bytes() + 1024 <= 227 * 1024
@@ -75,22 +97,29 @@ def test_variants(monkeypatch):
 
 @pytest.mark.parametrize("all_warps", [None, "0"])
 def test_plan_configs_cover_every_variant(monkeypatch, all_warps):
-    if all_warps is not None:  # the shipped configs are variants either way: the same 24 kernels
+    if all_warps is not None:
         monkeypatch.setenv("FLASH4_PAGE_PIECES_ALL_WARPS", all_warps)
+    # 24 kernels without page_divide_free (each page's shipped config, its "div", is a variant), and the
+    # shipped divide-free kernels of the pages of TMA pieces: 16, 32, 64, 128 (page 16 gathered with
+    # FLASH4_PAGE_PIECES_ALL_WARPS=0)
     configs = tool.plan_configs()
-    assert len(configs) == len(set(configs)) == 24
+    assert len(configs) == len(set(configs)) == (28 if all_warps is None else 27)
+    assert [c.page_rows for c in configs if c.page_divide_free] == ([16, 32, 64, 128] if all_warps is None
+                                                                    else [32, 64, 128])
     assert configs[0] == tool.contiguous_config() and configs[0].varlen_k
     for page in tool.PAGES:
         assert set(tool.variants(page).values()) <= set(configs)
 
 
 # The shipped variant of each page size on the d64 / d128 cells (causal or full): the H200 A/B of
-# 2026-12-05 (flash4.config, above PAGE_PIECES_ALL_WARPS), and with FLASH4_PAGE_PIECES_ALL_WARPS=0.
+# 2026-12-05 (flash4.config, above PAGE_PIECES_ALL_WARPS), and with FLASH4_PAGE_PIECES_ALL_WARPS=0;
+# "+df": that variant with page_divide_free (whole-page TMA pieces, flash4.config.PAGE_DIVIDE_FREE).
 SHIPPED = {
-    (None, 128): {8: "tma_pf4", 16: "tma_pf4", 24: "tma_pf4", 32: "tma_pf4", 48: "tma_pf4", 64: "tma_pf"},
-    (None, 64): {8: "g_zf", 16: "tma_pf4", 24: "g_zf", 32: "tma_pf4", 48: "tma_pf4", 64: "tma_pf"},
-    ("0", 128): {8: "g_zf", 16: "g_zf", 24: "tma_pf_s3", 32: "tma_pf_s3", 48: "tma_pf_s3", 64: "tma_pf"},
-    ("0", 64): {8: "g_zf", 16: "g_zf", 24: "tma_pf_s3", 32: "tma_pf_s3", 48: "tma_pf_s3", 64: "tma_pf"},
+    (None, 128): {8: "tma_pf4+df", 16: "tma_pf4+df", 24: "tma_pf4", 32: "tma_pf4+df", 48: "tma_pf4",
+                  64: "tma_pf+df"},
+    (None, 64): {8: "g_zf", 16: "tma_pf4+df", 24: "g_zf", 32: "tma_pf4+df", 48: "tma_pf4", 64: "tma_pf+df"},
+    ("0", 128): {8: "g_zf", 16: "g_zf", 24: "tma_pf_s3", 32: "tma_pf_s3+df", 48: "tma_pf_s3", 64: "tma_pf+df"},
+    ("0", 64): {8: "g_zf", 16: "g_zf", 24: "tma_pf_s3", 32: "tma_pf_s3+df", 48: "tma_pf_s3", 64: "tma_pf+df"},
 }
 
 
@@ -98,7 +127,9 @@ SHIPPED = {
 @pytest.mark.parametrize("d, causal", [(128, True), (128, False), (64, True), (64, False)])
 def test_cells_and_piece_rows(monkeypatch, d, causal, all_warps):
     """set_cell (--headdim / --full): every variant and the shipped config on that cell; tma_pf_s3 /
-    tma_pf4 / tma_pf4_s3 wherever the pieces have <= 32 rows (page 48: 16-row pieces), "g" at pages <= 16."""
+    tma_pf4 / tma_pf4_s3 wherever the pieces have <= 32 rows (page 48: 16-row pieces), "g" at pages <= 16;
+    shipped TMA pieces get page_divide_free flipped as "div" (whole pages: shipped has it) or "df"
+    (pages of several pieces: 24, 48), gathered shipped pages neither."""
     from cpu_helpers import expected_prefill_paging
 
     if all_warps is not None:
@@ -111,10 +142,19 @@ def test_cells_and_piece_rows(monkeypatch, d, causal, all_warps):
         rows = math.gcd(page, 128)
         assert ("tma_pf_s3" in v) == ("tma_pf4" in v) == ("tma_pf4_s3" in v) == (rows <= 32), page
         assert ("g" in v) == (page <= 16) and v["tma"].page_rows == rows
-        assert v["shipped"] == v[SHIPPED[all_warps, d][page]], page
+        name, _, plus = SHIPPED[all_warps, d][page].partition("+")
+        assert v["shipped"] == (_df(v[name]) if plus else v[name]), page
         want = expected_prefill_paging(page, 128, d, all_warps=None if all_warps is None else False)
-        assert (v["shipped"].page_gather, v["shipped"].page_pieces_all_warps, v["shipped"].kv_stages) == (
-            want["page_gather"], want["page_pieces_all_warps"], want["stages"])
+        assert (v["shipped"].page_gather, v["shipped"].page_pieces_all_warps, v["shipped"].kv_stages,
+                v["shipped"].page_divide_free) == (want["page_gather"], want["page_pieces_all_warps"], want["stages"],
+                                                   want["page_divide_free"])
+        assert v["shipped"].page_divide_free == bool(plus) == (not want["page_gather"] and rows == page)
+        flip = [n for n in ("div", "df") if n in v]
+        if want["page_gather"]:
+            assert flip == [], page
+        else:
+            assert flip == (["div"] if plus else ["df"]) and list(v)[1] == flip[0], page
+            assert v[flip[0]] == _df(v["shipped"], not plus) and v[flip[0]] == (v[name] if plus else _df(v[name]))
         for cfg in v.values():
             assert cfg.paged and cfg.causal == causal and cfg.headdim == d and cfg.varlen_q and cfg.seqused_k
             assert cfg.smem_bytes() + 1024 <= 227 * 1024
@@ -126,25 +166,32 @@ def test_main_takes_the_cell(capsys):
     assert "full, d64" in text and (tool.HEADDIM, tool.CAUSAL) == (64, False)
     assert "page    8 shipped      gather gather_zero_fill stages 2" in text  # 8-row pieces below d128: gathered
     assert "page   48 shipped      tma pieces 16 prefetch four warps stages 2" in text
+    # page 48 is three 16-row pieces: shipped with the division, "df" without it
+    assert "page   48 df           tma pieces 16 prefetch four warps divide-free stages 2" in text
     assert "page   48 tma_pf4_s3" in text  # 16-row pieces: the four-warp variants
+    assert "page    8 df" not in text and "page    8 div" not in text  # gathered: neither
     # --headdim's default is the module's HEADDIM at the call (d64 now): named, and causal without --full
     assert tool.main(["--dry-run", "--headdim", "128", "--pages", "8"]) == 0
     text = capsys.readouterr().out
-    assert "causal, d128" in text and "page    8 shipped      tma pieces 8 prefetch four warps stages 2" in text
+    assert "causal, d128" in text
+    assert "page    8 shipped      tma pieces 8 prefetch four warps divide-free stages 2" in text
+    assert "page    8 div          tma pieces 8 prefetch four warps stages 2" in text
 
 
 def test_shipped_follows_the_switches(monkeypatch):
-    assert tool.shipped_config(16) == tool.variants(16)["tma_pf4"]  # the default (PAGE_PIECES_ALL_WARPS)
-    assert tool.shipped_config(32) == tool.variants(32)["tma_pf4"]
+    # the default (PAGE_PIECES_ALL_WARPS), whole pages without the division (PAGE_DIVIDE_FREE)
+    assert tool.shipped_config(16) == _df(tool.variants(16)["tma_pf4"]) == _df(tool.variants(16)["div"])
+    assert tool.shipped_config(32) == _df(tool.variants(32)["tma_pf4"])
+    assert tool.shipped_config(48) == tool.variants(48)["tma_pf4"]  # three 16-row pieces a page: the division
     monkeypatch.setenv("FLASH4_PAGED_KV_STAGES", "3")
-    assert tool.shipped_config(16) == tool.variants(16)["tma_pf4_s3"]
+    assert tool.shipped_config(16) == _df(tool.variants(16)["tma_pf4_s3"])
     monkeypatch.setenv("FLASH4_PAGE_GATHER_MAX", "16")  # set explicitly, it wins: page 16 gathered
     assert tool.shipped_config(16) == tool.variants(16)["g_zf_s3"]
-    assert tool.shipped_config(32) == tool.variants(32)["tma_pf4_s3"]  # the four warps stay
+    assert tool.shipped_config(32) == _df(tool.variants(32)["tma_pf4_s3"])  # the four warps stay
     monkeypatch.delenv("FLASH4_PAGE_GATHER_MAX")
     monkeypatch.setenv("FLASH4_PAGE_PIECES_ALL_WARPS", "0")  # off: page 16 gathered as before
     assert tool.shipped_config(16) == tool.variants(16)["g_zf_s3"]
-    assert tool.shipped_config(32) == tool.variants(32)["tma_pf_s3"]
+    assert tool.shipped_config(32) == _df(tool.variants(32)["tma_pf_s3"])
     monkeypatch.setenv("FLASH4_GATHER_ZERO_FILL", "0")
     monkeypatch.setenv("FLASH4_PAGED_KV_STAGES", "2")
     assert tool.shipped_config(16) == tool.variants(16)["g"]
@@ -152,12 +199,21 @@ def test_shipped_follows_the_switches(monkeypatch):
     monkeypatch.setenv("FLASH4_PAGE_PREFETCH", "0")  # the four-warp pieces need the look-ahead
     assert tool.shipped_config(16) == tool.variants(16)["g"]
     monkeypatch.setenv("FLASH4_PAGE_PREFETCH", "1")
-    assert tool.shipped_config(16) == tool.variants(16)["tma_pf4"]
-    assert tool.shipped_config(64) == tool.variants(64)["tma_pf"]
+    assert tool.shipped_config(16) == _df(tool.variants(16)["tma_pf4"])
+    assert tool.shipped_config(64) == _df(tool.variants(64)["tma_pf"])
+    # FLASH4_PAGE_DIVIDE_FREE=0: the division everywhere; shipped is the plain variant, "df" flips it on
+    monkeypatch.setenv("FLASH4_PAGE_DIVIDE_FREE", "0")
+    for page, name in ((16, "tma_pf4"), (48, "tma_pf4"), (64, "tma_pf")):
+        v = tool.variants(page)
+        assert tool.shipped_config(page) == v["shipped"] == v[name] and not v["shipped"].page_divide_free
+        assert list(v)[1] == "df" and "div" not in v and v["df"] == _df(v[name]), page
+    monkeypatch.setenv("FLASH4_PAGE_DIVIDE_FREE", "1")  # set to the default: the same
+    assert tool.shipped_config(16) == _df(tool.variants(16)["tma_pf4"])
+    monkeypatch.delenv("FLASH4_PAGE_DIVIDE_FREE")
     tool.set_cell(64, True)  # d64: page 8 gathered (the head-dim rule) unless FLASH4_PAGE_GATHER_MAX is set
     assert tool.shipped_config(8) == tool.variants(8)["g"]  # FLASH4_GATHER_ZERO_FILL=0 still set
     monkeypatch.setenv("FLASH4_PAGE_GATHER_MAX", "0")
-    assert tool.shipped_config(8) == tool.variants(8)["tma_pf4"]
+    assert tool.shipped_config(8) == _df(tool.variants(8)["tma_pf4"])  # 8-row pieces: whole pages
 
 
 def test_paged_pool_lays_out_the_keys():
@@ -190,13 +246,30 @@ def test_variants_selection(capsys, monkeypatch):
     only = ["tma_pf4", "tma_pf4_s3"]
     assert list(tool.variants(16, only)) == ["shipped", "tma_pf4", "tma_pf4_s3"]
     assert list(tool.variants(64, only)) == ["shipped"]
-    # contiguous and four candidates; both pages' shipped is their tma_pf4 (no kernel of its own)
-    assert len(tool.plan_configs((16, 32), only)) == 5
-    # page 16's shipped gathered, page 32's tma_pf_s3 (one warp): two kernels more
+    # the page_divide_free flip by name: "div" where shipped has it (page 16), "df" where not (page 48)
+    assert list(tool.variants(16, ["div", "df"])) == ["shipped", "div"]
+    assert list(tool.variants(48, ["div", "df"])) == ["shipped", "df"]
+    # contiguous, four candidates and both pages' shipped (tma_pf4 with page_divide_free: kernels of their own)
+    assert len(tool.plan_configs((16, 32), only)) == 7
+    # page 16's shipped gathered, page 32's tma_pf_s3 (one warp) with page_divide_free: 7 kernels too
     monkeypatch.setenv("FLASH4_PAGE_PIECES_ALL_WARPS", "0")
     assert len(tool.plan_configs((16, 32), only)) == 7
     monkeypatch.delenv("FLASH4_PAGE_PIECES_ALL_WARPS")
+    # FLASH4_PAGE_DIVIDE_FREE=0: both pages' shipped is their tma_pf4 (no kernel of its own)
+    monkeypatch.setenv("FLASH4_PAGE_DIVIDE_FREE", "0")
+    assert len(tool.plan_configs((16, 32), only)) == 5
+    monkeypatch.delenv("FLASH4_PAGE_DIVIDE_FREE")
     assert tool.main(["--dry-run", "--pages", "16,32", "--variants", *only]) == 0
-    assert "page   32 tma_pf4_s3" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "page   32 tma_pf4_s3" in text and "page   32 div" not in text
+    assert tool.main(["--dry-run", "--pages", "16,48", "--variants", "div", "df"]) == 0
+    text = capsys.readouterr().out
+    assert "page   16 div          tma pieces 16 prefetch four warps stages 2" in text
+    assert "page   48 df           tma pieces 16 prefetch four warps divide-free stages 2" in text
+    # 16-row pieces either way, the page size a run-time value: page 48's df is page 16's shipped kernel
+    # and page 48's shipped page 16's div (contiguous and those two: 3 kernels)
+    assert tool.variants(48)["df"] == tool.variants(16)["shipped"] and tool.variants(48)["shipped"] == tool.variants(
+        16)["div"]
+    assert "page   16 tma_pf4" not in text and "3 kernels" in text
     with pytest.raises(SystemExit):
         tool.main(["--dry-run", "--pages", "16", "--variants", "bogus"])

@@ -8,9 +8,10 @@ import dataclasses
 
 import pytest
 import torch
-from cpu_helpers import expected_prefill_paging
+from cpu_helpers import expected_page_divide_free, expected_prefill_paging
 
-from flash4.config import (GATHER_ZERO_FILL, PAGE_GATHER_MAX, PAGE_PREFETCH, BwdPlan, FwdPlan, bwd_config, fwd_config, select_bwd_config, select_fwd_config,
+from flash4.config import (GATHER_ZERO_FILL, PAGE_DIVIDE_FREE, PAGE_GATHER_MAX, PAGE_PREFETCH, BwdPlan, FwdPlan,
+                           bwd_config, fwd_config, select_bwd_config, select_fwd_config,
                            with_dkv_accum, with_pack_gqa, with_seq_layout)
 from flash4.config.sm90 import decode_plan, head_split_config, shipped_mask_bits, shipped_window_persistent
 from flash4.geometry import window_sides
@@ -69,16 +70,18 @@ def test_varlen_plan(seqused_q):
 
 
 PAGE_SWITCHES = ("FLASH4_PAGE_PIECES_ALL_WARPS", "FLASH4_PAGE_GATHER_MAX", "FLASH4_PAGE_PREFETCH",
-                 "FLASH4_PAGED_KV_STAGES", "FLASH4_GATHER_ZERO_FILL")
+                 "FLASH4_PAGED_KV_STAGES", "FLASH4_GATHER_ZERO_FILL", "FLASH4_PAGE_DIVIDE_FREE")
 
-# The paged prefill of _packed (d64, tile_n 128) spelled out: (page_rows, four warps, K/V stages), or
-# None for gathered rows. Default (flash4.config.PAGE_PIECES_ALL_WARPS, H200 A/B of 2026-12-05): every
-# multiple of 8 by TMA pieces with the look-ahead, pieces of <= 32 rows from the four producer warps
-# with 2 stages, but 8-row pieces (pages 8, 24) gathered below d128. FLASH4_PAGE_PIECES_ALL_WARPS=0:
-# the previous rules (gathered up to page 16, one warp, 3 stages for pieces of <= 32 rows).
+# The paged prefill of _packed (d64, tile_n 128) spelled out: (page_rows, four warps, K/V stages,
+# page_divide_free), or None for gathered rows. Default (flash4.config.PAGE_PIECES_ALL_WARPS, H200 A/B
+# of 2026-12-05): every multiple of 8 by TMA pieces with the look-ahead, pieces of <= 32 rows from the
+# four producer warps with 2 stages, but 8-row pieces (pages 8, 24) gathered below d128.
+# FLASH4_PAGE_PIECES_ALL_WARPS=0: the previous rules (gathered up to page 16, one warp, 3 stages for
+# pieces of <= 32 rows). Pieces that are whole pages (16, 64; not 24's 8-row or 256's 128-row pieces)
+# find their page without the division (flash4.config.PAGE_DIVIDE_FREE, since 2026-12-05 night).
 D64_PREFILL_PAGING = {
-    None: {8: None, 16: (16, True, 2), 24: None, 64: (64, False, 2), 256: (128, False, 2)},
-    "0": {8: None, 16: None, 24: (8, False, 3), 64: (64, False, 2), 256: (128, False, 2)},
+    None: {8: None, 16: (16, True, 2, True), 24: None, 64: (64, False, 2, True), 256: (128, False, 2, False)},
+    "0": {8: None, 16: None, 24: (8, False, 3, False), 64: (64, False, 2, True), 256: (128, False, 2, False)},
 }
 
 
@@ -94,12 +97,14 @@ def test_paged_plan(monkeypatch, page_size, all_warps):
     want = expected_prefill_paging(page_size, base.tile_n, 64, all_warps=None if all_warps is None else False)
     # gathered: the producer zero-fills rows past seqlen_k (GATHER_ZERO_FILL); TMA pieces of
     # gcd(page_size, tile_n) rows with the look-ahead, from the four warps up to PAGE_PIECES_ALL_WARPS_MAX rows
+    # (whole pages: page_divide_free)
     layout = ({"page_gather": True, "gather_zero_fill": GATHER_ZERO_FILL} if want["page_gather"] else
               {"page_rows": want["page_rows"], "page_prefetch": want["page_prefetch"],
-               "page_pieces_all_warps": want["page_pieces_all_warps"]})
+               "page_pieces_all_warps": want["page_pieces_all_warps"], "page_divide_free": want["page_divide_free"]})
     assert plan.cfg == with_seq_layout(base, varlen_q=True, seqused_k=True, kv_stages=want["stages"], **layout)
     spelled = D64_PREFILL_PAGING[all_warps][page_size]  # the rule above, without the helper
-    got = None if plan.cfg.page_gather else (plan.cfg.page_rows, plan.cfg.page_pieces_all_warps, plan.cfg.kv_stages)
+    got = None if plan.cfg.page_gather else (plan.cfg.page_rows, plan.cfg.page_pieces_all_warps, plan.cfg.kv_stages,
+                                             plan.cfg.page_divide_free)
     assert got == spelled and plan.cfg.page_prefetch == (spelled is not None)
     assert plan.cfg.gather_zero_fill == (spelled is None and GATHER_ZERO_FILL)
 
@@ -110,7 +115,8 @@ def test_paged_plan(monkeypatch, page_size, all_warps):
 def test_decode_keeps_gathered_page_16(monkeypatch, page, d, all_warps):
     """The four-warp page pieces and the prefill's gather limit are prefill rules: a decode step keeps
     page_policy() (pages of <= PAGE_GATHER_MAX rows gathered, page 16 included; TMA pieces from warp 0),
-    the same plan with FLASH4_PAGE_PIECES_ALL_WARPS unset or 0."""
+    the same plan with FLASH4_PAGE_PIECES_ALL_WARPS unset or 0. TMA pieces that are whole pages (32, 64;
+    not 24's 8-row pieces) find their page without the division (page_divide_free_policy())."""
     for name in PAGE_SWITCHES:
         monkeypatch.delenv(name, raising=False)
     if all_warps is not None:
@@ -119,16 +125,20 @@ def test_decode_keeps_gathered_page_16(monkeypatch, page, d, all_warps):
     step = Request.kvcache(meta(4, 1, 32, d), meta(64, page, 8, d), meta(64, page, 8, d), causal=True).with_seq(seq)
     plan = fwd_config(step, 90, 132)
     assert plan == decode_plan(4, 1, 32, 8, d, "bf16", True, page, 16 * page, 0, 90, 132, window_sides(None, True),
-                               page_policy=(PAGE_GATHER_MAX, PAGE_PREFETCH), gather_zero_fill=GATHER_ZERO_FILL)
+                               page_policy=(PAGE_GATHER_MAX, PAGE_PREFETCH), gather_zero_fill=GATHER_ZERO_FILL,
+                               divide_free=PAGE_DIVIDE_FREE)
     assert not plan.cfg.page_pieces_all_warps
     assert plan.cfg.page_gather == (page % 8 != 0 or page <= PAGE_GATHER_MAX)
     if page <= 16:
         assert plan.cfg.page_gather  # PAGE_GATHER_MAX == 16 (test_small_pages_cpu.py)
+    assert plan.cfg.page_divide_free == expected_page_divide_free(page, plan.cfg.page_rows) == (page in (32, 64))
 
 
 @pytest.mark.parametrize("paged, num_splits, window", [(False, 0, None), (True, 0, None), (False, 3, None),
                                                        (True, 1, (127, 0))])
-def test_decode_plan_from_a_decode_request(paged, num_splits, window):
+def test_decode_plan_from_a_decode_request(monkeypatch, paged, num_splits, window):
+    for name in PAGE_SWITCHES:
+        monkeypatch.delenv(name, raising=False)
     q = meta(4, 1, 32, 128)
     if paged:
         k = v = meta(64, 64, 8, 128)
@@ -141,7 +151,9 @@ def test_decode_plan_from_a_decode_request(paged, num_splits, window):
     plan = fwd_config(step, 90, 132)
     sides, capacity = window_sides(window, True), 16 * 64 if paged else 4096  # pages x page_size, or seqlen_cache
     assert plan == decode_plan(4, 1, 32, 8, 128, "bf16", True, 64 if paged else 0, capacity, num_splits, 90, 132,
-                               sides, page_policy=(PAGE_GATHER_MAX, PAGE_PREFETCH))
+                               sides, page_policy=(PAGE_GATHER_MAX, PAGE_PREFETCH), divide_free=PAGE_DIVIDE_FREE)
+    # page 64: TMA pieces that are whole pages, found without the division (PAGE_DIVIDE_FREE)
+    assert (plan.cfg.page_rows, plan.cfg.page_divide_free) == ((64, True) if paged else (0, False))
     assert step.cache == CacheSpec(None, None, None, None, num_splits) and step.capacity == capacity
 
 

@@ -584,20 +584,66 @@ def test_page_pieces_all_warps_sass():
     assert on != off
 
 
+def _pin_p_convert_shipped(cfg) -> bool:
+    """The rule of shipped_pin_p_convert spelled out (H200 2026-12-05 night): head dim 192 with Dv = D,
+    no window, softcap or sink, P in registers."""
+    return (cfg.headdim == 192 and cfg.headdim_v is None and not cfg.local and not cfg.softcap and not cfg.sink
+            and not cfg.p_smem)
+
+
 def test_pin_p_convert_switch():
-    """FwdConfig.pin_p_convert: off and out of the repr in every shipped config; with_fwd_switches turns
-    it on where P stays in registers (not p_smem: the switch only pins the register fragment)."""
+    """FwdConfig.pin_p_convert: on (and in the repr) in exactly the shipped configs of head dim 192
+    without Dv / window / softcap / sink (shipped_pin_p_convert), off and out of the repr in every other
+    shipped config; with_fwd_switches turns it on where P stays in registers (not p_smem: the switch
+    only pins the register fragment) and keeps it at d192."""
     from flash4.config.sm90 import with_fwd_switches
 
     switch = "pin_p_convert"
-    assert not any(getattr(c, switch, False) for c in shipped_fwd_configs())
+    on_d192 = []
+    for c in shipped_fwd_configs():
+        assert getattr(c, switch, False) == _pin_p_convert_shipped(c), c
+        if c.pin_p_convert:
+            on_d192.append(c)
+            assert repr(c).endswith(f", {switch}=True)") and eval(repr(c)) == c
+        else:
+            assert switch not in repr(c), c
+    # every dtype, causal or not, long and short (seqlen_k <= SHORT_SEQLEN_K): at least 4 plain d192 configs
+    assert len(on_d192) >= 4 and {(c.dtype, c.causal) for c in on_d192} == {
+        (dt, causal) for dt in ("bf16", "fp16") for causal in (False, True)}
+    for kw in (dict(local=True), dict(softcap=True), dict(sink=True), dict(headdim_v=128)):
+        for causal in (False, True):
+            assert not select_fwd_config(192, "bf16", causal, **kw).pin_p_convert, kw
     for d, causal in ((64, False), (128, True), (256, False)):
         base = select_fwd_config(d, "bf16", causal)
         on = with_fwd_switches(base, (switch,))
         assert on == dataclasses.replace(base, **{switch: True}) and eval(repr(on)) == on
         assert switch not in repr(base) and repr(on).endswith(f", {switch}=True)")
+    d192 = select_fwd_config(192, "bf16", True)
+    assert d192.pin_p_convert and with_fwd_switches(d192, (switch,)) == with_fwd_switches(d192, ()) == d192
     p_smem = dataclasses.replace(select_fwd_config(96, "bf16", False), p_smem=True)
     assert with_fwd_switches(p_smem, (switch,)) == p_smem
+
+
+@pytest.mark.parametrize("d", [16, 32, 64, 96, 128, 192, 256])
+def test_shipped_pin_p_convert(d):
+    """shipped_pin_p_convert (pure): pin_p_convert on at head dim 192 only, with Dv = D and no window,
+    softcap, sink or P through smem; every other config unchanged (idempotent, never turns it off)."""
+    from flash4.config.sm90 import shipped_pin_p_convert
+
+    for dtype in ("bf16", "fp16"):
+        for causal in (False, True):
+            plain = dataclasses.replace(select_fwd_config(d, dtype, causal), pin_p_convert=False)
+            got = shipped_pin_p_convert(plain)
+            assert got == (dataclasses.replace(plain, pin_p_convert=True) if d == 192 else plain), got
+            assert shipped_pin_p_convert(got) == got
+            for kw in (dict(local=True, causal=False), dict(softcap=True), dict(sink=True), dict(p_smem=True)):
+                other = dataclasses.replace(plain, **kw)
+                assert shipped_pin_p_convert(other) == other, kw
+            on = dataclasses.replace(plain, pin_p_convert=True)  # set by hand elsewhere: kept
+            assert shipped_pin_p_convert(on) == on
+    if d == 192:
+        hdimv = dataclasses.replace(select_fwd_config(192, "bf16", True, headdim_v=128), pin_p_convert=False)
+        assert shipped_pin_p_convert(hdimv) == hdimv
 
 
 @pytest.mark.parametrize("d", [64, 128])

@@ -103,7 +103,7 @@ def test_third_stage_where_smem_allows(d, dv, page):
 
 
 PAGE_SWITCHES = ("FLASH4_GATHER_ZERO_FILL", "FLASH4_PAGED_KV_STAGES", "FLASH4_PAGE_GATHER_MAX",
-                 "FLASH4_PAGE_PREFETCH", "FLASH4_PAGE_PIECES_ALL_WARPS")
+                 "FLASH4_PAGE_PREFETCH", "FLASH4_PAGE_PIECES_ALL_WARPS", "FLASH4_PAGE_DIVIDE_FREE")
 
 
 @pytest.mark.parametrize("all_warps", [None, "0"])
@@ -122,8 +122,10 @@ def test_fwd_plan_applies_the_switches(page, d, all_warps, monkeypatch):
     cfg = fwd_config(_request(page, d), 90).cfg
     want = expected_prefill_paging(page, cfg.tile_n, d, all_warps=flag)
     gathered, pieces4 = want["page_gather"], want["page_pieces_all_warps"]
-    assert (cfg.page_rows, cfg.page_gather, cfg.page_prefetch, cfg.page_pieces_all_warps) == (
-        want["page_rows"], gathered, want["page_prefetch"], pieces4)
+    assert (cfg.page_rows, cfg.page_gather, cfg.page_prefetch, cfg.page_pieces_all_warps, cfg.page_divide_free) == (
+        want["page_rows"], gathered, want["page_prefetch"], pieces4, want["page_divide_free"])
+    # whole-page TMA pieces (8 at d128 by default, 16, 32, 128; not 24's / 48's) skip the division
+    assert cfg.page_divide_free == (not gathered and cfg.page_rows == page)
     assert cfg.page_prefetch == (not gathered and PAGE_PREFETCH)
     small_pieces = not gathered and cfg.page_rows <= SMALL_PAGE_PIECE_ROWS  # 3 stages with the look-ahead, one warp
     assert cfg.kv_stages == want["stages"] == (PAGED_KV_STAGES_SMALL_PIECES if small_pieces and PAGE_PREFETCH
@@ -150,6 +152,7 @@ def test_fwd_plan_applies_the_switches(page, d, all_warps, monkeypatch):
     assert cfg.page_gather == (page % 8 != 0 or page <= PAGE_GATHER_MAX)
     no_look_ahead = expected_prefill_paging(page, cfg.tile_n, d, all_warps=flag, prefetch=False)
     assert cfg.page_gather == no_look_ahead["page_gather"]
+    assert cfg.page_divide_free == no_look_ahead["page_divide_free"]  # TMA pieces without the look-ahead too
 
 
 # The paged prefill spelled out for pages 8..64 at d64 / d128 (tile_n 128): (page_rows, four warps, K/V
@@ -185,6 +188,8 @@ def test_prefill_page_policy(page, d, all_warps, monkeypatch):
     want = expected_prefill_paging(page, cfg.tile_n, d, all_warps=None if all_warps is None else False)
     assert (None if want["page_gather"] else
             (want["page_rows"], want["page_pieces_all_warps"], want["stages"])) == spelled
+    # pieces that are whole pages (not page 24's 8-row or page 48's 16-row pieces) skip the division
+    assert cfg.page_divide_free == want["page_divide_free"] == (spelled is not None and spelled[0] == page)
 
 
 def test_prefill_page_policy_env(monkeypatch):
@@ -362,4 +367,4 @@ def test_switches_are_plan_variables():
     """flash4.memo keys prepared calls by the plan's environment: a switch flipped between calls
     (tools, GPU tests) must reach the plan."""
     assert {"FLASH4_GATHER_ZERO_FILL", "FLASH4_PAGED_KV_STAGES", "FLASH4_PAGE_PIECES_ALL_WARPS",
-            "FLASH4_PAGE_GATHER_MAX", "FLASH4_PAGE_PREFETCH"} <= set(env.PLAN_VARIABLES)
+            "FLASH4_PAGE_GATHER_MAX", "FLASH4_PAGE_PREFETCH", "FLASH4_PAGE_DIVIDE_FREE"} <= set(env.PLAN_VARIABLES)
