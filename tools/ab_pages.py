@@ -38,6 +38,8 @@ Variants (kernel configs, called through flash4's runner directly; the shipped d
                  the run-time division where a piece is a whole page; the shipped default for whole
                  pages since 2026-12-05 night, flash4.config.PAGE_DIVIDE_FREE): "div" where shipped has
                  it (the division back), "df" where it does not (pages of several pieces)
+  dfs            pages of several pieces: shipped with page_divide_free and page_row_shuffle (each
+                 piece's row block shuffled from the lane that looked it up: no division in the loop)
 Gathered kernels do not depend on the page size (one compile serves every P). A third candidate,
 64-bit row addresses shuffled per pass ("row offsets"), was removed after the H200 run of
 2026-12-02 night gave wrong results (docs/design/small_pages.md).
@@ -128,6 +130,8 @@ def variants(page: int, only=None) -> dict:
     if out["shipped"].page_rows:  # page_divide_free flipped: "div" where shipped has it, else "df"
         on = out["shipped"].page_divide_free
         out["div" if on else "df"] = dataclasses.replace(out["shipped"], page_divide_free=not on)
+        if out["shipped"].page_rows < page:  # pages of several pieces: the row block shuffled too
+            out["dfs"] = dataclasses.replace(out["shipped"], page_divide_free=True, page_row_shuffle=True)
     if page <= 16:
         out.update(g=gathered(False))
     out.update(g_zf=gathered(True), g_zf_s3=gathered(True, 3), g_cl=gathered(True, clamp_late=True),
@@ -154,7 +158,8 @@ def short(cfg) -> str:
             ["clamp_late"] if cfg.gather_clamp_late else []) + (["ptr_shuffle"] if cfg.gather_ptr_shuffle else [])
     elif cfg.page_rows:
         bits = [f"tma pieces {cfg.page_rows}"] + (["prefetch"] if cfg.page_prefetch else []) + (
-            ["four warps"] if cfg.page_pieces_all_warps else []) + (["divide-free"] if cfg.page_divide_free else [])
+            ["four warps"] if cfg.page_pieces_all_warps else []) + (["divide-free"] if cfg.page_divide_free else []) + (
+            ["row shuffle"] if cfg.page_row_shuffle else [])
     else:
         bits = ["contiguous"]
     return " ".join(bits + [f"stages {cfg.kv_stages}"])

@@ -60,7 +60,7 @@ def test_default_and_env(monkeypatch):
         monkeypatch.setenv("FLASH4_PAGE_DIVIDE_FREE", value)
         assert env.page_divide_free() is want and page_divide_free_policy() is want, value
     assert "FLASH4_PAGE_DIVIDE_FREE" in env.PLAN_VARIABLES
-    assert FWD_SPEED_SWITCHES[-1] == "page_divide_free"
+    assert FWD_SPEED_SWITCHES[-2:] == ("page_divide_free", "page_row_shuffle")
 
 
 def test_field_off_out_of_repr_and_tma_pieces_only():
@@ -214,3 +214,23 @@ def test_contiguous_and_packed_plans_stay_off():
     assert decode_plan(4, 1, 32, 8, 128, "bf16", True, 0, 4096, 0, 90, 132, window_sides(None, True),
                        divide_free=True) == decode_plan(4, 1, 32, 8, 128, "bf16", True, 0, 4096, 0, 90, 132,
                                                         window_sides(None, True))
+
+
+def test_page_row_shuffle_switch():
+    """FwdConfig.page_row_shuffle (candidate, off): off and out of the repr in every plan (the shipped
+    whole-page kernels keep their code), in the repr when on, refused without TMA page pieces;
+    with_fwd_switches sets it on TMA-piece configs only."""
+    from flash4.config.sm90 import with_fwd_switches
+
+    cfg = _tma()
+    assert not cfg.page_row_shuffle and "page_row_shuffle" not in repr(cfg)
+    on = dataclasses.replace(cfg, page_divide_free=True, page_row_shuffle=True)
+    assert repr(on).endswith("page_divide_free=True, page_row_shuffle=True)") and eval(repr(on)) == on
+    assert with_fwd_switches(cfg, ("page_row_shuffle",)) == dataclasses.replace(cfg, page_row_shuffle=True)
+    dense = select_fwd_config(64, "bf16", True)
+    assert with_fwd_switches(dense, ("page_row_shuffle",)) == dense
+    with pytest.raises(AssertionError):
+        dataclasses.replace(dense, page_row_shuffle=True)
+    for page in (8, 16, 24, 32, 48, 64, 128, 256):
+        for d in (64, 128, 192, 256):
+            assert not ab_pages.shipped_config(page, headdim=d).page_row_shuffle, (page, d)

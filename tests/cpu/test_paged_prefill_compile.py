@@ -69,13 +69,15 @@ def test_paged_prefill_compiles_clean(headdim, page):
     assert res["spills"] == 0 and not res["wgmma_serialized"], (cfg, res)
 
 
-def _utmaldg_loops(sass: str) -> list:
-    """[[instruction, ...], ...]: the bodies of the loops (cpu_helpers.sass_loops: backward branches) that
-    issue a TMA load (UTMALDG), in the order of their branches."""
-    from cpu_helpers import sass_lines, sass_loops
+def _utmaldg_loops(sass: str, innermost: bool = False) -> list:
+    """[[instruction, ...], ...]: the bodies of the loops (cpu_helpers.sass_loops: backward branches;
+    innermost: cpu_helpers.sass_innermost_loops) that issue a TMA load (UTMALDG), in the order of their
+    branches."""
+    from cpu_helpers import sass_innermost_loops, sass_lines, sass_loops
 
     lines = sass_lines(sass)
-    bodies = [[ins for _, ins in lines[a:b + 1]] for a, b in sass_loops(sass)]
+    loops = sass_innermost_loops(sass) if innermost else sass_loops(sass)
+    bodies = [[ins for _, ins in lines[a:b + 1]] for a, b in loops]
     return [body for body in bodies if any("UTMALDG" in ins for ins in body)]
 
 
@@ -84,8 +86,9 @@ def test_page_divide_free_sass():
     FwdConfig.page_divide_free on (the shipped plan) and off: 0 spills and the same registers either
     way; off, every loop issuing a UTMALDG finds the piece's page by the signed division (I2F.RP,
     MUFU.RCP, F2I: I2F in each of them); on, at least one such loop (the whole-page path) is at most
-    24 instructions without I2F or MUFU.RCP (the pages-of-several-pieces path keeps its division behind a
-    run-time branch). H100 ncu 2026-12-05 evening: ~22 of the ~48 producer instructions per piece were the
+    24 instructions without I2F or MUFU.RCP (pages of several pieces keep the division behind a run-time
+    branch around the loop); with FwdConfig.page_row_shuffle too, every innermost one is (pages of several
+    pieces take the row block from the lane that looked the piece up). H100 ncu 2026-12-05 evening: ~22 of the ~48 producer instructions per piece were the
     division (docs/design/small_pages.md)."""
     import dataclasses
 
@@ -96,20 +99,26 @@ def test_page_divide_free_sass():
     cfg = ab_pages.shipped_config(16, headdim=64, causal=True)
     assert cfg.page_rows == 16 and cfg.page_pieces_all_warps and cfg.page_divide_free, cfg  # the shipped plan
     got = {}
-    for on in (True, False):
-        cubin = extract_cubin(compile_fwd(dataclasses.replace(cfg, page_divide_free=on)))
+    for name, flags in (("on", dict(page_divide_free=True)), ("off", dict(page_divide_free=False)),
+                        ("shuffle", dict(page_divide_free=True, page_row_shuffle=True))):
+        cubin = extract_cubin(compile_fwd(dataclasses.replace(cfg, **flags)))
         res = resource_usage(cubin) if cubin is not None else {}
         sass = sass_text(cubin) if cubin is not None else None
         if not res or sass is None:
             pytest.skip("cuobjdump not installed: resources and SASS not checked")
-        got[on] = res, _utmaldg_loops(sass)
-    (res_on, loops_on), (res_off, loops_off) = got[True], got[False]
-    for res in (res_on, res_off):
+        got[name] = res, _utmaldg_loops(sass), _utmaldg_loops(sass, innermost=True)
+    (res_on, loops_on, _), (res_off, loops_off, _), (res_sh, _, inner_sh) = got["on"], got["off"], got["shuffle"]
+    for res in (res_on, res_off, res_sh):
         assert res["spills"] == 0 and not res["wgmma_serialized"], res
-    assert res_on["registers"] == res_off["registers"], (res_on, res_off)
+        assert res["registers"] == res_off["registers"], (res, res_off)
     assert loops_off and all(any("I2F" in ins for ins in body) for body in loops_off), [len(b) for b in loops_off]
 
     def lean(body):
         return len(body) <= 24 and not any("I2F" in ins or "MUFU.RCP" in ins for ins in body)
 
     assert any(lean(body) for body in loops_on), [(len(b), sum("I2F" in ins for ins in b)) for b in loops_on]
+    # FwdConfig.page_row_shuffle (candidate, off): every piece loop, whole pages and pages of several pieces
+    # (the row block shuffled from the lane that looked the piece up), for K and V and in both producers:
+    # no division inside
+    assert len(inner_sh) >= 4 and all(lean(body) for body in inner_sh), [
+        (len(b), sum("I2F" in ins for ins in b)) for b in inner_sh]

@@ -194,7 +194,8 @@ FWD_ENV_CASES = ([("softmax_vote_first", d, None) for d in (64, 96, 128, 192, 25
                  + [("gather_ptr_shuffle", d, None) for d in (64, 96, 128)]
                  + [("pin_p_convert", d, None) for d in (64, 128, 256)]
                  + [("pin_p_convert,softmax_vote_first", 64, None), ("pin_p_convert", 128, 64)]
-                 + [("page_divide_free", d, None) for d in (64, 128, 256)])
+                 + [("page_divide_free", d, None) for d in (64, 128, 256)]
+                 + [("page_divide_free,page_row_shuffle", d, None) for d in (64, 192)])
 
 
 def _fwd_call(kind, d, mag, dv=None):
@@ -606,7 +607,8 @@ def test_page_pieces_default_rule(monkeypatch, page_size, d, causal):
 # FwdConfig.page_divide_free (FLASH4_FWD_SWITCHES=page_divide_free; TMA page pieces): a piece's page and
 # row block from its index, the division skipped where a piece is a whole page. Pages 8 / 16 / 32 / 128
 # (whole pages: pieces of gcd(page, 128) = page rows), 48 / 96 / 256 (3 / 3 / 2 pieces per page: the
-# general path); the three producers: four warps with the look-ahead (the shipped rule), warp 0 with it
+# general path; with FwdConfig.page_row_shuffle too: the row block shuffled from the lookup lane, no
+# division); the three producers: four warps with the look-ahead (the shipped rule), warp 0 with it
 # (FLASH4_PAGE_PIECES_ALL_WARPS=0) and warp 0 without it (FLASH4_PAGE_PREFETCH=0: load_kv), the gather
 # off; against the switch off and the contiguous layout: bit for bit, NaN in the pool outside the
 # sequences.
@@ -617,7 +619,8 @@ DIVIDE_FREE_CASES = [(p, d, w) for p in (8, 16, 32, 48, 96, 128, 256) for d in (
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("page_size, d, producer", DIVIDE_FREE_CASES,
                          ids=[f"page{p}-d{d}-{w}" for p, d, w in DIVIDE_FREE_CASES])
-def test_page_divide_free(monkeypatch, page_size, d, producer, causal):
+@pytest.mark.parametrize("row_shuffle", [False, True], ids=["divide", "row_shuffle"])
+def test_page_divide_free(monkeypatch, page_size, d, producer, causal, row_shuffle):
     import ab_pages  # tools/: the door's plan for a page size (shipped_config)
 
     for name in ("FLASH4_PAGE_PREFETCH", "FLASH4_PAGED_KV_STAGES", "FLASH4_PAGE_PIECES_ALL_WARPS"):
@@ -627,13 +630,16 @@ def test_page_divide_free(monkeypatch, page_size, d, producer, causal):
         monkeypatch.setenv("FLASH4_PAGE_PIECES_ALL_WARPS", "0")
     if producer == "noprefetch":
         monkeypatch.setenv("FLASH4_PAGE_PREFETCH", "0")
-    monkeypatch.setenv("FLASH4_FWD_SWITCHES", "page_divide_free")
+    monkeypatch.setenv("FLASH4_FWD_SWITCHES", "page_divide_free" + (",page_row_shuffle" if row_shuffle else ""))
     cfg = ab_pages.shipped_config(page_size, headdim=d)
     assert cfg.page_divide_free and cfg.page_rows > 0 and cfg.page_prefetch == (producer != "noprefetch"), cfg
+    assert cfg.page_row_shuffle == row_shuffle, cfg
     assert cfg.page_pieces_all_warps == (producer == "four" and cfg.page_rows <= 32), cfg
 
     def switch_off():
         monkeypatch.delenv("FLASH4_FWD_SWITCHES")
-        assert not ab_pages.shipped_config(page_size, headdim=d).page_divide_free
+        monkeypatch.setenv("FLASH4_PAGE_DIVIDE_FREE", "0")  # the whole-page default since 2026-12-05 night
+        off = ab_pages.shipped_config(page_size, headdim=d)
+        assert not off.page_divide_free and not off.page_row_shuffle
 
     _paged_on_off_contiguous(page_size, d, causal, page_size * 5 + d, switch_off)

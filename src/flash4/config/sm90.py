@@ -61,7 +61,7 @@ _QUIET_SWITCHES = ("early_q_release", "l2_kv_heads", "exp_before_dp_wait", "dq_h
                    "no_tail_guard", "lookahead_qk", "mask_bits", "p_smem", "rescale_always", "mask_rel", "pv_zero_init",
                    "flat_tile_order", "split_row_max", "softmax_branch_free", "gather_clamp_late", "gather_ptr_shuffle",
                    "tensor_hdims", "dpsum_scaled", "page_pieces_all_warps", "pin_p_convert",
-                   "page_divide_free")
+                   "page_divide_free", "page_row_shuffle")
 
 
 def _quiet_repr(cfg) -> str:
@@ -262,17 +262,31 @@ class FwdConfig:
                   same smem slots: the same bits. H100 2026-12-05: bitwise equal to contiguous and to
                   the switch off (GPU tests), page 16 d128 causal 0.91-0.96x of contiguous vs
                   0.80-0.85x from warp 0 alone. Left out of the repr while off.
-    page_divide_free: TMA page pieces only, speed switch, off (FLASH4_FWD_SWITCHES=page_divide_free;
-                  tools/ab_pages.py variant "df"): the producer finds a piece's page-table column and
-                  row block inside its page from the piece's index and pieces_per_page = page_size /
-                  page_rows (a shift: page_rows is a compile-time power of two), skipping the division
-                  when a piece is a whole page (pieces_per_page == 1: pages 8..128 at tile_n 128)
-                  instead of key // page_size and key % page_size with the run-time page size. H100 ncu
-                  2026-12-05 evening (docs/design/small_pages.md), d64 page-16 causal prefill with the
-                  four-warp pieces: 2.21 G warp instructions against 1.83 G contiguous, ~48 per piece
-                  in the producer of which ~22 the signed division (I2F.RP, MUFU.RCP, F2I on the XU
-                  pipe that the consumers' MUFU.EX2 use), for each piece of K and V and each lane's
-                  page-table lookup. The same coordinates: the same bits. Left out of the repr while off.
+    page_divide_free: TMA page pieces only; on where with_page_divide_free puts it (pieces that are whole
+                  pages, page_rows == page_size, in the paged prefill and decode plans, since 2026-12-05
+                  night: flash4.config.PAGE_DIVIDE_FREE, FLASH4_PAGE_DIVIDE_FREE=0 turns it off), a speed
+                  switch elsewhere (FLASH4_FWD_SWITCHES=page_divide_free; tools/ab_pages.py variants
+                  "df" / "div"): no run-time division by the page size in the producer's piece loop.
+                  Each lane's page-table lookup finds its piece's column and row block from the piece's
+                  index and pieces_per_page = page_size / page_rows (a shift: page_rows is a compile-time
+                  power of two; the division only where a page holds several pieces), and the piece
+                  loop (kernels/sm90/fwd.py copy_page_pieces) takes row 0 where a piece is a whole page
+                  and else shuffles the row block from the lane that looked the piece up, instead of
+                  key // page_size and key % page_size per piece. H100 ncu 2026-12-05 evening
+                  (docs/design/small_pages.md), d64 page-16 causal prefill with the four-warp pieces:
+                  2.21 G warp instructions against 1.83 G contiguous, ~48 per piece in the producer of
+                  which ~22 the signed division (I2F.RP, MUFU.RCP, F2I on the XU pipe that the
+                  consumers' MUFU.EX2 use). H200: page 16 0.871 -> 0.974x of contiguous (d64), 0.957 ->
+                  0.990x (d128). The same coordinates: the same bits. Left out of the repr while off.
+    page_row_shuffle: TMA page pieces only, speed switch, off (FLASH4_FWD_SWITCHES=page_row_shuffle;
+                  tools/ab_pages.py variant "dfs", with page_divide_free): pages of several pieces (24,
+                  48, 96, 256 at tile_n 128; every page above 16 at d192 / d256, whose 112 / 80-key tiles
+                  cut them into 16-row pieces) take each piece's row block from the lane that looked the
+                  piece up (page_lookup returns (page, row block)) instead of dividing by the page size
+                  in the piece loop. sm_90a SASS, d64 16-row pieces: every innermost piece loop 16-20
+                  instructions without I2F / MUFU.RCP (49-52 with the division); d192 page 32: 38-46
+                  against 53-61. The same coordinates: the same bits. Compile-verified, not run on
+                  hardware. Left out of the repr while off.
     tensor_hdims: None, or (D, Dv) of the q/k and v/out tensors when they are narrower than the
                   kernel's (headdim, hdim_v) (a head dim flash4.headdim pads, e.g. 32 / 80 / 112 on
                   the 64 / 96 / 128 kernels): the TMA loads read the tensors as they are and fill
@@ -328,6 +342,7 @@ class FwdConfig:
     page_pieces_all_warps: bool = False
     pin_p_convert: bool = False
     page_divide_free: bool = False
+    page_row_shuffle: bool = False
 
     def __post_init__(self):
         assert self.headdim in KERNEL_HEADDIMS, self.headdim
@@ -349,6 +364,7 @@ class FwdConfig:
         assert self.page_gather or not self.gather_clamp_late, self
         assert self.page_gather or not self.gather_ptr_shuffle, self
         assert self.page_rows > 0 or not self.page_divide_free, self
+        assert self.page_rows > 0 or not self.page_row_shuffle, self
         assert self.page_prefetch or not self.page_pieces_all_warps, self
         assert self.dtype in DTYPES, self.dtype
         assert self.tile_m % ROWS_PER_WARPGROUP == 0, self.tile_m
@@ -1437,8 +1453,8 @@ def with_fwd_switches(cfg: FwdConfig, names) -> FwdConfig:
     are compiled; lookahead_qk: where lookahead_qk_error allows it, Dv < D; pv_zero_init: not with
     lookahead_qk; flat_tile_order: not with the LPT order; softmax_branch_free: turns softmax_vote_first
     off; gather_clamp_late, gather_ptr_shuffle: gathered pages only; page_pieces_all_warps: TMA page
-    pieces with page_prefetch only; pin_p_convert: P in registers only; page_divide_free: TMA page
-    pieces only). Pure."""
+    pieces with page_prefetch only; pin_p_convert: P in registers only; page_divide_free, page_row_shuffle:
+    TMA page pieces only). Pure."""
     for name in FWD_SPEED_SWITCHES:
         if name == "lookahead_qk" and lookahead_qk_error(cfg):
             continue
@@ -1452,7 +1468,7 @@ def with_fwd_switches(cfg: FwdConfig, names) -> FwdConfig:
             continue
         if name == "pin_p_convert" and cfg.p_smem:  # P in registers only
             continue
-        if name == "page_divide_free" and not cfg.page_rows:  # TMA page pieces only
+        if name in ("page_divide_free", "page_row_shuffle") and not cfg.page_rows:  # TMA page pieces only
             continue
         if name == "softmax_branch_free" and name in names:  # replaces the vote-first branches
             cfg = dataclasses.replace(cfg, softmax_vote_first=False)

@@ -550,11 +550,12 @@ class FlashAttentionForwardSm90:
             max_pages = mPageTable.shape[1]
             num_pieces = self.tile_n // self.page_rows
             lane = cute.arch.lane_idx()
-            lane_key, lane_col, _ = self.paged_piece(n_block, lane, page_size)
+            lane_key, lane_col, lane_row = self.paged_piece(n_block, lane, page_size)
             lane_page = num_pages
             if (lane < num_pieces) & (lane_key < seq.seqlen_k):
                 lane_page = mPageTable[seq.batch, cutlass.min(lane_col, max_pages - 1)]
-            self.copy_page_pieces(tma_atom, mX, sX[None, None, state.index], head_kv, hdim, bar, lane_page, n_block,
+            entry = (lane_page, lane_row) if const_expr(self.cfg.page_row_shuffle) else lane_page
+            self.copy_page_pieces(tma_atom, mX, sX[None, None, state.index], head_kv, hdim, bar, entry, n_block,
                                   0, 1)
 
     @cute.jit
@@ -653,10 +654,12 @@ class FlashAttentionForwardSm90:
             return self.gather.lookup(mPageTable, seq.batch, n_block, seq.seqlen_k, page_size, num_pages, tidx,
                                       in_blocks)
         lane = cute.arch.lane_idx()
-        lane_key, lane_col, _ = self.paged_piece(n_block, lane, page_size)
+        lane_key, lane_col, lane_row = self.paged_piece(n_block, lane, page_size)
         lane_page = num_pages
         if in_blocks & (lane < self.tile_n // self.page_rows) & (lane_key < seq.seqlen_k):
             lane_page = mPageTable[seq.batch, cutlass.min(lane_col, mPageTable.shape[1] - 1)]
+        if const_expr(self.cfg.page_row_shuffle):  # the piece's row block too (copy_page_pieces)
+            return lane_page, lane_row
         return lane_page
 
     def paged_piece(self, n_block, i, page_size):
@@ -687,29 +690,41 @@ class FlashAttentionForwardSm90:
                                   first, step)
 
     @cute.jit
-    def copy_page_pieces(self, tma_atom, mX, sStage, head_kv, hdim: cutlass.Constexpr[int], bar, lane_page, n_block,
+    def copy_page_pieces(self, tma_atom, mX, sStage, head_kv, hdim: cutlass.Constexpr[int], bar, entry, n_block,
                          first, step):
         """The TMA copies of key block n_block's page pieces first, first + step, ... into the stage
-        sStage, completing on bar; lane i of lane_page holds the page of piece i (page_lookup).
-        FwdConfig.page_divide_free: where a piece is a whole page (page_size == page_rows, a uniform
-        branch around the loop, so the compiler cannot fold the general path's division into it by
-        predication) every piece starts at row 0 of its page."""
+        sStage, completing on bar; entry (page_lookup): lane i holds the page of piece i, with
+        FwdConfig.page_row_shuffle (lane i's page, lane i's row block in its page).
+        FwdConfig.page_divide_free: where a piece is a whole page (page_size == page_rows; a uniform
+        branch around the loop, so the compiler cannot fold the other path into it by predication)
+        every piece starts at row 0 of its page; else (pages of several pieces) the row block by the
+        division, or with page_row_shuffle shuffled from the lane that looked the piece up."""
         num_pieces = self.tile_n // self.page_rows
+        lane_page, lane_row = entry if const_expr(self.cfg.page_row_shuffle) else (entry, None)
         if const_expr(self.cfg.page_divide_free):
             if mX.shape[0] == self.page_rows:
                 for i in cutlass.range(first, num_pieces, step, unroll=1):  # unrolled, the producer spills
                     self.copy_piece(tma_atom, mX, sStage, head_kv, hdim, bar, cute.arch.shuffle_sync(lane_page, i),
                                     0, i)
             else:
-                for i in cutlass.range(first, num_pieces, step, unroll=1):
-                    _, _, row_block = self.paged_piece(n_block, i, mX.shape[0])
-                    self.copy_piece(tma_atom, mX, sStage, head_kv, hdim, bar, cute.arch.shuffle_sync(lane_page, i),
-                                    row_block, i)
+                self.copy_page_pieces_general(tma_atom, mX, sStage, head_kv, hdim, bar, lane_page, lane_row, n_block,
+                                              first, step)
         else:
-            for i in cutlass.range(first, num_pieces, step, unroll=1):
+            self.copy_page_pieces_general(tma_atom, mX, sStage, head_kv, hdim, bar, lane_page, lane_row, n_block,
+                                          first, step)
+
+    @cute.jit
+    def copy_page_pieces_general(self, tma_atom, mX, sStage, head_kv, hdim: cutlass.Constexpr[int], bar, lane_page,
+                                 lane_row, n_block, first, step):
+        """copy_page_pieces' loop for any page size: each piece's row block in its page by the division
+        (paged_piece), or with FwdConfig.page_row_shuffle shuffled from lane_row."""
+        for i in cutlass.range(first, self.tile_n // self.page_rows, step, unroll=1):
+            if const_expr(self.cfg.page_row_shuffle):
+                row_block = cute.arch.shuffle_sync(lane_row, i)
+            else:
                 _, _, row_block = self.paged_piece(n_block, i, mX.shape[0])
-                self.copy_piece(tma_atom, mX, sStage, head_kv, hdim, bar, cute.arch.shuffle_sync(lane_page, i),
-                                row_block, i)
+            self.copy_piece(tma_atom, mX, sStage, head_kv, hdim, bar, cute.arch.shuffle_sync(lane_page, i),
+                            row_block, i)
 
     def copy_piece(self, tma_atom, mX, sStage, head_kv, hdim: int, bar, page, row_block, i):
         """One page piece's TMA copy: rows row_block * page_rows ... of page `page` (head head_kv) into
