@@ -81,11 +81,12 @@ class _Env:
 
 def decode_cfg(cell):
     """The decode step's forward config (flash4's plan under the current environment)."""
-    from flash4.config.sm90 import decode_plan, gather_policy, page_policy
+    from flash4.config.sm90 import decode_plan, gather_policy, page_divide_free_policy, page_policy
 
     _, batch, seqlen, page = cell
     plan = decode_plan(batch, 1, 32, 8, HEADDIM, DTYPE, False, page, seqlen, 0, ARCH, NUM_SMS,
-                       page_policy=page_policy(), gather_zero_fill=gather_policy())
+                       page_policy=page_policy(), gather_zero_fill=gather_policy(),
+                       divide_free=page_divide_free_policy())
     from flash4 import env
     from flash4.config.sm90 import with_fwd_switches
 
