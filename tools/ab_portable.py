@@ -17,7 +17,9 @@ reduce-added in the MMA's register order), "fa2" (FlashAttention-2's sm80 tiles,
 "m128" (d128, 128 queries x 64 keys), "fa2e" / "fa2s" (fa2 with the step's LSE loads kept under its
 GEMMs / LSE and D staged through smem: Sm80BwdConfig.lse_early / lse_smem), "fa2w" (d64, FlashAttention-2's
 warp layout with lse_smem), and the step-order switches on the shipped fa2w / fa2s: "fa2wq" / "fa2sq"
-(dq_before_dk), "fa2wp" / "fa2sp" (p_before_dp; spills, A/B only), "fa2wpq" / "fa2spq" (both). The cells are
+(dq_before_dk), "fa2wp" / "fa2sp" (p_before_dp; spills, A/B only), "fa2wpq" / "fa2spq" (both), and
+"fa2wps" / "fa2wpqs" / "fa2sps" / "fa2spqs" (those with dp_split: dP's k-loop in two halves, half of P's
+exponentials between them; spills, A/B only; e.g. `--sdpa --variants fa2wp fa2wps fa2wpqs`). The cells are
 the sweep's 8 where the portable backward was measured at 0.46-0.72x FA2 (docs/perf/h200-portable.csv):
 d64 / d128 x full / causal x 1k / 4k, 32k tokens, nheads = 2048 / d. A "sdpa_flash" row (PyTorch SDPA's
 flash backend = FlashAttention-2) is printed per
@@ -77,7 +79,7 @@ def cfg_short(c) -> str:
     bits = [f"m{c.tile_m}n{c.tile_n}w{c.num_warps}q{c.q_stages} "
             f"sdp{c.warps_m_sdp}/dkv{c.warps_n_dkv}/dq{c.warps_m_dq}"]
     bits += [name for name in ("dq_coalesced", "deterministic", "local", "lse_early", "lse_smem", "p_before_dp",
-                               "dq_before_dk") if getattr(c, name)]
+                               "dq_before_dk", "dp_split") if getattr(c, name)]
     return " ".join(bits)
 
 

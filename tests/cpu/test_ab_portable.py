@@ -42,17 +42,19 @@ def test_variants(portable):
         # until 2026-12-05) among them, then the step-order switches on the shipped tiles
         # (Sm80BwdConfig.p_before_dp / dq_before_dk)
         want = ["shipped", "table", "coal", "fa2"] + (
-            ["m128", "fa2sp", "fa2sq", "fa2spq", "fa2sp1", "fa2spq1"] if case.headdim == 128
-            else ["fa2e", "fa2s", "fa2wp", "fa2wq", "fa2wpq", "fa2w1", "fa2wp1", "fa2wpq1"])
+            ["m128", "fa2sp", "fa2sq", "fa2spq", "fa2sp1", "fa2spq1", "fa2sps", "fa2spqs"] if case.headdim == 128
+            else ["fa2e", "fa2s", "fa2wp", "fa2wq", "fa2wpq", "fa2w1", "fa2wp1", "fa2wpq1", "fa2wps", "fa2wpqs"])
         assert list(vs) == want, (case.name, list(vs))
         fa2 = vs["fa2"].cfg
         assert vs["shipped"].cfg.lse_smem and not fa2.lse_smem
         for name in want[4:]:
             if name.startswith(("fa2w", "fa2s")) and name != "fa2s":
                 stages = 1 if name.endswith("1") else 2
-                assert dataclasses.replace(vs[name].cfg, p_before_dp=False, dq_before_dk=False, q_stages=2) == \
+                assert dataclasses.replace(vs[name].cfg, p_before_dp=False, dq_before_dk=False, dp_split=False,
+                                           q_stages=2) == \
                     vs["shipped"].cfg and vs[name].cfg.q_stages == stages, name
                 assert vs[name].cfg.p_before_dp == ("p" in name[4:]) and vs[name].cfg.dq_before_dk == ("q" in name[4:])
+                assert vs[name].cfg.dp_split == ("s" in name[4:]), name  # (dp_split: fa2wps / fa2wpqs, fa2sps / fa2spqs)
         if case.headdim == 64:  # fa2e / fa2s: fa2's tiles with lse_early / lse_smem; shipped fa2w: FA2's warps
             assert vs["fa2e"].cfg == dataclasses.replace(fa2, lse_early=True)
             assert vs["fa2s"].cfg == dataclasses.replace(fa2, lse_smem=True)

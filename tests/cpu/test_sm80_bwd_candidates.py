@@ -218,6 +218,47 @@ def test_step_order_candidates_config():
             assert any(c.dq_before_dk for c in cands.values()), cands
 
 
+DP_SPLIT = {"fa2wps": "fa2wp", "fa2wpqs": "fa2wpq", "fa2sps": "fa2sp", "fa2spqs": "fa2spq"}
+
+
+def test_dp_split_candidates_config():
+    """Sm80BwdConfig.dp_split (off by default, out of the repr while off, needs p_before_dp): the
+    candidates fa2wps / fa2wpqs (d64) and fa2sps / fa2spqs (d128) are fa2wp / fa2wpq / fa2sp / fa2spq
+    with dp_split on (same tiles, two Q / dO stages where p_before_dp has them, same smem); not with
+    softcap (p_before_dp's rule)."""
+    import dataclasses
+
+    from flash4.config.sm80 import BWD_CANDIDATE_FIELDS, Sm80BwdConfig
+
+    assert Sm80BwdConfig(64).dp_split is False and "dp_split" not in repr(Sm80BwdConfig(64))
+    for name, base in DP_SPLIT.items():
+        assert BWD_CANDIDATE_FIELDS[name] == {**BWD_CANDIDATE_FIELDS[base], "dp_split": True}, name
+    for arch in (80, 90):
+        for d in (64, 128):
+            for causal in (False, True):
+                cands = bwd_candidates(select_bwd_config(d, "bf16", causal, arch=arch))
+                for name, base in DP_SPLIT.items():
+                    if name not in cands:
+                        assert base not in cands, (name, d, arch)
+                        continue
+                    c, b = cands[name], cands[base]
+                    assert c.dp_split and c.p_before_dp and "dp_split=True" in repr(c), name
+                    assert dataclasses.replace(c, dp_split=False) == b and c.smem_bytes() == b.smem_bytes(), name
+                    assert c.headdim == (64 if name.startswith("fa2w") else 128), name
+                if (arch, d) == (90, 64):
+                    assert {"fa2wps", "fa2wpqs"} <= set(cands) and cands["fa2wps"].q_stages == 2
+                if (arch, d) == (90, 128):
+                    assert {"fa2sps", "fa2spqs"} <= set(cands) and cands["fa2sps"].q_stages == 2
+    for cfg in shipped_bwd_configs():
+        assert not cfg.dp_split and "dp_split" not in repr(cfg)
+    with pytest.raises(AssertionError, match="dp_split"):
+        dataclasses.replace(bwd_candidates(select_bwd_config(64, arch=90))["fa2w"], dp_split=True)
+    for arch in (80, 90):
+        for d in (64, 128):
+            cands = bwd_candidates(select_bwd_config(d, "bf16", True, arch=arch, softcap=True))
+            assert not any(c.dp_split for c in cands.values()), cands
+
+
 def _step_loop_sass(cfg):
     """(registers / spills, the unmasked step loop's instruction texts) of cfg compiled for its target."""
     from flash4.compile.cache import compile_bwd
@@ -277,3 +318,21 @@ def test_p_before_dp_one_stage_is_spill_free(d, name, causal):
     usage, loop = _step_loop_sass(bwd_candidates(select_bwd_config(d, "bf16", causal, arch=90))[name])
     assert usage["spills"] == 0, usage
     assert len(_positions(loop, r"\bHMMA\.16816")) == 320
+
+
+@pytest.mark.parametrize("d, name", [(64, "fa2wps"), (128, "fa2sps")])
+def test_dp_split_splits_the_dp_gemm(d, name):
+    """Sm80BwdConfig.dp_split (sm_90a SASS, bf16, not causal): the step compiles with the same MMA /
+    ldmatrix / exponential / REDG counts as p_before_dp's (fa2wp / fa2sp) in its unmasked loop, and
+    the exponentials interleave with the dP GEMM's MMAs (at least 8 HMMAs between the first and the
+    last MUFU.EX2). Its spills (2026-12-05 evening, two Q / dO stages, 255 registers):
+    docs/design/sm80_family.md, "dp_split"; A/B only."""
+    cands = bwd_candidates(select_bwd_config(d, "bf16", False, arch=90))
+    res = {}
+    for cand in (DP_SPLIT[name], name):
+        _, loop = _step_loop_sass(cands[cand])
+        ex2, hmma = _positions(loop, r"\bMUFU\.EX2"), _positions(loop, r"\bHMMA\.16816")
+        res[cand] = (sum(1 for i in hmma if ex2[0] < i < ex2[-1]), len(hmma), len(ex2),
+                     len(_positions(loop, r"\bLDSM")), len(_positions(loop, r"\bREDG\b")))
+    assert res[name][0] >= 8 and res[name][1] == 320, res
+    assert res[name][1:] == res[DP_SPLIT[name]][1:], res

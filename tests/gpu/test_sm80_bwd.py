@@ -185,10 +185,11 @@ def test_deterministic_window():
 
 @pytest.mark.parametrize("name,base", [("fa2wq", "fa2w"), ("fa2wp", "fa2w"), ("fa2wpq", "fa2w"), ("fa2w1", "fa2w"),
                                        ("fa2wp1", "fa2w"), ("fa2wpq1", "fa2w"), ("fa2sq", "fa2s"), ("fa2sp", "fa2s"),
-                                       ("fa2spq", "fa2s"), ("fa2sp1", "fa2s"), ("fa2spq1", "fa2s")])
+                                       ("fa2spq", "fa2s"), ("fa2sp1", "fa2s"), ("fa2spq1", "fa2s"),
+                                       ("fa2wps", "fa2w"), ("fa2wpqs", "fa2w"), ("fa2sps", "fa2s"), ("fa2spqs", "fa2s")])
 @pytest.mark.parametrize("causal", [False, True])
 def test_step_order_candidates_bitwise(monkeypatch, name, base, causal):
-    """Sm80BwdConfig.dq_before_dk / p_before_dp and the one-stage variants (FLASH4_PORTABLE_BWD
+    """Sm80BwdConfig.dq_before_dk / p_before_dp / dp_split and the one-stage variants (FLASH4_PORTABLE_BWD
     candidates, off): the same bits as the shipped candidate of the same tiles (fa2w at d64, fa2s at
     d128), dQ included (deterministic order on both sides), with exact-path and common query tiles
     walked by the same CTA (GQA 4:2: heads 0 and 1 share a KV head; head 1's rows 256-639 have |LSE
@@ -215,6 +216,7 @@ def test_step_order_candidates_bitwise(monkeypatch, name, base, causal):
         fields = sm80_config.BWD_CANDIDATE_FIELDS[cand]
         assert plan.cfg.deterministic and all(getattr(plan.cfg, f) == on for f, on in fields.items()), plan.cfg
         assert plan.cfg.p_before_dp == ("p_before_dp" in fields) and plan.cfg.dq_before_dk == ("dq_before_dk" in fields)
+        assert plan.cfg.dp_split == ("dp_split" in fields)
         grads = tuple(torch.full_like(t, math.nan) for t in (q, k, v))
         flash_attn_backward(dout, q, k, v, out, lse, scale, causal, *grads, lse_split=split, deterministic=True)
         got[cand] = grads

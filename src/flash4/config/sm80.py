@@ -290,7 +290,7 @@ def paged_fwd_configs(arch: int | None = None) -> list[Sm80FwdConfig]:
 
 # ================================================================ backward
 # Sm80BwdConfig fields left out of its repr (the compile-cache key) while off.
-_SWITCHES_OFF_UNSHOWN = ("lse_early", "lse_smem", "p_before_dp", "dq_before_dk")
+_SWITCHES_OFF_UNSHOWN = ("lse_early", "lse_smem", "p_before_dp", "dq_before_dk", "dp_split")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -338,6 +338,15 @@ class Sm80BwdConfig:
                   REDG per thread after its last HMMA, FlashAttention-2's among its dK HMMAs). The same
                   values: bitwise (independent accumulators; the adds' order was never fixed but
                   under deterministic, where the turn wait moves with them).
+    dp_split:     (speed candidate, off; variants "fa2wps" / "fa2wpqs", "fa2sps" / "fa2spqs"; needs
+                  p_before_dp) p_before_dp's step with the dP = dO V^T GEMM's k-loop issued in two
+                  halves and P's exponentials in two halves of the thread's rows: S, the first rows'
+                  exponentials, dP's first k-half, the other rows' exponentials, P -> smem, dP's
+                  second k-half; so each block of MUFU.EX2 sits next to independent MMA work
+                  instead of one block in front of the whole dP GEMM (p_before_dp spills 2-21
+                  instructions at two Q / dO stages, d64). Compiled (2026-12-05 evening) it spills
+                  more, not less: sm_90a d64 17-46, d128 22-56 instructions (docs/design/sm80_family.md,
+                  "dp_split"); A/B only. The same operations per element: bitwise.
     dq_coalesced: dq_accum's tiles are in the dQ MMA's register order (value i of thread t at tile
                   offset i * num_threads + t, FlashAttention-2's dQaccum order), so each warp's
                   red.global.add covers 128 contiguous bytes instead of 8 rows x 32 bytes; the dQ
@@ -373,6 +382,7 @@ class Sm80BwdConfig:
     lse_smem: bool = False
     p_before_dp: bool = False
     dq_before_dk: bool = False
+    dp_split: bool = False
 
     def __repr__(self) -> str:
         # the candidates' switches only when on: every other config keeps its repr (the compile-cache key).
@@ -401,6 +411,7 @@ class Sm80BwdConfig:
             "p_before_dp reads the staged LSE (lse_smem); softcap's dS reads the rounded LSE_log2")
         assert not self.p_before_dp or self.tile_m <= self.num_threads, (
             "p_before_dp stages LSE, D, the exact flag and lo with tile_m / 4 threads each")
+        assert not self.dp_split or self.p_before_dp, "dp_split splits p_before_dp's step (needs p_before_dp)"
 
     @property
     def hdim_v(self) -> int:
@@ -545,11 +556,17 @@ BWD_CANDIDATES = {
 #         step, behind a barrier), 0 spills at d64 / d128, full and causal (sm_90a); fa2w1 the d64
 #         one-buffer control without the switches (at d128 fa2s with one buffer and no switch spills
 #         2 / 4 instructions, full / causal: no control there).
+#   fa2wps / fa2wpqs, fa2sps / fa2spqs: fa2wp / fa2wpq, fa2sp / fa2spq (two Q / dO stages) with
+#         dp_split (dP's k-loop in two halves, half of P's exponentials between them; 2026-12-05
+#         evening, compile-verified, not run on hardware; spills more than p_before_dp: sm_90a d64
+#         17-46, d128 22-56 instructions: docs/design/sm80_family.md, "dp_split").
 BWD_CANDIDATE_FIELDS = {"fa2e": {"lse_early": True}, "fa2s": {"lse_smem": True}, "fa2w": {"lse_smem": True}}
 
 # The step-order candidates, generated: base (its tiles at head dim d) + "p" (p_before_dp) / "q"
-# (dq_before_dk) + "1" (one Q / dO buffer). No "fa2s1": at d128 one buffer without a switch spills.
-_STEP_ORDER_VARIANTS = {"fa2w": (64, ("p", "q", "pq", "1", "p1", "pq1")), "fa2s": (128, ("p", "q", "pq", "p1", "pq1"))}
+# (dq_before_dk) + "1" (one Q / dO buffer) + "s" (dp_split, with "p" only). No "fa2s1": at d128 one
+# buffer without a switch spills.
+_STEP_ORDER_VARIANTS = {"fa2w": (64, ("p", "q", "pq", "1", "p1", "pq1", "ps", "pqs")),
+                        "fa2s": (128, ("p", "q", "pq", "p1", "pq1", "ps", "pqs"))}
 for _base, (_d, _suffixes) in _STEP_ORDER_VARIANTS.items():
     for _sfx in _suffixes:
         _tiles = BWD_CANDIDATES[_base]["big"][_d]
@@ -557,7 +574,8 @@ for _base, (_d, _suffixes) in _STEP_ORDER_VARIANTS.items():
             _tiles = _tiles[:3] + (1,) + _tiles[4:]
         BWD_CANDIDATES[_base + _sfx] = {"big": {_d: _tiles}}
         BWD_CANDIDATE_FIELDS[_base + _sfx] = {"lse_smem": True, **({"p_before_dp": True} if "p" in _sfx else {}),
-                                              **({"dq_before_dk": True} if "q" in _sfx else {})}
+                                              **({"dq_before_dk": True} if "q" in _sfx else {}),
+                                              **({"dp_split": True} if "s" in _sfx else {})}
 del _base, _d, _suffixes, _sfx, _tiles
 
 # The candidate the backward ships (bwd_plan) for dense, plain problems (no softcap, window or

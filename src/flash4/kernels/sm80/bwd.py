@@ -38,7 +38,7 @@ from flash4.kernels.common.seqinfo import SeqInfo, store_rows_predicated
 from flash4.kernels.sm80 import loop_clone
 from flash4.kernels.sm80 import rows as tile_rows
 from flash4.kernels.sm80.regs import RegCoords, ld, st
-from flash4.kernels.sm80.mma import (KPipe, as_wgmma_acc, gemm_kpipe, make_kpipe, make_tiled_mma,
+from flash4.kernels.sm80.mma import (KPipe, as_wgmma_acc, gemm_kpipe, gemm_kpipe_part, make_kpipe, make_tiled_mma,
                                      smem_layout_atom)
 
 # 16-byte global accesses (cp.async.cg loads, the dK / dV stores): 8 elements of 16 bits.
@@ -541,16 +541,34 @@ class FlashAttentionBackwardSm80:
             if const_expr(masked):
                 self._mask_span = loop_clone.traced_span(mask, as_wgmma_acc(acc_S), m_block=m_block)
             s = acc_mn_view(as_wgmma_acc(acc_S))
-            for r in cutlass.range_constexpr(num_rows):
+            # dp_split: dP's k-loop in two halves, the exponentials of the first half of the thread's
+            # rows before the first, the rest (and P's store) before the second (else all of them, then
+            # the whole dP GEMM)
+            split_rows = num_rows // 2 if const_expr(self.cfg.dp_split) else num_rows
+            for r in cutlass.range_constexpr(split_rows):
                 hi, lo = smem.lse[rows[r, 0][0], stage], smem.lse_lo[rows[r, 0][0], stage]
                 for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
                     st(s, crds.mn[r][c], exp2_hw(fma_rn(ld(s, crds.mn[r][c]), scale_log2, -hi) - lo))
+            if const_expr(self.cfg.dp_split):
+                num_k = cute.size(ops.dp.sb.shape[2])
+                acc_dP = cute.make_rmem_tensor(acc_shape, Float32)
+                acc_dP.fill(0.0)
+                gemm_kpipe_part(mmas.sdp, acc_dP, ops.dp, ops.dp.sa[None, None, None, stage], ops.dp.sb, 0,
+                                num_k // 2)
+                for r in cutlass.range_constexpr(split_rows, num_rows):
+                    hi, lo = smem.lse[rows[r, 0][0], stage], smem.lse_lo[rows[r, 0][0], stage]
+                    for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
+                        st(s, crds.mn[r][c], exp2_hw(fma_rn(ld(s, crds.mn[r][c]), scale_log2, -hi) - lo))
             rP = cute.make_fragment_like(acc_S, self.dtype)
             rP.store(acc_S.load().to(self.dtype))
             cute.copy(r2s, r2s.retile(rP), r2s.partition_D(smem.p))
-            acc_dP = cute.make_rmem_tensor(acc_shape, Float32)
-            acc_dP.fill(0.0)
-            gemm_kpipe(mmas.sdp, acc_dP, ops.dp, ops.dp.sa[None, None, None, stage], ops.dp.sb)
+            if const_expr(self.cfg.dp_split):
+                gemm_kpipe_part(mmas.sdp, acc_dP, ops.dp, ops.dp.sa[None, None, None, stage], ops.dp.sb,
+                                num_k // 2, num_k)
+            else:
+                acc_dP = cute.make_rmem_tensor(acc_shape, Float32)
+                acc_dP.fill(0.0)
+                gemm_kpipe(mmas.sdp, acc_dP, ops.dp, ops.dp.sa[None, None, None, stage], ops.dp.sb)
         else:
             exact = stats.exact[tile, head, tile_batch] != 0
 

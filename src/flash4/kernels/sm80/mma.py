@@ -171,6 +171,21 @@ def gemm_kpipe(tiled_mma: cute.TiledMma, acc: cute.Tensor, p: KPipe, sa: cute.Te
         _mma(tiled_mma, acc, p.a_k[k], p.b_k[k])
 
 
+@cute.jit
+def gemm_kpipe_part(tiled_mma: cute.TiledMma, acc: cute.Tensor, p: KPipe, sa: cute.Tensor, sb: cute.Tensor,
+                    k_lo: cutlass.Constexpr[int], k_hi: cutlass.Constexpr[int]):
+    """gemm_kpipe over the k16 slices k_lo .. k_hi - 1 only (A and B from smem, one slice ahead of
+    the mma.sync that uses it; the part's first slice loaded here, nothing past k_hi): gemm_kpipe's
+    k-loop issued in parts with other work between them (Sm80BwdConfig.dp_split)."""
+    copy_op(p.copy_a, sa[None, None, k_lo], p.ra_k[k_lo])
+    copy_op(p.copy_b, sb[None, None, k_lo], p.rb_k[k_lo])
+    for k in cutlass.range_constexpr(k_lo, k_hi):
+        if cutlass.const_expr(k < k_hi - 1):
+            copy_op(p.copy_a, sa[None, None, k + 1], p.ra_k[k + 1])
+            copy_op(p.copy_b, sb[None, None, k + 1], p.rb_k[k + 1])
+        _mma(tiled_mma, acc, p.a_k[k], p.b_k[k])
+
+
 class KPipeB(NamedTuple):
     """A k-pipelined GEMM whose A comes from registers per call (the forward's P of O += P V):
     KPipe's B side only. b the MMA fragment (MMA, MMA_N, MMA_K); sb the ldmatrix partition of the
