@@ -55,3 +55,17 @@ def test_by_opcode(tmp_path, capsys):
     section = out.split("stall samples by opcode and reason")[1].split("hottest lines")[0].strip().splitlines()
     assert section[1].split()[:2] == ["F2FP", "6/0"] and section[2].split()[:2] == ["MUFU", "9/8"], section
     assert "wait=6/0" in section[1]
+
+
+def test_same_kernel_profiled_twice(tmp_path):
+    """One kernel name profiled for two configs (tools/ab_pages.py --ncu: contiguous / paged share the
+    forward's name): each section kept, the later ones as "NAME #2", "NAME #3", in profile order."""
+    text = ""
+    for executed in ("10", "20", "30"):
+        text += '"Kernel Name","fwd",\n' + HEADER + f'"0x10","MOV R1, R2","1","0","{executed}","1","0","0"\n'
+    path = tmp_path / "twice.sass.csv"
+    path.write_text(text)
+    kernels = ncu_sass.read_kernels(str(path))
+    assert list(kernels) == ["fwd", "fwd #2", "fwd #3"]
+    assert [ncu_sass.summary(rows)["total"] for rows in kernels.values()] == [10, 20, 30]
+    assert ncu_sass.pick(kernels, "fwd") == "fwd #3"
