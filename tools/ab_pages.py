@@ -40,6 +40,9 @@ Variants (kernel configs, called through flash4's runner directly; the shipped d
                  it (the division back), "df" where it does not (pages of several pieces)
   dfs            pages of several pieces: shipped with page_divide_free and page_row_shuffle (each
                  piece's row block shuffled from the lane that looked it up: no division in the loop)
+  tma_pf4_df     where shipped gathers a multiple of 8 (the small-piece rule: 8-row pieces below d128):
+                 the four-warp pieces without the division (page_divide_free on whole pages,
+                 page_row_shuffle on pages of several pieces), the rule's A/B
 Gathered kernels do not depend on the page size (one compile serves every P). A third candidate,
 64-bit row addresses shuffled per pass ("row offsets"), was removed after the H200 run of
 2026-12-02 night gave wrong results (docs/design/small_pages.md).
@@ -113,7 +116,7 @@ def shipped_config(page: int, headdim: int | None = None, causal: bool | None = 
 def variants(page: int, only=None) -> dict:
     """{name: FwdConfig} of one page size, "shipped" first (module docstring); only: the names to keep
     (None: all; "shipped" is always kept)."""
-    from flash4.config import paged_page_rows, with_seq_layout
+    from flash4.config import SMALL_PIECE_ROWS, paged_page_rows, with_seq_layout
 
     paged = dict(varlen_q=True, seqused_k=True)
     base = base_config()
@@ -132,6 +135,12 @@ def variants(page: int, only=None) -> dict:
         out["div" if on else "df"] = dataclasses.replace(out["shipped"], page_divide_free=not on)
         if out["shipped"].page_rows < page:  # pages of several pieces: the row block shuffled too
             out["dfs"] = dataclasses.replace(out["shipped"], page_divide_free=True, page_row_shuffle=True)
+    elif out["shipped"].page_gather and page % 8 == 0 and paged_page_rows(page, base.tile_n) < SMALL_PIECE_ROWS:
+        # gathered by the small-piece rule (8-row pieces below d128): the four-warp pieces without the
+        # division, the rule's A/B since page_divide_free
+        pieces = tma(True, all_warps=True)
+        out["tma_pf4_df"] = dataclasses.replace(pieces, page_divide_free=True,
+                                                page_row_shuffle=pieces.page_rows < page)
     if page <= 16:
         out.update(g=gathered(False))
     out.update(g_zf=gathered(True), g_zf_s3=gathered(True, 3), g_cl=gathered(True, clamp_late=True),

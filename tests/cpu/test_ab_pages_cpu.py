@@ -273,3 +273,21 @@ def test_variants_selection(capsys, monkeypatch):
     assert "page   16 tma_pf4" not in text and "3 kernels" in text
     with pytest.raises(SystemExit):
         tool.main(["--dry-run", "--pages", "16", "--variants", "bogus"])
+
+
+@pytest.mark.parametrize("headdim", [64, 128])
+def test_small_piece_rule_variant(headdim):
+    """tma_pf4_df: only where the shipped plan gathers a multiple of 8 by the small-piece rule (8-row
+    pieces below SMALL_PIECE_MIN_HEADDIM: d64 pages 8 / 24 / 40): the four-warp pieces with
+    page_divide_free, and page_row_shuffle where a page holds several pieces; nowhere else."""
+    from flash4.config import SMALL_PIECE_MIN_HEADDIM
+
+    tool.set_cell(headdim, True)  # the fixture puts the cell back
+    for page in (8, 16, 24, 32, 40, 48, 64, 128):
+        got = tool.variants(page).get("tma_pf4_df")
+        ruled = headdim < SMALL_PIECE_MIN_HEADDIM and page in (8, 24, 40)
+        assert (got is not None) == ruled, (headdim, page)
+        if ruled:
+            assert got.page_rows == 8 and got.page_prefetch and got.page_pieces_all_warps, got
+            assert got.page_divide_free and got.page_row_shuffle == (page != 8), got
+            assert tool.variants(page)["shipped"].page_gather
