@@ -265,16 +265,10 @@ def profile_once(fns: dict) -> None:
     """--ncu: each function warmed up three times, then called once between
     torch.cuda.profiler.start() / stop() (ncu --profile-from-start off sees one launch per function, in
     the order of fns: contiguous first)."""
-    import torch
+    from flash4.bench.common import profile_one_call
 
     for name, fn in fns.items():
-        for _ in range(3):
-            fn()
-        torch.cuda.synchronize()
-        torch.cuda.profiler.start()
-        fn()
-        torch.cuda.synchronize()
-        torch.cuda.profiler.stop()
+        profile_one_call(fn)
         print(f"  profiled {name}", flush=True)
 
 

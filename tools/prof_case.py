@@ -129,7 +129,7 @@ def main(argv=None) -> int:
                 out, (qg, kg, vg), dout, retain_graph=True)
         if args.ncu:
             fn = passes[args.ncu]
-            with impl.context():
+            with impl.context():  # (flash4.bench.common.profile_one_call, inlined: older trees lack it)
                 for _ in range(3):
                     fn()
                 torch.cuda.synchronize()

@@ -105,6 +105,21 @@ def time_ms(fn, warmup_ms: float = 25.0, rep_ms: float = 100.0) -> float:
     return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
 
 
+def profile_one_call(fn, warmups: int = 3) -> None:
+    """For Nsight Compute with `--profile-from-start off` (tools/prof_case.py --ncu, tools/ab_pages.py
+    --ncu): fn called `warmups` times (compiles and caches out of the profile), then once between
+    torch.cuda.profiler.start() / stop()."""
+    import torch
+
+    for _ in range(warmups):
+        fn()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.start()
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
+
+
 def _time_events(fn, warmup_ms: float, rep_ms: float) -> float:
     import torch
 
