@@ -40,6 +40,8 @@ Variants (kernel configs, called through flash4's runner directly; the shipped d
                  it (the division back), "df" where it does not (pages of several pieces)
   dfs            pages of several pieces: shipped with page_divide_free and page_row_shuffle (each
                  piece's row block shuffled from the lane that looked it up: no division in the loop)
+  s3             shipped with 3 K/V stages where shipped loads whole pages by TMA pieces without the
+                 division on 2 stages (pages 16 / 32: the four-warp pieces)
   tma_pf4_df     where shipped gathers a multiple of 8 (the small-piece rule: 8-row pieces below d128):
                  the four-warp pieces without the division (page_divide_free on whole pages,
                  page_row_shuffle on pages of several pieces), the rule's A/B
@@ -135,6 +137,8 @@ def variants(page: int, only=None) -> dict:
         out["div" if on else "df"] = dataclasses.replace(out["shipped"], page_divide_free=not on)
         if out["shipped"].page_rows < page:  # pages of several pieces: the row block shuffled too
             out["dfs"] = dataclasses.replace(out["shipped"], page_divide_free=True, page_row_shuffle=True)
+        if on and out["shipped"].kv_stages < 3:  # the shipped whole-page pieces with a third K/V stage
+            out["s3"] = dataclasses.replace(out["shipped"], kv_stages=3)
     elif out["shipped"].page_gather and page % 8 == 0 and paged_page_rows(page, base.tile_n) < SMALL_PIECE_ROWS:
         # gathered by the small-piece rule (8-row pieces below d128): the four-warp pieces without the
         # division, the rule's A/B since page_divide_free

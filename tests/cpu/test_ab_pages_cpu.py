@@ -34,7 +34,11 @@ def _df(cfg, on=True):
 def test_dry_run(capsys):
     assert tool.main(["--dry-run"]) == 0
     text = capsys.readouterr().out
-    assert "page   16 g_zf_s3" in text and "page   64 tma_pf" in text and "28 kernels" in text
+    assert "page   16 g_zf_s3" in text and "page   64 tma_pf" in text and "32 kernels" in text
+    # the shipped whole-page pieces (2 stages) with a third K/V stage: "s3"
+    for page in (16, 32, 64, 128):
+        four = " four warps" if page <= 32 else ""
+        assert f"page {page:4d} s3           tma pieces {page} prefetch{four} divide-free stages 3" in text, page
     # pages 16..128 are whole-page pieces: shipped divide-free, "div" the division back
     for page in (16, 32, 64, 128):
         four = " four warps" if page <= 32 else ""
@@ -64,9 +68,13 @@ def test_variants(monkeypatch):
     assert "div" not in off16 and "df" not in off16
     assert off32["shipped"] == _df(off32["tma_pf_s3"]) and off32["tma_pf_s3"] == v32["tma_pf_s3"]
     assert off32["div"] == off32["tma_pf_s3"] and off32["shipped"].kv_stages == 3 and "df" not in off32
+    # s3 (shipped whole-page pieces on 2 stages with a third): where shipped has them, not off
+    assert "s3" not in off16 and "s3" not in off32
+    for v in (v16, v32, v64, v128):
+        assert v["s3"] == dataclasses.replace(v["shipped"], kv_stages=3) and v["shipped"].kv_stages == 2
     for off, on in ((off16, v16), (off32, v32)):
         assert {k: c for k, c in off.items() if k not in ("shipped", "div")} == {
-            k: c for k, c in on.items() if k not in ("shipped", "div")}
+            k: c for k, c in on.items() if k not in ("shipped", "div", "s3")}
     monkeypatch.delenv("FLASH4_PAGE_PIECES_ALL_WARPS")
     assert v16["g"].page_gather and not v16["g"].gather_zero_fill and "g" not in v32
     assert v16["g_zf_s3"].kv_stages == 3 and v16["tma_s3"].kv_stages == 3 and v16["tma"].page_rows == 16
@@ -86,10 +94,11 @@ def test_variants(monkeypatch):
         assert v["tma_pf4_s3"] == dataclasses.replace(v["tma_pf_s3"], page_pieces_all_warps=True)
     assert "tma_pf4" not in v64 and not any(c.page_pieces_all_warps for c in (*v16.values(), *v32.values())
                                             if c not in (v16["tma_pf4"], v16["tma_pf4_s3"], v32["tma_pf4"],
-                                                         v32["tma_pf4_s3"], v16["shipped"], v32["shipped"]))
-    # page_divide_free in the shipped config only (every page here is a whole-page piece at tile_n 128)
+                                                         v32["tma_pf4_s3"], v16["shipped"], v32["shipped"],
+                                                         v16["s3"], v32["s3"]))
+    # page_divide_free in the shipped config and its s3 only (every page here is a whole-page piece at tile_n 128)
     for v in (v16, v32, v64, v128):
-        assert [name for name, c in v.items() if c.page_divide_free] == ["shipped"]
+        assert [name for name, c in v.items() if c.page_divide_free] == ["shipped", "s3"]
     for cfg in [c for v in (v16, v32, v64, v128) for c in v.values()]:
         assert cfg.paged and cfg.causal and cfg.headdim == 128 and cfg.varlen_q and cfg.seqused_k
         assert cfg.smem_bytes() + 1024 <= 227 * 1024
@@ -101,11 +110,14 @@ def test_plan_configs_cover_every_variant(monkeypatch, all_warps):
         monkeypatch.setenv("FLASH4_PAGE_PIECES_ALL_WARPS", all_warps)
     # 24 kernels without page_divide_free (each page's shipped config, its "div", is a variant), and the
     # shipped divide-free kernels of the pages of TMA pieces: 16, 32, 64, 128 (page 16 gathered with
-    # FLASH4_PAGE_PIECES_ALL_WARPS=0)
+    # FLASH4_PAGE_PIECES_ALL_WARPS=0), and "s3", those of them on 2 stages with a third (page 32 has 3
+    # with FLASH4_PAGE_PIECES_ALL_WARPS=0)
     configs = tool.plan_configs()
-    assert len(configs) == len(set(configs)) == (28 if all_warps is None else 27)
-    assert [c.page_rows for c in configs if c.page_divide_free] == ([16, 32, 64, 128] if all_warps is None
-                                                                    else [32, 64, 128])
+    assert len(configs) == len(set(configs)) == (32 if all_warps is None else 29)
+    assert [c.page_rows for c in configs if c.page_divide_free and c.kv_stages == 2] == (
+        [16, 32, 64, 128] if all_warps is None else [64, 128])
+    assert [c.page_rows for c in configs if c.page_divide_free and c.kv_stages == 3] == (
+        [16, 32, 64, 128] if all_warps is None else [32, 64, 128])
     assert configs[0] == tool.contiguous_config() and configs[0].varlen_k
     for page in tool.PAGES:
         assert set(tool.variants(page).values()) <= set(configs)
