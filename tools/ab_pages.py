@@ -34,17 +34,27 @@ Variants (kernel configs, called through flash4's runner directly; the shipped d
   tma_pf_s3      both, pieces of <= 32 rows
   tma_pf4, tma_pf4_s3   tma_pf / tma_pf_s3 with page_pieces_all_warps (the four producer warps issue the
                  pieces, warp w every fourth one, instead of warp 0 alone); pieces of <= 32 rows
-  df / div       shipped with page_divide_free flipped (TMA pieces: a piece's page and row block without
-                 the run-time division where a piece is a whole page; the shipped default for whole
-                 pages since 2026-12-05 night, flash4.config.PAGE_DIVIDE_FREE): "div" where shipped has
-                 it (the division back), "df" where it does not (pages of several pieces)
-  dfs            pages of several pieces: shipped with page_divide_free and page_row_shuffle (each
-                 piece's row block shuffled from the lane that looked it up: no division in the loop)
+  df / div       where shipped loads TMA pieces without page_row_shuffle: shipped with page_divide_free
+                 flipped (a piece's page and row block without the run-time division where a piece is a
+                 whole page; the shipped default for whole pages since 2026-12-05 night,
+                 flash4.config.PAGE_DIVIDE_FREE): "div" where shipped has it (the division back), "df"
+                 where it does not (pages of several pieces that shipped divides)
+  dfs            pages of several pieces that shipped divides (d128 pages 48 / 96, pieces of > 32 rows,
+                 one-warp pieces): shipped with page_divide_free and page_row_shuffle (each piece's row
+                 block shuffled from the lane that looked it up: no division in the loop)
+  nos            where shipped has page_row_shuffle (flash4.config.PAGE_ROW_SHUFFLE, since 2026-12-05
+                 late night: the four-warp pieces of pages holding several, below d128 and for 8-row
+                 pieces at every head dim, e.g. pages 24 / 48 / 96 at d64, page 24 at d128): shipped
+                 without page_row_shuffle and page_divide_free, the kernel with the division in the piece
+                 loop that FLASH4_PAGE_ROW_SHUFFLE=0 ships (where that rule gathers, d64's 8-row pieces,
+                 it ships g_zf instead); no df / div / dfs / s3 there
   s3             shipped with 3 K/V stages where shipped loads whole pages by TMA pieces without the
                  division on 2 stages (pages 16 / 32: the four-warp pieces)
-  tma_pf4_df     where shipped gathers a multiple of 8 (the small-piece rule: 8-row pieces below d128):
-                 the four-warp pieces without the division (page_divide_free on whole pages,
-                 page_row_shuffle on pages of several pieces), the rule's A/B
+  tma_pf4_df     where shipped gathers a multiple of 8 of pieces of < 16 rows (the small-piece rule,
+                 8-row pieces below d128: FLASH4_PAGE_ROW_SHUFFLE=0 or FLASH4_PAGE_DIVIDE_FREE=0; by
+                 default, since 2026-12-05 late night, these pages ship this config): the four-warp
+                 pieces without the division (page_divide_free on whole pages, page_row_shuffle on pages
+                 of several pieces), the rule's A/B
 Gathered kernels do not depend on the page size (one compile serves every P). A third candidate,
 64-bit row addresses shuffled per pass ("row offsets"), was removed after the H200 run of
 2026-12-02 night gave wrong results (docs/design/small_pages.md).
@@ -132,7 +142,9 @@ def variants(page: int, only=None) -> dict:
                                kv_stages=stages, page_pieces_all_warps=all_warps)
 
     out = {"shipped": shipped_config(page)}
-    if out["shipped"].page_rows:  # page_divide_free flipped: "div" where shipped has it, else "df"
+    if out["shipped"].page_row_shuffle:  # shuffled (PAGE_ROW_SHUFFLE): "nos", the division in the piece loop
+        out["nos"] = dataclasses.replace(out["shipped"], page_divide_free=False, page_row_shuffle=False)
+    elif out["shipped"].page_rows:  # page_divide_free flipped: "div" where shipped has it, else "df"
         on = out["shipped"].page_divide_free
         out["div" if on else "df"] = dataclasses.replace(out["shipped"], page_divide_free=not on)
         if out["shipped"].page_rows < page:  # pages of several pieces: the row block shuffled too
@@ -140,8 +152,9 @@ def variants(page: int, only=None) -> dict:
         if on and out["shipped"].kv_stages < 3:  # the shipped whole-page pieces with a third K/V stage
             out["s3"] = dataclasses.replace(out["shipped"], kv_stages=3)
     elif out["shipped"].page_gather and page % 8 == 0 and paged_page_rows(page, base.tile_n) < SMALL_PIECE_ROWS:
-        # gathered by the small-piece rule (8-row pieces below d128): the four-warp pieces without the
-        # division, the rule's A/B since page_divide_free
+        # gathered by the small-piece rule (8-row pieces below d128; since 2026-12-05 late night only with
+        # FLASH4_PAGE_ROW_SHUFFLE=0 or FLASH4_PAGE_DIVIDE_FREE=0): the four-warp pieces without the
+        # division, the rule's A/B since page_divide_free (what the default ships for these pages now)
         pieces = tma(True, all_warps=True)
         out["tma_pf4_df"] = dataclasses.replace(pieces, page_divide_free=True,
                                                 page_row_shuffle=pieces.page_rows < page)

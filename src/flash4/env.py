@@ -10,6 +10,7 @@
 | FLASH4_PAGE_GATHER_MAX | paged K/V: gather pages of at most this many rows (0 = TMA pieces for every multiple of 8; A/B) | flash4.config.PAGE_GATHER_MAX |
 | FLASH4_SMALL_PAGES | 0 refuses paged K/V whose page size is not a multiple of 8 (by default any page size >= 1 is served; those pages are gathered row by row) | on |
 | FLASH4_PAGE_DIVIDE_FREE | 0 turns off: TMA page pieces that are whole pages find their page without dividing by the page size (FwdConfig.page_divide_free; A/B) | flash4.config.PAGE_DIVIDE_FREE (on) |
+| FLASH4_PAGE_ROW_SHUFFLE | 0 turns off: the paged prefill's four-warp TMA pieces of pages holding several pieces shuffle their row block instead of dividing (below head dim 128, and 8-row pieces at every head dim), and 8-row pieces load by TMA instead of gathered below head dim 128 (FwdConfig.page_row_shuffle; A/B) | flash4.config.PAGE_ROW_SHUFFLE (on) |
 | FLASH4_PAGE_PREFETCH | paged K/V by TMA pieces: read page-table entries two blocks ahead (0/1; A/B) | flash4.config.PAGE_PREFETCH |
 | FLASH4_GATHER_ZERO_FILL | gathered paged K/V: the producer zero-fills rows past seqlen_k (0/1; A/B) | flash4.config.GATHER_ZERO_FILL |
 | FLASH4_PAGED_KV_STAGES | paged prefill on sm90: K/V pipeline stages (2 or 3; 3 only where smem allows; A/B) | flash4.config.PAGED_KV_STAGES (3 for TMA pieces of <= 32 rows with the look-ahead) |
@@ -152,6 +153,14 @@ def page_divide_free() -> bool | None:
     pieces that are whole pages find their page without dividing by the page size
     (FwdConfig.page_divide_free; on by default, flash4.config.PAGE_DIVIDE_FREE)."""
     return _flag("FLASH4_PAGE_DIVIDE_FREE")
+
+
+def page_row_shuffle() -> bool | None:
+    """FLASH4_PAGE_ROW_SHUFFLE (0/1, true/false, on/off, yes/no), or None when unset: whether the paged
+    prefill's four-warp TMA pieces of pages that hold several pieces take their row block from the
+    lane that looked the piece up, and pieces of 8 rows load by TMA below head dim 128 instead of
+    being gathered (FwdConfig.page_row_shuffle; on by default, flash4.config.PAGE_ROW_SHUFFLE)."""
+    return _flag("FLASH4_PAGE_ROW_SHUFFLE")
 
 
 def page_pieces_all_warps() -> bool | None:
@@ -364,7 +373,8 @@ PLAN_VARIABLES = ("FLASH4_ARCH", "FLASH4_NUM_SMS", "FLASH4_FAMILY", "FLASH4_SMAL
                   "FLASH4_PAGE_PREFETCH", "FLASH4_SM100", "FLASH4_PORTABLE", "FLASH4_SM100_2CTA",
                   "FLASH4_GATHER_ZERO_FILL", "FLASH4_PAGED_KV_STAGES", "FLASH4_BWD_SWITCHES",
                   "FLASH4_FWD_SWITCHES", "FLASH4_DECODE_SCATTER", "FLASH4_NARROW_HEADDIMS", "FLASH4_HEADDIM16",
-                  "FLASH4_CACHE_HEADDIM16", "FLASH4_PAGE_PIECES_ALL_WARPS", "FLASH4_PAGE_DIVIDE_FREE")
+                  "FLASH4_CACHE_HEADDIM16", "FLASH4_PAGE_PIECES_ALL_WARPS", "FLASH4_PAGE_DIVIDE_FREE",
+                  "FLASH4_PAGE_ROW_SHUFFLE")
 _PLAN_KEYS = tuple(os.environ.encodekey(name) for name in PLAN_VARIABLES)
 
 

@@ -82,20 +82,21 @@ def expected_cache(args, seqlens, rows=None, table=None):
     return k_cache, v_cache
 
 
-def expected_page_divide_free(page: int, page_rows: int, divide_free=None) -> bool:
+def expected_page_divide_free(page: int, page_rows: int, divide_free=None, headdim=None) -> bool:
     """Whether a paged plan (prefill or decode) whose pages of `page` rows load as TMA pieces of
     page_rows rows (0: gathered) should set FwdConfig.page_divide_free, by the rule written above
     flash4.config.PAGE_DIVIDE_FREE (not from flash4.config.sm90): TMA pieces that are whole pages
-    (page_rows == page: pages 8..128 at tile_n 128), unless switched off. divide_free: the value of
+    (page_rows == page: pages 8..128 at tile_n 128), unless switched off or the kernel head dim is one
+    of PAGE_DIVIDE_FREE_SPILL_HEADDIMS (headdim None: not checked). divide_free: the value of
     FLASH4_PAGE_DIVIDE_FREE (bool), None where unset."""
-    from flash4.config import PAGE_DIVIDE_FREE
+    from flash4.config import PAGE_DIVIDE_FREE, PAGE_DIVIDE_FREE_SPILL_HEADDIMS
 
     on = PAGE_DIVIDE_FREE if divide_free is None else bool(divide_free)
-    return bool(on and 0 < page_rows == page)
+    return bool(on and 0 < page_rows == page and headdim not in PAGE_DIVIDE_FREE_SPILL_HEADDIMS)
 
 
 def expected_prefill_paging(page: int, tile_n: int, headdim: int, all_warps=None, gather_max=None,
-                            prefetch=None, divide_free=None) -> dict:
+                            prefetch=None, divide_free=None, row_shuffle=None) -> dict:
     """What the paged PREFILL plan should load pages of `page` rows with, derived from flash4.config's
     constants by the rule written above PAGE_PIECES_ALL_WARPS (not from flash4.config.sm90, whose code
     this checks). all_warps / gather_max / prefetch: the values of FLASH4_PAGE_PIECES_ALL_WARPS (bool) /
@@ -113,27 +114,42 @@ def expected_prefill_paging(page: int, tile_n: int, headdim: int, all_warps=None
     TMA pieces that are whole pages (page_rows == page) find their page without the division by the
     page size (page_divide_free, flash4.config.PAGE_DIVIDE_FREE: expected_page_divide_free).
 
-    Returns page_rows, page_gather, page_prefetch, page_pieces_all_warps, page_divide_free and stages: the
+    flash4.config.PAGE_ROW_SHUFFLE (row_shuffle: the value of FLASH4_PAGE_ROW_SHUFFLE, None where unset;
+    needs page_divide_free's switch on): no small-piece rule (pieces of < SMALL_PIECE_ROWS rows load by
+    TMA at every head dim), and four-warp pieces of pages holding several of them get page_divide_free
+    and page_row_shuffle below ROW_SHUFFLE_MIN_HEADDIM, and at every head dim for pieces of <
+    SMALL_PIECE_ROWS rows. At the head dims of PAGE_DIVIDE_FREE_SPILL_HEADDIMS (those kernels spill)
+    neither page_divide_free nor the row shuffle, and the small-piece rule stays.
+
+    Returns page_rows, page_gather, page_prefetch, page_pieces_all_warps, page_divide_free,
+    page_row_shuffle and stages: the
     K/V stages the plan asks for (with_paged_kv_stages then keeps 2 where 3 do not fit the smem)."""
-    from flash4.config import (PAGE_GATHER_MAX, PAGE_PIECES_ALL_WARPS, PAGE_PIECES_ALL_WARPS_MAX, PAGE_PREFETCH,
-                               PAGED_KV_STAGES, PAGED_KV_STAGES_SMALL_PIECES, PREFILL_PAGE_GATHER_MAX,
-                               SMALL_PAGE_PIECE_ROWS, SMALL_PIECE_MIN_HEADDIM, SMALL_PIECE_ROWS, TMA_PAGE_ROWS)
+    from flash4.config import (PAGE_DIVIDE_FREE, PAGE_GATHER_MAX, PAGE_PIECES_ALL_WARPS, PAGE_PIECES_ALL_WARPS_MAX,
+                               PAGE_DIVIDE_FREE_SPILL_HEADDIMS, PAGE_PREFETCH, PAGE_ROW_SHUFFLE, PAGED_KV_STAGES,
+                               PAGED_KV_STAGES_SMALL_PIECES,
+                               PREFILL_PAGE_GATHER_MAX, ROW_SHUFFLE_MIN_HEADDIM, SMALL_PAGE_PIECE_ROWS,
+                               SMALL_PIECE_MIN_HEADDIM, SMALL_PIECE_ROWS, TMA_PAGE_ROWS)
 
     prefetch = PAGE_PREFETCH if prefetch is None else bool(prefetch)
     four = bool(PAGE_PIECES_ALL_WARPS if all_warps is None else all_warps) and prefetch  # needs the look-ahead
-    small_piece_rule = four and gather_max is None
+    shuffle_on = (bool(PAGE_ROW_SHUFFLE if row_shuffle is None else row_shuffle)
+                  and bool(PAGE_DIVIDE_FREE if divide_free is None else divide_free)
+                  and headdim not in PAGE_DIVIDE_FREE_SPILL_HEADDIMS)
+    small_piece_rule = four and gather_max is None and not shuffle_on
     if gather_max is None:
         gather_max = PREFILL_PAGE_GATHER_MAX if four else PAGE_GATHER_MAX
     rows = math.gcd(page, tile_n)
     if page % TMA_PAGE_ROWS or page <= gather_max or (
             small_piece_rule and rows < SMALL_PIECE_ROWS and headdim < SMALL_PIECE_MIN_HEADDIM):
         return dict(page_rows=0, page_gather=True, page_prefetch=False, page_pieces_all_warps=False,
-                    page_divide_free=False, stages=PAGED_KV_STAGES)
+                    page_divide_free=False, page_row_shuffle=False, stages=PAGED_KV_STAGES)
     pieces4 = four and rows <= PAGE_PIECES_ALL_WARPS_MAX
     stages = (PAGED_KV_STAGES_SMALL_PIECES if prefetch and rows <= SMALL_PAGE_PIECE_ROWS and not pieces4
               else PAGED_KV_STAGES)
+    shuffled = shuffle_on and pieces4 and rows < page and (headdim < ROW_SHUFFLE_MIN_HEADDIM or rows < SMALL_PIECE_ROWS)
     return dict(page_rows=rows, page_gather=False, page_prefetch=prefetch, page_pieces_all_warps=pieces4,
-                page_divide_free=expected_page_divide_free(page, rows, divide_free), stages=stages)
+                page_divide_free=expected_page_divide_free(page, rows, divide_free, headdim) or shuffled,
+                page_row_shuffle=shuffled, stages=stages)
 
 
 # ================================================================ the three doors and their validate pairs

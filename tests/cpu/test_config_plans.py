@@ -70,64 +70,86 @@ def test_varlen_plan(seqused_q):
 
 
 PAGE_SWITCHES = ("FLASH4_PAGE_PIECES_ALL_WARPS", "FLASH4_PAGE_GATHER_MAX", "FLASH4_PAGE_PREFETCH",
-                 "FLASH4_PAGED_KV_STAGES", "FLASH4_GATHER_ZERO_FILL", "FLASH4_PAGE_DIVIDE_FREE")
+                 "FLASH4_PAGED_KV_STAGES", "FLASH4_GATHER_ZERO_FILL", "FLASH4_PAGE_DIVIDE_FREE",
+                 "FLASH4_PAGE_ROW_SHUFFLE")
 
 # The paged prefill of _packed (d64, tile_n 128) spelled out: (page_rows, four warps, K/V stages,
-# page_divide_free), or None for gathered rows. Default (flash4.config.PAGE_PIECES_ALL_WARPS, H200 A/B
-# of 2026-12-05): every multiple of 8 by TMA pieces with the look-ahead, pieces of <= 32 rows from the
-# four producer warps with 2 stages, but 8-row pieces (pages 8, 24) gathered below d128.
-# FLASH4_PAGE_PIECES_ALL_WARPS=0: the previous rules (gathered up to page 16, one warp, 3 stages for
-# pieces of <= 32 rows). Pieces that are whole pages (16, 64; not 24's 8-row or 256's 128-row pieces)
-# find their page without the division (flash4.config.PAGE_DIVIDE_FREE, since 2026-12-05 night).
+# page_divide_free, page_row_shuffle), or None for gathered rows, by (FLASH4_PAGE_PIECES_ALL_WARPS,
+# FLASH4_PAGE_ROW_SHUFFLE). Default (flash4.config.PAGE_PIECES_ALL_WARPS, H200 A/B of 2026-12-05, and
+# flash4.config.PAGE_ROW_SHUFFLE, H100 A/B): every multiple of 8 by TMA pieces with the look-ahead, pieces
+# of <= 32 rows from the four producer warps with 2 stages; pieces that are whole pages (8, 16, 64; not
+# 256's 128-row pieces) find their page without the division (flash4.config.PAGE_DIVIDE_FREE, since
+# 2026-12-05 night), and the four-warp pieces of pages holding several (24's 8-row pieces) their row block
+# by a shuffle, without the division either. FLASH4_PAGE_ROW_SHUFFLE=0: the rule before it, 8-row pieces
+# (pages 8, 24) gathered below d128. FLASH4_PAGE_PIECES_ALL_WARPS=0: the previous rules (gathered up to
+# page 16, one warp, 3 stages for pieces of <= 32 rows; no shuffle either way).
+_ONE_WARP = {8: None, 16: None, 24: (8, False, 3, False, False), 64: (64, False, 2, True, False),
+             256: (128, False, 2, False, False)}
 D64_PREFILL_PAGING = {
-    None: {8: None, 16: (16, True, 2, True), 24: None, 64: (64, False, 2, True), 256: (128, False, 2, False)},
-    "0": {8: None, 16: None, 24: (8, False, 3, False), 64: (64, False, 2, True), 256: (128, False, 2, False)},
+    (None, None): {8: (8, True, 2, True, False), 16: (16, True, 2, True, False), 24: (8, True, 2, True, True),
+                   64: (64, False, 2, True, False), 256: (128, False, 2, False, False)},
+    (None, "0"): {8: None, 16: (16, True, 2, True, False), 24: None, 64: (64, False, 2, True, False),
+                  256: (128, False, 2, False, False)},
+    ("0", None): _ONE_WARP, ("0", "0"): _ONE_WARP,
 }
 
 
+@pytest.mark.parametrize("row_shuffle", [None, "0"])
 @pytest.mark.parametrize("all_warps", [None, "0"])
 @pytest.mark.parametrize("page_size", [8, 16, 24, 64, 256])
-def test_paged_plan(monkeypatch, page_size, all_warps):
+def test_paged_plan(monkeypatch, page_size, all_warps, row_shuffle):
     for name in PAGE_SWITCHES:
         monkeypatch.delenv(name, raising=False)
     if all_warps is not None:
         monkeypatch.setenv("FLASH4_PAGE_PIECES_ALL_WARPS", all_warps)
+    if row_shuffle is not None:
+        monkeypatch.setenv("FLASH4_PAGE_ROW_SHUFFLE", row_shuffle)
     plan = fwd_config(_packed(paged=True, page_size=page_size), 90)
     base = select_fwd_config(64, "bf16", False)
-    want = expected_prefill_paging(page_size, base.tile_n, 64, all_warps=None if all_warps is None else False)
+    want = expected_prefill_paging(page_size, base.tile_n, 64, all_warps=None if all_warps is None else False,
+                                   row_shuffle=None if row_shuffle is None else False)
     # gathered: the producer zero-fills rows past seqlen_k (GATHER_ZERO_FILL); TMA pieces of
     # gcd(page_size, tile_n) rows with the look-ahead, from the four warps up to PAGE_PIECES_ALL_WARPS_MAX rows
-    # (whole pages: page_divide_free)
+    # (whole pages and shuffled pieces: page_divide_free; page_row_shuffle: the field left at its default
+    # where off, out of the repr)
+    shuffle = {"page_row_shuffle": True} if want["page_row_shuffle"] else {}
     layout = ({"page_gather": True, "gather_zero_fill": GATHER_ZERO_FILL} if want["page_gather"] else
               {"page_rows": want["page_rows"], "page_prefetch": want["page_prefetch"],
-               "page_pieces_all_warps": want["page_pieces_all_warps"], "page_divide_free": want["page_divide_free"]})
+               "page_pieces_all_warps": want["page_pieces_all_warps"], "page_divide_free": want["page_divide_free"],
+               **shuffle})
     assert plan.cfg == with_seq_layout(base, varlen_q=True, seqused_k=True, kv_stages=want["stages"], **layout)
-    spelled = D64_PREFILL_PAGING[all_warps][page_size]  # the rule above, without the helper
+    spelled = D64_PREFILL_PAGING[all_warps, row_shuffle][page_size]  # the rule above, without the helper
     got = None if plan.cfg.page_gather else (plan.cfg.page_rows, plan.cfg.page_pieces_all_warps, plan.cfg.kv_stages,
-                                             plan.cfg.page_divide_free)
+                                             plan.cfg.page_divide_free, plan.cfg.page_row_shuffle)
     assert got == spelled and plan.cfg.page_prefetch == (spelled is not None)
     assert plan.cfg.gather_zero_fill == (spelled is None and GATHER_ZERO_FILL)
+    if spelled is None:
+        assert not plan.cfg.page_divide_free and not plan.cfg.page_row_shuffle
 
 
+@pytest.mark.parametrize("row_shuffle", [None, "0"])
 @pytest.mark.parametrize("all_warps", [None, "0"])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("page", [8, 16, 24, 32, 64])
-def test_decode_keeps_gathered_page_16(monkeypatch, page, d, all_warps):
-    """The four-warp page pieces and the prefill's gather limit are prefill rules: a decode step keeps
-    page_policy() (pages of <= PAGE_GATHER_MAX rows gathered, page 16 included; TMA pieces from warp 0),
-    the same plan with FLASH4_PAGE_PIECES_ALL_WARPS unset or 0. TMA pieces that are whole pages (32, 64;
-    not 24's 8-row pieces) find their page without the division (page_divide_free_policy())."""
+def test_decode_keeps_gathered_page_16(monkeypatch, page, d, all_warps, row_shuffle):
+    """The four-warp page pieces, the prefill's gather limit and the row shuffle are prefill rules: a
+    decode step keeps page_policy() (pages of <= PAGE_GATHER_MAX rows gathered, page 16 included; TMA
+    pieces from warp 0, no row shuffle), the same plan with FLASH4_PAGE_PIECES_ALL_WARPS /
+    FLASH4_PAGE_ROW_SHUFFLE unset or 0. TMA pieces that are whole pages (32, 64; not 24's 8-row pieces)
+    find their page without the division (page_divide_free_policy())."""
     for name in PAGE_SWITCHES:
         monkeypatch.delenv(name, raising=False)
     if all_warps is not None:
         monkeypatch.setenv("FLASH4_PAGE_PIECES_ALL_WARPS", all_warps)
+    if row_shuffle is not None:
+        monkeypatch.setenv("FLASH4_PAGE_ROW_SHUFFLE", row_shuffle)
     seq = SeqSpec(DECODE, seqused_k=meta(4, dtype=I32), page_table=meta(4, 16, dtype=I32))
     step = Request.kvcache(meta(4, 1, 32, d), meta(64, page, 8, d), meta(64, page, 8, d), causal=True).with_seq(seq)
     plan = fwd_config(step, 90, 132)
     assert plan == decode_plan(4, 1, 32, 8, d, "bf16", True, page, 16 * page, 0, 90, 132, window_sides(None, True),
                                page_policy=(PAGE_GATHER_MAX, PAGE_PREFETCH), gather_zero_fill=GATHER_ZERO_FILL,
                                divide_free=PAGE_DIVIDE_FREE)
-    assert not plan.cfg.page_pieces_all_warps
+    assert not plan.cfg.page_pieces_all_warps and not plan.cfg.page_row_shuffle
     assert plan.cfg.page_gather == (page % 8 != 0 or page <= PAGE_GATHER_MAX)
     if page <= 16:
         assert plan.cfg.page_gather  # PAGE_GATHER_MAX == 16 (test_small_pages_cpu.py)

@@ -256,6 +256,26 @@ def test_env_switch_in_key(recorder, monkeypatch):
     assert _record(recorder, fn, args, kw) == _memo_less(recorder, monkeypatch, fn, args, kw)
 
 
+def test_row_shuffle_switch_in_key(recorder, monkeypatch):
+    """FLASH4_PAGE_ROW_SHUFFLE (flash4.config.PAGE_ROW_SHUFFLE): a d64 paged prefill of page 48 (three
+    16-row pieces a page) shuffles the pieces' row block by default and divides with the switch at 0: a
+    flip between two calls of the same shapes reaches the plan, either way."""
+    monkeypatch.delenv("FLASH4_PAGE_ROW_SHUFFLE", raising=False)
+    fn, args, kw = varlen(paged=48, keys=480, max_q=32, lens_q=(32, 5, 0), h=8, hk=2, d=64)
+    on = _record(recorder, fn, args, kw)
+    assert on == _memo_less(recorder, monkeypatch, fn, args, kw)
+    assert "page_row_shuffle=True" in repr(on[0][1])
+    monkeypatch.setenv("FLASH4_PAGE_ROW_SHUFFLE", "0")
+    reference = _memo_less(recorder, monkeypatch, fn, args, kw)
+    kept = memo.stats["kept"]
+    got = _record(recorder, fn, args, kw)
+    assert memo.stats["kept"] == kept + 1, "answered from the other setting's entry"
+    assert got == reference and got[0][1] != on[0][1] and "page_row_shuffle" not in repr(got[0][1])
+    monkeypatch.delenv("FLASH4_PAGE_ROW_SHUFFLE")
+    hits = memo.stats["hits"]
+    assert _record(recorder, fn, args, kw) == on and memo.stats["hits"] == hits + 1
+
+
 def test_checks_still_run(recorder):
     """Argument errors are raised on every call (never kept); check_seqlens' value checks run on hits."""
     fn, args, kw = CELLS["kvcache_check"]

@@ -4,7 +4,10 @@ division by the page size, on by default since 2026-12-05 night (flash4.config.P
 FLASH4_PAGE_DIVIDE_FREE=0 turns it off). The pure helper with_page_divide_free, the switch
 (FLASH4_FWD_SWITCHES=page_divide_free), and the plans of the varlen door's paged prefill and of a
 decode step. Its SASS: tests/cpu/test_paged_prefill_compile.py::test_page_divide_free_sass; GPU:
-tests/gpu/test_speed_switches.py::test_page_divide_free; speed: tools/ab_pages.py variants df / div."""
+tests/gpu/test_speed_switches.py::test_page_divide_free; speed: tools/ab_pages.py variants df / div / nos.
+With flash4.config.PAGE_ROW_SHUFFLE the paged prefill's four-warp pieces of pages holding several get
+page_divide_free with page_row_shuffle too (FLASH4_PAGE_ROW_SHUFFLE=0, or FLASH4_PAGE_DIVIDE_FREE=0, turns
+that off): test_page_row_shuffle_cpu.py."""
 
 import dataclasses
 import os
@@ -30,7 +33,8 @@ from flash4.request import DECODE, Request, SeqSpec  # noqa: E402
 
 BF16, I32 = torch.bfloat16, torch.int32
 PAGE_SWITCHES = ("FLASH4_PAGE_DIVIDE_FREE", "FLASH4_PAGE_PIECES_ALL_WARPS", "FLASH4_PAGE_GATHER_MAX",
-                 "FLASH4_PAGE_PREFETCH", "FLASH4_PAGED_KV_STAGES", "FLASH4_GATHER_ZERO_FILL", "FLASH4_FWD_SWITCHES")
+                 "FLASH4_PAGE_PREFETCH", "FLASH4_PAGED_KV_STAGES", "FLASH4_GATHER_ZERO_FILL", "FLASH4_FWD_SWITCHES",
+                 "FLASH4_PAGE_ROW_SHUFFLE")
 PAGES = (8, 16, 24, 32, 48, 64, 128, 256)
 
 
@@ -125,10 +129,20 @@ def test_switch_reaches_the_plan(monkeypatch):
 
 
 # ================================================================ the plans
-# Pages whose TMA pieces are whole pages (page_divide_free on by default), spelled out: tile_n 128 at d64 /
-# d128, so pieces of gcd(page, 128) rows; d64's 8-row pieces are gathered (SMALL_PIECE_MIN_HEADDIM), page 24
-# / 48 / 256 are pieces of 8 / 16 / 128 rows.
-PREFILL_DIVIDE_FREE = {64: {16, 32, 64, 128}, 128: {8, 16, 32, 64, 128}}
+# The paged prefill's pieces without the division, spelled out: tile_n 128 at d64 / d128, so pieces of
+# gcd(page, 128) rows. Whole pages (page_divide_free: 8, 16, 32, 64, 128; d64's page 8 by TMA since the
+# row-shuffle rule, flash4.config.PAGE_ROW_SHUFFLE), and the four-warp pieces of pages holding several,
+# their row block shuffled (page_divide_free and page_row_shuffle: page 24's 8-row pieces at every head
+# dim, page 48's 16-row pieces below d128); not page 48 at d128 nor page 256 (one warp's 128-row pieces).
+PREFILL_WHOLE_PAGES = {64: {8, 16, 32, 64, 128}, 128: {8, 16, 32, 64, 128}}
+PREFILL_ROW_SHUFFLE = {64: {24, 48}, 128: {24}}
+PREFILL_DIVIDE_FREE = {d: PREFILL_WHOLE_PAGES[d] | PREFILL_ROW_SHUFFLE[d] for d in (64, 128)}
+# Without the row shuffle (FLASH4_PAGE_ROW_SHUFFLE=0, or FLASH4_PAGE_DIVIDE_FREE=0: it needs that switch)
+# the small-piece rule gathers the 8-row pieces below d128 again.
+PREFILL_GATHERED_WITHOUT_SHUFFLE = {64: {8, 24}, 128: set()}
+# Shuffled at every supported head dim (causal, GQA 8 / 2): d192's 112-key and d256's 80-key blocks cut
+# page 24 into 8-row pieces (shuffled) and pages 32..256 into 16-row pieces (not at those head dims).
+ROW_SHUFFLE_PAGES = {64: {24, 48}, 96: {24, 48}, 128: {24}, 192: {24}, 256: {24}}
 # A decode step keeps page_policy() (pages of <= PAGE_GATHER_MAX = 16 rows gathered).
 DECODE_DIVIDE_FREE = {64: {32, 64, 128}, 128: {32, 64, 128}}
 
@@ -139,35 +153,55 @@ DECODE_DIVIDE_FREE = {64: {32, 64, 128}, 128: {32, 64, 128}}
 @pytest.mark.parametrize("page", PAGES)
 def test_paged_prefill_plan(monkeypatch, page, d, causal, flag):
     """flash_attn_varlen_func's paged prefill plan (meta tensors, tools/ab_pages.py shipped_config): on
-    for the TMA pieces that are whole pages (8, 16, 32, 64, 128; not 24 / 48 / 256 nor gathered pages),
-    off everywhere with FLASH4_PAGE_DIVIDE_FREE=0, and the only field that variable changes."""
+    for the TMA pieces that are whole pages (8, 16, 32, 64, 128) and, with page_row_shuffle, for the
+    shuffled pieces (24; 48 at d64); not 48 at d128, 256, nor gathered pages. FLASH4_PAGE_DIVIDE_FREE=0:
+    off everywhere, the row shuffle too (it needs the switch), so the plan is FLASH4_PAGE_ROW_SHUFFLE=0's
+    (d64's 8-row pieces gathered again) with page_divide_free off; "1": the default."""
     default = ab_pages.shipped_config(page, headdim=d, causal=causal)
     if flag is not None:
         monkeypatch.setenv("FLASH4_PAGE_DIVIDE_FREE", flag)
     cfg = ab_pages.shipped_config(page, headdim=d, causal=causal)
     want = expected_prefill_paging(page, cfg.tile_n, d, divide_free=None if flag is None else flag == "1")
     assert cfg.tile_n == 128 and (cfg.page_rows, cfg.page_gather) == (want["page_rows"], want["page_gather"])
+    assert cfg.page_gather == (flag == "0" and page in PREFILL_GATHERED_WITHOUT_SHUFFLE[d])
     assert cfg.page_divide_free == want["page_divide_free"] == (flag != "0" and page in PREFILL_DIVIDE_FREE[d])
-    if cfg.page_divide_free:
-        assert not cfg.page_gather and cfg.page_rows == page
-    assert cfg == dataclasses.replace(default, page_divide_free=cfg.page_divide_free)
+    assert cfg.page_row_shuffle == want["page_row_shuffle"] == (flag != "0" and page in PREFILL_ROW_SHUFFLE[d])
+    if cfg.page_divide_free:  # whole pages, or the shuffled pieces of pages holding several
+        assert not cfg.page_gather and (cfg.page_rows == page) == (not cfg.page_row_shuffle)
     assert default.page_divide_free == (page in PREFILL_DIVIDE_FREE[d])
+    assert default.page_row_shuffle == (page in PREFILL_ROW_SHUFFLE[d])
+    if flag == "0":  # the plan without the row shuffle, page_divide_free off
+        monkeypatch.delenv("FLASH4_PAGE_DIVIDE_FREE")
+        monkeypatch.setenv("FLASH4_PAGE_ROW_SHUFFLE", "0")
+        before = ab_pages.shipped_config(page, headdim=d, causal=causal)
+        assert cfg == dataclasses.replace(before, page_divide_free=False)
+        assert not before.page_row_shuffle and before.page_divide_free == (
+            page in PREFILL_WHOLE_PAGES[d] - PREFILL_GATHERED_WITHOUT_SHUFFLE[d])
+    else:
+        assert cfg == default
 
 
 @pytest.mark.parametrize("flag", [None, "0"])
 @pytest.mark.parametrize("page", PAGES)
 def test_paged_prefill_plan_other_head_dims(monkeypatch, page, flag):
-    """At every supported head dim: whole-page TMA pieces exactly (d192's 112-key and d256's 80-key blocks
-    cut pages 32 / 128 into 16-row pieces: not there)."""
+    """At every supported head dim: whole-page TMA pieces (d192's 112-key and d256's 80-key blocks cut
+    pages 32 / 128 into 16-row pieces: not there) and the shuffled pieces (ROW_SHUFFLE_PAGES) exactly;
+    FLASH4_PAGE_DIVIDE_FREE=0: neither, 8-row pieces gathered below d128 again."""
     from flash4.config import SUPPORTED_HEADDIMS
 
     if flag is not None:
         monkeypatch.setenv("FLASH4_PAGE_DIVIDE_FREE", flag)
+    assert set(ROW_SHUFFLE_PAGES) == set(SUPPORTED_HEADDIMS)
     for d in SUPPORTED_HEADDIMS:
         cfg = ab_pages.shipped_config(page, headdim=d, causal=True, nheads=8, nheads_k=2)
-        assert cfg.page_divide_free == (flag is None and not cfg.page_gather and cfg.page_rows == page), (d, cfg)
-        assert cfg.page_divide_free == expected_prefill_paging(page, cfg.tile_n, d, divide_free=flag != "0")[
-            "page_divide_free"], d
+        shuffled = flag is None and page in ROW_SHUFFLE_PAGES[d]
+        assert cfg.page_row_shuffle == shuffled, (d, cfg)
+        assert cfg.page_divide_free == (flag is None and not cfg.page_gather and (
+            cfg.page_rows == page or shuffled)), (d, cfg)
+        assert cfg.page_gather == (flag == "0" and d < 128 and page in (8, 24)), (d, cfg)
+        want = expected_prefill_paging(page, cfg.tile_n, d, divide_free=flag != "0")
+        assert (cfg.page_gather, cfg.page_divide_free, cfg.page_row_shuffle) == (
+            want["page_gather"], want["page_divide_free"], want["page_row_shuffle"]), d
 
 
 def _decode_step(page: int, d: int, window=None):
@@ -216,10 +250,11 @@ def test_contiguous_and_packed_plans_stay_off():
                                                         window_sides(None, True))
 
 
-def test_page_row_shuffle_switch():
-    """FwdConfig.page_row_shuffle (candidate, off): off and out of the repr in every plan (the shipped
+def test_page_row_shuffle_switch(monkeypatch):
+    """FwdConfig.page_row_shuffle: off by default on a config and out of the repr while off (the
     whole-page kernels keep their code), in the repr when on, refused without TMA page pieces;
-    with_fwd_switches sets it on TMA-piece configs only."""
+    with_fwd_switches sets it on TMA-piece configs only. The paged prefill plans have it exactly where
+    flash4.config.PAGE_ROW_SHUFFLE puts it (ROW_SHUFFLE_PAGES), nowhere with FLASH4_PAGE_ROW_SHUFFLE=0."""
     from flash4.config.sm90 import with_fwd_switches
 
     cfg = _tma()
@@ -231,6 +266,11 @@ def test_page_row_shuffle_switch():
     assert with_fwd_switches(dense, ("page_row_shuffle",)) == dense
     with pytest.raises(AssertionError):
         dataclasses.replace(dense, page_row_shuffle=True)
-    for page in (8, 16, 24, 32, 48, 64, 128, 256):
-        for d in (64, 128, 192, 256):
-            assert not ab_pages.shipped_config(page, headdim=d).page_row_shuffle, (page, d)
+    for flag in (None, "0"):
+        if flag is not None:
+            monkeypatch.setenv("FLASH4_PAGE_ROW_SHUFFLE", flag)
+        for page in (8, 16, 24, 32, 48, 64, 128, 256):
+            for d in (64, 128, 192, 256):
+                got = ab_pages.shipped_config(page, headdim=d)
+                assert got.page_row_shuffle == (flag is None and page in ROW_SHUFFLE_PAGES[d]), (page, d, flag)
+                assert ("page_row_shuffle=True" in repr(got)) == got.page_row_shuffle

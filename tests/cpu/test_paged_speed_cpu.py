@@ -103,29 +103,43 @@ def test_third_stage_where_smem_allows(d, dv, page):
 
 
 PAGE_SWITCHES = ("FLASH4_GATHER_ZERO_FILL", "FLASH4_PAGED_KV_STAGES", "FLASH4_PAGE_GATHER_MAX",
-                 "FLASH4_PAGE_PREFETCH", "FLASH4_PAGE_PIECES_ALL_WARPS", "FLASH4_PAGE_DIVIDE_FREE")
+                 "FLASH4_PAGE_PREFETCH", "FLASH4_PAGE_PIECES_ALL_WARPS", "FLASH4_PAGE_DIVIDE_FREE",
+                 "FLASH4_PAGE_ROW_SHUFFLE")
 
 
+@pytest.mark.parametrize("row_shuffle", [None, "0"])
 @pytest.mark.parametrize("all_warps", [None, "0"])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("page", [3, 8, 16, 24, 32, 48, 128])
-def test_fwd_plan_applies_the_switches(page, d, all_warps, monkeypatch):
+def test_fwd_plan_applies_the_switches(page, d, all_warps, row_shuffle, monkeypatch):
     """all_warps None: the shipped prefill policy (flash4.config.PAGE_PIECES_ALL_WARPS: TMA pieces of <= 32
-    rows from the four producer warps, 2 stages; 8-row pieces gathered below d128); "0":
+    rows from the four producer warps, 2 stages; with flash4.config.PAGE_ROW_SHUFFLE, 8-row pieces by TMA
+    at every head dim and the pieces of pages holding several (24; 48 below d128) with their row block
+    shuffled, without the division); row_shuffle "0": FLASH4_PAGE_ROW_SHUFFLE=0, the rule before it (8-row
+    pieces gathered below d128, the division for pages of several pieces); all_warps "0":
     FLASH4_PAGE_PIECES_ALL_WARPS=0, the previous rules (gathered up to page 16, one warp, 3 stages for
-    pieces of <= 32 rows). Expected values: cpu_helpers.expected_prefill_paging."""
+    pieces of <= 32 rows; no row shuffle either way). Expected values: cpu_helpers.expected_prefill_paging."""
     for name in PAGE_SWITCHES:
         monkeypatch.delenv(name, raising=False)
     if all_warps is not None:
         monkeypatch.setenv("FLASH4_PAGE_PIECES_ALL_WARPS", all_warps)
+    if row_shuffle is not None:
+        monkeypatch.setenv("FLASH4_PAGE_ROW_SHUFFLE", row_shuffle)
     flag = None if all_warps is None else False
+    shuffle_flag = None if row_shuffle is None else False
     cfg = fwd_config(_request(page, d), 90).cfg
-    want = expected_prefill_paging(page, cfg.tile_n, d, all_warps=flag)
+    want = expected_prefill_paging(page, cfg.tile_n, d, all_warps=flag, row_shuffle=shuffle_flag)
     gathered, pieces4 = want["page_gather"], want["page_pieces_all_warps"]
-    assert (cfg.page_rows, cfg.page_gather, cfg.page_prefetch, cfg.page_pieces_all_warps, cfg.page_divide_free) == (
-        want["page_rows"], gathered, want["page_prefetch"], pieces4, want["page_divide_free"])
-    # whole-page TMA pieces (8 at d128 by default, 16, 32, 128; not 24's / 48's) skip the division
-    assert cfg.page_divide_free == (not gathered and cfg.page_rows == page)
+    assert (cfg.page_rows, cfg.page_gather, cfg.page_prefetch, cfg.page_pieces_all_warps, cfg.page_divide_free,
+            cfg.page_row_shuffle) == (want["page_rows"], gathered, want["page_prefetch"], pieces4,
+                                      want["page_divide_free"], want["page_row_shuffle"])
+    # the row shuffle, spelled out: the four-warp pieces of pages 24 (8-row pieces, every head dim) and 48
+    # (16-row pieces, below d128) by default; nowhere with either switch off
+    shuffled = all_warps is None and row_shuffle is None and (page == 24 or (page == 48 and d < 128))
+    assert cfg.page_row_shuffle == shuffled
+    # whole-page TMA pieces (8, 16, 32, 128; page 8 at d64 only with the row-shuffle rule) and the shuffled
+    # pieces skip the division; not 24's / 48's otherwise
+    assert cfg.page_divide_free == (not gathered and (cfg.page_rows == page or shuffled))
     assert cfg.page_prefetch == (not gathered and PAGE_PREFETCH)
     small_pieces = not gathered and cfg.page_rows <= SMALL_PAGE_PIECE_ROWS  # 3 stages with the look-ahead, one warp
     assert cfg.kv_stages == want["stages"] == (PAGED_KV_STAGES_SMALL_PIECES if small_pieces and PAGE_PREFETCH
@@ -134,14 +148,17 @@ def test_fwd_plan_applies_the_switches(page, d, all_warps, monkeypatch):
     if page == 16:  # spelled out: the default four-warp pieces, or gathered rows with the switch off
         assert (cfg.page_gather, cfg.page_rows, cfg.page_pieces_all_warps) == (
             (False, 16, True) if all_warps is None else (True, 0, False))
-    if page in (8, 24):  # 8-row pieces: by four warps at d128 only; one warp at page 24 with the switch off
+    if page in (8, 24):  # 8-row pieces: by four warps at every head dim by default, at d128 only with
+        # FLASH4_PAGE_ROW_SHUFFLE=0; one warp at page 24 with FLASH4_PAGE_PIECES_ALL_WARPS=0
         assert (cfg.page_gather, cfg.page_rows, cfg.page_pieces_all_warps) == (
+            (False, 8, True) if all_warps is None and row_shuffle is None else
             ((True, 0, False) if d < 128 else (False, 8, True)) if all_warps is None else
             ((True, 0, False) if page == 8 else (False, 8, False)))
     monkeypatch.setenv("FLASH4_PAGED_KV_STAGES", "3")
     cfg = fwd_config(_request(page, d), 90).cfg
     assert cfg.kv_stages == 3 and cfg.gather_zero_fill == (gathered and GATHER_ZERO_FILL)
-    assert (cfg.page_gather, cfg.page_pieces_all_warps) == (gathered, pieces4)  # stages only
+    assert (cfg.page_gather, cfg.page_pieces_all_warps, cfg.page_divide_free, cfg.page_row_shuffle) == (
+        gathered, pieces4, want["page_divide_free"], shuffled)  # stages only
     monkeypatch.setenv("FLASH4_GATHER_ZERO_FILL", "0")
     assert not fwd_config(_request(page, d), 90).cfg.gather_zero_fill
     monkeypatch.setenv("FLASH4_PAGED_KV_STAGES", "2")
@@ -150,93 +167,149 @@ def test_fwd_plan_applies_the_switches(page, d, all_warps, monkeypatch):
     # no look-ahead: no four-warp pieces and no head-dim rule, the gather limit back to PAGE_GATHER_MAX
     assert cfg.kv_stages == 2 and not cfg.page_prefetch and not cfg.page_pieces_all_warps
     assert cfg.page_gather == (page % 8 != 0 or page <= PAGE_GATHER_MAX)
-    no_look_ahead = expected_prefill_paging(page, cfg.tile_n, d, all_warps=flag, prefetch=False)
+    no_look_ahead = expected_prefill_paging(page, cfg.tile_n, d, all_warps=flag, prefetch=False,
+                                            row_shuffle=shuffle_flag)
     assert cfg.page_gather == no_look_ahead["page_gather"]
     assert cfg.page_divide_free == no_look_ahead["page_divide_free"]  # TMA pieces without the look-ahead too
+    # one warp: no row shuffle; whole pages only skip the division
+    assert not cfg.page_row_shuffle and not no_look_ahead["page_row_shuffle"]
+    assert cfg.page_divide_free == (not cfg.page_gather and cfg.page_rows == page)
 
 
 # The paged prefill spelled out for pages 8..64 at d64 / d128 (tile_n 128): (page_rows, four warps, K/V
-# stages), or None for gathered rows. Default: the H200 A/B of 2026-12-05 (flash4.config, above
-# PAGE_PIECES_ALL_WARPS); "0": FLASH4_PAGE_PIECES_ALL_WARPS=0, the rules before it.
+# stages, page_row_shuffle), or None for gathered rows, by (FLASH4_PAGE_PIECES_ALL_WARPS,
+# FLASH4_PAGE_ROW_SHUFFLE, head dim). Default: the H200 A/B of 2026-12-05 (flash4.config, above
+# PAGE_PIECES_ALL_WARPS) with the H100 A/B of the row shuffle (flash4.config.PAGE_ROW_SHUFFLE: 8-row pieces
+# by TMA at every head dim, the pieces of pages 24 / 48 shuffled below d128, page 24's 8-row pieces at
+# d128 too); row shuffle "0": the rule before it (8-row pieces gathered below d128, no shuffle); all warps
+# "0": the rules before the four warps (the row shuffle needs them: the same plan either way).
+_BEFORE_SHUFFLE = {
+    128: {8: (8, True, 2, False), 16: (16, True, 2, False), 24: (8, True, 2, False), 32: (32, True, 2, False),
+          48: (16, True, 2, False), 64: (64, False, 2, False)},
+    64: {8: None, 16: (16, True, 2, False), 24: None, 32: (32, True, 2, False), 48: (16, True, 2, False),
+         64: (64, False, 2, False)},
+}
+_ONE_WARP = {8: None, 16: None, 24: (8, False, 3, False), 32: (32, False, 3, False), 48: (16, False, 3, False),
+             64: (64, False, 2, False)}
 PREFILL_PAGING = {
-    (None, 128): {8: (8, True, 2), 16: (16, True, 2), 24: (8, True, 2), 32: (32, True, 2), 48: (16, True, 2),
-                  64: (64, False, 2)},
-    (None, 64): {8: None, 16: (16, True, 2), 24: None, 32: (32, True, 2), 48: (16, True, 2), 64: (64, False, 2)},
-    ("0", 128): {8: None, 16: None, 24: (8, False, 3), 32: (32, False, 3), 48: (16, False, 3), 64: (64, False, 2)},
-    ("0", 64): {8: None, 16: None, 24: (8, False, 3), 32: (32, False, 3), 48: (16, False, 3), 64: (64, False, 2)},
+    (None, None, 128): {8: (8, True, 2, False), 16: (16, True, 2, False), 24: (8, True, 2, True),
+                        32: (32, True, 2, False), 48: (16, True, 2, False), 64: (64, False, 2, False)},
+    (None, None, 64): {8: (8, True, 2, False), 16: (16, True, 2, False), 24: (8, True, 2, True),
+                       32: (32, True, 2, False), 48: (16, True, 2, True), 64: (64, False, 2, False)},
+    (None, "0", 128): _BEFORE_SHUFFLE[128],
+    (None, "0", 64): _BEFORE_SHUFFLE[64],
+    ("0", None, 128): _ONE_WARP, ("0", "0", 128): _ONE_WARP, ("0", None, 64): _ONE_WARP, ("0", "0", 64): _ONE_WARP,
 }
 
 
+@pytest.mark.parametrize("row_shuffle", [None, "0"])
 @pytest.mark.parametrize("all_warps", [None, "0"])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("page", [8, 16, 24, 32, 48, 64])
-def test_prefill_page_policy(page, d, all_warps, monkeypatch):
-    """The paged prefill plan of pages 8 / 16 / 24 / 32 / 48 / 64 at d64 and d128, default and with
-    FLASH4_PAGE_PIECES_ALL_WARPS=0 (PREFILL_PAGING); cpu_helpers.expected_prefill_paging agrees."""
+def test_prefill_page_policy(page, d, all_warps, row_shuffle, monkeypatch):
+    """The paged prefill plan of pages 8 / 16 / 24 / 32 / 48 / 64 at d64 and d128, default, with
+    FLASH4_PAGE_ROW_SHUFFLE=0 and with FLASH4_PAGE_PIECES_ALL_WARPS=0 (PREFILL_PAGING);
+    cpu_helpers.expected_prefill_paging agrees."""
     for name in PAGE_SWITCHES:
         monkeypatch.delenv(name, raising=False)
     if all_warps is not None:
         monkeypatch.setenv("FLASH4_PAGE_PIECES_ALL_WARPS", all_warps)
+    if row_shuffle is not None:
+        monkeypatch.setenv("FLASH4_PAGE_ROW_SHUFFLE", row_shuffle)
     cfg = fwd_config(_request(page, d), 90).cfg
-    spelled = PREFILL_PAGING[all_warps, d][page]
-    assert (None if cfg.page_gather else (cfg.page_rows, cfg.page_pieces_all_warps, cfg.kv_stages)) == spelled
+    spelled = PREFILL_PAGING[all_warps, row_shuffle, d][page]
+    assert (None if cfg.page_gather else (cfg.page_rows, cfg.page_pieces_all_warps, cfg.kv_stages,
+                                          cfg.page_row_shuffle)) == spelled
     if spelled is None:  # gathered rows: the producer zero-fill, 2 stages
-        assert (cfg.page_rows, cfg.page_prefetch, cfg.kv_stages, cfg.gather_zero_fill) == (
-            0, False, 2, GATHER_ZERO_FILL)
+        assert (cfg.page_rows, cfg.page_prefetch, cfg.kv_stages, cfg.gather_zero_fill, cfg.page_divide_free,
+                cfg.page_row_shuffle) == (0, False, 2, GATHER_ZERO_FILL, False, False)
     else:  # TMA pieces with the look-ahead
         assert cfg.page_prefetch and not cfg.gather_zero_fill
-    want = expected_prefill_paging(page, cfg.tile_n, d, all_warps=None if all_warps is None else False)
-    assert (None if want["page_gather"] else
-            (want["page_rows"], want["page_pieces_all_warps"], want["stages"])) == spelled
-    # pieces that are whole pages (not page 24's 8-row or page 48's 16-row pieces) skip the division
-    assert cfg.page_divide_free == want["page_divide_free"] == (spelled is not None and spelled[0] == page)
+    want = expected_prefill_paging(page, cfg.tile_n, d, all_warps=None if all_warps is None else False,
+                                   row_shuffle=None if row_shuffle is None else False)
+    assert (None if want["page_gather"] else (want["page_rows"], want["page_pieces_all_warps"], want["stages"],
+                                              want["page_row_shuffle"])) == spelled
+    # pieces that are whole pages, and the shuffled pieces (page 24's 8-row pieces; page 48's 16-row pieces
+    # below d128), skip the division; not page 24's / 48's pieces otherwise
+    assert cfg.page_divide_free == want["page_divide_free"] == (spelled is not None and (
+        spelled[0] == page or spelled[3]))
 
 
 def test_prefill_page_policy_env(monkeypatch):
-    """prefill_page_policy() under the switches: the defaults; FLASH4_PAGE_PIECES_ALL_WARPS=0 (the previous
-    rules); FLASH4_PAGE_GATHER_MAX set explicitly wins and turns the head-dim rule off (the four warps
-    stay); no look-ahead, no four warps. Decode steps keep page_policy() (test_config_plans.py)."""
-    from flash4.config.sm90 import prefill_page_policy
+    """prefill_page_policy() under the switches: the defaults (with flash4.config.PAGE_ROW_SHUFFLE no
+    small-piece rule: 8-row pieces by TMA at every head dim); FLASH4_PAGE_ROW_SHUFFLE=0 or
+    FLASH4_PAGE_DIVIDE_FREE=0 (the row shuffle needs it): the small-piece rule back;
+    FLASH4_PAGE_PIECES_ALL_WARPS=0 (the previous rules); FLASH4_PAGE_GATHER_MAX set explicitly wins and
+    turns the head-dim rule off (the four warps stay); no look-ahead, no four warps. Decode steps keep
+    page_policy() (test_config_plans.py). plan(): (page_rows, four warps, K/V stages, page_row_shuffle)."""
+    from flash4.config import PAGE_ROW_SHUFFLE, ROW_SHUFFLE_MIN_HEADDIM
+    from flash4.config.sm90 import page_row_shuffle_policy, prefill_page_policy
 
     for name in PAGE_SWITCHES:
         monkeypatch.delenv(name, raising=False)
     assert PAGE_PIECES_ALL_WARPS is True and PAGE_PREFETCH is True and PREFILL_PAGE_GATHER_MAX == 0
     assert PAGE_PIECES_ALL_WARPS_MAX == SMALL_PAGE_PIECE_ROWS == 32 and PAGE_GATHER_MAX == 16
     assert SMALL_PIECE_ROWS == 16 and SMALL_PIECE_MIN_HEADDIM == 128
-    assert prefill_page_policy() == (0, True, True, True)
+    assert PAGE_ROW_SHUFFLE is True and ROW_SHUFFLE_MIN_HEADDIM == 128 and page_row_shuffle_policy() is True
+    assert prefill_page_policy() == (0, True, True, False)
+    # row_shuffle=False (the plan's, at head dims whose divide-free pieces spill): the small-piece rule kept
+    assert prefill_page_policy(row_shuffle=False) == (0, True, True, True)
 
     def plan(page, d=128):
         cfg = fwd_config(_request(page, d), 90).cfg
-        return None if cfg.page_gather else (cfg.page_rows, cfg.page_pieces_all_warps, cfg.kv_stages)
+        return None if cfg.page_gather else (cfg.page_rows, cfg.page_pieces_all_warps, cfg.kv_stages,
+                                             cfg.page_row_shuffle)
 
+    assert plan(8, 64) == (8, True, 2, False) and plan(24, 64) == (8, True, 2, True)
+    assert plan(48, 64) == (16, True, 2, True) and plan(48) == (16, True, 2, False) and plan(24) == (8, True, 2, True)
+    monkeypatch.setenv("FLASH4_PAGE_ROW_SHUFFLE", "1")  # set to the default: the same
+    assert prefill_page_policy() == (0, True, True, False) and plan(8, 64) == (8, True, 2, False)
+    for off in ("FLASH4_PAGE_ROW_SHUFFLE", "FLASH4_PAGE_DIVIDE_FREE"):  # the small-piece rule back, no shuffle
+        for name in PAGE_SWITCHES:
+            monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv(off, "0")
+        assert page_row_shuffle_policy() is False, off
+        assert prefill_page_policy() == (0, True, True, True), off
+        assert plan(8, 64) is None and plan(24, 64) is None and plan(48, 64) == (16, True, 2, False), off
+        assert plan(8) == (8, True, 2, False) and plan(24) == (8, True, 2, False), off
+        monkeypatch.setenv("FLASH4_PAGE_GATHER_MAX", "16")  # explicit: no small-piece rule, still no shuffle
+        assert prefill_page_policy() == (16, True, True, False), off
+        assert plan(24, 64) == (8, True, 2, False), off
+    for name in PAGE_SWITCHES:
+        monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("FLASH4_PAGE_PIECES_ALL_WARPS", "1")  # set to the default: the same
-    assert prefill_page_policy() == (0, True, True, True) and plan(8, 64) is None and plan(16, 64) == (16, True, 2)
+    assert prefill_page_policy() == (0, True, True, False) and plan(8, 64) == (8, True, 2, False)
+    assert plan(16, 64) == (16, True, 2, False)
     monkeypatch.setenv("FLASH4_PAGE_PIECES_ALL_WARPS", "0")
     assert prefill_page_policy() == (PAGE_GATHER_MAX, True, False, False)
-    assert plan(16) is None and plan(32) == (32, False, 3)
+    assert plan(16) is None and plan(32) == (32, False, 3, False) and plan(24, 64) == (8, False, 3, False)
     monkeypatch.delenv("FLASH4_PAGE_PIECES_ALL_WARPS")
     monkeypatch.setenv("FLASH4_PAGE_GATHER_MAX", "16")  # explicit: page 16 gathered again, page 24 at d64 not
     assert prefill_page_policy() == (16, True, True, False)
-    assert plan(16) is None and plan(24, 64) == (8, True, 2) and plan(32, 64) == (32, True, 2)
+    assert plan(16) is None and plan(24, 64) == (8, True, 2, True) and plan(32, 64) == (32, True, 2, False)
     monkeypatch.setenv("FLASH4_PAGE_GATHER_MAX", "0")  # explicit 0: 8-row pieces at d64 too, by four warps
     assert prefill_page_policy() == (0, True, True, False)
-    assert plan(8, 64) == (8, True, 2) and plan(16) == (16, True, 2) and plan(64) == (64, False, 2)
-    monkeypatch.setenv("FLASH4_PAGE_PIECES_ALL_WARPS", "0")  # the previous one-warp pieces, 3 stages
+    assert plan(8, 64) == (8, True, 2, False) and plan(16) == (16, True, 2, False)
+    assert plan(64) == (64, False, 2, False) and plan(24, 64) == (8, True, 2, True)
+    monkeypatch.setenv("FLASH4_PAGE_PIECES_ALL_WARPS", "0")  # the previous one-warp pieces, 3 stages, no shuffle
     assert prefill_page_policy() == (0, True, False, False)
-    assert plan(16) == (16, False, PAGED_KV_STAGES_SMALL_PIECES) and plan(8, 64) == (8, False, 3)
+    assert plan(16) == (16, False, PAGED_KV_STAGES_SMALL_PIECES, False) and plan(8, 64) == (8, False, 3, False)
+    assert plan(24, 64) == (8, False, 3, False)
     for name in PAGE_SWITCHES:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("FLASH4_PAGE_PREFETCH", "0")  # the four warps need the look-ahead: the previous rules
     assert prefill_page_policy() == (PAGE_GATHER_MAX, False, False, False)
-    assert plan(16) is None and plan(24, 64) == (8, False, 2) and plan(32) == (32, False, 2)
+    assert plan(16) is None and plan(24, 64) == (8, False, 2, False) and plan(32) == (32, False, 2, False)
 
 
 @pytest.mark.parametrize("d", [64, 96, 128, 256])
-def test_prefill_paged_layout(d):
+def test_prefill_paged_layout(d, monkeypatch):
     """prefill_paged_layout (pure) for pages 8..256: paged_layout of the policy's (gather_max, prefetch),
     with pages whose pieces have < SMALL_PIECE_ROWS rows gathered below SMALL_PIECE_MIN_HEADDIM when the
-    small-piece rule is on; the policy's all_warps does not change the layout (with_page_pieces_all_warps)."""
-    from flash4.config.sm90 import prefill_paged_layout, with_page_pieces_all_warps
+    small-piece rule is on (FLASH4_PAGE_ROW_SHUFFLE=0: (0, True, True, True)); the policy's all_warps does
+    not change the layout (with_page_pieces_all_warps). The default policy (flash4.config.PAGE_ROW_SHUFFLE)
+    gathers no multiple of 8."""
+    from flash4.config.sm90 import prefill_page_policy, prefill_paged_layout, with_page_pieces_all_warps
 
     tile_n = select_fwd_config(d, "bf16", True).tile_n
     assert tile_n == (80 if d == 256 else 128)
@@ -256,9 +329,17 @@ def test_prefill_paged_layout(d):
                 assert layouts[0] == paged_layout(page, tile_n, gather_max, prefetch)
             if (gather_max, small_piece_rule) == (0, True) and page % 8 == 0 and layouts[0]["page_gather"]:
                 gathered_by_rule.setdefault(d, []).append(page)
-    # the default policy gathers exactly the pages of 8-row pieces (8, 24, 40, ...) below d128, no multiple
-    # of 8 at d128 / d256 (d256's 80-key blocks give 8-row pieces too, pages 8, 24, 56, ...: TMA there)
+    # the small-piece rule's policy gathers exactly the pages of 8-row pieces (8, 24, 40, ...) below d128, no
+    # multiple of 8 at d128 / d256 (d256's 80-key blocks give 8-row pieces too, pages 8, 24, 56, ...: TMA there)
     assert gathered_by_rule.get(d, []) == (list(range(8, 257, 16)) if d < 128 else [])
+    for name in PAGE_SWITCHES:
+        monkeypatch.delenv(name, raising=False)
+    for row_shuffle, policy in ((None, (0, True, True, False)), ("0", (0, True, True, True))):
+        if row_shuffle is not None:
+            monkeypatch.setenv("FLASH4_PAGE_ROW_SHUFFLE", row_shuffle)
+        assert prefill_page_policy() == policy
+        gathered = [page for page in range(8, 257, 8) if prefill_paged_layout(page, tile_n, d, policy)["page_gather"]]
+        assert gathered == ([] if row_shuffle is None else gathered_by_rule.get(d, [])), row_shuffle
     # with_page_pieces_all_warps: TMA pieces of <= PAGE_PIECES_ALL_WARPS_MAX rows with the look-ahead only
     base = with_seq_layout(select_fwd_config(d, "bf16", True), varlen_q=True, seqused_k=True)
     for page in (8, 16, 32, 40, 48, 64, 128):
@@ -367,4 +448,5 @@ def test_switches_are_plan_variables():
     """flash4.memo keys prepared calls by the plan's environment: a switch flipped between calls
     (tools, GPU tests) must reach the plan."""
     assert {"FLASH4_GATHER_ZERO_FILL", "FLASH4_PAGED_KV_STAGES", "FLASH4_PAGE_PIECES_ALL_WARPS",
-            "FLASH4_PAGE_GATHER_MAX", "FLASH4_PAGE_PREFETCH", "FLASH4_PAGE_DIVIDE_FREE"} <= set(env.PLAN_VARIABLES)
+            "FLASH4_PAGE_GATHER_MAX", "FLASH4_PAGE_PREFETCH", "FLASH4_PAGE_DIVIDE_FREE",
+            "FLASH4_PAGE_ROW_SHUFFLE"} <= set(env.PLAN_VARIABLES)

@@ -65,4 +65,6 @@ def test_readers_found():
     """The source reader itself: known readers map to their variables."""
     readers = _env_readers()
     assert readers["page_pieces_all_warps"] == {"FLASH4_PAGE_PIECES_ALL_WARPS"}
+    assert readers["page_row_shuffle"] == {"FLASH4_PAGE_ROW_SHUFFLE"}
+    assert "page_row_shuffle" in _plan_module_env_calls()  # read by the plan (page_row_shuffle_policy)
     assert "FLASH4_FWD_SWITCHES" in readers["fwd_switches"]

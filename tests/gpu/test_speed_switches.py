@@ -588,8 +588,9 @@ def _paged_on_off_contiguous(page_size, d, causal, seed, switch_off):
 
 
 # The shipped paged-prefill rule since 2026-12-05 (flash4.config.PAGE_PIECES_ALL_WARPS: TMA page pieces
-# for every multiple of 8, four producer warps for pieces of <= 32 rows, 8-row pieces gathered below d128)
-# through the door, against the previous rule (FLASH4_PAGE_PIECES_ALL_WARPS=0: pages <= 16 gathered, one
+# for every multiple of 8, four producer warps for pieces of <= 32 rows; since 2026-12-05 late night
+# flash4.config.PAGE_ROW_SHUFFLE: whole pages and, below d128 or for 8-row pieces, pages of several pieces
+# without the division, 8-row pieces no longer gathered below d128) through the door, against the previous rule (FLASH4_PAGE_PIECES_ALL_WARPS=0: pages <= 16 gathered, one
 # warp) and the contiguous layout: bit for bit, NaN in the pool outside the sequences.
 DEFAULT_PAGES_CASES = [(p, d) for p in (8, 16, 24, 32, 48) for d in (64, 128)]
 
@@ -598,7 +599,7 @@ DEFAULT_PAGES_CASES = [(p, d) for p in (8, 16, 24, 32, 48) for d in (64, 128)]
 @pytest.mark.parametrize("page_size, d", DEFAULT_PAGES_CASES, ids=[f"page{p}-d{d}" for p, d in DEFAULT_PAGES_CASES])
 def test_page_pieces_default_rule(monkeypatch, page_size, d, causal):
     for name in ("FLASH4_PAGE_GATHER_MAX", "FLASH4_PAGE_PREFETCH", "FLASH4_PAGED_KV_STAGES", "FLASH4_FWD_SWITCHES",
-                 "FLASH4_PAGE_PIECES_ALL_WARPS"):
+                 "FLASH4_PAGE_PIECES_ALL_WARPS", "FLASH4_PAGE_ROW_SHUFFLE", "FLASH4_PAGE_DIVIDE_FREE"):
         monkeypatch.delenv(name, raising=False)
     _paged_on_off_contiguous(page_size, d, causal, page_size * 3 + d,
                              lambda: monkeypatch.setenv("FLASH4_PAGE_PIECES_ALL_WARPS", "0"))
@@ -623,9 +624,12 @@ DIVIDE_FREE_CASES = [(p, d, w) for p in (8, 16, 32, 48, 96, 128, 256) for d in (
 def test_page_divide_free(monkeypatch, page_size, d, producer, causal, row_shuffle):
     import ab_pages  # tools/: the door's plan for a page size (shipped_config)
 
-    for name in ("FLASH4_PAGE_PREFETCH", "FLASH4_PAGED_KV_STAGES", "FLASH4_PAGE_PIECES_ALL_WARPS"):
+    for name in ("FLASH4_PAGE_PREFETCH", "FLASH4_PAGED_KV_STAGES", "FLASH4_PAGE_PIECES_ALL_WARPS",
+                 "FLASH4_PAGE_ROW_SHUFFLE"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("FLASH4_PAGE_GATHER_MAX", "0")  # TMA pieces at every page size
+    if not row_shuffle:  # the paged prefill's default shuffles d64's pages of several pieces since 2026-12-05 late night
+        monkeypatch.setenv("FLASH4_PAGE_ROW_SHUFFLE", "0")
     if producer != "four":
         monkeypatch.setenv("FLASH4_PAGE_PIECES_ALL_WARPS", "0")
     if producer == "noprefetch":

@@ -121,6 +121,24 @@ SMALL_PIECE_MIN_HEADDIM = 128
 #   0.876 / 0.920, d128 0.951 / 0.930, so not there.
 # FLASH4_PAGE_DIVIDE_FREE=0 turns it off.
 PAGE_DIVIDE_FREE = True
+# Paged prefill: four-warp TMA pieces of pages that hold several pieces take each piece's row block from
+# the lane that looked it up (FwdConfig.page_row_shuffle, with page_divide_free: no division in the piece
+# loop) at head dims below ROW_SHUFFLE_MIN_HEADDIM, and for pieces of fewer than SMALL_PIECE_ROWS rows at
+# every head dim; with it, pieces of fewer than SMALL_PIECE_ROWS rows are no longer gathered below
+# SMALL_PIECE_MIN_HEADDIM (the small-piece rule above). H100 80GB HBM3 A/B of 2026-12-05 late night
+# (tools/ab_pages.py, 5 interleaved rounds, x contiguous, all bitwise equal), shipped / with it:
+#   d64 causal page 8 (gathered / divide-free whole pages) 0.868 / 0.971, page 24 (gathered / shuffled
+#   8-row pieces) 0.881 / 0.966, page 48 0.885 / 0.971, page 96 0.941 / 0.959; d64 full page 8 0.914 /
+#   1.036, page 24 0.836 / 0.907, page 48 0.886 / 0.965; d128 causal page 24 0.927 / 0.983, but page 48
+#   0.945 / 0.924 and 0.978 / 0.970 (two runs), page 96 0.948 / 0.942: not for 16- or 32-row pieces there.
+# Head dims 192 / 256 (8-row pieces at page 24) and the kernel head dims between 16 and 112 take the rule
+# without their own measurement (compile check: 0 spills). Decode steps unchanged. FLASH4_PAGE_ROW_SHUFFLE=0 restores the previous plan.
+PAGE_ROW_SHUFFLE = True
+ROW_SHUFFLE_MIN_HEADDIM = 128
+# Head dims whose divide-free page pieces spill (sm_90a compile check, 2026-12-05 late night: d112 at 168
+# registers, whole-page pieces 8 local-memory instructions, the row shuffle 22; with the division 0):
+# page_divide_free and page_row_shuffle stay off there (with_page_divide_free, with_page_row_shuffle).
+PAGE_DIVIDE_FREE_SPILL_HEADDIMS = (112,)
 
 # The dQ postprocess stores 16-byte chunks (kernels/common/bwd_preprocess.py wide_stores): on since
 # the H200 A/B of 2026-12-02 (tools/ab_switch.py, docs/design/speed_candidates.md: the postprocess

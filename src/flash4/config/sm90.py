@@ -17,7 +17,7 @@ import types
 from flash4.constants import BWD_SPEED_SWITCHES, DTYPES, FWD_SPEED_SWITCHES, RESCALE_THRESHOLD_LOG2, ROWS_PER_WARPGROUP
 from flash4.config import (GATHER_ZERO_FILL, HDIMV_PAIRS, MAX_SPLITS, MIN_BLOCKS_PER_SPLIT,  # noqa: F401
                            PAGE_DIVIDE_FREE, PAGE_GATHER_MAX, PAGE_PIECES_ALL_WARPS, PAGE_PIECES_ALL_WARPS_MAX,
-                           PAGE_PREFETCH,
+                           PAGE_DIVIDE_FREE_SPILL_HEADDIMS, PAGE_PREFETCH, PAGE_ROW_SHUFFLE, ROW_SHUFFLE_MIN_HEADDIM,
                            PAGED_KV_STAGES, PAGED_KV_STAGES_SMALL_PIECES, PREFILL_PAGE_GATHER_MAX,
                            SMALL_PIECE_MIN_HEADDIM, SMALL_PIECE_ROWS,
                            SMALL_PAGE_PIECE_ROWS, SPLIT_EFFICIENCY, SPLIT_WHEN_TILES_BELOW,
@@ -278,15 +278,19 @@ class FwdConfig:
                   which ~22 the signed division (I2F.RP, MUFU.RCP, F2I on the XU pipe that the
                   consumers' MUFU.EX2 use). H200: page 16 0.871 -> 0.974x of contiguous (d64), 0.957 ->
                   0.990x (d128). The same coordinates: the same bits. Left out of the repr while off.
-    page_row_shuffle: TMA page pieces only, speed switch, off (FLASH4_FWD_SWITCHES=page_row_shuffle;
-                  tools/ab_pages.py variant "dfs", with page_divide_free): pages of several pieces (24,
+    page_row_shuffle: TMA page pieces only, with page_divide_free; on where with_page_row_shuffle puts it
+                  (the paged prefill's four-warp pieces of pages holding several, below head dim 128 and
+                  for 8-row pieces at every head dim, since 2026-12-05 late night: flash4.config.PAGE_ROW_SHUFFLE,
+                  FLASH4_PAGE_ROW_SHUFFLE=0 turns it off), a speed switch elsewhere
+                  (FLASH4_FWD_SWITCHES=page_row_shuffle; tools/ab_pages.py variant "dfs"): pages of several pieces (24,
                   48, 96, 256 at tile_n 128; every page above 16 at d192 / d256, whose 112 / 80-key tiles
                   cut them into 16-row pieces) take each piece's row block from the lane that looked the
                   piece up (page_lookup returns (page, row block)) instead of dividing by the page size
                   in the piece loop. sm_90a SASS, d64 16-row pieces: every innermost piece loop 16-20
                   instructions without I2F / MUFU.RCP (49-52 with the division); d192 page 32: 38-46
-                  against 53-61. The same coordinates: the same bits. Compile-verified, not run on
-                  hardware. Left out of the repr while off.
+                  against 53-61. The same coordinates: the same bits. H100 A/B 2026-12-05 late night: d64 page 48
+                  0.885 -> 0.971x of contiguous, d128 page 24 0.927 -> 0.983x; d128 page 48 0.945 ->
+                  0.924x (not there). Left out of the repr while off.
     tensor_hdims: None, or (D, Dv) of the q/k and v/out tensors when they are narrower than the
                   kernel's (headdim, hdim_v) (a head dim flash4.headdim pads, e.g. 32 / 80 / 112 on
                   the 64 / 96 / 128 kernels): the TMA loads read the tensors as they are and fill
@@ -1493,13 +1497,14 @@ def _fwd_plan(request, arch: int, num_sms: int | None = None) -> FwdPlan:
         return FwdPlan(shipped_window_persistent(shipped_mask_bits(with_l2_kv_heads(cfg, nheads, nheads_k))))
     cfg = with_l2_kv_heads(select_fwd_config(headdim, dtype, mask.causal, arch, local, softcap, sink, headdim_v),
                            nheads, nheads_k)
-    policy = prefill_page_policy()
+    policy = prefill_page_policy(row_shuffle=cfg.headdim not in PAGE_DIVIDE_FREE_SPILL_HEADDIMS)
     paged = prefill_paged_layout(k.shape[1], cfg.tile_n, headdim, policy) if seq.paged else {}
     cfg = with_seq_layout(cfg, varlen_q=True, varlen_k=not seq.paged, seqused_q=seq.seqused_q is not None,
                           seqused_k=seq.seqused_k is not None, **paged)
     cfg = with_page_pieces_all_warps(cfg, policy[2])
     if seq.paged:
         cfg = with_page_divide_free(cfg, k.shape[1], page_divide_free_policy())
+        cfg = with_page_row_shuffle(cfg, k.shape[1], headdim, page_row_shuffle_policy())
     return FwdPlan(with_paged_kv_stages(with_gather(cfg, gather_policy()), paged_kv_stages_policy(cfg)))
 
 
@@ -1556,18 +1561,22 @@ def with_paged_kv_stages(cfg: FwdConfig, stages: int) -> FwdConfig:
     return more if fwd_smem_fits(more) else cfg
 
 
-def prefill_page_policy() -> tuple[int, bool, bool, bool]:
+def prefill_page_policy(row_shuffle: bool = True) -> tuple[int, bool, bool, bool]:
     """(gather_max, prefetch, all_warps, small_piece_rule) of a paged prefill (prefill_paged_layout):
     page_policy(), and all_warps = FLASH4_PAGE_PIECES_ALL_WARPS, else PAGE_PIECES_ALL_WARPS, only with the
     look-ahead on; with all_warps on and FLASH4_PAGE_GATHER_MAX unset, gather_max is
     PREFILL_PAGE_GATHER_MAX and small_piece_rule is True (pieces of < SMALL_PIECE_ROWS rows gathered
-    below SMALL_PIECE_MIN_HEADDIM). Decode steps keep page_policy()."""
+    below SMALL_PIECE_MIN_HEADDIM) unless page_row_shuffle_policy() is on (those pieces then load by TMA
+    without the division: with_page_row_shuffle; row_shuffle False: as if that policy were off, for the
+    head dims where those kernels spill, PAGE_DIVIDE_FREE_SPILL_HEADDIMS). Decode steps keep page_policy()."""
     from flash4 import env  # late: host-only
 
     gather_max, prefetch = page_policy()
     flag = env.page_pieces_all_warps()
     all_warps = bool(PAGE_PIECES_ALL_WARPS if flag is None else flag) and prefetch
     small_piece_rule = all_warps and env.page_gather_max() is None
+    if small_piece_rule and row_shuffle and page_row_shuffle_policy():
+        return min(gather_max, PREFILL_PAGE_GATHER_MAX), prefetch, all_warps, False
     if small_piece_rule:
         gather_max = min(gather_max, PREFILL_PAGE_GATHER_MAX)
     return gather_max, prefetch, all_warps, small_piece_rule
@@ -1596,9 +1605,33 @@ def page_divide_free_policy() -> bool:
 
 def with_page_divide_free(cfg: FwdConfig, page_size: int, on: bool) -> FwdConfig:
     """cfg with page_divide_free when on and cfg loads TMA page pieces that are whole pages
-    (page_rows == page_size, flash4.config.PAGE_DIVIDE_FREE); else cfg. Pure."""
-    if on and 0 < cfg.page_rows == page_size:
+    (page_rows == page_size, flash4.config.PAGE_DIVIDE_FREE), but not at the head dims where that spills
+    (PAGE_DIVIDE_FREE_SPILL_HEADDIMS); else cfg. Pure."""
+    if on and 0 < cfg.page_rows == page_size and cfg.headdim not in PAGE_DIVIDE_FREE_SPILL_HEADDIMS:
         return dataclasses.replace(cfg, page_divide_free=True)
+    return cfg
+
+
+def page_row_shuffle_policy() -> bool:
+    """Whether the paged prefill's four-warp pieces of pages that hold several pieces shuffle their row
+    block (with_page_row_shuffle) for this call: FLASH4_PAGE_ROW_SHUFFLE, else PAGE_ROW_SHUFFLE; off
+    where page_divide_free_policy() is (the shuffled loop is page_divide_free's general path)."""
+    from flash4 import env  # late: host-only
+
+    flag = env.page_row_shuffle()
+    return bool(PAGE_ROW_SHUFFLE if flag is None else flag) and page_divide_free_policy()
+
+
+def with_page_row_shuffle(cfg: FwdConfig, page_size: int, headdim: int, on: bool) -> FwdConfig:
+    """cfg with page_divide_free and page_row_shuffle when on and cfg's TMA pieces are issued by the four
+    producer warps (page_pieces_all_warps), a page holds several of them (page_rows < page_size), and the
+    head dim is below ROW_SHUFFLE_MIN_HEADDIM or the pieces have fewer than SMALL_PIECE_ROWS rows
+    (flash4.config.PAGE_ROW_SHUFFLE: the A/B of 2026-12-05 late night), but not at the head dims where
+    that spills (PAGE_DIVIDE_FREE_SPILL_HEADDIMS); else cfg. Pure."""
+    if on and cfg.page_pieces_all_warps and 0 < cfg.page_rows < page_size \
+            and cfg.headdim not in PAGE_DIVIDE_FREE_SPILL_HEADDIMS and (
+            headdim < ROW_SHUFFLE_MIN_HEADDIM or cfg.page_rows < SMALL_PIECE_ROWS):
+        return dataclasses.replace(cfg, page_divide_free=True, page_row_shuffle=True)
     return cfg
 
 
