@@ -86,8 +86,8 @@ def expected_page_divide_free(page: int, page_rows: int, divide_free=None, headd
     """Whether a paged plan (prefill or decode) whose pages of `page` rows load as TMA pieces of
     page_rows rows (0: gathered) should set FwdConfig.page_divide_free, by the rule written above
     flash4.config.PAGE_DIVIDE_FREE (not from flash4.config.sm90): TMA pieces that are whole pages
-    (page_rows == page: pages 8..128 at tile_n 128), unless switched off or the kernel head dim is one
-    of PAGE_DIVIDE_FREE_SPILL_HEADDIMS (headdim None: not checked). divide_free: the value of
+    (page_rows == page: pages 8..128 at tile_n 128), unless switched off or, for a prefill, the kernel
+    head dim is one of PAGE_DIVIDE_FREE_SPILL_HEADDIMS (headdim None: a decode step, not checked). divide_free: the value of
     FLASH4_PAGE_DIVIDE_FREE (bool), None where unset."""
     from flash4.config import PAGE_DIVIDE_FREE, PAGE_DIVIDE_FREE_SPILL_HEADDIMS
 

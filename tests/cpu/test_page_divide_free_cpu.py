@@ -274,3 +274,27 @@ def test_page_row_shuffle_switch(monkeypatch):
                 got = ab_pages.shipped_config(page, headdim=d)
                 assert got.page_row_shuffle == (flag is None and page in ROW_SHUFFLE_PAGES[d]), (page, d, flag)
                 assert ("page_row_shuffle=True" in repr(got)) == got.page_row_shuffle
+
+
+@pytest.mark.parametrize("page", [32, 64])
+def test_spill_headdims_prefill_only(monkeypatch, page):
+    """flash4.config.PAGE_DIVIDE_FREE_SPILL_HEADDIMS (d112) holds for the paged prefill only: a d112 decode
+    step's whole-page pieces keep page_divide_free (its 64-row decode tiles compile without spills, the
+    prefill's 128-row ones spilled 8 local-memory instructions), the prefill's are without it."""
+    from flash4.config import PAGE_DIVIDE_FREE_SPILL_HEADDIMS
+
+    monkeypatch.delenv("FLASH4_CACHE_HEADDIM16", raising=False)
+    assert PAGE_DIVIDE_FREE_SPILL_HEADDIMS == (112,)
+    step = fwd_config(_decode_step(page, 112), 90, 132).cfg
+    assert step.headdim == 112 and step.page_rows == page and step.page_divide_free, step
+    prefill = ab_pages.shipped_config(page, headdim=112, causal=True, nheads=8, nheads_k=2)
+    assert prefill.headdim == 112 and prefill.page_rows == page and not prefill.page_divide_free, prefill
+    pytest.importorskip("cutlass")
+    from flash4.compile.cache import compile_fwd
+    from flash4.compile.check import extract_cubin, resource_usage
+
+    cubin = extract_cubin(compile_fwd(step))
+    res = resource_usage(cubin) if cubin is not None else {}
+    if not res:
+        pytest.skip("cuobjdump not installed: resources not checked")
+    assert res["spills"] == 0, (step, res)

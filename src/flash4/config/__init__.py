@@ -135,9 +135,10 @@ PAGE_DIVIDE_FREE = True
 # without their own measurement (compile check: 0 spills). Decode steps unchanged. FLASH4_PAGE_ROW_SHUFFLE=0 restores the previous plan.
 PAGE_ROW_SHUFFLE = True
 ROW_SHUFFLE_MIN_HEADDIM = 128
-# Head dims whose divide-free page pieces spill (sm_90a compile check, 2026-12-05 late night: d112 at 168
-# registers, whole-page pieces 8 local-memory instructions, the row shuffle 22; with the division 0):
-# page_divide_free and page_row_shuffle stay off there (with_page_divide_free, with_page_row_shuffle).
+# Head dims whose divide-free paged-prefill pieces spill (sm_90a compile check, 2026-12-05 late night: d112
+# at 168 registers, whole-page pieces 8 local-memory instructions, the row shuffle 22; with the division 0):
+# the paged prefill keeps the division, and the small-piece rule, there (sm90 _fwd_plan,
+# with_page_row_shuffle). Decode steps keep page_divide_free (d112's 64-row decode tiles: 0 spills).
 PAGE_DIVIDE_FREE_SPILL_HEADDIMS = (112,)
 
 # The dQ postprocess stores 16-byte chunks (kernels/common/bwd_preprocess.py wide_stores): on since

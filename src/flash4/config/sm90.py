@@ -1503,7 +1503,8 @@ def _fwd_plan(request, arch: int, num_sms: int | None = None) -> FwdPlan:
                           seqused_k=seq.seqused_k is not None, **paged)
     cfg = with_page_pieces_all_warps(cfg, policy[2])
     if seq.paged:
-        cfg = with_page_divide_free(cfg, k.shape[1], page_divide_free_policy())
+        cfg = with_page_divide_free(cfg, k.shape[1], page_divide_free_policy()
+                                    and cfg.headdim not in PAGE_DIVIDE_FREE_SPILL_HEADDIMS)
         cfg = with_page_row_shuffle(cfg, k.shape[1], headdim, page_row_shuffle_policy())
     return FwdPlan(with_paged_kv_stages(with_gather(cfg, gather_policy()), paged_kv_stages_policy(cfg)))
 
@@ -1605,9 +1606,9 @@ def page_divide_free_policy() -> bool:
 
 def with_page_divide_free(cfg: FwdConfig, page_size: int, on: bool) -> FwdConfig:
     """cfg with page_divide_free when on and cfg loads TMA page pieces that are whole pages
-    (page_rows == page_size, flash4.config.PAGE_DIVIDE_FREE), but not at the head dims where that spills
-    (PAGE_DIVIDE_FREE_SPILL_HEADDIMS); else cfg. Pure."""
-    if on and 0 < cfg.page_rows == page_size and cfg.headdim not in PAGE_DIVIDE_FREE_SPILL_HEADDIMS:
+    (page_rows == page_size, flash4.config.PAGE_DIVIDE_FREE); else cfg (the paged prefill passes on False
+    at PAGE_DIVIDE_FREE_SPILL_HEADDIMS). Pure."""
+    if on and 0 < cfg.page_rows == page_size:
         return dataclasses.replace(cfg, page_divide_free=True)
     return cfg
 
