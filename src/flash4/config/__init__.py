@@ -98,7 +98,8 @@ SMALL_PAGE_PIECE_ROWS = 32
 # look-ahead (none gathered: PREFILL_PAGE_GATHER_MAX), pieces of at most PAGE_PIECES_ALL_WARPS_MAX rows
 # issued by all four producer warps (FwdConfig.page_pieces_all_warps) with 2 K/V stages; pieces of
 # fewer than SMALL_PIECE_ROWS rows (pages 8, 24, 40, ...) only at head dims >= SMALL_PIECE_MIN_HEADDIM,
-# below it such pages are gathered. H200 A/B of 2026-12-05 evening (tools/ab_pages.py,
+# below it such pages are gathered (this small-piece rule holds only with PAGE_ROW_SHUFFLE off, and at
+# PAGE_DIVIDE_FREE_SPILL_HEADDIMS, since 2026-12-05 late night: PAGE_ROW_SHUFFLE below). H200 A/B of 2026-12-05 evening (tools/ab_pages.py,
 # docs/design/small_pages.md; 64k tokens varlen, 32:8 heads, x contiguous, all bitwise equal), four
 # warps / gathered / one warp (the previous rule: gathered up to page 16, one warp above):
 #   page 16: d128 causal 0.931 / 0.866, full 0.921 / 0.840, d64 causal 0.871 / 0.870, full 0.869 / 0.858
