@@ -1497,14 +1497,14 @@ def _fwd_plan(request, arch: int, num_sms: int | None = None) -> FwdPlan:
         return FwdPlan(shipped_window_persistent(shipped_mask_bits(with_l2_kv_heads(cfg, nheads, nheads_k))))
     cfg = with_l2_kv_heads(select_fwd_config(headdim, dtype, mask.causal, arch, local, softcap, sink, headdim_v),
                            nheads, nheads_k)
-    policy = prefill_page_policy(row_shuffle=cfg.headdim not in PAGE_DIVIDE_FREE_SPILL_HEADDIMS)
+    divide_free_ok = cfg.headdim not in PAGE_DIVIDE_FREE_SPILL_HEADDIMS  # d112's divide-free pieces spill
+    policy = prefill_page_policy(row_shuffle=divide_free_ok)
     paged = prefill_paged_layout(k.shape[1], cfg.tile_n, headdim, policy) if seq.paged else {}
     cfg = with_seq_layout(cfg, varlen_q=True, varlen_k=not seq.paged, seqused_q=seq.seqused_q is not None,
                           seqused_k=seq.seqused_k is not None, **paged)
     cfg = with_page_pieces_all_warps(cfg, policy[2])
     if seq.paged:
-        cfg = with_page_divide_free(cfg, k.shape[1], page_divide_free_policy()
-                                    and cfg.headdim not in PAGE_DIVIDE_FREE_SPILL_HEADDIMS)
+        cfg = with_page_divide_free(cfg, k.shape[1], divide_free_ok and page_divide_free_policy())
         cfg = with_page_row_shuffle(cfg, k.shape[1], headdim, page_row_shuffle_policy())
     return FwdPlan(with_paged_kv_stages(with_gather(cfg, gather_policy()), paged_kv_stages_policy(cfg)))
 
