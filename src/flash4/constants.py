@@ -58,4 +58,5 @@ BWD_SPEED_SWITCHES = ("dq_whole", "dq_handoff_per_wg", "lse_early", "exp_before_
 FWD_SPEED_SWITCHES = ("softmax_vote_first", "no_tail_guard", "lookahead_qk", "mask_bits", "rescale_always",
                       "pv_zero_init", "flat_tile_order", "split_row_max", "softmax_branch_free",
                       "gather_clamp_late", "gather_ptr_shuffle", "page_pieces_all_warps", "pin_p_convert",
-                      "page_divide_free", "page_row_shuffle")
+                      "page_divide_free", "page_row_shuffle", "pdl_combine",
+                      "combine_prefetch")

@@ -43,7 +43,7 @@ import torch
 
 from flash4.arch import device_arch, num_sms
 from flash4 import env
-from flash4.config import decode_door, fwd_config
+from flash4.config import MAX_SPLITS, decode_door, fwd_config
 from flash4.request import DECODE, KVCACHE, VARLEN, CacheSpec, Request, SeqSpec
 from flash4.validate import layout_problem, packed_rows_per_batch, resolve_max_seqlen
 
@@ -462,6 +462,10 @@ def _runners(plan, packed_rows: bool = False):
     from flash4.compile.cache import get_combine_runner, get_fwd_runner  # late: CuTe DSL
 
     rows = {"packed_rows": True} if packed_rows else {}  # the plain call keeps its one lru_cache key
+    if getattr(plan.cfg, "pdl_combine", False):  # sm90 configs only
+        rows["pdl"] = True
+    if getattr(plan.cfg, "combine_prefetch", False) and plan.num_splits <= MAX_SPLITS:  # its LSE registers' bound
+        rows["prefetch"] = True
     combine = (get_combine_runner(plan.cfg.hdim_v, plan.cfg.dtype, plan.cfg.arch, sink=plan.cfg.sink, **rows)
                if plan.num_splits > 1 else None)
     return get_fwd_runner(plan.cfg), combine

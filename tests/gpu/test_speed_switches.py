@@ -195,7 +195,10 @@ FWD_ENV_CASES = ([("softmax_vote_first", d, None) for d in (64, 96, 128, 192, 25
                  + [("pin_p_convert", d, None) for d in (64, 128, 256)]
                  + [("pin_p_convert,softmax_vote_first", 64, None), ("pin_p_convert", 128, 64)]
                  + [("page_divide_free", d, None) for d in (64, 128, 256)]
-                 + [("page_divide_free,page_row_shuffle", d, None) for d in (64, 192)])
+                 + [("page_divide_free,page_row_shuffle", d, None) for d in (64, 192)]
+                 + [("pdl_combine", d, None) for d in (64, 128)]
+                 + [("combine_prefetch", d, None) for d in (64, 128)]
+                 + [("pdl_combine,combine_prefetch", 128, None)])
 
 
 def _fwd_call(kind, d, mag, dv=None):
@@ -647,3 +650,67 @@ def test_page_divide_free(monkeypatch, page_size, d, producer, causal, row_shuff
         assert not off.page_divide_free and not off.page_row_shuffle
 
     _paged_on_off_contiguous(page_size, d, causal, page_size * 5 + d, switch_off)
+
+
+# FwdConfig.pdl_combine / combine_prefetch (FLASH4_FWD_SWITCHES): the split-KV combine launched with
+# programmatic dependent launch / its merge with the LSEs in registers and staged loads. Many splits
+# (batch 1, 8 KV heads, 8k+ keys; num_splits auto, 40 (two LSE chunks per lane, a partial load group),
+# and 150 > MAX_SPLITS where combine_prefetch falls back to the plain merge), contiguous and paged,
+# eagerly and replayed from a CUDA graph (serving stacks' decode; the graph keeps the programmatic
+# edge) after q changed in place: out / lse bitwise equal to the switches-off eager call, out poisoned
+# with NaN before each call.
+COMBINE_CASES = [("pdl_combine", 128, 0, 0), ("pdl_combine", 64, 64, 0), ("combine_prefetch", 128, 0, 0),
+                 ("combine_prefetch", 128, 64, 40), ("combine_prefetch", 64, 0, 150),
+                 ("pdl_combine,combine_prefetch", 128, 64, 0), ("pdl_combine,combine_prefetch", 128, 0, 40)]
+
+
+@pytest.mark.parametrize("switches, d, page, num_splits", COMBINE_CASES,
+                         ids=[f"{w}-d{d}-page{p}-s{n}" for w, d, p, n in COMBINE_CASES])
+def test_pdl_combine_bitwise(monkeypatch, switches, d, page, num_splits):
+    from flash4 import flash_attn_with_kvcache
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    rnd = lambda *shape: torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=g)  # noqa: E731
+    keys = (20000 if num_splits > 128 else 8192) + 77
+    q = rnd(1, 1, 32, d)
+    if page:
+        npg = -(-keys // page)
+        kc, vc = rnd(npg, page, 8, d), rnd(npg, page, 8, d)
+        table = torch.randperm(npg, device="cuda", generator=g).to(torch.int32).view(1, npg)
+    else:
+        kc, vc, table = rnd(1, keys, 8, d), rnd(1, keys, 8, d), None
+    lens = torch.tensor([keys - 5], device="cuda", dtype=torch.int32)
+    out = torch.full_like(q, float("nan"))
+
+    def call():
+        out.fill_(float("nan"))
+        return flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, page_table=table, causal=True, out=out,
+                                       num_splits=num_splits, return_lse=True)
+
+    monkeypatch.delenv("FLASH4_FWD_SWITCHES", raising=False)
+    ref_out, ref_lse = (t.clone() for t in call())
+    monkeypatch.setenv("FLASH4_FWD_SWITCHES", switches)
+    from flash4.config.sm90 import decode_plan
+
+    assert decode_plan(1, 1, 32, 8, d, "bf16", True, page, keys, num_splits, 90,
+                       torch.cuda.get_device_properties(0).multi_processor_count).num_splits > 1
+    got_out, got_lse = call()
+    torch.cuda.synchronize()
+    assert torch.equal(got_out, ref_out) and torch.equal(got_lse, ref_lse)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        lse_graph = call()[1]
+    q.copy_(rnd(1, 1, 32, d))
+    graph.replay()
+    torch.cuda.synchronize()
+    monkeypatch.delenv("FLASH4_FWD_SWITCHES", raising=False)
+    got_out, got_lse = out.clone(), lse_graph.clone()
+    ref_out, ref_lse = call()
+    torch.cuda.synchronize()
+    assert not got_out.isnan().any()
+    assert torch.equal(got_out, ref_out) and torch.equal(got_lse, ref_lse)

@@ -288,10 +288,12 @@ def compile_postprocess(headdim: int, dtype: str, varlen: bool = False, accum_ti
 
 
 def compile_combine(headdim: int, dtype: str, sink: bool = False, arch: int = 90, options: str = "",
-                    packed_rows: bool = False):
+                    packed_rows: bool = False, pdl: bool = False, prefetch: bool = False):
     """Compile the split-KV combine (kernels/common/fwd_combine.py). packed_rows: its variant that
     writes a varlen out / lse by cu_seqlens_q (SplitKVCombine.call_packed_rows: one more argument,
-    the int32 (batch + 1,) cu_seqlens_q, after the stream); off, the kernel of __call__, unchanged."""
+    the int32 (batch + 1,) cu_seqlens_q, after the stream); off, the kernel of __call__, unchanged.
+    pdl: launched with programmatic dependent launch (FwdConfig.pdl_combine); prefetch: the merge
+    with the LSEs in registers and unrolled loads (FwdConfig.combine_prefetch)."""
     from flash4.compile.fake import DTYPES, _fake
 
     cutlass, cute = _dsl()
@@ -306,7 +308,7 @@ def compile_combine(headdim: int, dtype: str, sink: bool = False, arch: int = 90
         lse = _fake(cutlass.Float32, (b, h, sq), 2, 1)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     sink_arg = _fake(cutlass.Float32, (cute.sym_int32(),), 0, 1) if sink else None
-    kernel = registry.row_pass_class("fwd_combine")(headdim, DTYPES[dtype])
+    kernel = registry.row_pass_class("fwd_combine")(headdim, DTYPES[dtype], pdl=pdl, prefetch=prefetch)
     args = (o_acc, lse_acc, out, lse, sink_arg, cutlass.Int32(1), cutlass.Int32(1), stream)
     if packed_rows:
         cu_seqlens_q = _fake(cutlass.Int32, (cute.sym_int32(),), 0, 1)
@@ -412,17 +414,22 @@ def get_bwd_postprocess_runner(headdim: int, dtype: str, arch: int = 90, varlen:
 
 
 @functools.lru_cache(maxsize=None)
-def get_combine_runner(headdim: int, dtype: str, arch: int = 90, sink: bool = False, packed_rows: bool = False):
+def get_combine_runner(headdim: int, dtype: str, arch: int = 90, sink: bool = False, packed_rows: bool = False,
+                       pdl: bool = False, prefetch: bool = False):
     """Cached: compiled split-KV combine (kernels/common/fwd_combine.py), as run(o_accum, lse_accum, out,
     lse, pack) on the current stream: o_accum fp32 (splits, B, Sp, Hk, D), lse_accum fp32
     (splits, B, Hk, Sp), out (B, Sp // pack, Hk * pack, D), lse fp32 (B, Hk * pack, Sp // pack).
     packed_rows: the variant run(o_accum, lse_accum, out, lse, pack, sink=None, cu_seqlens_q=...)
     whose out / lse are a varlen request's (total_q, Hk * pack, D) / (Hk * pack, total_q) and
     cu_seqlens_q its int32 (B + 1,) offsets: slot s of sequence b goes to row cu[b+1] - Sq + s
-    when that row is >= cu[b] (Sq = Sp // pack), nothing else is written."""
-    key = (headdim, dtype, arch) + (("sink",) if sink else ()) + (("rows",) if packed_rows else ())
+    when that row is >= cu[b] (Sq = Sp // pack), nothing else is written. pdl: the variant launched
+    with programmatic dependent launch (FwdConfig.pdl_combine); prefetch: FwdConfig.combine_prefetch's
+    merge (at most MAX_SPLITS splits)."""
+    key = ((headdim, dtype, arch) + (("sink",) if sink else ()) + (("rows",) if packed_rows else ())
+           + (("pdl",) if pdl else ()) + (("prefetch",) if prefetch else ()))
     compiled = load_or_compile("fwd_combine", key, COMPILE_OPTIONS + _arch_option(arch),
-                               lambda: compile_combine(headdim, dtype, sink, arch, packed_rows=packed_rows))
+                               lambda: compile_combine(headdim, dtype, sink, arch, packed_rows=packed_rows, pdl=pdl,
+                                                               prefetch=prefetch))
 
     if packed_rows:
         def run(o_accum, lse_accum, out, lse, pack: int, sink=None, cu_seqlens_q=None):

@@ -61,7 +61,7 @@ _QUIET_SWITCHES = ("early_q_release", "l2_kv_heads", "exp_before_dp_wait", "dq_h
                    "no_tail_guard", "lookahead_qk", "mask_bits", "p_smem", "rescale_always", "mask_rel", "pv_zero_init",
                    "flat_tile_order", "split_row_max", "softmax_branch_free", "gather_clamp_late", "gather_ptr_shuffle",
                    "tensor_hdims", "dpsum_scaled", "page_pieces_all_warps", "pin_p_convert",
-                   "page_divide_free", "page_row_shuffle")
+                   "page_divide_free", "page_row_shuffle", "pdl_combine", "combine_prefetch")
 
 
 def _quiet_repr(cfg) -> str:
@@ -291,6 +291,22 @@ class FwdConfig:
                   against 53-61. The same coordinates: the same bits. H100 A/B 2026-12-05 late night: d64 page 48
                   0.885 -> 0.971x of contiguous, d128 page 24 0.927 -> 0.983x; d128 page 48 0.945 ->
                   0.924x (not there). Left out of the repr while off.
+    pdl_combine:  split_kv only, speed switch, off (FLASH4_FWD_SWITCHES=pdl_combine; tools/ab_decode.py
+                  variant "pdl"): programmatic dependent launch of the split-KV combine. Every CTA of
+                  the split kernel executes griddepcontrol.launch_dependents at its start, the combine
+                  is launched with the programmatic-serialization attribute and waits in
+                  griddepcontrol.wait (the split kernel complete, its stores visible) before its first
+                  read, so the combine's launch and CTA start overlap the split kernel instead of
+                  following it (CUDA programming guide, "Programmatic Dependent Launch"; flash-attn-4
+                  does the same for its combine and backward preprocess). Same math, same bits.
+                  Compile-verified; left out of the repr while off.
+    combine_prefetch: split_kv only, speed switch, off (FLASH4_FWD_SWITCHES=combine_prefetch;
+                  tools/ab_decode.py variant "cp"): the split-KV combine (kernels/common/fwd_combine.py,
+                  SplitKVCombine.prefetch) keeps each lane's split LSEs in registers and takes the
+                  merge weights by shuffles, its merge loop unrolled so several splits' O loads are in
+                  flight (the plain loop: one split's loads at a time). Up to MAX_SPLITS splits (a
+                  caller's larger num_splits gets the plain combine). The split kernel is unchanged.
+                  Same operations in the same order: the same bits. Left out of the repr while off.
     tensor_hdims: None, or (D, Dv) of the q/k and v/out tensors when they are narrower than the
                   kernel's (headdim, hdim_v) (a head dim flash4.headdim pads, e.g. 32 / 80 / 112 on
                   the 64 / 96 / 128 kernels): the TMA loads read the tensors as they are and fill
@@ -347,6 +363,8 @@ class FwdConfig:
     pin_p_convert: bool = False
     page_divide_free: bool = False
     page_row_shuffle: bool = False
+    pdl_combine: bool = False
+    combine_prefetch: bool = False
 
     def __post_init__(self):
         assert self.headdim in KERNEL_HEADDIMS, self.headdim
@@ -369,6 +387,8 @@ class FwdConfig:
         assert self.page_gather or not self.gather_ptr_shuffle, self
         assert self.page_rows > 0 or not self.page_divide_free, self
         assert self.page_rows > 0 or not self.page_row_shuffle, self
+        assert self.split_kv or not self.pdl_combine, self
+        assert self.split_kv or not self.combine_prefetch, self
         assert self.page_prefetch or not self.page_pieces_all_warps, self
         assert self.dtype in DTYPES, self.dtype
         assert self.tile_m % ROWS_PER_WARPGROUP == 0, self.tile_m
@@ -1471,6 +1491,8 @@ def with_fwd_switches(cfg: FwdConfig, names) -> FwdConfig:
         if name == "page_pieces_all_warps" and not cfg.page_prefetch:  # TMA page pieces with the look-ahead only
             continue
         if name == "pin_p_convert" and cfg.p_smem:  # P in registers only
+            continue
+        if name in ("pdl_combine", "combine_prefetch") and not cfg.split_kv:  # the split-KV decode step only
             continue
         if name in ("page_divide_free", "page_row_shuffle") and not cfg.page_rows:  # TMA page pieces only
             continue

@@ -407,6 +407,8 @@ class FlashAttentionForwardSm90:
         mmas: TiledMmas,
         SharedStorage: cutlass.Constexpr,
     ):
+        if const_expr(self.cfg.pdl_combine):  # the combine (launched with PDL) may start now: it waits for us
+            cute.arch.griddepcontrol_launch_dependents()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
             for atom in atoms:
