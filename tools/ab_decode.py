@@ -21,7 +21,8 @@ Variants (flash4):
   pdlcp      both
   x2, h      num_splits twice / half the shipped plan's (flash4.config.choose_num_splits); clamped
              to [1, key blocks / 4]
-  n<K>       num_splits=K (e.g. n16; the door clamps it to the key blocks); with --variants
+  n<K>       num_splits=K (e.g. n16; the door clamps it to the key blocks); with --variants;
+             "<switches>_n<K>" (e.g. pdlcp_n16): those switches with K splits
   cudnn      SDPA, cuDNN backend (the target)
 Timing: each variant's call captured once in a CUDA graph and replayed; interleaved rounds (order
 reversed every other round) of the median of L2-flushed replays (tools/ab_switch.py); KV GB/s =
@@ -70,6 +71,7 @@ def splits_of(variant: str, shipped: int, seqlen: int) -> int | None:
     clamps it to the key blocks)."""
     from flash4.config import MIN_BLOCKS_PER_SPLIT
 
+    variant = variant.split("_")[-1]  # "pdlcp_n16": the switches of pdlcp with 16 splits
     if variant.startswith("n") and variant[1:].isdigit():
         return int(variant[1:])
     cap = max(1, seqlen // 128 // MIN_BLOCKS_PER_SPLIT)
@@ -155,8 +157,8 @@ def run_cell(cell, rounds: int, rep_ms: float, variants) -> dict:
                     outs["cudnn"] = (torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
                                      .transpose(1, 2),)
         else:
-            if v in SWITCHES:
-                os.environ["FLASH4_FWD_SWITCHES"] = SWITCHES[v]
+            if v.split("_")[0] in SWITCHES:
+                os.environ["FLASH4_FWD_SWITCHES"] = SWITCHES[v.split("_")[0]]
             else:
                 os.environ.pop("FLASH4_FWD_SWITCHES", None)
             ns = splits_of(v, shipped_splits, seqlen)
@@ -176,7 +178,7 @@ def run_cell(cell, rounds: int, rep_ms: float, variants) -> dict:
     for v in variants:
         if v in ("shipped", "cudnn"):  # cudnn reads the pool in pool order: another key order
             continue
-        if v in SWITCHES:
+        if v in SWITCHES:  # the same split: the same bits
             checks[v] = all(ab_switch.same(a, b) for a, b in zip(outs[v], base))
         else:
             checks[v] = ab_switch.reldiff(outs[v][0], base[0]) <= 1e-2
