@@ -12,8 +12,10 @@ Cells: the bench's decode cells, decode_b{B}_{S}k for B in 1 / 8 / 64 and S in 4
 per sequence: one new query, 32 / 8 heads, d128, bf16, paged K/V (pages of 64, a random page table),
 cache_seqlens = S, causal; flash_attn_with_kvcache (flash4) and SDPA's cuDNN backend reading the same
 pool as a contiguous (B, S) cache (enable_gqa; as the bench does: no copy, the pool's own key order).
-Variants (flash4):
-  shipped    flash4 as it is
+Variants (flash4; x2 / h / n<K> / the switches run on the plain combine):
+  shipped    flash4 as it is (since 2026-12-06: the prefetching combine, by PDL from 4 splits)
+  plain      FLASH4_DECODE_COMBINE=0: the plain combine, launched after the split kernel (before
+             2026-12-06; the switches below are timed on top of it)
   pdl        FLASH4_FWD_SWITCHES=pdl_combine (FwdConfig.pdl_combine: the combine launched with
              programmatic dependent launch; split cells only, else the shipped plan)
   cp         FLASH4_FWD_SWITCHES=combine_prefetch (FwdConfig.combine_prefetch: the combine's merge
@@ -26,8 +28,8 @@ Variants (flash4):
   cudnn      SDPA, cuDNN backend (the target)
 Timing: each variant's call captured once in a CUDA graph and replayed; interleaved rounds (order
 reversed every other round) of the median of L2-flushed replays (tools/ab_switch.py); KV GB/s =
-K and V bytes / time. Checks (exit 1 when one fails; none on speed): pdl / cp / pdlcp's out / lse bitwise equal
-to shipped's; x2 / h (another split) within 1e-2 relative of shipped; every output finite.
+K and V bytes / time. Checks (exit 1 when one fails; none on speed): plain / pdl / cp / pdlcp's out / lse bitwise
+equal to shipped's; x2 / h (another split) within 1e-2 relative of shipped; every output finite.
 """
 
 from __future__ import annotations
@@ -46,8 +48,9 @@ ARCH, DTYPE = 90, "bf16"
 HEADS, HEADS_K, HEADDIM, PAGE = 32, 8, 128, 64  # flash4.bench.varlen's decode cells
 CACHES, BATCHES = (4096, 32768, 131072), (1, 8, 64)
 NUM_SMS = 132  # the H200's (the plans printed / precompiled here; the device run reads its own)
-VARIANTS = ("shipped", "pdl", "cp", "pdlcp", "cudnn")  # --variants may add x2, h, n<K>
+VARIANTS = ("shipped", "plain", "cudnn")  # --variants may add pdl, cp, pdlcp, x2, h, n<K>
 SWITCHES = {"pdl": "pdl_combine", "cp": "combine_prefetch", "pdlcp": "pdl_combine,combine_prefetch"}
+PLAIN = {"FLASH4_DECODE_COMBINE": "0"}  # the combine before 2026-12-06 (and the switches' baseline)
 
 
 def cells() -> list[tuple]:
@@ -56,13 +59,13 @@ def cells() -> list[tuple]:
 
 def plan(batch: int, seqlen: int, num_sms: int, switches=()):
     """flash4's decode plan of a cell (FwdPlan) with the named forward switches on."""
-    from flash4.config.sm90 import (decode_plan, gather_policy, page_divide_free_policy, page_policy,
-                                    with_fwd_switches)
+    from flash4.config.sm90 import (decode_combine_policy, decode_plan, gather_policy, page_divide_free_policy,
+                                    page_policy, with_fwd_switches)
     import dataclasses
 
     p = decode_plan(batch, 1, HEADS, HEADS_K, HEADDIM, DTYPE, True, PAGE, seqlen, 0, ARCH, num_sms,
                     page_policy=page_policy(), gather_zero_fill=gather_policy(),
-                    divide_free=page_divide_free_policy())
+                    divide_free=page_divide_free_policy(), combine_policy=decode_combine_policy())
     return dataclasses.replace(p, cfg=with_fwd_switches(p.cfg, switches)) if switches else p
 
 
@@ -86,8 +89,12 @@ def plan_kernels() -> list:
     out = []
     for _, batch, seqlen in cells():
         for switches in ((),) + tuple(tuple(v.split(",")) for v in SWITCHES.values()):
-            p = plan(batch, seqlen, NUM_SMS, switches)
-            out.append(p.cfg)
+            for plain in (False, True):
+                os.environ.pop("FLASH4_DECODE_COMBINE", None)
+                if plain:
+                    os.environ.update(PLAIN)
+                out.append(plan(batch, seqlen, NUM_SMS, switches).cfg)
+            os.environ.pop("FLASH4_DECODE_COMBINE", None)
     return list(dict.fromkeys(out))
 
 
@@ -157,10 +164,12 @@ def run_cell(cell, rounds: int, rep_ms: float, variants) -> dict:
                     outs["cudnn"] = (torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
                                      .transpose(1, 2),)
         else:
+            os.environ.pop("FLASH4_FWD_SWITCHES", None)
+            os.environ.pop("FLASH4_DECODE_COMBINE", None)
             if v.split("_")[0] in SWITCHES:
-                os.environ["FLASH4_FWD_SWITCHES"] = SWITCHES[v.split("_")[0]]
-            else:
-                os.environ.pop("FLASH4_FWD_SWITCHES", None)
+                os.environ.update(PLAIN, FLASH4_FWD_SWITCHES=SWITCHES[v.split("_")[0]])
+            elif v == "plain" or v in ("x2", "h") or v.startswith("n"):
+                os.environ.update(PLAIN)
             ns = splits_of(v, shipped_splits, seqlen)
 
             def fn(v=v, ns=ns):
@@ -168,6 +177,7 @@ def run_cell(cell, rounds: int, rep_ms: float, variants) -> dict:
                                                   num_splits=ns or 0, return_lse=True)
         replays[v] = _graph(fn)  # the environment is read while capturing
         os.environ.pop("FLASH4_FWD_SWITCHES", None)
+        os.environ.pop("FLASH4_DECODE_COMBINE", None)
     for r in replays.values():
         r()
     torch.cuda.synchronize()
@@ -178,7 +188,7 @@ def run_cell(cell, rounds: int, rep_ms: float, variants) -> dict:
     for v in variants:
         if v in ("shipped", "cudnn"):  # cudnn reads the pool in pool order: another key order
             continue
-        if v in SWITCHES:  # the same split: the same bits
+        if v in SWITCHES or v == "plain":  # the same split: the same bits
             checks[v] = all(ab_switch.same(a, b) for a, b in zip(outs[v], base))
         else:
             checks[v] = ab_switch.reldiff(outs[v][0], base[0]) <= 1e-2

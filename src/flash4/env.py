@@ -23,6 +23,7 @@
 | FLASH4_CACHE_HEADDIM16 | a KV cache (flash_attn_with_kvcache) or a paged pool (flash_attn_varlen_func with page_table) may have any head dim the GPU's family has a kernel for (sm_90: every multiple of 16 up to 128, flash4.config.sm90.KERNEL_HEADDIMS, while FLASH4_HEADDIM16 is on) instead of 64 / 96 / 128 / 192 / 256 only; 0 refuses those (tests/gpu/test_cache_headdim16.py: 94 passed on an H100, 2026-12-05) | on |
 | FLASH4_MEMO        | 0 turns off prepared calls (flash4.memo: a door's host path, and the dense backward's plan, kept per argument signature) | on |
 | FLASH4_PACK_VIEWS  | 0 copies q / out / lse of a GQA-packed decode step instead of strided views | on |
+| FLASH4_DECODE_COMBINE | 0 turns off: a split-KV decode step's combine merges with the split LSEs in registers and several splits' loads in flight, and is launched by programmatic dependent launch when the step has 4 splits or more (FwdConfig.combine_prefetch / pdl_combine; A/B) | flash4.config.COMBINE_PREFETCH, PDL_COMBINE_MIN_SPLITS (on) |
 | FLASH4_DECODE_SCATTER | 0 turns off: flash_attn_varlen_func's decode step (paged, max_seqlen_q <= 8, out / lse allocated by flash4), when it splits the keys, has the split-KV combine write the varlen out / lse rows by cu_seqlens_q (no step buffers, no searchsorted or scatter); on since the H200 A/B (varlen_paged eager / graph 1.4 -> 1.0) | on |
 | FLASH4_POSTPROCESS_WIDE | 0: the dQ postprocess's 8-byte stores instead of its 16-byte ones (A/B) | flash4.config.POSTPROCESS_WIDE_STORES (on) |
 | FLASH4_FAMILY      | kernel family to run instead of the GPU's own: portable (= sm80: mma.sync, runs on sm_80..sm_120 and sm_90), or a family name (sm90, sm80, sm100) | the GPU's (flash4.kernels.registry) |
@@ -139,6 +140,13 @@ def cache_headdim16() -> bool:
     refused. On by default since its GPU tests (tests/gpu/test_cache_headdim16.py) passed on an H100
     (2026-12-05). Read per call (a PLAN_VARIABLES entry: the memo keys on it)."""
     return _flag("FLASH4_CACHE_HEADDIM16") is not False
+
+
+def decode_combine() -> bool | None:
+    """FLASH4_DECODE_COMBINE (0/1, true/false, on/off, yes/no), or None when unset: whether split-KV
+    decode steps use the prefetching combine and its programmatic dependent launch
+    (flash4.config.sm90.decode_combine_policy; on by default). Read per call (a PLAN_VARIABLES entry)."""
+    return _flag("FLASH4_DECODE_COMBINE")
 
 
 def page_prefetch() -> bool | None:
@@ -374,7 +382,7 @@ PLAN_VARIABLES = ("FLASH4_ARCH", "FLASH4_NUM_SMS", "FLASH4_FAMILY", "FLASH4_SMAL
                   "FLASH4_GATHER_ZERO_FILL", "FLASH4_PAGED_KV_STAGES", "FLASH4_BWD_SWITCHES",
                   "FLASH4_FWD_SWITCHES", "FLASH4_DECODE_SCATTER", "FLASH4_NARROW_HEADDIMS", "FLASH4_HEADDIM16",
                   "FLASH4_CACHE_HEADDIM16", "FLASH4_PAGE_PIECES_ALL_WARPS", "FLASH4_PAGE_DIVIDE_FREE",
-                  "FLASH4_PAGE_ROW_SHUFFLE")
+                  "FLASH4_PAGE_ROW_SHUFFLE", "FLASH4_DECODE_COMBINE")
 _PLAN_KEYS = tuple(os.environ.encodekey(name) for name in PLAN_VARIABLES)
 
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 from cpu_helpers import expected_page_divide_free, expected_prefill_paging
 
-from flash4.config import (GATHER_ZERO_FILL, PAGE_DIVIDE_FREE, PAGE_GATHER_MAX, PAGE_PREFETCH, BwdPlan, FwdPlan,
+from flash4.config import (COMBINE_PREFETCH, PDL_COMBINE_MIN_SPLITS,
+                           GATHER_ZERO_FILL, PAGE_DIVIDE_FREE, PAGE_GATHER_MAX, PAGE_PREFETCH, BwdPlan, FwdPlan,
                            bwd_config, fwd_config, select_bwd_config, select_fwd_config,
                            with_dkv_accum, with_pack_gqa, with_seq_layout)
 from flash4.config.sm90 import decode_plan, head_split_config, shipped_mask_bits, shipped_window_persistent
@@ -71,7 +72,7 @@ def test_varlen_plan(seqused_q):
 
 PAGE_SWITCHES = ("FLASH4_PAGE_PIECES_ALL_WARPS", "FLASH4_PAGE_GATHER_MAX", "FLASH4_PAGE_PREFETCH",
                  "FLASH4_PAGED_KV_STAGES", "FLASH4_GATHER_ZERO_FILL", "FLASH4_PAGE_DIVIDE_FREE",
-                 "FLASH4_PAGE_ROW_SHUFFLE")
+                 "FLASH4_PAGE_ROW_SHUFFLE", "FLASH4_DECODE_COMBINE")
 
 # The paged prefill of _packed (d64, tile_n 128) spelled out: (page_rows, four warps, K/V stages,
 # page_divide_free, page_row_shuffle), or None for gathered rows, by (FLASH4_PAGE_PIECES_ALL_WARPS,
@@ -148,7 +149,8 @@ def test_decode_keeps_gathered_page_16(monkeypatch, page, d, all_warps, row_shuf
     plan = fwd_config(step, 90, 132)
     assert plan == decode_plan(4, 1, 32, 8, d, "bf16", True, page, 16 * page, 0, 90, 132, window_sides(None, True),
                                page_policy=(PAGE_GATHER_MAX, PAGE_PREFETCH), gather_zero_fill=GATHER_ZERO_FILL,
-                               divide_free=PAGE_DIVIDE_FREE)
+                               divide_free=PAGE_DIVIDE_FREE,
+                               combine_policy=(COMBINE_PREFETCH, PDL_COMBINE_MIN_SPLITS))
     assert not plan.cfg.page_pieces_all_warps and not plan.cfg.page_row_shuffle
     assert plan.cfg.page_gather == (page % 8 != 0 or page <= PAGE_GATHER_MAX)
     if page <= 16:
@@ -173,7 +175,8 @@ def test_decode_plan_from_a_decode_request(monkeypatch, paged, num_splits, windo
     plan = fwd_config(step, 90, 132)
     sides, capacity = window_sides(window, True), 16 * 64 if paged else 4096  # pages x page_size, or seqlen_cache
     assert plan == decode_plan(4, 1, 32, 8, 128, "bf16", True, 64 if paged else 0, capacity, num_splits, 90, 132,
-                               sides, page_policy=(PAGE_GATHER_MAX, PAGE_PREFETCH), divide_free=PAGE_DIVIDE_FREE)
+                               sides, page_policy=(PAGE_GATHER_MAX, PAGE_PREFETCH), divide_free=PAGE_DIVIDE_FREE,
+                               combine_policy=(COMBINE_PREFETCH, PDL_COMBINE_MIN_SPLITS))
     # page 64: TMA pieces that are whole pages, found without the division (PAGE_DIVIDE_FREE)
     assert (plan.cfg.page_rows, plan.cfg.page_divide_free) == ((64, True) if paged else (0, False))
     assert step.cache == CacheSpec(None, None, None, None, num_splits) and step.capacity == capacity

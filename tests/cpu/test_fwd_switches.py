@@ -25,7 +25,7 @@ def test_switch_off_and_out_of_repr():
     assert FWD_SPEED_SWITCHES == ("softmax_vote_first", "no_tail_guard", "lookahead_qk", "mask_bits", "rescale_always",
                                   "pv_zero_init", "flat_tile_order", "split_row_max", "softmax_branch_free",
                                   "gather_clamp_late", "gather_ptr_shuffle", "page_pieces_all_warps", "pin_p_convert",
-                                  "page_divide_free", "page_row_shuffle", "pdl_combine")
+                                  "page_divide_free", "page_row_shuffle", "pdl_combine", "combine_prefetch")
     from flash4.config.sm90 import shipped_vote_first
 
     on = []

@@ -20,7 +20,8 @@ from cpu_helpers import expected_prefill_paging
 
 import flash4
 from flash4 import env
-from flash4.config import (GATHER_ZERO_FILL, PAGE_DIVIDE_FREE, PAGE_GATHER_MAX, PAGE_PIECES_ALL_WARPS_MAX,
+from flash4.config import (COMBINE_PREFETCH, PDL_COMBINE_MIN_SPLITS,
+                           GATHER_ZERO_FILL, PAGE_DIVIDE_FREE, PAGE_GATHER_MAX, PAGE_PIECES_ALL_WARPS_MAX,
                            PAGE_PREFETCH, PAGE_ROW_SHUFFLE, ROW_SHUFFLE_MIN_HEADDIM, SMALL_PIECE_ROWS,
                            SUPPORTED_HEADDIMS, fwd_config, select_fwd_config, with_seq_layout)
 from flash4.config import sm90
@@ -297,7 +298,8 @@ def test_decode_plans_unaffected(monkeypatch, page, d):
     assert plans[0] == plans[1] == plans[2]
     want = decode_plan(4, 1, 32, 8, d, "bf16", True, page, 16 * page, 0, 90, 132, window_sides(None, True),
                        page_policy=(PAGE_GATHER_MAX, PAGE_PREFETCH), gather_zero_fill=GATHER_ZERO_FILL,
-                       divide_free=PAGE_DIVIDE_FREE)
+                       divide_free=PAGE_DIVIDE_FREE,
+                               combine_policy=(COMBINE_PREFETCH, PDL_COMBINE_MIN_SPLITS))
     cfg = plans[0].cfg
     assert plans[0] == want and not cfg.page_row_shuffle and not cfg.page_pieces_all_warps
     assert cfg.page_gather == (page <= PAGE_GATHER_MAX)

@@ -106,3 +106,34 @@ def test_prefetch_sass(d, monkeypatch):
             run = run + 1 if op == "LDG" else 0
             longest = max(longest, run)
         assert longest >= 16, longest
+
+
+def test_shipped_policy(monkeypatch):
+    """The shipped decode plan (decode_combine_policy): the prefetching combine on every split step up
+    to MAX_SPLITS splits, the PDL launch from PDL_COMBINE_MIN_SPLITS splits; FLASH4_DECODE_COMBINE=0
+    gives the plain combine; unsplit steps unchanged."""
+    from flash4.config import COMBINE_PREFETCH, MAX_SPLITS, PDL_COMBINE_MIN_SPLITS
+    from flash4.config.sm90 import decode_combine_policy
+
+    assert COMBINE_PREFETCH and PDL_COMBINE_MIN_SPLITS == 4
+    monkeypatch.delenv("FLASH4_DECODE_COMBINE", raising=False)
+    policy = decode_combine_policy()
+    assert policy == (True, 4)
+    plan = lambda batch, seqlen, n=0, pol=policy: decode_plan(  # noqa: E731
+        batch, 1, 32, 8, 128, "bf16", True, 64, seqlen, n, 90, 132, combine_policy=pol)
+    b1, b8, b64 = plan(1, 4096), plan(8, 4096), plan(64, 4096)
+    assert (b1.num_splits, b8.num_splits, b64.num_splits) == (8, 2, 1)
+    assert b1.cfg.combine_prefetch and b1.cfg.pdl_combine
+    assert b8.cfg.combine_prefetch and not b8.cfg.pdl_combine
+    assert not b64.cfg.combine_prefetch and not b64.cfg.pdl_combine
+    many = plan(1, 20000, MAX_SPLITS + 10)
+    assert many.num_splits == MAX_SPLITS + 10 and many.cfg.pdl_combine and not many.cfg.combine_prefetch
+    # the plain combine: exactly the plans of before (the default argument)
+    monkeypatch.setenv("FLASH4_DECODE_COMBINE", "0")
+    assert decode_combine_policy() == (False, 0)
+    for batch in (1, 8, 64):
+        assert plan(batch, 4096, pol=(False, 0)) == decode_plan(batch, 1, 32, 8, 128, "bf16", True, 64, 4096, 0,
+                                                                  90, 132)
+    from flash4 import env
+
+    assert "FLASH4_DECODE_COMBINE" in env.PLAN_VARIABLES

@@ -425,8 +425,8 @@ def get_combine_runner(headdim: int, dtype: str, arch: int = 90, sink: bool = Fa
     when that row is >= cu[b] (Sq = Sp // pack), nothing else is written. pdl: the variant launched
     with programmatic dependent launch (FwdConfig.pdl_combine); prefetch: FwdConfig.combine_prefetch's
     merge (at most MAX_SPLITS splits)."""
-    key = ((headdim, dtype, arch) + (("sink",) if sink else ()) + (("rows",) if packed_rows else ())
-           + (("pdl",) if pdl else ()) + (("prefetch",) if prefetch else ()))
+    key = ((headdim, dtype, arch) + (("sink",) if sink else ()) + (("pdl",) if pdl else ())
+           + (("prefetch",) if prefetch else ()) + (("rows",) if packed_rows else ()))
     compiled = load_or_compile("fwd_combine", key, COMPILE_OPTIONS + _arch_option(arch),
                                lambda: compile_combine(headdim, dtype, sink, arch, packed_rows=packed_rows, pdl=pdl,
                                                                prefetch=prefetch))

@@ -200,6 +200,19 @@ MIN_BLOCKS_PER_SPLIT = 4
 MAX_SPLITS = 128
 
 
+# The split-KV combine of a decode step (kernels/common/fwd_combine.py; FwdConfig.combine_prefetch /
+# pdl_combine): its merge with the split LSEs in registers and the O loads of several splits in flight
+# (COMBINE_PREFETCH, every split decode step up to MAX_SPLITS splits), and its launch by programmatic
+# dependent launch when the step has at least PDL_COMBINE_MIN_SPLITS splits. H100 A/B 2026-12-06
+# (tools/ab_decode.py, the bench's decode cells, CUDA-graph replays, two runs): batch 1 (8 / 16
+# splits) 4k / 32k / 128k keys 1.069-1.074x / 1.030-1.031x / 1.016x with both (x cuDNN 0.909 -> 0.971,
+# 0.933 -> 0.962, 0.958 -> 0.973); with 2 splits (batch 8) the early launch cost 0.972-0.974x at 4k
+# keys (prefetch alone 0.995x), hence the split floor. FLASH4_DECODE_COMBINE=0 restores the plain
+# combine (config.sm90.decode_combine_policy).
+COMBINE_PREFETCH = True
+PDL_COMBINE_MIN_SPLITS = 4
+
+
 def choose_num_splits(num_tiles: int, num_n_blocks: int, num_sms: int) -> int:
     """Splits of the key blocks for `num_tiles` (m_block, head, batch) tiles of `num_n_blocks` key
     blocks each on `num_sms` SMs (pure; CPU-tested). 1 when the tiles already fill the GPU."""

@@ -15,7 +15,8 @@ import functools
 import types
 
 from flash4.constants import BWD_SPEED_SWITCHES, DTYPES, FWD_SPEED_SWITCHES, RESCALE_THRESHOLD_LOG2, ROWS_PER_WARPGROUP
-from flash4.config import (GATHER_ZERO_FILL, HDIMV_PAIRS, MAX_SPLITS, MIN_BLOCKS_PER_SPLIT,  # noqa: F401
+from flash4.config import (COMBINE_PREFETCH, GATHER_ZERO_FILL, HDIMV_PAIRS, MAX_SPLITS,  # noqa: F401
+                           MIN_BLOCKS_PER_SPLIT, PDL_COMBINE_MIN_SPLITS,
                            PAGE_DIVIDE_FREE, PAGE_GATHER_MAX, PAGE_PIECES_ALL_WARPS, PAGE_PIECES_ALL_WARPS_MAX,
                            PAGE_DIVIDE_FREE_SPILL_HEADDIMS, PAGE_PREFETCH, PAGE_ROW_SHUFFLE, ROW_SHUFFLE_MIN_HEADDIM,
                            PAGED_KV_STAGES, PAGED_KV_STAGES_SMALL_PIECES, PREFILL_PAGE_GATHER_MAX,
@@ -291,7 +292,9 @@ class FwdConfig:
                   against 53-61. The same coordinates: the same bits. H100 A/B 2026-12-05 late night: d64 page 48
                   0.885 -> 0.971x of contiguous, d128 page 24 0.927 -> 0.983x; d128 page 48 0.945 ->
                   0.924x (not there). Left out of the repr while off.
-    pdl_combine:  split_kv only, speed switch, off (FLASH4_FWD_SWITCHES=pdl_combine; tools/ab_decode.py
+    pdl_combine:  split_kv only; on where with_combine_policy puts it (decode steps of at least
+                  PDL_COMBINE_MIN_SPLITS splits, since 2026-12-06: flash4.config, FLASH4_DECODE_COMBINE=0
+                  turns it off), a speed switch elsewhere (FLASH4_FWD_SWITCHES=pdl_combine; tools/ab_decode.py
                   variant "pdl"): programmatic dependent launch of the split-KV combine. Every CTA of
                   the split kernel executes griddepcontrol.launch_dependents at its start, the combine
                   is launched with the programmatic-serialization attribute and waits in
@@ -299,9 +302,10 @@ class FwdConfig:
                   read, so the combine's launch and CTA start overlap the split kernel instead of
                   following it (CUDA programming guide, "Programmatic Dependent Launch"; flash-attn-4
                   does the same for its combine and backward preprocess). Same math, same bits.
-                  Compile-verified; left out of the repr while off.
-    combine_prefetch: split_kv only, speed switch, off (FLASH4_FWD_SWITCHES=combine_prefetch;
-                  tools/ab_decode.py variant "cp"): the split-KV combine (kernels/common/fwd_combine.py,
+                  Left out of the repr while off.
+    combine_prefetch: split_kv only; on where with_combine_policy puts it (every split decode step up to
+                  MAX_SPLITS splits, since 2026-12-06: flash4.config.COMBINE_PREFETCH), a speed switch
+                  elsewhere (FLASH4_FWD_SWITCHES=combine_prefetch; tools/ab_decode.py variant "cp"): the split-KV combine (kernels/common/fwd_combine.py,
                   SplitKVCombine.prefetch) keeps each lane's split LSEs in registers and takes the
                   merge weights by shuffles, its merge loop unrolled so several splits' O loads are in
                   flight (the plain loop: one split's loads at a time). Up to MAX_SPLITS splits (a
@@ -1425,12 +1429,13 @@ def decode_plan(batch: int, seqlen_q: int, nheads: int, nheads_k: int, headdim: 
                 page_size: int, capacity: int, num_splits: int, arch: int, num_sms: int,
                 window=None, softcap: bool = False, sink: bool = False, headdim_v: int | None = None,
                 page_policy: tuple = (0, False), gather_zero_fill: bool = False,
-                divide_free: bool = False) -> FwdPlan:
+                divide_free: bool = False, combine_policy: tuple = (False, 0)) -> FwdPlan:
     """The plan of a decode step (pure; CPU-tested; cached: a step's host work is a lookup):
     packing, config and split count. page_size: 0 for a contiguous cache; capacity: keys the cache
     can hold per sequence. headdim_v: V's head dim (None: headdim). page_policy: (gather_max,
     prefetch) of paged_layout (page_policy()); gather_zero_fill: the zero-fill switch of a gathered
-    config (gather_policy()); divide_free: with_page_divide_free's switch (page_divide_free_policy())."""
+    config (gather_policy()); divide_free: with_page_divide_free's switch (page_divide_free_policy());
+    combine_policy: with_combine_policy's (prefetch, pdl_min_splits) (decode_combine_policy())."""
     pack = pack_factor(nheads, nheads_k, seqlen_q, causal, window)
     # A packed tile's rows belong to `pack` query heads, each with its own sink: the sink is then
     # added by the combine kernel (which unpacks the rows), so a packed step with a sink always
@@ -1453,7 +1458,32 @@ def decode_plan(batch: int, seqlen_q: int, nheads: int, nheads_k: int, headdim: 
     paged = paged_layout(page_size, cfg.tile_n, *page_policy) if page_size else {}
     cfg = with_seq_layout(cfg, seqused_k=True, split_kv=num_splits > 1, **paged)
     cfg = with_page_divide_free(with_gather(cfg, gather_zero_fill), page_size, divide_free)
-    return FwdPlan(cfg, pack, num_splits, seqlen_p, heads_p)
+    return FwdPlan(with_combine_policy(cfg, num_splits, combine_policy), pack, num_splits, seqlen_p, heads_p)
+
+
+def decode_combine_policy() -> tuple:
+    """(prefetch, pdl_min_splits) of this call's split-KV combine: (COMBINE_PREFETCH,
+    PDL_COMBINE_MIN_SPLITS), or (False, 0) under FLASH4_DECODE_COMBINE=0 (the plain combine)."""
+    from flash4 import env  # late: host-only
+
+    if env.decode_combine() is False:
+        return (False, 0)
+    return (COMBINE_PREFETCH, PDL_COMBINE_MIN_SPLITS)
+
+
+def with_combine_policy(cfg: FwdConfig, num_splits: int, policy: tuple) -> FwdConfig:
+    """cfg of a decode step with num_splits splits, with FwdConfig.combine_prefetch (up to MAX_SPLITS
+    splits) and pdl_combine (at least pdl_min_splits splits, > 0) as policy = (prefetch,
+    pdl_min_splits) says; unchanged without a split. Pure."""
+    prefetch, pdl_min_splits = policy
+    if not cfg.split_kv:
+        return cfg
+    flags = {}
+    if prefetch and num_splits <= MAX_SPLITS:
+        flags["combine_prefetch"] = True
+    if pdl_min_splits > 0 and num_splits >= pdl_min_splits:
+        flags["pdl_combine"] = True
+    return dataclasses.replace(cfg, **flags) if flags else cfg
 
 
 # ================================================================ the host's questions (flash4.config.fwd_config / bwd_config)
@@ -1512,7 +1542,8 @@ def _fwd_plan(request, arch: int, num_sms: int | None = None) -> FwdPlan:
     if seq.decode:
         return decode_plan(q.shape[0], q.shape[1], nheads, nheads_k, headdim, dtype, mask.causal, request.page_size,
                            request.capacity, request.cache.num_splits, arch, num_sms, mask.window, softcap, sink,
-                           headdim_v, page_policy(), gather_policy(), page_divide_free_policy())
+                           headdim_v, page_policy(), gather_policy(), page_divide_free_policy(),
+                           decode_combine_policy())
     if not seq.packed:
         cfg = select_fwd_config(headdim, dtype, mask.causal, arch, local, softcap, sink, headdim_v, k.shape[1])
         cfg = shipped_p_smem(shipped_lookahead_qk(with_pack_gqa(wide_tile_fwd_config(cfg), nheads, nheads_k)))
