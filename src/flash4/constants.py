@@ -43,6 +43,10 @@ BWD_EXACT_LSE_LOG2 = 2.0**10
 ROW_PASS_THREADS = 128
 ROW_TILE = 64
 
+# Most key splits of a decode step that the split-KV heuristic picks (flash4.config.choose_num_splits);
+# the prefetching combine keeps up to this many split LSEs in registers (kernels/common/fwd_combine.py).
+MAX_SPLITS = 128
+
 # The split-KV combine (kernels/common/fwd_combine.py): one warp per output row, this many warps per
 # CTA (flash4.compile.cache sizes its grid).
 COMBINE_WARPS_PER_CTA = 4

@@ -22,7 +22,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tools"))
 
 import ab_pages  # noqa: E402  (tools/: the varlen door's paged prefill plan for a page size)
 from flash4 import env  # noqa: E402
-from flash4.config import (GATHER_ZERO_FILL, PAGE_DIVIDE_FREE, PAGE_GATHER_MAX, PAGE_PREFETCH,  # noqa: E402
+from flash4.config import (COMBINE_PREFETCH, PDL_COMBINE_MIN_SPLITS,  # noqa: E402
+                           GATHER_ZERO_FILL, PAGE_DIVIDE_FREE, PAGE_GATHER_MAX, PAGE_PREFETCH,
                            FwdConfig, fwd_config, paged_layout, select_fwd_config, shipped_fwd_configs,
                            with_seq_layout)
 from flash4.config.sm90 import (decode_plan, page_divide_free_policy, with_fwd_switches,  # noqa: E402
@@ -64,7 +65,7 @@ def test_default_and_env(monkeypatch):
         monkeypatch.setenv("FLASH4_PAGE_DIVIDE_FREE", value)
         assert env.page_divide_free() is want and page_divide_free_policy() is want, value
     assert "FLASH4_PAGE_DIVIDE_FREE" in env.PLAN_VARIABLES
-    assert FWD_SPEED_SWITCHES[-2:] == ("page_divide_free", "page_row_shuffle")
+    assert FWD_SPEED_SWITCHES.index("page_row_shuffle") == FWD_SPEED_SWITCHES.index("page_divide_free") + 1
 
 
 def test_field_off_out_of_repr_and_tma_pieces_only():
@@ -223,7 +224,8 @@ def test_decode_plan(monkeypatch, page, d, flag):
         monkeypatch.setenv("FLASH4_PAGE_DIVIDE_FREE", flag)
     plan = fwd_config(_decode_step(page, d), 90, 132)
     args = (4, 1, 32, 8, d, "bf16", True, page, 16 * page, 0, 90, 132, window_sides(None, True))
-    policy = dict(page_policy=(PAGE_GATHER_MAX, PAGE_PREFETCH), gather_zero_fill=GATHER_ZERO_FILL)
+    policy = dict(page_policy=(PAGE_GATHER_MAX, PAGE_PREFETCH), gather_zero_fill=GATHER_ZERO_FILL,
+                  combine_policy=(COMBINE_PREFETCH, PDL_COMBINE_MIN_SPLITS))
     assert plan == decode_plan(*args, **policy, divide_free=flag is None)
     assert plan.cfg.page_divide_free == (flag is None and page in DECODE_DIVIDE_FREE[d])
     assert plan.cfg.page_divide_free == expected_page_divide_free(page, plan.cfg.page_rows, flag != "0")

@@ -18,7 +18,7 @@ import dataclasses
 import functools
 import math
 
-from flash4.constants import DTYPES, LOG2E, RESCALE_THRESHOLD_LOG2, ROWS_PER_WARPGROUP  # noqa: F401
+from flash4.constants import DTYPES, LOG2E, MAX_SPLITS, RESCALE_THRESHOLD_LOG2, ROWS_PER_WARPGROUP  # noqa: F401
 
 # Head dims with kernels (the public API pads other multiples of 8 to one of these: flash4.headdim).
 SUPPORTED_HEADDIMS = (64, 96, 128, 192, 256)
@@ -193,11 +193,10 @@ def paged_layout(page_size: int, tile_n: int, gather_max: int | None = None, pre
 
 # Split-KV heuristic (every family's decode plan): split only when the tiles fill less than this share of the SMs; then take the
 # fewest splits whose wave efficiency is within SPLIT_EFFICIENCY of the best, each split keeping at
-# least MIN_BLOCKS_PER_SPLIT key blocks, at most MAX_SPLITS splits.
+# least MIN_BLOCKS_PER_SPLIT key blocks, at most MAX_SPLITS splits (flash4.constants: the combine kernel's bound too).
 SPLIT_WHEN_TILES_BELOW = 0.8
 SPLIT_EFFICIENCY = 0.95
 MIN_BLOCKS_PER_SPLIT = 4
-MAX_SPLITS = 128
 
 
 # The split-KV combine of a decode step (kernels/common/fwd_combine.py; FwdConfig.combine_prefetch /

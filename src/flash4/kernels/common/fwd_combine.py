@@ -33,8 +33,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from flash4.config import MAX_SPLITS
-from flash4.constants import COMBINE_WARPS_PER_CTA, LOG2E  # noqa: F401  (importers of this module read it here)
+from flash4.constants import COMBINE_WARPS_PER_CTA, LOG2E, MAX_SPLITS  # noqa: F401  (importers of this module read it here)
 
 MAX_SPLIT_CHUNKS = -(-MAX_SPLITS // 32)  # LSE values per lane in the prefetching combine
 
