@@ -119,28 +119,11 @@ def print_plan() -> None:
 
 
 # -------------------------------------------------------------------------------------------- device
-def _graph(fn):
-    """fn captured in a CUDA graph (after a warm-up call outside it): the graph's replay."""
-    import torch
-
-    fn()
-    torch.cuda.synchronize()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    torch.cuda.synchronize()
-    return graph.replay
-
-
 def run_cell(cell, rounds: int, rep_ms: float, variants) -> dict:
     import torch
 
     from flash4 import flash_attn_with_kvcache
+    from flash4.bench.varlen import graph_replay
 
     name, batch, seqlen = cell
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -175,7 +158,7 @@ def run_cell(cell, rounds: int, rep_ms: float, variants) -> dict:
             def fn(v=v, ns=ns):
                 outs[v] = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, page_table=table, causal=True,
                                                   num_splits=ns or 0, return_lse=True)
-        replays[v] = _graph(fn)  # the environment is read while capturing
+        replays[v] = graph_replay(fn)  # the environment is read while capturing
         os.environ.pop("FLASH4_FWD_SWITCHES", None)
         os.environ.pop("FLASH4_DECODE_COMBINE", None)
     for r in replays.values():

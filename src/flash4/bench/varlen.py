@@ -236,28 +236,41 @@ def measure_varlen(impl_names, dtype, rep_ms: float = 100.0, bwd: bool = True, p
     return rows
 
 
+def graph_replay(fn, warmup: bool = True):
+    """fn captured in a CUDA graph (a warm-up call outside it unless warmup is False, one on a side
+    stream, as torch's capture needs): the graph's replay function. Raises what the capture raises."""
+    import torch
+
+    if warmup:
+        fn()  # compile / warm up outside the capture
+        torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    torch.cuda.synchronize()
+    return graph.replay
+
+
 def _graph_time_ms(fn, rep_ms: float, bar, label: str) -> float:
     """Median milliseconds of fn captured in a CUDA graph and replayed (as serving stacks run a
     decode step: the kernels' time without the host's launch cost); eager timing, with a note,
     if the capture fails."""
     import torch
 
-    fn()  # compile / warm up outside the capture
+    fn()  # compile / warm up outside the capture (an implementation's own error propagates from here)
     torch.cuda.synchronize()
     try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
+        replay = graph_replay(fn, warmup=False)
     except Exception as err:  # noqa: BLE001
         bar.write(f"{label}: CUDA graph capture failed ({type(err).__name__}); timed eagerly")
         torch.cuda.synchronize()
         return common.time_ms(fn, rep_ms=rep_ms)
-    return common.time_ms(graph.replay, rep_ms=rep_ms)
+    return common.time_ms(replay, rep_ms=rep_ms)
 
 
 def itertools_accumulate(xs):
