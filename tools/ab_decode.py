@@ -86,6 +86,9 @@ def splits_of(variant: str, shipped: int, seqlen: int) -> int | None:
 
 
 def plan_kernels() -> list:
+    """The split kernels' configs (flash4.forward.split_kernel_config: as the doors compile them)."""
+    from flash4.forward import split_kernel_config
+
     out = []
     for _, batch, seqlen in cells():
         for switches in ((),) + tuple(tuple(v.split(",")) for v in SWITCHES.values()):
@@ -93,7 +96,7 @@ def plan_kernels() -> list:
                 os.environ.pop("FLASH4_DECODE_COMBINE", None)
                 if plain:
                     os.environ.update(PLAIN)
-                out.append(plan(batch, seqlen, NUM_SMS, switches).cfg)
+                out.append(split_kernel_config(plan(batch, seqlen, NUM_SMS, switches).cfg))
             os.environ.pop("FLASH4_DECODE_COMBINE", None)
     return list(dict.fromkeys(out))
 

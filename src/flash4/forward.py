@@ -468,7 +468,15 @@ def _runners(plan, packed_rows: bool = False):
         rows["prefetch"] = True
     combine = (get_combine_runner(plan.cfg.hdim_v, plan.cfg.dtype, plan.cfg.arch, sink=plan.cfg.sink, **rows)
                if plan.num_splits > 1 else None)
-    return get_fwd_runner(plan.cfg), combine
+    return get_fwd_runner(split_kernel_config(plan.cfg)), combine
+
+
+def split_kernel_config(cfg):
+    """The config the split kernel is compiled from: cfg without FwdConfig.combine_prefetch, which
+    chooses the combine only (the same split kernel, one compile and one cache entry)."""
+    if getattr(cfg, "combine_prefetch", False):
+        return dataclasses.replace(cfg, combine_prefetch=False)
+    return cfg
 
 
 def _packed_sink(sink):

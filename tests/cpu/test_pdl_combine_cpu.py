@@ -42,9 +42,9 @@ def test_runner_keys(monkeypatch):
     from flash4.compile import cache
     from flash4.config import MAX_SPLITS
 
-    seen = []
+    seen, fwd_cfgs = [], []
     monkeypatch.setattr(cache, "get_combine_runner", lambda *a, **kw: seen.append(kw) or "combine")
-    monkeypatch.setattr(cache, "get_fwd_runner", lambda cfg: "fwd")
+    monkeypatch.setattr(cache, "get_fwd_runner", lambda cfg: fwd_cfgs.append(cfg) or "fwd")
     base = _plan(1, 32768)
     both = dataclasses.replace(base, cfg=dataclasses.replace(base.cfg, pdl_combine=True, combine_prefetch=True))
     for plan in (base, both, dataclasses.replace(both, num_splits=MAX_SPLITS + 1)):
@@ -52,6 +52,8 @@ def test_runner_keys(monkeypatch):
         forward._runners(plan)
     forward._runners.cache_clear()
     assert [sorted(k for k, v in kw.items() if v is True) for kw in seen] == [[], ["pdl", "prefetch"], ["pdl"]]
+    # the split kernel: compiled without combine_prefetch (it chooses the combine only), with pdl_combine
+    assert fwd_cfgs[0] == base.cfg and fwd_cfgs[1] == dataclasses.replace(base.cfg, pdl_combine=True)
 
 
 def test_env_switch(monkeypatch):
