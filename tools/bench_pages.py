@@ -71,23 +71,17 @@ def _graph_ms(fn, rep_ms: float, rounds: int = 1) -> tuple[float, str]:
     import torch
 
     from flash4.bench import common
+    from flash4.bench.varlen import graph_replay
 
     fn()  # compile / warm up outside the capture
     torch.cuda.synchronize()
     try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
+        replay = graph_replay(fn, warmup=False)
     except Exception as err:  # noqa: BLE001
         print(f"CUDA graph capture failed ({type(err).__name__}); timed eagerly", file=sys.stderr)
         torch.cuda.synchronize()
         return _median_of(rounds, lambda: common.time_ms(fn, rep_ms=rep_ms)), "eager"
-    return _median_of(rounds, lambda: common.time_ms(graph.replay, rep_ms=rep_ms)), ""
+    return _median_of(rounds, lambda: common.time_ms(replay, rep_ms=rep_ms)), ""
 
 
 def _median_of(rounds: int, fn) -> float:
